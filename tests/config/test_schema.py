@@ -1,0 +1,292 @@
+"""The schema: defaults, value checks, key screening, legacy keys, "auto"."""
+import warnings
+
+import pytest
+
+from zerotrain.config import ConfigError, ConfigWarning, ZeroTrainConfig, load_config
+
+BASE = {"train_batch_size": 8}
+
+
+def load(**blocks):
+    return load_config(dict(BASE, **blocks))
+
+
+def error_of(config: dict) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_config(config)
+    assert isinstance(info.value, ValueError)
+    return info.value
+
+
+# --- defaults ---------------------------------------------------------------------
+
+def test_defaults_follow_deepspeed():
+    cfg = load()
+    assert cfg.gradient_clipping == 1.0 and cfg.steps_per_print == 10 and cfg.wall_clock_breakdown is False
+    assert cfg.comm_timeout_seconds == 1800.0 and cfg.seed is None
+    assert cfg.optimizer is None and cfg.scheduler is None and cfg.precision == "fp32"
+    fp16 = cfg.fp16
+    assert (fp16.enabled, fp16.loss_scale, fp16.initial_scale_power, fp16.loss_scale_window, fp16.hysteresis,
+            fp16.consecutive_hysteresis, fp16.min_loss_scale, fp16.auto_cast) == (False, 0.0, 16, 1000, 2, False, 1.0,
+                                                                                  False)
+    zero = cfg.zero_optimization
+    assert zero.stage == 0 and zero.reduce_bucket_size == 500_000_000 and zero.allgather_bucket_size == 500_000_000
+    assert zero.overlap_comm is None and zero.contiguous_gradients and zero.reduce_scatter and zero.allgather_partitions
+    assert zero.stage3_prefetch_bucket_size == 50_000_000 and zero.stage3_param_persistence_threshold == 100_000
+    assert zero.stage3_max_live_parameters == 10**9 and zero.stage3_max_reuse_distance == 10**9
+    assert zero.stage3_gather_16bit_weights_on_model_save is False and zero.stage3_allgather_sequential is False
+    assert zero.offload_optimizer is None and zero.offload_param is None and zero.zeropp_loco_param is None
+    assert (zero.zero_quantized_weights, zero.zero_quantized_gradients, zero.zero_hpz_partition_size) == (False, False, 1)
+    assert (cfg.checkpoint.async_save, cfg.checkpoint.keep_last, cfg.checkpoint.verify_on_load) == (False, None, True)
+
+
+def test_overlap_comm_default_per_stage():
+    assert load(zero_optimization={"stage": 3}).zero_optimization.resolved_overlap_comm is True
+    assert load(zero_optimization={"stage": 2}).zero_optimization.resolved_overlap_comm is False
+    assert load(zero_optimization={"stage": 2, "overlap_comm": True}).zero_optimization.resolved_overlap_comm
+
+
+def test_nested_blocks_and_precision():
+    cfg = load(bf16={"enabled": True}, zero_optimization={
+        "stage": 3, "offload_optimizer": {"device": "NVMe", "nvme_path": "/local_nvme", "ratio": 0.5},
+        "offload_param": {"device": "cpu", "pin_memory": True}, "zeropp_loco_param": {"err_beta": 0.5, "reset_T": 8},
+        "zero_quantized_gradients": True, "stage3_allgather_sequential": True})
+    zero = cfg.zero_optimization
+    assert cfg.precision == "bf16" and load(fp16={"enabled": True}).precision == "fp16"
+    assert zero.offload_optimizer.device == "nvme" and zero.offload_optimizer.ratio == 0.5
+    assert zero.offload_optimizer.buffer_count == 4 and zero.offload_param.buffer_count == 5
+    assert zero.offload_param.pin_memory and zero.zeropp_loco_param.reset_T == 8
+
+
+def test_whole_floats_become_ints():
+    zero = load(zero_optimization={"reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e7}).zero_optimization
+    assert zero.reduce_bucket_size == 500_000_000 and type(zero.reduce_bucket_size) is int
+    assert type(zero.stage3_prefetch_bucket_size) is int
+
+
+# --- wrong values: ConfigError naming the dotted key --------------------------------
+
+@pytest.mark.parametrize("config, key", [
+    ({"zero_optimization": {"stage": 7}}, "zero_optimization.stage"),
+    ({"zero_optimization": {"stage": "2"}}, "zero_optimization.stage"),
+    ({"zero_optimization": {"stage": True}}, "zero_optimization.stage"),
+    ({"zero_optimization": {"reduce_bucket_size": -5}}, "zero_optimization.reduce_bucket_size"),
+    ({"zero_optimization": {"reduce_bucket_size": 5.5}}, "zero_optimization.reduce_bucket_size"),
+    ({"zero_optimization": {"stage3_prefetch_bucket_size": -1}}, "zero_optimization.stage3_prefetch_bucket_size"),
+    ({"zero_optimization": {"overlap_comm": "yes"}}, "zero_optimization.overlap_comm"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu"}}},
+     "zero_optimization.offload_optimizer.device"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0}}},
+     "zero_optimization.offload_optimizer.ratio"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 1.5}}},
+     "zero_optimization.offload_optimizer.ratio"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
+     "zero_optimization.offload_optimizer.nvme_path"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "super_offload": True,
+                                                              "nvme_path": "/x"}}},
+     "zero_optimization.offload_optimizer.super_offload"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "buffer_size": 0}}},
+     "zero_optimization.offload_param.buffer_size"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "zero_optimization.offload_param"),
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
+     "zero_optimization.offload_optimizer"),
+    ({"zero_optimization": {"zeropp_loco_param": {"err_beta": 1.0}}}, "zero_optimization.zeropp_loco_param.err_beta"),
+    ({"zero_optimization": {"zeropp_loco_param": {"err_beta": -0.1}}}, "zero_optimization.zeropp_loco_param.err_beta"),
+    ({"zero_optimization": {"zero_hpz_partition_size": 0}}, "zero_optimization.zero_hpz_partition_size"),
+    ({"zero_optimization": "stage 2"}, "zero_optimization"),
+    ({"gradient_clipping": -1.0}, "gradient_clipping"),
+    ({"gradient_clipping": "1.0"}, "gradient_clipping"),
+    ({"gradient_clipping": float("nan")}, "gradient_clipping"),
+    ({"steps_per_print": -1}, "steps_per_print"),
+    ({"comm_timeout_seconds": 0}, "comm_timeout_seconds"),
+    ({"seed": 1.5}, "seed"),
+    ({"fp16": {"enabled": "true"}}, "fp16.enabled"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled"),
+    ({"fp16": {"min_loss_scale": 0}}, "fp16.min_loss_scale"),
+    ({"checkpoint": {"keep_last": 0}}, "checkpoint.keep_last"),
+    ({"optimizer": {"type": "Lamb"}}, "optimizer.type"),
+    ({"optimizer": {"type": "Adamm"}}, "optimizer.type"),
+    ({"optimizer": {"params": {"lr": 1e-3}}}, "optimizer.type"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": -1}}}, "optimizer.params.lr"),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}}, "optimizer.params.betas"),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.0]}}}, "optimizer.params.betas"),
+    ({"optimizer": {"type": "AdamW", "params": {"eps": 0}}}, "optimizer.params.eps"),
+    ({"optimizer": {"type": "AdamW", "params": {"momentum": 0.9}}}, "optimizer.params.momentum"),
+    ({"optimizer": {"type": "SGD", "params": {"nesterov": True}}}, "optimizer.params.nesterov"),
+    ({"optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.99]}}}, "optimizer.params.betas"),
+    ({"optimizer": {"type": "AdamW", "params": [1]}}, "optimizer.params"),
+    ({"scheduler": {"type": "OneCycle"}}, "scheduler.type"),
+    ({"scheduler": {"type": "Cosine"}}, "scheduler.type"),
+    ({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}}, "scheduler.params.total_num_steps"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "exp"}}}, "scheduler.params.warmup_type"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": -0.1}}}, "scheduler.params.warmup_max_lr"),
+    ({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 0}}}, "scheduler.params.total_num_steps"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"total_num_steps": 100}}}, "scheduler.params.total_num_steps"),
+])
+def test_wrong_values_name_the_key(config, key):
+    err = error_of(dict(BASE, **config))
+    assert key in str(err), str(err)
+
+
+def test_errors_report_every_problem():
+    err = error_of({"train_batch_size": 8, "gradient_clipping": -1, "steps_per_print": True})
+    assert "gradient_clipping" in str(err) and "steps_per_print" in str(err)
+
+
+# --- keys: unknown, DeepSpeed-only, commented out --------------------------------------
+
+def test_misspelled_key_suggests_the_closest():
+    err = error_of({"train_batch_size": 8, "zero_optimization": {"stgae": 2}})
+    assert str(err) == "unknown key 'zero_optimization.stgae'; did you mean 'stage'?"
+    assert err.key == "zero_optimization.stgae"
+    assert "did you mean 'gradient_clipping'" in str(error_of({"train_batch_size": 8, "gradient_cliping": 1.0}))
+    assert "did you mean 'lr'" in str(error_of({"train_batch_size": 8, "optimizer": {"type": "adam",
+                                                                                      "params": {"lrr": 1}}}))
+
+
+def test_nested_key_at_top_level_points_to_its_block():
+    err = error_of({"train_batch_size": 8, "stage": 2})
+    assert "did you mean 'zero_optimization.stage'" in str(err)
+
+
+def test_unknown_key_without_close_match_lists_valid_keys():
+    err = error_of({"train_batch_size": 8, "checkpoint": {"qqqqqqq": 1}})
+    assert "checkpoint.qqqqqqq" in str(err) and "async_save" in str(err)
+
+
+@pytest.mark.parametrize("config, key", [
+    ({"flops_profiler": {"enabled": True}}, "flops_profiler"),
+    ({"tensorboard": {"enabled": True, "output_path": "x"}}, "tensorboard"),
+    ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
+    ({"amp": {"enabled": True}}, "amp"),
+    ({"prescale_gradients": True}, "prescale_gradients"),
+    ({"communication_data_type": "fp32"}, "communication_data_type"),
+    ({"zero_allow_untested_optimizer": True}, "zero_allow_untested_optimizer"),
+    ({"zero_optimization": {"sub_group_size": 1e9}}, "zero_optimization.sub_group_size"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pipeline_read": True}}},
+     "zero_optimization.offload_optimizer.pipeline_read"),
+    ({"bf16": {"immediate_grad_update": True}}, "bf16.immediate_grad_update"),
+    ({"checkpoint": {"tag_validation": "Warn"}}, "checkpoint.tag_validation"),
+    ({"optimizer": {"type": "adamw", "legacy_fusion": True}}, "optimizer.legacy_fusion"),
+])
+def test_deepspeed_only_keys_warn_and_load(config, key):
+    with pytest.warns(ConfigWarning, match=key):
+        cfg = load_config(dict(BASE, **config))
+    assert key in cfg.unimplemented
+    assert key.split(".")[0] in cfg.raw
+
+
+def test_deepspeed_only_keys_switched_off_are_silent():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = load(wandb={"enabled": False}, prescale_gradients=False, gradient_predivide_factor=1.0)
+    assert "wandb" in cfg.unimplemented
+
+
+def test_underscore_keys_are_ignored_at_any_level():
+    cfg = load(_comment="x", zero_optimization={"_stage": 99, "stage": 1, "_offload_optimizer": {"device": "gpu"}},
+               optimizer={"type": "AdamW", "params": {"_lr": "whatever", "lr": 0.1}, "_note": 1},
+               scheduler={"type": "WarmupLR", "params": {"_warmup_num_steps": -1}})
+    assert cfg.zero_optimization.stage == 1 and cfg.optimizer.params == {"lr": 0.1}
+    assert "_comment" not in cfg.raw and "_stage" not in cfg.raw["zero_optimization"]
+
+
+# --- "auto" -------------------------------------------------------------------------
+
+def test_auto_means_default_with_a_warning():
+    with pytest.warns(ConfigWarning) as record:
+        cfg = load(gradient_clipping="auto", fp16={"enabled": "auto"},
+                   zero_optimization={"stage": 3, "reduce_bucket_size": "auto",
+                                      "stage3_prefetch_bucket_size": "auto"},
+                   optimizer={"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "weight_decay": "auto"}},
+                   scheduler={"type": "WarmupLR", "params": {"warmup_max_lr": "auto", "warmup_num_steps": 10}})
+    messages = " ".join(str(w.message) for w in record)
+    for key in ("gradient_clipping", "fp16.enabled", "zero_optimization.reduce_bucket_size",
+                "zero_optimization.stage3_prefetch_bucket_size", "optimizer.params.lr", "optimizer.params.betas",
+                "scheduler.params.warmup_max_lr"):
+        assert key in messages
+    assert cfg.gradient_clipping == 1.0 and cfg.fp16.enabled is False
+    assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
+    assert cfg.optimizer.params == {} and cfg.scheduler.params == {"warmup_num_steps": 10}
+
+
+def test_auto_without_default_is_an_error():
+    err = error_of(dict(BASE, scheduler={"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}))
+    assert "scheduler.params.total_num_steps" in str(err) and "auto" in str(err)
+
+
+# --- legacy keys --------------------------------------------------------------------
+
+def test_bfloat16_is_bf16():
+    cfg = load(bfloat16={"enabled": True})
+    assert cfg.bf16.enabled and cfg.precision == "bf16"
+    assert "bfloat16" in str(error_of(dict(BASE, bfloat16={"enabled": True}, bf16={"enabled": False})))
+
+
+def test_cpu_offload_is_offload_optimizer_cpu():
+    with pytest.warns(ConfigWarning, match="zero_optimization.cpu_offload"):
+        cfg = load(zero_optimization={"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": True})
+    assert cfg.zero_optimization.offload_optimizer.device == "cpu"
+    assert cfg.zero_optimization.offload_optimizer.pin_memory is True
+    assert load(zero_optimization={"stage": 2, "cpu_offload": False}).zero_optimization.offload_optimizer is None
+    err = error_of(dict(BASE, zero_optimization={"stage": 2, "cpu_offload": True,
+                                                 "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}))
+    assert "zero_optimization.cpu_offload" in str(err)
+
+
+def test_legacy_zero_names():
+    zero = load(zero_optimization={"stage": 3, "stage3_gather_fp16_weights_on_model_save": True,
+                                   "prefetch_bucket_size": 1000}).zero_optimization
+    assert zero.stage3_gather_16bit_weights_on_model_save is True and zero.stage3_prefetch_bucket_size == 1000
+    with pytest.warns(ConfigWarning, match="legacy"):
+        assert load(zero_optimization=True).zero_optimization.stage == 1
+    err = error_of(dict(BASE, zero_optimization={"stage3_gather_fp16_weights_on_model_save": True,
+                                                 "stage3_gather_16bit_weights_on_model_save": False}))
+    assert "stage3_gather_16bit_weights_on_model_save" in str(err)
+
+
+# --- optimizer and scheduler blocks --------------------------------------------------------
+
+@pytest.mark.parametrize("type_, params, normalized, resolved", [
+    ("Adam", {}, "adam", "adamw"),
+    ("adam", {"adam_w_mode": False}, "adam", "adam"),
+    ("AdamW", {"adam_w_mode": False}, "adamw", "adamw"),
+    ("ADAMW", {}, "adamw", "adamw"),
+    ("SGD", {"momentum": 0.9, "nesterov": True}, "sgd", "sgd"),
+])
+def test_optimizer_type(type_, params, normalized, resolved):
+    opt = load(optimizer={"type": type_, "params": params}).optimizer
+    assert opt.type == normalized and opt.resolved_type == resolved
+
+
+def test_optimizer_params_keep_what_was_given():
+    opt = load(optimizer={"type": "AdamW", "params": {"lr": 1, "betas": [0.8, 0.9], "torch_adam": True}}).optimizer
+    assert opt.params == {"lr": 1.0, "betas": (0.8, 0.9), "torch_adam": True}
+    assert load(optimizer={"type": "AdamW"}).optimizer.params == {}
+
+
+def test_scheduler_type_and_params():
+    sched = load(scheduler={"type": "warmupcosinelr", "params": {"total_num_steps": 1e3}}).scheduler
+    assert sched.type == "WarmupCosineLR" and sched.params == {"total_num_steps": 1000}
+    sched = load(scheduler={"type": "WarmupLR", "params": {"warmup_max_lr": [0.1, 0.2]}}).scheduler
+    assert sched.params["warmup_max_lr"] == [0.1, 0.2]
+
+
+# --- round trips --------------------------------------------------------------------
+
+def test_model_dump_round_trips():
+    cfg = load(optimizer={"type": "Adam", "params": {"lr": 1e-4, "betas": [0.9, 0.95]}},
+               scheduler={"type": "WarmupDecayLR", "params": {"total_num_steps": 100}},
+               zero_optimization={"stage": 3, "offload_param": {"device": "cpu"},
+                                  "zeropp_loco_param": {"err_beta": 0.7}},
+               fp16={"enabled": True}, checkpoint={"keep_last": 2}, seed=3)
+    again = load_config(cfg.model_dump())
+    assert again.model_dump() == cfg.model_dump()
+    assert load_config(cfg.raw).model_dump() == cfg.model_dump()
+
+
+def test_direct_construction_uses_the_same_schema():
+    cfg = ZeroTrainConfig(train_batch_size=4, zero_optimization={"stage": 2})
+    assert cfg.zero_optimization.stage == 2
+    assert load_config(cfg.raw).zero_optimization.stage == 2

@@ -1,0 +1,104 @@
+"""Run a test function in N real processes over gloo on 127.0.0.1.
+
+`run_distributed(fn, world_size, *args)` starts one process per rank (from a
+forkserver that has torch imported already, so each rank starts in well under a
+second), sets torchrun's environment variables, calls `fn(*args)` in each, and
+returns the per-rank results. If any rank raises, the others are stopped and the
+failing rank's traceback is raised in the test; if a rank dies or the whole run
+exceeds `timeout` seconds, every rank is stopped and the test fails saying which
+ranks never answered. It never hangs.
+"""
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_module
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+_CONTEXT = None
+
+
+def _context():
+    global _CONTEXT
+    if _CONTEXT is None:
+        _CONTEXT = mp.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "zerotrain"])
+    return _CONTEXT
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(rank: int, world_size: int, port: int, sys_path: list, module: str, name: str,
+           args: tuple, kwargs: dict, results) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1")
+    sys.path[:] = sys_path
+    try:
+        import torch
+        torch.set_num_threads(1)
+        fn = getattr(importlib.import_module(module), name)
+        # Plain pickle copies tensor data; the queue would otherwise share it through fds that die with the child.
+        results.put((rank, "ok", pickle.dumps(fn(*args, **kwargs))))
+    except BaseException:  # report everything, including SystemExit, to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, **kwargs: Any) -> list:
+    """Call module-level `fn(*args, **kwargs)` on `world_size` gloo ranks; return results by rank."""
+    ctx = _context()
+    results = ctx.Queue()
+    port = free_port()
+    processes = [ctx.Process(target=_child, daemon=True,
+                             args=(rank, world_size, port, list(sys.path), fn.__module__, fn.__name__,
+                                   args, kwargs, results))
+                 for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    outcomes: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcomes) < world_size:
+            try:
+                rank, status, value = results.get(timeout=0.5)
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(processes) if not p.is_alive() and r not in outcomes]
+                if dead and results.empty():
+                    time.sleep(0.5)  # let a final message through
+                    if results.empty():
+                        raise AssertionError(f"rank(s) {dead} died without reporting "
+                                             f"(exit codes {[processes[r].exitcode for r in dead]})")
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(outcomes))
+                    raise AssertionError(f"timed out after {timeout:.0f}s; rank(s) {missing} never finished")
+                continue
+            if status == "error":
+                raise AssertionError(f"rank {rank} of {world_size} failed:\n{value}")
+            outcomes[rank] = pickle.loads(value)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.join(timeout=5 if len(outcomes) == world_size else 0)
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+    return [outcomes[rank] for rank in range(world_size)]

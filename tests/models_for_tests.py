@@ -1,0 +1,48 @@
+"""Small deterministic models and data shared by the engine tests."""
+from __future__ import annotations
+
+import torch
+
+
+class OddMLP(torch.nn.Module):
+    """73 parameters (6·7+7 + 7·3+3): divisible by neither 2 nor 4, so shards need padding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 7)
+        self.fc2 = torch.nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None):
+        out = self.fc2(torch.tanh(self.fc1(x)))
+        if y is None:
+            return out
+        return torch.nn.functional.mse_loss(out, y)
+
+
+def make_batches(steps: int, global_batch: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(global_batch, 6, generator=generator), torch.randn(global_batch, 3, generator=generator))
+            for _ in range(steps)]
+
+
+def micro_slice(step_batch, accumulation_index: int, rank: int, world: int, micro: int):
+    """The samples rank `rank` sees at micro-step `accumulation_index` of a step."""
+    start = (accumulation_index * world + rank) * micro
+    return tuple(t[start:start + micro] for t in step_batch)
+
+
+def reference_training(model_factory, batches, lr=1e-2, weight_decay=0.01, clip=1.0):
+    """Plain single-process AdamW over whole global batches: the ground truth."""
+    torch.manual_seed(0)
+    model = model_factory()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    losses = []
+    for x, y in batches:
+        loss = model(x, y)
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}

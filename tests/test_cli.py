@@ -1,0 +1,220 @@
+"""The `zerotrain` command and the Trainer loop behind it."""
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from rich.console import Console
+
+from zerotrain.cli import main
+from zerotrain.data import TokenBlockDataset, load_stdlib_corpus
+from zerotrain.models import GPT, GPTConfig
+from zerotrain.trainer import Trainer, mean_across_ranks
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# -- a stand-in engine: the public engine API over a plain model and torch optimizer ----------
+
+class StandInEngine:
+    """Implements the slice of the engine API the Trainer uses, single process, no sharding."""
+
+    def __init__(self, model, micro_batch=2, accumulation=2, lr=1e-3):
+        self.module = model
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        self._micro, self._gas = micro_batch, accumulation
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.config = SimpleNamespace(steps_per_print=2, seed=None,
+                                      zero_optimization=SimpleNamespace(stage=0))
+        self.topology = SimpleNamespace(rank=0, world_size=1, dp_size=1, dp_group=None,
+                                        device=torch.device("cpu"))
+        self.calls = []
+
+    def __call__(self, x, y):
+        self.calls.append("forward")
+        return self.module(x, y)
+
+    def backward(self, loss):
+        self.calls.append("backward")
+        (loss / self._gas).backward()
+
+    def is_gradient_accumulation_boundary(self):
+        return (self.micro_steps + 1) % self._gas == 0
+
+    def step(self):
+        self.calls.append("step")
+        if self.is_gradient_accumulation_boundary():
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+        self.micro_steps += 1
+
+    def train_micro_batch_size_per_gpu(self):
+        return self._micro
+
+    def gradient_accumulation_steps(self):
+        return self._gas
+
+    def train_batch_size(self):
+        return self._micro * self._gas
+
+    def get_lr(self):
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+
+def _loader(micro_batch, n_blocks=6, seq=16):
+    tokens = load_stdlib_corpus(max_bytes=n_blocks * seq + 1)
+    return torch.utils.data.DataLoader(TokenBlockDataset(tokens, seq), batch_size=micro_batch)
+
+
+def _engine():
+    torch.manual_seed(0)
+    return StandInEngine(GPT(GPTConfig.preset("tiny")))
+
+
+def test_trainer_runs_accumulation_and_writes_metrics(tmp_path):
+    engine = _engine()
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False, width=120)
+    trainer = Trainer(engine, _loader(2), total_steps=5, eval_data=_loader(2, n_blocks=4),
+                      log_dir=tmp_path, console=console)
+    summary = trainer.train()
+
+    # 5 steps x 2 micro-steps, each forward/backward/step (the 3-batch loader wraps around),
+    # then the final evaluation: forward only, over the 2 eval batches.
+    assert engine.calls == ["forward", "backward", "step"] * 10 + ["forward"] * 2
+    assert engine.global_steps == 5
+    assert summary.steps == 5
+    assert summary.tokens == 5 * 2 * 2 * 16
+    assert summary.mean_tokens_per_s > 0
+    assert summary.final_eval_loss is not None
+
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    for r in records:
+        assert set(r) >= {"step", "loss", "lr", "tokens_per_s", "elapsed_s"}
+        assert r["lr"] == pytest.approx(1e-3)
+    assert records[-1]["loss"] == pytest.approx(summary.final_loss)
+    assert "eval_loss" in records[-1]
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 5
+
+    # Not a terminal: a plain line every steps_per_print (2) steps and at the end, then the summary.
+    text = out.getvalue()
+    assert "step 2/5" in text and "step 4/5" in text and "step 5/5" in text
+    assert "step 3/5" not in text
+    assert "final loss" in text
+
+
+def test_trainer_loss_is_mean_over_micro_steps():
+    engine = _engine()
+    trainer = Trainer(engine, _loader(2), total_steps=1, console=Console(file=io.StringIO()))
+    # Recompute the two micro-batch losses of step 1 with the initial weights.
+    reference = _engine().module
+    batches = iter(_loader(2))
+    expected = sum(reference(*next(batches))[1].item() for _ in range(2)) / 2
+    loss, lr, tokens = trainer.train_step()
+    assert loss == pytest.approx(expected, rel=1e-5)
+    assert tokens == 2 * 2 * 16
+
+
+def test_trainer_resumes_from_engine_step_count():
+    engine = _engine()
+    engine.global_steps = 3
+    summary = Trainer(engine, _loader(2), total_steps=4, console=Console(file=io.StringIO())).train()
+    assert summary.steps == 1 and engine.global_steps == 4
+
+
+def test_mean_across_ranks_without_process_group():
+    assert mean_across_ranks(2.5) == 2.5
+    assert mean_across_ranks(torch.tensor(1.5)) == 1.5
+
+
+# -- the command ------------------------------------------------------------------------------
+
+def test_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--config", "--nproc", "--model", "--steps", "--seq-len",
+                   "--max-corpus-bytes", "--log-dir", "--seed", "--master-port"):
+        assert option in text
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    assert "train" in capsys.readouterr().out
+
+
+def test_missing_config_exits_2_naming_the_file(capsys, tmp_path):
+    missing = tmp_path / "nope.json"
+    code = main(["train", "--config", str(missing), "--nproc", "2"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "nope.json" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_invalid_json_config_exits_2(capsys, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train_batch_size": 16,')
+    assert main(["train", "--config", str(bad)]) == 2
+    assert "bad.json" in capsys.readouterr().err
+
+
+def _engine_available() -> bool:
+    try:
+        from zerotrain import initialize  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _engine_available(), reason="zerotrain.initialize is not importable yet")
+def test_train_tiny_end_to_end(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(var, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "zerotrain.cli", "train", "--config", str(REPO / "examples/zero2.json"),
+         "--nproc", "1", "--model", "tiny", "--steps", "3", "--max-corpus-bytes", "200000",
+         "--log-dir", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["loss"] > 0 for r in records)
+    assert "final loss" in proc.stdout
+
+
+def test_workers_get_full_option_names_without_nproc():
+    # torch.distributed.run's parser rejects `--nproc` (an ambiguous abbreviation of its
+    # --nproc-per-node) even after the script name, so workers must not receive it.
+    from zerotrain.cli import _worker_argv, build_parser
+
+    args = build_parser().parse_args(
+        ["train", "--config", "c.json", "--nproc", "2", "--model", "tiny", "--steps", "7",
+         "--log-dir", "runs/x", "--master-port", "29500"])
+    argv = _worker_argv(args)
+    assert argv[0] == "train"
+    assert "--config=c.json" in argv and "--steps=7" in argv and "--log-dir=runs/x" in argv
+    assert not any(a.startswith(("--nproc", "--master-port")) for a in argv)
+    assert build_parser().parse_args(argv).steps == 7
+
+
+@pytest.mark.skipif(not _engine_available(), reason="zerotrain.config is not importable yet")
+def test_config_error_exits_2_before_launching(capsys, tmp_path):
+    bad = tmp_path / "triple.json"
+    bad.write_text('{"train_batch_size": 15, "train_micro_batch_size_per_gpu": 4}')
+    assert main(["train", "--config", str(bad), "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "train_batch_size" in err and "Traceback" not in err

@@ -1,0 +1,153 @@
+"""bf16 parity, fp16 overflow handling, and memory accounting of stages 0-2."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from models_for_tests import OddMLP, make_batches, micro_slice, reference_training
+
+LR = 1e-2
+
+
+def _config(stage: int, **extra) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 40},
+        "steps_per_print": 0,
+    }
+    config.update(extra)
+    return config
+
+
+def bf16_training(stage: int, steps: int) -> tuple[list, dict]:
+    import torch.distributed as dist
+
+    import zerotrain
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    torch.manual_seed(0)
+    engine, *_ = zerotrain.initialize(model=OddMLP(), config=_config(stage, bf16={"enabled": True}))
+    assert all(p.dtype == torch.bfloat16 for p in engine.module.parameters())
+    losses = []
+    for batch in make_batches(steps, 2 * world):
+        x, y = micro_slice(batch, 0, rank, world, 2)
+        loss = engine(x.bfloat16(), y.bfloat16())
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().reshape(1)
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses, engine.full_state_dict()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bf16_close_to_fp32_reference(stage):
+    """bf16 weights/activations with fp32 masters: within 2% of the fp32 losses over 5 steps."""
+    losses, weights = run_distributed(bf16_training, 2, stage, 5)[0]
+    ref_losses, ref_weights = reference_training(OddMLP, make_batches(5, 4), lr=LR)
+    for got, ref in zip(losses, ref_losses):
+        assert abs(got - ref) / abs(ref) < 0.02, (losses, ref_losses)
+    for name, ref in ref_weights.items():
+        assert weights[name].dtype == torch.float32  # the fp32 masters, not the bf16 copies
+        torch.testing.assert_close(weights[name], ref, rtol=0.0, atol=2e-2)
+
+
+def fp16_overflow(stage: int) -> dict:
+    """Step 2 gets an inf input on rank 1 only: every rank must skip it and lower the scale."""
+    import zerotrain
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    torch.manual_seed(0)
+    config = _config(stage, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1})
+    engine, optimizer, *_ = zerotrain.initialize(model=OddMLP(), config=config)
+    report = {}
+    for step, batch in enumerate(make_batches(4, 2 * world)):
+        x, y = micro_slice(batch, 0, rank, world, 2)
+        if step == 2 and rank == 1:
+            x = x.clone()
+            x[0, 0] = float("inf")
+        if step == 2:
+            report["weights_before"] = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+            report["states_before"] = [{k: v.clone() for k, v in s.items()} for s in optimizer.state.values()]
+            report["scale_before"] = engine.loss_scale
+        loss = engine(x.half(), y.half())
+        engine.backward(loss)
+        engine.step()
+        if step == 2:
+            report["weights_after"] = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+            report["states_after"] = [{k: v.clone() for k, v in s.items()} for s in optimizer.state.values()]
+            report["scale_after"] = engine.loss_scale
+    report["skipped"] = engine.skipped_steps
+    report["global_steps"] = engine.global_steps
+    report["final_finite"] = all(torch.isfinite(p).all().item() for p in engine.module.parameters())
+    return report
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_fp16_overflow_skips_step_on_every_rank(stage):
+    for rank, report in enumerate(run_distributed(fp16_overflow, 2, stage)):
+        assert report["skipped"] == 1, f"rank {rank}"
+        assert report["global_steps"] == 4
+        assert report["scale_after"] == report["scale_before"] / 2, f"rank {rank}"
+        for name, before in report["weights_before"].items():
+            assert torch.equal(before, report["weights_after"][name]), f"rank {rank}: {name} changed"
+        assert len(report["states_before"]) == len(report["states_after"]) > 0
+        for before, after in zip(report["states_before"], report["states_after"]):
+            for key in before:
+                assert torch.equal(before[key], after[key]), f"rank {rank}: optimizer state {key} changed"
+        assert report["final_finite"]
+
+
+class Wide(torch.nn.Module):
+    """A model big enough that padding is negligible next to the shards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(64, 63)
+        self.fc2 = torch.nn.Linear(63, 61)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.fc2(torch.relu(self.fc1(x))), y)
+
+
+def memory_of_stage(stage: int) -> dict:
+    import zerotrain
+
+    torch.manual_seed(0)
+    model = Wide()
+    numel = sum(p.numel() for p in model.parameters())
+    engine, *_ = zerotrain.initialize(model=model, config=_config(stage, zero_optimization={"stage": stage}))
+    x, y = torch.randn(2, 64), torch.randn(2, 61)
+    engine.backward(engine(x, y))
+    engine.step()
+    report = engine.memory_report()
+    report["numel"] = numel
+    report["padded_shard_numel"] = sum(b.shard_numel for b in engine.buckets)
+    report["tensors"] = len(engine.optimizer.state)
+    return report
+
+
+def test_memory_accounting_world_4():
+    reports = {stage: run_distributed(memory_of_stage, 4, stage) for stage in (0, 1, 2)}
+    for rank in range(4):
+        full, s1, s2 = reports[0][rank], reports[1][rank], reports[2][rank]
+        numel = full["numel"]
+        # AdamW: exp_avg + exp_avg_sq in fp32, plus one 4-byte step counter per master tensor.
+        assert full["optimizer_states"] == 8 * numel + 4 * full["tensors"]
+        shard = s1["padded_shard_numel"]
+        assert 4 * shard - numel < 4, "padding is less than one element per rank"
+        assert s1["optimizer_states"] == 8 * shard + 4 * s1["tensors"]
+        assert s2["optimizer_states"] == s1["optimizer_states"]
+        # Stage 1 keeps full gradients; stage 2 keeps only the fp32 shard.
+        assert full["gradients"] == 4 * numel and s1["gradients"] == 4 * (4 * shard)
+        assert s2["gradients"] == 4 * shard
+        # Parameters stay whole on every rank in stages 0-2 (padded to a multiple of 4 when sharded).
+        assert full["parameters"] == 4 * numel and s1["parameters"] == s2["parameters"] == 4 * (4 * shard)
+        assert s2["comm"]["reduce_scatter"]["calls"] >= 1 and full["comm"]["all_reduce"]["calls"] >= 1
+        assert s1["comm"]["all_gather"]["calls"] >= 1

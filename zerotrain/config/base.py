@@ -1,0 +1,263 @@
+"""Building blocks of the config schema: errors, value types, and key screening.
+
+Every block of the config is a `Block` (a pydantic model). Before pydantic sees a
+block's dict, `Block` screens its keys:
+
+* keys starting with ``_`` are dropped (a JSON file's way of commenting a key out);
+* legacy spellings (``LEGACY``) are renamed to the current key;
+* ``"auto"`` (HF Trainer style) is dropped: keys in ``AUTO_MEANS_UNSET`` silently (the
+  batch-size keys, which are then derived), every other key with a `ConfigWarning`,
+  so it takes zerotrain's default; a required key set to ``"auto"`` is an error;
+* keys DeepSpeed knows but zerotrain does not implement (``DEEPSPEED_ONLY``) are dropped
+  with a `ConfigWarning` naming them (silently when their value is off: false, null,
+  or a block with ``"enabled": false``);
+* any other key is a `ConfigError` naming its dotted path and the closest valid key.
+
+Each block class sits at one place in the config (``PATH``), so its messages carry
+the full dotted key.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import sys
+import warnings
+from typing import Annotated, Any, ClassVar, Optional
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+
+__all__ = ["ConfigError", "ConfigWarning", "Block", "Int", "PosInt", "NonNegInt", "Float", "NonNegFloat",
+           "PosFloat", "Bool", "choice", "warn", "error_from_validation", "is_auto"]
+
+
+class ConfigError(ValueError):
+    """A config value or key that cannot be used. `key` is the dotted key, `file` the source file."""
+
+    def __init__(self, message: str, key: Optional[str] = None, file: Optional[str] = None):
+        super().__init__(message)
+        self.key = key
+        self.file = file
+
+
+class ConfigWarning(UserWarning):
+    """A config key that was accepted but changes nothing (or was rewritten)."""
+
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+_PYDANTIC_DIR = os.path.dirname(os.path.abspath(sys.modules[BaseModel.__module__].__file__))
+
+
+def warn(message: str) -> None:
+    """Warn with `ConfigWarning`, attributed to the first frame outside the config code and pydantic."""
+    level, frame = 1, sys._getframe(0)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith((_PKG_DIR, _PYDANTIC_DIR)):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, ConfigWarning, stacklevel=level)
+
+
+# --- value types: JSON-shaped, no silent coercion from strings or booleans -------------
+
+def _type_name(value: Any) -> str:
+    return "a boolean" if isinstance(value, bool) else f"{type(value).__name__} {value!r}"
+
+
+def _whole(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected an integer, got {_type_name(value)}")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"expected a whole number, got {value!r}")
+        return int(value)
+    return value
+
+
+def _real(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected a number, got {_type_name(value)}")
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {value!r}")
+    return float(value)
+
+
+def _boolean(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {_type_name(value)}")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_whole)]
+PosInt = Annotated[int, BeforeValidator(_whole), Field(ge=1)]
+NonNegInt = Annotated[int, BeforeValidator(_whole), Field(ge=0)]
+Float = Annotated[float, BeforeValidator(_real)]
+NonNegFloat = Annotated[float, BeforeValidator(_real), Field(ge=0)]
+PosFloat = Annotated[float, BeforeValidator(_real), Field(gt=0)]
+Bool = Annotated[bool, BeforeValidator(_boolean)]
+
+
+def choice(*options: str):
+    """A string type accepting `options` in any letter case; the value is the canonical spelling."""
+    by_lower = {o.lower(): o for o in options}
+
+    def check(value: Any) -> str:
+        if isinstance(value, str) and value.lower() in by_lower:
+            return by_lower[value.lower()]
+        raise ValueError(f"expected one of {', '.join(repr(o) for o in options)}, got {_type_name(value)}")
+
+    return Annotated[str, BeforeValidator(check)]
+
+
+def is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() == "auto"
+
+
+def _is_off(key: str, value: Any) -> bool:
+    if value is None or value is False:
+        return True
+    if isinstance(value, dict) and value.get("enabled") is False:
+        return True
+    return key == "gradient_predivide_factor" and value == 1.0
+
+
+# --- pydantic errors -> ConfigError ------------------------------------------------
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _dotted(parts) -> str:
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def error_from_validation(err: ValidationError, prefix: str = "") -> ConfigError:
+    """One ConfigError listing every problem of `err`, each with its dotted key."""
+    messages: list[str] = []
+    first_key: Optional[str] = None
+    base = tuple(p for p in prefix.split(".") if p)
+    for item in err.errors(include_url=False):
+        cause = (item.get("ctx") or {}).get("error")
+        if isinstance(cause, ConfigError):
+            messages.append(str(cause))
+            first_key = first_key or cause.key
+            continue
+        key = _dotted(base + tuple(item["loc"])) or "config"
+        first_key = first_key or key
+        if item["type"] == "missing":
+            messages.append(f"{key}: required key is missing")
+        elif cause is not None:
+            messages.append(f"{key}: {cause}")
+        else:
+            messages.append(f"{key}: {item['msg']} (got {_short(item.get('input'))})")
+    return ConfigError("; ".join(messages), key=first_key)
+
+
+# --- the block base class ------------------------------------------------------------
+
+_BLOCKS: dict[str, type["Block"]] = {}
+
+
+class Block(BaseModel):
+    """A config block: a pydantic model whose input keys are screened first (module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_default=False)
+
+    PATH: ClassVar[str] = ""
+    DEEPSPEED_ONLY: ClassVar[frozenset[str]] = frozenset()
+    LEGACY: ClassVar[dict[str, str]] = {}
+    AUTO_MEANS_UNSET: ClassVar[frozenset[str]] = frozenset()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.PATH and "." not in cls.PATH:
+            _BLOCKS.setdefault(cls.PATH, cls)
+
+    @classmethod
+    def key_path(cls, key: str) -> str:
+        return f"{cls.PATH}.{key}" if cls.PATH else key
+
+    @classmethod
+    def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """Hook: rewrite legacy forms that need values (runs after `_` keys are dropped)."""
+        return data
+
+    @classmethod
+    def _finish(cls, data: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        """Hook: last look at the screened dict before pydantic validates the fields."""
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _screen_keys(cls, data: Any, info: ValidationInfo) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for key in data:
+            if not isinstance(key, str):
+                raise ConfigError(f"{cls.key_path(repr(key))}: keys must be strings", key=cls.key_path(str(key)))
+        data = cls._prepare({k: v for k, v in data.items() if not k.startswith("_")})
+        out: dict[str, Any] = {}
+        given_as: dict[str, str] = {}
+        for key, value in data.items():
+            name = cls.LEGACY.get(key, key)
+            if name in cls.model_fields:
+                if name in given_as:
+                    if out.get(name) != value:
+                        raise ConfigError(f"{cls.key_path(given_as[name])} and {cls.key_path(key)} are the same "
+                                          f"setting with different values; keep one", key=cls.key_path(name))
+                    continue
+                given_as[name] = key
+                if is_auto(value):
+                    cls._drop_auto(name)
+                    continue
+                out[name] = value
+            elif key in cls.DEEPSPEED_ONLY:
+                cls._record_deepspeed_only(key, value, info)
+            else:
+                raise ConfigError(cls._unknown_key_message(key), key=cls.key_path(key))
+        return cls._finish(out, info)
+
+    @classmethod
+    def _drop_auto(cls, name: str) -> None:
+        if name in cls.AUTO_MEANS_UNSET:
+            return
+        field = cls.model_fields[name]
+        if field.is_required():
+            raise ConfigError(f"{cls.key_path(name)} is 'auto', but it has no default; set a value",
+                              key=cls.key_path(name))
+        default = field.get_default(call_default_factory=True)
+        if default is None:
+            meaning = "it is left unset"
+        elif isinstance(default, BaseModel):
+            meaning = "the block takes its defaults"
+        else:
+            meaning = f"the default {default!r} is used"
+        warn(f"{cls.key_path(name)} is 'auto', which zerotrain does not fill in; {meaning}")
+
+    @classmethod
+    def _record_deepspeed_only(cls, key: str, value: Any, info: ValidationInfo) -> None:
+        path = cls.key_path(key)
+        if isinstance(info.context, dict):
+            info.context.setdefault("unimplemented", {})[path] = value
+        if not _is_off(key, value):
+            warn(f"{path} is a DeepSpeed key that zerotrain does not implement; it is ignored")
+
+    @classmethod
+    def _unknown_key_message(cls, key: str) -> str:
+        path = cls.key_path(key)
+        if not cls.PATH:  # a nested key written at the top level?
+            for block_path, block in _BLOCKS.items():
+                if key in block.model_fields:
+                    return f"unknown key '{path}'; did you mean '{block_path}.{key}'?"
+        valid = list(cls.model_fields) + list(cls.LEGACY) + sorted(cls.DEEPSPEED_ONLY)
+        by_lower = {v.lower(): v for v in valid}
+        close = difflib.get_close_matches(key.lower(), list(by_lower), n=1, cutoff=0.6)
+        if close:
+            return f"unknown key '{path}'; did you mean '{by_lower[close[0]]}'?"
+        return f"unknown key '{path}'; valid keys here: {', '.join(cls.model_fields)}"

@@ -1,0 +1,164 @@
+"""The whole configuration as one pydantic model, `ZeroTrainConfig`, with DeepSpeed's key names.
+
+Build it with `zerotrain.config.load_config` (which turns every validation problem into a
+`ConfigError` naming the dotted key). Blocks: `fp16`, `bf16` (legacy alias `bfloat16`),
+`zero_optimization` (`zero.py`), `optimizer` and `scheduler` (`params.py`), `checkpoint`
+and `aio`. zerotrain's own top-level keys: `comm_timeout_seconds`, `seed`, and the
+`checkpoint` keys.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional
+
+from pydantic import Field, PrivateAttr, model_validator
+
+from .base import Block, Bool, ConfigError, Int, NonNegFloat, NonNegInt, PosFloat, PosInt, warn
+from .batch import GAS, MICRO, TBS, check_batch_partial, resolve_batch_triple
+from .params import OptimizerConfig, SchedulerConfig
+from .zero import ZeroConfig
+
+__all__ = ["ZeroTrainConfig", "FP16Config", "BF16Config", "CheckpointConfig", "AioConfig", "DEEPSPEED_ONLY_KEYS"]
+
+# Top-level keys DeepSpeed accepts that zerotrain does not implement: accepted with a warning.
+DEEPSPEED_ONLY_KEYS = frozenset({
+    "amp", "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet",
+    "comms_logger", "compression_training", "data_efficiency", "curriculum_learning", "elasticity", "autotuning",
+    "pipeline", "sparse_attention", "dump_state", "prescale_gradients", "gradient_predivide_factor",
+    "communication_data_type", "seq_parallel_communication_data_type", "sparse_gradients",
+    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "memory_breakdown", "data_types",
+    "eigenvalue", "progressive_layer_drop", "quantize_training", "hybrid_engine", "nebula", "weight_quantization",
+    "compile", "tensor_parallel", "sequence_parallel_size", "timers", "graph_harvesting",
+    "use_data_before_expert_parallelism", "dataloader_drop_last", "zero_allow_comm_data_type_fp32",
+    "torch_autocast", "disable_allgather", "load_universal_checkpoint", "use_node_local_storage",
+    "checkpoint_parallel_write_pipeline", "monitor_config", "elastic_checkpoint", "gradient_accumulation_dtype",
+})
+
+
+class FP16Config(Block):
+    """`fp16`: `loss_scale` 0 means dynamic scaling starting at 2**initial_scale_power."""
+
+    PATH = "fp16"
+    DEEPSPEED_ONLY = frozenset({"fp16_master_weights_and_grads"})
+
+    enabled: Bool = False
+    auto_cast: Bool = False
+    loss_scale: NonNegFloat = 0.0
+    initial_scale_power: Annotated[Int, Field(ge=0, le=64)] = 16
+    loss_scale_window: PosInt = 1000
+    hysteresis: PosInt = 2
+    consecutive_hysteresis: Bool = False
+    min_loss_scale: PosFloat = 1.0
+
+
+class BF16Config(Block):
+    """`bf16` (legacy top-level spelling: `bfloat16`)."""
+
+    PATH = "bf16"
+    DEEPSPEED_ONLY = frozenset({"immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+                                "bf16_optimizer_states"})
+
+    enabled: Bool = False
+
+
+class CheckpointConfig(Block):
+    """`checkpoint`: zerotrain's own keys (DeepSpeed's keys here are accepted with a warning)."""
+
+    PATH = "checkpoint"
+    DEEPSPEED_ONLY = frozenset({"tag_validation", "load_universal", "use_node_local_storage", "parallel_write",
+                                "writer"})
+
+    async_save: Bool = False
+    keep_last: Optional[PosInt] = None
+    verify_on_load: Bool = True
+
+
+class AioConfig(Block):
+    """`aio`: asynchronous NVMe I/O (used by NVMe offload). `thread_count` is the old name of
+    `intra_op_parallelism`."""
+
+    PATH = "aio"
+    LEGACY = {"thread_count": "intra_op_parallelism"}
+
+    block_size: PosInt = 1_048_576
+    queue_depth: PosInt = 8
+    intra_op_parallelism: PosInt = 1
+    single_submit: Bool = False
+    overlap_events: Bool = True
+    use_gds: Bool = False
+
+
+class ZeroTrainConfig(Block):
+    """The whole config. Batch fields are None until `resolve_batch(dp_world_size)` fills them in."""
+
+    PATH = ""
+    LEGACY = {"bfloat16": "bf16"}
+    DEEPSPEED_ONLY = DEEPSPEED_ONLY_KEYS
+    AUTO_MEANS_UNSET = frozenset({TBS, MICRO, GAS})
+
+    train_batch_size: Optional[PosInt] = None
+    train_micro_batch_size_per_gpu: Optional[PosInt] = None
+    gradient_accumulation_steps: Optional[PosInt] = None
+    gradient_clipping: NonNegFloat = 1.0
+    steps_per_print: NonNegInt = 10
+    wall_clock_breakdown: Bool = False
+    comm_timeout_seconds: PosFloat = 1800.0
+    seed: Optional[NonNegInt] = None
+    optimizer: Optional[OptimizerConfig] = None
+    scheduler: Optional[SchedulerConfig] = None
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    aio: AioConfig = Field(default_factory=AioConfig)
+
+    _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
+    _unimplemented: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @classmethod
+    def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
+        zero = data.get("zero_optimization")
+        if isinstance(zero, bool):  # DeepSpeed's oldest form: true means stage 1
+            data["zero_optimization"] = {"stage": 1 if zero else 0}
+            warn(f"zero_optimization: {str(zero).lower()} is a legacy DeepSpeed form; read as "
+                 f"{{\"stage\": {1 if zero else 0}}}")
+        return data
+
+    @model_validator(mode="after")
+    def _check_cross_keys(self):
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one", key="fp16.enabled")
+        check_batch_partial(self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                            self.gradient_accumulation_steps)
+        return self
+
+    @property
+    def precision(self) -> str:
+        """"bf16", "fp16" or "fp32"."""
+        if self.bf16.enabled:
+            return "bf16"
+        if self.fp16.enabled:
+            return "fp16"
+        return "fp32"
+
+    @property
+    def raw(self) -> dict[str, Any]:
+        """The input dict, with `_`-prefixed keys removed; `load_config(cfg.raw)` rebuilds this config
+        (before batch resolution, so it can be resolved again for another data-parallel size).
+        A config built without `load_config` gives its `model_dump()`."""
+        return self._raw if self._raw else self.model_dump()
+
+    @property
+    def unimplemented(self) -> dict[str, Any]:
+        """DeepSpeed keys that were accepted but ignored: dotted key -> value."""
+        return self._unimplemented
+
+    @property
+    def batch_resolved(self) -> bool:
+        return None not in (self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                            self.gradient_accumulation_steps)
+
+    def resolve_batch(self, dp_world_size: int) -> "ZeroTrainConfig":
+        """A copy whose three batch fields are ints for `dp_world_size` data-parallel ranks."""
+        tbs, micro, gas = resolve_batch_triple(self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                                               self.gradient_accumulation_steps, dp_world_size)
+        return self.model_copy(deep=True, update={TBS: tbs, MICRO: micro, GAS: gas})

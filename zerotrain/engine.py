@@ -1,0 +1,239 @@
+"""The training step a user calls: forward, backward(loss), step().
+
+The engine composes the parts: it casts and places the model, packs its
+trainable parameters into flat buckets (`zero.flat`), lets a `GradReducer`
+reduce gradients during backward and a `ShardedOptimizer` update this rank's
+master shards, and keeps the step counters, loss scale and LR schedule. Its
+API follows DeepSpeed's engine so existing loops port by changing the import.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+
+from .comm import Comm, CommCounters
+from .config import ZeroTrainConfig
+from .optim import build_optimizer
+from .precision import LossScaler, training_dtype
+from .schedules import build_scheduler
+from .topology import Topology
+from .zero.consolidate import gather_full_weights
+from .zero.flat import build_buckets
+from .zero.grads import GradReducer
+from .zero.optimizer import ShardedOptimizer
+
+logger = logging.getLogger("zerotrain")
+
+OptimizerLike = Union[torch.optim.Optimizer, Callable[..., torch.optim.Optimizer], None]
+
+
+def _param_groups(module: torch.nn.Module, model_parameters: Optional[Iterable]) -> list[dict]:
+    """Normalize DeepSpeed's `model_parameters` (params or group dicts) into group dicts."""
+    if model_parameters is None:
+        return [{"params": [p for p in module.parameters() if p.requires_grad]}]
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [dict(group, params=list(group["params"])) for group in items]
+    return [{"params": items}]
+
+
+class ZeroTrainEngine:
+    """Data-parallel training with ZeRO stages 0-2 over the ranks of a Topology."""
+
+    def __init__(self, model: torch.nn.Module, config: ZeroTrainConfig, topology: Topology,
+                 model_parameters: Optional[Iterable] = None, optimizer: OptimizerLike = None,
+                 lr_scheduler: Any = None):
+        self.config = config
+        self.topology = topology
+        self.stage = config.zero_optimization.stage
+        if self.stage > 2:
+            raise NotImplementedError("zero_optimization.stage 3 is not implemented yet; use stage 0, 1 or 2")
+        self._warn_unimplemented()
+        self.dtype = training_dtype(config.precision)
+        self.module = model.to(device=topology.device, dtype=self.dtype)
+        self.counters = CommCounters()
+        self.comm = Comm.data_parallel(topology, self.counters)
+
+        torch_optimizer = self._make_torch_optimizer(optimizer, model_parameters)
+        group_of = {id(p): index for index, group in enumerate(torch_optimizer.param_groups) for p in group["params"]}
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        orphans = [n for n, p in named if id(p) not in group_of]
+        if orphans:
+            warnings.warn(f"parameters {orphans[:5]} require grad but are in no optimizer group; they stay frozen")
+        partitions = topology.dp_size if self.stage >= 1 else 1
+        self.buckets = build_buckets([(n, p) for n, p in named if id(p) in group_of], group_of,
+                                     int(config.zero_optimization.reduce_bucket_size), partitions,
+                                     topology.dp_rank if partitions > 1 else 0)
+        self._broadcast_initial_state()
+        self.reducer = GradReducer(self.buckets, self.comm, self.stage)
+        self.zero_optimizer = ShardedOptimizer(self.buckets, self.comm, torch_optimizer,
+                                               [g["params"] for g in torch_optimizer.param_groups],
+                                               config.gradient_clipping)
+        self.optimizer = torch_optimizer
+        self.lr_scheduler = self._make_scheduler(lr_scheduler)
+        self.loss_scaler = LossScaler.from_config(config.fp16)
+
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._backward_done = False
+
+    # --- construction helpers ---------------------------------------------
+    def _warn_unimplemented(self) -> None:
+        zero = self.config.zero_optimization
+        pending = {
+            "zero_optimization.offload_optimizer": zero.offload_optimizer is not None and zero.offload_optimizer.device != "none",
+            "zero_optimization.offload_param": zero.offload_param is not None and zero.offload_param.device != "none",
+            "zero_optimization.zero_quantized_gradients": bool(zero.zero_quantized_gradients),
+            "zero_optimization.zero_quantized_weights": bool(zero.zero_quantized_weights),
+            "zero_optimization.zero_hpz_partition_size": zero.zero_hpz_partition_size not in (None, 1),
+        }
+        for key, is_set in pending.items():
+            if is_set:
+                warnings.warn(f"{key} is accepted but not implemented yet in zerotrain; it has no effect")
+
+    def _make_torch_optimizer(self, optimizer: OptimizerLike, model_parameters) -> torch.optim.Optimizer:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer
+        groups = _param_groups(self.module, model_parameters)
+        if callable(optimizer):
+            built = optimizer(groups)
+            if not isinstance(built, torch.optim.Optimizer):
+                raise TypeError(f"the optimizer callable returned {type(built).__name__}, not a torch.optim.Optimizer")
+            return built
+        return build_optimizer(self.config.optimizer, groups)
+
+    def _make_scheduler(self, lr_scheduler: Any):
+        if lr_scheduler is None:
+            return build_scheduler(self.config.scheduler, self.optimizer)
+        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            return lr_scheduler(self.optimizer)
+        return lr_scheduler
+
+    def _broadcast_initial_state(self) -> None:
+        """Start every rank from rank 0's weights and buffers, as DDP does."""
+        if self.comm.size == 1:
+            return
+        with torch.no_grad():
+            for bucket in self.buckets:
+                self.comm.broadcast(bucket.flat_param, src=0)
+            in_buckets = {id(p) for b in self.buckets for p in b.params}
+            for param in self.module.parameters():
+                if id(param) not in in_buckets:
+                    self.comm.broadcast(param.data, src=0)
+            for buffer in self.module.buffers():
+                self.comm.broadcast(buffer, src=0)
+
+    # --- the training step --------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def train(self, mode: bool = True) -> "ZeroTrainEngine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "ZeroTrainEngine":
+        return self.train(False)
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def named_parameters(self):
+        return self.module.named_parameters()
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next step() will update the weights."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backpropagate `loss` scaled by 1/accumulation (and the fp16 loss scale), reducing gradients."""
+        scale = self.loss_scaler.scale / self.gradient_accumulation_steps()
+        scaled = loss * scale if scale != 1.0 else loss
+        self.reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary())
+        scaled.backward(retain_graph=retain_graph)
+        self.reducer.end_backward()
+        self._backward_done = True
+        return loss
+
+    def step(self) -> None:
+        """Count a micro-step; at the accumulation boundary, update the weights."""
+        if self.is_gradient_accumulation_boundary():
+            if not self._backward_done:
+                raise RuntimeError("engine.step() at an accumulation boundary without engine.backward() before it")
+            self._take_model_step()
+        self.micro_steps += 1
+
+    def _take_model_step(self) -> None:
+        grad_shards = self.reducer.grad_shards
+        overflow = self.loss_scaler.dynamic and self.zero_optimizer.has_overflow(grad_shards)
+        if overflow:
+            self.skipped_steps += 1
+            logger.info("step %d: gradient overflow, skipped; loss scale %g -> lower", self.global_steps, self.loss_scaler.scale)
+        else:
+            self.zero_optimizer.step(grad_shards, self.loss_scaler.scale)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.loss_scaler.update(overflow)
+        self.reducer.zero()
+        self._backward_done = False
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        if self.topology.rank == 0 and self.config.steps_per_print and self.global_steps % self.config.steps_per_print == 0:
+            logger.info("step=%d skipped=%d lr=%s loss_scale=%g grad_norm=%s", self.global_steps, self.skipped_steps,
+                        self.get_lr(), self.loss_scaler.scale, self.zero_optimizer.last_grad_norm)
+
+    def zero_grad(self) -> None:
+        """Drop gradients, but never in the middle of an accumulation cycle (DeepSpeed loops call it freely)."""
+        if self.micro_steps % self.gradient_accumulation_steps() == 0:
+            self.reducer.zero()
+            self._backward_done = False
+
+    # --- queries ------------------------------------------------------------
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """The unscaled global gradient norm of the last step (before clipping)."""
+        return self.zero_optimizer.last_grad_norm
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 weights on CPU under the model's parameter names, on rank 0 only."""
+        full = gather_full_weights(self.buckets, self.zero_optimizer.masters, self.comm)
+        if self.comm.rank != 0:
+            return {}
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            if name not in full:
+                source = next((full[n] for n, p in self.module.named_parameters() if p is param and n in full), None)
+                full[name] = source if source is not None else param.detach().float().cpu().clone()
+        return full
+
+    def memory_report(self) -> dict:
+        """Bytes of model state this rank holds, and communication counters since start."""
+        in_buckets = {id(p) for b in self.buckets for p in b.params}
+        param_bytes = sum(b.flat_param.numel() * b.flat_param.element_size() for b in self.buckets)
+        param_bytes += sum(p.numel() * p.element_size() for p in self.module.parameters() if id(p) not in in_buckets)
+        return {
+            "parameters": param_bytes,
+            "gradients": self.reducer.held_bytes(),
+            "optimizer_states": self.zero_optimizer.state_bytes(),
+            "comm": self.counters.snapshot(),
+        }

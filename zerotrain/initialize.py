@@ -1,0 +1,56 @@
+"""`zerotrain.initialize`: config, process group, engine, data loader — in that order.
+
+The config is read and checked before any process-group work starts, so a bad
+file fails fast on every rank with a message naming the key.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+from .config import load_config
+from .engine import OptimizerLike, ZeroTrainEngine
+from .topology import Topology
+
+
+def _dp_size_hint() -> int:
+    """The data-parallel size this job will have, known before any process group exists."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def initialize(model: torch.nn.Module, config: Union[dict, str, os.PathLike, None] = None,
+               model_parameters: Optional[Iterable] = None, optimizer: OptimizerLike = None,
+               lr_scheduler: Any = None, training_data: Optional[Dataset] = None,
+               collate_fn: Optional[Callable] = None, config_params: Optional[dict] = None,
+               **unused: Any) -> tuple[ZeroTrainEngine, torch.optim.Optimizer, Optional[DataLoader], Any]:
+    """Build the engine; returns (engine, optimizer, dataloader or None, lr_scheduler or None).
+
+    `config` is a dict or a path to a (DeepSpeed-style) JSON file; `config_params`
+    is DeepSpeed's older name for it. `optimizer` may be a torch optimizer over the
+    model's parameters or a callable building one from parameter groups.
+    """
+    if config is None:
+        config = config_params
+    if config is None:
+        args = unused.get("args")
+        config = getattr(args, "deepspeed_config", None) if args is not None else None
+    if config is None:
+        raise ValueError("zerotrain.initialize needs a config (a dict or a path to a JSON file)")
+    cfg = load_config(config, dp_world_size=_dp_size_hint())
+    topology = Topology.build(timeout_seconds=cfg.comm_timeout_seconds)
+    engine = ZeroTrainEngine(model, cfg, topology, model_parameters=model_parameters,
+                             optimizer=optimizer, lr_scheduler=lr_scheduler)
+    dataloader = None
+    if training_data is not None:
+        sampler = DistributedSampler(training_data, num_replicas=topology.dp_size, rank=topology.dp_rank,
+                                     shuffle=True, seed=cfg.seed or 0)
+        dataloader = DataLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
+                                sampler=sampler, collate_fn=collate_fn, drop_last=True)
+    return engine, engine.optimizer, dataloader, engine.lr_scheduler

@@ -1,0 +1,339 @@
+"""A ready-made training loop over the engine's public API.
+
+:class:`Trainer` drives ``engine(x, y) -> (logits, loss)``, ``engine.backward(loss)`` and
+``engine.step()`` for a fixed number of optimizer steps, and reports progress: a ``rich``
+progress bar on rank 0 (plain lines when stdout is not a terminal), a ``metrics.jsonl``
+file with one record per step, and a closing summary. It uses nothing the engine does not
+offer to any user, so everything it does can also be done in a hand-written loop.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Trainer", "TrainSummary", "mean_across_ranks"]
+
+
+def mean_across_ranks(
+    value: Union[float, torch.Tensor],
+    device: Optional[torch.device] = None,
+    group: Optional[Any] = None,
+) -> float:
+    """The mean of ``value`` over the ranks of ``group`` (default: all ranks).
+
+    One all-reduce of a one-element tensor when ``torch.distributed`` is running; the value
+    itself otherwise. ``device`` must suit the backend (a CUDA device for NCCL).
+    """
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().reshape(1).to(device=device or value.device, dtype=torch.float64)
+    else:
+        tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        tensor /= dist.get_world_size(group)
+    return float(tensor.item())
+
+
+@dataclass
+class TrainSummary:
+    """What a :meth:`Trainer.train` run did."""
+
+    steps: int
+    final_loss: float
+    mean_tokens_per_s: float
+    total_time_s: float
+    tokens: int
+    final_eval_loss: Optional[float] = None
+
+    def format(self) -> str:
+        text = (
+            f"trained {self.steps} steps in {self.total_time_s:.1f}s: "
+            f"final loss {self.final_loss:.4f}, {self.mean_tokens_per_s:,.0f} tokens/s"
+        )
+        if self.final_eval_loss is not None:
+            text += f", eval loss {self.final_eval_loss:.4f}"
+        return text
+
+
+class Trainer:
+    """Runs ``total_steps`` optimizer steps of ``engine`` over ``dataloader``.
+
+    Args:
+        engine: the object returned first by ``zerotrain.initialize``.
+        dataloader: yields ``(x, y)`` micro-batches; re-iterated (with
+            ``sampler.set_epoch``) when exhausted.
+        total_steps: optimizer steps to reach. A resumed engine (``engine.global_steps > 0``)
+            continues from where it is.
+        eval_data: optional iterable of ``(x, y)`` batches; evaluated every
+            ``eval_interval`` steps (0: only after the last step), at most ``eval_batches``
+            batches each time (None: all).
+        log_dir: where rank 0 writes ``metrics.jsonl`` and ``summary.json``; none if None.
+        steps_per_print: how often a plain progress line is printed when stdout is not a
+            terminal (default: the engine config's ``steps_per_print``).
+        console: a ``rich.console.Console`` for rank 0's output (default: stdout).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        dataloader: Iterable,
+        total_steps: int,
+        eval_data: Optional[Iterable] = None,
+        log_dir: Optional[Union[str, os.PathLike]] = None,
+        steps_per_print: Optional[int] = None,
+        eval_interval: int = 0,
+        eval_batches: Optional[int] = None,
+        console: Optional[Any] = None,
+    ) -> None:
+        if total_steps < 0:
+            raise ValueError(f"total_steps must be >= 0, got {total_steps}")
+        self.engine = engine
+        self.dataloader = dataloader
+        self.total_steps = int(total_steps)
+        self.eval_data = eval_data
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        if steps_per_print is None:
+            config = getattr(engine, "config", None)
+            steps_per_print = getattr(config, "steps_per_print", None) or 10
+        self.steps_per_print = max(1, int(steps_per_print))
+        self.eval_interval = max(0, int(eval_interval))
+        self.eval_batches = eval_batches
+        self._console = console
+        self._epoch = 0
+        self._batches: Optional[Iterator] = None
+
+        topology = getattr(engine, "topology", None)
+        if topology is not None:
+            self.rank = int(topology.rank)
+            self.dp_size = int(getattr(topology, "dp_size", 1))
+        elif dist.is_available() and dist.is_initialized():
+            self.rank, self.dp_size = dist.get_rank(), dist.get_world_size()
+        else:
+            self.rank, self.dp_size = 0, 1
+        self.dp_group = getattr(topology, "dp_group", None)
+        self.device = getattr(engine, "device", None) or getattr(topology, "device", None)
+        self.history: list[dict] = []
+
+    # -- data ---------------------------------------------------------------------------
+
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        for _ in range(2):
+            if self._batches is None:
+                sampler = getattr(self.dataloader, "sampler", None)
+                if hasattr(sampler, "set_epoch"):
+                    sampler.set_epoch(self._epoch)
+                self._batches = iter(self.dataloader)
+            try:
+                return next(self._batches)
+            except StopIteration:
+                self._batches = None
+                self._epoch += 1
+        raise RuntimeError("the training dataloader yields no batches")
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.device is None or not isinstance(tensor, torch.Tensor):
+            return tensor
+        return tensor.to(self.device, non_blocking=True)
+
+    # -- one step -----------------------------------------------------------------------
+
+    def train_step(self) -> tuple[float, float, int]:
+        """One optimizer step: ``(loss averaged over micro-steps and ranks, lr, tokens)``.
+
+        ``tokens`` counts the whole data-parallel group's input tokens.
+        """
+        engine = self.engine
+        accumulation = int(engine.gradient_accumulation_steps())
+        loss_sum: Optional[torch.Tensor] = None
+        tokens = 0
+        lr = float("nan")
+        for micro in range(accumulation):
+            x, y = self._next_batch()
+            x, y = self._to_device(x), self._to_device(y)
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            if micro == accumulation - 1:
+                lr = self._current_lr()  # the rate this update applies
+            engine.step()
+            detached = loss.detach().float()
+            loss_sum = detached if loss_sum is None else loss_sum + detached
+            tokens += int(x.numel())
+        assert loss_sum is not None
+        mean_loss = mean_across_ranks(loss_sum / accumulation, group=self.dp_group)
+        return mean_loss, lr, tokens * self.dp_size
+
+    def _current_lr(self) -> float:
+        lrs = self.engine.get_lr()
+        return float(lrs[0]) if lrs else float("nan")
+
+    @torch.no_grad()
+    def evaluate(self) -> Optional[float]:
+        """Mean loss over the eval data (averaged over ranks); None without eval data."""
+        if self.eval_data is None:
+            return None
+        was_training = getattr(self.engine, "training", None)
+        if hasattr(self.engine, "eval"):
+            self.engine.eval()
+        total = torch.zeros((), dtype=torch.float64)
+        count = 0
+        try:
+            for i, (x, y) in enumerate(self.eval_data):
+                if self.eval_batches is not None and i >= self.eval_batches:
+                    break
+                _, loss = self.engine(self._to_device(x), self._to_device(y))
+                total += loss.detach().to("cpu", torch.float64)
+                count += 1
+        finally:
+            if was_training and hasattr(self.engine, "train"):
+                self.engine.train()
+        local = (total / count).item() if count else float("nan")
+        return mean_across_ranks(local, device=self.device, group=self.dp_group)
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def train(self) -> TrainSummary:
+        """Run to ``total_steps`` and return the summary (the same on every rank)."""
+        start_step = int(getattr(self.engine, "global_steps", 0) or 0)
+        is_main = self.rank == 0
+        console = self._get_console() if is_main else None
+        live = bool(console is not None and console.is_terminal)
+        metrics = self._open_metrics() if is_main else None
+
+        progress = task = None
+        if live:
+            progress, task = self._make_progress(console, start_step)
+            progress.start()
+
+        t0 = time.perf_counter()
+        train_time = 0.0
+        total_tokens = 0
+        last_loss = float("nan")
+        eval_loss: Optional[float] = None
+        step = start_step
+        try:
+            for step in range(start_step + 1, self.total_steps + 1):
+                t_step = time.perf_counter()
+                loss, lr, tokens = self.train_step()
+                dt = time.perf_counter() - t_step
+                train_time += dt
+                total_tokens += tokens
+                last_loss = loss
+                record = {
+                    "step": step,
+                    "loss": loss,
+                    "lr": lr,
+                    "tokens_per_s": tokens / dt if dt > 0 else float("nan"),
+                    "elapsed_s": time.perf_counter() - t0,
+                }
+                due = self.eval_interval and step % self.eval_interval == 0
+                if self.eval_data is not None and (due or step == self.total_steps):
+                    eval_loss = self.evaluate()
+                    record["eval_loss"] = eval_loss
+                self.history.append(record)
+                if metrics is not None:
+                    metrics.write(json.dumps(_finite(record)) + "\n")
+                    metrics.flush()
+                if progress is not None:
+                    progress.update(task, completed=step, **_fields(record))
+                elif console is not None and (
+                    step % self.steps_per_print == 0 or step == self.total_steps
+                ):
+                    console.print(_plain_line(record, self.total_steps), highlight=False)
+        finally:
+            if progress is not None:
+                progress.stop()
+            if metrics is not None:
+                metrics.close()
+
+        if self.eval_data is not None and eval_loss is None and step == start_step:
+            eval_loss = self.evaluate()  # nothing left to train: still report the eval loss
+        summary = TrainSummary(
+            steps=step - start_step,
+            final_loss=last_loss,
+            mean_tokens_per_s=total_tokens / train_time if train_time > 0 else 0.0,
+            total_time_s=time.perf_counter() - t0,
+            tokens=total_tokens,
+            final_eval_loss=eval_loss,
+        )
+        if is_main:
+            if self.log_dir is not None:
+                (self.log_dir / "summary.json").write_text(
+                    json.dumps(_finite(asdict(summary)), indent=2) + "\n"
+                )
+            console.print(summary.format(), highlight=False)
+        return summary
+
+    # -- output helpers -----------------------------------------------------------------
+
+    def _get_console(self):
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(file=sys.stdout)
+        return self._console
+
+    def _open_metrics(self):
+        if self.log_dir is None:
+            return None
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        return open(self.log_dir / "metrics.jsonl", "a", encoding="utf-8")
+
+    def _make_progress(self, console, start_step: int):
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}  lr {task.fields[lr]}  {task.fields[tps]} tok/s"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+            transient=False,
+        )
+        task = progress.add_task(
+            "train", total=self.total_steps, completed=start_step, loss="-", lr="-", tps="-"
+        )
+        return progress, task
+
+
+def _fields(record: dict) -> dict:
+    return {
+        "loss": f"{record['loss']:.4f}",
+        "lr": f"{record['lr']:.3g}",
+        "tps": f"{record['tokens_per_s']:,.0f}",
+    }
+
+
+def _plain_line(record: dict, total_steps: int) -> str:
+    f = _fields(record)
+    line = (
+        f"step {record['step']}/{total_steps}  loss {f['loss']}  lr {f['lr']}  "
+        f"{f['tps']} tok/s  {record['elapsed_s']:.1f}s"
+    )
+    if record.get("eval_loss") is not None:
+        line += f"  eval_loss {record['eval_loss']:.4f}"
+    return line
+
+
+def _finite(record: dict) -> dict:
+    """JSON has no NaN/Infinity: write them as null."""
+    return {
+        k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()
+    }

@@ -1,0 +1,133 @@
+"""Flat buffers of parameters, padded and split into equal per-rank shards.
+
+A :class:`FlatBucket` lays a run of parameters end to end in one contiguous
+buffer (the parameters become views into it), pads it to a multiple of the
+number of partitions, and assigns partition r the r-th equal slice. Every stage
+uses the same buckets: stage 0 with one partition (each rank holds all), stages
+1 and 2 with one partition per data-parallel rank.
+
+Each piece of a parameter that falls inside a shard is described by a
+:class:`ShardRecord`; checkpointing, clipping and tests read those records rather
+than re-deriving the layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """Where one piece of a parameter sits: in the full tensor and in a shard.
+
+    The piece covers elements [param_start, param_start + numel) of the
+    parameter flattened in row-major order, and elements
+    [shard_start, shard_start + numel) of the shard buffer.
+    """
+
+    name: str
+    full_shape: tuple
+    param_start: int
+    numel: int
+    shard_start: int
+
+
+class FlatBucket:
+    """A contiguous run of parameters of one dtype and one optimizer group.
+
+    `flat_param` holds the full (unsharded) values in the training dtype and every
+    parameter's `.data` is a view into it. Partition `rank` owns elements
+    [rank * shard_numel, (rank + 1) * shard_numel) of it.
+    """
+
+    def __init__(self, index: int, named_params: Sequence[tuple[str, torch.nn.Parameter]],
+                 group_index: int, partitions: int, rank: int):
+        if not named_params:
+            raise ValueError("a bucket needs at least one parameter")
+        self.index = index
+        self.group_index = group_index
+        self.partitions = partitions
+        self.rank = rank
+        self.names = [name for name, _ in named_params]
+        self.params = [param for _, param in named_params]
+        self.shapes = [tuple(param.shape) for param in self.params]
+        first = self.params[0]
+        self.dtype, self.device = first.dtype, first.device
+        self.offsets: list[int] = []
+        total = 0
+        for param in self.params:
+            self.offsets.append(total)
+            total += param.numel()
+        self.numel = total
+        self.padded_numel = -(-total // partitions) * partitions
+        self.shard_numel = self.padded_numel // partitions
+        self.flat_param = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for param, offset in zip(self.params, self.offsets):
+                view = self.flat_param[offset:offset + param.numel()].view_as(param)
+                view.copy_(param.data)
+                param.data = view
+
+    # --- layout -----------------------------------------------------------
+    def shard_bounds(self, rank: int | None = None) -> tuple[int, int]:
+        """[start, end) of partition `rank` (default: this rank) in the flat buffer."""
+        rank = self.rank if rank is None else rank
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def shard_of(self, flat: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+        """The view of a full-size flat tensor that partition `rank` owns."""
+        start, end = self.shard_bounds(rank)
+        return flat[start:end]
+
+    def param_view(self, position: int, flat: torch.Tensor) -> torch.Tensor:
+        """Parameter `position`'s slice of a full-size flat tensor, shaped like the parameter."""
+        offset = self.offsets[position]
+        return flat[offset:offset + self.params[position].numel()].view(self.shapes[position])
+
+    def shard_records(self, rank: int | None = None) -> list[ShardRecord]:
+        """The pieces of parameters that partition `rank` owns, in shard order."""
+        start, end = self.shard_bounds(rank)
+        records = []
+        for name, shape, offset, param in zip(self.names, self.shapes, self.offsets, self.params):
+            lo, hi = max(start, offset), min(end, offset + param.numel())
+            if lo < hi:
+                records.append(ShardRecord(name, shape, lo - offset, hi - lo, lo - start))
+        return records
+
+    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Split a full-size flat tensor into named tensors shaped like the parameters."""
+        return {name: self.param_view(i, flat) for i, name in enumerate(self.names)}
+
+
+def build_buckets(named_params: Iterable[tuple[str, torch.nn.Parameter]], group_of: dict[int, int],
+                  bucket_numel: int, partitions: int, rank: int) -> list[FlatBucket]:
+    """Pack trainable parameters into buckets of at most `bucket_numel` elements.
+
+    Parameters are taken in reverse registration order, which is roughly the order
+    backward produces their gradients, so the first bucket fills first. A bucket
+    never mixes dtypes or optimizer groups; a parameter larger than the limit gets
+    a bucket of its own. `group_of` maps id(param) to its optimizer group index.
+    """
+    ordered = [(name, p) for name, p in named_params if p.requires_grad][::-1]
+    buckets: list[FlatBucket] = []
+    current: list[tuple[str, torch.nn.Parameter]] = []
+    current_numel = 0
+
+    def close() -> None:
+        nonlocal current, current_numel
+        if current:
+            buckets.append(FlatBucket(len(buckets), current, group_of[id(current[0][1])], partitions, rank))
+        current, current_numel = [], 0
+
+    for name, param in ordered:
+        if current:
+            head = current[0][1]
+            same_kind = head.dtype == param.dtype and group_of[id(head)] == group_of[id(param)]
+            if not same_kind or current_numel + param.numel() > bucket_numel:
+                close()
+        current.append((name, param))
+        current_numel += param.numel()
+    close()
+    return buckets

@@ -1,0 +1,162 @@
+"""Gradient reduction for ZeRO stages 0-2, overlapped with backward.
+
+Per bucket, as soon as backward has produced every gradient in it:
+
+- stage 0 keeps a full gradient buffer (the parameters' `.grad` are views of it)
+  and all-reduces it at the accumulation boundary;
+- stage 1 keeps the same full buffer and reduce-scatters it at the boundary, so
+  each rank ends with only its shard of the reduced gradient;
+- stage 2 keeps no full buffer: every micro-step, each gradient is copied into a
+  transient staging bucket, reduce-scattered, and added into this rank's fp32
+  gradient shard; the full gradient is freed at once.
+
+Gradients are divided by the data-parallel size before the reduction, so the
+reduced result is the mean. Buckets are launched strictly in index order on
+every rank, whatever order the hooks fire in, so collectives always match.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..comm import Comm
+from .flat import FlatBucket
+
+
+class GradReducer:
+    """Owns gradient buffers and the hooks that reduce them during backward."""
+
+    def __init__(self, buckets: list[FlatBucket], comm: Comm, stage: int, reduce_dtype: Optional[torch.dtype] = None):
+        self.buckets = buckets
+        self.comm = comm
+        self.stage = stage
+        self.reduce_dtype = reduce_dtype
+        self.keeps_full_grads = stage <= 1
+        # stage 0/1: full gradient buffers in the training dtype; params' .grad are views.
+        self.full_grads: list[Optional[torch.Tensor]] = [
+            torch.zeros_like(b.flat_param) if self.keeps_full_grads else None for b in buckets]
+        # The reduced gradient this rank owns, fp32 (stage 0: the whole bucket).
+        self.grad_shards: list[Optional[torch.Tensor]] = [None] * len(buckets)
+        self._staging: list[Optional[torch.Tensor]] = [None] * len(buckets)
+        self._pending: list[tuple[int, object, Optional[torch.Tensor]]] = []
+        self._ready_count = [0] * len(buckets)
+        self._next_launch = 0
+        self._reduce_now = False
+        self._where = {}
+        for bucket_index, bucket in enumerate(buckets):
+            for position, param in enumerate(bucket.params):
+                self._where[id(param)] = (bucket_index, position)
+                param.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._attach_grad_views()
+
+    # --- per micro-step ---------------------------------------------------
+    def begin_backward(self, boundary: bool) -> None:
+        """Arm the hooks for one backward; reduce during it if this is the boundary (or stage 2)."""
+        self._reduce_now = boundary or self.stage == 2
+        self._ready_count = [0] * len(self.buckets)
+        self._next_launch = 0
+        self._attach_grad_views()
+
+    def end_backward(self) -> None:
+        """Launch buckets whose gradients never all arrived (unused params), then wait for all."""
+        if self._reduce_now:
+            while self._next_launch < len(self.buckets):
+                self._launch(self._next_launch)
+                self._next_launch += 1
+        for bucket_index, handle, reduced in self._pending:
+            handle.wait()
+            self._store_reduced(bucket_index, reduced)
+        self._pending.clear()
+        self._reduce_now = False
+
+    def zero(self) -> None:
+        """Forget all gradients (after a step, or when a step is skipped)."""
+        for full in self.full_grads:
+            if full is not None:
+                full.zero_()
+        for index, shard in enumerate(self.grad_shards):
+            if shard is not None and self.stage == 2:
+                shard.zero_()
+            elif self.stage < 2:
+                self.grad_shards[index] = None
+
+    # --- hooks ------------------------------------------------------------
+    def _attach_grad_views(self) -> None:
+        if not self.keeps_full_grads:
+            return
+        for bucket, full in zip(self.buckets, self.full_grads):
+            for position, param in enumerate(bucket.params):
+                view = bucket.param_view(position, full)
+                if param.grad is None or param.grad.data_ptr() != view.data_ptr():
+                    if param.grad is not None:
+                        view.add_(param.grad)
+                    param.grad = view
+
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        bucket_index, position = self._where[id(param)]
+        bucket = self.buckets[bucket_index]
+        if self.keeps_full_grads:
+            view = bucket.param_view(position, self.full_grads[bucket_index])
+            if param.grad.data_ptr() != view.data_ptr():  # someone replaced .grad; fold it in
+                view.add_(param.grad)
+                param.grad = view
+        else:
+            if self._staging[bucket_index] is None:
+                self._staging[bucket_index] = torch.zeros_like(bucket.flat_param)
+            bucket.param_view(position, self._staging[bucket_index]).add_(param.grad)
+            param.grad = None
+        self._ready_count[bucket_index] += 1
+        if not self._reduce_now:
+            return
+        while (self._next_launch < len(self.buckets)
+               and self._ready_count[self._next_launch] == len(self.buckets[self._next_launch].params)):
+            self._launch(self._next_launch)
+            self._next_launch += 1
+
+    # --- reduction --------------------------------------------------------
+    def _launch(self, bucket_index: int) -> None:
+        bucket = self.buckets[bucket_index]
+        if self.keeps_full_grads:
+            source = self.full_grads[bucket_index]
+        else:
+            source = self._staging[bucket_index]
+            if source is None:  # no gradient reached this bucket in this backward
+                source = torch.zeros_like(bucket.flat_param)
+            self._staging[bucket_index] = None
+        if self.reduce_dtype is not None and source.dtype != self.reduce_dtype:
+            source = source.to(self.reduce_dtype)
+        if self.comm.size > 1:
+            source.div_(self.comm.size)
+        if self.stage == 0:
+            handle = self.comm.all_reduce(source, async_op=True)
+            reduced = source
+        else:
+            reduced = torch.empty(bucket.shard_numel, dtype=source.dtype, device=source.device)
+            handle = self.comm.reduce_scatter(reduced, source, async_op=True)
+        # Keep `source` alive until the collective is done.
+        self._pending.append((bucket_index, handle, reduced if self.stage > 0 else source))
+
+    def _store_reduced(self, bucket_index: int, reduced: torch.Tensor) -> None:
+        if self.stage == 2:
+            shard = self.grad_shards[bucket_index]
+            if shard is None:
+                self.grad_shards[bucket_index] = reduced.float() if reduced.dtype != torch.float32 else reduced
+            else:
+                shard.add_(reduced)
+            return
+        if self.stage == 0 and reduced is not self.full_grads[bucket_index]:
+            self.full_grads[bucket_index].copy_(reduced)  # reduced in another dtype
+            reduced = self.full_grads[bucket_index]
+        self.grad_shards[bucket_index] = reduced.float() if reduced.dtype != torch.float32 else reduced
+
+    # --- accounting -------------------------------------------------------
+    def held_bytes(self) -> int:
+        """Bytes of gradient memory this rank holds between steps."""
+        total = 0
+        for full in self.full_grads:
+            if full is not None:
+                total += full.numel() * full.element_size()
+        if self.stage == 2:
+            total += sum(b.shard_numel * 4 for b in self.buckets)
+        return total

@@ -1,0 +1,114 @@
+"""The optimizer step over this rank's shards of the fp32 master weights.
+
+Each bucket contributes one master tensor: this rank's shard of the bucket's
+flat buffer, in fp32. In fp32 training it is a view of the model's own flat
+buffer (no copy); under bf16/fp16 it is a separate fp32 copy. A plain torch
+optimizer updates those master tensors, so any element-wise torch optimizer
+(AdamW, Adam, SGD, ...) works unchanged and its states take 1/N of the memory.
+
+The step: agree on overflow (fp16), compute the global gradient norm with one
+all-reduce of squared shard norms, unscale and clip in one multiply, update,
+cast the shards back into the training dtype, and all-gather the parameters.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ..comm import Comm
+from .flat import FlatBucket
+
+
+class ShardedOptimizer:
+    """Wraps a torch optimizer whose parameters are this rank's fp32 master shards."""
+
+    def __init__(self, buckets: list[FlatBucket], comm: Comm, optimizer: torch.optim.Optimizer,
+                 group_params: list[list[torch.Tensor]], clip_norm: float):
+        self.buckets = buckets
+        self.comm = comm
+        self.clip_norm = clip_norm
+        self.masters: list[torch.Tensor] = []
+        for bucket in buckets:
+            shard = bucket.shard_of(bucket.flat_param)
+            if bucket.dtype == torch.float32:
+                master = shard  # the model's own buffer: no copy
+            else:
+                master = shard.detach().float().clone()
+            self.masters.append(master)
+        self.optimizer = optimizer
+        self._rewire(group_params)
+        self.last_grad_norm: Optional[float] = None
+
+    def _rewire(self, group_params: list[list[torch.Tensor]]) -> None:
+        """Point every optimizer group at the master shards of its buckets, dropping old state."""
+        by_group: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(self.optimizer.param_groups))}
+        for bucket, master in zip(self.buckets, self.masters):
+            by_group[bucket.group_index].append(master)
+        for index, group in enumerate(self.optimizer.param_groups):
+            group["params"] = by_group[index]
+        self.optimizer.state.clear()
+        del group_params  # only the shapes of the original groups mattered
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    # --- the step ---------------------------------------------------------
+    def grad_norm(self, grad_shards: list[torch.Tensor]) -> float:
+        """The global L2 norm of the (still loss-scaled) gradients over all shards."""
+        device = self.masters[0].device if self.masters else torch.device("cpu")
+        squared = torch.zeros(1, dtype=torch.float32, device=device)
+        for grad in grad_shards:
+            squared += grad.float().pow(2).sum()
+        if self.buckets and self.buckets[0].partitions > 1:
+            self.comm.sum_scalar(squared)
+        return math.sqrt(squared.item())
+
+    def has_overflow(self, grad_shards: list[torch.Tensor]) -> bool:
+        """True on every rank when any rank's gradients hold inf or nan."""
+        local = any(not torch.isfinite(grad).all() for grad in grad_shards)
+        device = self.masters[0].device if self.masters else torch.device("cpu")
+        return self.comm.any_true(local, device)
+
+    def step(self, grad_shards: list[torch.Tensor], loss_scale: float) -> None:
+        """Unscale and clip the gradient shards, update the masters, refresh the model weights."""
+        norm = self.grad_norm(grad_shards) / loss_scale
+        self.last_grad_norm = norm
+        multiplier = 1.0 / loss_scale
+        if self.clip_norm > 0:
+            multiplier *= min(1.0, self.clip_norm / (norm + 1e-6))
+        for master, grad in zip(self.masters, grad_shards):
+            if multiplier != 1.0:
+                grad.mul_(multiplier)
+            master.grad = grad
+        self.optimizer.step()
+        for master in self.masters:
+            master.grad = None
+        self.publish()
+
+    def publish(self) -> None:
+        """Cast master shards into the model's flat buffers and all-gather every bucket."""
+        handles = []
+        for bucket, master in zip(self.buckets, self.masters):
+            shard = bucket.shard_of(bucket.flat_param)
+            if master.data_ptr() != shard.data_ptr():
+                shard.copy_(master)
+            if bucket.partitions > 1:
+                handles.append(self.comm.all_gather(bucket.flat_param, shard, async_op=True))
+        for handle in handles:
+            handle.wait()
+
+    # --- accounting -------------------------------------------------------
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state plus separate fp32 master copies this rank holds."""
+        total = 0
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value):
+                    total += value.numel() * value.element_size()
+        for bucket, master in zip(self.buckets, self.masters):
+            if bucket.dtype != torch.float32:
+                total += master.numel() * master.element_size()
+        return total
