@@ -17,6 +17,10 @@ import torch.distributed as dist
 
 from .topology import Topology
 
+# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass
 class CommCounters:
@@ -74,7 +78,7 @@ class Comm:
             output.copy_(input)
             return _Done() if async_op else None
         self.counters.add("reduce_scatter", _nbytes(input) * self._ring_fraction())
-        return dist.reduce_scatter_tensor(output, input, group=self.group, async_op=async_op)
+        return _reduce_scatter_single(output, input, group=self.group, async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Concatenate every rank's `input` into `output` (in-place when input is output's own chunk)."""
@@ -83,7 +87,7 @@ class Comm:
                 output.copy_(input)
             return _Done() if async_op else None
         self.counters.add("all_gather", _nbytes(output) * self._ring_fraction())
-        return dist.all_gather_into_tensor(output, input, group=self.group, async_op=async_op)
+        return _all_gather_single(output, input, group=self.group, async_op=async_op)
 
     def gather_to(self, tensor: torch.Tensor, dst: int = 0) -> Optional[list[torch.Tensor]]:
         """Collect every rank's `tensor` (same shape everywhere) on `dst`; None elsewhere."""

@@ -21,7 +21,7 @@ from .precision import LossScaler, training_dtype
 from .schedules import build_scheduler
 from .topology import Topology
 from .zero.consolidate import gather_full_weights
-from .zero.flat import build_buckets
+from .zero.flat import ShardedSlot, build_buckets
 from .zero.grads import GradReducer
 from .zero.optimizer import ShardedOptimizer
 
@@ -81,6 +81,7 @@ class ZeroTrainEngine:
         self.global_samples = 0
         self.skipped_steps = 0
         self._backward_done = False
+        self.checkpointer = None  # created by the first save_checkpoint
 
     # --- construction helpers ---------------------------------------------
     def _warn_unimplemented(self) -> None:
@@ -163,6 +164,8 @@ class ZeroTrainEngine:
 
     def step(self) -> None:
         """Count a micro-step; at the accumulation boundary, update the weights."""
+        if self.checkpointer is not None:
+            self.checkpointer.raise_if_failed()
         if self.is_gradient_accumulation_boundary():
             if not self._backward_done:
                 raise RuntimeError("engine.step() at an accumulation boundary without engine.backward() before it")
@@ -225,6 +228,32 @@ class ZeroTrainEngine:
                 source = next((full[n] for n, p in self.module.named_parameters() if p is param and n in full), None)
                 full[name] = source if source is not None else param.detach().float().cpu().clone()
         return full
+
+    def sharded_slots(self) -> list[ShardedSlot]:
+        """This rank's master shards with their layout records (what a checkpoint saves and loads)."""
+        return [ShardedSlot(records=bucket.shard_records(), master=master,
+                            model_shard=bucket.shard_of(bucket.flat_param), replicated=bucket.partitions == 1)
+                for bucket, master in zip(self.buckets, self.zero_optimizer.masters)]
+
+    # --- checkpoints (zerotrain.checkpoint does the work) ---------------------
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
+                        save_latest: bool = True, async_save: Optional[bool] = None) -> str:
+        """Write a unified checkpoint of model, optimizer and trainer state; see zerotrain.checkpoint."""
+        from .checkpoint import save_checkpoint
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {},
+                               save_latest=save_latest, async_save=async_save)
+
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+        """Load a unified checkpoint written at any world size or stage; returns (path, client_state)."""
+        from .checkpoint import load_checkpoint
+        return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+
+    def wait_checkpoint(self) -> None:
+        """Block until every pending asynchronous save is committed (raising its error, if any)."""
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
 
     def memory_report(self) -> dict:
         """Bytes of model state this rank holds, and communication counters since start."""

@@ -101,6 +101,22 @@ class FlatBucket:
         return {name: self.param_view(i, flat) for i, name in enumerate(self.names)}
 
 
+@dataclass
+class ShardedSlot:
+    """One master tensor this rank updates, with the records of where its pieces belong.
+
+    `master` (fp32), `model_shard` (training dtype) and every per-element optimizer
+    state are 1-D tensors of the same layout; `records` maps ranges of that layout
+    to named parameters. `replicated` is true when every rank holds the same slot
+    (stage 0), so only one rank needs to write it.
+    """
+
+    records: list
+    master: torch.Tensor
+    model_shard: torch.Tensor
+    replicated: bool
+
+
 def build_buckets(named_params: Iterable[tuple[str, torch.nn.Parameter]], group_of: dict[int, int],
                   bucket_numel: int, partitions: int, rank: int) -> list[FlatBucket]:
     """Pack trainable parameters into buckets of at most `bucket_numel` elements.
