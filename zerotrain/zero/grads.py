@@ -43,6 +43,10 @@ class GradReducer:
         self._ready_count = [0] * len(buckets)
         self._next_launch = 0
         self._reduce_now = False
+        self._boundary = False
+        # Called with a bucket index once its gradient shard is final for this step
+        # (during backward, while later buckets are still being computed).
+        self.shard_ready_callbacks: list = []
         self._where = {}
         for bucket_index, bucket in enumerate(buckets):
             for position, param in enumerate(bucket.params):
@@ -54,6 +58,7 @@ class GradReducer:
     def begin_backward(self, boundary: bool) -> None:
         """Arm the hooks for one backward; reduce during it if this is the boundary (or stage 2)."""
         self._reduce_now = boundary or self.stage == 2
+        self._boundary = boundary
         self._ready_count = [0] * len(self.buckets)
         self._next_launch = 0
         self._attach_grad_views()
@@ -64,10 +69,7 @@ class GradReducer:
             while self._next_launch < len(self.buckets):
                 self._launch(self._next_launch)
                 self._next_launch += 1
-        for bucket_index, handle, reduced in self._pending:
-            handle.wait()
-            self._store_reduced(bucket_index, reduced)
-        self._pending.clear()
+        self._drain(keep=0)
         self._reduce_now = False
 
     def zero(self) -> None:
@@ -136,6 +138,17 @@ class GradReducer:
             handle = self.comm.reduce_scatter(reduced, source, async_op=True)
         # Keep `source` alive until the collective is done.
         self._pending.append((bucket_index, handle, reduced if self.stage > 0 else source))
+        self._drain(keep=1)
+
+    def _drain(self, keep: int) -> None:
+        """Finish all but the newest `keep` collectives in flight, oldest first."""
+        while len(self._pending) > keep:
+            bucket_index, handle, reduced = self._pending.pop(0)
+            handle.wait()
+            self._store_reduced(bucket_index, reduced)
+            if self._boundary:
+                for callback in self.shard_ready_callbacks:
+                    callback(bucket_index)
 
     def _store_reduced(self, bucket_index: int, reduced: torch.Tensor) -> None:
         if self.stage == 2:
