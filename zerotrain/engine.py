@@ -69,9 +69,7 @@ class ZeroTrainEngine:
                                      topology.dp_rank if partitions > 1 else 0)
         self._broadcast_initial_state()
         self.reducer = GradReducer(self.buckets, self.comm, self.stage)
-        self.zero_optimizer = ShardedOptimizer(self.buckets, self.comm, torch_optimizer,
-                                               [g["params"] for g in torch_optimizer.param_groups],
-                                               config.gradient_clipping)
+        self.zero_optimizer = self._make_zero_optimizer(torch_optimizer)
         self.optimizer = torch_optimizer
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.loss_scaler = LossScaler.from_config(config.fp16)
@@ -107,6 +105,11 @@ class ZeroTrainEngine:
                 raise TypeError(f"the optimizer callable returned {type(built).__name__}, not a torch.optim.Optimizer")
             return built
         return build_optimizer(self.config.optimizer, groups)
+
+    def _make_zero_optimizer(self, torch_optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
+        """The object that owns master shards and runs the update (on device, or offloaded)."""
+        return ShardedOptimizer(self.buckets, self.comm, torch_optimizer,
+                                [g["params"] for g in torch_optimizer.param_groups], self.config.gradient_clipping)
 
     def _make_scheduler(self, lr_scheduler: Any):
         if lr_scheduler is None:
