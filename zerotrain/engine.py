@@ -24,6 +24,8 @@ from .zero.consolidate import gather_full_weights
 from .zero.flat import ShardedSlot, build_buckets
 from .zero.grads import GradReducer
 from .zero.optimizer import ShardedOptimizer
+from .zero.stage3.hooks import Stage3Hooks
+from .zero.stage3.setup import Stage3Model, partition_module, place_module
 
 logger = logging.getLogger("zerotrain")
 
@@ -49,13 +51,15 @@ class ZeroTrainEngine:
         self.config = config
         self.topology = topology
         self.stage = config.zero_optimization.stage
-        if self.stage > 2:
-            raise NotImplementedError("zero_optimization.stage 3 is not implemented yet; use stage 0, 1 or 2")
         self._warn_unimplemented()
         self.dtype = training_dtype(config.precision)
-        self.module = model.to(device=topology.device, dtype=self.dtype)
         self.counters = CommCounters()
         self.comm = Comm.data_parallel(topology, self.counters)
+        if self.stage == 3:
+            place_module(model, topology.device, self.dtype)
+            self.module = model
+        else:
+            self.module = model.to(device=topology.device, dtype=self.dtype)
 
         torch_optimizer = self._make_torch_optimizer(optimizer, model_parameters)
         group_of = {id(p): index for index, group in enumerate(torch_optimizer.param_groups) for p in group["params"]}
@@ -63,12 +67,21 @@ class ZeroTrainEngine:
         orphans = [n for n, p in named if id(p) not in group_of]
         if orphans:
             warnings.warn(f"parameters {orphans[:5]} require grad but are in no optimizer group; they stay frozen")
-        partitions = topology.dp_size if self.stage >= 1 else 1
-        self.buckets = build_buckets([(n, p) for n, p in named if id(p) in group_of], group_of,
-                                     int(config.zero_optimization.reduce_bucket_size), partitions,
-                                     topology.dp_rank if partitions > 1 else 0)
-        self._broadcast_initial_state()
-        self.reducer = GradReducer(self.buckets, self.comm, self.stage)
+        zero = config.zero_optimization
+        self.stage3: Optional[Stage3Model] = None
+        if self.stage == 3:
+            self.stage3 = partition_module(self.module, self.comm, group_of, int(zero.stage3_param_persistence_threshold),
+                                           bool(zero.stage3_allgather_sequential), int(zero.stage3_prefetch_bucket_size))
+            self.buckets = self.stage3.trainable
+        else:
+            partitions = topology.dp_size if self.stage >= 1 else 1
+            self.buckets = build_buckets([(n, p) for n, p in named if id(p) in group_of], group_of,
+                                         int(zero.reduce_bucket_size), partitions,
+                                         topology.dp_rank if partitions > 1 else 0)
+            self._broadcast_initial_state()
+        self.reducer = GradReducer(self.buckets, self.comm, min(self.stage, 2))
+        if self.stage3 is not None:  # its release hooks must run after the reducer's gradient hooks
+            self.stage3.hooks = Stage3Hooks(self.module, self.stage3.fetcher)
         self.zero_optimizer = self._make_zero_optimizer(torch_optimizer)
         self.optimizer = torch_optimizer
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
@@ -134,7 +147,11 @@ class ZeroTrainEngine:
 
     # --- the training step --------------------------------------------------
     def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        if self.stage3 is None:
+            return self.module(*args, **kwargs)
+        self.stage3.fetcher.begin_micro_step()
+        with self.stage3.hooks.saved_tensors_hooks():
+            return self.module(*args, **kwargs)
 
     forward = __call__
 
@@ -162,6 +179,8 @@ class ZeroTrainEngine:
         self.reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary())
         scaled.backward(retain_graph=retain_graph)
         self.reducer.end_backward()
+        if self.stage3 is not None:
+            self.stage3.fetcher.end_micro_step()
         self._backward_done = True
         return loss
 
@@ -224,18 +243,23 @@ class ZeroTrainEngine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights on CPU under the model's parameter names, on rank 0 only."""
         full = gather_full_weights(self.buckets, self.zero_optimizer.masters, self.comm)
+        if self.stage3 is not None:
+            frozen = self.stage3.frozen
+            full.update(gather_full_weights(frozen, [part.shard for part in frozen], self.comm))
         if self.comm.rank != 0:
             return {}
+        first_name: dict[int, str] = {}
         for name, param in self.module.named_parameters(remove_duplicate=False):
+            first_name.setdefault(id(param), name)
             if name not in full:
-                source = next((full[n] for n, p in self.module.named_parameters() if p is param and n in full), None)
+                source = full.get(first_name[id(param)])
                 full[name] = source if source is not None else param.detach().float().cpu().clone()
         return full
 
     def sharded_slots(self) -> list[ShardedSlot]:
         """This rank's master shards with their layout records (what a checkpoint saves and loads)."""
         return [ShardedSlot(records=bucket.shard_records(), master=master,
-                            model_shard=bucket.shard_of(bucket.flat_param), replicated=bucket.partitions == 1)
+                            model_shard=bucket.local_shard(), replicated=bucket.partitions == 1)
                 for bucket, master in zip(self.buckets, self.zero_optimizer.masters)]
 
     # --- checkpoints (zerotrain.checkpoint does the work) ---------------------
@@ -260,9 +284,16 @@ class ZeroTrainEngine:
 
     def memory_report(self) -> dict:
         """Bytes of model state this rank holds, and communication counters since start."""
-        in_buckets = {id(p) for b in self.buckets for p in b.params}
-        param_bytes = sum(b.flat_param.numel() * b.flat_param.element_size() for b in self.buckets)
-        param_bytes += sum(p.numel() * p.element_size() for p in self.module.parameters() if id(p) not in in_buckets)
+        if self.stage3 is not None:
+            parts = self.stage3.all_parts()
+            param_bytes = sum(part.shard.numel() * part.shard.element_size() for part in parts)
+            param_bytes += sum(part.flat_param.numel() * part.flat_param.element_size()
+                               for part in parts if part.gathered)
+        else:
+            in_buckets = {id(p) for b in self.buckets for p in b.params}
+            param_bytes = sum(b.flat_param.numel() * b.flat_param.element_size() for b in self.buckets)
+            param_bytes += sum(p.numel() * p.element_size() for p in self.module.parameters()
+                               if id(p) not in in_buckets)
         return {
             "parameters": param_bytes,
             "gradients": self.reducer.held_bytes(),

@@ -53,6 +53,7 @@ class FlatBucket:
         self.names = [name for name, _ in named_params]
         self.params = [param for _, param in named_params]
         self.shapes = [tuple(param.shape) for param in self.params]
+        self.numels = [param.numel() for param in self.params]
         first = self.params[0]
         self.dtype, self.device = first.dtype, first.device
         self.offsets: list[int] = []
@@ -70,6 +71,8 @@ class FlatBucket:
                 view.copy_(param.data)
                 param.data = view
 
+    keeps_full_copy = True  # stages 1-2: every rank holds the whole flat buffer between steps
+
     # --- layout -----------------------------------------------------------
     def shard_bounds(self, rank: int | None = None) -> tuple[int, int]:
         """[start, end) of partition `rank` (default: this rank) in the flat buffer."""
@@ -84,17 +87,25 @@ class FlatBucket:
     def param_view(self, position: int, flat: torch.Tensor) -> torch.Tensor:
         """Parameter `position`'s slice of a full-size flat tensor, shaped like the parameter."""
         offset = self.offsets[position]
-        return flat[offset:offset + self.params[position].numel()].view(self.shapes[position])
+        return flat[offset:offset + self.numels[position]].view(self.shapes[position])
 
     def shard_records(self, rank: int | None = None) -> list[ShardRecord]:
         """The pieces of parameters that partition `rank` owns, in shard order."""
         start, end = self.shard_bounds(rank)
         records = []
-        for name, shape, offset, param in zip(self.names, self.shapes, self.offsets, self.params):
-            lo, hi = max(start, offset), min(end, offset + param.numel())
+        for name, shape, offset, numel in zip(self.names, self.shapes, self.offsets, self.numels):
+            lo, hi = max(start, offset), min(end, offset + numel)
             if lo < hi:
                 records.append(ShardRecord(name, shape, lo - offset, hi - lo, lo - start))
         return records
+
+    def local_shard(self) -> torch.Tensor:
+        """This rank's shard of the parameters, in the training dtype (a view of flat_param)."""
+        return self.shard_of(self.flat_param)
+
+    def new_zeros(self) -> torch.Tensor:
+        """A zeroed full-size flat tensor of the bucket's dtype (for gradient staging)."""
+        return torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Split a full-size flat tensor into named tensors shaped like the parameters."""

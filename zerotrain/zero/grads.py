@@ -105,7 +105,7 @@ class GradReducer:
                 param.grad = view
         else:
             if self._staging[bucket_index] is None:
-                self._staging[bucket_index] = torch.zeros_like(bucket.flat_param)
+                self._staging[bucket_index] = bucket.new_zeros()
             bucket.param_view(position, self._staging[bucket_index]).add_(param.grad)
             param.grad = None
         self._ready_count[bucket_index] += 1
@@ -124,7 +124,7 @@ class GradReducer:
         else:
             source = self._staging[bucket_index]
             if source is None:  # no gradient reached this bucket in this backward
-                source = torch.zeros_like(bucket.flat_param)
+                source = bucket.new_zeros()
             self._staging[bucket_index] = None
         if self.reduce_dtype is not None and source.dtype != self.reduce_dtype:
             source = source.to(self.reduce_dtype)

@@ -31,11 +31,12 @@ class ShardedOptimizer:
         self.clip_norm = clip_norm
         self.masters: list[torch.Tensor] = []
         for bucket in buckets:
-            shard = bucket.shard_of(bucket.flat_param)
+            shard = bucket.local_shard()
             if bucket.dtype == torch.float32:
                 master = shard  # the model's own buffer: no copy
             else:
                 master = shard.detach().float().clone()
+            bucket.master = master
             self.masters.append(master)
         self.optimizer = optimizer
         self._rewire(group_params)
@@ -92,10 +93,11 @@ class ShardedOptimizer:
         """Cast master shards into the model's flat buffers and all-gather every bucket."""
         handles = []
         for bucket, master in zip(self.buckets, self.masters):
-            shard = bucket.shard_of(bucket.flat_param)
+            shard = bucket.local_shard()
             if master.data_ptr() != shard.data_ptr():
                 shard.copy_(master)
-            if bucket.partitions > 1:
+            if bucket.keeps_full_copy and (bucket.partitions > 1 or shard.data_ptr() != bucket.flat_param.data_ptr()):
+                # Stages 1-2 (and stage-3 parameters kept whole): refresh the full copy now.
                 handles.append(self.comm.all_gather(bucket.flat_param, shard, async_op=True))
         for handle in handles:
             handle.wait()

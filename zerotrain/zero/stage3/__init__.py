@@ -1,0 +1,5 @@
+"""ZeRO stage 3: parameters partitioned across ranks, gathered per module with prefetch."""
+from .context import GatheredParameters, Init
+from .partition import PartitionedParam, ZeroParameter
+
+__all__ = ["GatheredParameters", "Init", "PartitionedParam", "ZeroParameter"]

@@ -1,0 +1,128 @@
+"""User-facing stage-3 context managers: `zero.Init()` and `zero.GatheredParameters()`.
+
+`Init` partitions every parameter as soon as the module that owns it finishes
+its `__init__`, so a model larger than one rank's memory can be built: at most
+one module's parameters are ever whole. Initializers that a parent module runs
+later on an already partitioned parameter (`normal_`, `zero_`, ...) act on the
+local shard (see `partition.ZeroParameter`).
+
+`GatheredParameters(params, modifier_rank=None)` gathers parameters for user code;
+with `modifier_rank`, that rank's values are broadcast on exit and written back
+into every rank's shard and fp32 master.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Iterable, Optional, Union
+
+import torch
+
+from ...comm import Comm
+from ...topology import Topology
+from .fetch import gather_standalone
+from .partition import PartitionedParam, ZeroParameter, partition_parameter
+
+
+class Init:
+    """Partition parameters at construction time (DeepSpeed's `zero.Init`)."""
+
+    def __init__(self, config: Optional[dict] = None, dtype: Optional[torch.dtype] = None,
+                 enabled: bool = True, timeout_seconds: float = 1800.0, **unused):
+        self.enabled = enabled
+        self.dtype = dtype
+        self.timeout_seconds = timeout_seconds
+        self._patched: list[tuple[type, object]] = []
+        self.comm: Optional[Comm] = None
+
+    def __enter__(self) -> "Init":
+        if not self.enabled:
+            return self
+        topology = Topology.build(self.timeout_seconds)
+        self.comm = Comm.data_parallel(topology)
+        self.device = topology.device
+        for cls in _all_module_classes():
+            if "__init__" in cls.__dict__:
+                original = cls.__dict__["__init__"]
+                cls.__init__ = self._wrap(original)
+                self._patched.append((cls, original))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for cls, original in reversed(self._patched):
+            cls.__init__ = original
+        self._patched.clear()
+
+    def _wrap(self, original):
+        init = self
+
+        @functools.wraps(original)
+        def wrapped(module, *args, **kwargs):
+            # Partition when the outermost __init__ of this object returns (subclass chains
+            # may still set up weights after super().__init__()).
+            depth = module.__dict__.get("_zerotrain_init_depth", 0)
+            object.__setattr__(module, "_zerotrain_init_depth", depth + 1)
+            try:
+                original(module, *args, **kwargs)
+            finally:
+                object.__setattr__(module, "_zerotrain_init_depth", depth)
+            if depth == 0:
+                init._partition(module)
+        return wrapped
+
+    def _partition(self, module: torch.nn.Module) -> None:
+        for name, param in list(module.named_parameters(recurse=False)):
+            if isinstance(param, ZeroParameter):
+                continue
+            with torch.no_grad():
+                if self.dtype is not None and param.is_floating_point():
+                    param.data = param.data.to(self.dtype)
+                param.data = param.data.to(self.device)
+            part = partition_parameter(name, param, self.comm.size, self.comm.rank)
+            part.comm = self.comm
+
+
+def _all_module_classes() -> list[type]:
+    seen, stack = [], [torch.nn.Module]
+    while stack:
+        cls = stack.pop()
+        for sub in cls.__subclasses__():
+            if sub not in seen:
+                seen.append(sub)
+                stack.append(sub)
+    return seen
+
+
+@contextlib.contextmanager
+def GatheredParameters(params: Union[torch.nn.Parameter, Iterable[torch.nn.Parameter]],
+                       modifier_rank: Optional[int] = None, fwd_module=None, enabled: bool = True):
+    """Gather partitioned parameters for the body; write `modifier_rank`'s changes back on exit."""
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    parts: list[PartitionedParam] = [p._zero for p in params if isinstance(p, ZeroParameter)]
+    if not enabled or not parts:
+        yield
+        return
+    fetcher = parts[0].fetcher
+    if fetcher is not None:
+        fetcher.fetch(parts, reason="user")
+        fetcher.hold(parts)
+        comm = fetcher.comm
+    else:
+        comm = getattr(parts[0], "comm", None)
+        for part in parts:
+            if not part.gathered:
+                gather_standalone(part, comm)
+    try:
+        yield
+        if modifier_rank is not None:
+            for part in parts:
+                full = part.flat_param
+                comm.broadcast(full, src=modifier_rank)
+                part.write_full(full[:part.numel])
+    finally:
+        if fetcher is not None:
+            fetcher.unhold_and_release(parts)
+        else:
+            for part in parts:
+                part.release()

@@ -1,0 +1,89 @@
+"""When stage-3 parameters are gathered and released.
+
+- Forward: a module's pre-hook gathers its direct parameters (prefetching what
+  comes next); its post-hook releases them. A module called twice gathers twice.
+- Backward: tensors that autograd saves are packed by `saved_tensors_hooks`: a
+  saved parameter (or a view of one) is stored as a reference, not as the full
+  tensor, so releasing after forward really frees memory; unpacking in backward
+  gathers it again. No module backward hooks are needed, so in-place ops on
+  module outputs and parameters used by several modules (tied weights) just work.
+- After a parameter's gradient has been handed to the reducer it is released.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .fetch import ParamFetcher
+from .partition import PartitionedParam, ZeroParameter
+
+
+@dataclass
+class _SavedParam:
+    part: PartitionedParam
+    view: Optional[tuple]  # (size, stride, storage_offset) when a view of the parameter was saved
+
+
+class Stage3Hooks:
+    """Installs the module and autograd hooks that drive a ParamFetcher."""
+
+    def __init__(self, module: torch.nn.Module, fetcher: ParamFetcher):
+        self.fetcher = fetcher
+        self._handles = []
+        for submodule in module.modules():
+            parts = [p._zero for p in submodule.parameters(recurse=False) if isinstance(p, ZeroParameter)]
+            if not parts:
+                continue
+            self._handles.append(submodule.register_forward_pre_hook(self._make_pre_hook(parts)))
+            self._handles.append(submodule.register_forward_hook(self._make_post_hook(parts)))
+        for part in fetcher.parts:
+            if part.param.requires_grad:
+                # Runs after the reducer's own hook (registered earlier) has taken the gradient.
+                self._handles.append(part.param.register_post_accumulate_grad_hook(self._make_release_hook(part)))
+
+    def _make_pre_hook(self, parts: list[PartitionedParam]):
+        def pre_hook(module, args):
+            self.fetcher.fetch(parts)
+            self.fetcher.hold(parts)
+        return pre_hook
+
+    def _make_post_hook(self, parts: list[PartitionedParam]):
+        def post_hook(module, args, output):
+            self.fetcher.unhold_and_release(parts)
+        return post_hook
+
+    def _make_release_hook(self, part: PartitionedParam):
+        def release_hook(param):
+            self.fetcher.release(part)
+        return release_hook
+
+    # --- saved tensors -------------------------------------------------------
+    def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    @staticmethod
+    def _pack(tensor: torch.Tensor):
+        if type(tensor) is ZeroParameter and not tensor._zero.persistent:
+            return _SavedParam(tensor._zero, None)
+        base = tensor._base
+        if base is not None and type(base) is ZeroParameter and not base._zero.persistent:
+            return _SavedParam(base._zero, (tensor.size(), tensor.stride(), tensor.storage_offset()))
+        return tensor
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _SavedParam):
+            return saved
+        self.fetcher.fetch([saved.part], reason="backward")
+        param = saved.part.param
+        if saved.view is None:
+            return param
+        size, stride, offset = saved.view
+        with torch._C.DisableTorchFunctionSubclass():
+            return param.detach().as_strided(size, stride, offset)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -1,0 +1,198 @@
+"""Stage-3 parameter partitioning: each parameter keeps only its 1/N shard.
+
+A partitioned parameter is flattened, padded to ceil(numel/N)·N elements and cut
+into N equal chunks; rank r keeps chunk r (`PartitionedParam.shard`). Between
+uses the parameter's `.data` is a one-element placeholder broadcast to the full
+shape (no memory, but the right shape for autograd's checks); a gather fills a full buffer of
+ceil(numel/N)·N elements and the parameter becomes a view of its head, so a
+gather needs no copy-out.
+
+Partitioned parameters are switched to the `ZeroParameter` class, whose
+`__torch_function__` makes them safe to touch while released: an in-place
+element-wise initializer (`normal_`, `zero_`, `fill_`, `uniform_`, `copy_`, ...)
+is applied to the local shard only, and any other use gathers the parameter on
+demand (for a weight used outside its module's forward, such as a tied output
+head in a user's loss).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ..flat import FlatBucket
+
+# In-place element-wise ops that can run on the shard alone (initializers, mostly).
+_SHARD_SAFE_INPLACE = {
+    "normal_", "uniform_", "zero_", "fill_", "copy_", "mul_", "add_", "sub_", "div_", "clamp_", "erfinv_",
+    "exponential_", "bernoulli_", "random_",
+}
+
+
+class PartitionedParam(FlatBucket):
+    """One parameter's layout and shard: a FlatBucket of a single parameter that stores only its shard."""
+
+    def __init__(self, name: str, param: torch.nn.Parameter, partitions: int, rank: int,
+                 group_index: int = 0, shard: Optional[torch.Tensor] = None, full_shape: Optional[tuple] = None):
+        self.index = 0
+        self.group_index = group_index
+        self.partitions = partitions
+        self.rank = rank
+        self.names = [name]
+        self.params = [param]
+        self.shapes = [tuple(full_shape if full_shape is not None else param.shape)]
+        self.offsets = [0]
+        self.numel = int(torch.Size(self.shapes[0]).numel())
+        self.numels = [self.numel]
+        self.padded_numel = -(-self.numel // partitions) * partitions
+        self.shard_numel = self.padded_numel // partitions
+        self.dtype, self.device = param.dtype, param.device
+        if shard is None:
+            flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+            flat[:self.numel].copy_(param.data.reshape(-1))
+            shard = self.shard_of(flat).clone()
+        self.shard = shard
+        self.flat_param: Optional[torch.Tensor] = None  # the gathered full buffer, while gathered
+        self.persistent = False
+        self.master: Optional[torch.Tensor] = None  # set by the optimizer; kept in sync by GatheredParameters
+        self.fetcher = None  # set by the engine's ParamFetcher
+        self.empty = self._placeholder()
+        param.__class__ = ZeroParameter
+        param._zero = self
+        param.ds_shape = torch.Size(self.shapes[0])  # DeepSpeed's names for the full shape and size
+        param.ds_numel = self.numel
+
+    # --- storage ----------------------------------------------------------
+    def _placeholder(self) -> torch.Tensor:
+        """What a released parameter holds: one element broadcast to the full shape.
+
+        It keeps the parameter's shape (autograd checks a gradient against it when
+        accumulating) while holding no memory; writing into it fails loudly.
+        """
+        return torch.empty((), dtype=self.dtype, device=self.device).expand(self.shapes[0])
+
+    def local_shard(self) -> torch.Tensor:
+        return self.shard
+
+    @property
+    def keeps_full_copy(self) -> bool:
+        return self.persistent
+
+    @property
+    def param(self) -> torch.nn.Parameter:
+        return self.params[0]
+
+    @property
+    def gathered(self) -> bool:
+        return self.flat_param is not None
+
+    def bind(self, flat: torch.Tensor) -> None:
+        """Make the parameter a view of a full gathered buffer."""
+        self.flat_param = flat
+        self.param.data = flat[:self.numel].view(self.shapes[0])
+
+    def release(self) -> None:
+        """Drop the full buffer; the parameter keeps only its shard."""
+        if self.persistent:
+            return
+        self.flat_param = None
+        self.param.data = self.empty
+
+    def to_(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Move or cast the shard (the module's own .to() would gather)."""
+        self.shard = self.shard.to(device=device, dtype=dtype)
+        self.dtype, self.device = dtype, device
+        self.empty = self._placeholder()
+        if self.flat_param is not None:
+            self.bind(self.flat_param.to(device=device, dtype=dtype))
+        else:
+            self.param.data = self.empty
+
+    def write_full(self, full: torch.Tensor) -> None:
+        """Take new full values: keep this rank's chunk in the shard (and the fp32 master)."""
+        flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        flat[:self.numel].copy_(full.reshape(-1))
+        self.shard.copy_(self.shard_of(flat))
+        if self.master is not None and self.master.data_ptr() != self.shard.data_ptr():
+            self.master.copy_(self.shard)
+        if self.gathered:
+            self.flat_param.copy_(flat)
+
+
+def _zero_params_in(args, kwargs) -> list:
+    flat, _ = tree_flatten((args, kwargs))
+    return [item for item in flat if isinstance(item, ZeroParameter)]
+
+
+# Methods that read metadata or register hooks: never worth a gather (a released
+# parameter reports its full shape; `param.ds_shape` / `ds_numel` say the same).
+_NO_GATHER = {
+    "__get__", "__set__", "__delete__", "register_hook", "register_post_accumulate_grad_hook", "requires_grad_",
+    "numel", "nelement", "size", "dim", "ndimension", "element_size", "is_floating_point", "is_complex",
+    "get_device", "is_contiguous", "data_ptr", "untyped_storage", "detach", "detach_", "__repr__", "__format__",
+    "__hash__", "__eq__", "__reduce_ex__", "__deepcopy__", "_is_view",
+}
+
+
+class ZeroParameter(torch.nn.Parameter):
+    """A parameter whose full value exists only while gathered (see module docstring)."""
+
+    _zero: PartitionedParam
+
+    @classmethod
+    def __torch_function__(cls, func: Callable, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name not in _NO_GATHER:
+            released = [p for p in _zero_params_in(args, kwargs) if not p._zero.gathered]
+            if released:
+                target = args[0] if args else None
+                if (name in _SHARD_SAFE_INPLACE and isinstance(target, ZeroParameter)
+                        and not target._zero.gathered and len(released) == 1):
+                    return _apply_to_shard(func, target._zero, args[1:], kwargs)
+                for param in released:
+                    param._zero.fetch_for_access()
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def _apply_to_shard(func: Callable, part: PartitionedParam, rest: tuple, kwargs: dict):
+    """Run an in-place element-wise op on the shard; full-shaped tensor operands are cut to the chunk."""
+    start, end = part.shard_bounds()
+
+    def chunk_of(value):
+        if torch.is_tensor(value) and value.numel() == part.numel:
+            flat = torch.zeros(part.padded_numel, dtype=value.dtype, device=value.device)
+            flat[:part.numel].copy_(value.reshape(-1))
+            return flat[start:end]
+        return value
+
+    rest = tuple(chunk_of(value) for value in rest)
+    with torch._C.DisableTorchFunctionSubclass():
+        func(part.shard, *rest, **kwargs)
+        # Padding stays zero whatever the op did to it.
+        valid = max(0, min(end, part.numel) - start)
+        part.shard[valid:].zero_()
+    if part.master is not None and part.master.data_ptr() != part.shard.data_ptr():
+        part.master.copy_(part.shard)
+    return part.param
+
+
+def fetch_for_access(self: PartitionedParam) -> None:
+    """Gather now for use outside a module's forward (released again after the next backward)."""
+    if self.fetcher is None:
+        raise RuntimeError(f"parameter {self.names[0]} is partitioned (ZeRO-3) and no engine owns it yet; "
+                           "use zerotrain.zero.GatheredParameters to read it")
+    self.fetcher.fetch([self], reason="access")
+
+
+PartitionedParam.fetch_for_access = fetch_for_access
+
+
+def partition_parameter(name: str, param: torch.nn.Parameter, partitions: int, rank: int) -> PartitionedParam:
+    """Partition one full parameter in place: keep this rank's shard, release the rest."""
+    part = PartitionedParam(name, param, partitions, rank)
+    part.release()
+    return part
+

@@ -1,0 +1,70 @@
+"""Turning a module into a stage-3 module: place, partition, and hook it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...comm import Comm
+from .fetch import ParamFetcher
+from .hooks import Stage3Hooks
+from .partition import PartitionedParam, ZeroParameter, partition_parameter
+
+
+@dataclass
+class Stage3Model:
+    """The partitioned parameters of one module and the machinery that gathers them."""
+
+    trainable: list[PartitionedParam]  # in reverse registration order (≈ backward order)
+    frozen: list[PartitionedParam]
+    fetcher: ParamFetcher
+    hooks: Stage3Hooks = None
+
+    def all_parts(self) -> list[PartitionedParam]:
+        return self.trainable + self.frozen
+
+
+def place_module(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Move and cast a module whose parameters may already be partitioned, without gathering them."""
+    for param in module.parameters():
+        cast = dtype if param.is_floating_point() else param.dtype
+        if isinstance(param, ZeroParameter):
+            param._zero.to_(device, cast)
+        else:
+            param.data = param.data.to(device=device, dtype=cast)
+    for buffer in module.buffers():
+        buffer.data = buffer.data.to(device=device, dtype=dtype if buffer.is_floating_point() else buffer.dtype)
+
+
+def partition_module(module: torch.nn.Module, comm: Comm, group_of: dict[int, int],
+                     persistence_threshold: int, sequential: bool, prefetch_numel: int) -> Stage3Model:
+    """Partition every parameter of `module` (those built under zero.Init already are) and build its fetcher.
+
+    Every rank starts from rank 0's values. Parameters with at most
+    `persistence_threshold` elements stay whole on every rank (still with a shard
+    for the optimizer), as DeepSpeed's `stage3_param_persistence_threshold` does.
+    """
+    trainable, frozen = [], []
+    for name, param in module.named_parameters():
+        if isinstance(param, ZeroParameter):
+            part = param._zero
+            part.names = [name]
+            if part.partitions != comm.size:
+                raise ValueError(f"parameter {name} was partitioned for {part.partitions} ranks, not {comm.size}")
+        else:
+            with torch.no_grad():
+                comm.broadcast(param.data, src=0)
+            part = partition_parameter(name, param, comm.size, comm.rank)
+        part.group_index = group_of.get(id(param), 0)
+        part.persistent = part.numel <= persistence_threshold
+        (trainable if param.requires_grad and id(param) in group_of else frozen).append(part)
+    trainable.reverse()
+    for index, part in enumerate(trainable):
+        part.index = index
+    fetcher = ParamFetcher(trainable + frozen, comm, sequential, prefetch_numel)
+    for part in trainable + frozen:  # persistent parameters are gathered once, in the same order everywhere
+        if part.persistent:
+            buffer = torch.empty(part.padded_numel, dtype=part.dtype, device=part.device)
+            comm.all_gather(buffer, part.shard)
+            part.bind(buffer)
+    return Stage3Model(trainable, frozen, fetcher)
