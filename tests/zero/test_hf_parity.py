@@ -47,7 +47,7 @@ def train_hf(stage: int) -> tuple[list, dict]:
     return losses, engine.full_state_dict()
 
 
-@pytest.mark.parametrize("stage", [2])
+@pytest.mark.parametrize("stage", [2, 3])
 def test_gpt2_from_config_matches_single_process(stage):
     losses, weights = run_distributed(train_hf, 2, stage)[0]
     model = build_model()

@@ -130,7 +130,7 @@ def _zero_params_in(args, kwargs) -> list:
 _NO_GATHER = {
     "__get__", "__set__", "__delete__", "register_hook", "register_post_accumulate_grad_hook", "requires_grad_",
     "numel", "nelement", "size", "dim", "ndimension", "element_size", "is_floating_point", "is_complex",
-    "get_device", "is_contiguous", "data_ptr", "untyped_storage", "detach", "detach_", "__repr__", "__format__",
+    "get_device", "is_contiguous", "data_ptr", "untyped_storage", "__repr__", "__format__",
     "__hash__", "__eq__", "__reduce_ex__", "__deepcopy__", "_is_view",
 }
 
