@@ -71,7 +71,8 @@ class ZeroTrainEngine:
         self.stage3: Optional[Stage3Model] = None
         if self.stage == 3:
             self.stage3 = partition_module(self.module, self.comm, group_of, int(zero.stage3_param_persistence_threshold),
-                                           bool(zero.stage3_allgather_sequential), int(zero.stage3_prefetch_bucket_size))
+                                           bool(zero.stage3_allgather_sequential), int(zero.stage3_prefetch_bucket_size),
+                                           int(zero.stage3_max_live_parameters))
             self.buckets = self.stage3.trainable
         else:
             partitions = topology.dp_size if self.stage >= 1 else 1

@@ -131,3 +131,67 @@ def test_stage3_matches_single_process(world):
         all_gathered_once = zero.get("stage3_param_persistence_threshold", 0) > 0
         if world > 1 and zero.get("stage3_prefetch_bucket_size", 1) and not external and not all_gathered_once:
             assert stats["prefetch_hits"] > 0, f"{what}: prefetch never used: {stats}"
+
+
+class DynamicModel(torch.nn.Module):
+    """The module order changes from step to step: prefetch must notice and fall back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(6, 8)
+        self.second = torch.nn.Linear(8, 8)
+        self.third = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        hidden = torch.tanh(self.first(x))
+        if step % 2 == 0:
+            hidden = torch.tanh(self.second(hidden))
+        return self.third(hidden)
+
+
+def dynamic_batches(world: int):
+    generator = torch.Generator().manual_seed(9)
+    return [(torch.randn(2 * world, 6, generator=generator), torch.randn(2 * world, 3, generator=generator))
+            for _ in range(5)]
+
+
+def train_dynamic() -> tuple:
+    import torch.distributed as dist
+
+    import zerotrain
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    torch.manual_seed(0)
+    engine, *_ = zerotrain.initialize(model=DynamicModel(), config=stage3_config(1))
+    losses = []
+    for step, (x, y) in enumerate(dynamic_batches(world)):
+        loss = F.mse_loss(engine(x[2 * rank:2 * rank + 2], step), y[2 * rank:2 * rank + 2])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().reshape(1)
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses, engine.full_state_dict(), dict(engine.stage3.fetcher.stats)
+
+
+def test_dynamic_module_order_falls_back_correctly():
+    losses, weights, stats = run_distributed(train_dynamic, 2)[0]
+    torch.manual_seed(0)
+    model = DynamicModel()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    ref_losses = []
+    for step, (x, y) in enumerate(dynamic_batches(2)):
+        loss = F.mse_loss(model(x, step), y)
+        loss.backward()
+        for param in model.parameters():  # ZeRO reduces a zero gradient for a parameter a step did not use
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_losses.append(loss.item())
+    for got, ref in zip(losses, ref_losses):
+        assert abs(got - ref) <= 1e-5 * abs(ref), (losses, ref_losses)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(weights[name], param.detach(), rtol=1e-5, atol=1e-6)
+    assert stats["prefetched"] > 0

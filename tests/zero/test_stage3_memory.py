@@ -114,3 +114,9 @@ def test_gathered_parameters_modifier_changes_what_every_rank_trains():
         assert abs(got - ref) <= 1e-5 * abs(ref), (losses, ref_losses)
     for name, ref in ref_weights.items():
         torch.testing.assert_close(weights[name], ref, rtol=1e-5, atol=1e-6)
+
+
+def test_max_live_parameters_caps_prefetch():
+    capped = run_distributed(stage3_memory, 2, {"stage3_max_live_parameters": 0})[0]
+    assert capped["stats"]["prefetched"] == 0
+    assert capped["stats"]["peak_live_bytes"] <= max(-(-n // 2) * 2 * 4 for n in capped["sizes"].values()) * 2

@@ -26,8 +26,10 @@ from .partition import PartitionedParam
 class ParamFetcher:
     """Owns every gather and release of partitioned parameters for one engine."""
 
-    def __init__(self, parts: list[PartitionedParam], comm: Comm, sequential: bool, prefetch_numel: int):
+    def __init__(self, parts: list[PartitionedParam], comm: Comm, sequential: bool, prefetch_numel: int,
+                 max_live_numel: int = 10**9):
         self.parts = parts
+        self.max_live_numel = max_live_numel  # prefetch never takes live gathered elements past this
         self.comm = comm
         self.sequential = sequential
         self.prefetch_numel = prefetch_numel
@@ -38,7 +40,7 @@ class ParamFetcher:
         self._inflight: dict[int, tuple] = {}  # id(part) -> (handle, gather record)
         self.holds: dict[int, int] = {}  # id(part) -> module forwards currently using it
         self.stats = {"gathers": 0, "prefetched": 0, "prefetch_hits": 0, "peak_gather_bytes": 0,
-                      "live_bytes": 0, "peak_live_bytes": 0}
+                      "live_bytes": 0, "peak_live_bytes": 0, "live_numel": 0}
         for part in parts:
             part.fetcher = self
 
@@ -111,7 +113,9 @@ class ParamFetcher:
             upcoming = [by_id[key] for key in self.trace[position]]
             wanted = [part for part in upcoming
                       if not part.persistent and not part.gathered and id(part) not in self._inflight]
-            size = sum(part.numel for part in wanted)
+            size = sum(part.padded_numel for part in wanted)
+            if self.stats["live_numel"] + ahead + size > self.max_live_numel:
+                break
             if self.sequential:
                 if ahead >= budget:
                     break
@@ -172,10 +176,12 @@ class ParamFetcher:
         if part.gathered:
             return
         part.bind(flat)
+        self.stats["live_numel"] += flat.numel()
         self.stats["live_bytes"] += flat.numel() * flat.element_size()
         self.stats["peak_live_bytes"] = max(self.stats["peak_live_bytes"], self.stats["live_bytes"])
 
     def _release(self, part: PartitionedParam) -> None:
+        self.stats["live_numel"] -= part.flat_param.numel()
         self.stats["live_bytes"] -= part.flat_param.numel() * part.flat_param.element_size()
         part.release()
 
