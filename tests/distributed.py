@@ -7,6 +7,10 @@ returns the per-rank results. If any rank raises, the others are stopped and the
 failing rank's traceback is raised in the test; if a rank dies or the whole run
 exceeds `timeout` seconds, every rank is stopped and the test fails saying which
 ranks never answered. It never hangs.
+
+Tests of failure handling pass `expect_exit={rank, ...}`: those ranks may end their
+process without reporting (e.g. `os._exit` to simulate a crash); their result is
+None instead of an error.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 _CONTEXT = None
 
@@ -61,8 +65,13 @@ def _child(rank: int, world_size: int, port: int, sys_path: list, module: str, n
             pass
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, **kwargs: Any) -> list:
-    """Call module-level `fn(*args, **kwargs)` on `world_size` gloo ranks; return results by rank."""
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
+                    expect_exit: Iterable[int] = (), **kwargs: Any) -> list:
+    """Call module-level `fn(*args, **kwargs)` on `world_size` gloo ranks; return results by rank.
+
+    Ranks in `expect_exit` may die without reporting; their result is then None.
+    """
+    expected_exits = set(expect_exit)
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
@@ -83,6 +92,11 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                 if dead and results.empty():
                     time.sleep(0.5)  # let a final message through
                     if results.empty():
+                        for r in dead:
+                            if r in expected_exits:
+                                outcomes[r] = None
+                        dead = [r for r in dead if r not in expected_exits]
+                    if dead and results.empty():
                         raise AssertionError(f"rank(s) {dead} died without reporting "
                                              f"(exit codes {[processes[r].exitcode for r in dead]})")
                 if time.monotonic() > deadline:

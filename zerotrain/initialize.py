@@ -22,7 +22,10 @@ def _dp_size_hint() -> int:
     """The data-parallel size this job will have, known before any process group exists."""
     if dist.is_initialized():
         return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    # The same rule as topology.init_distributed: a launcher world needs both RANK and WORLD_SIZE.
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return 1
 
 
 def initialize(model: torch.nn.Module, config: Union[dict, str, os.PathLike, None] = None,

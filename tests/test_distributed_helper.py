@@ -1,0 +1,77 @@
+"""The spawn helper itself: it reports the failing rank, and it never hangs."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import pytest
+
+from distributed import run_distributed
+
+
+def _rank() -> int:
+    return int(os.environ["RANK"])
+
+
+def answer_rank() -> tuple[int, int]:
+    return _rank(), int(os.environ["WORLD_SIZE"])
+
+
+def raise_on_rank_one(marker: str) -> int:
+    if _rank() == 1:
+        raise ValueError(f"deliberate failure {marker}")
+    return _rank()
+
+
+def hang_on_rank_zero() -> int:
+    if _rank() == 0:
+        while True:
+            time.sleep(60)
+    return _rank()
+
+
+def die_on_rank_one() -> int:
+    if _rank() == 1:
+        os._exit(3)
+    time.sleep(120)  # rank 0 would outlive the test if the helper waited for it
+    return _rank()
+
+
+def test_results_come_back_by_rank():
+    assert run_distributed(answer_rank, 3) == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_failing_rank_traceback_is_reported():
+    started = time.monotonic()
+    with pytest.raises(AssertionError) as info:
+        run_distributed(raise_on_rank_one, 2, "xyzzy-42", timeout=60)
+    message = str(info.value)
+    assert "rank 1" in message, message
+    assert "ValueError: deliberate failure xyzzy-42" in message, message
+    assert "raise_on_rank_one" in message, "the traceback names the function that raised"
+    assert time.monotonic() - started < 15
+
+
+def test_hanging_rank_times_out_naming_it():
+    started = time.monotonic()
+    with pytest.raises(AssertionError) as info:
+        run_distributed(hang_on_rank_zero, 2, timeout=4)
+    elapsed = time.monotonic() - started
+    message = str(info.value)
+    assert "timed out" in message and "[0]" in message, message
+    assert "[1]" not in message and "[0, 1]" not in message, f"rank 1 finished: {message}"
+    assert 4 <= elapsed < 15, elapsed
+    assert not multiprocessing.active_children(), "the hanging rank was left running"
+
+
+def test_rank_that_dies_is_reported_before_the_timeout():
+    started = time.monotonic()
+    with pytest.raises(AssertionError) as info:
+        run_distributed(die_on_rank_one, 2, timeout=120)
+    elapsed = time.monotonic() - started
+    message = str(info.value)
+    assert "[1]" in message and "died" in message, message
+    assert "3" in message.split("exit code")[-1], f"the exit code is reported: {message}"
+    assert elapsed < 15, f"took {elapsed:.1f}s: waited for the timeout instead of noticing the death"
+    assert not multiprocessing.active_children(), "the surviving rank was left running"
