@@ -1,0 +1,93 @@
+"""Async save: training goes on during the write, wait commits, writer failures surface on the next call."""
+from __future__ import annotations
+
+import os
+import time
+
+from ckpt_common import assert_weights_equal, make_engine, train
+from distributed import run_distributed
+
+
+def async_run(save_dir: str) -> dict:
+    import zerotrain.checkpoint.write as write
+    from zerotrain.checkpoint import CheckpointError
+
+    rank = int(os.environ["RANK"])
+    original = write.SaveJob._write_round
+    out: dict = {}
+    engine = make_engine(stage=2, async_save=True)
+    train(engine, 0, 2)
+    at_save = engine.full_state_dict()
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.5)
+        return original(self, *args, **kwargs)
+
+    write.SaveJob._write_round = slow
+    started = time.perf_counter()
+    path = engine.save_checkpoint(save_dir, tag="async")
+    out["returned_after"] = time.perf_counter() - started
+    out["visible_at_return"] = os.path.exists(path)
+    train(engine, 2, 2)  # the weights move on while the save is written
+    out["visible_after_training"] = os.path.exists(path)
+    engine.wait_checkpoint()
+    out["committed"] = os.path.exists(os.path.join(path, "manifest.json"))
+    out["latest"] = open(os.path.join(save_dir, "latest")).read()
+    write.SaveJob._write_round = original
+    fresh = make_engine(stage=1, seed=9)
+    fresh.load_checkpoint(save_dir)
+    out["loaded"], out["at_save"] = fresh.full_state_dict(), at_save
+
+    def broken(self, *args, **kwargs):
+        if self.comm.rank == 1:
+            raise OSError("disk on fire (injected)")
+        return original(self, *args, **kwargs)
+
+    # A failed background write surfaces on a following engine.step(), on every rank at the same step.
+    write.SaveJob._write_round = broken
+    engine.save_checkpoint(save_dir, tag="broken")
+    out["step_error"] = None
+    for attempt in range(200):
+        try:
+            train(engine, 4, 1)
+        except CheckpointError as error:
+            out["step_error"], out["failed_at_attempt"] = str(error), attempt
+            break
+    # ... or on wait_checkpoint().
+    engine.save_checkpoint(save_dir, tag="broken2")
+    try:
+        engine.wait_checkpoint()
+        out["wait_error"] = None
+    except CheckpointError as error:
+        out["wait_error"] = str(error)
+    write.SaveJob._write_round = original
+    engine.wait_checkpoint()  # nothing pending, nothing raised twice
+    # A client_state that cannot be stored is refused on every rank before anything is written.
+    try:
+        engine.save_checkpoint(save_dir, tag="bad_state", client_state={"sampler": object()})
+        out["client_state_error"] = None
+    except CheckpointError as error:
+        out["client_state_error"] = str(error)
+    # The engine saves again after failures; nothing half-written is left behind.
+    engine.save_checkpoint(save_dir, tag="after", async_save=False)
+    out["latest_after"] = open(os.path.join(save_dir, "latest")).read()
+    out["entries"] = sorted(os.listdir(save_dir)) if rank == 0 else None
+    return out
+
+
+def test_async_save_overlaps_training_and_surfaces_errors(tmp_path):
+    save_dir = str(tmp_path / "ckpt")
+    results = run_distributed(async_run, 2, save_dir)
+    out = results[0]
+    assert out["returned_after"] < 0.5 and not out["visible_at_return"]
+    assert not out["visible_after_training"]  # two training steps ran while the writer was still busy
+    assert out["committed"] and out["latest"] == "async"
+    assert_weights_equal(out["loaded"], out["at_save"], rtol=0, atol=0, what="async snapshot")
+    for rank, result in enumerate(results):
+        assert result["step_error"] and "failed on rank 1" in result["step_error"], (rank, result["step_error"])
+        assert "disk on fire" in result["step_error"]
+        assert result["wait_error"] and "disk on fire" in result["wait_error"]
+        assert "client_state['sampler']" in result["client_state_error"], result["client_state_error"]
+    assert results[0]["failed_at_attempt"] == results[1]["failed_at_attempt"]
+    assert out["latest_after"] == "after"
+    assert out["entries"] == ["after", "async", "latest"]

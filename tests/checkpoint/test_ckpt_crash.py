@@ -1,0 +1,78 @@
+"""Crash safety and rotation: a save killed at any point leaves the last committed checkpoint as `latest`."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+
+from ckpt_common import make_engine, train
+from distributed import run_distributed
+
+
+def _kill_at(point: str) -> None:
+    import zerotrain.checkpoint.commit as commit
+
+    def hook(event: str) -> None:
+        if event == point:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    commit.fault_hook = hook
+
+
+def save_two_then_die(save_dir: str) -> None:
+    engine = make_engine(stage=2, keep_last=2)
+    for tag in ("t1", "t2"):
+        train(engine, engine.global_steps, 1)
+        engine.save_checkpoint(save_dir, tag=tag)
+    train(engine, engine.global_steps, 1)
+    _kill_at("round-written")  # SIGKILL on both ranks in the middle of writing files
+    engine.save_checkpoint(save_dir, tag="t3")
+
+
+def load_then_die(save_dir: str, point: str, tag: str) -> None:
+    engine = make_engine(stage=0, seed=5)
+    path, _ = engine.load_checkpoint(save_dir)
+    assert path.endswith("t2") and engine.global_steps == 2, (path, engine.global_steps)
+    _kill_at(point)
+    engine.save_checkpoint(save_dir, tag=tag)
+
+
+def load_save_rotate(save_dir: str) -> dict:
+    engine = make_engine(stage=0, seed=7, keep_last=2)
+    path, _ = engine.load_checkpoint(save_dir)
+    out = {"loaded": os.path.basename(path), "steps": engine.global_steps}
+    engine.save_checkpoint(save_dir, tag="t6")  # saved twice under one tag: the second replaces the first
+    train(engine, engine.global_steps, 1)
+    engine.save_checkpoint(save_dir, tag="t6")
+    fresh = make_engine(stage=2, seed=8)
+    out["reloaded"] = os.path.basename(fresh.load_checkpoint(save_dir)[0])
+    out["reloaded_steps"] = fresh.global_steps
+    return out
+
+
+def _latest(save_dir: str) -> str:
+    return open(os.path.join(save_dir, "latest")).read()
+
+
+def test_killed_saves_leave_latest_loadable_and_rotation_keeps_committed(tmp_path):
+    save_dir = str(tmp_path / "ckpt")
+    run_distributed(save_two_then_die, 2, save_dir, expect_exit={0, 1})
+    assert _latest(save_dir) == "t2"
+    assert glob.glob(os.path.join(save_dir, "t3.zerotrain-tmp-*")) and not os.path.exists(os.path.join(save_dir, "t3"))
+
+    # Killed after the manifest was written in the temporary directory, before the rename.
+    run_distributed(load_then_die, 1, save_dir, "manifest-written", "t4", expect_exit={0})
+    [t4_tmp] = glob.glob(os.path.join(save_dir, "t4.zerotrain-tmp-*"))
+    assert os.path.exists(os.path.join(t4_tmp, "manifest.json")) and _latest(save_dir) == "t2"
+
+    # Killed after the rename, before `latest` was replaced: t5 is complete, latest still names t2.
+    run_distributed(load_then_die, 1, save_dir, "committed", "t5", expect_exit={0})
+    assert os.path.exists(os.path.join(save_dir, "t5", "manifest.json")) and _latest(save_dir) == "t2"
+
+    # A later save (keep_last=2) commits, rotates t1 and t2 out (t5 and t6 are newer), removes the leftovers.
+    out = run_distributed(load_save_rotate, 2, save_dir)[0]
+    assert out == {"loaded": "t2", "steps": 2, "reloaded": "t6", "reloaded_steps": 3}
+    assert sorted(os.listdir(save_dir)) == ["latest", "t5", "t6"]
+    manifest = json.load(open(os.path.join(save_dir, "t6", "manifest.json")))
+    assert manifest["global_steps"] == 3 and manifest["world_size"] == 2

@@ -1,0 +1,115 @@
+"""Resume is exact across world sizes and stages: N steps, save, load elsewhere, M steps == N+M uninterrupted."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ckpt_common import GLOBAL_BATCH, MICRO, assert_weights_equal, make_engine, snapshot, train
+from distributed import run_distributed
+
+
+def first_leg(save_dir: str, stage: int, steps: int, total: int, groups: bool) -> dict:
+    """The uninterrupted reference run, then `steps` steps of a fresh engine and a save."""
+    reference = make_engine(stage=stage, groups=groups)
+    ref_losses = train(reference, 0, total)
+    ref = snapshot(reference)
+    engine = make_engine(stage=stage, groups=groups)
+    losses = train(engine, 0, steps)
+    engine.save_checkpoint(save_dir, tag="leg0", client_state={"next_batch": steps, "note": ("a", 1)})
+    return {"ref_losses": ref_losses, "ref": ref, "losses": losses, "end": snapshot(engine)}
+
+
+def next_leg(save_dir: str, stage: int, first: int, steps: int, leg: int, groups: bool) -> dict:
+    """A fresh engine with other initial weights loads `latest`, trains, saves."""
+    engine = make_engine(stage=stage, seed=100 + leg, groups=groups)
+    path, client_state = engine.load_checkpoint(save_dir)
+    loaded = snapshot(engine)
+    losses = train(engine, first, steps)
+    engine.save_checkpoint(save_dir, tag=f"leg{leg}", client_state={"next_batch": first + steps})
+    return {"path": path, "client_state": client_state, "loaded": loaded, "losses": losses, "end": snapshot(engine)}
+
+
+CHAINS = {  # (world size, stage, steps) of each leg; whether weights and biases are separate optimizer groups
+    "w2s2-w1s0-w2s1": ([(2, 2, 3), (1, 0, 2), (2, 1, 2)], True),
+    "w4s3-w2s1-w1s3-w2s3": ([(4, 3, 2), (2, 1, 2), (1, 3, 1), (2, 3, 1)], False),
+}
+
+
+@pytest.mark.parametrize("chain", list(CHAINS))
+def test_resume_across_world_sizes_and_stages(tmp_path, chain):
+    legs, groups = CHAINS[chain]
+    total = sum(steps for _, _, steps in legs)
+    save_dir = str(tmp_path / "ckpt")
+    world, stage, steps = legs[0]
+    results = [run_distributed(first_leg, world, save_dir, stage, steps, total, groups)]
+    first = steps
+    for leg, (world, stage, steps) in enumerate(legs[1:], start=1):
+        results.append(run_distributed(next_leg, world, save_dir, stage, first, steps, leg, groups))
+        first += steps
+    head = results[0][0]
+
+    for leg in range(1, len(legs)):
+        prev, out = results[leg - 1][0], results[leg][0]
+        what = f"{chain} leg {leg}"
+        # The load itself is exact: weights, frozen weights and buffers, counters, schedule, loss scale.
+        assert out["path"] == os.path.join(save_dir, f"leg{leg - 1}"), what
+        assert_weights_equal(out["loaded"]["weights"], prev["end"]["weights"], rtol=0, atol=0, what=what)
+        assert_weights_equal(out["loaded"]["module"], prev["end"]["module"], rtol=0, atol=0, what=what)
+        assert out["loaded"]["counters"][:3] == prev["end"]["counters"][:3], what
+        assert out["loaded"]["counters"][3] == out["loaded"]["counters"][0] * (GLOBAL_BATCH // (MICRO * legs[leg][0])), what
+        assert out["loaded"]["lr"] == prev["end"]["lr"], what
+        assert out["loaded"]["scheduler"] == prev["end"]["scheduler"], what
+        assert out["loaded"]["scaler"] == prev["end"]["scaler"], what
+    assert results[1][0]["client_state"] == {"next_batch": legs[0][2], "note": ("a", 1)}
+
+    # N + M steps equal the uninterrupted run.
+    losses = [x for result in results for x in result[0]["losses"]]
+    ref = head["ref_losses"]
+    rel = max(abs(x - y) / abs(y) for x, y in zip(losses, ref))
+    assert len(losses) == total and rel <= 1e-5, (losses, ref)
+    end = results[-1][0]["end"]
+    assert_weights_equal(end["weights"], head["ref"]["weights"], what=f"{chain} final weights")
+    assert end["counters"][:3] == head["ref"]["counters"][:3] == (total, GLOBAL_BATCH * total, 0)
+    assert end["lr"] == head["ref"]["lr"]
+    assert end["scheduler"]["last_epoch"] == head["ref"]["scheduler"]["last_epoch"]
+    # Optimizer states after the same number of steps, where the last leg shards like the first.
+    if legs[-1][0] == legs[0][0] and (legs[-1][1] == 3) == (legs[0][1] == 3):
+        for rank in range(legs[0][0]):
+            for got, want in zip(results[-1][rank]["end"]["optimizer"], results[0][rank]["ref"]["optimizer"]):
+                assert set(got) == set(want) == {"step", "exp_avg", "exp_avg_sq"}
+                for key in want:
+                    torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-8)
+
+
+def fp16_save_and_reload(save_dir: str) -> dict:
+    """fp16 with dynamic loss scaling: the scaler, fp32 masters and optimizer states come back exactly."""
+    import zerotrain
+    from ckpt_common import CkptNet, config, optimizer_state
+
+    cfg = config(stage=1)
+    cfg.update(fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2})
+    torch.manual_seed(0)
+    engine, *_ = zerotrain.initialize(model=CkptNet(), config=cfg)
+    train(engine, 0, 3)
+    engine.save_checkpoint(save_dir)
+    torch.manual_seed(1)
+    fresh, *_ = zerotrain.initialize(model=CkptNet(), config=dict(cfg, zero_optimization={**cfg["zero_optimization"], "stage": 2}))
+    fresh.load_checkpoint(save_dir)
+    return {"scaler": (engine.loss_scaler.state_dict(), fresh.loss_scaler.state_dict()),
+            "masters": (engine.full_state_dict(), fresh.full_state_dict()),
+            "optimizer": (optimizer_state(engine), optimizer_state(fresh)),
+            "files": sorted(os.listdir(os.path.join(save_dir, "global_step3")))}
+
+
+def test_fp16_loss_scale_masters_and_states_reload_exactly(tmp_path):
+    for rank, out in enumerate(run_distributed(fp16_save_and_reload, 2, str(tmp_path))):
+        saved, loaded = out["scaler"]
+        assert saved == loaded and saved["scale"] != 2.0 ** 8  # the window doubled it: a real state
+        if rank == 0:
+            assert_weights_equal(*out["masters"], rtol=0, atol=0, what="fp16 masters")
+            assert "master_weights.safetensors.index.json" in out["files"]
+        for got, want in zip(out["optimizer"][1], out["optimizer"][0]):
+            for key in want:
+                torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)

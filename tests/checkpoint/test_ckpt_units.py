@@ -1,0 +1,160 @@
+"""Pieces of the checkpoint package on their own: file format, range reads, planning, codecs, rotation."""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from zerotrain.checkpoint import commit
+from zerotrain.checkpoint.format import CheckpointError, SafetensorsWriter
+from zerotrain.checkpoint.integrity import write_manifest
+from zerotrain.checkpoint.optim_state import probe_template
+from zerotrain.checkpoint.plan import build_plan
+from zerotrain.checkpoint.reader import TensorReader
+from zerotrain.checkpoint.state import decode, encode
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])  # O_DIRECT through aligned buffers, and the buffered fallback
+def test_streaming_writer_is_read_by_safetensors(tmp_path, monkeypatch, direct):
+    monkeypatch.setenv("ZEROTRAIN_CHECKPOINT_ODIRECT", direct)
+    tensors = {"a": torch.randn(3, 5).bfloat16(), "b": torch.tensor([True, False, True]), "s": torch.tensor(4.0),
+               "e": torch.zeros(0, 4), "i": torch.arange(7, dtype=torch.int64),
+               "big": torch.randn(3_000_001)}  # spans several aligned buffers, ends mid-block
+    path = str(tmp_path / "x.safetensors")
+    writer = SafetensorsWriter(path, [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()])
+    for key, value in tensors.items():
+        flat = value.reshape(-1)
+        half = flat.numel() // 2
+        writer.write(key, [flat[:half].contiguous(), flat[half:].contiguous()])  # pieces, in order
+    size, crc = writer.close()
+    data = open(path, "rb").read()
+    assert size == len(data) and crc == zlib.crc32(data)
+    loaded = load_file(path)
+    for key, value in tensors.items():
+        assert torch.equal(loaded[key], value), key
+    with pytest.raises(CheckpointError, match="out of order"):
+        SafetensorsWriter(str(tmp_path / "y.safetensors"), [("a", torch.float32, (2,))]).write("b", [])
+
+
+def test_range_reads_match_flat_slices(tmp_path):
+    generator = torch.Generator().manual_seed(0)
+    tensors = {"m": torch.randn(5, 7, 3, generator=generator), "v": torch.randn(11, generator=generator),
+               "r": torch.randn(1, 40, generator=generator)}
+    save_file(tensors, str(tmp_path / "t.safetensors"))
+    with TensorReader(str(tmp_path), {k: "t.safetensors" for k in tensors}, "test") as reader:
+        for name, tensor in tensors.items():
+            flat = tensor.reshape(-1)
+            for start in range(0, flat.numel(), 3):
+                for count in (0, 1, 2, 7, 22, flat.numel() - start):
+                    count = min(count, flat.numel() - start)
+                    assert torch.equal(reader.read_range(name, start, count), flat[start:start + count])
+        with pytest.raises(CheckpointError, match="missing"):
+            reader.read_range("nope", 0, 1)
+
+
+def _layouts(world: int, shapes: dict, split_each: bool):
+    """Layouts as ranks would describe them: every tensor split over all ranks, or a flat buffer split evenly."""
+    layouts = [{"slots": [], "extras": [], "order": list(shapes) if r == 0 else []} for r in range(world)]
+    states = {"exp_avg": "float32", "exp_avg_sq": "float32"}
+    if split_each:  # stage-3 style: each parameter its own slot, cut in N
+        for name, shape in shapes.items():
+            numel = int(np.prod(shape))
+            chunk = -(-numel // world)
+            for r in range(world):
+                lo, hi = r * chunk, min(numel, (r + 1) * chunk)
+                records = [(name, shape, lo, hi - lo, 0)] if lo < hi else []
+                layouts[r]["slots"].append({"trainable": True, "replicated": False, "numel": chunk,
+                                            "model_dtype": "float32", "records": records, "states": states, "scalars": {"step": "float32"}})
+    else:  # stage-1/2 style: one flat buffer of every parameter, cut in N
+        offsets, total = {}, 0
+        for name, shape in shapes.items():
+            offsets[name], total = total, total + int(np.prod(shape))
+        chunk = -(-total // world)
+        for r in range(world):
+            lo, hi, records = r * chunk, (r + 1) * chunk, []
+            for name, shape in shapes.items():
+                a, b = max(lo, offsets[name]), min(hi, offsets[name] + int(np.prod(shape)))
+                if a < b:
+                    records.append((name, shape, a - offsets[name], b - a, a - lo))
+            layouts[r]["slots"].append({"trainable": True, "replicated": False, "numel": chunk,
+                                        "model_dtype": "float32", "records": records, "states": states, "scalars": {"step": "float32"}})
+    return layouts
+
+
+@pytest.mark.parametrize("split_each", [False, True])
+def test_plan_balances_bytes_and_covers_every_tensor(split_each):
+    shapes = {f"layer{i}.weight": (64, 48 + 8 * (i % 3)) for i in range(12)}
+    shapes.update({f"layer{i}.bias": (48,) for i in range(12)})
+    world = 4
+    plan = build_plan(_layouts(world, shapes, split_each), max_file_bytes=20_000)
+    loads = [0] * world
+    for tensor in plan.tensors.values():
+        loads[tensor.writer] += tensor.nbytes(plan.master_separate)
+        assert sum(p.numel for p in tensor.pieces) == tensor.numel
+    assert max(loads) <= 1.25 * sum(loads) / world, loads
+    model_map = plan.weight_map("model")
+    assert set(model_map) == set(shapes)
+    files = {spec.name for spec in plan.files if spec.kind == "model"}
+    assert len(files) > world and all(name.endswith(f"-of-{len(files):05d}.safetensors") for name in files)
+    moved = sum(sum(row[r] for r in range(world) if r != s) for rnd in plan.splits for s, row in enumerate(rnd))
+    if not split_each:  # a flat buffer split evenly: writers mostly write what they hold
+        assert moved < 0.2 * sum(loads)
+
+
+def test_plan_rejects_holes():
+    layouts = _layouts(2, {"w": (10,)}, split_each=True)
+    layouts[1]["slots"][0]["records"] = []
+    with pytest.raises(CheckpointError, match="cover"):
+        build_plan(layouts)
+
+
+def test_json_codec_roundtrip_and_rejects_objects():
+    value = {"a": (1, 2.5, None), "t": torch.arange(4, dtype=torch.int16), "n": np.arange(3.0), 3: b"\x00\x01",
+             "nested": [{"x": (True,)}]}
+    back = decode(json.loads(json.dumps(encode(value))))
+    assert back["a"] == (1, 2.5, None) and back[3] == b"\x00\x01" and back["nested"] == [{"x": (True,)}]
+    assert torch.equal(back["t"], value["t"]) and np.array_equal(back["n"], value["n"])
+    with pytest.raises(CheckpointError, match=r"client_state\['bad'\]"):
+        encode({"bad": object()}, "client_state")
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_range_reads_across_buffer_boundaries(tmp_path, monkeypatch, direct):
+    monkeypatch.setenv("ZEROTRAIN_CHECKPOINT_ODIRECT", direct)
+    big = torch.randn(5_000_003)
+    save_file({"pad": torch.zeros(3, dtype=torch.int8), "big": big}, str(tmp_path / "t.safetensors"))
+    with TensorReader(str(tmp_path), {"big": "t.safetensors"}, "test") as reader:
+        for start, count in [(0, 5_000_003), (1, 2_097_152), (2_097_151, 2), (4_999_000, 1003)]:
+            assert torch.equal(reader.read_range("big", start, count), big[start:start + count])
+        target = torch.zeros(10, dtype=torch.float64)  # the dtype is converted on the way in
+        reader.read_into("big", 17, 10, target)
+        assert torch.equal(target, big[17:27].double())
+
+
+@pytest.mark.parametrize("make, keys", [
+    (lambda p: torch.optim.AdamW([p], amsgrad=True), {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}),
+    (lambda p: torch.optim.SGD([p], lr=0.1, momentum=0.9), {"momentum_buffer"}),
+    (lambda p: torch.optim.SGD([p], lr=0.1), set()),
+])
+def test_probe_finds_the_state_an_optimizer_keeps(make, keys):
+    master = torch.zeros(5, requires_grad=True)
+    template = probe_template(make(master), 0, master)
+    assert set(template.elementwise) == keys
+
+
+def test_rotation_counts_only_committed_checkpoints(tmp_path):
+    save_dir = str(tmp_path)
+    for tag in ("a", "b", "c"):
+        os.makedirs(os.path.join(save_dir, tag))
+        write_manifest(os.path.join(save_dir, tag), {}, {"tag": tag})
+    os.makedirs(os.path.join(save_dir, "d" + ".zerotrain-tmp-0000"))  # a save in progress
+    os.makedirs(os.path.join(save_dir, "user_notes"))                  # not ours
+    commit.atomic_write_text(os.path.join(save_dir, "latest"), "a")  # latest is protected
+    deleted = commit.rotate(save_dir, 1, just_committed="c")
+    assert deleted == ["b"]
+    assert sorted(os.listdir(save_dir)) == ["a", "c", "d.zerotrain-tmp-0000", "latest", "user_notes"]

@@ -1,0 +1,43 @@
+"""The unified checkpoint: one format for every topology, readable by Hugging Face.
+
+`save_checkpoint(engine, save_dir, tag, client_state, save_latest, async_save)` writes
+`save_dir/<tag>/` (format: `zerotrain.checkpoint.format`) in parallel: tensors are
+assigned to ranks balanced by bytes, each writer assembles whole tensors from the
+pieces other ranks hold (`plan`, `write`), files go to a temporary directory that is
+committed by a rename once every rank's files and the manifest are fsynced
+(`commit`, `integrity`). With `async_save` the step blocks only while this rank's
+pieces are copied to reusable host buffers (`snapshot`); a background thread
+writes and commits (`checkpointer`). `load_checkpoint` reads it back onto any world
+size and ZeRO stage, each rank reading only its slices (`load`, `reader`, `source`).
+
+Public API: `save_checkpoint`, `load_checkpoint` (what the engine's methods call),
+`Checkpointer` (`engine.checkpointer`: `wait()`, `raise_if_failed()`, `pending`,
+`last_stall_seconds`), `CheckpointError`, and the offline tools `inspect_checkpoint`,
+`verify_checkpoint`, `export_model`.
+
+Modules, one concept each:
+    format        file names, the streaming safetensors writer, CheckpointError
+    directio      O_DIRECT writes and range reads through aligned buffers (measured there)
+    integrity     manifest and crc32 checksums (why crc32: measured there)
+    commit        temporary directories, atomic rename, `latest`, rotation
+    plan          who writes what, in which file and round
+    snapshot      the bytes a save reads, host buffers for async saves
+    write         one save executed: exchange, write, agree, commit
+    checkpointer  the engine's Checkpointer: async thread, error propagation
+    source        which directory to load, what kind, intact or not
+    slots         the engine's sharded slots, trainable and (stage 3) frozen
+    reader        tensor ranges by name, read as exact byte ranges
+    load          validate everything, agree across ranks, then read into the engine
+    optim_state   optimizer state keys, scalars, group hyperparameters
+    state         trainer state and RNG as JSON
+    tools         inspect / verify / export, for the `zerotrain ckpt` command
+"""
+from __future__ import annotations
+
+from .checkpointer import Checkpointer, save_checkpoint
+from .format import CheckpointError
+from .load import load_checkpoint
+from .tools import export_model, inspect_checkpoint, verify_checkpoint
+
+__all__ = ["save_checkpoint", "load_checkpoint", "Checkpointer", "CheckpointError", "inspect_checkpoint",
+           "verify_checkpoint", "export_model"]

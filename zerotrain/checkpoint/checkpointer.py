@@ -1,0 +1,169 @@
+"""The engine's checkpointer: plans saves, snapshots state, runs writers in the background.
+
+Created by the first `save_checkpoint` (on every rank) and kept in `engine.checkpointer`.
+It owns a gloo process group of its own (so a background writer never issues a
+collective on the training group), the cached save plan, and the reusable host buffers.
+
+Asynchronous saves run in one background thread per rank rather than a process: the
+writer spends its time in file writes, crc32 and gloo transfers, all of which release
+the GIL, so training continues at full speed; a process would need the snapshot moved
+into shared memory (one more copy) and its own process group.
+
+Errors: a failed background save is raised by the next `engine.step()` (every rank
+raises at the same step: while a save is pending, `raise_if_failed` all-reduces one
+status number on the training group), by `engine.wait_checkpoint()`, or by the next
+save or load, and never swallowed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .commit import check_tag
+from .format import CheckpointError
+from .optim_state import group_hyperparameters
+from .plan import build_plan, layout_digest, local_layout
+from .slots import all_slots
+from .snapshot import HostBuffers, capture, hf_config_files
+from .state import capture_rng, capture_trainer_state
+from .write import SaveJob, describe_error
+
+logger = logging.getLogger("zerotrain")
+
+_RUNNING, _DONE, _FAILED = 1, 0, 2
+
+
+class Checkpointer:
+    def __init__(self, engine):
+        self.engine = engine
+        self.comm = engine.comm.new_cpu_comm(engine.topology.timeout_seconds)
+        self.buffers = HostBuffers()
+        self._plans: dict = {}
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._result: Optional[str] = None
+        self.last_stall_seconds: Optional[float] = None
+
+    # --- saving ----------------------------------------------------------------------------------
+    def save(self, save_dir: str, tag: Optional[str], client_state: dict, save_latest: bool,
+             async_save: Optional[bool]) -> str:
+        """Save on every rank; returns the tag directory (committed, or being written when async)."""
+        started = time.perf_counter()
+        self.wait()
+        engine = self.engine
+        tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+        settings = engine.config.checkpoint
+        async_save = settings.async_save if async_save is None else bool(async_save)
+        if engine.micro_steps % engine.gradient_accumulation_steps() != 0:
+            logger.warning("saving checkpoint %s in the middle of a gradient accumulation cycle: accumulated "
+                           "gradients are not saved, a resume restarts the cycle", tag)
+        slots, plan = self._plan(engine, tag)
+        job, error = None, None
+        try:  # everything the save needs, taken now; ranks agree that it worked before anything is written
+            sources = capture(engine, slots, plan, self.comm.rank, self.buffers, copy=async_save)
+            rank0 = self.comm.rank == 0
+            trainer_state = capture_trainer_state(engine, tag, client_state)  # every rank: same errors everywhere
+            optimizer_meta = {"optimizer": type(engine.optimizer).__name__,
+                              "param_groups": group_hyperparameters(engine.optimizer)}
+            job = SaveJob(plan=plan, sources=sources, comm=self.comm, save_dir=os.path.abspath(save_dir), tag=tag,
+                          save_latest=save_latest, keep_last=settings.keep_last,
+                          trainer_state=trainer_state if rank0 else {}, rng_state=capture_rng(),
+                          extra_files=hf_config_files(engine.module, engine.dtype) if rank0 else {},
+                          optimizer_meta=optimizer_meta if rank0 else {})
+        except Exception as caught:  # noqa: BLE001
+            error = caught
+        self._agree([describe_error(error)], f"cannot save checkpoint {tag}", error)
+        path = os.path.join(os.path.abspath(save_dir), tag)
+        if not async_save:
+            job.run()
+            self.last_stall_seconds = time.perf_counter() - started
+            return path
+        self._error, self._result = None, None
+        self._thread = threading.Thread(target=self._run, args=(job,), name=f"zerotrain-checkpoint-{tag}")
+        self._thread.start()
+        self.last_stall_seconds = time.perf_counter() - started
+        return path
+
+    def _plan(self, engine, tag: str):
+        """This rank's slots and the save plan (rebuilt only when some rank's layout changed)."""
+        slots, layout, error = None, None, None
+        try:
+            slots = all_slots(engine)
+            layout = local_layout(engine, slots, self.comm.rank)
+        except Exception as caught:  # noqa: BLE001
+            error = caught
+        views = self._agree([tag, layout_digest(layout) if layout is not None else None, describe_error(error)],
+                            f"cannot save checkpoint {tag}", error)
+        tags = [view[0] for view in views]
+        if len(set(tags)) > 1:
+            raise CheckpointError(f"ranks asked for different checkpoint tags: {tags}")
+        digests = tuple(view[1] for view in views)
+        plan = self._plans.get(digests)
+        if plan is None:
+            plan = build_plan(self.comm.all_gather_object(layout))
+            self._plans = {digests: plan}
+        return slots, plan
+
+    def _agree(self, view: list, what: str, error: Optional[BaseException]) -> list:
+        """All-gather `view` (its last item: this rank's error or None); raise everywhere if any rank failed."""
+        views = self.comm.all_gather_object(view)
+        failures = [(rank, v[-1]) for rank, v in enumerate(views) if v[-1]]
+        if failures:
+            rank, message = failures[0]
+            where = f" (rank {rank})" if self.comm.size > 1 else ""
+            raise CheckpointError(f"{what}{where}: {message}") from error
+        return views
+
+    def _run(self, job: SaveJob) -> None:
+        try:
+            self._result = job.run()
+        except BaseException as error:  # noqa: BLE001 - kept for the training thread to raise
+            self._error = error
+
+    # --- waiting and errors ----------------------------------------------------------------------
+    @property
+    def pending(self) -> bool:
+        return self._thread is not None
+
+    def wait(self) -> None:
+        """Block until the pending asynchronous save has committed; raise its error if it failed."""
+        if self._thread is None:
+            return
+        self._thread.join()
+        self._thread = None
+        self._raise()
+
+    def raise_if_failed(self) -> None:
+        """Called by every engine.step(): raise a failed background save's error, on every rank at once."""
+        if self._thread is None:
+            return
+        code = _RUNNING if self._thread.is_alive() else (_FAILED if self._error is not None else _DONE)
+        engine = self.engine
+        if engine.comm.size > 1:
+            value = torch.tensor([float(code)], device=engine.topology.device)
+            engine.comm.all_reduce(value, op=dist.ReduceOp.MAX)
+            code = int(value.item())
+        if code == _RUNNING:
+            return
+        self.wait()  # done everywhere, or failed somewhere: then it failed everywhere (the outcome is agreed)
+
+    def _raise(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            if isinstance(error, CheckpointError):
+                raise CheckpointError(str(error)) from error
+            raise CheckpointError(f"asynchronous checkpoint save failed: {type(error).__name__}: {error}") from error
+
+
+def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
+                    save_latest: bool = True, async_save: Optional[bool] = None) -> str:
+    """Write a checkpoint of `engine` (call on every rank). See zerotrain.checkpoint for the format."""
+    if engine.checkpointer is None:
+        engine.checkpointer = Checkpointer(engine)
+    return engine.checkpointer.save(save_dir, tag, client_state or {}, save_latest, async_save)

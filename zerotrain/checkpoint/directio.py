@@ -1,0 +1,166 @@
+"""File I/O that keeps up with the disk: O_DIRECT through page-aligned buffers, both ways.
+
+Measured on this project's machine (512 MiB, 8 MiB requests): buffered writes into a
+cold page cache ran at 0.35 GB/s (0.31 GB/s with fsync; the VM's first touch of
+page-cache memory is slow), warm at 4.6 GB/s but 1.9 GB/s once fsynced; O_DIRECT
+writes ran at 2.1 GB/s every time. Reading a file that is not cached: buffered 0.56
+GB/s, O_DIRECT 1.1 GB/s (0.88 GB/s with crc32). A checkpoint is written once, must be
+fsynced, and is read back once, so the page cache only costs memory and time.
+
+`DurableFile` writes sequentially through an aligned buffer (the bytes are copied
+into it, a memcpy far faster than the disk); the last partial block is written
+padded and the file truncated to its real length. `DirectReader` reads any byte
+range through an aligned buffer (the covering aligned blocks, then the wanted bytes
+are copied out) and streams whole files for checksums. Filesystems that refuse
+O_DIRECT (tmpfs, some network filesystems) get ordinary buffered I/O;
+`ZEROTRAIN_CHECKPOINT_ODIRECT=0` forces it.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+
+_BLOCK = 4096
+_BUFFER = 8 << 20
+
+
+def _direct_enabled() -> bool:
+    return hasattr(os, "O_DIRECT") and os.environ.get("ZEROTRAIN_CHECKPOINT_ODIRECT", "1") != "0"
+
+
+class DurableFile:
+    """Write bytes sequentially to a new file; `close()` fsyncs it and returns its size."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.size = 0
+        self._fd = None
+        self._handle = None
+        if _direct_enabled():
+            try:
+                self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+            except OSError:
+                self._fd = None
+        if self._fd is None:
+            self._handle = open(path, "wb")
+            return
+        self._buffer = mmap.mmap(-1, _BUFFER)
+        self._view = memoryview(self._buffer)
+        self._used = 0
+
+    def write(self, data) -> None:
+        data = memoryview(data).cast("B")
+        self.size += len(data)
+        if self._handle is not None:
+            self._handle.write(data)
+            return
+        while len(data):
+            take = min(len(data), _BUFFER - self._used)
+            self._view[self._used:self._used + take] = data[:take]
+            self._used += take
+            data = data[take:]
+            if self._used == _BUFFER:
+                self._flush(_BUFFER)
+
+    def _flush(self, length: int) -> None:
+        written = 0
+        while written < length:
+            count = os.write(self._fd, self._view[written:length])
+            if count <= 0:
+                raise OSError(f"{self.path}: write returned {count}")
+            written += count
+        self._used = 0
+
+    def close(self) -> int:
+        if self._handle is not None:
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+            self._handle.close()
+            self._handle = None
+            return self.size
+        if self._fd is None:
+            return self.size
+        try:
+            if self._used:
+                padded = -(-self._used // _BLOCK) * _BLOCK
+                self._view[self._used:padded] = bytes(padded - self._used)
+                self._flush(padded)
+                os.ftruncate(self._fd, self.size)
+            os.fsync(self._fd)
+        finally:
+            self._release()
+        return self.size
+
+    def abort(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+        elif self._fd is not None:
+            self._release()
+
+    def _release(self) -> None:
+        os.close(self._fd)
+        self._fd = None
+        self._view.release()
+        self._buffer.close()
+
+
+class DirectReader:
+    """Byte ranges of one file, read with O_DIRECT when the filesystem allows it."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._direct = False
+        if _direct_enabled():
+            try:
+                self._fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                self._direct = True
+            except OSError:
+                pass
+        if not self._direct:
+            self._fd = os.open(path, os.O_RDONLY)
+        self._buffer = mmap.mmap(-1, _BUFFER + 2 * _BLOCK)
+        self._view = memoryview(self._buffer)
+
+    def __enter__(self) -> "DirectReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def chunks(self, offset: int, length: int, granule: int = 1):
+        """Yield memoryviews covering bytes [offset, offset+length) in order, each a multiple of `granule`.
+
+        Each view is valid only until the next one is requested.
+        """
+        step = max(granule, (_BUFFER // granule) * granule)
+        end = offset + length
+        while offset < end:
+            want = min(step, end - offset)
+            start = offset - offset % _BLOCK if self._direct else offset
+            stop = -(-(offset + want) // _BLOCK) * _BLOCK if self._direct else offset + want
+            got = self._pread(start, stop - start)
+            if got < offset + want - start:
+                raise OSError(f"{self.path}: file ends at byte {start + got}, needed bytes up to {offset + want}")
+            piece = self._view[offset - start:offset - start + want]
+            try:
+                yield piece
+            finally:
+                piece.release()  # the buffer is reused: no view of it may outlive the next read
+            offset += want
+
+    def _pread(self, start: int, length: int) -> int:
+        filled = 0
+        while filled < length:
+            count = os.preadv(self._fd, [self._view[filled:length]], start + filled)
+            if count <= 0:
+                break
+            filled += count
+        return filled
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+            self._view.release()
+            self._buffer.close()

@@ -1,0 +1,233 @@
+"""The on-disk layout of one checkpoint directory, and a streaming safetensors writer.
+
+One directory per tag::
+
+    model-00001-of-0000n.safetensors ...   whole tensors in the training dtype, under the model's names
+    model.safetensors.index.json           {"metadata": {"total_size": ...}, "weight_map": {name: file}}
+    master_weights-0000i-of-0000n.safetensors + index   fp32 masters (bf16/fp16 training only)
+    optimizer-0000i-of-0000n.safetensors + index        "name/exp_avg", "name/exp_avg_sq", "name/step", ...
+    config.json, generation_config.json    when the model has a Hugging Face config
+    trainer_state.json                     counters, scheduler, loss scaler, config, topology, client_state
+    rng_state_<rank>.json                  python, numpy, torch CPU and CUDA generators of each rank
+    manifest.json                          written last: every file with its size and crc32
+
+`transformers` and `safetensors.torch.load_file` read the model files directly. The
+safetensors files are written here rather than by `safetensors.torch.save_file` so that
+a file can be streamed: its header is known from the save plan before any data exists,
+pieces of a tensor arriving from several ranks are appended in order, and the checksum
+is computed over exactly the bytes written (no second read).
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from typing import Iterable, Optional
+
+import torch
+
+from .directio import DurableFile
+
+FORMAT_NAME = "zerotrain-checkpoint"
+FORMAT_VERSION = 1
+
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+LATEST = "latest"
+HF_CONFIG = "config.json"
+HF_GENERATION_CONFIG = "generation_config.json"
+
+MODEL, MASTER, OPTIMIZER = "model", "master_weights", "optimizer"
+KINDS = (MODEL, MASTER, OPTIMIZER)
+
+TMP_MARK = ".zerotrain-tmp-"  # a save in progress (or a crashed one): never loaded, never rotated
+OLD_MARK = ".zerotrain-old-"  # a replaced or rotated checkpoint on its way out
+
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
+    if hasattr(torch, _name):
+        _ST_DTYPES[getattr(torch, _name)] = _code
+_TORCH_DTYPES = {code: dtype for dtype, code in _ST_DTYPES.items()}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; the message names the file or tensor."""
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_state_{rank}.json"
+
+
+def index_file(kind: str) -> str:
+    return f"{kind}.safetensors.index.json"
+
+
+def shard_file(kind: str, index: int, count: int) -> str:
+    """Hugging Face's sharded file name, 1-based: model-00001-of-00003.safetensors."""
+    return f"{kind}-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def st_code(dtype: torch.dtype) -> str:
+    try:
+        return _ST_DTYPES[dtype]
+    except KeyError:
+        raise CheckpointError(f"dtype {dtype} cannot be stored in safetensors") from None
+
+
+def st_dtype(code: str) -> torch.dtype:
+    try:
+        return _TORCH_DTYPES[code]
+    except KeyError:
+        raise CheckpointError(f"safetensors dtype {code!r} is not supported") from None
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def numel_of(shape: Iterable[int]) -> int:
+    total = 1
+    for size in shape:
+        total *= int(size)
+    return total
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: str, payload, fsync: bool = True) -> tuple[int, int]:
+    """Write JSON to `path` (fsynced); returns (size, crc32) of the bytes written."""
+    data = json.dumps(payload, indent=1, sort_keys=False).encode()
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        if fsync:
+            os.fsync(handle.fileno())
+    return len(data), zlib.crc32(data)
+
+
+def read_json(path: str, what: Optional[str] = None) -> dict:
+    what = what or os.path.basename(path)
+    try:
+        with open(path, "rb") as handle:
+            return json.loads(handle.read())
+    except FileNotFoundError:
+        raise CheckpointError(f"{what} is missing: {path}") from None
+    except (ValueError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{what} is not valid JSON ({path}): {error}") from None
+
+
+def as_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy."""
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+class SafetensorsWriter:
+    """Writes one safetensors file whose tensors (key, dtype, shape) are known up front.
+
+    `write(key, chunks)` must be called for every key in header order; the chunks of
+    one key (uint8 tensors or bytes) must add up to exactly its size. `close()` fsyncs
+    and returns (size, crc32) of the whole file.
+    """
+
+    def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple]], metadata: Optional[dict] = None):
+        self.path = path
+        header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
+        self._order: list[tuple[str, int]] = []
+        offset = 0
+        for key, dtype, shape in entries:
+            nbytes = numel_of(shape) * itemsize(dtype)
+            header[key] = {"dtype": st_code(dtype), "shape": [int(s) for s in shape],
+                           "data_offsets": [offset, offset + nbytes]}
+            self._order.append((key, nbytes))
+            offset += nbytes
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        self._next = 0
+        self._crc = 0
+        self._file = DurableFile(path)
+        self._emit(struct.pack("<Q", len(encoded)) + encoded)
+
+    def _emit(self, data) -> None:
+        self._file.write(data)
+        self._crc = zlib.crc32(data, self._crc)
+
+    def write(self, key: str, chunks: Iterable) -> None:
+        if self._next >= len(self._order) or self._order[self._next][0] != key:
+            expected = self._order[self._next][0] if self._next < len(self._order) else "nothing"
+            raise CheckpointError(f"{self.path}: wrote {key!r} out of order (expected {expected!r})")
+        written = 0
+        for chunk in chunks:
+            data = as_bytes(chunk) if torch.is_tensor(chunk) else memoryview(chunk)
+            self._emit(data)
+            written += len(data)
+        if written != self._order[self._next][1]:
+            raise CheckpointError(f"{self.path}: tensor {key!r} got {written} bytes, expected "
+                                  f"{self._order[self._next][1]}")
+        self._next += 1
+
+    def close(self) -> tuple[int, int]:
+        if self._next != len(self._order):
+            missing = [key for key, _ in self._order[self._next:]][:3]
+            self.abort()
+            raise CheckpointError(f"{self.path}: closed before tensors {missing} were written")
+        return self._file.close(), self._crc
+
+    def abort(self) -> None:
+        try:
+            self._file.abort()
+        except OSError:
+            pass
+
+
+def read_header(path: str) -> dict:
+    """The parsed safetensors header of `path` (without "__metadata__"), checked against the file size."""
+    return read_layout(path)[0]
+
+
+def read_layout(path: str) -> tuple[dict, int]:
+    """(header without "__metadata__", byte offset of the data section) of a safetensors file, validated."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as handle:
+            raw = handle.read(8)
+            if len(raw) < 8:
+                raise CheckpointError(f"{path}: truncated (no safetensors header)")
+            (length,) = struct.unpack("<Q", raw)
+            if length > min(size - 8, 100 << 20):
+                raise CheckpointError(f"{path}: truncated or corrupt safetensors header (length {length})")
+            header = json.loads(handle.read(length))
+    except FileNotFoundError:
+        raise CheckpointError(f"file is missing: {path}") from None
+    except (ValueError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{path}: corrupt safetensors header: {error}") from None
+    header.pop("__metadata__", None)
+    end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+    if 8 + length + end != size:
+        raise CheckpointError(f"{path}: file has {size} bytes but its header describes {8 + length + end} "
+                              f"(truncated or padded)")
+    return header, 8 + length

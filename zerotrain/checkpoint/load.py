@@ -1,0 +1,281 @@
+"""Loading a checkpoint onto any topology: read what this rank needs, validate, agree, then apply.
+
+Each rank reads, for every piece of its slots (`engine.sharded_slots()` records),
+that range of the whole tensor from the files (`TensorReader.read_range`): fp32
+masters from the master-weights files when the checkpoint has them (exact resume
+of bf16/fp16 training), else from the model files; optimizer states from
+`name/<key>` of the optimizer files. So a checkpoint written at any world size and
+stage loads into any other: the layout of the writer never matters.
+
+Two phases. `prepare` validates everything the load will read, touching nothing in
+the engine: the manifest, every needed file's size, the checksums (each rank a
+byte-balanced share, with `checkpoint.verify_on_load`), every safetensors header,
+and for every range this rank will read, that the tensor exists with the expected
+shape; small state (trainer state, RNG, optimizer scalars) is read here. All ranks
+then agree, through one all-gather of their outcomes, that every rank succeeded, and
+only then does `apply` read each range straight into the engine's tensors (no
+staging copy of the state: after the checks, only an I/O error of the disk itself
+can interrupt it). A bad checkpoint raises the same CheckpointError on every rank,
+naming the file or tensor, and leaves model, optimizer and counters untouched.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .format import MASTER, MODEL, OPTIMIZER, CheckpointError, read_json, rng_file
+from .optim_state import StateTemplate, check_groups, make_scalar, probe_template, restore_hyperparameters
+from .plan import extra_tensors
+from .reader import TensorReader
+from .slots import all_slots, refresh_after_load, sharded_names
+from .source import HUGGING_FACE, ZEROTRAIN, Source, needed_files, open_source, resolve, verify
+from .state import apply_trainer_state, decode, restore_rng
+
+logger = logging.getLogger("zerotrain")
+
+
+@dataclass
+class Read:
+    """Elements [start, start+count) of tensor `name` go to [offset, offset+count) of a slot tensor."""
+
+    reader: TensorReader
+    name: str
+    start: int
+    count: int
+    offset: int
+
+    def into(self, target: torch.Tensor) -> None:
+        self.reader.read_into(self.name, self.start, self.count, target[self.offset:self.offset + self.count])
+
+
+@dataclass
+class SlotLoad:
+    weights: list                        # Reads into the master (or, for a frozen slot, the model shard)
+    states: Optional[dict] = None        # key -> Reads; None: leave the optimizer state alone
+    scalars: dict = field(default_factory=dict)
+    template: Optional[StateTemplate] = None
+
+
+@dataclass
+class LoadPlan:
+    """Everything a load will do, validated; holds the open files until it is applied or dropped."""
+
+    path: str
+    source: Source
+    slots: list
+    extras: list                         # (name, Read of the whole tensor)
+    rng: Optional[dict]
+    load_optimizer: bool
+    files: contextlib.ExitStack
+
+
+def _name_candidates(module: torch.nn.Module, name: str, hugging_face: bool) -> list[str]:
+    if not hugging_face:
+        return [name]
+    prefix = getattr(module, "base_model_prefix", "") or ""
+    candidates = [name]
+    if prefix and name.startswith(prefix + "."):
+        candidates.append(name[len(prefix) + 1:])
+    elif prefix:
+        candidates.append(f"{prefix}.{name}")
+    return candidates
+
+
+def _find(reader: TensorReader, module, name: str, hugging_face: bool) -> Optional[str]:
+    return next((c for c in _name_candidates(module, name, hugging_face) if reader.has(c)), None)
+
+
+class _Templates:
+    """The optimizer state template of each master, probed once per (group, device, dtype)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.group_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        self.cache: dict = {}
+
+    def __call__(self, master: torch.Tensor) -> StateTemplate:
+        if id(master) not in self.group_of:
+            raise CheckpointError("a master shard is in no optimizer group")
+        group = self.group_of[id(master)]
+        if self.optimizer.state.get(master):
+            return probe_template(self.optimizer, group, master)  # read off the existing state: no probe
+        key = (group, master.device, master.dtype)
+        if key not in self.cache:
+            self.cache[key] = probe_template(self.optimizer, group, master)
+        return self.cache[key]
+
+
+def _plan_states(slot, reader: TensorReader, templates: _Templates) -> SlotLoad:
+    template = templates(slot.master)
+    load = SlotLoad([], {key: [] for key in template.elementwise}, {}, template)
+    for record in slot.records:
+        for key in template.elementwise:
+            name = f"{record.name}/{key}"
+            reader.check(name, record.full_shape)
+            load.states[key].append(Read(reader, name, record.param_start, record.numel, record.shard_start))
+        for key in template.scalars:
+            name = f"{record.name}/{key}"
+            reader.check(name, ())
+            value = float(reader.read(name).item())
+            if key in load.scalars and load.scalars[key] != value:
+                raise CheckpointError(f"optimizer state {name!r} is {value} but other parameters of the same shard "
+                                      f"have {load.scalars[key]}; they cannot share one optimizer state")
+            load.scalars[key] = value
+    for key in template.scalars:
+        if key not in load.scalars:  # a shard holding only padding: any parameter's value will do
+            name = next((n for n in reader.weight_map if n.endswith("/" + key)), None)
+            if name is None:
+                raise CheckpointError(f"optimizer state {key!r} is missing from {reader.directory}")
+            load.scalars[key] = float(reader.read(name).item())
+    return load
+
+
+def prepare(engine, path: str, sharded: set[str], load_optimizer_states: bool, load_module_only: bool) -> LoadPlan:
+    """Validate everything this rank will read (files, manifest, checksums, names, shapes); touch no engine state."""
+    source = open_source(path, load_module_only)
+    rank, world = engine.comm.rank, engine.comm.size
+    hugging_face = source.kind == HUGGING_FACE
+    if source.kind == ZEROTRAIN:
+        verify(source, needed_files(source, load_optimizer_states, load_module_only), rank, world,
+               checksums=engine.config.checkpoint.verify_on_load)
+    load_optimizer = load_optimizer_states and not load_module_only and source.kind == ZEROTRAIN
+    module = engine.module
+    files = contextlib.ExitStack()
+    try:
+        model = files.enter_context(TensorReader(path, source.maps[MODEL], "model weights"))
+        masters = files.enter_context(TensorReader(path, source.maps.get(MASTER, {}), "master weights"))
+        optim = files.enter_context(TensorReader(path, source.maps.get(OPTIMIZER, {}), "optimizer states"))
+        if load_optimizer:
+            check_groups(source.optimizer_meta.get("param_groups", []), engine.optimizer)
+        slot_loads = []
+        templates = _Templates(engine.optimizer)
+        for slot in all_slots(engine):
+            frozen = slot.master is None  # a partitioned frozen parameter (stage 3): model dtype, no optimizer
+            load = SlotLoad([])
+            if load_optimizer and not frozen:
+                load = _plan_states(slot, optim, templates) if optim.weight_map else SlotLoad([], {})
+            for record in slot.records:
+                reader = masters if masters.has(record.name) and not frozen else model
+                name = _find(reader, module, record.name, hugging_face)
+                if name is None:
+                    raise CheckpointError(f"tensor {record.name!r} is missing from the model weights of {path}")
+                reader.check(name, record.full_shape)
+                load.weights.append(Read(reader, name, record.param_start, record.numel, record.shard_start))
+            slot_loads.append(load)
+        extras = []
+        for name, tensor in extra_tensors(module, sharded):
+            found = _find(model, module, name, hugging_face)
+            if found is None:
+                if hugging_face and not isinstance(tensor, torch.nn.Parameter):
+                    logger.warning("buffer %s is not in %s; keeping the model's own value", name, path)
+                    continue
+                raise CheckpointError(f"tensor {name!r} is missing from the model weights of {path}")
+            model.check(found, tuple(tensor.shape), floating=False)
+            extras.append((name, Read(model, found, 0, tensor.numel(), 0)))
+        rng = None
+        if source.kind == ZEROTRAIN and not load_module_only and \
+                rng_file(engine.topology.rank) in source.manifest["files"]:
+            rng = read_json(os.path.join(path, rng_file(engine.topology.rank)))
+    except BaseException:
+        files.close()
+        raise
+    return LoadPlan(path, source, slot_loads, extras, rng, load_optimizer, files)
+
+
+def _state_tensor(current, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if torch.is_tensor(current) and current.shape == master.shape and current.dtype == dtype:
+        return current  # written in place: no second copy of the state in memory
+    return torch.zeros(master.numel(), dtype=dtype, device=master.device)
+
+
+def apply(engine, plan: LoadPlan, load_lr_scheduler_states: bool, load_module_only: bool) -> None:
+    """Carry out a validated plan: read each range straight into the engine's tensors."""
+    optimizer = engine.optimizer
+    targets = dict(engine.module.state_dict(keep_vars=True))
+    with plan.files, torch.no_grad():
+        for slot, load in zip(all_slots(engine), plan.slots):
+            if slot.master is None:
+                for read in load.weights:
+                    read.into(slot.model_shard)
+                continue
+            for read in load.weights:
+                read.into(slot.master)
+            if load.states is None:
+                continue
+            if not load.states and not load.scalars:
+                optimizer.state.pop(slot.master, None)  # saved before the first step: a fresh state
+                continue
+            current = optimizer.state.get(slot.master, {})
+            state = {}
+            for key, reads in load.states.items():
+                state[key] = _state_tensor(current.get(key), slot.master, load.template.elementwise[key])
+                for read in reads:
+                    read.into(state[key])
+            state.update({key: make_scalar(load.template, key, value) for key, value in load.scalars.items()})
+            optimizer.state[slot.master] = state
+        for name, read in plan.extras:
+            target = targets[name]
+            target = target.data if isinstance(target, torch.nn.Parameter) else target
+            if target.is_contiguous():
+                read.reader.read_into(read.name, 0, target.numel(), target.reshape(-1))
+            else:
+                target.copy_(read.reader.read(read.name).reshape(target.shape))
+        refresh_after_load(engine)
+    if plan.source.kind != ZEROTRAIN:
+        return
+    if plan.load_optimizer:
+        restore_hyperparameters(plan.source.optimizer_meta.get("param_groups", []), optimizer)
+    if not load_module_only:
+        apply_trainer_state(engine, plan.source.trainer_state, load_lr_scheduler_states)
+        if plan.rng is not None:
+            restore_rng(plan.rng)
+        saved_world = plan.source.trainer_state.get("topology", {}).get("world_size")
+        if saved_world != engine.topology.world_size:
+            logger.info("checkpoint %s was written by %s ranks, loaded on %s: ranks without a saved RNG state "
+                        "keep their own", plan.path, saved_world, engine.topology.world_size)
+
+
+def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+    """Load a checkpoint written at any world size and stage (call on every rank); returns (path, client_state).
+
+    Returns (None, None) with a warning when `load_dir` holds no checkpoint and no `latest`
+    (as DeepSpeed does), so "resume if there is something to resume" needs no special case.
+    """
+    if engine.checkpointer is not None:
+        engine.checkpointer.wait()
+    comm = engine.comm
+    sharded = set().union(*comm.all_gather_object(sorted(sharded_names(all_slots(engine)))))
+    path, plan, error = None, None, None
+    try:
+        path = resolve(load_dir, tag)
+        if path is not None:
+            plan = prepare(engine, path, sharded, load_optimizer_states, load_module_only)
+    except Exception as caught:  # noqa: BLE001 - every rank must learn of it before anyone applies
+        error = caught
+    message = None if error is None else str(error) if isinstance(error, CheckpointError) else \
+        f"{type(error).__name__}: {error}"
+    outcomes = comm.all_gather_object((path, message))
+    failures = [(r, message) for r, (_, message) in enumerate(outcomes) if message]
+    if failures or len({p for p, _ in outcomes}) > 1:
+        if plan is not None:
+            plan.files.close()
+    if failures:
+        failed_rank, message = failures[0]
+        where = f" (rank {failed_rank})" if comm.size > 1 else ""
+        raise CheckpointError(f"cannot load checkpoint from {load_dir}{where}: {message}") from error
+    if len({p for p, _ in outcomes}) > 1:
+        raise CheckpointError(f"ranks resolved different checkpoints in {load_dir}: {[p for p, _ in outcomes]}")
+    if path is None:
+        logger.warning("no checkpoint to load in %s (no 'latest' file); starting from scratch", load_dir)
+        return None, None
+    apply(engine, plan, load_lr_scheduler_states, load_module_only)
+    client_state = {}
+    if plan.source.kind == ZEROTRAIN:
+        client_state = decode(plan.source.trainer_state.get("client_state") or {})
+    return path, client_state

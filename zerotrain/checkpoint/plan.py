@@ -1,0 +1,295 @@
+"""Save planning: which rank writes which tensor, into which file, in which round.
+
+Every rank describes what it holds (`local_layout`: its slots' shard records and
+optimizer state keys, from `engine.sharded_slots()`); the descriptions are
+all-gathered and every rank computes the same `SavePlan` from them:
+
+* each tensor name (with its master copy and optimizer states) is assigned to one
+  writer rank, balanced by bytes: a name goes to the rank that already holds most of
+  it when that keeps the rank within 10% of an even share, otherwise to the least
+  loaded rank, so each rank writes about 1/N of the bytes and few bytes move;
+* each writer's names are cut into safetensors files of at most `max_file_bytes`,
+  numbered globally in Hugging Face's `model-0000i-of-0000n` style;
+* each writer's names are cut into rounds of about `round_bytes`; in a round every
+  rank sends the pieces it holds of the writers' names in one all-to-all, so a writer
+  receives at most about `round_bytes` at a time and no rank ever holds the whole model.
+
+Partitioned frozen parameters (stage 3) are slots without a master: only their model
+file entry is written. Tensors outside every slot (frozen parameters at stages 0-2,
+persistent buffers) are whole on every rank; they are assigned for balance and need
+no exchange. Tied tensors appear once,
+under their first name in `state_dict` order, as Hugging Face saves them.
+"""
+from __future__ import annotations
+
+import hashlib
+import pickle
+from dataclasses import dataclass, field
+import torch
+
+from .format import MASTER, MODEL, OPTIMIZER, CheckpointError, dtype_name, itemsize, numel_of, shard_file, torch_dtype
+from .optim_state import split_state
+
+MAX_FILE_BYTES = 5 * 1024 ** 3
+ROUND_BYTES = 256 * 1024 ** 2
+_LOCALITY_SLACK = 1.10
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [param_start, param_start+numel) of a tensor, at shard_start of `rank`'s slot `slot`."""
+
+    rank: int
+    slot: int
+    param_start: int
+    numel: int
+    shard_start: int
+
+
+@dataclass
+class TensorPlan:
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+    trainable: bool
+    states: dict = field(default_factory=dict)   # per-element optimizer state key -> dtype
+    scalars: dict = field(default_factory=dict)  # scalar optimizer state key -> dtype
+    pieces: list = field(default_factory=list)   # sorted by param_start; all of the writer's own when replicated;
+    replicated: bool = False                     # empty: the tensor is whole on every rank
+    writer: int = 0
+
+    @property
+    def numel(self) -> int:
+        return numel_of(self.shape)
+
+    def kinds(self, master_separate: bool) -> list[tuple[str, torch.dtype]]:
+        """(source kind, dtype) of every per-element tensor saved for this name, in write order."""
+        if not self.trainable:
+            return [("model", self.dtype)]
+        kinds = [("model", self.dtype)]
+        if master_separate:
+            kinds.append(("master", torch.float32))
+        kinds += [(f"state:{key}", dtype) for key, dtype in sorted(self.states.items())]
+        return kinds
+
+    def nbytes(self, master_separate: bool) -> int:
+        return self.numel * sum(itemsize(dtype) for _, dtype in self.kinds(master_separate))
+
+
+@dataclass
+class FileSpec:
+    kind: str                # MODEL, MASTER or OPTIMIZER
+    name: str                # file name inside the checkpoint directory
+    writer: int
+    entries: list            # (key, dtype, shape) in write order
+
+
+@dataclass
+class SavePlan:
+    world: int
+    master_separate: bool
+    tensors: dict            # name -> TensorPlan, in state_dict order
+    files: list              # FileSpec
+    rounds: list             # [{writer: [names]}]
+    splits: list             # per round: splits[sender][receiver] bytes
+
+    def weight_map(self, kind: str) -> dict[str, str]:
+        return {key: spec.name for spec in self.files if spec.kind == kind for key, _, _ in spec.entries}
+
+    def total_size(self, kind: str) -> int:
+        return sum(numel_of(shape) * itemsize(dtype) for spec in self.files if spec.kind == kind
+                   for _, dtype, shape in spec.entries)
+
+    def names_of(self, writer: int) -> list[str]:
+        return [name for name, t in self.tensors.items() if t.writer == writer]
+
+    def transfers(self, round_index: int, sender: int, receiver: int):
+        """(name, kind, piece, nbytes) that `sender` sends `receiver` in a round, in canonical order."""
+        for name in self.rounds[round_index].get(receiver, []):
+            tensor = self.tensors[name]
+            if not tensor.pieces:
+                continue
+            for kind, dtype in tensor.kinds(self.master_separate):
+                size = itemsize(dtype)
+                for piece in tensor.pieces:
+                    if piece.rank == sender:
+                        yield name, kind, piece, piece.numel * size
+
+
+def extra_tensors(module: torch.nn.Module, sharded: set[str]) -> list[tuple[str, torch.Tensor]]:
+    """State outside the slots (frozen parameters, persistent buffers), each tensor once under its first name."""
+    seen, extras = set(), []
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue  # tied: saved under its first name
+        seen.add(id(tensor))
+        if name not in sharded and torch.is_tensor(tensor):
+            extras.append((name, tensor))
+    return extras
+
+
+def state_dict_order(module: torch.nn.Module) -> list[str]:
+    seen, order = set(), []
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            order.append(name)
+    return order
+
+
+def local_layout(engine, slots, rank: int) -> dict:
+    """What this rank holds, as plain data: records, dtypes and optimizer state keys of each slot."""
+    described, sharded = [], set()
+    for slot in slots:
+        elementwise, scalars = {}, {}
+        if slot.master is not None:
+            elementwise, scalars = split_state(engine.optimizer.state.get(slot.master, {}), slot.master)
+        records = [(r.name, tuple(int(s) for s in r.full_shape), int(r.param_start), int(r.numel), int(r.shard_start))
+                   for r in slot.records]
+        sharded.update(r[0] for r in records)
+        described.append({
+            "trainable": slot.master is not None,
+            "replicated": bool(slot.replicated), "numel": int(slot.model_shard.numel()),
+            "model_dtype": dtype_name(slot.model_shard.dtype), "records": records,
+            "states": {k: dtype_name(v.dtype) for k, v in sorted(elementwise.items())},
+            "scalars": {k: dtype_name(v.dtype) if torch.is_tensor(v) else "float64" for k, v in sorted(scalars.items())},
+        })
+    extras = []
+    if rank == 0:
+        extras = [(name, tuple(t.shape), dtype_name(t.dtype)) for name, t in extra_tensors(engine.module, sharded)]
+    return {"slots": described, "extras": extras, "order": state_dict_order(engine.module) if rank == 0 else []}
+
+
+def layout_digest(layout: dict) -> str:
+    return hashlib.sha1(pickle.dumps(layout)).hexdigest()
+
+
+def build_plan(layouts: list[dict], max_file_bytes: int = MAX_FILE_BYTES, round_bytes: int = ROUND_BYTES) -> SavePlan:
+    """The one plan every rank computes from the all-gathered layouts."""
+    world = len(layouts)
+    tensors: dict[str, TensorPlan] = {}
+    holders: dict[str, dict[int, list[Piece]]] = {}
+    for rank, layout in enumerate(layouts):
+        for index, slot in enumerate(layout["slots"]):
+            states = {k: torch_dtype(v) for k, v in slot["states"].items()}
+            scalars = {k: torch_dtype(v) for k, v in slot["scalars"].items()}
+            for name, shape, param_start, numel, shard_start in slot["records"]:
+                tensor = tensors.get(name)
+                if tensor is None:
+                    tensor = tensors[name] = TensorPlan(name, tuple(shape), torch_dtype(slot["model_dtype"]),
+                                                        slot["trainable"], states, scalars,
+                                                        replicated=slot["replicated"])
+                elif tensor.shape != tuple(shape) or tensor.states != states or tensor.scalars != scalars:
+                    raise CheckpointError(f"ranks disagree about parameter {name!r} (shape, or optimizer state keys "
+                                          f"{sorted(tensor.states)} vs {sorted(states)}); cannot save")
+                holders.setdefault(name, {}).setdefault(rank, []).append(
+                    Piece(rank, index, param_start, numel, shard_start))
+    for name, shape, dtype in layouts[0]["extras"]:
+        if name not in tensors:  # rank 0 lists every name outside its own slots; others' slots hold some
+            tensors[name] = TensorPlan(name, tuple(shape), torch_dtype(dtype), False)
+    order = {name: i for i, name in enumerate(layouts[0]["order"])}
+    tensors = dict(sorted(tensors.items(), key=lambda item: (order.get(item[0], len(order)), item[0])))
+    master_separate = any(t.dtype != torch.float32 for t in tensors.values() if t.trainable)
+
+    _assign_writers(tensors, holders, world, master_separate)
+    for name, tensor in tensors.items():
+        if name in holders:
+            pieces = holders[name][tensor.writer] if tensor.replicated else [p for ps in holders[name].values()
+                                                                             for p in ps]
+            tensor.pieces = sorted(pieces, key=lambda p: p.param_start)
+            _check_coverage(tensor)
+
+    files = _plan_files(tensors, world, master_separate, max_file_bytes)
+    rounds = _plan_rounds(tensors, world, master_separate, round_bytes)
+    splits = [[[0] * world for _ in range(world)] for _ in rounds]
+    for index, chunk in enumerate(rounds):
+        for receiver, names in chunk.items():
+            for name in names:
+                tensor = tensors[name]
+                for _, dtype in tensor.kinds(master_separate) if tensor.pieces else ():
+                    for piece in tensor.pieces:
+                        splits[index][piece.rank][receiver] += piece.numel * itemsize(dtype)
+    return SavePlan(world, master_separate, tensors, files, rounds, splits)
+
+
+def _assign_writers(tensors: dict, holders: dict, world: int, master_separate: bool) -> None:
+    sizes = {name: t.nbytes(master_separate) for name, t in tensors.items()}
+    cap = sum(sizes.values()) / world * _LOCALITY_SLACK
+    loads = [0] * world
+    for name in sorted(tensors, key=lambda n: (-sizes[n], n)):
+        tensor = tensors[name]
+        least = min(range(world), key=lambda r: (loads[r], r))
+        writer = least
+        if name in holders and not tensor.replicated:
+            held = {r: sum(p.numel for p in ps) for r, ps in holders[name].items()}
+            local = max(sorted(held), key=lambda r: held[r])
+            if loads[local] + sizes[name] <= cap:
+                writer = local
+        tensor.writer = writer
+        loads[writer] += sizes[name]
+
+
+def _check_coverage(tensor: TensorPlan) -> None:
+    position = 0
+    for piece in tensor.pieces:
+        if piece.param_start != position:
+            raise CheckpointError(f"the shards of {tensor.name!r} do not cover it: elements from {position} "
+                                  f"are {'missing' if piece.param_start > position else 'held twice'}")
+        position += piece.numel
+    if position != tensor.numel:
+        raise CheckpointError(f"the shards of {tensor.name!r} cover {position} of its {tensor.numel} elements")
+
+
+def _file_entries(tensor: TensorPlan, kind: str) -> list:
+    if kind == MODEL:
+        return [(tensor.name, tensor.dtype, tensor.shape)]
+    if not tensor.trainable:
+        return []
+    if kind == MASTER:
+        return [(tensor.name, torch.float32, tensor.shape)]
+    entries = [(f"{tensor.name}/{key}", dtype, tensor.shape) for key, dtype in sorted(tensor.states.items())]
+    return entries + [(f"{tensor.name}/{key}", dtype, ()) for key, dtype in sorted(tensor.scalars.items())]
+
+
+def _plan_files(tensors: dict, world: int, master_separate: bool, max_file_bytes: int) -> list[FileSpec]:
+    files: list[FileSpec] = []
+    for kind in ((MODEL, MASTER, OPTIMIZER) if master_separate else (MODEL, OPTIMIZER)):
+        chunks: list[tuple[int, list]] = []
+        for writer in range(world):
+            current, size = [], 0
+            for tensor in tensors.values():
+                if tensor.writer != writer:
+                    continue
+                entries = _file_entries(tensor, kind)
+                nbytes = sum(numel_of(shape) * itemsize(dtype) for _, dtype, shape in entries)
+                if current and size + nbytes > max_file_bytes:
+                    chunks.append((writer, current))
+                    current, size = [], 0
+                current += entries
+                size += nbytes
+            if current:
+                chunks.append((writer, current))
+        files += [FileSpec(kind, shard_file(kind, i, len(chunks)), writer, entries)
+                  for i, (writer, entries) in enumerate(chunks)]
+    return files
+
+
+def _plan_rounds(tensors: dict, world: int, master_separate: bool, round_bytes: int) -> list[dict]:
+    per_writer: list[list[list[str]]] = []
+    for writer in range(world):
+        chunks, current, size = [], [], 0
+        for name, tensor in tensors.items():
+            if tensor.writer != writer:
+                continue
+            nbytes = tensor.nbytes(master_separate)
+            if current and size + nbytes > round_bytes:
+                chunks.append(current)
+                current, size = [], 0
+            current.append(name)
+            size += nbytes
+        if current:
+            chunks.append(current)
+        per_writer.append(chunks)
+    count = max((len(chunks) for chunks in per_writer), default=0)
+    return [{w: per_writer[w][k] for w in range(world) if k < len(per_writer[w])} for k in range(count)]
+

@@ -1,0 +1,127 @@
+"""Reading tensors, or ranges of them, from a set of safetensors files by name.
+
+A rank that loads a shard needs elements [start, start+count) of a tensor flattened
+in row-major order. In a safetensors file that range is one contiguous run of bytes,
+so `TensorReader.read_into` reads exactly those bytes (`DirectReader`: O_DIRECT
+through an aligned buffer, measured twice as fast as the page cache on this machine
+for a file that is not cached) and copies them into the destination, converting the
+dtype on the way. A rank never reads more than the slices it needs (plus alignment),
+and never a whole file into memory.
+
+Before anything is read, every file's header is parsed and checked against its size
+(`format.read_layout`) and opened by safetensors itself (`safe_open`, which validates
+the header again); errors name the file and the tensor.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from safetensors import safe_open
+
+from .directio import DirectReader
+from .format import CheckpointError, itemsize, numel_of, read_layout, st_dtype
+
+
+class TensorReader:
+    """Tensors by name over the files of one weight map ({name: file}) inside `directory`."""
+
+    def __init__(self, directory: str, weight_map: dict[str, str], what: str):
+        self.directory = directory
+        self.weight_map = weight_map
+        self.what = what
+        self._layouts: dict[str, tuple[dict, int]] = {}
+        self._stack = contextlib.ExitStack()
+        self._validated: set[str] = set()
+        self._files: dict[str, DirectReader] = {}
+
+    def __enter__(self) -> "TensorReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stack.close()
+        self._files.clear()
+
+    def has(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def _path(self, name: str) -> str:
+        if name not in self.weight_map:
+            raise CheckpointError(f"tensor {name!r} is missing from the {self.what} of {self.directory}")
+        return os.path.join(self.directory, self.weight_map[name])
+
+    def _layout(self, path: str) -> tuple[dict, int]:
+        layout = self._layouts.get(path)
+        if layout is None:
+            layout = self._layouts[path] = read_layout(path)
+        return layout
+
+    def entry(self, name: str) -> tuple[torch.dtype, tuple, str]:
+        """(dtype, shape, path) of tensor `name`, from its file's (validated) header."""
+        path = self._path(name)
+        header, _ = self._layout(path)
+        if name not in header:
+            raise CheckpointError(f"tensor {name!r} is missing from {path} (the {self.what} index lists it there)")
+        return st_dtype(header[name]["dtype"]), tuple(header[name]["shape"]), path
+
+    def check(self, name: str, shape: tuple, floating: bool = True) -> None:
+        """Tensor `name` exists with this shape (and a floating dtype); its file is a valid safetensors file."""
+        dtype, stored, path = self.entry(name)
+        if tuple(stored) != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} in {path} has shape {list(stored)}, the model expects "
+                                  f"{list(shape)}")
+        if floating and not dtype.is_floating_point:
+            raise CheckpointError(f"tensor {name!r} in {path} has dtype {dtype}, expected a floating type")
+        if path not in self._validated:
+            try:
+                with safe_open(path, framework="pt") as handle:
+                    handle.metadata()
+            except Exception as error:  # noqa: BLE001 - safetensors raises its own types
+                raise CheckpointError(f"{path}: not a valid safetensors file: {error}") from error
+            self._validated.add(path)
+
+    def _file(self, path: str) -> DirectReader:
+        reader = self._files.get(path)
+        if reader is None:
+            reader = self._files[path] = self._stack.enter_context(DirectReader(path))
+        return reader
+
+    def read_into(self, name: str, start: int, count: int, target: torch.Tensor) -> None:
+        """Copy elements [start, start+count) of the flattened tensor into the 1-D `target` (any dtype/device)."""
+        dtype, stored, path = self.entry(name)
+        if start < 0 or start + count > numel_of(stored) or target.numel() != count:
+            raise CheckpointError(f"tensor {name!r} in {path}: elements [{start}, {start + count}) do not fit "
+                                  f"shape {list(stored)} or the destination")
+        if count == 0:
+            return
+        header, data_start = self._layout(path)
+        size = itemsize(dtype)
+        begin = data_start + header[name]["data_offsets"][0] + start * size
+        position = 0
+        try:
+            for chunk in self._file(path).chunks(begin, count * size, granule=size):
+                n = len(chunk) // size
+                source = torch.frombuffer(chunk, dtype=dtype, count=n)
+                target[position:position + n].copy_(source)
+                del source
+                position += n
+        except OSError as error:
+            raise CheckpointError(f"{path}: cannot read tensor {name!r}: {error}") from error
+
+    def read(self, name: str) -> torch.Tensor:
+        """The whole tensor, on the CPU."""
+        dtype, shape, _ = self.entry(name)
+        out = torch.empty(shape, dtype=dtype)
+        self.read_into(name, 0, out.numel(), out.reshape(-1))
+        return out
+
+    def read_range(self, name: str, start: int, count: int) -> torch.Tensor:
+        """Elements [start, start+count) of the flattened tensor, as a new 1-D CPU tensor."""
+        dtype, _, _ = self.entry(name)
+        out = torch.empty(count, dtype=dtype)
+        self.read_into(name, start, count, out)
+        return out

@@ -1,0 +1,139 @@
+"""Offline tools over a checkpoint directory, for `zerotrain ckpt inspect|verify|export`.
+
+They need no engine and no process group. Each accepts a tag directory, or a save
+directory with a `latest` file.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Optional
+
+import torch
+
+from . import commit
+from .format import (HF_CONFIG, HF_GENERATION_CONFIG, MASTER, MODEL, CheckpointError,
+                     SafetensorsWriter, dtype_name, index_file, itemsize, numel_of, read_header, read_json,
+                     shard_file, st_dtype, write_json)
+from .integrity import check_sizes, read_manifest, verify_checksums
+from .reader import TensorReader
+from .source import open_source, resolve
+
+
+def _path(directory: str) -> str:
+    path = resolve(directory, None)
+    if path is None:
+        raise CheckpointError(f"no checkpoint in {directory}")
+    return path
+
+
+def inspect_checkpoint(directory: str) -> dict:
+    """Tensors (dtype, shape, bytes) per kind, the step, and the topology that wrote the checkpoint."""
+    path = _path(directory)
+    source = open_source(path, load_module_only=True)
+    report = {"path": path, "kind": source.kind, "tensors": {}, "bytes": {}}
+    for kind, weight_map in source.maps.items():
+        rows = []
+        headers: dict = {}
+        for name, file in weight_map.items():
+            header = headers.setdefault(file, read_header(os.path.join(path, file)))
+            if name not in header:
+                raise CheckpointError(f"tensor {name!r} is missing from {os.path.join(path, file)}")
+            entry = header[name]
+            dtype = st_dtype(entry["dtype"])
+            rows.append({"name": name, "dtype": dtype_name(dtype), "shape": entry["shape"],
+                         "bytes": numel_of(entry["shape"]) * itemsize(dtype), "file": file})
+        report["tensors"][kind] = rows
+        report["bytes"][kind] = sum(row["bytes"] for row in rows)
+    if source.trainer_state is not None:
+        state = source.trainer_state
+        report.update(global_steps=state.get("global_steps"), global_samples=state.get("global_samples"),
+                      topology=state.get("topology"), zerotrain_version=state.get("zerotrain_version"))
+    if source.manifest is not None:
+        report["files"] = len(source.manifest["files"])
+        report["total_file_bytes"] = sum(int(e["size"]) for e in source.manifest["files"].values())
+    return report
+
+
+def verify_checkpoint(directory: str) -> dict:
+    """Check every file in the manifest (sizes, checksums, safetensors headers); raises CheckpointError if bad."""
+    path = _path(directory)
+    manifest = read_manifest(path)
+    names = sorted(manifest["files"])
+    check_sizes(path, manifest, names)
+    verify_checksums(path, manifest, names)
+    for name in names:
+        if name.endswith(".safetensors"):
+            read_header(os.path.join(path, name))
+    return {"path": path, "ok": True, "files": len(names),
+            "bytes": sum(int(manifest["files"][n]["size"]) for n in names)}
+
+
+def export_model(directory: str, out: str, dtype: Optional[str] = None,
+                 max_file_bytes: int = 5 * 1024 ** 3) -> str:
+    """Write the model weights only, in Hugging Face layout (optionally cast), to the new directory `out`.
+
+    Trained weights are taken from the fp32 master weights when the checkpoint has them,
+    so an export to another dtype is cast once from full precision.
+    """
+    path = _path(directory)
+    source = open_source(path, load_module_only=True)
+    if source.manifest is not None:
+        verify_checkpoint(path)
+    if os.path.exists(out) and os.listdir(out):
+        raise CheckpointError(f"export target {out} exists and is not empty")
+    target = None if dtype is None else {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(
+        dtype, getattr(torch, str(dtype), None))
+    if dtype is not None and not isinstance(target, torch.dtype):
+        raise CheckpointError(f"unknown dtype {dtype!r} (use bf16, fp16 or fp32)")
+    out = os.path.abspath(out)
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    temp = commit.tmp_dir(parent, os.path.basename(out), commit.new_save_id())
+    os.makedirs(temp)
+    try:
+        with TensorReader(path, source.maps[MODEL], "model weights") as model, \
+                TensorReader(path, source.maps.get(MASTER, {}), "master weights") as masters:
+            entries = []
+            for name in source.maps[MODEL]:
+                stored, shape, _ = model.entry(name)
+                wanted = target if (target is not None and stored.is_floating_point) else stored
+                entries.append((name, wanted, shape))
+            files: list[list] = [[]]
+            size = 0
+            for entry in entries:
+                nbytes = numel_of(entry[2]) * itemsize(entry[1])
+                if files[-1] and size + nbytes > max_file_bytes:
+                    files.append([])
+                    size = 0
+                files[-1].append(entry)
+                size += nbytes
+            weight_map = {}
+            for index, chunk in enumerate(files):
+                name = shard_file(MODEL, index, len(files))
+                writer = SafetensorsWriter(os.path.join(temp, name), chunk)
+                for key, wanted, _ in chunk:
+                    reader = masters if (masters.has(key) and wanted.is_floating_point) else model
+                    writer.write(key, [reader.read(key).to(wanted).contiguous()])
+                    weight_map[key] = name
+                writer.close()
+        total = sum(numel_of(shape) * itemsize(d) for _, d, shape in entries)
+        write_json(os.path.join(temp, index_file(MODEL)), {"metadata": {"total_size": total},
+                                                           "weight_map": weight_map})
+        for name in (HF_CONFIG, HF_GENERATION_CONFIG):
+            if os.path.exists(os.path.join(path, name)):
+                payload = read_json(os.path.join(path, name))
+                if name == HF_CONFIG and target is not None:
+                    payload["dtype" if "dtype" in payload or "torch_dtype" not in payload else "torch_dtype"] = \
+                        dtype_name(target)
+                write_json(os.path.join(temp, name), payload)
+        if os.path.exists(out):
+            os.rmdir(out)
+        commit.commit_directory(temp, out)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    return out
+
+
+__all__ = ["inspect_checkpoint", "verify_checkpoint", "export_model"]

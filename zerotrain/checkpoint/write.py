@@ -1,0 +1,231 @@
+"""One save, executed: exchange pieces, write files, agree, commit.
+
+A `SaveJob` runs on every rank, inline (synchronous save) or in the checkpointer's
+background thread (asynchronous save). All its collectives go through the
+checkpointer's own gloo group, never the training group, so a background job and
+the training step do not interfere. The steps:
+
+1. all-gather a small header: rank 0's save id (naming the temporary directory) and
+   every rank's scalar optimizer states;
+2. for each round of the plan: one all-to-all of raw bytes carries every piece to
+   the rank that writes its tensor; the writer appends each tensor's pieces, in
+   order, to its streaming safetensors files (checksummed as they are written);
+3. close (fsync) every file; rank 0 adds the indexes, trainer_state.json and the
+   Hugging Face config; every rank adds its RNG state;
+4. all-gather each rank's outcome and file list. A rank that failed keeps taking
+   part in every collective (sending zeros) so that nobody waits for it; if any rank
+   failed, every rank raises the same error and the temporary directory is removed;
+5. rank 0 writes the manifest, renames the directory into place, replaces `latest`,
+   rotates old checkpoints; its outcome is all-gathered so every rank agrees
+   whether the checkpoint committed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+
+import torch
+
+from . import commit
+from .format import (LATEST, MASTER, MODEL, OPTIMIZER, TRAINER_STATE, CheckpointError, SafetensorsWriter,
+                     index_file, rng_file, write_json)
+from .integrity import write_manifest
+from .plan import SavePlan
+from .snapshot import Sources
+
+logger = logging.getLogger("zerotrain")
+
+_FILE_KIND = {"model": MODEL, "master": MASTER}
+
+
+@dataclass
+class SaveJob:
+    plan: SavePlan
+    sources: Sources
+    comm: object                     # the checkpointer's Comm (gloo)
+    save_dir: str
+    tag: str
+    save_latest: bool
+    keep_last: int | None
+    trainer_state: dict              # rank 0's, JSON-ready
+    rng_state: dict                  # this rank's, JSON-ready
+    extra_files: dict = field(default_factory=dict)   # rank 0: {file name: JSON payload} (HF config)
+    optimizer_meta: dict = field(default_factory=dict)  # rank 0: optimizer type and group hyperparameters
+
+    def run(self) -> str:
+        rank = self.comm.rank
+        header = self.comm.all_gather_object({"save_id": commit.new_save_id() if rank == 0 else None,
+                                              "scalars": self.sources.scalars})
+        self._scalars = [entry["scalars"] for entry in header]
+        self._save_id = header[0]["save_id"]
+        temp = commit.tmp_dir(self.save_dir, self.tag, self._save_id)
+        final = os.path.join(self.save_dir, self.tag)
+        error: BaseException | None = None
+        written: dict[str, dict] = {}
+        self._writers: dict[str, SafetensorsWriter] = {}
+        try:
+            os.makedirs(temp, exist_ok=True)
+            self._open_plan = {spec.name: spec for spec in self.plan.files if spec.writer == rank}
+            self._file_of = {(spec.kind, key): spec.name for spec in self._open_plan.values()
+                             for key, _, _ in spec.entries}
+        except Exception as caught:  # noqa: BLE001 - reported to every rank below
+            error = caught
+        for index in range(len(self.plan.rounds)):
+            received, failed = self._exchange(index, ok=error is None)
+            error = error or failed
+            if error is None:
+                try:
+                    self._write_round(index, received, temp, written)
+                    commit.event("round-written")
+                except Exception as caught:  # noqa: BLE001
+                    error = caught
+        if error is None:
+            try:
+                for name, writer in list(self._writers.items()):
+                    size, crc = writer.close()
+                    written[name] = {"size": size, "crc32": f"{crc:08x}"}
+                self._writers.clear()
+                self._write_small_files(temp, written)
+                commit.event("files-written")
+            except Exception as caught:  # noqa: BLE001
+                error = caught
+        for writer in self._writers.values():
+            writer.abort()
+
+        status = self.comm.all_gather_object({"error": describe_error(error), "files": written})
+        failures = [(r, entry["error"]) for r, entry in enumerate(status) if entry["error"]]
+        if failures:
+            if rank == 0:
+                shutil.rmtree(temp, ignore_errors=True)
+            failed_rank, message = failures[0]
+            raise CheckpointError(f"saving checkpoint {final} failed on rank {failed_rank}: {message}") from error
+
+        outcome = None
+        if rank == 0:
+            files = {name: entry for s in status for name, entry in s["files"].items()}
+            outcome = self._commit(temp, final, files)
+        outcome = self.comm.all_gather_object(outcome)[0]
+        if outcome:
+            raise CheckpointError(f"committing checkpoint {final} failed on rank 0: {outcome}")
+        return final
+
+    # --- exchange and write ------------------------------------------------------------------
+    def _exchange(self, index: int, ok: bool) -> tuple[dict, BaseException | None]:
+        """Send this rank's pieces of round `index` to their writers.
+
+        Returns ({(kind, piece): bytes received}, the error if this rank could not pack its pieces:
+        it then sends zeros, so that the collective completes and the save fails everywhere).
+        """
+        rank, world = self.comm.rank, self.comm.size
+        splits = self.plan.splits[index]
+        if world == 1 or all(splits[s][r] == 0 for s in range(world) for r in range(world) if s != r):
+            return {}, None
+        input_splits = [0 if r == rank else splits[rank][r] for r in range(world)]
+        output_splits = [0 if s == rank else splits[s][rank] for s in range(world)]
+        chunks, failed = [], None
+        if ok:
+            try:
+                for receiver in range(world):
+                    if receiver != rank:
+                        chunks += [self.sources.piece(piece, kind)
+                                   for _, kind, piece, _ in self.plan.transfers(index, rank, receiver)]
+                send = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+                if send.numel() != sum(input_splits):
+                    raise CheckpointError(f"round {index}: packed {send.numel()} bytes, the plan says "
+                                          f"{sum(input_splits)}")
+            except Exception as caught:  # noqa: BLE001 - reported to every rank after the writes
+                failed = caught
+        if not ok or failed is not None:
+            send = torch.zeros(sum(input_splits), dtype=torch.uint8)
+        received = torch.empty(sum(output_splits), dtype=torch.uint8)
+        self.comm.all_to_all_bytes(received, send, output_splits, input_splits)
+        pieces, offset = {}, 0
+        for sender in range(world):
+            if sender == rank:
+                continue
+            for _, kind, piece, nbytes in self.plan.transfers(index, sender, rank):
+                pieces[(kind, piece)] = received[offset:offset + nbytes]
+                offset += nbytes
+        return pieces, failed
+
+    def _writer(self, kind: str, key: str, temp: str, written: dict) -> SafetensorsWriter:
+        name = self._file_of[(kind, key)]
+        writer = self._writers.get(name)
+        if writer is None:
+            for other in [n for n in self._writers if self._open_plan[n].kind == kind]:
+                size, crc = self._writers.pop(other).close()  # the writer's previous file of this kind is done
+                written[other] = {"size": size, "crc32": f"{crc:08x}"}
+            spec = self._open_plan[name]
+            writer = self._writers[name] = SafetensorsWriter(os.path.join(temp, name), spec.entries,
+                                                             {"zerotrain": kind})
+        return writer
+
+    def _write_round(self, index: int, received: dict, temp: str, written: dict) -> None:
+        rank = self.comm.rank
+        for name in self.plan.rounds[index].get(rank, []):
+            tensor = self.plan.tensors[name]
+            if not tensor.pieces:  # whole on every rank
+                self._writer(MODEL, name, temp, written).write(name, [self.sources.extras[name]])
+                continue
+            for kind, _ in tensor.kinds(self.plan.master_separate):
+                chunks = [self.sources.piece(p, kind) if p.rank == rank else received[(kind, p)]
+                          for p in tensor.pieces]
+                if kind.startswith("state:"):
+                    key, file_kind = f"{name}/{kind[len('state:'):]}", OPTIMIZER
+                else:
+                    key, file_kind = name, _FILE_KIND[kind]
+                self._writer(file_kind, key, temp, written).write(key, chunks)
+            first = tensor.pieces[0]
+            for key, dtype in sorted(tensor.scalars.items() if tensor.trainable else ()):
+                value = self._scalars[first.rank][first.slot][key]
+                self._writer(OPTIMIZER, f"{name}/{key}", temp, written).write(
+                    f"{name}/{key}", [torch.tensor(value, dtype=dtype).reshape(1)])
+
+    def _write_small_files(self, temp: str, written: dict) -> None:
+        def put(name: str, payload) -> None:
+            size, crc = write_json(os.path.join(temp, name), payload)
+            written[name] = {"size": size, "crc32": f"{crc:08x}"}
+
+        put(rng_file(self.comm.rank), self.rng_state)
+        if self.comm.rank != 0:
+            return
+        kinds = (MODEL, MASTER, OPTIMIZER) if self.plan.master_separate else (MODEL, OPTIMIZER)
+        for kind in kinds:
+            metadata = {"total_size": self.plan.total_size(kind), "zerotrain": kind}
+            if kind == OPTIMIZER:
+                metadata.update(self.optimizer_meta)
+            put(index_file(kind), {"metadata": metadata, "weight_map": self.plan.weight_map(kind)})
+        for name, payload in self.extra_files.items():
+            put(name, payload)
+        put(TRAINER_STATE, self.trainer_state)
+
+    # --- commit (rank 0) -----------------------------------------------------------------------
+    def _commit(self, temp: str, final: str, files: dict) -> str | None:
+        try:
+            write_manifest(temp, files, {"tag": self.tag, "save_id": self._save_id,
+                                         "global_steps": self.trainer_state["global_steps"],
+                                         "world_size": self.comm.size})
+            commit.event("manifest-written")
+            commit.commit_directory(temp, final)
+            commit.event("committed")
+            if self.save_latest:
+                commit.atomic_write_text(os.path.join(self.save_dir, LATEST), self.tag)
+                commit.event("latest-written")
+        except Exception as error:  # noqa: BLE001 - every rank must learn it
+            return describe_error(error)
+        try:
+            deleted = commit.rotate(self.save_dir, self.keep_last, self.tag)
+            if deleted:
+                logger.info("checkpoint rotation (keep_last=%s) deleted %s", self.keep_last, deleted)
+            commit.remove_stale(self.save_dir, keep=final)
+        except Exception as error:  # noqa: BLE001 - the checkpoint is committed; cleanup can wait
+            logger.warning("checkpoint %s committed, but cleaning up old checkpoints failed: %s", final, error)
+        return None
+
+
+def describe_error(error: BaseException | None) -> str | None:
+    if error is None:
+        return None
+    return str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
