@@ -1,0 +1,127 @@
+"""In-process units of the offload package: the NVMe swapper streams chunks through two buffers bit for bit
+like fused AdamW, states round-trip through `resident_states()` (and are adopted when a load bypasses it), a
+disk too small fails at start-up, no O_DIRECT falls back with a warning, a user's torch AdamW is switched to
+the fused kernel, and the `ratio` split is by elements."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+def _bucket_optimizer(tmp_path, **kwargs):
+    from zerotrain.offload import NvmeOffloadOptimizer
+    from zerotrain.zero.flat import FlatBucket
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3000)), torch.nn.Parameter(torch.randn(2500))]
+    buckets = [FlatBucket(0, [("a", params[0])], 0, 1, 0), FlatBucket(1, [("b", params[1])], 1, 1, 0)]
+    torch_opt = torch.optim.AdamW([{"params": [params[0]], "lr": 1e-2},
+                                   {"params": [params[1]], "lr": 5e-3, "weight_decay": 0.1}], fused=True)
+    opt = NvmeOffloadOptimizer(buckets, None, torch_opt, [[params[0]], [params[1]]], 0.0, nvme_path=str(tmp_path),
+                               **kwargs)
+    return params, opt
+
+
+def test_streamed_chunks_equal_fused_adamw_bitwise(tmp_path):
+    params, opt = _bucket_optimizer(tmp_path, buffer_count=2, chunk_numel=1024)
+    assert len(opt.chunks) == 6  # 3 + 3 chunks streamed through 2 buffers
+    torch.manual_seed(0)
+    ref = [torch.nn.Parameter(torch.randn(3000)), torch.nn.Parameter(torch.randn(2500))]
+    ref_opt = torch.optim.AdamW([{"params": [ref[0]], "lr": 1e-2},
+                                 {"params": [ref[1]], "lr": 5e-3, "weight_decay": 0.1}], fused=True)
+    def step_both():
+        grads = [torch.randn(3000), torch.randn(2500)]
+        for p, g in zip(ref, grads):
+            p.grad = g.clone()
+        ref_opt.step()
+        opt.step([g.clone() for g in grads], 1.0)
+        for p, q in zip(ref, params):
+            assert torch.equal(p.detach(), q.detach())
+
+    for _ in range(3):
+        step_both()
+    assert set(opt.optimizer.state[opt.masters[0]]) == {"step"}  # per-element states live on disk
+    with opt.resident_states():
+        for master, p in zip(opt.masters, ref):
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(opt.optimizer.state[master][key], ref_opt.state[p][key]), key
+            opt.optimizer.state[master]["exp_avg"].mul_(2)  # as a checkpoint load would write
+            ref_opt.state[p]["exp_avg"].mul_(2)
+    step_both()
+    # A load that writes states straight into optimizer.state (no resident_states) is adopted by the next step.
+    for master, p in zip(opt.masters, ref):
+        ref_opt.state[p]["exp_avg_sq"].mul_(0.5)
+        opt.optimizer.state[master]["exp_avg_sq"] = ref_opt.state[p]["exp_avg_sq"].clone()
+        opt.optimizer.state[master]["exp_avg"] = ref_opt.state[p]["exp_avg"].clone()
+    step_both()
+    assert set(opt.optimizer.state[opt.masters[1]]) == {"step"}
+    assert opt.memory_split()["nvme"] == 8 * 5500
+    opt.close()
+
+
+def test_disk_too_small_is_a_clear_error_at_start(tmp_path, monkeypatch):
+    import shutil
+
+    from zerotrain.offload import OffloadIOError
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr("zerotrain.offload.nvme.shutil.disk_usage", lambda path: usage._replace(free=1000))
+    with pytest.raises(OffloadIOError, match=r"needs .* MiB under .*only 0.0 MiB are free"):
+        _bucket_optimizer(tmp_path)
+    assert not os.listdir(tmp_path)
+
+
+def test_no_direct_io_warns_and_falls_back(tmp_path, monkeypatch):
+    monkeypatch.setattr("zerotrain.offload.nvme.direct_io_supported", lambda directory: False)
+    with pytest.warns(UserWarning, match="O_DIRECT"):
+        _, opt = _bucket_optimizer(tmp_path, chunk_numel=1024)
+    assert not opt.io.direct and opt.stats["direct_io"] == 0
+    opt.close()
+
+
+@pytest.mark.parametrize("ratio,expected", [(1.0, [True] * 3), (0.5, [True, True, False]),
+                                            (0.1, [False, True, False]), (0.01, [False] * 3)])
+def test_choose_offloaded_by_elements(ratio, expected):
+    from zerotrain.offload import choose_offloaded
+
+    class Bucket:
+        def __init__(self, n):
+            self.shard_numel = n
+
+    assert choose_offloaded([Bucket(12), Bucket(4), Bucket(21)], ratio) == expected
+
+
+def test_user_adamw_is_switched_to_the_fused_kernel():
+    from zerotrain.offload import OffloadOptimizer
+    from zerotrain.zero.flat import FlatBucket
+
+    param = torch.nn.Parameter(torch.randn(100))
+    user = torch.optim.AdamW([param], lr=1e-2)  # fused and foreach left to torch
+    opt = OffloadOptimizer([FlatBucket(0, [("w", param)], 0, 1, 0)], None, user, [[param]], 0.0)
+    assert user.param_groups[0]["fused"] is True and user.param_groups[0]["params"] == opt.masters
+    opt.step([torch.randn(100)], 1.0)
+    assert opt.optimizer.state[opt.masters[0]]["step"].item() == 1
+    assert torch.equal(param.detach(), opt.masters[0])  # published back into the model
+
+
+def test_io_errors_name_the_file_and_say_disk_full(tmp_path, monkeypatch):
+    import errno
+
+    from zerotrain.offload import OffloadIOError, aio
+
+    io = aio.AsyncFileIO(threads=1, direct=False)
+    fd = io.open(str(tmp_path / "f"), aio.ALIGN)
+    buffer = aio.aligned_empty(aio.ALIGN)
+    assert io.write(fd, 0, buffer).result() == aio.ALIGN and io.read(fd, 0, buffer).result() == aio.ALIGN
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(aio, "_pwrite", full)
+    with pytest.raises(OffloadIOError, match=r"no space left on device while writing 4096 bytes at offset 0 of .*f"):
+        io.write(fd, 0, buffer).result()
+    with pytest.raises(OffloadIOError, match="reading 4096 bytes at offset 4096"):
+        io.read(fd, aio.ALIGN, buffer).result()  # past the end of the file
+    io.shutdown()

@@ -1,0 +1,191 @@
+"""Asynchronous file I/O through a bounded pool of aligned host buffers.
+
+`AlignedBuffers` hands out at most `count` page-aligned byte buffers; a caller that
+finds none free waits until a write behind returns one. `AsyncFileIO` runs positional
+reads and writes (`os.preadv` / `os.pwritev`) on a small thread pool and returns futures.
+Files are opened with O_DIRECT when the filesystem takes it (probed once per directory
+by `direct_io_supported`); otherwise a warning is given and buffered I/O is used.
+
+The GIL: `os.preadv`/`os.pwritev` release it for the whole system call, and every wait
+(`Future.result`, a free buffer) is a `threading.Condition` wait, which releases it too.
+No thread ever waits on I/O while holding the GIL, so the I/O workers always make progress
+(the ZeRO-Infinity deadlock of PEERS.md cannot happen here).
+
+Errors never get lost: a failed request raises `OffloadIOError` (naming the file, the
+offset and the size; "no space left on device" said plainly) from the future's `result()`,
+in the thread that waits on it, which is the training process's main thread.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import uuid
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Optional
+
+import torch
+
+ALIGN = 4096  # bytes: page size and the largest common logical block size
+
+# Module-level so tests can inject faults (see tests/offload/test_offload_nvme_failure.py).
+_pread = os.preadv
+_pwrite = os.pwritev
+
+
+class OffloadIOError(RuntimeError):
+    """A read or write of offloaded optimizer state failed; the step it belonged to was not applied."""
+
+
+def round_up(value: int, multiple: int = ALIGN) -> int:
+    return -(-value // multiple) * multiple
+
+
+def aligned_empty(nbytes: int, align: int = ALIGN, pin: bool = False) -> torch.Tensor:
+    """A uint8 CPU tensor of `nbytes` whose first byte is `align`-aligned."""
+    raw = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
+    skip = (-raw.data_ptr()) % align
+    return raw[skip:skip + nbytes]
+
+
+_DIRECT_CACHE: dict[str, bool] = {}
+
+
+def direct_io_supported(directory: str) -> bool:
+    """True when an aligned O_DIRECT write and read work in `directory` (tmpfs, for one, refuses)."""
+    directory = os.path.realpath(directory)
+    if directory in _DIRECT_CACHE:
+        return _DIRECT_CACHE[directory]
+    flag = getattr(os, "O_DIRECT", 0)
+    ok = False
+    if flag:
+        probe = os.path.join(directory, f".zerotrain-odirect-{uuid.uuid4().hex}")
+        block = aligned_empty(ALIGN)
+        try:
+            fd = os.open(probe, os.O_CREAT | os.O_RDWR | flag, 0o600)
+            try:
+                ok = os.pwritev(fd, [block.numpy()], 0) == ALIGN and os.preadv(fd, [block.numpy()], 0) == ALIGN
+            finally:
+                os.close(fd)
+        except OSError:
+            ok = False
+        finally:
+            try:
+                os.unlink(probe)
+            except OSError:
+                pass
+    _DIRECT_CACHE[directory] = ok
+    return ok
+
+
+class AlignedBuffers:
+    """A fixed pool of `count` aligned buffers of `nbytes` each: the bound on I/O memory."""
+
+    def __init__(self, count: int, nbytes: int, pin: bool = False):
+        if count < 1:
+            raise ValueError("the buffer pool needs at least one buffer")
+        self.nbytes = round_up(nbytes)
+        self._free = [aligned_empty(self.nbytes, pin=pin) for _ in range(count)]
+        self.count = count
+        self._cond = threading.Condition()
+
+    def acquire(self, block: bool = True) -> Optional[torch.Tensor]:
+        """A free buffer; waits (GIL released) for one if `block`, else None when none is free."""
+        with self._cond:
+            while not self._free:
+                if not block:
+                    return None
+                self._cond.wait()
+            return self._free.pop()
+
+    def release(self, buffer: torch.Tensor) -> None:
+        with self._cond:
+            self._free.append(buffer)
+            self._cond.notify()
+
+    def total_bytes(self) -> int:
+        return self.count * self.nbytes
+
+
+def _describe(error: OSError, what: str, path: str, offset: int, nbytes: int) -> OffloadIOError:
+    if error.errno == errno.ENOSPC:
+        return OffloadIOError(f"NVMe offload: no space left on device while {what} {nbytes} bytes at offset "
+                              f"{offset} of {path}; free space under the nvme_path or point it elsewhere")
+    return OffloadIOError(f"NVMe offload: {what} {nbytes} bytes at offset {offset} of {path} failed: {error}")
+
+
+class AsyncFileIO:
+    """Positional reads and writes of aligned buffers on `threads` worker threads."""
+
+    def __init__(self, threads: int = 2, direct: bool = False):
+        self.direct = direct
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="zerotrain-aio")
+        self._paths: dict[int, str] = {}
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self._lock = threading.Lock()
+
+    def open(self, path: str, nbytes: int) -> int:
+        """Create `path` with `nbytes` allocated on disk now, so a full disk shows up here, not mid-step."""
+        flags = os.O_CREAT | os.O_RDWR | (getattr(os, "O_DIRECT", 0) if self.direct else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, nbytes)
+            else:
+                os.ftruncate(fd, nbytes)
+        except OSError as error:
+            os.close(fd)
+            raise _describe(error, "allocating", path, 0, nbytes) from error
+        self._paths[fd] = path
+        return fd
+
+    def close(self, fd: int) -> None:
+        self._paths.pop(fd, None)
+        os.close(fd)
+
+    def read(self, fd: int, offset: int, buffer: torch.Tensor,
+             done: Optional[Callable[[], None]] = None) -> Future:
+        return self._submit(fd, offset, buffer, write=False, before=None, done=done)
+
+    def write(self, fd: int, offset: int, buffer: torch.Tensor, before: Optional[Callable[[], None]] = None,
+              done: Optional[Callable[[], None]] = None) -> Future:
+        """Write `buffer` at `offset`; `before` runs first on the I/O thread (e.g. a copy into the buffer)."""
+        return self._submit(fd, offset, buffer, write=True, before=before, done=done)
+
+    def _submit(self, fd, offset, buffer, write, before, done) -> Future:
+        if self.direct and (offset % ALIGN or buffer.numel() % ALIGN or buffer.data_ptr() % ALIGN):
+            raise ValueError("O_DIRECT needs aligned offsets, sizes and buffers")
+        return self._pool.submit(self._run, fd, offset, buffer, write, before, done)
+
+    def _run(self, fd: int, offset: int, buffer: torch.Tensor, write: bool, before, done) -> int:
+        path = self._paths.get(fd, f"fd {fd}")
+        what = "writing" if write else "reading"
+        try:
+            if before is not None:
+                before()
+            view = memoryview(buffer.numpy())
+            moved = 0
+            while moved < len(view):
+                chunk = view[moved:]
+                count = _pwrite(fd, [chunk], offset + moved) if write else _pread(fd, [chunk], offset + moved)
+                if count <= 0:
+                    raise OSError(errno.EIO, "short write" if write else "read past the end of the file")
+                moved += count
+            with self._lock:
+                if write:
+                    self.bytes_written += moved
+                else:
+                    self.bytes_read += moved
+            return moved
+        except OSError as error:
+            raise _describe(error, what, path, offset, buffer.numel()) from error
+        finally:
+            if done is not None:
+                done()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+        for fd in list(self._paths):
+            self.close(fd)

@@ -1,0 +1,256 @@
+"""ZeRO-Offload: the fp32 masters, the optimizer states and the step on the host.
+
+`OffloadOptimizer` is a `ShardedOptimizer` whose masters of the offloaded buckets are
+separate fp32 tensors in host memory (pinned when a GPU is present), even when the
+"device" is the CPU itself, so the offload path really runs: the reduced fp32 gradient
+shard is copied to the host (on a GPU the copy starts in the reducer's shard-ready
+callback, during backward), unscaled and clipped there, the torch optimizer (fused
+CPU Adam(W), see below) updates the host masters and states, and `publish()` casts them
+back into the model's buffers in the training dtype. The math is ShardedOptimizer's,
+element for element: same norm, same multiplier, same kernel.
+
+`ratio` < 1 keeps the states of the remaining buckets on the device (their masters
+are what ShardedOptimizer would use). Buckets are taken in index order, each one when at
+least half of it fits under `ratio` of all shard elements (so the offloaded share is as near
+`ratio` as whole buckets allow): `offloaded_bytes()` and `memory_split()` account for the split.
+
+Fast CPU Adam: torch's fused CPU AdamW kernel runs at DeepSpeedCPUAdam's speed (PEERS.md);
+`zerotrain.optim` builds it for Adam/AdamW, and a user's torch Adam/AdamW that did not
+choose (fused and foreach both None) is switched to it here. Measured here, one thread,
+50M parameters: fused AdamW step 26-28 ms (1.8-1.9 G params/s; DeepSpeedCPUAdam 32 ms,
+torch foreach 190 ms per PEERS.md); `benchmarks/offload_rollback.py` reproduces it.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+
+from ..comm import Comm
+from ..zero.flat import FlatBucket
+from ..zero.optimizer import ShardedOptimizer
+
+
+def choose_offloaded(buckets: list[FlatBucket], ratio: float) -> list[bool]:
+    """Which buckets go to the host: in index order, each when half of it still fits under `ratio` of the elements."""
+    total = sum(b.shard_numel for b in buckets)
+    chosen, done = [], 0
+    for bucket in buckets:
+        take = ratio >= 1.0 or done + bucket.shard_numel / 2 <= ratio * total
+        chosen.append(take)
+        if take:
+            done += bucket.shard_numel
+    return chosen
+
+
+def host_empty(numel: int, pin: bool) -> torch.Tensor:
+    return torch.empty(numel, dtype=torch.float32, pin_memory=pin and torch.cuda.is_available())
+
+
+def prefer_fused(optimizer: torch.optim.Optimizer) -> None:
+    """Switch a torch Adam/AdamW that left the implementation to torch onto the fused kernel."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return
+    for group in optimizer.param_groups:
+        if group.get("fused") is None and group.get("foreach") is None and not group.get("differentiable") \
+                and not group.get("capturable"):
+            group["fused"] = True
+    if all(group.get("fused") for group in optimizer.param_groups):
+        optimizer.defaults["fused"] = True
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+
+class HostGradients:
+    """fp32 host copies of the offloaded gradient shards.
+
+    On a GPU, `start` launches the device-to-host copy in the shard-ready callback and
+    records an event; `get` waits for it. On the CPU, `get` copies at once (a plain copy).
+    """
+
+    def __init__(self, sizes: dict[int, int], pin: bool):
+        self.buffers = {index: host_empty(numel, pin) for index, numel in sizes.items()}
+        self._events: dict[int, object] = {}
+
+    def start(self, index: int, grad: torch.Tensor) -> None:
+        if grad.is_cuda and index in self.buffers:
+            self.buffers[index].copy_(grad, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._events[index] = event
+
+    def get(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        buffer = self.buffers[index]
+        event = self._events.pop(index, None)
+        if event is not None:
+            event.synchronize()
+        else:
+            buffer.copy_(grad)
+        return buffer
+
+    def reset(self) -> None:
+        for event in self._events.values():
+            event.synchronize()
+        self._events.clear()
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.buffers.values())
+
+
+class OffloadOptimizer(ShardedOptimizer):
+    """Masters, states and update of the offloaded buckets in host memory; the rest as ShardedOptimizer."""
+
+    kind = "cpu"
+
+    def __init__(self, buckets: list[FlatBucket], comm: Comm, optimizer: torch.optim.Optimizer,
+                 group_params: list[list[torch.Tensor]], clip_norm: float, ratio: float = 1.0,
+                 pin_memory: bool = False, reducer=None, host_grads: bool = True):
+        # Not ShardedOptimizer.__init__: it would allocate device masters that offload does not want.
+        self.buckets = buckets
+        self.comm = comm
+        self.clip_norm = clip_norm
+        self.ratio = ratio
+        self.offloaded = choose_offloaded(buckets, ratio)
+        self.device = buckets[0].device if buckets else torch.device("cpu")
+        self.masters: list[torch.Tensor] = []
+        for bucket, offloaded in zip(buckets, self.offloaded):
+            shard = bucket.local_shard()
+            if offloaded:
+                master = host_empty(shard.numel(), pin_memory)
+                master.copy_(shard)
+            elif bucket.dtype == torch.float32:
+                master = shard
+            else:
+                master = shard.detach().float().clone()
+            bucket.master = master
+            self.masters.append(master)
+        self.optimizer = optimizer
+        self._rewire(group_params)
+        prefer_fused(optimizer)
+        self.last_grad_norm: Optional[float] = None
+        sizes = {i: b.shard_numel for i, b in enumerate(buckets) if self.offloaded[i]}
+        self.host_grads = HostGradients(sizes, pin_memory) if host_grads else None
+        self.stats: dict[str, float] = {"offloaded_buckets": sum(self.offloaded), "steps": 0}
+        self.reducer = reducer
+        if reducer is not None:
+            reducer.shard_ready_callbacks.append(self._on_shard_ready)
+
+    # --- gradients arrive during backward ----------------------------------
+    def _on_shard_ready(self, index: int) -> None:
+        grad = self.reducer.grad_shards[index]
+        if self.host_grads is not None and self.offloaded[index] and grad is not None:
+            self.host_grads.start(index, grad)
+
+    # --- norm and overflow on the training device ---------------------------
+    def grad_norm(self, grad_shards: list[torch.Tensor]) -> float:
+        """The global L2 norm of the (still loss-scaled) gradients; computed where the gradients are."""
+        squared = torch.zeros(1, dtype=torch.float32, device=self.device)
+        for grad in grad_shards:
+            squared += grad.float().pow(2).sum()
+        if self.buckets and self.buckets[0].partitions > 1:
+            self.comm.sum_scalar(squared)
+        return math.sqrt(squared.item())
+
+    def has_overflow(self, grad_shards: list[torch.Tensor]) -> bool:
+        local = any(not torch.isfinite(grad).all() for grad in grad_shards)
+        overflow = self.comm.any_true(local, self.device)
+        if overflow and self.host_grads is not None:
+            self.host_grads.reset()
+        return overflow
+
+    def multiplier(self, norm: float, loss_scale: float) -> float:
+        """The one factor ShardedOptimizer applies to the gradients: unscale, then clip."""
+        multiplier = 1.0 / loss_scale
+        if self.clip_norm > 0:
+            multiplier *= min(1.0, self.clip_norm / (norm + 1e-6))
+        return multiplier
+
+    # --- the step ----------------------------------------------------------
+    def step(self, grad_shards: list[torch.Tensor], loss_scale: float) -> None:
+        norm = self.grad_norm(grad_shards) / loss_scale
+        self.last_grad_norm = norm
+        self.update(grad_shards, self.multiplier(norm, loss_scale), range(len(self.buckets)))
+        self.stats["steps"] += 1
+        self.publish()
+
+    def host_gradient(self, index: int, grad: torch.Tensor, multiplier: float) -> torch.Tensor:
+        """Bucket `index`'s gradient on the host, multiplied exactly as ShardedOptimizer would."""
+        host = self.host_grads.get(index, grad)
+        if multiplier != 1.0:
+            host.mul_(multiplier)
+        return host
+
+    def update(self, grad_shards: list[torch.Tensor], multiplier: float, indices) -> None:
+        """One optimizer step over buckets `indices` (host and device ones together, one fused call)."""
+        chosen = []
+        for index in indices:
+            grad, master = grad_shards[index], self.masters[index]
+            if grad is None:
+                continue
+            if self.offloaded[index]:
+                master.grad = self.host_gradient(index, grad, multiplier)
+            else:
+                if multiplier != 1.0:
+                    grad.mul_(multiplier)
+                master.grad = grad
+            chosen.append(master)
+        try:
+            self.optimizer.step()
+        finally:
+            for master in chosen:
+                master.grad = None
+            if self.host_grads is not None:
+                self.host_grads.reset()
+
+    # --- accounting ----------------------------------------------------------
+    def _bucket_state_bytes(self, index: int) -> int:
+        return tensor_bytes(self.optimizer.state.get(self.masters[index], {}).values())
+
+    def memory_split(self) -> dict[str, int]:
+        """Bytes of masters and optimizer states by where they live: device, host, nvme (+ host buffers)."""
+        split = {"device": 0, "host": 0, "nvme": 0, "host_buffers": 0}
+        for index, (bucket, master) in enumerate(zip(self.buckets, self.masters)):
+            state = self._bucket_state_bytes(index)
+            if self.offloaded[index]:
+                split["host"] += state + master.numel() * master.element_size()
+            else:
+                own_master = master.data_ptr() != bucket.local_shard().data_ptr()
+                split["device"] += state + (master.numel() * master.element_size() if own_master else 0)
+        if self.host_grads is not None:
+            split["host_buffers"] += self.host_grads.nbytes()
+        return split
+
+    def offloaded_bytes(self) -> int:
+        """Bytes of masters and optimizer states moved off the device (host memory and NVMe files)."""
+        split = self.memory_split()
+        return split["host"] + split["nvme"]
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state and separate masters left on the device (what ZeRO memory reports count)."""
+        return self.memory_split()["device"]
+
+    def close(self) -> None:
+        """Release threads and files (nothing to release for plain CPU offload)."""
+
+
+def build_offload_optimizer(buckets: list[FlatBucket], comm: Comm, optimizer: torch.optim.Optimizer,
+                            reducer, config, loss_scale: Callable[[], float]) -> OffloadOptimizer:
+    """The offloaded optimizer the config's `zero_optimization.offload_optimizer` block asks for."""
+    offload = config.zero_optimization.offload_optimizer
+    groups = [g["params"] for g in optimizer.param_groups]
+    common = dict(ratio=float(offload.ratio), pin_memory=bool(offload.pin_memory), reducer=reducer)
+    if offload.device == "nvme":
+        from .nvme import NvmeOffloadOptimizer
+        built = NvmeOffloadOptimizer(buckets, comm, optimizer, groups, config.gradient_clipping,
+                                     nvme_path=offload.nvme_path, buffer_count=int(offload.buffer_count),
+                                     aio=config.aio, **common)
+    elif offload.super_offload:
+        from .speculative import SuperOffloadOptimizer
+        built = SuperOffloadOptimizer(buckets, comm, optimizer, groups, config.gradient_clipping,
+                                      loss_scale=loss_scale, **common)
+    else:
+        built = OffloadOptimizer(buckets, comm, optimizer, groups, config.gradient_clipping, **common)
+    return built
