@@ -22,7 +22,7 @@ from .schedules import build_scheduler
 from .topology import Topology
 from .zero.consolidate import gather_full_weights
 from .zero.flat import ShardedSlot, build_buckets
-from .zero.grads import GradReducer
+from .zero.grads import GradQuantization, GradReducer
 from .zero.optimizer import ShardedOptimizer
 from .zero.stage3.hooks import Stage3Hooks
 from .zero.stage3.setup import Stage3Model, partition_module, place_module
@@ -80,9 +80,11 @@ class ZeroTrainEngine:
                                          int(zero.reduce_bucket_size), partitions,
                                          topology.dp_rank if partitions > 1 else 0)
             self._broadcast_initial_state()
-        self.reducer = GradReducer(self.buckets, self.comm, min(self.stage, 2))
+        self.reducer = GradReducer(self.buckets, self.comm, min(self.stage, 2),
+                                   quantization=self._gradient_quantization())
         if self.stage3 is not None:  # its release hooks must run after the reducer's gradient hooks
             self.stage3.hooks = Stage3Hooks(self.module, self.stage3.fetcher)
+            self._configure_weight_gathers()
         self.zero_optimizer = self._make_zero_optimizer(torch_optimizer)
         self.optimizer = torch_optimizer
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
@@ -99,15 +101,59 @@ class ZeroTrainEngine:
     def _warn_unimplemented(self) -> None:
         zero = self.config.zero_optimization
         pending = {
-            "zero_optimization.offload_optimizer": zero.offload_optimizer is not None and zero.offload_optimizer.device != "none",
             "zero_optimization.offload_param": zero.offload_param is not None and zero.offload_param.device != "none",
-            "zero_optimization.zero_quantized_gradients": bool(zero.zero_quantized_gradients),
-            "zero_optimization.zero_quantized_weights": bool(zero.zero_quantized_weights),
-            "zero_optimization.zero_hpz_partition_size": zero.zero_hpz_partition_size not in (None, 1),
         }
         for key, is_set in pending.items():
             if is_set:
                 warnings.warn(f"{key} is accepted but not implemented yet in zerotrain; it has no effect")
+        # ZeRO++ keys that do nothing at this stage (DeepSpeed ignores them there too).
+        no_effect = {
+            "zero_optimization.zero_quantized_gradients": (bool(zero.zero_quantized_gradients) and self.stage == 0,
+                                                           "needs stage 1, 2 or 3"),
+            "zero_optimization.zero_quantized_weights": (bool(zero.zero_quantized_weights) and self.stage != 3,
+                                                         "needs stage 3"),
+            "zero_optimization.zero_hpz_partition_size": (zero.zero_hpz_partition_size not in (None, 1)
+                                                          and self.stage != 3, "needs stage 3"),
+            "zero_optimization.zeropp_loco_param": (zero.zeropp_loco_param is not None
+                                                    and not zero.zero_quantized_gradients,
+                                                    "needs zero_quantized_gradients"),
+        }
+        for key, (is_set, why) in no_effect.items():
+            if is_set:
+                warnings.warn(f"{key} has no effect: it {why}")
+
+    # --- ZeRO++ ---------------------------------------------------------------
+    def _subgroup_comm(self, group_info) -> Comm:
+        group, rank, size = group_info
+        return Comm(group, rank, size, self.counters)
+
+    def _gradient_quantization(self) -> Optional[GradQuantization]:
+        """qgZ (int4 all-to-all reduce, two hops across nodes) with LoCo when zeropp_loco_param is set."""
+        zero = self.config.zero_optimization
+        if not zero.zero_quantized_gradients or self.stage == 0 or self.topology.dp_size == 1:
+            return None
+        loco = zero.zeropp_loco_param
+        per_node, nodes = self.topology.node_layout()
+        hierarchy = None
+        if nodes > 1:
+            hierarchy = (self._subgroup_comm(self.topology.partition_group(per_node)),
+                         self._subgroup_comm(self.topology.strided_group(per_node)))
+        return GradQuantization(bits=4, loco_beta=None if loco is None else float(loco.err_beta),
+                                reset_T=1024 if loco is None else int(loco.reset_T), hierarchy=hierarchy)
+
+    def _configure_weight_gathers(self) -> None:
+        """qwZ (int8 forward/backward all-gathers) and hpZ (backward gathers inside a group)."""
+        zero = self.config.zero_optimization
+        hpz_size = int(zero.zero_hpz_partition_size or 1)
+        dp = self.topology.dp_size
+        hpz = None
+        if hpz_size > 1 and dp > 1:
+            if dp % hpz_size:
+                raise ValueError(f"zero_optimization.zero_hpz_partition_size: {hpz_size} does not divide the "
+                                 f"{dp} data-parallel ranks")
+            if hpz_size < dp:
+                hpz = self._subgroup_comm(self.topology.partition_group(hpz_size))
+        self.stage3.fetcher.configure_zeropp(quantize_weights=bool(zero.zero_quantized_weights), hpz=hpz)
 
     def _make_torch_optimizer(self, optimizer: OptimizerLike, model_parameters) -> torch.optim.Optimizer:
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -122,6 +168,11 @@ class ZeroTrainEngine:
 
     def _make_zero_optimizer(self, torch_optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
         """The object that owns master shards and runs the update (on device, or offloaded)."""
+        offload = self.config.zero_optimization.offload_optimizer
+        if offload is not None and offload.device in ("cpu", "nvme"):
+            from .offload import build_offload_optimizer
+            return build_offload_optimizer(self.buckets, self.comm, torch_optimizer, self.reducer, self.config,
+                                           loss_scale=lambda: self.loss_scaler.scale)
         return ShardedOptimizer(self.buckets, self.comm, torch_optimizer,
                                 [g["params"] for g in torch_optimizer.param_groups], self.config.gradient_clipping)
 
@@ -198,6 +249,7 @@ class ZeroTrainEngine:
     def _take_model_step(self) -> None:
         grad_shards = self.reducer.grad_shards
         overflow = self.loss_scaler.dynamic and self.zero_optimizer.has_overflow(grad_shards)
+        scale_before = self.loss_scaler.scale
         if overflow:
             self.skipped_steps += 1
             logger.info("step %d: gradient overflow, skipped; loss scale %g -> lower", self.global_steps, self.loss_scaler.scale)
@@ -206,6 +258,8 @@ class ZeroTrainEngine:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.loss_scaler.update(overflow)
+        # LoCo: count the step, drop the error on overflow, follow a loss-scale change.
+        self.reducer.after_optimizer_step(overflow, scale_before, self.loss_scaler.scale)
         self.reducer.zero()
         self._backward_done = False
         self.global_steps += 1

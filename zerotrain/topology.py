@@ -44,6 +44,17 @@ def init_distributed(timeout_seconds: float = 1800.0) -> None:
     dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
 
 
+def _ranks_per_node(world: int) -> int:
+    for name in ("ZEROTRAIN_RANKS_PER_NODE", "LOCAL_WORLD_SIZE"):
+        value = os.environ.get(name)
+        if value:
+            try:
+                return max(1, min(int(value), world))
+            except ValueError:
+                raise ValueError(f"environment variable {name} must be an integer, got {value!r}") from None
+    return world
+
+
 @dataclass
 class Topology:
     """Where this rank sits in the grid, and the groups it talks through.
@@ -62,6 +73,10 @@ class Topology:
     tp_size: int = 1
     ep_size: int = 1
     extra: dict = field(default_factory=dict)
+    # Ranks per node (machine): ZEROTRAIN_RANKS_PER_NODE, else torchrun's LOCAL_WORLD_SIZE, else all.
+    # The two-hop quantized gradient reduce runs inside a node first, then across nodes.
+    ranks_per_node: int = 0
+    _subgroups: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, timeout_seconds: float = 1800.0, device: Optional[torch.device] = None) -> "Topology":
@@ -76,7 +91,54 @@ class Topology:
             dp_size=world,
             device=device or default_device(),
             timeout_seconds=timeout_seconds,
+            ranks_per_node=_ranks_per_node(world),
         )
+
+    # --- data-parallel subgroups (ZeRO++) -------------------------------------------
+    def _dp_ranks(self) -> list[int]:
+        if self.dp_group is None or self.dp_group == dist.group.WORLD:
+            return list(range(self.dp_size))
+        return dist.get_process_group_ranks(self.dp_group)
+
+    def _subgroup(self, key: tuple, members: list[list[int]]) -> tuple[Optional[dist.ProcessGroup], int, int]:
+        """Create (once) one group per list of dp indices in `members`; return this rank's
+        (group, rank in it, size). Collective: every rank creates every group, in the same order,
+        with the topology's timeout."""
+        if key not in self._subgroups:
+            global_ranks = self._dp_ranks()
+            mine = None
+            for indices in members:
+                ranks = [global_ranks[i] for i in indices]
+                if len(ranks) == 1:
+                    group = None
+                else:
+                    group = dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=self.timeout_seconds))
+                if self.dp_rank in indices:
+                    mine = (group, indices.index(self.dp_rank), len(indices))
+            self._subgroups[key] = mine
+        return self._subgroups[key]
+
+    def partition_group(self, size: int) -> tuple[Optional[dist.ProcessGroup], int, int]:
+        """The group of `size` consecutive data-parallel ranks holding this rank (hpZ, intra-node)."""
+        if size < 1 or self.dp_size % size:
+            raise ValueError(f"a group of {size} ranks does not divide the {self.dp_size} data-parallel ranks")
+        return self._subgroup(("block", size), [list(range(start, start + size))
+                                                for start in range(0, self.dp_size, size)])
+
+    def strided_group(self, size: int) -> tuple[Optional[dist.ProcessGroup], int, int]:
+        """The ranks with this rank's index inside its block of `size` consecutive ranks, one per
+        block (inter-node: the same local rank on every node)."""
+        if size < 1 or self.dp_size % size:
+            raise ValueError(f"a group of {size} ranks does not divide the {self.dp_size} data-parallel ranks")
+        return self._subgroup(("stride", size), [list(range(local, self.dp_size, size)) for local in range(size)])
+
+    def node_layout(self) -> tuple[int, int]:
+        """(ranks per node L, nodes M) over the data-parallel ranks; (dp_size, 1) when the
+        ranks-per-node figure does not split them evenly."""
+        per_node = self.ranks_per_node or self.dp_size
+        if per_node <= 0 or per_node >= self.dp_size or self.dp_size % per_node:
+            return self.dp_size, 1
+        return per_node, self.dp_size // per_node
 
     def describe(self) -> dict:
         """The facts a checkpoint records about the layout that wrote it."""

@@ -13,21 +13,44 @@ Per bucket, as soon as backward has produced every gradient in it:
 Gradients are divided by the data-parallel size before the reduction, so the
 reduced result is the mean. Buckets are launched strictly in index order on
 every rank, whatever order the hooks fire in, so collectives always match.
+
+With `zero_quantized_gradients` (qgZ, stages 1-3) each reduce-scatter becomes the
+quantized all-to-all reduce of `zerotrain.comm.compressed` (int4, one or two hops),
+optionally with LoCo error feedback per bucket; the engine reports each optimizer
+step (`after_optimizer_step`) so the error buffers are reset every `reset_T` steps,
+dropped on an fp16 overflow and rescaled when the loss scale changes.
 """
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..comm import Comm
+from ..comm.compressed import QuantizedReduceScatter
+from ..comm.quant import DEFAULT_BLOCK
 from .flat import FlatBucket
+
+
+@dataclass
+class GradQuantization:
+    """How qgZ compresses gradients: bits, block size, LoCo (beta None: no error feedback),
+    and the (intra-node, inter-node) Comms of a two-hop reduce (None: one hop)."""
+
+    bits: int = 4
+    block_size: int = DEFAULT_BLOCK
+    loco_beta: Optional[float] = None
+    reset_T: int = 1024
+    hierarchy: Optional[tuple[Comm, Comm]] = None
 
 
 class GradReducer:
     """Owns gradient buffers and the hooks that reduce them during backward."""
 
-    def __init__(self, buckets: list[FlatBucket], comm: Comm, stage: int, reduce_dtype: Optional[torch.dtype] = None):
+    def __init__(self, buckets: list[FlatBucket], comm: Comm, stage: int, reduce_dtype: Optional[torch.dtype] = None,
+                 quantization: Optional[GradQuantization] = None):
         self.buckets = buckets
         self.comm = comm
         self.stage = stage
@@ -53,6 +76,10 @@ class GradReducer:
                 self._where[id(param)] = (bucket_index, position)
                 param.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._attach_grad_views()
+        self.quantization: Optional[GradQuantization] = None
+        self.quantized_reducers: list[Optional[QuantizedReduceScatter]] = []
+        self.optimizer_steps = 0  # counted for LoCo's reset_T
+        self.set_gradient_quantization(quantization)
 
     # --- per micro-step ---------------------------------------------------
     def begin_backward(self, boundary: bool) -> None:
@@ -133,6 +160,8 @@ class GradReducer:
         if self.stage == 0:
             handle = self.comm.all_reduce(source, async_op=True)
             reduced = source
+        elif self.quantized_reducers:  # qgZ: quantized all-to-all reduce (+ LoCo)
+            reduced, handle = self.quantized_reducers[bucket_index](source)
         else:
             reduced = torch.empty(bucket.shard_numel, dtype=source.dtype, device=source.device)
             handle = self.comm.reduce_scatter(reduced, source, async_op=True)
@@ -163,10 +192,79 @@ class GradReducer:
             reduced = self.full_grads[bucket_index]
         self.grad_shards[bucket_index] = reduced.float() if reduced.dtype != torch.float32 else reduced
 
+    # --- qgZ / LoCo ---------------------------------------------------------
+    def set_gradient_quantization(self, quantization: Optional[GradQuantization]) -> None:
+        """Switch gradient compression on (or off with None) for stages 1-3; drops any LoCo error."""
+        self.quantization = quantization
+        self.quantized_reducers = []
+        if quantization is None or self.stage == 0 or self.comm.size == 1:
+            return
+        self.quantized_reducers = [
+            QuantizedReduceScatter(self.comm, bucket.shard_numel, bits=quantization.bits,
+                                   block_size=quantization.block_size, loco_beta=quantization.loco_beta,
+                                   hierarchy=quantization.hierarchy)
+            for bucket in self.buckets]
+
+    @property
+    def loco_enabled(self) -> bool:
+        return bool(self.quantized_reducers) and self.quantization.loco_beta is not None
+
+    def after_optimizer_step(self, overflow: bool, scale_before: float, scale_after: float) -> None:
+        """The engine's report of one optimizer step (taken or skipped): LoCo's error buffers are
+        dropped on an overflow, rescaled when the loss scale changed, and zeroed every reset_T steps."""
+        self.optimizer_steps += 1
+        if not self.loco_enabled:
+            return
+        for reducer in self.quantized_reducers:
+            if overflow:
+                reducer.reset_error()
+            elif scale_after != scale_before:
+                reducer.rescale_error(scale_after / scale_before)
+            if self.optimizer_steps % self.quantization.reset_T == 0:
+                reducer.reset_error()
+
+    def loco_state(self) -> dict:
+        """This rank's LoCo error buffers (CPU tensors) and step count, for a checkpoint.
+
+        Per-rank state: it only loads back on the same data-parallel layout (see load_loco_state)."""
+        return {
+            "optimizer_steps": self.optimizer_steps,
+            "layout": self._loco_layout(),
+            "buffers": [[feedback.state_dict() for feedback in reducer.feedbacks] for reducer in self.quantized_reducers],
+        }
+
+    def load_loco_state(self, state: dict) -> bool:
+        """Restore what loco_state() returned. On another layout (world size, buckets, hops) the
+        error buffers start from zero with a warning (the step count is still restored); returns
+        whether the buffers were loaded."""
+        self.optimizer_steps = int(state.get("optimizer_steps", 0))
+        if not self.loco_enabled:
+            return False
+        if state.get("layout") != self._loco_layout():
+            warnings.warn("LoCo error buffers were saved on another layout; they restart from zero")
+            for reducer in self.quantized_reducers:
+                reducer.reset_error()
+            return False
+        device = self.buckets[0].device if self.buckets else None
+        for reducer, saved in zip(self.quantized_reducers, state["buffers"]):
+            for feedback, entry in zip(reducer.feedbacks, saved):
+                feedback.load_state_dict(entry, device)
+        return True
+
+    def _loco_layout(self) -> dict:
+        return {"world": self.comm.size, "rank": self.comm.rank,
+                "shards": [bucket.shard_numel for bucket in self.buckets],
+                "hops": [[hop.rows, hop.cols] for hop in self.quantized_reducers[0].hops] if self.quantized_reducers else [],
+                "loco": self.loco_enabled}
+
+    def loco_bytes(self) -> int:
+        """Bytes of LoCo error buffers this rank holds (8-bit values plus block scales)."""
+        return sum(feedback.nbytes for reducer in self.quantized_reducers for feedback in reducer.feedbacks)
+
     # --- accounting -------------------------------------------------------
     def held_bytes(self) -> int:
-        """Bytes of gradient memory this rank holds between steps."""
-        total = 0
+        """Bytes of gradient memory this rank holds between steps (LoCo error buffers included)."""
+        total = self.loco_bytes()
         for full in self.full_grads:
             if full is not None:
                 total += full.numel() * full.element_size()

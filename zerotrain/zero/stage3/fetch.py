@@ -12,6 +12,16 @@ later micro-steps prefetch the next requests with async collectives while the
 current module computes. A request that does not match the record turns
 prefetching off until the next micro-step, so a dynamic model is never handed a
 wrong parameter: gathers are keyed by parameter, prefetch only changes when.
+
+ZeRO++ (`configure_zeropp`):
+- qwZ: every gather of a partitioned parameter sends its shard as int8 blocks plus scales
+  (one collective per bucket) and dequantizes on arrival; persistent parameters and the
+  fp32 master weights stay exact.
+- hpZ: each global gather also keeps this rank's slice of the full parameter as a
+  secondary shard, sharded over a group of `zero_hpz_partition_size` ranks; backward
+  gathers then all-gather the secondary shards inside that group only. The secondary is
+  taken afresh at every global (forward) gather, so it always equals what forward used,
+  and is dropped at the end of the micro-step.
 """
 from __future__ import annotations
 
@@ -20,6 +30,7 @@ from typing import Optional
 import torch
 
 from ...comm import Comm
+from ...comm.compressed import QuantizedAllGather
 from .partition import PartitionedParam
 
 
@@ -34,15 +45,28 @@ class ParamFetcher:
         self.sequential = sequential
         self.prefetch_numel = prefetch_numel
         self.trace: list[tuple[int, ...]] = []
+        self.trace_reasons: list[str] = []  # "forward" / "backward" / "access", per trace entry
+        self.weight_quantizer: Optional[QuantizedAllGather] = None  # qwZ
+        self.hpz: Optional[Comm] = None  # hpZ: the secondary-partition group
+        self.secondaries: dict[int, torch.Tensor] = {}  # id(part) -> its hpZ secondary shard
+        self._lossy: set[int] = set()  # gathered through qwZ: holds dequantized, not exact, values
         self.recording = True
         self.cursor = 0
         self.in_order = True
         self._inflight: dict[int, tuple] = {}  # id(part) -> (handle, gather record)
         self.holds: dict[int, int] = {}  # id(part) -> module forwards currently using it
         self.stats = {"gathers": 0, "prefetched": 0, "prefetch_hits": 0, "peak_gather_bytes": 0,
-                      "live_bytes": 0, "peak_live_bytes": 0, "live_numel": 0}
+                      "live_bytes": 0, "peak_live_bytes": 0, "live_numel": 0,
+                      "quantized_gathers": 0, "hpz_gathers": 0, "secondary_bytes": 0, "peak_secondary_bytes": 0}
         for part in parts:
             part.fetcher = self
+
+    def configure_zeropp(self, quantize_weights: bool = False, hpz: Optional[Comm] = None,
+                         block_size: int = 256) -> None:
+        """Turn on qwZ (int8 weight gathers) and/or hpZ (`hpz`: the secondary-partition Comm)."""
+        self.weight_quantizer = QuantizedAllGather(self.comm, 8, block_size) if quantize_weights and self.comm.size > 1 else None
+        self.hpz = hpz if hpz is not None and 1 < hpz.size < self.comm.size else None
+        self._drop_secondaries()
 
     # --- requests -----------------------------------------------------------
     def begin_micro_step(self) -> None:
@@ -59,16 +83,25 @@ class ParamFetcher:
             if part.gathered and not part.persistent:
                 self._release(part)
         self.holds.clear()
+        self._drop_secondaries()
 
     def fetch(self, parts: list[PartitionedParam], reason: str = "forward") -> None:
         """Make `parts` gathered now (waiting for prefetched ones), then prefetch what comes next."""
         parts = [part for part in parts if not part.persistent]
         if not parts:
             return
-        self._follow_trace(parts)
+        self._follow_trace(parts, reason)
         missing = [part for part in parts if not part.gathered and id(part) not in self._inflight]
         if missing:
-            self._gather(missing)
+            self._gather(missing, reason=reason)
+        if reason == "user" and self._lossy:  # GatheredParameters may write back: give it exact values
+            for part in parts:
+                self._complete(id(part))
+                if id(part) in self._lossy:
+                    exact = torch.empty_like(part.flat_param)
+                    self.comm.all_gather(exact, part.shard)
+                    part.flat_param.copy_(exact)
+                    self._lossy.discard(id(part))
         for part in parts:
             if id(part) in self._inflight:
                 self.stats["prefetch_hits"] += 1
@@ -92,10 +125,11 @@ class ParamFetcher:
             self._release(part)
 
     # --- order and prefetch --------------------------------------------------
-    def _follow_trace(self, parts: list[PartitionedParam]) -> None:
+    def _follow_trace(self, parts: list[PartitionedParam], reason: str = "forward") -> None:
         key = tuple(id(part) for part in parts)
         if self.recording:
             self.trace.append(key)
+            self.trace_reasons.append(reason)
             return
         if self.in_order and self.cursor < len(self.trace) and self.trace[self.cursor] == key:
             self.cursor += 1
@@ -128,15 +162,27 @@ class ParamFetcher:
                 ahead += size
             if wanted:
                 self.stats["prefetched"] += len(wanted)
-                self._gather(wanted, async_op=True)
+                self._gather(wanted, async_op=True, reason=self.trace_reasons[position])
             position += 1
 
     # --- collectives ----------------------------------------------------------
-    def _gather(self, parts: list[PartitionedParam], async_op: bool = False) -> None:
+    def _gather(self, parts: list[PartitionedParam], async_op: bool = False, reason: str = "forward") -> None:
         self.stats["gathers"] += 1
+        requested = parts
+        if self.hpz is not None and reason == "backward":  # hpZ: inside the secondary group
+            for part in parts:
+                if id(part) in self.secondaries:
+                    self._gather_secondary(part)
+            parts = [part for part in parts if id(part) not in self._inflight]
         groups: list[list[PartitionedParam]] = [[p] for p in parts] if self.sequential else _by_dtype(parts)
         for group in groups:
-            if len(group) == 1:
+            if self.weight_quantizer is not None and reason != "user":  # qwZ: int8 + scales, dequantized on arrival
+                handle = self.weight_quantizer([part.shard for part in group])
+                record = ("quantized", None, group)
+                self.stats["quantized_gathers"] += 1
+                full_bytes = sum(part.padded_numel * part.shard.element_size() for part in group)
+                self.stats["peak_gather_bytes"] = max(self.stats["peak_gather_bytes"], full_bytes)
+            elif len(group) == 1:
                 part = group[0]
                 buffer = torch.empty(part.padded_numel, dtype=part.dtype, device=part.device)
                 handle = self.comm.all_gather(buffer, part.shard, async_op=True)
@@ -151,7 +197,7 @@ class ParamFetcher:
             for part in group:
                 self._inflight[id(part)] = (handle, record)
         if not async_op:
-            for part in parts:
+            for part in requested:
                 self._complete(id(part))
 
     def _complete(self, key: int) -> None:
@@ -162,15 +208,55 @@ class ParamFetcher:
         handle.wait()
         for other in group:  # the whole collective is done: bind every member
             self._inflight.pop(id(other), None)
+        if kind == "secondary":
+            self._bind(group[0], buffer)
+            return
+        if kind == "quantized":
+            for part, full in zip(group, handle.result):
+                if not part.gathered:
+                    self._lossy.add(id(part))
+                self._bind(part, full)
+                self._keep_secondary(part)
+            return
         if kind == "direct":
             self._bind(group[0], buffer)
+            self._keep_secondary(group[0])
             return
         rank_major = buffer.view(self.comm.size, -1)
         offset = 0
         for part in group:  # copy-out: each parameter's chunks from every rank
             full = rank_major[:, offset:offset + part.shard_numel].reshape(-1)
             self._bind(part, full)
+            self._keep_secondary(part)
             offset += part.shard_numel
+
+    # --- hpZ secondary partition ------------------------------------------------
+    def _keep_secondary(self, part: PartitionedParam) -> None:
+        """After a global gather: keep this rank's 1/H slice of the full parameter."""
+        if self.hpz is None:
+            return
+        size = part.padded_numel // self.hpz.size  # N is a multiple of H, so this is exact
+        start = self.hpz.rank * size
+        old = self.secondaries.get(id(part))
+        if old is not None:
+            self.stats["secondary_bytes"] -= old.numel() * old.element_size()
+        secondary = part.flat_param[start:start + size].clone()
+        self.secondaries[id(part)] = secondary
+        self.stats["secondary_bytes"] += secondary.numel() * secondary.element_size()
+        self.stats["peak_secondary_bytes"] = max(self.stats["peak_secondary_bytes"], self.stats["secondary_bytes"])
+
+    def _gather_secondary(self, part: PartitionedParam) -> None:
+        if part.gathered or id(part) in self._inflight:
+            return
+        buffer = torch.empty(part.padded_numel, dtype=part.dtype, device=part.device)
+        handle = self.hpz.all_gather(buffer, self.secondaries[id(part)], async_op=True, kind="all_gather_hpz")
+        self._track_buffer(buffer)
+        self._inflight[id(part)] = (handle, ("secondary", buffer, [part]))
+        self.stats["hpz_gathers"] += 1
+
+    def _drop_secondaries(self) -> None:
+        self.secondaries.clear()
+        self.stats["secondary_bytes"] = 0
 
     def _bind(self, part: PartitionedParam, flat: torch.Tensor) -> None:
         if part.gathered:
@@ -181,6 +267,7 @@ class ParamFetcher:
         self.stats["peak_live_bytes"] = max(self.stats["peak_live_bytes"], self.stats["live_bytes"])
 
     def _release(self, part: PartitionedParam) -> None:
+        self._lossy.discard(id(part))
         self.stats["live_numel"] -= part.flat_param.numel()
         self.stats["live_bytes"] -= part.flat_param.numel() * part.flat_param.element_size()
         part.release()

@@ -1,4 +1,4 @@
-"""The only module that calls torch.distributed collectives.
+"""Collectives with byte counters: the only code that calls torch.distributed collectives.
 
 Every collective goes through a :class:`Comm`, which counts what it moves so that
 tests and benchmarks can check communication volume against theory. Bytes are
@@ -12,6 +12,7 @@ whether it fails at the call or at the handle's `wait()`.
 """
 from __future__ import annotations
 
+import datetime
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
@@ -19,7 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .topology import Topology
+from ..topology import Topology
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -28,17 +29,31 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 @dataclass
 class CommCounters:
-    """Calls and bytes sent per collective kind since start."""
+    """Calls and bytes sent per collective kind since start.
+
+    Compressed collectives (kinds ending in `_q4` / `_q8`, see `zerotrain.comm.compressed`)
+    also count `logical_bytes`: what the same collective would have sent uncompressed, in the
+    data's own dtype, so `bytes / logical_bytes` is the compression ratio on the wire.
+    """
 
     calls: dict = field(default_factory=lambda: defaultdict(int))
     bytes: dict = field(default_factory=lambda: defaultdict(int))
+    logical: dict = field(default_factory=lambda: defaultdict(int))
 
-    def add(self, kind: str, nbytes: float) -> None:
+    def add(self, kind: str, nbytes: float, logical_bytes: Optional[float] = None) -> None:
         self.calls[kind] += 1
         self.bytes[kind] += int(nbytes)
+        if logical_bytes is not None:
+            self.logical[kind] += int(logical_bytes)
 
     def snapshot(self) -> dict:
-        return {kind: {"calls": self.calls[kind], "bytes": self.bytes[kind]} for kind in sorted(self.calls)}
+        out = {}
+        for kind in sorted(self.calls):
+            entry = {"calls": self.calls[kind], "bytes": self.bytes[kind]}
+            if kind in self.logical:
+                entry["logical_bytes"] = self.logical[kind]
+            out[kind] = entry
+        return out
 
 
 class CollectiveError(RuntimeError):
@@ -118,14 +133,37 @@ class Comm:
         return self._call("reduce_scatter", _reduce_scatter_single, output, input, group=self.group,
                           async_op=async_op)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
-        """Concatenate every rank's `input` into `output` (in-place when input is output's own chunk)."""
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, *,
+                   kind: str = "all_gather", logical_bytes: Optional[float] = None):
+        """Concatenate every rank's `input` into `output` (in-place when input is output's own chunk).
+
+        `kind` names the counter (e.g. "all_gather_q8" for quantized weights); `logical_bytes`,
+        when given, is what the uncompressed gather of the whole output would have sent.
+        """
         if self.size == 1:
             if input.data_ptr() != output.data_ptr():
                 output.copy_(input)
             return _Done() if async_op else None
-        self.counters.add("all_gather", _nbytes(output) * self._ring_fraction())
-        return self._call("all_gather", _all_gather_single, output, input, group=self.group, async_op=async_op)
+        fraction = self._ring_fraction()
+        self.counters.add(kind, _nbytes(output) * fraction,
+                          None if logical_bytes is None else logical_bytes * fraction)
+        return self._call(kind, _all_gather_single, output, input, group=self.group, async_op=async_op)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, *,
+                   kind: str = "all_to_all", logical_bytes: Optional[float] = None):
+        """Equal-split all-to-all: row r of `input` (size rows along dim 0) goes to rank r; row r of
+        `output` comes from rank r. Counts the rows sent to other ranks; `logical_bytes` is the
+        uncompressed size of the whole input (counted with the same (N-1)/N fraction)."""
+        if input.shape[0] != self.size or output.shape != input.shape:
+            raise ValueError(f"all_to_all needs input and output of {self.size} equal rows, got "
+                             f"{tuple(input.shape)} and {tuple(output.shape)}")
+        if self.size == 1:
+            if input.data_ptr() != output.data_ptr():
+                output.copy_(input)
+            return _Done() if async_op else None
+        fraction = self._ring_fraction()
+        self.counters.add(kind, _nbytes(input) * fraction, None if logical_bytes is None else logical_bytes * fraction)
+        return self._call(kind, dist.all_to_all_single, output, input, group=self.group, async_op=async_op)
 
     def gather_to(self, tensor: torch.Tensor, dst: int = 0) -> Optional[list[torch.Tensor]]:
         """Collect every rank's `tensor` (same shape everywhere) on `dst`; None elsewhere."""
@@ -156,7 +194,7 @@ class Comm:
         return value
 
     # --- checkpoint I/O (used by zerotrain.checkpoint) --------------------------------------------
-    def new_cpu_comm(self) -> "Comm":
+    def new_cpu_comm(self, timeout_seconds: Optional[float] = None) -> "Comm":
         """A Comm over the same ranks on a new gloo group, with its own counters.
 
         Checkpoint writers exchange host tensors and status through it, from a background
@@ -166,7 +204,8 @@ class Comm:
         if self.size == 1:
             return Comm(None, self.rank, 1, CommCounters())
         ranks = None if self.group in (None, dist.group.WORLD) else dist.get_process_group_ranks(self.group)
-        group = dist.new_group(ranks=ranks, backend="gloo")
+        timeout = None if timeout_seconds is None else datetime.timedelta(seconds=timeout_seconds)
+        group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
         return Comm(group, self.rank, self.size, CommCounters())
 
     def all_gather_object(self, obj) -> list:

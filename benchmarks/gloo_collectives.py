@@ -1,0 +1,80 @@
+#!/usr/bin/env python
+"""What a gradient-bucket collective costs on gloo (CPU), per way of doing a reduce-scatter.
+
+Backs a finding of RESULTS.md: on gloo, `reduce_scatter_single` / `reduce_scatter_tensor`
+clones the whole input on the calling thread, runs a full all-reduce of it, and copies the
+chunk out on `wait()`, so it costs more than an in-place all-reduce of the same buffer.
+Two ranks (gloo, 127.0.0.1, one thread each), one fp32 buffer of `--numel` elements:
+
+    python benchmarks/gloo_collectives.py              # 2e7 elements = one 80 MB bucket
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _rank_main(rank: int, world: int, port: int, numel: int, reps: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    numel -= numel % world
+    chunk = numel // world
+    full = torch.randn(numel)
+    shard = torch.empty(chunk)
+    exchange = torch.empty(numel)  # persistent receive buffer for the all-to-all variant
+
+    def all_to_all_sum() -> None:  # reduce-scatter as one all-to-all + a local sum: ring bytes, no clone
+        dist.all_to_all_single(exchange, full)
+        torch.sum(exchange.view(world, chunk), dim=0, out=shard)
+
+    cases = [
+        ("reduce_scatter_single (gloo)", lambda: _reduce_scatter(shard, full)),
+        ("all_reduce, in place", lambda: dist.all_reduce(full)),
+        ("all_to_all_single + local sum", all_to_all_sum),
+        ("all_gather_single (shard in place)", lambda: _all_gather(full, full[rank * chunk:(rank + 1) * chunk])),
+        ("clone (fresh allocation)", lambda: full.clone()),
+        ("copy_ into resident buffer", lambda: exchange.copy_(full)),
+    ]
+    for name, fn in cases:
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        if rank == 0:
+            print(f"{name:38s} median {statistics.median(times) * 1e3:8.1f} ms", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--numel", type=float, default=2e7, help="elements in the buffer (default 2e7)")
+    parser.add_argument("--reps", type=int, default=7)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # as in zero_speed_memory.py (read at exec)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    print(f"2 gloo ranks, fp32 buffer of {int(args.numel):,} elements ({args.numel * 4 / 1e6:.0f} MB)")
+    mp.start_processes(_rank_main, args=(2, port, int(args.numel), args.reps), nprocs=2, start_method="spawn")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
