@@ -1,0 +1,625 @@
+#!/usr/bin/env python
+"""Step time, peak memory and communication of ZeRO engines against DDP, on CPU.
+
+One GPT (``zerotrain.models.GPT``, preset "70m" by default) is trained at world size 2
+(gloo over 127.0.0.1, one compute thread per rank) by each engine in turn:
+
+* ``ddp``          torch DistributedDataParallel
+* ``fsdp2``        torch ``fully_shard`` on every transformer block and on the root
+* ``ds1/ds2/ds3``  DeepSpeed ZeRO stages 1-3 (when ``import deepspeed`` works)
+* ``zt0 ... zt3s`` zerotrain stages 0-3 (see ``ZEROTRAIN_VARIANTS``)
+
+Every engine runs in its own fresh pair of processes, so no memory carries over, and
+sees the same thing: the same initial weights (seeded init, identical on both ranks),
+the same batches (byte-level blocks of the Python stdlib source, chosen by a seeded
+generator per step and rank), the same AdamW (lr 1e-4, torch's implementation and
+defaults) and gradient clipping at 1.0, the same number of warm-up and timed steps.
+
+Per engine it reports the median step time (the slowest rank's time, per step), its
+ratio to DDP, the median forward / backward / optimizer-step split, the peak live RSS
+of each rank over the timed steps (sampled after every phase; the children run with
+``MALLOC_MMAP_THRESHOLD_=65536`` so freed buffers go back to the OS and RSS tracks live
+memory), and, for zerotrain, the bytes per step of every collective kind read from
+``engine.memory_report()["comm"]`` next to the ring-algorithm theory.
+
+    python benchmarks/zero_speed_memory.py                     # the full run (minutes)
+    python benchmarks/zero_speed_memory.py --model tiny --steps 2   # smoke run (< 60 s)
+    python benchmarks/zero_speed_memory.py --engines ddp,zt1,zt2 --steps 12 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+WORLD_SIZE = 2
+SEED = 1234
+LR = 1e-4
+CLIP = 1.0
+
+# reduce_bucket_size for zerotrain (elements). The 70m model is ~6M parameters per transformer
+# block, ~72M in all. 2e7 elements (80 MB fp32, ~3.4 blocks) gives 4 buckets: few enough that
+# the fixed cost per gloo collective (and per-bucket bookkeeping) stays negligible, yet the first
+# buckets' reductions can still start while backward computes the earlier layers. It also bounds
+# stage 2's transient full-size gradient staging buffer to 80 MB instead of the whole model
+# (DeepSpeed's default 5e8 would be one bucket = no overlap and a model-sized staging buffer).
+# DDP's own default (25 MiB ≈ 6.5M elements ≈ one block) is the other natural choice; on a
+# 2-core CPU there is little compute to overlap with, so fewer, larger collectives win.
+DEFAULT_BUCKET = int(2e7)
+
+# --- zerotrain variants ------------------------------------------------------------------------
+# name -> extra keys of "zero_optimization". Stage 3 entries are ordinary list entries: when
+# zerotrain.initialize raises NotImplementedError for one, the table shows "not available".
+ZEROTRAIN_VARIANTS: list[tuple[str, str, dict]] = [
+    # (engine key, label, zero_optimization overrides)
+    ("zt0", "zerotrain ZeRO-0", {"stage": 0}),
+    ("zt1", "zerotrain ZeRO-1", {"stage": 1}),
+    ("zt2", "zerotrain ZeRO-2", {"stage": 2}),
+    # ---- stage 3: add or remove entries here --------------------------------------------------
+    ("zt3", "zerotrain ZeRO-3 (bucketed)", {"stage": 3}),
+    ("zt3s", "zerotrain ZeRO-3 (sequential)", {"stage": 3, "stage3_allgather_sequential": True}),
+]
+
+DEEPSPEED_VARIANTS: list[tuple[str, str, int]] = [
+    ("ds1", "DeepSpeed ZeRO-1", 1),
+    ("ds2", "DeepSpeed ZeRO-2", 2),
+    ("ds3", "DeepSpeed ZeRO-3", 3),
+]
+
+ENGINES: dict[str, str] = {"ddp": "DDP", "fsdp2": "FSDP2"}
+ENGINES.update({key: label for key, label, _ in DEEPSPEED_VARIANTS})
+ENGINES.update({key: label for key, label, _ in ZEROTRAIN_VARIANTS})
+
+
+class Unavailable(Exception):
+    """This engine cannot run here (not installed, not implemented); the reason goes in the table."""
+
+
+# =============================================================================================
+# worker side: one rank of one engine
+# =============================================================================================
+
+def _rss() -> int:
+    import psutil
+    return psutil.Process().memory_info().rss
+
+
+def _minor_faults() -> int:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _make_batches(n: int, batch: int, seq_len: int, rank: int) -> list:
+    """`n` (x, y) pairs for this rank: byte blocks of the stdlib source at seeded offsets."""
+    import torch
+    try:
+        from zerotrain.data import load_stdlib_corpus
+        corpus = load_stdlib_corpus(max_bytes=4 * 1024 * 1024).long()
+    except Exception:  # noqa: BLE001 - any failure: fall back to seeded random bytes
+        corpus = torch.randint(0, 256, (4 * 1024 * 1024,), generator=torch.Generator().manual_seed(SEED))
+    out = []
+    for step in range(n):
+        gen = torch.Generator().manual_seed(SEED * 1000 + step * WORLD_SIZE + rank)
+        starts = torch.randint(0, corpus.numel() - seq_len - 1, (batch,), generator=gen)
+        block = torch.stack([corpus[s:s + seq_len + 1] for s in starts.tolist()])
+        out.append((block[:, :-1].contiguous(), block[:, 1:].contiguous()))
+    return out
+
+
+def _build_model(preset: str):
+    import torch
+    from zerotrain.models import GPT, GPTConfig
+    torch.manual_seed(SEED)
+    return GPT(GPTConfig.preset(preset))
+
+
+def _adamw_kwargs(impl: str) -> dict:
+    return {"fused": True} if impl == "fused" else {"foreach": True}
+
+
+class Runner:
+    """forward(x, y) -> loss; backward(loss); step(); comm() -> counters or None; state() -> bytes."""
+
+    forward: Callable
+    backward: Callable
+    step: Callable
+
+    def comm(self) -> Optional[dict]:
+        return None
+
+    def state(self) -> Optional[dict]:
+        return None
+
+
+def _setup_ddp(args) -> Runner:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = DDP(_build_model(args.model))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, **_adamw_kwargs(args.adamw))
+    r = Runner()
+    r.forward = lambda x, y: model(x, y)[1]
+    r.backward = lambda loss: loss.backward()
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    r.step = step
+    return r
+
+
+def _setup_fsdp2(args) -> Runner:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError as error:
+        raise Unavailable(f"torch.distributed.fsdp.fully_shard: {error}") from error
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    model = _build_model(args.model)
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, **_adamw_kwargs(args.adamw))
+    r = Runner()
+    r.forward = lambda x, y: model(x, y)[1]
+    r.backward = lambda loss: loss.backward()
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    r.step = step
+    return r
+
+
+def _setup_deepspeed(args, stage: int) -> Runner:
+    try:
+        import deepspeed
+    except Exception as error:  # noqa: BLE001 - ImportError, or a broken install raising anything
+        raise Unavailable(f"import deepspeed failed: {type(error).__name__}: {error}") from error
+    params: dict[str, Any] = {"lr": LR, "torch_adam": True}
+    params.update(_adamw_kwargs(args.adamw))
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": params},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+    model = _build_model(args.model)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    r = Runner()
+    r.forward = lambda x, y: engine(x, y)[1]
+    r.backward = lambda loss: engine.backward(loss)
+    r.step = lambda: engine.step()
+    return r
+
+
+def _setup_zerotrain(args, overrides: dict) -> Runner:
+    import zerotrain
+    zero = {"reduce_bucket_size": args.bucket}
+    zero.update(overrides)
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "fused": args.adamw == "fused"}},
+        "zero_optimization": zero,
+    }
+    model = _build_model(args.model)
+    try:
+        engine, _, _, _ = zerotrain.initialize(model=model, config=config)
+    except NotImplementedError as error:
+        raise Unavailable(f"not available: {error}") from error
+    r = Runner()
+    r.forward = lambda x, y: engine(x, y)[1]
+    r.backward = lambda loss: engine.backward(loss)
+    r.step = lambda: engine.step()
+    r.comm = lambda: engine.memory_report()["comm"]
+
+    def state():
+        report = engine.memory_report()
+        return {k: report[k] for k in ("parameters", "gradients", "optimizer_states")}
+    r.state = state
+    return r
+
+
+def _setup(args, engine: str) -> Runner:
+    if engine == "ddp":
+        return _setup_ddp(args)
+    if engine == "fsdp2":
+        return _setup_fsdp2(args)
+    for key, _, stage in DEEPSPEED_VARIANTS:
+        if key == engine:
+            return _setup_deepspeed(args, stage)
+    for key, _, overrides in ZEROTRAIN_VARIANTS:
+        if key == engine:
+            return _setup_zerotrain(args, overrides)
+    raise ValueError(f"unknown engine {engine!r}")
+
+
+def _phase_times(runner: Runner, batches: list, warmup: int) -> dict:
+    """Run every batch through forward/backward/step; per-step times and RSS samples."""
+    import torch
+    import torch.distributed as dist
+    rows = []
+    comm_before = None
+    for index, (x, y) in enumerate(batches):
+        if index == warmup:
+            comm_before = runner.comm()
+        dist.barrier()  # start every step together, outside the timed region
+        faults0 = _minor_faults()
+        cpu0 = time.process_time()
+        t0 = time.perf_counter()
+        loss = runner.forward(x, y)
+        t1 = time.perf_counter()
+        rss_fwd = _rss()
+        runner.backward(loss)
+        t2 = time.perf_counter()
+        rss_bwd = _rss()
+        runner.step()
+        t3 = time.perf_counter()
+        cpu = time.process_time() - cpu0
+        rss_step = _rss()
+        rows.append({"minflt": _minor_faults() - faults0, "cpu": cpu,"fwd": t1 - t0, "bwd": t2 - t1, "step": t3 - t2, "total": t3 - t0,
+                     "rss": max(rss_fwd, rss_bwd, rss_step), "rss_fwd": rss_fwd, "rss_bwd": rss_bwd,
+                     "rss_step": rss_step, "loss": float(loss.detach().float().item())})
+    comm_after = runner.comm()
+    comm = None
+    if comm_after is not None:
+        before = comm_before or {}
+        comm = {kind: {"calls": v["calls"] - before.get(kind, {}).get("calls", 0),
+                       "bytes": v["bytes"] - before.get(kind, {}).get("bytes", 0)}
+                for kind, v in comm_after.items()}
+    return {"rows": rows, "comm": comm}
+
+
+def worker_main(spec: dict) -> int:
+    """One rank: set up the engine, train, write a JSON result file."""
+    out_path = Path(spec["out"])
+    result: dict[str, Any] = {"engine": spec["engine"], "rank": int(os.environ["RANK"])}
+    try:
+        import torch
+        import torch.distributed as dist
+        torch.set_num_threads(1)
+        rank = int(os.environ["RANK"])
+        args = argparse.Namespace(**spec["args"])
+        import datetime
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+        result["rss_start"] = _rss()
+        batches = _make_batches(args.warmup + args.steps, args.batch, args.seq_len, rank)
+        runner = _setup(args, spec["engine"])
+        result["rss_setup"] = _rss()
+        measured = _phase_times(runner, batches, args.warmup)
+        result.update(measured)
+        result["state"] = runner.state()
+        result["status"] = "ok"
+        # Average the losses over ranks once, after timing: the loss curve of the global batch.
+        losses = torch.tensor([row["loss"] for row in measured["rows"]], dtype=torch.float64)
+        dist.all_reduce(losses)
+        result["mean_losses"] = (losses / dist.get_world_size()).tolist()
+        dist.barrier()
+        dist.destroy_process_group()
+    except Unavailable as why:
+        result.update(status="unavailable", reason=str(why))
+    except Exception as error:  # noqa: BLE001 - report, the parent prints it
+        result.update(status="failed", reason=f"{type(error).__name__}: {error}", traceback=traceback.format_exc())
+    out_path.write_text(json.dumps(result))
+    return 0 if result["status"] != "failed" else 1
+
+
+# =============================================================================================
+# parent side: launch, collect, print
+# =============================================================================================
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_env(rank: int, port: int, engine: str) -> dict:
+    env = dict(os.environ)
+    env.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD_SIZE),
+        "LOCAL_WORLD_SIZE": str(WORLD_SIZE), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+        # Freed buffers of 64 KiB and more are unmapped at once, so RSS follows live memory.
+        "MALLOC_MMAP_THRESHOLD_": "65536",
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONUNBUFFERED": "1",
+    })
+    repo = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def run_engine(engine: str, args, workdir: Path) -> dict:
+    """Launch both ranks of one engine in fresh processes; merge their results."""
+    port = _free_port()
+    procs, logs, outs = [], [], []
+    spec_args = {k: getattr(args, k) for k in ("model", "steps", "warmup", "batch", "seq_len", "bucket", "adamw")}
+    started = time.perf_counter()
+    for rank in range(WORLD_SIZE):
+        out = workdir / f"{engine}.rank{rank}.json"
+        log = open(workdir / f"{engine}.rank{rank}.log", "w")
+        spec = {"engine": engine, "out": str(out), "args": spec_args}
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_worker", json.dumps(spec)],
+                                      env=_child_env(rank, port, engine), stdout=log, stderr=subprocess.STDOUT))
+        logs.append(log)
+        outs.append(out)
+    deadline = time.monotonic() + args.timeout
+    timed_out = False
+    try:
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+    finally:  # a rank that failed leaves its peer waiting in a collective; an interrupt leaves both
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in logs:
+            log.close()
+    wall = time.perf_counter() - started
+    ranks = []
+    for rank, out in enumerate(outs):
+        if out.exists():
+            ranks.append(json.loads(out.read_text()))
+        else:
+            tail = (workdir / f"{engine}.rank{rank}.log").read_text()[-1500:]
+            ranks.append({"status": "failed", "reason": ("timed out" if timed_out else "no result") + "\n" + tail})
+    return _merge(engine, ranks, args, wall)
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _merge(engine: str, ranks: list[dict], args, wall: float) -> dict:
+    """One run (a fresh pair of processes) of one engine: per-step lists, slowest rank per step."""
+    merged: dict[str, Any] = {"engine": engine, "label": ENGINES[engine], "wall_s": wall}
+    statuses = [r.get("status") for r in ranks]
+    if any(s == "unavailable" for s in statuses) and all(s in ("unavailable", "ok") for s in statuses):
+        merged.update(status="unavailable",
+                      reason=next(r["reason"] for r in ranks if r.get("status") == "unavailable"))
+        return merged
+    if any(s != "ok" for s in statuses):
+        bad = next(r for r in ranks if r.get("status") != "ok")
+        merged.update(status="failed", reason=bad.get("reason", "?"), traceback=bad.get("traceback"))
+        return merged
+    timed = [r["rows"][args.warmup:] for r in ranks]
+    n = len(timed[0])
+    # A step ends when its slowest rank ends: per step, the max over ranks.
+    per_step = {key: [max(t[i][key] for t in timed) for i in range(n)] for key in ("total", "fwd", "bwd", "step", "cpu")}
+    merged.update(
+        status="ok",
+        step_times=per_step["total"], fwd_times=per_step["fwd"], bwd_times=per_step["bwd"],
+        opt_times=per_step["step"], cpu_times=per_step["cpu"],
+        minor_faults_per_step=[_median([row["minflt"] for row in t]) for t in timed],
+        peak_rss=[max(row["rss"] for row in t) for t in timed],
+        peak_rss_phase=[{ph: max(row[f"rss_{ph}"] for row in t) for ph in ("fwd", "bwd", "step")} for t in timed],
+        rss_setup=[r["rss_setup"] for r in ranks],
+        rss_start=[r["rss_start"] for r in ranks],
+        losses=ranks[0]["mean_losses"],
+        state=[r.get("state") for r in ranks],
+    )
+    if ranks[0].get("comm") is not None:
+        merged["comm_per_step"] = {kind: {"calls": v["calls"] / n, "bytes": v["bytes"] / n}
+                                   for kind, v in ranks[0]["comm"].items()}
+    return merged
+
+
+def _summarize(runs: list[dict]) -> dict:
+    """All runs (rounds) of one engine: medians over every timed step of every round."""
+    ok = [r for r in runs if r["status"] == "ok"]
+    if len(ok) < len(runs):
+        bad = next(r for r in runs if r["status"] != "ok")
+        return dict(bad, rounds=runs)
+    out = {k: ok[0][k] for k in ("engine", "label", "status", "losses", "state") if k in ok[0]}
+    cat = {key: [t for r in ok for t in r[key]] for key in ("step_times", "fwd_times", "bwd_times", "opt_times", "cpu_times")}
+    out.update(
+        step_s=_median(cat["step_times"]), fwd_s=_median(cat["fwd_times"]), bwd_s=_median(cat["bwd_times"]),
+        opt_s=_median(cat["opt_times"]), cpu_s=_median(cat["cpu_times"]), step_min_s=min(cat["step_times"]), step_max_s=max(cat["step_times"]),
+        round_medians=[_median(r["step_times"]) for r in ok],
+        peak_rss=[max(r["peak_rss"][i] for r in ok) for i in range(WORLD_SIZE)],
+        minor_faults_per_step=[_median([r["minor_faults_per_step"][i] for r in ok]) for i in range(WORLD_SIZE)],
+        same_losses_every_round=all(r["losses"] == ok[0]["losses"] for r in ok),
+        rounds=runs,
+    )
+    if "comm_per_step" in ok[0]:
+        out["comm_per_step"] = ok[0]["comm_per_step"]
+    return out
+
+
+def _cpu_counters() -> tuple[float, float]:
+    """(total, steal) jiffies of all CPUs from /proc/stat, or zeros where there is none."""
+    try:
+        fields = [float(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        return sum(fields[:8]), fields[7] if len(fields) > 7 else 0.0
+    except (OSError, ValueError, IndexError):
+        return 0.0, 0.0
+
+
+def _loadavg() -> float:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold default (zerotrain and DeepSpeed)
+
+
+def _param_bytes(preset: str) -> tuple[int, int, int]:
+    """(parameters, Ψ = fp32 parameter bytes, bytes of the parameters stage 3 keeps whole)."""
+    import torch
+    from zerotrain.models import GPT, GPTConfig
+    with torch.device("meta"):
+        model = GPT(GPTConfig.preset(preset))
+    numel = sum(p.numel() for p in model.parameters())
+    persistent = sum(p.numel() for p in model.parameters() if p.numel() <= PERSISTENCE_THRESHOLD)
+    return numel, numel * 4, persistent * 4  # fp32
+
+
+def _theory(engine: str, psi: float, persistent: float) -> dict:
+    """Bytes one rank sends per step under a ring algorithm (N ranks, Ψ parameter bytes).
+
+    Stage 3 gathers each partitioned parameter for forward and again for backward; the
+    small ones it keeps whole (`persistent` bytes) are all-gathered once, after the step.
+    """
+    frac = (WORLD_SIZE - 1) / WORLD_SIZE
+    stage = next((o.get("stage") for k, _, o in ZEROTRAIN_VARIANTS if k == engine), None)
+    if stage == 0:
+        return {"all_reduce": 2 * psi * frac}
+    if stage in (1, 2):
+        return {"all_gather": psi * frac, "reduce_scatter": psi * frac}
+    if stage == 3:
+        return {"all_gather": (2 * (psi - persistent) + persistent) * frac, "reduce_scatter": psi * frac}
+    return {}
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.1f}" if nbytes >= 5e4 else f"{nbytes:.0f}B"
+
+
+def _fmt_comm(engine: str, result: dict, psi: float, persistent: float) -> tuple[str, str]:
+    comm = result.get("comm_per_step")
+    if comm is None:
+        return "", ""
+    short = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR"}
+    measured = " ".join(f"{short[k]} {_mb(comm[k]['bytes'])}"
+                        for k in ("all_gather", "reduce_scatter", "all_reduce") if comm.get(k, {}).get("bytes"))
+    theory = " ".join(f"{short[k]} {_mb(v)}" for k, v in _theory(engine, psi, persistent).items())
+    return measured or "-", theory
+
+
+def render(results: list[dict], args, numel: int, psi: int, persistent: int) -> str:
+    base = next((r for r in results if r["engine"] == "ddp" and r["status"] == "ok"), None)
+    header = ["engine", "step s", "vs DDP", "fwd / bwd / opt s", "min-max s", "CPU s", "peak RSS MiB r0/r1",
+              "vs DDP", "comm MB/step (AG RS AR)", "theory MB", "loss first→last"]
+    lines = []
+    for r in results:
+        if r["status"] != "ok":
+            reason = r["reason"].strip().splitlines()[0] if r.get("reason") else ""
+            lines.append([r["label"], r["status"] + (": " + reason[:90] if reason else "")] + [""] * (len(header) - 2))
+            continue
+        peak = max(r["peak_rss"])
+        ratio = f"{r['step_s'] / base['step_s']:.2f}" if base else "-"
+        mem_ratio = f"{peak / max(base['peak_rss']):.2f}" if base else "-"
+        measured, theory = _fmt_comm(r["engine"], r, psi, persistent)
+        lines.append([
+            r["label"], f"{r['step_s']:.3f}", ratio,
+            f"{r['fwd_s']:.2f} / {r['bwd_s']:.2f} / {r['opt_s']:.2f}",
+            f"{r['step_min_s']:.2f}-{r['step_max_s']:.2f}", f"{r['cpu_s']:.2f}",
+            "/".join(f"{v / 2**20:.0f}" for v in r["peak_rss"]), mem_ratio, measured, theory,
+            f"{r['losses'][0]:.4f}→{r['losses'][-1]:.4f}",
+        ])
+    widths = [max(len(h), *(len(row[i]) for row in lines)) if lines else len(h) for i, h in enumerate(header)]
+    out = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
+           "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    for row in lines:
+        out.append("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
+    caption = (f"GPT preset {args.model} ({numel / 1e6:.1f}M params, Ψ = {psi / 1e6:.1f} MB fp32), world size "
+               f"{WORLD_SIZE} (gloo, CPU, 1 thread/rank), B={args.batch}/rank, T={args.seq_len}, AdamW lr {LR} "
+               f"({args.adamw}), clip {CLIP}; {args.warmup} warm-up + {args.steps} timed steps"
+               f"{f' × {args.rounds} rounds' if args.rounds > 1 else ''}, median of the slowest rank per step (CPU s: process CPU time per step, all threads, slowest "
+               f"rank); zerotrain reduce_bucket_size {args.bucket:.0e}.")
+    return caption + "\n\n" + "\n".join(out)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", default="all",
+                        help=f"comma-separated subset of: {', '.join(ENGINES)} (default: all)")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per engine (default 8)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default 2)")
+    parser.add_argument("--model", default="70m", help="GPT preset: 70m (default), small, tiny (smoke run)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per sequence (default 128, capped at the preset's block_size)")
+    parser.add_argument("--batch", type=int, default=4, help="micro-batch per rank (default 4)")
+    parser.add_argument("--bucket", type=float, default=DEFAULT_BUCKET,
+                        help=f"zerotrain reduce_bucket_size in elements (default {DEFAULT_BUCKET:.0e})")
+    parser.add_argument("--adamw", choices=("fused", "foreach"), default="fused",
+                        help="torch AdamW implementation, the same for every engine (default fused: "
+                             "zerotrain's own default on CPU)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the whole engine list this many times, interleaved, and take medians over "
+                             "all rounds' steps (evens out background load; default 1)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per engine before it is killed")
+    parser.add_argument("--json", dest="json_path", default=None, help="also write all results to this JSON file")
+    parser.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args._worker is not None:
+        return worker_main(json.loads(args._worker))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so run_engine's cleanup runs on kill
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from zerotrain.models import GPTConfig
+    block = GPTConfig.preset(args.model).block_size
+    args.seq_len = min(args.seq_len or 128, block)
+    args.bucket = int(args.bucket)
+    engines = list(ENGINES) if args.engines == "all" else [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown:
+        parser.error(f"unknown engines {unknown}; known: {', '.join(ENGINES)}")
+    if "ddp" in engines:  # the baseline first
+        engines.remove("ddp")
+        engines.insert(0, "ddp")
+    numel, psi, persistent = _param_bytes(args.model)
+
+    runs: dict[str, list[dict]] = {e: [] for e in engines}
+    with tempfile.TemporaryDirectory(prefix="zt-bench-") as tmp:
+        for round_index in range(args.rounds):
+            for engine in engines:
+                if runs[engine] and runs[engine][-1]["status"] != "ok":
+                    continue  # unavailable or failed: once is enough
+                tag = f"[{ENGINES[engine]}" + (f" round {round_index + 1}]" if args.rounds > 1 else "]")
+                print(f"{tag} running ...", flush=True)
+                total0, steal0 = _cpu_counters()
+                workdir = Path(tmp) / f"round{round_index}"
+                workdir.mkdir(exist_ok=True)
+                result = run_engine(engine, args, workdir)
+                total1, steal1 = _cpu_counters()
+                result["loadavg_1m_after"] = _loadavg()
+                result["steal_pct"] = 100.0 * (steal1 - steal0) / max(total1 - total0, 1.0)
+                runs[engine].append(result)
+                if result["status"] == "ok":
+                    print(f"{tag} step {_median(result['step_times']):.3f} s (median; "
+                          f"{', '.join(f'{t:.2f}' for t in result['step_times'])}), peak RSS "
+                          f"{'/'.join(f'{v / 2**20:.0f}' for v in result['peak_rss'])} MiB, minor faults/step "
+                          f"{'/'.join(f'{v / 1e3:.0f}k' for v in result['minor_faults_per_step'])}, wall "
+                          f"{result['wall_s']:.0f} s, load {result['loadavg_1m_after']:.2f}, steal "
+                          f"{result['steal_pct']:.1f}%", flush=True)
+                else:
+                    print(f"{tag} {result['status']}: {result['reason'].strip()}", flush=True)
+                    if result.get("traceback"):
+                        print(result["traceback"], flush=True)
+    results = [_summarize(runs[e]) for e in engines]
+    print()
+    print(render(results, args, numel, psi, persistent))
+    if args.json_path:
+        payload = {"args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+                   "params": numel, "param_bytes": psi, "persistent_param_bytes": persistent, "world_size": WORLD_SIZE, "results": results}
+        Path(args.json_path).write_text(json.dumps(payload, indent=2))
+        print(f"\nwrote {args.json_path}")
+    return 0 if all(r["status"] != "failed" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
