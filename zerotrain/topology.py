@@ -2,8 +2,8 @@
 
 Nothing in zerotrain keeps a process group in a module global: every part that
 communicates receives a :class:`Topology` (or the :class:`~zerotrain.comm.Comm`
-built from one). Today the grid has a single data-parallel axis; tensor and
-expert axes plug in here later with their own groups.
+built from one). The grid has a data-parallel axis (ZeRO shards across it) and a
+tensor-parallel axis (blocks of consecutive ranks); the expert axis plugs in here.
 """
 from __future__ import annotations
 
@@ -71,6 +71,8 @@ class Topology:
     device: torch.device
     timeout_seconds: float = 1800.0
     tp_size: int = 1
+    tp_group: Optional[dist.ProcessGroup] = None
+    tp_rank: int = 0
     ep_size: int = 1
     extra: dict = field(default_factory=dict)
     # Ranks per node (machine): ZEROTRAIN_RANKS_PER_NODE, else torchrun's LOCAL_WORLD_SIZE, else all.
@@ -79,20 +81,40 @@ class Topology:
     _subgroups: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, timeout_seconds: float = 1800.0, device: Optional[torch.device] = None) -> "Topology":
-        """The topology of the running job (starting torch.distributed when needed)."""
+    def build(cls, timeout_seconds: float = 1800.0, device: Optional[torch.device] = None,
+              tp_size: int = 1) -> "Topology":
+        """The topology of the running job (starting torch.distributed when needed).
+
+        With `tp_size` > 1 the ranks form a (data, tensor) grid: each block of `tp_size`
+        consecutive ranks (one node's GPUs first, where the all-reduces of tensor parallelism
+        are cheapest) is a tensor-parallel group, and the ranks with the same index in every
+        block form a data-parallel group, across which ZeRO shards."""
         init_distributed(timeout_seconds)
         rank, world = dist.get_rank(), dist.get_world_size()
-        return cls(
-            rank=rank,
-            world_size=world,
-            dp_group=dist.group.WORLD,
-            dp_rank=rank,
-            dp_size=world,
-            device=device or default_device(),
-            timeout_seconds=timeout_seconds,
-            ranks_per_node=_ranks_per_node(world),
-        )
+        if tp_size < 1 or world % tp_size:
+            raise ValueError(f"tensor_parallel.autotp_size: {tp_size} does not divide the world size {world}")
+        topology = cls(rank=rank, world_size=world, dp_group=dist.group.WORLD, dp_rank=rank, dp_size=world,
+                       device=device or default_device(), timeout_seconds=timeout_seconds,
+                       ranks_per_node=_ranks_per_node(world))
+        if tp_size > 1:
+            topology._split_tensor_parallel(tp_size)
+        return topology
+
+    def _split_tensor_parallel(self, tp_size: int) -> None:
+        """Create the grid's groups (collective: every rank creates every group, in order)."""
+        timeout = datetime.timedelta(seconds=self.timeout_seconds)
+        for start in range(0, self.world_size, tp_size):
+            ranks = list(range(start, start + tp_size))
+            group = dist.new_group(ranks=ranks, timeout=timeout)
+            if self.rank in ranks:
+                self.tp_group, self.tp_rank = group, ranks.index(self.rank)
+        for index in range(tp_size):
+            ranks = list(range(index, self.world_size, tp_size))
+            group = dist.new_group(ranks=ranks, timeout=timeout)
+            if self.rank in ranks:
+                self.dp_group, self.dp_rank = group, ranks.index(self.rank)
+        self.tp_size, self.dp_size = tp_size, self.world_size // tp_size
+        self.ranks_per_node = max(1, self.ranks_per_node // tp_size)
 
     # --- data-parallel subgroups (ZeRO++) -------------------------------------------
     def _dp_ranks(self) -> list[int]:

@@ -94,17 +94,18 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, channels = x.shape
-        head_dim = channels // self.n_head
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        # (B, T, C) -> (B, nh, T, hd)
-        q = q.view(batch, seq, self.n_head, head_dim).transpose(1, 2)
-        k = k.view(batch, seq, self.n_head, head_dim).transpose(1, 2)
-        v = v.view(batch, seq, self.n_head, head_dim).transpose(1, 2)
+        batch, seq, _ = x.shape
+        head_dim = self.n_embd // self.n_head
+        q, k, v = self.c_attn(x).chunk(3, dim=2)
+        heads = q.shape[-1] // head_dim  # this rank's heads: fewer when c_attn is tensor-parallel
+        # (B, T, heads*hd) -> (B, heads, T, hd)
+        q = q.view(batch, seq, heads, head_dim).transpose(1, 2)
+        k = k.view(batch, seq, heads, head_dim).transpose(1, 2)
+        v = v.view(batch, seq, heads, head_dim).transpose(1, 2)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        y = y.transpose(1, 2).contiguous().view(batch, seq, channels)
+        y = y.transpose(1, 2).contiguous().view(batch, seq, heads * head_dim)
         return self.resid_dropout(self.c_proj(y))
 
 

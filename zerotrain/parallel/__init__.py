@@ -1,0 +1,28 @@
+"""Tensor parallelism (Megatron-style layers applied by a plan) and an expert-parallel MoE layer.
+
+    topology = zerotrain.topology.Topology.build(tp_size=2)
+    tp = zerotrain.parallel.tensor_parallel_comm(topology)
+    apply_tensor_parallel(model, GPT_PLAN, tp)
+
+Every split parameter carries `tp_slice` (a :class:`TensorSlice`): where its local piece
+sits in the full tensor; expert weights carry `ep_slice` likewise.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..comm import Comm, CommCounters
+from ..topology import Topology
+from .moe import ExpertParallelMoE
+from .plan import GPT_PLAN, Column, Row, Style, Vocab, apply_tensor_parallel
+from .slices import TensorSlice, split_slice, tensor_slice_of
+from .tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+__all__ = ["tensor_parallel_comm", "apply_tensor_parallel", "GPT_PLAN", "Column", "Row", "Vocab", "Style",
+           "TensorSlice", "split_slice", "tensor_slice_of", "ColumnParallelLinear", "RowParallelLinear",
+           "VocabParallelEmbedding", "ExpertParallelMoE"]
+
+
+def tensor_parallel_comm(topology: Topology, counters: Optional[CommCounters] = None) -> Comm:
+    """Collectives over this rank's tensor-parallel group."""
+    return Comm(topology.tp_group, topology.tp_rank, topology.tp_size, counters)

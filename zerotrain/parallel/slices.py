@@ -1,0 +1,66 @@
+"""Where a tensor-parallel rank's local slice sits in the full tensor.
+
+A tensor-parallel weight is split along one dimension. Usually each rank holds one
+contiguous range, but a fused projection (GPT's `c_attn`, which stacks q, k and v) is split
+per part so that every rank gets whole attention heads of each: its local tensor is the
+concatenation of several ranges of the full one. :class:`TensorSlice` records exactly that,
+and everything that needs the full tensor (gathering weights, checkpoints, clipping)
+reads it instead of re-deriving the layout from rank arithmetic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["TensorSlice", "split_slice", "tensor_slice_of"]
+
+
+@dataclass(frozen=True)
+class TensorSlice:
+    """The local tensor is `cat([full.narrow(dim, start, length) for start, length in pieces], dim)`."""
+
+    full_shape: tuple[int, ...]
+    dim: int
+    pieces: tuple[tuple[int, int], ...]
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        shape = list(self.full_shape)
+        shape[self.dim] = sum(length for _, length in self.pieces)
+        return tuple(shape)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of `full` (a new contiguous tensor)."""
+        if tuple(full.shape) != self.full_shape:
+            raise ValueError(f"expected a full tensor of shape {self.full_shape}, got {tuple(full.shape)}")
+        parts = [full.narrow(self.dim, start, length) for start, length in self.pieces]
+        return torch.cat(parts, dim=self.dim).contiguous()
+
+    def place(self, local: torch.Tensor, full: torch.Tensor) -> None:
+        """Write `local` into its ranges of `full`."""
+        offset = 0
+        for start, length in self.pieces:
+            full.narrow(self.dim, start, length).copy_(local.narrow(self.dim, offset, length))
+            offset += length
+
+
+def split_slice(full_shape: tuple[int, ...], dim: int, rank: int, size: int, parts: int = 1,
+                what: str = "tensor") -> TensorSlice:
+    """Rank `rank`'s slice when dimension `dim` is cut into `parts` equal parts (3 for fused
+    q/k/v) and each part is split evenly over `size` ranks. Uneven splits are refused: they
+    would change the math of attention heads and make checkpoints layout-dependent."""
+    length = full_shape[dim]
+    if length % (parts * size):
+        raise ValueError(f"{what}: dimension {dim} of size {length} does not split into {parts} part(s) "
+                         f"over {size} tensor-parallel ranks")
+    part_len = length // parts
+    local = part_len // size
+    pieces = tuple((part * part_len + rank * local, local) for part in range(parts))
+    return TensorSlice(tuple(full_shape), dim, pieces)
+
+
+def tensor_slice_of(param: torch.Tensor) -> Optional[TensorSlice]:
+    """The TensorSlice a tensor-parallel parameter carries, or None for a replicated one."""
+    return getattr(param, "tp_slice", None)
