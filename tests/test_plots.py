@@ -1,0 +1,44 @@
+"""Plots read metrics.jsonl files (resumed runs included) and write a PNG."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zerotrain.plots import plot_runs, read_metrics
+
+
+def write_metrics(path, records):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_read_metrics_keeps_the_last_record_of_a_step(tmp_path):
+    run = tmp_path / "run"
+    write_metrics(run / "metrics.jsonl", [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.5},
+                                          {"step": 2, "loss": 2.4}, {"step": 3, "loss": 2.0, "eval_loss": 2.2}])
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[1]["loss"] == 2.4
+
+
+def test_bad_metrics_files_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no metrics file at .*metrics.jsonl"):
+        read_metrics(tmp_path)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"step": 1, "loss": 1.0}\nnot json\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not a JSON record"):
+        read_metrics(bad)
+
+
+def test_plot_two_runs(tmp_path):
+    pytest.importorskip("matplotlib")
+    for name, offset in (("a", 0.0), ("b", 0.3)):
+        write_metrics(tmp_path / name / "metrics.jsonl",
+                      [{"step": s, "loss": 3.0 - 0.1 * s + offset, "lr": 1e-3, "tokens_per_s": 1000.0 + s,
+                        **({"eval_loss": 3.1 - 0.1 * s} if s % 5 == 0 else {})} for s in range(1, 21)])
+    out = plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "plots" / "cmp.png", labels=["a", "b"])
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    with pytest.raises(ValueError, match="1 labels for 2 runs"):
+        plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "x.png", labels=["a"])
