@@ -3,8 +3,12 @@
 
 Backs a finding of RESULTS.md: on gloo, `reduce_scatter_single` / `reduce_scatter_tensor`
 clones the whole input on the calling thread, runs a full all-reduce of it, and copies the
-chunk out on `wait()`, so it costs more than an in-place all-reduce of the same buffer.
-Two ranks (gloo, 127.0.0.1, one thread each), one fp32 buffer of `--numel` elements:
+chunk out on `wait()`, so it costs more than an in-place all-reduce of the same buffer;
+`all_gather_single` is as slow. Sending each peer its chunk with `isend`/`irecv` (and summing
+locally for a reduce-scatter) moves only the ring bytes and is the fastest way measured; it is
+what `zerotrain.comm.Comm` does on gloo (the "zerotrain Comm" rows). RS = reduce-scatter,
+AG = all-gather, AR = all-reduce. Two ranks (gloo, 127.0.0.1, one thread each), one fp32
+buffer of `--numel` elements:
 
     python benchmarks/gloo_collectives.py              # 2e7 elements = one 80 MB bucket
 """
@@ -36,18 +40,67 @@ def _rank_main(rank: int, world: int, port: int, numel: int, reps: int) -> None:
     shard = torch.empty(chunk)
     exchange = torch.empty(numel)  # persistent receive buffer for the all-to-all variant
 
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from zerotrain.comm import Comm
+    comm = Comm(None, rank, world)  # what zerotrain uses: point-to-point on gloo
+    peer = 1 - rank if world == 2 else None
+    received = torch.empty(chunk)
+    own = slice(rank * chunk, (rank + 1) * chunk)
+
     def all_to_all_sum() -> None:  # reduce-scatter as one all-to-all + a local sum: ring bytes, no clone
         dist.all_to_all_single(exchange, full)
         torch.sum(exchange.view(world, chunk), dim=0, out=shard)
 
+    def all_reduce_copy() -> None:  # reduce-scatter when the input may be clobbered: all-reduce + copy the chunk
+        dist.all_reduce(full)
+        shard.copy_(full[own])
+
+    def p2p_sum() -> None:  # reduce-scatter, 2 ranks: send the peer's chunk, receive ours, add
+        works = [dist.isend(full[peer * chunk:(peer + 1) * chunk], peer), dist.irecv(received, peer)]
+        for work in works:
+            work.wait()
+        torch.add(full[own], received, out=shard)
+
+    def batch_p2p_sum() -> None:  # the same through batch_isend_irecv
+        ops = [dist.P2POp(dist.isend, full[peer * chunk:(peer + 1) * chunk], peer),
+               dist.P2POp(dist.irecv, received, peer)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        torch.add(full[own], received, out=shard)
+
+    def all_reduce_gather() -> None:  # all-gather as an all-reduce of a buffer zero outside our own chunk
+        full[:rank * chunk].zero_()
+        full[(rank + 1) * chunk:].zero_()
+        dist.all_reduce(full)
+
+    def broadcast_gather() -> None:  # all-gather as one broadcast per rank, in place, all in flight at once
+        works = [dist.broadcast(full[r * chunk:(r + 1) * chunk], r, async_op=True) for r in range(world)]
+        for work in works:
+            work.wait()
+
+    def p2p_gather() -> None:  # all-gather, 2 ranks: send our chunk, receive the peer's in place
+        works = [dist.isend(full[own], peer), dist.irecv(full[peer * chunk:(peer + 1) * chunk], peer)]
+        for work in works:
+            work.wait()
+
     cases = [
-        ("reduce_scatter_single (gloo)", lambda: _reduce_scatter(shard, full)),
-        ("all_reduce, in place", lambda: dist.all_reduce(full)),
-        ("all_to_all_single + local sum", all_to_all_sum),
-        ("all_gather_single (shard in place)", lambda: _all_gather(full, full[rank * chunk:(rank + 1) * chunk])),
+        ("RS reduce_scatter_single (gloo)", lambda: _reduce_scatter(shard, full)),
+        ("RS all_to_all_single + local sum", all_to_all_sum),
+        ("RS all_reduce in place + copy chunk", all_reduce_copy),
+        ("RS isend/irecv + local add", p2p_sum),
+        ("RS batch_isend_irecv + local add", batch_p2p_sum),
+        ("AR all_reduce, in place", lambda: dist.all_reduce(full)),
+        ("AG all_gather_single (shard in place)", lambda: _all_gather(full, full[own])),
+        ("AG all_reduce of zero-filled buffer", all_reduce_gather),
+        ("AG broadcast per rank, async", broadcast_gather),
+        ("AG isend/irecv in place", p2p_gather),
+        ("RS zerotrain Comm.reduce_scatter", lambda: comm.reduce_scatter(shard, full)),
+        ("AG zerotrain Comm.all_gather (in place)", lambda: comm.all_gather(full, full[own])),
         ("clone (fresh allocation)", lambda: full.clone()),
         ("copy_ into resident buffer", lambda: exchange.copy_(full)),
     ]
+    if world != 2:
+        cases = [case for case in cases if "isend" not in case[0]]
     for name, fn in cases:
         times = []
         for _ in range(reps):
@@ -56,7 +109,7 @@ def _rank_main(rank: int, world: int, port: int, numel: int, reps: int) -> None:
             fn()
             times.append(time.perf_counter() - start)
         if rank == 0:
-            print(f"{name:38s} median {statistics.median(times) * 1e3:8.1f} ms", flush=True)
+            print(f"{name:40s} median {statistics.median(times) * 1e3:8.1f} ms", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

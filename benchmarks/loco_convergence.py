@@ -20,7 +20,11 @@ held-out curves with ±1 std shaded.
     .venv/bin/python benchmarks/loco_convergence.py --steps 40 --seeds 2  # smoke run
     .venv/bin/python benchmarks/loco_convergence.py --ranks-per-node 2    # qgZ's two-hop path
 
-Judge a mode against the spread across seeds, not against one seed.
+    .venv/bin/python benchmarks/loco_convergence.py --summarize out.json  # the table (and PNG) of a saved run
+
+Judge a mode against the spread across seeds, not against one seed. Since every mode runs
+the same seeds, the table also gives the paired difference to exact (per seed, then mean ±
+std over seeds) and on how many seeds the mode ended worse than exact.
 """
 from __future__ import annotations
 
@@ -152,6 +156,14 @@ def _summarize(runs: list[dict], modes) -> dict:
         for mode, entry in summary.items():
             entry["bytes_vs_exact"] = entry["grad_bytes_per_step"] / exact["grad_bytes_per_step"]
             entry["within_one_std_of_exact"] = abs(entry["final_mean"] - exact["final_mean"]) <= exact["final_std"]
+            # Paired by seed (same init and data in every mode): the difference to exact per seed.
+            exact_by_seed = {r["seed"]: r["curve"][-1][1] for r in runs if r["mode"] == "exact"}
+            diffs = [r["curve"][-1][1] - exact_by_seed[r["seed"]] for r in runs
+                     if r["mode"] == mode and r["seed"] in exact_by_seed]
+            entry["paired_diffs"] = diffs
+            entry["paired_mean"] = statistics.fmean(diffs) if diffs else float("nan")
+            entry["paired_std"] = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+            entry["seeds_worse_than_exact"] = sum(d > 0 for d in diffs)
     return summary
 
 
@@ -199,7 +211,17 @@ def main() -> None:
     parser.add_argument("--ranks-per-node", type=int, default=0, help="pretend nodes of this many ranks (two hops)")
     parser.add_argument("--png", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "loco_convergence.png"))
     parser.add_argument("--json", default=None)
+    parser.add_argument("--summarize", default=None, metavar="JSON",
+                        help="train nothing: print the table (and plot) of a run saved with --json")
     args = parser.parse_args()
+    if args.summarize:
+        with open(args.summarize) as handle:
+            saved = json.load(handle)
+        png = args.png
+        args = argparse.Namespace(**saved["args"])
+        args.png, args.json = png, None
+        _report(saved["runs"], args, None)
+        return
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = set(args.modes) - set(MODES)
     if unknown:
@@ -232,16 +254,23 @@ def main() -> None:
             process.join(timeout=30)
             if process.is_alive():
                 process.terminate()
+    _report(runs, args, time.perf_counter() - started)
+
+
+def _report(runs: list[dict], args, elapsed) -> None:
+    """Print the summary table, write the PNG and (with --json) every curve."""
     summary = _summarize(runs, args.modes)
-    elapsed = time.perf_counter() - started
     title = (f"GPT '{args.model}', world {args.world}, ZeRO-2, {args.steps} steps, {args.seeds} seeds, "
              f"batch {args.world}x{args.micro_batch} blocks, AdamW lr {args.lr}, quant block {args.block}")
-    print(f"\n# {title}; {elapsed:.0f} s total")
-    print("| mode | final held-out loss (mean ± std) | within 1 std of exact | grad bytes/step/rank | vs exact |")
-    print("|---|---|---|---|---|")
+    print(f"\n# {title}" + (f"; {elapsed:.0f} s total" if elapsed is not None else ""))
+    print("| mode | final held-out loss (mean ± std) | within 1 std of exact | paired Δ vs exact (mean ± std) "
+          "| seeds worse than exact | grad bytes/step/rank | vs exact |")
+    print("|---|---|---|---|---|---|---|")
     for mode, entry in summary.items():
         print(f"| {mode} | {entry['final_mean']:.4f} ± {entry['final_std']:.4f} | "
-              f"{'yes' if entry.get('within_one_std_of_exact') else 'no'} | {entry['grad_bytes_per_step']:.0f} | "
+              f"{'yes' if entry.get('within_one_std_of_exact') else 'no'} | "
+              f"{entry.get('paired_mean', float('nan')):+.4f} ± {entry.get('paired_std', 0.0):.4f} | "
+              f"{entry.get('seeds_worse_than_exact', '-')}/{len(entry['finals'])} | {entry['grad_bytes_per_step']:.0f} | "
               f"{entry.get('bytes_vs_exact', float('nan')):.4f} |")
     if args.png:
         _plot(runs, args.modes, args.png, title)

@@ -145,12 +145,20 @@ def test_help_explains_every_option(capsys):
     assert exc.value.code == 0
     text = capsys.readouterr().out
     for option in ("--config", "--nproc", "--model", "--steps", "--seq-len",
-                   "--max-corpus-bytes", "--log-dir", "--seed", "--master-port"):
+                   "--max-corpus-bytes", "--log-dir", "--seed", "--master-port",
+                   "--save-dir", "--save-every", "--no-save", "--resume"):
         assert option in text
     with pytest.raises(SystemExit) as exc:
         main(["--help"])
     assert exc.value.code == 0
-    assert "train" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "train" in text and "ckpt" in text
+    with pytest.raises(SystemExit) as exc:
+        main(["ckpt", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for tool in ("inspect", "verify", "export"):
+        assert tool in text
 
 
 def test_missing_config_exits_2_naming_the_file(capsys, tmp_path):
@@ -186,10 +194,12 @@ def test_train_tiny_end_to_end(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "zerotrain.cli", "train", "--config", str(REPO / "examples/zero2.json"),
          "--nproc", "1", "--model", "tiny", "--steps", "3", "--max-corpus-bytes", "200000",
-         "--log-dir", str(tmp_path)],
+         "--log-dir", str(tmp_path), "--save-dir", str(tmp_path / "ckpt")],
         env=env, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"checkpoint of step 3 saved: {tmp_path / 'ckpt' / 'global_step3'}" in proc.stdout
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step3"
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["loss"] > 0 for r in records)
@@ -203,12 +213,15 @@ def test_workers_get_full_option_names_without_nproc():
 
     args = build_parser().parse_args(
         ["train", "--config", "c.json", "--nproc", "2", "--model", "tiny", "--steps", "7",
-         "--log-dir", "runs/x", "--master-port", "29500"])
+         "--log-dir", "runs/x", "--master-port", "29500", "--resume", "--save-every", "3"])
     argv = _worker_argv(args)
     assert argv[0] == "train"
     assert "--config=c.json" in argv and "--steps=7" in argv and "--log-dir=runs/x" in argv
+    assert "--resume" in argv and "--save-every=3" in argv and "--save-dir=checkpoints" in argv
+    assert "--no-save" not in argv
     assert not any(a.startswith(("--nproc", "--master-port")) for a in argv)
-    assert build_parser().parse_args(argv).steps == 7
+    worker = build_parser().parse_args(argv)
+    assert worker.steps == 7 and worker.resume and worker.save_every == 3
 
 
 @pytest.mark.skipif(not _engine_available(), reason="zerotrain.config is not importable yet")
@@ -218,3 +231,38 @@ def test_config_error_exits_2_before_launching(capsys, tmp_path):
     assert main(["train", "--config", str(bad), "--nproc", "2"]) == 2
     err = capsys.readouterr().err
     assert "train_batch_size" in err and "Traceback" not in err
+
+
+def test_bad_save_options_exit_2(capsys, tmp_path):
+    config = str(REPO / "examples/zero2.json")
+    assert main(["train", "--config", config, "--save-every", "-1"]) == 2
+    assert "--save-every" in capsys.readouterr().err
+    assert main(["train", "--config", config, "--resume", "--no-save"]) == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+def test_trainer_saves_every_n_steps_and_after_the_last(tmp_path):
+    engine = _engine()
+    saved = []
+    engine.save_checkpoint = lambda save_dir: saved.append((engine.global_steps, save_dir)) or \
+        f"{save_dir}/global_step{engine.global_steps}"
+    engine.wait_checkpoint = lambda: saved.append("wait")
+    out = io.StringIO()
+    summary = Trainer(engine, _loader(2), total_steps=5, save_dir=tmp_path, save_every=2,
+                      console=Console(file=out, width=200)).train()
+    assert saved == [(2, str(tmp_path)), (4, str(tmp_path)), (5, str(tmp_path)), "wait"]
+    assert summary.checkpoint == f"{tmp_path}/global_step5"
+    assert f"checkpoint of step 4 saved: {tmp_path}/global_step4" in out.getvalue()
+
+
+def test_trainer_resumed_engine_skips_consumed_batches():
+    # 3 micro-batches per epoch; a resumed engine at step 2 (2 steps x 2 micro-batches = 4 consumed)
+    # must draw its next batch at epoch 1, position 1: the 5th batch an uninterrupted run draws.
+    fresh = Trainer(_engine(), _loader(2), total_steps=3, console=Console(file=io.StringIO()))
+    drawn = [fresh._next_batch()[0] for _ in range(6)]
+    engine = _engine()
+    engine.global_steps, engine.global_samples = 2, 2 * engine.train_batch_size()
+    resumed = Trainer(engine, _loader(2), total_steps=3, console=Console(file=io.StringIO()))
+    resumed._seek()
+    assert torch.equal(resumed._next_batch()[0], drawn[4])
+    assert torch.equal(resumed._next_batch()[0], drawn[5])

@@ -3,7 +3,10 @@
 ``zerotrain train --config examples/zero2.json --nproc 2`` trains the built-in byte-level
 GPT on the Python standard library's source code with the given DeepSpeed-style config.
 With ``--nproc N > 1`` the command re-launches itself under PyTorch's own launcher
-(``python -m torch.distributed.run``), one worker process per rank.
+(``python -m torch.distributed.run``), one worker process per rank. It saves a checkpoint
+in ``checkpoints/`` after the last step (``--save-every N`` also every N steps) and
+continues from the latest one with ``--resume``. ``zerotrain ckpt inspect|verify|export``
+are the offline checkpoint tools (``zerotrain.checkpoint.command``).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ class CLIError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from zerotrain.checkpoint.command import add_ckpt_parser
     from zerotrain.data.corpus import DEFAULT_MAX_BYTES
     from zerotrain.models.gpt import PRESETS
 
@@ -88,9 +92,25 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=1234,
                        help="seed for model init and data order (same on every rank)")
     train.add_argument(
+        "--save-dir", default="checkpoints", metavar="DIR",
+        help="save a checkpoint here (DIR/global_step<N>, DIR/latest) after the last step, relative "
+             "to the current directory; the config's `checkpoint` block sets async_save, keep_last "
+             "and verify_on_load",
+    )
+    train.add_argument("--save-every", type=int, default=0, metavar="N",
+                       help="also save a checkpoint every N steps (0: only after the last step)")
+    train.add_argument("--no-save", action="store_true", help="save no checkpoint at all")
+    train.add_argument(
+        "--resume", action="store_true",
+        help="continue from the latest checkpoint in --save-dir: weights, optimizer, LR schedule, "
+             "step, RNG and data position; starts from scratch if there is none. --steps is the "
+             "total to reach, counting the steps already done",
+    )
+    train.add_argument(
         "--master-port", type=int, default=None, metavar="P",
         help="rendezvous port for --nproc > 1 (default: a free port picked by the launcher)",
     )
+    add_ckpt_parser(sub, PROG)
     return parser
 
 
@@ -99,6 +119,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "ckpt":
+            from zerotrain.checkpoint.command import run_ckpt
+            return run_ckpt(args)
         if args.command == "train":
             _check_train_args(args)
             if args.nproc > 1 and not _inside_worker():
@@ -111,6 +134,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if _is_config_error(exc):
             _error(str(exc))
             return 2
+        from zerotrain.checkpoint import CheckpointError
+        if isinstance(exc, CheckpointError):  # a bad checkpoint to resume from, or a failed save
+            _error(str(exc))
+            return 1
         raise
     return 0
 
@@ -146,6 +173,12 @@ def _check_train_args(args: argparse.Namespace) -> None:
         raise CLIError(f"--seq-len must be >= 1, got {args.seq_len}")
     if args.max_corpus_bytes < 1:
         raise CLIError(f"--max-corpus-bytes must be >= 1, got {args.max_corpus_bytes}")
+    if args.save_every < 0:
+        raise CLIError(f"--save-every must be >= 0, got {args.save_every}")
+    if not args.save_dir and not args.no_save:
+        raise CLIError("--save-dir is empty (use --no-save to save no checkpoint)")
+    if args.resume and args.no_save:
+        raise CLIError("--resume reads --save-dir, which --no-save turns off")
     if not 0.0 <= args.val_fraction < 1.0:
         raise CLIError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
     path = Path(args.config)
@@ -175,7 +208,8 @@ def _check_train_args(args: argparse.Namespace) -> None:
 # as an ambiguous abbreviation of its `--nproc-per-node` (argparse checks every argument,
 # even those meant for the script). `--master-port` concerns only the launcher.
 _WORKER_OPTIONS = ("config", "model", "steps", "seq_len", "max_corpus_bytes", "val_fraction",
-                   "eval_interval", "eval_batches", "log_dir", "seed")
+                   "eval_interval", "eval_batches", "log_dir", "seed", "save_dir", "save_every")
+_WORKER_FLAGS = ("no_save", "resume")
 
 
 def _worker_argv(args: argparse.Namespace) -> list[str]:
@@ -185,6 +219,7 @@ def _worker_argv(args: argparse.Namespace) -> list[str]:
         value = getattr(args, dest)
         if value is not None:
             argv.append(f"--{dest.replace('_', '-')}={value}")
+    argv += [f"--{dest.replace('_', '-')}" for dest in _WORKER_FLAGS if getattr(args, dest)]
     return argv
 
 
@@ -255,6 +290,12 @@ def _train(args: argparse.Namespace) -> int:
             val_sampler = DistributedSampler(val_set, num_replicas=world, rank=rank, shuffle=False)
             eval_loader = DataLoader(val_set, batch_size=micro, sampler=val_sampler)
 
+        save_dir = None if args.no_save else os.path.abspath(args.save_dir)
+        if args.resume:
+            path, _ = engine.load_checkpoint(save_dir)
+            if rank == 0:
+                print(f"{PROG}: resumed from {path} at step {engine.global_steps}" if path is not None else
+                      f"{PROG}: nothing to resume in {save_dir}; starting from scratch", flush=True)
         if rank == 0:
             stage = engine.config.zero_optimization.stage
             print(
@@ -273,8 +314,12 @@ def _train(args: argparse.Namespace) -> int:
             steps_per_print=engine.config.steps_per_print,
             eval_interval=args.eval_interval,
             eval_batches=args.eval_batches,
+            save_dir=save_dir,
+            save_every=args.save_every,
         )
         trainer.train()
+        engine.close()  # pending saves committed, offload threads and files released
+        dist.barrier()  # no rank tears its groups down while a peer still talks to it
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -17,13 +17,16 @@ import torch
 from .comm import Comm, CommCounters
 from .config import ZeroTrainConfig
 from .optim import build_optimizer
+from .parallel import assemble_full_tensors, tensor_parallel_comm, tensor_slice_of
 from .precision import LossScaler, training_dtype
 from .schedules import build_scheduler
 from .topology import Topology
 from .zero.consolidate import gather_full_weights
 from .zero.flat import ShardedSlot, build_buckets
+from .zero.gradnorm import GlobalGradients
 from .zero.grads import GradQuantization, GradReducer
 from .zero.optimizer import ShardedOptimizer
+from .zero.stage3.grads import Stage3GradReducer
 from .zero.stage3.hooks import Stage3Hooks
 from .zero.stage3.setup import Stage3Model, partition_module, place_module
 
@@ -55,6 +58,7 @@ class ZeroTrainEngine:
         self.dtype = training_dtype(config.precision)
         self.counters = CommCounters()
         self.comm = Comm.data_parallel(topology, self.counters)
+        self.tp_comm = tensor_parallel_comm(topology, self.counters) if topology.tp_size > 1 else None
         if self.stage == 3:
             place_module(model, topology.device, self.dtype)
             self.module = model
@@ -72,7 +76,7 @@ class ZeroTrainEngine:
         if self.stage == 3:
             self.stage3 = partition_module(self.module, self.comm, group_of, int(zero.stage3_param_persistence_threshold),
                                            bool(zero.stage3_allgather_sequential), int(zero.stage3_prefetch_bucket_size),
-                                           int(zero.stage3_max_live_parameters))
+                                           int(zero.stage3_max_live_parameters), int(zero.stage3_max_reuse_distance))
             self.buckets = self.stage3.trainable
         else:
             partitions = topology.dp_size if self.stage >= 1 else 1
@@ -80,8 +84,11 @@ class ZeroTrainEngine:
                                          int(zero.reduce_bucket_size), partitions,
                                          topology.dp_rank if partitions > 1 else 0)
             self._broadcast_initial_state()
-        self.reducer = GradReducer(self.buckets, self.comm, min(self.stage, 2),
-                                   quantization=self._gradient_quantization())
+        quantization = self._gradient_quantization()
+        if self.stage == 3 and quantization is None:  # bucketed reduce-scatter of the per-parameter shards
+            self.reducer = Stage3GradReducer(self.buckets, self.comm, int(zero.reduce_bucket_size))
+        else:
+            self.reducer = GradReducer(self.buckets, self.comm, min(self.stage, 2), quantization=quantization)
         if self.stage3 is not None:  # its release hooks must run after the reducer's gradient hooks
             self.stage3.hooks = Stage3Hooks(self.module, self.stage3.fetcher)
             self._configure_weight_gathers()
@@ -169,12 +176,14 @@ class ZeroTrainEngine:
     def _make_zero_optimizer(self, torch_optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
         """The object that owns master shards and runs the update (on device, or offloaded)."""
         offload = self.config.zero_optimization.offload_optimizer
+        gradients = GlobalGradients(self.buckets, self.comm, self.tp_comm)
         if offload is not None and offload.device in ("cpu", "nvme"):
             from .offload import build_offload_optimizer
             return build_offload_optimizer(self.buckets, self.comm, torch_optimizer, self.reducer, self.config,
-                                           loss_scale=lambda: self.loss_scaler.scale)
+                                           loss_scale=lambda: self.loss_scaler.scale, gradients=gradients)
         return ShardedOptimizer(self.buckets, self.comm, torch_optimizer,
-                                [g["params"] for g in torch_optimizer.param_groups], self.config.gradient_clipping)
+                                [g["params"] for g in torch_optimizer.param_groups], self.config.gradient_clipping,
+                                gradients=gradients)
 
     def _make_scheduler(self, lr_scheduler: Any):
         if lr_scheduler is None:
@@ -203,7 +212,9 @@ class ZeroTrainEngine:
             return self.module(*args, **kwargs)
         self.stage3.fetcher.begin_micro_step()
         with self.stage3.hooks.saved_tensors_hooks():
-            return self.module(*args, **kwargs)
+            output = self.module(*args, **kwargs)
+        self.stage3.fetcher.end_forward(backward_follows=torch.is_grad_enabled())
+        return output
 
     forward = __call__
 
@@ -265,8 +276,9 @@ class ZeroTrainEngine:
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         if self.topology.rank == 0 and self.config.steps_per_print and self.global_steps % self.config.steps_per_print == 0:
-            logger.info("step=%d skipped=%d lr=%s loss_scale=%g grad_norm=%s", self.global_steps, self.skipped_steps,
-                        self.get_lr(), self.loss_scaler.scale, self.zero_optimizer.last_grad_norm)
+            logger.info("step=%d skipped=%d lr=%s loss_scale=%g grad_norm=%s%s", self.global_steps, self.skipped_steps,
+                        self.get_lr(), self.loss_scaler.scale, self.zero_optimizer.last_grad_norm,
+                        "".join(f" offload_{k}={v}" for k, v in self.offload_stats().items()))
 
     def zero_grad(self) -> None:
         """Drop gradients, but never in the middle of an accumulation cycle (DeepSpeed loops call it freely)."""
@@ -296,7 +308,12 @@ class ZeroTrainEngine:
         return self.loss_scaler.scale
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full fp32 weights on CPU under the model's parameter names, on rank 0 only."""
+        """Full fp32 weights on CPU under the model's parameter names, on rank 0 only.
+
+        Data-parallel shards are gathered on data-parallel rank 0; with tensor parallelism the
+        slices of its tensor-parallel group are then joined on tensor-parallel rank 0 (global
+        rank 0), by the TensorSlice each split parameter carries.
+        """
         full = gather_full_weights(self.buckets, self.zero_optimizer.masters, self.comm)
         if self.stage3 is not None:
             frozen = self.stage3.frozen
@@ -304,11 +321,16 @@ class ZeroTrainEngine:
         if self.comm.rank != 0:
             return {}
         first_name: dict[int, str] = {}
+        slices = {}
         for name, param in self.module.named_parameters(remove_duplicate=False):
             first_name.setdefault(id(param), name)
+            if tensor_slice_of(param) is not None:
+                slices[name] = tensor_slice_of(param)
             if name not in full:
                 source = full.get(first_name[id(param)])
                 full[name] = source if source is not None else param.detach().float().cpu().clone()
+        if self.tp_comm is not None:  # every rank here is data-parallel rank 0: one tensor-parallel group
+            full = assemble_full_tensors(full, slices, self.tp_comm)
         return full
 
     def sharded_slots(self) -> list[ShardedSlot]:
@@ -316,6 +338,22 @@ class ZeroTrainEngine:
         return [ShardedSlot(records=bucket.shard_records(), master=master,
                             model_shard=bucket.local_shard(), replicated=bucket.partitions == 1)
                 for bucket, master in zip(self.buckets, self.zero_optimizer.masters)]
+
+    def frozen_slots(self) -> list[ShardedSlot]:
+        """Stage 3: this rank's shards of frozen (untrained) parameters, as slots without a master; else []."""
+        if self.stage3 is None:
+            return []
+        return [ShardedSlot(records=part.shard_records(), master=None, model_shard=part.shard,
+                            replicated=part.partitions == 1) for part in self.stage3.frozen]
+
+    def publish_weights(self) -> None:
+        """Make every rank's model weights current after masters or frozen shards were written (a load)."""
+        self.zero_optimizer.publish()
+        if self.stage3 is not None:
+            with torch.no_grad():
+                for part in self.stage3.frozen:  # same order on every rank
+                    if part.gathered:
+                        self.comm.all_gather(part.flat_param, part.shard)
 
     # --- checkpoints (zerotrain.checkpoint does the work) ---------------------
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
@@ -349,9 +387,35 @@ class ZeroTrainEngine:
             param_bytes = sum(b.flat_param.numel() * b.flat_param.element_size() for b in self.buckets)
             param_bytes += sum(p.numel() * p.element_size() for p in self.module.parameters()
                                if id(p) not in in_buckets)
-        return {
+        report = {
             "parameters": param_bytes,
             "gradients": self.reducer.held_bytes(),
-            "optimizer_states": self.zero_optimizer.state_bytes(),
+            "optimizer_states": self.zero_optimizer.state_bytes(),  # on the device; offloaded bytes below
             "comm": self.counters.snapshot(),
         }
+        report.update(self._offload_memory())
+        return report
+
+    # --- offload (zerotrain.offload does the work) ----------------------------
+    def offload_stats(self) -> dict:
+        """Counters of the offloaded optimizer (steps; with super_offload speculative steps, rollbacks,
+        clip_redos = steps redone with clipped gradients; with nvme bytes read/written); {} without offload."""
+        stats = getattr(self.zero_optimizer, "stats", None)
+        return dict(stats) if stats is not None else {}
+
+    def _offload_memory(self) -> dict:
+        """`offload`: bytes of masters and optimizer states by place (device, host, nvme, host I/O buffers)."""
+        split = getattr(self.zero_optimizer, "memory_split", None)
+        if split is None:
+            return {}
+        offload = dict(split())
+        offload["offloaded_bytes"] = self.zero_optimizer.offloaded_bytes()
+        return {"offload": offload}
+
+    def close(self) -> None:
+        """Finish pending checkpoint saves, release the offload optimizer's threads and files (idempotent)."""
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+        close = getattr(self.zero_optimizer, "close", None)
+        if callable(close):
+            close()

@@ -13,7 +13,9 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from .config import load_config
+from .config import ConfigError, load_config
+from .parallel import apply_tensor_parallel, tensor_parallel_comm
+from .parallel.plan import default_plan
 from .engine import OptimizerLike, ZeroTrainEngine
 from .topology import Topology
 
@@ -32,12 +34,15 @@ def initialize(model: torch.nn.Module, config: Union[dict, str, os.PathLike, Non
                model_parameters: Optional[Iterable] = None, optimizer: OptimizerLike = None,
                lr_scheduler: Any = None, training_data: Optional[Dataset] = None,
                collate_fn: Optional[Callable] = None, config_params: Optional[dict] = None,
-               **unused: Any) -> tuple[ZeroTrainEngine, torch.optim.Optimizer, Optional[DataLoader], Any]:
+               tensor_parallel_plan: Optional[dict] = None, **unused: Any) -> tuple[ZeroTrainEngine, torch.optim.Optimizer, Optional[DataLoader], Any]:
     """Build the engine; returns (engine, optimizer, dataloader or None, lr_scheduler or None).
 
     `config` is a dict or a path to a (DeepSpeed-style) JSON file; `config_params`
     is DeepSpeed's older name for it. `optimizer` may be a torch optimizer over the
     model's parameters or a callable building one from parameter groups.
+    With `tensor_parallel.autotp_size` > 1 the model is split by `tensor_parallel_plan`
+    (module-name pattern → `zerotrain.parallel.Column/Row/Vocab`; zerotrain's GPT has a
+    built-in plan) and ZeRO shards across the data-parallel groups of the grid.
     """
     if config is None:
         config = config_params
@@ -46,8 +51,18 @@ def initialize(model: torch.nn.Module, config: Union[dict, str, os.PathLike, Non
         config = getattr(args, "deepspeed_config", None) if args is not None else None
     if config is None:
         raise ValueError("zerotrain.initialize needs a config (a dict or a path to a JSON file)")
-    cfg = load_config(config, dp_world_size=_dp_size_hint())
-    topology = Topology.build(timeout_seconds=cfg.comm_timeout_seconds)
+    cfg = load_config(config)
+    tp_size = int(cfg.tensor_parallel.autotp_size)
+    world = _dp_size_hint()
+    if world % tp_size:
+        raise ConfigError(f"tensor_parallel.autotp_size: {tp_size} does not divide the world size {world}",
+                          key="tensor_parallel.autotp_size")
+    cfg = load_config(cfg, dp_world_size=world // tp_size)  # the batch triple counts data-parallel ranks
+    if tp_size > 1 and tensor_parallel_plan is None:
+        tensor_parallel_plan = default_plan(model)  # before any process group: a missing plan fails fast
+    topology = Topology.build(timeout_seconds=cfg.comm_timeout_seconds, tp_size=tp_size)
+    if tp_size > 1:
+        apply_tensor_parallel(model, tensor_parallel_plan, tensor_parallel_comm(topology))
     engine = ZeroTrainEngine(model, cfg, topology, model_parameters=model_parameters,
                              optimizer=optimizer, lr_scheduler=lr_scheduler)
     dataloader = None

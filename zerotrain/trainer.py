@@ -3,8 +3,13 @@
 :class:`Trainer` drives ``engine(x, y) -> (logits, loss)``, ``engine.backward(loss)`` and
 ``engine.step()`` for a fixed number of optimizer steps, and reports progress: a ``rich``
 progress bar on rank 0 (plain lines when stdout is not a terminal), a ``metrics.jsonl``
-file with one record per step, and a closing summary. It uses nothing the engine does not
-offer to any user, so everything it does can also be done in a hand-written loop.
+file with one record per step, and a closing summary. With ``save_dir`` it saves a
+checkpoint every ``save_every`` steps and after the last one (``engine.save_checkpoint``;
+the config's ``checkpoint`` block decides async saving and rotation). A resumed engine
+(``engine.load_checkpoint`` before ``train()``) continues at its step and at its exact data
+position: the batches already consumed (``engine.global_samples``) are skipped. It uses
+nothing the engine does not offer to any user, so everything it does can also be done in a
+hand-written loop.
 """
 from __future__ import annotations
 
@@ -53,6 +58,7 @@ class TrainSummary:
     total_time_s: float
     tokens: int
     final_eval_loss: Optional[float] = None
+    checkpoint: Optional[str] = None
 
     def format(self) -> str:
         text = (
@@ -80,6 +86,9 @@ class Trainer:
         steps_per_print: how often a plain progress line is printed when stdout is not a
             terminal (default: the engine config's ``steps_per_print``).
         console: a ``rich.console.Console`` for rank 0's output (default: stdout).
+        save_dir: where checkpoints go (``save_dir/global_step{N}``, ``save_dir/latest``);
+            none are saved if None.
+        save_every: also save every this many steps (0: only after the last step).
     """
 
     def __init__(
@@ -93,9 +102,13 @@ class Trainer:
         eval_interval: int = 0,
         eval_batches: Optional[int] = None,
         console: Optional[Any] = None,
+        save_dir: Optional[Union[str, os.PathLike]] = None,
+        save_every: int = 0,
     ) -> None:
         if total_steps < 0:
             raise ValueError(f"total_steps must be >= 0, got {total_steps}")
+        if save_every < 0:
+            raise ValueError(f"save_every must be >= 0, got {save_every}")
         self.engine = engine
         self.dataloader = dataloader
         self.total_steps = int(total_steps)
@@ -108,6 +121,9 @@ class Trainer:
         self.eval_interval = max(0, int(eval_interval))
         self.eval_batches = eval_batches
         self._console = console
+        self.save_dir = Path(save_dir) if save_dir is not None else None
+        self.save_every = int(save_every)
+        self.last_checkpoint: Optional[str] = None
         self._epoch = 0
         self._batches: Optional[Iterator] = None
 
@@ -138,6 +154,20 @@ class Trainer:
                 self._batches = None
                 self._epoch += 1
         raise RuntimeError("the training dataloader yields no batches")
+
+    def _seek(self) -> None:
+        """Skip the micro-batches a resumed engine already consumed (from ``engine.global_samples``)."""
+        samples = int(getattr(self.engine, "global_samples", 0) or 0)
+        if samples == 0:
+            return
+        micro = int(self.engine.train_micro_batch_size_per_gpu())
+        consumed = samples // (micro * self.dp_size)  # micro-batches each rank has drawn
+        per_epoch = len(self.dataloader) if hasattr(self.dataloader, "__len__") else 0
+        if per_epoch > 0:
+            self._epoch, consumed = divmod(consumed, per_epoch)
+        self._batches = None
+        for _ in range(consumed):
+            self._next_batch()
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.device is None or not isinstance(tensor, torch.Tensor):
@@ -198,6 +228,22 @@ class Trainer:
         local = (total / count).item() if count else float("nan")
         return mean_across_ranks(local, device=self.device, group=self.dp_group)
 
+    # -- checkpoints --------------------------------------------------------------------
+
+    def save_checkpoint(self, step: int, console: Optional[Any]) -> str:
+        """Save the engine into ``save_dir`` (every rank) and report where on rank 0."""
+        assert self.save_dir is not None
+        path = self.engine.save_checkpoint(str(self.save_dir))
+        self.last_checkpoint = path
+        if console is not None:
+            checkpointer = getattr(self.engine, "checkpointer", None)
+            pending = bool(getattr(checkpointer, "pending", False))
+            stall = getattr(checkpointer, "last_stall_seconds", None)
+            how = "being written in the background" if pending else "saved"
+            took = f", training paused {stall:.2f}s" if stall is not None else ""
+            console.print(f"checkpoint of step {step} {how}: {path}{took}", highlight=False, soft_wrap=True)
+        return path
+
     # -- the loop -----------------------------------------------------------------------
 
     def train(self) -> TrainSummary:
@@ -219,6 +265,8 @@ class Trainer:
         last_loss = float("nan")
         eval_loss: Optional[float] = None
         step = start_step
+        self._seek()
+        saved_step = start_step if start_step > 0 else None
         try:
             for step in range(start_step + 1, self.total_steps + 1):
                 t_step = time.perf_counter()
@@ -234,6 +282,9 @@ class Trainer:
                     "tokens_per_s": tokens / dt if dt > 0 else float("nan"),
                     "elapsed_s": time.perf_counter() - t0,
                 }
+                offload_stats = getattr(self.engine, "offload_stats", None)
+                if callable(offload_stats):  # speculative steps, rollbacks, redone steps, NVMe bytes
+                    record.update({f"offload_{k}": v for k, v in offload_stats().items()})
                 due = self.eval_interval and step % self.eval_interval == 0
                 if self.eval_data is not None and (due or step == self.total_steps):
                     eval_loss = self.evaluate()
@@ -248,6 +299,9 @@ class Trainer:
                     step % self.steps_per_print == 0 or step == self.total_steps
                 ):
                     console.print(_plain_line(record, self.total_steps), highlight=False)
+                if self.save_dir is not None and self.save_every and step % self.save_every == 0:
+                    self.save_checkpoint(step, console)
+                    saved_step = step
         finally:
             if progress is not None:
                 progress.stop()
@@ -256,6 +310,13 @@ class Trainer:
 
         if self.eval_data is not None and eval_loss is None and step == start_step:
             eval_loss = self.evaluate()  # nothing left to train: still report the eval loss
+        if self.save_dir is not None:
+            if saved_step != step:
+                self.save_checkpoint(step, console)
+            pending = bool(getattr(getattr(self.engine, "checkpointer", None), "pending", False))
+            self.engine.wait_checkpoint()  # an asynchronous save commits (or raises) before we return
+            if pending and console is not None:
+                console.print(f"checkpoint committed: {self.last_checkpoint}", highlight=False, soft_wrap=True)
         summary = TrainSummary(
             steps=step - start_step,
             final_loss=last_loss,
@@ -263,6 +324,7 @@ class Trainer:
             total_time_s=time.perf_counter() - t0,
             tokens=total_tokens,
             final_eval_loss=eval_loss,
+            checkpoint=self.last_checkpoint,
         )
         if is_main:
             if self.log_dir is not None:
@@ -334,6 +396,4 @@ def _plain_line(record: dict, total_steps: int) -> str:
 
 def _finite(record: dict) -> dict:
     """JSON has no NaN/Infinity: write them as null."""
-    return {
-        k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()
-    }
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}

@@ -91,3 +91,43 @@ def test_async_save_overlaps_training_and_surfaces_errors(tmp_path):
     assert results[0]["failed_at_attempt"] == results[1]["failed_at_attempt"]
     assert out["latest_after"] == "after"
     assert out["entries"] == ["after", "async", "latest"]
+
+
+def fenced_run(save_dir: str) -> dict:
+    """The snapshot copy is slowed down: the next optimizer update must wait for it (stage 3)."""
+    import zerotrain.checkpoint.snapshot as snapshot
+    from ckpt_common import optimizer_state
+
+    original = snapshot.Sources.complete
+    engine = make_engine(stage=3, async_save=True)
+    train(engine, 0, 2)
+    at_save, state_at_save = engine.full_state_dict(), optimizer_state(engine)
+
+    def slow(self):
+        time.sleep(0.5)
+        return original(self)
+
+    snapshot.Sources.complete = slow
+    started = time.perf_counter()
+    engine.save_checkpoint(save_dir, tag="fenced")
+    returned_after = time.perf_counter() - started
+    train(engine, 2, 2)  # the first step() waits for the copy, then moves the weights on
+    moved = engine.full_state_dict()
+    engine.wait_checkpoint()
+    snapshot.Sources.complete = original
+    fresh = make_engine(stage=3, seed=9)
+    fresh.load_checkpoint(save_dir)
+    return {"returned_after": returned_after, "at_save": at_save, "moved": moved, "loaded": fresh.full_state_dict(),
+            "state_at_save": state_at_save, "state_loaded": optimizer_state(fresh)}
+
+
+def test_async_snapshot_copy_is_fenced_before_the_next_update(tmp_path):
+    results = run_distributed(fenced_run, 2, str(tmp_path / "ckpt"))
+    out = results[0]
+    assert out["returned_after"] < 0.5  # the copy did not block the call
+    assert any(not (out["moved"][n] == out["at_save"][n]).all() for n in out["at_save"])
+    assert_weights_equal(out["loaded"], out["at_save"], rtol=0, atol=0, what="fenced snapshot")
+    for result in results:  # every rank's optimizer shard is the one at save time
+        for got, want in zip(result["state_loaded"], result["state_at_save"]):
+            for key in want:
+                assert (got[key] == want[key]).all(), key

@@ -12,8 +12,8 @@ def train_stage3(nvme_path: str) -> list:
         engine = build_engine(3, block)
         losses, _ = train_steps(engine, world_batches(2))
         results.append((block["device"] + (" super_offload" if block.get("super_offload") else ""), losses,
-                        engine.full_state_dict(), dict(engine.zero_optimizer.stats)))
-        engine.zero_optimizer.close()
+                        engine.full_state_dict(), engine.offload_stats()))
+        engine.close()
     return results
 
 

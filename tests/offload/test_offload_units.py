@@ -125,3 +125,39 @@ def test_io_errors_name_the_file_and_say_disk_full(tmp_path, monkeypatch):
     with pytest.raises(OffloadIOError, match="reading 4096 bytes at offset 4096"):
         io.read(fd, aio.ALIGN, buffer).result()  # past the end of the file
     io.shutdown()
+
+
+def test_io_cuts_requests_into_blocks_in_flight_together(tmp_path, monkeypatch):
+    """aio.block_size: one system call per block; a failing block fails its request, naming its offset."""
+    from zerotrain.offload import OffloadIOError, aio
+
+    io = aio.AsyncFileIO(threads=1, queue_depth=3, block_size=aio.ALIGN, direct=False)
+    assert io.in_flight == 3 and io.block_size == aio.ALIGN
+    fd = io.open(str(tmp_path / "f"), 5 * aio.ALIGN)
+    data = aio.aligned_empty(5 * aio.ALIGN)
+    data.copy_(torch.randint(0, 256, (data.numel(),), dtype=torch.uint8))
+    offsets = []
+    real = aio._pwrite
+
+    def counting(fd, buffers, offset):
+        offsets.append(offset)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(aio, "_pwrite", counting)
+    assert io.write(fd, 0, data, before=lambda: None).result() == 5 * aio.ALIGN
+    assert sorted(offsets) == [k * aio.ALIGN for k in range(5)]
+    back = aio.aligned_empty(5 * aio.ALIGN)
+    assert io.read(fd, 0, back).result() == 5 * aio.ALIGN and torch.equal(back, data)
+    assert io.bytes_written == io.bytes_read == 5 * aio.ALIGN
+
+    def fail_third(fd, buffers, offset):
+        if offset == 2 * aio.ALIGN:
+            raise OSError(5, "Input/output error")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(aio, "_pwrite", fail_third)
+    released = []
+    with pytest.raises(OffloadIOError, match="writing 4096 bytes at offset 8192"):
+        io.write(fd, 0, data, done=lambda: released.append(True)).result()
+    assert released == [True]  # the buffer is handed back once, after every block finished
+    io.shutdown()

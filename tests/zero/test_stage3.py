@@ -115,6 +115,7 @@ COMBOS = [
     (1, {}, True, False),
     (1, {"stage3_param_persistence_threshold": 100}, False, False),
     (1, {}, False, True),
+    (2, {"reduce_bucket_size": 40, "stage3_max_reuse_distance": 0}, True, False),  # several reduce buckets, no reuse
 ]
 
 

@@ -24,17 +24,24 @@ def _config(**zero) -> dict:
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}, "steps_per_print": 0}
 
 
-def stage3_memory(zero: dict) -> dict:
+def stage3_memory(zero: dict, accumulation: int = 1) -> dict:
     import zerotrain
 
     torch.manual_seed(0)
     model = Wide()
     sizes = {name: p.numel() for name, p in model.named_parameters()}
-    engine, *_ = zerotrain.initialize(model=model, config=_config(**zero))
-    for _ in range(2):  # the second step runs with prefetch
+    config = _config(**zero)
+    config["gradient_accumulation_steps"] = accumulation
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    held_between_micro_steps = []
+    for _ in range(2 * accumulation):  # the second step runs with prefetch
         engine.backward(engine(torch.randn(2, 64), torch.randn(2, 61)))
+        if not engine.is_gradient_accumulation_boundary():
+            held_between_micro_steps.append(engine.memory_report()["gradients"])
         engine.step()
     report = engine.memory_report()
+    report["held_between_micro_steps"] = held_between_micro_steps
+    report["reduce"] = dict(engine.reducer.stats)
     report["sizes"] = sizes
     report["stats"] = dict(engine.stage3.fetcher.stats)
     report["tensors"] = len(engine.optimizer.state)
@@ -46,7 +53,7 @@ def test_stage3_holds_a_quarter_at_world_4():
         sizes = report["sizes"]
         shard = sum(-(-n // 4) for n in sizes.values())  # ceil(numel / 4) per parameter
         assert report["parameters"] == 4 * shard, f"rank {rank}: only shards are held between steps"
-        assert report["gradients"] == 4 * shard
+        assert report["gradients"] == 0, "gradient shards are freed after the optimizer step"
         assert report["optimizer_states"] == 8 * shard + 4 * report["tensors"]
         assert report["stats"]["live_bytes"] == 0, "everything released after the step"
 
@@ -120,3 +127,17 @@ def test_max_live_parameters_caps_prefetch():
     capped = run_distributed(stage3_memory, 2, {"stage3_max_live_parameters": 0})[0]
     assert capped["stats"]["prefetched"] == 0
     assert capped["stats"]["peak_live_bytes"] <= max(-(-n // 2) * 2 * 4 for n in capped["sizes"].values()) * 2
+
+
+def test_gradient_shards_held_only_while_accumulating():
+    for report in run_distributed(stage3_memory, 2, {"reduce_bucket_size": 100}, 2):
+        shard = sum(-(-n // 2) for n in report["sizes"].values())
+        assert report["held_between_micro_steps"] == [4 * shard, 4 * shard], "fp32 shards while accumulating"
+        assert report["gradients"] == 0
+        assert report["reduce"]["staging_bytes"] == 0
+        # fc2.bias, fc2.weight, fc1.bias, fc1.weight (61, 3843, 63, 4096 elements): every parameter
+        # exceeds 100 elements with its neighbour, so each bucket holds one; staging never exceeds
+        # the two largest buckets (the one filling and the one in flight).
+        padded = sorted((-(-n // 2) * 2 * 4 for n in report["sizes"].values()), reverse=True)
+        assert report["reduce"]["peak_staging_bytes"] <= padded[0] + padded[1]
+        assert report["reduce"]["reduce_scatters"] == 4 * 4  # 4 buckets, 4 micro-steps

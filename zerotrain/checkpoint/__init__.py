@@ -31,6 +31,7 @@ Modules, one concept each:
     optim_state   optimizer state keys, scalars, group hyperparameters
     state         trainer state and RNG as JSON
     tools         inspect / verify / export, for the `zerotrain ckpt` command
+    command       the `zerotrain ckpt inspect|verify|export` subcommands (argparse, output, exit codes)
 """
 from __future__ import annotations
 

@@ -5,9 +5,13 @@ It owns a gloo process group of its own (so a background writer never issues a
 collective on the training group), the cached save plan, and the reusable host buffers.
 
 Asynchronous saves run in one background thread per rank rather than a process: the
-writer spends its time in file writes, crc32 and gloo transfers, all of which release
-the GIL, so training continues at full speed; a process would need the snapshot moved
-into shared memory (one more copy) and its own process group.
+writer spends its time in memcpy, file writes, crc32 and gloo transfers, all of which
+release the GIL, so training continues; a process would need the snapshot moved into
+shared memory (one more copy of the whole shard, which is what the thread avoids) and
+its own process group. The save call itself returns after planning: the copy of this
+rank's slots into the reused host buffers is the writer's first act, overlapping the
+next forward and backward, and `fence()` (called by the next `engine.step()`) holds
+the optimizer update until that copy is done (measured: benchmarks/RESULTS_checkpoint.md).
 
 Errors: a failed background save is raised by the next `engine.step()` (every rank
 raises at the same step: while a save is pending, `raise_if_failed` all-reduces one
@@ -25,11 +29,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..offload import resident_states
 from .commit import check_tag
 from .format import CheckpointError
+from .loco import capture_loco
 from .optim_state import group_hyperparameters
 from .plan import build_plan, layout_digest, local_layout
-from .slots import all_slots
+from .slots import all_slots, refuse_tensor_parallel
 from .snapshot import HostBuffers, capture, hf_config_files
 from .state import capture_rng, capture_trainer_state
 from .write import SaveJob, describe_error
@@ -48,6 +54,7 @@ class Checkpointer:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._result: Optional[str] = None
+        self._snapshot_taken: Optional[threading.Event] = None
         self.last_stall_seconds: Optional[float] = None
 
     # --- saving ----------------------------------------------------------------------------------
@@ -66,7 +73,8 @@ class Checkpointer:
         slots, plan = self._plan(engine, tag)
         job, error = None, None
         try:  # everything the save needs, taken now; ranks agree that it worked before anything is written
-            sources = capture(engine, slots, plan, self.comm.rank, self.buffers, copy=async_save)
+            sources = capture(engine, slots, plan, self.comm.rank, self.buffers, copy=async_save,
+                              defer=async_save and self._can_defer(engine))
             rank0 = self.comm.rank == 0
             trainer_state = capture_trainer_state(engine, tag, client_state)  # every rank: same errors everywhere
             optimizer_meta = {"optimizer": type(engine.optimizer).__name__,
@@ -75,7 +83,7 @@ class Checkpointer:
                           save_latest=save_latest, keep_last=settings.keep_last,
                           trainer_state=trainer_state if rank0 else {}, rng_state=capture_rng(),
                           extra_files=hf_config_files(engine.module, engine.dtype) if rank0 else {},
-                          optimizer_meta=optimizer_meta if rank0 else {})
+                          optimizer_meta=optimizer_meta if rank0 else {}, loco_state=capture_loco(engine))
         except Exception as caught:  # noqa: BLE001
             error = caught
         self._agree([describe_error(error)], f"cannot save checkpoint {tag}", error)
@@ -85,6 +93,7 @@ class Checkpointer:
             self.last_stall_seconds = time.perf_counter() - started
             return path
         self._error, self._result = None, None
+        self._snapshot_taken = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(job,), name=f"zerotrain-checkpoint-{tag}")
         self._thread.start()
         self.last_stall_seconds = time.perf_counter() - started
@@ -120,8 +129,22 @@ class Checkpointer:
             raise CheckpointError(f"{what}{where}: {message}") from error
         return views
 
+    @staticmethod
+    def _can_defer(engine) -> bool:
+        """Whether the slot copies may run in the background (CPU tensors that only `step()` changes).
+
+        Not with an offloaded optimizer: NVMe states are resident only during `save`, and
+        SuperOffload updates masters during backward.
+        """
+        return engine.topology.device.type == "cpu" and \
+            not callable(getattr(engine.zero_optimizer, "resident_states", None))
+
     def _run(self, job: SaveJob) -> None:
         try:
+            try:
+                job.sources.complete()  # the snapshot, before the next optimizer update (see fence)
+            finally:
+                self._snapshot_taken.set()
             self._result = job.run()
         except BaseException as error:  # noqa: BLE001 - kept for the training thread to raise
             self._error = error
@@ -139,10 +162,19 @@ class Checkpointer:
         self._thread = None
         self._raise()
 
+    def fence(self) -> None:
+        """Block until the pending save's snapshot copies are done (before anything changes the slots)."""
+        if self._snapshot_taken is not None:
+            self._snapshot_taken.wait()
+
     def raise_if_failed(self) -> None:
-        """Called by every engine.step(): raise a failed background save's error, on every rank at once."""
+        """Called by every engine.step(): raise a failed background save's error, on every rank at once.
+
+        First fences: the optimizer update that follows must not change what the snapshot reads.
+        """
         if self._thread is None:
             return
+        self.fence()
         code = _RUNNING if self._thread.is_alive() else (_FAILED if self._error is not None else _DONE)
         engine = self.engine
         if engine.comm.size > 1:
@@ -164,6 +196,8 @@ class Checkpointer:
 def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                     save_latest: bool = True, async_save: Optional[bool] = None) -> str:
     """Write a checkpoint of `engine` (call on every rank). See zerotrain.checkpoint for the format."""
+    refuse_tensor_parallel(engine, "save")
     if engine.checkpointer is None:
         engine.checkpointer = Checkpointer(engine)
-    return engine.checkpointer.save(save_dir, tag, client_state or {}, save_latest, async_save)
+    with resident_states(engine.zero_optimizer, write_back=False):  # NVMe-offloaded states paged in
+        return engine.checkpointer.save(save_dir, tag, client_state or {}, save_latest, async_save)

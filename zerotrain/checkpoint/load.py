@@ -28,11 +28,13 @@ from typing import Optional
 
 import torch
 
+from ..offload import resident_states
 from .format import MASTER, MODEL, OPTIMIZER, CheckpointError, read_json, rng_file
+from .loco import loco_file, read_loco, restore_loco
 from .optim_state import StateTemplate, check_groups, make_scalar, probe_template, restore_hyperparameters
 from .plan import extra_tensors
 from .reader import TensorReader
-from .slots import all_slots, refresh_after_load, sharded_names
+from .slots import all_slots, refresh_after_load, refuse_tensor_parallel, sharded_names
 from .source import HUGGING_FACE, ZEROTRAIN, Source, needed_files, open_source, resolve, verify
 from .state import apply_trainer_state, decode, restore_rng
 
@@ -72,6 +74,7 @@ class LoadPlan:
     rng: Optional[dict]
     load_optimizer: bool
     files: contextlib.ExitStack
+    loco: Optional[dict] = None          # this rank's saved LoCo error buffers, when it has some
 
 
 def _name_candidates(module: torch.nn.Module, name: str, hugging_face: bool) -> list[str]:
@@ -181,10 +184,14 @@ def prepare(engine, path: str, sharded: set[str], load_optimizer_states: bool, l
         if source.kind == ZEROTRAIN and not load_module_only and \
                 rng_file(engine.topology.rank) in source.manifest["files"]:
             rng = read_json(os.path.join(path, rng_file(engine.topology.rank)))
+        loco = None
+        if source.kind == ZEROTRAIN and not load_module_only and \
+                loco_file(engine.topology.rank) in source.manifest["files"]:
+            loco = read_loco(os.path.join(path, loco_file(engine.topology.rank)))
     except BaseException:
         files.close()
         raise
-    return LoadPlan(path, source, slot_loads, extras, rng, load_optimizer, files)
+    return LoadPlan(path, source, slot_loads, extras, rng, load_optimizer, files, loco)
 
 
 def _state_tensor(current, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -234,6 +241,7 @@ def apply(engine, plan: LoadPlan, load_lr_scheduler_states: bool, load_module_on
         apply_trainer_state(engine, plan.source.trainer_state, load_lr_scheduler_states)
         if plan.rng is not None:
             restore_rng(plan.rng)
+        restore_loco(engine, plan.loco, plan.path)
         saved_world = plan.source.trainer_state.get("topology", {}).get("world_size")
         if saved_world != engine.topology.world_size:
             logger.info("checkpoint %s was written by %s ranks, loaded on %s: ranks without a saved RNG state "
@@ -247,8 +255,15 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_optim
     Returns (None, None) with a warning when `load_dir` holds no checkpoint and no `latest`
     (as DeepSpeed does), so "resume if there is something to resume" needs no special case.
     """
+    refuse_tensor_parallel(engine, "load")
     if engine.checkpointer is not None:
         engine.checkpointer.wait()
+    with resident_states(engine.zero_optimizer):  # NVMe-offloaded states in memory; written back after
+        return _load_resident(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                              load_module_only)
+
+
+def _load_resident(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only):
     comm = engine.comm
     sharded = set().union(*comm.all_gather_object(sorted(sharded_names(all_slots(engine)))))
     path, plan, error = None, None, None

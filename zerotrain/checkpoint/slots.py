@@ -2,28 +2,22 @@
 
 `engine.sharded_slots()` gives the trainable slots (a master tensor that the
 optimizer updates, with its records). At stage 3 frozen parameters are partitioned
-too, so they are not whole in `engine.module` on every rank; they become slots with
-`master=None` (no master copy, no optimizer state), read from the engine's
-`frozen_slots()` when it has one, else from its stage-3 partitions. Everything else
-(frozen parameters at stages 0-2, persistent buffers) is whole on every rank.
+too, so they are not whole in `engine.module` on every rank; `engine.frozen_slots()`
+gives them as slots with `master=None` (no master copy, no optimizer state).
+Everything else (frozen parameters at stages 0-2, persistent buffers) is whole on
+every rank. Only these public engine methods are read: the checkpoint never looks
+inside the engine's partitions.
 """
 from __future__ import annotations
 
-import torch
-
 from ..zero.flat import ShardedSlot
+from .format import CheckpointError
 
 
 def frozen_slots(engine) -> list[ShardedSlot]:
     """Partitioned frozen parameters (stage 3), as slots without a master."""
     provided = getattr(engine, "frozen_slots", None)
-    if callable(provided):
-        return list(provided())
-    stage3 = getattr(engine, "stage3", None)
-    if stage3 is None:
-        return []
-    return [ShardedSlot(records=part.shard_records(), master=None, model_shard=part.shard,
-                        replicated=part.partitions == 1) for part in stage3.frozen]
+    return list(provided()) if callable(provided) else []
 
 
 def all_slots(engine) -> list[ShardedSlot]:
@@ -37,13 +31,16 @@ def sharded_names(slots) -> set[str]:
 
 def refresh_after_load(engine) -> None:
     """Make every rank's model weights current after masters and frozen shards were written."""
-    engine.zero_optimizer.publish()
-    if callable(getattr(engine, "frozen_slots", None)):
-        return  # an engine that lists its frozen slots refreshes them in publish()
-    stage3 = getattr(engine, "stage3", None)
-    if stage3 is None:
-        return
-    with torch.no_grad():
-        for part in stage3.frozen:  # same order on every rank
-            if part.gathered:
-                engine.comm.all_gather(part.flat_param, part.shard)
+    engine.publish_weights()
+
+
+def refuse_tensor_parallel(engine, what: str) -> None:
+    """Tensor-parallel slices are not in the unified format yet: refuse before touching any file.
+
+    Their records give flat ranges of the local slice, not of the whole tensor, so writing
+    them would store slices under whole-tensor names; a clear error loses nothing."""
+    tp_size = getattr(engine.topology, "tp_size", 1)
+    if tp_size > 1:
+        raise CheckpointError(f"cannot {what} a checkpoint with tensor_parallel.autotp_size {tp_size}: "
+                              f"tensor-parallel checkpoints are not supported yet (use engine.full_state_dict() "
+                              f"for the whole weights)")

@@ -6,11 +6,19 @@ contributes into host buffers that are kept and reused by the next save (pinned 
 CUDA is present), so the training step blocks only for that copy. Only the pieces the
 plan needs are copied: all of a sharded slot, but of a replicated (stage-0) slot only
 the tensors this rank writes.
+
+With `defer`, the copies are only listed (`Sources.copies`) and run later by
+`Sources.complete()` in the background writer, while training goes on with its next
+forward and backward; the checkpointer fences the next optimizer update on their
+completion (nothing before it changes the slots). Small state (optimizer scalars)
+and whole tensors outside the slots (buffers, which a forward may update) are always
+copied at once.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -43,6 +51,17 @@ class Sources:
     slots: dict = field(default_factory=dict)     # (slot, kind) -> (uint8 tensor, itemsize)
     extras: dict = field(default_factory=dict)    # name -> uint8 tensor of the whole tensor
     scalars: dict = field(default_factory=dict)   # slot -> {key: float}
+    copies: list = field(default_factory=list)    # deferred (destination, source) copies
+    error: Optional[BaseException] = None         # why the deferred copies failed: the save then fails
+
+    def complete(self) -> None:
+        """Run the deferred copies (the background writer does, before the next optimizer update)."""
+        copies, self.copies = self.copies, []
+        try:
+            for destination, source in copies:
+                destination.copy_(source)
+        except Exception as error:  # noqa: BLE001 - the job reports it to every rank
+            self.error = error
 
     def piece(self, piece, kind: str) -> torch.Tensor:
         data, size = self.slots[(piece.slot, kind)]
@@ -67,8 +86,12 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in merged]
 
 
-def capture(engine, slots, plan: SavePlan, rank: int, pool: HostBuffers, copy: bool) -> Sources:
-    """The bytes this rank contributes to the save; copied into `pool` when `copy` (or off the CPU)."""
+def capture(engine, slots, plan: SavePlan, rank: int, pool: HostBuffers, copy: bool,
+            defer: bool = False) -> Sources:
+    """The bytes this rank contributes to the save; copied into `pool` when `copy` (or off the CPU).
+
+    `defer` (CPU tensors only): list the copies in `Sources.copies` instead of running them.
+    """
     sources = Sources()
     needed: dict[tuple[int, str], list[tuple[int, int]]] = {}
     for tensor in plan.tensors.values():
@@ -85,7 +108,10 @@ def capture(engine, slots, plan: SavePlan, rank: int, pool: HostBuffers, copy: b
         else:
             data = pool.get(("slot", index, kind), source.numel(), source.dtype)
             for start, end in _merged(ranges):
-                data[start:end].copy_(source[start:end], non_blocking=True)
+                if defer:
+                    sources.copies.append((data[start:end], source[start:end]))
+                else:
+                    data[start:end].copy_(source[start:end], non_blocking=True)
             copied_to_host = copied_to_host or source.device.type != "cpu"
         sources.slots[(index, kind)] = (data.view(torch.uint8), data.element_size())
     sharded = {name for name, t in plan.tensors.items() if t.pieces}
@@ -96,7 +122,7 @@ def capture(engine, slots, plan: SavePlan, rank: int, pool: HostBuffers, copy: b
         flat = tensor.detach().reshape(-1)
         if copy or flat.device.type != "cpu" or not flat.is_contiguous():
             data = pool.get(("extra", name), flat.numel(), flat.dtype)
-            data.copy_(flat, non_blocking=True)
+            data.copy_(flat, non_blocking=True)  # never deferred: forward may update buffers (BatchNorm)
             copied_to_host = copied_to_host or flat.device.type != "cpu"
             flat = data
         sources.extras[name] = flat.view(torch.uint8)

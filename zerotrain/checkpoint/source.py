@@ -129,7 +129,7 @@ def needed_files(source: Source, load_optimizer_states: bool, load_module_only: 
     if load_optimizer_states and not load_module_only and OPTIMIZER in source.maps:
         needed |= {index_file(OPTIMIZER)} | source.files_of(OPTIMIZER)
     if not load_module_only:
-        needed |= {name for name in listed if name.startswith("rng_state_")}
+        needed |= {name for name in listed if name.startswith(("rng_state_", "loco_state_"))}
     if HF_CONFIG in listed:
         needed.add(HF_CONFIG)
     missing = sorted(name for name in needed if name not in listed)

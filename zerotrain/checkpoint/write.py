@@ -11,7 +11,7 @@ the training step do not interfere. The steps:
    the rank that writes its tensor; the writer appends each tensor's pieces, in
    order, to its streaming safetensors files (checksummed as they are written);
 3. close (fsync) every file; rank 0 adds the indexes, trainer_state.json and the
-   Hugging Face config; every rank adds its RNG state;
+   Hugging Face config; every rank adds its RNG state (and its LoCo error buffers);
 4. all-gather each rank's outcome and file list. A rank that failed keeps taking
    part in every collective (sending zeros) so that nobody waits for it; if any rank
    failed, every rank raises the same error and the temporary directory is removed;
@@ -32,6 +32,7 @@ from . import commit
 from .format import (LATEST, MASTER, MODEL, OPTIMIZER, TRAINER_STATE, CheckpointError, SafetensorsWriter,
                      index_file, rng_file, write_json)
 from .integrity import write_manifest
+from .loco import loco_file, write_loco
 from .plan import SavePlan
 from .snapshot import Sources
 
@@ -53,6 +54,7 @@ class SaveJob:
     rng_state: dict                  # this rank's, JSON-ready
     extra_files: dict = field(default_factory=dict)   # rank 0: {file name: JSON payload} (HF config)
     optimizer_meta: dict = field(default_factory=dict)  # rank 0: optimizer type and group hyperparameters
+    loco_state: dict | None = None   # this rank's LoCo error buffers (None: LoCo is off)
 
     def run(self) -> str:
         rank = self.comm.rank
@@ -62,7 +64,7 @@ class SaveJob:
         self._save_id = header[0]["save_id"]
         temp = commit.tmp_dir(self.save_dir, self.tag, self._save_id)
         final = os.path.join(self.save_dir, self.tag)
-        error: BaseException | None = None
+        error: BaseException | None = self.sources.error  # a failed deferred snapshot copy
         written: dict[str, dict] = {}
         self._writers: dict[str, SafetensorsWriter] = {}
         try:
@@ -189,6 +191,9 @@ class SaveJob:
             written[name] = {"size": size, "crc32": f"{crc:08x}"}
 
         put(rng_file(self.comm.rank), self.rng_state)
+        if self.loco_state is not None:
+            name = loco_file(self.comm.rank)
+            written[name] = write_loco(os.path.join(temp, name), self.loco_state)
         if self.comm.rank != 0:
             return
         kinds = (MODEL, MASTER, OPTIMIZER) if self.plan.master_separate else (MODEL, OPTIMIZER)

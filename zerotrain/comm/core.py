@@ -9,13 +9,22 @@ sends S·(N−1)/N. In a world of one nothing is sent and nothing is counted.
 A collective that fails (a peer died, or did not answer within the group's
 timeout) raises :class:`CollectiveError` naming the collective and this rank,
 whether it fails at the call or at the handle's `wait()`.
+
+On gloo (CPU tensors), reduce-scatter and all-gather do not use gloo's own collectives:
+gloo runs `reduce_scatter_single` as a clone of the whole input plus a full all-reduce,
+and `all_gather_single` through staging copies, both 2-3x slower than the bytes they
+move (benchmarks/gloo_collectives.py). Instead every rank sends each peer that peer's
+chunk directly (`isend`/`irecv`) and sums what it received locally (reduce-scatter), or
+receives every peer's chunk in place (all-gather). That sends exactly the ring bytes the
+counters count, from the transport's own threads, so it overlaps with compute. NCCL
+keeps the native collectives.
 """
 from __future__ import annotations
 
 import datetime
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -81,6 +90,34 @@ class _Named:
         return getattr(self._work, name)
 
 
+class _PointToPoint:
+    """Handle of one collective built from point-to-point transfers: wait() waits for every
+    transfer (naming the collective on failure), then runs the local `finish` step once."""
+
+    def __init__(self, works: list, finish: Optional[Callable[[], None]], kind: str, rank: int, size: int):
+        self._works, self._finish, self._kind, self._rank, self._size = works, finish, kind, rank, size
+
+    def wait(self) -> bool:
+        try:
+            for work in self._works:
+                work.wait()
+        except RuntimeError as error:
+            raise _failure(self._kind, self._rank, self._size, error) from error
+        self._works = []
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._finish is None and not self._works
+
+
+# Next point-to-point tag per process group (by group name), shared by every Comm on that
+# group, so two Comms over one group never post matching tags for different transfers.
+_NEXT_TAG: dict[str, int] = defaultdict(int)
+
+
 class _Done:
     """A finished handle, so callers can wait() uniformly in a world of one."""
 
@@ -96,11 +133,15 @@ class Comm:
     """Collectives over one process group, with byte counters."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], rank: int, size: int,
-                 counters: Optional[CommCounters] = None):
+                 counters: Optional[CommCounters] = None, *, gloo_point_to_point: bool = True):
+        """`gloo_point_to_point=False` keeps gloo's own reduce-scatter and all-gather (for comparison)."""
         self.group = group
         self.rank = rank
         self.size = size
         self.counters = counters if counters is not None else CommCounters()
+        self.gloo_point_to_point = gloo_point_to_point
+        self._cpu_backend_is_gloo: Optional[bool] = None
+        self._global_ranks: Optional[list[int]] = None
 
     @classmethod
     def data_parallel(cls, topology: Topology, counters: Optional[CommCounters] = None) -> "Comm":
@@ -124,12 +165,90 @@ class Comm:
         self.counters.add("all_reduce", 2 * _nbytes(tensor) * self._ring_fraction())
         return self._call("all_reduce", dist.all_reduce, tensor, op=op, group=self.group, async_op=async_op)
 
+    # --- gloo: reduce-scatter and all-gather from point-to-point transfers ----------------------
+    def _point_to_point(self, *tensors: torch.Tensor) -> bool:
+        """Whether this collective runs as point-to-point transfers (gloo, contiguous CPU tensors)."""
+        if not self.gloo_point_to_point or not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+            return False
+        if self._cpu_backend_is_gloo is None:
+            backend = str(dist.get_backend(self.group))  # "gloo", "nccl" or "cpu:gloo,cuda:nccl"
+            self._cpu_backend_is_gloo = backend == "gloo" or "cpu:gloo" in backend
+        return self._cpu_backend_is_gloo
+
+    def _global(self, group_rank: int) -> int:
+        if self._global_ranks is None:
+            in_world = self.group is None or self.group == dist.group.WORLD
+            self._global_ranks = [r if in_world else dist.get_global_rank(self.group, r) for r in range(self.size)]
+        return self._global_ranks[group_rank]
+
+    def _exchange(self, kind: str, sends: dict, receives: dict, finish: Optional[Callable[[], None]],
+                  async_op: bool):
+        """Post every receive, then every send (group rank -> tensor), under one fresh tag."""
+        in_world = self.group is None or self.group == dist.group.WORLD
+        name = "WORLD" if in_world else getattr(self.group, "group_name", str(id(self.group)))
+        tag = _NEXT_TAG[name] = _NEXT_TAG[name] % (1 << 30) + 1
+        works = []
+        try:
+            for peer, tensor in receives.items():
+                works.append(dist.irecv(tensor, src=self._global(peer), group=self.group, tag=tag))
+            for peer, tensor in sends.items():
+                works.append(dist.isend(tensor, dst=self._global(peer), group=self.group, tag=tag))
+        except RuntimeError as error:
+            raise _failure(kind, self.rank, self.size, error) from error
+        handle = _PointToPoint(works, finish, kind, self.rank, self.size)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def _reduce_scatter_p2p(self, output: torch.Tensor, input: torch.Tensor, async_op: bool):
+        """Send chunk r of `input` to rank r, receive this rank's chunk from every peer, sum locally.
+
+        With 2 ranks the peer's chunk lands in `output` itself and one in-place add finishes it."""
+        numel, flat_out, flat_in = output.numel(), output.view(-1), input.view(-1)
+        chunks = [flat_in[r * numel:(r + 1) * numel] for r in range(self.size)]
+        peers = [r for r in range(self.size) if r != self.rank]
+        own = chunks[self.rank]
+        if own.data_ptr() == flat_out.data_ptr() or self.size > 2:  # receive beside the output
+            received = torch.empty((len(peers), numel), dtype=input.dtype)
+        else:
+            received = flat_out.view(1, numel)
+        receives = {peer: received[i] for i, peer in enumerate(peers)}
+
+        def finish() -> None:
+            if received.data_ptr() == flat_out.data_ptr():
+                flat_out.add_(own)
+                return
+            torch.add(own, received[0], out=flat_out)  # `own` may be `output` itself
+            for row in received[1:]:
+                flat_out.add_(row)
+        return self._exchange("reduce_scatter", {peer: chunks[peer] for peer in peers}, receives, finish, async_op)
+
+    def _all_gather_p2p(self, output: torch.Tensor, input: torch.Tensor, kind: str, async_op: bool):
+        """Send `input` to every peer; receive every peer's chunk straight into `output`."""
+        numel, flat_out = input.numel(), output.view(-1)
+        chunks = [flat_out[r * numel:(r + 1) * numel] for r in range(self.size)]
+        if input.data_ptr() != chunks[self.rank].data_ptr():
+            chunks[self.rank].copy_(input.view(-1))
+        peers = [r for r in range(self.size) if r != self.rank]
+        send = input.view(-1)
+        return self._exchange(kind, {peer: send for peer in peers}, {peer: chunks[peer] for peer in peers},
+                              None, async_op)
+
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
-        """Sum `input` (size·len(output) elements) across ranks; this rank keeps chunk `rank` in `output`."""
+        """Sum `input` (size·len(output) elements) across ranks; this rank keeps chunk `rank` in `output`.
+
+        `input` is only read, and must stay alive until the handle's wait() (which also finishes
+        the local sum on gloo)."""
         if self.size == 1:
             output.copy_(input)
             return _Done() if async_op else None
+        if input.numel() != self.size * output.numel():
+            raise ValueError(f"reduce_scatter needs input of {self.size} x {output.numel()} elements, "
+                             f"got {input.numel()}")
         self.counters.add("reduce_scatter", _nbytes(input) * self._ring_fraction())
+        if self._point_to_point(output, input):
+            return self._reduce_scatter_p2p(output, input, async_op)
         return self._call("reduce_scatter", _reduce_scatter_single, output, input, group=self.group,
                           async_op=async_op)
 
@@ -144,9 +263,13 @@ class Comm:
             if input.data_ptr() != output.data_ptr():
                 output.copy_(input)
             return _Done() if async_op else None
+        if output.numel() != self.size * input.numel():
+            raise ValueError(f"{kind} needs output of {self.size} x {input.numel()} elements, got {output.numel()}")
         fraction = self._ring_fraction()
         self.counters.add(kind, _nbytes(output) * fraction,
                           None if logical_bytes is None else logical_bytes * fraction)
+        if self._point_to_point(output, input) and output.dtype == input.dtype:
+            return self._all_gather_p2p(output, input, kind, async_op)
         return self._call(kind, _all_gather_single, output, input, group=self.group, async_op=async_op)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, *,

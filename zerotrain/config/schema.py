@@ -2,8 +2,8 @@
 
 Build it with `zerotrain.config.load_config` (which turns every validation problem into a
 `ConfigError` naming the dotted key). Blocks: `fp16`, `bf16` (legacy alias `bfloat16`),
-`zero_optimization` (`zero.py`), `optimizer` and `scheduler` (`params.py`), `checkpoint`
-and `aio`. zerotrain's own top-level keys: `comm_timeout_seconds`, `seed`, and the
+`zero_optimization` (`zero.py`), `optimizer` and `scheduler` (`params.py`), `checkpoint`,
+`aio` and `tensor_parallel`. zerotrain's own top-level keys: `comm_timeout_seconds`, `seed`, and the
 `checkpoint` keys.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from .batch import GAS, MICRO, TBS, check_batch_partial, resolve_batch_triple
 from .params import OptimizerConfig, SchedulerConfig
 from .zero import ZeroConfig
 
-__all__ = ["ZeroTrainConfig", "FP16Config", "BF16Config", "CheckpointConfig", "AioConfig", "DEEPSPEED_ONLY_KEYS"]
+__all__ = ["ZeroTrainConfig", "FP16Config", "BF16Config", "CheckpointConfig", "AioConfig", "TensorParallelConfig", "DEEPSPEED_ONLY_KEYS"]
 
 # Top-level keys DeepSpeed accepts that zerotrain does not implement: accepted with a warning.
 DEEPSPEED_ONLY_KEYS = frozenset({
@@ -27,7 +27,7 @@ DEEPSPEED_ONLY_KEYS = frozenset({
     "communication_data_type", "seq_parallel_communication_data_type", "sparse_gradients",
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "memory_breakdown", "data_types",
     "eigenvalue", "progressive_layer_drop", "quantize_training", "hybrid_engine", "nebula", "weight_quantization",
-    "compile", "tensor_parallel", "sequence_parallel_size", "timers", "graph_harvesting",
+    "compile", "sequence_parallel_size", "timers", "graph_harvesting",
     "use_data_before_expert_parallelism", "dataloader_drop_last", "zero_allow_comm_data_type_fp32",
     "torch_autocast", "disable_allgather", "load_universal_checkpoint", "use_node_local_storage",
     "checkpoint_parallel_write_pipeline", "monitor_config", "elastic_checkpoint", "gradient_accumulation_dtype",
@@ -87,6 +87,16 @@ class AioConfig(Block):
     use_gds: Bool = False
 
 
+class TensorParallelConfig(Block):
+    """`tensor_parallel` (DeepSpeed's AutoTP block): `autotp_size` ranks split each layer."""
+
+    PATH = "tensor_parallel"
+    DEEPSPEED_ONLY = frozenset({"tp_overlap_comm", "tensor_parallel", "injection_policy_tuple",
+                                "keep_module_on_host", "tp_grain_size", "partition_config"})
+
+    autotp_size: PosInt = 1
+
+
 class ZeroTrainConfig(Block):
     """The whole config. Batch fields are None until `resolve_batch(dp_world_size)` fills them in."""
 
@@ -110,6 +120,7 @@ class ZeroTrainConfig(Block):
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     aio: AioConfig = Field(default_factory=AioConfig)
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
 
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
     _unimplemented: dict[str, Any] = PrivateAttr(default_factory=dict)

@@ -3,13 +3,14 @@ overlap with exact rollback) and NVMe (async I/O swapper with bounded aligned bu
 
 `build_offload_optimizer` picks the class from `zero_optimization.offload_optimizer`; every class
 presents ShardedOptimizer's interface (`masters`, `step`, `publish`, `has_overflow`, `grad_norm`,
-`state_bytes`, `last_grad_norm`, `param_groups`, `optimizer`) plus `stats`, `memory_split()` and
-`offloaded_bytes()`. An offloaded run computes what the device run computes.
+`state_bytes`, `last_grad_norm`, `param_groups`, `optimizer`) plus `stats`, `memory_split()`,
+`offloaded_bytes()`, `resident_states()` (the checkpoint saves and loads inside it) and `close()`.
+An offloaded run computes what the device run computes.
 """
 from .aio import OffloadIOError
-from .cpu_optimizer import OffloadOptimizer, build_offload_optimizer, choose_offloaded
+from .cpu_optimizer import OffloadOptimizer, build_offload_optimizer, choose_offloaded, resident_states
 from .nvme import NvmeOffloadOptimizer
 from .speculative import SuperOffloadOptimizer
 
 __all__ = ["OffloadIOError", "OffloadOptimizer", "SuperOffloadOptimizer", "NvmeOffloadOptimizer",
-           "build_offload_optimizer", "choose_offloaded"]
+           "build_offload_optimizer", "choose_offloaded", "resident_states"]

@@ -2,9 +2,15 @@
 
 `AlignedBuffers` hands out at most `count` page-aligned byte buffers; a caller that
 finds none free waits until a write behind returns one. `AsyncFileIO` runs positional
-reads and writes (`os.preadv` / `os.pwritev`) on a small thread pool and returns futures.
+reads and writes (`os.preadv` / `os.pwritev`) on a thread pool and returns futures.
 Files are opened with O_DIRECT when the filesystem takes it (probed once per directory
 by `direct_io_supported`); otherwise a warning is given and buffered I/O is used.
+
+DeepSpeed's `aio` keys, as they map onto threads instead of libaio: `block_size` is the
+bytes of one system call (a request is cut into blocks that run in parallel),
+`intra_op_parallelism` × `queue_depth` is the number of worker threads, i.e. of blocks in
+flight at once. `single_submit` and `overlap_events` choose how libaio batches submissions
+and reaps completions; a thread pool has neither step, so they are accepted and have no effect.
 
 The GIL: `os.preadv`/`os.pwritev` release it for the whole system call, and every wait
 (`Future.result`, a free buffer) is a `threading.Condition` wait, which releases it too.
@@ -115,12 +121,76 @@ def _describe(error: OSError, what: str, path: str, offset: int, nbytes: int) ->
     return OffloadIOError(f"NVMe offload: {what} {nbytes} bytes at offset {offset} of {path} failed: {error}")
 
 
-class AsyncFileIO:
-    """Positional reads and writes of aligned buffers on `threads` worker threads."""
+class _Request:
+    """One read or write cut into blocks of `block_size` bytes; its future resolves when every block has."""
 
-    def __init__(self, threads: int = 2, direct: bool = False):
+    def __init__(self, io: "AsyncFileIO", fd: int, offset: int, buffer: torch.Tensor, write: bool,
+                 done: Optional[Callable[[], None]]):
+        self.io, self.fd, self.offset, self.buffer, self.write, self.done = io, fd, offset, buffer, write, done
+        self.future: Future = Future()
+        self.future.set_running_or_notify_cancel()
+        nbytes = buffer.numel()
+        self.blocks = [(start, min(start + io.block_size, nbytes)) for start in range(0, nbytes, io.block_size)]
+        self.pending = len(self.blocks)
+        self.error: Optional[BaseException] = None
+        self.lock = threading.Lock()
+
+    def issue(self) -> None:
+        if not self.blocks:
+            self._finish()
+        for start, end in self.blocks:
+            self.io._pool.submit(self._block, start, end)
+
+    def prepare_then_issue(self, before: Callable[[], None]) -> None:
+        try:
+            before()
+        except BaseException as error:  # noqa: BLE001 - handed to the waiting thread through the future
+            self.error = error
+            self._finish()
+            return
+        self.issue()
+
+    def _block(self, start: int, end: int) -> None:
+        error = None
+        try:
+            self.io._transfer(self.fd, self.offset + start, self.buffer[start:end], self.write)
+        except OSError as caught:
+            what = "writing" if self.write else "reading"
+            error = _describe(caught, what, self.io._paths.get(self.fd, f"fd {self.fd}"), self.offset + start,
+                              end - start)
+        except BaseException as caught:  # noqa: BLE001
+            error = caught
+        with self.lock:
+            self.pending -= 1
+            self.error = self.error or error
+            last = self.pending == 0
+        if last:
+            self._finish()
+
+    def _finish(self) -> None:
+        try:
+            if self.done is not None:
+                self.done()
+        finally:
+            if self.error is not None:
+                self.future.set_exception(self.error)
+            else:
+                self.io._count(self.buffer.numel(), self.write)
+                self.future.set_result(self.buffer.numel())
+
+
+class AsyncFileIO:
+    """Positional reads and writes of aligned buffers, cut into blocks, on a pool of worker threads.
+
+    `block_size` (aio.block_size) is the size of one system call; `threads` (aio.intra_op_parallelism)
+    times `queue_depth` (aio.queue_depth) worker threads, so that many blocks are in flight at most.
+    """
+
+    def __init__(self, threads: int = 2, direct: bool = False, block_size: int = 1 << 20, queue_depth: int = 1):
         self.direct = direct
-        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="zerotrain-aio")
+        self.block_size = round_up(max(int(block_size), ALIGN))
+        self.in_flight = max(1, int(threads)) * max(1, int(queue_depth))
+        self._pool = ThreadPoolExecutor(self.in_flight, thread_name_prefix="zerotrain-aio")
         self._paths: dict[int, str] = {}
         self.bytes_read = 0
         self.bytes_written = 0
@@ -151,39 +221,37 @@ class AsyncFileIO:
 
     def write(self, fd: int, offset: int, buffer: torch.Tensor, before: Optional[Callable[[], None]] = None,
               done: Optional[Callable[[], None]] = None) -> Future:
-        """Write `buffer` at `offset`; `before` runs first on the I/O thread (e.g. a copy into the buffer)."""
+        """Write `buffer` at `offset`; `before` runs first on an I/O thread (e.g. a copy into the buffer)."""
         return self._submit(fd, offset, buffer, write=True, before=before, done=done)
 
     def _submit(self, fd, offset, buffer, write, before, done) -> Future:
         if self.direct and (offset % ALIGN or buffer.numel() % ALIGN or buffer.data_ptr() % ALIGN):
             raise ValueError("O_DIRECT needs aligned offsets, sizes and buffers")
-        return self._pool.submit(self._run, fd, offset, buffer, write, before, done)
+        request = _Request(self, fd, offset, buffer, write, done)
+        if before is None:
+            request.issue()
+        else:
+            self._pool.submit(request.prepare_then_issue, before)
+        return request.future
 
-    def _run(self, fd: int, offset: int, buffer: torch.Tensor, write: bool, before, done) -> int:
-        path = self._paths.get(fd, f"fd {fd}")
-        what = "writing" if write else "reading"
-        try:
-            if before is not None:
-                before()
-            view = memoryview(buffer.numpy())
-            moved = 0
-            while moved < len(view):
-                chunk = view[moved:]
-                count = _pwrite(fd, [chunk], offset + moved) if write else _pread(fd, [chunk], offset + moved)
-                if count <= 0:
-                    raise OSError(errno.EIO, "short write" if write else "read past the end of the file")
-                moved += count
-            with self._lock:
-                if write:
-                    self.bytes_written += moved
-                else:
-                    self.bytes_read += moved
-            return moved
-        except OSError as error:
-            raise _describe(error, what, path, offset, buffer.numel()) from error
-        finally:
-            if done is not None:
-                done()
+    @staticmethod
+    def _transfer(fd: int, offset: int, buffer: torch.Tensor, write: bool) -> None:
+        """One block: system calls (GIL released) until every byte moved."""
+        view = memoryview(buffer.numpy())
+        moved = 0
+        while moved < len(view):
+            chunk = view[moved:]
+            count = _pwrite(fd, [chunk], offset + moved) if write else _pread(fd, [chunk], offset + moved)
+            if count <= 0:
+                raise OSError(errno.EIO, "short write" if write else "read past the end of the file")
+            moved += count
+
+    def _count(self, nbytes: int, write: bool) -> None:
+        with self._lock:
+            if write:
+                self.bytes_written += nbytes
+            else:
+                self.bytes_read += nbytes
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)

@@ -16,19 +16,20 @@ least half of it fits under `ratio` of all shard elements (so the offloaded shar
 
 Fast CPU Adam: torch's fused CPU AdamW kernel runs at DeepSpeedCPUAdam's speed (PEERS.md);
 `zerotrain.optim` builds it for Adam/AdamW, and a user's torch Adam/AdamW that did not
-choose (fused and foreach both None) is switched to it here. Measured here, one thread,
-50M parameters: fused AdamW step 26-28 ms (1.8-1.9 G params/s; DeepSpeedCPUAdam 32 ms,
-torch foreach 190 ms per PEERS.md); `benchmarks/offload_rollback.py` reproduces it.
+choose (fused and foreach both None) is switched to it here. Measured here
+(`benchmarks/offload.py`, RESULTS_offload.md), 50M parameters: fused AdamW 60 ms on 1 thread,
+32 ms on 2 (0.88-0.92x DeepSpeedCPUAdam's 56 / 28 ms; torch foreach 255 / 140 ms).
 """
 from __future__ import annotations
 
-import math
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Optional
 
 import torch
 
 from ..comm import Comm
 from ..zero.flat import FlatBucket
+from ..zero.gradnorm import GlobalGradients
 from ..zero.optimizer import ShardedOptimizer
 
 
@@ -107,11 +108,13 @@ class OffloadOptimizer(ShardedOptimizer):
 
     def __init__(self, buckets: list[FlatBucket], comm: Comm, optimizer: torch.optim.Optimizer,
                  group_params: list[list[torch.Tensor]], clip_norm: float, ratio: float = 1.0,
-                 pin_memory: bool = False, reducer=None, host_grads: bool = True):
+                 pin_memory: bool = False, reducer=None, host_grads: bool = True,
+                 gradients: Optional[GlobalGradients] = None):
         # Not ShardedOptimizer.__init__: it would allocate device masters that offload does not want.
         self.buckets = buckets
         self.comm = comm
         self.clip_norm = clip_norm
+        self.gradients = gradients if gradients is not None else GlobalGradients(buckets, comm)
         self.ratio = ratio
         self.offloaded = choose_offloaded(buckets, ratio)
         self.device = buckets[0].device if buckets else torch.device("cpu")
@@ -145,18 +148,8 @@ class OffloadOptimizer(ShardedOptimizer):
             self.host_grads.start(index, grad)
 
     # --- norm and overflow on the training device ---------------------------
-    def grad_norm(self, grad_shards: list[torch.Tensor]) -> float:
-        """The global L2 norm of the (still loss-scaled) gradients; computed where the gradients are."""
-        squared = torch.zeros(1, dtype=torch.float32, device=self.device)
-        for grad in grad_shards:
-            squared += grad.float().pow(2).sum()
-        if self.buckets and self.buckets[0].partitions > 1:
-            self.comm.sum_scalar(squared)
-        return math.sqrt(squared.item())
-
     def has_overflow(self, grad_shards: list[torch.Tensor]) -> bool:
-        local = any(not torch.isfinite(grad).all() for grad in grad_shards)
-        overflow = self.comm.any_true(local, self.device)
+        overflow = self.gradients.overflow(grad_shards)
         if overflow and self.host_grads is not None:
             self.host_grads.reset()
         return overflow
@@ -232,16 +225,33 @@ class OffloadOptimizer(ShardedOptimizer):
         """Bytes of optimizer state and separate masters left on the device (what ZeRO memory reports count)."""
         return self.memory_split()["device"]
 
+    @contextmanager
+    def resident_states(self, write_back: bool = True):
+        """Every optimizer state in `optimizer.state` while inside: host states always are (NVMe pages them in)."""
+        yield self
+
     def close(self) -> None:
         """Release threads and files (nothing to release for plain CPU offload)."""
 
 
+def resident_states(zero_optimizer, write_back: bool = True):
+    """Context in which all of `zero_optimizer`'s states are in `optimizer.state` (checkpoint save and load).
+
+    NVMe offload pages its per-element states into host memory while inside and, with
+    `write_back`, writes what is there to its files on exit; others need nothing.
+    """
+    resident = getattr(zero_optimizer, "resident_states", None)
+    return resident(write_back=write_back) if callable(resident) else nullcontext()
+
+
 def build_offload_optimizer(buckets: list[FlatBucket], comm: Comm, optimizer: torch.optim.Optimizer,
-                            reducer, config, loss_scale: Callable[[], float]) -> OffloadOptimizer:
+                            reducer, config, loss_scale: Callable[[], float],
+                            gradients: Optional[GlobalGradients] = None) -> OffloadOptimizer:
     """The offloaded optimizer the config's `zero_optimization.offload_optimizer` block asks for."""
     offload = config.zero_optimization.offload_optimizer
     groups = [g["params"] for g in optimizer.param_groups]
-    common = dict(ratio=float(offload.ratio), pin_memory=bool(offload.pin_memory), reducer=reducer)
+    common = dict(ratio=float(offload.ratio), pin_memory=bool(offload.pin_memory), reducer=reducer,
+                  gradients=gradients)
     if offload.device == "nvme":
         from .nvme import NvmeOffloadOptimizer
         built = NvmeOffloadOptimizer(buckets, comm, optimizer, groups, config.gradient_clipping,

@@ -91,8 +91,9 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
             direct = direct_io_supported(self.directory)
             if not direct:
                 warnings.warn(f"NVMe offload: {nvme_path} does not take O_DIRECT; using buffered I/O")
-        threads = max(2, int(getattr(aio, "intra_op_parallelism", 1)))
-        self.io = AsyncFileIO(threads=threads, direct=direct)
+        self.io = AsyncFileIO(threads=int(getattr(aio, "intra_op_parallelism", 1)), direct=direct,
+                              block_size=int(getattr(aio, "block_size", 1 << 20)),
+                              queue_depth=max(2, int(getattr(aio, "queue_depth", 8))))
         self._finalizer = weakref.finalize(self, _cleanup, self.io, self.directory)
         self.files: tuple[int, int, int] = (-1, -1, -1)  # slot 0, slot 1, master backup
         self._open_files()
@@ -254,18 +255,20 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
 
     # --- states in memory, for checkpoints -----------------------------------------
     @contextmanager
-    def resident_states(self):
+    def resident_states(self, write_back: bool = True):
         """Per-element states in `optimizer.state[master]` (host memory) while inside; written back after.
 
-        For checkpoint save and load. On an exception inside, the files are left as they were.
+        For checkpoint save (`write_back=False`: the states were only read, the files stay) and load
+        (the loaded states go to the spare slots, which become current only when all were written).
+        On an exception inside, or a failed read, the files are left as they were.
         """
-        self._read_all()
         try:
+            self._read_all()
             yield self
         except BaseException:
             self._drop_resident(set())
             raise
-        self._drop_resident(self._write_all())
+        self._drop_resident(self._write_all() if write_back else set())
 
     def _chunk_io(self, chunk: _Chunk, buffer: torch.Tensor, write: bool) -> None:
         record = self._record(chunk, buffer)

@@ -17,7 +17,7 @@ import torch.nn as nn
 from ..comm import Comm
 from .tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
-__all__ = ["Column", "Row", "Vocab", "Style", "apply_tensor_parallel", "GPT_PLAN"]
+__all__ = ["Column", "Row", "Vocab", "Style", "apply_tensor_parallel", "default_plan", "GPT_PLAN"]
 
 
 @dataclass(frozen=True)
@@ -91,3 +91,12 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, Style], comm: Comm) 
     if unused:
         raise ValueError(f"tensor-parallel plan: patterns {unused} match no module of {type(model).__name__}")
     return model
+
+
+def default_plan(model: nn.Module) -> dict[str, Style]:
+    """The built-in plan for a model zerotrain knows (its GPT); anything else needs one passed in."""
+    from ..models import GPT
+    if isinstance(model, GPT):
+        return GPT_PLAN
+    raise ValueError(f"tensor_parallel.autotp_size > 1 needs a plan for {type(model).__name__}: pass "
+                     f"zerotrain.initialize(..., tensor_parallel_plan={{'layers.*.fc1': Column(), ...}})")

@@ -16,7 +16,7 @@ def gather_full_weights(buckets: list[FlatBucket], masters: list[torch.Tensor], 
     """
     full: dict[str, torch.Tensor] = {}
     for bucket, master in zip(buckets, masters):
-        shard = master.detach().float()
+        shard = master.detach().to(device=bucket.device, dtype=torch.float32)  # host (offloaded) masters too
         if bucket.partitions > 1:
             pieces = comm.gather_to(shard.contiguous(), dst)
             if comm.rank != dst:

@@ -62,7 +62,13 @@ class GradReducer:
         # The reduced gradient this rank owns, fp32 (stage 0: the whole bucket).
         self.grad_shards: list[Optional[torch.Tensor]] = [None] * len(buckets)
         self._staging: list[Optional[torch.Tensor]] = [None] * len(buckets)
-        self._pending: list[tuple[int, object, Optional[torch.Tensor]]] = []
+        # stage 2: which parameters of a staging bucket hold a gradient yet, the staging buffers
+        # whose reduction finished (reused by later buckets of the same backward, then freed),
+        # and the fp32 shard storage kept across steps (reduced into directly after zero()).
+        self._written: list[Optional[list[bool]]] = [None] * len(buckets)
+        self._spare_staging: list[torch.Tensor] = []
+        self._shard_storage: list[Optional[torch.Tensor]] = [None] * len(buckets)
+        self._pending: list[tuple[int, object, Optional[torch.Tensor], Optional[torch.Tensor]]] = []
         self._ready_count = [0] * len(buckets)
         self._next_launch = 0
         self._reduce_now = False
@@ -97,6 +103,7 @@ class GradReducer:
                 self._launch(self._next_launch)
                 self._next_launch += 1
         self._drain(keep=0)
+        self._spare_staging = []
         self._reduce_now = False
 
     def zero(self) -> None:
@@ -104,11 +111,8 @@ class GradReducer:
         for full in self.full_grads:
             if full is not None:
                 full.zero_()
-        for index, shard in enumerate(self.grad_shards):
-            if shard is not None and self.stage == 2:
-                shard.zero_()
-            elif self.stage < 2:
-                self.grad_shards[index] = None
+        # Stage 2 keeps each shard's storage; the next reduction overwrites it instead of adding.
+        self.grad_shards = [None] * len(self.buckets)
 
     # --- hooks ------------------------------------------------------------
     def _attach_grad_views(self) -> None:
@@ -131,9 +135,7 @@ class GradReducer:
                 view.add_(param.grad)
                 param.grad = view
         else:
-            if self._staging[bucket_index] is None:
-                self._staging[bucket_index] = bucket.new_zeros()
-            bucket.param_view(position, self._staging[bucket_index]).add_(param.grad)
+            self._stage(bucket_index, position, param.grad)
             param.grad = None
         self._ready_count[bucket_index] += 1
         if not self._reduce_now:
@@ -143,19 +145,70 @@ class GradReducer:
             self._launch(self._next_launch)
             self._next_launch += 1
 
+    # --- stage 2 staging --------------------------------------------------
+    def _predivides(self, bucket: FlatBucket) -> bool:
+        """Stage 2 divides by the world size while staging (one pass less) when it reduces in the
+        training dtype; in another reduce dtype it divides after the cast, as stages 0-1 do."""
+        return self.comm.size > 1 and self.reduce_dtype in (None, bucket.dtype)
+
+    def _stage(self, bucket_index: int, position: int, grad: torch.Tensor) -> None:
+        """Put one gradient into its bucket's staging buffer (written, not accumulated, the first time)."""
+        bucket = self.buckets[bucket_index]
+        staging = self._staging[bucket_index]
+        if staging is None:
+            staging = self._staging[bucket_index] = self._take_staging(bucket)
+            self._written[bucket_index] = [False] * len(bucket.params)
+        view = bucket.param_view(position, staging)
+        divisor = self.comm.size if self._predivides(bucket) else 1
+        if self._written[bucket_index][position]:  # a second gradient in one backward
+            view.add_(grad / divisor if divisor > 1 else grad)
+        elif divisor > 1:
+            torch.div(grad, divisor, out=view)
+        else:
+            view.copy_(grad)
+        self._written[bucket_index][position] = True
+
+    def _take_staging(self, bucket: FlatBucket) -> torch.Tensor:
+        """A staging buffer for `bucket`: a finished one of this backward if one fits, else a new one;
+        only its padding is zeroed (every parameter's slice is written, or zeroed at launch)."""
+        for index, spare in enumerate(self._spare_staging):
+            if spare.dtype == bucket.dtype and spare.numel() >= bucket.padded_numel:
+                staging = self._spare_staging.pop(index)[:bucket.padded_numel]
+                break
+        else:
+            staging = torch.empty(bucket.padded_numel, dtype=bucket.dtype, device=bucket.device)
+        staging[bucket.numel:].zero_()
+        return staging
+
+    def _finish_staging(self, bucket_index: int) -> torch.Tensor:
+        """The bucket's staging buffer, ready to reduce: slices no gradient reached are zeroed."""
+        bucket = self.buckets[bucket_index]
+        staging = self._staging[bucket_index]
+        self._staging[bucket_index] = None
+        if staging is None:  # no gradient reached this bucket in this backward
+            return bucket.new_zeros()
+        for position, written in enumerate(self._written[bucket_index]):
+            if not written:
+                bucket.param_view(position, staging).zero_()
+        return staging
+
+    def _divides_shard(self, dtype: torch.dtype) -> bool:
+        """Stage 1 divides the reduced shard by the world size, not the full buffer before (1/N of
+        the work); not in fp16, whose sum could overflow, nor under qgZ, which quantizes the mean."""
+        return self.stage == 1 and self.comm.size > 1 and not self.quantized_reducers and dtype != torch.float16
+
     # --- reduction --------------------------------------------------------
     def _launch(self, bucket_index: int) -> None:
         bucket = self.buckets[bucket_index]
+        staging = None
         if self.keeps_full_grads:
             source = self.full_grads[bucket_index]
         else:
-            source = self._staging[bucket_index]
-            if source is None:  # no gradient reached this bucket in this backward
-                source = bucket.new_zeros()
-            self._staging[bucket_index] = None
+            source = staging = self._finish_staging(bucket_index)
         if self.reduce_dtype is not None and source.dtype != self.reduce_dtype:
             source = source.to(self.reduce_dtype)
-        if self.comm.size > 1:
+        if self.comm.size > 1 and not self._divides_shard(source.dtype) and (
+                self.keeps_full_grads or not self._predivides(bucket)):
             source.div_(self.comm.size)
         if self.stage == 0:
             handle = self.comm.all_reduce(source, async_op=True)
@@ -163,17 +216,23 @@ class GradReducer:
         elif self.quantized_reducers:  # qgZ: quantized all-to-all reduce (+ LoCo)
             reduced, handle = self.quantized_reducers[bucket_index](source)
         else:
-            reduced = torch.empty(bucket.shard_numel, dtype=source.dtype, device=source.device)
+            storage = self._shard_storage[bucket_index] if self.stage == 2 else None
+            if storage is not None and self.grad_shards[bucket_index] is None and storage.dtype == source.dtype:
+                reduced = storage  # first reduction since zero(): straight into the kept shard
+            else:
+                reduced = torch.empty(bucket.shard_numel, dtype=source.dtype, device=source.device)
             handle = self.comm.reduce_scatter(reduced, source, async_op=True)
-        # Keep `source` alive until the collective is done.
-        self._pending.append((bucket_index, handle, reduced if self.stage > 0 else source))
+        # Keep `source` alive until the collective is done; the staging buffer is reused after it.
+        self._pending.append((bucket_index, handle, reduced if self.stage > 0 else source, staging))
         self._drain(keep=1)
 
     def _drain(self, keep: int) -> None:
         """Finish all but the newest `keep` collectives in flight, oldest first."""
         while len(self._pending) > keep:
-            bucket_index, handle, reduced = self._pending.pop(0)
+            bucket_index, handle, reduced, staging = self._pending.pop(0)
             handle.wait()
+            if staging is not None:
+                self._spare_staging.append(staging)
             self._store_reduced(bucket_index, reduced)
             if self._boundary:
                 for callback in self.shard_ready_callbacks:
@@ -182,14 +241,22 @@ class GradReducer:
     def _store_reduced(self, bucket_index: int, reduced: torch.Tensor) -> None:
         if self.stage == 2:
             shard = self.grad_shards[bucket_index]
-            if shard is None:
-                self.grad_shards[bucket_index] = reduced.float() if reduced.dtype != torch.float32 else reduced
-            else:
+            if shard is not None:
                 shard.add_(reduced)
+                return
+            storage = self._shard_storage[bucket_index]
+            if storage is None:
+                storage = self._shard_storage[bucket_index] = (
+                    reduced.float() if reduced.dtype != torch.float32 else reduced)
+            elif reduced is not storage:
+                storage.copy_(reduced)
+            self.grad_shards[bucket_index] = storage
             return
         if self.stage == 0 and reduced is not self.full_grads[bucket_index]:
             self.full_grads[bucket_index].copy_(reduced)  # reduced in another dtype
             reduced = self.full_grads[bucket_index]
+        if self._divides_shard(reduced.dtype):
+            reduced.div_(self.comm.size)
         self.grad_shards[bucket_index] = reduced.float() if reduced.dtype != torch.float32 else reduced
 
     # --- qgZ / LoCo ---------------------------------------------------------
@@ -241,15 +308,20 @@ class GradReducer:
         if not self.loco_enabled:
             return False
         if state.get("layout") != self._loco_layout():
-            warnings.warn("LoCo error buffers were saved on another layout; they restart from zero")
-            for reducer in self.quantized_reducers:
-                reducer.reset_error()
+            warnings.warn(f"LoCo error buffers of rank {self.comm.rank} were saved on another layout "
+                          f"({state.get('layout')} vs {self._loco_layout()}); they restart from zero")
+            self.reset_loco_state()
             return False
         device = self.buckets[0].device if self.buckets else None
         for reducer, saved in zip(self.quantized_reducers, state["buffers"]):
             for feedback, entry in zip(reducer.feedbacks, saved):
                 feedback.load_state_dict(entry, device)
         return True
+
+    def reset_loco_state(self) -> None:
+        """Zero every LoCo error buffer (the step count is kept)."""
+        for reducer in self.quantized_reducers:
+            reducer.reset_error()
 
     def _loco_layout(self) -> dict:
         return {"world": self.comm.size, "rank": self.comm.rank,

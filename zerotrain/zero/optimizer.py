@@ -12,23 +12,26 @@ cast the shards back into the training dtype, and all-gather the parameters.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
 from ..comm import Comm
 from .flat import FlatBucket
+from .gradnorm import GlobalGradients
 
 
 class ShardedOptimizer:
     """Wraps a torch optimizer whose parameters are this rank's fp32 master shards."""
 
     def __init__(self, buckets: list[FlatBucket], comm: Comm, optimizer: torch.optim.Optimizer,
-                 group_params: list[list[torch.Tensor]], clip_norm: float):
+                 group_params: list[list[torch.Tensor]], clip_norm: float,
+                 gradients: Optional[GlobalGradients] = None):
+        """`gradients` agrees on norm and overflow across the grid (default: the data-parallel ranks)."""
         self.buckets = buckets
         self.comm = comm
         self.clip_norm = clip_norm
+        self.gradients = gradients if gradients is not None else GlobalGradients(buckets, comm)
         self.masters: list[torch.Tensor] = []
         for bucket in buckets:
             shard = bucket.local_shard()
@@ -59,19 +62,11 @@ class ShardedOptimizer:
     # --- the step ---------------------------------------------------------
     def grad_norm(self, grad_shards: list[torch.Tensor]) -> float:
         """The global L2 norm of the (still loss-scaled) gradients over all shards."""
-        device = self.masters[0].device if self.masters else torch.device("cpu")
-        squared = torch.zeros(1, dtype=torch.float32, device=device)
-        for grad in grad_shards:
-            squared += grad.float().pow(2).sum()
-        if self.buckets and self.buckets[0].partitions > 1:
-            self.comm.sum_scalar(squared)
-        return math.sqrt(squared.item())
+        return self.gradients.norm(grad_shards)
 
     def has_overflow(self, grad_shards: list[torch.Tensor]) -> bool:
         """True on every rank when any rank's gradients hold inf or nan."""
-        local = any(not torch.isfinite(grad).all() for grad in grad_shards)
-        device = self.masters[0].device if self.masters else torch.device("cpu")
-        return self.comm.any_true(local, device)
+        return self.gradients.overflow(grad_shards)
 
     def step(self, grad_shards: list[torch.Tensor], loss_scale: float) -> None:
         """Unscale and clip the gradient shards, update the masters, refresh the model weights."""

@@ -1,17 +1,32 @@
-"""Gathering stage-3 parameters: bucketed or sequential, with prefetch by recorded order.
+"""Gathering stage-3 parameters: bucketed or sequential, with prefetch and reuse by recorded order.
 
 Bucketed (default): the parameters a module needs are gathered in one all-gather
 of their concatenated shards (copy-in), then copied out of the rank-major result
-into one full buffer each. Sequential (`stage3_allgather_sequential`): one
-all-gather per parameter straight into that parameter's own buffer — no staging
-bucket, no copy — and prefetch at most one parameter ahead: more, smaller
-collectives for a lower memory peak.
+into one full buffer each (a module with a single partitioned parameter gathers
+straight into that parameter's buffer, no copy). Sequential
+(`stage3_allgather_sequential`): one all-gather per parameter straight into its own
+buffer and prefetch at most one parameter ahead: more, smaller collectives for a
+lower memory peak. Gather buffers come from a small pool (`buffers.BufferPool`), so
+the same memory serves every layer.
 
-The first micro-step records the order of gather requests (forward and backward);
-later micro-steps prefetch the next requests with async collectives while the
-current module computes. A request that does not match the record turns
-prefetching off until the next micro-step, so a dynamic model is never handed a
-wrong parameter: gathers are keyed by parameter, prefetch only changes when.
+The first micro-step records the order of gather requests (`trace.FetchTrace`);
+later micro-steps follow it:
+
+- prefetch: while a module computes, the next requests are gathered with async
+  collectives, up to `stage3_prefetch_bucket_size` elements not yet available
+  (gathers in flight included) and never past `stage3_max_live_parameters` live
+  gathered elements (gathers in flight included). Forward never prefetches for
+  backward: between the two the user's code runs, and only activations are held;
+- reuse (`stage3_max_reuse_distance`, DeepSpeed's semantics): a parameter whose next
+  use comes within that many requested parameter elements is not released after
+  use — e.g. the last layers of forward, which backward needs first. Neither is a
+  parameter that prefetch passed over because it was still gathered (its next use
+  lies inside the prefetch window).
+
+A request that does not match the record turns both off until the next micro-step,
+so a dynamic model is never handed a wrong parameter: gathers are keyed by
+parameter, the record only changes when. Everything not persistent is released at
+the end of each micro-step.
 
 ZeRO++ (`configure_zeropp`):
 - qwZ: every gather of a partitioned parameter sends its shard as int8 blocks plus scales
@@ -31,32 +46,37 @@ import torch
 
 from ...comm import Comm
 from ...comm.compressed import QuantizedAllGather
+from .buffers import BufferPool
 from .partition import PartitionedParam
+from .trace import FetchTrace
 
 
 class ParamFetcher:
     """Owns every gather and release of partitioned parameters for one engine."""
 
     def __init__(self, parts: list[PartitionedParam], comm: Comm, sequential: bool, prefetch_numel: int,
-                 max_live_numel: int = 10**9):
+                 max_live_numel: int = 10**9, max_reuse_distance: int = 10**9):
         self.parts = parts
-        self.max_live_numel = max_live_numel  # prefetch never takes live gathered elements past this
         self.comm = comm
         self.sequential = sequential
         self.prefetch_numel = prefetch_numel
-        self.trace: list[tuple[int, ...]] = []
-        self.trace_reasons: list[str] = []  # "forward" / "backward" / "access", per trace entry
+        self.max_live_numel = max_live_numel  # prefetch and reuse never take live + in-flight elements past this
+        self.max_reuse_distance = max_reuse_distance
+        self.trace = FetchTrace()
         self.weight_quantizer: Optional[QuantizedAllGather] = None  # qwZ
         self.hpz: Optional[Comm] = None  # hpZ: the secondary-partition group
         self.secondaries: dict[int, torch.Tensor] = {}  # id(part) -> its hpZ secondary shard
         self._lossy: set[int] = set()  # gathered through qwZ: holds dequantized, not exact, values
-        self.recording = True
-        self.cursor = 0
-        self.in_order = True
         self._inflight: dict[int, tuple] = {}  # id(part) -> (handle, gather record)
+        self._by_id = {id(part): part for part in parts}
+        self._skipped: set[int] = set()  # gathered parameters whose next use prefetch passed over: kept
         self.holds: dict[int, int] = {}  # id(part) -> module forwards currently using it
+        largest = max((part.padded_numel * part.shard.element_size() for part in parts), default=0)
+        self.pool = BufferPool(4 * largest)
         self.stats = {"gathers": 0, "prefetched": 0, "prefetch_hits": 0, "peak_gather_bytes": 0,
                       "live_bytes": 0, "peak_live_bytes": 0, "live_numel": 0,
+                      "inflight_numel": 0, "inflight_bytes": 0, "peak_held_bytes": 0,
+                      "releases": 0, "reuse_kept": 0,
                       "quantized_gathers": 0, "hpz_gathers": 0, "secondary_bytes": 0, "peak_secondary_bytes": 0}
         for part in parts:
             part.fetcher = self
@@ -68,29 +88,48 @@ class ParamFetcher:
         self.hpz = hpz if hpz is not None and 1 < hpz.size < self.comm.size else None
         self._drop_secondaries()
 
+    @property
+    def recording(self) -> bool:
+        return self.trace.recording
+
     # --- requests -----------------------------------------------------------
     def begin_micro_step(self) -> None:
         """Called at each forward start: follow the recorded order from the top."""
-        self.cursor = 0
-        self.in_order = True
+        self.trace.begin_micro_step()
+
+    def end_forward(self, backward_follows: bool = True) -> None:
+        """Called when the model's forward returns: idle pooled buffers are not kept until backward,
+        and without a backward to come (no grad: evaluation) nothing is kept for reuse either."""
+        if not backward_follows:
+            for key in list(self._inflight):
+                self._complete(key)
+            self._skipped.clear()
+            for part in self.parts:
+                if part.gathered and not part.persistent and self.holds.get(id(part), 0) == 0:
+                    self._release(part)
+        self.pool.clear()
 
     def end_micro_step(self) -> None:
-        """Called after backward: stop recording, finish stray prefetches, release all non-persistent."""
-        self.recording = False
+        """Called after backward: close the record, finish stray prefetches, release all non-persistent."""
+        self.trace.end_micro_step()
         for key in list(self._inflight):
             self._complete(key)
+        self._skipped.clear()
         for part in self.parts:
             if part.gathered and not part.persistent:
                 self._release(part)
         self.holds.clear()
         self._drop_secondaries()
+        self.pool.clear()
 
     def fetch(self, parts: list[PartitionedParam], reason: str = "forward") -> None:
         """Make `parts` gathered now (waiting for prefetched ones), then prefetch what comes next."""
         parts = [part for part in parts if not part.persistent]
         if not parts:
             return
-        self._follow_trace(parts, reason)
+        self.trace.follow(tuple(id(part) for part in parts), reason, sum(part.padded_numel for part in parts))
+        for part in parts:
+            self._skipped.discard(id(part))
         missing = [part for part in parts if not part.gathered and id(part) not in self._inflight]
         if missing:
             self._gather(missing, reason=reason)
@@ -114,56 +153,60 @@ class ParamFetcher:
 
     def unhold_and_release(self, parts: list[PartitionedParam]) -> None:
         for part in parts:
-            count = self.holds.get(id(part), 0) - 1
-            self.holds[id(part)] = max(count, 0)
-            if count <= 0 and part.gathered and not part.persistent:
-                self._release(part)
+            self.holds[id(part)] = max(self.holds.get(id(part), 0) - 1, 0)
+            self.release(part)
 
     def release(self, part: PartitionedParam) -> None:
-        """Release a parameter nobody holds (after its gradient is taken in backward)."""
-        if self.holds.get(id(part), 0) == 0 and part.gathered and not part.persistent:
+        """Release a parameter nobody holds, unless it is needed again soon (after its module's
+        forward, or after its gradient is taken in backward)."""
+        if self.holds.get(id(part), 0) == 0 and part.gathered and not part.persistent and not self._keep(part):
             self._release(part)
 
-    # --- order and prefetch --------------------------------------------------
-    def _follow_trace(self, parts: list[PartitionedParam], reason: str = "forward") -> None:
-        key = tuple(id(part) for part in parts)
-        if self.recording:
-            self.trace.append(key)
-            self.trace_reasons.append(reason)
-            return
-        if self.in_order and self.cursor < len(self.trace) and self.trace[self.cursor] == key:
-            self.cursor += 1
-        else:
-            self.in_order = False
+    def _keep(self, part: PartitionedParam) -> bool:
+        """Whether the record says this parameter is used again soon enough to stay gathered."""
+        if not self.trace.usable:
+            return False
+        if id(part) in self._skipped:
+            return True
+        distance = self.trace.reuse_distance(id(part))
+        if distance is None or distance >= self.max_reuse_distance:
+            return False
+        if self.stats["live_numel"] + self.stats["inflight_numel"] > self.max_live_numel:
+            return False
+        self.stats["reuse_kept"] += 1
+        return True
 
+    # --- prefetch ---------------------------------------------------------------
     def _prefetch(self) -> None:
-        if self.recording or not self.in_order:
+        """Gather the next recorded requests ahead, within the prefetch and live budgets."""
+        if not self.trace.usable:
             return
-        budget = 1 if self.sequential else self.prefetch_numel
-        ahead = 0
-        by_id = {id(part): part for part in self.parts}
-        position = self.cursor
-        while position < len(self.trace):
-            upcoming = [by_id[key] for key in self.trace[position]]
-            wanted = [part for part in upcoming
-                      if not part.persistent and not part.gathered and id(part) not in self._inflight]
-            size = sum(part.padded_numel for part in wanted)
-            if self.stats["live_numel"] + ahead + size > self.max_live_numel:
+        ahead = 0  # elements (sequential: parameters) of upcoming requests not yet available
+        seen: set[int] = set()
+        in_backward = self.trace.cursor > 0 and self.trace.reasons[self.trace.cursor - 1] == "backward"
+        for position in range(self.trace.cursor, len(self.trace.entries)):
+            if ahead >= (1 if self.sequential else self.prefetch_numel):
                 break
+            if not in_backward and self.trace.reasons[position] == "backward":
+                break  # never past the end of forward: until backward starts, user code runs on activations alone
+            upcoming = [self._by_id[key] for key in self.trace.entries[position] if key not in seen]
+            seen.update(id(part) for part in upcoming)
+            for part in upcoming:
+                if part.gathered:  # would be released before this use otherwise
+                    self._skipped.add(id(part))
+            pending = [part for part in upcoming if not part.gathered]
             if self.sequential:
-                if ahead >= budget:
-                    break
-                wanted = wanted[:1]
-                if wanted:
-                    ahead += 1
+                pending = pending[:1]
+                ahead += len(pending)
             else:
-                if ahead and ahead + size > budget:
-                    break
-                ahead += size
+                ahead += sum(part.padded_numel for part in pending)
+            wanted = [part for part in pending if id(part) not in self._inflight]
+            size = sum(part.padded_numel for part in wanted)
+            if wanted and self.stats["live_numel"] + self.stats["inflight_numel"] + size > self.max_live_numel:
+                break
             if wanted:
                 self.stats["prefetched"] += len(wanted)
-                self._gather(wanted, async_op=True, reason=self.trace_reasons[position])
-            position += 1
+                self._gather(wanted, async_op=True, reason=self.trace.reasons[position])
 
     # --- collectives ----------------------------------------------------------
     def _gather(self, parts: list[PartitionedParam], async_op: bool = False, reason: str = "forward") -> None:
@@ -184,16 +227,17 @@ class ParamFetcher:
                 self.stats["peak_gather_bytes"] = max(self.stats["peak_gather_bytes"], full_bytes)
             elif len(group) == 1:
                 part = group[0]
-                buffer = torch.empty(part.padded_numel, dtype=part.dtype, device=part.device)
+                buffer = self.pool.take(part.padded_numel, part.dtype, part.device)
                 handle = self.comm.all_gather(buffer, part.shard, async_op=True)
                 record = ("direct", buffer, group)
                 self._track_buffer(buffer)
             else:
                 staged = torch.cat([part.shard for part in group])  # copy-in
-                output = torch.empty(staged.numel() * self.comm.size, dtype=staged.dtype, device=staged.device)
+                output = self.pool.take(staged.numel() * self.comm.size, staged.dtype, staged.device)
                 handle = self.comm.all_gather(output, staged, async_op=True)
                 record = ("bucket", output, group)
                 self._track_buffer(output)
+            self._count_inflight(group, +1)
             for part in group:
                 self._inflight[id(part)] = (handle, record)
         if not async_op:
@@ -208,6 +252,7 @@ class ParamFetcher:
         handle.wait()
         for other in group:  # the whole collective is done: bind every member
             self._inflight.pop(id(other), None)
+        self._count_inflight(group, -1)
         if kind == "secondary":
             self._bind(group[0], buffer)
             return
@@ -225,10 +270,19 @@ class ParamFetcher:
         rank_major = buffer.view(self.comm.size, -1)
         offset = 0
         for part in group:  # copy-out: each parameter's chunks from every rank
-            full = rank_major[:, offset:offset + part.shard_numel].reshape(-1)
+            full = self.pool.take(part.padded_numel, part.dtype, part.device)
+            full.view(self.comm.size, -1).copy_(rank_major[:, offset:offset + part.shard_numel])
             self._bind(part, full)
             self._keep_secondary(part)
             offset += part.shard_numel
+        del rank_major
+        self.pool.give(buffer)
+
+    def _count_inflight(self, group: list[PartitionedParam], sign: int) -> None:
+        numel = sum(part.padded_numel for part in group)
+        self.stats["inflight_numel"] += sign * numel
+        self.stats["inflight_bytes"] += sign * sum(part.padded_numel * part.shard.element_size() for part in group)
+        self._note_held()
 
     # --- hpZ secondary partition ------------------------------------------------
     def _keep_secondary(self, part: PartitionedParam) -> None:
@@ -248,9 +302,10 @@ class ParamFetcher:
     def _gather_secondary(self, part: PartitionedParam) -> None:
         if part.gathered or id(part) in self._inflight:
             return
-        buffer = torch.empty(part.padded_numel, dtype=part.dtype, device=part.device)
+        buffer = self.pool.take(part.padded_numel, part.dtype, part.device)
         handle = self.hpz.all_gather(buffer, self.secondaries[id(part)], async_op=True, kind="all_gather_hpz")
         self._track_buffer(buffer)
+        self._count_inflight([part], +1)
         self._inflight[id(part)] = (handle, ("secondary", buffer, [part]))
         self.stats["hpz_gathers"] += 1
 
@@ -258,6 +313,7 @@ class ParamFetcher:
         self.secondaries.clear()
         self.stats["secondary_bytes"] = 0
 
+    # --- bookkeeping --------------------------------------------------------------
     def _bind(self, part: PartitionedParam, flat: torch.Tensor) -> None:
         if part.gathered:
             return
@@ -265,12 +321,21 @@ class ParamFetcher:
         self.stats["live_numel"] += flat.numel()
         self.stats["live_bytes"] += flat.numel() * flat.element_size()
         self.stats["peak_live_bytes"] = max(self.stats["peak_live_bytes"], self.stats["live_bytes"])
+        self._note_held()
 
     def _release(self, part: PartitionedParam) -> None:
         self._lossy.discard(id(part))
-        self.stats["live_numel"] -= part.flat_param.numel()
-        self.stats["live_bytes"] -= part.flat_param.numel() * part.flat_param.element_size()
+        self._skipped.discard(id(part))
+        buffer = part.flat_param
+        self.stats["live_numel"] -= buffer.numel()
+        self.stats["live_bytes"] -= buffer.numel() * buffer.element_size()
+        self.stats["releases"] += 1
         part.release()
+        self.pool.give(buffer)  # kept for reuse only if nothing else references it
+
+    def _note_held(self) -> None:
+        held = self.stats["live_bytes"] + self.stats["inflight_bytes"]
+        self.stats["peak_held_bytes"] = max(self.stats["peak_held_bytes"], held)
 
     def _track_buffer(self, buffer: torch.Tensor) -> None:
         size = buffer.numel() * buffer.element_size()

@@ -7,7 +7,8 @@
   tensor, so releasing after forward really frees memory; unpacking in backward
   gathers it again. No module backward hooks are needed, so in-place ops on
   module outputs and parameters used by several modules (tied weights) just work.
-- After a parameter's gradient has been handed to the reducer it is released.
+- After a parameter's gradient has been handed to the reducer it is released, unless the
+  recorded order says it is used again soon (`stage3_max_reuse_distance`, see fetch.py).
 """
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ def place_module(module: torch.nn.Module, device: torch.device, dtype: torch.dty
 
 def partition_module(module: torch.nn.Module, comm: Comm, group_of: dict[int, int],
                      persistence_threshold: int, sequential: bool, prefetch_numel: int,
-                     max_live_numel: int = 10**9) -> Stage3Model:
+                     max_live_numel: int = 10**9, max_reuse_distance: int = 10**9) -> Stage3Model:
     """Partition every parameter of `module` (those built under zero.Init already are) and build its fetcher.
 
     Every rank starts from rank 0's values. Parameters with at most
@@ -62,7 +62,7 @@ def partition_module(module: torch.nn.Module, comm: Comm, group_of: dict[int, in
     trainable.reverse()
     for index, part in enumerate(trainable):
         part.index = index
-    fetcher = ParamFetcher(trainable + frozen, comm, sequential, prefetch_numel, max_live_numel)
+    fetcher = ParamFetcher(trainable + frozen, comm, sequential, prefetch_numel, max_live_numel, max_reuse_distance)
     for part in trainable + frozen:  # persistent parameters are gathered once, in the same order everywhere
         if part.persistent:
             buffer = torch.empty(part.padded_numel, dtype=part.dtype, device=part.device)

@@ -1,0 +1,465 @@
+"""Checkpoint save/load speed: zerotrain vs torch.distributed.checkpoint (FSDP2) vs DeepSpeed.
+
+The ~70M GPT (``zerotrain.models.GPT``, preset ``70m``) + AdamW, trained a few steps at
+world size 2 on the CPU (gloo over 127.0.0.1, one thread per rank) so that every
+optimizer state exists, then, in the same pair of processes:
+
+* **save s / GB/s**: a synchronous save, timed from the call to its return on the slowest
+  rank; GB/s = bytes of the checkpoint directory / seconds. zerotrain and DCP fsync every
+  file before returning (durable); DeepSpeed's ``torch.save`` files do not, so its row
+  also gives the time of fsyncing them afterwards ("+ fsync").
+* **async stall**: how long the training loop is blocked by an asynchronous save (the call's
+  return; first save, which allocates the host buffers, and a later one, which reuses them),
+  and how much slower the training steps run while the background writer works (mean of
+  the steps taken during the save minus the mean no-save step).
+* **load s**: same topology; **reshard load s**: the world-2 ZeRO-3 (FSDP2) checkpoint read by
+  one process at ZeRO stage 1 (a plain model). Before every load the checkpoint's files are
+  fsynced and dropped from the page cache (posix_fadvise DONTNEED), so every engine reads
+  from the disk.
+
+    .venv/bin/python benchmarks/checkpoint_speed.py                     # all engines, ~6 min
+    .venv/bin/python benchmarks/checkpoint_speed.py --model tiny --repeats 1   # smoke run
+    .venv/bin/python benchmarks/checkpoint_speed.py --engines zt,dcp --json out.json
+
+DeepSpeed runs with ``DS_ACCELERATOR=cpu`` when ``import deepspeed`` works; otherwise its
+row says why it was skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ENGINES = {"zt": "zerotrain (ZeRO-3)", "dcp": "torch DCP (FSDP2)", "ds": "DeepSpeed (ZeRO-3)"}
+LR = 1e-4
+
+
+# =============================================================================================
+# worker side
+# =============================================================================================
+
+def _barrier_time(fn) -> float:
+    """Seconds `fn()` takes on the slowest rank (ranks start together)."""
+    import torch
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed.item())
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in sorted(path.rglob("*")):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _drop_cache(path: Path) -> None:
+    """fsync every file of `path`, then drop it from the page cache: the next read comes from disk."""
+    for f in sorted(path.rglob("*")):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _batches(count: int, batch: int, seq: int, vocab: int, rank: int):
+    import torch
+    g = torch.Generator().manual_seed(1000 + rank)
+    data = torch.randint(0, vocab, (count, batch, seq + 1), generator=g)
+    return [(d[:, :-1], d[:, 1:]) for d in data]
+
+
+def _model(args):
+    import torch
+    from zerotrain.models import GPT, GPTConfig
+    torch.manual_seed(0)
+    config = GPTConfig.preset(args.model)
+    args.seq_len = min(args.seq_len, config.block_size)
+    return GPT(config)
+
+
+class Job:
+    """One engine's saves and loads; subclasses say how (zerotrain, DCP, DeepSpeed)."""
+
+    async_supported = True
+
+    def __init__(self, args, root: Path, rank: int):
+        self.args, self.root, self.rank = args, root, rank
+        self.vocab = 256
+
+    def run(self) -> dict:
+        import torch.distributed as dist
+        args, out = self.args, {}
+        batches = _batches(args.warmup + 2 + 2 * args.repeats + 4, args.batch, args.seq_len, self.vocab, self.rank)
+        it = iter(batches)
+        for _ in range(args.warmup):
+            self.train_step(*next(it))
+        out["step_s"] = statistics.mean(_barrier_time(lambda: self.train_step(*next(it))) for _ in range(2))
+        saves = []
+        for i in range(args.repeats):
+            saves.append(_barrier_time(lambda: self.save(f"sync{i}")))
+        out["save_s"] = min(saves)
+        out["save_all_s"] = saves
+        out["bytes"] = _dir_bytes(self.root / "sync0")
+        if not self.durable:
+            out["fsync_s"] = _barrier_time(lambda: _fsync_tree(self.root / f"sync{args.repeats - 1}"))
+        if self.async_supported:
+            stalls, slow = [], []
+            for i in range(args.repeats):
+                stalls.append(_barrier_time(lambda: self.save_async(f"async{i}")))
+                during = [_barrier_time(lambda: self.train_step(*next(it))) for _ in range(2)]
+                slow.append(statistics.mean(during) - out["step_s"])
+                out.setdefault("async_wait_s", []).append(_barrier_time(self.wait))
+            out["stall_first_s"], out["stall_s"] = stalls[0], min(stalls[1:] or stalls)
+            out["step_slowdown_s"] = statistics.mean(slow)
+        loads = []
+        for _ in range(args.repeats):
+            if self.rank == 0:
+                _drop_cache(self.root / "sync0")
+            dist.barrier()
+            loads.append(_barrier_time(lambda: self.load("sync0")))
+        out["load_s"] = min(loads)
+        out["load_all_s"] = loads
+        return out
+
+    durable = True
+
+    def save_async(self, tag: str) -> None:
+        raise NotImplementedError
+
+    def wait(self) -> None:
+        pass
+
+
+class ZerotrainJob(Job):
+    def __init__(self, args, root, rank, stage: int = 3):
+        super().__init__(args, root, rank)
+        import zerotrain
+        model = _model(args)
+        self.vocab = model.config.vocab_size
+        config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+                  "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+                  "zero_optimization": {"stage": stage, "reduce_bucket_size": 2e7}, "steps_per_print": 0,
+                  "checkpoint": {"verify_on_load": args.verify_on_load}}
+        self.engine, *_ = zerotrain.initialize(model=model, config=config)
+
+    def train_step(self, x, y) -> None:
+        _, loss = self.engine(x, y)
+        self.engine.backward(loss)
+        self.engine.step()
+
+    def save(self, tag: str) -> None:
+        self.engine.save_checkpoint(str(self.root), tag=tag, async_save=False)
+
+    def save_async(self, tag: str) -> None:
+        self.engine.save_checkpoint(str(self.root), tag=tag, async_save=True)
+
+    def wait(self) -> None:
+        self.engine.wait_checkpoint()
+
+    def load(self, tag: str) -> None:
+        self.engine.load_checkpoint(str(self.root), tag=tag)
+
+
+class DcpJob(Job):
+    def __init__(self, args, root, rank, sharded: bool = True):
+        super().__init__(args, root, rank)
+        import torch
+        model = _model(args)
+        self.vocab = model.config.vocab_size
+        if sharded:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+            for block in model.transformer.h:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        self.future = None
+        # DCP's documented set-up for async_save: a separate gloo group, so the background
+        # writer's collectives never interleave with the training step's (on one group they deadlock)
+        import torch.distributed as dist
+        self.ckpt_group = dist.new_group(backend="gloo") if dist.get_world_size() > 1 else None
+
+    def train_step(self, x, y) -> None:
+        import torch
+        _, loss = self.model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def _state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        model_sd, optim_sd = get_state_dict(self.model, self.opt)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def save(self, tag: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        dcp.save(self._state(), checkpoint_id=str(self.root / tag))
+
+    def save_async(self, tag: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        self.future = dcp.async_save(self._state(), checkpoint_id=str(self.root / tag),
+                                     process_group=self.ckpt_group)
+
+    def wait(self) -> None:
+        if self.future is not None:
+            self.future.result()
+            self.future = None
+
+    def load(self, tag: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        state = self._state()
+        dcp.load(state, checkpoint_id=str(self.root / tag))
+        set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+class DeepSpeedJob(Job):
+    async_supported = False
+    durable = False
+
+    def __init__(self, args, root, rank):
+        super().__init__(args, root, rank)
+        import deepspeed
+        model = _model(args)
+        self.vocab = model.config.vocab_size
+        config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+                  "gradient_clipping": 1.0,
+                  "optimizer": {"type": "AdamW", "params": {"lr": LR, "torch_adam": True}},
+                  "zero_optimization": {"stage": 3}, "steps_per_print": 10 ** 9}
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    def train_step(self, x, y) -> None:
+        _, loss = self.engine(x, y)
+        self.engine.backward(loss)
+        self.engine.step()
+
+    def save(self, tag: str) -> None:
+        self.engine.save_checkpoint(str(self.root), tag=tag)
+
+    def load(self, tag: str) -> None:
+        self.engine.load_checkpoint(str(self.root), tag=tag)
+
+
+def _reshard_load(args, root: Path, engine: str) -> dict:
+    """World 1: load the world-2 checkpoint `sync0` into ZeRO stage 1 (zerotrain) / a plain model (DCP)."""
+    job = ZerotrainJob(args, root, 0, stage=1) if engine == "zt" else DcpJob(args, root, 0, sharded=False)
+    loads = []
+    for _ in range(args.repeats):
+        _drop_cache(root / "sync0")
+        t0 = time.perf_counter()
+        job.load("sync0")
+        loads.append(time.perf_counter() - t0)
+    return {"reshard_load_s": min(loads), "reshard_load_all_s": loads}
+
+
+def worker_main(spec: dict) -> int:
+    result: dict[str, Any] = {"engine": spec["engine"], "phase": spec["phase"]}
+    try:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+        torch.set_num_threads(1)
+        args = argparse.Namespace(**spec["args"])
+        root, engine = Path(spec["root"]), spec["engine"]
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=900))
+        rank = dist.get_rank()
+        if spec["phase"] == "reshard":
+            result.update(_reshard_load(args, root, engine))
+        else:
+            if engine == "ds":
+                try:
+                    import deepspeed  # noqa: F401
+                except Exception as error:  # noqa: BLE001 - ImportError, or a broken install
+                    raise _Unavailable(f"import deepspeed failed: {type(error).__name__}: {error}") from error
+            job = {"zt": ZerotrainJob, "dcp": DcpJob, "ds": DeepSpeedJob}[engine](args, root, rank)
+            result.update(job.run())
+        result["status"] = "ok"
+        dist.barrier()
+        dist.destroy_process_group()
+    except _Unavailable as why:
+        result.update(status="unavailable", reason=str(why))
+    except Exception as error:  # noqa: BLE001 - reported by the parent
+        result.update(status="failed", reason=f"{type(error).__name__}: {error}", traceback=traceback.format_exc())
+    Path(spec["out"]).write_text(json.dumps(result))
+    return 0
+
+
+class _Unavailable(Exception):
+    pass
+
+
+# =============================================================================================
+# parent side
+# =============================================================================================
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(engine: str, phase: str, world: int, args, root: Path) -> dict:
+    """Run one phase of one engine in `world` fresh processes; rank 0's result."""
+    port, procs, outs = _free_port(), [], []
+    spec_args = {k: getattr(args, k) for k in ("model", "batch", "seq_len", "warmup", "repeats", "verify_on_load")}
+    repo = str(Path(__file__).resolve().parent.parent)
+    for rank in range(world):
+        out = root / f"{engine}.{phase}.rank{rank}.json"
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
+                   PYTHONPATH=os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p))
+        spec = {"engine": engine, "phase": phase, "out": str(out), "root": str(root / engine), "args": spec_args}
+        log = open(root / f"{engine}.{phase}.rank{rank}.log", "w")
+        procs.append((subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_worker", json.dumps(spec)],
+                                       env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        outs.append(out)
+    deadline = time.monotonic() + args.timeout
+    try:  # a rank that failed leaves its peers waiting in a collective: stop them
+        while time.monotonic() < deadline and any(proc.poll() is None for proc, _ in procs):
+            failed = [out for (proc, _), out in zip(procs, outs) if proc.poll() is not None and
+                      (not out.exists() or json.loads(out.read_text()).get("status") != "ok")]
+            if failed:
+                break
+            time.sleep(0.2)
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    if not outs[0].exists():
+        tail = (root / f"{engine}.{phase}.rank0.log").read_text()[-1500:]
+        return {"status": "failed", "reason": "no result\n" + tail}
+    return json.loads(outs[0].read_text())
+
+
+def _fmt(value, spec=".2f", none="n/a") -> str:
+    return none if value is None else format(value, spec)
+
+
+def print_table(results: dict, args) -> None:
+    zt = results.get("zt", {})
+    print(f"\nmodel {args.model}, world size 2 (gloo, CPU), batch {args.batch} x seq {args.seq_len}, "
+          f"best of {args.repeats}; checkpoint = model + AdamW states (fp32)\n")
+    head = ("engine", "GB", "save s", "GB/s", "vs zt", "async stall s (1st/reused)", "step slowdown s",
+            "load s", "reshard load s", "reshard/load")
+    rows = []
+    for engine, label in ENGINES.items():
+        r = results.get(engine)
+        if r is None:
+            continue
+        if r.get("status") != "ok":
+            rows.append((label, f"{r.get('status')}: {r.get('reason', '').splitlines()[0][:90]}"))
+            continue
+        gb = r["bytes"] / 1e9
+        save = f"{r['save_s']:.2f}" + (f" (+{r['fsync_s']:.2f} fsync)" if "fsync_s" in r else "")
+        ratio = f"{r['save_s'] / zt['save_s']:.2f}x" if zt.get("status") == "ok" else "-"
+        stall = (f"{r['stall_first_s']:.3f} / {r['stall_s']:.3f}" if "stall_s" in r else "n/a (no async save)")
+        reshard = r.get("reshard_load_s")
+        rows.append((label, f"{gb:.2f}", save, f"{gb / r['save_s']:.2f}", ratio, stall,
+                     _fmt(r.get("step_slowdown_s")), f"{r['load_s']:.2f}",
+                     _fmt(reshard, none=r.get("reshard_note", "n/a")),
+                     _fmt(reshard / r["load_s"] if reshard else None)))
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    for engine, r in results.items():
+        if r.get("status") == "ok":
+            print(f"{engine}: no-save step {r['step_s']:.2f}s; saves {['%.2f' % s for s in r['save_all_s']]}; "
+                  f"loads {['%.2f' % s for s in r['load_all_s']]}"
+                  + (f"; async wait after 2 steps {['%.2f' % s for s in r['async_wait_s']]}"
+                     if "async_wait_s" in r else ""))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--engines", default="zt,dcp,ds", help="comma list of " + ", ".join(ENGINES))
+    parser.add_argument("--model", default="70m", help="zerotrain GPT preset")
+    parser.add_argument("--batch", type=int, default=2, help="micro-batch per rank")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=1, help="training steps before anything is timed")
+    parser.add_argument("--repeats", type=int, default=2, help="saves and loads of each kind (best is shown)")
+    parser.add_argument("--no-verify-on-load", dest="verify_on_load", action="store_false",
+                        help="zerotrain: skip the crc32 check of the files a load reads")
+    parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory "
+                                                     "under the current one, removed at the end)")
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoints and logs")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per phase")
+    args = parser.parse_args(argv)
+    if args.dir is None:
+        # on the same disk as the project (not /tmp, which may be tmpfs)
+        root = Path(tempfile.mkdtemp(prefix="ckpt_bench_", dir=os.getcwd()))
+    else:
+        root = Path(args.dir)
+        root.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+    try:
+        for engine in [e.strip() for e in args.engines.split(",") if e.strip()]:
+            if engine not in ENGINES:
+                parser.error(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
+            started = time.perf_counter()
+            result = launch(engine, "main", 2, args, root)
+            if result.get("status") == "ok":
+                if engine == "ds":
+                    result["reshard_note"] = "n/a: needs offline ds_to_universal"
+                else:
+                    reshard = launch(engine, "reshard", 1, args, root)
+                    if reshard.get("status") == "ok":
+                        result.update(reshard)
+                    else:
+                        result["reshard_note"] = "failed: " + reshard.get("reason", "").splitlines()[0][:60]
+                        print(reshard.get("traceback", reshard.get("reason")), file=sys.stderr)
+            elif result.get("status") == "failed":
+                print(result.get("traceback", result.get("reason")), file=sys.stderr)
+            results[engine] = result
+            print(f"{engine}: {result.get('status')} in {time.perf_counter() - started:.0f}s", flush=True)
+            if not args.keep:
+                shutil.rmtree(root / engine, ignore_errors=True)
+    finally:
+        if not args.keep and args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    print_table(results, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    return 0 if all(r.get("status") in ("ok", "unavailable") for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--_worker":
+        sys.exit(worker_main(json.loads(sys.argv[2])))
+    sys.exit(main())

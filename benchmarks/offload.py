@@ -1,0 +1,283 @@
+#!/usr/bin/env python
+"""Offload side by side in one run: CPU Adam throughput, offloaded step time, NVMe swap bandwidth.
+
+1. Optimizer-step throughput (parameters/s) on one fp32 tensor of `--numel` elements, at 1 and
+   2 threads: zerotrain's CPU Adam (torch's fused CPU AdamW, which zerotrain builds and switches
+   offloaded optimizers to), zerotrain's whole offload update (host gradient copy + unscale/clip
+   multiply + step), torch AdamW(foreach=True), and DeepSpeedCPUAdam (when it imports and builds).
+2. Step time of the ~70M GPT at world size 2 (gloo, 1 thread per rank, ZeRO-2) with
+   cpu offload and cpu offload + super_offload, with clipping at 1.0 and without clipping;
+   the speculative steps / rollbacks / redone steps come from `engine.offload_stats()`.
+3. NVMe swap: write and read GB/s of zerotrain's swapper (`aio.AsyncFileIO` + `AlignedBuffers`,
+   the records the NVMe optimizer moves, with the config's aio defaults) next to `dd` with
+   O_DIRECT on the same directory, and the effective I/O rate of one NVMe optimizer step.
+
+    .venv/bin/python benchmarks/offload.py                       # all parts (~5 min)
+    .venv/bin/python benchmarks/offload.py --parts adam,nvme --numel 10000000   # quick
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# --- 1. CPU Adam --------------------------------------------------------------------------
+def _best(fn, repeat: int) -> float:
+    fn()  # first step: states are created
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def adam_rows(numel: int, repeat: int) -> list[tuple]:
+    from zerotrain.config import ZeroTrainConfig
+    from zerotrain.offload import OffloadOptimizer
+    from zerotrain.optim import build_optimizer
+    from zerotrain.zero.flat import FlatBucket
+
+    try:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        ds_error = None
+    except Exception as error:  # noqa: BLE001 - reported in the table
+        DeepSpeedCPUAdam, ds_error = None, f"{type(error).__name__}: {error}"
+    opt_cfg = ZeroTrainConfig.model_validate({"train_micro_batch_size_per_gpu": 1, "optimizer": {
+        "type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}).optimizer
+    rows = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        results = {}
+        for name in ("zerotrain CPU Adam (fused kernel)", "zerotrain offload update", "torch AdamW foreach",
+                     "DeepSpeedCPUAdam"):
+            param = torch.nn.Parameter(torch.randn(numel))
+            grad = torch.randn(numel) * 1e-3
+            if name == "DeepSpeedCPUAdam":
+                if DeepSpeedCPUAdam is None:
+                    results[name] = ds_error
+                    continue
+                try:
+                    opt = DeepSpeedCPUAdam([param], lr=1e-3, weight_decay=0.01)
+                except Exception as error:  # noqa: BLE001
+                    results[name] = f"{type(error).__name__}: {error}"
+                    continue
+                param.grad = grad
+                fn = opt.step
+            elif name == "torch AdamW foreach":
+                opt = torch.optim.AdamW([param], lr=1e-3, weight_decay=0.01, foreach=True)
+                param.grad = grad
+                fn = opt.step
+            elif name.startswith("zerotrain CPU Adam"):
+                opt = build_optimizer(opt_cfg, [param])
+                assert opt.defaults.get("fused"), "zerotrain builds the fused kernel"
+                param.grad = grad
+                fn = opt.step
+            else:
+                torch_opt = build_optimizer(opt_cfg, [param])
+                opt = OffloadOptimizer([FlatBucket(0, [("w", param)], 0, 1, 0)], None, torch_opt, [[param]], 1.0)
+                fn = lambda opt=opt, grad=grad: opt.update([grad], 0.5, [0])  # noqa: E731
+            results[name] = numel / _best(fn, repeat)
+            del opt, param, grad
+        ds = results.get("DeepSpeedCPUAdam")
+        for name, value in results.items():
+            if isinstance(value, str):
+                rows.append((threads, name, "skipped: " + value[:120], ""))
+            else:
+                ratio = f"{value / ds:.2f}" if isinstance(ds, float) else "-"
+                rows.append((threads, name, f"{value / 1e6:,.0f} M/s ({numel / value * 1e3:.1f} ms)", ratio))
+    torch.set_num_threads(1)
+    return rows
+
+
+# --- 2. offloaded step time of the GPT at world 2 -------------------------------------------
+MODES = [("cpu offload, clip 1.0", {"device": "cpu"}, 1.0),
+         ("cpu offload + super_offload, clip 1.0", {"device": "cpu", "super_offload": True}, 1.0),
+         ("cpu offload, no clip", {"device": "cpu"}, 0.0),
+         ("cpu offload + super_offload, no clip", {"device": "cpu", "super_offload": True}, 0.0)]
+
+
+def worker(spec: dict) -> None:
+    import torch.distributed as dist
+
+    import zerotrain
+    from zerotrain.models import GPT, GPTConfig
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    _, block, clip = MODES[spec["mode"]]
+    torch.manual_seed(1234)
+    model = GPT(GPTConfig.preset(spec["model"]))
+    config = {"train_micro_batch_size_per_gpu": spec["batch"], "gradient_clipping": clip, "steps_per_print": 0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+              "zero_optimization": {"stage": 2, "reduce_bucket_size": int(2e7), "offload_optimizer": block}}
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    gen = torch.Generator().manual_seed(rank)
+    rows = []
+    for _ in range(spec["warmup"] + spec["steps"]):
+        x = torch.randint(0, 256, (spec["batch"], spec["seq_len"]), generator=gen)
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = engine(x, x)[1]
+        t1 = time.perf_counter()
+        engine.backward(loss)
+        t2 = time.perf_counter()
+        engine.step()
+        t3 = time.perf_counter()
+        rows.append([t1 - t0, t2 - t1, t3 - t2, t3 - t0])
+    times = torch.tensor(rows[spec["warmup"]:], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank, per step and phase
+    if rank == 0:
+        Path(spec["out"]).write_text(json.dumps({"times": times.tolist(), "stats": engine.offload_stats()}))
+    engine.close()
+    dist.destroy_process_group()
+
+
+def step_rows(args) -> list[tuple]:
+    rows, plain = [], {}
+    for index, (label, _, clip) in enumerate(MODES):
+        with tempfile.TemporaryDirectory() as directory:
+            out = os.path.join(directory, "out.json")
+            spec = dict(mode=index, out=out, model=args.model, batch=args.batch, seq_len=args.seq_len,
+                        steps=args.steps, warmup=args.warmup)
+            port = str(29500 + os.getpid() % 1000 + index)
+            procs = []
+            for rank in range(2):
+                env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=port, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+                procs.append(subprocess.Popen([sys.executable, __file__, "--_worker", json.dumps(spec)], env=env))
+            codes = [p.wait(timeout=args.timeout) for p in procs]
+            if any(codes) or not os.path.exists(out):
+                rows.append((label, f"failed (exit codes {codes})", "", "", "", "", ""))
+                continue
+            result = json.loads(Path(out).read_text())
+        med = [statistics.median(col) for col in zip(*result["times"])]
+        stats = result["stats"]
+        key = "clip" if clip else "noclip"
+        ratio = "1.00"
+        if "super" in label and key in plain:
+            ratio = f"{med[3] / plain[key]:.2f}"
+        else:
+            plain[key] = med[3]
+        spec_info = (f"{stats.get('speculative_steps', 0)}/{stats.get('committed', 0)}/{stats.get('clip_redos', 0)}"
+                     if "super" in label else "-")
+        rows.append((label, f"{med[0]:.2f}", f"{med[1]:.2f}", f"{med[2]:.3f}", f"{med[3]:.2f}", ratio, spec_info))
+    return rows
+
+
+# --- 3. NVMe swap ------------------------------------------------------------------------------
+def _dd(command: str) -> float:
+    done = subprocess.run(command.split(), capture_output=True, text=True)
+    line = done.stderr.strip().splitlines()[-1] if done.stderr else ""
+    nbytes, seconds = int(line.split()[0]), float(line.split(" s,")[0].split(", ")[-1])
+    return nbytes / seconds / 1e9
+
+
+def nvme_rows(args) -> list[tuple]:
+    from zerotrain.config import ZeroTrainConfig
+    from zerotrain.offload import NvmeOffloadOptimizer, aio
+    from zerotrain.offload.nvme import DEFAULT_CHUNK_NUMEL
+    from zerotrain.zero.flat import FlatBucket
+
+    cfg = ZeroTrainConfig.model_validate({"train_micro_batch_size_per_gpu": 1}).aio
+    record = DEFAULT_CHUNK_NUMEL * 4 * 2  # one chunk's exp_avg + exp_avg_sq: what a step reads and writes
+    count = max(2, int(args.nvme_gib * 2**30) // record)
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.nvme_path) as directory:
+        direct = aio.direct_io_supported(directory)
+        io = aio.AsyncFileIO(threads=cfg.intra_op_parallelism, direct=direct, block_size=cfg.block_size,
+                             queue_depth=cfg.queue_depth)
+        pool = aio.AlignedBuffers(4, record)
+        fd = io.open(os.path.join(directory, "swap"), record * count)
+        speeds = {}
+        for what in ("write", "read"):
+            futures = []
+            start = time.perf_counter()
+            for k in range(count):
+                buffer = pool.acquire()
+                call = io.write if what == "write" else io.read
+                futures.append(call(fd, k * record, buffer, done=lambda b=buffer: pool.release(b)))
+            for future in futures:
+                future.result()
+            speeds[what] = record * count / (time.perf_counter() - start) / 1e9
+        io.shutdown()
+        target = os.path.join(directory, "dd.bin")
+        blocks = record * count // 2**24
+        dd = {"write": _dd(f"dd if=/dev/zero of={target} bs=16M count={blocks} oflag=direct conv=fsync"),
+              "read": _dd(f"dd if={target} of=/dev/null bs=16M count={blocks} iflag=direct")}
+        for what in ("write", "read"):
+            rows.append((f"swap {what} ({record * count / 2**30:.1f} GiB, O_DIRECT {direct}, block "
+                         f"{cfg.block_size // 1024} KiB x {cfg.queue_depth} in flight)",
+                         f"{speeds[what]:.2f}", f"{dd[what]:.2f}", f"{speeds[what] / dd[what]:.2f}"))
+        param = torch.nn.Parameter(torch.randn(args.nvme_numel))
+        torch_opt = torch.optim.AdamW([param], fused=True)
+        opt = NvmeOffloadOptimizer([FlatBucket(0, [("w", param)], 0, 1, 0)], None, torch_opt, [[param]], 0.0,
+                                   nvme_path=directory, buffer_count=4, aio=cfg)
+        grad = torch.randn(args.nvme_numel)
+        opt.step([grad.clone()], 1.0)
+        r0, w0 = opt.io.bytes_read, opt.io.bytes_written
+        start = time.perf_counter()
+        opt.step([grad.clone()], 1.0)
+        elapsed = time.perf_counter() - start
+        moved = opt.io.bytes_read - r0 + opt.io.bytes_written - w0
+        opt.close()
+        rows.append((f"NVMe optimizer step, {args.nvme_numel / 1e6:.0f}M params (I/O + Adam, {elapsed:.2f} s)",
+                     f"{moved / elapsed / 1e9:.2f}", f"{(dd['read'] + dd['write']) / 2:.2f}",
+                     f"{moved / elapsed / 1e9 / ((dd['read'] + dd['write']) / 2):.2f}"))
+    return rows
+
+
+def table(header: tuple, rows: list[tuple]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    line = lambda r: "| " + " | ".join(str(x).ljust(w) for x, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="adam,step,nvme")
+    parser.add_argument("--numel", type=int, default=50_000_000)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--model", default="70m")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--nvme-path", default=tempfile.gettempdir())
+    parser.add_argument("--nvme-gib", type=float, default=2.0)
+    parser.add_argument("--nvme-numel", type=int, default=20_000_000)
+    parser.add_argument("--_worker")
+    args = parser.parse_args()
+    if args._worker:
+        worker(json.loads(args._worker))
+        return 0
+    parts = args.parts.split(",")
+    if "adam" in parts:
+        print(f"\nCPU Adam step, {args.numel / 1e6:.0f}M fp32 params (median of {args.repeat}); ratio vs DeepSpeedCPUAdam")
+        print(table(("threads", "optimizer", "throughput", "vs DS"), adam_rows(args.numel, args.repeat)))
+    if "step" in parts:
+        print(f"\nGPT {args.model} at world 2, ZeRO-2, batch {args.batch}x{args.seq_len}, median of {args.steps} "
+              f"steps (slowest rank), seconds; super vs plain at the same clipping; spec = speculative/committed/redone")
+        print(table(("mode", "fwd", "bwd", "step", "total", "vs plain", "spec"), step_rows(args)))
+    if "nvme" in parts:
+        print(f"\nNVMe swap vs dd (O_DIRECT, bs=16M) on {args.nvme_path}, GB/s")
+        print(table(("what", "zerotrain", "dd", "ratio"), nvme_rows(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""The command line: `zerotrain train` saves and resumes; `zerotrain ckpt inspect|verify|export`.
+
+Every command runs as a real subprocess (`python -m zerotrain.cli`), as a user would run it.
+One module-scoped fixture trains the tiny GPT three times at world size 2 (ZeRO stage 3):
+6 steps uninterrupted; 4 steps saving every step asynchronously with keep_last 2; then a
+resume to step 6. The corpus is small enough that step 6 starts a second epoch, so the
+resumed run must find its exact data position (and RNG) to reproduce the losses.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[2]
+CORPUS_BYTES = "3000"  # 91 blocks of 32 tokens: 11 micro-batches per rank and epoch
+
+
+def zerotrain(*args: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    return subprocess.run([sys.executable, "-m", "zerotrain.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def train(cwd: Path, config: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
+    proc = zerotrain("train", "--config", str(config), "--nproc", "2", "--model", "tiny",
+                     "--steps", str(steps), "--max-corpus-bytes", CORPUS_BYTES, *extra, cwd=cwd)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def losses(log_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (log_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli_runs")
+    config = json.loads((REPO / "examples/zero3.json").read_text())
+    sync_config = root / "sync.json"
+    sync_config.write_text(json.dumps(config))
+    config["checkpoint"] = {"async_save": True, "keep_last": 2, "verify_on_load": True}
+    async_config = root / "async.json"
+    async_config.write_text(json.dumps(config))
+    full = train(root, sync_config, 6, "--log-dir", "full", "--save-dir", "full_ckpt")
+    first = train(root, async_config, 4, "--log-dir", "resumed", "--save-every", "1")  # default --save-dir
+    second = train(root, async_config, 6, "--log-dir", "resumed", "--resume", "--save-every", "1")
+    return {"root": root, "full": full, "first": first, "second": second}
+
+
+def test_train_saves_where_it_says(runs):
+    root = runs["root"]
+    out = runs["full"].stdout
+    assert f"checkpoint of step 6 saved: {root / 'full_ckpt' / 'global_step6'}" in out
+    assert (root / "full_ckpt" / "latest").read_text().strip() == "global_step6"
+    assert (root / "full_ckpt" / "global_step6" / "manifest.json").is_file()
+
+
+def test_config_block_async_save_and_keep_last_are_honoured(runs):
+    root = runs["root"]
+    assert "checkpoint of step 1 being written in the background" in runs["first"].stdout
+    # keep_last 2, saved every step: after the resumed run only steps 5 and 6 remain (default --save-dir).
+    kept = sorted(p.name for p in (root / "checkpoints").iterdir() if p.is_dir())
+    assert kept == ["global_step5", "global_step6"]
+    assert (root / "checkpoints" / "latest").read_text().strip() == "global_step6"
+
+
+def test_resume_continues_at_saved_step_with_the_same_losses(runs):
+    root = runs["root"]
+    assert f"resumed from {root / 'checkpoints' / 'global_step4'} at step 4" in runs["second"].stdout
+    full, resumed = losses(root / "full"), losses(root / "resumed")
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]  # the resumed run appended steps 5 and 6
+    for step in range(1, 7):
+        assert resumed[step] == pytest.approx(full[step], rel=1e-5), step
+    # the final weights agree too (both saved in fp32 at step 6)
+    a = load_file(str(root / "full_ckpt/global_step6/model-00001-of-00002.safetensors"))
+    b = load_file(str(root / "checkpoints/global_step6/model-00001-of-00002.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6)
+
+
+def test_ckpt_inspect_lists_tensors_step_and_topology(runs):
+    root = runs["root"]
+    proc = zerotrain("ckpt", "inspect", "full_ckpt", cwd=root)  # a save dir: its latest checkpoint
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert "global_step6" in text and "step        6" in text
+    assert "world_size=2" in text and "stage=3" in text
+    assert "transformer.wte.weight" in text or "wte" in text
+    assert "optimizer:" in text and "exp_avg_sq" in text
+
+    report = json.loads(zerotrain("ckpt", "inspect", "--json", "full_ckpt/global_step6", cwd=root).stdout)
+    assert report["global_steps"] == 6 and report["topology"]["world_size"] == 2
+    model = report["tensors"]["model"]
+    assert all(row["dtype"] == "float32" for row in model)
+    assert report["bytes"]["model"] == sum(row["bytes"] for row in model)
+    with safe_open(str(root / "full_ckpt/global_step6" / model[0]["file"]), "pt") as f:
+        assert list(f.get_slice(model[0]["name"]).get_shape()) == model[0]["shape"]
+
+
+def test_ckpt_verify_passes_then_names_the_corrupt_file(runs, tmp_path):
+    root = runs["root"]
+    proc = zerotrain("ckpt", "verify", str(root / "full_ckpt"), cwd=root)
+    assert proc.returncode == 0 and proc.stdout.startswith("OK "), proc.stdout + proc.stderr
+
+    import shutil
+    copy = tmp_path / "global_step6"
+    shutil.copytree(root / "full_ckpt" / "global_step6", copy)
+    victim = copy / "optimizer-00002-of-00002.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0xFF  # one flipped byte: same size, wrong checksum
+    victim.write_bytes(bytes(data))
+    proc = zerotrain("ckpt", "verify", str(copy), cwd=root)
+    assert proc.returncode == 1
+    assert "optimizer-00002-of-00002.safetensors" in proc.stderr and "checksum" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+    (copy / "manifest.json").unlink()
+    proc = zerotrain("ckpt", "verify", str(copy), cwd=root)
+    assert proc.returncode == 1 and "manifest.json" in proc.stderr
+
+
+def test_ckpt_export_writes_hf_layout_in_bf16(runs, tmp_path):
+    root = runs["root"]
+    out = tmp_path / "exported"
+    proc = zerotrain("ckpt", "export", "full_ckpt", str(out), "--dtype", "bf16", cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    assert str(out) in proc.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "model.safetensors.index.json"] or \
+        (out / "model.safetensors.index.json").is_file()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    saved = json.loads((root / "full_ckpt/global_step6/model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(saved["weight_map"])
+    exported = {}
+    for file in set(index["weight_map"].values()):
+        exported.update(load_file(str(out / file)))
+    assert {t.dtype for t in exported.values()} == {torch.bfloat16}
+    assert index["metadata"]["total_size"] == sum(t.numel() * 2 for t in exported.values())
+    original = {}
+    for file in set(saved["weight_map"].values()):
+        original.update(load_file(str(root / "full_ckpt/global_step6" / file)))
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor.to(torch.bfloat16)), name
+    assert not any(name.startswith("optimizer") for name in os.listdir(out))
+
+    again = zerotrain("ckpt", "export", "full_ckpt", str(out), cwd=root)  # never overwrites
+    assert again.returncode == 1 and "not empty" in again.stderr
+
+
+def test_ckpt_help_explains_each_tool():
+    for tool, words in (("inspect", ["--json", "topology"]), ("verify", ["manifest", "checksum"]),
+                        ("export", ["--dtype", "Hugging Face"])):
+        proc = zerotrain("ckpt", tool, "--help", cwd=REPO)
+        assert proc.returncode == 0
+        text = " ".join(proc.stdout.split())
+        for word in words:
+            assert word in text, (tool, word)
+    proc = zerotrain("ckpt", "verify", "/nonexistent/dir", cwd=REPO)
+    assert proc.returncode == 1 and "/nonexistent/dir" in proc.stderr

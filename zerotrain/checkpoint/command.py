@@ -1,0 +1,120 @@
+"""`zerotrain ckpt inspect|verify|export`: the checkpoint tools on the command line.
+
+`zerotrain.cli` adds these subcommands with `add_ckpt_parser` and runs them with
+`run_ckpt`; the work is done by `tools` (no engine, no process group). Exit status:
+0 on success, 1 when the checkpoint is bad (the message names the file or tensor),
+2 for usage errors (argparse).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TextIO
+
+from .format import CheckpointError
+from .tools import export_model, inspect_checkpoint, verify_checkpoint
+
+_DIR_HELP = ("a checkpoint tag directory (e.g. checkpoints/global_step50), or a save directory "
+             "with a `latest` file (its latest checkpoint is used)")
+
+
+def add_ckpt_parser(sub: argparse._SubParsersAction, prog: str) -> None:
+    """Add the `ckpt` command and its `inspect`, `verify` and `export` subcommands to `sub`."""
+    ckpt = sub.add_parser(
+        "ckpt", help="inspect, verify or export a checkpoint",
+        description="Offline tools over a zerotrain checkpoint directory (no processes are started).",
+    )
+    tools = ckpt.add_subparsers(dest="ckpt_command", metavar="TOOL")
+    tools.required = True
+
+    inspect = tools.add_parser(
+        "inspect", help="list tensors (dtype, shape, bytes), the step and the topology that wrote it",
+        description=("Print what a checkpoint holds: every tensor of the model, master-weight and "
+                     "optimizer files with its dtype, shape, bytes and file; the global step and "
+                     "samples; the topology that wrote it (world size, ZeRO stage, dtype, batch)."),
+    )
+    inspect.add_argument("dir", metavar="DIR", help=_DIR_HELP)
+    inspect.add_argument("--json", action="store_true", help="print the whole report as JSON")
+    inspect.add_argument("--summary", action="store_true",
+                         help="print only the totals per kind, not one line per tensor")
+
+    verify = tools.add_parser(
+        "verify", help="check every file against the manifest (sizes and crc32 checksums)",
+        description=(f"Check a checkpoint against its manifest: every listed file exists with its "
+                     f"recorded size and crc32 checksum, and every safetensors header parses. Exit "
+                     f"status 0 if intact, 1 otherwise, naming the first bad file "
+                     f"(e.g. `{prog} ckpt verify checkpoints && echo intact`)."),
+    )
+    verify.add_argument("dir", metavar="DIR", help=_DIR_HELP)
+
+    export = tools.add_parser(
+        "export", help="write the model weights only, in Hugging Face layout",
+        description=("Write the model weights (no optimizer or trainer state) to a new directory as "
+                     "model-*.safetensors + model.safetensors.index.json (+ config.json when the "
+                     "model has a Hugging Face config), optionally cast. Weights come from the fp32 "
+                     "master copies when the checkpoint has them. The checkpoint is verified first."),
+    )
+    export.add_argument("dir", metavar="DIR", help=_DIR_HELP)
+    export.add_argument("out", metavar="OUT", help="output directory (must not exist, or be empty)")
+    export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                        help="cast floating-point weights to this dtype (default: as saved)")
+
+
+def run_ckpt(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    """Run one `ckpt` tool; returns the exit status (1 on a bad checkpoint, with one line on stderr)."""
+    try:
+        if args.ckpt_command == "inspect":
+            report = inspect_checkpoint(args.dir)
+            if args.json:
+                json.dump(report, out, indent=2)
+                out.write("\n")
+            else:
+                out.write(format_report(report, per_tensor=not args.summary))
+        elif args.ckpt_command == "verify":
+            result = verify_checkpoint(args.dir)
+            out.write(f"OK {result['path']}: {result['files']} files, {_size(result['bytes'])} "
+                      f"match the manifest\n")
+        elif args.ckpt_command == "export":
+            path = export_model(args.dir, args.out, dtype=args.dtype)
+            out.write(f"exported model weights ({args.dtype or 'as saved'}) to {path}\n")
+        else:  # pragma: no cover - argparse rejects other names
+            raise ValueError(args.ckpt_command)
+    except CheckpointError as error:
+        print(f"zerotrain ckpt {args.ckpt_command}: {error}", file=sys.stderr, flush=True)
+        return 1
+    out.flush()
+    return 0
+
+
+def format_report(report: dict, per_tensor: bool = True) -> str:
+    """The `inspect` report as text: a header, then one line per tensor and a total per kind."""
+    lines = [f"checkpoint  {report['path']}  ({report['kind']})"]
+    if report.get("global_steps") is not None:
+        lines.append(f"step        {report['global_steps']}  (samples consumed: {report.get('global_samples')})")
+    topology = report.get("topology")
+    if topology:
+        lines.append("written by  " + ", ".join(f"{k}={v}" for k, v in topology.items()))
+    if report.get("zerotrain_version"):
+        lines.append(f"zerotrain   {report['zerotrain_version']}")
+    if "files" in report:
+        lines.append(f"files       {report['files']} ({_size(report['total_file_bytes'])})")
+    for kind, rows in report["tensors"].items():
+        lines.append("")
+        lines.append(f"{kind}: {len(rows)} tensors, {_size(report['bytes'][kind])}")
+        if not per_tensor or not rows:
+            continue
+        width = max(len(row["name"]) for row in rows)
+        for row in rows:
+            shape = "x".join(str(d) for d in row["shape"]) or "scalar"
+            lines.append(f"  {row['name']:<{width}}  {row['dtype']:<8}  {shape:<14}  {row['bytes']:>12,}  "
+                         f"{row['file']}")
+    return "\n".join(lines) + "\n"
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:,} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return str(nbytes)

@@ -1,0 +1,85 @@
+"""The global gradient norm and overflow check over the whole (data, tensor) rank grid.
+
+Each data-parallel rank holds a shard of each bucket's gradient (stage 0: all of it), and
+with tensor parallelism each tensor-parallel rank holds its slice of every split parameter
+and a whole copy of every replicated one (identical on every tensor-parallel rank). So
+that every distinct gradient element counts exactly once, squares are summed over the
+data-parallel ranks when buckets are partitioned, split slices over the tensor-parallel
+ranks, and replicated parameters are taken from tensor-parallel rank 0 alone. Which pieces
+of a shard are split comes from the shard records and the parameters' TensorSlice.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ..comm import Comm
+from ..parallel.slices import tensor_slice_of
+from .flat import FlatBucket
+
+__all__ = ["GlobalGradients", "squared_l2"]
+
+
+def squared_l2(grad: torch.Tensor) -> torch.Tensor:
+    """Σ grad², in fp32, without materializing a squared copy of the gradient (every optimizer,
+    on the device or offloaded, sums it this way, so their clipping agrees bit for bit)."""
+    return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+
+
+def _split_ranges(bucket: FlatBucket) -> list[tuple[int, int]]:
+    """[start, end) ranges of this rank's shard that hold pieces of tensor-parallel-split parameters."""
+    split_names = {name for name, param in zip(bucket.names, bucket.params) if tensor_slice_of(param) is not None}
+    ranges: list[list[int]] = []
+    for record in bucket.shard_records():
+        if record.name not in split_names:
+            continue
+        start, end = record.shard_start, record.shard_start + record.numel
+        if ranges and ranges[-1][1] == start:
+            ranges[-1][1] = end
+        else:
+            ranges.append([start, end])
+    return [(start, end) for start, end in ranges]
+
+
+class GlobalGradients:
+    """Norm and overflow of the gradient shards of `buckets`, agreed on every rank of the grid."""
+
+    def __init__(self, buckets: list[FlatBucket], comm: Comm, tp_comm: Optional[Comm] = None):
+        self.comm = comm
+        self.partitioned = bool(buckets) and buckets[0].partitions > 1
+        self.tp_comm = tp_comm if tp_comm is not None and tp_comm.size > 1 else None
+        # Tensor-parallel ranks other than 0 count only their split slices.
+        self._split_only: Optional[list[list[tuple[int, int]]]] = None
+        if self.tp_comm is not None and self.tp_comm.rank != 0:
+            self._split_only = [_split_ranges(bucket) for bucket in buckets]
+
+    def squared_norm(self, grad_shards: list[torch.Tensor]) -> float:
+        """Σ g² over every distinct gradient element of the model (still loss-scaled)."""
+        device = grad_shards[0].device if grad_shards else torch.device("cpu")
+        squared = torch.zeros(1, dtype=torch.float32, device=device)
+        for index, grad in enumerate(grad_shards):
+            if self._split_only is None:
+                squared += squared_l2(grad)
+                continue
+            for start, end in self._split_only[index]:
+                squared += squared_l2(grad[start:end])
+        if self.partitioned:
+            self.comm.sum_scalar(squared)
+        if self.tp_comm is not None:
+            self.tp_comm.sum_scalar(squared)
+        return squared.item()
+
+    def norm(self, grad_shards: list[torch.Tensor]) -> float:
+        """The global L2 norm of the (still loss-scaled) gradients."""
+        return math.sqrt(self.squared_norm(grad_shards))
+
+    def overflow(self, grad_shards: list[torch.Tensor]) -> bool:
+        """True on every rank of the grid when any rank's gradients hold inf or nan."""
+        device = grad_shards[0].device if grad_shards else torch.device("cpu")
+        local = any(not torch.isfinite(grad).all() for grad in grad_shards)
+        overflow = self.comm.any_true(local, device)
+        if self.tp_comm is not None:
+            overflow = self.tp_comm.any_true(overflow, device)
+        return overflow
