@@ -31,8 +31,11 @@ def micro_slice(step_batch, accumulation_index: int, rank: int, world: int, micr
     return tuple(t[start:start + micro] for t in step_batch)
 
 
-def reference_training(model_factory, batches, lr=1e-2, weight_decay=0.01, clip=1.0):
-    """Plain single-process AdamW over whole global batches: the ground truth."""
+def reference_training(model_factory, batches, lr=1e-2, weight_decay=0.01, clip=1.0, norms=None):
+    """Plain single-process AdamW over whole global batches: the ground truth.
+
+    With a list as `norms`, each step's global gradient norm (before clipping) is appended to it:
+    AdamW is nearly blind to the scale of its gradients, so clipping is checked through the norm."""
     torch.manual_seed(0)
     model = model_factory()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
@@ -41,7 +44,11 @@ def reference_training(model_factory, batches, lr=1e-2, weight_decay=0.01, clip=
         loss = model(x, y)
         loss.backward()
         if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        if norms is not None:
+            norms.append(float(norm))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())

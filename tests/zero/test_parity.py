@@ -35,7 +35,7 @@ def train_with_engine(combos: list[tuple[int, int]], clip: float = 1.0, precisio
     for stage, accumulation in combos:
         torch.manual_seed(0)
         engine, _, _, _ = zerotrain.initialize(model=OddMLP(), config=engine_config(stage, accumulation, world, clip, precision))
-        step_losses = []
+        step_losses, norms = [], []
         for batch in make_batches(STEPS, MICRO * accumulation * world):
             total = torch.zeros(1)
             for a in range(accumulation):
@@ -46,9 +46,10 @@ def train_with_engine(combos: list[tuple[int, int]], clip: float = 1.0, precisio
                 total += loss.detach().float()
             dist.all_reduce(total)
             step_losses.append(total.item() / (accumulation * world))
+            norms.append(engine.get_global_grad_norm())
         assert engine.global_steps == STEPS
         assert engine.global_samples == STEPS * MICRO * accumulation * world
-        results.append((stage, accumulation, step_losses, engine.full_state_dict()))
+        results.append((stage, accumulation, step_losses, engine.full_state_dict(), norms))
     return results
 
 
@@ -62,11 +63,14 @@ def reference_batches_for(world: int, accumulation: int):
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_stages_match_single_process(world):
     results = run_distributed(train_with_engine, world, COMBOS)[0]
-    for stage, accumulation, losses, weights in results:
-        ref_losses, ref_weights = reference_training(OddMLP, reference_batches_for(world, accumulation), lr=LR)
+    for stage, accumulation, losses, weights, norms in results:
+        ref_norms: list[float] = []
+        ref_losses, ref_weights = reference_training(OddMLP, reference_batches_for(world, accumulation), lr=LR,
+                                                     norms=ref_norms)
         what = f"world {world}, stage {stage}, accumulation {accumulation}"
         rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
         assert rel <= 1e-5, f"{what}: losses {losses} vs reference {ref_losses} (max rel {rel:.2e})"
+        assert norms == pytest.approx(ref_norms, rel=1e-5), f"{what}: gradient norms (what clipping divides by)"
         assert set(weights) == set(ref_weights), what
         for name, ref in ref_weights.items():
             torch.testing.assert_close(weights[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}, {name}: {m}")
