@@ -70,21 +70,30 @@ class HostGradients:
 
     On a GPU, `start` launches the device-to-host copy in the shard-ready callback and
     records an event; `get` waits for it. On the CPU, `get` copies at once (a plain copy).
+    A buffer is allocated the first time its bucket needs one: a CPU run that updates with
+    the reduced gradients themselves never holds these copies.
     """
 
     def __init__(self, sizes: dict[int, int], pin: bool):
-        self.buffers = {index: host_empty(numel, pin) for index, numel in sizes.items()}
+        self.sizes, self.pin = sizes, pin
+        self.buffers: dict[int, torch.Tensor] = {}
         self._events: dict[int, object] = {}
 
+    def _buffer(self, index: int) -> torch.Tensor:
+        buffer = self.buffers.get(index)
+        if buffer is None:
+            buffer = self.buffers[index] = host_empty(self.sizes[index], self.pin)
+        return buffer
+
     def start(self, index: int, grad: torch.Tensor) -> None:
-        if grad.is_cuda and index in self.buffers:
-            self.buffers[index].copy_(grad, non_blocking=True)
+        if grad.is_cuda and index in self.sizes:
+            self._buffer(index).copy_(grad, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
             self._events[index] = event
 
     def get(self, index: int, grad: torch.Tensor) -> torch.Tensor:
-        buffer = self.buffers[index]
+        buffer = self._buffer(index)
         event = self._events.pop(index, None)
         if event is not None:
             event.synchronize()
@@ -169,9 +178,19 @@ class OffloadOptimizer(ShardedOptimizer):
         self.stats["steps"] += 1
         self.publish()
 
+    # SuperOffload steps speculatively and may redo a step from the same reduced gradients,
+    # so it must multiply a copy; the plain step may scale the reduced gradients in place.
+    keeps_reduced_gradients = False
+
     def host_gradient(self, index: int, grad: torch.Tensor, multiplier: float) -> torch.Tensor:
-        """Bucket `index`'s gradient on the host, multiplied exactly as ShardedOptimizer would."""
-        host = self.host_grads.get(index, grad)
+        """Bucket `index`'s gradient on the host, multiplied exactly as ShardedOptimizer would.
+
+        A reduced gradient that already is an fp32 host tensor (a CPU run) is used as it is,
+        as the device optimizer uses it: no copy and no buffer."""
+        if grad.device.type == "cpu" and grad.dtype == torch.float32 and not self.keeps_reduced_gradients:
+            host = grad
+        else:
+            host = self.host_grads.get(index, grad)
         if multiplier != 1.0:
             host.mul_(multiplier)
         return host

@@ -98,6 +98,8 @@ class SuperOffloadOptimizer(OffloadOptimizer):
 
     kind = "cpu+super_offload"
 
+    keeps_reduced_gradients = True  # a clipped redo starts again from them
+
     def __init__(self, *args, loss_scale: Callable[[], float] = lambda: 1.0, **kwargs):
         super().__init__(*args, **kwargs)
         if self.reducer is None:
