@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from .config import ConfigError, load_config
+from .config.batch import GAS, MICRO, TBS
 from .parallel import apply_tensor_parallel, tensor_parallel_comm
 from .parallel.plan import default_plan
 from .engine import OptimizerLike, ZeroTrainEngine
@@ -51,9 +52,15 @@ def initialize(model: torch.nn.Module, config: Union[dict, str, os.PathLike, Non
         config = getattr(args, "deepspeed_config", None) if args is not None else None
     if config is None:
         raise ValueError("zerotrain.initialize needs a config (a dict or a path to a JSON file)")
-    cfg = load_config(config)
-    tp_size = int(cfg.tensor_parallel.autotp_size)
     world = _dp_size_hint()
+    try:
+        cfg = load_config(config)
+    except ConfigError as err:
+        if err.key not in (TBS, MICRO, GAS):
+            raise
+        # The data-parallel size also depends on tensor_parallel; name the world size this job has.
+        raise ConfigError(f"{err}; this job has world size {world}", key=err.key, file=err.file) from None
+    tp_size = int(cfg.tensor_parallel.autotp_size)
     if world % tp_size:
         raise ConfigError(f"tensor_parallel.autotp_size: {tp_size} does not divide the world size {world}",
                           key="tensor_parallel.autotp_size")

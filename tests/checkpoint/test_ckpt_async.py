@@ -112,22 +112,74 @@ def fenced_run(save_dir: str) -> dict:
     engine.save_checkpoint(save_dir, tag="fenced")
     returned_after = time.perf_counter() - started
     train(engine, 2, 2)  # the first step() waits for the copy, then moves the weights on
+    fence_seconds = engine.checkpointer.last_fence_seconds
     moved = engine.full_state_dict()
     engine.wait_checkpoint()
+    engine.save_checkpoint(save_dir, tag="sync", async_save=False)
+    sync_fence_seconds = engine.checkpointer.last_fence_seconds
     snapshot.Sources.complete = original
     fresh = make_engine(stage=3, seed=9)
-    fresh.load_checkpoint(save_dir)
+    fresh.load_checkpoint(save_dir, tag="fenced")
     return {"returned_after": returned_after, "at_save": at_save, "moved": moved, "loaded": fresh.full_state_dict(),
-            "state_at_save": state_at_save, "state_loaded": optimizer_state(fresh)}
+            "state_at_save": state_at_save, "state_loaded": optimizer_state(fresh), "fence_seconds": fence_seconds,
+            "sync_fence_seconds": sync_fence_seconds}
 
 
 def test_async_snapshot_copy_is_fenced_before_the_next_update(tmp_path):
     results = run_distributed(fenced_run, 2, str(tmp_path / "ckpt"))
     out = results[0]
     assert out["returned_after"] < 0.5  # the copy did not block the call
+    for result in results:  # the next step() waited for the slowed copy, and says how long
+        assert 0.2 < result["fence_seconds"] < 5.0, result["fence_seconds"]
+        assert result["sync_fence_seconds"] == 0.0
     assert any(not (out["moved"][n] == out["at_save"][n]).all() for n in out["at_save"])
     assert_weights_equal(out["loaded"], out["at_save"], rtol=0, atol=0, what="fenced snapshot")
     for result in results:  # every rank's optimizer shard is the one at save time
         for got, want in zip(result["state_loaded"], result["state_at_save"]):
             for key in want:
                 assert (got[key] == want[key]).all(), key
+
+
+def gathered_write_run(save_dir: str) -> dict:
+    """GatheredParameters(modifier_rank=0) right after an async save (slowed copy): it must not change the snapshot."""
+    import torch
+
+    import zerotrain
+    import zerotrain.checkpoint.snapshot as snapshot
+
+    original = snapshot.Sources.complete
+    engine = make_engine(stage=3, async_save=True)
+    train(engine, 0, 2)
+    at_save = engine.full_state_dict()
+
+    def slow(self):
+        time.sleep(0.5)
+        return original(self)
+
+    snapshot.Sources.complete = slow
+    engine.save_checkpoint(save_dir, tag="gathered")
+    weight = engine.module.fc1.weight
+    started = time.perf_counter()
+    with zerotrain.zero.GatheredParameters([weight], modifier_rank=0):
+        if int(os.environ["RANK"]) == 0:
+            with torch.no_grad():
+                weight.fill_(7.0)
+    write_back_seconds = time.perf_counter() - started
+    modified = engine.full_state_dict()
+    train(engine, 2, 1)
+    fence_seconds = engine.checkpointer.last_fence_seconds
+    engine.wait_checkpoint()
+    snapshot.Sources.complete = original
+    fresh = make_engine(stage=3, seed=9)
+    fresh.load_checkpoint(save_dir)
+    return {"at_save": at_save, "modified": modified, "loaded": fresh.full_state_dict(),
+            "write_back_seconds": write_back_seconds, "fence_seconds": fence_seconds}
+
+
+def test_gathered_parameters_write_back_waits_for_the_async_snapshot(tmp_path):
+    results = run_distributed(gathered_write_run, 2, str(tmp_path / "ckpt"))
+    out = results[0]
+    assert (out["modified"]["fc1.weight"] == 7.0).all()  # the write-back happened (shards and masters)
+    assert_weights_equal(out["loaded"], out["at_save"], rtol=0, atol=0, what="snapshot under GatheredParameters")
+    for result in results:  # the write-back was the first writer: it waited, and the step's fence reports it
+        assert result["write_back_seconds"] > 0.2 and result["fence_seconds"] > 0.2, result

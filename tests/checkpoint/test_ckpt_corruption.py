@@ -13,7 +13,7 @@ from ckpt_common import make_engine, optimizer_state, train
 from distributed import run_distributed
 
 CASES = ["no_manifest", "truncated", "flipped_byte", "missing_tensor", "wrong_shape", "temporary_dir",
-         "latest_names_missing_dir"]
+         "latest_names_missing_dir", "deleted_file"]
 
 
 def _restamp(tag_dir: str, name: str) -> None:
@@ -59,6 +59,8 @@ def damage(root: str, good: str) -> dict:
         elif case == "temporary_dir":
             tag = "good.zerotrain-tmp-0123456789ab"
             os.rename(tag_dir, os.path.join(save_dir, tag))
+        elif case == "deleted_file":  # listed in the manifest, gone from the disk
+            os.remove(os.path.join(tag_dir, _file_of(tag_dir, "fc2.weight/exp_avg", "optimizer")))
         elif case == "latest_names_missing_dir":
             open(os.path.join(save_dir, "latest"), "w").write("global_step999")
             tag = None
@@ -92,7 +94,8 @@ def save_then_try_damaged(root: str) -> dict:
     same = _same(before, after)
     # And the intact checkpoint still loads.
     engine.load_checkpoint(os.path.join(root, "saved"))
-    return {"errors": errors, "unchanged": same, "steps_after_good_load": engine.global_steps}
+    return {"errors": errors, "unchanged": same, "steps_after_good_load": engine.global_steps,
+            "deleted_file": _file_of(good, "fc2.weight/exp_avg", "optimizer")}
 
 
 def _same(a, b) -> bool:
@@ -115,6 +118,7 @@ def test_damaged_checkpoints_are_refused_and_nothing_is_loaded(tmp_path):
         "wrong_shape": "tensor 'fc2.bias' in",
         "temporary_dir": "temporary directory",
         "latest_names_missing_dir": "names 'global_step999'",
+        "deleted_file": "file is missing",
     }
     for rank, result in enumerate(results):
         assert result["unchanged"], f"rank {rank}: a failed load changed the engine"
@@ -124,5 +128,7 @@ def test_damaged_checkpoints_are_refused_and_nothing_is_loaded(tmp_path):
             assert message is not None and fragment in message, f"rank {rank}, {case}: {message}"
         assert "model-0000" in result["errors"]["truncated"]
         assert "optimizer-0000" in result["errors"]["flipped_byte"]
+        deleted = os.path.join(str(tmp_path), "deleted_file", "good", result["deleted_file"])
+        assert deleted in result["errors"]["deleted_file"], result["errors"]["deleted_file"]
         assert "expects [3]" in result["errors"]["wrong_shape"] and "[4]" in result["errors"]["wrong_shape"]
     assert results[0]["errors"] == results[1]["errors"]  # every rank raises the same error

@@ -76,3 +76,59 @@ def test_killed_saves_leave_latest_loadable_and_rotation_keeps_committed(tmp_pat
     assert sorted(os.listdir(save_dir)) == ["latest", "t5", "t6"]
     manifest = json.load(open(os.path.join(save_dir, "t6", "manifest.json")))
     assert manifest["global_steps"] == 3 and manifest["world_size"] == 2
+
+
+def resave_then_die(save_dir: str) -> None:
+    """Save t1, train on, save t1 again and die between moving the old t1 aside and renaming the new one in."""
+    engine = make_engine(stage=0)
+    train(engine, 0, 1)
+    engine.save_checkpoint(save_dir, tag="t1")
+    train(engine, 1, 1)
+    _kill_at("replaced-aside")
+    engine.save_checkpoint(save_dir, tag="t1")
+
+
+def load_latest_verified(save_dir: str) -> dict:
+    """Load `latest` (checksums verified) into a differently seeded engine; compare with 1 uninterrupted step."""
+    from ckpt_common import assert_weights_equal
+
+    from zerotrain.checkpoint import verify_checkpoint
+
+    reference = make_engine(stage=2)
+    train(reference, 0, 1)
+    engine = make_engine(stage=2, seed=3, verify_on_load=True)
+    path, _ = engine.load_checkpoint(save_dir)
+    weights, want = engine.full_state_dict(), reference.full_state_dict()  # collectives: every rank
+    if int(os.environ["RANK"]) == 0:
+        assert_weights_equal(weights, want, what="recovered t1")
+    return {"loaded": os.path.basename(path), "steps": engine.global_steps, "verified": verify_checkpoint(save_dir)["ok"]}
+
+
+def save_other_tag(save_dir: str) -> int:
+    """A save of another tag, with no load before it: the save itself restores the interrupted re-save."""
+    engine = make_engine(stage=0, seed=4)
+    train(engine, 0, 2)
+    engine.save_checkpoint(save_dir, tag="t2", save_latest=False)
+    return engine.global_steps
+
+
+def test_killed_resave_of_latest_tag_is_recovered(tmp_path):
+    save_dir = str(tmp_path / "ckpt")
+    run_distributed(resave_then_die, 1, save_dir, expect_exit={0})
+    # The crash window: `latest` names t1, t1 is gone, the old copy survives aside, the new one is complete aside.
+    assert _latest(save_dir) == "t1" and not os.path.exists(os.path.join(save_dir, "t1"))
+    [replaced] = glob.glob(os.path.join(save_dir, "t1.zerotrain-replaced-*"))
+    assert os.path.exists(os.path.join(replaced, "manifest.json"))
+    assert glob.glob(os.path.join(save_dir, "t1.zerotrain-tmp-*"))
+
+    # A load (two ranks at once) restores the old t1 and loads it, checksums verified.
+    for out in run_distributed(load_latest_verified, 2, save_dir):
+        assert out == {"loaded": "t1", "steps": 1, "verified": True}
+    assert not glob.glob(os.path.join(save_dir, "*.zerotrain-replaced-*"))
+
+    # The same crash again; this time the next save (of another tag) restores t1 before it commits.
+    run_distributed(resave_then_die, 1, save_dir, expect_exit={0})
+    assert not os.path.exists(os.path.join(save_dir, "t1"))
+    assert run_distributed(save_other_tag, 1, save_dir) == [2]
+    assert sorted(os.listdir(save_dir)) == ["latest", "t1", "t2"] and _latest(save_dir) == "t1"
+    assert run_distributed(load_latest_verified, 1, save_dir)[0] == {"loaded": "t1", "steps": 1, "verified": True}

@@ -62,6 +62,47 @@ def test_impossible_for_every_dp_size_fails_at_load():
     assert info.value.key == "train_batch_size"
 
 
+@pytest.mark.parametrize("given", [
+    {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4},
+    {"train_batch_size": 30, "gradient_accumulation_steps": 4},
+    {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4},
+])
+def test_early_check_names_all_three_values_and_dp(given):
+    """The check that runs before the data-parallel size is known names every value (unset ones as such)."""
+    def shown(key):
+        return f"{key}={given[key]}" if key in given else f"{key}=(not set)"
+
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    with pytest.raises(ConfigError) as info:
+        load_config(given)
+    message = str(info.value)
+    assert all(shown(key) in message for key in keys), message
+    assert "dp_world_size not known yet" in message and info.value.key == "train_batch_size"
+    with pytest.raises(ConfigError) as info:  # dp known: it is named too
+        load_config(given, dp_world_size=3)
+    message = str(info.value)
+    assert all(shown(key) in message for key in keys) and "dp_world_size=3" in message, message
+
+
+def test_initialize_names_the_world_size_in_an_impossible_triple(monkeypatch):
+    """zerotrain.initialize fails before any process group, naming the values and the job's world size."""
+    import torch.distributed as dist
+
+    import zerotrain
+    from models_for_tests import OddMLP
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError) as info:
+        zerotrain.initialize(model=OddMLP(), config={"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4,
+                                                     "gradient_accumulation_steps": 2})
+    message = str(info.value)
+    for text in ("train_batch_size=30", "train_micro_batch_size_per_gpu=4", "gradient_accumulation_steps=2",
+                 "world size 4"):
+        assert text in message, message
+    assert not dist.is_initialized()
+
+
 def test_only_accumulation_asks_for_a_batch_key():
     cfg = load_config({"gradient_accumulation_steps": 4})
     with pytest.raises(ConfigError, match="add train_batch_size or train_micro_batch_size_per_gpu"):

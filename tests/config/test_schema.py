@@ -129,6 +129,38 @@ def test_wrong_values_name_the_key(config, key):
     assert key in str(err), str(err)
 
 
+@pytest.mark.parametrize("config, key", [
+    ({"fp16": {"enabled": True, "initial_scale_power": -1}}, "fp16.initial_scale_power"),
+    ({"fp16": {"initial_scale_power": 65}}, "fp16.initial_scale_power"),
+    ({"fp16": {"initial_scale_power": 1.5}}, "fp16.initial_scale_power"),
+    ({"fp16": {"initial_scale_power": "16"}}, "fp16.initial_scale_power"),
+    ({"fp16": {"enabled": True, "loss_scale": -1}}, "fp16.loss_scale"),
+    ({"fp16": {"loss_scale": "dynamic"}}, "fp16.loss_scale"),
+    ({"fp16": {"loss_scale": float("inf")}}, "fp16.loss_scale"),
+    ({"fp16": {"enabled": True, "loss_scale_window": 0}}, "fp16.loss_scale_window"),
+    ({"fp16": {"loss_scale_window": 2.5}}, "fp16.loss_scale_window"),
+    ({"fp16": {"enabled": True, "hysteresis": 0}}, "fp16.hysteresis"),
+    ({"fp16": {"hysteresis": -2}}, "fp16.hysteresis"),
+    ({"fp16": {"hysteresis": True}}, "fp16.hysteresis"),
+    ({"zero_optimization": {"allgather_bucket_size": -1}}, "zero_optimization.allgather_bucket_size"),
+    ({"zero_optimization": {"allgather_bucket_size": 0}}, "zero_optimization.allgather_bucket_size"),
+    ({"optimizer": {"type": "AdamW", "params": {"bias_correction": False}}}, "optimizer.params.bias_correction"),
+    ({"optimizer": {"type": "Adam", "params": {"bias_correction": "no"}}}, "optimizer.params.bias_correction"),
+    ({"optimizer": {"type": 5}}, "optimizer.type"),
+    ({"optimizer": {"type": ["AdamW"]}}, "optimizer.type"),
+    ({"optimizer": {"type": None}}, "optimizer.type"),
+    ({"scheduler": {"type": 1}}, "scheduler.type"),
+    ({"zero_optimization": {"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": "yes"}},
+     "zero_optimization.cpu_offload_use_pin_memory"),
+    ({"zero_optimization": {"cpu_offload_use_pin_memory": 1}}, "zero_optimization.cpu_offload_use_pin_memory"),
+])
+def test_more_wrong_values_name_the_key(config, key):
+    """fp16 scaler knobs, bucket sizes, optimizer type/params, legacy offload switches: key in message and .key."""
+    err = error_of(dict(BASE, **config))
+    assert key in str(err), str(err)
+    assert err.key == key
+
+
 def test_errors_report_every_problem():
     err = error_of({"train_batch_size": 8, "gradient_clipping": -1, "steps_per_print": True})
     assert "gradient_clipping" in str(err) and "steps_per_print" in str(err)
@@ -182,6 +214,30 @@ def test_deepspeed_only_keys_switched_off_are_silent():
         warnings.simplefilter("error")
         cfg = load(wandb={"enabled": False}, prescale_gradients=False, gradient_predivide_factor=1.0)
     assert "wandb" in cfg.unimplemented
+
+
+@pytest.mark.parametrize("config, key, value", [
+    ({"wall_clock_breakdown": True}, "wall_clock_breakdown", True),
+    ({"zero_optimization": {"allgather_bucket_size": 2e8}}, "zero_optimization.allgather_bucket_size", 200_000_000),
+    ({"zero_optimization": {"stage": 2, "allgather_bucket_size": 1}}, "zero_optimization.allgather_bucket_size", 1),
+    ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast", True),
+])
+def test_accepted_but_unimplemented_keys_warn_when_set(config, key, value):
+    """Keys zerotrain validates but does not act on: a non-default value warns naming the key."""
+    with pytest.warns(ConfigWarning, match=key.replace(".", r"\.")) as record:
+        cfg = load_config(dict(BASE, **config))
+    assert any("no effect" in str(w.message) for w in record)
+    assert cfg.unimplemented[key] == value
+    block, _, name = key.rpartition(".")
+    assert getattr(getattr(cfg, block) if block else cfg, name) == value  # still validated and kept
+
+
+def test_unimplemented_keys_at_their_default_are_silent():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = load(wall_clock_breakdown=False, fp16={"auto_cast": False},
+                   zero_optimization={"allgather_bucket_size": 5e8})
+    assert not cfg.unimplemented
 
 
 def test_underscore_keys_are_ignored_at_any_level():
@@ -290,3 +346,11 @@ def test_direct_construction_uses_the_same_schema():
     cfg = ZeroTrainConfig(train_batch_size=4, zero_optimization={"stage": 2})
     assert cfg.zero_optimization.stage == 2
     assert load_config(cfg.raw).zero_optimization.stage == 2
+
+
+def test_aio_thread_count_is_read_as_intra_op_parallelism_with_a_warning():
+    from zerotrain.config import ConfigWarning, load_config
+
+    with pytest.warns(ConfigWarning, match=r"aio\.thread_count is the older name of aio\.intra_op_parallelism"):
+        cfg = load_config({"train_micro_batch_size_per_gpu": 1, "aio": {"thread_count": 3}})
+    assert cfg.aio.intra_op_parallelism == 3

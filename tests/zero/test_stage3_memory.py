@@ -33,14 +33,16 @@ def stage3_memory(zero: dict, accumulation: int = 1) -> dict:
     config = _config(**zero)
     config["gradient_accumulation_steps"] = accumulation
     engine, *_ = zerotrain.initialize(model=model, config=config)
-    held_between_micro_steps = []
+    held_between_micro_steps, between = [], []
     for _ in range(2 * accumulation):  # the second step runs with prefetch
         engine.backward(engine(torch.randn(2, 64), torch.randn(2, 61)))
         if not engine.is_gradient_accumulation_boundary():
-            held_between_micro_steps.append(engine.memory_report()["gradients"])
+            between.append(engine.memory_report())
+            held_between_micro_steps.append(between[-1]["gradients"])
         engine.step()
     report = engine.memory_report()
     report["held_between_micro_steps"] = held_between_micro_steps
+    report["between_micro_steps"] = between
     report["reduce"] = dict(engine.reducer.stats)
     report["sizes"] = sizes
     report["stats"] = dict(engine.stage3.fetcher.stats)
@@ -127,6 +129,20 @@ def test_max_live_parameters_caps_prefetch():
     capped = run_distributed(stage3_memory, 2, {"stage3_max_live_parameters": 0})[0]
     assert capped["stats"]["prefetched"] == 0
     assert capped["stats"]["peak_live_bytes"] <= max(-(-n // 2) * 2 * 4 for n in capped["sizes"].values()) * 2
+
+
+def test_quarter_of_gradients_held_between_micro_steps_at_world_4():
+    for rank, report in enumerate(run_distributed(stage3_memory, 4, {}, 2)):
+        shard = sum(-(-n // 4) for n in report["sizes"].values())  # ceil(numel / 4) per parameter
+        full = sum(report["sizes"].values())
+        assert len(report["between_micro_steps"]) == 2, "two steps of two micro-steps: one gap each"
+        for between in report["between_micro_steps"]:
+            assert between["gradients"] == 4 * shard, f"rank {rank}: fp32 gradient shards, 1/4 each"
+            assert between["gradients"] < 4 * full / 4 + 4 * 3 * len(report["sizes"]), \
+                "a quarter of the full fp32 gradient, plus at most 3 padding elements per parameter"
+            assert between["parameters"] == 4 * shard, f"rank {rank}: parameters released between micro-steps"
+        assert report["gradients"] == 0, "gradient shards are freed after the optimizer step"
+        assert report["reduce"]["staging_bytes"] == 0
 
 
 def test_gradient_shards_held_only_while_accumulating():

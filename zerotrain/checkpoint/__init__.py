@@ -12,17 +12,19 @@ size and ZeRO stage, each rank reading only its slices (`load`, `reader`, `sourc
 
 Public API: `save_checkpoint`, `load_checkpoint` (what the engine's methods call),
 `Checkpointer` (`engine.checkpointer`: `wait()`, `raise_if_failed()`, `pending`,
-`last_stall_seconds`), `CheckpointError`, and the offline tools `inspect_checkpoint`,
-`verify_checkpoint`, `export_model`.
+`last_stall_seconds`, `last_fence_seconds`: their sum is an async save's training stall),
+`fence_snapshots` (call before writing shards or masters outside `engine.step()`),
+`CheckpointError`, and the offline tools `inspect_checkpoint`, `verify_checkpoint`, `export_model`.
 
 Modules, one concept each:
     format        file names, the streaming safetensors writer, CheckpointError
     directio      O_DIRECT writes and range reads through aligned buffers (measured there)
     integrity     manifest and crc32 checksums (why crc32: measured there)
-    commit        temporary directories, atomic rename, `latest`, rotation
+    commit        temporary directories, atomic rename, `latest`, rotation, recovery of interrupted re-saves
     plan          who writes what, in which file and round
     snapshot      the bytes a save reads, host buffers for async saves
     write         one save executed: exchange, write, agree, commit
+    fence         pending async snapshot copies, waited for by whatever writes the slots next
     checkpointer  the engine's Checkpointer: async thread, error propagation
     source        which directory to load, what kind, intact or not
     slots         the engine's sharded slots, trainable and (stage 3) frozen
@@ -36,9 +38,10 @@ Modules, one concept each:
 from __future__ import annotations
 
 from .checkpointer import Checkpointer, save_checkpoint
+from .fence import fence_snapshots
 from .format import CheckpointError
 from .load import load_checkpoint
 from .tools import export_model, inspect_checkpoint, verify_checkpoint
 
-__all__ = ["save_checkpoint", "load_checkpoint", "Checkpointer", "CheckpointError", "inspect_checkpoint",
-           "verify_checkpoint", "export_model"]
+__all__ = ["save_checkpoint", "load_checkpoint", "Checkpointer", "CheckpointError", "fence_snapshots",
+           "inspect_checkpoint", "verify_checkpoint", "export_model"]

@@ -12,6 +12,9 @@ its own process group. The save call itself returns after planning: the copy of 
 rank's slots into the reused host buffers is the writer's first act, overlapping the
 next forward and backward, and `fence()` (called by the next `engine.step()`) holds
 the optimizer update until that copy is done (measured: benchmarks/RESULTS_checkpoint.md).
+Code outside the engine that writes shards or masters fences through
+`fence.fence_snapshots()`. The training stall of an async save is
+`last_stall_seconds` (the save call) plus `last_fence_seconds` (the first fence after it).
 
 Errors: a failed background save is raised by the next `engine.step()` (every rank
 raises at the same step: while a save is pending, `raise_if_failed` all-reduces one
@@ -31,10 +34,11 @@ import torch.distributed as dist
 
 from ..offload import resident_states
 from .commit import check_tag
+from .fence import SnapshotFence
 from .format import CheckpointError
 from .loco import capture_loco
 from .optim_state import group_hyperparameters
-from .plan import build_plan, layout_digest, local_layout
+from .plan import MAX_FILE_BYTES, ROUND_BYTES, SavePlan, build_plan, layout_digest, local_layout
 from .slots import all_slots, refuse_tensor_parallel
 from .snapshot import HostBuffers, capture, hf_config_files
 from .state import capture_rng, capture_trainer_state
@@ -51,11 +55,17 @@ class Checkpointer:
         self.comm = engine.comm.new_cpu_comm(engine.topology.timeout_seconds)
         self.buffers = HostBuffers()
         self._plans: dict = {}
+        self.max_file_bytes = MAX_FILE_BYTES  # largest safetensors file a writer starts (plan.build_plan)
+        self.round_bytes = ROUND_BYTES        # about how much a writer receives per exchange round
+        self.last_plan: Optional[SavePlan] = None  # the plan of the last save
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._result: Optional[str] = None
-        self._snapshot_taken: Optional[threading.Event] = None
-        self.last_stall_seconds: Optional[float] = None
+        self._fence: Optional[SnapshotFence] = None
+        self.last_stall_seconds: Optional[float] = None  # how long the last save call blocked training
+        # How long the first fence after the last save (normally the next step()) waited for its snapshot
+        # copy: 0.0 after a synchronous save, None until an asynchronous save's copy has been fenced.
+        self.last_fence_seconds: Optional[float] = None
 
     # --- saving ----------------------------------------------------------------------------------
     def save(self, save_dir: str, tag: Optional[str], client_state: dict, save_latest: bool,
@@ -90,11 +100,12 @@ class Checkpointer:
         path = os.path.join(os.path.abspath(save_dir), tag)
         if not async_save:
             job.run()
-            self.last_stall_seconds = time.perf_counter() - started
+            self.last_stall_seconds, self.last_fence_seconds = time.perf_counter() - started, 0.0
             return path
         self._error, self._result = None, None
-        self._snapshot_taken = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(job,), name=f"zerotrain-checkpoint-{tag}")
+        self._fence, self.last_fence_seconds = SnapshotFence(), None
+        self._thread = threading.Thread(target=self._run, args=(job, self._fence),
+                                        name=f"zerotrain-checkpoint-{tag}")
         self._thread.start()
         self.last_stall_seconds = time.perf_counter() - started
         return path
@@ -112,11 +123,12 @@ class Checkpointer:
         tags = [view[0] for view in views]
         if len(set(tags)) > 1:
             raise CheckpointError(f"ranks asked for different checkpoint tags: {tags}")
-        digests = tuple(view[1] for view in views)
-        plan = self._plans.get(digests)
+        key = (tuple(view[1] for view in views), self.max_file_bytes, self.round_bytes)
+        plan = self._plans.get(key)
         if plan is None:
-            plan = build_plan(self.comm.all_gather_object(layout))
-            self._plans = {digests: plan}
+            plan = build_plan(self.comm.all_gather_object(layout), self.max_file_bytes, self.round_bytes)
+            self._plans = {key: plan}
+        self.last_plan = plan
         return slots, plan
 
     def _agree(self, view: list, what: str, error: Optional[BaseException]) -> list:
@@ -139,12 +151,12 @@ class Checkpointer:
         return engine.topology.device.type == "cpu" and \
             not callable(getattr(engine.zero_optimizer, "resident_states", None))
 
-    def _run(self, job: SaveJob) -> None:
+    def _run(self, job: SaveJob, fence: SnapshotFence) -> None:
         try:
             try:
                 job.sources.complete()  # the snapshot, before the next optimizer update (see fence)
             finally:
-                self._snapshot_taken.set()
+                fence.done()
             self._result = job.run()
         except BaseException as error:  # noqa: BLE001 - kept for the training thread to raise
             self._error = error
@@ -163,9 +175,16 @@ class Checkpointer:
         self._raise()
 
     def fence(self) -> None:
-        """Block until the pending save's snapshot copies are done (before anything changes the slots)."""
-        if self._snapshot_taken is not None:
-            self._snapshot_taken.wait()
+        """Block until the pending save's snapshot copies are done (before anything changes the slots).
+
+        Records the first fence's wait in `last_fence_seconds` (training stalls that long too).
+        """
+        fence = self._fence
+        if fence is None:
+            return
+        fence.wait()
+        self.last_fence_seconds = fence.waited_seconds
+        self._fence = None  # copied: later fences have nothing to wait for
 
     def raise_if_failed(self) -> None:
         """Called by every engine.step(): raise a failed background save's error, on every rank at once.

@@ -7,10 +7,18 @@ rename, fsync the directory). A crash at any point leaves either the old state o
 new one: temporary directories are never loaded and never counted by rotation, and
 `latest` only ever names a directory that was complete before it was written.
 
+Saving again under an existing tag cannot be one rename (a directory is not replaced
+by rename), so the committed `<tag>` is first moved aside to
+`<tag>.zerotrain-replaced-<id>`, then the new one is renamed in. A crash between the
+two renames leaves no `<tag>`; `recover_replaced`, run by every load (before `latest`
+is resolved) and by every save (before it commits), renames the intact replaced copy
+back, so `latest` always names a loadable, verified checkpoint.
+
 Rotation (`checkpoint.keep_last`) runs only after a commit, counts only committed
 checkpoints (a directory with a zerotrain manifest), orders them by commit time, and
-never deletes the one `latest` names; a checkpoint is first renamed out of the way,
-so a half-deleted directory can never look committed.
+never deletes the one `latest` names. A directory being deleted is first renamed to
+`<name>.zerotrain-old-<id>` and loses its manifest before anything else, so a
+half-deleted directory never looks committed and is never recovered.
 """
 from __future__ import annotations
 
@@ -20,7 +28,8 @@ import shutil
 import uuid
 from typing import Callable, Optional
 
-from .format import FORMAT_NAME, LATEST, MANIFEST, OLD_MARK, TMP_MARK, CheckpointError, read_json
+from .format import (FORMAT_NAME, LATEST, MANIFEST, OLD_MARK, REPLACED_MARK, TMP_MARK, CheckpointError,
+                     is_side_name, read_json)
 
 logger = logging.getLogger("zerotrain")
 
@@ -44,9 +53,10 @@ def tmp_dir(save_dir: str, tag: str, save_id: str) -> str:
 def check_tag(tag: str) -> str:
     tag = str(tag)
     if (not tag or tag in (".", "..", LATEST) or os.sep in tag or (os.altsep and os.altsep in tag)
-            or TMP_MARK in tag or OLD_MARK in tag):
+            or is_side_name(tag)):
         raise CheckpointError(f"invalid checkpoint tag {tag!r}: it must be a plain directory name "
-                              f"(not {LATEST!r}, no path separators, no {TMP_MARK!r})")
+                              f"(not {LATEST!r}, no path separators, no {TMP_MARK!r}, {REPLACED_MARK!r} "
+                              f"or {OLD_MARK!r})")
     return tag
 
 
@@ -80,30 +90,96 @@ def read_latest(save_dir: str) -> Optional[str]:
     return tag or None
 
 
+def _delete_tree(path: str) -> None:
+    """Delete a directory already renamed aside: its manifest first, so a partial delete never looks committed."""
+    try:
+        os.remove(os.path.join(path, MANIFEST))
+    except OSError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _remove(path: str) -> None:
     """Rename aside (atomic), then delete the contents."""
     doomed = f"{path}{OLD_MARK}{new_save_id()}"
     os.rename(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+    _delete_tree(doomed)
 
 
 def commit_directory(temp: str, final: str) -> None:
-    """Rename the finished `temp` directory to `final` (replacing an older `final`) and fsync the parent."""
+    """Rename the finished `temp` directory to `final` (replacing an older `final`) and fsync the parent.
+
+    An older `final` is moved aside to a `REPLACED_MARK` name first; a crash before the
+    second rename is undone by `recover_replaced`.
+    """
     parent = os.path.dirname(os.path.abspath(final))
     fsync_dir(temp)
-    old = None
+    replaced = None
     if os.path.exists(final):
-        old = f"{final}{OLD_MARK}{new_save_id()}"
-        os.rename(final, old)
+        replaced = f"{final}{REPLACED_MARK}{new_save_id()}"
+        os.rename(final, replaced)
+        fsync_dir(parent)
+        event("replaced-aside")
     os.rename(temp, final)
     fsync_dir(parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    if replaced is not None:
+        doomed = f"{final}{OLD_MARK}{new_save_id()}"
+        os.rename(replaced, doomed)  # from here on it is garbage, never a recovery candidate
+        _delete_tree(doomed)
+
+
+def _intact(path: str) -> Optional[int]:
+    """The commit time of a checkpoint directory whose manifest and every listed file (by size) are present."""
+    try:
+        manifest = read_json(os.path.join(path, MANIFEST))
+        if manifest.get("format") != FORMAT_NAME:
+            return None
+        for name, entry in manifest.get("files", {}).items():
+            if os.path.getsize(os.path.join(path, name)) != int(entry["size"]):
+                return None
+        return int(manifest.get("committed_at_ns", 0))
+    except (CheckpointError, OSError, KeyError, TypeError, ValueError):
+        return None
+
+
+def recover_replaced(save_dir: str) -> list[str]:
+    """Rename back every intact replaced checkpoint whose tag directory is missing; returns the tags recovered.
+
+    Safe to run on every rank at once: each rename is atomic and only one succeeds.
+    """
+    candidates: dict[str, list[tuple[int, str]]] = {}
+    try:
+        names = os.listdir(save_dir)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        if REPLACED_MARK not in name or TMP_MARK in name or OLD_MARK in name:
+            continue
+        tag = name.split(REPLACED_MARK)[0]
+        path = os.path.join(save_dir, name)
+        if tag and not os.path.exists(os.path.join(save_dir, tag)):
+            committed_at = _intact(path)
+            if committed_at is not None:
+                candidates.setdefault(tag, []).append((committed_at, path))
+    recovered = []
+    for tag, found in sorted(candidates.items()):
+        _, path = max(found)
+        final = os.path.join(save_dir, tag)
+        try:
+            os.rename(path, final)
+        except OSError:
+            if not os.path.isdir(final):  # another rank recovering at the same time wins the race
+                raise
+            continue
+        fsync_dir(save_dir)
+        logger.warning("checkpoint %s: a save replacing it was interrupted; the previous copy was restored", final)
+        recovered.append(tag)
+    return recovered
 
 
 def is_committed(path: str) -> bool:
     name = os.path.basename(os.path.normpath(path))
-    if TMP_MARK in name or OLD_MARK in name or not os.path.isdir(path):
+    if is_side_name(name) or not os.path.isdir(path):
         return False
     try:
         return read_json(os.path.join(path, MANIFEST)).get("format") == FORMAT_NAME
@@ -138,12 +214,14 @@ def rotate(save_dir: str, keep_last: Optional[int], just_committed: str) -> list
 
 
 def remove_stale(save_dir: str, keep: str) -> None:
-    """Delete leftovers of interrupted saves and replacements (temporary directories other than `keep`)."""
+    """Delete leftovers of interrupted saves, replacements and deletions (side directories other than `keep`)."""
     for name in os.listdir(save_dir):
         path = os.path.join(save_dir, name)
-        if (TMP_MARK in name or OLD_MARK in name) and os.path.abspath(path) != os.path.abspath(keep):
+        if is_side_name(name) and os.path.abspath(path) != os.path.abspath(keep):
+            if REPLACED_MARK in name and not os.path.exists(os.path.join(save_dir, name.split(REPLACED_MARK)[0])):
+                continue  # the only copy of its tag: left for recover_replaced
             if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
+                _delete_tree(path)
             else:
                 try:
                     os.remove(path)

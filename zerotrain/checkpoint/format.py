@@ -42,7 +42,14 @@ MODEL, MASTER, OPTIMIZER = "model", "master_weights", "optimizer"
 KINDS = (MODEL, MASTER, OPTIMIZER)
 
 TMP_MARK = ".zerotrain-tmp-"  # a save in progress (or a crashed one): never loaded, never rotated
-OLD_MARK = ".zerotrain-old-"  # a replaced or rotated checkpoint on its way out
+OLD_MARK = ".zerotrain-old-"  # a rotated or replaced checkpoint being deleted (manifest removed first)
+REPLACED_MARK = ".zerotrain-replaced-"  # a committed checkpoint moved aside for a new save of its tag
+SIDE_MARKS = (TMP_MARK, OLD_MARK, REPLACED_MARK)
+
+
+def is_side_name(name: str) -> bool:
+    """Whether a directory entry is a save's side directory (temporary, replaced, being deleted): never loaded."""
+    return any(mark in name for mark in SIDE_MARKS)
 
 _ST_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

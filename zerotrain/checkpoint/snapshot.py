@@ -32,13 +32,19 @@ class HostBuffers:
 
     def __init__(self) -> None:
         self._buffers: dict = {}
+        self.allocations = 0  # buffers allocated so far: unchanged by a save that reuses them all
 
     def get(self, key, numel: int, dtype: torch.dtype) -> torch.Tensor:
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() != numel or buffer.dtype != dtype:
             buffer = torch.empty(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
             self._buffers[key] = buffer
+            self.allocations += 1
         return buffer
+
+    def addresses(self) -> dict:
+        """{key: data pointer} of every buffer (tests check that a second save reuses the first's memory)."""
+        return {key: buffer.data_ptr() for key, buffer in self._buffers.items()}
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())

@@ -1,6 +1,8 @@
 """Finding what to load: the tag directory, what kind of checkpoint it is, and whether it is intact.
 
-`resolve` turns (load_dir, tag) into a directory: `tag=None` reads `latest`; a
+`resolve` turns (load_dir, tag) into a directory: first it restores a checkpoint
+whose re-save was interrupted between its two renames (`commit.recover_replaced`),
+then `tag=None` reads `latest`; a
 directory without `latest` that holds a checkpoint itself (a tag directory, or a
 Hugging Face model directory) is used as is; nothing there means nothing to load.
 
@@ -16,9 +18,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .commit import read_latest
-from .format import (HF_CONFIG, MANIFEST, MASTER, MODEL, OLD_MARK, OPTIMIZER, TMP_MARK, TRAINER_STATE,
-                     CheckpointError, index_file, read_header, read_json, rng_file)
+from .commit import read_latest, recover_replaced
+from .format import (HF_CONFIG, MANIFEST, MASTER, MODEL, OPTIMIZER, TRAINER_STATE, CheckpointError, index_file,
+                     is_side_name, read_header, read_json, rng_file)
 from .integrity import check_sizes, my_share, read_manifest, verify_checksums
 
 ZEROTRAIN, HUGGING_FACE = "zerotrain", "hugging-face"
@@ -45,7 +47,7 @@ def _holds_checkpoint(path: str) -> bool:
 
 def _check_not_temporary(path: str) -> None:
     name = os.path.basename(os.path.normpath(path))
-    if TMP_MARK in name or OLD_MARK in name:
+    if is_side_name(name):
         raise CheckpointError(f"{path} is the temporary directory of an unfinished or replaced save; "
                               f"it is never loaded")
 
@@ -55,6 +57,7 @@ def resolve(load_dir: str, tag: Optional[str]) -> Optional[str]:
     load_dir = os.path.abspath(load_dir)
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"checkpoint directory {load_dir} does not exist")
+    recover_replaced(load_dir)
     if tag is None:
         tag = read_latest(load_dir)
         if tag is None:

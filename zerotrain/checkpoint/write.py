@@ -15,7 +15,8 @@ the training step do not interfere. The steps:
 4. all-gather each rank's outcome and file list. A rank that failed keeps taking
    part in every collective (sending zeros) so that nobody waits for it; if any rank
    failed, every rank raises the same error and the temporary directory is removed;
-5. rank 0 writes the manifest, renames the directory into place, replaces `latest`,
+5. rank 0 restores any checkpoint whose re-save was interrupted (`commit.recover_replaced`),
+   writes the manifest, renames the directory into place, replaces `latest`,
    rotates old checkpoints; its outcome is all-gathered so every rank agrees
    whether the checkpoint committed.
 """
@@ -209,6 +210,7 @@ class SaveJob:
     # --- commit (rank 0) -----------------------------------------------------------------------
     def _commit(self, temp: str, final: str, files: dict) -> str | None:
         try:
+            commit.recover_replaced(self.save_dir)  # an interrupted re-save of some tag: restore it first
             write_manifest(temp, files, {"tag": self.tag, "save_id": self._save_id,
                                          "global_steps": self.trainer_state["global_steps"],
                                          "world_size": self.comm.size})

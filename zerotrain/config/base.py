@@ -13,6 +13,9 @@ block's dict, `Block` screens its keys:
   or a block with ``"enabled": false``);
 * any other key is a `ConfigError` naming its dotted path and the closest valid key.
 
+Fields a block validates but zerotrain does not act on yet (``INERT``) warn, naming the
+key, when set to anything but their default, and are listed in ``unimplemented``.
+
 Each block class sits at one place in the config (``PATH``), so its messages carry
 the full dotted key.
 """
@@ -172,7 +175,9 @@ class Block(BaseModel):
     PATH: ClassVar[str] = ""
     DEEPSPEED_ONLY: ClassVar[frozenset[str]] = frozenset()
     LEGACY: ClassVar[dict[str, str]] = {}
+    WARN_LEGACY: ClassVar[frozenset] = frozenset()  # legacy spellings DeepSpeed itself deprecates: warn
     AUTO_MEANS_UNSET: ClassVar[frozenset[str]] = frozenset()
+    INERT: ClassVar[frozenset[str]] = frozenset()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -206,6 +211,8 @@ class Block(BaseModel):
         given_as: dict[str, str] = {}
         for key, value in data.items():
             name = cls.LEGACY.get(key, key)
+            if key in cls.WARN_LEGACY:
+                warn(f"{cls.key_path(key)} is the older name of {cls.key_path(name)}; read as {cls.key_path(name)}")
             if name in cls.model_fields:
                 if name in given_as:
                     if out.get(name) != value:
@@ -222,6 +229,20 @@ class Block(BaseModel):
             else:
                 raise ConfigError(cls._unknown_key_message(key), key=cls.key_path(key))
         return cls._finish(out, info)
+
+    @model_validator(mode="after")
+    def _warn_inert(self, info: ValidationInfo):
+        """Warn about `INERT` fields set to a non-default value: accepted, but they change nothing."""
+        for name in sorted(self.INERT):
+            value = getattr(self, name)
+            if value == type(self).model_fields[name].get_default(call_default_factory=True):
+                continue
+            path = self.key_path(name)
+            if isinstance(info.context, dict):
+                info.context.setdefault("unimplemented", {})[path] = value
+            warn(f"{path} = {value!r}: zerotrain accepts this DeepSpeed key but does not implement it; "
+                 f"it has no effect")
+        return self
 
     @classmethod
     def _drop_auto(cls, name: str) -> None:

@@ -39,20 +39,28 @@ def _check_positive(values: dict[str, Optional[int]]) -> None:
 
 
 def _values(tbs, micro, gas) -> str:
-    return f"{TBS}={tbs}, {MICRO}={micro}, {GAS}={gas}"
+    def show(value):
+        return "(not set)" if value is None else value
+
+    return f"{TBS}={show(tbs)}, {MICRO}={show(micro)}, {GAS}={show(gas)}"
 
 
-def check_batch_partial(tbs: Optional[int], micro: Optional[int], gas: Optional[int]) -> None:
-    """Checks that need no data-parallel size: positive values, and micro x accumulation dividing tbs."""
+def check_batch_partial(tbs: Optional[int], micro: Optional[int], gas: Optional[int],
+                        dp_world_size: Optional[int] = None) -> None:
+    """Checks that hold for any data-parallel size: positive values, and micro x accumulation dividing tbs.
+
+    The error names all three values, and `dp_world_size` when the caller knows it.
+    """
     _check_positive({TBS: tbs, MICRO: micro, GAS: gas})
     if tbs is None:
         return
     per_rank = (micro or 1) * (gas or 1)
     if tbs % per_rank:
-        given = f"{MICRO}={micro}, " if micro is not None else ""
-        given += f"{GAS}={gas}" if gas is not None else ""
-        raise ConfigError(f"{TBS}={tbs} is not divisible by {given.rstrip(', ')} (their product {per_rank}), so no "
-                          f"data-parallel size fits: {TBS} must equal {MICRO} x {GAS} x dp_world_size", key=TBS)
+        dp = f"dp_world_size={dp_world_size}" if dp_world_size is not None else "dp_world_size not known yet"
+        raise ConfigError(f"impossible batch sizes: {_values(tbs, micro, gas)} ({dp}): {TBS} must equal "
+                          f"{MICRO} x {GAS} x dp_world_size, but {tbs} is not divisible by {per_rank} "
+                          f"({MICRO} x {GAS}, an unset one counting as 1), so no data-parallel size fits",
+                          key=TBS)
 
 
 def resolve_batch_triple(tbs: Optional[int], micro: Optional[int], gas: Optional[int],

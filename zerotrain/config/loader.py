@@ -136,8 +136,10 @@ def _drop_commented(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def _build(data: dict[str, Any]) -> ZeroTrainConfig:
+def _build(data: dict[str, Any], dp_world_size: Optional[int] = None) -> ZeroTrainConfig:
     context: dict[str, Any] = {}
+    if isinstance(dp_world_size, int) and not isinstance(dp_world_size, bool):
+        context["dp_world_size"] = dp_world_size  # named in batch-size errors
     try:
         cfg = ZeroTrainConfig.model_validate(data, context=context)
     except ValidationError as err:
@@ -158,12 +160,12 @@ def load_config(source: ConfigSource, dp_world_size: Optional[int] = None) -> Ze
         if isinstance(source, ZeroTrainConfig):
             cfg = source
         elif isinstance(source, Mapping):
-            cfg = _build(dict(source))
+            cfg = _build(dict(source), dp_world_size)
         elif isinstance(source, str) and source.lstrip().startswith("{"):
-            cfg = _build(parse_json_text(source))
+            cfg = _build(parse_json_text(source), dp_world_size)
         elif isinstance(source, (str, os.PathLike)):
             file = os.fspath(source)
-            cfg = _build(read_config_file(file))
+            cfg = _build(read_config_file(file), dp_world_size)
         else:
             raise ConfigError(f"config must be a dict or a path to a JSON file, got {type(source).__name__}")
         if dp_world_size is not None:

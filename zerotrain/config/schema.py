@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Optional
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, ValidationInfo, model_validator
 
 from .base import Block, Bool, ConfigError, Int, NonNegFloat, NonNegInt, PosFloat, PosInt, warn
 from .batch import GAS, MICRO, TBS, check_batch_partial, resolve_batch_triple
@@ -39,6 +39,8 @@ class FP16Config(Block):
 
     PATH = "fp16"
     DEEPSPEED_ONLY = frozenset({"fp16_master_weights_and_grads"})
+
+    INERT = frozenset({"auto_cast"})  # inputs are not cast for the model
 
     enabled: Bool = False
     auto_cast: Bool = False
@@ -78,6 +80,7 @@ class AioConfig(Block):
 
     PATH = "aio"
     LEGACY = {"thread_count": "intra_op_parallelism"}
+    WARN_LEGACY = frozenset({"thread_count"})
 
     block_size: PosInt = 1_048_576
     queue_depth: PosInt = 8
@@ -104,6 +107,7 @@ class ZeroTrainConfig(Block):
     LEGACY = {"bfloat16": "bf16"}
     DEEPSPEED_ONLY = DEEPSPEED_ONLY_KEYS
     AUTO_MEANS_UNSET = frozenset({TBS, MICRO, GAS})
+    INERT = frozenset({"wall_clock_breakdown"})  # no timers yet
 
     train_batch_size: Optional[PosInt] = None
     train_micro_batch_size_per_gpu: Optional[PosInt] = None
@@ -135,11 +139,12 @@ class ZeroTrainConfig(Block):
         return data
 
     @model_validator(mode="after")
-    def _check_cross_keys(self):
+    def _check_cross_keys(self, info: ValidationInfo):
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one", key="fp16.enabled")
+        dp = info.context.get("dp_world_size") if isinstance(info.context, dict) else None
         check_batch_partial(self.train_batch_size, self.train_micro_batch_size_per_gpu,
-                            self.gradient_accumulation_steps)
+                            self.gradient_accumulation_steps, dp_world_size=dp)
         return self
 
     @property

@@ -101,6 +101,9 @@ class ZeroConfig(Block):
         "log_trace_cache_warnings", "stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params",
         "save_muon_momentum_buffer_in_memory", "offload_optimizer_config", "offload_param_config",
     })
+    # Stages 1-2 all-gather updated weights per gradient bucket (reduce_bucket_size); stage 3 by
+    # stage3_prefetch_bucket_size. Nothing reads allgather_bucket_size yet.
+    INERT = frozenset({"allgather_bucket_size"})
 
     stage: Annotated[Int, Field(ge=0, le=3)] = 0
     contiguous_gradients: Bool = True

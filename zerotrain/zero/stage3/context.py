@@ -8,7 +8,8 @@ local shard (see `partition.ZeroParameter`).
 
 `GatheredParameters(params, modifier_rank=None)` gathers parameters for user code;
 with `modifier_rank`, that rank's values are broadcast on exit and written back
-into every rank's shard and fp32 master.
+into every rank's shard and fp32 master, after waiting for any asynchronous
+checkpoint still copying those shards (`zerotrain.checkpoint.fence`).
 """
 from __future__ import annotations
 
@@ -116,6 +117,8 @@ def GatheredParameters(params: Union[torch.nn.Parameter, Iterable[torch.nn.Param
     try:
         yield
         if modifier_rank is not None:
+            from ...checkpoint.fence import fence_snapshots  # here: zerotrain.checkpoint imports zero
+            fence_snapshots()  # an async save may still be copying these shards and masters
             for part in parts:
                 full = part.flat_param
                 comm.broadcast(full, src=modifier_rank)

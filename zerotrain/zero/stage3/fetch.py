@@ -6,8 +6,9 @@ into one full buffer each (a module with a single partitioned parameter gathers
 straight into that parameter's buffer, no copy). Sequential
 (`stage3_allgather_sequential`): one all-gather per parameter straight into its own
 buffer and prefetch at most one parameter ahead: more, smaller collectives for a
-lower memory peak. Gather buffers come from a small pool (`buffers.BufferPool`), so
-the same memory serves every layer.
+lower memory peak. In both modes `stage3_prefetch_bucket_size = 0` turns prefetch
+off. Gather buffers come from a small pool (`buffers.BufferPool`), so the same
+memory serves every layer.
 
 The first micro-step records the order of gather requests (`trace.FetchTrace`);
 later micro-steps follow it:
@@ -25,8 +26,14 @@ later micro-steps follow it:
 
 A request that does not match the record turns both off until the next micro-step,
 so a dynamic model is never handed a wrong parameter: gathers are keyed by
-parameter, the record only changes when. Everything not persistent is released at
-the end of each micro-step.
+parameter, the record only changes when (`stats["order_mismatches"]` counts the
+micro-steps that left the record). Everything not persistent is released at the
+end of each micro-step.
+
+Budget bookkeeping in `stats`: `inflight_numel` / `peak_inflight_numel` count every
+gather in flight, `prefetch_inflight_numel` / `peak_prefetch_inflight_numel` and
+`prefetch_inflight_params` / `peak_prefetch_inflight_params` only those prefetch
+started, `peak_live_inflight_numel` the most gathered plus in-flight elements.
 
 ZeRO++ (`configure_zeropp`):
 - qwZ: every gather of a partitioned parameter sends its shard as int8 blocks plus scales
@@ -67,7 +74,7 @@ class ParamFetcher:
         self.hpz: Optional[Comm] = None  # hpZ: the secondary-partition group
         self.secondaries: dict[int, torch.Tensor] = {}  # id(part) -> its hpZ secondary shard
         self._lossy: set[int] = set()  # gathered through qwZ: holds dequantized, not exact, values
-        self._inflight: dict[int, tuple] = {}  # id(part) -> (handle, gather record)
+        self._inflight: dict[int, tuple] = {}  # id(part) -> (handle, gather record, started by prefetch)
         self._by_id = {id(part): part for part in parts}
         self._skipped: set[int] = set()  # gathered parameters whose next use prefetch passed over: kept
         self.holds: dict[int, int] = {}  # id(part) -> module forwards currently using it
@@ -76,6 +83,9 @@ class ParamFetcher:
         self.stats = {"gathers": 0, "prefetched": 0, "prefetch_hits": 0, "peak_gather_bytes": 0,
                       "live_bytes": 0, "peak_live_bytes": 0, "live_numel": 0,
                       "inflight_numel": 0, "inflight_bytes": 0, "peak_held_bytes": 0,
+                      "peak_inflight_numel": 0, "prefetch_inflight_numel": 0, "peak_prefetch_inflight_numel": 0,
+                      "prefetch_inflight_params": 0, "peak_prefetch_inflight_params": 0,
+                      "peak_live_inflight_numel": 0, "order_mismatches": 0,
                       "releases": 0, "reuse_kept": 0,
                       "quantized_gathers": 0, "hpz_gathers": 0, "secondary_bytes": 0, "peak_secondary_bytes": 0}
         for part in parts:
@@ -128,6 +138,7 @@ class ParamFetcher:
         if not parts:
             return
         self.trace.follow(tuple(id(part) for part in parts), reason, sum(part.padded_numel for part in parts))
+        self.stats["order_mismatches"] = self.trace.mismatches
         for part in parts:
             self._skipped.discard(id(part))
         missing = [part for part in parts if not part.gathered and id(part) not in self._inflight]
@@ -179,7 +190,7 @@ class ParamFetcher:
     # --- prefetch ---------------------------------------------------------------
     def _prefetch(self) -> None:
         """Gather the next recorded requests ahead, within the prefetch and live budgets."""
-        if not self.trace.usable:
+        if not self.trace.usable or self.prefetch_numel == 0:
             return
         ahead = 0  # elements (sequential: parameters) of upcoming requests not yet available
         seen: set[int] = set()
@@ -206,16 +217,17 @@ class ParamFetcher:
                 break
             if wanted:
                 self.stats["prefetched"] += len(wanted)
-                self._gather(wanted, async_op=True, reason=self.trace.reasons[position])
+                self._gather(wanted, async_op=True, reason=self.trace.reasons[position], prefetch=True)
 
     # --- collectives ----------------------------------------------------------
-    def _gather(self, parts: list[PartitionedParam], async_op: bool = False, reason: str = "forward") -> None:
+    def _gather(self, parts: list[PartitionedParam], async_op: bool = False, reason: str = "forward",
+                prefetch: bool = False) -> None:
         self.stats["gathers"] += 1
         requested = parts
         if self.hpz is not None and reason == "backward":  # hpZ: inside the secondary group
             for part in parts:
                 if id(part) in self.secondaries:
-                    self._gather_secondary(part)
+                    self._gather_secondary(part, prefetch)
             parts = [part for part in parts if id(part) not in self._inflight]
         groups: list[list[PartitionedParam]] = [[p] for p in parts] if self.sequential else _by_dtype(parts)
         for group in groups:
@@ -237,9 +249,9 @@ class ParamFetcher:
                 handle = self.comm.all_gather(output, staged, async_op=True)
                 record = ("bucket", output, group)
                 self._track_buffer(output)
-            self._count_inflight(group, +1)
+            self._count_inflight(group, +1, prefetch)
             for part in group:
-                self._inflight[id(part)] = (handle, record)
+                self._inflight[id(part)] = (handle, record, prefetch)
         if not async_op:
             for part in requested:
                 self._complete(id(part))
@@ -248,11 +260,11 @@ class ParamFetcher:
         entry = self._inflight.pop(key, None)
         if entry is None:
             return
-        handle, (kind, buffer, group) = entry
+        handle, (kind, buffer, group), prefetch = entry
         handle.wait()
         for other in group:  # the whole collective is done: bind every member
             self._inflight.pop(id(other), None)
-        self._count_inflight(group, -1)
+        self._count_inflight(group, -1, prefetch)
         if kind == "secondary":
             self._bind(group[0], buffer)
             return
@@ -278,10 +290,19 @@ class ParamFetcher:
         del rank_major
         self.pool.give(buffer)
 
-    def _count_inflight(self, group: list[PartitionedParam], sign: int) -> None:
+    def _count_inflight(self, group: list[PartitionedParam], sign: int, prefetch: bool) -> None:
+        stats = self.stats
         numel = sum(part.padded_numel for part in group)
-        self.stats["inflight_numel"] += sign * numel
-        self.stats["inflight_bytes"] += sign * sum(part.padded_numel * part.shard.element_size() for part in group)
+        stats["inflight_numel"] += sign * numel
+        stats["inflight_bytes"] += sign * sum(part.padded_numel * part.shard.element_size() for part in group)
+        stats["peak_inflight_numel"] = max(stats["peak_inflight_numel"], stats["inflight_numel"])
+        if prefetch:
+            stats["prefetch_inflight_numel"] += sign * numel
+            stats["prefetch_inflight_params"] += sign * len(group)
+            stats["peak_prefetch_inflight_numel"] = max(stats["peak_prefetch_inflight_numel"],
+                                                        stats["prefetch_inflight_numel"])
+            stats["peak_prefetch_inflight_params"] = max(stats["peak_prefetch_inflight_params"],
+                                                         stats["prefetch_inflight_params"])
         self._note_held()
 
     # --- hpZ secondary partition ------------------------------------------------
@@ -299,14 +320,14 @@ class ParamFetcher:
         self.stats["secondary_bytes"] += secondary.numel() * secondary.element_size()
         self.stats["peak_secondary_bytes"] = max(self.stats["peak_secondary_bytes"], self.stats["secondary_bytes"])
 
-    def _gather_secondary(self, part: PartitionedParam) -> None:
+    def _gather_secondary(self, part: PartitionedParam, prefetch: bool = False) -> None:
         if part.gathered or id(part) in self._inflight:
             return
         buffer = self.pool.take(part.padded_numel, part.dtype, part.device)
         handle = self.hpz.all_gather(buffer, self.secondaries[id(part)], async_op=True, kind="all_gather_hpz")
         self._track_buffer(buffer)
-        self._count_inflight([part], +1)
-        self._inflight[id(part)] = (handle, ("secondary", buffer, [part]))
+        self._count_inflight([part], +1, prefetch)
+        self._inflight[id(part)] = (handle, ("secondary", buffer, [part]), prefetch)
         self.stats["hpz_gathers"] += 1
 
     def _drop_secondaries(self) -> None:
@@ -334,8 +355,10 @@ class ParamFetcher:
         self.pool.give(buffer)  # kept for reuse only if nothing else references it
 
     def _note_held(self) -> None:
-        held = self.stats["live_bytes"] + self.stats["inflight_bytes"]
-        self.stats["peak_held_bytes"] = max(self.stats["peak_held_bytes"], held)
+        stats = self.stats
+        stats["peak_held_bytes"] = max(stats["peak_held_bytes"], stats["live_bytes"] + stats["inflight_bytes"])
+        stats["peak_live_inflight_numel"] = max(stats["peak_live_inflight_numel"],
+                                                stats["live_numel"] + stats["inflight_numel"])
 
     def _track_buffer(self, buffer: torch.Tensor) -> None:
         size = buffer.numel() * buffer.element_size()

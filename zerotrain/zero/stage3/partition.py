@@ -10,7 +10,8 @@ gather needs no copy-out.
 Partitioned parameters are switched to the `ZeroParameter` class, whose
 `__torch_function__` makes them safe to touch while released: an in-place
 element-wise initializer (`normal_`, `zero_`, `fill_`, `uniform_`, `copy_`, ...)
-is applied to the local shard only, and any other use gathers the parameter on
+is applied to the local shard only (so are `torch.nn.init.normal_`, `uniform_`
+and `constant_`, which pass the tensor by keyword), and any other use gathers the parameter on
 demand (for a weight used outside its module's forward, such as a tied output
 head in a user's loss).
 """
@@ -26,7 +27,7 @@ from ..flat import FlatBucket
 # In-place element-wise ops that can run on the shard alone (initializers, mostly).
 _SHARD_SAFE_INPLACE = {
     "normal_", "uniform_", "zero_", "fill_", "copy_", "mul_", "add_", "sub_", "div_", "clamp_", "erfinv_",
-    "exponential_", "bernoulli_", "random_",
+    "exponential_", "bernoulli_", "random_", "constant_",
 }
 
 
@@ -147,10 +148,11 @@ class ZeroParameter(torch.nn.Parameter):
         if name not in _NO_GATHER:
             released = [p for p in _zero_params_in(args, kwargs) if not p._zero.gathered]
             if released:
-                target = args[0] if args else None
+                target = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes `tensor=`
                 if (name in _SHARD_SAFE_INPLACE and isinstance(target, ZeroParameter)
                         and not target._zero.gathered and len(released) == 1):
-                    return _apply_to_shard(func, target._zero, args[1:], kwargs)
+                    rest = {key: value for key, value in kwargs.items() if value is not target}
+                    return _apply_to_shard(func, target._zero, args[1:], rest)
                 for param in released:
                     param._zero.fetch_for_access()
         with torch._C.DisableTorchFunctionSubclass():
@@ -159,6 +161,8 @@ class ZeroParameter(torch.nn.Parameter):
 
 def _apply_to_shard(func: Callable, part: PartitionedParam, rest: tuple, kwargs: dict):
     """Run an in-place element-wise op on the shard; full-shaped tensor operands are cut to the chunk."""
+    from ...checkpoint.fence import fence_snapshots  # late: checkpoint imports zero
+    fence_snapshots()  # a pending async checkpoint copy reads this shard and master first
     start, end = part.shard_bounds()
 
     def chunk_of(value):

@@ -4,7 +4,7 @@ The first micro-step records every gather request (one entry per module forward,
 parameter unpacked in backward, per access outside a module), keyed by the parameters
 it names. Later micro-steps follow the record with a cursor; a request that does not
 match turns the record off until the next micro-step, so a dynamic model only loses
-prefetching and reuse, never correctness.
+prefetching and reuse, never correctness; `mismatches` counts such micro-steps.
 
 From the record the fetcher asks two questions:
 
@@ -28,6 +28,7 @@ class FetchTrace:
         self.recording = True
         self.cursor = 0  # entries [0, cursor) have been requested this micro-step
         self.in_order = True
+        self.mismatches = 0  # micro-steps whose requests left the record (each counted once)
         self._sizes: list[int] = []  # elements requested by each entry
         self._prefix: list[int] = [0]  # elements requested before entry i
         self._uses: dict[int, list[int]] = {}  # id(part) -> entry positions that request it
@@ -60,8 +61,9 @@ class FetchTrace:
             return
         if self.in_order and self.cursor < len(self.entries) and self.entries[self.cursor] == key:
             self.cursor += 1
-        else:
+        elif self.in_order:
             self.in_order = False
+            self.mismatches += 1
 
     def next_use(self, part_id: int, start: Optional[int] = None) -> Optional[int]:
         """The first entry at or after `start` (default: the cursor) that requests the parameter."""

@@ -1,0 +1,206 @@
+"""zero.Init: each rank holds only its shard from construction on, values match a plain model,
+initializers on a partitioned parameter touch the local shard only, and training is exact."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from distributed import run_distributed
+from models_for_tests import OddMLP, make_batches, micro_slice, reference_training
+
+
+class ParentInitMLP(OddMLP):
+    """Re-initializes its children's weights in its own __init__, after they are partitioned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.nn.init.normal_(self.fc1.weight, std=0.5)
+        torch.nn.init.zeros_(self.fc2.bias)
+
+
+def padded_flat(tensor: torch.Tensor, world: int) -> torch.Tensor:
+    flat = tensor.detach().reshape(-1)
+    return torch.cat([flat, flat.new_zeros(-(-flat.numel() // world) * world - flat.numel())])
+
+
+def gather_all(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full values of every parameter, read through GatheredParameters (no write-back)."""
+    import zerotrain
+
+    with zerotrain.zero.GatheredParameters(list(model.parameters())):
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def is_released(param: torch.nn.Parameter) -> bool:
+    """Partitioned and holding no full copy: the data is a one-element placeholder."""
+    return not param._zero.gathered and param.data.untyped_storage().nbytes() <= param.element_size()
+
+
+def construct_under_init() -> dict:
+    import zerotrain
+
+    torch.manual_seed(0)
+    with zerotrain.zero.Init():
+        model = OddMLP()
+    after_init = {name: {"released": is_released(p), "shard": p._zero.shard.clone(), "shape": tuple(p.shape),
+                         "ds_numel": p.ds_numel} for name, p in model.named_parameters()}
+    gathered = gather_all(model)
+    released_again = all(is_released(p) for p in model.parameters())
+    torch.manual_seed(0)
+    plain = {name: p.detach().clone() for name, p in OddMLP().named_parameters()}
+    return {"after_init": after_init, "gathered": gathered, "released_again": released_again, "plain": plain}
+
+
+def test_init_holds_only_shards_and_gathers_the_plain_model():
+    world = 4
+    for rank, result in enumerate(run_distributed(construct_under_init, world)):
+        for name, plain in result["plain"].items():
+            info = result["after_init"][name]
+            assert info["released"], f"rank {rank} {name}: no full copy right after construction"
+            assert info["shape"] == tuple(plain.shape) and info["ds_numel"] == plain.numel()
+            shard_numel = -(-plain.numel() // world)
+            assert info["shard"].numel() == shard_numel, f"{name}: ceil({plain.numel()}/{world}) elements"
+            # Same seed, same draws: the shard is this rank's chunk of the plain model's (padded) parameter.
+            expected = padded_flat(plain, world)[rank * shard_numel:(rank + 1) * shard_numel]
+            torch.testing.assert_close(info["shard"], expected, rtol=0, atol=0)
+            torch.testing.assert_close(result["gathered"][name], plain, rtol=0, atol=0)
+        assert result["released_again"], "GatheredParameters releases the full copies on exit"
+
+
+def init_locally_then_gather() -> dict:
+    import zerotrain
+
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    with zerotrain.zero.Init():
+        model = OddMLP()
+    before = gather_all(model)
+    untouched = model.fc1.bias._zero.shard.clone()
+    if rank == 0:
+        torch.manual_seed(100)
+        torch.nn.init.normal_(model.fc1.weight, std=5.0)
+    if rank == 1:
+        torch.nn.init.zeros_(model.fc2.weight)
+    still_released = all(is_released(p) for p in model.parameters())
+    shard_sizes = {name: p._zero.shard.numel() for name, p in model.named_parameters()}
+    fc2_shard = model.fc2.weight._zero.shard.clone()
+    bias_unchanged = torch.equal(model.fc1.bias._zero.shard, untouched)
+    return {"before": before, "after": gather_all(model), "still_released": still_released,
+            "shard_sizes": shard_sizes, "fc2_shard": fc2_shard, "bias_unchanged": bias_unchanged}
+
+
+def test_initializers_on_partitioned_parameters_change_only_the_local_shard():
+    results = run_distributed(init_locally_then_gather, 2)
+    assert results[0]["after"].keys() == results[1]["after"].keys()
+    for name in results[0]["after"]:
+        torch.testing.assert_close(results[0]["after"][name], results[1]["after"][name], rtol=0, atol=0)
+    before, after = results[0]["before"], results[0]["after"]
+    for result in results:
+        assert result["still_released"], "an initializer on a released parameter never gathers it"
+        assert result["shard_sizes"] == {"fc1.weight": 21, "fc1.bias": 4, "fc2.weight": 11, "fc2.bias": 2}
+        assert result["bias_unchanged"]
+    # fc1.weight (42 elements, 21 per rank): rank 0's normal_ redrew elements 0-20 only.
+    old, new = before["fc1.weight"].reshape(-1), after["fc1.weight"].reshape(-1)
+    assert torch.equal(new[21:], old[21:]), "rank 1's chunk is untouched"
+    assert not torch.any(new[:21] == old[:21]), "rank 0's chunk is redrawn"
+    assert new[:21].std() > 1.0, "drawn with std 5, not kept from the kaiming init"
+    # fc2.weight (21 elements, 11 per rank, one padding element on rank 1): rank 1's zero_ hit 11-20 only.
+    old, new = before["fc2.weight"].reshape(-1), after["fc2.weight"].reshape(-1)
+    assert torch.equal(new[:11], old[:11]) and torch.all(old[11:] != 0) and torch.all(new[11:] == 0)
+    assert torch.equal(results[1]["fc2_shard"], torch.zeros(11))
+    for name in ("fc1.bias", "fc2.bias"):
+        assert torch.equal(before[name], after[name]), f"{name}: not touched by anyone"
+
+
+def train_from_init(steps: int) -> tuple:
+    import zerotrain
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    torch.manual_seed(0)
+    with zerotrain.zero.Init():
+        model = ParentInitMLP()
+    initial = gather_all(model)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 0}
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    losses = []
+    for batch in make_batches(steps, 2 * world):
+        x, y = micro_slice(batch, 0, rank, world, 2)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().reshape(1)
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return initial, losses, engine.full_state_dict()
+
+
+def test_training_from_init_matches_single_process_from_the_gathered_weights():
+    steps = 3
+    initial, losses, weights = run_distributed(train_from_init, 2, steps)[0]
+    torch.manual_seed(0)
+    plain = ParentInitMLP()
+    # Documented contract: a parent's initializer on an already partitioned child parameter draws
+    # only the local shard, so such a weight differs from a plain model's; leaf initializers match.
+    assert not torch.equal(initial["fc1.weight"], plain.fc1.weight.detach())
+    assert torch.equal(initial["fc2.weight"], plain.fc2.weight.detach())
+    assert torch.equal(initial["fc2.bias"], torch.zeros(3))
+
+    def from_gathered() -> torch.nn.Module:
+        model = ParentInitMLP()
+        model.load_state_dict(initial)
+        return model
+
+    ref_losses, ref_weights = reference_training(from_gathered, make_batches(steps, 4), lr=1e-2)
+    for got, ref in zip(losses, ref_losses):
+        assert abs(got - ref) <= 1e-5 * abs(ref), (losses, ref_losses)
+    for name, ref in ref_weights.items():
+        torch.testing.assert_close(weights[name], ref, rtol=1e-5, atol=1e-6)
+
+
+def reinit_after_initialize(steps: int) -> tuple:
+    """Re-initialize released parameters of a running engine with torch.nn.init, then train."""
+    import zerotrain
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 0}
+    engine, *_ = zerotrain.initialize(model=OddMLP(), config=config)
+    torch.nn.init.constant_(engine.module.fc2.bias, 0.5)  # passes the tensor by keyword
+    torch.nn.init.zeros_(engine.module.fc1.weight)
+    released = all(is_released(p) for p in engine.module.parameters())
+    initial = engine.full_state_dict()
+    losses = []
+    for batch in make_batches(steps, 2 * world):
+        x, y = micro_slice(batch, 0, rank, world, 2)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().reshape(1)
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return released, initial, losses, engine.full_state_dict()
+
+
+def test_nn_init_on_a_running_engine_changes_shards_and_masters():
+    steps = 2
+    released, initial, losses, weights = run_distributed(reinit_after_initialize, 2, steps)[0]
+    assert released, "the initializers ran on the shards, without gathering"
+    assert torch.equal(initial["fc2.bias"], torch.full((3,), 0.5))
+    assert torch.equal(initial["fc1.weight"], torch.zeros(7, 6))
+
+    def reinitialized() -> torch.nn.Module:
+        model = OddMLP()
+        with torch.no_grad():
+            model.fc2.bias.fill_(0.5)
+            model.fc1.weight.zero_()
+        return model
+
+    ref_losses, ref_weights = reference_training(reinitialized, make_batches(steps, 4), lr=1e-2)
+    for got, ref in zip(losses, ref_losses):
+        assert abs(got - ref) <= 1e-5 * abs(ref), (losses, ref_losses)
+    for name, ref in ref_weights.items():
+        torch.testing.assert_close(weights[name], ref, rtol=1e-5, atol=1e-6)
