@@ -16,6 +16,7 @@ import torch
 
 from .comm import Comm, CommCounters
 from .config import ZeroTrainConfig
+from .config.zero import warn_settings_without_effect
 from .optim import build_optimizer
 from .parallel import assemble_full_tensors, tensor_parallel_comm, tensor_slice_of
 from .precision import LossScaler, training_dtype
@@ -54,7 +55,7 @@ class ZeroTrainEngine:
         self.config = config
         self.topology = topology
         self.stage = config.zero_optimization.stage
-        self._warn_unimplemented()
+        warn_settings_without_effect(config.zero_optimization)
         self.dtype = training_dtype(config.precision)
         self.counters = CommCounters()
         self.comm = Comm.data_parallel(topology, self.counters)
@@ -105,30 +106,6 @@ class ZeroTrainEngine:
         self.checkpointer = None  # created by the first save_checkpoint
 
     # --- construction helpers ---------------------------------------------
-    def _warn_unimplemented(self) -> None:
-        zero = self.config.zero_optimization
-        pending = {
-            "zero_optimization.offload_param": zero.offload_param is not None and zero.offload_param.device != "none",
-        }
-        for key, is_set in pending.items():
-            if is_set:
-                warnings.warn(f"{key} is accepted but not implemented yet in zerotrain; it has no effect")
-        # ZeRO++ keys that do nothing at this stage (DeepSpeed ignores them there too).
-        no_effect = {
-            "zero_optimization.zero_quantized_gradients": (bool(zero.zero_quantized_gradients) and self.stage == 0,
-                                                           "needs stage 1, 2 or 3"),
-            "zero_optimization.zero_quantized_weights": (bool(zero.zero_quantized_weights) and self.stage != 3,
-                                                         "needs stage 3"),
-            "zero_optimization.zero_hpz_partition_size": (zero.zero_hpz_partition_size not in (None, 1)
-                                                          and self.stage != 3, "needs stage 3"),
-            "zero_optimization.zeropp_loco_param": (zero.zeropp_loco_param is not None
-                                                    and not zero.zero_quantized_gradients,
-                                                    "needs zero_quantized_gradients"),
-        }
-        for key, (is_set, why) in no_effect.items():
-            if is_set:
-                warnings.warn(f"{key} has no effect: it {why}")
-
     # --- ZeRO++ ---------------------------------------------------------------
     def _subgroup_comm(self, group_info) -> Comm:
         group, rank, size = group_info

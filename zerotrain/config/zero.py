@@ -5,6 +5,8 @@ whether they are implemented is the engine's business.
 """
 from __future__ import annotations
 
+import warnings
+
 from typing import Annotated, Any, Optional
 
 from pydantic import BeforeValidator, Field, model_validator
@@ -167,3 +169,29 @@ class ZeroConfig(Block):
     def resolved_overlap_comm(self) -> bool:
         """`overlap_comm`, with None read as DeepSpeed's default: on at stage 3, off below."""
         return self.overlap_comm if self.overlap_comm is not None else self.stage == 3
+
+
+def warn_settings_without_effect(zero: "ZeroConfig") -> None:
+    """Warn, naming the key, for settings accepted but with no effect at this stage or not implemented yet."""
+    stage = zero.stage
+    pending = {
+        "zero_optimization.offload_param": zero.offload_param is not None and zero.offload_param.device != "none",
+    }
+    for key, is_set in pending.items():
+        if is_set:
+            warnings.warn(f"{key} is accepted but not implemented yet in zerotrain; it has no effect")
+    # ZeRO++ keys that do nothing at this stage (DeepSpeed ignores them there too).
+    no_effect = {
+        "zero_optimization.zero_quantized_gradients": (bool(zero.zero_quantized_gradients) and stage == 0,
+                                                       "needs stage 1, 2 or 3"),
+        "zero_optimization.zero_quantized_weights": (bool(zero.zero_quantized_weights) and stage != 3,
+                                                     "needs stage 3"),
+        "zero_optimization.zero_hpz_partition_size": (zero.zero_hpz_partition_size not in (None, 1)
+                                                      and stage != 3, "needs stage 3"),
+        "zero_optimization.zeropp_loco_param": (zero.zeropp_loco_param is not None
+                                                and not zero.zero_quantized_gradients,
+                                                "needs zero_quantized_gradients"),
+    }
+    for key, (is_set, why) in no_effect.items():
+        if is_set:
+            warnings.warn(f"{key} has no effect: it {why}")
