@@ -8,16 +8,23 @@ optimizer state exists, then, in the same pair of processes:
   rank; GB/s = bytes of the checkpoint directory / seconds. zerotrain and DCP fsync every
   file before returning (durable); DeepSpeed's ``torch.save`` files do not, so its row
   also gives the time of fsyncing them afterwards ("+ fsync").
-* **async stall**: how long the training loop is blocked by an asynchronous save (the call's
-  return; first save, which allocates the host buffers, and a later one, which reuses them),
-  and how much slower the training steps run while the background writer works (mean of
-  the steps taken during the save minus the mean no-save step).
+* **async stall**: how long the training loop is blocked by an asynchronous save, whole: the
+  call's return plus, for zerotrain, the snapshot fence of the next step (the deferred copy
+  into host buffers that the next ``step()`` waits for, ``Checkpointer.last_fence_seconds``);
+  shown for a save that reuses the host buffers, and in brackets for the first, which
+  allocates them. Also how much slower the training steps run while the background writer
+  works: the next step, and the mean of the two steps during the save, each minus a no-save
+  step taken just before that save.
+* **ztp** (zerotrain, process writer; ``ckpt_process_writer.py``, benchmark-only): the same
+  snapshot in shared memory, written and committed by a writer process per rank instead of
+  a thread, to measure issue #4's "thread or process"; its load is zerotrain's.
 * **load s**: same topology; **reshard load s**: the world-2 ZeRO-3 (FSDP2) checkpoint read by
   one process at ZeRO stage 1 (a plain model). Before every load the checkpoint's files are
   fsynced and dropped from the page cache (posix_fadvise DONTNEED), so every engine reads
   from the disk.
 
     .venv/bin/python benchmarks/checkpoint_speed.py                     # all engines, ~6 min
+    .venv/bin/python benchmarks/checkpoint_speed.py --engines zt,ztp    # thread vs process writer
     .venv/bin/python benchmarks/checkpoint_speed.py --model tiny --repeats 1   # smoke run
     .venv/bin/python benchmarks/checkpoint_speed.py --engines zt,dcp --json out.json
 
@@ -30,9 +37,7 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +45,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-ENGINES = {"zt": "zerotrain (ZeRO-3)", "dcp": "torch DCP (FSDP2)", "ds": "DeepSpeed (ZeRO-3)"}
+from checkpoint_report import ENGINES, launch, print_table
+
 LR = 1e-4
 
 
@@ -60,6 +66,15 @@ def _barrier_time(fn) -> float:
     if dist.is_initialized():
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed.item())
+
+
+def _max_over_ranks(value: float) -> float:
+    import torch
+    import torch.distributed as dist
+    tensor = torch.tensor([value], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
 
 
 def _dir_bytes(path: Path) -> int:
@@ -116,7 +131,7 @@ class Job:
     def run(self) -> dict:
         import torch.distributed as dist
         args, out = self.args, {}
-        batches = _batches(args.warmup + 2 + 2 * args.repeats + 4, args.batch, args.seq_len, self.vocab, self.rank)
+        batches = _batches(args.warmup + 2 + 3 * args.repeats + 4, args.batch, args.seq_len, self.vocab, self.rank)
         it = iter(batches)
         for _ in range(args.warmup):
             self.train_step(*next(it))
@@ -130,14 +145,25 @@ class Job:
         if not self.durable:
             out["fsync_s"] = _barrier_time(lambda: _fsync_tree(self.root / f"sync{args.repeats - 1}"))
         if self.async_supported:
-            stalls, slow = [], []
+            stalls, fences, wholes, slow, next_slow = [], [], [], [], []
             for i in range(args.repeats):
+                before = _barrier_time(lambda: self.train_step(*next(it)))  # this save's no-save step
                 stalls.append(_barrier_time(lambda: self.save_async(f"async{i}")))
                 during = [_barrier_time(lambda: self.train_step(*next(it))) for _ in range(2)]
-                slow.append(statistics.mean(during) - out["step_s"])
+                fences.append(_max_over_ranks(self.fence_seconds()))
+                wholes.append(stalls[-1] + fences[-1])
+                slow.append(statistics.mean(during) - before)
+                next_slow.append(during[0] - before)
                 out.setdefault("async_wait_s", []).append(_barrier_time(self.wait))
+                if hasattr(getattr(self, "engine", None), "checkpointer") and \
+                        hasattr(self.engine.checkpointer, "last_send_seconds"):
+                    out.setdefault("send_s", []).append(self.engine.checkpointer.last_send_seconds)
             out["stall_first_s"], out["stall_s"] = stalls[0], min(stalls[1:] or stalls)
+            out["stall_all_s"], out["fence_all_s"], out["whole_stall_all_s"] = stalls, fences, wholes
+            # the whole stall of a save that reuses its buffers: the call plus the next step's snapshot fence
+            out["whole_stall_s"] = min(wholes[1:] or wholes)
             out["step_slowdown_s"] = statistics.mean(slow)
+            out["next_step_slowdown_s"] = statistics.mean(next_slow[1:] or next_slow)
         loads = []
         for _ in range(args.repeats):
             if self.rank == 0:
@@ -156,9 +182,13 @@ class Job:
     def wait(self) -> None:
         pass
 
+    def fence_seconds(self) -> float:
+        """How long the first step after the last async save waited for a deferred snapshot (0: none)."""
+        return 0.0
+
 
 class ZerotrainJob(Job):
-    def __init__(self, args, root, rank, stage: int = 3):
+    def __init__(self, args, root, rank, stage: int = 3, process_writer: bool = False):
         super().__init__(args, root, rank)
         import zerotrain
         model = _model(args)
@@ -168,6 +198,9 @@ class ZerotrainJob(Job):
                   "zero_optimization": {"stage": stage, "reduce_bucket_size": 2e7}, "steps_per_print": 0,
                   "checkpoint": {"verify_on_load": args.verify_on_load}}
         self.engine, *_ = zerotrain.initialize(model=model, config=config)
+        if process_writer:  # async saves written by a writer process per rank (benchmark-only variant)
+            from ckpt_process_writer import ProcessWriterCheckpointer
+            self.engine.checkpointer = ProcessWriterCheckpointer(self.engine)
 
     def train_step(self, x, y) -> None:
         _, loss = self.engine(x, y)
@@ -182,6 +215,9 @@ class ZerotrainJob(Job):
 
     def wait(self) -> None:
         self.engine.wait_checkpoint()
+
+    def fence_seconds(self) -> float:
+        return self.engine.checkpointer.last_fence_seconds or 0.0
 
     def load(self, tag: str) -> None:
         self.engine.load_checkpoint(str(self.root), tag=tag)
@@ -302,7 +338,10 @@ def worker_main(spec: dict) -> int:
                     import deepspeed  # noqa: F401
                 except Exception as error:  # noqa: BLE001 - ImportError, or a broken install
                     raise _Unavailable(f"import deepspeed failed: {type(error).__name__}: {error}") from error
-            job = {"zt": ZerotrainJob, "dcp": DcpJob, "ds": DeepSpeedJob}[engine](args, root, rank)
+            if engine == "ztp":
+                job = ZerotrainJob(args, root, rank, process_writer=True)
+            else:
+                job = {"zt": ZerotrainJob, "dcp": DcpJob, "ds": DeepSpeedJob}[engine](args, root, rank)
             result.update(job.run())
         result["status"] = "ok"
         dist.barrier()
@@ -323,91 +362,10 @@ class _Unavailable(Exception):
 # parent side
 # =============================================================================================
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(engine: str, phase: str, world: int, args, root: Path) -> dict:
-    """Run one phase of one engine in `world` fresh processes; rank 0's result."""
-    port, procs, outs = _free_port(), [], []
-    spec_args = {k: getattr(args, k) for k in ("model", "batch", "seq_len", "warmup", "repeats", "verify_on_load")}
-    repo = str(Path(__file__).resolve().parent.parent)
-    for rank in range(world):
-        out = root / f"{engine}.{phase}.rank{rank}.json"
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p))
-        spec = {"engine": engine, "phase": phase, "out": str(out), "root": str(root / engine), "args": spec_args}
-        log = open(root / f"{engine}.{phase}.rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_worker", json.dumps(spec)],
-                                       env=env, stdout=log, stderr=subprocess.STDOUT), log))
-        outs.append(out)
-    deadline = time.monotonic() + args.timeout
-    try:  # a rank that failed leaves its peers waiting in a collective: stop them
-        while time.monotonic() < deadline and any(proc.poll() is None for proc, _ in procs):
-            failed = [out for (proc, _), out in zip(procs, outs) if proc.poll() is not None and
-                      (not out.exists() or json.loads(out.read_text()).get("status") != "ok")]
-            if failed:
-                break
-            time.sleep(0.2)
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
-    if not outs[0].exists():
-        tail = (root / f"{engine}.{phase}.rank0.log").read_text()[-1500:]
-        return {"status": "failed", "reason": "no result\n" + tail}
-    return json.loads(outs[0].read_text())
-
-
-def _fmt(value, spec=".2f", none="n/a") -> str:
-    return none if value is None else format(value, spec)
-
-
-def print_table(results: dict, args) -> None:
-    zt = results.get("zt", {})
-    print(f"\nmodel {args.model}, world size 2 (gloo, CPU), batch {args.batch} x seq {args.seq_len}, "
-          f"best of {args.repeats}; checkpoint = model + AdamW states (fp32)\n")
-    head = ("engine", "GB", "save s", "GB/s", "vs zt", "async stall s (1st/reused)", "step slowdown s",
-            "load s", "reshard load s", "reshard/load")
-    rows = []
-    for engine, label in ENGINES.items():
-        r = results.get(engine)
-        if r is None:
-            continue
-        if r.get("status") != "ok":
-            rows.append((label, f"{r.get('status')}: {r.get('reason', '').splitlines()[0][:90]}"))
-            continue
-        gb = r["bytes"] / 1e9
-        save = f"{r['save_s']:.2f}" + (f" (+{r['fsync_s']:.2f} fsync)" if "fsync_s" in r else "")
-        ratio = f"{r['save_s'] / zt['save_s']:.2f}x" if zt.get("status") == "ok" else "-"
-        stall = (f"{r['stall_first_s']:.3f} / {r['stall_s']:.3f}" if "stall_s" in r else "n/a (no async save)")
-        reshard = r.get("reshard_load_s")
-        rows.append((label, f"{gb:.2f}", save, f"{gb / r['save_s']:.2f}", ratio, stall,
-                     _fmt(r.get("step_slowdown_s")), f"{r['load_s']:.2f}",
-                     _fmt(reshard, none=r.get("reshard_note", "n/a")),
-                     _fmt(reshard / r["load_s"] if reshard else None)))
-    print("| " + " | ".join(head) + " |")
-    print("|" + "---|" * len(head))
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
-    for engine, r in results.items():
-        if r.get("status") == "ok":
-            print(f"{engine}: no-save step {r['step_s']:.2f}s; saves {['%.2f' % s for s in r['save_all_s']]}; "
-                  f"loads {['%.2f' % s for s in r['load_all_s']]}"
-                  + (f"; async wait after 2 steps {['%.2f' % s for s in r['async_wait_s']]}"
-                     if "async_wait_s" in r else ""))
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--engines", default="zt,dcp,ds", help="comma list of " + ", ".join(ENGINES))
+    parser.add_argument("--engines", default="zt,ztp,dcp,ds", help="comma list of " + ", ".join(ENGINES))
     parser.add_argument("--model", default="70m", help="zerotrain GPT preset")
     parser.add_argument("--batch", type=int, default=2, help="micro-batch per rank")
     parser.add_argument("--seq-len", type=int, default=64)
@@ -437,6 +395,8 @@ def main(argv=None) -> int:
             if result.get("status") == "ok":
                 if engine == "ds":
                     result["reshard_note"] = "n/a: needs offline ds_to_universal"
+                elif engine == "ztp":
+                    result["reshard_note"] = "as zt (same loader)"
                 else:
                     reshard = launch(engine, "reshard", 1, args, root)
                     if reshard.get("status") == "ok":

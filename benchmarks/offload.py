@@ -2,9 +2,10 @@
 """Offload side by side in one run: CPU Adam throughput, offloaded step time, NVMe swap bandwidth.
 
 1. Optimizer-step throughput (parameters/s) on one fp32 tensor of `--numel` elements, at 1 and
-   2 threads: zerotrain's CPU Adam (torch's fused CPU AdamW, which zerotrain builds and switches
-   offloaded optimizers to), zerotrain's whole offload update (host gradient copy + unscale/clip
-   multiply + step), torch AdamW(foreach=True), and DeepSpeedCPUAdam (when it imports and builds).
+   2 threads, interleaved: zerotrain's CPU Adam kernel (`offload/cpu_adam.py`) alone and with the
+   unscale/clip multiply and the bf16 copy-back folded in, zerotrain's whole offload update, torch's
+   fused CPU AdamW alone and with the separate multiply and copy passes it needed, torch
+   AdamW(foreach=True), and DeepSpeedCPUAdam (when it imports and builds).
 2. Step time of the ~70M GPT at world size 2 (gloo, 1 thread per rank, ZeRO-2) with
    cpu offload and cpu offload + super_offload, with clipping at 1.0 and without clipping;
    the speculative steps / rollbacks / redone steps come from `engine.offload_stats()`.
@@ -33,21 +34,51 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 # --- 1. CPU Adam --------------------------------------------------------------------------
-def _best(fn, repeat: int) -> float:
-    fn()  # first step: states are created
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+ADAM_CONTENDERS = ("zerotrain CPU Adam kernel", "zerotrain kernel + unscale/clip + bf16 copy-back",
+                   "zerotrain offload update (unscale/clip + step)", "torch fused AdamW",
+                   "torch fused + mul_ + bf16 copy (3 passes)", "torch AdamW foreach", "DeepSpeedCPUAdam")
 
 
-def adam_rows(numel: int, repeat: int) -> list[tuple]:
-    from zerotrain.config import ZeroTrainConfig
+def _adam_contender(name: str, numel: int, opt_cfg, DeepSpeedCPUAdam):
+    """A callable doing one optimizer step of `name` on its own fresh 50M-element tensors."""
     from zerotrain.offload import OffloadOptimizer
+    from zerotrain.offload.cpu_adam import CpuAdamStepper
     from zerotrain.optim import build_optimizer
     from zerotrain.zero.flat import FlatBucket
+
+    param = torch.nn.Parameter(torch.randn(numel))
+    grad = torch.randn(numel) * 1e-3
+    copy = torch.empty(numel, dtype=torch.bfloat16)
+    if name == "DeepSpeedCPUAdam":
+        opt = DeepSpeedCPUAdam([param], lr=1e-3, weight_decay=0.01)
+    elif name == "torch AdamW foreach":
+        opt = torch.optim.AdamW([param], lr=1e-3, weight_decay=0.01, foreach=True)
+    else:
+        opt = build_optimizer(opt_cfg, [param])
+        assert opt.defaults.get("fused"), "zerotrain builds the fused kernel"
+    if name.startswith("zerotrain offload update"):
+        offload = OffloadOptimizer([FlatBucket(0, [("w", param)], 0, 1, 0)], None, opt, [[param]], 1.0)
+        return lambda: offload.update([grad], 0.999, [0])
+    if name.startswith("zerotrain"):
+        stepper = CpuAdamStepper(opt)
+        if not stepper.supports(param, 0):
+            raise RuntimeError("zerotrain's CPU Adam kernel is unavailable here")
+        extras = dict(multiplier=0.999, copy_to=copy) if "copy-back" in name else {}
+        return lambda: stepper.step(param, grad, 0, **extras)
+    param.grad = grad
+    if name.startswith("torch fused +"):
+        def three_passes():  # what the offload path did before the kernel: scale, step, publish
+            grad.mul_(0.999)
+            opt.step()
+            copy.copy_(param)
+        return three_passes
+    return opt.step
+
+
+def adam_rows(numel: int, repeat: int, rounds: int = 3) -> list[tuple]:
+    """Step time of each contender at 1 and 2 threads: `rounds` round-robin passes of `repeat` timed
+    steps each (so a slow spell of the machine hits every contender alike), median of all."""
+    from zerotrain.config import ZeroTrainConfig
 
     try:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -60,39 +91,27 @@ def adam_rows(numel: int, repeat: int) -> list[tuple]:
     rows = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        results = {}
-        for name in ("zerotrain CPU Adam (fused kernel)", "zerotrain offload update", "torch AdamW foreach",
-                     "DeepSpeedCPUAdam"):
-            param = torch.nn.Parameter(torch.randn(numel))
-            grad = torch.randn(numel) * 1e-3
-            if name == "DeepSpeedCPUAdam":
-                if DeepSpeedCPUAdam is None:
-                    results[name] = ds_error
-                    continue
-                try:
-                    opt = DeepSpeedCPUAdam([param], lr=1e-3, weight_decay=0.01)
-                except Exception as error:  # noqa: BLE001
-                    results[name] = f"{type(error).__name__}: {error}"
-                    continue
-                param.grad = grad
-                fn = opt.step
-            elif name == "torch AdamW foreach":
-                opt = torch.optim.AdamW([param], lr=1e-3, weight_decay=0.01, foreach=True)
-                param.grad = grad
-                fn = opt.step
-            elif name.startswith("zerotrain CPU Adam"):
-                opt = build_optimizer(opt_cfg, [param])
-                assert opt.defaults.get("fused"), "zerotrain builds the fused kernel"
-                param.grad = grad
-                fn = opt.step
-            else:
-                torch_opt = build_optimizer(opt_cfg, [param])
-                opt = OffloadOptimizer([FlatBucket(0, [("w", param)], 0, 1, 0)], None, torch_opt, [[param]], 1.0)
-                fn = lambda opt=opt, grad=grad: opt.update([grad], 0.5, [0])  # noqa: E731
-            results[name] = numel / _best(fn, repeat)
-            del opt, param, grad
+        steps, results = {}, {}
+        for name in ADAM_CONTENDERS:
+            try:
+                if name == "DeepSpeedCPUAdam" and DeepSpeedCPUAdam is None:
+                    raise RuntimeError(ds_error)
+                steps[name] = _adam_contender(name, numel, opt_cfg, DeepSpeedCPUAdam)
+                steps[name]()  # first step: states are created
+            except Exception as error:  # noqa: BLE001 - reported in the table
+                results[name] = f"{type(error).__name__}: {error}"
+        times: dict[str, list[float]] = {name: [] for name in steps}
+        for _ in range(rounds):
+            for name, fn in steps.items():
+                for _ in range(repeat):
+                    start = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - start)
+        results.update({name: numel / statistics.median(values) for name, values in times.items()})
+        steps.clear()
         ds = results.get("DeepSpeedCPUAdam")
-        for name, value in results.items():
+        for name in ADAM_CONTENDERS:
+            value = results[name]
             if isinstance(value, str):
                 rows.append((threads, name, "skipped: " + value[:120], ""))
             else:
@@ -267,7 +286,8 @@ def main() -> int:
         return 0
     parts = args.parts.split(",")
     if "adam" in parts:
-        print(f"\nCPU Adam step, {args.numel / 1e6:.0f}M fp32 params (median of {args.repeat}); ratio vs DeepSpeedCPUAdam")
+        print(f"\nCPU Adam step, {args.numel / 1e6:.0f}M fp32 params (median of 3 interleaved rounds x {args.repeat}); "
+              f"ratio vs DeepSpeedCPUAdam")
         print(table(("threads", "optimizer", "throughput", "vs DS"), adam_rows(args.numel, args.repeat)))
     if "step" in parts:
         print(f"\nGPT {args.model} at world 2, ZeRO-2, batch {args.batch}x{args.seq_len}, median of {args.steps} "

@@ -31,6 +31,26 @@ def micro_slice(step_batch, accumulation_index: int, rank: int, world: int, micr
     return tuple(t[start:start + micro] for t in step_batch)
 
 
+def train_global_step(engine, step_batch, micro: int, after_micro_step=None) -> float:
+    """One global step of `engine` over `step_batch` (this rank's micro-batches of every accumulation step,
+    cast to the engine's dtype); returns the global mean loss. `after_micro_step(engine)` runs after each."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    accumulation = engine.gradient_accumulation_steps()
+    total = torch.zeros(1)
+    for index in range(accumulation):
+        x, y = micro_slice(step_batch, index, rank, world, micro)
+        loss = engine(x.to(engine.dtype), y.to(engine.dtype))
+        engine.backward(loss)
+        engine.step()
+        if after_micro_step is not None:
+            after_micro_step(engine)
+        total += loss.detach().float()
+    dist.all_reduce(total)
+    return total.item() / (accumulation * world)
+
+
 def reference_training(model_factory, batches, lr=1e-2, weight_decay=0.01, clip=1.0, norms=None):
     """Plain single-process AdamW over whole global batches: the ground truth.
 

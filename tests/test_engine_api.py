@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from models_for_tests import OddMLP, make_batches, micro_slice
+from models_for_tests import OddMLP, make_batches, micro_slice, train_global_step
 
 MICRO, STEPS, LR = 2, 4, 1e-2
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -33,23 +33,8 @@ def _config(stage: int, accumulation: int = 1, clip: float = 1.0, **extra) -> di
 
 def _train(engine, accumulation: int, steps: int = STEPS, after_step=None) -> list[float]:
     """Feed this rank's slices of the shared global batches; return the global mean loss of each step."""
-    import torch.distributed as dist
-
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    losses = []
-    for batch in make_batches(steps, MICRO * accumulation * world):
-        total = torch.zeros(1)
-        for a in range(accumulation):
-            x, y = micro_slice(batch, a, rank, world, MICRO)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            if after_step is not None:
-                after_step(engine)
-            total += loss.detach().float()
-        dist.all_reduce(total)
-        losses.append(total.item() / (accumulation * world))
-    return losses
+    world = int(os.environ["WORLD_SIZE"])
+    return [train_global_step(engine, batch, MICRO, after_step) for batch in make_batches(steps, MICRO * accumulation * world)]
 
 
 def _reference(make_optimizer, world: int, accumulation: int, clip: float = 1.0, steps: int = STEPS,

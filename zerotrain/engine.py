@@ -19,6 +19,7 @@ from .config import ZeroTrainConfig
 from .config.zero import warn_settings_without_effect
 from .optim import build_optimizer
 from .parallel import assemble_full_tensors, tensor_parallel_comm, tensor_slice_of
+from .offload.param_store import build_param_store
 from .precision import LossScaler, training_dtype
 from .schedules import build_scheduler
 from .topology import Topology
@@ -74,11 +75,15 @@ class ZeroTrainEngine:
             warnings.warn(f"parameters {orphans[:5]} require grad but are in no optimizer group; they stay frozen")
         zero = config.zero_optimization
         self.stage3: Optional[Stage3Model] = None
+        self.param_store = None  # offload_param (stage 3): where the non-persistent shards live
         if self.stage == 3:
             self.stage3 = partition_module(self.module, self.comm, group_of, int(zero.stage3_param_persistence_threshold),
                                            bool(zero.stage3_allgather_sequential), int(zero.stage3_prefetch_bucket_size),
                                            int(zero.stage3_max_live_parameters), int(zero.stage3_max_reuse_distance))
             self.buckets = self.stage3.trainable
+            self.stage3.use_param_store(build_param_store(self.stage3.all_parts(), zero.offload_param,
+                                                          config.aio, self.comm.rank))
+            self.param_store = self.stage3.param_store
         else:
             partitions = topology.dp_size if self.stage >= 1 else 1
             self.buckets = build_buckets([(n, p) for n, p in named if id(p) in group_of], group_of,
@@ -105,7 +110,6 @@ class ZeroTrainEngine:
         self._backward_done = False
         self.checkpointer = None  # created by the first save_checkpoint
 
-    # --- construction helpers ---------------------------------------------
     # --- ZeRO++ ---------------------------------------------------------------
     def _subgroup_comm(self, group_info) -> Comm:
         group, rank, size = group_info
@@ -243,6 +247,8 @@ class ZeroTrainEngine:
             logger.info("step %d: gradient overflow, skipped; loss scale %g -> lower", self.global_steps, self.loss_scaler.scale)
         else:
             self.zero_optimizer.step(grad_shards, self.loss_scaler.scale)
+            if self.param_store is not None:
+                self.param_store.flush()  # updated shards are in host memory / written (OffloadIOError else)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.loss_scaler.update(overflow)
@@ -327,10 +333,7 @@ class ZeroTrainEngine:
         """Make every rank's model weights current after masters or frozen shards were written (a load)."""
         self.zero_optimizer.publish()
         if self.stage3 is not None:
-            with torch.no_grad():
-                for part in self.stage3.frozen:  # same order on every rank
-                    if part.gathered:
-                        self.comm.all_gather(part.flat_param, part.shard)
+            self.stage3.refresh_frozen()
 
     # --- checkpoints (zerotrain.checkpoint does the work) ---------------------
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
@@ -355,10 +358,7 @@ class ZeroTrainEngine:
     def memory_report(self) -> dict:
         """Bytes of model state this rank holds, and communication counters since start."""
         if self.stage3 is not None:
-            parts = self.stage3.all_parts()
-            param_bytes = sum(part.shard.numel() * part.shard.element_size() for part in parts)
-            param_bytes += sum(part.flat_param.numel() * part.flat_param.element_size()
-                               for part in parts if part.gathered)
+            param_bytes = self.stage3.device_param_bytes()
         else:
             in_buckets = {id(p) for b in self.buckets for p in b.params}
             param_bytes = sum(b.flat_param.numel() * b.flat_param.element_size() for b in self.buckets)
@@ -381,13 +381,13 @@ class ZeroTrainEngine:
         return dict(stats) if stats is not None else {}
 
     def _offload_memory(self) -> dict:
-        """`offload`: bytes of masters and optimizer states by place (device, host, nvme, host I/O buffers)."""
+        """`offload`: bytes of masters and optimizer states by place (device, host, nvme, host I/O buffers);
+        `offload_param`: stage-3 parameter shards by place ("parameters" counts the device only)."""
+        report = {"offload_param": self.param_store.memory_split()} if self.param_store is not None else {}
         split = getattr(self.zero_optimizer, "memory_split", None)
-        if split is None:
-            return {}
-        offload = dict(split())
-        offload["offloaded_bytes"] = self.zero_optimizer.offloaded_bytes()
-        return {"offload": offload}
+        if split is not None:
+            report["offload"] = dict(split(), offloaded_bytes=self.zero_optimizer.offloaded_bytes())
+        return report
 
     def close(self) -> None:
         """Finish pending checkpoint saves, release the offload optimizer's threads and files (idempotent)."""
@@ -396,3 +396,5 @@ class ZeroTrainEngine:
         close = getattr(self.zero_optimizer, "close", None)
         if callable(close):
             close()
+        if self.param_store is not None:
+            self.param_store.close()

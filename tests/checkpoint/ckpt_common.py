@@ -1,11 +1,9 @@
 """Shared pieces of the checkpoint tests: a model with every kind of state, configs, a training loop."""
 from __future__ import annotations
 
-import os
-
 import torch
 
-from models_for_tests import make_batches, micro_slice
+from models_for_tests import make_batches, train_global_step
 
 MICRO, GLOBAL_BATCH = 2, 8
 
@@ -64,22 +62,7 @@ def make_engine(stage: int, seed: int = 0, precision: str = "fp32", groups: bool
 
 def train(engine, first: int, count: int, total: int = 12) -> list[float]:
     """Global steps [first, first+count) of a fixed sequence of global batches; the global mean loss of each."""
-    import torch.distributed as dist
-
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    accumulation = engine.gradient_accumulation_steps()
-    losses = []
-    for batch in make_batches(total, GLOBAL_BATCH)[first:first + count]:
-        total_loss = torch.zeros(1)
-        for a in range(accumulation):
-            x, y = micro_slice(batch, a, rank, world, MICRO)
-            loss = engine(x.to(engine.dtype), y.to(engine.dtype))
-            engine.backward(loss)
-            engine.step()
-            total_loss += loss.detach().float()
-        dist.all_reduce(total_loss)
-        losses.append(total_loss.item() / (accumulation * world))
-    return losses
+    return [train_global_step(engine, batch, MICRO) for batch in make_batches(total, GLOBAL_BATCH)[first:first + count]]
 
 
 def optimizer_state(engine) -> list[dict]:

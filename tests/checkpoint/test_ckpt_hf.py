@@ -20,24 +20,29 @@ def build_gpt2(seed: int = 0):
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=24, n_layer=2, n_head=2,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(seed)
-    return transformers.GPT2LMHeadModel(config)
+    model = transformers.GPT2LMHeadModel(config)
+    model.generation_config.max_new_tokens = 7  # not a default: the saved generation_config.json must carry it
+    return model
 
 
 def probe_ids() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
 
 
+def engine_config(stage: int, precision: str) -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage},
+            "bf16": {"enabled": precision == "bf16"}, "steps_per_print": 0}
+
+
 def engine_for(stage: int, precision: str, seed: int = 0):
     import zerotrain
 
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 1.0,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage},
-              "bf16": {"enabled": precision == "bf16"}, "steps_per_print": 0}
-    engine, *_ = zerotrain.initialize(model=build_gpt2(seed), config=config)
+    engine, *_ = zerotrain.initialize(model=build_gpt2(seed), config=engine_config(stage, precision))
     return engine
 
 
-def bf16_save_and_hf_loads(save_dir: str, hf_dir: str) -> dict:
+def bf16_save_and_hf_loads(save_dir: str, hf_dir: str, single_dir: str) -> dict:
     from zerotrain.checkpoint import CheckpointError
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
@@ -62,6 +67,9 @@ def bf16_save_and_hf_loads(save_dir: str, hf_dir: str) -> dict:
     out["hf_load"] = fresh.load_checkpoint(hf_dir, load_module_only=True)
     out["hf_weights"] = fresh.full_state_dict()
     out["hf_steps"] = fresh.global_steps
+    # A single model.safetensors (no index) loads the same way.
+    out["single_load"] = fresh.load_checkpoint(single_dir, load_module_only=True)
+    out["single_weights"] = fresh.full_state_dict()
     # Our own bf16 checkpoint, module only, into fp32: the fp32 masters come back exactly.
     fresh.load_checkpoint(save_dir, load_module_only=True)
     out["own_module_only"] = fresh.full_state_dict()
@@ -70,11 +78,18 @@ def bf16_save_and_hf_loads(save_dir: str, hf_dir: str) -> dict:
 
 
 def test_bf16_checkpoint_is_a_hugging_face_checkpoint(tmp_path):
-    save_dir, hf_dir = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    import zerotrain
+    from zerotrain.checkpoint.state import decode
+
+    save_dir, hf_dir, single_dir = str(tmp_path / "ckpt"), str(tmp_path / "hf"), str(tmp_path / "single")
     reference = build_gpt2(seed=5)
     reference.save_pretrained(hf_dir, max_shard_size="40KB")  # an index and several shards
     assert os.path.exists(os.path.join(hf_dir, "model.safetensors.index.json"))
-    out = run_distributed(bf16_save_and_hf_loads, 2, save_dir, hf_dir)[0]
+    single = build_gpt2(seed=6)
+    single.save_pretrained(single_dir)  # one model.safetensors, no index
+    assert os.listdir(single_dir) and not glob.glob(os.path.join(single_dir, "*.index.json"))
+    assert os.path.exists(os.path.join(single_dir, "model.safetensors"))
+    out = run_distributed(bf16_save_and_hf_loads, 2, save_dir, hf_dir, single_dir)[0]
     tag_dir = out["path"]
     masters = out["masters"]
 
@@ -96,9 +111,16 @@ def test_bf16_checkpoint_is_a_hugging_face_checkpoint(tmp_path):
     optimizer = {k for f in glob.glob(os.path.join(tag_dir, "optimizer-*.safetensors")) for k in load_file(f)}
     assert {f"transformer.wte.weight/{key}" for key in ("exp_avg", "exp_avg_sq", "step")} <= optimizer
 
-    # transformers reads the tag directory directly, and computes the same logits.
+    # trainer_state.json names the zerotrain version that wrote it and carries the engine's config.
+    trainer_state = json.load(open(os.path.join(tag_dir, "trainer_state.json")))
+    assert trainer_state["zerotrain_version"] == zerotrain.__version__
+    assert decode(trainer_state["config"]) == engine_config(stage=2, precision="bf16")
+
+    # transformers reads the tag directory directly (generation config included), and computes the same logits.
+    assert json.load(open(os.path.join(tag_dir, "generation_config.json")))["max_new_tokens"] == 7
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tag_dir)
     assert loaded.dtype == torch.bfloat16
+    assert loaded.generation_config.max_new_tokens == 7 and loaded.generation_config.eos_token_id == 0
     loaded.eval()
     with torch.no_grad():
         logits = loaded(input_ids=probe_ids()).logits.float()
@@ -109,6 +131,9 @@ def test_bf16_checkpoint_is_a_hugging_face_checkpoint(tmp_path):
     assert out["hf_load"] == (hf_dir, {}) and out["hf_steps"] == 0
     for name, param in reference.named_parameters():
         torch.testing.assert_close(out["hf_weights"][name], param.detach(), rtol=0, atol=0)
+    assert out["single_load"] == (single_dir, {})
+    for name, param in single.named_parameters():
+        torch.testing.assert_close(out["single_weights"][name], param.detach(), rtol=0, atol=0)
     for name in trainable:
         torch.testing.assert_close(out["own_module_only"][name], masters[name], rtol=0, atol=0)
     assert out["optimizer_untouched"]

@@ -1,9 +1,11 @@
 """Offloaded optimizer states round-trip through the unified checkpoint.
 
 cpu offload at stage 2 and nvme offload at stage 3 (world 2, two parameter groups, clipping,
-global batch 8): N steps, save, load into a fresh engine with other initial weights, M more
-steps == N+M steps of single-process AdamW (fp32, 1e-5 relative). The same checkpoints also
-load into engines without offload at world size 1 (accumulation 4, same global batch).
+global batch 8), super_offload at stage 2 and `ratio` 0.5 (part of the states on the device): N steps,
+save, load into a fresh engine with other initial weights, M more steps == N+M steps of
+single-process AdamW (fp32, 1e-5 relative). The same checkpoints also load into an engine with
+another setting: no offload at world size 1 (accumulation 4, same global batch), ratio 0.5 at
+stage 1, or plain cpu offload.
 """
 from __future__ import annotations
 
@@ -78,15 +80,18 @@ def next_leg(save_dir: str, stage: int, offload) -> dict:
 
 
 def _modes(tmp_path) -> dict:
+    """mode: (stage, offload block it saves with, (world, stage, offload block) of the other engine it loads into)."""
     return {
-        "cpu stage 2": (2, {"device": "cpu"}, 0),
-        "nvme stage 3": (3, {"device": "nvme", "nvme_path": str(tmp_path / "nvme"), "buffer_count": 2}, 3),
+        "cpu stage 2": (2, {"device": "cpu"}, (1, 0, None)),
+        "nvme stage 3": (3, {"device": "nvme", "nvme_path": str(tmp_path / "nvme"), "buffer_count": 2}, (1, 3, None)),
+        "super_offload stage 2": (2, {"device": "cpu", "super_offload": True}, (1, 1, {"device": "cpu", "ratio": 0.5})),
+        "cpu ratio 0.5 stage 2": (2, {"device": "cpu", "ratio": 0.5}, (2, 2, {"device": "cpu"})),
     }
 
 
-@pytest.mark.parametrize("mode", ["cpu stage 2", "nvme stage 3"])
+@pytest.mark.parametrize("mode", ["cpu stage 2", "nvme stage 3", "super_offload stage 2", "cpu ratio 0.5 stage 2"])
 def test_offloaded_states_round_trip(tmp_path, mode):
-    stage, offload, other_stage = _modes(tmp_path)[mode]
+    stage, offload, (other_world, other_stage, other_offload) = _modes(tmp_path)[mode]
     save_dir = str(tmp_path / "ckpt")
     ref_losses, ref_weights = reference_training(make_batches(FIRST + SECOND, GLOBAL_BATCH))
 
@@ -95,6 +100,10 @@ def test_offloaded_states_round_trip(tmp_path, mode):
     assert head["report"]["offload"]["offloaded_bytes"] > 0, head["report"]
     assert head["report"]["offload"]["nvme" if offload["device"] == "nvme" else "host"] > 0, head["report"]
     assert head["stats"]["steps"] == FIRST, head["stats"]
+    if "ratio" in mode:
+        assert head["report"]["optimizer_states"] > 0, "ratio 0.5 keeps part of the states on the device"
+    if "super_offload" in mode:
+        assert head["stats"]["speculative_steps"] == FIRST and head["stats"]["clip_redos"] >= 1, head["stats"]
 
     # Same world, same offload mode: the load is exact, and training goes on as if never stopped.
     again = run_distributed(next_leg, 2, save_dir, stage, offload, timeout=120)
@@ -105,8 +114,11 @@ def test_offloaded_states_round_trip(tmp_path, mode):
     assert_matches_reference(f"{mode} resumed", head["losses"] + again[0]["losses"], again[0]["weights"],
                              ref_losses, ref_weights)
 
-    # World size 1, no offload: the offloaded states load as plain device states.
-    plain = run_distributed(next_leg, 1, save_dir, other_stage, None, timeout=120)[0]
-    assert plain["stats"] == {}
-    assert_matches_reference(f"{mode} resumed at world 1 without offload", head["losses"] + plain["losses"],
-                             plain["weights"], ref_losses, ref_weights)
+    # Another setting (world size, stage, offload): the offloaded states load where that engine keeps them.
+    other = run_distributed(next_leg, other_world, save_dir, other_stage, other_offload, timeout=120)[0]
+    if other_offload is None:
+        assert other["stats"] == {}
+    else:
+        assert other["stats"]["steps"] == SECOND, other["stats"]
+    assert_matches_reference(f"{mode} resumed at world {other_world}, stage {other_stage}, offload {other_offload}",
+                             head["losses"] + other["losses"], other["weights"], ref_losses, ref_weights)

@@ -1,6 +1,7 @@
-"""NVMe offload failures: an injected failing write (EIO, ENOSPC) raises in the training process
-and leaves the training state exactly as before the step; retrying the step then continues the
-run as if nothing had happened."""
+"""NVMe offload failures: an injected failing write (EIO, ENOSPC) or a read failing in the middle of
+a step raises in the training process and leaves the training state exactly as before the step;
+retrying the step then continues the run as if nothing had happened. A failure on one rank only
+raises on every rank, naming that rank, and every rank rolls back (no hang, no divergence)."""
 from __future__ import annotations
 
 import errno
@@ -30,7 +31,26 @@ def _failing_writes(aio, fail_at: int, code: int):
     return lambda: setattr(aio, "_pwrite", real)
 
 
-def train_with_failure(nvme_path: str, code: int | None) -> dict:
+def _failing_state_reads(aio, opt, fail_at: int, code: int):
+    """Make the `fail_at`-th read of the state slot files from now (and later ones) fail; returns a switch-off.
+
+    Reads of the master backup file still work, so the failed step can put the masters back."""
+    real = aio._pread
+    calls = {"n": 0}
+
+    def pread(fd, buffers, offset):
+        if fd in opt.files[:2]:
+            calls["n"] += 1
+            if calls["n"] >= fail_at:
+                raise OSError(code, os.strerror(code))
+        return real(fd, buffers, offset)
+
+    aio._pread = pread
+    return lambda: setattr(aio, "_pread", real)
+
+
+def train_with_failure(nvme_path: str, code: int | None, kind: str = "write", ranks=(0, 1)) -> dict:
+    """Train 6 steps; at FAIL_STEP, on `ranks`, inject failing `kind` I/O; every rank must raise and roll back."""
     import zerotrain.offload.aio as aio
     from zerotrain.offload import OffloadIOError
 
@@ -38,13 +58,18 @@ def train_with_failure(nvme_path: str, code: int | None) -> dict:
     opt = engine.zero_optimizer
     outcome = {}
     original_step = engine._take_model_step
+    failing_here = int(os.environ["RANK"]) in ranks
 
     def step_with_fault():
         if code is None or engine.global_steps != FAIL_STEP or outcome:
             return original_step()
         before = snapshot(engine)
         slots = (dict(opt.slot), dict(opt.has_state))
-        restore = _failing_writes(aio, fail_at=4, code=code)  # 3 chunks: 6 writes a step (backups, states)
+        restore = lambda: None  # noqa: E731 - a rank without a fault has nothing to switch off
+        if failing_here and kind == "write":
+            restore = _failing_writes(aio, fail_at=4, code=code)  # 3 chunks: 6 writes a step (backups, states)
+        elif failing_here:
+            restore = _failing_state_reads(aio, opt, fail_at=2, code=code)  # chunk 0 stepped, chunk 1's read fails
         try:
             with pytest.raises(OffloadIOError) as raised:
                 original_step()
@@ -66,18 +91,43 @@ def train_with_failure(nvme_path: str, code: int | None) -> dict:
 
 
 def run_all(nvme_path: str) -> list:
-    return [train_with_failure(os.path.join(nvme_path, str(code)), code) for code in (None, errno.EIO, errno.ENOSPC)]
+    cases = [(None, "write"), (errno.EIO, "write"), (errno.ENOSPC, "write"), (errno.EIO, "read")]
+    return [train_with_failure(os.path.join(nvme_path, f"{kind}{code}"), code, kind) for code, kind in cases]
 
 
-def test_failing_write_raises_and_leaves_state_unchanged(tmp_path):
-    clean, eio, enospc = run_distributed(run_all, 2, str(tmp_path), timeout=120)[0]
-    assert eio["restored"] and enospc["restored"]
+def test_failing_io_raises_and_leaves_state_unchanged(tmp_path):
+    clean, eio, enospc, read = run_distributed(run_all, 2, str(tmp_path), timeout=120)[0]
+    assert eio["restored"] and enospc["restored"] and read["restored"]
     assert "failed" in eio["message"] and "writing" in eio["message"], eio["message"]
     assert "no space left on device" in enospc["message"], enospc["message"]
-    for failed in (eio, enospc):
+    assert "reading" in read["message"] and "states.slot" in read["message"], read["message"]
+    for failed in (eio, enospc, read):
+        assert "rank(s) [0, 1]" in failed["message"], failed["message"]
         assert failed["stats"]["nvme_failed_steps"] == 1
         assert failed["stats"]["nvme_restored_chunks"] >= 1, "some chunks were updated before the failure"
-    for failed in (eio, enospc):
         assert failed["losses"] == clean["losses"]
         for name, ref in clean["weights"].items():
             assert torch.equal(failed["weights"][name], ref), name
+    assert read["stats"]["nvme_restored_chunks"] == 1, "chunk 0 was updated, chunk 1's read failed"
+
+
+def one_rank_fails(nvme_path: str) -> list:
+    rank = os.environ["RANK"]
+    return [train_with_failure(os.path.join(nvme_path, f"r{rank}-{kind}{code}"), code, kind, ranks=ranks)
+            for code, kind, ranks in ((None, "write", ()), (errno.EIO, "read", (1,)), (errno.EIO, "write", (0,)))]
+
+
+def test_failure_on_one_rank_raises_on_every_rank_naming_it(tmp_path):
+    per_rank = run_distributed(one_rank_fails, 2, str(tmp_path), timeout=120)
+    for rank, (clean, read, write) in enumerate(per_rank):
+        for failed, culprit in ((read, 1), (write, 0)):
+            assert failed["restored"], (rank, culprit)
+            assert f"failed on rank(s) [{culprit}]" in failed["message"], failed["message"]
+            if rank != culprit:
+                assert "rolled its own step back" in failed["message"], failed["message"]
+            assert failed["stats"]["nvme_failed_steps"] == 1
+            assert failed["losses"] == clean["losses"], (rank, culprit)
+            assert set(failed["weights"]) == set(clean["weights"])  # the full state dict is on rank 0
+            for name, ref in clean["weights"].items():
+                assert torch.equal(failed["weights"][name], ref), (rank, culprit, name)
+    assert per_rank[0][1]["stats"]["nvme_restored_chunks"] == 3, "rank 0 had stepped all 3 chunks"

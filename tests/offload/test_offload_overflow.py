@@ -4,11 +4,13 @@ At step OVERFLOW_STEP rank 1 backpropagates an infinite loss. The speculative CP
 already run on the non-finite gradients by the time the overflow is known; they must be undone
 bit for bit (masters, exp_avg, exp_avg_sq, step counts, model weights), the step skipped, and the
 whole run must equal the plain (non-speculative) offload run and the device (no offload) run.
+At ZeRO stages 1, 2 and 3.
 """
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from distributed import run_distributed
@@ -17,8 +19,8 @@ from offload_common import assert_same_snapshot, build_engine, snapshot, train_s
 OVERFLOW_STEP = 3
 
 
-def train_fp16(block: dict | None) -> dict:
-    engine = build_engine(2, block, precision="fp16")
+def train_fp16(stage: int, block: dict | None) -> dict:
+    engine = build_engine(stage, block, precision="fp16")
     rank = int(os.environ["RANK"])
     snaps = {}
 
@@ -35,16 +37,19 @@ def train_fp16(block: dict | None) -> dict:
     assert_same_snapshot(snaps[OVERFLOW_STEP - 1], snaps[OVERFLOW_STEP], f"{block}: the overflow step")
     stats = dict(getattr(engine.zero_optimizer, "stats", {}))
     final = snapshot(engine)
-    return {"losses": losses, "skipped": engine.skipped_steps, "scale": engine.loss_scale, "stats": stats,
-            "final": final, "weights": engine.full_state_dict()}
+    result = {"losses": losses, "skipped": engine.skipped_steps, "scale": engine.loss_scale, "stats": stats,
+              "final": final, "weights": engine.full_state_dict()}
+    engine.close()
+    return result
 
 
-def train_all() -> list:
-    return [train_fp16(block) for block in (None, {"device": "cpu"}, {"device": "cpu", "super_offload": True})]
+def train_all(stage: int) -> list:
+    return [train_fp16(stage, block) for block in (None, {"device": "cpu"}, {"device": "cpu", "super_offload": True})]
 
 
-def test_fp16_overflow_rolls_back_speculation_exactly():
-    per_rank = run_distributed(train_all, 2, timeout=120)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp16_overflow_rolls_back_speculation_exactly(stage):
+    per_rank = run_distributed(train_all, 2, stage, timeout=120)
     for rank, (device, plain, spec) in enumerate(per_rank):
         assert spec["skipped"] == plain["skipped"] == device["skipped"] >= 1
         assert spec["scale"] == plain["scale"] == device["scale"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from models_for_tests import OddMLP, make_batches, micro_slice, reference_training
+from models_for_tests import OddMLP, make_batches, reference_training, train_global_step
 
 STEPS, MICRO, LR = 5, 2, 1e-2
 
@@ -26,26 +26,16 @@ def engine_config(stage: int, accumulation: int, world: int, clip: float = 1.0, 
 
 def train_with_engine(combos: list[tuple[int, int]], clip: float = 1.0, precision: str = "fp32") -> list:
     """On each rank: train OddMLP for every (stage, accumulation); return per-step mean losses and weights."""
-    import torch.distributed as dist
-
     import zerotrain
 
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
     results = []
     for stage, accumulation in combos:
         torch.manual_seed(0)
         engine, _, _, _ = zerotrain.initialize(model=OddMLP(), config=engine_config(stage, accumulation, world, clip, precision))
         step_losses, norms = [], []
         for batch in make_batches(STEPS, MICRO * accumulation * world):
-            total = torch.zeros(1)
-            for a in range(accumulation):
-                x, y = micro_slice(batch, a, rank, world, MICRO)
-                loss = engine(x.to(engine.dtype), y.to(engine.dtype))
-                engine.backward(loss)
-                engine.step()
-                total += loss.detach().float()
-            dist.all_reduce(total)
-            step_losses.append(total.item() / (accumulation * world))
+            step_losses.append(train_global_step(engine, batch, MICRO))
             norms.append(engine.get_global_grad_norm())
         assert engine.global_steps == STEPS
         assert engine.global_samples == STEPS * MICRO * accumulation * world

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from models_for_tests import OddMLP, make_batches, micro_slice, reference_training
+from models_for_tests import OddMLP, make_batches, micro_slice, reference_training, train_global_step
 
 STEPS, MICRO, LR = 5, 2, 1e-2
 QG = {"zero_quantized_gradients": True}
@@ -49,20 +49,7 @@ def config(stage: int, accumulation: int = 1, bucket: int = 40, **zero) -> dict:
 
 
 def train(engine, world: int, rank: int, accumulation: int, steps: int = STEPS) -> list[float]:
-    import torch.distributed as dist
-
-    losses = []
-    for batch in make_batches(steps, MICRO * accumulation * world):
-        total = torch.zeros(1)
-        for a in range(accumulation):
-            x, y = micro_slice(batch, a, rank, world, MICRO)
-            loss = engine(x.to(engine.dtype), y.to(engine.dtype))
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().float()
-        dist.all_reduce(total)
-        losses.append(total.item() / (accumulation * world))
-    return losses
+    return [train_global_step(engine, batch, MICRO) for batch in make_batches(steps, MICRO * accumulation * world)]
 
 
 def run_combos(combos: list) -> list:

@@ -6,12 +6,18 @@ collective on the training group), the cached save plan, and the reusable host b
 
 Asynchronous saves run in one background thread per rank rather than a process: the
 writer spends its time in memcpy, file writes, crc32 and gloo transfers, all of which
-release the GIL, so training continues; a process would need the snapshot moved into
-shared memory (one more copy of the whole shard, which is what the thread avoids) and
-its own process group. The save call itself returns after planning: the copy of this
-rank's slots into the reused host buffers is the writer's first act, overlapping the
-next forward and backward, and `fence()` (called by the next `engine.step()`) holds
-the optimizer update until that copy is done (measured: benchmarks/RESULTS_checkpoint.md).
+release the GIL, so training continues. Measured against a writer process fed the same
+snapshot through shared memory (benchmarks/ckpt_process_writer.py, 70M GPT, world 2):
+the process stalled training no less (0.02-0.04 s per save, but ~1 s on the first, which
+moves fresh buffers into shared memory), slowed the next step as much (it does the same
+CPU work on the same cores) and needs a spawned interpreter and a process group of its
+own; so a thread (`_write` is where a subclass may move the work).
+
+The save call itself returns after planning: the copy of this rank's slots into the
+reused host buffers is the writer's first act, overlapping the next forward and
+backward, and `fence()` (called by the next `engine.step()`) holds the optimizer update
+until that copy is done; on the 70M GPT the copy is always done by then (fence 0.000 s,
+whole stall 0.02-0.03 s; measured: benchmarks/RESULTS_checkpoint.md).
 Code outside the engine that writes shards or masters fences through
 `fence.fence_snapshots()`. The training stall of an async save is
 `last_stall_seconds` (the save call) plus `last_fence_seconds` (the first fence after it).
@@ -32,7 +38,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..offload import resident_states
+from ..offload.param_store import resident_model_states
 from .commit import check_tag
 from .fence import SnapshotFence
 from .format import CheckpointError
@@ -110,6 +116,10 @@ class Checkpointer:
         self.last_stall_seconds = time.perf_counter() - started
         return path
 
+    def _write(self, job: SaveJob) -> str:
+        """The background thread's write and commit, once the snapshot is taken (a subclass may move it)."""
+        return job.run()
+
     def _plan(self, engine, tag: str):
         """This rank's slots and the save plan (rebuilt only when some rank's layout changed)."""
         slots, layout, error = None, None, None
@@ -157,7 +167,7 @@ class Checkpointer:
                 job.sources.complete()  # the snapshot, before the next optimizer update (see fence)
             finally:
                 fence.done()
-            self._result = job.run()
+            self._result = self._write(job)
         except BaseException as error:  # noqa: BLE001 - kept for the training thread to raise
             self._error = error
 
@@ -218,5 +228,5 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     refuse_tensor_parallel(engine, "save")
     if engine.checkpointer is None:
         engine.checkpointer = Checkpointer(engine)
-    with resident_states(engine.zero_optimizer, write_back=False):  # NVMe-offloaded states paged in
+    with resident_model_states(engine, write_back=False):  # NVMe-offloaded states and parameters paged in
         return engine.checkpointer.save(save_dir, tag, client_state or {}, save_latest, async_save)

@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from ..offload import resident_states
+from ..offload.param_store import resident_model_states
 from .format import MASTER, MODEL, OPTIMIZER, CheckpointError, read_json, rng_file
 from .loco import loco_file, read_loco, restore_loco
 from .optim_state import StateTemplate, check_groups, make_scalar, probe_template, restore_hyperparameters
@@ -258,7 +258,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_optim
     refuse_tensor_parallel(engine, "load")
     if engine.checkpointer is not None:
         engine.checkpointer.wait()
-    with resident_states(engine.zero_optimizer):  # NVMe-offloaded states in memory; written back after
+    with resident_model_states(engine):  # NVMe-offloaded states and parameters in memory; written back after
         return _load_resident(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
                               load_module_only)
 

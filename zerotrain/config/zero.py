@@ -172,14 +172,8 @@ class ZeroConfig(Block):
 
 
 def warn_settings_without_effect(zero: "ZeroConfig") -> None:
-    """Warn, naming the key, for settings accepted but with no effect at this stage or not implemented yet."""
+    """Warn, naming the key, for settings accepted but with no effect at this stage."""
     stage = zero.stage
-    pending = {
-        "zero_optimization.offload_param": zero.offload_param is not None and zero.offload_param.device != "none",
-    }
-    for key, is_set in pending.items():
-        if is_set:
-            warnings.warn(f"{key} is accepted but not implemented yet in zerotrain; it has no effect")
     # ZeRO++ keys that do nothing at this stage (DeepSpeed ignores them there too).
     no_effect = {
         "zero_optimization.zero_quantized_gradients": (bool(zero.zero_quantized_gradients) and stage == 0,

@@ -14,11 +14,13 @@ are what ShardedOptimizer would use). Buckets are taken in index order, each one
 least half of it fits under `ratio` of all shard elements (so the offloaded share is as near
 `ratio` as whole buckets allow): `offloaded_bytes()` and `memory_split()` account for the split.
 
-Fast CPU Adam: torch's fused CPU AdamW kernel runs at DeepSpeedCPUAdam's speed (PEERS.md);
-`zerotrain.optim` builds it for Adam/AdamW, and a user's torch Adam/AdamW that did not
-choose (fused and foreach both None) is switched to it here. Measured here
-(`benchmarks/offload.py`, RESULTS_offload.md), 50M parameters: fused AdamW 60 ms on 1 thread,
-32 ms on 2 (0.88-0.92x DeepSpeedCPUAdam's 56 / 28 ms; torch foreach 255 / 140 ms).
+Fast CPU Adam: the offloaded fp32 masters of groups on torch's fused Adam(W) (which
+`zerotrain.optim` builds, and to which a user's torch Adam/AdamW that did not choose is
+switched here) are stepped by zerotrain's own kernel (`cpu_adam.py`): bit-identical to torch's
+fused kernel, with the unscale/clip multiplier applied as the gradient is read instead of a
+separate `mul_` pass; other groups keep torch's step. Measured (`benchmarks/offload.py`,
+RESULTS_offload.md), 50M parameters: the whole update 1.00-1.07x DeepSpeedCPUAdam's bare step
+at 1 and 2 threads (memory-bandwidth bound; torch foreach ~0.15x).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from ..comm import Comm
 from ..zero.flat import FlatBucket
 from ..zero.gradnorm import GlobalGradients
 from ..zero.optimizer import ShardedOptimizer
+from .cpu_adam import CpuAdamStepper
 
 
 def choose_offloaded(buckets: list[FlatBucket], ratio: float) -> list[bool]:
@@ -133,15 +136,16 @@ class OffloadOptimizer(ShardedOptimizer):
             if offloaded:
                 master = host_empty(shard.numel(), pin_memory)
                 master.copy_(shard)
-            elif bucket.dtype == torch.float32:
+            elif bucket.dtype == torch.float32 and getattr(bucket, "shard_in_device_memory", True):
                 master = shard
-            else:
-                master = shard.detach().float().clone()
+            else:  # another dtype, or an offloaded stage-3 shard (offload_param): a device master
+                master = shard.detach().to(device=bucket.device, dtype=torch.float32, copy=True)
             bucket.master = master
             self.masters.append(master)
         self.optimizer = optimizer
         self._rewire(group_params)
         prefer_fused(optimizer)
+        self.cpu_adam = CpuAdamStepper(optimizer)  # our one-pass kernel for fp32 host masters
         self.last_grad_norm: Optional[float] = None
         sizes = {i: b.shard_numel for i, b in enumerate(buckets) if self.offloaded[i]}
         self.host_grads = HostGradients(sizes, pin_memory) if host_grads else None
@@ -195,12 +199,22 @@ class OffloadOptimizer(ShardedOptimizer):
             host.mul_(multiplier)
         return host
 
+    def native_step(self, index: int, grad: torch.Tensor, multiplier: float) -> None:
+        """Step bucket `index` with zerotrain's CPU Adam kernel (`cpu_adam`): the multiplier is applied
+        as the gradient is read, in the same pass, and the reduced gradient is left as it was."""
+        on_host = grad.device.type == "cpu" and grad.dtype == torch.float32 and grad.is_contiguous()
+        host = grad if on_host else self.host_grads.get(index, grad)
+        self.cpu_adam.step(self.masters[index], host, self.buckets[index].group_index, multiplier)
+
     def update(self, grad_shards: list[torch.Tensor], multiplier: float, indices) -> None:
         """One optimizer step over buckets `indices` (host and device ones together, one fused call)."""
-        chosen = []
+        chosen, native = [], []
         for index in indices:
             grad, master = grad_shards[index], self.masters[index]
             if grad is None:
+                continue
+            if self.offloaded[index] and self.cpu_adam.supports(master, self.buckets[index].group_index):
+                native.append(index)
                 continue
             if self.offloaded[index]:
                 master.grad = self.host_gradient(index, grad, multiplier)
@@ -210,6 +224,8 @@ class OffloadOptimizer(ShardedOptimizer):
                 master.grad = grad
             chosen.append(master)
         try:
+            for index in native:
+                self.native_step(index, grad_shards[index], multiplier)
             self.optimizer.step()
         finally:
             for master in chosen:
@@ -229,7 +245,7 @@ class OffloadOptimizer(ShardedOptimizer):
             if self.offloaded[index]:
                 split["host"] += state + master.numel() * master.element_size()
             else:
-                own_master = master.data_ptr() != bucket.local_shard().data_ptr()
+                own_master = bucket.dtype != torch.float32 or not getattr(bucket, "shard_in_device_memory", True)
                 split["device"] += state + (master.numel() * master.element_size() if own_master else 0)
         if self.host_grads is not None:
             split["host_buffers"] += self.host_grads.nbytes()

@@ -20,9 +20,11 @@ A step leaves the training state as it was when any read or write fails:
   updated are read back from there.
 
 The error is an `aio.OffloadIOError` raised from `step()` in the training process, after all
-I/O in flight has finished (never a hang, never a silent loss); a full disk says so, and
-the files are allocated in full when the optimizer is built, so a disk too small for them
-fails at start-up with the sizes in the message.
+I/O in flight has finished (never a hang, never a silent loss); a full disk says so. Ranks agree
+after the step's I/O (one all-reduce of a failure flag per rank): when any rank failed, every
+rank rolls its step back and raises an error naming the failing ranks, so no rank goes on with
+a step the others did not take. The files are allocated in full when the optimizer is built,
+so a disk too small for them fails at start-up with the sizes in the message.
 
 Between steps `optimizer.state[master]` holds only the scalar states. `resident_states()`
 brings the per-element ones into host memory (checkpoint save must use it) and writes back
@@ -191,22 +193,56 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
 
     # --- the step ----------------------------------------------------------------
     def update(self, grad_shards: list[torch.Tensor], multiplier: float, indices) -> None:
-        self._drop_resident(self._write_all())  # states someone put in memory (a checkpoint load) go to disk first
         indices = list(indices)
         wanted = set(indices)
-        scalars = self._stream([c for c in self.chunks if c.bucket in wanted and grad_shards[c.bucket] is not None],
-                               grad_shards, multiplier)
-        for bucket, values in scalars.items():  # commit: every write of the step succeeded
+        chunks = [c for c in self.chunks if c.bucket in wanted and grad_shards[c.bucket] is not None]
+        stepped: list[_Chunk] = []
+        scalars, error = {}, None
+        try:
+            self._drop_resident(self._write_all())  # states someone put in memory (a checkpoint load) go to disk first
+            scalars = self._stream(chunks, grad_shards, multiplier, stepped)
+        except BaseException as caught:  # noqa: BLE001 - every rank learns of it below, then it is raised
+            error = caught
+        self._agree(error, stepped)
+        for bucket, values in scalars.items():  # commit: every write of the step succeeded, on every rank
             self.slot[bucket] ^= 1
             self.has_state[bucket] = True
             self.optimizer.state[self.masters[bucket]] = values
         self.stats["nvme_bytes_read"], self.stats["nvme_bytes_written"] = self.io.bytes_read, self.io.bytes_written
         super().update(grad_shards, multiplier, [i for i in indices if not self.offloaded[i]])
 
-    def _stream(self, chunks: list[_Chunk], grad_shards, multiplier: float) -> dict:
+    def _agree(self, error: Optional[BaseException], stepped: list[_Chunk]) -> None:
+        """All ranks learn which ranks' step I/O failed; if any did, every rank rolls back and raises.
+
+        One all-reduce of a per-rank failure flag after the step's I/O. Without it a rank whose
+        read or write failed would stop while the others went on with the step applied (a silent
+        divergence, then a hang in the next collective)."""
+        comm = self.comm
+        failed = [comm_rank(self)] if error is not None else []
+        if comm is not None and comm.size > 1:
+            flags = torch.zeros(comm.size, dtype=torch.float32, device=self.device)
+            flags[comm.rank] = float(error is not None)
+            comm.all_reduce(flags)
+            failed = [rank for rank, flag in enumerate(flags.tolist()) if flag > 0]
+        if not failed:
+            return
+        if error is not None:
+            if isinstance(error, OffloadIOError):
+                raise OffloadIOError(f"NVMe offload: the step failed on rank(s) {failed}; "
+                                     f"here (rank {comm_rank(self)}): {error}") from error
+            raise error
+        self.stats["nvme_failed_steps"] += 1
+        self._restore_masters(stepped, RuntimeError(f"I/O failed on rank(s) {failed}"))
+        raise OffloadIOError(f"NVMe offload: the step failed on rank(s) {failed} (their optimizer-state I/O); "
+                             f"rank {comm_rank(self)} rolled its own step back, so every rank's training state "
+                             f"is as it was before the step")
+
+    def _stream(self, chunks: list[_Chunk], grad_shards, multiplier: float, stepped: list[_Chunk]) -> dict:
+        """Read, update and write back `chunks`, appending each to `stepped` before its masters change.
+
+        On failure the masters of `stepped` are restored and the error raised; the slots are untouched."""
         fetched: dict[int, tuple[torch.Tensor, list[Future]]] = {}
         writes: list[Future] = []
-        stepped: list[_Chunk] = []
         scalars: dict = {}
         holding, ahead = None, 0  # holding: (buffer, its I/O futures) of the chunk being updated
         try:

@@ -16,18 +16,19 @@ So a run with `super_offload` computes exactly what the plain offload run comput
 gradient clipping on (DeepSpeed turns speculation off then) and on CPU-only machines.
 
 Rollback: restore a copy saved just before the speculative step, not invert AdamW.
-Measured here (`benchmarks/offload_rollback.py`, 50M fp32 parameters, 1 thread):
+Measured here (`benchmarks/offload_rollback.py`, 50M fp32 parameters, 1 thread, best of 3;
+Mon Nov 23 2026 14:31 UTC, under the lock; RESULTS_offload.md has the 2-thread run):
 
-    fused AdamW step                       26 ms
-    save param+exp_avg+exp_avg_sq copy     34 ms  (every speculative step, in the background thread)
-    restore the copy                       34 ms  (only on rollback) -- bitwise exact
-    invert AdamW (m, v, decoupled decay)  262 ms  (only on rollback) -- NOT exact in fp32:
+    fused AdamW step                       29 ms
+    save param+exp_avg+exp_avg_sq copy     47 ms  (every speculative step, in the background thread)
+    restore the copy                       44 ms  (only on rollback) -- bitwise exact
+    invert AdamW (m, v, decoupled decay)  273 ms  (only on rollback) -- NOT exact in fp32:
         exp_avg max rel err 3.6e-2 (44% of elements differ: m' - (1-b1) g cancels),
         param 1.2e-4, exp_avg_sq 1.6e-7
 
-Restoring a copy is exact and 8x cheaper than inverting; its costs are the save (hidden
-in the background thread while backward runs) and host memory for one copy of the
-offloaded masters and states (12 bytes per parameter with Adam).
+Restoring a copy is exact and 6x cheaper than inverting; its costs are the save (hidden
+in the background thread while backward runs, where a core is free) and host memory for one
+copy of the offloaded masters and states (12 bytes per parameter with Adam).
 
 `stats` counts: `speculative_steps` (optimizer steps that started speculatively),
 `bucket_updates` (speculative bucket updates), `committed` (speculative steps kept),

@@ -35,10 +35,10 @@ class ShardedOptimizer:
         self.masters: list[torch.Tensor] = []
         for bucket in buckets:
             shard = bucket.local_shard()
-            if bucket.dtype == torch.float32:
+            if bucket.dtype == torch.float32 and getattr(bucket, "shard_in_device_memory", True):
                 master = shard  # the model's own buffer: no copy
-            else:
-                master = shard.detach().float().clone()
+            else:  # another dtype, or a stage-3 shard offloaded to host or NVMe (offload_param)
+                master = shard.detach().to(device=bucket.device, dtype=torch.float32, copy=True)
             bucket.master = master
             self.masters.append(master)
         self.optimizer = optimizer
@@ -88,6 +88,9 @@ class ShardedOptimizer:
         """Cast master shards into the model's flat buffers and all-gather every bucket."""
         handles = []
         for bucket, master in zip(self.buckets, self.masters):
+            if getattr(bucket, "offloaded", False):  # offload_param: into host memory or the NVMe file
+                bucket.write_shard(master)
+                continue
             shard = bucket.local_shard()
             if master.data_ptr() != shard.data_ptr():
                 shard.copy_(master)
@@ -106,6 +109,6 @@ class ShardedOptimizer:
                 if torch.is_tensor(value):
                     total += value.numel() * value.element_size()
         for bucket, master in zip(self.buckets, self.masters):
-            if bucket.dtype != torch.float32:
+            if bucket.dtype != torch.float32 or not getattr(bucket, "shard_in_device_memory", True):
                 total += master.numel() * master.element_size()
         return total

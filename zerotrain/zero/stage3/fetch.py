@@ -78,7 +78,8 @@ class ParamFetcher:
         self._by_id = {id(part): part for part in parts}
         self._skipped: set[int] = set()  # gathered parameters whose next use prefetch passed over: kept
         self.holds: dict[int, int] = {}  # id(part) -> module forwards currently using it
-        largest = max((part.padded_numel * part.shard.element_size() for part in parts), default=0)
+        self.param_store = None  # offload_param: where non-persistent shards live (set by the engine)
+        largest = max((part.padded_numel * part.dtype.itemsize for part in parts), default=0)
         self.pool = BufferPool(4 * largest)
         self.stats = {"gathers": 0, "prefetched": 0, "prefetch_hits": 0, "peak_gather_bytes": 0,
                       "live_bytes": 0, "peak_live_bytes": 0, "live_numel": 0,
@@ -149,7 +150,7 @@ class ParamFetcher:
                 self._complete(id(part))
                 if id(part) in self._lossy:
                     exact = torch.empty_like(part.flat_param)
-                    self.comm.all_gather(exact, part.shard)
+                    self.comm.all_gather(exact, part.device_shard())
                     part.flat_param.copy_(exact)
                     self._lossy.discard(id(part))
         for part in parts:
@@ -157,6 +158,8 @@ class ParamFetcher:
                 self.stats["prefetch_hits"] += 1
                 self._complete(id(part))
         self._prefetch()
+        if self.param_store is not None:  # offload_param nvme: start reading the next shards
+            self.param_store.read_ahead(self.upcoming())
 
     def hold(self, parts: list[PartitionedParam]) -> None:
         for part in parts:
@@ -188,6 +191,16 @@ class ParamFetcher:
         return True
 
     # --- prefetch ---------------------------------------------------------------
+    def upcoming(self):
+        """Parameters of the recorded requests still to come, in order, not gathered (for reads ahead)."""
+        if not self.trace.usable:
+            return
+        for position in range(self.trace.cursor, len(self.trace.entries)):
+            for key in self.trace.entries[position]:
+                part = self._by_id[key]
+                if not part.gathered and key not in self._inflight:
+                    yield part
+
     def _prefetch(self) -> None:
         """Gather the next recorded requests ahead, within the prefetch and live budgets."""
         if not self.trace.usable or self.prefetch_numel == 0:
@@ -232,19 +245,19 @@ class ParamFetcher:
         groups: list[list[PartitionedParam]] = [[p] for p in parts] if self.sequential else _by_dtype(parts)
         for group in groups:
             if self.weight_quantizer is not None and reason != "user":  # qwZ: int8 + scales, dequantized on arrival
-                handle = self.weight_quantizer([part.shard for part in group])
+                handle = self.weight_quantizer([part.device_shard() for part in group])
                 record = ("quantized", None, group)
                 self.stats["quantized_gathers"] += 1
-                full_bytes = sum(part.padded_numel * part.shard.element_size() for part in group)
+                full_bytes = sum(part.padded_numel * part.dtype.itemsize for part in group)
                 self.stats["peak_gather_bytes"] = max(self.stats["peak_gather_bytes"], full_bytes)
             elif len(group) == 1:
                 part = group[0]
                 buffer = self.pool.take(part.padded_numel, part.dtype, part.device)
-                handle = self.comm.all_gather(buffer, part.shard, async_op=True)
+                handle = self.comm.all_gather(buffer, part.device_shard(), async_op=True)
                 record = ("direct", buffer, group)
                 self._track_buffer(buffer)
             else:
-                staged = torch.cat([part.shard for part in group])  # copy-in
+                staged = torch.cat([part.device_shard() for part in group])  # copy-in
                 output = self.pool.take(staged.numel() * self.comm.size, staged.dtype, staged.device)
                 handle = self.comm.all_gather(output, staged, async_op=True)
                 record = ("bucket", output, group)
@@ -294,7 +307,7 @@ class ParamFetcher:
         stats = self.stats
         numel = sum(part.padded_numel for part in group)
         stats["inflight_numel"] += sign * numel
-        stats["inflight_bytes"] += sign * sum(part.padded_numel * part.shard.element_size() for part in group)
+        stats["inflight_bytes"] += sign * sum(part.padded_numel * part.dtype.itemsize for part in group)
         stats["peak_inflight_numel"] = max(stats["peak_inflight_numel"], stats["inflight_numel"])
         if prefetch:
             stats["prefetch_inflight_numel"] += sign * numel
@@ -377,5 +390,5 @@ def gather_standalone(part: PartitionedParam, comm: Optional[Comm]) -> None:
     buffer = torch.empty(part.padded_numel, dtype=part.dtype, device=part.device)
     if comm is None:
         raise RuntimeError(f"parameter {part.names[0]} is partitioned but has no communicator")
-    comm.all_gather(buffer, part.shard)
+    comm.all_gather(buffer, part.device_shard())
     part.bind(buffer)

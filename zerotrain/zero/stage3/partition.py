@@ -9,8 +9,10 @@ gather needs no copy-out.
 
 Partitioned parameters are switched to the `ZeroParameter` class, whose
 `__torch_function__` makes them safe to touch while released: an in-place
-element-wise initializer (`normal_`, `zero_`, `fill_`, `uniform_`, `copy_`, ...)
-is applied to the local shard only (so are `torch.nn.init.normal_`, `uniform_`
+element-wise op (`zero_`, `fill_`, `copy_`, `mul_`, ...) is applied to the local shard
+only; a random fill (`normal_`, `uniform_`, ...) or a shape-dependent initializer
+(`kaiming_*`, `xavier_*`, ...) runs on a transient full tensor and keeps this rank's
+chunk, so the values are torch's for the same generator state (so for `torch.nn.init.normal_`, `uniform_`
 and `constant_`, which pass the tensor by keyword), and any other use gathers the parameter on
 demand (for a weight used outside its module's forward, such as a tied output
 head in a user's loss).
@@ -28,6 +30,15 @@ from ..flat import FlatBucket
 _SHARD_SAFE_INPLACE = {
     "normal_", "uniform_", "zero_", "fill_", "copy_", "mul_", "add_", "sub_", "div_", "clamp_", "erfinv_",
     "exponential_", "bernoulli_", "random_", "constant_",
+}
+# Ops whose values depend on the element's position in the full tensor: random fills (each element
+# is the next draw of the generator) and initializers that need the full shape (fan-in/out). They
+# run on a transient full-shaped tensor and keep this rank's chunk, so with the same generator state
+# on every rank the parameter gets exactly the values torch gives the unpartitioned tensor.
+_FULL_TENSOR_INITS = {
+    "normal_", "uniform_", "exponential_", "bernoulli_", "random_", "geometric_", "log_normal_", "cauchy_",
+    "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "trunc_normal_",
+    "orthogonal_", "sparse_", "eye_", "dirac_",
 }
 
 
@@ -53,7 +64,8 @@ class PartitionedParam(FlatBucket):
             flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
             flat[:self.numel].copy_(param.data.reshape(-1))
             shard = self.shard_of(flat).clone()
-        self.shard = shard
+        self.store = None  # an offload_param store (zerotrain.offload.param_store) that keeps the shard
+        self._shard: Optional[torch.Tensor] = shard
         self.flat_param: Optional[torch.Tensor] = None  # the gathered full buffer, while gathered
         self.persistent = False
         self.master: Optional[torch.Tensor] = None  # set by the optimizer; kept in sync by GatheredParameters
@@ -73,8 +85,45 @@ class PartitionedParam(FlatBucket):
         """
         return torch.empty((), dtype=self.dtype, device=self.device).expand(self.shapes[0])
 
+    @property
+    def shard(self) -> torch.Tensor:
+        """This rank's chunk (training dtype). Offloaded: its host copy, read in from NVMe if needed;
+        change it through `write_shard`, not in place."""
+        return self._shard if self.store is None else self.store.host_shard(self)
+
+    @shard.setter
+    def shard(self, value: torch.Tensor) -> None:
+        if self.store is not None:
+            raise RuntimeError(f"parameter {self.names[0]}: its shard is offloaded; use write_shard()")
+        self._shard = value
+
     def local_shard(self) -> torch.Tensor:
         return self.shard
+
+    def device_shard(self) -> torch.Tensor:
+        """The shard on the training device, for a gather (offloaded: copied in, or read from NVMe)."""
+        return self._shard if self.store is None else self.store.device_shard(self)
+
+    def write_shard(self, values: torch.Tensor) -> None:
+        """Take new shard values (cast to the training dtype), wherever the shard lives."""
+        if self.store is not None:
+            self.store.write(self, values)
+        elif values.data_ptr() != self._shard.data_ptr():
+            self._shard.copy_(values)
+
+    def detach_shard(self) -> torch.Tensor:
+        """Hand the shard to an offload store (which keeps it from now on)."""
+        shard, self._shard = self._shard, None
+        return shard
+
+    @property
+    def offloaded(self) -> bool:
+        return self.store is not None
+
+    @property
+    def shard_in_device_memory(self) -> bool:
+        """True when `local_shard()` is a lasting tensor in device memory (an fp32 master may share it)."""
+        return self.store is None or self.store.shares_device_memory(self)
 
     @property
     def keeps_full_copy(self) -> bool:
@@ -102,6 +151,8 @@ class PartitionedParam(FlatBucket):
 
     def to_(self, device: torch.device, dtype: torch.dtype) -> None:
         """Move or cast the shard (the module's own .to() would gather)."""
+        if self.store is not None:
+            raise RuntimeError(f"parameter {self.names[0]} is offloaded (offload_param); it cannot be moved")
         self.shard = self.shard.to(device=device, dtype=dtype)
         self.dtype, self.device = dtype, device
         self.empty = self._placeholder()
@@ -114,9 +165,9 @@ class PartitionedParam(FlatBucket):
         """Take new full values: keep this rank's chunk in the shard (and the fp32 master)."""
         flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
         flat[:self.numel].copy_(full.reshape(-1))
-        self.shard.copy_(self.shard_of(flat))
-        if self.master is not None and self.master.data_ptr() != self.shard.data_ptr():
-            self.master.copy_(self.shard)
+        self.write_shard(self.shard_of(flat))
+        if self.master is not None and (self.store is not None or self.master.data_ptr() != self._shard.data_ptr()):
+            self.master.copy_(self.shard_of(flat))
         if self.gathered:
             self.flat_param.copy_(flat)
 
@@ -149,14 +200,31 @@ class ZeroParameter(torch.nn.Parameter):
             released = [p for p in _zero_params_in(args, kwargs) if not p._zero.gathered]
             if released:
                 target = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes `tensor=`
-                if (name in _SHARD_SAFE_INPLACE and isinstance(target, ZeroParameter)
+                if (name in _SHARD_SAFE_INPLACE | _FULL_TENSOR_INITS and isinstance(target, ZeroParameter)
                         and not target._zero.gathered and len(released) == 1):
                     rest = {key: value for key, value in kwargs.items() if value is not target}
+                    if name in _FULL_TENSOR_INITS:
+                        return _apply_to_full_then_shard(func, target._zero, args[1:], rest)
                     return _apply_to_shard(func, target._zero, args[1:], rest)
                 for param in released:
                     param._zero.fetch_for_access()
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+
+def _apply_to_full_then_shard(func: Callable, part: PartitionedParam, rest: tuple, kwargs: dict):
+    """Run a position-dependent initializer on a transient full tensor; keep this rank's chunk.
+
+    No gather: the old values are overwritten anyway. Each rank draws the whole tensor from its
+    own generator, as torch would, so the shards together are torch's tensor when the ranks'
+    generators agree (seeded alike, as for any data-parallel init)."""
+    from ...checkpoint.fence import fence_snapshots  # late: checkpoint imports zero
+    fence_snapshots()  # a pending async checkpoint copy reads this shard and master first
+    full = torch.empty(part.shapes[0], dtype=part.dtype, device=part.device)
+    with torch._C.DisableTorchFunctionSubclass():
+        func(full, *rest, **kwargs)
+    part.write_full(full)
+    return part.param
 
 
 def _apply_to_shard(func: Callable, part: PartitionedParam, rest: tuple, kwargs: dict):
@@ -173,13 +241,15 @@ def _apply_to_shard(func: Callable, part: PartitionedParam, rest: tuple, kwargs:
         return value
 
     rest = tuple(chunk_of(value) for value in rest)
+    shard = part.shard
     with torch._C.DisableTorchFunctionSubclass():
-        func(part.shard, *rest, **kwargs)
+        func(shard, *rest, **kwargs)
         # Padding stays zero whatever the op did to it.
         valid = max(0, min(end, part.numel) - start)
-        part.shard[valid:].zero_()
-    if part.master is not None and part.master.data_ptr() != part.shard.data_ptr():
-        part.master.copy_(part.shard)
+        shard[valid:].zero_()
+    part.write_shard(shard)  # offloaded: back to the host copy or the file
+    if part.master is not None and part.master.data_ptr() != shard.data_ptr():
+        part.master.copy_(shard)
     return part.param
 
 

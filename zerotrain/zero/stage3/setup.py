@@ -19,9 +19,27 @@ class Stage3Model:
     frozen: list[PartitionedParam]
     fetcher: ParamFetcher
     hooks: Stage3Hooks = None
+    param_store: object = None  # offload_param: where the non-persistent shards live (None: on the device)
 
     def all_parts(self) -> list[PartitionedParam]:
         return self.trainable + self.frozen
+
+    def use_param_store(self, store) -> None:
+        """Keep the shards in `store` (offload_param); gathers read them through the fetcher."""
+        self.param_store = self.fetcher.param_store = store
+
+    def refresh_frozen(self) -> None:
+        """Re-gather the gathered frozen parameters after their shards were written (a checkpoint load)."""
+        with torch.no_grad():
+            for part in self.frozen:  # same order on every rank
+                if part.gathered:
+                    self.fetcher.comm.all_gather(part.flat_param, part.device_shard())
+
+    def device_param_bytes(self) -> int:
+        """Parameter bytes on the device: shards not offloaded, plus every gathered full buffer."""
+        parts = self.all_parts()
+        held = sum(part.shard_numel * part.dtype.itemsize for part in parts if not part.offloaded)
+        return held + sum(part.flat_param.numel() * part.flat_param.element_size() for part in parts if part.gathered)
 
 
 def place_module(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:

@@ -1,0 +1,58 @@
+"""kaiming_* / xavier_* on partitioned parameters of a running engine give torch's exact values."""
+from __future__ import annotations
+
+import torch
+
+from distributed import run_distributed
+from models_for_tests import OddMLP
+from test_stage3_init import is_released
+
+# (parameter, initializer, keyword arguments): every rank seeds its own generator alike.
+INITS = [("fc1.weight", "kaiming_uniform_", {"a": 1.0, "mode": "fan_out"}), ("fc2.weight", "kaiming_normal_", {}),
+         ("fc1.bias", "uniform_", {"a": -0.3, "b": 0.3}), ("fc2.bias", "normal_", {"std": 2.0})]
+XAVIER = [("fc1.weight", "xavier_uniform_", {}), ("fc2.weight", "xavier_normal_", {"gain": 2.0})]
+
+
+def init_after_initialize(inits: list) -> dict:
+    import zerotrain
+
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 0}
+    engine, *_ = zerotrain.initialize(model=OddMLP(), config=config)
+    params = dict(engine.module.named_parameters())
+    for seed, (name, init, kwargs) in enumerate(inits):
+        getattr(torch.nn.init, init)(params[name], generator=torch.Generator().manual_seed(seed), **kwargs)
+    parts = {name: params[name]._zero for name, _, _ in inits}
+    return {"released": all(is_released(p) for p in params.values()), "full": {key.removeprefix("module."): value for key, value in engine.full_state_dict().items()},
+            "shards": {name: part.shard.clone() for name, part in parts.items()},
+            "masters": {name: part.master.clone() for name, part in parts.items()}}
+
+
+def expected(inits: list) -> dict:
+    torch.manual_seed(0)
+    model = OddMLP()
+    params = dict(model.named_parameters())
+    for seed, (name, init, kwargs) in enumerate(inits):
+        getattr(torch.nn.init, init)(params[name].data, generator=torch.Generator().manual_seed(seed), **kwargs)
+    return {name: p.detach().clone() for name, p in params.items()}
+
+
+def test_kaiming_xavier_and_random_inits_match_torch_on_every_rank():
+    world = 2
+    for inits in (INITS, XAVIER):
+        want = expected(inits)
+        for rank, result in enumerate(run_distributed(init_after_initialize, world, inits)):
+            assert result["released"], f"rank {rank}: the initializers ran without gathering"
+            for name, ref in want.items() if rank == 0 else ():  # full_state_dict: on rank 0 only
+                torch.testing.assert_close(result["full"][name], ref, rtol=0, atol=0,
+                                           msg=lambda m: f"rank {rank} {name}: {m}")
+            for name in result["shards"]:
+                shard = result["shards"][name]
+                flat = torch.zeros(shard.numel() * world)
+                flat[:want[name].numel()] = want[name].reshape(-1)
+                chunk = flat[rank * shard.numel():(rank + 1) * shard.numel()]
+                assert torch.equal(shard, chunk), f"rank {rank} {name}: shard is torch's chunk, padding zero"
+                assert torch.equal(result["masters"][name], chunk), f"rank {rank} {name}: fp32 master too"
+    # Not the same values as before (the write is not lost): not the default init.
+    assert not torch.equal(expected(INITS)["fc1.weight"], expected([])["fc1.weight"])

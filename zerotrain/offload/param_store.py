@@ -1,0 +1,355 @@
+"""ZeRO-Infinity parameter offload: stage-3 parameter shards kept off the device (`offload_param`).
+
+Each non-persistent partitioned parameter's 1/N shard (training dtype) lives in a store
+instead of device memory; persistent parameters (`stage3_param_persistence_threshold`)
+stay whole on the device as before. A `PartitionedParam` with a `store` reads its shard
+through it: `part.shard` is the host copy, `part.device_shard()` the copy a gather sends,
+`part.write_shard(values)` takes new values (the optimizer's publish, a GatheredParameters
+write, an initializer).
+
+- `HostParamStore` (`device: cpu`): the shard is a host tensor, pinned when CUDA is present
+  and `pin_memory` is set; a gather copies it to the device with `non_blocking`. On a
+  CPU-only run the host tensor *is* the device tensor: no copy anywhere, and an fp32
+  master may share its memory as it does without offload.
+- `NvmeParamStore` (`device: nvme`): the shards live in one file per rank under
+  `nvme_path` (each at an aligned offset), moved through a bounded pool of `buffer_count`
+  aligned buffers (`aio.AlignedBuffers`, one shard per buffer, so `buffer_size` must hold
+  the largest shard) by `aio.AsyncFileIO` (O_DIRECT where the filesystem takes it). At most
+  `max_in_cpu` elements of shards are cached in host memory (least recently used first
+  out); the rest are read when a gather needs them. The fetcher asks for reads ahead along
+  its recorded order (`read_ahead`), so the next modules' shards are on their way while
+  this one computes. Writes after the optimizer step go out asynchronously; `flush()` (the
+  engine calls it after every step) waits for them. Any failed read or write raises
+  `aio.OffloadIOError` in the training process, naming the file, offset and rank.
+
+`resident(write_back)` keeps every shard in host memory while inside (checkpoint save
+and load address them as tensors) and, with `write_back`, writes them all out on exit.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import warnings
+import weakref
+from collections import OrderedDict
+from concurrent.futures import Future
+from contextlib import contextmanager, nullcontext
+from typing import Iterable, Optional
+
+import torch
+
+from .aio import AlignedBuffers, AsyncFileIO, OffloadIOError, direct_io_supported, round_up
+
+
+def _host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, pin_memory=pin and torch.cuda.is_available())
+
+
+def _nbytes(part) -> int:
+    return part.shard_numel * part.dtype.itemsize
+
+
+class HostParamStore:
+    """`offload_param.device = cpu`: every offloaded shard is a (pinned) host tensor."""
+
+    kind = "cpu"
+
+    def __init__(self, parts: list, pin_memory: bool = False):
+        self.parts = parts
+        self.pin = bool(pin_memory) and torch.cuda.is_available()
+        self.hosts: dict[int, torch.Tensor] = {}
+        for part in parts:
+            shard = part.detach_shard()
+            if shard.device.type != "cpu" or (self.pin and not shard.is_pinned()):
+                host = _host_empty(shard.numel(), shard.dtype, self.pin)
+                host.copy_(shard)
+                shard = host
+            self.hosts[id(part)] = shard
+            part.store = self
+
+    def shares_device_memory(self, part) -> bool:
+        """True when the host shard is on the training device itself (a CPU run): masters may alias it."""
+        return part.device.type == "cpu"
+
+    def host_shard(self, part) -> torch.Tensor:
+        return self.hosts[id(part)]
+
+    def device_shard(self, part) -> torch.Tensor:
+        return self.hosts[id(part)].to(part.device, non_blocking=True)  # the host tensor itself on a CPU run
+
+    def write(self, part, values: torch.Tensor) -> None:
+        host = self.hosts[id(part)]
+        if values.data_ptr() != host.data_ptr():
+            host.copy_(values)
+
+    def read_ahead(self, parts: Iterable) -> None:
+        """Nothing to read: the host-to-device copy starts with the gather."""
+
+    def flush(self) -> None:
+        """Nothing pending: writes are plain copies."""
+
+    def resident(self, write_back: bool = True):
+        return nullcontext(self)
+
+    def memory_split(self) -> dict[str, int]:
+        return {"host": sum(_nbytes(part) for part in self.parts), "nvme": 0, "host_buffers": 0}
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class NvmeParamStore:
+    """`offload_param.device = nvme`: shards in a file per rank, a bounded host cache, async I/O."""
+
+    kind = "nvme"
+
+    def __init__(self, parts: list, nvme_path: str, rank: int, buffer_count: int = 5,
+                 buffer_size: int = 100_000_000, max_in_cpu: int = 1_000_000_000,
+                 pin_memory: bool = False, aio=None, direct: Optional[bool] = None):
+        self.parts = parts
+        self.rank = rank
+        self.pin = bool(pin_memory) and torch.cuda.is_available()
+        self.max_in_cpu = int(max_in_cpu)
+        largest = max(parts, key=lambda part: part.shard_numel, default=None)
+        if largest is not None and largest.shard_numel > buffer_size:
+            raise ValueError(f"zero_optimization.offload_param.buffer_size: {buffer_size} elements cannot hold "
+                             f"rank {rank}'s shard of parameter {largest.names[0]} ({largest.shard_numel} "
+                             f"elements); raise buffer_size to at least that")
+        self.offsets: dict[int, int] = {}
+        total = 0
+        for part in parts:
+            self.offsets[id(part)] = total
+            total += round_up(max(_nbytes(part), 1))
+        os.makedirs(nvme_path, exist_ok=True)
+        free = shutil.disk_usage(nvme_path).free
+        if total > free:
+            raise OffloadIOError(f"NVMe parameter offload: rank {rank} needs {total / 2**20:.1f} MiB under "
+                                 f"{nvme_path} for its parameter shards; only {free / 2**20:.1f} MiB are free")
+        self.directory = tempfile.mkdtemp(prefix=f"zerotrain-param-r{rank}-", dir=nvme_path)
+        if direct is None:
+            direct = direct_io_supported(self.directory)
+            if not direct:
+                warnings.warn(f"NVMe parameter offload: {nvme_path} does not take O_DIRECT; using buffered I/O")
+        self.io = AsyncFileIO(threads=int(getattr(aio, "intra_op_parallelism", 1)), direct=direct,
+                              block_size=int(getattr(aio, "block_size", 1 << 20)),
+                              queue_depth=max(2, int(getattr(aio, "queue_depth", 8))))
+        self._finalizer = weakref.finalize(self, _cleanup, self.io, self.directory)
+        self.fd = -1
+        if parts:
+            try:
+                self.fd = self.io.open(os.path.join(self.directory, "params.swp"), total)
+            except BaseException:
+                self._finalizer()
+                raise
+        buffer_bytes = round_up(max((_nbytes(part) for part in parts), default=1))
+        self.pool = AlignedBuffers(max(1, int(buffer_count)), buffer_bytes, pin=self.pin)
+        self.cache: OrderedDict[int, torch.Tensor] = OrderedDict()  # id(part) -> host shard, LRU order
+        self.cached_numel = 0
+        self.reads: OrderedDict[int, tuple[Future, torch.Tensor]] = OrderedDict()  # reads ahead in flight
+        self.ready: dict[int, torch.Tensor] = {}  # reads ahead finished early (to free their buffer)
+        self.writes: dict[int, Future] = {}
+        self._resident: Optional[dict[int, torch.Tensor]] = None
+        self.stats = {"param_reads": 0, "param_writes": 0, "read_ahead": 0, "read_ahead_hits": 0,
+                      "cache_hits": 0}
+        self._by_id = {id(part): part for part in parts}
+        for part in parts:
+            shard = part.detach_shard()
+            part.store = self
+            self.write(part, shard)
+            self._remember(part, shard if shard.device.type == "cpu" else None)
+        self.flush()
+
+    def shares_device_memory(self, part) -> bool:
+        return False
+
+    # --- reads ----------------------------------------------------------------------
+    def host_shard(self, part) -> torch.Tensor:
+        """The shard in host memory: from the resident set, the cache, a read ahead, or the file now."""
+        key = id(part)
+        if self._resident is not None and key in self._resident:
+            return self._resident[key]
+        if key in self.cache:
+            self.cache.move_to_end(key)
+            self.stats["cache_hits"] += 1
+            return self.cache[key]
+        if key in self.ready or key in self.reads:
+            self.stats["read_ahead_hits"] += 1
+            host = self.ready.pop(key) if key in self.ready else self._finish_read(key)
+        else:
+            self._wait_write(key)
+            buffer = self._acquire()
+            try:
+                self._read(part, buffer).result()
+                host = self._copy_out(part, buffer)
+            finally:
+                self.pool.release(buffer)
+        self._remember(part, host)
+        return host
+
+    def device_shard(self, part) -> torch.Tensor:
+        return self.host_shard(part).to(part.device, non_blocking=True)  # no copy on a CPU run
+
+    def read_ahead(self, parts: Iterable) -> None:
+        """Start reads of upcoming shards into free buffers (never waits; keeps one buffer for other I/O)."""
+        for part in parts:
+            key = id(part)
+            if getattr(part, "store", None) is not self or key in self.cache or key in self.reads \
+                    or key in self.ready or (self._resident is not None and key in self._resident):
+                continue
+            if len(self.reads) >= max(1, self.pool.count - 1) or key in self.writes:
+                return
+            buffer = self.pool.acquire(block=False)
+            if buffer is None:
+                return
+            self.reads[key] = (self._read(part, buffer), buffer)
+            self.stats["read_ahead"] += 1
+
+    def _read(self, part, buffer: torch.Tensor) -> Future:
+        self.stats["param_reads"] += 1
+        return self.io.read(self.fd, self.offsets[id(part)], buffer[:round_up(max(_nbytes(part), 1))])
+
+    def _copy_out(self, part, buffer: torch.Tensor) -> torch.Tensor:
+        host = _host_empty(part.shard_numel, part.dtype, self.pin)
+        host.copy_(buffer[:_nbytes(part)].view(part.dtype))
+        return host
+
+    def _finish_read(self, key: int) -> torch.Tensor:
+        future, buffer = self.reads.pop(key)
+        try:
+            future.result()
+            return self._copy_out(self._part(key), buffer)
+        finally:
+            self.pool.release(buffer)
+
+    def _part(self, key: int):
+        return self._by_id[key]
+
+    def _acquire(self) -> torch.Tensor:
+        """A free buffer; reads ahead that hold them all are finished into host memory first (no deadlock)."""
+        buffer = self.pool.acquire(block=False)
+        while buffer is None and self.reads:
+            key = next(iter(self.reads))
+            self.ready[key] = self._finish_read(key)
+            buffer = self.pool.acquire(block=False)
+        return buffer if buffer is not None else self.pool.acquire()  # else: a write behind frees one
+
+    def _remember(self, part, host: Optional[torch.Tensor]) -> None:
+        """Cache `host` if it fits under max_in_cpu, evicting the least recently used shards."""
+        if host is None or part.shard_numel > self.max_in_cpu:
+            return
+        key = id(part)
+        if key in self.cache:
+            self.cached_numel -= self.cache.pop(key).numel()
+        while self.cache and self.cached_numel + part.shard_numel > self.max_in_cpu:
+            self.cached_numel -= self.cache.popitem(last=False)[1].numel()
+        self.cache[key] = host
+        self.cached_numel += host.numel()
+
+    # --- writes ---------------------------------------------------------------------
+    def write(self, part, values: torch.Tensor) -> None:
+        """Take new values: into the host copies at once, into the file asynchronously (see flush)."""
+        key = id(part)
+        self._wait_write(key)
+        self._forget_reads(key)
+        for copies in (self.cache, self._resident or {}):
+            if key in copies and copies[key].data_ptr() != values.data_ptr():
+                copies[key].copy_(values)
+        buffer = self._acquire()
+        try:
+            buffer[:_nbytes(part)].view(part.dtype).copy_(values.reshape(-1))
+        except BaseException:
+            self.pool.release(buffer)
+            raise
+        self.writes[key] = self.io.write(self.fd, self.offsets[key], buffer[:round_up(max(_nbytes(part), 1))],
+                                         done=lambda: self.pool.release(buffer))
+        self.stats["param_writes"] += 1
+
+    def _forget_reads(self, key: int) -> None:
+        self.ready.pop(key, None)
+        if key in self.reads:
+            future, buffer = self.reads.pop(key)
+            try:
+                future.result()
+            except OffloadIOError:
+                pass  # its values are being replaced anyway
+            finally:
+                self.pool.release(buffer)
+
+    def _wait_write(self, key: int) -> None:
+        future = self.writes.pop(key, None)
+        if future is not None:
+            future.result()
+
+    def flush(self) -> None:
+        """Wait for every write; raise the first failure (after all have finished: nothing left running)."""
+        writes, self.writes = self.writes, {}
+        error = None
+        for future in writes.values():
+            try:
+                future.result()
+            except BaseException as caught:  # noqa: BLE001 - the first one is raised below
+                error = error or caught
+        if error is not None:
+            raise OffloadIOError(f"NVMe parameter offload (rank {self.rank}): {error}") from error
+
+    # --- all shards in memory, for checkpoints -----------------------------------------
+    @contextmanager
+    def resident(self, write_back: bool = True):
+        """Every shard in host memory while inside; with `write_back`, all written to the file on exit."""
+        if self._resident is not None:  # nested: the outer one owns the set
+            yield self
+            return
+        shards = {}
+        for part in self.parts:
+            shards[id(part)] = self.host_shard(part)
+        self._resident = shards
+        try:
+            yield self
+        finally:
+            self._resident = None
+        if write_back:
+            for part in self.parts:
+                self.write(part, shards[id(part)])
+            self.flush()
+
+    # --- accounting and shutdown -----------------------------------------------------------
+    def memory_split(self) -> dict[str, int]:
+        nbytes = sum(_nbytes(part) for part in self.parts)
+        cached = sum(host.numel() * host.element_size() for host in self.cache.values())
+        return {"host": cached, "nvme": nbytes, "host_buffers": self.pool.total_bytes()}
+
+    def close(self) -> None:
+        for key in list(self.reads):
+            self._forget_reads(key)
+        try:
+            self.flush()
+        finally:
+            self._finalizer()
+
+
+def _cleanup(io: AsyncFileIO, directory: str) -> None:
+    io.shutdown()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def build_param_store(parts: list, offload, aio, rank: int):
+    """The store `zero_optimization.offload_param` asks for, holding the non-persistent shards of `parts`."""
+    if offload is None or offload.device == "none":
+        return None
+    offloaded = [part for part in parts if not part.persistent]
+    if offload.device == "cpu":
+        return HostParamStore(offloaded, pin_memory=bool(offload.pin_memory))
+    return NvmeParamStore(offloaded, offload.nvme_path, rank, buffer_count=int(offload.buffer_count),
+                          buffer_size=int(offload.buffer_size), max_in_cpu=int(offload.max_in_cpu),
+                          pin_memory=bool(offload.pin_memory), aio=aio)
+
+
+@contextmanager
+def resident_model_states(engine, write_back: bool = True):
+    """Optimizer states and offloaded parameter shards in memory together (checkpoint save and load)."""
+    from .cpu_optimizer import resident_states
+    store = getattr(engine, "param_store", None)
+    with resident_states(engine.zero_optimizer, write_back=write_back):
+        with (store.resident(write_back=write_back) if store is not None else nullcontext()):
+            yield
