@@ -16,37 +16,33 @@ from offload_common import assert_same_snapshot, build_engine, snapshot, train_s
 FAIL_STEP = 2
 
 
-def _failing_writes(aio, fail_at: int, code: int):
-    """Make the `fail_at`-th write from now (and later ones) fail with `code`; returns a switch-off."""
-    real = aio._pwrite
+def _failing_io(aio, name: str, fail_at: int, code: int, only_fds=None):
+    """Make the `fail_at`-th call of `aio.<name>` (`_pwrite` or `_pread`) from now, and later ones, fail
+    with `code`, counting only calls on `only_fds` when given; returns a switch-off."""
+    real = getattr(aio, name)
     calls = {"n": 0}
 
-    def pwrite(fd, buffers, offset):
-        calls["n"] += 1
-        if calls["n"] >= fail_at:
-            raise OSError(code, os.strerror(code))
+    def failing(fd, buffers, offset):
+        if only_fds is None or fd in only_fds:
+            calls["n"] += 1
+            if calls["n"] >= fail_at:
+                raise OSError(code, os.strerror(code))
         return real(fd, buffers, offset)
 
-    aio._pwrite = pwrite
-    return lambda: setattr(aio, "_pwrite", real)
+    setattr(aio, name, failing)
+    return lambda: setattr(aio, name, real)
+
+
+def _failing_writes(aio, fail_at: int, code: int):
+    """Make the `fail_at`-th write from now (and later ones) fail with `code`; returns a switch-off."""
+    return _failing_io(aio, "_pwrite", fail_at, code)
 
 
 def _failing_state_reads(aio, opt, fail_at: int, code: int):
     """Make the `fail_at`-th read of the state slot files from now (and later ones) fail; returns a switch-off.
 
     Reads of the master backup file still work, so the failed step can put the masters back."""
-    real = aio._pread
-    calls = {"n": 0}
-
-    def pread(fd, buffers, offset):
-        if fd in opt.files[:2]:
-            calls["n"] += 1
-            if calls["n"] >= fail_at:
-                raise OSError(code, os.strerror(code))
-        return real(fd, buffers, offset)
-
-    aio._pread = pread
-    return lambda: setattr(aio, "_pread", real)
+    return _failing_io(aio, "_pread", fail_at, code, only_fds=opt.files[:2])
 
 
 def train_with_failure(nvme_path: str, code: int | None, kind: str = "write", ranks=(0, 1)) -> dict:

@@ -74,7 +74,7 @@ def test_disk_too_small_is_a_clear_error_at_start(tmp_path, monkeypatch):
 
 
 def test_no_direct_io_warns_and_falls_back(tmp_path, monkeypatch):
-    monkeypatch.setattr("zerotrain.offload.nvme.direct_io_supported", lambda directory: False)
+    monkeypatch.setattr("zerotrain.offload.aio.direct_io_supported", lambda directory: False)
     with pytest.warns(UserWarning, match="O_DIRECT"):
         _, opt = _bucket_optimizer(tmp_path, chunk_numel=1024)
     assert not opt.io.direct and opt.stats["direct_io"] == 0

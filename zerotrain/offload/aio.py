@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import os
+import tempfile
 import threading
 import uuid
 import warnings
@@ -257,3 +258,21 @@ class AsyncFileIO:
         self._pool.shutdown(wait=True)
         for fd in list(self._paths):
             self.close(fd)
+
+
+def open_swap_directory(nvme_path: str, prefix: str, aio_config, direct: Optional[bool],
+                        what: str) -> tuple[str, "AsyncFileIO"]:
+    """A fresh directory under `nvme_path` and an `AsyncFileIO` set up from the `aio` config block.
+
+    `direct` None probes O_DIRECT in that directory, warning (with `what` and the path) when the
+    file system does not take it and buffered I/O is used instead."""
+    os.makedirs(nvme_path, exist_ok=True)
+    directory = tempfile.mkdtemp(prefix=prefix, dir=nvme_path)
+    if direct is None:
+        direct = direct_io_supported(directory)
+        if not direct:
+            warnings.warn(f"{what}: {nvme_path} does not take O_DIRECT; using buffered I/O")
+    io = AsyncFileIO(threads=int(getattr(aio_config, "intra_op_parallelism", 1)), direct=direct,
+                     block_size=int(getattr(aio_config, "block_size", 1 << 20)),
+                     queue_depth=max(2, int(getattr(aio_config, "queue_depth", 8))))
+    return directory, io

@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
-import warnings
 import weakref
 from collections import defaultdict
 from concurrent.futures import Future
@@ -45,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from .aio import ALIGN, AlignedBuffers, AsyncFileIO, OffloadIOError, direct_io_supported, round_up
+from .aio import ALIGN, AlignedBuffers, AsyncFileIO, OffloadIOError, open_swap_directory, round_up
 from .cpu_optimizer import OffloadOptimizer
 from .partial import SubsetStepper, probe_state_layout
 
@@ -87,15 +85,8 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
             for number, start in enumerate(range(0, bucket.shard_numel, self.chunk_numel) if off else ()):
                 self.chunks.append(_Chunk(index, number, start, min(self.chunk_numel, bucket.shard_numel - start),
                                           self.masters[index]))
-        os.makedirs(nvme_path, exist_ok=True)
-        self.directory = tempfile.mkdtemp(prefix=f"zerotrain-optim-r{comm_rank(self)}-", dir=nvme_path)
-        if direct is None:
-            direct = direct_io_supported(self.directory)
-            if not direct:
-                warnings.warn(f"NVMe offload: {nvme_path} does not take O_DIRECT; using buffered I/O")
-        self.io = AsyncFileIO(threads=int(getattr(aio, "intra_op_parallelism", 1)), direct=direct,
-                              block_size=int(getattr(aio, "block_size", 1 << 20)),
-                              queue_depth=max(2, int(getattr(aio, "queue_depth", 8))))
+        self.directory, self.io = open_swap_directory(nvme_path, f"zerotrain-optim-r{comm_rank(self)}-", aio,
+                                                      direct, "NVMe offload")
         self._finalizer = weakref.finalize(self, _cleanup, self.io, self.directory)
         self.files: tuple[int, int, int] = (-1, -1, -1)  # slot 0, slot 1, master backup
         self._open_files()
@@ -105,7 +96,7 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         self.pool = AlignedBuffers(max(2, int(buffer_count)), largest + 2 * self.region,
                                    pin=kwargs.get("pin_memory", False))
         self.stats.update(nvme_bytes_read=0, nvme_bytes_written=0, nvme_failed_steps=0, nvme_restored_chunks=0,
-                          direct_io=int(direct))
+                          direct_io=int(self.io.direct))
 
     def _open_files(self) -> None:
         """Three files for all buckets: two state slots and the master backup; each chunk has its offsets."""

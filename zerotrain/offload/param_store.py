@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
-import warnings
 import weakref
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -39,7 +37,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from .aio import AlignedBuffers, AsyncFileIO, OffloadIOError, direct_io_supported, round_up
+from .aio import AlignedBuffers, AsyncFileIO, OffloadIOError, open_swap_directory, round_up
 
 
 def _host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -126,14 +124,8 @@ class NvmeParamStore:
         if total > free:
             raise OffloadIOError(f"NVMe parameter offload: rank {rank} needs {total / 2**20:.1f} MiB under "
                                  f"{nvme_path} for its parameter shards; only {free / 2**20:.1f} MiB are free")
-        self.directory = tempfile.mkdtemp(prefix=f"zerotrain-param-r{rank}-", dir=nvme_path)
-        if direct is None:
-            direct = direct_io_supported(self.directory)
-            if not direct:
-                warnings.warn(f"NVMe parameter offload: {nvme_path} does not take O_DIRECT; using buffered I/O")
-        self.io = AsyncFileIO(threads=int(getattr(aio, "intra_op_parallelism", 1)), direct=direct,
-                              block_size=int(getattr(aio, "block_size", 1 << 20)),
-                              queue_depth=max(2, int(getattr(aio, "queue_depth", 8))))
+        self.directory, self.io = open_swap_directory(nvme_path, f"zerotrain-param-r{rank}-", aio, direct,
+                                                      "NVMe parameter offload")
         self._finalizer = weakref.finalize(self, _cleanup, self.io, self.directory)
         self.fd = -1
         if parts:
