@@ -13,18 +13,19 @@ INITS = [("fc1.weight", "kaiming_uniform_", {"a": 1.0, "mode": "fan_out"}), ("fc
 XAVIER = [("fc1.weight", "xavier_uniform_", {}), ("fc2.weight", "xavier_normal_", {"gain": 2.0})]
 
 
-def init_after_initialize(inits: list) -> dict:
+def init_after_initialize(inits: list, persistence_threshold: int = 0) -> dict:
     import zerotrain
 
     torch.manual_seed(0)
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 0}
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": persistence_threshold}, "steps_per_print": 0}
     engine, *_ = zerotrain.initialize(model=OddMLP(), config=config)
     params = dict(engine.module.named_parameters())
     for seed, (name, init, kwargs) in enumerate(inits):
         getattr(torch.nn.init, init)(params[name], generator=torch.Generator().manual_seed(seed), **kwargs)
     parts = {name: params[name]._zero for name, _, _ in inits}
-    return {"released": all(is_released(p) for p in params.values()), "full": {key.removeprefix("module."): value for key, value in engine.full_state_dict().items()},
+    return {"released": all(is_released(p) for p in params.values()),
+            "persistent": all(part.persistent for part in parts.values()), "full": {key.removeprefix("module."): value for key, value in engine.full_state_dict().items()},
             "shards": {name: part.shard.clone() for name, part in parts.items()},
             "masters": {name: part.master.clone() for name, part in parts.items()}}
 
@@ -39,11 +40,24 @@ def expected(inits: list) -> dict:
 
 
 def test_kaiming_xavier_and_random_inits_match_torch_on_every_rank():
+    check_inits_match_torch(persistence_threshold=0)
+
+
+def test_inits_on_persistent_parameters_reach_the_shard_and_master():
+    """A persistent (always whole) parameter: the write goes to the full copy, the shard and the master,
+    so the next optimizer step starts from it instead of overwriting it."""
+    check_inits_match_torch(persistence_threshold=10**6)
+
+
+def check_inits_match_torch(persistence_threshold: int) -> None:
     world = 2
     for inits in (INITS, XAVIER):
         want = expected(inits)
-        for rank, result in enumerate(run_distributed(init_after_initialize, world, inits)):
-            assert result["released"], f"rank {rank}: the initializers ran without gathering"
+        for rank, result in enumerate(run_distributed(init_after_initialize, world, inits, persistence_threshold)):
+            if persistence_threshold:
+                assert result["persistent"], f"rank {rank}: the parameters were meant to stay whole"
+            else:
+                assert result["released"], f"rank {rank}: the initializers ran without gathering"
             for name, ref in want.items() if rank == 0 else ():  # full_state_dict: on rank 0 only
                 torch.testing.assert_close(result["full"][name], ref, rtol=0, atol=0,
                                            msg=lambda m: f"rank {rank} {name}: {m}")

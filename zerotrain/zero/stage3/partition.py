@@ -208,6 +208,11 @@ class ZeroParameter(torch.nn.Parameter):
                     return _apply_to_shard(func, target._zero, args[1:], rest)
                 for param in released:
                     param._zero.fetch_for_access()
+            else:
+                target = args[0] if args else kwargs.get("tensor")
+                if (name in _SHARD_SAFE_INPLACE | _FULL_TENSOR_INITS and isinstance(target, ZeroParameter)
+                        and target._zero.persistent):
+                    return _apply_to_persistent(func, target._zero, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -225,6 +230,18 @@ def _apply_to_full_then_shard(func: Callable, part: PartitionedParam, rest: tupl
         func(full, *rest, **kwargs)
     part.write_full(full)
     return part.param
+
+
+def _apply_to_persistent(func: Callable, part: PartitionedParam, args: tuple, kwargs: dict):
+    """An in-place initializer on a persistent (always whole) parameter: run it on the full copy,
+    then take the result into the shard and the master, so the next step does not overwrite it."""
+    from ...checkpoint.fence import fence_snapshots  # late: checkpoint imports zero
+    fence_snapshots()
+    with torch._C.DisableTorchFunctionSubclass():
+        result = func(*args, **kwargs)
+        with torch.no_grad():
+            part.write_full(part.param.data.clone())
+    return result
 
 
 def _apply_to_shard(func: Callable, part: PartitionedParam, rest: tuple, kwargs: dict):
