@@ -261,7 +261,7 @@ class ParamFetcher:
                 output = self.pool.take(staged.numel() * self.comm.size, staged.dtype, staged.device)
                 handle = self.comm.all_gather(output, staged, async_op=True)
                 record = ("bucket", output, group)
-                self._track_buffer(output)
+                self._track_buffer(output, extra_bytes=staged.numel() * staged.element_size())
             self._count_inflight(group, +1, prefetch)
             for part in group:
                 self._inflight[id(part)] = (handle, record, prefetch)
@@ -300,6 +300,9 @@ class ParamFetcher:
             self._bind(part, full)
             self._keep_secondary(part)
             offset += part.shard_numel
+        # Peak of a bucketed gather: its output, the staged input (the collective may still hold it), and
+        # the full buffers just copied out of it.
+        self._track_buffer(buffer, extra_bytes=buffer.numel() * buffer.element_size() * (1 + 1 / self.comm.size))
         del rank_major
         self.pool.give(buffer)
 
@@ -373,8 +376,9 @@ class ParamFetcher:
         stats["peak_live_inflight_numel"] = max(stats["peak_live_inflight_numel"],
                                                 stats["live_numel"] + stats["inflight_numel"])
 
-    def _track_buffer(self, buffer: torch.Tensor) -> None:
-        size = buffer.numel() * buffer.element_size()
+    def _track_buffer(self, buffer: torch.Tensor, extra_bytes: float = 0) -> None:
+        """`peak_gather_bytes`: the most transient memory one gather used (buffer plus copy-in/copy-out)."""
+        size = int(buffer.numel() * buffer.element_size() + extra_bytes)
         self.stats["peak_gather_bytes"] = max(self.stats["peak_gather_bytes"], size)
 
 
