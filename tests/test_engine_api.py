@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from models_for_tests import OddMLP, make_batches, micro_slice, train_global_step
+from models_for_tests import OddMLP, make_batches, micro_slice, reference_training, train_global_step
 
 MICRO, STEPS, LR = 2, 4, 1e-2
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -573,19 +573,9 @@ def test_zero_grad_drops_only_between_cycles():
     """Stages 0-2: zero_grad() drops a pending gradient at a cycle start but never mid-accumulation."""
     results = run_distributed(zero_grad_everywhere, 2, ZERO_GRAD_CASES)[0]
     for (stage, accumulation), (losses, weights) in zip(ZERO_GRAD_CASES, results):
-        torch.manual_seed(0)
-        model = OddMLP()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-        ref_losses = []
         batches = make_batches(STEPS, MICRO * accumulation * 2) + make_batches(1, MICRO * accumulation * 2, seed=7)
-        for x, y in batches:
-            loss = model(x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad()
-            ref_losses.append(loss.item())
-        _assert_parity(losses, weights, ref_losses[:STEPS], dict(model.named_parameters()),
+        ref_losses, ref_weights = reference_training(OddMLP, batches, lr=LR, weight_decay=0.01, clip=1.0)
+        _assert_parity(losses, weights, ref_losses[:STEPS], ref_weights,
                        f"stage {stage}, accumulation {accumulation}, zero_grad")
 
 

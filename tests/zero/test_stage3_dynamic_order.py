@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from distributed import run_distributed
-from test_stage3 import LR, DynamicModel, dynamic_batches, stage3_config
+from test_stage3 import DynamicModel, dynamic_batches, reference_dynamic, stage3_config
 
 
 def train_dynamic_traced(zero: dict) -> dict:
@@ -37,24 +37,6 @@ def train_dynamic_traced(zero: dict) -> dict:
     return {"losses": losses, "weights": engine.full_state_dict(), "in_order": in_order,
             "mismatches": mismatches, "hits": hits, "recorded": recorded,
             "inflight": fetcher.stats["inflight_numel"], "live": fetcher.stats["live_numel"]}
-
-
-def reference_dynamic(world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    torch.manual_seed(0)
-    model = DynamicModel()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for step, (x, y) in enumerate(dynamic_batches(world)):
-        loss = F.mse_loss(model(x, step), y)
-        loss.backward()
-        for param in model.parameters():  # ZeRO reduces a zero gradient for a parameter a step did not use
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("zero", [{}, {"stage3_allgather_sequential": True}], ids=["bucketed", "sequential"])

@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 
 from distributed import run_distributed
-from models_for_tests import OddMLP, make_batches, micro_slice, reference_training
+from models_for_tests import OddMLP, make_batches, reference_training, train_global_step
 
 
 class ParentInitMLP(OddMLP):
@@ -117,7 +116,7 @@ def test_initializers_on_partitioned_parameters_change_only_the_local_shard():
 def train_from_init(steps: int) -> tuple:
     import zerotrain
 
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
     torch.manual_seed(0)
     with zerotrain.zero.Init():
         model = ParentInitMLP()
@@ -125,15 +124,7 @@ def train_from_init(steps: int) -> tuple:
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 0}
     engine, *_ = zerotrain.initialize(model=model, config=config)
-    losses = []
-    for batch in make_batches(steps, 2 * world):
-        x, y = micro_slice(batch, 0, rank, world, 2)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().reshape(1)
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = [train_global_step(engine, batch, 2) for batch in make_batches(steps, 2 * world)]
     return initial, losses, engine.full_state_dict()
 
 
@@ -164,7 +155,7 @@ def reinit_after_initialize(steps: int) -> tuple:
     """Re-initialize released parameters of a running engine with torch.nn.init, then train."""
     import zerotrain
 
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
     torch.manual_seed(0)
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 0}
@@ -173,15 +164,7 @@ def reinit_after_initialize(steps: int) -> tuple:
     torch.nn.init.zeros_(engine.module.fc1.weight)
     released = all(is_released(p) for p in engine.module.parameters())
     initial = engine.full_state_dict()
-    losses = []
-    for batch in make_batches(steps, 2 * world):
-        x, y = micro_slice(batch, 0, rank, world, 2)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().reshape(1)
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = [train_global_step(engine, batch, 2) for batch in make_batches(steps, 2 * world)]
     return released, initial, losses, engine.full_state_dict()
 
 

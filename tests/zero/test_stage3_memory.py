@@ -6,7 +6,7 @@ import os
 import torch
 
 from distributed import run_distributed
-from models_for_tests import OddMLP, make_batches, micro_slice, reference_training
+from models_for_tests import OddMLP, make_batches, reference_training, train_global_step
 
 
 class Wide(torch.nn.Module):
@@ -86,8 +86,6 @@ def test_sequential_gather_peak_is_one_parameter():
 
 
 def modify_then_train(modifier_rank: int) -> tuple:
-    import torch.distributed as dist
-
     import zerotrain
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
@@ -99,15 +97,7 @@ def modify_then_train(modifier_rank: int) -> tuple:
         if rank == modifier_rank:
             with torch.no_grad():
                 weight.fill_(0.25)
-    losses = []
-    for batch in make_batches(3, 2 * world):
-        x, y = micro_slice(batch, 0, rank, world, 2)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().reshape(1)
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = [train_global_step(engine, batch, 2) for batch in make_batches(3, 2 * world)]
     return losses, engine.full_state_dict()
 
 

@@ -32,7 +32,7 @@ import torch
 from ..comm import Comm
 from ..zero.flat import FlatBucket
 from ..zero.gradnorm import GlobalGradients
-from ..zero.optimizer import ShardedOptimizer
+from ..zero.optimizer import ShardedOptimizer, device_master, is_own_master
 from .cpu_adam import CpuAdamStepper
 
 
@@ -136,10 +136,8 @@ class OffloadOptimizer(ShardedOptimizer):
             if offloaded:
                 master = host_empty(shard.numel(), pin_memory)
                 master.copy_(shard)
-            elif bucket.dtype == torch.float32 and getattr(bucket, "shard_in_device_memory", True):
-                master = shard
-            else:  # another dtype, or an offloaded stage-3 shard (offload_param): a device master
-                master = shard.detach().to(device=bucket.device, dtype=torch.float32, copy=True)
+            else:
+                master = device_master(bucket, shard)
             bucket.master = master
             self.masters.append(master)
         self.optimizer = optimizer
@@ -245,8 +243,7 @@ class OffloadOptimizer(ShardedOptimizer):
             if self.offloaded[index]:
                 split["host"] += state + master.numel() * master.element_size()
             else:
-                own_master = bucket.dtype != torch.float32 or not getattr(bucket, "shard_in_device_memory", True)
-                split["device"] += state + (master.numel() * master.element_size() if own_master else 0)
+                split["device"] += state + (0 if is_own_master(bucket) else master.numel() * master.element_size())
         if self.host_grads is not None:
             split["host_buffers"] += self.host_grads.nbytes()
         return split

@@ -21,6 +21,17 @@ from .flat import FlatBucket
 from .gradnorm import GlobalGradients
 
 
+def is_own_master(bucket: FlatBucket) -> bool:
+    """An fp32 shard in device memory is its own fp32 master (no copy); any other needs one."""
+    return bucket.dtype == torch.float32 and getattr(bucket, "shard_in_device_memory", True)
+
+
+def device_master(bucket: FlatBucket, shard: torch.Tensor) -> torch.Tensor:
+    """The fp32 master of `shard` on the device: the shard itself when it can be, else an fp32 copy
+    (another dtype, or a stage-3 shard offloaded to host or NVMe by offload_param)."""
+    return shard if is_own_master(bucket) else shard.detach().to(device=bucket.device, dtype=torch.float32, copy=True)
+
+
 class ShardedOptimizer:
     """Wraps a torch optimizer whose parameters are this rank's fp32 master shards."""
 
@@ -34,11 +45,7 @@ class ShardedOptimizer:
         self.gradients = gradients if gradients is not None else GlobalGradients(buckets, comm)
         self.masters: list[torch.Tensor] = []
         for bucket in buckets:
-            shard = bucket.local_shard()
-            if bucket.dtype == torch.float32 and getattr(bucket, "shard_in_device_memory", True):
-                master = shard  # the model's own buffer: no copy
-            else:  # another dtype, or a stage-3 shard offloaded to host or NVMe (offload_param)
-                master = shard.detach().to(device=bucket.device, dtype=torch.float32, copy=True)
+            master = device_master(bucket, bucket.local_shard())
             bucket.master = master
             self.masters.append(master)
         self.optimizer = optimizer
@@ -109,6 +116,6 @@ class ShardedOptimizer:
                 if torch.is_tensor(value):
                     total += value.numel() * value.element_size()
         for bucket, master in zip(self.buckets, self.masters):
-            if bucket.dtype != torch.float32 or not getattr(bucket, "shard_in_device_memory", True):
+            if not is_own_master(bucket):
                 total += master.numel() * master.element_size()
         return total

@@ -12,8 +12,9 @@ Partitioned parameters are switched to the `ZeroParameter` class, whose
 element-wise op (`zero_`, `fill_`, `copy_`, `mul_`, ...) is applied to the local shard
 only; a random fill (`normal_`, `uniform_`, ...) or a shape-dependent initializer
 (`kaiming_*`, `xavier_*`, ...) runs on a transient full tensor and keeps this rank's
-chunk, so the values are torch's for the same generator state (so for `torch.nn.init.normal_`, `uniform_`
-and `constant_`, which pass the tensor by keyword), and any other use gathers the parameter on
+chunk, so the values are torch's for the same generator state (`torch.nn.init` functions, which
+pass the tensor by keyword, included); on a persistent (always whole) parameter such an op runs
+on the full copy and the result is taken into the shard and master; any other use gathers the parameter on
 demand (for a weight used outside its module's forward, such as a tied output
 head in a user's loss).
 """
@@ -40,6 +41,7 @@ _FULL_TENSOR_INITS = {
     "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "trunc_normal_",
     "orthogonal_", "sparse_", "eye_", "dirac_",
 }
+_INITIALIZERS = _SHARD_SAFE_INPLACE | _FULL_TENSOR_INITS
 
 
 class PartitionedParam(FlatBucket):
@@ -198,21 +200,18 @@ class ZeroParameter(torch.nn.Parameter):
         name = getattr(func, "__name__", "")
         if name not in _NO_GATHER:
             released = [p for p in _zero_params_in(args, kwargs) if not p._zero.gathered]
+            target = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes `tensor=`
+            initializer = name in _INITIALIZERS and isinstance(target, ZeroParameter)
             if released:
-                target = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes `tensor=`
-                if (name in _SHARD_SAFE_INPLACE | _FULL_TENSOR_INITS and isinstance(target, ZeroParameter)
-                        and not target._zero.gathered and len(released) == 1):
+                if initializer and not target._zero.gathered and len(released) == 1:
                     rest = {key: value for key, value in kwargs.items() if value is not target}
                     if name in _FULL_TENSOR_INITS:
                         return _apply_to_full_then_shard(func, target._zero, args[1:], rest)
                     return _apply_to_shard(func, target._zero, args[1:], rest)
                 for param in released:
                     param._zero.fetch_for_access()
-            else:
-                target = args[0] if args else kwargs.get("tensor")
-                if (name in _SHARD_SAFE_INPLACE | _FULL_TENSOR_INITS and isinstance(target, ZeroParameter)
-                        and target._zero.persistent):
-                    return _apply_to_persistent(func, target._zero, args, kwargs)
+            elif initializer and target._zero.persistent:
+                return _apply_to_persistent(func, target._zero, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
