@@ -51,6 +51,14 @@ def train_global_step(engine, step_batch, micro: int, after_micro_step=None) -> 
     return total.item() / (accumulation * world)
 
 
+def assert_same_training(losses, weights, ref_losses, ref_weights) -> None:
+    """Losses within 1e-5 relative of the reference's, and every reference weight close to the engine's."""
+    for got, ref in zip(losses, ref_losses):
+        assert abs(got - ref) <= 1e-5 * abs(ref), (losses, ref_losses)
+    for name, ref in ref_weights.items():
+        torch.testing.assert_close(weights[name], ref, rtol=1e-5, atol=1e-6)
+
+
 def reference_training(model_factory, batches, lr=1e-2, weight_decay=0.01, clip=1.0, norms=None):
     """Plain single-process AdamW over whole global batches: the ground truth.
 

@@ -7,7 +7,7 @@ import os
 import torch
 
 from distributed import run_distributed
-from models_for_tests import OddMLP, make_batches, reference_training, train_global_step
+from models_for_tests import OddMLP, assert_same_training, make_batches, reference_training, train_global_step
 
 
 class ParentInitMLP(OddMLP):
@@ -145,10 +145,7 @@ def test_training_from_init_matches_single_process_from_the_gathered_weights():
         return model
 
     ref_losses, ref_weights = reference_training(from_gathered, make_batches(steps, 4), lr=1e-2)
-    for got, ref in zip(losses, ref_losses):
-        assert abs(got - ref) <= 1e-5 * abs(ref), (losses, ref_losses)
-    for name, ref in ref_weights.items():
-        torch.testing.assert_close(weights[name], ref, rtol=1e-5, atol=1e-6)
+    assert_same_training(losses, weights, ref_losses, ref_weights)
 
 
 def reinit_after_initialize(steps: int) -> tuple:
@@ -183,7 +180,4 @@ def test_nn_init_on_a_running_engine_changes_shards_and_masters():
         return model
 
     ref_losses, ref_weights = reference_training(reinitialized, make_batches(steps, 4), lr=1e-2)
-    for got, ref in zip(losses, ref_losses):
-        assert abs(got - ref) <= 1e-5 * abs(ref), (losses, ref_losses)
-    for name, ref in ref_weights.items():
-        torch.testing.assert_close(weights[name], ref, rtol=1e-5, atol=1e-6)
+    assert_same_training(losses, weights, ref_losses, ref_weights)
