@@ -6,7 +6,9 @@ clones the whole input on the calling thread, runs a full all-reduce of it, and 
 chunk out on `wait()`, so it costs more than an in-place all-reduce of the same buffer;
 `all_gather_single` is as slow. Sending each peer its chunk with `isend`/`irecv` (and summing
 locally for a reduce-scatter) moves only the ring bytes and is the fastest way measured; it is
-what `zerotrain.comm.Comm` does on gloo (the "zerotrain Comm" rows). RS = reduce-scatter,
+what `zerotrain.comm.Comm` does on gloo across hosts ("gloo sockets" rows); ranks on one host
+read each other's chunks straight from memory instead ("same-host reads" rows,
+`zerotrain.comm.same_host`). RS = reduce-scatter,
 AG = all-gather, AR = all-reduce. Two ranks (gloo, 127.0.0.1, one thread each), one fp32
 buffer of `--numel` elements:
 
@@ -42,7 +44,8 @@ def _rank_main(rank: int, world: int, port: int, numel: int, reps: int) -> None:
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from zerotrain.comm import Comm
-    comm = Comm(None, rank, world)  # what zerotrain uses: point-to-point on gloo
+    comm = Comm(None, rank, world)  # what zerotrain uses: same-host reads here, else point-to-point on gloo
+    socket_comm = Comm(None, rank, world, same_host_transport=False)  # point-to-point over gloo's sockets
     peer = 1 - rank if world == 2 else None
     received = torch.empty(chunk)
     own = slice(rank * chunk, (rank + 1) * chunk)
@@ -94,8 +97,10 @@ def _rank_main(rank: int, world: int, port: int, numel: int, reps: int) -> None:
         ("AG all_reduce of zero-filled buffer", all_reduce_gather),
         ("AG broadcast per rank, async", broadcast_gather),
         ("AG isend/irecv in place", p2p_gather),
-        ("RS zerotrain Comm.reduce_scatter", lambda: comm.reduce_scatter(shard, full)),
-        ("AG zerotrain Comm.all_gather (in place)", lambda: comm.all_gather(full, full[own])),
+        ("RS zerotrain Comm, gloo sockets", lambda: socket_comm.reduce_scatter(shard, full)),
+        ("AG zerotrain Comm, gloo sockets", lambda: socket_comm.all_gather(full, full[own])),
+        ("RS zerotrain Comm, same-host reads", lambda: comm.reduce_scatter(shard, full)),
+        ("AG zerotrain Comm, same-host reads", lambda: comm.all_gather(full, full[own])),
         ("clone (fresh allocation)", lambda: full.clone()),
         ("copy_ into resident buffer", lambda: exchange.copy_(full)),
     ]

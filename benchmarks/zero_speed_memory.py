@@ -74,6 +74,11 @@ ZEROTRAIN_VARIANTS: list[tuple[str, str, dict]] = [
     ("zt3", "zerotrain ZeRO-3 (bucketed)", {"stage": 3, **ZT3_LEAN}),
     ("zt3s", "zerotrain ZeRO-3 (sequential)", {"stage": 3, "stage3_allgather_sequential": True, **ZT3_LEAN}),
     ("zt3r", "zerotrain ZeRO-3 (DeepSpeed defaults)", {"stage": 3}),
+    # zt2g/zt3g: as zt2/zt3 with the same-host transport off: every collective byte through gloo's
+    # loopback sockets, as DDP and FSDP2 do here ("_config": top-level config keys).
+    ("zt2g", "zerotrain ZeRO-2 (gloo sockets)", {"stage": 2, "_config": {"comm_same_host_transport": False}}),
+    ("zt3g", "zerotrain ZeRO-3 (bucketed, gloo sockets)",
+     {"stage": 3, **ZT3_LEAN, "_config": {"comm_same_host_transport": False}}),
 ]
 
 DEEPSPEED_VARIANTS: list[tuple[str, str, int]] = [
@@ -218,11 +223,13 @@ def _setup_zerotrain(args, overrides: dict) -> Runner:
     import zerotrain
     zero = {"reduce_bucket_size": args.bucket}
     zero.update(overrides)
+    top_level = zero.pop("_config", {})
     config = {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_clipping": CLIP,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "fused": args.adamw == "fused"}},
         "zero_optimization": zero,
+        **top_level,
     }
     model = _build_model(args.model)
     try:

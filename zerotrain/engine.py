@@ -8,6 +8,7 @@ API follows DeepSpeed's engine so existing loops port by changing the import.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from typing import Any, Callable, Iterable, Optional, Union
@@ -113,7 +114,7 @@ class ZeroTrainEngine:
     # --- ZeRO++ ---------------------------------------------------------------
     def _subgroup_comm(self, group_info) -> Comm:
         group, rank, size = group_info
-        return Comm(group, rank, size, self.counters)
+        return self.comm.subgroup(group, rank, size)
 
     def _gradient_quantization(self) -> Optional[GradQuantization]:
         """qgZ (int4 all-to-all reduce, two hops across nodes) with LoCo when zeropp_loco_param is set."""
@@ -189,6 +190,7 @@ class ZeroTrainEngine:
 
     # --- the training step --------------------------------------------------
     def __call__(self, *args, **kwargs):
+        self._before_model_use()
         if self.stage3 is None:
             return self.module(*args, **kwargs)
         self.stage3.fetcher.begin_micro_step()
@@ -198,6 +200,13 @@ class ZeroTrainEngine:
         return output
 
     forward = __call__
+
+    def _before_model_use(self) -> None:
+        """super_offload may have written speculative weights during the last backward: undo them before the
+        model is used again without a step in between (a no-op otherwise)."""
+        hook = getattr(self.zero_optimizer, "before_model_use", None)
+        if hook is not None:
+            hook()
 
     def train(self, mode: bool = True) -> "ZeroTrainEngine":
         self.module.train(mode)
@@ -220,6 +229,7 @@ class ZeroTrainEngine:
         """Backpropagate `loss` scaled by 1/accumulation (and the fp16 loss scale), reducing gradients."""
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps()
         scaled = loss * scale if scale != 1.0 else loss
+        self._before_model_use()
         self.reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary())
         scaled.backward(retain_graph=retain_graph)
         self.reducer.end_backward()
@@ -297,7 +307,9 @@ class ZeroTrainEngine:
         slices of its tensor-parallel group are then joined on tensor-parallel rank 0 (global
         rank 0), by the TensorSlice each split parameter carries.
         """
-        full = gather_full_weights(self.buckets, self.zero_optimizer.masters, self.comm)
+        resident_masters = getattr(self.zero_optimizer, "resident_masters", None)  # NVMe: masters are in files
+        with resident_masters() if callable(resident_masters) else contextlib.nullcontext():
+            full = gather_full_weights(self.buckets, self.zero_optimizer.masters, self.comm)
         if self.stage3 is not None:
             frozen = self.stage3.frozen
             full.update(gather_full_weights(frozen, [part.shard for part in frozen], self.comm))

@@ -67,7 +67,8 @@ def initialize(model: torch.nn.Module, config: Union[dict, str, os.PathLike, Non
     cfg = load_config(cfg, dp_world_size=world // tp_size)  # the batch triple counts data-parallel ranks
     if tp_size > 1 and tensor_parallel_plan is None:
         tensor_parallel_plan = default_plan(model)  # before any process group: a missing plan fails fast
-    topology = Topology.build(timeout_seconds=cfg.comm_timeout_seconds, tp_size=tp_size)
+    topology = Topology.build(timeout_seconds=cfg.comm_timeout_seconds, tp_size=tp_size,
+                              same_host_transport=cfg.comm_same_host_transport)
     if tp_size > 1:
         apply_tensor_parallel(model, tensor_parallel_plan, tensor_parallel_comm(topology))
     engine = ZeroTrainEngine(model, cfg, topology, model_parameters=model_parameters,

@@ -70,6 +70,7 @@ class Topology:
     dp_size: int
     device: torch.device
     timeout_seconds: float = 1800.0
+    same_host_transport: bool = True  # see zerotrain.comm.same_host
     tp_size: int = 1
     tp_group: Optional[dist.ProcessGroup] = None
     tp_rank: int = 0
@@ -82,7 +83,7 @@ class Topology:
 
     @classmethod
     def build(cls, timeout_seconds: float = 1800.0, device: Optional[torch.device] = None,
-              tp_size: int = 1) -> "Topology":
+              tp_size: int = 1, same_host_transport: bool = True) -> "Topology":
         """The topology of the running job (starting torch.distributed when needed).
 
         With `tp_size` > 1 the ranks form a (data, tensor) grid: each block of `tp_size`
@@ -95,6 +96,7 @@ class Topology:
             raise ValueError(f"tensor_parallel.autotp_size: {tp_size} does not divide the world size {world}")
         topology = cls(rank=rank, world_size=world, dp_group=dist.group.WORLD, dp_rank=rank, dp_size=world,
                        device=device or default_device(), timeout_seconds=timeout_seconds,
+                       same_host_transport=same_host_transport,
                        ranks_per_node=_ranks_per_node(world))
         if tp_size > 1:
             topology._split_tensor_parallel(tp_size)

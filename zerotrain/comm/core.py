@@ -16,8 +16,10 @@ and `all_gather_single` through staging copies, both 2-3x slower than the bytes 
 move (benchmarks/gloo_collectives.py). Instead every rank sends each peer that peer's
 chunk directly (`isend`/`irecv`) and sums what it received locally (reduce-scatter), or
 receives every peer's chunk in place (all-gather). That sends exactly the ring bytes the
-counters count, from the transport's own threads, so it overlaps with compute. NCCL
-keeps the native collectives.
+counters count, from the transport's own threads, so it overlaps with compute. When every
+rank of the group is on this host, the same exchanges skip the sockets: each rank reads its
+peers' chunks straight from their memory (`zerotrain.comm.same_host`). NCCL keeps the
+native collectives.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..topology import Topology
+from . import same_host
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -83,7 +86,7 @@ class _Named:
     def wait(self, *args, **kwargs):
         try:
             return self._work.wait(*args, **kwargs)
-        except RuntimeError as error:
+        except (RuntimeError, OSError) as error:
             raise _failure(self._kind, self._rank, self._size, error) from error
 
     def __getattr__(self, name):
@@ -117,6 +120,10 @@ class _PointToPoint:
 # group, so two Comms over one group never post matching tags for different transfers.
 _NEXT_TAG: dict[str, int] = defaultdict(int)
 
+# Same-host transport per process group, keyed by the group object's id (the entry keeps the
+# group alive, so the id is not reused): None where the group's ranks cannot use it.
+_SAME_HOST: dict[int, tuple] = {}
+
 
 class _Done:
     """A finished handle, so callers can wait() uniformly in a world of one."""
@@ -133,19 +140,30 @@ class Comm:
     """Collectives over one process group, with byte counters."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], rank: int, size: int,
-                 counters: Optional[CommCounters] = None, *, gloo_point_to_point: bool = True):
-        """`gloo_point_to_point=False` keeps gloo's own reduce-scatter and all-gather (for comparison)."""
+                 counters: Optional[CommCounters] = None, *, gloo_point_to_point: bool = True,
+                 same_host_transport: bool = True, timeout_seconds: float = 1800.0):
+        """`gloo_point_to_point=False` keeps gloo's own reduce-scatter and all-gather (for comparison);
+        `same_host_transport=False` keeps their point-to-point version on gloo's sockets even when
+        every rank is on this host (also `ZEROTRAIN_SAME_HOST_TRANSPORT=0`)."""
         self.group = group
         self.rank = rank
         self.size = size
         self.counters = counters if counters is not None else CommCounters()
         self.gloo_point_to_point = gloo_point_to_point
+        self.same_host_transport = same_host_transport
+        self.timeout_seconds = timeout_seconds
         self._cpu_backend_is_gloo: Optional[bool] = None
         self._global_ranks: Optional[list[int]] = None
 
     @classmethod
     def data_parallel(cls, topology: Topology, counters: Optional[CommCounters] = None) -> "Comm":
-        return cls(topology.dp_group, topology.dp_rank, topology.dp_size, counters)
+        return cls(topology.dp_group, topology.dp_rank, topology.dp_size, counters,
+                   same_host_transport=topology.same_host_transport, timeout_seconds=topology.timeout_seconds)
+
+    def subgroup(self, group: Optional[dist.ProcessGroup], rank: int, size: int) -> "Comm":
+        """A Comm over another group, with this one's counters and settings."""
+        return Comm(group, rank, size, self.counters, gloo_point_to_point=self.gloo_point_to_point,
+                    same_host_transport=self.same_host_transport, timeout_seconds=self.timeout_seconds)
 
     def _ring_fraction(self) -> float:
         return (self.size - 1) / self.size
@@ -174,6 +192,31 @@ class Comm:
             backend = str(dist.get_backend(self.group))  # "gloo", "nccl" or "cpu:gloo,cuda:nccl"
             self._cpu_backend_is_gloo = backend == "gloo" or "cpu:gloo" in backend
         return self._cpu_backend_is_gloo
+
+    def _same_host(self) -> Optional[same_host.SameHostTransport]:
+        """This group's same-host transport (set up at the group's first use: a collective), or None."""
+        if not self.same_host_transport:
+            return None
+        group = self.group if self.group is not None else dist.group.WORLD
+        entry = _SAME_HOST.get(id(group))
+        if entry is None:
+            try:
+                transport = same_host.connect(self.group, self.rank, self.size, self.timeout_seconds)
+            except RuntimeError as error:
+                raise _failure("same-host transport setup", self.rank, self.size, error) from error
+            entry = _SAME_HOST[id(group)] = (group, transport)
+        return entry[1]
+
+    def _shared(self, kind: str, transport, source: torch.Tensor, reads: dict,
+                finish: Optional[Callable[[], None]], async_op: bool):
+        try:
+            handle = _Named(transport.post(source, reads, finish, kind), kind, self.rank, self.size)
+        except (RuntimeError, OSError) as error:
+            raise _failure(kind, self.rank, self.size, error) from error
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     def _global(self, group_rank: int) -> int:
         if self._global_ranks is None:
@@ -209,6 +252,16 @@ class Comm:
         chunks = [flat_in[r * numel:(r + 1) * numel] for r in range(self.size)]
         peers = [r for r in range(self.size) if r != self.rank]
         own = chunks[self.rank]
+        transport = self._same_host()
+        if transport is not None:  # read this rank's chunk of every peer's input from its memory
+            offset = self.rank * numel * input.element_size()
+            if self.size == 2 and own.data_ptr() != flat_out.data_ptr():
+                return self._shared("reduce_scatter", transport, flat_in, {peers[0]: (offset, flat_out, False)},
+                                    lambda: flat_out.add_(own), async_op)
+            if own.data_ptr() != flat_out.data_ptr():
+                flat_out.copy_(own)
+            return self._shared("reduce_scatter", transport, flat_in,
+                                {peer: (offset, flat_out, True) for peer in peers}, None, async_op)
         if own.data_ptr() == flat_out.data_ptr() or self.size > 2:  # receive beside the output
             received = torch.empty((len(peers), numel), dtype=input.dtype)
         else:
@@ -232,6 +285,10 @@ class Comm:
             chunks[self.rank].copy_(input.view(-1))
         peers = [r for r in range(self.size) if r != self.rank]
         send = input.view(-1)
+        transport = self._same_host()
+        if transport is not None:  # every peer reads `input` from this rank's memory
+            return self._shared(kind, transport, send, {peer: (0, chunks[peer], False) for peer in peers},
+                                None, async_op)
         return self._exchange(kind, {peer: send for peer in peers}, {peer: chunks[peer] for peer in peers},
                               None, async_op)
 
@@ -325,11 +382,12 @@ class Comm:
         group must call it, in the same order as any other group creation.
         """
         if self.size == 1:
-            return Comm(None, self.rank, 1, CommCounters())
+            return Comm(None, self.rank, 1, CommCounters(), timeout_seconds=self.timeout_seconds)
         ranks = None if self.group in (None, dist.group.WORLD) else dist.get_process_group_ranks(self.group)
         timeout = None if timeout_seconds is None else datetime.timedelta(seconds=timeout_seconds)
         group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
-        return Comm(group, self.rank, self.size, CommCounters())
+        return Comm(group, self.rank, self.size, CommCounters(), gloo_point_to_point=self.gloo_point_to_point,
+                    same_host_transport=self.same_host_transport, timeout_seconds=self.timeout_seconds)
 
     def all_gather_object(self, obj) -> list:
         """Every rank's picklable `obj`, in rank order (small metadata only)."""

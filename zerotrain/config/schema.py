@@ -3,7 +3,7 @@
 Build it with `zerotrain.config.load_config` (which turns every validation problem into a
 `ConfigError` naming the dotted key). Blocks: `fp16`, `bf16` (legacy alias `bfloat16`),
 `zero_optimization` (`zero.py`), `optimizer` and `scheduler` (`params.py`), `checkpoint`,
-`aio` and `tensor_parallel`. zerotrain's own top-level keys: `comm_timeout_seconds`, `seed`, and the
+`aio` and `tensor_parallel`. zerotrain's own top-level keys: `comm_timeout_seconds`, `comm_same_host_transport`, `seed`, and the
 `checkpoint` keys.
 """
 from __future__ import annotations
@@ -116,6 +116,7 @@ class ZeroTrainConfig(Block):
     steps_per_print: NonNegInt = 10
     wall_clock_breakdown: Bool = False
     comm_timeout_seconds: PosFloat = 1800.0
+    comm_same_host_transport: Bool = True  # ranks on one host read each other's memory (gloo only)
     seed: Optional[NonNegInt] = None
     optimizer: Optional[OptimizerConfig] = None
     scheduler: Optional[SchedulerConfig] = None

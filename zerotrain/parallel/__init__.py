@@ -26,4 +26,5 @@ __all__ = ["tensor_parallel_comm", "apply_tensor_parallel", "assemble_full_tenso
 
 def tensor_parallel_comm(topology: Topology, counters: Optional[CommCounters] = None) -> Comm:
     """Collectives over this rank's tensor-parallel group."""
-    return Comm(topology.tp_group, topology.tp_rank, topology.tp_size, counters)
+    return Comm(topology.tp_group, topology.tp_rank, topology.tp_size, counters,
+                same_host_transport=topology.same_host_transport, timeout_seconds=topology.timeout_seconds)
