@@ -1,6 +1,7 @@
 """Shared pieces of the offload tests: a two-group OddMLP run on the engine and its single-process reference."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -99,12 +100,10 @@ def snapshot(engine) -> dict:
     """Masters, per-element and scalar optimizer states, and model shards of this rank (clones)."""
     opt = engine.zero_optimizer
     resident = getattr(opt, "resident_states", None)
-    if resident is not None:
-        with resident():
-            states = _states(opt)
-    else:
-        states = _states(opt)
-    return {"masters": [m.detach().clone() for m in opt.masters], "states": states,
+    with resident(write_back=False) if resident is not None else contextlib.nullcontext():
+        states = _states(opt)  # NVMe: masters and states are in host memory only in here
+        masters = [m.detach().clone() for m in opt.masters]
+    return {"masters": masters, "states": states,
             "model": [b.local_shard().detach().clone() for b in engine.buckets]}
 
 

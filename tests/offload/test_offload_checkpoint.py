@@ -84,7 +84,7 @@ def _modes(tmp_path) -> dict:
     return {
         "cpu stage 2": (2, {"device": "cpu"}, (1, 0, None)),
         "nvme stage 3": (3, {"device": "nvme", "nvme_path": str(tmp_path / "nvme"), "buffer_count": 2}, (1, 3, None)),
-        "super_offload stage 2": (2, {"device": "cpu", "super_offload": True}, (1, 1, {"device": "cpu", "ratio": 0.5})),
+        "super_offload stage 2": (2, {"device": "cpu", "super_offload": True, "super_offload_speculation": "always"}, (1, 1, {"device": "cpu", "ratio": 0.5})),
         "cpu ratio 0.5 stage 2": (2, {"device": "cpu", "ratio": 0.5}, (2, 2, {"device": "cpu"})),
     }
 

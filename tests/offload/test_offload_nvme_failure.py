@@ -1,5 +1,7 @@
 """NVMe offload failures: an injected failing write (EIO, ENOSPC) or a read failing in the middle of
-a step raises in the training process and leaves the training state exactly as before the step;
+a step raises in the training process and leaves the training state exactly as before the step (masters,
+states and model weights: the slots do not flip and the updated chunks are published again from the
+current slot);
 retrying the step then continues the run as if nothing had happened. A failure on one rank only
 raises on every rank, naming that rank, and every rank rolls back (no hang, no divergence)."""
 from __future__ import annotations
@@ -16,16 +18,16 @@ from offload_common import assert_same_snapshot, build_engine, snapshot, train_s
 FAIL_STEP = 2
 
 
-def _failing_io(aio, name: str, fail_at: int, code: int, only_fds=None):
-    """Make the `fail_at`-th call of `aio.<name>` (`_pwrite` or `_pread`) from now, and later ones, fail
-    with `code`, counting only calls on `only_fds` when given; returns a switch-off."""
+def _failing_io(aio, name: str, fail_at: int, code: int, only_fds=None, once: bool = False):
+    """Make the `fail_at`-th call of `aio.<name>` (`_pwrite` or `_pread`) from now, and later ones (only that
+    one if `once`), fail with `code`, counting only calls on `only_fds` when given; returns a switch-off."""
     real = getattr(aio, name)
     calls = {"n": 0}
 
     def failing(fd, buffers, offset):
         if only_fds is None or fd in only_fds:
             calls["n"] += 1
-            if calls["n"] >= fail_at:
+            if calls["n"] == fail_at or (calls["n"] > fail_at and not once):
                 raise OSError(code, os.strerror(code))
         return real(fd, buffers, offset)
 
@@ -39,10 +41,10 @@ def _failing_writes(aio, fail_at: int, code: int):
 
 
 def _failing_state_reads(aio, opt, fail_at: int, code: int):
-    """Make the `fail_at`-th read of the state slot files from now (and later ones) fail; returns a switch-off.
+    """Make the `fail_at`-th read of the slot files from now fail (a transient error); returns a switch-off.
 
-    Reads of the master backup file still work, so the failed step can put the masters back."""
-    return _failing_io(aio, "_pread", fail_at, code, only_fds=opt.files[:2])
+    The reads after it work, so the failed step can publish the stepped chunks' old masters again."""
+    return _failing_io(aio, "_pread", fail_at, code, only_fds=opt.files, once=True)
 
 
 def train_with_failure(nvme_path: str, code: int | None, kind: str = "write", ranks=(0, 1)) -> dict:
@@ -63,7 +65,7 @@ def train_with_failure(nvme_path: str, code: int | None, kind: str = "write", ra
         slots = (dict(opt.slot), dict(opt.has_state))
         restore = lambda: None  # noqa: E731 - a rank without a fault has nothing to switch off
         if failing_here and kind == "write":
-            restore = _failing_writes(aio, fail_at=4, code=code)  # 3 chunks: 6 writes a step (backups, states)
+            restore = _failing_writes(aio, fail_at=2, code=code)  # 3 chunks: 3 record writes a step
         elif failing_here:
             restore = _failing_state_reads(aio, opt, fail_at=2, code=code)  # chunk 0 stepped, chunk 1's read fails
         try:

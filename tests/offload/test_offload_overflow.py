@@ -44,7 +44,7 @@ def train_fp16(stage: int, block: dict | None) -> dict:
 
 
 def train_all(stage: int) -> list:
-    return [train_fp16(stage, block) for block in (None, {"device": "cpu"}, {"device": "cpu", "super_offload": True})]
+    return [train_fp16(stage, block) for block in (None, {"device": "cpu"}, {"device": "cpu", "super_offload": True, "super_offload_speculation": "always"})]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

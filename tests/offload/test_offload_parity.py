@@ -1,7 +1,8 @@
 """Offloaded optimizers reproduce single-process AdamW: cpu (stages 1, 2), nvme (stage 2), super_offload, ratio.
 
 World 2, fp32, two parameter groups (different lr and weight decay), accumulation 2, clipping at 1.0
-(it fires on half the steps, so super_offload must roll back and redo those).
+(it fires on half the steps, so super_offload must roll back and redo those; "always" speculates
+every step, the default "adaptive" policy skips speculation after a clipped step).
 """
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ def _modes(nvme_path: str) -> list[tuple[str, int, dict]]:
         ("cpu stage 1", 1, {"device": "cpu"}),
         ("cpu stage 2", 2, {"device": "cpu", "pin_memory": True}),
         ("nvme stage 2", 2, {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 2}),
-        ("super_offload stage 2", 2, {"device": "cpu", "super_offload": True}),
-        ("super_offload stage 1", 1, {"device": "cpu", "super_offload": True}),
+        ("super_offload stage 2", 2, {"device": "cpu", "super_offload": True, "super_offload_speculation": "always"}),
+        ("super_offload stage 1, adaptive", 1, {"device": "cpu", "super_offload": True}),
         ("cpu ratio 0.5 stage 2", 2, {"device": "cpu", "ratio": 0.5}),
     ]
 
@@ -51,7 +52,13 @@ def test_offload_modes_match_single_process(tmp_path):
         clipped = [n > CLIP for n in norms]
         assert any(clipped) and not all(clipped), f"{what}: clipping should fire on some steps only: {norms}"
         assert stats["steps"] == len(losses), what
-        if "super_offload" in what:
+        if "adaptive" in what:  # speculate only after a step that was not clipped (and on the first)
+            speculated = [step == 0 or not clipped[step - 1] for step in range(len(losses))]
+            assert stats["speculative_steps"] == sum(speculated), (what, stats, clipped)
+            assert stats["not_speculated"] == len(losses) - sum(speculated), (what, stats)
+            assert stats["clip_redos"] == sum(s and c for s, c in zip(speculated, clipped)), (what, stats)
+            assert stats["committed"] == sum(s and not c for s, c in zip(speculated, clipped)), (what, stats)
+        elif "super_offload" in what:
             assert kind == "SuperOffloadOptimizer"
             assert stats["speculative_steps"] == len(losses), (what, stats)
             assert stats["clip_redos"] == sum(clipped) and stats["rollbacks"] == sum(clipped), (what, stats)

@@ -10,7 +10,7 @@ from offload_common import CLIP, assert_matches_reference, build_engine, referen
 def train_stage3(nvme_path: str) -> list:
     results = []
     for block in ({"device": "cpu"}, {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 2},
-                  {"device": "cpu", "super_offload": True}):
+                  {"device": "cpu", "super_offload": True, "super_offload_speculation": "always"}):
         engine = build_engine(3, block)
         losses, norms = train_steps(engine, world_batches(2))
         results.append((block["device"] + (" super_offload" if block.get("super_offload") else ""), losses,

@@ -54,6 +54,10 @@ class OffloadOptimizerConfig(_Offload):
     fast_init: Bool = False
     ratio: Annotated[Float, Field(gt=0, le=1)] = 1.0
     super_offload: Bool = False
+    # zerotrain's own: "adaptive" speculates only when the previous step was neither clipped nor
+    # overflowed (a clipped step is predicted to be followed by another, whose speculation would be
+    # rolled back); "always" speculates every step (and rolls back whenever it must).
+    super_offload_speculation: choice("adaptive", "always") = "adaptive"
 
     @model_validator(mode="after")
     def _super_offload_needs_cpu(self):

@@ -100,6 +100,7 @@ void zt_adam_step(float *restrict p, const float *restrict g, float *restrict m,
 
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11"]
 _COPY_KINDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+COPY_BACK_DTYPES = tuple(_COPY_KINDS)  # the dtypes `copy_to` may have
 _ALIGN = 16  # torch's vector loop covers whole 16-element cache lines; the rest is its scalar tail
 _MIN_CHUNK = 1 << 16  # elements per thread below which splitting costs more than it saves
 

@@ -18,7 +18,9 @@ Fast CPU Adam: the offloaded fp32 masters of groups on torch's fused Adam(W) (wh
 `zerotrain.optim` builds, and to which a user's torch Adam/AdamW that did not choose is
 switched here) are stepped by zerotrain's own kernel (`cpu_adam.py`): bit-identical to torch's
 fused kernel, with the unscale/clip multiplier applied as the gradient is read instead of a
-separate `mul_` pass; other groups keep torch's step. Measured (`benchmarks/offload.py`,
+separate `mul_` pass, and the new weights written into the model's shard (cast to the training
+dtype) in the same pass where that shard is a CPU tensor, so `publish()` copies nothing for those
+buckets (`shards_written`); other groups keep torch's step. Measured (`benchmarks/offload.py`,
 RESULTS_offload.md), 50M parameters: the whole update 1.00-1.07x DeepSpeedCPUAdam's bare step
 at 1 and 2 threads (memory-bandwidth bound; torch foreach ~0.15x).
 """
@@ -33,7 +35,7 @@ from ..comm import Comm
 from ..zero.flat import FlatBucket
 from ..zero.gradnorm import GlobalGradients
 from ..zero.optimizer import ShardedOptimizer, device_master, is_own_master
-from .cpu_adam import CpuAdamStepper
+from .cpu_adam import COPY_BACK_DTYPES, CpuAdamStepper
 
 
 def choose_offloaded(buckets: list[FlatBucket], ratio: float) -> list[bool]:
@@ -145,6 +147,7 @@ class OffloadOptimizer(ShardedOptimizer):
         prefer_fused(optimizer)
         self.cpu_adam = CpuAdamStepper(optimizer)  # our one-pass kernel for fp32 host masters
         self.last_grad_norm: Optional[float] = None
+        self.shards_written: set[int] = set()  # buckets whose model shard this step's kernel already wrote
         sizes = {i: b.shard_numel for i, b in enumerate(buckets) if self.offloaded[i]}
         self.host_grads = HostGradients(sizes, pin_memory) if host_grads else None
         self.stats: dict[str, float] = {"offloaded_buckets": sum(self.offloaded), "steps": 0}
@@ -176,9 +179,18 @@ class OffloadOptimizer(ShardedOptimizer):
     def step(self, grad_shards: list[torch.Tensor], loss_scale: float) -> None:
         norm = self.grad_norm(grad_shards) / loss_scale
         self.last_grad_norm = norm
+        self.shards_written = set()
         self.update(grad_shards, self.multiplier(norm, loss_scale), range(len(self.buckets)))
         self.stats["steps"] += 1
-        self.publish()
+        self.publish_after_update()
+
+    def publish_after_update(self) -> None:
+        """`publish()`, skipping the copy into the model shards the update kernel already wrote (`shards_written`)."""
+        written, self.shards_written = self.shards_written, set()
+        if written:  # a subclass with its own publish() (NVMe) writes no shard in the kernel: plain call
+            self.publish(current=written)
+        else:
+            self.publish()
 
     # SuperOffload steps speculatively and may redo a step from the same reduced gradients,
     # so it must multiply a copy; the plain step may scale the reduced gradients in place.
@@ -197,15 +209,32 @@ class OffloadOptimizer(ShardedOptimizer):
             host.mul_(multiplier)
         return host
 
-    def native_step(self, index: int, grad: torch.Tensor, multiplier: float) -> None:
-        """Step bucket `index` with zerotrain's CPU Adam kernel (`cpu_adam`): the multiplier is applied
-        as the gradient is read, in the same pass, and the reduced gradient is left as it was."""
+    def model_shard_target(self, index: int) -> Optional[torch.Tensor]:
+        """Bucket `index`'s model shard when the CPU Adam kernel can write the new weights straight into it
+        (a contiguous CPU tensor of fp32/bf16/fp16, not the master itself, not an offload_param shard); else None."""
+        bucket, master = self.buckets[index], self.masters[index]
+        if getattr(bucket, "offloaded", False):
+            return None
+        shard = bucket.local_shard()
+        if shard.device.type != "cpu" or shard.dtype not in COPY_BACK_DTYPES or not shard.is_contiguous() \
+                or shard.numel() != master.numel() or shard.data_ptr() == master.data_ptr():
+            return None
+        return shard
+
+    def native_step(self, index: int, grad: torch.Tensor, multiplier: float, copy_back: bool = True) -> bool:
+        """Step bucket `index` with zerotrain's CPU Adam kernel (`cpu_adam`) in one pass: the multiplier is
+        applied as the gradient is read (the reduced gradient is left as it was) and, with `copy_back`, the
+        new weights are cast into the model shard. Returns whether the model shard was written."""
         on_host = grad.device.type == "cpu" and grad.dtype == torch.float32 and grad.is_contiguous()
         host = grad if on_host else self.host_grads.get(index, grad)
-        self.cpu_adam.step(self.masters[index], host, self.buckets[index].group_index, multiplier)
+        target = self.model_shard_target(index) if copy_back else None
+        self.cpu_adam.step(self.masters[index], host, self.buckets[index].group_index, multiplier, copy_to=target)
+        return target is not None
 
     def update(self, grad_shards: list[torch.Tensor], multiplier: float, indices) -> None:
-        """One optimizer step over buckets `indices` (host and device ones together, one fused call)."""
+        """One optimizer step over buckets `indices` (host and device ones together, one fused call).
+
+        Buckets whose model shard the kernel wrote are added to `shards_written` (publish skips their copy)."""
         chosen, native = [], []
         for index in indices:
             grad, master = grad_shards[index], self.masters[index]
@@ -223,7 +252,8 @@ class OffloadOptimizer(ShardedOptimizer):
             chosen.append(master)
         try:
             for index in native:
-                self.native_step(index, grad_shards[index], multiplier)
+                if self.native_step(index, grad_shards[index], multiplier):
+                    self.shards_written.add(index)
             self.optimizer.step()
         finally:
             for master in chosen:
@@ -292,7 +322,8 @@ def build_offload_optimizer(buckets: list[FlatBucket], comm: Comm, optimizer: to
     elif offload.super_offload:
         from .speculative import SuperOffloadOptimizer
         built = SuperOffloadOptimizer(buckets, comm, optimizer, groups, config.gradient_clipping,
-                                      loss_scale=loss_scale, **common)
+                                      loss_scale=loss_scale, speculation=offload.super_offload_speculation,
+                                      **common)
     else:
         built = OffloadOptimizer(buckets, comm, optimizer, groups, config.gradient_clipping, **common)
     return built

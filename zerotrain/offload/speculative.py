@@ -15,6 +15,19 @@ gradient norm and the overflow flag are not known yet. After backward the engine
 So a run with `super_offload` computes exactly what the plain offload run computes, with
 gradient clipping on (DeepSpeed turns speculation off then) and on CPU-only machines.
 
+With zerotrain's CPU Adam kernel (groups on fused Adam/AdamW) a bucket's speculative update is
+one pass: it reads the reduced gradient times 1/loss_scale (no copy, no `mul_`) and casts the
+new weights into the model shard (a CPU shard), so a committed step publishes only the
+all-gather. Those buckets' weights are no longer needed by the backward still running (their
+gradients are final). A rollback casts the restored masters into the shards again, and the
+engine calls `before_model_use()` before any forward/backward, which rolls back pending
+speculative writes: a model used again before `step()` sees the last step's weights.
+
+A failing update (an exception in the background thread) on any rank is agreed on with one
+all-reduce of per-rank flags at the engine's first synchronizing call of the step
+(`has_overflow()` or `step()`): every rank rolls back and raises `SpeculationError` naming the
+failing ranks, instead of the healthy ranks waiting out the comm timeout.
+
 Rollback: restore a copy saved just before the speculative step, not invert AdamW.
 Measured here (`benchmarks/offload_rollback.py`, 50M fp32 parameters, 1 thread, best of 3;
 Mon Nov 23 2026 14:31 UTC, under the lock; RESULTS_offload.md has the 2-thread run):
@@ -30,10 +43,17 @@ Restoring a copy is exact and 6x cheaper than inverting; its costs are the save 
 in the background thread while backward runs, where a core is free) and host memory for one
 copy of the offloaded masters and states (12 bytes per parameter with Adam).
 
-`stats` counts: `speculative_steps` (optimizer steps that started speculatively),
+Policy (`offload_optimizer.super_offload_speculation`): "adaptive" (default) speculates only when
+the previous step was neither clipped nor overflowed: clipping and overflows come in runs (early
+training clips every step), and a speculation that will be redone only costs. Since every step's
+norm is known, speculation resumes by itself after the first step that needed no clipping.
+"always" speculates every step (what the rollback tests exercise).
+
+`stats` counts: `speculative_steps` (optimizer steps that started speculatively), `not_speculated`
+(steps the adaptive policy ran without speculation),
 `bucket_updates` (speculative bucket updates), `committed` (speculative steps kept),
 `rollbacks` (steps rolled back), split by cause into `overflow_rollbacks`, `clip_redos`
-and `other_rollbacks` (loss scale moved, a repeated backward, a failing update), and
+and `other_rollbacks` (loss scale moved, the model used again before the step, a failing update), and
 `rollback_seconds`.
 """
 from __future__ import annotations
@@ -94,6 +114,10 @@ class _Backup:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+class SpeculationError(RuntimeError):
+    """A speculative CPU update failed on some rank; every rank rolled its step back and raises this."""
+
+
 class SuperOffloadOptimizer(OffloadOptimizer):
     """CPU offload whose per-bucket steps start during backward and are validated after it."""
 
@@ -101,8 +125,13 @@ class SuperOffloadOptimizer(OffloadOptimizer):
 
     keeps_reduced_gradients = True  # a clipped redo starts again from them
 
-    def __init__(self, *args, loss_scale: Callable[[], float] = lambda: 1.0, **kwargs):
+    def __init__(self, *args, loss_scale: Callable[[], float] = lambda: 1.0, speculation: str = "adaptive",
+                 **kwargs):
         super().__init__(*args, **kwargs)
+        if speculation not in ("adaptive", "always"):
+            raise ValueError(f"speculation must be 'adaptive' or 'always', got {speculation!r}")
+        self._adaptive = speculation == "adaptive"
+        self._speculate_next = True  # adaptive: false after a clipped or overflowed step
         if self.reducer is None:
             raise ValueError("super_offload needs the gradient reducer's shard-ready callbacks")
         self._loss_scale = loss_scale
@@ -112,13 +141,15 @@ class SuperOffloadOptimizer(OffloadOptimizer):
         self._saved: set[int] = set()
         self._scale: Optional[float] = None
         self._backups: dict[int, _Backup] = {}
+        self._written: set[int] = set()  # buckets whose model shard a speculative update wrote
+        self._agreed = False  # has_overflow() already agreed on this step's speculation failures
         self.stats.update(speculative_steps=0, bucket_updates=0, committed=0, rollbacks=0, overflow_rollbacks=0,
-                          clip_redos=0, other_rollbacks=0, rollback_seconds=0.0)
+                          clip_redos=0, other_rollbacks=0, rollback_seconds=0.0, not_speculated=0)
 
     # --- during backward -----------------------------------------------------
     def _on_shard_ready(self, index: int) -> None:
         grad = self.reducer.grad_shards[index]
-        if not self.offloaded[index] or grad is None:
+        if not self.offloaded[index] or grad is None or not self._speculate_next:
             return
         scale = float(self._loss_scale())
         if index in self._futures or (self._scale is not None and scale != self._scale):
@@ -127,33 +158,69 @@ class SuperOffloadOptimizer(OffloadOptimizer):
             self.stats["speculative_steps"] += 1
         self._scale = scale
         self.host_grads.start(index, grad)
-        self._futures[index] = self._worker.submit(self._speculate, index, grad, 1.0 / scale)
+        native = self.cpu_adam.supports(self.masters[index], self.buckets[index].group_index)
+        if native and self.model_shard_target(index) is not None:
+            self._written.add(index)  # known before it runs: before_model_use() must wait for it
+        self._futures[index] = self._worker.submit(self._speculate, index, grad, 1.0 / scale, native)
 
-    def _speculate(self, index: int, grad: torch.Tensor, multiplier: float) -> None:
-        """Background thread: unscale (no clip), save a copy, step one bucket."""
-        host = self.host_gradient(index, grad, multiplier)
+    def _speculate(self, index: int, grad: torch.Tensor, multiplier: float, native: bool) -> None:
+        """Background thread: save a copy, step one bucket with the gradient unscaled (no clip).
+
+        With the CPU Adam kernel this is one pass that reads the reduced gradient times `multiplier`
+        (no copy of it, no `mul_`) and also casts the new weights into the model shard, so a committed
+        step publishes nothing more for it; other optimizers take torch's step on an unscaled copy."""
         master = self.masters[index]
+        host = None if native else self.host_gradient(index, grad, multiplier)
         self._backups.setdefault(index, _Backup()).save(master, self.optimizer.state.get(master))
         self._saved.add(index)
-        master.grad = host
-        try:
-            self._stepper.step([master], [self.buckets[index].group_index])
-        finally:
-            master.grad = None
+        if native:
+            self.native_step(index, grad, multiplier, copy_back=index in self._written)
+        else:
+            master.grad = host
+            try:
+                self._stepper.step([master], [self.buckets[index].group_index])
+            finally:
+                master.grad = None
         self.stats["bucket_updates"] += 1
+
+    def before_model_use(self) -> None:
+        """Called by the engine before a forward or backward: pending speculative updates that wrote model
+        weights are rolled back (exactly), so a repeated boundary forward/backward before `step()` sees the
+        weights of the last step, as without speculation; `step()` then updates those buckets itself."""
+        if self._written:
+            self._rollback("other_rollbacks")
 
     # --- after backward: validate ----------------------------------------------
     def _settle(self) -> None:
-        """Wait for the speculative updates; a failed one rolls all back and raises here."""
+        """Wait for the speculative updates and agree with every rank on whether one failed anywhere.
+
+        One all-reduce of a per-rank failure flag (at the engine's first synchronizing call of the step,
+        `has_overflow()` or `step()`). If any rank's update failed, every rank rolls its speculative
+        step back and raises `SpeculationError` naming the failing ranks: without the agreement the
+        healthy ranks would wait in the next collective until the comm timeout."""
         error = None
         for future in self._futures.values():
             try:
                 future.result()
             except BaseException as failure:  # noqa: BLE001 - re-raised below after the rollback
                 error = error or failure
+        self._agreed = True
+        here = int(getattr(self.comm, "rank", 0)) if self.comm is not None else 0
+        failed = [here] if error is not None else []
+        if self.comm is not None and self.comm.size > 1:
+            flags = torch.zeros(self.comm.size, dtype=torch.float32, device=self.device)
+            flags[self.comm.rank] = float(error is not None)
+            self.comm.all_reduce(flags)
+            failed = [rank for rank, flag in enumerate(flags.tolist()) if flag > 0]
+        if not failed:
+            return
+        self._rollback("other_rollbacks")
+        self._agreed = False
         if error is not None:
-            self._rollback("other_rollbacks")
-            raise error
+            raise SpeculationError(f"super_offload: the speculative CPU update failed on rank(s) {failed}; "
+                                   f"here (rank {here}): {error!r}; the step was rolled back on every rank") from error
+        raise SpeculationError(f"super_offload: the speculative CPU update failed on rank(s) {failed}; rank {here} "
+                               f"rolled its own speculative step back, so every rank's state is as before the step")
 
     def _rollback(self, cause: str) -> None:
         for future in self._futures.values():
@@ -164,6 +231,8 @@ class SuperOffloadOptimizer(OffloadOptimizer):
         start = time.perf_counter()
         for index in self._saved:
             self._backups[index].restore(self.masters[index], self.optimizer.state)
+        for index in self._written:  # the model shard held cast(master) before the update: cast it again
+            self.buckets[index].local_shard().copy_(self.masters[index])
         self.stats["rollback_seconds"] += time.perf_counter() - start
         if self._futures:
             self.stats["rollbacks"] += 1
@@ -173,17 +242,22 @@ class SuperOffloadOptimizer(OffloadOptimizer):
     def _forget(self) -> None:
         self._futures.clear()
         self._saved.clear()
+        self._written.clear()
         self._scale = None
         self.host_grads.reset()
 
     def has_overflow(self, grad_shards: list[torch.Tensor]) -> bool:
+        self._settle()
         overflow = super().has_overflow(grad_shards)
         if overflow:
             self._rollback("overflow_rollbacks")
+            self._speculate_next = not self._adaptive
         return overflow
 
     def step(self, grad_shards: list[torch.Tensor], loss_scale: float) -> None:
-        self._settle()
+        if not self._agreed:
+            self._settle()
+        self._agreed = False
         norm = self.grad_norm(grad_shards) / loss_scale
         self.last_grad_norm = norm
         multiplier = self.multiplier(norm, loss_scale)
@@ -192,11 +266,17 @@ class SuperOffloadOptimizer(OffloadOptimizer):
         done = set(self._futures)
         if done:
             self.stats["committed"] += 1
+        if not self._speculate_next:
+            self.stats["not_speculated"] += 1
+        # Clipping (or a skipped step) tends to repeat: adaptive mode speculates again only after a step
+        # that needed neither, since a speculative update would be redone anyway.
+        self._speculate_next = not self._adaptive or multiplier == 1.0 / loss_scale
+        self.shards_written = set(self._written)  # committed speculative updates already wrote these shards
         self._forget()
         # Device-resident buckets, and any offloaded one not speculated (or rolled back), in one fused call.
         self.update(grad_shards, multiplier, [i for i in range(len(self.buckets)) if i not in done])
         self.stats["steps"] += 1
-        self.publish()
+        self.publish_after_update()
 
     # --- accounting ----------------------------------------------------------
     def memory_split(self) -> dict[str, int]:

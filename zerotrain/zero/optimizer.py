@@ -12,7 +12,7 @@ cast the shards back into the training dtype, and all-gather the parameters.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Collection, Optional
 
 import torch
 
@@ -91,15 +91,18 @@ class ShardedOptimizer:
             master.grad = None
         self.publish()
 
-    def publish(self) -> None:
-        """Cast master shards into the model's flat buffers and all-gather every bucket."""
+    def publish(self, current: Collection[int] = ()) -> None:
+        """Cast master shards into the model's flat buffers and all-gather every bucket.
+
+        `current`: indices of buckets whose model shard already holds the cast masters (the offload
+        CPU Adam kernel wrote it in its update pass); only their all-gather is left to do."""
         handles = []
-        for bucket, master in zip(self.buckets, self.masters):
+        for index, (bucket, master) in enumerate(zip(self.buckets, self.masters)):
             if getattr(bucket, "offloaded", False):  # offload_param: into host memory or the NVMe file
                 bucket.write_shard(master)
                 continue
             shard = bucket.local_shard()
-            if master.data_ptr() != shard.data_ptr():
+            if index not in current and master.data_ptr() != shard.data_ptr():
                 shard.copy_(master)
             if bucket.keeps_full_copy and (bucket.partitions > 1 or shard.data_ptr() != bucket.flat_param.data_ptr()):
                 # Stages 1-2 (and stage-3 parameters kept whole): refresh the full copy now.

@@ -71,6 +71,7 @@ class PartitionedParam(FlatBucket):
         self.flat_param: Optional[torch.Tensor] = None  # the gathered full buffer, while gathered
         self.persistent = False
         self.master: Optional[torch.Tensor] = None  # set by the optimizer; kept in sync by GatheredParameters
+        self.master_writer: Optional[Callable[[torch.Tensor], None]] = None  # set where the master is in files (NVMe)
         self.fetcher = None  # set by the engine's ParamFetcher
         self.empty = self._placeholder()
         param.__class__ = ZeroParameter
@@ -163,13 +164,17 @@ class PartitionedParam(FlatBucket):
         else:
             self.param.data = self.empty
 
+    def write_master(self, values: torch.Tensor) -> None:
+        """New values for the fp32 master (through the optimizer's writer when it keeps the master in files)."""
+        (self.master_writer or self.master.copy_)(values)
+
     def write_full(self, full: torch.Tensor) -> None:
         """Take new full values: keep this rank's chunk in the shard (and the fp32 master)."""
         flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
         flat[:self.numel].copy_(full.reshape(-1))
         self.write_shard(self.shard_of(flat))
         if self.master is not None and (self.store is not None or self.master.data_ptr() != self._shard.data_ptr()):
-            self.master.copy_(self.shard_of(flat))
+            self.write_master(self.shard_of(flat))
         if self.gathered:
             self.flat_param.copy_(flat)
 
@@ -265,7 +270,7 @@ def _apply_to_shard(func: Callable, part: PartitionedParam, rest: tuple, kwargs:
         shard[valid:].zero_()
     part.write_shard(shard)  # offloaded: back to the host copy or the file
     if part.master is not None and part.master.data_ptr() != shard.data_ptr():
-        part.master.copy_(shard)
+        part.write_master(shard)
     return part.param
 
 
