@@ -16,6 +16,7 @@ from .base import Block, Bool, ConfigError, Float, Int, NonNegInt, PosInt, choic
 __all__ = ["ZeroConfig", "OffloadOptimizerConfig", "OffloadParamConfig", "LocoConfig"]
 
 OffloadDevice = choice("none", "cpu", "nvme")
+SpeculationPolicy = choice("adaptive", "always")
 
 
 def _path_string(value: Any) -> Any:
@@ -57,7 +58,7 @@ class OffloadOptimizerConfig(_Offload):
     # zerotrain's own: "adaptive" speculates only when the previous step was neither clipped nor
     # overflowed (a clipped step is predicted to be followed by another, whose speculation would be
     # rolled back); "always" speculates every step (and rolls back whenever it must).
-    super_offload_speculation: choice("adaptive", "always") = "adaptive"
+    super_offload_speculation: SpeculationPolicy = "adaptive"
 
     @model_validator(mode="after")
     def _super_offload_needs_cpu(self):
