@@ -146,7 +146,7 @@ def worker(spec: dict) -> None:
     model = GPT(GPTConfig.preset(spec["model"]))
     config = {"train_micro_batch_size_per_gpu": spec["batch"], "gradient_clipping": clip, "steps_per_print": 0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-              "zero_optimization": {"stage": 2, "reduce_bucket_size": int(2e7), "offload_optimizer": block}}
+              "zero_optimization": {"stage": 2, "reduce_bucket_size": spec["bucket"], "offload_optimizer": block}}
     engine, *_ = zerotrain.initialize(model=model, config=config)
     gen = torch.Generator().manual_seed(rank)
     rows = []
@@ -174,7 +174,7 @@ def step_rows(args) -> list[tuple]:
     for index, (label, _, clip) in enumerate(MODES):
         with tempfile.TemporaryDirectory() as directory:
             out = os.path.join(directory, "out.json")
-            spec = dict(mode=index, out=out, model=args.model, batch=args.batch, seq_len=args.seq_len,
+            spec = dict(mode=index, out=out, model=args.model, batch=args.batch, seq_len=args.seq_len, bucket=args.bucket,
                         steps=args.steps, warmup=args.warmup)
             port = str(29500 + os.getpid() % 1000 + index)
             procs = []
@@ -279,6 +279,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--bucket", type=int, default=int(2e7), help="reduce_bucket_size for --parts step")
     parser.add_argument("--world", type=int, default=2, choices=(1, 2), help="ranks for --parts step")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600)
