@@ -8,7 +8,6 @@ API follows DeepSpeed's engine so existing loops port by changing the import.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import warnings
 from typing import Any, Callable, Iterable, Optional, Union
@@ -19,12 +18,12 @@ from .comm import Comm, CommCounters
 from .config import ZeroTrainConfig
 from .config.zero import warn_settings_without_effect
 from .optim import build_optimizer
-from .parallel import assemble_full_tensors, tensor_parallel_comm, tensor_slice_of
+from .parallel import tensor_parallel_comm
 from .offload.param_store import build_param_store
 from .precision import LossScaler, training_dtype
 from .schedules import build_scheduler
 from .topology import Topology
-from .zero.consolidate import gather_full_weights
+from .zero.consolidate import full_state_dict
 from .zero.flat import ShardedSlot, build_buckets
 from .zero.gradnorm import GlobalGradients
 from .zero.grads import GradQuantization, GradReducer
@@ -307,26 +306,7 @@ class ZeroTrainEngine:
         slices of its tensor-parallel group are then joined on tensor-parallel rank 0 (global
         rank 0), by the TensorSlice each split parameter carries.
         """
-        resident_masters = getattr(self.zero_optimizer, "resident_masters", None)  # NVMe: masters are in files
-        with resident_masters() if callable(resident_masters) else contextlib.nullcontext():
-            full = gather_full_weights(self.buckets, self.zero_optimizer.masters, self.comm)
-        if self.stage3 is not None:
-            frozen = self.stage3.frozen
-            full.update(gather_full_weights(frozen, [part.shard for part in frozen], self.comm))
-        if self.comm.rank != 0:
-            return {}
-        first_name: dict[int, str] = {}
-        slices = {}
-        for name, param in self.module.named_parameters(remove_duplicate=False):
-            first_name.setdefault(id(param), name)
-            if tensor_slice_of(param) is not None:
-                slices[name] = tensor_slice_of(param)
-            if name not in full:
-                source = full.get(first_name[id(param)])
-                full[name] = source if source is not None else param.detach().float().cpu().clone()
-        if self.tp_comm is not None:  # every rank here is data-parallel rank 0: one tensor-parallel group
-            full = assemble_full_tensors(full, slices, self.tp_comm)
-        return full
+        return full_state_dict(self)
 
     def sharded_slots(self) -> list[ShardedSlot]:
         """This rank's master shards with their layout records (what a checkpoint saves and loads)."""

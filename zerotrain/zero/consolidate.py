@@ -1,9 +1,12 @@
 """Assemble full fp32 weights from master shards, one bucket at a time, on one rank."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..comm import Comm
+from ..parallel import assemble_full_tensors, tensor_slice_of
 from .flat import FlatBucket
 
 
@@ -28,4 +31,35 @@ def gather_full_weights(buckets: list[FlatBucket], masters: list[torch.Tensor], 
             flat = shard.cpu()
         for name, tensor in bucket.unflatten(flat).items():
             full[name] = tensor.clone()
+    return full
+
+
+def full_state_dict(engine) -> dict[str, torch.Tensor]:
+    """`engine.full_state_dict()`: full fp32 CPU weights under the model's parameter names, on rank 0 only.
+
+    Data-parallel shards are gathered on data-parallel rank 0; with tensor parallelism the
+    slices of its tensor-parallel group are then joined on tensor-parallel rank 0 (global
+    rank 0), by the TensorSlice each split parameter carries. Tied parameters appear under
+    every name; parameters outside any bucket (never trained) are copied as they are.
+    """
+    optimizer = engine.zero_optimizer
+    resident_masters = getattr(optimizer, "resident_masters", None)  # NVMe: masters are in files
+    with resident_masters() if callable(resident_masters) else contextlib.nullcontext():
+        full = gather_full_weights(engine.buckets, optimizer.masters, engine.comm)
+    if engine.stage3 is not None:
+        frozen = engine.stage3.frozen
+        full.update(gather_full_weights(frozen, [part.shard for part in frozen], engine.comm))
+    if engine.comm.rank != 0:
+        return {}
+    first_name: dict[int, str] = {}
+    slices = {}
+    for name, param in engine.module.named_parameters(remove_duplicate=False):
+        first_name.setdefault(id(param), name)
+        if tensor_slice_of(param) is not None:
+            slices[name] = tensor_slice_of(param)
+        if name not in full:
+            source = full.get(first_name[id(param)])
+            full[name] = source if source is not None else param.detach().float().cpu().clone()
+    if engine.tp_comm is not None:  # every rank here is data-parallel rank 0: one tensor-parallel group
+        full = assemble_full_tensors(full, slices, engine.tp_comm)
     return full
