@@ -154,3 +154,13 @@ def test_engine_config_key_and_parity(stage):
         result = run_distributed(engine_with_transport, 2, same_host, stage)[0]
         assert result["used"] == same_host
         assert_same_training(result["losses"], result["weights"], ref_losses, ref_weights)
+
+
+def test_siblings_allowed_only_under_yama_scope_1_with_one_parent():
+    from zerotrain.comm.same_host import allow_siblings
+
+    assert not allow_siblings(None, [10, 10])  # no Yama: nothing to allow
+    assert not allow_siblings(0, [10, 10])  # classic ptrace permissions already allow same-uid reads
+    assert not allow_siblings(2, [10, 10])  # admin-only: a prctl would not help
+    assert not allow_siblings(1, [10, 11])  # no common parent to name
+    assert allow_siblings(1, [os.getppid()] * 2)  # issues the prctl (a no-op on a kernel without Yama)

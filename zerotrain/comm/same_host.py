@@ -28,7 +28,9 @@ ends the wait with an error naming that peer's rank.
 
 Enabled when every rank of the group is on this host (same hostname and boot id), on Linux
 x86-64 (its stores are seen in program order by other cores, which the records rely on), and a
-probe read of every peer succeeds (ptrace policy allows it); otherwise the group keeps gloo.
+probe read of every peer succeeds (ptrace policy allows it: under Yama's ptrace_scope 1 the ranks
+name their common parent as the one allowed ptracer, `allow_siblings`); otherwise the group keeps
+gloo's sockets.
 `ZEROTRAIN_SAME_HOST_TRANSPORT=0` turns it off.
 """
 from __future__ import annotations
@@ -111,6 +113,29 @@ def read_from(pid: int, address: int, destination: torch.Tensor) -> None:
             err = ctypes.get_errno()
             raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)}")
         done += got
+
+
+def _ptrace_scope() -> Optional[int]:
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as file:
+            return int(file.read().strip())
+    except (OSError, ValueError):
+        return None  # no Yama: same-uid processes may read each other
+
+
+_PR_SET_PTRACER = 0x59616D61
+
+
+def allow_siblings(ptrace_scope: Optional[int], parent_pids: list[int]) -> bool:
+    """Under Yama's ptrace_scope 1 (Ubuntu's default) only a process's ancestors may read its memory,
+    so sibling ranks could not. When every rank has the same parent (torchrun's agent, a
+    forkserver), declare that parent as this process's ptracer: its descendants, i.e. the sibling
+    ranks, may then read it, and no other process. Returns whether it did (the same on every rank)."""
+    if ptrace_scope != 1 or len(set(parent_pids)) != 1:
+        return False
+    _libc().prctl(ctypes.c_int(_PR_SET_PTRACER), ctypes.c_ulong(parent_pids[0]), ctypes.c_ulong(0),
+                  ctypes.c_ulong(0), ctypes.c_ulong(0))
+    return True
 
 
 def _alive(pid: int) -> bool:
@@ -313,12 +338,14 @@ def connect(group: Optional[dist.ProcessGroup], rank: int, size: int,
         with open(mailbox, "wb") as file:
             file.truncate(8 * (1 + size * _BLOCK))
     try:
-        info = (here, socket.gethostname(), _boot_id(), os.getpid(), probe.data_ptr(), mailbox)
+        info = (here, socket.gethostname(), _boot_id(), os.getpid(), probe.data_ptr(), mailbox, os.getppid())
         everyone: list = [None] * size
         dist.all_gather_object(everyone, info, group=group)
         same_host = everyone[0][5] is not None and all(entry[0] and entry[1:3] == everyone[0][1:3]
                                                          for entry in everyone)
         readable = False
+        if same_host and allow_siblings(_ptrace_scope(), [entry[6] for entry in everyone]):
+            dist.barrier(group=group)  # every rank allows its siblings before anyone probes
         if same_host:
             try:
                 for peer in range(size):
