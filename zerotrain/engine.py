@@ -19,6 +19,7 @@ from .config import ZeroTrainConfig
 from .config.zero import warn_settings_without_effect
 from .optim import build_optimizer
 from .parallel import tensor_parallel_comm
+from .parallel.moe import refuse_split_experts
 from .offload.param_store import build_param_store
 from .precision import LossScaler, training_dtype
 from .schedules import build_scheduler
@@ -58,6 +59,7 @@ class ZeroTrainEngine:
         self.stage = config.zero_optimization.stage
         warn_settings_without_effect(config.zero_optimization)
         self.dtype = training_dtype(config.precision)
+        refuse_split_experts(model)
         self.counters = CommCounters()
         self.comm = Comm.data_parallel(topology, self.counters)
         self.tp_comm = tensor_parallel_comm(topology, self.counters) if topology.tp_size > 1 else None
