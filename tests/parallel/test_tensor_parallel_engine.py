@@ -124,27 +124,3 @@ def test_bad_tensor_parallel_setups_are_refused_before_training():
                                                   "tensor_parallel": {"autotp_size": 2}})
     for message in run_distributed(initialize_plain_sequential, 2, timeout=60):
         assert "tensor_parallel.autotp_size > 1 needs a plan for Sequential" in message
-
-
-def checkpoint_refused(save_dir: str) -> list[str]:
-    import zerotrain
-    from zerotrain.checkpoint import CheckpointError
-
-    engine, *_ = zerotrain.initialize(model=gpt(), config={"train_micro_batch_size_per_gpu": 1,
-                                                           "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-                                                           "tensor_parallel": {"autotp_size": 2}})
-    messages = []
-    for call in (lambda: engine.save_checkpoint(save_dir), lambda: engine.load_checkpoint(save_dir)):
-        try:
-            call()
-            messages.append("no error")
-        except CheckpointError as error:
-            messages.append(str(error))
-    return messages
-
-
-def test_checkpoints_of_tensor_parallel_engines_are_refused_cleanly(tmp_path):
-    for messages in run_distributed(checkpoint_refused, 2, str(tmp_path), timeout=60):
-        assert "cannot save a checkpoint with tensor_parallel.autotp_size 2" in messages[0]
-        assert "cannot load a checkpoint with tensor_parallel.autotp_size 2" in messages[1]
-    assert list(tmp_path.iterdir()) == [], "nothing written"

@@ -8,7 +8,8 @@ committed by a rename once every rank's files and the manifest are fsynced
 (`commit`, `integrity`). With `async_save` the step blocks only while this rank's
 pieces are copied to reusable host buffers (`snapshot`); a background thread
 writes and commits (`checkpointer`). `load_checkpoint` reads it back onto any world
-size and ZeRO stage, each rank reading only its slices (`load`, `reader`, `source`).
+size, ZeRO stage and tensor-parallel degree, each rank reading only its slices (`load`, `reader`,
+`source`, `split`).
 
 Public API: `save_checkpoint`, `load_checkpoint` (what the engine's methods call),
 `Checkpointer` (`engine.checkpointer`: `wait()`, `raise_if_failed()`, `pending`,
@@ -27,7 +28,8 @@ Modules, one concept each:
     fence         pending async snapshot copies, waited for by whatever writes the slots next
     checkpointer  the engine's Checkpointer: async thread, error propagation
     source        which directory to load, what kind, intact or not
-    slots         the engine's sharded slots, trainable and (stage 3) frozen
+    slots         the engine's sharded slots, trainable and (stage 3) frozen; the world-wide comm
+    split         tensor-parallel slices: joined into whole tensors on save, read back out on load
     reader        tensor ranges by name, read as exact byte ranges
     load          validate everything, agree across ranks, then read into the engine
     optim_state   optimizer state keys, scalars, group hyperparameters

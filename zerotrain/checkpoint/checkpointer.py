@@ -45,7 +45,7 @@ from .format import CheckpointError
 from .loco import capture_loco
 from .optim_state import group_hyperparameters
 from .plan import MAX_FILE_BYTES, ROUND_BYTES, SavePlan, build_plan, layout_digest, local_layout
-from .slots import all_slots, refuse_tensor_parallel
+from .slots import all_slots, world_comm
 from .snapshot import HostBuffers, capture, hf_config_files
 from .state import capture_rng, capture_trainer_state
 from .write import SaveJob, describe_error
@@ -58,7 +58,8 @@ _RUNNING, _DONE, _FAILED = 1, 0, 2
 class Checkpointer:
     def __init__(self, engine):
         self.engine = engine
-        self.comm = engine.comm.new_cpu_comm(engine.topology.timeout_seconds)
+        self.world = world_comm(engine)  # training backend, every rank: failure status of a background save
+        self.comm = self.world.new_cpu_comm(engine.topology.timeout_seconds)
         self.buffers = HostBuffers()
         self._plans: dict = {}
         self.max_file_bytes = MAX_FILE_BYTES  # largest safetensors file a writer starts (plan.build_plan)
@@ -206,9 +207,9 @@ class Checkpointer:
         self.fence()
         code = _RUNNING if self._thread.is_alive() else (_FAILED if self._error is not None else _DONE)
         engine = self.engine
-        if engine.comm.size > 1:
+        if self.world.size > 1:
             value = torch.tensor([float(code)], device=engine.topology.device)
-            engine.comm.all_reduce(value, op=dist.ReduceOp.MAX)
+            self.world.all_reduce(value, op=dist.ReduceOp.MAX)
             code = int(value.item())
         if code == _RUNNING:
             return
@@ -225,7 +226,6 @@ class Checkpointer:
 def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                     save_latest: bool = True, async_save: Optional[bool] = None) -> str:
     """Write a checkpoint of `engine` (call on every rank). See zerotrain.checkpoint for the format."""
-    refuse_tensor_parallel(engine, "save")
     if engine.checkpointer is None:
         engine.checkpointer = Checkpointer(engine)
     with resident_model_states(engine, write_back=False):  # NVMe-offloaded states and parameters paged in

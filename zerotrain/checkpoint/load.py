@@ -5,7 +5,10 @@ that range of the whole tensor from the files (`TensorReader.read_range`): fp32
 masters from the master-weights files when the checkpoint has them (exact resume
 of bf16/fp16 training), else from the model files; optimizer states from
 `name/<key>` of the optimizer files. So a checkpoint written at any world size and
-stage loads into any other: the layout of the writer never matters.
+stage loads into any other: the layout of the writer never matters. Tensor parallelism
+too: a split parameter's records are ranges of this rank's slice, mapped through its
+TensorSlice to runs of the whole tensor in the files (`split.RunsRead`), so any
+tensor-parallel degree loads a checkpoint written at any other.
 
 Two phases. `prepare` validates everything the load will read, touching nothing in
 the engine: the manifest, every needed file's size, the checksums (each rank a
@@ -34,7 +37,8 @@ from .loco import loco_file, read_loco, restore_loco
 from .optim_state import StateTemplate, check_groups, make_scalar, probe_template, restore_hyperparameters
 from .plan import extra_tensors
 from .reader import TensorReader
-from .slots import all_slots, refresh_after_load, refuse_tensor_parallel, sharded_names
+from .slots import all_slots, refresh_after_load, sharded_names, world_comm
+from .split import RunsRead, expected_shape, tensor_slices
 from .source import HUGGING_FACE, ZEROTRAIN, Source, needed_files, open_source, resolve, verify
 from .state import apply_trainer_state, decode, restore_rng
 
@@ -93,6 +97,15 @@ def _find(reader: TensorReader, module, name: str, hugging_face: bool) -> Option
     return next((c for c in _name_candidates(module, name, hugging_face) if reader.has(c)), None)
 
 
+def _record_read(reader: TensorReader, stored: str, record, slices: dict):
+    """Check tensor `stored` has the whole shape of `record`'s parameter; the read of the record's range."""
+    tensor_slice = slices.get(record.name)
+    reader.check(stored, expected_shape(record.full_shape, tensor_slice, record.name))
+    if tensor_slice is None:
+        return Read(reader, stored, record.param_start, record.numel, record.shard_start)
+    return RunsRead(reader, stored, tensor_slice, record.param_start, record.numel, record.shard_start)
+
+
 class _Templates:
     """The optimizer state template of each master, probed once per (group, device, dtype)."""
 
@@ -113,14 +126,12 @@ class _Templates:
         return self.cache[key]
 
 
-def _plan_states(slot, reader: TensorReader, templates: _Templates) -> SlotLoad:
+def _plan_states(slot, reader: TensorReader, templates: _Templates, slices: dict) -> SlotLoad:
     template = templates(slot.master)
     load = SlotLoad([], {key: [] for key in template.elementwise}, {}, template)
     for record in slot.records:
         for key in template.elementwise:
-            name = f"{record.name}/{key}"
-            reader.check(name, record.full_shape)
-            load.states[key].append(Read(reader, name, record.param_start, record.numel, record.shard_start))
+            load.states[key].append(_record_read(reader, f"{record.name}/{key}", record, slices))
         for key in template.scalars:
             name = f"{record.name}/{key}"
             reader.check(name, ())
@@ -141,7 +152,8 @@ def _plan_states(slot, reader: TensorReader, templates: _Templates) -> SlotLoad:
 def prepare(engine, path: str, sharded: set[str], load_optimizer_states: bool, load_module_only: bool) -> LoadPlan:
     """Validate everything this rank will read (files, manifest, checksums, names, shapes); touch no engine state."""
     source = open_source(path, load_module_only)
-    rank, world = engine.comm.rank, engine.comm.size
+    comm = world_comm(engine)
+    rank, world = comm.rank, comm.size
     hugging_face = source.kind == HUGGING_FACE
     if source.kind == ZEROTRAIN:
         verify(source, needed_files(source, load_optimizer_states, load_module_only), rank, world,
@@ -157,18 +169,18 @@ def prepare(engine, path: str, sharded: set[str], load_optimizer_states: bool, l
             check_groups(source.optimizer_meta.get("param_groups", []), engine.optimizer)
         slot_loads = []
         templates = _Templates(engine.optimizer)
+        slices = tensor_slices(module)
         for slot in all_slots(engine):
             frozen = slot.master is None  # a partitioned frozen parameter (stage 3): model dtype, no optimizer
             load = SlotLoad([])
             if load_optimizer and not frozen:
-                load = _plan_states(slot, optim, templates) if optim.weight_map else SlotLoad([], {})
+                load = _plan_states(slot, optim, templates, slices) if optim.weight_map else SlotLoad([], {})
             for record in slot.records:
                 reader = masters if masters.has(record.name) and not frozen else model
                 name = _find(reader, module, record.name, hugging_face)
                 if name is None:
                     raise CheckpointError(f"tensor {record.name!r} is missing from the model weights of {path}")
-                reader.check(name, record.full_shape)
-                load.weights.append(Read(reader, name, record.param_start, record.numel, record.shard_start))
+                load.weights.append(_record_read(reader, name, record, slices))
             slot_loads.append(load)
         extras = []
         for name, tensor in extra_tensors(module, sharded):
@@ -178,8 +190,11 @@ def prepare(engine, path: str, sharded: set[str], load_optimizer_states: bool, l
                     logger.warning("buffer %s is not in %s; keeping the model's own value", name, path)
                     continue
                 raise CheckpointError(f"tensor {name!r} is missing from the model weights of {path}")
-            model.check(found, tuple(tensor.shape), floating=False)
-            extras.append((name, Read(model, found, 0, tensor.numel(), 0)))
+            tensor_slice = slices.get(name)  # a frozen split parameter (stages 0-2): this rank's slice of it
+            model.check(found, tuple(tensor.shape) if tensor_slice is None else tensor_slice.full_shape,
+                        floating=False)
+            extras.append((name, Read(model, found, 0, tensor.numel(), 0) if tensor_slice is None else
+                           RunsRead(model, found, tensor_slice, 0, tensor.numel(), 0)))
         rng = None
         if source.kind == ZEROTRAIN and not load_module_only and \
                 rng_file(engine.topology.rank) in source.manifest["files"]:
@@ -228,7 +243,11 @@ def apply(engine, plan: LoadPlan, load_lr_scheduler_states: bool, load_module_on
         for name, read in plan.extras:
             target = targets[name]
             target = target.data if isinstance(target, torch.nn.Parameter) else target
-            if target.is_contiguous():
+            if isinstance(read, RunsRead):
+                local = torch.empty(target.numel(), dtype=target.dtype)
+                read.into(local)
+                target.copy_(local.reshape(target.shape))
+            elif target.is_contiguous():
                 read.reader.read_into(read.name, 0, target.numel(), target.reshape(-1))
             else:
                 target.copy_(read.reader.read(read.name).reshape(target.shape))
@@ -255,7 +274,6 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_optim
     Returns (None, None) with a warning when `load_dir` holds no checkpoint and no `latest`
     (as DeepSpeed does), so "resume if there is something to resume" needs no special case.
     """
-    refuse_tensor_parallel(engine, "load")
     if engine.checkpointer is not None:
         engine.checkpointer.wait()
     with resident_model_states(engine):  # NVMe-offloaded states and parameters in memory; written back after
@@ -264,7 +282,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_optim
 
 
 def _load_resident(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only):
-    comm = engine.comm
+    comm = world_comm(engine)
     sharded = set().union(*comm.all_gather_object(sorted(sharded_names(all_slots(engine)))))
     path, plan, error = None, None, None
     try:

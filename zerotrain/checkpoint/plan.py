@@ -14,6 +14,11 @@ all-gathered and every rank computes the same `SavePlan` from them:
   rank sends the pieces it holds of the writers' names in one all-to-all, so a writer
   receives at most about `round_bytes` at a time and no rank ever holds the whole model.
 
+Tensor parallelism: a split parameter's records are ranges of its *local* tensor; its
+plan has the whole shape, the TensorSlice of every tensor-parallel rank and pieces from
+each of them (`Piece.tp_rank`), which its writer joins into the whole tensor (`split`).
+A parameter replicated over the tensor-parallel ranks is taken from one of them.
+
 Partitioned frozen parameters (stage 3) are slots without a master: only their model
 file entry is written. Tensors outside every slot (frozen parameters at stages 0-2,
 persistent buffers) are whole on every rank; they are assigned for balance and need
@@ -29,6 +34,7 @@ import torch
 
 from .format import MASTER, MODEL, OPTIMIZER, CheckpointError, dtype_name, itemsize, numel_of, shard_file, torch_dtype
 from .optim_state import split_state
+from .split import expected_shape, refuse_split_extras, tensor_slices
 
 MAX_FILE_BYTES = 5 * 1024 ** 3
 ROUND_BYTES = 256 * 1024 ** 2
@@ -37,13 +43,15 @@ _LOCALITY_SLACK = 1.10
 
 @dataclass(frozen=True)
 class Piece:
-    """Elements [param_start, param_start+numel) of a tensor, at shard_start of `rank`'s slot `slot`."""
+    """Elements [param_start, param_start+numel) of a tensor (of tensor-parallel rank `tp_rank`'s local
+    slice, when it is split), at shard_start of `rank`'s slot `slot`."""
 
     rank: int
     slot: int
     param_start: int
     numel: int
     shard_start: int
+    tp_rank: int = 0
 
 
 @dataclass
@@ -54,9 +62,10 @@ class TensorPlan:
     trainable: bool
     states: dict = field(default_factory=dict)   # per-element optimizer state key -> dtype
     scalars: dict = field(default_factory=dict)  # scalar optimizer state key -> dtype
-    pieces: list = field(default_factory=list)   # sorted by param_start; all of the writer's own when replicated;
+    pieces: list = field(default_factory=list)   # sorted by (tp_rank, param_start); one holder's when replicated;
     replicated: bool = False                     # empty: the tensor is whole on every rank
     writer: int = 0
+    slices: dict = field(default_factory=dict)   # tensor-parallel rank -> TensorSlice; empty: not split
 
     @property
     def numel(self) -> int:
@@ -138,8 +147,10 @@ def state_dict_order(module: torch.nn.Module) -> list[str]:
 
 
 def local_layout(engine, slots, rank: int) -> dict:
-    """What this rank holds, as plain data: records, dtypes and optimizer state keys of each slot."""
+    """What this rank holds, as plain data: records, dtypes and optimizer state keys of each slot,
+    and the TensorSlice of each tensor-parallel split parameter among them."""
     described, sharded = [], set()
+    split = tensor_slices(engine.module)
     for slot in slots:
         elementwise, scalars = {}, {}
         if slot.master is not None:
@@ -156,8 +167,11 @@ def local_layout(engine, slots, rank: int) -> dict:
         })
     extras = []
     if rank == 0:
-        extras = [(name, tuple(t.shape), dtype_name(t.dtype)) for name, t in extra_tensors(engine.module, sharded)]
-    return {"slots": described, "extras": extras, "order": state_dict_order(engine.module) if rank == 0 else []}
+        extras = [(name, tuple(t.shape), dtype_name(t.dtype), name in split)
+                  for name, t in extra_tensors(engine.module, sharded)]
+    return {"slots": described, "extras": extras, "order": state_dict_order(engine.module) if rank == 0 else [],
+            "tp_rank": int(getattr(engine.topology, "tp_rank", 0)),
+            "slices": {name: split[name] for name in sorted(sharded) if name in split}}
 
 
 def layout_digest(layout: dict) -> str:
@@ -170,21 +184,30 @@ def build_plan(layouts: list[dict], max_file_bytes: int = MAX_FILE_BYTES, round_
     tensors: dict[str, TensorPlan] = {}
     holders: dict[str, dict[int, list[Piece]]] = {}
     for rank, layout in enumerate(layouts):
+        tp_rank = layout.get("tp_rank", 0)
         for index, slot in enumerate(layout["slots"]):
             states = {k: torch_dtype(v) for k, v in slot["states"].items()}
             scalars = {k: torch_dtype(v) for k, v in slot["scalars"].items()}
             for name, shape, param_start, numel, shard_start in slot["records"]:
+                tensor_slice = layout.get("slices", {}).get(name)
+                shape = expected_shape(shape, tensor_slice, name)
                 tensor = tensors.get(name)
                 if tensor is None:
-                    tensor = tensors[name] = TensorPlan(name, tuple(shape), torch_dtype(slot["model_dtype"]),
+                    tensor = tensors[name] = TensorPlan(name, shape, torch_dtype(slot["model_dtype"]),
                                                         slot["trainable"], states, scalars,
                                                         replicated=slot["replicated"])
-                elif tensor.shape != tuple(shape) or tensor.states != states or tensor.scalars != scalars:
-                    raise CheckpointError(f"ranks disagree about parameter {name!r} (shape, or optimizer state keys "
-                                          f"{sorted(tensor.states)} vs {sorted(states)}); cannot save")
+                elif tensor.shape != shape or tensor.states != states or tensor.scalars != scalars or \
+                        tensor.slices.get(tp_rank, tensor_slice) != tensor_slice:
+                    raise CheckpointError(f"ranks disagree about parameter {name!r} (shape, tensor-parallel slice, "
+                                          f"or optimizer state keys {sorted(tensor.states)} vs {sorted(states)}); "
+                                          f"cannot save")
+                if tensor_slice is not None:
+                    tensor.slices[tp_rank] = tensor_slice
                 holders.setdefault(name, {}).setdefault(rank, []).append(
-                    Piece(rank, index, param_start, numel, shard_start))
-    for name, shape, dtype in layouts[0]["extras"]:
+                    Piece(rank, index, param_start, numel, shard_start, tp_rank))
+    refuse_split_extras([extra[0] for extra in layouts[0]["extras"]
+                         if extra[0] not in tensors and len(extra) > 3 and extra[3]])
+    for name, shape, dtype, *_ in layouts[0]["extras"]:
         if name not in tensors:  # rank 0 lists every name outside its own slots; others' slots hold some
             tensors[name] = TensorPlan(name, tuple(shape), torch_dtype(dtype), False)
     order = {name: i for i, name in enumerate(layouts[0]["order"])}
@@ -192,11 +215,10 @@ def build_plan(layouts: list[dict], max_file_bytes: int = MAX_FILE_BYTES, round_
     master_separate = any(t.dtype != torch.float32 for t in tensors.values() if t.trainable)
 
     _assign_writers(tensors, holders, world, master_separate)
+    tp_ranks = sorted({layout.get("tp_rank", 0) for layout in layouts})
     for name, tensor in tensors.items():
         if name in holders:
-            pieces = holders[name][tensor.writer] if tensor.replicated else [p for ps in holders[name].values()
-                                                                             for p in ps]
-            tensor.pieces = sorted(pieces, key=lambda p: p.param_start)
+            tensor.pieces = _choose_pieces(tensor, holders[name], tp_ranks)
             _check_coverage(tensor)
 
     files = _plan_files(tensors, world, master_separate, max_file_bytes)
@@ -229,15 +251,49 @@ def _assign_writers(tensors: dict, holders: dict, world: int, master_separate: b
         loads[writer] += sizes[name]
 
 
+def _choose_pieces(tensor: TensorPlan, holders: dict[int, list[Piece]], tp_ranks: list[int]) -> list[Piece]:
+    """The pieces the writer assembles: of every tensor-parallel rank when the tensor is split, else of
+    one (the writer's, when it holds some); within that, one holder's when the slot is replicated."""
+    by_tp: dict[int, dict[int, list[Piece]]] = {}
+    for rank, pieces in holders.items():
+        by_tp.setdefault(pieces[0].tp_rank, {})[rank] = pieces
+    if tensor.slices:
+        missing = [r for r in tp_ranks if r not in tensor.slices]
+        if missing:
+            raise CheckpointError(f"parameter {tensor.name!r} is split over tensor-parallel ranks "
+                                  f"{sorted(tensor.slices)} but not over {missing}; cannot save")
+        groups = sorted(by_tp)
+    else:
+        writer_holds = holders.get(tensor.writer)
+        groups = [writer_holds[0].tp_rank if writer_holds else min(by_tp)]
+    chosen = []
+    for group in groups:
+        ranks = by_tp[group]
+        if tensor.replicated:
+            chosen += ranks[tensor.writer] if tensor.writer in ranks else ranks[min(ranks)]
+        else:
+            chosen += [piece for pieces in ranks.values() for piece in pieces]
+    return sorted(chosen, key=lambda p: (p.tp_rank, p.param_start))
+
+
 def _check_coverage(tensor: TensorPlan) -> None:
-    position = 0
+    """Each local tensor (the whole tensor when not split) is covered exactly once by the pieces."""
+    groups: dict[int, list[Piece]] = {}
     for piece in tensor.pieces:
-        if piece.param_start != position:
-            raise CheckpointError(f"the shards of {tensor.name!r} do not cover it: elements from {position} "
-                                  f"are {'missing' if piece.param_start > position else 'held twice'}")
-        position += piece.numel
-    if position != tensor.numel:
-        raise CheckpointError(f"the shards of {tensor.name!r} cover {position} of its {tensor.numel} elements")
+        groups.setdefault(piece.tp_rank, []).append(piece)
+    for tp_rank, pieces in groups.items():
+        tensor_slice = tensor.slices.get(tp_rank)
+        what = repr(tensor.name) if tensor_slice is None else \
+            f"tensor-parallel rank {tp_rank}'s slice of {tensor.name!r}"
+        expected = numel_of(tensor_slice.local_shape) if tensor_slice is not None else tensor.numel
+        position = 0
+        for piece in pieces:
+            if piece.param_start != position:
+                raise CheckpointError(f"the shards of {what} do not cover it: elements from {position} "
+                                      f"are {'missing' if piece.param_start > position else 'held twice'}")
+            position += piece.numel
+        if position != expected:
+            raise CheckpointError(f"the shards of {what} cover {position} of its {expected} elements")
 
 
 def _file_entries(tensor: TensorPlan, kind: str) -> list:

@@ -10,8 +10,10 @@ inside the engine's partitions.
 """
 from __future__ import annotations
 
+import torch.distributed as dist
+
+from ..comm import Comm
 from ..zero.flat import ShardedSlot
-from .format import CheckpointError
 
 
 def frozen_slots(engine) -> list[ShardedSlot]:
@@ -34,13 +36,12 @@ def refresh_after_load(engine) -> None:
     engine.publish_weights()
 
 
-def refuse_tensor_parallel(engine, what: str) -> None:
-    """Tensor-parallel slices are not in the unified format yet: refuse before touching any file.
+def world_comm(engine) -> Comm:
+    """Every rank, data- and tensor-parallel, on the training group's backend.
 
-    Their records give flat ranges of the local slice, not of the whole tensor, so writing
-    them would store slices under whole-tensor names; a clear error loses nothing."""
-    tp_size = getattr(engine.topology, "tp_size", 1)
-    if tp_size > 1:
-        raise CheckpointError(f"cannot {what} a checkpoint with tensor_parallel.autotp_size {tp_size}: "
-                              f"tensor-parallel checkpoints are not supported yet (use engine.full_state_dict() "
-                              f"for the whole weights)")
+    `engine.comm` spans only the data-parallel group; with tensor parallelism each group holds
+    other slices, so what a checkpoint plans, agrees on and commits must span the world."""
+    topology = engine.topology
+    if getattr(topology, "tp_size", 1) == 1:
+        return engine.comm
+    return engine.comm.subgroup(dist.group.WORLD, topology.rank, topology.world_size)

@@ -10,6 +10,7 @@ the training step do not interfere. The steps:
 2. for each round of the plan: one all-to-all of raw bytes carries every piece to
    the rank that writes its tensor; the writer appends each tensor's pieces, in
    order, to its streaming safetensors files (checksummed as they are written);
+   a tensor-parallel split tensor is first joined from its slices (`split`);
 3. close (fsync) every file; rank 0 adds the indexes, trainer_state.json and the
    Hugging Face config; every rank adds its RNG state (and its LoCo error buffers);
 4. all-gather each rank's outcome and file list. A rank that failed keeps taking
@@ -35,6 +36,7 @@ from .format import (LATEST, MASTER, MODEL, OPTIMIZER, TRAINER_STATE, Checkpoint
 from .integrity import write_manifest
 from .loco import loco_file, write_loco
 from .plan import SavePlan
+from .split import assemble_whole
 from .snapshot import Sources
 
 logger = logging.getLogger("zerotrain")
@@ -172,9 +174,11 @@ class SaveJob:
             if not tensor.pieces:  # whole on every rank
                 self._writer(MODEL, name, temp, written).write(name, [self.sources.extras[name]])
                 continue
-            for kind, _ in tensor.kinds(self.plan.master_separate):
+            for kind, dtype in tensor.kinds(self.plan.master_separate):
                 chunks = [self.sources.piece(p, kind) if p.rank == rank else received[(kind, p)]
                           for p in tensor.pieces]
+                if tensor.slices:  # tensor-parallel slices: joined into the whole tensor, this one only
+                    chunks = [assemble_whole(tensor.shape, tensor.slices, tensor.pieces, chunks, dtype)]
                 if kind.startswith("state:"):
                     key, file_kind = f"{name}/{kind[len('state:'):]}", OPTIMIZER
                 else:

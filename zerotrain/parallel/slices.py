@@ -45,6 +45,41 @@ class TensorSlice:
             full.narrow(self.dim, start, length).copy_(local.narrow(self.dim, offset, length))
             offset += length
 
+    def flat_runs(self, start: int, count: int) -> list[tuple[int, int, int]]:
+        """Where elements [start, start+count) of the flattened local tensor sit in the flattened full one.
+
+        Returns (full_start, length, offset) runs, in local order: local elements
+        [start+offset, start+offset+length) are full elements [full_start, full_start+length).
+        A slice along dimension 0 gives one run per piece; along a later dimension the local
+        range is strided in the full tensor, one run per piece per index of the leading dims.
+        Checkpoints use this to read and write a local shard of a split tensor in whole-tensor files.
+        """
+        local_numel = 1
+        for size in self.local_shape:
+            local_numel *= size
+        if start < 0 or count < 0 or start + count > local_numel:
+            raise ValueError(f"elements [{start}, {start + count}) are outside the local tensor of shape "
+                             f"{self.local_shape}")
+        inner = 1
+        for size in self.full_shape[self.dim + 1:]:
+            inner *= size
+        local_row = self.local_shape[self.dim] * inner   # local elements per index of the leading dims
+        full_row = self.full_shape[self.dim] * inner
+        bounds, position = [], 0                          # (local offset in a row, full offset in a row, length)
+        for piece_start, length in self.pieces:
+            bounds.append((position, piece_start * inner, length * inner))
+            position += length * inner
+        runs, index, end = [], start, start + count
+        while index < end and local_row:
+            row, within = divmod(index, local_row)
+            for local_offset, full_offset, length in bounds:
+                if local_offset <= within < local_offset + length:
+                    take = min(local_offset + length - within, end - index)
+                    runs.append((row * full_row + full_offset + within - local_offset, take, index - start))
+                    index += take
+                    break
+        return runs
+
 
 def split_slice(full_shape: tuple[int, ...], dim: int, rank: int, size: int, parts: int = 1,
                 what: str = "tensor") -> TensorSlice:
