@@ -1,13 +1,14 @@
 """`zerotrain.comm`: the only package that calls torch.distributed collectives.
 
-- `core`: :class:`Comm` (collectives over one process group, with per-kind byte counters),
-  :class:`CommCounters`, :class:`CollectiveError`.
+- `core`: :class:`Comm` (collectives over one process group, with per-kind byte counters).
+- `handles`: :class:`CommCounters`, :class:`CollectiveError` and the handles collectives return.
+- `same_host`: the transport that lets ranks on one host read each other's chunks from memory.
 - `quant`: blockwise symmetric int8 / int4 quantization with torch ops (CPU and CUDA).
 - `compressed`: the ZeRO++ collectives built on it — the quantized gradient reduce-scatter
   (qgZ, all-to-all based, one or two hops) with LoCo error feedback, and the int8 weight
   all-gather (qwZ).
 """
-from .core import (CollectiveError, Comm, CommCounters, _all_gather_single, _Done, _failure, _Named, _nbytes,
-                   _reduce_scatter_single)
+from .core import Comm
+from .handles import CollectiveError, CommCounters
 
 __all__ = ["Comm", "CommCounters", "CollectiveError"]

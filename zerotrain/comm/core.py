@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import datetime
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -33,64 +32,11 @@ import torch.distributed as dist
 
 from ..topology import Topology
 from . import same_host
+from .handles import CommCounters, _Done, _failure, _Named, _nbytes
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-@dataclass
-class CommCounters:
-    """Calls and bytes sent per collective kind since start.
-
-    Compressed collectives (kinds ending in `_q4` / `_q8`, see `zerotrain.comm.compressed`)
-    also count `logical_bytes`: what the same collective would have sent uncompressed, in the
-    data's own dtype, so `bytes / logical_bytes` is the compression ratio on the wire.
-    """
-
-    calls: dict = field(default_factory=lambda: defaultdict(int))
-    bytes: dict = field(default_factory=lambda: defaultdict(int))
-    logical: dict = field(default_factory=lambda: defaultdict(int))
-
-    def add(self, kind: str, nbytes: float, logical_bytes: Optional[float] = None) -> None:
-        self.calls[kind] += 1
-        self.bytes[kind] += int(nbytes)
-        if logical_bytes is not None:
-            self.logical[kind] += int(logical_bytes)
-
-    def snapshot(self) -> dict:
-        out = {}
-        for kind in sorted(self.calls):
-            entry = {"calls": self.calls[kind], "bytes": self.bytes[kind]}
-            if kind in self.logical:
-                entry["logical_bytes"] = self.logical[kind]
-            out[kind] = entry
-        return out
-
-
-class CollectiveError(RuntimeError):
-    """A collective did not complete: a peer rank died or did not answer within the group's timeout."""
-
-
-def _failure(kind: str, rank: int, size: int, error: BaseException) -> CollectiveError:
-    return CollectiveError(f"{kind} failed on rank {rank} of {size} (did a peer rank die, or not answer "
-                           f"within comm_timeout_seconds?): {error}")
-
-
-class _Named:
-    """A collective's handle whose wait() names the collective when it fails."""
-
-    def __init__(self, work, kind: str, rank: int, size: int):
-        self._work, self._kind, self._rank, self._size = work, kind, rank, size
-
-    def wait(self, *args, **kwargs):
-        try:
-            return self._work.wait(*args, **kwargs)
-        except (RuntimeError, OSError) as error:
-            raise _failure(self._kind, self._rank, self._size, error) from error
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
 
 
 class _PointToPoint:
@@ -123,17 +69,6 @@ _NEXT_TAG: dict[str, int] = defaultdict(int)
 # Same-host transport per process group, keyed by the group object's id (the entry keeps the
 # group alive, so the id is not reused): None where the group's ranks cannot use it.
 _SAME_HOST: dict[int, tuple] = {}
-
-
-class _Done:
-    """A finished handle, so callers can wait() uniformly in a world of one."""
-
-    def wait(self) -> bool:
-        return True
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 class Comm:
