@@ -67,7 +67,8 @@ def train_with_failure(nvme_path: str, code: int | None, kind: str = "write", ra
         if failing_here and kind == "write":
             restore = _failing_writes(aio, fail_at=2, code=code)  # 3 chunks: 3 record writes a step
         elif failing_here:
-            restore = _failing_state_reads(aio, opt, fail_at=2, code=code)  # chunk 0 stepped, chunk 1's read fails
+            # the record kept from the last step and chunk 0 are stepped, chunk 1's read fails
+            restore = _failing_state_reads(aio, opt, fail_at=2, code=code)
         try:
             with pytest.raises(OffloadIOError) as raised:
                 original_step()
@@ -106,7 +107,7 @@ def test_failing_io_raises_and_leaves_state_unchanged(tmp_path):
         assert failed["losses"] == clean["losses"]
         for name, ref in clean["weights"].items():
             assert torch.equal(failed["weights"][name], ref), name
-    assert read["stats"]["nvme_restored_chunks"] == 1, "chunk 0 was updated, chunk 1's read failed"
+    assert read["stats"]["nvme_restored_chunks"] == 2, "the kept record and chunk 0 were updated, chunk 1's read failed"
 
 
 def one_rank_fails(nvme_path: str) -> list:

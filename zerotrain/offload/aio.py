@@ -11,6 +11,8 @@ bytes of one system call (a request is cut into blocks that run in parallel),
 `intra_op_parallelism` × `queue_depth` is the number of worker threads, i.e. of blocks in
 flight at once. `single_submit` and `overlap_events` choose how libaio batches submissions
 and reaps completions; a thread pool has neither step, so they are accepted and have no effect.
+A free worker takes the oldest waiting read block before any waiting write block: a read holds
+up the computation that waits for it, a write only the reuse of its buffer.
 
 The GIL: `os.preadv`/`os.pwritev` release it for the whole system call, and every wait
 (`Future.result`, a free buffer) is a `threading.Condition` wait, which releases it too.
@@ -29,6 +31,7 @@ import tempfile
 import threading
 import uuid
 import warnings
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
@@ -140,7 +143,7 @@ class _Request:
         if not self.blocks:
             self._finish()
         for start, end in self.blocks:
-            self.io._pool.submit(self._block, start, end)
+            self.io._queue_block(self, start, end)
 
     def prepare_then_issue(self, before: Callable[[], None]) -> None:
         try:
@@ -192,6 +195,7 @@ class AsyncFileIO:
         self.block_size = round_up(max(int(block_size), ALIGN))
         self.in_flight = max(1, int(threads)) * max(1, int(queue_depth))
         self._pool = ThreadPoolExecutor(self.in_flight, thread_name_prefix="zerotrain-aio")
+        self._waiting: tuple[deque, deque] = (deque(), deque())  # blocks of reads, of writes, not yet started
         self._paths: dict[int, str] = {}
         self.bytes_read = 0
         self.bytes_written = 0
@@ -234,6 +238,18 @@ class AsyncFileIO:
         else:
             self._pool.submit(request.prepare_then_issue, before)
         return request.future
+
+    def _queue_block(self, request: _Request, start: int, end: int) -> None:
+        """Queue one block; a free worker takes the oldest waiting read block before any write block, since
+        reads hold up the computation that waits for them and writes only hold up their buffer's reuse."""
+        self._waiting[int(request.write)].append((request, start, end))
+        self._pool.submit(self._run_next_block)
+
+    def _run_next_block(self) -> None:
+        reads, writes = self._waiting
+        with self._lock:  # each block is queued before its task is submitted: one of the two is not empty
+            request, start, end = (reads if reads else writes).popleft()
+        request._block(start, end)
 
     @staticmethod
     def _transfer(fd: int, offset: int, buffer: torch.Tensor, write: bool) -> None:

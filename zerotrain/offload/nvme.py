@@ -13,6 +13,8 @@ the current one is updated on the main thread (zerotrain's CPU Adam kernel, `cpu
 where `CpuAdamStepper.supports()` the group; else the torch optimizer through `SubsetStepper`),
 its new weights are cast into the model's shard in the same pass (the publish), and the writes
 of the previous records go on behind it (`aio.AsyncFileIO`, O_DIRECT where the filesystem takes it).
+The last `buffer_count - 1` records stay in their buffers after a committed step, and the next
+step updates them first without reading them (`nvme_stream.py`).
 
 A step leaves the training state as it was when any read or write fails: records are
 double-buffered (two slot files; a step reads the current slot and writes the other), and only
@@ -46,12 +48,13 @@ from .aio import ALIGN, AlignedBuffers, OffloadIOError, open_swap_directory, rou
 from .cpu_adam import COPY_BACK_DTYPES, adam_step
 from .cpu_optimizer import OffloadOptimizer
 from .nvme_records import NvmeRecords, _Chunk, _cleanup, master_placeholder
+from .nvme_stream import NvmeStream
 from .partial import SubsetStepper, probe_state_layout
 
 DEFAULT_CHUNK_NUMEL = 1 << 22  # 4M elements: 16 MiB per fp32 region per chunk
 
 
-class NvmeOffloadOptimizer(NvmeRecords, OffloadOptimizer):
+class NvmeOffloadOptimizer(NvmeStream, NvmeRecords, OffloadOptimizer):
     """Offload whose fp32 masters and optimizer states live on disk; see the module docstring."""
 
     kind = "nvme"
@@ -92,6 +95,9 @@ class NvmeOffloadOptimizer(NvmeRecords, OffloadOptimizer):
         self._resident = False  # masters hold their values (inside resident_states / resident_masters)
         self._published: set[int] = set()  # buckets whose model shards the last update() already wrote
         self._staging: dict[int, torch.Tensor] = {}  # offload_param buckets: new shard values, chunk by chunk
+        self._staging_left: dict[int, int] = {}  # chunks of a staged bucket not yet in its staging tensor
+        self._store_written: set[int] = set()  # offload_param buckets whose store this step wrote
+        self._kept: dict[_Chunk, torch.Tensor] = {}  # records still in pool buffers after a step (nvme_stream.py)
         try:
             self._write_initial_masters()
         except BaseException:
@@ -140,6 +146,7 @@ class NvmeOffloadOptimizer(NvmeRecords, OffloadOptimizer):
         if self._resident:
             self.masters[bucket].copy_(values)
             return
+        self._drop_kept([bucket])
         buffer = self.pool.acquire()
         try:
             for chunk in (c for c in self.chunks if c.bucket == bucket):
@@ -159,14 +166,21 @@ class NvmeOffloadOptimizer(NvmeRecords, OffloadOptimizer):
         wanted = set(indices)
         chunks = [c for c in self.chunks if c.bucket in wanted and grad_shards[c.bucket] is not None]
         stepped: list[_Chunk] = []
-        scalars, error = {}, None
+        scalars, error, keep = {}, None, {}
         self._published.clear()
+        self._store_written.clear()
         try:
             self._adopt_states()  # states someone put in memory (a checkpoint load) go to disk first
-            scalars = self._stream(chunks, grad_shards, multiplier, stepped)
+            scalars = self._stream(chunks, grad_shards, multiplier, stepped, keep)
         except BaseException as caught:  # noqa: BLE001 - every rank learns of it below, then it is raised
             error = caught
-        self._agree(error, stepped)
+        try:
+            self._agree(error, stepped)
+        except BaseException:
+            for buffer in keep.values():  # not committed: the buffers hold records of no current slot
+                self.pool.release(buffer)
+            raise
+        self._kept.update(keep)
         for bucket, values in scalars.items():  # commit: every write of the step succeeded, on every rank
             self.slot[bucket] ^= 1
             self.has_state[bucket] = True
@@ -201,46 +215,6 @@ class NvmeOffloadOptimizer(NvmeRecords, OffloadOptimizer):
         raise OffloadIOError(f"NVMe offload: the step failed on rank(s) {failed} (their optimizer-state I/O); "
                              f"rank {comm_rank(self)} rolled its own step back, so every rank's training state "
                              f"is as it was before the step")
-
-    def _stream(self, chunks: list[_Chunk], grad_shards, multiplier: float, stepped: list[_Chunk]) -> dict:
-        """Read, update (and publish) and write back `chunks`, appending each to `stepped` before it changes.
-
-        Returns the new scalar states by bucket. On failure every I/O in flight is waited for,
-        the buffers go back to the pool and the error is raised; the slots are untouched."""
-        fetched: dict[int, tuple[torch.Tensor, Future]] = {}
-        writes: list[Future] = []
-        scalars: dict = {}
-        holding, ahead = None, 0  # holding: (buffer, its read) of the chunk being updated
-        try:
-            for k, chunk in enumerate(chunks):
-                while ahead < len(chunks) and ahead - k < self.pool.count:
-                    buffer = self.pool.acquire(block=ahead == k)  # blocks only on writes behind: they free buffers
-                    if buffer is None:
-                        break
-                    following = chunks[ahead]
-                    fetched[ahead] = (buffer, self.io.read(self.files[self.slot[following.bucket]], following.offset,
-                                                           self._record(following, buffer)))
-                    ahead += 1
-                holding = fetched.pop(k)
-                holding[1].result()
-                for future in writes:
-                    if future.done() and future.exception() is not None:
-                        raise future.exception()
-                stepped.append(chunk)
-                self._step_chunk(chunk, holding[0], grad_shards[chunk.bucket], multiplier, scalars)
-                writes.append(self.io.write(self.files[1 - self.slot[chunk.bucket]], chunk.offset,
-                                            self._record(chunk, holding[0]),
-                                            done=lambda b=holding[0]: self.pool.release(b)))
-                holding = None
-            for future in writes:
-                future.result()
-        except BaseException:
-            for buffer, future in list(fetched.values()) + ([holding] if holding is not None else []):
-                _quietly_wait([future])
-                self.pool.release(buffer)
-            _quietly_wait(writes)
-            raise
-        return scalars
 
     def _step_chunk(self, chunk: _Chunk, buffer: torch.Tensor, grad_shard: torch.Tensor, multiplier: float,
                     scalars: dict) -> None:
@@ -315,13 +289,18 @@ class NvmeOffloadOptimizer(NvmeRecords, OffloadOptimizer):
             staging = self._staging.get(chunk.bucket)
             if staging is None:
                 staging = self._staging[chunk.bucket] = torch.empty(bucket.shard_numel, dtype=bucket.dtype)
+                self._staging_left[chunk.bucket] = sum(c.bucket == chunk.bucket for c in self.chunks)
             return staging.narrow(0, chunk.start, chunk.numel)
         return bucket.local_shard().narrow(0, chunk.start, chunk.numel)
 
     def _published_chunk(self, chunk: _Chunk) -> None:
-        bucket = self.buckets[chunk.bucket]
-        if chunk.bucket in self._staging and chunk.start + chunk.numel == bucket.shard_numel:
-            bucket.write_shard(self._staging.pop(chunk.bucket))
+        """A staged bucket goes to its store once all its chunks are in (in whatever order they came)."""
+        if chunk.bucket in self._staging:
+            self._staging_left[chunk.bucket] -= 1
+            if self._staging_left[chunk.bucket] == 0:
+                del self._staging_left[chunk.bucket]
+                self.buckets[chunk.bucket].write_shard(self._staging.pop(chunk.bucket))
+                self._store_written.add(chunk.bucket)
 
     def _publish_from_files(self, chunks: list[_Chunk]) -> None:
         """Cast the masters of `chunks` in the current slot into the model's shards."""
@@ -338,14 +317,15 @@ class NvmeOffloadOptimizer(NvmeRecords, OffloadOptimizer):
     def _restore_model(self, stepped: list[_Chunk], cause: BaseException) -> None:
         """After a failed step: the model shards the step wrote get the (unchanged) masters of the current slot."""
         self._staging.clear()
-        written_whole = {c.bucket for c in stepped if getattr(self.buckets[c.bucket], "offloaded", False)
-                         and c.start + c.numel == self.buckets[c.bucket].shard_numel}
+        self._staging_left.clear()
+        written_whole = set(self._store_written)
         chunks = [c for c in self.chunks if c.bucket in written_whole] + \
             [c for c in stepped if not getattr(self.buckets[c.bucket], "offloaded", False)]
         try:
             self._publish_from_files(chunks)
         except BaseException as error:
             self._staging.clear()
+            self._staging_left.clear()
             raise OffloadIOError(f"NVMe offload: a step failed ({cause}) and the model weights could not be put "
                                  f"back ({error}); the masters and states on disk are as before the step (a "
                                  f"checkpoint load or the next successful step's publish makes them agree)") from error
@@ -380,10 +360,3 @@ class NvmeOffloadOptimizer(NvmeRecords, OffloadOptimizer):
 def comm_rank(optimizer) -> int:
     return int(getattr(optimizer.comm, "rank", 0)) if optimizer.comm is not None else 0
 
-
-def _quietly_wait(futures) -> None:
-    for future in futures:
-        try:
-            future.result()
-        except BaseException:  # noqa: BLE001 - the first error is the one raised
-            pass

@@ -156,6 +156,7 @@ class NvmeRecords:
 
     def _page_out(self, written: set) -> None:
         """Flip the slots of `written` buckets; keep only scalar states (and no masters) in memory."""
+        self._drop_kept(written)  # their records in the buffers are no longer the current ones
         for bucket in self.slot:
             master = self.masters[bucket]
             state = self.optimizer.state.get(master)

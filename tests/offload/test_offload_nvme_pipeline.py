@@ -1,0 +1,126 @@
+"""The NVMe step's pipeline: records kept in the buffers after a committed step are updated by the next
+step without being read (fewer bytes read, same bits as torch's fused AdamW), and are dropped whenever the
+current records change outside a step (a master written from outside, states written back by a load) or
+a step fails; the async I/O starts waiting reads before waiting writes."""
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import pytest
+import torch
+
+NUMEL, CHUNK, BUFFERS = 5000, 1024, 3  # 5 chunks (4 whole, 1 of 904) through 3 buffers: 2 records kept
+
+
+def _pair(tmp_path):
+    """An NVMe optimizer over one fp32 bucket and torch's fused AdamW on an identical parameter."""
+    from zerotrain.offload import NvmeOffloadOptimizer
+    from zerotrain.zero.flat import FlatBucket
+
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(NUMEL))
+    ref = torch.nn.Parameter(param.detach().clone())
+    make = lambda p: torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1, fused=True)  # noqa: E731
+    opt = NvmeOffloadOptimizer([FlatBucket(0, [("w", param)], 0, 1, 0)], None, make(param), [[param]], 0.0,
+                               nvme_path=str(tmp_path), buffer_count=BUFFERS, chunk_numel=CHUNK)
+    return param, opt, ref, make(ref)
+
+
+def _step_both(param, opt, ref, ref_opt) -> int:
+    """One step of both on the same gradient; asserts equal weights; returns the bytes the NVMe step read."""
+    grad = torch.randn(NUMEL)
+    ref.grad = grad.clone()
+    ref_opt.step()
+    before = opt.io.bytes_read
+    opt.step([grad.clone()], 1.0)
+    assert torch.equal(param.detach(), ref.detach())
+    return opt.io.bytes_read - before
+
+
+def test_kept_records_are_not_read_and_the_step_stays_bitwise_adamw(tmp_path):
+    param, opt, ref, ref_opt = _pair(tmp_path)
+    record = opt.record_bytes[0]
+    assert len(opt.chunks) == 5 and opt.pool.count == BUFFERS
+    assert _step_both(param, opt, ref, ref_opt) == 5 * record  # nothing kept before the first step
+    for _ in range(3):
+        assert _step_both(param, opt, ref, ref_opt) == 3 * record, "the 2 kept records are not read"
+        assert len(opt._kept) == BUFFERS - 1
+    with opt.resident_states(write_back=False):  # read only: the kept records stay valid
+        assert torch.equal(opt.optimizer.state[opt.masters[0]]["exp_avg"], ref_opt.state[ref]["exp_avg"])
+        assert torch.equal(opt.optimizer.state[opt.masters[0]]["exp_avg_sq"], ref_opt.state[ref]["exp_avg_sq"])
+    assert _step_both(param, opt, ref, ref_opt) == 3 * record
+    opt.close()
+
+
+def test_records_changed_outside_a_step_are_read_again(tmp_path):
+    param, opt, ref, ref_opt = _pair(tmp_path)
+    record = opt.record_bytes[0]
+    _step_both(param, opt, ref, ref_opt)
+    _step_both(param, opt, ref, ref_opt)
+    # A master written from outside (stage 3's GatheredParameters) replaces the kept records' masters.
+    new = torch.randn(NUMEL)
+    opt.write_master(0, new)
+    with torch.no_grad():
+        ref.copy_(new)
+    assert not opt._kept
+    assert _step_both(param, opt, ref, ref_opt) == 5 * record
+    # States written back by a checkpoint load through resident_states() replace the kept records' states.
+    with opt.resident_states():
+        opt.optimizer.state[opt.masters[0]]["exp_avg"].mul_(2)
+        ref_opt.state[ref]["exp_avg"].mul_(2)
+    assert not opt._kept
+    assert _step_both(param, opt, ref, ref_opt) == 5 * record
+    assert _step_both(param, opt, ref, ref_opt) == 3 * record
+    opt.close()
+
+
+def test_a_failed_step_drops_the_kept_records(tmp_path):
+    from zerotrain.offload import OffloadIOError, aio
+
+    param, opt, ref, ref_opt = _pair(tmp_path)
+    record = opt.record_bytes[0]
+    _step_both(param, opt, ref, ref_opt)
+    before = param.detach().clone()
+    real = aio._pwrite
+    calls = {"n": 0}
+
+    def failing(fd, buffers, offset):  # the step's third record write fails
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, buffers, offset)
+
+    aio._pwrite = failing
+    try:
+        with pytest.raises(OffloadIOError, match="writing"):
+            opt.step([torch.randn(NUMEL)], 1.0)
+    finally:
+        aio._pwrite = real
+    assert torch.equal(param.detach(), before), "the failed step's weights were put back"
+    assert not opt._kept and len(opt.pool._free) == BUFFERS, "every buffer is back in the pool"
+    assert _step_both(param, opt, ref, ref_opt) == 5 * record, "after a failure every record is read"
+    assert _step_both(param, opt, ref, ref_opt) == 3 * record
+    opt.close()
+
+
+def test_waiting_reads_start_before_waiting_writes(tmp_path, monkeypatch):
+    from zerotrain.offload import aio
+
+    io = aio.AsyncFileIO(threads=1, queue_depth=1, block_size=aio.ALIGN, direct=False)
+    fd = io.open(str(tmp_path / "f"), 4 * aio.ALIGN)
+    order = []
+    real_read, real_write = aio._pread, aio._pwrite
+    monkeypatch.setattr(aio, "_pread", lambda f, b, o: order.append(("read", o)) or real_read(f, b, o))
+    monkeypatch.setattr(aio, "_pwrite", lambda f, b, o: order.append(("write", o)) or real_write(f, b, o))
+    gate = threading.Event()
+    first = io.write(fd, 0, aio.aligned_empty(aio.ALIGN), before=gate.wait)  # holds the only worker
+    second = io.write(fd, aio.ALIGN, aio.aligned_empty(2 * aio.ALIGN))
+    read = io.read(fd, 3 * aio.ALIGN, aio.aligned_empty(aio.ALIGN))
+    gate.set()
+    for future in (first, second, read):
+        future.result()
+    assert order[0] == ("read", 3 * aio.ALIGN), order
+    assert sorted(order[1:]) == [("write", 0), ("write", aio.ALIGN), ("write", 2 * aio.ALIGN)], order
+    io.shutdown()
