@@ -84,8 +84,7 @@ def load_resave_continue(tp: int, stage: int, load_dir: str, resave_dir: str, be
 
 
 def run(fn, world: int, *args):
-    if world == 1:  # in this process: a plain engine, no process group
-        return [fn(*args)]
+    # World 1 too in its own process: a process group started in pytest's process would outlive the test.
     return run_distributed(fn, world, *args, timeout=120)
 
 
