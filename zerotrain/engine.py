@@ -19,13 +19,13 @@ from .config import ZeroTrainConfig
 from .config.zero import warn_settings_without_effect
 from .optim import build_optimizer
 from .parallel import tensor_parallel_comm
-from .parallel.moe import refuse_split_experts
+from .parallel.experts import build_buckets_with_experts, check_expert_parallel
 from .offload.param_store import build_param_store
 from .precision import LossScaler, training_dtype
 from .schedules import build_scheduler
 from .topology import Topology
 from .zero.consolidate import full_state_dict
-from .zero.flat import ShardedSlot, build_buckets
+from .zero.flat import ShardedSlot
 from .zero.gradnorm import GlobalGradients
 from .zero.grads import GradQuantization, GradReducer
 from .zero.optimizer import ShardedOptimizer
@@ -59,7 +59,7 @@ class ZeroTrainEngine:
         self.stage = config.zero_optimization.stage
         warn_settings_without_effect(config.zero_optimization)
         self.dtype = training_dtype(config.precision)
-        refuse_split_experts(model)
+        check_expert_parallel(model, config, topology)  # experts split over ranks: stages 0-2 only
         self.counters = CommCounters()
         self.comm = Comm.data_parallel(topology, self.counters)
         self.tp_comm = tensor_parallel_comm(topology, self.counters) if topology.tp_size > 1 else None
@@ -88,9 +88,9 @@ class ZeroTrainEngine:
             self.param_store = self.stage3.param_store
         else:
             partitions = topology.dp_size if self.stage >= 1 else 1
-            self.buckets = build_buckets([(n, p) for n, p in named if id(p) in group_of], group_of,
-                                         int(zero.reduce_bucket_size), partitions,
-                                         topology.dp_rank if partitions > 1 else 0)
+            self.buckets = build_buckets_with_experts([(n, p) for n, p in named if id(p) in group_of], group_of,
+                                                      int(zero.reduce_bucket_size), partitions,
+                                                      topology.dp_rank if partitions > 1 else 0)
             self._broadcast_initial_state()
         quantization = self._gradient_quantization()
         if self.stage == 3 and quantization is None:  # bucketed reduce-scatter of the per-parameter shards
@@ -181,10 +181,11 @@ class ZeroTrainEngine:
             return
         with torch.no_grad():
             for bucket in self.buckets:
-                self.comm.broadcast(bucket.flat_param, src=0)
+                if not bucket.expert_local:  # each rank holds its own experts
+                    self.comm.broadcast(bucket.flat_param, src=0)
             in_buckets = {id(p) for b in self.buckets for p in b.params}
             for param in self.module.parameters():
-                if id(param) not in in_buckets:
+                if id(param) not in in_buckets and getattr(param, "ep_slice", None) is None:
                     self.comm.broadcast(param.data, src=0)
             for buffer in self.module.buffers():
                 self.comm.broadcast(buffer, src=0)

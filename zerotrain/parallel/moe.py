@@ -7,7 +7,8 @@ all-to-all, runs the local experts, sends the results back with a second all-to-
 sums them weighted by the gate probabilities. Nothing is dropped (no capacity factor), so
 the layer computes exactly what the same layer with every expert local computes: that is
 what the tests check. Expert weights carry `ep_slice` (a TensorSlice of the stacked
-`(num_experts, ...)` tensor), so checkpoints store whole expert tensors by name.
+`(num_experts, ...)` tensor). The ZeRO engine trains it at stages 0-2 when the experts are
+split over all data-parallel ranks (zerotrain/parallel/experts.py says how and what is refused).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from ..comm import Comm
 from .slices import split_slice
 
-__all__ = ["ExpertParallelMoE", "refuse_split_experts"]
+__all__ = ["ExpertParallelMoE"]
 
 
 def _exchange(comm: Comm, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
@@ -124,16 +125,3 @@ class ExpertParallelMoE(nn.Module):
         aux_loss = self.num_experts * (fraction * probs.mean(dim=0)).sum()
         return y.view(shape), aux_loss
 
-
-def refuse_split_experts(module: nn.Module) -> None:
-    """Refuse a model whose experts are split over ranks, before the engine touches it.
-
-    The engine treats every parameter as the same tensor on every data-parallel rank: it averages
-    gradients across ranks and shards them. Expert-parallel weights hold different experts on each
-    rank, so that would silently mix the experts' gradients; train the layer with its own loop
-    (tests/parallel/test_moe.py) until the engine has expert-data-parallel groups."""
-    split = [name for name, param in module.named_parameters()
-             if getattr(param, "ep_slice", None) is not None and param.ep_slice.local_shape != param.ep_slice.full_shape]
-    if split:
-        raise NotImplementedError(f"expert-parallel parameters {split[:4]} (experts split over ranks) are not supported "
-                                  f"by the ZeRO engine yet: it would average different experts' gradients across ranks")

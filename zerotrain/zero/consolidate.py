@@ -7,6 +7,7 @@ import torch
 
 from ..comm import Comm
 from ..parallel import assemble_full_tensors, tensor_slice_of
+from ..parallel.experts import gather_expert_weights
 from .flat import FlatBucket
 
 
@@ -19,6 +20,8 @@ def gather_full_weights(buckets: list[FlatBucket], masters: list[torch.Tensor], 
     """
     full: dict[str, torch.Tensor] = {}
     for bucket, master in zip(buckets, masters):
+        if getattr(bucket, "expert_local", False):  # different experts on every rank: parallel.experts joins them
+            continue
         shard = master.detach().to(device=bucket.device, dtype=torch.float32)  # host (offloaded) masters too
         if bucket.partitions > 1:
             pieces = comm.gather_to(shard.contiguous(), dst)
@@ -39,13 +42,15 @@ def full_state_dict(engine) -> dict[str, torch.Tensor]:
 
     Data-parallel shards are gathered on data-parallel rank 0; with tensor parallelism the
     slices of its tensor-parallel group are then joined on tensor-parallel rank 0 (global
-    rank 0), by the TensorSlice each split parameter carries. Tied parameters appear under
-    every name; parameters outside any bucket (never trained) are copied as they are.
+    rank 0), by the TensorSlice each split parameter carries; split experts are joined over the
+    data-parallel ranks by their `ep_slice` into whole `(num_experts, ...)` tensors. Tied parameters
+    appear under every name; parameters outside any bucket (never trained) are copied as they are.
     """
     optimizer = engine.zero_optimizer
     resident_masters = getattr(optimizer, "resident_masters", None)  # NVMe: masters are in files
     with resident_masters() if callable(resident_masters) else contextlib.nullcontext():
         full = gather_full_weights(engine.buckets, optimizer.masters, engine.comm)
+        full.update(gather_expert_weights(engine.buckets, optimizer.masters, engine.comm))
     if engine.stage3 is not None:
         frozen = engine.stage3.frozen
         full.update(gather_full_weights(frozen, [part.shard for part in frozen], engine.comm))

@@ -72,6 +72,9 @@ class FlatBucket:
                 param.data = view
 
     keeps_full_copy = True  # stages 1-2: every rank holds the whole flat buffer between steps
+    # Expert-parallel weights (parallel/experts.py): different experts on every rank, one partition,
+    # gradients never reduced across ranks and norms summed over all of them.
+    expert_local = False
 
     # --- layout -----------------------------------------------------------
     def shard_bounds(self, rank: int | None = None) -> tuple[int, int]:

@@ -7,6 +7,8 @@ that every distinct gradient element counts exactly once, squares are summed ove
 data-parallel ranks when buckets are partitioned, split slices over the tensor-parallel
 ranks, and replicated parameters are taken from tensor-parallel rank 0 alone. Which pieces
 of a shard are split comes from the shard records and the parameters' TensorSlice.
+Expert-local buckets (different experts on every data-parallel rank) are summed over the
+data-parallel ranks even when the other buckets are replicated (stage 0).
 """
 from __future__ import annotations
 
@@ -48,7 +50,9 @@ class GlobalGradients:
 
     def __init__(self, buckets: list[FlatBucket], comm: Comm, tp_comm: Optional[Comm] = None):
         self.comm = comm
-        self.partitioned = bool(buckets) and buckets[0].partitions > 1
+        self.partitioned = any(bucket.partitions > 1 for bucket in buckets)
+        # Buckets whose squares are summed over the data-parallel ranks: partitioned or expert-local.
+        self._distinct = [bucket.partitions > 1 or getattr(bucket, "expert_local", False) for bucket in buckets]
         self.tp_comm = tp_comm if tp_comm is not None and tp_comm.size > 1 else None
         # Tensor-parallel ranks other than 0 count only their split slices.
         self._split_only: Optional[list[list[tuple[int, int]]]] = None
@@ -58,15 +62,18 @@ class GlobalGradients:
     def squared_norm(self, grad_shards: list[torch.Tensor]) -> float:
         """Σ g² over every distinct gradient element of the model (still loss-scaled)."""
         device = grad_shards[0].device if grad_shards else torch.device("cpu")
-        squared = torch.zeros(1, dtype=torch.float32, device=device)
+        distinct = torch.zeros(1, dtype=torch.float32, device=device)  # summed over data-parallel ranks
+        replicated = torch.zeros(1, dtype=torch.float32, device=device)  # the same on every one
         for index, grad in enumerate(grad_shards):
+            squared = distinct if self._distinct[index] else replicated
             if self._split_only is None:
                 squared += squared_l2(grad)
                 continue
             for start, end in self._split_only[index]:
                 squared += squared_l2(grad[start:end])
-        if self.partitioned:
-            self.comm.sum_scalar(squared)
+        if any(self._distinct):
+            self.comm.sum_scalar(distinct)
+        squared = distinct + replicated
         if self.tp_comm is not None:
             self.tp_comm.sum_scalar(squared)
         return squared.item()

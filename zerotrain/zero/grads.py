@@ -11,7 +11,9 @@ Per bucket, as soon as backward has produced every gradient in it:
   gradient shard; the full gradient is freed at once.
 
 Gradients are divided by the data-parallel size before the reduction, so the
-reduced result is the mean. Buckets are launched strictly in index order on
+reduced result is the mean. Expert-local buckets (experts split over the ranks,
+`zerotrain.parallel.experts`) are only divided, never reduced: their gradient
+already holds every rank's tokens routed to this rank's experts. Buckets are launched strictly in index order on
 every rank, whatever order the hooks fire in, so collectives always match.
 
 With `zero_quantized_gradients` (qgZ, stages 1-3) each reduce-scatter becomes the
@@ -30,6 +32,7 @@ import torch
 
 from ..comm import Comm
 from ..comm.compressed import QuantizedReduceScatter
+from ..comm.handles import _Done
 from ..comm.quant import DEFAULT_BLOCK
 from .flat import FlatBucket
 
@@ -207,6 +210,9 @@ class GradReducer:
             source = staging = self._finish_staging(bucket_index)
         if self.reduce_dtype is not None and source.dtype != self.reduce_dtype:
             source = source.to(self.reduce_dtype)
+        if getattr(bucket, "expert_local", False):
+            self._keep_local(bucket_index, source, staging)
+            return
         if self.comm.size > 1 and not self._divides_shard(source.dtype) and (
                 self.keeps_full_grads or not self._predivides(bucket)):
             source.div_(self.comm.size)
@@ -224,6 +230,22 @@ class GradReducer:
             handle = self.comm.reduce_scatter(reduced, source, async_op=True)
         # Keep `source` alive until the collective is done; the staging buffer is reused after it.
         self._pending.append((bucket_index, handle, reduced if self.stage > 0 else source, staging))
+        self._drain(keep=1)
+
+    def _keep_local(self, bucket_index: int, source: torch.Tensor, staging: Optional[torch.Tensor]) -> None:
+        """An expert-local bucket: its gradient already holds every rank's tokens routed to this rank's
+        experts, so it is not reduced, only divided by the data-parallel size (the loss is the mean of
+        the ranks' losses). Queued like a collective so shards still become final in bucket order."""
+        if self.comm.size > 1 and (self.keeps_full_grads or not self._predivides(self.buckets[bucket_index])):
+            source.div_(self.comm.size)
+        reduced = source
+        if self.stage == 2:  # the staging buffer is reused: keep the result in the bucket's shard storage
+            storage = self._shard_storage[bucket_index]
+            if storage is not None and self.grad_shards[bucket_index] is None and storage.dtype == source.dtype:
+                reduced = storage.copy_(source)
+            else:
+                reduced = source.clone()
+        self._pending.append((bucket_index, _Done(), reduced, staging))  # no collective to wait for
         self._drain(keep=1)
 
     def _drain(self, keep: int) -> None:
@@ -255,7 +277,7 @@ class GradReducer:
         if self.stage == 0 and reduced is not self.full_grads[bucket_index]:
             self.full_grads[bucket_index].copy_(reduced)  # reduced in another dtype
             reduced = self.full_grads[bucket_index]
-        if self._divides_shard(reduced.dtype):
+        if self._divides_shard(reduced.dtype) and not getattr(self.buckets[bucket_index], "expert_local", False):
             reduced.div_(self.comm.size)
         self.grad_shards[bucket_index] = reduced.float() if reduced.dtype != torch.float32 else reduced
 

@@ -1,0 +1,204 @@
+"""The ZeRO engine (stages 0-2) trains experts split over all data-parallel ranks like one process.
+
+Each rank holds EXPERTS/world experts of an ExpertParallelMoE; the engine must neither average
+nor shard their gradients, count each expert element once in the clipping norm, and join the
+experts into whole `(num_experts, ...)` tensors in full_state_dict. The reference is the same
+model with every expert local (a world-1 Comm), trained on the whole global batch with the loss
+= the mean of every (micro-step, rank) micro-batch's loss (the aux loss is per micro-batch).
+"""
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+
+from distributed import run_distributed
+
+D_IN, D_MODEL, D_HIDDEN, D_OUT, EXPERTS, TOP_K = 6, 8, 16, 3, 4, 2
+STEPS, MICRO, ACCUMULATION, LR, WEIGHT_DECAY, CLIP = 3, 4, 2, 1e-2, 0.01, 0.3
+
+
+class MoEModel(torch.nn.Module):
+    """Linear -> expert-parallel MoE -> Linear; forward(x, y) returns MSE + 0.01 * aux."""
+
+    def __init__(self, comm) -> None:
+        from zerotrain.parallel.moe import ExpertParallelMoE
+
+        super().__init__()
+        self.inp = torch.nn.Linear(D_IN, D_MODEL)
+        self.moe = ExpertParallelMoE(D_MODEL, D_HIDDEN, EXPERTS, comm, top_k=TOP_K)
+        self.out = torch.nn.Linear(D_MODEL, D_OUT)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        hidden, aux = self.moe(torch.tanh(self.inp(x)))
+        return torch.nn.functional.mse_loss(self.out(hidden), y) + 0.01 * aux
+
+
+def make_model(comm) -> MoEModel:
+    torch.manual_seed(0)  # experts are seeded per expert index, so every split initialises alike
+    return MoEModel(comm)
+
+
+def global_batches(world: int):
+    generator = torch.Generator().manual_seed(3)
+    size = MICRO * ACCUMULATION * world
+    return [(torch.randn(size, D_IN, generator=generator), torch.randn(size, D_OUT, generator=generator))
+            for _ in range(STEPS)]
+
+
+def micro_batch(batch, accumulation_index: int, rank: int, world: int):
+    start = (accumulation_index * world + rank) * MICRO
+    return tuple(t[start:start + MICRO] for t in batch)
+
+
+def engine_config(stage: int, **zero) -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUMULATION,
+            "gradient_clipping": CLIP, "steps_per_print": 0,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, **zero}}
+
+
+def train_stages(stages: list[int]) -> list:
+    import torch.distributed as dist
+
+    import zerotrain
+    from zerotrain.comm import Comm
+    from zerotrain.topology import Topology
+
+    comm = Comm.data_parallel(Topology.build(timeout_seconds=60))
+    world, rank = comm.size, comm.rank
+    results = []
+    for stage in stages:
+        engine, *_ = zerotrain.initialize(model=make_model(comm), config=engine_config(stage))
+        assert sum(bucket.expert_local for bucket in engine.buckets) >= 1, "experts not in buckets of their own"
+        losses, norms = [], []
+        for batch in global_batches(world):
+            total = torch.zeros(1)
+            for index in range(ACCUMULATION):
+                loss = engine(*micro_batch(batch, index, rank, world))
+                engine.backward(loss)
+                engine.step()
+                total += loss.detach()
+            dist.all_reduce(total)
+            losses.append(total.item() / (ACCUMULATION * world))
+            norms.append(engine.get_global_grad_norm())
+        results.append((stage, losses, norms, engine.full_state_dict()))
+    return results
+
+
+def reference(world: int):
+    from zerotrain.comm import Comm
+
+    model = make_model(Comm(None, 0, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    losses, norms = [], []
+    for batch in global_batches(world):
+        loss = sum(model(*micro_batch(batch, index, rank, world))
+                   for index in range(ACCUMULATION) for rank in range(world)) / (ACCUMULATION * world)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_engine_trains_split_experts_like_one_process(world):
+    ref_losses, ref_norms, ref_weights = reference(world)
+    assert any(norm > CLIP for norm in ref_norms), f"clipping never fires: {ref_norms}"
+    results = run_distributed(train_stages, world, [0, 1, 2], timeout=120)
+    assert results[1] and all(weights == {} for _, _, _, weights in results[1])  # full weights on rank 0 only
+    for stage, losses, norms, weights in results[0]:
+        where = f"world {world}, stage {stage}"
+        assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-5, (where, losses, ref_losses)
+        assert norms == pytest.approx(ref_norms, rel=1e-5), (where, norms, ref_norms)
+        assert sorted(weights) == sorted(ref_weights), where
+        for name, expected in ref_weights.items():
+            assert weights[name].shape == expected.shape, (where, name)  # whole (num_experts, ...) tensors
+            torch.testing.assert_close(weights[name], expected, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, name=name: f"{where}, {name}: {m}")
+
+
+def overflow_in_one_ranks_experts(stage: int) -> tuple[int, int]:
+    import zerotrain
+    from zerotrain.comm import Comm
+    from zerotrain.topology import Topology
+
+    comm = Comm.data_parallel(Topology.build(timeout_seconds=60))
+    config = dict(engine_config(stage), fp16={"enabled": True, "initial_scale_power": 4})
+    engine, *_ = zerotrain.initialize(model=make_model(comm), config=config)
+    before = engine.full_state_dict()
+    batch = global_batches(comm.size)[0]
+    for index in range(ACCUMULATION):
+        x, y = micro_batch(batch, index, comm.rank, comm.size)
+        engine.backward(engine(x.half(), y.half()))
+        if index == ACCUMULATION - 1 and comm.rank == 1:  # only rank 1's experts overflow
+            expert_bucket = next(i for i, bucket in enumerate(engine.buckets) if bucket.expert_local)
+            engine.reducer.grad_shards[expert_bucket][0] = float("inf")
+        engine.step()
+    after = engine.full_state_dict()
+    unchanged = all(torch.equal(before[name], after[name]) for name in before)
+    return engine.skipped_steps, int(unchanged) if comm.rank == 0 else -1
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_overflow_in_one_ranks_experts_skips_the_step_everywhere(stage):
+    skipped, unchanged = zip(*run_distributed(overflow_in_one_ranks_experts, 2, stage))
+    assert skipped == (1, 1) and unchanged[0] == 1, (skipped, unchanged)
+
+
+def checkpoint_refused(directory: str) -> list[str]:
+    import zerotrain
+    from zerotrain.checkpoint import CheckpointError
+    from zerotrain.comm import Comm
+    from zerotrain.topology import Topology
+
+    comm = Comm.data_parallel(Topology.build(timeout_seconds=60))
+    engine, *_ = zerotrain.initialize(model=make_model(comm), config=engine_config(1))
+    messages = []
+    for action in (lambda: engine.save_checkpoint(directory, tag="t1"), lambda: engine.load_checkpoint(directory)):
+        try:
+            action()
+            messages.append("accepted")
+        except CheckpointError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_checkpoints_of_split_experts_are_refused_before_writing(tmp_path):
+    for save_message, load_message in run_distributed(checkpoint_refused, 2, str(tmp_path)):
+        for message in (save_message, load_message):
+            assert "expert-parallel parameters" in message and "moe.w_in" in message, message
+    assert os.listdir(tmp_path) == []
+
+
+def split_expert_model(ep_size: int) -> torch.nn.Module:
+    """A module with one expert weight of which this rank holds 1/ep_size (no process group needed)."""
+    from zerotrain.parallel.slices import split_slice
+
+    model = torch.nn.Module()
+    model.w_in = torch.nn.Parameter(torch.zeros(4 // ep_size, 3))
+    model.w_in.ep_slice = split_slice((4, 3), 0, 0, ep_size)
+    return model
+
+
+@pytest.mark.parametrize("zero, dp, tp, refused", [
+    ({"stage": 3}, 2, 1, "ZeRO stage 3"),
+    ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, 2, 1, "offload_optimizer"),
+    ({"stage": 2, "zero_quantized_gradients": True}, 2, 1, "zero_quantized_gradients"),
+    ({"stage": 1}, 2, 2, "tensor parallelism"),
+    ({"stage": 1}, 4, 1, "expert-parallel groups smaller than the data-parallel group"),
+])
+def test_unsupported_expert_parallel_combinations_are_refused(zero, dp, tp, refused):
+    from zerotrain.config import ZeroTrainConfig
+    from zerotrain.parallel.experts import check_expert_parallel
+
+    config = ZeroTrainConfig(train_micro_batch_size_per_gpu=1, zero_optimization=zero)
+    topology = types.SimpleNamespace(dp_size=dp, tp_size=tp)
+    with pytest.raises(NotImplementedError, match=refused) as caught:
+        check_expert_parallel(split_expert_model(2), config, topology)
+    assert "w_in" in str(caught.value)
+    assert check_expert_parallel(split_expert_model(1), config, topology) is False  # whole experts: plain DP
