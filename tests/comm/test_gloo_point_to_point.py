@@ -18,7 +18,7 @@ def collectives_both_ways(dtype_name: str) -> dict:
     from zerotrain.topology import Topology
 
     dtype = getattr(torch, dtype_name)
-    topology = Topology.build()  # the process group (gloo here)
+    Topology.build()  # the process group (gloo here)
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     out: dict = {}
     for fast in (True, False):
