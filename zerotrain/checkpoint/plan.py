@@ -18,6 +18,8 @@ Tensor parallelism: a split parameter's records are ranges of its *local* tensor
 plan has the whole shape, the TensorSlice of every tensor-parallel rank and pieces from
 each of them (`Piece.tp_rank`), which its writer joins into the whole tensor (`split`).
 A parameter replicated over the tensor-parallel ranks is taken from one of them.
+Experts split over the data-parallel ranks (`ep_slice`) are planned alike, with the
+data-parallel rank as the holder of each slice (`Piece.tp_rank` then names that rank).
 
 Partitioned frozen parameters (stage 3) are slots without a master: only their model
 file entry is written. Tensors outside every slot (frozen parameters at stages 0-2,
@@ -34,7 +36,7 @@ import torch
 
 from .format import MASTER, MODEL, OPTIMIZER, CheckpointError, dtype_name, itemsize, numel_of, shard_file, torch_dtype
 from .optim_state import split_state
-from .split import expected_shape, refuse_split_extras, tensor_slices
+from .split import expert_params, expected_shape, refuse_split_extras, tensor_slices
 
 MAX_FILE_BYTES = 5 * 1024 ** 3
 ROUND_BYTES = 256 * 1024 ** 2
@@ -43,8 +45,9 @@ _LOCALITY_SLACK = 1.10
 
 @dataclass(frozen=True)
 class Piece:
-    """Elements [param_start, param_start+numel) of a tensor (of tensor-parallel rank `tp_rank`'s local
-    slice, when it is split), at shard_start of `rank`'s slot `slot`."""
+    """Elements [param_start, param_start+numel) of a tensor (of slice holder `tp_rank`'s local slice, when
+    it is split: the tensor-parallel rank, or the data-parallel rank for an expert), at shard_start of
+    `rank`'s slot `slot`."""
 
     rank: int
     slot: int
@@ -65,7 +68,8 @@ class TensorPlan:
     pieces: list = field(default_factory=list)   # sorted by (tp_rank, param_start); one holder's when replicated;
     replicated: bool = False                     # empty: the tensor is whole on every rank
     writer: int = 0
-    slices: dict = field(default_factory=dict)   # tensor-parallel rank -> TensorSlice; empty: not split
+    slices: dict = field(default_factory=dict)   # slice holder -> TensorSlice; empty: not split
+    expert: bool = False                         # split over data-parallel ranks (holders: dp ranks)
 
     @property
     def numel(self) -> int:
@@ -169,8 +173,10 @@ def local_layout(engine, slots, rank: int) -> dict:
     if rank == 0:
         extras = [(name, tuple(t.shape), dtype_name(t.dtype), name in split)
                   for name, t in extra_tensors(engine.module, sharded)]
+    experts = {name for name, _ in expert_params(engine.module)}  # frozen ones too: refused by name
     return {"slots": described, "extras": extras, "order": state_dict_order(engine.module) if rank == 0 else [],
             "tp_rank": int(getattr(engine.topology, "tp_rank", 0)),
+            "dp_rank": int(getattr(engine.topology, "dp_rank", 0)), "experts": sorted(experts),
             "slices": {name: split[name] for name in sorted(sharded) if name in split}}
 
 
@@ -184,20 +190,22 @@ def build_plan(layouts: list[dict], max_file_bytes: int = MAX_FILE_BYTES, round_
     tensors: dict[str, TensorPlan] = {}
     holders: dict[str, dict[int, list[Piece]]] = {}
     for rank, layout in enumerate(layouts):
-        tp_rank = layout.get("tp_rank", 0)
+        experts = set(layout.get("experts", ()))
         for index, slot in enumerate(layout["slots"]):
             states = {k: torch_dtype(v) for k, v in slot["states"].items()}
             scalars = {k: torch_dtype(v) for k, v in slot["scalars"].items()}
             for name, shape, param_start, numel, shard_start in slot["records"]:
+                tp_rank = layout.get("dp_rank", 0) if name in experts else layout.get("tp_rank", 0)  # slice holder
                 tensor_slice = layout.get("slices", {}).get(name)
                 shape = expected_shape(shape, tensor_slice, name)
                 tensor = tensors.get(name)
                 if tensor is None:
                     tensor = tensors[name] = TensorPlan(name, shape, torch_dtype(slot["model_dtype"]),
                                                         slot["trainable"], states, scalars,
-                                                        replicated=slot["replicated"])
+                                                        replicated=slot["replicated"], expert=name in experts)
                 elif tensor.shape != shape or tensor.states != states or tensor.scalars != scalars or \
-                        tensor.slices.get(tp_rank, tensor_slice) != tensor_slice:
+                        tensor.slices.get(tp_rank, tensor_slice) != tensor_slice or \
+                        tensor.expert != (name in experts):
                     raise CheckpointError(f"ranks disagree about parameter {name!r} (shape, tensor-parallel slice, "
                                           f"or optimizer state keys {sorted(tensor.states)} vs {sorted(states)}); "
                                           f"cannot save")
@@ -206,7 +214,8 @@ def build_plan(layouts: list[dict], max_file_bytes: int = MAX_FILE_BYTES, round_
                 holders.setdefault(name, {}).setdefault(rank, []).append(
                     Piece(rank, index, param_start, numel, shard_start, tp_rank))
     refuse_split_extras([extra[0] for extra in layouts[0]["extras"]
-                         if extra[0] not in tensors and len(extra) > 3 and extra[3]])
+                         if extra[0] not in tensors and len(extra) > 3 and extra[3]],
+                        set(layouts[0].get("experts", ())))
     for name, shape, dtype, *_ in layouts[0]["extras"]:
         if name not in tensors:  # rank 0 lists every name outside its own slots; others' slots hold some
             tensors[name] = TensorPlan(name, tuple(shape), torch_dtype(dtype), False)
@@ -216,9 +225,10 @@ def build_plan(layouts: list[dict], max_file_bytes: int = MAX_FILE_BYTES, round_
 
     _assign_writers(tensors, holders, world, master_separate)
     tp_ranks = sorted({layout.get("tp_rank", 0) for layout in layouts})
+    dp_ranks = sorted({layout.get("dp_rank", 0) for layout in layouts})
     for name, tensor in tensors.items():
         if name in holders:
-            tensor.pieces = _choose_pieces(tensor, holders[name], tp_ranks)
+            tensor.pieces = _choose_pieces(tensor, holders[name], dp_ranks if tensor.expert else tp_ranks)
             _check_coverage(tensor)
 
     files = _plan_files(tensors, world, master_separate, max_file_bytes)
@@ -252,15 +262,17 @@ def _assign_writers(tensors: dict, holders: dict, world: int, master_separate: b
 
 
 def _choose_pieces(tensor: TensorPlan, holders: dict[int, list[Piece]], tp_ranks: list[int]) -> list[Piece]:
-    """The pieces the writer assembles: of every tensor-parallel rank when the tensor is split, else of
-    one (the writer's, when it holds some); within that, one holder's when the slot is replicated."""
+    """The pieces the writer assembles: of every slice holder in `tp_ranks` (tensor-parallel ranks, or
+    data-parallel ranks for an expert) when the tensor is split, else of one (the writer's, when it holds
+    some); within that, one rank's when the slot is replicated."""
     by_tp: dict[int, dict[int, list[Piece]]] = {}
     for rank, pieces in holders.items():
         by_tp.setdefault(pieces[0].tp_rank, {})[rank] = pieces
     if tensor.slices:
         missing = [r for r in tp_ranks if r not in tensor.slices]
         if missing:
-            raise CheckpointError(f"parameter {tensor.name!r} is split over tensor-parallel ranks "
+            what = "data-parallel ranks (experts)" if tensor.expert else "tensor-parallel ranks"
+            raise CheckpointError(f"parameter {tensor.name!r} is split over {what} "
                                   f"{sorted(tensor.slices)} but not over {missing}; cannot save")
         groups = sorted(by_tp)
     else:
@@ -283,8 +295,8 @@ def _check_coverage(tensor: TensorPlan) -> None:
         groups.setdefault(piece.tp_rank, []).append(piece)
     for tp_rank, pieces in groups.items():
         tensor_slice = tensor.slices.get(tp_rank)
-        what = repr(tensor.name) if tensor_slice is None else \
-            f"tensor-parallel rank {tp_rank}'s slice of {tensor.name!r}"
+        holder = "data-parallel" if tensor.expert else "tensor-parallel"
+        what = repr(tensor.name) if tensor_slice is None else f"{holder} rank {tp_rank}'s slice of {tensor.name!r}"
         expected = numel_of(tensor_slice.local_shape) if tensor_slice is not None else tensor.numel
         position = 0
         for piece in pieces:

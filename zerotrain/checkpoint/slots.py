@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from ..comm import Comm
 from ..zero.flat import ShardedSlot
-from .format import CheckpointError
 
 
 def frozen_slots(engine) -> list[ShardedSlot]:
@@ -23,19 +22,11 @@ def frozen_slots(engine) -> list[ShardedSlot]:
     return list(provided()) if callable(provided) else []
 
 
-def refuse_split_experts(engine) -> None:
-    """Experts split over ranks (expert parallelism) are not in the unified format yet: refused on every
-    rank before anything is planned, written or read."""
-    experts = [name for bucket in getattr(engine, "buckets", []) if getattr(bucket, "expert_local", False)
-               for name in bucket.names]
-    if experts:
-        raise CheckpointError(f"checkpoints of expert-parallel parameters {experts[:4]} (experts split over "
-                              f"ranks) are not supported yet; use engine.full_state_dict() for the whole weights")
-
-
 def all_slots(engine) -> list[ShardedSlot]:
-    """Trainable slots first (in the optimizer's order), then frozen partitioned ones."""
-    refuse_split_experts(engine)
+    """Trainable slots first (in the optimizer's order), then frozen partitioned ones.
+
+    Buckets of experts split over ranks (`expert_local`) are ordinary slots here: one partition
+    holding this rank's whole local experts, placed in the whole tensors by `ep_slice` (`split`)."""
     return list(engine.sharded_slots()) + frozen_slots(engine)
 
 

@@ -13,6 +13,10 @@ checkpoint written at one tensor-parallel degree loads at any other (1 included)
 * loading: a local flat range maps to runs of the whole flattened tensor
   (`TensorSlice.flat_runs`: strided when the split dimension is not the first), read in
   bounded windows (`RunsRead`).
+
+Experts split over the data-parallel ranks (`param.ep_slice`, zerotrain.parallel.experts) are
+handled the same way, except that the holder of a slice is the data-parallel rank (their
+buckets are never partitioned, so each rank's slot holds its whole local experts).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from ..parallel.experts import expert_slice_of, is_split_expert
 from ..parallel.slices import TensorSlice, tensor_slice_of
 from .format import CheckpointError
 
@@ -27,18 +32,35 @@ WINDOW_ELEMENTS = 4 * 1024 * 1024  # at most this many elements read at once to 
 
 
 def tensor_slices(module: torch.nn.Module) -> dict[str, TensorSlice]:
-    """{parameter name: TensorSlice} of every tensor-parallel split parameter (tied names included)."""
-    return {name: tensor_slice_of(param) for name, param in module.named_parameters(remove_duplicate=False)
-            if tensor_slice_of(param) is not None}
+    """{parameter name: TensorSlice} of every split parameter (tied names included): tensor-parallel
+    ones by `tp_slice`, experts split over data-parallel ranks by `ep_slice`."""
+    slices = {name: tensor_slice_of(param) for name, param in module.named_parameters(remove_duplicate=False)
+              if tensor_slice_of(param) is not None}
+    slices.update({name: expert_slice_of(param) for name, param in expert_params(module)})
+    return slices
 
 
-def refuse_split_extras(names: list[str]) -> None:
-    """A split parameter outside every slot (frozen, stages 0-2) differs per tensor-parallel rank and
-    only the writer's slice is at hand: refused, naming it, before anything is written."""
-    if names:
-        raise CheckpointError(f"cannot save frozen tensor-parallel parameters {names[:3]} at ZeRO stage 0-2: "
-                              f"they are outside the optimizer's shards, so their writer holds only its own "
-                              f"slice (make them trainable, or use ZeRO stage 3, which shards frozen parameters)")
+def expert_params(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) of every expert weight of which this rank holds only some experts."""
+    return [(name, param) for name, param in module.named_parameters(remove_duplicate=False)
+            if is_split_expert(param)]
+
+
+def refuse_split_extras(names: list[str], experts: set[str] = frozenset()) -> None:
+    """A split parameter outside every slot (frozen, stages 0-2) differs per tensor-parallel rank (or per
+    data-parallel rank, for `experts`) and only the writer's slice is at hand: refused, naming it, before
+    anything is written."""
+    if not names:
+        return
+    frozen_experts = [name for name in names if name in experts]
+    if frozen_experts:
+        raise CheckpointError(f"cannot save frozen expert-parallel parameters {frozen_experts[:3]} (experts split "
+                              f"over data-parallel ranks) at ZeRO stage 0-2: they are outside the optimizer's "
+                              f"shards, so their writer holds only its own experts (make them trainable, or use "
+                              f"engine.full_state_dict() for the whole weights)")
+    raise CheckpointError(f"cannot save frozen tensor-parallel parameters {names[:3]} at ZeRO stage 0-2: "
+                          f"they are outside the optimizer's shards, so their writer holds only its own "
+                          f"slice (make them trainable, or use ZeRO stage 3, which shards frozen parameters)")
 
 
 def assemble_whole(shape: tuple, slices: dict[int, TensorSlice], pieces: list, chunks: list,
