@@ -19,6 +19,31 @@ class OddMLP(torch.nn.Module):
         return torch.nn.functional.mse_loss(out, y)
 
 
+MOE_D_IN, MOE_D_OUT, MOE_EXPERTS = 6, 3, 4
+
+
+class MoENet(torch.nn.Module):
+    """Linear -> expert-parallel MoE (4 experts, top 2) -> Linear; forward(x, y) returns MSE + 0.01 * aux."""
+
+    def __init__(self, comm) -> None:
+        from zerotrain.parallel.moe import ExpertParallelMoE
+
+        super().__init__()
+        self.inp = torch.nn.Linear(MOE_D_IN, 8)
+        self.moe = ExpertParallelMoE(8, 16, MOE_EXPERTS, comm, top_k=2)
+        self.out = torch.nn.Linear(8, MOE_D_OUT)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        hidden, aux = self.moe(torch.tanh(self.inp(x)))
+        return torch.nn.functional.mse_loss(self.out(hidden), y) + 0.01 * aux
+
+
+def make_moe_model(comm) -> MoENet:
+    """The MoE net with fixed initial weights (experts are seeded per expert index, so every split agrees)."""
+    torch.manual_seed(0)
+    return MoENet(comm)
+
+
 def make_batches(steps: int, global_batch: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
     return [(torch.randn(global_batch, 6, generator=generator), torch.randn(global_batch, 3, generator=generator))

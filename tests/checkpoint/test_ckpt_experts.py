@@ -16,30 +16,12 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from models_for_tests import MOE_D_IN as D_IN
+from models_for_tests import MOE_D_OUT as D_OUT
+from models_for_tests import MOE_EXPERTS as EXPERTS
+from models_for_tests import make_moe_model as make_model
 
-D_IN, D_MODEL, D_HIDDEN, D_OUT, EXPERTS, TOP_K = 6, 8, 16, 3, 4, 2
 MICRO, GLOBAL, STEPS, SAVED_AT, LR, WEIGHT_DECAY, CLIP = 4, 16, 4, 2, 1e-2, 0.01, 0.3
-
-
-class MoENet(torch.nn.Module):
-    """Linear -> expert-parallel MoE -> Linear; forward(x, y) returns MSE + 0.01 * aux."""
-
-    def __init__(self, comm) -> None:
-        from zerotrain.parallel.moe import ExpertParallelMoE
-
-        super().__init__()
-        self.inp = torch.nn.Linear(D_IN, D_MODEL)
-        self.moe = ExpertParallelMoE(D_MODEL, D_HIDDEN, EXPERTS, comm, top_k=TOP_K)
-        self.out = torch.nn.Linear(D_MODEL, D_OUT)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        hidden, aux = self.moe(torch.tanh(self.inp(x)))
-        return torch.nn.functional.mse_loss(self.out(hidden), y) + 0.01 * aux
-
-
-def make_model(comm) -> MoENet:
-    torch.manual_seed(0)  # experts are seeded per expert index, so every split initialises alike
-    return MoENet(comm)
 
 
 def batches() -> list:

@@ -15,30 +15,12 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from models_for_tests import MOE_D_IN as D_IN
+from models_for_tests import MOE_D_OUT as D_OUT
+from models_for_tests import make_moe_model as make_model
+from models_for_tests import micro_slice, train_global_step
 
-D_IN, D_MODEL, D_HIDDEN, D_OUT, EXPERTS, TOP_K = 6, 8, 16, 3, 4, 2
 STEPS, MICRO, ACCUMULATION, LR, WEIGHT_DECAY, CLIP = 3, 4, 2, 1e-2, 0.01, 0.3
-
-
-class MoEModel(torch.nn.Module):
-    """Linear -> expert-parallel MoE -> Linear; forward(x, y) returns MSE + 0.01 * aux."""
-
-    def __init__(self, comm) -> None:
-        from zerotrain.parallel.moe import ExpertParallelMoE
-
-        super().__init__()
-        self.inp = torch.nn.Linear(D_IN, D_MODEL)
-        self.moe = ExpertParallelMoE(D_MODEL, D_HIDDEN, EXPERTS, comm, top_k=TOP_K)
-        self.out = torch.nn.Linear(D_MODEL, D_OUT)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        hidden, aux = self.moe(torch.tanh(self.inp(x)))
-        return torch.nn.functional.mse_loss(self.out(hidden), y) + 0.01 * aux
-
-
-def make_model(comm) -> MoEModel:
-    torch.manual_seed(0)  # experts are seeded per expert index, so every split initialises alike
-    return MoEModel(comm)
 
 
 def global_batches(world: int):
@@ -46,11 +28,6 @@ def global_batches(world: int):
     size = MICRO * ACCUMULATION * world
     return [(torch.randn(size, D_IN, generator=generator), torch.randn(size, D_OUT, generator=generator))
             for _ in range(STEPS)]
-
-
-def micro_batch(batch, accumulation_index: int, rank: int, world: int):
-    start = (accumulation_index * world + rank) * MICRO
-    return tuple(t[start:start + MICRO] for t in batch)
 
 
 def engine_config(stage: int, **zero) -> dict:
@@ -61,28 +38,19 @@ def engine_config(stage: int, **zero) -> dict:
 
 
 def train_stages(stages: list[int]) -> list:
-    import torch.distributed as dist
-
     import zerotrain
     from zerotrain.comm import Comm
     from zerotrain.topology import Topology
 
     comm = Comm.data_parallel(Topology.build(timeout_seconds=60))
-    world, rank = comm.size, comm.rank
+    world = comm.size
     results = []
     for stage in stages:
         engine, *_ = zerotrain.initialize(model=make_model(comm), config=engine_config(stage))
         assert sum(bucket.expert_local for bucket in engine.buckets) >= 1, "experts not in buckets of their own"
         losses, norms = [], []
         for batch in global_batches(world):
-            total = torch.zeros(1)
-            for index in range(ACCUMULATION):
-                loss = engine(*micro_batch(batch, index, rank, world))
-                engine.backward(loss)
-                engine.step()
-                total += loss.detach()
-            dist.all_reduce(total)
-            losses.append(total.item() / (ACCUMULATION * world))
+            losses.append(train_global_step(engine, batch, MICRO))
             norms.append(engine.get_global_grad_norm())
         results.append((stage, losses, norms, engine.full_state_dict()))
     return results
@@ -95,7 +63,7 @@ def reference(world: int):
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     losses, norms = [], []
     for batch in global_batches(world):
-        loss = sum(model(*micro_batch(batch, index, rank, world))
+        loss = sum(model(*micro_slice(batch, index, rank, world, MICRO))
                    for index in range(ACCUMULATION) for rank in range(world)) / (ACCUMULATION * world)
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
@@ -133,7 +101,7 @@ def overflow_in_one_ranks_experts(stage: int) -> tuple[int, int]:
     before = engine.full_state_dict()
     batch = global_batches(comm.size)[0]
     for index in range(ACCUMULATION):
-        x, y = micro_batch(batch, index, comm.rank, comm.size)
+        x, y = micro_slice(batch, index, comm.rank, comm.size, MICRO)
         engine.backward(engine(x.half(), y.half()))
         if index == ACCUMULATION - 1 and comm.rank == 1:  # only rank 1's experts overflow
             expert_bucket = next(i for i, bucket in enumerate(engine.buckets) if bucket.expert_local)
