@@ -50,7 +50,6 @@ class GlobalGradients:
 
     def __init__(self, buckets: list[FlatBucket], comm: Comm, tp_comm: Optional[Comm] = None):
         self.comm = comm
-        self.partitioned = any(bucket.partitions > 1 for bucket in buckets)
         # Buckets whose squares are summed over the data-parallel ranks: partitioned or expert-local.
         self._distinct = [bucket.partitions > 1 or getattr(bucket, "expert_local", False) for bucket in buckets]
         self.tp_comm = tp_comm if tp_comm is not None and tp_comm.size > 1 else None
