@@ -19,7 +19,7 @@ from .config import ZeroTrainConfig
 from .config.zero import warn_settings_without_effect
 from .optim import build_optimizer
 from .parallel import tensor_parallel_comm
-from .parallel.experts import build_buckets_with_experts, check_expert_parallel
+from .parallel.experts import build_buckets_with_experts, build_expert_groups, check_expert_parallel, partition_comm
 from .offload.param_store import build_param_store
 from .precision import LossScaler, training_dtype
 from .schedules import build_scheduler
@@ -63,6 +63,7 @@ class ZeroTrainEngine:
         self.counters = CommCounters()
         self.comm = Comm.data_parallel(topology, self.counters)
         self.tp_comm = tensor_parallel_comm(topology, self.counters) if topology.tp_size > 1 else None
+        self.expert_groups = build_expert_groups(model, topology, self.comm)  # None without split experts
         if self.stage == 3:
             place_module(model, topology.device, self.dtype)
             self.module = model
@@ -90,7 +91,7 @@ class ZeroTrainEngine:
             partitions = topology.dp_size if self.stage >= 1 else 1
             self.buckets = build_buckets_with_experts([(n, p) for n, p in named if id(p) in group_of], group_of,
                                                       int(zero.reduce_bucket_size), partitions,
-                                                      topology.dp_rank if partitions > 1 else 0)
+                                                      topology.dp_rank if partitions > 1 else 0, self.expert_groups)
             self._broadcast_initial_state()
         quantization = self._gradient_quantization()
         if self.stage == 3 and quantization is None:  # bucketed reduce-scatter of the per-parameter shards
@@ -181,8 +182,8 @@ class ZeroTrainEngine:
             return
         with torch.no_grad():
             for bucket in self.buckets:
-                if not bucket.expert_local:  # each rank holds its own experts
-                    self.comm.broadcast(bucket.flat_param, src=0)
+                # split experts: from the first rank holding the same experts
+                partition_comm(bucket, self.comm).broadcast(bucket.flat_param, src=0)
             in_buckets = {id(p) for b in self.buckets for p in b.params}
             for param in self.module.parameters():
                 if id(param) not in in_buckets and getattr(param, "ep_slice", None) is None:

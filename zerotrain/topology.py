@@ -3,7 +3,9 @@
 Nothing in zerotrain keeps a process group in a module global: every part that
 communicates receives a :class:`Topology` (or the :class:`~zerotrain.comm.Comm`
 built from one). The grid has a data-parallel axis (ZeRO shards across it) and a
-tensor-parallel axis (blocks of consecutive ranks); the expert axis plugs in here.
+tensor-parallel axis (blocks of consecutive ranks) and an expert axis: expert-parallel groups
+of `ep_size` consecutive data-parallel ranks, and expert-data-parallel groups of the ranks
+with the same position in theirs (`expert_parallel_group`, `expert_data_parallel_group`).
 """
 from __future__ import annotations
 
@@ -155,6 +157,28 @@ class Topology:
         if size < 1 or self.dp_size % size:
             raise ValueError(f"a group of {size} ranks does not divide the {self.dp_size} data-parallel ranks")
         return self._subgroup(("stride", size), [list(range(local, self.dp_size, size)) for local in range(size)])
+
+    # --- expert parallelism ------------------------------------------------------------
+    def _check_ep_size(self, ep_size: int) -> None:
+        if not isinstance(ep_size, int) or ep_size < 1 or self.dp_size % ep_size:
+            raise ValueError(f"ep_size={ep_size!r} does not divide the {self.dp_size} data-parallel ranks: "
+                             f"expert-parallel groups are blocks of ep_size consecutive data-parallel ranks")
+
+    def expert_parallel_group(self, ep_size: int) -> tuple[Optional[dist.ProcessGroup], int, int]:
+        """The `ep_size` consecutive data-parallel ranks holding this rank, which between them hold every
+        expert (the MoE layer's all-to-all runs over it); records `ep_size`. Collective on first use."""
+        self._check_ep_size(ep_size)
+        self.ep_size = ep_size
+        if ep_size == self.dp_size:
+            return self.dp_group, self.dp_rank, self.dp_size
+        return self.partition_group(ep_size)
+
+    def expert_data_parallel_group(self, ep_size: int) -> tuple[Optional[dist.ProcessGroup], int, int]:
+        """The data-parallel ranks holding the same experts as this rank (the same position in their
+        expert-parallel group): expert gradients are summed and expert states partitioned over it."""
+        self._check_ep_size(ep_size)
+        self.ep_size = ep_size
+        return self.strided_group(ep_size)
 
     def node_layout(self) -> tuple[int, int]:
         """(ranks per node L, nodes M) over the data-parallel ranks; (dp_size, 1) when the

@@ -1,8 +1,10 @@
-"""The ZeRO engine (stages 0-2) trains experts split over all data-parallel ranks like one process.
+"""The ZeRO engine (stages 0-2) trains experts split over expert-parallel groups like one process.
 
-Each rank holds EXPERTS/world experts of an ExpertParallelMoE; the engine must neither average
-nor shard their gradients, count each expert element once in the clipping norm, and join the
-experts into whole `(num_experts, ...)` tensors in full_state_dict. The reference is the same
+Each rank holds EXPERTS/ep_size experts of an ExpertParallelMoE built over its expert-parallel
+group (ep_size consecutive ranks; all of them when ep_size == world). The engine must sum expert
+gradients only over the ranks holding the same experts (none when ep_size == world), count each
+expert element once in the clipping norm, and join the experts into whole `(num_experts, ...)`
+tensors in full_state_dict. The reference is the same
 model with every expert local (a world-1 Comm), trained on the whole global batch with the loss
 = the mean of every (micro-step, rank) micro-batch's loss (the aux loss is per micro-batch).
 """
@@ -37,17 +39,28 @@ def engine_config(stage: int, **zero) -> dict:
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, **zero}}
 
 
-def train_stages(stages: list[int]) -> list:
-    import zerotrain
+def expert_parallel_comm(ep_size=None):
+    """(data-parallel Comm, the Comm of this rank's expert-parallel group of ep_size consecutive ranks)."""
     from zerotrain.comm import Comm
     from zerotrain.topology import Topology
 
-    comm = Comm.data_parallel(Topology.build(timeout_seconds=60))
+    topology = Topology.build(timeout_seconds=60)
+    comm = Comm.data_parallel(topology)
+    return comm, comm.subgroup(*topology.expert_parallel_group(ep_size or comm.size))
+
+
+def train_stages(stages: list[int], ep_size=None) -> list:
+    import zerotrain
+
+    comm, ep_comm = expert_parallel_comm(ep_size)
     world = comm.size
     results = []
     for stage in stages:
-        engine, *_ = zerotrain.initialize(model=make_model(comm), config=engine_config(stage))
-        assert sum(bucket.expert_local for bucket in engine.buckets) >= 1, "experts not in buckets of their own"
+        engine, *_ = zerotrain.initialize(model=make_model(ep_comm), config=engine_config(stage))
+        expert_buckets = [bucket for bucket in engine.buckets if bucket.expert_local]
+        assert expert_buckets, "experts not in buckets of their own"
+        replicas = world // ep_comm.size  # ranks holding the same experts: expert states partitioned over them
+        assert all(b.partitions == (replicas if stage else 1) for b in expert_buckets), (stage, replicas)
         losses, norms = [], []
         for batch in global_batches(world):
             losses.append(train_global_step(engine, batch, MICRO))
@@ -73,14 +86,14 @@ def reference(world: int):
     return losses, norms, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_engine_trains_split_experts_like_one_process(world):
+@pytest.mark.parametrize("world, ep_size", [(2, 2), (4, 4), (4, 2)])
+def test_engine_trains_split_experts_like_one_process(world, ep_size):
     ref_losses, ref_norms, ref_weights = reference(world)
     assert any(norm > CLIP for norm in ref_norms), f"clipping never fires: {ref_norms}"
-    results = run_distributed(train_stages, world, [0, 1, 2], timeout=120)
-    assert results[1] and all(weights == {} for _, _, _, weights in results[1])  # full weights on rank 0 only
+    results = run_distributed(train_stages, world, [0, 1, 2], ep_size, timeout=120)
+    assert all(weights == {} for rank in results[1:] for _, _, _, weights in rank)  # full weights on rank 0 only
     for stage, losses, norms, weights in results[0]:
-        where = f"world {world}, stage {stage}"
+        where = f"world {world}, ep_size {ep_size}, stage {stage}"
         assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-5, (where, losses, ref_losses)
         assert norms == pytest.approx(ref_norms, rel=1e-5), (where, norms, ref_norms)
         assert sorted(weights) == sorted(ref_weights), where
@@ -90,14 +103,12 @@ def test_engine_trains_split_experts_like_one_process(world):
                                        msg=lambda m, name=name: f"{where}, {name}: {m}")
 
 
-def overflow_in_one_ranks_experts(stage: int) -> tuple[int, int]:
+def overflow_in_one_ranks_experts(stage: int, ep_size=None) -> tuple[int, int]:
     import zerotrain
-    from zerotrain.comm import Comm
-    from zerotrain.topology import Topology
 
-    comm = Comm.data_parallel(Topology.build(timeout_seconds=60))
+    comm, ep_comm = expert_parallel_comm(ep_size)
     config = dict(engine_config(stage), fp16={"enabled": True, "initial_scale_power": 4})
-    engine, *_ = zerotrain.initialize(model=make_model(comm), config=config)
+    engine, *_ = zerotrain.initialize(model=make_model(ep_comm), config=config)
     before = engine.full_state_dict()
     batch = global_batches(comm.size)[0]
     for index in range(ACCUMULATION):
@@ -112,10 +123,10 @@ def overflow_in_one_ranks_experts(stage: int) -> tuple[int, int]:
     return engine.skipped_steps, int(unchanged) if comm.rank == 0 else -1
 
 
-@pytest.mark.parametrize("stage", [0, 2])
-def test_overflow_in_one_ranks_experts_skips_the_step_everywhere(stage):
-    skipped, unchanged = zip(*run_distributed(overflow_in_one_ranks_experts, 2, stage))
-    assert skipped == (1, 1) and unchanged[0] == 1, (skipped, unchanged)
+@pytest.mark.parametrize("stage, world, ep_size", [(0, 2, 2), (2, 2, 2), (1, 4, 2)])
+def test_overflow_in_one_ranks_experts_skips_the_step_everywhere(stage, world, ep_size):
+    skipped, unchanged = zip(*run_distributed(overflow_in_one_ranks_experts, world, stage, ep_size))
+    assert skipped == (1,) * world and unchanged[0] == 1, (skipped, unchanged)
 
 
 def checkpoint_of_frozen_experts(directory: str) -> str:
@@ -157,7 +168,6 @@ def split_expert_model(ep_size: int) -> torch.nn.Module:
     ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, 2, 1, "offload_optimizer"),
     ({"stage": 2, "zero_quantized_gradients": True}, 2, 1, "zero_quantized_gradients"),
     ({"stage": 1}, 2, 2, "tensor parallelism"),
-    ({"stage": 1}, 4, 1, "expert-parallel groups smaller than the data-parallel group"),
 ])
 def test_unsupported_expert_parallel_combinations_are_refused(zero, dp, tp, refused):
     from zerotrain.config import ZeroTrainConfig
@@ -169,3 +179,43 @@ def test_unsupported_expert_parallel_combinations_are_refused(zero, dp, tp, refu
         check_expert_parallel(split_expert_model(2), config, topology)
     assert "w_in" in str(caught.value)
     assert check_expert_parallel(split_expert_model(1), config, topology) is False  # whole experts: plain DP
+
+
+def test_bad_ep_sizes_are_refused_naming_them():
+    from zerotrain.comm import Comm
+    from zerotrain.config import ZeroTrainConfig
+    from zerotrain.parallel.experts import check_expert_parallel
+    from zerotrain.parallel.moe import ExpertParallelMoE
+    from zerotrain.topology import Topology
+
+    topology = Topology(rank=0, world_size=6, dp_group=None, dp_rank=0, dp_size=6, device=torch.device("cpu"))
+    for ep_size in (4, 0):
+        with pytest.raises(ValueError, match=f"ep_size={ep_size} does not divide the 6 data-parallel ranks"):
+            topology.expert_parallel_group(ep_size)
+        with pytest.raises(ValueError, match=f"ep_size={ep_size} does not divide"):
+            topology.expert_data_parallel_group(ep_size)
+    with pytest.raises(ValueError, match="4 experts do not split over ep_size=3"):
+        ExpertParallelMoE(8, 16, 4, Comm(None, 0, 3))  # no collective before the check
+    config = ZeroTrainConfig(train_micro_batch_size_per_gpu=1, zero_optimization={"stage": 1})
+    with pytest.raises(ValueError, match=r"\['w_in'\].*ep_size=4 ranks, which does not divide the 6 data-parallel"):
+        check_expert_parallel(split_expert_model(4), config, types.SimpleNamespace(dp_size=6, tp_size=1))
+    assert check_expert_parallel(split_expert_model(2), config, types.SimpleNamespace(dp_size=6, tp_size=1))
+
+
+def experts_in_the_wrong_position() -> str:
+    import zerotrain
+    from zerotrain.comm import Comm
+
+    rank = int(os.environ["RANK"])  # the process group starts inside initialize
+    swapped = Comm(None, 1 - rank, 2)  # rank 0 builds rank 1's experts and the other way round
+    try:
+        zerotrain.initialize(model=make_model(swapped), config=engine_config(1))
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_experts_not_in_their_expert_parallel_position_are_refused():
+    for rank, message in enumerate(run_distributed(experts_in_the_wrong_position, 2)):
+        assert f"on data-parallel rank {rank} holds experts" in message and "moe.w_in" in message, message
+        assert "topology.expert_parallel_group(2)" in message, message

@@ -18,8 +18,10 @@ Tensor parallelism: a split parameter's records are ranges of its *local* tensor
 plan has the whole shape, the TensorSlice of every tensor-parallel rank and pieces from
 each of them (`Piece.tp_rank`), which its writer joins into the whole tensor (`split`).
 A parameter replicated over the tensor-parallel ranks is taken from one of them.
-Experts split over the data-parallel ranks (`ep_slice`) are planned alike, with the
-data-parallel rank as the holder of each slice (`Piece.tp_rank` then names that rank).
+Experts split over the ranks of each expert-parallel group (`ep_slice`) are planned alike, with
+the rank's position in its expert-parallel group as the holder of each slice (`Piece.tp_rank`
+then names that position); the expert-data-parallel replicas of a slice hold it partitioned
+(stages 1-2: every replica's pieces are taken) or whole (stage 0: one replica's).
 
 Partitioned frozen parameters (stage 3) are slots without a master: only their model
 file entry is written. Tensors outside every slot (frozen parameters at stages 0-2,
@@ -46,7 +48,7 @@ _LOCALITY_SLACK = 1.10
 @dataclass(frozen=True)
 class Piece:
     """Elements [param_start, param_start+numel) of a tensor (of slice holder `tp_rank`'s local slice, when
-    it is split: the tensor-parallel rank, or the data-parallel rank for an expert), at shard_start of
+    it is split: the tensor-parallel rank, or the expert-parallel rank for an expert), at shard_start of
     `rank`'s slot `slot`."""
 
     rank: int
@@ -69,7 +71,7 @@ class TensorPlan:
     replicated: bool = False                     # empty: the tensor is whole on every rank
     writer: int = 0
     slices: dict = field(default_factory=dict)   # slice holder -> TensorSlice; empty: not split
-    expert: bool = False                         # split over data-parallel ranks (holders: dp ranks)
+    expert: bool = False                         # split over expert-parallel ranks (holders: ep ranks)
 
     @property
     def numel(self) -> int:
@@ -174,9 +176,12 @@ def local_layout(engine, slots, rank: int) -> dict:
         extras = [(name, tuple(t.shape), dtype_name(t.dtype), name in split)
                   for name, t in extra_tensors(engine.module, sharded)]
     experts = {name for name, _ in expert_params(engine.module)}  # frozen ones too: refused by name
+    expert_groups = getattr(engine, "expert_groups", None)
+    dp_rank = int(getattr(engine.topology, "dp_rank", 0))
     return {"slots": described, "extras": extras, "order": state_dict_order(engine.module) if rank == 0 else [],
             "tp_rank": int(getattr(engine.topology, "tp_rank", 0)),
-            "dp_rank": int(getattr(engine.topology, "dp_rank", 0)), "experts": sorted(experts),
+            "dp_rank": dp_rank, "ep_rank": int(expert_groups.ep.rank) if expert_groups is not None else dp_rank,
+            "experts": sorted(experts),
             "slices": {name: split[name] for name in sorted(sharded) if name in split}}
 
 
@@ -195,7 +200,7 @@ def build_plan(layouts: list[dict], max_file_bytes: int = MAX_FILE_BYTES, round_
             states = {k: torch_dtype(v) for k, v in slot["states"].items()}
             scalars = {k: torch_dtype(v) for k, v in slot["scalars"].items()}
             for name, shape, param_start, numel, shard_start in slot["records"]:
-                tp_rank = layout.get("dp_rank", 0) if name in experts else layout.get("tp_rank", 0)  # slice holder
+                tp_rank = _expert_rank(layout) if name in experts else layout.get("tp_rank", 0)  # slice holder
                 tensor_slice = layout.get("slices", {}).get(name)
                 shape = expected_shape(shape, tensor_slice, name)
                 tensor = tensors.get(name)
@@ -225,10 +230,10 @@ def build_plan(layouts: list[dict], max_file_bytes: int = MAX_FILE_BYTES, round_
 
     _assign_writers(tensors, holders, world, master_separate)
     tp_ranks = sorted({layout.get("tp_rank", 0) for layout in layouts})
-    dp_ranks = sorted({layout.get("dp_rank", 0) for layout in layouts})
+    ep_ranks = sorted({_expert_rank(layout) for layout in layouts})
     for name, tensor in tensors.items():
         if name in holders:
-            tensor.pieces = _choose_pieces(tensor, holders[name], dp_ranks if tensor.expert else tp_ranks)
+            tensor.pieces = _choose_pieces(tensor, holders[name], ep_ranks if tensor.expert else tp_ranks)
             _check_coverage(tensor)
 
     files = _plan_files(tensors, world, master_separate, max_file_bytes)
@@ -242,6 +247,11 @@ def build_plan(layouts: list[dict], max_file_bytes: int = MAX_FILE_BYTES, round_
                     for piece in tensor.pieces:
                         splits[index][piece.rank][receiver] += piece.numel * itemsize(dtype)
     return SavePlan(world, master_separate, tensors, files, rounds, splits)
+
+
+def _expert_rank(layout: dict) -> int:
+    """The holder of a rank's expert slices: its position in its expert-parallel group."""
+    return layout.get("ep_rank", layout.get("dp_rank", 0))
 
 
 def _assign_writers(tensors: dict, holders: dict, world: int, master_separate: bool) -> None:
@@ -263,15 +273,16 @@ def _assign_writers(tensors: dict, holders: dict, world: int, master_separate: b
 
 def _choose_pieces(tensor: TensorPlan, holders: dict[int, list[Piece]], tp_ranks: list[int]) -> list[Piece]:
     """The pieces the writer assembles: of every slice holder in `tp_ranks` (tensor-parallel ranks, or
-    data-parallel ranks for an expert) when the tensor is split, else of one (the writer's, when it holds
-    some); within that, one rank's when the slot is replicated."""
+    expert-parallel ranks for an expert) when the tensor is split, else of one (the writer's, when it holds
+    some); within that, one rank's when the slot is replicated (a tensor-parallel slice replicated over
+    the data-parallel ranks, or experts replicated over their expert-data-parallel group at stage 0)."""
     by_tp: dict[int, dict[int, list[Piece]]] = {}
     for rank, pieces in holders.items():
         by_tp.setdefault(pieces[0].tp_rank, {})[rank] = pieces
     if tensor.slices:
         missing = [r for r in tp_ranks if r not in tensor.slices]
         if missing:
-            what = "data-parallel ranks (experts)" if tensor.expert else "tensor-parallel ranks"
+            what = "expert-parallel ranks (experts)" if tensor.expert else "tensor-parallel ranks"
             raise CheckpointError(f"parameter {tensor.name!r} is split over {what} "
                                   f"{sorted(tensor.slices)} but not over {missing}; cannot save")
         groups = sorted(by_tp)
@@ -295,7 +306,7 @@ def _check_coverage(tensor: TensorPlan) -> None:
         groups.setdefault(piece.tp_rank, []).append(piece)
     for tp_rank, pieces in groups.items():
         tensor_slice = tensor.slices.get(tp_rank)
-        holder = "data-parallel" if tensor.expert else "tensor-parallel"
+        holder = "expert-parallel" if tensor.expert else "tensor-parallel"
         what = repr(tensor.name) if tensor_slice is None else f"{holder} rank {tp_rank}'s slice of {tensor.name!r}"
         expected = numel_of(tensor_slice.local_shape) if tensor_slice is not None else tensor.numel
         position = 0

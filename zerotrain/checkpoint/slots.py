@@ -25,8 +25,9 @@ def frozen_slots(engine) -> list[ShardedSlot]:
 def all_slots(engine) -> list[ShardedSlot]:
     """Trainable slots first (in the optimizer's order), then frozen partitioned ones.
 
-    Buckets of experts split over ranks (`expert_local`) are ordinary slots here: one partition
-    holding this rank's whole local experts, placed in the whole tensors by `ep_slice` (`split`)."""
+    Buckets of experts split over ranks (`expert_local`) are ordinary slots here: this rank's
+    experts (whole, or its shard of them over the expert-data-parallel group), placed in the
+    whole tensors by `ep_slice` (`split`)."""
     return list(engine.sharded_slots()) + frozen_slots(engine)
 
 

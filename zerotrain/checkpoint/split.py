@@ -14,9 +14,11 @@ checkpoint written at one tensor-parallel degree loads at any other (1 included)
   (`TensorSlice.flat_runs`: strided when the split dimension is not the first), read in
   bounded windows (`RunsRead`).
 
-Experts split over the data-parallel ranks (`param.ep_slice`, zerotrain.parallel.experts) are
-handled the same way, except that the holder of a slice is the data-parallel rank (their
-buckets are never partitioned, so each rank's slot holds its whole local experts).
+Experts split over the ranks of each expert-parallel group (`param.ep_slice`,
+zerotrain.parallel.experts) are handled the same way, the holder of a slice being the rank's
+position in its expert-parallel group; at stages 1-2 ZeRO partitions each slice over its
+expert-data-parallel group, exactly as it partitions a tensor-parallel slice over the
+data-parallel group.
 """
 from __future__ import annotations
 

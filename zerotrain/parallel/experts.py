@@ -1,18 +1,29 @@
-"""Expert parallelism through the ZeRO engine (stages 0-2), experts split over all data-parallel ranks.
+"""Expert parallelism through the ZeRO engine (stages 0-2), as DeepSpeed-MoE lays it out.
 
-An expert weight (`ep_slice` set, local shape smaller than the full one) holds different experts
-on every rank, so the engine must neither average nor shard it: after backward its gradient
-already holds every rank's tokens routed to those experts. Such parameters go into buckets of
-their own, flagged `expert_local` (one partition, never reduced across ranks; the reducer only
-divides them by the data-parallel size, since the loss is the mean of the ranks' losses). The
-gradient norm sums their squares over all ranks (distinct elements everywhere), and
-`full_state_dict` assembles whole `(num_experts, ...)` tensors by each rank's `ep_slice`.
+The data-parallel ranks form expert-parallel (ep) groups of `ep_size` consecutive ranks; each ep
+group holds every expert, split over its ranks (an expert weight carries `ep_slice`, its local
+shape smaller than the full one), and the MoE layer's all-to-all runs inside it. The ranks with
+the same position in their ep group hold the same experts: an expert-data-parallel group of
+`dp_size / ep_size` ranks (`ExpertGroups`, built once from the Topology and passed explicitly).
 
-Supported: ZeRO stages 0, 1, 2 with the expert-parallel group equal to the data-parallel group
-and no tensor parallelism. Everything else is refused up front with a NotImplementedError.
+Expert weights go into buckets of their own, flagged `expert_local` and carrying the groups
+(`bucket.expert_groups`). After backward an expert gradient holds every token of its ep group
+routed to this rank's experts; the reducer divides it by the data-parallel size (the loss is the
+mean of every dp rank's loss) and sums it over the expert-data-parallel group: an all-reduce at
+stage 0, a reduce-scatter at stages 1-2, where expert buckets are partitioned over that group
+(each rank updates its shard; the updated shards are all-gathered there). With ep_size == dp_size
+that group is one rank: nothing is reduced. The gradient norm counts every expert element once
+(shards when partitioned, else only the expert-data-parallel rank 0's replica), and
+`full_state_dict` / checkpoints assemble whole `(num_experts, ...)` tensors by `ep_slice`, taking
+each slice from one expert-data-parallel replica.
+
+Supported: ZeRO stages 0, 1, 2, any ep_size dividing the data-parallel size, no tensor
+parallelism. Refused up front (NotImplementedError): stage 3, offload_optimizer, qgZ, TP+EP;
+an ep_size not dividing the dp size, or experts not matching the consecutive-rank layout: ValueError.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
@@ -21,8 +32,19 @@ from ..comm import Comm
 from .gather import assemble_full_tensors
 from .slices import TensorSlice
 
-__all__ = ["expert_slice_of", "is_split_expert", "check_expert_parallel", "build_buckets_with_experts",
+__all__ = ["ExpertGroups", "expert_slice_of", "is_split_expert", "expert_parallel_size", "check_expert_parallel",
+           "build_expert_groups", "partition_comm", "counts_expert_replica", "build_buckets_with_experts",
            "gather_expert_weights"]
+
+
+@dataclass
+class ExpertGroups:
+    """The Comms of split experts: `ep` spans the ep_size consecutive data-parallel ranks that hold every
+    expert between them; `data` spans the ranks holding the same experts as this one."""
+
+    ep_size: int
+    ep: Comm
+    data: Comm
 
 
 def expert_slice_of(param: torch.Tensor) -> Optional[TensorSlice]:
@@ -36,9 +58,23 @@ def is_split_expert(param: torch.Tensor) -> bool:
     return expert_slice is not None and expert_slice.local_shape != expert_slice.full_shape
 
 
+def _split_ways(expert_slice: TensorSlice) -> int:
+    return expert_slice.full_shape[expert_slice.dim] // expert_slice.local_shape[expert_slice.dim]
+
+
+def expert_parallel_size(model: torch.nn.Module) -> int:
+    """Over how many ranks the model's experts are split (1 without split experts); every split expert
+    must agree (ValueError naming two that do not)."""
+    sizes = {name: _split_ways(expert_slice_of(p)) for name, p in model.named_parameters() if is_split_expert(p)}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"expert-parallel parameters are split over different numbers of ranks: {sizes}")
+    return next(iter(sizes.values()), 1)
+
+
 def check_expert_parallel(model: torch.nn.Module, config, topology) -> bool:
     """Whether `model` has experts split over ranks; raises NotImplementedError, naming what is not
-    supported, when they are combined with something the engine cannot train them with yet."""
+    supported, when they are combined with something the engine cannot train them with yet, and
+    ValueError when their ep_size does not divide the data-parallel size."""
     split = [(name, param) for name, param in model.named_parameters() if is_split_expert(param)]
     if not split:
         return False
@@ -57,45 +93,95 @@ def check_expert_parallel(model: torch.nn.Module, config, topology) -> bool:
     if getattr(topology, "tp_size", 1) > 1:
         raise NotImplementedError(f"{what} are not supported together with tensor parallelism "
                                   f"(tp_size={topology.tp_size}) yet")
-    for name, param in split:
-        expert_slice = expert_slice_of(param)
-        ep_size = expert_slice.full_shape[expert_slice.dim] // expert_slice.local_shape[expert_slice.dim]
-        if ep_size != topology.dp_size:
-            raise NotImplementedError(f"expert-parallel parameter {name!r} is split over {ep_size} ranks but there "
-                                      f"are {topology.dp_size} data-parallel ranks: expert-parallel groups smaller "
-                                      f"than the data-parallel group are not supported yet")
+    ep_size = expert_parallel_size(model)
+    if topology.dp_size % ep_size:
+        raise ValueError(f"{what} are split over ep_size={ep_size} ranks, which does not divide the "
+                         f"{topology.dp_size} data-parallel ranks")
     return True
 
 
+def build_expert_groups(model: torch.nn.Module, topology, comm: Comm) -> Optional[ExpertGroups]:
+    """The expert-parallel and expert-data-parallel Comms of the model's split experts (None without
+    any), sharing `comm`'s counters. Checks that this rank holds the experts of its position in its
+    group of consecutive ranks (the layer must be built over `topology.expert_parallel_group`).
+    Collective: every data-parallel rank calls it."""
+    ep_size = expert_parallel_size(model)
+    if ep_size == 1:
+        return None
+    ep_group, ep_rank, size = topology.expert_parallel_group(ep_size)
+    ep = comm if size == comm.size else comm.subgroup(ep_group, ep_rank, size)
+    data = comm.subgroup(*topology.expert_data_parallel_group(ep_size))
+    for name, param in model.named_parameters():
+        if is_split_expert(param):
+            expert_slice = expert_slice_of(param)
+            first, count = expert_slice.pieces[0][0], expert_slice.local_shape[expert_slice.dim]
+            if len(expert_slice.pieces) != 1 or first != ep_rank * count:
+                raise ValueError(f"expert-parallel parameter {name!r} on data-parallel rank {topology.dp_rank} holds "
+                                 f"experts {expert_slice.pieces}, but its expert-parallel group (ranks of "
+                                 f"{ep_size} consecutive data-parallel ranks) puts it at position {ep_rank}: "
+                                 f"build the layer over topology.expert_parallel_group({ep_size})")
+    return ExpertGroups(ep_size, ep, data)
+
+
+def partition_comm(bucket, comm: Comm) -> Comm:
+    """The Comm a bucket is reduced, partitioned and gathered over: `comm` (the data-parallel one), or
+    the expert-data-parallel group for split experts."""
+    groups: Optional[ExpertGroups] = getattr(bucket, "expert_groups", None)
+    return groups.data if groups is not None else comm
+
+
+def counts_expert_replica(bucket) -> bool:
+    """Whether this rank's shard of an expert bucket counts in global sums (norms): always when the
+    bucket is partitioned, else only on expert-data-parallel rank 0 (the others hold replicas)."""
+    groups: Optional[ExpertGroups] = getattr(bucket, "expert_groups", None)
+    return groups is None or bucket.partitions > 1 or groups.data.rank == 0
+
+
 def build_buckets_with_experts(named_params: Iterable[tuple[str, torch.nn.Parameter]], group_of: dict[int, int],
-                               bucket_numel: int, partitions: int, rank: int) -> list:
-    """`zero.flat.build_buckets`, with split expert parameters in buckets of their own after the others:
-    one partition each (every rank keeps its whole experts) and flagged `expert_local`."""
+                               bucket_numel: int, partitions: int, rank: int,
+                               experts: Optional[ExpertGroups] = None) -> list:
+    """`zero.flat.build_buckets`, with split expert parameters in buckets of their own after the others,
+    flagged `expert_local` and carrying `experts` (`expert_groups`): partitioned over the
+    expert-data-parallel group when the others are partitioned (stages 1-2), else one partition."""
     from ..zero.flat import build_buckets
 
     named = list(named_params)
     shared = [(name, p) for name, p in named if not is_split_expert(p)]
-    experts = [(name, p) for name, p in named if is_split_expert(p)]
+    split = [(name, p) for name, p in named if is_split_expert(p)]
     buckets = build_buckets(shared, group_of, bucket_numel, partitions, rank)
-    for bucket in build_buckets(experts, group_of, bucket_numel, 1, 0):
+    if split and experts is None:
+        raise ValueError(f"expert-parallel parameters {[n for n, _ in split[:4]]} need their ExpertGroups")
+    expert_partitions = experts.data.size if split and partitions > 1 else 1
+    expert_rank = experts.data.rank if expert_partitions > 1 else 0
+    for bucket in build_buckets(split, group_of, bucket_numel, expert_partitions, expert_rank):
         bucket.index = len(buckets)
         bucket.expert_local = True
+        bucket.expert_groups = experts
         buckets.append(bucket)
     return buckets
 
 
-def gather_expert_weights(buckets: list, masters: list[torch.Tensor], comm: Comm) -> dict[str, torch.Tensor]:
-    """Whole fp32 CPU expert tensors `(num_experts, ...)` on rank 0 (an empty dict elsewhere), joined
-    from every rank's experts by the `ep_slice` each rank's parameters carry. Call on every rank."""
+def gather_expert_weights(buckets: list, masters: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole fp32 CPU expert tensors `(num_experts, ...)` on data-parallel rank 0 (an empty dict
+    elsewhere): each expert-data-parallel group joins its shards on its rank 0, then the first
+    expert-parallel group (those rank-0s, data-parallel rank 0 among them) joins its ranks' experts
+    by `ep_slice`. Call on every rank."""
     local: dict[str, torch.Tensor] = {}
     slices: dict[str, TensorSlice] = {}
+    groups: Optional[ExpertGroups] = None
     for bucket, master in zip(buckets, masters):
         if not getattr(bucket, "expert_local", False):
             continue
-        flat = master.detach().to(device=bucket.device, dtype=torch.float32)  # gathered on the training device
+        groups = bucket.expert_groups
+        shard = master.detach().to(device=bucket.device, dtype=torch.float32)  # gathered on the training device
+        if bucket.partitions > 1:
+            pieces = groups.data.gather_to(shard.contiguous(), 0)
+            if groups.data.rank != 0:
+                continue
+            shard = torch.cat(pieces)
         for position, (name, param) in enumerate(zip(bucket.names, bucket.params)):
-            local[name] = bucket.param_view(position, flat).clone()
+            local[name] = bucket.param_view(position, shard).clone()
             slices[name] = expert_slice_of(param)
-    if not local:
+    if groups is None or groups.data.rank != 0:
         return {}
-    return assemble_full_tensors(local, slices, comm)
+    return assemble_full_tensors(local, slices, groups.ep)

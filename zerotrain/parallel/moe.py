@@ -7,8 +7,12 @@ all-to-all, runs the local experts, sends the results back with a second all-to-
 sums them weighted by the gate probabilities. Nothing is dropped (no capacity factor), so
 the layer computes exactly what the same layer with every expert local computes: that is
 what the tests check. Expert weights carry `ep_slice` (a TensorSlice of the stacked
-`(num_experts, ...)` tensor). The ZeRO engine trains it at stages 0-2 when the experts are
-split over all data-parallel ranks (zerotrain/parallel/experts.py says how and what is refused).
+`(num_experts, ...)` tensor). Build it over the expert-parallel group's Comm,
+`comm.subgroup(*topology.expert_parallel_group(ep_size))` (blocks of ep_size consecutive
+data-parallel ranks; ep_size may be any divisor of the data-parallel size, the whole of it
+included): the ZeRO engine then trains it at stages 0-2, summing each expert's gradient over
+the ranks holding the same expert (zerotrain/parallel/experts.py says how, and what is refused:
+stage 3, offload_optimizer, qgZ, tensor parallelism).
 """
 from __future__ import annotations
 
@@ -56,8 +60,8 @@ class ExpertParallelMoE(nn.Module):
     def __init__(self, d_model: int, d_hidden: int, num_experts: int, comm: Comm, top_k: int = 2):
         super().__init__()
         if num_experts % comm.size:
-            raise ValueError(f"ExpertParallelMoE: {num_experts} experts do not split over {comm.size} "
-                             f"expert-parallel ranks")
+            raise ValueError(f"ExpertParallelMoE: {num_experts} experts do not split over ep_size={comm.size} "
+                             f"expert-parallel ranks (ep_size must divide num_experts)")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"ExpertParallelMoE: top_k={top_k} must be between 1 and num_experts={num_experts}")
         self.comm, self.num_experts, self.top_k = comm, num_experts, top_k

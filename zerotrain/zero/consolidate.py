@@ -42,15 +42,16 @@ def full_state_dict(engine) -> dict[str, torch.Tensor]:
 
     Data-parallel shards are gathered on data-parallel rank 0; with tensor parallelism the
     slices of its tensor-parallel group are then joined on tensor-parallel rank 0 (global
-    rank 0), by the TensorSlice each split parameter carries; split experts are joined over the
-    data-parallel ranks by their `ep_slice` into whole `(num_experts, ...)` tensors. Tied parameters
+    rank 0), by the TensorSlice each split parameter carries; split experts are joined over their
+    expert-data-parallel group, then over the first expert-parallel group by their `ep_slice` into
+    whole `(num_experts, ...)` tensors (each expert taken from one replica). Tied parameters
     appear under every name; parameters outside any bucket (never trained) are copied as they are.
     """
     optimizer = engine.zero_optimizer
     resident_masters = getattr(optimizer, "resident_masters", None)  # NVMe: masters are in files
     with resident_masters() if callable(resident_masters) else contextlib.nullcontext():
         full = gather_full_weights(engine.buckets, optimizer.masters, engine.comm)
-        full.update(gather_expert_weights(engine.buckets, optimizer.masters, engine.comm))
+        full.update(gather_expert_weights(engine.buckets, optimizer.masters))
     if engine.stage3 is not None:
         frozen = engine.stage3.frozen
         full.update(gather_full_weights(frozen, [part.shard for part in frozen], engine.comm))

@@ -7,8 +7,9 @@ that every distinct gradient element counts exactly once, squares are summed ove
 data-parallel ranks when buckets are partitioned, split slices over the tensor-parallel
 ranks, and replicated parameters are taken from tensor-parallel rank 0 alone. Which pieces
 of a shard are split comes from the shard records and the parameters' TensorSlice.
-Expert-local buckets (different experts on every data-parallel rank) are summed over the
-data-parallel ranks even when the other buckets are replicated (stage 0).
+Expert-local buckets (zerotrain.parallel.experts) are summed over the data-parallel ranks
+too: partitioned ones over the expert-data-parallel group contribute their shards, replicated
+ones only from that group's rank 0, so each expert element counts once whatever ep_size is.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Optional
 import torch
 
 from ..comm import Comm
+from ..parallel.experts import counts_expert_replica
 from ..parallel.slices import tensor_slice_of
 from .flat import FlatBucket
 
@@ -52,6 +54,8 @@ class GlobalGradients:
         self.comm = comm
         # Buckets whose squares are summed over the data-parallel ranks: partitioned or expert-local.
         self._distinct = [bucket.partitions > 1 or getattr(bucket, "expert_local", False) for bucket in buckets]
+        # Expert replicas over the expert-data-parallel group count on one rank of it only.
+        self._counted = [counts_expert_replica(bucket) for bucket in buckets]
         self.tp_comm = tp_comm if tp_comm is not None and tp_comm.size > 1 else None
         # Tensor-parallel ranks other than 0 count only their split slices.
         self._split_only: Optional[list[list[tuple[int, int]]]] = None
@@ -64,6 +68,8 @@ class GlobalGradients:
         distinct = torch.zeros(1, dtype=torch.float32, device=device)  # summed over data-parallel ranks
         replicated = torch.zeros(1, dtype=torch.float32, device=device)  # the same on every one
         for index, grad in enumerate(grad_shards):
+            if not self._counted[index]:
+                continue
             squared = distinct if self._distinct[index] else replicated
             if self._split_only is None:
                 squared += squared_l2(grad)

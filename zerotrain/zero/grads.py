@@ -12,8 +12,11 @@ Per bucket, as soon as backward has produced every gradient in it:
 
 Gradients are divided by the data-parallel size before the reduction, so the
 reduced result is the mean. Expert-local buckets (experts split over the ranks,
-`zerotrain.parallel.experts`) are only divided, never reduced: their gradient
-already holds every rank's tokens routed to this rank's experts. Buckets are launched strictly in index order on
+`zerotrain.parallel.experts`) are divided by the data-parallel size too, but reduced
+only over their expert-data-parallel group (the ranks holding the same experts; their
+gradient already holds every token of the expert-parallel group routed to them):
+all-reduced at stage 0, reduce-scattered over that group at stages 1-2, not reduced
+at all when the group is one rank. Buckets are launched strictly in index order on
 every rank, whatever order the hooks fire in, so collectives always match.
 
 With `zero_quantized_gradients` (qgZ, stages 1-3) each reduce-scatter becomes the
@@ -34,6 +37,7 @@ from ..comm import Comm
 from ..comm.compressed import QuantizedReduceScatter
 from ..comm.handles import _Done
 from ..comm.quant import DEFAULT_BLOCK
+from ..parallel.experts import partition_comm
 from .flat import FlatBucket
 
 
@@ -210,16 +214,21 @@ class GradReducer:
             source = staging = self._finish_staging(bucket_index)
         if self.reduce_dtype is not None and source.dtype != self.reduce_dtype:
             source = source.to(self.reduce_dtype)
-        if getattr(bucket, "expert_local", False):
-            self._keep_local(bucket_index, source, staging)
-            return
-        if self.comm.size > 1 and not self._divides_shard(source.dtype) and (
+        expert = getattr(bucket, "expert_local", False)
+        comm = partition_comm(bucket, self.comm)  # experts: their expert-data-parallel group
+        if expert:  # divided by the data-parallel size, before the sum over the expert replicas
+            if self.comm.size > 1 and (self.keeps_full_grads or not self._predivides(bucket)):
+                source.div_(self.comm.size)
+            if comm.size == 1:
+                self._keep_local(bucket_index, source, staging)
+                return
+        elif self.comm.size > 1 and not self._divides_shard(source.dtype) and (
                 self.keeps_full_grads or not self._predivides(bucket)):
             source.div_(self.comm.size)
         if self.stage == 0:
-            handle = self.comm.all_reduce(source, async_op=True)
+            handle = comm.all_reduce(source, async_op=True)
             reduced = source
-        elif self.quantized_reducers:  # qgZ: quantized all-to-all reduce (+ LoCo)
+        elif self.quantized_reducers and not expert:  # qgZ: quantized all-to-all reduce (+ LoCo)
             reduced, handle = self.quantized_reducers[bucket_index](source)
         else:
             storage = self._shard_storage[bucket_index] if self.stage == 2 else None
@@ -227,17 +236,15 @@ class GradReducer:
                 reduced = storage  # first reduction since zero(): straight into the kept shard
             else:
                 reduced = torch.empty(bucket.shard_numel, dtype=source.dtype, device=source.device)
-            handle = self.comm.reduce_scatter(reduced, source, async_op=True)
+            handle = comm.reduce_scatter(reduced, source, async_op=True)
         # Keep `source` alive until the collective is done; the staging buffer is reused after it.
         self._pending.append((bucket_index, handle, reduced if self.stage > 0 else source, staging))
         self._drain(keep=1)
 
     def _keep_local(self, bucket_index: int, source: torch.Tensor, staging: Optional[torch.Tensor]) -> None:
-        """An expert-local bucket: its gradient already holds every rank's tokens routed to this rank's
-        experts, so it is not reduced, only divided by the data-parallel size (the loss is the mean of
-        the ranks' losses). Queued like a collective so shards still become final in bucket order."""
-        if self.comm.size > 1 and (self.keeps_full_grads or not self._predivides(self.buckets[bucket_index])):
-            source.div_(self.comm.size)
+        """An expert-local bucket no other rank holds (ep_size == dp size): its gradient, already divided
+        by the data-parallel size, holds every rank's tokens routed to this rank's experts, so it is not
+        reduced. Queued like a collective so shards still become final in bucket order."""
         reduced = source
         if self.stage == 2:  # the staging buffer is reused: keep the result in the bucket's shard storage
             storage = self._shard_storage[bucket_index]
