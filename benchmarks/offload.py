@@ -7,8 +7,10 @@
    fused CPU AdamW alone and with the separate multiply and copy passes it needed, torch
    AdamW(foreach=True), and DeepSpeedCPUAdam (when it imports and builds).
 2. Step time of the ~70M GPT at world size 2 (gloo, 1 thread per rank, ZeRO-2) with
-   cpu offload and cpu offload + super_offload, with clipping at 1.0 and without clipping;
-   the speculative steps / rollbacks / redone steps come from `engine.offload_stats()`.
+   cpu offload and cpu offload + super_offload, with clipping at 1.0 and without clipping: each
+   launch builds both engines (same seed, same batches) and alternates their steps, so that a slow
+   spell of the machine hits both alike; "vs plain" is the median over steps of the per-step ratio.
+   The speculative steps / rollbacks / redone steps come from `engine.offload_stats()`.
    `--world 1` runs one rank whose compute uses one thread, leaving the second core to the
    host optimizer: the layout of a GPU job (the device computes, the host's cores are free),
    where super_offload's overlap can pay; small batches (`--batch 1 --seq-len 32`) make the
@@ -133,6 +135,8 @@ MODES = [("cpu offload, clip 1.0", {"device": "cpu"}, 1.0),
 
 
 def worker(spec: dict) -> None:
+    """One rank: an engine per mode in `spec["modes"]` (same seed, same batches), their steps alternated
+    (A, B, A, B, ...) so that a slow spell of the machine hits every mode alike."""
     import torch.distributed as dist
 
     import zerotrain
@@ -141,42 +145,49 @@ def worker(spec: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    _, block, clip = MODES[spec["mode"]]
-    torch.manual_seed(1234)
-    model = GPT(GPTConfig.preset(spec["model"]))
-    config = {"train_micro_batch_size_per_gpu": spec["batch"], "gradient_clipping": clip, "steps_per_print": 0,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-              "zero_optimization": {"stage": 2, "reduce_bucket_size": spec["bucket"], "offload_optimizer": block}}
-    engine, *_ = zerotrain.initialize(model=model, config=config)
+    engines = []
+    for mode in spec["modes"]:
+        _, block, clip = MODES[mode]
+        torch.manual_seed(1234)
+        model = GPT(GPTConfig.preset(spec["model"]))
+        config = {"train_micro_batch_size_per_gpu": spec["batch"], "gradient_clipping": clip, "steps_per_print": 0,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+                  "zero_optimization": {"stage": 2, "reduce_bucket_size": spec["bucket"], "offload_optimizer": block}}
+        engines.append(zerotrain.initialize(model=model, config=config)[0])
     gen = torch.Generator().manual_seed(rank)
-    rows = []
+    rows: list[list[list[float]]] = [[] for _ in engines]
     for _ in range(spec["warmup"] + spec["steps"]):
         x = torch.randint(0, 256, (spec["batch"], spec["seq_len"]), generator=gen)
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = engine(x, x)[1]
-        t1 = time.perf_counter()
-        engine.backward(loss)
-        t2 = time.perf_counter()
-        engine.step()
-        t3 = time.perf_counter()
-        rows.append([t1 - t0, t2 - t1, t3 - t2, t3 - t0])
-    times = torch.tensor(rows[spec["warmup"]:], dtype=torch.float64)
+        for engine, engine_rows in zip(engines, rows):
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = engine(x, x)[1]
+            t1 = time.perf_counter()
+            engine.backward(loss)
+            t2 = time.perf_counter()
+            engine.step()
+            t3 = time.perf_counter()
+            engine_rows.append([t1 - t0, t2 - t1, t3 - t2, t3 - t0])
+    times = torch.tensor([r[spec["warmup"]:] for r in rows], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank, per step and phase
     if rank == 0:
-        Path(spec["out"]).write_text(json.dumps({"times": times.tolist(), "stats": engine.offload_stats()}))
-    engine.close()
+        Path(spec["out"]).write_text(json.dumps({"times": times.tolist(),
+                                                 "stats": [engine.offload_stats() for engine in engines]}))
+    for engine in engines:
+        engine.close()
     dist.destroy_process_group()
 
 
 def step_rows(args) -> list[tuple]:
-    rows, plain = [], {}
-    for index, (label, _, clip) in enumerate(MODES):
+    """Plain vs super_offload, with and without clipping: one launch per clipping setting, both engines
+    in it, steps alternated; the ratio is the median over steps of super / plain of the same step."""
+    rows = []
+    for pair in ((0, 1), (2, 3)):
         with tempfile.TemporaryDirectory() as directory:
             out = os.path.join(directory, "out.json")
-            spec = dict(mode=index, out=out, model=args.model, batch=args.batch, seq_len=args.seq_len, bucket=args.bucket,
-                        steps=args.steps, warmup=args.warmup)
-            port = str(29500 + os.getpid() % 1000 + index)
+            spec = dict(modes=list(pair), out=out, model=args.model, batch=args.batch, seq_len=args.seq_len,
+                        bucket=args.bucket, steps=args.steps, warmup=args.warmup)
+            port = str(29500 + os.getpid() % 1000 + pair[0])
             procs = []
             for rank in range(args.world):
                 env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(args.world), LOCAL_RANK=str(rank),
@@ -185,20 +196,18 @@ def step_rows(args) -> list[tuple]:
                 procs.append(subprocess.Popen([sys.executable, __file__, "--_worker", json.dumps(spec)], env=env))
             codes = [p.wait(timeout=args.timeout) for p in procs]
             if any(codes) or not os.path.exists(out):
-                rows.append((label, f"failed (exit codes {codes})", "", "", "", "", ""))
+                rows.extend((MODES[mode][0], f"failed (exit codes {codes})", "", "", "", "", "") for mode in pair)
                 continue
             result = json.loads(Path(out).read_text())
-        med = [statistics.median(col) for col in zip(*result["times"])]
-        stats = result["stats"]
-        key = "clip" if clip else "noclip"
-        ratio = "1.00"
-        if "super" in label and key in plain:
-            ratio = f"{med[3] / plain[key]:.2f}"
-        else:
-            plain[key] = med[3]
-        spec_info = (f"{stats.get('speculative_steps', 0)}/{stats.get('committed', 0)}/{stats.get('clip_redos', 0)}/"
-                     f"{stats.get('not_speculated', 0)}" if "super" in label else "-")
-        rows.append((label, f"{med[0]:.2f}", f"{med[1]:.2f}", f"{med[2]:.3f}", f"{med[3]:.2f}", ratio, spec_info))
+        plain_totals = [step[3] for step in result["times"][0]]
+        for mode, times, stats in zip(pair, result["times"], result["stats"]):
+            label = MODES[mode][0]
+            med = [statistics.median(col) for col in zip(*times)]
+            ratio = statistics.median(step[3] / plain for step, plain in zip(times, plain_totals))
+            spec_info = (f"{stats.get('speculative_steps', 0)}/{stats.get('committed', 0)}/"
+                         f"{stats.get('clip_redos', 0)}/{stats.get('not_speculated', 0)}" if "super" in label else "-")
+            rows.append((label, f"{med[0]:.2f}", f"{med[1]:.2f}", f"{med[2]:.3f}", f"{med[3]:.2f}", f"{ratio:.2f}",
+                         spec_info))
     return rows
 
 

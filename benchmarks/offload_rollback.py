@@ -1,6 +1,8 @@
-"""SuperOffload rollback: invert the AdamW update vs restore a saved copy (exactness and cost).
+"""SuperOffload rollback: invert the AdamW update vs restore a saved copy vs step out of place.
 
-Also times one fused CPU AdamW step (the cost a rollback is compared with).
+Also times one fused CPU AdamW step (the cost a rollback is compared with), and zerotrain's CPU Adam
+kernel in place and out of place (`step_to`: the step written into spare buffers, the current ones
+untouched, so a rollback costs nothing and a commit is a swap; what super_offload does now).
 
     .venv/bin/python benchmarks/offload_rollback.py [--numel 50000000] [--threads 1]
 """
@@ -76,11 +78,32 @@ def main():
     t_save, t_restore = timed(save), timed(restore)
     scratch = [t.clone() for t in live]  # timing only: the values are thrown away
     t_inv = timed(lambda: invert_adamw_(*scratch, g, 4))
+    from zerotrain.offload.cpu_adam import CpuAdamStepper, kernel
+
+    t_kernel = t_kernel_to = t_save_kernel = math.nan
+    if kernel() is not None:
+        mine = scratch[0].clone()
+        own = torch.optim.AdamW([mine], lr=LR, weight_decay=WD, betas=(B1, B2), eps=EPS, fused=True)
+        stepper = CpuAdamStepper(own)
+        stepper.step(mine, g, 0)
+        spare = tuple(torch.empty_like(mine) for _ in range(3))
+        t_kernel = timed(lambda: stepper.step(mine, g, 0))
+        t_kernel_to = timed(lambda: stepper.step_to(mine, g, 0, spare))
+        kept = [mine, own.state[mine]["exp_avg"], own.state[mine]["exp_avg_sq"]]
+
+        def save_then_step():
+            for b, t in zip(backups, kept):
+                b.copy_(t)
+            stepper.step(mine, g, 0)
+        t_save_kernel = timed(save_then_step)
     print(f"numel {n:,}, {args.threads} thread(s)")
     print(f"fused AdamW step          {t_step * 1e3:8.1f} ms  ({n / t_step / 1e9:.2f} Gparam/s)")
     print(f"rollback by inversion     {t_inv * 1e3:8.1f} ms  (only on rollback; not exact)")
     print(f"rollback by copy: save    {t_save * 1e3:8.1f} ms  (every speculative step)")
     print(f"rollback by copy: restore {t_restore * 1e3:8.1f} ms  (only on rollback; exact)")
+    print(f"zerotrain kernel in place           {t_kernel * 1e3:8.1f} ms")
+    print(f"zerotrain kernel, save + step       {t_save_kernel * 1e3:8.1f} ms  (speculative step before)")
+    print(f"zerotrain kernel out of place       {t_kernel_to * 1e3:8.1f} ms  (speculative step now; rollback free)")
 
 
 if __name__ == "__main__":

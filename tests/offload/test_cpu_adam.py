@@ -53,6 +53,43 @@ def test_kernel_equals_torch_fused_bitwise_on_several_groups(cls):
         torch.testing.assert_close(param, default, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
+def test_out_of_place_step_leaves_inputs_and_swap_in_equals_torch_fused(cls):
+    """SuperOffload's speculative step: `step_to` writes the step into spare buffers (the master and
+    state keep their values, a dropped step costs nothing); `swap_in` keeps it, bit for bit torch's step."""
+    ref_params, ref_opt = _groups(cls, fused=True)
+    params, opt = _groups(cls, fused=True)
+    stepper = CpuAdamStepper(opt)
+    spares = [tuple(torch.full((n,), float("nan")) for _ in range(3)) for n in SIZES]
+    copies = [torch.empty(n, dtype=torch.bfloat16) for n in SIZES]
+    for round_ in range(4):
+        grads = [torch.randn(n) for n in SIZES]
+        for ref, grad in zip(ref_params, grads):
+            ref.grad = grad * 0.5
+        if round_ != 2:
+            ref_opt.step()
+        for index, (param, grad) in enumerate(zip(params, grads)):
+            before = [param.clone()] + [t.clone() for t in opt.state[param].values()] if opt.state[param] else []
+            stepper.step_to(param, grad, index, spares[index], 0.5, copy_to=copies[index])
+            assert torch.equal(copies[index], spares[index][0].to(torch.bfloat16))
+            if before:
+                assert all(torch.equal(a, b) for a, b in zip(before, [param] + list(opt.state[param].values())))
+            if round_ != 2:  # round 2 is dropped: nothing to undo
+                spares[index] = stepper.swap_in(param, spares[index])
+    for index, (ref, param) in enumerate(zip(ref_params, params)):
+        assert torch.equal(param, ref)
+        assert opt.param_groups[index]["params"][0] is param  # the same tensor object, new storage
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[param][key], ref_opt.state[ref][key]), key
+
+
+def test_out_of_place_buffers_must_be_distinct():
+    ok = torch.ones(64)
+    with pytest.raises(ValueError, match="distinct"):
+        adam_step(ok, ok.clone(), ok.clone(), ok.clone(), torch.tensor(1.0), lr=1e-3, beta1=0.9, beta2=0.999,
+                  eps=1e-8, weight_decay=0.0, decoupled=True, out=(ok, ok.clone(), ok.clone()))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_copy_back_writes_the_training_dtype(dtype):
     torch.manual_seed(1)

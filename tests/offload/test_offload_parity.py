@@ -18,6 +18,9 @@ def _modes(nvme_path: str) -> list[tuple[str, int, dict]]:
         ("nvme stage 2", 2, {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 2}),
         ("super_offload stage 2", 2, {"device": "cpu", "super_offload": True, "super_offload_speculation": "always"}),
         ("super_offload stage 1, adaptive", 1, {"device": "cpu", "super_offload": True}),
+        # torch's own step (not the CPU Adam kernel): speculation saves a copy and steps in place
+        ("super_offload stage 2, torch step", 2, {"device": "cpu", "super_offload": True,
+                                                  "super_offload_speculation": "always"}),
         ("cpu ratio 0.5 stage 2", 2, {"device": "cpu", "ratio": 0.5}),
     ]
 
@@ -30,6 +33,10 @@ def train_modes(nvme_path: str) -> list:
         engine = build_engine(stage, block)
         opt = engine.zero_optimizer
         assert isinstance(opt, offload.OffloadOptimizer), what
+        if "torch step" in what:
+            for group in opt.optimizer.param_groups:
+                group["fused"] = False
+            assert not any(opt.cpu_adam.supports(m, b.group_index) for m, b in zip(opt.masters, engine.buckets))
         losses, norms = train_steps(engine, world_batches(2))
         accounting = {"split": opt.memory_split(), "offloaded": list(opt.offloaded),
                       "shard_numels": [b.shard_numel for b in engine.buckets], "offloaded_bytes": opt.offloaded_bytes(),
@@ -64,6 +71,12 @@ def test_offload_modes_match_single_process(tmp_path):
             assert stats["clip_redos"] == sum(clipped) and stats["rollbacks"] == sum(clipped), (what, stats)
             assert stats["committed"] == len(losses) - sum(clipped), (what, stats)
             assert stats["bucket_updates"] >= len(losses), (what, stats)
+            spares = accounting["split"]["host_buffers"]  # out of place: one spare master + states per element
+            if "torch step" in what:
+                # the saved copy of masters and states instead, and unscaled host copies of the gradients
+                assert spares == accounting["split"]["host"] + sum(accounting["shard_numels"]) * 4, (what, accounting)
+            else:
+                assert spares == sum(accounting["shard_numels"]) * 12, (what, accounting)
         if "nvme" in what:
             assert kind == "NvmeOffloadOptimizer"
             assert stats["nvme_bytes_written"] > 0 and stats["nvme_bytes_read"] > 0, stats

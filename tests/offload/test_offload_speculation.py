@@ -159,14 +159,14 @@ def failing_speculation(precision: str) -> dict:
     engine = _engine(2, {"device": "cpu", "super_offload": True, "super_offload_speculation": "always"}, precision)
     opt = engine.zero_optimizer
     rank = int(os.environ["RANK"])
-    real_native_step = opt.native_step
+    real_step_to = opt.cpu_adam.step_to
     outcome = {}
 
-    def failing_native_step(index, grad, multiplier, copy_back=True):
+    def failing_step_to(*args, **kwargs):
         outcome["calls"] = outcome.get("calls", 0) + 1
         if outcome["calls"] == 2:
             raise RuntimeError("injected failure in the speculative update")
-        return real_native_step(index, grad, multiplier, copy_back)
+        return real_step_to(*args, **kwargs)
 
     real_backward = engine.backward
 
@@ -174,7 +174,7 @@ def failing_speculation(precision: str) -> dict:
         if engine.is_gradient_accumulation_boundary() and engine.global_steps == FAIL_STEP:
             outcome["before"] = snapshot(engine)
             if rank == 1:  # switched off after the failed step (the updates run in the background thread)
-                opt.native_step = failing_native_step
+                opt.cpu_adam.step_to = failing_step_to
         return real_backward(loss)
 
     def at_boundary(step: int) -> bool:
@@ -185,7 +185,7 @@ def failing_speculation(precision: str) -> dict:
             with pytest.raises(SpeculationError) as raised:
                 engine.step()
         finally:
-            opt.native_step = real_native_step
+            opt.cpu_adam.step_to = real_step_to
         outcome["seconds"] = time.perf_counter() - start
         outcome["message"] = str(raised.value)
         assert engine.global_steps == FAIL_STEP

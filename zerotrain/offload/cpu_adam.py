@@ -43,6 +43,9 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 typedef struct {
     float multiplier, decay_factor, weight_decay, lerp_weight, beta2, sq_coeff, bc2_sqrt, eps, neg_step_size;
@@ -56,34 +59,86 @@ static inline uint16_t zt_bf16(float x) {  /* round to nearest even, as torch */
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* One element: reads p_in/m_in/v_in at i, writes p_out/m_out/v_out (the same arrays when in place). */
+#define ZT_ELEMENT(p_in, m_in, v_in, p_out, m_out, v_out)                        \
+    {                                                                             \
+        float g = g_in[i] * a.multiplier;                                         \
+        float pv = p_in[i];                                                       \
+        if (decay_mode == 1) pv = pv * a.decay_factor;                            \
+        if (decay_mode == 2) g = fmaf(pv, a.weight_decay, g);                     \
+        float mv = m_in[i];                                                       \
+        mv = fmaf(lerp_coeff, g - mv, lerp_small ? mv : g);                       \
+        float vv = fmaf(a.sq_coeff * g, g, v_in[i] * a.beta2);                    \
+        m_out[i] = mv;                                                            \
+        v_out[i] = vv;                                                            \
+        float denom = sqrtf(vv) / a.bc2_sqrt + a.eps;                             \
+        pv = pv + a.neg_step_size * mv / denom;                                   \
+        p_out[i] = pv;                                                            \
+        if (copy_kind == 1) out32[i] = pv;                                        \
+        if (copy_kind == 2) out16[i] = zt_bf16(pv);                               \
+        if (copy_kind == 3) outh[i] = (_Float16)pv;                               \
+    }
+
+#define ZT_PROLOGUE                                                               \
+    float *restrict out32 = (float *)out;                                         \
+    uint16_t *restrict out16 = (uint16_t *)out;                                   \
+    _Float16 *restrict outh = (_Float16 *)out;                                    \
+    const int lerp_small = fabsf(a.lerp_weight) < 0.5f;                           \
+    const float lerp_coeff = lerp_small ? a.lerp_weight : a.lerp_weight - 1.0f;
+
 static inline __attribute__((always_inline)) void zt_body(
         float *restrict p, const float *restrict g_in, float *restrict m, float *restrict v,
         void *restrict out, int64_t n, const zt_adam_args a, const int decay_mode, const int copy_kind) {
-    float *restrict out32 = (float *)out;
-    uint16_t *restrict out16 = (uint16_t *)out;
-    _Float16 *restrict outh = (_Float16 *)out;
-    const int lerp_small = fabsf(a.lerp_weight) < 0.5f;
-    const float lerp_coeff = lerp_small ? a.lerp_weight : a.lerp_weight - 1.0f;
-    for (int64_t i = 0; i < n; i++) {
-        float g = g_in[i] * a.multiplier;
-        float pv = p[i];
-        if (decay_mode == 1) pv = pv * a.decay_factor;
-        if (decay_mode == 2) g = fmaf(pv, a.weight_decay, g);
-        float mv = m[i];
-        mv = fmaf(lerp_coeff, g - mv, lerp_small ? mv : g);
-        float vv = fmaf(a.sq_coeff * g, g, v[i] * a.beta2);
-        m[i] = mv;
-        v[i] = vv;
-        float denom = sqrtf(vv) / a.bc2_sqrt + a.eps;
-        pv = pv + a.neg_step_size * mv / denom;
-        p[i] = pv;
-        if (copy_kind == 1) out32[i] = pv;
-        if (copy_kind == 2) out16[i] = zt_bf16(pv);
-        if (copy_kind == 3) outh[i] = (_Float16)pv;
+    ZT_PROLOGUE
+    for (int64_t i = 0; i < n; i++) ZT_ELEMENT(p, m, v, p, m, v)
+}
+
+/* Out of place: the inputs are left as they were (a speculative step that may be dropped). Each block is
+   computed into L1-resident arrays and then streamed out with non-temporal stores: plain stores to
+   lines not in cache would first read them (read-for-ownership), 12 more bytes per element. */
+#define ZT_BLOCK 1024
+
+static inline void zt_stream(float *restrict dst, const float *restrict src, int64_t n) {
+#if defined(__AVX512F__)
+    if (((uintptr_t)dst & 63) == 0 && n % 16 == 0) {
+        for (int64_t i = 0; i < n; i += 16) _mm512_stream_ps(dst + i, _mm512_load_ps(src + i));
+        return;
     }
+#elif defined(__AVX__)
+    if (((uintptr_t)dst & 31) == 0 && n % 8 == 0) {
+        for (int64_t i = 0; i < n; i += 8) _mm256_stream_ps(dst + i, _mm256_load_ps(src + i));
+        return;
+    }
+#endif
+    memcpy(dst, src, (size_t)n * sizeof(float));
+}
+
+static inline __attribute__((always_inline)) void zt_body_to(
+        const float *restrict p_all, const float *restrict g_all, const float *restrict m_all,
+        const float *restrict v_all, float *restrict p_out, float *restrict m_out, float *restrict v_out,
+        void *restrict out_all, int64_t n, const zt_adam_args a, const int decay_mode, const int copy_kind) {
+    float tp[ZT_BLOCK] __attribute__((aligned(64)));
+    float tm[ZT_BLOCK] __attribute__((aligned(64)));
+    float tv[ZT_BLOCK] __attribute__((aligned(64)));
+    const int64_t out_size = copy_kind == 1 ? 4 : 2;
+    for (int64_t base = 0; base < n; base += ZT_BLOCK) {
+        const int64_t len = n - base < ZT_BLOCK ? n - base : ZT_BLOCK;
+        const float *restrict p = p_all + base, *restrict g_in = g_all + base;
+        const float *restrict m = m_all + base, *restrict v = v_all + base;
+        void *restrict out = copy_kind ? (void *)((char *)out_all + base * out_size) : out_all;
+        ZT_PROLOGUE
+        for (int64_t i = 0; i < len; i++) ZT_ELEMENT(p, m, v, tp, tm, tv)
+        zt_stream(p_out + base, tp, len);
+        zt_stream(m_out + base, tm, len);
+        zt_stream(v_out + base, tv, len);
+    }
+#if defined(__SSE__)
+    _mm_sfence();  /* the streamed stores are visible before the caller goes on */
+#endif
 }
 
 #define ZT_CASE(D, C) case (D) * 4 + (C): zt_body(p, g, m, v, out, n, a, D, C); break;
+#define ZT_CASE_TO(D, C) case (D) * 4 + (C): zt_body_to(p, g, m, v, p_out, m_out, v_out, out, n, a, D, C); break;
 
 /* n must be a multiple of 16 (the caller hands the rest to torch's scalar tail). */
 void zt_adam_step(float *restrict p, const float *restrict g, float *restrict m, float *restrict v,
@@ -93,6 +148,18 @@ void zt_adam_step(float *restrict p, const float *restrict g, float *restrict m,
         ZT_CASE(0, 0) ZT_CASE(0, 1) ZT_CASE(0, 2) ZT_CASE(0, 3)
         ZT_CASE(1, 0) ZT_CASE(1, 1) ZT_CASE(1, 2) ZT_CASE(1, 3)
         ZT_CASE(2, 0) ZT_CASE(2, 1) ZT_CASE(2, 2) ZT_CASE(2, 3)
+        default: break;
+    }
+}
+
+void zt_adam_step_to(const float *restrict p, const float *restrict g, const float *restrict m,
+                     const float *restrict v, float *restrict p_out, float *restrict m_out, float *restrict v_out,
+                     void *restrict out, int64_t n, const zt_adam_args *args) {
+    const zt_adam_args a = *args;
+    switch (a.decay_mode * 4 + a.copy_kind) {
+        ZT_CASE_TO(0, 0) ZT_CASE_TO(0, 1) ZT_CASE_TO(0, 2) ZT_CASE_TO(0, 3)
+        ZT_CASE_TO(1, 0) ZT_CASE_TO(1, 1) ZT_CASE_TO(1, 2) ZT_CASE_TO(1, 3)
+        ZT_CASE_TO(2, 0) ZT_CASE_TO(2, 1) ZT_CASE_TO(2, 2) ZT_CASE_TO(2, 3)
         default: break;
     }
 }
@@ -174,6 +241,8 @@ def kernel() -> Optional[ctypes.CDLL]:
                 lib = ctypes.CDLL(str(_build(compiler)))
                 lib.zt_adam_step.restype = None
                 lib.zt_adam_step.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.POINTER(_Args)]
+                lib.zt_adam_step_to.restype = None
+                lib.zt_adam_step_to.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.POINTER(_Args)]
             except (OSError, RuntimeError) as error:
                 lib, reason = None, str(error)
         if lib is None and reason != "ZEROTRAIN_CPU_ADAM=torch":
@@ -208,18 +277,28 @@ def _check(name: str, tensor: torch.Tensor, numel: int, dtypes=(torch.float32,))
 def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
               step: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
               decoupled: bool, multiplier: float = 1.0, copy_to: Optional[torch.Tensor] = None,
+              out: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
               threads: Optional[int] = None) -> None:
-    """One Adam(W) step of flat fp32 `param` in place with gradient `grad * multiplier` (`grad` is not changed).
+    """One Adam(W) step of flat fp32 `param` with gradient `grad * multiplier` (`grad` is not changed).
 
-    `step` is the state's step count, already incremented for this step (as torch's fused step
-    does); `copy_to`, if given, receives the updated weights in its dtype (fp32, bf16 or fp16).
-    Bit-identical to torch's fused Adam (`decoupled=False`) / AdamW (`decoupled=True`).
+    In place, or with `out=(param_out, exp_avg_out, exp_avg_sq_out)` into those (distinct) buffers,
+    leaving `param`, `exp_avg` and `exp_avg_sq` as they were: a step that may be dropped costs no
+    copy (SuperOffload's speculation). `step` is the state's step count, already incremented for
+    this step (as torch's fused step does); `copy_to`, if given, receives the updated weights in its
+    dtype (fp32, bf16 or fp16). Bit-identical to torch's fused Adam (`decoupled=False`) / AdamW
+    (`decoupled=True`).
     """
     lib = kernel()
     if lib is None:
         raise RuntimeError("CPU Adam kernel unavailable: check kernel() before calling adam_step")
     numel = param.numel()
-    for name, tensor in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+    named = [("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
+    if out is not None:
+        named += list(zip(("param_out", "exp_avg_out", "exp_avg_sq_out"), out))
+        pointers = [t.data_ptr() for _, t in named]
+        if len(set(pointers)) != len(pointers):
+            raise ValueError("CPU Adam: the out= buffers must be distinct from each other and from the inputs")
+    for name, tensor in named:
         _check(name, tensor, numel)
     if copy_to is not None:
         _check("copy_to", copy_to, numel, tuple(_COPY_KINDS))
@@ -236,11 +315,14 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
         per = -(-body // threads)
         per += -per % _ALIGN
         spans = [(start, min(per, body - start)) for start in range(0, body, per)]
-        tensors = (param, grad, exp_avg, exp_avg_sq, copy_to)
+        if out is None:
+            function, tensors = lib.zt_adam_step, (param, grad, exp_avg, exp_avg_sq, copy_to)
+        else:
+            function, tensors = lib.zt_adam_step_to, (param, grad, exp_avg, exp_avg_sq, *out, copy_to)
 
         def run(start: int, size: int) -> None:
             pointers = [t.data_ptr() + start * t.element_size() if t is not None else None for t in tensors]
-            lib.zt_adam_step(*pointers, size, ctypes.byref(args))
+            function(*pointers, size, ctypes.byref(args))
 
         futures = [_executor(len(spans) - 1).submit(run, *span) for span in spans[1:]] if len(spans) > 1 else []
         run(*spans[0])
@@ -249,11 +331,16 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
     if body < numel:  # torch's scalar tail, by torch's own kernel on the last few elements
         tail = slice(body, numel)
         tail_grad = grad[tail] * multiplier if multiplier != 1.0 else grad[tail]
+        targets = (param, exp_avg, exp_avg_sq)
+        if out is not None:
+            for source, target in zip(targets, out):
+                target[tail].copy_(source[tail])
+            targets = out
         fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
-        fused([param[tail]], [tail_grad], [exp_avg[tail]], [exp_avg_sq[tail]], [], [step], lr=lr, beta1=beta1,
-              beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+        fused([targets[0][tail]], [tail_grad], [targets[1][tail]], [targets[2][tail]], [], [step], lr=lr,
+              beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
         if copy_to is not None:
-            copy_to[tail].copy_(param[tail])
+            copy_to[tail].copy_(targets[0][tail])
 
 
 class CpuAdamStepper:
@@ -281,19 +368,46 @@ class CpuAdamStepper:
         return all(isinstance(x, (int, float)) for x in numbers) and master.dtype == torch.float32 \
             and master.device.type == "cpu" and master.is_contiguous()
 
-    def step(self, master: torch.Tensor, grad: torch.Tensor, group_index: int, multiplier: float = 1.0,
-             copy_to: Optional[torch.Tensor] = None) -> None:
-        """One step of `master` with `grad * multiplier`; the new weights also go to `copy_to` if given."""
-        group = self.optimizer.param_groups[group_index]
+    def _state(self, master: torch.Tensor) -> dict:
         state = self.optimizer.state[master]
-        if not state:
+        if not state:  # what torch's fused step creates
             state["step"] = torch.zeros((), dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-        state["step"].add_(1)
-        decoupled = group.get("decoupled_weight_decay", type(self.optimizer) is torch.optim.AdamW)
+        return state
+
+    def _hyper(self, group_index: int) -> dict:
+        group = self.optimizer.param_groups[group_index]
         beta1, beta2 = group["betas"]
-        adam_step(master, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr=float(group["lr"]),
-                  beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                  weight_decay=float(group["weight_decay"]), decoupled=bool(decoupled), multiplier=multiplier,
-                  copy_to=copy_to)
+        return dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]),
+                    decoupled=bool(group.get("decoupled_weight_decay", type(self.optimizer) is torch.optim.AdamW)))
+
+    def step(self, master: torch.Tensor, grad: torch.Tensor, group_index: int, multiplier: float = 1.0,
+             copy_to: Optional[torch.Tensor] = None) -> None:
+        """One step of `master` with `grad * multiplier`; the new weights also go to `copy_to` if given."""
+        state = self._state(master)
+        state["step"].add_(1)
+        adam_step(master, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], multiplier=multiplier,
+                  copy_to=copy_to, **self._hyper(group_index))
+
+    def step_to(self, master: torch.Tensor, grad: torch.Tensor, group_index: int,
+                out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], multiplier: float = 1.0,
+                copy_to: Optional[torch.Tensor] = None) -> None:
+        """The step `step()` would take, written into `out` = (master, exp_avg, exp_avg_sq) buffers: `master`
+        and its state keep their values (a fresh state is created, as zeros at step 0). `swap_in` keeps it."""
+        state = self._state(master)
+        adam_step(master, grad, state["exp_avg"], state["exp_avg_sq"], state["step"] + 1, multiplier=multiplier,
+                  copy_to=copy_to, out=out, **self._hyper(group_index))
+
+    def swap_in(self, master: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Make the step `step_to` wrote into `out` the current one by swapping buffers (no copy): `master`
+        (the same tensor object, so optimizer groups and state keys still hold) now has `out[0]`'s storage.
+        Returns the previous buffers, free for the next `step_to`."""
+        state = self.optimizer.state[master]
+        previous = (master.detach(), state["exp_avg"], state["exp_avg_sq"])
+        master.data = out[0]
+        state["exp_avg"], state["exp_avg_sq"] = out[1], out[2]
+        state["step"].add_(1)
+        return previous

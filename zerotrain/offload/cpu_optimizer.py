@@ -225,11 +225,16 @@ class OffloadOptimizer(ShardedOptimizer):
         """Step bucket `index` with zerotrain's CPU Adam kernel (`cpu_adam`) in one pass: the multiplier is
         applied as the gradient is read (the reduced gradient is left as it was) and, with `copy_back`, the
         new weights are cast into the model shard. Returns whether the model shard was written."""
-        on_host = grad.device.type == "cpu" and grad.dtype == torch.float32 and grad.is_contiguous()
-        host = grad if on_host else self.host_grads.get(index, grad)
         target = self.model_shard_target(index) if copy_back else None
-        self.cpu_adam.step(self.masters[index], host, self.buckets[index].group_index, multiplier, copy_to=target)
+        self.cpu_adam.step(self.masters[index], self.kernel_gradient(index, grad), self.buckets[index].group_index,
+                           multiplier, copy_to=target)
         return target is not None
+
+    def kernel_gradient(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        """The reduced gradient as the CPU Adam kernel reads it: itself when it is a contiguous fp32 host
+        tensor, else its host copy (not multiplied: the kernel applies the multiplier as it reads)."""
+        on_host = grad.device.type == "cpu" and grad.dtype == torch.float32 and grad.is_contiguous()
+        return grad if on_host else self.host_grads.get(index, grad)
 
     def update(self, grad_shards: list[torch.Tensor], multiplier: float, indices) -> None:
         """One optimizer step over buckets `indices` (host and device ones together, one fused call).

@@ -16,32 +16,37 @@ So a run with `super_offload` computes exactly what the plain offload run comput
 gradient clipping on (DeepSpeed turns speculation off then) and on CPU-only machines.
 
 With zerotrain's CPU Adam kernel (groups on fused Adam/AdamW) a bucket's speculative update is
-one pass: it reads the reduced gradient times 1/loss_scale (no copy, no `mul_`) and casts the
-new weights into the model shard (a CPU shard), so a committed step publishes only the
-all-gather. Those buckets' weights are no longer needed by the backward still running (their
-gradients are final). A rollback casts the restored masters into the shards again, and the
-engine calls `before_model_use()` before any forward/backward, which rolls back pending
-speculative writes: a model used again before `step()` sees the last step's weights.
+one out-of-place pass (`CpuAdamStepper.step_to`): it reads the master, the states and the reduced
+gradient times 1/loss_scale (no copy, no `mul_`), writes the new master and states into the bucket's
+spare buffers (non-temporal stores) and casts the new weights into the model shard (a CPU shard).
+The current masters and states are not touched until `step()` keeps the update by swapping the
+buffers in (`swap_in`: no copy; the master stays the same tensor object). So a rollback copies
+nothing (it recasts the model shard from the unchanged master), and a committed step publishes
+only the all-gather. The model shard's weights are no longer needed by the backward still running
+(those gradients are final), and the engine calls `before_model_use()` before any
+forward/backward, which drops pending speculative updates that wrote shards: a model used again
+before `step()` sees the last step's weights.
 
 A failing update (an exception in the background thread) on any rank is agreed on with one
 all-reduce of per-rank flags at the engine's first synchronizing call of the step
 (`has_overflow()` or `step()`): every rank rolls back and raises `SpeculationError` naming the
 failing ranks, instead of the healthy ranks waiting out the comm timeout.
 
-Rollback: restore a copy saved just before the speculative step, not invert AdamW.
-Measured here (`benchmarks/offload_rollback.py`, 50M fp32 parameters, 1 thread, best of 3;
-Mon Nov 23 2026 14:31 UTC, under the lock; RESULTS_offload.md has the 2-thread run):
+Rollback, measured (`benchmarks/offload_rollback.py`, 50M fp32 parameters, 1 thread, best of 3;
+Mon Nov 23 2026, RESULTS_offload.md):
 
-    fused AdamW step                       29 ms
-    save param+exp_avg+exp_avg_sq copy     47 ms  (every speculative step, in the background thread)
-    restore the copy                       44 ms  (only on rollback) -- bitwise exact
-    invert AdamW (m, v, decoupled decay)  273 ms  (only on rollback) -- NOT exact in fp32:
+    zerotrain kernel step in place           26-35 ms
+    save a copy + step in place              70-88 ms  (the speculative step until Nov 23 evening)
+    step out of place (spare buffers)        48-58 ms  (now; rollback: nothing to restore)
+    restore a saved copy                     44-55 ms  (only on rollback) -- bitwise exact
+    invert AdamW (m, v, decoupled decay)    273-288 ms (only on rollback) -- NOT exact in fp32:
         exp_avg max rel err 3.6e-2 (44% of elements differ: m' - (1-b1) g cancels),
         param 1.2e-4, exp_avg_sq 1.6e-7
 
-Restoring a copy is exact and 6x cheaper than inverting; its costs are the save (hidden
-in the background thread while backward runs, where a core is free) and host memory for one
-copy of the offloaded masters and states (12 bytes per parameter with Adam).
+Stepping out of place is exact, moves the fewest bytes during backward (the Adam step's own 28 B per
+parameter; the save copied 24 B more) and makes a rollback free. It costs host memory for one spare
+set of masters and states (12 bytes per offloaded parameter with Adam), as the saved copy did.
+Optimizers the kernel does not take (other types, non-fused groups) still save a copy and step in place.
 
 Policy (`offload_optimizer.super_offload_speculation`): "adaptive" (default) speculates only when
 the previous step was neither clipped nor overflowed: clipping and overflows come in runs (early
@@ -64,7 +69,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .cpu_optimizer import OffloadOptimizer
+from .cpu_optimizer import OffloadOptimizer, host_empty, tensor_bytes
 from .partial import SubsetStepper
 
 
@@ -138,7 +143,9 @@ class SuperOffloadOptimizer(OffloadOptimizer):
         self._stepper = SubsetStepper(self.optimizer)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerotrain-superoffload")
         self._futures: dict[int, Future] = {}
-        self._saved: set[int] = set()
+        self._saved: set[int] = set()  # buckets stepped in place after saving a copy (`_backups`)
+        self._pending: dict[int, bool] = {}  # buckets stepped into `_spare` -> whether their state was fresh
+        self._spare: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._scale: Optional[float] = None
         self._backups: dict[int, _Backup] = {}
         self._written: set[int] = set()  # buckets whose model shard a speculative update wrote
@@ -164,21 +171,33 @@ class SuperOffloadOptimizer(OffloadOptimizer):
         self._futures[index] = self._worker.submit(self._speculate, index, grad, 1.0 / scale, native)
 
     def _speculate(self, index: int, grad: torch.Tensor, multiplier: float, native: bool) -> None:
-        """Background thread: save a copy, step one bucket with the gradient unscaled (no clip).
+        """Background thread: step one bucket with the gradient unscaled (no clip), so that dropping the step
+        is exact and cheap.
 
-        With the CPU Adam kernel this is one pass that reads the reduced gradient times `multiplier`
-        (no copy of it, no `mul_`) and also casts the new weights into the model shard, so a committed
-        step publishes nothing more for it; other optimizers take torch's step on an unscaled copy."""
+        With the CPU Adam kernel the step is written out of place, into this bucket's spare buffers
+        (`_spare`): the masters and states keep their values until `step()` swaps the buffers in, so a
+        rollback copies nothing. It reads the reduced gradient times `multiplier` (no copy of it, no
+        `mul_`) and also casts the new weights into the model shard, so a committed step publishes nothing
+        more for it. Other optimizers take torch's step in place on an unscaled copy, after saving a copy."""
         master = self.masters[index]
-        host = None if native else self.host_gradient(index, grad, multiplier)
-        self._backups.setdefault(index, _Backup()).save(master, self.optimizer.state.get(master))
-        self._saved.add(index)
+        group_index = self.buckets[index].group_index
         if native:
-            self.native_step(index, grad, multiplier, copy_back=index in self._written)
+            fresh = not self.optimizer.state.get(master)
+            spare = self._spare.get(index)
+            if spare is None:
+                pin = master.is_pinned()
+                spare = self._spare[index] = tuple(host_empty(master.numel(), pin) for _ in range(3))
+            target = self.model_shard_target(index) if index in self._written else None
+            self._pending[index] = fresh  # before the step: a rollback drops the state a fresh step created
+            self.cpu_adam.step_to(master, self.kernel_gradient(index, grad), group_index, spare, multiplier,
+                                  copy_to=target)
         else:
+            host = self.host_gradient(index, grad, multiplier)
+            self._backups.setdefault(index, _Backup()).save(master, self.optimizer.state.get(master))
+            self._saved.add(index)
             master.grad = host
             try:
-                self._stepper.step([master], [self.buckets[index].group_index])
+                self._stepper.step([master], [group_index])
             finally:
                 master.grad = None
         self.stats["bucket_updates"] += 1
@@ -231,6 +250,9 @@ class SuperOffloadOptimizer(OffloadOptimizer):
         start = time.perf_counter()
         for index in self._saved:
             self._backups[index].restore(self.masters[index], self.optimizer.state)
+        for index, fresh in self._pending.items():  # out-of-place steps: the current buffers never changed
+            if fresh:
+                self.optimizer.state.pop(self.masters[index], None)
         for index in self._written:  # the model shard held cast(master) before the update: cast it again
             self.buckets[index].local_shard().copy_(self.masters[index])
         self.stats["rollback_seconds"] += time.perf_counter() - start
@@ -242,6 +264,7 @@ class SuperOffloadOptimizer(OffloadOptimizer):
     def _forget(self) -> None:
         self._futures.clear()
         self._saved.clear()
+        self._pending.clear()
         self._written.clear()
         self._scale = None
         self.host_grads.reset()
@@ -266,6 +289,8 @@ class SuperOffloadOptimizer(OffloadOptimizer):
         done = set(self._futures)
         if done:
             self.stats["committed"] += 1
+        for index in self._pending:  # keep the out-of-place steps: swap their buffers in
+            self._spare[index] = self.cpu_adam.swap_in(self.masters[index], self._spare[index])
         if not self._speculate_next:
             self.stats["not_speculated"] += 1
         # Clipping (or a skipped step) tends to repeat: adaptive mode speculates again only after a step
@@ -282,6 +307,7 @@ class SuperOffloadOptimizer(OffloadOptimizer):
     def memory_split(self) -> dict[str, int]:
         split = super().memory_split()
         split["host_buffers"] += sum(backup.nbytes() for backup in self._backups.values())
+        split["host_buffers"] += sum(tensor_bytes(spare) for spare in self._spare.values())
         return split
 
     def close(self) -> None:
