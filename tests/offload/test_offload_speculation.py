@@ -91,6 +91,8 @@ def test_kernel_copy_back_equals_the_device_run_bitwise(precision):
         assert plain["skipped"] == [everything] * STEPS, (rank, plain["skipped"])  # the kernel wrote every shard
         committed = spec["stats"]["committed"]
         assert committed >= 1 and spec["stats"]["clip_redos"] >= 1, spec["stats"]
+        # every offloaded bucket's share of the norm was summed during backward, every step
+        assert spec["stats"]["norm_buckets_ahead"] == len(everything) * STEPS, spec["stats"]
         assert all(s == everything for s in spec["skipped"]), (rank, spec["skipped"])  # speculated or redone
         assert spec["losses"] == plain["losses"] == device["losses"], rank
         if rank == 0:

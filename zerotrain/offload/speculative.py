@@ -58,8 +58,10 @@ norm is known, speculation resumes by itself after the first step that needed no
 (steps the adaptive policy ran without speculation),
 `bucket_updates` (speculative bucket updates), `committed` (speculative steps kept),
 `rollbacks` (steps rolled back), split by cause into `overflow_rollbacks`, `clip_redos`
-and `other_rollbacks` (loss scale moved, the model used again before the step, a failing update), and
-`rollback_seconds`.
+and `other_rollbacks` (loss scale moved, the model used again before the step, a failing update),
+`rollback_seconds`, and `norm_buckets_ahead` (buckets whose share of the gradient norm the background
+thread summed during backward, as each gradient became final, speculating or not: `step()` then only
+adds them up, in the same order, so the norm is bit for bit the one computed after backward).
 """
 from __future__ import annotations
 
@@ -146,17 +148,23 @@ class SuperOffloadOptimizer(OffloadOptimizer):
         self._saved: set[int] = set()  # buckets stepped in place after saving a copy (`_backups`)
         self._pending: dict[int, bool] = {}  # buckets stepped into `_spare` -> whether their state was fresh
         self._spare: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._norm_terms: dict[int, Future] = {}  # bucket -> GlobalGradients.bucket_terms of its final gradient
         self._scale: Optional[float] = None
         self._backups: dict[int, _Backup] = {}
         self._written: set[int] = set()  # buckets whose model shard a speculative update wrote
         self._agreed = False  # has_overflow() already agreed on this step's speculation failures
         self.stats.update(speculative_steps=0, bucket_updates=0, committed=0, rollbacks=0, overflow_rollbacks=0,
-                          clip_redos=0, other_rollbacks=0, rollback_seconds=0.0, not_speculated=0)
+                          clip_redos=0, other_rollbacks=0, rollback_seconds=0.0, not_speculated=0,
+                          norm_buckets_ahead=0)
 
     # --- during backward -----------------------------------------------------
     def _on_shard_ready(self, index: int) -> None:
         grad = self.reducer.grad_shards[index]
-        if not self.offloaded[index] or grad is None or not self._speculate_next:
+        if not self.offloaded[index] or grad is None:
+            return
+        if grad.device.type == "cpu":  # its share of the norm, off the critical path (speculating or not)
+            self._norm_terms[index] = self._worker.submit(self.gradients.bucket_terms, index, grad)
+        if not self._speculate_next:
             return
         scale = float(self._loss_scale())
         if index in self._futures or (self._scale is not None and scale != self._scale):
@@ -202,10 +210,19 @@ class SuperOffloadOptimizer(OffloadOptimizer):
                 master.grad = None
         self.stats["bucket_updates"] += 1
 
+    def grad_norm(self, grad_shards: list[torch.Tensor]) -> float:
+        """The global norm, with the squares of the buckets whose gradients became final during backward
+        already summed by the background thread (the same terms in the same order: the same bits)."""
+        terms = {index: job.result() for index, job in self._norm_terms.items()}
+        self._norm_terms.clear()
+        self.stats["norm_buckets_ahead"] += len(terms)
+        return self.gradients.norm(grad_shards, terms)
+
     def before_model_use(self) -> None:
         """Called by the engine before a forward or backward: pending speculative updates that wrote model
         weights are rolled back (exactly), so a repeated boundary forward/backward before `step()` sees the
         weights of the last step, as without speculation; `step()` then updates those buckets itself."""
+        self._drop_norm_terms()
         if self._written:
             self._rollback("other_rollbacks")
 
@@ -261,7 +278,16 @@ class SuperOffloadOptimizer(OffloadOptimizer):
             self.stats[cause] += 1
         self._forget()
 
+    def _drop_norm_terms(self) -> None:
+        for job in self._norm_terms.values():
+            try:
+                job.result()
+            except BaseException:  # noqa: BLE001 - recomputed by grad_norm() if needed
+                pass
+        self._norm_terms.clear()
+
     def _forget(self) -> None:
+        self._drop_norm_terms()
         self._futures.clear()
         self._saved.clear()
         self._pending.clear()

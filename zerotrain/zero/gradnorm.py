@@ -62,20 +62,28 @@ class GlobalGradients:
         if self.tp_comm is not None and self.tp_comm.rank != 0:
             self._split_only = [_split_ranges(bucket) for bucket in buckets]
 
-    def squared_norm(self, grad_shards: list[torch.Tensor]) -> float:
-        """Σ g² over every distinct gradient element of the model (still loss-scaled)."""
+    def bucket_terms(self, index: int, grad: torch.Tensor) -> list[torch.Tensor]:
+        """The squares bucket `index`'s gradient shard adds to the norm, in the order `squared_norm` adds
+        them: computed ahead (super_offload does it in its background thread as each bucket's gradient
+        becomes final) and handed to `squared_norm`, the sum is bit for bit the same."""
+        if not self._counted[index]:
+            return []
+        if self._split_only is None:
+            return [squared_l2(grad)]
+        return [squared_l2(grad[start:end]) for start, end in self._split_only[index]]
+
+    def squared_norm(self, grad_shards: list[torch.Tensor],
+                     terms: Optional[dict[int, list[torch.Tensor]]] = None) -> float:
+        """Σ g² over every distinct gradient element of the model (still loss-scaled); `terms` holds
+        `bucket_terms` already computed for some buckets."""
         device = grad_shards[0].device if grad_shards else torch.device("cpu")
         distinct = torch.zeros(1, dtype=torch.float32, device=device)  # summed over data-parallel ranks
         replicated = torch.zeros(1, dtype=torch.float32, device=device)  # the same on every one
         for index, grad in enumerate(grad_shards):
-            if not self._counted[index]:
-                continue
             squared = distinct if self._distinct[index] else replicated
-            if self._split_only is None:
-                squared += squared_l2(grad)
-                continue
-            for start, end in self._split_only[index]:
-                squared += squared_l2(grad[start:end])
+            known = terms.get(index) if terms else None
+            for term in known if known is not None else self.bucket_terms(index, grad):
+                squared += term
         if any(self._distinct):
             self.comm.sum_scalar(distinct)
         squared = distinct + replicated
@@ -83,9 +91,9 @@ class GlobalGradients:
             self.tp_comm.sum_scalar(squared)
         return squared.item()
 
-    def norm(self, grad_shards: list[torch.Tensor]) -> float:
-        """The global L2 norm of the (still loss-scaled) gradients."""
-        return math.sqrt(self.squared_norm(grad_shards))
+    def norm(self, grad_shards: list[torch.Tensor], terms: Optional[dict[int, list[torch.Tensor]]] = None) -> float:
+        """The global L2 norm of the (still loss-scaled) gradients (`terms`: see `squared_norm`)."""
+        return math.sqrt(self.squared_norm(grad_shards, terms))
 
     def overflow(self, grad_shards: list[torch.Tensor]) -> bool:
         """True on every rank of the grid when any rank's gradients hold inf or nan."""
