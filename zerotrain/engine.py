@@ -59,7 +59,7 @@ class ZeroTrainEngine:
         self.stage = config.zero_optimization.stage
         warn_settings_without_effect(config.zero_optimization)
         self.dtype = training_dtype(config.precision)
-        check_expert_parallel(model, config, topology)  # experts split over ranks: stages 0-2 only
+        check_expert_parallel(model, config, topology)  # experts split over ranks: what is refused with them
         self.counters = CommCounters()
         self.comm = Comm.data_parallel(topology, self.counters)
         self.tp_comm = tensor_parallel_comm(topology, self.counters) if topology.tp_size > 1 else None
@@ -82,7 +82,8 @@ class ZeroTrainEngine:
         if self.stage == 3:
             self.stage3 = partition_module(self.module, self.comm, group_of, int(zero.stage3_param_persistence_threshold),
                                            bool(zero.stage3_allgather_sequential), int(zero.stage3_prefetch_bucket_size),
-                                           int(zero.stage3_max_live_parameters), int(zero.stage3_max_reuse_distance))
+                                           int(zero.stage3_max_live_parameters), int(zero.stage3_max_reuse_distance),
+                                           experts=self.expert_groups)
             self.buckets = self.stage3.trainable
             self.stage3.use_param_store(build_param_store(self.stage3.all_parts(), zero.offload_param,
                                                           config.aio, self.comm.rank))

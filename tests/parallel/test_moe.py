@@ -89,26 +89,3 @@ def test_bad_expert_counts_are_refused():
 
     with pytest.raises(ValueError, match="top_k=5 must be between 1 and num_experts=4"):
         ExpertParallelMoE(D_MODEL, D_HIDDEN, 4, Comm(None, 0, 1), top_k=5)
-
-
-def engine_with_split_experts() -> str:
-    import zerotrain
-    from zerotrain.comm import Comm
-    from zerotrain.parallel.moe import ExpertParallelMoE
-    from zerotrain.topology import Topology
-
-    comm = Comm.data_parallel(Topology.build(timeout_seconds=60))
-    layer = ExpertParallelMoE(D_MODEL, D_HIDDEN, EXPERTS, comm, top_k=TOP_K)
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
-              "optimizer": {"type": "AdamW", "params": {"lr": LR}}}
-    try:
-        zerotrain.initialize(model=layer, config=config)
-    except NotImplementedError as error:
-        return str(error)
-    return "accepted"
-
-
-def test_engine_refuses_experts_split_over_ranks_at_stage_3():
-    """Stages 0-2 train split experts (test_moe_engine.py); stage 3 is refused with the parameters named."""
-    for message in run_distributed(engine_with_split_experts, 2):
-        assert "expert-parallel parameters" in message and "w_in" in message and "stage 3" in message, message

@@ -1,4 +1,4 @@
-"""Expert parallelism through the ZeRO engine (stages 0-2), as DeepSpeed-MoE lays it out.
+"""Expert parallelism through the ZeRO engine (stages 0-3), as DeepSpeed-MoE lays it out.
 
 The data-parallel ranks form expert-parallel (ep) groups of `ep_size` consecutive ranks; each ep
 group holds every expert, split over its ranks (an expert weight carries `ep_slice`, its local
@@ -17,9 +17,29 @@ that group is one rank: nothing is reduced. The gradient norm counts every exper
 `full_state_dict` / checkpoints assemble whole `(num_experts, ...)` tensors by `ep_slice`, taking
 each slice from one expert-data-parallel replica.
 
-Supported: ZeRO stages 0, 1, 2, any ep_size dividing the data-parallel size, no tensor
-parallelism. Refused up front (NotImplementedError): stage 3, offload_optimizer, qgZ, TP+EP;
-an ep_size not dividing the dp size, or experts not matching the consecutive-rank layout: ValueError.
+Optimizer offload (`offload_optimizer`: cpu, `super_offload`, nvme, any ratio) works unchanged at
+stages 1-2: its masters are this rank's shards whatever group they are partitioned over, the
+norm comes from the same GlobalGradients, and every publish all-gathers a bucket over
+`partition_comm(bucket, comm)` (the NVMe optimizer's failure agreement stays over all ranks).
+
+qgZ (`zero_quantized_gradients`, stages 1-2, LoCo included) quantizes expert buckets too: their
+reduce-scatter is the int4 all-to-all reduce over the expert-data-parallel group, in one hop
+(the dense buckets keep the two-hop reduce across nodes); a group of one rank reduces nothing.
+
+Stage 3 partitions each split expert over its expert-data-parallel group (`zero.stage3.setup`,
+flagged and carrying the groups like a bucket); the module hooks gather it there (never in one
+collective with dense parameters), the stage-3 reducer reduce-scatters its gradient there (divided
+by the data-parallel size), and persistent ones are all-gathered there after each step.
+GatheredParameters reads experts; a `modifier_rank` write to them is refused.
+
+Optimizer offload, offload_param and ZeRO++ work at stage 3 too: qgZ as above, qwZ quantizes the
+experts' gathers over their group, hpZ keeps no secondary shard of experts (its group of ranks
+holds other experts), so they are gathered over their expert-data-parallel group.
+
+Supported: ZeRO stages 0-3 with offload_optimizer (stages 1-3), offload_param and ZeRO++, any
+ep_size dividing the data-parallel size. Refused (NotImplementedError): TP+EP (up front); at stage 3
+frozen or zero.Init-built experts (when partitioning); an ep_size not dividing the dp size, or experts
+not matching the consecutive-rank layout: ValueError.
 """
 from __future__ import annotations
 
@@ -72,24 +92,14 @@ def expert_parallel_size(model: torch.nn.Module) -> int:
 
 
 def check_expert_parallel(model: torch.nn.Module, config, topology) -> bool:
-    """Whether `model` has experts split over ranks; raises NotImplementedError, naming what is not
-    supported, when they are combined with something the engine cannot train them with yet, and
+    """Whether `model` has experts split over ranks; raises NotImplementedError, naming them, with tensor
+    parallelism (every `config` works with them now; the stage-3 refusals come when partitioning), and
     ValueError when their ep_size does not divide the data-parallel size."""
     split = [(name, param) for name, param in model.named_parameters() if is_split_expert(param)]
     if not split:
         return False
     names = [name for name, _ in split[:4]]
     what = f"expert-parallel parameters {names} (experts split over ranks)"
-    zero = config.zero_optimization
-    if zero.stage == 3:
-        raise NotImplementedError(f"{what} are not supported with ZeRO stage 3 yet (stages 0, 1, 2 are)")
-    offload = zero.offload_optimizer
-    if offload is not None and offload.device in ("cpu", "nvme"):
-        raise NotImplementedError(f"{what} are not supported with zero_optimization.offload_optimizer "
-                                  f"(device {offload.device!r}) yet")
-    if zero.zero_quantized_gradients:
-        raise NotImplementedError(f"{what} are not supported with zero_optimization.zero_quantized_gradients "
-                                  f"(ZeRO++ qgZ) yet")
     if getattr(topology, "tp_size", 1) > 1:
         raise NotImplementedError(f"{what} are not supported together with tensor parallelism "
                                   f"(tp_size={topology.tp_size}) yet")

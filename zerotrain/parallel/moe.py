@@ -10,9 +10,8 @@ what the tests check. Expert weights carry `ep_slice` (a TensorSlice of the stac
 `(num_experts, ...)` tensor). Build it over the expert-parallel group's Comm,
 `comm.subgroup(*topology.expert_parallel_group(ep_size))` (blocks of ep_size consecutive
 data-parallel ranks; ep_size may be any divisor of the data-parallel size, the whole of it
-included): the ZeRO engine then trains it at stages 0-2, summing each expert's gradient over
-the ranks holding the same expert (zerotrain/parallel/experts.py says how, and what is refused:
-stage 3, offload_optimizer, qgZ, tensor parallelism).
+included): the ZeRO engine then trains it at stages 0-3, summing each expert's gradient over
+the ranks holding the same expert (zerotrain/parallel/experts.py says how, and what is refused).
 """
 from __future__ import annotations
 

@@ -20,8 +20,9 @@ at all when the group is one rank. Buckets are launched strictly in index order 
 every rank, whatever order the hooks fire in, so collectives always match.
 
 With `zero_quantized_gradients` (qgZ, stages 1-3) each reduce-scatter becomes the
-quantized all-to-all reduce of `zerotrain.comm.compressed` (int4, one or two hops),
-optionally with LoCo error feedback per bucket; the engine reports each optimizer
+quantized all-to-all reduce of `zerotrain.comm.compressed` (int4, one or two hops;
+split experts' buckets over their expert-data-parallel group, one hop), optionally with
+LoCo error feedback per bucket; the engine reports each optimizer
 step (`after_optimizer_step`) so the error buffers are reset every `reset_T` steps,
 dropped on an fp16 overflow and rescaled when the loss scale changes.
 """
@@ -228,7 +229,7 @@ class GradReducer:
         if self.stage == 0:
             handle = comm.all_reduce(source, async_op=True)
             reduced = source
-        elif self.quantized_reducers and not expert:  # qgZ: quantized all-to-all reduce (+ LoCo)
+        elif self.quantized_reducers:  # qgZ: quantized all-to-all reduce (+ LoCo), experts over their group
             reduced, handle = self.quantized_reducers[bucket_index](source)
         else:
             storage = self._shard_storage[bucket_index] if self.stage == 2 else None
@@ -295,11 +296,19 @@ class GradReducer:
         self.quantized_reducers = []
         if quantization is None or self.stage == 0 or self.comm.size == 1:
             return
-        self.quantized_reducers = [
-            QuantizedReduceScatter(self.comm, bucket.shard_numel, bits=quantization.bits,
-                                   block_size=quantization.block_size, loco_beta=quantization.loco_beta,
-                                   hierarchy=quantization.hierarchy)
-            for bucket in self.buckets]
+        self.quantized_reducers = [self._quantized_reducer(bucket, quantization) for bucket in self.buckets]
+
+    def _quantized_reducer(self, bucket: FlatBucket,
+                           quantization: GradQuantization) -> Optional[QuantizedReduceScatter]:
+        """qgZ's reducer of one bucket: over the data-parallel ranks (two hops across nodes), or for split
+        experts over their expert-data-parallel group in one hop (None where that group is this rank alone)."""
+        comm = partition_comm(bucket, self.comm)
+        if comm.size == 1:
+            return None
+        hierarchy = quantization.hierarchy if comm is self.comm else None
+        return QuantizedReduceScatter(comm, bucket.shard_numel, bits=quantization.bits,
+                                      block_size=quantization.block_size, loco_beta=quantization.loco_beta,
+                                      hierarchy=hierarchy)
 
     @property
     def loco_enabled(self) -> bool:
@@ -311,7 +320,7 @@ class GradReducer:
         self.optimizer_steps += 1
         if not self.loco_enabled:
             return
-        for reducer in self.quantized_reducers:
+        for reducer in self._reducers():
             if overflow:
                 reducer.reset_error()
             elif scale_after != scale_before:
@@ -326,7 +335,8 @@ class GradReducer:
         return {
             "optimizer_steps": self.optimizer_steps,
             "layout": self._loco_layout(),
-            "buffers": [[feedback.state_dict() for feedback in reducer.feedbacks] for reducer in self.quantized_reducers],
+            "buffers": [[feedback.state_dict() for feedback in reducer.feedbacks] if reducer is not None else []
+                        for reducer in self.quantized_reducers],
         }
 
     def load_loco_state(self, state: dict) -> bool:
@@ -343,24 +353,28 @@ class GradReducer:
             return False
         device = self.buckets[0].device if self.buckets else None
         for reducer, saved in zip(self.quantized_reducers, state["buffers"]):
-            for feedback, entry in zip(reducer.feedbacks, saved):
+            for feedback, entry in zip(reducer.feedbacks if reducer is not None else [], saved):
                 feedback.load_state_dict(entry, device)
         return True
 
     def reset_loco_state(self) -> None:
         """Zero every LoCo error buffer (the step count is kept)."""
-        for reducer in self.quantized_reducers:
+        for reducer in self._reducers():
             reducer.reset_error()
 
     def _loco_layout(self) -> dict:
         return {"world": self.comm.size, "rank": self.comm.rank,
                 "shards": [bucket.shard_numel for bucket in self.buckets],
-                "hops": [[hop.rows, hop.cols] for hop in self.quantized_reducers[0].hops] if self.quantized_reducers else [],
+                "hops": [[hop.rows, hop.cols] for reducer in self._reducers()[:1] for hop in reducer.hops],
                 "loco": self.loco_enabled}
 
     def loco_bytes(self) -> int:
         """Bytes of LoCo error buffers this rank holds (8-bit values plus block scales)."""
-        return sum(feedback.nbytes for reducer in self.quantized_reducers for feedback in reducer.feedbacks)
+        return sum(feedback.nbytes for reducer in self._reducers() for feedback in reducer.feedbacks)
+
+    def _reducers(self) -> list[QuantizedReduceScatter]:
+        """The quantized reducers there are (an expert bucket no other rank holds has none)."""
+        return [reducer for reducer in self.quantized_reducers if reducer is not None]
 
     # --- accounting -------------------------------------------------------
     def held_bytes(self) -> int:

@@ -104,6 +104,10 @@ def GatheredParameters(params: Union[torch.nn.Parameter, Iterable[torch.nn.Param
     if not enabled or not parts:
         yield
         return
+    experts = [part.names[0] for part in parts if getattr(part, "expert_local", False)]
+    if experts and modifier_rank is not None:  # each expert-parallel rank holds other experts: no one modifier
+        raise NotImplementedError(f"GatheredParameters(modifier_rank={modifier_rank}) on expert-parallel parameters "
+                                  f"{experts[:4]} is not supported (read-only gathers are)")
     fetcher = parts[0].fetcher
     if fetcher is not None:
         fetcher.fetch(parts, reason="user")

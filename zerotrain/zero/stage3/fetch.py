@@ -44,6 +44,9 @@ ZeRO++ (`configure_zeropp`):
   gathers then all-gather the secondary shards inside that group only. The secondary is
   taken afresh at every global (forward) gather, so it always equals what forward used,
   and is dropped at the end of the micro-step.
+
+Split experts (zerotrain.parallel.experts) are gathered over their expert-data-parallel group,
+never in one collective with other parameters; qwZ quantizes those gathers too; hpZ skips them.
 """
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ import torch
 
 from ...comm import Comm
 from ...comm.compressed import QuantizedAllGather
+from ...parallel.experts import partition_comm
 from .buffers import BufferPool
 from .partition import PartitionedParam
 from .trace import FetchTrace
@@ -71,6 +75,7 @@ class ParamFetcher:
         self.max_reuse_distance = max_reuse_distance
         self.trace = FetchTrace()
         self.weight_quantizer: Optional[QuantizedAllGather] = None  # qwZ
+        self._expert_quantizers: dict[int, QuantizedAllGather] = {}  # qwZ over expert-data-parallel groups
         self.hpz: Optional[Comm] = None  # hpZ: the secondary-partition group
         self.secondaries: dict[int, torch.Tensor] = {}  # id(part) -> its hpZ secondary shard
         self._lossy: set[int] = set()  # gathered through qwZ: holds dequantized, not exact, values
@@ -150,7 +155,7 @@ class ParamFetcher:
                 self._complete(id(part))
                 if id(part) in self._lossy:
                     exact = torch.empty_like(part.flat_param)
-                    self.comm.all_gather(exact, part.device_shard())
+                    partition_comm(part, self.comm).all_gather(exact, part.device_shard())
                     part.flat_param.copy_(exact)
                     self._lossy.discard(id(part))
         for part in parts:
@@ -242,10 +247,11 @@ class ParamFetcher:
                 if id(part) in self.secondaries:
                     self._gather_secondary(part, prefetch)
             parts = [part for part in parts if id(part) not in self._inflight]
-        groups: list[list[PartitionedParam]] = [[p] for p in parts] if self.sequential else _by_dtype(parts)
+        groups: list[list[PartitionedParam]] = [[p] for p in parts] if self.sequential else _by_dtype(parts, self.comm)
         for group in groups:
-            if self.weight_quantizer is not None and reason != "user":  # qwZ: int8 + scales, dequantized on arrival
-                handle = self.weight_quantizer([part.device_shard() for part in group])
+            quantizer = self._weight_quantizer(group[0]) if reason != "user" else None
+            if quantizer is not None:  # qwZ: int8 + scales, dequantized on arrival
+                handle = quantizer([part.device_shard() for part in group])
                 record = ("quantized", None, group)
                 self.stats["quantized_gathers"] += 1
                 full_bytes = sum(part.padded_numel * part.dtype.itemsize for part in group)
@@ -253,13 +259,14 @@ class ParamFetcher:
             elif len(group) == 1:
                 part = group[0]
                 buffer = self.pool.take(part.padded_numel, part.dtype, part.device)
-                handle = self.comm.all_gather(buffer, part.device_shard(), async_op=True)
+                handle = partition_comm(part, self.comm).all_gather(buffer, part.device_shard(), async_op=True)
                 record = ("direct", buffer, group)
                 self._track_buffer(buffer)
             else:
                 staged = torch.cat([part.device_shard() for part in group])  # copy-in
-                output = self.pool.take(staged.numel() * self.comm.size, staged.dtype, staged.device)
-                handle = self.comm.all_gather(output, staged, async_op=True)
+                comm = partition_comm(group[0], self.comm)  # split experts: their expert-data-parallel group
+                output = self.pool.take(staged.numel() * comm.size, staged.dtype, staged.device)
+                handle = comm.all_gather(output, staged, async_op=True)
                 record = ("bucket", output, group)
                 self._track_buffer(output, extra_bytes=staged.numel() * staged.element_size())
             self._count_inflight(group, +1, prefetch)
@@ -268,6 +275,15 @@ class ParamFetcher:
         if not async_op:
             for part in requested:
                 self._complete(id(part))
+
+    def _weight_quantizer(self, part: PartitionedParam) -> Optional[QuantizedAllGather]:
+        """qwZ's gather for `part`'s group: the data-parallel one, or a split expert's expert-data-parallel one."""
+        comm = partition_comm(part, self.comm)
+        if comm is self.comm or self.weight_quantizer is None or comm.size == 1:
+            return self.weight_quantizer if comm is self.comm else None
+        if id(comm) not in self._expert_quantizers:
+            self._expert_quantizers[id(comm)] = QuantizedAllGather(comm, 8, self.weight_quantizer.block_size)
+        return self._expert_quantizers[id(comm)]
 
     def _complete(self, key: int) -> None:
         entry = self._inflight.pop(key, None)
@@ -292,17 +308,18 @@ class ParamFetcher:
             self._bind(group[0], buffer)
             self._keep_secondary(group[0])
             return
-        rank_major = buffer.view(self.comm.size, -1)
+        ranks = partition_comm(group[0], self.comm).size
+        rank_major = buffer.view(ranks, -1)
         offset = 0
         for part in group:  # copy-out: each parameter's chunks from every rank
             full = self.pool.take(part.padded_numel, part.dtype, part.device)
-            full.view(self.comm.size, -1).copy_(rank_major[:, offset:offset + part.shard_numel])
+            full.view(ranks, -1).copy_(rank_major[:, offset:offset + part.shard_numel])
             self._bind(part, full)
             self._keep_secondary(part)
             offset += part.shard_numel
         # Peak of a bucketed gather: its output, the staged input (the collective may still hold it), and
         # the full buffers just copied out of it.
-        self._track_buffer(buffer, extra_bytes=buffer.numel() * buffer.element_size() * (1 + 1 / self.comm.size))
+        self._track_buffer(buffer, extra_bytes=buffer.numel() * buffer.element_size() * (1 + 1 / ranks))
         del rank_major
         self.pool.give(buffer)
 
@@ -323,8 +340,9 @@ class ParamFetcher:
 
     # --- hpZ secondary partition ------------------------------------------------
     def _keep_secondary(self, part: PartitionedParam) -> None:
-        """After a global gather: keep this rank's 1/H slice of the full parameter."""
-        if self.hpz is None:
+        """After a global gather: keep this rank's 1/H slice of the full parameter (split experts keep none:
+        the hpZ group holds other experts; they are gathered over their expert-data-parallel group)."""
+        if self.hpz is None or getattr(part, "expert_local", False):
             return
         size = part.padded_numel // self.hpz.size  # N is a multiple of H, so this is exact
         start = self.hpz.rank * size
@@ -382,10 +400,11 @@ class ParamFetcher:
         self.stats["peak_gather_bytes"] = max(self.stats["peak_gather_bytes"], size)
 
 
-def _by_dtype(parts: list[PartitionedParam]) -> list[list[PartitionedParam]]:
-    groups: dict[torch.dtype, list[PartitionedParam]] = {}
+def _by_dtype(parts: list[PartitionedParam], comm: Comm) -> list[list[PartitionedParam]]:
+    """The parts gathered by one collective each: same dtype, same group (split experts: theirs)."""
+    groups: dict[tuple[torch.dtype, int], list[PartitionedParam]] = {}
     for part in parts:
-        groups.setdefault(part.dtype, []).append(part)
+        groups.setdefault((part.dtype, id(partition_comm(part, comm))), []).append(part)
     return list(groups.values())
 
 

@@ -12,7 +12,8 @@ of every member, contiguous:
     output  = [p0 shard  | p1 shard  | ...]          (this rank's chunk)
 
 When a parameter's gradient is accumulated, it is divided by the data-parallel size
-while being copied into its columns of the staging buffer, and the full gradient is
+while being copied into its columns of the staging buffer (split experts too, whose buckets
+are reduced over their expert-data-parallel group only, see zerotrain.parallel.experts), and the full gradient is
 dropped at once (a bucket of a single unpadded parameter skips the copy: its gradient,
 divided in place, is the staging buffer). A bucket is launched when all its members have arrived, strictly in
 bucket order on every rank (a bucket waits for the ones before it), so collectives
@@ -34,6 +35,7 @@ from typing import Optional
 import torch
 
 from ...comm import Comm
+from ...parallel.experts import partition_comm
 from .partition import PartitionedParam
 
 
@@ -43,6 +45,7 @@ class ReduceBucket:
 
     index: int
     parts: list[PartitionedParam]
+    comm: Comm  # the ranks it is reduced over: the data-parallel ones, or split experts' expert-data-parallel group
     offsets: list[int] = field(default_factory=list)  # each member's start in the reduced shard
     shard_numel: int = 0  # elements of the reduced shard (sum of the members' shard sizes)
 
@@ -52,19 +55,21 @@ class ReduceBucket:
             self.shard_numel += part.shard_numel
 
 
-def build_reduce_buckets(parts: list[PartitionedParam], bucket_numel: int) -> list[ReduceBucket]:
-    """Group `parts` (in order) into buckets of at most `bucket_numel` elements, one dtype per bucket."""
+def build_reduce_buckets(parts: list[PartitionedParam], bucket_numel: int, comm: Comm) -> list[ReduceBucket]:
+    """Group `parts` (in order) into buckets of at most `bucket_numel` elements, one dtype and one group
+    (`partition_comm`: split experts apart) per bucket."""
     buckets: list[ReduceBucket] = []
     current: list[PartitionedParam] = []
     size = 0
     for part in parts:
-        if current and (part.dtype != current[0].dtype or size + part.padded_numel > bucket_numel):
-            buckets.append(ReduceBucket(len(buckets), current))
+        if current and (part.dtype != current[0].dtype or size + part.padded_numel > bucket_numel
+                        or partition_comm(part, comm) is not partition_comm(current[0], comm)):
+            buckets.append(ReduceBucket(len(buckets), current, partition_comm(current[0], comm)))
             current, size = [], 0
         current.append(part)
         size += part.padded_numel
     if current:
-        buckets.append(ReduceBucket(len(buckets), current))
+        buckets.append(ReduceBucket(len(buckets), current, partition_comm(current[0], comm)))
     return buckets
 
 
@@ -83,7 +88,7 @@ class Stage3GradReducer:
         self.parts = parts
         self.comm = comm
         self.max_in_flight = max_in_flight
-        self.buckets = build_reduce_buckets(parts, max(1, int(bucket_numel)))
+        self.buckets = build_reduce_buckets(parts, max(1, int(bucket_numel)), comm)
         self.grad_shards: list[Optional[torch.Tensor]] = [None] * len(parts)
         self.shard_ready_callbacks: list = []
         self.optimizer_steps = 0
@@ -182,12 +187,12 @@ class Stage3GradReducer:
             self._staging[bucket_index] = self._take_staging(bucket)
             self._owned.add(bucket_index)
         start = bucket.offsets[position]
-        rows = self._staging[bucket_index].view(self.comm.size, bucket.shard_numel)
+        rows = self._staging[bucket_index].view(bucket.comm.size, bucket.shard_numel)
         return rows[:, start:start + bucket.parts[position].shard_numel]
 
     def _take_staging(self, bucket: ReduceBucket) -> torch.Tensor:
         """A staging buffer for `bucket`: the head of a finished one of this backward if one fits, else new."""
-        numel, part = self.comm.size * bucket.shard_numel, bucket.parts[0]
+        numel, part = bucket.comm.size * bucket.shard_numel, bucket.parts[0]
         for index, spare in enumerate(self._spares):
             if spare.numel() >= numel and spare.dtype == part.dtype and spare.device == part.device:
                 buffer = self._spares.pop(index)
@@ -207,7 +212,7 @@ class Stage3GradReducer:
         staging = self._staging[bucket_index]
         self._staging[bucket_index] = None
         output = torch.empty(bucket.shard_numel, dtype=staging.dtype, device=staging.device)
-        handle = self.comm.reduce_scatter(output, staging, async_op=True)
+        handle = bucket.comm.reduce_scatter(output, staging, async_op=True)
         self.stats["reduce_scatters"] += 1
         self._pending.append((bucket_index, handle, output, staging))
         self._next_launch = bucket_index + 1

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from ...comm import Comm
+from ...parallel.experts import ExpertGroups, is_split_expert, partition_comm
 from .fetch import ParamFetcher
 from .hooks import Stage3Hooks
 from .partition import PartitionedParam, ZeroParameter, partition_parameter
@@ -56,16 +58,21 @@ def place_module(module: torch.nn.Module, device: torch.device, dtype: torch.dty
 
 def partition_module(module: torch.nn.Module, comm: Comm, group_of: dict[int, int],
                      persistence_threshold: int, sequential: bool, prefetch_numel: int,
-                     max_live_numel: int = 10**9, max_reuse_distance: int = 10**9) -> Stage3Model:
+                     max_live_numel: int = 10**9, max_reuse_distance: int = 10**9,
+                     experts: Optional[ExpertGroups] = None) -> Stage3Model:
     """Partition every parameter of `module` (those built under zero.Init already are) and build its fetcher.
 
     Every rank starts from rank 0's values. Parameters with at most
     `persistence_threshold` elements stay whole on every rank (still with a shard
     for the optimizer), as DeepSpeed's `stage3_param_persistence_threshold` does.
+    Split experts (`experts`, zerotrain.parallel.experts) are partitioned over their
+    expert-data-parallel group instead, starting from that group's rank 0's values.
     """
     trainable, frozen = [], []
     for name, param in module.named_parameters():
-        if isinstance(param, ZeroParameter):
+        if is_split_expert(param):
+            part = _partition_expert(name, param, experts, trainable=param.requires_grad and id(param) in group_of)
+        elif isinstance(param, ZeroParameter):
             part = param._zero
             part.names = [name]
             if part.partitions != comm.size:
@@ -84,6 +91,24 @@ def partition_module(module: torch.nn.Module, comm: Comm, group_of: dict[int, in
     for part in trainable + frozen:  # persistent parameters are gathered once, in the same order everywhere
         if part.persistent:
             buffer = torch.empty(part.padded_numel, dtype=part.dtype, device=part.device)
-            comm.all_gather(buffer, part.shard)
+            partition_comm(part, comm).all_gather(buffer, part.shard)
             part.bind(buffer)
     return Stage3Model(trainable, frozen, fetcher)
+
+
+def _partition_expert(name: str, param: torch.nn.Parameter, experts: Optional[ExpertGroups],
+                      trainable: bool) -> PartitionedParam:
+    """A split expert's PartitionedParam over its expert-data-parallel group (`expert_local`, carrying the groups)."""
+    if experts is None:
+        raise ValueError(f"expert-parallel parameter {name!r} needs its ExpertGroups")
+    if isinstance(param, ZeroParameter):
+        raise NotImplementedError(f"expert-parallel parameter {name!r} was built under zero.Init; build the expert "
+                                  f"layer outside it (initialize partitions it over its expert-data-parallel group)")
+    if not trainable:
+        raise NotImplementedError(f"frozen expert-parallel parameter {name!r} is not supported at ZeRO stage 3; "
+                                  f"train it, or use stages 0-2")
+    with torch.no_grad():
+        experts.data.broadcast(param.data, src=0)
+    part = partition_parameter(name, param, experts.data.size, experts.data.rank)
+    part.expert_local, part.expert_groups = True, experts
+    return part

@@ -1,0 +1,85 @@
+"""Shared pieces of the split-expert engine tests (offload, qgZ): MoENet on the engine and its one-process reference.
+
+The global batch (GLOBAL samples, micro-batches of MICRO) is the same at every world size, so the
+per-micro-batch aux loss sees the same micro-batches everywhere; the reference is the same MoENet with
+every expert local, trained on each step's whole batch (the loss = the mean of every micro-batch's
+loss), AdamW with clipping at CLIP (it fires on step 1 only).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from models_for_tests import MOE_D_IN as D_IN
+from models_for_tests import MOE_D_OUT as D_OUT
+from models_for_tests import make_moe_model as make_model
+
+STEPS, SAVED_AT, MICRO, GLOBAL, LR, WEIGHT_DECAY, CLIP = 4, 2, 2, 16, 1e-2, 0.01, 0.3
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(5)
+    return [(torch.randn(GLOBAL, D_IN, generator=generator), torch.randn(GLOBAL, D_OUT, generator=generator))
+            for _ in range(STEPS)]
+
+
+def build_engine(stage: int, ep_size: int, sgd_lr: Optional[float] = None, frozen: frozenset = frozenset(), **zero):
+    """The engine over MoENet with its experts split over groups of `ep_size` consecutive ranks, AdamW (plain
+    SGD with `sgd_lr`), the parameters named in `frozen` frozen; `zero`: more keys of the zero_optimization block."""
+    import zerotrain
+    from zerotrain.comm import Comm
+    from zerotrain.topology import Topology
+
+    topology = Topology.build(timeout_seconds=60)
+    comm = Comm.data_parallel(topology)
+    ep_comm = comm.subgroup(*topology.expert_parallel_group(ep_size))
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GLOBAL // (MICRO * comm.size),
+              "gradient_clipping": CLIP, "steps_per_print": 0,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}} if sgd_lr is None
+              else {"type": "SGD", "params": {"lr": sgd_lr}},
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, **zero}}
+    model = make_model(ep_comm)
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in frozen)
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    return engine
+
+
+def initial_weights() -> dict[str, torch.Tensor]:
+    """The whole weights every run starts from."""
+    from zerotrain.comm import Comm
+
+    return {name: p.detach().clone() for name, p in make_model(Comm(None, 0, 1)).named_parameters()}
+
+
+def reference(sgd_lr: Optional[float] = None) -> tuple[list[float], list[float], dict, dict]:
+    """Single-process losses and pre-clip norms of every step, the weights after SAVED_AT and after STEPS steps
+    (AdamW, or plain SGD with `sgd_lr`)."""
+    from zerotrain.comm import Comm
+
+    model = make_model(Comm(None, 0, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY) if sgd_lr is None \
+        else torch.optim.SGD(model.parameters(), lr=sgd_lr)
+    losses, norms, at_save = [], [], {}
+    for step, (x, y) in enumerate(batches()):
+        loss = sum(model(x[i:i + MICRO], y[i:i + MICRO]) for i in range(0, GLOBAL, MICRO)) / (GLOBAL // MICRO)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if step + 1 == SAVED_AT:
+            at_save = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return losses, norms, at_save, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def assert_matches(where: str, losses, weights, ref_losses, ref_weights, loss_rtol: float = 1e-5,
+                   weight_rtol: float = 1e-5, weight_atol: float = 1e-6) -> None:
+    """Losses within `loss_rtol` relative; whole `(num_experts, ...)` weights under every reference name, close."""
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= loss_rtol, (where, losses, ref_losses)
+    assert sorted(weights) == sorted(ref_weights), where
+    for name, expected in ref_weights.items():
+        assert weights[name].shape == expected.shape, (where, name)
+        torch.testing.assert_close(weights[name], expected, rtol=weight_rtol, atol=weight_atol,
+                                   msg=lambda m, name=name: f"{where}, {name}: {m}")
