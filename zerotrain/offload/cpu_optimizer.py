@@ -136,8 +136,7 @@ class OffloadOptimizer(ShardedOptimizer):
         for bucket, offloaded in zip(buckets, self.offloaded):
             shard = bucket.local_shard()
             if offloaded:
-                master = host_empty(shard.numel(), pin_memory)
-                master.copy_(shard)
+                master = self.initial_host_master(shard, pin_memory)
             else:
                 master = device_master(bucket, shard)
             bucket.master = master
@@ -154,6 +153,12 @@ class OffloadOptimizer(ShardedOptimizer):
         self.reducer = reducer
         if reducer is not None:
             reducer.shard_ready_callbacks.append(self._on_shard_ready)
+
+    def initial_host_master(self, shard: torch.Tensor, pin_memory: bool) -> torch.Tensor:
+        """An offloaded bucket's fp32 master, built from its model shard (NVMe overrides: into the files)."""
+        master = host_empty(shard.numel(), pin_memory)
+        master.copy_(shard)
+        return master
 
     # --- gradients arrive during backward ----------------------------------
     def _on_shard_ready(self, index: int) -> None:

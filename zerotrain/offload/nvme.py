@@ -127,19 +127,25 @@ class NvmeOffloadOptimizer(NvmeStream, NvmeRecords, OffloadOptimizer):
             self._finalizer()
             raise
 
+    def initial_host_master(self, shard: torch.Tensor, pin_memory: bool) -> torch.Tensor:
+        """No host copy, even while building: `_write_initial_masters` fills slot 0 from the model shards
+        chunk by chunk, so host memory never holds all the masters at once (a model too large for it)."""
+        return master_placeholder(shard.numel())
+
     def _write_initial_masters(self) -> None:
-        """Move the masters OffloadOptimizer built in host memory into slot 0, then free them."""
+        """Slot 0's masters, cast from the model's shards chunk by chunk through the buffer pool."""
         writes: list[Future] = []
+        shard, shard_of = None, None
         for chunk in self.chunks:
+            if shard_of != chunk.bucket:  # one bucket's shard at a time (offload_param reads it from its store)
+                shard, shard_of = self.buckets[chunk.bucket].local_shard(), chunk.bucket
             buffer = self.pool.acquire()
             self._master_region(chunk, buffer).view(torch.float32)[:chunk.numel].copy_(
-                self.masters[chunk.bucket].narrow(0, chunk.start, chunk.numel))
+                shard.narrow(0, chunk.start, chunk.numel))
             writes.append(self.io.write(self.files[0], chunk.offset, self._record(chunk, buffer),
                                         done=lambda b=buffer: self.pool.release(b)))
         for future in writes:
             future.result()
-        for bucket in self.slot:
-            self.masters[bucket].data = master_placeholder(self.masters[bucket].numel())
 
     def write_master(self, bucket: int, values: torch.Tensor) -> None:
         """New master values of offloaded bucket `bucket` from outside a step (a user's write to a stage-3
