@@ -83,3 +83,17 @@ def assert_matches(where: str, losses, weights, ref_losses, ref_weights, loss_rt
         assert weights[name].shape == expected.shape, (where, name)
         torch.testing.assert_close(weights[name], expected, rtol=weight_rtol, atol=weight_atol,
                                    msg=lambda m, name=name: f"{where}, {name}: {m}")
+
+
+def resume_segment(engine, directory: str, tag: str, first: int, last: int, micro: int) -> list[float]:
+    """Train global steps [first, last) of `batches()`: load `directory` first when first > 0, else save
+    it under `tag` after. Returns the losses."""
+    from models_for_tests import train_global_step
+
+    if first > 0:
+        path, _ = engine.load_checkpoint(directory)
+        assert path is not None, f"nothing loaded from {directory}"
+    losses = [train_global_step(engine, batch, micro) for batch in batches()[first:last]]
+    if first == 0:
+        engine.save_checkpoint(directory, tag=tag)
+    return losses

@@ -14,7 +14,8 @@ import pytest
 from distributed import run_distributed
 from models_for_tests import MOE_EXPERTS as EXPERTS
 from models_for_tests import train_global_step
-from moe_common import CLIP, MICRO, SAVED_AT, STEPS, assert_matches, batches, build_engine, reference
+from moe_common import (CLIP, MICRO, SAVED_AT, STEPS,
+                        assert_matches, batches, build_engine, reference, resume_segment)
 
 
 def offload_modes(nvme_path: str) -> list[tuple[str, int, dict]]:
@@ -76,12 +77,7 @@ def test_offloaded_optimizers_train_split_experts_like_one_process(tmp_path):
 def train_segment(directory: str, offload: dict, ep_size: int, first: int, last: int) -> tuple:
     """Steps [first, last) at stage 2 with `offload`; loads `directory` when first > 0, else saves it after."""
     engine = build_engine(2, ep_size, offload_optimizer=offload)
-    if first > 0:
-        path, _ = engine.load_checkpoint(directory)
-        assert path is not None, f"nothing loaded from {directory}"
-    losses = [train_global_step(engine, batch, MICRO) for batch in batches()[first:last]]
-    if first == 0:
-        engine.save_checkpoint(directory, tag="offload")
+    losses = resume_segment(engine, directory, "offload", first, last, MICRO)
     weights = engine.full_state_dict()
     engine.close()
     return losses, weights

@@ -15,7 +15,7 @@ import pytest
 
 from distributed import run_distributed
 from models_for_tests import train_global_step
-from moe_common import MICRO, SAVED_AT, STEPS, assert_matches, batches, build_engine, reference
+from moe_common import (MICRO, SAVED_AT, STEPS, assert_matches, batches, build_engine, reference, resume_segment)
 
 
 def modes(nvme_path: str) -> list[tuple[str, dict]]:
@@ -69,12 +69,7 @@ def train_segment(directory: str, ep_size: int, first: int, last: int) -> tuple:
     from zerotrain.zero import GatheredParameters
 
     engine = build_engine(3, ep_size, stage3_param_persistence_threshold=0)
-    if first > 0:
-        path, _ = engine.load_checkpoint(directory)
-        assert path is not None, f"nothing loaded from {directory}"
-    losses = [train_global_step(engine, batch, MICRO) for batch in batches()[first:last]]
-    if first == 0:
-        engine.save_checkpoint(directory, tag="stage3")
+    losses = resume_segment(engine, directory, "stage3", first, last, MICRO)
     weights = engine.full_state_dict()
     w_in = engine.module.moe.w_in
     with GatheredParameters([w_in]):

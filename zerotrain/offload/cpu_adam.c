@@ -96,6 +96,9 @@ static inline __attribute__((always_inline)) void zt_body_to(
 #endif
 }
 
+/* decay_mode x copy_kind: each combination compiled as its own loop, without branches inside */
+#define ZT_EVERY_CASE(X) X(0, 0) X(0, 1) X(0, 2) X(0, 3) X(1, 0) X(1, 1) X(1, 2) X(1, 3) \
+                         X(2, 0) X(2, 1) X(2, 2) X(2, 3)
 #define ZT_CASE(D, C) case (D) * 4 + (C): zt_body(p, g, m, v, out, n, a, D, C); break;
 #define ZT_CASE_TO(D, C) case (D) * 4 + (C): zt_body_to(p, g, m, v, p_out, m_out, v_out, out, n, a, D, C); break;
 
@@ -104,9 +107,7 @@ void zt_adam_step(float *restrict p, const float *restrict g, float *restrict m,
                   void *restrict out, int64_t n, const zt_adam_args *args) {
     const zt_adam_args a = *args;
     switch (a.decay_mode * 4 + a.copy_kind) {
-        ZT_CASE(0, 0) ZT_CASE(0, 1) ZT_CASE(0, 2) ZT_CASE(0, 3)
-        ZT_CASE(1, 0) ZT_CASE(1, 1) ZT_CASE(1, 2) ZT_CASE(1, 3)
-        ZT_CASE(2, 0) ZT_CASE(2, 1) ZT_CASE(2, 2) ZT_CASE(2, 3)
+        ZT_EVERY_CASE(ZT_CASE)
         default: break;
     }
 }
@@ -116,9 +117,7 @@ void zt_adam_step_to(const float *restrict p, const float *restrict g, const flo
                      void *restrict out, int64_t n, const zt_adam_args *args) {
     const zt_adam_args a = *args;
     switch (a.decay_mode * 4 + a.copy_kind) {
-        ZT_CASE_TO(0, 0) ZT_CASE_TO(0, 1) ZT_CASE_TO(0, 2) ZT_CASE_TO(0, 3)
-        ZT_CASE_TO(1, 0) ZT_CASE_TO(1, 1) ZT_CASE_TO(1, 2) ZT_CASE_TO(1, 3)
-        ZT_CASE_TO(2, 0) ZT_CASE_TO(2, 1) ZT_CASE_TO(2, 2) ZT_CASE_TO(2, 3)
+        ZT_EVERY_CASE(ZT_CASE_TO)
         default: break;
     }
 }
