@@ -5,8 +5,10 @@
 
 Modules: `base` (errors, value types, key screening), `schema` (the top-level model),
 `zero` (`zero_optimization`), `params` (`optimizer`, `scheduler`), `batch` (the batch-size
-triple), `loader` (files, comments, "auto"; its docstring lists the rules).
+triple), `loader` (files, comments, "auto"; its docstring lists the rules), `auto`
+(filling "auto" with the values HF's Trainer would use).
 """
+from .auto import fill_auto, hf_auto_values
 from .base import ConfigError, ConfigWarning
 from .batch import resolve_batch_triple
 from .loader import load_config, parse_json_text, read_config_file, strip_json_comments
@@ -20,5 +22,5 @@ __all__ = [
     "read_config_file", "parse_json_text", "strip_json_comments",
     "OptimizerConfig", "SchedulerConfig", "AdamParams", "SGDParams", "WarmupLRParams", "WarmupDecayLRParams",
     "WarmupCosineLRParams", "FP16Config", "BF16Config", "CheckpointConfig", "AioConfig",
-    "ZeroConfig", "OffloadOptimizerConfig", "OffloadParamConfig", "LocoConfig",
+    "ZeroConfig", "OffloadOptimizerConfig", "OffloadParamConfig", "LocoConfig", "fill_auto", "hf_auto_values",
 ]

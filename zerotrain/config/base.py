@@ -267,7 +267,7 @@ class Block(BaseModel):
         if isinstance(info.context, dict):
             info.context.setdefault("unimplemented", {})[path] = value
         if not _is_off(key, value):
-            warn(f"{path} is a DeepSpeed key that zerotrain does not implement; it is ignored")
+            warn(f"{path} is a DeepSpeed key that zerotrain does not implement; it is ignored and has no effect")
 
     @classmethod
     def _unknown_key_message(cls, key: str) -> str:

@@ -10,6 +10,7 @@ names the dotted key, and the file when there is one.
 (same as leaving the key out); anywhere else it means "use zerotrain's default" and
 comes with a `ConfigWarning` naming the key. A key with no default (such as
 `scheduler.params.total_num_steps`) set to "auto" is an error.
+To fill "auto" from training arguments as HF's Trainer does, see `auto.fill_auto`.
 """
 from __future__ import annotations
 

@@ -61,6 +61,16 @@ class AdamParams(Block):
     fused: Optional[Bool] = None
     bias_correction: Bool = True
 
+    @classmethod
+    def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """Old apex-style configs clip inside Adam (`max_grad_norm`); DeepSpeed refuses it too, naming
+        `gradient_clipping`, and so do we."""
+        if "max_grad_norm" in data:
+            key = cls.key_path("max_grad_norm")
+            raise ConfigError(f"{key} is not an optimizer parameter (DeepSpeed refuses it too); set the top-level "
+                              f"gradient_clipping instead", key=key)
+        return data
+
     @model_validator(mode="after")
     def _only_bias_corrected(self):
         if not self.bias_correction:

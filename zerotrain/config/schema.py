@@ -31,6 +31,9 @@ DEEPSPEED_ONLY_KEYS = frozenset({
     "use_data_before_expert_parallelism", "dataloader_drop_last", "zero_allow_comm_data_type_fp32",
     "torch_autocast", "disable_allgather", "load_universal_checkpoint", "use_node_local_storage",
     "checkpoint_parallel_write_pipeline", "monitor_config", "elastic_checkpoint", "gradient_accumulation_dtype",
+    # Not read by DeepSpeed either (it ignores unknown top-level keys), but LLaMA-Factory's shipped
+    # examples/deepspeed/*.json carry it, so real configs have it.
+    "comms_config",
 })
 
 
