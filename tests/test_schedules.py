@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from zerotrain.config import ConfigError, load_config
-from zerotrain.schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
+from zerotrain.schedules import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
 
 
 def make(type_, params, group_lrs=(0.1,)):
@@ -98,6 +98,8 @@ def test_zero_warmup_steps_means_no_warmup():
     ("WarmupLR", {"warmup_num_steps": 5}),
     ("WarmupDecayLR", {"total_num_steps": 12, "warmup_num_steps": 4, "warmup_type": "linear"}),
     ("WarmupCosineLR", {"total_num_steps": 12, "warmup_num_steps": 4}),
+    ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 4, "decay_step_size": 2,
+                  "decay_lr_rate": 0.5}),
 ])
 def test_state_dict_round_trips(type_, params):
     opt, sched = make(type_, params, group_lrs=(0.2, 0.4))
@@ -107,3 +109,59 @@ def test_state_dict_round_trips(type_, params):
     sched2.load_state_dict(state)
     assert sched2.last_epoch == sched.last_epoch == 7
     assert lrs_over(opt2, sched2, 6)[1:] == lrs_over(opt, sched, 6)[1:]
+
+
+def _adam_groups(count: int = 2) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([{"params": [torch.zeros(2, requires_grad=True)]} for _ in range(count)], lr=0.1,
+                             betas=(0.9, 0.99))
+
+
+def test_one_cycle_lr_and_momentum_by_hand():
+    """Up over 4 steps, down over 2, then min_lr / (1 + rate * (t - 6) / 2); beta1 the mirror image (step 0 at
+    cycle_min_mom, as DeepSpeed sets it at construction), beta2 0.99."""
+    params = {"cycle_min_lr": 0.01, "cycle_max_lr": 0.05, "cycle_first_step_size": 4, "cycle_second_step_size": 2,
+              "decay_step_size": 2, "decay_lr_rate": 0.5, "cycle_min_mom": 0.85, "cycle_max_mom": 0.95}
+    cfg = load_config({"train_batch_size": 1, "scheduler": {"type": "OneCycle", "params": params}})
+    optimizer = _adam_groups()
+    scheduler = build_scheduler(cfg.scheduler, optimizer)
+    assert isinstance(scheduler, OneCycle)
+    scale = [0, 0.25, 0.5, 0.75, 1.0, 0.5, 0.0]
+    expected_lr = [0.01 + 0.04 * x for x in scale] + [0.01 / (1 + 0.5 * (t - 6) / 2) for t in (7, 8, 9)]
+    expected_beta1 = [0.85] + [0.95 - 0.1 * x for x in scale[1:]] + [0.95] * 3  # no momentum decay rate
+    for t in range(10):
+        for group in optimizer.param_groups:
+            assert group["lr"] == pytest.approx(expected_lr[t]), t
+            assert group["betas"] == pytest.approx((expected_beta1[t], 0.99)), t
+        optimizer.step()
+        scheduler.step()
+
+
+def test_one_cycle_stairs_per_group_and_sgd():
+    opt, sched = make("OneCycle", {"cycle_min_lr": [0.0, 0.1], "cycle_max_lr": [0.8, 0.9], "cycle_first_step_size": 4,
+                                   "cycle_first_stair_count": 2}, group_lrs=(0.3, 0.3))
+    seen = lrs_over(opt, sched, 9)  # SGD: no betas, cycle_momentum has no effect (warned)
+    # stairs of 2 steps up (scale 0, 0, .5, .5, 1), then down over 4 (1, .5, .5, 0)
+    scales = [0, 0, 0.5, 0.5, 1.0, 0.5, 0.5, 0.0, 0.0]
+    assert seen == [pytest.approx([0.8 * x, 0.1 + 0.8 * x]) for x in scales]
+    assert "betas" not in opt.param_groups[0]
+
+
+def test_one_cycle_matches_deepspeed_when_installed():
+    pytest.importorskip("deepspeed")
+    import os
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.lr_schedules import OneCycle as DeepSpeedOneCycle
+
+    params = dict(cycle_min_lr=0.004, cycle_max_lr=0.015, cycle_first_step_size=10, cycle_second_step_size=3,
+                  cycle_first_stair_count=4, cycle_second_stair_count=2, decay_step_size=5, decay_lr_rate=0.01,
+                  decay_mom_rate=0.02)
+    ours, theirs = _adam_groups(), _adam_groups()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours_scheduler, their_scheduler = OneCycle(ours, **params), DeepSpeedOneCycle(theirs, **params)
+    for t in range(40):
+        for mine, reference in zip(ours.param_groups, theirs.param_groups):
+            assert mine["lr"] == pytest.approx(reference["lr"], rel=1e-12), t
+            assert mine["betas"] == pytest.approx(reference["betas"], rel=1e-12), t
+        ours_scheduler.step()
+        their_scheduler.step()

@@ -1,4 +1,4 @@
-"""DeepSpeed's LR schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR) as torch LR schedulers.
+"""DeepSpeed's LR schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle) as torch LR schedulers.
 
 Call `step()` once after every optimizer step, as DeepSpeed's engine does. The lr used by
 optimizer step t (t = 0, 1, ...; the scheduler's `last_epoch`) is, with W the warmup steps
@@ -24,6 +24,7 @@ after T instead of rising again; the lr is set at construction to the step-0 val
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -31,7 +32,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from .config import ConfigError, SchedulerConfig
 
-__all__ = ["build_scheduler", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+__all__ = ["build_scheduler", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"]
 
 
 def _effective_warmup(steps: int) -> int:
@@ -118,7 +119,102 @@ class WarmupCosineLR(LRScheduler):
         return [base * ratio for base in self.base_lrs]
 
 
-_BUILDERS = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR}
+class OneCycle(LRScheduler):
+    """DeepSpeed's OneCycle: lr from cycle_min_lr up to cycle_max_lr and back over one cycle (optionally
+    in stairs), then decaying; with `cycle_momentum`, Adam's beta1 moves the opposite way.
+
+    The lr used by optimizer step t, with F / S the first / second step sizes and C = F + S:
+
+        t <= C   x = t / C - floor(t / C); scale = x / r if x <= r else (x - 1) / (r - 1), r = F / C
+                 (with a stair count N for that half: scale = floor(position * N) / N, position from the
+                 integer step within the cycle); lr = min_lr + (max_lr - min_lr) * scale
+        t >  C   lr = min_lr / (1 + decay_lr_rate * (t - C) / decay_step_size)   (min_lr when either is 0)
+
+    beta1 = max_mom - (max_mom - min_mom) * scale in the cycle, then max_mom * (1 + decay_mom_rate *
+    (t - C) / decay_step_size). As in DeepSpeed: step 0 runs with beta1 = cycle_min_mom, the betas
+    become (beta1, 0.99) (the optimizer's own beta2 is replaced; a warning says so when it differs),
+    and optimizers without betas (SGD) keep their momentum, with a warning.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cycle_min_lr, cycle_max_lr, decay_lr_rate: float = 0.0,
+                 cycle_first_step_size: int = 2000, cycle_second_step_size: Optional[int] = None,
+                 cycle_first_stair_count: int = 0, cycle_second_stair_count: Optional[int] = None,
+                 decay_step_size: int = 0, cycle_momentum: bool = True, cycle_min_mom=0.8, cycle_max_mom=0.9,
+                 decay_mom_rate: float = 0.0, last_epoch: int = -1):
+        self.first = int(cycle_first_step_size)
+        self.second = self.first if cycle_second_step_size is None else int(cycle_second_step_size)
+        if self.first <= 0:
+            raise ConfigError("scheduler.params.cycle_first_step_size: must be positive",
+                              key="scheduler.params.cycle_first_step_size")
+        self.total = self.first + self.second
+        self.first_stairs = int(cycle_first_stair_count)
+        self.second_stairs = self.first_stairs if cycle_second_stair_count is None else int(cycle_second_stair_count)
+        self.min_lrs = _per_group(cycle_min_lr, optimizer, "scheduler.params.cycle_min_lr")
+        self.max_lrs = _per_group(cycle_max_lr, optimizer, "scheduler.params.cycle_max_lr")
+        self.decay_step_size, self.decay_lr_rate, self.decay_mom_rate = int(decay_step_size), float(decay_lr_rate), \
+            float(decay_mom_rate)
+        self.min_moms = _per_group(cycle_min_mom, optimizer, "scheduler.params.cycle_min_mom")
+        self.max_moms = _per_group(cycle_max_mom, optimizer, "scheduler.params.cycle_max_mom")
+        self.cycle_momentum = bool(cycle_momentum)
+        if self.cycle_momentum and "betas" not in optimizer.defaults:
+            warnings.warn(f"scheduler OneCycle: cycle_momentum has no effect: {type(optimizer).__name__} has no "
+                          f"betas (as in DeepSpeed, its momentum is left as it is)", UserWarning, stacklevel=2)
+            self.cycle_momentum = False
+        if self.cycle_momentum and any(g["betas"][1] != 0.99 for g in optimizer.param_groups):
+            warnings.warn("scheduler OneCycle with cycle_momentum sets each group's betas to (momentum, 0.99), as "
+                          "DeepSpeed does, replacing the optimizer's beta2; set cycle_momentum false to keep it",
+                          UserWarning, stacklevel=2)
+        super().__init__(optimizer, last_epoch)
+
+    def _scale(self, t: int) -> float:
+        cycles = math.floor(1 + t / self.total)
+        x = 1.0 + t / self.total - cycles
+        ratio = self.first / self.total
+        if x <= ratio:
+            scale, stairs = x / ratio, self.first_stairs
+        else:
+            scale, stairs = (x - 1) / (ratio - 1), self.second_stairs
+        if stairs > 0:  # from the integer step: a float scale just under a stair would drop a whole stair
+            within = t % self.total
+            position = within * stairs / self.first if within <= self.first \
+                else (self.total - within) * stairs / self.second
+            scale = math.floor(position) / stairs
+        return scale
+
+    def _decay_interval(self, t: int, rate: float) -> Optional[float]:
+        if self.decay_step_size == 0 or rate == 0:
+            return None
+        return (t - self.total) / self.decay_step_size
+
+    def get_lr(self) -> list[float]:
+        t = max(self.last_epoch, 0)
+        if t <= self.total:
+            scale = self._scale(t)
+            return [lo + (hi - lo) * scale for lo, hi in zip(self.min_lrs, self.max_lrs)]
+        interval = self._decay_interval(t, self.decay_lr_rate)
+        return list(self.min_lrs) if interval is None else [lo / (1 + self.decay_lr_rate * interval)
+                                                            for lo in self.min_lrs]
+
+    def momenta(self, t: int) -> list[float]:
+        """beta1 of each group for optimizer step t."""
+        if t == 0:
+            return list(self.min_moms)
+        if t <= self.total:
+            scale = self._scale(t)
+            return [hi - (hi - lo) * scale for lo, hi in zip(self.min_moms, self.max_moms)]
+        interval = self._decay_interval(t, self.decay_mom_rate)
+        return list(self.max_moms) if interval is None else [hi * (1 + self.decay_mom_rate * interval)
+                                                             for hi in self.max_moms]
+
+    def step(self, epoch=None) -> None:
+        super().step(epoch)
+        if self.cycle_momentum:
+            for group, beta1 in zip(self.optimizer.param_groups, self.momenta(max(self.last_epoch, 0))):
+                group["betas"] = (beta1, 0.99)
+
+
+_BUILDERS = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR,
+             "OneCycle": OneCycle}
 
 
 def build_scheduler(sched_cfg: Optional[SchedulerConfig], optimizer: torch.optim.Optimizer) -> Optional[LRScheduler]:

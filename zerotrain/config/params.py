@@ -16,7 +16,7 @@ from .base import (Block, Bool, ConfigError, NonNegFloat, NonNegInt, PosFloat, P
                    error_from_validation)
 
 __all__ = ["OptimizerConfig", "SchedulerConfig", "AdamParams", "SGDParams", "WarmupLRParams",
-           "WarmupDecayLRParams", "WarmupCosineLRParams"]
+           "WarmupDecayLRParams", "WarmupCosineLRParams", "OneCycleParams"]
 
 
 def _betas(value: Any) -> tuple[float, float]:
@@ -129,6 +129,26 @@ class WarmupCosineLRParams(Block):
     warmup_type: WarmupType = "log"
 
 
+class OneCycleParams(Block):
+    """`scheduler.params` of OneCycle (DeepSpeed's 1Cycle policy): lr up and down one cycle, then decay."""
+
+    PATH = "scheduler.params"
+    DEEPSPEED_ONLY = frozenset({"last_batch_iteration"})
+
+    cycle_min_lr: LrSpec
+    cycle_max_lr: LrSpec
+    decay_lr_rate: NonNegFloat = 0.0
+    cycle_first_step_size: PosInt = 2000
+    cycle_second_step_size: Optional[NonNegInt] = None
+    cycle_first_stair_count: NonNegInt = 0
+    cycle_second_stair_count: Optional[NonNegInt] = None
+    decay_step_size: NonNegInt = 0
+    cycle_momentum: Bool = True
+    cycle_min_mom: LrSpec = 0.8
+    cycle_max_mom: LrSpec = 0.9
+    decay_mom_rate: NonNegFloat = 0.0
+
+
 class _Typed(Block):
     """A block with a `type` picking the model of its `params`."""
 
@@ -190,14 +210,15 @@ class OptimizerConfig(_Typed):
 
 
 class SchedulerConfig(_Typed):
-    """`scheduler`: `type` is "WarmupLR", "WarmupDecayLR" or "WarmupCosineLR"; `params` holds the keys given."""
+    """`scheduler`: `type` is "WarmupLR", "WarmupDecayLR", "WarmupCosineLR" or "OneCycle"; `params` holds the
+    keys given."""
 
     PATH = "scheduler"
     TYPES = {"WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams,
-             "WarmupCosineLR": WarmupCosineLRParams}
-    DEEPSPEED_TYPES = frozenset({"onecycle", "lrrangetest"})
+             "WarmupCosineLR": WarmupCosineLRParams, "OneCycle": OneCycleParams}
+    DEEPSPEED_TYPES = frozenset({"lrrangetest"})
     HINT = ", or pass a torch LR scheduler to zerotrain.initialize"
-    SPELLING = "WarmupLR, WarmupDecayLR or WarmupCosineLR"
+    SPELLING = "WarmupLR, WarmupDecayLR, WarmupCosineLR or OneCycle"
 
     type: str
     params: dict[str, Any] = Field(default_factory=dict)
