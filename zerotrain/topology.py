@@ -126,21 +126,30 @@ class Topology:
             return list(range(self.dp_size))
         return dist.get_process_group_ranks(self.dp_group)
 
+    def _every_dp_ranks(self) -> list[list[int]]:
+        """The global ranks of every data-parallel group of the grid (one per tensor-parallel index)."""
+        if self.tp_size == 1:
+            return [self._dp_ranks()]
+        return [list(range(index, self.world_size, self.tp_size)) for index in range(self.tp_size)]
+
     def _subgroup(self, key: tuple, members: list[list[int]]) -> tuple[Optional[dist.ProcessGroup], int, int]:
-        """Create (once) one group per list of dp indices in `members`; return this rank's
-        (group, rank in it, size). Collective: every rank creates every group, in the same order,
-        with the topology's timeout."""
+        """Create (once) one group per list of dp indices in `members`, in every data-parallel group of
+        the grid; return this rank's (group, rank in it, size). Collective: every rank of the world
+        creates every group (those of the other tensor-parallel indices too), in the same order, with
+        the topology's timeout."""
         if key not in self._subgroups:
-            global_ranks = self._dp_ranks()
             mine = None
-            for indices in members:
-                ranks = [global_ranks[i] for i in indices]
-                if len(ranks) == 1:
-                    group = None
-                else:
-                    group = dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=self.timeout_seconds))
-                if self.dp_rank in indices:
-                    mine = (group, indices.index(self.dp_rank), len(indices))
+            for global_ranks in self._every_dp_ranks():
+                own = self.tp_size == 1 or self.rank in global_ranks  # this rank's data-parallel group
+                for indices in members:
+                    ranks = [global_ranks[i] for i in indices]
+                    if len(ranks) == 1:
+                        group = None
+                    else:
+                        group = dist.new_group(ranks=ranks,
+                                               timeout=datetime.timedelta(seconds=self.timeout_seconds))
+                    if own and self.dp_rank in indices:
+                        mine = (group, indices.index(self.dp_rank), len(indices))
             self._subgroups[key] = mine
         return self._subgroups[key]
 

@@ -163,20 +163,18 @@ def split_expert_model(ep_size: int) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("zero, dp, tp, refused", [
-    ({"stage": 1}, 2, 2, "tensor parallelism"),
-    ({"stage": 3}, 2, 2, "tensor parallelism"),
-])
-def test_unsupported_expert_parallel_combinations_are_refused(zero, dp, tp, refused):
+@pytest.mark.parametrize("zero", [{"stage": 1}, {"stage": 3}])
+def test_split_experts_with_tensor_parallelism_pass_the_up_front_check(zero):
+    """TP+EP trains (tests/parallel/test_tensor_expert_parallel.py); only a bad ep_size is refused up front."""
     from zerotrain.config import ZeroTrainConfig
     from zerotrain.parallel.experts import check_expert_parallel
 
     config = ZeroTrainConfig(train_micro_batch_size_per_gpu=1, zero_optimization=zero)
-    topology = types.SimpleNamespace(dp_size=dp, tp_size=tp)
-    with pytest.raises(NotImplementedError, match=refused) as caught:
-        check_expert_parallel(split_expert_model(2), config, topology)
-    assert "w_in" in str(caught.value)
+    topology = types.SimpleNamespace(dp_size=2, tp_size=2)
+    assert check_expert_parallel(split_expert_model(2), config, topology) is True
     assert check_expert_parallel(split_expert_model(1), config, topology) is False  # whole experts: plain DP
+    with pytest.raises(ValueError, match=r"\['w_in'\].*ep_size=4 ranks, which does not divide the 2 data-parallel"):
+        check_expert_parallel(split_expert_model(4), config, topology)
 
 
 def test_bad_ep_sizes_are_refused_naming_them():

@@ -21,7 +21,9 @@ A parameter replicated over the tensor-parallel ranks is taken from one of them.
 Experts split over the ranks of each expert-parallel group (`ep_slice`) are planned alike, with
 the rank's position in its expert-parallel group as the holder of each slice (`Piece.tp_rank`
 then names that position); the expert-data-parallel replicas of a slice hold it partitioned
-(stages 1-2: every replica's pieces are taken) or whole (stage 0: one replica's).
+(stages 1-2: every replica's pieces are taken) or whole (stage 0: one replica's). With tensor
+parallelism every tensor-parallel rank holds the same experts as its peers (experts are not split
+by it): only tensor-parallel rank 0's ranks are holders, so each expert is saved once.
 
 Partitioned frozen parameters (stage 3) are slots without a master: only their model
 file entry is written. Tensors outside every slot (frozen parameters at stages 0-2,
@@ -200,6 +202,8 @@ def build_plan(layouts: list[dict], max_file_bytes: int = MAX_FILE_BYTES, round_
             states = {k: torch_dtype(v) for k, v in slot["states"].items()}
             scalars = {k: torch_dtype(v) for k, v in slot["scalars"].items()}
             for name, shape, param_start, numel, shard_start in slot["records"]:
+                if name in experts and layout.get("tp_rank", 0) != 0:
+                    continue  # experts are not split by tensor parallelism: TP rank 0's copy is saved
                 tp_rank = _expert_rank(layout) if name in experts else layout.get("tp_rank", 0)  # slice holder
                 tensor_slice = layout.get("slices", {}).get(name)
                 shape = expected_shape(shape, tensor_slice, name)

@@ -18,7 +18,8 @@ Experts split over the ranks of each expert-parallel group (`param.ep_slice`,
 zerotrain.parallel.experts) are handled the same way, the holder of a slice being the rank's
 position in its expert-parallel group; at stages 1-2 ZeRO partitions each slice over its
 expert-data-parallel group, exactly as it partitions a tensor-parallel slice over the
-data-parallel group.
+data-parallel group. With tensor parallelism every tensor-parallel rank holds the same experts:
+the plan takes them from tensor-parallel rank 0's ranks only, and each rank loads its own slice.
 """
 from __future__ import annotations
 

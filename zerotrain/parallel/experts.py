@@ -36,10 +36,19 @@ Optimizer offload, offload_param and ZeRO++ work at stage 3 too: qgZ as above, q
 experts' gathers over their group, hpZ keeps no secondary shard of experts (its group of ranks
 holds other experts), so they are gathered over their expert-data-parallel group.
 
+Tensor parallelism (TP+EP): experts are not split by it. The data-parallel ranks of each
+tensor-parallel index form their own expert-parallel and expert-data-parallel groups (Topology
+builds them per index), so each tensor-parallel rank holds the same experts as its TP peers; the
+MoE input is the same on every TP rank (after a row-parallel all-reduce), so are its output and
+expert gradients. Expert gradients are reduced over the expert-data-parallel group only, never
+over TP; the norm counts expert elements on TP rank 0 only (they carry no `tp_slice`, like
+replicated parameters: zero.gradnorm); `full_state_dict` and checkpoints take TP rank 0's copy.
+A layer built over other ranks (the TP group, say) is refused by name on every rank.
+
 Supported: ZeRO stages 0-3 with offload_optimizer (stages 1-3), offload_param and ZeRO++, any
-ep_size dividing the data-parallel size. Refused (NotImplementedError): TP+EP (up front); at stage 3
-frozen or zero.Init-built experts (when partitioning); an ep_size not dividing the dp size, or experts
-not matching the consecutive-rank layout: ValueError.
+ep_size dividing the data-parallel size, with or without tensor parallelism. Refused
+(NotImplementedError): at stage 3 frozen or zero.Init-built experts (when partitioning); an ep_size
+not dividing the dp size, or experts not matching the consecutive-rank layout: ValueError.
 """
 from __future__ import annotations
 
@@ -47,6 +56,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
+import torch.distributed as dist
 
 from ..comm import Comm
 from .gather import assemble_full_tensors
@@ -92,17 +102,14 @@ def expert_parallel_size(model: torch.nn.Module) -> int:
 
 
 def check_expert_parallel(model: torch.nn.Module, config, topology) -> bool:
-    """Whether `model` has experts split over ranks; raises NotImplementedError, naming them, with tensor
-    parallelism (every `config` works with them now; the stage-3 refusals come when partitioning), and
-    ValueError when their ep_size does not divide the data-parallel size."""
+    """Whether `model` has experts split over ranks; raises ValueError when their ep_size does not divide
+    the data-parallel size (every `config` works with them, tensor parallelism included; the stage-3
+    refusals come when partitioning)."""
     split = [(name, param) for name, param in model.named_parameters() if is_split_expert(param)]
     if not split:
         return False
     names = [name for name, _ in split[:4]]
     what = f"expert-parallel parameters {names} (experts split over ranks)"
-    if getattr(topology, "tp_size", 1) > 1:
-        raise NotImplementedError(f"{what} are not supported together with tensor parallelism "
-                                  f"(tp_size={topology.tp_size}) yet")
     ep_size = expert_parallel_size(model)
     if topology.dp_size % ep_size:
         raise ValueError(f"{what} are split over ep_size={ep_size} ranks, which does not divide the "
@@ -114,22 +121,30 @@ def build_expert_groups(model: torch.nn.Module, topology, comm: Comm) -> Optiona
     """The expert-parallel and expert-data-parallel Comms of the model's split experts (None without
     any), sharing `comm`'s counters. Checks that this rank holds the experts of its position in its
     group of consecutive ranks (the layer must be built over `topology.expert_parallel_group`).
-    Collective: every data-parallel rank calls it."""
+    Collective: every rank calls it (with tensor parallelism, every rank of the grid)."""
     ep_size = expert_parallel_size(model)
     if ep_size == 1:
         return None
     ep_group, ep_rank, size = topology.expert_parallel_group(ep_size)
     ep = comm if size == comm.size else comm.subgroup(ep_group, ep_rank, size)
     data = comm.subgroup(*topology.expert_data_parallel_group(ep_size))
+    problem = None
     for name, param in model.named_parameters():
-        if is_split_expert(param):
+        if is_split_expert(param) and problem is None:
             expert_slice = expert_slice_of(param)
             first, count = expert_slice.pieces[0][0], expert_slice.local_shape[expert_slice.dim]
             if len(expert_slice.pieces) != 1 or first != ep_rank * count:
-                raise ValueError(f"expert-parallel parameter {name!r} on data-parallel rank {topology.dp_rank} holds "
-                                 f"experts {expert_slice.pieces}, but its expert-parallel group (ranks of "
-                                 f"{ep_size} consecutive data-parallel ranks) puts it at position {ep_rank}: "
-                                 f"build the layer over topology.expert_parallel_group({ep_size})")
+                where = f" (rank {topology.rank}, tensor-parallel rank {topology.tp_rank})" \
+                    if topology.tp_size > 1 else ""
+                problem = (f"expert-parallel parameter {name!r} on data-parallel rank {topology.dp_rank}{where} "
+                           f"holds experts {expert_slice.pieces}, but its expert-parallel group (ranks of "
+                           f"{ep_size} consecutive data-parallel ranks) puts it at position {ep_rank}: "
+                           f"build the layer over topology.expert_parallel_group({ep_size})")
+    if topology.tp_size > 1:  # agreed over the grid, so that no rank goes on into collectives alone
+        grid = comm.subgroup(dist.group.WORLD, topology.rank, topology.world_size)
+        problem = next((p for p in grid.all_gather_object(problem) if p is not None), None)
+    if problem is not None:
+        raise ValueError(problem)
     return ExpertGroups(ep_size, ep, data)
 
 

@@ -12,6 +12,9 @@ what the tests check. Expert weights carry `ep_slice` (a TensorSlice of the stac
 data-parallel ranks; ep_size may be any divisor of the data-parallel size, the whole of it
 included): the ZeRO engine then trains it at stages 0-3, summing each expert's gradient over
 the ranks holding the same expert (zerotrain/parallel/experts.py says how, and what is refused).
+With tensor parallelism that group is made of the data-parallel ranks of this rank's tensor-parallel
+index: the experts are not split by tensor parallelism, every tensor-parallel rank runs the same
+experts on the same (all-reduced) input as its peers.
 """
 from __future__ import annotations
 

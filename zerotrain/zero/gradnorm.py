@@ -10,6 +10,8 @@ of a shard are split comes from the shard records and the parameters' TensorSlic
 Expert-local buckets (zerotrain.parallel.experts) are summed over the data-parallel ranks
 too: partitioned ones over the expert-data-parallel group contribute their shards, replicated
 ones only from that group's rank 0, so each expert element counts once whatever ep_size is.
+With tensor parallelism experts are not split by it (no `tp_slice`): like replicated parameters
+they count on tensor-parallel rank 0 only (`_split_ranges` leaves them out elsewhere).
 """
 from __future__ import annotations
 

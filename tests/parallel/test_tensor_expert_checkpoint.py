@@ -1,0 +1,62 @@
+"""Checkpoints of a tensor-parallel + expert-parallel model load at other grid shapes.
+
+World 8 = TP2 x DP4 with ep_size 2 saves at ZeRO stage 2 after SAVED_AT steps: each expert is held by
+two data-parallel ranks (partitioned over that pair) on each of the two tensor-parallel ranks; the
+files hold every expert once (from tensor-parallel rank 0's ranks) as whole `(num_experts, ...)`
+tensors, and the tensor-parallel weights whole, all equal to one process's. The checkpoint loads at
+TP1 x DP2 (ep_size 2) and at world 1, and training goes on exactly like the uninterrupted
+single-process run.
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+
+from distributed import run_distributed
+from tp_moe_common import EXPERTS, SAVED_AT, STEPS, build_engine, reference, train_steps
+
+
+def segment(directory: str, stage: int, tp: int, ep_size: int, first: int, last: int):
+    """Train steps [first, last): load `directory` first when first > 0, else save it after.
+    Returns (losses, whole weights on rank 0)."""
+    engine = build_engine(stage, tp, ep_size)
+    if first > 0:
+        path, _ = engine.load_checkpoint(directory)
+        assert path is not None, f"nothing loaded from {directory}"
+    losses = train_steps(engine, first, last)
+    if first == 0:
+        engine.save_checkpoint(directory, tag="tp_experts")
+    return losses, engine.full_state_dict()
+
+
+def close(got: dict, want: dict, where: str) -> None:
+    assert sorted(got) == sorted(want), where
+    for name, expected in want.items():
+        assert got[name].shape == expected.shape, (where, name)
+        torch.testing.assert_close(got[name].float(), expected, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{where}, {name}: {m}")
+
+
+def test_tp2_dp4_experts_save_once_and_resume_at_tp1_dp2_and_world_1(tmp_path):
+    from safetensors.torch import load_file
+
+    ref_losses, _, at_save, ref_final = reference()
+    directory = str(tmp_path)
+    saved = run_distributed(segment, 8, directory, 2, 2, 2, 0, SAVED_AT, timeout=180)
+    losses = saved[0][0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses[:SAVED_AT])) <= 1e-5, (losses, ref_losses)
+    files = {}
+    for path in sorted(glob.glob(os.path.join(directory, "tp_experts", "model-*.safetensors"))):
+        files.update(load_file(path))
+    assert files["moe.w_in"].shape[0] == EXPERTS and files["fc.weight"].shape == at_save["fc.weight"].shape
+    close(files, at_save, "model files written at TP2 x DP4")
+
+    for world, tp, ep_size, stage in ((2, 1, 2, 1), (1, 1, 1, 2)):
+        where = f"saved at TP2 x DP4 ep 2, loaded at world {world} (TP{tp}, ep {ep_size}) stage {stage}"
+        results = run_distributed(segment, world, directory, stage, tp, ep_size, SAVED_AT, STEPS, timeout=120)
+        losses, weights = results[0]
+        expected = ref_losses[SAVED_AT:]
+        assert max(abs(a - b) / abs(b) for a, b in zip(losses, expected)) <= 1e-5, (where, losses, expected)
+        close(weights, ref_final, where)
