@@ -54,6 +54,9 @@ def test_fp16_overflow_rolls_back_speculation_exactly(stage):
         assert spec["skipped"] == plain["skipped"] == device["skipped"] >= 1
         assert spec["scale"] == plain["scale"] == device["scale"]
         assert spec["stats"]["overflow_rollbacks"] == spec["skipped"], spec["stats"]
+        # on every committed step each bucket's norm terms proved it finite (not read again); the overflow
+        # was still found (the skipped steps above), from the buckets whose terms were not finite
+        assert spec["stats"]["overflow_buckets_ahead"] >= spec["stats"]["norm_buckets_ahead"] > 0, spec["stats"]
         assert spec["stats"]["committed"] == len(spec["losses"]) - spec["skipped"] - spec["stats"]["clip_redos"]
         assert spec["losses"] == plain["losses"] == device["losses"]
         # Speculative and plain offload compute the same numbers: bitwise equal masters and states.

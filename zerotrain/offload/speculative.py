@@ -61,7 +61,9 @@ norm is known, speculation resumes by itself after the first step that needed no
 and `other_rollbacks` (loss scale moved, the model used again before the step, a failing update),
 `rollback_seconds`, and `norm_buckets_ahead` (buckets whose share of the gradient norm the background
 thread summed during backward, as each gradient became final, speculating or not: `step()` then only
-adds them up, in the same order, so the norm is bit for bit the one computed after backward).
+adds them up, in the same order, so the norm is bit for bit the one computed after backward) and
+`overflow_buckets_ahead` (buckets the fp16 overflow check did not read again: a finite sum of squares
+over the whole shard proves every element finite).
 """
 from __future__ import annotations
 
@@ -155,7 +157,7 @@ class SuperOffloadOptimizer(OffloadOptimizer):
         self._agreed = False  # has_overflow() already agreed on this step's speculation failures
         self.stats.update(speculative_steps=0, bucket_updates=0, committed=0, rollbacks=0, overflow_rollbacks=0,
                           clip_redos=0, other_rollbacks=0, rollback_seconds=0.0, not_speculated=0,
-                          norm_buckets_ahead=0)
+                          norm_buckets_ahead=0, overflow_buckets_ahead=0)
 
     # --- during backward -----------------------------------------------------
     def _on_shard_ready(self, index: int) -> None:
@@ -296,8 +298,15 @@ class SuperOffloadOptimizer(OffloadOptimizer):
         self.host_grads.reset()
 
     def has_overflow(self, grad_shards: list[torch.Tensor]) -> bool:
+        """The overflow check, reading again only the buckets whose norm terms (summed during backward) do not
+        already prove them finite."""
         self._settle()
-        overflow = super().has_overflow(grad_shards)
+        finite = [index for index, job in self._norm_terms.items()
+                  if self.gradients.terms_prove_finite(index, job.result())]
+        self.stats["overflow_buckets_ahead"] += len(finite)
+        overflow = self.gradients.overflow(grad_shards, set(finite))
+        if overflow and self.host_grads is not None:
+            self.host_grads.reset()
         if overflow:
             self._rollback("overflow_rollbacks")
             self._speculate_next = not self._adaptive

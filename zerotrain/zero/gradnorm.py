@@ -16,7 +16,7 @@ they count on tensor-parallel rank 0 only (`_split_ranges` leaves them out elsew
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Collection, Optional
 
 import torch
 
@@ -97,10 +97,19 @@ class GlobalGradients:
         """The global L2 norm of the (still loss-scaled) gradients (`terms`: see `squared_norm`)."""
         return math.sqrt(self.squared_norm(grad_shards, terms))
 
-    def overflow(self, grad_shards: list[torch.Tensor]) -> bool:
-        """True on every rank of the grid when any rank's gradients hold inf or nan."""
+    def terms_prove_finite(self, index: int, terms: list[torch.Tensor]) -> bool:
+        """Whether bucket `index`'s `bucket_terms` show its whole gradient shard finite: a sum of squares
+        is inf or nan when any element is, so a finite sum over the whole shard proves every element finite
+        (an inf sum of finite squares proves nothing: that shard is then checked element by element)."""
+        return bool(terms) and self._counted[index] and self._split_only is None and \
+            all(bool(torch.isfinite(term).all()) for term in terms)
+
+    def overflow(self, grad_shards: list[torch.Tensor], known_finite: Collection[int] = ()) -> bool:
+        """True on every rank of the grid when any rank's gradients hold inf or nan (`known_finite`: buckets
+        already proven finite, see `terms_prove_finite`, not read again)."""
         device = grad_shards[0].device if grad_shards else torch.device("cpu")
-        local = any(not torch.isfinite(grad).all() for grad in grad_shards)
+        local = any(not torch.isfinite(grad).all() for index, grad in enumerate(grad_shards)
+                    if index not in known_finite)
         overflow = self.comm.any_true(local, device)
         if self.tp_comm is not None:
             overflow = self.tp_comm.any_true(overflow, device)
