@@ -9,7 +9,9 @@ stage 1, or plain cpu offload.
 """
 from __future__ import annotations
 
+import glob
 import os
+import time
 
 import pytest
 import torch
@@ -22,12 +24,13 @@ from offload_common import (GROUPS, MICRO, assert_matches_reference, assert_same
 FIRST, SECOND, GLOBAL_BATCH = 3, 3, 8
 
 
-def make_engine(stage: int, offload, seed: int):
+def make_engine(stage: int, offload, seed: int, precision: str = "fp32", accumulation: int = 0):
     import zerotrain
 
     world = int(os.environ["WORLD_SIZE"])
-    config = engine_config(stage, offload)
-    config["gradient_accumulation_steps"] = GLOBAL_BATCH // (MICRO * world)
+    config = engine_config(stage, offload, precision)
+    config["gradient_accumulation_steps"] = accumulation or GLOBAL_BATCH // (MICRO * world)
+    config["train_micro_batch_size_per_gpu"] = GLOBAL_BATCH // (config["gradient_accumulation_steps"] * world)
     config["comm_timeout_seconds"] = 60
     torch.manual_seed(seed)
     model = OddMLP()
@@ -45,7 +48,7 @@ def train(engine, first: int, count: int) -> list[float]:
     for batch in make_batches(FIRST + SECOND, GLOBAL_BATCH)[first:first + count]:
         total = torch.zeros(1)
         for a in range(accumulation):
-            x, y = micro_slice(batch, a, rank, world, MICRO)
+            x, y = micro_slice(batch, a, rank, world, GLOBAL_BATCH // (accumulation * world))
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
@@ -122,3 +125,61 @@ def test_offloaded_states_round_trip(tmp_path, mode):
         assert other["stats"]["steps"] == SECOND, other["stats"]
     assert_matches_reference(f"{mode} resumed at world {other_world}, stage {other_stage}, offload {other_offload}",
                              head["losses"] + other["losses"], other["weights"], ref_losses, ref_weights)
+
+
+def async_save_during_speculation(save_dir: str, precision: str) -> dict:
+    """super_offload ("always"), no accumulation (the first backward after the save is a boundary one), an
+    asynchronous save whose snapshot copy is slowed down past the next backward: the speculative updates of that
+    backward must not reach what the snapshot copies (model shards, masters, states), so the checkpoint holds
+    exactly the state at save time."""
+    import zerotrain.checkpoint.snapshot as snapshot_module
+
+    offload = {"device": "cpu", "super_offload": True, "super_offload_speculation": "always"}
+    engine = make_engine(2, offload, seed=0, precision=precision, accumulation=1)
+    train(engine, 0, 2)
+    at_save, state_at_save = engine.full_state_dict(), snapshot(engine)
+    model_at_save = {name: param.detach().clone() for name, param in engine.module.named_parameters()}
+    original = snapshot_module.Sources.complete
+
+    def slow(self):
+        time.sleep(0.5)
+        return original(self)
+
+    snapshot_module.Sources.complete = slow
+    try:
+        engine.save_checkpoint(save_dir, tag="speculating", async_save=True)
+        train(engine, 2, 1)  # its backward speculates while the copy is still pending
+        speculated = engine.zero_optimizer.stats["bucket_updates"]
+        engine.wait_checkpoint()
+    finally:
+        snapshot_module.Sources.complete = original
+    fresh = make_engine(2, offload, seed=5, precision=precision, accumulation=1)
+    fresh.load_checkpoint(save_dir, tag="speculating")
+    from safetensors.torch import load_file
+
+    in_files = {}
+    for path in glob.glob(os.path.join(save_dir, "speculating", "model*.safetensors")):
+        in_files.update(load_file(path))  # the model weights as transformers would read them
+    out = {"at_save": at_save, "loaded": fresh.full_state_dict(), "speculated": speculated, "same_state": True,
+           "model_at_save": model_at_save, "in_files": in_files}
+    try:
+        assert_same_snapshot(state_at_save, snapshot(fresh), "loaded vs at save")
+    except AssertionError as error:
+        out["same_state"] = str(error)
+    engine.close()
+    fresh.close()
+    return out
+
+
+@pytest.mark.parametrize("precision", ["bf16"])  # bf16: model shards and masters are separate tensors
+def test_async_save_is_not_touched_by_the_next_speculative_backward(tmp_path, precision):
+    for rank, out in enumerate(run_distributed(async_save_during_speculation, 2, str(tmp_path / "ckpt"), precision,
+                                               timeout=120)):
+        assert out["speculated"] > 0, rank
+        assert out["same_state"] is True, (rank, out["same_state"])
+        if rank == 0:
+            for name, want in out["at_save"].items():
+                assert torch.equal(out["loaded"][name], want), name
+            assert set(out["in_files"]) == set(out["model_at_save"])
+            for name, want in out["model_at_save"].items():
+                assert torch.equal(out["in_files"][name], want), f"{precision}: {name} in the model files"
