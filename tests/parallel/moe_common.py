@@ -24,9 +24,11 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(STEPS)]
 
 
-def build_engine(stage: int, ep_size: int, sgd_lr: Optional[float] = None, frozen: frozenset = frozenset(), **zero):
+def build_engine(stage: int, ep_size: int, sgd_lr: Optional[float] = None, frozen: frozenset = frozenset(),
+                 top: Optional[dict] = None, **zero):
     """The engine over MoENet with its experts split over groups of `ep_size` consecutive ranks, AdamW (plain
-    SGD with `sgd_lr`), the parameters named in `frozen` frozen; `zero`: more keys of the zero_optimization block."""
+    SGD with `sgd_lr`), the parameters named in `frozen` frozen; `top`: more top-level config keys (bf16,
+    fp16); `zero`: more keys of the zero_optimization block."""
     import zerotrain
     from zerotrain.comm import Comm
     from zerotrain.topology import Topology
@@ -38,7 +40,7 @@ def build_engine(stage: int, ep_size: int, sgd_lr: Optional[float] = None, froze
               "gradient_clipping": CLIP, "steps_per_print": 0,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}} if sgd_lr is None
               else {"type": "SGD", "params": {"lr": sgd_lr}},
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, **zero}}
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, **zero}, **(top or {})}
     model = make_model(ep_comm)
     for name, param in model.named_parameters():
         param.requires_grad_(name not in frozen)

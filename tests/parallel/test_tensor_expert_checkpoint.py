@@ -4,6 +4,7 @@ World 8 = TP2 x DP4 with ep_size 2 saves at ZeRO stage 2 after SAVED_AT steps: e
 two data-parallel ranks (partitioned over that pair) on each of the two tensor-parallel ranks; the
 files hold every expert once (from tensor-parallel rank 0's ranks) as whole `(num_experts, ...)`
 tensors, and the tensor-parallel weights whole, all equal to one process's. The checkpoint loads at
+TP2 x DP2 (ep_size 2: no expert replicas; and ep_size 1: every expert local on every rank), at
 TP1 x DP2 (ep_size 2) and at world 1, and training goes on exactly like the uninterrupted
 single-process run.
 """
@@ -31,6 +32,12 @@ def segment(directory: str, stage: int, tp: int, ep_size: int, first: int, last:
     return losses, engine.full_state_dict()
 
 
+def resumes(directory: str, loads: list[tuple[int, int, int]]) -> list:
+    """Each (stage, tp, ep_size) of `loads` in turn, in one spawned run: a fresh engine loads `directory` and
+    trains steps [SAVED_AT, STEPS). Returns each one's (losses, whole weights on rank 0)."""
+    return [segment(directory, stage, tp, ep_size, SAVED_AT, STEPS) for stage, tp, ep_size in loads]
+
+
 def close(got: dict, want: dict, where: str) -> None:
     assert sorted(got) == sorted(want), where
     for name, expected in want.items():
@@ -39,7 +46,7 @@ def close(got: dict, want: dict, where: str) -> None:
                                    msg=lambda m, name=name: f"{where}, {name}: {m}")
 
 
-def test_tp2_dp4_experts_save_once_and_resume_at_tp1_dp2_and_world_1(tmp_path):
+def test_tp2_dp4_experts_save_once_and_resume_at_tp2_dp2_tp1_dp2_and_world_1(tmp_path):
     from safetensors.torch import load_file
 
     ref_losses, _, at_save, ref_final = reference()
@@ -53,10 +60,13 @@ def test_tp2_dp4_experts_save_once_and_resume_at_tp1_dp2_and_world_1(tmp_path):
     assert files["moe.w_in"].shape[0] == EXPERTS and files["fc.weight"].shape == at_save["fc.weight"].shape
     close(files, at_save, "model files written at TP2 x DP4")
 
-    for world, tp, ep_size, stage in ((2, 1, 2, 1), (1, 1, 1, 2)):
-        where = f"saved at TP2 x DP4 ep 2, loaded at world {world} (TP{tp}, ep {ep_size}) stage {stage}"
-        results = run_distributed(segment, world, directory, stage, tp, ep_size, SAVED_AT, STEPS, timeout=120)
-        losses, weights = results[0]
+    # (stage, tp, ep_size) at world 4 = TP2 x DP2, in one spawned run: no expert replicas; every expert local
+    results = run_distributed(resumes, 4, directory, [(3, 2, 2), (2, 2, 1)], timeout=120)[0]
+    results += [run_distributed(segment, 2, directory, 1, 1, 2, SAVED_AT, STEPS, timeout=120)[0],
+                run_distributed(segment, 1, directory, 2, 1, 1, SAVED_AT, STEPS, timeout=120)[0]]
+    shapes = ["TP2 x DP2 ep 2 stage 3", "TP2 x DP2 ep 1 stage 2", "TP1 x DP2 ep 2 stage 1", "world 1 stage 2"]
+    for shape, (losses, weights) in zip(shapes, results, strict=True):
+        where = f"saved at TP2 x DP4 ep 2, loaded at {shape}"
         expected = ref_losses[SAVED_AT:]
         assert max(abs(a - b) / abs(b) for a, b in zip(losses, expected)) <= 1e-5, (where, losses, expected)
         close(weights, ref_final, where)
