@@ -340,15 +340,18 @@ class GradReducer:
         }
 
     def load_loco_state(self, state: dict) -> bool:
-        """Restore what loco_state() returned. On another layout (world size, buckets, hops) the
+        """Restore what loco_state() returned. On another layout (world size, buckets, hops, expert groups) the
         error buffers start from zero with a warning (the step count is still restored); returns
         whether the buffers were loaded."""
         self.optimizer_steps = int(state.get("optimizer_steps", 0))
         if not self.loco_enabled:
             return False
-        if state.get("layout") != self._loco_layout():
+        layout, current = state.get("layout"), self._loco_layout()
+        if isinstance(layout, dict):  # saved before "expert_partitions" existed: no experts then
+            layout = {"expert_partitions": [], **layout}
+        if layout != current:
             warnings.warn(f"LoCo error buffers of rank {self.comm.rank} were saved on another layout "
-                          f"({state.get('layout')} vs {self._loco_layout()}); they restart from zero")
+                          f"({state.get('layout')} vs {current}); they restart from zero")
             self.reset_loco_state()
             return False
         device = self.buckets[0].device if self.buckets else None
@@ -366,7 +369,10 @@ class GradReducer:
         return {"world": self.comm.size, "rank": self.comm.rank,
                 "shards": [bucket.shard_numel for bucket in self.buckets],
                 "hops": [[hop.rows, hop.cols] for reducer in self._reducers()[:1] for hop in reducer.hops],
-                "loco": self.loco_enabled}
+                "loco": self.loco_enabled,
+                # expert buckets: how many ranks share each one's reduction (the expert-data-parallel group)
+                "expert_partitions": [bucket.partitions for bucket in self.buckets
+                                      if getattr(bucket, "expert_local", False)]}
 
     def loco_bytes(self) -> int:
         """Bytes of LoCo error buffers this rank holds (8-bit values plus block scales)."""
