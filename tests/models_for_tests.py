@@ -106,3 +106,13 @@ def reference_training(model_factory, batches, lr=1e-2, weight_decay=0.01, clip=
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def assert_tensors_close(got: dict, want: dict, where: str, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """Same names, same shapes, values within rtol/atol (compared in fp32); messages name `where` and the tensor."""
+    assert sorted(got) == sorted(want), where
+    for name, expected in want.items():
+        assert got[name].shape == expected.shape, (where, name)
+        torch.testing.assert_close(got[name].float(), expected, rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"{where}, {name}: {m}")
+

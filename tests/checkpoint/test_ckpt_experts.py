@@ -18,6 +18,7 @@ import torch
 
 from distributed import run_distributed
 from models_for_tests import MOE_D_IN as D_IN
+from models_for_tests import assert_tensors_close
 from models_for_tests import MOE_D_OUT as D_OUT
 from models_for_tests import MOE_EXPERTS as EXPERTS
 from models_for_tests import make_moe_model as make_model
@@ -103,14 +104,6 @@ def read_files(directory: str, kind: str) -> dict:
     return tensors
 
 
-def assert_close(got: dict, want: dict, where: str) -> None:
-    assert sorted(got) == sorted(want), where
-    for name, expected in want.items():
-        assert got[name].shape == expected.shape, (where, name)
-        torch.testing.assert_close(got[name].float(), expected, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, name=name: f"{where}, {name}: {m}")
-
-
 @pytest.mark.parametrize("save_stage, load_stages, load_ep_size", [(1, (2, 0), 4), (2, (1, 1), 2)])
 def test_split_experts_save_at_world_2_and_resume_at_worlds_4_and_1(tmp_path, save_stage, load_stages, load_ep_size):
     ref_losses, at_save, ref_final = reference()
@@ -123,10 +116,10 @@ def test_split_experts_save_at_world_2_and_resume_at_worlds_4_and_1(tmp_path, sa
     model, optim = read_files(directory, "model"), read_files(directory, "optimizer")
     assert not glob.glob(os.path.join(directory, "experts", "master_weights-*")), "fp32: no separate masters"
     assert model["moe.w_in"].shape[0] == EXPERTS  # whole (num_experts, ...) tensors under the model's names
-    assert_close(model, {name: weight for name, (weight, _) in at_save.items()}, "model file")
+    assert_tensors_close(model, {name: weight for name, (weight, _) in at_save.items()}, "model file")
     states = {f"{name}/{key}": value for name, (_, state) in at_save.items()
               for key, value in state.items() if key != "step"}
-    assert_close({key: value for key, value in optim.items() if key in states}, states, "optimizer file")
+    assert_tensors_close({key: value for key, value in optim.items() if key in states}, states, "optimizer file")
 
     for world, stage in zip((4, 1), load_stages):
         ep_size = load_ep_size if world == 4 else 1  # world 4: one expert per rank, or two per rank in pairs
@@ -137,7 +130,7 @@ def test_split_experts_save_at_world_2_and_resume_at_worlds_4_and_1(tmp_path, sa
         losses, weights, _ = results[0]
         expected = ref_losses[SAVED_AT:]
         assert max(abs(a - b) / abs(b) for a, b in zip(losses, expected)) <= 1e-5, (where, losses, expected)
-        assert_close(weights, ref_final, where)
+        assert_tensors_close(weights, ref_final, where)
 
 
 @pytest.mark.parametrize("save_stage, load_stages", [(2, (1, 0)), (0, (2, 1))])
@@ -152,10 +145,10 @@ def test_experts_in_groups_of_2_at_world_4_save_once_and_resume_at_worlds_2_and_
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses[:SAVED_AT])) <= 1e-5, (losses, ref_losses)
     model, optim = read_files(directory, "model"), read_files(directory, "optimizer")
     assert model["moe.w_in"].shape[0] == EXPERTS
-    assert_close(model, {name: weight for name, (weight, _) in at_save.items()}, "model file")
+    assert_tensors_close(model, {name: weight for name, (weight, _) in at_save.items()}, "model file")
     states = {f"{name}/{key}": value for name, (_, state) in at_save.items()
               for key, value in state.items() if key != "step"}
-    assert_close({key: value for key, value in optim.items() if key in states}, states, "optimizer file")
+    assert_tensors_close({key: value for key, value in optim.items() if key in states}, states, "optimizer file")
     for world, stage in zip((2, 1), load_stages):
         where = f"saved at world 4 ep 2 stage {save_stage}, loaded at world {world} stage {stage}"
         results = run_distributed(train_segment, world, directory, stage, SAVED_AT, STEPS, "fp32", 2 if world > 1 else 1,
@@ -163,7 +156,7 @@ def test_experts_in_groups_of_2_at_world_4_save_once_and_resume_at_worlds_2_and_
         losses, weights, _ = results[0]
         expected = ref_losses[SAVED_AT:]
         assert max(abs(a - b) / abs(b) for a, b in zip(losses, expected)) <= 1e-5, (where, losses, expected)
-        assert_close(weights, ref_final, where)
+        assert_tensors_close(weights, ref_final, where)
 
 
 def test_bf16_split_experts_write_whole_fp32_masters_and_resume_at_world_1(tmp_path):
@@ -172,7 +165,7 @@ def test_bf16_split_experts_write_whole_fp32_masters_and_resume_at_world_1(tmp_p
     masters, model = read_files(directory, "master_weights"), read_files(directory, "model")
     assert masters["moe.w_in"].dtype == torch.float32 and model["moe.w_in"].dtype == torch.bfloat16
     assert masters["moe.w_in"].shape[0] == EXPERTS == model["moe.w_out"].shape[0]
-    assert_close(masters, saved[0][1], "master file vs full_state_dict at save")
+    assert_tensors_close(masters, saved[0][1], "master file vs full_state_dict at save")
     torch.testing.assert_close(model["moe.w_in"], masters["moe.w_in"].bfloat16(), rtol=0, atol=0)
     continued = run_distributed(train_segment, 2, directory, 1, SAVED_AT, STEPS, "bf16", timeout=120)
     single = run_distributed(train_segment, 1, directory, 1, SAVED_AT, STEPS, "bf16", timeout=120)

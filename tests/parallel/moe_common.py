@@ -63,15 +63,23 @@ def reference(sgd_lr: Optional[float] = None) -> tuple[list[float], list[float],
     model = make_model(Comm(None, 0, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY) if sgd_lr is None \
         else torch.optim.SGD(model.parameters(), lr=sgd_lr)
+    return train_reference(model, optimizer, batches(), MICRO, GLOBAL, CLIP, SAVED_AT)
+
+
+def train_reference(model: torch.nn.Module, optimizer: torch.optim.Optimizer, global_batches: list, micro: int,
+                    global_batch: int, clip: float, saved_at: int) -> tuple[list[float], list[float], dict, dict]:
+    """Plain single-process training: the mean of the micro-batch losses of each global batch, clipping at `clip`;
+    returns losses, pre-clip norms, the weights after `saved_at` steps and at the end."""
     losses, norms, at_save = [], [], {}
-    for step, (x, y) in enumerate(batches()):
-        loss = sum(model(x[i:i + MICRO], y[i:i + MICRO]) for i in range(0, GLOBAL, MICRO)) / (GLOBAL // MICRO)
+    for step, (x, y) in enumerate(global_batches):
+        loss = sum(model(x[i:i + micro], y[i:i + micro]) for i in range(0, global_batch, micro)) / \
+            (global_batch // micro)
         loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-        if step + 1 == SAVED_AT:
+        if step + 1 == saved_at:
             at_save = {name: p.detach().clone() for name, p in model.named_parameters()}
     return losses, norms, at_save, {name: p.detach().clone() for name, p in model.named_parameters()}
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 import glob
 import os
 
-import torch
-
 from distributed import run_distributed
+from models_for_tests import assert_tensors_close
 from tp_moe_common import EXPERTS, SAVED_AT, STEPS, build_engine, reference, train_steps
 
 
@@ -38,14 +37,6 @@ def resumes(directory: str, loads: list[tuple[int, int, int]]) -> list:
     return [segment(directory, stage, tp, ep_size, SAVED_AT, STEPS) for stage, tp, ep_size in loads]
 
 
-def close(got: dict, want: dict, where: str) -> None:
-    assert sorted(got) == sorted(want), where
-    for name, expected in want.items():
-        assert got[name].shape == expected.shape, (where, name)
-        torch.testing.assert_close(got[name].float(), expected, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, name=name: f"{where}, {name}: {m}")
-
-
 def test_tp2_dp4_experts_save_once_and_resume_at_tp2_dp2_tp1_dp2_and_world_1(tmp_path):
     from safetensors.torch import load_file
 
@@ -58,7 +49,7 @@ def test_tp2_dp4_experts_save_once_and_resume_at_tp2_dp2_tp1_dp2_and_world_1(tmp
     for path in sorted(glob.glob(os.path.join(directory, "tp_experts", "model-*.safetensors"))):
         files.update(load_file(path))
     assert files["moe.w_in"].shape[0] == EXPERTS and files["fc.weight"].shape == at_save["fc.weight"].shape
-    close(files, at_save, "model files written at TP2 x DP4")
+    assert_tensors_close(files, at_save, "model files written at TP2 x DP4")
 
     # (stage, tp, ep_size) at world 4 = TP2 x DP2, in one spawned run: no expert replicas; every expert local
     results = run_distributed(resumes, 4, directory, [(3, 2, 2), (2, 2, 1)], timeout=120)[0]
@@ -69,4 +60,4 @@ def test_tp2_dp4_experts_save_once_and_resume_at_tp2_dp2_tp1_dp2_and_world_1(tmp
         where = f"saved at TP2 x DP4 ep 2, loaded at {shape}"
         expected = ref_losses[SAVED_AT:]
         assert max(abs(a - b) / abs(b) for a, b in zip(losses, expected)) <= 1e-5, (where, losses, expected)
-        close(weights, ref_final, where)
+        assert_tensors_close(weights, ref_final, where)

@@ -100,16 +100,8 @@ def reference() -> tuple[list[float], list[float], dict, dict]:
     after STEPS steps."""
     from zerotrain.comm import Comm
 
+    from moe_common import train_reference
+
     model = make_model(Comm(None, 0, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    losses, norms, at_save = [], [], {}
-    for step, (x, y) in enumerate(batches()):
-        loss = sum(model(x[i:i + MICRO], y[i:i + MICRO]) for i in range(0, GLOBAL, MICRO)) / (GLOBAL // MICRO)
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-        if step + 1 == SAVED_AT:
-            at_save = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return losses, norms, at_save, {name: p.detach().clone() for name, p in model.named_parameters()}
+    return train_reference(model, optimizer, batches(), MICRO, GLOBAL, CLIP, SAVED_AT)
