@@ -202,6 +202,8 @@ class SuperOffloadOptimizer(OffloadOptimizer):
             self.cpu_adam.step_to(master, self.kernel_gradient(index, grad), group_index, spare, multiplier,
                                   copy_to=target)
         else:
+            from ..checkpoint.fence import fence_snapshots  # late: zerotrain.checkpoint imports the engine's parts
+            fence_snapshots()  # an async save may still be copying this master and its states (step() fences later)
             host = self.host_gradient(index, grad, multiplier)
             self._backups.setdefault(index, _Backup()).save(master, self.optimizer.state.get(master))
             self._saved.add(index)
