@@ -27,7 +27,7 @@ at 1 and 2 threads (memory-bandwidth bound; torch foreach ~0.15x).
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import Callable, Optional
+from typing import Callable, Collection, Optional
 
 import torch
 
@@ -168,10 +168,15 @@ class OffloadOptimizer(ShardedOptimizer):
 
     # --- norm and overflow on the training device ---------------------------
     def has_overflow(self, grad_shards: list[torch.Tensor]) -> bool:
-        overflow = self.gradients.overflow(grad_shards)
+        overflow = self.gradients.overflow(grad_shards, self.known_finite())
         if overflow and self.host_grads is not None:
             self.host_grads.reset()
         return overflow
+
+    def known_finite(self) -> Collection[int]:
+        """Buckets already proven free of inf/nan this step, which the overflow check need not read (none here;
+        super_offload's norm terms, summed during backward, prove some)."""
+        return ()
 
     def multiplier(self, norm: float, loss_scale: float) -> float:
         """The one factor ShardedOptimizer applies to the gradients: unscale, then clip."""

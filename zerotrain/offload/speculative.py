@@ -299,16 +299,16 @@ class SuperOffloadOptimizer(OffloadOptimizer):
         self._scale = None
         self.host_grads.reset()
 
-    def has_overflow(self, grad_shards: list[torch.Tensor]) -> bool:
-        """The overflow check, reading again only the buckets whose norm terms (summed during backward) do not
-        already prove them finite."""
-        self._settle()
-        finite = [index for index, job in self._norm_terms.items()
-                  if self.gradients.terms_prove_finite(index, job.result())]
+    def known_finite(self) -> set[int]:
+        """The buckets whose norm terms (summed during backward) prove them finite: not read again."""
+        finite = {index for index, job in self._norm_terms.items()
+                  if self.gradients.terms_prove_finite(index, job.result())}
         self.stats["overflow_buckets_ahead"] += len(finite)
-        overflow = self.gradients.overflow(grad_shards, set(finite))
-        if overflow and self.host_grads is not None:
-            self.host_grads.reset()
+        return finite
+
+    def has_overflow(self, grad_shards: list[torch.Tensor]) -> bool:
+        self._settle()
+        overflow = super().has_overflow(grad_shards)
         if overflow:
             self._rollback("overflow_rollbacks")
             self._speculate_next = not self._adaptive
