@@ -1,4 +1,5 @@
-"""DeepSpeed's LR schedules, checked against the formulas written out by hand."""
+"""DeepSpeed's LR schedules, checked against the formulas written out by hand and against DeepSpeed's own
+classes stepped as DeepSpeed's engine steps them (step() only after each optimizer step)."""
 import math
 import warnings
 
@@ -38,21 +39,25 @@ def test_warmup_lr_log():
     assert isinstance(sched, WarmupLR)
     seen = lrs_over(opt, sched, 14)
     for t in range(14):
-        expected = 0.01 + 0.09 * (math.log(t + 1) / math.log(10) if t < 10 else 1.0)
+        i = max(t - 1, 0)  # DeepSpeed's engine: step t uses the schedule's value at index t - 1
+        expected = 0.01 + 0.09 * (math.log(i + 1) / math.log(10) if i < 10 else 1.0)
         assert seen[t] == pytest.approx([expected, expected]), t  # absolute lr: same for every group
 
 
 def test_warmup_lr_linear_and_defaults():
-    opt, sched = make("WarmupLR", {"warmup_type": "linear", "warmup_num_steps": 4})
-    seen = [lrs[0] for lrs in lrs_over(opt, sched, 6)]
-    assert seen == pytest.approx([0.0, 0.00025, 0.0005, 0.00075, 0.001, 0.001])
+    opt, sched = make("WarmupLR", {"warmup_type": "linear", "warmup_num_steps": 4, "warmup_max_lr": 0.001})
+    seen = [lrs[0] for lrs in lrs_over(opt, sched, 7)]
+    assert seen == pytest.approx([0.0, 0.0, 0.00025, 0.0005, 0.00075, 0.001, 0.001])
+    opt, sched = make("WarmupLR", {"warmup_num_steps": 2})  # warmup_max_lr defaults to the group's lr
+    assert [lrs[0] for lrs in lrs_over(opt, sched, 4)] == pytest.approx([0.0, 0.0, 0.1 * math.log(2) / math.log(2),
+                                                                          0.1])
 
 
 def test_warmup_lr_per_group_lists():
     opt, sched = make("WarmupLR", {"warmup_min_lr": [0.0, 0.1], "warmup_max_lr": [1.0, 0.2], "warmup_num_steps": 2,
                                    "warmup_type": "linear"}, group_lrs=(0.3, 0.3))
-    assert lrs_over(opt, sched, 3) == [pytest.approx([0.0, 0.1]), pytest.approx([0.5, 0.15]),
-                                       pytest.approx([1.0, 0.2])]
+    assert lrs_over(opt, sched, 4) == [pytest.approx([0.0, 0.1]), pytest.approx([0.0, 0.1]),
+                                       pytest.approx([0.5, 0.15]), pytest.approx([1.0, 0.2])]
     with pytest.raises(ConfigError, match="scheduler.params.warmup_max_lr"):
         make("WarmupLR", {"warmup_max_lr": [1.0, 0.2, 0.3]}, group_lrs=(0.3, 0.3))
 
@@ -63,12 +68,13 @@ def test_warmup_decay_lr():
     assert isinstance(sched, WarmupDecayLR)
     seen = [lrs[0] for lrs in lrs_over(opt, sched, 24)]
     for t, lr in enumerate(seen):
-        if t < 5:
-            expected = 0.1 * t / 5
+        i = max(t - 1, 0)
+        if i < 5:
+            expected = 0.1 * i / 5
         else:
-            expected = 0.1 * max(0.0, (20 - t) / 15)
+            expected = 0.1 * max(0.0, (20 - i) / 15)
         assert lr == pytest.approx(expected, abs=1e-12), t
-    assert seen[5] == pytest.approx(0.1) and seen[20] == 0.0 and seen[23] == 0.0
+    assert seen[6] == pytest.approx(0.1) and seen[21] == 0.0 and seen[23] == 0.0
 
 
 def test_warmup_cosine_lr_scales_each_group():
@@ -76,22 +82,27 @@ def test_warmup_cosine_lr_scales_each_group():
     opt, sched = make("WarmupCosineLR", params, group_lrs=(1.0, 0.5))
     assert isinstance(sched, WarmupCosineLR)
     seen = lrs_over(opt, sched, 35)
-    for t, lrs in enumerate(seen):
-        if t < 10:
-            ratio = 0.1 + 0.9 * math.log(t + 1) / math.log(10)
+    assert seen[0] == [0.0, 0.0]  # DeepSpeed's first optimizer step runs at lr 0
+    for t, lrs in enumerate(seen[1:], start=1):
+        i = t - 1
+        if i < 10:
+            ratio = 0.1 + 0.9 * math.log(i + 1) / math.log(10)
         else:
-            progress = min(1.0, (t - 10 + 1) / 20)
+            progress = min(1.0, (i - 10 + 1) / 20)
             ratio = 0.01 + 0.99 * (1 + math.cos(math.pi * progress)) / 2
         assert lrs == pytest.approx([ratio * 1.0, ratio * 0.5]), t
-    assert seen[29][0] == pytest.approx(0.01) and seen[34][0] == pytest.approx(0.01)  # stays at the floor
+    assert seen[30][0] == pytest.approx(0.01) and seen[34][0] == pytest.approx(0.01)  # stays at the floor
 
 
-def test_zero_warmup_steps_means_no_warmup():
-    opt, sched = make("WarmupLR", {"warmup_num_steps": 0, "warmup_max_lr": 0.3})
-    assert [lrs[0] for lrs in lrs_over(opt, sched, 2)] == pytest.approx([0.3, 0.3])
-    opt, sched = make("WarmupCosineLR", {"total_num_steps": 4, "warmup_num_steps": 0, "cos_min_ratio": 0.0})
-    assert [lrs[0] for lrs in lrs_over(opt, sched, 4)] == pytest.approx([0.1 * 0.5 * (1 + math.cos(math.pi * k / 4))
-                                                                        for k in range(1, 5)])
+@pytest.mark.parametrize("type_", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"])
+def test_zero_warmup_steps_is_refused_as_deepspeed_refuses_it(type_):
+    total = {} if type_ == "WarmupLR" else {"total_num_steps": 4}
+    with pytest.raises(ConfigError, match="scheduler.params.warmup_num_steps"):
+        make(type_, {"warmup_num_steps": 0, **total})
+    with pytest.raises(ConfigError, match="scheduler.params.warmup_num_steps"):
+        WarmupLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), warmup_num_steps=0)
+    opt, sched = make(type_, {"warmup_num_steps": 1, **total})  # raised to 2, as DeepSpeed does
+    assert sched.warmup_num_steps == 2
 
 
 @pytest.mark.parametrize("type_, params", [
@@ -165,3 +176,65 @@ def test_one_cycle_matches_deepspeed_when_installed():
             assert mine["betas"] == pytest.approx(reference["betas"], rel=1e-12), t
         ours_scheduler.step()
         their_scheduler.step()
+
+
+ENGINE_CASES = [
+    ("WarmupLR", dict(warmup_min_lr=0.01, warmup_max_lr=0.1, warmup_num_steps=5)),
+    ("WarmupLR", dict(warmup_num_steps=2)),  # warmup_max_lr: the group's lr
+    ("WarmupLR", dict(warmup_min_lr=[0.0, 0.02], warmup_max_lr=[0.3, 0.1], warmup_num_steps=4, warmup_type="linear")),
+    ("WarmupDecayLR", dict(total_num_steps=12, warmup_min_lr=0.001, warmup_max_lr=0.05, warmup_num_steps=3)),
+    ("WarmupDecayLR", dict(total_num_steps=9, warmup_num_steps=1, warmup_type="linear")),
+    ("WarmupCosineLR", dict(total_num_steps=14, warmup_min_ratio=0.1, warmup_num_steps=4, cos_min_ratio=0.05)),
+    ("WarmupCosineLR", dict(total_num_steps=3, warmup_num_steps=5, warmup_type="linear")),
+    ("OneCycle", dict(cycle_min_lr=0.01, cycle_max_lr=0.1, cycle_first_step_size=3, decay_step_size=2,
+                      decay_lr_rate=0.3)),
+]
+
+
+def _deepspeed_schedules():
+    pytest.importorskip("deepspeed")
+    import os
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime import lr_schedules
+    return lr_schedules
+
+
+@pytest.mark.parametrize("type_, params", ENGINE_CASES)
+def test_every_step_uses_deepspeed_engines_lr(type_, params):
+    """DeepSpeed's engine builds the scheduler, runs optimizer step 0 at whatever lr construction set, and calls
+    scheduler.step() after every optimizer step: ours gives the same lr at every step, and after a resume."""
+    lr_schedules = _deepspeed_schedules()
+    ours, theirs = _adam_groups(), _adam_groups()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mine = build_scheduler(load_config({"train_batch_size": 1, "scheduler": {"type": type_, "params": params}})
+                               .scheduler, ours)
+        reference = getattr(lr_schedules, type_)(theirs, **params)
+    seen, expected = lrs_over(ours, mine, 20), lrs_over(theirs, reference, 20)
+    assert seen == [pytest.approx(lrs, rel=1e-12, abs=1e-15) for lrs in expected]
+    # resume after 7 steps: a fresh scheduler given the saved state continues with the same lrs
+    ours, theirs = _adam_groups(), _adam_groups()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = build_scheduler(load_config({"train_batch_size": 1, "scheduler": {"type": type_, "params": params}})
+                                .scheduler, ours)
+        lrs_over(ours, first, 7)
+        resumed_opt = _adam_groups()
+        resumed = build_scheduler(load_config({"train_batch_size": 1, "scheduler": {"type": type_, "params": params}})
+                                  .scheduler, resumed_opt)
+        resumed.load_state_dict(first.state_dict())
+    assert lrs_over(resumed_opt, resumed, 13) == [pytest.approx(lrs, rel=1e-12, abs=1e-15) for lrs in expected[7:]]
+
+
+def test_state_saved_by_the_old_rule_resumes_under_the_new_one():
+    """A state_dict written before the change (torch's full __dict__, with the old `warmup_num_steps` 0 =
+    no warmup and the old lrs) resumes from its step count under this run's config and the new rule."""
+    old_state = {"min_lrs": [0.0, 0.0], "max_lrs": [0.1, 0.1], "warmup_num_steps": 0, "warmup_type": "log",
+                 "base_lrs": [0.1, 0.1], "last_epoch": 3, "verbose": False, "_step_count": 4,
+                 "_get_lr_called_within_step": False, "_last_lr": [0.1, 0.1], "total_num_steps": 10}
+    opt, sched = make("WarmupDecayLR", {"total_num_steps": 10, "warmup_max_lr": 0.1, "warmup_num_steps": 4,
+                                        "warmup_type": "linear"}, group_lrs=(0.2, 0.4))
+    sched.load_state_dict(old_state)
+    assert sched.last_epoch == 3 and sched.warmup_num_steps == 4
+    # step 3 uses index 2 of the linear warmup; then 3/4, then the decay from index 4
+    assert [lrs[0] for lrs in lrs_over(opt, sched, 3)] == pytest.approx([0.05, 0.075, 0.1])

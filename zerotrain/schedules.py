@@ -1,25 +1,31 @@
 """DeepSpeed's LR schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle) as torch LR schedulers.
 
-Call `step()` once after every optimizer step, as DeepSpeed's engine does. The lr used by
-optimizer step t (t = 0, 1, ...; the scheduler's `last_epoch`) is, with W the warmup steps
-and T = total_num_steps:
+Call `step()` once after every applied optimizer step, as DeepSpeed's engine does (an
+overflow-skipped step does not advance the schedule). The lr each optimizer step uses is the
+lr DeepSpeed's engine (0.19.8) uses at that step. DeepSpeed's schedulers start at
+last_batch_iteration -1 and the engine calls their `step()` only after an optimizer step, so
+optimizer step t runs with the schedule's value for index i = t - 1 (the scheduler's
+`last_epoch` here counts the steps taken, t; i = last_epoch - 1). With W the warmup steps
+(DeepSpeed raises 1 to 2; 0 is refused, as DeepSpeed refuses it) and T = total_num_steps:
 
-    warmup fraction  g(t) = log(t + 1) / log(W)   ("log", the default)   for t < W
-                     g(t) = t / W                 ("linear")             for t < W
-    WarmupLR         lr = min_lr + (max_lr - min_lr) * g(t), max_lr after warmup
-    WarmupDecayLR    as WarmupLR, then lr = min_lr + (max_lr - min_lr) * d(t),
-                     d(t) = max(0, (T - t) / max(1, T - W)): linear decay to min_lr at T
-    WarmupCosineLR   ratio = min_ratio + (1 - min_ratio) * g(t) during warmup, then
+    warmup fraction  g(i) = log(i + 1) / log(W)   ("log", the default)   for 0 <= i < W
+                     g(i) = i / W                 ("linear")             for 0 <= i < W
+    WarmupLR         lr = min_lr + (max_lr - min_lr) * g(i), max_lr after warmup; min_lr at t = 0
+    WarmupDecayLR    as WarmupLR, then lr = min_lr + (max_lr - min_lr) * d(i),
+                     d(i) = max(0, (T - i) / max(1, T - W)): linear decay to min_lr at T
+    WarmupCosineLR   ratio = min_ratio + (1 - min_ratio) * g(i) during warmup, then
                      ratio = cos_min + (1 - cos_min) * (1 + cos(pi * p)) / 2,
-                     p = min(1, (t - W + 1) / max(1, T - W)); lr = ratio * group's initial lr
+                     p = min(1, (i - W + 1) / max(1, T - W)); lr = ratio * group's initial lr;
+                     ratio 0 at t = 0 (DeepSpeed's first step runs at lr 0)
 
+So with `warmup_num_steps: 2` the first two optimizer steps both run at warmup_min_lr.
 WarmupLR/WarmupDecayLR set absolute lrs: the same for every group (or one per group when
-the config gives a list). WarmupCosineLR scales each group's own initial lr.
+the config gives a list). WarmupCosineLR scales each group's own initial lr. OneCycle
+(DeepSpeed sets cycle_min_lr at construction and indexes its cycle by last_batch_iteration + 1)
+uses index t directly.
 
-Differences from DeepSpeed, on purpose: `warmup_num_steps: 0` means no warmup (DeepSpeed
-raises it to 2, as it does for 1, which we keep); the cosine stays at `cos_min_ratio`
-after T instead of rising again; the lr is set at construction to the step-0 value
-(DeepSpeed sets 0 there, which is the same value whenever the warmup starts at 0).
+A scheduler's state is its step count (`last_epoch`); its parameters come from the config, so a
+state saved by an older zerotrain (which applied g(t) one step sooner) resumes under this rule.
 """
 from __future__ import annotations
 
@@ -35,17 +41,39 @@ from .config import ConfigError, SchedulerConfig
 __all__ = ["build_scheduler", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"]
 
 
-def _effective_warmup(steps: int) -> int:
-    return 0 if steps == 0 else max(2, steps)
+def _effective_warmup(steps: int, key: str = "scheduler.params.warmup_num_steps") -> int:
+    """DeepSpeed's rule: at least 2 warmup steps; 0 (or less) is refused, as DeepSpeed 0.19.6+ refuses it."""
+    if steps <= 0:
+        raise ConfigError(f"{key}: must be a positive integer, got {steps} (DeepSpeed refuses it too; 1 means "
+                          f"the shortest warmup, which DeepSpeed and zerotrain raise to 2 steps)", key=key)
+    return max(2, steps)
 
 
-def _warmup_fraction(t: int, warmup: int, kind: str) -> Optional[float]:
-    """g(t) during warmup, None once it is over."""
-    if t >= warmup:
+def _warmup_fraction(i: int, warmup: int, kind: str) -> Optional[float]:
+    """g(i) during warmup, None once it is over (i: DeepSpeed's last_batch_iteration, >= 0)."""
+    if i >= warmup:
         return None
     if kind == "linear":
-        return t / warmup
-    return math.log(t + 1) / math.log(warmup)
+        return i / warmup
+    return math.log(i + 1) / math.log(warmup)
+
+
+class _DeepSpeedIndexed(LRScheduler):
+    """Common to the warmup schedules: the lr is a function of DeepSpeed's index i = last_epoch - 1, and
+    the state that carries over a resume is the step count only."""
+
+    _COUNTERS = ("last_epoch", "_step_count")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Take the step count from `state_dict` (also one saved by an older zerotrain, whose other entries
+        are ignored: the parameters come from this run's config) and set the lr the next step uses."""
+        for key in self._COUNTERS:
+            if key in state_dict:
+                setattr(self, key, state_dict[key])
+        values = self.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, values):
+            group["lr"] = lr
+        self._last_lr = list(values)
 
 
 def _per_group(value, optimizer: torch.optim.Optimizer, key: str) -> list[float]:
@@ -57,25 +85,29 @@ def _per_group(value, optimizer: torch.optim.Optimizer, key: str) -> list[float]
     return [float(value)] * count
 
 
-class WarmupLR(LRScheduler):
-    """min_lr -> max_lr over `warmup_num_steps` (log or linear), then max_lr."""
+class WarmupLR(_DeepSpeedIndexed):
+    """min_lr -> max_lr over `warmup_num_steps` (log or linear), then max_lr (default: each group's lr)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, warmup_min_lr=0.0, warmup_max_lr=0.001,
+    def __init__(self, optimizer: torch.optim.Optimizer, warmup_min_lr=0.0, warmup_max_lr=None,
                  warmup_num_steps: int = 1000, warmup_type: str = "log", last_epoch: int = -1):
+        if warmup_max_lr is None:  # DeepSpeed's default: each group's own lr
+            warmup_max_lr = [group["lr"] for group in optimizer.param_groups]
         self.min_lrs = _per_group(warmup_min_lr, optimizer, "scheduler.params.warmup_min_lr")
         self.max_lrs = _per_group(warmup_max_lr, optimizer, "scheduler.params.warmup_max_lr")
         self.warmup_num_steps = _effective_warmup(int(warmup_num_steps))
         self.warmup_type = warmup_type
         super().__init__(optimizer, last_epoch)
 
-    def _after_warmup(self, t: int) -> float:
+    def _after_warmup(self, i: int) -> float:
         return 1.0
 
     def get_lr(self) -> list[float]:
-        t = max(self.last_epoch, 0)
-        gamma = _warmup_fraction(t, self.warmup_num_steps, self.warmup_type)
+        i = self.last_epoch - 1
+        if i < 0:  # DeepSpeed sets min_lr at construction
+            return list(self.min_lrs)
+        gamma = _warmup_fraction(i, self.warmup_num_steps, self.warmup_type)
         if gamma is None:
-            gamma = self._after_warmup(t)
+            gamma = self._after_warmup(i)
         return [lo + (hi - lo) * gamma for lo, hi in zip(self.min_lrs, self.max_lrs)]
 
 
@@ -87,12 +119,12 @@ class WarmupDecayLR(WarmupLR):
         self.total_num_steps = int(total_num_steps)
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_epoch)
 
-    def _after_warmup(self, t: int) -> float:
+    def _after_warmup(self, i: int) -> float:
         span = max(1, self.total_num_steps - self.warmup_num_steps)
-        return max(0.0, (self.total_num_steps - t) / span)
+        return max(0.0, (self.total_num_steps - i) / span)
 
 
-class WarmupCosineLR(LRScheduler):
+class WarmupCosineLR(_DeepSpeedIndexed):
     """Ratio of each group's initial lr: warmup_min_ratio -> 1 over the warmup, cosine down to cos_min_ratio."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
@@ -105,21 +137,24 @@ class WarmupCosineLR(LRScheduler):
         self.warmup_type = warmup_type
         super().__init__(optimizer, last_epoch)
 
-    def lr_ratio(self, t: int) -> float:
-        gamma = _warmup_fraction(t, self.warmup_num_steps, self.warmup_type)
+    def lr_ratio(self, i: int) -> float:
+        """Ratio of the initial lr at DeepSpeed's index i (optimizer step i + 1); 0 before the first step."""
+        if i < 0:
+            return 0.0
+        gamma = _warmup_fraction(i, self.warmup_num_steps, self.warmup_type)
         if gamma is not None:
             return self.warmup_min_ratio + (1.0 - self.warmup_min_ratio) * gamma
         span = max(1, self.total_num_steps - self.warmup_num_steps)
-        progress = min(1.0, (t - self.warmup_num_steps + 1) / span)
+        progress = min(1.0, (i - self.warmup_num_steps + 1) / span)
         cosine = (1.0 + math.cos(math.pi * progress)) / 2.0
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
 
     def get_lr(self) -> list[float]:
-        ratio = self.lr_ratio(max(self.last_epoch, 0))
+        ratio = self.lr_ratio(self.last_epoch - 1)
         return [base * ratio for base in self.base_lrs]
 
 
-class OneCycle(LRScheduler):
+class OneCycle(_DeepSpeedIndexed):
     """DeepSpeed's OneCycle: lr from cycle_min_lr up to cycle_max_lr and back over one cycle (optionally
     in stairs), then decaying; with `cycle_momentum`, Adam's beta1 moves the opposite way.
 
@@ -206,8 +241,15 @@ class OneCycle(LRScheduler):
         return list(self.max_moms) if interval is None else [hi * (1 + self.decay_mom_rate * interval)
                                                              for hi in self.max_moms]
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._set_momenta()
+
     def step(self, epoch=None) -> None:
         super().step(epoch)
+        self._set_momenta()
+
+    def _set_momenta(self) -> None:
         if self.cycle_momentum:
             for group, beta1 in zip(self.optimizer.param_groups, self.momenta(max(self.last_epoch, 0))):
                 group["betas"] = (beta1, 0.99)

@@ -211,9 +211,10 @@ def test_real_optimizers_build_as_configured():
 
 
 @pytest.mark.parametrize("kind, params, lrs", [
-    ("WarmupLR", {}, [0.0, 1.5e-4, 3e-4, 3e-4]),
-    ("WarmupDecayLR", {"total_num_steps": "auto"}, [0.0, 1.5e-4, 3e-4, 1.5e-4]),
-    ("WarmupCosineLR", {"total_num_steps": "auto"}, [0.0, 1.5e-4, 1.5e-4, 0.0]),
+    # DeepSpeed's engine: step t runs at the schedule's value for t - 1 (and the cosine's first step at 0)
+    ("WarmupLR", {}, [0.0, 0.0, 1.5e-4, 3e-4, 3e-4]),
+    ("WarmupDecayLR", {"total_num_steps": "auto"}, [0.0, 0.0, 1.5e-4, 3e-4, 1.5e-4]),
+    ("WarmupCosineLR", {"total_num_steps": "auto"}, [0.0, 0.0, 1.5e-4, 1.5e-4, 0.0]),
 ])
 def test_schedulers_in_hf_style_configs_work(kind, params, lrs):
     """The HF zero2 file's scheduler, and the other two types HF configs use, with "auto" filled."""

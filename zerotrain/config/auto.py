@@ -85,7 +85,8 @@ def hf_auto_values(*, micro_batch_per_gpu: int, gradient_accumulation_steps: int
         "optimizer.params.weight_decay": weight_decay,
         "scheduler.params.warmup_min_lr": 0,
         "scheduler.params.warmup_max_lr": learning_rate,
-        "scheduler.params.warmup_num_steps": warmup_steps,
+        # As HF does since DeepSpeed 0.19.6 refuses 0: a no-warmup run gets the shortest warmup (1, raised to 2).
+        "scheduler.params.warmup_num_steps": max(1, warmup_steps),
         "zero_optimization.stage3_gather_16bit_weights_on_model_save": save_16bit_model,
     }
     if total_steps is not None:

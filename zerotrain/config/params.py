@@ -105,14 +105,15 @@ class WarmupLRParams(Block):
     DEEPSPEED_ONLY = frozenset({"last_batch_iteration"})
 
     warmup_min_lr: LrSpec = 0.0
-    warmup_max_lr: LrSpec = 0.001
-    warmup_num_steps: NonNegInt = 1000
+    warmup_max_lr: Optional[LrSpec] = None  # DeepSpeed's default: each group's own lr
+    warmup_num_steps: PosInt = 1000  # DeepSpeed refuses 0 too; 1 is raised to 2
     warmup_type: WarmupType = "log"
 
 
 class WarmupDecayLRParams(WarmupLRParams):
     """`scheduler.params` of WarmupDecayLR: WarmupLR, then linear decay to 0 at `total_num_steps`."""
 
+    warmup_max_lr: LrSpec = 0.001  # DeepSpeed's default here (WarmupLR's is the group's lr)
     total_num_steps: PosInt
 
 
@@ -124,7 +125,7 @@ class WarmupCosineLRParams(Block):
 
     total_num_steps: PosInt
     warmup_min_ratio: NonNegFloat = 0.0
-    warmup_num_steps: NonNegInt = 1000
+    warmup_num_steps: PosInt = 1000
     cos_min_ratio: NonNegFloat = 0.0001
     warmup_type: WarmupType = "log"
 
