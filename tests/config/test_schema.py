@@ -190,6 +190,47 @@ def test_nested_key_at_top_level_points_to_its_block():
 def test_unknown_key_without_close_match_lists_valid_keys():
     err = error_of({"train_batch_size": 8, "checkpoint": {"qqqqqqq": 1}})
     assert "checkpoint.qqqqqqq" in str(err) and "async_save" in str(err)
+    err = error_of({"train_batch_size": 8, "zero_optimization": {"cuda_visible_devices": 0}})  # inside a block
+    assert err.key == "zero_optimization.cuda_visible_devices"
+
+
+def test_unknown_top_level_key_that_is_no_typo_is_ignored_with_a_warning():
+    """DeepSpeed ignores unknown top-level keys (DeepSpeedExamples' imagenet config sets cuda_visible_devices)."""
+    with pytest.warns(ConfigWarning, match="unknown top-level key 'cuda_visible_devices' is ignored"):
+        cfg = load(cuda_visible_devices=0, my_run_name="x")
+    assert cfg.train_batch_size == 8 and cfg.strict_config is False
+    err = error_of(dict(BASE, cuda_visible_devices=0, strict_config=True))
+    assert err.key == "cuda_visible_devices" and "strict_config" in str(err)
+    for typo, meant in [("optimiser", "optimizer"), ("schedular", "scheduler"), ("train_batch_sise", "train_batch_size"),
+                        ("zero_optimisation", "zero_optimization"), ("bf_16", "bf16")]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # an error, never a warning
+            assert f"did you mean '{meant}'" in str(error_of(dict(BASE, **{typo: {}}))), typo
+
+
+def test_every_key_of_deepspeeds_zero_block_is_known_when_installed():
+    """Each field of DeepSpeed's own zero_optimization model is read, renamed, or accepted with a warning."""
+    pytest.importorskip("deepspeed")
+    import os
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
+                                                       DeepSpeedZeroOffloadParamConfig)
+    from zerotrain.config import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+
+    legacy_values = {"cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"}  # rewritten by _prepare
+    for theirs, ours in [(DeepSpeedZeroConfig, ZeroConfig), (DeepSpeedZeroOffloadOptimizerConfig,
+                                                             OffloadOptimizerConfig),
+                         (DeepSpeedZeroOffloadParamConfig, OffloadParamConfig)]:
+        known = set(ours.model_fields) | set(ours.LEGACY) | set(ours.DEEPSPEED_ONLY) | legacy_values
+        names = {field.alias or name for name, field in theirs.model_fields.items()}
+        assert names <= known, (ours.PATH, sorted(names - known))
+
+
+def test_zenflow_is_accepted_without_effect():
+    with pytest.warns(ConfigWarning, match="zero_optimization.zenflow is a DeepSpeed key"):
+        cfg = load(zero_optimization={"stage": 2, "zenflow": {"topk_ratio": 0.1}})
+    assert "zero_optimization.zenflow" in cfg.unimplemented
 
 
 @pytest.mark.parametrize("config, key", [

@@ -11,7 +11,11 @@ block's dict, `Block` screens its keys:
 * keys DeepSpeed knows but zerotrain does not implement (``DEEPSPEED_ONLY``) are dropped
   with a `ConfigWarning` naming them (silently when their value is off: false, null,
   or a block with ``"enabled": false``);
-* any other key is a `ConfigError` naming its dotted path and the closest valid key.
+* any other key inside a block is a `ConfigError` naming its dotted path and the closest valid key
+  (DeepSpeed's own blocks forbid extra keys too); at the top level, a near-miss of a known key (a
+  typo, or a block's key written at the top) is that error too, and any other unknown key is
+  ignored with a `ConfigWarning` naming it, as DeepSpeed ignores it, unless the config sets
+  ``"strict_config": true``.
 
 Fields a block validates but zerotrain does not act on yet (``INERT``) warn, naming the
 key, when set to anything but their default, and are listed in ``unimplemented``.
@@ -115,12 +119,17 @@ def is_auto(value: Any) -> bool:
     return isinstance(value, str) and value.strip().lower() == "auto"
 
 
+# DeepSpeed-only keys whose value here is DeepSpeed's default and means what zerotrain does anyway.
+_SAME_AS_ZEROTRAIN = {"gradient_predivide_factor": 1.0, "gradient_allreduce_op": "mean",
+                      "managed_gradient_accumulation": True}
+
+
 def _is_off(key: str, value: Any) -> bool:
     if value is None or value is False:
         return True
     if isinstance(value, dict) and value.get("enabled") is False:
         return True
-    return key == "gradient_predivide_factor" and value == 1.0
+    return key in _SAME_AS_ZEROTRAIN and value == _SAME_AS_ZEROTRAIN[key]
 
 
 # --- pydantic errors -> ConfigError ------------------------------------------------
@@ -227,7 +236,7 @@ class Block(BaseModel):
             elif key in cls.DEEPSPEED_ONLY:
                 cls._record_deepspeed_only(key, value, info)
             else:
-                raise ConfigError(cls._unknown_key_message(key), key=cls.key_path(key))
+                cls._unknown_key(key, strict=data.get("strict_config") is True)
         return cls._finish(out, info)
 
     @model_validator(mode="after")
@@ -270,15 +279,44 @@ class Block(BaseModel):
             warn(f"{path} is a DeepSpeed key that zerotrain does not implement; it is ignored and has no effect")
 
     @classmethod
-    def _unknown_key_message(cls, key: str) -> str:
+    def _unknown_key(cls, key: str, strict: bool) -> None:
+        """Raise for an unknown key; at the top level, warn instead when it is no near-miss (DeepSpeed ignores
+        unknown top-level keys, e.g. `cuda_visible_devices` in DeepSpeedExamples' imagenet config)."""
         path = cls.key_path(key)
-        if not cls.PATH:  # a nested key written at the top level?
+        suggestion = cls._near_miss(key)
+        if suggestion is not None:
+            raise ConfigError(f"unknown key '{path}'; did you mean '{suggestion}'?", key=path)
+        if cls.PATH or strict:
+            valid = ", ".join(cls.model_fields)
+            why = " (strict_config is true)" if not cls.PATH else ""
+            raise ConfigError(f"unknown key '{path}'{why}; valid keys here: {valid}", key=path)
+        warn(f"unknown top-level key '{path}' is ignored, as DeepSpeed ignores it (set \"strict_config\": true "
+             f"to make this an error)")
+
+    @classmethod
+    def _near_miss(cls, key: str) -> Optional[str]:
+        """The known key `key` is probably a typo of (or a block's key written at the top level), or None."""
+        if not cls.PATH:
             for block_path, block in _BLOCKS.items():
                 if key in block.model_fields:
-                    return f"unknown key '{path}'; did you mean '{block_path}.{key}'?"
+                    return f"{block_path}.{key}"
         valid = list(cls.model_fields) + list(cls.LEGACY) + sorted(cls.DEEPSPEED_ONLY)
         by_lower = {v.lower(): v for v in valid}
         close = difflib.get_close_matches(key.lower(), list(by_lower), n=1, cutoff=0.6)
-        if close:
-            return f"unknown key '{path}'; did you mean '{by_lower[close[0]]}'?"
-        return f"unknown key '{path}'; valid keys here: {', '.join(cls.model_fields)}"
+        if not close:
+            return None
+        # At the top level an error needs a real typo: a small edit distance, not just a shared word.
+        if not cls.PATH and _edit_distance(key.lower(), close[0]) > max(2, len(close[0]) // 4):
+            return None
+        return by_lower[close[0]]
+
+
+def _edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance (difflib has a similarity ratio, not a distance)."""
+    previous = list(range(len(b) + 1))
+    for i, char_a in enumerate(a, 1):
+        current = [i]
+        for j, char_b in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (char_a != char_b)))
+        previous = current
+    return previous[-1]

@@ -3,8 +3,9 @@
 Build it with `zerotrain.config.load_config` (which turns every validation problem into a
 `ConfigError` naming the dotted key). Blocks: `fp16`, `bf16` (legacy alias `bfloat16`),
 `zero_optimization` (`zero.py`), `optimizer` and `scheduler` (`params.py`), `checkpoint`,
-`aio` and `tensor_parallel`. zerotrain's own top-level keys: `comm_timeout_seconds`, `comm_same_host_transport`, `seed`, and the
-`checkpoint` keys.
+`aio` and `tensor_parallel`. zerotrain's own top-level keys: `comm_timeout_seconds`, `comm_same_host_transport`, `seed`,
+`strict_config`, and the `checkpoint` keys. An unknown top-level key that is no near-miss of a known key
+is ignored with a warning, as DeepSpeed ignores it (an error with `"strict_config": true`).
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ DEEPSPEED_ONLY_KEYS = frozenset({
     "use_data_before_expert_parallelism", "dataloader_drop_last", "zero_allow_comm_data_type_fp32",
     "torch_autocast", "disable_allgather", "load_universal_checkpoint", "use_node_local_storage",
     "checkpoint_parallel_write_pipeline", "monitor_config", "elastic_checkpoint", "gradient_accumulation_dtype",
+    # Read by DeepSpeed 0.19.8's DeepSpeedConfig (deepspeed/runtime/config.py, constants.py).
+    "disable_python_gc", "expert_parallel", "gradient_allreduce_op", "managed_gradient_accumulation",
+    "vocabulary_size",
     # Not read by DeepSpeed either (it ignores unknown top-level keys), but LLaMA-Factory's shipped
     # examples/deepspeed/*.json carry it, so real configs have it.
     "comms_config",
@@ -120,6 +124,7 @@ class ZeroTrainConfig(Block):
     wall_clock_breakdown: Bool = False
     comm_timeout_seconds: PosFloat = 1800.0
     comm_same_host_transport: Bool = True  # ranks on one host read each other's memory (gloo only)
+    strict_config: Bool = False  # an unknown top-level key is an error (by default a warning, as DeepSpeed ignores it)
     seed: Optional[NonNegInt] = None
     optimizer: Optional[OptimizerConfig] = None
     scheduler: Optional[SchedulerConfig] = None

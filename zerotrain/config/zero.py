@@ -107,6 +107,8 @@ class ZeroConfig(Block):
         "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply",
         "log_trace_cache_warnings", "stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params",
         "save_muon_momentum_buffer_in_memory", "offload_optimizer_config", "offload_param_config",
+        # fields of DeepSpeed 0.19.8's DeepSpeedZeroConfig (deepspeed/runtime/zero/config.py) not implemented here
+        "compute_grad_norm", "enable_sanity_checks", "leaf_module", "parameter_alignment", "zenflow",
     })
     # Stages 1-2 all-gather updated weights per gradient bucket (reduce_bucket_size); stage 3 by
     # stage3_prefetch_bucket_size. Nothing reads allgather_bucket_size yet.
@@ -135,7 +137,8 @@ class ZeroConfig(Block):
     @classmethod
     def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
         """DeepSpeed's legacy `cpu_offload*` switches become offload blocks."""
-        legacy = {"cpu_offload": "offload_optimizer", "cpu_offload_params": "offload_param"}
+        legacy = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param",
+                  "cpu_offload_params": "offload_param"}  # DeepSpeed's spelling is cpu_offload_param
         pin = data.pop("cpu_offload_use_pin_memory", None)
         if pin is not None and not isinstance(pin, bool):
             raise ConfigError(f"{cls.key_path('cpu_offload_use_pin_memory')}: expected true or false, got {pin!r}",
