@@ -260,7 +260,11 @@ def e2e_config(name: str) -> dict:
     changes, micro, _ = E2E[name]
     args = dict(HF_ARGS, micro_batch_per_gpu=micro, learning_rate=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=WD,
                 max_grad_norm=1.0, warmup_steps=0, **changes)
-    return fill_auto(read_config_file(REAL / name), hf_auto_values(**args))
+    data = fill_auto(read_config_file(REAL / name), hf_auto_values(**args))
+    # A constant lr, as the plain-PyTorch reference has (the schedules are checked against DeepSpeed's engine
+    # in test_deepspeed_parity.py): HF fills the shortest warmup (2 steps), from min = max.
+    data["scheduler"]["params"]["warmup_min_lr"] = LR
+    return data
 
 
 def train_real_configs() -> list:
