@@ -13,6 +13,7 @@ and zerotrain refuses fails; the files DeepSpeed itself refuses are exactly the 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import pathlib
 import warnings
@@ -134,13 +135,18 @@ def zerotrain_runs(names: list[str]) -> dict:
 
 def test_real_world_configs_train_as_under_deepspeed():
     names = sorted(p.name for p in REAL.glob("*.json"))
-    theirs = run_distributed(deepspeed_runs, DP, names, timeout=240)[0]
+    # DeepSpeed runs every file (so that what it refuses is checked), but each distinct prepared config once.
+    first_with: dict[str, str] = {}
+    same_as = {name: first_with.setdefault(json.dumps(prepared(name), sort_keys=True), name) for name in names}
+    theirs = run_distributed(deepspeed_runs, DP, sorted(set(same_as.values())), timeout=240)[0]
+    theirs = {name: theirs[same_as[name]] for name in names}
     refused = {name: result[1] for name, result in theirs.items() if result[0] == "refused"}
     assert sorted(refused) == sorted(DEEPSPEED_REFUSES), refused
     for name, text in DEEPSPEED_REFUSES.items():
         assert text in refused[name].lower(), (name, refused[name])
     runnable = [name for name in names if name not in refused]
-    ours = run_distributed(zerotrain_runs, DP, runnable, timeout=240)[0]
+    ours = run_distributed(zerotrain_runs, DP, sorted({same_as[name] for name in runnable}), timeout=240)[0]
+    ours = {name: ours[same_as[name]] for name in runnable}
     problems = []
     for name in runnable:
         if ours[name][0] == "refused":
