@@ -1,0 +1,166 @@
+"""Turning tokenized documents into fixed-length training samples, and batching them.
+
+Packing (the default): documents are concatenated in order and cut into ``seq_len`` blocks.
+Each block carries ``position_ids`` that restart at 0 at every document start, and the label of
+each document's first token is ``-100`` (it would otherwise be predicted from the previous
+document's last token). With attention confined to each document, every document's loss in a
+block is exactly its loss alone. How the model is told to confine attention:
+
+- ``"position_ids"``: models whose modeling code builds its mask with transformers'
+  ``masking_utils.create_causal_mask`` (transformers 5.x: Llama, Qwen2/3, Mistral, Gemma, Phi3,
+  GPT-2, ... — see :func:`packed_attention_mode`) detect the position resets themselves when no
+  ``attention_mask`` is passed and no KV cache is used (``use_cache=False``): eager and sdpa get a
+  block-diagonal causal mask, flash-attention its varlen (``cu_seq_lens``) kernel.
+- ``"mask_4d"``: every other model gets an explicit additive 4-D block-diagonal causal mask
+  ``(batch, 1, seq, seq)`` (works with eager/sdpa attention, not with flash-attention).
+
+A document longer than ``seq_len`` continues in the next block as a new segment (positions
+restart; it cannot attend to the previous block anyway). The last partial block is padded
+(``pad_token_id``, labels ``-100``) so no tokens are lost.
+
+Padding (``packing=False``): one document per sample (a long one split into ``seq_len``
+chunks), padded per batch to the longest sample, with a 2-D ``attention_mask``.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from zerotrain.data.tokenization import IGNORE_INDEX
+
+__all__ = ["PackedDataset", "DocumentDataset", "PackedCollator", "PaddingCollator", "packed_attention_mode",
+           "block_diagonal_mask"]
+
+
+def _flat(ds, column: str) -> tuple[np.ndarray, np.ndarray]:
+    """(all values concatenated, per-document lengths) of a list column of a datasets.Dataset."""
+    col = ds.data.column(column).combine_chunks()
+    values = col.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+    lengths = col.value_lengths().to_numpy(zero_copy_only=False).astype(np.int64)
+    return values, lengths
+
+
+class PackedDataset(Dataset):
+    """``seq_len`` blocks of concatenated documents; item ``i`` is a dict of 1-D int64 tensors
+    ``input_ids``, ``labels`` and ``position_ids`` (the labels are *not* shifted: HF causal LMs
+    shift them inside ``forward``)."""
+
+    def __init__(self, tokenized, seq_len: int, pad_token_id: int) -> None:
+        if seq_len <= 1:
+            raise ValueError(f"seq_len must be at least 2, got {seq_len}")
+        ids, lengths = _flat(tokenized, "input_ids")
+        labels, _ = _flat(tokenized, "labels")
+        lengths = lengths[lengths > 0]
+        total = int(lengths.sum())
+        n_blocks = max(1, -(-total // seq_len))
+        size = n_blocks * seq_len
+        starts = np.zeros(total, dtype=bool)  # True at the first token of every segment
+        doc_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        starts[doc_starts] = True
+        starts[::seq_len] = True  # a block start begins a new segment
+        # Position = distance to the last segment start (a cumulative "reset" index).
+        idx = np.arange(total, dtype=np.int64)
+        last_start = np.maximum.accumulate(np.where(starts, idx, 0))
+        positions = idx - last_start
+        labels = labels.copy()
+        labels[doc_starts] = IGNORE_INDEX  # never predict a document's first token from another document
+        pad = size - total
+        if pad:
+            ids = np.concatenate([ids, np.full(pad, pad_token_id, dtype=np.int64)])
+            labels = np.concatenate([labels, np.full(pad, IGNORE_INDEX, dtype=np.int64)])
+            positions = np.concatenate([positions, np.arange(pad, dtype=np.int64)])
+        self.seq_len = seq_len
+        self.input_ids = torch.from_numpy(ids.reshape(n_blocks, seq_len))
+        self.labels = torch.from_numpy(labels.reshape(n_blocks, seq_len))
+        self.position_ids = torch.from_numpy(positions.reshape(n_blocks, seq_len))
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.input_ids[i], "labels": self.labels[i], "position_ids": self.position_ids[i]}
+
+
+class DocumentDataset(Dataset):
+    """One document per item (documents longer than ``seq_len`` split into ``seq_len`` chunks)."""
+
+    def __init__(self, tokenized, seq_len: int) -> None:
+        ids, lengths = _flat(tokenized, "input_ids")
+        self.ids = torch.from_numpy(ids)
+        self.labels = torch.from_numpy(_flat(tokenized, "labels")[0])
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        spans = [(s, min(s + seq_len, e)) for b, e in zip(offsets[:-1], offsets[1:]) for s in range(b, e, seq_len)]
+        self.spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def __getitem__(self, i: int) -> dict:
+        s, e = self.spans[i]
+        return {"input_ids": self.ids[s:e], "labels": self.labels[s:e]}
+
+
+def block_diagonal_mask(position_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Additive ``(batch, 1, L, L)`` mask: token q sees token k iff k <= q in the same segment
+    (segments start where ``position_ids`` does not increase by one)."""
+    first = position_ids[:, :1] - 1
+    segment = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    L = position_ids.shape[-1]
+    causal = torch.ones(L, L, dtype=torch.bool, device=position_ids.device).tril()
+    allowed = (segment[:, :, None] == segment[:, None, :]) & causal
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=position_ids.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def packed_attention_mode(model: Any) -> str:
+    """``"position_ids"`` when the model's transformers code builds its causal mask through
+    ``masking_utils.create_causal_mask`` (it then honours position-id resets itself), otherwise
+    ``"mask_4d"``."""
+    module = sys.modules.get(type(model).__module__)
+    if module is not None and hasattr(module, "create_causal_mask"):
+        return "position_ids"
+    return "mask_4d"
+
+
+class PackedCollator:
+    """Stacks packed blocks; with ``attention="mask_4d"`` adds the explicit block-diagonal mask."""
+
+    def __init__(self, attention: str = "position_ids", mask_dtype: torch.dtype = torch.float32) -> None:
+        if attention not in ("position_ids", "mask_4d"):
+            raise ValueError(f"attention must be 'position_ids' or 'mask_4d', got {attention!r}")
+        self.attention = attention
+        self.mask_dtype = mask_dtype
+
+    def __call__(self, items: list[dict]) -> dict:
+        batch = {k: torch.stack([it[k] for it in items]) for k in ("input_ids", "labels", "position_ids")}
+        if self.attention == "mask_4d":
+            batch["attention_mask"] = block_diagonal_mask(batch["position_ids"], self.mask_dtype)
+        return batch
+
+
+class PaddingCollator:
+    """Right-pads a batch of documents to its longest (optionally a multiple of ``pad_to_multiple_of``)."""
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: Optional[int] = None) -> None:
+        self.pad_token_id = pad_token_id
+        self.multiple = pad_to_multiple_of
+
+    def __call__(self, items: list[dict]) -> dict:
+        longest = max(len(it["input_ids"]) for it in items)
+        if self.multiple:
+            longest = -(-longest // self.multiple) * self.multiple
+        n = len(items)
+        ids = torch.full((n, longest), self.pad_token_id, dtype=torch.int64)
+        labels = torch.full((n, longest), IGNORE_INDEX, dtype=torch.int64)
+        mask = torch.zeros((n, longest), dtype=torch.int64)
+        for row, it in enumerate(items):
+            k = len(it["input_ids"])
+            ids[row, :k] = it["input_ids"]
+            labels[row, :k] = it["labels"]
+            mask[row, :k] = 1
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
