@@ -121,6 +121,10 @@ def packed_attention_mode(model: Any) -> str:
     """``"position_ids"`` when the model's transformers code builds its causal mask through
     ``masking_utils.create_causal_mask`` (it then honours position-id resets itself), otherwise
     ``"mask_4d"``."""
+    try:  # the position-reset detection itself (transformers >= 4.54; 5.x tested)
+        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+    except ImportError:
+        return "mask_4d"
     module = sys.modules.get(type(model).__module__)
     if module is not None and hasattr(module, "create_causal_mask"):
         return "position_ids"
