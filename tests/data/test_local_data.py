@@ -141,6 +141,18 @@ def test_packing_layout_and_padding_mode(tmp_path, tiny_tokenizer):
     assert mask.tolist() == [[True, False, False, False], [False, True, False, False],
                              [False, True, True, False], [False, True, True, True]]
 
+    class Custom(torch.nn.Module):  # not built on transformers' masking: gets the explicit 4-D mask
+        def forward(self, input_ids, position_ids=None, attention_mask=None):
+            return input_ids
+
+    class Alibi(torch.nn.Module):  # no position ids at all: packing is refused
+        def forward(self, input_ids, attention_mask=None):
+            return input_ids
+
+    assert packed_attention_mode(Custom()) == "mask_4d"
+    with pytest.raises(ValueError, match="Alibi.forward takes no position_ids.*packing=False"):
+        packed_attention_mode(Alibi())
+
     f = tmp_path / "d.jsonl"
     f.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
     data = build_data(DataConfig([f], seq_len=8, packing=False, cache_dir=tmp_path / "c"), tiny_tokenizer)
@@ -157,7 +169,8 @@ def test_packed_documents_do_not_attend_across(tmp_path, tiny_llama_dir, tiny_to
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, attn_implementation=attn, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, attn_implementation=attn, dtype=torch.float32)
+    model.config.use_cache = True  # as in most HF configs: build_data must turn it off for packing
     assert packed_attention_mode(model) == "position_ids"
     f = tmp_path / "d.jsonl"
     f.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
@@ -166,18 +179,20 @@ def test_packed_documents_do_not_attend_across(tmp_path, tiny_llama_dir, tiny_to
 
     def per_doc_losses(batch):
         with torch.no_grad():
-            logits = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits
+            logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
         losses = torch.nn.functional.cross_entropy(logits[0, :-1], batch["labels"][0, 1:], reduction="none",
                                                    ignore_index=-100)
-        bounds, out, start = [0], [], 0
+        out, start = [], 0
         for d in docs:
             out.append(losses[start:start + len(d) - 1][batch["labels"][0, start + 1:start + len(d)] != -100].mean())
             start += len(d)
         return torch.stack(out)
 
-    alone = torch.stack([model(torch.tensor([d]), labels=torch.tensor([d]), use_cache=False).loss for d in docs]).detach()
+    alone = torch.stack([model(torch.tensor([d]), labels=torch.tensor([d])).loss for d in docs]).detach()
     for mode in ("position_ids", "mask_4d"):
-        data = build_data(DataConfig([f], seq_len=total, cache_dir=tmp_path / "c"), tiny_tokenizer, attention=mode)
+        data = build_data(DataConfig([f], seq_len=total, cache_dir=tmp_path / "c"), tiny_tokenizer, model=model,
+                          attention=None if mode == "position_ids" else mode)
+        assert data.attention == mode and not model.config.use_cache
         assert len(data.dataset) == 1
         batch = data.collator([data.dataset[0]])
         torch.testing.assert_close(per_doc_losses(batch), alone, rtol=1e-5, atol=1e-6)

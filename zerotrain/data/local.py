@@ -84,7 +84,9 @@ def build_data(config: DataConfig, tokenizer, *, comm=None, local_rank: Optional
 
     ``attention`` for packing: ``"position_ids"`` or ``"mask_4d"``; by default chosen from
     ``model`` with :func:`packed_attention_mode` (``"position_ids"`` without a model).
-    ``mask_dtype``: the dtype of the additive 4-D mask (the model's compute dtype).
+    ``mask_dtype``: the dtype of the additive 4-D mask (the model's compute dtype). Packing in
+    ``"position_ids"`` mode sets ``model.config.use_cache = False`` (see the comment below); without
+    ``model`` the caller must run the model with ``use_cache=False``.
     """
     if not config.paths:
         raise ValueError("no data paths given")
@@ -99,6 +101,11 @@ def build_data(config: DataConfig, tokenizer, *, comm=None, local_rank: Optional
                        " ..." if len(tokenized.skipped) > 5 else "")
     if config.packing:
         mode = attention or (packed_attention_mode(model) if model is not None else "position_ids")
+        if mode == "position_ids" and model is not None and getattr(model, "config", None) is not None:
+            # With a KV cache (config.use_cache, true in most HF configs, also in train mode)
+            # transformers skips its position-reset detection and packed documents would see each
+            # other; training never uses the cache.
+            model.config.use_cache = False
         dataset: Dataset = PackedDataset(tokenized.dataset, config.seq_len, pad_id)
         collator: Any = PackedCollator(mode, mask_dtype)
     else:

@@ -23,6 +23,7 @@ chunks), padded per batch to the longest sample, with a 2-D ``attention_mask``.
 """
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Any, Optional
 
@@ -120,7 +121,12 @@ def block_diagonal_mask(position_ids: torch.Tensor, dtype: torch.dtype = torch.f
 def packed_attention_mode(model: Any) -> str:
     """``"position_ids"`` when the model's transformers code builds its causal mask through
     ``masking_utils.create_causal_mask`` (it then honours position-id resets itself), otherwise
-    ``"mask_4d"``."""
+    ``"mask_4d"``. A model whose ``forward`` takes no ``position_ids`` (ALiBi models such as Bloom,
+    MPT: their position bias comes from the 2-D padding mask) cannot be packed: an error saying to
+    use padding instead."""
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        raise ValueError(f"{type(model).__name__}.forward takes no position_ids, so packed documents cannot be "
+                         "kept apart; train it with packing=False (--no-packing)")
     try:  # the position-reset detection itself (transformers >= 4.54; 5.x tested)
         from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
     except ImportError:
