@@ -6,7 +6,7 @@ import torch
 
 from zerotrain.data import BadRecordError, DataConfig, build_data
 from zerotrain.data import tokenization
-from zerotrain.data.packing import PackedDataset, block_diagonal_mask, packed_attention_mode
+from zerotrain.data.packing import PackedCollator, PackedDataset, block_diagonal_mask, packed_attention_mode
 from zerotrain.data.tokenization import TokenizeSettings, tokenize_files
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())\n", "class A:\n    pass\n"]
@@ -134,10 +134,12 @@ def test_packing_layout_and_padding_mode(tmp_path, tiny_tokenizer):
 
     docs = {"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10, 11]], "labels": [[1, 2, 3], [-100, 5], [6, 7, 8, 9, 10, 11]]}
     packed = PackedDataset(datasets.Dataset.from_dict(docs), seq_len=4, pad_token_id=0)
-    assert packed.input_ids.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 0]]
-    assert packed.position_ids.tolist() == [[0, 1, 2, 0], [0, 0, 1, 2], [0, 1, 2, 0]]
-    assert packed.labels.tolist() == [[-100, 2, 3, -100], [5, -100, 7, 8], [9, 10, 11, -100]]
-    mask = block_diagonal_mask(packed.position_ids[1:2])[0, 0] == 0
+    blocks = PackedCollator()([packed[i] for i in range(len(packed))])
+    assert blocks["input_ids"].tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 0]]
+    assert blocks["position_ids"].tolist() == [[0, 1, 2, 0], [0, 0, 1, 2], [0, 1, 2, 0]]
+    assert blocks["labels"].tolist() == [[-100, 2, 3, -100], [5, -100, 7, 8], [9, 10, 11, -100]]
+    assert "attention_mask" not in blocks
+    mask = block_diagonal_mask(blocks["position_ids"][1:2])[0, 0] == 0
     assert mask.tolist() == [[True, False, False, False], [False, True, False, False],
                              [False, True, True, False], [False, True, True, True]]
 
@@ -162,6 +164,11 @@ def test_packing_layout_and_padding_mode(tmp_path, tiny_tokenizer):
     n_last = len(want[-1]) % 8 or 8
     assert batch["attention_mask"][1].tolist() == [1] * n_last + [0] * (8 - n_last)
     assert (batch["labels"][1, n_last:] == -100).all() and (batch["input_ids"][1, n_last:] == tiny_tokenizer.pad_token_id).all()
+    # Evaluation sees every sample once across the ranks; training batches come from the sampler.
+    seen = [b["input_ids"][0].tolist() for r in range(2) for b in data.eval_loader(micro_batch_size=1, dp_rank=r, dp_size=2)]
+    assert sorted(seen) == sorted(data.dataset[i]["input_ids"].tolist() for i in range(len(data.dataset)))
+    train = list(data.loader(micro_batch_size=2, global_batch_size=4, dp_rank=1, dp_size=2, num_epochs=2))
+    assert len(train) == (2 * len(data.dataset)) // 4 and all(b["input_ids"].shape[0] == 2 for b in train)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

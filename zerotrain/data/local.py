@@ -77,6 +77,15 @@ class TrainData:
         return DataLoader(self.dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=self.collator,
                           num_workers=num_workers, drop_last=True)
 
+    def eval_loader(self, *, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> DataLoader:
+        """Every sample exactly once across ranks, in order (rank ``r`` takes ``r, r + dp_size, ...``).
+
+        Ranks may get one batch more or less than each other: sum losses and token counts
+        locally and reduce once at the end (no per-batch collective).
+        """
+        indices = list(range(dp_rank, len(self.dataset), dp_size))
+        return DataLoader(self.dataset, batch_size=micro_batch_size, sampler=indices, collate_fn=self.collator)
+
 
 def build_data(config: DataConfig, tokenizer, *, comm=None, local_rank: Optional[int] = None, model: Any = None,
                attention: Optional[str] = None, mask_dtype: torch.dtype = torch.float32) -> TrainData:

@@ -38,61 +38,74 @@ __all__ = ["PackedDataset", "DocumentDataset", "PackedCollator", "PaddingCollato
 
 
 def _flat(ds, column: str) -> tuple[np.ndarray, np.ndarray]:
-    """(all values concatenated, per-document lengths) of a list column of a datasets.Dataset."""
-    col = ds.data.column(column).combine_chunks()
-    values = col.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
-    lengths = col.value_lengths().to_numpy(zero_copy_only=False).astype(np.int64)
-    return values, lengths
+    """(all values concatenated, per-document lengths) of a list column of a datasets.Dataset.
+
+    Reads the Arrow table directly: for a dataset loaded from the cache (memory-mapped, one chunk)
+    the values array is a zero-copy view of the file, so the token stream is not held in memory.
+    Several chunks are concatenated per chunk (a copy, 4 bytes per token), never through one
+    combined list array (whose int32 offsets would overflow past 2**31 tokens).
+    """
+    if getattr(ds, "_indices", None) is not None:  # a select()/shuffle() view: .data would ignore it
+        ds = ds.flatten_indices()
+    chunks = ds.data.column(column).chunks
+    values = [c.flatten().to_numpy(zero_copy_only=False) for c in chunks]
+    lengths = [c.value_lengths().to_numpy(zero_copy_only=False) for c in chunks]
+    if not values:
+        return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64)
+    flat = values[0] if len(values) == 1 else np.concatenate(values)
+    return flat, np.concatenate(lengths).astype(np.int64)
 
 
 class PackedDataset(Dataset):
     """``seq_len`` blocks of concatenated documents; item ``i`` is a dict of 1-D int64 tensors
     ``input_ids``, ``labels`` and ``position_ids`` (the labels are *not* shifted: HF causal LMs
-    shift them inside ``forward``)."""
+    shift them inside ``forward``). Blocks are cut on access from the flat token stream, so memory
+    beyond the (memory-mapped) cache is one offset per document."""
 
     def __init__(self, tokenized, seq_len: int, pad_token_id: int) -> None:
         if seq_len <= 1:
             raise ValueError(f"seq_len must be at least 2, got {seq_len}")
-        ids, lengths = _flat(tokenized, "input_ids")
-        labels, _ = _flat(tokenized, "labels")
+        self.ids, lengths = _flat(tokenized, "input_ids")
+        self.labels, _ = _flat(tokenized, "labels")
         lengths = lengths[lengths > 0]
-        total = int(lengths.sum())
-        n_blocks = max(1, -(-total // seq_len))
-        size = n_blocks * seq_len
-        starts = np.zeros(total, dtype=bool)  # True at the first token of every segment
-        doc_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        starts[doc_starts] = True
-        starts[::seq_len] = True  # a block start begins a new segment
-        # Position = distance to the last segment start (a cumulative "reset" index).
-        idx = np.arange(total, dtype=np.int64)
-        last_start = np.maximum.accumulate(np.where(starts, idx, 0))
-        positions = idx - last_start
-        labels = labels.copy()
-        labels[doc_starts] = IGNORE_INDEX  # never predict a document's first token from another document
-        pad = size - total
-        if pad:
-            ids = np.concatenate([ids, np.full(pad, pad_token_id, dtype=np.int64)])
-            labels = np.concatenate([labels, np.full(pad, IGNORE_INDEX, dtype=np.int64)])
-            positions = np.concatenate([positions, np.arange(pad, dtype=np.int64)])
+        self.total = int(lengths.sum())
+        self.doc_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         self.seq_len = seq_len
-        self.input_ids = torch.from_numpy(ids.reshape(n_blocks, seq_len))
-        self.labels = torch.from_numpy(labels.reshape(n_blocks, seq_len))
-        self.position_ids = torch.from_numpy(positions.reshape(n_blocks, seq_len))
+        self.pad_token_id = pad_token_id
+        self._len = max(1, -(-self.total // seq_len))
 
     def __len__(self) -> int:
-        return self.input_ids.shape[0]
+        return self._len
 
     def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.input_ids[i], "labels": self.labels[i], "position_ids": self.position_ids[i]}
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError(f"block {i} out of range for {self._len} blocks")
+        L = self.seq_len
+        s, e = i * L, min((i + 1) * L, self.total)
+        n = e - s
+        ids = np.full(L, self.pad_token_id, dtype=np.int64)
+        labels = np.full(L, IGNORE_INDEX, dtype=np.int64)
+        ids[:n] = self.ids[s:e]
+        labels[:n] = self.labels[s:e]
+        # Documents starting in this block: their first token is never predicted from another document.
+        inside = self.doc_starts[np.searchsorted(self.doc_starts, s):np.searchsorted(self.doc_starts, e)] - s
+        labels[inside] = IGNORE_INDEX
+        # Segments: the block start, every document start, and the padding; positions restart at each.
+        seg = np.unique(np.concatenate([[0], inside, [n] if n < L else []]).astype(np.int64))
+        idx = np.arange(L, dtype=np.int64)
+        positions = idx - seg[np.searchsorted(seg, idx, side="right") - 1]
+        return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
+                "position_ids": torch.from_numpy(positions)}
 
 
 class DocumentDataset(Dataset):
     """One document per item (documents longer than ``seq_len`` split into ``seq_len`` chunks)."""
 
     def __init__(self, tokenized, seq_len: int) -> None:
-        ids, lengths = _flat(tokenized, "input_ids")
-        self.ids = torch.from_numpy(ids)
-        self.labels = torch.from_numpy(_flat(tokenized, "labels")[0])
+        self.ids, lengths = _flat(tokenized, "input_ids")
+        self.labels = _flat(tokenized, "labels")[0]
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         spans = [(s, min(s + seq_len, e)) for b, e in zip(offsets[:-1], offsets[1:]) for s in range(b, e, seq_len)]
         self.spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
@@ -102,7 +115,8 @@ class DocumentDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict:
         s, e = self.spans[i]
-        return {"input_ids": self.ids[s:e], "labels": self.labels[s:e]}
+        return {"input_ids": torch.from_numpy(self.ids[s:e].astype(np.int64)),
+                "labels": torch.from_numpy(self.labels[s:e].astype(np.int64))}
 
 
 def block_diagonal_mask(position_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
