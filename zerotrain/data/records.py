@@ -110,47 +110,93 @@ def _fail_or_skip(bad: list[BadRecord], skip: bool) -> None:
         raise BadRecordError(f"{bad[0]}{more}")
 
 
-def _json_records(path: Path, text_field: str, messages_field: str, skip: bool):
-    """Validate a jsonl/json file line by line; returns (kind, records, bad)."""
-    raw = path.read_text(encoding="utf-8")
-    if not raw.strip():
-        raise BadRecordError(f"{path}: file is empty")
-    items: list[tuple[str, Any]] = []
+def _clean(rec: dict, kind: str, text_field: str, messages_field: str) -> dict:
+    if kind == "text":
+        return {"text": rec[text_field]}
+    # Keep only role/content: extra keys would make pyarrow's schema differ between rows.
+    return {"messages": [{"role": t["role"], "content": t["content"]} for t in rec[messages_field]]}
+
+
+def _jsonl_good_records(path: str, bad_lines: tuple, kind: str, text_field: str, messages_field: str,
+                        digest: str):
+    """The valid records of a validated jsonl file (``digest`` only keys datasets' generator cache)."""
+    bad = set(bad_lines)
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if line.strip() and lineno not in bad:
+                yield _clean(json.loads(line), kind, text_field, messages_field)
+
+
+def _starts_with_bracket(path: Path) -> bool:
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                return line.lstrip().startswith("[")
+    return False
+
+
+def _json_dataset(path: Path, text_field: str, messages_field: str, skip: bool, cache_dir: Optional[str]):
+    """Validate a jsonl/json file record by record; returns (kind, dataset, bad).
+
+    JSON lines are validated streaming (one line in memory at a time), then converted by
+    ``datasets.Dataset.from_generator`` into an on-disk Arrow table, so a file larger than memory
+    works. A ``.json`` top-level array has to be parsed whole.
+    """
+    import hashlib
+
+    import datasets
+
     bad: list[BadRecord] = []
-    if path.suffix == ".json" and raw.lstrip().startswith("["):
+    kinds: dict[str, int] = {}
+    if path.suffix == ".json" and _starts_with_bracket(path):
         try:
-            array = json.loads(raw)
+            array = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
             raise BadRecordError(f"{path}, line {e.lineno}: not valid JSON ({e.msg})") from None
-        items = [(f"item {i}", rec) for i, rec in enumerate(array)]
+        good = []
+        for i, rec in enumerate(array):
+            kind, err = _classify(rec, text_field, messages_field)
+            if err is not None:
+                bad.append(BadRecord(str(path), f"item {i}", err))
+            else:
+                kinds[kind] = kinds.get(kind, 0) + 1
+                good.append(_clean(rec, kind, text_field, messages_field))
+        make = lambda kind: datasets.Dataset.from_list(good)  # noqa: E731
     else:
-        for lineno, line in enumerate(raw.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                items.append((f"line {lineno}", json.loads(line)))
-            except json.JSONDecodeError as e:
-                bad.append(BadRecord(str(path), f"line {lineno}", f"not valid JSON ({e.msg})"))
-    kinds: dict[str, int] = {}
-    good: list[dict] = []
-    for where, rec in items:
-        kind, err = _classify(rec, text_field, messages_field)
-        if err is not None:
-            bad.append(BadRecord(str(path), where, err))
-            continue
-        kinds[kind] = kinds.get(kind, 0) + 1
-        if kind == "text":
-            good.append({"text": rec[text_field]})
-        else:  # keep only role/content: extra keys would make pyarrow's schema differ between rows
-            good.append({"messages": [{"role": t["role"], "content": t["content"]} for t in rec[messages_field]]})
-    bad.sort(key=lambda b: int(b.where.split()[1]))
+        digest = hashlib.sha256()
+        nonblank = 0
+        with path.open("rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                digest.update(raw)
+                line = raw.decode("utf-8", errors="replace")
+                if not line.strip():
+                    continue
+                nonblank += 1
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    bad.append(BadRecord(str(path), f"line {lineno}", f"not valid JSON ({e.msg})"))
+                    continue
+                kind, err = _classify(rec, text_field, messages_field)
+                if err is not None:
+                    bad.append(BadRecord(str(path), f"line {lineno}", err))
+                else:
+                    kinds[kind] = kinds.get(kind, 0) + 1
+        if not nonblank:
+            raise BadRecordError(f"{path}: file is empty")
+        bad_lines = tuple(int(b.where.split()[1]) for b in bad)
+        make = lambda kind: datasets.Dataset.from_generator(  # noqa: E731
+            _jsonl_good_records, cache_dir=cache_dir,
+            gen_kwargs={"path": str(path), "bad_lines": bad_lines, "kind": kind, "text_field": text_field,
+                        "messages_field": messages_field, "digest": digest.hexdigest()})
     _fail_or_skip(bad, skip)
     if len(kinds) > 1:
         raise BadRecordError(f"{path}: mixes '{text_field}' records and '{messages_field}' chat records; "
                              "put them in separate files")
-    if not good:
+    if not kinds:
         raise BadRecordError(f"{path}: no usable records" + (f" ({len(bad)} bad ones skipped)" if bad else ""))
-    return next(iter(kinds)), good, bad
+    kind = next(iter(kinds))
+    return kind, make(kind), bad
 
 
 def _check_columns(path: Path, ds, text_field: str, messages_field: str, skip: bool, row_offset: int,
@@ -212,8 +258,8 @@ def load_data_file(path: Union[str, Path], *, text_field: str = "text", messages
     if os.path.getsize(path) == 0:
         raise BadRecordError(f"{path}: file is empty")
     if suffix in (".jsonl", ".json"):
-        kind, records, bad = _json_records(path, text_field, messages_field, skip_bad_records)
-        return LoadedFile(str(path), kind, datasets.Dataset.from_list(records), bad)
+        kind, ds, bad = _json_dataset(path, text_field, messages_field, skip_bad_records, cache_dir)
+        return LoadedFile(str(path), kind, ds, bad)
     if suffix == ".txt":
         if txt_sample_by not in ("document", "paragraph", "line"):
             raise ValueError(f"txt_sample_by must be document, paragraph or line, got {txt_sample_by!r}")

@@ -245,4 +245,6 @@ def tokenize_files(paths: Sequence[Union[str, Path]], tokenizer, settings: Token
                 raise RuntimeError(f"rank {rank} failed to build the tokenized data cache: {message}")
     if error is not None:
         raise error
-    return _load(target, cache_hit=not built)
+    data = _load(target, cache_hit=not built)
+    data.files = [str(f) for f in files]  # the same content may have been cached under other paths
+    return data
