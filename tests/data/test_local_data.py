@@ -169,6 +169,15 @@ def test_packing_layout_and_padding_mode(tmp_path, tiny_tokenizer):
     assert sorted(seen) == sorted(data.dataset[i]["input_ids"].tolist() for i in range(len(data.dataset)))
     train = list(data.loader(micro_batch_size=2, global_batch_size=4, dp_rank=1, dp_size=2, num_epochs=2))
     assert len(train) == (2 * len(data.dataset)) // 4 and all(b["input_ids"].shape[0] == 2 for b in train)
+    # Loader-level resume: after 2 global batches at dp 1, dp 2's ranks continue with exactly the next samples.
+    def rows(batches):
+        return [r for b in batches for r in b["input_ids"].tolist()]
+
+    whole = rows(data.loader(micro_batch_size=2, global_batch_size=4, num_epochs=2))
+    resumed = [rows(data.loader(micro_batch_size=2, global_batch_size=4, dp_rank=r, dp_size=2,
+                                consumed_samples=8, num_epochs=2)) for r in range(2)]
+    interleaved = [row for k in range(0, len(resumed[0]), 2) for r in range(2) for row in resumed[r][k:k + 2]]
+    assert interleaved == whole[8:]
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
