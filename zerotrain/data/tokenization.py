@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ __all__ = ["TokenizeSettings", "TokenizedData", "tokenize_files", "tokenizer_fin
 
 IGNORE_INDEX = -100
 _FORMAT_VERSION = 1  # bump when the cached layout or the tokenization rules change
+_POLL_SECONDS = 2.0  # how often waiting ranks meet the builders
 
 
 def default_cache_dir() -> Path:
@@ -212,7 +214,8 @@ def tokenize_files(paths: Sequence[Union[str, Path]], tokenizer, settings: Token
 
     ``comm`` (a :class:`zerotrain.comm.Comm` over every rank of the job) makes this collective:
     only the node's local rank 0 (``local_rank``, default ``$LOCAL_RANK``) builds the cache
-    while the others wait at a barrier, then all read it. ``cache_dir`` must therefore be
+    while the others wait (in short rounds of a collective, so a long build does not hit the
+    process group's timeout), then all read it. ``cache_dir`` must therefore be
     visible to every rank of a node. A builder's error is raised on every rank, naming the rank.
     """
     files = data_files_in(paths)
@@ -225,26 +228,45 @@ def tokenize_files(paths: Sequence[Union[str, Path]], tokenizer, settings: Token
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     builder = comm is None or comm.size == 1 or local_rank == 0
-    error: Optional[BaseException] = None
-    built = False
-    if builder:
+    outcome: dict = {}
+
+    def build() -> None:
         try:
             with _file_lock(cache_root / f"{key}.lock"):
                 if not (target / "zerotrain_meta.json").exists():
                     _build(files, tokenizer, settings, target, num_proc, cache_root / "hf")
-                    built = True
+                    outcome["built"] = True
         except BaseException as e:  # reported to the waiting ranks before it is raised here
-            error = e
-    if comm is not None and comm.size > 1:
-        # The barrier: waiting ranks block here until every builder is done (or failed).
-        status = comm.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
-        if error is None:
-            failed = [(r, s) for r, s in enumerate(status) if s]
+            outcome["error"] = e
+
+    if comm is None or comm.size == 1:
+        build()
+    else:
+        # The barrier. Tokenizing a large corpus can outlast the process group's timeout, so no
+        # rank blocks in one long collective: the builder tokenizes in a thread while every rank
+        # meets in short rounds until no builder is busy any more.
+        worker = threading.Thread(target=build, name="zerotrain-tokenize", daemon=True) if builder else None
+        if worker is not None:
+            worker.start()
+        while True:
+            if worker is not None:
+                worker.join(timeout=_POLL_SECONDS)
+            if worker is not None and worker.is_alive():
+                mine = "busy"
+            else:
+                error = outcome.get("error")
+                mine = None if error is None else f"{type(error).__name__}: {error}"
+            status = comm.all_gather_object(mine)
+            if "busy" not in status:
+                break
+        if "error" not in outcome:
+            failed = [(r, m) for r, m in enumerate(status) if m]
             if failed:
                 rank, message = failed[0]
                 raise RuntimeError(f"rank {rank} failed to build the tokenized data cache: {message}")
-    if error is not None:
-        raise error
+    if "error" in outcome:
+        raise outcome["error"]
+    built = outcome.get("built", False)
     data = _load(target, cache_hit=not built)
     data.files = [str(f) for f in files]  # the same content may have been cached under other paths
     return data
