@@ -188,14 +188,22 @@ def _build(files: list[Path], tokenizer, settings: TokenizeSettings, target: Pat
                                         remove_columns=loaded.dataset.column_names, features=features,
                                         desc=f"tokenizing {path.name}"))
     ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
-    lengths = ds.data.column("input_ids").combine_chunks().value_lengths()
+    num_tokens = sum(int(c.value_lengths().to_numpy(zero_copy_only=False).sum())
+                     for c in ds.data.column("input_ids").chunks)
     meta = {"version": _FORMAT_VERSION, "files": [str(f) for f in files], "num_documents": len(ds),
-            "num_tokens": int(sum(lengths.to_pylist())), "skipped": skipped}
+            "num_tokens": num_tokens, "skipped": skipped}
     tmp = target.parent / f"{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     ds.save_to_disk(str(tmp))
     (tmp / "zerotrain_meta.json").write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, target)  # atomic: a reader sees no cache or a complete one
+    try:
+        os.replace(tmp, target)  # atomic: a reader sees no cache or a complete one
+    except OSError:
+        if not (target / "zerotrain_meta.json").exists():
+            raise
+        # Another builder finished first (a file system where flock does not reach across hosts):
+        # same key, same content, keep theirs.
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load(target: Path, cache_hit: bool) -> TokenizedData:
