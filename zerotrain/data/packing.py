@@ -12,7 +12,8 @@ block is exactly its loss alone. How the model is told to confine attention:
   ``attention_mask`` is passed and no KV cache is used (``use_cache=False``): eager and sdpa get a
   block-diagonal causal mask, flash-attention its varlen (``cu_seq_lens``) kernel.
 - ``"mask_4d"``: every other model gets an explicit additive 4-D block-diagonal causal mask
-  ``(batch, 1, seq, seq)`` (works with eager/sdpa attention, not with flash-attention).
+  ``(batch, 1, seq, seq)`` (works with eager/sdpa attention, not with flash-attention; it costs
+  batch x seq² elements, so it is only the fallback).
 
 A document longer than ``seq_len`` continues in the next block as a new segment (positions
 restart; it cannot attend to the previous block anyway). The last partial block is padded
