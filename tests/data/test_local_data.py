@@ -1,0 +1,217 @@
+"""Local data files -> tokens -> packed/padded samples, in one process, on real files."""
+import json
+
+import pytest
+import torch
+
+from zerotrain.data import BadRecordError, DataConfig, build_data
+from zerotrain.data import tokenization
+from zerotrain.data.packing import PackedCollator, PackedDataset, block_diagonal_mask, packed_attention_mode
+from zerotrain.data.tokenization import TokenizeSettings, tokenize_files
+
+TEXTS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())\n", "class A:\n    pass\n"]
+
+
+def _expected(tok, texts):
+    return [tok(t)["input_ids"] + [tok.eos_token_id] for t in texts]
+
+
+def _ids(data):
+    return [list(x) for x in data.dataset["input_ids"]]
+
+
+def test_each_format_gives_the_same_tokens(tmp_path, tiny_tokenizer):
+    import datasets
+
+    tok = tiny_tokenizer
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n\n" for i, t in enumerate(TEXTS)))
+    (tmp_path / "b.json").write_text(json.dumps([{"body": t} for t in TEXTS], indent=1))
+    datasets.Dataset.from_dict({"text": TEXTS}).to_parquet(str(tmp_path / "c.parquet"))
+    datasets.Dataset.from_dict({"text": TEXTS}).to_csv(str(tmp_path / "d.csv"), index=False)
+    datasets.Dataset.from_dict({"text": TEXTS}).save_to_disk(str(tmp_path / "saved"))
+    for i, t in enumerate(TEXTS):
+        (tmp_path / f"doc{i}.txt").write_text(t)
+    cache = tmp_path / "cache"
+    want = _expected(tok, TEXTS)
+    for name in ("a.jsonl", "c.parquet", "d.csv", "saved"):
+        got = tokenize_files([tmp_path / name], tok, cache_dir=cache)
+        assert _ids(got) == want, name
+        assert got.num_documents == 3 and got.num_tokens == sum(map(len, want))
+        assert _ids(got) == [list(x) for x in got.dataset["labels"]]  # text: every token carries loss
+    got = tokenize_files([tmp_path / "b.json"], tok, TokenizeSettings(text_field="body"), cache_dir=cache)
+    assert _ids(got) == want
+    # .txt: a file is one document; several files keep their order.
+    got = tokenize_files([tmp_path / f"doc{i}.txt" for i in range(3)], tok, cache_dir=cache)
+    assert _ids(got) == want
+    # A field that no record has is an error naming the file.
+    with pytest.raises(BadRecordError, match=r"c\.parquet: missing field 'content'"):
+        tokenize_files([tmp_path / "c.parquet"], tok, TokenizeSettings(text_field="content"), cache_dir=cache)
+
+
+def _chat_file(path):
+    convs = [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"},
+         {"role": "assistant", "content": "4."}, {"role": "user", "content": "and 3 + 3?"},
+         {"role": "assistant", "content": "6."}],
+        [{"role": "user", "content": "Name a list method."}, {"role": "assistant", "content": "append"}],
+    ]
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    return convs
+
+
+def test_chat_loss_only_on_assistant_tokens(tmp_path, tiny_tokenizer):
+    tok = tiny_tokenizer
+    convs = _chat_file(tmp_path / "chat.jsonl")
+    got = tokenize_files([tmp_path / "chat.jsonl"], tok, cache_dir=tmp_path / "cache")
+    for conv, ids, labels in zip(convs, got.dataset["input_ids"], got.dataset["labels"]):
+        assert ids == tok.apply_chat_template(conv, tokenize=True, return_dict=True)["input_ids"]
+        kept = [t for t in labels if t != -100]
+        assert tok.decode(kept) == "".join(t["content"] + "<|end|>" for t in conv if t["role"] == "assistant")
+        assert all(lab in (-100, t) for lab, t in zip(labels, ids))
+    # A template without {% generation %} marks: the prefix-rendering fallback finds the same tokens.
+    plain = tok.__class__.from_pretrained(tok.name_or_path)
+    plain.chat_template = tok.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    fallback = tokenize_files([tmp_path / "chat.jsonl"], plain, cache_dir=tmp_path / "cache")
+    assert not fallback.cache_hit  # another template is another tokenizer
+    for conv, labels in zip(convs, fallback.dataset["labels"]):
+        # Everything the assistant turn adds to the rendering: here also the newline after the turn.
+        kept = [t for t in labels if t != -100]
+        assert tok.decode(kept) == "".join(t["content"] + "<|end|>\n" for t in conv if t["role"] == "assistant")
+
+
+def test_bad_records_named_by_file_and_line_and_skipped(tmp_path, tiny_tokenizer):
+    tok, cache = tiny_tokenizer, tmp_path / "cache"
+    lines = [json.dumps({"text": "good one"}), "{not json", json.dumps({"txt": "wrong field"}),
+             json.dumps({"text": "good two"})]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    with pytest.raises(BadRecordError, match=r"bad\.jsonl, line 2: not valid JSON.*and 1 more"):
+        tokenize_files([bad], tok, cache_dir=cache)
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
+                    + json.dumps({"messages": [{"role": "user"}]}) + "\n")
+    with pytest.raises(BadRecordError, match=r"chat\.jsonl, line 2: chat turn 0 has no 'content'"):
+        tokenize_files([chat], tok, cache_dir=cache)
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(BadRecordError, match=r"empty\.jsonl: file is empty"):
+        tokenize_files([tmp_path / "empty.jsonl"], tok, cache_dir=cache)
+    (tmp_path / "rows.csv").write_text("text\nfine\n\"\"\nalso fine\n")
+    with pytest.raises(BadRecordError, match=r"rows\.csv, line 3: field 'text' is empty"):
+        tokenize_files([tmp_path / "rows.csv"], tok, cache_dir=cache)
+
+    got = tokenize_files([bad], tok, TokenizeSettings(skip_bad_records=True), cache_dir=cache)
+    assert _ids(got) == _expected(tok, ["good one", "good two"])
+    assert len(got.skipped) == 2
+    assert got.skipped[0].startswith(f"{bad}, line 2") and got.skipped[1].startswith(f"{bad}, line 3: missing field")
+    # The skipped records are reported again on a cache hit.
+    again = build_data(DataConfig([bad], seq_len=8, skip_bad_records=True, cache_dir=cache), tok)
+    assert again.tokenized.cache_hit and len(again.skipped) == 2
+
+
+def test_cache_reused_and_keyed_by_content_and_settings(tmp_path, tiny_tokenizer, monkeypatch):
+    tok, cache = tiny_tokenizer, tmp_path / "cache"
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS * 20))
+    first = tokenize_files([data], tok, cache_dir=cache, num_proc=2)  # two tokenizing worker processes
+    assert not first.cache_hit and _ids(first) == _expected(tok, TEXTS * 20)
+
+    def no_tokenizing(*a, **k):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(tokenization, "_build", no_tokenizing)
+    second = tokenize_files([data], tok, cache_dir=cache)
+    assert second.cache_hit and second.cache_path == first.cache_path and _ids(second) == _ids(first)
+    monkeypatch.undo()
+    data.write_text(data.read_text() + json.dumps({"text": "more"}) + "\n")  # new content: new key
+    third = tokenize_files([data], tok, cache_dir=cache)
+    assert not third.cache_hit and third.num_documents == 61
+    fourth = tokenize_files([data], tok, TokenizeSettings(add_eos=False), cache_dir=cache)
+    assert not fourth.cache_hit and fourth.num_tokens == third.num_tokens - 61
+
+
+def test_packing_layout_and_padding_mode(tmp_path, tiny_tokenizer):
+    import datasets
+
+    docs = {"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10, 11]], "labels": [[1, 2, 3], [-100, 5], [6, 7, 8, 9, 10, 11]]}
+    packed = PackedDataset(datasets.Dataset.from_dict(docs), seq_len=4, pad_token_id=0)
+    blocks = PackedCollator()([packed[i] for i in range(len(packed))])
+    assert blocks["input_ids"].tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 0]]
+    assert blocks["position_ids"].tolist() == [[0, 1, 2, 0], [0, 0, 1, 2], [0, 1, 2, 0]]
+    assert blocks["labels"].tolist() == [[-100, 2, 3, -100], [5, -100, 7, 8], [9, 10, 11, -100]]
+    assert "attention_mask" not in blocks
+    mask = block_diagonal_mask(blocks["position_ids"][1:2])[0, 0] == 0
+    assert mask.tolist() == [[True, False, False, False], [False, True, False, False],
+                             [False, True, True, False], [False, True, True, True]]
+
+    class Custom(torch.nn.Module):  # not built on transformers' masking: gets the explicit 4-D mask
+        def forward(self, input_ids, position_ids=None, attention_mask=None):
+            return input_ids
+
+    class Alibi(torch.nn.Module):  # no position ids at all: packing is refused
+        def forward(self, input_ids, attention_mask=None):
+            return input_ids
+
+    assert packed_attention_mode(Custom()) == "mask_4d"
+    with pytest.raises(ValueError, match="Alibi.forward takes no position_ids.*packing=False"):
+        packed_attention_mode(Alibi())
+
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    data = build_data(DataConfig([f], seq_len=8, packing=False, cache_dir=tmp_path / "c"), tiny_tokenizer)
+    want = _expected(tiny_tokenizer, TEXTS)
+    assert len(data.dataset) == sum(-(-len(w) // 8) for w in want)  # long documents split into chunks
+    batch = data.collator([data.dataset[0], data.dataset[len(data.dataset) - 1]])
+    n_last = len(want[-1]) % 8 or 8
+    assert batch["attention_mask"][1].tolist() == [1] * n_last + [0] * (8 - n_last)
+    assert (batch["labels"][1, n_last:] == -100).all() and (batch["input_ids"][1, n_last:] == tiny_tokenizer.pad_token_id).all()
+    # Evaluation sees every sample once across the ranks; training batches come from the sampler.
+    seen = [b["input_ids"][0].tolist() for r in range(2) for b in data.eval_loader(micro_batch_size=1, dp_rank=r, dp_size=2)]
+    assert sorted(seen) == sorted(data.dataset[i]["input_ids"].tolist() for i in range(len(data.dataset)))
+    train = list(data.loader(micro_batch_size=2, global_batch_size=4, dp_rank=1, dp_size=2, num_epochs=2))
+    assert len(train) == (2 * len(data.dataset)) // 4 and all(b["input_ids"].shape[0] == 2 for b in train)
+    # Loader-level resume: after 2 global batches at dp 1, dp 2's ranks continue with exactly the next samples.
+    def rows(batches):
+        return [r for b in batches for r in b["input_ids"].tolist()]
+
+    whole = rows(data.loader(micro_batch_size=2, global_batch_size=4, num_epochs=2))
+    resumed = [rows(data.loader(micro_batch_size=2, global_batch_size=4, dp_rank=r, dp_size=2,
+                                consumed_samples=8, num_epochs=2)) for r in range(2)]
+    interleaved = [row for k in range(0, len(resumed[0]), 2) for r in range(2) for row in resumed[r][k:k + 2]]
+    assert interleaved == whole[8:]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_documents_do_not_attend_across(tmp_path, tiny_llama_dir, tiny_tokenizer, attn):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, attn_implementation=attn, dtype=torch.float32)
+    model.config.use_cache = True  # as in most HF configs: build_data must turn it off for packing
+    assert packed_attention_mode(model) == "position_ids"
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    docs = _expected(tiny_tokenizer, TEXTS)
+    total = sum(map(len, docs))
+
+    def per_doc_losses(batch):
+        with torch.no_grad():
+            logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        losses = torch.nn.functional.cross_entropy(logits[0, :-1], batch["labels"][0, 1:], reduction="none",
+                                                   ignore_index=-100)
+        out, start = [], 0
+        for d in docs:
+            out.append(losses[start:start + len(d) - 1][batch["labels"][0, start + 1:start + len(d)] != -100].mean())
+            start += len(d)
+        return torch.stack(out)
+
+    alone = torch.stack([model(torch.tensor([d]), labels=torch.tensor([d])).loss for d in docs]).detach()
+    for mode in ("position_ids", "mask_4d"):
+        data = build_data(DataConfig([f], seq_len=total, cache_dir=tmp_path / "c"), tiny_tokenizer, model=model,
+                          attention=None if mode == "position_ids" else mode)
+        assert data.attention == mode and not model.config.use_cache
+        assert len(data.dataset) == 1
+        batch = data.collator([data.dataset[0]])
+        torch.testing.assert_close(per_doc_losses(batch), alone, rtol=1e-5, atol=1e-6)
+    # The check can fail: the same block as one causal sequence lets the later documents see the earlier ones.
+    leaky = per_doc_losses({"input_ids": batch["input_ids"], "labels": batch["labels"]})
+    assert (leaky[1:] - alone[1:]).abs().max() > 1e-3
