@@ -113,6 +113,15 @@ class ZeroTrainEngine:
         self.skipped_steps = 0
         self._backward_done = False
         self.checkpointer = None  # created by the first save_checkpoint
+        self._configure_activation_checkpointing()
+
+    def _configure_activation_checkpointing(self) -> None:
+        """DeepSpeed's `activation_checkpointing` block configures `zerotrain.checkpointing` (its inputs are
+        partitioned over this engine's tensor-parallel group); a built-in GPT checkpoints its blocks then."""
+        from . import checkpointing
+        checkpointing.configure(self.tp_comm, deepspeed_config=self.config)
+        if "activation_checkpointing" in self.config.model_fields_set and hasattr(self.module, "activation_checkpointing"):
+            self.module.activation_checkpointing = True
 
     # --- ZeRO++ ---------------------------------------------------------------
     def _subgroup_comm(self, group_info) -> Comm:
