@@ -116,11 +116,14 @@ class ZeroTrainEngine:
         self._configure_activation_checkpointing()
 
     def _configure_activation_checkpointing(self) -> None:
-        """DeepSpeed's `activation_checkpointing` block configures `zerotrain.checkpointing` (its inputs are
-        partitioned over this engine's tensor-parallel group); a built-in GPT checkpoints its blocks then."""
+        """A config with an `activation_checkpointing` block configures `zerotrain.checkpointing` (inputs are
+        partitioned over this engine's tensor-parallel group) and makes a built-in GPT checkpoint its blocks.
+        Without the block a user's own `checkpointing.configure(...)` is left as it is."""
+        if "activation_checkpointing" not in self.config.model_fields_set:
+            return
         from . import checkpointing
         checkpointing.configure(self.tp_comm, deepspeed_config=self.config)
-        if "activation_checkpointing" in self.config.model_fields_set and hasattr(self.module, "activation_checkpointing"):
+        if hasattr(self.module, "activation_checkpointing"):
             self.module.activation_checkpointing = True
 
     # --- ZeRO++ ---------------------------------------------------------------

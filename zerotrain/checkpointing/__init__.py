@@ -237,8 +237,10 @@ def checkpoint(function: Callable, *args, **kwargs):
         raise ValueError("zerotrain.checkpointing.checkpoint: use_reentrant=True is not supported; "
                          "it runs with use_reentrant=False semantics")
     options = {key: kwargs.pop(key) for key in ("preserve_rng_state", "determinism_check", "debug") if key in kwargs}
-    kwargs.pop("early_stop", None)
-    kwargs.pop("context_fn", None)
+    kwargs.pop("early_stop", None)  # always off (see module docstring)
+    if kwargs.pop("context_fn", None) is not None:
+        raise ValueError("zerotrain.checkpointing.checkpoint: context_fn is not supported (zerotrain's own "
+                         "context_fn replays the RNG tracker and the checkpoint boundary options)")
     saver = None
     if _state.partition or _state.cpu:
         saver = InputSaver(_state.tp, _state.partition, _state.cpu, _state.arena, _state.stats)
