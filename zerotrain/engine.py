@@ -113,6 +113,18 @@ class ZeroTrainEngine:
         self.skipped_steps = 0
         self._backward_done = False
         self.checkpointer = None  # created by the first save_checkpoint
+        self._configure_activation_checkpointing()
+
+    def _configure_activation_checkpointing(self) -> None:
+        """A config with an `activation_checkpointing` block configures `zerotrain.checkpointing` (inputs are
+        partitioned over this engine's tensor-parallel group) and makes a built-in GPT checkpoint its blocks.
+        Without the block a user's own `checkpointing.configure(...)` is left as it is."""
+        if "activation_checkpointing" not in self.config.model_fields_set:
+            return
+        from . import checkpointing
+        checkpointing.configure(self.tp_comm, deepspeed_config=self.config)
+        if hasattr(self.module, "activation_checkpointing"):
+            self.module.activation_checkpointing = True
 
     # --- ZeRO++ ---------------------------------------------------------------
     def _subgroup_comm(self, group_info) -> Comm:

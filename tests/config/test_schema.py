@@ -236,7 +236,6 @@ def test_zenflow_is_accepted_without_effect():
 @pytest.mark.parametrize("config, key", [
     ({"flops_profiler": {"enabled": True}}, "flops_profiler"),
     ({"tensorboard": {"enabled": True, "output_path": "x"}}, "tensorboard"),
-    ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
     ({"amp": {"enabled": True}}, "amp"),
     ({"prescale_gradients": True}, "prescale_gradients"),
     ({"communication_data_type": "fp32"}, "communication_data_type"),

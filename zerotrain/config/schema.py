@@ -3,9 +3,9 @@
 Build it with `zerotrain.config.load_config` (which turns every validation problem into a
 `ConfigError` naming the dotted key). Blocks: `fp16`, `bf16` (legacy alias `bfloat16`),
 `zero_optimization` (`zero.py`), `optimizer` and `scheduler` (`params.py`), `checkpoint`,
-`aio` and `tensor_parallel`. zerotrain's own top-level keys: `comm_timeout_seconds`, `comm_same_host_transport`, `seed`,
-`strict_config`, and the `checkpoint` keys. An unknown top-level key that is no near-miss of a known key
-is ignored with a warning, as DeepSpeed ignores it (an error with `"strict_config": true`).
+`aio`, `tensor_parallel` and `activation_checkpointing`. zerotrain's own top-level keys: `comm_timeout_seconds`,
+`comm_same_host_transport`, `seed`, `strict_config`, and the `checkpoint` keys. An unknown top-level key that is no
+near-miss of a known key is ignored with a warning, as DeepSpeed ignores it (an error with `"strict_config": true`).
 """
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ from .batch import GAS, MICRO, TBS, check_batch_partial, resolve_batch_triple
 from .params import OptimizerConfig, SchedulerConfig
 from .zero import ZeroConfig
 
-__all__ = ["ZeroTrainConfig", "FP16Config", "BF16Config", "CheckpointConfig", "AioConfig", "TensorParallelConfig", "DEEPSPEED_ONLY_KEYS"]
+__all__ = ["ZeroTrainConfig", "FP16Config", "BF16Config", "CheckpointConfig", "AioConfig", "TensorParallelConfig", "ActivationCheckpointingConfig",
+           "DEEPSPEED_ONLY_KEYS"]
 
 # Top-level keys DeepSpeed accepts that zerotrain does not implement: accepted with a warning.
 DEEPSPEED_ONLY_KEYS = frozenset({
-    "amp", "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet",
+    "amp", "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet",
     "comms_logger", "compression_training", "data_efficiency", "curriculum_learning", "elasticity", "autotuning",
     "pipeline", "sparse_attention", "dump_state", "prescale_gradients", "gradient_predivide_factor",
     "communication_data_type", "seq_parallel_communication_data_type", "sparse_gradients",
@@ -107,6 +108,20 @@ class TensorParallelConfig(Block):
     autotp_size: PosInt = 1
 
 
+class ActivationCheckpointingConfig(Block):
+    """`activation_checkpointing`: how `zerotrain.checkpointing.checkpoint` keeps a checkpoint's inputs
+    (the engine passes it to `zerotrain.checkpointing.configure`; see docs/activation_checkpointing.md)."""
+
+    PATH = "activation_checkpointing"
+
+    partition_activations: Bool = False
+    cpu_checkpointing: Bool = False
+    contiguous_memory_optimization: Bool = False
+    number_checkpoints: Optional[PosInt] = None
+    synchronize_checkpoint_boundary: Bool = False
+    profile: Bool = False
+
+
 class ZeroTrainConfig(Block):
     """The whole config. Batch fields are None until `resolve_batch(dp_world_size)` fills them in."""
 
@@ -134,6 +149,7 @@ class ZeroTrainConfig(Block):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     aio: AioConfig = Field(default_factory=AioConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
 
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
     _unimplemented: dict[str, Any] = PrivateAttr(default_factory=dict)

@@ -143,6 +143,11 @@ class GPT(nn.Module):
     ``forward(idx, targets=None)`` returns ``(logits, loss)``; ``loss`` is the mean
     cross entropy over all target tokens (``None`` without targets). Targets equal to
     ``-100`` are ignored.
+
+    ``activation_checkpointing = True`` (set by the engine when the config has an
+    ``activation_checkpointing`` block) runs each block through
+    :func:`zerotrain.checkpointing.checkpoint` while training: only block inputs are kept
+    for backward, the rest is recomputed.
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -158,6 +163,7 @@ class GPT(nn.Module):
             )
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.activation_checkpointing = False
         if config.tie_weights:
             self.lm_head.weight = self.transformer.wte.weight
         self.reset_parameters()
@@ -209,8 +215,11 @@ class GPT(nn.Module):
         pos = torch.arange(seq, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
         x = self.transformer.drop(x)
+        checkpointed = self.activation_checkpointing and self.training and torch.is_grad_enabled()
+        if checkpointed:
+            from ..checkpointing import checkpoint
         for block in self.transformer.h:
-            x = block(x)
+            x = checkpoint(block, x) if checkpointed else block(x)
         x = self.transformer.ln_f(x)
         logits = self.lm_head(x)
         loss = None

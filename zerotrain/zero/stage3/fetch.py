@@ -45,6 +45,10 @@ ZeRO++ (`configure_zeropp`):
   taken afresh at every global (forward) gather, so it always equals what forward used,
   and is dropped at the end of the micro-step.
 
+An activation-checkpoint recompute's module forwards are requests with reason "recompute": they
+belong to backward for prefetch (forward's prefetch stops before them), and are gathered like
+forward's (globally).
+
 Split experts (zerotrain.parallel.experts) are gathered over their expert-data-parallel group,
 never in one collective with other parameters; qwZ quantizes those gathers too; hpZ skips them.
 """
@@ -61,6 +65,11 @@ from .buffers import BufferPool
 from .partition import PartitionedParam
 from .secondary import SecondaryPartitions
 from .trace import FetchTrace
+
+
+# Requests made while backward runs: parameters unpacked, and module forwards of an activation-checkpoint
+# recompute (a forward inside backward).
+_BACKWARD = ("backward", "recompute")
 
 
 class ParamFetcher(SecondaryPartitions):
@@ -213,11 +222,11 @@ class ParamFetcher(SecondaryPartitions):
             return
         ahead = 0  # elements (sequential: parameters) of upcoming requests not yet available
         seen: set[int] = set()
-        in_backward = self.trace.cursor > 0 and self.trace.reasons[self.trace.cursor - 1] == "backward"
+        in_backward = self.trace.cursor > 0 and self.trace.reasons[self.trace.cursor - 1] in _BACKWARD
         for position in range(self.trace.cursor, len(self.trace.entries)):
             if ahead >= (1 if self.sequential else self.prefetch_numel):
                 break
-            if not in_backward and self.trace.reasons[position] == "backward":
+            if not in_backward and self.trace.reasons[position] in _BACKWARD:
                 break  # never past the end of forward: until backward starts, user code runs on activations alone
             upcoming = [self._by_id[key] for key in self.trace.entries[position] if key not in seen]
             seen.update(id(part) for part in upcoming)

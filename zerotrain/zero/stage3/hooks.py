@@ -7,6 +7,10 @@
   tensor, so releasing after forward really frees memory; unpacking in backward
   gathers it again. No module backward hooks are needed, so in-place ops on
   module outputs and parameters used by several modules (tied weights) just work.
+- Activation checkpointing (zerotrain.checkpointing, non-reentrant): the checkpointed forward saves
+  nothing, so no parameter is packed there; the recompute in backward runs the module hooks
+  again (gather, then release after the module; requests recorded as "recompute"), and the
+  tensors it saves are held by torch's checkpoint until that segment's backward is done.
 - After a parameter's gradient has been handed to the reducer it is released, unless the
   recorded order says it is used again soon (`stage3_max_reuse_distance`, see fetch.py).
 """
@@ -46,7 +50,9 @@ class Stage3Hooks:
 
     def _make_pre_hook(self, parts: list[PartitionedParam]):
         def pre_hook(module, args):
-            self.fetcher.fetch(parts)
+            # A module forward inside a backward is an activation-checkpoint recompute: recorded as
+            # such, so prefetch at the end of forward does not run into it (see fetch.py).
+            self.fetcher.fetch(parts, reason="recompute" if torch._C._current_graph_task_id() != -1 else "forward")
             self.fetcher.hold(parts)
         return pre_hook
 

@@ -24,7 +24,7 @@ class FetchTrace:
 
     def __init__(self) -> None:
         self.entries: list[tuple[int, ...]] = []  # the id(part) of each request's parameters
-        self.reasons: list[str] = []  # "forward" / "backward" / "access" / "user", per entry
+        self.reasons: list[str] = []  # "forward" / "backward" / "recompute" / "access" / "user", per entry
         self.recording = True
         self.cursor = 0  # entries [0, cursor) have been requested this micro-step
         self.in_order = True
