@@ -49,13 +49,13 @@ def _full(engine) -> dict:
 
 # --- one world-2 launch for the engine API and zerotrain.dist --------------------------------
 
-def engine_api_world2(save_dir: str) -> dict:
+def engine_api_world2(save_dir: str, config_path: str) -> dict:
     import zerotrain
     from zerotrain import dist
     from zerotrain.precision import LossScaleError
     from zerotrain.trainer import Trainer
 
-    out: dict = {}
+    out: dict = {"from_args": initialize_from_args(config_path)}
     rank = int(os.environ["RANK"])
     batches = make_batches(3, MICRO * 2 * 2)
 
@@ -181,7 +181,10 @@ class _TrainerView:
 
 
 def test_engine_api_and_dist_at_world_two(tmp_path):
-    results = run_distributed(engine_api_world2, 2, str(tmp_path), timeout=300)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_config(1)))
+    results = run_distributed(engine_api_world2, 2, str(tmp_path), str(path), timeout=300)
+    _check_initialize_from_args([out["from_args"] for out in results])
     for rank, out in enumerate(results):
         assert out["ranks"] == (rank, rank, 2, 2, "cpu", rank, 2, rank)
         assert out["queries"] == (1, False, False, False, None, True)
@@ -271,10 +274,9 @@ def initialize_from_args(path: str) -> tuple:
             [b.tolist() for b in loader], messages)
 
 
-def test_initialize_reads_args_warns_for_ignored_deepspeed_keywords(tmp_path):
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(_config(1)))
-    results = run_distributed(initialize_from_args, 2, str(path))
+def _check_initialize_from_args(results: list) -> None:
+    """initialize(args=...) at world 2: the config path from args, args.local_rank set, the training data
+    split over the ranks, a warning naming distributed_port (and none for dist_init_required=True)."""
     seen = []
     for rank, (local_rank, batch, same, batches, messages) in enumerate(results):
         assert (local_rank, batch, same) == (rank, 4, True)
