@@ -266,3 +266,40 @@ def test_trainer_resumed_engine_skips_consumed_batches():
     resumed._seek()
     assert torch.equal(resumed._next_batch()[0], drawn[4])
     assert torch.equal(resumed._next_batch()[0], drawn[5])
+
+
+def test_version_prints_the_package_version(capsys):
+    import zerotrain
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"zerotrain {zerotrain.__version__}"
+
+
+def test_launch_bad_input_exits_2_naming_it(capsys, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    for argv, message in ((["launch", str(tmp_path / "nope.py")], "nope.py' not found"),
+                          (["launch", "--nproc", "0", str(script)], "--nproc must be >= 1"),
+                          (["launch", "--nnodes", "2", str(script)], "--nnodes > 1 needs --master-addr"),
+                          (["launch", "--nnodes", "2", "--node-rank", "2", str(script)], "--node-rank must be in")):
+        assert main(argv) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_launch_passes_local_rank_only_to_scripts_that_declare_it(tmp_path):
+    from zerotrain.launcher import worker_target
+
+    declares = tmp_path / "a.py"
+    declares.write_text("p.add_argument('--local_rank', type=int)\n")
+    dashed = tmp_path / "b.py"
+    dashed.write_text('p.add_argument("--local-rank", type=int)\n')
+    silent = tmp_path / "c.py"
+    silent.write_text("import os\nrank = int(os.environ['LOCAL_RANK'])  # --local_rank in a comment only\n")
+    assert worker_target(str(declares), ["--x"]) == ["-m", "zerotrain.launcher", "--pass-local-rank", "--",
+                                                     str(declares), "--x"]
+    assert "--pass-local-rank" in worker_target(str(dashed), [])
+    assert "--pass-local-rank" not in worker_target(str(silent), [])
+    assert "--pass-local-rank" not in worker_target(str(declares), [], pass_local_rank=False)
+    assert "--pass-local-rank" not in worker_target(str(declares), ["--local_rank=3"])

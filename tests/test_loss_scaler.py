@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from zerotrain.config import load_config
-from zerotrain.precision import LossScaler
+import pytest
+
+from zerotrain.precision import LossScaleError, LossScaler
 
 
 def scaler(**fp16) -> LossScaler:
@@ -55,9 +57,20 @@ def test_doubling_refills_hysteresis():
     assert scales_after(s, "x") == [32.0]  # absorbed again thanks to the refill
 
 
-def test_min_loss_scale_is_a_floor():
+def test_overflow_at_min_loss_scale_raises_as_deepspeed():
+    """The scale halves down to min_loss_scale; the next overflow that would lower it raises (DeepSpeed's
+    DynamicLossScaler with raise_error_at_min_scale, its engine's setting), after hysteresis is used up."""
     s = scaler(initial_scale_power=3, hysteresis=1, min_loss_scale=2, loss_scale_window=1000)
-    assert scales_after(s, "xxxxx") == [4.0, 2.0, 2.0, 2.0, 2.0]
+    assert scales_after(s, "xx") == [4.0, 2.0]
+    with pytest.raises(LossScaleError, match=r"optimizer step 2 .*fp16.min_loss_scale \(2\)"):
+        s.update(True)
+    absorbed = scaler(initial_scale_power=1, hysteresis=2, min_loss_scale=2, loss_scale_window=1000)
+    assert scales_after(absorbed, "x.") == [2.0, 2.0]  # at the floor, but hysteresis absorbs one overflow
+    with pytest.raises(LossScaleError):
+        absorbed.update(True)
+    # A floor below the scale: halving stops at the floor without raising.
+    floor = scaler(initial_scale_power=2, hysteresis=1, min_loss_scale=3, loss_scale_window=1000)
+    assert scales_after(floor, "x") == [3.0]
 
 
 def test_static_loss_scale_never_changes():

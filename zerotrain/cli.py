@@ -6,7 +6,8 @@ With ``--nproc N > 1`` the command re-launches itself under PyTorch's own launch
 (``python -m torch.distributed.run``), one worker process per rank. It saves a checkpoint
 in ``checkpoints/`` after the last step (``--save-every N`` also every N steps) and
 continues from the latest one with ``--resume``. ``zerotrain ckpt inspect|verify|export``
-are the offline checkpoint tools (``zerotrain.checkpoint.command``).
+are the offline checkpoint tools (``zerotrain.checkpoint.command``). ``zerotrain launch
+--nproc N train.py ARGS`` runs the user's own script the same way (``zerotrain.launcher``).
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="ZeRO-sharded training with DeepSpeed-compatible configs.",
     )
+    from zerotrain import __version__
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -110,8 +113,36 @@ def build_parser() -> argparse.ArgumentParser:
         "--master-port", type=int, default=None, metavar="P",
         help="rendezvous port for --nproc > 1 (default: a free port picked by the launcher)",
     )
+    _add_launch_parser(sub)
     add_ckpt_parser(sub, PROG)
     return parser
+
+
+def _add_launch_parser(sub) -> None:
+    launch = sub.add_parser(
+        "launch",
+        help="run your own training script on N processes (as `deepspeed` / `torchrun` do)",
+        description=(
+            "Start SCRIPT with its ARGS on --nproc processes per node through PyTorch's launcher "
+            "(python -m torch.distributed.run), with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and "
+            "MASTER_PORT set, and --local_rank=N appended for scripts whose source declares "
+            "'--local_rank' (see zerotrain.launcher). Multi-node: run it on every node with the same "
+            "--nnodes, --master-addr and --master-port and that node's --node-rank."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    launch.add_argument("--nproc", type=int, default=1, metavar="N", help="processes (ranks) on this node")
+    launch.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of nodes")
+    launch.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node's index (0..nnodes-1)")
+    launch.add_argument("--master-addr", default=None, metavar="HOST",
+                        help="address of node 0 (required with --nnodes > 1; default 127.0.0.1)")
+    launch.add_argument("--master-port", type=int, default=None, metavar="P",
+                        help="rendezvous port on node 0 (default: a free port, single node only)")
+    launch.add_argument("--no-local-rank", action="store_true",
+                        help="never append --local_rank=N to the script's arguments")
+    launch.add_argument("script", metavar="SCRIPT", help="the training script (a .py file)")
+    launch.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                        help="arguments for the script, passed as they are")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -122,6 +153,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "ckpt":
             from zerotrain.checkpoint.command import run_ckpt
             return run_ckpt(args)
+        if args.command == "launch":
+            return _launch_script(args)
         if args.command == "train":
             _check_train_args(args)
             if args.nproc > 1 and not _inside_worker():
@@ -225,14 +258,27 @@ def _worker_argv(args: argparse.Namespace) -> list[str]:
 
 def _launch(args: argparse.Namespace) -> int:
     """Re-run this command under torch.distributed.run with ``args.nproc`` workers."""
-    cmd = [sys.executable, "-m", "torch.distributed.run"]
-    if args.master_port is not None:
-        cmd += ["--nnodes", "1", "--node_rank", "0",
-                "--master_addr", "127.0.0.1", "--master_port", str(args.master_port)]
-    else:
-        cmd += ["--standalone"]
-    cmd += ["--nproc_per_node", str(args.nproc), "-m", "zerotrain.cli", *_worker_argv(args)]
+    return _run_torchrun(_rendezvous(args.nproc, master_port=args.master_port),
+                         ["-m", "zerotrain.cli", *_worker_argv(args)])
 
+
+def _rendezvous(nproc: int, nnodes: int = 1, node_rank: int = 0, master_addr: Optional[str] = None,
+                master_port: Optional[int] = None) -> list[str]:
+    """torch.distributed.run's options for `nproc` workers per node: `--standalone` (a free port) for one
+    node without a port, else a static rendezvous at master_addr:master_port."""
+    if nnodes == 1 and master_port is None and master_addr is None:
+        cmd = ["--standalone"]
+    else:
+        cmd = ["--nnodes", str(nnodes), "--node_rank", str(node_rank),
+               "--master_addr", master_addr or "127.0.0.1", "--master_port", str(master_port or 29500)]
+    return cmd + ["--nproc_per_node", str(nproc)]
+
+
+def _run_torchrun(rendezvous: list[str], target: list[str]) -> int:
+    """Run `python -m torch.distributed.run RENDEZVOUS TARGET`; return its exit status.
+
+    The one place both `train --nproc` and `launch` start workers (where signal handling belongs)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, *target]
     env = os.environ.copy()
     env.setdefault("OMP_NUM_THREADS", "1")
     # Workers must import this same zerotrain, wherever the launching interpreter found it.
@@ -244,6 +290,24 @@ def _launch(args: argparse.Namespace) -> int:
         return subprocess.run(cmd, env=env).returncode
     except KeyboardInterrupt:  # the launcher forwards the signal to its workers
         return 130
+
+
+def _launch_script(args: argparse.Namespace) -> int:
+    """`zerotrain launch`: the user's script on every worker (zerotrain.launcher runs it there)."""
+    from zerotrain.launcher import worker_target
+
+    if args.nproc < 1:
+        raise CLIError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.nnodes < 1:
+        raise CLIError(f"--nnodes must be >= 1, got {args.nnodes}")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise CLIError(f"--node-rank must be in [0, {args.nnodes}), got {args.node_rank}")
+    if args.nnodes > 1 and (args.master_addr is None or args.master_port is None):
+        raise CLIError("--nnodes > 1 needs --master-addr and --master-port (node 0's address and a free port)")
+    if not Path(args.script).is_file():
+        raise CLIError(f"script {args.script!r} not found")
+    rendezvous = _rendezvous(args.nproc, args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    return _run_torchrun(rendezvous, worker_target(args.script, args.script_args, not args.no_local_rank))
 
 
 def _train(args: argparse.Namespace) -> int:

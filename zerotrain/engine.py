@@ -8,7 +8,9 @@ API follows DeepSpeed's engine so existing loops port by changing the import.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import warnings
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -246,7 +248,8 @@ class ZeroTrainEngine:
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps()
         scaled = loss * scale if scale != 1.0 else loss
         self._before_model_use()
-        self.reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary())
+        # inside no_sync() (stages 0-1) gradients stay local until the next backward outside it
+        self.reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
         scaled.backward(retain_graph=retain_graph)
         self.reducer.end_backward()
         if self.stage3 is not None:
@@ -258,6 +261,10 @@ class ZeroTrainEngine:
         """Count a micro-step; at the accumulation boundary, update the weights."""
         if self.checkpointer is not None:
             self.checkpointer.raise_if_failed()
+        if self._inside_no_sync:
+            raise RuntimeError("engine.step() inside engine.no_sync() is not allowed (as in DeepSpeed): "
+                               "leave the context and run one more backward first")
+        self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             if not self._backward_done:
                 raise RuntimeError("engine.step() at an accumulation boundary without engine.backward() before it")
@@ -277,6 +284,7 @@ class ZeroTrainEngine:
                 self.param_store.flush()  # updated shards are in host memory / written (OffloadIOError else)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
+        self._step_applied = not overflow
         self.loss_scaler.update(overflow)
         # LoCo: count the step, drop the error on overflow, follow a loss-scale change.
         self.reducer.after_optimizer_step(overflow, scale_before, self.loss_scaler.scale)
@@ -284,10 +292,7 @@ class ZeroTrainEngine:
         self._backward_done = False
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
-        if self.topology.rank == 0 and self.config.steps_per_print and self.global_steps % self.config.steps_per_print == 0:
-            logger.info("step=%d skipped=%d lr=%s loss_scale=%g grad_norm=%s%s", self.global_steps, self.skipped_steps,
-                        self.get_lr(), self.loss_scaler.scale, self.zero_optimizer.last_grad_norm,
-                        "".join(f" offload_{k}={v}" for k, v in self.offload_stats().items()))
+        self._report_progress()
 
     def zero_grad(self) -> None:
         """Drop gradients, but never in the middle of an accumulation cycle (DeepSpeed loops call it freely)."""
@@ -407,3 +412,234 @@ class ZeroTrainEngine:
             close()
         if self.param_store is not None:
             self.param_store.close()
+
+    # --- DeepSpeed engine API ---------------------------------------------------------------
+    # What DeepSpeed training scripts, DeepSpeedExamples and HF's DeepSpeed integration call on the
+    # engine beyond the training step (the list, with notes, is docs/porting.md). Built only on the
+    # engine's public surface (config, topology, comm, module, optimizer, ...).
+    training_dataloader = None  # the loader initialize() built from `training_data` (DeepSpeed's name)
+    _inside_no_sync = False
+    _step_applied = False
+    _print_progress = True  # steps_per_print lines; the Trainer turns them off while it reports progress
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its machine (the launcher's LOCAL_RANK; 0 without a launcher)."""
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def global_rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.topology.dp_size
+
+    @property
+    def mp_world_size(self) -> int:
+        """Model-parallel (tensor-parallel) ranks per model replica."""
+        return self.topology.tp_size
+
+    @property
+    def data_parallel_group(self):
+        """The torch process group ZeRO shards over (for `zerotrain.dist` calls, `group=`)."""
+        return self.topology.dp_group
+
+    @property
+    def device(self) -> torch.device:
+        """The device the model lives on: move each batch there (`x.to(engine.device)`)."""
+        return self.topology.device
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage
+
+    def zero_optimization(self) -> bool:
+        return self.stage > 0
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.stage >= 3
+
+    def fp16_enabled(self) -> bool:
+        return self.config.precision == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.precision == "bf16"
+
+    bf16_enabled = bfloat16_enabled
+
+    def gradient_clipping(self) -> float:
+        return float(self.config.gradient_clipping or 0.0)
+
+    def steps_per_print(self) -> int:
+        return int(self.config.steps_per_print or 0)
+
+    def get_mom(self) -> list:
+        """Per parameter group: Adam's betas, else SGD's momentum (None when the optimizer has neither)."""
+        return [group.get("betas", group.get("momentum")) for group in self.optimizer.param_groups]
+
+    def was_step_applied(self) -> bool:
+        """True when the last step() updated the weights (False between accumulation boundaries and on an
+        fp16 overflow)."""
+        return self._step_applied
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside skip the gradient reduction; the next backward outside reduces the sum.
+
+        As in DeepSpeed: refused at ZeRO stages 2-3 (their gradients are partitioned during every
+        backward), not re-entrant, and step() inside raises. The micro-step count does not advance,
+        so the loss scale stays 1/gradient_accumulation_steps per backward: gradients add up.
+        """
+        if self.zero_optimization_partition_gradients():
+            raise RuntimeError(f"no_sync() is incompatible with ZeRO stage {self.stage}: stages 2 and 3 reduce "
+                               "and partition gradients during every backward (DeepSpeed refuses it too)")
+        if self._inside_no_sync:
+            raise RuntimeError("no_sync() is not re-entrant")
+        self._inside_no_sync = True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = False
+
+    def deepspeed_io(self, dataset, batch_size: Optional[int] = None, collate_fn: Optional[Callable] = None,
+                     num_local_io_workers: Optional[int] = None, **unused: Any):
+        """A DataLoader over this rank's share of `dataset` (a DistributedSampler over the data-parallel
+        ranks, shuffled with the config's seed, incomplete last batch dropped), micro-batch size by default."""
+        from torch.utils.data import DataLoader
+        from torch.utils.data.distributed import DistributedSampler
+
+        if unused:
+            warnings.warn(f"deepspeed_io: {sorted(unused)} have no effect in zerotrain")
+        sampler = DistributedSampler(dataset, num_replicas=self.topology.dp_size, rank=self.topology.dp_rank,
+                                     shuffle=True, seed=self.config.seed or 0)
+        return DataLoader(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(), sampler=sampler,
+                          collate_fn=collate_fn, drop_last=True, num_workers=num_local_io_workers or 0)
+
+    def use_training_data(self, dataset, collate_fn: Optional[Callable] = None):
+        """Build `training_dataloader` from `dataset` (what initialize(training_data=...) does); return it."""
+        self.training_dataloader = self.deepspeed_io(dataset, collate_fn=collate_fn)
+        return self.training_dataloader
+
+    def module_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+        """The wrapped model's own state_dict (training dtype). At ZeRO-3 the parameters are partitioned:
+        use consolidated_16bit_state_dict() or save_16bit_model() for whole weights."""
+        if self.stage3 is not None:
+            raise RuntimeError("module_state_dict(): at ZeRO stage 3 the parameters are partitioned; "
+                               "use engine.consolidated_16bit_state_dict() (collective) or engine.save_16bit_model()")
+        state = self.module.state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return state
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        """As DeepSpeed's engine (an nn.Module wrapping the model): the module's state under `module.`."""
+        return {f"module.{k}": v for k, v in self.module_state_dict().items()}
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True):
+        """Load weights given as `module.`-prefixed keys (what state_dict() returns) or as the model's own
+        names, into the weights and the fp32 masters (a plain module load would be undone by the next step)."""
+        from .zero.stage3 import GatheredParameters
+
+        own = {k[len("module."):] if k.startswith("module.") else k: v for k, v in state_dict.items()}
+        expected = dict(self.module.named_parameters())
+        expected.update(dict(self.module.named_buffers()))
+        missing = sorted(set(expected) - set(own))
+        unexpected = sorted(set(own) - set(expected))
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"load_state_dict: missing keys {missing[:10]}, unexpected keys {unexpected[:10]}")
+        names = [n for n in own if n in expected]
+        with torch.no_grad():
+            if self.stage3 is not None:  # the gathered values are written back to every shard and master
+                params = [expected[n] for n in names if isinstance(expected[n], torch.nn.Parameter)]
+                with GatheredParameters(params, modifier_rank=0):
+                    for name in names:
+                        expected[name].data.copy_(own[name].to(expected[name].dtype))
+                return missing, unexpected
+            for name in names:
+                expected[name].data.copy_(own[name].to(expected[name].dtype))
+            # Stages 0-2: the fp32 masters from the given values themselves (not their training-dtype cast).
+            for bucket, master in zip(self.buckets, self.zero_optimizer.masters):
+                flat = torch.zeros(bucket.padded_numel, dtype=torch.float32, device=bucket.device)
+                for name, view in bucket.unflatten(flat).items():
+                    view.copy_(own[name] if name in own else expected[name].detach())
+                master.copy_(bucket.shard_of(flat))
+        self.publish_weights()
+        return missing, unexpected
+
+    def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+        """Whole weights in the training dtype (fp32 masters cast) plus persistent buffers, on global rank 0
+        ({} elsewhere). Collective: every rank must call it."""
+        full = self.full_state_dict()
+        if self.topology.rank != 0:
+            return {}
+        frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        state = {n: t.to(self.dtype) for n, t in full.items() if not (exclude_frozen_parameters and n in frozen)}
+        for module_name, module in self.module.named_modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer is not None and name not in module._non_persistent_buffers_set:
+                    state.setdefault(f"{module_name}.{name}" if module_name else name, buffer.detach().cpu().clone())
+        return state
+
+    _zero3_consolidated_16bit_state_dict = consolidated_16bit_state_dict  # the name HF transformers calls
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Write whole weights in the training dtype to save_dir/save_filename on global rank 0 (torch.save,
+        or safetensors for a `.safetensors` name): loadable by `model.load_state_dict` / HF from_pretrained.
+        Collective. As in DeepSpeed, at ZeRO-3 only with
+        `zero_optimization.stage3_gather_16bit_weights_on_model_save: true`, else nothing is written
+        (with a warning) and False is returned."""
+        path = os.path.join(save_dir, save_filename)
+        if self.stage3 is not None and not self.zero_gather_16bit_weights_on_model_save():
+            warnings.warn(f"save_16bit_model did not write {path}: at ZeRO stage 3 it needs "
+                          "zero_optimization.stage3_gather_16bit_weights_on_model_save: true (as in DeepSpeed)")
+            return False
+        state = self.consolidated_16bit_state_dict(exclude_frozen_parameters)
+        if self.topology.rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            if save_filename.endswith(".safetensors"):
+                from safetensors.torch import save_file
+                seen: set = set()
+                tensors = {}
+                for name, tensor in state.items():  # safetensors refuses shared storage (tied weights)
+                    tensors[name] = tensor.clone() if id(tensor) in seen else tensor.contiguous()
+                    seen.add(id(tensor))
+                save_file(tensors, path, metadata={"format": "pt"})
+            else:
+                torch.save(state, path)
+        self.comm.all_gather_object(None)  # no rank returns before the file is written
+        return True
+
+    save_fp16_model = save_16bit_model  # DeepSpeed's older name
+
+    @contextlib.contextmanager
+    def progress_printing(self, enabled: bool):
+        """Turn the steps_per_print lines on or off inside the block (the Trainer prints its own)."""
+        before, self._print_progress = self._print_progress, enabled
+        try:
+            yield
+        finally:
+            self._print_progress = before
+
+    def _report_progress(self) -> None:
+        """Every `steps_per_print` optimizer steps, one line on global rank 0's stdout, as DeepSpeed prints it."""
+        every = self.steps_per_print()
+        if not (self._print_progress and every and self.topology.rank == 0 and self.global_steps % every == 0):
+            return
+        extra = f", loss_scale={self.loss_scaler.scale:g}" if self.fp16_enabled() else ""
+        norm = self.zero_optimizer.last_grad_norm
+        extra += f", grad_norm={norm:.4g}" if norm is not None else ""
+        extra += "".join(f", offload_{k}={v}" for k, v in self.offload_stats().items())
+        print(f"[zerotrain] step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, "
+              f"mom={self.get_mom()}{extra}", flush=True)

@@ -11,7 +11,6 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
-from torch.utils.data.distributed import DistributedSampler
 
 from .config import ConfigError, load_config
 from .config.batch import GAS, MICRO, TBS
@@ -31,27 +30,81 @@ def _dp_size_hint() -> int:
     return 1
 
 
-def initialize(model: torch.nn.Module, config: Union[dict, str, os.PathLike, None] = None,
+# DeepSpeed's initialize() keywords that do nothing here: a warning names them when given a value that
+# would change DeepSpeed's behaviour (value -> why). Anything else unknown is a TypeError.
+_IGNORED_DEEPSPEED_KEYWORDS = {
+    "distributed_port": "the rendezvous port comes from the launcher (MASTER_PORT)",
+    "mpu": "model parallelism comes from the config's tensor_parallel block",
+    "mesh_param": "sequence/data-parallel meshes are not supported",
+    "dist_init_required": "zerotrain starts torch.distributed when it is not running yet",
+}
+
+
+def _check_keywords(unused: dict) -> None:
+    """A misspelt keyword is a TypeError naming it (with the closest known name); DeepSpeed's keywords
+    without effect here are a warning naming them."""
+    import difflib
+    import inspect
+    import warnings
+
+    known = [n for n in inspect.signature(initialize).parameters if n != "unused"] + list(_IGNORED_DEEPSPEED_KEYWORDS)
+    for name in unused:
+        if name not in _IGNORED_DEEPSPEED_KEYWORDS:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; it accepts {sorted(known)}"
+            raise TypeError(f"zerotrain.initialize() got an unexpected keyword argument {name!r}{hint}")
+    for name, value in unused.items():
+        if value is None or (name == "dist_init_required" and value is True):
+            continue  # what zerotrain does anyway
+        warnings.warn(f"zerotrain.initialize({name}=...) has no effect: {_IGNORED_DEEPSPEED_KEYWORDS[name]}",
+                      stacklevel=3)
+
+
+def _config_from_args(args: Any) -> Any:
+    """`args.zerotrain_config`, `args.deepspeed_config` or (deprecated) `args.deepscale_config`: the paths
+    `add_config_arguments` adds; two different ones are an error."""
+    paths = {name: getattr(args, name, None) for name in ("zerotrain_config", "deepspeed_config", "deepscale_config")}
+    given = {name: path for name, path in paths.items() if path is not None}
+    if len(set(map(str, given.values()))) > 1:
+        raise ValueError(f"initialize(args=...): {sorted(given)} name different config files; give one")
+    return next(iter(given.values()), None)
+
+
+def initialize(model: torch.nn.Module = None, config: Union[dict, str, os.PathLike, None] = None,
                model_parameters: Optional[Iterable] = None, optimizer: OptimizerLike = None,
                lr_scheduler: Any = None, training_data: Optional[Dataset] = None,
                collate_fn: Optional[Callable] = None, config_params: Optional[dict] = None,
-               tensor_parallel_plan: Optional[dict] = None, **unused: Any) -> tuple[ZeroTrainEngine, torch.optim.Optimizer, Optional[DataLoader], Any]:
+               tensor_parallel_plan: Optional[dict] = None, args: Any = None,
+               **unused: Any) -> tuple[ZeroTrainEngine, torch.optim.Optimizer, Optional[DataLoader], Any]:
     """Build the engine; returns (engine, optimizer, dataloader or None, lr_scheduler or None).
 
     `config` is a dict or a path to a (DeepSpeed-style) JSON file; `config_params`
-    is DeepSpeed's older name for it. `optimizer` may be a torch optimizer over the
+    is DeepSpeed's older name for it, and `args` (an argparse namespace from a parser given to
+    `zerotrain.add_config_arguments`) may carry the path instead; `args.local_rank` is set to this
+    process's local rank, as DeepSpeed does. `optimizer` may be a torch optimizer over the
     model's parameters or a callable building one from parameter groups.
     With `tensor_parallel.autotp_size` > 1 the model is split by `tensor_parallel_plan`
     (module-name pattern → `zerotrain.parallel.Column/Row/Vocab`; zerotrain's GPT has a
     built-in plan) and ZeRO shards across the data-parallel groups of the grid.
+    An unknown keyword is a TypeError; DeepSpeed's `distributed_port`, `mpu`, `mesh_param` and
+    `dist_init_required` are accepted with a warning when they would change anything.
     """
+    _check_keywords(unused)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"zerotrain.initialize needs model= a torch.nn.Module, got {type(model).__name__} "
+                        "(pass arguments by keyword: its first positional parameter is the model, not args)")
     if config is None:
         config = config_params
+    from_args = _config_from_args(args) if args is not None else None
+    if config is not None and from_args is not None:
+        raise ValueError("zerotrain.initialize got both config= and a config path in args; give one")
     if config is None:
-        args = unused.get("args")
-        config = getattr(args, "deepspeed_config", None) if args is not None else None
+        config = from_args
     if config is None:
-        raise ValueError("zerotrain.initialize needs a config (a dict or a path to a JSON file)")
+        raise ValueError("zerotrain.initialize needs a config (config= a dict or a path to a JSON file, or "
+                         "args with --deepspeed_config / --zerotrain_config)")
+    if args is not None and hasattr(args, "local_rank"):
+        args.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world = _dp_size_hint()
     try:
         cfg = load_config(config)
@@ -73,10 +126,5 @@ def initialize(model: torch.nn.Module, config: Union[dict, str, os.PathLike, Non
         apply_tensor_parallel(model, tensor_parallel_plan, tensor_parallel_comm(topology))
     engine = ZeroTrainEngine(model, cfg, topology, model_parameters=model_parameters,
                              optimizer=optimizer, lr_scheduler=lr_scheduler)
-    dataloader = None
-    if training_data is not None:
-        sampler = DistributedSampler(training_data, num_replicas=topology.dp_size, rank=topology.dp_rank,
-                                     shuffle=True, seed=cfg.seed or 0)
-        dataloader = DataLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
-                                sampler=sampler, collate_fn=collate_fn, drop_last=True)
+    dataloader = engine.use_training_data(training_data, collate_fn) if training_data is not None else None
     return engine, engine.optimizer, dataloader, engine.lr_scheduler

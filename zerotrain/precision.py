@@ -4,7 +4,10 @@ bf16 and fp32 need no scaling (the scale stays 1). fp16 uses either a static
 scale (`fp16.loss_scale` > 0) or DeepSpeed's dynamic rule: start at
 2**initial_scale_power; on an overflow skip the step and, once `hysteresis`
 overflows have been absorbed, halve the scale (never below min_loss_scale);
-after `loss_scale_window` clean steps since the last overflow, double it.
+after `loss_scale_window` clean steps since the last overflow, double it. An
+overflow that would lower the scale while it already is `min_loss_scale` raises
+:class:`LossScaleError`, as DeepSpeed's DynamicLossScaler does (`raise_error_at_min_scale`,
+always on in its engine): the run cannot make progress any more.
 """
 from __future__ import annotations
 
@@ -16,6 +19,10 @@ import torch
 def training_dtype(precision: str) -> torch.dtype:
     """The dtype model weights and activations use for a precision name."""
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+class LossScaleError(RuntimeError):
+    """An fp16 gradient overflow with the loss scale already at `fp16.min_loss_scale`."""
 
 
 @dataclass
@@ -52,6 +59,12 @@ class LossScaler:
             return
         if overflow:
             if self.hysteresis <= 1 or self.hysteresis_left <= 1:
+                if self.scale <= self.min_scale:
+                    raise LossScaleError(
+                        f"fp16 gradient overflow at optimizer step {self.iteration} with the loss scale already at "
+                        f"fp16.min_loss_scale ({self.min_scale:g}): it cannot be lowered further, so every later "
+                        "step would be skipped too (DeepSpeed stops here as well). Lower fp16.min_loss_scale, lower "
+                        "the learning rate or clip gradients, or train in bf16")
                 self.scale = max(self.scale / self.factor, self.min_scale)
             else:
                 self.hysteresis_left -= 1

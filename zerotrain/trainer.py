@@ -13,6 +13,7 @@ hand-written loop.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -267,6 +268,10 @@ class Trainer:
         step = start_step
         self._seek()
         saved_step = start_step if start_step > 0 else None
+        # The engine's own steps_per_print line would repeat what this loop reports: off while it runs.
+        quiet = getattr(self.engine, "progress_printing", None)
+        quiet = quiet(False) if callable(quiet) else contextlib.nullcontext()
+        quiet.__enter__()
         try:
             for step in range(start_step + 1, self.total_steps + 1):
                 t_step = time.perf_counter()
@@ -303,6 +308,7 @@ class Trainer:
                     self.save_checkpoint(step, console)
                     saved_step = step
         finally:
+            quiet.__exit__(None, None, None)
             if progress is not None:
                 progress.stop()
             if metrics is not None:

@@ -1,0 +1,382 @@
+"""The DeepSpeed API surface a training script touches (issue #20): engine attributes and methods,
+`zerotrain.dist`, `initialize`'s keyword checks, steps_per_print, the fp16 floor, and `zerotrain launch`
+running a DeepSpeed-style script ported by its import alone."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from models_for_tests import OddMLP, make_batches, micro_slice
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(TESTS_DIR)
+MICRO = 2
+
+
+def _config(stage: int, accumulation: int = 1, **extra) -> dict:
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": accumulation,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": stage}, "steps_per_print": 0}
+    config.update(extra)
+    return config
+
+
+def _engine(stage: int, accumulation: int = 1, seed: int = 0, **extra):
+    import zerotrain
+
+    torch.manual_seed(seed)
+    return zerotrain.initialize(model=OddMLP(), config=_config(stage, accumulation, **extra))[0]
+
+
+def _micro(batch, index: int, rank: int, world: int = 2):
+    return micro_slice(batch, index, rank, world, MICRO)
+
+
+def _full(engine) -> dict:
+    return {k: v.clone() for k, v in engine.full_state_dict().items()}
+
+
+# --- one world-2 launch for the engine API and zerotrain.dist --------------------------------
+
+def engine_api_world2(save_dir: str, config_path: str) -> dict:
+    import zerotrain
+    from zerotrain import dist
+    from zerotrain.precision import LossScaleError
+    from zerotrain.trainer import Trainer
+
+    out: dict = {"from_args": initialize_from_args(config_path)}
+    rank = int(os.environ["RANK"])
+    batches = make_batches(3, MICRO * 2 * 2)
+
+    # ranks, device, precision and stage queries
+    engine = _engine(1, steps_per_print=1)
+    out["ranks"] = (engine.local_rank, engine.global_rank, engine.world_size, engine.dp_world_size,
+                    str(engine.device), dist.get_rank(), dist.get_world_size(), dist.get_local_rank())
+    out["queries"] = (engine.zero_optimization_stage(), engine.bf16_enabled(), engine.bfloat16_enabled(),
+                      engine.fp16_enabled(), engine.training_dataloader, engine.zero_optimization())
+
+    # zerotrain.dist over the world, a torch group and the engine's Comm
+    summed = torch.tensor([rank + 1.0])
+    dist.all_reduce(summed)
+    on_dp = torch.tensor([rank + 1.0])
+    dist.all_reduce(on_dp, op=dist.ReduceOp.MAX, group=engine.data_parallel_group)
+    on_comm = torch.tensor([rank + 1.0])
+    dist.all_reduce(on_comm, group=engine.comm)
+    sent = torch.tensor([10.0 * (rank + 1)])
+    dist.broadcast(sent, src=1)
+    gathered = dist.all_gather([torch.zeros(2), torch.zeros(2)], torch.tensor([rank, rank + 0.5]))
+    dist.barrier()
+    out["dist"] = (summed.item(), on_dp.item(), on_comm.item(), sent.item(), [g.tolist() for g in gathered])
+
+    # steps_per_print: rank 0 prints a DeepSpeed-style line per step; nothing under the Trainer
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        for index in range(2):
+            x, y = _micro(batches[0], index, rank)
+            engine.backward(engine(x, y))
+            engine.step()
+    out["printed"] = printed.getvalue()
+    from rich.console import Console
+    quiet = io.StringIO()
+    loader = [(_micro(batches[1], 0, rank)[0], _micro(batches[1], 0, rank)[1])]
+
+    with contextlib.redirect_stdout(quiet):
+        Trainer(_TrainerView(engine), loader, total_steps=engine.global_steps + 1,
+                console=Console(file=io.StringIO())).train()
+    out["printed_under_trainer"] = quiet.getvalue()
+    out["printing_restored"] = engine._print_progress
+
+    # state_dict / load_state_dict (stage 1 and stage 3): DeepSpeed's `module.` keys, masters follow
+    out["state_keys"] = sorted(engine.state_dict())
+    torch.manual_seed(7)
+    other = OddMLP().state_dict()
+    loaded = {}
+    for stage in (1, 3):
+        target = engine if stage == 1 else _engine(3)
+        target.load_state_dict({f"module.{k}": v for k, v in other.items()})
+        before = _full(target)
+        x, y = _micro(batches[2], 0, rank)
+        target.backward(target(x, y))
+        target.step()  # a step from the loaded masters, not from the old weights
+        loaded[stage] = (before, _full(target))
+    out["loaded"] = loaded
+    out["other"] = other
+
+    # was_step_applied and no_sync (stage 1): no_sync's summed micro-batches equal accumulation 2
+    accumulate = _engine(1, accumulation=2)
+    synced = _engine(1)
+    applied = []
+    comm_before = None
+    for batch in batches:
+        for index in range(2):
+            x, y = _micro(batch, index, rank)
+            accumulate.backward(accumulate(x, y))
+            accumulate.step()
+            applied.append(accumulate.was_step_applied())
+        x, y = _micro(batch, 0, rank)
+        snapshot = json.dumps(synced.memory_report()["comm"], sort_keys=True)
+        with synced.no_sync():
+            synced.backward(synced(x, y) / 2)
+            with pytest.raises(RuntimeError, match="inside engine.no_sync"):
+                synced.step()
+        comm_before = comm_before or (snapshot, json.dumps(synced.memory_report()["comm"], sort_keys=True))
+        x, y = _micro(batch, 1, rank)
+        synced.backward(synced(x, y) / 2)
+        synced.step()
+    out["applied"] = applied
+    out["no_sync_comm"] = comm_before
+    out["no_sync"] = (_full(accumulate), _full(synced))
+    for stage in (2, 3):
+        with pytest.raises(RuntimeError, match=f"incompatible with ZeRO stage {stage}"):
+            with _engine(stage).no_sync():
+                pass
+
+    # save_16bit_model: stage 3 consolidates only with the DeepSpeed key; bf16 weights in bf16
+    plain3 = _engine(3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["saved_without_key"] = plain3.save_16bit_model(save_dir, "none.bin")
+    out["save_warning"] = [str(w.message) for w in caught if "save_16bit_model" in str(w.message)]
+    for name, stage, extra in (("z3.safetensors", 3, {"zero_optimization": {
+            "stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}),
+            ("bf16.bin", 2, {"bf16": {"enabled": True}})):
+        saver = _engine(stage, **extra)
+        x, y = _micro(batches[0], 0, rank)
+        saver.backward(saver(x.to(saver.dtype), y.to(saver.dtype)))
+        saver.step()
+        out[name] = (saver.save_16bit_model(save_dir, name), _full(saver), os.path.exists(os.path.join(save_dir, name)))
+
+    # fp16: an overflow with the scale already at min_loss_scale raises, on every rank
+    fp16 = _engine(1, fp16={"enabled": True, "initial_scale_power": 1, "min_loss_scale": 2, "hysteresis": 1})
+    x, y = _micro(batches[0], 0, rank)
+    fp16.backward(fp16(x.half(), y.half()) * float("inf"))
+    with pytest.raises(LossScaleError, match="min_loss_scale"):
+        fp16.step()
+    out["fp16_raised"] = True
+    return out
+
+
+class _TrainerView:
+    """The engine as the Trainer drives it (engine(x, y) -> loss), its API otherwise unchanged."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def __call__(self, x, y):
+        return None, self._engine(x, y)
+
+
+def test_engine_api_and_dist_at_world_two(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_config(1)))
+    results = run_distributed(engine_api_world2, 2, str(tmp_path), str(path), timeout=300)
+    _check_initialize_from_args([out["from_args"] for out in results])
+    for rank, out in enumerate(results):
+        assert out["ranks"] == (rank, rank, 2, 2, "cpu", rank, 2, rank)
+        assert out["queries"] == (1, False, False, False, None, True)
+        assert out["dist"] == (3.0, 2.0, 3.0, 20.0, [[0.0, 0.5], [1.0, 1.5]])
+        assert out["printing_restored"] is True
+        assert out["printed_under_trainer"] == ""
+        assert out["state_keys"] == ["module.fc1.bias", "module.fc1.weight", "module.fc2.bias", "module.fc2.weight"]
+        assert out["applied"] == [False, True] * 3
+        before, after = out["no_sync_comm"]
+        assert before == after, "a backward inside no_sync() communicated"
+        assert out["saved_without_key"] is False and out["save_warning"]
+        assert out["fp16_raised"]
+    lines = results[0]["printed"].splitlines()
+    assert [line.split(",")[0] for line in lines] == ["[zerotrain] step=1", "[zerotrain] step=2"]
+    assert "skipped=0" in lines[0] and "lr=[0.01]" in lines[0] and "mom=[(0.9, 0.999)]" in lines[0]
+    assert results[1]["printed"] == ""
+
+    main = results[0]
+    for stage, (before, after) in main["loaded"].items():
+        for name, value in main["other"].items():
+            torch.testing.assert_close(before[name], value, rtol=0, atol=0, msg=f"stage {stage} {name}")
+            assert not torch.equal(after[name], value), f"stage {stage}: {name} did not train after the load"
+            assert (after[name] - value).abs().max() < 0.05, f"stage {stage}: {name} stepped from other weights"
+    accumulated, synced = main["no_sync"]
+    for name in accumulated:
+        torch.testing.assert_close(synced[name], accumulated[name], rtol=1e-5, atol=1e-6)
+
+    from safetensors.torch import load_file
+    saved, full, exists = main["z3.safetensors"]
+    assert saved and exists
+    weights = load_file(str(tmp_path / "z3.safetensors"))
+    assert set(weights) == set(full)
+    for name, value in full.items():
+        assert weights[name].dtype == torch.float32
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=0)
+    saved, full, exists = main["bf16.bin"]
+    weights = torch.load(tmp_path / "bf16.bin")
+    assert saved and set(weights) == set(full)
+    for name, value in full.items():
+        assert weights[name].dtype == torch.bfloat16
+        torch.testing.assert_close(weights[name], value.to(torch.bfloat16), rtol=0, atol=0)
+    model = OddMLP().to(torch.bfloat16)
+    model.load_state_dict(weights)  # what a user's own model loads
+    assert not (tmp_path / "none.bin").exists()
+    assert results[1]["z3.safetensors"][0] is True  # every rank returns True
+
+
+# --- initialize's keywords, add_config_arguments (no process group needed) -----------------------
+
+def test_initialize_rejects_unknown_keywords_with_a_suggestion():
+    import zerotrain
+
+    with pytest.raises(TypeError, match=r"'traning_data'; did you mean 'training_data'\?"):
+        zerotrain.initialize(model=OddMLP(), config=_config(0), traning_data=[])
+    with pytest.raises(TypeError, match="'frobnicate'"):
+        zerotrain.initialize(model=OddMLP(), config=_config(0), frobnicate=1)
+    with pytest.raises(TypeError, match="needs model= a torch.nn.Module, got Namespace"):
+        zerotrain.initialize(argparse.Namespace(), OddMLP())
+
+
+def test_add_config_arguments_feeds_initialize(tmp_path):
+    import zerotrain
+
+    parser = zerotrain.add_config_arguments(argparse.ArgumentParser())
+    parser.add_argument("--local_rank", type=int, default=-1)
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json", "--zerotrain_config", "zt.json"])
+    assert (args.deepspeed, args.deepspeed_config, args.zerotrain_config) == (True, "ds.json", "zt.json")
+    with pytest.raises(ValueError, match="different config files"):
+        zerotrain.initialize(model=OddMLP(), args=args)
+    with pytest.raises(ValueError, match="both config= and a config path in args"):
+        zerotrain.initialize(model=OddMLP(), config=_config(0), args=parser.parse_args(["--deepspeed_config", "x"]))
+
+
+def initialize_from_args(path: str) -> tuple:
+    import zerotrain
+
+    parser = zerotrain.add_config_arguments(argparse.ArgumentParser())
+    parser.add_argument("--local_rank", type=int, default=-1)
+    args = parser.parse_args(["--deepspeed_config", path])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, _, loader, _ = zerotrain.initialize(args=args, model=OddMLP(), training_data=list(range(8)),
+                                                    collate_fn=lambda b: torch.tensor(b), distributed_port=1234,
+                                                    dist_init_required=True, mpu=None)
+    messages = [str(w.message) for w in caught]
+    return (args.local_rank, engine.train_batch_size(), loader is engine.training_dataloader,
+            [b.tolist() for b in loader], messages)
+
+
+def _check_initialize_from_args(results: list) -> None:
+    """initialize(args=...) at world 2: the config path from args, args.local_rank set, the training data
+    split over the ranks, a warning naming distributed_port (and none for dist_init_required=True)."""
+    seen = []
+    for rank, (local_rank, batch, same, batches, messages) in enumerate(results):
+        assert (local_rank, batch, same) == (rank, 4, True)
+        assert [m for m in messages if "initialize(" in m] == [
+            "zerotrain.initialize(distributed_port=...) has no effect: the rendezvous port comes from the "
+            "launcher (MASTER_PORT)"]
+        seen += [x for b in batches for x in b]
+    assert sorted(seen) == list(range(8))
+
+
+# --- zerotrain launch: a DeepSpeed script ported by its import ------------------------------------
+
+DEEPSPEED_SCRIPT = '''
+import argparse, json, os
+import torch
+import zerotrain as deepspeed
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 7)
+        self.fc2 = torch.nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--local_rank", type=int, default=-1, help="local rank passed from distributed launcher")
+parser.add_argument("--nproc", type=int, default=0)  # abbreviates torchrun's own option: must reach us
+parser.add_argument("--out", required=True)
+parser = deepspeed.add_config_arguments(parser)
+args = parser.parse_args()
+passed_local_rank = args.local_rank
+
+deepspeed.init_distributed()
+torch.manual_seed(0)
+net = Net()
+generator = torch.Generator().manual_seed(1)
+data = torch.utils.data.TensorDataset(torch.randn(16, 6, generator=generator), torch.randn(16, 3, generator=generator))
+engine, optimizer, loader, _ = deepspeed.initialize(args=args, model=net, model_parameters=net.parameters(),
+                                                    training_data=data)
+losses = []
+for x, y in loader:
+    x, y = x.to(engine.device), y.to(engine.device)
+    loss = torch.nn.functional.mse_loss(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+    losses.append(loss.item())
+    assert engine.was_step_applied()
+engine.save_16bit_model(args.out)
+with open(os.path.join(args.out, f"rank{engine.global_rank}.json"), "w") as f:
+    json.dump({"passed_local_rank": passed_local_rank, "env_local_rank": int(os.environ["LOCAL_RANK"]),
+               "engine_local_rank": engine.local_rank, "nproc": args.nproc, "losses": losses,
+               "steps": engine.global_steps}, f)
+'''
+
+
+def _reference_weights() -> dict:
+    """Plain single-process training on the union of both ranks' DistributedSampler batches."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 6, generator=generator), torch.randn(16, 3, generator=generator)
+    torch.manual_seed(0)
+    model = OddMLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    orders = [list(DistributedSampler(range(16), num_replicas=2, rank=r, shuffle=True, seed=0)) for r in (0, 1)]
+    for step in range(4):
+        index = orders[0][step * MICRO:(step + 1) * MICRO] + orders[1][step * MICRO:(step + 1) * MICRO]
+        loss = torch.nn.functional.mse_loss(model(x[index]), y[index])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def test_launch_runs_a_deepspeed_script_ported_by_its_import(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(DEEPSPEED_SCRIPT)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 2, "gradient_clipping": 0,
+                                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+                                  "zero_optimization": {"stage": 2}}))
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+    proc = subprocess.run([sys.executable, "-m", "zerotrain.cli", "launch", "--nproc", "2", str(script),
+                           "--deepspeed_config", str(config), "--nproc", "3", "--out", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank, info in enumerate(ranks):
+        assert (info["passed_local_rank"], info["env_local_rank"], info["engine_local_rank"]) == (rank, rank, rank)
+        assert info["nproc"] == 3 and info["steps"] == 4
+    assert [line.split(",")[0] for line in proc.stdout.splitlines() if line.startswith("[zerotrain] step=")] == [
+        "[zerotrain] step=2", "[zerotrain] step=4"]
+    weights = torch.load(out / "pytorch_model.bin")
+    reference = _reference_weights()
+    assert set(weights) == set(reference)
+    initial = (torch.manual_seed(0), OddMLP().state_dict())[1]
+    for name, value in reference.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(weights[name], initial[name])

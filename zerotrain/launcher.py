@@ -1,0 +1,72 @@
+"""`zerotrain launch`: start the user's own training script on N local processes (or nodes).
+
+``zerotrain launch --nproc 2 train.py --deepspeed_config ds.json`` runs
+``python -m torch.distributed.run`` (PyTorch's own launcher and rendezvous) with this module
+as the worker program; each worker then runs ``train.py`` as ``__main__`` with the
+script's arguments, the launcher's environment variables (RANK, LOCAL_RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT, ...) and, as DeepSpeed's launcher does, ``--local_rank=N``.
+
+DeepSpeed's launcher passes ``--local_rank`` to every script unless told not to, so a script
+whose parser does not declare it fails. Here it is passed only to scripts that declare it:
+when the script's source contains the option string ``"--local_rank"`` or ``"--local-rank"``
+(quoted, as an ``add_argument`` call spells it), and the script's own arguments do not
+already carry it. ``--no-local-rank`` never passes it. Scripts that read ``LOCAL_RANK`` from the
+environment (torchrun's way) work either way.
+"""
+from __future__ import annotations
+
+import os
+import re
+import runpy
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+# Marks where the worker's own flags end and the script begins; torchrun keeps it in the arguments
+# it passes on, and its parser treats nothing after it as one of its own options (argparse would
+# otherwise reject a script option that abbreviates one of torchrun's, such as `--nproc`).
+_SCRIPT_SEPARATOR = "--"
+_PASS_LOCAL_RANK = "--pass-local-rank"
+_DECLARES_LOCAL_RANK = re.compile(r"""["']--local[-_]rank["']""")
+
+
+def declares_local_rank(script: str) -> bool:
+    """True when the script's source names the option `--local_rank` / `--local-rank` in quotes."""
+    try:
+        text = Path(script).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    return bool(_DECLARES_LOCAL_RANK.search(text))
+
+
+def _has_local_rank(script_args: Sequence[str]) -> bool:
+    return any(re.match(r"--local[-_]rank(=|$)", arg) for arg in script_args)
+
+
+def worker_target(script: str, script_args: Sequence[str], pass_local_rank: bool = True) -> list[str]:
+    """What torchrun starts in every worker: this module, then the script and its arguments."""
+    flags = [_PASS_LOCAL_RANK] if pass_local_rank and declares_local_rank(script) and not _has_local_rank(script_args) else []
+    return ["-m", "zerotrain.launcher", *flags, _SCRIPT_SEPARATOR, os.path.abspath(script), *script_args]
+
+
+def run_worker(argv: Optional[Sequence[str]] = None) -> None:
+    """Inside one worker: run the script as `__main__`, as `python script.py ARGS` would."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pass_local_rank = False
+    while argv and argv[0] != _SCRIPT_SEPARATOR:
+        flag = argv.pop(0)
+        if flag != _PASS_LOCAL_RANK:
+            raise SystemExit(f"zerotrain.launcher: unknown worker flag {flag!r}")
+        pass_local_rank = True
+    if not argv or len(argv) < 2:
+        raise SystemExit("zerotrain.launcher: usage: python -m zerotrain.launcher [--pass-local-rank] -- SCRIPT [ARGS]")
+    script, script_args = argv[1], argv[2:]
+    if pass_local_rank:
+        script_args = [*script_args, f"--local_rank={os.environ.get('LOCAL_RANK', '0')}"]
+    sys.argv = [script, *script_args]
+    sys.path[0] = os.path.dirname(script)  # what `python script.py` puts first on the path
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    run_worker()
