@@ -23,6 +23,7 @@ from .parallel.experts import build_buckets_with_experts, build_expert_groups, c
 from .offload.param_store import build_param_store
 from .precision import LossScaler, training_dtype
 from .schedules import build_scheduler
+from .lifecycle import StopRequest
 from .topology import Topology
 from .zero.consolidate import full_state_dict
 from .zero.flat import ShardedSlot
@@ -113,6 +114,7 @@ class ZeroTrainEngine:
         self.skipped_steps = 0
         self._backward_done = False
         self.checkpointer = None  # created by the first save_checkpoint
+        self.stop_request = StopRequest()  # signals turned into a stop at a step boundary (opt-in)
 
     # --- ZeRO++ ---------------------------------------------------------------
     def _subgroup_comm(self, group_info) -> Comm:
@@ -369,6 +371,27 @@ class ZeroTrainEngine:
         }
         report.update(self._offload_memory())
         return report
+
+    # --- stopping on signals (zerotrain.lifecycle) -----------------------------
+    def install_signal_handlers(self, signals=None) -> StopRequest:
+        """Turn SIGTERM/SIGINT/SIGHUP/SIGUSR1 (or `signals`) into a stop request (main thread only).
+
+        A hand-written loop then asks `should_stop()` once per step, saves and exits; the Trainer
+        and the CLI do this by default. A second signal (after 2 s) exits at once.
+        """
+        return self.stop_request.install(signals)
+
+    def should_stop(self) -> bool:
+        """Whether any rank received a stop signal: the same answer on every rank.
+
+        One 8-byte all-reduce over all ranks (call it once per step, at the same point on every
+        rank); the Trainer folds this flag into its per-step loss reduction instead.
+        """
+        flag = 1.0 if self.stop_request.requested else 0.0
+        if self.topology.world_size == 1:
+            return bool(flag)
+        world = self.comm.subgroup(torch.distributed.group.WORLD, self.topology.rank, self.topology.world_size)
+        return world.any_true(bool(flag), self.topology.device)
 
     # --- offload (zerotrain.offload does the work) ----------------------------
     def offload_stats(self) -> dict:
