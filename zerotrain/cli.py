@@ -134,6 +134,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
+        return _run(args)
+    except BrokenPipeError:  # `zerotrain ckpt inspect ... | head`: the reader left; no traceback
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail again
+        return 128 + 13  # as a process ended by SIGPIPE
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
         if args.command == "ckpt":
             from zerotrain.checkpoint.command import run_ckpt
             return run_ckpt(args)
@@ -375,6 +384,8 @@ def _train(args: argparse.Namespace) -> int:
             args.resume = True  # an elastic restart continues from the latest committed checkpoint
             if rank == 0:
                 print(f"{PROG}: restart {restarts} of this job: resuming from the latest checkpoint", flush=True)
+        if save_dir is not None:
+            engine.claim_save_dir(save_dir)  # one job per save directory: refused before training, not at the first save
         if args.resume:
             path, _ = engine.load_checkpoint(save_dir)
             if rank == 0:

@@ -9,6 +9,7 @@ API follows DeepSpeed's engine so existing loops port by changing the import.
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -256,7 +257,9 @@ class ZeroTrainEngine:
 
     def _take_model_step(self) -> None:
         grad_shards = self.reducer.grad_shards
-        overflow = self.loss_scaler.dynamic and self.zero_optimizer.has_overflow(grad_shards)
+        # fp16 (dynamic scale) and bf16 with DeepSpeed's `check_grad_overflow`: a non-finite gradient skips the step
+        check = self.loss_scaler.dynamic or (self.config.bf16.enabled and self.config.bf16.check_grad_overflow)
+        overflow = check and self.zero_optimizer.has_overflow(grad_shards)
         scale_before = self.loss_scaler.scale
         if overflow:
             self.skipped_steps += 1
@@ -272,6 +275,10 @@ class ZeroTrainEngine:
         self.reducer.after_optimizer_step(overflow, scale_before, self.loss_scaler.scale)
         self.reducer.zero()
         self._backward_done = False
+        if not overflow and not math.isfinite(self.zero_optimizer.last_grad_norm or 0.0):
+            warnings.warn(f"step {self.global_steps}: the gradient norm is {self.zero_optimizer.last_grad_norm}; "
+                          f"the weights are now non-finite (fp16, or bf16.check_grad_overflow: true, skip such "
+                          f"steps)", RuntimeWarning, stacklevel=3)
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         if self.topology.rank == 0 and self.config.steps_per_print and self.global_steps % self.config.steps_per_print == 0:
@@ -349,6 +356,12 @@ class ZeroTrainEngine:
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
 
+    def claim_save_dir(self, save_dir: str) -> None:
+        """Take `save_dir`'s one-writer lock for this job now (every rank), instead of at the first save:
+        a second job writing there is refused before it trains (zerotrain.checkpoint.lock)."""
+        from .checkpoint import claim_save_dir
+        claim_save_dir(self, save_dir)
+
     def wait_checkpoint(self) -> None:
         """Block until every pending asynchronous save is committed (raising its error, if any)."""
         if self.checkpointer is not None:
@@ -410,9 +423,10 @@ class ZeroTrainEngine:
         return report
 
     def close(self) -> None:
-        """Finish pending checkpoint saves, release the offload optimizer's threads and files (idempotent)."""
+        """Finish pending checkpoint saves (releasing the save directory's lock), release the offload
+        optimizer's threads and files (idempotent)."""
         if self.checkpointer is not None:
-            self.checkpointer.wait()
+            self.checkpointer.close()
         close = getattr(self.zero_optimizer, "close", None)
         if callable(close):
             close()

@@ -270,10 +270,15 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------------------
 
-    def save_checkpoint(self, step: int, console: Optional[Any]) -> str:
+    def save_checkpoint(self, step: int, console: Optional[Any]) -> Optional[str]:
         """Save the engine into ``save_dir`` (every rank) and report where on rank 0."""
         assert self.save_dir is not None
         path = self.engine.save_checkpoint(str(self.save_dir))
+        if path is None:  # failed, and checkpoint.on_save_error is "warn": training goes on
+            if console is not None:
+                console.print(f"checkpoint of step {step} failed (see the warning); training goes on; the "
+                              f"latest checkpoint is still {self.last_checkpoint}", highlight=False, soft_wrap=True)
+            return None
         self.last_checkpoint = path
         if console is not None:
             checkpointer = getattr(self.engine, "checkpointer", None)
