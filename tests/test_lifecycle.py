@@ -144,8 +144,9 @@ def test_killed_launcher_takes_every_rank_with_it(tmp_path, victim):
 def test_killed_rank_restarts_from_the_latest_checkpoint_and_finishes_like_an_uninterrupted_run(tmp_path):
     crashed, whole = tmp_path / "crashed", tmp_path / "whole"
     total = 12
+    # restarts beyond the one the kill causes absorb a gloo connect that times out on a loaded machine
     proc = subprocess.Popen(_train_cmd(crashed / "ckpt", crashed / "log", total, "--save-every", "1",
-                                       "--max-restarts", "1"),
+                                       "--max-restarts", "3"),
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_step(proc, crashed / "log", 4)
     ranks = [pid for pid in _descendants(proc.pid) if "zerotrain.cli" in Path(f"/proc/{pid}/cmdline").read_text()
