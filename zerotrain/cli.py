@@ -113,6 +113,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--master-port", type=int, default=None, metavar="P",
         help="rendezvous port for --nproc > 1 (default: a free port picked by the launcher)",
     )
+    train.add_argument(
+        "--max-restarts", type=int, default=0, metavar="K",
+        help="with --nproc > 1: restart all ranks up to K times when one fails; each restart resumes "
+             "from the latest committed checkpoint in --save-dir (a stop by signal is never restarted)",
+    )
+    train.add_argument(
+        "--stop-signals", default="SIGTERM,SIGINT,SIGHUP,SIGUSR1", metavar="LIST",
+        help="signals that stop training at the next step boundary with a checkpoint saved (a second "
+             "one exits at once); '' handles none",
+    )
+    train.add_argument(
+        "--stop-timeout", type=int, default=300, metavar="S",
+        help="with --nproc > 1: seconds the ranks get to save and exit after a stop signal before "
+             "they are killed",
+    )
     _add_launch_parser(sub)
     add_ckpt_parser(sub, PROG)
     return parser
@@ -140,6 +155,11 @@ def _add_launch_parser(sub) -> None:
                         help="rendezvous port on node 0 (default: a free port, single node only)")
     launch.add_argument("--no-local-rank", action="store_true",
                         help="never append --local_rank=N to the script's arguments")
+    launch.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                        help="restart all workers up to K times when one fails (torchrun's --max-restarts)")
+    launch.add_argument("--stop-timeout", type=int, default=300, metavar="S",
+                        help="seconds the workers get to exit after a forwarded SIGTERM/SIGINT/SIGHUP/SIGUSR1 "
+                             "(a script opts in to saving on it with engine.install_signal_handlers())")
     launch.add_argument("script", metavar="SCRIPT", help="the training script (a .py file)")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
                         help="arguments for the script, passed as they are")
@@ -149,6 +169,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``zerotrain`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except BrokenPipeError:  # `zerotrain ckpt inspect ... | head`: the reader left; no traceback
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail again
+        return 128 + 13  # as a process ended by SIGPIPE
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if args.command == "ckpt":
             from zerotrain.checkpoint.command import run_ckpt
@@ -208,6 +237,15 @@ def _check_train_args(args: argparse.Namespace) -> None:
         raise CLIError(f"--max-corpus-bytes must be >= 1, got {args.max_corpus_bytes}")
     if args.save_every < 0:
         raise CLIError(f"--save-every must be >= 0, got {args.save_every}")
+    if args.max_restarts < 0:
+        raise CLIError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.stop_timeout < 0:
+        raise CLIError(f"--stop-timeout must be >= 0, got {args.stop_timeout}")
+    from zerotrain.lifecycle import parse_signals
+    try:
+        parse_signals(args.stop_signals)
+    except ValueError as exc:
+        raise CLIError(f"--stop-signals: {exc}") from None
     if not args.save_dir and not args.no_save:
         raise CLIError("--save-dir is empty (use --no-save to save no checkpoint)")
     if args.resume and args.no_save:
@@ -241,7 +279,8 @@ def _check_train_args(args: argparse.Namespace) -> None:
 # as an ambiguous abbreviation of its `--nproc-per-node` (argparse checks every argument,
 # even those meant for the script). `--master-port` concerns only the launcher.
 _WORKER_OPTIONS = ("config", "model", "steps", "seq_len", "max_corpus_bytes", "val_fraction",
-                   "eval_interval", "eval_batches", "log_dir", "seed", "save_dir", "save_every")
+                   "eval_interval", "eval_batches", "log_dir", "seed", "save_dir", "save_every",
+                   "stop_signals")
 _WORKER_FLAGS = ("no_save", "resume")
 
 
@@ -259,7 +298,8 @@ def _worker_argv(args: argparse.Namespace) -> list[str]:
 def _launch(args: argparse.Namespace) -> int:
     """Re-run this command under torch.distributed.run with ``args.nproc`` workers."""
     return _run_torchrun(_rendezvous(args.nproc, master_port=args.master_port),
-                         ["-m", "zerotrain.cli", *_worker_argv(args)])
+                         ["-m", "zerotrain.cli", *_worker_argv(args)], stop_signals=args.stop_signals,
+                         max_restarts=args.max_restarts, stop_timeout=args.stop_timeout)
 
 
 def _rendezvous(nproc: int, nnodes: int = 1, node_rank: int = 0, master_addr: Optional[str] = None,
@@ -274,11 +314,30 @@ def _rendezvous(nproc: int, nnodes: int = 1, node_rank: int = 0, master_addr: Op
     return cmd + ["--nproc_per_node", str(nproc)]
 
 
-def _run_torchrun(rendezvous: list[str], target: list[str]) -> int:
-    """Run `python -m torch.distributed.run RENDEZVOUS TARGET`; return its exit status.
+def _agent_signals(stop_signals: str) -> str:
+    """The signals torchrun's agent forwards to its workers: its own default set plus the stop signals."""
+    from zerotrain.lifecycle import parse_signals
+    names = ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *(s.name for s in parse_signals(stop_signals))]
+    return ",".join(dict.fromkeys(names))
 
-    The one place both `train --nproc` and `launch` start workers (where signal handling belongs)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, *target]
+
+def _run_torchrun(rendezvous: list[str], target: list[str], stop_signals: str = "SIGTERM,SIGINT,SIGHUP,SIGUSR1",
+                  max_restarts: int = 0, stop_timeout: int = 300) -> int:
+    """Run `python -m torch.distributed.run RENDEZVOUS TARGET`; return the job's exit status.
+
+    The one place both `train --nproc` and `launch` start workers. The agent runs in its own session
+    (a terminal's Ctrl-C reaches this process only, which forwards it once), forwards the stop signals to
+    the workers and gives them `stop_timeout` seconds to save; it dies with this process (SIGKILL on parent
+    death: its workers then die with it and commit nothing). A stop is reported by exit status 128 + the
+    signal number, a crash by the agent's own non-zero status.
+    """
+    import signal
+    import tempfile
+
+    from zerotrain.lifecycle import STOP_FILE_ENV, kill_me_with_parent, parse_signals, read_stop_file
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--max_restarts", str(max_restarts),
+           "--shutdown_timeout", str(stop_timeout), "--signals_to_handle", _agent_signals(stop_signals), *target]
     env = os.environ.copy()
     env.setdefault("OMP_NUM_THREADS", "1")
     # Workers must import this same zerotrain, wherever the launching interpreter found it.
@@ -286,10 +345,40 @@ def _run_torchrun(rendezvous: list[str], target: list[str]) -> int:
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if package_root not in paths:
         env["PYTHONPATH"] = os.pathsep.join([package_root, *paths])
+    handle, stop_file = tempfile.mkstemp(prefix="zerotrain-stop-")
+    os.close(handle)
+    env[STOP_FILE_ENV] = stop_file
+    received: list[int] = []
+    forwarded = {int(s) for s in parse_signals(stop_signals)} | {int(signal.SIGTERM), int(signal.SIGINT),
+                                                                  int(signal.SIGHUP)}
+    agent = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=kill_me_with_parent)
+
+    def forward(signum, frame) -> None:
+        received.append(signum)
+        try:
+            agent.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {sig: signal.signal(sig, forward) for sig in forwarded}
     try:
-        return subprocess.run(cmd, env=env).returncode
-    except KeyboardInterrupt:  # the launcher forwards the signal to its workers
-        return 130
+        while True:
+            try:
+                status = agent.wait()
+                break
+            except KeyboardInterrupt:  # only if SIGINT is not among the forwarded ones
+                agent.send_signal(signal.SIGINT)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        stop = read_stop_file(stop_file)
+        os.unlink(stop_file)
+    if stop is not None or received:
+        sig = stop[0] if stop is not None else signal.Signals(received[0])
+        _error(f"stopped by {sig.name}" + (f" ({stop[1]})" if stop is not None and stop[1] else "")
+               + ("" if status == 0 or stop is not None else f"; the ranks exited with status {status}"))
+        return 128 + int(sig)
+    return status
 
 
 def _launch_script(args: argparse.Namespace) -> int:
@@ -307,7 +396,10 @@ def _launch_script(args: argparse.Namespace) -> int:
     if not Path(args.script).is_file():
         raise CLIError(f"script {args.script!r} not found")
     rendezvous = _rendezvous(args.nproc, args.nnodes, args.node_rank, args.master_addr, args.master_port)
-    return _run_torchrun(rendezvous, worker_target(args.script, args.script_args, not args.no_local_rank))
+    if args.max_restarts < 0 or args.stop_timeout < 0:
+        raise CLIError("--max-restarts and --stop-timeout must be >= 0")
+    return _run_torchrun(rendezvous, worker_target(args.script, args.script_args, not args.no_local_rank),
+                         max_restarts=args.max_restarts, stop_timeout=args.stop_timeout)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -355,6 +447,13 @@ def _train(args: argparse.Namespace) -> int:
             eval_loader = DataLoader(val_set, batch_size=micro, sampler=val_sampler)
 
         save_dir = None if args.no_save else os.path.abspath(args.save_dir)
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if restarts > 0 and save_dir is not None and not args.resume:
+            args.resume = True  # an elastic restart continues from the latest committed checkpoint
+            if rank == 0:
+                print(f"{PROG}: restart {restarts} of this job: resuming from the latest checkpoint", flush=True)
+        if save_dir is not None:
+            engine.claim_save_dir(save_dir)  # one job per save directory: refused before training, not at the first save
         if args.resume:
             path, _ = engine.load_checkpoint(save_dir)
             if rank == 0:
@@ -380,13 +479,21 @@ def _train(args: argparse.Namespace) -> int:
             eval_batches=args.eval_batches,
             save_dir=save_dir,
             save_every=args.save_every,
+            stop_signals=args.stop_signals or (),
         )
-        trainer.train()
+        summary = trainer.train()
         engine.close()  # pending saves committed, offload threads and files released
         dist.barrier()  # no rank tears its groups down while a peer still talks to it
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if summary.stopped_by is not None:
+        where = (f"checkpoint {summary.checkpoint}; continue with --resume" if summary.checkpoint
+                 else "no checkpoint saved (--no-save)")
+        if rank == 0:
+            print(f"{PROG}: stopped by {summary.stopped_by} at step {engine.global_steps}: {where}", flush=True)
+            trainer.stop_request.tell_launcher(summary.stopped_by, f"step {engine.global_steps}, {where}")
+        return trainer.stop_request.exit_status(summary.stopped_by)
     return 0
 
 

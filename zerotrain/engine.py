@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import math
 import warnings
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -25,6 +26,7 @@ from .parallel.experts import build_buckets_with_experts, build_expert_groups, c
 from .offload.param_store import build_param_store
 from .precision import LossScaler, training_dtype
 from .schedules import build_scheduler
+from .lifecycle import StopRequest
 from .topology import Topology
 from .zero.consolidate import full_state_dict
 from .zero.flat import ShardedSlot
@@ -115,6 +117,7 @@ class ZeroTrainEngine:
         self.skipped_steps = 0
         self._backward_done = False
         self.checkpointer = None  # created by the first save_checkpoint
+        self.stop_request = StopRequest()  # signals turned into a stop at a step boundary (opt-in)
         self._configure_activation_checkpointing()
 
     def _configure_activation_checkpointing(self) -> None:
@@ -273,7 +276,9 @@ class ZeroTrainEngine:
 
     def _take_model_step(self) -> None:
         grad_shards = self.reducer.grad_shards
-        overflow = self.loss_scaler.dynamic and self.zero_optimizer.has_overflow(grad_shards)
+        # fp16 (dynamic scale) and bf16 with DeepSpeed's `check_grad_overflow`: a non-finite gradient skips the step
+        check = self.loss_scaler.dynamic or (self.config.bf16.enabled and self.config.bf16.check_grad_overflow)
+        overflow = check and self.zero_optimizer.has_overflow(grad_shards)
         scale_before = self.loss_scaler.scale
         if overflow:
             self.skipped_steps += 1
@@ -290,6 +295,10 @@ class ZeroTrainEngine:
         self.reducer.after_optimizer_step(overflow, scale_before, self.loss_scaler.scale)
         self.reducer.zero()
         self._backward_done = False
+        if not overflow and not math.isfinite(self.zero_optimizer.last_grad_norm or 0.0):
+            warnings.warn(f"step {self.global_steps}: the gradient norm is {self.zero_optimizer.last_grad_norm}; "
+                          f"the weights are now non-finite (fp16, or bf16.check_grad_overflow: true, skip such "
+                          f"steps)", RuntimeWarning, stacklevel=3)
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self._report_progress()
@@ -364,6 +373,12 @@ class ZeroTrainEngine:
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
 
+    def claim_save_dir(self, save_dir: str) -> None:
+        """Take `save_dir`'s one-writer lock for this job now (every rank), instead of at the first save:
+        a second job writing there is refused before it trains (zerotrain.checkpoint.lock)."""
+        from .checkpoint import claim_save_dir
+        claim_save_dir(self, save_dir)
+
     def wait_checkpoint(self) -> None:
         """Block until every pending asynchronous save is committed (raising its error, if any)."""
         if self.checkpointer is not None:
@@ -387,6 +402,27 @@ class ZeroTrainEngine:
         report.update(self._offload_memory())
         return report
 
+    # --- stopping on signals (zerotrain.lifecycle) -----------------------------
+    def install_signal_handlers(self, signals=None) -> StopRequest:
+        """Turn SIGTERM/SIGINT/SIGHUP/SIGUSR1 (or `signals`) into a stop request (main thread only).
+
+        A hand-written loop then asks `should_stop()` once per step, saves and exits; the Trainer
+        and the CLI do this by default. A second signal (after 2 s) exits at once.
+        """
+        return self.stop_request.install(signals)
+
+    def should_stop(self) -> bool:
+        """Whether any rank received a stop signal: the same answer on every rank.
+
+        One 8-byte all-reduce over all ranks (call it once per step, at the same point on every
+        rank); the Trainer folds this flag into its per-step loss reduction instead.
+        """
+        flag = 1.0 if self.stop_request.requested else 0.0
+        if self.topology.world_size == 1:
+            return bool(flag)
+        world = self.comm.subgroup(torch.distributed.group.WORLD, self.topology.rank, self.topology.world_size)
+        return world.any_true(bool(flag), self.topology.device)
+
     # --- offload (zerotrain.offload does the work) ----------------------------
     def offload_stats(self) -> dict:
         """Counters of the offloaded optimizer (steps; with super_offload speculative steps, rollbacks,
@@ -404,9 +440,10 @@ class ZeroTrainEngine:
         return report
 
     def close(self) -> None:
-        """Finish pending checkpoint saves, release the offload optimizer's threads and files (idempotent)."""
+        """Finish pending checkpoint saves (releasing the save directory's lock), release the offload
+        optimizer's threads and files (idempotent)."""
         if self.checkpointer is not None:
-            self.checkpointer.wait()
+            self.checkpointer.close()
         close = getattr(self.zero_optimizer, "close", None)
         if callable(close):
             close()

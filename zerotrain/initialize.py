@@ -17,6 +17,7 @@ from .config.batch import GAS, MICRO, TBS
 from .parallel import apply_tensor_parallel, tensor_parallel_comm
 from .parallel.plan import default_plan
 from .engine import OptimizerLike, ZeroTrainEngine
+from .lifecycle import die_with_parent, under_torchrun
 from .topology import Topology
 
 
@@ -120,6 +121,8 @@ def initialize(model: torch.nn.Module = None, config: Union[dict, str, os.PathLi
     cfg = load_config(cfg, dp_world_size=world // tp_size)  # the batch triple counts data-parallel ranks
     if tp_size > 1 and tensor_parallel_plan is None:
         tensor_parallel_plan = default_plan(model)  # before any process group: a missing plan fails fast
+    if under_torchrun() and os.environ.get("ZEROTRAIN_DIE_WITH_PARENT", "1") != "0":
+        die_with_parent()  # an orphaned rank must not train on into the directory a restart resumes from
     topology = Topology.build(timeout_seconds=cfg.comm_timeout_seconds, tp_size=tp_size,
                               same_host_transport=cfg.comm_same_host_transport)
     if tp_size > 1:

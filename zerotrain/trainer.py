@@ -10,6 +10,11 @@ the config's ``checkpoint`` block decides async saving and rotation). A resumed 
 position: the batches already consumed (``engine.global_samples``) are skipped. It uses
 nothing the engine does not offer to any user, so everything it does can also be done in a
 hand-written loop.
+
+Signals: by default the Trainer turns SIGTERM, SIGINT, SIGHUP and SIGUSR1 into a stop request
+(`zerotrain.lifecycle`). The flag travels in the loss all-reduce every step already makes, so all
+ranks stop after the same step without an extra collective; the Trainer then saves a committed
+checkpoint (with ``save_dir``) and returns a summary whose ``stopped_by`` names the signal.
 """
 from __future__ import annotations
 
@@ -23,8 +28,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Union
 
+import threading
+
 import torch
 import torch.distributed as dist
+
+from .lifecycle import StopRequest
 
 __all__ = ["Trainer", "TrainSummary", "mean_across_ranks"]
 
@@ -60,6 +69,7 @@ class TrainSummary:
     tokens: int
     final_eval_loss: Optional[float] = None
     checkpoint: Optional[str] = None
+    stopped_by: Optional[str] = None  # the signal that stopped training early (e.g. "SIGTERM"), if any
 
     def format(self) -> str:
         text = (
@@ -68,6 +78,8 @@ class TrainSummary:
         )
         if self.final_eval_loss is not None:
             text += f", eval loss {self.final_eval_loss:.4f}"
+        if self.stopped_by is not None:
+            text = f"stopped by {self.stopped_by}: " + text
         return text
 
 
@@ -90,6 +102,9 @@ class Trainer:
         save_dir: where checkpoints go (``save_dir/global_step{N}``, ``save_dir/latest``);
             none are saved if None.
         save_every: also save every this many steps (0: only after the last step).
+        stop_signals: signals that stop training at the next step boundary (names, e.g.
+            ``"SIGTERM,SIGUSR1"``; default SIGTERM, SIGINT, SIGHUP, SIGUSR1); ``()`` handles none.
+            Handlers are installed for the duration of ``train()``, from the main thread only.
     """
 
     def __init__(
@@ -105,6 +120,7 @@ class Trainer:
         console: Optional[Any] = None,
         save_dir: Optional[Union[str, os.PathLike]] = None,
         save_every: int = 0,
+        stop_signals: Any = None,
     ) -> None:
         if total_steps < 0:
             raise ValueError(f"total_steps must be >= 0, got {total_steps}")
@@ -139,6 +155,8 @@ class Trainer:
         self.dp_group = getattr(topology, "dp_group", None)
         self.device = getattr(engine, "device", None) or getattr(topology, "device", None)
         self.history: list[dict] = []
+        self.stop_signals = stop_signals
+        self.stop_request = StopRequest()
 
     # -- data ---------------------------------------------------------------------------
 
@@ -199,8 +217,30 @@ class Trainer:
             loss_sum = detached if loss_sum is None else loss_sum + detached
             tokens += int(x.numel())
         assert loss_sum is not None
-        mean_loss = mean_across_ranks(loss_sum / accumulation, group=self.dp_group)
+        mean_loss = self._reduce_loss_and_stop(loss_sum / accumulation)
         return mean_loss, lr, tokens * self.dp_size
+
+    def _reduce_loss_and_stop(self, loss: torch.Tensor) -> float:
+        """The step's loss averaged over ranks, with the stop flag in the same all-reduce.
+
+        The reduction spans every rank (tensor-parallel ranks hold the same loss, so the mean is the
+        data-parallel mean) so that a signal seen by any one rank stops all of them after this step.
+        """
+        signum = int(self.stop_request.signal) if self.stop_request.requested else 0
+        if not (dist.is_available() and dist.is_initialized()):
+            self._stop_signal = signum
+            return float(loss.item())
+        device = self.device or loss.device
+        # [loss, ranks that saw a stop signal, sum of their signal numbers]
+        values = torch.stack([loss.detach().to(device=device, dtype=torch.float64).reshape(()),
+                              torch.tensor(float(signum > 0), dtype=torch.float64, device=device),
+                              torch.tensor(float(signum), dtype=torch.float64, device=device)])
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        count = int(values[1].item())
+        # the signal every flagged rank saw (they normally agree; -1: ranks saw different ones)
+        mean = values[2].item() / count if count else 0.0
+        self._stop_signal = int(mean) if count and mean == int(mean) else (-1 if count else 0)
+        return float(values[0].item()) / dist.get_world_size()
 
     def _current_lr(self) -> float:
         lrs = self.engine.get_lr()
@@ -231,10 +271,15 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------------------
 
-    def save_checkpoint(self, step: int, console: Optional[Any]) -> str:
+    def save_checkpoint(self, step: int, console: Optional[Any]) -> Optional[str]:
         """Save the engine into ``save_dir`` (every rank) and report where on rank 0."""
         assert self.save_dir is not None
         path = self.engine.save_checkpoint(str(self.save_dir))
+        if path is None:  # failed, and checkpoint.on_save_error is "warn": training goes on
+            if console is not None:
+                console.print(f"checkpoint of step {step} failed (see the warning); training goes on; the "
+                              f"latest checkpoint is still {self.last_checkpoint}", highlight=False, soft_wrap=True)
+            return None
         self.last_checkpoint = path
         if console is not None:
             checkpointer = getattr(self.engine, "checkpointer", None)
@@ -272,6 +317,11 @@ class Trainer:
         quiet = getattr(self.engine, "progress_printing", None)
         quiet = quiet(False) if callable(quiet) else contextlib.nullcontext()
         quiet.__enter__()
+        self._stop_signal = 0
+        stopped_by: Optional[str] = None
+        handling = self.stop_signals != () and threading.current_thread() is threading.main_thread()
+        if handling:
+            self.stop_request.install(self.stop_signals)
         try:
             for step in range(start_step + 1, self.total_steps + 1):
                 t_step = time.perf_counter()
@@ -304,17 +354,25 @@ class Trainer:
                     step % self.steps_per_print == 0 or step == self.total_steps
                 ):
                     console.print(_plain_line(record, self.total_steps), highlight=False)
+                if self._stop_signal:  # every rank saw the flag in the same reduction: all stop here
+                    stopped_by = _signal_name(self._stop_signal)
+                    if console is not None and progress is None:
+                        console.print(f"stop requested ({stopped_by}): stopping after step {step}",
+                                      highlight=False)
+                    break
                 if self.save_dir is not None and self.save_every and step % self.save_every == 0:
                     self.save_checkpoint(step, console)
                     saved_step = step
         finally:
+            if handling:
+                self.stop_request.uninstall()
             quiet.__exit__(None, None, None)
             if progress is not None:
                 progress.stop()
             if metrics is not None:
                 metrics.close()
 
-        if self.eval_data is not None and eval_loss is None and step == start_step:
+        if self.eval_data is not None and eval_loss is None and step == start_step and stopped_by is None:
             eval_loss = self.evaluate()  # nothing left to train: still report the eval loss
         if self.save_dir is not None:
             if saved_step != step:
@@ -331,6 +389,7 @@ class Trainer:
             tokens=total_tokens,
             final_eval_loss=eval_loss,
             checkpoint=self.last_checkpoint,
+            stopped_by=stopped_by,
         )
         if is_main:
             if self.log_dir is not None:
@@ -379,6 +438,15 @@ class Trainer:
             "train", total=self.total_steps, completed=start_step, loss="-", lr="-", tps="-"
         )
         return progress, task
+
+
+def _signal_name(signum: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return "a stop signal"
 
 
 def _fields(record: dict) -> dict:

@@ -90,7 +90,7 @@ def test_async_save_overlaps_training_and_surfaces_errors(tmp_path):
         assert "client_state['sampler']" in result["client_state_error"], result["client_state_error"]
     assert results[0]["failed_at_attempt"] == results[1]["failed_at_attempt"]
     assert out["latest_after"] == "after"
-    assert out["entries"] == ["after", "async", "latest"]
+    assert out["entries"] == [".zerotrain-lock.json", "after", "async", "latest"]  # the job holds the lock
 
 
 def fenced_run(save_dir: str) -> dict:

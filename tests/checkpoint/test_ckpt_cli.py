@@ -126,9 +126,36 @@ def test_ckpt_verify_passes_then_names_the_corrupt_file(runs, tmp_path):
     assert "optimizer-00002-of-00002.safetensors" in proc.stderr and "checksum" in proc.stderr
     assert "Traceback" not in proc.stderr
 
+    # every bad file is reported, not only the first
+    second = copy / "model-00001-of-00002.safetensors"
+    second.write_bytes(second.read_bytes()[:-3])  # truncated
+    proc = zerotrain("ckpt", "verify", str(copy), cwd=root)
+    assert proc.returncode == 1
+    assert "2 of " in proc.stderr and "files are bad" in proc.stderr
+    assert "optimizer-00002-of-00002.safetensors" in proc.stderr and "model-00001-of-00002.safetensors" in proc.stderr
+
     (copy / "manifest.json").unlink()
     proc = zerotrain("ckpt", "verify", str(copy), cwd=root)
     assert proc.returncode == 1 and "manifest.json" in proc.stderr
+
+
+def test_ckpt_tools_on_a_file_in_a_pipe_and_as_json_summary(runs):
+    root = runs["root"]
+    proc = zerotrain("ckpt", "inspect", "full_ckpt/global_step6/manifest.json", cwd=root)
+    assert proc.returncode == 1 and "is a file" in proc.stderr and "global_step6" in proc.stderr
+
+    summary = json.loads(zerotrain("ckpt", "inspect", "--json", "--summary", "full_ckpt", cwd=root).stdout)
+    assert summary["tensors"]["model"] == len(json.loads(
+        zerotrain("ckpt", "inspect", "--json", "full_ckpt", cwd=root).stdout)["tensors"]["model"])
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    piped = subprocess.run(f"{sys.executable} -m zerotrain.cli ckpt inspect full_ckpt | head -n 1", shell=True,
+                           cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert piped.stdout.startswith("checkpoint") and "Traceback" not in piped.stderr, piped.stderr
+    # a reader that is gone before the first write (`true` exits at once): no BrokenPipeError traceback
+    closed = subprocess.run(f"{sys.executable} -m zerotrain.cli ckpt inspect full_ckpt | true", shell=True,
+                            cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in closed.stderr and "BrokenPipe" not in closed.stderr, closed.stderr
 
 
 def test_ckpt_export_writes_hf_layout_in_bf16(runs, tmp_path):

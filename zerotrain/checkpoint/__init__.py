@@ -22,6 +22,7 @@ Modules, one concept each:
     directio      O_DIRECT writes and range reads through aligned buffers (measured there)
     integrity     manifest and crc32 checksums (why crc32: measured there)
     commit        temporary directories, atomic rename, `latest`, rotation, recovery of interrupted re-saves
+    lock          one writer per save directory: the job that holds it, stale locks taken over
     plan          who writes what, in which file and round
     snapshot      the bytes a save reads, host buffers for async saves
     write         one save executed: exchange, write, agree, commit
@@ -39,11 +40,11 @@ Modules, one concept each:
 """
 from __future__ import annotations
 
-from .checkpointer import Checkpointer, save_checkpoint
+from .checkpointer import Checkpointer, claim_save_dir, save_checkpoint
 from .fence import fence_snapshots
 from .format import CheckpointError
 from .load import load_checkpoint
 from .tools import export_model, inspect_checkpoint, verify_checkpoint
 
-__all__ = ["save_checkpoint", "load_checkpoint", "Checkpointer", "CheckpointError", "fence_snapshots",
+__all__ = ["save_checkpoint", "claim_save_dir", "load_checkpoint", "Checkpointer", "CheckpointError", "fence_snapshots",
            "inspect_checkpoint", "verify_checkpoint", "export_model"]

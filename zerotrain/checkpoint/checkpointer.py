@@ -33,6 +33,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from typing import Optional
 
 import torch
@@ -42,6 +43,7 @@ from ..offload.param_store import resident_model_states
 from .commit import check_tag
 from .fence import SnapshotFence
 from .format import CheckpointError
+from .lock import SaveDirLock
 from .loco import capture_loco
 from .optim_state import group_hyperparameters
 from .plan import MAX_FILE_BYTES, ROUND_BYTES, SavePlan, build_plan, layout_digest, local_layout
@@ -73,6 +75,7 @@ class Checkpointer:
         # How long the first fence after the last save (normally the next step()) waited for its snapshot
         # copy: 0.0 after a synchronous save, None until an asynchronous save's copy has been fenced.
         self.last_fence_seconds: Optional[float] = None
+        self._locks: dict[str, Optional[SaveDirLock]] = {}  # save dirs this job writes to (rank 0 holds the lock)
 
     # --- saving ----------------------------------------------------------------------------------
     def save(self, save_dir: str, tag: Optional[str], client_state: dict, save_latest: bool,
@@ -80,6 +83,7 @@ class Checkpointer:
         """Save on every rank; returns the tag directory (committed, or being written when async)."""
         started = time.perf_counter()
         self.wait()
+        self.claim(save_dir)
         engine = self.engine
         tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
         settings = engine.config.checkpoint
@@ -106,7 +110,11 @@ class Checkpointer:
         self._agree([describe_error(error)], f"cannot save checkpoint {tag}", error)
         path = os.path.join(os.path.abspath(save_dir), tag)
         if not async_save:
-            job.run()
+            try:
+                job.run()
+            except CheckpointError as failed:
+                self._fail(failed)
+                return None
             self.last_stall_seconds, self.last_fence_seconds = time.perf_counter() - started, 0.0
             return path
         self._error, self._result = None, None
@@ -116,6 +124,31 @@ class Checkpointer:
         self._thread.start()
         self.last_stall_seconds = time.perf_counter() - started
         return path
+
+    def claim(self, save_dir: str) -> None:
+        """Take the save directory's lock for this job (rank 0), once; every rank raises if it is held."""
+        path = os.path.abspath(save_dir)
+        if path in self._locks:
+            return
+        lock, error = None, None
+        if self.comm.rank == 0:
+            try:
+                lock = SaveDirLock(path)
+                lock.acquire()
+            except Exception as caught:  # noqa: BLE001 - agreed below
+                error = caught
+        self._agree([describe_error(error)], f"cannot write checkpoints to {path}", error)
+        self._locks[path] = lock
+
+    def close(self) -> None:
+        """Wait for a pending save, then release the save directories' locks."""
+        try:
+            self.wait()
+        finally:
+            for lock in self._locks.values():
+                if lock is not None:
+                    lock.release()
+            self._locks.clear()
 
     def _write(self, job: SaveJob) -> str:
         """The background thread's write and commit, once the snapshot is taken (a subclass may move it)."""
@@ -219,8 +252,26 @@ class Checkpointer:
         error, self._error = self._error, None
         if error is not None:
             if isinstance(error, CheckpointError):
-                raise CheckpointError(str(error)) from error
-            raise CheckpointError(f"asynchronous checkpoint save failed: {type(error).__name__}: {error}") from error
+                failure = CheckpointError(str(error))
+            else:
+                failure = CheckpointError(f"asynchronous checkpoint save failed: {type(error).__name__}: {error}")
+            failure.__cause__ = error
+            self._fail(failure)
+
+    def _fail(self, error: CheckpointError) -> None:
+        """Raise a failed save's error, or (checkpoint.on_save_error "warn") log it and let training go on."""
+        if self.engine.config.checkpoint.on_save_error == "warn":
+            logger.warning("checkpoint save failed; training goes on (checkpoint.on_save_error: warn): %s", error)
+            warnings.warn(f"checkpoint save failed; training goes on: {error}", RuntimeWarning, stacklevel=3)
+            return
+        raise error
+
+
+def claim_save_dir(engine, save_dir: str) -> None:
+    """Take `save_dir`'s one-writer lock for this job now (call on every rank), before any save."""
+    if engine.checkpointer is None:
+        engine.checkpointer = Checkpointer(engine)
+    engine.checkpointer.claim(save_dir)
 
 
 def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,

@@ -67,6 +67,8 @@ def run_ckpt(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         if args.ckpt_command == "inspect":
             report = inspect_checkpoint(args.dir)
             if args.json:
+                if args.summary:  # totals only: tensor counts per kind instead of one row per tensor
+                    report["tensors"] = {kind: len(rows) for kind, rows in report["tensors"].items()}
                 json.dump(report, out, indent=2)
                 out.write("\n")
             else:
@@ -85,6 +87,7 @@ def run_ckpt(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         return 1
     out.flush()
     return 0
+
 
 
 def format_report(report: dict, per_tensor: bool = True) -> str:

@@ -180,7 +180,10 @@ class SafetensorsWriter:
         self._emit(struct.pack("<Q", len(encoded)) + encoded)
 
     def _emit(self, data) -> None:
-        self._file.write(data)
+        try:
+            self._file.write(data)
+        except OSError as error:
+            raise _named(error, self.path) from error
         self._crc = zlib.crc32(data, self._crc)
 
     def write(self, key: str, chunks: Iterable) -> None:
@@ -202,13 +205,21 @@ class SafetensorsWriter:
             missing = [key for key, _ in self._order[self._next:]][:3]
             self.abort()
             raise CheckpointError(f"{self.path}: closed before tensors {missing} were written")
-        return self._file.close(), self._crc
+        try:
+            return self._file.close(), self._crc
+        except OSError as error:
+            raise _named(error, self.path) from error
 
     def abort(self) -> None:
         try:
             self._file.abort()
         except OSError:
             pass
+
+
+def _named(error: OSError, path: str) -> OSError:
+    """`error` with the file's path, which raw writes on a descriptor do not carry."""
+    return error if error.filename else OSError(error.errno, error.strerror, path)
 
 
 def read_header(path: str) -> dict:

@@ -106,6 +106,32 @@ def _record_read(reader: TensorReader, stored: str, record, slices: dict):
     return RunsRead(reader, stored, tensor_slice, record.param_start, record.numel, record.shard_start)
 
 
+def _check_model_fits(model: TensorReader, module, slots, slices: dict, hugging_face: bool, path: str) -> None:
+    """Every parameter this rank loads is in the model weights with its shape, else one error naming the first
+    mismatching weight and how many mismatch (a checkpoint of another model is named by its weights, not by
+    the first optimizer state that happens to be read)."""
+    problems: list[str] = []
+    seen: set[str] = set()
+    for slot in slots:
+        for record in slot.records:
+            if record.name in seen:
+                continue
+            seen.add(record.name)
+            name = _find(model, module, record.name, hugging_face)
+            if name is None:
+                problems.append(f"tensor {record.name!r} is missing from the model weights of {path}")
+                continue
+            try:
+                model.check(name, expected_shape(record.full_shape, slices.get(record.name), record.name),
+                            floating=False)
+            except CheckpointError as error:
+                problems.append(str(error))
+    if problems:
+        more = f" ({len(problems)} of {len(seen)} model weights this rank loads do not match)" \
+            if len(problems) > 1 else ""
+        raise CheckpointError(f"{problems[0]}{more}: is this a checkpoint of another model?")
+
+
 class _Templates:
     """The optimizer state template of each master, probed once per (group, device, dtype)."""
 
@@ -165,11 +191,12 @@ def prepare(engine, path: str, sharded: set[str], load_optimizer_states: bool, l
         model = files.enter_context(TensorReader(path, source.maps[MODEL], "model weights"))
         masters = files.enter_context(TensorReader(path, source.maps.get(MASTER, {}), "master weights"))
         optim = files.enter_context(TensorReader(path, source.maps.get(OPTIMIZER, {}), "optimizer states"))
+        slices = tensor_slices(module)
+        _check_model_fits(model, module, all_slots(engine), slices, hugging_face, path)
         if load_optimizer:
             check_groups(source.optimizer_meta.get("param_groups", []), engine.optimizer)
         slot_loads = []
         templates = _Templates(engine.optimizer)
-        slices = tensor_slices(module)
         for slot in all_slots(engine):
             frozen = slot.master is None  # a partitioned frozen parameter (stage 3): model dtype, no optimizer
             load = SlotLoad([])

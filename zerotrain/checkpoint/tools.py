@@ -21,6 +21,10 @@ from .source import open_source, resolve
 
 
 def _path(directory: str) -> str:
+    if os.path.isfile(directory):
+        parent = os.path.dirname(os.path.abspath(directory))
+        raise CheckpointError(f"{directory} is a file; give the checkpoint directory that holds it ({parent}) "
+                              f"or the save directory above it")
     path = resolve(directory, None)
     if path is None:
         raise CheckpointError(f"no checkpoint in {directory}")
@@ -60,11 +64,18 @@ def verify_checkpoint(directory: str) -> dict:
     path = _path(directory)
     manifest = read_manifest(path)
     names = sorted(manifest["files"])
-    check_sizes(path, manifest, names)
-    verify_checksums(path, manifest, names)
-    for name in names:
-        if name.endswith(".safetensors"):
-            read_header(os.path.join(path, name))
+    problems = []
+    for name in names:  # every file is checked, so the report names all bad ones, not only the first
+        try:
+            check_sizes(path, manifest, [name])
+            verify_checksums(path, manifest, [name])
+            if name.endswith(".safetensors"):
+                read_header(os.path.join(path, name))
+        except CheckpointError as error:
+            problems.append(str(error))
+    if problems:
+        raise CheckpointError(f"{len(problems)} of {len(names)} files are bad:\n  " + "\n  ".join(problems)
+                              if len(problems) > 1 else problems[0])
     return {"path": path, "ok": True, "files": len(names),
             "bytes": sum(int(manifest["files"][n]["size"]) for n in names)}
 

@@ -23,6 +23,7 @@ the training step do not interfere. The steps:
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -98,6 +99,7 @@ class SaveJob:
                 error = caught
         for writer in self._writers.values():
             writer.abort()
+        error = out_of_space(error, temp, self._needed_bytes())
 
         status = self.comm.all_gather_object({"error": describe_error(error), "files": written})
         failures = [(r, entry["error"]) for r, entry in enumerate(status) if entry["error"]]
@@ -115,6 +117,10 @@ class SaveJob:
         if outcome:
             raise CheckpointError(f"committing checkpoint {final} failed on rank 0: {outcome}")
         return final
+
+    def _needed_bytes(self) -> int:
+        """About what the whole checkpoint takes on disk: its tensors (the small JSON files aside)."""
+        return sum(self.plan.total_size(kind) for kind in {spec.kind for spec in self.plan.files})
 
     # --- exchange and write ------------------------------------------------------------------
     def _exchange(self, index: int, ok: bool) -> tuple[dict, BaseException | None]:
@@ -225,7 +231,9 @@ class SaveJob:
                 commit.atomic_write_text(os.path.join(self.save_dir, LATEST), self.tag)
                 commit.event("latest-written")
         except Exception as error:  # noqa: BLE001 - every rank must learn it
-            return describe_error(error)
+            if os.path.isdir(temp):  # not committed: the partial directory goes, the previous checkpoint stays
+                shutil.rmtree(temp, ignore_errors=True)
+            return describe_error(out_of_space(error, temp, self._needed_bytes()))
         try:
             deleted = commit.rotate(self.save_dir, self.keep_last, self.tag)
             if deleted:
@@ -234,6 +242,32 @@ class SaveJob:
         except Exception as error:  # noqa: BLE001 - the checkpoint is committed; cleanup can wait
             logger.warning("checkpoint %s committed, but cleaning up old checkpoints failed: %s", final, error)
         return None
+
+
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def out_of_space(error: BaseException | None, temp: str, needed: int) -> BaseException | None:
+    """`error` as a CheckpointError naming the path and the bytes needed when the disk (or quota, or the
+    file size limit) ran out; any other error unchanged."""
+    cause = error
+    while cause is not None and not (isinstance(cause, OSError) and cause.errno in _NO_SPACE):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return error
+    directory = os.path.dirname(temp)
+    try:
+        free = f"{shutil.disk_usage(directory).free:,} bytes free"
+    except OSError:
+        free = "free space unknown"
+    where = cause.filename or directory
+    reason = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+              errno.EFBIG: "file too large for the file system or the process's file size limit"}[cause.errno]
+    wrapped = CheckpointError(f"{reason} writing {where}: the checkpoint needs about {needed:,} bytes in "
+                              f"{directory} ({free}); its partial directory is removed, the previous checkpoint "
+                              f"is untouched")
+    wrapped.__cause__ = error
+    return wrapped
 
 
 def describe_error(error: BaseException | None) -> str | None:

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Optional
 
 from pydantic import Field, PrivateAttr, ValidationInfo, model_validator
 
-from .base import Block, Bool, ConfigError, Int, NonNegFloat, NonNegInt, PosFloat, PosInt, warn
+from .base import Block, Bool, ConfigError, Int, NonNegFloat, NonNegInt, PosFloat, PosInt, choice, warn
 from .batch import GAS, MICRO, TBS, check_batch_partial, resolve_batch_triple
 from .params import OptimizerConfig, SchedulerConfig
 from .zero import ZeroConfig
@@ -64,10 +64,14 @@ class BF16Config(Block):
     """`bf16` (legacy top-level spelling: `bfloat16`)."""
 
     PATH = "bf16"
-    DEEPSPEED_ONLY = frozenset({"immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
-                                "bf16_optimizer_states"})
+    DEEPSPEED_ONLY = frozenset({"immediate_grad_update", "bf16_master_weights_and_grads", "bf16_optimizer_states"})
 
     enabled: Bool = False
+    # DeepSpeed's: check the gradients for inf/nan and skip such a step (state untouched), as fp16 does
+    check_grad_overflow: Bool = False
+
+
+SaveErrorPolicy = choice("raise", "warn")
 
 
 class CheckpointConfig(Block):
@@ -80,6 +84,8 @@ class CheckpointConfig(Block):
     async_save: Bool = False
     keep_last: Optional[PosInt] = None
     verify_on_load: Bool = True
+    # a failed save (disk full, ...): "raise" stops training; "warn" logs it and training goes on
+    on_save_error: SaveErrorPolicy = "raise"
 
 
 class AioConfig(Block):

@@ -1,0 +1,80 @@
+"""Step time of two checkouts of zerotrain, interleaved: did a change of shape cost speed?
+
+    python benchmarks/refactor_guard.py --before /path/to/old/checkout --after . --rounds 3
+
+Runs, for each round, `benchmarks/zero_speed_memory.py` (ZeRO-1/2/3 engines, the 70M GPT at world 2)
+and `benchmarks/offload.py --parts step` (plain and super offload, with and without clipping) from the
+`--before` checkout, then the same from the `--after` checkout (each script runs the code of its own
+checkout). Alternating the two checkouts round by round spreads the VM's slow spells over both. It
+prints, per engine/mode, the median step time over all rounds of each checkout and after/before; the
+target for a refactor is no more than 3% slower (issue #16). Used for the numbers in RESULTS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def _zero(checkout: Path, engines: str, steps: int, out: Path) -> dict[str, list[float]]:
+    subprocess.run([sys.executable, str(checkout / "benchmarks/zero_speed_memory.py"), "--engines", engines,
+                    "--steps", str(steps), "--warmup", "2", "--json", str(out)], check=True,
+                   stdout=subprocess.DEVNULL, timeout=3600)
+    results = json.loads(out.read_text())["results"]
+    return {r["label"]: [t for run in r.get("rounds", [r]) for t in run.get("step_times", [])] for r in results}
+
+
+def _offload(checkout: Path, steps: int) -> dict[str, list[float]]:
+    done = subprocess.run([sys.executable, str(checkout / "benchmarks/offload.py"), "--parts", "step",
+                           "--steps", str(steps)], check=True, capture_output=True, text=True, timeout=3600)
+    rows: dict[str, list[float]] = {}
+    for line in done.stdout.splitlines():  # | mode | fwd | bwd | step | total | vs plain | spec |
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 7 and re.fullmatch(r"[0-9.]+", cells[4]):
+            label = cells[0]
+            while label in rows:  # the same label in the second (clipping) launch
+                label += " (clip)"
+            rows[label] = [float(cells[4])]
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", required=True, type=Path)
+    parser.add_argument("--after", required=True, type=Path)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--engines", default="zt1,zt2,zt3")
+    parser.add_argument("--steps", type=int, default=6)
+    args = parser.parse_args()
+    times: dict[str, dict[str, list[float]]] = {"before": {}, "after": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_index in range(args.rounds):
+            for which in ("before", "after"):
+                checkout = getattr(args, which).resolve()
+                found = _zero(checkout, args.engines, args.steps, Path(tmp) / f"{which}{round_index}.json")
+                found.update({f"offload: {k}": v for k, v in _offload(checkout, max(3, args.steps // 2)).items()})
+                for label, values in found.items():
+                    times[which].setdefault(label, []).extend(values)
+                print(f"round {round_index + 1}/{args.rounds} {which}: "
+                      + ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in found.items()), flush=True)
+    print("\n| engine / mode | before s | after s | after / before |")
+    print("|---|---|---|---|")
+    worst = 0.0
+    for label, before in times["before"].items():
+        after = times["after"].get(label)
+        if not after:
+            continue
+        b, a = statistics.median(before), statistics.median(after)
+        worst = max(worst, a / b)
+        print(f"| {label} | {b:.3f} | {a:.3f} | {a / b:.3f} |")
+    print(f"\nworst after/before: {worst:.3f} (target <= 1.03)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

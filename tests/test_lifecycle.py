@@ -1,0 +1,228 @@
+"""How jobs end: stop signals, orphaned ranks, elastic restarts (zerotrain.lifecycle, the CLI launcher).
+
+Every test runs the real `zerotrain train` command (torchrun agent, 2 ranks, gloo) and sends real
+signals. The stop step is only known once it happened, so each comparison run is launched after
+the interrupted one, for the same number of steps.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCH_TIMEOUT = 180
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        env.pop(var, None)
+    return env
+
+
+def _train_cmd(save_dir: Path, log_dir: Path, steps: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "zerotrain.cli", "train", "--config", str(REPO / "examples/zero3.json"),
+            "--nproc", "2", "--model", "tiny", "--steps", str(steps), "--max-corpus-bytes", "300000",
+            "--val-fraction", "0", "--save-dir", str(save_dir), "--log-dir", str(log_dir), *extra]
+
+
+def _losses(log_dir: Path) -> dict[int, float]:
+    path = log_dir / "metrics.jsonl"
+    if not path.exists():
+        return {}
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["step"]: r["loss"] for r in records}
+
+
+def _wait_for_step(proc: subprocess.Popen, log_dir: Path, step: int, timeout: float = LAUNCH_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"training ended (status {proc.returncode}) before step {step}:\n{out}\n{err}")
+        if len(_losses(log_dir)) >= step:
+            return
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail(f"no step {step} within {timeout}s")
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def _children() -> dict[int, list[int]]:
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in out.splitlines():
+        child, parent = (int(v) for v in line.split())
+        children.setdefault(parent, []).append(child)
+    return children
+
+
+def _descendants(pid: int) -> list[int]:
+    children = _children()
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purpose
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split(") ")[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_saves_exits_143_and_resume_continues_exactly(tmp_path):
+    stopped, whole = tmp_path / "stopped", tmp_path / "whole"
+    proc = subprocess.Popen(_train_cmd(stopped / "ckpt", stopped / "log", 100000), env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_step(proc, stopped / "log", 3)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode == 128 + signal.SIGTERM, out + err
+    stop_step = max(_losses(stopped / "log"))
+    tag = f"global_step{stop_step}"
+    assert (stopped / "ckpt" / "latest").read_text().strip() == tag
+    assert f"stopped by SIGTERM at step {stop_step}: checkpoint {stopped / 'ckpt' / tag}" in out
+    assert "stopped by SIGTERM" in err  # the launcher's own closing line
+
+    total = stop_step + 3
+    _run(_train_cmd(stopped / "ckpt", stopped / "log", total, "--resume"))
+    _run(_train_cmd(whole / "ckpt", whole / "log", total))
+    resumed, uninterrupted = _losses(stopped / "log"), _losses(whole / "log")
+    for step in range(1, total + 1):
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-6), step
+
+
+@pytest.mark.parametrize("victim", ["launcher", "agent"])
+def test_killed_launcher_takes_every_rank_with_it(tmp_path, victim):
+    proc = subprocess.Popen(_train_cmd(tmp_path / "ckpt", tmp_path / "log", 100000, "--save-every", "1"),
+                            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for_step(proc, tmp_path / "log", 2)
+    family = _descendants(proc.pid)
+    assert len(family) >= 3, family  # the agent and two ranks
+    if victim == "launcher":
+        proc.kill()
+    else:  # the torchrun agent, the launcher's only child: the ranks' own parent-death hook ends them
+        (agent,) = _children()[proc.pid]
+        os.kill(agent, signal.SIGKILL)
+        family.append(proc.pid)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(pid) for pid in family):
+        time.sleep(0.1)
+    assert not [pid for pid in family if _alive(pid)], "ranks outlived their launcher by 10 s"
+    committed = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    time.sleep(1.5)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == committed  # nothing written afterwards
+
+
+def test_killed_rank_restarts_from_the_latest_checkpoint_and_finishes_like_an_uninterrupted_run(tmp_path):
+    crashed, whole = tmp_path / "crashed", tmp_path / "whole"
+    total = 12
+    # restarts beyond the one the kill causes absorb a gloo connect that times out on a loaded machine
+    proc = subprocess.Popen(_train_cmd(crashed / "ckpt", crashed / "log", total, "--save-every", "1",
+                                       "--max-restarts", "3"),
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_step(proc, crashed / "log", 4)
+    ranks = [pid for pid in _descendants(proc.pid) if "zerotrain.cli" in Path(f"/proc/{pid}/cmdline").read_text()
+             and "torch.distributed.run" not in Path(f"/proc/{pid}/cmdline").read_text()]
+    assert ranks
+    os.kill(max(ranks), signal.SIGKILL)
+    out, err = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode == 0, out + err
+    assert "resuming from the latest checkpoint" in out
+    _run(_train_cmd(whole / "ckpt", whole / "log", total))
+    # the crashed run's metrics file holds the steps before the crash and, appended, those after the restart
+    assert _losses(crashed / "log")[total] == pytest.approx(_losses(whole / "log")[total], rel=1e-6)
+    from safetensors.torch import load_file
+
+    def weights(run: Path) -> dict:
+        found = {}
+        for path in sorted((run / "ckpt" / f"global_step{total}").glob("model*.safetensors")):
+            found.update(load_file(str(path)))
+        return found
+
+    a, b = weights(crashed), weights(whole)
+    assert a and a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
+
+
+# --- in-process pieces -----------------------------------------------------------------------------
+
+def _should_stop_on_one_rank(requesting_rank: int) -> list[bool]:
+    import zerotrain
+    from tests.models_for_tests import OddMLP
+
+    torch.manual_seed(0)
+    engine, *_ = zerotrain.initialize(model=OddMLP(), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    answers = [engine.should_stop()]
+    if engine.topology.rank == requesting_rank:
+        engine.stop_request.request(signal.SIGUSR1)
+    answers.append(engine.should_stop())
+    return answers
+
+
+def test_should_stop_agrees_across_ranks():
+    results = run_distributed(_should_stop_on_one_rank, 2, 1)
+    assert results == [[False, True], [False, True]]
+
+
+def test_parse_signals_names_a_bad_one():
+    from zerotrain.lifecycle import parse_signals
+
+    assert parse_signals("TERM, SIGUSR1") == (signal.SIGTERM, signal.SIGUSR1)
+    with pytest.raises(ValueError, match="SIGBOGUS"):
+        parse_signals("SIGTERM,SIGBOGUS")
+    with pytest.raises(ValueError, match="KILL"):
+        parse_signals("KILL")
+
+
+_SECOND_SIGNAL = """
+import os, signal, sys, time
+from zerotrain.lifecycle import StopRequest, REPEAT_WINDOW_S
+stop = StopRequest().install("SIGTERM")
+os.kill(os.getpid(), signal.SIGTERM)
+os.kill(os.getpid(), signal.SIGTERM)  # within the window: the same stop, delivered twice
+time.sleep(0.05)
+assert stop.signal_name == "SIGTERM"
+print("still running", flush=True)
+time.sleep(REPEAT_WINDOW_S + 0.2)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(5)
+print("not reached", flush=True)
+"""
+
+
+def test_a_second_signal_exits_at_once():
+    done = subprocess.run([sys.executable, "-c", _SECOND_SIGNAL], env=_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 128 + signal.SIGTERM, done.stdout + done.stderr
+    assert "still running" in done.stdout and "not reached" not in done.stdout
+    assert "again: exiting now" in done.stderr
