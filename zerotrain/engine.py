@@ -25,7 +25,7 @@ from .precision import LossScaler, training_dtype
 from .schedules import build_scheduler
 from .topology import Topology
 from .zero.consolidate import full_state_dict
-from .zero.flat import ShardedSlot
+from .sharding import ShardedSlot
 from .zero.gradnorm import GlobalGradients
 from .zero.grads import GradQuantization, GradReducer
 from .zero.optimizer import ShardedOptimizer

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ..comm import Comm
-from ..zero.flat import ShardedSlot
+from ..sharding import ShardedSlot
 
 
 def frozen_slots(engine) -> list[ShardedSlot]:

@@ -52,7 +52,6 @@ not dividing the dp size, or experts not matching the consecutive-rank layout: V
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
@@ -60,21 +59,11 @@ import torch.distributed as dist
 
 from ..comm import Comm
 from .gather import assemble_full_tensors
-from .slices import TensorSlice
+from ..sharding import ExpertGroups, TensorSlice
 
 __all__ = ["ExpertGroups", "expert_slice_of", "is_split_expert", "expert_parallel_size", "check_expert_parallel",
            "build_expert_groups", "partition_comm", "counts_expert_replica", "build_buckets_with_experts",
            "gather_expert_weights"]
-
-
-@dataclass
-class ExpertGroups:
-    """The Comms of split experts: `ep` spans the ep_size consecutive data-parallel ranks that hold every
-    expert between them; `data` spans the ranks holding the same experts as this one."""
-
-    ep_size: int
-    ep: Comm
-    data: Comm
 
 
 def expert_slice_of(param: torch.Tensor) -> Optional[TensorSlice]:

@@ -7,31 +7,16 @@ uses the same buckets: stage 0 with one partition (each rank holds all), stages
 1 and 2 with one partition per data-parallel rank.
 
 Each piece of a parameter that falls inside a shard is described by a
-:class:`ShardRecord`; checkpointing, clipping and tests read those records rather
+:class:`~zerotrain.sharding.ShardRecord`; checkpointing, clipping and tests read those records rather
 than re-deriving the layout.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
 
-
-@dataclass(frozen=True)
-class ShardRecord:
-    """Where one piece of a parameter sits: in the full tensor and in a shard.
-
-    The piece covers elements [param_start, param_start + numel) of the
-    parameter flattened in row-major order, and elements
-    [shard_start, shard_start + numel) of the shard buffer.
-    """
-
-    name: str
-    full_shape: tuple
-    param_start: int
-    numel: int
-    shard_start: int
+from ..sharding import ShardRecord
 
 
 class FlatBucket:
@@ -113,22 +98,6 @@ class FlatBucket:
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Split a full-size flat tensor into named tensors shaped like the parameters."""
         return {name: self.param_view(i, flat) for i, name in enumerate(self.names)}
-
-
-@dataclass
-class ShardedSlot:
-    """One master tensor this rank updates, with the records of where its pieces belong.
-
-    `master` (fp32), `model_shard` (training dtype) and every per-element optimizer
-    state are 1-D tensors of the same layout; `records` maps ranges of that layout
-    to named parameters. `replicated` is true when every rank holds the same slot
-    (stage 0), so only one rank needs to write it.
-    """
-
-    records: list
-    master: torch.Tensor
-    model_shard: torch.Tensor
-    replicated: bool
 
 
 def build_buckets(named_params: Iterable[tuple[str, torch.nn.Parameter]], group_of: dict[int, int],
