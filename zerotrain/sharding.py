@@ -21,7 +21,8 @@ import torch
 
 from .comm import Comm
 
-__all__ = ["ShardRecord", "ShardedSlot", "TensorSlice", "ExpertGroups", "ShardGroup"]
+__all__ = ["ShardRecord", "ShardedSlot", "TensorSlice", "tensor_slice_of", "expert_slice_of", "is_split_expert",
+           "ExpertGroups", "ShardGroup"]
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,22 @@ class TensorSlice:
         return runs
 
 
+def tensor_slice_of(param: torch.Tensor) -> Optional[TensorSlice]:
+    """The TensorSlice a tensor-parallel parameter carries (`tp_slice`), or None for a replicated one."""
+    return getattr(param, "tp_slice", None)
+
+
+def expert_slice_of(param: torch.Tensor) -> Optional[TensorSlice]:
+    """The TensorSlice an expert-parallel parameter carries (`ep_slice`), or None."""
+    return getattr(param, "ep_slice", None)
+
+
+def is_split_expert(param: torch.Tensor) -> bool:
+    """True for an expert weight of which this rank holds only some experts."""
+    expert_slice = expert_slice_of(param)
+    return expert_slice is not None and expert_slice.local_shape != expert_slice.full_shape
+
+
 @dataclass
 class ExpertGroups:
     """The Comms of split experts: `ep` spans the ep_size consecutive data-parallel ranks that hold every
@@ -147,7 +164,7 @@ class ShardGroup:
     expert buckets when dense ones are not partitioned) and `rank` this rank's shard.
     """
 
-    comm: Comm
+    comm: Optional[Comm]  # None: a single-process bucket (tests, benchmarks), never reduced or gathered
     partitions: int
     rank: int
     experts: Optional[ExpertGroups] = None  # set for split experts (then comm is experts.data)

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ..sharding import TensorSlice
+from ..sharding import TensorSlice, tensor_slice_of
 
 __all__ = ["TensorSlice", "split_slice", "tensor_slice_of"]
 
@@ -32,8 +32,3 @@ def split_slice(full_shape: tuple[int, ...], dim: int, rank: int, size: int, par
     local = part_len // size
     pieces = tuple((part * part_len + rank * local, local) for part in range(parts))
     return TensorSlice(tuple(full_shape), dim, pieces)
-
-
-def tensor_slice_of(param: torch.Tensor) -> Optional[TensorSlice]:
-    """The TensorSlice a tensor-parallel parameter carries, or None for a replicated one."""
-    return getattr(param, "tp_slice", None)
