@@ -21,13 +21,14 @@ from .config import ZeroTrainConfig
 from .config.zero import warn_settings_without_effect
 from .optim import build_optimizer
 from .parallel import tensor_parallel_comm
-from .parallel.experts import build_buckets_with_experts, build_expert_groups, check_expert_parallel, partition_comm
+from .parallel.experts import build_expert_groups, check_expert_parallel
 from .offload.param_store import build_param_store, resident_model_states
 from .precision import LossScaler, training_dtype
 from .schedules import build_scheduler
 from .topology import Topology
 from .zero.consolidate import full_state_dict
-from .zero.flat import ShardedSlot
+from .sharding import ShardedSlot
+from .zero.flat import build_sharded_buckets
 from .zero.gradnorm import GlobalGradients
 from .zero.grads import GradQuantization, GradReducer
 from .zero.optimizer import ShardedOptimizer
@@ -91,10 +92,9 @@ class ZeroTrainEngine:
                                                           config.aio, self.comm.rank))
             self.param_store = self.stage3.param_store
         else:
-            partitions = topology.dp_size if self.stage >= 1 else 1
-            self.buckets = build_buckets_with_experts([(n, p) for n, p in named if id(p) in group_of], group_of,
-                                                      int(zero.reduce_bucket_size), partitions,
-                                                      topology.dp_rank if partitions > 1 else 0, self.expert_groups)
+            self.buckets = build_sharded_buckets([(n, p) for n, p in named if id(p) in group_of], group_of,
+                                                 int(zero.reduce_bucket_size), self.comm, self.stage >= 1,
+                                                 self.expert_groups)
             self._broadcast_initial_state()
         quantization = self._gradient_quantization()
         if self.stage == 3 and quantization is None:  # bucketed reduce-scatter of the per-parameter shards
@@ -186,7 +186,7 @@ class ZeroTrainEngine:
         with torch.no_grad():
             for bucket in self.buckets:
                 # split experts: from the first rank holding the same experts
-                partition_comm(bucket, self.comm).broadcast(bucket.flat_param, src=0)
+                bucket.group.comm.broadcast(bucket.flat_param, src=0)
             in_buckets = {id(p) for b in self.buckets for p in b.params}
             for param in self.module.parameters():
                 if id(param) not in in_buckets and getattr(param, "ep_slice", None) is None:

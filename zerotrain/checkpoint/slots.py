@@ -23,8 +23,8 @@ import torch
 
 from ..comm import Comm
 from ..config import ZeroTrainConfig
+from ..sharding import ShardedSlot
 from ..topology import Topology
-from ..zero.flat import ShardedSlot
 
 
 class Stateful(Protocol):

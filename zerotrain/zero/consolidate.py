@@ -22,7 +22,7 @@ def gather_full_weights(buckets: list[FlatBucket], masters: list[torch.Tensor], 
     """
     full: dict[str, torch.Tensor] = {}
     for bucket, master in zip(buckets, masters):
-        if getattr(bucket, "expert_local", False):  # different experts on every rank: parallel.experts joins them
+        if bucket.group.expert:  # different experts on every rank: parallel.experts joins them
             continue
         shard = master.detach().to(device=bucket.device, dtype=torch.float32)  # host (offloaded) masters too
         if bucket.partitions > 1:

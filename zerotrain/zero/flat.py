@@ -4,34 +4,23 @@ A :class:`FlatBucket` lays a run of parameters end to end in one contiguous
 buffer (the parameters become views into it), pads it to a multiple of the
 number of partitions, and assigns partition r the r-th equal slice. Every stage
 uses the same buckets: stage 0 with one partition (each rank holds all), stages
-1 and 2 with one partition per data-parallel rank.
+1 and 2 with one partition per data-parallel rank. A bucket carries its
+:class:`~zerotrain.sharding.ShardGroup` (`bucket.group`): the Comm it is reduced and
+gathered over and how it counts in norms; split experts are buckets whose group is
+their expert-data-parallel group (`build_sharded_buckets`).
 
 Each piece of a parameter that falls inside a shard is described by a
-:class:`ShardRecord`; checkpointing, clipping and tests read those records rather
+:class:`~zerotrain.sharding.ShardRecord`; checkpointing, clipping and tests read those records rather
 than re-deriving the layout.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
-
-@dataclass(frozen=True)
-class ShardRecord:
-    """Where one piece of a parameter sits: in the full tensor and in a shard.
-
-    The piece covers elements [param_start, param_start + numel) of the
-    parameter flattened in row-major order, and elements
-    [shard_start, shard_start + numel) of the shard buffer.
-    """
-
-    name: str
-    full_shape: tuple
-    param_start: int
-    numel: int
-    shard_start: int
+from ..comm import Comm
+from ..sharding import ExpertGroups, ShardGroup, ShardRecord, is_split_expert
 
 
 class FlatBucket:
@@ -39,15 +28,19 @@ class FlatBucket:
 
     `flat_param` holds the full (unsharded) values in the training dtype and every
     parameter's `.data` is a view into it. Partition `rank` owns elements
-    [rank * shard_numel, (rank + 1) * shard_numel) of it.
+    [rank * shard_numel, (rank + 1) * shard_numel) of it. `group` is what it is sharded over;
+    without one (single-process use: tests, benchmarks) `partitions` and `rank` describe a
+    comm-less group.
     """
 
     def __init__(self, index: int, named_params: Sequence[tuple[str, torch.nn.Parameter]],
-                 group_index: int, partitions: int, rank: int):
+                 group_index: int, partitions: int = 1, rank: int = 0, *, group: Optional[ShardGroup] = None):
         if not named_params:
             raise ValueError("a bucket needs at least one parameter")
         self.index = index
         self.group_index = group_index
+        self.group = group if group is not None else ShardGroup(None, partitions, rank)
+        partitions, rank = self.group.partitions, self.group.rank
         self.partitions = partitions
         self.rank = rank
         self.names = [name for name, _ in named_params]
@@ -72,9 +65,6 @@ class FlatBucket:
                 param.data = view
 
     keeps_full_copy = True  # stages 1-2: every rank holds the whole flat buffer between steps
-    # Expert-parallel weights (parallel/experts.py): different experts on every rank, one partition,
-    # gradients never reduced across ranks and norms summed over all of them.
-    expert_local = False
 
     # --- layout -----------------------------------------------------------
     def shard_bounds(self, rank: int | None = None) -> tuple[int, int]:
@@ -115,30 +105,15 @@ class FlatBucket:
         return {name: self.param_view(i, flat) for i, name in enumerate(self.names)}
 
 
-@dataclass
-class ShardedSlot:
-    """One master tensor this rank updates, with the records of where its pieces belong.
-
-    `master` (fp32), `model_shard` (training dtype) and every per-element optimizer
-    state are 1-D tensors of the same layout; `records` maps ranges of that layout
-    to named parameters. `replicated` is true when every rank holds the same slot
-    (stage 0), so only one rank needs to write it.
-    """
-
-    records: list
-    master: torch.Tensor
-    model_shard: torch.Tensor
-    replicated: bool
-
-
 def build_buckets(named_params: Iterable[tuple[str, torch.nn.Parameter]], group_of: dict[int, int],
-                  bucket_numel: int, partitions: int, rank: int) -> list[FlatBucket]:
+                  bucket_numel: int, group: ShardGroup) -> list[FlatBucket]:
     """Pack trainable parameters into buckets of at most `bucket_numel` elements.
 
     Parameters are taken in reverse registration order, which is roughly the order
     backward produces their gradients, so the first bucket fills first. A bucket
     never mixes dtypes or optimizer groups; a parameter larger than the limit gets
-    a bucket of its own. `group_of` maps id(param) to its optimizer group index.
+    a bucket of its own. `group_of` maps id(param) to its optimizer group index; every
+    bucket is sharded over `group`.
     """
     ordered = [(name, p) for name, p in named_params if p.requires_grad][::-1]
     buckets: list[FlatBucket] = []
@@ -148,7 +123,7 @@ def build_buckets(named_params: Iterable[tuple[str, torch.nn.Parameter]], group_
     def close() -> None:
         nonlocal current, current_numel
         if current:
-            buckets.append(FlatBucket(len(buckets), current, group_of[id(current[0][1])], partitions, rank))
+            buckets.append(FlatBucket(len(buckets), current, group_of[id(current[0][1])], group=group))
         current, current_numel = [], 0
 
     for name, param in ordered:
@@ -160,4 +135,24 @@ def build_buckets(named_params: Iterable[tuple[str, torch.nn.Parameter]], group_
         current.append((name, param))
         current_numel += param.numel()
     close()
+    return buckets
+
+
+def build_sharded_buckets(named_params: Iterable[tuple[str, torch.nn.Parameter]], group_of: dict[int, int],
+                          bucket_numel: int, comm: Comm, partitioned: bool,
+                          experts: Optional[ExpertGroups] = None) -> list[FlatBucket]:
+    """The buckets of stages 0-2: dense parameters over `comm` (partitioned over it at stages 1-2), then
+    split expert parameters (zerotrain.parallel.experts) in buckets of their own over their
+    expert-data-parallel group (`experts.data`), partitioned there when the dense ones are."""
+    named = list(named_params)
+    shared = [(name, p) for name, p in named if not is_split_expert(p)]
+    split = [(name, p) for name, p in named if is_split_expert(p)]
+    buckets = build_buckets(shared, group_of, bucket_numel, ShardGroup.over(comm, partitioned))
+    if split and experts is None:
+        raise ValueError(f"expert-parallel parameters {[n for n, _ in split[:4]]} need their ExpertGroups")
+    if split:
+        expert_group = ShardGroup.over(comm, partitioned and experts.data.size > 1, experts)
+        for bucket in build_buckets(split, group_of, bucket_numel, expert_group):
+            bucket.index = len(buckets)
+            buckets.append(bucket)
     return buckets

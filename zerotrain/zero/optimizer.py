@@ -17,7 +17,6 @@ from typing import Collection, Optional
 import torch
 
 from ..comm import Comm
-from ..parallel.experts import partition_comm
 from .flat import FlatBucket
 from .gradnorm import GlobalGradients
 
@@ -107,7 +106,7 @@ class ShardedOptimizer:
                 shard.copy_(master)
             if bucket.keeps_full_copy and (bucket.partitions > 1 or shard.data_ptr() != bucket.flat_param.data_ptr()):
                 # Stages 1-2 (and stage-3 parameters kept whole): refresh the full copy now.
-                comm = partition_comm(bucket, self.comm)  # split experts: their expert-data-parallel group
+                comm = bucket.group.comm  # split experts: their expert-data-parallel group
                 handles.append(comm.all_gather(bucket.flat_param, shard, async_op=True))
         for handle in handles:
             handle.wait()

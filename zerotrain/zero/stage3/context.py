@@ -20,6 +20,7 @@ from typing import Iterable, Optional, Union
 import torch
 
 from ...comm import Comm
+from ...sharding import ShardGroup
 from ...topology import Topology
 from .fetch import gather_standalone
 from .partition import PartitionedParam, ZeroParameter, partition_parameter
@@ -79,8 +80,7 @@ class Init:
                 if self.dtype is not None and param.is_floating_point():
                     param.data = param.data.to(self.dtype)
                 param.data = param.data.to(self.device)
-            part = partition_parameter(name, param, self.comm.size, self.comm.rank)
-            part.comm = self.comm
+            part = partition_parameter(name, param, ShardGroup.over(self.comm, True))
 
 
 def _all_module_classes() -> list[type]:
@@ -104,7 +104,7 @@ def GatheredParameters(params: Union[torch.nn.Parameter, Iterable[torch.nn.Param
     if not enabled or not parts:
         yield
         return
-    experts = [part.names[0] for part in parts if getattr(part, "expert_local", False)]
+    experts = [part.names[0] for part in parts if part.group.expert]
     if experts and modifier_rank is not None:  # each expert-parallel rank holds other experts: no one modifier
         raise NotImplementedError(f"GatheredParameters(modifier_rank={modifier_rank}) on expert-parallel parameters "
                                   f"{experts[:4]} is not supported (read-only gathers are)")
@@ -114,7 +114,7 @@ def GatheredParameters(params: Union[torch.nn.Parameter, Iterable[torch.nn.Param
         fetcher.hold(parts)
         comm = fetcher.comm
     else:
-        comm = getattr(parts[0], "comm", None)
+        comm = parts[0].group.comm
         for part in parts:
             if not part.gathered:
                 gather_standalone(part, comm)

@@ -56,7 +56,6 @@ import torch
 
 from ...comm import Comm
 from ...comm.compressed import QuantizedAllGather
-from ...parallel.experts import partition_comm
 from .buffers import BufferPool
 from .partition import PartitionedParam
 from .secondary import SecondaryPartitions
@@ -156,7 +155,7 @@ class ParamFetcher(SecondaryPartitions):
                 self._complete(id(part))
                 if id(part) in self._lossy:
                     exact = torch.empty_like(part.flat_param)
-                    partition_comm(part, self.comm).all_gather(exact, part.device_shard())
+                    part.group.comm.all_gather(exact, part.device_shard())
                     part.flat_param.copy_(exact)
                     self._lossy.discard(id(part))
         for part in parts:
@@ -260,12 +259,12 @@ class ParamFetcher(SecondaryPartitions):
             elif len(group) == 1:
                 part = group[0]
                 buffer = self.pool.take(part.padded_numel, part.dtype, part.device)
-                handle = partition_comm(part, self.comm).all_gather(buffer, part.device_shard(), async_op=True)
+                handle = part.group.comm.all_gather(buffer, part.device_shard(), async_op=True)
                 record = ("direct", buffer, group)
                 self._track_buffer(buffer)
             else:
                 staged = torch.cat([part.device_shard() for part in group])  # copy-in
-                comm = partition_comm(group[0], self.comm)  # split experts: their expert-data-parallel group
+                comm = group[0].group.comm  # split experts: their expert-data-parallel group
                 output = self.pool.take(staged.numel() * comm.size, staged.dtype, staged.device)
                 handle = comm.all_gather(output, staged, async_op=True)
                 record = ("bucket", output, group)
@@ -279,7 +278,7 @@ class ParamFetcher(SecondaryPartitions):
 
     def _weight_quantizer(self, part: PartitionedParam) -> Optional[QuantizedAllGather]:
         """qwZ's gather for `part`'s group: the data-parallel one, or a split expert's expert-data-parallel one."""
-        comm = partition_comm(part, self.comm)
+        comm = part.group.comm
         if comm is self.comm or self.weight_quantizer is None or comm.size == 1:
             return self.weight_quantizer if comm is self.comm else None
         if id(comm) not in self._expert_quantizers:
@@ -309,7 +308,7 @@ class ParamFetcher(SecondaryPartitions):
             self._bind(group[0], buffer)
             self._keep_secondary(group[0])
             return
-        ranks = partition_comm(group[0], self.comm).size
+        ranks = group[0].group.comm.size
         rank_major = buffer.view(ranks, -1)
         offset = 0
         for part in group:  # copy-out: each parameter's chunks from every rank
@@ -375,7 +374,7 @@ def _by_dtype(parts: list[PartitionedParam], comm: Comm) -> list[list[Partitione
     """The parts gathered by one collective each: same dtype, same group (split experts: theirs)."""
     groups: dict[tuple[torch.dtype, int], list[PartitionedParam]] = {}
     for part in parts:
-        groups.setdefault((part.dtype, id(partition_comm(part, comm))), []).append(part)
+        groups.setdefault((part.dtype, id(part.group.comm)), []).append(part)
     return list(groups.values())
 
 

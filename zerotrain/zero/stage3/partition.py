@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils._pytree import tree_flatten
 
+from ...sharding import ShardGroup
 from ..flat import FlatBucket
 
 # In-place element-wise ops that can run on the shard alone (initializers, mostly).
@@ -47,12 +48,13 @@ _INITIALIZERS = _SHARD_SAFE_INPLACE | _FULL_TENSOR_INITS
 class PartitionedParam(FlatBucket):
     """One parameter's layout and shard: a FlatBucket of a single parameter that stores only its shard."""
 
-    def __init__(self, name: str, param: torch.nn.Parameter, partitions: int, rank: int,
+    def __init__(self, name: str, param: torch.nn.Parameter, group: ShardGroup,
                  group_index: int = 0, shard: Optional[torch.Tensor] = None, full_shape: Optional[tuple] = None):
         self.index = 0
         self.group_index = group_index
-        self.partitions = partitions
-        self.rank = rank
+        self.group = group
+        self.partitions = partitions = group.partitions
+        self.rank = group.rank
         self.names = [name]
         self.params = [param]
         self.shapes = [tuple(full_shape if full_shape is not None else param.shape)]
@@ -285,9 +287,9 @@ def fetch_for_access(self: PartitionedParam) -> None:
 PartitionedParam.fetch_for_access = fetch_for_access
 
 
-def partition_parameter(name: str, param: torch.nn.Parameter, partitions: int, rank: int) -> PartitionedParam:
-    """Partition one full parameter in place: keep this rank's shard, release the rest."""
-    part = PartitionedParam(name, param, partitions, rank)
+def partition_parameter(name: str, param: torch.nn.Parameter, group: ShardGroup) -> PartitionedParam:
+    """Partition one full parameter in place over `group`: keep this rank's shard, release the rest."""
+    part = PartitionedParam(name, param, group)
     part.release()
     return part
 

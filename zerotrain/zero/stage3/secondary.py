@@ -15,7 +15,7 @@ class SecondaryPartitions:
     def _keep_secondary(self, part: PartitionedParam) -> None:
         """After a global gather: keep this rank's 1/H slice of the full parameter (split experts keep none:
         the hpZ group holds other experts; they are gathered over their expert-data-parallel group)."""
-        if self.hpz is None or getattr(part, "expert_local", False):
+        if self.hpz is None or part.group.expert:
             return
         size = part.padded_numel // self.hpz.size  # N is a multiple of H, so this is exact
         start = self.hpz.rank * size
