@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
-from .checkpoint import Checkpointer, CheckpointState, load_checkpoint, save_checkpoint
+from .checkpoint import Checkpointer, CheckpointState, SnapshotFences, load_checkpoint, save_checkpoint
 from .comm import Comm, CommCounters
 from .config import ZeroTrainConfig
 from .config.zero import warn_settings_without_effect
@@ -67,6 +67,8 @@ class ZeroTrainEngine:
         self.comm = Comm.data_parallel(topology, self.counters)
         self.tp_comm = tensor_parallel_comm(topology, self.counters) if topology.tp_size > 1 else None
         self.expert_groups = build_expert_groups(model, topology, self.comm)  # None without split experts
+        # Pending async checkpoint snapshot copies: whatever writes this engine's slots waits on it first.
+        self.snapshot_fences = SnapshotFences()
         if self.stage == 3:
             place_module(model, topology.device, self.dtype)
             self.module = model
@@ -86,7 +88,7 @@ class ZeroTrainEngine:
             self.stage3 = partition_module(self.module, self.comm, group_of, int(zero.stage3_param_persistence_threshold),
                                            bool(zero.stage3_allgather_sequential), int(zero.stage3_prefetch_bucket_size),
                                            int(zero.stage3_max_live_parameters), int(zero.stage3_max_reuse_distance),
-                                           experts=self.expert_groups)
+                                           experts=self.expert_groups, fence=self.snapshot_fences)
             self.buckets = self.stage3.trainable
             self.stage3.use_param_store(build_param_store(self.stage3.all_parts(), zero.offload_param,
                                                           config.aio, self.comm.rank))
@@ -167,7 +169,8 @@ class ZeroTrainEngine:
         if offload is not None and offload.device in ("cpu", "nvme"):
             from .offload import build_offload_optimizer
             return build_offload_optimizer(self.buckets, self.comm, torch_optimizer, self.reducer, self.config,
-                                           loss_scale=lambda: self.loss_scaler.scale, gradients=gradients)
+                                           loss_scale=lambda: self.loss_scaler.scale, gradients=gradients,
+                                           fence=self.snapshot_fences)
         return ShardedOptimizer(self.buckets, self.comm, torch_optimizer,
                                 [g["params"] for g in torch_optimizer.param_groups], self.config.gradient_clipping,
                                 gradients=gradients)
@@ -357,7 +360,7 @@ class ZeroTrainEngine:
             defer_copies=topology.device.type == "cpu" and
             not callable(getattr(self.zero_optimizer, "resident_states", None)),
             counters=_StepCounters(self), loss_scaler=self.loss_scaler, scheduler=self.lr_scheduler,
-            loco=_LoCoErrors(self))
+            loco=_LoCoErrors(self), fences=self.snapshot_fences)
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         save_latest: bool = True, async_save: Optional[bool] = None) -> str:

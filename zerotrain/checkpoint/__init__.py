@@ -17,7 +17,7 @@ fixed, declared set of state (slots, optimizer, counters, loss scaler, scheduler
 Public API: `save_checkpoint`, `load_checkpoint` (what the engine's methods call, with its
 `CheckpointState`), `Checkpointer` (`engine.checkpointer`: `wait()`, `raise_if_failed()`, `pending`,
 `last_stall_seconds`, `last_fence_seconds`: their sum is an async save's training stall),
-`fence_snapshots` (call before writing shards or masters outside `engine.step()`),
+`SnapshotFences` (the engine's fence: what writers of its slots wait on outside `engine.step()`),
 `CheckpointError`, and the offline tools `inspect_checkpoint`, `verify_checkpoint`, `export_model`.
 
 Modules, one concept each:
@@ -44,10 +44,10 @@ from __future__ import annotations
 
 from .checkpointer import Checkpointer, save_checkpoint
 from .slots import CheckpointState, LoCoErrors, Stateful
-from .fence import fence_snapshots
+from .fence import SnapshotFences
 from .format import CheckpointError
 from .load import load_checkpoint
 from .tools import export_model, inspect_checkpoint, verify_checkpoint
 
-__all__ = ["save_checkpoint", "load_checkpoint", "Checkpointer", "CheckpointState", "Stateful", "LoCoErrors", "CheckpointError", "fence_snapshots",
+__all__ = ["save_checkpoint", "load_checkpoint", "Checkpointer", "CheckpointState", "Stateful", "LoCoErrors", "CheckpointError", "SnapshotFences",
            "inspect_checkpoint", "verify_checkpoint", "export_model"]

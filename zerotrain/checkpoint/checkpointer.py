@@ -19,8 +19,8 @@ reused host buffers is the writer's first act, overlapping the next forward and
 backward, and `fence()` (called by the next `engine.step()`) holds the optimizer update
 until that copy is done; on the 70M GPT the copy is always done by then (fence 0.000 s,
 whole stall 0.02-0.03 s; measured: benchmarks/RESULTS_checkpoint.md).
-Code outside the engine that writes shards or masters fences through
-`fence.fence_snapshots()`. The training stall of an async save is
+Code outside the engine that writes shards or masters waits on the engine's
+`fence.SnapshotFences`, which it was handed. The training stall of an async save is
 `last_stall_seconds` (the save call) plus `last_fence_seconds` (the first fence after it).
 
 Errors: a failed background save is raised by the next `engine.step()` (every rank
@@ -111,7 +111,7 @@ class Checkpointer:
             self.last_stall_seconds, self.last_fence_seconds = time.perf_counter() - started, 0.0
             return path
         self._error, self._result = None, None
-        self._fence, self.last_fence_seconds = SnapshotFence(), None
+        self._fence, self.last_fence_seconds = self.state.fences.open(), None
         self._thread = threading.Thread(target=self._run, args=(job, self._fence),
                                         name=f"zerotrain-checkpoint-{tag}")
         self._thread.start()

@@ -23,6 +23,7 @@ import torch
 
 from ..comm import Comm
 from ..config import ZeroTrainConfig
+from .fence import SnapshotFences
 from ..sharding import ShardedSlot
 from ..topology import Topology
 
@@ -68,6 +69,7 @@ class CheckpointState:
     loss_scaler: Stateful
     scheduler: Optional[Stateful]
     loco: LoCoErrors
+    fences: SnapshotFences                      # pending async snapshot copies of these slots
 
 
 def sharded_names(slots) -> set[str]:

@@ -35,6 +35,7 @@ from ..comm import Comm
 from ..zero.flat import FlatBucket
 from ..zero.gradnorm import GlobalGradients
 from ..zero.optimizer import ShardedOptimizer, device_master, is_own_master
+from ..zero.stage3.partition import Fence
 from .cpu_adam import COPY_BACK_DTYPES, CpuAdamStepper
 
 
@@ -323,8 +324,10 @@ def resident_states(zero_optimizer, write_back: bool = True):
 
 def build_offload_optimizer(buckets: list[FlatBucket], comm: Comm, optimizer: torch.optim.Optimizer,
                             reducer, config, loss_scale: Callable[[], float],
-                            gradients: Optional[GlobalGradients] = None) -> OffloadOptimizer:
-    """The offloaded optimizer the config's `zero_optimization.offload_optimizer` block asks for."""
+                            gradients: Optional[GlobalGradients] = None,
+                            fence: Optional[Fence] = None) -> OffloadOptimizer:
+    """The offloaded optimizer the config's `zero_optimization.offload_optimizer` block asks for
+    (`fence`: the engine's checkpoint fence, waited on by SuperOffload's in-place steps during backward)."""
     offload = config.zero_optimization.offload_optimizer
     groups = [g["params"] for g in optimizer.param_groups]
     common = dict(ratio=float(offload.ratio), pin_memory=bool(offload.pin_memory), reducer=reducer,
@@ -338,7 +341,7 @@ def build_offload_optimizer(buckets: list[FlatBucket], comm: Comm, optimizer: to
         from .speculative import SuperOffloadOptimizer
         built = SuperOffloadOptimizer(buckets, comm, optimizer, groups, config.gradient_clipping,
                                       loss_scale=loss_scale, speculation=offload.super_offload_speculation,
-                                      **common)
+                                      fence=fence, **common)
     else:
         built = OffloadOptimizer(buckets, comm, optimizer, groups, config.gradient_clipping, **common)
     return built

@@ -9,7 +9,7 @@ local shard (see `partition.ZeroParameter`).
 `GatheredParameters(params, modifier_rank=None)` gathers parameters for user code;
 with `modifier_rank`, that rank's values are broadcast on exit and written back
 into every rank's shard and fp32 master, after waiting for any asynchronous
-checkpoint still copying those shards (`zerotrain.checkpoint.fence`).
+checkpoint still copying those shards (the engine's fence, `PartitionedParam.fence`).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from ...comm import Comm
 from ...sharding import ShardGroup
 from ...topology import Topology
 from .fetch import gather_standalone
-from .partition import PartitionedParam, ZeroParameter, partition_parameter
+from .partition import PartitionedParam, ZeroParameter, partition_parameter, wait_for_snapshots
 
 
 class Init:
@@ -121,8 +121,7 @@ def GatheredParameters(params: Union[torch.nn.Parameter, Iterable[torch.nn.Param
     try:
         yield
         if modifier_rank is not None:
-            from ...checkpoint.fence import fence_snapshots  # here: zerotrain.checkpoint imports zero
-            fence_snapshots()  # an async save may still be copying these shards and masters
+            wait_for_snapshots(parts)  # an async save may still be copying these shards and masters
             for part in parts:
                 full = part.flat_param
                 comm.broadcast(full, src=modifier_rank)

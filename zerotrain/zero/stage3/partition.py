@@ -20,13 +20,26 @@ head in a user's loss).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from ...sharding import ShardGroup
 from ..flat import FlatBucket
+
+
+class Fence(Protocol):
+    """What a writer of shards or masters waits on first: the engine's fence for its pending asynchronous
+    checkpoint snapshot copies (`zerotrain.checkpoint.fence.SnapshotFences`, handed in by the engine)."""
+
+    def wait(self) -> None: ...
+
+
+def wait_for_snapshots(parts) -> None:
+    """Wait on the fence of every engine owning one of `parts` (none before an engine adopted them)."""
+    for fence in {id(part.fence): part.fence for part in parts if part.fence is not None}.values():
+        fence.wait()
 
 # In-place element-wise ops that can run on the shard alone (initializers, mostly).
 _SHARD_SAFE_INPLACE = {
@@ -75,6 +88,7 @@ class PartitionedParam(FlatBucket):
         self.master: Optional[torch.Tensor] = None  # set by the optimizer; kept in sync by GatheredParameters
         self.master_writer: Optional[Callable[[torch.Tensor], None]] = None  # set where the master is in files (NVMe)
         self.fetcher = None  # set by the engine's ParamFetcher
+        self.fence: Optional[Fence] = None  # set by the engine (partition_module): its async checkpoint's fence
         self.empty = self._placeholder()
         param.__class__ = ZeroParameter
         param._zero = self
@@ -229,8 +243,7 @@ def _apply_to_full_then_shard(func: Callable, part: PartitionedParam, rest: tupl
     No gather: the old values are overwritten anyway. Each rank draws the whole tensor from its
     own generator, as torch would, so the shards together are torch's tensor when the ranks'
     generators agree (seeded alike, as for any data-parallel init)."""
-    from ...checkpoint.fence import fence_snapshots  # late: checkpoint imports zero
-    fence_snapshots()  # a pending async checkpoint copy reads this shard and master first
+    wait_for_snapshots([part])  # a pending async checkpoint copy reads this shard and master first
     full = torch.empty(part.shapes[0], dtype=part.dtype, device=part.device)
     with torch._C.DisableTorchFunctionSubclass():
         func(full, *rest, **kwargs)
@@ -241,8 +254,7 @@ def _apply_to_full_then_shard(func: Callable, part: PartitionedParam, rest: tupl
 def _apply_to_persistent(func: Callable, part: PartitionedParam, args: tuple, kwargs: dict):
     """An in-place initializer on a persistent (always whole) parameter: run it on the full copy,
     then take the result into the shard and the master, so the next step does not overwrite it."""
-    from ...checkpoint.fence import fence_snapshots  # late: checkpoint imports zero
-    fence_snapshots()
+    wait_for_snapshots([part])
     with torch._C.DisableTorchFunctionSubclass():
         result = func(*args, **kwargs)
         with torch.no_grad():
@@ -252,8 +264,7 @@ def _apply_to_persistent(func: Callable, part: PartitionedParam, args: tuple, kw
 
 def _apply_to_shard(func: Callable, part: PartitionedParam, rest: tuple, kwargs: dict):
     """Run an in-place element-wise op on the shard; full-shaped tensor operands are cut to the chunk."""
-    from ...checkpoint.fence import fence_snapshots  # late: checkpoint imports zero
-    fence_snapshots()  # a pending async checkpoint copy reads this shard and master first
+    wait_for_snapshots([part])  # a pending async checkpoint copy reads this shard and master first
     start, end = part.shard_bounds()
 
     def chunk_of(value):

@@ -10,7 +10,7 @@ from ...comm import Comm
 from ...sharding import ExpertGroups, ShardGroup, is_split_expert
 from .fetch import ParamFetcher
 from .hooks import Stage3Hooks
-from .partition import PartitionedParam, ZeroParameter, partition_parameter
+from .partition import Fence, PartitionedParam, ZeroParameter, partition_parameter
 
 
 @dataclass
@@ -59,7 +59,7 @@ def place_module(module: torch.nn.Module, device: torch.device, dtype: torch.dty
 def partition_module(module: torch.nn.Module, comm: Comm, group_of: dict[int, int],
                      persistence_threshold: int, sequential: bool, prefetch_numel: int,
                      max_live_numel: int = 10**9, max_reuse_distance: int = 10**9,
-                     experts: Optional[ExpertGroups] = None) -> Stage3Model:
+                     experts: Optional[ExpertGroups] = None, fence: Optional[Fence] = None) -> Stage3Model:
     """Partition every parameter of `module` (those built under zero.Init already are) and build its fetcher.
 
     Every rank starts from rank 0's values. Parameters with at most
@@ -67,6 +67,7 @@ def partition_module(module: torch.nn.Module, comm: Comm, group_of: dict[int, in
     for the optimizer), as DeepSpeed's `stage3_param_persistence_threshold` does.
     Split experts (`experts`, zerotrain.parallel.experts) are partitioned over their
     expert-data-parallel group instead, starting from that group's rank 0's values.
+    `fence` (the engine's checkpoint fence) is handed to every partitioned parameter.
     """
     trainable, frozen = [], []
     for name, param in module.named_parameters():
@@ -83,6 +84,7 @@ def partition_module(module: torch.nn.Module, comm: Comm, group_of: dict[int, in
                 comm.broadcast(param.data, src=0)
             part = partition_parameter(name, param, ShardGroup.over(comm, True))
         part.group_index = group_of.get(id(param), 0)
+        part.fence = fence  # the engine's: writes to this shard wait for its pending snapshot copies
         part.persistent = part.numel <= persistence_threshold
         (trainable if param.requires_grad and id(param) in group_of else frozen).append(part)
     trainable.reverse()
