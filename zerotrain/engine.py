@@ -26,7 +26,7 @@ from .offload.param_store import build_param_store, resident_model_states
 from .precision import LossScaler, training_dtype
 from .schedules import build_scheduler
 from .topology import Topology
-from .zero.consolidate import full_state_dict
+from .consolidate import full_state_dict
 from .sharding import ShardedSlot
 from .zero.flat import build_sharded_buckets
 from .zero.gradnorm import GlobalGradients

@@ -1,4 +1,8 @@
-"""Assemble full fp32 weights from master shards, one bucket at a time, on one rank."""
+"""Assemble full fp32 weights from master shards, one bucket at a time, on one rank.
+
+It joins what three parts hold: ZeRO's bucket shards (`zero`), tensor-parallel slices and split
+experts (`parallel`); so it sits above both, and `zero` does not import `parallel`.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -7,10 +11,10 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..comm import Comm
-from ..parallel import assemble_full_tensors, tensor_slice_of
-from ..parallel.experts import gather_expert_weights
-from .flat import FlatBucket
+from .comm import Comm
+from .parallel import assemble_full_tensors, tensor_slice_of
+from .parallel.experts import gather_expert_weights
+from .zero.flat import FlatBucket
 
 
 def gather_full_weights(buckets: list[FlatBucket], masters: list[torch.Tensor], comm: Comm,
