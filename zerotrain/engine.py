@@ -208,9 +208,7 @@ class ZeroTrainEngine:
     def _before_model_use(self) -> None:
         """super_offload may have written speculative weights during the last backward: undo them before the
         model is used again without a step in between (a no-op otherwise)."""
-        hook = getattr(self.zero_optimizer, "before_model_use", None)
-        if hook is not None:
-            hook()
+        self.zero_optimizer.before_model_use()
 
     def train(self, mode: bool = True) -> "ZeroTrainEngine":
         self.module.train(mode)
@@ -374,24 +372,21 @@ class ZeroTrainEngine:
     def offload_stats(self) -> dict:
         """Counters of the offloaded optimizer (steps; with super_offload speculative steps, rollbacks,
         clip_redos = steps redone with clipped gradients; with nvme bytes read/written); {} without offload."""
-        stats = getattr(self.zero_optimizer, "stats", None)
-        return dict(stats) if stats is not None else {}
+        return dict(self.zero_optimizer.stats)
 
     def _offload_memory(self) -> dict:
         """`offload`: bytes of masters and optimizer states by place (device, host, nvme, host I/O buffers);
         `offload_param`: stage-3 parameter shards by place ("parameters" counts the device only)."""
         report = {"offload_param": self.param_store.memory_split()} if self.param_store is not None else {}
-        split = getattr(self.zero_optimizer, "memory_split", None)
+        split = self.zero_optimizer.memory_split()  # None without optimizer offload
         if split is not None:
-            report["offload"] = dict(split(), offloaded_bytes=self.zero_optimizer.offloaded_bytes())
+            report["offload"] = dict(split, offloaded_bytes=self.zero_optimizer.offloaded_bytes())
         return report
 
     def close(self) -> None:
         """Finish pending checkpoint saves, release the offload optimizer's threads and files (idempotent)."""
         if self.checkpointer is not None:
             self.checkpointer.wait()
-        close = getattr(self.zero_optimizer, "close", None)
-        if callable(close):
-            close()
+        self.zero_optimizer.close()
         if self.param_store is not None:
             self.param_store.close()
