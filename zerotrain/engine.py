@@ -14,13 +14,14 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
+from .checkpoint import Checkpointer, CheckpointState, load_checkpoint, save_checkpoint
 from .comm import Comm, CommCounters
 from .config import ZeroTrainConfig
 from .config.zero import warn_settings_without_effect
 from .optim import build_optimizer
 from .parallel import tensor_parallel_comm
 from .parallel.experts import build_expert_groups, check_expert_parallel
-from .offload.param_store import build_param_store
+from .offload.param_store import build_param_store, resident_model_states
 from .precision import LossScaler, training_dtype
 from .schedules import build_scheduler
 from .topology import Topology
@@ -309,7 +310,10 @@ class ZeroTrainEngine:
         slices of its tensor-parallel group are then joined on tensor-parallel rank 0 (global
         rank 0), by the TensorSlice each split parameter carries.
         """
-        return full_state_dict(self)
+        optimizer = self.zero_optimizer
+        return full_state_dict(self.module, self.buckets, optimizer.masters, self.comm, self.tp_comm,
+                               frozen=self.stage3.frozen if self.stage3 is not None else (),
+                               resident_masters=optimizer.resident_masters)  # NVMe: masters are in files
 
     def sharded_slots(self) -> list[ShardedSlot]:
         """This rank's master shards with their layout records (what a checkpoint saves and loads)."""
@@ -331,18 +335,38 @@ class ZeroTrainEngine:
             self.stage3.refresh_frozen()
 
     # --- checkpoints (zerotrain.checkpoint does the work) ---------------------
+    def checkpoint_state(self) -> CheckpointState:
+        """The declared set of state a checkpoint saves and loads (the checkpoint reads nothing else)."""
+        topology = self.topology
+        world = self.comm if topology.tp_size == 1 else \
+            self.comm.subgroup(torch.distributed.group.WORLD, topology.rank, topology.world_size)
+        return CheckpointState(
+            module=self.module, optimizer=self.optimizer,
+            slots=lambda: self.sharded_slots() + self.frozen_slots(), publish=self.publish_weights,
+            resident=lambda write_back: resident_model_states(self.zero_optimizer, self.param_store, write_back),
+            topology=topology, world=world, config=self.config, stage=self.stage, dtype=self.dtype,
+            ep_rank=int(self.expert_groups.ep.rank) if self.expert_groups is not None else int(topology.dp_rank),
+            # Snapshot copies may run in the background only for CPU tensors that only step() changes: not with
+            # an offloaded optimizer (NVMe states are resident only during the save; SuperOffload updates masters
+            # during backward).
+            defer_copies=topology.device.type == "cpu" and self.zero_optimizer.snapshot_in_background,
+            counters=_StepCounters(self), loss_scaler=self.loss_scaler, scheduler=self.lr_scheduler,
+            loco=_LoCoErrors(self))
+
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         save_latest: bool = True, async_save: Optional[bool] = None) -> str:
         """Write a unified checkpoint of model, optimizer and trainer state; see zerotrain.checkpoint."""
-        from .checkpoint import save_checkpoint
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {},
+        if self.checkpointer is None:
+            self.checkpointer = Checkpointer(self.checkpoint_state())
+        return save_checkpoint(self.checkpointer, save_dir, tag=tag, client_state=client_state or {},
                                save_latest=save_latest, async_save=async_save)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
         """Load a unified checkpoint written at any world size or stage; returns (path, client_state)."""
-        from .checkpoint import load_checkpoint
-        return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+        return load_checkpoint(self.checkpoint_state(), load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
 
     def wait_checkpoint(self) -> None:
@@ -390,3 +414,44 @@ class ZeroTrainEngine:
         self.zero_optimizer.close()
         if self.param_store is not None:
             self.param_store.close()
+
+
+class _StepCounters:
+    """The engine's step counters as a checkpoint saves and restores them."""
+
+    _KEYS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
+
+    def __init__(self, engine: ZeroTrainEngine):
+        self._engine = engine
+
+    def state_dict(self) -> dict:
+        return {key: getattr(self._engine, key) for key in self._KEYS}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in self._KEYS:
+            setattr(self._engine, key, int(state[key]))
+
+
+class _LoCoErrors:
+    """The gradient reducer's LoCo error buffers as a checkpoint saves and restores them."""
+
+    def __init__(self, engine: ZeroTrainEngine):
+        self._engine = engine
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._engine.reducer.loco_enabled)
+
+    def state_dict(self) -> Optional[dict]:
+        return self._engine.reducer.loco_state() if self.enabled else None
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        """The saved buffers, or zero when `state` is None; reset_T keeps counting from the restored step."""
+        reducer = self._engine.reducer
+        reducer.optimizer_steps = self._engine.global_steps
+        if not reducer.loco_enabled:
+            return
+        if state is None:
+            reducer.reset_loco_state()
+        else:
+            reducer.load_loco_state(state)

@@ -119,6 +119,7 @@ class OffloadOptimizer(ShardedOptimizer):
     """Masters, states and update of the offloaded buckets in host memory; the rest as ShardedOptimizer."""
 
     kind = "cpu"
+    snapshot_in_background = False  # MasterOptimizer: states paged in for the save (NVMe), updated in backward
 
     def __init__(self, buckets: list[FlatBucket], comm: Comm, optimizer: torch.optim.Optimizer,
                  group_params: list[list[torch.Tensor]], clip_norm: float, ratio: float = 1.0,

@@ -339,10 +339,9 @@ def build_param_store(parts: list, offload, aio, rank: int):
 
 
 @contextmanager
-def resident_model_states(engine, write_back: bool = True):
+def resident_model_states(zero_optimizer, store, write_back: bool = True):
     """Optimizer states and offloaded parameter shards in memory together (checkpoint save and load)."""
     from .cpu_optimizer import resident_states
-    store = getattr(engine, "param_store", None)
-    with resident_states(engine.zero_optimizer, write_back=write_back):
+    with resident_states(zero_optimizer, write_back=write_back):
         with (store.resident(write_back=write_back) if store is not None else nullcontext()):
             yield

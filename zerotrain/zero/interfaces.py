@@ -61,6 +61,9 @@ class MasterOptimizer(Protocol):
     optimizer: torch.optim.Optimizer
     last_grad_norm: Optional[float]
     stats: dict  # counters of an offloaded optimizer (steps, rollbacks, bytes read...); empty when not offloaded
+    # Whether a checkpoint may copy masters and states in the background: they are ordinary tensors that only
+    # step() changes (not with offload: NVMe pages states in only for the save, super_offload updates in backward).
+    snapshot_in_background: bool = True
 
     def has_overflow(self, grad_shards: list[torch.Tensor]) -> bool:
         ...
