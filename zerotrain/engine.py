@@ -8,7 +8,6 @@ API follows DeepSpeed's engine so existing loops port by changing the import.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import warnings
 from typing import Any, Callable, Iterable, Optional, Union
@@ -213,9 +212,7 @@ class ZeroTrainEngine:
     def _before_model_use(self) -> None:
         """super_offload may have written speculative weights during the last backward: undo them before the
         model is used again without a step in between (a no-op otherwise)."""
-        hook = getattr(self.zero_optimizer, "before_model_use", None)
-        if hook is not None:
-            hook()
+        self.zero_optimizer.before_model_use()
 
     def train(self, mode: bool = True) -> "ZeroTrainEngine":
         self.module.train(mode)
@@ -317,11 +314,9 @@ class ZeroTrainEngine:
         rank 0), by the TensorSlice each split parameter carries.
         """
         optimizer = self.zero_optimizer
-        resident_masters = getattr(optimizer, "resident_masters", None)  # NVMe: masters are in files
         return full_state_dict(self.module, self.buckets, optimizer.masters, self.comm, self.tp_comm,
                                frozen=self.stage3.frozen if self.stage3 is not None else (),
-                               resident_masters=resident_masters if callable(resident_masters)
-                               else contextlib.nullcontext)
+                               resident_masters=optimizer.resident_masters)  # NVMe: masters are in files
 
     def sharded_slots(self) -> list[ShardedSlot]:
         """This rank's master shards with their layout records (what a checkpoint saves and loads)."""
@@ -357,8 +352,7 @@ class ZeroTrainEngine:
             # Snapshot copies may run in the background only for CPU tensors that only step() changes: not with
             # an offloaded optimizer (NVMe states are resident only during the save; SuperOffload updates masters
             # during backward).
-            defer_copies=topology.device.type == "cpu" and
-            not callable(getattr(self.zero_optimizer, "resident_states", None)),
+            defer_copies=topology.device.type == "cpu" and self.zero_optimizer.snapshot_in_background,
             counters=_StepCounters(self), loss_scaler=self.loss_scaler, scheduler=self.lr_scheduler,
             loco=_LoCoErrors(self), fences=self.snapshot_fences)
 
@@ -405,25 +399,22 @@ class ZeroTrainEngine:
     def offload_stats(self) -> dict:
         """Counters of the offloaded optimizer (steps; with super_offload speculative steps, rollbacks,
         clip_redos = steps redone with clipped gradients; with nvme bytes read/written); {} without offload."""
-        stats = getattr(self.zero_optimizer, "stats", None)
-        return dict(stats) if stats is not None else {}
+        return dict(self.zero_optimizer.stats)
 
     def _offload_memory(self) -> dict:
         """`offload`: bytes of masters and optimizer states by place (device, host, nvme, host I/O buffers);
         `offload_param`: stage-3 parameter shards by place ("parameters" counts the device only)."""
         report = {"offload_param": self.param_store.memory_split()} if self.param_store is not None else {}
-        split = getattr(self.zero_optimizer, "memory_split", None)
+        split = self.zero_optimizer.memory_split()  # None without optimizer offload
         if split is not None:
-            report["offload"] = dict(split(), offloaded_bytes=self.zero_optimizer.offloaded_bytes())
+            report["offload"] = dict(split, offloaded_bytes=self.zero_optimizer.offloaded_bytes())
         return report
 
     def close(self) -> None:
         """Finish pending checkpoint saves, release the offload optimizer's threads and files (idempotent)."""
         if self.checkpointer is not None:
             self.checkpointer.wait()
-        close = getattr(self.zero_optimizer, "close", None)
-        if callable(close):
-            close()
+        self.zero_optimizer.close()
         if self.param_store is not None:
             self.param_store.close()
 

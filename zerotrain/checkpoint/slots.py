@@ -23,9 +23,9 @@ import torch
 
 from ..comm import Comm
 from ..config import ZeroTrainConfig
-from .fence import SnapshotFences
 from ..sharding import ShardedSlot
 from ..topology import Topology
+from .fence import SnapshotFences
 
 
 class Stateful(Protocol):

@@ -37,6 +37,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from ..zero.interfaces import ParamStore
 from .aio import AlignedBuffers, AsyncFileIO, OffloadIOError, open_swap_directory, round_up
 
 
@@ -48,7 +49,7 @@ def _nbytes(part) -> int:
     return part.shard_numel * part.dtype.itemsize
 
 
-class HostParamStore:
+class HostParamStore(ParamStore):
     """`offload_param.device = cpu`: every offloaded shard is a (pinned) host tensor."""
 
     kind = "cpu"
@@ -97,7 +98,7 @@ class HostParamStore:
         """Nothing to release."""
 
 
-class NvmeParamStore:
+class NvmeParamStore(ParamStore):
     """`offload_param.device = nvme`: shards in a file per rank, a bounded host cache, async I/O."""
 
     kind = "nvme"

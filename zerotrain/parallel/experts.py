@@ -52,7 +52,7 @@ not dividing the dp size, or experts not matching the consecutive-rank layout: V
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist

@@ -10,10 +10,6 @@ reads it instead of re-deriving the layout from rank arithmetic. The type lives 
 """
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
-
 from ..sharding import TensorSlice, tensor_slice_of
 
 __all__ = ["TensorSlice", "split_slice", "tensor_slice_of"]

@@ -23,48 +23,38 @@ from ..comm import Comm
 from ..sharding import ExpertGroups, ShardGroup, ShardRecord, is_split_expert
 
 
-class FlatBucket:
-    """A contiguous run of parameters of one dtype and one optimizer group.
+class ShardLayout:
+    """The layout of a run of parameters laid end to end, padded and cut into equal shards over a
+    ShardGroup: what a FlatBucket (stages 0-2) and a PartitionedParam (stage 3, one parameter) share.
 
-    `flat_param` holds the full (unsharded) values in the training dtype and every
-    parameter's `.data` is a view into it. Partition `rank` owns elements
-    [rank * shard_numel, (rank + 1) * shard_numel) of it. `group` is what it is sharded over;
-    without one (single-process use: tests, benchmarks) `partitions` and `rank` describe a
-    comm-less group.
+    Partition `rank` owns elements [rank * shard_numel, (rank + 1) * shard_numel) of the flat layout.
     """
 
-    def __init__(self, index: int, named_params: Sequence[tuple[str, torch.nn.Parameter]],
-                 group_index: int, partitions: int = 1, rank: int = 0, *, group: Optional[ShardGroup] = None):
-        if not named_params:
+    keeps_full_copy = True  # stages 1-2: every rank holds the whole flat buffer between steps
+
+    def __init__(self, index: int, names: list[str], params: list[torch.nn.Parameter], shapes: list[tuple],
+                 group_index: int, group: ShardGroup):
+        if not params:
             raise ValueError("a bucket needs at least one parameter")
         self.index = index
         self.group_index = group_index
-        self.group = group if group is not None else ShardGroup(None, partitions, rank)
-        partitions, rank = self.group.partitions, self.group.rank
-        self.partitions = partitions
-        self.rank = rank
-        self.names = [name for name, _ in named_params]
-        self.params = [param for _, param in named_params]
-        self.shapes = [tuple(param.shape) for param in self.params]
-        self.numels = [param.numel() for param in self.params]
-        first = self.params[0]
-        self.dtype, self.device = first.dtype, first.device
+        self.group = group
+        self.partitions = partitions = group.partitions
+        self.rank = group.rank
+        self.names = names
+        self.params = params
+        self.shapes = shapes
+        self.numels = [int(torch.Size(shape).numel()) for shape in shapes]
         self.offsets: list[int] = []
         total = 0
-        for param in self.params:
+        for numel in self.numels:
             self.offsets.append(total)
-            total += param.numel()
+            total += numel
         self.numel = total
         self.padded_numel = -(-total // partitions) * partitions
         self.shard_numel = self.padded_numel // partitions
-        self.flat_param = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            for param, offset in zip(self.params, self.offsets):
-                view = self.flat_param[offset:offset + param.numel()].view_as(param)
-                view.copy_(param.data)
-                param.data = view
-
-    keeps_full_copy = True  # stages 1-2: every rank holds the whole flat buffer between steps
+        first = params[0]
+        self.dtype, self.device = first.dtype, first.device
 
     # --- layout -----------------------------------------------------------
     def shard_bounds(self, rank: int | None = None) -> tuple[int, int]:
@@ -92,10 +82,6 @@ class FlatBucket:
                 records.append(ShardRecord(name, shape, lo - offset, hi - lo, lo - start))
         return records
 
-    def local_shard(self) -> torch.Tensor:
-        """This rank's shard of the parameters, in the training dtype (a view of flat_param)."""
-        return self.shard_of(self.flat_param)
-
     def new_zeros(self) -> torch.Tensor:
         """A zeroed full-size flat tensor of the bucket's dtype (for gradient staging)."""
         return torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
@@ -103,6 +89,33 @@ class FlatBucket:
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Split a full-size flat tensor into named tensors shaped like the parameters."""
         return {name: self.param_view(i, flat) for i, name in enumerate(self.names)}
+
+
+class FlatBucket(ShardLayout):
+    """A contiguous run of parameters of one dtype and one optimizer group.
+
+    `flat_param` holds the full (unsharded) values in the training dtype and every
+    parameter's `.data` is a view into it. Partition `rank` owns elements
+    [rank * shard_numel, (rank + 1) * shard_numel) of it. `group` is what it is sharded over;
+    without one (single-process use: tests, benchmarks) `partitions` and `rank` describe a
+    comm-less group.
+    """
+
+    def __init__(self, index: int, named_params: Sequence[tuple[str, torch.nn.Parameter]],
+                 group_index: int, partitions: int = 1, rank: int = 0, *, group: Optional[ShardGroup] = None):
+        params = [param for _, param in named_params]
+        super().__init__(index, [name for name, _ in named_params], params, [tuple(p.shape) for p in params],
+                         group_index, group if group is not None else ShardGroup(None, partitions, rank))
+        self.flat_param = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for param, offset in zip(self.params, self.offsets):
+                view = self.flat_param[offset:offset + param.numel()].view_as(param)
+                view.copy_(param.data)
+                param.data = view
+
+    def local_shard(self) -> torch.Tensor:
+        """This rank's shard of the parameters, in the training dtype (a view of flat_param)."""
+        return self.shard_of(self.flat_param)
 
 
 def build_buckets(named_params: Iterable[tuple[str, torch.nn.Parameter]], group_of: dict[int, int],

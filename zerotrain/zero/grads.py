@@ -34,11 +34,11 @@ from typing import Optional
 
 import torch
 
-from ..comm import Comm
+from ..comm import Comm, Completed
 from ..comm.compressed import QuantizedReduceScatter
-from ..comm.handles import _Done
 from ..comm.quant import DEFAULT_BLOCK
 from .flat import FlatBucket
+from .interfaces import GradientReducer
 
 
 @dataclass
@@ -53,7 +53,7 @@ class GradQuantization:
     hierarchy: Optional[tuple[Comm, Comm]] = None
 
 
-class GradReducer:
+class GradReducer(GradientReducer):
     """Owns gradient buffers and the hooks that reduce them during backward."""
 
     def __init__(self, buckets: list[FlatBucket], comm: Comm, stage: int, reduce_dtype: Optional[torch.dtype] = None,
@@ -252,7 +252,7 @@ class GradReducer:
                 reduced = storage.copy_(source)
             else:
                 reduced = source.clone()
-        self._pending.append((bucket_index, _Done(), reduced, staging))  # no collective to wait for
+        self._pending.append((bucket_index, Completed(), reduced, staging))  # no collective to wait for
         self._drain(keep=1)
 
     def _drain(self, keep: int) -> None:

@@ -19,6 +19,7 @@ import torch
 from ..comm import Comm
 from .flat import FlatBucket
 from .gradnorm import GlobalGradients
+from .interfaces import MasterOptimizer
 
 
 def is_own_master(bucket: FlatBucket) -> bool:
@@ -32,8 +33,10 @@ def device_master(bucket: FlatBucket, shard: torch.Tensor) -> torch.Tensor:
     return shard if is_own_master(bucket) else shard.detach().to(device=bucket.device, dtype=torch.float32, copy=True)
 
 
-class ShardedOptimizer:
-    """Wraps a torch optimizer whose parameters are this rank's fp32 master shards."""
+class ShardedOptimizer(MasterOptimizer):
+    """Wraps a torch optimizer whose parameters are this rank's fp32 master shards.
+
+    Subclasses (zerotrain.offload) choose where a bucket's master lives by overriding `initial_master`."""
 
     def __init__(self, buckets: list[FlatBucket], comm: Comm, optimizer: torch.optim.Optimizer,
                  group_params: list[list[torch.Tensor]], clip_norm: float,
@@ -44,13 +47,18 @@ class ShardedOptimizer:
         self.clip_norm = clip_norm
         self.gradients = gradients if gradients is not None else GlobalGradients(buckets, comm)
         self.masters: list[torch.Tensor] = []
-        for bucket in buckets:
-            master = device_master(bucket, bucket.local_shard())
+        for index, bucket in enumerate(buckets):
+            master = self.initial_master(index, bucket)
             bucket.master = master
             self.masters.append(master)
         self.optimizer = optimizer
         self._rewire(group_params)
         self.last_grad_norm: Optional[float] = None
+        self.stats: dict[str, float] = {}  # counters of offloaded optimizers (MasterOptimizer.stats)
+
+    def initial_master(self, index: int, bucket: FlatBucket) -> torch.Tensor:
+        """Bucket `index`'s fp32 master, built from its model shard: on the device (`device_master`)."""
+        return device_master(bucket, bucket.local_shard())
 
     def _rewire(self, group_params: list[list[torch.Tensor]]) -> None:
         """Point every optimizer group at the master shards of its buckets, dropping old state."""

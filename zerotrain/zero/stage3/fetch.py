@@ -58,11 +58,10 @@ from ...comm import Comm
 from ...comm.compressed import QuantizedAllGather
 from .buffers import BufferPool
 from .partition import PartitionedParam
-from .secondary import SecondaryPartitions
 from .trace import FetchTrace
 
 
-class ParamFetcher(SecondaryPartitions):
+class ParamFetcher:
     """Owns every gather and release of partitioned parameters for one engine."""
 
     def __init__(self, parts: list[PartitionedParam], comm: Comm, sequential: bool, prefetch_numel: int,
@@ -275,6 +274,36 @@ class ParamFetcher(SecondaryPartitions):
         if not async_op:
             for part in requested:
                 self._complete(id(part))
+
+    # --- hpZ: secondary partitions (keep at a global gather, gather in the hpZ group, drop) ------
+    def _keep_secondary(self, part: PartitionedParam) -> None:
+        """After a global gather: keep this rank's 1/H slice of the full parameter (split experts keep none:
+        the hpZ group holds other experts; they are gathered over their expert-data-parallel group)."""
+        if self.hpz is None or part.group.expert:
+            return
+        size = part.padded_numel // self.hpz.size  # N is a multiple of H, so this is exact
+        start = self.hpz.rank * size
+        old = self.secondaries.get(id(part))
+        if old is not None:
+            self.stats["secondary_bytes"] -= old.numel() * old.element_size()
+        secondary = part.flat_param[start:start + size].clone()
+        self.secondaries[id(part)] = secondary
+        self.stats["secondary_bytes"] += secondary.numel() * secondary.element_size()
+        self.stats["peak_secondary_bytes"] = max(self.stats["peak_secondary_bytes"], self.stats["secondary_bytes"])
+
+    def _gather_secondary(self, part: PartitionedParam, prefetch: bool = False) -> None:
+        if part.gathered or id(part) in self._inflight:
+            return
+        buffer = self.pool.take(part.padded_numel, part.dtype, part.device)
+        handle = self.hpz.all_gather(buffer, self.secondaries[id(part)], async_op=True, kind="all_gather_hpz")
+        self._track_buffer(buffer)
+        self._count_inflight([part], +1, prefetch)
+        self._inflight[id(part)] = (handle, ("secondary", buffer, [part]), prefetch)
+        self.stats["hpz_gathers"] += 1
+
+    def _drop_secondaries(self) -> None:
+        self.secondaries.clear()
+        self.stats["secondary_bytes"] = 0
 
     def _weight_quantizer(self, part: PartitionedParam) -> Optional[QuantizedAllGather]:
         """qwZ's gather for `part`'s group: the data-parallel one, or a split expert's expert-data-parallel one."""

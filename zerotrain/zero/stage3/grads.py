@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 
 from ...comm import Comm
+from ..interfaces import GradientReducer
 from .partition import PartitionedParam
 
 
@@ -72,7 +73,7 @@ def build_reduce_buckets(parts: list[PartitionedParam], bucket_numel: int, comm:
     return buckets
 
 
-class Stage3GradReducer:
+class Stage3GradReducer(GradientReducer):
     """Reduce-scatters stage-3 gradients in buckets during backward; owns the fp32 gradient shards.
 
     Offers the GradReducer interface the engine and the optimizers use: `grad_shards`

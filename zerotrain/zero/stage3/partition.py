@@ -26,7 +26,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ...sharding import ShardGroup
-from ..flat import FlatBucket
+from ..flat import ShardLayout
 
 
 class Fence(Protocol):
@@ -58,25 +58,13 @@ _FULL_TENSOR_INITS = {
 _INITIALIZERS = _SHARD_SAFE_INPLACE | _FULL_TENSOR_INITS
 
 
-class PartitionedParam(FlatBucket):
-    """One parameter's layout and shard: a FlatBucket of a single parameter that stores only its shard."""
+class PartitionedParam(ShardLayout):
+    """One parameter's layout and shard: the ShardLayout of a single parameter that stores only its shard."""
 
     def __init__(self, name: str, param: torch.nn.Parameter, group: ShardGroup,
                  group_index: int = 0, shard: Optional[torch.Tensor] = None, full_shape: Optional[tuple] = None):
-        self.index = 0
-        self.group_index = group_index
-        self.group = group
-        self.partitions = partitions = group.partitions
-        self.rank = group.rank
-        self.names = [name]
-        self.params = [param]
-        self.shapes = [tuple(full_shape if full_shape is not None else param.shape)]
-        self.offsets = [0]
-        self.numel = int(torch.Size(self.shapes[0]).numel())
-        self.numels = [self.numel]
-        self.padded_numel = -(-self.numel // partitions) * partitions
-        self.shard_numel = self.padded_numel // partitions
-        self.dtype, self.device = param.dtype, param.device
+        super().__init__(0, [name], [param], [tuple(full_shape if full_shape is not None else param.shape)],
+                         group_index, group)
         if shard is None:
             flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
             flat[:self.numel].copy_(param.data.reshape(-1))
@@ -134,6 +122,13 @@ class PartitionedParam(FlatBucket):
         """Hand the shard to an offload store (which keeps it from now on)."""
         shard, self._shard = self._shard, None
         return shard
+
+    def fetch_for_access(self) -> None:
+        """Gather now for use outside a module's forward (released again after the next backward)."""
+        if self.fetcher is None:
+            raise RuntimeError(f"parameter {self.names[0]} is partitioned (ZeRO-3) and no engine owns it yet; "
+                               "use zerotrain.zero.GatheredParameters to read it")
+        self.fetcher.fetch([self], reason="access")
 
     @property
     def offloaded(self) -> bool:
@@ -285,17 +280,6 @@ def _apply_to_shard(func: Callable, part: PartitionedParam, rest: tuple, kwargs:
     if part.master is not None and part.master.data_ptr() != shard.data_ptr():
         part.write_master(shard)
     return part.param
-
-
-def fetch_for_access(self: PartitionedParam) -> None:
-    """Gather now for use outside a module's forward (released again after the next backward)."""
-    if self.fetcher is None:
-        raise RuntimeError(f"parameter {self.names[0]} is partitioned (ZeRO-3) and no engine owns it yet; "
-                           "use zerotrain.zero.GatheredParameters to read it")
-    self.fetcher.fetch([self], reason="access")
-
-
-PartitionedParam.fetch_for_access = fetch_for_access
 
 
 def partition_parameter(name: str, param: torch.nn.Parameter, group: ShardGroup) -> PartitionedParam:
