@@ -200,7 +200,7 @@ class ZerotrainJob(Job):
         self.engine, *_ = zerotrain.initialize(model=model, config=config)
         if process_writer:  # async saves written by a writer process per rank (benchmark-only variant)
             from ckpt_process_writer import ProcessWriterCheckpointer
-            self.engine.checkpointer = ProcessWriterCheckpointer(self.engine)
+            self.engine.checkpointer = ProcessWriterCheckpointer(self.engine.checkpoint_state())
 
     def train_step(self, x, y) -> None:
         _, loss = self.engine(x, y)

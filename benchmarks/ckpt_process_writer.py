@@ -8,7 +8,7 @@ a writer process per rank then does everything else: the all-to-all of pieces be
 ranks' writers (over a gloo group of its own), the file writes, crc32, fsync and commit.
 Only the handles of the shared buffers cross the pipe, not the bytes.
 
-    ProcessWriterCheckpointer(engine)   # set as engine.checkpointer before the first save
+    ProcessWriterCheckpointer(engine.checkpoint_state())   # set as engine.checkpointer before the first save
 
 Not a supported engine feature: no crash-test hooks, and the worker lives as long as the
 training process (a daemon).
@@ -74,8 +74,8 @@ def _writer_main(connection, rank: int, world: int, port: int, timeout_seconds: 
 class ProcessWriterCheckpointer(Checkpointer):
     """The engine's checkpointer with the write and commit of asynchronous saves moved to a writer process."""
 
-    def __init__(self, engine) -> None:
-        super().__init__(engine)
+    def __init__(self, state) -> None:
+        super().__init__(state)
         self.buffers = SharedHostBuffers()
         self.last_send_seconds = 0.0
         port = self.comm.all_gather_object(_free_port() if self.comm.rank == 0 else None)[0]
@@ -83,7 +83,7 @@ class ProcessWriterCheckpointer(Checkpointer):
         self._connection, child_end = context.Pipe()
         self._process = context.Process(target=_writer_main, daemon=True, name=f"zerotrain-writer-{self.comm.rank}",
                                         args=(child_end, self.comm.rank, self.comm.size, port,
-                                              engine.topology.timeout_seconds or 1800.0))
+                                              state.topology.timeout_seconds or 1800.0))
         self._process.start()
         child_end.close()
         if self._connection.recv() != "ready":

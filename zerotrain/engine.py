@@ -17,19 +17,21 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
+from .checkpoint import Checkpointer, CheckpointState, SnapshotFences, load_checkpoint, save_checkpoint
 from .comm import Comm, CommCounters
 from .config import ZeroTrainConfig
 from .config.zero import warn_settings_without_effect
 from .optim import build_optimizer
 from .parallel import tensor_parallel_comm
-from .parallel.experts import build_buckets_with_experts, build_expert_groups, check_expert_parallel, partition_comm
-from .offload.param_store import build_param_store
+from .parallel.experts import build_expert_groups, check_expert_parallel
+from .offload.param_store import build_param_store, resident_model_states
 from .precision import LossScaler, training_dtype
 from .schedules import build_scheduler
 from .lifecycle import StopRequest
 from .topology import Topology
-from .zero.consolidate import full_state_dict
-from .zero.flat import ShardedSlot
+from .consolidate import full_state_dict
+from .sharding import ShardedSlot
+from .zero.flat import build_sharded_buckets
 from .zero.gradnorm import GlobalGradients
 from .zero.grads import GradQuantization, GradReducer
 from .zero.optimizer import ShardedOptimizer
@@ -68,6 +70,8 @@ class ZeroTrainEngine:
         self.comm = Comm.data_parallel(topology, self.counters)
         self.tp_comm = tensor_parallel_comm(topology, self.counters) if topology.tp_size > 1 else None
         self.expert_groups = build_expert_groups(model, topology, self.comm)  # None without split experts
+        # Pending async checkpoint snapshot copies: whatever writes this engine's slots waits on it first.
+        self.snapshot_fences = SnapshotFences()
         if self.stage == 3:
             place_module(model, topology.device, self.dtype)
             self.module = model
@@ -87,16 +91,15 @@ class ZeroTrainEngine:
             self.stage3 = partition_module(self.module, self.comm, group_of, int(zero.stage3_param_persistence_threshold),
                                            bool(zero.stage3_allgather_sequential), int(zero.stage3_prefetch_bucket_size),
                                            int(zero.stage3_max_live_parameters), int(zero.stage3_max_reuse_distance),
-                                           experts=self.expert_groups)
+                                           experts=self.expert_groups, fence=self.snapshot_fences)
             self.buckets = self.stage3.trainable
             self.stage3.use_param_store(build_param_store(self.stage3.all_parts(), zero.offload_param,
                                                           config.aio, self.comm.rank))
             self.param_store = self.stage3.param_store
         else:
-            partitions = topology.dp_size if self.stage >= 1 else 1
-            self.buckets = build_buckets_with_experts([(n, p) for n, p in named if id(p) in group_of], group_of,
-                                                      int(zero.reduce_bucket_size), partitions,
-                                                      topology.dp_rank if partitions > 1 else 0, self.expert_groups)
+            self.buckets = build_sharded_buckets([(n, p) for n, p in named if id(p) in group_of], group_of,
+                                                 int(zero.reduce_bucket_size), self.comm, self.stage >= 1,
+                                                 self.expert_groups)
             self._broadcast_initial_state()
         quantization = self._gradient_quantization()
         if self.stage == 3 and quantization is None:  # bucketed reduce-scatter of the per-parameter shards
@@ -182,7 +185,8 @@ class ZeroTrainEngine:
         if offload is not None and offload.device in ("cpu", "nvme"):
             from .offload import build_offload_optimizer
             return build_offload_optimizer(self.buckets, self.comm, torch_optimizer, self.reducer, self.config,
-                                           loss_scale=lambda: self.loss_scaler.scale, gradients=gradients)
+                                           loss_scale=lambda: self.loss_scaler.scale, gradients=gradients,
+                                           fence=self.snapshot_fences)
         return ShardedOptimizer(self.buckets, self.comm, torch_optimizer,
                                 [g["params"] for g in torch_optimizer.param_groups], self.config.gradient_clipping,
                                 gradients=gradients)
@@ -201,7 +205,7 @@ class ZeroTrainEngine:
         with torch.no_grad():
             for bucket in self.buckets:
                 # split experts: from the first rank holding the same experts
-                partition_comm(bucket, self.comm).broadcast(bucket.flat_param, src=0)
+                bucket.group.comm.broadcast(bucket.flat_param, src=0)
             in_buckets = {id(p) for b in self.buckets for p in b.params}
             for param in self.module.parameters():
                 if id(param) not in in_buckets and getattr(param, "ep_slice", None) is None:
@@ -225,9 +229,7 @@ class ZeroTrainEngine:
     def _before_model_use(self) -> None:
         """super_offload may have written speculative weights during the last backward: undo them before the
         model is used again without a step in between (a no-op otherwise)."""
-        hook = getattr(self.zero_optimizer, "before_model_use", None)
-        if hook is not None:
-            hook()
+        self.zero_optimizer.before_model_use()
 
     def train(self, mode: bool = True) -> "ZeroTrainEngine":
         self.module.train(mode)
@@ -337,7 +339,10 @@ class ZeroTrainEngine:
         slices of its tensor-parallel group are then joined on tensor-parallel rank 0 (global
         rank 0), by the TensorSlice each split parameter carries.
         """
-        return full_state_dict(self)
+        optimizer = self.zero_optimizer
+        return full_state_dict(self.module, self.buckets, optimizer.masters, self.comm, self.tp_comm,
+                               frozen=self.stage3.frozen if self.stage3 is not None else (),
+                               resident_masters=optimizer.resident_masters)  # NVMe: masters are in files
 
     def sharded_slots(self) -> list[ShardedSlot]:
         """This rank's master shards with their layout records (what a checkpoint saves and loads)."""
@@ -359,25 +364,46 @@ class ZeroTrainEngine:
             self.stage3.refresh_frozen()
 
     # --- checkpoints (zerotrain.checkpoint does the work) ---------------------
+    def checkpoint_state(self) -> CheckpointState:
+        """The declared set of state a checkpoint saves and loads (the checkpoint reads nothing else)."""
+        topology = self.topology
+        world = self.comm if topology.tp_size == 1 else \
+            self.comm.subgroup(torch.distributed.group.WORLD, topology.rank, topology.world_size)
+        return CheckpointState(
+            module=self.module, optimizer=self.optimizer,
+            slots=lambda: self.sharded_slots() + self.frozen_slots(), publish=self.publish_weights,
+            resident=lambda write_back: resident_model_states(self.zero_optimizer, self.param_store, write_back),
+            topology=topology, world=world, config=self.config, stage=self.stage, dtype=self.dtype,
+            ep_rank=int(self.expert_groups.ep.rank) if self.expert_groups is not None else int(topology.dp_rank),
+            # Snapshot copies may run in the background only for CPU tensors that only step() changes: not with
+            # an offloaded optimizer (NVMe states are resident only during the save; SuperOffload updates masters
+            # during backward).
+            defer_copies=topology.device.type == "cpu" and self.zero_optimizer.snapshot_in_background,
+            counters=_StepCounters(self), loss_scaler=self.loss_scaler, scheduler=self.lr_scheduler,
+            loco=_LoCoErrors(self), fences=self.snapshot_fences)
+
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         save_latest: bool = True, async_save: Optional[bool] = None) -> str:
         """Write a unified checkpoint of model, optimizer and trainer state; see zerotrain.checkpoint."""
-        from .checkpoint import save_checkpoint
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {},
+        if self.checkpointer is None:
+            self.checkpointer = Checkpointer(self.checkpoint_state())
+        return save_checkpoint(self.checkpointer, save_dir, tag=tag, client_state=client_state or {},
                                save_latest=save_latest, async_save=async_save)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
         """Load a unified checkpoint written at any world size or stage; returns (path, client_state)."""
-        from .checkpoint import load_checkpoint
-        return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+        return load_checkpoint(self.checkpoint_state(), load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
 
     def claim_save_dir(self, save_dir: str) -> None:
         """Take `save_dir`'s one-writer lock for this job now (every rank), instead of at the first save:
         a second job writing there is refused before it trains (zerotrain.checkpoint.lock)."""
-        from .checkpoint import claim_save_dir
-        claim_save_dir(self, save_dir)
+        if self.checkpointer is None:
+            self.checkpointer = Checkpointer(self.checkpoint_state())
+        self.checkpointer.claim(save_dir)
 
     def wait_checkpoint(self) -> None:
         """Block until every pending asynchronous save is committed (raising its error, if any)."""
@@ -427,16 +453,15 @@ class ZeroTrainEngine:
     def offload_stats(self) -> dict:
         """Counters of the offloaded optimizer (steps; with super_offload speculative steps, rollbacks,
         clip_redos = steps redone with clipped gradients; with nvme bytes read/written); {} without offload."""
-        stats = getattr(self.zero_optimizer, "stats", None)
-        return dict(stats) if stats is not None else {}
+        return dict(self.zero_optimizer.stats)
 
     def _offload_memory(self) -> dict:
         """`offload`: bytes of masters and optimizer states by place (device, host, nvme, host I/O buffers);
         `offload_param`: stage-3 parameter shards by place ("parameters" counts the device only)."""
         report = {"offload_param": self.param_store.memory_split()} if self.param_store is not None else {}
-        split = getattr(self.zero_optimizer, "memory_split", None)
+        split = self.zero_optimizer.memory_split()  # None without optimizer offload
         if split is not None:
-            report["offload"] = dict(split(), offloaded_bytes=self.zero_optimizer.offloaded_bytes())
+            report["offload"] = dict(split, offloaded_bytes=self.zero_optimizer.offloaded_bytes())
         return report
 
     def close(self) -> None:
@@ -444,9 +469,7 @@ class ZeroTrainEngine:
         optimizer's threads and files (idempotent)."""
         if self.checkpointer is not None:
             self.checkpointer.close()
-        close = getattr(self.zero_optimizer, "close", None)
-        if callable(close):
-            close()
+        self.zero_optimizer.close()
         if self.param_store is not None:
             self.param_store.close()
 
@@ -680,3 +703,44 @@ class ZeroTrainEngine:
         extra += "".join(f", offload_{k}={v}" for k, v in self.offload_stats().items())
         print(f"[zerotrain] step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, "
               f"mom={self.get_mom()}{extra}", flush=True)
+
+
+class _StepCounters:
+    """The engine's step counters as a checkpoint saves and restores them."""
+
+    _KEYS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
+
+    def __init__(self, engine: ZeroTrainEngine):
+        self._engine = engine
+
+    def state_dict(self) -> dict:
+        return {key: getattr(self._engine, key) for key in self._KEYS}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in self._KEYS:
+            setattr(self._engine, key, int(state[key]))
+
+
+class _LoCoErrors:
+    """The gradient reducer's LoCo error buffers as a checkpoint saves and restores them."""
+
+    def __init__(self, engine: ZeroTrainEngine):
+        self._engine = engine
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._engine.reducer.loco_enabled)
+
+    def state_dict(self) -> Optional[dict]:
+        return self._engine.reducer.loco_state() if self.enabled else None
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        """The saved buffers, or zero when `state` is None; reset_T keeps counting from the restored step."""
+        reducer = self._engine.reducer
+        reducer.optimizer_steps = self._engine.global_steps
+        if not reducer.loco_enabled:
+            return
+        if state is None:
+            reducer.reset_loco_state()
+        else:
+            reducer.load_loco_state(state)

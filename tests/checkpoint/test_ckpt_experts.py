@@ -91,7 +91,7 @@ def train_segment(directory: str, stage: int, first: int, last: int, precision: 
         losses.append(total.item() / (accumulation * world))
     if first == 0:
         engine.save_checkpoint(directory, tag="experts")
-    split = any(getattr(bucket, "expert_local", False) for bucket in engine.buckets)
+    split = any(bucket.group.expert for bucket in engine.buckets)
     return losses, engine.full_state_dict(), split
 
 

@@ -18,7 +18,7 @@ def small_rounds_and_files(save_dir: str) -> dict:
 
     engine = make_engine(stage=2)
     train(engine, 0, 2)
-    engine.checkpointer = Checkpointer(engine)
+    engine.checkpointer = Checkpointer(engine.checkpoint_state())
     engine.checkpointer.round_bytes, engine.checkpointer.max_file_bytes = 64, 100
     comm = engine.checkpointer.comm
     exchanges = []

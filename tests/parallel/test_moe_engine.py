@@ -57,7 +57,7 @@ def train_stages(stages: list[int], ep_size=None) -> list:
     results = []
     for stage in stages:
         engine, *_ = zerotrain.initialize(model=make_model(ep_comm), config=engine_config(stage))
-        expert_buckets = [bucket for bucket in engine.buckets if bucket.expert_local]
+        expert_buckets = [bucket for bucket in engine.buckets if bucket.group.expert]
         assert expert_buckets, "experts not in buckets of their own"
         replicas = world // ep_comm.size  # ranks holding the same experts: expert states partitioned over them
         assert all(b.partitions == (replicas if stage else 1) for b in expert_buckets), (stage, replicas)
@@ -115,7 +115,7 @@ def overflow_in_one_ranks_experts(stage: int, ep_size=None) -> tuple[int, int]:
         x, y = micro_slice(batch, index, comm.rank, comm.size, MICRO)
         engine.backward(engine(x.half(), y.half()))
         if index == ACCUMULATION - 1 and comm.rank == 1:  # only rank 1's experts overflow
-            expert_bucket = next(i for i, bucket in enumerate(engine.buckets) if bucket.expert_local)
+            expert_bucket = next(i for i, bucket in enumerate(engine.buckets) if bucket.group.expert)
             engine.reducer.grad_shards[expert_bucket][0] = float("inf")
         engine.step()
     after = engine.full_state_dict()

@@ -37,7 +37,7 @@ def train_modes(nvme_path: str, ep_size: int) -> list:
         engine = build_engine(stage, ep_size, offload_optimizer=offload)
         optimizer = engine.zero_optimizer
         assert isinstance(optimizer, OffloadOptimizer), what
-        experts = [(b.partitions, b.expert_groups.data.size) for b in engine.buckets if b.expert_local]
+        experts = [(b.partitions, b.group.comm.size) for b in engine.buckets if b.group.expert]
         losses, norms = [], []
         for batch in batches():
             losses.append(train_global_step(engine, batch, MICRO))

@@ -36,7 +36,7 @@ def train_modes(ep_size: int, nvme_path: str) -> list:
     for what, zero in modes(nvme_path):
         engine = build_engine(3, ep_size, **zero)
         experts = [(part.partitions, part.persistent, part.offloaded) for part in engine.buckets
-                   if getattr(part, "expert_local", False)]
+                   if part.group.expert]
         losses, norms = [], []
         for batch in batches():
             losses.append(train_global_step(engine, batch, MICRO))

@@ -35,7 +35,7 @@ def overflow_in_rank_1s_experts() -> tuple[int, bool, float, float]:
         x, y = micro_slice(batches()[0], index, rank, world, MICRO)
         engine.backward(engine(x.half(), y.half()))
         if index == accumulation - 1 and rank == 1:
-            expert = next(part.index for part in engine.buckets if getattr(part, "expert_local", False))
+            expert = next(part.index for part in engine.buckets if part.group.expert)
             shard = engine.reducer.grad_shards[expert]
             assert shard is not None and shard.numel() > 0, "rank 1 holds no shard of its first expert part"
             shard[0] = float("inf")
@@ -56,7 +56,7 @@ def train_all() -> dict:
         out[what] = (losses, engine.skipped_steps, engine.full_state_dict())
         engine.close()
     engine = build_engine(3, 2, offload_optimizer=SUPER_OFFLOAD, **ZERO3)
-    experts = [part.partitions for part in engine.buckets if getattr(part, "expert_local", False)]
+    experts = [part.partitions for part in engine.buckets if part.group.expert]
     losses, norms = [], []
     for batch in batches():
         losses.append(train_global_step(engine, batch, MICRO))

@@ -47,7 +47,7 @@ def train_quantized(ep_size: int) -> list:
         engine = build_engine(stage, ep_size, **zero)
         reducer = engine.reducer
         expert_groups = [None if reducer.quantized_reducers[i] is None else reducer.quantized_reducers[i].comm.size
-                         for i, bucket in enumerate(engine.buckets) if bucket.expert_local]
+                         for i, bucket in enumerate(engine.buckets) if bucket.group.expert]
         before = engine.memory_report()["comm"]
         losses = [train_global_step(engine, batch, MICRO) for batch in batches()]
         after = engine.memory_report()["comm"]
@@ -143,8 +143,9 @@ def reduce_known_gradients(ep_size: int) -> list[tuple[int, str, Optional[int], 
 
 def _reduce_at_stage(stage: int, topology, comm, ep_rank: int,
                      ep_size: int) -> list[tuple[int, str, Optional[int], float]]:
-    from zerotrain.parallel.experts import build_buckets_with_experts, build_expert_groups
+    from zerotrain.parallel.experts import build_expert_groups
     from zerotrain.parallel.slices import split_slice
+    from zerotrain.zero.flat import build_sharded_buckets
     from zerotrain.zero.grads import GradQuantization, GradReducer
 
     model = torch.nn.Module()
@@ -153,7 +154,7 @@ def _reduce_at_stage(stage: int, topology, comm, ep_rank: int,
     model.expert.ep_slice = split_slice((4, 30), 0, ep_rank, ep_size)
     groups = build_expert_groups(model, topology, comm)
     named = list(model.named_parameters())
-    buckets = build_buckets_with_experts(named, {id(p): 0 for _, p in named}, 1000, comm.size, comm.rank, groups)
+    buckets = build_sharded_buckets(named, {id(p): 0 for _, p in named}, 1000, comm, True, groups)
     reducer = GradReducer(buckets, comm, stage, quantization=GradQuantization(bits=4, loco_beta=0.8))
     grads = {rank: {name: exact_int4_gradients(rank * 10 + i, p.shape) for i, (name, p) in enumerate(named)}
              for rank in range(comm.size)}
@@ -162,7 +163,7 @@ def _reduce_at_stage(stage: int, topology, comm, ep_rank: int,
     reducer.end_backward()
     results = []
     for index, bucket in enumerate(buckets):
-        expert = bucket.expert_local
+        expert = bucket.group.expert
         holders = [r for r in range(comm.size) if r % ep_size == comm.rank % ep_size] if expert else range(comm.size)
         expected = torch.zeros(bucket.padded_numel)
         for position, name in enumerate(bucket.names):

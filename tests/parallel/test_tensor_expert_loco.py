@@ -31,7 +31,7 @@ def expert_reducer_sizes(engine) -> list:
     """The size of the group each expert bucket is reduced over (None: not reduced)."""
     reducers = engine.reducer.quantized_reducers
     return [None if reducers[i] is None else reducers[i].comm.size
-            for i, bucket in enumerate(engine.buckets) if bucket.expert_local]
+            for i, bucket in enumerate(engine.buckets) if bucket.group.expert]
 
 
 def loco_round_trip(directory: str) -> dict:
@@ -52,7 +52,7 @@ def loco_round_trip(directory: str) -> dict:
     out["buffers"] = (len(saved), sum(buffer.numel() for buffer in saved),
                       len(saved) == len(loaded) and all(torch.equal(a, b) for a, b in zip(saved, loaded)))
     out["expert_bytes"] = sum(feedback.nbytes for i, bucket in enumerate(resumed.buckets)
-                              if bucket.expert_local and resumed.reducer.quantized_reducers[i] is not None
+                              if bucket.group.expert and resumed.reducer.quantized_reducers[i] is not None
                               for feedback in resumed.reducer.quantized_reducers[i].feedbacks)
     out["resumed"] = train_steps(resumed, SAVED_AT, STEPS)
     out["resumed_weights"] = resumed.full_state_dict()

@@ -42,7 +42,7 @@ def train_modes(modes: list[tuple[str, int, dict]]) -> list:
     for what, stage, zero in modes:
         engine = build_engine(stage, 2, 2, **zero)
         parts = engine.buckets if engine.stage3 is None else engine.stage3.all_parts()
-        split = any(getattr(part, "expert_local", False) for part in parts)
+        split = any(part.group.expert for part in parts)
         losses = train_steps(engine, 0, 3)
         results.append((what, losses, engine.get_global_grad_norm(), engine.full_state_dict(), split))
         engine.close()

@@ -1,6 +1,6 @@
 """The unified checkpoint: one format for every topology, readable by Hugging Face.
 
-`save_checkpoint(engine, save_dir, tag, client_state, save_latest, async_save)` writes
+`save_checkpoint(checkpointer, save_dir, tag, client_state, save_latest, async_save)` writes
 `save_dir/<tag>/` (format: `zerotrain.checkpoint.format`) in parallel: tensors are
 assigned to ranks balanced by bytes, each writer assembles whole tensors from the
 pieces other ranks hold (`plan`, `write`), files go to a temporary directory that is
@@ -11,10 +11,13 @@ writes and commits (`checkpointer`). `load_checkpoint` reads it back onto any wo
 size, ZeRO stage and tensor-parallel degree, each rank reading only its slices (`load`, `reader`,
 `source`, `split`).
 
-Public API: `save_checkpoint`, `load_checkpoint` (what the engine's methods call),
-`Checkpointer` (`engine.checkpointer`: `wait()`, `raise_if_failed()`, `pending`,
+The checkpoint never reads the engine: the engine hands it a `CheckpointState` (`slots`), a
+fixed, declared set of state (slots, optimizer, counters, loss scaler, scheduler, LoCo buffers).
+
+Public API: `save_checkpoint`, `load_checkpoint` (what the engine's methods call, with its
+`CheckpointState`), `Checkpointer` (`engine.checkpointer`: `wait()`, `raise_if_failed()`, `pending`,
 `last_stall_seconds`, `last_fence_seconds`: their sum is an async save's training stall),
-`fence_snapshots` (call before writing shards or masters outside `engine.step()`),
+`SnapshotFences` (the engine's fence: what writers of its slots wait on outside `engine.step()`),
 `CheckpointError`, and the offline tools `inspect_checkpoint`, `verify_checkpoint`, `export_model`.
 
 Modules, one concept each:
@@ -29,10 +32,10 @@ Modules, one concept each:
     fence         pending async snapshot copies, waited for by whatever writes the slots next
     checkpointer  the engine's Checkpointer: async thread, error propagation
     source        which directory to load, what kind, intact or not
-    slots         the engine's sharded slots, trainable and (stage 3) frozen; the world-wide comm
+    slots         CheckpointState: what the engine hands the checkpoint (slots, optimizer, stateful objects)
     split         tensor-parallel slices: joined into whole tensors on save, read back out on load
     reader        tensor ranges by name, read as exact byte ranges
-    load          validate everything, agree across ranks, then read into the engine
+    load          validate everything, agree across ranks, then read into the CheckpointState
     optim_state   optimizer state keys, scalars, group hyperparameters
     state         trainer state and RNG as JSON
     tools         inspect / verify / export, for the `zerotrain ckpt` command
@@ -40,11 +43,12 @@ Modules, one concept each:
 """
 from __future__ import annotations
 
-from .checkpointer import Checkpointer, claim_save_dir, save_checkpoint
-from .fence import fence_snapshots
+from .checkpointer import Checkpointer, save_checkpoint
+from .slots import CheckpointState, LoCoErrors, Stateful
+from .fence import SnapshotFences
 from .format import CheckpointError
 from .load import load_checkpoint
 from .tools import export_model, inspect_checkpoint, verify_checkpoint
 
-__all__ = ["save_checkpoint", "claim_save_dir", "load_checkpoint", "Checkpointer", "CheckpointError", "fence_snapshots",
+__all__ = ["save_checkpoint", "load_checkpoint", "Checkpointer", "CheckpointState", "Stateful", "LoCoErrors", "CheckpointError", "SnapshotFences",
            "inspect_checkpoint", "verify_checkpoint", "export_model"]

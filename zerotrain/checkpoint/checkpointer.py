@@ -1,6 +1,7 @@
 """The engine's checkpointer: plans saves, snapshots state, runs writers in the background.
 
-Created by the first `save_checkpoint` (on every rank) and kept in `engine.checkpointer`.
+Created by the engine's first `save_checkpoint` (on every rank) from the engine's `CheckpointState`
+(`slots`); the engine keeps it as `engine.checkpointer`.
 It owns a gloo process group of its own (so a background writer never issues a
 collective on the training group), the cached save plan, and the reusable host buffers.
 
@@ -18,8 +19,8 @@ reused host buffers is the writer's first act, overlapping the next forward and
 backward, and `fence()` (called by the next `engine.step()`) holds the optimizer update
 until that copy is done; on the 70M GPT the copy is always done by then (fence 0.000 s,
 whole stall 0.02-0.03 s; measured: benchmarks/RESULTS_checkpoint.md).
-Code outside the engine that writes shards or masters fences through
-`fence.fence_snapshots()`. The training stall of an async save is
+Code outside the engine that writes shards or masters waits on the engine's
+`fence.SnapshotFences`, which it was handed. The training stall of an async save is
 `last_stall_seconds` (the save call) plus `last_fence_seconds` (the first fence after it).
 
 Errors: a failed background save is raised by the next `engine.step()` (every rank
@@ -39,7 +40,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..offload.param_store import resident_model_states
 from .commit import check_tag
 from .fence import SnapshotFence
 from .format import CheckpointError
@@ -47,7 +47,7 @@ from .lock import SaveDirLock
 from .loco import capture_loco
 from .optim_state import group_hyperparameters
 from .plan import MAX_FILE_BYTES, ROUND_BYTES, SavePlan, build_plan, layout_digest, local_layout
-from .slots import all_slots, world_comm
+from .slots import CheckpointState
 from .snapshot import HostBuffers, capture, hf_config_files
 from .state import capture_rng, capture_trainer_state
 from .write import SaveJob, describe_error
@@ -58,10 +58,10 @@ _RUNNING, _DONE, _FAILED = 1, 0, 2
 
 
 class Checkpointer:
-    def __init__(self, engine):
-        self.engine = engine
-        self.world = world_comm(engine)  # training backend, every rank: failure status of a background save
-        self.comm = self.world.new_cpu_comm(engine.topology.timeout_seconds)
+    def __init__(self, state: CheckpointState):
+        self.state = state
+        self.world = state.world  # training backend, every rank: failure status of a background save
+        self.comm = self.world.new_cpu_comm(state.topology.timeout_seconds)
         self.buffers = HostBuffers()
         self._plans: dict = {}
         self.max_file_bytes = MAX_FILE_BYTES  # largest safetensors file a writer starts (plan.build_plan)
@@ -84,27 +84,28 @@ class Checkpointer:
         started = time.perf_counter()
         self.wait()
         self.claim(save_dir)
-        engine = self.engine
-        tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
-        settings = engine.config.checkpoint
+        state = self.state
+        counters = state.counters.state_dict()
+        tag = check_tag(tag if tag is not None else f"global_step{counters['global_steps']}")
+        settings = state.config.checkpoint
         async_save = settings.async_save if async_save is None else bool(async_save)
-        if engine.micro_steps % engine.gradient_accumulation_steps() != 0:
+        if counters["micro_steps"] % state.config.gradient_accumulation_steps != 0:
             logger.warning("saving checkpoint %s in the middle of a gradient accumulation cycle: accumulated "
                            "gradients are not saved, a resume restarts the cycle", tag)
-        slots, plan = self._plan(engine, tag)
+        slots, plan = self._plan(state, tag)
         job, error = None, None
         try:  # everything the save needs, taken now; ranks agree that it worked before anything is written
-            sources = capture(engine, slots, plan, self.comm.rank, self.buffers, copy=async_save,
-                              defer=async_save and self._can_defer(engine))
+            sources = capture(state, slots, plan, self.comm.rank, self.buffers, copy=async_save,
+                              defer=async_save and state.defer_copies)
             rank0 = self.comm.rank == 0
-            trainer_state = capture_trainer_state(engine, tag, client_state)  # every rank: same errors everywhere
-            optimizer_meta = {"optimizer": type(engine.optimizer).__name__,
-                              "param_groups": group_hyperparameters(engine.optimizer)}
+            trainer_state = capture_trainer_state(state, tag, client_state)  # every rank: same errors everywhere
+            optimizer_meta = {"optimizer": type(state.optimizer).__name__,
+                              "param_groups": group_hyperparameters(state.optimizer)}
             job = SaveJob(plan=plan, sources=sources, comm=self.comm, save_dir=os.path.abspath(save_dir), tag=tag,
                           save_latest=save_latest, keep_last=settings.keep_last,
                           trainer_state=trainer_state if rank0 else {}, rng_state=capture_rng(),
-                          extra_files=hf_config_files(engine.module, engine.dtype) if rank0 else {},
-                          optimizer_meta=optimizer_meta if rank0 else {}, loco_state=capture_loco(engine))
+                          extra_files=hf_config_files(state.module, state.dtype) if rank0 else {},
+                          optimizer_meta=optimizer_meta if rank0 else {}, loco_state=capture_loco(state.loco))
         except Exception as caught:  # noqa: BLE001
             error = caught
         self._agree([describe_error(error)], f"cannot save checkpoint {tag}", error)
@@ -118,7 +119,7 @@ class Checkpointer:
             self.last_stall_seconds, self.last_fence_seconds = time.perf_counter() - started, 0.0
             return path
         self._error, self._result = None, None
-        self._fence, self.last_fence_seconds = SnapshotFence(), None
+        self._fence, self.last_fence_seconds = self.state.fences.open(), None
         self._thread = threading.Thread(target=self._run, args=(job, self._fence),
                                         name=f"zerotrain-checkpoint-{tag}")
         self._thread.start()
@@ -154,12 +155,12 @@ class Checkpointer:
         """The background thread's write and commit, once the snapshot is taken (a subclass may move it)."""
         return job.run()
 
-    def _plan(self, engine, tag: str):
+    def _plan(self, state: CheckpointState, tag: str):
         """This rank's slots and the save plan (rebuilt only when some rank's layout changed)."""
         slots, layout, error = None, None, None
         try:
-            slots = all_slots(engine)
-            layout = local_layout(engine, slots, self.comm.rank)
+            slots = state.slots()
+            layout = local_layout(state, slots, self.comm.rank)
         except Exception as caught:  # noqa: BLE001
             error = caught
         views = self._agree([tag, layout_digest(layout) if layout is not None else None, describe_error(error)],
@@ -184,16 +185,6 @@ class Checkpointer:
             where = f" (rank {rank})" if self.comm.size > 1 else ""
             raise CheckpointError(f"{what}{where}: {message}") from error
         return views
-
-    @staticmethod
-    def _can_defer(engine) -> bool:
-        """Whether the slot copies may run in the background (CPU tensors that only `step()` changes).
-
-        Not with an offloaded optimizer: NVMe states are resident only during `save`, and
-        SuperOffload updates masters during backward.
-        """
-        return engine.topology.device.type == "cpu" and \
-            not callable(getattr(engine.zero_optimizer, "resident_states", None))
 
     def _run(self, job: SaveJob, fence: SnapshotFence) -> None:
         try:
@@ -239,9 +230,8 @@ class Checkpointer:
             return
         self.fence()
         code = _RUNNING if self._thread.is_alive() else (_FAILED if self._error is not None else _DONE)
-        engine = self.engine
         if self.world.size > 1:
-            value = torch.tensor([float(code)], device=engine.topology.device)
+            value = torch.tensor([float(code)], device=self.state.topology.device)
             self.world.all_reduce(value, op=dist.ReduceOp.MAX)
             code = int(value.item())
         if code == _RUNNING:
@@ -260,24 +250,17 @@ class Checkpointer:
 
     def _fail(self, error: CheckpointError) -> None:
         """Raise a failed save's error, or (checkpoint.on_save_error "warn") log it and let training go on."""
-        if self.engine.config.checkpoint.on_save_error == "warn":
+        if self.state.config.checkpoint.on_save_error == "warn":
             logger.warning("checkpoint save failed; training goes on (checkpoint.on_save_error: warn): %s", error)
             warnings.warn(f"checkpoint save failed; training goes on: {error}", RuntimeWarning, stacklevel=3)
             return
         raise error
 
 
-def claim_save_dir(engine, save_dir: str) -> None:
-    """Take `save_dir`'s one-writer lock for this job now (call on every rank), before any save."""
-    if engine.checkpointer is None:
-        engine.checkpointer = Checkpointer(engine)
-    engine.checkpointer.claim(save_dir)
-
-
-def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
-                    save_latest: bool = True, async_save: Optional[bool] = None) -> str:
-    """Write a checkpoint of `engine` (call on every rank). See zerotrain.checkpoint for the format."""
-    if engine.checkpointer is None:
-        engine.checkpointer = Checkpointer(engine)
-    with resident_model_states(engine, write_back=False):  # NVMe-offloaded states and parameters paged in
-        return engine.checkpointer.save(save_dir, tag, client_state or {}, save_latest, async_save)
+def save_checkpoint(checkpointer: Checkpointer, save_dir: str, tag: Optional[str] = None,
+                    client_state: Optional[dict] = None, save_latest: bool = True,
+                    async_save: Optional[bool] = None) -> str:
+    """Write a checkpoint of the state `checkpointer` was made for (call on every rank); see
+    zerotrain.checkpoint for the format."""
+    with checkpointer.state.resident(False):  # NVMe-offloaded states and parameters paged in, not written back
+        return checkpointer.save(save_dir, tag, client_state or {}, save_latest, async_save)

@@ -3,36 +3,33 @@
 An asynchronous save on the CPU copies this rank's slots (masters, model shards,
 optimizer states) into host buffers in the background writer, after the save call
 has returned (see `checkpointer`). Until that copy is done nothing may write those
-tensors. `engine.step()` fences through its checkpointer; code outside the engine
-that writes shards or masters (`zero.GatheredParameters(modifier_rank=...)`) calls
-`fence_snapshots()`, which waits for every pending copy in this process: such code
-does not know which engine owns a parameter, and waiting for another engine's copy
-only costs the rest of that copy.
+tensors. The fence is an object, `SnapshotFences`, that the engine owns (one per
+engine, no process-wide state) and hands to everything that writes its slots:
+its checkpointer opens one `SnapshotFence` per deferred copy; `engine.step()` waits
+through the checkpointer; stage 3's partitioned parameters
+(`zero.GatheredParameters(modifier_rank=...)`, in-place initializers) and
+SuperOffload's in-place speculative step call `wait()` on the fence they were handed
+(zero/ and offload/ get the object; they never import this package).
 """
 from __future__ import annotations
 
 import threading
 import time
-import weakref
 from typing import Optional
-
-_pending: "weakref.WeakSet[SnapshotFence]" = weakref.WeakSet()
-_lock = threading.Lock()
 
 
 class SnapshotFence:
     """One pending snapshot copy: `done()` by the writer, `wait()` by whoever writes the slots next."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner: Optional["SnapshotFences"] = None) -> None:
         self._copied = threading.Event()
+        self._owner = owner
         self.waited_seconds: Optional[float] = None  # how long the first wait blocked (0.0: the copy was done)
-        with _lock:
-            _pending.add(self)
 
     def done(self) -> None:
         self._copied.set()
-        with _lock:
-            _pending.discard(self)
+        if self._owner is not None:
+            self._owner._closed(self)
 
     def wait(self) -> float:
         """Block until the copy is done; returns the seconds this call blocked."""
@@ -44,9 +41,27 @@ class SnapshotFence:
         return waited
 
 
-def fence_snapshots() -> None:
-    """Wait for every pending deferred snapshot copy in this process (call before writing shards or masters)."""
-    with _lock:
-        pending = list(_pending)
-    for fence in pending:
-        fence.wait()
+class SnapshotFences:
+    """The pending snapshot copies of one engine's slots (what writers of those slots wait for)."""
+
+    def __init__(self) -> None:
+        self._pending: set[SnapshotFence] = set()
+        self._lock = threading.Lock()
+
+    def open(self) -> SnapshotFence:
+        """A new pending copy, done by the writer once its snapshot is taken."""
+        fence = SnapshotFence(self)
+        with self._lock:
+            self._pending.add(fence)
+        return fence
+
+    def _closed(self, fence: SnapshotFence) -> None:
+        with self._lock:
+            self._pending.discard(fence)
+
+    def wait(self) -> None:
+        """Wait for every pending copy (call before writing shards, masters or optimizer states)."""
+        with self._lock:
+            pending = list(self._pending)
+        for fence in pending:
+            fence.wait()

@@ -1,6 +1,6 @@
 """Loading a checkpoint onto any topology: read what this rank needs, validate, agree, then apply.
 
-Each rank reads, for every piece of its slots (`engine.sharded_slots()` records),
+Each rank reads, for every piece of its slots (`CheckpointState.slots()` records),
 that range of the whole tensor from the files (`TensorReader.read_range`): fp32
 masters from the master-weights files when the checkpoint has them (exact resume
 of bf16/fp16 training), else from the model files; optimizer states from
@@ -31,13 +31,12 @@ from typing import Optional
 
 import torch
 
-from ..offload.param_store import resident_model_states
 from .format import MASTER, MODEL, OPTIMIZER, CheckpointError, read_json, rng_file
 from .loco import loco_file, read_loco, restore_loco
 from .optim_state import StateTemplate, check_groups, make_scalar, probe_template, restore_hyperparameters
 from .plan import extra_tensors
 from .reader import TensorReader
-from .slots import all_slots, refresh_after_load, sharded_names, world_comm
+from .slots import CheckpointState, sharded_names
 from .split import RunsRead, expected_shape, tensor_slices
 from .source import HUGGING_FACE, ZEROTRAIN, Source, needed_files, open_source, resolve, verify
 from .state import apply_trainer_state, decode, restore_rng
@@ -175,29 +174,30 @@ def _plan_states(slot, reader: TensorReader, templates: _Templates, slices: dict
     return load
 
 
-def prepare(engine, path: str, sharded: set[str], load_optimizer_states: bool, load_module_only: bool) -> LoadPlan:
+def prepare(state: CheckpointState, path: str, sharded: set[str], load_optimizer_states: bool,
+            load_module_only: bool) -> LoadPlan:
     """Validate everything this rank will read (files, manifest, checksums, names, shapes); touch no engine state."""
     source = open_source(path, load_module_only)
-    comm = world_comm(engine)
+    comm = state.world
     rank, world = comm.rank, comm.size
     hugging_face = source.kind == HUGGING_FACE
     if source.kind == ZEROTRAIN:
         verify(source, needed_files(source, load_optimizer_states, load_module_only), rank, world,
-               checksums=engine.config.checkpoint.verify_on_load)
+               checksums=state.config.checkpoint.verify_on_load)
     load_optimizer = load_optimizer_states and not load_module_only and source.kind == ZEROTRAIN
-    module = engine.module
+    module = state.module
     files = contextlib.ExitStack()
     try:
         model = files.enter_context(TensorReader(path, source.maps[MODEL], "model weights"))
         masters = files.enter_context(TensorReader(path, source.maps.get(MASTER, {}), "master weights"))
         optim = files.enter_context(TensorReader(path, source.maps.get(OPTIMIZER, {}), "optimizer states"))
         slices = tensor_slices(module)
-        _check_model_fits(model, module, all_slots(engine), slices, hugging_face, path)
+        _check_model_fits(model, module, state.slots(), slices, hugging_face, path)
         if load_optimizer:
-            check_groups(source.optimizer_meta.get("param_groups", []), engine.optimizer)
+            check_groups(source.optimizer_meta.get("param_groups", []), state.optimizer)
         slot_loads = []
-        templates = _Templates(engine.optimizer)
-        for slot in all_slots(engine):
+        templates = _Templates(state.optimizer)
+        for slot in state.slots():
             frozen = slot.master is None  # a partitioned frozen parameter (stage 3): model dtype, no optimizer
             load = SlotLoad([])
             if load_optimizer and not frozen:
@@ -224,12 +224,12 @@ def prepare(engine, path: str, sharded: set[str], load_optimizer_states: bool, l
                            RunsRead(model, found, tensor_slice, 0, tensor.numel(), 0)))
         rng = None
         if source.kind == ZEROTRAIN and not load_module_only and \
-                rng_file(engine.topology.rank) in source.manifest["files"]:
-            rng = read_json(os.path.join(path, rng_file(engine.topology.rank)))
+                rng_file(state.topology.rank) in source.manifest["files"]:
+            rng = read_json(os.path.join(path, rng_file(state.topology.rank)))
         loco = None
         if source.kind == ZEROTRAIN and not load_module_only and \
-                loco_file(engine.topology.rank) in source.manifest["files"]:
-            loco = read_loco(os.path.join(path, loco_file(engine.topology.rank)))
+                loco_file(state.topology.rank) in source.manifest["files"]:
+            loco = read_loco(os.path.join(path, loco_file(state.topology.rank)))
     except BaseException:
         files.close()
         raise
@@ -242,12 +242,12 @@ def _state_tensor(current, master: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return torch.zeros(master.numel(), dtype=dtype, device=master.device)
 
 
-def apply(engine, plan: LoadPlan, load_lr_scheduler_states: bool, load_module_only: bool) -> None:
+def apply(state: CheckpointState, plan: LoadPlan, load_lr_scheduler_states: bool, load_module_only: bool) -> None:
     """Carry out a validated plan: read each range straight into the engine's tensors."""
-    optimizer = engine.optimizer
-    targets = dict(engine.module.state_dict(keep_vars=True))
+    optimizer = state.optimizer
+    targets = dict(state.module.state_dict(keep_vars=True))
     with plan.files, torch.no_grad():
-        for slot, load in zip(all_slots(engine), plan.slots):
+        for slot, load in zip(state.slots(), plan.slots):
             if slot.master is None:
                 for read in load.weights:
                     read.into(slot.model_shard)
@@ -260,13 +260,13 @@ def apply(engine, plan: LoadPlan, load_lr_scheduler_states: bool, load_module_on
                 optimizer.state.pop(slot.master, None)  # saved before the first step: a fresh state
                 continue
             current = optimizer.state.get(slot.master, {})
-            state = {}
+            restored = {}
             for key, reads in load.states.items():
-                state[key] = _state_tensor(current.get(key), slot.master, load.template.elementwise[key])
+                restored[key] = _state_tensor(current.get(key), slot.master, load.template.elementwise[key])
                 for read in reads:
-                    read.into(state[key])
-            state.update({key: make_scalar(load.template, key, value) for key, value in load.scalars.items()})
-            optimizer.state[slot.master] = state
+                    read.into(restored[key])
+            restored.update({key: make_scalar(load.template, key, value) for key, value in load.scalars.items()})
+            optimizer.state[slot.master] = restored
         for name, read in plan.extras:
             target = targets[name]
             target = target.data if isinstance(target, torch.nn.Parameter) else target
@@ -278,44 +278,43 @@ def apply(engine, plan: LoadPlan, load_lr_scheduler_states: bool, load_module_on
                 read.reader.read_into(read.name, 0, target.numel(), target.reshape(-1))
             else:
                 target.copy_(read.reader.read(read.name).reshape(target.shape))
-        refresh_after_load(engine)
+        state.publish()  # every rank's model weights current after masters and frozen shards were written
     if plan.source.kind != ZEROTRAIN:
         return
     if plan.load_optimizer:
         restore_hyperparameters(plan.source.optimizer_meta.get("param_groups", []), optimizer)
     if not load_module_only:
-        apply_trainer_state(engine, plan.source.trainer_state, load_lr_scheduler_states)
+        apply_trainer_state(state, plan.source.trainer_state, load_lr_scheduler_states)
         if plan.rng is not None:
             restore_rng(plan.rng)
-        restore_loco(engine, plan.loco, plan.path)
+        restore_loco(state.loco, plan.loco, plan.path, state.topology.rank)
         saved_world = plan.source.trainer_state.get("topology", {}).get("world_size")
-        if saved_world != engine.topology.world_size:
+        if saved_world != state.topology.world_size:
             logger.info("checkpoint %s was written by %s ranks, loaded on %s: ranks without a saved RNG state "
-                        "keep their own", plan.path, saved_world, engine.topology.world_size)
+                        "keep their own", plan.path, saved_world, state.topology.world_size)
 
 
-def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+def load_checkpoint(state: CheckpointState, load_dir: str, tag: Optional[str] = None,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True, load_module_only: bool = False):
     """Load a checkpoint written at any world size and stage (call on every rank); returns (path, client_state).
 
     Returns (None, None) with a warning when `load_dir` holds no checkpoint and no `latest`
     (as DeepSpeed does), so "resume if there is something to resume" needs no special case.
     """
-    if engine.checkpointer is not None:
-        engine.checkpointer.wait()
-    with resident_model_states(engine):  # NVMe-offloaded states and parameters in memory; written back after
-        return _load_resident(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+    with state.resident(True):  # NVMe-offloaded states and parameters in memory; written back after
+        return _load_resident(state, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
                               load_module_only)
 
 
-def _load_resident(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only):
-    comm = world_comm(engine)
-    sharded = set().union(*comm.all_gather_object(sorted(sharded_names(all_slots(engine)))))
+def _load_resident(state: CheckpointState, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                   load_module_only):
+    comm = state.world
+    sharded = set().union(*comm.all_gather_object(sorted(sharded_names(state.slots()))))
     path, plan, error = None, None, None
     try:
         path = resolve(load_dir, tag)
         if path is not None:
-            plan = prepare(engine, path, sharded, load_optimizer_states, load_module_only)
+            plan = prepare(state, path, sharded, load_optimizer_states, load_module_only)
     except Exception as caught:  # noqa: BLE001 - every rank must learn of it before anyone applies
         error = caught
     message = None if error is None else str(error) if isinstance(error, CheckpointError) else \
@@ -334,7 +333,7 @@ def _load_resident(engine, load_dir, tag, load_optimizer_states, load_lr_schedul
     if path is None:
         logger.warning("no checkpoint to load in %s (no 'latest' file); starting from scratch", load_dir)
         return None, None
-    apply(engine, plan, load_lr_scheduler_states, load_module_only)
+    apply(state, plan, load_lr_scheduler_states, load_module_only)
     client_state = {}
     if plan.source.kind == ZEROTRAIN:
         client_state = decode(plan.source.trainer_state.get("client_state") or {})

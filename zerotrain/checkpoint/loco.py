@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from .format import CheckpointError, SafetensorsWriter
+from .slots import LoCoErrors
 
 _KIND = "loco"
 
@@ -28,12 +29,11 @@ def loco_file(rank: int) -> str:
     return f"loco_state_{rank}.safetensors"
 
 
-def capture_loco(engine) -> Optional[dict]:
+def capture_loco(loco: LoCoErrors) -> Optional[dict]:
     """This rank's LoCo state (CPU copies, safe to write later), or None when LoCo is off."""
-    reducer = getattr(engine, "reducer", None)
-    if reducer is None or not reducer.loco_enabled:
+    if not loco.enabled:
         return None
-    return reducer.loco_state()
+    return loco.state_dict()
 
 
 def _flatten(value: Any, path: str, tensors: dict) -> Any:
@@ -92,17 +92,10 @@ def read_loco(path: str) -> dict:
         raise CheckpointError(f"cannot read LoCo state {path}: {type(error).__name__}: {error}") from error
 
 
-def restore_loco(engine, state: Optional[dict], path: str) -> None:
-    """Give the reducer its saved LoCo buffers, or restart them from zero (warning) when there are none."""
-    reducer = getattr(engine, "reducer", None)
-    if reducer is None:
-        return
-    reducer.optimizer_steps = engine.global_steps  # reset_T keeps counting from the checkpoint's step
-    if not reducer.loco_enabled:
-        return
-    if state is None:
-        warnings.warn(f"checkpoint {path} holds no LoCo error buffers for rank {engine.topology.rank}; "
-                      "they restart from zero")
-        reducer.reset_loco_state()
-        return
-    reducer.load_loco_state(state)
+def restore_loco(loco: LoCoErrors, state: Optional[dict], path: str, rank: int) -> None:
+    """Give the reducer its saved LoCo buffers, or restart them from zero (warning) when there are none.
+
+    Called after the counters are restored: the reducer's step count (reset_T) follows them."""
+    if loco.enabled and state is None:
+        warnings.warn(f"checkpoint {path} holds no LoCo error buffers for rank {rank}; they restart from zero")
+    loco.load_state_dict(state)

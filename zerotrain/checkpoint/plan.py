@@ -40,6 +40,7 @@ import torch
 
 from .format import MASTER, MODEL, OPTIMIZER, CheckpointError, dtype_name, itemsize, numel_of, shard_file, torch_dtype
 from .optim_state import split_state
+from .slots import CheckpointState
 from .split import expert_params, expected_shape, refuse_split_extras, tensor_slices
 
 MAX_FILE_BYTES = 5 * 1024 ** 3
@@ -154,15 +155,15 @@ def state_dict_order(module: torch.nn.Module) -> list[str]:
     return order
 
 
-def local_layout(engine, slots, rank: int) -> dict:
+def local_layout(state: CheckpointState, slots, rank: int) -> dict:
     """What this rank holds, as plain data: records, dtypes and optimizer state keys of each slot,
     and the TensorSlice of each tensor-parallel split parameter among them."""
     described, sharded = [], set()
-    split = tensor_slices(engine.module)
+    split = tensor_slices(state.module)
     for slot in slots:
         elementwise, scalars = {}, {}
         if slot.master is not None:
-            elementwise, scalars = split_state(engine.optimizer.state.get(slot.master, {}), slot.master)
+            elementwise, scalars = split_state(state.optimizer.state.get(slot.master, {}), slot.master)
         records = [(r.name, tuple(int(s) for s in r.full_shape), int(r.param_start), int(r.numel), int(r.shard_start))
                    for r in slot.records]
         sharded.update(r[0] for r in records)
@@ -176,13 +177,11 @@ def local_layout(engine, slots, rank: int) -> dict:
     extras = []
     if rank == 0:
         extras = [(name, tuple(t.shape), dtype_name(t.dtype), name in split)
-                  for name, t in extra_tensors(engine.module, sharded)]
-    experts = {name for name, _ in expert_params(engine.module)}  # frozen ones too: refused by name
-    expert_groups = getattr(engine, "expert_groups", None)
-    dp_rank = int(getattr(engine.topology, "dp_rank", 0))
-    return {"slots": described, "extras": extras, "order": state_dict_order(engine.module) if rank == 0 else [],
-            "tp_rank": int(getattr(engine.topology, "tp_rank", 0)),
-            "dp_rank": dp_rank, "ep_rank": int(expert_groups.ep.rank) if expert_groups is not None else dp_rank,
+                  for name, t in extra_tensors(state.module, sharded)]
+    experts = {name for name, _ in expert_params(state.module)}  # frozen ones too: refused by name
+    return {"slots": described, "extras": extras, "order": state_dict_order(state.module) if rank == 0 else [],
+            "tp_rank": int(state.topology.tp_rank),
+            "dp_rank": int(state.topology.dp_rank), "ep_rank": int(state.ep_rank),
             "experts": sorted(experts),
             "slices": {name: split[name] for name in sorted(sharded) if name in split}}
 

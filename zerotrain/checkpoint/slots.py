@@ -1,51 +1,76 @@
-"""What the engine holds, as the checkpoint sees it: sharded slots, trainable and frozen.
+"""What the engine hands the checkpoint: a fixed, declared set of state (`CheckpointState`).
 
-`engine.sharded_slots()` gives the trainable slots (a master tensor that the
-optimizer updates, with its records). At stage 3 frozen parameters are partitioned
-too, so they are not whole in `engine.module` on every rank; `engine.frozen_slots()`
-gives them as slots with `master=None` (no master copy, no optimizer state).
-Everything else (frozen parameters at stages 0-2, persistent buffers) is whole on
-every rank. Only these public engine methods are read: the checkpoint never looks
-inside the engine's partitions.
+The checkpoint never reads or writes an engine attribute; the engine builds a
+`CheckpointState` (`ZeroTrainEngine.checkpoint_state()`) and everything here works on it:
+
+- `slots()`: the trainable slots (a master tensor that the optimizer updates, with its
+  records), then at stage 3 the partitioned frozen parameters as slots with `master=None`
+  (no master copy, no optimizer state). Everything else (frozen parameters at stages 0-2,
+  persistent buffers) is whole in `module` on every rank.
+- `optimizer`: the torch optimizer, read for its param groups and, per master tensor,
+  `optimizer.state[master]` (the optimizer-state accessor).
+- objects with `state_dict()` / `load_state_dict()`: the step counters, the loss scaler,
+  the LR scheduler, LoCo's error buffers.
+- the topology and the world-wide comm, and how to page offloaded state in (`resident`).
 """
 from __future__ import annotations
 
-import torch.distributed as dist
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol
+
+import torch
 
 from ..comm import Comm
-from ..zero.flat import ShardedSlot
+from ..config import ZeroTrainConfig
+from ..sharding import ShardedSlot
+from ..topology import Topology
+from .fence import SnapshotFences
 
 
-def frozen_slots(engine) -> list[ShardedSlot]:
-    """Partitioned frozen parameters (stage 3), as slots without a master."""
-    provided = getattr(engine, "frozen_slots", None)
-    return list(provided()) if callable(provided) else []
+class Stateful(Protocol):
+    """Anything saved as a JSON-ready dict and restored from one (counters, loss scaler, scheduler)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
-def all_slots(engine) -> list[ShardedSlot]:
-    """Trainable slots first (in the optimizer's order), then frozen partitioned ones.
+class LoCoErrors(Protocol):
+    """LoCo's per-rank error buffers (`enabled` False when gradients are not quantized with LoCo).
 
-    Buckets of experts split over ranks (`expert_local`) are ordinary slots here: this rank's
-    experts (whole, or its shard of them over the expert-data-parallel group), placed in the
-    whole tensors by `ep_slice` (`split`)."""
-    return list(engine.sharded_slots()) + frozen_slots(engine)
+    `state_dict()` gives CPU copies, safe to write later; `load_state_dict(None)` restarts them from
+    zero; either way the reducer's step count follows the restored `global_steps`."""
+
+    enabled: bool
+
+    def state_dict(self) -> Optional[dict]: ...
+
+    def load_state_dict(self, state: Optional[dict]) -> None: ...
+
+
+@dataclass(frozen=True)
+class CheckpointState:
+    """Everything a save reads and a load writes, as the engine declares it (see the module docstring)."""
+
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    slots: Callable[[], list[ShardedSlot]]      # trainable (the optimizer's order), then frozen partitioned
+    publish: Callable[[], None]                 # make model weights current after slots were written (a load)
+    resident: Callable[[bool], AbstractContextManager[Any]]  # offloaded states paged in; arg: write_back
+    topology: Topology
+    world: Comm                                 # every rank, data- and tensor-parallel (training backend)
+    config: ZeroTrainConfig
+    stage: int
+    dtype: torch.dtype
+    ep_rank: int                                # rank in the expert-parallel group (dp_rank without experts)
+    defer_copies: bool                          # snapshot copies may run in the background (see checkpointer)
+    counters: Stateful                          # global_steps, global_samples, skipped_steps, micro_steps
+    loss_scaler: Stateful
+    scheduler: Optional[Stateful]
+    loco: LoCoErrors
+    fences: SnapshotFences                      # pending async snapshot copies of these slots
 
 
 def sharded_names(slots) -> set[str]:
     return {record.name for slot in slots for record in slot.records}
-
-
-def refresh_after_load(engine) -> None:
-    """Make every rank's model weights current after masters and frozen shards were written."""
-    engine.publish_weights()
-
-
-def world_comm(engine) -> Comm:
-    """Every rank, data- and tensor-parallel, on the training group's backend.
-
-    `engine.comm` spans only the data-parallel group; with tensor parallelism each group holds
-    other slices, so what a checkpoint plans, agrees on and commits must span the world."""
-    topology = engine.topology
-    if getattr(topology, "tp_size", 1) == 1:
-        return engine.comm
-    return engine.comm.subgroup(dist.group.WORLD, topology.rank, topology.world_size)

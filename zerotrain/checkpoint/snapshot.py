@@ -25,6 +25,7 @@ import torch
 from .format import dtype_name
 from .optim_state import scalar_value, split_state
 from .plan import SavePlan, extra_tensors
+from .slots import CheckpointState
 
 
 class HostBuffers:
@@ -74,12 +75,12 @@ class Sources:
         return data[piece.shard_start * size:(piece.shard_start + piece.numel) * size]
 
 
-def _slot_tensor(engine, slot, kind: str) -> torch.Tensor:
+def _slot_tensor(optimizer: torch.optim.Optimizer, slot, kind: str) -> torch.Tensor:
     if kind == "model":
         return slot.model_shard
     if kind == "master":
         return slot.master
-    return engine.optimizer.state[slot.master][kind[len("state:"):]]
+    return optimizer.state[slot.master][kind[len("state:"):]]
 
 
 def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -92,7 +93,7 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in merged]
 
 
-def capture(engine, slots, plan: SavePlan, rank: int, pool: HostBuffers, copy: bool,
+def capture(state: CheckpointState, slots, plan: SavePlan, rank: int, pool: HostBuffers, copy: bool,
             defer: bool = False) -> Sources:
     """The bytes this rank contributes to the save; copied into `pool` when `copy` (or off the CPU).
 
@@ -108,7 +109,7 @@ def capture(engine, slots, plan: SavePlan, rank: int, pool: HostBuffers, copy: b
                         (piece.shard_start, piece.shard_start + piece.numel))
     copied_to_host = False
     for (index, kind), ranges in needed.items():
-        source = _slot_tensor(engine, slots[index], kind).detach()
+        source = _slot_tensor(state.optimizer, slots[index], kind).detach()
         if not copy and source.device.type == "cpu":
             data = source
         else:
@@ -121,7 +122,7 @@ def capture(engine, slots, plan: SavePlan, rank: int, pool: HostBuffers, copy: b
             copied_to_host = copied_to_host or source.device.type != "cpu"
         sources.slots[(index, kind)] = (data.view(torch.uint8), data.element_size())
     sharded = {name for name, t in plan.tensors.items() if t.pieces}
-    for name, tensor in extra_tensors(engine.module, sharded):
+    for name, tensor in extra_tensors(state.module, sharded):
         planned = plan.tensors.get(name)
         if planned is None or planned.writer != rank:
             continue
@@ -135,7 +136,7 @@ def capture(engine, slots, plan: SavePlan, rank: int, pool: HostBuffers, copy: b
     for index, slot in enumerate(slots):
         if slot.master is None:
             continue
-        _, scalars = split_state(engine.optimizer.state.get(slot.master, {}), slot.master)
+        _, scalars = split_state(state.optimizer.state.get(slot.master, {}), slot.master)
         sources.scalars[index] = {key: scalar_value(value) for key, value in scalars.items()}
     if copied_to_host:
         torch.cuda.synchronize()

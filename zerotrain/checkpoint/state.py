@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import base64
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from .format import FORMAT_NAME, FORMAT_VERSION, CheckpointError, dtype_name, torch_dtype
+
+if TYPE_CHECKING:
+    from .slots import CheckpointState
 
 
 def encode(value: Any, path: str = "value") -> Any:
@@ -90,27 +93,28 @@ def _tuples(value):
 
 
 # --- trainer state ----------------------------------------------------------------------------
-def capture_trainer_state(engine, tag: str, client_state: dict) -> dict:
-    """Counters, scheduler, loss scaler, config and topology of `engine`, JSON-ready (taken now)."""
+def capture_trainer_state(state: "CheckpointState", tag: str, client_state: dict) -> dict:
+    """Counters, scheduler, loss scaler, config and topology of `state`, JSON-ready (taken now)."""
     from .. import __version__
 
-    gas = engine.gradient_accumulation_steps()
-    scheduler = getattr(engine, "lr_scheduler", None)
-    topology = dict(engine.topology.describe())
-    topology.update(stage=engine.stage, dtype=dtype_name(engine.dtype),
-                    gradient_accumulation_steps=gas, train_batch_size=engine.train_batch_size())
+    gas = state.config.gradient_accumulation_steps
+    scheduler = state.scheduler
+    counters = state.counters.state_dict()
+    topology = dict(state.topology.describe())
+    topology.update(stage=state.stage, dtype=dtype_name(state.dtype),
+                    gradient_accumulation_steps=gas, train_batch_size=state.config.train_batch_size)
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "zerotrain_version": __version__,
         "tag": tag,
-        "global_steps": engine.global_steps,
-        "global_samples": engine.global_samples,
-        "skipped_steps": engine.skipped_steps,
-        "micro_steps": engine.micro_steps,
-        "loss_scaler": encode(engine.loss_scaler.state_dict(), "loss_scaler"),
+        "global_steps": counters["global_steps"],
+        "global_samples": counters["global_samples"],
+        "skipped_steps": counters["skipped_steps"],
+        "micro_steps": counters["micro_steps"],
+        "loss_scaler": encode(state.loss_scaler.state_dict(), "loss_scaler"),
         "lr_scheduler": encode(scheduler.state_dict(), "lr_scheduler") if scheduler is not None else None,
-        "config": encode(_plain(engine.config.raw), "config"),
+        "config": encode(_plain(state.config.raw), "config"),
         "topology": topology,
         "client_state": encode(client_state, "client_state"),
     }
@@ -124,14 +128,17 @@ def _plain(value):
         return repr(value)
 
 
-def apply_trainer_state(engine, state: dict, load_lr_scheduler_states: bool) -> None:
+def apply_trainer_state(target: "CheckpointState", state: dict, load_lr_scheduler_states: bool) -> None:
     """Restore counters, loss scale and (optionally) the LR scheduler; RNG is restored separately."""
-    engine.global_steps = int(state["global_steps"])
-    engine.global_samples = int(state["global_samples"])
-    engine.skipped_steps = int(state.get("skipped_steps", 0))
-    # Gradients are not saved: resume at an accumulation boundary, under this run's accumulation.
-    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
-    engine.loss_scaler.load_state_dict(decode(state["loss_scaler"]))
-    scheduler = getattr(engine, "lr_scheduler", None)
+    global_steps = int(state["global_steps"])
+    target.counters.load_state_dict({
+        "global_steps": global_steps,
+        "global_samples": int(state["global_samples"]),
+        "skipped_steps": int(state.get("skipped_steps", 0)),
+        # Gradients are not saved: resume at an accumulation boundary, under this run's accumulation.
+        "micro_steps": global_steps * target.config.gradient_accumulation_steps,
+    })
+    target.loss_scaler.load_state_dict(decode(state["loss_scaler"]))
+    scheduler = target.scheduler
     if load_lr_scheduler_states and scheduler is not None and state.get("lr_scheduler") is not None:
         scheduler.load_state_dict(decode(state["lr_scheduler"]))

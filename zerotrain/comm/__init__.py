@@ -9,6 +9,6 @@
   all-gather (qwZ).
 """
 from .core import Comm
-from .handles import CollectiveError, CommCounters
+from .handles import CollectiveError, CommCounters, Completed
 
-__all__ = ["Comm", "CommCounters", "CollectiveError"]
+__all__ = ["Comm", "CommCounters", "CollectiveError", "Completed"]

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..topology import Topology
 from . import same_host
-from .handles import CommCounters, _Done, _failure, _Named, _nbytes
+from .handles import CommCounters, Completed, _failure, _Named, _nbytes
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -114,7 +114,7 @@ class Comm:
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False):
         """In-place all-reduce of `tensor`."""
         if self.size == 1:
-            return _Done() if async_op else None
+            return Completed() if async_op else None
         self.counters.add("all_reduce", 2 * _nbytes(tensor) * self._ring_fraction())
         return self._call("all_reduce", dist.all_reduce, tensor, op=op, group=self.group, async_op=async_op)
 
@@ -234,7 +234,7 @@ class Comm:
         the local sum on gloo)."""
         if self.size == 1:
             output.copy_(input)
-            return _Done() if async_op else None
+            return Completed() if async_op else None
         if input.numel() != self.size * output.numel():
             raise ValueError(f"reduce_scatter needs input of {self.size} x {output.numel()} elements, "
                              f"got {input.numel()}")
@@ -254,7 +254,7 @@ class Comm:
         if self.size == 1:
             if input.data_ptr() != output.data_ptr():
                 output.copy_(input)
-            return _Done() if async_op else None
+            return Completed() if async_op else None
         if output.numel() != self.size * input.numel():
             raise ValueError(f"{kind} needs output of {self.size} x {input.numel()} elements, got {output.numel()}")
         fraction = self._ring_fraction()
@@ -275,7 +275,7 @@ class Comm:
         if self.size == 1:
             if input.data_ptr() != output.data_ptr():
                 output.copy_(input)
-            return _Done() if async_op else None
+            return Completed() if async_op else None
         fraction = self._ring_fraction()
         self.counters.add(kind, _nbytes(input) * fraction, None if logical_bytes is None else logical_bytes * fraction)
         return self._call(kind, dist.all_to_all_single, output, input, group=self.group, async_op=async_op)

@@ -2,7 +2,7 @@
 
 `CommCounters` counts calls and bytes per collective kind (ring bytes, see `core`);
 `CollectiveError` names the collective and the rank when a peer died or did not answer;
-`_Named` wraps a transport's handle so its wait() raises that error; `_Done` is the handle of
+`_Named` wraps a transport's handle so its wait() raises that error; `Completed` is the handle of
 a collective that had nothing to do (a world of one).
 """
 from __future__ import annotations
@@ -68,8 +68,8 @@ class _Named:
         return getattr(self._work, name)
 
 
-class _Done:
-    """A finished handle, so callers can wait() uniformly in a world of one."""
+class Completed:
+    """A finished handle, so callers can wait() uniformly in a world of one (or with nothing to reduce)."""
 
     def wait(self) -> bool:
         return True

@@ -27,7 +27,7 @@ at 1 and 2 threads (memory-bandwidth bound; torch foreach ~0.15x).
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import Callable, Collection, Optional
+from typing import Collection, Optional
 
 import torch
 
@@ -119,33 +119,20 @@ class OffloadOptimizer(ShardedOptimizer):
     """Masters, states and update of the offloaded buckets in host memory; the rest as ShardedOptimizer."""
 
     kind = "cpu"
+    snapshot_in_background = False  # MasterOptimizer: states paged in for the save (NVMe), updated in backward
 
     def __init__(self, buckets: list[FlatBucket], comm: Comm, optimizer: torch.optim.Optimizer,
                  group_params: list[list[torch.Tensor]], clip_norm: float, ratio: float = 1.0,
                  pin_memory: bool = False, reducer=None, host_grads: bool = True,
                  gradients: Optional[GlobalGradients] = None):
-        # Not ShardedOptimizer.__init__: it would allocate device masters that offload does not want.
-        self.buckets = buckets
-        self.comm = comm
-        self.clip_norm = clip_norm
-        self.gradients = gradients if gradients is not None else GlobalGradients(buckets, comm)
+        # Which buckets go to the host, known before ShardedOptimizer builds the masters (initial_master).
         self.ratio = ratio
         self.offloaded = choose_offloaded(buckets, ratio)
         self.device = buckets[0].device if buckets else torch.device("cpu")
-        self.masters: list[torch.Tensor] = []
-        for bucket, offloaded in zip(buckets, self.offloaded):
-            shard = bucket.local_shard()
-            if offloaded:
-                master = self.initial_host_master(shard, pin_memory)
-            else:
-                master = device_master(bucket, shard)
-            bucket.master = master
-            self.masters.append(master)
-        self.optimizer = optimizer
-        self._rewire(group_params)
+        self._pin_memory = pin_memory
+        super().__init__(buckets, comm, optimizer, group_params, clip_norm, gradients)
         prefer_fused(optimizer)
         self.cpu_adam = CpuAdamStepper(optimizer)  # our one-pass kernel for fp32 host masters
-        self.last_grad_norm: Optional[float] = None
         self.shards_written: set[int] = set()  # buckets whose model shard this step's kernel already wrote
         sizes = {i: b.shard_numel for i, b in enumerate(buckets) if self.offloaded[i]}
         self.host_grads = HostGradients(sizes, pin_memory) if host_grads else None
@@ -153,6 +140,13 @@ class OffloadOptimizer(ShardedOptimizer):
         self.reducer = reducer
         if reducer is not None:
             reducer.shard_ready_callbacks.append(self._on_shard_ready)
+
+    def initial_master(self, index: int, bucket: FlatBucket) -> torch.Tensor:
+        """Offloaded buckets: a host master (`initial_host_master`); the others on the device."""
+        shard = bucket.local_shard()
+        if self.offloaded[index]:
+            return self.initial_host_master(shard, self._pin_memory)
+        return device_master(bucket, shard)
 
     def initial_host_master(self, shard: torch.Tensor, pin_memory: bool) -> torch.Tensor:
         """An offloaded bucket's fp32 master, built from its model shard (NVMe overrides: into the files)."""
@@ -319,26 +313,3 @@ def resident_states(zero_optimizer, write_back: bool = True):
     """
     resident = getattr(zero_optimizer, "resident_states", None)
     return resident(write_back=write_back) if callable(resident) else nullcontext()
-
-
-def build_offload_optimizer(buckets: list[FlatBucket], comm: Comm, optimizer: torch.optim.Optimizer,
-                            reducer, config, loss_scale: Callable[[], float],
-                            gradients: Optional[GlobalGradients] = None) -> OffloadOptimizer:
-    """The offloaded optimizer the config's `zero_optimization.offload_optimizer` block asks for."""
-    offload = config.zero_optimization.offload_optimizer
-    groups = [g["params"] for g in optimizer.param_groups]
-    common = dict(ratio=float(offload.ratio), pin_memory=bool(offload.pin_memory), reducer=reducer,
-                  gradients=gradients)
-    if offload.device == "nvme":
-        from .nvme import NvmeOffloadOptimizer
-        built = NvmeOffloadOptimizer(buckets, comm, optimizer, groups, config.gradient_clipping,
-                                     nvme_path=offload.nvme_path, buffer_count=int(offload.buffer_count),
-                                     aio=config.aio, **common)
-    elif offload.super_offload:
-        from .speculative import SuperOffloadOptimizer
-        built = SuperOffloadOptimizer(buckets, comm, optimizer, groups, config.gradient_clipping,
-                                      loss_scale=loss_scale, speculation=offload.super_offload_speculation,
-                                      **common)
-    else:
-        built = OffloadOptimizer(buckets, comm, optimizer, groups, config.gradient_clipping, **common)
-    return built

@@ -44,7 +44,6 @@ from typing import Collection, Optional
 
 import torch
 
-from ..parallel.experts import partition_comm
 from .aio import ALIGN, AlignedBuffers, OffloadIOError, open_swap_directory, round_up
 from .cpu_adam import COPY_BACK_DTYPES, adam_step
 from .cpu_optimizer import OffloadOptimizer
@@ -356,7 +355,7 @@ class NvmeOffloadOptimizer(NvmeStream, NvmeRecords, OffloadOptimizer):
             if from_master and master.data_ptr() != shard.data_ptr():
                 shard.copy_(master)
             if bucket.keeps_full_copy and (bucket.partitions > 1 or shard.data_ptr() != bucket.flat_param.data_ptr()):
-                comm = partition_comm(bucket, self.comm)  # split experts: their expert-data-parallel group
+                comm = bucket.group.comm  # split experts: their expert-data-parallel group
                 handles.append(comm.all_gather(bucket.flat_param, shard, async_op=True))
         for handle in handles:
             handle.wait()

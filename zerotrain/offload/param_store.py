@@ -37,6 +37,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from ..zero.interfaces import ParamStore
 from .aio import AlignedBuffers, AsyncFileIO, OffloadIOError, open_swap_directory, round_up
 
 
@@ -48,7 +49,7 @@ def _nbytes(part) -> int:
     return part.shard_numel * part.dtype.itemsize
 
 
-class HostParamStore:
+class HostParamStore(ParamStore):
     """`offload_param.device = cpu`: every offloaded shard is a (pinned) host tensor."""
 
     kind = "cpu"
@@ -97,7 +98,7 @@ class HostParamStore:
         """Nothing to release."""
 
 
-class NvmeParamStore:
+class NvmeParamStore(ParamStore):
     """`offload_param.device = nvme`: shards in a file per rank, a bounded host cache, async I/O."""
 
     kind = "nvme"
@@ -338,10 +339,9 @@ def build_param_store(parts: list, offload, aio, rank: int):
 
 
 @contextmanager
-def resident_model_states(engine, write_back: bool = True):
+def resident_model_states(zero_optimizer, store, write_back: bool = True):
     """Optimizer states and offloaded parameter shards in memory together (checkpoint save and load)."""
     from .cpu_optimizer import resident_states
-    store = getattr(engine, "param_store", None)
-    with resident_states(engine.zero_optimizer, write_back=write_back):
+    with resident_states(zero_optimizer, write_back=write_back):
         with (store.resident(write_back=write_back) if store is not None else nullcontext()):
             yield

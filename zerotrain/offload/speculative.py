@@ -73,6 +73,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..zero.stage3.partition import Fence
 from .cpu_optimizer import OffloadOptimizer, host_empty, tensor_bytes
 from .partial import SubsetStepper
 
@@ -135,8 +136,9 @@ class SuperOffloadOptimizer(OffloadOptimizer):
     keeps_reduced_gradients = True  # a clipped redo starts again from them
 
     def __init__(self, *args, loss_scale: Callable[[], float] = lambda: 1.0, speculation: str = "adaptive",
-                 **kwargs):
+                 fence: Optional[Fence] = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self._fence = fence  # the engine's checkpoint fence: pending async snapshot copies of its slots
         if speculation not in ("adaptive", "always"):
             raise ValueError(f"speculation must be 'adaptive' or 'always', got {speculation!r}")
         self._adaptive = speculation == "adaptive"
@@ -202,8 +204,8 @@ class SuperOffloadOptimizer(OffloadOptimizer):
             self.cpu_adam.step_to(master, self.kernel_gradient(index, grad), group_index, spare, multiplier,
                                   copy_to=target)
         else:
-            from ..checkpoint.fence import fence_snapshots  # late: zerotrain.checkpoint imports the engine's parts
-            fence_snapshots()  # an async save may still be copying this master and its states (step() fences later)
+            if self._fence is not None:  # an async save may still be copying this master and its states
+                self._fence.wait()       # (step() fences later)
             host = self.host_gradient(index, grad, multiplier)
             self._backups.setdefault(index, _Backup()).save(master, self.optimizer.state.get(master))
             self._saved.add(index)

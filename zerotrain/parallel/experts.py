@@ -6,8 +6,8 @@ shape smaller than the full one), and the MoE layer's all-to-all runs inside it.
 the same position in their ep group hold the same experts: an expert-data-parallel group of
 `dp_size / ep_size` ranks (`ExpertGroups`, built once from the Topology and passed explicitly).
 
-Expert weights go into buckets of their own, flagged `expert_local` and carrying the groups
-(`bucket.expert_groups`). After backward an expert gradient holds every token of its ep group
+Expert weights go into buckets of their own whose ShardGroup (`bucket.group`, zerotrain.sharding)
+is the expert-data-parallel group, carrying the ExpertGroups (`zero.flat.build_sharded_buckets`). After backward an expert gradient holds every token of its ep group
 routed to this rank's experts; the reducer divides it by the data-parallel size (the loss is the
 mean of every dp rank's loss) and sums it over the expert-data-parallel group: an all-reduce at
 stage 0, a reduce-scatter at stages 1-2, where expert buckets are partitioned over that group
@@ -20,14 +20,14 @@ each slice from one expert-data-parallel replica.
 Optimizer offload (`offload_optimizer`: cpu, `super_offload`, nvme, any ratio) works unchanged at
 stages 1-2: its masters are this rank's shards whatever group they are partitioned over, the
 norm comes from the same GlobalGradients, and every publish all-gathers a bucket over
-`partition_comm(bucket, comm)` (the NVMe optimizer's failure agreement stays over all ranks).
+`bucket.group.comm` (the NVMe optimizer's failure agreement stays over all ranks).
 
 qgZ (`zero_quantized_gradients`, stages 1-2, LoCo included) quantizes expert buckets too: their
 reduce-scatter is the int4 all-to-all reduce over the expert-data-parallel group, in one hop
 (the dense buckets keep the two-hop reduce across nodes); a group of one rank reduces nothing.
 
-Stage 3 partitions each split expert over its expert-data-parallel group (`zero.stage3.setup`,
-flagged and carrying the groups like a bucket); the module hooks gather it there (never in one
+Stage 3 partitions each split expert over its expert-data-parallel group (`zero.stage3.setup`:
+its ShardGroup is that group, like a bucket's); the module hooks gather it there (never in one
 collective with dense parameters), the stage-3 reducer reduce-scatters its gradient there (divided
 by the data-parallel size), and persistent ones are all-gathered there after each step.
 GatheredParameters reads experts; a `modifier_rank` write to them is refused.
@@ -52,40 +52,17 @@ not dividing the dp size, or experts not matching the consecutive-rank layout: V
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ..comm import Comm
 from .gather import assemble_full_tensors
-from .slices import TensorSlice
+from ..sharding import ExpertGroups, TensorSlice, expert_slice_of, is_split_expert
 
 __all__ = ["ExpertGroups", "expert_slice_of", "is_split_expert", "expert_parallel_size", "check_expert_parallel",
-           "build_expert_groups", "partition_comm", "counts_expert_replica", "build_buckets_with_experts",
-           "gather_expert_weights"]
-
-
-@dataclass
-class ExpertGroups:
-    """The Comms of split experts: `ep` spans the ep_size consecutive data-parallel ranks that hold every
-    expert between them; `data` spans the ranks holding the same experts as this one."""
-
-    ep_size: int
-    ep: Comm
-    data: Comm
-
-
-def expert_slice_of(param: torch.Tensor) -> Optional[TensorSlice]:
-    """The TensorSlice an expert-parallel parameter carries, or None."""
-    return getattr(param, "ep_slice", None)
-
-
-def is_split_expert(param: torch.Tensor) -> bool:
-    """True for an expert weight of which this rank holds only some experts."""
-    expert_slice = expert_slice_of(param)
-    return expert_slice is not None and expert_slice.local_shape != expert_slice.full_shape
+           "build_expert_groups", "gather_expert_weights"]
 
 
 def _split_ways(expert_slice: TensorSlice) -> int:
@@ -148,44 +125,6 @@ def build_expert_groups(model: torch.nn.Module, topology, comm: Comm) -> Optiona
     return ExpertGroups(ep_size, ep, data)
 
 
-def partition_comm(bucket, comm: Comm) -> Comm:
-    """The Comm a bucket is reduced, partitioned and gathered over: `comm` (the data-parallel one), or
-    the expert-data-parallel group for split experts."""
-    groups: Optional[ExpertGroups] = getattr(bucket, "expert_groups", None)
-    return groups.data if groups is not None else comm
-
-
-def counts_expert_replica(bucket) -> bool:
-    """Whether this rank's shard of an expert bucket counts in global sums (norms): always when the
-    bucket is partitioned, else only on expert-data-parallel rank 0 (the others hold replicas)."""
-    groups: Optional[ExpertGroups] = getattr(bucket, "expert_groups", None)
-    return groups is None or bucket.partitions > 1 or groups.data.rank == 0
-
-
-def build_buckets_with_experts(named_params: Iterable[tuple[str, torch.nn.Parameter]], group_of: dict[int, int],
-                               bucket_numel: int, partitions: int, rank: int,
-                               experts: Optional[ExpertGroups] = None) -> list:
-    """`zero.flat.build_buckets`, with split expert parameters in buckets of their own after the others,
-    flagged `expert_local` and carrying `experts` (`expert_groups`): partitioned over the
-    expert-data-parallel group when the others are partitioned (stages 1-2), else one partition."""
-    from ..zero.flat import build_buckets
-
-    named = list(named_params)
-    shared = [(name, p) for name, p in named if not is_split_expert(p)]
-    split = [(name, p) for name, p in named if is_split_expert(p)]
-    buckets = build_buckets(shared, group_of, bucket_numel, partitions, rank)
-    if split and experts is None:
-        raise ValueError(f"expert-parallel parameters {[n for n, _ in split[:4]]} need their ExpertGroups")
-    expert_partitions = experts.data.size if split and partitions > 1 else 1
-    expert_rank = experts.data.rank if expert_partitions > 1 else 0
-    for bucket in build_buckets(split, group_of, bucket_numel, expert_partitions, expert_rank):
-        bucket.index = len(buckets)
-        bucket.expert_local = True
-        bucket.expert_groups = experts
-        buckets.append(bucket)
-    return buckets
-
-
 def gather_expert_weights(buckets: list, masters: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """Whole fp32 CPU expert tensors `(num_experts, ...)` on data-parallel rank 0 (an empty dict
     elsewhere): each expert-data-parallel group joins its shards on its rank 0, then the first
@@ -195,9 +134,9 @@ def gather_expert_weights(buckets: list, masters: list[torch.Tensor]) -> dict[st
     slices: dict[str, TensorSlice] = {}
     groups: Optional[ExpertGroups] = None
     for bucket, master in zip(buckets, masters):
-        if not getattr(bucket, "expert_local", False):
+        if not bucket.group.expert:
             continue
-        groups = bucket.expert_groups
+        groups = bucket.group.experts
         shard = master.detach().to(device=bucket.device, dtype=torch.float32)  # gathered on the training device
         if bucket.partitions > 1:
             pieces = groups.data.gather_to(shard.contiguous(), 0)

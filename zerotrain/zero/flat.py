@@ -4,77 +4,57 @@ A :class:`FlatBucket` lays a run of parameters end to end in one contiguous
 buffer (the parameters become views into it), pads it to a multiple of the
 number of partitions, and assigns partition r the r-th equal slice. Every stage
 uses the same buckets: stage 0 with one partition (each rank holds all), stages
-1 and 2 with one partition per data-parallel rank.
+1 and 2 with one partition per data-parallel rank. A bucket carries its
+:class:`~zerotrain.sharding.ShardGroup` (`bucket.group`): the Comm it is reduced and
+gathered over and how it counts in norms; split experts are buckets whose group is
+their expert-data-parallel group (`build_sharded_buckets`).
 
 Each piece of a parameter that falls inside a shard is described by a
-:class:`ShardRecord`; checkpointing, clipping and tests read those records rather
+:class:`~zerotrain.sharding.ShardRecord`; checkpointing, clipping and tests read those records rather
 than re-deriving the layout.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
+from ..comm import Comm
+from ..sharding import ExpertGroups, ShardGroup, ShardRecord, is_split_expert
 
-@dataclass(frozen=True)
-class ShardRecord:
-    """Where one piece of a parameter sits: in the full tensor and in a shard.
 
-    The piece covers elements [param_start, param_start + numel) of the
-    parameter flattened in row-major order, and elements
-    [shard_start, shard_start + numel) of the shard buffer.
+class ShardLayout:
+    """The layout of a run of parameters laid end to end, padded and cut into equal shards over a
+    ShardGroup: what a FlatBucket (stages 0-2) and a PartitionedParam (stage 3, one parameter) share.
+
+    Partition `rank` owns elements [rank * shard_numel, (rank + 1) * shard_numel) of the flat layout.
     """
 
-    name: str
-    full_shape: tuple
-    param_start: int
-    numel: int
-    shard_start: int
+    keeps_full_copy = True  # stages 1-2: every rank holds the whole flat buffer between steps
 
-
-class FlatBucket:
-    """A contiguous run of parameters of one dtype and one optimizer group.
-
-    `flat_param` holds the full (unsharded) values in the training dtype and every
-    parameter's `.data` is a view into it. Partition `rank` owns elements
-    [rank * shard_numel, (rank + 1) * shard_numel) of it.
-    """
-
-    def __init__(self, index: int, named_params: Sequence[tuple[str, torch.nn.Parameter]],
-                 group_index: int, partitions: int, rank: int):
-        if not named_params:
+    def __init__(self, index: int, names: list[str], params: list[torch.nn.Parameter], shapes: list[tuple],
+                 group_index: int, group: ShardGroup):
+        if not params:
             raise ValueError("a bucket needs at least one parameter")
         self.index = index
         self.group_index = group_index
-        self.partitions = partitions
-        self.rank = rank
-        self.names = [name for name, _ in named_params]
-        self.params = [param for _, param in named_params]
-        self.shapes = [tuple(param.shape) for param in self.params]
-        self.numels = [param.numel() for param in self.params]
-        first = self.params[0]
-        self.dtype, self.device = first.dtype, first.device
+        self.group = group
+        self.partitions = partitions = group.partitions
+        self.rank = group.rank
+        self.names = names
+        self.params = params
+        self.shapes = shapes
+        self.numels = [int(torch.Size(shape).numel()) for shape in shapes]
         self.offsets: list[int] = []
         total = 0
-        for param in self.params:
+        for numel in self.numels:
             self.offsets.append(total)
-            total += param.numel()
+            total += numel
         self.numel = total
         self.padded_numel = -(-total // partitions) * partitions
         self.shard_numel = self.padded_numel // partitions
-        self.flat_param = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            for param, offset in zip(self.params, self.offsets):
-                view = self.flat_param[offset:offset + param.numel()].view_as(param)
-                view.copy_(param.data)
-                param.data = view
-
-    keeps_full_copy = True  # stages 1-2: every rank holds the whole flat buffer between steps
-    # Expert-parallel weights (parallel/experts.py): different experts on every rank, one partition,
-    # gradients never reduced across ranks and norms summed over all of them.
-    expert_local = False
+        first = params[0]
+        self.dtype, self.device = first.dtype, first.device
 
     # --- layout -----------------------------------------------------------
     def shard_bounds(self, rank: int | None = None) -> tuple[int, int]:
@@ -102,10 +82,6 @@ class FlatBucket:
                 records.append(ShardRecord(name, shape, lo - offset, hi - lo, lo - start))
         return records
 
-    def local_shard(self) -> torch.Tensor:
-        """This rank's shard of the parameters, in the training dtype (a view of flat_param)."""
-        return self.shard_of(self.flat_param)
-
     def new_zeros(self) -> torch.Tensor:
         """A zeroed full-size flat tensor of the bucket's dtype (for gradient staging)."""
         return torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
@@ -115,30 +91,42 @@ class FlatBucket:
         return {name: self.param_view(i, flat) for i, name in enumerate(self.names)}
 
 
-@dataclass
-class ShardedSlot:
-    """One master tensor this rank updates, with the records of where its pieces belong.
+class FlatBucket(ShardLayout):
+    """A contiguous run of parameters of one dtype and one optimizer group.
 
-    `master` (fp32), `model_shard` (training dtype) and every per-element optimizer
-    state are 1-D tensors of the same layout; `records` maps ranges of that layout
-    to named parameters. `replicated` is true when every rank holds the same slot
-    (stage 0), so only one rank needs to write it.
+    `flat_param` holds the full (unsharded) values in the training dtype and every
+    parameter's `.data` is a view into it. Partition `rank` owns elements
+    [rank * shard_numel, (rank + 1) * shard_numel) of it. `group` is what it is sharded over;
+    without one (single-process use: tests, benchmarks) `partitions` and `rank` describe a
+    comm-less group.
     """
 
-    records: list
-    master: torch.Tensor
-    model_shard: torch.Tensor
-    replicated: bool
+    def __init__(self, index: int, named_params: Sequence[tuple[str, torch.nn.Parameter]],
+                 group_index: int, partitions: int = 1, rank: int = 0, *, group: Optional[ShardGroup] = None):
+        params = [param for _, param in named_params]
+        super().__init__(index, [name for name, _ in named_params], params, [tuple(p.shape) for p in params],
+                         group_index, group if group is not None else ShardGroup(None, partitions, rank))
+        self.flat_param = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for param, offset in zip(self.params, self.offsets):
+                view = self.flat_param[offset:offset + param.numel()].view_as(param)
+                view.copy_(param.data)
+                param.data = view
+
+    def local_shard(self) -> torch.Tensor:
+        """This rank's shard of the parameters, in the training dtype (a view of flat_param)."""
+        return self.shard_of(self.flat_param)
 
 
 def build_buckets(named_params: Iterable[tuple[str, torch.nn.Parameter]], group_of: dict[int, int],
-                  bucket_numel: int, partitions: int, rank: int) -> list[FlatBucket]:
+                  bucket_numel: int, group: ShardGroup) -> list[FlatBucket]:
     """Pack trainable parameters into buckets of at most `bucket_numel` elements.
 
     Parameters are taken in reverse registration order, which is roughly the order
     backward produces their gradients, so the first bucket fills first. A bucket
     never mixes dtypes or optimizer groups; a parameter larger than the limit gets
-    a bucket of its own. `group_of` maps id(param) to its optimizer group index.
+    a bucket of its own. `group_of` maps id(param) to its optimizer group index; every
+    bucket is sharded over `group`.
     """
     ordered = [(name, p) for name, p in named_params if p.requires_grad][::-1]
     buckets: list[FlatBucket] = []
@@ -148,7 +136,7 @@ def build_buckets(named_params: Iterable[tuple[str, torch.nn.Parameter]], group_
     def close() -> None:
         nonlocal current, current_numel
         if current:
-            buckets.append(FlatBucket(len(buckets), current, group_of[id(current[0][1])], partitions, rank))
+            buckets.append(FlatBucket(len(buckets), current, group_of[id(current[0][1])], group=group))
         current, current_numel = [], 0
 
     for name, param in ordered:
@@ -160,4 +148,24 @@ def build_buckets(named_params: Iterable[tuple[str, torch.nn.Parameter]], group_
         current.append((name, param))
         current_numel += param.numel()
     close()
+    return buckets
+
+
+def build_sharded_buckets(named_params: Iterable[tuple[str, torch.nn.Parameter]], group_of: dict[int, int],
+                          bucket_numel: int, comm: Comm, partitioned: bool,
+                          experts: Optional[ExpertGroups] = None) -> list[FlatBucket]:
+    """The buckets of stages 0-2: dense parameters over `comm` (partitioned over it at stages 1-2), then
+    split expert parameters (zerotrain.parallel.experts) in buckets of their own over their
+    expert-data-parallel group (`experts.data`), partitioned there when the dense ones are."""
+    named = list(named_params)
+    shared = [(name, p) for name, p in named if not is_split_expert(p)]
+    split = [(name, p) for name, p in named if is_split_expert(p)]
+    buckets = build_buckets(shared, group_of, bucket_numel, ShardGroup.over(comm, partitioned))
+    if split and experts is None:
+        raise ValueError(f"expert-parallel parameters {[n for n, _ in split[:4]]} need their ExpertGroups")
+    if split:
+        expert_group = ShardGroup.over(comm, partitioned and experts.data.size > 1, experts)
+        for bucket in build_buckets(split, group_of, bucket_numel, expert_group):
+            bucket.index = len(buckets)
+            buckets.append(bucket)
     return buckets

@@ -7,8 +7,8 @@ that every distinct gradient element counts exactly once, squares are summed ove
 data-parallel ranks when buckets are partitioned, split slices over the tensor-parallel
 ranks, and replicated parameters are taken from tensor-parallel rank 0 alone. Which pieces
 of a shard are split comes from the shard records and the parameters' TensorSlice.
-Expert-local buckets (zerotrain.parallel.experts) are summed over the data-parallel ranks
-too: partitioned ones over the expert-data-parallel group contribute their shards, replicated
+Expert buckets (whose ShardGroup is the expert-data-parallel group, zerotrain.sharding) are
+summed over the data-parallel ranks too: partitioned ones over the expert-data-parallel group contribute their shards, replicated
 ones only from that group's rank 0, so each expert element counts once whatever ep_size is.
 With tensor parallelism experts are not split by it (no `tp_slice`): like replicated parameters
 they count on tensor-parallel rank 0 only (`_split_ranges` leaves them out elsewhere).
@@ -21,8 +21,7 @@ from typing import Collection, Optional
 import torch
 
 from ..comm import Comm
-from ..parallel.experts import counts_expert_replica
-from ..parallel.slices import tensor_slice_of
+from ..sharding import tensor_slice_of
 from .flat import FlatBucket
 
 __all__ = ["GlobalGradients", "squared_l2"]
@@ -54,10 +53,10 @@ class GlobalGradients:
 
     def __init__(self, buckets: list[FlatBucket], comm: Comm, tp_comm: Optional[Comm] = None):
         self.comm = comm
-        # Buckets whose squares are summed over the data-parallel ranks: partitioned or expert-local.
-        self._distinct = [bucket.partitions > 1 or getattr(bucket, "expert_local", False) for bucket in buckets]
+        # Buckets whose squares are summed over the data-parallel ranks: partitioned or split experts.
+        self._distinct = [bucket.group.distinct for bucket in buckets]
         # Expert replicas over the expert-data-parallel group count on one rank of it only.
-        self._counted = [counts_expert_replica(bucket) for bucket in buckets]
+        self._counted = [bucket.group.counts_in_norm for bucket in buckets]
         self.tp_comm = tp_comm if tp_comm is not None and tp_comm.size > 1 else None
         # Tensor-parallel ranks other than 0 count only their split slices.
         self._split_only: Optional[list[list[tuple[int, int]]]] = None

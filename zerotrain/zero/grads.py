@@ -34,12 +34,11 @@ from typing import Optional
 
 import torch
 
-from ..comm import Comm
+from ..comm import Comm, Completed
 from ..comm.compressed import QuantizedReduceScatter
-from ..comm.handles import _Done
 from ..comm.quant import DEFAULT_BLOCK
-from ..parallel.experts import partition_comm
 from .flat import FlatBucket
+from .interfaces import GradientReducer
 
 
 @dataclass
@@ -54,7 +53,7 @@ class GradQuantization:
     hierarchy: Optional[tuple[Comm, Comm]] = None
 
 
-class GradReducer:
+class GradReducer(GradientReducer):
     """Owns gradient buffers and the hooks that reduce them during backward."""
 
     def __init__(self, buckets: list[FlatBucket], comm: Comm, stage: int, reduce_dtype: Optional[torch.dtype] = None,
@@ -215,8 +214,8 @@ class GradReducer:
             source = staging = self._finish_staging(bucket_index)
         if self.reduce_dtype is not None and source.dtype != self.reduce_dtype:
             source = source.to(self.reduce_dtype)
-        expert = getattr(bucket, "expert_local", False)
-        comm = partition_comm(bucket, self.comm)  # experts: their expert-data-parallel group
+        expert = bucket.group.expert
+        comm = bucket.group.comm  # experts: their expert-data-parallel group
         if expert:  # divided by the data-parallel size, before the sum over the expert replicas
             if self.comm.size > 1 and (self.keeps_full_grads or not self._predivides(bucket)):
                 source.div_(self.comm.size)
@@ -253,7 +252,7 @@ class GradReducer:
                 reduced = storage.copy_(source)
             else:
                 reduced = source.clone()
-        self._pending.append((bucket_index, _Done(), reduced, staging))  # no collective to wait for
+        self._pending.append((bucket_index, Completed(), reduced, staging))  # no collective to wait for
         self._drain(keep=1)
 
     def _drain(self, keep: int) -> None:
@@ -285,7 +284,7 @@ class GradReducer:
         if self.stage == 0 and reduced is not self.full_grads[bucket_index]:
             self.full_grads[bucket_index].copy_(reduced)  # reduced in another dtype
             reduced = self.full_grads[bucket_index]
-        if self._divides_shard(reduced.dtype) and not getattr(self.buckets[bucket_index], "expert_local", False):
+        if self._divides_shard(reduced.dtype) and not self.buckets[bucket_index].group.expert:
             reduced.div_(self.comm.size)
         self.grad_shards[bucket_index] = reduced.float() if reduced.dtype != torch.float32 else reduced
 
@@ -302,7 +301,7 @@ class GradReducer:
                            quantization: GradQuantization) -> Optional[QuantizedReduceScatter]:
         """qgZ's reducer of one bucket: over the data-parallel ranks (two hops across nodes), or for split
         experts over their expert-data-parallel group in one hop (None where that group is this rank alone)."""
-        comm = partition_comm(bucket, self.comm)
+        comm = bucket.group.comm
         if comm.size == 1:
             return None
         hierarchy = quantization.hierarchy if comm is self.comm else None
@@ -372,7 +371,7 @@ class GradReducer:
                 "loco": self.loco_enabled,
                 # expert buckets: how many ranks share each one's reduction (the expert-data-parallel group)
                 "expert_partitions": [bucket.partitions for bucket in self.buckets
-                                      if getattr(bucket, "expert_local", False)]}
+                                      if bucket.group.expert]}
 
     def loco_bytes(self) -> int:
         """Bytes of LoCo error buffers this rank holds (8-bit values plus block scales)."""

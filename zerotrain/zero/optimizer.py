@@ -17,9 +17,9 @@ from typing import Collection, Optional
 import torch
 
 from ..comm import Comm
-from ..parallel.experts import partition_comm
 from .flat import FlatBucket
 from .gradnorm import GlobalGradients
+from .interfaces import MasterOptimizer
 
 
 def is_own_master(bucket: FlatBucket) -> bool:
@@ -33,8 +33,10 @@ def device_master(bucket: FlatBucket, shard: torch.Tensor) -> torch.Tensor:
     return shard if is_own_master(bucket) else shard.detach().to(device=bucket.device, dtype=torch.float32, copy=True)
 
 
-class ShardedOptimizer:
-    """Wraps a torch optimizer whose parameters are this rank's fp32 master shards."""
+class ShardedOptimizer(MasterOptimizer):
+    """Wraps a torch optimizer whose parameters are this rank's fp32 master shards.
+
+    Subclasses (zerotrain.offload) choose where a bucket's master lives by overriding `initial_master`."""
 
     def __init__(self, buckets: list[FlatBucket], comm: Comm, optimizer: torch.optim.Optimizer,
                  group_params: list[list[torch.Tensor]], clip_norm: float,
@@ -45,13 +47,18 @@ class ShardedOptimizer:
         self.clip_norm = clip_norm
         self.gradients = gradients if gradients is not None else GlobalGradients(buckets, comm)
         self.masters: list[torch.Tensor] = []
-        for bucket in buckets:
-            master = device_master(bucket, bucket.local_shard())
+        for index, bucket in enumerate(buckets):
+            master = self.initial_master(index, bucket)
             bucket.master = master
             self.masters.append(master)
         self.optimizer = optimizer
         self._rewire(group_params)
         self.last_grad_norm: Optional[float] = None
+        self.stats: dict[str, float] = {}  # counters of offloaded optimizers (MasterOptimizer.stats)
+
+    def initial_master(self, index: int, bucket: FlatBucket) -> torch.Tensor:
+        """Bucket `index`'s fp32 master, built from its model shard: on the device (`device_master`)."""
+        return device_master(bucket, bucket.local_shard())
 
     def _rewire(self, group_params: list[list[torch.Tensor]]) -> None:
         """Point every optimizer group at the master shards of its buckets, dropping old state."""
@@ -107,7 +114,7 @@ class ShardedOptimizer:
                 shard.copy_(master)
             if bucket.keeps_full_copy and (bucket.partitions > 1 or shard.data_ptr() != bucket.flat_param.data_ptr()):
                 # Stages 1-2 (and stage-3 parameters kept whole): refresh the full copy now.
-                comm = partition_comm(bucket, self.comm)  # split experts: their expert-data-parallel group
+                comm = bucket.group.comm  # split experts: their expert-data-parallel group
                 handles.append(comm.all_gather(bucket.flat_param, shard, async_op=True))
         for handle in handles:
             handle.wait()

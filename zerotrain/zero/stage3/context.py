@@ -9,7 +9,7 @@ local shard (see `partition.ZeroParameter`).
 `GatheredParameters(params, modifier_rank=None)` gathers parameters for user code;
 with `modifier_rank`, that rank's values are broadcast on exit and written back
 into every rank's shard and fp32 master, after waiting for any asynchronous
-checkpoint still copying those shards (`zerotrain.checkpoint.fence`).
+checkpoint still copying those shards (the engine's fence, `PartitionedParam.fence`).
 """
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ from typing import Iterable, Optional, Union
 import torch
 
 from ...comm import Comm
+from ...sharding import ShardGroup
 from ...topology import Topology
 from .fetch import gather_standalone
-from .partition import PartitionedParam, ZeroParameter, partition_parameter
+from .partition import PartitionedParam, ZeroParameter, partition_parameter, wait_for_snapshots
 
 
 class Init:
@@ -79,8 +80,7 @@ class Init:
                 if self.dtype is not None and param.is_floating_point():
                     param.data = param.data.to(self.dtype)
                 param.data = param.data.to(self.device)
-            part = partition_parameter(name, param, self.comm.size, self.comm.rank)
-            part.comm = self.comm
+            part = partition_parameter(name, param, ShardGroup.over(self.comm, True))
 
 
 def _all_module_classes() -> list[type]:
@@ -104,7 +104,7 @@ def GatheredParameters(params: Union[torch.nn.Parameter, Iterable[torch.nn.Param
     if not enabled or not parts:
         yield
         return
-    experts = [part.names[0] for part in parts if getattr(part, "expert_local", False)]
+    experts = [part.names[0] for part in parts if part.group.expert]
     if experts and modifier_rank is not None:  # each expert-parallel rank holds other experts: no one modifier
         raise NotImplementedError(f"GatheredParameters(modifier_rank={modifier_rank}) on expert-parallel parameters "
                                   f"{experts[:4]} is not supported (read-only gathers are)")
@@ -114,15 +114,14 @@ def GatheredParameters(params: Union[torch.nn.Parameter, Iterable[torch.nn.Param
         fetcher.hold(parts)
         comm = fetcher.comm
     else:
-        comm = getattr(parts[0], "comm", None)
+        comm = parts[0].group.comm
         for part in parts:
             if not part.gathered:
                 gather_standalone(part, comm)
     try:
         yield
         if modifier_rank is not None:
-            from ...checkpoint.fence import fence_snapshots  # here: zerotrain.checkpoint imports zero
-            fence_snapshots()  # an async save may still be copying these shards and masters
+            wait_for_snapshots(parts)  # an async save may still be copying these shards and masters
             for part in parts:
                 full = part.flat_param
                 comm.broadcast(full, src=modifier_rank)

@@ -60,10 +60,8 @@ import torch
 
 from ...comm import Comm
 from ...comm.compressed import QuantizedAllGather
-from ...parallel.experts import partition_comm
 from .buffers import BufferPool
 from .partition import PartitionedParam
-from .secondary import SecondaryPartitions
 from .trace import FetchTrace
 
 
@@ -72,7 +70,7 @@ from .trace import FetchTrace
 _BACKWARD = ("backward", "recompute")
 
 
-class ParamFetcher(SecondaryPartitions):
+class ParamFetcher:
     """Owns every gather and release of partitioned parameters for one engine."""
 
     def __init__(self, parts: list[PartitionedParam], comm: Comm, sequential: bool, prefetch_numel: int,
@@ -165,7 +163,7 @@ class ParamFetcher(SecondaryPartitions):
                 self._complete(id(part))
                 if id(part) in self._lossy:
                     exact = torch.empty_like(part.flat_param)
-                    partition_comm(part, self.comm).all_gather(exact, part.device_shard())
+                    part.group.comm.all_gather(exact, part.device_shard())
                     part.flat_param.copy_(exact)
                     self._lossy.discard(id(part))
         for part in parts:
@@ -269,12 +267,12 @@ class ParamFetcher(SecondaryPartitions):
             elif len(group) == 1:
                 part = group[0]
                 buffer = self.pool.take(part.padded_numel, part.dtype, part.device)
-                handle = partition_comm(part, self.comm).all_gather(buffer, part.device_shard(), async_op=True)
+                handle = part.group.comm.all_gather(buffer, part.device_shard(), async_op=True)
                 record = ("direct", buffer, group)
                 self._track_buffer(buffer)
             else:
                 staged = torch.cat([part.device_shard() for part in group])  # copy-in
-                comm = partition_comm(group[0], self.comm)  # split experts: their expert-data-parallel group
+                comm = group[0].group.comm  # split experts: their expert-data-parallel group
                 output = self.pool.take(staged.numel() * comm.size, staged.dtype, staged.device)
                 handle = comm.all_gather(output, staged, async_op=True)
                 record = ("bucket", output, group)
@@ -286,9 +284,39 @@ class ParamFetcher(SecondaryPartitions):
             for part in requested:
                 self._complete(id(part))
 
+    # --- hpZ: secondary partitions (keep at a global gather, gather in the hpZ group, drop) ------
+    def _keep_secondary(self, part: PartitionedParam) -> None:
+        """After a global gather: keep this rank's 1/H slice of the full parameter (split experts keep none:
+        the hpZ group holds other experts; they are gathered over their expert-data-parallel group)."""
+        if self.hpz is None or part.group.expert:
+            return
+        size = part.padded_numel // self.hpz.size  # N is a multiple of H, so this is exact
+        start = self.hpz.rank * size
+        old = self.secondaries.get(id(part))
+        if old is not None:
+            self.stats["secondary_bytes"] -= old.numel() * old.element_size()
+        secondary = part.flat_param[start:start + size].clone()
+        self.secondaries[id(part)] = secondary
+        self.stats["secondary_bytes"] += secondary.numel() * secondary.element_size()
+        self.stats["peak_secondary_bytes"] = max(self.stats["peak_secondary_bytes"], self.stats["secondary_bytes"])
+
+    def _gather_secondary(self, part: PartitionedParam, prefetch: bool = False) -> None:
+        if part.gathered or id(part) in self._inflight:
+            return
+        buffer = self.pool.take(part.padded_numel, part.dtype, part.device)
+        handle = self.hpz.all_gather(buffer, self.secondaries[id(part)], async_op=True, kind="all_gather_hpz")
+        self._track_buffer(buffer)
+        self._count_inflight([part], +1, prefetch)
+        self._inflight[id(part)] = (handle, ("secondary", buffer, [part]), prefetch)
+        self.stats["hpz_gathers"] += 1
+
+    def _drop_secondaries(self) -> None:
+        self.secondaries.clear()
+        self.stats["secondary_bytes"] = 0
+
     def _weight_quantizer(self, part: PartitionedParam) -> Optional[QuantizedAllGather]:
         """qwZ's gather for `part`'s group: the data-parallel one, or a split expert's expert-data-parallel one."""
-        comm = partition_comm(part, self.comm)
+        comm = part.group.comm
         if comm is self.comm or self.weight_quantizer is None or comm.size == 1:
             return self.weight_quantizer if comm is self.comm else None
         if id(comm) not in self._expert_quantizers:
@@ -318,7 +346,7 @@ class ParamFetcher(SecondaryPartitions):
             self._bind(group[0], buffer)
             self._keep_secondary(group[0])
             return
-        ranks = partition_comm(group[0], self.comm).size
+        ranks = group[0].group.comm.size
         rank_major = buffer.view(ranks, -1)
         offset = 0
         for part in group:  # copy-out: each parameter's chunks from every rank
@@ -384,7 +412,7 @@ def _by_dtype(parts: list[PartitionedParam], comm: Comm) -> list[list[Partitione
     """The parts gathered by one collective each: same dtype, same group (split experts: theirs)."""
     groups: dict[tuple[torch.dtype, int], list[PartitionedParam]] = {}
     for part in parts:
-        groups.setdefault((part.dtype, id(partition_comm(part, comm))), []).append(part)
+        groups.setdefault((part.dtype, id(part.group.comm)), []).append(part)
     return list(groups.values())
 
 

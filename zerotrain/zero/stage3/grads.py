@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 from ...comm import Comm
-from ...parallel.experts import partition_comm
+from ..interfaces import GradientReducer
 from .partition import PartitionedParam
 
 
@@ -57,23 +57,23 @@ class ReduceBucket:
 
 def build_reduce_buckets(parts: list[PartitionedParam], bucket_numel: int, comm: Comm) -> list[ReduceBucket]:
     """Group `parts` (in order) into buckets of at most `bucket_numel` elements, one dtype and one group
-    (`partition_comm`: split experts apart) per bucket."""
+    (the parts' ShardGroup Comm: split experts apart) per bucket. `comm` is the data-parallel Comm."""
     buckets: list[ReduceBucket] = []
     current: list[PartitionedParam] = []
     size = 0
     for part in parts:
         if current and (part.dtype != current[0].dtype or size + part.padded_numel > bucket_numel
-                        or partition_comm(part, comm) is not partition_comm(current[0], comm)):
-            buckets.append(ReduceBucket(len(buckets), current, partition_comm(current[0], comm)))
+                        or part.group.comm is not current[0].group.comm):
+            buckets.append(ReduceBucket(len(buckets), current, current[0].group.comm))
             current, size = [], 0
         current.append(part)
         size += part.padded_numel
     if current:
-        buckets.append(ReduceBucket(len(buckets), current, partition_comm(current[0], comm)))
+        buckets.append(ReduceBucket(len(buckets), current, current[0].group.comm))
     return buckets
 
 
-class Stage3GradReducer:
+class Stage3GradReducer(GradientReducer):
     """Reduce-scatters stage-3 gradients in buckets during backward; owns the fp32 gradient shards.
 
     Offers the GradReducer interface the engine and the optimizers use: `grad_shards`

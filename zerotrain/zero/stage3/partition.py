@@ -20,12 +20,26 @@ head in a user's loss).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..flat import FlatBucket
+from ...sharding import ShardGroup
+from ..flat import ShardLayout
+
+
+class Fence(Protocol):
+    """What a writer of shards or masters waits on first: the engine's fence for its pending asynchronous
+    checkpoint snapshot copies (`zerotrain.checkpoint.fence.SnapshotFences`, handed in by the engine)."""
+
+    def wait(self) -> None: ...
+
+
+def wait_for_snapshots(parts) -> None:
+    """Wait on the fence of every engine owning one of `parts` (none before an engine adopted them)."""
+    for fence in {id(part.fence): part.fence for part in parts if part.fence is not None}.values():
+        fence.wait()
 
 # In-place element-wise ops that can run on the shard alone (initializers, mostly).
 _SHARD_SAFE_INPLACE = {
@@ -44,24 +58,13 @@ _FULL_TENSOR_INITS = {
 _INITIALIZERS = _SHARD_SAFE_INPLACE | _FULL_TENSOR_INITS
 
 
-class PartitionedParam(FlatBucket):
-    """One parameter's layout and shard: a FlatBucket of a single parameter that stores only its shard."""
+class PartitionedParam(ShardLayout):
+    """One parameter's layout and shard: the ShardLayout of a single parameter that stores only its shard."""
 
-    def __init__(self, name: str, param: torch.nn.Parameter, partitions: int, rank: int,
+    def __init__(self, name: str, param: torch.nn.Parameter, group: ShardGroup,
                  group_index: int = 0, shard: Optional[torch.Tensor] = None, full_shape: Optional[tuple] = None):
-        self.index = 0
-        self.group_index = group_index
-        self.partitions = partitions
-        self.rank = rank
-        self.names = [name]
-        self.params = [param]
-        self.shapes = [tuple(full_shape if full_shape is not None else param.shape)]
-        self.offsets = [0]
-        self.numel = int(torch.Size(self.shapes[0]).numel())
-        self.numels = [self.numel]
-        self.padded_numel = -(-self.numel // partitions) * partitions
-        self.shard_numel = self.padded_numel // partitions
-        self.dtype, self.device = param.dtype, param.device
+        super().__init__(0, [name], [param], [tuple(full_shape if full_shape is not None else param.shape)],
+                         group_index, group)
         if shard is None:
             flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
             flat[:self.numel].copy_(param.data.reshape(-1))
@@ -73,6 +76,7 @@ class PartitionedParam(FlatBucket):
         self.master: Optional[torch.Tensor] = None  # set by the optimizer; kept in sync by GatheredParameters
         self.master_writer: Optional[Callable[[torch.Tensor], None]] = None  # set where the master is in files (NVMe)
         self.fetcher = None  # set by the engine's ParamFetcher
+        self.fence: Optional[Fence] = None  # set by the engine (partition_module): its async checkpoint's fence
         self.empty = self._placeholder()
         param.__class__ = ZeroParameter
         param._zero = self
@@ -118,6 +122,13 @@ class PartitionedParam(FlatBucket):
         """Hand the shard to an offload store (which keeps it from now on)."""
         shard, self._shard = self._shard, None
         return shard
+
+    def fetch_for_access(self) -> None:
+        """Gather now for use outside a module's forward (released again after the next backward)."""
+        if self.fetcher is None:
+            raise RuntimeError(f"parameter {self.names[0]} is partitioned (ZeRO-3) and no engine owns it yet; "
+                               "use zerotrain.zero.GatheredParameters to read it")
+        self.fetcher.fetch([self], reason="access")
 
     @property
     def offloaded(self) -> bool:
@@ -227,8 +238,7 @@ def _apply_to_full_then_shard(func: Callable, part: PartitionedParam, rest: tupl
     No gather: the old values are overwritten anyway. Each rank draws the whole tensor from its
     own generator, as torch would, so the shards together are torch's tensor when the ranks'
     generators agree (seeded alike, as for any data-parallel init)."""
-    from ...checkpoint.fence import fence_snapshots  # late: checkpoint imports zero
-    fence_snapshots()  # a pending async checkpoint copy reads this shard and master first
+    wait_for_snapshots([part])  # a pending async checkpoint copy reads this shard and master first
     full = torch.empty(part.shapes[0], dtype=part.dtype, device=part.device)
     with torch._C.DisableTorchFunctionSubclass():
         func(full, *rest, **kwargs)
@@ -239,8 +249,7 @@ def _apply_to_full_then_shard(func: Callable, part: PartitionedParam, rest: tupl
 def _apply_to_persistent(func: Callable, part: PartitionedParam, args: tuple, kwargs: dict):
     """An in-place initializer on a persistent (always whole) parameter: run it on the full copy,
     then take the result into the shard and the master, so the next step does not overwrite it."""
-    from ...checkpoint.fence import fence_snapshots  # late: checkpoint imports zero
-    fence_snapshots()
+    wait_for_snapshots([part])
     with torch._C.DisableTorchFunctionSubclass():
         result = func(*args, **kwargs)
         with torch.no_grad():
@@ -250,8 +259,7 @@ def _apply_to_persistent(func: Callable, part: PartitionedParam, args: tuple, kw
 
 def _apply_to_shard(func: Callable, part: PartitionedParam, rest: tuple, kwargs: dict):
     """Run an in-place element-wise op on the shard; full-shaped tensor operands are cut to the chunk."""
-    from ...checkpoint.fence import fence_snapshots  # late: checkpoint imports zero
-    fence_snapshots()  # a pending async checkpoint copy reads this shard and master first
+    wait_for_snapshots([part])  # a pending async checkpoint copy reads this shard and master first
     start, end = part.shard_bounds()
 
     def chunk_of(value):
@@ -274,20 +282,9 @@ def _apply_to_shard(func: Callable, part: PartitionedParam, rest: tuple, kwargs:
     return part.param
 
 
-def fetch_for_access(self: PartitionedParam) -> None:
-    """Gather now for use outside a module's forward (released again after the next backward)."""
-    if self.fetcher is None:
-        raise RuntimeError(f"parameter {self.names[0]} is partitioned (ZeRO-3) and no engine owns it yet; "
-                           "use zerotrain.zero.GatheredParameters to read it")
-    self.fetcher.fetch([self], reason="access")
-
-
-PartitionedParam.fetch_for_access = fetch_for_access
-
-
-def partition_parameter(name: str, param: torch.nn.Parameter, partitions: int, rank: int) -> PartitionedParam:
-    """Partition one full parameter in place: keep this rank's shard, release the rest."""
-    part = PartitionedParam(name, param, partitions, rank)
+def partition_parameter(name: str, param: torch.nn.Parameter, group: ShardGroup) -> PartitionedParam:
+    """Partition one full parameter in place over `group`: keep this rank's shard, release the rest."""
+    part = PartitionedParam(name, param, group)
     part.release()
     return part
 

@@ -7,10 +7,10 @@ from typing import Optional
 import torch
 
 from ...comm import Comm
-from ...parallel.experts import ExpertGroups, is_split_expert, partition_comm
+from ...sharding import ExpertGroups, ShardGroup, is_split_expert
 from .fetch import ParamFetcher
 from .hooks import Stage3Hooks
-from .partition import PartitionedParam, ZeroParameter, partition_parameter
+from .partition import Fence, PartitionedParam, ZeroParameter, partition_parameter
 
 
 @dataclass
@@ -59,7 +59,7 @@ def place_module(module: torch.nn.Module, device: torch.device, dtype: torch.dty
 def partition_module(module: torch.nn.Module, comm: Comm, group_of: dict[int, int],
                      persistence_threshold: int, sequential: bool, prefetch_numel: int,
                      max_live_numel: int = 10**9, max_reuse_distance: int = 10**9,
-                     experts: Optional[ExpertGroups] = None) -> Stage3Model:
+                     experts: Optional[ExpertGroups] = None, fence: Optional[Fence] = None) -> Stage3Model:
     """Partition every parameter of `module` (those built under zero.Init already are) and build its fetcher.
 
     Every rank starts from rank 0's values. Parameters with at most
@@ -67,6 +67,7 @@ def partition_module(module: torch.nn.Module, comm: Comm, group_of: dict[int, in
     for the optimizer), as DeepSpeed's `stage3_param_persistence_threshold` does.
     Split experts (`experts`, zerotrain.parallel.experts) are partitioned over their
     expert-data-parallel group instead, starting from that group's rank 0's values.
+    `fence` (the engine's checkpoint fence) is handed to every partitioned parameter.
     """
     trainable, frozen = [], []
     for name, param in module.named_parameters():
@@ -77,11 +78,13 @@ def partition_module(module: torch.nn.Module, comm: Comm, group_of: dict[int, in
             part.names = [name]
             if part.partitions != comm.size:
                 raise ValueError(f"parameter {name} was partitioned for {part.partitions} ranks, not {comm.size}")
+            part.group = ShardGroup.over(comm, True)  # the engine's Comm from now on (zero.Init had its own)
         else:
             with torch.no_grad():
                 comm.broadcast(param.data, src=0)
-            part = partition_parameter(name, param, comm.size, comm.rank)
+            part = partition_parameter(name, param, ShardGroup.over(comm, True))
         part.group_index = group_of.get(id(param), 0)
+        part.fence = fence  # the engine's: writes to this shard wait for its pending snapshot copies
         part.persistent = part.numel <= persistence_threshold
         (trainable if param.requires_grad and id(param) in group_of else frozen).append(part)
     trainable.reverse()
@@ -91,14 +94,14 @@ def partition_module(module: torch.nn.Module, comm: Comm, group_of: dict[int, in
     for part in trainable + frozen:  # persistent parameters are gathered once, in the same order everywhere
         if part.persistent:
             buffer = torch.empty(part.padded_numel, dtype=part.dtype, device=part.device)
-            partition_comm(part, comm).all_gather(buffer, part.shard)
+            part.group.comm.all_gather(buffer, part.shard)
             part.bind(buffer)
     return Stage3Model(trainable, frozen, fetcher)
 
 
 def _partition_expert(name: str, param: torch.nn.Parameter, experts: Optional[ExpertGroups],
                       trainable: bool) -> PartitionedParam:
-    """A split expert's PartitionedParam over its expert-data-parallel group (`expert_local`, carrying the groups)."""
+    """A split expert's PartitionedParam over its expert-data-parallel group (its ShardGroup, carrying the groups)."""
     if experts is None:
         raise ValueError(f"expert-parallel parameter {name!r} needs its ExpertGroups")
     if isinstance(param, ZeroParameter):
@@ -109,6 +112,4 @@ def _partition_expert(name: str, param: torch.nn.Parameter, experts: Optional[Ex
                                   f"train it, or use stages 0-2")
     with torch.no_grad():
         experts.data.broadcast(param.data, src=0)
-    part = partition_parameter(name, param, experts.data.size, experts.data.rank)
-    part.expert_local, part.expert_groups = True, experts
-    return part
+    return partition_parameter(name, param, ShardGroup.over(experts.data, True, experts))

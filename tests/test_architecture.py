@@ -1,0 +1,82 @@
+"""The import rules of docs/architecture.md hold in the code (pure static: no module is imported).
+
+Every `import` and `from ... import` in zerotrain/, at module level or inside a function (a lazy
+import breaks a rule as much as an eager one), is mapped to the part it comes from and the part
+it names; each part may import only the parts its row of the doc's table lists. The table is read
+from the doc itself, so the doc and this check cannot drift apart.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "zerotrain"
+DOC = ROOT / "docs" / "architecture.md"
+
+
+def rules() -> dict[str, set[str]]:
+    """part -> the parts it may import, from the table between the doc's import-rules markers."""
+    text = DOC.read_text()
+    match = re.search(r"<!-- import-rules -->(.*?)<!-- /import-rules -->", text, re.S)
+    assert match, f"{DOC}: no <!-- import-rules --> table"
+    table: dict[str, set[str]] = {}
+    for line in match.group(1).splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) < 2 or not cells[0].startswith("`"):
+            continue  # header, separator
+        table[cells[0].strip("`")] = set(re.findall(r"`([\w.]+)`", cells[1]))
+    return table
+
+
+def part_of(module: str) -> str:
+    """`zerotrain.zero.stage3.fetch` -> `zero`; `zerotrain.engine` -> `engine`; `zerotrain` -> `zerotrain`."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "zerotrain"
+    name = parts[1]
+    if not (PACKAGE / name).is_dir() and not (PACKAGE / f"{name}.py").is_file():
+        return "zerotrain"  # a name defined in zerotrain/__init__.py (`from .. import __version__`)
+    return name
+
+
+def imports(path: Path) -> list[tuple[str, int]]:
+    """(absolute module name, line) of every zerotrain import in `path`, lazy ones included."""
+    package = list(path.relative_to(ROOT).parts[:-1])  # what `from .` means here, module or __init__
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(package[:len(package) - (node.level - 1)])
+                if node.module:
+                    found.append((f"{base}.{node.module}", node.lineno))
+                else:
+                    found += [(f"{base}.{alias.name}", node.lineno) for alias in node.names]
+            elif node.module:
+                found.append((node.module, node.lineno))
+    return [(name, line) for name, line in found if name == "zerotrain" or name.startswith("zerotrain.")]
+
+
+def test_the_doc_lists_every_part():
+    table = rules()
+    parts = {"zerotrain"} | {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"} | \
+        {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    assert parts - set(table) == set(), f"parts missing from the import-rules table of {DOC}"
+    assert set(table) - parts == set(), f"{DOC} lists parts that do not exist"
+    unknown = {name for allowed in table.values() for name in allowed} - parts
+    assert unknown == set(), f"{DOC}: the table allows imports of unknown parts"
+
+
+def test_every_import_follows_the_rules():
+    table = rules()
+    broken = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = part_of(".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"))
+        for name, line in imports(path):
+            target = part_of(name)
+            if target != source and target not in table[source]:
+                broken.append(f"{path.relative_to(ROOT)}:{line}: {source} imports {name} ({target})")
+    assert broken == [], "imports that docs/architecture.md forbids:\n" + "\n".join(broken)

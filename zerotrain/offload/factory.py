@@ -1,0 +1,42 @@
+"""Which offloaded optimizer a config asks for: plain CPU offload, super_offload or NVMe.
+
+Its own module so that `cpu_optimizer` (the base) does not import its subclasses.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from ..comm import Comm
+from ..zero.flat import FlatBucket
+from ..zero.gradnorm import GlobalGradients
+from ..zero.stage3.partition import Fence
+from .cpu_optimizer import OffloadOptimizer
+from .nvme import NvmeOffloadOptimizer
+from .speculative import SuperOffloadOptimizer
+
+__all__ = ["build_offload_optimizer"]
+
+
+def build_offload_optimizer(buckets: list[FlatBucket], comm: Comm, optimizer: torch.optim.Optimizer,
+                            reducer, config, loss_scale: Callable[[], float],
+                            gradients: Optional[GlobalGradients] = None,
+                            fence: Optional[Fence] = None) -> OffloadOptimizer:
+    """The offloaded optimizer the config's `zero_optimization.offload_optimizer` block asks for
+    (`fence`: the engine's checkpoint fence, waited on by SuperOffload's in-place steps during backward)."""
+    offload = config.zero_optimization.offload_optimizer
+    groups = [g["params"] for g in optimizer.param_groups]
+    common = dict(ratio=float(offload.ratio), pin_memory=bool(offload.pin_memory), reducer=reducer,
+                  gradients=gradients)
+    if offload.device == "nvme":
+        built = NvmeOffloadOptimizer(buckets, comm, optimizer, groups, config.gradient_clipping,
+                                     nvme_path=offload.nvme_path, buffer_count=int(offload.buffer_count),
+                                     aio=config.aio, **common)
+    elif offload.super_offload:
+        built = SuperOffloadOptimizer(buckets, comm, optimizer, groups, config.gradient_clipping,
+                                      loss_scale=loss_scale, speculation=offload.super_offload_speculation,
+                                      fence=fence, **common)
+    else:
+        built = OffloadOptimizer(buckets, comm, optimizer, groups, config.gradient_clipping, **common)
+    return built

@@ -1,0 +1,131 @@
+"""The declared interfaces between the engine and its parts: gradient reducer, master-weight optimizer,
+parameter store.
+
+The engine holds one of each and calls only what is declared here. Optional capabilities (what only
+some implementations do: super_offload's `before_model_use`, offload's `memory_split`, NVMe's `close`)
+are real methods with no-op defaults, so the engine calls them unconditionally instead of probing for
+them by name. Implementations subclass the Protocol explicitly to inherit those defaults.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable, Optional, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["GradientReducer", "MasterOptimizer", "ParamStore"]
+
+
+@runtime_checkable
+class GradientReducer(Protocol):
+    """Turns the backward pass's gradients into this rank's reduced fp32 gradient shards (`grad_shards`,
+    one per bucket, in the buckets' order), launching collectives as buckets fill."""
+
+    grad_shards: list
+    shard_ready_callbacks: list[Callable[[int], None]]  # called with a bucket index when its shard is final
+    optimizer_steps: int
+
+    def begin_backward(self, boundary: bool) -> None:
+        """Before a backward pass; `boundary`: its gradients end the accumulation (reduce them)."""
+        ...
+
+    def end_backward(self) -> None:
+        """After a backward pass: wait for every reduction launched by it."""
+        ...
+
+    def zero(self) -> None:
+        """Drop the accumulated gradients (after the step)."""
+        ...
+
+    def after_optimizer_step(self, overflow: bool, scale_before: float, scale_after: float) -> None:
+        """After the optimizer step (or a skipped one): error-feedback bookkeeping."""
+        ...
+
+    def held_bytes(self) -> int:
+        """Bytes of gradient buffers this rank holds."""
+        ...
+
+    def loco_bytes(self) -> int:
+        """Bytes of LoCo error buffers (0 without qgZ's LoCo)."""
+        return 0
+
+
+@runtime_checkable
+class MasterOptimizer(Protocol):
+    """Steps this rank's fp32 master shards from the reduced gradient shards and publishes them into the
+    model's weights. `masters[i]` is bucket i's master (what the checkpoint saves); `optimizer` the torch
+    optimizer keyed by them."""
+
+    buckets: list
+    masters: list[torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    last_grad_norm: Optional[float]
+    stats: dict  # counters of an offloaded optimizer (steps, rollbacks, bytes read...); empty when not offloaded
+    # Whether a checkpoint may copy masters and states in the background: they are ordinary tensors that only
+    # step() changes (not with offload: NVMe pages states in only for the save, super_offload updates in backward).
+    snapshot_in_background: bool = True
+
+    def has_overflow(self, grad_shards: list[torch.Tensor]) -> bool:
+        ...
+
+    def step(self, grad_shards: list[torch.Tensor], loss_scale: float) -> None:
+        ...
+
+    def publish(self, current: Iterable[int] = ()) -> None:
+        ...
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state and separate masters left on the training device."""
+        ...
+
+    # --- optional capabilities: no-op defaults ------------------------------
+    def before_model_use(self) -> None:
+        """Called before the model is used again (super_offload undoes speculative weights); nothing by default."""
+
+    def memory_split(self) -> Optional[dict[str, int]]:
+        """Bytes of masters and states by place (device, host, nvme, host buffers); None when not offloaded."""
+        return None
+
+    def offloaded_bytes(self) -> int:
+        """Bytes of masters and states moved off the device."""
+        return 0
+
+    def resident_masters(self):
+        """Context in which every master holds its values (NVMe pages them in, read only); nothing by default."""
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        """Release threads and files; nothing by default."""
+
+
+@runtime_checkable
+class ParamStore(Protocol):
+    """Where stage 3's non-persistent parameter shards live under offload_param (host memory or NVMe)."""
+
+    def shares_device_memory(self, part) -> bool:
+        ...
+
+    def host_shard(self, part) -> torch.Tensor:
+        ...
+
+    def device_shard(self, part) -> torch.Tensor:
+        ...
+
+    def write(self, part, values: torch.Tensor) -> None:
+        ...
+
+    def read_ahead(self, parts: Iterable) -> None:
+        ...
+
+    def flush(self) -> None:
+        ...
+
+    def resident(self, write_back: bool = True):
+        """Context in which every shard is in host memory (checkpoint save and load)."""
+        ...
+
+    def memory_split(self) -> dict[str, int]:
+        ...
+
+    def close(self) -> None:
+        ...
