@@ -6,7 +6,8 @@ With ``--nproc N > 1`` the command re-launches itself under PyTorch's own launch
 (``python -m torch.distributed.run``), one worker process per rank. It saves a checkpoint
 in ``checkpoints/`` after the last step (``--save-every N`` also every N steps) and
 continues from the latest one with ``--resume``. ``zerotrain ckpt inspect|verify|export``
-are the offline checkpoint tools (``zerotrain.checkpoint.command``).
+are the offline checkpoint tools (``zerotrain.checkpoint.command``). ``zerotrain merge`` merges
+models tensor by tensor (``zerotrain.merge.command``).
 """
 from __future__ import annotations
 
@@ -111,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="rendezvous port for --nproc > 1 (default: a free port picked by the launcher)",
     )
     add_ckpt_parser(sub, PROG)
+    from zerotrain.merge.command import add_merge_parser
+    add_merge_parser(sub)
     return parser
 
 
@@ -122,6 +125,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "ckpt":
             from zerotrain.checkpoint.command import run_ckpt
             return run_ckpt(args)
+        if args.command == "merge":
+            from zerotrain.merge.command import run_merge
+            return run_merge(args)
         if args.command == "train":
             _check_train_args(args)
             if args.nproc > 1 and not _inside_worker():

@@ -1,0 +1,134 @@
+"""The merge methods: pure functions from fp32 tensors to one fp32 tensor.
+
+Semantics follow mergekit (read from its source, re-implemented here) so that configs
+carry over:
+
+- `linear`: sum_i w_i x_i, divided by sum_i w_i when `normalize` (default on).
+- task vectors: d_i = x_i - base. `task_arithmetic`: base + lambda * sum_i w_i d_i
+  (normalize off by default). `ties`: each d_i keeps its top `density` fraction by
+  magnitude, then a sign is elected per element (`consensus` "sum": sign of
+  sum_i w_i d_i; "count": the sign most of the w_i d_i have, ties go to +), only the
+  weighted deltas agreeing with it are summed, divided by the sum of the agreeing
+  weights when `normalize` (default on for TIES). `dare_linear` / `dare_ties`: each d_i
+  keeps each element with probability `density` (a seeded Bernoulli mask) and is
+  rescaled by 1/density (`rescale`, default on), then summed as task_arithmetic / TIES.
+- `slerp`: spherical interpolation at `t` between base (t=0) and the other model
+  (t=1), angle taken between the flattened, normalised tensors; when they are almost
+  colinear (|cos| > 0.9995) it falls back to linear interpolation.
+
+All inputs arrive in fp32 (the caller casts); every function returns a new tensor.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+SLERP_DOT_THRESHOLD = 0.9995
+SLERP_EPS = 1e-8
+
+
+def _weights(weights: Sequence[float], like: torch.Tensor) -> torch.Tensor:
+    """The weights as a tensor broadcastable against a stack of tensors shaped like `like`."""
+    w = torch.tensor([float(x) for x in weights], dtype=torch.float32)
+    return w.reshape((-1,) + (1,) * like.dim())
+
+
+def linear(tensors: Sequence[torch.Tensor], weights: Sequence[float], normalize: bool = True) -> torch.Tensor:
+    """Weighted sum of the tensors, divided by the sum of the weights when `normalize`."""
+    stacked = torch.stack(list(tensors))
+    w = _weights(weights, tensors[0])
+    out = (stacked * w).sum(dim=0)
+    if normalize:
+        total = float(sum(float(x) for x in weights))
+        if abs(total) > 1e-8:  # mergekit leaves a zero-sum weighting unnormalised
+            out /= total
+    return out
+
+
+def magnitude_prune(delta: torch.Tensor, density: float) -> torch.Tensor:
+    """`delta` with all but its largest-magnitude `density` fraction of elements zeroed (TIES' trim step)."""
+    if density >= 1:
+        return delta
+    k = int(density * delta.numel())
+    if k <= 0:
+        raise ValueError(f"density {density} keeps no element of a tensor with {delta.numel()} elements")
+    keep = torch.topk(delta.abs().reshape(-1), k, sorted=False).indices
+    mask = torch.zeros(delta.numel(), dtype=torch.bool)
+    mask[keep] = True
+    return delta * mask.reshape(delta.shape)
+
+
+def bernoulli_mask(shape: Sequence[int], density: float, generator: torch.Generator) -> torch.Tensor:
+    """DARE's random keep mask: each element kept with probability `density` (bool)."""
+    return torch.rand(tuple(shape), generator=generator) < density
+
+
+def dare_drop(delta: torch.Tensor, density: float, mask: torch.Tensor, rescale: bool = True) -> torch.Tensor:
+    """DARE's drop-and-rescale of one task vector with a given keep `mask`."""
+    if density >= 1:
+        return delta
+    out = delta * mask
+    if rescale:
+        out /= density
+    return out
+
+
+def sign_consensus(weighted: torch.Tensor, method: str = "sum") -> torch.Tensor:
+    """Per element, which of the stacked weighted deltas agree with the elected sign (bool, same shape)."""
+    sign = weighted.sign()
+    if method == "sum":
+        elected = torch.where(weighted.sum(dim=0) >= 0, 1.0, -1.0)
+    elif method == "count":
+        elected = torch.where(sign.sum(dim=0) >= 0, 1.0, -1.0)
+    else:
+        raise ValueError(f"unknown sign consensus {method!r} (use 'sum' or 'count')")
+    return sign == elected
+
+
+def task_vector_merge(base: torch.Tensor, deltas: Sequence[torch.Tensor], weights: Sequence[float],
+                      consensus: Optional[str], normalize: bool, lam: float = 1.0) -> torch.Tensor:
+    """base + lam * combine(w_i d_i): the common last step of task_arithmetic, TIES and DARE.
+
+    `deltas` are already trimmed (TIES) or dropped (DARE). With a `consensus`, only the
+    weighted deltas agreeing with the elected sign count, and the divisor is the sum of
+    their weights (1 where none agrees).
+    """
+    stacked = torch.stack(list(deltas))
+    w = _weights(weights, base)
+    weighted = stacked * w
+    if consensus:
+        agree = sign_consensus(weighted, consensus)
+        mixed = (weighted * agree).sum(dim=0)
+        divisor = (w * agree).sum(dim=0)
+        divisor[divisor == 0] = 1
+    else:
+        mixed = weighted.sum(dim=0)
+        divisor = w.sum(dim=0).expand_as(mixed).clone()
+        divisor[divisor.abs() < 1e-8] = 1
+    if normalize:
+        mixed /= divisor
+    if lam != 1:
+        mixed *= lam
+    return base + mixed
+
+
+def slerp(t: float, v0: torch.Tensor, v1: torch.Tensor, dot_threshold: float = SLERP_DOT_THRESHOLD,
+          eps: float = SLERP_EPS) -> torch.Tensor:
+    """Spherical interpolation from v0 (t=0) to v1 (t=1); linear when the two are nearly colinear."""
+    a = v0.reshape(-1).double()
+    b = v1.reshape(-1).double()
+    na, nb = a.norm(), b.norm()
+    if na > eps:
+        a = a / na
+    if nb > eps:
+        b = b / nb
+    dot = float((a * b).sum())
+    if abs(dot) > dot_threshold:
+        return (1 - t) * v0 + t * v1
+    theta = math.acos(max(-1.0, min(1.0, dot)))
+    sin_theta = math.sin(theta)
+    s0 = math.sin(theta - theta * t) / sin_theta
+    s1 = math.sin(theta * t) / sin_theta
+    return s0 * v0 + s1 * v1
