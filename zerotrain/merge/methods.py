@@ -37,9 +37,9 @@ def _weights(weights: Sequence[float], like: torch.Tensor) -> torch.Tensor:
 
 def linear(tensors: Sequence[torch.Tensor], weights: Sequence[float], normalize: bool = True) -> torch.Tensor:
     """Weighted sum of the tensors, divided by the sum of the weights when `normalize`."""
-    stacked = torch.stack(list(tensors))
-    w = _weights(weights, tensors[0])
-    out = (stacked * w).sum(dim=0)
+    out = torch.zeros_like(tensors[0])
+    for tensor, weight in zip(tensors, weights):  # accumulated in place: one extra tensor, not a stack
+        out.add_(tensor, alpha=float(weight))
     if normalize:
         total = float(sum(float(x) for x in weights))
         if abs(total) > 1e-8:  # mergekit leaves a zero-sum weighting unnormalised
@@ -51,9 +51,9 @@ def magnitude_prune(delta: torch.Tensor, density: float) -> torch.Tensor:
     """`delta` with all but its largest-magnitude `density` fraction of elements zeroed (TIES' trim step)."""
     if density >= 1:
         return delta
-    k = int(density * delta.numel())
-    if k <= 0:
-        raise ValueError(f"density {density} keeps no element of a tensor with {delta.numel()} elements")
+    if density <= 0 or delta.numel() == 0:
+        return torch.zeros_like(delta)
+    k = max(1, int(density * delta.numel()))  # a positive density keeps at least one element (as mergekit)
     keep = torch.topk(delta.abs().reshape(-1), k, sorted=False).indices
     mask = torch.zeros(delta.numel(), dtype=torch.bool)
     mask[keep] = True

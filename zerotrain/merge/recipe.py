@@ -7,9 +7,9 @@ dtype, the tokenizer source and the output's shard size.
 
 Parameter values follow mergekit: a number or string; a list of numbers, interpolated
 over the layers (the value at layer i of N is read at position i/(N-1) along the list,
-so `t: [0, 0.5, 1]` goes 0 -> 0.5 -> 1 from the first layer to the last; tensors
-outside the layers read position 0 when they are embeddings and 1 otherwise, like
-mergekit's pre/post weights); or a list of `{filter: SUBSTRING, value: V}` entries, the
+so `t: [0, 0.5, 1]` goes 0 -> 0.5 -> 1 from the first layer to the last, and a
+single layer reads 1; tensors outside the layers (embeddings, final norm, head) read
+position 0, as in mergekit 0.1.5); or a list of `{filter: SUBSTRING, value: V}` entries, the
 first whose filter occurs in the tensor name applying (no filter: the default).
 Per-model parameters override the global ones for that model.
 """
@@ -39,7 +39,6 @@ METHODS: dict[str, tuple[bool, dict]] = {
 KNOWN_PARAMS = {"normalize", "lambda", "weight", "density", "consensus", "int8_mask", "rescale", "seed", "t",
                 "adapter"}
 _LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")
-_EMBEDDING = re.compile(r"embed|wte|wpe|word_embeddings")
 
 
 @dataclass
@@ -126,9 +125,9 @@ def layer_position(name: str, num_layers: int) -> float:
     """Where tensor `name` sits along the layers, in [0, 1] (for per-layer parameter lists)."""
     match = _LAYER.search(name)
     if match is None:
-        return 0.0 if _EMBEDDING.search(name) else 1.0
-    if num_layers <= 1:
         return 0.0
+    if num_layers <= 1:
+        return 1.0
     return min(1.0, int(match.group(1)) / (num_layers - 1))
 
 

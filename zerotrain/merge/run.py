@@ -75,7 +75,8 @@ class _Inputs:
         if recipe.method == "lora" and self.models[0].adapter is None:
             raise MergeError("method lora needs an adapter: --param adapter=ADAPTER_DIR or a model given as "
                              "DIR+ADAPTER_DIR")
-        self.others = [(spec, self.by_spec[os.path.abspath(spec.path)]) for spec in recipe.others()]
+        others = [id(spec) for spec in recipe.others()]
+        self.others = [(spec, source) for spec, source in zip(recipe.models, self.models) if id(spec) in others]
         self.reference = self.base or self.models[0]
 
     def all(self) -> list[TensorSource]:
