@@ -29,12 +29,6 @@ SLERP_DOT_THRESHOLD = 0.9995
 SLERP_EPS = 1e-8
 
 
-def _weights(weights: Sequence[float], like: torch.Tensor) -> torch.Tensor:
-    """The weights as a tensor broadcastable against a stack of tensors shaped like `like`."""
-    w = torch.tensor([float(x) for x in weights], dtype=torch.float32)
-    return w.reshape((-1,) + (1,) * like.dim())
-
-
 def linear(tensors: Sequence[torch.Tensor], weights: Sequence[float], normalize: bool = True) -> torch.Tensor:
     """Weighted sum of the tensors, divided by the sum of the weights when `normalize`."""
     out = torch.zeros_like(tensors[0])
@@ -55,9 +49,10 @@ def magnitude_prune(delta: torch.Tensor, density: float) -> torch.Tensor:
         return torch.zeros_like(delta)
     k = max(1, int(density * delta.numel()))  # a positive density keeps at least one element (as mergekit)
     keep = torch.topk(delta.abs().reshape(-1), k, sorted=False).indices
-    mask = torch.zeros(delta.numel(), dtype=torch.bool)
-    mask[keep] = True
-    return delta * mask.reshape(delta.shape)
+    mask = torch.ones(delta.numel(), dtype=torch.bool)
+    mask[keep] = False
+    del keep
+    return delta.masked_fill(mask.reshape(delta.shape), 0)
 
 
 def bernoulli_mask(shape: Sequence[int], density: float, generator: torch.Generator) -> torch.Tensor:
@@ -75,43 +70,52 @@ def dare_drop(delta: torch.Tensor, density: float, mask: torch.Tensor, rescale: 
     return out
 
 
-def sign_consensus(weighted: torch.Tensor, method: str = "sum") -> torch.Tensor:
-    """Per element, which of the stacked weighted deltas agree with the elected sign (bool, same shape)."""
-    sign = weighted.sign()
-    if method == "sum":
-        elected = torch.where(weighted.sum(dim=0) >= 0, 1.0, -1.0)
-    elif method == "count":
-        elected = torch.where(sign.sum(dim=0) >= 0, 1.0, -1.0)
-    else:
-        raise ValueError(f"unknown sign consensus {method!r} (use 'sum' or 'count')")
-    return sign == elected
-
-
-def task_vector_merge(base: torch.Tensor, deltas: Sequence[torch.Tensor], weights: Sequence[float],
+def task_vector_merge(base: torch.Tensor, deltas: list, weights: Sequence[float],
                       consensus: Optional[str], normalize: bool, lam: float = 1.0) -> torch.Tensor:
     """base + lam * combine(w_i d_i): the common last step of task_arithmetic, TIES and DARE.
 
     `deltas` are already trimmed (TIES) or dropped (DARE). With a `consensus`, only the
     weighted deltas agreeing with the elected sign count, and the divisor is the sum of
-    their weights (1 where none agrees).
+    their weights (1 where none agrees). The deltas are scaled in place and the sums are
+    accumulated one delta at a time (no stacked copies), so the working set is the
+    deltas plus a handful of tensors of one input's size.
     """
-    stacked = torch.stack(list(deltas))
-    w = _weights(weights, base)
-    weighted = stacked * w
+    ws = [float(w) for w in weights]
+    weighted = [d.mul_(w) for d, w in zip(deltas, ws)]  # in place: the caller hands the deltas over
     if consensus:
-        agree = sign_consensus(weighted, consensus)
-        mixed = (weighted * agree).sum(dim=0)
-        divisor = (w * agree).sum(dim=0)
+        if consensus == "sum":
+            vote = torch.zeros_like(base)
+            for wd in weighted:
+                vote += wd
+        elif consensus == "count":
+            vote = torch.zeros_like(base)
+            for wd in weighted:
+                vote += wd.sign()
+        else:
+            raise ValueError(f"unknown sign consensus {consensus!r} (use 'sum' or 'count')")
+        positive = vote >= 0  # the elected sign; ties go to +
+        del vote
+        mixed = torch.zeros_like(base)
+        divisor = torch.zeros_like(base)
+        for wd, w in zip(weighted, ws):
+            agree = torch.where(positive, wd > 0, wd < 0)  # a zero delta agrees with neither sign
+            mixed += wd.masked_fill_(~agree, 0)
+            divisor.add_(agree, alpha=w)
+        del positive
         divisor[divisor == 0] = 1
     else:
-        mixed = weighted.sum(dim=0)
-        divisor = w.sum(dim=0).expand_as(mixed).clone()
-        divisor[divisor.abs() < 1e-8] = 1
+        mixed = torch.zeros_like(base)
+        for wd in weighted:
+            mixed += wd
+        total = sum(ws)
+        divisor = torch.full_like(base, 1.0 if abs(total) < 1e-8 else total)
+    weighted.clear()
     if normalize:
         mixed /= divisor
+    del divisor
     if lam != 1:
         mixed *= lam
-    return base + mixed
+    return mixed.add_(base)
 
 
 def slerp(t: float, v0: torch.Tensor, v1: torch.Tensor, dot_threshold: float = SLERP_DOT_THRESHOLD,
