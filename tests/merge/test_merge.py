@@ -226,3 +226,46 @@ def test_source_dtype_kept_and_bad_params(tiny, tmp_path):
         config.write_text("merge_method: linear\nslices: []\n")
         from zerotrain.merge import recipe_from_yaml
         recipe_from_yaml(str(config))
+
+
+def _unified(path, model: dict) -> str:
+    """A unified zerotrain checkpoint laid out as `checkpoint.format` describes: bf16 model files, fp32
+    master weights, trainer state and a manifest with crc32s (written with the checkpoint's own helpers)."""
+    from zerotrain.checkpoint.integrity import file_crc32, write_manifest
+
+    os.makedirs(path)
+    files = {}
+    for kind, tensors in (("model", {n: t.bfloat16() for n, t in model.items()}),
+                          ("master_weights", {n: t.float() for n, t in model.items()})):
+        file = f"{kind}-00001-of-00001.safetensors"
+        save_file(tensors, os.path.join(path, file))
+        json.dump({"metadata": {}, "weight_map": {n: file for n in tensors}},
+                  open(os.path.join(path, f"{kind}.safetensors.index.json"), "w"))
+        files[file] = None
+        files[f"{kind}.safetensors.index.json"] = None
+    json.dump({"global_steps": 10}, open(os.path.join(path, "trainer_state.json"), "w"))
+    files["trainer_state.json"] = None
+    entries = {name: {"size": os.path.getsize(os.path.join(path, name)),
+                      "crc32": file_crc32(os.path.join(path, name))} for name in files}
+    write_manifest(str(path), entries, {})
+    return str(path)
+
+
+def test_unified_checkpoint_input_reads_masters_and_manifest_checksums(tiny, tmp_path):
+    a = load_dir(tiny["a"])
+    ckpt = _unified(tmp_path / "global_step10", a)
+    with open(tmp_path / "latest", "w") as handle:
+        handle.write("global_step10")
+    out = str(tmp_path / "out")
+    assert run("--method", "linear", "--models", str(tmp_path), tiny["b"], "--out", out) == 0
+    b, merged = load_dir(tiny["b"]), load_dir(out)
+    for name in a:
+        assert merged[name].dtype == torch.bfloat16  # the reference (first) model's file dtype
+        # fp32 masters, not the bf16 model files, enter the math
+        torch.testing.assert_close(merged[name], ((a[name] + b[name]) / 2).bfloat16(), rtol=0, atol=0)
+    record = json.load(open(os.path.join(out, "merge_config.json")))
+    manifest = json.load(open(os.path.join(ckpt, "manifest.json")))
+    entry = next(e for e in record["inputs"] if e["kind"] == "zerotrain")
+    assert entry["path"] == ckpt
+    assert entry["checksums"]["master_weights-00001-of-00001.safetensors"] == \
+        f"crc32:{manifest['files']['master_weights-00001-of-00001.safetensors']['crc32']:08x}"
