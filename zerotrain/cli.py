@@ -7,7 +7,8 @@ With ``--nproc N > 1`` the command re-launches itself under PyTorch's own launch
 in ``checkpoints/`` after the last step (``--save-every N`` also every N steps) and
 continues from the latest one with ``--resume``. ``zerotrain ckpt inspect|verify|export``
 are the offline checkpoint tools (``zerotrain.checkpoint.command``). ``zerotrain launch
---nproc N train.py ARGS`` runs the user's own script the same way (``zerotrain.launcher``).
+--nproc N train.py ARGS`` runs the user's own script the same way (``zerotrain.launcher``); ``zerotrain
+merge`` merges models tensor by tensor (``zerotrain.merge.command``).
 """
 from __future__ import annotations
 
@@ -130,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_launch_parser(sub)
     add_ckpt_parser(sub, PROG)
+    from zerotrain.merge.command import add_merge_parser
+    add_merge_parser(sub)
     return parser
 
 
@@ -184,6 +187,9 @@ def _run(args: argparse.Namespace) -> int:
             return run_ckpt(args)
         if args.command == "launch":
             return _launch_script(args)
+        if args.command == "merge":
+            from zerotrain.merge.command import run_merge
+            return run_merge(args)
         if args.command == "train":
             _check_train_args(args)
             if args.nproc > 1 and not _inside_worker():

@@ -59,6 +59,9 @@ def add_ckpt_parser(sub: argparse._SubParsersAction, prog: str) -> None:
     export.add_argument("out", metavar="OUT", help="output directory (must not exist, or be empty)")
     export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                         help="cast floating-point weights to this dtype (default: as saved)")
+    export.add_argument("--merge-lora", default=None, metavar="ADAPTER_DIR",
+                        help="fold this PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) "
+                             "into the exported weights: W += B @ A * alpha/r (alpha/sqrt(r) with rslora)")
 
 
 def run_ckpt(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
@@ -78,8 +81,9 @@ def run_ckpt(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
             out.write(f"OK {result['path']}: {result['files']} files, {_size(result['bytes'])} "
                       f"match the manifest\n")
         elif args.ckpt_command == "export":
-            path = export_model(args.dir, args.out, dtype=args.dtype)
-            out.write(f"exported model weights ({args.dtype or 'as saved'}) to {path}\n")
+            path = export_model(args.dir, args.out, dtype=args.dtype, merge_lora=getattr(args, "merge_lora", None))
+            lora = f", LoRA {args.merge_lora} folded in" if getattr(args, "merge_lora", None) else ""
+            out.write(f"exported model weights ({args.dtype or 'as saved'}{lora}) to {path}\n")
         else:  # pragma: no cover - argparse rejects other names
             raise ValueError(args.ckpt_command)
     except CheckpointError as error:

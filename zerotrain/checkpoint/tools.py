@@ -81,11 +81,13 @@ def verify_checkpoint(directory: str) -> dict:
 
 
 def export_model(directory: str, out: str, dtype: Optional[str] = None,
-                 max_file_bytes: int = 5 * 1024 ** 3) -> str:
+                 max_file_bytes: int = 5 * 1024 ** 3, merge_lora: Optional[str] = None) -> str:
     """Write the model weights only, in Hugging Face layout (optionally cast), to the new directory `out`.
 
     Trained weights are taken from the fp32 master weights when the checkpoint has them,
-    so an export to another dtype is cast once from full precision.
+    so an export to another dtype is cast once from full precision. `merge_lora` names a
+    PEFT LoRA adapter directory folded into the weights on the way (`zerotrain.merge.lora`,
+    the same folding `zerotrain merge` does).
     """
     path = _path(directory)
     source = open_source(path, load_module_only=True)
@@ -97,6 +99,14 @@ def export_model(directory: str, out: str, dtype: Optional[str] = None,
         dtype, getattr(torch, str(dtype), None))
     if dtype is not None and not isinstance(target, torch.dtype):
         raise CheckpointError(f"unknown dtype {dtype!r} (use bf16, fp16 or fp32)")
+    adapter = None
+    if merge_lora is not None:
+        from ..merge import LoraAdapter, MergeError
+        try:
+            adapter = LoraAdapter(merge_lora)
+            adapter.check_targets(source.maps[MODEL], path)
+        except MergeError as error:
+            raise CheckpointError(str(error)) from None
     out = os.path.abspath(out)
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
@@ -125,7 +135,10 @@ def export_model(directory: str, out: str, dtype: Optional[str] = None,
                 writer = SafetensorsWriter(os.path.join(temp, name), chunk)
                 for key, wanted, _ in chunk:
                     reader = masters if (masters.has(key) and wanted.is_floating_point) else model
-                    writer.write(key, [reader.read(key).to(wanted).contiguous()])
+                    tensor = reader.read(key)
+                    if adapter is not None and tensor.is_floating_point():
+                        tensor = adapter.fold(key, tensor.float())
+                    writer.write(key, [tensor.to(wanted).contiguous()])
                     weight_map[key] = name
                 writer.close()
         total = sum(numel_of(shape) * itemsize(d) for _, d, shape in entries)

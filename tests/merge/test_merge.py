@@ -1,0 +1,271 @@
+"""`zerotrain merge` end to end on tiny HF model directories: each method's output against a direct
+computation from the input tensors, key filters, errors naming tensor and file, YAML configs with
+per-layer parameters, vocabulary policy, LoRA folding (also through `ckpt export --merge-lora`),
+the written index and merge_config.json, and `from_pretrained` on the result."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import zlib
+
+import pytest
+import torch
+from conftest import load_dir
+from safetensors.torch import save_file
+
+from zerotrain.cli import main
+from zerotrain.merge import MergeError, Recipe, merge
+from zerotrain.merge.recipe import ModelSpec
+
+
+def run(*argv: str) -> int:
+    return main(["merge", *argv])
+
+
+def test_linear_writes_weighted_mean_index_and_loads(tiny, tmp_path):
+    out = str(tmp_path / "out")
+    assert run("--method", "linear", "--models", tiny["a"], tiny["b"], "--weights", "1", "3", "--out", out,
+               "--shard-size", "30KB") == 0
+    a, b, merged = load_dir(tiny["a"]), load_dir(tiny["b"]), load_dir(out)
+    assert set(merged) == set(a)
+    for name in a:
+        torch.testing.assert_close(merged[name], (a[name] + 3 * b[name]) / 4, rtol=1e-6, atol=1e-7)
+    with open(os.path.join(out, "model.safetensors.index.json")) as handle:
+        index = json.load(handle)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in merged.values())
+    assert len(set(index["weight_map"].values())) > 1  # --shard-size split the output
+    record = json.load(open(os.path.join(out, "merge_config.json")))
+    assert record["method"] == "linear"
+    for entry in record["inputs"]:
+        for file, checksum in entry["checksums"].items():
+            data = open(os.path.join(entry["path"], file), "rb").read()
+            assert checksum == f"crc32:{zlib.crc32(data):08x}"
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, merged[name])
+
+
+def test_task_arithmetic_and_ties(tiny, tmp_path):
+    base, a, b = (load_dir(tiny[k]) for k in ("base", "a", "b"))
+    out = str(tmp_path / "ta")
+    assert run("--method", "task_arithmetic", "--base", tiny["base"], "--models", tiny["a"], tiny["b"],
+               "--weights", "0.7", "0.4", "--param", "lambda=0.5", "--out", out) == 0
+    merged = load_dir(out)
+    for name in base:
+        expected = base[name] + 0.5 * (0.7 * (a[name] - base[name]) + 0.4 * (b[name] - base[name]))
+        torch.testing.assert_close(merged[name], expected, rtol=1e-5, atol=1e-6)
+
+    out = str(tmp_path / "ties")
+    assert run("--method", "ties", "--base", tiny["base"], "--models", tiny["a"], tiny["b"], "--weights", "1", "2",
+               "--densities", "0.5", "1.0", "--out", out) == 0
+    merged = load_dir(out)
+    name = "model.layers.1.mlp.up_proj.weight"
+    da = a[name] - base[name]
+    flat = da.abs().reshape(-1)
+    keep = flat >= flat.sort(descending=True).values[int(0.5 * flat.numel()) - 1]
+    da = da * keep.reshape(da.shape)                       # density 0.5 on model a only
+    db = b[name] - base[name]
+    weighted = torch.stack([1 * da, 2 * db])
+    elected = torch.where(weighted.sum(0) >= 0, 1.0, -1.0)  # sign election "sum"
+    agree = weighted.sign() == elected
+    divisor = (torch.tensor([1.0, 2.0]).reshape(2, 1, 1) * agree).sum(0)
+    divisor[divisor == 0] = 1
+    expected = base[name] + (weighted * agree).sum(0) / divisor
+    torch.testing.assert_close(merged[name], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_dare_is_seeded_and_keeps_density(tiny, tmp_path):
+    outs = []
+    for seed, name in ((1, "d1"), (1, "d1again"), (2, "d2")):
+        out = str(tmp_path / name)
+        assert run("--method", "dare_linear", "--base", tiny["base"], "--models", tiny["a"], "--densities", "0.3",
+                   "--param", f"seed={seed}", "--out", out) == 0
+        outs.append(load_dir(out))
+    base, a = load_dir(tiny["base"]), load_dir(tiny["a"])
+    name = "model.embed_tokens.weight"
+    torch.testing.assert_close(outs[0][name], outs[1][name], rtol=0, atol=0)
+    assert not torch.equal(outs[0][name], outs[2][name])
+    delta = outs[0][name] - base[name]
+    kept = delta != 0
+    frac = kept.float().mean().item()
+    sd = math.sqrt(0.3 * 0.7 / delta.numel())
+    assert abs(frac - 0.3) < 5 * sd
+    torch.testing.assert_close(delta[kept], (a[name] - base[name])[kept] / 0.3, rtol=1e-5, atol=1e-6)
+
+
+def test_yaml_slerp_with_layer_gradient(tiny, tmp_path):
+    config = tmp_path / "slerp.yml"
+    config.write_text(f"merge_method: slerp\nbase_model: {tiny['base']}\nmodels:\n  - model: {tiny['base']}\n"
+                      f"  - model: {tiny['a']}\nparameters:\n  t:\n    - filter: self_attn\n      value: 0.25\n"
+                      f"    - value: [0, 0.5, 1]\ndtype: bfloat16\n")
+    out = str(tmp_path / "slerp")
+    assert run(str(config), out) == 0
+    base, a, merged = load_dir(tiny["base"]), load_dir(tiny["a"]), load_dir(out)
+
+    def slerp(t, x, y):
+        cos = float((x / x.norm() * (y / y.norm())).sum())
+        if abs(cos) > 0.9995:
+            return (1 - t) * x + t * y
+        theta = math.acos(cos)
+        return (math.sin((1 - t) * theta) * x + math.sin(t * theta) * y) / math.sin(theta)
+
+    cases = {"model.layers.0.mlp.down_proj.weight": 0.0, "model.layers.1.mlp.down_proj.weight": 0.5,
+             "model.layers.2.mlp.down_proj.weight": 1.0, "model.layers.1.self_attn.q_proj.weight": 0.25,
+             "model.embed_tokens.weight": 0.0, "lm_head.weight": 0.0, "model.norm.weight": 0.0}
+    for name, t in cases.items():
+        assert merged[name].dtype == torch.bfloat16
+        expected = slerp(t, base[name].double(), a[name].double()).to(torch.bfloat16)
+        torch.testing.assert_close(merged[name], expected, rtol=0, atol=0)
+    assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
+
+
+def test_include_exclude(tiny, tmp_path):
+    out = str(tmp_path / "ex")
+    assert run("--method", "linear", "--models", tiny["a"], tiny["b"], "--exclude", r"mlp\.", "--out", out) == 0
+    names = set(load_dir(out))
+    assert names and not any("mlp." in n for n in names) and "lm_head.weight" in names
+    out = str(tmp_path / "inc")
+    assert run("--method", "linear", "--models", tiny["a"], tiny["b"], "--include", r"layers\.0\.",
+               "--exclude", "self_attn", "--out", out) == 0
+    names = set(load_dir(out))
+    assert names and all("layers.0.mlp" in n or "layers.0." in n and "self_attn" not in n for n in names)
+    assert not any("self_attn" in n for n in names)
+
+
+def test_mismatches_name_tensor_and_file(tiny, tmp_path, capsys):
+    assert run("--method", "linear", "--models", tiny["a"], tiny["layers2"], "--out", str(tmp_path / "x")) == 1
+    err = capsys.readouterr().err
+    assert "model.layers.2." in err and tiny["layers2"] in err and ".safetensors" in err
+    assert run("--method", "linear", "--models", tiny["a"], tiny["wide"], "--out", str(tmp_path / "y")) == 1
+    err = capsys.readouterr().err
+    assert "mlp" in err and "shape" in err and tiny["a"] in err and tiny["wide"] in err
+    assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "y")
+    assert run("--method", "ties", "--models", tiny["a"], "--out", str(tmp_path / "z")) == 1
+    assert "base model" in capsys.readouterr().err
+
+
+def test_vocab_mismatch_error_and_tokenizer_source(tiny, tmp_path, capsys):
+    assert run("--method", "linear", "--models", tiny["a"], tiny["vocab80"], "--out", str(tmp_path / "v")) == 1
+    err = capsys.readouterr().err
+    assert "vocabulary sizes differ" in err and "--tokenizer-source" in err and "80" in err
+    out = str(tmp_path / "v2")
+    assert run("--method", "task_arithmetic", "--base", tiny["base"], "--models", tiny["a"], tiny["vocab80"],
+               "--tokenizer-source", "base", "--out", out) == 0
+    base, a, v, merged = (load_dir(p) for p in (tiny["base"], tiny["a"], tiny["vocab80"], out))
+    name = "model.embed_tokens.weight"
+    assert merged[name].shape[0] == 64
+    torch.testing.assert_close(merged[name], base[name] + (a[name] - base[name]) + (v[name][:64] - base[name]))
+
+
+def _adapter(path, base: dict, rslora: bool, r: int = 4, alpha: int = 8) -> dict:
+    """A PEFT-layout LoRA adapter over q_proj and v_proj of every layer (and the embeddings)."""
+    os.makedirs(path)
+    g = torch.Generator().manual_seed(7)
+    tensors = {}
+    for name in base:
+        if name.endswith(("q_proj.weight", "v_proj.weight")):
+            module = name[: -len(".weight")]
+            out_f, in_f = base[name].shape
+            tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(r, in_f, generator=g)
+            tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(out_f, r, generator=g)
+    vocab, hidden = base["model.embed_tokens.weight"].shape
+    tensors["base_model.model.model.embed_tokens.lora_embedding_A"] = torch.randn(r, vocab, generator=g)
+    tensors["base_model.model.model.embed_tokens.lora_embedding_B"] = torch.randn(hidden, r, generator=g)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    json.dump({"peft_type": "LORA", "r": r, "lora_alpha": alpha, "use_rslora": rslora,
+               "target_modules": ["q_proj", "v_proj", "embed_tokens"], "fan_in_fan_out": False},
+              open(os.path.join(path, "adapter_config.json"), "w"))
+    return tensors
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_lora_folding_and_ckpt_export(tiny, tmp_path, rslora):
+    base = load_dir(tiny["base"])
+    adapter = str(tmp_path / "adapter")
+    lora = _adapter(adapter, base, rslora)
+    scale = 8 / math.sqrt(4) if rslora else 8 / 4
+    out = str(tmp_path / "folded")
+    assert run("--method", "lora", "--models", tiny["base"], "--param", f"adapter={adapter}", "--out", out) == 0
+    merged = load_dir(out)
+    for name in base:
+        module = "base_model.model." + name[: -len(".weight")]
+        if f"{module}.lora_A.weight" in lora:
+            delta = lora[f"{module}.lora_B.weight"] @ lora[f"{module}.lora_A.weight"] * scale
+        elif name == "model.embed_tokens.weight":
+            delta = (lora[f"{module}.lora_embedding_B"] @ lora[f"{module}.lora_embedding_A"]).T * scale
+        else:
+            delta = torch.zeros_like(base[name])
+        torch.testing.assert_close(merged[name], base[name] + delta, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
+                           base["model.layers.0.self_attn.q_proj.weight"])
+    # the same folding through `ckpt export --merge-lora`, and through DIR+ADAPTER in another method
+    exported = str(tmp_path / "exported")
+    assert main(["ckpt", "export", tiny["base"], exported, "--merge-lora", adapter]) == 0
+    for name, tensor in load_dir(exported).items():
+        torch.testing.assert_close(tensor, merged[name], rtol=0, atol=0)
+    plus = str(tmp_path / "plus")
+    assert run("--method", "linear", "--models", f"{tiny['base']}+{adapter}", "--out", plus) == 0
+    for name, tensor in load_dir(plus).items():
+        torch.testing.assert_close(tensor, merged[name], rtol=0, atol=0)
+
+
+def test_source_dtype_kept_and_bad_params(tiny, tmp_path):
+    out = str(tmp_path / "bf")
+    merge(Recipe("linear", [ModelSpec(tiny["bf16"]), ModelSpec(tiny["bf16"])]), out)
+    merged, src = load_dir(out), load_dir(tiny["bf16"])
+    for name in src:
+        assert merged[name].dtype == torch.bfloat16
+        torch.testing.assert_close(merged[name], src[name], rtol=0, atol=0)
+    with pytest.raises(MergeError, match="unknown parameter 'lamda'"):
+        Recipe("task_arithmetic", [ModelSpec(tiny["a"])], base=tiny["base"], params={"lamda": 1})
+    with pytest.raises(MergeError, match="slices"):
+        config = tmp_path / "bad.yml"
+        config.write_text("merge_method: linear\nslices: []\n")
+        from zerotrain.merge import recipe_from_yaml
+        recipe_from_yaml(str(config))
+
+
+def _unified(path, model: dict) -> str:
+    """A unified zerotrain checkpoint laid out as `checkpoint.format` describes: bf16 model files, fp32
+    master weights, trainer state and a manifest with crc32s (written with the checkpoint's own helpers)."""
+    from zerotrain.checkpoint.integrity import file_crc32, write_manifest
+
+    os.makedirs(path)
+    files = {}
+    for kind, tensors in (("model", {n: t.bfloat16() for n, t in model.items()}),
+                          ("master_weights", {n: t.float() for n, t in model.items()})):
+        file = f"{kind}-00001-of-00001.safetensors"
+        save_file(tensors, os.path.join(path, file))
+        json.dump({"metadata": {}, "weight_map": {n: file for n in tensors}},
+                  open(os.path.join(path, f"{kind}.safetensors.index.json"), "w"))
+        files[file] = None
+        files[f"{kind}.safetensors.index.json"] = None
+    json.dump({"global_steps": 10}, open(os.path.join(path, "trainer_state.json"), "w"))
+    files["trainer_state.json"] = None
+    entries = {name: {"size": os.path.getsize(os.path.join(path, name)),
+                      "crc32": file_crc32(os.path.join(path, name))} for name in files}
+    write_manifest(str(path), entries, {})
+    return str(path)
+
+
+def test_unified_checkpoint_input_reads_masters_and_manifest_checksums(tiny, tmp_path):
+    a = load_dir(tiny["a"])
+    ckpt = _unified(tmp_path / "global_step10", a)
+    with open(tmp_path / "latest", "w") as handle:
+        handle.write("global_step10")
+    out = str(tmp_path / "out")
+    assert run("--method", "linear", "--models", str(tmp_path), tiny["b"], "--out", out) == 0
+    b, merged = load_dir(tiny["b"]), load_dir(out)
+    for name in a:
+        assert merged[name].dtype == torch.bfloat16  # the reference (first) model's file dtype
+        # fp32 masters, not the bf16 model files, enter the math
+        torch.testing.assert_close(merged[name], ((a[name] + b[name]) / 2).bfloat16(), rtol=0, atol=0)
+    record = json.load(open(os.path.join(out, "merge_config.json")))
+    manifest = json.load(open(os.path.join(ckpt, "manifest.json")))
+    entry = next(e for e in record["inputs"] if e["kind"] == "zerotrain")
+    assert entry["path"] == ckpt
+    assert entry["checksums"]["master_weights-00001-of-00001.safetensors"] == \
+        f"crc32:{manifest['files']['master_weights-00001-of-00001.safetensors']['crc32']:08x}"
