@@ -101,11 +101,11 @@ def export_model(directory: str, out: str, dtype: Optional[str] = None,
         raise CheckpointError(f"unknown dtype {dtype!r} (use bf16, fp16 or fp32)")
     adapter = None
     if merge_lora is not None:
-        from ..merge import LoraAdapter, MergeError
+        from ..lora import LoraAdapter, LoraError
         try:
             adapter = LoraAdapter(merge_lora)
             adapter.check_targets(source.maps[MODEL], path)
-        except MergeError as error:
+        except LoraError as error:
             raise CheckpointError(str(error)) from None
     out = os.path.abspath(out)
     parent = os.path.dirname(out)

@@ -13,7 +13,7 @@ Modules, one concept each:
     errors    MergeError
     methods   the merge math on fp32 tensors (mergekit's semantics, our code)
     recipe    what to merge: method, models, parameters (per-layer lists, filters), YAML configs
-    lora      PEFT LoRA adapters folded into weights (alpha/r, rslora alpha/sqrt(r))
+    (zerotrain.lora: PEFT LoRA adapters folded into weights, shared with `ckpt export --merge-lora`)
     source    lazy tensor sources over unified checkpoints and HF directories
     writer    the sharded safetensors output with its index, committed atomically
     run       one merge: key/shape/vocabulary checks, the streamed loop, side files, merge_config.json
@@ -22,8 +22,8 @@ Modules, one concept each:
 from __future__ import annotations
 
 from .errors import MergeError
-from .lora import LoraAdapter, fold_lora
+from ..lora import LoraAdapter, LoraError, fold_lora
 from .recipe import ModelSpec, Recipe, recipe_from_yaml
 from .run import merge
 
-__all__ = ["merge", "Recipe", "ModelSpec", "recipe_from_yaml", "fold_lora", "LoraAdapter", "MergeError"]
+__all__ = ["merge", "Recipe", "ModelSpec", "recipe_from_yaml", "fold_lora", "LoraAdapter", "LoraError", "MergeError"]

@@ -11,6 +11,7 @@ import argparse
 import sys
 from typing import Optional
 
+from ..lora import LoraError
 from .errors import MergeError
 from .recipe import METHODS, ModelSpec, Recipe, parse_size, parse_value, recipe_from_yaml
 
@@ -95,7 +96,7 @@ def run_merge(args: argparse.Namespace) -> int:
     try:
         recipe, out = recipe_from_args(args)
         merge(recipe, out, log=lambda line: print(line, flush=True))
-    except MergeError as error:
+    except (MergeError, LoraError) as error:
         print(f"zerotrain merge: {error}", file=sys.stderr, flush=True)
         return 1
     return 0

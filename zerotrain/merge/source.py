@@ -25,7 +25,7 @@ from ..checkpoint.format import HF_CONFIG, MASTER, MODEL, CheckpointError, read_
 from ..checkpoint.integrity import file_crc32
 from ..checkpoint.source import ZEROTRAIN, open_source, resolve
 from .errors import MergeError
-from .lora import LoraAdapter
+from ..lora import LoraAdapter
 
 
 def split_spec(spec: str) -> tuple[str, Optional[str]]:

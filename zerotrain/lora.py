@@ -7,7 +7,8 @@ matches them (the pattern matches the module name's tail). `fan_in_fan_out` laye
 so their product is transposed before it is added. Full weights the adapter saved
 (`modules_to_save`) replace the base weight.
 
-This is the one implementation of LoRA folding: `zerotrain merge` uses it for
+It is a part of its own (imports nothing of zerotrain) because both the merge tool and the
+checkpoint export use it, and neither may import the other. This is the one implementation of LoRA folding: `zerotrain merge` uses it for
 `DIR+ADAPTER` inputs and the `lora` method, and `zerotrain ckpt export --merge-lora`
 uses it on export (`fold_lora`). The math is fp32; the caller casts the result.
 We read the adapter ourselves rather than through `peft` so that no model has to be
@@ -24,7 +25,10 @@ from typing import Optional
 import torch
 from safetensors import safe_open
 
-from .errors import MergeError
+
+
+class LoraError(ValueError):
+    """An adapter that cannot be folded: missing files, unknown layout, targets absent from the model."""
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -49,16 +53,16 @@ class LoraAdapter:
         config_path = os.path.join(directory, ADAPTER_CONFIG)
         weights_path = os.path.join(directory, ADAPTER_WEIGHTS)
         if not os.path.isfile(config_path):
-            raise MergeError(f"LoRA adapter {directory}: {ADAPTER_CONFIG} is missing")
+            raise LoraError(f"LoRA adapter {directory}: {ADAPTER_CONFIG} is missing")
         if not os.path.isfile(weights_path):
-            raise MergeError(f"LoRA adapter {directory}: {ADAPTER_WEIGHTS} is missing (only safetensors adapters "
+            raise LoraError(f"LoRA adapter {directory}: {ADAPTER_WEIGHTS} is missing (only safetensors adapters "
                              f"are read)")
         with open(config_path) as handle:
             self.config = json.load(handle)
         if self.config.get("peft_type", "LORA") != "LORA":
-            raise MergeError(f"{config_path}: peft_type {self.config.get('peft_type')!r} is not LORA")
+            raise LoraError(f"{config_path}: peft_type {self.config.get('peft_type')!r} is not LORA")
         if self.config.get("use_dora"):
-            raise MergeError(f"{config_path}: DoRA adapters (use_dora) are not supported")
+            raise LoraError(f"{config_path}: DoRA adapters (use_dora) are not supported")
         self.weights_path = weights_path
         self._handle = safe_open(weights_path, framework="pt")
         self.pairs: dict[str, dict[str, str]] = {}   # base weight name -> {"A": key, "B": key, "embedding": bool}
@@ -75,7 +79,7 @@ class LoraAdapter:
             entry["embedding"] = "embedding" in part
         for target, entry in self.pairs.items():
             if "A" not in entry or "B" not in entry:
-                raise MergeError(f"{weights_path}: LoRA weights of {target!r} lack lora_{'B' if 'A' in entry else 'A'}")
+                raise LoraError(f"{weights_path}: LoRA weights of {target!r} lack lora_{'B' if 'A' in entry else 'A'}")
 
     def scale(self, name: str) -> float:
         """alpha / r (or alpha / sqrt(r) with rslora) for base weight `name`."""
@@ -88,7 +92,7 @@ class LoraAdapter:
         """Every weight the adapter changes exists in the base model."""
         for target in list(self.pairs) + list(self.replaced):
             if target not in weight_map:
-                raise MergeError(f"LoRA adapter {self.weights_path} changes {target!r}, which {where} does not have")
+                raise LoraError(f"LoRA adapter {self.weights_path} changes {target!r}, which {where} does not have")
 
     def delta(self, name: str, shape: tuple) -> Optional[torch.Tensor]:
         """The fp32 update s * B @ A for base weight `name` (shaped like the weight), or None."""
@@ -101,7 +105,7 @@ class LoraAdapter:
         if entry["embedding"] or self.config.get("fan_in_fan_out"):
             product = product.T
         if tuple(product.shape) != tuple(shape):
-            raise MergeError(f"LoRA adapter {self.weights_path}: B @ A for {name!r} has shape "
+            raise LoraError(f"LoRA adapter {self.weights_path}: B @ A for {name!r} has shape "
                              f"{list(product.shape)}, the base weight has {list(shape)}")
         return product * self.scale(name)
 
@@ -110,7 +114,7 @@ class LoraAdapter:
         if name in self.replaced:
             full = self._handle.get_tensor(self.replaced[name]).float()
             if tuple(full.shape) != tuple(weight.shape):
-                raise MergeError(f"LoRA adapter {self.weights_path}: saved {name!r} has shape {list(full.shape)}, "
+                raise LoraError(f"LoRA adapter {self.weights_path}: saved {name!r} has shape {list(full.shape)}, "
                                  f"the base weight has {list(weight.shape)}")
             return full
         delta = self.delta(name, tuple(weight.shape))
