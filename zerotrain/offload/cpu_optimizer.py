@@ -26,7 +26,7 @@ at 1 and 2 threads (memory-bandwidth bound; torch foreach ~0.15x).
 """
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Collection, Optional
 
 import torch
@@ -311,5 +311,4 @@ def resident_states(zero_optimizer, write_back: bool = True):
     NVMe offload pages its per-element states into host memory while inside and, with
     `write_back`, writes what is there to its files on exit; others need nothing.
     """
-    resident = getattr(zero_optimizer, "resident_states", None)
-    return resident(write_back=write_back) if callable(resident) else nullcontext()
+    return zero_optimizer.resident_states(write_back=write_back)

@@ -90,6 +90,11 @@ class MasterOptimizer(Protocol):
         """Bytes of masters and states moved off the device."""
         return 0
 
+    def resident_states(self, write_back: bool = True):
+        """Context in which every optimizer state is in `optimizer.state` (checkpoint save and load; NVMe pages
+        them in and, with `write_back`, writes them out on exit); nothing by default."""
+        return contextlib.nullcontext()
+
     def resident_masters(self):
         """Context in which every master holds its values (NVMe pages them in, read only); nothing by default."""
         return contextlib.nullcontext()
