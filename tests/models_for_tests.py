@@ -133,7 +133,8 @@ def _weight_distance(weights: dict, ref_weights: dict) -> float:
 
 
 def assert_tolerance_discriminates(where: str, reference: tuple, candidate: tuple, baseline: tuple, *,
-                                   loss_tol: float | None, weight_tol: float | None = None, margin: float = 2.0) -> None:
+                                   loss_tol: float | None, weight_tol: float | None = None,
+                                   margin: float = 2.0) -> None:
     """The rule for every lossy mode (quantized gradients or weights, bf16/fp16, LoCo): `candidate` is within
     tolerance of `reference` AND the do-nothing `baseline` (no update, or the parameters in question frozen, on
     the same batches) is outside it by `margin`, so a run that does not train cannot pass. Pass only some

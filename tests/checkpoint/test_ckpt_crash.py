@@ -135,7 +135,8 @@ def test_killed_resave_of_latest_tag_is_recovered(tmp_path):
 
 
 def async_save_then_die(save_dir: str, point: str) -> None:
-    """World 2: t1 committed, then an async save of t2 killed at `point` in its writer thread. Rank-0-only points:
+    """World 2: t1 committed, then an async save of t2 killed at `point` in its writer thread. Rank-0-only points
+    (manifest, latest):
     rank 0 leaves a marker file as it dies, and rank 1 (waiting on rank 0's commit) exits when it sees it."""
     import time
 

@@ -22,7 +22,8 @@ def batches():
 
 
 def train(model, params) -> list[float]:
-    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.01, eps=1e-6)  # see EPS in test_tensor_parallel_engine.py
+    # eps=1e-6: see EPS in test_tensor_parallel_engine.py (the key bias's zero gradient, every tensor compared)
+    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.01, eps=1e-6)
     losses = []
     for batch in batches():
         _, loss = model(batch[:, :-1], batch[:, 1:])
