@@ -116,3 +116,43 @@ def assert_tensors_close(got: dict, want: dict, where: str, rtol: float = 1e-5, 
         torch.testing.assert_close(got[name].float(), expected, rtol=rtol, atol=atol,
                                    msg=lambda m, name=name: f"{where}, {name}: {m}")
 
+
+
+def _loss_distance(losses, ref_losses) -> float:
+    """The largest relative distance between two loss curves of the same length."""
+    assert len(losses) == len(ref_losses), (losses, ref_losses)
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+
+
+def _weight_distance(weights: dict, ref_weights: dict) -> float:
+    """||w - w_ref|| / ||w_ref|| over every reference tensor together (compared in fp32)."""
+    assert sorted(weights) == sorted(ref_weights), (sorted(weights), sorted(ref_weights))
+    diff = sum(float((weights[n].float() - r.float()).pow(2).sum()) for n, r in ref_weights.items())
+    norm = sum(float(r.float().pow(2).sum()) for r in ref_weights.values())
+    return (diff / norm) ** 0.5
+
+
+def assert_tolerance_discriminates(where: str, reference: tuple, candidate: tuple, baseline: tuple, *,
+                                   loss_tol: float | None, weight_tol: float | None = None,
+                                   margin: float = 2.0) -> None:
+    """The rule for every lossy mode (quantized gradients or weights, bf16/fp16, LoCo): `candidate` is within
+    tolerance of `reference` AND the do-nothing `baseline` (no update, or the parameters in question frozen, on
+    the same batches) is outside it by `margin`, so a run that does not train cannot pass. Pass only some
+    tensors in the weight dicts to judge the parameters in question (e.g. the experts, against frozen experts).
+
+    Each of the three is (losses, weights dict or None). Losses: the largest relative distance per step must be
+    <= loss_tol for the candidate and >= margin * loss_tol for the baseline. Weights (when `weight_tol` is given):
+    the same with ||w - w_ref|| / ||w_ref|| over every tensor together (elementwise bounds do not fit a lossy
+    mode: Adam turns quantization noise on tiny gradients into whole lr-sized steps on single elements)."""
+    checks = [] if loss_tol is None else [("losses", _loss_distance, 0, loss_tol)]
+    if weight_tol is not None:
+        checks.append(("weights", _weight_distance, 1, weight_tol))
+    assert checks, "nothing to check"
+    measured = [(what, distance(candidate[i], reference[i]), distance(baseline[i], reference[i]), tol)
+                for what, distance, i, tol in checks]
+    report = "; ".join(f"{what}: candidate {got:.2e}, baseline {base:.2e}, tolerance {tol:.1e}"
+                       for what, got, base, tol in measured)
+    for what, got, base, tol in measured:
+        assert got <= tol, f"{where}: {what} out of tolerance ({report})"
+        assert base >= margin * tol, (f"{where}: the do-nothing baseline's {what} are within {margin}x the tolerance, "
+                                      f"so this check could not fail: train longer or tighten it ({report})")

@@ -1,5 +1,10 @@
-"""The fp16 loss scaler (zerotrain.precision.LossScaler) follows DeepSpeed's DynamicLossScaler rules."""
+"""The fp16 loss scaler (zerotrain.precision.LossScaler) follows DeepSpeed's DynamicLossScaler: checked against
+DeepSpeed's own class (the `dev` extra installs deepspeed; it runs on CPU) on the same overflow sequences."""
 from __future__ import annotations
+
+import types
+
+import pytest
 
 from zerotrain.config import load_config
 import pytest
@@ -27,32 +32,54 @@ def test_from_config_dynamic_and_disabled():
     assert (off.scale, off.dynamic) == (1.0, False)
 
 
-def test_hysteresis_lowers_only_after_that_many_overflows():
-    """hysteresis=3: two overflows are absorbed, the third halves; later ones halve each time."""
-    s = scaler(initial_scale_power=10, hysteresis=3, loss_scale_window=1000)
-    assert scales_after(s, "xxxx") == [1024.0, 1024.0, 512.0, 256.0]
+def deepspeed_scales(overflows: str, power: int, window: int, hysteresis: int, consecutive: bool,
+                     minimum: float) -> list[float]:
+    """DeepSpeed's own DynamicLossScaler (what its ZeRO optimizers use) on the same overflow pattern."""
+    loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+    reference = loss_scaler.DynamicLossScaler(init_scale=2.0 ** power, scale_window=window, min_scale=minimum,
+                                              delayed_shift=hysteresis, consecutive_hysteresis=consecutive,
+                                              raise_error_at_min_scale=False)  # zerotrain floors at the minimum
+    out = []
+    for mark in overflows:
+        reference.update_scale(mark == "x")
+        out.append(reference.cur_scale)
+    return out
 
 
-def test_hysteresis_is_not_reset_by_clean_steps_unless_consecutive():
-    """DeepSpeed: a clean step refills the hysteresis only with consecutive_hysteresis (or at a doubling)."""
-    plain = scaler(initial_scale_power=10, hysteresis=2, loss_scale_window=1000)
-    assert scales_after(plain, "x.x") == [1024.0, 1024.0, 512.0]
-    consecutive = scaler(initial_scale_power=10, hysteresis=2, loss_scale_window=1000, consecutive_hysteresis=True)
-    assert scales_after(consecutive, "x.x.x") == [1024.0] * 5
-    assert scales_after(consecutive, ".xx") == [1024.0, 1024.0, 512.0]  # two in a row: lowered
+@pytest.fixture
+def deepspeed_logging_rank(monkeypatch):
+    """DeepSpeed's scaler asks deepspeed.comm for the rank only to decide who logs an overflow; it is not about
+    collectives, so without a process group it is rank 0."""
+    loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+    monkeypatch.setattr(loss_scaler, "dist", types.SimpleNamespace(get_rank=lambda: 0))
 
 
-def test_window_doubles_after_clean_steps():
-    """The scale doubles after every loss_scale_window clean steps since the start or the last overflow."""
+PATTERNS = ["xxxx", "x.x", "x.x.x", ".xx", "......", "x...", "x..", "x..x.", ".xx...", "xxxxx", "..x.....x..xx.......",
+            "".join("x" if (i * 7) % 11 < 3 else "." for i in range(60))]
+
+
+@pytest.mark.parametrize("window,hysteresis,consecutive", [(1000, 3, False), (1000, 2, True), (3, 1, False),
+                                                          (2, 2, False), (2, 2, True), (1, 2, False), (4, 3, True)])
+def test_scale_sequence_equals_deepspeeds_dynamic_loss_scaler(deepspeed_logging_rank, window, hysteresis,
+                                                              consecutive):
+    for pattern in PATTERNS:
+        for power, minimum in ((10, 1.0), (3, 2.0)):
+            fp16 = dict(initial_scale_power=power, loss_scale_window=window, hysteresis=hysteresis,
+                        consecutive_hysteresis=consecutive, min_loss_scale=minimum)
+            want = deepspeed_scales(pattern, power, window, hysteresis, consecutive, minimum)
+            assert scales_after(scaler(**fp16), pattern) == want, (pattern, fp16)
+
+
+def test_window_doubles_on_the_clean_step_after_a_full_window():
+    """The hand-derived case (DeepSpeed: the (window + 1)-th clean step since the start or the last overflow)."""
     s = scaler(initial_scale_power=4, hysteresis=1, loss_scale_window=3)
-    assert scales_after(s, "......") == [16.0, 16.0, 32.0, 32.0, 32.0, 64.0]
-    # An overflow halves and restarts the window count.
-    assert scales_after(s, "x...") == [32.0, 32.0, 32.0, 64.0]
+    assert scales_after(s, ".......") == [16.0, 16.0, 16.0, 32.0, 32.0, 32.0, 64.0]
+    assert scales_after(s, "x....") == [32.0, 32.0, 32.0, 32.0, 64.0]
 
 
 def test_doubling_refills_hysteresis():
     s = scaler(initial_scale_power=4, hysteresis=2, loss_scale_window=2)
-    assert scales_after(s, "x..") == [16.0, 16.0, 32.0]  # absorbed, then one window of clean steps
+    assert scales_after(s, "x...") == [16.0, 16.0, 16.0, 32.0]  # absorbed, then a window of clean steps
     assert s.hysteresis_left == 2
     assert scales_after(s, "x") == [32.0]  # absorbed again thanks to the refill
 

@@ -72,7 +72,10 @@ class LossScaler:
         else:
             if self.consecutive_hysteresis:
                 self.hysteresis_left = self.hysteresis
-            if (self.iteration - self.last_overflow_iteration) % self.window == 0:
+            # DeepSpeed's rule: double once `window` clean steps have passed BEFORE this one since the last
+            # overflow (or the start), i.e. on the (window + 1)-th clean step, then every `window` steps.
+            stable = self.iteration - self.last_overflow_iteration - 1
+            if stable > 0 and stable % self.window == 0:
                 if not self.consecutive_hysteresis:
                     self.hysteresis_left = self.hysteresis
                 self.scale *= self.factor

@@ -138,3 +138,53 @@ def test_killed_resave_of_latest_tag_is_recovered(tmp_path):
     assert run_distributed(save_other_tag, 1, save_dir) == [2]
     assert _entries(save_dir) == ["latest", "t1", "t2"] and _latest(save_dir) == "t1"
     assert run_distributed(load_latest_verified, 1, save_dir)[0] == {"loaded": "t1", "steps": 1, "verified": True}
+
+
+def async_save_then_die(save_dir: str, point: str) -> None:
+    """World 2: t1 committed, then an async save of t2 killed at `point` in its writer thread. Rank-0-only points
+    (manifest, latest):
+    rank 0 leaves a marker file as it dies, and rank 1 (waiting on rank 0's commit) exits when it sees it."""
+    import time
+
+    import zerotrain.checkpoint.commit as commit
+
+    rank = int(os.environ["RANK"])
+    engine = make_engine(stage=2, async_save=True)
+    train(engine, 0, 1)
+    engine.save_checkpoint(save_dir, tag="t1")
+    engine.wait_checkpoint()
+    train(engine, 1, 1)
+    marker = os.path.join(save_dir, f"died-at-{point}")
+    if rank == 0 or point == "files-written":
+        def hook(event: str) -> None:
+            if event == point:
+                open(marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        commit.fault_hook = hook
+    engine.save_checkpoint(save_dir, tag="t2")  # returns at once: the writer thread dies at `point`
+    deadline = time.monotonic() + 60
+    while not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os._exit(0)  # the survivor of a rank-0-only kill point: like a crash of the whole job
+
+
+def load_latest(save_dir: str) -> tuple[str, int]:
+    engine = make_engine(stage=1, seed=3)
+    path, _ = engine.load_checkpoint(save_dir)
+    return os.path.basename(path), engine.global_steps
+
+
+def test_async_save_killed_at_world_2_leaves_the_last_committed_checkpoint(tmp_path):
+    """Before the commit (files written on every rank, the manifest written) `latest` still names t1 and t2 is
+    only a temporary directory; killed after `latest` was replaced, t2 is complete and loads."""
+    for point, want in (("files-written", "t1"), ("manifest-written", "t1"), ("latest-written", "t2")):
+        save_dir = str(tmp_path / point)
+        run_distributed(async_save_then_die, 2, save_dir, point, expect_exit={0, 1})
+        assert os.path.exists(os.path.join(save_dir, f"died-at-{point}")), f"{point}: never reached"
+        assert _latest(save_dir) == want, point
+        committed = os.path.exists(os.path.join(save_dir, "t2", "manifest.json"))
+        assert committed == (want == "t2"), point
+        if want == "t1":
+            assert glob.glob(os.path.join(save_dir, "t2.zerotrain-tmp-*")), point
+        assert run_distributed(load_latest, 1, save_dir)[0] == (want, 1 if want == "t1" else 2), point

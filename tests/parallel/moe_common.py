@@ -66,6 +66,26 @@ def reference(sgd_lr: Optional[float] = None) -> tuple[list[float], list[float],
     return train_reference(model, optimizer, batches(), MICRO, GLOBAL, CLIP, SAVED_AT)
 
 
+EXPERT_PARAMETERS = frozenset({"moe.w_in", "moe.b_in", "moe.w_out", "moe.b_out"})
+
+
+def do_nothing(frozen: Optional[frozenset] = None) -> tuple[list[float], dict]:
+    """The do-nothing baseline of a lossy check on the same batches (losses, final weights): no update at all,
+    or with `frozen` only those parameters frozen (e.g. EXPERT_PARAMETERS)."""
+    from zerotrain.comm import Comm
+
+    model = make_model(Comm(None, 0, 1))
+    if frozen is None:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    else:
+        for name, param in model.named_parameters():
+            param.requires_grad_(name not in frozen)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
+                                      weight_decay=WEIGHT_DECAY)
+    losses, _, _, weights = train_reference(model, optimizer, batches(), MICRO, GLOBAL, CLIP, SAVED_AT)
+    return losses, weights
+
+
 def train_reference(model: torch.nn.Module, optimizer: torch.optim.Optimizer, global_batches: list, micro: int,
                     global_batch: int, clip: float, saved_at: int) -> tuple[list[float], list[float], dict, dict]:
     """Plain single-process training: the mean of the micro-batch losses of each global batch, clipping at `clip`;

@@ -13,11 +13,13 @@ import torch
 
 from distributed import run_distributed
 from models_for_tests import micro_slice, train_global_step
-from moe_common import CLIP, MICRO, STEPS, assert_matches, batches, build_engine, reference
+from models_for_tests import assert_tolerance_discriminates
+from moe_common import CLIP, MICRO, STEPS, assert_matches, batches, build_engine, do_nothing, reference
 
 ZERO3 = {"stage3_param_persistence_threshold": 0}
 PRECISIONS = [("bf16", {"bf16": {"enabled": True}}),
               ("fp16", {"fp16": {"enabled": True, "initial_scale_power": 8}})]
+LOSS_TOL, WEIGHT_TOL = 4e-3, 2e-2  # bf16/fp16 against fp32, with the do-nothing baseline outside by 2x
 SUPER_OFFLOAD = {"device": "cpu", "super_offload": True, "super_offload_speculation": "always"}
 
 
@@ -72,14 +74,16 @@ def test_stage3_split_experts_in_bf16_fp16_and_super_offload():
     ref_losses, ref_norms, _, ref_weights = reference()
     clipped = [norm > CLIP for norm in ref_norms]
     assert any(clipped), f"clipping never fires: {ref_norms}"
+    untrained = do_nothing()
     results = run_distributed(train_all, 4, timeout=180)
     for what, _ in PRECISIONS:
         losses, skipped, weights = results[0][what]
         where = f"world 4, ep_size 2, stage 3 {what}"
         assert skipped == 0, (where, skipped)  # parity needs every step taken
-        assert losses == pytest.approx(ref_losses, rel=2e-2), (where, losses, ref_losses)
-        assert sorted(weights) == sorted(ref_weights) and weights["moe.w_in"].dtype == torch.float32, where
+        assert weights["moe.w_in"].dtype == torch.float32, where  # fp32 masters
         assert all(weights[name].shape == ref.shape for name, ref in ref_weights.items()), where
+        assert_tolerance_discriminates(where, (ref_losses, ref_weights), (losses, weights), untrained,
+                                       loss_tol=LOSS_TOL, weight_tol=WEIGHT_TOL)
 
     losses, norms, weights, stats, kind, experts = results[0]["super_offload"]
     where = "world 4, ep_size 2, stage 3 super_offload always"

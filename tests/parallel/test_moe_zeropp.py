@@ -4,12 +4,12 @@ Through the engine, world 4 as 2 pretend nodes of 2 ranks (ZEROTRAIN_RANKS_PER_N
 dense buckets take qgZ's two hops over all 4 ranks, the expert buckets one quantized hop over their
 expert-data-parallel pair ({0, 2} or {1, 3}); no gradient is reduced exactly. World 2 with ep_size 2:
 each expert bucket is this rank's alone, so it is not reduced (no quantized reducer, no LoCo buffer)
-while the dense buckets are quantized. Losses stay within 1% of the exact single-process run (measured:
-0.2% at most); weights are not compared elementwise (Adam turns int4 noise on tiny gradients into
-whole lr-sized steps, as tests/zero/test_zeropp_training.py allows with its 0.05).
+while the dense buckets are quantized. Losses stay within 0.5% of the exact single-process run, weights within
+6.5% (relative L2; the expert tensors alone within 6%), and the untrained run / the run with frozen experts
+fall outside by 2x (TOLERANCES, assert_tolerance_discriminates).
 
 Stage 3 qwZ gathers split experts as int8 over their expert-data-parallel pair (dense parameters over
-all ranks; within 1% of the exact losses); hpZ keeps secondary shards of dense parameters only (the
+all ranks; losses within 0.2%, weights 2%); hpZ keeps secondary shards of dense parameters only (the
 hpZ pair {0, 1} holds different experts), so hpZ alone stays exact (1e-5).
 
 The reducer test pins what the expert reduction computes: gradients that int4 represents exactly
@@ -26,14 +26,32 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from models_for_tests import train_global_step
-from moe_common import MICRO, assert_matches, batches, build_engine, reference
+from models_for_tests import assert_tolerance_discriminates, train_global_step
+from moe_common import EXPERT_PARAMETERS, MICRO, assert_matches, batches, build_engine, do_nothing, reference
 
 QGZ = {"zero_quantized_gradients": True}
 QWZ = {"zero_quantized_weights": True, "stage3_param_persistence_threshold": 0}
 HPZ = {"zero_hpz_partition_size": 2, "stage3_param_persistence_threshold": 0}
 STAGE3_MODES = [("qwZ", QWZ), ("hpZ", HPZ), ("qwZ+hpZ", {**QWZ, **HPZ})]
 LOCO = {"zero_quantized_gradients": True, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}}
+# Lossy tolerances (losses: max relative; weights: relative L2, all tensors / the expert tensors alone), each
+# checked to reject its do-nothing baseline by 2x: no update at all / the experts frozen (measured: 1.15e-2 /
+# 1.31e-1 / 1.35e-1). Adam turns int4 gradient noise into lr-sized steps: qgZ's weights sit 4-5e-2 from the
+# reference after these 4 steps, so its weight bounds are the loose ones (the losses discriminate 9x).
+TOLERANCES = {"qgZ": (5e-3, 6.5e-2, 6e-2), "qwZ": (2e-3, 2e-2, 2e-2)}
+
+
+def assert_lossy_close(where: str, losses, weights, ref_losses, ref_weights, baselines) -> None:
+    """Losses and weights against the untrained run; the expert tensors against the run with frozen experts."""
+    untrained, frozen_experts = baselines
+    loss_tol, weight_tol, expert_tol = TOLERANCES["qgZ" if "qgZ" in where else "qwZ"]
+    assert_tolerance_discriminates(where, (ref_losses, ref_weights), (losses, weights), untrained,
+                                   loss_tol=loss_tol, weight_tol=weight_tol)
+    experts = lambda w: {name: w[name] for name in EXPERT_PARAMETERS}  # noqa: E731
+    assert_tolerance_discriminates(f"{where}, experts", (None, experts(ref_weights)), (None, experts(weights)),
+                                   (None, experts(frozen_experts[1])), loss_tol=None, weight_tol=expert_tol)
+
+
 MODES = [("stage 2 qgZ+LoCo", 2, LOCO), ("stage 1 qgZ", 1, QGZ),
          ("stage 3 qgZ", 3, {**QGZ, "stage3_param_persistence_threshold": 0})]
 
@@ -70,13 +88,12 @@ def train_quantized(ep_size: int) -> list:
 @pytest.mark.parametrize("world, ep_size", [(4, 2), (2, 2)])
 def test_qgz_quantizes_expert_gradients_over_their_expert_data_parallel_group(world, ep_size):
     ref_losses, _, _, ref_weights = reference()
+    baselines = do_nothing(), do_nothing(EXPERT_PARAMETERS)
     results = run_distributed(train_quantized, world, ep_size, timeout=120)
     for what, losses, weights, comm, expert_groups, loco_bytes, reloaded in results[0]:
         where = f"world {world}, ep_size {ep_size}, {what}"
-        assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 0.01, (where, losses, ref_losses)
-        assert sorted(weights) == sorted(ref_weights), where
-        assert all(weights[name].shape == ref.shape and weights[name].isfinite().all()
-                   for name, ref in ref_weights.items()), where
+        assert all(weights[name].shape == ref.shape for name, ref in ref_weights.items()), where
+        assert_lossy_close(where, losses, weights, ref_losses, ref_weights, baselines)
         kinds = {kind for kind, calls in comm.items() if kind.startswith("reduce_scatter") and calls}
         replicas = world // ep_size  # ranks holding the same experts
         if replicas > 1:  # dense buckets in two hops, expert buckets in one over their pair; nothing exact
@@ -109,11 +126,12 @@ def train_stage3_zeropp(ep_size: int) -> list:
 @pytest.mark.parametrize("world, ep_size", [(4, 2), (2, 2)])
 def test_stage3_qwz_and_hpz_with_split_experts(world, ep_size):
     ref_losses, _, _, ref_weights = reference()
+    baselines = do_nothing(), do_nothing(EXPERT_PARAMETERS)
     for what, losses, weights, comm, stats, expert_gathers in run_distributed(train_stage3_zeropp, world, ep_size,
                                                                              timeout=120)[0]:
         where = f"world {world}, ep_size {ep_size}, stage 3 {what}"
         if "qwZ" in what:  # int8 weights: lossy
-            assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 0.01, (where, losses, ref_losses)
+            assert_lossy_close(where, losses, weights, ref_losses, ref_weights, baselines)
             assert comm.get("all_gather_q8", 0) > 0 and stats["quantized_gathers"] > 0, (where, comm)
             assert expert_gathers == ([2] if world == 4 else []), (where, expert_gathers)  # a pair, or none
         else:  # hpZ moves exact values

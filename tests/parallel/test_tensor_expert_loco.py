@@ -2,8 +2,8 @@
 
 World 8 = TP2 x DP4 with ep_size 2, as 2 pretend nodes per tensor-parallel index (ZEROTRAIN_RANKS_PER_NODE=4),
 stage 2, qgZ int4 + LoCo: dense buckets are reduced quantized over the 4 data-parallel ranks, expert buckets
-over their expert-data-parallel pair, each with its error buffer. The losses stay within 1% of the exact
-single-process run (weights are not compared: see test_moe_zeropp.py). The run saves after SAVED_AT steps
+over their expert-data-parallel pair, each with its error buffer. The losses stay within 0.6% of the exact
+single-process run, and the untrained run's do not (assert_tolerance_discriminates). The run saves after SAVED_AT steps
 and goes on; a fresh engine loading that checkpoint holds bit-equal error buffers (expert ones included)
 and trains the remaining steps exactly like the uninterrupted run (losses and final whole weights, which
 the last step's loaded buffers shape, within 1e-5); control: the same resume with the buffers zeroed
@@ -16,7 +16,8 @@ import os
 import torch
 
 from distributed import run_distributed
-from tp_moe_common import SAVED_AT, STEPS, build_engine, reference, train_steps
+from models_for_tests import assert_tolerance_discriminates
+from tp_moe_common import SAVED_AT, STEPS, build_engine, do_nothing, reference, train_steps
 
 LOCO = {"zero_quantized_gradients": True, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}}
 
@@ -69,12 +70,15 @@ def loco_round_trip(directory: str) -> dict:
 
 def test_loco_with_tp_and_experts_trains_close_and_resumes_with_its_error_buffers(tmp_path):
     ref_losses, *_ = reference()
+    untrained = do_nothing()
     results = run_distributed(loco_round_trip, 8, str(tmp_path), timeout=240)
     for rank, out in enumerate(results):
         where = f"TP2 x DP4, ep_size 2, stage 2 qgZ+LoCo, rank {rank}"
         assert out["expert_reducers"] and all(size == 2 for size in out["expert_reducers"]), (where, out)
         losses = out["uninterrupted"]
-        assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-2, (where, losses, ref_losses)
+        # lossy: the untrained run (1.7e-2 off) must fall outside the tolerance by 2x; the weights are not
+        # bounded (3 steps of qgZ leave them half the untrained run's distance off: test_tensor_expert_parallel.py)
+        assert_tolerance_discriminates(where, (ref_losses, None), (losses, None), untrained, loss_tol=6e-3)
         count, elements, equal = out["buffers"]
         assert count > 0 and elements > 0 and equal, (where, out["buffers"])
         assert out["expert_bytes"] > 0, (where, "no expert LoCo buffer after loading")

@@ -8,7 +8,8 @@ at stage 3 parameters partitioned over each pair, per tensor-parallel index), as
 tensor-parallel index (ZEROTRAIN_RANKS_PER_NODE=4), at stages 0 and 3, with optimizer offload (cpu, nvme),
 offload_param and ZeRO++. With clipping firing every step the losses, the gradient norm (expert elements
 counted on tensor-parallel rank 0 only) and the whole weights match one process within 1e-5; the
-quantized modes (qgZ, qwZ) keep the losses within 1% (weights are not compared: see test_moe_zeropp.py).
+quantized modes (qgZ, qwZ) keep the losses within 0.6% (and qwZ's weights within 3%), checked against the
+untrained run with assert_tolerance_discriminates.
 """
 from __future__ import annotations
 
@@ -18,8 +19,13 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from tp_moe_common import EXPERTS, build_engine, reference, train_steps
+from models_for_tests import assert_tolerance_discriminates
+from tp_moe_common import EXPERTS, build_engine, do_nothing, reference, train_steps
 
+# Lossy modes: losses (max relative), weights (relative L2) within these, the untrained run outside by 2x (it is
+# 1.7e-2 / 1.1e-1 off). qgZ's weights are not bounded: after 3 steps Adam's lr-sized steps on int4 noise leave
+# them ~5.8e-2 off, half the untrained run's distance, so only its losses can tell training from none.
+LOSSY_TOL = {"qgZ": {"loss_tol": 6e-3}, "qwZ": {"loss_tol": 5e-3, "weight_tol": 3e-2}}
 EXACT_WORLD_4 = [(f"stage {stage}", stage, {}) for stage in range(4)]
 
 
@@ -59,8 +65,9 @@ def test_tp2_with_experts_over_data_parallel_ranks_matches_one_process(tmp_path,
         where = f"TP2 x DP{world // 2}, ep_size 2, {what}"
         assert split, f"{where}: the experts are not expert-local"
         relative = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-        if "qgZ" in what or "qwZ" in what:
-            assert relative <= 1e-2, (where, losses, ref_losses)
+        if "qgZ" in what or "qwZ" in what:  # lossy: the untrained run must fall outside by 2x
+            assert_tolerance_discriminates(where, (ref_losses, ref_weights), (losses, weights), do_nothing(),
+                                           **LOSSY_TOL["qgZ" if "qgZ" in what else "qwZ"])
             continue
         assert relative <= 1e-5, (where, losses, ref_losses)
         assert norm == pytest.approx(ref_norms[-1], rel=1e-5), where

@@ -105,3 +105,15 @@ def reference() -> tuple[list[float], list[float], dict, dict]:
     model = make_model(Comm(None, 0, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     return train_reference(model, optimizer, batches(), MICRO, GLOBAL, CLIP, SAVED_AT)
+
+
+def do_nothing() -> tuple[list[float], dict]:
+    """The do-nothing baseline of a lossy check: the same batches with no update at all (losses, weights)."""
+    from zerotrain.comm import Comm
+
+    from moe_common import train_reference
+
+    model = make_model(Comm(None, 0, 1))
+    losses, _, _, weights = train_reference(model, torch.optim.SGD(model.parameters(), lr=0.0), batches(), MICRO,
+                                            GLOBAL, CLIP, SAVED_AT)
+    return losses, weights

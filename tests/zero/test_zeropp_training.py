@@ -1,10 +1,11 @@
 """ZeRO++ through the engine: qgZ (+LoCo) at stages 1-3, qwZ and hpZ at stage 3, byte counters.
 
-Stated tolerances against plain single-process AdamW on the same batches (5 steps of OddMLP):
-- hpZ alone moves exact values: 1e-5 relative, like every exact mode;
-- qwZ (int8 weights): every loss within 1% relative;
-- qgZ int4 gradients (with or without LoCo, alone or with qwZ/hpZ): every loss within 3%
-  relative, final weights within 0.05 absolute (Adam steps are 1e-2 here).
+Stated tolerances against plain single-process AdamW on the same batches (10 steps of OddMLP, lr 2e-2):
+- hpZ alone moves exact values: the project's exact tolerance (assert_same_training);
+- qwZ (int8 weights): losses within 2% relative, weights within 8% (relative L2 distance);
+- qgZ int4 gradients (with or without LoCo, alone or with qwZ/hpZ): losses within 4%, weights within 15%.
+Every lossy check also runs the do-nothing baseline (lr 0 on the same batches) and asserts it falls outside
+its tolerance by 2x (assert_tolerance_discriminates): the baseline is off by ~17% / ~44%.
 World 4 runs as 2 pretend nodes of 2 ranks (ZEROTRAIN_RANKS_PER_NODE=2), so qgZ takes its two
 hops and hpZ groups pairs of ranks.
 """
@@ -18,9 +19,10 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from models_for_tests import OddMLP, make_batches, micro_slice, reference_training, train_global_step
+from models_for_tests import (OddMLP, assert_same_training, assert_tolerance_discriminates, make_batches, micro_slice,
+                              reference_training, train_global_step)
 
-STEPS, MICRO, LR = 5, 2, 1e-2
+STEPS, MICRO, LR = 10, 2, 2e-2
 QG = {"zero_quantized_gradients": True}
 LOCO = {"zero_quantized_gradients": True, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}}
 QW = {"zero_quantized_weights": True}
@@ -95,12 +97,13 @@ WORLD4 = [
 ]
 
 
-def _tolerance(name: str) -> tuple[float, float]:
+def _tolerance(name: str) -> tuple[float, float] | None:
+    """(loss, weight) tolerances of a lossy mode for assert_tolerance_discriminates; None for an exact one."""
     if "qgZ" in name or "ZeRO++" in name:
-        return 0.03, 0.05
+        return 0.04, 0.15
     if "qwZ" in name:
-        return 0.01, 0.02
-    return 1e-5, 1e-5
+        return 0.02, 0.08
+    return None
 
 
 @pytest.mark.parametrize("world,combos", [(2, WORLD2), (4, WORLD4)], ids=["world2", "world4"])
@@ -121,13 +124,15 @@ def test_zeropp_training_close_to_exact(world, combos):
                 ratio = entry["bytes"] / entry["logical_bytes"]
                 assert abs(ratio - (1 / 4 + 1 / 256)) < 5e-3, (what, entry)
             continue
-        ref_losses, ref_weights = reference_training(OddMLP, make_batches(STEPS, MICRO * accumulation * world), lr=LR)
-        loss_tol, weight_tol = _tolerance(name)
-        rel = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref_losses))
-        assert rel <= loss_tol, f"{what}: losses {result['losses']} vs {ref_losses} (max rel {rel:.2e})"
-        for key, ref in ref_weights.items():
-            torch.testing.assert_close(result["weights"][key], ref, rtol=loss_tol if loss_tol < 1e-4 else 0,
-                                       atol=weight_tol, msg=lambda m: f"{what}, {key}: {m}")
+        batches = make_batches(STEPS, MICRO * accumulation * world)
+        reference = reference_training(OddMLP, batches, lr=LR)
+        tolerance = _tolerance(name)
+        if tolerance is None:
+            assert_same_training(result["losses"], result["weights"], *reference)
+        else:  # the do-nothing baseline: no update on the same batches
+            assert_tolerance_discriminates(what, reference, (result["losses"], result["weights"]),
+                                           reference_training(OddMLP, batches, lr=0.0),
+                                           loss_tol=tolerance[0], weight_tol=tolerance[1])
         if "qgZ" in name or "ZeRO++" in name:
             kinds = {k for k in comm if k.startswith("reduce_scatter")}
             expected = {"reduce_scatter_q4_intra", "reduce_scatter_q4_inter"} if world == 4 else {"reduce_scatter_q4"}
