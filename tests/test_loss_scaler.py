@@ -7,8 +7,6 @@ import types
 import pytest
 
 from zerotrain.config import load_config
-import pytest
-
 from zerotrain.precision import LossScaleError, LossScaler
 
 
@@ -16,11 +14,17 @@ def scaler(**fp16) -> LossScaler:
     return LossScaler.from_config(load_config({"train_batch_size": 8, "fp16": dict(enabled=True, **fp16)}).fp16)
 
 
-def scales_after(s: LossScaler, overflows: str) -> list[float]:
-    """Feed a pattern ("x" overflow, "." clean step); return the scale after each update."""
+def scales_after(s: LossScaler, overflows: str, until_raise: bool = False) -> list:
+    """Feed a pattern ("x" overflow, "." clean step); return the scale after each update (with `until_raise`,
+    "raised" ends the list where the update raised at the minimum scale)."""
     out = []
     for mark in overflows:
-        s.update(mark == "x")
+        try:
+            s.update(mark == "x")
+        except LossScaleError:
+            if not until_raise:
+                raise
+            return out + ["raised"]
         out.append(s.scale)
     return out
 
@@ -33,15 +37,19 @@ def test_from_config_dynamic_and_disabled():
 
 
 def deepspeed_scales(overflows: str, power: int, window: int, hysteresis: int, consecutive: bool,
-                     minimum: float) -> list[float]:
-    """DeepSpeed's own DynamicLossScaler (what its ZeRO optimizers use) on the same overflow pattern."""
+                     minimum: float) -> list:
+    """DeepSpeed's own DynamicLossScaler (what its ZeRO optimizers use, raising at the minimum scale as its engine
+    sets it up) on the same overflow pattern; "raised" where it raised."""
     loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
     reference = loss_scaler.DynamicLossScaler(init_scale=2.0 ** power, scale_window=window, min_scale=minimum,
                                               delayed_shift=hysteresis, consecutive_hysteresis=consecutive,
-                                              raise_error_at_min_scale=False)  # zerotrain floors at the minimum
+                                              raise_error_at_min_scale=True)
     out = []
     for mark in overflows:
-        reference.update_scale(mark == "x")
+        try:
+            reference.update_scale(mark == "x")
+        except Exception:  # noqa: BLE001 - DeepSpeed raises a plain Exception at the minimum scale
+            return out + ["raised"]
         out.append(reference.cur_scale)
     return out
 
@@ -67,7 +75,7 @@ def test_scale_sequence_equals_deepspeeds_dynamic_loss_scaler(deepspeed_logging_
             fp16 = dict(initial_scale_power=power, loss_scale_window=window, hysteresis=hysteresis,
                         consecutive_hysteresis=consecutive, min_loss_scale=minimum)
             want = deepspeed_scales(pattern, power, window, hysteresis, consecutive, minimum)
-            assert scales_after(scaler(**fp16), pattern) == want, (pattern, fp16)
+            assert scales_after(scaler(**fp16), pattern, until_raise=True) == want, (pattern, fp16)
 
 
 def test_window_doubles_on_the_clean_step_after_a_full_window():
