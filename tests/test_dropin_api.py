@@ -380,3 +380,36 @@ def test_launch_runs_a_deepspeed_script_ported_by_its_import(tmp_path):
     for name, value in reference.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6)
         assert not torch.equal(weights[name], initial[name])
+
+
+def _hf_trainer_checkpoint_calls(save_dir: str) -> dict:
+    """The checkpoint calls HF transformers' Trainer makes on a DeepSpeed engine, with its keywords."""
+    import inspect
+
+    import zerotrain
+
+    torch.manual_seed(0)
+    engine, *_ = zerotrain.initialize(model=OddMLP(), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    out = {"accepts_exclude": "exclude_frozen_parameters" in inspect.signature(engine.save_checkpoint).parameters}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.save_checkpoint(save_dir, exclude_frozen_parameters=True)  # Trainer._save_checkpoint, PEFT model
+        path, _ = engine.load_checkpoint(save_dir, load_module_strict=False, load_optimizer_states=True,
+                                         load_lr_scheduler_states=True)  # deepspeed_load_checkpoint
+    out["warnings"] = [str(w.message) for w in caught]
+    out["loaded"] = path
+    try:
+        engine.load_checkpoint(save_dir, custom_load_fn=lambda *a: None)
+    except NotImplementedError as error:
+        out["custom_load_fn"] = str(error)
+    engine.close()
+    return out
+
+
+def test_hf_trainer_checkpoint_keywords_are_accepted(tmp_path):
+    out = run_distributed(_hf_trainer_checkpoint_calls, 1, str(tmp_path))[0]
+    assert out["accepts_exclude"] and out["loaded"] == str(tmp_path / "global_step0")
+    assert any("exclude_frozen_parameters=True" in w for w in out["warnings"])
+    assert any("load_module_strict=False" in w for w in out["warnings"])
+    assert "custom_load_fn" in out["custom_load_fn"]

@@ -383,16 +383,35 @@ class ZeroTrainEngine:
             loco=_LoCoErrors(self), fences=self.snapshot_fences)
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
-                        save_latest: bool = True, async_save: Optional[bool] = None) -> str:
-        """Write a unified checkpoint of model, optimizer and trainer state; see zerotrain.checkpoint."""
+                        save_latest: bool = True, async_save: Optional[bool] = None,
+                        exclude_frozen_parameters: bool = False) -> str:
+        """Write a unified checkpoint of model, optimizer and trainer state; see zerotrain.checkpoint.
+
+        `exclude_frozen_parameters` (DeepSpeed's; the HF Trainer passes True for PEFT models) is accepted,
+        but frozen weights are still written: the checkpoint stays a complete, HF-loadable model (warned)."""
+        if exclude_frozen_parameters:
+            warnings.warn("save_checkpoint(exclude_frozen_parameters=True): zerotrain writes frozen weights too "
+                          "(the checkpoint stays a complete model); only trainable ones get optimizer states",
+                          stacklevel=2)
         if self.checkpointer is None:
             self.checkpointer = Checkpointer(self.checkpoint_state())
         return save_checkpoint(self.checkpointer, save_dir, tag=tag, client_state=client_state or {},
                                save_latest=save_latest, async_save=async_save)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
-        """Load a unified checkpoint written at any world size or stage; returns (path, client_state)."""
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        load_module_strict: bool = True, custom_load_fn: Optional[Callable] = None):
+        """Load a unified checkpoint written at any world size or stage; returns (path, client_state).
+
+        `load_module_strict` (DeepSpeed's; the HF Trainer passes it): zerotrain always loads strictly, a
+        weight missing from the checkpoint is an error naming it, so False is accepted with a warning.
+        `custom_load_fn` is not supported (an error)."""
+        if custom_load_fn is not None:
+            raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported by zerotrain: its "
+                                      "checkpoint loader reads each rank's shard ranges itself")
+        if not load_module_strict:
+            warnings.warn("load_checkpoint(load_module_strict=False): zerotrain loads strictly; a model weight "
+                          "missing from the checkpoint is still an error", stacklevel=2)
         if self.checkpointer is not None:
             self.checkpointer.wait()
         return load_checkpoint(self.checkpoint_state(), load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
