@@ -144,9 +144,11 @@ def test_killed_launcher_takes_every_rank_with_it(tmp_path, victim):
 def test_killed_rank_restarts_from_the_latest_checkpoint_and_finishes_like_an_uninterrupted_run(tmp_path):
     crashed, whole = tmp_path / "crashed", tmp_path / "whole"
     total = 12
-    # restarts beyond the one the kill causes absorb a gloo connect that times out on a loaded machine
+    # Restarts beyond the one the kill causes absorb a gloo connect that times out on a loaded machine. The
+    # agent stops the surviving rank with SIGTERM, which that rank takes as a stop request; should it be stuck
+    # in a collective with its dead peer, --stop-timeout bounds the wait before the agent kills it.
     proc = subprocess.Popen(_train_cmd(crashed / "ckpt", crashed / "log", total, "--save-every", "1",
-                                       "--max-restarts", "3"),
+                                       "--max-restarts", "3", "--stop-timeout", "15"),
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_step(proc, crashed / "log", 4)
     ranks = [pid for pid in _descendants(proc.pid) if "zerotrain.cli" in Path(f"/proc/{pid}/cmdline").read_text()

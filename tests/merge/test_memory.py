@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc (Linux)")
 
 TENSORS, ROWS, COLS = 24, 1024, 1024          # 24 x 4 MiB fp32 = 96 MiB per model
-CAP = 64 << 20  # the tool's own bound for this merge is (3 inputs + 13) x 4 MiB = 64 MiB
+CAP = 80 << 20  # each input (96 MiB) is larger; the tool's own bound for this merge is (3 inputs + 13) x 4 MiB
+#                = 64 MiB, and the interpreter's own allocations come on top of it (measured 66-69 MiB)
 
 _CHILD = r"""
 import json, sys, threading, time

@@ -83,7 +83,6 @@ class Checkpointer:
         """Save on every rank; returns the tag directory (committed, or being written when async)."""
         started = time.perf_counter()
         self.wait()
-        self.claim(save_dir)
         state = self.state
         counters = state.counters.state_dict()
         tag = check_tag(tag if tag is not None else f"global_step{counters['global_steps']}")
@@ -93,6 +92,7 @@ class Checkpointer:
             logger.warning("saving checkpoint %s in the middle of a gradient accumulation cycle: accumulated "
                            "gradients are not saved, a resume restarts the cycle", tag)
         slots, plan = self._plan(state, tag)
+        self.claim(save_dir)  # after the plan: a save refused while planning writes nothing, not even the lock
         job, error = None, None
         try:  # everything the save needs, taken now; ranks agree that it worked before anything is written
             sources = capture(state, slots, plan, self.comm.rank, self.buffers, copy=async_save,
