@@ -222,6 +222,20 @@ def _named(error: OSError, path: str) -> OSError:
     return error if error.filename else OSError(error.errno, error.strerror, path)
 
 
+def plan_shards(entries: list[tuple[str, torch.dtype, tuple]], shard_size: int) -> list[list]:
+    """Entries split, in order, into files of at most `shard_size` bytes (a larger tensor gets its own file)."""
+    files: list[list] = [[]]
+    size = 0
+    for entry in entries:
+        nbytes = numel_of(entry[2]) * itemsize(entry[1])
+        if files[-1] and size + nbytes > shard_size:
+            files.append([])
+            size = 0
+        files[-1].append(entry)
+        size += nbytes
+    return files
+
+
 def read_header(path: str) -> dict:
     """The parsed safetensors header of `path` (without "__metadata__"), checked against the file size."""
     return read_layout(path)[0]

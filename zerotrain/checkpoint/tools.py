@@ -13,7 +13,7 @@ import torch
 
 from . import commit
 from .format import (HF_CONFIG, HF_GENERATION_CONFIG, MASTER, MODEL, CheckpointError,
-                     SafetensorsWriter, dtype_name, index_file, itemsize, numel_of, read_header, read_json,
+                     SafetensorsWriter, dtype_name, index_file, itemsize, numel_of, plan_shards, read_header, read_json,
                      shard_file, st_dtype, write_json)
 from .integrity import check_sizes, read_manifest, verify_checksums
 from .reader import TensorReader
@@ -120,15 +120,7 @@ def export_model(directory: str, out: str, dtype: Optional[str] = None,
                 stored, shape, _ = model.entry(name)
                 wanted = target if (target is not None and stored.is_floating_point) else stored
                 entries.append((name, wanted, shape))
-            files: list[list] = [[]]
-            size = 0
-            for entry in entries:
-                nbytes = numel_of(entry[2]) * itemsize(entry[1])
-                if files[-1] and size + nbytes > max_file_bytes:
-                    files.append([])
-                    size = 0
-                files[-1].append(entry)
-                size += nbytes
+            files = plan_shards(entries, max_file_bytes)
             weight_map = {}
             for index, chunk in enumerate(files):
                 name = shard_file(MODEL, index, len(files))

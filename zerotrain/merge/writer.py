@@ -16,22 +16,9 @@ from typing import Optional
 import torch
 
 from ..checkpoint import commit
-from ..checkpoint.format import MODEL, SafetensorsWriter, index_file, itemsize, numel_of, shard_file, write_json
+from ..checkpoint.format import (MODEL, SafetensorsWriter, index_file, itemsize, numel_of, plan_shards, shard_file,
+                                 write_json)
 from .errors import MergeError
-
-
-def plan_shards(entries: list[tuple[str, torch.dtype, tuple]], shard_size: int) -> list[list]:
-    """Entries split, in order, into files of at most `shard_size` bytes (a larger tensor gets its own file)."""
-    files: list[list] = [[]]
-    size = 0
-    for entry in entries:
-        nbytes = numel_of(entry[2]) * itemsize(entry[1])
-        if files[-1] and size + nbytes > shard_size:
-            files.append([])
-            size = 0
-        files[-1].append(entry)
-        size += nbytes
-    return files
 
 
 class ShardedWriter:
