@@ -39,11 +39,33 @@ def init_distributed(timeout_seconds: float = 1800.0) -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if torch.cuda.is_available():
             torch.cuda.set_device(default_device())
-        dist.init_process_group(backend=backend, timeout=timeout)
+        store = _restart_safe_store(timeout)
+        if store is None:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
         return
     # A world of one: a private in-process store, no port to collide on.
     store = dist.HashStore()
     dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
+
+
+def _restart_safe_store(timeout: datetime.timedelta) -> Optional[dist.Store]:
+    """The torchrun agent's store with this restart attempt's own key space, or None outside torchrun.
+
+    torchrun's agent keeps one TCPStore for the whole job and hands it to every restart attempt,
+    while torch's ``env://`` rendezvous uses its keys unprefixed. A restarted rank could then read the
+    address a rank of an earlier attempt published and wait on that dead peer until the process-group
+    timeout (seen as gloo "Connection refused" retries after a rank was killed). Prefixing the keys by
+    TORCHELASTIC_RESTART_COUNT gives every attempt a fresh rendezvous.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"zerotrain/attempt_{attempt}", agent_store)
 
 
 def _ranks_per_node(world: int) -> int:
