@@ -58,6 +58,21 @@ def _wait_for_step(proc: subprocess.Popen, log_dir: Path, step: int, timeout: fl
     pytest.fail(f"no step {step} within {timeout}s")
 
 
+def _communicate(proc: subprocess.Popen) -> tuple[str, str]:
+    """The launch's output once it ends; past LAUNCH_TIMEOUT its whole process tree is killed (a hung run
+    must not outlive the test) and the test fails with what it printed."""
+    try:
+        return proc.communicate(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        for pid in _descendants(proc.pid) + [proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        out, err = proc.communicate()
+        pytest.fail(f"the launch did not end within {LAUNCH_TIMEOUT}s:\n{out}\n{err[-4000:]}")
+
+
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
     done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -96,26 +111,37 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_sigterm_saves_exits_143_and_resume_continues_exactly(tmp_path):
-    stopped, whole = tmp_path / "stopped", tmp_path / "whole"
+# One uninterrupted run both interruption tests compare with (the schedule does not depend on --steps, so a
+# run stopped early and resumed to UNINTERRUPTED_STEPS must match it step for step).
+UNINTERRUPTED_STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("uninterrupted")
+    _run(_train_cmd(run / "ckpt", run / "log", UNINTERRUPTED_STEPS, "--save-every", "4"))
+    return run
+
+
+def test_sigterm_saves_exits_143_and_resume_continues_exactly(tmp_path, uninterrupted):
+    stopped = tmp_path / "stopped"
     proc = subprocess.Popen(_train_cmd(stopped / "ckpt", stopped / "log", 100000), env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_step(proc, stopped / "log", 3)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    out, err = _communicate(proc)
     assert proc.returncode == 128 + signal.SIGTERM, out + err
     stop_step = max(_losses(stopped / "log"))
     tag = f"global_step{stop_step}"
     assert (stopped / "ckpt" / "latest").read_text().strip() == tag
     assert f"stopped by SIGTERM at step {stop_step}: checkpoint {stopped / 'ckpt' / tag}" in out
     assert "stopped by SIGTERM" in err  # the launcher's own closing line
+    assert stop_step < UNINTERRUPTED_STEPS, f"the stop came only at step {stop_step}: nothing left to resume"
 
-    total = stop_step + 3
-    _run(_train_cmd(stopped / "ckpt", stopped / "log", total, "--resume"))
-    _run(_train_cmd(whole / "ckpt", whole / "log", total))
-    resumed, uninterrupted = _losses(stopped / "log"), _losses(whole / "log")
-    for step in range(1, total + 1):
-        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-6), step
+    _run(_train_cmd(stopped / "ckpt", stopped / "log", UNINTERRUPTED_STEPS, "--resume"))
+    resumed, whole = _losses(stopped / "log"), _losses(uninterrupted / "log")
+    for step in range(1, UNINTERRUPTED_STEPS + 1):
+        assert resumed[step] == pytest.approx(whole[step], rel=1e-6), step
 
 
 @pytest.mark.parametrize("victim", ["launcher", "agent"])
@@ -141,12 +167,12 @@ def test_killed_launcher_takes_every_rank_with_it(tmp_path, victim):
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == committed  # nothing written afterwards
 
 
-def test_killed_rank_restarts_from_the_latest_checkpoint_and_finishes_like_an_uninterrupted_run(tmp_path):
-    crashed, whole = tmp_path / "crashed", tmp_path / "whole"
-    total = 12
-    # Restarts beyond the one the kill causes absorb a gloo connect that times out on a loaded machine. The
-    # agent stops the surviving rank with SIGTERM, which that rank takes as a stop request; should it be stuck
-    # in a collective with its dead peer, --stop-timeout bounds the wait before the agent kills it.
+def test_killed_rank_restarts_from_the_latest_checkpoint_and_finishes_like_an_uninterrupted_run(tmp_path, uninterrupted):
+    crashed, whole = tmp_path / "crashed", uninterrupted
+    total = 12  # the uninterrupted run saved here too (every 4 steps)
+    # The agent stops the surviving rank with SIGTERM, which that rank takes as a stop request; should it be
+    # stuck in a collective with its dead peer, --stop-timeout bounds the wait before the agent kills it.
+    # Spare restarts absorb a gloo connect that fails on a loaded machine.
     proc = subprocess.Popen(_train_cmd(crashed / "ckpt", crashed / "log", total, "--save-every", "1",
                                        "--max-restarts", "3", "--stop-timeout", "15"),
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -155,10 +181,9 @@ def test_killed_rank_restarts_from_the_latest_checkpoint_and_finishes_like_an_un
              and "torch.distributed.run" not in Path(f"/proc/{pid}/cmdline").read_text()]
     assert ranks
     os.kill(max(ranks), signal.SIGKILL)
-    out, err = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    out, err = _communicate(proc)
     assert proc.returncode == 0, out + err
     assert "resuming from the latest checkpoint" in out
-    _run(_train_cmd(whole / "ckpt", whole / "log", total))
     # the crashed run's metrics file holds the steps before the crash and, appended, those after the restart
     assert _losses(crashed / "log")[total] == pytest.approx(_losses(whole / "log")[total], rel=1e-6)
     from safetensors.torch import load_file
