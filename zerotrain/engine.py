@@ -28,6 +28,7 @@ from .offload.param_store import build_param_store, resident_model_states
 from .precision import LossScaler, training_dtype
 from .schedules import build_scheduler
 from .lifecycle import StopRequest
+from .monitor.timers import WallClockTimers
 from .topology import Topology
 from .consolidate import full_state_dict
 from .sharding import ShardedSlot
@@ -121,6 +122,7 @@ class ZeroTrainEngine:
         self._backward_done = False
         self.checkpointer = None  # created by the first save_checkpoint
         self.stop_request = StopRequest()  # signals turned into a stop at a step boundary (opt-in)
+        self.timers = WallClockTimers(config.wall_clock_breakdown, topology.device)  # DeepSpeed's fwd/bwd/step
         self._configure_activation_checkpointing()
 
     def _configure_activation_checkpointing(self) -> None:
@@ -215,14 +217,16 @@ class ZeroTrainEngine:
 
     # --- the training step --------------------------------------------------
     def __call__(self, *args, **kwargs):
-        self._before_model_use()
-        if self.stage3 is None:
-            return self.module(*args, **kwargs)
-        self.stage3.fetcher.begin_micro_step()
-        with self.stage3.hooks.saved_tensors_hooks():
-            output = self.module(*args, **kwargs)
-        self.stage3.fetcher.end_forward(backward_follows=torch.is_grad_enabled())
-        return output
+        # wall_clock_breakdown times training forwards only (an evaluation would land in the next step's)
+        with self.timers("fwd") if torch.is_grad_enabled() else contextlib.nullcontext():
+            self._before_model_use()
+            if self.stage3 is None:
+                return self.module(*args, **kwargs)
+            self.stage3.fetcher.begin_micro_step()
+            with self.stage3.hooks.saved_tensors_hooks():
+                output = self.module(*args, **kwargs)
+            self.stage3.fetcher.end_forward(backward_follows=torch.is_grad_enabled())
+            return output
 
     forward = __call__
 
@@ -252,13 +256,16 @@ class ZeroTrainEngine:
         """Backpropagate `loss` scaled by 1/accumulation (and the fp16 loss scale), reducing gradients."""
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps()
         scaled = loss * scale if scale != 1.0 else loss
-        self._before_model_use()
-        # inside no_sync() (stages 0-1) gradients stay local until the next backward outside it
-        self.reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
-        scaled.backward(retain_graph=retain_graph)
-        self.reducer.end_backward()
-        if self.stage3 is not None:
-            self.stage3.fetcher.end_micro_step()
+        with self.timers("bwd"):
+            self._before_model_use()
+            # inside no_sync() (stages 0-1) gradients stay local until the next backward outside it
+            self.reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
+            with self.timers("bwd_inner"):
+                scaled.backward(retain_graph=retain_graph)
+            with self.timers("bwd_allreduce"):  # the reductions still in flight after autograd
+                self.reducer.end_backward()
+            if self.stage3 is not None:
+                self.stage3.fetcher.end_micro_step()
         self._backward_done = True
         return loss
 
@@ -270,11 +277,15 @@ class ZeroTrainEngine:
             raise RuntimeError("engine.step() inside engine.no_sync() is not allowed (as in DeepSpeed): "
                                "leave the context and run one more backward first")
         self._step_applied = False
-        if self.is_gradient_accumulation_boundary():
-            if not self._backward_done:
-                raise RuntimeError("engine.step() at an accumulation boundary without engine.backward() before it")
-            self._take_model_step()
+        boundary = self.is_gradient_accumulation_boundary()
+        with self.timers("step"):
+            if boundary:
+                if not self._backward_done:
+                    raise RuntimeError("engine.step() at an accumulation boundary without engine.backward() before it")
+                self._take_model_step()
         self.micro_steps += 1
+        if boundary:
+            self.timers.close_step()
 
     def _take_model_step(self) -> None:
         grad_shards = self.reducer.grad_shards
@@ -327,6 +338,11 @@ class ZeroTrainEngine:
     def get_global_grad_norm(self) -> Optional[float]:
         """The unscaled global gradient norm of the last step (before clipping)."""
         return self.zero_optimizer.last_grad_norm
+
+    def get_wall_clock_timers(self) -> dict[str, float]:
+        """DeepSpeed's: the last optimizer step's timer totals in ms by name (`fwd`, `bwd`, `bwd_inner`,
+        `bwd_allreduce`, `step`); {} unless `wall_clock_breakdown` is true."""
+        return dict(self.timers.last)
 
     @property
     def loss_scale(self) -> float:
