@@ -416,7 +416,7 @@ class Trainer:
                 (self.log_dir / "summary.json").write_text(
                     json.dumps(_finite(asdict(summary)), indent=2) + "\n"
                 )
-            console.print(summary.format(), highlight=False)
+            console.print(summary.format(), highlight=False, soft_wrap=True)  # paths stay whole
         return summary
 
     # -- the metrics record (zerotrain.monitor.schema, docs/metrics.md) -----------------------
@@ -482,6 +482,7 @@ class Trainer:
         outputs = {}
         if self.log_dir is not None:
             outputs["metrics"] = str(self.log_dir / "metrics.jsonl")
+            outputs["plots"] = f"`zerotrain plot {self.log_dir}` writes {self.log_dir / 'plots'}/*.png"
         if self.monitors is not None:
             outputs.update(self.monitors.paths())
         return outputs
