@@ -76,7 +76,8 @@ class Fp16StandIn:
         return 1.5
 
 
-def test_a_step_record_feeds_metrics_and_the_csv_monitor_under_deepspeeds_names(tmp_path):
+def test_a_step_record_feeds_metrics_and_the_csv_monitor_under_deepspeeds_names(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZEROTRAIN_PEAK_TFLOPS", "1e-9")  # a peak of 1000 FLOP/s: MFU is reported (never on CPU else)
     engine = Fp16StandIn(tmp_path)
     data = [(torch.randn(2, 4), torch.randn(2)) for _ in range(6)]
     out = io.StringIO()
@@ -87,6 +88,7 @@ def test_a_step_record_feeds_metrics_and_the_csv_monitor_under_deepspeeds_names(
     assert [r["next_lr"] for r in records] == [0.25, 0.125, 0.0625]  # DeepSpeed's Train/Samples/lr
     assert [r["loss_scale"] for r in records] == [2.0 ** 15, 2.0 ** 14, 2.0 ** 13]
     assert all(r["samples_per_s"] > 0 and r["grad_norm"] == 1.5 and len(r["memory_bytes"]) == 1 for r in records)
+    assert [r["mfu"] for r in records] == pytest.approx([6 * 5 * r["tokens_per_s"] / 1e3 for r in records])  # 5 params
     assert "comm_bytes" not in records[0] and "elapsed_time_ms_forward" not in records[0]  # not counted / no timers
     for name, field in [("loss_scale", "loss_scale"), ("lr", "next_lr"), ("train_loss", "loss")]:
         with open(tmp_path / "csv" / f"Train_Samples_{name}.csv", newline="") as handle:
