@@ -28,7 +28,7 @@ from .offload.param_store import build_param_store, resident_model_states
 from .precision import LossScaler, training_dtype
 from .schedules import build_scheduler
 from .lifecycle import StopRequest
-from .monitor.timers import WallClockTimers
+from .monitor import TIMER_FIELDS, Monitors, WallClockTimers, check_monitor_libraries
 from .topology import Topology
 from .consolidate import full_state_dict
 from .sharding import ShardedSlot
@@ -123,6 +123,8 @@ class ZeroTrainEngine:
         self.checkpointer = None  # created by the first save_checkpoint
         self.stop_request = StopRequest()  # signals turned into a stop at a step boundary (opt-in)
         self.timers = WallClockTimers(config.wall_clock_breakdown, topology.device)  # DeepSpeed's fwd/bwd/step
+        check_monitor_libraries(config)  # an enabled tensorboard/wandb block without its library: refused on every rank
+        self.monitor: Optional[Monitors] = None  # DeepSpeed's engine events, rank 0, built at the first step
         self._configure_activation_checkpointing()
 
     def _configure_activation_checkpointing(self) -> None:
@@ -286,6 +288,7 @@ class ZeroTrainEngine:
         self.micro_steps += 1
         if boundary:
             self.timers.close_step()
+            self._write_monitor()
 
     def _take_model_step(self) -> None:
         grad_shards = self.reducer.grad_shards
@@ -504,6 +507,9 @@ class ZeroTrainEngine:
         optimizer's threads and files (idempotent)."""
         if self.checkpointer is not None:
             self.checkpointer.close()
+        if self.monitor is not None:
+            self.monitor.close()
+            self.monitor = None
         self.zero_optimizer.close()
         if self.param_store is not None:
             self.param_store.close()
@@ -720,12 +726,31 @@ class ZeroTrainEngine:
 
     @contextlib.contextmanager
     def progress_printing(self, enabled: bool):
-        """Turn the steps_per_print lines on or off inside the block (the Trainer prints its own)."""
+        """Turn the engine's own reports, the steps_per_print lines and the monitor events, on or off inside
+        the block (the Trainer prints and writes its own, with the loss)."""
         before, self._print_progress = self._print_progress, enabled
         try:
             yield
         finally:
             self._print_progress = before
+
+    def _write_monitor(self) -> None:
+        """What DeepSpeed's engine writes to the `tensorboard`/`csv_monitor`/`wandb` blocks after each optimizer
+        step, on global rank 0: `Train/Samples/lr` (the rate after the scheduler step), `loss_scale` (fp16),
+        the `elapsed_time_ms_*` timers (wall_clock_breakdown), plus the gradient norm, at x = global samples."""
+        if not (self._print_progress and self.topology.rank == 0):
+            return
+        if self.monitor is None:
+            if not any(getattr(self.config, block).enabled for block in ("tensorboard", "csv_monitor", "wandb")):
+                return
+            self.monitor = Monitors.build(self.config)
+        record = {"step": self.global_steps, "samples": self.global_samples, "next_lr": self.get_lr()[0]}
+        if self.fp16_enabled():
+            record["loss_scale"] = self.loss_scaler.scale
+        if self.zero_optimizer.last_grad_norm is not None:
+            record["grad_norm"] = self.zero_optimizer.last_grad_norm
+        record.update({TIMER_FIELDS[name]: ms for name, ms in self.timers.last.items()})
+        self.monitor.write(record)
 
     def _report_progress(self) -> None:
         """Every `steps_per_print` optimizer steps, one line on global rank 0's stdout, as DeepSpeed prints it."""
