@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from zerotrain.plots import plot_runs, read_metrics
+from zerotrain.cli import main
+from zerotrain.plots import PNG_PANELS, plot_runs, read_metrics
 
 
 def write_metrics(path, records):
@@ -42,3 +43,25 @@ def test_plot_two_runs(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     with pytest.raises(ValueError, match="1 labels for 2 runs"):
         plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "x.png", labels=["a"])
+
+
+def test_plot_command_writes_a_png_per_panel_with_runs_overlaid(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    for name, ranks in (("a", 2), ("b", 1)):
+        write_metrics(tmp_path / name / "metrics.jsonl",
+                      [{"step": s, "loss": 3.0 - 0.1 * s, "lr": 1e-3 * s, "tokens_per_s": 900.0 + s,
+                        "memory_bytes": [2**28 + 2**20 * (s + r) for r in range(ranks)], "memory_kind": "peak_rss",
+                        **({"eval_loss": 3.1 - 0.1 * s} if s % 4 == 0 else {})} for s in range(1, 13)])
+    assert main(["plot", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    written = capsys.readouterr().out.split()
+    assert sorted(written) == sorted(str(tmp_path / "a" / "plots" / f"{stem}.png") for stem in PNG_PANELS)
+    for path in written:
+        data = open(path, "rb").read()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, path
+    # metrics without memory (written before it was recorded): no memory.png; a missing run is one error line
+    write_metrics(tmp_path / "old" / "metrics.jsonl", [{"step": 1, "loss": 2.0, "lr": 1e-3, "tokens_per_s": 5.0}])
+    assert main(["plot", str(tmp_path / "old"), "--out", str(tmp_path / "o")]) == 0
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["loss.png", "lr.png", "tokens_per_s.png"]
+    capsys.readouterr()
+    assert main(["plot", str(tmp_path / "missing")]) == 2
+    assert "no metrics file" in capsys.readouterr().err

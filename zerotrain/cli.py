@@ -8,7 +8,8 @@ in ``checkpoints/`` after the last step (``--save-every N`` also every N steps) 
 continues from the latest one with ``--resume``. ``zerotrain ckpt inspect|verify|export``
 are the offline checkpoint tools (``zerotrain.checkpoint.command``). ``zerotrain launch
 --nproc N train.py ARGS`` runs the user's own script the same way (``zerotrain.launcher``); ``zerotrain
-merge`` merges models tensor by tensor (``zerotrain.merge.command``).
+merge`` merges models tensor by tensor (``zerotrain.merge.command``). ``zerotrain plot RUN_DIR
+[RUN_DIR ...]`` draws runs' metrics.jsonl as PNGs (``zerotrain.plots``).
 """
 from __future__ import annotations
 
@@ -133,7 +134,37 @@ def build_parser() -> argparse.ArgumentParser:
     add_ckpt_parser(sub, PROG)
     from zerotrain.merge.command import add_merge_parser
     add_merge_parser(sub)
+    _add_plot_parser(sub)
     return parser
+
+
+def _add_plot_parser(sub) -> None:
+    plot = sub.add_parser(
+        "plot",
+        help="draw runs' metrics.jsonl as PNGs (loss and eval loss, lr, tokens/s, memory per rank)",
+        description=("Write loss.png (training and held-out loss), lr.png, tokens_per_s.png and memory.png "
+                     "(every rank) from the metrics.jsonl of each RUN_DIR (a `train --log-dir`), the runs "
+                     "overlaid. See docs/metrics.md."),
+    )
+    plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="a --log-dir of a run, or a metrics.jsonl file")
+    plot.add_argument("--out", default=None, metavar="DIR",
+                      help="where the PNGs go (default: RUN_DIR/plots of the first run)")
+    plot.add_argument("--labels", nargs="+", default=(), metavar="NAME",
+                      help="a legend name per run (default: the directory names)")
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from zerotrain.plots import plot_pngs
+
+    first = Path(args.runs[0])
+    out = Path(args.out) if args.out else (first if first.is_dir() else first.parent) / "plots"
+    try:
+        written = plot_pngs(args.runs, out, labels=args.labels)
+    except (OSError, ValueError, RuntimeError) as exc:  # a missing or bad metrics file, no matplotlib
+        raise CLIError(str(exc)) from None
+    for path in written:
+        print(path)
+    return 0
 
 
 def _add_launch_parser(sub) -> None:
@@ -190,6 +221,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "merge":
             from zerotrain.merge.command import run_merge
             return run_merge(args)
+        if args.command == "plot":
+            return _plot(args)
         if args.command == "train":
             _check_train_args(args)
             if args.nproc > 1 and not _inside_worker():
@@ -277,7 +310,8 @@ def _check_train_args(args: argparse.Namespace) -> None:
             from zerotrain.config import load_config
         except ImportError:
             return
-        load_config(args.config, dp_world_size=args.nproc)
+        from zerotrain.monitor import check_monitor_libraries
+        check_monitor_libraries(load_config(args.config, dp_world_size=args.nproc))  # e.g. tensorboard not installed
 
 
 # Options a worker receives, in that order. `--nproc` is not among them: a worker knows it is

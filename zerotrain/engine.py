@@ -28,6 +28,7 @@ from .offload.param_store import build_param_store, resident_model_states
 from .precision import LossScaler, training_dtype
 from .schedules import build_scheduler
 from .lifecycle import StopRequest
+from .monitor import TIMER_FIELDS, Monitors, WallClockTimers, check_monitor_libraries
 from .topology import Topology
 from .consolidate import full_state_dict
 from .sharding import ShardedSlot
@@ -121,6 +122,9 @@ class ZeroTrainEngine:
         self._backward_done = False
         self.checkpointer = None  # created by the first save_checkpoint
         self.stop_request = StopRequest()  # signals turned into a stop at a step boundary (opt-in)
+        self.timers = WallClockTimers(config.wall_clock_breakdown, topology.device)  # DeepSpeed's fwd/bwd/step
+        check_monitor_libraries(config)  # an enabled tensorboard/wandb block without its library: refused on every rank
+        self.monitor: Optional[Monitors] = None  # DeepSpeed's engine events, rank 0, built at the first step
         self._configure_activation_checkpointing()
 
     def _configure_activation_checkpointing(self) -> None:
@@ -215,14 +219,16 @@ class ZeroTrainEngine:
 
     # --- the training step --------------------------------------------------
     def __call__(self, *args, **kwargs):
-        self._before_model_use()
-        if self.stage3 is None:
-            return self.module(*args, **kwargs)
-        self.stage3.fetcher.begin_micro_step()
-        with self.stage3.hooks.saved_tensors_hooks():
-            output = self.module(*args, **kwargs)
-        self.stage3.fetcher.end_forward(backward_follows=torch.is_grad_enabled())
-        return output
+        # wall_clock_breakdown times training forwards only (an evaluation would land in the next step's)
+        with self.timers("fwd") if torch.is_grad_enabled() else contextlib.nullcontext():
+            self._before_model_use()
+            if self.stage3 is None:
+                return self.module(*args, **kwargs)
+            self.stage3.fetcher.begin_micro_step()
+            with self.stage3.hooks.saved_tensors_hooks():
+                output = self.module(*args, **kwargs)
+            self.stage3.fetcher.end_forward(backward_follows=torch.is_grad_enabled())
+            return output
 
     forward = __call__
 
@@ -252,13 +258,16 @@ class ZeroTrainEngine:
         """Backpropagate `loss` scaled by 1/accumulation (and the fp16 loss scale), reducing gradients."""
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps()
         scaled = loss * scale if scale != 1.0 else loss
-        self._before_model_use()
-        # inside no_sync() (stages 0-1) gradients stay local until the next backward outside it
-        self.reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
-        scaled.backward(retain_graph=retain_graph)
-        self.reducer.end_backward()
-        if self.stage3 is not None:
-            self.stage3.fetcher.end_micro_step()
+        with self.timers("bwd"):
+            self._before_model_use()
+            # inside no_sync() (stages 0-1) gradients stay local until the next backward outside it
+            self.reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
+            with self.timers("bwd_inner"):
+                scaled.backward(retain_graph=retain_graph)
+            with self.timers("bwd_allreduce"):  # the reductions still in flight after autograd
+                self.reducer.end_backward()
+            if self.stage3 is not None:
+                self.stage3.fetcher.end_micro_step()
         self._backward_done = True
         return loss
 
@@ -270,11 +279,16 @@ class ZeroTrainEngine:
             raise RuntimeError("engine.step() inside engine.no_sync() is not allowed (as in DeepSpeed): "
                                "leave the context and run one more backward first")
         self._step_applied = False
-        if self.is_gradient_accumulation_boundary():
-            if not self._backward_done:
-                raise RuntimeError("engine.step() at an accumulation boundary without engine.backward() before it")
-            self._take_model_step()
+        boundary = self.is_gradient_accumulation_boundary()
+        with self.timers("step"):
+            if boundary:
+                if not self._backward_done:
+                    raise RuntimeError("engine.step() at an accumulation boundary without engine.backward() before it")
+                self._take_model_step()
         self.micro_steps += 1
+        if boundary:
+            self.timers.close_step()
+            self._write_monitor()
 
     def _take_model_step(self) -> None:
         grad_shards = self.reducer.grad_shards
@@ -327,6 +341,11 @@ class ZeroTrainEngine:
     def get_global_grad_norm(self) -> Optional[float]:
         """The unscaled global gradient norm of the last step (before clipping)."""
         return self.zero_optimizer.last_grad_norm
+
+    def get_wall_clock_timers(self) -> dict[str, float]:
+        """DeepSpeed's: the last optimizer step's timer totals in ms by name (`fwd`, `bwd`, `bwd_inner`,
+        `bwd_allreduce`, `step`); {} unless `wall_clock_breakdown` is true."""
+        return dict(self.timers.last)
 
     @property
     def loss_scale(self) -> float:
@@ -488,6 +507,9 @@ class ZeroTrainEngine:
         optimizer's threads and files (idempotent)."""
         if self.checkpointer is not None:
             self.checkpointer.close()
+        if self.monitor is not None:
+            self.monitor.close()
+            self.monitor = None
         self.zero_optimizer.close()
         if self.param_store is not None:
             self.param_store.close()
@@ -704,12 +726,31 @@ class ZeroTrainEngine:
 
     @contextlib.contextmanager
     def progress_printing(self, enabled: bool):
-        """Turn the steps_per_print lines on or off inside the block (the Trainer prints its own)."""
+        """Turn the engine's own reports, the steps_per_print lines and the monitor events, on or off inside
+        the block (the Trainer prints and writes its own, with the loss)."""
         before, self._print_progress = self._print_progress, enabled
         try:
             yield
         finally:
             self._print_progress = before
+
+    def _write_monitor(self) -> None:
+        """What DeepSpeed's engine writes to the `tensorboard`/`csv_monitor`/`wandb` blocks after each optimizer
+        step, on global rank 0: `Train/Samples/lr` (the rate after the scheduler step), `loss_scale` (fp16),
+        the `elapsed_time_ms_*` timers (wall_clock_breakdown), plus the gradient norm, at x = global samples."""
+        if not (self._print_progress and self.topology.rank == 0):
+            return
+        if self.monitor is None:
+            if not any(getattr(self.config, block).enabled for block in ("tensorboard", "csv_monitor", "wandb")):
+                return
+            self.monitor = Monitors.build(self.config)
+        record = {"step": self.global_steps, "samples": self.global_samples, "next_lr": self.get_lr()[0]}
+        if self.fp16_enabled():
+            record["loss_scale"] = self.loss_scaler.scale
+        if self.zero_optimizer.last_grad_norm is not None:
+            record["grad_norm"] = self.zero_optimizer.last_grad_norm
+        record.update({TIMER_FIELDS[name]: ms for name, ms in self.timers.last.items()})
+        self.monitor.write(record)
 
     def _report_progress(self) -> None:
         """Every `steps_per_print` optimizer steps, one line on global rank 0's stdout, as DeepSpeed prints it."""

@@ -1,8 +1,9 @@
-"""Plots of training runs from their `metrics.jsonl` files (one JSON record per step).
+"""Plots of training runs from their `metrics.jsonl` files (one JSON record per step, docs/metrics.md).
 
-`plot_runs([run_dir_or_file, ...], out_png)` draws the training loss (and held-out loss where
-recorded), the learning rate and the throughput of one or several runs side by side, so a
-resumed run, or two configs, can be compared at a glance. matplotlib is optional
+`plot_pngs([run_dir_or_file, ...], out_dir)` (what `zerotrain plot` runs) writes one PNG per panel: the
+training loss with the held-out loss, the learning rate, the throughput, and the memory of every rank,
+each with the runs overlaid. `plot_runs([...], out_png)` draws loss, learning rate and throughput side by
+side in one figure. A resumed run, or two configs, can be compared at a glance. matplotlib is optional
 (`pip install 'zerotrain[plot]'`); without it a clear error says so.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Sequence, Union
 
-__all__ = ["read_metrics", "plot_runs"]
+__all__ = ["read_metrics", "plot_runs", "plot_pngs", "PNG_PANELS"]
 
 PathLike = Union[str, os.PathLike]
 PANELS = (("loss", "loss (nats/token)"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"))
@@ -49,18 +50,28 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def plot_runs(sources: Sequence[PathLike], out: PathLike, labels: Sequence[str] = ()) -> Path:
-    """Write a PNG comparing the runs in `sources`; returns its path."""
+def _pyplot():
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise RuntimeError("plotting needs matplotlib: pip install 'zerotrain[plot]'") from None
+    return plt
+
+
+def _runs(sources: Sequence[PathLike], labels: Sequence[str]) -> tuple[list[list[dict]], list[str]]:
     runs = [read_metrics(source) for source in sources]
     names = list(labels) or [Path(source).name or str(source) for source in sources]
     if len(names) != len(runs):
         raise ValueError(f"{len(names)} labels for {len(runs)} runs")
+    return runs, names
+
+
+def plot_runs(sources: Sequence[PathLike], out: PathLike, labels: Sequence[str] = ()) -> Path:
+    """Write a PNG comparing the runs in `sources`; returns its path."""
+    plt = _pyplot()
+    runs, names = _runs(sources, labels)
     figure, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.6))
     for records, name in zip(runs, names):
         for axis, (key, title) in zip(axes, PANELS):
@@ -81,3 +92,70 @@ def plot_runs(sources: Sequence[PathLike], out: PathLike, labels: Sequence[str] 
     figure.savefig(out, dpi=110)
     plt.close(figure)
     return out
+
+
+# file stem -> (title, y label); "memory" draws every rank's memory_bytes
+PNG_PANELS = {
+    "loss": ("training and held-out loss", "loss (nats/token)"),
+    "lr": ("learning rate", "learning rate"),
+    "tokens_per_s": ("throughput", "tokens/s"),
+    "memory": ("memory per rank", "GiB"),
+}
+
+
+def _memory_series(records: list[dict]) -> dict[int, tuple[list[int], list[float]]]:
+    """rank -> (steps, GiB) from the records' `memory_bytes` lists."""
+    series: dict[int, tuple[list[int], list[float]]] = {}
+    for record in records:
+        for rank, nbytes in enumerate(record.get("memory_bytes") or ()):
+            if isinstance(nbytes, (int, float)):
+                steps, values = series.setdefault(rank, ([], []))
+                steps.append(record["step"])
+                values.append(nbytes / 2**30)
+    return series
+
+
+def plot_pngs(sources: Sequence[PathLike], out_dir: PathLike, labels: Sequence[str] = ()) -> list[Path]:
+    """Write `loss.png`, `lr.png`, `tokens_per_s.png` and `memory.png` into `out_dir`, the runs overlaid.
+
+    A panel no run has data for (e.g. memory in metrics written before it was recorded) is not written.
+    Returns the paths written.
+    """
+    plt = _pyplot()
+    runs, names = _runs(sources, labels)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for stem, (title, ylabel) in PNG_PANELS.items():
+        figure, axis = plt.subplots(figsize=(6.4, 4.0))
+        drawn = False
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        for index, (records, name) in enumerate(zip(runs, names)):
+            if stem == "memory":  # a colour per run, a line style per rank
+                kind = next((r.get("memory_kind") for r in records if r.get("memory_kind")), None)
+                for rank, (steps, values) in sorted(_memory_series(records).items()):
+                    axis.plot(steps, values, color=colors[index % len(colors)], linestyle=("-", "--", ":", "-.")[rank % 4],
+                              label=f"{name} rank {rank}" + (f" ({kind})" if kind else ""))
+                    drawn = True
+                continue
+            steps, values = _series(records, stem)
+            if not steps:
+                continue
+            line, = axis.plot(steps, values, label=f"{name} train" if stem == "loss" else name)
+            drawn = True
+            if stem == "loss":
+                eval_steps, eval_values = _series(records, "eval_loss")
+                if eval_steps:
+                    axis.plot(eval_steps, eval_values, "o--", color=line.get_color(), label=f"{name} held-out")
+        if drawn:
+            axis.set_title(title)
+            axis.set_xlabel("optimizer step")
+            axis.set_ylabel(ylabel)
+            axis.grid(alpha=0.3)
+            axis.legend(fontsize=8)
+            figure.tight_layout()
+            path = out_dir / f"{stem}.png"
+            figure.savefig(path, dpi=110)
+            written.append(path)
+        plt.close(figure)
+    return written

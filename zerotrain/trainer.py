@@ -3,7 +3,9 @@
 :class:`Trainer` drives ``engine(x, y) -> (logits, loss)``, ``engine.backward(loss)`` and
 ``engine.step()`` for a fixed number of optimizer steps, and reports progress: a ``rich``
 progress bar on rank 0 (plain lines when stdout is not a terminal), a ``metrics.jsonl``
-file with one record per step, and a closing summary. With ``save_dir`` it saves a
+file with one record per step (the schema: ``zerotrain.monitor.schema``, docs/metrics.md), the same
+records to the monitors the config enables (DeepSpeed's ``tensorboard``, ``csv_monitor``, ``wandb``
+blocks, under DeepSpeed's event names), and a closing summary that says where they all are. With ``save_dir`` it saves a
 checkpoint every ``save_every`` steps and after the last one (``engine.save_checkpoint``;
 the config's ``checkpoint`` block decides async saving and rotation). A resumed engine
 (``engine.load_checkpoint`` before ``train()``) continues at its step and at its exact data
@@ -34,6 +36,8 @@ import torch
 import torch.distributed as dist
 
 from .lifecycle import StopRequest
+from .monitor import Monitors, TIMER_FIELDS, check_monitor_libraries
+from .monitor.measure import memory_bytes, memory_kind, parameter_count, peak_flops
 
 __all__ = ["Trainer", "TrainSummary", "mean_across_ranks"]
 
@@ -70,6 +74,7 @@ class TrainSummary:
     final_eval_loss: Optional[float] = None
     checkpoint: Optional[str] = None
     stopped_by: Optional[str] = None  # the signal that stopped training early (e.g. "SIGTERM"), if any
+    outputs: Optional[dict] = None  # where rank 0 wrote: "metrics" file, monitor name -> directory
 
     def format(self) -> str:
         text = (
@@ -80,6 +85,8 @@ class TrainSummary:
             text += f", eval loss {self.final_eval_loss:.4f}"
         if self.stopped_by is not None:
             text = f"stopped by {self.stopped_by}: " + text
+        for name, path in (self.outputs or {}).items():
+            text += f"\n  {name}: {path}"
         return text
 
 
@@ -157,6 +164,12 @@ class Trainer:
         self.history: list[dict] = []
         self.stop_signals = stop_signals
         self.stop_request = StopRequest()
+        # An enabled monitor whose library is missing stops every rank here, not only rank 0 later.
+        self.config = getattr(engine, "config", None)
+        check_monitor_libraries(self.config)
+        self.monitors: Optional[Monitors] = None
+        self._memory: list[int] = []
+        self._flops_per_token: Optional[float] = None
 
     # -- data ---------------------------------------------------------------------------
 
@@ -227,15 +240,20 @@ class Trainer:
         data-parallel mean) so that a signal seen by any one rank stops all of them after this step.
         """
         signum = int(self.stop_request.signal) if self.stop_request.requested else 0
+        device = torch.device(self.device or loss.device)
+        memory = memory_bytes(device)
         if not (dist.is_available() and dist.is_initialized()):
             self._stop_signal = signum
+            self._memory = [memory]
             return float(loss.item())
-        device = self.device or loss.device
-        # [loss, ranks that saw a stop signal, sum of their signal numbers]
-        values = torch.stack([loss.detach().to(device=device, dtype=torch.float64).reshape(()),
-                              torch.tensor(float(signum > 0), dtype=torch.float64, device=device),
-                              torch.tensor(float(signum), dtype=torch.float64, device=device)])
+        # [loss, ranks that saw a stop signal, sum of their signal numbers, memory of rank 0, 1, ...]: each
+        # rank fills only its own memory slot, so the sum carries every rank's (bytes are exact in float64)
+        slots = [0.0] * dist.get_world_size()
+        slots[dist.get_rank()] = float(memory)
+        values = torch.tensor([0.0, float(signum > 0), float(signum), *slots], dtype=torch.float64, device=device)
+        values[0] = loss.detach().to(device=device, dtype=torch.float64).reshape(())
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        self._memory = [int(v) for v in values[3:].tolist()]
         count = int(values[1].item())
         # the signal every flagged rank saw (they normally agree; -1: ranks saw different ones)
         mean = values[2].item() / count if count else 0.0
@@ -299,6 +317,9 @@ class Trainer:
         console = self._get_console() if is_main else None
         live = bool(console is not None and console.is_terminal)
         metrics = self._open_metrics() if is_main else None
+        if is_main and self.config is not None:
+            self.monitors = Monitors.build(self.config, self.log_dir)
+        comm_before = self._comm_bytes()
 
         progress = task = None
         if live:
@@ -330,13 +351,7 @@ class Trainer:
                 train_time += dt
                 total_tokens += tokens
                 last_loss = loss
-                record = {
-                    "step": step,
-                    "loss": loss,
-                    "lr": lr,
-                    "tokens_per_s": tokens / dt if dt > 0 else float("nan"),
-                    "elapsed_s": time.perf_counter() - t0,
-                }
+                record, comm_before = self._record(step, loss, lr, tokens, dt, t0, comm_before)
                 offload_stats = getattr(self.engine, "offload_stats", None)
                 if callable(offload_stats):  # speculative steps, rollbacks, redone steps, NVMe bytes
                     record.update({f"offload_{k}": v for k, v in offload_stats().items()})
@@ -348,6 +363,8 @@ class Trainer:
                 if metrics is not None:
                     metrics.write(json.dumps(_finite(record)) + "\n")
                     metrics.flush()
+                if self.monitors:
+                    self.monitors.write(_finite(record))
                 if progress is not None:
                     progress.update(task, completed=step, **_fields(record))
                 elif console is not None and (
@@ -371,6 +388,8 @@ class Trainer:
                 progress.stop()
             if metrics is not None:
                 metrics.close()
+            if self.monitors is not None:
+                self.monitors.close()
 
         if self.eval_data is not None and eval_loss is None and step == start_step and stopped_by is None:
             eval_loss = self.evaluate()  # nothing left to train: still report the eval loss
@@ -390,14 +409,83 @@ class Trainer:
             final_eval_loss=eval_loss,
             checkpoint=self.last_checkpoint,
             stopped_by=stopped_by,
+            outputs=self._outputs() if is_main else None,
         )
         if is_main:
             if self.log_dir is not None:
                 (self.log_dir / "summary.json").write_text(
                     json.dumps(_finite(asdict(summary)), indent=2) + "\n"
                 )
-            console.print(summary.format(), highlight=False)
+            console.print(summary.format(), highlight=False, soft_wrap=True)  # paths stay whole
         return summary
+
+    # -- the metrics record (zerotrain.monitor.schema, docs/metrics.md) -----------------------
+
+    def _record(self, step: int, loss: float, lr: float, tokens: int, dt: float, t0: float,
+                comm_before: Optional[int]) -> tuple[dict, Optional[int]]:
+        """The step's metrics record, and the communication counter to measure the next step from."""
+        engine = self.engine
+        batch = int(engine.train_batch_size()) if hasattr(engine, "train_batch_size") else 0
+        samples = getattr(engine, "global_samples", None)
+        record: dict[str, Any] = {
+            "step": step,
+            "samples": int(samples) if samples is not None else step * batch,
+            "loss": loss,
+            "lr": lr,
+            "next_lr": self._current_lr(),
+        }
+        if getattr(self.config, "precision", None) == "fp16" and hasattr(engine, "loss_scale"):
+            record["loss_scale"] = float(engine.loss_scale)
+        norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
+        if norm is not None:
+            record["grad_norm"] = float(norm)
+        tokens_per_s = tokens / dt if dt > 0 else float("nan")
+        record["tokens_per_s"] = tokens_per_s
+        record["samples_per_s"] = batch / dt if dt > 0 and batch else float("nan")
+        mfu = self._mfu(tokens_per_s)
+        if mfu is not None:
+            record["mfu"] = mfu
+        record["memory_bytes"] = list(self._memory)
+        record["memory_kind"] = memory_kind(torch.device(self.device or "cpu"))
+        comm_now = self._comm_bytes()
+        if comm_now is not None:
+            record["comm_bytes"] = comm_now - (comm_before or 0)
+            record["comm_bytes_total"] = comm_now
+        record["elapsed_s"] = time.perf_counter() - t0
+        timers = engine.get_wall_clock_timers() if hasattr(engine, "get_wall_clock_timers") else {}
+        record.update({TIMER_FIELDS[name]: ms for name, ms in timers.items() if name in TIMER_FIELDS})
+        return record, comm_now
+
+    def _comm_bytes(self) -> Optional[int]:
+        """Bytes this rank sent in the library's collectives since the engine was built (None: not counted)."""
+        counters = getattr(self.engine, "counters", None)
+        return sum(counters.bytes.values()) if hasattr(counters, "bytes") else None
+
+    def _mfu(self, tokens_per_s: float) -> Optional[float]:
+        """Model FLOPs utilisation (6 x parameters FLOPs per token) where the device's peak is known.
+
+        Not with tensor parallelism (each rank's module holds slices) and not on CPUs (no known peak)."""
+        topology = getattr(self.engine, "topology", None)
+        if self.device is None or int(getattr(topology, "tp_size", 1)) != 1 or not math.isfinite(tokens_per_s):
+            return None
+        peak = peak_flops(torch.device(self.device), getattr(self.config, "precision", "fp32"))
+        module = getattr(self.engine, "module", None)
+        if peak is None or module is None:
+            return None
+        if self._flops_per_token is None:
+            self._flops_per_token = 6.0 * parameter_count(module)
+        devices = int(getattr(topology, "world_size", self.dp_size))
+        return self._flops_per_token * tokens_per_s / (peak * devices)
+
+    def _outputs(self) -> dict:
+        """Where rank 0 writes: for the summary line and summary.json."""
+        outputs = {}
+        if self.log_dir is not None:
+            outputs["metrics"] = str(self.log_dir / "metrics.jsonl")
+            outputs["plots"] = f"`zerotrain plot {self.log_dir}` writes {self.log_dir / 'plots'}/*.png"
+        if self.monitors is not None:
+            outputs.update(self.monitors.paths())
+        return outputs
 
     # -- output helpers -----------------------------------------------------------------
 

@@ -5,6 +5,8 @@ One module-scoped fixture trains the tiny GPT three times at world size 2 (ZeRO 
 6 steps uninterrupted; 4 steps saving every step asynchronously with keep_last 2; then a
 resume to step 6. The corpus is small enough that step 6 starts a second epoch, so the
 resumed run must find its exact data position (and RNG) to reproduce the losses.
+The uninterrupted run also carries DeepSpeed's `tensorboard` and `csv_monitor` blocks and
+`wall_clock_breakdown` (rather than a launch of its own): its events are checked against its metrics.jsonl.
 """
 from __future__ import annotations
 
@@ -48,7 +50,9 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli_runs")
     config = json.loads((REPO / "examples/zero3.json").read_text())
     sync_config = root / "sync.json"
-    sync_config.write_text(json.dumps(config))
+    monitors = {"wall_clock_breakdown": True, "tensorboard": {"enabled": True, "output_path": "monitors", "job_name": "tb"},
+                "csv_monitor": {"enabled": True, "output_path": "monitors", "job_name": "csv"}}
+    sync_config.write_text(json.dumps(dict(config, **monitors)))
     config["checkpoint"] = {"async_save": True, "keep_last": 2, "verify_on_load": True}
     async_config = root / "async.json"
     async_config.write_text(json.dumps(config))
@@ -195,3 +199,50 @@ def test_ckpt_help_explains_each_tool():
             assert word in text, (tool, word)
     proc = zerotrain("ckpt", "verify", "/nonexistent/dir", cwd=REPO)
     assert proc.returncode == 1 and "/nonexistent/dir" in proc.stderr
+
+
+def test_monitors_write_deepspeeds_events_equal_to_the_metrics(runs):
+    """TensorBoard events (read with tensorboard's own reader) and CSV files under DeepSpeed's names, at
+    DeepSpeed's x (global samples), with the values of metrics.jsonl; only rank 0 writes; every field is
+    in the documented schema."""
+    pytest.importorskip("tensorboard")
+    import csv
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from zerotrain.monitor import FIELDS
+
+    root = runs["root"]
+    records = [json.loads(line) for line in (root / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["samples"] for r in records] == [16 * step for step in range(1, 7)]  # train_batch_size 16
+    for record in records:
+        assert {k for k in record if not k.startswith("offload_")} <= set(FIELDS), record
+        assert len(record["memory_bytes"]) == 2 and min(record["memory_bytes"]) > 0
+        assert record["memory_kind"] == "peak_rss" and "mfu" not in record  # CPU: no known peak
+        assert record["comm_bytes"] > 0 and record["grad_norm"] > 0
+        assert record["elapsed_time_ms_backward"] >= record["elapsed_time_ms_backward_inner"] > 0
+    assert "eval_loss" in records[-1] and "loss_scale" not in records[-1]  # fp32: DeepSpeed writes none
+
+    tb = root / "monitors" / "tb"
+    assert len(list(tb.glob("events.out.tfevents.*"))) == 1  # rank 0 alone
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    expected = {"Train/Samples/train_loss": "loss", "Train/Samples/lr": "next_lr", "Train/Samples/eval_loss": "eval_loss",
+                **{f"Train/Samples/elapsed_time_ms_{t}": f"elapsed_time_ms_{t}"
+                   for t in ("forward", "backward", "backward_inner", "backward_allreduce", "step")},
+                **{f"Train/Samples/{f}": f for f in ("tokens_per_s", "samples_per_s", "grad_norm", "comm_bytes")},
+                "Train/Samples/memory_bytes_rank1": None}
+    assert set(expected) <= set(events.Tags()["scalars"])
+    for tag, field in expected.items():
+        want = [(r["samples"], r[field] if field else r["memory_bytes"][1]) for r in records
+                if (field or "memory_bytes") in r]
+        got = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert [x for x, _ in got] == [x for x, _ in want], tag
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6), tag  # float32 in events
+    assert records[1]["next_lr"] == pytest.approx(records[2]["lr"]) and records[1]["lr"] < records[1]["next_lr"]
+
+    with open(root / "monitors" / "csv" / "Train_Samples_lr.csv", newline="") as handle:
+        rows = list(csv.reader(handle))
+    assert rows[0] == ["step", "lr"]  # DeepSpeed's header: the last part of the event name
+    assert [(int(x), float(v)) for x, v in rows[1:]] == [(r["samples"], r["next_lr"]) for r in records]
+    out = runs["full"].stdout
+    assert f"tensorboard: {Path('monitors') / 'tb'}" in out and "metrics: full/metrics.jsonl" in out

@@ -9,6 +9,9 @@ config names no optimizer. Then DeepSpeed 0.19.8's engine (CPU accelerator, gloo
 same model on the same batches at world 2, all configs in one launch per engine, and the test asserts:
 equal losses (1e-6 relative) and equal learning rates at every optimizer step; a config DeepSpeed runs
 and zerotrain refuses fails; the files DeepSpeed itself refuses are exactly the ones expected.
+One config (MONITORED) also runs with a `csv_monitor` block and `wall_clock_breakdown` in both engines: the
+CSV files DeepSpeed's engine writes (event names, header, x = global samples, the lr values) are the ones
+zerotrain's engine writes in a hand-written loop.
 """
 from __future__ import annotations
 
@@ -44,6 +47,15 @@ DEEPSPEED_REFUSES = {
     "dsexamples_megatron_zero_infinity.json": "stage3_param_persitance_threshold",
 }
 PRECISION_BLOCKS = ("fp16", "bf16", "bfloat16", "amp", "torch_autocast")
+MONITORED = "written_warmupcosinelr_zero3.json"
+
+
+def with_monitor(name: str, config: dict, monitor_dir: str, engine: str) -> dict:
+    """MONITORED's config with DeepSpeed's csv monitor (into monitor_dir/engine) and its timers; others as they are."""
+    if name != MONITORED:
+        return config
+    return dict(config, wall_clock_breakdown=True,
+                csv_monitor={"enabled": True, "output_path": monitor_dir, "job_name": engine})
 
 
 def prepared(name: str) -> tuple[dict, bool]:
@@ -86,7 +98,7 @@ def _train(engine, to_device=lambda t: t) -> tuple[list[float], list[list[float]
     return losses, lrs
 
 
-def deepspeed_runs(names: list[str]) -> dict:
+def deepspeed_runs(names: list[str], monitor_dir: str) -> dict:
     """In each rank: every config through DeepSpeed's engine; name -> (losses, lrs) or ("refused", message)."""
     os.environ["DS_ACCELERATOR"] = "cpu"
     import deepspeed
@@ -96,6 +108,7 @@ def deepspeed_runs(names: list[str]) -> dict:
     out = {}
     for name in names:
         config, has_optimizer = prepared(name)
+        config = with_monitor(name, config, monitor_dir, "deepspeed")
         torch.manual_seed(0)
         model = OddMLP()
         try:
@@ -110,7 +123,7 @@ def deepspeed_runs(names: list[str]) -> dict:
     return out
 
 
-def zerotrain_runs(names: list[str]) -> dict:
+def zerotrain_runs(names: list[str], monitor_dir: str) -> dict:
     """In each rank: every config through zerotrain's engine; name -> (losses, lrs) or ("refused", message)."""
     import zerotrain
     from zerotrain.config import ConfigWarning
@@ -118,6 +131,7 @@ def zerotrain_runs(names: list[str]) -> dict:
     out = {}
     for name in names:
         config, has_optimizer = prepared(name)
+        config = with_monitor(name, config, monitor_dir, "zerotrain")
         torch.manual_seed(0)
         model = OddMLP()
         try:
@@ -133,19 +147,20 @@ def zerotrain_runs(names: list[str]) -> dict:
     return out
 
 
-def test_real_world_configs_train_as_under_deepspeed():
+def test_real_world_configs_train_as_under_deepspeed(tmp_path):
     names = sorted(p.name for p in REAL.glob("*.json"))
     # DeepSpeed runs every file (so that what it refuses is checked), but each distinct prepared config once.
     first_with: dict[str, str] = {}
     same_as = {name: first_with.setdefault(json.dumps(prepared(name), sort_keys=True), name) for name in names}
-    theirs = run_distributed(deepspeed_runs, DP, sorted(set(same_as.values())), timeout=240)[0]
+    theirs = run_distributed(deepspeed_runs, DP, sorted(set(same_as.values())), str(tmp_path), timeout=240)[0]
     theirs = {name: theirs[same_as[name]] for name in names}
     refused = {name: result[1] for name, result in theirs.items() if result[0] == "refused"}
     assert sorted(refused) == sorted(DEEPSPEED_REFUSES), refused
     for name, text in DEEPSPEED_REFUSES.items():
         assert text in refused[name].lower(), (name, refused[name])
     runnable = [name for name in names if name not in refused]
-    ours = run_distributed(zerotrain_runs, DP, sorted({same_as[name] for name in runnable}), timeout=240)[0]
+    ours = run_distributed(zerotrain_runs, DP, sorted({same_as[name] for name in runnable}), str(tmp_path),
+                           timeout=240)[0]
     ours = {name: ours[same_as[name]] for name in runnable}
     problems = []
     for name in runnable:
@@ -162,3 +177,27 @@ def test_real_world_configs_train_as_under_deepspeed():
     assert any(len({tuple(lr) for lr in ours[name][1]}) > 2 for name in runnable)
     assert all(ours[name][0][-1] != ours[name][0][0] for name in runnable)
     assert len(runnable) >= 15
+    assert same_as[MONITORED] == MONITORED and MONITORED in runnable
+    check_monitor_files(tmp_path / "deepspeed", tmp_path / "zerotrain")
+
+
+def check_monitor_files(deepspeed_dir: pathlib.Path, zerotrain_dir: pathlib.Path) -> None:
+    """DeepSpeed's csv files, each also written by zerotrain: same name, header and x column; equal lr values."""
+    import csv
+
+    def read(path: pathlib.Path) -> list[list[str]]:
+        with open(path, newline="") as handle:
+            return list(csv.reader(handle))
+
+    theirs = sorted(p.name for p in deepspeed_dir.glob("*.csv"))
+    assert "Train_Samples_lr.csv" in theirs and "Train_Samples_elapsed_time_ms_backward_allreduce.csv" in theirs, theirs
+    ours = {p.name for p in zerotrain_dir.glob("*.csv")}
+    assert set(theirs) <= ours, sorted(set(theirs) - ours)
+    for name in theirs:
+        mine, ds = read(zerotrain_dir / name), read(deepspeed_dir / name)
+        assert mine[0] == ds[0] and [row[0] for row in mine] == [row[0] for row in ds], name  # header, x values
+        assert len(ds) == STEPS + 1, name
+    lrs = [float(row[1]) for row in read(zerotrain_dir / "Train_Samples_lr.csv")[1:]]
+    assert lrs == pytest.approx([float(row[1]) for row in read(deepspeed_dir / "Train_Samples_lr.csv")[1:]],
+                                rel=1e-12, abs=1e-15)
+    assert len(set(lrs)) > 2  # the schedule moves: the comparison can fail

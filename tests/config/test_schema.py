@@ -227,6 +227,28 @@ def test_every_key_of_deepspeeds_zero_block_is_known_when_installed():
         assert names <= known, (ours.PATH, sorted(names - known))
 
 
+def test_monitor_blocks_have_deepspeeds_keys_and_defaults():
+    """tensorboard / csv_monitor / wandb are read (no longer 'no effect'), field for field as DeepSpeed's models."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = load(tensorboard={"enabled": True, "output_path": "runs", "job_name": "j"},
+                   csv_monitor={"enabled": True}, wandb={"enabled": True, "team": "t", "group": "g"},
+                   wall_clock_breakdown=True)
+    assert not cfg.unimplemented and cfg.wall_clock_breakdown is True
+    assert (cfg.tensorboard.output_path, cfg.tensorboard.job_name) == ("runs", "j")
+    assert (cfg.csv_monitor.output_path, cfg.csv_monitor.job_name) == ("", "DeepSpeedJobName")
+    assert (cfg.wandb.project, cfg.wandb.team, cfg.wandb.group) == ("deepspeed", "t", "g")
+    assert error_of(dict(BASE, csv_monitor={"enabeld": True})).key == "csv_monitor.enabeld"
+    pytest.importorskip("deepspeed")
+    import os
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.monitor.config import CSVConfig, TensorBoardConfig, WandbConfig
+    from zerotrain.config import CSVMonitorConfig, TensorBoardConfig as OurTB, WandbConfig as OurWandb
+    for theirs, ours in [(TensorBoardConfig, OurTB), (CSVConfig, CSVMonitorConfig), (WandbConfig, OurWandb)]:
+        defaults = {name: field.default for name, field in theirs.model_fields.items()}
+        assert defaults == {name: field.default for name, field in ours.model_fields.items()}, ours.PATH
+
+
 def test_zenflow_is_accepted_without_effect():
     with pytest.warns(ConfigWarning, match="zero_optimization.zenflow is a DeepSpeed key"):
         cfg = load(zero_optimization={"stage": 2, "zenflow": {"topk_ratio": 0.1}})
@@ -235,7 +257,7 @@ def test_zenflow_is_accepted_without_effect():
 
 @pytest.mark.parametrize("config, key", [
     ({"flops_profiler": {"enabled": True}}, "flops_profiler"),
-    ({"tensorboard": {"enabled": True, "output_path": "x"}}, "tensorboard"),
+    ({"comet": {"enabled": True, "project": "x"}}, "comet"),
     ({"amp": {"enabled": True}}, "amp"),
     ({"prescale_gradients": True}, "prescale_gradients"),
     ({"communication_data_type": "fp32"}, "communication_data_type"),
@@ -257,12 +279,11 @@ def test_deepspeed_only_keys_warn_and_load(config, key):
 def test_deepspeed_only_keys_switched_off_are_silent():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        cfg = load(wandb={"enabled": False}, prescale_gradients=False, gradient_predivide_factor=1.0)
-    assert "wandb" in cfg.unimplemented
+        cfg = load(comet={"enabled": False}, prescale_gradients=False, gradient_predivide_factor=1.0)
+    assert "comet" in cfg.unimplemented
 
 
 @pytest.mark.parametrize("config, key, value", [
-    ({"wall_clock_breakdown": True}, "wall_clock_breakdown", True),
     ({"zero_optimization": {"allgather_bucket_size": 2e8}}, "zero_optimization.allgather_bucket_size", 200_000_000),
     ({"zero_optimization": {"stage": 2, "allgather_bucket_size": 1}}, "zero_optimization.allgather_bucket_size", 1),
     ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast", True),

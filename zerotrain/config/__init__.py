@@ -14,6 +14,7 @@ from .batch import resolve_batch_triple
 from .loader import load_config, parse_json_text, read_config_file, strip_json_comments
 from .params import (AdamParams, OptimizerConfig, SchedulerConfig, SGDParams, WarmupCosineLRParams,
                      WarmupDecayLRParams, WarmupLRParams)
+from .monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
 from .schema import AioConfig, BF16Config, CheckpointConfig, FP16Config, ZeroTrainConfig
 from .zero import LocoConfig, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
@@ -23,4 +24,5 @@ __all__ = [
     "OptimizerConfig", "SchedulerConfig", "AdamParams", "SGDParams", "WarmupLRParams", "WarmupDecayLRParams",
     "WarmupCosineLRParams", "FP16Config", "BF16Config", "CheckpointConfig", "AioConfig",
     "ZeroConfig", "OffloadOptimizerConfig", "OffloadParamConfig", "LocoConfig", "fill_auto", "hf_auto_values",
+    "TensorBoardConfig", "CSVMonitorConfig", "WandbConfig",
 ]

@@ -3,7 +3,8 @@
 Build it with `zerotrain.config.load_config` (which turns every validation problem into a
 `ConfigError` naming the dotted key). Blocks: `fp16`, `bf16` (legacy alias `bfloat16`),
 `zero_optimization` (`zero.py`), `optimizer` and `scheduler` (`params.py`), `checkpoint`,
-`aio`, `tensor_parallel` and `activation_checkpointing`. zerotrain's own top-level keys: `comm_timeout_seconds`,
+`aio`, `tensor_parallel`, `activation_checkpointing`, and the monitors `tensorboard`, `csv_monitor`, `wandb`
+(`monitor.py`). zerotrain's own top-level keys: `comm_timeout_seconds`,
 `comm_same_host_transport`, `seed`, `strict_config`, and the `checkpoint` keys. An unknown top-level key that is no
 near-miss of a known key is ignored with a warning, as DeepSpeed ignores it (an error with `"strict_config": true`).
 """
@@ -15,6 +16,7 @@ from pydantic import Field, PrivateAttr, ValidationInfo, model_validator
 
 from .base import Block, Bool, ConfigError, Int, NonNegFloat, NonNegInt, PosFloat, PosInt, choice, warn
 from .batch import GAS, MICRO, TBS, check_batch_partial, resolve_batch_triple
+from .monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
 from .params import OptimizerConfig, SchedulerConfig
 from .zero import ZeroConfig
 
@@ -23,7 +25,7 @@ __all__ = ["ZeroTrainConfig", "FP16Config", "BF16Config", "CheckpointConfig", "A
 
 # Top-level keys DeepSpeed accepts that zerotrain does not implement: accepted with a warning.
 DEEPSPEED_ONLY_KEYS = frozenset({
-    "amp", "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet",
+    "amp", "flops_profiler", "comet",
     "comms_logger", "compression_training", "data_efficiency", "curriculum_learning", "elasticity", "autotuning",
     "pipeline", "sparse_attention", "dump_state", "prescale_gradients", "gradient_predivide_factor",
     "communication_data_type", "seq_parallel_communication_data_type", "sparse_gradients",
@@ -135,7 +137,6 @@ class ZeroTrainConfig(Block):
     LEGACY = {"bfloat16": "bf16"}
     DEEPSPEED_ONLY = DEEPSPEED_ONLY_KEYS
     AUTO_MEANS_UNSET = frozenset({TBS, MICRO, GAS})
-    INERT = frozenset({"wall_clock_breakdown"})  # no timers yet
 
     train_batch_size: Optional[PosInt] = None
     train_micro_batch_size_per_gpu: Optional[PosInt] = None
@@ -156,6 +157,9 @@ class ZeroTrainConfig(Block):
     aio: AioConfig = Field(default_factory=AioConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
 
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
     _unimplemented: dict[str, Any] = PrivateAttr(default_factory=dict)

@@ -1,0 +1,136 @@
+"""The metrics schema and the monitors, in one process: the record a Trainer step writes (fp16's loss scale
+included), the CSV monitor's files, a missing library named with its key and pip extra, the schema's
+documentation. The TensorBoard events of a real world-2 run are checked in
+tests/checkpoint/test_ckpt_cli.py (it carries the monitor blocks in a launch it makes anyway)."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from rich.console import Console
+
+from zerotrain.cli import main
+from zerotrain.config import load_config
+from zerotrain.monitor import FIELDS, MonitorUnavailable, Monitors, check_monitor_libraries, events
+from zerotrain.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+
+
+class Fp16StandIn:
+    """The slice of the engine API the Trainer reads, on a linear model; fp16-like: a loss scale that
+    halves every step (as an overflow would lower it)."""
+
+    def __init__(self, tmp_path: Path):
+        torch.manual_seed(0)
+        self.module = torch.nn.Linear(4, 1)
+        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=0.5)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.5)
+        self.global_steps = self.global_samples = self.micro_steps = 0
+        self.loss_scale = 2.0 ** 16
+        self.config = load_config(dict(BASE, fp16={"enabled": True},
+                                       csv_monitor={"enabled": True, "output_path": str(tmp_path), "job_name": "csv"}),
+                                  dp_world_size=1)
+        self.topology = SimpleNamespace(rank=0, world_size=1, dp_size=1, dp_group=None, tp_size=1,
+                                        device=torch.device("cpu"))
+
+    def __call__(self, x, y):
+        loss = torch.nn.functional.mse_loss(self.module(x.float()).squeeze(-1), y.float())
+        return None, loss
+
+    def backward(self, loss):
+        (loss / 2).backward()
+
+    def step(self):
+        if self.micro_steps % 2 == 1:
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            self.scheduler.step()
+            self.global_steps += 1
+            self.global_samples += 4
+            self.loss_scale /= 2
+        self.micro_steps += 1
+
+    def gradient_accumulation_steps(self):
+        return 2
+
+    def train_micro_batch_size_per_gpu(self):
+        return 2
+
+    def train_batch_size(self):
+        return 4
+
+    def get_lr(self):
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self):
+        return 1.5
+
+
+def test_a_step_record_feeds_metrics_and_the_csv_monitor_under_deepspeeds_names(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZEROTRAIN_PEAK_TFLOPS", "1e-9")  # a peak of 1000 FLOP/s: MFU is reported (never on CPU else)
+    engine = Fp16StandIn(tmp_path)
+    data = [(torch.randn(2, 4), torch.randn(2)) for _ in range(6)]
+    out = io.StringIO()
+    summary = Trainer(engine, data, total_steps=3, log_dir=tmp_path / "log", console=Console(file=out)).train()
+    records = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["samples"] for r in records] == [4, 8, 12]
+    assert [r["lr"] for r in records] == [0.5, 0.25, 0.125]  # the rate each update applied
+    assert [r["next_lr"] for r in records] == [0.25, 0.125, 0.0625]  # DeepSpeed's Train/Samples/lr
+    assert [r["loss_scale"] for r in records] == [2.0 ** 15, 2.0 ** 14, 2.0 ** 13]
+    assert all(r["samples_per_s"] > 0 and r["grad_norm"] == 1.5 and len(r["memory_bytes"]) == 1 for r in records)
+    assert [r["mfu"] for r in records] == pytest.approx([6 * 5 * r["tokens_per_s"] / 1e3 for r in records])  # 5 params
+    assert "comm_bytes" not in records[0] and "elapsed_time_ms_forward" not in records[0]  # not counted / no timers
+    for name, field in [("loss_scale", "loss_scale"), ("lr", "next_lr"), ("train_loss", "loss")]:
+        with open(tmp_path / "csv" / f"Train_Samples_{name}.csv", newline="") as handle:
+            rows = list(csv.reader(handle))
+        assert rows[0] == ["step", name]
+        assert [(int(x), float(v)) for x, v in rows[1:]] == [(r["samples"], r[field]) for r in records], name
+    assert summary.outputs["csv_monitor"] == str(tmp_path / "csv")
+    assert f"csv_monitor: {tmp_path / 'csv'}" in out.getvalue()
+
+
+def test_events_of_a_record():
+    record = {"step": 2, "samples": 32, "loss": 2.0, "lr": 1e-3, "next_lr": 2e-3, "loss_scale": 1024.0,
+              "eval_loss": None, "memory_bytes": [10, 20], "memory_kind": "peak_rss", "elapsed_s": 1.0}
+    assert sorted(events(record)) == sorted([
+        ("Train/Samples/train_loss", 2.0, 32), ("Train/Samples/lr", 2e-3, 32), ("Train/Samples/loss_scale", 1024.0, 32),
+        ("Train/Samples/memory_bytes_rank0", 10.0, 32), ("Train/Samples/memory_bytes_rank1", 20.0, 32)])
+
+
+@pytest.mark.parametrize("block, module", [("tensorboard", "tensorboard"), ("wandb", "wandb")])
+def test_a_monitor_without_its_library_is_an_error_naming_key_and_extra(block, module, monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` raises ImportError, as when not installed
+    config = load_config(dict(BASE, **{block: {"enabled": True}}))
+    with pytest.raises(MonitorUnavailable, match=rf"{block}\.enabled .* pip install 'zerotrain\[{block}\]'") as info:
+        check_monitor_libraries(config)
+    assert info.value.key == f"{block}.enabled"
+    with pytest.raises(MonitorUnavailable):  # on every rank, before training: not only rank 0 at its first write
+        Trainer(SimpleNamespace(config=config), [], total_steps=1)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(dict(BASE, **{block: {"enabled": True}})))
+    assert main(["train", "--config", str(path), "--nproc", "2"]) == 2  # refused before any process starts
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{block}.enabled" in err[0] and f"zerotrain[{block}]" in err[0]
+
+
+def test_disabled_blocks_build_no_monitor():
+    assert not Monitors.build(load_config(dict(BASE, tensorboard={"enabled": False}, wandb={"project": "x"})))
+
+
+def test_docs_describe_every_field_of_the_schema():
+    text = (REPO / "docs" / "metrics.md").read_text()
+    documented = set(re.findall(r"^\| `([a-z_*]+)` \|", text, flags=re.M))
+    assert documented == set(FIELDS), (sorted(set(FIELDS) - documented), sorted(documented - set(FIELDS)))
+    for name in ("Train/Samples/lr", "Train/Samples/loss_scale", "Train/Samples/train_loss", "Train/Samples/eval_loss",
+                 "Train/Samples/elapsed_time_ms_backward_allreduce"):
+        assert name in text
