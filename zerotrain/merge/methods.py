@@ -27,6 +27,7 @@ import torch
 
 SLERP_DOT_THRESHOLD = 0.9995
 SLERP_EPS = 1e-8
+_SLERP_CHUNK = 1 << 20  # elements per float64 partial sum in slerp
 
 
 def linear(tensors: Sequence[torch.Tensor], weights: Sequence[float], normalize: bool = True) -> torch.Tensor:
@@ -120,19 +121,25 @@ def task_vector_merge(base: torch.Tensor, deltas: list, weights: Sequence[float]
 
 def slerp(t: float, v0: torch.Tensor, v1: torch.Tensor, dot_threshold: float = SLERP_DOT_THRESHOLD,
           eps: float = SLERP_EPS) -> torch.Tensor:
-    """Spherical interpolation from v0 (t=0) to v1 (t=1); linear when the two are nearly colinear."""
-    a = v0.reshape(-1).double()
-    b = v1.reshape(-1).double()
-    na, nb = a.norm(), b.norm()
-    if na > eps:
-        a = a / na
-    if nb > eps:
-        b = b / nb
-    dot = float((a * b).sum())
+    """Spherical interpolation from v0 (t=0) to v1 (t=1); linear when the two are nearly colinear.
+
+    The angle comes from float64 sums taken over chunks, so no full-size float64 or normalised copy is
+    ever made: the result is the only full-size allocation (mergekit normalises whole copies).
+    """
+    a, b = v0.reshape(-1), v1.reshape(-1)
+    aa = bb = ab = 0.0
+    for ca, cb in zip(a.split(_SLERP_CHUNK), b.split(_SLERP_CHUNK)):
+        ca, cb = ca.double(), cb.double()
+        aa += float(torch.dot(ca, ca))
+        bb += float(torch.dot(cb, cb))
+        ab += float(torch.dot(ca, cb))
+    na, nb = math.sqrt(aa), math.sqrt(bb)
+    # as mergekit: a vector is normalised only when its norm exceeds eps
+    dot = ab / ((na if na > eps else 1.0) * (nb if nb > eps else 1.0))
     if abs(dot) > dot_threshold:
-        return (1 - t) * v0 + t * v1
+        return torch.lerp(v0, v1, t)
     theta = math.acos(max(-1.0, min(1.0, dot)))
     sin_theta = math.sin(theta)
     s0 = math.sin(theta - theta * t) / sin_theta
     s1 = math.sin(theta * t) / sin_theta
-    return s0 * v0 + s1 * v1
+    return torch.mul(v0, s0).add_(v1, alpha=s1)
