@@ -135,6 +135,22 @@ def compare(method: str, ours: str, theirs: str, base: str) -> str:
     return f"max |diff| {worst:.1e}" + ("" if worst <= 1e-6 else "  (> 1e-6)")
 
 
+def _parameter_count(size: str) -> int:
+    """Parameters of the Llama config SIZES[size] (untied head), counted without building it."""
+    c = SIZES[size]
+    h, i, layers, vocab = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    return 2 * vocab * h + layers * (4 * h * h + 3 * h * i + 2 * h) + h
+
+
+def _check_free_space(root: str, size: str) -> None:
+    """Refuse to start when the disk cannot hold three inputs and two outputs (fp32) with 10% to spare."""
+    need = int(_parameter_count(size) * 4 * 5 * 1.1)
+    free = shutil.disk_usage(root).free
+    if free < need:
+        raise SystemExit(f"benchmarks/merge.py --size {size} needs {need / 2**30:.1f} GiB free in {root}, "
+                         f"has {free / 2**30:.1f} GiB (pick another --workdir)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mergekit", default="/work/wt/mergekit-venv/bin/mergekit-yaml")
@@ -144,6 +160,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     root = args.workdir or tempfile.mkdtemp(prefix="merge_bench_")
+    _check_free_space(root, args.size)
     rows = []
     try:
         dirs = build(root, args.size)
