@@ -261,11 +261,11 @@ def nvme_rows(args) -> list[tuple]:
                                    nvme_path=directory, buffer_count=4, aio=cfg)
         grad = torch.randn(args.nvme_numel)
         opt.step([grad.clone()], 1.0)
-        r0, w0 = opt.io.bytes_read, opt.io.bytes_written
+        r0, w0 = opt.records.io.bytes_read, opt.records.io.bytes_written
         start = time.perf_counter()
         opt.step([grad.clone()], 1.0)
         elapsed = time.perf_counter() - start
-        moved = opt.io.bytes_read - r0 + opt.io.bytes_written - w0
+        moved = opt.records.io.bytes_read - r0 + opt.records.io.bytes_written - w0
         opt.close()
         rows.append((f"NVMe optimizer step, {args.nvme_numel / 1e6:.0f}M params (I/O + Adam, {elapsed:.2f} s)",
                      f"{moved / elapsed / 1e9:.2f}", f"{(dd['read'] + dd['write']) / 2:.2f}",

@@ -55,11 +55,11 @@ def _assert_no_masters_in_host_memory(opt, stepped: bool = True) -> None:
         assert master.untyped_storage().nbytes() <= 4, "an offloaded master holds memory between steps"
         assert all(not torch.is_tensor(v) or v.numel() == 1 for v in opt.optimizer.state.get(master, {}).values())
     split = opt.memory_split()
-    per_element = [4 + (sum(d.itemsize for _, d, *_ in opt.layouts[group]) if stepped else 0)  # master, states
+    per_element = [4 + (sum(d.itemsize for _, d, *_ in opt.records.layouts[group]) if stepped else 0)  # master, states
                    for group in range(len(SIZES))]
     assert split["nvme"] == sum(k * n for k, n in zip(per_element, SIZES)), split
     assert split["host"] <= 4 * len(SIZES), split  # the step counts only
-    assert split["host_buffers"] == opt.pool.total_bytes() < 4 * sum(SIZES), split
+    assert split["host_buffers"] == opt.records.pool.total_bytes() < 4 * sum(SIZES), split
 
 
 @pytest.mark.parametrize("make_optimizer,dtype", [(_adamw, torch.float32), (_adamw, torch.bfloat16),

@@ -26,7 +26,7 @@ def _bucket_optimizer(tmp_path, **kwargs):
 
 def test_streamed_chunks_equal_fused_adamw_bitwise(tmp_path):
     params, opt = _bucket_optimizer(tmp_path, buffer_count=2, chunk_numel=1024)
-    assert len(opt.chunks) == 6  # 3 + 3 chunks streamed through 2 buffers
+    assert len(opt.records.chunks) == 6  # 3 + 3 chunks streamed through 2 buffers
     torch.manual_seed(0)
     ref = [torch.nn.Parameter(torch.randn(3000)), torch.nn.Parameter(torch.randn(2500))]
     ref_opt = torch.optim.AdamW([{"params": [ref[0]], "lr": 1e-2},
@@ -67,7 +67,7 @@ def test_disk_too_small_is_a_clear_error_at_start(tmp_path, monkeypatch):
     from zerotrain.offload import OffloadIOError
 
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr("zerotrain.offload.nvme.shutil.disk_usage", lambda path: usage._replace(free=1000))
+    monkeypatch.setattr("zerotrain.offload.nvme_records.shutil.disk_usage", lambda path: usage._replace(free=1000))
     with pytest.raises(OffloadIOError, match=r"needs .* MiB under .*only 0.0 MiB are free"):
         _bucket_optimizer(tmp_path)
     assert not os.listdir(tmp_path)
@@ -77,7 +77,7 @@ def test_no_direct_io_warns_and_falls_back(tmp_path, monkeypatch):
     monkeypatch.setattr("zerotrain.offload.aio.direct_io_supported", lambda directory: False)
     with pytest.warns(UserWarning, match="O_DIRECT"):
         _, opt = _bucket_optimizer(tmp_path, chunk_numel=1024)
-    assert not opt.io.direct and opt.stats["direct_io"] == 0
+    assert not opt.records.io.direct and opt.stats["direct_io"] == 0
     opt.close()
 
 
