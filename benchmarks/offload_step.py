@@ -50,9 +50,10 @@ def step_time(block, args) -> tuple[float, dict]:
 def nvme_swap(args) -> None:
     from zerotrain.offload import NvmeOffloadOptimizer
     from zerotrain.zero.flat import FlatBucket
+    from zerotrain.sharding import ShardGroup
 
     param = torch.nn.Parameter(torch.randn(args.nvme_numel))
-    bucket = FlatBucket(0, [("w", param)], 0, 1, 0)
+    bucket = FlatBucket(0, [("w", param)], 0, ShardGroup.local())
     torch_opt = torch.optim.AdamW([param], fused=True)
     with tempfile.TemporaryDirectory(dir=args.nvme_path) as directory:
         opt = NvmeOffloadOptimizer([bucket], None, torch_opt, [[param]], 0.0, nvme_path=directory, buffer_count=4)

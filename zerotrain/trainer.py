@@ -31,8 +31,8 @@ from typing import Any, Iterable, Iterator, Optional, Union
 import threading
 
 import torch
-import torch.distributed as dist
 
+from . import dist
 from .lifecycle import StopRequest
 
 __all__ = ["Trainer", "TrainSummary", "mean_across_ranks"]
@@ -52,7 +52,7 @@ def mean_across_ranks(
         tensor = value.detach().reshape(1).to(device=device or value.device, dtype=torch.float64)
     else:
         tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
         tensor /= dist.get_world_size(group)
     return float(tensor.item())
@@ -148,7 +148,7 @@ class Trainer:
         if topology is not None:
             self.rank = int(topology.rank)
             self.dp_size = int(getattr(topology, "dp_size", 1))
-        elif dist.is_available() and dist.is_initialized():
+        elif dist.is_initialized():
             self.rank, self.dp_size = dist.get_rank(), dist.get_world_size()
         else:
             self.rank, self.dp_size = 0, 1
@@ -227,7 +227,7 @@ class Trainer:
         data-parallel mean) so that a signal seen by any one rank stops all of them after this step.
         """
         signum = int(self.stop_request.signal) if self.stop_request.requested else 0
-        if not (dist.is_available() and dist.is_initialized()):
+        if not dist.is_initialized():
             self._stop_signal = signum
             return float(loss.item())
         device = self.device or loss.device

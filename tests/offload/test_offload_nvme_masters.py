@@ -20,11 +20,12 @@ SIZES = (12000, 10000)  # 22 chunks of 1024 through 2 buffers: the pool is small
 def _build(tmp_path, make_optimizer, dtype=torch.float32):
     from zerotrain.offload import NvmeOffloadOptimizer
     from zerotrain.zero.flat import FlatBucket
+    from zerotrain.sharding import ShardGroup
 
     torch.manual_seed(0)
     values = [torch.randn(n) for n in SIZES]
     params = [torch.nn.Parameter(v.to(dtype)) for v in values]
-    buckets = [FlatBucket(i, [(f"p{i}", p)], i, 1, 0) for i, p in enumerate(params)]
+    buckets = [FlatBucket(i, [(f"p{i}", p)], i, ShardGroup.local()) for i, p in enumerate(params)]
     opt = NvmeOffloadOptimizer(buckets, None, make_optimizer(params), [[p] for p in params], 0.0,
                                nvme_path=str(tmp_path), buffer_count=2, chunk_numel=1024)
     ref = [torch.nn.Parameter(p.detach().float().clone()) for p in params]  # fp32 masters, as the offload's
@@ -149,9 +150,10 @@ import resource, sys, torch
 from zerotrain.offload import NvmeOffloadOptimizer
 from zerotrain.offload.nvme_records import master_placeholder
 from zerotrain.zero.flat import FlatBucket
+from zerotrain.sharding import ShardGroup
 numel = 32 * 2**20  # 128 MiB of fp32 masters
 param = torch.nn.Parameter(torch.ones(numel, dtype=torch.bfloat16))
-bucket = FlatBucket(0, [("w", param)], 0, 1, 0)
+bucket = FlatBucket(0, [("w", param)], 0, ShardGroup.local())
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 opt = NvmeOffloadOptimizer([bucket], None, torch.optim.AdamW([param], fused=True), [[param]], 0.0,
                            nvme_path=sys.argv[1], buffer_count=2, chunk_numel=2**20)

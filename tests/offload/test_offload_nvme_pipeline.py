@@ -18,12 +18,14 @@ def _pair(tmp_path):
     """An NVMe optimizer over one fp32 bucket and torch's fused AdamW on an identical parameter."""
     from zerotrain.offload import NvmeOffloadOptimizer
     from zerotrain.zero.flat import FlatBucket
+    from zerotrain.sharding import ShardGroup
 
     torch.manual_seed(0)
     param = torch.nn.Parameter(torch.randn(NUMEL))
     ref = torch.nn.Parameter(param.detach().clone())
     make = lambda p: torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1, fused=True)  # noqa: E731
-    opt = NvmeOffloadOptimizer([FlatBucket(0, [("w", param)], 0, 1, 0)], None, make(param), [[param]], 0.0,
+    bucket = FlatBucket(0, [("w", param)], 0, ShardGroup.local())
+    opt = NvmeOffloadOptimizer([bucket], None, make(param), [[param]], 0.0,
                                nvme_path=str(tmp_path), buffer_count=BUFFERS, chunk_numel=CHUNK)
     return param, opt, ref, make(ref)
 
