@@ -109,7 +109,7 @@ class BucketReducer(GradientReducer):
             for position, param in enumerate(params):
                 self._where[id(param)] = (index, position)
                 param.register_post_accumulate_grad_hook(self._on_grad_ready)
-        self.reduce: BucketReduce = ExactReduce()
+        self.reduce: BucketReduce
         self.set_reduce(ExactReduce() if reduce is None else reduce)
 
     def set_reduce(self, reduce: BucketReduce) -> None:
