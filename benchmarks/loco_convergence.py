@@ -82,6 +82,7 @@ def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
         import zerotrain
         from zerotrain.data.corpus import load_stdlib_corpus, split
         from zerotrain.models import GPT, GPTConfig
+        from zerotrain.zero.reduce import QuantizedReduce
 
         torch.set_num_threads(1)
         gpt_config = GPTConfig.preset(args.model)
@@ -108,8 +109,9 @@ def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
                 model = GPT(gpt_config)
                 engine, *_ = zerotrain.initialize(model=model, config=_config(args, mode))
                 if mode != "exact":  # the 8-bit mode and the block size are set from code (no config key)
-                    engine.reducer.set_gradient_quantization(dataclasses.replace(
-                        engine.reducer.quantization, bits=8 if mode == "int8" else 4, block_size=args.block))
+                    reduce = engine.reducer.reduce
+                    engine.reducer.set_reduce(QuantizedReduce(dataclasses.replace(
+                        reduce.quantization, bits=8 if mode == "int8" else 4, block_size=args.block), reduce.comm))
                 generator = torch.Generator().manual_seed(2000 + seed)
                 curve = [(0, held_out_loss(engine.module))]
                 started = time.perf_counter()

@@ -51,6 +51,7 @@ def _adam_contender(name: str, numel: int, opt_cfg, DeepSpeedCPUAdam):
     from zerotrain.offload.cpu_adam import CpuAdamStepper
     from zerotrain.optim import build_optimizer
     from zerotrain.zero.flat import FlatBucket
+    from zerotrain.sharding import ShardGroup
 
     param = torch.nn.Parameter(torch.randn(numel))
     grad = torch.randn(numel) * 1e-3
@@ -63,7 +64,7 @@ def _adam_contender(name: str, numel: int, opt_cfg, DeepSpeedCPUAdam):
         opt = build_optimizer(opt_cfg, [param])
         assert opt.defaults.get("fused"), "zerotrain builds the fused kernel"
     if name.startswith("zerotrain offload update"):
-        offload = OffloadOptimizer([FlatBucket(0, [("w", param)], 0, 1, 0)], None, opt, [[param]], 1.0)
+        offload = OffloadOptimizer([FlatBucket(0, [("w", param)], 0, ShardGroup.local())], None, opt, [[param]], 1.0)
         return lambda: offload.update([grad], 0.999, [0])
     if name.startswith("zerotrain"):
         stepper = CpuAdamStepper(opt)
@@ -224,6 +225,7 @@ def nvme_rows(args) -> list[tuple]:
     from zerotrain.offload import NvmeOffloadOptimizer, aio
     from zerotrain.offload.nvme import DEFAULT_CHUNK_NUMEL
     from zerotrain.zero.flat import FlatBucket
+    from zerotrain.sharding import ShardGroup
 
     cfg = ZeroTrainConfig.model_validate({"train_micro_batch_size_per_gpu": 1}).aio
     record = DEFAULT_CHUNK_NUMEL * 4 * 2  # one chunk's exp_avg + exp_avg_sq: what a step reads and writes
@@ -257,15 +259,16 @@ def nvme_rows(args) -> list[tuple]:
                          f"{speeds[what]:.2f}", f"{dd[what]:.2f}", f"{speeds[what] / dd[what]:.2f}"))
         param = torch.nn.Parameter(torch.randn(args.nvme_numel))
         torch_opt = torch.optim.AdamW([param], fused=True)
-        opt = NvmeOffloadOptimizer([FlatBucket(0, [("w", param)], 0, 1, 0)], None, torch_opt, [[param]], 0.0,
+        bucket = FlatBucket(0, [("w", param)], 0, ShardGroup.local())
+        opt = NvmeOffloadOptimizer([bucket], None, torch_opt, [[param]], 0.0,
                                    nvme_path=directory, buffer_count=4, aio=cfg)
         grad = torch.randn(args.nvme_numel)
         opt.step([grad.clone()], 1.0)
-        r0, w0 = opt.io.bytes_read, opt.io.bytes_written
+        r0, w0 = opt.records.io.bytes_read, opt.records.io.bytes_written
         start = time.perf_counter()
         opt.step([grad.clone()], 1.0)
         elapsed = time.perf_counter() - start
-        moved = opt.io.bytes_read - r0 + opt.io.bytes_written - w0
+        moved = opt.records.io.bytes_read - r0 + opt.records.io.bytes_written - w0
         opt.close()
         rows.append((f"NVMe optimizer step, {args.nvme_numel / 1e6:.0f}M params (I/O + Adam, {elapsed:.2f} s)",
                      f"{moved / elapsed / 1e9:.2f}", f"{(dd['read'] + dd['write']) / 2:.2f}",

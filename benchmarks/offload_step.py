@@ -50,20 +50,21 @@ def step_time(block, args) -> tuple[float, dict]:
 def nvme_swap(args) -> None:
     from zerotrain.offload import NvmeOffloadOptimizer
     from zerotrain.zero.flat import FlatBucket
+    from zerotrain.sharding import ShardGroup
 
     param = torch.nn.Parameter(torch.randn(args.nvme_numel))
-    bucket = FlatBucket(0, [("w", param)], 0, 1, 0)
+    bucket = FlatBucket(0, [("w", param)], 0, ShardGroup.local())
     torch_opt = torch.optim.AdamW([param], fused=True)
     with tempfile.TemporaryDirectory(dir=args.nvme_path) as directory:
         opt = NvmeOffloadOptimizer([bucket], None, torch_opt, [[param]], 0.0, nvme_path=directory, buffer_count=4)
         grad = torch.randn(args.nvme_numel)
         opt.step([grad.clone()], 1.0)  # first step: states created, written
-        r0, w0 = opt.io.bytes_read, opt.io.bytes_written
+        r0, w0 = opt.records.io.bytes_read, opt.records.io.bytes_written
         start = time.perf_counter()
         opt.step([grad.clone()], 1.0)
         elapsed = time.perf_counter() - start
-        read, written = opt.io.bytes_read - r0, opt.io.bytes_written - w0
-        print(f"nvme swap step, {args.nvme_numel:,} params, chunk {opt.chunk_numel:,}, O_DIRECT {opt.io.direct}: "
+        read, written = opt.records.io.bytes_read - r0, opt.records.io.bytes_written - w0
+        print(f"nvme swap step, {args.nvme_numel:,} params, chunk {opt.records.chunk_numel:,}, O_DIRECT {opt.records.io.direct}: "
               f"{elapsed:.3f} s, read {read / 2**30:.2f} GiB + wrote {written / 2**30:.2f} GiB "
               f"= {(read + written) / elapsed / 1e9:.2f} GB/s combined")
         opt.close()

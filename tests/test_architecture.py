@@ -80,3 +80,78 @@ def test_every_import_follows_the_rules():
             if target != source and target not in table[source]:
                 broken.append(f"{path.relative_to(ROOT)}:{line}: {source} imports {name} ({target})")
     assert broken == [], "imports that docs/architecture.md forbids:\n" + "\n".join(broken)
+
+
+QUESTIONS = {"is_available", "is_initialized", "get_rank", "get_world_size", "get_backend", "get_process_group_ranks"}
+
+
+def distributed_rules() -> dict[str, set[str]]:
+    """part -> what it may call in torch.distributed besides the questions, from the doc's second table."""
+    text = DOC.read_text()
+    match = re.search(r"<!-- distributed-rules -->(.*?)<!-- /distributed-rules -->", text, re.S)
+    assert match, f"{DOC}: no <!-- distributed-rules --> table"
+    table: dict[str, set[str]] = {}
+    for line in match.group(1).splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) < 2 or not cells[0].startswith("`"):
+            continue
+        table[cells[0].strip("`")] = set(re.findall(r"`([\w.*]+)`", cells[1]))
+    return table
+
+
+def distributed_calls(path: Path) -> list[tuple[str, int]]:
+    """(function, line) of every call into torch.distributed in `path`, whatever it is imported as."""
+    tree = ast.parse(path.read_text(), str(path))
+    aliases = {}  # local dotted name -> what it stands for
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname:
+                    aliases[alias.asname] = alias.name
+                else:
+                    root = alias.name.split(".")[0]
+                    aliases[root] = root
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            for alias in node.names:
+                aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+
+    def dotted(node) -> str | None:
+        if isinstance(node, ast.Name):
+            return aliases.get(node.id)
+        if isinstance(node, ast.Attribute):
+            base = dotted(node.value)
+            return None if base is None else f"{base}.{node.attr}"
+        return None
+
+    calls = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = dotted(node.func)
+            if name and name.startswith("torch.distributed.") and not name.startswith("torch.distributed.run"):
+                calls.append((name.removeprefix("torch.distributed."), node.lineno))
+    return calls
+
+
+def test_only_comm_calls_torch_distributed_collectives():
+    table = distributed_rules()
+    assert set(table) <= set(rules()), f"{DOC}: the distributed-rules table names unknown parts"
+    broken = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = part_of(".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"))
+        allowed = table.get(source, set())
+        for name, line in distributed_calls(path):
+            if "*" in allowed or name in QUESTIONS or name in allowed:
+                continue
+            broken.append(f"{path.relative_to(ROOT)}:{line}: {source} calls torch.distributed.{name}")
+    assert broken == [], "calls into torch.distributed that docs/architecture.md forbids:\n" + "\n".join(broken)
+
+
+def test_the_distributed_check_sees_every_alias(tmp_path):
+    """The check can fail: each way of reaching torch.distributed is seen."""
+    source = tmp_path / "sample.py"
+    source.write_text("import torch\nimport torch.distributed as d\nfrom torch import distributed\n"
+                      "from torch.distributed import all_reduce as ar\n"
+                      "torch.distributed.barrier()\nd.all_reduce(x)\ndistributed.broadcast(x, 0)\nar(x)\n"
+                      "d.get_rank()\n")
+    assert [name for name, _ in distributed_calls(source)] == ["barrier", "all_reduce", "broadcast", "all_reduce",
+                                                                "get_rank"]

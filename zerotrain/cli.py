@@ -444,11 +444,11 @@ def _launch_script(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     import torch
-    import torch.distributed as dist
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
 
     import zerotrain
+    from zerotrain import dist
     from zerotrain.data import TokenBlockDataset, load_stdlib_corpus, split
     from zerotrain.models import GPT, GPTConfig
     from zerotrain.trainer import Trainer
@@ -525,8 +525,7 @@ def _train(args: argparse.Namespace) -> int:
         engine.close()  # pending saves committed, offload threads and files released
         dist.barrier()  # no rank tears its groups down while a peer still talks to it
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        dist.destroy_process_group()
     if summary.stopped_by is not None:
         where = (f"checkpoint {summary.checkpoint}; continue with --resume" if summary.checkpoint
                  else "no checkpoint saved (--no-save)")

@@ -21,8 +21,8 @@ from .topology import default_device, init_distributed as _init_distributed
 ReduceOp = _torch_dist.ReduceOp
 Group = Union[None, _torch_dist.ProcessGroup, Comm]
 
-__all__ = ["init_distributed", "is_initialized", "get_rank", "get_world_size", "get_local_rank",
-           "barrier", "all_reduce", "broadcast", "all_gather", "ReduceOp"]
+__all__ = ["init_distributed", "is_initialized", "destroy_process_group", "get_rank", "get_world_size",
+           "get_local_rank", "barrier", "all_reduce", "broadcast", "all_gather", "ReduceOp"]
 
 
 def init_distributed(dist_backend: Optional[str] = None, timeout: Union[float, datetime.timedelta, None] = None,
@@ -44,6 +44,12 @@ def init_distributed(dist_backend: Optional[str] = None, timeout: Union[float, d
 
 def is_initialized() -> bool:
     return _torch_dist.is_available() and _torch_dist.is_initialized()
+
+
+def destroy_process_group() -> None:
+    """Tear torch.distributed down at the end of a run (nothing when it is not running)."""
+    if is_initialized():
+        _torch_dist.destroy_process_group()
 
 
 def _comm(group: Group) -> Comm:

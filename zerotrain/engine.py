@@ -1,7 +1,7 @@
 """The training step a user calls: forward, backward(loss), step().
 
 The engine composes the parts: it casts and places the model, packs its
-trainable parameters into flat buckets (`zero.flat`), lets a `GradReducer`
+trainable parameters into flat buckets (`zero.flat`), lets a gradient reducer
 reduce gradients during backward and a `ShardedOptimizer` update this rank's
 master shards, and keeps the step counters, loss scale and LR schedule. Its
 API follows DeepSpeed's engine so existing loops port by changing the import.
@@ -34,7 +34,9 @@ from .consolidate import full_state_dict
 from .sharding import ShardedSlot
 from .zero.flat import build_sharded_buckets
 from .zero.gradnorm import GlobalGradients
-from .zero.grads import GradQuantization, GradReducer
+from .zero.interfaces import GradientReducer
+from .zero.grads import FullBufferReducer, PartitionedReducer
+from .zero.reduce import GradQuantization, reduce_for
 from .zero.optimizer import ShardedOptimizer
 from .zero.stage3.grads import Stage3GradReducer
 from .zero.stage3.hooks import Stage3Hooks
@@ -102,11 +104,7 @@ class ZeroTrainEngine:
                                                  int(zero.reduce_bucket_size), self.comm, self.stage >= 1,
                                                  self.expert_groups)
             self._broadcast_initial_state()
-        quantization = self._gradient_quantization()
-        if self.stage == 3 and quantization is None:  # bucketed reduce-scatter of the per-parameter shards
-            self.reducer = Stage3GradReducer(self.buckets, self.comm, int(zero.reduce_bucket_size))
-        else:
-            self.reducer = GradReducer(self.buckets, self.comm, min(self.stage, 2), quantization=quantization)
+        self.reducer = self._make_reducer()
         if self.stage3 is not None:  # its release hooks must run after the reducer's gradient hooks
             self.stage3.hooks = Stage3Hooks(self.module, self.stage3.fetcher)
             self._configure_weight_gathers()
@@ -142,6 +140,22 @@ class ZeroTrainEngine:
     def _subgroup_comm(self, group_info) -> Comm:
         group, rank, size = group_info
         return self.comm.subgroup(group, rank, size)
+
+    def _make_reducer(self) -> GradientReducer:
+        """The gradient reducer of this stage, summing with the exact reduce or qgZ's (+ LoCo)."""
+        quantization = self._gradient_quantization()
+        reduce = reduce_for(quantization, self.comm)
+        if self.stage == 0:  # a full buffer, all-reduced at the boundary
+            return FullBufferReducer(self.buckets, self.comm, reduce, sharded=False)
+        if self.stage == 1:  # a full buffer, reduce-scattered at the boundary
+            return FullBufferReducer(self.buckets, self.comm, reduce, sharded=True)
+        if self.stage == 2 or quantization is not None:
+            # staged and reduce-scattered every micro-step; stage 3 under qgZ too, each partitioned parameter
+            # its own bucket (qgZ's blocks and LoCo buffers stay per parameter there)
+            return PartitionedReducer(self.buckets, self.comm, reduce)
+        # stage 3: the per-parameter shards packed into reduce buckets
+        return Stage3GradReducer(self.buckets, self.comm, int(self.config.zero_optimization.reduce_bucket_size),
+                                 reduce=reduce)
 
     def _gradient_quantization(self) -> Optional[GradQuantization]:
         """qgZ (int4 all-to-all reduce, two hops across nodes) with LoCo when zeropp_loco_param is set."""

@@ -170,6 +170,12 @@ class ShardGroup:
     experts: Optional[ExpertGroups] = None  # set for split experts (then comm is experts.data)
 
     @staticmethod
+    def local() -> "ShardGroup":
+        """This process alone, without a Comm: a single-process bucket (tests, benchmarks), one partition,
+        never reduced or gathered."""
+        return ShardGroup(None, 1, 0)
+
+    @staticmethod
     def over(comm: Comm, partitioned: bool, experts: Optional[ExpertGroups] = None) -> "ShardGroup":
         """The group of a bucket over `comm` (`experts.data` for split experts), partitioned over it or not."""
         comm = experts.data if experts is not None else comm

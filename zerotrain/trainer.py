@@ -33,8 +33,8 @@ from typing import Any, Iterable, Iterator, Optional, Union
 import threading
 
 import torch
-import torch.distributed as dist
 
+from . import dist
 from .lifecycle import StopRequest
 from .monitor import Monitors, TIMER_FIELDS, check_monitor_libraries
 from .monitor.measure import memory_bytes, memory_kind, parameter_count, peak_flops
@@ -56,7 +56,7 @@ def mean_across_ranks(
         tensor = value.detach().reshape(1).to(device=device or value.device, dtype=torch.float64)
     else:
         tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
         tensor /= dist.get_world_size(group)
     return float(tensor.item())
@@ -155,7 +155,7 @@ class Trainer:
         if topology is not None:
             self.rank = int(topology.rank)
             self.dp_size = int(getattr(topology, "dp_size", 1))
-        elif dist.is_available() and dist.is_initialized():
+        elif dist.is_initialized():
             self.rank, self.dp_size = dist.get_rank(), dist.get_world_size()
         else:
             self.rank, self.dp_size = 0, 1
@@ -242,7 +242,7 @@ class Trainer:
         signum = int(self.stop_request.signal) if self.stop_request.requested else 0
         device = torch.device(self.device or loss.device)
         memory = memory_bytes(device)
-        if not (dist.is_available() and dist.is_initialized()):
+        if not dist.is_initialized():
             self._stop_signal = signum
             self._memory = [memory]
             return float(loss.item())

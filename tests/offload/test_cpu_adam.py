@@ -136,10 +136,11 @@ def test_threads_split_the_work_bit_identically():
 def test_offload_update_runs_the_kernel_and_keeps_the_reduced_gradient():
     from zerotrain.offload import OffloadOptimizer
     from zerotrain.zero.flat import FlatBucket
+    from zerotrain.sharding import ShardGroup
 
     ref_params, ref_opt = _groups(torch.optim.AdamW, fused=True)
     params, torch_opt = _groups(torch.optim.AdamW)  # left open: zerotrain chooses the fused path
-    buckets = [FlatBucket(i, [(f"p{i}", p)], i, 1, 0) for i, p in enumerate(params)]
+    buckets = [FlatBucket(i, [(f"p{i}", p)], i, ShardGroup.local()) for i, p in enumerate(params)]
     opt = OffloadOptimizer(buckets, None, torch_opt, [[p] for p in params], 0.0)
     assert all(opt.cpu_adam.supports(m, i) for i, m in enumerate(opt.masters))
     for _ in range(3):

@@ -44,7 +44,7 @@ def _failing_state_reads(aio, opt, fail_at: int, code: int):
     """Make the `fail_at`-th read of the slot files from now fail (a transient error); returns a switch-off.
 
     The reads after it work, so the failed step can publish the stepped chunks' old masters again."""
-    return _failing_io(aio, "_pread", fail_at, code, only_fds=opt.files, once=True)
+    return _failing_io(aio, "_pread", fail_at, code, only_fds=opt.records.files, once=True)
 
 
 def train_with_failure(nvme_path: str, code: int | None, kind: str = "write", ranks=(0, 1)) -> dict:
@@ -62,7 +62,7 @@ def train_with_failure(nvme_path: str, code: int | None, kind: str = "write", ra
         if code is None or engine.global_steps != FAIL_STEP or outcome:
             return original_step()
         before = snapshot(engine)
-        slots = (dict(opt.slot), dict(opt.has_state))
+        slots = (dict(opt.records.slot), dict(opt.records.has_state))
         restore = lambda: None  # noqa: E731 - a rank without a fault has nothing to switch off
         if failing_here and kind == "write":
             restore = _failing_writes(aio, fail_at=2, code=code)  # 3 chunks: 3 record writes a step
@@ -76,7 +76,7 @@ def train_with_failure(nvme_path: str, code: int | None, kind: str = "write", ra
             restore()
         outcome["message"] = str(raised.value)
         assert engine.global_steps == FAIL_STEP
-        assert (dict(opt.slot), dict(opt.has_state)) == slots
+        assert (dict(opt.records.slot), dict(opt.records.has_state)) == slots
         assert_same_snapshot(before, snapshot(engine), "after the failed step")
         outcome["restored"] = True
         original_step()  # retry: the gradients are untouched, so this is the step that failed
@@ -85,7 +85,7 @@ def train_with_failure(nvme_path: str, code: int | None, kind: str = "write", ra
     losses, _ = train_steps(engine, world_batches(2))
     outcome.update(losses=losses, weights=engine.full_state_dict(), stats=dict(opt.stats))
     opt.close()
-    assert not os.path.exists(opt.directory), "the swap directory is removed on close"
+    assert not os.path.exists(opt.records.directory), "the swap directory is removed on close"
     return outcome
 
 

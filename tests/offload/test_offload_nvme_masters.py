@@ -20,11 +20,12 @@ SIZES = (12000, 10000)  # 22 chunks of 1024 through 2 buffers: the pool is small
 def _build(tmp_path, make_optimizer, dtype=torch.float32):
     from zerotrain.offload import NvmeOffloadOptimizer
     from zerotrain.zero.flat import FlatBucket
+    from zerotrain.sharding import ShardGroup
 
     torch.manual_seed(0)
     values = [torch.randn(n) for n in SIZES]
     params = [torch.nn.Parameter(v.to(dtype)) for v in values]
-    buckets = [FlatBucket(i, [(f"p{i}", p)], i, 1, 0) for i, p in enumerate(params)]
+    buckets = [FlatBucket(i, [(f"p{i}", p)], i, ShardGroup.local()) for i, p in enumerate(params)]
     opt = NvmeOffloadOptimizer(buckets, None, make_optimizer(params), [[p] for p in params], 0.0,
                                nvme_path=str(tmp_path), buffer_count=2, chunk_numel=1024)
     ref = [torch.nn.Parameter(p.detach().float().clone()) for p in params]  # fp32 masters, as the offload's
@@ -55,11 +56,11 @@ def _assert_no_masters_in_host_memory(opt, stepped: bool = True) -> None:
         assert master.untyped_storage().nbytes() <= 4, "an offloaded master holds memory between steps"
         assert all(not torch.is_tensor(v) or v.numel() == 1 for v in opt.optimizer.state.get(master, {}).values())
     split = opt.memory_split()
-    per_element = [4 + (sum(d.itemsize for _, d, *_ in opt.layouts[group]) if stepped else 0)  # master, states
+    per_element = [4 + (sum(d.itemsize for _, d, *_ in opt.records.layouts[group]) if stepped else 0)  # master, states
                    for group in range(len(SIZES))]
     assert split["nvme"] == sum(k * n for k, n in zip(per_element, SIZES)), split
     assert split["host"] <= 4 * len(SIZES), split  # the step counts only
-    assert split["host_buffers"] == opt.pool.total_bytes() < 4 * sum(SIZES), split
+    assert split["host_buffers"] == opt.records.pool.total_bytes() < 4 * sum(SIZES), split
 
 
 @pytest.mark.parametrize("make_optimizer,dtype", [(_adamw, torch.float32), (_adamw, torch.bfloat16),
@@ -149,9 +150,10 @@ import resource, sys, torch
 from zerotrain.offload import NvmeOffloadOptimizer
 from zerotrain.offload.nvme_records import master_placeholder
 from zerotrain.zero.flat import FlatBucket
+from zerotrain.sharding import ShardGroup
 numel = 32 * 2**20  # 128 MiB of fp32 masters
 param = torch.nn.Parameter(torch.ones(numel, dtype=torch.bfloat16))
-bucket = FlatBucket(0, [("w", param)], 0, 1, 0)
+bucket = FlatBucket(0, [("w", param)], 0, ShardGroup.local())
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 opt = NvmeOffloadOptimizer([bucket], None, torch.optim.AdamW([param], fused=True), [[param]], 0.0,
                            nvme_path=sys.argv[1], buffer_count=2, chunk_numel=2**20)

@@ -18,12 +18,14 @@ def _pair(tmp_path):
     """An NVMe optimizer over one fp32 bucket and torch's fused AdamW on an identical parameter."""
     from zerotrain.offload import NvmeOffloadOptimizer
     from zerotrain.zero.flat import FlatBucket
+    from zerotrain.sharding import ShardGroup
 
     torch.manual_seed(0)
     param = torch.nn.Parameter(torch.randn(NUMEL))
     ref = torch.nn.Parameter(param.detach().clone())
     make = lambda p: torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1, fused=True)  # noqa: E731
-    opt = NvmeOffloadOptimizer([FlatBucket(0, [("w", param)], 0, 1, 0)], None, make(param), [[param]], 0.0,
+    bucket = FlatBucket(0, [("w", param)], 0, ShardGroup.local())
+    opt = NvmeOffloadOptimizer([bucket], None, make(param), [[param]], 0.0,
                                nvme_path=str(tmp_path), buffer_count=BUFFERS, chunk_numel=CHUNK)
     return param, opt, ref, make(ref)
 
@@ -33,20 +35,20 @@ def _step_both(param, opt, ref, ref_opt) -> int:
     grad = torch.randn(NUMEL)
     ref.grad = grad.clone()
     ref_opt.step()
-    before = opt.io.bytes_read
+    before = opt.records.io.bytes_read
     opt.step([grad.clone()], 1.0)
     assert torch.equal(param.detach(), ref.detach())
-    return opt.io.bytes_read - before
+    return opt.records.io.bytes_read - before
 
 
 def test_kept_records_are_not_read_and_the_step_stays_bitwise_adamw(tmp_path):
     param, opt, ref, ref_opt = _pair(tmp_path)
-    record = opt.record_bytes[0]
-    assert len(opt.chunks) == 5 and opt.pool.count == BUFFERS
+    record = opt.records.record_bytes[0]
+    assert len(opt.records.chunks) == 5 and opt.records.pool.count == BUFFERS
     assert _step_both(param, opt, ref, ref_opt) == 5 * record  # nothing kept before the first step
     for _ in range(3):
         assert _step_both(param, opt, ref, ref_opt) == 3 * record, "the 2 kept records are not read"
-        assert len(opt._kept) == BUFFERS - 1
+        assert len(opt.records.kept) == BUFFERS - 1
     with opt.resident_states(write_back=False):  # read only: the kept records stay valid
         assert torch.equal(opt.optimizer.state[opt.masters[0]]["exp_avg"], ref_opt.state[ref]["exp_avg"])
         assert torch.equal(opt.optimizer.state[opt.masters[0]]["exp_avg_sq"], ref_opt.state[ref]["exp_avg_sq"])
@@ -56,7 +58,7 @@ def test_kept_records_are_not_read_and_the_step_stays_bitwise_adamw(tmp_path):
 
 def test_records_changed_outside_a_step_are_read_again(tmp_path):
     param, opt, ref, ref_opt = _pair(tmp_path)
-    record = opt.record_bytes[0]
+    record = opt.records.record_bytes[0]
     _step_both(param, opt, ref, ref_opt)
     _step_both(param, opt, ref, ref_opt)
     # A master written from outside (stage 3's GatheredParameters) replaces the kept records' masters.
@@ -64,13 +66,13 @@ def test_records_changed_outside_a_step_are_read_again(tmp_path):
     opt.write_master(0, new)
     with torch.no_grad():
         ref.copy_(new)
-    assert not opt._kept
+    assert not opt.records.kept
     assert _step_both(param, opt, ref, ref_opt) == 5 * record
     # States written back by a checkpoint load through resident_states() replace the kept records' states.
     with opt.resident_states():
         opt.optimizer.state[opt.masters[0]]["exp_avg"].mul_(2)
         ref_opt.state[ref]["exp_avg"].mul_(2)
-    assert not opt._kept
+    assert not opt.records.kept
     assert _step_both(param, opt, ref, ref_opt) == 5 * record
     assert _step_both(param, opt, ref, ref_opt) == 3 * record
     opt.close()
@@ -80,7 +82,7 @@ def test_a_failed_step_drops_the_kept_records(tmp_path):
     from zerotrain.offload import OffloadIOError, aio
 
     param, opt, ref, ref_opt = _pair(tmp_path)
-    record = opt.record_bytes[0]
+    record = opt.records.record_bytes[0]
     _step_both(param, opt, ref, ref_opt)
     before = param.detach().clone()
     real = aio._pwrite
@@ -99,7 +101,7 @@ def test_a_failed_step_drops_the_kept_records(tmp_path):
     finally:
         aio._pwrite = real
     assert torch.equal(param.detach(), before), "the failed step's weights were put back"
-    assert not opt._kept and len(opt.pool._free) == BUFFERS, "every buffer is back in the pool"
+    assert not opt.records.kept and opt.records.pool.free_count() == BUFFERS, "every buffer is back in the pool"
     assert _step_both(param, opt, ref, ref_opt) == 5 * record, "after a failure every record is read"
     assert _step_both(param, opt, ref, ref_opt) == 3 * record
     opt.close()

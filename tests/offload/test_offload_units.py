@@ -13,10 +13,12 @@ import torch
 def _bucket_optimizer(tmp_path, **kwargs):
     from zerotrain.offload import NvmeOffloadOptimizer
     from zerotrain.zero.flat import FlatBucket
+    from zerotrain.sharding import ShardGroup
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(3000)), torch.nn.Parameter(torch.randn(2500))]
-    buckets = [FlatBucket(0, [("a", params[0])], 0, 1, 0), FlatBucket(1, [("b", params[1])], 1, 1, 0)]
+    buckets = [FlatBucket(0, [("a", params[0])], 0, ShardGroup.local()),
+               FlatBucket(1, [("b", params[1])], 1, ShardGroup.local())]
     torch_opt = torch.optim.AdamW([{"params": [params[0]], "lr": 1e-2},
                                    {"params": [params[1]], "lr": 5e-3, "weight_decay": 0.1}], fused=True)
     opt = NvmeOffloadOptimizer(buckets, None, torch_opt, [[params[0]], [params[1]]], 0.0, nvme_path=str(tmp_path),
@@ -26,7 +28,7 @@ def _bucket_optimizer(tmp_path, **kwargs):
 
 def test_streamed_chunks_equal_fused_adamw_bitwise(tmp_path):
     params, opt = _bucket_optimizer(tmp_path, buffer_count=2, chunk_numel=1024)
-    assert len(opt.chunks) == 6  # 3 + 3 chunks streamed through 2 buffers
+    assert len(opt.records.chunks) == 6  # 3 + 3 chunks streamed through 2 buffers
     torch.manual_seed(0)
     ref = [torch.nn.Parameter(torch.randn(3000)), torch.nn.Parameter(torch.randn(2500))]
     ref_opt = torch.optim.AdamW([{"params": [ref[0]], "lr": 1e-2},
@@ -67,7 +69,7 @@ def test_disk_too_small_is_a_clear_error_at_start(tmp_path, monkeypatch):
     from zerotrain.offload import OffloadIOError
 
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr("zerotrain.offload.nvme.shutil.disk_usage", lambda path: usage._replace(free=1000))
+    monkeypatch.setattr("zerotrain.offload.nvme_records.shutil.disk_usage", lambda path: usage._replace(free=1000))
     with pytest.raises(OffloadIOError, match=r"needs .* MiB under .*only 0.0 MiB are free"):
         _bucket_optimizer(tmp_path)
     assert not os.listdir(tmp_path)
@@ -77,7 +79,7 @@ def test_no_direct_io_warns_and_falls_back(tmp_path, monkeypatch):
     monkeypatch.setattr("zerotrain.offload.aio.direct_io_supported", lambda directory: False)
     with pytest.warns(UserWarning, match="O_DIRECT"):
         _, opt = _bucket_optimizer(tmp_path, chunk_numel=1024)
-    assert not opt.io.direct and opt.stats["direct_io"] == 0
+    assert not opt.records.io.direct and opt.stats["direct_io"] == 0
     opt.close()
 
 
@@ -96,10 +98,11 @@ def test_choose_offloaded_by_elements(ratio, expected):
 def test_user_adamw_is_switched_to_the_fused_kernel():
     from zerotrain.offload import OffloadOptimizer
     from zerotrain.zero.flat import FlatBucket
+    from zerotrain.sharding import ShardGroup
 
     param = torch.nn.Parameter(torch.randn(100))
     user = torch.optim.AdamW([param], lr=1e-2)  # fused and foreach left to torch
-    opt = OffloadOptimizer([FlatBucket(0, [("w", param)], 0, 1, 0)], None, user, [[param]], 0.0)
+    opt = OffloadOptimizer([FlatBucket(0, [("w", param)], 0, ShardGroup.local())], None, user, [[param]], 0.0)
     assert user.param_groups[0]["fused"] is True and user.param_groups[0]["params"] == opt.masters
     opt.step([torch.randn(100)], 1.0)
     assert opt.optimizer.state[opt.masters[0]]["step"].item() == 1

@@ -64,7 +64,7 @@ def train_quantized(ep_size: int) -> list:
     for what, stage, zero in MODES:
         engine = build_engine(stage, ep_size, **zero)
         reducer = engine.reducer
-        expert_groups = [None if reducer.quantized_reducers[i] is None else reducer.quantized_reducers[i].comm.size
+        expert_groups = [None if reducer.reduce.per_bucket[i] is None else reducer.reduce.per_bucket[i].comm.size
                          for i, bucket in enumerate(engine.buckets) if bucket.group.expert]
         before = engine.memory_report()["comm"]
         losses = [train_global_step(engine, batch, MICRO) for batch in batches()]
@@ -147,7 +147,7 @@ def exact_int4_gradients(rank: int, shape) -> torch.Tensor:
 
 
 def reduce_known_gradients(ep_size: int) -> list[tuple[int, str, Optional[int], float]]:
-    """At stages 1 and 2, one backward of (dense·G_dense + expert·G_expert).sum() through a qgZ GradReducer
+    """At stages 1 and 2, one backward of (dense·G_dense + expert·G_expert).sum() through a qgZ reducer (stage 1's full buffer, stage 2's partitioned one)
     (one hop, LoCo); returns (stage, bucket kind, the size of its quantized reducer's group, max error against the
     exact sums)."""
     from zerotrain.comm import Comm
@@ -164,7 +164,8 @@ def _reduce_at_stage(stage: int, topology, comm, ep_rank: int,
     from zerotrain.parallel.experts import build_expert_groups
     from zerotrain.parallel.slices import split_slice
     from zerotrain.zero.flat import build_sharded_buckets
-    from zerotrain.zero.grads import GradQuantization, GradReducer
+    from zerotrain.zero.grads import FullBufferReducer, PartitionedReducer
+    from zerotrain.zero.reduce import GradQuantization, QuantizedReduce
 
     model = torch.nn.Module()
     model.dense = torch.nn.Parameter(torch.zeros(37))
@@ -173,7 +174,9 @@ def _reduce_at_stage(stage: int, topology, comm, ep_rank: int,
     groups = build_expert_groups(model, topology, comm)
     named = list(model.named_parameters())
     buckets = build_sharded_buckets(named, {id(p): 0 for _, p in named}, 1000, comm, True, groups)
-    reducer = GradReducer(buckets, comm, stage, quantization=GradQuantization(bits=4, loco_beta=0.8))
+    reduce = QuantizedReduce(GradQuantization(bits=4, loco_beta=0.8), comm)
+    reducer = (FullBufferReducer(buckets, comm, reduce, sharded=True) if stage == 1
+               else PartitionedReducer(buckets, comm, reduce))
     grads = {rank: {name: exact_int4_gradients(rank * 10 + i, p.shape) for i, (name, p) in enumerate(named)}
              for rank in range(comm.size)}
     reducer.begin_backward(True)
@@ -187,7 +190,7 @@ def _reduce_at_stage(stage: int, topology, comm, ep_rank: int,
         for position, name in enumerate(bucket.names):
             bucket.param_view(position, expected).copy_(sum(grads[r][name] for r in holders) / comm.size)
         error = (reducer.grad_shards[index] - bucket.shard_of(expected)).abs().max().item()
-        quantized = reducer.quantized_reducers[index]
+        quantized = reducer.reduce.per_bucket[index]
         results.append((stage, "expert" if expert else "dense", quantized.comm.size if quantized else None, error))
     return results
 

@@ -25,12 +25,12 @@ LOCO = {"zero_quantized_gradients": True, "zeropp_loco_param": {"err_beta": 0.8,
 def error_buffers(engine) -> list[torch.Tensor]:
     """Every LoCo error buffer of this rank, dequantized (expert buckets' included); empty ones as zero-size."""
     return [torch.empty(0) if feedback.error() is None else feedback.error().clone()
-            for reducer in engine.reducer.quantized_reducers if reducer is not None for feedback in reducer.feedbacks]
+            for reducer in engine.reducer.reduce.per_bucket if reducer is not None for feedback in reducer.feedbacks]
 
 
 def expert_reducer_sizes(engine) -> list:
     """The size of the group each expert bucket is reduced over (None: not reduced)."""
-    reducers = engine.reducer.quantized_reducers
+    reducers = engine.reducer.reduce.per_bucket
     return [None if reducers[i] is None else reducers[i].comm.size
             for i, bucket in enumerate(engine.buckets) if bucket.group.expert]
 
@@ -53,8 +53,8 @@ def loco_round_trip(directory: str) -> dict:
     out["buffers"] = (len(saved), sum(buffer.numel() for buffer in saved),
                       len(saved) == len(loaded) and all(torch.equal(a, b) for a, b in zip(saved, loaded)))
     out["expert_bytes"] = sum(feedback.nbytes for i, bucket in enumerate(resumed.buckets)
-                              if bucket.group.expert and resumed.reducer.quantized_reducers[i] is not None
-                              for feedback in resumed.reducer.quantized_reducers[i].feedbacks)
+                              if bucket.group.expert and resumed.reducer.reduce.per_bucket[i] is not None
+                              for feedback in resumed.reducer.reduce.per_bucket[i].feedbacks)
     out["resumed"] = train_steps(resumed, SAVED_AT, STEPS)
     out["resumed_weights"] = resumed.full_state_dict()
     resumed.close()

@@ -58,7 +58,7 @@ def _train(engine, first: int, count: int) -> list[float]:
 
 
 def _errors(engine) -> list[torch.Tensor]:
-    return [f.error().clone() for r in engine.reducer.quantized_reducers for f in r.feedbacks]
+    return [f.error().clone() for r in engine.reducer.reduce.per_bucket for f in r.feedbacks]
 
 
 def same_layout(save_dir: str) -> dict:

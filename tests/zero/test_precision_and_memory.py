@@ -132,16 +132,11 @@ class Wide(torch.nn.Module):
 
 
 def _measured_gradient_bytes(engine) -> int:
-    """Bytes of the gradient tensors the reducer actually keeps between steps (read from the tensors,
-    each storage counted once): full buffers (stages 0-1), the fp32 shard storage (stage 2), and any
+    """Bytes of the gradient tensors the reducer actually keeps between steps (read from the tensors it
+    holds, each storage counted once): full buffers (stages 0-1), the fp32 shard storage (stage 2), and any
     staging buffer still alive."""
-    reducer = engine.reducer
-    tensors = [t for t in reducer.full_grads if t is not None]
-    tensors += [t for t in reducer._shard_storage if t is not None]
-    tensors += [t for t in reducer.grad_shards if t is not None]
-    tensors += [t for t in reducer._staging if t is not None] + list(reducer._spare_staging)
     storages = {}
-    for tensor in tensors:
+    for tensor in engine.reducer.held_tensors():
         storage = tensor.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
@@ -160,7 +155,8 @@ def memory_of_stage(stage: int) -> dict:
     report = engine.memory_report()
     report["measured_gradients"] = _measured_gradient_bytes(engine)
     report["param_grads"] = [p.grad is not None for p in engine.module.parameters()]
-    report["full_grads"] = [full is not None for full in engine.reducer.full_grads]
+    held = engine.reducer.held_tensors()  # a full-size gradient buffer per bucket, or none
+    report["full_grads"] = [any(t.numel() == bucket.padded_numel for t in held) for bucket in engine.buckets]
     report["numel"] = numel
     report["padded_shard_numel"] = sum(b.shard_numel for b in engine.buckets)
     report["tensors"] = len(engine.optimizer.state)

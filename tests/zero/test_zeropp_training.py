@@ -173,7 +173,7 @@ def loco_bookkeeping() -> dict:
     engine, *_ = zerotrain.initialize(model=OddMLP(), config=config(2, 1, **zero))
     train(engine, world, rank, 1, steps=2)
     reducer = engine.reducer
-    errors = lambda: [f.error().clone() for r in reducer.quantized_reducers for f in r.feedbacks]  # noqa: E731
+    errors = lambda: [f.error().clone() for r in reducer.reduce.per_bucket for f in r.feedbacks]  # noqa: E731
     saved = copy.deepcopy(reducer.loco_state())
     saved_errors = errors()
     train(engine, world, rank, 1, steps=1)

@@ -4,10 +4,10 @@ With `zero_quantized_gradients` and `zeropp_loco_param`, every rank keeps an err
 per gradient bucket and hop (int8 values plus block scales, `zerotrain.comm.compressed`).
 It is per-rank state tied to the data-parallel layout, so it is saved as it is, in
 `loco_state_<rank>.safetensors` (tensors under "loco/..." keys, the rest of
-`GradReducer.loco_state()` as JSON in the header's metadata), listed in the manifest with
+the gradient reducer's `loco_state()` as JSON in the header's metadata), listed in the manifest with
 its size and crc32 like every other file. A resumed run on the same layout continues
 exactly; on another layout, or when the checkpoint holds no buffers for this rank, the
-buffers restart from zero with a warning (`GradReducer.load_loco_state`).
+buffers restart from zero with a warning (`load_loco_state`, `zero.reduce.QuantizedReduce`).
 """
 from __future__ import annotations
 

@@ -22,9 +22,9 @@ LoCo (Xie et al. 2024) error feedback, per compressed buffer: compress c = g + e
 g, then e ← β·e + (1 − β)·(c − deQ(Q(c))). Summed over steps the compressed gradients differ
 from the true ones by (e₀ − e_T)/(1 − β): bounded, where plain quantization's error keeps
 adding up. e is stored in 8 bits (int8, one fp32 scale per block), so it costs a quarter
-of an fp32 gradient. The owner (the engine, through the GradReducer) resets it every
-`reset_T` optimizer steps, drops it after an fp16 overflow and rescales it when the loss
-scale changes.
+of an fp32 gradient. Its owner (`zero.reduce.QuantizedReduce`, told of each optimizer step
+by the engine through the gradient reducer) resets it every `reset_T` optimizer steps, drops
+it after an fp16 overflow and rescales it when the loss scale changes.
 
 Non-finite gradients (an fp16 overflow) are never packed as numbers: a buffer holding inf or
 nan is sent as blocks whose scales are nan, so every owner's shard becomes nan, the

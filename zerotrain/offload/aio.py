@@ -117,6 +117,11 @@ class AlignedBuffers:
     def total_bytes(self) -> int:
         return self.count * self.nbytes
 
+    def free_count(self) -> int:
+        """Buffers in the pool now (not acquired)."""
+        with self._cond:
+            return len(self._free)
+
 
 def _describe(error: OSError, what: str, path: str, offset: int, nbytes: int) -> OffloadIOError:
     if error.errno == errno.ENOSPC:

@@ -35,27 +35,28 @@ a step (a checkpoint load that did not use `resident_states`) are written to dis
 from __future__ import annotations
 
 import functools
-import os
-import shutil
-import weakref
 from collections import defaultdict
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Collection, Optional
 
 import torch
 
-from .aio import ALIGN, AlignedBuffers, OffloadIOError, open_swap_directory, round_up
+from .aio import OffloadIOError
 from .cpu_adam import COPY_BACK_DTYPES, adam_step
 from .cpu_optimizer import OffloadOptimizer
-from .nvme_records import NvmeRecords, _Chunk, _cleanup, master_placeholder
+from .nvme_records import DEFAULT_CHUNK_NUMEL, Chunk, NvmeRecords, master_placeholder
 from .nvme_stream import NvmeStream
-from .partial import SubsetStepper, probe_state_layout
+from .partial import SubsetStepper
 
-DEFAULT_CHUNK_NUMEL = 1 << 22  # 4M elements: 16 MiB per fp32 region per chunk
+__all__ = ["NvmeOffloadOptimizer", "DEFAULT_CHUNK_NUMEL"]
 
 
-class NvmeOffloadOptimizer(NvmeStream, NvmeRecords, OffloadOptimizer):
-    """Offload whose fp32 masters and optimizer states live on disk; see the module docstring."""
+class NvmeOffloadOptimizer(OffloadOptimizer):
+    """Offload whose fp32 masters and optimizer states live on disk; see the module docstring.
+
+    It holds its records (`records`: files, slots, the buffer pool, paging; `nvme_records.py`) and its
+    streaming step (`stream`; `nvme_stream.py`) as members."""
 
     kind = "nvme"
 
@@ -64,67 +65,23 @@ class NvmeOffloadOptimizer(NvmeStream, NvmeRecords, OffloadOptimizer):
         kwargs["host_grads"] = False  # gradients go to the host chunk by chunk, through the buffers
         super().__init__(*args, **kwargs)
         self._stepper = SubsetStepper(self.optimizer)
-        shards = [b.shard_numel for b, off in zip(self.buckets, self.offloaded) if off] or [1]
-        self.chunk_numel = round_up(min(chunk_numel or DEFAULT_CHUNK_NUMEL, max(shards)), ALIGN // 4)
-        self.region = round_up(self.chunk_numel * 4)  # one fp32 chunk: the master, the gradient
-        self.layouts: dict[int, list[tuple[str, torch.dtype, int, int]]] = {}  # key, dtype, offset, bytes
-        self.record_bytes: dict[int, int] = {}
-        for group in {b.group_index for b, off in zip(self.buckets, self.offloaded) if off}:
-            offset, layout = self.region, []  # the master first, then the states
-            for key, dtype in probe_state_layout(self.optimizer, group):
-                size = round_up(self.chunk_numel * dtype.itemsize)
-                layout.append((key, dtype, offset, size))
-                offset += size
-            self.layouts[group], self.record_bytes[group] = layout, offset
-        self.chunks: list[_Chunk] = []
-        for index, (bucket, off) in enumerate(zip(self.buckets, self.offloaded)):
-            for number, start in enumerate(range(0, bucket.shard_numel, self.chunk_numel) if off else ()):
-                self.chunks.append(_Chunk(index, number, start, min(self.chunk_numel, bucket.shard_numel - start)))
-        self.directory, self.io = open_swap_directory(nvme_path, f"zerotrain-optim-r{comm_rank(self)}-", aio,
-                                                      direct, "NVMe offload")
-        self._finalizer = weakref.finalize(self, _cleanup, self.io, self.directory)
-        self.files: tuple[int, int] = (-1, -1)  # slot 0, slot 1
-        self._open_files()
-        self.slot = {chunk.bucket: 0 for chunk in self.chunks}
-        self.has_state = {bucket: False for bucket in self.slot}
-        largest = max(self.record_bytes.values(), default=ALIGN)
-        self.pool = AlignedBuffers(max(2, int(buffer_count)), largest + self.region,
-                                   pin=kwargs.get("pin_memory", False))
+        self.records = NvmeRecords(self.buckets, self.masters, self.optimizer, self.offloaded, nvme_path=nvme_path,
+                                   rank=comm_rank(self), buffer_count=buffer_count, aio=aio, chunk_numel=chunk_numel,
+                                   direct=direct, pin_memory=kwargs.get("pin_memory", False))
+        self.stream = NvmeStream(self.records)
         self.stats.update(nvme_bytes_read=0, nvme_bytes_written=0, nvme_failed_steps=0, nvme_restored_chunks=0,
-                          direct_io=int(self.io.direct))
-        self._resident = False  # masters hold their values (inside resident_states / resident_masters)
+                          direct_io=int(self.records.io.direct))
         self._published: set[int] = set()  # buckets whose model shards the last update() already wrote
         self._staging: dict[int, torch.Tensor] = {}  # offload_param buckets: new shard values, chunk by chunk
         self._staging_left: dict[int, int] = {}  # chunks of a staged bucket not yet in its staging tensor
         self._store_written: set[int] = set()  # offload_param buckets whose store this step wrote
-        self._kept: dict[_Chunk, torch.Tensor] = {}  # records still in pool buffers after a step (nvme_stream.py)
         try:
             self._write_initial_masters()
         except BaseException:
-            self._finalizer()
+            self.records.close()
             raise
-        for bucket in self.slot:  # stage 3: GatheredParameters(modifier_rank=...) writes masters through here
+        for bucket in self.records.slot:  # stage 3: GatheredParameters(modifier_rank=...) writes masters through here
             self.buckets[bucket].master_writer = functools.partial(self.write_master, bucket)
-
-    def _open_files(self) -> None:
-        """Two slot files for all buckets; each chunk's record has its offset in both."""
-        size = 0
-        for chunk in self.chunks:
-            chunk.offset = size
-            size += self.record_bytes[self.buckets[chunk.bucket].group_index]
-        needed, free = 2 * size, shutil.disk_usage(self.directory).free
-        if needed > free:
-            self._finalizer()
-            raise OffloadIOError(f"NVMe offload: rank {comm_rank(self)} needs {needed / 2**20:.1f} MiB under "
-                                 f"{os.path.dirname(self.directory)} for its fp32 masters and optimizer states; "
-                                 f"only {free / 2**20:.1f} MiB are free")
-        try:
-            if self.chunks:
-                path = os.path.join(self.directory, "states")
-                self.files = (self.io.open(path + ".slot0", size), self.io.open(path + ".slot1", size))
-        except BaseException:
-            self._finalizer()
-            raise
 
     def initial_host_master(self, shard: torch.Tensor, pin_memory: bool) -> torch.Tensor:
         """No host copy, even while building: `_write_initial_masters` fills slot 0 from the model shards
@@ -133,69 +90,71 @@ class NvmeOffloadOptimizer(NvmeStream, NvmeRecords, OffloadOptimizer):
 
     def _write_initial_masters(self) -> None:
         """Slot 0's masters, cast from the model's shards chunk by chunk through the buffer pool."""
+        records = self.records
         writes: list[Future] = []
         shard, shard_of = None, None
-        for chunk in self.chunks:
+        for chunk in records.chunks:
             if shard_of != chunk.bucket:  # one bucket's shard at a time (offload_param reads it from its store)
                 shard, shard_of = self.buckets[chunk.bucket].local_shard(), chunk.bucket
-            buffer = self.pool.acquire()
-            self._master_region(chunk, buffer).view(torch.float32)[:chunk.numel].copy_(
-                shard.narrow(0, chunk.start, chunk.numel))
-            writes.append(self.io.write(self.files[0], chunk.offset, self._record(chunk, buffer),
-                                        done=lambda b=buffer: self.pool.release(b)))
+            buffer = records.pool.acquire()
+            records.master(chunk, buffer).copy_(shard.narrow(0, chunk.start, chunk.numel))
+            writes.append(records.io.write(records.files[0], chunk.offset, records.record(chunk, buffer),
+                                           done=lambda b=buffer: records.pool.release(b)))
         for future in writes:
             future.result()
 
     def write_master(self, bucket: int, values: torch.Tensor) -> None:
         """New master values of offloaded bucket `bucket` from outside a step (a user's write to a stage-3
         parameter): into memory while resident, else into the spare slot's records, then flipped."""
-        if self._resident:
+        records = self.records
+        if records.resident:
             self.masters[bucket].copy_(values)
             return
-        self._drop_kept([bucket])
-        buffer = self.pool.acquire()
+        records.drop_kept([bucket])
+        buffer = records.pool.acquire()
         try:
-            for chunk in (c for c in self.chunks if c.bucket == bucket):
-                record = self._record(chunk, buffer)
-                self.io.read(self.files[self.slot[bucket]], chunk.offset, record).result()
-                self._master(chunk, buffer).copy_(values.narrow(0, chunk.start, chunk.numel))
-                self.io.write(self.files[1 - self.slot[bucket]], chunk.offset, record).result()
+            for chunk in (c for c in records.chunks if c.bucket == bucket):
+                record = records.record(chunk, buffer)
+                records.io.read(records.current(chunk), chunk.offset, record).result()
+                records.master(chunk, buffer).copy_(values.narrow(0, chunk.start, chunk.numel))
+                records.io.write(records.spare(chunk), chunk.offset, record).result()
         finally:
-            self.pool.release(buffer)
-        self.slot[bucket] ^= 1
+            records.pool.release(buffer)
+        records.slot[bucket] ^= 1
 
     # --- the step ----------------------------------------------------------------
     def update(self, grad_shards: list[torch.Tensor], multiplier: float, indices) -> None:
-        if self._resident:
+        if self.records.resident:
             raise RuntimeError("NVMe offload: a step inside resident_states()/resident_masters() is not allowed")
         indices = list(indices)
         wanted = set(indices)
-        chunks = [c for c in self.chunks if c.bucket in wanted and grad_shards[c.bucket] is not None]
-        stepped: list[_Chunk] = []
+        chunks = [c for c in self.records.chunks if c.bucket in wanted and grad_shards[c.bucket] is not None]
+        stepped: list[Chunk] = []
         scalars, error, keep = {}, None, {}
         self._published.clear()
         self._store_written.clear()
         try:
-            self._adopt_states()  # states someone put in memory (a checkpoint load) go to disk first
-            scalars = self._stream(chunks, grad_shards, multiplier, stepped, keep)
+            self.records.adopt_states()  # states someone put in memory (a checkpoint load) go to disk first
+            scalars = self.stream.run(chunks, grad_shards, multiplier, self._step_chunk, stepped, keep)
         except BaseException as caught:  # noqa: BLE001 - every rank learns of it below, then it is raised
             error = caught
         try:
             self._agree(error, stepped)
         except BaseException:
             for buffer in keep.values():  # not committed: the buffers hold records of no current slot
-                self.pool.release(buffer)
+                self.records.pool.release(buffer)
             raise
-        self._kept.update(keep)
+        self.records.kept.update(keep)
         for bucket, values in scalars.items():  # commit: every write of the step succeeded, on every rank
-            self.slot[bucket] ^= 1
-            self.has_state[bucket] = True
+            self.records.slot[bucket] ^= 1
+            self.records.has_state[bucket] = True
             self.optimizer.state[self.masters[bucket]] = values
             self._published.add(bucket)
-        self.stats["nvme_bytes_read"], self.stats["nvme_bytes_written"] = self.io.bytes_read, self.io.bytes_written
+        io = self.records.io
+        self.stats["nvme_bytes_read"], self.stats["nvme_bytes_written"] = io.bytes_read, io.bytes_written
         super().update(grad_shards, multiplier, [i for i in indices if not self.offloaded[i]])
 
-    def _agree(self, error: Optional[BaseException], stepped: list[_Chunk]) -> None:
+    def _agree(self, error: Optional[BaseException], stepped: list[Chunk]) -> None:
         """All ranks learn which ranks' step I/O failed; if any did, every rank rolls back and raises.
 
         One all-reduce of a per-rank failure flag after the step's I/O. Without it a rank whose
@@ -222,13 +181,13 @@ class NvmeOffloadOptimizer(NvmeStream, NvmeRecords, OffloadOptimizer):
                              f"rank {comm_rank(self)} rolled its own step back, so every rank's training state "
                              f"is as it was before the step")
 
-    def _step_chunk(self, chunk: _Chunk, buffer: torch.Tensor, grad_shard: torch.Tensor, multiplier: float,
+    def _step_chunk(self, chunk: Chunk, buffer: torch.Tensor, grad_shard: torch.Tensor, multiplier: float,
                     scalars: dict) -> None:
         """Update the chunk's master and states in `buffer` and cast the new weights into the model's shard."""
-        group, master = self._group(chunk), self._master(chunk, buffer)
-        regions = self._states(chunk, buffer)
+        group, master = self.records.group(chunk), self.records.master(chunk, buffer)
+        regions = self.records.states(chunk, buffer)
         grad = grad_shard.narrow(0, chunk.start, chunk.numel)
-        fresh = not self.has_state[chunk.bucket]
+        fresh = not self.records.has_state[chunk.bucket]
         target = self._publish_target(chunk)
         if set(regions) == {"exp_avg", "exp_avg_sq"} and self.cpu_adam.supports(master, group):
             if chunk.bucket not in scalars:  # one step count per bucket, shared by its chunks
@@ -239,7 +198,7 @@ class NvmeOffloadOptimizer(NvmeStream, NvmeRecords, OffloadOptimizer):
                 for region in regions.values():
                     region.zero_()
             if not (grad.device.type == "cpu" and grad.dtype == torch.float32 and grad.is_contiguous()):
-                grad = self._gradient(buffer, chunk.numel).copy_(grad)
+                grad = self.records.gradient(buffer, chunk.numel).copy_(grad)
             direct = target.device.type == "cpu" and target.dtype in COPY_BACK_DTYPES and target.is_contiguous()
             self._kernel_step(master, grad, regions, scalars[chunk.bucket]["step"], group, multiplier,
                               target if direct else None)
@@ -260,10 +219,10 @@ class NvmeOffloadOptimizer(NvmeStream, NvmeRecords, OffloadOptimizer):
                   weight_decay=float(group["weight_decay"]), decoupled=bool(decoupled), multiplier=multiplier,
                   copy_to=copy_to)
 
-    def _torch_step(self, chunk: _Chunk, master, grad, regions, fresh: bool, multiplier: float, buffer,
+    def _torch_step(self, chunk: Chunk, master, grad, regions, fresh: bool, multiplier: float, buffer,
                     scalars: dict) -> None:
         """The torch optimizer's own step on one chunk, through a shadow optimizer over `chunk.param`."""
-        host_grad = self._gradient(buffer, chunk.numel)
+        host_grad = self.records.gradient(buffer, chunk.numel)
         host_grad.copy_(grad)
         if multiplier != 1.0:
             host_grad.mul_(multiplier)
@@ -276,7 +235,7 @@ class NvmeOffloadOptimizer(NvmeStream, NvmeRecords, OffloadOptimizer):
         chunk.param.data = master
         chunk.param.grad = host_grad
         try:
-            self._stepper.step([chunk.param], [self._group(chunk)], state=states)
+            self._stepper.step([chunk.param], [self.records.group(chunk)], state=states)
         finally:
             chunk.param.grad = None
             chunk.param.data = chunk.empty
@@ -287,7 +246,7 @@ class NvmeOffloadOptimizer(NvmeStream, NvmeRecords, OffloadOptimizer):
         scalars[chunk.bucket] = {k: v for k, v in after.items() if k not in regions}
 
     # --- the new weights into the model ------------------------------------------------
-    def _publish_target(self, chunk: _Chunk) -> torch.Tensor:
+    def _publish_target(self, chunk: Chunk) -> torch.Tensor:
         """Where the chunk's new weights go: its range of the model shard (training dtype), or, for a
         stage-3 shard kept by an offload_param store, of a staging tensor written when the bucket is whole."""
         bucket = self.buckets[chunk.bucket]
@@ -295,11 +254,11 @@ class NvmeOffloadOptimizer(NvmeStream, NvmeRecords, OffloadOptimizer):
             staging = self._staging.get(chunk.bucket)
             if staging is None:
                 staging = self._staging[chunk.bucket] = torch.empty(bucket.shard_numel, dtype=bucket.dtype)
-                self._staging_left[chunk.bucket] = sum(c.bucket == chunk.bucket for c in self.chunks)
+                self._staging_left[chunk.bucket] = sum(c.bucket == chunk.bucket for c in self.records.chunks)
             return staging.narrow(0, chunk.start, chunk.numel)
         return bucket.local_shard().narrow(0, chunk.start, chunk.numel)
 
-    def _published_chunk(self, chunk: _Chunk) -> None:
+    def _published_chunk(self, chunk: Chunk) -> None:
         """A staged bucket goes to its store once all its chunks are in (in whatever order they came)."""
         if chunk.bucket in self._staging:
             self._staging_left[chunk.bucket] -= 1
@@ -308,24 +267,24 @@ class NvmeOffloadOptimizer(NvmeStream, NvmeRecords, OffloadOptimizer):
                 self.buckets[chunk.bucket].write_shard(self._staging.pop(chunk.bucket))
                 self._store_written.add(chunk.bucket)
 
-    def _publish_from_files(self, chunks: list[_Chunk]) -> None:
+    def _publish_from_files(self, chunks: list[Chunk]) -> None:
         """Cast the masters of `chunks` in the current slot into the model's shards."""
-        buffer = self.pool.acquire()
+        buffer = self.records.pool.acquire()
         try:
             for chunk in chunks:
-                region = self._master_region(chunk, buffer)
-                self.io.read(self.files[self.slot[chunk.bucket]], chunk.offset, region).result()
+                region = self.records.master_region(chunk, buffer)
+                self.records.io.read(self.records.current(chunk), chunk.offset, region).result()
                 self._publish_target(chunk).copy_(region.view(torch.float32)[:chunk.numel])
                 self._published_chunk(chunk)
         finally:
-            self.pool.release(buffer)
+            self.records.pool.release(buffer)
 
-    def _restore_model(self, stepped: list[_Chunk], cause: BaseException) -> None:
+    def _restore_model(self, stepped: list[Chunk], cause: BaseException) -> None:
         """After a failed step: the model shards the step wrote get the (unchanged) masters of the current slot."""
         self._staging.clear()
         self._staging_left.clear()
         written_whole = set(self._store_written)
-        chunks = [c for c in self.chunks if c.bucket in written_whole] + \
+        chunks = [c for c in self.records.chunks if c.bucket in written_whole] + \
             [c for c in stepped if not getattr(self.buckets[c.bucket], "offloaded", False)]
         try:
             self._publish_from_files(chunks)
@@ -341,12 +300,12 @@ class NvmeOffloadOptimizer(NvmeStream, NvmeRecords, OffloadOptimizer):
         """Cast masters into the model's buffers (offloaded ones from the files unless the step just did)
         and all-gather every bucket that keeps a full copy. `current`: buckets whose shards already hold them."""
         done = self._published | set(current)
-        if not self._resident:
-            self._publish_from_files([c for c in self.chunks if c.bucket not in done])
+        if not self.records.resident:
+            self._publish_from_files([c for c in self.records.chunks if c.bucket not in done])
         self._published.clear()
         handles = []
         for index, (bucket, master) in enumerate(zip(self.buckets, self.masters)):
-            from_master = (self._resident or not self.offloaded[index]) and index not in current
+            from_master = (self.records.resident or not self.offloaded[index]) and index not in current
             if getattr(bucket, "offloaded", False):  # offload_param: into host memory or the NVMe file
                 if from_master:
                     bucket.write_shard(master)
@@ -360,8 +319,30 @@ class NvmeOffloadOptimizer(NvmeStream, NvmeRecords, OffloadOptimizer):
         for handle in handles:
             handle.wait()
 
+    # --- MasterOptimizer's capabilities, from the records ----------------------------------
+    @contextmanager
+    def resident_states(self, write_back: bool = True):
+        """Masters and per-element states in host memory (`masters`, `optimizer.state[master]`) while inside.
+
+        For checkpoint save (`write_back=False`: only read, the files stay) and load (what is in memory
+        on exit goes to the spare slots, which become current only when all were written). On an
+        exception inside, or a failed read, the files are left as they were."""
+        with self.records.paged_in(write_back, with_states=True):
+            yield self
+
+    @contextmanager
+    def resident_masters(self):
+        """The fp32 masters in host memory while inside, read only (e.g. to gather the full weights)."""
+        with self.records.paged_in(False, with_states=False):
+            yield self
+
+    def memory_split(self) -> dict[str, int]:
+        """As OffloadOptimizer's, with the offloaded masters and per-element states counted under `nvme`
+        (in host memory only while resident) and the I/O buffers under `host_buffers`."""
+        return self.records.account(super().memory_split())
+
     def close(self) -> None:
-        self._finalizer()
+        self.records.close()
 
 
 def comm_rank(optimizer) -> int:

@@ -95,17 +95,20 @@ class FlatBucket(ShardLayout):
     """A contiguous run of parameters of one dtype and one optimizer group.
 
     `flat_param` holds the full (unsharded) values in the training dtype and every
-    parameter's `.data` is a view into it. Partition `rank` owns elements
-    [rank * shard_numel, (rank + 1) * shard_numel) of it. `group` is what it is sharded over;
-    without one (single-process use: tests, benchmarks) `partitions` and `rank` describe a
-    comm-less group.
+    parameter's `.data` is a view into it. Partition `group.rank` owns elements
+    [rank * shard_numel, (rank + 1) * shard_numel) of it. `group` is what it is sharded over
+    (required: every sharded tensor carries its group; `ShardGroup.local()` for a single-process
+    bucket in tests and benchmarks).
     """
 
     def __init__(self, index: int, named_params: Sequence[tuple[str, torch.nn.Parameter]],
-                 group_index: int, partitions: int = 1, rank: int = 0, *, group: Optional[ShardGroup] = None):
+                 group_index: int, group: ShardGroup):
+        if not isinstance(group, ShardGroup):
+            raise TypeError(f"FlatBucket {index}: group must be a ShardGroup (what the bucket is sharded over; "
+                            f"ShardGroup.local() for a single process), got {type(group).__name__}")
         params = [param for _, param in named_params]
         super().__init__(index, [name for name, _ in named_params], params, [tuple(p.shape) for p in params],
-                         group_index, group if group is not None else ShardGroup(None, partitions, rank))
+                         group_index, group)
         self.flat_param = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for param, offset in zip(self.params, self.offsets):
@@ -136,7 +139,7 @@ def build_buckets(named_params: Iterable[tuple[str, torch.nn.Parameter]], group_
     def close() -> None:
         nonlocal current, current_numel
         if current:
-            buckets.append(FlatBucket(len(buckets), current, group_of[id(current[0][1])], group=group))
+            buckets.append(FlatBucket(len(buckets), current, group_of[id(current[0][1])], group))
         current, current_numel = [], 0
 
     for name, param in ordered:

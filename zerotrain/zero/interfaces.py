@@ -13,7 +13,48 @@ from typing import Callable, Iterable, Optional, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["GradientReducer", "MasterOptimizer", "ParamStore"]
+__all__ = ["BucketReduce", "GradientReducer", "MasterOptimizer", "ParamStore"]
+
+
+@runtime_checkable
+class BucketReduce(Protocol):
+    """How a reducer sums one bucket's gradient over the bucket's ShardGroup (`zero.reduce`: exact, or
+    qgZ with LoCo). Bound once to the reducer's buckets (anything with `group` and `shard_numel`);
+    `index` is a bucket's position among them. The error-feedback methods are no-ops by default."""
+
+    exact: bool  # False: a quantized sum; reducers divide by the world size before it (the mean is quantized)
+
+    def bind(self, buckets) -> None:
+        ...
+
+    def all_reduce(self, index: int, source: torch.Tensor):
+        """Start summing `source` in place over bucket `index`'s group; returns the handle."""
+        ...
+
+    def reduce_scatter(self, index: int, source: torch.Tensor, out: Optional[torch.Tensor] = None):
+        """Start reducing rank-major `source` into this rank's shard (into `out` when the reduce can);
+        returns (shard, handle)."""
+        ...
+
+    # --- error feedback (LoCo): no-op defaults ------------------------------
+    loco_enabled: bool = False
+
+    def after_optimizer_step(self, overflow: bool, scale_before: float, scale_after: float, steps: int) -> None:
+        """After an optimizer step (taken or skipped); `steps` counted so far, this one included."""
+
+    def error_state(self) -> dict:
+        """The error buffers and their layout, for a checkpoint."""
+        return {}
+
+    def load_error_state(self, state: dict) -> bool:
+        """Restore what error_state() returned; whether the buffers were loaded."""
+        return False
+
+    def reset_error(self) -> None:
+        """Zero every error buffer."""
+
+    def error_bytes(self) -> int:
+        return 0
 
 
 @runtime_checkable
@@ -45,9 +86,24 @@ class GradientReducer(Protocol):
         """Bytes of gradient buffers this rank holds."""
         ...
 
+    # --- LoCo's error buffers (qgZ): none by default ---------------------------
+    loco_enabled: bool = False
+
     def loco_bytes(self) -> int:
         """Bytes of LoCo error buffers (0 without qgZ's LoCo)."""
         return 0
+
+    def loco_state(self) -> dict:
+        """The error buffers and the optimizer-step count, for a checkpoint (per rank)."""
+        return {"optimizer_steps": self.optimizer_steps}
+
+    def load_loco_state(self, state: dict) -> bool:
+        """Restore what loco_state() returned; whether error buffers were loaded."""
+        self.optimizer_steps = int(state.get("optimizer_steps", 0))
+        return False
+
+    def reset_loco_state(self) -> None:
+        """Zero every LoCo error buffer (the step count is kept)."""
 
 
 @runtime_checkable
