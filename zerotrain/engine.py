@@ -91,9 +91,10 @@ class ZeroTrainEngine:
         self.stage3: Optional[Stage3Model] = None
         self.param_store = None  # offload_param (stage 3): where the non-persistent shards live
         if self.stage == 3:
+            prefetch_numel, max_live_numel, max_reuse_distance = zero.stage3_fetch_limits()
             self.stage3 = partition_module(self.module, self.comm, group_of, int(zero.stage3_param_persistence_threshold),
-                                           bool(zero.stage3_allgather_sequential), int(zero.stage3_prefetch_bucket_size),
-                                           int(zero.stage3_max_live_parameters), int(zero.stage3_max_reuse_distance),
+                                           bool(zero.stage3_allgather_sequential), int(prefetch_numel),
+                                           int(max_live_numel), int(max_reuse_distance),
                                            experts=self.expert_groups, fence=self.snapshot_fences)
             self.buckets = self.stage3.trainable
             self.stage3.use_param_store(build_param_store(self.stage3.all_parts(), zero.offload_param,

@@ -79,10 +79,12 @@ def test_prefetch_in_flight_stays_within_bucket_size():
     assert bounded["losses"] == unbounded["losses"], "the budget changes when, never what, is gathered"
 
 
-def test_max_live_parameters_caps_live_and_in_flight():
+def test_max_live_parameters_caps_live_and_in_flight_and_defaults_keep_one_request_ahead():
     cap = requests()[1] + requests()[3]
-    capped, uncapped = run_distributed(train_with, WORLD, [{"stage3_max_live_parameters": cap},
-                                                           {"stage3_max_live_parameters": 10**9}])[0]
+    deepspeed = {"stage3_prefetch_bucket_size": 5 * 10**7, "stage3_max_reuse_distance": 10**9}  # its defaults
+    capped, uncapped, defaults = run_distributed(train_with, WORLD, [
+        {"stage3_max_live_parameters": cap, **deepspeed}, {"stage3_max_live_parameters": 10**9, **deepspeed},
+        {}])[0]
     largest_request = max(requests())
     assert capped["stats"]["prefetched"] > 0, "a nonzero cap still lets prefetch run"
     # Prefetch and reuse stop at the cap; only the request being served may go past it.
@@ -90,6 +92,13 @@ def test_max_live_parameters_caps_live_and_in_flight():
     assert uncapped["stats"]["peak_live_inflight_numel"] > cap + largest_request, \
         "uncapped, reuse keeps more gathered: the bound above is the cap's doing"
     assert capped["losses"] == uncapped["losses"]
+    # No tuning keys: zerotrain's memory-bounded defaults, not DeepSpeed's: prefetch one recorded request
+    # ahead, nothing kept for reuse, so at most the request being served plus the one ahead are live.
+    stats = defaults["stats"]
+    assert stats["prefetched"] > 0 and stats["reuse_kept"] == 0, stats
+    assert stats["peak_prefetch_inflight_numel"] <= largest_request, stats
+    assert stats["peak_live_inflight_numel"] <= 2 * largest_request < uncapped["stats"]["peak_live_inflight_numel"]
+    assert defaults["losses"] == uncapped["losses"], "the defaults change when, never what, is gathered"
 
 
 def test_sequential_prefetch_stays_one_parameter_ahead():
