@@ -126,9 +126,10 @@ def test_estimate_command_table_json_and_errors(tmp_path, capsys):
                               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
                                                     "stage3_param_persistence_threshold": 0}}))
     assert main(["estimate", "--model", "tiny", "--config", str(ds), "--nodes", "2", "--gpus-per-node", "4",
-                 "--memory", "1GiB"]) == 0
+                 "--memory", "4MiB"]) == 0
     out = capsys.readouterr().out
     assert "world 8 (data-parallel 8)" in out and "ZeRO-2 optimizer->cpu *" in out and "ZeRO-3" in out
+    assert "largest that fits 4.00 MiB per rank under ZeRO-2 optimizer->cpu: " in out
     assert main(["estimate", "--model", "tiny", "--config", str(ds), "--world", "2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     by_label = {o["option"]: o for o in result["options"]}
@@ -145,3 +146,31 @@ def test_estimate_command_table_json_and_errors(tmp_path, capsys):
     with pytest.raises(ValueError, match="not a size"):
         parse_bytes("lots")
     assert parse_bytes("24GiB") == 24 * 2**30 and parse_bytes("80GB") == 80 * 10**9
+
+
+def test_largest_model_that_fits_a_memory(tmp_path):
+    """--memory: the depth found fits and one layer more does not; likewise the width, in its steps."""
+    from zerotrain.config import load_config
+    from zerotrain.estimate import config_option, device_peak
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
+                              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
+    config = load_config(str(ds), dp_world_size=2)
+    optimizer = probe_optimizer(config.optimizer)
+
+    def peak(layers=None, width=None) -> int:
+        model, kind = load_meta_model("tiny", torch.float32, layers, width)
+        states = estimate_option(model_shape(model), config, 2, config_option(config), optimizer, "cpu")
+        return device_peak(states.as_dict(), measure_activations(model, kind, 2, 32).as_dict())
+
+    memory = 3 * peak()
+    result = estimate("tiny", str(ds), 2, device_type="cpu", memory=memory)["largest"]
+    depth, wide = result["layers"], result["width"]
+    assert depth["width"] == 48 and depth["layers"] > 3 and not depth["at_cap"]
+    assert peak(layers=depth["layers"]) <= memory < peak(layers=depth["layers"] + 1)
+    step = 8 * 4  # 8 x the head count
+    assert wide["layers"] == 3 and wide["width"] > 48 and wide["width"] % step == 0
+    assert peak(width=wide["width"]) <= memory < peak(width=wide["width"] + step)
+    assert estimate("tiny", str(ds), 2, device_type="cpu", memory=1000)["largest"] == {"layers": None,
+                                                                                       "width": None}

@@ -80,17 +80,32 @@ def model_shape(model: torch.nn.Module, name: str = "model") -> ModelShape:
     return ModelShape(params, buffers, name)
 
 
-def load_meta_model(spec: str, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, str]:
+def load_meta_model(spec: str, dtype: torch.dtype = torch.float32, layers: Optional[int] = None,
+                    width: Optional[int] = None) -> tuple[torch.nn.Module, str]:
     """Build the model `spec` names on the meta device (no weights allocated); returns (model, kind).
 
     `spec`: a zerotrain GPT preset (`tiny`, `small`, `70m`), a Hugging Face model directory (its
-    config.json) or a config.json file. kind is "gpt" or "hf"."""
-    from .models import GPT, PRESETS, GPTConfig
+    config.json) or a config.json file. kind is "gpt" or "hf". `layers` / `width` replace its depth /
+    hidden size (a width should be a multiple of the head count; the MLP and head sizes scale along)."""
+    kind, config = _architecture(spec)
+    if layers is not None or width is not None:
+        config = _resized(kind, config, layers, width)
+    with torch.device("meta"):
+        if kind == "gpt":
+            from .models import GPT
+            model = GPT(config)
+        else:
+            from transformers import AutoModelForCausalLM
+            model = AutoModelForCausalLM.from_config(config)
+    return model.to(dtype), kind
+
+
+def _architecture(spec: str):
+    """("gpt", GPTConfig) for a preset, ("hf", transformers config) for a model directory or config.json."""
+    from .models import PRESETS, GPTConfig
 
     if spec in PRESETS:
-        with torch.device("meta"):
-            model = GPT(GPTConfig.preset(spec))
-        return model.to(dtype), "gpt"
+        return "gpt", GPTConfig.preset(spec)
     path = Path(spec)
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.is_file():
@@ -98,18 +113,43 @@ def load_meta_model(spec: str, dtype: torch.dtype = torch.float32) -> tuple[torc
         raise ValueError(f"--model {spec!r}: not a GPT preset ({known}), nor a model directory with a "
                          f"config.json, nor a config.json file")
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
     except ImportError as exc:  # pragma: no cover - transformers is in the dev and hf extras
         raise ValueError(f"--model {spec!r}: reading a Hugging Face config needs `transformers` "
                          f"(pip install zerotrain[hf])") from exc
     try:
         json.loads(config_file.read_text(encoding="utf-8"))
-        config = AutoConfig.from_pretrained(str(config_file))
+        return "hf", AutoConfig.from_pretrained(str(config_file))
     except (OSError, ValueError) as exc:
         raise ValueError(f"{config_file}: not a Hugging Face model config: {exc}") from None
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return model.to(dtype), "hf"
+
+
+def _depth_width(kind: str, config) -> tuple[int, int, int]:
+    """(layers, hidden size, head count) of an architecture."""
+    if kind == "gpt":
+        return config.n_layer, config.n_embd, config.n_head
+    return config.num_hidden_layers, config.hidden_size, config.num_attention_heads
+
+
+def _resized(kind: str, config, layers: Optional[int], width: Optional[int]):
+    import copy
+    import dataclasses
+
+    depth, hidden, heads = _depth_width(kind, config)
+    layers = depth if layers is None else layers
+    width = hidden if width is None else max(heads, width // heads * heads)
+    if kind == "gpt":
+        inner = None if config.n_inner is None else max(1, config.n_inner * width // hidden)
+        return dataclasses.replace(config, n_layer=layers, n_embd=width, n_inner=inner)
+    config = copy.deepcopy(config)
+    if getattr(config, "head_dim", None) == hidden // heads:  # the default head size follows the width
+        config.head_dim = width // heads
+    if getattr(config, "intermediate_size", None):
+        config.intermediate_size = max(1, config.intermediate_size * width // hidden)
+    config.num_hidden_layers, config.hidden_size = layers, width
+    if isinstance(getattr(config, "layer_types", None), list):  # per-layer attention kinds (Qwen, Gemma)
+        config.layer_types = (config.layer_types * layers)[:layers]
+    return config
 
 
 # --- what each option holds ------------------------------------------------------------------------
@@ -402,39 +442,140 @@ def measure_activations(model: torch.nn.Module, kind: str, micro_batch: int, seq
 # --- the whole estimate ----------------------------------------------------------------------------
 
 
+def device_peak(memory: dict, activations: dict) -> int:
+    """What one option needs on the device at the peak of a step: its states, the activations of one
+    micro-batch with checkpointing, and the transient step buffers."""
+    return memory["totals"]["device"] + activations["with_checkpointing"] + sum(memory["transient"].values())
+
+
+def _seq_len(model: torch.nn.Module, kind: str) -> int:
+    config = getattr(model, "config", None)
+    limit = getattr(config, "block_size" if kind == "gpt" else "max_position_embeddings", None)
+    return min(2048, int(limit)) if limit else 2048
+
+
 def estimate(model_spec: str, config_source, world_size: int, options: Optional[list[Option]] = None,
              device_type: str = "cuda", seq_len: Optional[int] = None,
-             micro_batch: Optional[int] = None) -> dict:
+             micro_batch: Optional[int] = None, memory: Optional[int] = None) -> dict:
     """Everything `zerotrain estimate` prints, as a dict: the model, the world, per-option bytes per rank
-    (`RankMemory.as_dict()`), and the activations of one micro-batch."""
+    (`RankMemory.as_dict()`), the activations of one micro-batch, and with `memory` (device bytes per
+    rank) the largest depth and width of this architecture that fit under the config's own option."""
     from .config import load_config
     from .precision import training_dtype
 
     config = load_config(config_source)
     tp = int(config.tensor_parallel.autotp_size)
-    if world_size % tp:
-        raise ValueError(f"tensor_parallel.autotp_size: {tp} does not divide the world size {world_size}")
-    dp_size = world_size // tp
+    if tp > 1:
+        raise ValueError("tensor_parallel.autotp_size > 1: the estimate covers data parallelism only (for now)")
+    dp_size = world_size
     config = load_config(config, dp_world_size=dp_size)
     dtype = training_dtype(config.precision)
     model, kind = load_meta_model(model_spec, dtype)
     shape = model_shape(model, model_spec)
-    if tp > 1:
-        raise ValueError("tensor_parallel.autotp_size > 1: the estimate covers data parallelism only (for now)")
     optimizer = probe_optimizer(config.optimizer)
     per_option = [estimate_option(shape, config, dp_size, option, optimizer, device_type)
                   for option in (options or default_options(config))]
     micro = micro_batch or int(config.train_micro_batch_size_per_gpu)
-    if seq_len is None:
-        limit = getattr(getattr(model, "config", None), "block_size", None) if kind == "gpt" else \
-            getattr(model.config, "max_position_embeddings", None)
-        seq_len = min(2048, int(limit)) if limit else 2048
+    seq_len = seq_len or _seq_len(model, kind)
     activations = measure_activations(model, kind, micro, seq_len)
-    return {"model": model_spec, "parameters": shape.numel, "trainable": shape.trainable_numel,
-            "dtype": str(dtype).replace("torch.", ""), "world_size": world_size, "dp_size": dp_size,
-            "optimizer": optimizer.name, "device": device_type,
-            "config_option": config_option(config).label,
-            "options": [m.as_dict() for m in per_option], "activations": activations.as_dict()}
+    result = {"model": model_spec, "parameters": shape.numel, "trainable": shape.trainable_numel,
+              "dtype": str(dtype).replace("torch.", ""), "world_size": world_size, "dp_size": dp_size,
+              "optimizer": optimizer.name, "device": device_type,
+              "config_option": config_option(config).label,
+              "options": [m.as_dict() for m in per_option], "activations": activations.as_dict()}
+    if memory is not None:
+        def peak(layers: Optional[int] = None, width: Optional[int] = None) -> tuple[int, int]:
+            resized, _ = load_meta_model(model_spec, dtype, layers, width)
+            resized_shape = model_shape(resized)
+            states = estimate_option(resized_shape, config, dp_size, config_option(config), optimizer, device_type)
+            acts = measure_activations(resized, kind, micro, seq_len)
+            return device_peak(states.as_dict(), acts.as_dict()), resized_shape.numel
+        result["largest"] = largest_fitting(peak, memory, *_depth_width(kind, _architecture(model_spec)[1]))
+        result["memory"] = memory
+    return result
+
+
+MAX_LAYERS = 1024  # the depth and width searches stop here (a result at the cap means "at least")
+MAX_WIDTH = 65536
+
+
+def largest_fitting(peak, memory: int, layers: int, width: int, heads: int) -> dict:
+    """The largest depth (at this width) and width (at this depth) whose `peak(layers=, width=)` ->
+    (bytes, parameters) is at most `memory`; None where even the smallest does not fit.
+
+    Widths step by 8 x the head count (even head sizes, as rotary embeddings need). Bytes and parameters
+    grow by the same amount per layer (padding aside), so each width is probed on 1- and 2-layer models
+    and extrapolated to the depth; the answer is then checked on the full model and moved by one step
+    while the check disagrees."""
+    step = 8 * heads
+    cache: dict[tuple, tuple[int, int]] = {}
+    measure = peak
+
+    def peak(layers: int, width: int) -> tuple[int, int]:  # noqa: F811 - the memoized probe
+        if (layers, width) not in cache:
+            cache[layers, width] = measure(layers=layers, width=width)
+        return cache[layers, width]
+
+    def line(w: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        one, two = peak(layers=1, width=w), peak(layers=2, width=w)
+        return one, (two[0] - one[0], two[1] - one[1])
+
+    def predicted(n_layers: int, w: int, fit=None) -> int:
+        (base, _), (per_layer, _) = fit or line(w)
+        return base + (n_layers - 1) * per_layer
+
+    def settle(value: int, exact, lowest: int = 1, cap: int = MAX_LAYERS) -> Optional[int]:
+        """The largest n >= lowest that `exact(n)` accepts, searched from the prediction `value`: gallop
+        away from it (the prediction is off where a bound saturates, e.g. stage 3's live-parameter limit),
+        then bisect; None if even `lowest` is refused."""
+        value = min(max(lowest, value), cap)
+        if exact(value):
+            low, gap = value, 1
+            while low + gap <= cap and exact(low + gap):
+                low, gap = low + gap, gap * 2
+            if low + gap > cap:  # the search stops at the cap
+                if low == cap or exact(cap):
+                    return cap
+                high = cap
+            else:
+                high = low + gap
+        else:
+            high, gap = value, 1
+            while high - gap >= lowest and not exact(high - gap):
+                high, gap = high - gap, gap * 2
+            if high - gap < lowest:
+                if not exact(lowest):
+                    return None
+                low = lowest
+            else:
+                low = high - gap
+        while high - low > 1:  # low accepted, high refused
+            mid = (low + high) // 2
+            low, high = (mid, high) if exact(mid) else (low, mid)
+        return low
+
+    # depth: the line through this depth and the next (stage 3's gather bound may saturate below it)
+    here, after = peak(layers=layers, width=width), peak(layers=layers + 1, width=width)
+    per_layer = after[0] - here[0]
+    guess = layers + (memory - here[0]) // per_layer if per_layer > 0 else layers
+    depth = settle(int(guess), lambda n: peak(layers=n, width=width)[0] <= memory)
+
+    low, high = 0, max(1, width // step)  # widths in steps: low fits (0: none known), high is the next probe
+    while high <= MAX_WIDTH // step and predicted(layers, high * step) <= memory:
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if predicted(layers, mid * step) <= memory else (low, mid)
+    wide = settle(low, lambda n: peak(layers=layers, width=n * step)[0] <= memory,
+                  cap=MAX_WIDTH // step) if low else None
+    result = {"layers": None, "width": None}
+    if depth is not None:
+        result["layers"] = {"layers": depth, "width": width, "parameters": peak(layers=depth, width=width)[1],
+                            "at_cap": depth == MAX_LAYERS}
+    if wide is not None:
+        result["width"] = {"layers": layers, "width": wide * step, "at_cap": wide == MAX_WIDTH // step,
+                           "parameters": peak(layers=layers, width=wide * step)[1]}
+    return result
 
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -485,7 +626,8 @@ def add_estimate_parser(sub) -> None:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="the training device (cpu: no host copies of what already is in host memory)")
     parser.add_argument("--memory", default=None, metavar="SIZE",
-                        help="device memory per rank (e.g. 80GiB): mark which options fit")
+                        help="device memory per rank (e.g. 80GiB): mark which options fit, and find the largest "
+                             "depth and width of this architecture that fit under the config's own option")
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
 
 
@@ -504,7 +646,7 @@ def run_estimate(args) -> int:
     try:
         memory = parse_bytes(args.memory) if args.memory else None
         result = estimate(args.model, args.config, world, device_type=args.device, seq_len=args.seq_len,
-                          micro_batch=args.micro_batch)
+                          micro_batch=args.micro_batch, memory=memory)
     except ValueError as exc:  # ConfigError is one: it names the key and file
         return _usage(str(exc))
     if args.json:
@@ -535,7 +677,7 @@ def _print_table(result: dict, memory: Optional[int]) -> None:
     for option in result["options"]:
         r, totals = option["rows"], option["totals"]
         dev = lambda row: format_bytes(r[row]["device"])  # noqa: E731
-        peak = totals["device"] + acts["with_checkpointing"] + sum(option["transient"].values())
+        peak = device_peak(option, acts)
         mark = " *" if option["option"] == result["config_option"] else ""
         row = [option["option"] + mark, dev("parameters"), dev("gradients"), dev("master_weights"),
                dev("optimizer_states"), dev("buffers"), format_bytes(totals["device"]), format_bytes(peak),
@@ -551,6 +693,14 @@ def _print_table(result: dict, memory: Optional[int]) -> None:
         "'+ act. (ckpt)' = device total + activations with checkpointing + transient step buffers "
         "(gradient staging, stage-3 gathers; see --json).",
     ]
+    largest = result.get("largest")
+    if largest is not None:
+        fits = f"largest that fits {format_bytes(result['memory'])} per rank under {result['config_option']}: "
+        for key in ("layers", "width"):
+            found = largest[key]
+            footer.append(fits + ("nothing (even one layer / the narrowest width does not fit)" if found is None
+                                  else f"{'at least ' if found['at_cap'] else ''}{found['layers']} layers, "
+                                       f"width {found['width']} ({found['parameters']:,} parameters)"))
     if sys.stdout.isatty():
         from rich.console import Console
         from rich.table import Table
