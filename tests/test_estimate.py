@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -19,16 +20,20 @@ _ZERO = {"reduce_bucket_size": 20000, "stage3_param_persistence_threshold": 1000
 CASES = [
     (0, None, None, "fp32"), (1, None, None, "fp32"), (2, None, None, "fp32"), (3, None, None, "fp32"),
     (2, ("cpu", 0.5), None, "fp32"), (3, ("cpu", 1.0), "cpu", "fp32"), (2, None, None, "bf16"),
-    (3, None, "cpu", "bf16"),
+    (3, None, "cpu", "bf16"), (2, ("nvme", 1.0), None, "fp32"), (3, None, "nvme", "bf16"),
 ]
 
 
-def _config(stage: int, offload, offload_param, precision: str) -> dict:
+def _config(stage: int, offload, offload_param, precision: str, nvme_path: str = "") -> dict:
     zero = dict(_ZERO, stage=stage)
     if offload is not None:
         zero["offload_optimizer"] = {"device": offload[0], "ratio": offload[1]}
+        if offload[0] == "nvme":
+            zero["offload_optimizer"]["nvme_path"] = os.path.join(nvme_path, "optimizer")
     if offload_param is not None:
         zero["offload_param"] = {"device": offload_param}
+        if offload_param == "nvme":
+            zero["offload_param"]["nvme_path"] = os.path.join(nvme_path, "param")
     config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 0, "zero_optimization": zero,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     if precision == "bf16":
@@ -36,7 +41,7 @@ def _config(stage: int, offload, offload_param, precision: str) -> dict:
     return config
 
 
-def engine_memory_per_case() -> list[dict]:
+def engine_memory_per_case(nvme_path: str) -> list[dict]:
     """Each case's engine on this rank: one step, then one more backward (the gradients are held, the
     optimizer states exist), and its memory report next to the estimate for the same config."""
     import zerotrain
@@ -45,7 +50,7 @@ def engine_memory_per_case() -> list[dict]:
 
     out = []
     for case in CASES:
-        config = _config(*case)
+        config = _config(*case, nvme_path=nvme_path)
         torch.manual_seed(0)
         engine, *_ = zerotrain.initialize(model=GPT(GPTConfig.preset("tiny")), config=config)
         for step in range(2):
@@ -67,8 +72,8 @@ def engine_memory_per_case() -> list[dict]:
     return out
 
 
-def test_estimate_equals_the_engines_memory_report_at_world_2():
-    results = run_distributed(engine_memory_per_case, 2, timeout=240)
+def test_estimate_equals_the_engines_memory_report_at_world_2(tmp_path):
+    results = run_distributed(engine_memory_per_case, 2, str(tmp_path), timeout=240)
     assert [len(per_rank) for per_rank in results] == [len(CASES)] * 2
     for rank, per_rank in enumerate(results):
         for entry in per_rank:
@@ -82,12 +87,15 @@ def test_estimate_equals_the_engines_memory_report_at_world_2():
             offload = report.get("offload", {"host": 0, "nvme": 0, "host_buffers": 0})
             assert offload["host"] == rows["master_weights"]["host"] + rows["optimizer_states"]["host"], where
             assert offload["nvme"] == rows["master_weights"]["nvme"] + rows["optimizer_states"]["nvme"], where
-            param_host = report.get("offload_param", {"host": 0})["host"]
-            assert param_host == rows["parameters"]["host"], where
+            split = report.get("offload_param", {"host": 0, "nvme": 0})
+            assert split["host"] == rows["parameters"]["host"] and split["nvme"] == rows["parameters"]["nvme"], where
             assert offload["host_buffers"] + report.get("offload_param", {}).get("host_buffers", 0) == \
                 rows["host_io_buffers"]["host"], where
-            if case[1] is not None:  # something really moved to the host
-                assert offload["host"] > 0, where
+            if case[1] is not None:  # something really moved off the device
+                assert offload["host" if case[1][0] == "cpu" else "nvme"] > 0, where
+            if "nvme" in (case[1] or ("",))[0] + (case[2] or ""):  # with its pool of I/O buffers
+                assert rows["host_io_buffers"]["host"] > 0 and rows["parameters"]["nvme"] + \
+                    rows["master_weights"]["nvme"] > 0, where
 
 
 def test_estimate_of_a_hugging_face_config_builds_nothing(tmp_path):
