@@ -151,6 +151,11 @@ def test_estimate_command_table_json_and_errors(tmp_path, capsys):
     ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stgae": 2}}))
     assert main(["estimate", "--model", "tiny", "--config", str(ds), "--world", "2"]) == 2
     assert "stgae" in capsys.readouterr().err
+    # optimizer states are read from the optimizer zerotrain builds (none in the config: AdamW)
+    from zerotrain.config import load_config
+    sgd = load_config({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}).optimizer
+    assert (probe_optimizer(sgd).per_element, probe_optimizer(sgd).per_tensor) == (4, 0)
+    assert (probe_optimizer(None).per_element, probe_optimizer(None).per_tensor) == (8, 4)
     with pytest.raises(ValueError, match="not a size"):
         parse_bytes("lots")
     assert parse_bytes("24GiB") == 24 * 2**30 and parse_bytes("80GB") == 80 * 10**9

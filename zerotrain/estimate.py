@@ -203,9 +203,13 @@ class OptimizerState:
 
 def probe_optimizer(opt_config) -> OptimizerState:
     """Step the config's optimizer once (as `zerotrain.optim` builds it) over a 2-element fp32 tensor and
-    read what it keeps: per-element states (Adam: exp_avg, exp_avg_sq) and per-tensor ones (Adam: step)."""
+    read what it keeps: per-element states (Adam: exp_avg, exp_avg_sq) and per-tensor ones (Adam: step).
+    A config without an optimizer block is estimated with AdamW (what the HF Trainer passes)."""
+    from .config import OptimizerConfig
     from .optim import build_optimizer
 
+    if opt_config is None:  # no `optimizer` block: the HF Trainer passes AdamW (torch's) to initialize
+        opt_config = OptimizerConfig(type="AdamW", params={})
     dummy = torch.zeros(2, requires_grad=True)
     optimizer = build_optimizer(opt_config, [{"params": [dummy]}])
     dummy.grad = torch.ones(2)
