@@ -494,7 +494,8 @@ def estimate(model_spec: str, config_source, world_size: int, options: Optional[
             states = estimate_option(resized_shape, config, dp_size, config_option(config), optimizer, device_type)
             acts = measure_activations(resized, kind, micro, seq_len)
             return device_peak(states.as_dict(), acts.as_dict()), resized_shape.numel
-        result["largest"] = largest_fitting(peak, memory, *_depth_width(kind, _architecture(model_spec)[1]))
+        layers, width, heads = _depth_width(kind, _architecture(model_spec)[1])
+        result["largest"] = largest_fitting(peak, memory, layers, width, heads * (2 if kind == "hf" else 1))
         result["memory"] = memory
     return result
 
@@ -503,15 +504,15 @@ MAX_LAYERS = 1024  # the depth and width searches stop here (a result at the cap
 MAX_WIDTH = 65536
 
 
-def largest_fitting(peak, memory: int, layers: int, width: int, heads: int) -> dict:
+def largest_fitting(peak, memory: int, layers: int, width: int, step: int) -> dict:
     """The largest depth (at this width) and width (at this depth) whose `peak(layers=, width=)` ->
     (bytes, parameters) is at most `memory`; None where even the smallest does not fit.
 
-    Widths step by 8 x the head count (even head sizes, as rotary embeddings need). Bytes and parameters
+    Widths go in steps of `step` (the head count; twice it where rotary embeddings need an even head
+    size). Bytes and parameters
     grow by the same amount per layer (padding aside), so each width is probed on 1- and 2-layer models
     and extrapolated to the depth; the answer is then checked on the full model and moved by one step
     while the check disagrees."""
-    step = 8 * heads
     cache: dict[tuple, tuple[int, int]] = {}
     measure = peak
 
