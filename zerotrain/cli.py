@@ -8,7 +8,8 @@ in ``checkpoints/`` after the last step (``--save-every N`` also every N steps) 
 continues from the latest one with ``--resume``. ``zerotrain ckpt inspect|verify|export``
 are the offline checkpoint tools (``zerotrain.checkpoint.command``). ``zerotrain launch
 --nproc N train.py ARGS`` runs the user's own script the same way (``zerotrain.launcher``); ``zerotrain
-merge`` merges models tensor by tensor (``zerotrain.merge.command``). ``zerotrain plot RUN_DIR
+merge`` merges models tensor by tensor (``zerotrain.merge.command``); ``zerotrain estimate`` prints the
+memory per rank of each ZeRO stage and offload choice (``zerotrain.estimate``). ``zerotrain plot RUN_DIR
 [RUN_DIR ...]`` draws runs' metrics.jsonl as PNGs (``zerotrain.plots``).
 """
 from __future__ import annotations
@@ -135,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     from zerotrain.merge.command import add_merge_parser
     add_merge_parser(sub)
     _add_plot_parser(sub)
+    from zerotrain.estimate import add_estimate_parser
+    add_estimate_parser(sub)
     return parser
 
 
@@ -223,6 +226,9 @@ def _run(args: argparse.Namespace) -> int:
             return run_merge(args)
         if args.command == "plot":
             return _plot(args)
+        if args.command == "estimate":
+            from zerotrain.estimate import run_estimate
+            return run_estimate(args)
         if args.command == "train":
             _check_train_args(args)
             if args.nproc > 1 and not _inside_worker():

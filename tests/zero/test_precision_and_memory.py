@@ -25,25 +25,34 @@ def _config(stage: int, **extra) -> dict:
     return config
 
 
-LOW_PRECISION = [("bf16", stage) for stage in range(4)] + [("fp16", 1), ("fp16", 3)]
+# (precision, stage, offload_param device): stage 3 also with its shards in host memory and in NVMe files
+LOW_PRECISION = [("bf16", stage, None) for stage in range(4)] + [("fp16", 1, None), ("fp16", 3, None)] + \
+    [("bf16", 3, "cpu"), ("fp16", 3, "cpu"), ("bf16", 3, "nvme")]
 STEPS = 8
 LOSS_TOL, WEIGHT_TOL = 1.5e-2, 1e-2  # measured (bf16) 4.8e-3 / 2.2e-3; the untrained run: 1.9e-1 / 2.7e-1
 
 
-def low_precision_training(modes: list, steps: int) -> list[tuple[list, dict, int]]:
-    """Each (precision, stage) from scratch: global losses, whole weights, skipped steps."""
+def low_precision_training(modes: list, steps: int, nvme_root: str) -> list[tuple[list, dict, int]]:
+    """Each (precision, stage, offload_param) from scratch: global losses, whole weights, skipped steps."""
     import torch.distributed as dist
 
     import zerotrain
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     results = []
-    for precision, stage in modes:
+    for index, (precision, stage, offload_param) in enumerate(modes):
         torch.manual_seed(0)
         extra = {"bf16": {"enabled": True}} if precision == "bf16" else \
             {"fp16": {"enabled": True, "initial_scale_power": 8}}
-        engine, *_ = zerotrain.initialize(model=OddMLP(), config=_config(stage, **extra))
+        config = _config(stage, **extra)
+        if offload_param is not None:
+            config["zero_optimization"]["offload_param"] = {"device": offload_param} if offload_param == "cpu" else \
+                {"device": "nvme", "nvme_path": os.path.join(nvme_root, str(index)), "buffer_size": 64}
+        engine, *_ = zerotrain.initialize(model=OddMLP(), config=config)
         assert all(p.dtype == engine.dtype for p in engine.module.parameters())
+        if offload_param is not None:  # every shard really is in the store, in the training dtype
+            assert engine.memory_report()["offload_param"][offload_param if offload_param == "nvme" else "host"] \
+                == sum(part.shard_numel for part in engine.stage3.all_parts()) * engine.dtype.itemsize
         losses = []
         for batch in make_batches(steps, 2 * world):
             x, y = micro_slice(batch, 0, rank, world, 2)
@@ -57,15 +66,17 @@ def low_precision_training(modes: list, steps: int) -> list[tuple[list, dict, in
     return results
 
 
-def test_bf16_and_fp16_close_to_fp32_reference():
-    """bf16 / fp16 weights and activations with fp32 masters, stages 0-3 (fp16: 1 and 3, dynamic loss scaling)
-    against the fp32 reference; the untrained run on the same batches falls outside the tolerance by 2x."""
-    results = run_distributed(low_precision_training, 2, LOW_PRECISION, STEPS)[0]
+def test_bf16_and_fp16_close_to_fp32_reference(tmp_path):
+    """bf16 / fp16 weights and activations with fp32 masters, stages 0-3 (fp16: 1 and 3, dynamic loss scaling;
+    stage 3 also with offload_param on cpu (bf16, fp16) and nvme (bf16)) against the fp32 reference; the
+    untrained run on the same batches falls outside the tolerance by 2x."""
+    results = run_distributed(low_precision_training, 2, LOW_PRECISION, STEPS, str(tmp_path))[0]
     batches = make_batches(STEPS, 4)
     reference = reference_training(OddMLP, batches, lr=LR)
     untrained = reference_training(OddMLP, batches, lr=0.0)
-    for (precision, stage), (losses, weights, skipped) in zip(LOW_PRECISION, results):
-        where = f"world 2, stage {stage} {precision}"
+    assert len(results) == len(LOW_PRECISION)
+    for (precision, stage, offload_param), (losses, weights, skipped) in zip(LOW_PRECISION, results):
+        where = f"world 2, stage {stage} {precision}" + (f", offload_param {offload_param}" if offload_param else "")
         assert skipped == 0, (where, skipped)
         assert all(w.dtype == torch.float32 for w in weights.values()), where  # the fp32 masters
         assert_tolerance_discriminates(where, reference, (losses, weights), untrained,

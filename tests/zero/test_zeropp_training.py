@@ -2,6 +2,7 @@
 
 Stated tolerances against plain single-process AdamW on the same batches (10 steps of OddMLP, lr 2e-2):
 - hpZ alone moves exact values: the project's exact tolerance (assert_same_training);
+- qwZ and hpZ+qwZ also save halfway; a fresh engine loading it repeats the second half bit for bit;
 - qwZ (int8 weights): losses within 2% relative, weights within 8% (relative L2 distance);
 - qgZ int4 gradients (with or without LoCo, alone or with qwZ/hpZ): losses within 4%, weights within 15%.
 Every lossy check also runs the do-nothing baseline (lr 0 on the same batches) and asserts it falls outside
@@ -54,7 +55,12 @@ def train(engine, world: int, rank: int, accumulation: int, steps: int = STEPS) 
     return [train_global_step(engine, batch, MICRO) for batch in make_batches(steps, MICRO * accumulation * world)]
 
 
-def run_combos(combos: list) -> list:
+# Combos that also save halfway, and a fresh engine (other initial weights) loads that checkpoint and trains
+# the second half: it must repeat the uninterrupted run exactly (qwZ is lossy but deterministic).
+RESUMED = {"stage3 qwZ", "stage3 hpZ+qwZ"}
+
+
+def run_combos(combos: list, save_root: str) -> list:
     import zerotrain
 
     os.environ["ZEROTRAIN_RANKS_PER_NODE"] = "2"
@@ -63,12 +69,27 @@ def run_combos(combos: list) -> list:
     for name, model_class, stage, accumulation, zero in combos:
         torch.manual_seed(0)
         bucket = 10**9 if model_class is WideMLP else 40
+        build = lambda: zerotrain.initialize(  # noqa: E731
+            model=model_class(), config=config(stage, accumulation, bucket, **zero))[0]
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # nothing is "accepted but not implemented" any more
-            engine, *_ = zerotrain.initialize(model=model_class(), config=config(stage, accumulation, bucket, **zero))
+            engine = build()
         steps = STEPS if model_class is OddMLP else 1
         before = engine.memory_report()["comm"]
-        losses = train(engine, world, rank, accumulation, steps)
+        resumed = {}
+        if name in RESUMED:
+            batches = make_batches(steps, MICRO * accumulation * world)
+            half, save_dir = steps // 2, os.path.join(save_root, name.replace(" ", "_").replace("+", "_"))
+            losses = [train_global_step(engine, batch, MICRO) for batch in batches[:half]]
+            engine.save_checkpoint(save_dir)
+            losses += [train_global_step(engine, batch, MICRO) for batch in batches[half:]]
+            torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
+            fresh = build()
+            fresh.load_checkpoint(save_dir)
+            resumed = {"half": half, "losses": [train_global_step(fresh, batch, MICRO) for batch in batches[half:]],
+                       "weights": fresh.full_state_dict(), "steps": fresh.global_steps}
+        else:
+            losses = train(engine, world, rank, accumulation, steps)
         after = engine.memory_report()["comm"]
         delta = {kind: {field: value - before.get(kind, {}).get(field, 0) for field, value in entry.items()}
                  for kind, entry in after.items()}
@@ -77,7 +98,7 @@ def run_combos(combos: list) -> list:
         results.append({"name": name, "accumulation": accumulation, "losses": losses,
                         "weights": engine.full_state_dict(), "comm": delta, "stats": stats,
                         "grad_numel": grad_numel, "loco_bytes": engine.reducer.loco_bytes(),
-                        "gradient_report": engine.memory_report()["gradients"]})
+                        "gradient_report": engine.memory_report()["gradients"], "resumed": resumed})
     return results
 
 
@@ -107,11 +128,19 @@ def _tolerance(name: str) -> tuple[float, float] | None:
 
 
 @pytest.mark.parametrize("world,combos", [(2, WORLD2), (4, WORLD4)], ids=["world2", "world4"])
-def test_zeropp_training_close_to_exact(world, combos):
-    for result in run_distributed(run_combos, world, combos)[0]:
+def test_zeropp_training_close_to_exact(world, combos, tmp_path):
+    results = run_distributed(run_combos, world, combos, str(tmp_path))[0]
+    assert any(result["name"] in RESUMED for result in results), "each launch checks one resume"
+    for result in results:
         name, accumulation = result["name"], result["accumulation"]
         what = f"world {world}, {name}"
         comm = result["comm"]
+        if name in RESUMED:  # save + resume repeats the uninterrupted run exactly
+            resumed, half = result["resumed"], result["resumed"]["half"]
+            assert resumed["steps"] == STEPS and resumed["losses"] == result["losses"][half:], (what, resumed)
+            assert resumed["weights"].keys() == result["weights"].keys()
+            for key, value in result["weights"].items():
+                assert torch.equal(resumed["weights"][key], value), (what, key)
         if name.startswith("wide"):
             if "qgZ" in name:  # int4 gradients: 1/8 of fp32 plus one fp32 scale per 256 values
                 entry = comm["reduce_scatter_q4"]

@@ -1,0 +1,728 @@
+"""`zerotrain estimate`: the memory each rank needs, per ZeRO stage and offload choice, before a run.
+
+DeepSpeed's `estimate_zero2_model_states_mem_needs_all_live` / `..._zero3_...` count model states
+with round per-parameter factors (e.g. stage 3, no offload: 18 bytes per parameter / N on the device,
+a largest layer of 4 bytes per element, a 1.5x host margin). They know neither zerotrain's buckets and
+their padding, nor its rules for when an fp32 shard is its own master, nor where its offload keeps the
+masters, nor activations. This module computes what zerotrain's engine will hold, byte for byte, from
+the same rules the engine follows (`tests/test_estimate.py` checks it against `engine.memory_report()`):
+
+- stages 0-2 (`zero.flat.build_buckets`): trainable parameters in reverse registration order, packed
+  into buckets of at most `reduce_bucket_size` elements, each padded to a multiple of the partitions
+  (1 at stage 0, the data-parallel size at stages 1-2); every rank holds the whole padded buffer;
+- stage 3 (`zero.stage3.partition`): each parameter padded and cut on its own; parameters of at most
+  `stage3_param_persistence_threshold` elements also stay whole on every rank;
+- gradients: stages 0-1 a full buffer in the training dtype, stage 2 (and 3, after backward) the fp32 shard;
+- masters: an fp32 shard in device memory is its own master (no copy); any other shard (bf16/fp16, an
+  offloaded one) gets a 4-byte copy, on the host when `offload_optimizer` moves the bucket there
+  (`offload.cpu_optimizer.choose_offloaded` with `ratio`), in NVMe files with `device: nvme`;
+- optimizer states: measured by one step of the config's own optimizer (`optim.build_optimizer`) on a
+  two-element tensor: bytes per element (Adam: 8) plus bytes per master tensor (Adam's `step`: 4);
+- activations: the model's own forward run on the meta device with a `saved_tensors_hooks` that adds up
+  what autograd keeps for backward (parameters excluded), with and without activation checkpointing
+  of its repeated blocks. Attention is counted as the math kernel saves it (on a GPU, flash/efficient
+  kernels save less), so the number is an upper bound there.
+
+The model is built on the meta device (`torch.device("meta")`): nothing is allocated, a 70B model
+estimates in seconds.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["ModelShape", "Option", "RankMemory", "Activations", "load_meta_model", "model_shape",
+           "estimate_option", "default_options", "estimate", "measure_activations", "format_bytes",
+           "parse_bytes"]
+
+PLACES = ("device", "host", "nvme")
+ROWS = ("parameters", "gradients", "master_weights", "optimizer_states", "buffers", "host_io_buffers")
+
+
+@dataclass
+class ParamInfo:
+    """One parameter of the model, as the engine sees it (registration order, duplicates removed)."""
+    name: str
+    numel: int
+    trainable: bool
+    floating: bool = True
+
+
+@dataclass
+class ModelShape:
+    """What the estimate needs of a model: its parameters in registration order and its buffers' bytes."""
+    params: list[ParamInfo]
+    buffer_numels: list[tuple[int, bool]]  # (numel, floating) of every module buffer
+    name: str = "model"
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def trainable_numel(self) -> int:
+        return sum(p.numel for p in self.params if p.trainable)
+
+    def buffer_bytes(self, dtype: torch.dtype) -> int:
+        """Buffers the engine casts to the training dtype (floating ones) or keeps (others: 8 bytes, int64)."""
+        return sum(n * (dtype.itemsize if floating else 8) for n, floating in self.buffer_numels)
+
+
+def model_shape(model: torch.nn.Module, name: str = "model") -> ModelShape:
+    """The parameters (`named_parameters()`: tied weights once) and buffers of `model` (any device)."""
+    params = [ParamInfo(n, p.numel(), p.requires_grad, p.is_floating_point()) for n, p in model.named_parameters()]
+    buffers = [(b.numel(), b.is_floating_point()) for b in model.buffers()]
+    return ModelShape(params, buffers, name)
+
+
+def load_meta_model(spec: str, dtype: torch.dtype = torch.float32, layers: Optional[int] = None,
+                    width: Optional[int] = None) -> tuple[torch.nn.Module, str]:
+    """Build the model `spec` names on the meta device (no weights allocated); returns (model, kind).
+
+    `spec`: a zerotrain GPT preset (`tiny`, `small`, `70m`), a Hugging Face model directory (its
+    config.json) or a config.json file. kind is "gpt" or "hf". `layers` / `width` replace its depth /
+    hidden size (a width should be a multiple of the head count; the MLP and head sizes scale along)."""
+    kind, config = _architecture(spec)
+    if layers is not None or width is not None:
+        config = _resized(kind, config, layers, width)
+    with torch.device("meta"):
+        if kind == "gpt":
+            from .models import GPT
+            model = GPT(config)
+        else:
+            from transformers import AutoModelForCausalLM
+            model = AutoModelForCausalLM.from_config(config)
+    return model.to(dtype), kind
+
+
+def _architecture(spec: str):
+    """("gpt", GPTConfig) for a preset, ("hf", transformers config) for a model directory or config.json."""
+    from .models import PRESETS, GPTConfig
+
+    if spec in PRESETS:
+        return "gpt", GPTConfig.preset(spec)
+    path = Path(spec)
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        known = ", ".join(sorted(PRESETS))
+        raise ValueError(f"--model {spec!r}: not a GPT preset ({known}), nor a model directory with a "
+                         f"config.json, nor a config.json file")
+    try:
+        from transformers import AutoConfig
+    except ImportError as exc:  # pragma: no cover - transformers is in the dev and hf extras
+        raise ValueError(f"--model {spec!r}: reading a Hugging Face config needs `transformers` "
+                         f"(pip install zerotrain[hf])") from exc
+    try:
+        json.loads(config_file.read_text(encoding="utf-8"))
+        return "hf", AutoConfig.from_pretrained(str(config_file))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{config_file}: not a Hugging Face model config: {exc}") from None
+
+
+def _depth_width(kind: str, config) -> tuple[int, int, int]:
+    """(layers, hidden size, head count) of an architecture."""
+    if kind == "gpt":
+        return config.n_layer, config.n_embd, config.n_head
+    return config.num_hidden_layers, config.hidden_size, config.num_attention_heads
+
+
+def _resized(kind: str, config, layers: Optional[int], width: Optional[int]):
+    import copy
+    import dataclasses
+
+    depth, hidden, heads = _depth_width(kind, config)
+    layers = depth if layers is None else layers
+    width = hidden if width is None else max(heads, width // heads * heads)
+    if kind == "gpt":
+        inner = None if config.n_inner is None else max(1, config.n_inner * width // hidden)
+        return dataclasses.replace(config, n_layer=layers, n_embd=width, n_inner=inner)
+    config = copy.deepcopy(config)
+    if getattr(config, "head_dim", None) == hidden // heads:  # the default head size follows the width
+        config.head_dim = width // heads
+    if getattr(config, "intermediate_size", None):
+        config.intermediate_size = max(1, config.intermediate_size * width // hidden)
+    config.num_hidden_layers, config.hidden_size = layers, width
+    if isinstance(getattr(config, "layer_types", None), list):  # per-layer attention kinds (Qwen, Gemma)
+        config.layer_types = (config.layer_types * layers)[:layers]
+    return config
+
+
+# --- what each option holds ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to run: a ZeRO stage and where optimizer states and (stage 3) parameters live."""
+    stage: int
+    offload_optimizer: str = "none"  # none | cpu | nvme
+    offload_param: str = "none"  # none | cpu | nvme (stage 3 only)
+
+    @property
+    def label(self) -> str:
+        parts = [f"ZeRO-{self.stage}"]
+        if self.offload_optimizer != "none":
+            parts.append(f"optimizer->{self.offload_optimizer}")
+        if self.offload_param != "none":
+            parts.append(f"params->{self.offload_param}")
+        return " ".join(parts)
+
+
+@dataclass
+class RankMemory:
+    """Bytes one rank holds between steps (gradients: after backward), by row and place."""
+    option: Option
+    rows: dict[str, dict[str, int]] = field(default_factory=lambda: {r: dict.fromkeys(PLACES, 0) for r in ROWS})
+    transient: dict[str, int] = field(default_factory=dict)  # device bytes that exist during a step only
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, row: str, place: str, nbytes: int) -> None:
+        self.rows[row][place] += int(nbytes)
+
+    def total(self, place: str) -> int:
+        return sum(row[place] for row in self.rows.values())
+
+    def as_dict(self) -> dict:
+        return {"option": self.option.label, "stage": self.option.stage,
+                "offload_optimizer": self.option.offload_optimizer, "offload_param": self.option.offload_param,
+                "rows": self.rows, "totals": {place: self.total(place) for place in PLACES},
+                "transient": self.transient, "notes": self.notes}
+
+
+@dataclass
+class OptimizerState:
+    """Bytes of optimizer state per element of a master and per master tensor."""
+    per_element: int
+    per_tensor: int
+    name: str = "optimizer"
+
+
+def probe_optimizer(opt_config) -> OptimizerState:
+    """Step the config's optimizer once (as `zerotrain.optim` builds it) over a 2-element fp32 tensor and
+    read what it keeps: per-element states (Adam: exp_avg, exp_avg_sq) and per-tensor ones (Adam: step).
+    A config without an optimizer block is estimated with AdamW (what the HF Trainer passes)."""
+    from .config import OptimizerConfig
+    from .optim import build_optimizer
+
+    if opt_config is None:  # no `optimizer` block: the HF Trainer passes AdamW (torch's) to initialize
+        opt_config = OptimizerConfig(type="AdamW", params={})
+    dummy = torch.zeros(2, requires_grad=True)
+    optimizer = build_optimizer(opt_config, [{"params": [dummy]}])
+    dummy.grad = torch.ones(2)
+    optimizer.step()
+    per_element = per_tensor = 0
+    for value in optimizer.state[dummy].values():
+        if torch.is_tensor(value):
+            if tuple(value.shape) == (2,):
+                per_element += value.element_size()
+            else:
+                per_tensor += value.numel() * value.element_size()
+    return OptimizerState(per_element, per_tensor, type(optimizer).__name__)
+
+
+def _bucket_numels(params: Sequence[ParamInfo], bucket_numel: int) -> list[int]:
+    """Element counts of the stage 0-2 buckets: `zero.flat.build_buckets`' packing (reverse registration
+    order; one dtype and one optimizer group here, so only the size limit closes a bucket)."""
+    buckets, current = [], 0
+    for param in reversed(list(params)):
+        if current and current + param.numel > bucket_numel:
+            buckets.append(current)
+            current = 0
+        current += param.numel
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _padded(numel: int, partitions: int) -> int:
+    return -(-numel // partitions) * partitions
+
+
+def _offloaded(shards: list[int], ratio: float) -> list[bool]:
+    from .offload.cpu_optimizer import choose_offloaded  # the engine's own rule for `ratio`
+
+    class _Shard:
+        def __init__(self, numel: int) -> None:
+            self.shard_numel = numel
+    return choose_offloaded([_Shard(n) for n in shards], ratio)
+
+
+def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, optimizer: OptimizerState,
+                    device_type: str = "cuda") -> RankMemory:
+    """Bytes per rank of `shape` trained with `config` (dtype, buckets, thresholds, offload settings) at
+    `dp_size` data-parallel ranks under `option`; `device_type` "cuda" or "cpu" (a CPU run keeps no
+    separate host copies of what already is in host memory)."""
+    from .precision import training_dtype
+
+    zero = config.zero_optimization
+    dtype = training_dtype(config.precision)
+    d = dtype.itemsize
+    memory = RankMemory(option)
+    trainable = [p for p in shape.params if p.trainable]
+    frozen = [p for p in shape.params if not p.trainable]
+
+    def size(p: ParamInfo) -> int:  # the engine casts floating parameters only
+        return d if p.floating else 4
+    memory.add("buffers", "device", shape.buffer_bytes(dtype))
+
+    offload_opt = option.offload_optimizer
+    ratio = float(zero.offload_optimizer.ratio) if zero.offload_optimizer is not None else 1.0
+    if option.stage < 3:
+        partitions = dp_size if option.stage >= 1 else 1
+        buckets = [_padded(n, partitions) for n in _bucket_numels(trainable, int(zero.reduce_bucket_size))]
+        shards = [b // partitions for b in buckets]
+        memory.add("parameters", "device", sum(buckets) * d + sum(p.numel * size(p) for p in frozen))
+        if option.stage <= 1:
+            memory.add("gradients", "device", sum(buckets) * d)
+        else:
+            memory.add("gradients", "device", 4 * sum(shards))
+        own_master_possible = [dtype == torch.float32] * len(shards)
+        if option.stage == 2:  # staging buffers: the bucket being filled and one reduce in flight
+            memory.transient["gradient staging"] = min(2 * max(buckets, default=0), sum(buckets)) * d
+    else:
+        parts = [(p, _padded(p.numel, dp_size)) for p in trainable]
+        threshold = int(zero.stage3_param_persistence_threshold)
+        persistent = lambda p: p.numel <= threshold  # noqa: E731 - the engine's rule, one line
+        all_parts = parts + [(p, _padded(p.numel, dp_size)) for p in frozen]
+        offloaded_shards = sum(padded // dp_size * d for p, padded in all_parts
+                               if option.offload_param != "none" and not persistent(p))
+        device_shards = sum(padded // dp_size * d for p, padded in all_parts) - offloaded_shards
+        whole = sum(padded * d for p, padded in all_parts if persistent(p))
+        memory.add("parameters", "device", device_shards + whole)
+        if option.offload_param == "cpu":
+            memory.add("parameters", "host", offloaded_shards)
+        elif option.offload_param == "nvme":
+            memory.add("parameters", "nvme", offloaded_shards)
+            store = zero.offload_param
+            cached = min(offloaded_shards, int(store.max_in_cpu) * d)
+            memory.add("parameters", "host", cached)
+            largest = max((padded // dp_size * d for p, padded in all_parts if not persistent(p)), default=1)
+            memory.add("host_io_buffers", "host", int(store.buffer_count) * _round_up(max(largest, 1)))
+            memory.notes.append("NVMe parameters: host cache counted at its max_in_cpu bound")
+        shards = [padded // dp_size for _, padded in parts]
+        memory.add("gradients", "device", 4 * sum(shards))
+        # an fp32 shard is its own master only where it stays in device memory (a CPU run's host store counts)
+        in_device = option.offload_param == "none" or (option.offload_param == "cpu" and device_type == "cpu")
+        own_master_possible = [dtype == torch.float32 and (in_device or persistent(p)) for p, _ in parts]
+        live = min(int(zero.stage3_max_live_parameters) + int(zero.stage3_prefetch_bucket_size),
+                   sum(padded for p, padded in all_parts if not persistent(p)))
+        memory.transient["gathered parameters (bound)"] = live * d
+        memory.transient["gradient staging"] = min(2 * int(zero.reduce_bucket_size),
+                                                   sum(padded for _, padded in parts)) * d
+        if int(zero.zero_hpz_partition_size or 1) > 1:
+            hpz = int(zero.zero_hpz_partition_size)
+            memory.transient["hpZ secondary shards"] = sum(padded // hpz * d for p, padded in all_parts
+                                                           if not persistent(p))
+
+    # masters and optimizer states, bucket by bucket (stage 3: parameter by parameter)
+    offloaded = _offloaded(shards, ratio) if offload_opt != "none" else [False] * len(shards)
+    for shard, own, off in zip(shards, own_master_possible, offloaded):
+        states = shard * optimizer.per_element + optimizer.per_tensor
+        if off and offload_opt == "cpu":
+            memory.add("master_weights", "host", 4 * shard)
+            memory.add("optimizer_states", "host", states)
+        elif off:  # nvme: masters and per-element states in files, per-tensor ones in memory
+            memory.add("master_weights", "nvme", 4 * shard)
+            memory.add("optimizer_states", "nvme", shard * optimizer.per_element)
+            memory.add("optimizer_states", "host", optimizer.per_tensor)
+        else:
+            memory.add("master_weights", "device", 0 if own else 4 * shard)
+            memory.add("optimizer_states", "device", states)
+    host_shards = [s for s, off in zip(shards, offloaded) if off]
+    if offload_opt == "cpu" and device_type != "cpu":  # fp32 host copies of the gradient shards (pinned)
+        memory.add("host_io_buffers", "host", 4 * sum(host_shards))
+    if offload_opt == "nvme" and host_shards:  # the NVMe optimizer's pool of aligned buffers
+        from .offload.nvme import DEFAULT_CHUNK_NUMEL
+        chunk = _round_up(min(DEFAULT_CHUNK_NUMEL, max(host_shards)), 1024)
+        region = _round_up(chunk * 4)
+        record = region + (optimizer.per_element // 4) * _round_up(chunk * 4)
+        buffer_count = max(2, int(zero.offload_optimizer.buffer_count))
+        memory.add("host_io_buffers", "host", buffer_count * (record + region))
+        memory.notes.append("NVMe optimizer: the files hold two slots (double-buffered), 2x the nvme bytes on disk")
+    return memory
+
+
+def _round_up(value: int, multiple: int = 4096) -> int:
+    return -(-value // multiple) * multiple
+
+
+def default_options(config) -> list[Option]:
+    """The options a table compares: every stage without offload, with the optimizer on CPU, stage 3 with
+    parameters on CPU too, and the config's own choice (NVMe included) if it is none of those."""
+    options = [Option(s) for s in range(4)] + [Option(s, "cpu") for s in (1, 2, 3)] + [Option(3, "cpu", "cpu")]
+    own = config_option(config)
+    if own not in options:
+        options.append(own)
+    return options
+
+
+def config_option(config) -> Option:
+    zero = config.zero_optimization
+    opt = zero.offload_optimizer.device if zero.offload_optimizer is not None else "none"
+    param = zero.offload_param.device if zero.offload_param is not None and zero.stage == 3 else "none"
+    return Option(int(zero.stage), opt, param)
+
+
+# --- activations -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Activations:
+    """Bytes autograd keeps for backward in one micro-batch's forward, with and without checkpointing."""
+    micro_batch: int
+    seq_len: int
+    full: int  # nothing checkpointed
+    checkpointed: int  # every repeated block checkpointed: block inputs + one block's recompute + the rest
+    blocks: int
+
+    def as_dict(self) -> dict:
+        return {"micro_batch": self.micro_batch, "seq_len": self.seq_len, "without_checkpointing": self.full,
+                "with_checkpointing": self.checkpointed, "blocks": self.blocks}
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks activation checkpointing wraps: the largest ModuleList (GPT's `h`, HF's `layers`)."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+def measure_activations(model: torch.nn.Module, kind: str, micro_batch: int, seq_len: int) -> Activations:
+    """Run the meta model's forward (with its loss) and add up the tensors autograd saves for backward.
+
+    Views are counted once through their base; parameters (and views of them) are not activations."""
+    param_ids = {id(p) for p in model.parameters()}
+    blocks = _blocks(model)
+    kept: dict[int, tuple[torch.Tensor, int]] = {}  # id(base) -> (base, block index or -1)
+    inputs: list[int] = [0] * len(blocks)
+    current = [-1]
+    handles = []
+    for index, block in enumerate(blocks):
+        def pre(module, args, kwargs, index=index):
+            current[0] = index
+            hidden = args[0] if args else next((v for v in kwargs.values() if torch.is_tensor(v)), None)
+            if torch.is_tensor(hidden):
+                inputs[index] = hidden.numel() * hidden.element_size()
+
+        def post(module, args, output):
+            current[0] = -1
+        handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(block.register_forward_hook(post))
+
+    def pack(tensor: torch.Tensor):
+        base = tensor._base if tensor._base is not None else tensor
+        if id(base) not in param_ids and id(base) not in kept:
+            kept[id(base)] = (base, current[0])
+        return tensor
+
+    device = next(model.parameters()).device  # meta (a real model too, in the tests)
+    tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if kind == "gpt":
+                model(tokens, tokens)
+            else:
+                # (with use_cache=False transformers looks for packed sequences: an .item() a meta tensor has not)
+                model(input_ids=tokens, labels=tokens)
+    finally:
+        for handle in handles:
+            handle.remove()
+    per_block = [0] * len(blocks)
+    outside = 0
+    for base, block in kept.values():
+        nbytes = base.untyped_storage().nbytes()
+        if block >= 0:
+            per_block[block] += nbytes
+        else:
+            outside += nbytes
+    full = outside + sum(per_block)
+    checkpointed = outside + sum(inputs) + max(per_block, default=0)
+    return Activations(micro_batch, seq_len, full, checkpointed if blocks else full, len(blocks))
+
+
+# --- the whole estimate ----------------------------------------------------------------------------
+
+
+def device_peak(memory: dict, activations: dict) -> int:
+    """What one option needs on the device at the peak of a step: its states, the activations of one
+    micro-batch with checkpointing, and the transient step buffers."""
+    return memory["totals"]["device"] + activations["with_checkpointing"] + sum(memory["transient"].values())
+
+
+def _seq_len(model: torch.nn.Module, kind: str) -> int:
+    config = getattr(model, "config", None)
+    limit = getattr(config, "block_size" if kind == "gpt" else "max_position_embeddings", None)
+    return min(2048, int(limit)) if limit else 2048
+
+
+def estimate(model_spec: str, config_source, world_size: int, options: Optional[list[Option]] = None,
+             device_type: str = "cuda", seq_len: Optional[int] = None,
+             micro_batch: Optional[int] = None, memory: Optional[int] = None) -> dict:
+    """Everything `zerotrain estimate` prints, as a dict: the model, the world, per-option bytes per rank
+    (`RankMemory.as_dict()`), the activations of one micro-batch, and with `memory` (device bytes per
+    rank) the largest depth and width of this architecture that fit under the config's own option."""
+    from .config import load_config
+    from .precision import training_dtype
+
+    config = load_config(config_source)
+    tp = int(config.tensor_parallel.autotp_size)
+    if tp > 1:
+        raise ValueError("tensor_parallel.autotp_size > 1: the estimate covers data parallelism only (for now)")
+    dp_size = world_size
+    config = load_config(config, dp_world_size=dp_size)
+    dtype = training_dtype(config.precision)
+    model, kind = load_meta_model(model_spec, dtype)
+    shape = model_shape(model, model_spec)
+    optimizer = probe_optimizer(config.optimizer)
+    per_option = [estimate_option(shape, config, dp_size, option, optimizer, device_type)
+                  for option in (options or default_options(config))]
+    micro = micro_batch or int(config.train_micro_batch_size_per_gpu)
+    seq_len = seq_len or _seq_len(model, kind)
+    activations = measure_activations(model, kind, micro, seq_len)
+    result = {"model": model_spec, "parameters": shape.numel, "trainable": shape.trainable_numel,
+              "dtype": str(dtype).replace("torch.", ""), "world_size": world_size, "dp_size": dp_size,
+              "optimizer": optimizer.name, "device": device_type,
+              "config_option": config_option(config).label,
+              "options": [m.as_dict() for m in per_option], "activations": activations.as_dict()}
+    if memory is not None:
+        def peak(layers: Optional[int] = None, width: Optional[int] = None) -> tuple[int, int]:
+            resized, _ = load_meta_model(model_spec, dtype, layers, width)
+            resized_shape = model_shape(resized)
+            states = estimate_option(resized_shape, config, dp_size, config_option(config), optimizer, device_type)
+            acts = measure_activations(resized, kind, micro, seq_len)
+            return device_peak(states.as_dict(), acts.as_dict()), resized_shape.numel
+        layers, width, heads = _depth_width(kind, _architecture(model_spec)[1])
+        result["largest"] = largest_fitting(peak, memory, layers, width, heads * (2 if kind == "hf" else 1))
+        result["memory"] = memory
+    return result
+
+
+MAX_LAYERS = 1024  # the depth and width searches stop here (a result at the cap means "at least")
+MAX_WIDTH = 65536
+
+
+def largest_fitting(peak, memory: int, layers: int, width: int, step: int) -> dict:
+    """The largest depth (at this width) and width (at this depth) whose `peak(layers=, width=)` ->
+    (bytes, parameters) is at most `memory`; None where even the smallest does not fit.
+
+    Widths go in steps of `step` (the head count; twice it where rotary embeddings need an even head
+    size). Bytes and parameters
+    grow by the same amount per layer (padding aside), so each width is probed on 1- and 2-layer models
+    and extrapolated to the depth; the answer is then checked on the full model and moved by one step
+    while the check disagrees."""
+    cache: dict[tuple, tuple[int, int]] = {}
+    measure = peak
+
+    def peak(layers: int, width: int) -> tuple[int, int]:  # noqa: F811 - the memoized probe
+        if (layers, width) not in cache:
+            cache[layers, width] = measure(layers=layers, width=width)
+        return cache[layers, width]
+
+    def line(w: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        one, two = peak(layers=1, width=w), peak(layers=2, width=w)
+        return one, (two[0] - one[0], two[1] - one[1])
+
+    def predicted(n_layers: int, w: int, fit=None) -> int:
+        (base, _), (per_layer, _) = fit or line(w)
+        return base + (n_layers - 1) * per_layer
+
+    def settle(value: int, exact, lowest: int = 1, cap: int = MAX_LAYERS) -> Optional[int]:
+        """The largest n >= lowest that `exact(n)` accepts, searched from the prediction `value`: gallop
+        away from it (the prediction is off where a bound saturates, e.g. stage 3's live-parameter limit),
+        then bisect; None if even `lowest` is refused."""
+        value = min(max(lowest, value), cap)
+        if exact(value):
+            low, gap = value, 1
+            while low + gap <= cap and exact(low + gap):
+                low, gap = low + gap, gap * 2
+            if low + gap > cap:  # the search stops at the cap
+                if low == cap or exact(cap):
+                    return cap
+                high = cap
+            else:
+                high = low + gap
+        else:
+            high, gap = value, 1
+            while high - gap >= lowest and not exact(high - gap):
+                high, gap = high - gap, gap * 2
+            if high - gap < lowest:
+                if not exact(lowest):
+                    return None
+                low = lowest
+            else:
+                low = high - gap
+        while high - low > 1:  # low accepted, high refused
+            mid = (low + high) // 2
+            low, high = (mid, high) if exact(mid) else (low, mid)
+        return low
+
+    # depth: the line through this depth and the next (stage 3's gather bound may saturate below it)
+    here, after = peak(layers=layers, width=width), peak(layers=layers + 1, width=width)
+    per_layer = after[0] - here[0]
+    guess = layers + (memory - here[0]) // per_layer if per_layer > 0 else layers
+    depth = settle(int(guess), lambda n: peak(layers=n, width=width)[0] <= memory)
+
+    low, high = 0, max(1, width // step)  # widths in steps: low fits (0: none known), high is the next probe
+    while high <= MAX_WIDTH // step and predicted(layers, high * step) <= memory:
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if predicted(layers, mid * step) <= memory else (low, mid)
+    wide = settle(low, lambda n: peak(layers=layers, width=n * step)[0] <= memory,
+                  cap=MAX_WIDTH // step) if low else None
+    result = {"layers": None, "width": None}
+    if depth is not None:
+        result["layers"] = {"layers": depth, "width": width, "parameters": peak(layers=depth, width=width)[1],
+                            "at_cap": depth == MAX_LAYERS}
+    if wide is not None:
+        result["width"] = {"layers": layers, "width": wide * step, "at_cap": wide == MAX_WIDTH // step,
+                           "parameters": peak(layers=layers, width=wide * step)[1]}
+    return result
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB', '80GB', '1.5TiB', '1000' -> bytes."""
+    import re
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (e.g. 24GiB, 80GB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_bytes(nbytes: float) -> str:
+    if nbytes == 0:
+        return "0"
+    units = ["B", "KiB", "MiB", "GiB", "TiB"]
+    exponent = min(int(math.log(max(nbytes, 1), 1024)), len(units) - 1)
+    return f"{nbytes / 1024**exponent:.2f} {units[exponent]}" if exponent else f"{int(nbytes)} B"
+
+
+# --- the command -----------------------------------------------------------------------------------
+
+
+def add_estimate_parser(sub) -> None:
+    """Add the `estimate` subcommand to `sub` (an argparse subparsers action)."""
+    parser = sub.add_parser(
+        "estimate", help="memory per rank for each ZeRO stage / offload choice, before training",
+        description=("Estimate the bytes each rank holds (parameters, gradients, fp32 masters, optimizer "
+                     "states, buffers; on the device, in host memory, in NVMe files) for every ZeRO stage and "
+                     "offload choice, by zerotrain's own layout rules, and the activations of one micro-batch "
+                     "with and without activation checkpointing. The model is built on the meta device "
+                     "(no weights are allocated); dtype, batch, buckets and offload settings come from the "
+                     "DeepSpeed config."),
+    )
+    parser.add_argument("--model", required=True, metavar="PRESET|DIR|CONFIG.json",
+                        help="a GPT preset (tiny, small, 70m), a Hugging Face model directory or its config.json")
+    parser.add_argument("--config", required=True, metavar="PATH", help="DeepSpeed-style JSON config")
+    parser.add_argument("--world", type=int, default=None, metavar="N", help="total number of ranks")
+    parser.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes (with --gpus-per-node)")
+    parser.add_argument("--gpus-per-node", type=int, default=None, metavar="G", help="ranks per node")
+    parser.add_argument("--seq-len", type=int, default=None, metavar="T",
+                        help="tokens per sequence for the activations (default: the model's limit, at most 2048)")
+    parser.add_argument("--micro-batch", type=int, default=None, metavar="B",
+                        help="sequences per micro-batch (default: the config's train_micro_batch_size_per_gpu)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="the training device (cpu: no host copies of what already is in host memory)")
+    parser.add_argument("--memory", default=None, metavar="SIZE",
+                        help="device memory per rank (e.g. 80GiB): mark which options fit, and find the largest "
+                             "depth and width of this architecture that fit under the config's own option")
+    parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
+
+
+def run_estimate(args) -> int:
+    """`zerotrain estimate`: print the table (rich on a terminal) or JSON; 2 on a usage error."""
+    if args.world is not None and args.gpus_per_node is not None:
+        return _usage("give --world or --nodes/--gpus-per-node, not both")
+    world = args.world if args.world is not None else args.nodes * (args.gpus_per_node or 1)
+    if world < 1 or args.nodes < 1:
+        return _usage(f"the world size must be >= 1, got {world}")
+    for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch)):
+        if value is not None and value < 1:
+            return _usage(f"{flag} must be >= 1, got {value}")
+    if not Path(args.config).is_file():
+        return _usage(f"config file {args.config!r} not found")
+    try:
+        memory = parse_bytes(args.memory) if args.memory else None
+        result = estimate(args.model, args.config, world, device_type=args.device, seq_len=args.seq_len,
+                          micro_batch=args.micro_batch, memory=memory)
+    except ValueError as exc:  # ConfigError is one: it names the key and file
+        return _usage(str(exc))
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    _print_table(result, memory)
+    return 0
+
+
+def _usage(message: str) -> int:
+    import sys
+    print(f"zerotrain estimate: error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _print_table(result: dict, memory: Optional[int]) -> None:
+    import sys
+
+    acts = result["activations"]
+    title = (f"{result['model']}: {result['parameters']:,} parameters ({result['trainable']:,} trainable), "
+             f"{result['dtype']}, {result['optimizer']}, world {result['world_size']} "
+             f"(data-parallel {result['dp_size']}), bytes per rank on {result['device']}")
+    headers = ["option", "params", "grads", "masters", "optim states", "buffers", "device total",
+               "+ act. (ckpt)", "host total", "nvme"]
+    if memory is not None:
+        headers.append("fits")
+    rows = []
+    for option in result["options"]:
+        r, totals = option["rows"], option["totals"]
+        dev = lambda row: format_bytes(r[row]["device"])  # noqa: E731
+        peak = device_peak(option, acts)
+        mark = " *" if option["option"] == result["config_option"] else ""
+        row = [option["option"] + mark, dev("parameters"), dev("gradients"), dev("master_weights"),
+               dev("optimizer_states"), dev("buffers"), format_bytes(totals["device"]), format_bytes(peak),
+               format_bytes(totals["host"]), format_bytes(totals["nvme"])]
+        if memory is not None:
+            row.append("yes" if peak <= memory else "no")
+        rows.append(row)
+    footer = [
+        f"* the config's own choice ({result['config_option']}).",
+        f"activations per micro-batch ({acts['micro_batch']} x {acts['seq_len']} tokens): "
+        f"{format_bytes(acts['without_checkpointing'])} without checkpointing, "
+        f"{format_bytes(acts['with_checkpointing'])} with it ({acts['blocks']} blocks checkpointed).",
+        "'+ act. (ckpt)' = device total + activations with checkpointing + transient step buffers "
+        "(gradient staging, stage-3 gathers; see --json).",
+    ]
+    largest = result.get("largest")
+    if largest is not None:
+        fits = f"largest that fits {format_bytes(result['memory'])} per rank under {result['config_option']}: "
+        for key in ("layers", "width"):
+            found = largest[key]
+            footer.append(fits + ("nothing (even one layer / the narrowest width does not fit)" if found is None
+                                  else f"{'at least ' if found['at_cap'] else ''}{found['layers']} layers, "
+                                       f"width {found['width']} ({found['parameters']:,} parameters)"))
+    if sys.stdout.isatty():
+        from rich.console import Console
+        from rich.table import Table
+        table = Table(title=title, title_justify="left")
+        for index, header in enumerate(headers):
+            table.add_column(header, justify="left" if index == 0 else "right")
+        for row in rows:
+            table.add_row(*row)
+        console = Console()
+        console.print(table)
+        for line in footer:
+            console.print(line, highlight=False)
+        return
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
+    print(title)
+    print("  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(headers, widths))))
+    for row in rows:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    for line in footer:
+        print(line)
