@@ -32,7 +32,7 @@ def _context():
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "zerotrain"])
+        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "zerotrain", "transformers.modeling_utils"])
     return _CONTEXT
 
 
