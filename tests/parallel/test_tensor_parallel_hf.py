@@ -4,7 +4,8 @@ Llama (grouped-query attention: 4 heads, 2 key/value heads) and Qwen2 (q/k/v bia
 own `config.base_model_tp_plan`; GPT-2 has none and is split by the inference (its fused q/k/v `Conv1D`
 per part, its tied embedding and head by vocabulary). One world-2 launch trains all three at TP2 x ZeRO-3,
 saves Llama and GPT-2 there and loads each at TP1 x DP2, where training goes on like the single-process
-run; one world-4 launch trains Llama at TP2 x DP2 x ZeRO-3. The plan resolution itself (heads
+run (and checks a `colwise_gather_output` / `rowwise_split_input` pair against the whole layers); one
+world-4 launch trains Llama at TP2 x DP2 x ZeRO-3. The plan resolution itself (heads
 that do not divide, refused styles) runs before any process group, so it is tested in this process.
 """
 from __future__ import annotations
@@ -83,9 +84,34 @@ def train(engine, first: int, last: int) -> list[float]:
     return losses
 
 
+def split_input_pair() -> tuple:
+    """transformers' `colwise_gather_output` then `rowwise_split_input` (a whole input each rank slices), applied
+    by string: (output, input gradient, each weight's local gradient and its slice of the whole one)."""
+    from zerotrain.parallel import apply_tensor_parallel, resolve_plan, tensor_parallel_comm
+    from zerotrain.topology import Topology
+
+    def pair():
+        torch.manual_seed(3)
+        return torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 4))
+
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(4))
+    whole, split = pair(), pair()
+    plan = resolve_plan(split, 2, {"0": "colwise_gather_output", "1": "rowwise_split_input"})
+    apply_tensor_parallel(split, plan, tensor_parallel_comm(Topology.build(tp_size=2)))
+    results = []
+    for model in (whole, split):
+        inputs = x.clone().requires_grad_(True)
+        out = model(inputs)
+        out.pow(2).sum().backward()
+        results.append((out.detach(), inputs.grad))
+    grads = [(p.grad, p.tp_slice.take(w.grad) if hasattr(p, "tp_slice") else w.grad)
+             for p, w in zip(split.parameters(), whole.parameters())]
+    return results, grads
+
+
 def tp2_world2(save_root: str) -> dict:
     """Every model at TP2 x ZeRO-3; Llama and GPT-2 saved there and resumed at TP1 x DP2 (ZeRO-1)."""
-    results = {}
+    results = {"split input": split_input_pair()}
     for kind in MODELS:
         engine = make_engine(kind, tp=2, stage=3)
         assert engine.topology.tp_size == 2 and engine.topology.dp_size == 1
@@ -139,6 +165,11 @@ def test_hf_models_split_by_their_own_or_an_inferred_plan_train_like_one_process
     from safetensors.torch import load_file
 
     results = run_distributed(tp2_world2, 2, str(tmp_path), timeout=240)
+    for rank in results:
+        (whole, split), grads = rank.pop("split input")
+        torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-6)  # outputs, then input gradients
+        for local, expected in grads:
+            torch.testing.assert_close(local, expected, rtol=1e-5, atol=1e-6)
     assert all(not weights for rank in results[1:] for _, weights in rank.values())  # whole weights on rank 0 only
     for kind in MODELS:
         losses, at_steps, after_one_more = reference(kind)
