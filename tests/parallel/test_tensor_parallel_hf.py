@@ -185,6 +185,9 @@ def test_hf_models_split_by_their_own_or_an_inferred_plan_train_like_one_process
         for name, tensor in saved.items():  # whole tensors in the model's own layout (Conv1D: [in, out])
             assert torch.equal(tensor, whole[name]), f"{kind}: saved {name} differs from the TP2 weights"
         assert set(whole) - set(saved) <= {"lm_head.weight"}, sorted(set(whole) - set(saved))  # tied: saved once
+        loaded = type(build(kind)).from_pretrained(str(tmp_path / kind / "tp2")).state_dict()
+        for name, tensor in whole.items():
+            assert torch.equal(loaded[name], tensor), f"{kind}: from_pretrained {name} differs from the TP2 weights"
     if "gpt2" in MODELS:
         assert results[0]["gpt2"][1]["transformer.h.0.attn.c_attn.weight"].shape == (64, 192)
 
