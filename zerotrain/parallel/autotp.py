@@ -113,8 +113,8 @@ def translate_style(style: str, where: str, module: Optional[nn.Module]) -> Unio
     key = style.lower() if isinstance(style, str) else style
     if key in REFUSED_HF_STYLES:
         raise ValueError(f"tensor-parallel plan: {where} has style {style!r}, which zerotrain does not apply: "
-                         f"{REFUSED_HF_STYLES[key]}; pass zerotrain.initialize(..., tensor_parallel_plan=...) "
-                         f"without it")
+                         f"{REFUSED_HF_STYLES[key]}; pass a zerotrain.initialize(..., tensor_parallel_plan=...) "
+                         f"that does not need it (e.g. one leaving that block whole), or use autotp_size 1")
     if key not in HF_STYLES:
         raise ValueError(f"tensor-parallel plan: {where} has unknown style {style!r}; zerotrain knows "
                          f"{sorted(HF_STYLES)} (and refuses {sorted(REFUSED_HF_STYLES)})")
@@ -259,9 +259,11 @@ def _complete_ties(model: nn.Module, plan: dict[str, Style]) -> None:
 
 
 def _check_heads(model: nn.Module, plan: dict[str, Style], tp_size: int) -> None:
-    """Each rank must hold whole attention heads and whole key/value heads of every split attention."""
-    if not any(re.search(r"attn|attention", name, re.IGNORECASE) and not isinstance(style, Vocab)
-               for name, style in plan.items()):
+    """Each rank must hold whole attention heads and whole key/value heads of every attention whose
+    projections' outputs stay split (a gathered output, as Phi-3's plan uses for its fused q/k/v, does not
+    split heads)."""
+    if not any(re.search(r"attn|attention", name, re.IGNORECASE) and isinstance(style, Column)
+               and not style.gather_output for name, style in plan.items()):
         return
     config = _text_config(model)
     heads = getattr(config, "num_attention_heads", None)
