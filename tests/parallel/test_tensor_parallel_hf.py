@@ -214,6 +214,8 @@ def test_plans_are_resolved_or_refused_by_name_before_any_process_group():
     for style in ("sequence_parallel", "replicated_with_grad_allreduce", "local_rowwise", "moe_tp_experts"):
         with pytest.raises(ValueError, match=rf"model.layers.0.mlp.down_proj\) has style '{style}'"):
             resolve_plan(llama, 2, {"model.layers.*.mlp.down_proj": style})
+    with pytest.raises(ValueError, match=r"pattern 'layers.\*.mlp.down_proj' matches no module"):  # prefix missing
+        resolve_plan(llama, 2, {"layers.*.mlp.down_proj": "rowwise"})
     with pytest.raises(ValueError, match="unknown style 'diagonal'"):
         resolve_plan(llama, 2, {"model.layers.*.mlp.down_proj": "diagonal"})
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj.weight\) has style 'packed_rowwise' but "

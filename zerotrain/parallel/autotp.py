@@ -144,8 +144,10 @@ def huggingface_plan(model: nn.Module) -> dict[str, str]:
     return plan
 
 
-def _from_string_plan(model: nn.Module, plan: dict[str, Any]) -> dict[str, Union[Style, str]]:
-    """A plan in transformers' form (`*` for a layer number) as zerotrain styles keyed by module name."""
+def _from_string_plan(model: nn.Module, plan: dict[str, Any], strict: bool) -> dict[str, Union[Style, str]]:
+    """A plan in transformers' form (`*` for a layer number) as zerotrain styles keyed by module name.
+    transformers skips a model's own rules that match nothing (optional modules), and so does this unless
+    `strict` (a plan passed in, where such a rule is a typo)."""
     modules = dict(model.named_modules())
     parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     by_generic: dict[str, list[str]] = {}
@@ -156,11 +158,14 @@ def _from_string_plan(model: nn.Module, plan: dict[str, Any]) -> dict[str, Union
         names = by_generic.get(pattern, [])
         if not names and pattern in modules:
             names = [pattern]
+        if not names and strict:
+            raise ValueError(f"tensor-parallel plan: pattern {pattern!r} matches no module or parameter of "
+                             f"{type(model).__name__} (transformers' form: '*' stands for a layer number)")
         if not isinstance(style, str):  # a zerotrain style in a mixed plan
             for name in names:
                 resolved[name] = style
             continue
-        for name in names:  # transformers ignores rules that match nothing (optional modules); so do we
+        for name in names:
             resolved[name] = translate_style(style, f"{pattern!r} ({name})", modules.get(name))
     return resolved
 
@@ -301,12 +306,13 @@ def resolve_plan(model: nn.Module, tp_size: int, plan: Optional[dict] = None) ->
     from ..models import GPT
 
     if plan is not None:
-        resolved = _from_string_plan(model, plan) if any(isinstance(s, str) for s in plan.values()) else dict(plan)
+        strings = any(isinstance(style, str) for style in plan.values())
+        resolved = _from_string_plan(model, plan, strict=True) if strings else dict(plan)
     elif isinstance(model, GPT):
         resolved = dict(GPT_PLAN)
     else:
         own = huggingface_plan(model)
-        resolved = _from_string_plan(model, own) if own else infer_plan(model, tp_size)
+        resolved = _from_string_plan(model, own, strict=False) if own else infer_plan(model, tp_size)
     final = {name: style for name, style in resolved.items() if style != _REPLICATE}
     if not final:
         raise ValueError(f"tensor_parallel.autotp_size > 1 needs a plan for {type(model).__name__}: the plan splits "
