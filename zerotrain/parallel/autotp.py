@@ -181,8 +181,10 @@ def infer_plan(model: nn.Module, tp_size: int) -> dict[str, Style]:
         linears = {child: module for child, module in parent.named_children() if _is_linear(module)}
         if not linears:
             continue
-        def full(child: str) -> str:
+
+        def full(child: str, parent_name: str = parent_name) -> str:
             return f"{parent_name}.{child}" if parent_name else child
+
         columns = [c for c in linears if c in _COLUMN_NAMES or c in _FUSED_QKV_NAMES]
         rows = [c for c in linears if c in _ROW_NAMES]
         others = [c for c in linears if c not in columns and c not in rows and c not in _HEAD_NAMES]
