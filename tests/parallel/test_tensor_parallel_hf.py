@@ -1,12 +1,13 @@
 """Hugging Face models split by `tensor_parallel.autotp_size` alone (no plan passed) train like one process.
 
-Llama (grouped-query attention: 4 heads, 2 key/value heads) and Qwen2 (q/k/v biases) are split by their
-own `config.base_model_tp_plan`; GPT-2 has none and is split by the inference (its fused q/k/v `Conv1D`
-per part, its tied embedding and head by vocabulary). One world-2 launch trains all three at TP2 x ZeRO-3,
-saves Llama and GPT-2 there and loads each at TP1 x DP2, where training goes on like the single-process
-run (and checks a `colwise_gather_output` / `rowwise_split_input` pair against the whole layers); one
-world-4 launch trains Llama at TP2 x DP2 x ZeRO-3. The plan resolution itself (heads
-that do not divide, refused styles) runs before any process group, so it is tested in this process.
+Llama (grouped-query attention: 4 heads, 2 key/value heads), Qwen2 (q/k/v biases) and Qwen3 (per-head q/k
+norms, whose gradients are summed over the tensor-parallel ranks) are split by their own
+`config.base_model_tp_plan`; GPT-2 has none and is split by the inference (its fused q/k/v `Conv1D` per part,
+its tied embedding and head by vocabulary). One world-2 launch trains all four at TP2 x ZeRO-3, saves Llama
+and GPT-2 there and loads each at TP1 x DP2, where training goes on like the single-process run (and checks
+a `colwise_gather_output` / `rowwise_split_input` pair against the whole layers); one world-4 launch trains
+Llama at TP2 x DP2 x ZeRO-3. The plan resolution itself (heads that do not divide, refused styles) runs
+before any process group, so it is tested in this process.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ STEPS, GLOBAL, SEQ, VOCAB, LR, CLIP = 2, 4, 8, 128, 1e-3, 1.0
 # eps=1e-6 (as in test_tensor_parallel_engine.py) lets that reach 9e-6 in two steps, 1e-5 1.4e-6 in three;
 # 1e-4 holds it well under the 1e-6 weight tolerance while every ordinary gradient (>= 1e-3) stays Adam's.
 EPS = 1e-4
-MODELS = ("llama", "qwen2", "gpt2")
+MODELS = ("llama", "qwen2", "qwen3", "gpt2")
 
 
 def build(kind: str, seed: int = 0, **overrides):
@@ -41,6 +42,9 @@ def build(kind: str, seed: int = 0, **overrides):
     elif kind == "qwen2":
         config = transformers.Qwen2Config(**{**shape, **overrides})
         cls = transformers.Qwen2ForCausalLM
+    elif kind == "qwen3":
+        config = transformers.Qwen3Config(**{**shape, "head_dim": 16, **overrides})
+        cls = transformers.Qwen3ForCausalLM
     else:
         config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4,
                                          n_inner=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -117,7 +121,7 @@ def tp2_world2(save_root: str) -> dict:
         assert engine.topology.tp_size == 2 and engine.topology.dp_size == 1
         losses = train(engine, 0, STEPS)
         results[kind] = (losses, engine.full_state_dict())
-        if kind == "qwen2":
+        if kind.startswith("qwen"):
             continue
         directory = os.path.join(save_root, kind)
         engine.save_checkpoint(directory, tag="tp2")
@@ -174,7 +178,7 @@ def test_hf_models_split_by_their_own_or_an_inferred_plan_train_like_one_process
     for kind in MODELS:
         losses, at_steps, after_one_more = reference(kind)
         check(f"{kind} TP2 x ZeRO-3", results[0][kind], (losses[:STEPS], at_steps))
-        if kind == "qwen2":
+        if kind.startswith("qwen"):
             continue
         check(f"{kind} saved at TP2, resumed at TP1 x DP2", results[0][f"{kind} resumed at TP1 x DP2"],
               (losses[STEPS:], after_one_more))
@@ -211,7 +215,7 @@ def test_plans_are_resolved_or_refused_by_name_before_any_process_group():
         resolve_plan(llama, 4)
     with pytest.raises(ValueError, match="autotp_size 8 does not divide GPT2LMHeadModel's num_attention_heads = 4"):
         resolve_plan(build("gpt2"), 8)
-    for style in ("sequence_parallel", "replicated_with_grad_allreduce", "local_rowwise", "moe_tp_experts"):
+    for style in ("sequence_parallel", "all_reduce", "local_rowwise", "moe_tp_experts"):
         with pytest.raises(ValueError, match=rf"model.layers.0.mlp.down_proj\) has style '{style}'"):
             resolve_plan(llama, 2, {"model.layers.*.mlp.down_proj": style})
     with pytest.raises(ValueError, match=r"pattern 'layers.\*.mlp.down_proj' matches no module"):  # prefix missing

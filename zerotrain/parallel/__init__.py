@@ -19,11 +19,11 @@ from ..topology import Topology
 from .gather import assemble_full_tensors
 from .autotp import resolve_plan
 from .moe import ExpertParallelMoE
-from .plan import GPT_PLAN, Column, Row, Style, Vocab, apply_tensor_parallel
+from .plan import GPT_PLAN, Column, Row, Style, SumGrad, Vocab, apply_tensor_parallel
 from .slices import TensorSlice, split_slice, tensor_slice_of
 from .tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
-__all__ = ["tensor_parallel_comm", "apply_tensor_parallel", "resolve_plan", "assemble_full_tensors", "GPT_PLAN", "Column", "Row", "Vocab", "Style",
+__all__ = ["tensor_parallel_comm", "apply_tensor_parallel", "resolve_plan", "assemble_full_tensors", "GPT_PLAN", "Column", "Row", "Vocab", "SumGrad", "Style",
            "TensorSlice", "split_slice", "tensor_slice_of", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "ExpertParallelMoE"]
 

@@ -31,7 +31,7 @@ from typing import Any, Optional, Union
 
 import torch.nn as nn
 
-from .plan import GPT_PLAN, Column, Row, Style, Vocab, is_conv1d
+from .plan import GPT_PLAN, Column, Row, Style, SumGrad, Vocab, is_conv1d
 
 __all__ = ["resolve_plan", "huggingface_plan", "infer_plan", "translate_style", "HF_STYLES", "REFUSED_HF_STYLES"]
 
@@ -52,6 +52,7 @@ HF_STYLES: dict[str, Union[Style, str]] = {
     "packed_colwise": Column(parts=2),  # fused gate|up along the output features (2-D weights only)
     "packed_rowwise": Row(parts=2),  # packed input features (2-D weights only)
     "replicate": _REPLICATE,
+    "replicated_with_grad_allreduce": SumGrad(),  # per-head q/k norms: whole, gradients summed over the ranks
 }
 
 # The rest, refused by name with the reason.
@@ -63,8 +64,6 @@ REFUSED_HF_STYLES: dict[str, str] = {
     "isolated": "runs a module on a sub-mesh of its own",
     "sequence_parallel": "Megatron-style sequence sharding of norms between tensor-parallel regions is not "
                          "implemented",
-    "replicated_with_grad_allreduce": "a whole parameter whose gradient is summed over the tensor-parallel ranks "
-                                      "(per-head q/k norms) is not implemented",
     "all_reduce": "all-reduces a partial module output that zerotrain's layers do not produce",
     "mla_kv_a_proj": "multi-head latent attention's split key/rope projection is not implemented",
     "moe_tp_experts": "tensor-parallel experts: use zerotrain's expert parallelism (moe) instead",
@@ -287,8 +286,8 @@ def _check_splits(model: nn.Module, plan: dict[str, Style], tp_size: int) -> Non
     modules = dict(model.named_modules())
     for name, style in plan.items():
         module = modules.get(name)
-        if module is None:
-            continue  # a pattern, matched when the plan is applied
+        if module is None or isinstance(style, SumGrad):
+            continue  # a pattern (matched when the plan is applied), or a module kept whole
         if isinstance(style, Vocab):
             size, what = getattr(module, "num_embeddings", None), "vocabulary rows"
             parts = 1

@@ -15,12 +15,13 @@ import sys
 from dataclasses import dataclass
 from typing import Union
 
+import torch
 import torch.nn as nn
 
 from ..comm import Comm
 from .tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
-__all__ = ["Column", "Row", "Vocab", "Style", "apply_tensor_parallel", "default_plan", "GPT_PLAN"]
+__all__ = ["Column", "Row", "Vocab", "SumGrad", "Style", "apply_tensor_parallel", "default_plan", "GPT_PLAN"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,14 @@ class Vocab:
     """Split an embedding table's rows."""
 
 
-Style = Union[Column, Row, Vocab]
+@dataclass(frozen=True)
+class SumGrad:
+    """Keep the module whole on every rank, but sum its parameters' gradients over the tensor-parallel group:
+    for a module that sees only this rank's slice of a split activation (Qwen3's per-head q/k norms between
+    column-split projections), each rank's gradient covers only its own heads."""
+
+
+Style = Union[Column, Row, Vocab, SumGrad]
 
 # zerotrain.models.GPT: attention heads and MLP width split, vocabulary split in the tied
 # embedding / head (the logits are gathered whole for the loss).
@@ -92,6 +100,27 @@ def _divide_parent(parent: nn.Module, parent_name: str, names: tuple[str, ...], 
         setattr(parent, attribute, value // size)
 
 
+def _sum_gradients(module: nn.Module, comm: Comm) -> None:
+    """Hook each parameter of `module` (its own, not its children's) so that its gradient is summed over the
+    group before it accumulates. The hooks go on at the module's first forward: by then ZeRO has put its
+    parameter objects in place, and a hook on a parameter it replaced would never fire."""
+    hooked: dict[int, torch.Tensor] = {}  # id -> the parameter itself (kept alive, so no id is reused)
+
+    def summed(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad)
+        return grad
+
+    def hook_parameters(mod: nn.Module, _args) -> None:
+        for param in mod.parameters(recurse=False):
+            if param.requires_grad and hooked.get(id(param)) is not param:
+                param.register_hook(summed)
+                hooked[id(param)] = param
+
+    if comm.size > 1:
+        module.register_forward_pre_hook(hook_parameters)
+
+
 def apply_tensor_parallel(model: nn.Module, plan: dict[str, Style], comm: Comm) -> nn.Module:
     """Replace, in place, every module whose qualified name matches a pattern of `plan`."""
     matched = {pattern: 0 for pattern in plan}
@@ -104,6 +133,9 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, Style], comm: Comm) 
         if len(patterns) > 1:
             raise ValueError(f"tensor-parallel plan: {name} matches several patterns {patterns}")
         matched[patterns[0]] += 1
+        if isinstance(plan[patterns[0]], SumGrad):
+            _sum_gradients(module, comm)
+            continue
         new = _build(name, module, plan[patterns[0]], comm)
         first = replaced.get(id(module.weight))
         if first is not None:
