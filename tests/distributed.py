@@ -32,7 +32,9 @@ def _context():
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "zerotrain"])
+        # transformers.modeling_utils: ranks building a Hugging Face model would each import it (seconds per launch);
+        # the forkserver skips a preload that fails to import.
+        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "zerotrain", "transformers.modeling_utils"])
     return _CONTEXT
 
 

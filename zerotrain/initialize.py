@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 from .config import ConfigError, load_config
 from .config.batch import GAS, MICRO, TBS
 from .parallel import apply_tensor_parallel, tensor_parallel_comm
-from .parallel.plan import default_plan
+from .parallel.autotp import resolve_plan
 from .engine import OptimizerLike, ZeroTrainEngine
 from .lifecycle import die_with_parent, under_torchrun
 from .topology import Topology
@@ -85,8 +85,10 @@ def initialize(model: torch.nn.Module = None, config: Union[dict, str, os.PathLi
     process's local rank, as DeepSpeed does. `optimizer` may be a torch optimizer over the
     model's parameters or a callable building one from parameter groups.
     With `tensor_parallel.autotp_size` > 1 the model is split by `tensor_parallel_plan`
-    (module-name pattern → `zerotrain.parallel.Column/Row/Vocab`; zerotrain's GPT has a
-    built-in plan) and ZeRO shards across the data-parallel groups of the grid.
+    (module-name pattern → `zerotrain.parallel.Column/Row/Vocab`, or transformers' style strings)
+    or, without one, by the model's own plan (zerotrain's GPT; a Hugging Face model's
+    `config.base_model_tp_plan`) or a plan inferred from its linear layers
+    (`zerotrain.parallel.autotp`), and ZeRO shards across the data-parallel groups of the grid.
     An unknown keyword is a TypeError; DeepSpeed's `distributed_port`, `mpu`, `mesh_param` and
     `dist_init_required` are accepted with a warning when they would change anything.
     """
@@ -119,8 +121,8 @@ def initialize(model: torch.nn.Module = None, config: Union[dict, str, os.PathLi
         raise ConfigError(f"tensor_parallel.autotp_size: {tp_size} does not divide the world size {world}",
                           key="tensor_parallel.autotp_size")
     cfg = load_config(cfg, dp_world_size=world // tp_size)  # the batch triple counts data-parallel ranks
-    if tp_size > 1 and tensor_parallel_plan is None:
-        tensor_parallel_plan = default_plan(model)  # before any process group: a missing plan fails fast
+    if tp_size > 1:  # before any process group: a model that cannot be split fails fast
+        tensor_parallel_plan = resolve_plan(model, tp_size, tensor_parallel_plan)
     if under_torchrun() and os.environ.get("ZEROTRAIN_DIE_WITH_PARENT", "1") != "0":
         die_with_parent()  # an orphaned rank must not train on into the directory a restart resumes from
     topology = Topology.build(timeout_seconds=cfg.comm_timeout_seconds, tp_size=tp_size,
