@@ -1,0 +1,186 @@
+"""Hugging Face model directories for `zerotrain train`: missing files named, ZeRO-3 loading from safetensors
+slices equal to `from_pretrained`, and a CLI run on local data whose checkpoints `from_pretrained` loads and
+which resumes at the exact next sample on another world size."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import run_distributed
+
+transformers = pytest.importorskip("transformers")
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _probe(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(5))
+
+
+def _tied_copy(src: Path, out: Path) -> Path:
+    """The fixture's model with tied embeddings, one model.safetensors (lm_head.weight not stored)."""
+    config = transformers.AutoConfig.from_pretrained(src)
+    config.tie_word_embeddings = True
+    torch.manual_seed(3)
+    transformers.LlamaForCausalLM(config).save_pretrained(out)
+    for name in os.listdir(src):
+        if name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(src / name, out / name)
+    return out
+
+
+# --- missing and bad inputs (in-process) -------------------------------------------------------------------
+
+def test_missing_or_incomplete_model_directories_are_named(tiny_llama_dir, tmp_path, capsys):
+    from zerotrain.cli import main
+    from zerotrain.models.hf import PRESETS, ModelError, resolve_model
+
+    source = resolve_model(str(tiny_llama_dir))
+    assert source.weights_dir == str(Path(tiny_llama_dir).resolve()) and source.config.model_type == "llama"
+
+    def broken(name: str, drop) -> Path:
+        copy = tmp_path / name
+        shutil.copytree(tiny_llama_dir, copy)
+        for pattern in drop:
+            for path in copy.glob(pattern):
+                path.unlink()
+        return copy
+
+    index = json.loads((Path(tiny_llama_dir) / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[1]
+    cases = {
+        "config.json": broken("no_config", ["config.json"]),
+        shard: broken("no_shard", [shard]),
+        "model.safetensors or model.safetensors.index.json is missing": broken("no_weights", ["model*"]),
+        "tokenizer.json or tokenizer_config.json is missing": broken("no_tokenizer", ["tokenizer*"]),
+    }
+    for expected, directory in cases.items():
+        with pytest.raises(ModelError, match=expected.replace(".", r"\.")):
+            resolve_model(str(directory))
+    with pytest.raises(ModelError, match="presets: " + ", ".join(PRESETS)):
+        resolve_model("no-such-model")
+    # A model type transformers does not ship (its code would come from the hub) is refused, not fetched.
+    remote = broken("remote", [])
+    (remote / "config.json").write_text(json.dumps({"model_type": "my_custom_lm", "auto_map": {}}))
+    with pytest.raises(ModelError, match="my_custom_lm"):
+        resolve_model(str(remote))
+    with pytest.raises(ModelError, match="--model-config needs --tokenizer"):
+        resolve_model(None, model_config=str(Path(tiny_llama_dir) / "config.json"))
+    # The command refuses before any process starts, naming the file (exit status 2).
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1}))
+    assert main(["train", "--config", str(config), "--nproc", "2", "--model", str(cases[shard])]) == 2
+    assert shard in capsys.readouterr().err
+    assert main(["train", "--config", str(config), "--model", str(tiny_llama_dir), "--data",
+                 str(tmp_path / "nope.jsonl")]) == 2
+    assert "nope.jsonl: no such file" in capsys.readouterr().err
+
+
+# --- ZeRO-3 world 2 loading == from_pretrained ---------------------------------------------------------------
+
+def _load_at_zero3(directories: list[str], vocab: int) -> dict:
+    from zerotrain.cli import model_engine
+    from zerotrain.models.hf import resolve_model
+    from zerotrain.zero.stage3.partition import ZeroParameter
+
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 0}
+    out = {}
+    for directory in directories:
+        source = resolve_model(directory)
+        engine, model = model_engine(source, config)
+        # every parameter a released shard (a one-element placeholder, no full copy) before the load
+        partitioned = all(isinstance(p, ZeroParameter) and not p._zero.gathered
+                          and p.data.untyped_storage().nbytes() <= p.element_size() for p in model.parameters())
+        engine.load_checkpoint(source.weights_dir, load_module_only=True)
+        engine.eval()
+        with torch.no_grad():
+            logits = engine(input_ids=_probe(vocab)).logits
+        out[directory] = {"logits": logits, "partitioned": partitioned, "weights": engine.full_state_dict(),
+                          "tied": model.lm_head.weight is model.model.embed_tokens.weight}
+    return out
+
+
+def test_sharded_directory_at_zero3_world2_equals_from_pretrained(tiny_llama_dir, tmp_path):
+    sharded = Path(tiny_llama_dir)
+    assert len(set(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"].values())) > 1
+    tied = _tied_copy(sharded, tmp_path / "tied")
+    vocab = transformers.AutoConfig.from_pretrained(sharded).vocab_size
+    results = run_distributed(_load_at_zero3, 2, [str(sharded), str(tied)], vocab)
+    for directory, is_tied in ((sharded, False), (tied, True)):
+        reference = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+        with torch.no_grad():
+            want = reference(input_ids=_probe(vocab)).logits
+        for rank, result in enumerate(results):
+            got = result[str(directory)]
+            assert got["partitioned"], f"rank {rank}: every parameter partitioned right after construction"
+            assert got["tied"] == is_tied
+            torch.testing.assert_close(got["logits"], want, rtol=1e-5, atol=1e-5)
+        weights = results[0][str(directory)]["weights"]
+        for name, param in reference.named_parameters():
+            torch.testing.assert_close(weights[name], param.detach(), rtol=0, atol=0)
+
+
+# --- the command on local data: checkpoints from_pretrained loads, exact resume at another world size -----
+
+def _zerotrain(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", ZEROTRAIN_DATA_CACHE=str(cwd / "cache"),
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, "-m", "zerotrain.cli", "train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def _losses(log_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (log_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_cli_trains_a_model_directory_on_jsonl_at_zero3_and_resumes_on_one_rank(tiny_llama_dir, tmp_path):
+    from zerotrain.models.tiny_llama import write_chat_jsonl
+
+    chat = write_chat_jsonl(tmp_path / "chat.jsonl", n=48)
+    base = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    (tmp_path / "w2.json").write_text(json.dumps(base))
+    (tmp_path / "w1.json").write_text(json.dumps({**base, "gradient_accumulation_steps": 2}))  # same global batch
+    common = ["--model", str(tiny_llama_dir), "--data", str(chat), "--seq-len", "64", "--steps", "4"]
+    first = _zerotrain(tmp_path, "--config", "w2.json", "--nproc", "2", *common, "--eval-data", str(chat),
+                       "--save-dir", "ckpt", "--save-every", "2", "--log-dir", "full")
+    assert "LlamaForCausalLM" in first.stdout and f"weights from {Path(tiny_llama_dir).resolve()}" in first.stdout
+
+    # The checkpoint directory is a Hugging Face model directory: model + tokenizer, same as the source.
+    step4 = tmp_path / "ckpt" / "global_step4"
+    trained = transformers.AutoModelForCausalLM.from_pretrained(step4)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(step4)
+    original = transformers.AutoTokenizer.from_pretrained(tiny_llama_dir)
+    assert tokenizer.get_vocab() == original.get_vocab() and tokenizer.chat_template == original.chat_template
+    before = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    assert not torch.equal(trained.model.embed_tokens.weight, before.model.embed_tokens.weight), "it trained"
+
+    # Resume from step 2 on one rank (accumulating 2 micro-batches: the same global batch): steps 3-4 draw the
+    # same samples and give the same losses and weights.
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(tmp_path / "ckpt" / "global_step2", resumed / "global_step2")
+    (resumed / "latest").write_text("global_step2")
+    second = _zerotrain(tmp_path, "--config", "w1.json", *common, "--save-dir", "resumed", "--resume",
+                        "--log-dir", "again")
+    assert "at step 2" in second.stdout
+    full, again = _losses(tmp_path / "full"), _losses(tmp_path / "again")
+    assert sorted(again) == [3, 4]
+    for step in (3, 4):
+        assert again[step] == pytest.approx(full[step], rel=1e-5), step
+    final = transformers.AutoModelForCausalLM.from_pretrained(resumed / "global_step4")
+    for (name, got), want in zip(final.named_parameters(), trained.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
