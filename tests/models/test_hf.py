@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -83,7 +81,7 @@ def test_missing_or_incomplete_model_directories_are_named(tiny_llama_dir, tmp_p
     assert "nope.jsonl: no such file" in capsys.readouterr().err
 
 
-# --- ZeRO-3 world 2 loading == from_pretrained ---------------------------------------------------------------
+# --- one world-2 launch: ZeRO-3 loading == from_pretrained, and `zerotrain train` on local data ------------------
 
 def _load_at_zero3(directories: list[str], vocab: int) -> dict:
     from zerotrain.cli import model_engine
@@ -108,65 +106,64 @@ def _load_at_zero3(directories: list[str], vocab: int) -> dict:
     return out
 
 
-def test_sharded_directory_at_zero3_world2_equals_from_pretrained(tiny_llama_dir, tmp_path):
-    sharded = Path(tiny_llama_dir)
-    assert len(set(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"].values())) > 1
-    tied = _tied_copy(sharded, tmp_path / "tied")
-    vocab = transformers.AutoConfig.from_pretrained(sharded).vocab_size
-    results = run_distributed(_load_at_zero3, 2, [str(sharded), str(tied)], vocab)
-    for directory, is_tied in ((sharded, False), (tied, True)):
-        reference = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
-        with torch.no_grad():
-            want = reference(input_ids=_probe(vocab)).logits
-        for rank, result in enumerate(results):
-            got = result[str(directory)]
-            assert got["partitioned"], f"rank {rank}: every parameter partitioned right after construction"
-            assert got["tied"] == is_tied
-            torch.testing.assert_close(got["logits"], want, rtol=1e-5, atol=1e-5)
-        weights = results[0][str(directory)]["weights"]
-        for name, param in reference.named_parameters():
-            torch.testing.assert_close(weights[name], param.detach(), rtol=0, atol=0)
+def _load_then_train(directories: list[str], vocab: int, cwd: str, argv: list[str]) -> dict:
+    """In each rank of a run_distributed launch: the loads, then the `train` command as a torchrun worker runs it
+    (RANK is set, so `main` trains in this process; the launcher itself is covered by the demo's tests)."""
+    from zerotrain.cli import main
 
-
-# --- the command on local data: checkpoints from_pretrained loads, exact resume at another world size -----
-
-def _zerotrain(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", ZEROTRAIN_DATA_CACHE=str(cwd / "cache"),
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    proc = subprocess.run([sys.executable, "-m", "zerotrain.cli", "train", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
+    loaded = _load_at_zero3(directories, vocab) if directories else {}
+    os.chdir(cwd)
+    os.environ["ZEROTRAIN_DATA_CACHE"] = os.path.join(cwd, "cache")
+    return {"loaded": loaded, "status": main(["train", *argv])}
 
 
 def _losses(log_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (log_dir / "metrics.jsonl").read_text().splitlines())}
 
 
-def test_cli_trains_a_model_directory_on_jsonl_at_zero3_and_resumes_on_one_rank(tiny_llama_dir, tmp_path):
+def test_zero3_world2_loads_like_from_pretrained_and_train_on_jsonl_resumes_on_one_rank(tiny_llama_dir, tmp_path):
     from zerotrain.models.tiny_llama import write_chat_jsonl
 
+    sharded = Path(tiny_llama_dir)
+    assert len(set(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"].values())) > 1
+    tied = _tied_copy(sharded, tmp_path / "tied")
+    vocab = transformers.AutoConfig.from_pretrained(sharded).vocab_size
     chat = write_chat_jsonl(tmp_path / "chat.jsonl", n=48)
     base = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 0,
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     (tmp_path / "w2.json").write_text(json.dumps(base))
     (tmp_path / "w1.json").write_text(json.dumps({**base, "gradient_accumulation_steps": 2}))  # same global batch
-    common = ["--model", str(tiny_llama_dir), "--data", str(chat), "--seq-len", "64", "--steps", "4"]
-    first = _zerotrain(tmp_path, "--config", "w2.json", "--nproc", "2", *common, "--eval-data", str(chat),
-                       "--save-dir", "ckpt", "--save-every", "2", "--log-dir", "full")
-    assert "LlamaForCausalLM" in first.stdout and f"weights from {Path(tiny_llama_dir).resolve()}" in first.stdout
+    common = ["--model", str(sharded), "--data", str(chat), "--seq-len", "64", "--steps", "4"]
+    first = ["--config", "w2.json", *common, "--eval-data", str(chat), "--save-dir", "ckpt", "--save-every", "2",
+             "--log-dir", "full"]
+    results = run_distributed(_load_then_train, 2, [str(sharded), str(tied)], vocab, str(tmp_path), first)
+    assert [r["status"] for r in results] == [0, 0]
+
+    # Loading: each rank read its shard ranges of the safetensors files; the logits are from_pretrained's.
+    for directory, is_tied in ((sharded, False), (tied, True)):
+        reference = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+        with torch.no_grad():
+            want = reference(input_ids=_probe(vocab)).logits
+        for rank, result in enumerate(results):
+            got = result["loaded"][str(directory)]
+            assert got["partitioned"], f"rank {rank}: every parameter partitioned right after construction"
+            assert got["tied"] == is_tied
+            torch.testing.assert_close(got["logits"], want, rtol=1e-5, atol=1e-5)
+        weights = results[0]["loaded"][str(directory)]["weights"]
+        for name, param in reference.named_parameters():
+            torch.testing.assert_close(weights[name], param.detach(), rtol=0, atol=0)
 
     # The checkpoint directory is a Hugging Face model directory: model + tokenizer, same as the source.
     step4 = tmp_path / "ckpt" / "global_step4"
     trained = transformers.AutoModelForCausalLM.from_pretrained(step4)
     tokenizer = transformers.AutoTokenizer.from_pretrained(step4)
-    original = transformers.AutoTokenizer.from_pretrained(tiny_llama_dir)
+    original = transformers.AutoTokenizer.from_pretrained(sharded)
     assert tokenizer.get_vocab() == original.get_vocab() and tokenizer.chat_template == original.chat_template
-    before = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    before = transformers.AutoModelForCausalLM.from_pretrained(sharded)
     assert not torch.equal(trained.model.embed_tokens.weight, before.model.embed_tokens.weight), "it trained"
+    assert set(_losses(tmp_path / "full")) == {1, 2, 3, 4}
+    assert "eval_loss" in json.loads((tmp_path / "full" / "metrics.jsonl").read_text().splitlines()[-1])
 
     # Resume from step 2 on one rank (accumulating 2 micro-batches: the same global batch): steps 3-4 draw the
     # same samples and give the same losses and weights.
@@ -174,13 +171,12 @@ def test_cli_trains_a_model_directory_on_jsonl_at_zero3_and_resumes_on_one_rank(
     resumed.mkdir()
     shutil.copytree(tmp_path / "ckpt" / "global_step2", resumed / "global_step2")
     (resumed / "latest").write_text("global_step2")
-    second = _zerotrain(tmp_path, "--config", "w1.json", *common, "--save-dir", "resumed", "--resume",
-                        "--log-dir", "again")
-    assert "at step 2" in second.stdout
-    full, again = _losses(tmp_path / "full"), _losses(tmp_path / "again")
-    assert sorted(again) == [3, 4]
+    again = ["--config", "w1.json", *common, "--save-dir", "resumed", "--resume", "--log-dir", "again"]
+    assert run_distributed(_load_then_train, 1, [], vocab, str(tmp_path), again)[0]["status"] == 0
+    full, second = _losses(tmp_path / "full"), _losses(tmp_path / "again")
+    assert sorted(second) == [3, 4]
     for step in (3, 4):
-        assert again[step] == pytest.approx(full[step], rel=1e-5), step
+        assert second[step] == pytest.approx(full[step], rel=1e-5), step
     final = transformers.AutoModelForCausalLM.from_pretrained(resumed / "global_step4")
     for (name, got), want in zip(final.named_parameters(), trained.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
