@@ -88,8 +88,11 @@ class Trainer:
 
     Args:
         engine: the object returned first by ``zerotrain.initialize``.
-        dataloader: yields ``(x, y)`` micro-batches; re-iterated (with
-            ``sampler.set_epoch``) when exhausted.
+        dataloader: yields ``(x, y)`` micro-batches (``engine(x, y) -> (logits, loss)``) or dicts of
+            tensors (``engine(**batch).loss``, a Hugging Face model: ``zerotrain.data``'s batches);
+            re-iterated (with ``sampler.set_epoch``) when exhausted. A resumed run skips the batches
+            already consumed, unless the sampler has a ``consumed_samples`` attribute (built at its
+            position, as ``zerotrain.data``'s ``ResumableSampler`` is).
         total_steps: optimizer steps to reach. A resumed engine (``engine.global_steps > 0``)
             continues from where it is.
         eval_data: optional iterable of ``(x, y)`` batches; evaluated every
