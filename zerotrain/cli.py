@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "--tokenizer")
     train.add_argument("--tokenizer", default=None, metavar="DIR",
                        help="tokenizer directory (AutoTokenizer; default: the model directory)")
+    train.add_argument("--add-tokens", nargs="+", default=None, metavar="TOKEN",
+                       help="add these special tokens to the tokenizer; the input embedding and output head grow "
+                            "to its length (new rows from the old rows' mean and covariance, as transformers' "
+                            "resize_token_embeddings does), at every ZeRO stage")
     train.add_argument("--data", nargs="+", default=None, metavar="PATH",
                        help="training data: .txt, .jsonl/.json (text or chat messages), .parquet, .csv files or "
                             "save_to_disk directories (docs/data.md); default: the stdlib corpus")
@@ -342,6 +346,8 @@ def _worker_argv(args: argparse.Namespace) -> list[str]:
     for dest in _WORKER_LISTS:
         if getattr(args, dest):
             argv += [f"--{dest.replace('_', '-')}", *(os.path.abspath(p) for p in getattr(args, dest))]
+    if args.add_tokens:
+        argv += ["--add-tokens", *args.add_tokens]
     argv += [f"--{dest.replace('_', '-')}" for dest in _WORKER_FLAGS if getattr(args, dest)]
     return argv
 
@@ -456,12 +462,14 @@ def _launch_script(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from zerotrain.models.hf import ModelError, count_parameters, load_tokenizer, resolve_model, tokenizer_files
+    from zerotrain.models.hf import (ModelError, count_parameters, grow_vocab, load_tokenizer, resolve_model,
+                                     tokenizer_files)
     from zerotrain.trainer import Trainer
 
     try:
         source = resolve_model(args.model, args.model_config, args.tokenizer)
         tokenizer = load_tokenizer(source)
+        old_vocab = grow_vocab(source, tokenizer, args.add_tokens or ())  # the model is built at the new size
     except ModelError as exc:
         raise CLIError(str(exc)) from None
     max_positions = int(getattr(source.config, "max_position_embeddings", 0) or 0) or None
@@ -470,9 +478,6 @@ def _train(args: argparse.Namespace) -> int:
     if max_positions is not None and seq_len > max_positions:
         raise CLIError(f"--seq-len {seq_len} exceeds the max_position_embeddings ({max_positions}) of model "
                        f"{source.name!r}")
-    if len(tokenizer) > source.config.vocab_size:
-        raise CLIError(f"the tokenizer of {source.tokenizer_dir} has {len(tokenizer)} tokens, more than the model's "
-                       f"vocab_size {source.config.vocab_size}")
 
     engine, model = model_engine(source, args.config, seed=args.seed)
     dtype = engine.dtype
@@ -503,7 +508,9 @@ def _train(args: argparse.Namespace) -> int:
         if path is None and source.weights_dir is not None:
             # Each rank reads only its own shard ranges of the safetensors files, in the file's dtype into the
             # fp32 masters (a ZeRO-3 rank never holds the whole model).
-            engine.load_checkpoint(source.weights_dir, load_module_only=True)
+            load_weights(engine, source, model, old_vocab, save_dir, args.seed)
+            if rank == 0 and old_vocab is not None:
+                print(f"{PROG}: vocabulary grown from {old_vocab} to {source.config.vocab_size} tokens", flush=True)
         loader = make_loader(engine.global_samples)  # a resumed run continues at the exact next sample
         if rank == 0:
             stage = engine.config.zero_optimization.stage
@@ -569,6 +576,44 @@ def model_engine(source, config, seed: int = 0):
     model = build_model(source, build_dtype, init=init, seed=seed)
     engine, _, _, _ = zerotrain.initialize(model=model, config=config)
     return engine, model
+
+
+def load_weights(engine, source, model, old_vocab: Optional[int] = None, save_dir: Optional[str] = None,
+                 seed: int = 0) -> None:
+    """Load the model directory's weights into ``engine``, each rank reading its own shard ranges.
+
+    With ``old_vocab`` (``zerotrain.models.hf.grow_vocab`` grew the vocabulary, --add-tokens) the embedding and
+    head grow to config.vocab_size: rank 0 writes the resized tensors as an overlay of the directory
+    (``zerotrain.models.hf.write_resized``) where every rank reads it (``save_dir``; without one the temp
+    directory, which must then be shared by the ranks), every rank loads from it, rank 0 removes it."""
+    if old_vocab is None:
+        engine.load_checkpoint(source.weights_dir, load_module_only=True)
+        return
+    import shutil
+    import tempfile
+    import uuid
+
+    from zerotrain.comm import Comm
+    from zerotrain.models.hf import write_resized
+
+    comm = Comm(None, engine.global_rank, engine.world_size)
+    token = comm.all_gather_object(uuid.uuid4().hex[:12])[0]  # one name for the whole job
+    overlay = os.path.join(save_dir or tempfile.gettempdir(), f".zerotrain-resized-{token}")
+    error = None
+    if engine.global_rank == 0:
+        try:
+            write_resized(source, model, old_vocab, overlay, seed=seed)
+        except Exception as exc:  # noqa: BLE001 - every rank raises it below
+            error = f"{type(exc).__name__}: {exc}"
+    failed = [e for e in comm.all_gather_object(error) if e]
+    if failed:
+        raise CLIError(f"cannot resize the vocabulary of {source.weights_dir} (rank 0): {failed[0]}")
+    try:
+        engine.load_checkpoint(overlay, load_module_only=True)
+    finally:
+        comm.all_gather_object(None)  # every rank has read it
+        if engine.global_rank == 0:
+            shutil.rmtree(overlay, ignore_errors=True)
 
 
 def _stdlib_data(args: argparse.Namespace, seq_len: int, world: int, rank: int, micro: int):

@@ -83,26 +83,29 @@ def test_missing_or_incomplete_model_directories_are_named(tiny_llama_dir, tmp_p
 
 # --- one world-2 launch: ZeRO-3 loading == from_pretrained, and `zerotrain train` on local data ------------------
 
-def _load_at_zero3(directories: list[str], vocab: int) -> dict:
-    from zerotrain.cli import model_engine
-    from zerotrain.models.hf import resolve_model
+def _load_at_zero3(cases: list[tuple[str, list]], vocab: int, tmp: str) -> dict:
+    """Each (directory, tokens to add) as `zerotrain train` loads it at ZeRO-3: logits, weights, partitioning."""
+    from zerotrain.cli import load_weights, model_engine
+    from zerotrain.models.hf import grow_vocab, load_tokenizer, resolve_model
     from zerotrain.zero.stage3.partition import ZeroParameter
 
     config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 0}
     out = {}
-    for directory in directories:
+    for directory, tokens in cases:
         source = resolve_model(directory)
+        old_vocab = grow_vocab(source, load_tokenizer(source), tokens)
         engine, model = model_engine(source, config)
         # every parameter a released shard (a one-element placeholder, no full copy) before the load
         partitioned = all(isinstance(p, ZeroParameter) and not p._zero.gathered
                           and p.data.untyped_storage().nbytes() <= p.element_size() for p in model.parameters())
-        engine.load_checkpoint(source.weights_dir, load_module_only=True)
+        load_weights(engine, source, model, old_vocab, tmp, seed=11)
         engine.eval()
         with torch.no_grad():
             logits = engine(input_ids=_probe(vocab)).logits
-        out[directory] = {"logits": logits, "partitioned": partitioned, "weights": engine.full_state_dict(),
-                          "tied": model.lm_head.weight is model.model.embed_tokens.weight}
+        out[(directory, len(tokens))] = {
+            "logits": logits, "partitioned": partitioned, "weights": engine.full_state_dict(),
+            "tied": model.lm_head.weight is model.model.embed_tokens.weight, "left": os.listdir(tmp)}
     return out
 
 
@@ -111,7 +114,7 @@ def _load_then_train(directories: list[str], vocab: int, cwd: str, argv: list[st
     (RANK is set, so `main` trains in this process; the launcher itself is covered by the demo's tests)."""
     from zerotrain.cli import main
 
-    loaded = _load_at_zero3(directories, vocab) if directories else {}
+    loaded = _load_at_zero3(directories, vocab, os.path.join(cwd, "overlays")) if directories else {}
     os.chdir(cwd)
     os.environ["ZEROTRAIN_DATA_CACHE"] = os.path.join(cwd, "cache")
     return {"loaded": loaded, "status": main(["train", *argv])}
@@ -137,22 +140,34 @@ def test_zero3_world2_loads_like_from_pretrained_and_train_on_jsonl_resumes_on_o
     common = ["--model", str(sharded), "--data", str(chat), "--seq-len", "64", "--steps", "4"]
     first = ["--config", "w2.json", *common, "--eval-data", str(chat), "--save-dir", "ckpt", "--save-every", "2",
              "--log-dir", "full"]
-    results = run_distributed(_load_then_train, 2, [str(sharded), str(tied)], vocab, str(tmp_path), first)
+    (tmp_path / "overlays").mkdir()
+    new = ["<|tool|>", "<|think|>", "<|x|>"]
+    cases = [(str(sharded), []), (str(sharded), new), (str(tied), new[:2])]
+    results = run_distributed(_load_then_train, 2, cases, vocab, str(tmp_path), first)
     assert [r["status"] for r in results] == [0, 0]
 
-    # Loading: each rank read its shard ranges of the safetensors files; the logits are from_pretrained's.
-    for directory, is_tied in ((sharded, False), (tied, True)):
+    # Loading: each rank read its shard ranges of the safetensors files; the logits are from_pretrained's. With
+    # tokens added, embedding and (tied or untied) head grew as transformers' resize_token_embeddings grows them.
+    for directory, tokens in cases:
         reference = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+        if tokens:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+            tokenizer.add_tokens(tokens, special_tokens=True)
+            torch.manual_seed(11)
+            reference.resize_token_embeddings(len(tokenizer))
+            assert reference.get_input_embeddings().weight.shape[0] == vocab + len(tokens)
         with torch.no_grad():
             want = reference(input_ids=_probe(vocab)).logits
         for rank, result in enumerate(results):
-            got = result["loaded"][str(directory)]
+            got = result["loaded"][(directory, len(tokens))]
             assert got["partitioned"], f"rank {rank}: every parameter partitioned right after construction"
-            assert got["tied"] == is_tied
+            assert got["tied"] == (directory == str(tied)) and got["left"] == [], "tied as saved; overlay removed"
             torch.testing.assert_close(got["logits"], want, rtol=1e-5, atol=1e-5)
-        weights = results[0]["loaded"][str(directory)]["weights"]
-        for name, param in reference.named_parameters():
-            torch.testing.assert_close(weights[name], param.detach(), rtol=0, atol=0)
+        weights = results[0]["loaded"][(directory, len(tokens))]["weights"]
+        assert {name for name, _ in reference.named_parameters()} <= set(weights)
+        for name, tensor in reference.state_dict().items():
+            if name in weights:  # parameters (a tied head under both names), not buffers
+                torch.testing.assert_close(weights[name], tensor, rtol=0, atol=0, msg=name)
 
     # The checkpoint directory is a Hugging Face model directory: model + tokenizer, same as the source.
     step4 = tmp_path / "ckpt" / "global_step4"

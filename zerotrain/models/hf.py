@@ -22,12 +22,12 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
 __all__ = ["PRESETS", "ModelError", "ModelSource", "resolve_model", "build_model", "load_tokenizer",
-           "preset_config", "tokenizer_files", "byte_tokenizer"]
+           "preset_config", "tokenizer_files", "byte_tokenizer", "grow_vocab", "write_resized"]
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -233,6 +233,95 @@ def tokenizer_files(tokenizer) -> dict[str, bytes]:
         tokenizer.save_pretrained(tmp)
         return {name: Path(tmp, name).read_bytes() for name in sorted(os.listdir(tmp))
                 if Path(tmp, name).is_file()}
+
+
+def grow_vocab(source: ModelSource, tokenizer, add_tokens: Sequence[str] = ()) -> Optional[int]:
+    """Add ``add_tokens`` (as special tokens) to the tokenizer; when it then has more tokens than the model's
+    vocabulary, set ``config.vocab_size`` to its length and return the old size (None: no resize)."""
+    if add_tokens:
+        tokenizer.add_tokens(list(add_tokens), special_tokens=True)
+    old = int(source.config.vocab_size)
+    if len(tokenizer) <= old:
+        return None
+    source.config.vocab_size = len(tokenizer)
+    return old
+
+
+def write_resized(source: ModelSource, model: torch.nn.Module, old_vocab: int, out_dir: Union[str, Path],
+                  seed: int = 0) -> str:
+    """Write into the new directory ``out_dir`` an overlay of ``source.weights_dir`` (after :func:`grow_vocab`)
+    whose input embedding and output head (weight and bias) have ``config.vocab_size`` rows; returns it.
+
+    The new rows are what transformers' ``resize_token_embeddings`` (``mean_resizing=True``) gives: its own
+    ``_get_resized_embeddings`` / ``_get_resized_lm_head`` run on CPU stand-ins holding the file's tensors, from
+    ``seed`` (a tied head follows the embedding). Only these tensors are read whole; the overlay links every
+    other file, so the loader still reads each rank's shard ranges. Why not resize the model: at ZeRO-3 its
+    embedding is partitioned and the engine's optimizer built over it; resizing the file side keeps one
+    loading path for every stage. One rank writes it where every rank can read it.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    directory = Path(source.weights_dir)
+    weight_map = _weight_map(directory)
+    new_vocab = int(source.config.vocab_size)
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    names = {id(module): name for name, module in model.named_modules()}
+
+    def stored(param_name: str) -> str:
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        candidates = [param_name, param_name[len(prefix) + 1:] if param_name.startswith(prefix + ".") else
+                      f"{prefix}.{param_name}"]
+        found = next((c for c in candidates if c in weight_map), None)
+        if found is None:
+            raise ModelError(f"{directory}: no tensor {param_name!r} to resize to {new_vocab} tokens")
+        return found
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(str(directory / weight_map[name]), framework="pt") as handle:
+            return handle.get_tensor(name)
+
+    tied = head is not None and head.weight is embedding.weight
+    resized: dict[str, torch.Tensor] = {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        emb_name = stored(f"{names[id(embedding)]}.weight")
+        old = read(emb_name)
+        if old.shape[0] != old_vocab:
+            raise ModelError(f"{directory}: {emb_name} has {old.shape[0]} rows, config.json says vocab_size {old_vocab}")
+        stand_in = torch.nn.utils.skip_init(torch.nn.Embedding, old.shape[0], old.shape[1], dtype=old.dtype)
+        stand_in.weight.data = old
+        resized[emb_name] = model._get_resized_embeddings(stand_in, new_vocab, mean_resizing=True).weight.data
+        if head is not None and not tied:
+            head_name = stored(f"{names[id(head)]}.weight")
+            weight = read(head_name)
+            bias_name = stored(f"{names[id(head)]}.bias") if head.bias is not None else None
+            stand_in = torch.nn.utils.skip_init(torch.nn.Linear, weight.shape[1], weight.shape[0],
+                                                bias=bias_name is not None, dtype=weight.dtype)
+            stand_in.weight.data = weight
+            if bias_name is not None:
+                stand_in.bias.data = read(bias_name)
+            new_head = model._get_resized_lm_head(stand_in, new_vocab, mean_resizing=True)
+            resized[head_name] = new_head.weight.data
+            if bias_name is not None:
+                resized[bias_name] = new_head.bias.data
+    overlay = Path(out_dir)
+    overlay.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in resized.items()}, str(overlay / "resized.safetensors"))
+    for file in set(weight_map.values()):
+        (overlay / file).symlink_to(directory / file)
+    index = {name: ("resized.safetensors" if name in resized else file) for name, file in weight_map.items()}
+    (overlay / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    return str(overlay)
+
+
+def _weight_map(directory: Path) -> dict[str, str]:
+    if (directory / INDEX).is_file():
+        return json.loads((directory / INDEX).read_text(encoding="utf-8"))["weight_map"]
+    from safetensors import safe_open
+
+    with safe_open(str(directory / SINGLE), framework="pt") as handle:
+        return {name: SINGLE for name in handle.keys()}
 
 
 def count_parameters(model: torch.nn.Module) -> int:
