@@ -81,6 +81,22 @@ def test_missing_or_incomplete_model_directories_are_named(tiny_llama_dir, tmp_p
     assert "nope.jsonl: no such file" in capsys.readouterr().err
 
 
+def test_workers_get_the_model_and_data_arguments(tmp_path):
+    """`--nproc N` re-runs `train` in each worker: the model/data options survive the round trip."""
+    from zerotrain.cli import _worker_argv, build_parser
+
+    argv = ["train", "--config", "c.json", "--nproc", "2", "--model", "m", "--tokenizer", "t", "--data", "a.jsonl",
+            "b.txt", "--eval-data", "e.jsonl", "--text-field", "body", "--no-packing", "--num-proc", "3",
+            "--skip-bad-records", "--add-tokens", "<|a|>", "<|b|>", "--seq-len", "64"]
+    args = build_parser().parse_args(argv)
+    again = build_parser().parse_args(_worker_argv(args))
+    for key in ("model", "tokenizer", "text_field", "no_packing", "num_proc", "skip_bad_records", "add_tokens",
+                "seq_len"):
+        assert getattr(again, key) == getattr(args, key), key
+    assert again.data == [os.path.abspath("a.jsonl"), os.path.abspath("b.txt")]
+    assert again.eval_data == [os.path.abspath("e.jsonl")]
+
+
 # --- one world-2 launch: ZeRO-3 loading == from_pretrained, and `zerotrain train` on local data ------------------
 
 def _load_at_zero3(cases: list[tuple[str, list]], vocab: int, tmp: str) -> dict:

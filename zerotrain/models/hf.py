@@ -27,7 +27,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 __all__ = ["PRESETS", "ModelError", "ModelSource", "resolve_model", "build_model", "load_tokenizer",
-           "preset_config", "tokenizer_files", "byte_tokenizer", "grow_vocab", "write_resized"]
+           "preset_config", "tokenizer_files", "byte_tokenizer", "grow_vocab", "write_resized", "check_weights",
+           "count_parameters"]
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
