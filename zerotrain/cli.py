@@ -1,7 +1,9 @@
 """The ``zerotrain`` command.
 
-``zerotrain train --config examples/zero2.json --nproc 2`` trains the built-in byte-level
-GPT on the Python standard library's source code with the given DeepSpeed-style config.
+``zerotrain train --config examples/zero2.json --nproc 2`` trains a built-in preset (a small
+Llama-architecture model over bytes) on the Python standard library's source code with the given
+DeepSpeed-style config; ``--model DIR --data FILE ...`` trains a local Hugging Face model directory
+on local data files (``zerotrain.models.hf``, ``zerotrain.data``).
 With ``--nproc N > 1`` the command re-launches itself under PyTorch's own launcher
 (``python -m torch.distributed.run``), one worker process per rank. It saves a checkpoint
 in ``checkpoints/`` after the last step (``--save-every N`` also every N steps) and
@@ -35,7 +37,7 @@ class CLIError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     from zerotrain.checkpoint.command import add_ckpt_parser
     from zerotrain.data.corpus import DEFAULT_MAX_BYTES
-    from zerotrain.models.gpt import PRESETS
+    from zerotrain.models.hf import PRESETS
 
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -48,11 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser(
         "train",
-        help="train the built-in byte-level GPT on the Python standard library's source",
+        help="train a Hugging Face model directory on local data, or a built-in preset on the stdlib's source",
         description=(
-            "Train the built-in byte-level GPT on the Python standard library's own source "
-            "files (no download). Batch sizes, optimizer, scheduler, precision and ZeRO stage "
-            "come from the DeepSpeed-style JSON config."
+            "Train a local Hugging Face causal-LM directory (--model DIR) or config (--model-config) on "
+            "local data files (--data), or, without --data, a built-in preset (a byte-level Llama) on the "
+            "Python standard library's own source files (no download). Batch sizes, optimizer, scheduler, "
+            "precision and ZeRO stage come from the DeepSpeed-style JSON config."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -66,14 +69,41 @@ def build_parser() -> argparse.ArgumentParser:
              "under `python -m torch.distributed.run`",
     )
     train.add_argument(
-        "--model", choices=sorted(PRESETS), default="small",
-        help="GPT preset: tiny (~0.1M params, tests), small (~6M, demo), 70m (~72M, benchmarks)",
+        "--model", default=None, metavar="DIR|PRESET",
+        help="an existing directory: a local Hugging Face model directory (config.json, model.safetensors or "
+             "sharded model-*.safetensors + index, tokenizer files); anything else a preset (Llama "
+             f"architecture over bytes: {', '.join(PRESETS)}; tiny ~0.1M params, small ~6M, 70m ~71M). "
+             "Default: small",
     )
+    train.add_argument("--model-config", default=None, metavar="PATH",
+                       help="a Hugging Face config.json (or its directory): random init, for pre-training; needs "
+                            "--tokenizer")
+    train.add_argument("--tokenizer", default=None, metavar="DIR",
+                       help="tokenizer directory (AutoTokenizer; default: the model directory)")
+    train.add_argument("--add-tokens", nargs="+", default=None, metavar="TOKEN",
+                       help="add these special tokens to the tokenizer; the input embedding and output head grow "
+                            "to its length (new rows from the old rows' mean and covariance, as transformers' "
+                            "resize_token_embeddings does), at every ZeRO stage")
+    train.add_argument("--data", nargs="+", default=None, metavar="PATH",
+                       help="training data: .txt, .jsonl/.json (text or chat messages), .parquet, .csv files or "
+                            "save_to_disk directories (docs/data.md); default: the stdlib corpus")
+    train.add_argument("--eval-data", nargs="+", default=None, metavar="PATH",
+                       help="evaluation data, same formats as --data")
+    train.add_argument("--text-field", default="text", metavar="NAME",
+                       help="the text field of json/jsonl/parquet/csv records")
+    train.add_argument("--no-packing", action="store_true",
+                       help="one document per sample, padded per batch (default: pack documents into "
+                            "--seq-len blocks, never attending across documents)")
+    train.add_argument("--num-proc", type=int, default=None, metavar="N",
+                       help="tokenize with N processes (datasets.map)")
+    train.add_argument("--skip-bad-records", action="store_true",
+                       help="skip records that are not valid (counted and reported) instead of stopping")
     train.add_argument("--steps", type=int, default=50, metavar="N",
                        help="optimizer steps to run")
     train.add_argument(
         "--seq-len", type=int, default=None, metavar="T",
-        help="tokens per training sequence (default: 128, or the model's block size if smaller)",
+        help="tokens per training sequence (default with --data: 1024, without: 128; at most the model's "
+             "max_position_embeddings)",
     )
     train.add_argument(
         "--max-corpus-bytes", type=int, default=DEFAULT_MAX_BYTES, metavar="N",
@@ -278,6 +308,21 @@ def _check_train_args(args: argparse.Namespace) -> None:
         raise CLIError(f"--steps must be >= 0, got {args.steps}")
     if args.seq_len is not None and args.seq_len < 1:
         raise CLIError(f"--seq-len must be >= 1, got {args.seq_len}")
+    if args.num_proc is not None and args.num_proc < 1:
+        raise CLIError(f"--num-proc must be >= 1, got {args.num_proc}")
+    if args.eval_data and not args.data:
+        raise CLIError("--eval-data needs --data")
+    for flag, paths in (("--data", args.data), ("--eval-data", args.eval_data)):
+        for data_path in paths or ():
+            if not os.path.exists(data_path):
+                raise CLIError(f"{flag} {data_path}: no such file or directory")
+    from zerotrain.models.hf import PRESETS, ModelError, resolve_model
+    try:  # every file it names, before any process (a preset alone needs no transformers import here)
+        if args.model_config is not None or args.tokenizer is not None or (
+                args.model is not None and (args.model not in PRESETS or os.path.isdir(args.model))):
+            resolve_model(args.model, args.model_config, args.tokenizer)
+    except ModelError as exc:
+        raise CLIError(str(exc)) from None
     if args.max_corpus_bytes < 1:
         raise CLIError(f"--max-corpus-bytes must be >= 1, got {args.max_corpus_bytes}")
     if args.save_every < 0:
@@ -324,10 +369,11 @@ def _check_train_args(args: argparse.Namespace) -> None:
 # one from the launcher's environment, and the launcher's own parser would stop at `--nproc`
 # as an ambiguous abbreviation of its `--nproc-per-node` (argparse checks every argument,
 # even those meant for the script). `--master-port` concerns only the launcher.
-_WORKER_OPTIONS = ("config", "model", "steps", "seq_len", "max_corpus_bytes", "val_fraction",
-                   "eval_interval", "eval_batches", "log_dir", "seed", "save_dir", "save_every",
-                   "stop_signals")
-_WORKER_FLAGS = ("no_save", "resume")
+_WORKER_OPTIONS = ("config", "model", "model_config", "tokenizer", "text_field", "num_proc", "steps", "seq_len",
+                   "max_corpus_bytes", "val_fraction", "eval_interval", "eval_batches", "log_dir", "seed",
+                   "save_dir", "save_every", "stop_signals")
+_WORKER_LISTS = ("data", "eval_data")
+_WORKER_FLAGS = ("no_save", "resume", "no_packing", "skip_bad_records")
 
 
 def _worker_argv(args: argparse.Namespace) -> list[str]:
@@ -337,6 +383,11 @@ def _worker_argv(args: argparse.Namespace) -> list[str]:
         value = getattr(args, dest)
         if value is not None:
             argv.append(f"--{dest.replace('_', '-')}={value}")
+    for dest in _WORKER_LISTS:
+        if getattr(args, dest):
+            argv += [f"--{dest.replace('_', '-')}", *(os.path.abspath(p) for p in getattr(args, dest))]
+    if args.add_tokens:
+        argv += ["--add-tokens", *args.add_tokens]
     argv += [f"--{dest.replace('_', '-')}" for dest in _WORKER_FLAGS if getattr(args, dest)]
     return argv
 
@@ -449,48 +500,36 @@ def _launch_script(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    import torch
-    from torch.utils.data import DataLoader
-    from torch.utils.data.distributed import DistributedSampler
-
-    import zerotrain
     from zerotrain import dist
-    from zerotrain.data import TokenBlockDataset, load_stdlib_corpus, split
-    from zerotrain.models import GPT, GPTConfig
+
+    from zerotrain.models.hf import (ModelError, count_parameters, grow_vocab, load_tokenizer, resolve_model,
+                                     tokenizer_files)
     from zerotrain.trainer import Trainer
 
-    model_config = GPTConfig.preset(args.model)
-    seq_len = args.seq_len if args.seq_len is not None else min(128, model_config.block_size)
-    if seq_len > model_config.block_size:
-        raise CLIError(
-            f"--seq-len {seq_len} exceeds the block size ({model_config.block_size}) "
-            f"of model {args.model!r}"
-        )
+    try:
+        source = resolve_model(args.model, args.model_config, args.tokenizer)
+        tokenizer = load_tokenizer(source)
+        old_vocab = grow_vocab(source, tokenizer, args.add_tokens or ())  # the model is built at the new size
+    except ModelError as exc:
+        raise CLIError(str(exc)) from None
+    max_positions = int(getattr(source.config, "max_position_embeddings", 0) or 0) or None
+    default_len = 1024 if args.data else 128
+    seq_len = args.seq_len if args.seq_len is not None else min(default_len, max_positions or default_len)
+    if max_positions is not None and seq_len > max_positions:
+        raise CLIError(f"--seq-len {seq_len} exceeds the max_position_embeddings ({max_positions}) of model "
+                       f"{source.name!r}")
 
-    torch.manual_seed(args.seed)
-    model = GPT(model_config)
-    engine, _, _, _ = zerotrain.initialize(model=model, config=args.config)
+    engine, model = model_engine(source, args.config, seed=args.seed)
+    dtype = engine.dtype
     try:
         world, rank = dist.get_world_size(), dist.get_rank()
         micro = engine.train_micro_batch_size_per_gpu()
-
-        tokens = load_stdlib_corpus(max_bytes=args.max_corpus_bytes)
-        train_tokens, val_tokens = split(tokens, args.val_fraction)
-        train_set = TokenBlockDataset(train_tokens, seq_len)
-        if len(train_set) < world * micro:
-            raise CLIError(
-                f"the corpus gives {len(train_set)} training blocks of {seq_len} tokens, fewer "
-                f"than one micro-batch per rank ({world} x {micro}); raise --max-corpus-bytes"
-            )
-        sampler = DistributedSampler(train_set, num_replicas=world, rank=rank,
-                                     shuffle=True, seed=args.seed, drop_last=True)
-        loader = DataLoader(train_set, batch_size=micro, sampler=sampler, drop_last=True)
-
-        eval_loader = None
-        val_set = TokenBlockDataset(val_tokens, seq_len) if val_tokens.numel() > 1 else None
-        if val_set is not None and len(val_set) > 0 and args.eval_batches > 0:
-            val_sampler = DistributedSampler(val_set, num_replicas=world, rank=rank, shuffle=False)
-            eval_loader = DataLoader(val_set, batch_size=micro, sampler=val_sampler)
+        dp_rank, dp_size = engine.topology.dp_rank, engine.dp_world_size
+        engine.add_checkpoint_files(tokenizer_files(tokenizer))  # from_pretrained(checkpoint) finds the tokenizer
+        if args.data:
+            data_text, make_loader, eval_loader, eval_batches = _local_data(args, engine, model, tokenizer, seq_len, dtype)
+        else:
+            data_text, make_loader, eval_loader, eval_batches = _stdlib_data(args, seq_len, world, rank, micro)
 
         save_dir = None if args.no_save else os.path.abspath(args.save_dir)
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
@@ -500,18 +539,27 @@ def _train(args: argparse.Namespace) -> int:
                 print(f"{PROG}: restart {restarts} of this job: resuming from the latest checkpoint", flush=True)
         if save_dir is not None:
             engine.claim_save_dir(save_dir)  # one job per save directory: refused before training, not at the first save
+        path = None
         if args.resume:
             path, _ = engine.load_checkpoint(save_dir)
             if rank == 0:
                 print(f"{PROG}: resumed from {path} at step {engine.global_steps}" if path is not None else
                       f"{PROG}: nothing to resume in {save_dir}; starting from scratch", flush=True)
+        if path is None and source.weights_dir is not None:
+            # Each rank reads only its own shard ranges of the safetensors files, in the file's dtype into the
+            # fp32 masters (a ZeRO-3 rank never holds the whole model).
+            load_weights(engine, source, model, old_vocab, save_dir, args.seed)
+            if rank == 0 and old_vocab is not None:
+                print(f"{PROG}: vocabulary grown from {old_vocab} to {source.config.vocab_size} tokens", flush=True)
+        loader = make_loader(engine.global_samples)  # a resumed run continues at the exact next sample
         if rank == 0:
             stage = engine.config.zero_optimization.stage
+            weights = f"weights from {source.weights_dir}" if source.weights_dir else "random init"
             print(
-                f"{PROG}: model {args.model} ({model.num_parameters():,} params), "
-                f"world size {world}, ZeRO stage {stage}, batch {engine.train_batch_size()} = "
+                f"{PROG}: model {source.name} ({type(model).__name__}, {count_parameters(model):,} params, "
+                f"{weights}), world size {world}, ZeRO stage {stage}, batch {engine.train_batch_size()} = "
                 f"{micro} micro x {engine.gradient_accumulation_steps()} accumulation x "
-                f"{world} ranks, seq {seq_len}, corpus {tokens.numel():,} bytes",
+                f"{dp_size} ranks, seq {seq_len}, {data_text}",
                 flush=True,
             )
         trainer = Trainer(
@@ -522,7 +570,7 @@ def _train(args: argparse.Namespace) -> int:
             log_dir=args.log_dir,
             steps_per_print=engine.config.steps_per_print,
             eval_interval=args.eval_interval,
-            eval_batches=args.eval_batches,
+            eval_batches=eval_batches,
             save_dir=save_dir,
             save_every=args.save_every,
             stop_signals=args.stop_signals or (),
@@ -540,6 +588,148 @@ def _train(args: argparse.Namespace) -> int:
             trainer.stop_request.tell_launcher(summary.stopped_by, f"step {engine.global_steps}, {where}")
         return trainer.stop_request.exit_status(summary.stopped_by)
     return 0
+
+
+def model_engine(source, config, seed: int = 0):
+    """``(engine, model)``: the model of a resolved ``--model`` (``zerotrain.models.hf.ModelSource``) under
+    ``zerotrain.initialize``; its directory's weights are not read yet (``engine.load_checkpoint(
+    source.weights_dir, load_module_only=True)`` reads each rank's own shard ranges).
+
+    At ZeRO-3 the model is built inside ``zero.Init`` in the config's dtype: every module is partitioned as
+    soon as it is built, so the whole model never exists on one rank. Elsewhere a model with weights to load
+    is built in the config's dtype; a random init in fp32 (the engine casts; its fp32 masters keep the init).
+    """
+    import torch
+
+    import zerotrain
+    from zerotrain.config import load_config
+    from zerotrain.models.hf import build_model
+    from zerotrain.precision import training_dtype
+    from zerotrain.zero import Init
+
+    run_config = load_config(config)
+    dtype = training_dtype(run_config.precision)
+    stage3 = run_config.zero_optimization.stage == 3
+    init = Init(dtype=dtype, timeout_seconds=run_config.comm_timeout_seconds) if stage3 else None
+    build_dtype = dtype if (stage3 or source.weights_dir is not None) else torch.float32
+    model = build_model(source, build_dtype, init=init, seed=seed)
+    engine, _, _, _ = zerotrain.initialize(model=model, config=config)
+    return engine, model
+
+
+def load_weights(engine, source, model, old_vocab: Optional[int] = None, save_dir: Optional[str] = None,
+                 seed: int = 0) -> None:
+    """Load the model directory's weights into ``engine``, each rank reading its own shard ranges.
+
+    With ``old_vocab`` (``zerotrain.models.hf.grow_vocab`` grew the vocabulary, --add-tokens) the embedding and
+    head grow to config.vocab_size: rank 0 writes the resized tensors as an overlay of the directory
+    (``zerotrain.models.hf.write_resized``) where every rank reads it (``save_dir``; without one the temp
+    directory, which must then be shared by the ranks), every rank loads from it, rank 0 removes it."""
+    if old_vocab is None:
+        engine.load_checkpoint(source.weights_dir, load_module_only=True)
+        return
+    import shutil
+    import tempfile
+    import uuid
+
+    from zerotrain.comm import Comm
+    from zerotrain.models.hf import write_resized
+
+    comm = Comm(None, engine.global_rank, engine.world_size)
+    token = comm.all_gather_object(uuid.uuid4().hex[:12])[0]  # one name for the whole job
+    overlay = os.path.join(save_dir or tempfile.gettempdir(), f".zerotrain-resized-{token}")
+    error = None
+    if engine.global_rank == 0:
+        try:
+            write_resized(source, model, old_vocab, overlay, seed=seed)
+        except Exception as exc:  # noqa: BLE001 - every rank raises it below
+            error = f"{type(exc).__name__}: {exc}"
+    failed = [e for e in comm.all_gather_object(error) if e]
+    if failed:
+        raise CLIError(f"cannot resize the vocabulary of {source.weights_dir} (rank 0): {failed[0]}")
+    try:
+        engine.load_checkpoint(overlay, load_module_only=True)
+    finally:
+        comm.all_gather_object(None)  # every rank has read it
+        if engine.global_rank == 0:
+            shutil.rmtree(overlay, ignore_errors=True)
+
+
+def _stdlib_data(args: argparse.Namespace, seq_len: int, world: int, rank: int, micro: int):
+    """The demo's data: the standard library's source as bytes, in (input_ids, labels) blocks."""
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    from zerotrain.data import TokenBlockDataset, load_stdlib_corpus, split
+
+    tokens = load_stdlib_corpus(max_bytes=args.max_corpus_bytes)
+    train_tokens, val_tokens = split(tokens, args.val_fraction)
+    train_set = TokenBlockDataset(train_tokens, seq_len)
+    if len(train_set) < world * micro:
+        raise CLIError(
+            f"the corpus gives {len(train_set)} training blocks of {seq_len} tokens, fewer "
+            f"than one micro-batch per rank ({world} x {micro}); raise --max-corpus-bytes"
+        )
+    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed,
+                                 drop_last=True)
+    loader = DataLoader(train_set, batch_size=micro, sampler=sampler, drop_last=True, collate_fn=_causal_blocks)
+    eval_loader = None
+    val_set = TokenBlockDataset(val_tokens, seq_len) if val_tokens.numel() > 1 else None
+    if val_set is not None and len(val_set) > 0 and args.eval_batches > 0:
+        val_sampler = DistributedSampler(val_set, num_replicas=world, rank=rank, shuffle=False)
+        eval_loader = DataLoader(val_set, batch_size=micro, sampler=val_sampler, collate_fn=_causal_blocks)
+    # The Trainer skips the batches a resumed run consumed (this sampler does not know its position).
+    return f"corpus {tokens.numel():,} bytes", (lambda consumed: loader), eval_loader, args.eval_batches
+
+
+def _causal_blocks(items: list) -> dict:
+    """A batch of (x, y) byte blocks as a causal LM's input: the model shifts the labels itself."""
+    import torch
+
+    ids = torch.stack([x for x, _ in items])
+    return {"input_ids": ids, "labels": ids}
+
+
+def _local_data(args: argparse.Namespace, engine, model, tokenizer, seq_len: int, dtype):
+    """--data / --eval-data through zerotrain.data: tokenized once per node (cached), packed or padded."""
+    from zerotrain.comm import Comm
+    from zerotrain.data import BadRecordError, DataConfig, build_data
+
+    world_comm = Comm(None, engine.global_rank, engine.world_size)  # every rank: one tokenizer per node
+
+    def build(paths):
+        config = DataConfig(paths=list(paths), seq_len=seq_len, packing=not args.no_packing,
+                            text_field=args.text_field, skip_bad_records=args.skip_bad_records,
+                            num_proc=args.num_proc, seed=args.seed)
+        try:
+            return build_data(config, tokenizer, comm=world_comm, model=model, mask_dtype=dtype)
+        except (BadRecordError, ValueError) as exc:
+            raise CLIError(str(exc)) from None
+
+    train = build(args.data)
+    micro, dp_rank, dp_size = engine.train_micro_batch_size_per_gpu(), engine.topology.dp_rank, engine.dp_world_size
+    if engine.global_rank == 0 and train.skipped:
+        print(f"{PROG}: skipped {len(train.skipped)} bad record(s) (--skip-bad-records), first: {train.skipped[0]}",
+              flush=True)
+
+    def make_loader(consumed: int):
+        try:
+            return train.loader(micro_batch_size=micro, global_batch_size=engine.train_batch_size(),
+                                dp_rank=dp_rank, dp_size=dp_size, consumed_samples=consumed)
+        except ValueError as exc:
+            raise CLIError(f"--data: {exc}") from None
+
+    eval_loader, eval_batches = None, args.eval_batches
+    if args.eval_data:
+        evals = build(args.eval_data)
+        # Every rank must run the same number of forward passes (ZeRO-3 gathers weights in each one).
+        eval_batches = min(args.eval_batches, len(evals.dataset) // (micro * dp_size))
+        if eval_batches < 1:
+            raise CLIError(f"--eval-data gives {len(evals.dataset)} samples, fewer than one micro-batch per rank "
+                           f"({dp_size} x {micro})")
+        eval_loader = evals.eval_loader(micro_batch_size=micro, dp_rank=dp_rank, dp_size=dp_size)
+    what = "packed" if not args.no_packing else "padded"
+    return f"data {len(train.dataset):,} {what} samples", make_loader, eval_loader, eval_batches
 
 
 if __name__ == "__main__":

@@ -117,6 +117,7 @@ class ZeroTrainEngine:
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
+        self._checkpoint_files: dict[str, bytes] = {}  # add_checkpoint_files: copied into every checkpoint
         self.skipped_steps = 0
         self._backward_done = False
         self.checkpointer = None  # created by the first save_checkpoint
@@ -414,7 +415,15 @@ class ZeroTrainEngine:
             # during backward).
             defer_copies=topology.device.type == "cpu" and self.zero_optimizer.snapshot_in_background,
             counters=_StepCounters(self), loss_scaler=self.loss_scaler, scheduler=self.lr_scheduler,
-            loco=_LoCoErrors(self), fences=self.snapshot_fences)
+            loco=_LoCoErrors(self), fences=self.snapshot_fences, files=self._checkpoint_files)
+
+    def add_checkpoint_files(self, files: dict) -> None:
+        """Copy these files ({name: bytes}) into every checkpoint directory saved from now on, listed in its
+        manifest (e.g. the tokenizer's files, so `AutoTokenizer.from_pretrained(checkpoint_dir)` works)."""
+        for name, data in files.items():
+            if os.sep in name or name.startswith(".") or not isinstance(data, (bytes, bytearray)):
+                raise ValueError(f"checkpoint file {name!r}: a plain file name with bytes is expected")
+        self._checkpoint_files.update(files)
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         save_latest: bool = True, async_save: Optional[bool] = None,

@@ -95,8 +95,11 @@ class Trainer:
 
     Args:
         engine: the object returned first by ``zerotrain.initialize``.
-        dataloader: yields ``(x, y)`` micro-batches; re-iterated (with
-            ``sampler.set_epoch``) when exhausted.
+        dataloader: yields ``(x, y)`` micro-batches (``engine(x, y) -> (logits, loss)``) or dicts of
+            tensors (``engine(**batch).loss``, a Hugging Face model: ``zerotrain.data``'s batches);
+            re-iterated (with ``sampler.set_epoch``) when exhausted. A resumed run skips the batches
+            already consumed, unless the sampler has a ``consumed_samples`` attribute (built at its
+            position, as ``zerotrain.data``'s ``ResumableSampler`` is).
         total_steps: optimizer steps to reach. A resumed engine (``engine.global_steps > 0``)
             continues from where it is.
         eval_data: optional iterable of ``(x, y)`` batches; evaluated every
@@ -173,7 +176,7 @@ class Trainer:
 
     # -- data ---------------------------------------------------------------------------
 
-    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _next_batch(self):
         for _ in range(2):
             if self._batches is None:
                 sampler = getattr(self.dataloader, "sampler", None)
@@ -192,6 +195,8 @@ class Trainer:
         samples = int(getattr(self.engine, "global_samples", 0) or 0)
         if samples == 0:
             return
+        if getattr(getattr(self.dataloader, "sampler", None), "consumed_samples", None) is not None:
+            return  # a resumable sampler (zerotrain.data's) was built at the position already: nothing to skip
         micro = int(self.engine.train_micro_batch_size_per_gpu())
         consumed = samples // (micro * self.dp_size)  # micro-batches each rank has drawn
         per_epoch = len(self.dataloader) if hasattr(self.dataloader, "__len__") else 0
@@ -206,6 +211,16 @@ class Trainer:
             return tensor
         return tensor.to(self.device, non_blocking=True)
 
+    def _forward(self, batch) -> tuple[torch.Tensor, int]:
+        """(loss, input tokens) of one micro-batch: ``(x, y)`` for ``engine(x, y) -> (logits, loss)``, or a
+        dict of tensors (``zerotrain.data``'s batches) for a Hugging Face model, ``engine(**batch).loss``."""
+        if isinstance(batch, dict):
+            batch = {key: self._to_device(value) for key, value in batch.items()}
+            return self.engine(**batch).loss, int(batch["input_ids"].numel())
+        x, y = batch
+        _, loss = self.engine(self._to_device(x), self._to_device(y))
+        return loss, int(x.numel())
+
     # -- one step -----------------------------------------------------------------------
 
     def train_step(self) -> tuple[float, float, int]:
@@ -219,16 +234,14 @@ class Trainer:
         tokens = 0
         lr = float("nan")
         for micro in range(accumulation):
-            x, y = self._next_batch()
-            x, y = self._to_device(x), self._to_device(y)
-            _, loss = engine(x, y)
+            loss, count = self._forward(self._next_batch())
             engine.backward(loss)
             if micro == accumulation - 1:
                 lr = self._current_lr()  # the rate this update applies
             engine.step()
             detached = loss.detach().float()
             loss_sum = detached if loss_sum is None else loss_sum + detached
-            tokens += int(x.numel())
+            tokens += count
         assert loss_sum is not None
         mean_loss = self._reduce_loss_and_stop(loss_sum / accumulation)
         return mean_loss, lr, tokens * self.dp_size
@@ -275,10 +288,10 @@ class Trainer:
         total = torch.zeros((), dtype=torch.float64)
         count = 0
         try:
-            for i, (x, y) in enumerate(self.eval_data):
+            for i, batch in enumerate(self.eval_data):
                 if self.eval_batches is not None and i >= self.eval_batches:
                     break
-                _, loss = self.engine(self._to_device(x), self._to_device(y))
+                loss, _ = self._forward(batch)
                 total += loss.detach().to("cpu", torch.float64)
                 count += 1
         finally:

@@ -101,7 +101,7 @@ def test_ckpt_inspect_lists_tensors_step_and_topology(runs):
     text = proc.stdout
     assert "global_step6" in text and "step        6" in text
     assert "world_size=2" in text and "stage=3" in text
-    assert "transformer.wte.weight" in text or "wte" in text
+    assert "model.embed_tokens.weight" in text
     assert "optimizer:" in text and "exp_avg_sq" in text
 
     report = json.loads(zerotrain("ckpt", "inspect", "--json", "full_ckpt/global_step6", cwd=root).stdout)
@@ -184,6 +184,11 @@ def test_ckpt_export_writes_hf_layout_in_bf16(runs, tmp_path):
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor.to(torch.bfloat16)), name
     assert not any(name.startswith("optimizer") for name in os.listdir(out))
+    # The demo's preset is a Hugging Face architecture: the export (config + tokenizer) loads with from_pretrained.
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.bfloat16 and model.config.model_type == "llama"
+    assert transformers.AutoTokenizer.from_pretrained(out)("def")["input_ids"] == list(b"def")
 
     again = zerotrain("ckpt", "export", "full_ckpt", str(out), cwd=root)  # never overwrites
     assert again.returncode == 1 and "not empty" in again.stderr

@@ -143,8 +143,8 @@ def test_export_fp32_from_masters(tmp_path):
     """`zerotrain ckpt export`'s function: model weights only, cast from the fp32 masters."""
     from zerotrain.checkpoint import export_model, inspect_checkpoint
 
-    save_dir = str(tmp_path / "ckpt")
-    run_distributed(_save_small_bf16, 1, save_dir)
+    save_dir, gpt_dir = str(tmp_path / "ckpt"), str(tmp_path / "gpt")
+    run_distributed(_save_small_bf16, 1, save_dir, gpt_dir)
     report = inspect_checkpoint(save_dir)
     assert report["global_steps"] == 0 and report["topology"]["dtype"] == "bfloat16"
     assert set(report["tensors"]) == {"model", "master_weights", "optimizer"}
@@ -160,5 +160,22 @@ def test_export_fp32_from_masters(tmp_path):
                                    rtol=0, atol=0)
 
 
-def _save_small_bf16(save_dir: str) -> None:
+    # A model that is not a Hugging Face architecture (zerotrain's GPT) exports, and the command says so.
+    import contextlib
+    import io
+
+    from zerotrain.cli import main
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        assert main(["ckpt", "export", gpt_dir, str(tmp_path / "gpt_export")]) == 0
+    assert "not a Hugging Face architecture (no config.json)" in err.getvalue()
+    assert not (tmp_path / "gpt_export" / "config.json").exists()
+
+
+def _save_small_bf16(save_dir: str, gpt_dir: str) -> None:
+    import zerotrain
+    from zerotrain.models import GPT, GPTConfig
+
     engine_for(stage=0, precision="bf16").save_checkpoint(save_dir)
+    gpt, *_ = zerotrain.initialize(model=GPT(GPTConfig.preset("tiny")), config=engine_config(0, "fp32"))
+    gpt.save_checkpoint(gpt_dir)

@@ -104,7 +104,7 @@ class Checkpointer:
             job = SaveJob(plan=plan, sources=sources, comm=self.comm, save_dir=os.path.abspath(save_dir), tag=tag,
                           save_latest=save_latest, keep_last=settings.keep_last,
                           trainer_state=trainer_state if rank0 else {}, rng_state=capture_rng(),
-                          extra_files=hf_config_files(state.module, state.dtype) if rank0 else {},
+                          extra_files={**state.files, **hf_config_files(state.module, state.dtype)} if rank0 else {},
                           optimizer_meta=optimizer_meta if rank0 else {}, loco_state=capture_loco(state.loco))
         except Exception as caught:  # noqa: BLE001
             error = caught

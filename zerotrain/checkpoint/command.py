@@ -13,7 +13,7 @@ import sys
 from typing import TextIO
 
 from .format import CheckpointError
-from .tools import export_model, inspect_checkpoint, verify_checkpoint
+from .tools import export_model, inspect_checkpoint, is_hugging_face_model, verify_checkpoint
 
 _DIR_HELP = ("a checkpoint tag directory (e.g. checkpoints/global_step50), or a save directory "
              "with a `latest` file (its latest checkpoint is used)")
@@ -51,8 +51,9 @@ def add_ckpt_parser(sub: argparse._SubParsersAction, prog: str) -> None:
     export = tools.add_parser(
         "export", help="write the model weights only, in Hugging Face layout",
         description=("Write the model weights (no optimizer or trainer state) to a new directory as "
-                     "model-*.safetensors + model.safetensors.index.json (+ config.json when the "
-                     "model has a Hugging Face config), optionally cast. Weights come from the fp32 "
+                     "model-*.safetensors + model.safetensors.index.json (+ config.json and the "
+                     "tokenizer files when the model has a Hugging Face config: from_pretrained(OUT) loads it; "
+                     "a model that is not a Hugging Face architecture is said so), optionally cast. Weights come from the fp32 "
                      "master copies when the checkpoint has them. The checkpoint is verified first."),
     )
     export.add_argument("dir", metavar="DIR", help=_DIR_HELP)
@@ -84,6 +85,10 @@ def run_ckpt(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
             path = export_model(args.dir, args.out, dtype=args.dtype, merge_lora=getattr(args, "merge_lora", None))
             lora = f", LoRA {args.merge_lora} folded in" if getattr(args, "merge_lora", None) else ""
             out.write(f"exported model weights ({args.dtype or 'as saved'}{lora}) to {path}\n")
+            if not is_hugging_face_model(path):
+                print(f"zerotrain ckpt export: note: {args.dir} is not a Hugging Face architecture (no config.json): "
+                      f"the export holds the weights under the model's own names, which transformers' "
+                      f"from_pretrained cannot load", file=sys.stderr, flush=True)
         else:  # pragma: no cover - argparse rejects other names
             raise ValueError(args.ckpt_command)
     except CheckpointError as error:

@@ -124,8 +124,9 @@ def fsync_file(path: str) -> None:
 
 
 def write_json(path: str, payload, fsync: bool = True) -> tuple[int, int]:
-    """Write JSON to `path` (fsynced); returns (size, crc32) of the bytes written."""
-    data = json.dumps(payload, indent=1, sort_keys=False).encode()
+    """Write JSON (or `bytes` as they are) to `path` (fsynced); returns (size, crc32) of the bytes written."""
+    data = bytes(payload) if isinstance(payload, (bytes, bytearray)) else \
+        json.dumps(payload, indent=1, sort_keys=False).encode()
     with open(path, "wb") as handle:
         handle.write(data)
         handle.flush()

@@ -16,7 +16,7 @@ The checkpoint never reads or writes an engine attribute; the engine builds a
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
 import torch
@@ -70,6 +70,9 @@ class CheckpointState:
     scheduler: Optional[Stateful]
     loco: LoCoErrors
     fences: SnapshotFences                      # pending async snapshot copies of these slots
+    # Files copied into every checkpoint directory by rank 0, listed in the manifest ({name: bytes}; e.g. the
+    # tokenizer's, so AutoTokenizer.from_pretrained(checkpoint) works). The engine's dict: later additions count.
+    files: dict = field(default_factory=dict)
 
 
 def sharded_names(slots) -> set[str]:

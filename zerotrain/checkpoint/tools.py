@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from . import commit
-from .format import (HF_CONFIG, HF_GENERATION_CONFIG, MASTER, MODEL, CheckpointError,
+from .format import (HF_CONFIG, HF_GENERATION_CONFIG, MANIFEST, MASTER, MODEL, TRAINER_STATE, CheckpointError,
                      SafetensorsWriter, dtype_name, index_file, itemsize, numel_of, plan_shards, read_header, read_json,
                      shard_file, st_dtype, write_json)
 from .integrity import check_sizes, read_manifest, verify_checksums
@@ -143,6 +143,8 @@ def export_model(directory: str, out: str, dtype: Optional[str] = None,
                     payload["dtype" if "dtype" in payload or "torch_dtype" not in payload else "torch_dtype"] = \
                         dtype_name(target)
                 write_json(os.path.join(temp, name), payload)
+        for name in _side_files(path):  # the tokenizer's files and the like: from_pretrained(out) finds them
+            shutil.copyfile(os.path.join(path, name), os.path.join(temp, name))
         if os.path.exists(out):
             os.rmdir(out)
         commit.commit_directory(temp, out)
@@ -152,4 +154,19 @@ def export_model(directory: str, out: str, dtype: Optional[str] = None,
     return out
 
 
-__all__ = ["inspect_checkpoint", "verify_checkpoint", "export_model"]
+def _side_files(path: str) -> list[str]:
+    """Files of a model directory that are neither weights, nor the configs written above, nor zerotrain's own
+    state: the tokenizer's (tokenizer.json, tokenizer_config.json, chat_template.jinja, ...)."""
+    own = {MANIFEST, TRAINER_STATE, HF_CONFIG, HF_GENERATION_CONFIG}
+    return sorted(name for name in os.listdir(path)
+                  if os.path.isfile(os.path.join(path, name)) and name not in own and not name.startswith(".")
+                  and not name.endswith((".safetensors", ".safetensors.index.json", ".bin", ".pt", ".pth"))
+                  and not name.startswith(("rng_state_", "loco_state_")))
+
+
+def is_hugging_face_model(path: str) -> bool:
+    """Whether a model directory (an export, a tag directory) has the config.json transformers needs to load it."""
+    return os.path.exists(os.path.join(path, HF_CONFIG))
+
+
+__all__ = ["inspect_checkpoint", "verify_checkpoint", "export_model", "is_hugging_face_model"]

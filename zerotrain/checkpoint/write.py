@@ -56,7 +56,7 @@ class SaveJob:
     keep_last: int | None
     trainer_state: dict              # rank 0's, JSON-ready
     rng_state: dict                  # this rank's, JSON-ready
-    extra_files: dict = field(default_factory=dict)   # rank 0: {file name: JSON payload} (HF config)
+    extra_files: dict = field(default_factory=dict)   # rank 0: {file name: JSON payload, or bytes as they are}
     optimizer_meta: dict = field(default_factory=dict)  # rank 0: optimizer type and group hyperparameters
     loco_state: dict | None = None   # this rank's LoCo error buffers (None: LoCo is off)
 
