@@ -159,11 +159,13 @@ class SafetensorsWriter:
 
     `write(key, chunks)` must be called for every key in header order; the chunks of
     one key (uint8 tensors or bytes) must add up to exactly its size. `close()` fsyncs
-    and returns (size, crc32) of the whole file.
+    and returns (size, crc32) of the whole file (crc32 0 when made with `checksum=False`).
     """
 
-    def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple]], metadata: Optional[dict] = None):
+    def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple]], metadata: Optional[dict] = None,
+                 checksum: bool = True):
         self.path = path
+        self._checksum = checksum  # off for files no manifest records (merge outputs): crc32 is ~1 s per GB
         header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
         self._order: list[tuple[str, int]] = []
         offset = 0
@@ -185,7 +187,8 @@ class SafetensorsWriter:
             self._file.write(data)
         except OSError as error:
             raise _named(error, self.path) from error
-        self._crc = zlib.crc32(data, self._crc)
+        if self._checksum:
+            self._crc = zlib.crc32(data, self._crc)
 
     def write(self, key: str, chunks: Iterable) -> None:
         if self._next >= len(self._order) or self._order[self._next][0] != key:

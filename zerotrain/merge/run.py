@@ -20,6 +20,7 @@ import re
 import shutil
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
 import torch
@@ -254,6 +255,10 @@ def merge(recipe: Recipe, out: str, log: Optional[Callable[[str], None]] = None)
     started = time.perf_counter()
     inputs = _Inputs(recipe)
     writer = None
+    # The inputs' crc32s (merge_config.json's provenance) are taken on a thread while the merge runs: zlib
+    # releases the GIL, and the files are read from the page cache the merge itself fills.
+    checksummer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerotrain-merge-crc")
+    checksums = checksummer.submit(lambda: [source.checksums() for source in inputs.all()])
     try:
         names = _check_keys(inputs, recipe)
         vocab = _Vocab(inputs, recipe)
@@ -288,7 +293,7 @@ def merge(recipe: Recipe, out: str, log: Optional[Callable[[str], None]] = None)
             "zerotrain_version": zerotrain_version, **recipe.to_json(),
             "inputs": [{"model": s.spec, "path": s.path, "kind": s.kind,
                         "adapter": None if s.adapter is None else s.adapter.directory,
-                        "checksums": s.checksums()} for s in inputs.all()],
+                        "checksums": crc} for s, crc in zip(inputs.all(), checksums.result())],
             "tensors": len(entries), "total_size": writer.total_size, "num_layers": num_layers,
             "working_set_bytes": working_set,
         }
@@ -305,6 +310,8 @@ def merge(recipe: Recipe, out: str, log: Optional[Callable[[str], None]] = None)
             writer.abort()
         raise
     finally:
+        checksums.cancel()
+        checksummer.shutdown(wait=True)
         inputs.close()
 
 
