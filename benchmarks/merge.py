@@ -160,6 +160,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     root = args.workdir or tempfile.mkdtemp(prefix="merge_bench_")
+    os.makedirs(root, exist_ok=True)
     _check_free_space(root, args.size)
     rows = []
     try:
