@@ -25,13 +25,13 @@ fsynced, and only then is the temporary directory renamed into place.
 """
 from __future__ import annotations
 
+import mmap
 import os
-import threading
 import time
 import zlib
 from typing import Iterable, Optional
 
-from .directio import READ_CHUNK, READ_THREADS, DirectReader, read_exactly, run_parallel
+from .directio import READ_CHUNK, READ_THREADS, DirectReader, run_parallel
 from .format import FORMAT_NAME, FORMAT_VERSION, MANIFEST, CheckpointError, read_json, write_json
 
 CHECKSUM = "crc32"
@@ -148,7 +148,7 @@ def checksum_share(directory: str, manifest: dict, names: Iterable[str], rank: i
                    threads: int = READ_THREADS) -> dict:
     """crc32 pieces of this rank's share: `names` laid end to end (sorted), byte range
     [total*rank/world, total*(rank+1)/world) of them, read on `threads` threads through the page
-    cache (so that the load's reads of the same bytes come from memory).
+    cache (so that the load's reads of the same bytes come from memory), in READ_CHUNK pieces.
 
     Returns {"files": {name: [size, manifest crc32]}, "pieces": [(name, offset, length, crc32)]}, one
     piece per file touched; `check_pieces` judges the files from every rank's share."""
@@ -163,23 +163,23 @@ def checksum_share(directory: str, manifest: dict, names: Iterable[str], rank: i
         for start in range(begin, end, READ_CHUNK):
             tasks.append((name, start - position, min(READ_CHUNK, end - start)))
         position += size
-    local = threading.local()
 
     def crc_of(task) -> Piece:
         name, offset, length = task
-        buffer = getattr(local, "buffer", None)
-        if buffer is None:
-            buffer = local.buffer = bytearray(READ_CHUNK)
         path = os.path.join(directory, name)
-        fd = os.open(path, os.O_RDONLY)
         try:
-            view = memoryview(buffer)[:length]
-            read_exactly(fd, path, offset, view)
-            return name, offset, length, zlib.crc32(view)
-        except OSError as error:
+            with open(path, "rb") as handle:
+                # the crc32 is computed on the page cache's own pages, mapped rather than copied out
+                # (measured: half the kernel time of pread into a buffer, 0.10 s instead of 0.20 s per
+                # cold 0.45 GB). mmap refuses a range past the end of the file (ValueError); committed
+                # files are never rewritten in place, so none shrinks while it is mapped.
+                skip = offset % mmap.ALLOCATIONGRANULARITY
+                with mmap.mmap(handle.fileno(), skip + length, access=mmap.ACCESS_READ,
+                               offset=offset - skip) as mapped:
+                    with memoryview(mapped) as view:
+                        return name, offset, length, zlib.crc32(view[skip:])
+        except (OSError, ValueError) as error:
             raise CheckpointError(f"{path}: cannot read it to check its checksum: {error}") from error
-        finally:
-            os.close(fd)
 
     pieces = _join(run_parallel([lambda task=task: crc_of(task) for task in tasks], threads))
     return {"files": {name: [size, manifest["files"][name]["crc32"]] for name, size in files}, "pieces": pieces}
