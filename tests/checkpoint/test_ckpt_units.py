@@ -148,8 +148,8 @@ def test_checksum_shares_join_into_file_crcs_and_name_a_corrupt_file(tmp_path):
                           for name, size in sizes.items()}}
     a, b = os.urandom(1000), os.urandom(3 << 20)
     assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
-    for world in (1, 2, 3):
-        shares = [checksum_share(str(tmp_path), manifest, sizes, rank, world) for rank in range(world)]
+    for world, threads in ((1, 1), (2, 3), (3, 1)):
+        shares = [checksum_share(str(tmp_path), manifest, sizes, rank, world, threads) for rank in range(world)]
         assert check_pieces(str(tmp_path), shares) is None
     data = bytearray((tmp_path / "c.safetensors").read_bytes())
     data[600_000] ^= 0x04

@@ -23,9 +23,9 @@ state: after the checks, only an I/O error of the disk itself can interrupt it).
 bad checkpoint raises the same CheckpointError on every rank, naming the file or
 tensor, and leaves model, optimizer and counters untouched.
 
-Speed: the checksum pass is the load's one read from the disk (through the page cache,
-several threads per rank); `apply` then copies the bytes from memory straight into the
-engine's tensors, its reads spread over the same number of threads.
+Speed: the checksum pass is the load's one read from the disk (through the page cache);
+`apply` then copies the bytes from memory straight into the engine's tensors, its reads
+spread over a few threads (`directio.READ_THREADS`).
 """
 from __future__ import annotations
 
