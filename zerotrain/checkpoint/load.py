@@ -255,6 +255,15 @@ def _state_tensor(current, master: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return torch.zeros(master.numel(), dtype=dtype, device=master.device)
 
 
+def _no_grad(function, *args):
+    """`function(*args)` as a task for a worker thread, under no_grad (grad mode is per thread: the
+    in-place writes into masters that require grad must not be recorded)."""
+    def task():
+        with torch.no_grad():
+            return function(*args)
+    return task
+
+
 def _extra_read(read, target: torch.Tensor) -> None:
     """Read a whole (unsharded) tensor into the model's own parameter or buffer."""
     target = target.data if isinstance(target, torch.nn.Parameter) else target
@@ -292,8 +301,8 @@ def apply(state: CheckpointState, plan: LoadPlan, load_lr_scheduler_states: bool
                 reads += [(read, restored[key]) for read in key_reads]
             restored.update({key: make_scalar(load.template, key, value) for key, value in load.scalars.items()})
             optimizer.state[slot.master] = restored
-        tasks = [lambda read=read, target=target: read.into(target) for read, target in reads]
-        tasks += [lambda read=read, name=name: _extra_read(read, targets[name]) for name, read in plan.extras]
+        tasks = [_no_grad(read.into, target) for read, target in reads]
+        tasks += [_no_grad(_extra_read, read, targets[name]) for name, read in plan.extras]
         run_parallel(tasks)
         state.publish()  # every rank's model weights current after masters and frozen shards were written
     if plan.source.kind != ZEROTRAIN:
