@@ -99,3 +99,19 @@ def print_table(results: dict, args) -> None:
                   f"loads {['%.2f' % s for s in r['load_all_s']]}"
                   + (f"; async wait after 2 steps {['%.2f' % s for s in r['async_wait_s']]}"
                      if "async_wait_s" in r else ""))
+
+
+def print_load_rounds(rounds: dict) -> None:
+    """The interleaved cold loads: every round's seconds, the median, and zerotrain's median over this one's
+    (below 1: zerotrain loads faster)."""
+    import statistics
+    zt = statistics.median(rounds["zt"]) if rounds.get("zt") else None
+    print("\ncold loads in fresh processes, engines interleaved round by round\n")
+    print("| engine | loads s (round order) | median s | zerotrain / this |")
+    print("|---|---|---|---|")
+    for engine, label in ENGINES.items():
+        if engine not in rounds:
+            continue
+        median = statistics.median(rounds[engine])
+        print(f"| {label} | {', '.join('%.3f' % s for s in rounds[engine])} | {median:.3f} | "
+              f"{_fmt(zt / median if zt else None)} |")

@@ -22,11 +22,18 @@ optimizer state exists, then, in the same pair of processes:
   one process at ZeRO stage 1 (a plain model). Before every load the checkpoint's files are
   fsynced and dropped from the page cache (posix_fadvise DONTNEED), so every engine reads
   from the disk.
+* **load rounds** (``--load-rounds N``): after the main phases, N rounds in which every engine,
+  in an order rotated each round, starts fresh processes, trains ``--warmup`` steps (so that
+  every optimizer state exists to load into) and times one cold load of its ``sync0``; the
+  engines alternate, so a busy moment of a shared machine hits them all alike. Medians and
+  ratios to zerotrain. ``--load-only`` skips the main phases and loads the checkpoints an
+  earlier ``--keep --dir D`` run left in ``D``.
 
     .venv/bin/python benchmarks/checkpoint_speed.py                     # all engines, ~6 min
     .venv/bin/python benchmarks/checkpoint_speed.py --engines zt,ztp    # thread vs process writer
     .venv/bin/python benchmarks/checkpoint_speed.py --model tiny --repeats 1   # smoke run
     .venv/bin/python benchmarks/checkpoint_speed.py --engines zt,dcp --json out.json
+    .venv/bin/python benchmarks/checkpoint_speed.py --engines zt,dcp,ds --repeats 1 --load-rounds 5
 
 DeepSpeed runs with ``DS_ACCELERATOR=cpu`` when ``import deepspeed`` works; otherwise its
 row says why it was skipped.
@@ -45,7 +52,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from checkpoint_report import ENGINES, launch, print_table
+from checkpoint_report import ENGINES, launch, print_load_rounds, print_table
 
 LR = 1e-4
 
@@ -306,6 +313,18 @@ class DeepSpeedJob(Job):
         self.engine.load_checkpoint(str(self.root), tag=tag)
 
 
+def _load_round(job: Job) -> dict:
+    """A fresh job trains `warmup` steps, then one cold load of `sync0` (the load-rounds phase)."""
+    import torch.distributed as dist
+    batches = _batches(job.args.warmup, job.args.batch, job.args.seq_len, job.vocab, job.rank)
+    for x, y in batches:
+        job.train_step(x, y)
+    if job.rank == 0:
+        _drop_cache(job.root / "sync0")
+    dist.barrier()
+    return {"load_s": _barrier_time(lambda: job.load("sync0"))}
+
+
 def _reshard_load(args, root: Path, engine: str) -> dict:
     """World 1: load the world-2 checkpoint `sync0` into ZeRO stage 1 (zerotrain) / a plain model (DCP)."""
     job = ZerotrainJob(args, root, 0, stage=1) if engine == "zt" else DcpJob(args, root, 0, sharded=False)
@@ -342,7 +361,7 @@ def worker_main(spec: dict) -> int:
                 job = ZerotrainJob(args, root, rank, process_writer=True)
             else:
                 job = {"zt": ZerotrainJob, "dcp": DcpJob, "ds": DeepSpeedJob}[engine](args, root, rank)
-            result.update(job.run())
+            result.update(_load_round(job) if spec["phase"] == "load" else job.run())
         result["status"] = "ok"
         dist.barrier()
         dist.destroy_process_group()
@@ -378,7 +397,13 @@ def main(argv=None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints and logs")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per phase")
+    parser.add_argument("--load-rounds", type=int, default=0,
+                        help="rounds of cold loads in fresh processes, engines interleaved (medians reported)")
+    parser.add_argument("--load-only", action="store_true",
+                        help="skip the main phases: load rounds on the checkpoints of an earlier --keep --dir run")
     args = parser.parse_args(argv)
+    if args.load_only and (args.dir is None or not args.load_rounds):
+        parser.error("--load-only needs --dir (holding an earlier --keep run's checkpoints) and --load-rounds")
     if args.dir is None:
         # on the same disk as the project (not /tmp, which may be tmpfs)
         root = Path(tempfile.mkdtemp(prefix="ckpt_bench_", dir=os.getcwd()))
@@ -386,10 +411,13 @@ def main(argv=None) -> int:
         root = Path(args.dir)
         root.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    for engine in engines:
+        if engine not in ENGINES:
+            parser.error(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
+    rounds: dict[str, list] = {}
     try:
-        for engine in [e.strip() for e in args.engines.split(",") if e.strip()]:
-            if engine not in ENGINES:
-                parser.error(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
+        for engine in [] if args.load_only else engines:
             started = time.perf_counter()
             result = launch(engine, "main", 2, args, root)
             if result.get("status") == "ok":
@@ -408,14 +436,30 @@ def main(argv=None) -> int:
                 print(result.get("traceback", result.get("reason")), file=sys.stderr)
             results[engine] = result
             print(f"{engine}: {result.get('status')} in {time.perf_counter() - started:.0f}s", flush=True)
-            if not args.keep:
-                shutil.rmtree(root / engine, ignore_errors=True)
+        loadable = [e for e in engines if (root / e / "sync0").is_dir()]
+        for index in range(args.load_rounds):
+            order = loadable[index % len(loadable):] + loadable[:index % len(loadable)]
+            for engine in order:
+                result = launch(engine, "load", 2, args, root)
+                if result.get("status") != "ok":
+                    print(result.get("traceback", result.get("reason")), file=sys.stderr)
+                    continue
+                rounds.setdefault(engine, []).append(result["load_s"])
+            print(f"load round {index + 1}: " + ", ".join(f"{e} {rounds[e][-1]:.3f}s" for e in order
+                                                         if len(rounds.get(e, [])) == index + 1), flush=True)
     finally:
+        if not args.keep:
+            for engine in engines:
+                shutil.rmtree(root / engine, ignore_errors=True)
         if not args.keep and args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
-    print_table(results, args)
+    if results:
+        print_table(results, args)
+    if rounds:
+        print_load_rounds(rounds)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "load_rounds": rounds},
+                                              indent=2))
     return 0 if all(r.get("status") in ("ok", "unavailable") for r in results.values()) else 1
 
 

@@ -8,23 +8,38 @@ blake2b 1.3, sha512 1.1, md5 0.8 GB/s; writing the same bytes with fsync ran at
 its read rate), it releases the GIL on large buffers (so a background writer does
 not stall training), and it is computed as the bytes are written, so saving never
 reads a file back. It detects truncation and flipped bits; it is not meant to resist
-deliberate tampering. Loading with `checkpoint.verify_on_load` re-reads every file the
-load needs, each rank checking a share balanced by bytes.
+deliberate tampering.
+
+Loading with `checkpoint.verify_on_load` checks every byte of every file the load
+needs before anything is applied, and that check is the load's read from the disk:
+the needed files are laid end to end and cut into one equal byte range per rank
+(`checksum_share`), which it maps chunk after chunk through the page cache, each
+chunk's crc32 computed on the mapped pages (nothing copied out). The pieces of every rank are
+gathered (in the load's one all-gather of outcomes) and joined per file with
+`crc32_combine` (crc32 is linear: the crc of A+B follows from crc(A), crc(B) and
+len(B)), so every rank compares the same whole-file crc32 with the manifest and
+raises the same error naming the file. The load's own reads then come from memory.
 
 A checkpoint without a manifest is not a checkpoint: the manifest is written last,
 fsynced, and only then is the temporary directory renamed into place.
 """
 from __future__ import annotations
 
+import mmap
 import os
 import time
 import zlib
-from typing import Iterable
+from typing import Iterable, Optional
 
-from .directio import DirectReader
+from .directio import READ_CHUNK, DirectReader, run_parallel
 from .format import FORMAT_NAME, FORMAT_VERSION, MANIFEST, CheckpointError, read_json, write_json
 
 CHECKSUM = "crc32"
+# One thread per rank maps its share chunk after chunk: the kernel's readahead of a sequential mapping
+# keeps the disk busy by itself. Measured (two processes at once, 0.45 GB each, cold): one thread
+# 0.40-0.62 s and 0.01-0.03 s of kernel time; four threads 0.52-0.98 s and 0.12-0.14 s (their faults
+# in four places of the file defeat the readahead); pread into a buffer 0.53-2.2 s, 0.2-0.8 s kernel.
+CHECKSUM_THREADS = 1
 
 
 def file_crc32(path: str) -> int:
@@ -77,18 +92,6 @@ def check_sizes(directory: str, manifest: dict, names: Iterable[str]) -> None:
                                   f"(truncated or overwritten)")
 
 
-def my_share(manifest: dict, names: Iterable[str], rank: int, world: int) -> list[str]:
-    """The files rank `rank` checksums: all `names` split over `world` ranks, balanced by bytes."""
-    loads = [0] * world
-    mine = []
-    for name in sorted(names, key=lambda n: (-int(manifest["files"][n]["size"]), n)):
-        owner = min(range(world), key=lambda r: (loads[r], r))
-        loads[owner] += int(manifest["files"][name]["size"])
-        if owner == rank:
-            mine.append(name)
-    return mine
-
-
 def verify_checksums(directory: str, manifest: dict, names: Iterable[str]) -> None:
     """Recompute each named file's crc32 and compare with the manifest."""
     for name in names:
@@ -98,3 +101,133 @@ def verify_checksums(directory: str, manifest: dict, names: Iterable[str]) -> No
         if actual != expected:
             raise CheckpointError(f"{path}: checksum mismatch (crc32 {actual}, manifest says {expected}): "
                                   f"the file is corrupt")
+
+
+# crc32_combine: zlib has it in C but Python's zlib module does not expose it. The polynomial
+# arithmetic is zlib's (crc32.c, multmodp / x2nmodp), over the reflected polynomial.
+_POLY = 0xEDB88320
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a(x) * b(x) modulo the crc polynomial (reflected bit order)."""
+    m, product = 1 << 31, 0
+    while True:
+        if a & m:
+            product ^= b
+            if not a & (m - 1):
+                return product
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+_X2N = [1 << 30]  # x^(2^k) modulo the polynomial, k = 0..31
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+_SHIFTS: dict[int, int] = {}
+
+
+def _zeros_operator(length: int) -> int:
+    """x^(8 * length) modulo the polynomial: appending `length` zero bytes, as a multiplier."""
+    shift = _SHIFTS.get(length)
+    if shift is None:
+        shift, n, k = 1 << 31, length, 3
+        while n:
+            if n & 1:
+                shift = _multmodp(_X2N[k & 31], shift)
+            n >>= 1
+            k += 1
+        if len(_SHIFTS) < 4096:
+            _SHIFTS[length] = shift
+    return shift
+
+
+def crc32_combine(crc1: int, crc2: int, length2: int) -> int:
+    """crc32 of A followed by B, from crc32(A), crc32(B) and len(B)."""
+    return _multmodp(_zeros_operator(length2), crc1) ^ crc2
+
+
+Piece = tuple  # (file name, offset, length, crc32 of those bytes)
+
+
+def checksum_share(directory: str, manifest: dict, names: Iterable[str], rank: int, world: int,
+                   threads: int = CHECKSUM_THREADS) -> dict:
+    """crc32 pieces of this rank's share: `names` laid end to end (sorted), byte range
+    [total*rank/world, total*(rank+1)/world) of them, read through the page cache (so that the load's
+    reads of the same bytes come from memory) in READ_CHUNK pieces, on `threads` threads.
+
+    Returns {"files": {name: [size, manifest crc32]}, "pieces": [(name, offset, length, crc32)]}, one
+    piece per file touched; `check_pieces` judges the files from every rank's share."""
+    names = sorted(names)
+    files = [(name, int(manifest["files"][name]["size"])) for name in names]
+    total = sum(size for _, size in files)
+    low, high = total * rank // world, total * (rank + 1) // world
+    # the share cut into READ_CHUNK pieces of files: one task each, spread over the threads
+    tasks, position = [], 0
+    for name, size in files:
+        begin, end = max(low, position), min(high, position + size)
+        for start in range(begin, end, READ_CHUNK):
+            tasks.append((name, start - position, min(READ_CHUNK, end - start)))
+        position += size
+
+    def crc_of(task) -> Piece:
+        name, offset, length = task
+        path = os.path.join(directory, name)
+        try:
+            with open(path, "rb") as handle:
+                # the crc32 is computed on the page cache's own pages, mapped rather than copied out
+                # (measured: half the kernel time of pread into a buffer, 0.10 s instead of 0.20 s per
+                # cold 0.45 GB). mmap refuses a range past the end of the file (ValueError); committed
+                # files are never rewritten in place, so none shrinks while it is mapped.
+                skip = offset % mmap.ALLOCATIONGRANULARITY
+                with mmap.mmap(handle.fileno(), skip + length, access=mmap.ACCESS_READ,
+                               offset=offset - skip) as mapped:
+                    with memoryview(mapped) as view:
+                        return name, offset, length, zlib.crc32(view[skip:])
+        except (OSError, ValueError) as error:
+            raise CheckpointError(f"{path}: cannot read it to check its checksum: {error}") from error
+
+    pieces = _join(run_parallel([lambda task=task: crc_of(task) for task in tasks], threads))
+    return {"files": {name: [size, manifest["files"][name]["crc32"]] for name, size in files}, "pieces": pieces}
+
+
+def _join(pieces: list[Piece]) -> list[Piece]:
+    """Adjacent pieces of the same file joined into one (their crc32s combined)."""
+    joined: list[list] = []
+    for name, offset, length, crc in sorted(pieces):
+        last = joined[-1] if joined else None
+        if last is not None and last[0] == name and last[1] + last[2] == offset:
+            last[3] = crc32_combine(last[3], crc, length)
+            last[2] += length
+        else:
+            joined.append([name, offset, length, crc])
+    return [tuple(piece) for piece in joined]
+
+
+def check_pieces(directory: str, shares: list[dict]) -> Optional[str]:
+    """Join the pieces of every rank's share (`checksum_share`) into whole-file crc32s and compare them with
+    the manifest's: the error naming the corrupt file(s), None when all match. A file whose pieces do not
+    cover it exactly (a rank failed before it finished its share) is not judged here: that rank's own
+    error is reported instead. Every rank passes the same shares, so every rank reaches the same verdict."""
+    files: dict[str, list] = {}
+    by_file: dict[str, list[Piece]] = {}
+    for share in shares:
+        for name, entry in share["files"].items():
+            files.setdefault(name, entry)
+        for piece in share["pieces"]:
+            by_file.setdefault(piece[0], []).append(tuple(piece))
+    bad = []
+    for name in sorted(files):
+        size, expected = files[name]
+        joined = _join(by_file.get(name, []))
+        if size == 0 and not joined:
+            actual = 0
+        elif len(joined) == 1 and joined[0][1] == 0 and joined[0][2] == size:
+            actual = joined[0][3]
+        else:
+            continue
+        if f"{actual:08x}" != expected:
+            bad.append(f"{os.path.join(directory, name)}: checksum mismatch (crc32 {actual:08x}, manifest says "
+                       f"{expected}): the file is corrupt")
+    if not bad:
+        return None
+    return bad[0] if len(bad) == 1 else f"{len(bad)} files are corrupt: " + "; ".join(bad)

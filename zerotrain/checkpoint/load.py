@@ -11,15 +11,21 @@ TensorSlice to runs of the whole tensor in the files (`split.RunsRead`), so any
 tensor-parallel degree loads a checkpoint written at any other.
 
 Two phases. `prepare` validates everything the load will read, touching nothing in
-the engine: the manifest, every needed file's size, the checksums (each rank a
-byte-balanced share, with `checkpoint.verify_on_load`), every safetensors header,
-and for every range this rank will read, that the tensor exists with the expected
-shape; small state (trainer state, RNG, optimizer scalars) is read here. All ranks
-then agree, through one all-gather of their outcomes, that every rank succeeded, and
-only then does `apply` read each range straight into the engine's tensors (no
-staging copy of the state: after the checks, only an I/O error of the disk itself
-can interrupt it). A bad checkpoint raises the same CheckpointError on every rank,
-naming the file or tensor, and leaves model, optimizer and counters untouched.
+the engine: the manifest, every needed file's size, the checksums (with
+`checkpoint.verify_on_load`: each rank computes the crc32 of an equal byte range of
+the needed files, `integrity.checksum_share`), every safetensors header, and for every
+range this rank will read, that the tensor exists with the expected shape; small state
+(trainer state, RNG, optimizer scalars) is read here. All ranks then agree, through one
+all-gather of their outcomes and checksum pieces, that every rank succeeded and every
+file's whole crc32 matches the manifest (`integrity.check_pieces`), and only then does
+`apply` read each range straight into the engine's tensors (no staging copy of the
+state: after the checks, only an I/O error of the disk itself can interrupt it). A
+bad checkpoint raises the same CheckpointError on every rank, naming the file or
+tensor, and leaves model, optimizer and counters untouched.
+
+Speed: the checksum pass is the load's one read from the disk (through the page cache);
+`apply` then copies the bytes from memory straight into the engine's tensors, its reads
+spread over a few threads (`directio.READ_THREADS`).
 """
 from __future__ import annotations
 
@@ -35,6 +41,8 @@ from .format import MASTER, MODEL, OPTIMIZER, CheckpointError, read_json, rng_fi
 from .loco import loco_file, read_loco, restore_loco
 from .optim_state import StateTemplate, check_groups, make_scalar, probe_template, restore_hyperparameters
 from .plan import extra_tensors
+from .directio import run_parallel
+from .integrity import check_pieces
 from .reader import TensorReader
 from .slots import CheckpointState, sharded_names
 from .split import RunsRead, expected_shape, tensor_slices
@@ -175,15 +183,20 @@ def _plan_states(slot, reader: TensorReader, templates: _Templates, slices: dict
 
 
 def prepare(state: CheckpointState, path: str, sharded: set[str], load_optimizer_states: bool,
-            load_module_only: bool) -> LoadPlan:
-    """Validate everything this rank will read (files, manifest, checksums, names, shapes); touch no engine state."""
+            load_module_only: bool, checked: Optional[list] = None) -> LoadPlan:
+    """Validate everything this rank will read (files, manifest, names, shapes); touch no engine state.
+
+    The crc32 pieces of this rank's share of the files are appended to `checked` (even when a later
+    check fails); the caller compares them, joined with every other rank's, with the manifest."""
     source = open_source(path, load_module_only)
     comm = state.world
     rank, world = comm.rank, comm.size
     hugging_face = source.kind == HUGGING_FACE
     if source.kind == ZEROTRAIN:
-        verify(source, needed_files(source, load_optimizer_states, load_module_only), rank, world,
-               checksums=state.config.checkpoint.verify_on_load)
+        share = verify(source, needed_files(source, load_optimizer_states, load_module_only), rank, world,
+                       checksums=state.config.checkpoint.verify_on_load)
+        if share is not None and checked is not None:
+            checked.append(share)
     load_optimizer = load_optimizer_states and not load_module_only and source.kind == ZEROTRAIN
     module = state.module
     files = contextlib.ExitStack()
@@ -242,18 +255,40 @@ def _state_tensor(current, master: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return torch.zeros(master.numel(), dtype=dtype, device=master.device)
 
 
+def _no_grad(function, *args):
+    """`function(*args)` as a task for a worker thread, under no_grad (grad mode is per thread: the
+    in-place writes into masters that require grad must not be recorded)."""
+    def task():
+        with torch.no_grad():
+            return function(*args)
+    return task
+
+
+def _extra_read(read, target: torch.Tensor) -> None:
+    """Read a whole (unsharded) tensor into the model's own parameter or buffer."""
+    target = target.data if isinstance(target, torch.nn.Parameter) else target
+    if isinstance(read, RunsRead):
+        local = torch.empty(target.numel(), dtype=target.dtype)
+        read.into(local)
+        target.copy_(local.reshape(target.shape))
+    elif target.is_contiguous():
+        read.reader.read_into(read.name, 0, target.numel(), target.reshape(-1))
+    else:
+        target.copy_(read.reader.read(read.name).reshape(target.shape))
+
+
 def apply(state: CheckpointState, plan: LoadPlan, load_lr_scheduler_states: bool, load_module_only: bool) -> None:
-    """Carry out a validated plan: read each range straight into the engine's tensors."""
+    """Carry out a validated plan: read each range straight into the engine's tensors (the reads run on
+    several threads; each writes its own range of its own tensor)."""
     optimizer = state.optimizer
     targets = dict(state.module.state_dict(keep_vars=True))
+    reads: list = []  # (Read, destination tensor)
     with plan.files, torch.no_grad():
         for slot, load in zip(state.slots(), plan.slots):
             if slot.master is None:
-                for read in load.weights:
-                    read.into(slot.model_shard)
+                reads += [(read, slot.model_shard) for read in load.weights]
                 continue
-            for read in load.weights:
-                read.into(slot.master)
+            reads += [(read, slot.master) for read in load.weights]
             if load.states is None:
                 continue
             if not load.states and not load.scalars:
@@ -261,23 +296,14 @@ def apply(state: CheckpointState, plan: LoadPlan, load_lr_scheduler_states: bool
                 continue
             current = optimizer.state.get(slot.master, {})
             restored = {}
-            for key, reads in load.states.items():
+            for key, key_reads in load.states.items():
                 restored[key] = _state_tensor(current.get(key), slot.master, load.template.elementwise[key])
-                for read in reads:
-                    read.into(restored[key])
+                reads += [(read, restored[key]) for read in key_reads]
             restored.update({key: make_scalar(load.template, key, value) for key, value in load.scalars.items()})
             optimizer.state[slot.master] = restored
-        for name, read in plan.extras:
-            target = targets[name]
-            target = target.data if isinstance(target, torch.nn.Parameter) else target
-            if isinstance(read, RunsRead):
-                local = torch.empty(target.numel(), dtype=target.dtype)
-                read.into(local)
-                target.copy_(local.reshape(target.shape))
-            elif target.is_contiguous():
-                read.reader.read_into(read.name, 0, target.numel(), target.reshape(-1))
-            else:
-                target.copy_(read.reader.read(read.name).reshape(target.shape))
+        tasks = [_no_grad(read.into, target) for read, target in reads]
+        tasks += [_no_grad(_extra_read, read, targets[name]) for name, read in plan.extras]
+        run_parallel(tasks)
         state.publish()  # every rank's model weights current after masters and frozen shards were written
     if plan.source.kind != ZEROTRAIN:
         return
@@ -310,26 +336,32 @@ def _load_resident(state: CheckpointState, load_dir, tag, load_optimizer_states,
                    load_module_only):
     comm = state.world
     sharded = set().union(*comm.all_gather_object(sorted(sharded_names(state.slots()))))
-    path, plan, error = None, None, None
+    path, plan, error, checked = None, None, None, []
     try:
         path = resolve(load_dir, tag)
         if path is not None:
-            plan = prepare(state, path, sharded, load_optimizer_states, load_module_only)
+            plan = prepare(state, path, sharded, load_optimizer_states, load_module_only, checked)
     except Exception as caught:  # noqa: BLE001 - every rank must learn of it before anyone applies
         error = caught
     message = None if error is None else str(error) if isinstance(error, CheckpointError) else \
         f"{type(error).__name__}: {error}"
-    outcomes = comm.all_gather_object((path, message))
-    failures = [(r, message) for r, (_, message) in enumerate(outcomes) if message]
-    if failures or len({p for p, _ in outcomes}) > 1:
+    outcomes = comm.all_gather_object((path, message, checked))
+    paths = {p for p, _, _ in outcomes}
+    # every rank joins the same pieces: the same verdict everywhere; a corrupt file explains any other error
+    corrupt = check_pieces(path, [share for _, _, shares in outcomes for share in shares]) \
+        if len(paths) == 1 and path is not None else None
+    failures = [(r, message) for r, (_, message, _) in enumerate(outcomes) if message]
+    if failures or corrupt or len(paths) > 1:
         if plan is not None:
             plan.files.close()
+    if corrupt:
+        raise CheckpointError(f"cannot load checkpoint from {load_dir}: {corrupt}") from error
     if failures:
         failed_rank, message = failures[0]
         where = f" (rank {failed_rank})" if comm.size > 1 else ""
         raise CheckpointError(f"cannot load checkpoint from {load_dir}{where}: {message}") from error
-    if len({p for p, _ in outcomes}) > 1:
-        raise CheckpointError(f"ranks resolved different checkpoints in {load_dir}: {[p for p, _ in outcomes]}")
+    if len(paths) > 1:
+        raise CheckpointError(f"ranks resolved different checkpoints in {load_dir}: {[p for p, _, _ in outcomes]}")
     if path is None:
         logger.warning("no checkpoint to load in %s (no 'latest' file); starting from scratch", load_dir)
         return None, None

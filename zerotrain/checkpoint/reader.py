@@ -2,11 +2,13 @@
 
 A rank that loads a shard needs elements [start, start+count) of a tensor flattened
 in row-major order. In a safetensors file that range is one contiguous run of bytes,
-so `TensorReader.read_into` reads exactly those bytes (`DirectReader`: O_DIRECT
-through an aligned buffer, measured twice as fast as the page cache on this machine
-for a file that is not cached) and copies them into the destination, converting the
-dtype on the way. A rank never reads more than the slices it needs (plus alignment),
-and never a whole file into memory.
+so `TensorReader.read_into` reads exactly those bytes through the page cache
+(`SharedFiles`), where the load's checksum pass has just put them: straight into the
+destination when it is a contiguous CPU tensor of the stored dtype (one copy, no
+staging), else through a bounded bounce buffer, converting the dtype on the way. A
+rank never reads more than the slices it needs, and never a whole file into memory.
+`read_into` may be called from several threads at once (the load's reads run in
+parallel, `directio.run_parallel`).
 
 Before anything is read, every file's header is parsed and checked against its size
 (`format.read_layout`) and opened by safetensors itself (`safe_open`, which validates
@@ -20,7 +22,7 @@ import os
 import torch
 from safetensors import safe_open
 
-from .directio import DirectReader
+from .directio import READ_CHUNK, SharedFiles
 from .format import CheckpointError, itemsize, numel_of, read_layout, st_dtype
 
 
@@ -34,7 +36,7 @@ class TensorReader:
         self._layouts: dict[str, tuple[dict, int]] = {}
         self._stack = contextlib.ExitStack()
         self._validated: set[str] = set()
-        self._files: dict[str, DirectReader] = {}
+        self._files = self._stack.enter_context(SharedFiles())
 
     def __enter__(self) -> "TensorReader":
         return self
@@ -44,7 +46,6 @@ class TensorReader:
 
     def close(self) -> None:
         self._stack.close()
-        self._files.clear()
 
     def has(self, name: str) -> bool:
         return name in self.weight_map
@@ -84,12 +85,6 @@ class TensorReader:
                 raise CheckpointError(f"{path}: not a valid safetensors file: {error}") from error
             self._validated.add(path)
 
-    def _file(self, path: str) -> DirectReader:
-        reader = self._files.get(path)
-        if reader is None:
-            reader = self._files[path] = self._stack.enter_context(DirectReader(path))
-        return reader
-
     def read_into(self, name: str, start: int, count: int, target: torch.Tensor) -> None:
         """Copy elements [start, start+count) of the flattened tensor into the 1-D `target` (any dtype/device)."""
         dtype, stored, path = self.entry(name)
@@ -101,14 +96,16 @@ class TensorReader:
         header, data_start = self._layout(path)
         size = itemsize(dtype)
         begin = data_start + header[name]["data_offsets"][0] + start * size
-        position = 0
         try:
-            for chunk in self._file(path).chunks(begin, count * size, granule=size):
-                n = len(chunk) // size
-                source = torch.frombuffer(chunk, dtype=dtype, count=n)
-                target[position:position + n].copy_(source)
-                del source
-                position += n
+            if target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
+                self._files.read_into(path, begin, target.detach().view(torch.uint8).numpy())
+                return
+            step = max(1, READ_CHUNK // size)
+            bounce = torch.empty(min(step, count) * size, dtype=torch.uint8)
+            for position in range(0, count, step):
+                n = min(step, count - position)
+                self._files.read_into(path, begin + position * size, bounce[:n * size].numpy())
+                target[position:position + n].copy_(bounce[:n * size].view(dtype))
         except OSError as error:
             raise CheckpointError(f"{path}: cannot read tensor {name!r}: {error}") from error
 

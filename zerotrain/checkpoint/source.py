@@ -8,7 +8,8 @@ Hugging Face model directory) is used as is; nothing there means nothing to load
 
 `open_source` classifies the directory. A zerotrain checkpoint must have its
 manifest, and every file the load will read must exist with the recorded size
-(checksums are compared too, by `verify`, when `checkpoint.verify_on_load` is set).
+(checksums are computed too, by `verify`, when `checkpoint.verify_on_load` is set, and
+compared once every rank's share is in).
 A directory with model safetensors but no zerotrain files is a plain Hugging Face
 checkpoint, loadable only with `load_module_only=True`.
 """
@@ -21,7 +22,7 @@ from typing import Optional
 from .commit import read_latest, recover_replaced
 from .format import (HF_CONFIG, MANIFEST, MASTER, MODEL, OPTIMIZER, TRAINER_STATE, CheckpointError, index_file,
                      is_side_name, read_header, read_json, rng_file)
-from .integrity import check_sizes, my_share, read_manifest, verify_checksums
+from .integrity import check_sizes, checksum_share, read_manifest
 
 ZEROTRAIN, HUGGING_FACE = "zerotrain", "hugging-face"
 _HF_SINGLE = "model.safetensors"
@@ -141,8 +142,8 @@ def needed_files(source: Source, load_optimizer_states: bool, load_module_only: 
     return sorted(needed)
 
 
-def verify(source: Source, names: list[str], rank: int, world: int, checksums: bool) -> None:
-    """Sizes of every needed file (all ranks); checksums of this rank's byte-balanced share."""
+def verify(source: Source, names: list[str], rank: int, world: int, checksums: bool) -> Optional[dict]:
+    """Sizes of every needed file (all ranks); with `checksums`, the crc32 pieces of this rank's share of
+    their bytes (`integrity.checksum_share`), which the load joins across ranks (`integrity.check_pieces`)."""
     check_sizes(source.path, source.manifest, names)
-    if checksums:
-        verify_checksums(source.path, source.manifest, my_share(source.manifest, names, rank, world))
+    return checksum_share(source.path, source.manifest, names, rank, world) if checksums else None
