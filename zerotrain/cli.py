@@ -135,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     from zerotrain.merge.command import add_merge_parser
     add_merge_parser(sub)
     _add_plot_parser(sub)
+    from zerotrain.embedding.command import add_train_embedding_parser
+    add_train_embedding_parser(sub)
     return parser
 
 
@@ -223,6 +225,11 @@ def _run(args: argparse.Namespace) -> int:
             return run_merge(args)
         if args.command == "plot":
             return _plot(args)
+        if args.command == "train-embedding":
+            from zerotrain.embedding.command import run_train_embedding, worker_argv
+            if args.nproc > 1 and not _inside_worker():
+                return _run_torchrun(_rendezvous(args.nproc), ["-m", "zerotrain.cli", *worker_argv(args)])
+            return run_train_embedding(args)
         if args.command == "train":
             _check_train_args(args)
             if args.nproc > 1 and not _inside_worker():
