@@ -138,10 +138,10 @@ def run_train_embedding(args: argparse.Namespace) -> int:
             if rank == 0:
                 print(f"zerotrain: checkpoint {path}", flush=True)
         if args.export is not None:
-            weights = engine.full_state_dict()  # collective: every rank takes part, rank 0 gets the weights
+            # collective: every rank takes part, rank 0 gets every parameter, frozen ones included (the module's
+            # own state_dict() would fetch stage-3 shards on one rank only)
+            weights = engine.full_state_dict()
             if rank == 0:
-                for name, tensor in model.state_dict().items():  # frozen tensors kept whole on the module
-                    weights.setdefault(name, tensor)
                 export_sentence_transformers(args.export, weights, model.config, tokenizer, pooling, args.max_length)
                 print(f"zerotrain: exported a sentence-transformers model to {args.export}", flush=True)
         if rank == 0 and losses:
