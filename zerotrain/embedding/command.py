@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 __all__ = ["add_train_embedding_parser", "run_train_embedding", "worker_argv"]
 
-_OPTIONS = ("model", "config", "micro_batch", "accumulation", "lr", "stage", "steps", "epochs", "negatives",
+_OPTIONS = ("model", "config", "eval_stdlib", "metrics", "micro_batch", "accumulation", "lr", "stage", "steps", "epochs", "negatives",
             "max_length", "pooling", "scale", "matryoshka_dims", "seed", "save_dir", "export", "log_every")
 
 
@@ -31,7 +31,13 @@ def add_train_embedding_parser(sub: Any) -> None:
                     "batch (GradCache). Data: jsonl of {\"query\", \"positive\", \"negatives\": [...]}.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", required=True, metavar="DIR", help="encoder directory (no hub downloads)")
-    parser.add_argument("--data", required=True, nargs="+", metavar="FILE", help="jsonl pair file(s)")
+    parser.add_argument("--data", required=True, nargs="+", metavar="FILE",
+                        help="jsonl pair file(s); `stdlib`: the train split of the standard library's "
+                             "docstring -> source pairs")
+    parser.add_argument("--eval-stdlib", type=int, default=0, metavar="N",
+                        help="before and after training, retrieval on N held-out stdlib docstring -> source pairs "
+                             "(recall@1, recall@10, MRR@10); 0: none")
+    parser.add_argument("--metrics", default=None, metavar="FILE", help="append the evaluations here (jsonl)")
     parser.add_argument("--config", metavar="PATH", help="DeepSpeed-style JSON config (overrides the batch, "
                         "lr and stage options below)")
     parser.add_argument("--micro-batch", type=int, default=8, metavar="B", help="queries per micro-batch per rank")
@@ -93,6 +99,14 @@ def run_train_embedding(args: argparse.Namespace) -> int:
                          "directory is needed; nothing is downloaded)")
     dims = [int(d) for d in args.matryoshka_dims.split(",")] if args.matryoshka_dims else None
     pooling = read_pooling(model_dir, args.pooling)
+    held_out: list[dict] = []
+    if args.data == ["stdlib"] or args.eval_stdlib:
+        from .retrieval import stdlib_pairs, write_pairs
+        train_pairs, held_out = stdlib_pairs()
+        held_out = held_out[:args.eval_stdlib]
+        if args.data == ["stdlib"]:
+            import tempfile
+            args.data = [str(write_pairs(train_pairs, Path(tempfile.mkdtemp()) / "stdlib_train.jsonl"))]
     data = load_pairs(args.data, args.negatives)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     torch.manual_seed(args.seed)
@@ -113,6 +127,25 @@ def run_train_embedding(args: argparse.Namespace) -> int:
                   f"negatives per query, pooling {pooling.mode}; one contrastive batch = {global_batch} queries "
                   f"({world} ranks x {accumulation} accumulation x {micro} micro), ZeRO stage "
                   f"{engine.zero_optimization_stage()}", flush=True)
+        def evaluate(when: str) -> None:
+            if not held_out:
+                return
+            from .export import encode
+            from .retrieval import retrieval_metrics
+            # every rank encodes (stage 3's forwards gather shards collectively); rank 0 reports
+            queries = encode(engine, tokenizer, [p["query"] for p in held_out], pooling,
+                             max_length=args.max_length, device=topology.device)
+            passages = encode(engine, tokenizer, [p["positive"] for p in held_out], pooling,
+                              max_length=args.max_length, device=topology.device)
+            record = {"eval": "stdlib_docstring_to_source", "when": when, "step": engine.global_steps,
+                      "queries": len(held_out), **retrieval_metrics(queries, passages)}
+            if rank == 0:
+                print(json.dumps(record), flush=True)
+                if args.metrics is not None:
+                    with open(args.metrics, "a", encoding="utf-8") as f:
+                        f.write(json.dumps(record) + "\n")
+
+        evaluate("before")
         if args.save_dir is not None:
             engine.claim_save_dir(os.path.abspath(args.save_dir))
         total = args.steps
@@ -132,6 +165,7 @@ def run_train_embedding(args: argparse.Namespace) -> int:
                 if rank == 0 and (len(losses) % args.log_every == 0 or len(losses) == 1):
                     print(f"step {len(losses)}: loss {losses[-1]:.6g}", flush=True)
             epoch += 1
+        evaluate("after")
         if args.save_dir is not None:
             path = engine.save_checkpoint(os.path.abspath(args.save_dir), client_state={"embedding": {
                 "pooling": pooling.mode, "epochs_started": epoch}})
