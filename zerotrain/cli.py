@@ -10,6 +10,8 @@ are the offline checkpoint tools (``zerotrain.checkpoint.command``). ``zerotrain
 --nproc N train.py ARGS`` runs the user's own script the same way (``zerotrain.launcher``); ``zerotrain
 merge`` merges models tensor by tensor (``zerotrain.merge.command``). ``zerotrain plot RUN_DIR
 [RUN_DIR ...]`` draws runs' metrics.jsonl as PNGs (``zerotrain.plots``).
+``zerotrain train-embedding`` fine-tunes a sentence-embedding model contrastively
+(``zerotrain.embedding.command``).
 """
 from __future__ import annotations
 
