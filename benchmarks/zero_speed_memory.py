@@ -75,7 +75,7 @@ ZEROTRAIN_VARIANTS: list[tuple[str, str, dict]] = [
     # parameter gathered in forward stays gathered for backward: fewer gathers, more memory).
     ("zt3", "zerotrain ZeRO-3 (bucketed)", {"stage": 3}),
     ("zt3s", "zerotrain ZeRO-3 (sequential)", {"stage": 3, "stage3_allgather_sequential": True}),
-    ("zt3r", "zerotrain ZeRO-3 (DeepSpeed's fetch defaults)", {"stage": 3, **ZT3_DEEPSPEED}),
+    ("zt3r", "zerotrain ZeRO-3 (DeepSpeed defaults)", {"stage": 3, **ZT3_DEEPSPEED}),
     # zt2g/zt3g: as zt2/zt3 with the same-host transport off: every collective byte through gloo's
     # loopback sockets, as DDP and FSDP2 do here ("_config": top-level config keys).
     ("zt2g", "zerotrain ZeRO-2 (gloo sockets)", {"stage": 2, "_config": {"comm_same_host_transport": False}}),
