@@ -358,6 +358,14 @@ class ZeroTrainEngine:
         """The unscaled global gradient norm of the last step (before clipping)."""
         return self.zero_optimizer.last_grad_norm
 
+    def last_save(self) -> tuple[bool, Optional[float]]:
+        """(whether the last `save_checkpoint` is still being written in the background, seconds that save call
+        blocked training); (False, None) before any save. What the Trainer reports, without reaching into
+        the checkpointer."""
+        if self.checkpointer is None:
+            return False, None
+        return bool(self.checkpointer.pending), self.checkpointer.last_stall_seconds
+
     def get_wall_clock_timers(self) -> dict[str, float]:
         """DeepSpeed's: the last optimizer step's timer totals in ms by name (`fwd`, `bwd`, `bwd_inner`,
         `bwd_allreduce`, `step`); {} unless `wall_clock_breakdown` is true."""

@@ -313,9 +313,8 @@ class Trainer:
             return None
         self.last_checkpoint = path
         if console is not None:
-            checkpointer = getattr(self.engine, "checkpointer", None)
-            pending = bool(getattr(checkpointer, "pending", False))
-            stall = getattr(checkpointer, "last_stall_seconds", None)
+            last_save = getattr(self.engine, "last_save", None)  # an engine-like object may not report it
+            pending, stall = last_save() if last_save is not None else (False, None)
             how = "being written in the background" if pending else "saved"
             took = f", training paused {stall:.2f}s" if stall is not None else ""
             console.print(f"checkpoint of step {step} {how}: {path}{took}", highlight=False, soft_wrap=True)
