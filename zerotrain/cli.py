@@ -13,6 +13,7 @@ are the offline checkpoint tools (``zerotrain.checkpoint.command``). ``zerotrain
 merge`` merges models tensor by tensor (``zerotrain.merge.command``); ``zerotrain estimate`` prints the
 memory per rank of each ZeRO stage and offload choice (``zerotrain.estimate``). ``zerotrain plot RUN_DIR
 [RUN_DIR ...]`` draws runs' metrics.jsonl as PNGs (``zerotrain.plots``).
+``zerotrain generate`` runs a model directory forward-only (ZeRO-Inference, ``zerotrain.inference``).
 ``zerotrain train-embedding`` fine-tunes a sentence-embedding model contrastively
 (``zerotrain.embedding.command``).
 """
@@ -172,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_estimate_parser(sub)
     from zerotrain.embedding.command import add_train_embedding_parser
     add_train_embedding_parser(sub)
+    from zerotrain.inference import add_generate_parser
+    add_generate_parser(sub)
     return parser
 
 
@@ -263,6 +266,11 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "estimate":
             from zerotrain.estimate import run_estimate
             return run_estimate(args)
+        if args.command == "generate":
+            from zerotrain.inference import run_generate, worker_argv as generate_argv
+            if args.nproc > 1 and not _inside_worker():
+                return _run_torchrun(_rendezvous(args.nproc), ["-m", "zerotrain.cli", *generate_argv(args)])
+            return run_generate(args)
         if args.command == "train-embedding":
             from zerotrain.embedding.command import run_train_embedding, worker_argv
             if args.nproc > 1 and not _inside_worker():

@@ -37,6 +37,8 @@ from .zero.gradnorm import GlobalGradients
 from .zero.interfaces import GradientReducer
 from .zero.grads import FullBufferReducer, PartitionedReducer
 from .zero.reduce import GradQuantization, reduce_for
+from .zero.forward_only import ForwardPasses, NoGradients, NoOptimizer, NoOptimizerError, no_optimizer_message, \
+    synced_generate
 from .zero.optimizer import ShardedOptimizer
 from .zero.stage3.grads import Stage3GradReducer
 from .zero.stage3.hooks import Stage3Hooks
@@ -81,11 +83,19 @@ class ZeroTrainEngine:
         else:
             self.module = model.to(device=topology.device, dtype=self.dtype)
 
-        torch_optimizer = self._make_torch_optimizer(optimizer, model_parameters)
-        group_of = {id(p): index for index, group in enumerate(torch_optimizer.param_groups) for p in group["params"]}
+        # No optimizer passed and none in the config: a forward-only engine (DeepSpeed's ZeRO-Inference), every
+        # parameter frozen, no gradient buffers, masters or optimizer states (zero.forward_only).
+        self.inference = optimizer is None and config.optimizer is None
+        if self.inference and (lr_scheduler is not None or config.scheduler is not None):
+            from .config import ConfigError
+            raise ConfigError("scheduler: a learning-rate scheduler needs an optimizer, and this engine has none "
+                              "(no optimizer passed to initialize, no 'optimizer' block)", key="scheduler")
+        torch_optimizer = None if self.inference else self._make_torch_optimizer(optimizer, model_parameters)
+        group_of = {} if self.inference else \
+            {id(p): index for index, group in enumerate(torch_optimizer.param_groups) for p in group["params"]}
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         orphans = [n for n, p in named if id(p) not in group_of]
-        if orphans:
+        if orphans and not self.inference:
             warnings.warn(f"parameters {orphans[:5]} require grad but are in no optimizer group; they stay frozen")
         zero = config.zero_optimization
         self.stage3: Optional[Stage3Model] = None
@@ -105,13 +115,16 @@ class ZeroTrainEngine:
                                                  int(zero.reduce_bucket_size), self.comm, self.stage >= 1,
                                                  self.expert_groups)
             self._broadcast_initial_state()
-        self.reducer = self._make_reducer()
+        self.reducer = NoGradients() if self.inference else self._make_reducer()
         if self.stage3 is not None:  # its release hooks must run after the reducer's gradient hooks
             self.stage3.hooks = Stage3Hooks(self.module, self.stage3.fetcher)
             self._configure_weight_gathers()
-        self.zero_optimizer = self._make_zero_optimizer(torch_optimizer)
+        self.zero_optimizer = NoOptimizer() if self.inference else self._make_zero_optimizer(torch_optimizer)
         self.optimizer = torch_optimizer
-        self.lr_scheduler = self._make_scheduler(lr_scheduler)
+        self.lr_scheduler = None if self.inference else self._make_scheduler(lr_scheduler)
+        self.forward_passes: Optional[ForwardPasses] = None
+        if self.inference:
+            self._prepare_forward_only()
         self.loss_scaler = LossScaler.from_config(config.fp16)
 
         self.micro_steps = 0
@@ -137,6 +150,24 @@ class ZeroTrainEngine:
         checkpointing.configure(self.tp_comm, deepspeed_config=self.config)
         if hasattr(self.module, "activation_checkpointing"):
             self.module.activation_checkpointing = True
+
+    def _prepare_forward_only(self) -> None:
+        """Each forward of the model is one fetcher micro-step (however it is called); at world > 1 the model's
+        `generate` keeps every rank stepping until all have finished (transformers' `synced_gpus`)."""
+        self.forward_passes = ForwardPasses(self.module, self.stage3.fetcher if self.stage3 is not None else None)
+        generate = getattr(self.module, "generate", None)
+        if self.topology.world_size > 1 and callable(generate) and not getattr(generate, "zerotrain_synced", False):
+            self.module.generate = synced_generate(generate)  # an instance attribute: engine.module.generate too
+
+    def generate(self, *args: Any, **kwargs: Any):
+        """`engine.module.generate(...)` (a Hugging Face model's), synced across ranks at world > 1."""
+        generate = getattr(self.module, "generate", None)
+        if generate is None:
+            raise AttributeError(f"engine.generate(): the model ({type(self.module).__name__}) has no generate method")
+        if self.topology.world_size > 1 and not getattr(generate, "zerotrain_synced", False):
+            generate = synced_generate(generate)
+        with torch.no_grad():
+            return generate(*args, **kwargs)
 
     # --- ZeRO++ ---------------------------------------------------------------
     def _subgroup_comm(self, group_info) -> Comm:
@@ -235,6 +266,9 @@ class ZeroTrainEngine:
 
     # --- the training step --------------------------------------------------
     def __call__(self, *args, **kwargs):
+        if self.inference:  # forward-only: ForwardPasses brackets the module's forward (also under generate)
+            with torch.no_grad():
+                return self.module(*args, **kwargs)
         # wall_clock_breakdown times training forwards only (an evaluation would land in the next step's)
         with self.timers("fwd") if torch.is_grad_enabled() else contextlib.nullcontext():
             self._before_model_use()
@@ -272,6 +306,8 @@ class ZeroTrainEngine:
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backpropagate `loss` scaled by 1/accumulation (and the fp16 loss scale), reducing gradients."""
+        if self.inference:
+            raise NoOptimizerError(no_optimizer_message("engine.backward()"))
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps()
         scaled = loss * scale if scale != 1.0 else loss
         with self.timers("bwd"):
@@ -289,6 +325,8 @@ class ZeroTrainEngine:
 
     def step(self) -> None:
         """Count a micro-step; at the accumulation boundary, update the weights."""
+        if self.inference:
+            raise NoOptimizerError(no_optimizer_message("engine.step()"))
         if self.checkpointer is not None:
             self.checkpointer.raise_if_failed()
         if self._inside_no_sync:
@@ -352,7 +390,7 @@ class ZeroTrainEngine:
         return self.config.gradient_accumulation_steps
 
     def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups]
+        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer is not None else []
 
     def get_global_grad_norm(self) -> Optional[float]:
         """The unscaled global gradient norm of the last step (before clipping)."""
@@ -440,6 +478,9 @@ class ZeroTrainEngine:
 
         `exclude_frozen_parameters` (DeepSpeed's; the HF Trainer passes True for PEFT models) is accepted,
         but frozen weights are still written: the checkpoint stays a complete, HF-loadable model (warned)."""
+        if self.inference:
+            raise NoOptimizerError(no_optimizer_message("engine.save_checkpoint()") +
+                                   " (engine.save_16bit_model() writes the weights)")
         if exclude_frozen_parameters:
             warnings.warn("save_checkpoint(exclude_frozen_parameters=True): zerotrain writes frozen weights too "
                           "(the checkpoint stays a complete model); only trainable ones get optimizer states",
@@ -465,6 +506,8 @@ class ZeroTrainEngine:
                           "missing from the checkpoint is still an error", stacklevel=2)
         if self.checkpointer is not None:
             self.checkpointer.wait()
+        if self.inference:  # forward-only: the weights alone (no optimizer, scheduler or counters to restore)
+            load_module_only, load_optimizer_states, load_lr_scheduler_states = True, False, False
         return load_checkpoint(self.checkpoint_state(), load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
 
@@ -615,6 +658,8 @@ class ZeroTrainEngine:
 
     def get_mom(self) -> list:
         """Per parameter group: Adam's betas, else SGD's momentum (None when the optimizer has neither)."""
+        if self.optimizer is None:
+            return []
         return [group.get("betas", group.get("momentum")) for group in self.optimizer.param_groups]
 
     def was_step_applied(self) -> bool:

@@ -209,7 +209,7 @@ def prepare(state: CheckpointState, path: str, sharded: set[str], load_optimizer
         if load_optimizer:
             check_groups(source.optimizer_meta.get("param_groups", []), state.optimizer)
         slot_loads = []
-        templates = _Templates(state.optimizer)
+        templates = _Templates(state.optimizer) if load_optimizer else None  # forward-only engines have none
         for slot in state.slots():
             frozen = slot.master is None  # a partitioned frozen parameter (stage 3): model dtype, no optimizer
             load = SlotLoad([])

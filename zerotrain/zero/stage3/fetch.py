@@ -92,6 +92,9 @@ class ParamFetcher:
         self._skipped: set[int] = set()  # gathered parameters whose next use prefetch passed over: kept
         self.holds: dict[int, int] = {}  # id(part) -> module forwards currently using it
         self.param_store = None  # offload_param: where non-persistent shards live (set by the engine)
+        # Forward-only engines (zero.forward_only): every forward repeats the recorded order, so reads ahead
+        # of offloaded shards wrap from the end of the record to its start (the next forward's first modules).
+        self.repeats = False
         largest = max((part.padded_numel * part.dtype.itemsize for part in parts), default=0)
         self.pool = BufferPool(4 * largest)
         self.stats = {"gathers": 0, "prefetched": 0, "prefetch_hits": 0, "peak_gather_bytes": 0,
@@ -205,11 +208,15 @@ class ParamFetcher:
 
     # --- prefetch ---------------------------------------------------------------
     def upcoming(self):
-        """Parameters of the recorded requests still to come, in order, not gathered (for reads ahead)."""
+        """Parameters of the recorded requests still to come, in order, not gathered (for reads ahead); with
+        `repeats`, then those of the next forward from its start."""
         if not self.trace.usable:
             return
-        for position in range(self.trace.cursor, len(self.trace.entries)):
-            for key in self.trace.entries[position]:
+        count = len(self.trace.entries)
+        cursor = self.trace.cursor
+        positions = range(cursor, count + cursor) if self.repeats else range(cursor, count)
+        for position in positions:
+            for key in self.trace.entries[position % count]:
                 part = self._by_id[key]
                 if not part.gathered and key not in self._inflight:
                     yield part

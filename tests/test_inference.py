@@ -1,0 +1,89 @@
+"""ZeRO-Inference (#15): a forward-only engine of a Hugging Face model directory at ZeRO-3 with parameters on
+NVMe generates the same tokens as plain single-process transformers, every rank running the same number of
+forwards while their sequences finish at different times; training it is an error naming the cause; it holds no
+gradients, masters or optimizer states."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from distributed import run_distributed
+
+MAX_NEW = 8
+
+
+def _greedy(model, ids, **kwargs):
+    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=MAX_NEW, use_cache=True, **kwargs)[0, ids.shape[1]:].tolist()
+
+
+def _generate_on_rank(model_dir: str, nvme: str) -> dict:
+    import transformers
+
+    import zerotrain
+    from zerotrain.config import ConfigError
+    from zerotrain.inference import load_for_inference
+    from zerotrain.zero.forward_only import NoOptimizerError
+
+    rank = int(os.environ["RANK"])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tokenizer(text, return_tensors="pt")["input_ids"] for text in
+               ("def add(a, b):\n    return", "import os\nfrom typing import")]
+    assert prompts[0].shape[1] != prompts[1].shape[1], "prompts of different lengths"
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    free = [_greedy(reference, ids, eos_token_id=None) for ids in prompts]
+    # An end token that rank 0's prompt produces at its 3rd new token and rank 1's never: rank 0 finishes after 3
+    # tokens, rank 1 runs all MAX_NEW; a rank stepping alone would wait in its gathers until the comm timeout.
+    eos = free[0][2]
+    assert eos not in free[0][:2] and eos not in free[1], (free, "pick other prompts")
+    want = _greedy(reference, prompts[rank], eos_token_id=eos)
+
+    config = {"comm_timeout_seconds": 60, "optimizer": {"type": "AdamW"},  # ignored by load_for_inference
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_count": 4,
+                                                      "buffer_size": 100_000, "max_in_cpu": 1000}}}
+    engine, _ = load_for_inference(model_dir, config)
+    assert engine.optimizer is None and engine.zero_optimizer.masters == [] and engine.reducer.grad_shards == []
+    with torch.no_grad():
+        want_logits = reference(input_ids=prompts[rank]).logits
+    logits = engine(input_ids=prompts[rank]).logits
+    got = engine.module.generate(input_ids=prompts[rank], attention_mask=torch.ones_like(prompts[rank]),
+                                 do_sample=False, max_new_tokens=MAX_NEW, use_cache=True, eos_token_id=eos)
+    got = got[0, prompts[rank].shape[1]:].tolist()
+    report = engine.memory_report()
+    errors = []
+    loss = engine(input_ids=prompts[rank]).logits.sum()
+    for call in (lambda: engine.backward(loss), engine.step):
+        with pytest.raises(NoOptimizerError, match="no optimizer") as caught:
+            call()
+        errors.append(str(caught.value))
+    # A plain initialize without an optimizer is forward-only too (no scheduler allowed with it).
+    with pytest.raises(ConfigError, match="scheduler"):
+        zerotrain.initialize(model=torch.nn.Linear(2, 2), config={
+            "train_batch_size": 2, "scheduler": {"type": "WarmupLR"}})
+    result = {"want": want, "got": got, "logits_diff": float((logits - want_logits).abs().max()),
+              "forwards": engine.forward_passes.count, "report": report, "errors": errors,
+              "store": dict(engine.param_store.stats), "mismatches": engine.stage3.fetcher.stats["order_mismatches"]}
+    engine.close()
+    return result
+
+
+def test_zero3_nvme_generate_matches_transformers_on_every_rank(tiny_llama_dir, tmp_path):
+    results = run_distributed(_generate_on_rank, 2, str(tiny_llama_dir), str(tmp_path / "nvme"))
+    lengths = [len(r["want"]) for r in results]
+    assert lengths[0] < MAX_NEW == lengths[1], f"rank 0 finishes early, rank 1 does not: {lengths}"
+    for rank, result in enumerate(results):
+        assert result["got"] == result["want"], f"rank {rank}: greedy tokens differ from transformers'"
+        assert result["logits_diff"] < 1e-5, f"rank {rank}: engine(...) logits differ by {result['logits_diff']}"
+        # every rank ran the same forwards: 1 engine(...) + MAX_NEW in generate (rank 0 kept stepping) + 1 for the loss
+        assert result["forwards"] == 2 + MAX_NEW, f"rank {rank}: {result['forwards']} forwards"
+        assert result["mismatches"] == 0, "every forward followed the recorded order"
+        store = result["store"]
+        assert store["read_ahead"] > 0 and store["read_ahead_hits"] > 0, f"rank {rank}: no reads ahead: {store}"
+        report = result["report"]
+        assert report["gradients"] == 0 and report["optimizer_states"] == 0 and "offload" not in report, report
+        assert report["parameters"] == 0, "nothing left gathered on the device after generate"
+        assert report["offload_param"]["nvme"] > 0, report
+        assert all("engine.backward()" in e or "engine.step()" in e for e in result["errors"]), result["errors"]
