@@ -146,7 +146,7 @@ def test_help_explains_every_option(capsys):
     text = capsys.readouterr().out
     for option in ("--config", "--nproc", "--model", "--steps", "--seq-len",
                    "--max-corpus-bytes", "--log-dir", "--seed", "--master-port",
-                   "--save-dir", "--save-every", "--no-save", "--resume"):
+                   "--save-dir", "--save-every", "--no-save", "--resume", "--memory-timeline"):
         assert option in text
     with pytest.raises(SystemExit) as exc:
         main(["--help"])
@@ -194,7 +194,7 @@ def test_train_tiny_end_to_end(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "zerotrain.cli", "train", "--config", str(REPO / "examples/zero2.json"),
          "--nproc", "1", "--model", "tiny", "--steps", "3", "--max-corpus-bytes", "200000",
-         "--log-dir", str(tmp_path), "--save-dir", str(tmp_path / "ckpt")],
+         "--log-dir", str(tmp_path), "--save-dir", str(tmp_path / "ckpt"), "--memory-timeline", "0.01"],
         env=env, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -204,6 +204,16 @@ def test_train_tiny_end_to_end(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["loss"] > 0 for r in records)
     assert "final loss" in proc.stdout
+    # --memory-timeline: rank 0's samples next to metrics.jsonl, with the engine's phases and the step count
+    lines = [json.loads(line) for line in (tmp_path / "memory_timeline.rank0.jsonl").read_text().splitlines()]
+    header, samples = lines[0], lines[1:]
+    assert header["rank"] == 0 and header["interval_s"] == 0.01
+    assert {s.get("boundary") for s in samples} >= {"forward", "backward", "reduce", "optimizer step", "save"}
+    assert all(s["rss"] > 0 for s in samples) and max(s["step"] for s in samples) == 3
+    assert [s["t"] for s in samples] == sorted(s["t"] for s in samples)
+    assert any(s.get("event") is None and s["phase"] is None for s in samples), "interval samples too"
+    assert main(["plot", str(tmp_path)]) == 0
+    assert (tmp_path / "plots" / "memory_timeline_rank0.png").stat().st_size > 0
 
 
 def test_workers_get_full_option_names_without_nproc():

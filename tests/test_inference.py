@@ -4,6 +4,7 @@ forwards while their sequences finish at different times; training it is an erro
 gradients, masters or optimizer states."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -45,6 +46,9 @@ def _generate_on_rank(model_dir: str, nvme: str) -> dict:
                                     "offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_count": 4,
                                                       "buffer_size": 100_000, "max_in_cpu": 1000}}}
     engine, _ = load_for_inference(model_dir, config)
+    from zerotrain.monitor import MemoryTimeline
+    timeline = MemoryTimeline(os.path.join(nvme, "timeline"), rank=rank)
+    engine.watch_memory(timeline)  # stage 3's blocking gathers are a phase of their own
     assert engine.optimizer is None and engine.zero_optimizer.masters == [] and engine.reducer.grad_shards == []
     with torch.no_grad():
         want_logits = reference(input_ids=prompts[rank]).logits
@@ -53,6 +57,10 @@ def _generate_on_rank(model_dir: str, nvme: str) -> dict:
                                  do_sample=False, max_new_tokens=MAX_NEW, use_cache=True, eos_token_id=eos)
     got = got[0, prompts[rank].shape[1]:].tolist()
     report = engine.memory_report()
+    engine.watch_memory(None)
+    timeline.close()
+    with open(timeline.path) as handle:
+        boundaries = {json.loads(line).get("boundary") for line in handle}
     errors = []
     loss = engine(input_ids=prompts[rank]).logits.sum()
     for call in (lambda: engine.backward(loss), engine.step):
@@ -65,7 +73,7 @@ def _generate_on_rank(model_dir: str, nvme: str) -> dict:
             "train_batch_size": 2, "scheduler": {"type": "WarmupLR"}})
     result = {"want": want, "got": got, "logits_diff": float((logits - want_logits).abs().max()),
               "forwards": engine.forward_passes.count, "report": report, "errors": errors,
-              "store": dict(engine.param_store.stats), "mismatches": engine.stage3.fetcher.stats["order_mismatches"]}
+              "store": dict(engine.param_store.stats), "gather_phase": "gather" in boundaries, "mismatches": engine.stage3.fetcher.stats["order_mismatches"]}
     engine.close()
     return result
 
@@ -80,6 +88,7 @@ def test_zero3_nvme_generate_matches_transformers_on_every_rank(tiny_llama_dir, 
         # every rank ran the same forwards: 1 engine(...) + MAX_NEW in generate (rank 0 kept stepping) + 1 for the loss
         assert result["forwards"] == 2 + MAX_NEW, f"rank {rank}: {result['forwards']} forwards"
         assert result["mismatches"] == 0, "every forward followed the recorded order"
+        assert result["gather_phase"], f"rank {rank}: no gather phase in its memory timeline"
         store = result["store"]
         assert store["read_ahead"] > 0 and store["read_ahead_hits"] > 0, f"rank {rank}: no reads ahead: {store}"
         report = result["report"]

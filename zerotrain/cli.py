@@ -128,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-dir", default=None, metavar="DIR",
         help="directory for metrics.jsonl and summary.json (rank 0); nothing written if unset",
     )
+    train.add_argument(
+        "--memory-timeline", type=float, nargs="?", const=0.05, default=None, metavar="SECONDS",
+        help="write each rank's memory over time with the engine's phases (forward, backward, gather, reduce, "
+             "optimizer step, save) to LOG_DIR/memory_timeline.rank{R}.jsonl, sampled every SECONDS "
+             "(default 0.05) and at every phase boundary; `zerotrain plot LOG_DIR` draws them (needs --log-dir)",
+    )
     train.add_argument("--seed", type=int, default=1234,
                        help="seed for model init and data order (same on every rank)")
     train.add_argument(
@@ -327,6 +333,9 @@ def _check_train_args(args: argparse.Namespace) -> None:
         raise CLIError(f"--seq-len must be >= 1, got {args.seq_len}")
     if args.num_proc is not None and args.num_proc < 1:
         raise CLIError(f"--num-proc must be >= 1, got {args.num_proc}")
+    if args.memory_timeline is not None and (args.memory_timeline <= 0 or args.log_dir is None):
+        raise CLIError("--memory-timeline needs --log-dir (the files go next to metrics.jsonl) and a sampling "
+                       f"interval > 0 seconds, got {args.memory_timeline}")
     if args.eval_data and not args.data:
         raise CLIError("--eval-data needs --data")
     for flag, paths in (("--data", args.data), ("--eval-data", args.eval_data)):
@@ -388,7 +397,7 @@ def _check_train_args(args: argparse.Namespace) -> None:
 # even those meant for the script). `--master-port` concerns only the launcher.
 _WORKER_OPTIONS = ("config", "model", "model_config", "tokenizer", "text_field", "num_proc", "steps", "seq_len",
                    "max_corpus_bytes", "val_fraction", "eval_interval", "eval_batches", "log_dir", "seed",
-                   "save_dir", "save_every", "stop_signals")
+                   "save_dir", "save_every", "stop_signals", "memory_timeline")
 _WORKER_LISTS = ("data", "eval_data")
 _WORKER_FLAGS = ("no_save", "resume", "no_packing", "skip_bad_records")
 
@@ -585,6 +594,7 @@ def _train(args: argparse.Namespace) -> int:
             total_steps=args.steps,
             eval_data=eval_loader,
             log_dir=args.log_dir,
+            memory_timeline=args.memory_timeline or 0.0,
             steps_per_print=engine.config.steps_per_print,
             eval_interval=args.eval_interval,
             eval_batches=eval_batches,

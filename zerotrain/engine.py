@@ -487,8 +487,17 @@ class ZeroTrainEngine:
                           stacklevel=2)
         if self.checkpointer is None:
             self.checkpointer = Checkpointer(self.checkpoint_state())
-        return save_checkpoint(self.checkpointer, save_dir, tag=tag, client_state=client_state or {},
-                               save_latest=save_latest, async_save=async_save)
+        with self.timers.phase("save"):
+            return save_checkpoint(self.checkpointer, save_dir, tag=tag, client_state=client_state or {},
+                                   save_latest=save_latest, async_save=async_save)
+
+    def watch_memory(self, timeline) -> None:
+        """Tell `timeline` (a `zerotrain.monitor.MemoryTimeline`, or None to stop) where this engine's phases
+        begin and end: forward, backward, gather (stage 3's blocking parameter gathers), reduce, optimizer
+        step, save (the `wall_clock_breakdown` timers' boundaries), and when each optimizer step ends."""
+        self.timers.listener = timeline
+        if self.stage3 is not None:
+            self.stage3.fetcher.phase = self.timers.phase
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,

@@ -2,7 +2,9 @@
 
 `plot_pngs([run_dir_or_file, ...], out_dir)` (what `zerotrain plot` runs) writes one PNG per panel: the
 training loss with the held-out loss, the learning rate, the throughput, and the memory of every rank,
-each with the runs overlaid. `plot_runs([...], out_png)` draws loss, learning rate and throughput side by
+each with the runs overlaid, and for a run directory holding memory timelines (`train --memory-timeline`,
+`zerotrain.monitor.MemoryTimeline`) one `memory_timeline_rank{R}.png` per rank
+(`plot_memory_timelines`). `plot_runs([...], out_png)` draws loss, learning rate and throughput side by
 side in one figure. A resumed run, or two configs, can be compared at a glance. matplotlib is optional
 (`pip install 'zerotrain[plot]'`); without it a clear error says so.
 """
@@ -14,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Sequence, Union
 
-__all__ = ["read_metrics", "plot_runs", "plot_pngs", "PNG_PANELS"]
+__all__ = ["read_metrics", "plot_runs", "plot_pngs", "PNG_PANELS", "read_memory_timeline", "plot_memory_timelines"]
 
 PathLike = Union[str, os.PathLike]
 PANELS = (("loss", "loss (nats/token)"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"))
@@ -122,11 +124,24 @@ def plot_pngs(sources: Sequence[PathLike], out_dir: PathLike, labels: Sequence[s
     Returns the paths written.
     """
     plt = _pyplot()
-    runs, names = _runs(sources, labels)
+    names = list(labels) or [Path(source).name or str(source) for source in sources]
+    if len(names) != len(sources):
+        raise ValueError(f"{len(names)} labels for {len(sources)} runs")
+    # A directory with memory timelines and no metrics.jsonl (a benchmark's) draws its timelines alone.
+    timelines_only = [Path(source).is_dir() and not (Path(source) / "metrics.jsonl").exists()
+                      and bool(_timeline_files(source)) for source in sources]
+    with_metrics = [(source, name) for source, name, alone in zip(sources, names, timelines_only) if not alone]
+    runs, names = _runs([s for s, _ in with_metrics], [n for _, n in with_metrics]) if with_metrics else ([], [])
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
+    for index, source in enumerate(sources):
+        if Path(source).is_dir():
+            prefix = "" if len(sources) == 1 else f"{(list(labels) or [Path(s).name for s in sources])[index]}_"
+            written += plot_memory_timelines(source, out_dir, prefix=prefix)
     for stem, (title, ylabel) in PNG_PANELS.items():
+        if not runs:
+            break
         figure, axis = plt.subplots(figsize=(6.4, 4.0))
         drawn = False
         colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -158,4 +173,97 @@ def plot_pngs(sources: Sequence[PathLike], out_dir: PathLike, labels: Sequence[s
             figure.savefig(path, dpi=110)
             written.append(path)
         plt.close(figure)
+    return written
+
+
+# --- memory timelines (zerotrain.monitor.memory_timeline writes them; read here without importing it) -----
+_TIMELINE_GLOB = "memory_timeline.rank*.jsonl"
+_PHASE_ORDER = ("forward", "backward", "gather", "reduce", "optimizer step", "save")
+
+
+def _timeline_files(directory: PathLike) -> list[Path]:
+    def rank_of(path: Path) -> int:
+        digits = path.name[len("memory_timeline.rank"):-len(".jsonl")]
+        return int(digits) if digits.isdigit() else 1 << 30
+    return sorted(Path(directory).glob(_TIMELINE_GLOB), key=rank_of)
+
+
+def read_memory_timeline(path: PathLike) -> tuple[dict, list[dict]]:
+    """(header, samples) of one rank's `memory_timeline.rank{R}.jsonl`; a bad line names the file and line."""
+    path = Path(path)
+    header: dict = {}
+    samples: list[dict] = []
+    with open(path, encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{line_number}: not a JSON record ({error.msg})") from None
+            if "t" in record:
+                samples.append(record)
+            elif line_number == 1:
+                header = record
+    if not samples:
+        raise ValueError(f"{path}: no memory samples")
+    return header, samples
+
+
+def _phase_spans(samples: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """phase -> [(start, width)] from the begin/end boundaries (nested phases each get their own spans)."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    open_at: dict[str, list[float]] = {}
+    for sample in samples:
+        name, event = sample.get("boundary"), sample.get("event")
+        if name is None:
+            continue
+        if event == "begin":
+            open_at.setdefault(name, []).append(sample["t"])
+        elif event == "end" and open_at.get(name):
+            start = open_at[name].pop()
+            spans.setdefault(name, []).append((start, max(sample["t"] - start, 1e-6)))
+    return spans
+
+
+def plot_memory_timelines(directory: PathLike, out_dir: PathLike, prefix: str = "") -> list[Path]:
+    """Write `{prefix}memory_timeline_rank{R}.png` for each rank's timeline in `directory`: memory over time
+    (host RSS; CUDA allocated and reserved when recorded) above a band per phase showing when it ran.
+    Returns the paths written ([] when the directory holds no timeline)."""
+    files = _timeline_files(directory)
+    if not files:
+        return []
+    plt = _pyplot()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for path in files:
+        header, samples = read_memory_timeline(path)
+        rank = header.get("rank", path.name[len("memory_timeline.rank"):-len(".jsonl")])
+        figure, (memory, phases) = plt.subplots(2, 1, figsize=(9, 5), sharex=True,
+                                                gridspec_kw={"height_ratios": [3, 1]})
+        times = [s["t"] for s in samples]
+        for key, label in (("rss", "host RSS"), ("cuda_allocated", "CUDA allocated"),
+                           ("cuda_reserved", "CUDA reserved")):
+            points = [(s["t"], s[key] / 2**30) for s in samples if isinstance(s.get(key), (int, float))]
+            if points:
+                memory.plot([p[0] for p in points], [p[1] for p in points], label=label, linewidth=1)
+        memory.set_ylabel("GiB")
+        memory.set_title(f"memory timeline, rank {rank} ({header.get('device', '?')})")
+        memory.grid(alpha=0.3)
+        memory.legend(fontsize=8, loc="upper left")
+        spans = _phase_spans(samples)
+        names = [n for n in _PHASE_ORDER if n in spans] + sorted(n for n in spans if n not in _PHASE_ORDER)
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        for row, name in enumerate(names):  # one broken_barh per phase: thousands of spans stay one artist
+            phases.broken_barh(spans[name], (row + 0.1, 0.8), facecolors=colors[row % len(colors)])
+        phases.set_yticks([row + 0.5 for row in range(len(names))], labels=names, fontsize=8)
+        phases.set_ylim(0, max(len(names), 1))
+        phases.set_xlabel("seconds since the timeline started")
+        phases.set_xlim(0, max(times) if times else 1)
+        figure.tight_layout()
+        out = out_dir / f"{prefix}memory_timeline_rank{rank}.png"
+        figure.savefig(out, dpi=110)
+        plt.close(figure)
+        written.append(out)
     return written

@@ -37,6 +37,7 @@ import torch
 from . import dist
 from .lifecycle import StopRequest
 from .monitor import Monitors, TIMER_FIELDS, check_monitor_libraries
+from .monitor.memory_timeline import MemoryTimeline
 from .monitor.measure import memory_bytes, memory_kind, parameter_count, peak_flops
 
 __all__ = ["Trainer", "TrainSummary", "mean_across_ranks"]
@@ -115,6 +116,9 @@ class Trainer:
         stop_signals: signals that stop training at the next step boundary (names, e.g.
             ``"SIGTERM,SIGUSR1"``; default SIGTERM, SIGINT, SIGHUP, SIGUSR1); ``()`` handles none.
             Handlers are installed for the duration of ``train()``, from the main thread only.
+        memory_timeline: > 0: every rank samples its memory every this many seconds (and at each of the
+            engine's phase boundaries) into ``log_dir/memory_timeline.rank{R}.jsonl`` during ``train()``
+            (``zerotrain.monitor.MemoryTimeline``; needs ``log_dir``); 0: off.
     """
 
     def __init__(
@@ -131,6 +135,7 @@ class Trainer:
         save_dir: Optional[Union[str, os.PathLike]] = None,
         save_every: int = 0,
         stop_signals: Any = None,
+        memory_timeline: float = 0.0,
     ) -> None:
         if total_steps < 0:
             raise ValueError(f"total_steps must be >= 0, got {total_steps}")
@@ -150,6 +155,9 @@ class Trainer:
         self._console = console
         self.save_dir = Path(save_dir) if save_dir is not None else None
         self.save_every = int(save_every)
+        if memory_timeline and self.log_dir is None:
+            raise ValueError("memory_timeline needs a log_dir (its files go next to metrics.jsonl)")
+        self.memory_timeline = float(memory_timeline or 0.0)
         self.last_checkpoint: Optional[str] = None
         self._epoch = 0
         self._batches: Optional[Iterator] = None
@@ -324,6 +332,21 @@ class Trainer:
 
     def train(self) -> TrainSummary:
         """Run to ``total_steps`` and return the summary (the same on every rank)."""
+        if not self.memory_timeline:
+            return self._train()
+        timeline = MemoryTimeline(self.log_dir, rank=self.rank, device=self.device, interval_s=self.memory_timeline,
+                                  step=int(getattr(self.engine, "global_steps", 0) or 0))
+        watch = getattr(self.engine, "watch_memory", None)
+        if callable(watch):
+            watch(timeline)
+        try:
+            return self._train()
+        finally:
+            if callable(watch):
+                watch(None)
+            timeline.close()
+
+    def _train(self) -> TrainSummary:
         start_step = int(getattr(self.engine, "global_steps", 0) or 0)
         is_main = self.rank == 0
         console = self._get_console() if is_main else None

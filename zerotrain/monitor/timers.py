@@ -6,6 +6,10 @@ one optimizer step; at the step's end the engine calls `close_step()`, which kee
 `engine.get_wall_clock_timers()` and starts the next step at zero (DeepSpeed logs and resets them there
 too). On CUDA the device is synchronized at each start and stop, so a timer measures the work and not the
 launch; disabled timers cost nothing.
+
+A `listener` (a `MemoryTimeline`, `engine.watch_memory`) is told where each timed region begins and ends,
+timers enabled or not, under its phase name (`memory_timeline.PHASE_OF_TIMER`); `phase(name)` marks a
+region for the listener alone (a stage-3 gather, a save), untimed.
 """
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ import time
 from typing import Iterator
 
 import torch
+
+from .memory_timeline import PHASE_OF_TIMER
 
 __all__ = ["WallClockTimers", "TIMER_NAMES"]
 
@@ -29,25 +35,42 @@ class WallClockTimers:
         self._device = device
         self._running: dict[str, float] = {}
         self.last: dict[str, float] = {}
+        self.listener = None  # told of every region's begin and end (a MemoryTimeline); None: nobody
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
-        self._synchronize()
-        start = time.perf_counter()
+        listener = self.listener
+        if listener is not None:
+            listener.begin(PHASE_OF_TIMER.get(name, name))
         try:
-            yield
-        finally:
+            if not self.enabled:
+                yield
+                return
             self._synchronize()
-            self._running[name] = self._running.get(name, 0.0) + (time.perf_counter() - start) * 1000.0
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._synchronize()
+                self._running[name] = self._running.get(name, 0.0) + (time.perf_counter() - start) * 1000.0
+        finally:
+            if listener is not None:
+                listener.end(PHASE_OF_TIMER.get(name, name))
+
+    def phase(self, name: str):
+        """A region the listener is told of (untimed); a no-op context without a listener."""
+        listener = self.listener
+        if listener is None:
+            return contextlib.nullcontext()
+        return listener.phase(PHASE_OF_TIMER.get(name, name))
 
     def close_step(self) -> None:
         """An optimizer step ended: its totals become `last` (every timer present, 0 if unused)."""
         if self.enabled:
             self.last = {name: self._running.get(name, 0.0) for name in TIMER_NAMES}
             self._running = {}
+        if self.listener is not None:
+            self.listener.step_done()
 
     def _synchronize(self) -> None:
         if self._sync:

@@ -54,6 +54,7 @@ never in one collective with other parameters; qwZ quantizes those gathers too; 
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -63,6 +64,10 @@ from ...comm.compressed import QuantizedAllGather
 from .buffers import BufferPool
 from .partition import PartitionedParam
 from .trace import FetchTrace
+
+
+def _no_phase(name: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
 
 
 # Requests made while backward runs: parameters unpacked, and module forwards of an activation-checkpoint
@@ -95,6 +100,8 @@ class ParamFetcher:
         # Forward-only engines (zero.forward_only): every forward repeats the recorded order, so reads ahead
         # of offloaded shards wrap from the end of the record to its start (the next forward's first modules).
         self.repeats = False
+        # A context per blocking gather, named "gather" (the engine's memory timeline phase); none by default.
+        self.phase = _no_phase
         largest = max((part.padded_numel * part.dtype.itemsize for part in parts), default=0)
         self.pool = BufferPool(4 * largest)
         self.stats = {"gathers": 0, "prefetched": 0, "prefetch_hits": 0, "peak_gather_bytes": 0,
@@ -159,20 +166,21 @@ class ParamFetcher:
         for part in parts:
             self._skipped.discard(id(part))
         missing = [part for part in parts if not part.gathered and id(part) not in self._inflight]
-        if missing:
-            self._gather(missing, reason=reason)
-        if reason == "user" and self._lossy:  # GatheredParameters may write back: give it exact values
+        with self.phase("gather"):
+            if missing:
+                self._gather(missing, reason=reason)
+            if reason == "user" and self._lossy:  # GatheredParameters may write back: give it exact values
+                for part in parts:
+                    self._complete(id(part))
+                    if id(part) in self._lossy:
+                        exact = torch.empty_like(part.flat_param)
+                        part.group.comm.all_gather(exact, part.device_shard())
+                        part.flat_param.copy_(exact)
+                        self._lossy.discard(id(part))
             for part in parts:
-                self._complete(id(part))
-                if id(part) in self._lossy:
-                    exact = torch.empty_like(part.flat_param)
-                    part.group.comm.all_gather(exact, part.device_shard())
-                    part.flat_param.copy_(exact)
-                    self._lossy.discard(id(part))
-        for part in parts:
-            if id(part) in self._inflight:
-                self.stats["prefetch_hits"] += 1
-                self._complete(id(part))
+                if id(part) in self._inflight:
+                    self.stats["prefetch_hits"] += 1
+                    self._complete(id(part))
         self._prefetch()
         if self.param_store is not None:  # offload_param nvme: start reading the next shards
             self.param_store.read_ahead(self.upcoming())
