@@ -166,7 +166,8 @@ class ParamFetcher:
         for part in parts:
             self._skipped.discard(id(part))
         missing = [part for part in parts if not part.gathered and id(part) not in self._inflight]
-        with self.phase("gather"):
+        waits = missing or (reason == "user" and self._lossy) or any(id(part) in self._inflight for part in parts)
+        with self.phase("gather") if waits else contextlib.nullcontext():
             if missing:
                 self._gather(missing, reason=reason)
             if reason == "user" and self._lossy:  # GatheredParameters may write back: give it exact values
