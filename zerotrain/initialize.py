@@ -83,7 +83,9 @@ def initialize(model: torch.nn.Module = None, config: Union[dict, str, os.PathLi
     is DeepSpeed's older name for it, and `args` (an argparse namespace from a parser given to
     `zerotrain.add_config_arguments`) may carry the path instead; `args.local_rank` is set to this
     process's local rank, as DeepSpeed does. `optimizer` may be a torch optimizer over the
-    model's parameters or a callable building one from parameter groups.
+    model's parameters or a callable building one from parameter groups. With no optimizer passed and
+    no `optimizer` block in the config the engine is forward-only (ZeRO-Inference, docs/inference.md):
+    no gradients, masters or optimizer states; `backward`/`step` raise; the optimizer returned is None.
     With `tensor_parallel.autotp_size` > 1 the model is split by `tensor_parallel_plan`
     (module-name pattern → `zerotrain.parallel.Column/Row/Vocab`, or transformers' style strings)
     or, without one, by the model's own plan (zerotrain's GPT; a Hugging Face model's
