@@ -96,3 +96,23 @@ def test_zero3_nvme_generate_matches_transformers_on_every_rank(tiny_llama_dir, 
         assert report["parameters"] == 0, "nothing left gathered on the device after generate"
         assert report["offload_param"]["nvme"] > 0, report
         assert all("engine.backward()" in e or "engine.step()" in e for e in result["errors"]), result["errors"]
+
+
+def test_generate_command_prints_the_greedy_continuation(tiny_llama_dir, tmp_path, capsys):
+    import json as json_module
+
+    import transformers
+
+    from zerotrain.cli import main
+
+    config = tmp_path / "ds.json"  # a training config: its optimizer block is dropped, the batch size is ignored
+    config.write_text(json_module.dumps({"train_batch_size": 8, "optimizer": {"type": "AdamW"},
+                                         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_llama_dir)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    prompt = "def add(a, b):"
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    want = tokenizer.decode(_greedy(reference, ids, pad_token_id=tokenizer.pad_token_id)[:4], skip_special_tokens=True)
+    assert main(["generate", "--model", str(tiny_llama_dir), "--config", str(config), "--prompt", prompt,
+                 "--max-new-tokens", "4"]) == 0
+    assert f"### prompt 0: {prompt}\n{prompt}{want}\n" in capsys.readouterr().out
