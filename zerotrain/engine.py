@@ -498,6 +498,8 @@ class ZeroTrainEngine:
         self.timers.listener = timeline
         if self.stage3 is not None:
             self.stage3.fetcher.phase = self.timers.phase
+        if self.forward_passes is not None:  # forward-only: its forwards are not timed, but still a phase
+            self.forward_passes.listener = timeline
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,

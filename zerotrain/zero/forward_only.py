@@ -94,6 +94,7 @@ class ForwardPasses:
     def __init__(self, module: torch.nn.Module, fetcher=None):
         self.fetcher = fetcher
         self.count = 0  # forwards of the root module since the engine was built
+        self.listener = None  # told where each forward begins and ends (a memory timeline); None: nobody
         self._depth = 0
         if fetcher is not None:
             fetcher.repeats = True  # the next forward follows the same record: reads ahead wrap to its start
@@ -105,6 +106,8 @@ class ForwardPasses:
         self._depth += 1
         if self._depth == 1:
             self.count += 1
+            if self.listener is not None:
+                self.listener.begin("forward")
             if self.fetcher is not None:
                 self.fetcher.begin_micro_step()
 
@@ -114,6 +117,8 @@ class ForwardPasses:
             # no backward follows: close the record after the first forward, release every gathered shard
             self.fetcher.end_forward(backward_follows=False)
             self.fetcher.end_micro_step()
+        if self._depth == 0 and self.listener is not None:
+            self.listener.end("forward")
 
     def remove(self) -> None:
         for handle in self._handles:
