@@ -48,6 +48,7 @@ from .slots import CheckpointState, sharded_names
 from .split import RunsRead, expected_shape, tensor_slices
 from .source import HUGGING_FACE, ZEROTRAIN, Source, needed_files, open_source, resolve, verify
 from .state import apply_trainer_state, decode, restore_rng
+from ..lora import base_weight_name, is_adapter_weight
 
 logger = logging.getLogger("zerotrain")
 
@@ -91,8 +92,12 @@ class LoadPlan:
 def _name_candidates(module: torch.nn.Module, name: str, hugging_face: bool) -> list[str]:
     if not hugging_face:
         return [name]
-    prefix = getattr(module, "base_model_prefix", "") or ""
     candidates = [name]
+    base = base_weight_name(name)  # a PEFT-wrapped model loading its base model's directory
+    if base != name:
+        candidates.append(base)
+        name, module = base, getattr(module, "get_base_model", lambda: module)()
+    prefix = getattr(module, "base_model_prefix", "") or ""
     if prefix and name.startswith(prefix + "."):
         candidates.append(name[len(prefix) + 1:])
     elif prefix:
@@ -125,6 +130,8 @@ def _check_model_fits(model: TensorReader, module, slots, slices: dict, hugging_
                 continue
             seen.add(record.name)
             name = _find(model, module, record.name, hugging_face)
+            if name is None and hugging_face and is_adapter_weight(record.name):
+                continue  # a LoRA adapter on a base model's directory: it keeps its initialisation
             if name is None:
                 problems.append(f"tensor {record.name!r} is missing from the model weights of {path}")
                 continue
@@ -205,7 +212,11 @@ def prepare(state: CheckpointState, path: str, sharded: set[str], load_optimizer
         masters = files.enter_context(TensorReader(path, source.maps.get(MASTER, {}), "master weights"))
         optim = files.enter_context(TensorReader(path, source.maps.get(OPTIMIZER, {}), "optimizer states"))
         slices = tensor_slices(module)
-        _check_model_fits(model, module, state.slots(), slices, hugging_face, path)
+        # checkpoint.adapters_only: the checkpoint holds only the trainable parameters; the frozen ones keep what
+        # the model has (its base, loaded from the model directory first)
+        adapters_only = bool(source.kind == ZEROTRAIN and (source.trainer_state or {}).get("adapters_only"))
+        loaded_slots = [slot for slot in state.slots() if not (adapters_only and slot.master is None)]
+        _check_model_fits(model, module, loaded_slots, slices, hugging_face, path)
         if load_optimizer:
             check_groups(source.optimizer_meta.get("param_groups", []), state.optimizer)
         slot_loads = []
@@ -213,17 +224,22 @@ def prepare(state: CheckpointState, path: str, sharded: set[str], load_optimizer
         for slot in state.slots():
             frozen = slot.master is None  # a partitioned frozen parameter (stage 3): model dtype, no optimizer
             load = SlotLoad([])
+            if frozen and adapters_only:
+                slot_loads.append(load)
+                continue
             if load_optimizer and not frozen:
                 load = _plan_states(slot, optim, templates, slices) if optim.weight_map else SlotLoad([], {})
             for record in slot.records:
                 reader = masters if masters.has(record.name) and not frozen else model
                 name = _find(reader, module, record.name, hugging_face)
+                if name is None and hugging_face and is_adapter_weight(record.name):
+                    continue  # see _check_model_fits
                 if name is None:
                     raise CheckpointError(f"tensor {record.name!r} is missing from the model weights of {path}")
                 load.weights.append(_record_read(reader, name, record, slices))
             slot_loads.append(load)
         extras = []
-        for name, tensor in extra_tensors(module, sharded):
+        for name, tensor in extra_tensors(module, sharded) if not adapters_only else ():
             found = _find(model, module, name, hugging_face)
             if found is None:
                 if hugging_face and not isinstance(tensor, torch.nn.Parameter):
