@@ -556,9 +556,6 @@ def _train(args: argparse.Namespace) -> int:
         micro = engine.train_micro_batch_size_per_gpu()
         dp_rank, dp_size = engine.topology.dp_rank, engine.dp_world_size
         engine.add_checkpoint_files(tokenizer_files(tokenizer))  # from_pretrained(checkpoint) finds the tokenizer
-        if lora is not None:  # the adapter in PEFT's layout in every checkpoint (gathered at each save: collective)
-            from zerotrain.models.hf import adapter_files
-            engine.add_checkpoint_files(lambda: adapter_files(engine.full_state_dict(trainable_only=True), model))
         if args.data:
             data_text, make_loader, eval_loader, eval_batches = _local_data(args, engine, model, tokenizer, seq_len, dtype)
         else:
@@ -669,6 +666,9 @@ def model_engine(source, config, seed: int = 0, lora=None):
     if lora is not None:
         model = apply_lora(model, lora, base_dir=source.weights_dir, seed=seed)
     engine, _, _, _ = zerotrain.initialize(model=model, config=config)
+    if lora is not None:  # the adapter in PEFT's layout in every checkpoint (gathered at each save: collective)
+        from zerotrain.models.hf import adapter_files
+        engine.add_checkpoint_files(lambda: adapter_files(engine.full_state_dict(trainable_only=True), model))
     return engine, model
 
 
