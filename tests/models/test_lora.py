@@ -266,3 +266,22 @@ def test_lora_world2_zero3_and_tensor_parallel_equal_peft(tiny_llama_dir, tmp_pa
             stored = next(k for k in files if k.replace(".base_layer.", ".").endswith(name))
             torch.testing.assert_close(files[stored], tensor, rtol=0, atol=0, msg=f"stage {stage}: {name}")
         assert (save / "adapter_model.safetensors").exists()
+
+
+def test_lora_options_reach_the_workers_and_bad_ones_are_named(tmp_path, capsys):
+    from zerotrain.cli import _lora_options, _worker_argv, build_parser, main
+
+    argv = ["train", "--config", "c.json", "--nproc", "2", "--lora-r", "8", "--lora-alpha", "32", "--lora-dropout",
+            "0.1", "--lora-target-modules", "q_proj, v_proj,o_proj"]
+    args = build_parser().parse_args(argv)
+    again = build_parser().parse_args(_worker_argv(args))
+    assert _lora_options(again) == _lora_options(args)
+    options = _lora_options(args)
+    assert (options.r, options.alpha, options.dropout, options.target_modules) == \
+        (8, 32.0, 0.1, ("q_proj", "v_proj", "o_proj"))
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1}))
+    assert main(["train", "--config", str(config), "--lora-alpha", "16"]) == 2
+    assert "--lora-alpha and --lora-target-modules need --lora-r" in capsys.readouterr().err
+    assert main(["train", "--config", str(config), "--lora-r", "0"]) == 2
+    assert "--lora-r must be >= 1" in capsys.readouterr().err

@@ -90,13 +90,13 @@ class LoadPlan:
 
 
 def _name_candidates(module: torch.nn.Module, name: str, hugging_face: bool) -> list[str]:
-    if not hugging_face:
-        return [name]
     candidates = [name]
-    base = base_weight_name(name)  # a PEFT-wrapped model loading its base model's directory
+    base = base_weight_name(name)  # a PEFT-wrapped model loading its base model (a model directory or checkpoint)
     if base != name:
         candidates.append(base)
         name, module = base, getattr(module, "get_base_model", lambda: module)()
+    if not hugging_face:
+        return candidates
     prefix = getattr(module, "base_model_prefix", "") or ""
     if prefix and name.startswith(prefix + "."):
         candidates.append(name[len(prefix) + 1:])
@@ -118,7 +118,8 @@ def _record_read(reader: TensorReader, stored: str, record, slices: dict):
     return RunsRead(reader, stored, tensor_slice, record.param_start, record.numel, record.shard_start)
 
 
-def _check_model_fits(model: TensorReader, module, slots, slices: dict, hugging_face: bool, path: str) -> None:
+def _check_model_fits(model: TensorReader, module, slots, slices: dict, hugging_face: bool, path: str,
+                      base_only: bool = False) -> None:
     """Every parameter this rank loads is in the model weights with its shape, else one error naming the first
     mismatching weight and how many mismatch (a checkpoint of another model is named by its weights, not by
     the first optimizer state that happens to be read)."""
@@ -130,8 +131,8 @@ def _check_model_fits(model: TensorReader, module, slots, slices: dict, hugging_
                 continue
             seen.add(record.name)
             name = _find(model, module, record.name, hugging_face)
-            if name is None and hugging_face and is_adapter_weight(record.name):
-                continue  # a LoRA adapter on a base model's directory: it keeps its initialisation
+            if name is None and base_only and is_adapter_weight(record.name):
+                continue  # a LoRA adapter on its base model's weights: it keeps its initialisation
             if name is None:
                 problems.append(f"tensor {record.name!r} is missing from the model weights of {path}")
                 continue
@@ -216,7 +217,8 @@ def prepare(state: CheckpointState, path: str, sharded: set[str], load_optimizer
         # the model has (its base, loaded from the model directory first)
         adapters_only = bool(source.kind == ZEROTRAIN and (source.trainer_state or {}).get("adapters_only"))
         loaded_slots = [slot for slot in state.slots() if not (adapters_only and slot.master is None)]
-        _check_model_fits(model, module, loaded_slots, slices, hugging_face, path)
+        base_only = hugging_face or load_module_only  # a model's weights, maybe the base of a LoRA-wrapped one
+        _check_model_fits(model, module, loaded_slots, slices, hugging_face, path, base_only)
         if load_optimizer:
             check_groups(source.optimizer_meta.get("param_groups", []), state.optimizer)
         slot_loads = []
@@ -232,7 +234,7 @@ def prepare(state: CheckpointState, path: str, sharded: set[str], load_optimizer
             for record in slot.records:
                 reader = masters if masters.has(record.name) and not frozen else model
                 name = _find(reader, module, record.name, hugging_face)
-                if name is None and hugging_face and is_adapter_weight(record.name):
+                if name is None and base_only and is_adapter_weight(record.name):
                     continue  # see _check_model_fits
                 if name is None:
                     raise CheckpointError(f"tensor {record.name!r} is missing from the model weights of {path}")
