@@ -101,6 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tokenize with N processes (datasets.map)")
     train.add_argument("--skip-bad-records", action="store_true",
                        help="skip records that are not valid (counted and reported) instead of stopping")
+    train.add_argument("--lora-r", type=int, default=None, metavar="R",
+                       help="train a LoRA adapter of rank R (peft) instead of the whole model: the base stays frozen "
+                            "(partitioned at ZeRO-3, no gradients or optimizer state); every checkpoint also holds "
+                            "the adapter in PEFT's layout (adapter_model.safetensors + adapter_config.json)")
+    train.add_argument("--lora-alpha", type=float, default=None, metavar="A",
+                       help="LoRA alpha (the update is scaled by A/R); default 2R")
+    train.add_argument("--lora-dropout", type=float, default=0.0, metavar="P", help="dropout on the LoRA input")
+    train.add_argument("--lora-target-modules", default=None, metavar="A,B,...",
+                       help="module names to adapt (e.g. q_proj,k_proj,v_proj,o_proj, or all-linear); default: "
+                            "peft's list for the architecture (q_proj,v_proj for Llama)")
     train.add_argument("--steps", type=int, default=50, metavar="N",
                        help="optimizer steps to run")
     train.add_argument(
@@ -336,6 +346,12 @@ def _check_train_args(args: argparse.Namespace) -> None:
     if args.memory_timeline is not None and (args.memory_timeline <= 0 or args.log_dir is None):
         raise CLIError("--memory-timeline needs --log-dir (the files go next to metrics.jsonl) and a sampling "
                        f"interval > 0 seconds, got {args.memory_timeline}")
+    if args.lora_r is None and (args.lora_alpha is not None or args.lora_target_modules is not None):
+        raise CLIError("--lora-alpha and --lora-target-modules need --lora-r")
+    if args.lora_r is not None and args.lora_r < 1:
+        raise CLIError(f"--lora-r must be >= 1, got {args.lora_r}")
+    if not 0.0 <= args.lora_dropout < 1.0:
+        raise CLIError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
     if args.eval_data and not args.data:
         raise CLIError("--eval-data needs --data")
     for flag, paths in (("--data", args.data), ("--eval-data", args.eval_data)):
@@ -396,6 +412,7 @@ def _check_train_args(args: argparse.Namespace) -> None:
 # as an ambiguous abbreviation of its `--nproc-per-node` (argparse checks every argument,
 # even those meant for the script). `--master-port` concerns only the launcher.
 _WORKER_OPTIONS = ("config", "model", "model_config", "tokenizer", "text_field", "num_proc", "steps", "seq_len",
+                   "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
                    "max_corpus_bytes", "val_fraction", "eval_interval", "eval_batches", "log_dir", "seed",
                    "save_dir", "save_every", "stop_signals", "memory_timeline")
 _WORKER_LISTS = ("data", "eval_data")
@@ -545,7 +562,11 @@ def _train(args: argparse.Namespace) -> int:
         raise CLIError(f"--seq-len {seq_len} exceeds the max_position_embeddings ({max_positions}) of model "
                        f"{source.name!r}")
 
-    engine, model = model_engine(source, args.config, seed=args.seed)
+    lora = _lora_options(args)
+    try:
+        engine, model = model_engine(source, args.config, seed=args.seed, lora=lora)
+    except ModelError as exc:
+        raise CLIError(str(exc)) from None
     dtype = engine.dtype
     try:
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -566,12 +587,18 @@ def _train(args: argparse.Namespace) -> int:
         if save_dir is not None:
             engine.claim_save_dir(save_dir)  # one job per save directory: refused before training, not at the first save
         path = None
+        base_loaded = False
+        if args.resume and lora is not None and source.weights_dir is not None:
+            # The base first: a checkpoint saved with checkpoint.adapters_only holds only the adapter (a full
+            # one overwrites it all again).
+            load_weights(engine, source, model, old_vocab, save_dir, args.seed)
+            base_loaded = True
         if args.resume:
             path, _ = engine.load_checkpoint(save_dir)
             if rank == 0:
                 print(f"{PROG}: resumed from {path} at step {engine.global_steps}" if path is not None else
                       f"{PROG}: nothing to resume in {save_dir}; starting from scratch", flush=True)
-        if path is None and source.weights_dir is not None:
+        if path is None and source.weights_dir is not None and not base_loaded:
             # Each rank reads only its own shard ranges of the safetensors files, in the file's dtype into the
             # fp32 masters (a ZeRO-3 rank never holds the whole model).
             load_weights(engine, source, model, old_vocab, save_dir, args.seed)
@@ -617,7 +644,19 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def model_engine(source, config, seed: int = 0):
+def _lora_options(args: argparse.Namespace):
+    """--lora-* as ``zerotrain.models.hf.LoraOptions`` (None without --lora-r)."""
+    if getattr(args, "lora_r", None) is None:
+        return None
+    from zerotrain.models.hf import LoraOptions
+
+    targets = None
+    if args.lora_target_modules:
+        targets = tuple(name.strip() for name in args.lora_target_modules.split(",") if name.strip())
+    return LoraOptions(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, target_modules=targets)
+
+
+def model_engine(source, config, seed: int = 0, lora=None):
     """``(engine, model)``: the model of a resolved ``--model`` (``zerotrain.models.hf.ModelSource``) under
     ``zerotrain.initialize``; its directory's weights are not read yet (``engine.load_checkpoint(
     source.weights_dir, load_module_only=True)`` reads each rank's own shard ranges).
@@ -625,12 +664,14 @@ def model_engine(source, config, seed: int = 0):
     At ZeRO-3 the model is built inside ``zero.Init`` in the config's dtype: every module is partitioned as
     soon as it is built, so the whole model never exists on one rank. Elsewhere a model with weights to load
     is built in the config's dtype; a random init in fp32 (the engine casts; its fp32 masters keep the init).
+    With ``lora`` (``zerotrain.models.hf.LoraOptions``) peft wraps the model with LoRA adapters before the engine
+    is built: only the adapters train; at ZeRO-3 the frozen base stays partitioned.
     """
     import torch
 
     import zerotrain
     from zerotrain.config import load_config
-    from zerotrain.models.hf import build_model
+    from zerotrain.models.hf import apply_lora, build_model
     from zerotrain.precision import training_dtype
     from zerotrain.zero import Init
 
@@ -640,7 +681,12 @@ def model_engine(source, config, seed: int = 0):
     init = Init(dtype=dtype, timeout_seconds=run_config.comm_timeout_seconds) if stage3 else None
     build_dtype = dtype if (stage3 or source.weights_dir is not None) else torch.float32
     model = build_model(source, build_dtype, init=init, seed=seed)
+    if lora is not None:
+        model = apply_lora(model, lora, base_dir=source.weights_dir, seed=seed)
     engine, _, _, _ = zerotrain.initialize(model=model, config=config)
+    if lora is not None:  # the adapter in PEFT's layout in every checkpoint (gathered at each save: collective)
+        from zerotrain.models.hf import adapter_files
+        engine.add_checkpoint_files(lambda: adapter_files(engine.full_state_dict(trainable_only=True), model))
     return engine, model
 
 
@@ -723,13 +769,15 @@ def _local_data(args: argparse.Namespace, engine, model, tokenizer, seq_len: int
     from zerotrain.data import BadRecordError, DataConfig, build_data
 
     world_comm = Comm(None, engine.global_rank, engine.world_size)  # every rank: one tokenizer per node
+    # a PEFT-wrapped model (--lora-r) passes position_ids and masks on to its base model: ask the base
+    base_model = model.get_base_model() if hasattr(model, "get_base_model") else model
 
     def build(paths):
         config = DataConfig(paths=list(paths), seq_len=seq_len, packing=not args.no_packing,
                             text_field=args.text_field, skip_bad_records=args.skip_bad_records,
                             num_proc=args.num_proc, seed=args.seed)
         try:
-            return build_data(config, tokenizer, comm=world_comm, model=model, mask_dtype=dtype)
+            return build_data(config, tokenizer, comm=world_comm, model=base_model, mask_dtype=dtype)
         except (BadRecordError, ValueError) as exc:
             raise CLIError(str(exc)) from None
 

@@ -46,7 +46,7 @@ def gather_full_weights(buckets: list[FlatBucket], masters: list[torch.Tensor], 
 def full_state_dict(module: torch.nn.Module, buckets: list[FlatBucket], masters: list[torch.Tensor], comm: Comm,
                     tp_comm: Optional[Comm] = None, frozen: Sequence = (),
                     resident_masters: Callable[[], AbstractContextManager] = contextlib.nullcontext,
-                    ) -> dict[str, torch.Tensor]:
+                    trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """`engine.full_state_dict()`: full fp32 CPU weights under the model's parameter names, on rank 0 only.
 
     `buckets` and their `masters` (read inside `resident_masters()`: NVMe-offloaded masters are in files
@@ -59,17 +59,20 @@ def full_state_dict(module: torch.nn.Module, buckets: list[FlatBucket], masters:
     expert-data-parallel group, then over the first expert-parallel group by their `ep_slice` into
     whole `(num_experts, ...)` tensors (each expert taken from one replica). Tied parameters
     appear under every name; parameters outside any bucket (never trained) are copied as they are.
+    `trainable_only`: only the parameters that require grad (a LoRA adapter, not its frozen base).
     """
     with resident_masters():
         full = gather_full_weights(buckets, masters, comm)
         full.update(gather_expert_weights(buckets, masters))
-    if frozen:
+    if frozen and not trainable_only:
         full.update(gather_full_weights(list(frozen), [part.shard for part in frozen], comm))
     if comm.rank != 0:
         return {}
     first_name: dict[int, str] = {}
     slices = {}
     for name, param in module.named_parameters(remove_duplicate=False):
+        if trainable_only and not param.requires_grad:
+            continue
         first_name.setdefault(id(param), name)
         if tensor_slice_of(param) is not None:
             slices[name] = tensor_slice_of(param)

@@ -31,7 +31,7 @@ from .lifecycle import StopRequest
 from .monitor import TIMER_FIELDS, Monitors, WallClockTimers, check_monitor_libraries
 from .topology import Topology
 from .consolidate import full_state_dict
-from .sharding import ShardedSlot
+from .sharding import ShardRecord, ShardedSlot
 from .zero.flat import build_sharded_buckets
 from .zero.gradnorm import GlobalGradients
 from .zero.interfaces import GradientReducer
@@ -131,6 +131,7 @@ class ZeroTrainEngine:
         self.global_steps = 0
         self.global_samples = 0
         self._checkpoint_files: dict[str, bytes] = {}  # add_checkpoint_files: copied into every checkpoint
+        self._checkpoint_file_makers: list[Callable[[], dict]] = []  # ... and files made at each save
         self.skipped_steps = 0
         self._backward_done = False
         self.checkpointer = None  # created by the first save_checkpoint
@@ -413,8 +414,9 @@ class ZeroTrainEngine:
     def loss_scale(self) -> float:
         return self.loss_scaler.scale
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full fp32 weights on CPU under the model's parameter names, on rank 0 only.
+    def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+        """Full fp32 weights on CPU under the model's parameter names, on rank 0 only (collective).
+        `trainable_only`: only the parameters that require grad (e.g. a LoRA adapter without its base).
 
         Data-parallel shards are gathered on data-parallel rank 0; with tensor parallelism the
         slices of its tensor-parallel group are then joined on tensor-parallel rank 0 (global
@@ -423,7 +425,8 @@ class ZeroTrainEngine:
         optimizer = self.zero_optimizer
         return full_state_dict(self.module, self.buckets, optimizer.masters, self.comm, self.tp_comm,
                                frozen=self.stage3.frozen if self.stage3 is not None else (),
-                               resident_masters=optimizer.resident_masters)  # NVMe: masters are in files
+                               resident_masters=optimizer.resident_masters,  # NVMe: masters are in files
+                               trainable_only=trainable_only)
 
     def sharded_slots(self) -> list[ShardedSlot]:
         """This rank's master shards with their layout records (what a checkpoint saves and loads)."""
@@ -432,9 +435,21 @@ class ZeroTrainEngine:
                 for bucket, master in zip(self.buckets, self.zero_optimizer.masters)]
 
     def frozen_slots(self) -> list[ShardedSlot]:
-        """Stage 3: this rank's shards of frozen (untrained) parameters, as slots without a master; else []."""
+        """Frozen (untrained) parameters as slots without a master: at stage 3 this rank's shards of each; at
+        stages 0-2 the tensor-parallel slices (whole on each data-parallel rank), so a save joins every
+        tensor-parallel rank's slice (a LoRA base split by tensor parallelism); other frozen parameters are
+        whole on every rank and saved as they are."""
         if self.stage3 is None:
-            return []
+            in_buckets = {id(p) for b in self.buckets for p in b.params}
+            slots, seen = [], set()
+            for name, param in self.module.named_parameters():
+                if id(param) in in_buckets or id(param) in seen or getattr(param, "tp_slice", None) is None:
+                    continue
+                seen.add(id(param))
+                record = ShardRecord(name, tuple(param.shape), 0, param.numel(), 0)
+                slots.append(ShardedSlot(records=[record], master=None, model_shard=param.data.view(-1),
+                                         replicated=True))
+            return slots
         return [ShardedSlot(records=part.shard_records(), master=None, model_shard=part.shard,
                             replicated=part.partitions == 1) for part in self.stage3.frozen]
 
@@ -463,9 +478,14 @@ class ZeroTrainEngine:
             counters=_StepCounters(self), loss_scaler=self.loss_scaler, scheduler=self.lr_scheduler,
             loco=_LoCoErrors(self), fences=self.snapshot_fences, files=self._checkpoint_files)
 
-    def add_checkpoint_files(self, files: dict) -> None:
+    def add_checkpoint_files(self, files: Union[dict, Callable[[], dict]]) -> None:
         """Copy these files ({name: bytes}) into every checkpoint directory saved from now on, listed in its
-        manifest (e.g. the tokenizer's files, so `AutoTokenizer.from_pretrained(checkpoint_dir)` works)."""
+        manifest (e.g. the tokenizer's files, so `AutoTokenizer.from_pretrained(checkpoint_dir)` works).
+        A callable is called on every rank at each save (it may be collective) and its files (those of
+        global rank 0, which writes them) are taken as they are then: e.g. a LoRA adapter in PEFT's layout."""
+        if callable(files):
+            self._checkpoint_file_makers.append(files)
+            return
         for name, data in files.items():
             if os.sep in name or name.startswith(".") or not isinstance(data, (bytes, bytearray)):
                 raise ValueError(f"checkpoint file {name!r}: a plain file name with bytes is expected")
@@ -485,6 +505,8 @@ class ZeroTrainEngine:
             warnings.warn("save_checkpoint(exclude_frozen_parameters=True): zerotrain writes frozen weights too "
                           "(the checkpoint stays a complete model); only trainable ones get optimizer states",
                           stacklevel=2)
+        for make in self._checkpoint_file_makers:
+            self.add_checkpoint_files(make())
         if self.checkpointer is None:
             self.checkpointer = Checkpointer(self.checkpoint_state())
         with self.timers.phase("save"):
@@ -543,8 +565,13 @@ class ZeroTrainEngine:
             param_bytes = sum(b.flat_param.numel() * b.flat_param.element_size() for b in self.buckets)
             param_bytes += sum(p.numel() * p.element_size() for p in self.module.parameters()
                                if id(p) not in in_buckets)
+        trainable = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
         report = {
             "parameters": param_bytes,
+            # elements of the parameters that train (a LoRA adapter) and of the frozen ones (its base), whole
+            # model: only the trainable ones have gradients, masters and optimizer states above
+            "trainable_numel": trainable,
+            "frozen_numel": sum(p.numel() for p in self.module.parameters()) - trainable,
             "gradients": self.reducer.held_bytes(),
             "optimizer_states": self.zero_optimizer.state_bytes(),  # on the device; offloaded bytes below
             "comm": self.counters.snapshot(),

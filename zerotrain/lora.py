@@ -37,6 +37,22 @@ _LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_
                        r"(?:\.[^.]+)?(?:\.weight)?$")
 
 
+_ADAPTER_PARTS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.")
+
+
+def is_adapter_weight(name: str) -> bool:
+    """Whether a parameter name of a PEFT-wrapped model is a LoRA adapter weight (not in the base model)."""
+    return any(part in name for part in _ADAPTER_PARTS)
+
+
+def base_weight_name(name: str) -> str:
+    """The base model's name of a PEFT-wrapped model's weight: ``base_model.model.X.base_layer.weight`` ->
+    ``X.weight`` (names that are not PEFT's come back as they are)."""
+    if name.startswith(_PEFT_PREFIX):
+        name = name[len(_PEFT_PREFIX):]
+    return name.replace(".base_layer.", ".")
+
+
 def _pattern_value(patterns: dict, module: str, default):
     """PEFT's rule: a pattern applies when it matches the end of the module name (after a dot)."""
     for pattern, value in (patterns or {}).items():

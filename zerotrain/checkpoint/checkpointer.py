@@ -160,6 +160,8 @@ class Checkpointer:
         slots, layout, error = None, None, None
         try:
             slots = state.slots()
+            if state.config.checkpoint.adapters_only:  # the trainable parameters only: no frozen ones
+                slots = [slot for slot in slots if slot.master is not None]
             layout = local_layout(state, slots, self.comm.rank)
         except Exception as caught:  # noqa: BLE001
             error = caught

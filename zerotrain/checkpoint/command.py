@@ -60,9 +60,11 @@ def add_ckpt_parser(sub: argparse._SubParsersAction, prog: str) -> None:
     export.add_argument("out", metavar="OUT", help="output directory (must not exist, or be empty)")
     export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                         help="cast floating-point weights to this dtype (default: as saved)")
-    export.add_argument("--merge-lora", default=None, metavar="ADAPTER_DIR",
-                        help="fold this PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) "
-                             "into the exported weights: W += B @ A * alpha/r (alpha/sqrt(r) with rslora)")
+    export.add_argument("--merge-lora", nargs="?", const="", default=None, metavar="ADAPTER_DIR",
+                        help="fold a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) into the "
+                             "exported weights: W += B @ A * alpha/r (alpha/sqrt(r) with rslora). Without a value: "
+                             "the adapter of a `train --lora-r` checkpoint itself (written into every checkpoint "
+                             "directory); the export is then the merged model under the base model's names")
 
 
 def run_ckpt(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
@@ -83,7 +85,8 @@ def run_ckpt(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
                       f"match the manifest\n")
         elif args.ckpt_command == "export":
             path = export_model(args.dir, args.out, dtype=args.dtype, merge_lora=getattr(args, "merge_lora", None))
-            lora = f", LoRA {args.merge_lora} folded in" if getattr(args, "merge_lora", None) else ""
+            merged = getattr(args, "merge_lora", None)
+            lora = "" if merged is None else f", LoRA {merged or 'of the checkpoint'} folded in"
             out.write(f"exported model weights ({args.dtype or 'as saved'}{lora}) to {path}\n")
             if not is_hugging_face_model(path):
                 print(f"zerotrain ckpt export: note: {args.dir} is not a Hugging Face architecture (no config.json): "

@@ -48,6 +48,7 @@ from .slots import CheckpointState, sharded_names
 from .split import RunsRead, expected_shape, tensor_slices
 from .source import HUGGING_FACE, ZEROTRAIN, Source, needed_files, open_source, resolve, verify
 from .state import apply_trainer_state, decode, restore_rng
+from ..lora import base_weight_name, is_adapter_weight
 
 logger = logging.getLogger("zerotrain")
 
@@ -89,10 +90,14 @@ class LoadPlan:
 
 
 def _name_candidates(module: torch.nn.Module, name: str, hugging_face: bool) -> list[str]:
-    if not hugging_face:
-        return [name]
-    prefix = getattr(module, "base_model_prefix", "") or ""
     candidates = [name]
+    base = base_weight_name(name)  # a PEFT-wrapped model loading its base model (a model directory or checkpoint)
+    if base != name:
+        candidates.append(base)
+        name, module = base, getattr(module, "get_base_model", lambda: module)()
+    if not hugging_face:
+        return candidates
+    prefix = getattr(module, "base_model_prefix", "") or ""
     if prefix and name.startswith(prefix + "."):
         candidates.append(name[len(prefix) + 1:])
     elif prefix:
@@ -113,7 +118,8 @@ def _record_read(reader: TensorReader, stored: str, record, slices: dict):
     return RunsRead(reader, stored, tensor_slice, record.param_start, record.numel, record.shard_start)
 
 
-def _check_model_fits(model: TensorReader, module, slots, slices: dict, hugging_face: bool, path: str) -> None:
+def _check_model_fits(model: TensorReader, module, slots, slices: dict, hugging_face: bool, path: str,
+                      base_only: bool = False) -> None:
     """Every parameter this rank loads is in the model weights with its shape, else one error naming the first
     mismatching weight and how many mismatch (a checkpoint of another model is named by its weights, not by
     the first optimizer state that happens to be read)."""
@@ -125,6 +131,8 @@ def _check_model_fits(model: TensorReader, module, slots, slices: dict, hugging_
                 continue
             seen.add(record.name)
             name = _find(model, module, record.name, hugging_face)
+            if name is None and base_only and is_adapter_weight(record.name):
+                continue  # a LoRA adapter on its base model's weights: it keeps its initialisation
             if name is None:
                 problems.append(f"tensor {record.name!r} is missing from the model weights of {path}")
                 continue
@@ -205,7 +213,12 @@ def prepare(state: CheckpointState, path: str, sharded: set[str], load_optimizer
         masters = files.enter_context(TensorReader(path, source.maps.get(MASTER, {}), "master weights"))
         optim = files.enter_context(TensorReader(path, source.maps.get(OPTIMIZER, {}), "optimizer states"))
         slices = tensor_slices(module)
-        _check_model_fits(model, module, state.slots(), slices, hugging_face, path)
+        # checkpoint.adapters_only: the checkpoint holds only the trainable parameters; the frozen ones keep what
+        # the model has (its base, loaded from the model directory first)
+        adapters_only = bool(source.kind == ZEROTRAIN and (source.trainer_state or {}).get("adapters_only"))
+        loaded_slots = [slot for slot in state.slots() if not (adapters_only and slot.master is None)]
+        base_only = hugging_face or load_module_only  # a model's weights, maybe the base of a LoRA-wrapped one
+        _check_model_fits(model, module, loaded_slots, slices, hugging_face, path, base_only)
         if load_optimizer:
             check_groups(source.optimizer_meta.get("param_groups", []), state.optimizer)
         slot_loads = []
@@ -213,17 +226,22 @@ def prepare(state: CheckpointState, path: str, sharded: set[str], load_optimizer
         for slot in state.slots():
             frozen = slot.master is None  # a partitioned frozen parameter (stage 3): model dtype, no optimizer
             load = SlotLoad([])
+            if frozen and adapters_only:
+                slot_loads.append(load)
+                continue
             if load_optimizer and not frozen:
                 load = _plan_states(slot, optim, templates, slices) if optim.weight_map else SlotLoad([], {})
             for record in slot.records:
                 reader = masters if masters.has(record.name) and not frozen else model
                 name = _find(reader, module, record.name, hugging_face)
+                if name is None and base_only and is_adapter_weight(record.name):
+                    continue  # see _check_model_fits
                 if name is None:
                     raise CheckpointError(f"tensor {record.name!r} is missing from the model weights of {path}")
                 load.weights.append(_record_read(reader, name, record, slices))
             slot_loads.append(load)
         extras = []
-        for name, tensor in extra_tensors(module, sharded):
+        for name, tensor in extra_tensors(module, sharded) if not adapters_only else ():
             found = _find(model, module, name, hugging_face)
             if found is None:
                 if hugging_face and not isinstance(tensor, torch.nn.Parameter):

@@ -175,7 +175,7 @@ def local_layout(state: CheckpointState, slots, rank: int) -> dict:
             "scalars": {k: dtype_name(v.dtype) if torch.is_tensor(v) else "float64" for k, v in sorted(scalars.items())},
         })
     extras = []
-    if rank == 0:
+    if rank == 0 and not state.config.checkpoint.adapters_only:  # adapters_only: no frozen weights, no buffers
         extras = [(name, tuple(t.shape), dtype_name(t.dtype), name in split)
                   for name, t in extra_tensors(state.module, sharded)]
     experts = {name for name, _ in expert_params(state.module)}  # frozen ones too: refused by name

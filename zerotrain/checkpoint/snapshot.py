@@ -145,6 +145,8 @@ def capture(state: CheckpointState, slots, plan: SavePlan, rank: int, pool: Host
 
 def hf_config_files(module: torch.nn.Module, dtype: torch.dtype) -> dict[str, dict]:
     """config.json (and generation_config.json) of a Hugging Face model, naming the saved dtype."""
+    if hasattr(module, "get_base_model") and hasattr(module, "peft_config"):
+        module = module.get_base_model()  # a PEFT-wrapped model: the base model's config and architecture
     config = getattr(module, "config", None)
     if config is None or not hasattr(config, "to_dict") or not hasattr(config, "model_type"):
         return {}

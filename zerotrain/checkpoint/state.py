@@ -117,6 +117,8 @@ def capture_trainer_state(state: "CheckpointState", tag: str, client_state: dict
         "config": encode(_plain(state.config.raw), "config"),
         "topology": topology,
         "client_state": encode(client_state, "client_state"),
+        # only the trainable parameters were written (checkpoint.adapters_only): a load reads no frozen ones
+        "adapters_only": bool(state.config.checkpoint.adapters_only),
     }
 
 

@@ -100,11 +100,18 @@ def export_model(directory: str, out: str, dtype: Optional[str] = None,
     if dtype is not None and not isinstance(target, torch.dtype):
         raise CheckpointError(f"unknown dtype {dtype!r} (use bf16, fp16 or fp32)")
     adapter = None
+    # A checkpoint of a PEFT-wrapped model (`train --lora-r`) holds the base under PEFT's names and the adapter
+    # weights beside it: merged, it is written under the base model's names without the adapter weights.
+    names = {name: name for name in source.maps[MODEL]}
     if merge_lora is not None:
-        from ..lora import LoraAdapter, LoraError
+        from ..lora import LoraAdapter, LoraError, base_weight_name, is_adapter_weight
+        names = {name: base_weight_name(name) for name in source.maps[MODEL] if not is_adapter_weight(name)}
+        if (source.trainer_state or {}).get("adapters_only"):
+            raise CheckpointError(f"{path} was saved with checkpoint.adapters_only: it holds no base weights to "
+                                  f"merge into (export the base model's directory with --merge-lora {path})")
         try:
-            adapter = LoraAdapter(merge_lora)
-            adapter.check_targets(source.maps[MODEL], path)
+            adapter = LoraAdapter(merge_lora or path)
+            adapter.check_targets(dict.fromkeys(names.values()), path)
         except LoraError as error:
             raise CheckpointError(str(error)) from None
     out = os.path.abspath(out)
@@ -115,19 +122,21 @@ def export_model(directory: str, out: str, dtype: Optional[str] = None,
     try:
         with TensorReader(path, source.maps[MODEL], "model weights") as model, \
                 TensorReader(path, source.maps.get(MASTER, {}), "master weights") as masters:
-            entries = []
-            for name in source.maps[MODEL]:
-                stored, shape, _ = model.entry(name)
+            entries, stored_as = [], {}
+            for stored_name, name in names.items():
+                stored, shape, _ = model.entry(stored_name)
                 wanted = target if (target is not None and stored.is_floating_point) else stored
                 entries.append((name, wanted, shape))
+                stored_as[name] = stored_name
             files = plan_shards(entries, max_file_bytes)
             weight_map = {}
             for index, chunk in enumerate(files):
                 name = shard_file(MODEL, index, len(files))
                 writer = SafetensorsWriter(os.path.join(temp, name), chunk)
                 for key, wanted, _ in chunk:
-                    reader = masters if (masters.has(key) and wanted.is_floating_point) else model
-                    tensor = reader.read(key)
+                    stored_name = stored_as[key]
+                    reader = masters if (masters.has(stored_name) and wanted.is_floating_point) else model
+                    tensor = reader.read(stored_name)
                     if adapter is not None and tensor.is_floating_point():
                         tensor = adapter.fold(key, tensor.float())
                     writer.write(key, [tensor.to(wanted).contiguous()])
@@ -144,6 +153,8 @@ def export_model(directory: str, out: str, dtype: Optional[str] = None,
                         dtype_name(target)
                 write_json(os.path.join(temp, name), payload)
         for name in _side_files(path):  # the tokenizer's files and the like: from_pretrained(out) finds them
+            if adapter is not None and name == "adapter_config.json":
+                continue  # merged: transformers would take the export for an adapter of another model
             shutil.copyfile(os.path.join(path, name), os.path.join(temp, name))
         if os.path.exists(out):
             os.rmdir(out)

@@ -88,6 +88,9 @@ class CheckpointConfig(Block):
     verify_on_load: Bool = True
     # a failed save (disk full, ...): "raise" stops training; "warn" logs it and training goes on
     on_save_error: SaveErrorPolicy = "raise"
+    # save only the trainable parameters (a LoRA adapter) with their masters and optimizer states; the frozen
+    # base is not written (a resume reads it from the model directory again)
+    adapters_only: Bool = False
 
 
 class AioConfig(Block):

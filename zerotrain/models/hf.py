@@ -28,7 +28,7 @@ import torch
 
 __all__ = ["PRESETS", "ModelError", "ModelSource", "resolve_model", "build_model", "load_tokenizer",
            "preset_config", "tokenizer_files", "byte_tokenizer", "grow_vocab", "write_resized", "check_weights",
-           "count_parameters"]
+           "count_parameters", "LoraOptions", "apply_lora", "adapter_files"]
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -328,3 +328,68 @@ def _weight_map(directory: Path) -> dict[str, str]:
 def count_parameters(model: torch.nn.Module) -> int:
     """Whole-model parameter count, also at ZeRO-3 (a partitioned parameter reports its full size)."""
     return sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
+
+
+# --- LoRA through peft --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LoraOptions:
+    """`zerotrain train --lora-*`: rank, alpha (default 2 * r: a scale of 2, as common LoRA recipes use; peft's
+    own default is a fixed 8), dropout, and the modules to adapt (default: peft's per-architecture list, e.g.
+    q_proj and v_proj for Llama; ``all-linear`` adapts every linear layer but the output head)."""
+
+    r: int
+    alpha: Optional[float] = None
+    dropout: float = 0.0
+    target_modules: Optional[tuple[str, ...]] = None
+
+
+def apply_lora(model: torch.nn.Module, options: LoraOptions, base_dir: Optional[str] = None,
+               seed: int = 0) -> torch.nn.Module:
+    """``model`` wrapped by peft's ``get_peft_model`` with a LoRA adapter: the base frozen, the adapters trainable.
+
+    Runs before ``zerotrain.initialize``: at ZeRO-3 the base was built partitioned under ``zero.Init`` and stays
+    so (peft reads only the layers' in/out features; the engine keeps frozen parameters partitioned with no
+    gradient buffer and no optimizer state). The adapters are initialised from ``seed``, the same on every rank.
+    ``base_dir`` goes into the adapter's config (``base_model_name_or_path``)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ModelError("--lora-r needs the `peft` package: pip install 'zerotrain[hf]'") from None
+    if options.r < 1:
+        raise ModelError(f"--lora-r must be >= 1, got {options.r}")
+    if not 0.0 <= options.dropout < 1.0:
+        raise ModelError(f"--lora-dropout must be in [0, 1), got {options.dropout}")
+    targets = options.target_modules
+    if targets is not None and list(targets) == ["all-linear"]:
+        targets = "all-linear"
+    config = LoraConfig(r=options.r, lora_alpha=options.alpha if options.alpha is not None else 2 * options.r,
+                        lora_dropout=options.dropout, target_modules=list(targets) if isinstance(targets, tuple)
+                        else targets, task_type="CAUSAL_LM", base_model_name_or_path=base_dir)
+    torch.manual_seed(seed)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as error:  # targets that match no module, a model type peft has no default for
+        raise ModelError(f"--lora-target-modules {','.join(targets) if isinstance(targets, tuple) else targets}: "
+                         f"{error}") from None
+
+
+def adapter_files(trainable: dict, model: torch.nn.Module) -> dict[str, bytes]:
+    """The PEFT layout of a LoRA adapter (``adapter_model.safetensors`` + ``adapter_config.json``, what
+    ``PeftModel.from_pretrained(base, dir)`` reads) from the whole trainable weights under the wrapped model's
+    names (``engine.full_state_dict(trainable_only=True)`` on rank 0); {} for an empty dict (other ranks).
+    peft itself turns the names into its saved layout (adapter name dropped)."""
+    if not trainable:
+        return {}
+    import tempfile
+
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save
+
+    adapter = get_peft_model_state_dict(model, state_dict=trainable)
+    files = {"adapter_model.safetensors": save({k: v.contiguous() for k, v in adapter.items()},
+                                               metadata={"format": "pt"})}
+    with tempfile.TemporaryDirectory() as tmp:
+        model.peft_config["default"].save_pretrained(tmp)
+        files["adapter_config.json"] = Path(tmp, "adapter_config.json").read_bytes()
+    return files

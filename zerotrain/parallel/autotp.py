@@ -303,8 +303,13 @@ def _check_splits(model: nn.Module, plan: dict[str, Style], tp_size: int) -> Non
 
 
 def resolve_plan(model: nn.Module, tp_size: int, plan: Optional[dict] = None) -> dict[str, Style]:
-    """The plan `apply_tensor_parallel` splits `model` by at `tp_size` ranks (see the module docstring)."""
+    """The plan `apply_tensor_parallel` splits `model` by at `tp_size` ranks (see the module docstring); a PEFT
+    LoRA-wrapped model gets its base model's plan with the adapters split along (`parallel.adapters`)."""
     from ..models import GPT
+    from .adapters import is_lora_wrapped, lora_plan
+
+    if is_lora_wrapped(model):
+        return lora_plan(model, tp_size, plan)
 
     if plan is not None:
         strings = any(isinstance(style, str) for style in plan.values())

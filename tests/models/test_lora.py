@@ -1,0 +1,287 @@
+"""LoRA through peft in `zerotrain train` (`--lora-r`, `zerotrain.models.hf.apply_lora`), against peft itself.
+
+One world-2 launch holds every equality:
+- ZeRO-3, data-parallel 2: the frozen base stays partitioned (never whole on a rank), has no gradient buffer
+  and no optimizer state; the adapters train as single-process peft trains them on the same batches (losses
+  1e-5 relative, adapter weights rtol 1e-5 / atol 1e-6); a `checkpoint.adapters_only` save holds only the
+  adapters and their optimizer states, and a fresh engine that loads the base directory and then that
+  checkpoint continues exactly; its full save's adapter (PEFT layout) loads with `PeftModel.from_pretrained`
+  and gives the engine's logits; `ckpt export --merge-lora` loads with `AutoModelForCausalLM` and gives peft's
+  merged logits.
+- tensor parallelism 2 (ZeRO stage 1 and 3), LoRA on every linear layer (column- and row-split bases): the
+  same equality with peft, and the save (frozen split base joined whole) loads back exactly.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import run_distributed
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+SEED, R, STEPS = 7, 4, 4
+# Tensor parallelism sums the split products in another order. Where an adapter's gradient is a cancellation
+# near zero, Adam's m / (sqrt(v) + eps) turns that rounding into an update of full size (a handful of elements
+# then differ by ~5e-6 though every loss agrees to 1e-5): the tensor-parallel runs train with SGD + momentum,
+# whose update is linear in the gradient, so the comparison stays about the math at the usual tolerances.
+TP_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}
+SGD = {"type": "SGD", "params": {"lr": 0.5, "momentum": 0.9}}
+
+
+def _config(stage: int, micro: int, optimizer: dict = ADAMW, **extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0, "steps_per_print": 0,
+            "optimizer": optimizer,
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, **extra}
+
+
+def _batches(vocab: int) -> torch.Tensor:
+    """STEPS global batches of 4 sequences of 16 tokens (every token counts: no -100 labels)."""
+    return torch.randint(0, vocab, (STEPS, 4, 16), generator=torch.Generator().manual_seed(3))
+
+
+def _probe(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(5))
+
+
+def _train(engine, batches: torch.Tensor, steps, rows: slice) -> list[float]:
+    losses = []
+    for step in steps:
+        ids = batches[step][rows]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+# --- every rank of the one world-2 launch ---------------------------------------------------------------------
+
+def _zero3_data_parallel(directory: str, tmp: str, vocab: int) -> dict:
+    from zerotrain.cli import load_weights, model_engine
+    from zerotrain.models.hf import LoraOptions, resolve_model
+    from zerotrain.zero.stage3.partition import ZeroParameter
+
+    source, lora = resolve_model(directory), LoraOptions(r=R)
+    batches, rank = _batches(vocab), int(os.environ["RANK"])
+    rows = slice(2 * rank, 2 * rank + 2)
+    engine, model = model_engine(source, _config(3, 2, checkpoint={"adapters_only": True}), seed=SEED, lora=lora)
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    load_weights(engine, source, model)
+    out = {"trainable": sorted(trainable), "frozen": [n for n, _ in frozen]}
+    out["losses"] = _train(engine, batches, range(2), rows)
+    engine.save_checkpoint(os.path.join(tmp, "adapters"))  # adapters_only
+    out["losses"] += _train(engine, batches, range(2, STEPS), rows)
+    # The base: released shards (a one-element placeholder), in the engine's frozen parts (no gradient buffer,
+    # no master, no optimizer state); only adapter masters carry optimizer state.
+    out["partitioned"] = all(isinstance(p, ZeroParameter) and not p._zero.gathered
+                             and p.data.untyped_storage().nbytes() <= p.element_size() for _, p in frozen)
+    out["frozen_parts"] = sorted(name for part in engine.stage3.frozen for name in part.names)
+    out["trainable_parts"] = sorted(name for part in engine.stage3.trainable for name in part.names)
+    out["frozen_grads"] = [n for n, p in frozen if p.grad is not None]
+    out["state_numel"] = sum(t.numel() for state in engine.optimizer.state.values() for t in state.values()
+                             if torch.is_tensor(t) and t.dim() > 0)
+    out["master_numel"] = sum(m.numel() for m in engine.zero_optimizer.masters)
+    out["report"] = {k: v for k, v in engine.memory_report().items() if k != "comm"}
+    out["weights"] = engine.full_state_dict(trainable_only=True)
+    engine.close()
+
+    # A fresh engine: the base directory, then the adapters-only checkpoint of step 2; steps 3-4 again.
+    engine, model = model_engine(source, _config(3, 2), seed=SEED + 1, lora=lora)  # another adapter init
+    load_weights(engine, source, model)
+    engine.load_checkpoint(os.path.join(tmp, "adapters"), tag="global_step2")
+    out["resumed_losses"] = _train(engine, batches, range(2, STEPS), rows)
+    out["resumed_weights"] = engine.full_state_dict(trainable_only=True)
+    engine.save_checkpoint(os.path.join(tmp, "full"))  # a whole checkpoint (base + adapter, PEFT adapter files)
+    engine.eval()
+    with torch.no_grad():
+        out["logits"] = engine(input_ids=_probe(vocab)).logits
+    engine.close()
+    return out
+
+
+def _tensor_parallel(directory: str, tmp: str, vocab: int, stage: int) -> dict:
+    import zerotrain
+    from zerotrain.models.hf import LoraOptions, adapter_files, apply_lora
+
+    batches = _batches(vocab)
+    config = _config(stage, 4, SGD, tensor_parallel={"autotp_size": 2})
+
+    def build(seed: int):
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+        model = apply_lora(model, LoraOptions(r=R, target_modules=TP_TARGETS), base_dir=directory, seed=seed)
+        engine, *_ = zerotrain.initialize(model=model, config=config)
+        engine.add_checkpoint_files(lambda: adapter_files(engine.full_state_dict(trainable_only=True), model))
+        return engine, model
+
+    engine, model = build(SEED)
+    split = sorted(n for n, p in model.named_parameters() if getattr(p, "tp_slice", None) is not None)
+    out = {"split": split, "frozen_split": sorted(n for n, p in model.named_parameters()
+                                                  if not p.requires_grad and n in split)}
+    out["losses"] = _train(engine, batches, range(3), slice(None))
+    out["weights"] = engine.full_state_dict(trainable_only=True)
+    save = os.path.join(tmp, f"tp_stage{stage}")
+    engine.save_checkpoint(save)
+    engine.close()
+    engine, model = build(SEED + 1)
+    engine.load_checkpoint(save)
+    out["loaded"] = engine.full_state_dict(trainable_only=True)
+    out["next_loss"] = _train(engine, batches, [3], slice(None))
+    engine.close()
+    return out
+
+
+def _lora_world2(directory: str, tmp: str, vocab: int) -> dict:
+    return {"zero3": _zero3_data_parallel(directory, tmp, vocab),
+            "tp": {stage: _tensor_parallel(directory, tmp, vocab, stage) for stage in (1, 3)}}
+
+
+# --- the reference: peft in one process ------------------------------------------------------------------------
+
+def _peft_model(directory, targets=None):
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    torch.manual_seed(SEED)
+    config = peft.LoraConfig(r=R, lora_alpha=2 * R, lora_dropout=0.0, target_modules=list(targets) if targets else
+                             None, task_type="CAUSAL_LM")
+    return peft.get_peft_model(model, config)
+
+
+def _peft_training(directory, vocab: int, steps: int, targets=None, sgd: bool = False):
+    model = _peft_model(directory, targets)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=0.5, momentum=0.9) if sgd else \
+        torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
+    losses = []
+    for ids in _batches(vocab)[:steps]:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}, model
+
+
+def _close(got: dict, want: dict, where: str) -> None:
+    assert set(got) == set(want), f"{where}: {sorted(set(got) ^ set(want))[:4]}"
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: {name}: {m}")
+
+
+def _safetensors_keys(directory: Path, kind: str = "model") -> set[str]:
+    return set(json.loads((directory / f"{kind}.safetensors.index.json").read_text())["weight_map"])
+
+
+def test_lora_world2_zero3_and_tensor_parallel_equal_peft(tiny_llama_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from zerotrain.cli import main
+
+    directory = str(tiny_llama_dir)
+    vocab = transformers.AutoConfig.from_pretrained(directory).vocab_size
+    results = run_distributed(_lora_world2, 2, directory, str(tmp_path), vocab, timeout=300)
+
+    # --- ZeRO-3, data-parallel 2 == peft on one process ---
+    ref_losses, ref_weights, reference = _peft_training(directory, vocab, STEPS)
+    z3 = [r["zero3"] for r in results]
+    for step in range(STEPS):
+        assert (z3[0]["losses"][step] + z3[1]["losses"][step]) / 2 == pytest.approx(ref_losses[step], rel=1e-5)
+    assert all(t.abs().sum() > 0 for n, t in ref_weights.items() if ".lora_B." in n), "lora_B left zero: no training"
+    _close(z3[0]["weights"], ref_weights, "ZeRO-3 adapters")
+    assert z3[0]["trainable"] == sorted(ref_weights) and all(".lora_" in n for n in ref_weights)
+    for rank, out in enumerate(z3):
+        assert out["partitioned"], f"rank {rank}: a frozen base parameter is whole on the rank"
+        assert out["frozen_parts"] == sorted(out["frozen"]) and out["trainable_parts"] == out["trainable"]
+        assert out["frozen_grads"] == [], "frozen parameters got gradients"
+        trainable = sum(t.numel() for t in ref_weights.values())
+        report = out["report"]
+        assert report["trainable_numel"] == trainable and report["frozen_numel"] == \
+            sum(p.numel() for p in reference.parameters() if not p.requires_grad)
+        # masters and Adam's two states for this rank's half of the adapters only (the base has none)
+        assert out["master_numel"] <= trainable // 2 + 64 and out["state_numel"] == 2 * out["master_numel"]
+        assert 0 < report["optimizer_states"] <= 3 * 4 * out["master_numel"]
+
+    # adapters_only: the checkpoint holds the adapters and their optimizer states, nothing of the base; the
+    # fresh engine that read the base directory and then it continued exactly.
+    adapters = tmp_path / "adapters" / "global_step2"
+    assert _safetensors_keys(adapters) == set(ref_weights)
+    assert {key.split("/")[0] for key in _safetensors_keys(adapters, "optimizer")} == set(ref_weights)
+    assert z3[0]["resumed_losses"] == pytest.approx(z3[0]["losses"][2:], rel=1e-5)
+    assert z3[1]["resumed_losses"] == pytest.approx(z3[1]["losses"][2:], rel=1e-5)
+    _close(z3[0]["resumed_weights"], z3[0]["weights"], "resumed from adapters_only")
+
+    # Every checkpoint holds the adapter in PEFT's layout: PeftModel.from_pretrained gives the engine's logits.
+    full = tmp_path / "full" / "global_step4"
+    base = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    loaded = peft.PeftModel.from_pretrained(base, str(full)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=_probe(vocab)).logits, z3[0]["logits"], rtol=1e-5, atol=1e-5)
+    for checkpoint in (full, adapters):  # an adapters_only checkpoint carries it too
+        saved = load_file(str(checkpoint / "adapter_model.safetensors"))
+        assert set(saved) == {n.replace(".default", "") for n in ref_weights}
+
+    # `ckpt export --merge-lora` (the checkpoint's own adapter): a plain model directory with peft's merged logits.
+    out = tmp_path / "merged"
+    assert main(["ckpt", "export", str(full), str(out), "--merge-lora"]) == 0
+    assert not (out / "adapter_config.json").exists()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    want = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(directory),
+                                          str(full)).merge_and_unload().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=_probe(vocab)).logits, want(input_ids=_probe(vocab)).logits,
+                                   rtol=1e-5, atol=1e-5)
+    assert main(["ckpt", "export", str(adapters), str(tmp_path / "nope"), "--merge-lora"]) == 1  # no base in it
+
+    # --- tensor parallelism 2, LoRA on column- and row-split layers, ZeRO stages 1 and 3 ---
+    tp_losses, _, _ = _peft_training(directory, vocab, STEPS, TP_TARGETS, sgd=True)
+    tp_weights = _peft_training(directory, vocab, 3, TP_TARGETS, sgd=True)[1]
+    assert all(t.abs().sum() > 0 for n, t in tp_weights.items() if ".lora_B." in n), "lora_B left zero: no training"
+    base_weights = transformers.AutoModelForCausalLM.from_pretrained(directory).state_dict()
+    for stage in (1, 3):
+        for rank, result in enumerate(results):
+            got = result["tp"][stage]
+            where = f"TP2 stage {stage} rank {rank}"
+            assert any(".base_layer." in n for n in got["frozen_split"]), f"{where}: the base is split"
+            assert any(".lora_A." in n for n in got["split"]) and any(".lora_B." in n for n in got["split"])
+            assert got["losses"] == pytest.approx(tp_losses[:3], rel=1e-5), where
+            assert got["next_loss"] == pytest.approx(tp_losses[3:], rel=1e-5), f"{where}: after the load"
+        tp = results[0]["tp"][stage]
+        _close(tp["weights"], tp_weights, f"TP2 stage {stage}")
+        _close(tp["loaded"], tp["weights"], f"TP2 stage {stage} loaded")
+        # the frozen split base is saved whole, as it was
+        save = tmp_path / f"tp_stage{stage}" / "global_step3"
+        files = {}
+        for name in sorted(set(json.loads((save / "model.safetensors.index.json").read_text())["weight_map"].values())):
+            files.update(load_file(str(save / name)))
+        for name, tensor in base_weights.items():
+            stored = next(k for k in files if k.replace(".base_layer.", ".").endswith(name))
+            torch.testing.assert_close(files[stored], tensor, rtol=0, atol=0, msg=f"stage {stage}: {name}")
+        assert (save / "adapter_model.safetensors").exists()
+
+
+def test_lora_options_reach_the_workers_and_bad_ones_are_named(tmp_path, capsys):
+    from zerotrain.cli import _lora_options, _worker_argv, build_parser, main
+
+    argv = ["train", "--config", "c.json", "--nproc", "2", "--lora-r", "8", "--lora-alpha", "32", "--lora-dropout",
+            "0.1", "--lora-target-modules", "q_proj, v_proj,o_proj"]
+    args = build_parser().parse_args(argv)
+    again = build_parser().parse_args(_worker_argv(args))
+    assert _lora_options(again) == _lora_options(args)
+    options = _lora_options(args)
+    assert (options.r, options.alpha, options.dropout, options.target_modules) == \
+        (8, 32.0, 0.1, ("q_proj", "v_proj", "o_proj"))
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1}))
+    assert main(["train", "--config", str(config), "--lora-alpha", "16"]) == 2
+    assert "--lora-alpha and --lora-target-modules need --lora-r" in capsys.readouterr().err
+    assert main(["train", "--config", str(config), "--lora-r", "0"]) == 2
+    assert "--lora-r must be >= 1" in capsys.readouterr().err
