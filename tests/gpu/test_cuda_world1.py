@@ -1,6 +1,7 @@
 """CUDA paths at world 1 (NCCL): each stage, the offload modes (NVMe for optimizer states and parameters) and a
 checkpoint round trip reproduce plain PyTorch on the same GPU (fp32, 1e-5 relative); bf16 / fp16 (with
-offload_param too) stay close to it while the untrained run does not.
+offload_param too) stay close to it while the untrained run does not; the same for a Hugging Face model (the
+offline tiny Llama: fp32 ZeRO-3 exact, bf16, and fp16 with offload_param on NVMe).
 
 Skipped without a GPU (the CPU suite covers the same code with gloo). A session with a GPU runs
 `python -m pytest -q tests/gpu` for these, and the CPU suite with `CUDA_VISIBLE_DEVICES=` (with one
