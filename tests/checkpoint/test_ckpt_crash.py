@@ -220,22 +220,29 @@ def async_save_then_die(save_dir: str, point: str) -> None:
     os._exit(0)  # the survivor of a rank-0-only kill point: like a crash of the whole job
 
 
-def load_latest(save_dir: str) -> tuple[str, int]:
-    engine = make_engine(stage=1, seed=3)
-    path, _ = engine.load_checkpoint(save_dir)
-    return os.path.basename(path), engine.global_steps
+def load_latest(save_dirs: list[str]) -> list[tuple[str, int]]:
+    """Load `latest` of each directory into a fresh engine: (the tag loaded, its global steps) of each."""
+    loaded = []
+    for save_dir in save_dirs:
+        engine = make_engine(stage=1, seed=3)
+        path, _ = engine.load_checkpoint(save_dir)
+        loaded.append((os.path.basename(path), engine.global_steps))
+    return loaded
 
 
 def test_async_save_killed_at_world_2_leaves_the_last_committed_checkpoint(tmp_path):
     """Before the commit (files written on every rank, the manifest written) `latest` still names t1 and t2 is
-    only a temporary directory; killed after `latest` was replaced, t2 is complete and loads."""
-    for point, want in (("files-written", "t1"), ("manifest-written", "t1"), ("latest-written", "t2")):
+    only a temporary directory; killed after the rename, t2 is complete but `latest` still names t1; killed
+    after `latest` was replaced, t2 is complete and loads. One launch loads every directory at the end."""
+    points = (("files-written", "t1", False), ("manifest-written", "t1", False), ("committed", "t1", True),
+              ("latest-written", "t2", True))
+    for point, want, committed in points:
         save_dir = str(tmp_path / point)
         run_distributed(async_save_then_die, 2, save_dir, point, expect_exit={0, 1})
         assert os.path.exists(os.path.join(save_dir, f"died-at-{point}")), f"{point}: never reached"
         assert _latest(save_dir) == want, point
-        committed = os.path.exists(os.path.join(save_dir, "t2", "manifest.json"))
-        assert committed == (want == "t2"), point
-        if want == "t1":
+        assert os.path.exists(os.path.join(save_dir, "t2", "manifest.json")) == committed, point
+        if not committed:
             assert glob.glob(os.path.join(save_dir, "t2.zerotrain-tmp-*")), point
-        assert run_distributed(load_latest, 1, save_dir)[0] == (want, 1 if want == "t1" else 2), point
+    loaded = run_distributed(load_latest, 1, [str(tmp_path / point) for point, _, _ in points])[0]
+    assert loaded == [(want, 1 if want == "t1" else 2) for _, want, _ in points], loaded
