@@ -88,11 +88,11 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     try:
         while len(outcomes) < world_size:
             try:
-                rank, status, value = results.get(timeout=0.5)
+                rank, status, value = results.get(timeout=0.1)
             except queue_module.Empty:
                 dead = [r for r, p in enumerate(processes) if not p.is_alive() and r not in outcomes]
                 if dead and results.empty():
-                    time.sleep(0.5)  # let a final message through
+                    time.sleep(0.1)  # let a final message through
                     if results.empty():
                         for r in dead:
                             if r in expected_exits:

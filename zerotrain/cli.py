@@ -678,7 +678,7 @@ def model_engine(source, config, seed: int = 0, lora=None):
     run_config = load_config(config)
     dtype = training_dtype(run_config.precision)
     stage3 = run_config.zero_optimization.stage == 3
-    init = Init(dtype=dtype, timeout_seconds=run_config.comm_timeout_seconds) if stage3 else None
+    init = Init(config=config, dtype=dtype, timeout_seconds=run_config.comm_timeout_seconds) if stage3 else None
     build_dtype = dtype if (stage3 or source.weights_dir is not None) else torch.float32
     model = build_model(source, build_dtype, init=init, seed=seed)
     if lora is not None:

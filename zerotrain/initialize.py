@@ -19,6 +19,8 @@ from .parallel.autotp import resolve_plan
 from .engine import OptimizerLike, ZeroTrainEngine
 from .lifecycle import die_with_parent, under_torchrun
 from .topology import Topology
+from .zero import GatheredParameters
+from .zero.stage3 import check_init_partitions
 
 
 def _dp_size_hint() -> int:
@@ -130,7 +132,10 @@ def initialize(model: torch.nn.Module = None, config: Union[dict, str, os.PathLi
     topology = Topology.build(timeout_seconds=cfg.comm_timeout_seconds, tp_size=tp_size,
                               same_host_transport=cfg.comm_same_host_transport)
     if tp_size > 1:
-        apply_tensor_parallel(model, tensor_parallel_plan, tensor_parallel_comm(topology))
+        check_init_partitions(model, topology.dp_size)
+        # Layers built under zero.Init are gathered one at a time to be sliced (the slices are plain tensors
+        # again, which the engine partitions over the data-parallel group like any other parameter).
+        apply_tensor_parallel(model, tensor_parallel_plan, tensor_parallel_comm(topology), whole=GatheredParameters)
     engine = ZeroTrainEngine(model, cfg, topology, model_parameters=model_parameters,
                              optimizer=optimizer, lr_scheduler=lr_scheduler)
     dataloader = engine.use_training_data(training_data, collate_fn) if training_data is not None else None

@@ -74,7 +74,7 @@ CHAINS = {  # (world size, stage, steps) of each leg; separate weight and bias o
 }
 # Losses and final weights against the uninterrupted run. fp32: 1e-5. bf16: the load itself is checked exactly;
 # the run after it matched the uninterrupted one exactly here, but another world size may reduce bf16 gradients
-# in another order, so 1e-3 is allowed.
+# in another order, so 1e-3 is allowed; the last leg's loaded weights (that leg without its update) are outside it.
 TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3}
 
 
@@ -125,6 +125,13 @@ def test_resume_across_world_sizes_and_stages(tmp_path, chain):
     end = results[-1][0]["end"]
     assert_weights_equal(end["weights"], head["ref"]["weights"], rtol=tolerance, atol=tolerance / 10,
                          what=f"{chain} final weights")
+    if precision != "fp32":  # lossy: a last leg that loads and does not train must fall outside the tolerance
+        from models_for_tests import assert_tolerance_discriminates
+
+        # Relative L2 over all weights within 5e-4 (measured 4.5e-6; the last leg left out: 1.8e-3).
+        assert_tolerance_discriminates(f"{chain} final weights", (None, head["ref"]["weights"]),
+                                       (None, end["weights"]), (None, results[-1][0]["loaded"]["weights"]),
+                                       loss_tol=None, weight_tol=tolerance / 2)
     assert end["counters"][:3] == head["ref"]["counters"][:3] == (total, GLOBAL_BATCH * total, 0)
     assert end["lr"] == head["ref"]["lr"]
     assert end["scheduler"]["last_epoch"] == head["ref"]["scheduler"]["last_epoch"]

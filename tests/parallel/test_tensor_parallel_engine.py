@@ -5,7 +5,7 @@ shards the local slices across the data-parallel ranks. Clipping needs the norm 
 distinct piece (split weights summed over the tensor-parallel ranks, replicated ones once).
 bf16 (TP2) and fp16 (TP2 x DP2, stage 3) train close to the fp32 reference while the untrained run does not
 (assert_tolerance_discriminates); fp16 from a loss scale of 2**24 overflows under TP2 x DP2 and every rank skips
-the same steps.
+the same steps. A model built under zero.Init (TP2 x DP2, stage 3) trains exactly as one built plainly.
 """
 from __future__ import annotations
 
@@ -50,8 +50,16 @@ def train_grid(tp: int, combos: list[tuple[int, int]]) -> list:
                   "gradient_clipping": CLIP, "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS}},
                   "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000,
                                         "stage3_param_persistence_threshold": 0},
-                  "tensor_parallel": {"autotp_size": tp}, "steps_per_print": 0, **PRECISIONS[tuple(precision)]}
-        engine, *_ = zerotrain.initialize(model=gpt(), config=config)
+                  "tensor_parallel": {"autotp_size": tp}, "steps_per_print": 0,
+                  **PRECISIONS.get(tuple(precision), {})}
+        if precision == ["zero.Init"]:  # built partitioned over the data-parallel ranks, gathered layer by layer to split
+            precision = []
+            with zerotrain.zero.Init(config=config):
+                model = gpt()
+            assert all(isinstance(p, zerotrain.zero.stage3.ZeroParameter) for p in model.parameters())
+        else:
+            model = gpt()
+        engine, *_ = zerotrain.initialize(model=model, config=config)
         dp, dp_rank = engine.topology.dp_size, engine.topology.dp_rank
         assert dp * tp == world
         losses = []
@@ -106,8 +114,8 @@ def check(results, dp):
 
 
 def test_two_way_tensor_parallel_with_two_way_zero():
-    results = run_distributed(train_grid, 4, 2, [(0, 1), (1, 2), (2, 1), (3, 2), (3, 1, "fp16"),
-                                                 (2, 1, "fp16 overflow")], timeout=240)
+    results = run_distributed(train_grid, 4, 2, [(0, 1), (1, 2), (2, 1), (3, 2), (3, 1, "zero.Init"),
+                                                 (3, 1, "fp16"), (2, 1, "fp16 overflow")], timeout=240)
     check(results, dp=2)
 
 
@@ -135,14 +143,21 @@ def test_tensor_parallel_only():
     check(results, dp=1)
 
 
-def initialize_plain_sequential() -> str:
+def initialize_plain_sequential() -> list[str]:
     import zerotrain
-    try:
-        zerotrain.initialize(model=torch.nn.Sequential(torch.nn.Linear(2, 2)),
-                             config={"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2}})
-    except ValueError as error:
-        return str(error)
-    return "no error"
+
+    config = {"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2},
+              "zero_optimization": {"stage": 3}}
+    with zerotrain.zero.Init():  # not given the config: partitioned over both ranks, not the grid's one
+        model = gpt()
+    messages = []
+    for model in (torch.nn.Sequential(torch.nn.Linear(2, 2)), model):
+        try:
+            zerotrain.initialize(model=model, config=config)
+            messages.append("no error")
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
 
 
 def test_bad_tensor_parallel_setups_are_refused_before_training():
@@ -152,5 +167,7 @@ def test_bad_tensor_parallel_setups_are_refused_before_training():
     with pytest.raises(ConfigError, match="tensor_parallel.autotp_size: 2 does not divide the world size 1"):
         zerotrain.initialize(model=gpt(), config={"train_micro_batch_size_per_gpu": 1,
                                                   "tensor_parallel": {"autotp_size": 2}})
-    for message in run_distributed(initialize_plain_sequential, 2, timeout=60):
-        assert "tensor_parallel.autotp_size > 1 needs a plan for Sequential" in message
+    for sequential, under_init in run_distributed(initialize_plain_sequential, 2, timeout=60):
+        assert "tensor_parallel.autotp_size > 1 needs a plan for Sequential" in sequential
+        assert ("transformer.wte.weight was partitioned by zero.Init over 2 ranks" in under_init
+                and "zero.Init(config=...)" in under_init), under_init

@@ -113,24 +113,53 @@ def test_initializers_on_partitioned_parameters_change_only_the_local_shard():
         assert torch.equal(before[name], after[name]), f"{name}: not touched by anyone"
 
 
-def train_from_init(steps: int) -> tuple:
+def train_from_init(steps: int, tmp: str) -> dict:
+    """Built under zero.Init: plain, with offload_param cpu and nvme, and saved halfway then resumed into a
+    model built under zero.Init and one built plainly (other initial weights: the load replaces them)."""
     import zerotrain
 
     world = int(os.environ["WORLD_SIZE"])
-    torch.manual_seed(0)
-    with zerotrain.zero.Init():
-        model = ParentInitMLP()
-    initial = gather_all(model)
-    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 0}
-    engine, *_ = zerotrain.initialize(model=model, config=config)
-    losses = [train_global_step(engine, batch, 2) for batch in make_batches(steps, 2 * world)]
-    return initial, losses, engine.full_state_dict()
+    batches, half = make_batches(steps, 2 * world), steps // 2
+    nvme = {"device": "nvme", "nvme_path": os.path.join(tmp, "nvme"), "buffer_count": 2, "buffer_size": 64,
+            "max_in_cpu": 20}
+
+    def build(seed: int, under_init: bool = True, **zero):
+        torch.manual_seed(seed)
+        with zerotrain.zero.Init(enabled=under_init):
+            model = ParentInitMLP()
+        initial = gather_all(model) if under_init else None
+        config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero},
+                  "steps_per_print": 0}
+        return initial, zerotrain.initialize(model=model, config=config)[0]
+
+    def train(engine, part) -> list[float]:
+        return [train_global_step(engine, batch, 2) for batch in part]
+
+    initial, engine = build(0)
+    losses = train(engine, batches[:half])
+    engine.save_checkpoint(os.path.join(tmp, "ckpt"), tag="half")
+    results = {"initial": initial, "zero.Init": (losses + train(engine, batches[half:]), engine.full_state_dict())}
+    engine.close()
+    for what, zero in (("zero.Init + offload_param cpu", {"offload_param": {"device": "cpu"}}),
+                       ("zero.Init + offload_param nvme", {"offload_param": nvme})):
+        _, engine = build(0, **zero)
+        results[what] = (train(engine, batches), engine.full_state_dict())
+        engine.close()
+    for what, under_init in (("resumed under zero.Init", True), ("resumed, built without zero.Init", False)):
+        _, engine = build(123, under_init)
+        engine.load_checkpoint(os.path.join(tmp, "ckpt"))
+        results[what] = (train(engine, batches[half:]), engine.full_state_dict())
+        engine.close()
+    return results
 
 
-def test_training_from_init_matches_single_process_from_the_gathered_weights():
-    steps = 3
-    initial, losses, weights = run_distributed(train_from_init, 2, steps)[0]
+def test_training_from_init_matches_single_process_from_the_gathered_weights(tmp_path):
+    """zero.Init alone, with offload_param (cpu, nvme) and with a checkpoint saved at stage 3 and resumed
+    (into zero.Init or a plainly built model) all train as one process does from the gathered weights."""
+    steps = 4
+    results = run_distributed(train_from_init, 2, steps, str(tmp_path), timeout=150)[0]
+    initial = results.pop("initial")
     torch.manual_seed(0)
     plain = ParentInitMLP()
     # A parent's random initializer on an already partitioned child parameter draws the whole
@@ -145,7 +174,17 @@ def test_training_from_init_matches_single_process_from_the_gathered_weights():
         return model
 
     ref_losses, ref_weights = reference_training(from_gathered, make_batches(steps, 4), lr=1e-2)
-    assert_same_training(losses, weights, ref_losses, ref_weights)
+    whole_losses, whole_weights = results["zero.Init"]
+    for what, (losses, weights) in results.items():
+        resumed = what.startswith("resumed")
+        try:
+            assert_same_training(losses, weights, ref_losses[steps // 2:] if resumed else ref_losses, ref_weights)
+        except AssertionError as error:
+            raise AssertionError(f"{what}: {error}") from None
+        if resumed:  # exact resume: the uninterrupted run's second half, bit for bit
+            assert losses == whole_losses[steps // 2:], (what, losses, whole_losses)
+            for name, value in whole_weights.items():
+                assert torch.equal(weights[name], value), (what, name)
 
 
 def reinit_after_initialize(steps: int) -> tuple:

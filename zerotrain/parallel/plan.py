@@ -10,10 +10,11 @@ an error. Finding a plan for a model that brings none is `autotp`'s job.
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import sys
 from dataclasses import dataclass
-from typing import Union
+from typing import Callable, ContextManager, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -121,8 +122,12 @@ def _sum_gradients(module: nn.Module, comm: Comm) -> None:
         module.register_forward_pre_hook(hook_parameters)
 
 
-def apply_tensor_parallel(model: nn.Module, plan: dict[str, Style], comm: Comm) -> nn.Module:
-    """Replace, in place, every module whose qualified name matches a pattern of `plan`."""
+def apply_tensor_parallel(model: nn.Module, plan: dict[str, Style], comm: Comm,
+                          whole: Optional[Callable[[list], ContextManager]] = None) -> nn.Module:
+    """Replace, in place, every module whose qualified name matches a pattern of `plan`.
+
+    `whole(params)`: a context in which `params` hold their full values (for a model built under
+    `zero.Init`, `zero.GatheredParameters`): each split module is gathered alone, sliced, released."""
     matched = {pattern: 0 for pattern in plan}
     replaced: dict[int, nn.Module] = {}  # id(original weight) -> first parallel module built from it
     split_names: dict[int, str] = {}  # id(original weight) -> the name of the module that split it first
@@ -136,7 +141,8 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, Style], comm: Comm) 
         if isinstance(plan[patterns[0]], SumGrad):
             _sum_gradients(module, comm)
             continue
-        new = _build(name, module, plan[patterns[0]], comm)
+        with (whole or _as_is)(list(module.parameters(recurse=False))):
+            new = _build(name, module, plan[patterns[0]], comm)
         first = replaced.get(id(module.weight))
         if first is not None:
             if first.weight.tp_slice != new.weight.tp_slice:
@@ -160,6 +166,10 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, Style], comm: Comm) 
     if unused:
         raise ValueError(f"tensor-parallel plan: patterns {unused} match no module of {type(model).__name__}")
     return model
+
+
+def _as_is(params: list) -> ContextManager:
+    return contextlib.nullcontext()
 
 
 def default_plan(model: nn.Module, tp_size: int = 2) -> dict[str, Style]:

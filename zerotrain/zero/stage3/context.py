@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 from typing import Iterable, Optional, Union
 
 import torch
@@ -27,20 +28,26 @@ from .partition import PartitionedParam, ZeroParameter, partition_parameter, wai
 
 
 class Init:
-    """Partition parameters at construction time (DeepSpeed's `zero.Init`)."""
+    """Partition parameters at construction time (DeepSpeed's `zero.Init`).
 
-    def __init__(self, config: Optional[dict] = None, dtype: Optional[torch.dtype] = None,
-                 enabled: bool = True, timeout_seconds: float = 1800.0, **unused):
+    With tensor parallelism, pass the training config (`config` or DeepSpeed's `config_dict_or_path`):
+    its `tensor_parallel.autotp_size` makes Init partition over the data-parallel ranks of the grid, as
+    the engine does; `initialize` gathers each layer the plan splits, one at a time, to slice it."""
+
+    def __init__(self, config: Optional[Union[dict, str]] = None, dtype: Optional[torch.dtype] = None,
+                 enabled: bool = True, timeout_seconds: float = 1800.0,
+                 config_dict_or_path: Optional[Union[dict, str]] = None, **unused):
         self.enabled = enabled
         self.dtype = dtype
         self.timeout_seconds = timeout_seconds
+        self.tp_size = _tensor_parallel_size(config if config is not None else config_dict_or_path)
         self._patched: list[tuple[type, object]] = []
         self.comm: Optional[Comm] = None
 
     def __enter__(self) -> "Init":
         if not self.enabled:
             return self
-        topology = Topology.build(self.timeout_seconds)
+        topology = Topology.build(self.timeout_seconds, tp_size=self.tp_size)
         self.comm = Comm.data_parallel(topology)
         self.device = topology.device
         for cls in _all_module_classes():
@@ -81,6 +88,27 @@ class Init:
                     param.data = param.data.to(self.dtype)
                 param.data = param.data.to(self.device)
             part = partition_parameter(name, param, ShardGroup.over(self.comm, True))
+
+
+def check_init_partitions(module: torch.nn.Module, dp_size: int) -> None:
+    """Refuse a model built under zero.Init for another data-parallel size than the engine's (a tensor-parallel
+    job whose Init was not given the config), naming the parameter and the fix."""
+    for name, param in module.named_parameters():
+        if isinstance(param, ZeroParameter) and param._zero.partitions != dp_size:
+            raise ValueError(f"parameter {name} was partitioned by zero.Init over {param._zero.partitions} ranks, "
+                             f"but ZeRO shards over the {dp_size} data-parallel ranks of the tensor_parallel grid: "
+                             f"pass the training config to zero.Init(config=...) so it reads tensor_parallel")
+
+
+def _tensor_parallel_size(config: Optional[Union[dict, str]]) -> int:
+    """`tensor_parallel.autotp_size` of a config dict or JSON file (1 without one). Read here, not through
+    zerotrain.config: zero sits below config, and this one key is all Init needs of it."""
+    if config is None:
+        return 1
+    if not isinstance(config, dict):
+        with open(config) as handle:
+            config = json.load(handle)
+    return int((config.get("tensor_parallel") or {}).get("autotp_size", 1))
 
 
 def _all_module_classes() -> list[type]:
