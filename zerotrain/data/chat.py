@@ -57,7 +57,7 @@ def prepare_chat_tokenizer(tokenizer) -> list[str]:
     if not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = CHATML_TEMPLATE
         if tokenizer.eos_token is None:
-            tokenizer.eos_token = "<|im_end|>"  # adds it too
+            tokenizer.eos_token = "<|im_end|>"  # missing from the vocabulary: returned below, added by the caller
     vocab = tokenizer.get_vocab()
     return [t for t in template_special_tokens(tokenizer.chat_template) if t not in vocab]
 
