@@ -5,7 +5,7 @@
 OUT_DIR/model: tokenizer (byte-level BPE trained with `tokenizers` on the Python standard library's
 source, with pad/eos tokens and a chat template) + a random-init LlamaForCausalLM in safetensors,
 both written with save_pretrained. OUT_DIR/chat.jsonl: {"messages": [...]} conversations.
-Nothing is downloaded.
+Nothing is downloaded. The README's "Training your own model" fine-tunes it (ZeRO-3, 2 processes, resume, LoRA).
 """
 import argparse
 import os
@@ -30,6 +30,9 @@ def main() -> None:
                                  max_shard_size=args.shard_size)
     chat = write_chat_jsonl(os.path.join(args.out_dir, "chat.jsonl"), n=args.conversations)
     print(f"model: {model_dir}\ndata:  {chat}")
+    print("fine-tune it on 2 processes at ZeRO-3 (README, 'Training your own model'):\n"
+          f"  zerotrain train --model {model_dir} --data {chat} --config examples/zero3.json --nproc 2 "
+          "--seq-len 256 --steps 20 --save-every 10 --save-dir ft --log-dir ft-log")
 
 
 if __name__ == "__main__":

@@ -552,7 +552,8 @@ def _train(args: argparse.Namespace) -> int:
     try:
         source = resolve_model(args.model, args.model_config, args.tokenizer)
         tokenizer = load_tokenizer(source)
-        old_vocab = grow_vocab(source, tokenizer, args.add_tokens or ())  # the model is built at the new size
+        added = list(args.add_tokens or ()) + _chat_tokens(args, tokenizer)
+        old_vocab = grow_vocab(source, tokenizer, added)  # the model is built at the new size
     except ModelError as exc:
         raise CLIError(str(exc)) from None
     max_positions = int(getattr(source.config, "max_position_embeddings", 0) or 0) or None
@@ -654,6 +655,27 @@ def _lora_options(args: argparse.Namespace):
     if args.lora_target_modules:
         targets = tuple(name.strip() for name in args.lora_target_modules.split(",") if name.strip())
     return LoraOptions(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout, target_modules=targets)
+
+
+def _chat_tokens(args: argparse.Namespace, tokenizer) -> list[str]:
+    """With chat ``messages`` in --data/--eval-data: the chat template's special tokens the tokenizer lacks (a
+    tokenizer without a template gets ChatML first), to be added as --add-tokens are (zerotrain.data.chat)."""
+    from zerotrain.data.chat import has_chat_records, prepare_chat_tokenizer
+    from zerotrain.data.records import BadRecordError
+
+    paths = [*(args.data or ()), *(args.eval_data or ())]
+    try:
+        if not paths or not has_chat_records(paths, text_field=args.text_field):
+            return []
+    except (BadRecordError, OSError) as exc:
+        raise CLIError(str(exc)) from None
+    had_template = bool(getattr(tokenizer, "chat_template", None))
+    tokens = [t for t in prepare_chat_tokenizer(tokenizer) if t not in (args.add_tokens or ())]
+    if int(os.environ.get("RANK", "0")) == 0 and (tokens or not had_template):
+        print(f"{PROG}: chat data: " + ("" if had_template else "the tokenizer has no chat template, using ChatML; ")
+              + (f"adding the template's special tokens {', '.join(tokens)}" if tokens else "no tokens to add"),
+              flush=True)
+    return tokens
 
 
 def model_engine(source, config, seed: int = 0, lora=None):

@@ -215,3 +215,48 @@ def test_packed_documents_do_not_attend_across(tmp_path, tiny_llama_dir, tiny_to
     # The check can fail: the same block as one causal sequence lets the later documents see the earlier ones.
     leaky = per_doc_losses({"input_ids": batch["input_ids"], "labels": batch["labels"]})
     assert (leaky[1:] - alone[1:]).abs().max() > 1e-3
+
+
+# --- chat data: the template's special tokens added (as --add-tokens adds them), ChatML without a template ----
+
+def test_chat_template_tokens_are_added_and_chatml_is_the_default(tmp_path, tiny_llama_dir, tiny_tokenizer):
+    import datasets
+    from transformers import AutoTokenizer
+
+    from zerotrain.data.chat import CHATML_TOKENS, has_chat_records, prepare_chat_tokenizer, template_special_tokens
+    from zerotrain.models.hf import grow_vocab, resolve_model
+
+    convs = _chat_file(tmp_path / "chat.jsonl")
+    (tmp_path / "text.jsonl").write_text(json.dumps({"text": "x = 1"}) + "\n")
+    datasets.Dataset.from_dict({"messages": convs}).to_parquet(str(tmp_path / "chat.parquet"))
+    datasets.Dataset.from_dict({"text": TEXTS}).to_csv(str(tmp_path / "text.csv"), index=False)
+    assert has_chat_records([tmp_path / "chat.jsonl"]) and has_chat_records([tmp_path / "chat.parquet"])
+    assert not has_chat_records([tmp_path / "text.jsonl", tmp_path / "text.csv"])
+    assert has_chat_records([tmp_path / "text.jsonl", tmp_path / "chat.parquet"])
+
+    # The spellings that count as special tokens; Llama 2's doubled <<SYS>> is plain text.
+    assert template_special_tokens("{{ '<|im_start|>' + m + '<end_of_turn>' }}<<SYS>> [INST] </think> a < b") == [
+        "<|im_start|>", "<end_of_turn>", "</think>"]
+    # The tiny tokenizer's own template uses only tokens it has: nothing to add.
+    assert prepare_chat_tokenizer(AutoTokenizer.from_pretrained(tiny_llama_dir)) == []
+
+    for template in (tiny_tokenizer.chat_template.replace("<|end|>", "<|eot|>"), None):
+        source = resolve_model(str(tiny_llama_dir))
+        tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+        tok.chat_template = template
+        old_len = len(tok)
+        missing = prepare_chat_tokenizer(tok)
+        assert missing == (["<|eot|>"] if template else CHATML_TOKENS)
+        if template is None:
+            assert "<|im_start|>" in tok.chat_template and tok.eos_token == "<|endoftext|>"  # eos unchanged
+        # The --add-tokens path: special tokens, and the model's vocabulary grows to the tokenizer's length.
+        assert grow_vocab(source, tok, missing) == old_len
+        assert source.config.vocab_size == old_len + len(missing) == len(tok)
+        ids = {t: tok.convert_tokens_to_ids(t) for t in missing}
+        assert all(i >= old_len for i in ids.values())
+        got = tokenize_files([tmp_path / "chat.jsonl"], tok, cache_dir=tmp_path / "cache")
+        end = missing[-1]
+        for conv, tokens, labels in zip(convs, got.dataset["input_ids"], got.dataset["labels"]):
+            assert tokens.count(ids[end]) == len(conv), "each turn ends with the new token, one id"
+            kept = [t for t in labels if t != -100]
+            assert tok.decode(kept) == "".join(t["content"] + end for t in conv if t["role"] == "assistant")

@@ -99,6 +99,62 @@ def test_a_step_record_feeds_metrics_and_the_csv_monitor_under_deepspeeds_names(
     assert f"csv_monitor: {tmp_path / 'csv'}" in out.getvalue()
 
 
+def _wandb_history(run_file: Path) -> list[dict]:
+    """The history rows of an offline run's ``.wandb`` file. wandb (>= 0.18, the Go core) ships no Python reader
+    any more, so we walk its container ourselves: a 7-byte header (":W&B", magic, version), then LevelDB's log
+    format (32 KiB blocks of [crc32c u32, length u16, type u8] chunks: 1 full, 2 first, 3 middle, 4 last)
+    holding wandb's own protobuf ``Record`` messages, parsed with wandb's generated classes."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, pending, rows = run_file.read_bytes(), 7, b"", []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a chunk header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:
+            break
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+    return rows
+
+
+def test_the_wandb_block_logs_offline_under_deepspeeds_names(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install 'zerotrain[wandb]')")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_MODE")  # unset: zerotrain must choose offline itself (restored after the test)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens: any network use would fail
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.chdir(tmp_path)
+    engine = Fp16StandIn(tmp_path)
+    engine.config = load_config(dict(BASE, fp16={"enabled": True}, wandb={"enabled": True, "project": "zt-test",
+                                                                          "group": "g1"}), dp_world_size=1)
+    data = [(torch.randn(2, 4), torch.randn(2)) for _ in range(6)]
+    summary = Trainer(engine, data, total_steps=3, log_dir=tmp_path / "log", console=Console(file=io.StringIO())).train()
+    records = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    runs = sorted((tmp_path / "log" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, "one offline run, under --log-dir"
+    assert summary.outputs["wandb"] == str(runs[0].parent)
+    rows = _wandb_history(runs[0])
+    assert [row["_step"] for row in rows] == [r["samples"] for r in records] == [4, 8, 12]  # x = global samples
+    for row, record in zip(rows, records):
+        assert row["Train/Samples/train_loss"] == pytest.approx(record["loss"], rel=1e-12)
+        assert row["Train/Samples/lr"] == record["next_lr"]
+        assert row["Train/Samples/loss_scale"] == record["loss_scale"]
+        assert row["Train/Samples/tokens_per_s"] == pytest.approx(record["tokens_per_s"])
+        assert row["Train/Samples/memory_bytes_rank0"] == record["memory_bytes"][0]
+
+
 def test_events_of_a_record():
     record = {"step": 2, "samples": 32, "loss": 2.0, "lr": 1e-3, "next_lr": 2e-3, "loss_scale": 1024.0,
               "eval_loss": None, "memory_bytes": [10, 20], "memory_kind": "peak_rss", "elapsed_s": 1.0}

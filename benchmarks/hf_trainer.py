@@ -1,0 +1,300 @@
+"""zerotrain vs the Hugging Face Trainer + DeepSpeed on the same HF model directory, data and DeepSpeed config.
+
+    python benchmarks/hf_trainer.py                     # default run (~5 min on 2 cores): 2 rounds, A B A B
+    python benchmarks/hf_trainer.py --rounds 3 --steps 8 --write-results   # the quiet-machine rerun
+
+What runs (world size 2, CPU, gloo, fp32, one thread per rank):
+
+* ``zt``: ``zerotrain train --nproc 2 --model DIR --data DATA --config ds.json`` (the CLI, as a user runs it);
+  tokens/s and peak RSS per rank come from its ``metrics.jsonl``.
+* ``hf``: ``transformers.Trainer`` with ``TrainingArguments(deepspeed=ds.json)`` under torchrun, the model
+  loaded with ``AutoModelForCausalLM.from_pretrained`` (after the TrainingArguments, so transformers builds it
+  under DeepSpeed's ``zero.Init``: partitioned at load, as zerotrain does); a callback records the same
+  numbers at the end of each optimizer step.
+
+Same for both: the model directory (a Llama-style model of >= 70M parameters with a BPE tokenizer trained on
+the standard library's source, random init, written once with ``save_pretrained``), the packed training
+samples (``zerotrain.data.build_data`` over a jsonl of standard-library source files: both get the very same
+``seq_len`` blocks and collator, so they run the same FLOPs; the order differs), the DeepSpeed config file
+(ZeRO-3, fp32, micro batch per rank, AdamW as torch's, gradient clipping 1.0, no scheduler: constant lr),
+``OMP_NUM_THREADS=1`` and ``MALLOC_MMAP_THRESHOLD_=65536`` (freed buffers go back to the OS, so RSS follows
+live memory). DeepSpeed runs with ``DS_ACCELERATOR=cpu`` over a gloo process group.
+
+Measured per run: tokens/s = input tokens of the steps after ``--warmup`` over all ranks / their wall time
+on rank 0 (end of warm-up step to end of last step); peak RSS per rank (``getrusage`` high-water mark, the
+whole process: Python, torch, the library, the model states). Engines are interleaved (zt hf zt hf ...)
+so background load hits both alike; the table gives the median over rounds and the ratios zt / hf, with the
+load average before and after. ``--write-results`` appends the table to ``benchmarks/RESULTS.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "MALLOC_MMAP_THRESHOLD_": "65536",
+       "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+       "PYTHONUNBUFFERED": "1", "WANDB_DISABLED": "true"}
+
+
+# --- setup: model directory, data, DeepSpeed config (written once, reused across runs) ------------------------
+
+def prepare(args: argparse.Namespace) -> dict:
+    """Write (or reuse) the model directory, the jsonl data and the DeepSpeed config under ``args.work_dir``."""
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = work / f"llama-h{args.hidden}-l{args.layers}-v{args.vocab}"
+    if not (model_dir / "config.json").exists():
+        from zerotrain.models.tiny_llama import build_tiny_llama
+
+        print(f"building the model directory {model_dir} ...", flush=True)
+        build_tiny_llama(model_dir, vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+                         num_heads=args.heads, num_kv_heads=args.heads, intermediate_size=args.intermediate,
+                         max_positions=max(1024, args.seq_len), corpus_bytes=4 << 20)
+    data = work / "stdlib.jsonl"
+    if not data.exists():
+        from zerotrain.data import iter_stdlib_sources
+
+        total = 0
+        with data.open("w", encoding="utf-8") as f:
+            for source in iter_stdlib_sources():
+                text = source.read_bytes().decode("utf-8", errors="replace")
+                f.write(json.dumps({"text": text}) + "\n")
+                total += len(text)
+                if total >= args.data_bytes:
+                    break
+    ds_config = {
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": args.micro * 2,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                  "weight_decay": 0.0, "torch_adam": True}},
+        "zero_optimization": {"stage": 3},
+        "steps_per_print": 1000000,
+    }
+    config = work / "ds_zero3.json"
+    config.write_text(json.dumps(ds_config, indent=1))
+    return {"model": str(model_dir), "data": str(data), "config": str(config)}
+
+
+def count_params(model_dir: str) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for name in h.keys():
+                n = 1
+                for d in h.get_slice(name).get_shape():
+                    n *= d
+                total += n
+    return total
+
+
+# --- the HF Trainer worker (one per rank, under torchrun) -------------------------------------------------------
+
+def hf_worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import deepspeed
+
+    # gloo before anything else (DeepSpeed's CPU accelerator would pick oneCCL); deepspeed.comm must know the
+    # group before from_pretrained's zero.Init reads the world size; transformers/accelerate then find it there.
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback,
+                              TrainingArguments)
+
+    from zerotrain.data import DataConfig, build_data
+
+    ds = json.loads(Path(args.config).read_text())
+    opt = ds["optimizer"]["params"]
+    out_dir = Path(args.out) / "hf"
+    training_args = TrainingArguments(
+        output_dir=str(out_dir), deepspeed=args.config, per_device_train_batch_size=args.micro,
+        gradient_accumulation_steps=1, max_steps=args.steps, learning_rate=opt["lr"],
+        adam_beta1=opt["betas"][0], adam_beta2=opt["betas"][1], adam_epsilon=opt["eps"],
+        weight_decay=opt["weight_decay"], max_grad_norm=ds["gradient_clipping"], lr_scheduler_type="constant",
+        warmup_steps=0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+        dataloader_num_workers=0, remove_unused_columns=False, seed=1234, disable_tqdm=True,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    # After TrainingArguments(deepspeed=...) at ZeRO-3 this builds the model under zero.Init (partitioned).
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    data = build_data(DataConfig(paths=[args.data], seq_len=args.seq_len, seed=1234,
+                                 cache_dir=str(Path(args.work_dir) / "data-cache")), tokenizer, model=model)
+    records: list = []
+
+    class Measure(TrainerCallback):
+        def on_step_end(self, targs, state, control, **kw):
+            records.append({"step": state.global_step, "t": time.perf_counter(),
+                            "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+
+        def on_log(self, targs, state, control, logs=None, **kw):
+            if logs and "loss" in logs and records:
+                records[-1]["loss"] = float(logs["loss"])
+
+    trainer = Trainer(model=model, args=training_args, train_dataset=data.dataset, data_collator=data.collator,
+                      callbacks=[Measure()])
+    trainer.train()
+    rss = [None] * dist.get_world_size()
+    dist.all_gather_object(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    if rank == 0:
+        (Path(args.out) / "hf.json").write_text(json.dumps({"records": records, "peak_rss": rss}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# --- runs ---------------------------------------------------------------------------------------------------------
+
+def run_zt(paths: dict, args: argparse.Namespace, out: Path) -> dict:
+    log_dir = out / "zt"
+    cmd = [sys.executable, "-m", "zerotrain.cli", "train", "--nproc", "2", "--model", paths["model"],
+           "--data", paths["data"], "--config", paths["config"], "--seq-len", str(args.seq_len),
+           "--steps", str(args.steps), "--log-dir", str(log_dir), "--no-save", "--eval-batches", "0",
+           "--seed", "1234"]
+    _run(cmd, out / "zt.log", args)
+    recs = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    w = args.warmup
+    seconds = recs[-1]["elapsed_s"] - recs[w - 1]["elapsed_s"]
+    tokens = args.micro * 2 * args.seq_len * (len(recs) - w)
+    return {"tokens_per_s": tokens / seconds, "peak_rss": recs[-1]["memory_bytes"],
+            "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"]}
+
+
+def run_hf(paths: dict, args: argparse.Namespace, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
+           "--worker", "hf", "--out", str(out), "--model", paths["model"], "--data", paths["data"],
+           "--config", paths["config"], "--work-dir", args.work_dir, "--seq-len", str(args.seq_len),
+           "--micro", str(args.micro), "--steps", str(args.steps)]
+    _run(cmd, out / "hf.log", args)
+    result = json.loads((out / "hf.json").read_text())
+    recs, w = result["records"], args.warmup
+    seconds = recs[-1]["t"] - recs[w - 1]["t"]
+    tokens = args.micro * 2 * args.seq_len * (len(recs) - w)
+    losses = [r["loss"] for r in recs if "loss" in r]
+    return {"tokens_per_s": tokens / seconds, "peak_rss": result["peak_rss"],
+            "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None}
+
+
+def _run(cmd: list, log: Path, args: argparse.Namespace) -> None:
+    env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "ZEROTRAIN_DATA_CACHE": str(Path(args.work_dir) / "data-cache")}
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=args.timeout, cwd=log.parent)
+    if proc.returncode != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
+        raise RuntimeError(f"{shlex.join(cmd)} exited with {proc.returncode}; last lines of {log}:\n{tail}")
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:,.0f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=2, help="zt hf pairs, interleaved")
+    p.add_argument("--steps", type=int, default=5, help="optimizer steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of tokens/s")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--micro", type=int, default=2, help="micro batch per rank")
+    p.add_argument("--hidden", type=int, default=640)
+    p.add_argument("--layers", type=int, default=11)
+    p.add_argument("--heads", type=int, default=10)
+    p.add_argument("--intermediate", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--data-bytes", type=int, default=4 << 20, help="stdlib source bytes in the jsonl")
+    p.add_argument("--engines", default="zt,hf")
+    p.add_argument("--work-dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "zerotrain-hf-bench"))
+    p.add_argument("--timeout", type=int, default=900, help="seconds per run")
+    p.add_argument("--json", default=None, help="also write the raw results here")
+    p.add_argument("--write-results", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    # worker mode (internal)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--data", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--config", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker == "hf":
+        hf_worker(args)
+        return
+    if args.warmup < 1 or args.steps <= args.warmup:
+        p.error("need 1 <= --warmup < --steps")
+
+    paths = prepare(args)
+    n_params = count_params(paths["model"])
+    engines = args.engines.split(",")
+    load_before = os.getloadavg()
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    results: dict = {e: [] for e in engines}
+    for r in range(args.rounds):
+        for e in engines:
+            out = Path(args.work_dir) / "runs" / f"{e}{r}"
+            shutil.rmtree(out, ignore_errors=True)  # metrics.jsonl appends: start each run clean
+            t0 = time.time()
+            res = (run_zt if e == "zt" else run_hf)(paths, args, out)
+            res["load1"] = os.getloadavg()[0]
+            results[e].append(res)
+            print(f"round {r} {e}: {res['tokens_per_s']:,.0f} tokens/s, peak RSS MiB "
+                  f"{[_mib(x) for x in res['peak_rss']]}, loss {res['loss_first']:.4f} -> {res['loss_last']:.4f}, "
+                  f"load {res['load1']:.2f} ({time.time() - t0:.0f}s)", flush=True)
+    load_after = os.getloadavg()
+
+    def med(e: str, key: str, rank=None) -> float:
+        return statistics.median(x[key] if rank is None else x[key][rank] for x in results[e])
+
+    lines = [
+        f"### #14 zerotrain vs HF Trainer + DeepSpeed ({started})",
+        "",
+        f"`benchmarks/hf_trainer.py {' '.join(sys.argv[1:])}`: Llama-style model ({n_params / 1e6:.1f}M params: "
+        f"hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}), fp32, ZeRO-3, world 2, CPU, gloo, "
+        f"micro batch {args.micro} x seq {args.seq_len} per rank, {args.steps} steps ({args.warmup} warm-up), "
+        f"{args.rounds} interleaved rounds (median). Load average before {load_before[0]:.2f} / "
+        f"{load_before[1]:.2f} / {load_before[2]:.2f}, after {load_after[0]:.2f} / {load_after[1]:.2f} / "
+        f"{load_after[2]:.2f}; {os.cpu_count()} CPUs.",
+        "",
+        "| engine | tokens/s | peak RSS rank 0 (MiB) | peak RSS rank 1 (MiB) | loss first -> last | per round tokens/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for e in engines:
+        lines.append(f"| {'zerotrain train' if e == 'zt' else 'HF Trainer + DeepSpeed'} | "
+                     f"{med(e, 'tokens_per_s'):,.0f} | {_mib(med(e, 'peak_rss', 0))} | {_mib(med(e, 'peak_rss', 1))} | "
+                     f"{results[e][0]['loss_first']:.3f} -> {results[e][0]['loss_last']:.3f} | "
+                     f"{', '.join(format(x['tokens_per_s'], ',.0f') for x in results[e])} |")
+    if "zt" in results and "hf" in results:
+        speed = med("zt", "tokens_per_s") / med("hf", "tokens_per_s")
+        mem = [med("zt", "peak_rss", r) / med("hf", "peak_rss", r) for r in (0, 1)]
+        pairs = [z["tokens_per_s"] / h["tokens_per_s"] for z, h in zip(results["zt"], results["hf"])]
+        lines += ["", f"**zerotrain / HF Trainer: tokens/s {speed:.2f}x** (per round {', '.join(f'{x:.2f}' for x in pairs)}; "
+                  f"target >= 1.3x), **peak RSS {mem[0]:.2f}x / {mem[1]:.2f}x** (rank 0 / rank 1; target <= 1.0x)."]
+    table = "\n".join(lines)
+    print("\n" + table + "\n")
+    rerun = (f"{shlex.quote(sys.executable)} benchmarks/hf_trainer.py --rounds 3 --steps 8 --write-results")
+    print(f"For the final quiet-machine rerun (load average near 0, nothing else running), from the repository root:\n"
+          f"  {rerun}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "params": n_params, "load_before": load_before,
+                                               "load_after": load_after, "results": results}, indent=1))
+    if args.write_results:
+        with (ROOT / "benchmarks" / "RESULTS.md").open("a") as f:
+            f.write("\n" + table + "\n")
+        print("appended to benchmarks/RESULTS.md")
+
+
+if __name__ == "__main__":
+    main()
