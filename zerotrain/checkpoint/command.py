@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TextIO
+from typing import Optional, TextIO
 
 from .format import CheckpointError
 from .tools import export_model, inspect_checkpoint, is_hugging_face_model, verify_checkpoint
@@ -67,8 +67,10 @@ def add_ckpt_parser(sub: argparse._SubParsersAction, prog: str) -> None:
                              "directory); the export is then the merged model under the base model's names")
 
 
-def run_ckpt(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def run_ckpt(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
     """Run one `ckpt` tool; returns the exit status (1 on a bad checkpoint, with one line on stderr)."""
+    # sys.stdout is looked up per call, not bound at import: a caller (or pytest) may have replaced it since
+    out = sys.stdout if out is None else out
     try:
         if args.ckpt_command == "inspect":
             report = inspect_checkpoint(args.dir)
