@@ -20,7 +20,7 @@ batch of N*A*B.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -72,13 +72,24 @@ class ContrastiveStep:
 
     `engine` is a zerotrain engine (anything with DeepSpeed's `__call__`/`backward`/`step` and
     `gradient_accumulation_steps()`); `comm` the data-parallel Comm whose ranks share negatives
-    (None: this rank's only).
+    (None: this rank's only). `chunk_size`: compute the loss in tiles of that many queries x candidates
+    (inf-CL style, `zerotrain.embedding.loss.chunked_info_nce`); None holds the whole score matrix.
+
+    After each step, `tokens` holds the step's input tokens over all ranks (attended positions of every
+    text, counted once) and `memory` every rank's memory high-water mark (`memory_fn()` of each rank,
+    gathered in the loss's all-reduce), for the metrics record.
     """
 
     def __init__(self, engine: Any, comm: Optional[Comm], pooling: Pooling, *, scale: float = 20.0,
-                 matryoshka_dims: Optional[Sequence[int]] = None):
+                 matryoshka_dims: Optional[Sequence[int]] = None, chunk_size: Optional[int] = None,
+                 memory_fn: Optional[Callable[[], int]] = None):
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"loss chunk size must be at least 1, got {chunk_size}")
         self.engine, self.comm, self.pooling = engine, comm, pooling
-        self.scale, self.matryoshka_dims = scale, matryoshka_dims
+        self.scale, self.matryoshka_dims, self.chunk_size = scale, matryoshka_dims, chunk_size
+        self.memory_fn = memory_fn
+        self.tokens = 0
+        self.memory: list[int] = []
 
     def loss(self, embeddings: list[torch.Tensor], batches: Sequence[PairBatch]) -> torch.Tensor:
         """This rank's loss over the embeddings of all its micro-batches (one batch)."""
@@ -90,7 +101,7 @@ class ContrastiveStep:
             negatives.append(emb[2 * q:])
         candidates = torch.cat(positives + negatives)
         return contrastive_loss(torch.cat(queries), candidates, self.comm, scale=self.scale,
-                                matryoshka_dims=self.matryoshka_dims)
+                                matryoshka_dims=self.matryoshka_dims, chunk_size=self.chunk_size)
 
     def step(self, micro_batches: Sequence[PairBatch]) -> float:
         """One optimizer step; returns the loss of the global batch (mean over ranks)."""
@@ -120,8 +131,18 @@ class ContrastiveStep:
             engine.backward(surrogate)
             engine.step()
         _set_rng_state(after, device)
-        value = loss.detach().clone()
-        if self.comm is not None and self.comm.size > 1:
-            self.comm.all_reduce(value)
-            value /= self.comm.size
-        return float(value)
+        # one all-reduce: [loss, tokens, memory of rank 0, 1, ...], each rank filling only its own memory
+        # slot (float64 holds byte counts exactly)
+        size = self.comm.size if self.comm is not None else 1
+        rank = self.comm.rank if self.comm is not None else 0
+        values = torch.zeros(2 + size, dtype=torch.float64, device=device)
+        values[0] = loss.detach().to(torch.float64)
+        values[1] = sum(b.features["attention_mask"].sum() for b in micro_batches).to(torch.float64)  # no sync
+        if self.memory_fn is not None:
+            values[2 + rank] = float(self.memory_fn())
+        if size > 1:
+            self.comm.all_reduce(values)
+        values = values.cpu()
+        self.tokens = int(values[1])
+        self.memory = [int(v) for v in values[2:].tolist()] if self.memory_fn is not None else []
+        return float(values[0] / size)
