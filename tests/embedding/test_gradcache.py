@@ -101,7 +101,12 @@ def train_all_stages(cases):
         comm = Comm.data_parallel(engine.topology)
         step = ContrastiveStep(engine, comm, Pooling("mean"), scale=SCALE, chunk_size=chunk)
         rank, world = dist.get_rank(), dist.get_world_size()
-        losses = [step.step([PairBatch(f, MICRO) for f in batches[rank]]) for batches in micro_batches(world)]
+        # stages 2-3 take the queries and the passages as two feature sets (two forwards per micro-batch,
+        # as the CLI's tokenization gives them); 0-1 one set holding every row
+        split = (lambda f: PairBatch({k: v[:MICRO] for k, v in f.items()}, MICRO,
+                                     {k: v[MICRO:] for k, v in f.items()})) if stage >= 2 else \
+            (lambda f: PairBatch(f, MICRO))
+        losses = [step.step([split(f) for f in batches[rank]]) for batches in micro_batches(world)]
         weights = engine.full_state_dict()
         engine.close()
         results[(stage, chunk)] = (losses, weights)

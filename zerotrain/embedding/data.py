@@ -178,10 +178,14 @@ def rank_micro_batches(batch: list[int], rank: int, world: int, accumulation: in
 
 def tokenize_micro_batch(data: PairData, indices: list[int], tokenizer: Any, max_length: int,
                          device: Optional[torch.device] = None) -> PairBatch:
-    """Queries, positives, negatives (query-major) of `indices`, tokenized and padded together."""
+    """Queries, then positives and negatives (query-major) of `indices`, tokenized: the queries padded
+    together, the passages together (each to its own longest text, not the queries to the passages')."""
     records = [data.dataset[i] for i in indices]
-    texts = [r["query"] for r in records] + [r["positive"] for r in records] + \
-        [n for r in records for n in r["negatives"]]
-    features = dict(tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt"))
-    batch = PairBatch(features, len(records))
+    queries = [r["query"] for r in records]
+    passages = [r["positive"] for r in records] + [n for r in records for n in r["negatives"]]
+
+    def tokenize(texts: list[str]) -> dict[str, torch.Tensor]:
+        return dict(tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt"))
+
+    batch = PairBatch(tokenize(queries), len(records), tokenize(passages))
     return batch.to(device) if device is not None else batch

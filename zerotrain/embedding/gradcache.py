@@ -29,23 +29,37 @@ from zerotrain.comm import Comm
 from .loss import contrastive_loss
 from .pooling import Pooling, pool
 
-__all__ = ["PairBatch", "ContrastiveStep", "embed"]
+__all__ = ["PairBatch", "ContrastiveStep", "embed", "embed_batch"]
 
 
 @dataclass
 class PairBatch:
     """One micro-batch, tokenized: rows are its queries, then their positives, then their hard negatives
     (query-major: query 0's negatives first). `features` is what the encoder takes (`input_ids`,
-    `attention_mask`, maybe `token_type_ids`)."""
+    `attention_mask`, maybe `token_type_ids`).
+
+    With `passage_features`, `features` holds the queries only and `passage_features` the positives and
+    negatives, each padded to its own longest text: queries are usually much shorter than passages, and
+    padding them to the passages' length would encode mostly padding (sentence-transformers tokenizes
+    each column on its own for the same reason). The embeddings are the same either way."""
     features: dict[str, torch.Tensor]
     num_queries: int
+    passage_features: Optional[dict[str, torch.Tensor]] = None
 
     @property
     def num_rows(self) -> int:
-        return int(self.features["input_ids"].shape[0])
+        rows = int(self.features["input_ids"].shape[0])
+        return rows + (int(self.passage_features["input_ids"].shape[0]) if self.passage_features else 0)
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """Attended positions of every text (a tensor: no device sync)."""
+        count = self.features["attention_mask"].sum()
+        return count + self.passage_features["attention_mask"].sum() if self.passage_features else count
 
     def to(self, device: torch.device) -> "PairBatch":
-        return PairBatch({k: v.to(device) for k, v in self.features.items()}, self.num_queries)
+        passages = {k: v.to(device) for k, v in self.passage_features.items()} if self.passage_features else None
+        return PairBatch({k: v.to(device) for k, v in self.features.items()}, self.num_queries, passages)
 
 
 def embed(model: Any, features: dict[str, torch.Tensor], pooling: Pooling) -> torch.Tensor:
@@ -54,6 +68,14 @@ def embed(model: Any, features: dict[str, torch.Tensor], pooling: Pooling) -> to
     output = model(**features)
     hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
     return pool(hidden, features["attention_mask"], pooling.mode)
+
+
+def embed_batch(model: Any, batch: PairBatch, pooling: Pooling) -> torch.Tensor:
+    """Embeddings of every row of `batch` (queries, positives, negatives), one forward per feature set."""
+    queries = embed(model, batch.features, pooling)
+    if batch.passage_features is None:
+        return queries
+    return torch.cat([queries, embed(model, batch.passage_features, pooling)])
 
 
 def _rng_state(device: torch.device) -> tuple:
@@ -115,7 +137,7 @@ class ContrastiveStep:
         with torch.no_grad():  # 1. embed without autograd
             for batch in micro_batches:
                 states.append(_rng_state(device))
-                cached.append(embed(engine, batch.features, self.pooling).float())
+                cached.append(embed_batch(engine, batch, self.pooling).float())
         after = _rng_state(device)
         # 2. the loss over the whole batch, back to the embeddings only
         leaves = [e.detach().requires_grad_() for e in cached]
@@ -126,7 +148,7 @@ class ContrastiveStep:
         # the whole batch's already, so multiply it back.
         for state, batch, leaf in zip(states, micro_batches, leaves):
             _set_rng_state(state, device)
-            emb = embed(engine, batch.features, self.pooling)
+            emb = embed_batch(engine, batch, self.pooling)
             surrogate = (emb.float() * leaf.grad).sum() * accumulation
             engine.backward(surrogate)
             engine.step()
@@ -137,7 +159,7 @@ class ContrastiveStep:
         rank = self.comm.rank if self.comm is not None else 0
         values = torch.zeros(2 + size, dtype=torch.float64, device=device)
         values[0] = loss.detach().to(torch.float64)
-        values[1] = sum(b.features["attention_mask"].sum() for b in micro_batches).to(torch.float64)  # no sync
+        values[1] = sum(b.tokens for b in micro_batches).to(torch.float64)  # no device sync
         if self.memory_fn is not None:
             values[2 + rank] = float(self.memory_fn())
         if size > 1:
