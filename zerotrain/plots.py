@@ -103,6 +103,10 @@ PNG_PANELS = {
     "tokens_per_s": ("throughput", "tokens/s"),
     "memory": ("memory per rank", "GiB"),
 }
+# panels only some runs have data for: written when one of the runs does
+OPTIONAL_PNG_PANELS = {"retrieval": ("held-out retrieval", "fraction")}
+# the fields the "retrieval" panel draws (train-embedding's evaluations), one line each per run
+RETRIEVAL = ("recall_at_1", "recall_at_10", "mrr_at_10")
 
 
 def _memory_series(records: list[dict]) -> dict[int, tuple[list[int], list[float]]]:
@@ -118,7 +122,8 @@ def _memory_series(records: list[dict]) -> dict[int, tuple[list[int], list[float
 
 
 def plot_pngs(sources: Sequence[PathLike], out_dir: PathLike, labels: Sequence[str] = ()) -> list[Path]:
-    """Write `loss.png`, `lr.png`, `tokens_per_s.png` and `memory.png` into `out_dir`, the runs overlaid.
+    """Write `loss.png`, `lr.png`, `tokens_per_s.png`, `memory.png` (and `retrieval.png` for runs with
+    retrieval evaluations) into `out_dir`, the runs overlaid.
 
     A panel no run has data for (e.g. memory in metrics written before it was recorded) is not written.
     Returns the paths written.
@@ -139,7 +144,7 @@ def plot_pngs(sources: Sequence[PathLike], out_dir: PathLike, labels: Sequence[s
         if Path(source).is_dir():
             prefix = "" if len(sources) == 1 else f"{(list(labels) or [Path(s).name for s in sources])[index]}_"
             written += plot_memory_timelines(source, out_dir, prefix=prefix)
-    for stem, (title, ylabel) in PNG_PANELS.items():
+    for stem, (title, ylabel) in {**PNG_PANELS, **OPTIONAL_PNG_PANELS}.items():
         if not runs:
             break
         figure, axis = plt.subplots(figsize=(6.4, 4.0))
@@ -152,6 +157,13 @@ def plot_pngs(sources: Sequence[PathLike], out_dir: PathLike, labels: Sequence[s
                     axis.plot(steps, values, color=colors[index % len(colors)], linestyle=("-", "--", ":", "-.")[rank % 4],
                               label=f"{name} rank {rank}" + (f" ({kind})" if kind else ""))
                     drawn = True
+                continue
+            if stem == "retrieval":  # a colour per run, a line style per metric
+                for style, key in zip(("-", "--", ":"), RETRIEVAL):
+                    steps, values = _series(records, key)
+                    if steps:
+                        axis.plot(steps, values, "o" + style, color=colors[index % len(colors)], label=f"{name} {key}")
+                        drawn = True
                 continue
             steps, values = _series(records, stem)
             if not steps:

@@ -3,8 +3,9 @@
 Accumulation 4 x micro 8 trains as ONE batch of 32 queries at world 1, and of 64 at world 2 (every
 query scored against every rank's positives and hard negatives), at ZeRO stages 0-3: losses and
 weights as plain single-process PyTorch computing InfoNCE over the whole batch at once.
-A run that accumulates independent micro-batches (the usual reading) is shown to fall outside the
-tolerance, so the check can fail.
+The inf-CL chunked loss (`chunk_size`, tiles of 5 x 5: ragged edges) trains the same, at world 1 and
+across ranks. A run that accumulates independent micro-batches (the usual reading) is shown to fall
+outside the tolerance, so the check can fail.
 """
 from __future__ import annotations
 
@@ -81,15 +82,16 @@ def reference(world: int, independent: bool = False):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def train_all_stages(stages):
-    """On every rank: for each stage, an engine trained with ContrastiveStep; rank 0 returns losses and weights."""
+def train_all_stages(cases):
+    """On every rank: for each (stage, loss chunk size), an engine trained with ContrastiveStep; rank 0
+    returns losses and weights."""
     import zerotrain
     from zerotrain.comm import Comm
     from zerotrain.embedding import ContrastiveStep, PairBatch, Pooling
     import torch.distributed as dist
 
     results = {}
-    for stage in stages:
+    for stage, chunk in cases:
         config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUMULATION,
                   "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01, "eps": EPS}},
                   "zero_optimization": {"stage": stage, "reduce_bucket_size": 500,
@@ -97,22 +99,27 @@ def train_all_stages(stages):
                   "steps_per_print": 0, "comm_timeout_seconds": 60}
         engine, *_ = zerotrain.initialize(model=tiny_bert(), config=config)
         comm = Comm.data_parallel(engine.topology)
-        step = ContrastiveStep(engine, comm, Pooling("mean"), scale=SCALE)
+        step = ContrastiveStep(engine, comm, Pooling("mean"), scale=SCALE, chunk_size=chunk)
         rank, world = dist.get_rank(), dist.get_world_size()
-        losses = [step.step([PairBatch(f, MICRO) for f in batches[rank]]) for batches in micro_batches(world)]
+        # stages 2-3 take the queries and the passages as two feature sets (two forwards per micro-batch,
+        # as the CLI's tokenization gives them); 0-1 one set holding every row
+        split = (lambda f: PairBatch({k: v[:MICRO] for k, v in f.items()}, MICRO,
+                                     {k: v[MICRO:] for k, v in f.items()})) if stage >= 2 else \
+            (lambda f: PairBatch(f, MICRO))
+        losses = [step.step([split(f) for f in batches[rank]]) for batches in micro_batches(world)]
         weights = engine.full_state_dict()
         engine.close()
-        results[stage] = (losses, weights)
+        results[(stage, chunk)] = (losses, weights)
     return results if dist.get_rank() == 0 else None
 
 
 def _check(results, world):
     ref_losses, ref_weights = reference(world)
-    for stage, (losses, weights) in results.items():
+    for (stage, chunk), (losses, weights) in results.items():
         try:
             assert_same_training(losses, weights, ref_losses, ref_weights)
         except AssertionError as error:
-            raise AssertionError(f"world {world}, stage {stage}: {error}") from None
+            raise AssertionError(f"world {world}, stage {stage}, loss chunk {chunk}: {error}") from None
     # the usual accumulation (independent micro-batches) trains differently: the check can fail
     other_losses, other_weights = reference(world, independent=True)
     assert any(abs(a - b) > 1e-3 * abs(b) for a, b in zip(other_losses, ref_losses)), (other_losses, ref_losses)
@@ -120,8 +127,9 @@ def _check(results, world):
 
 
 def test_accumulation_is_one_batch_world1():
-    _check(run_distributed(train_all_stages, 1, (0, 3))[0], 1)
+    _check(run_distributed(train_all_stages, 1, ((0, None), (3, None), (0, 5)))[0], 1)
 
 
 def test_negatives_across_ranks_world2_all_stages():
-    _check(run_distributed(train_all_stages, 2, (0, 1, 2, 3), timeout=240)[0], 2)
+    _check(run_distributed(train_all_stages, 2, ((0, None), (1, None), (2, None), (3, None), (3, 5)),
+                           timeout=240)[0], 2)

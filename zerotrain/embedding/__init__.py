@@ -5,9 +5,9 @@
   negatives; Matryoshka dims.
 - `gradcache`: `ContrastiveStep`, one engine step where gradient accumulation is one bigger batch.
 """
-from .gradcache import ContrastiveStep, PairBatch, embed
+from .gradcache import ContrastiveStep, PairBatch, embed, embed_batch
 from .loss import contrastive_loss, info_nce
 from .pooling import MODES, Pooling, pool, read_pooling
 
-__all__ = ["ContrastiveStep", "PairBatch", "embed", "contrastive_loss", "info_nce", "MODES", "Pooling", "pool",
+__all__ = ["ContrastiveStep", "PairBatch", "embed", "embed_batch", "contrastive_loss", "info_nce", "MODES", "Pooling", "pool",
            "read_pooling"]

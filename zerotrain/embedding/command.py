@@ -17,8 +17,12 @@ from typing import Any, Optional
 
 __all__ = ["add_train_embedding_parser", "run_train_embedding", "worker_argv"]
 
-_OPTIONS = ("model", "config", "eval_stdlib", "metrics", "micro_batch", "accumulation", "lr", "stage", "steps", "epochs", "negatives",
-            "max_length", "pooling", "scale", "matryoshka_dims", "seed", "save_dir", "export", "log_every")
+_OPTIONS = ("model", "config", "eval_stdlib", "metrics", "log_dir", "micro_batch", "accumulation", "lr", "stage",
+            "steps", "epochs", "negatives", "max_length", "pooling", "scale", "matryoshka_dims", "loss_chunk_size",
+            "seed", "save_dir", "save_every", "export", "log_every")
+_FLAGS = ("resume",)
+# keys of the config file's "embedding" block (read here, not by the engine) -> the CLI option they set
+CONFIG_KEYS = {"loss_chunk_size": "loss_chunk_size"}
 
 
 def add_train_embedding_parser(sub: Any) -> None:
@@ -38,6 +42,9 @@ def add_train_embedding_parser(sub: Any) -> None:
                         help="before and after training, retrieval on N held-out stdlib docstring -> source pairs "
                              "(recall@1, recall@10, MRR@10); 0: none")
     parser.add_argument("--metrics", default=None, metavar="FILE", help="append the evaluations here (jsonl)")
+    parser.add_argument("--log-dir", default=None, metavar="DIR",
+                        help="write DIR/metrics.jsonl: one record per step (docs/metrics.md schema), the evaluations "
+                             "as recall_at_1/recall_at_10/mrr_at_10; `zerotrain plot DIR` draws it")
     parser.add_argument("--config", metavar="PATH", help="DeepSpeed-style JSON config (overrides the batch, "
                         "lr and stage options below)")
     parser.add_argument("--micro-batch", type=int, default=8, metavar="B", help="queries per micro-batch per rank")
@@ -55,8 +62,17 @@ def add_train_embedding_parser(sub: Any) -> None:
     parser.add_argument("--scale", type=float, default=20.0, help="similarity scale (1 / temperature)")
     parser.add_argument("--matryoshka-dims", default=None, metavar="D,D,...",
                         help="sum the loss over these leading-dims prefixes (Matryoshka)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--loss-chunk-size", type=int, default=None, metavar="N",
+                        help="inf-CL style chunked loss: scores in tiles of N queries x N candidates, the full score "
+                             "matrix never held (config: embedding.loss_chunk_size); default: the whole matrix")
+    parser.add_argument("--seed", type=int, default=None, help="data order and initialisation (default 0; on "
+                        "--resume the checkpoint's)")
     parser.add_argument("--save-dir", default=None, metavar="DIR", help="unified checkpoint after the last step")
+    parser.add_argument("--save-every", type=int, default=None, metavar="N",
+                        help="also save every N optimizer steps (with the data position, for --resume)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in --save-dir at the exact next batch (any world "
+                             "size, if ranks x accumulation x micro-batch is unchanged)")
     parser.add_argument("--export", default=None, metavar="DIR", help="sentence-transformers directory to write")
     parser.add_argument("--log-every", type=int, default=10, metavar="N")
     parser.add_argument("--nproc", type=int, default=1, metavar="N", help="ranks on this machine")
@@ -69,67 +85,126 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         value = getattr(args, dest)
         if value is not None:
             argv.append(f"--{dest.replace('_', '-')}={value}")
+    argv += [f"--{flag}" for flag in _FLAGS if getattr(args, flag)]
     return argv
 
 
 def _config(args: argparse.Namespace) -> Any:
-    if args.config is not None:
-        return args.config
-    return {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": args.accumulation,
-            "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01}},
-            "zero_optimization": {"stage": args.stage}, "steps_per_print": 0}
+    """The engine's config (a dict); the file's "embedding" block is taken out and applied to `args`
+    (a CLI option given explicitly wins)."""
+    from zerotrain.config import ConfigError
+    from zerotrain.config.loader import read_config_file
+
+    if args.config is None:
+        return {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": args.accumulation,
+                "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": args.lr,
+                                                                                    "weight_decay": 0.01}},
+                "zero_optimization": {"stage": args.stage}, "steps_per_print": 0}
+    config = read_config_file(args.config)
+    block = config.pop("embedding", {})
+    if not isinstance(block, dict):
+        raise ConfigError(f"{args.config}: 'embedding' must be an object", key="embedding", file=args.config)
+    for key, value in block.items():
+        if key not in CONFIG_KEYS:
+            raise ConfigError(f"{args.config}: unknown key 'embedding.{key}'; valid keys here: "
+                              f"{', '.join(CONFIG_KEYS)}", key=f"embedding.{key}", file=args.config)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{args.config}: 'embedding.{key}' must be a positive integer, got {value!r}",
+                              key=f"embedding.{key}", file=args.config)
+        if getattr(args, CONFIG_KEYS[key]) is None:
+            setattr(args, CONFIG_KEYS[key], value)
+    return config
 
 
 def run_train_embedding(args: argparse.Namespace) -> int:
+    import time
+
     import torch
     from zerotrain import dist
     from transformers import AutoModel, AutoTokenizer
 
     import zerotrain
     from zerotrain.comm import Comm
+    from zerotrain.config import ConfigError
+    from zerotrain.monitor.measure import memory_bytes
 
-    from .data import global_batches, load_pairs, rank_micro_batches, tokenize_micro_batch
+    from .data import DataPosition, global_batches, load_pairs, rank_micro_batches, tokenize_micro_batch
     from .export import export_sentence_transformers
     from .gradcache import ContrastiveStep
+    from .metrics import RETRIEVAL_FIELDS, RunLog, step_record
     from .pooling import read_pooling
 
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"--model {model_dir}: no config.json (a local Hugging Face or sentence-transformers "
                          "directory is needed; nothing is downloaded)")
+    if args.resume and args.save_dir is None:
+        raise ConfigError("--resume reads the latest checkpoint of --save-dir: give --save-dir", key="--resume")
+    if args.save_every is not None and args.save_every < 1:
+        raise ConfigError(f"--save-every must be >= 1, got {args.save_every}", key="--save-every")
+    config = _config(args)
+    if args.loss_chunk_size is not None and args.loss_chunk_size < 1:
+        raise ConfigError(f"--loss-chunk-size must be >= 1, got {args.loss_chunk_size}", key="--loss-chunk-size")
     dims = [int(d) for d in args.matryoshka_dims.split(",")] if args.matryoshka_dims else None
     pooling = read_pooling(model_dir, args.pooling)
     held_out: list[dict] = []
     if args.data == ["stdlib"] or args.eval_stdlib:
         from .retrieval import stdlib_pairs, write_pairs
-        train_pairs, held_out = stdlib_pairs()
+        # only the held-out pairs are needed unless the stdlib is also the training data
+        train_pairs, held_out = stdlib_pairs(max_held_out=None if args.data == ["stdlib"] else args.eval_stdlib)
         held_out = held_out[:args.eval_stdlib]
         if args.data == ["stdlib"]:
             import tempfile
             args.data = [str(write_pairs(train_pairs, Path(tempfile.mkdtemp()) / "stdlib_train.jsonl"))]
     data = load_pairs(args.data, args.negatives)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed or 0)
     model = AutoModel.from_pretrained(model_dir, dtype=torch.float32)
     for name, param in model.named_parameters():
         if name.startswith("pooler."):  # BERT's pooler head: sentence embeddings never use it
             param.requires_grad_(False)
-    engine, *_ = zerotrain.initialize(model=model, config=_config(args))
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    log = None
     try:
         topology = engine.topology
         comm = Comm.data_parallel(topology)
         rank, world = topology.dp_rank, topology.dp_size
         accumulation, micro = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
         global_batch = world * accumulation * micro
-        step = ContrastiveStep(engine, comm, pooling, scale=args.scale, matryoshka_dims=dims)
+        step = ContrastiveStep(engine, comm, pooling, scale=args.scale, matryoshka_dims=dims,
+                               chunk_size=args.loss_chunk_size, memory_fn=lambda: memory_bytes(topology.device))
+        log = RunLog(engine.config, args.log_dir, rank == 0)
+        if args.save_dir is not None:
+            engine.claim_save_dir(os.path.abspath(args.save_dir))
+        seed = 0 if args.seed is None else args.seed
+        position = DataPosition(epoch=0, batch=0, seed=seed, global_batch=global_batch, pairs=len(data),
+                                consumed_samples=0)
+        if args.resume:
+            path, client_state = engine.load_checkpoint(os.path.abspath(args.save_dir))
+            if path is None:
+                if rank == 0:
+                    print(f"zerotrain: nothing to resume in {args.save_dir}; starting from scratch", flush=True)
+            else:
+                try:
+                    saved = DataPosition.from_dict((client_state.get("embedding") or {}).get("data") or {}, path)
+                    saved.check_resumable(global_batch=global_batch, pairs=len(data), seed=args.seed, where=path,
+                                          split=f"{world} ranks x {accumulation} accumulation x {micro} micro")
+                except ValueError as error:
+                    raise ConfigError(str(error), key="--resume") from None
+                position = saved
+                if rank == 0:
+                    print(f"zerotrain: resumed from {path} at step {engine.global_steps}: epoch {position.epoch}, "
+                          f"batch {position.batch} next ({position.consumed_samples} queries consumed)", flush=True)
         if rank == 0:
+            chunk = f", loss in tiles of {args.loss_chunk_size}" if args.loss_chunk_size else ""
             print(f"zerotrain: train-embedding {model_dir.name}: {len(data)} pairs, {data.num_negatives} hard "
                   f"negatives per query, pooling {pooling.mode}; one contrastive batch = {global_batch} queries "
                   f"({world} ranks x {accumulation} accumulation x {micro} micro), ZeRO stage "
-                  f"{engine.zero_optimization_stage()}", flush=True)
-        def evaluate(when: str) -> None:
+                  f"{engine.zero_optimization_stage()}{chunk}", flush=True)
+
+        def evaluate(when: str) -> Optional[dict]:
             if not held_out:
-                return
+                return None
             from .export import encode
             from .retrieval import retrieval_metrics
             # every rank encodes (stage 3's forwards gather shards collectively); rank 0 reports
@@ -144,33 +219,58 @@ def run_train_embedding(args: argparse.Namespace) -> int:
                 if args.metrics is not None:
                     with open(args.metrics, "a", encoding="utf-8") as f:
                         f.write(json.dumps(record) + "\n")
+            return {RETRIEVAL_FIELDS[k]: v for k, v in record.items() if k in RETRIEVAL_FIELDS}
 
-        evaluate("before")
-        if args.save_dir is not None:
-            engine.claim_save_dir(os.path.abspath(args.save_dir))
-        total = args.steps
-        losses: list[float] = []
-        epoch = 0
-        while total is None and epoch < args.epochs or total is not None and len(losses) < total:
-            batches = list(global_batches(data, global_batch, seed=args.seed, epoch=epoch))
-            if not batches:
-                raise ValueError(f"{len(data)} pairs cannot fill one batch of {global_batch} queries without "
-                                 "duplicate texts: use a smaller batch or more data")
-            for batch in batches:
-                if total is not None and len(losses) >= total:
-                    break
-                micro_batches = [tokenize_micro_batch(data, part, tokenizer, args.max_length, topology.device)
-                                 for part in rank_micro_batches(batch, rank, world, accumulation)]
-                losses.append(step.step(micro_batches))
-                if rank == 0 and (len(losses) % args.log_every == 0 or len(losses) == 1):
-                    print(f"step {len(losses)}: loss {losses[-1]:.6g}", flush=True)
-            epoch += 1
-        evaluate("after")
-        if args.save_dir is not None:
+        before = evaluate("before")
+        if before is not None and engine.global_steps == 0:
+            log.write({"step": 0, "samples": 0, **before})
+
+        def save() -> None:
             path = engine.save_checkpoint(os.path.abspath(args.save_dir), client_state={"embedding": {
-                "pooling": pooling.mode, "epochs_started": epoch}})
+                "pooling": pooling.mode, "data": position.to_dict()}})
             if rank == 0:
                 print(f"zerotrain: checkpoint {path}", flush=True)
+
+        total = args.steps
+        losses: list[float] = []
+        saved_at = engine.global_steps if args.resume else None
+        started = time.perf_counter()
+
+        def done() -> bool:
+            return engine.global_steps >= total if total is not None else position.epoch >= args.epochs
+
+        # the engine's own monitor events and progress lines would repeat this loop's records
+        with engine.progress_printing(False):
+            while not done():
+                batches = list(global_batches(data, global_batch, seed=position.seed, epoch=position.epoch))
+                if not batches:
+                    raise ValueError(f"{len(data)} pairs cannot fill one batch of {global_batch} queries without "
+                                     "duplicate texts: use a smaller batch or more data")
+                for batch in batches[position.batch:]:
+                    if done():
+                        break
+                    micro_batches = [tokenize_micro_batch(data, part, tokenizer, args.max_length, topology.device)
+                                     for part in rank_micro_batches(batch, rank, world, accumulation)]
+                    lr = float(engine.get_lr()[0])
+                    t0 = time.perf_counter()
+                    losses.append(step.step(micro_batches))
+                    seconds = time.perf_counter() - t0
+                    position.batch += 1
+                    position.consumed_samples += global_batch
+                    log.write(step_record(engine, step, losses[-1], lr, seconds, started))
+                    if rank == 0 and (engine.global_steps % args.log_every == 0 or len(losses) == 1):
+                        print(f"step {engine.global_steps}: loss {losses[-1]:.6g}", flush=True)
+                    if args.save_dir is not None and args.save_every and engine.global_steps % args.save_every == 0:
+                        save()
+                        saved_at = engine.global_steps
+                if position.batch >= len(batches):  # else the steps ran out inside this epoch
+                    position.epoch, position.batch = position.epoch + 1, 0
+        after = evaluate("after")
+        if after is not None:
+            log.add_to_last(after)
+        log.close()
+        if args.save_dir is not None and saved_at != engine.global_steps:
+            save()
         if args.export is not None:
             # collective: every rank takes part, rank 0 gets every parameter, frozen ones included (the module's
             # own state_dict() would fetch stage-3 shards on one rank only)

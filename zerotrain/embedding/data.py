@@ -26,7 +26,7 @@ from zerotrain.data.records import BadRecord, BadRecordError
 
 from .gradcache import PairBatch
 
-__all__ = ["PairData", "load_pairs", "global_batches", "rank_micro_batches", "tokenize_micro_batch"]
+__all__ = ["PairData", "DataPosition", "load_pairs", "global_batches", "rank_micro_batches", "tokenize_micro_batch"]
 
 
 @dataclass
@@ -38,6 +38,48 @@ class PairData:
 
     def __len__(self) -> int:
         return len(self.dataset)
+
+
+@dataclass
+class DataPosition:
+    """Where a run stands in its data after a step, saved in the checkpoint's trainer state (client_state):
+    `batch` global batches of epoch `epoch` consumed, `consumed_samples` queries in all; and what the
+    order of batches depends on: the shuffling `seed`, the `global_batch` (ranks x accumulation x
+    micro-batch queries) and the number of `pairs`. With the same three a run resumes at the exact next
+    batch at any world size (GradCache makes the global batch one loss, however it is split)."""
+    epoch: int
+    batch: int
+    seed: int
+    global_batch: int
+    pairs: int
+    consumed_samples: int
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+    @classmethod
+    def from_dict(cls, saved: dict, where: str) -> "DataPosition":
+        try:
+            return cls(**{name: int(saved[name]) for name in cls.__dataclass_fields__})
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{where}: no valid data position in the checkpoint's trainer state "
+                             f"(client_state.embedding.data = {saved!r})") from None
+
+    def check_resumable(self, *, global_batch: int, pairs: int, seed: Optional[int], where: str,
+                        split: str) -> None:
+        """Raise ValueError unless a run with these settings continues this data order exactly."""
+        if global_batch != self.global_batch:
+            raise ValueError(
+                f"--resume from {where}: the checkpoint trained global contrastive batches of {self.global_batch} "
+                f"queries; this run's is {global_batch} ({split}). Resuming is supported at any world size, "
+                f"accumulation and micro-batch whose product is the same global batch ({self.global_batch}): "
+                "the batch order and the loss of each batch depend on it")
+        if pairs != self.pairs:
+            raise ValueError(f"--resume from {where}: the checkpoint's data had {self.pairs} pairs, --data has "
+                             f"{pairs}: the data order cannot be continued on other data")
+        if seed is not None and seed != self.seed:
+            raise ValueError(f"--resume from {where}: --seed {seed} differs from the checkpoint's {self.seed} "
+                             "(the data order); leave --seed out to continue with the checkpoint's")
 
 
 def _check_record(record: Any, num_negatives: Optional[int]) -> Optional[str]:
@@ -136,10 +178,14 @@ def rank_micro_batches(batch: list[int], rank: int, world: int, accumulation: in
 
 def tokenize_micro_batch(data: PairData, indices: list[int], tokenizer: Any, max_length: int,
                          device: Optional[torch.device] = None) -> PairBatch:
-    """Queries, positives, negatives (query-major) of `indices`, tokenized and padded together."""
+    """Queries, then positives and negatives (query-major) of `indices`, tokenized: the queries padded
+    together, the passages together (each to its own longest text, not the queries to the passages')."""
     records = [data.dataset[i] for i in indices]
-    texts = [r["query"] for r in records] + [r["positive"] for r in records] + \
-        [n for r in records for n in r["negatives"]]
-    features = dict(tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt"))
-    batch = PairBatch(features, len(records))
+    queries = [r["query"] for r in records]
+    passages = [r["positive"] for r in records] + [n for r in records for n in r["negatives"]]
+
+    def tokenize(texts: list[str]) -> dict[str, torch.Tensor]:
+        return dict(tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt"))
+
+    batch = PairBatch(tokenize(queries), len(records), tokenize(passages))
     return batch.to(device) if device is not None else batch

@@ -20,7 +20,7 @@ batch of N*A*B.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -29,23 +29,37 @@ from zerotrain.comm import Comm
 from .loss import contrastive_loss
 from .pooling import Pooling, pool
 
-__all__ = ["PairBatch", "ContrastiveStep", "embed"]
+__all__ = ["PairBatch", "ContrastiveStep", "embed", "embed_batch"]
 
 
 @dataclass
 class PairBatch:
     """One micro-batch, tokenized: rows are its queries, then their positives, then their hard negatives
     (query-major: query 0's negatives first). `features` is what the encoder takes (`input_ids`,
-    `attention_mask`, maybe `token_type_ids`)."""
+    `attention_mask`, maybe `token_type_ids`).
+
+    With `passage_features`, `features` holds the queries only and `passage_features` the positives and
+    negatives, each padded to its own longest text: queries are usually much shorter than passages, and
+    padding them to the passages' length would encode mostly padding (sentence-transformers tokenizes
+    each column on its own for the same reason). The embeddings are the same either way."""
     features: dict[str, torch.Tensor]
     num_queries: int
+    passage_features: Optional[dict[str, torch.Tensor]] = None
 
     @property
     def num_rows(self) -> int:
-        return int(self.features["input_ids"].shape[0])
+        rows = int(self.features["input_ids"].shape[0])
+        return rows + (int(self.passage_features["input_ids"].shape[0]) if self.passage_features else 0)
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """Attended positions of every text (a tensor: no device sync)."""
+        count = self.features["attention_mask"].sum()
+        return count + self.passage_features["attention_mask"].sum() if self.passage_features else count
 
     def to(self, device: torch.device) -> "PairBatch":
-        return PairBatch({k: v.to(device) for k, v in self.features.items()}, self.num_queries)
+        passages = {k: v.to(device) for k, v in self.passage_features.items()} if self.passage_features else None
+        return PairBatch({k: v.to(device) for k, v in self.features.items()}, self.num_queries, passages)
 
 
 def embed(model: Any, features: dict[str, torch.Tensor], pooling: Pooling) -> torch.Tensor:
@@ -54,6 +68,14 @@ def embed(model: Any, features: dict[str, torch.Tensor], pooling: Pooling) -> to
     output = model(**features)
     hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
     return pool(hidden, features["attention_mask"], pooling.mode)
+
+
+def embed_batch(model: Any, batch: PairBatch, pooling: Pooling) -> torch.Tensor:
+    """Embeddings of every row of `batch` (queries, positives, negatives), one forward per feature set."""
+    queries = embed(model, batch.features, pooling)
+    if batch.passage_features is None:
+        return queries
+    return torch.cat([queries, embed(model, batch.passage_features, pooling)])
 
 
 def _rng_state(device: torch.device) -> tuple:
@@ -72,13 +94,24 @@ class ContrastiveStep:
 
     `engine` is a zerotrain engine (anything with DeepSpeed's `__call__`/`backward`/`step` and
     `gradient_accumulation_steps()`); `comm` the data-parallel Comm whose ranks share negatives
-    (None: this rank's only).
+    (None: this rank's only). `chunk_size`: compute the loss in tiles of that many queries x candidates
+    (inf-CL style, `zerotrain.embedding.loss.chunked_info_nce`); None holds the whole score matrix.
+
+    After each step, `tokens` holds the step's input tokens over all ranks (attended positions of every
+    text, counted once) and `memory` every rank's memory high-water mark (`memory_fn()` of each rank,
+    gathered in the loss's all-reduce), for the metrics record.
     """
 
     def __init__(self, engine: Any, comm: Optional[Comm], pooling: Pooling, *, scale: float = 20.0,
-                 matryoshka_dims: Optional[Sequence[int]] = None):
+                 matryoshka_dims: Optional[Sequence[int]] = None, chunk_size: Optional[int] = None,
+                 memory_fn: Optional[Callable[[], int]] = None):
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"loss chunk size must be at least 1, got {chunk_size}")
         self.engine, self.comm, self.pooling = engine, comm, pooling
-        self.scale, self.matryoshka_dims = scale, matryoshka_dims
+        self.scale, self.matryoshka_dims, self.chunk_size = scale, matryoshka_dims, chunk_size
+        self.memory_fn = memory_fn
+        self.tokens = 0
+        self.memory: list[int] = []
 
     def loss(self, embeddings: list[torch.Tensor], batches: Sequence[PairBatch]) -> torch.Tensor:
         """This rank's loss over the embeddings of all its micro-batches (one batch)."""
@@ -90,7 +123,7 @@ class ContrastiveStep:
             negatives.append(emb[2 * q:])
         candidates = torch.cat(positives + negatives)
         return contrastive_loss(torch.cat(queries), candidates, self.comm, scale=self.scale,
-                                matryoshka_dims=self.matryoshka_dims)
+                                matryoshka_dims=self.matryoshka_dims, chunk_size=self.chunk_size)
 
     def step(self, micro_batches: Sequence[PairBatch]) -> float:
         """One optimizer step; returns the loss of the global batch (mean over ranks)."""
@@ -104,7 +137,7 @@ class ContrastiveStep:
         with torch.no_grad():  # 1. embed without autograd
             for batch in micro_batches:
                 states.append(_rng_state(device))
-                cached.append(embed(engine, batch.features, self.pooling).float())
+                cached.append(embed_batch(engine, batch, self.pooling).float())
         after = _rng_state(device)
         # 2. the loss over the whole batch, back to the embeddings only
         leaves = [e.detach().requires_grad_() for e in cached]
@@ -115,13 +148,23 @@ class ContrastiveStep:
         # the whole batch's already, so multiply it back.
         for state, batch, leaf in zip(states, micro_batches, leaves):
             _set_rng_state(state, device)
-            emb = embed(engine, batch.features, self.pooling)
+            emb = embed_batch(engine, batch, self.pooling)
             surrogate = (emb.float() * leaf.grad).sum() * accumulation
             engine.backward(surrogate)
             engine.step()
         _set_rng_state(after, device)
-        value = loss.detach().clone()
-        if self.comm is not None and self.comm.size > 1:
-            self.comm.all_reduce(value)
-            value /= self.comm.size
-        return float(value)
+        # one all-reduce: [loss, tokens, memory of rank 0, 1, ...], each rank filling only its own memory
+        # slot (float64 holds byte counts exactly)
+        size = self.comm.size if self.comm is not None else 1
+        rank = self.comm.rank if self.comm is not None else 0
+        values = torch.zeros(2 + size, dtype=torch.float64, device=device)
+        values[0] = loss.detach().to(torch.float64)
+        values[1] = sum(b.tokens for b in micro_batches).to(torch.float64)  # no device sync
+        if self.memory_fn is not None:
+            values[2 + rank] = float(self.memory_fn())
+        if size > 1:
+            self.comm.all_reduce(values)
+        values = values.cpu()
+        self.tokens = int(values[1])
+        self.memory = [int(v) for v in values[2:].tolist()] if self.memory_fn is not None else []
+        return float(values[0] / size)

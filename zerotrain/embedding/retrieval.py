@@ -43,8 +43,12 @@ def _pairs_of(path: Path, min_doc_chars: int) -> list[dict]:
 
 
 def stdlib_pairs(*, held_out_fraction: float = 0.2, max_pairs: Optional[int] = None, min_doc_chars: int = 20,
-                 root: Optional[Union[str, Path]] = None) -> tuple[list[dict], list[dict]]:
-    """(train, held_out) docstring -> source pairs; each module wholly in one split (by a hash of its path)."""
+                 root: Optional[Union[str, Path]] = None,
+                 max_held_out: Optional[int] = None) -> tuple[list[dict], list[dict]]:
+    """(train, held_out) docstring -> source pairs; each module wholly in one split (by a hash of its path).
+
+    `max_held_out`: stop reading once that many held-out pairs are found (they are the same first ones
+    a full read gives; the train split is then partial): parsing the whole stdlib takes tens of seconds."""
     base = Path(root) if root is not None else stdlib_dir()
     train, held_out, seen = [], [], set()
     for path in iter_stdlib_sources(base):
@@ -58,6 +62,8 @@ def stdlib_pairs(*, held_out_fraction: float = 0.2, max_pairs: Optional[int] = N
             seen.update((pair["query"], pair["positive"]))
             (held_out if bucket < held_out_fraction else train).append(pair)
         if max_pairs is not None and len(train) + len(held_out) >= max_pairs:
+            break
+        if max_held_out is not None and len(held_out) >= max_held_out:
             break
     return train, held_out
 

@@ -57,6 +57,11 @@ FIELDS: dict[str, tuple[str, str, str]] = {
        for (name, field), what in zip(TIMER_FIELDS.items(),
                                       ("forward", "backward", "autograd backward (backward_inner)",
                                        "gradient reduction after the autograd backward", "step()"))},
+    **{f"{name}_at_{k}": ("fraction", "train-embedding with --eval-stdlib: on evaluation steps (step 0: before "
+                          "training; the last step: after)",
+                          f"held-out retrieval {name.replace('mrr', 'MRR')}@{k}: every held-out query scored against "
+                          "every held-out passage")
+       for name, k in (("recall", 1), ("recall", 10), ("mrr", 10))},
     "offload_*": ("counts / bytes", "with an offloaded optimizer", "engine.offload_stats(): steps, speculative "
                   "steps, rollbacks, redone steps, NVMe bytes read and written"),
 }

