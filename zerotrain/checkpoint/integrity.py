@@ -92,17 +92,6 @@ def check_sizes(directory: str, manifest: dict, names: Iterable[str]) -> None:
                                   f"(truncated or overwritten)")
 
 
-def verify_checksums(directory: str, manifest: dict, names: Iterable[str]) -> None:
-    """Recompute each named file's crc32 and compare with the manifest."""
-    for name in names:
-        path = os.path.join(directory, name)
-        expected = manifest["files"][name]["crc32"]
-        actual = f"{file_crc32(path):08x}"
-        if actual != expected:
-            raise CheckpointError(f"{path}: checksum mismatch (crc32 {actual}, manifest says {expected}): "
-                                  f"the file is corrupt")
-
-
 # crc32_combine: zlib has it in C but Python's zlib module does not expose it. The polynomial
 # arithmetic is zlib's (crc32.c, multmodp / x2nmodp), over the reflected polynomial.
 _POLY = 0xEDB88320
@@ -208,6 +197,14 @@ def check_pieces(directory: str, shares: list[dict]) -> Optional[str]:
     the manifest's: the error naming the corrupt file(s), None when all match. A file whose pieces do not
     cover it exactly (a rank failed before it finished its share) is not judged here: that rank's own
     error is reported instead. Every rank passes the same shares, so every rank reaches the same verdict."""
+    bad = list(corrupt_files(directory, shares).values())
+    if not bad:
+        return None
+    return bad[0] if len(bad) == 1 else f"{len(bad)} files are corrupt: " + "; ".join(bad)
+
+
+def corrupt_files(directory: str, shares: list[dict]) -> dict[str, str]:
+    """{file name: error} for every file whose joined pieces (see `check_pieces`) do not match the manifest."""
     files: dict[str, list] = {}
     by_file: dict[str, list[Piece]] = {}
     for share in shares:
@@ -215,7 +212,7 @@ def check_pieces(directory: str, shares: list[dict]) -> Optional[str]:
             files.setdefault(name, entry)
         for piece in share["pieces"]:
             by_file.setdefault(piece[0], []).append(tuple(piece))
-    bad = []
+    bad = {}
     for name in sorted(files):
         size, expected = files[name]
         joined = _join(by_file.get(name, []))
@@ -226,8 +223,6 @@ def check_pieces(directory: str, shares: list[dict]) -> Optional[str]:
         else:
             continue
         if f"{actual:08x}" != expected:
-            bad.append(f"{os.path.join(directory, name)}: checksum mismatch (crc32 {actual:08x}, manifest says "
-                       f"{expected}): the file is corrupt")
-    if not bad:
-        return None
-    return bad[0] if len(bad) == 1 else f"{len(bad)} files are corrupt: " + "; ".join(bad)
+            bad[name] = (f"{os.path.join(directory, name)}: checksum mismatch (crc32 {actual:08x}, manifest says "
+                         f"{expected}): the file is corrupt")
+    return bad
