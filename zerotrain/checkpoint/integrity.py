@@ -1,6 +1,7 @@
 """The manifest: the commit record of a checkpoint, with every file's size and checksum.
 
-Checksum: zlib's crc32. Measured on this project's machine (256 MiB of random bytes,
+Checksum: zlib's crc32 (computed with ISA-L's implementation, `isal`, when installed: the same
+values, 4x faster here). Measured on this project's machine (256 MiB of random bytes,
 16 MiB updates, one core): crc32 6.4 GB/s, adler32 3.8, sha1 2.0, sha256 1.9 (SHA-NI),
 blake2b 1.3, sha512 1.1, md5 0.8 GB/s; writing the same bytes with fsync ran at
 0.34 GB/s on the shared disk, and the disk's O_DIRECT rate is 2.3 GB/s write and
@@ -28,11 +29,10 @@ from __future__ import annotations
 import mmap
 import os
 import time
-import zlib
 from typing import Iterable, Optional
 
 from .directio import READ_CHUNK, DirectReader, run_parallel
-from .format import FORMAT_NAME, FORMAT_VERSION, MANIFEST, CheckpointError, read_json, write_json
+from .format import FORMAT_NAME, FORMAT_VERSION, MANIFEST, CheckpointError, crc32, read_json, write_json
 
 CHECKSUM = "crc32"
 # One thread per rank maps its share chunk after chunk: the kernel's readahead of a sequential mapping
@@ -47,7 +47,7 @@ def file_crc32(path: str) -> int:
     crc = 0
     with DirectReader(path) as reader:
         for chunk in reader.chunks(0, os.path.getsize(path)):
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
     return crc
 
 
@@ -171,7 +171,7 @@ def checksum_share(directory: str, manifest: dict, names: Iterable[str], rank: i
                 with mmap.mmap(handle.fileno(), skip + length, access=mmap.ACCESS_READ,
                                offset=offset - skip) as mapped:
                     with memoryview(mapped) as view:
-                        return name, offset, length, zlib.crc32(view[skip:])
+                        return name, offset, length, crc32(view[skip:])
         except (OSError, ValueError) as error:
             raise CheckpointError(f"{path}: cannot read it to check its checksum: {error}") from error
 
