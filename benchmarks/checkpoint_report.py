@@ -10,7 +10,9 @@ import time
 from pathlib import Path
 
 ENGINES = {"zt": "zerotrain (ZeRO-3)", "ztp": "zerotrain, process writer", "dcp": "torch DCP (FSDP2)",
-           "ds": "DeepSpeed (ZeRO-3)"}
+           "ds": "DeepSpeed (ZeRO-3)", "ztn": "zerotrain, verify_on_load false (load rounds only)"}
+# engines that only load, in the load rounds: the checkpoint another engine wrote (zerotrain's, here)
+LOAD_ONLY = {"ztn": "zt"}
 SCRIPT = str(Path(__file__).resolve().parent / "checkpoint_speed.py")
 
 
@@ -31,7 +33,8 @@ def launch(engine: str, phase: str, world: int, args, root: Path) -> dict:
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
                    PYTHONPATH=os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p))
-        spec = {"engine": engine, "phase": phase, "out": str(out), "root": str(root / engine), "args": spec_args}
+        spec = {"engine": engine, "phase": phase, "out": str(out), "root": str(root / LOAD_ONLY.get(engine, engine)),
+                "args": spec_args}
         log = open(root / f"{engine}.{phase}.rank{rank}.log", "w")
         procs.append((subprocess.Popen([sys.executable, SCRIPT, "--_worker", json.dumps(spec)],
                                        env=env, stdout=log, stderr=subprocess.STDOUT), log))

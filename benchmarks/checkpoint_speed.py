@@ -26,7 +26,9 @@ optimizer state exists, then, in the same pair of processes:
   in an order rotated each round, starts fresh processes, trains ``--warmup`` steps (so that
   every optimizer state exists to load into) and times one cold load of its ``sync0``; the
   engines alternate, so a busy moment of a shared machine hits them all alike. Medians and
-  ratios to zerotrain. ``--load-only`` skips the main phases and loads the checkpoints an
+  ratios to zerotrain. **ztn** (load rounds only) loads zerotrain's checkpoint with
+  ``verify_on_load: false`` (no crc32 check: each rank reads what it needs straight into the engine).
+  ``--load-only`` skips the main phases and loads the checkpoints an
   earlier ``--keep --dir D`` run left in ``D``.
 
     .venv/bin/python benchmarks/checkpoint_speed.py                     # all engines, ~6 min
@@ -34,6 +36,7 @@ optimizer state exists, then, in the same pair of processes:
     .venv/bin/python benchmarks/checkpoint_speed.py --model tiny --repeats 1   # smoke run
     .venv/bin/python benchmarks/checkpoint_speed.py --engines zt,dcp --json out.json
     .venv/bin/python benchmarks/checkpoint_speed.py --engines zt,dcp,ds --repeats 1 --load-rounds 5
+    .venv/bin/python benchmarks/checkpoint_speed.py --engines zt,ds,ztn --repeats 1 --load-rounds 6   # #21's judge
 
 DeepSpeed runs with ``DS_ACCELERATOR=cpu`` when ``import deepspeed`` works; otherwise its
 row says why it was skipped.
@@ -52,9 +55,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from checkpoint_report import ENGINES, launch, print_load_rounds, print_table
+from checkpoint_report import ENGINES, LOAD_ONLY, launch, print_load_rounds, print_table
 
 LR = 1e-4
+# the run that judges #21's load target (verified cold load <= the fastest peer's): on a quiet machine
+FINAL_RUN = ".venv/bin/python benchmarks/checkpoint_speed.py --engines zt,ds,ztn --repeats 1 --load-rounds 6"
 
 
 # =============================================================================================
@@ -359,6 +364,8 @@ def worker_main(spec: dict) -> int:
                     raise _Unavailable(f"import deepspeed failed: {type(error).__name__}: {error}") from error
             if engine == "ztp":
                 job = ZerotrainJob(args, root, rank, process_writer=True)
+            elif engine == "ztn":  # zerotrain's checkpoint loaded without the crc32 check
+                job = ZerotrainJob(argparse.Namespace(**{**vars(args), "verify_on_load": False}), root, rank)
             else:
                 job = {"zt": ZerotrainJob, "dcp": DcpJob, "ds": DeepSpeedJob}[engine](args, root, rank)
             result.update(_load_round(job) if spec["phase"] == "load" else job.run())
@@ -417,7 +424,7 @@ def main(argv=None) -> int:
             parser.error(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
     rounds: dict[str, list] = {}
     try:
-        for engine in [] if args.load_only else engines:
+        for engine in [] if args.load_only else [e for e in engines if e not in LOAD_ONLY]:
             started = time.perf_counter()
             result = launch(engine, "main", 2, args, root)
             if result.get("status") == "ok":
@@ -436,7 +443,7 @@ def main(argv=None) -> int:
                 print(result.get("traceback", result.get("reason")), file=sys.stderr)
             results[engine] = result
             print(f"{engine}: {result.get('status')} in {time.perf_counter() - started:.0f}s", flush=True)
-        loadable = [e for e in engines if (root / e / "sync0").is_dir()]
+        loadable = [e for e in engines if (root / LOAD_ONLY.get(e, e) / "sync0").is_dir()]
         for index in range(args.load_rounds):
             order = loadable[index % len(loadable):] + loadable[:index % len(loadable)]
             for engine in order:
@@ -450,13 +457,15 @@ def main(argv=None) -> int:
     finally:
         if not args.keep:
             for engine in engines:
-                shutil.rmtree(root / engine, ignore_errors=True)
+                shutil.rmtree(root / LOAD_ONLY.get(engine, engine), ignore_errors=True)
         if not args.keep and args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     if results:
         print_table(results, args)
     if rounds:
         print_load_rounds(rounds)
+    print(f"\nload average {' '.join('%.2f' % x for x in os.getloadavg())} at the end. The #21 load target is judged "
+          "on a quiet machine (nothing else running), with:\n  " + FINAL_RUN)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "load_rounds": rounds},
                                               indent=2))

@@ -11,7 +11,7 @@ fsynced, and is read back once, so the page cache only costs memory and time.
 into it, a memcpy far faster than the disk); the last partial block is written
 padded and the file truncated to its real length. `DirectReader` reads any byte
 range through an aligned buffer (the covering aligned blocks, then the wanted bytes
-are copied out) and streams whole files for `zerotrain ckpt verify`. Filesystems that refuse
+are copied out) and streams whole files (`integrity.file_crc32`). Filesystems that refuse
 O_DIRECT (tmpfs, some network filesystems) get ordinary buffered I/O;
 `ZEROTRAIN_CHECKPOINT_ODIRECT=0` forces it.
 

@@ -1,6 +1,7 @@
 """The manifest: the commit record of a checkpoint, with every file's size and checksum.
 
-Checksum: zlib's crc32. Measured on this project's machine (256 MiB of random bytes,
+Checksum: zlib's crc32 (computed with ISA-L's implementation, `isal`, when installed: the same
+values, 4x faster here). Measured on this project's machine (256 MiB of random bytes,
 16 MiB updates, one core): crc32 6.4 GB/s, adler32 3.8, sha1 2.0, sha256 1.9 (SHA-NI),
 blake2b 1.3, sha512 1.1, md5 0.8 GB/s; writing the same bytes with fsync ran at
 0.34 GB/s on the shared disk, and the disk's O_DIRECT rate is 2.3 GB/s write and
@@ -28,11 +29,10 @@ from __future__ import annotations
 import mmap
 import os
 import time
-import zlib
 from typing import Iterable, Optional
 
 from .directio import READ_CHUNK, DirectReader, run_parallel
-from .format import FORMAT_NAME, FORMAT_VERSION, MANIFEST, CheckpointError, read_json, write_json
+from .format import FORMAT_NAME, FORMAT_VERSION, MANIFEST, CheckpointError, crc32, read_json, write_json
 
 CHECKSUM = "crc32"
 # One thread per rank maps its share chunk after chunk: the kernel's readahead of a sequential mapping
@@ -47,7 +47,7 @@ def file_crc32(path: str) -> int:
     crc = 0
     with DirectReader(path) as reader:
         for chunk in reader.chunks(0, os.path.getsize(path)):
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
     return crc
 
 
@@ -90,17 +90,6 @@ def check_sizes(directory: str, manifest: dict, names: Iterable[str]) -> None:
         if size != int(entry["size"]):
             raise CheckpointError(f"{path} has {size} bytes, the manifest records {entry['size']} "
                                   f"(truncated or overwritten)")
-
-
-def verify_checksums(directory: str, manifest: dict, names: Iterable[str]) -> None:
-    """Recompute each named file's crc32 and compare with the manifest."""
-    for name in names:
-        path = os.path.join(directory, name)
-        expected = manifest["files"][name]["crc32"]
-        actual = f"{file_crc32(path):08x}"
-        if actual != expected:
-            raise CheckpointError(f"{path}: checksum mismatch (crc32 {actual}, manifest says {expected}): "
-                                  f"the file is corrupt")
 
 
 # crc32_combine: zlib has it in C but Python's zlib module does not expose it. The polynomial
@@ -182,7 +171,7 @@ def checksum_share(directory: str, manifest: dict, names: Iterable[str], rank: i
                 with mmap.mmap(handle.fileno(), skip + length, access=mmap.ACCESS_READ,
                                offset=offset - skip) as mapped:
                     with memoryview(mapped) as view:
-                        return name, offset, length, zlib.crc32(view[skip:])
+                        return name, offset, length, crc32(view[skip:])
         except (OSError, ValueError) as error:
             raise CheckpointError(f"{path}: cannot read it to check its checksum: {error}") from error
 
@@ -208,6 +197,14 @@ def check_pieces(directory: str, shares: list[dict]) -> Optional[str]:
     the manifest's: the error naming the corrupt file(s), None when all match. A file whose pieces do not
     cover it exactly (a rank failed before it finished its share) is not judged here: that rank's own
     error is reported instead. Every rank passes the same shares, so every rank reaches the same verdict."""
+    bad = list(corrupt_files(directory, shares).values())
+    if not bad:
+        return None
+    return bad[0] if len(bad) == 1 else f"{len(bad)} files are corrupt: " + "; ".join(bad)
+
+
+def corrupt_files(directory: str, shares: list[dict]) -> dict[str, str]:
+    """{file name: error} for every file whose joined pieces (see `check_pieces`) do not match the manifest."""
     files: dict[str, list] = {}
     by_file: dict[str, list[Piece]] = {}
     for share in shares:
@@ -215,7 +212,7 @@ def check_pieces(directory: str, shares: list[dict]) -> Optional[str]:
             files.setdefault(name, entry)
         for piece in share["pieces"]:
             by_file.setdefault(piece[0], []).append(tuple(piece))
-    bad = []
+    bad = {}
     for name in sorted(files):
         size, expected = files[name]
         joined = _join(by_file.get(name, []))
@@ -226,8 +223,6 @@ def check_pieces(directory: str, shares: list[dict]) -> Optional[str]:
         else:
             continue
         if f"{actual:08x}" != expected:
-            bad.append(f"{os.path.join(directory, name)}: checksum mismatch (crc32 {actual:08x}, manifest says "
-                       f"{expected}): the file is corrupt")
-    if not bad:
-        return None
-    return bad[0] if len(bad) == 1 else f"{len(bad)} files are corrupt: " + "; ".join(bad)
+            bad[name] = (f"{os.path.join(directory, name)}: checksum mismatch (crc32 {actual:08x}, manifest says "
+                         f"{expected}): the file is corrupt")
+    return bad
