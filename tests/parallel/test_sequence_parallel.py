@@ -4,7 +4,7 @@ One world-2 launch (SP2): zerotrain's GPT; the GPT at an odd length (padded with
 Llama with one key/value head (replicated over the two ranks) at an odd length with packed documents
 (per-document positions); a GPT whose MLPs are zerotrain's expert-parallel MoE (experts split over the two
 sequence-parallel ranks); the GPT saved at SP2 and resumed at SP1 x DP2. One world-4 launch: SP2 x DP2 at
-ZeRO-3 and SP2 x TP2 for the GPT and a Llama with grouped-query attention (4 heads, 2 key/value heads: one per
+ZeRO-3 (and for the GPT also with hpZ and the optimizer offloaded to the CPU) and SP2 x TP2 for the GPT and a Llama with grouped-query attention (4 heads, 2 key/value heads: one per
 tensor-parallel rank, replicated over the sequence-parallel pair). Each is compared with plain single-process
 AdamW on the whole sequences: losses within 1e-5 relative, weights rtol 1e-5 / atol 1e-6. Head counts that do
 not divide are refused before any process group exists, so that is tested in this process.
@@ -151,6 +151,13 @@ def world2(save_root: str) -> dict:
     results["gpt resumed at SP1 x DP2"] = (train(resumed, "gpt", gpt_batches(STEPS + 1, SEQ), STEPS, STEPS + 1),
                                            resumed.full_state_dict())
     engine = make_engine("gpt", sp=2, stage=2)
+    # the Trainer slices each (x, y) micro-batch itself; DeepSpeed's loader gives both ranks the same samples
+    from zerotrain.trainer import Trainer
+    trainer = Trainer(engine, dataloader=[(rows[:, :-1], rows[:, 1:]) for rows in gpt_batches(STEPS, SEQ)],
+                      total_steps=STEPS, steps_per_print=0)
+    results["gpt Trainer"] = ([trainer.train_step()[0] for _ in range(STEPS)], engine.full_state_dict())
+    results["loader indices"] = list(engine.deepspeed_io(list(range(64)), batch_size=1).sampler)
+    engine = make_engine("gpt", sp=2, stage=2)
     results["gpt odd"] = (train(engine, "gpt", gpt_batches(STEPS, ODD), 0, STEPS), engine.full_state_dict())
     engine = make_engine("llama", sp=2, stage=3, kv_heads=1)
     results["llama packed odd"] = (train(engine, "llama", llama_batches(STEPS, ODD, True), 0, STEPS),
@@ -170,6 +177,11 @@ def world4() -> dict:
         engine = make_engine(kind, sp=2, tp=2, stage=1)
         assert (engine.topology.sp_size, engine.topology.tp_size, engine.dp_world_size) == (2, 2, 1)
         results[f"{kind} SP2 x TP2"] = (train(engine, kind, data, 0, STEPS), engine.full_state_dict())
+    # ZeRO-3 with hpZ's backward gathers inside each sequence-parallel pair, and the optimizer offloaded
+    engine = make_engine("gpt", sp=2, stage=3, zero_hpz_partition_size=2,
+                         offload_optimizer={"device": "cpu"})
+    results["gpt SP2 x DP2 ZeRO-3 hpZ offload"] = (train(engine, "gpt", gpt_batches(STEPS, SEQ), 0, STEPS),
+                                                   engine.full_state_dict())
     return results
 
 
@@ -205,8 +217,11 @@ def check(where: str, got: tuple, want: tuple) -> None:
 
 
 def test_sequence_parallel_world2_trains_like_one_process_and_resumes_at_sp1(tmp_path):
-    results = run_distributed(world2, 2, str(tmp_path), timeout=300)[0]
+    ranks = run_distributed(world2, 2, str(tmp_path), timeout=300)
+    assert ranks[0]["loader indices"] == ranks[1]["loader indices"] and len(ranks[0]["loader indices"]) == 64
+    results = ranks[0]
     losses, at_steps, after_one_more = reference("gpt")
+    check("gpt SP2 through the Trainer", results["gpt Trainer"], (losses[:STEPS], at_steps))
     check("gpt SP2", results["gpt"], (losses[:STEPS], at_steps))
     check("gpt saved at SP2, resumed at SP1 x DP2", results["gpt resumed at SP1 x DP2"],
           (losses[STEPS:], after_one_more))
@@ -225,6 +240,8 @@ def test_sequence_parallel_world4_with_data_parallel_zero3_and_tensor_parallel()
         losses, at_steps, _ = reference(kind)
         for shape in ("SP2 x DP2 ZeRO-3", "SP2 x TP2"):
             check(f"{kind} {shape}", results[f"{kind} {shape}"], (losses[:STEPS], at_steps))
+    losses, at_steps, _ = reference("gpt")
+    check("gpt SP2 x DP2 ZeRO-3 hpZ offload", results["gpt SP2 x DP2 ZeRO-3 hpZ offload"], (losses[:STEPS], at_steps))
 
 
 def test_heads_that_do_not_divide_are_refused_naming_the_keys():

@@ -141,8 +141,8 @@ class SequenceParallel:
         """This rank's slice of a whole micro-batch (see the module doc).
 
         `batch`: `input_ids` (B, S), optionally `labels` (B, S) (-100 ignored), `position_ids` (per-document
-        positions of packed sequences; default 0..S-1) and `attention_mask` (only all-ones, i.e. no
-        padding inside a row, is accepted: pad at the end with -100 labels). `shift_labels=False` when
+        positions of packed sequences; default 0..S-1) and `attention_mask` (2-D right padding only: pads
+        after the real tokens, with labels -100; it is not passed on, causal attention needs none). `shift_labels=False` when
         `labels` already hold each token's target (zerotrain's GPT: y = x shifted by the data).
         Returns `input_ids`, `position_ids`, and with labels `labels` and `shift_labels` (the same
         shifted local targets) and `num_items_in_batch` (the real targets of the whole micro-batch)."""
@@ -151,9 +151,12 @@ class SequenceParallel:
             raise ValueError(f"sequence parallelism: input_ids must be (batch, seq), got {tuple(input_ids.shape)}")
         rows, length = input_ids.shape
         mask = batch.get("attention_mask")
-        if mask is not None and not bool((mask != 0).all()):
-            raise ValueError("sequence parallelism: attention_mask with padding inside the sequence is not supported; "
-                             "pad at the end with labels -100 (or pack sequences with per-document position_ids)")
+        if mask is not None:
+            # right padding (pads after every real token, labels -100) is harmless under causal attention
+            if mask.dim() != 2 or bool((mask[:, 1:] > mask[:, :-1]).any()):
+                raise ValueError("sequence parallelism: attention_mask must be a 2-D right-padding mask (pads after the "
+                                 "real tokens, labels -100); for packed sequences pass per-document position_ids, "
+                                 f"not a {mask.dim()}-D mask")
         positions = batch.get("position_ids")
         if positions is None:
             positions = torch.arange(length, device=input_ids.device).expand(rows, length)
@@ -263,6 +266,7 @@ def _enable_hf(model: nn.Module, sp: SequenceParallel) -> None:
                          f"in {type(model).__name__}")
 
     def positions(module, args, kwargs):
+        kwargs.setdefault("use_cache", False)  # training; with a cache transformers attends across packed documents
         if kwargs.get("position_ids") is None:
             ids = kwargs.get("input_ids", args[0] if args else None)
             if ids is None:
