@@ -15,7 +15,11 @@ SP, one sequence-parallel group, ZeRO-1). Per rank and step it measures:
   q, k, v and the output, (2 H + 2 K') × head_dim × S/N × (N-1)/N × 4 bytes (K' = key/value heads after
   replication), three times per step (forward, the checkpointed recompute, backward).
 
-    python benchmarks/long_context.py --sp 1,2,4 --budget-mib 96 --json benchmarks/results/long_context.json
+    python benchmarks/long_context.py --sp 1,2,4 --budget-mib 48 --json benchmarks/results/long_context.json
+    python benchmarks/long_context.py --engine deepspeed --sp 1,2,4 --budget-mib 48 --json ...   # DeepSpeed's ALST
+
+`--engine deepspeed` runs the same model, steps and probes through DeepSpeed 0.19.8's Ulysses for HF models
+(`UlyssesSPAttentionHF.register_with_transformers`, its mpu, ZeRO-1, DS_ACCELERATOR=cpu).
 
 Every probe is one forward/backward/step of all ranks; the ranks agree on "fits" by the largest growth.
 """
@@ -78,8 +82,10 @@ def build_model():
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
@@ -93,6 +99,46 @@ def theory_bytes(length: int, sp: int) -> float:
     return 3 * LAYERS * per_layer
 
 
+def _deepspeed(sp: int):
+    """DeepSpeed's Ulysses for HF models (ALST): the registered attention wrapper, its mpu, ZeRO-1, the batch
+    sliced as its UlyssesSPDataLoaderAdapter does (shift_labels, position_ids), the loss summed over the group
+    with a differentiable all-reduce (as ALST's examples weight per-rank losses)."""
+    import deepspeed
+    import torch
+    import torch.distributed.nn.functional as dfn
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = build_model()
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, micro_batch_size=1,
+                                                          seq_length_is_variable=True)
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 1 << 30,
+              "zero_optimization": {"stage": 1}, "sequence_parallel_size": sp}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                      config=config, mpu=mpu)
+    group = mpu.get_sequence_parallel_group() if mpu is not None else None
+    rank = mpu.get_sequence_parallel_rank() if mpu is not None else 0
+
+    def run(ids):
+        length = ids.shape[1]
+        labels = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
+        local = length // sp
+        piece = slice(rank * local, (rank + 1) * local)
+        positions = torch.arange(length).unsqueeze(0)
+        logits = engine(input_ids=ids[:, piece], position_ids=positions[:, piece], use_cache=False).logits
+        target = labels[:, piece].reshape(-1)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), target, ignore_index=-100,
+                                                 reduction="sum")
+        if sp > 1:
+            loss = dfn.all_reduce(loss, group=group)
+        loss = loss / (labels != -100).sum()
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return engine, run
+
+
 def worker(args) -> None:
     import torch
     import zerotrain
@@ -100,27 +146,35 @@ def worker(args) -> None:
 
     torch.set_num_threads(1)
     sp = int(os.environ["WORLD_SIZE"])
-    config = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": sp,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 1},
-              "steps_per_print": 0, "comm_timeout_seconds": 600}
-    engine, *_ = zerotrain.initialize(model=build_model(), config=config)
+    if args.engine == "deepspeed":
+        engine, run = _deepspeed(sp)
+    else:
+        config = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": sp,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 1},
+                  "steps_per_print": 0, "comm_timeout_seconds": 600}
+        engine, *_ = zerotrain.initialize(model=build_model(), config=config)
+
+        def run(ids):
+            batch = {"input_ids": ids, "labels": ids}
+            if engine.sequence_parallel is not None:
+                batch = engine.sequence_parallel.shard(batch)
+            loss = engine(**batch, use_cache=False).loss
+            engine.backward(loss)
+            engine.step()
+            return loss
     engine.train()
     sampler = RssSampler()
     generator = torch.Generator().manual_seed(1)
 
     def step(length: int) -> dict:
         ids = torch.randint(0, VOCAB, (1, length), generator=generator)
-        batch = {"input_ids": ids, "labels": ids}
-        if engine.sequence_parallel is not None:
-            batch = engine.sequence_parallel.shard(batch)
         before = sampler.rss()
-        counted = dict(engine.counters.bytes) if hasattr(engine.counters, "bytes") else None
+        counters = getattr(engine, "counters", None)
+        counted = dict(counters.bytes) if counters is not None else None
         dist.barrier()
         start = time.perf_counter()
         with sampler:
-            loss = engine(**batch, use_cache=False).loss
-            engine.backward(loss)
-            engine.step()
+            loss = run(ids)
         seconds = time.perf_counter() - start
         growth = torch.tensor([float(sampler.peak - before), float(sampler.peak), seconds])
         dist.all_reduce(growth, op=dist.ReduceOp.MAX)
@@ -153,7 +207,7 @@ def worker(args) -> None:
                 fits = middle
             else:
                 too_long = middle
-    if engine.global_rank == 0:
+    if int(os.environ["RANK"]) == 0:
         with open(args.out, "w") as f:
             json.dump({"sp": sp, "rows": rows, "timing": timing, "probes": probes, "longest": fits,
                        "budget_mib": budget}, f)
@@ -162,11 +216,10 @@ def worker(args) -> None:
 
 def _a2a_bytes(engine, before) -> float:
     """Bytes this rank sent in Ulysses' all-to-alls since `before` (the counters' snapshot)."""
-    counters = engine.counters
-    now = dict(getattr(counters, "bytes", {}))
-    if before is None:
+    counters = getattr(engine, "counters", None)
+    if before is None or counters is None:
         return float("nan")
-    return float(now.get("sequence_all_to_all", 0.0) - before.get("sequence_all_to_all", 0.0))
+    return float(counters.bytes.get("sequence_all_to_all", 0.0) - before.get("sequence_all_to_all", 0.0))
 
 
 def launch(sp: int, args, out: str) -> dict:
@@ -174,7 +227,9 @@ def launch(sp: int, args, out: str) -> dict:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(sp),
                LOCAL_WORLD_SIZE=str(sp), OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536",
                MALLOC_TRIM_THRESHOLD_="65536")
-    command = [sys.executable, __file__, "--worker", "--out", out, "--budget-mib", str(args.budget_mib),
+    if args.engine == "deepspeed":
+        env["DS_ACCELERATOR"] = "cpu"
+    command = [sys.executable, __file__, "--worker", "--engine", args.engine, "--out", out, "--budget-mib", str(args.budget_mib),
                "--lengths", ",".join(map(str, args.lengths)), "--time-length", str(args.time_length),
                "--time-steps", str(args.time_steps), "--quantum", str(args.quantum),
                "--max-length", str(args.max_length)]
@@ -196,6 +251,7 @@ def main() -> None:
     parser.add_argument("--time-length", type=int, default=2048)
     parser.add_argument("--time-steps", type=int, default=3)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--engine", choices=("zerotrain", "deepspeed"), default="zerotrain")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
