@@ -37,7 +37,7 @@ def _dp_size_hint() -> int:
 _IGNORED_DEEPSPEED_KEYWORDS = {
     "distributed_port": "the rendezvous port comes from the launcher (MASTER_PORT)",
     "mpu": "model parallelism comes from the config's tensor_parallel block",
-    "mesh_param": "sequence/data-parallel meshes are not supported",
+    "mesh_param": "the data/sequence/tensor grid comes from the config (sequence_parallel_size, tensor_parallel)",
     "dist_init_required": "zerotrain starts torch.distributed when it is not running yet",
 }
 
