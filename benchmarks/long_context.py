@@ -191,7 +191,7 @@ def worker(args) -> None:
     budget = args.budget_mib
     fits, probes = 0, []
     length, too_long = 512, None
-    while too_long is None and length <= args.max_length:  # doubling
+    while budget > 0 and too_long is None and length <= args.max_length:  # doubling (--budget-mib 0: no search)
         row = step(length)
         probes.append(row)
         if row["growth_mib"] <= budget:
