@@ -6,7 +6,8 @@ Llama with one key/value head (replicated over the two ranks) at an odd length w
 (per-document positions); a GPT whose MLPs are zerotrain's expert-parallel MoE (experts split over the two
 sequence-parallel ranks); the GPT saved at SP2 and resumed at SP1 x DP2. One world-4 launch: SP2 x DP2 at
 ZeRO-3 (and for the GPT also with hpZ and the optimizer offloaded to the CPU) and SP2 x TP2 for the GPT and a Llama with grouped-query attention (4 heads, 2 key/value heads: one per
-tensor-parallel rank, replicated over the sequence-parallel pair). Each is compared with plain single-process
+tensor-parallel rank, replicated over the sequence-parallel pair); Qwen2 at SP2 x DP2 ZeRO-3 and Mistral at
+SP2 x TP2 ZeRO-0. Each is compared with plain single-process
 AdamW on the whole sequences: losses within 1e-5 relative, weights rtol 1e-5 / atol 1e-6. Head counts that do
 not divide are refused before any process group exists, so that is tested in this process.
 """
@@ -54,13 +55,17 @@ class ExpertMLP(torch.nn.Module):
         return self.moe(x)[0]
 
 
-def build_llama(kv_heads: int):
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=kv_heads,
-                                      max_position_embeddings=64)
+HF = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+      "mistral": ("MistralConfig", "MistralForCausalLM")}
+
+
+def build_llama(kv_heads: int, kind: str = "llama"):
+    config_class, model_class = (getattr(transformers, name) for name in HF[kind])
+    config = config_class(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
+    return model_class(config)
 
 
 # --- data -----------------------------------------------------------------------------------------
@@ -102,7 +107,7 @@ def make_engine(kind: str, sp: int, tp: int = 1, stage: int = 1, kv_heads: int =
     from zerotrain.topology import Topology
 
     dp = int(os.environ["WORLD_SIZE"]) // (sp * tp)
-    model = build_llama(kv_heads) if kind == "llama" else None
+    model = build_llama(kv_heads, kind) if kind in HF else None
     if kind == "gpt":
         moe_comm = None
         if moe:  # experts split over the ZeRO (data x sequence) ranks
@@ -182,6 +187,12 @@ def world4() -> dict:
                          offload_optimizer={"device": "cpu"})
     results["gpt SP2 x DP2 ZeRO-3 hpZ offload"] = (train(engine, "gpt", gpt_batches(STEPS, SEQ), 0, STEPS),
                                                    engine.full_state_dict())
+    # Qwen2 (q/k/v biases) and Mistral: the same attention registry, other modeling code
+    data = llama_batches(STEPS, SEQ, False)
+    engine = make_engine("qwen2", sp=2, stage=3)
+    results["qwen2 SP2 x DP2 ZeRO-3"] = (train(engine, "qwen2", data, 0, STEPS), engine.full_state_dict())
+    engine = make_engine("mistral", sp=2, tp=2, stage=0)
+    results["mistral SP2 x TP2 ZeRO-0"] = (train(engine, "mistral", data, 0, STEPS), engine.full_state_dict())
     return results
 
 
@@ -191,7 +202,7 @@ def reference(kind: str, length: int = SEQ, packed: bool = False, kv_heads: int 
     steps and after STEPS + 1."""
     from zerotrain.comm import Comm
 
-    model = build_gpt(Comm(None, 0, 1) if moe else None) if kind == "gpt" else build_llama(kv_heads)
+    model = build_gpt(Comm(None, 0, 1) if moe else None) if kind == "gpt" else build_llama(kv_heads, kind)
     data = gpt_batches(STEPS + 1, length) if kind == "gpt" else llama_batches(STEPS + 1, length, packed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses, weights = [], []
@@ -239,6 +250,9 @@ def test_sequence_parallel_world4_with_data_parallel_zero3_and_tensor_parallel()
         losses, at_steps, _ = reference(kind)
         for shape in ("SP2 x DP2 ZeRO-3", "SP2 x TP2"):
             check(f"{kind} {shape}", results[f"{kind} {shape}"], (losses[:STEPS], at_steps))
+    for kind, shape in (("qwen2", "SP2 x DP2 ZeRO-3"), ("mistral", "SP2 x TP2 ZeRO-0")):
+        losses, at_steps, _ = reference(kind)
+        check(f"{kind} {shape}", results[f"{kind} {shape}"], (losses[:STEPS], at_steps))
     losses, at_steps, _ = reference("gpt")
     check("gpt SP2 x DP2 ZeRO-3 hpZ offload", results["gpt SP2 x DP2 ZeRO-3 hpZ offload"], (losses[:STEPS], at_steps))
 
