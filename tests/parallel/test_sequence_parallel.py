@@ -271,3 +271,30 @@ def test_heads_that_do_not_divide_are_refused_naming_the_keys():
         check_sequence_parallel(torch.nn.Linear(2, 2), 2)
     check_sequence_parallel(build_llama(1), 2, 1)  # 1 key/value head: replicated, accepted
     check_sequence_parallel(build_llama(2), 2, 2)  # 1 per tensor-parallel rank: replicated, accepted
+
+
+def test_shard_shifts_once_pads_odd_lengths_and_counts_the_real_targets():
+    """The slices of every rank put together are the whole batch, shifted once (no target lost at the boundary),
+    padded with -100 to a multiple of the group; the count is the whole micro-batch's real targets."""
+    from zerotrain.comm import Comm
+    from zerotrain.parallel.sequence import SequenceParallel
+
+    ids = torch.arange(2 * ODD).reshape(2, ODD) + 1
+    labels = ids.clone()
+    labels[1, :4] = -100  # a prompt that is not trained on
+    mask = torch.ones_like(ids)
+    mask[0, -2:] = 0  # right padding: accepted
+    labels[0, -2:] = -100
+    shards = [SequenceParallel(Comm(None, rank, 2)).shard({"input_ids": ids, "labels": labels, "attention_mask": mask})
+              for rank in range(2)]
+    joined = {key: torch.cat([s[key] for s in shards], dim=1) for key in ("input_ids", "position_ids", "labels")}
+    assert joined["input_ids"].shape == (2, 16) and joined["input_ids"][:, -1].eq(0).all()
+    want = torch.nn.functional.pad(labels[:, 1:], (0, 2), value=-100)
+    assert torch.equal(joined["labels"], want)
+    assert shards[0]["labels"][0, -1] == ids[0, 8]  # rank 0's last token predicts rank 1's first
+    assert torch.equal(joined["position_ids"], torch.arange(16).expand(2, 16))
+    assert all(int(s["num_items_in_batch"]) == int((want != -100).sum()) == 12 + 11 for s in shards)
+    left = torch.ones_like(ids)
+    left[:, 0] = 0
+    with pytest.raises(ValueError, match="right-padding mask"):
+        SequenceParallel(Comm(None, 0, 2)).shard({"input_ids": ids, "attention_mask": left})
