@@ -572,12 +572,13 @@ def _train(args: argparse.Namespace) -> int:
     try:
         world, rank = dist.get_world_size(), dist.get_rank()
         micro = engine.train_micro_batch_size_per_gpu()
-        dp_rank, dp_size = engine.topology.dp_rank, engine.dp_world_size
+        # ranks that see different samples: tensor- and sequence-parallel peers share theirs
+        dp_rank, dp_size = engine.topology.data_parallel_rank, engine.dp_world_size
         engine.add_checkpoint_files(tokenizer_files(tokenizer))  # from_pretrained(checkpoint) finds the tokenizer
         if args.data:
             data_text, make_loader, eval_loader, eval_batches = _local_data(args, engine, model, tokenizer, seq_len, dtype)
         else:
-            data_text, make_loader, eval_loader, eval_batches = _stdlib_data(args, seq_len, world, rank, micro)
+            data_text, make_loader, eval_loader, eval_batches = _stdlib_data(args, seq_len, dp_size, dp_rank, micro)
 
         save_dir = None if args.no_save else os.path.abspath(args.save_dir)
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
@@ -804,7 +805,8 @@ def _local_data(args: argparse.Namespace, engine, model, tokenizer, seq_len: int
             raise CLIError(str(exc)) from None
 
     train = build(args.data)
-    micro, dp_rank, dp_size = engine.train_micro_batch_size_per_gpu(), engine.topology.dp_rank, engine.dp_world_size
+    micro, dp_size = engine.train_micro_batch_size_per_gpu(), engine.dp_world_size
+    dp_rank = engine.topology.data_parallel_rank
     if engine.global_rank == 0 and train.skipped:
         print(f"{PROG}: skipped {len(train.skipped)} bad record(s) (--skip-bad-records), first: {train.skipped[0]}",
               flush=True)

@@ -24,6 +24,7 @@ from .config.zero import warn_settings_without_effect
 from .optim import build_optimizer
 from .parallel import tensor_parallel_comm
 from .parallel.experts import build_expert_groups, check_expert_parallel
+from .parallel.sequence import SequenceParallel, enable_sequence_parallel
 from .offload.param_store import build_param_store, resident_model_states
 from .precision import LossScaler, training_dtype
 from .schedules import build_scheduler
@@ -75,6 +76,11 @@ class ZeroTrainEngine:
         self.comm = Comm.data_parallel(topology, self.counters)
         self.tp_comm = tensor_parallel_comm(topology, self.counters) if topology.tp_size > 1 else None
         self.expert_groups = build_expert_groups(model, topology, self.comm)  # None without split experts
+        # Ulysses (sequence_parallel_size > 1): batches go through self.sequence_parallel.shard(batch)
+        self.sequence_parallel: Optional[SequenceParallel] = None
+        if topology.sp_size > 1:
+            self.sequence_parallel = enable_sequence_parallel(
+                model, self.comm.subgroup(topology.sp_group, topology.sp_rank, topology.sp_size), topology.tp_size)
         # Pending async checkpoint snapshot copies: whatever writes this engine's slots waits on it first.
         self.snapshot_fences = SnapshotFences()
         if self.stage == 3:
@@ -651,7 +657,8 @@ class ZeroTrainEngine:
 
     @property
     def dp_world_size(self) -> int:
-        return self.topology.dp_size
+        """Ranks that see different samples (the batch triple's): world / (tensor × sequence parallel)."""
+        return self.topology.data_parallel_size
 
     @property
     def mp_world_size(self) -> int:
@@ -733,7 +740,9 @@ class ZeroTrainEngine:
 
         if unused:
             warnings.warn(f"deepspeed_io: {sorted(unused)} have no effect in zerotrain")
-        sampler = DistributedSampler(dataset, num_replicas=self.topology.dp_size, rank=self.topology.dp_rank,
+        # the ranks of a sequence-parallel group draw the same samples (each then takes its slice)
+        sampler = DistributedSampler(dataset, num_replicas=self.topology.data_parallel_size,
+                                     rank=self.topology.data_parallel_rank,
                                      shuffle=True, seed=self.config.seed or 0)
         return DataLoader(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(), sampler=sampler,
                           collate_fn=collate_fn, drop_last=True, num_workers=num_local_io_workers or 0)

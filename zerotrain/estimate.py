@@ -471,6 +471,8 @@ def estimate(model_spec: str, config_source, world_size: int, options: Optional[
     tp = int(config.tensor_parallel.autotp_size)
     if tp > 1:
         raise ValueError("tensor_parallel.autotp_size > 1: the estimate covers data parallelism only (for now)")
+    if int(config.sequence_parallel_size) > 1:
+        raise ValueError("sequence_parallel_size > 1: the estimate covers data parallelism only (for now)")
     dp_size = world_size
     config = load_config(config, dp_world_size=dp_size)
     dtype = training_dtype(config.precision)

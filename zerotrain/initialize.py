@@ -16,6 +16,7 @@ from .config import ConfigError, load_config
 from .config.batch import GAS, MICRO, TBS
 from .parallel import apply_tensor_parallel, tensor_parallel_comm
 from .parallel.autotp import resolve_plan
+from .parallel.sequence import check_sequence_parallel
 from .engine import OptimizerLike, ZeroTrainEngine
 from .lifecycle import die_with_parent, under_torchrun
 from .topology import Topology
@@ -38,7 +39,7 @@ def _dp_size_hint() -> int:
 _IGNORED_DEEPSPEED_KEYWORDS = {
     "distributed_port": "the rendezvous port comes from the launcher (MASTER_PORT)",
     "mpu": "model parallelism comes from the config's tensor_parallel block",
-    "mesh_param": "sequence/data-parallel meshes are not supported",
+    "mesh_param": "the data/sequence/tensor grid comes from the config (sequence_parallel_size, tensor_parallel)",
     "dist_init_required": "zerotrain starts torch.distributed when it is not running yet",
 }
 
@@ -121,16 +122,22 @@ def initialize(model: torch.nn.Module = None, config: Union[dict, str, os.PathLi
         # The data-parallel size also depends on tensor_parallel; name the world size this job has.
         raise ConfigError(f"{err}; this job has world size {world}", key=err.key, file=err.file) from None
     tp_size = int(cfg.tensor_parallel.autotp_size)
+    sp_size = int(cfg.sequence_parallel_size)
     if world % tp_size:
         raise ConfigError(f"tensor_parallel.autotp_size: {tp_size} does not divide the world size {world}",
                           key="tensor_parallel.autotp_size")
-    cfg = load_config(cfg, dp_world_size=world // tp_size)  # the batch triple counts data-parallel ranks
+    if world % (tp_size * sp_size):
+        raise ConfigError(f"sequence_parallel_size: {sp_size} x tensor_parallel.autotp_size: {tp_size} does not "
+                          f"divide the world size {world}", key="sequence_parallel_size")
+    # the batch triple counts data-parallel ranks (sequence-parallel ranks share their samples)
+    cfg = load_config(cfg, dp_world_size=world // (tp_size * sp_size))
     if tp_size > 1:  # before any process group: a model that cannot be split fails fast
         tensor_parallel_plan = resolve_plan(model, tp_size, tensor_parallel_plan)
+    check_sequence_parallel(model, sp_size, tp_size)
     if under_torchrun() and os.environ.get("ZEROTRAIN_DIE_WITH_PARENT", "1") != "0":
         die_with_parent()  # an orphaned rank must not train on into the directory a restart resumes from
     topology = Topology.build(timeout_seconds=cfg.comm_timeout_seconds, tp_size=tp_size,
-                              same_host_transport=cfg.comm_same_host_transport)
+                              same_host_transport=cfg.comm_same_host_transport, sp_size=sp_size)
     if tp_size > 1:
         check_init_partitions(model, topology.dp_size)
         # Layers built under zero.Init are gathered one at a time to be sliced (the slices are plain tensors

@@ -5,7 +5,12 @@ communicates receives a :class:`Topology` (or the :class:`~zerotrain.comm.Comm`
 built from one). The grid has a data-parallel axis (ZeRO shards across it) and a
 tensor-parallel axis (blocks of consecutive ranks) and an expert axis: expert-parallel groups
 of `ep_size` consecutive data-parallel ranks, and expert-data-parallel groups of the ranks
-with the same position in theirs (`expert_parallel_group`, `expert_data_parallel_group`).
+with the same position in theirs (`expert_parallel_group`, `expert_data_parallel_group`), and a
+sequence-parallel axis (Ulysses, `sequence_parallel_size`): ranks are ordered data × sequence × tensor
+(tensor innermost), each block of `sp_size` consecutive ZeRO ranks is a sequence-parallel group.
+ZeRO partitions and reduces over the data × sequence ranks (`dp_group`, as DeepSpeed's Ulysses: the
+sequence-parallel ranks share ZeRO partitions); the batch counts data-parallel ranks only
+(`data_parallel_size`, `data_parallel_rank`).
 """
 from __future__ import annotations
 
@@ -84,7 +89,10 @@ class Topology:
     """Where this rank sits in the grid, and the groups it talks through.
 
     `dp_group` spans the ranks that hold replicas (or shards) of the same model
-    state; ZeRO partitions across it.
+    state; ZeRO partitions across it. With sequence parallelism it spans the data × sequence
+    ranks of this tensor-parallel index (`dp_size` = world / tp), while `data_parallel_size`
+    (world / (tp × sp)) is what the batch counts; `sp_group` is this rank's block of `sp_size`
+    consecutive ZeRO ranks, which see the same samples, each its slice of every sequence.
     """
 
     rank: int
@@ -99,6 +107,9 @@ class Topology:
     tp_group: Optional[dist.ProcessGroup] = None
     tp_rank: int = 0
     ep_size: int = 1
+    sp_size: int = 1
+    sp_group: Optional[dist.ProcessGroup] = None
+    sp_rank: int = 0
     extra: dict = field(default_factory=dict)
     # Ranks per node (machine): ZEROTRAIN_RANKS_PER_NODE, else torchrun's LOCAL_WORLD_SIZE, else all.
     # The two-hop quantized gradient reduce runs inside a node first, then across nodes.
@@ -107,13 +118,15 @@ class Topology:
 
     @classmethod
     def build(cls, timeout_seconds: float = 1800.0, device: Optional[torch.device] = None,
-              tp_size: int = 1, same_host_transport: bool = True) -> "Topology":
+              tp_size: int = 1, same_host_transport: bool = True, sp_size: int = 1) -> "Topology":
         """The topology of the running job (starting torch.distributed when needed).
 
         With `tp_size` > 1 the ranks form a (data, tensor) grid: each block of `tp_size`
         consecutive ranks (one node's GPUs first, where the all-reduces of tensor parallelism
         are cheapest) is a tensor-parallel group, and the ranks with the same index in every
-        block form a data-parallel group, across which ZeRO shards."""
+        block form a data-parallel group, across which ZeRO shards. With `sp_size` > 1 each block of
+        `sp_size` consecutive ranks of that group is a sequence-parallel group (global rank =
+        (d × sp + s) × tp + t); ZeRO still shards across the whole group (data × sequence ranks)."""
         init_distributed(timeout_seconds)
         rank, world = dist.get_rank(), dist.get_world_size()
         if tp_size < 1 or world % tp_size:
@@ -122,9 +135,28 @@ class Topology:
                        device=device or default_device(), timeout_seconds=timeout_seconds,
                        same_host_transport=same_host_transport,
                        ranks_per_node=_ranks_per_node(world))
+        if not isinstance(sp_size, int) or sp_size < 1 or world % (tp_size * sp_size):
+            raise ValueError(f"sequence_parallel_size: {sp_size} x tensor_parallel.autotp_size: {tp_size} does not "
+                             f"divide the world size {world}")
         if tp_size > 1:
             topology._split_tensor_parallel(tp_size)
+        if sp_size > 1:
+            topology._split_sequence_parallel(sp_size)
         return topology
+
+    def _split_sequence_parallel(self, sp_size: int) -> None:
+        """This rank's sequence-parallel group: `sp_size` consecutive ranks of its ZeRO group (collective)."""
+        self.sp_group, self.sp_rank, self.sp_size = self.partition_group(sp_size)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different samples: world / (tp × sp). The batch triple counts these."""
+        return self.dp_size // self.sp_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's index among the `data_parallel_size` ranks (shared by its sequence-parallel group)."""
+        return self.dp_rank // self.sp_size
 
     def _split_tensor_parallel(self, tp_size: int) -> None:
         """Create the grid's groups (collective: every rank creates every group, in order)."""
@@ -221,4 +253,5 @@ class Topology:
 
     def describe(self) -> dict:
         """The facts a checkpoint records about the layout that wrote it."""
-        return {"world_size": self.world_size, "dp_size": self.dp_size, "tp_size": self.tp_size, "ep_size": self.ep_size}
+        return {"world_size": self.world_size, "dp_size": self.dp_size, "tp_size": self.tp_size, "ep_size": self.ep_size,
+                "sp_size": self.sp_size}

@@ -165,7 +165,8 @@ class Trainer:
         topology = getattr(engine, "topology", None)
         if topology is not None:
             self.rank = int(topology.rank)
-            self.dp_size = int(getattr(topology, "dp_size", 1))
+            # ranks that see different samples (sequence-parallel peers share theirs)
+            self.dp_size = int(getattr(topology, "data_parallel_size", getattr(topology, "dp_size", 1)))
         elif dist.is_initialized():
             self.rank, self.dp_size = dist.get_rank(), dist.get_world_size()
         else:
@@ -221,11 +222,21 @@ class Trainer:
 
     def _forward(self, batch) -> tuple[torch.Tensor, int]:
         """(loss, input tokens) of one micro-batch: ``(x, y)`` for ``engine(x, y) -> (logits, loss)``, or a
-        dict of tensors (``zerotrain.data``'s batches) for a Hugging Face model, ``engine(**batch).loss``."""
+        dict of tensors (``zerotrain.data``'s batches) for a Hugging Face model, ``engine(**batch).loss``.
+        Under sequence parallelism (``engine.sequence_parallel``) each rank runs its slice of the batch; the
+        token count is the whole batch's."""
+        sp = getattr(self.engine, "sequence_parallel", None)
         if isinstance(batch, dict):
             batch = {key: self._to_device(value) for key, value in batch.items()}
-            return self.engine(**batch).loss, int(batch["input_ids"].numel())
+            tokens = int(batch["input_ids"].numel())
+            if sp is not None:
+                batch = sp.shard(batch)
+            return self.engine(**batch).loss, tokens
         x, y = batch
+        if sp is not None:
+            shard = sp.shard({"input_ids": self._to_device(x), "labels": self._to_device(y)}, shift_labels=False)
+            _, loss = self.engine(shard["input_ids"], shard["labels"], position_ids=shard["position_ids"])
+            return loss, int(x.numel())
         _, loss = self.engine(self._to_device(x), self._to_device(y))
         return loss, int(x.numel())
 

@@ -31,7 +31,7 @@ DEEPSPEED_ONLY_KEYS = frozenset({
     "communication_data_type", "seq_parallel_communication_data_type", "sparse_gradients",
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "memory_breakdown", "data_types",
     "eigenvalue", "progressive_layer_drop", "quantize_training", "hybrid_engine", "nebula", "weight_quantization",
-    "compile", "sequence_parallel_size", "timers", "graph_harvesting",
+    "compile", "timers", "graph_harvesting",
     "use_data_before_expert_parallelism", "dataloader_drop_last", "zero_allow_comm_data_type_fp32",
     "torch_autocast", "disable_allgather", "load_universal_checkpoint", "use_node_local_storage",
     "checkpoint_parallel_write_pipeline", "monitor_config", "elastic_checkpoint", "gradient_accumulation_dtype",
@@ -159,6 +159,8 @@ class ZeroTrainConfig(Block):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     aio: AioConfig = Field(default_factory=AioConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    # Ulysses sequence parallelism (DeepSpeed's key): ranks per sequence-parallel group, docs/sequence_parallel.md
+    sequence_parallel_size: PosInt = 1
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)

@@ -92,6 +92,8 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        # Ulysses sequence parallelism (zerotrain.parallel.sequence sets it): x is this rank's sequence shard
+        self.sequence_parallel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -102,9 +104,14 @@ class CausalSelfAttention(nn.Module):
         q = q.view(batch, seq, heads, head_dim).transpose(1, 2)
         k = k.view(batch, seq, heads, head_dim).transpose(1, 2)
         v = v.view(batch, seq, heads, head_dim).transpose(1, 2)
+        sp = self.sequence_parallel
+        if sp is not None:  # whole sequence, 1/N of the heads
+            q, k, v = sp.gather_heads(q), sp.gather_heads(k), sp.gather_heads(v)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
+        if sp is not None:
+            y = sp.scatter_heads(y)
         y = y.transpose(1, 2).contiguous().view(batch, seq, heads * head_dim)
         return self.resid_dropout(self.c_proj(y))
 
@@ -142,7 +149,9 @@ class GPT(nn.Module):
 
     ``forward(idx, targets=None)`` returns ``(logits, loss)``; ``loss`` is the mean
     cross entropy over all target tokens (``None`` without targets). Targets equal to
-    ``-100`` are ignored.
+    ``-100`` are ignored. ``position_ids`` (batch or 1, seq) default to ``0..seq-1``; under
+    sequence parallelism ``idx`` is this rank's shard, positions default to its global offsets and
+    the loss is the mean over the whole sequences of the group.
 
     ``activation_checkpointing = True`` (set by the engine when the config has an
     ``activation_checkpointing`` block) runs each block through
@@ -164,6 +173,7 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.activation_checkpointing = False
+        self.sequence_parallel = None  # see CausalSelfAttention.sequence_parallel
         if config.tie_weights:
             self.lm_head.weight = self.transformer.wte.weight
         self.reset_parameters()
@@ -202,17 +212,24 @@ class GPT(nn.Module):
         return total
 
     def forward(
-        self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None
+        self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         if idx.dim() != 2:
             raise ValueError(f"GPT expects token ids of shape (batch, seq), got {tuple(idx.shape)}")
         seq = idx.size(1)
-        if seq > self.config.block_size:
+        sp = self.sequence_parallel
+        if seq * (sp.size if sp is not None else 1) > self.config.block_size:
             raise ValueError(
                 f"sequence length {seq} exceeds the model's block_size {self.config.block_size}"
             )
         idx = idx.long()
-        pos = torch.arange(seq, device=idx.device)
+        if position_ids is not None:
+            pos = position_ids
+        elif sp is not None:
+            pos = sp.local_positions(seq, idx.device)
+        else:
+            pos = torch.arange(seq, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
         x = self.transformer.drop(x)
         checkpointed = self.activation_checkpointing and self.training and torch.is_grad_enabled()
@@ -223,7 +240,12 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         logits = self.lm_head(x)
         loss = None
-        if targets is not None:
+        if targets is not None and sp is not None:
+            flat = targets.reshape(-1).long()
+            loss_sum = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), flat,
+                                       ignore_index=-100, reduction="sum")
+            loss = sp.mean_loss(loss_sum, (flat != -100).sum())
+        elif targets is not None:
             loss = F.cross_entropy(
                 logits.reshape(-1, logits.size(-1)).float(),
                 targets.reshape(-1).long(),

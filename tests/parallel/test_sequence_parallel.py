@@ -1,0 +1,300 @@
+"""Ulysses sequence parallelism (`sequence_parallel_size`) trains like one process on the whole sequences.
+
+One world-2 launch (SP2): zerotrain's GPT; the GPT through the Trainer at an odd length (padded with -100
+labels); a Hugging Face
+Llama with one key/value head (replicated over the two ranks) at an odd length with packed documents
+(per-document positions); a GPT whose MLPs are zerotrain's expert-parallel MoE (experts split over the two
+sequence-parallel ranks); the GPT saved at SP2 and resumed at SP1 x DP2. One world-4 launch: SP2 x DP2 at
+ZeRO-3 (and for the GPT also with hpZ and the optimizer offloaded to the CPU) and SP2 x TP2 for the GPT and a Llama with grouped-query attention (4 heads, 2 key/value heads: one per
+tensor-parallel rank, replicated over the sequence-parallel pair); Qwen2 at SP2 x DP2 ZeRO-3 and Mistral at
+SP2 x TP2 ZeRO-0. Each is compared with plain single-process
+AdamW on the whole sequences: losses within 1e-5 relative, weights rtol 1e-5 / atol 1e-6. Head counts that do
+not divide are refused before any process group exists, so that is tested in this process.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+from distributed import run_distributed
+
+transformers = pytest.importorskip("transformers")
+
+STEPS, GLOBAL, SEQ, VOCAB, LR, CLIP = 2, 4, 16, 96, 1e-3, 1.0
+EPS = 1e-4  # see tests/parallel/test_tensor_parallel_hf.py: keeps Adam from amplifying summation-order noise
+ODD = 15  # a length two ranks do not divide: padded to 16
+
+
+# --- models (fixed initial weights, no download) -----------------------------------------------------
+def build_gpt(moe_comm=None):
+    from zerotrain.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, block_size=SEQ, n_inner=48))
+    if moe_comm is not None:
+        for block in model.transformer.h:
+            block.mlp = ExpertMLP(moe_comm)
+    return model
+
+
+class ExpertMLP(torch.nn.Module):
+    """A GPT block's MLP as zerotrain's expert-parallel MoE (4 experts, top 2, no token dropped); its
+    auxiliary loss depends on which tokens a rank holds, so it is left out."""
+
+    def __init__(self, comm):
+        from zerotrain.parallel.moe import ExpertParallelMoE
+
+        super().__init__()
+        torch.manual_seed(11)
+        self.moe = ExpertParallelMoE(32, 48, 4, comm, top_k=2)
+
+    def forward(self, x):
+        return self.moe(x)[0]
+
+
+HF = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+      "mistral": ("MistralConfig", "MistralForCausalLM")}
+
+
+def build_llama(kv_heads: int, kind: str = "llama"):
+    config_class, model_class = (getattr(transformers, name) for name in HF[kind])
+    config = config_class(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return model_class(config)
+
+
+# --- data -----------------------------------------------------------------------------------------
+def gpt_batches(steps: int, length: int):
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(0, VOCAB, (GLOBAL, length + 1), generator=generator) for _ in range(steps)]
+
+
+def llama_batches(steps: int, length: int, packed: bool):
+    """Token rows, and with `packed` per-document positions (documents of 6 and length - 6 tokens)."""
+    generator = torch.Generator().manual_seed(6)
+    positions = torch.arange(length)
+    if packed:
+        positions = torch.cat([torch.arange(6), torch.arange(length - 6)])
+    return [(torch.randint(0, VOCAB, (GLOBAL, length), generator=generator), positions.expand(GLOBAL, length))
+            for _ in range(steps)]
+
+
+def forward(kind: str, model_or_engine, rows, sp=None):
+    """The mean loss of one micro-batch (the whole group's under sequence parallelism)."""
+    if kind == "gpt":
+        batch = {"input_ids": rows[:, :-1], "labels": rows[:, 1:]}
+        if sp is not None:
+            batch = sp.shard(batch, shift_labels=False)
+            return model_or_engine(batch["input_ids"], batch["labels"], position_ids=batch["position_ids"])[1]
+        return model_or_engine(batch["input_ids"], batch["labels"])[1]
+    ids, positions = rows
+    batch = {"input_ids": ids, "labels": ids, "position_ids": positions}
+    if sp is not None:
+        batch = sp.shard(batch)
+    # use_cache=False: transformers masks packed documents apart only without a cache (its training setup)
+    return model_or_engine(**batch, use_cache=False).loss
+
+
+# --- the runs ---------------------------------------------------------------------------------------
+def make_engine(kind: str, sp: int, tp: int = 1, stage: int = 1, kv_heads: int = 2, moe: bool = False, **zero):
+    import zerotrain
+    from zerotrain.comm import Comm
+    from zerotrain.topology import Topology
+
+    dp = int(os.environ["WORLD_SIZE"]) // (sp * tp)
+    model = build_llama(kv_heads, kind) if kind in HF else None
+    if kind == "gpt":
+        moe_comm = None
+        if moe:  # experts split over the ZeRO (data x sequence) ranks
+            topology = Topology.build(timeout_seconds=60, sp_size=sp)
+            moe_comm = Comm.data_parallel(topology).subgroup(*topology.expert_parallel_group(topology.dp_size))
+        model = build_gpt(moe_comm)
+    config = {"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": GLOBAL // dp, "gradient_clipping": CLIP,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS}},
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000,
+                                    "stage3_param_persistence_threshold": 0, **zero},
+              "tensor_parallel": {"autotp_size": tp}, "sequence_parallel_size": sp,
+              "steps_per_print": 0, "comm_timeout_seconds": 60}
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    return engine
+
+
+def train(engine, kind: str, data, first: int, last: int) -> list[float]:
+    """Global steps [first, last): each data-parallel rank its share of the global batch, every rank of a
+    sequence-parallel group the same rows; the global mean loss."""
+    import torch.distributed as dist
+
+    topology = engine.topology
+    dp, rank = topology.data_parallel_size, topology.data_parallel_rank
+    micro = GLOBAL // dp
+    losses = []
+    for rows in data[first:last]:
+        mine = tuple(t[rank * micro:(rank + 1) * micro] for t in rows) if isinstance(rows, tuple) \
+            else rows[rank * micro:(rank + 1) * micro]
+        loss = forward(kind, engine, mine, engine.sequence_parallel)
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().reshape(1).clone()
+        dist.all_reduce(total)  # sequence- and tensor-parallel ranks hold their data-parallel rank's loss
+        losses.append(total.item() / dist.get_world_size())
+    return losses
+
+
+def world2(save_root: str) -> dict:
+    results = {}
+    engine = make_engine("gpt", sp=2)
+    assert engine.topology.sp_size == 2 and engine.dp_world_size == 1 and engine.topology.dp_size == 2
+    results["gpt"] = (train(engine, "gpt", gpt_batches(STEPS, SEQ), 0, STEPS), engine.full_state_dict())
+    engine.save_checkpoint(save_root, tag="sp2")
+    resumed = make_engine("gpt", sp=1, stage=2)
+    assert resumed.dp_world_size == 2
+    resumed.load_checkpoint(save_root, tag="sp2")
+    results["gpt resumed at SP1 x DP2"] = (train(resumed, "gpt", gpt_batches(STEPS + 1, SEQ), STEPS, STEPS + 1),
+                                           resumed.full_state_dict())
+    engine = make_engine("gpt", sp=2, stage=2)
+    # the Trainer slices each (x, y) micro-batch itself (an odd length: padded); DeepSpeed's loader gives both
+    # ranks the same samples
+    from zerotrain.trainer import Trainer
+    trainer = Trainer(engine, dataloader=[(rows[:, :-1], rows[:, 1:]) for rows in gpt_batches(STEPS, ODD)],
+                      total_steps=STEPS, steps_per_print=0)
+    results["gpt Trainer odd"] = ([trainer.train_step()[0] for _ in range(STEPS)], engine.full_state_dict())
+    results["loader indices"] = list(engine.deepspeed_io(list(range(64)), batch_size=1).sampler)
+    engine = make_engine("llama", sp=2, stage=3, kv_heads=1)
+    results["llama packed odd"] = (train(engine, "llama", llama_batches(STEPS, ODD, True), 0, STEPS),
+                                   engine.full_state_dict())
+    engine = make_engine("gpt", sp=2, stage=2, moe=True)
+    results["gpt moe"] = (train(engine, "gpt", gpt_batches(STEPS, SEQ), 0, STEPS), engine.full_state_dict())
+    return results
+
+
+def world4() -> dict:
+    results = {}
+    for kind in ("gpt", "llama"):
+        data = gpt_batches(STEPS, SEQ) if kind == "gpt" else llama_batches(STEPS, SEQ, False)
+        engine = make_engine(kind, sp=2, stage=3)
+        assert (engine.topology.sp_size, engine.dp_world_size, engine.topology.dp_size) == (2, 2, 4)
+        results[f"{kind} SP2 x DP2 ZeRO-3"] = (train(engine, kind, data, 0, STEPS), engine.full_state_dict())
+        engine = make_engine(kind, sp=2, tp=2, stage=1)
+        assert (engine.topology.sp_size, engine.topology.tp_size, engine.dp_world_size) == (2, 2, 1)
+        results[f"{kind} SP2 x TP2"] = (train(engine, kind, data, 0, STEPS), engine.full_state_dict())
+    # ZeRO-3 with hpZ's backward gathers inside each sequence-parallel pair, and the optimizer offloaded
+    engine = make_engine("gpt", sp=2, stage=3, zero_hpz_partition_size=2,
+                         offload_optimizer={"device": "cpu"})
+    results["gpt SP2 x DP2 ZeRO-3 hpZ offload"] = (train(engine, "gpt", gpt_batches(STEPS, SEQ), 0, STEPS),
+                                                   engine.full_state_dict())
+    # Qwen2 (q/k/v biases) and Mistral: the same attention registry, other modeling code
+    data = llama_batches(STEPS, SEQ, False)
+    engine = make_engine("qwen2", sp=2, stage=3)
+    results["qwen2 SP2 x DP2 ZeRO-3"] = (train(engine, "qwen2", data, 0, STEPS), engine.full_state_dict())
+    engine = make_engine("mistral", sp=2, tp=2, stage=0)
+    results["mistral SP2 x TP2 ZeRO-0"] = (train(engine, "mistral", data, 0, STEPS), engine.full_state_dict())
+    return results
+
+
+@functools.lru_cache(maxsize=None)
+def reference(kind: str, length: int = SEQ, packed: bool = False, kv_heads: int = 2, moe: bool = False):
+    """Plain single-process AdamW on the whole sequences: the losses of STEPS + 1 steps, the weights after STEPS
+    steps and after STEPS + 1."""
+    from zerotrain.comm import Comm
+
+    model = build_gpt(Comm(None, 0, 1) if moe else None) if kind == "gpt" else build_llama(kv_heads, kind)
+    data = gpt_batches(STEPS + 1, length) if kind == "gpt" else llama_batches(STEPS + 1, length, packed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses, weights = [], []
+    for rows in data:
+        loss = forward(kind, model, rows)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        weights.append({name: param.detach().clone() for name, param in model.named_parameters()})
+    return losses, weights[STEPS - 1], weights[STEPS]
+
+
+def check(where: str, got: tuple, want: tuple) -> None:
+    losses, weights = got
+    ref_losses, ref_weights = want
+    assert len(losses) == len(ref_losses)
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-5, (where, losses, ref_losses)
+    for name, expected in ref_weights.items():
+        torch.testing.assert_close(weights[name], expected, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{where} {name}: {m}")
+
+
+def test_sequence_parallel_world2_trains_like_one_process_and_resumes_at_sp1(tmp_path):
+    ranks = run_distributed(world2, 2, str(tmp_path), timeout=300)
+    assert ranks[0]["loader indices"] == ranks[1]["loader indices"] and len(ranks[0]["loader indices"]) == 64
+    results = ranks[0]
+    losses, at_steps, after_one_more = reference("gpt")
+    check("gpt SP2", results["gpt"], (losses[:STEPS], at_steps))
+    check("gpt saved at SP2, resumed at SP1 x DP2", results["gpt resumed at SP1 x DP2"],
+          (losses[STEPS:], after_one_more))
+    losses, at_steps, _ = reference("gpt", ODD)
+    check("gpt SP2 through the Trainer, odd length", results["gpt Trainer odd"], (losses[:STEPS], at_steps))
+    losses, at_steps, _ = reference("llama", ODD, packed=True, kv_heads=1)
+    check("llama SP2 (1 key/value head), packed, odd length", results["llama packed odd"],
+          (losses[:STEPS], at_steps))
+    losses, at_steps, _ = reference("gpt", moe=True)
+    check("gpt with experts SP2", results["gpt moe"], (losses[:STEPS], at_steps))
+
+
+def test_sequence_parallel_world4_with_data_parallel_zero3_and_tensor_parallel():
+    results = run_distributed(world4, 4, timeout=400)[0]
+    for kind in ("gpt", "llama"):
+        losses, at_steps, _ = reference(kind)
+        for shape in ("SP2 x DP2 ZeRO-3", "SP2 x TP2"):
+            check(f"{kind} {shape}", results[f"{kind} {shape}"], (losses[:STEPS], at_steps))
+    for kind, shape in (("qwen2", "SP2 x DP2 ZeRO-3"), ("mistral", "SP2 x TP2 ZeRO-0")):
+        losses, at_steps, _ = reference(kind)
+        check(f"{kind} {shape}", results[f"{kind} {shape}"], (losses[:STEPS], at_steps))
+    losses, at_steps, _ = reference("gpt")
+    check("gpt SP2 x DP2 ZeRO-3 hpZ offload", results["gpt SP2 x DP2 ZeRO-3 hpZ offload"], (losses[:STEPS], at_steps))
+
+
+def test_heads_that_do_not_divide_are_refused_naming_the_keys():
+    from zerotrain.parallel.sequence import check_sequence_parallel
+
+    with pytest.raises(ValueError, match=r"sequence_parallel_size: 4 x tensor_parallel.autotp_size: 2 = 8 does "
+                                         r"not divide the 4 attention heads of GPT"):
+        check_sequence_parallel(build_gpt(), 4, 2)
+    with pytest.raises(ValueError, match=r"sequence_parallel_size: 2: the 3 key/value heads of LlamaForCausalLM"):
+        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=32,
+                                          num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=3)
+        check_sequence_parallel(transformers.LlamaForCausalLM(config), 2, 1)
+    with pytest.raises(ValueError, match="needs zerotrain's GPT or a Hugging Face model"):
+        check_sequence_parallel(torch.nn.Linear(2, 2), 2)
+    check_sequence_parallel(build_llama(1), 2, 1)  # 1 key/value head: replicated, accepted
+    check_sequence_parallel(build_llama(2), 2, 2)  # 1 per tensor-parallel rank: replicated, accepted
+
+
+def test_shard_shifts_once_pads_odd_lengths_and_counts_the_real_targets():
+    """The slices of every rank put together are the whole batch, shifted once (no target lost at the boundary),
+    padded with -100 to a multiple of the group; the count is the whole micro-batch's real targets."""
+    from zerotrain.comm import Comm
+    from zerotrain.parallel.sequence import SequenceParallel
+
+    ids = torch.arange(2 * ODD).reshape(2, ODD) + 1
+    labels = ids.clone()
+    labels[1, :4] = -100  # a prompt that is not trained on
+    mask = torch.ones_like(ids)
+    mask[0, -2:] = 0  # right padding: accepted
+    labels[0, -2:] = -100
+    shards = [SequenceParallel(Comm(None, rank, 2)).shard({"input_ids": ids, "labels": labels, "attention_mask": mask})
+              for rank in range(2)]
+    joined = {key: torch.cat([s[key] for s in shards], dim=1) for key in ("input_ids", "position_ids", "labels")}
+    assert joined["input_ids"].shape == (2, 16) and joined["input_ids"][:, -1].eq(0).all()
+    want = torch.nn.functional.pad(labels[:, 1:], (0, 2), value=-100)
+    assert torch.equal(joined["labels"], want)
+    assert shards[0]["labels"][0, -1] == ids[0, 8]  # rank 0's last token predicts rank 1's first
+    assert torch.equal(joined["position_ids"], torch.arange(16).expand(2, 16))
+    assert all(int(s["num_items_in_batch"]) == int((want != -100).sum()) == 12 + 11 for s in shards)
+    left = torch.ones_like(ids)
+    left[:, 0] = 0
+    with pytest.raises(ValueError, match="right-padding mask"):
+        SequenceParallel(Comm(None, 0, 2)).shard({"input_ids": ids, "attention_mask": left})
