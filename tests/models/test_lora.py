@@ -225,6 +225,15 @@ def test_lora_world2_zero3_and_tensor_parallel_equal_peft(tiny_llama_dir, tmp_pa
     loaded = peft.PeftModel.from_pretrained(base, str(full)).eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=_probe(vocab)).logits, z3[0]["logits"], rtol=1e-5, atol=1e-5)
+    # ... and so does from_pretrained of the checkpoint directory itself (the frozen base is stored under the base
+    # model's names, the adapter beside it), and of its plain export (no --merge-lora: the same two parts).
+    plain = tmp_path / "plain"
+    assert main(["ckpt", "export", str(full), str(plain)]) == 0
+    for directory_of_model in (full, plain):
+        as_model = transformers.AutoModelForCausalLM.from_pretrained(directory_of_model).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(as_model(input_ids=_probe(vocab)).logits, z3[0]["logits"],
+                                       rtol=1e-5, atol=1e-5)
     for checkpoint in (full, adapters):  # an adapters_only checkpoint carries it too
         saved = load_file(str(checkpoint / "adapter_model.safetensors"))
         assert set(saved) == {n.replace(".default", "") for n in ref_weights}

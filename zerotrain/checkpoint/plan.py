@@ -42,6 +42,7 @@ from .format import MASTER, MODEL, OPTIMIZER, CheckpointError, dtype_name, items
 from .optim_state import split_state
 from .slots import CheckpointState
 from .split import expert_params, expected_shape, refuse_split_extras, tensor_slices
+from ..lora import base_weight_name, is_adapter_weight
 
 MAX_FILE_BYTES = 5 * 1024 ** 3
 ROUND_BYTES = 256 * 1024 ** 2
@@ -79,6 +80,17 @@ class TensorPlan:
     @property
     def numel(self) -> int:
         return numel_of(self.shape)
+
+    @property
+    def model_key(self) -> str:
+        """The tensor's name in the model weight files. A frozen base weight of a PEFT-wrapped model is stored
+        under the base model's name (``base_model.model.X.base_layer.weight`` -> ``X.weight``), so
+        ``from_pretrained(checkpoint)`` finds the base there and PEFT's adapter files beside it (transformers
+        reads the weights under the base names and then loads ``adapter_model.safetensors``); the loader tries
+        both names. Trainable tensors keep their own names: their masters and optimizer states are keyed by them."""
+        if self.trainable or is_adapter_weight(self.name):
+            return self.name
+        return base_weight_name(self.name)
 
     def kinds(self, master_separate: bool) -> list[tuple[str, torch.dtype]]:
         """(source kind, dtype) of every per-element tensor saved for this name, in write order."""
@@ -324,7 +336,7 @@ def _check_coverage(tensor: TensorPlan) -> None:
 
 def _file_entries(tensor: TensorPlan, kind: str) -> list:
     if kind == MODEL:
-        return [(tensor.name, tensor.dtype, tensor.shape)]
+        return [(tensor.model_key, tensor.dtype, tensor.shape)]
     if not tensor.trainable:
         return []
     if kind == MASTER:

@@ -122,8 +122,15 @@ def export_model(directory: str, out: str, dtype: Optional[str] = None,
     # A checkpoint of a PEFT-wrapped model (`train --lora-r`) holds the base under PEFT's names and the adapter
     # weights beside it: merged, it is written under the base model's names without the adapter weights.
     names = {name: name for name in source.maps[MODEL]}
+    from ..lora import base_weight_name, is_adapter_weight
+    lora_checkpoint = any(is_adapter_weight(name) for name in names)
+    if merge_lora is None and lora_checkpoint:
+        # Not merged: the base weights under the base model's names and PEFT's adapter files beside them, as the
+        # checkpoint directory holds them (from_pretrained(out) gives the LoRA model, PeftModel.from_pretrained
+        # the adapter); the adapter's weights are in adapter_model.safetensors, not in the model files.
+        names = {name: base_weight_name(name) for name in names if not is_adapter_weight(name)}
     if merge_lora is not None:
-        from ..lora import LoraAdapter, LoraError, base_weight_name, is_adapter_weight
+        from ..lora import LoraAdapter, LoraError
         names = {name: base_weight_name(name) for name in source.maps[MODEL] if not is_adapter_weight(name)}
         if (source.trainer_state or {}).get("adapters_only"):
             raise CheckpointError(f"{path} was saved with checkpoint.adapters_only: it holds no base weights to "
@@ -175,6 +182,9 @@ def export_model(directory: str, out: str, dtype: Optional[str] = None,
             if adapter is not None and name == "adapter_config.json":
                 continue  # merged: transformers would take the export for an adapter of another model
             shutil.copyfile(os.path.join(path, name), os.path.join(temp, name))
+        if adapter is None and lora_checkpoint and os.path.exists(os.path.join(path, "adapter_model.safetensors")):
+            shutil.copyfile(os.path.join(path, "adapter_model.safetensors"),
+                            os.path.join(temp, "adapter_model.safetensors"))
         if os.path.exists(out):
             os.rmdir(out)
         commit.commit_directory(temp, out)

@@ -178,7 +178,7 @@ class SaveJob:
         for name in self.plan.rounds[index].get(rank, []):
             tensor = self.plan.tensors[name]
             if not tensor.pieces:  # whole on every rank
-                self._writer(MODEL, name, temp, written).write(name, [self.sources.extras[name]])
+                self._writer(MODEL, tensor.model_key, temp, written).write(tensor.model_key, [self.sources.extras[name]])
                 continue
             for kind, dtype in tensor.kinds(self.plan.master_separate):
                 chunks = [self.sources.piece(p, kind) if p.rank == rank else received[(kind, p)]
@@ -188,7 +188,8 @@ class SaveJob:
                 if kind.startswith("state:"):
                     key, file_kind = f"{name}/{kind[len('state:'):]}", OPTIMIZER
                 else:
-                    key, file_kind = name, _FILE_KIND[kind]
+                    file_kind = _FILE_KIND[kind]
+                    key = tensor.model_key if file_kind == MODEL else name
                 self._writer(file_kind, key, temp, written).write(key, chunks)
             first = tensor.pieces[0]
             for key, dtype in sorted(tensor.scalars.items() if tensor.trainable else ()):
