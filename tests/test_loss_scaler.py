@@ -40,7 +40,7 @@ def deepspeed_scales(overflows: str, power: int, window: int, hysteresis: int, c
                      minimum: float) -> list:
     """DeepSpeed's own DynamicLossScaler (what its ZeRO optimizers use, raising at the minimum scale as its engine
     sets it up) on the same overflow pattern; "raised" where it raised."""
-    loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+    from deepspeed.runtime.fp16 import loss_scaler  # the dev extra has it: fails, never skips
     reference = loss_scaler.DynamicLossScaler(init_scale=2.0 ** power, scale_window=window, min_scale=minimum,
                                               delayed_shift=hysteresis, consecutive_hysteresis=consecutive,
                                               raise_error_at_min_scale=True)
@@ -58,7 +58,7 @@ def deepspeed_scales(overflows: str, power: int, window: int, hysteresis: int, c
 def deepspeed_logging_rank(monkeypatch):
     """DeepSpeed's scaler asks deepspeed.comm for the rank only to decide who logs an overflow; it is not about
     collectives, so without a process group it is rank 0."""
-    loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+    from deepspeed.runtime.fp16 import loss_scaler  # the dev extra has it: fails, never skips
     monkeypatch.setattr(loss_scaler, "dist", types.SimpleNamespace(get_rank=lambda: 0))
 
 
