@@ -33,7 +33,7 @@ def test_bad_metrics_files_are_named(tmp_path):
 
 
 def test_plot_two_runs(tmp_path):
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401 - in the dev extra: a missing install fails, never skips
     for name, offset in (("a", 0.0), ("b", 0.3)):
         write_metrics(tmp_path / name / "metrics.jsonl",
                       [{"step": s, "loss": 3.0 - 0.1 * s + offset, "lr": 1e-3, "tokens_per_s": 1000.0 + s,
@@ -46,7 +46,7 @@ def test_plot_two_runs(tmp_path):
 
 
 def test_plot_command_writes_a_png_per_panel_with_runs_overlaid(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401 - in the dev extra: a missing install fails, never skips
     for name, ranks in (("a", 2), ("b", 1)):
         write_metrics(tmp_path / name / "metrics.jsonl",
                       [{"step": s, "loss": 3.0 - 0.1 * s, "lr": 1e-3 * s, "tokens_per_s": 900.0 + s,
