@@ -40,9 +40,10 @@ from .aio import ALIGN, AlignedBuffers, AsyncFileIO, OffloadIOError, open_swap_d
 from .partial import probe_state_layout
 
 DEFAULT_CHUNK_NUMEL = 1 << 22  # 4M elements: 16 MiB per fp32 region per chunk
-# Spare extents per record size class. Four: a step's writes behind (at most `buffer_count` in flight)
-# rarely wait for an early commit, and the spares cost 4 records per class, whatever the model size.
-DEFAULT_SPARE_RECORDS = 4
+# Spare extents per record size class. Two: a write of a class waits at most for the write of that class
+# issued two records before it (the disk is saturated by two 48 MiB records in flight), and the spares cost
+# two records per class (a transformer has ~4 classes of large records), whatever the model size.
+DEFAULT_SPARE_RECORDS = 2
 
 
 def master_placeholder(numel: int) -> torch.Tensor:
