@@ -128,3 +128,38 @@ def test_the_file_is_the_records_once_plus_the_spares(tmp_path):
         assert len(set(records.location.values())) == 13 and sum(map(len, records.free.values())) == spare
     finally:
         opt.close()
+
+
+def streamed(nvme_path: str) -> list:
+    """Stage 3 without clipping, gradients streamed to the NVMe step bucket by bucket, and the same run with the
+    gradients held until step() (streaming switched off): equal bit for bit; only the first holds no gradient."""
+    import zerotrain
+    import zerotrain.offload.factory as factory
+    from offload_common import engine_config, param_groups
+    from models_for_tests import OddMLP
+
+    out = []
+    for stream in (True, False):
+        factory.streams_gradients = (lambda c, r: True) if stream else (lambda c, r: False)
+        torch.manual_seed(0)
+        model = OddMLP()
+        config = dict(engine_config(3, {"device": "nvme", "nvme_path": os.path.join(nvme_path, str(stream)),
+                                        "buffer_count": 2}), gradient_clipping=0.0)
+        engine, *_ = zerotrain.initialize(model=model, model_parameters=param_groups(model), config=config)
+        held = []
+        original = engine._take_model_step
+        engine._take_model_step = lambda: (held.append(engine.reducer._gradient_bytes()), original())[1]
+        losses, norms = train_steps(engine, world_batches(2, steps=3))
+        out.append({"losses": losses, "norms": norms, "held": held, "weights": engine.full_state_dict(),
+                    "streams": engine.zero_optimizer.stream_gradients})
+        engine.zero_optimizer.close()
+    return out
+
+
+def test_gradients_streamed_to_the_nvme_step_during_backward_change_nothing_but_memory(tmp_path):
+    for on, off in run_distributed(streamed, 2, str(tmp_path), timeout=120):
+        assert on["streams"] and not off["streams"]
+        assert on["held"] == [0, 0, 0] and all(h > 0 for h in off["held"]), (on["held"], off["held"])
+        assert on["losses"] == off["losses"] and on["norms"] == off["norms"]
+        for name, ref in off["weights"].items():
+            assert torch.equal(on["weights"][name], ref), name

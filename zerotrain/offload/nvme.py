@@ -69,9 +69,15 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
 
     def __init__(self, *args, nvme_path: str, buffer_count: int = 4, aio=None,
                  chunk_numel: Optional[int] = None, direct: Optional[bool] = None, spare: Optional[int] = None,
-                 **kwargs):
+                 stream_gradients: bool = False, **kwargs):
         kwargs["host_grads"] = False  # gradients go to the host chunk by chunk, through the buffers
         super().__init__(*args, **kwargs)
+        # gradients stepped bucket by bucket during backward (the factory decides: no clipping, no loss
+        # scale, no overflow check, a reducer that frees shards once consumed)
+        self.stream_gradients = bool(stream_gradients) and self.reducer is not None
+        if self.stream_gradients:
+            self.reducer.release_final_shards = True
+        self._streamed: Optional[StreamedStep] = None
         self._stepper = SubsetStepper(self.optimizer)
         self.records = NvmeRecords(self.buckets, self.masters, self.optimizer, self.offloaded, nvme_path=nvme_path,
                                    rank=comm_rank(self), buffer_count=buffer_count, aio=aio, chunk_numel=chunk_numel,
@@ -132,36 +138,39 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
 
     # --- the step ----------------------------------------------------------------
     def update(self, grad_shards: list[torch.Tensor], multiplier: float, indices) -> None:
+        self._update(grad_shards, multiplier, indices, None)
+
+    def _update(self, grad_shards: list[torch.Tensor], multiplier: float, indices,
+                streamed: Optional["StreamedStep"]) -> None:
+        """Step the offloaded chunks of `indices` that have a gradient (after those `streamed` during
+        backward), agree with every rank, then commit or roll back the whole step."""
         if self.records.resident:
             raise RuntimeError("NVMe offload: a step inside resident_states()/resident_masters() is not allowed")
         indices = list(indices)
-        wanted = set(indices)
         records = self.records
+        state = streamed if streamed is not None else StreamedStep(records)
+        wanted = set(indices)
         chunks = [c for c in records.chunks if c.bucket in wanted and grad_shards[c.bucket] is not None]
-        resumed = [c for c in chunks if c in records.resume]  # committed by a failed try of this step
-        chunks = [c for c in chunks if c not in records.resume]
-        stepped: list[Chunk] = []
-        pending: list[tuple[Chunk, int]] = []
-        committed: list[Chunk] = []
-        scalars = dict(records.resume_scalars)  # a retry steps with the scalars the failed try used
-        error, keep = None, {}
         self._published.clear()
-        self._store_written.clear()
-        try:
-            records.adopt_states()  # states someone put in memory (a checkpoint load) go to disk first
-            # a retry: the chunks committed before the failure are not stepped again; offload_param
-            # buckets get their new weights from the records (the failed try's staging was dropped)
-            self._publish_from_files([c for c in resumed if getattr(self.buckets[c.bucket], "offloaded", False)])
-            self.stream.run(chunks, grad_shards, multiplier, self._step_chunk, stepped, keep, scalars, pending,
-                            committed)
-        except BaseException as caught:  # noqa: BLE001 - every rank learns of it below, then it is raised
-            error = caught
+        if streamed is None:
+            self._store_written.clear()
+        error = state.error
+        if error is None:
+            try:
+                if streamed is None:
+                    records.adopt_states()  # states someone put in memory (a checkpoint load) go to disk first
+                self._step_chunks(chunks, grad_shards, multiplier, state, keep_tail=True)
+                state.wait_writes()
+            except BaseException as caught:  # noqa: BLE001 - every rank learns of it below, then it is raised
+                error = caught
+        else:
+            state.wait_writes(quietly=True)
+        committed, pending, scalars = state.committed, state.pending, state.scalars
         self.stats["nvme_early_commits"] += len(committed)
-        self.stats["nvme_resumed_chunks"] += len(resumed)
         try:
-            self._agree(error, [c for c in stepped if c not in set(committed)])
+            self._agree(error, [c for c in state.stepped if c not in set(committed)])
         except BaseException:
-            for buffer in keep.values():  # not committed: the buffers hold records that are not current
+            for buffer in state.keep.values():  # not committed: the buffers hold records that are not current
                 records.pool.release(buffer)
             for chunk, extent in pending:
                 records.abort(chunk, extent)
@@ -174,7 +183,7 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
             records.commit(chunk, extent)
         records.resume.clear()
         records.resume_scalars = {}
-        records.kept.update(keep)
+        records.kept.update(state.keep)
         for bucket, values in scalars.items():
             self.records.has_state[bucket] = True
             self.optimizer.state[self.masters[bucket]] = values
@@ -182,6 +191,60 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         io = self.records.io
         self.stats["nvme_bytes_read"], self.stats["nvme_bytes_written"] = io.bytes_read, io.bytes_written
         super().update(grad_shards, multiplier, [i for i in indices if not self.offloaded[i]])
+
+    def _step_chunks(self, chunks: list[Chunk], grad_shards, multiplier: float, state: "StreamedStep",
+                     keep_tail: bool) -> None:
+        """Stream `chunks` through the records into `state`; chunks a failed try committed are not stepped
+        again (their offload_param buckets get their new weights from the records: that try's staging was
+        dropped)."""
+        records = self.records
+        resumed = [c for c in chunks if c in records.resume]
+        self.stats["nvme_resumed_chunks"] += len(resumed)
+        self._publish_from_files([c for c in resumed if getattr(self.buckets[c.bucket], "offloaded", False)])
+        self.stream.run([c for c in chunks if c not in records.resume], grad_shards, multiplier, self._step_chunk,
+                        state.stepped, state.keep, state.scalars, state.pending, state.committed,
+                        in_flight=state.in_flight, keep_tail=keep_tail, wait=keep_tail)
+
+    # --- gradients streamed to the step during backward -----------------------------
+    def _on_shard_ready(self, index: int) -> None:
+        """With `stream_gradients`, bucket `index`'s final gradient shard is stepped at once (its records
+        read, updated and written behind) and the reducer frees it: host memory never holds the gradients of
+        the whole model. The step still commits only in `step()`, after every rank's I/O is known."""
+        if not (self.stream_gradients and self.offloaded[index]):
+            return super()._on_shard_ready(index)
+        grad = self.reducer.grad_shards[index]
+        if grad is None:
+            return
+        state = self._streamed
+        if state is None:
+            state = self._streamed = StreamedStep(self.records)
+            self._published.clear()
+            self._store_written.clear()
+            try:
+                self.records.adopt_states()
+            except BaseException as caught:  # noqa: BLE001 - raised on every rank by step()
+                state.error = caught
+        state.terms[index] = self.gradients.bucket_terms(index, grad)
+        if state.error is not None:
+            return
+        chunks = [c for c in self.records.chunks if c.bucket == index]
+        try:
+            self._step_chunks(chunks, self.reducer.grad_shards, 1.0, state, keep_tail=False)
+        except BaseException as caught:  # noqa: BLE001 - raised on every rank by step()
+            state.error = caught
+
+    def step(self, grad_shards: list[torch.Tensor], loss_scale: float) -> None:
+        state, self._streamed = self._streamed, None
+        if state is None:
+            return super().step(grad_shards, loss_scale)
+        # the streamed buckets' shards are gone: their squares were summed as they came (same order, same sum)
+        present = [g if g is not None else _NO_GRADIENT for g in grad_shards]
+        norm = self.gradients.norm(present, state.terms) / loss_scale
+        self.last_grad_norm = norm
+        self.shards_written = set()
+        self._update(grad_shards, self.multiplier(norm, loss_scale), range(len(self.buckets)), state)
+        self.stats["steps"] += 1
+        self.publish_after_update()
 
     def _agree(self, error: Optional[BaseException], stepped: list[Chunk]) -> None:
         """All ranks learn which ranks' step I/O failed; if any did, every rank rolls back and raises.
@@ -373,6 +436,36 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
 
     def close(self) -> None:
         self.records.close()
+
+
+_NO_GRADIENT = torch.zeros(0)  # a streamed bucket's place in the norm's list (its terms are known)
+
+
+class StreamedStep:
+    """One step's chunks in progress: stepped, written (pending their commit), committed early, the buffers
+    kept, the scalar states, the writes in flight, the norm terms of streamed buckets, the first error."""
+
+    def __init__(self, records: NvmeRecords):
+        self.records = records
+        self.stepped: list[Chunk] = []
+        self.pending: list[tuple[Chunk, int]] = []
+        self.committed: list[Chunk] = []
+        self.keep: dict[Chunk, torch.Tensor] = {}
+        self.scalars: dict = dict(records.resume_scalars)  # a retry steps with the scalars the failed try used
+        self.in_flight: dict[Chunk, Future] = {}
+        self.terms: dict[int, list[torch.Tensor]] = {}
+        self.error: Optional[BaseException] = None
+
+    def wait_writes(self, quietly: bool = False) -> None:
+        """Wait for every write still in flight; the first failure is raised (unless `quietly`)."""
+        first = None
+        for future in list(self.in_flight.values()):
+            try:
+                future.result()
+            except BaseException as error:  # noqa: BLE001 - all are waited for, the first is raised
+                first = first or error
+        if first is not None and not quietly:
+            raise first
 
 
 def comm_rank(optimizer) -> int:

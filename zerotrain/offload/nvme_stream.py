@@ -37,7 +37,8 @@ class NvmeStream:
 
     def run(self, chunks: list[Chunk], grad_shards, multiplier: float, step_chunk: StepChunk, stepped: list[Chunk],
             keep: dict[Chunk, torch.Tensor], scalars: dict, pending: list[tuple[Chunk, int]],
-            committed: list[Chunk]) -> None:
+            committed: list[Chunk], in_flight: Optional[dict[Chunk, Future]] = None, keep_tail: bool = True,
+            wait: bool = True) -> None:
         """Read, update with `step_chunk` (which publishes and fills `scalars`) and write `chunks` to free
         extents, appending each to `stepped` before it changes.
 
@@ -45,8 +46,10 @@ class NvmeStream:
         extent), for the caller to commit or abort; where a size class has no free extent, its oldest
         pending record is waited for and committed at once (appended to `committed`). The buffers of
         the last `pool.count - 1` chunks, written, go into `keep` (the caller keeps them only when the
-        step commits). On failure every I/O in flight is waited for, every buffer goes back to the pool
-        and the error is raised; the index holds the committed chunks only."""
+        step commits) unless not `keep_tail`. `in_flight` (chunk -> its write) is shared by the runs of one
+        step (gradients streamed bucket by bucket); without `wait` the writes are left in flight there. On
+        failure every I/O of this run is waited for, every buffer goes back to the pool and the error is
+        raised; the index holds the committed chunks only."""
         records, pool, io = self.records, self.records.pool, self.records.io
         held = {chunk: records.kept.pop(chunk) for chunk in chunks if chunk in records.kept}
         records.drop_kept()  # records of chunks not stepped now: their buffers serve this step's reads
@@ -54,9 +57,9 @@ class NvmeStream:
         fetched: dict[int, tuple[torch.Tensor, Optional[Future]]] = {
             position: (held[chunk], None) for position, chunk in enumerate(order[:len(held)])}
         writes: list[Future] = []
-        in_flight: dict[Chunk, Future] = {}  # the pending records' writes
+        in_flight = {} if in_flight is None else in_flight  # the pending records' writes
         keeping: dict[Chunk, torch.Tensor] = {}  # the tail's buffers: not released when written
-        keep_from = len(order) - (pool.count - 1)
+        keep_from = len(order) - (pool.count - 1) if keep_tail else len(order)
         holding, ahead = None, len(held)  # holding: (buffer, its read) of the chunk being updated
         try:
             for k, chunk in enumerate(order):
@@ -93,7 +96,7 @@ class NvmeStream:
                 if k >= keep_from:
                     keeping[chunk] = buffer
                 holding = None
-            for future in writes:
+            for future in writes if wait else ():
                 future.result()
         except BaseException:
             for buffer, future in list(fetched.values()) + ([holding] if holding is not None else []):
