@@ -33,6 +33,13 @@ the records hold the early-committed chunks' new values (a checkpoint load clear
 allocated in full when the optimizer is built, so a disk too small fails at start-up with the sizes
 in the message.
 
+Gradients streamed (`stream_gradients`, chosen by `factory.streams_gradients`: stage 3, no clipping,
+no loss scale or overflow check, no accumulation): each bucket is stepped as soon as the reducer has
+its final gradient shard, during backward, and the reducer frees the shard, so host memory never holds
+the whole model's gradients; the norm's terms are summed as they come (the same sum), and the step is
+agreed and committed in `step()` as above. A failed streamed step is retried by running the batch's
+forward and backward again (its gradients are gone); the chunks committed early are skipped.
+
 Between steps `optimizer.state[master]` holds only the scalar states. `resident_states()` brings
 masters and per-element states into host memory (checkpoint save and load run inside it) and
 writes back whatever is there on exit; `resident_masters()` brings only the masters (read only,
@@ -78,11 +85,15 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         if self.stream_gradients:
             self.reducer.release_final_shards = True
         self._streamed: Optional[StreamedStep] = None
+        self._last_order: dict[int, int] = {}  # the buckets' order in the last streamed step
         self._stepper = SubsetStepper(self.optimizer)
         self.records = NvmeRecords(self.buckets, self.masters, self.optimizer, self.offloaded, nvme_path=nvme_path,
                                    rank=comm_rank(self), buffer_count=buffer_count, aio=aio, chunk_numel=chunk_numel,
                                    direct=direct, pin_memory=kwargs.get("pin_memory", False), spare=spare)
         self.stream = NvmeStream(self.records)
+        self._chunks_of: dict[int, list[Chunk]] = {}
+        for chunk in self.records.chunks:
+            self._chunks_of.setdefault(chunk.bucket, []).append(chunk)
         self.stats.update(nvme_bytes_read=0, nvme_bytes_written=0, nvme_failed_steps=0, nvme_restored_chunks=0,
                           direct_io=int(self.records.io.direct), nvme_file_bytes=self.records.disk_bytes(),
                           nvme_early_commits=0, nvme_resumed_chunks=0)
@@ -165,6 +176,7 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
                 error = caught
         else:
             state.wait_writes(quietly=True)
+        records.drop_prefetched()
         committed, pending, scalars = state.committed, state.pending, state.scalars
         self.stats["nvme_early_commits"] += len(committed)
         try:
@@ -227,9 +239,21 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         state.terms[index] = self.gradients.bucket_terms(index, grad)
         if state.error is not None:
             return
-        chunks = [c for c in self.records.chunks if c.bucket == index]
+        chunks = self._chunks_of.get(index, [])
+        state.order.append(index)
         try:
             self._step_chunks(chunks, self.reducer.grad_shards, 1.0, state, keep_tail=False)
+            # read ahead the records of the buckets that came next in the last streamed step (first step:
+            # backward's usual order, the reverse of the buckets'), while the backward computes them
+            position = self._last_order.get(index)
+            upcoming = ([b for b, _ in sorted(self._last_order.items(), key=lambda kv: kv[1]) if
+                         self._last_order[b] > position] if position is not None else range(index - 1, -1, -1))
+            wanted = []
+            for bucket in upcoming:
+                wanted.extend(c for c in self._chunks_of.get(bucket, ()))
+                if len(wanted) >= self.records.pool.count:
+                    break
+            self.stream.prefetch(wanted)
         except BaseException as caught:  # noqa: BLE001 - raised on every rank by step()
             state.error = caught
 
@@ -237,6 +261,7 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         state, self._streamed = self._streamed, None
         if state is None:
             return super().step(grad_shards, loss_scale)
+        self._last_order = {bucket: position for position, bucket in enumerate(state.order)}
         # the streamed buckets' shards are gone: their squares were summed as they came (same order, same sum)
         present = [g if g is not None else _NO_GRADIENT for g in grad_shards]
         norm = self.gradients.norm(present, state.terms) / loss_scale
@@ -454,6 +479,7 @@ class StreamedStep:
         self.scalars: dict = dict(records.resume_scalars)  # a retry steps with the scalars the failed try used
         self.in_flight: dict[Chunk, Future] = {}
         self.terms: dict[int, list[torch.Tensor]] = {}
+        self.order: list[int] = []  # the buckets in the order their gradients came
         self.error: Optional[BaseException] = None
 
     def wait_writes(self, quietly: bool = False) -> None:

@@ -112,6 +112,7 @@ class NvmeRecords:
         self.pool = AlignedBuffers(max(2, int(buffer_count)), largest + self.region, pin=pin_memory)
         self.resident = False  # masters hold their values (inside paged_in)
         self.kept: dict[Chunk, torch.Tensor] = {}  # records still in pool buffers after a step (nvme_stream.py)
+        self.prefetched: dict[Chunk, tuple] = {}  # (buffer, read) of records read ahead in a streamed step
         # chunks a failed step committed early, with the step's scalar states, for its retry (nvme.py)
         self.resume: set[Chunk] = set()
         self.resume_scalars: dict[int, dict] = {}
@@ -194,6 +195,16 @@ class NvmeRecords:
     def disk_bytes(self) -> int:
         """Bytes of the swap file: the records once plus the spare extents."""
         return self.file_bytes
+
+    def drop_prefetched(self) -> None:
+        """Wait for the reads ahead not taken by the step and give their buffers back (a step's end)."""
+        for buffer, future in self.prefetched.values():
+            try:
+                future.result()
+            except BaseException:  # noqa: BLE001 - a record not stepped: its failed read changes nothing
+                pass
+            self.pool.release(buffer)
+        self.prefetched.clear()
 
     def drop_kept(self, buckets: Optional[Iterable[int]] = None) -> None:
         """Give the buffers of the kept records (of `buckets`, else all) back to the pool: their chunks'

@@ -51,11 +51,12 @@ class NvmeStream:
         failure every I/O of this run is waited for, every buffer goes back to the pool and the error is
         raised; the index holds the committed chunks only."""
         records, pool, io = self.records, self.records.pool, self.records.io
-        held = {chunk: records.kept.pop(chunk) for chunk in chunks if chunk in records.kept}
+        held = {chunk: (records.kept.pop(chunk), None) for chunk in chunks if chunk in records.kept}
+        held.update({chunk: records.prefetched.pop(chunk) for chunk in chunks if chunk in records.prefetched})
         records.drop_kept()  # records of chunks not stepped now: their buffers serve this step's reads
         order = [c for c in chunks if c in held] + [c for c in chunks if c not in held]
         fetched: dict[int, tuple[torch.Tensor, Optional[Future]]] = {
-            position: (held[chunk], None) for position, chunk in enumerate(order[:len(held)])}
+            position: held[chunk] for position, chunk in enumerate(order[:len(held)])}
         writes: list[Future] = []
         in_flight = {} if in_flight is None else in_flight  # the pending records' writes
         keeping: dict[Chunk, torch.Tensor] = {}  # the tail's buffers: not released when written
@@ -108,6 +109,22 @@ class NvmeStream:
                 pool.release(buffer)
             raise
         keep.update(keeping)
+
+
+    def prefetch(self, chunks: list[Chunk]) -> None:
+        """Start reading the current records of `chunks` (the next buckets a streamed step expects) into the
+        buffers free now, in order, while the backward computes; `run` takes them as it takes kept records."""
+        records = self.records
+        for chunk in chunks:
+            if chunk in records.prefetched or chunk in records.kept or chunk in records.resume:
+                continue
+            if records.pool.free_count() <= 1:  # one buffer stays free for the run that comes first
+                return
+            buffer = records.pool.acquire(block=False)
+            if buffer is None:
+                return
+            records.prefetched[chunk] = (buffer, records.io.read(records.fd, records.current(chunk),
+                                                                 records.record(chunk, buffer)))
 
 
 def _quietly_wait(futures) -> None:
