@@ -131,35 +131,66 @@ def test_the_file_is_the_records_once_plus_the_spares(tmp_path):
 
 
 def streamed(nvme_path: str) -> list:
-    """Stage 3 without clipping, gradients streamed to the NVMe step bucket by bucket, and the same run with the
-    gradients held until step() (streaming switched off): equal bit for bit; only the first holds no gradient."""
+    """Stage 3 without clipping or accumulation: gradients streamed to the NVMe step bucket by bucket, the same
+    run with the gradients held until step() (streaming switched off), and a streamed run whose step 1 fails
+    (a write on rank 0) and is retried by running the batch's forward/backward again."""
     import zerotrain
+    import zerotrain.offload.aio as aio
     import zerotrain.offload.factory as factory
+    from zerotrain.offload import OffloadIOError
     from offload_common import engine_config, param_groups
-    from models_for_tests import OddMLP
+    from models_for_tests import OddMLP, micro_slice
 
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    real = factory.streams_gradients
     out = []
-    for stream in (True, False):
-        factory.streams_gradients = (lambda c, r: True) if stream else (lambda c, r: False)
+    for case in ("streamed", "held", "failed"):
+        if case == "held":
+            factory.streams_gradients = lambda config, reducer: False
         torch.manual_seed(0)
         model = OddMLP()
-        config = dict(engine_config(3, {"device": "nvme", "nvme_path": os.path.join(nvme_path, str(stream)),
-                                        "buffer_count": 2}), gradient_clipping=0.0)
+        config = dict(engine_config(3, {"device": "nvme", "nvme_path": os.path.join(nvme_path, case),
+                                        "buffer_count": 2}), gradient_clipping=0.0, gradient_accumulation_steps=1,
+                      train_micro_batch_size_per_gpu=4)
         engine, *_ = zerotrain.initialize(model=model, model_parameters=param_groups(model), config=config)
-        held = []
+        factory.streams_gradients = real
+        held, losses, norms, raised = [], [], [], []
         original = engine._take_model_step
         engine._take_model_step = lambda: (held.append(engine.reducer._gradient_bytes()), original())[1]
-        losses, norms = train_steps(engine, world_batches(2, steps=3))
-        out.append({"losses": losses, "norms": norms, "held": held, "weights": engine.full_state_dict(),
-                    "streams": engine.zero_optimizer.stream_gradients})
+        for step, batch in enumerate(world_batches(2, steps=3)):
+            x, y = micro_slice(batch, 0, rank, world, 4)
+            for attempt in range(2):
+                loss = engine(x, y)
+                if case == "failed" and step == 1 and attempt == 0:  # streamed: the writes run in backward
+                    restore = _failing_io(aio, "_pwrite", 2, errno.EIO) if rank == 0 else (lambda: None)
+                    try:
+                        engine.backward(loss)
+                        with pytest.raises(OffloadIOError) as error:
+                            engine.step()
+                    finally:
+                        restore()
+                    raised.append(str(error.value))
+                    continue  # the retry: forward and backward of the same batch again
+                engine.backward(loss)
+                engine.step()
+                break
+            losses.append(float(loss.detach()))
+            norms.append(engine.get_global_grad_norm())
+        out.append({"losses": losses, "norms": norms, "held": held[-3:], "weights": engine.full_state_dict(),
+                    "streams": engine.zero_optimizer.stream_gradients, "raised": raised,
+                    "stats": dict(engine.zero_optimizer.stats)})
         engine.zero_optimizer.close()
     return out
 
 
 def test_gradients_streamed_to_the_nvme_step_during_backward_change_nothing_but_memory(tmp_path):
-    for on, off in run_distributed(streamed, 2, str(tmp_path), timeout=120):
-        assert on["streams"] and not off["streams"]
+    for on, off, failed in run_distributed(streamed, 2, str(tmp_path), timeout=120):
+        assert on["streams"] and not off["streams"] and failed["streams"]
         assert on["held"] == [0, 0, 0] and all(h > 0 for h in off["held"]), (on["held"], off["held"])
         assert on["losses"] == off["losses"] and on["norms"] == off["norms"]
+        assert failed["raised"] and "failed on rank(s) [0]" in failed["raised"][0], failed["raised"]
+        assert failed["stats"]["nvme_failed_steps"] == 1
+        assert failed["losses"] == on["losses"] and failed["norms"] == on["norms"]
         for name, ref in off["weights"].items():
             assert torch.equal(on["weights"][name], ref), name
+            assert torch.equal(failed["weights"][name], ref), name
