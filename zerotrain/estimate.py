@@ -342,7 +342,8 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
         record = region + (optimizer.per_element // 4) * _round_up(chunk * 4)
         buffer_count = max(2, int(zero.offload_optimizer.buffer_count))
         memory.add("host_io_buffers", "host", buffer_count * (record + region))
-        memory.notes.append("NVMe optimizer: the files hold two slots (double-buffered), 2x the nvme bytes on disk")
+        memory.notes.append("NVMe optimizer: the file holds the records once plus 2 spare records per size class "
+                            "(a ring committed by an index flip)")
     return memory
 
 

@@ -62,7 +62,7 @@ def train_with_failure(nvme_path: str, code: int | None, kind: str = "write", ra
         if code is None or engine.global_steps != FAIL_STEP or outcome:
             return original_step()
         before = snapshot(engine)
-        slots = (dict(opt.records.slot), dict(opt.records.has_state))
+        slots = (dict(opt.records.location), dict(opt.records.has_state))
         restore = lambda: None  # noqa: E731 - a rank without a fault has nothing to switch off
         if failing_here and kind == "write":
             restore = _failing_writes(aio, fail_at=2, code=code)  # 3 chunks: 3 record writes a step
@@ -76,7 +76,7 @@ def train_with_failure(nvme_path: str, code: int | None, kind: str = "write", ra
             restore()
         outcome["message"] = str(raised.value)
         assert engine.global_steps == FAIL_STEP
-        assert (dict(opt.records.slot), dict(opt.records.has_state)) == slots
+        assert (dict(opt.records.location), dict(opt.records.has_state)) == slots
         assert_same_snapshot(before, snapshot(engine), "after the failed step")
         outcome["restored"] = True
         original_step()  # retry: the gradients are untouched, so this is the step that failed
@@ -99,7 +99,7 @@ def test_failing_io_raises_and_leaves_state_unchanged(tmp_path):
     assert eio["restored"] and enospc["restored"] and read["restored"]
     assert "failed" in eio["message"] and "writing" in eio["message"], eio["message"]
     assert "no space left on device" in enospc["message"], enospc["message"]
-    assert "reading" in read["message"] and "states.slot" in read["message"], read["message"]
+    assert "reading" in read["message"] and "states.ring" in read["message"], read["message"]
     for failed in (eio, enospc, read):
         assert "rank(s) [0, 1]" in failed["message"], failed["message"]
         assert failed["stats"]["nvme_failed_steps"] == 1

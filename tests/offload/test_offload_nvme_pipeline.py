@@ -14,7 +14,7 @@ import torch
 NUMEL, CHUNK, BUFFERS = 5000, 1024, 3  # 5 chunks (4 whole, 1 of 904) through 3 buffers: 2 records kept
 
 
-def _pair(tmp_path):
+def _pair(tmp_path, spare=None):
     """An NVMe optimizer over one fp32 bucket and torch's fused AdamW on an identical parameter."""
     from zerotrain.offload import NvmeOffloadOptimizer
     from zerotrain.zero.flat import FlatBucket
@@ -26,7 +26,7 @@ def _pair(tmp_path):
     make = lambda p: torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1, fused=True)  # noqa: E731
     bucket = FlatBucket(0, [("w", param)], 0, ShardGroup.local())
     opt = NvmeOffloadOptimizer([bucket], None, make(param), [[param]], 0.0,
-                               nvme_path=str(tmp_path), buffer_count=BUFFERS, chunk_numel=CHUNK)
+                               nvme_path=str(tmp_path), buffer_count=BUFFERS, chunk_numel=CHUNK, spare=spare)
     return param, opt, ref, make(ref)
 
 
@@ -81,7 +81,7 @@ def test_records_changed_outside_a_step_are_read_again(tmp_path):
 def test_a_failed_step_drops_the_kept_records(tmp_path):
     from zerotrain.offload import OffloadIOError, aio
 
-    param, opt, ref, ref_opt = _pair(tmp_path)
+    param, opt, ref, ref_opt = _pair(tmp_path, spare=5)  # a ring that holds the step: it rolls back whole
     record = opt.records.record_bytes[0]
     _step_both(param, opt, ref, ref_opt)
     before = param.detach().clone()

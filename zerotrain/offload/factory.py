@@ -19,6 +19,20 @@ from .speculative import SuperOffloadOptimizer
 __all__ = ["build_offload_optimizer"]
 
 
+def streams_gradients(config, reducer) -> bool:
+    """Whether NVMe offload steps each bucket as soon as its gradient shard is final, during backward, so
+    that host memory never holds the whole model's gradients: only where nothing needs all of them before
+    the update (no clipping, no fp16 loss scale, no bf16 overflow check, every bucket offloaded), the
+    reducer frees a shard once consumed (stage 3), and no accumulation: with it the reducer holds the
+    summed shards between micro-batches anyway, and a failed step could not be retried by running the one
+    batch's forward/backward again (its gradients are gone once streamed)."""
+    offload = config.zero_optimization.offload_optimizer
+    return (not config.gradient_clipping and not config.fp16.enabled and float(offload.ratio) >= 1.0
+            and config.gradient_accumulation_steps == 1
+            and not (config.bf16.enabled and config.bf16.check_grad_overflow)
+            and hasattr(reducer, "release_final_shards"))
+
+
 def build_offload_optimizer(buckets: list[FlatBucket], comm: Comm, optimizer: torch.optim.Optimizer,
                             reducer, config, loss_scale: Callable[[], float],
                             gradients: Optional[GlobalGradients] = None,
@@ -32,7 +46,7 @@ def build_offload_optimizer(buckets: list[FlatBucket], comm: Comm, optimizer: to
     if offload.device == "nvme":
         built = NvmeOffloadOptimizer(buckets, comm, optimizer, groups, config.gradient_clipping,
                                      nvme_path=offload.nvme_path, buffer_count=int(offload.buffer_count),
-                                     aio=config.aio, **common)
+                                     aio=config.aio, stream_gradients=streams_gradients(config, reducer), **common)
     elif offload.super_offload:
         built = SuperOffloadOptimizer(buckets, comm, optimizer, groups, config.gradient_clipping,
                                       loss_scale=loss_scale, speculation=offload.super_offload_speculation,

@@ -16,15 +16,29 @@ of the previous records go on behind it (`aio.AsyncFileIO`, O_DIRECT where the f
 The last `buffer_count - 1` records stay in their buffers after a committed step, and the next
 step updates them first without reading them (`nvme_stream.py`).
 
-A step leaves the training state as it was when any read or write fails: records are
-double-buffered (two slot files; a step reads the current slot and writes the other), and only
-when every write of the step has succeeded are the slots flipped (masters and states together)
-and the scalar states (Adam's step count) replaced. The model shards of the chunks already
-updated are then published again from the current slot. The error is an `aio.OffloadIOError`
-raised from `step()` after all I/O in flight has finished; a full disk says so. Ranks agree after
-the step's I/O (one all-reduce of a failure flag per rank): when any rank failed, every rank
-rolls back and raises an error naming the failing ranks. The files are allocated in full when
-the optimizer is built, so a disk too small fails at start-up with the sizes in the message.
+A step never overwrites a current record: each chunk's new record goes to a free extent of the
+swap file's ring of spares and becomes current at the commit, an index flip (`nvme_records.py`;
+disk use is the records once plus a few spare records per size class, not a second copy). When
+every write of the step has succeeded on every rank, the step commits: the index moves, the
+scalar states (Adam's step count) are replaced. When any read or write fails, on any rank (one
+all-reduce of a failure flag per rank after the step's I/O), every rank raises an
+`aio.OffloadIOError` naming the failing ranks (a full disk says so), after all I/O in flight has
+finished, and rolls back: the chunks not committed keep their records and the model shards of
+those already updated are published again from them. A step whose chunks fit in the ring commits
+nothing before that, so the training state is exactly as before the step. A larger step commits
+chunks early, in order, when the ring of their size is used up; those chunks (and the step's
+scalar states) are remembered, and the retried step — `step()` again: the gradients are kept —
+skips them, so the run goes on exactly as if nothing had failed. Until that retry the model and
+the records hold the early-committed chunks' new values (a checkpoint load clears it). The file is
+allocated in full when the optimizer is built, so a disk too small fails at start-up with the sizes
+in the message.
+
+Gradients streamed (`stream_gradients`, chosen by `factory.streams_gradients`: stage 3, no clipping,
+no loss scale or overflow check, no accumulation): each bucket is stepped as soon as the reducer has
+its final gradient shard, during backward, and the reducer frees the shard, so host memory never holds
+the whole model's gradients; the norm's terms are summed as they come (the same sum), and the step is
+agreed and committed in `step()` as above. A failed streamed step is retried by running the batch's
+forward and backward again (its gradients are gone); the chunks committed early are skipped.
 
 Between steps `optimizer.state[master]` holds only the scalar states. `resident_states()` brings
 masters and per-element states into host memory (checkpoint save and load run inside it) and
@@ -55,22 +69,34 @@ __all__ = ["NvmeOffloadOptimizer", "DEFAULT_CHUNK_NUMEL"]
 class NvmeOffloadOptimizer(OffloadOptimizer):
     """Offload whose fp32 masters and optimizer states live on disk; see the module docstring.
 
-    It holds its records (`records`: files, slots, the buffer pool, paging; `nvme_records.py`) and its
+    It holds its records (`records`: the file, its extents and index, the buffer pool, paging; `nvme_records.py`) and its
     streaming step (`stream`; `nvme_stream.py`) as members."""
 
     kind = "nvme"
 
     def __init__(self, *args, nvme_path: str, buffer_count: int = 4, aio=None,
-                 chunk_numel: Optional[int] = None, direct: Optional[bool] = None, **kwargs):
+                 chunk_numel: Optional[int] = None, direct: Optional[bool] = None, spare: Optional[int] = None,
+                 stream_gradients: bool = False, **kwargs):
         kwargs["host_grads"] = False  # gradients go to the host chunk by chunk, through the buffers
         super().__init__(*args, **kwargs)
+        # gradients stepped bucket by bucket during backward (the factory decides: no clipping, no loss
+        # scale, no overflow check, a reducer that frees shards once consumed)
+        self.stream_gradients = bool(stream_gradients) and self.reducer is not None
+        if self.stream_gradients:
+            self.reducer.release_final_shards = True
+        self._streamed: Optional[StreamedStep] = None
+        self._last_order: dict[int, int] = {}  # the buckets' order in the last streamed step
         self._stepper = SubsetStepper(self.optimizer)
         self.records = NvmeRecords(self.buckets, self.masters, self.optimizer, self.offloaded, nvme_path=nvme_path,
                                    rank=comm_rank(self), buffer_count=buffer_count, aio=aio, chunk_numel=chunk_numel,
-                                   direct=direct, pin_memory=kwargs.get("pin_memory", False))
+                                   direct=direct, pin_memory=kwargs.get("pin_memory", False), spare=spare)
         self.stream = NvmeStream(self.records)
+        self._chunks_of: dict[int, list[Chunk]] = {}
+        for chunk in self.records.chunks:
+            self._chunks_of.setdefault(chunk.bucket, []).append(chunk)
         self.stats.update(nvme_bytes_read=0, nvme_bytes_written=0, nvme_failed_steps=0, nvme_restored_chunks=0,
-                          direct_io=int(self.records.io.direct))
+                          direct_io=int(self.records.io.direct), nvme_file_bytes=self.records.disk_bytes(),
+                          nvme_early_commits=0, nvme_resumed_chunks=0)
         self._published: set[int] = set()  # buckets whose model shards the last update() already wrote
         self._staging: dict[int, torch.Tensor] = {}  # offload_param buckets: new shard values, chunk by chunk
         self._staging_left: dict[int, int] = {}  # chunks of a staged bucket not yet in its staging tensor
@@ -80,16 +106,16 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         except BaseException:
             self.records.close()
             raise
-        for bucket in self.records.slot:  # stage 3: GatheredParameters(modifier_rank=...) writes masters through here
+        for bucket in self.records.on_disk:  # stage 3: GatheredParameters(modifier_rank=...) writes masters through here
             self.buckets[bucket].master_writer = functools.partial(self.write_master, bucket)
 
     def initial_host_master(self, shard: torch.Tensor, pin_memory: bool) -> torch.Tensor:
-        """No host copy, even while building: `_write_initial_masters` fills slot 0 from the model shards
+        """No host copy, even while building: `_write_initial_masters` fills the records from the model shards
         chunk by chunk, so host memory never holds all the masters at once (a model too large for it)."""
         return master_placeholder(shard.numel())
 
     def _write_initial_masters(self) -> None:
-        """Slot 0's masters, cast from the model's shards chunk by chunk through the buffer pool."""
+        """The first records' masters, cast from the model's shards chunk by chunk through the buffer pool."""
         records = self.records
         writes: list[Future] = []
         shard, shard_of = None, None
@@ -98,14 +124,14 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
                 shard, shard_of = self.buckets[chunk.bucket].local_shard(), chunk.bucket
             buffer = records.pool.acquire()
             records.master(chunk, buffer).copy_(shard.narrow(0, chunk.start, chunk.numel))
-            writes.append(records.io.write(records.files[0], chunk.offset, records.record(chunk, buffer),
+            writes.append(records.io.write(records.fd, records.current(chunk), records.record(chunk, buffer),
                                            done=lambda b=buffer: records.pool.release(b)))
         for future in writes:
             future.result()
 
     def write_master(self, bucket: int, values: torch.Tensor) -> None:
         """New master values of offloaded bucket `bucket` from outside a step (a user's write to a stage-3
-        parameter): into memory while resident, else into the spare slot's records, then flipped."""
+        parameter): into memory while resident, else into new records, each committed once written."""
         records = self.records
         if records.resident:
             self.masters[bucket].copy_(values)
@@ -115,38 +141,62 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         try:
             for chunk in (c for c in records.chunks if c.bucket == bucket):
                 record = records.record(chunk, buffer)
-                records.io.read(records.current(chunk), chunk.offset, record).result()
+                records.io.read(records.fd, records.current(chunk), record).result()
                 records.master(chunk, buffer).copy_(values.narrow(0, chunk.start, chunk.numel))
-                records.io.write(records.spare(chunk), chunk.offset, record).result()
+                records.rewrite(chunk, record)
         finally:
             records.pool.release(buffer)
-        records.slot[bucket] ^= 1
 
     # --- the step ----------------------------------------------------------------
     def update(self, grad_shards: list[torch.Tensor], multiplier: float, indices) -> None:
+        self._update(grad_shards, multiplier, indices, None)
+
+    def _update(self, grad_shards: list[torch.Tensor], multiplier: float, indices,
+                streamed: Optional["StreamedStep"]) -> None:
+        """Step the offloaded chunks of `indices` that have a gradient (after those `streamed` during
+        backward), agree with every rank, then commit or roll back the whole step."""
         if self.records.resident:
             raise RuntimeError("NVMe offload: a step inside resident_states()/resident_masters() is not allowed")
         indices = list(indices)
+        records = self.records
+        state = streamed if streamed is not None else StreamedStep(records)
         wanted = set(indices)
-        chunks = [c for c in self.records.chunks if c.bucket in wanted and grad_shards[c.bucket] is not None]
-        stepped: list[Chunk] = []
-        scalars, error, keep = {}, None, {}
+        chunks = [c for c in records.chunks if c.bucket in wanted and grad_shards[c.bucket] is not None]
         self._published.clear()
-        self._store_written.clear()
+        if streamed is None:
+            self._store_written.clear()
+        error = state.error
+        if error is None:
+            try:
+                if streamed is None:
+                    records.adopt_states()  # states someone put in memory (a checkpoint load) go to disk first
+                self._step_chunks(chunks, grad_shards, multiplier, state, keep_tail=True)
+                state.wait_writes()
+            except BaseException as caught:  # noqa: BLE001 - every rank learns of it below, then it is raised
+                error = caught
+        else:
+            state.wait_writes(quietly=True)
+        records.drop_prefetched()
+        committed, pending, scalars = state.committed, state.pending, state.scalars
+        self.stats["nvme_early_commits"] += len(committed)
         try:
-            self.records.adopt_states()  # states someone put in memory (a checkpoint load) go to disk first
-            scalars = self.stream.run(chunks, grad_shards, multiplier, self._step_chunk, stepped, keep)
-        except BaseException as caught:  # noqa: BLE001 - every rank learns of it below, then it is raised
-            error = caught
-        try:
-            self._agree(error, stepped)
+            self._agree(error, [c for c in state.stepped if c not in set(committed)])
         except BaseException:
-            for buffer in keep.values():  # not committed: the buffers hold records of no current slot
-                self.records.pool.release(buffer)
+            for buffer in state.keep.values():  # not committed: the buffers hold records that are not current
+                records.pool.release(buffer)
+            for chunk, extent in pending:
+                records.abort(chunk, extent)
+            if committed:  # the retry of this step skips them and steps with the same scalars
+                records.resume.update(committed)
+                records.resume_scalars = {b: v for b, v in scalars.items()
+                                          if any(c.bucket == b for c in records.resume)}
             raise
-        self.records.kept.update(keep)
-        for bucket, values in scalars.items():  # commit: every write of the step succeeded, on every rank
-            self.records.slot[bucket] ^= 1
+        for chunk, extent in pending:  # commit: every write of the step succeeded, on every rank
+            records.commit(chunk, extent)
+        records.resume.clear()
+        records.resume_scalars = {}
+        records.kept.update(state.keep)
+        for bucket, values in scalars.items():
             self.records.has_state[bucket] = True
             self.optimizer.state[self.masters[bucket]] = values
             self._published.add(bucket)
@@ -154,13 +204,80 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         self.stats["nvme_bytes_read"], self.stats["nvme_bytes_written"] = io.bytes_read, io.bytes_written
         super().update(grad_shards, multiplier, [i for i in indices if not self.offloaded[i]])
 
+    def _step_chunks(self, chunks: list[Chunk], grad_shards, multiplier: float, state: "StreamedStep",
+                     keep_tail: bool) -> None:
+        """Stream `chunks` through the records into `state`; chunks a failed try committed are not stepped
+        again (their offload_param buckets get their new weights from the records: that try's staging was
+        dropped)."""
+        records = self.records
+        resumed = [c for c in chunks if c in records.resume]
+        self.stats["nvme_resumed_chunks"] += len(resumed)
+        self._publish_from_files([c for c in resumed if getattr(self.buckets[c.bucket], "offloaded", False)])
+        self.stream.run([c for c in chunks if c not in records.resume], grad_shards, multiplier, self._step_chunk,
+                        state.stepped, state.keep, state.scalars, state.pending, state.committed,
+                        in_flight=state.in_flight, keep_tail=keep_tail, wait=keep_tail)
+
+    # --- gradients streamed to the step during backward -----------------------------
+    def _on_shard_ready(self, index: int) -> None:
+        """With `stream_gradients`, bucket `index`'s final gradient shard is stepped at once (its records
+        read, updated and written behind) and the reducer frees it: host memory never holds the gradients of
+        the whole model. The step still commits only in `step()`, after every rank's I/O is known."""
+        if not (self.stream_gradients and self.offloaded[index]):
+            return super()._on_shard_ready(index)
+        grad = self.reducer.grad_shards[index]
+        if grad is None:
+            return
+        state = self._streamed
+        if state is None:
+            state = self._streamed = StreamedStep(self.records)
+            self._published.clear()
+            self._store_written.clear()
+            try:
+                self.records.adopt_states()
+            except BaseException as caught:  # noqa: BLE001 - raised on every rank by step()
+                state.error = caught
+        state.terms[index] = self.gradients.bucket_terms(index, grad)
+        if state.error is not None:
+            return
+        chunks = self._chunks_of.get(index, [])
+        state.order.append(index)
+        try:
+            self._step_chunks(chunks, self.reducer.grad_shards, 1.0, state, keep_tail=False)
+            # read ahead the records of the buckets that came next in the last streamed step (first step:
+            # backward's usual order, the reverse of the buckets'), while the backward computes them
+            position = self._last_order.get(index)
+            upcoming = ([b for b, _ in sorted(self._last_order.items(), key=lambda kv: kv[1]) if
+                         self._last_order[b] > position] if position is not None else range(index - 1, -1, -1))
+            wanted = []
+            for bucket in upcoming:
+                wanted.extend(c for c in self._chunks_of.get(bucket, ()))
+                if len(wanted) >= self.records.pool.count:
+                    break
+            self.stream.prefetch(wanted)
+        except BaseException as caught:  # noqa: BLE001 - raised on every rank by step()
+            state.error = caught
+
+    def step(self, grad_shards: list[torch.Tensor], loss_scale: float) -> None:
+        state, self._streamed = self._streamed, None
+        if state is None:
+            return super().step(grad_shards, loss_scale)
+        self._last_order = {bucket: position for position, bucket in enumerate(state.order)}
+        # the streamed buckets' shards are gone: their squares were summed as they came (same order, same sum)
+        present = [g if g is not None else _NO_GRADIENT for g in grad_shards]
+        norm = self.gradients.norm(present, state.terms) / loss_scale
+        self.last_grad_norm = norm
+        self.shards_written = set()
+        self._update(grad_shards, self.multiplier(norm, loss_scale), range(len(self.buckets)), state)
+        self.stats["steps"] += 1
+        self.publish_after_update()
+
     def _agree(self, error: Optional[BaseException], stepped: list[Chunk]) -> None:
         """All ranks learn which ranks' step I/O failed; if any did, every rank rolls back and raises.
 
         One all-reduce of a per-rank failure flag after the step's I/O. Without it a rank whose
         read or write failed would stop while the others went on with the step applied (a silent
-        divergence, then a hang in the next collective). Rolling back is not flipping the slots
-        and publishing the stepped chunks' old masters again."""
+        divergence, then a hang in the next collective). Rolling back is not moving
+        the index of the chunks not committed yet and publishing their old masters again."""
         comm = self.comm
         failed = [comm_rank(self)] if error is not None else []
         if comm is not None and comm.size > 1:
@@ -268,19 +385,20 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
                 self._store_written.add(chunk.bucket)
 
     def _publish_from_files(self, chunks: list[Chunk]) -> None:
-        """Cast the masters of `chunks` in the current slot into the model's shards."""
+        """Cast the masters of `chunks` in their current records into the model's shards."""
         buffer = self.records.pool.acquire()
         try:
             for chunk in chunks:
                 region = self.records.master_region(chunk, buffer)
-                self.records.io.read(self.records.current(chunk), chunk.offset, region).result()
+                self.records.io.read(self.records.fd, self.records.current(chunk), region).result()
                 self._publish_target(chunk).copy_(region.view(torch.float32)[:chunk.numel])
                 self._published_chunk(chunk)
         finally:
             self.records.pool.release(buffer)
 
     def _restore_model(self, stepped: list[Chunk], cause: BaseException) -> None:
-        """After a failed step: the model shards the step wrote get the (unchanged) masters of the current slot."""
+        """After a failed step: the model shards the step wrote get the masters of the current records (the
+        old ones where not committed; the new ones of chunks committed early)."""
         self._staging.clear()
         self._staging_left.clear()
         written_whole = set(self._store_written)
@@ -325,8 +443,8 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         """Masters and per-element states in host memory (`masters`, `optimizer.state[master]`) while inside.
 
         For checkpoint save (`write_back=False`: only read, the files stay) and load (what is in memory
-        on exit goes to the spare slots, which become current only when all were written). On an
-        exception inside, or a failed read, the files are left as they were."""
+        on exit is written, each record committed once written). On an exception inside, or a failed
+        read, the files are left as they were."""
         with self.records.paged_in(write_back, with_states=True):
             yield self
 
@@ -343,6 +461,37 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
 
     def close(self) -> None:
         self.records.close()
+
+
+_NO_GRADIENT = torch.zeros(0)  # a streamed bucket's place in the norm's list (its terms are known)
+
+
+class StreamedStep:
+    """One step's chunks in progress: stepped, written (pending their commit), committed early, the buffers
+    kept, the scalar states, the writes in flight, the norm terms of streamed buckets, the first error."""
+
+    def __init__(self, records: NvmeRecords):
+        self.records = records
+        self.stepped: list[Chunk] = []
+        self.pending: list[tuple[Chunk, int]] = []
+        self.committed: list[Chunk] = []
+        self.keep: dict[Chunk, torch.Tensor] = {}
+        self.scalars: dict = dict(records.resume_scalars)  # a retry steps with the scalars the failed try used
+        self.in_flight: dict[Chunk, Future] = {}
+        self.terms: dict[int, list[torch.Tensor]] = {}
+        self.order: list[int] = []  # the buckets in the order their gradients came
+        self.error: Optional[BaseException] = None
+
+    def wait_writes(self, quietly: bool = False) -> None:
+        """Wait for every write still in flight; the first failure is raised (unless `quietly`)."""
+        first = None
+        for future in list(self.in_flight.values()):
+            try:
+                future.result()
+            except BaseException as error:  # noqa: BLE001 - all are waited for, the first is raised
+                first = first or error
+        if first is not None and not quietly:
+            raise first
 
 
 def comm_rank(optimizer) -> int:

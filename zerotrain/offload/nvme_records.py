@@ -1,15 +1,30 @@
 """The records of NVMe offload (`nvme.py`): where a chunk's master and states sit, and paging them in.
 
-A chunk's record, in either slot file and in an I/O buffer, is its fp32 master (one aligned
-region of `chunk_numel` elements) followed by one aligned region per per-element optimizer state
-(the group's layout, `probe_state_layout`). A buffer holds one record of the largest group and,
-after it, one fp32 region for the chunk's gradient when it must be copied to the host.
+A chunk's record, in the swap file and in an I/O buffer, is its fp32 master (one aligned region)
+followed by one aligned region per per-element optimizer state (the group's layout,
+`probe_state_layout`). A buffer holds one record of the largest size and, after it, one fp32
+region for the chunk's gradient when it must be copied to the host. A bucket's shard is cut into
+chunks of equal size (at most `chunk_numel` elements), so its records all have one size, and the
+same-shaped shards of every layer share it: the record size classes are few.
+
+One swap file per rank holds, packed, one extent per chunk (its current record) and `spare`
+extra extents per size class: a ring of spare extents. A step never overwrites a current record:
+it writes the chunk's new record into a free extent of its class and the chunk's index entry
+(`location`) moves there only at the commit (`commit`), which frees the old extent. So disk use
+is the records once (12 bytes per fp32 parameter with Adam) plus `spare` records per class,
+whatever the model size; the two full slot files it replaces doubled it. When a class has no free
+extent the oldest pending record of that class is committed early (its write is waited for), so
+a step larger than the ring commits in order, as it goes: a failure then rolls back exactly the
+chunks not committed yet, and the chunks committed early are remembered (`resume`) so that the
+retried step (the same gradients: the engine keeps them) skips them, and the run goes on exactly
+as if nothing had failed (`nvme.py`). A step whose chunks per class fit in the ring (`spare`
+≥ chunks, e.g. small models) commits nothing early: it rolls back whole, as before.
 
 `NvmeRecords` is what `NvmeOffloadOptimizer` holds its records in (a member, `optimizer.records`): the
-swap directory, the two slot files and which slot is current per bucket, the I/O engine, the buffer
-pool and the records still kept in it after a step (`nvme_stream.py`), the views of a record in a
-buffer, paging masters and states into host memory for checkpoints (`paged_in`) and writing them back
-into the spare slots, and the memory accounting of what lives on disk.
+swap directory, the file, the extents and the index, the I/O engine, the buffer pool and the records
+still kept in it after a step (`nvme_stream.py`), the views of a record in a buffer, paging masters
+and states into host memory for checkpoints (`paged_in`) and writing them back, and the memory
+accounting of what lives on disk.
 """
 from __future__ import annotations
 
@@ -25,6 +40,10 @@ from .aio import ALIGN, AlignedBuffers, AsyncFileIO, OffloadIOError, open_swap_d
 from .partial import probe_state_layout
 
 DEFAULT_CHUNK_NUMEL = 1 << 22  # 4M elements: 16 MiB per fp32 region per chunk
+# Spare extents per record size class. Two: a write of a class waits at most for the write of that class
+# issued two records before it (the disk is saturated by two 48 MiB records in flight), and the spares cost
+# two records per class (a transformer has ~4 classes of large records), whatever the model size.
+DEFAULT_SPARE_RECORDS = 2
 
 
 def master_placeholder(numel: int) -> torch.Tensor:
@@ -34,13 +53,14 @@ def master_placeholder(numel: int) -> torch.Tensor:
 
 
 class Chunk:
-    """`numel` elements of bucket `bucket`'s shard from `start`; its record is at `offset` in both slot files."""
+    """`numel` elements of bucket `bucket`'s shard from `start`; its record's size class is `size_class`
+    (every chunk of a bucket has the bucket's: `(group, elements per chunk)`)."""
 
     empty = torch.empty(0)
 
-    def __init__(self, bucket: int, index: int, start: int, numel: int):
+    def __init__(self, bucket: int, index: int, start: int, numel: int, size_class: tuple[int, int]):
         self.bucket, self.index, self.start, self.numel = bucket, index, start, numel
-        self.offset = 0
+        self.size_class = size_class
         self.param = torch.empty(0)  # a stable tensor: the shadow optimizer's key (its data: the buffer's master)
 
 
@@ -53,52 +73,82 @@ class NvmeRecords:
 
     def __init__(self, buckets: Sequence, masters: list[torch.Tensor], optimizer: torch.optim.Optimizer,
                  offloaded: Sequence[bool], *, nvme_path: str, rank: int, buffer_count: int = 4, aio=None,
-                 chunk_numel: Optional[int] = None, direct: Optional[bool] = None, pin_memory: bool = False):
+                 chunk_numel: Optional[int] = None, direct: Optional[bool] = None, pin_memory: bool = False,
+                 spare: Optional[int] = None):
         self.buckets, self.masters, self.optimizer, self.rank = buckets, masters, optimizer, rank
         shards = [b.shard_numel for b, off in zip(buckets, offloaded) if off] or [1]
         self.chunk_numel = round_up(min(chunk_numel or DEFAULT_CHUNK_NUMEL, max(shards)), ALIGN // 4)
         self.region = round_up(self.chunk_numel * 4)  # one fp32 chunk: the master, the gradient
         self.layouts: dict[int, list[tuple[str, torch.dtype, int, int]]] = {}  # key, dtype, offset, bytes
-        self.record_bytes: dict[int, int] = {}
+        self.record_bytes: dict[int, int] = {}  # the largest record of each group (chunk_numel elements)
+        self._probed: dict[int, list[tuple[str, torch.dtype]]] = {}
         for group in {b.group_index for b, off in zip(buckets, offloaded) if off}:
-            offset, layout = self.region, []  # the master first, then the states
-            for key, dtype in probe_state_layout(optimizer, group):
-                size = round_up(self.chunk_numel * dtype.itemsize)
-                layout.append((key, dtype, offset, size))
-                offset += size
-            self.layouts[group], self.record_bytes[group] = layout, offset
+            self._probed[group] = probe_state_layout(optimizer, group)
+            self.layouts[group], self.record_bytes[group] = self._layout(group, self.chunk_numel)
+        self._class_layouts: dict[tuple[int, int], tuple[list, int]] = {}  # size class -> (layout, record bytes)
         self.chunks: list[Chunk] = []
         for index, (bucket, off) in enumerate(zip(buckets, offloaded)):
-            for number, start in enumerate(range(0, bucket.shard_numel, self.chunk_numel) if off else ()):
-                self.chunks.append(Chunk(index, number, start, min(self.chunk_numel, bucket.shard_numel - start)))
+            if not off:
+                continue
+            pieces = -(-bucket.shard_numel // self.chunk_numel)  # equal chunks: one record size per bucket
+            per = round_up(-(-bucket.shard_numel // pieces), ALIGN // 4)
+            size_class = (bucket.group_index, per)
+            if size_class not in self._class_layouts:
+                self._class_layouts[size_class] = self._layout(bucket.group_index, per)
+            for number, start in enumerate(range(0, bucket.shard_numel, per)):
+                self.chunks.append(Chunk(index, number, start, min(per, bucket.shard_numel - start), size_class))
+        self.spare = max(1, int(DEFAULT_SPARE_RECORDS if spare is None else spare))
         self.directory, self.io = open_swap_directory(nvme_path, f"zerotrain-optim-r{rank}-", aio, direct,
                                                       "NVMe offload")
         self._finalizer = weakref.finalize(self, _cleanup, self.io, self.directory)
-        self.files: tuple[int, int] = (-1, -1)  # slot 0, slot 1
+        self.files: tuple[int, ...] = ()  # the swap file (a tuple: what tests inject faults into)
+        self.extent_offsets: list[int] = []  # byte offset of each extent in the file
+        self.location: dict[Chunk, int] = {}  # the extent holding each chunk's current record
+        self.free: dict[tuple[int, int], list[int]] = {}  # free extents per size class (the ring of spares)
         self._open_files()
-        self.slot = {chunk.bucket: 0 for chunk in self.chunks}  # each offloaded bucket's current slot file
-        self.has_state = {bucket: False for bucket in self.slot}
+        self.on_disk = sorted({chunk.bucket for chunk in self.chunks})  # the offloaded buckets
+        self.has_state = {bucket: False for bucket in self.on_disk}
         largest = max(self.record_bytes.values(), default=ALIGN)
         self.pool = AlignedBuffers(max(2, int(buffer_count)), largest + self.region, pin=pin_memory)
         self.resident = False  # masters hold their values (inside paged_in)
         self.kept: dict[Chunk, torch.Tensor] = {}  # records still in pool buffers after a step (nvme_stream.py)
+        self.prefetched: dict[Chunk, tuple] = {}  # (buffer, read) of records read ahead in a streamed step
+        # chunks a failed step committed early, with the step's scalar states, for its retry (nvme.py)
+        self.resume: set[Chunk] = set()
+        self.resume_scalars: dict[int, dict] = {}
+
+    def _layout(self, group: int, numel: int) -> tuple[list[tuple[str, torch.dtype, int, int]], int]:
+        """The layout of a record of `numel` elements of `group`: the master first, then each state."""
+        offset, layout = round_up(numel * 4), []
+        for key, dtype in self._probed[group]:
+            size = round_up(numel * dtype.itemsize)
+            layout.append((key, dtype, offset, size))
+            offset += size
+        return layout, offset
 
     def _open_files(self) -> None:
-        """Two slot files for all buckets; each chunk's record has its offset in both."""
+        """The swap file: one extent per chunk (packed), then `spare` extents per size class."""
         size = 0
         for chunk in self.chunks:
-            chunk.offset = size
-            size += self.record_bytes[self.buckets[chunk.bucket].group_index]
-        needed, free = 2 * size, shutil.disk_usage(self.directory).free
+            self.location[chunk] = len(self.extent_offsets)
+            self.extent_offsets.append(size)
+            size += self.record_nbytes(chunk)
+        for size_class, (_, nbytes) in self._class_layouts.items():
+            self.free[size_class] = []
+            for _ in range(self.spare):
+                self.free[size_class].append(len(self.extent_offsets))
+                self.extent_offsets.append(size)
+                size += nbytes
+        needed, free = size, shutil.disk_usage(self.directory).free
         if needed > free:
             self.close()
             raise OffloadIOError(f"NVMe offload: rank {self.rank} needs {needed / 2**20:.1f} MiB under "
                                  f"{os.path.dirname(self.directory)} for its fp32 masters and optimizer states; "
                                  f"only {free / 2**20:.1f} MiB are free")
+        self.file_bytes = size
         try:
             if self.chunks:
-                path = os.path.join(self.directory, "states")
-                self.files = (self.io.open(path + ".slot0", size), self.io.open(path + ".slot1", size))
+                self.files = (self.io.open(os.path.join(self.directory, "states.ring"), size),)
         except BaseException:
             self.close()
             raise
@@ -107,13 +157,54 @@ class NvmeRecords:
         """Stop the I/O threads and remove the swap directory."""
         self._finalizer()
 
-    def current(self, chunk: Chunk) -> int:
-        """The file holding the chunk's current record."""
-        return self.files[self.slot[chunk.bucket]]
+    # --- the extents and the index ------------------------------------------------------
+    @property
+    def fd(self) -> int:
+        return self.files[0]
 
-    def spare(self, chunk: Chunk) -> int:
-        """The file a step (or a write from outside) writes the chunk's next record to."""
-        return self.files[1 - self.slot[chunk.bucket]]
+    def current(self, chunk: Chunk) -> int:
+        """The byte offset of the chunk's current record in the file."""
+        return self.extent_offsets[self.location[chunk]]
+
+    def claim(self, chunk: Chunk) -> Optional[int]:
+        """A free extent of the chunk's size class for its next record, or None when the ring is empty."""
+        free = self.free[chunk.size_class]
+        return free.pop() if free else None
+
+    def commit(self, chunk: Chunk, extent: int) -> None:
+        """The chunk's current record is now the one in `extent` (written); its old extent is free."""
+        self.free[chunk.size_class].append(self.location[chunk])
+        self.location[chunk] = extent
+
+    def abort(self, chunk: Chunk, extent: int) -> None:
+        """A record written to `extent` is not committed: the extent is free again."""
+        self.free[chunk.size_class].append(extent)
+
+    def rewrite(self, chunk: Chunk, record: torch.Tensor) -> None:
+        """Write the chunk's new record (outside a step) to a free extent and commit it once written."""
+        extent = self.claim(chunk)
+        if extent is None:  # every step commits or aborts all it claimed: a free extent is always there
+            raise RuntimeError(f"NVMe offload: no free extent for chunk {chunk.index} of bucket {chunk.bucket}")
+        try:
+            self.io.write(self.fd, self.extent_offsets[extent], record).result()
+        except BaseException:
+            self.abort(chunk, extent)
+            raise
+        self.commit(chunk, extent)
+
+    def disk_bytes(self) -> int:
+        """Bytes of the swap file: the records once plus the spare extents."""
+        return self.file_bytes
+
+    def drop_prefetched(self) -> None:
+        """Wait for the reads ahead not taken by the step and give their buffers back (a step's end)."""
+        for buffer, future in self.prefetched.values():
+            try:
+                future.result()
+            except BaseException:  # noqa: BLE001 - a record not stepped: its failed read changes nothing
+                pass
+            self.pool.release(buffer)
+        self.prefetched.clear()
 
     def drop_kept(self, buckets: Optional[Iterable[int]] = None) -> None:
         """Give the buffers of the kept records (of `buckets`, else all) back to the pool: their chunks'
@@ -126,12 +217,15 @@ class NvmeRecords:
     def group(self, chunk: Chunk) -> int:
         return self.buckets[chunk.bucket].group_index
 
+    def record_nbytes(self, chunk: Chunk) -> int:
+        return self._class_layouts[chunk.size_class][1]
+
     def record(self, chunk: Chunk, buffer: torch.Tensor) -> torch.Tensor:
-        return buffer[:self.record_bytes[self.group(chunk)]]
+        return buffer[:self.record_nbytes(chunk)]
 
     def master_region(self, chunk: Chunk, buffer: torch.Tensor) -> torch.Tensor:
         """The aligned bytes of the chunk's master at the start of its record (what a master-only read fills)."""
-        return buffer[:self.region]
+        return buffer[:round_up(chunk.size_class[1] * 4)]
 
     def master(self, chunk: Chunk, buffer: torch.Tensor) -> torch.Tensor:
         return self.master_region(chunk, buffer).view(torch.float32)[:chunk.numel]
@@ -139,7 +233,7 @@ class NvmeRecords:
     def states(self, chunk: Chunk, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of the chunk's per-element states in the buffer's record."""
         return {key: buffer[offset:offset + size].view(dtype)[:chunk.numel]
-                for key, dtype, offset, size in self.layouts[self.group(chunk)]}
+                for key, dtype, offset, size in self._class_layouts[chunk.size_class][0]}
 
     def gradient(self, buffer: torch.Tensor, numel: int) -> torch.Tensor:
         """The fp32 gradient region after the largest record."""
@@ -158,8 +252,9 @@ class NvmeRecords:
     @contextmanager
     def paged_in(self, write_back: bool, with_states: bool):
         """Masters (and, `with_states`, per-element states) in host memory while inside; with `write_back`,
-        what is in memory on exit goes to the spare slots, which become current only when all were
-        written. On an exception inside, or a failed read, the files are left as they were."""
+        what is in memory on exit is written, each chunk's record committed once written (a checkpoint
+        load: a failed write leaves the records partly loaded, and the load must be repeated). On an
+        exception inside, or a failed read, the files are left as they were."""
         if self.resident:  # nested: the outer context pages out
             yield
             return
@@ -169,7 +264,7 @@ class NvmeRecords:
         except BaseException:
             self._page_out(set())
             raise
-        written = set(self.slot) if write_back else set()
+        written = set(self.on_disk) if write_back else set()
         try:
             self.write_records(written, masters_in_memory=True)
         except BaseException:
@@ -179,7 +274,7 @@ class NvmeRecords:
 
     def _page_in(self, with_states: bool) -> None:
         self.resident = True
-        for bucket in self.slot:
+        for bucket in self.on_disk:
             master = self.masters[bucket]
             master.data = torch.empty(master.numel(), dtype=torch.float32)
         buffer = self.pool.acquire()
@@ -187,7 +282,7 @@ class NvmeRecords:
             for chunk in self.chunks:
                 bucket, numel = chunk.bucket, self.buckets[chunk.bucket].shard_numel
                 states = with_states and self.has_state[bucket]
-                self.io.read(self.current(chunk), chunk.offset, self.record(chunk, buffer) if states
+                self.io.read(self.fd, self.current(chunk), self.record(chunk, buffer) if states
                              else self.master_region(chunk, buffer)).result()
                 self.masters[bucket].narrow(0, chunk.start, chunk.numel).copy_(self.master(chunk, buffer))
                 if not states:
@@ -201,8 +296,8 @@ class NvmeRecords:
             self.pool.release(buffer)
 
     def write_records(self, buckets: set, masters_in_memory: bool) -> None:
-        """Write the records of `buckets` to their spare slots: masters from memory (else as in the
-        current slot), per-element states from `optimizer.state` where all are there (else as they were)."""
+        """Write the records of `buckets`, each committed once written: masters from memory (else as in the
+        current record), per-element states from `optimizer.state` where all are there (else as they were)."""
         buffer = None
         try:
             for chunk in self.chunks:
@@ -211,26 +306,28 @@ class NvmeRecords:
                 buffer = buffer if buffer is not None else self.pool.acquire()
                 record, states = self.record(chunk, buffer), self._states_in_memory(chunk.bucket)
                 if not (masters_in_memory and states):
-                    self.io.read(self.current(chunk), chunk.offset, record).result()
+                    self.io.read(self.fd, self.current(chunk), record).result()
                 if masters_in_memory:
                     self.master(chunk, buffer).copy_(self.masters[chunk.bucket].narrow(0, chunk.start, chunk.numel))
                 if states:
                     state = self.optimizer.state[self.masters[chunk.bucket]]
                     for key, region in self.states(chunk, buffer).items():
                         region.copy_(state[key].narrow(0, chunk.start, chunk.numel))
-                self.io.write(self.spare(chunk), chunk.offset, record).result()
+                self.rewrite(chunk, record)
         finally:
             if buffer is not None:
                 self.pool.release(buffer)
 
     def _page_out(self, written: set) -> None:
-        """Flip the slots of `written` buckets; keep only scalar states (and no masters) in memory."""
+        """After `written` buckets were written back: keep only scalar states (and no masters) in memory."""
         self.drop_kept(written)  # their records in the buffers are no longer the current ones
-        for bucket in self.slot:
+        if written:  # everything was rewritten (a checkpoint load): no failed step is waiting for its retry
+            self.resume.clear()
+            self.resume_scalars.clear()
+        for bucket in self.on_disk:
             master = self.masters[bucket]
             state = self.optimizer.state.get(master)
             if bucket in written:
-                self.slot[bucket] ^= 1
                 self.has_state[bucket] = self._states_in_memory(bucket)
             elif self.has_state[bucket] and not state:
                 self.has_state[bucket] = False  # the states were cleared (a load of a fresh checkpoint)
@@ -243,7 +340,7 @@ class NvmeRecords:
 
     def adopt_states(self) -> None:
         """Per-element states someone put in `optimizer.state` outside paged_in go to disk."""
-        written = {bucket for bucket in self.slot if self._states_in_memory(bucket)}
+        written = {bucket for bucket in self.on_disk if self._states_in_memory(bucket)}
         self.write_records(written, masters_in_memory=False)
         self._page_out(written)
 
@@ -251,7 +348,7 @@ class NvmeRecords:
     def account(self, split: dict[str, int]) -> dict[str, int]:
         """An OffloadOptimizer memory split, corrected: the offloaded masters and per-element states counted
         under `nvme` (in host memory only while resident) and the I/O buffers under `host_buffers`."""
-        for bucket in self.slot:
+        for bucket in self.on_disk:
             numel = self.buckets[bucket].shard_numel
             if not self.resident:
                 split["host"] -= numel * 4  # OffloadOptimizer counts a host master: here a placeholder

@@ -6,7 +6,7 @@ the pipeline reads ahead as far as the pool allows (`pool.count` records in flig
 chunk as soon as its read is done, and writes it behind while the next ones are read.
 
 Kept records: after a committed step, the buffers of the last `pool.count - 1` chunks still hold
-exactly what was just written to the new current slot. Instead of giving them back to the pool
+exactly what was just written as their chunks' current records. Instead of giving them back to the pool
 (where they would only be overwritten), the step keeps them (`records.kept`), and the next step updates
 those chunks first, without reading them: their reads vanish from the disk's work and the update
 starts at once, while the reads of the other chunks are already in flight. One buffer always
@@ -36,24 +36,31 @@ class NvmeStream:
         self.records = records
 
     def run(self, chunks: list[Chunk], grad_shards, multiplier: float, step_chunk: StepChunk, stepped: list[Chunk],
-            keep: dict[Chunk, torch.Tensor]) -> dict:
-        """Read, update with `step_chunk` (which publishes) and write back `chunks`, appending each to
-        `stepped` before it changes.
+            keep: dict[Chunk, torch.Tensor], scalars: dict, pending: list[tuple[Chunk, int]],
+            committed: list[Chunk], in_flight: Optional[dict[Chunk, Future]] = None, keep_tail: bool = True,
+            wait: bool = True) -> None:
+        """Read, update with `step_chunk` (which publishes and fills `scalars`) and write `chunks` to free
+        extents, appending each to `stepped` before it changes.
 
-        Kept records go first and are not read. Returns the new scalar states by bucket and puts the
-        buffers of the last `pool.count - 1` chunks, written, into `keep` (the caller keeps them only
-        when the step commits). On failure every I/O in flight is waited for, every buffer goes back
-        to the pool and the error is raised; the slots are untouched."""
+        Kept records go first and are not read. The written records are left in `pending` as (chunk,
+        extent), for the caller to commit or abort; where a size class has no free extent, its oldest
+        pending record is waited for and committed at once (appended to `committed`). The buffers of
+        the last `pool.count - 1` chunks, written, go into `keep` (the caller keeps them only when the
+        step commits) unless not `keep_tail`. `in_flight` (chunk -> its write) is shared by the runs of one
+        step (gradients streamed bucket by bucket); without `wait` the writes are left in flight there. On
+        failure every I/O of this run is waited for, every buffer goes back to the pool and the error is
+        raised; the index holds the committed chunks only."""
         records, pool, io = self.records, self.records.pool, self.records.io
-        held = {chunk: records.kept.pop(chunk) for chunk in chunks if chunk in records.kept}
+        held = {chunk: (records.kept.pop(chunk), None) for chunk in chunks if chunk in records.kept}
+        held.update({chunk: records.prefetched.pop(chunk) for chunk in chunks if chunk in records.prefetched})
         records.drop_kept()  # records of chunks not stepped now: their buffers serve this step's reads
         order = [c for c in chunks if c in held] + [c for c in chunks if c not in held]
         fetched: dict[int, tuple[torch.Tensor, Optional[Future]]] = {
-            position: (held[chunk], None) for position, chunk in enumerate(order[:len(held)])}
+            position: held[chunk] for position, chunk in enumerate(order[:len(held)])}
         writes: list[Future] = []
+        in_flight = {} if in_flight is None else in_flight  # the pending records' writes
         keeping: dict[Chunk, torch.Tensor] = {}  # the tail's buffers: not released when written
-        keep_from = len(order) - (pool.count - 1)
-        scalars: dict = {}
+        keep_from = len(order) - (pool.count - 1) if keep_tail else len(order)
         holding, ahead = None, len(held)  # holding: (buffer, its read) of the chunk being updated
         try:
             for k, chunk in enumerate(order):
@@ -62,7 +69,7 @@ class NvmeStream:
                     if buffer is None:
                         break
                     following = order[ahead]
-                    fetched[ahead] = (buffer, io.read(records.current(following), following.offset,
+                    fetched[ahead] = (buffer, io.read(records.fd, records.current(following),
                                                       records.record(following, buffer)))
                     ahead += 1
                 holding = fetched.pop(k)
@@ -75,12 +82,22 @@ class NvmeStream:
                 step_chunk(chunk, holding[0], grad_shards[chunk.bucket], multiplier, scalars)
                 buffer = holding[0]
                 release = None if k >= keep_from else (lambda b=buffer: pool.release(b))
-                writes.append(io.write(records.spare(chunk), chunk.offset, records.record(chunk, buffer),
+                extent = records.claim(chunk)
+                while extent is None:  # the ring of this size is used up: commit its oldest pending record
+                    position = next(i for i, (c, _) in enumerate(pending) if c.size_class == chunk.size_class)
+                    early, early_extent = pending.pop(position)
+                    in_flight.pop(early).result()
+                    records.commit(early, early_extent)
+                    committed.append(early)
+                    extent = records.claim(chunk)
+                pending.append((chunk, extent))
+                writes.append(io.write(records.fd, records.extent_offsets[extent], records.record(chunk, buffer),
                                        done=release))
+                in_flight[chunk] = writes[-1]
                 if k >= keep_from:
                     keeping[chunk] = buffer
                 holding = None
-            for future in writes:
+            for future in writes if wait else ():
                 future.result()
         except BaseException:
             for buffer, future in list(fetched.values()) + ([holding] if holding is not None else []):
@@ -92,7 +109,22 @@ class NvmeStream:
                 pool.release(buffer)
             raise
         keep.update(keeping)
-        return scalars
+
+
+    def prefetch(self, chunks: list[Chunk]) -> None:
+        """Start reading the current records of `chunks` (the next buckets a streamed step expects) into the
+        buffers free now, in order, while the backward computes; `run` takes them as it takes kept records."""
+        records = self.records
+        for chunk in chunks:
+            if chunk in records.prefetched or chunk in records.kept or chunk in records.resume:
+                continue
+            if records.pool.free_count() <= 1:  # one buffer stays free for the run that comes first
+                return
+            buffer = records.pool.acquire(block=False)
+            if buffer is None:
+                return
+            records.prefetched[chunk] = (buffer, records.io.read(records.fd, records.current(chunk),
+                                                                 records.record(chunk, buffer)))
 
 
 def _quietly_wait(futures) -> None:

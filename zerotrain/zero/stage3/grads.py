@@ -97,6 +97,7 @@ class Stage3GradReducer(BucketReducer):
         self._stores: list[Optional[torch.Tensor]] = [None] * len(buckets)  # reduced fp32 shards
         self._staging: list[Optional[torch.Tensor]] = [None] * len(buckets)
         self._owned: set[int] = set()  # buckets whose staging buffer is ours (not an adopted gradient)
+        self.release_final_shards = False  # set by a consumer that takes each final shard in its callback
         super().__init__(buckets, [[part.param for part in bucket.parts] for bucket in buckets], comm, reduce,
                          max_in_flight)
         self.stats["reduce_scatters"] = 0
@@ -193,6 +194,10 @@ class Stage3GradReducer(BucketReducer):
         for part in self.buckets[index].parts:
             for callback in self.shard_ready_callbacks:
                 callback(part.index)
+        if self.release_final_shards:  # a callback consumed them (NVMe offload steps them during backward)
+            self._stores[index] = None
+            for part in self.buckets[index].parts:
+                self.grad_shards[part.index] = None
 
     # --- accounting -------------------------------------------------------
     def _gradient_bytes(self) -> int:

@@ -1,0 +1,196 @@
+"""NVMe offload's bounded swap file: one extent per chunk plus a ring of spare extents (no second copy).
+
+With one spare extent per size class, a step outgrows the ring: buckets 1 and 2 share a size class, so the
+first of them written is committed early (before the step ends) for the second to take its old extent. A
+write failing after that, on both ranks or on rank 0 only, raises on every rank; each rank's uncommitted
+chunks are exactly as before the step, the early-committed one exactly as after the clean step, and the
+retry (same gradients) skips it and ends bit for bit where the run without a failure ends. The file holds each
+chunk's record once plus the spares."""
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from offload_common import build_engine, snapshot, train_steps, world_batches
+from test_offload_nvme_failure import _failing_io
+
+FAIL_STEP = 2
+
+
+def train(nvme_path: str, failing_ranks: tuple) -> dict:
+    import zerotrain.offload.aio as aio
+    import zerotrain.offload.nvme_records as nvme_records
+    from zerotrain.offload import OffloadIOError
+
+    nvme_records.DEFAULT_SPARE_RECORDS = 1  # buckets 1 and 2 share a size class and its one spare
+    engine = build_engine(2, {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 2})
+    opt = engine.zero_optimizer
+    records = opt.records
+    out = {"file_bytes": records.disk_bytes(), "on_disk": os.path.getsize(os.path.join(records.directory,
+                                                                                       "states.ring")),
+           "record_bytes": sum(records.record_nbytes(c) for c in records.chunks),
+           "spare_bytes": sum(records._class_layouts[k][1] for k in records.free)}
+    original_step = engine._take_model_step
+
+    def step():
+        if engine.global_steps != FAIL_STEP or "after" in out:
+            return original_step()
+        out["before"] = snapshot(engine)
+        if not failing_ranks:  # the clean run: its state after this step is what the early commit must hold
+            original_step()
+            out["after"] = snapshot(engine)
+            return
+        location = dict(records.location)
+        # three record writes a step; the third finds its class's spare taken and commits the record of the
+        # other bucket of its class early, then fails
+        restore = _failing_io(aio, "_pwrite", 3, errno.EIO) if int(os.environ["RANK"]) in failing_ranks \
+            else (lambda: None)
+        try:
+            with pytest.raises(OffloadIOError) as raised:
+                original_step()
+        finally:
+            restore()
+        out["message"] = str(raised.value)
+        out["early"] = sorted(c.bucket for c in records.resume)
+        out["moved"] = sorted(c.bucket for c in records.chunks if records.location[c] != location[c])
+        out["after_failure"] = snapshot(engine)
+        out["after"] = True
+        original_step()  # the retry
+
+    engine._take_model_step = step
+    out["losses"], _ = train_steps(engine, world_batches(2))
+    out["weights"] = engine.full_state_dict()
+    out["stats"] = {k: v for k, v in opt.stats.items() if k.startswith("nvme")}
+    opt.close()
+    return out
+
+
+def run_all(nvme_path: str) -> list:
+    rank = os.environ["RANK"]
+    return [train(os.path.join(nvme_path, f"r{rank}-{i}"), ranks) for i, ranks in enumerate(((), (0, 1), (0,)))]
+
+
+def test_a_step_larger_than_the_ring_rolls_back_what_it_did_not_commit_and_resumes_exactly(tmp_path):
+    per_rank = run_distributed(run_all, 2, str(tmp_path), timeout=120)
+    for rank, (clean, both, one) in enumerate(per_rank):
+        # the file: every chunk's record once plus one spare per size class, nothing more
+        assert clean["on_disk"] == clean["file_bytes"] == clean["record_bytes"] + clean["spare_bytes"]
+        assert clean["stats"]["nvme_early_commits"] > 0 and clean["stats"]["nvme_failed_steps"] == 0
+        for failed, culprits in ((both, "[0, 1]"), (one, "[0]")):
+            assert f"failed on rank(s) {culprits}" in failed["message"], failed["message"]
+            early = failed["early"]
+            assert len(early) == 1 and failed["moved"] == early, (rank, early, failed["moved"])
+            mid, before, after = failed["after_failure"], failed["before"], clean["after"]
+            for bucket in range(3):  # exactly as before where not committed, exactly as after the clean step else
+                expected = after if bucket in early else before
+                for kind in ("masters", "model"):
+                    assert torch.equal(mid[kind][bucket], expected[kind][bucket]), (rank, culprits, kind, bucket)
+                assert not torch.equal(before["masters"][bucket], after["masters"][bucket]), "the step changes it"
+            assert failed["stats"]["nvme_failed_steps"] == 1 and failed["stats"]["nvme_resumed_chunks"] == 1
+            assert failed["losses"] == clean["losses"], (rank, culprits)
+            for name, ref in clean["weights"].items():
+                assert torch.equal(failed["weights"][name], ref), (rank, culprits, name)
+
+
+def test_the_file_is_the_records_once_plus_the_spares(tmp_path):
+    """14 bytes per parameter at most on disk comes from here: 12 per element (fp32 master + Adam's two
+    moments) once, chunks cut equally (no per-chunk padding beyond alignment), plus `spare` records."""
+    from zerotrain.offload import NvmeOffloadOptimizer
+    from zerotrain.sharding import ShardGroup
+    from zerotrain.zero.flat import FlatBucket
+
+    numel, chunk, spare = 50_000, 4096, 2  # 13 chunks (12 of 4096, one of 848), one size class
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(numel))
+    ref = torch.nn.Parameter(param.detach().clone())
+    ref_opt = torch.optim.AdamW([ref], fused=True)
+    opt = NvmeOffloadOptimizer([FlatBucket(0, [("w", param)], 0, ShardGroup.local())], None,
+                               torch.optim.AdamW([param], fused=True), [[param]], 0.0, nvme_path=str(tmp_path),
+                               buffer_count=2, chunk_numel=chunk, spare=spare)
+    try:
+        records = opt.records
+        assert len(records.chunks) == 13 and {c.size_class for c in records.chunks} == {(0, chunk)}
+        per_record = records.record_nbytes(records.chunks[0])
+        assert records.disk_bytes() == (13 + spare) * per_record
+        assert os.path.getsize(os.path.join(records.directory, "states.ring")) == records.disk_bytes()
+        assert 13 * per_record <= 12 * numel * 1.1  # the records once: 12 B/element and a little alignment
+        for _ in range(3):  # 13 chunks through 2 spares: early commits every step, still AdamW bit for bit
+            grad = torch.randn(numel)
+            ref.grad = grad.clone()
+            ref_opt.step()
+            opt.step([grad], 1.0)
+            assert torch.equal(param.detach(), ref.detach())
+        assert opt.stats["nvme_early_commits"] > 0
+        assert len(set(records.location.values())) == 13 and sum(map(len, records.free.values())) == spare
+    finally:
+        opt.close()
+
+
+def streamed(nvme_path: str) -> list:
+    """Stage 3 without clipping or accumulation: gradients streamed to the NVMe step bucket by bucket, the same
+    run with the gradients held until step() (streaming switched off), and a streamed run whose step 1 fails
+    (a write on rank 0) and is retried by running the batch's forward/backward again."""
+    import zerotrain
+    import zerotrain.offload.aio as aio
+    import zerotrain.offload.factory as factory
+    from zerotrain.offload import OffloadIOError
+    from offload_common import engine_config, param_groups
+    from models_for_tests import OddMLP, micro_slice
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    real = factory.streams_gradients
+    out = []
+    for case in ("streamed", "held", "failed"):
+        if case == "held":
+            factory.streams_gradients = lambda config, reducer: False
+        torch.manual_seed(0)
+        model = OddMLP()
+        config = dict(engine_config(3, {"device": "nvme", "nvme_path": os.path.join(nvme_path, case),
+                                        "buffer_count": 2}), gradient_clipping=0.0, gradient_accumulation_steps=1,
+                      train_micro_batch_size_per_gpu=4)
+        engine, *_ = zerotrain.initialize(model=model, model_parameters=param_groups(model), config=config)
+        factory.streams_gradients = real
+        held, losses, norms, raised = [], [], [], []
+        original = engine._take_model_step
+        engine._take_model_step = lambda: (held.append(engine.reducer._gradient_bytes()), original())[1]
+        for step, batch in enumerate(world_batches(2, steps=3)):
+            x, y = micro_slice(batch, 0, rank, world, 4)
+            for attempt in range(2):
+                loss = engine(x, y)
+                if case == "failed" and step == 1 and attempt == 0:  # streamed: the writes run in backward
+                    restore = _failing_io(aio, "_pwrite", 2, errno.EIO) if rank == 0 else (lambda: None)
+                    try:
+                        engine.backward(loss)
+                        with pytest.raises(OffloadIOError) as error:
+                            engine.step()
+                    finally:
+                        restore()
+                    raised.append(str(error.value))
+                    continue  # the retry: forward and backward of the same batch again
+                engine.backward(loss)
+                engine.step()
+                break
+            losses.append(float(loss.detach()))
+            norms.append(engine.get_global_grad_norm())
+        out.append({"losses": losses, "norms": norms, "held": held[-3:], "weights": engine.full_state_dict(),
+                    "streams": engine.zero_optimizer.stream_gradients, "raised": raised,
+                    "stats": dict(engine.zero_optimizer.stats)})
+        engine.zero_optimizer.close()
+    return out
+
+
+def test_gradients_streamed_to_the_nvme_step_during_backward_change_nothing_but_memory(tmp_path):
+    for on, off, failed in run_distributed(streamed, 2, str(tmp_path), timeout=120):
+        assert on["streams"] and not off["streams"] and failed["streams"]
+        assert on["held"] == [0, 0, 0] and all(h > 0 for h in off["held"]), (on["held"], off["held"])
+        assert on["losses"] == off["losses"] and on["norms"] == off["norms"]
+        assert failed["raised"] and "failed on rank(s) [0]" in failed["raised"][0], failed["raised"]
+        assert failed["stats"]["nvme_failed_steps"] == 1
+        assert failed["losses"] == on["losses"] and failed["norms"] == on["norms"]
+        for name, ref in off["weights"].items():
+            assert torch.equal(on["weights"][name], ref), name
+            assert torch.equal(failed["weights"][name], ref), name
