@@ -22,6 +22,18 @@ PathLike = Union[str, os.PathLike]
 PANELS = (("loss", "loss (nats/token)"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"))
 
 
+def _json_lines(path: Path):
+    """(line number, record) of each non-blank line of a JSON-lines file; a bad line names the file and line."""
+    with open(path, encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                yield line_number, json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{line_number}: not a JSON record ({error.msg})") from None
+
+
 def read_metrics(source: PathLike) -> list[dict]:
     """The records of a run: `source` is a metrics.jsonl file or a directory holding one.
     Later records for a step replace earlier ones (a resumed run re-logs from its checkpoint)."""
@@ -31,16 +43,9 @@ def read_metrics(source: PathLike) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"no metrics file at {path} (train with --log-dir to write one)")
     by_step: dict[int, dict] = {}
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{line_number}: not a JSON record ({error.msg})") from None
-            if "step" in record:
-                by_step[int(record["step"])] = record
+    for _, record in _json_lines(path):
+        if "step" in record:
+            by_step[int(record["step"])] = record
     if not by_step:
         raise ValueError(f"{path}: no step records")
     return [by_step[step] for step in sorted(by_step)]
@@ -205,18 +210,11 @@ def read_memory_timeline(path: PathLike) -> tuple[dict, list[dict]]:
     path = Path(path)
     header: dict = {}
     samples: list[dict] = []
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{line_number}: not a JSON record ({error.msg})") from None
-            if "t" in record:
-                samples.append(record)
-            elif line_number == 1:
-                header = record
+    for line_number, record in _json_lines(path):
+        if "t" in record:
+            samples.append(record)
+        elif line_number == 1:
+            header = record
     if not samples:
         raise ValueError(f"{path}: no memory samples")
     return header, samples
