@@ -8,7 +8,7 @@ One world-2 launch holds every equality:
   checkpoint continues exactly; its full save's adapter (PEFT layout) loads with `PeftModel.from_pretrained`
   and gives the engine's logits; `ckpt export --merge-lora` loads with `AutoModelForCausalLM` and gives peft's
   merged logits.
-- tensor parallelism 2 (ZeRO stage 1 and 3), LoRA on every linear layer (column- and row-split bases): the
+- tensor parallelism 2 (ZeRO stages 0-3), LoRA on every linear layer (column- and row-split bases): the
   same equality with peft, and the save (frozen split base joined whole) loads back exactly.
 """
 from __future__ import annotations
@@ -142,7 +142,7 @@ def _tensor_parallel(directory: str, tmp: str, vocab: int, stage: int) -> dict:
 
 def _lora_world2(directory: str, tmp: str, vocab: int) -> dict:
     return {"zero3": _zero3_data_parallel(directory, tmp, vocab),
-            "tp": {stage: _tensor_parallel(directory, tmp, vocab, stage) for stage in (1, 3)}}
+            "tp": {stage: _tensor_parallel(directory, tmp, vocab, stage) for stage in (0, 1, 2, 3)}}
 
 
 # --- the reference: peft in one process ------------------------------------------------------------------------
@@ -250,12 +250,12 @@ def test_lora_world2_zero3_and_tensor_parallel_equal_peft(tiny_llama_dir, tmp_pa
                                    rtol=1e-5, atol=1e-5)
     assert main(["ckpt", "export", str(adapters), str(tmp_path / "nope"), "--merge-lora"]) == 1  # no base in it
 
-    # --- tensor parallelism 2, LoRA on column- and row-split layers, ZeRO stages 1 and 3 ---
+    # --- tensor parallelism 2, LoRA on column- and row-split layers, ZeRO stages 0-3 ---
     tp_losses, _, _ = _peft_training(directory, vocab, STEPS, TP_TARGETS, sgd=True)
     tp_weights = _peft_training(directory, vocab, 3, TP_TARGETS, sgd=True)[1]
     assert all(t.abs().sum() > 0 for n, t in tp_weights.items() if ".lora_B." in n), "lora_B left zero: no training"
     base_weights = transformers.AutoModelForCausalLM.from_pretrained(directory).state_dict()
-    for stage in (1, 3):
+    for stage in (0, 1, 2, 3):
         for rank, result in enumerate(results):
             got = result["tp"][stage]
             where = f"TP2 stage {stage} rank {rank}"
