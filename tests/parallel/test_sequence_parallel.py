@@ -20,12 +20,18 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from models_for_tests import assert_tolerance_discriminates
 
 transformers = pytest.importorskip("transformers")
 
 STEPS, GLOBAL, SEQ, VOCAB, LR, CLIP = 2, 4, 16, 96, 1e-3, 1.0
 EPS = 1e-4  # see tests/parallel/test_tensor_parallel_hf.py: keeps Adam from amplifying summation-order noise
 ODD = 15  # a length two ranks do not divide: padded to 16
+# ZeRO++ is lossy (int8 weights, int4 gradients): judged over longer training at a higher lr, against the
+# do-nothing baseline (lr 0 on the same batches), see assert_tolerance_discriminates
+LOSSY_STEPS, LOSSY_LR = 6, 1e-2
+ZEROPP = {"zero_quantized_gradients": True, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024},
+          "zero_quantized_weights": True}
 
 
 # --- models (fixed initial weights, no download) -----------------------------------------------------
@@ -101,7 +107,8 @@ def forward(kind: str, model_or_engine, rows, sp=None):
 
 
 # --- the runs ---------------------------------------------------------------------------------------
-def make_engine(kind: str, sp: int, tp: int = 1, stage: int = 1, kv_heads: int = 2, moe: bool = False, **zero):
+def make_engine(kind: str, sp: int, tp: int = 1, stage: int = 1, kv_heads: int = 2, moe: bool = False,
+                lr: float = LR, **zero):
     import zerotrain
     from zerotrain.comm import Comm
     from zerotrain.topology import Topology
@@ -115,7 +122,7 @@ def make_engine(kind: str, sp: int, tp: int = 1, stage: int = 1, kv_heads: int =
             moe_comm = Comm.data_parallel(topology).subgroup(*topology.expert_parallel_group(topology.dp_size))
         model = build_gpt(moe_comm)
     config = {"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": GLOBAL // dp, "gradient_clipping": CLIP,
-              "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS}},
+              "optimizer": {"type": "AdamW", "params": {"lr": lr, "eps": EPS}},
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000,
                                     "stage3_param_persistence_threshold": 0, **zero},
               "tensor_parallel": {"autotp_size": tp}, "sequence_parallel_size": sp,
@@ -169,6 +176,16 @@ def world2(save_root: str) -> dict:
                                    engine.full_state_dict())
     engine = make_engine("gpt", sp=2, stage=2, moe=True)
     results["gpt moe"] = (train(engine, "gpt", gpt_batches(STEPS, SEQ), 0, STEPS), engine.full_state_dict())
+    # ZeRO-Infinity: parameters and optimizer state on NVMe, partitioned over the two sequence-parallel ranks
+    nvme = {"device": "nvme", "nvme_path": os.path.join(save_root, "nvme"), "buffer_count": 2, "buffer_size": 2000,
+            "max_in_cpu": 0}
+    engine = make_engine("gpt", sp=2, stage=3, offload_param=nvme,
+                         offload_optimizer={"device": "nvme", "nvme_path": nvme["nvme_path"]})
+    results["gpt nvme"] = (train(engine, "gpt", gpt_batches(STEPS, SEQ), 0, STEPS), engine.full_state_dict())
+    # ZeRO++ over the sequence-parallel pair (its ZeRO ranks): qgZ with LoCo and qwZ
+    engine = make_engine("gpt", sp=2, stage=3, lr=LOSSY_LR, **ZEROPP)
+    results["gpt zero++"] = (train(engine, "gpt", gpt_batches(LOSSY_STEPS, SEQ), 0, LOSSY_STEPS),
+                             engine.full_state_dict())
     return results
 
 
@@ -187,6 +204,13 @@ def world4() -> dict:
                          offload_optimizer={"device": "cpu"})
     results["gpt SP2 x DP2 ZeRO-3 hpZ offload"] = (train(engine, "gpt", gpt_batches(STEPS, SEQ), 0, STEPS),
                                                    engine.full_state_dict())
+    # qgZ's int4 gradients with LoCo reduced over the four ZeRO (data x sequence) ranks as two pretend nodes
+    os.environ["ZEROTRAIN_RANKS_PER_NODE"] = "2"
+    engine = make_engine("gpt", sp=2, stage=2, lr=LOSSY_LR, zero_quantized_gradients=True,
+                         zeropp_loco_param=ZEROPP["zeropp_loco_param"])
+    results["gpt SP2 x DP2 ZeRO-2 qgZ+LoCo"] = (train(engine, "gpt", gpt_batches(LOSSY_STEPS, SEQ), 0, LOSSY_STEPS),
+                                                engine.full_state_dict())
+    del os.environ["ZEROTRAIN_RANKS_PER_NODE"]
     # Qwen2 (q/k/v biases) and Mistral: the same attention registry, other modeling code
     data = llama_batches(STEPS, SEQ, False)
     engine = make_engine("qwen2", sp=2, stage=3)
@@ -197,14 +221,15 @@ def world4() -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def reference(kind: str, length: int = SEQ, packed: bool = False, kv_heads: int = 2, moe: bool = False):
-    """Plain single-process AdamW on the whole sequences: the losses of STEPS + 1 steps, the weights after STEPS
-    steps and after STEPS + 1."""
+def reference(kind: str, length: int = SEQ, packed: bool = False, kv_heads: int = 2, moe: bool = False,
+              steps: int = STEPS, lr: float = LR):
+    """Plain single-process AdamW on the whole sequences: the losses of steps + 1 steps, the weights after
+    `steps` steps and after steps + 1."""
     from zerotrain.comm import Comm
 
     model = build_gpt(Comm(None, 0, 1) if moe else None) if kind == "gpt" else build_llama(kv_heads, kind)
-    data = gpt_batches(STEPS + 1, length) if kind == "gpt" else llama_batches(STEPS + 1, length, packed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    data = gpt_batches(steps + 1, length) if kind == "gpt" else llama_batches(steps + 1, length, packed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=EPS)
     losses, weights = [], []
     for rows in data:
         loss = forward(kind, model, rows)
@@ -214,7 +239,7 @@ def reference(kind: str, length: int = SEQ, packed: bool = False, kv_heads: int 
         optimizer.zero_grad()
         losses.append(loss.item())
         weights.append({name: param.detach().clone() for name, param in model.named_parameters()})
-    return losses, weights[STEPS - 1], weights[STEPS]
+    return losses, weights[steps - 1], weights[steps]
 
 
 def check(where: str, got: tuple, want: tuple) -> None:
@@ -242,6 +267,19 @@ def test_sequence_parallel_world2_trains_like_one_process_and_resumes_at_sp1(tmp
           (losses[:STEPS], at_steps))
     losses, at_steps, _ = reference("gpt", moe=True)
     check("gpt with experts SP2", results["gpt moe"], (losses[:STEPS], at_steps))
+    losses, at_steps, _ = reference("gpt")
+    check("gpt SP2 ZeRO-3, parameters and optimizer on NVMe", results["gpt nvme"], (losses[:STEPS], at_steps))
+    check_zeropp("gpt SP2 ZeRO-3 qgZ+LoCo+qwZ", results["gpt zero++"], "gpt")
+
+
+def check_zeropp(where: str, got: tuple, kind: str, tolerances: tuple = (5e-3, 0.11)) -> None:
+    """A lossy ZeRO++ run: within tolerance of single-process training, which the do-nothing baseline (lr 0, the
+    initial weights) is not."""
+    losses, at_steps, _ = reference(kind, steps=LOSSY_STEPS, lr=LOSSY_LR)
+    still, initial, _ = reference(kind, steps=LOSSY_STEPS, lr=0.0)
+    weights = {name: got[1][name] for name in at_steps}  # the state dict also names the tied head
+    assert_tolerance_discriminates(where, (losses[:LOSSY_STEPS], at_steps), (got[0], weights),
+                                   (still[:LOSSY_STEPS], initial), loss_tol=tolerances[0], weight_tol=tolerances[1])
 
 
 def test_sequence_parallel_world4_with_data_parallel_zero3_and_tensor_parallel():
@@ -255,6 +293,7 @@ def test_sequence_parallel_world4_with_data_parallel_zero3_and_tensor_parallel()
         check(f"{kind} {shape}", results[f"{kind} {shape}"], (losses[:STEPS], at_steps))
     losses, at_steps, _ = reference("gpt")
     check("gpt SP2 x DP2 ZeRO-3 hpZ offload", results["gpt SP2 x DP2 ZeRO-3 hpZ offload"], (losses[:STEPS], at_steps))
+    check_zeropp("gpt SP2 x DP2 ZeRO-2 qgZ+LoCo", results["gpt SP2 x DP2 ZeRO-2 qgZ+LoCo"], "gpt")
 
 
 def test_heads_that_do_not_divide_are_refused_naming_the_keys():
