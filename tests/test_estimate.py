@@ -69,13 +69,64 @@ def engine_memory_per_case(nvme_path: str) -> list[dict]:
                                                                            case[2] or "none"),
                                     probe_optimizer(parsed.optimizer), device_type="cpu")
         out.append({"case": case, "report": report, "estimate": predicted.rows})
+    out.append(sequence_parallel_case())
     return out
+
+
+SP_CASE = (2, None, None, "fp32")  # and sequence_parallel_size 2: the two ranks are one sequence-parallel pair
+
+
+def sequence_parallel_case() -> dict:
+    """ZeRO-2 at sequence_parallel_size 2 (no data parallelism): the states partitioned over the pair, and the
+    activations of the real sequence-parallel forward (math attention, as on the meta device) next to the
+    estimate's, whose meta forward runs one rank's part of the exchange."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import zerotrain
+    from zerotrain.config import load_config
+    from zerotrain.models import GPT, GPTConfig
+
+    config = dict(_config(*SP_CASE), sequence_parallel_size=2, train_batch_size=2)
+    torch.manual_seed(0)
+    engine, *_ = zerotrain.initialize(model=GPT(GPTConfig.preset("tiny")), config=config)
+    for step in range(2):
+        idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(step))
+        batch = engine.sequence_parallel.shard({"input_ids": idx, "labels": idx}, shift_labels=False)
+        _, loss = engine(batch["input_ids"], batch["labels"], position_ids=batch["position_ids"])
+        engine.backward(loss)
+        if step == 0:
+            engine.step()
+    report = engine.memory_report()
+    report["buffers"] = sum(b.numel() * b.element_size() for b in engine.module.buffers())
+    report.pop("comm")
+    with sdpa_kernel(SDPBackend.MATH):
+        real = measure_activations(engine.module, "gpt", 2, 8).as_dict()  # this rank's 8 of 16 tokens
+    engine.close()
+    parsed = load_config(config, dp_world_size=1)
+    meta, _ = load_meta_model("tiny")
+    predicted = estimate_option(model_shape(meta), parsed, 2, Option(2, "none", "none"),
+                                probe_optimizer(parsed.optimizer), device_type="cpu")
+    whole = estimate("tiny", config, 2, device_type="cpu", seq_len=16)
+    return {"case": SP_CASE + ("sp2",), "report": report, "estimate": predicted.rows, "real_activations": real,
+            "whole": whole}
 
 
 def test_estimate_equals_the_engines_memory_report_at_world_2(tmp_path):
     results = run_distributed(engine_memory_per_case, 2, str(tmp_path), timeout=240)
-    assert [len(per_rank) for per_rank in results] == [len(CASES)] * 2
+    assert [len(per_rank) for per_rank in results] == [len(CASES) + 1] * 2
     for rank, per_rank in enumerate(results):
+        sp = per_rank[-1]
+        whole, real = sp["whole"], sp["real_activations"]
+        assert (whole["dp_size"], whole["zero_ranks"], whole["sequence_parallel_size"]) == (1, 2, 2)
+        by_label = {o["option"]: o for o in whole["options"]}
+        assert by_label["ZeRO-2"]["rows"] == sp["estimate"]  # the states: partitioned over the pair
+        acts = whole["activations"]
+        assert acts["seq_len"] == 16 and acts["without_checkpointing"] == real["without_checkpointing"] > 0, \
+            (rank, acts, real)
+        # the largest exchange (q, k, v or the output): this rank's 2 x 8 tokens x 48 features, sent and received
+        assert acts["all_to_all_buffers"] == 2 * (2 * 8 * 48 * 4)
+        # not a plain forward on the shard: attention sees the whole sequence (of half the heads)
+        assert measure_activations(load_meta_model("tiny")[0], "gpt", 2, 8).full < real["without_checkpointing"]
         for entry in per_rank:
             case, report, rows = entry["case"], entry["report"], entry["estimate"]
             where = f"rank {rank}, case {case}"
@@ -126,6 +177,20 @@ def test_estimate_of_a_hugging_face_config_builds_nothing(tmp_path):
     with sdpa_kernel(SDPBackend.MATH):
         assert predicted.full == measure_activations(real, "hf", 2, 16).full
     assert measure_activations(real, "hf", 2, 16).full < predicted.full
+    # Ulysses over 2 of the 4 ranks: ZeRO still partitions over all 4, the batch counts 2 data-parallel ranks,
+    # each rank's activations are those of its half of the sequence (plus whole-sequence attention of half the
+    # heads, and the exchange buffers)
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 3, "bf16": {"enabled": True}, "train_batch_size": 6,
+                              "sequence_parallel_size": 2, "optimizer": {"type": "AdamW"},
+                              "zero_optimization": {"stage": 3}}))
+    split = estimate(str(tmp_path), str(ds), 4, seq_len=16)
+    assert (split["dp_size"], split["zero_ranks"]) == (2, 4) and split["options"] == result["options"]
+    halves = split["activations"]
+    # (about half: the mask transformers builds for a plain run is dropped, the attention is causal by itself)
+    assert 0.4 * acts["without_checkpointing"] < halves["without_checkpointing"] < 0.6 * acts["without_checkpointing"]
+    assert halves["all_to_all_buffers"] == 2 * 3 * 8 * 32 * 2  # q: 3 x 8 tokens x 32 features in bf16, both ways
+    with pytest.raises(ValueError, match="sequence_parallel_size: 2 does not divide the world size 3"):
+        estimate(str(tmp_path), str(ds), 3, seq_len=16)
 
 
 def test_estimate_command_table_json_and_errors(tmp_path, capsys):

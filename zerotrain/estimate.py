@@ -254,7 +254,7 @@ def _offloaded(shards: list[int], ratio: float) -> list[bool]:
 def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, optimizer: OptimizerState,
                     device_type: str = "cuda") -> RankMemory:
     """Bytes per rank of `shape` trained with `config` (dtype, buckets, thresholds, offload settings) at
-    `dp_size` data-parallel ranks under `option`; `device_type` "cuda" or "cpu" (a CPU run keeps no
+    `dp_size` ZeRO ranks (data-parallel x sequence-parallel: Ulysses' ranks share partitions) under `option`; `device_type` "cuda" or "cpu" (a CPU run keeps no
     separate host copies of what already is in host memory)."""
     from .precision import training_dtype
 
@@ -379,10 +379,13 @@ class Activations:
     full: int  # nothing checkpointed
     checkpointed: int  # every repeated block checkpointed: block inputs + one block's recompute + the rest
     blocks: int
+    sequence_parallel: int = 1  # ranks each sequence is split over (Ulysses): seq_len is the whole sequence
+    all_to_all_buffers: int = 0  # transient: the send and receive buffers of the largest sequence exchange
 
     def as_dict(self) -> dict:
         return {"micro_batch": self.micro_batch, "seq_len": self.seq_len, "without_checkpointing": self.full,
-                "with_checkpointing": self.checkpointed, "blocks": self.blocks}
+                "with_checkpointing": self.checkpointed, "blocks": self.blocks,
+                "sequence_parallel": self.sequence_parallel, "all_to_all_buffers": self.all_to_all_buffers}
 
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -391,10 +394,39 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(max(lists, key=len)) if lists else []
 
 
-def measure_activations(model: torch.nn.Module, kind: str, micro_batch: int, seq_len: int) -> Activations:
+class _ShapeComm:
+    """A sequence-parallel group for a meta-device forward: `size` ranks, this one rank 0, nothing to move
+    (meta tensors have no data; torch.distributed is not involved). It remembers the largest all-to-all,
+    whose send and receive buffers are the exchange's transient memory."""
+
+    def __init__(self, size: int) -> None:
+        from .comm import Comm
+
+        self.comm = Comm(None, 0, size)
+        self.comm.all_to_all = self._all_to_all
+        self.comm.all_gather = self.comm.all_reduce = lambda *args, **kwargs: None
+        self.largest = 0
+
+    def _all_to_all(self, output: torch.Tensor, input: torch.Tensor, *args, **kwargs) -> None:
+        self.largest = max(self.largest, input.numel() * input.element_size())
+
+
+def measure_activations(model: torch.nn.Module, kind: str, micro_batch: int, seq_len: int,
+                        sequence_parallel: int = 1) -> Activations:
     """Run the meta model's forward (with its loss) and add up the tensors autograd saves for backward.
 
-    Views are counted once through their base; parameters (and views of them) are not activations."""
+    Views are counted once through their base; parameters (and views of them) are not activations.
+    With `sequence_parallel` N > 1 the model runs Ulysses as one rank of N does (zerotrain's own wrapping,
+    `parallel.sequence`): its shard of ceil(seq_len / N) tokens outside attention, the whole sequence of 1/N
+    of the heads inside it (so the attention scores are N x those of a plain run on the shard). The model is
+    changed in place: pass a throwaway (meta) model."""
+    exchange = None
+    if sequence_parallel > 1:
+        from .parallel.sequence import enable_sequence_parallel
+
+        exchange = _ShapeComm(sequence_parallel)
+        enable_sequence_parallel(model, exchange.comm)
+    local_len = -(-seq_len // sequence_parallel)
     param_ids = {id(p) for p in model.parameters()}
     blocks = _blocks(model)
     kept: dict[int, tuple[torch.Tensor, int]] = {}  # id(base) -> (base, block index or -1)
@@ -420,14 +452,19 @@ def measure_activations(model: torch.nn.Module, kind: str, micro_batch: int, seq
         return tensor
 
     device = next(model.parameters()).device  # meta (a real model too, in the tests)
-    tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device)
+    tokens = torch.zeros(micro_batch, local_len, dtype=torch.long, device=device)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             if kind == "gpt":
                 model(tokens, tokens)
             else:
                 # (with use_cache=False transformers looks for packed sequences: an .item() a meta tensor has not)
-                model(input_ids=tokens, labels=tokens)
+                extra = {}
+                if exchange is not None:  # what SequenceParallel.shard gives each rank: labels shifted once
+                    # (use_cache: as above; the wrapping would turn it off)
+                    extra = {"shift_labels": tokens, "num_items_in_batch": torch.tensor(micro_batch * seq_len),
+                             "use_cache": True}
+                model(input_ids=tokens, labels=tokens, **extra)
     finally:
         for handle in handles:
             handle.remove()
@@ -441,7 +478,8 @@ def measure_activations(model: torch.nn.Module, kind: str, micro_batch: int, seq
             outside += nbytes
     full = outside + sum(per_block)
     checkpointed = outside + sum(inputs) + max(per_block, default=0)
-    return Activations(micro_batch, seq_len, full, checkpointed if blocks else full, len(blocks))
+    return Activations(micro_batch, seq_len, full, checkpointed if blocks else full, len(blocks), sequence_parallel,
+                       0 if exchange is None else 2 * exchange.largest)
 
 
 # --- the whole estimate ----------------------------------------------------------------------------
@@ -449,8 +487,10 @@ def measure_activations(model: torch.nn.Module, kind: str, micro_batch: int, seq
 
 def device_peak(memory: dict, activations: dict) -> int:
     """What one option needs on the device at the peak of a step: its states, the activations of one
-    micro-batch with checkpointing, and the transient step buffers."""
-    return memory["totals"]["device"] + activations["with_checkpointing"] + sum(memory["transient"].values())
+    micro-batch with checkpointing, and the transient step buffers (with sequence parallelism also those of
+    its all-to-all)."""
+    return (memory["totals"]["device"] + activations["with_checkpointing"] + sum(memory["transient"].values())
+            + activations.get("all_to_all_buffers", 0))
 
 
 def _seq_len(model: torch.nn.Module, kind: str) -> int:
@@ -472,21 +512,24 @@ def estimate(model_spec: str, config_source, world_size: int, options: Optional[
     tp = int(config.tensor_parallel.autotp_size)
     if tp > 1:
         raise ValueError("tensor_parallel.autotp_size > 1: the estimate covers data parallelism only (for now)")
-    if int(config.sequence_parallel_size) > 1:
-        raise ValueError("sequence_parallel_size > 1: the estimate covers data parallelism only (for now)")
-    dp_size = world_size
+    sp = int(config.sequence_parallel_size)
+    if world_size % sp:
+        raise ValueError(f"sequence_parallel_size: {sp} does not divide the world size {world_size}")
+    # Ulysses: the batch triple counts data-parallel ranks only; ZeRO partitions over data x sequence ranks
+    dp_size, zero_ranks = world_size // sp, world_size
     config = load_config(config, dp_world_size=dp_size)
     dtype = training_dtype(config.precision)
     model, kind = load_meta_model(model_spec, dtype)
     shape = model_shape(model, model_spec)
     optimizer = probe_optimizer(config.optimizer)
-    per_option = [estimate_option(shape, config, dp_size, option, optimizer, device_type)
+    per_option = [estimate_option(shape, config, zero_ranks, option, optimizer, device_type)
                   for option in (options or default_options(config))]
     micro = micro_batch or int(config.train_micro_batch_size_per_gpu)
     seq_len = seq_len or _seq_len(model, kind)
-    activations = measure_activations(model, kind, micro, seq_len)
+    activations = measure_activations(model, kind, micro, seq_len, sp)
     result = {"model": model_spec, "parameters": shape.numel, "trainable": shape.trainable_numel,
               "dtype": str(dtype).replace("torch.", ""), "world_size": world_size, "dp_size": dp_size,
+              "sequence_parallel_size": sp, "zero_ranks": zero_ranks,
               "optimizer": optimizer.name, "device": device_type,
               "config_option": config_option(config).label,
               "options": [m.as_dict() for m in per_option], "activations": activations.as_dict()}
@@ -494,8 +537,8 @@ def estimate(model_spec: str, config_source, world_size: int, options: Optional[
         def peak(layers: Optional[int] = None, width: Optional[int] = None) -> tuple[int, int]:
             resized, _ = load_meta_model(model_spec, dtype, layers, width)
             resized_shape = model_shape(resized)
-            states = estimate_option(resized_shape, config, dp_size, config_option(config), optimizer, device_type)
-            acts = measure_activations(resized, kind, micro, seq_len)
+            states = estimate_option(resized_shape, config, zero_ranks, config_option(config), optimizer, device_type)
+            acts = measure_activations(resized, kind, micro, seq_len, sp)
             return device_peak(states.as_dict(), acts.as_dict()), resized_shape.numel
         layers, width, heads = _depth_width(kind, _architecture(model_spec)[1])
         result["largest"] = largest_fitting(peak, memory, layers, width, heads * (2 if kind == "hf" else 1))
@@ -674,9 +717,11 @@ def _print_table(result: dict, memory: Optional[int]) -> None:
     import sys
 
     acts = result["activations"]
+    sp = result.get("sequence_parallel_size", 1)
+    sp_note = f" x sequence-parallel {sp}: ZeRO over {result['zero_ranks']} ranks" if sp > 1 else ""
     title = (f"{result['model']}: {result['parameters']:,} parameters ({result['trainable']:,} trainable), "
              f"{result['dtype']}, {result['optimizer']}, world {result['world_size']} "
-             f"(data-parallel {result['dp_size']}), bytes per rank on {result['device']}")
+             f"(data-parallel {result['dp_size']}{sp_note}), bytes per rank on {result['device']}")
     headers = ["option", "params", "grads", "masters", "optim states", "buffers", "device total",
                "+ act. (ckpt)", "host total", "nvme"]
     if memory is not None:
@@ -695,7 +740,9 @@ def _print_table(result: dict, memory: Optional[int]) -> None:
         rows.append(row)
     footer = [
         f"* the config's own choice ({result['config_option']}).",
-        f"activations per micro-batch ({acts['micro_batch']} x {acts['seq_len']} tokens): "
+        f"activations per micro-batch ({acts['micro_batch']} x {acts['seq_len']} tokens"
+        + (f", each rank {-(-acts['seq_len'] // sp)} of them; all-to-all buffers "
+           f"{format_bytes(acts['all_to_all_buffers'])}" if sp > 1 else "") + "): "
         f"{format_bytes(acts['without_checkpointing'])} without checkpointing, "
         f"{format_bytes(acts['with_checkpointing'])} with it ({acts['blocks']} blocks checkpointed).",
         "'+ act. (ckpt)' = device total + activations with checkpointing + transient step buffers "

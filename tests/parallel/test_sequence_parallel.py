@@ -4,11 +4,14 @@ One world-2 launch (SP2): zerotrain's GPT; the GPT through the Trainer at an odd
 labels); a Hugging Face
 Llama with one key/value head (replicated over the two ranks) at an odd length with packed documents
 (per-document positions); a GPT whose MLPs are zerotrain's expert-parallel MoE (experts split over the two
-sequence-parallel ranks); the GPT saved at SP2 and resumed at SP1 x DP2. One world-4 launch: SP2 x DP2 at
+sequence-parallel ranks); the GPT saved at SP2 and resumed at SP1 x DP2; the GPT at ZeRO-3 with parameters and
+optimizer state on NVMe (exact); the GPT at ZeRO-3 with ZeRO++ qgZ + LoCo + qwZ (lossy). One world-4 launch: SP2 x DP2 at
 ZeRO-3 (and for the GPT also with hpZ and the optimizer offloaded to the CPU) and SP2 x TP2 for the GPT and a Llama with grouped-query attention (4 heads, 2 key/value heads: one per
 tensor-parallel rank, replicated over the sequence-parallel pair); Qwen2 at SP2 x DP2 ZeRO-3 and Mistral at
-SP2 x TP2 ZeRO-0. Each is compared with plain single-process
-AdamW on the whole sequences: losses within 1e-5 relative, weights rtol 1e-5 / atol 1e-6. Head counts that do
+SP2 x TP2 ZeRO-0; the GPT at SP2 x DP2 ZeRO-2 with qgZ + LoCo taking two hops (2 pretend nodes, lossy). Each
+is compared with plain single-process AdamW on the whole sequences: losses within 1e-5 relative, weights rtol
+1e-5 / atol 1e-6; the lossy ZeRO++ runs (6 steps at lr 1e-2, eps 1e-3) within 0.4% (losses) and 8% (relative L2
+distance of the weights), which the do-nothing baseline (lr 0) misses by more than 2x. Head counts that do
 not divide are refused before any process group exists, so that is tested in this process.
 """
 from __future__ import annotations
@@ -20,12 +23,20 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from models_for_tests import assert_tolerance_discriminates
 
 import transformers  # the dev extra has it: a missing install fails, never skips
 
 STEPS, GLOBAL, SEQ, VOCAB, LR, CLIP = 2, 4, 16, 96, 1e-3, 1.0
 EPS = 1e-4  # see tests/parallel/test_tensor_parallel_hf.py: keeps Adam from amplifying summation-order noise
 ODD = 15  # a length two ranks do not divide: padded to 16
+# ZeRO++ is lossy (int8 weights, int4 gradients): judged over longer training at a higher lr, against the
+# do-nothing baseline (lr 0 on the same batches), see assert_tolerance_discriminates; Adam's eps 1e-3 there keeps
+# it from turning int4 noise on tiny gradients into whole lr-sized steps (the weights measured: qgZ+LoCo+qwZ 4%,
+# qgZ+LoCo in two hops 6%, the baseline 19%; the losses 0.1%, 0.2% and 1.2%)
+LOSSY_STEPS, LOSSY_LR, LOSSY_EPS = 6, 1e-2, 1e-3
+ZEROPP = {"zero_quantized_gradients": True, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024},
+          "zero_quantized_weights": True}
 
 
 # --- models (fixed initial weights, no download) -----------------------------------------------------
@@ -101,7 +112,8 @@ def forward(kind: str, model_or_engine, rows, sp=None):
 
 
 # --- the runs ---------------------------------------------------------------------------------------
-def make_engine(kind: str, sp: int, tp: int = 1, stage: int = 1, kv_heads: int = 2, moe: bool = False, **zero):
+def make_engine(kind: str, sp: int, tp: int = 1, stage: int = 1, kv_heads: int = 2, moe: bool = False,
+                lr: float = LR, eps: float = EPS, **zero):
     import zerotrain
     from zerotrain.comm import Comm
     from zerotrain.topology import Topology
@@ -115,7 +127,7 @@ def make_engine(kind: str, sp: int, tp: int = 1, stage: int = 1, kv_heads: int =
             moe_comm = Comm.data_parallel(topology).subgroup(*topology.expert_parallel_group(topology.dp_size))
         model = build_gpt(moe_comm)
     config = {"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": GLOBAL // dp, "gradient_clipping": CLIP,
-              "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS}},
+              "optimizer": {"type": "AdamW", "params": {"lr": lr, "eps": eps}},
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000,
                                     "stage3_param_persistence_threshold": 0, **zero},
               "tensor_parallel": {"autotp_size": tp}, "sequence_parallel_size": sp,
@@ -169,6 +181,17 @@ def world2(save_root: str) -> dict:
                                    engine.full_state_dict())
     engine = make_engine("gpt", sp=2, stage=2, moe=True)
     results["gpt moe"] = (train(engine, "gpt", gpt_batches(STEPS, SEQ), 0, STEPS), engine.full_state_dict())
+    # ZeRO-Infinity: parameters and optimizer state on NVMe, partitioned over the two sequence-parallel ranks
+    nvme = {"device": "nvme", "nvme_path": os.path.join(save_root, "nvme"), "buffer_count": 2, "buffer_size": 2000,
+            "max_in_cpu": 0}
+    engine = make_engine("gpt", sp=2, stage=3, offload_param=nvme,
+                         offload_optimizer={"device": "nvme", "nvme_path": nvme["nvme_path"]})
+    results["gpt nvme"] = (train(engine, "gpt", gpt_batches(STEPS, SEQ), 0, STEPS), engine.full_state_dict())
+    # ZeRO++ over the sequence-parallel pair (its ZeRO ranks): qgZ with LoCo and qwZ
+    engine = make_engine("gpt", sp=2, stage=3, lr=LOSSY_LR, eps=LOSSY_EPS, **ZEROPP)
+    results["gpt zero++"] = (train(engine, "gpt", gpt_batches(LOSSY_STEPS, SEQ), 0, LOSSY_STEPS),
+                             engine.full_state_dict())
+    results["zero++ collectives"] = sorted(engine.memory_report()["comm"])
     return results
 
 
@@ -187,6 +210,14 @@ def world4() -> dict:
                          offload_optimizer={"device": "cpu"})
     results["gpt SP2 x DP2 ZeRO-3 hpZ offload"] = (train(engine, "gpt", gpt_batches(STEPS, SEQ), 0, STEPS),
                                                    engine.full_state_dict())
+    # qgZ's int4 gradients with LoCo reduced over the four ZeRO (data x sequence) ranks as two pretend nodes
+    os.environ["ZEROTRAIN_RANKS_PER_NODE"] = "2"
+    engine = make_engine("gpt", sp=2, stage=2, lr=LOSSY_LR, eps=LOSSY_EPS, zero_quantized_gradients=True,
+                         zeropp_loco_param=ZEROPP["zeropp_loco_param"])
+    results["gpt SP2 x DP2 ZeRO-2 qgZ+LoCo"] = (train(engine, "gpt", gpt_batches(LOSSY_STEPS, SEQ), 0, LOSSY_STEPS),
+                                                engine.full_state_dict())
+    results["qgZ collectives"] = sorted(engine.memory_report()["comm"])
+    del os.environ["ZEROTRAIN_RANKS_PER_NODE"]
     # Qwen2 (q/k/v biases) and Mistral: the same attention registry, other modeling code
     data = llama_batches(STEPS, SEQ, False)
     engine = make_engine("qwen2", sp=2, stage=3)
@@ -197,14 +228,15 @@ def world4() -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def reference(kind: str, length: int = SEQ, packed: bool = False, kv_heads: int = 2, moe: bool = False):
-    """Plain single-process AdamW on the whole sequences: the losses of STEPS + 1 steps, the weights after STEPS
-    steps and after STEPS + 1."""
+def reference(kind: str, length: int = SEQ, packed: bool = False, kv_heads: int = 2, moe: bool = False,
+              steps: int = STEPS, lr: float = LR, eps: float = EPS):
+    """Plain single-process AdamW on the whole sequences: the losses of steps + 1 steps, the weights after
+    `steps` steps and after steps + 1."""
     from zerotrain.comm import Comm
 
     model = build_gpt(Comm(None, 0, 1) if moe else None) if kind == "gpt" else build_llama(kv_heads, kind)
-    data = gpt_batches(STEPS + 1, length) if kind == "gpt" else llama_batches(STEPS + 1, length, packed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    data = gpt_batches(steps + 1, length) if kind == "gpt" else llama_batches(steps + 1, length, packed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
     losses, weights = [], []
     for rows in data:
         loss = forward(kind, model, rows)
@@ -214,7 +246,7 @@ def reference(kind: str, length: int = SEQ, packed: bool = False, kv_heads: int 
         optimizer.zero_grad()
         losses.append(loss.item())
         weights.append({name: param.detach().clone() for name, param in model.named_parameters()})
-    return losses, weights[STEPS - 1], weights[STEPS]
+    return losses, weights[steps - 1], weights[steps]
 
 
 def check(where: str, got: tuple, want: tuple) -> None:
@@ -242,6 +274,21 @@ def test_sequence_parallel_world2_trains_like_one_process_and_resumes_at_sp1(tmp
           (losses[:STEPS], at_steps))
     losses, at_steps, _ = reference("gpt", moe=True)
     check("gpt with experts SP2", results["gpt moe"], (losses[:STEPS], at_steps))
+    losses, at_steps, _ = reference("gpt")
+    check("gpt SP2 ZeRO-3, parameters and optimizer on NVMe", results["gpt nvme"], (losses[:STEPS], at_steps))
+    # the quantized collectives ran (int4 gradients, int8 weights), not their exact fallbacks
+    assert {"reduce_scatter_q4", "all_gather_q8"} <= set(results["zero++ collectives"]), results["zero++ collectives"]
+    check_zeropp("gpt SP2 ZeRO-3 qgZ+LoCo+qwZ", results["gpt zero++"], "gpt")
+
+
+def check_zeropp(where: str, got: tuple, kind: str, tolerances: tuple = (4e-3, 0.08)) -> None:
+    """A lossy ZeRO++ run: within tolerance of single-process training, which the do-nothing baseline (lr 0, the
+    initial weights) is not."""
+    losses, at_steps, _ = reference(kind, steps=LOSSY_STEPS, lr=LOSSY_LR, eps=LOSSY_EPS)
+    still, initial, _ = reference(kind, steps=LOSSY_STEPS, lr=0.0)
+    weights = {name: got[1][name] for name in at_steps}  # the state dict also names the tied head
+    assert_tolerance_discriminates(where, (losses[:LOSSY_STEPS], at_steps), (got[0], weights),
+                                   (still[:LOSSY_STEPS], initial), loss_tol=tolerances[0], weight_tol=tolerances[1])
 
 
 def test_sequence_parallel_world4_with_data_parallel_zero3_and_tensor_parallel():
@@ -255,6 +302,8 @@ def test_sequence_parallel_world4_with_data_parallel_zero3_and_tensor_parallel()
         check(f"{kind} {shape}", results[f"{kind} {shape}"], (losses[:STEPS], at_steps))
     losses, at_steps, _ = reference("gpt")
     check("gpt SP2 x DP2 ZeRO-3 hpZ offload", results["gpt SP2 x DP2 ZeRO-3 hpZ offload"], (losses[:STEPS], at_steps))
+    assert {"reduce_scatter_q4_intra", "reduce_scatter_q4_inter"} <= set(results["qgZ collectives"])  # two hops
+    check_zeropp("gpt SP2 x DP2 ZeRO-2 qgZ+LoCo", results["gpt SP2 x DP2 ZeRO-2 qgZ+LoCo"], "gpt")
 
 
 def test_heads_that_do_not_divide_are_refused_naming_the_keys():

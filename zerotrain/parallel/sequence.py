@@ -128,7 +128,8 @@ class SequenceParallel:
         full = self.full_positions(position_ids)
         starts = full[:, 1:] != full[:, :-1] + 1
         mask = None
-        if bool(starts.any()):
+        # (meta tensors, `zerotrain estimate`'s shapes-only forward, hold no positions: read as unpacked)
+        if not full.is_meta and bool(starts.any()):
             documents = torch.cat([torch.zeros_like(starts[:, :1]), starts], dim=1).cumsum(dim=1)
             length = full.shape[1]
             causal = torch.ones(length, length, dtype=torch.bool, device=full.device).tril()
