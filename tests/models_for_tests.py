@@ -76,12 +76,15 @@ def train_global_step(engine, step_batch, micro: int, after_micro_step=None) -> 
     return total.item() / (accumulation * world)
 
 
-def assert_same_training(losses, weights, ref_losses, ref_weights) -> None:
-    """Losses within 1e-5 relative of the reference's, and every reference weight close to the engine's."""
+def assert_same_training(losses, weights, ref_losses, ref_weights, where: str = "") -> None:
+    """As many losses as the reference, each within 1e-5 relative of its, and every reference weight close to the
+    engine's (rtol 1e-5, atol 1e-6); failures name `where` and the tensor."""
+    assert len(losses) == len(ref_losses), (where, losses, ref_losses)
     for got, ref in zip(losses, ref_losses):
-        assert abs(got - ref) <= 1e-5 * abs(ref), (losses, ref_losses)
+        assert abs(got - ref) <= 1e-5 * abs(ref), (where, losses, ref_losses)
     for name, ref in ref_weights.items():
-        torch.testing.assert_close(weights[name], ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(weights[name], ref, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{where} {name}: {m}")
 
 
 def reference_training(model_factory, batches, lr=1e-2, weight_decay=0.01, clip=1.0, norms=None):

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from models_for_tests import assert_tolerance_discriminates
+from models_for_tests import assert_same_training, assert_tolerance_discriminates
 
 import transformers  # the dev extra has it: a missing install fails, never skips
 
@@ -250,13 +250,8 @@ def reference(kind: str, length: int = SEQ, packed: bool = False, kv_heads: int 
 
 
 def check(where: str, got: tuple, want: tuple) -> None:
-    losses, weights = got
-    ref_losses, ref_weights = want
-    assert len(losses) == len(ref_losses)
-    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-5, (where, losses, ref_losses)
-    for name, expected in ref_weights.items():
-        torch.testing.assert_close(weights[name], expected, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, name=name: f"{where} {name}: {m}")
+    """(losses, weights) of a run equal the single-process reference's at the project's fp32 tolerance."""
+    assert_same_training(*got, *want, where=where)
 
 
 def test_sequence_parallel_world2_trains_like_one_process_and_resumes_at_sp1(tmp_path):
