@@ -195,13 +195,14 @@ class NvmeParamStore(ParamStore):
         part.store = self
         self.write(part, shard)
 
-    def remove(self, part) -> None:
-        """Give `part`'s shard back to it as a host tensor (a persistent parameter; another store).
-        Its extent stays unused in the file (persistent parameters are small)."""
+    def remove(self, part, keep_values: bool = True) -> None:
+        """Give `part`'s shard back to it as a host tensor (a persistent parameter; another store), or with
+        `keep_values` False drop it (a parameter the model no longer holds: replaced by a tied weight after
+        zero.Init partitioned it). Its extent stays unused in the file."""
         key = id(part)
         if key not in self.offsets:
             return
-        host = self.host_shard(part).clone()
+        host = self.host_shard(part).clone() if keep_values else None
         self._wait_write(key)
         self._forget_reads(key)
         if key in self.cache:
@@ -209,7 +210,8 @@ class NvmeParamStore(ParamStore):
         del self.offsets[key], self._by_id[key]
         self.parts = [other for other in self.parts if other is not part]
         part.store = None
-        part.shard = host
+        if keep_values:
+            part.shard = host
 
     # --- reads ----------------------------------------------------------------------
     def host_shard(self, part) -> torch.Tensor:
@@ -391,6 +393,9 @@ def build_param_store(parts: list, offload, aio, rank: int):
     offloaded = [part for part in parts if not part.persistent]
     if len(early) == 1 and offload is not None and offload.device == "nvme":
         store = next(iter(early.values()))
+        engine_parts = {id(part) for part in parts}
+        for stale in [part for part in store.parts if id(part) not in engine_parts]:
+            store.remove(stale, keep_values=False)  # e.g. an embedding replaced by the tied head after Init
         for part in parts:
             if part.persistent and part.store is store:
                 store.remove(part)
