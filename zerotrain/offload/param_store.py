@@ -435,7 +435,9 @@ def init_param_store(config: dict, rank: int) -> Optional[NvmeParamStore]:
     offload = zero.get("offload_param") or {}
     if offload.get("device") != "nvme" or not offload.get("nvme_path"):
         return None
-    aio = SimpleNamespace(**(config.get("aio") or {}))
+    aio = dict(config.get("aio") or {})
+    aio.setdefault("intra_op_parallelism", aio.get("thread_count", 1))  # the old name, as the config reads it
+    aio = SimpleNamespace(**aio)
     return NvmeParamStore([], str(offload["nvme_path"]), rank, buffer_count=int(offload.get("buffer_count", 5)),
                           buffer_size=int(offload.get("buffer_size", 100_000_000)),
                           max_in_cpu=int(offload.get("max_in_cpu", 1_000_000_000)),
