@@ -17,9 +17,13 @@ checkpointing, AdamW, micro-batch B and sequence T, and trains `--steps` steps. 
 
 Before writing anything it checks the free space of `--nvme-path` against the bytes it will write (14 per
 parameter plus the spare records and buffers) and refuses a size that would leave less than
-`--keep-free` (5 GB); it deletes its files afterwards, also on failure or Ctrl-C.
+`--keep-free` (5 GB); it deletes its files afterwards, also on failure or Ctrl-C. With `--plots DIR` it
+writes each rank's memory timeline (`zerotrain.monitor.MemoryTimeline`: host RSS every 0.1 s under the
+phases init = zero.Init building the model, initialize, then the engine's forward / backward / gather /
+reduce / optimizer step) as `DIR/scale_{model}_{size}b_memory_timeline_rank{R}.png`.
 
     python benchmarks/scale.py --layers 4 --width 1024                   # ~80M, a smoke run
+    python benchmarks/scale.py --params 1e9 --plots benchmarks/results   # + the memory timeline PNGs
     python benchmarks/scale.py --params 4e9 --steps 3 --json out.json    # the largest size
     python benchmarks/scale.py --model llama --params 1e9
 """
@@ -128,6 +132,7 @@ class Sampler:
         self.peak_phase = "start"
         self.phase = "start"
         self.disk_peak = 0
+        self.peaks: dict[str, int] = {}  # peak RSS per phase: build (zero.Init), initialize, step{i}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -138,6 +143,8 @@ class Sampler:
             rss = self.process.memory_info().rss
             if rss > self.peak:
                 self.peak, self.peak_phase = rss, self.phase
+            stage = self.phase.split(":")[0]
+            self.peaks[stage] = max(self.peaks.get(stage, 0), rss)
             ticks += 1
             if ticks % 20 == 0:
                 self.disk_peak = max(self.disk_peak, du(self.nvme_dir))
@@ -270,12 +277,19 @@ def worker(spec: dict) -> None:
     io_busy, comm_busy = Intervals(), Intervals()
     _instrument_io(io_busy)
     _instrument_comm(comm_busy)
+    from zerotrain.monitor import MemoryTimeline
     config = engine_config(spec)
+    # the per-rank memory timeline (plotted by main): our phases "init" (zero.Init building the model) and
+    # "initialize", then the engine's own (forward, backward, gather, reduce, optimizer step)
+    timeline = MemoryTimeline(os.path.join(spec["out_dir"], "timeline"), rank=rank, interval_s=0.1)
     t0 = time.perf_counter()
     sampler.phase = "build"
-    model = build_model(spec, config)
+    with timeline.phase("init"):
+        model = build_model(spec, config)
     sampler.phase = "initialize"
-    engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=config)
+    with timeline.phase("initialize"):
+        engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine.watch_memory(timeline)
     setup_s = time.perf_counter() - t0
     params = sum(p._zero.numel if hasattr(p, "_zero") else p.numel() for p in engine.module.parameters())
     generator = torch.Generator().manual_seed(1234 + rank)
@@ -307,8 +321,10 @@ def worker(spec: dict) -> None:
               f"peak RSS {sampler.peak / 2**30:.2f} GiB ({sampler.peak_phase})", flush=True)
     sampler.disk_peak = max(sampler.disk_peak, du(spec["nvme_dir"]))
     sampler.stop()
+    engine.watch_memory(None)
+    timeline.close()
     result = {"rank": rank, "params": params, "setup_s": setup_s, "steps": steps, "peak_rss": sampler.peak,
-              "peak_rss_phase": sampler.peak_phase, "disk_peak_all_ranks": sampler.disk_peak,
+              "peak_rss_phase": sampler.peak_phase, "peak_rss_by_phase": sampler.peaks, "disk_peak_all_ranks": sampler.disk_peak,
               "optimizer_stats": {k: v for k, v in opt_stats.items() if isinstance(v, (int, float))},
               "param_store_stats": dict(getattr(store, "stats", {}) or {}),
               "memory_report": _jsonable(engine.memory_report())}
@@ -454,6 +470,7 @@ def summarize(spec: dict, ranks: list[dict], dd: dict, compute: dict, load: tupl
             "seq": spec["seq"], "micro": spec["micro"], "setup_s": max(r["setup_s"] for r in ranks),
             "peak_rss_gib": [r["peak_rss"] / 2**30 for r in ranks],
             "peak_rss_phase": [r["peak_rss_phase"] for r in ranks],
+            "peak_rss_gib_by_phase": [{k: v / 2**30 for k, v in r["peak_rss_by_phase"].items()} for r in ranks],
             "disk_bytes": disk, "disk_bytes_per_param": disk / params, "steps": steps,
             "dd_gbps": dd, "compute_s": compute, "io_bound_s": io_bound,
             "overlap_ratio": last["s"] / bound, "load_before_after": load,
@@ -467,6 +484,9 @@ def print_table(summary: dict) -> None:
           f"B={s['micro']} T={s['seq']}, bf16, ZeRO-3, params+optimizer on NVMe, activation checkpointing")
     print(f"setup (zero.Init + initialize): {s['setup_s']:.1f} s; peak RSS per rank: "
           + ", ".join(f"{g:.2f} GiB ({p})" for g, p in zip(s["peak_rss_gib"], s["peak_rss_phase"])))
+    print("peak RSS by phase (GiB): " + "; ".join(
+        f"rank {rank}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
+        for rank, phases in enumerate(s["peak_rss_gib_by_phase"])))
     print(f"on disk (peak, both ranks): {s['disk_bytes'] / 1e9:.2f} GB = {s['disk_bytes_per_param']:.2f} B/param")
     print(f"dd O_DIRECT: write {s['dd_gbps']['write']:.2f} GB/s, read {s['dd_gbps']['read']:.2f} GB/s")
     print("| step | time s | fwd s | bwd s | opt step s | disk busy s | comm s | NVMe GB (r/w) | loss |")
@@ -495,6 +515,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--keep-free", type=float, default=5e9, help="bytes that must stay free on the disk")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--plots", default=None, help="folder for the per-rank memory timeline PNGs")
     args = parser.parse_args(argv)
     if args._worker:
         worker(json.loads(args._worker))
@@ -520,6 +541,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         compute = compute_time(spec)
         ranks = run(spec, args.timeout)
         summary = summarize(spec, ranks, dd, compute, (load_before, os.getloadavg()[0]))
+        if args.plots:
+            from zerotrain.plots import plot_memory_timelines
+            prefix = f"scale_{args.model}_{params / 1e9:.2f}b_"
+            summary["memory_plots"] = [os.path.relpath(p, ROOT) for p in
+                                       plot_memory_timelines(os.path.join(work, "timeline"), args.plots, prefix)]
+            print("memory timelines:", ", ".join(summary["memory_plots"]))
     finally:
         shutil.rmtree(work, ignore_errors=True)  # the swap files, dd's file, the ranks' reports
     print_table(summary)

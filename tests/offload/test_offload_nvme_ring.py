@@ -144,14 +144,16 @@ def streamed(nvme_path: str) -> list:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     real = factory.streams_gradients
     out = []
-    for case in ("streamed", "held", "failed"):
-        if case == "held":
+    for case in ("streamed", "held", "failed", "bf16 streamed", "bf16 held"):
+        if case.endswith("held"):
             factory.streams_gradients = lambda config, reducer: False
         torch.manual_seed(0)
         model = OddMLP()
-        config = dict(engine_config(3, {"device": "nvme", "nvme_path": os.path.join(nvme_path, case),
+        config = dict(engine_config(3, {"device": "nvme", "nvme_path": os.path.join(nvme_path, case.replace(" ", "_")),
                                         "buffer_count": 2}), gradient_clipping=0.0, gradient_accumulation_steps=1,
                       train_micro_batch_size_per_gpu=4)
+        if case.startswith("bf16"):  # streamed, the reduced bf16 shards go to the step uncast (grads.py)
+            config["bf16"] = {"enabled": True}
         engine, *_ = zerotrain.initialize(model=model, model_parameters=param_groups(model), config=config)
         factory.streams_gradients = real
         held, losses, norms, raised = [], [], [], []
@@ -159,6 +161,8 @@ def streamed(nvme_path: str) -> list:
         engine._take_model_step = lambda: (held.append(engine.reducer._gradient_bytes()), original())[1]
         for step, batch in enumerate(world_batches(2, steps=3)):
             x, y = micro_slice(batch, 0, rank, world, 4)
+            if case.startswith("bf16"):
+                x, y = x.bfloat16(), y.bfloat16()
             for attempt in range(2):
                 loss = engine(x, y)
                 if case == "failed" and step == 1 and attempt == 0:  # streamed: the writes run in backward
@@ -184,8 +188,13 @@ def streamed(nvme_path: str) -> list:
 
 
 def test_gradients_streamed_to_the_nvme_step_during_backward_change_nothing_but_memory(tmp_path):
-    for on, off, failed in run_distributed(streamed, 2, str(tmp_path), timeout=120):
+    for on, off, failed, bf16_on, bf16_off in run_distributed(streamed, 2, str(tmp_path), timeout=120):
         assert on["streams"] and not off["streams"] and failed["streams"]
+        assert bf16_on["streams"] and not bf16_off["streams"]
+        assert bf16_on["losses"] == bf16_off["losses"] and bf16_on["norms"] == bf16_off["norms"]
+        assert bf16_on["losses"] != on["losses"], "the bf16 runs train in bf16"
+        for name, ref in bf16_off["weights"].items():
+            assert torch.equal(bf16_on["weights"][name], ref), name
         assert on["held"] == [0, 0, 0] and all(h > 0 for h in off["held"]), (on["held"], off["held"])
         assert on["losses"] == off["losses"] and on["norms"] == off["norms"]
         assert failed["raised"] and "failed on rank(s) [0]" in failed["raised"][0], failed["raised"]

@@ -164,3 +164,34 @@ def test_io_cuts_requests_into_blocks_in_flight_together(tmp_path, monkeypatch):
         io.write(fd, 0, data, done=lambda: released.append(True)).result()
     assert released == [True]  # the buffer is handed back once, after every block finished
     io.shutdown()
+
+
+def test_param_store_grows_one_shard_at_a_time_as_zero_init_hands_them_in(tmp_path):
+    """NvmeParamStore.add (zero.Init's path): each shard leaves host memory for a new extent of the file, the
+    pool grows to a larger shard, the values read back are the ones written; remove gives them back."""
+    from zerotrain.offload.param_store import NvmeParamStore
+    from zerotrain.sharding import ShardGroup
+    from zerotrain.zero.stage3.partition import partition_parameter
+
+    store = NvmeParamStore([], str(tmp_path), rank=0, buffer_count=2, buffer_size=10_000, max_in_cpu=0)
+    try:
+        values = [torch.randn(10), torch.randn(5000), torch.randn(7, 3)]
+        parts = [partition_parameter(f"p{i}", torch.nn.Parameter(v.clone()), ShardGroup.local())
+                 for i, v in enumerate(values)]
+        for part in parts:
+            store.add(part)
+            assert part.store is store and part._shard is None  # on disk now, not in host memory
+        store.flush()
+        assert store.pool.nbytes == 20480 and store.size == 4096 + 20480 + 4096  # aligned extents, in order
+        assert os.path.getsize(os.path.join(store.directory, "params.swp")) == store.size
+        assert store.memory_split()["host"] == 0 and store.cached_numel == 0
+        for part, value in zip(parts, values):
+            assert torch.equal(part.shard, value.reshape(-1)), part.names
+        store.remove(parts[1])
+        assert parts[1].store is None and torch.equal(parts[1]._shard, values[1])
+        assert [p.names[0] for p in store.parts] == ["p0", "p2"]
+        too_big = partition_parameter("big", torch.nn.Parameter(torch.zeros(10_001)), ShardGroup.local())
+        with pytest.raises(ValueError, match="offload_param.buffer_size"):
+            store.add(too_big)
+    finally:
+        store.close()

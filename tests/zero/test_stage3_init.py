@@ -124,22 +124,31 @@ def train_from_init(steps: int, tmp: str) -> dict:
             "max_in_cpu": 20}
 
     def build(seed: int, under_init: bool = True, **zero):
-        torch.manual_seed(seed)
-        with zerotrain.zero.Init(enabled=under_init):
-            model = ParentInitMLP()
-        initial = gather_all(model) if under_init else None
         config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
                   "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero},
                   "steps_per_print": 0}
+        torch.manual_seed(seed)
+        with zerotrain.zero.Init(enabled=under_init, config=config if zero else None):
+            model = ParentInitMLP()
+        if zero.get("offload_param", {}).get("device") == "nvme":  # Init wrote each shard as it partitioned
+            parts = [param._zero for param in model.parameters()]
+            stores = {id(part.store): part.store for part in parts}
+            store = parts[0].store
+            results["host after zero.Init (nvme)"] = {
+                "stores": len(stores), "kind": store.kind, "in memory": [p.names[0] for p in parts if p._shard is not None],
+                "cached": store.cached_numel, "shards": sum(p.shard_numel for p in parts),
+                "on disk": store.memory_split()["nvme"], "pool": store.pool.total_bytes()}
+        initial = gather_all(model) if under_init else None
         return initial, zerotrain.initialize(model=model, config=config)[0]
 
     def train(engine, part) -> list[float]:
         return [train_global_step(engine, batch, 2) for batch in part]
 
+    results = {}
     initial, engine = build(0)
     losses = train(engine, batches[:half])
     engine.save_checkpoint(os.path.join(tmp, "ckpt"), tag="half")
-    results = {"initial": initial, "zero.Init": (losses + train(engine, batches[half:]), engine.full_state_dict())}
+    results.update({"initial": initial, "zero.Init": (losses + train(engine, batches[half:]), engine.full_state_dict())})
     engine.close()
     for what, zero in (("zero.Init + offload_param cpu", {"offload_param": {"device": "cpu"}}),
                        ("zero.Init + offload_param nvme", {"offload_param": nvme})):
@@ -160,6 +169,12 @@ def test_training_from_init_matches_single_process_from_the_gathered_weights(tmp
     steps = 4
     results = run_distributed(train_from_init, 2, steps, str(tmp_path), timeout=150)[0]
     initial = results.pop("initial")
+    # Accounting: under an offload_param nvme config zero.Init hands every shard to the NVMe store as it
+    # partitions: none stays in host memory but the bounded cache (max_in_cpu 20 elements) and the buffer pool.
+    host = results.pop("host after zero.Init (nvme)")
+    assert host["stores"] == 1 and host["kind"] == "nvme" and host["in memory"] == [], host
+    assert host["on disk"] == host["shards"] * 4 and host["shards"] > 20 >= host["cached"], host
+    assert host["pool"] <= 2 * 4096, host  # buffer_count 2 × the largest shard (one aligned block)
     torch.manual_seed(0)
     plain = ParentInitMLP()
     # A parent's random initializer on an already partitioned child parameter draws the whole

@@ -221,6 +221,16 @@ class AsyncFileIO:
         self._paths[fd] = path
         return fd
 
+    def extend(self, fd: int, offset: int, nbytes: int) -> None:
+        """Allocate `nbytes` more of an open file at `offset` (its end), so a full disk shows up here."""
+        try:
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, offset, nbytes)
+            else:
+                os.ftruncate(fd, offset + nbytes)
+        except OSError as error:
+            raise _describe(error, "allocating", self._paths.get(fd, f"fd {fd}"), offset, nbytes) from error
+
     def close(self, fd: int) -> None:
         self._paths.pop(fd, None)
         os.close(fd)

@@ -33,11 +33,13 @@ import weakref
 from collections import OrderedDict
 from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
+from types import SimpleNamespace
 from typing import Iterable, Optional
 
 import torch
 
 from ..zero.interfaces import ParamStore
+from ..zero.stage3.context import register_param_store_factory
 from .aio import AlignedBuffers, AsyncFileIO, OffloadIOError, open_swap_directory, round_up
 
 
@@ -115,11 +117,13 @@ class NvmeParamStore(ParamStore):
             raise ValueError(f"zero_optimization.offload_param.buffer_size: {buffer_size} elements cannot hold "
                              f"rank {rank}'s shard of parameter {largest.names[0]} ({largest.shard_numel} "
                              f"elements); raise buffer_size to at least that")
+        self.buffer_size = int(buffer_size)
         self.offsets: dict[int, int] = {}
         total = 0
         for part in parts:
             self.offsets[id(part)] = total
             total += round_up(max(_nbytes(part), 1))
+        self.size = total  # bytes of the file (add() extends it)
         os.makedirs(nvme_path, exist_ok=True)
         free = shutil.disk_usage(nvme_path).free
         if total > free:
@@ -155,6 +159,59 @@ class NvmeParamStore(ParamStore):
 
     def shares_device_memory(self, part) -> bool:
         return False
+
+    # --- growing and shrinking (zero.Init hands shards in as it partitions) --------------------
+    def add(self, part) -> None:
+        """Take `part`'s shard: a new extent at the end of the file, written behind (not cached).
+
+        zero.Init calls this as it partitions each module, so a model's shards never sit in host
+        memory together; the pool grows (after the writes in flight) when a larger shard arrives."""
+        if id(part) in self.offsets:
+            return
+        nbytes = round_up(max(_nbytes(part), 1))
+        if part.shard_numel > self.buffer_size:
+            raise ValueError(f"zero_optimization.offload_param.buffer_size: {self.buffer_size} elements cannot "
+                             f"hold rank {self.rank}'s shard of parameter {part.names[0]} ({part.shard_numel} "
+                             f"elements); raise buffer_size to at least that")
+        free = shutil.disk_usage(self.directory).free
+        if nbytes > free:
+            raise OffloadIOError(f"NVMe parameter offload: rank {self.rank} needs {nbytes / 2**20:.1f} MiB more "
+                                 f"under {self.directory} for parameter {part.names[0]}; only "
+                                 f"{free / 2**20:.1f} MiB are free")
+        if self.fd < 0:
+            self.fd = self.io.open(os.path.join(self.directory, "params.swp"), nbytes)
+        else:
+            self.io.extend(self.fd, self.size, nbytes)
+        self.offsets[id(part)] = self.size
+        self.size += nbytes
+        if nbytes > self.pool.nbytes:  # a larger buffer: only once nothing in flight holds the old ones
+            for key in list(self.reads):
+                self._forget_reads(key)
+            self.flush()
+            self.pool = AlignedBuffers(self.pool.count, nbytes, pin=self.pin)
+        self.parts.append(part)
+        self._by_id[id(part)] = part
+        shard = part.detach_shard()
+        part.store = self
+        self.write(part, shard)
+
+    def remove(self, part, keep_values: bool = True) -> None:
+        """Give `part`'s shard back to it as a host tensor (a persistent parameter; another store), or with
+        `keep_values` False drop it (a parameter the model no longer holds: replaced by a tied weight after
+        zero.Init partitioned it). Its extent stays unused in the file."""
+        key = id(part)
+        if key not in self.offsets:
+            return
+        host = self.host_shard(part).clone() if keep_values else None
+        self._wait_write(key)
+        self._forget_reads(key)
+        if key in self.cache:
+            self.cached_numel -= self.cache.pop(key).numel()
+        del self.offsets[key], self._by_id[key]
+        self.parts = [other for other in self.parts if other is not part]
+        part.store = None
+        if keep_values:
+            part.shard = host
 
     # --- reads ----------------------------------------------------------------------
     def host_shard(self, part) -> torch.Tensor:
@@ -254,8 +311,9 @@ class NvmeParamStore(ParamStore):
         except BaseException:
             self.pool.release(buffer)
             raise
+        pool = self.pool  # add() may replace self.pool once nothing is in flight
         self.writes[key] = self.io.write(self.fd, self.offsets[key], buffer[:round_up(max(_nbytes(part), 1))],
-                                         done=lambda: self.pool.release(buffer))
+                                         done=lambda: pool.release(buffer))
         self.stats["param_writes"] += 1
 
     def _forget_reads(self, key: int) -> None:
@@ -327,10 +385,32 @@ def _cleanup(io: AsyncFileIO, directory: str) -> None:
 
 
 def build_param_store(parts: list, offload, aio, rank: int):
-    """The store `zero_optimization.offload_param` asks for, holding the non-persistent shards of `parts`."""
+    """The store `zero_optimization.offload_param` asks for, holding the non-persistent shards of `parts`.
+
+    Shards zero.Init already wrote to an NVMe store (`init_param_store`) stay there: that store is
+    adopted, given the shards it lacks, and gives back the persistent ones."""
+    early = {id(part.store): part.store for part in parts if isinstance(part.store, NvmeParamStore)}
+    offloaded = [part for part in parts if not part.persistent]
+    if len(early) == 1 and offload is not None and offload.device == "nvme":
+        store = next(iter(early.values()))
+        engine_parts = {id(part) for part in parts}
+        for stale in [part for part in store.parts if id(part) not in engine_parts]:
+            store.remove(stale, keep_values=False)  # e.g. an embedding replaced by the tied head after Init
+        for part in parts:
+            if part.persistent and part.store is store:
+                store.remove(part)
+        for part in offloaded:
+            if part.store is None:
+                store.add(part)
+        store.max_in_cpu = int(offload.max_in_cpu)
+        store.flush()
+        return store
+    for store in early.values():  # the engine's config keeps the shards elsewhere: take them back
+        for part in list(store.parts):
+            store.remove(part)
+        store.close()
     if offload is None or offload.device == "none":
         return None
-    offloaded = [part for part in parts if not part.persistent]
     if offload.device == "cpu":
         return HostParamStore(offloaded, pin_memory=bool(offload.pin_memory))
     return NvmeParamStore(offloaded, offload.nvme_path, rank, buffer_count=int(offload.buffer_count),
@@ -345,3 +425,23 @@ def resident_model_states(zero_optimizer, store, write_back: bool = True):
     with resident_states(zero_optimizer, write_back=write_back):
         with (store.resident(write_back=write_back) if store is not None else nullcontext()):
             yield
+
+
+def init_param_store(config: dict, rank: int) -> Optional[NvmeParamStore]:
+    """The NVMe store zero.Init writes each shard to as it partitions, from a raw config dict (None unless
+    `zero_optimization.offload_param.device` is "nvme"). Defaults are the config's (zerotrain.config.zero);
+    read raw here because offload sits below config."""
+    zero = config.get("zero_optimization") or {}
+    offload = zero.get("offload_param") or {}
+    if offload.get("device") != "nvme" or not offload.get("nvme_path"):
+        return None
+    aio = dict(config.get("aio") or {})
+    aio.setdefault("intra_op_parallelism", aio.get("thread_count", 1))  # the old name, as the config reads it
+    aio = SimpleNamespace(**aio)
+    return NvmeParamStore([], str(offload["nvme_path"]), rank, buffer_count=int(offload.get("buffer_count", 5)),
+                          buffer_size=int(offload.get("buffer_size", 100_000_000)),
+                          max_in_cpu=int(offload.get("max_in_cpu", 1_000_000_000)),
+                          pin_memory=bool(offload.get("pin_memory", False)), aio=aio)
+
+
+register_param_store_factory(init_param_store)

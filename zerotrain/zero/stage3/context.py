@@ -4,7 +4,11 @@
 its `__init__`, so a model larger than one rank's memory can be built: at most
 one module's parameters are ever whole. Initializers that a parent module runs
 later on an already partitioned parameter (`normal_`, `zero_`, ...) act on the
-local shard (see `partition.ZeroParameter`).
+local shard (see `partition.ZeroParameter`). Given a config whose `offload_param` is on
+NVMe, Init writes each shard to the NVMe parameter store as it partitions it (the store
+`zerotrain.offload.param_store` registers), so host memory during the build holds one
+module's parameters and the store's buffer pool, not the model's shards; `initialize`
+adopts that store.
 
 `GatheredParameters(params, modifier_rank=None)` gathers parameters for user code;
 with `modifier_rank`, that rank's values are broadcast on exit and written back
@@ -16,13 +20,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-from typing import Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 
 from ...comm import Comm
 from ...sharding import ShardGroup
 from ...topology import Topology
+from ..interfaces import ParamStore
 from .fetch import gather_standalone
 from .partition import PartitionedParam, ZeroParameter, partition_parameter, wait_for_snapshots
 
@@ -40,7 +45,16 @@ class Init:
         self.enabled = enabled
         self.dtype = dtype
         self.timeout_seconds = timeout_seconds
-        self.tp_size = _tensor_parallel_size(config if config is not None else config_dict_or_path)
+        config = config if config is not None else config_dict_or_path
+        if config is not None and not isinstance(config, dict):
+            with open(config) as handle:
+                config = json.load(handle)
+        self.config = config or {}
+        self.tp_size = _tensor_parallel_size(self.config)
+        self.store = None  # offload_param nvme: where each shard goes as it is partitioned
+        threshold = (self.config.get("zero_optimization") or {}).get("stage3_param_persistence_threshold", 100_000)
+        # "auto" (HF Trainer configs): offload every shard; initialize gives the persistent ones back.
+        self.persistence_threshold = int(threshold) if isinstance(threshold, (int, float)) else 0
         self._patched: list[tuple[type, object]] = []
         self.comm: Optional[Comm] = None
 
@@ -50,6 +64,8 @@ class Init:
         topology = Topology.build(self.timeout_seconds, tp_size=self.tp_size)
         self.comm = Comm.data_parallel(topology)
         self.device = topology.device
+        if _param_store_factory is not None:
+            self.store = _param_store_factory(self.config, self.comm.rank)
         for cls in _all_module_classes():
             if "__init__" in cls.__dict__:
                 original = cls.__dict__["__init__"]
@@ -61,6 +77,8 @@ class Init:
         for cls, original in reversed(self._patched):
             cls.__init__ = original
         self._patched.clear()
+        if self.store is not None:
+            self.store.flush()  # every shard on disk (a failed write raises here, naming file and rank)
 
     def _wrap(self, original):
         init = self
@@ -88,6 +106,18 @@ class Init:
                     param.data = param.data.to(self.dtype)
                 param.data = param.data.to(self.device)
             part = partition_parameter(name, param, ShardGroup.over(self.comm, True))
+            if self.store is not None and part.numel > self.persistence_threshold:
+                self.store.add(part)  # to NVMe now: host memory holds one module's shards, not the model's
+
+
+_param_store_factory: Optional[Callable[[dict, int], Optional[ParamStore]]] = None
+
+
+def register_param_store_factory(factory: Callable[[dict, int], Optional[ParamStore]]) -> None:
+    """Set what builds the store Init writes shards to, from (config dict, rank); None from it: no store.
+    `zerotrain.offload.param_store` registers its NVMe store on import (zero sits below offload)."""
+    global _param_store_factory
+    _param_store_factory = factory
 
 
 def check_init_partitions(module: torch.nn.Module, dp_size: int) -> None:
@@ -100,14 +130,9 @@ def check_init_partitions(module: torch.nn.Module, dp_size: int) -> None:
                              f"pass the training config to zero.Init(config=...) so it reads tensor_parallel")
 
 
-def _tensor_parallel_size(config: Optional[Union[dict, str]]) -> int:
-    """`tensor_parallel.autotp_size` of a config dict or JSON file (1 without one). Read here, not through
-    zerotrain.config: zero sits below config, and this one key is all Init needs of it."""
-    if config is None:
-        return 1
-    if not isinstance(config, dict):
-        with open(config) as handle:
-            config = json.load(handle)
+def _tensor_parallel_size(config: dict) -> int:
+    """`tensor_parallel.autotp_size` of a config dict (1 without one). Read here, not through
+    zerotrain.config: zero sits below config, and this key (with offload_param) is all Init needs of it."""
     return int((config.get("tensor_parallel") or {}).get("autotp_size", 1))
 
 

@@ -185,7 +185,11 @@ class Stage3GradReducer(BucketReducer):
         if store is not None:
             store.add_(output)
             return
-        store = output if output.dtype == torch.float32 else output.float()
+        # A consumer that steps each final shard at once (NVMe offload, `release_final_shards`) casts it
+        # chunk by chunk into its own fp32 buffer: a whole-bucket fp32 copy here would only cost time
+        # and memory (no accumulation then, so nothing is summed in the training dtype).
+        keep = output.dtype == torch.float32 or self.release_final_shards
+        store = output if keep else output.float()
         self._stores[index] = store
         for part, offset in zip(bucket.parts, bucket.offsets):
             self.grad_shards[part.index] = store[offset:offset + part.shard_numel]

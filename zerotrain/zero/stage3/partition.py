@@ -166,7 +166,9 @@ class PartitionedParam(ShardLayout):
     def to_(self, device: torch.device, dtype: torch.dtype) -> None:
         """Move or cast the shard (the module's own .to() would gather)."""
         if self.store is not None:
-            raise RuntimeError(f"parameter {self.names[0]} is offloaded (offload_param); it cannot be moved")
+            if (device, dtype) == (self.device, self.dtype):
+                return
+            self.store.remove(self)  # written out by zero.Init: back in memory to cast (the engine re-offloads it)
         self.shard = self.shard.to(device=device, dtype=dtype)
         self.dtype, self.device = dtype, device
         self.empty = self._placeholder()
