@@ -342,3 +342,23 @@ def test_shard_shifts_once_pads_odd_lengths_and_counts_the_real_targets():
     left[:, 0] = 0
     with pytest.raises(ValueError, match="right-padding mask"):
         SequenceParallel(Comm(None, 0, 2)).shard({"input_ids": ids, "attention_mask": left})
+
+
+def test_sliding_window_longer_than_the_window_is_refused():
+    """Mistral-style sliding-window attention is not applied under sequence parallelism: a sequence longer than
+    the window is an error naming both (a sequence within it runs, the window then being moot)."""
+    from zerotrain.comm import Comm
+    from zerotrain.parallel.sequence import SequenceParallel
+
+    sp = SequenceParallel(Comm(None, 0, 1))
+    query = key = value = torch.randn(1, 2, 8, 4)
+    positions = torch.arange(8).unsqueeze(0)
+
+    def original(module, q, k, v, mask, *args, **kwargs):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2), None
+
+    module = torch.nn.Module()
+    output, _ = sp.hf_attention(original, module, query, key, value, None, position_ids=positions, sliding_window=8)
+    assert output.shape == (1, 8, 2, 4)
+    with pytest.raises(ValueError, match="sliding_window is 4 and the sequence has 8 tokens"):
+        sp.hf_attention(original, module, query, key, value, None, position_ids=positions, sliding_window=4)

@@ -217,6 +217,11 @@ class SequenceParallel:
             key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
         query, key, value = self.gather_heads(query), self.gather_heads(key), self.gather_heads(value)
         kwargs["position_ids"], mask = self.gathered_positions(positions)
+        window = kwargs.get("sliding_window")
+        if window is not None and query.shape[2] > window:  # the whole-sequence mask below is causal only
+            raise ValueError(f"sequence parallelism does not apply sliding-window attention: the model's "
+                             f"sliding_window is {window} and the sequence has {query.shape[2]} tokens; use "
+                             f"sequences of at most {window} tokens or sequence_parallel_size 1")
         groups = getattr(module, "num_key_value_groups", None)
         if groups is not None:
             module.num_key_value_groups = query.shape[1] // key.shape[1]
