@@ -111,6 +111,22 @@ def reference_training(model_factory, batches, lr=1e-2, weight_decay=0.01, clip=
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+def adamw_reference_steps(model, batches, loss_of, lr: float, eps: float = 1e-8, clip: float = 1.0):
+    """Plain single-process AdamW (torch's defaults otherwise), one step per batch: the losses and a snapshot
+    of the named parameters after every step. `loss_of(model, batch)` is the model's loss on one batch."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
+    losses, weights = [], []
+    for batch in batches:
+        loss = loss_of(model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        weights.append({name: param.detach().clone() for name, param in model.named_parameters()})
+    return losses, weights
+
+
 def assert_tensors_close(got: dict, want: dict, where: str, rtol: float = 1e-5, atol: float = 1e-6) -> None:
     """Same names, same shapes, values within rtol/atol (compared in fp32); messages name `where` and the tensor."""
     assert sorted(got) == sorted(want), where

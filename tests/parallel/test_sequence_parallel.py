@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from models_for_tests import assert_same_training, assert_tolerance_discriminates
+from models_for_tests import adamw_reference_steps, assert_same_training, assert_tolerance_discriminates
 
 import transformers  # the dev extra has it: a missing install fails, never skips
 
@@ -236,16 +236,7 @@ def reference(kind: str, length: int = SEQ, packed: bool = False, kv_heads: int 
 
     model = build_gpt(Comm(None, 0, 1) if moe else None) if kind == "gpt" else build_llama(kv_heads, kind)
     data = gpt_batches(steps + 1, length) if kind == "gpt" else llama_batches(steps + 1, length, packed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
-    losses, weights = [], []
-    for rows in data:
-        loss = forward(kind, model, rows)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-        weights.append({name: param.detach().clone() for name, param in model.named_parameters()})
+    losses, weights = adamw_reference_steps(model, data, functools.partial(forward, kind), lr, eps, CLIP)
     return losses, weights[steps - 1], weights[steps]
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from models_for_tests import assert_same_training
+from models_for_tests import adamw_reference_steps, assert_same_training
 
 import transformers  # the dev extra has it: a missing install fails, never skips
 
@@ -147,16 +147,9 @@ def reference(kind: str) -> tuple[list[float], dict, dict]:
     """Plain single-process AdamW over the global batches: the losses of STEPS + 1 steps, the weights after
     STEPS steps and after STEPS + 1."""
     model = build(kind)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses, weights = [], []
-    for tokens in batches(STEPS + 1):
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-        weights.append({name: param.detach().clone() for name, param in model.named_parameters()})
+    losses, weights = adamw_reference_steps(model, batches(STEPS + 1),
+                                            lambda model, tokens: model(input_ids=tokens, labels=tokens).loss,
+                                            LR, EPS, CLIP)
     return losses, weights[STEPS - 1], weights[STEPS]
 
 
