@@ -4,6 +4,7 @@ phase markers, and the plot of a directory holding timelines alone."""
 from __future__ import annotations
 
 import json
+import mmap
 import time
 
 import torch
@@ -18,9 +19,12 @@ def test_phases_nest_steps_count_and_a_plot_per_rank(tmp_path):
         timers.listener = timeline
         with timers("fwd"):
             with timers.phase("gather"):
-                held = torch.ones(16 << 20)  # 64 MiB while gathered (above glibc's mmap threshold: fresh pages)
+                # 64 MiB of fresh pages while gathered: an anonymous mapping written through, so RSS grows whatever
+                # the allocator holds already (a torch tensor may reuse resident heap pages late in a test run)
+                held = mmap.mmap(-1, 64 << 20)
+                held.write(b"\x01" * (64 << 20))
                 time.sleep(0.03)
-            del held
+            held.close()
         with timers("step"):
             pass
         timers.close_step()
