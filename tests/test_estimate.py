@@ -70,6 +70,85 @@ def engine_memory_per_case(nvme_path: str) -> list[dict]:
                                     probe_optimizer(parsed.optimizer), device_type="cpu")
         out.append({"case": case, "report": report, "estimate": predicted.rows})
     out.append(sequence_parallel_case())
+    out += parallel_and_zeropp_cases()
+    return out
+
+
+LOCO = {"zero_quantized_gradients": True, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}}
+EVEN_GPT = dict(n_layer=2, n_head=4, n_embd=48, block_size=32)  # an MLP width (192) that splits over 2 ranks
+
+
+def _two_steps(engine, loss_of) -> dict:
+    """One step, one more backward (gradients held, optimizer states and LoCo errors exist); the report."""
+    for step in range(2):
+        engine.backward(loss_of(engine, step))
+        if step == 0:
+            engine.step()
+    report = engine.memory_report()
+    report["buffers"] = sum(b.numel() * b.element_size() for b in engine.module.buffers())
+    report.pop("comm")
+    return report
+
+
+def parallel_and_zeropp_cases() -> list[dict]:
+    """TP=2 (ZeRO-2: the model split by its plan, the ZeRO group one rank), an MoE model with EP=2 under qgZ with
+    LoCo (ZeRO-2: dense buckets quantized over both ranks, the experts' expert-data-parallel group is one rank),
+    and ZeRO-3 with qgZ + LoCo + qwZ (LoCo per parameter): the engine's report next to the estimate's rows."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import zerotrain
+    from zerotrain.comm import Comm
+    from zerotrain.config import load_config
+    from zerotrain.estimate import shape_comm
+    from zerotrain.models import GPT, GPTConfig
+    from zerotrain.topology import Topology
+    from models_for_tests import make_moe_model
+
+    def gpt_batch(engine, step):
+        idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(step))
+        return engine(idx, idx)[1]
+
+    def moe_batch(engine, step):
+        generator = torch.Generator().manual_seed(step)
+        return engine(torch.randn(4, 6, generator=generator), torch.randn(4, 3, generator=generator))
+
+    out = []
+    # TP=2
+    config = dict(_config(2, None, None, "fp32"), tensor_parallel={"autotp_size": 2}, train_batch_size=2)
+    torch.manual_seed(0)
+    engine, *_ = zerotrain.initialize(model=GPT(GPTConfig(**EVEN_GPT)), config=config)
+    report = _two_steps(engine, gpt_batch)
+    with sdpa_kernel(SDPBackend.MATH):
+        real = measure_activations(engine.module, "gpt", 2, 16, tensor_parallel=2).as_dict()
+    engine.close()
+    with torch.device("meta"):
+        meta = GPT(GPTConfig(**EVEN_GPT))
+    whole = estimate(meta, config, 2, device_type="cpu", seq_len=16, options=[Option(2)])
+    out.append({"case": ("tp2 ZeRO-2", None, None, "fp32"), "report": report, "estimate": whole["options"][0]["rows"], "whole": whole,
+                "real_activations": real, "numel": sum(p.numel() for p in GPT(GPTConfig(**EVEN_GPT)).parameters())})
+    # EP=2, qgZ + LoCo
+    config = _config(2, None, None, "fp32")
+    config["zero_optimization"].update(LOCO)
+    topology = Topology.build(timeout_seconds=60)
+    ep_comm = Comm.data_parallel(topology).subgroup(*topology.expert_parallel_group(2))
+    engine, *_ = zerotrain.initialize(model=make_moe_model(ep_comm), config=config)
+    report = _two_steps(engine, moe_batch)
+    engine.close()
+    whole = estimate(make_moe_model(shape_comm(2)), config, 2, device_type="cpu", options=[Option(2)])
+    out.append({"case": ("ep2 ZeRO-2 qgZ+LoCo", None, None, "fp32"), "report": report, "estimate": whole["options"][0]["rows"],
+                "whole": whole})
+    # ZeRO-3, qgZ + LoCo + qwZ
+    config = _config(3, None, None, "fp32")
+    config["zero_optimization"].update(LOCO, zero_quantized_weights=True)
+    torch.manual_seed(0)
+    engine, *_ = zerotrain.initialize(model=GPT(GPTConfig.preset("tiny")), config=config)
+    report = _two_steps(engine, gpt_batch)
+    engine.close()
+    parsed = load_config(config, dp_world_size=2)
+    predicted = estimate_option(model_shape(load_meta_model("tiny")[0]), parsed, 2, Option(3),
+                                probe_optimizer(parsed.optimizer), device_type="cpu")
+    out.append({"case": ("ZeRO-3 qgZ+LoCo+qwZ", None, None, "fp32"), "report": report, "estimate": predicted.rows,
+                "transient": predicted.transient})
     return out
 
 
@@ -113,9 +192,19 @@ def sequence_parallel_case() -> dict:
 
 def test_estimate_equals_the_engines_memory_report_at_world_2(tmp_path):
     results = run_distributed(engine_memory_per_case, 2, str(tmp_path), timeout=240)
-    assert [len(per_rank) for per_rank in results] == [len(CASES) + 1] * 2
+    assert [len(per_rank) for per_rank in results] == [len(CASES) + 4] * 2
     for rank, per_rank in enumerate(results):
-        sp = per_rank[-1]
+        sp, tp, ep, loco3 = per_rank[-4:]
+        # TP=2: ZeRO over world / tp = 1 rank; each rank holds its slices (the whole model counted once)
+        assert (tp["whole"]["tensor_parallel_size"], tp["whole"]["zero_ranks"]) == (2, 1)
+        assert tp["whole"]["parameters"] == tp["numel"]
+        assert tp["report"]["parameters"] < 0.6 * 4 * tp["numel"]  # fp32: about half of the model on each rank
+        # what one tensor-parallel rank keeps for backward is what the estimate's split meta forward keeps
+        assert tp["whole"]["activations"]["without_checkpointing"] == tp["real_activations"]["without_checkpointing"]
+        # EP=2: 4 experts, 2 on each rank; the whole model counts all 4
+        assert (ep["whole"]["expert_parallel_size"], ep["whole"]["parameters"]) == (2, 6 * 8 + 8 + 8 * 4 + 4 * 280 + 8 * 3 + 3)
+        assert ep["report"]["loco_errors"] > 0 and loco3["report"]["loco_errors"] > 0
+        assert loco3["transient"]["qwZ gather buffers"] > 0 and loco3["transient"]["qgZ scratch (largest reduce)"] > 0
         whole, real = sp["whole"], sp["real_activations"]
         assert (whole["dp_size"], whole["zero_ranks"], whole["sequence_parallel_size"]) == (1, 2, 2)
         by_label = {o["option"]: o for o in whole["options"]}
@@ -131,7 +220,8 @@ def test_estimate_equals_the_engines_memory_report_at_world_2(tmp_path):
             case, report, rows = entry["case"], entry["report"], entry["estimate"]
             where = f"rank {rank}, case {case}"
             assert report["parameters"] == rows["parameters"]["device"], where
-            assert report["gradients"] == rows["gradients"]["device"] > 0, where
+            assert report["gradients"] == rows["gradients"]["device"] + rows["loco_errors"]["device"], where
+            assert report["loco_errors"] == rows["loco_errors"]["device"] and rows["gradients"]["device"] > 0, where
             assert report["optimizer_states"] == rows["master_weights"]["device"] + \
                 rows["optimizer_states"]["device"], where
             assert report["buffers"] == rows["buffers"]["device"], where

@@ -579,6 +579,7 @@ class ZeroTrainEngine:
             "trainable_numel": trainable,
             "frozen_numel": sum(p.numel() for p in self.module.parameters()) - trainable,
             "gradients": self.reducer.held_bytes(),
+            "loco_errors": self.reducer.loco_bytes(),  # qgZ's LoCo error buffers, already inside "gradients"
             "optimizer_states": self.zero_optimizer.state_bytes(),  # on the device; offloaded bytes below
             "comm": self.counters.snapshot(),
         }

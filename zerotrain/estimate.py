@@ -38,10 +38,10 @@ import torch
 
 __all__ = ["ModelShape", "Option", "RankMemory", "Activations", "load_meta_model", "model_shape",
            "estimate_option", "default_options", "estimate", "measure_activations", "format_bytes",
-           "parse_bytes"]
+           "parse_bytes", "split_tensor_parallel", "shape_comm"]
 
 PLACES = ("device", "host", "nvme")
-ROWS = ("parameters", "gradients", "master_weights", "optimizer_states", "buffers", "host_io_buffers")
+ROWS = ("parameters", "gradients", "loco_errors", "master_weights", "optimizer_states", "buffers", "host_io_buffers")
 
 
 @dataclass
@@ -51,6 +51,7 @@ class ParamInfo:
     numel: int
     trainable: bool
     floating: bool = True
+    expert: bool = False  # a split expert (`ep_slice`): partitioned over its expert-data-parallel group
 
 
 @dataclass
@@ -59,6 +60,7 @@ class ModelShape:
     params: list[ParamInfo]
     buffer_numels: list[tuple[int, bool]]  # (numel, floating) of every module buffer
     name: str = "model"
+    ep_size: int = 1  # ranks the split experts are spread over (1: no expert parallelism)
 
     @property
     def numel(self) -> int:
@@ -74,22 +76,28 @@ class ModelShape:
 
 
 def model_shape(model: torch.nn.Module, name: str = "model") -> ModelShape:
-    """The parameters (`named_parameters()`: tied weights once) and buffers of `model` (any device)."""
-    params = [ParamInfo(n, p.numel(), p.requires_grad, p.is_floating_point()) for n, p in model.named_parameters()]
+    """The parameters (`named_parameters()`: tied weights once) and buffers of `model` (any device), as this
+    rank holds them: a tensor-parallel model's split layers (`split_tensor_parallel`) count their slices, split
+    experts (`ExpertParallelMoE`) this rank's experts, and `ep_size` says over how many ranks they are split."""
+    from .parallel.experts import expert_parallel_size, is_split_expert
+
+    params = [ParamInfo(n, p.numel(), p.requires_grad, p.is_floating_point(), is_split_expert(p))
+              for n, p in model.named_parameters()]
     buffers = [(b.numel(), b.is_floating_point()) for b in model.buffers()]
-    return ModelShape(params, buffers, name)
+    return ModelShape(params, buffers, name, expert_parallel_size(model))
 
 
 def load_meta_model(spec: str, dtype: torch.dtype = torch.float32, layers: Optional[int] = None,
-                    width: Optional[int] = None) -> tuple[torch.nn.Module, str]:
+                    width: Optional[int] = None, multiple: int = 1) -> tuple[torch.nn.Module, str]:
     """Build the model `spec` names on the meta device (no weights allocated); returns (model, kind).
 
     `spec`: a zerotrain GPT preset (`tiny`, `small`, `70m`), a Hugging Face model directory (its
     config.json) or a config.json file. kind is "gpt" or "hf". `layers` / `width` replace its depth /
-    hidden size (a width should be a multiple of the head count; the MLP and head sizes scale along)."""
+    hidden size (a width should be a multiple of the head count; the MLP and head sizes scale along, the
+    MLP's rounded to a multiple of `multiple`: the tensor-parallel size, which must divide it)."""
     kind, config = _architecture(spec)
     if layers is not None or width is not None:
-        config = _resized(kind, config, layers, width)
+        config = _resized(kind, config, layers, width, multiple)
     with torch.device("meta"):
         if kind == "gpt":
             from .models import GPT
@@ -131,7 +139,7 @@ def _depth_width(kind: str, config) -> tuple[int, int, int]:
     return config.num_hidden_layers, config.hidden_size, config.num_attention_heads
 
 
-def _resized(kind: str, config, layers: Optional[int], width: Optional[int]):
+def _resized(kind: str, config, layers: Optional[int], width: Optional[int], multiple: int = 1):
     import copy
     import dataclasses
 
@@ -139,17 +147,34 @@ def _resized(kind: str, config, layers: Optional[int], width: Optional[int]):
     layers = depth if layers is None else layers
     width = hidden if width is None else max(heads, width // heads * heads)
     if kind == "gpt":
-        inner = None if config.n_inner is None else max(1, config.n_inner * width // hidden)
+        inner = None if config.n_inner is None else max(multiple, config.n_inner * width // hidden // multiple * multiple)
         return dataclasses.replace(config, n_layer=layers, n_embd=width, n_inner=inner)
     config = copy.deepcopy(config)
     if getattr(config, "head_dim", None) == hidden // heads:  # the default head size follows the width
         config.head_dim = width // heads
     if getattr(config, "intermediate_size", None):
-        config.intermediate_size = max(1, config.intermediate_size * width // hidden)
+        config.intermediate_size = max(multiple, config.intermediate_size * width // hidden // multiple * multiple)
     config.num_hidden_layers, config.hidden_size = layers, width
     if isinstance(getattr(config, "layer_types", None), list):  # per-layer attention kinds (Qwen, Gemma)
         config.layer_types = (config.layer_types * layers)[:layers]
     return config
+
+
+def split_tensor_parallel(model: torch.nn.Module, tp_size: int) -> torch.nn.Module:
+    """Split `model` in place as `initialize` does at `tensor_parallel.autotp_size` = `tp_size` (its own plan:
+    zerotrain's GPT's, a Hugging Face model's `base_model_tp_plan`, or the inferred one; `parallel.autotp`),
+    as tensor-parallel rank 0 of a shapes-only group: each planned layer keeps its slice, the rest stays whole.
+    A meta model's forward then keeps what one tensor-parallel rank keeps."""
+    if tp_size <= 1:
+        return model
+    from .models import GPT
+    from .parallel import apply_tensor_parallel, resolve_plan
+
+    if isinstance(model, GPT) and model.config.n_head % tp_size:  # (a rank must hold whole heads)
+        raise ValueError(f"tensor_parallel.autotp_size {tp_size} does not divide the GPT's n_head = "
+                         f"{model.config.n_head}: each tensor-parallel rank must hold whole attention heads")
+    apply_tensor_parallel(model, resolve_plan(model, tp_size), _ShapeComm(tp_size).comm)
+    return model
 
 
 # --- what each option holds ------------------------------------------------------------------------
@@ -252,10 +277,13 @@ def _offloaded(shards: list[int], ratio: float) -> list[bool]:
 
 
 def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, optimizer: OptimizerState,
-                    device_type: str = "cuda") -> RankMemory:
-    """Bytes per rank of `shape` trained with `config` (dtype, buckets, thresholds, offload settings) at
-    `dp_size` ZeRO ranks (data-parallel x sequence-parallel: Ulysses' ranks share partitions) under `option`; `device_type` "cuda" or "cpu" (a CPU run keeps no
-    separate host copies of what already is in host memory)."""
+                    device_type: str = "cuda", ranks_per_node: Optional[int] = None) -> RankMemory:
+    """Bytes per rank of `shape` trained with `config` (dtype, buckets, thresholds, offload and ZeRO++ settings)
+    at `dp_size` ZeRO ranks (data-parallel x sequence-parallel: Ulysses' ranks share partitions; with tensor
+    parallelism world / tp, and `shape` one tensor-parallel rank's slices) under `option`; `device_type` "cuda"
+    or "cpu" (a CPU run keeps no separate host copies of what already is in host memory). Split experts
+    (`shape.ep_size` > 1) are partitioned over their expert-data-parallel group of dp_size / ep_size ranks, in
+    buckets of their own. `ranks_per_node`: ZeRO ranks per node (qgZ's two hops across nodes; None: one node)."""
     from .precision import training_dtype
 
     zero = config.zero_optimization
@@ -264,17 +292,28 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
     memory = RankMemory(option)
     trainable = [p for p in shape.params if p.trainable]
     frozen = [p for p in shape.params if not p.trainable]
+    expert_ranks = max(1, dp_size // max(1, shape.ep_size))  # the expert-data-parallel group
 
     def size(p: ParamInfo) -> int:  # the engine casts floating parameters only
         return d if p.floating else 4
+
+    def ranks(p: ParamInfo) -> int:  # the ranks a parameter's ZeRO group spans
+        return expert_ranks if p.expert else dp_size
     memory.add("buffers", "device", shape.buffer_bytes(dtype))
 
     offload_opt = option.offload_optimizer
     ratio = float(zero.offload_optimizer.ratio) if zero.offload_optimizer is not None else 1.0
+    # (shard elements, ranks of its group, dense?) of every reduce of the gradient reducer: qgZ's LoCo buffers
+    reduces: list[tuple[int, int, bool]] = []
     if option.stage < 3:
-        partitions = dp_size if option.stage >= 1 else 1
-        buckets = [_padded(n, partitions) for n in _bucket_numels(trainable, int(zero.reduce_bucket_size))]
-        shards = [b // partitions for b in buckets]
+        buckets, shards = [], []
+        for members, group, dense in (([p for p in trainable if not p.expert], dp_size, True),
+                                      ([p for p in trainable if p.expert], expert_ranks, False)):
+            partitions = group if option.stage >= 1 else 1  # zero.flat.build_sharded_buckets / ShardGroup.over
+            for numel in _bucket_numels(members, int(zero.reduce_bucket_size)):
+                buckets.append(_padded(numel, partitions))
+                shards.append(buckets[-1] // partitions)
+                reduces.append((shards[-1], group, dense))
         memory.add("parameters", "device", sum(buckets) * d + sum(p.numel * size(p) for p in frozen))
         if option.stage <= 1:
             memory.add("gradients", "device", sum(buckets) * d)
@@ -284,13 +323,13 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
         if option.stage == 2:  # staging buffers: the bucket being filled and one reduce in flight
             memory.transient["gradient staging"] = min(2 * max(buckets, default=0), sum(buckets)) * d
     else:
-        parts = [(p, _padded(p.numel, dp_size)) for p in trainable]
+        parts = [(p, _padded(p.numel, ranks(p))) for p in trainable]
         threshold = int(zero.stage3_param_persistence_threshold)
         persistent = lambda p: p.numel <= threshold  # noqa: E731 - the engine's rule, one line
-        all_parts = parts + [(p, _padded(p.numel, dp_size)) for p in frozen]
-        offloaded_shards = sum(padded // dp_size * d for p, padded in all_parts
+        all_parts = parts + [(p, _padded(p.numel, ranks(p))) for p in frozen]
+        offloaded_shards = sum(padded // ranks(p) * d for p, padded in all_parts
                                if option.offload_param != "none" and not persistent(p))
-        device_shards = sum(padded // dp_size * d for p, padded in all_parts) - offloaded_shards
+        device_shards = sum(padded // ranks(p) * d for p, padded in all_parts) - offloaded_shards
         whole = sum(padded * d for p, padded in all_parts if persistent(p))
         memory.add("parameters", "device", device_shards + whole)
         if option.offload_param == "cpu":
@@ -300,23 +339,30 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
             store = zero.offload_param
             cached = min(offloaded_shards, int(store.max_in_cpu) * d)
             memory.add("parameters", "host", cached)
-            largest = max((padded // dp_size * d for p, padded in all_parts if not persistent(p)), default=1)
+            largest = max((padded // ranks(p) * d for p, padded in all_parts if not persistent(p)), default=1)
             memory.add("host_io_buffers", "host", int(store.buffer_count) * _round_up(max(largest, 1)))
             memory.notes.append("NVMe parameters: host cache counted at its max_in_cpu bound")
-        shards = [padded // dp_size for _, padded in parts]
+        shards = [padded // ranks(p) for p, padded in parts]
+        reduces = [(padded // ranks(p), ranks(p), not p.expert) for p, padded in parts]  # qgZ: one per parameter
         memory.add("gradients", "device", 4 * sum(shards))
         # an fp32 shard is its own master only where it stays in device memory (a CPU run's host store counts)
         in_device = option.offload_param == "none" or (option.offload_param == "cpu" and device_type == "cpu")
         own_master_possible = [dtype == torch.float32 and (in_device or persistent(p)) for p, _ in parts]
-        live = min(int(zero.stage3_max_live_parameters) + int(zero.stage3_prefetch_bucket_size),
-                   sum(padded for p, padded in all_parts if not persistent(p)))
+        gathered = sum(padded for p, padded in all_parts if not persistent(p))
+        live = min(int(zero.stage3_max_live_parameters) + int(zero.stage3_prefetch_bucket_size), gathered)
         memory.transient["gathered parameters (bound)"] = live * d
         memory.transient["gradient staging"] = min(2 * int(zero.reduce_bucket_size),
                                                    sum(padded for _, padded in parts)) * d
-        if int(zero.zero_hpz_partition_size or 1) > 1:
-            hpz = int(zero.zero_hpz_partition_size)
+        hpz = int(zero.zero_hpz_partition_size or 1)
+        if 1 < hpz < dp_size:  # the fetcher's rule: a group of all ZeRO ranks is no secondary partition
+            # each gathered dense parameter keeps its 1/hpz slice from forward to the end of backward (experts none)
             memory.transient["hpZ secondary shards"] = sum(padded // hpz * d for p, padded in all_parts
-                                                           if not persistent(p))
+                                                           if not persistent(p) and not p.expert)
+        if zero.zero_quantized_weights and dp_size > 1 and gathered:  # qwZ: int8 send + receive of one gather
+            bucket = min(int(zero.stage3_prefetch_bucket_size), gathered)
+            memory.transient["qwZ gather buffers"] = (dp_size + 1) * _wire(-(-bucket // dp_size), 8)
+    _ZeroPP(zero, option.stage, dp_size, ranks_per_node).add(memory, reduces)
+
 
     # masters and optimizer states, bucket by bucket (stage 3: parameter by parameter)
     offloaded = _offloaded(shards, ratio) if offload_opt != "none" else [False] * len(shards)
@@ -345,6 +391,55 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
         memory.notes.append("NVMe optimizer: the file holds the records once plus 2 spare records per size class "
                             "(a ring committed by an index flip)")
     return memory
+
+
+def _wire(cols: int, bits: int) -> int:
+    """Bytes of one quantized row of `cols` values (data + fp32 block scales), as `comm.quant` lays it out."""
+    from .comm.quant import DEFAULT_BLOCK, row_wire_bytes
+    return row_wire_bytes(cols, bits, DEFAULT_BLOCK) if cols else 0
+
+
+@dataclass
+class _ZeroPP:
+    """qgZ's memory (`zero_quantized_gradients`, stages 1-3, ZeRO ranks > 1), by `zero.reduce.QuantizedReduce`'s
+    rules: one quantized reduce-scatter per reduce (a stage 1-2 bucket; at stage 3 each trainable parameter),
+    over the dense ZeRO group in two hops across nodes (L ranks per node, M nodes: an L x M·S then an M x S
+    exchange) or over a split expert's expert-data-parallel group in one; none over a group of one rank.
+    With LoCo (`zeropp_loco_param`) each hop keeps an error buffer of its rows x columns in 8 bits plus an
+    fp32 scale per 256 values (`comm.compressed.ErrorFeedback`), on the device, between steps; the
+    scratch of the largest reduce in flight (fp32 rows, the compensation, int4 send and receive, the
+    dequantized parts) is a transient."""
+    zero: object
+    stage: int
+    dp_size: int
+    ranks_per_node: Optional[int]
+
+    def hops(self, shard: int, group: int, dense: bool) -> list[tuple[int, int]]:
+        per_node = self.ranks_per_node or self.dp_size  # Topology.node_layout
+        if dense and 0 < per_node < self.dp_size and self.dp_size % per_node == 0:
+            nodes = self.dp_size // per_node
+            return [(per_node, nodes * shard), (nodes, shard)]
+        return [(group, shard)]
+
+    def add(self, memory: RankMemory, reduces: list[tuple[int, int, bool]]) -> None:
+        zero = self.zero
+        if not zero.zero_quantized_gradients or self.stage == 0 or self.dp_size == 1:
+            return
+        loco = zero.zeropp_loco_param is not None
+        scratch = 0
+        for shard, group, dense in reduces:
+            if group == 1 or shard == 0:
+                continue
+            for rows, cols in self.hops(shard, group, dense):
+                if loco:
+                    memory.add("loco_errors", "device", rows * _wire(cols, 8))
+                fp32 = rows * cols * 4
+                scratch = max(scratch, fp32 * (4 if loco else 2) + 2 * rows * _wire(cols, 4))
+        if scratch:
+            memory.transient["qgZ scratch (largest reduce)"] = scratch
+        if loco:
+            memory.notes.append("LoCo error buffers: 8-bit, one per quantized reduce and hop (memory_report: "
+                                "inside 'gradients', and as 'loco_errors')")
 
 
 def _round_up(value: int, multiple: int = 4096) -> int:
@@ -412,20 +507,28 @@ class _ShapeComm:
 
 
 def measure_activations(model: torch.nn.Module, kind: str, micro_batch: int, seq_len: int,
-                        sequence_parallel: int = 1) -> Activations:
+                        sequence_parallel: int = 1, tensor_parallel: int = 1,
+                        partition_inputs: bool = False) -> Activations:
     """Run the meta model's forward (with its loss) and add up the tensors autograd saves for backward.
 
     Views are counted once through their base; parameters (and views of them) are not activations.
     With `sequence_parallel` N > 1 the model runs Ulysses as one rank of N does (zerotrain's own wrapping,
     `parallel.sequence`): its shard of ceil(seq_len / N) tokens outside attention, the whole sequence of 1/N
     of the heads inside it (so the attention scores are N x those of a plain run on the shard). The model is
-    changed in place: pass a throwaway (meta) model."""
+    changed in place: pass a throwaway (meta) model.
+
+    A tensor-parallel model (`split_tensor_parallel`, `tensor_parallel` ranks) keeps what one of its ranks
+    keeps: whole inputs of the column-split layers, its slice of their outputs; with `partition_inputs`
+    (`activation_checkpointing.partition_activations`) a checkpointed block input is kept 1/tp per rank.
+    kind "module" (a model whose forward inputs are unknown): nothing is measured (zeros)."""
+    if kind == "module":
+        return Activations(micro_batch, seq_len, 0, 0, 0, sequence_parallel)
     exchange = None
     if sequence_parallel > 1:
         from .parallel.sequence import enable_sequence_parallel
 
         exchange = _ShapeComm(sequence_parallel)
-        enable_sequence_parallel(model, exchange.comm)
+        enable_sequence_parallel(model, exchange.comm, tensor_parallel)
     local_len = -(-seq_len // sequence_parallel)
     param_ids = {id(p) for p in model.parameters()}
     blocks = _blocks(model)
@@ -477,6 +580,8 @@ def measure_activations(model: torch.nn.Module, kind: str, micro_batch: int, seq
         else:
             outside += nbytes
     full = outside + sum(per_block)
+    if partition_inputs and tensor_parallel > 1:  # each tensor-parallel rank keeps its slice of a block input
+        inputs = [-(-n // tensor_parallel) for n in inputs]
     checkpointed = outside + sum(inputs) + max(per_block, default=0)
     return Activations(micro_batch, seq_len, full, checkpointed if blocks else full, len(blocks), sequence_parallel,
                        0 if exchange is None else 2 * exchange.largest)
@@ -499,51 +604,104 @@ def _seq_len(model: torch.nn.Module, kind: str) -> int:
     return min(2048, int(limit)) if limit else 2048
 
 
-def estimate(model_spec: str, config_source, world_size: int, options: Optional[list[Option]] = None,
+def _whole_numel(shape: ModelShape, trainable: bool = False) -> int:
+    """Parameters of the whole model: split experts count every rank's experts (tensor-parallel slices are
+    counted before the split)."""
+    return sum(p.numel * (shape.ep_size if p.expert else 1) for p in shape.params if p.trainable or not trainable)
+
+
+def shape_comm(size: int):
+    """A shapes-only `Comm` of `size` ranks (this one rank 0) that moves nothing: build a meta model's
+    expert-parallel layers over it (`ExpertParallelMoE(..., shape_comm(ep_size))`) to estimate expert
+    parallelism."""
+    return _ShapeComm(size).comm
+
+
+def _kind_of(model: torch.nn.Module) -> str:
+    """"gpt" (zerotrain's GPT), "hf" (a transformers causal LM), or "module" (anything else: its forward's
+    inputs are unknown, so its activations are not measured)."""
+    from .models import GPT
+
+    if isinstance(model, GPT):
+        return "gpt"
+    config = getattr(model, "config", None)
+    return "hf" if config is not None and hasattr(config, "num_hidden_layers") else "module"
+
+
+def estimate(model_spec, config_source, world_size: int, options: Optional[list[Option]] = None,
              device_type: str = "cuda", seq_len: Optional[int] = None,
-             micro_batch: Optional[int] = None, memory: Optional[int] = None) -> dict:
+             micro_batch: Optional[int] = None, memory: Optional[int] = None,
+             ranks_per_node: Optional[int] = None) -> dict:
     """Everything `zerotrain estimate` prints, as a dict: the model, the world, per-option bytes per rank
     (`RankMemory.as_dict()`), the activations of one micro-batch, and with `memory` (device bytes per
-    rank) the largest depth and width of this architecture that fit under the config's own option."""
+    rank) the largest depth and width of this architecture that fit under the config's own option.
+
+    `model_spec`: a preset, a model directory or config.json (built on the meta device), or a model itself
+    (built on the meta device by the caller, e.g. `with torch.device("meta"):`; with split experts built over
+    a group of ep_size ranks, `ExpertParallelMoE(..., shape_comm(ep_size))`: expert parallelism lives in the
+    model, not in the config). The world is data x sequence x tensor parallel: `tensor_parallel.autotp_size`
+    splits the model by its plan as `initialize` does (ZeRO then partitions over world / tp ranks), and
+    `sequence_parallel_size` splits each sequence. `ranks_per_node`: ranks per node (qgZ's two hops)."""
     from .config import load_config
     from .precision import training_dtype
 
     config = load_config(config_source)
     tp = int(config.tensor_parallel.autotp_size)
-    if tp > 1:
-        raise ValueError("tensor_parallel.autotp_size > 1: the estimate covers data parallelism only (for now)")
     sp = int(config.sequence_parallel_size)
-    if world_size % sp:
-        raise ValueError(f"sequence_parallel_size: {sp} does not divide the world size {world_size}")
+    if world_size % (tp * sp):
+        if tp == 1:
+            raise ValueError(f"sequence_parallel_size: {sp} does not divide the world size {world_size}")
+        raise ValueError(f"sequence_parallel_size: {sp} x tensor_parallel.autotp_size: {tp} does not divide the "
+                         f"world size {world_size}")
     # Ulysses: the batch triple counts data-parallel ranks only; ZeRO partitions over data x sequence ranks
-    dp_size, zero_ranks = world_size // sp, world_size
+    # (of one tensor-parallel index: initialize's Topology.build)
+    dp_size, zero_ranks = world_size // (tp * sp), world_size // tp
+    per_node = None if ranks_per_node is None else max(1, ranks_per_node // tp)  # Topology: per tp index
     config = load_config(config, dp_world_size=dp_size)
     dtype = training_dtype(config.precision)
-    model, kind = load_meta_model(model_spec, dtype)
-    shape = model_shape(model, model_spec)
+    given = isinstance(model_spec, torch.nn.Module)
+    if given:
+        model, kind, label = model_spec.to(dtype), _kind_of(model_spec), type(model_spec).__name__
+    else:
+        (model, kind), label = load_meta_model(model_spec, dtype), model_spec
+    whole = model_shape(model, label)  # before the split: the whole model's parameter count
+    split_tensor_parallel(model, tp)
+    shape = model_shape(model, label)
+    if shape.ep_size > 1 and zero_ranks % shape.ep_size:
+        raise ValueError(f"the model's experts are split over {shape.ep_size} ranks, which does not divide the "
+                         f"{zero_ranks} ZeRO ranks (world / tensor_parallel.autotp_size)")
     optimizer = probe_optimizer(config.optimizer)
-    per_option = [estimate_option(shape, config, zero_ranks, option, optimizer, device_type)
+    per_option = [estimate_option(shape, config, zero_ranks, option, optimizer, device_type, per_node)
                   for option in (options or default_options(config))]
     micro = micro_batch or int(config.train_micro_batch_size_per_gpu)
     seq_len = seq_len or _seq_len(model, kind)
-    activations = measure_activations(model, kind, micro, seq_len, sp)
-    result = {"model": model_spec, "parameters": shape.numel, "trainable": shape.trainable_numel,
+    partition = bool(config.activation_checkpointing.partition_activations)
+    activations = measure_activations(model, kind, micro, seq_len, sp, tp, partition)
+    result = {"model": label, "parameters": _whole_numel(whole), "trainable": _whole_numel(whole, trainable=True),
               "dtype": str(dtype).replace("torch.", ""), "world_size": world_size, "dp_size": dp_size,
-              "sequence_parallel_size": sp, "zero_ranks": zero_ranks,
-              "optimizer": optimizer.name, "device": device_type,
+              "sequence_parallel_size": sp, "tensor_parallel_size": tp, "expert_parallel_size": shape.ep_size,
+              "zero_ranks": zero_ranks, "optimizer": optimizer.name, "device": device_type,
               "config_option": config_option(config).label,
               "options": [m.as_dict() for m in per_option], "activations": activations.as_dict()}
     if memory is not None:
+        if given:
+            raise ValueError("--memory's largest-model search resizes a preset or a config.json; a model passed "
+                             "in is estimated as it is (its options' 'fits' still apply)")
+
         def peak(layers: Optional[int] = None, width: Optional[int] = None) -> tuple[int, int]:
-            resized, _ = load_meta_model(model_spec, dtype, layers, width)
+            resized, _ = load_meta_model(model_spec, dtype, layers, width, multiple=tp)
+            numel = _whole_numel(model_shape(resized))
+            split_tensor_parallel(resized, tp)
             resized_shape = model_shape(resized)
-            states = estimate_option(resized_shape, config, zero_ranks, config_option(config), optimizer, device_type)
-            acts = measure_activations(resized, kind, micro, seq_len, sp)
-            return device_peak(states.as_dict(), acts.as_dict()), resized_shape.numel
+            states = estimate_option(resized_shape, config, zero_ranks, config_option(config), optimizer,
+                                     device_type, per_node)
+            acts = measure_activations(resized, kind, micro, seq_len, sp, tp, partition)
+            return device_peak(states.as_dict(), acts.as_dict()), numel
         layers, width, heads = _depth_width(kind, _architecture(model_spec)[1])
         result["largest"] = largest_fitting(peak, memory, layers, width, heads * (2 if kind == "hf" else 1))
         result["memory"] = memory
     return result
+
 
 
 MAX_LAYERS = 1024  # the depth and width searches stop here (a result at the cap means "at least")
@@ -697,7 +855,8 @@ def run_estimate(args) -> int:
     try:
         memory = parse_bytes(args.memory) if args.memory else None
         result = estimate(args.model, args.config, world, device_type=args.device, seq_len=args.seq_len,
-                          micro_batch=args.micro_batch, memory=memory)
+                          micro_batch=args.micro_batch, memory=memory,
+                          ranks_per_node=args.gpus_per_node if args.gpus_per_node is not None else None)
     except ValueError as exc:  # ConfigError is one: it names the key and file
         return _usage(str(exc))
     if args.json:
@@ -718,11 +877,16 @@ def _print_table(result: dict, memory: Optional[int]) -> None:
 
     acts = result["activations"]
     sp = result.get("sequence_parallel_size", 1)
-    sp_note = f" x sequence-parallel {sp}: ZeRO over {result['zero_ranks']} ranks" if sp > 1 else ""
+    tp, ep = result.get("tensor_parallel_size", 1), result.get("expert_parallel_size", 1)
+    sp_note = f" x sequence-parallel {sp}" if sp > 1 else ""
+    sp_note += f" x tensor-parallel {tp}" if tp > 1 else ""
+    sp_note += f"; ZeRO over {result['zero_ranks']} ranks" if sp > 1 or tp > 1 else ""
+    sp_note += f"; experts split over {ep} ranks" if ep > 1 else ""
     title = (f"{result['model']}: {result['parameters']:,} parameters ({result['trainable']:,} trainable), "
              f"{result['dtype']}, {result['optimizer']}, world {result['world_size']} "
              f"(data-parallel {result['dp_size']}{sp_note}), bytes per rank on {result['device']}")
-    headers = ["option", "params", "grads", "masters", "optim states", "buffers", "device total",
+    headers = ["option", "params", "grads" + (" + LoCo" if any(o["rows"]["loco_errors"]["device"] for o in
+                                                             result["options"]) else ""), "masters", "optim states", "buffers", "device total",
                "+ act. (ckpt)", "host total", "nvme"]
     if memory is not None:
         headers.append("fits")
@@ -732,7 +896,8 @@ def _print_table(result: dict, memory: Optional[int]) -> None:
         dev = lambda row: format_bytes(r[row]["device"])  # noqa: E731
         peak = device_peak(option, acts)
         mark = " *" if option["option"] == result["config_option"] else ""
-        row = [option["option"] + mark, dev("parameters"), dev("gradients"), dev("master_weights"),
+        grads = format_bytes(r["gradients"]["device"] + r["loco_errors"]["device"])
+        row = [option["option"] + mark, dev("parameters"), grads, dev("master_weights"),
                dev("optimizer_states"), dev("buffers"), format_bytes(totals["device"]), format_bytes(peak),
                format_bytes(totals["host"]), format_bytes(totals["nvme"])]
         if memory is not None:
@@ -746,7 +911,7 @@ def _print_table(result: dict, memory: Optional[int]) -> None:
         f"{format_bytes(acts['without_checkpointing'])} without checkpointing, "
         f"{format_bytes(acts['with_checkpointing'])} with it ({acts['blocks']} blocks checkpointed).",
         "'+ act. (ckpt)' = device total + activations with checkpointing + transient step buffers "
-        "(gradient staging, stage-3 gathers; see --json).",
+        "(gradient staging, stage-3 gathers, ZeRO++ scratch and hpZ secondaries; see --json).",
     ]
     largest = result.get("largest")
     if largest is not None:
