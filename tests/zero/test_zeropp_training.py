@@ -95,7 +95,7 @@ def run_combos(combos: list, save_root: str) -> list:
                  for kind, entry in after.items()}
         stats = dict(engine.stage3.fetcher.stats) if engine.stage3 is not None else {}
         grad_numel = sum(b.padded_numel for b in engine.buckets)
-        results.append({"name": name, "accumulation": accumulation, "losses": losses,
+        results.append({"name": name, "accumulation": accumulation, "losses": losses, "stage": stage, "zero": zero,
                         "weights": engine.full_state_dict(), "comm": delta, "stats": stats,
                         "grad_numel": grad_numel, "loco_bytes": engine.reducer.loco_bytes(),
                         "gradient_report": engine.memory_report()["gradients"], "resumed": resumed})
@@ -168,11 +168,25 @@ def test_zeropp_training_close_to_exact(world, combos, tmp_path):
             assert kinds == expected, (what, comm)
         if "qwZ" in name:
             assert "all_gather_q8" in comm and result["stats"]["quantized_gathers"] > 0, (what, comm)
+        predicted = _estimate(world, result["stage"], result["zero"])  # zerotrain estimate, same layout
+        if "LoCo" in name or "ZeRO++" in name:  # LoCo's error buffers, per bucket (stage 3: parameter) and hop
+            assert result["loco_bytes"] == predicted.rows["loco_errors"]["device"] > 0, (what, predicted.rows)
         if "hpZ" in name or "ZeRO++" in name:
             assert comm["all_gather_hpz"]["calls"] > 0 and result["stats"]["hpz_gathers"] > 0, (what, comm)
             assert result["stats"]["peak_secondary_bytes"] > 0 and result["stats"]["secondary_bytes"] == 0
+            assert result["stats"]["peak_secondary_bytes"] == predicted.transient["hpZ secondary shards"], what
             if "qwZ" not in name and "ZeRO++" not in name:
                 assert result["stats"]["quantized_gathers"] == 0
+
+
+def _estimate(world: int, stage: int, zero: dict):
+    """`zerotrain estimate`'s rows for OddMLP at this world (2 ranks per node, as run_combos pretends)."""
+    from zerotrain.config import load_config
+    from zerotrain.estimate import Option, estimate_option, model_shape, probe_optimizer
+
+    parsed = load_config(config(stage, 1, 40, **zero), dp_world_size=world)
+    return estimate_option(model_shape(OddMLP()), parsed, world, Option(stage), probe_optimizer(parsed.optimizer),
+                           device_type="cpu", ranks_per_node=2)
 
 
 # --- LoCo bookkeeping through the engine ------------------------------------------------------
