@@ -10,7 +10,7 @@ import torch
 from distributed import run_distributed
 from zerotrain.cli import main
 from zerotrain.estimate import (Option, estimate, estimate_option, load_meta_model, measure_activations,
-                                model_shape, parse_bytes, probe_optimizer)
+                                model_shape, parse_bytes, probe_optimizer, split_tensor_parallel)
 
 # Small buckets and a low persistence threshold, so the tiny GPT has several buckets, padding at
 # world 2 (its MLP width is odd) and a mix of partitioned and persistent stage-3 parameters.
@@ -281,6 +281,21 @@ def test_estimate_of_a_hugging_face_config_builds_nothing(tmp_path):
     assert halves["all_to_all_buffers"] == 2 * 3 * 8 * 32 * 2  # q: 3 x 8 tokens x 32 features in bf16, both ways
     with pytest.raises(ValueError, match="sequence_parallel_size: 2 does not divide the world size 3"):
         estimate(str(tmp_path), str(ds), 3, seq_len=16)
+    # TP=2 over the 4 ranks (the model's own base_model_tp_plan): ZeRO partitions over 2; each rank holds its
+    # slices and keeps for backward what a real split model keeps (split here with the same shapes-only group)
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 3, "bf16": {"enabled": True},
+                              "tensor_parallel": {"autotp_size": 2}, "optimizer": {"type": "AdamW"},
+                              "zero_optimization": {"stage": 3}}))
+    tp = estimate(str(tmp_path), str(ds), 4, seq_len=16, options=[Option(3)])
+    assert (tp["zero_ranks"], tp["dp_size"], tp["parameters"]) == (2, 2, result["parameters"])
+    split_real = split_tensor_parallel(AutoModelForCausalLM.from_config(hf_config), 2)
+    assert 0.5 * result["parameters"] < model_shape(split_real).numel < 0.6 * result["parameters"]
+    with sdpa_kernel(SDPBackend.MATH):
+        assert tp["activations"]["without_checkpointing"] == \
+            measure_activations(split_real.to(torch.bfloat16), "hf", 3, 16, tensor_parallel=2).full
+    assert tp["activations"]["without_checkpointing"] < acts["without_checkpointing"]
+    with pytest.raises(ValueError, match="autotp_size: 2 does not divide the world size 3"):
+        estimate(str(tmp_path), str(ds), 3, seq_len=16)
 
 
 def test_estimate_command_table_json_and_errors(tmp_path, capsys):
@@ -342,3 +357,19 @@ def test_largest_model_that_fits_a_memory(tmp_path):
     assert peak(width=wide["width"]) <= memory < peak(width=wide["width"] + step)
     assert estimate("tiny", str(ds), 2, device_type="cpu", memory=1000)["largest"] == {"layers": None,
                                                                                        "width": None}
+    # with tensor parallelism (TP=2 of 4 ranks): each candidate is split by its plan before it is estimated
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
+                              "tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 2}}))
+    config = load_config(str(ds), dp_world_size=2)
+
+    def split_peak(layers: int, width: int) -> int:
+        model, kind = load_meta_model("small", torch.float32, layers, width, multiple=2)
+        states = estimate_option(model_shape(split_tensor_parallel(model, 2)), config, 2, config_option(config),
+                                 optimizer, "cpu")
+        return device_peak(states.as_dict(), measure_activations(model, kind, 2, 32, tensor_parallel=2).as_dict())
+
+    memory = 3 * split_peak(6, 288) // 2
+    result = estimate("small", str(ds), 4, device_type="cpu", seq_len=32, memory=memory)["largest"]
+    depth, wide = result["layers"], result["width"]
+    assert depth["layers"] > 6 and split_peak(depth["layers"], 288) <= memory < split_peak(depth["layers"] + 1, 288)
+    assert wide["width"] > 288 and split_peak(6, wide["width"]) <= memory < split_peak(6, wide["width"] + 6)

@@ -649,8 +649,9 @@ def estimate(model_spec, config_source, world_size: int, options: Optional[list[
     tp = int(config.tensor_parallel.autotp_size)
     sp = int(config.sequence_parallel_size)
     if world_size % (tp * sp):
-        if tp == 1:
-            raise ValueError(f"sequence_parallel_size: {sp} does not divide the world size {world_size}")
+        if tp == 1 or sp == 1:
+            key, size = ("sequence_parallel_size", sp) if tp == 1 else ("tensor_parallel.autotp_size", tp)
+            raise ValueError(f"{key}: {size} does not divide the world size {world_size}")
         raise ValueError(f"sequence_parallel_size: {sp} x tensor_parallel.autotp_size: {tp} does not divide the "
                          f"world size {world_size}")
     # Ulysses: the batch triple counts data-parallel ranks only; ZeRO partitions over data x sequence ranks
