@@ -410,6 +410,53 @@ print(json.dumps({{'block': best_block, 'head': best_head, 'adam': adam,
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# --- `zerotrain estimate` next to the measurement ---------------------------------------
+def estimate_columns(spec: dict, ranks: list[dict]) -> list[dict]:
+    """Per rank: `zerotrain estimate`'s prediction for this run (the same model built on the meta device, the
+    same config, world 2, a CPU run: its "device" is host memory) next to what the run measured. Host RSS
+    predicted = the states in memory (device + host rows: parameter shards and cache, pinned/aligned I/O
+    buffers, ...) + the activations with checkpointing + the transient step buffers; it leaves out the
+    runtime itself (Python, torch, gloo: a few hundred MB), so the ratio nears 1 as the model grows. NVMe
+    predicted = the swap files' bytes of one rank (measured: the peak on disk of both ranks / 2)."""
+    import torch
+
+    from zerotrain.estimate import config_option, device_peak, estimate
+
+    config = engine_config(spec)
+    with torch.device("meta"):
+        if spec["model"] == "gpt":
+            from zerotrain.models import GPT, GPTConfig
+            model = GPT(GPTConfig(vocab_size=VOCAB, n_layer=spec["layers"], n_head=spec["width"] // 128,
+                                  n_embd=spec["width"], block_size=spec["seq"], bias=True))
+        else:
+            from transformers import LlamaConfig, LlamaForCausalLM
+            model = LlamaForCausalLM(LlamaConfig(
+                vocab_size=VOCAB, hidden_size=spec["width"], intermediate_size=_llama_inner(spec["width"]),
+                num_hidden_layers=spec["layers"], num_attention_heads=spec["width"] // 128,
+                num_key_value_heads=spec["width"] // 128, max_position_embeddings=max(spec["seq"], 128),
+                tie_word_embeddings=False, use_cache=False))
+    from zerotrain.config import load_config
+    result = estimate(model, config, WORLD, options=[config_option(load_config(config))], device_type="cpu",
+                      seq_len=spec["seq"], micro_batch=spec["micro"])
+    option = result["options"][0]
+    rss = device_peak(option, result["activations"]) + option["totals"]["host"]
+    nvme = option["nvme_files"]  # the swap files: records once, spares, alignment
+    disk = max(r["disk_peak_all_ranks"] for r in ranks) / WORLD
+    return [{"rank": r["rank"], "rss_predicted": rss, "rss_measured": r["peak_rss"],
+             "rss_ratio": r["peak_rss"] / rss, "nvme_predicted": nvme, "nvme_measured": disk,
+             "nvme_ratio": disk / nvme if nvme else float("nan")} for r in ranks]
+
+
+def print_estimate(rows: list[dict]) -> None:
+    print("| rank | host RSS estimate GiB | measured peak GiB | measured / estimate | NVMe estimate GB "
+          "| measured GB (disk / 2) | measured / estimate |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['rank']} | {row['rss_predicted'] / 2**30:.2f} | {row['rss_measured'] / 2**30:.2f} "
+              f"| {row['rss_ratio']:.2f} | {row['nvme_predicted'] / 1e9:.2f} | {row['nvme_measured'] / 1e9:.2f} "
+              f"| {row['nvme_ratio']:.2f} |")
+
+
 # --- the parent ----------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
@@ -541,6 +588,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         compute = compute_time(spec)
         ranks = run(spec, args.timeout)
         summary = summarize(spec, ranks, dd, compute, (load_before, os.getloadavg()[0]))
+        summary["estimate"] = estimate_columns(spec, ranks)
         if args.plots:
             from zerotrain.plots import plot_memory_timelines
             prefix = f"scale_{args.model}_{params / 1e9:.2f}b_"
@@ -550,6 +598,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)  # the swap files, dd's file, the ranks' reports
     print_table(summary)
+    print_estimate(summary["estimate"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)

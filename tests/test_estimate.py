@@ -41,6 +41,15 @@ def _config(stage: int, offload, offload_param, precision: str, nvme_path: str =
     return config
 
 
+def _swap_file_bytes(nvme_path: str) -> int:
+    """Sizes of this rank's open NVMe swap files (the optimizer's and the parameter store's)."""
+    rank, total = int(os.environ["RANK"]), 0
+    for folder, _, files in os.walk(nvme_path):
+        if f"-r{rank}-" in os.path.basename(folder):
+            total += sum(os.path.getsize(os.path.join(folder, name)) for name in files)
+    return total
+
+
 def engine_memory_per_case(nvme_path: str) -> list[dict]:
     """Each case's engine on this rank: one step, then one more backward (the gradients are held, the
     optimizer states exist), and its memory report next to the estimate for the same config."""
@@ -61,6 +70,7 @@ def engine_memory_per_case(nvme_path: str) -> list[dict]:
                 engine.step()
         report = engine.memory_report()
         report["buffers"] = sum(b.numel() * b.element_size() for b in engine.module.buffers())
+        report["nvme_files"] = _swap_file_bytes(nvme_path)
         report.pop("comm")
         engine.close()
         parsed = load_config(config, dp_world_size=2)
@@ -68,7 +78,7 @@ def engine_memory_per_case(nvme_path: str) -> list[dict]:
         predicted = estimate_option(model_shape(meta), parsed, 2, Option(case[0], case[1][0] if case[1] else "none",
                                                                            case[2] or "none"),
                                     probe_optimizer(parsed.optimizer), device_type="cpu")
-        out.append({"case": case, "report": report, "estimate": predicted.rows})
+        out.append({"case": case, "report": report, "estimate": predicted.rows, "nvme_files": predicted.nvme_files})
     out.append(sequence_parallel_case())
     out += parallel_and_zeropp_cases()
     return out
@@ -237,6 +247,8 @@ def test_estimate_equals_the_engines_memory_report_at_world_2(tmp_path):
             if "nvme" in (case[1] or ("",))[0] + (case[2] or ""):  # with its pool of I/O buffers
                 assert rows["host_io_buffers"]["host"] > 0 and rows["parameters"]["nvme"] + \
                     rows["master_weights"]["nvme"] > 0, where
+                # and its swap files: records (optimizer: plus spares) at aligned offsets, byte for byte
+                assert report["nvme_files"] == entry["nvme_files"] > 0, where
 
 
 def test_estimate_of_a_hugging_face_config_builds_nothing(tmp_path):

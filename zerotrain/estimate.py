@@ -204,6 +204,9 @@ class RankMemory:
     rows: dict[str, dict[str, int]] = field(default_factory=lambda: {r: dict.fromkeys(PLACES, 0) for r in ROWS})
     transient: dict[str, int] = field(default_factory=dict)  # device bytes that exist during a step only
     notes: list[str] = field(default_factory=list)
+    # bytes the NVMe swap files take on disk: the rows' nvme bytes plus alignment, equal-chunk padding and the
+    # optimizer's spare records (offload.nvme_records)
+    nvme_files: int = 0
 
     def add(self, row: str, place: str, nbytes: int) -> None:
         self.rows[row][place] += int(nbytes)
@@ -215,7 +218,7 @@ class RankMemory:
         return {"option": self.option.label, "stage": self.option.stage,
                 "offload_optimizer": self.option.offload_optimizer, "offload_param": self.option.offload_param,
                 "rows": self.rows, "totals": {place: self.total(place) for place in PLACES},
-                "transient": self.transient, "notes": self.notes}
+                "transient": self.transient, "notes": self.notes, "nvme_files": self.nvme_files}
 
 
 @dataclass
@@ -342,15 +345,34 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
             largest = max((padded // ranks(p) * d for p, padded in all_parts if not persistent(p)), default=1)
             memory.add("host_io_buffers", "host", int(store.buffer_count) * _round_up(max(largest, 1)))
             memory.notes.append("NVMe parameters: host cache counted at its max_in_cpu bound")
+            # offload.param_store: each shard at a 4 KiB-aligned offset of one file
+            memory.nvme_files += sum(_round_up(max(padded // ranks(p) * d, 1)) for p, padded in all_parts
+                                     if not persistent(p))
         shards = [padded // ranks(p) for p, padded in parts]
         reduces = [(padded // ranks(p), ranks(p), not p.expert) for p, padded in parts]  # qgZ: one per parameter
-        memory.add("gradients", "device", 4 * sum(shards))
+        if _streams_gradients(config, option):  # each final shard is stepped during backward and freed
+            memory.notes.append("NVMe optimizer streams gradients: no gradient shard is held after backward")
+        else:
+            memory.add("gradients", "device", 4 * sum(shards))
         # an fp32 shard is its own master only where it stays in device memory (a CPU run's host store counts)
         in_device = option.offload_param == "none" or (option.offload_param == "cpu" and device_type == "cpu")
         own_master_possible = [dtype == torch.float32 and (in_device or persistent(p)) for p, _ in parts]
         gathered = sum(padded for p, padded in all_parts if not persistent(p))
-        live = min(int(zero.stage3_max_live_parameters) + int(zero.stage3_prefetch_bucket_size), gathered)
+        prefetch, max_live, reuse = (int(x) for x in zero.stage3_fetch_limits())
+        live = min(max_live + prefetch, gathered)
+        if reuse == 0:  # (the default) every module's parameters are released after use: the module being
+            # computed and the one request prefetched ahead (the two largest modules' parameters, at most)
+            per_module: dict[str, int] = {}
+            for p, padded in all_parts:
+                if not persistent(p):
+                    module = p.name.rpartition(".")[0]
+                    per_module[module] = per_module.get(module, 0) + padded
+            live = min(live, sum(sorted(per_module.values())[-2:]) + prefetch)
         memory.transient["gathered parameters (bound)"] = live * d
+        # backward's whole gradient of a parameter (in the training dtype) lives until it is copied into its
+        # reduce bucket: the largest one
+        memory.transient["whole gradient of the largest parameter"] = max((padded for _, padded in parts),
+                                                                          default=0) * d
         memory.transient["gradient staging"] = min(2 * int(zero.reduce_bucket_size),
                                                    sum(padded for _, padded in parts)) * d
         hpz = int(zero.zero_hpz_partition_size or 1)
@@ -388,9 +410,22 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
         record = region + (optimizer.per_element // 4) * _round_up(chunk * 4)
         buffer_count = max(2, int(zero.offload_optimizer.buffer_count))
         memory.add("host_io_buffers", "host", buffer_count * (record + region))
+        memory.nvme_files += _nvme_optimizer_file(host_shards, chunk, optimizer)
         memory.notes.append("NVMe optimizer: the file holds the records once plus 2 spare records per size class "
                             "(a ring committed by an index flip)")
     return memory
+
+
+def _streams_gradients(config, option: Option) -> bool:
+    """The engine's rule (`offload.factory.streams_gradients`) for the stage-3 reducer (exact reduce: qgZ's
+    per-parameter reducer does not release shards) with the optimizer on NVMe."""
+    from .offload.factory import streams_gradients
+
+    class _Stage3Reducer:  # what the rule asks of the reducer: that it can release consumed shards
+        release_final_shards = False
+    return (option.stage == 3 and option.offload_optimizer == "nvme"
+            and not config.zero_optimization.zero_quantized_gradients
+            and streams_gradients(config, _Stage3Reducer()))
 
 
 def _wire(cols: int, bits: int) -> int:
@@ -440,6 +475,24 @@ class _ZeroPP:
         if loco:
             memory.notes.append("LoCo error buffers: 8-bit, one per quantized reduce and hop (memory_report: "
                                 "inside 'gradients', and as 'loco_errors')")
+
+
+def _nvme_optimizer_file(shards: list[int], chunk: int, optimizer: OptimizerState) -> int:
+    """Bytes of the NVMe optimizer's swap file (`offload.nvme_records`): each shard cut into equal chunks of
+    at most `chunk` elements (rounded to 1024), one record per chunk (the fp32 master and each per-element
+    state, each region 4 KiB-aligned) of its size class, and `DEFAULT_SPARE_RECORDS` spare records per class."""
+    from .offload.nvme_records import DEFAULT_SPARE_RECORDS
+
+    regions = 1 + optimizer.per_element // 4  # the master + the fp32 states (Adam: exp_avg, exp_avg_sq)
+    total, classes = 0, set()
+    for shard in shards:
+        if shard <= 0:
+            continue
+        pieces = -(-shard // chunk)
+        per = _round_up(-(-shard // pieces), 1024)
+        classes.add(per)
+        total += -(-shard // per) * regions * _round_up(per * 4)
+    return total + sum(DEFAULT_SPARE_RECORDS * regions * _round_up(per * 4) for per in classes)
 
 
 def _round_up(value: int, multiple: int = 4096) -> int:
@@ -914,6 +967,10 @@ def _print_table(result: dict, memory: Optional[int]) -> None:
         "'+ act. (ckpt)' = device total + activations with checkpointing + transient step buffers "
         "(gradient staging, stage-3 gathers, ZeRO++ scratch and hpZ secondaries; see --json).",
     ]
+    files = [(o["option"], o["nvme_files"]) for o in result["options"] if o.get("nvme_files")]
+    for label, nbytes in files:
+        footer.append(f"{label}: NVMe swap files {format_bytes(nbytes)} per rank (the nvme column plus alignment, "
+                      f"equal-chunk padding and the optimizer's spare records).")
     largest = result.get("largest")
     if largest is not None:
         fits = f"largest that fits {format_bytes(result['memory'])} per rank under {result['config_option']}: "
