@@ -411,13 +411,12 @@ print(json.dumps({{'block': best_block, 'head': best_head, 'adam': adam,
 
 
 # --- `zerotrain estimate` next to the measurement ---------------------------------------
-def estimate_columns(spec: dict, ranks: list[dict]) -> list[dict]:
-    """Per rank: `zerotrain estimate`'s prediction for this run (the same model built on the meta device, the
-    same config, world 2, a CPU run: its "device" is host memory) next to what the run measured. Host RSS
-    predicted = the states in memory (device + host rows: parameter shards and cache, pinned/aligned I/O
-    buffers, ...) + the activations with checkpointing + the transient step buffers; it leaves out the
-    runtime itself (Python, torch, gloo: a few hundred MB), so the ratio nears 1 as the model grows. NVMe
-    predicted = the swap files' bytes of one rank (measured: the peak on disk of both ranks / 2)."""
+def predict(spec: dict) -> dict:
+    """`zerotrain estimate` for this run, per rank: the same model built on the meta device, the same config,
+    world 2, a CPU run (its "device" is host memory). Host RSS = the states in memory (device + host rows:
+    parameter shards and cache, aligned I/O buffers, ...) + the activations with checkpointing + the transient
+    step buffers; it leaves out the runtime itself (Python, torch, gloo: a few hundred MB), so the ratio nears 1
+    as the model grows. NVMe = one rank's swap files (records once, spares, alignment)."""
     import torch
 
     from zerotrain.estimate import config_option, device_peak, estimate
@@ -439,22 +438,46 @@ def estimate_columns(spec: dict, ranks: list[dict]) -> list[dict]:
     result = estimate(model, config, WORLD, options=[config_option(load_config(config))], device_type="cpu",
                       seq_len=spec["seq"], micro_batch=spec["micro"])
     option = result["options"][0]
-    rss = device_peak(option, result["activations"]) + option["totals"]["host"]
-    nvme = option["nvme_files"]  # the swap files: records once, spares, alignment
+    return {"rss": device_peak(option, result["activations"]) + option["totals"]["host"],
+            "nvme": option["nvme_files"], "rows": option["rows"], "transient": option["transient"],
+            "activations": result["activations"]}
+
+
+def estimate_columns(spec: dict, ranks: list[dict]) -> list[dict]:
+    """Per rank: the prediction (`predict`) next to what the run measured (NVMe: the peak on disk of both
+    ranks / 2). The RSS ratio is taken against the prediction plus the runtime the estimate leaves out: the
+    rank's own RSS at start (Python, torch, zerotrain imported; before the model is built)."""
+    predicted = predict(spec)
+    rss, nvme = predicted["rss"], predicted["nvme"]
     disk = max(r["disk_peak_all_ranks"] for r in ranks) / WORLD
     return [{"rank": r["rank"], "rss_predicted": rss, "rss_measured": r["peak_rss"],
-             "rss_ratio": r["peak_rss"] / rss, "nvme_predicted": nvme, "nvme_measured": disk,
+             "runtime": r["peak_rss_by_phase"].get("start", 0),
+             "rss_ratio": r["peak_rss"] / (rss + r["peak_rss_by_phase"].get("start", 0)),
+             "nvme_predicted": nvme, "nvme_measured": disk,
              "nvme_ratio": disk / nvme if nvme else float("nan")} for r in ranks]
 
 
 def print_estimate(rows: list[dict]) -> None:
-    print("| rank | host RSS estimate GiB | measured peak GiB | measured / estimate | NVMe estimate GB "
-          "| measured GB (disk / 2) | measured / estimate |")
+    print("| rank | host RSS estimate GiB (+ runtime at start) | measured peak GiB | measured / (estimate + runtime) "
+          "| NVMe estimate GB | measured GB (disk / 2) | measured / estimate |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['rank']} | {row['rss_predicted'] / 2**30:.2f} | {row['rss_measured'] / 2**30:.2f} "
-              f"| {row['rss_ratio']:.2f} | {row['nvme_predicted'] / 1e9:.2f} | {row['nvme_measured'] / 1e9:.2f} "
-              f"| {row['nvme_ratio']:.2f} |")
+        print(f"| {row['rank']} | {row['rss_predicted'] / 2**30:.2f} (+ {row['runtime'] / 2**30:.2f}) "
+              f"| {row['rss_measured'] / 2**30:.2f} | {row['rss_ratio']:.2f} | {row['nvme_predicted'] / 1e9:.2f} "
+              f"| {row['nvme_measured'] / 1e9:.2f} | {row['nvme_ratio']:.2f} |")
+
+
+def print_prediction(args, layers: int, width: int, params: int) -> int:
+    """--estimate-only: the prediction for this shape, nothing run or written."""
+    spec = {"model": args.model, "params": params, "layers": layers, "width": width, "seq": args.seq,
+            "micro": args.micro, "steps": args.steps, "bucket": args.bucket, "cache": args.cache,
+            "inner": _llama_inner(width), "nvme_dir": os.path.join(args.nvme_path, "unused"), "out_dir": ""}
+    predicted = predict(spec)
+    print(f"{args.model} {layers}x{width}: {params / 1e9:.3f}B parameters; zerotrain estimate per rank: host RSS "
+          f"{predicted['rss'] / 2**30:.2f} GiB (+ the runtime), NVMe files {predicted['nvme'] / 1e9:.2f} GB "
+          f"(both ranks {WORLD * predicted['nvme'] / 1e9:.2f} GB = {WORLD * predicted['nvme'] / params:.2f} B/param)")
+    print(json.dumps({k: predicted[k] for k in ("rows", "transient", "activations")}))
+    return 0
 
 
 # --- the parent ----------------------------------------------------------------------------
@@ -563,12 +586,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--json", default=None)
     parser.add_argument("--plots", default=None, help="folder for the per-rank memory timeline PNGs")
+    parser.add_argument("--estimate-only", action="store_true",
+                        help="print `zerotrain estimate`'s per-rank host RSS and NVMe bytes for this shape; run nothing")
     args = parser.parse_args(argv)
     if args._worker:
         worker(json.loads(args._worker))
         return 0
     layers, width = shape_for(args.model, args.params, args.seq) if args.params else (args.layers, args.width)
     params = gpt_params(layers, width, args.seq) if args.model == "gpt" else llama_params(layers, width)
+    if args.estimate_only:
+        return print_prediction(args, layers, width, params)
     need, free = disk_needed(params), shutil.disk_usage(args.nvme_path).free
     if free - need < args.keep_free:
         print(f"refusing {args.model} {layers}x{width} ({params / 1e9:.2f}B parameters): it writes up to "

@@ -615,7 +615,7 @@ def measure_activations(model: torch.nn.Module, kind: str, micro_batch: int, seq
                 model(tokens, tokens)
             else:
                 # (with use_cache=False transformers looks for packed sequences: an .item() a meta tensor has not)
-                extra = {}
+                extra = {"use_cache": True}  # (a config with use_cache false would reach that .item())
                 if exchange is not None:  # what SequenceParallel.shard gives each rank: labels shifted once
                     # (use_cache: as above; the wrapping would turn it off)
                     extra = {"shift_labels": tokens, "num_items_in_batch": torch.tensor(micro_batch * seq_len),
