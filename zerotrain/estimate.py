@@ -609,7 +609,7 @@ def measure_activations(model: torch.nn.Module, kind: str, micro_batch: int, seq
 
     device = next(model.parameters()).device  # meta (a real model too, in the tests)
     tokens = torch.zeros(micro_batch, local_len, dtype=torch.long, device=device)
-    try:
+    def forward() -> None:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             if kind == "gpt":
                 model(tokens, tokens)
@@ -621,13 +621,29 @@ def measure_activations(model: torch.nn.Module, kind: str, micro_batch: int, seq
                     extra = {"shift_labels": tokens, "num_items_in_batch": torch.tensor(micro_batch * seq_len),
                              "use_cache": True}
                 model(input_ids=tokens, labels=tokens, **extra)
+
+    scale = {}  # dtype -> factor: a stand-in dtype's tensors counted at the model's own element size
+    try:
+        try:
+            forward()
+        except RuntimeError as exc:
+            # transformers' grouped-GEMM experts (Mixtral, Qwen-MoE): the meta kernel takes bf16 only. Run the
+            # forward in bf16 and count its bf16 tensors at the model's element size.
+            own = next(model.parameters()).dtype
+            if device.type != "meta" or "BF16" not in str(exc) or own == torch.bfloat16:
+                raise
+            kept.clear()
+            model.to(torch.bfloat16)
+            scale[torch.bfloat16] = own.itemsize / 2
+            forward()
+            inputs[:] = [int(n * scale[torch.bfloat16]) for n in inputs]
     finally:
         for handle in handles:
             handle.remove()
     per_block = [0] * len(blocks)
     outside = 0
     for base, block in kept.values():
-        nbytes = base.untyped_storage().nbytes()
+        nbytes = int(base.untyped_storage().nbytes() * scale.get(base.dtype, 1))
         if block >= 0:
             per_block[block] += nbytes
         else:
