@@ -385,3 +385,49 @@ def test_largest_model_that_fits_a_memory(tmp_path):
     depth, wide = result["layers"], result["width"]
     assert depth["layers"] > 6 and split_peak(depth["layers"], 288) <= memory < split_peak(depth["layers"] + 1, 288)
     assert wide["width"] > 288 and split_peak(6, wide["width"]) <= memory < split_peak(6, wide["width"] + 6)
+
+
+class _MoEStack(torch.nn.Module):
+    """`layers` expert-parallel MoE layers (4 experts) of `width` features between two linear layers."""
+
+    def __init__(self, layers: int, width: int, comm) -> None:
+        from zerotrain.parallel.moe import ExpertParallelMoE
+
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(6, width), torch.nn.Linear(width, 3)
+        self.moes = torch.nn.ModuleList(ExpertParallelMoE(width, 2 * width, 4, comm) for _ in range(layers))
+
+
+def test_expert_parallel_states_and_the_largest_moe_that_fits():
+    """Split experts (a model family built over a shapes-only expert-parallel group of 2, world 4): their
+    states are partitioned over the expert-data-parallel group of 2, the dense ones over all 4; --memory's
+    search resizes the family."""
+    from zerotrain.estimate import ModelFamily, config_option, device_peak, shape_comm
+
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
+              "zero_optimization": {"stage": 2, "reduce_bucket_size": 10**9}}
+    family = ModelFamily(lambda layers, width: _MoEStack(layers, width, shape_comm(2)), layers=2, width=16,
+                         width_step=8, name="moe-stack")
+    result = estimate(family, config, 4, device_type="cpu")
+    assert (result["expert_parallel_size"], result["model"]) == (2, "moe-stack")
+    local = _MoEStack(2, 16, shape_comm(2))
+    experts = sum(p.numel() for n, p in local.named_parameters() if ".w_" in n or ".b_" in n)  # this rank's 2 of 4
+    dense = sum(p.numel() for p in local.parameters()) - experts
+    assert result["parameters"] == dense + 2 * experts
+    by_label = {o["option"]: o for o in result["options"]}
+    states = by_label["ZeRO-2"]["rows"]["optimizer_states"]["device"]  # AdamW: 8 bytes per element
+    assert states == 8 * (-(-dense // 4) + -(-experts // 2)) + 4 * 2  # (+ one `step` per bucket's master)
+    from zerotrain.config import load_config
+    parsed = load_config(config, dp_world_size=4)
+    optimizer = probe_optimizer(parsed.optimizer)
+
+    def peak(layers: int, width: int) -> int:
+        states = estimate_option(model_shape(family.meta(torch.float32, layers, width)), parsed, 4,
+                                 config_option(parsed), optimizer, "cpu")
+        return device_peak(states.as_dict(), {"with_checkpointing": 0})
+
+    memory = 3 * peak(2, 16)
+    largest = estimate(family, config, 4, device_type="cpu", memory=memory)["largest"]
+    depth, wide = largest["layers"]["layers"], largest["width"]["width"]
+    assert depth > 2 and peak(depth, 16) <= memory < peak(depth + 1, 16)
+    assert wide > 16 and wide % 8 == 0 and peak(2, wide) <= memory < peak(2, wide + 8)

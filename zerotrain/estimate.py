@@ -32,13 +32,13 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 __all__ = ["ModelShape", "Option", "RankMemory", "Activations", "load_meta_model", "model_shape",
            "estimate_option", "default_options", "estimate", "measure_activations", "format_bytes",
-           "parse_bytes", "split_tensor_parallel", "shape_comm"]
+           "parse_bytes", "split_tensor_parallel", "shape_comm", "ModelFamily"]
 
 PLACES = ("device", "host", "nvme")
 ROWS = ("parameters", "gradients", "loco_errors", "master_weights", "optimizer_states", "buffers", "host_io_buffers")
@@ -673,6 +673,25 @@ def _seq_len(model: torch.nn.Module, kind: str) -> int:
     return min(2048, int(limit)) if limit else 2048
 
 
+@dataclass
+class ModelFamily:
+    """Models of one architecture at any depth and width, for `estimate()` (and its largest-model search) on
+    a model no preset or config.json describes, e.g. one with split experts: `build(layers, width)` returns
+    the model (it is called under `torch.device("meta")`; build expert-parallel layers over
+    `shape_comm(ep_size)`); `layers` / `width` are the model's own, `width_step` the step of the width search
+    (a width must be a multiple of it)."""
+    build: Callable[[int, int], torch.nn.Module]
+    layers: int
+    width: int
+    width_step: int = 1
+    name: str = ""
+
+    def meta(self, dtype: torch.dtype, layers: Optional[int] = None, width: Optional[int] = None) -> torch.nn.Module:
+        with torch.device("meta"):
+            model = self.build(self.layers if layers is None else layers, self.width if width is None else width)
+        return model.to(dtype)
+
+
 def _whole_numel(shape: ModelShape, trainable: bool = False) -> int:
     """Parameters of the whole model: split experts count every rank's experts (tensor-parallel slices are
     counted before the split)."""
@@ -730,7 +749,11 @@ def estimate(model_spec, config_source, world_size: int, options: Optional[list[
     config = load_config(config, dp_world_size=dp_size)
     dtype = training_dtype(config.precision)
     given = isinstance(model_spec, torch.nn.Module)
-    if given:
+    family = model_spec if isinstance(model_spec, ModelFamily) else None
+    if family is not None:
+        model = family.meta(dtype)
+        kind, label = _kind_of(model), family.name or type(model).__name__
+    elif given:
         model, kind, label = model_spec.to(dtype), _kind_of(model_spec), type(model_spec).__name__
     else:
         (model, kind), label = load_meta_model(model_spec, dtype), model_spec
@@ -755,11 +778,14 @@ def estimate(model_spec, config_source, world_size: int, options: Optional[list[
               "options": [m.as_dict() for m in per_option], "activations": activations.as_dict()}
     if memory is not None:
         if given:
-            raise ValueError("--memory's largest-model search resizes a preset or a config.json; a model passed "
-                             "in is estimated as it is (its options' 'fits' still apply)")
+            raise ValueError("--memory's largest-model search resizes a preset, a config.json or a ModelFamily; "
+                             "a model passed in is estimated as it is (its options' 'fits' still apply)")
 
         def peak(layers: Optional[int] = None, width: Optional[int] = None) -> tuple[int, int]:
-            resized, _ = load_meta_model(model_spec, dtype, layers, width, multiple=tp)
+            if family is not None:
+                resized = family.meta(dtype, layers, width)
+            else:
+                resized, _ = load_meta_model(model_spec, dtype, layers, width, multiple=tp)
             numel = _whole_numel(model_shape(resized))
             split_tensor_parallel(resized, tp)
             resized_shape = model_shape(resized)
@@ -767,8 +793,12 @@ def estimate(model_spec, config_source, world_size: int, options: Optional[list[
                                      device_type, per_node)
             acts = measure_activations(resized, kind, micro, seq_len, sp, tp, partition)
             return device_peak(states.as_dict(), acts.as_dict()), numel
-        layers, width, heads = _depth_width(kind, _architecture(model_spec)[1])
-        result["largest"] = largest_fitting(peak, memory, layers, width, heads * (2 if kind == "hf" else 1))
+        if family is not None:
+            layers, width, step = family.layers, family.width, family.width_step
+        else:
+            layers, width, heads = _depth_width(kind, _architecture(model_spec)[1])
+            step = heads * (2 if kind == "hf" else 1)
+        result["largest"] = largest_fitting(peak, memory, layers, width, step)
         result["memory"] = memory
     return result
 
