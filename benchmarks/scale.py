@@ -587,7 +587,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--plots", default=None, help="folder for the per-rank memory timeline PNGs")
     parser.add_argument("--estimate-only", action="store_true",
-                        help="print `zerotrain estimate`'s per-rank host RSS and NVMe bytes for this shape; run nothing")
+                        help="print `zerotrain estimate`'s per-rank host RSS and NVMe bytes for this shape; "
+                             "run nothing")
     args = parser.parse_args(argv)
     if args._worker:
         worker(json.loads(args._worker))

@@ -134,7 +134,8 @@ def parallel_and_zeropp_cases() -> list[dict]:
     with torch.device("meta"):
         meta = GPT(GPTConfig(**EVEN_GPT))
     whole = estimate(meta, config, 2, device_type="cpu", seq_len=16, options=[Option(2)])
-    out.append({"case": ("tp2 ZeRO-2", None, None, "fp32"), "report": report, "estimate": whole["options"][0]["rows"], "whole": whole,
+    out.append({"case": ("tp2 ZeRO-2", None, None, "fp32"), "report": report,
+                "estimate": whole["options"][0]["rows"], "whole": whole,
                 "real_activations": real, "numel": sum(p.numel() for p in GPT(GPTConfig(**EVEN_GPT)).parameters())})
     # EP=2, qgZ + LoCo
     config = _config(2, None, None, "fp32")
@@ -145,7 +146,8 @@ def parallel_and_zeropp_cases() -> list[dict]:
     report = _two_steps(engine, moe_batch)
     engine.close()
     whole = estimate(make_moe_model(shape_comm(2)), config, 2, device_type="cpu", options=[Option(2)])
-    out.append({"case": ("ep2 ZeRO-2 qgZ+LoCo", None, None, "fp32"), "report": report, "estimate": whole["options"][0]["rows"],
+    out.append({"case": ("ep2 ZeRO-2 qgZ+LoCo", None, None, "fp32"), "report": report,
+                "estimate": whole["options"][0]["rows"],
                 "whole": whole})
     # ZeRO-3, qgZ + LoCo + qwZ
     config = _config(3, None, None, "fp32")
@@ -212,7 +214,8 @@ def test_estimate_equals_the_engines_memory_report_at_world_2(tmp_path):
         # what one tensor-parallel rank keeps for backward is what the estimate's split meta forward keeps
         assert tp["whole"]["activations"]["without_checkpointing"] == tp["real_activations"]["without_checkpointing"]
         # EP=2: 4 experts, 2 on each rank; the whole model counts all 4
-        assert (ep["whole"]["expert_parallel_size"], ep["whole"]["parameters"]) == (2, 6 * 8 + 8 + 8 * 4 + 4 * 280 + 8 * 3 + 3)
+        moe_numel = 6 * 8 + 8 + 8 * 4 + 4 * (16 * 8 + 16 + 8 * 16 + 8) + 8 * 3 + 3  # inp, gate, 4 experts, out
+        assert (ep["whole"]["expert_parallel_size"], ep["whole"]["parameters"]) == (2, moe_numel)
         assert ep["report"]["loco_errors"] > 0 and loco3["report"]["loco_errors"] > 0
         assert loco3["transient"]["qwZ gather buffers"] > 0 and loco3["transient"]["qgZ scratch (largest reduce)"] > 0
         whole, real = sp["whole"], sp["real_activations"]

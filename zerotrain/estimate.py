@@ -147,7 +147,8 @@ def _resized(kind: str, config, layers: Optional[int], width: Optional[int], mul
     layers = depth if layers is None else layers
     width = hidden if width is None else max(heads, width // heads * heads)
     if kind == "gpt":
-        inner = None if config.n_inner is None else max(multiple, config.n_inner * width // hidden // multiple * multiple)
+        inner = None if config.n_inner is None else \
+            max(multiple, config.n_inner * width // hidden // multiple * multiple)
         return dataclasses.replace(config, n_layer=layers, n_embd=width, n_inner=inner)
     config = copy.deepcopy(config)
     if getattr(config, "head_dim", None) == hidden // heads:  # the default head size follows the width
@@ -985,9 +986,9 @@ def _print_table(result: dict, memory: Optional[int]) -> None:
     title = (f"{result['model']}: {result['parameters']:,} parameters ({result['trainable']:,} trainable), "
              f"{result['dtype']}, {result['optimizer']}, world {result['world_size']} "
              f"(data-parallel {result['dp_size']}{sp_note}), bytes per rank on {result['device']}")
-    headers = ["option", "params", "grads" + (" + LoCo" if any(o["rows"]["loco_errors"]["device"] for o in
-                                                             result["options"]) else ""), "masters", "optim states", "buffers", "device total",
-               "+ act. (ckpt)", "host total", "nvme"]
+    loco = any(o["rows"]["loco_errors"]["device"] for o in result["options"])
+    headers = ["option", "params", "grads + LoCo" if loco else "grads", "masters", "optim states", "buffers",
+               "device total", "+ act. (ckpt)", "host total", "nvme"]
     if memory is not None:
         headers.append("fits")
     rows = []
