@@ -64,6 +64,25 @@ def engine_api_world2(save_dir: str, config_path: str) -> dict:
                     str(engine.device), dist.get_rank(), dist.get_world_size(), dist.get_local_rank())
     out["queries"] = (engine.zero_optimization_stage(), engine.bf16_enabled(), engine.bfloat16_enabled(),
                       engine.fp16_enabled(), engine.training_dataloader, engine.zero_optimization())
+    out["more_queries"] = (engine.get_mom(), engine.mp_world_size, engine.steps_per_print(),
+                           engine.gradient_clipping(), engine.zero_optimization_partition_gradients(),
+                           engine.zero_optimization_partition_weights(),
+                           engine.zero_gather_16bit_weights_on_model_save(), engine.get_wall_clock_timers())
+    # train()/eval() and `training` as on DeepSpeed's engine (an nn.Module); attributes the engine lacks come
+    # from its module, as DeepSpeed's __getattr__ does (DeepSpeed-Chat: engine.gradient_checkpointing_enable())
+    modes = [(engine.eval().training, engine.module.training)]
+    modes.append((engine.train().training, engine.module.training))
+    try:
+        engine.no_such_attribute
+    except AttributeError as error:
+        missing = str(error)
+    out["modes"] = (modes, engine.fc1 is engine.module.fc1, missing)
+    out["io"] = [b.tolist() for b in engine.deepspeed_io(list(range(8)), batch_size=2, collate_fn=torch.tensor)]
+    timed = _engine(1, wall_clock_breakdown=True)
+    x, y = _micro(batches[0], 0, rank)
+    timed.backward(timed(x, y))
+    timed.step()
+    out["timers"] = timed.get_wall_clock_timers()
 
     # zerotrain.dist over the world, a torch group and the engine's Comm
     summed = torch.tensor([rank + 1.0])
@@ -103,12 +122,23 @@ def engine_api_world2(save_dir: str, config_path: str) -> dict:
     loaded = {}
     for stage in (1, 3):
         target = engine if stage == 1 else _engine(3)
+        if stage == 1:
+            out["module_state_keys"] = sorted(engine.module_state_dict())
+        else:
+            out["stage3_queries"] = (target.zero_optimization_partition_gradients(),
+                                     target.zero_optimization_partition_weights())
+            with pytest.raises(RuntimeError, match="consolidated_16bit_state_dict"):
+                target.module_state_dict()
         target.load_state_dict({f"module.{k}": v for k, v in other.items()})
         before = _full(target)
         x, y = _micro(batches[2], 0, rank)
         target.backward(target(x, y))
         target.step()  # a step from the loaded masters, not from the old weights
         loaded[stage] = (before, _full(target))
+        # HF transformers' Trainer saves a ZeRO-3 model through DeepSpeed's private name: the same whole
+        # weights on rank 0, {} elsewhere (collective)
+        if stage == 3:
+            out["consolidated"] = (target._zero3_consolidated_16bit_state_dict(), _full(target))
     out["loaded"] = loaded
     out["other"] = other
 
@@ -155,6 +185,7 @@ def engine_api_world2(save_dir: str, config_path: str) -> dict:
         saver.backward(saver(x.to(saver.dtype), y.to(saver.dtype)))
         saver.step()
         out[name] = (saver.save_16bit_model(save_dir, name), _full(saver), os.path.exists(os.path.join(save_dir, name)))
+    out["fp16_name"] = (saver.save_fp16_model(save_dir, "old_name.bin"),)  # DeepSpeed's older name
 
     # fp16: an overflow with the scale already at min_loss_scale raises, on every rank
     fp16 = _engine(1, fp16={"enabled": True, "initial_scale_power": 1, "min_loss_scale": 2, "hysteresis": 1})
@@ -187,6 +218,16 @@ def test_engine_api_and_dist_at_world_two(tmp_path):
     for rank, out in enumerate(results):
         assert out["ranks"] == (rank, rank, 2, 2, "cpu", rank, 2, rank)
         assert out["queries"] == (1, False, False, False, None, True)
+        assert out["more_queries"] == ([(0.9, 0.999)], 1, 1, 1.0, False, False, False, {})
+        modes, forwarded, missing = out["modes"]
+        assert modes == [(False, False), (True, True)] and forwarded and "no_such_attribute" in missing
+        assert sorted(x for batch in results[0]["io"] + results[1]["io"] for x in batch) == list(range(8))
+        assert len(out["io"]) == 2 and all(len(batch) == 2 for batch in out["io"])
+        assert sorted(out["timers"]) == ["bwd", "bwd_allreduce", "bwd_inner", "fwd", "step"], out["timers"]
+        assert all(value >= 0 for value in out["timers"].values()) and out["timers"]["fwd"] > 0
+        assert out["module_state_keys"] == [key[len("module."):] for key in out["state_keys"]]
+        assert out["stage3_queries"] == (True, True)
+        assert out["fp16_name"] == (True,)
         assert out["dist"] == (3.0, 2.0, 3.0, 20.0, [[0.0, 0.5], [1.0, 1.5]])
         assert out["printing_restored"] is True
         assert out["printed_under_trainer"] == ""
@@ -200,6 +241,11 @@ def test_engine_api_and_dist_at_world_two(tmp_path):
     assert [line.split(",")[0] for line in lines] == ["[zerotrain] step=1", "[zerotrain] step=2"]
     assert "skipped=0" in lines[0] and "lr=[0.01]" in lines[0] and "mom=[(0.9, 0.999)]" in lines[0]
     assert results[1]["printed"] == ""
+    consolidated, full = results[0]["consolidated"]
+    assert set(consolidated) == set(full) and results[1]["consolidated"][0] == {}
+    for name, value in full.items():
+        torch.testing.assert_close(consolidated[name], value, rtol=0, atol=0)
+    assert torch.equal(torch.load(tmp_path / "old_name.bin")["fc1.weight"], torch.load(tmp_path / "bf16.bin")["fc1.weight"])
 
     main = results[0]
     for stage, (before, after) in main["loaded"].items():

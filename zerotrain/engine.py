@@ -298,6 +298,23 @@ class ZeroTrainEngine:
         self.module.train(mode)
         return self
 
+    @property
+    def training(self) -> bool:
+        """The module's training mode (DeepSpeed's engine is an nn.Module: `engine.training`)."""
+        return self.module.training
+
+    def __getattr__(self, name: str) -> Any:
+        """An attribute the engine lacks comes from the wrapped model, as DeepSpeed's engine forwards it
+        (DeepSpeed-Chat calls `engine.gradient_checkpointing_enable()`). Only called after normal lookup
+        failed; names starting with `_` are never forwarded."""
+        module = self.__dict__.get("module")
+        if not name.startswith("_") and module is not None:
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                pass
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r} (nor has its module)")
+
     def eval(self) -> "ZeroTrainEngine":
         return self.train(False)
 
