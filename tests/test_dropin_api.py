@@ -428,6 +428,67 @@ def test_launch_runs_a_deepspeed_script_ported_by_its_import(tmp_path):
         assert not torch.equal(weights[name], initial[name])
 
 
+STOPPABLE_SCRIPT = '''
+import argparse, json, os, time
+import torch
+import zerotrain as deepspeed
+
+parser = argparse.ArgumentParser()  # no --local_rank: torchrun's LOCAL_RANK is enough
+parser.add_argument("--out", required=True)
+parser.add_argument("--nproc", type=int, required=True)  # abbreviates torchrun's own option: must reach us
+parser = deepspeed.add_config_arguments(parser)
+args = parser.parse_args()
+torch.manual_seed(0)
+engine, *_ = deepspeed.initialize(args=args, model=torch.nn.Linear(4, 2))
+engine.install_signal_handlers()
+while True:
+    engine.backward(engine(torch.randn(2, 4)).pow(2).mean())
+    engine.step()
+    if engine.global_steps == 2 and engine.global_rank == 0:
+        open(os.path.join(args.out, "running"), "w").close()
+    if engine.should_stop():
+        engine.save_checkpoint(os.path.join(args.out, "ckpt"))
+        with open(os.path.join(args.out, f"stopped{engine.global_rank}.json"), "w") as f:
+            json.dump({"step": engine.global_steps, "nproc": args.nproc}, f)
+        break
+    time.sleep(0.02)
+'''
+
+
+def test_launch_stops_a_script_on_sigterm_as_train_does(tmp_path):
+    """SIGTERM to `zerotrain launch` reaches every rank of a script that opted in (install_signal_handlers,
+    should_stop): all stop after the same step, save, and the launch exits 143 (128 + SIGTERM), as
+    `zerotrain train` does. The script does not declare --local_rank (the launcher's other path)."""
+    import signal
+    import time
+
+    script = tmp_path / "train.py"
+    script.write_text(STOPPABLE_SCRIPT)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "steps_per_print": 0,
+                                  "optimizer": {"type": "SGD", "params": {"lr": 0.01}}}))
+    proc = subprocess.Popen([sys.executable, "-m", "zerotrain.cli", "launch", "--nproc", "2", str(script),
+                             "--deepspeed_config", str(config), "--out", str(tmp_path), "--nproc", "3"],
+                            cwd=tmp_path, env=dict(os.environ, PYTHONPATH=REPO_ROOT), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "running").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # its agent and ranks die with it (PR_SET_PDEATHSIG)
+            proc.communicate()
+    assert proc.returncode == 128 + signal.SIGTERM, out + err
+    assert "stopped by SIGTERM" in err
+    stopped = [json.loads((tmp_path / f"stopped{rank}.json").read_text()) for rank in (0, 1)]
+    assert stopped[0] == stopped[1] and stopped[0]["step"] >= 2 and stopped[0]["nproc"] == 3, stopped
+    assert (tmp_path / "ckpt" / f"global_step{stopped[0]['step']}").is_dir()
+
+
 def _hf_trainer_checkpoint_calls(save_dir: str) -> dict:
     """The checkpoint calls HF transformers' Trainer makes on a DeepSpeed engine, with its keywords."""
     import inspect
