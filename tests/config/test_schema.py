@@ -322,6 +322,11 @@ def test_configuration_reference_lists_every_key():
         missing += [f"{block.key_path(k)} (no effect)" for k in block.DEEPSPEED_ONLY | block.INERT
                     if not named(no_effect + reads, k)]
     assert len(set(blocks())) > 15 and not missing, sorted(missing)
+    # and every ZEROTRAIN_* environment variable the package reads
+    package = pathlib.Path(__file__).parents[2] / "zerotrain"
+    variables = {v for path in package.rglob("*.py") for v in re.findall(r"ZEROTRAIN_[A-Z_]+", path.read_text())}
+    table = text.partition("## Environment variables")[2]
+    assert len(variables) > 5 and not [v for v in variables if f"`{v}" not in table], sorted(variables)
 
 
 def test_monitor_blocks_have_deepspeeds_keys_and_defaults():
