@@ -23,7 +23,7 @@ def error_of(config: dict) -> ConfigError:
 
 def test_defaults_follow_deepspeed():
     cfg = load()
-    assert cfg.gradient_clipping == 1.0 and cfg.steps_per_print == 10 and cfg.wall_clock_breakdown is False
+    assert cfg.gradient_clipping == 1.0 and cfg.steps_per_print is None and cfg.wall_clock_breakdown is False
     assert cfg.comm_timeout_seconds == 1800.0 and cfg.seed is None
     assert cfg.optimizer is None and cfg.scheduler is None and cfg.precision == "fp32"
     fp16 = cfg.fp16

@@ -154,7 +154,7 @@ class ZeroTrainConfig(Block):
     train_micro_batch_size_per_gpu: Optional[PosInt] = None
     gradient_accumulation_steps: Optional[PosInt] = None
     gradient_clipping: NonNegFloat = 1.0
-    steps_per_print: NonNegInt = 10
+    steps_per_print: Optional[NonNegInt] = None  # DeepSpeed 0.19.8's default: no progress line
     wall_clock_breakdown: Bool = False
     comm_timeout_seconds: PosFloat = 1800.0
     comm_same_host_transport: Bool = True  # ranks on one host read each other's memory (gloo only)
