@@ -467,7 +467,13 @@ def test_launch_stops_a_script_on_sigterm_as_train_does(tmp_path):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "steps_per_print": 0,
                                   "optimizer": {"type": "SGD", "params": {"lr": 0.01}}}))
-    proc = subprocess.Popen([sys.executable, "-m", "zerotrain.cli", "launch", "--nproc", "2", str(script),
+    import socket
+
+    with socket.socket() as probe:  # a static rendezvous (--master-addr/--master-port) rather than --standalone
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "zerotrain.cli", "launch", "--nproc", "2", "--master-addr",
+                             "127.0.0.1", "--master-port", str(port), str(script),
                              "--deepspeed_config", str(config), "--out", str(tmp_path), "--nproc", "3"],
                             cwd=tmp_path, env=dict(os.environ, PYTHONPATH=REPO_ROOT), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
