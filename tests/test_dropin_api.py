@@ -145,6 +145,7 @@ def engine_api_world2(save_dir: str, config_path: str) -> dict:
     # was_step_applied and no_sync (stage 1): no_sync's summed micro-batches equal accumulation 2
     accumulate = _engine(1, accumulation=2)
     synced = _engine(1)
+    manual = _engine(1, accumulation=2)  # accelerate's loop: the boundary set by hand, step() only there
     applied = []
     comm_before = None
     for batch in batches:
@@ -163,7 +164,14 @@ def engine_api_world2(save_dir: str, config_path: str) -> dict:
         x, y = _micro(batch, 1, rank)
         synced.backward(synced(x, y) / 2)
         synced.step()
+        for index in range(2):
+            manual.set_gradient_accumulation_boundary(index == 1)
+            x, y = _micro(batch, index, rank)
+            manual.backward(manual(x, y))
+        manual.step()
+        applied.append(manual.was_step_applied())
     out["applied"] = applied
+    out["manual"] = (_full(manual), manual.global_steps)
     out["no_sync_comm"] = comm_before
     out["no_sync"] = (_full(accumulate), _full(synced))
     for stage in (2, 3):
@@ -232,7 +240,7 @@ def test_engine_api_and_dist_at_world_two(tmp_path):
         assert out["printing_restored"] is True
         assert out["printed_under_trainer"] == ""
         assert out["state_keys"] == ["module.fc1.bias", "module.fc1.weight", "module.fc2.bias", "module.fc2.weight"]
-        assert out["applied"] == [False, True] * 3
+        assert out["applied"] == [False, True, True] * 3
         before, after = out["no_sync_comm"]
         assert before == after, "a backward inside no_sync() communicated"
         assert out["saved_without_key"] is False and out["save_warning"]
@@ -254,8 +262,11 @@ def test_engine_api_and_dist_at_world_two(tmp_path):
             assert not torch.equal(after[name], value), f"stage {stage}: {name} did not train after the load"
             assert (after[name] - value).abs().max() < 0.05, f"stage {stage}: {name} stepped from other weights"
     accumulated, synced = main["no_sync"]
+    manual, manual_steps = main["manual"]
+    assert manual_steps == 3
     for name in accumulated:
         torch.testing.assert_close(synced[name], accumulated[name], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(manual[name], accumulated[name], rtol=1e-5, atol=1e-6)
 
     from safetensors.torch import load_file
     saved, full, exists = main["z3.safetensors"]

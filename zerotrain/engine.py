@@ -325,8 +325,17 @@ class ZeroTrainEngine:
         return self.module.named_parameters()
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the next step() will update the weights."""
+        """True when the next step() will update the weights: by the micro-step count, or as last set by
+        `set_gradient_accumulation_boundary`."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's manual boundary (accelerate's loop calls it before every backward and step()s only at
+        the boundary): the following backward reduces, and step() updates, only when `is_boundary`. Each
+        backward still scales the loss by 1/gradient_accumulation_steps, as in DeepSpeed."""
+        self._boundary_override = bool(is_boundary)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backpropagate `loss` scaled by 1/accumulation (and the fp16 loss scale), reducing gradients."""
@@ -657,6 +666,7 @@ class ZeroTrainEngine:
     training_dataloader = None  # the loader initialize() built from `training_data` (DeepSpeed's name)
     _inside_no_sync = False
     _step_applied = False
+    _boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary's value, once called
     _print_progress = True  # steps_per_print lines; the Trainer turns them off while it reports progress
 
     @property
