@@ -301,6 +301,16 @@ def test_initialize_rejects_unknown_keywords_with_a_suggestion():
         zerotrain.initialize(argparse.Namespace(), OddMLP())
 
 
+def test_deepspeed_comm_names_point_to_zerotrain_dist():
+    import zerotrain as deepspeed  # a ported script's `deepspeed.comm.get_rank()` reaches the internal package
+
+    with pytest.raises(AttributeError, match=r"zerotrain.dist.get_rank"):
+        deepspeed.comm.get_rank()
+    with pytest.raises(AttributeError, match="no attribute 'frobnicate'"):
+        deepspeed.comm.frobnicate
+    from zerotrain.comm import compressed  # noqa: F401 - submodules still import
+
+
 def test_add_config_arguments_feeds_initialize(tmp_path):
     import zerotrain
 
