@@ -313,3 +313,30 @@ def test_launch_passes_local_rank_only_to_scripts_that_declare_it(tmp_path):
     assert "--pass-local-rank" not in worker_target(str(silent), [])
     assert "--pass-local-rank" not in worker_target(str(declares), [], pass_local_rank=False)
     assert "--pass-local-rank" not in worker_target(str(declares), ["--local_rank=3"])
+
+
+def test_launch_rendezvous_and_worker_arguments(tmp_path, monkeypatch):
+    """The torchrun options `launch` builds (standalone on one node without an address; a static rendezvous
+    otherwise), and the worker's reading of its arguments with or without the separator (torchrun's parser
+    drops it when no worker flag precedes it)."""
+    from zerotrain.cli import _rendezvous
+    from zerotrain.launcher import run_worker
+
+    assert _rendezvous(2) == ["--standalone", "--nproc_per_node", "2"]
+    assert _rendezvous(8, 2, 1, "node0", 29400) == ["--nnodes", "2", "--node_rank", "1", "--master_addr", "node0",
+                                                    "--master_port", "29400", "--nproc_per_node", "8"]
+    assert _rendezvous(2, master_port=1234)[:8] == ["--nnodes", "1", "--node_rank", "0", "--master_addr",
+                                                    "127.0.0.1", "--master_port", "1234"]
+    script = tmp_path / "echo.py"
+    out = tmp_path / "argv.json"
+    script.write_text(f"import json, sys\njson.dump(sys.argv[1:], open({str(out)!r}, 'w'))\n")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    for argv, expected in ((["--", str(script), "--nproc", "3"], ["--nproc", "3"]),
+                           ([str(script), "--nproc", "3"], ["--nproc", "3"]),
+                           (["--pass-local-rank", "--", str(script), "x"], ["x", "--local_rank=1"])):
+        run_worker(argv)
+        assert json.loads(out.read_text()) == expected, argv
+    with pytest.raises(SystemExit, match="unknown worker flag"):
+        run_worker(["--frobnicate", "--", str(script)])

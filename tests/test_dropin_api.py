@@ -64,6 +64,25 @@ def engine_api_world2(save_dir: str, config_path: str) -> dict:
                     str(engine.device), dist.get_rank(), dist.get_world_size(), dist.get_local_rank())
     out["queries"] = (engine.zero_optimization_stage(), engine.bf16_enabled(), engine.bfloat16_enabled(),
                       engine.fp16_enabled(), engine.training_dataloader, engine.zero_optimization())
+    out["more_queries"] = (engine.get_mom(), engine.mp_world_size, engine.steps_per_print(),
+                           engine.gradient_clipping(), engine.zero_optimization_partition_gradients(),
+                           engine.zero_optimization_partition_weights(),
+                           engine.zero_gather_16bit_weights_on_model_save(), engine.get_wall_clock_timers())
+    # train()/eval() and `training` as on DeepSpeed's engine (an nn.Module); attributes the engine lacks come
+    # from its module, as DeepSpeed's __getattr__ does (DeepSpeed-Chat: engine.gradient_checkpointing_enable())
+    modes = [(engine.eval().training, engine.module.training)]
+    modes.append((engine.train().training, engine.module.training))
+    try:
+        engine.no_such_attribute
+    except AttributeError as error:
+        missing = str(error)
+    out["modes"] = (modes, engine.fc1 is engine.module.fc1, missing)
+    out["io"] = [b.tolist() for b in engine.deepspeed_io(list(range(8)), batch_size=2, collate_fn=torch.tensor)]
+    timed = _engine(1, wall_clock_breakdown=True)
+    x, y = _micro(batches[0], 0, rank)
+    timed.backward(timed(x, y))
+    timed.step()
+    out["timers"] = timed.get_wall_clock_timers()
 
     # zerotrain.dist over the world, a torch group and the engine's Comm
     summed = torch.tensor([rank + 1.0])
@@ -103,18 +122,30 @@ def engine_api_world2(save_dir: str, config_path: str) -> dict:
     loaded = {}
     for stage in (1, 3):
         target = engine if stage == 1 else _engine(3)
+        if stage == 1:
+            out["module_state_keys"] = sorted(engine.module_state_dict())
+        else:
+            out["stage3_queries"] = (target.zero_optimization_partition_gradients(),
+                                     target.zero_optimization_partition_weights())
+            with pytest.raises(RuntimeError, match="consolidated_16bit_state_dict"):
+                target.module_state_dict()
         target.load_state_dict({f"module.{k}": v for k, v in other.items()})
         before = _full(target)
         x, y = _micro(batches[2], 0, rank)
         target.backward(target(x, y))
         target.step()  # a step from the loaded masters, not from the old weights
         loaded[stage] = (before, _full(target))
+        # HF transformers' Trainer saves a ZeRO-3 model through DeepSpeed's private name: the same whole
+        # weights on rank 0, {} elsewhere (collective)
+        if stage == 3:
+            out["consolidated"] = (target._zero3_consolidated_16bit_state_dict(), _full(target))
     out["loaded"] = loaded
     out["other"] = other
 
     # was_step_applied and no_sync (stage 1): no_sync's summed micro-batches equal accumulation 2
     accumulate = _engine(1, accumulation=2)
     synced = _engine(1)
+    manual = _engine(1, accumulation=2)  # accelerate's loop: the boundary set by hand, step() only there
     applied = []
     comm_before = None
     for batch in batches:
@@ -133,7 +164,14 @@ def engine_api_world2(save_dir: str, config_path: str) -> dict:
         x, y = _micro(batch, 1, rank)
         synced.backward(synced(x, y) / 2)
         synced.step()
+        for index in range(2):
+            manual.set_gradient_accumulation_boundary(index == 1)
+            x, y = _micro(batch, index, rank)
+            manual.backward(manual(x, y))
+        manual.step()
+        applied.append(manual.was_step_applied())
     out["applied"] = applied
+    out["manual"] = (_full(manual), manual.global_steps)
     out["no_sync_comm"] = comm_before
     out["no_sync"] = (_full(accumulate), _full(synced))
     for stage in (2, 3):
@@ -155,6 +193,7 @@ def engine_api_world2(save_dir: str, config_path: str) -> dict:
         saver.backward(saver(x.to(saver.dtype), y.to(saver.dtype)))
         saver.step()
         out[name] = (saver.save_16bit_model(save_dir, name), _full(saver), os.path.exists(os.path.join(save_dir, name)))
+    out["fp16_name"] = (saver.save_fp16_model(save_dir, "old_name.bin"),)  # DeepSpeed's older name
 
     # fp16: an overflow with the scale already at min_loss_scale raises, on every rank
     fp16 = _engine(1, fp16={"enabled": True, "initial_scale_power": 1, "min_loss_scale": 2, "hysteresis": 1})
@@ -187,11 +226,21 @@ def test_engine_api_and_dist_at_world_two(tmp_path):
     for rank, out in enumerate(results):
         assert out["ranks"] == (rank, rank, 2, 2, "cpu", rank, 2, rank)
         assert out["queries"] == (1, False, False, False, None, True)
+        assert out["more_queries"] == ([(0.9, 0.999)], 1, 1, 1.0, False, False, False, {})
+        modes, forwarded, missing = out["modes"]
+        assert modes == [(False, False), (True, True)] and forwarded and "no_such_attribute" in missing
+        assert sorted(x for batch in results[0]["io"] + results[1]["io"] for x in batch) == list(range(8))
+        assert len(out["io"]) == 2 and all(len(batch) == 2 for batch in out["io"])
+        assert sorted(out["timers"]) == ["bwd", "bwd_allreduce", "bwd_inner", "fwd", "step"], out["timers"]
+        assert all(value >= 0 for value in out["timers"].values()) and out["timers"]["fwd"] > 0
+        assert out["module_state_keys"] == [key[len("module."):] for key in out["state_keys"]]
+        assert out["stage3_queries"] == (True, True)
+        assert out["fp16_name"] == (True,)
         assert out["dist"] == (3.0, 2.0, 3.0, 20.0, [[0.0, 0.5], [1.0, 1.5]])
         assert out["printing_restored"] is True
         assert out["printed_under_trainer"] == ""
         assert out["state_keys"] == ["module.fc1.bias", "module.fc1.weight", "module.fc2.bias", "module.fc2.weight"]
-        assert out["applied"] == [False, True] * 3
+        assert out["applied"] == [False, True, True] * 3
         before, after = out["no_sync_comm"]
         assert before == after, "a backward inside no_sync() communicated"
         assert out["saved_without_key"] is False and out["save_warning"]
@@ -200,6 +249,11 @@ def test_engine_api_and_dist_at_world_two(tmp_path):
     assert [line.split(",")[0] for line in lines] == ["[zerotrain] step=1", "[zerotrain] step=2"]
     assert "skipped=0" in lines[0] and "lr=[0.01]" in lines[0] and "mom=[(0.9, 0.999)]" in lines[0]
     assert results[1]["printed"] == ""
+    consolidated, full = results[0]["consolidated"]
+    assert set(consolidated) == set(full) and results[1]["consolidated"][0] == {}
+    for name, value in full.items():
+        torch.testing.assert_close(consolidated[name], value, rtol=0, atol=0)
+    assert torch.equal(torch.load(tmp_path / "old_name.bin")["fc1.weight"], torch.load(tmp_path / "bf16.bin")["fc1.weight"])
 
     main = results[0]
     for stage, (before, after) in main["loaded"].items():
@@ -208,8 +262,11 @@ def test_engine_api_and_dist_at_world_two(tmp_path):
             assert not torch.equal(after[name], value), f"stage {stage}: {name} did not train after the load"
             assert (after[name] - value).abs().max() < 0.05, f"stage {stage}: {name} stepped from other weights"
     accumulated, synced = main["no_sync"]
+    manual, manual_steps = main["manual"]
+    assert manual_steps == 3
     for name in accumulated:
         torch.testing.assert_close(synced[name], accumulated[name], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(manual[name], accumulated[name], rtol=1e-5, atol=1e-6)
 
     from safetensors.torch import load_file
     saved, full, exists = main["z3.safetensors"]
@@ -242,6 +299,16 @@ def test_initialize_rejects_unknown_keywords_with_a_suggestion():
         zerotrain.initialize(model=OddMLP(), config=_config(0), frobnicate=1)
     with pytest.raises(TypeError, match="needs model= a torch.nn.Module, got Namespace"):
         zerotrain.initialize(argparse.Namespace(), OddMLP())
+
+
+def test_deepspeed_comm_names_point_to_zerotrain_dist():
+    import zerotrain as deepspeed  # a ported script's `deepspeed.comm.get_rank()` reaches the internal package
+
+    with pytest.raises(AttributeError, match=r"zerotrain.dist.get_rank"):
+        deepspeed.comm.get_rank()
+    with pytest.raises(AttributeError, match="no attribute 'frobnicate'"):
+        deepspeed.comm.frobnicate
+    from zerotrain.comm import compressed  # noqa: F401 - submodules still import
 
 
 def test_add_config_arguments_feeds_initialize(tmp_path):
@@ -380,6 +447,73 @@ def test_launch_runs_a_deepspeed_script_ported_by_its_import(tmp_path):
     for name, value in reference.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6)
         assert not torch.equal(weights[name], initial[name])
+
+
+STOPPABLE_SCRIPT = '''
+import argparse, json, os, time
+import torch
+import zerotrain as deepspeed
+
+parser = argparse.ArgumentParser()  # no --local_rank: torchrun's LOCAL_RANK is enough
+parser.add_argument("--out", required=True)
+parser.add_argument("--nproc", type=int, required=True)  # abbreviates torchrun's own option: must reach us
+parser = deepspeed.add_config_arguments(parser)
+args = parser.parse_args()
+torch.manual_seed(0)
+engine, *_ = deepspeed.initialize(args=args, model=torch.nn.Linear(4, 2))
+engine.install_signal_handlers()
+while True:
+    engine.backward(engine(torch.randn(2, 4)).pow(2).mean())
+    engine.step()
+    if engine.global_steps == 2 and engine.global_rank == 0:
+        open(os.path.join(args.out, "running"), "w").close()
+    if engine.should_stop():
+        engine.save_checkpoint(os.path.join(args.out, "ckpt"))
+        with open(os.path.join(args.out, f"stopped{engine.global_rank}.json"), "w") as f:
+            json.dump({"step": engine.global_steps, "nproc": args.nproc}, f)
+        break
+    time.sleep(0.02)
+'''
+
+
+def test_launch_stops_a_script_on_sigterm_as_train_does(tmp_path):
+    """SIGTERM to `zerotrain launch` reaches every rank of a script that opted in (install_signal_handlers,
+    should_stop): all stop after the same step, save, and the launch exits 143 (128 + SIGTERM), as
+    `zerotrain train` does. The script does not declare --local_rank (the launcher's other path)."""
+    import signal
+    import time
+
+    script = tmp_path / "train.py"
+    script.write_text(STOPPABLE_SCRIPT)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "steps_per_print": 0,
+                                  "optimizer": {"type": "SGD", "params": {"lr": 0.01}}}))
+    import socket
+
+    with socket.socket() as probe:  # a static rendezvous (--master-addr/--master-port) rather than --standalone
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "zerotrain.cli", "launch", "--nproc", "2", "--master-addr",
+                             "127.0.0.1", "--master-port", str(port), str(script),
+                             "--deepspeed_config", str(config), "--out", str(tmp_path), "--nproc", "3"],
+                            cwd=tmp_path, env=dict(os.environ, PYTHONPATH=REPO_ROOT), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "running").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # its agent and ranks die with it (PR_SET_PDEATHSIG)
+            proc.communicate()
+    assert proc.returncode == 128 + signal.SIGTERM, out + err
+    assert "stopped by SIGTERM" in err
+    stopped = [json.loads((tmp_path / f"stopped{rank}.json").read_text()) for rank in (0, 1)]
+    assert stopped[0] == stopped[1] and stopped[0]["step"] >= 2 and stopped[0]["nproc"] == 3, stopped
+    assert (tmp_path / "ckpt" / f"global_step{stopped[0]['step']}").is_dir()
 
 
 def _hf_trainer_checkpoint_calls(save_dir: str) -> dict:

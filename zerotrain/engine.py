@@ -298,6 +298,23 @@ class ZeroTrainEngine:
         self.module.train(mode)
         return self
 
+    @property
+    def training(self) -> bool:
+        """The module's training mode (DeepSpeed's engine is an nn.Module: `engine.training`)."""
+        return self.module.training
+
+    def __getattr__(self, name: str) -> Any:
+        """An attribute the engine lacks comes from the wrapped model, as DeepSpeed's engine forwards it
+        (DeepSpeed-Chat calls `engine.gradient_checkpointing_enable()`). Only called after normal lookup
+        failed; names starting with `_` are never forwarded."""
+        module = self.__dict__.get("module")
+        if not name.startswith("_") and module is not None:
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                pass
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r} (nor has its module)")
+
     def eval(self) -> "ZeroTrainEngine":
         return self.train(False)
 
@@ -308,8 +325,17 @@ class ZeroTrainEngine:
         return self.module.named_parameters()
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the next step() will update the weights."""
+        """True when the next step() will update the weights: by the micro-step count, or as last set by
+        `set_gradient_accumulation_boundary`."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's manual boundary (accelerate's loop calls it before every backward and step()s only at
+        the boundary): the following backward reduces, and step() updates, only when `is_boundary`. Each
+        backward still scales the loss by 1/gradient_accumulation_steps, as in DeepSpeed."""
+        self._boundary_override = bool(is_boundary)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backpropagate `loss` scaled by 1/accumulation (and the fp16 loss scale), reducing gradients."""
@@ -641,6 +667,7 @@ class ZeroTrainEngine:
     training_dataloader = None  # the loader initialize() built from `training_data` (DeepSpeed's name)
     _inside_no_sync = False
     _step_applied = False
+    _boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary's value, once called
     _print_progress = True  # steps_per_print lines; the Trainer turns them off while it reports progress
 
     @property

@@ -53,14 +53,18 @@ def run_worker(argv: Optional[Sequence[str]] = None) -> None:
     """Inside one worker: run the script as `__main__`, as `python script.py ARGS` would."""
     argv = list(sys.argv[1:] if argv is None else argv)
     pass_local_rank = False
-    while argv and argv[0] != _SCRIPT_SEPARATOR:
+    while argv and argv[0].startswith("-") and argv[0] != _SCRIPT_SEPARATOR:
         flag = argv.pop(0)
         if flag != _PASS_LOCAL_RANK:
             raise SystemExit(f"zerotrain.launcher: unknown worker flag {flag!r}")
         pass_local_rank = True
-    if not argv or len(argv) < 2:
+    # torchrun's parser consumes the separator when it directly follows the module name (no worker flag):
+    # then the script comes first
+    if argv and argv[0] == _SCRIPT_SEPARATOR:
+        argv.pop(0)
+    if not argv:
         raise SystemExit("zerotrain.launcher: usage: python -m zerotrain.launcher [--pass-local-rank] -- SCRIPT [ARGS]")
-    script, script_args = argv[1], argv[2:]
+    script, script_args = argv[0], argv[1:]
     if pass_local_rank:
         script_args = [*script_args, f"--local_rank={os.environ.get('LOCAL_RANK', '0')}"]
     sys.argv = [script, *script_args]

@@ -9,6 +9,8 @@ config names no optimizer. Then DeepSpeed 0.19.8's engine (CPU accelerator, gloo
 same model on the same batches at world 2, all configs in one launch per engine, and the test asserts:
 equal losses (1e-6 relative) and equal learning rates at every optimizer step; a config DeepSpeed runs
 and zerotrain refuses fails; the files DeepSpeed itself refuses are exactly the ones expected.
+Two configs (RESUMED) are also run as a resume in each engine: RESUME_AT steps, save_checkpoint, a fresh
+engine's load_checkpoint, the remaining steps; both continue with the uninterrupted run's lrs and losses.
 One config (MONITORED) also runs with a `csv_monitor` block and `wall_clock_breakdown` in both engines: the
 CSV files DeepSpeed's engine writes (event names, header, x = global samples, the lr values) are the ones
 zerotrain's engine writes in a hand-written loop.
@@ -48,6 +50,10 @@ DEEPSPEED_REFUSES = {
 }
 PRECISION_BLOCKS = ("fp16", "bf16", "bfloat16", "amp", "torch_autocast")
 MONITORED = "written_warmupcosinelr_zero3.json"
+# Also resumed: each engine trains RESUME_AT steps, saves, and a fresh engine loads the checkpoint and trains the
+# rest; its lrs (the scheduler state, OneCycle's momenta) and losses must be the uninterrupted run's.
+RESUMED = ("written_warmupdecaylr_zero2.json", "written_onecycle_zero0.json")
+RESUME_AT = 3
 
 
 def with_monitor(name: str, config: dict, monitor_dir: str, engine: str) -> dict:
@@ -78,13 +84,13 @@ def _client_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
 
 
-def _train(engine, to_device=lambda t: t) -> tuple[list[float], list[list[float]]]:
-    """STEPS optimizer steps over the shared batches: the global mean loss and the lr of each step."""
+def _train(engine, to_device=lambda t: t, steps: slice = slice(None)) -> tuple[list[float], list[list[float]]]:
+    """Optimizer steps `steps` of the STEPS over the shared batches: the global mean loss and lr of each step."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     losses, lrs = [], []
-    for batch in make_batches(STEPS, MICRO * ACCUMULATION * DP):
+    for batch in make_batches(STEPS, MICRO * ACCUMULATION * DP)[steps]:
         lrs.append([float(lr) for lr in engine.get_lr()])
         total = torch.zeros(1)
         for index in range(ACCUMULATION):
@@ -120,6 +126,21 @@ def deepspeed_runs(names: list[str], monitor_dir: str) -> dict:
         out[name] = _train(engine, lambda t: t.to(engine.device))
         dist.barrier()
         engine.destroy()
+        if name in RESUMED:
+            engines = []
+            for _ in range(2):
+                torch.manual_seed(0)
+                model = OddMLP()
+                engines.append(deepspeed.initialize(model=model, config=config, optimizer=None if has_optimizer
+                                                    else _client_optimizer(model))[0])
+            _train(engines[0], lambda t: t.to(engines[0].device), slice(None, RESUME_AT))
+            save_dir = os.path.join(monitor_dir, "deepspeed_ckpt", name)
+            engines[0].save_checkpoint(save_dir)
+            engines[1].load_checkpoint(save_dir)
+            out[f"{name} resumed"] = _train(engines[1], lambda t: t.to(engines[1].device), slice(RESUME_AT, None))
+            dist.barrier()
+            for engine in engines:
+                engine.destroy()
     return out
 
 
@@ -144,6 +165,22 @@ def zerotrain_runs(names: list[str], monitor_dir: str) -> dict:
             continue
         out[name] = _train(engine)
         engine.close()
+        if name in RESUMED:
+            engines = []
+            for _ in range(2):
+                torch.manual_seed(0)
+                model = OddMLP()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", ConfigWarning)
+                    engines.append(zerotrain.initialize(model=model, config=config, optimizer=None if has_optimizer
+                                                        else _client_optimizer(model))[0])
+            _train(engines[0], steps=slice(None, RESUME_AT))
+            save_dir = os.path.join(monitor_dir, "zerotrain_ckpt", name)
+            engines[0].save_checkpoint(save_dir)
+            engines[1].load_checkpoint(save_dir)
+            out[f"{name} resumed"] = _train(engines[1], steps=slice(RESUME_AT, None))
+            for engine in engines:
+                engine.close()
     return out
 
 
@@ -153,7 +190,8 @@ def test_real_world_configs_train_as_under_deepspeed(tmp_path):
     first_with: dict[str, str] = {}
     same_as = {name: first_with.setdefault(json.dumps(prepared(name), sort_keys=True), name) for name in names}
     theirs = run_distributed(deepspeed_runs, DP, sorted(set(same_as.values())), str(tmp_path), timeout=240)[0]
-    theirs = {name: theirs[same_as[name]] for name in names}
+    theirs = {**{f"{name} resumed": theirs[f"{name} resumed"] for name in RESUMED},
+              **{name: theirs[same_as[name]] for name in names}}
     refused = {name: result[1] for name, result in theirs.items() if result[0] == "refused"}
     assert sorted(refused) == sorted(DEEPSPEED_REFUSES), refused
     for name, text in DEEPSPEED_REFUSES.items():
@@ -161,7 +199,8 @@ def test_real_world_configs_train_as_under_deepspeed(tmp_path):
     runnable = [name for name in names if name not in refused]
     ours = run_distributed(zerotrain_runs, DP, sorted({same_as[name] for name in runnable}), str(tmp_path),
                            timeout=240)[0]
-    ours = {name: ours[same_as[name]] for name in runnable}
+    ours = {**{f"{name} resumed": ours[f"{name} resumed"] for name in RESUMED},
+            **{name: ours[same_as[name]] for name in runnable}}
     problems = []
     for name in runnable:
         if ours[name][0] == "refused":
@@ -172,12 +211,22 @@ def test_real_world_configs_train_as_under_deepspeed(tmp_path):
             problems.append(f"{name}: lrs per step {lrs} != DeepSpeed's {ds_lrs}")
         if losses != pytest.approx(ds_losses, rel=1e-6):
             problems.append(f"{name}: losses {losses} != DeepSpeed's {ds_losses}")
+    for name in RESUMED:  # a resumed run continues as the uninterrupted one, in both engines
+        (losses, lrs), (ds_losses, ds_lrs) = ours[f"{name} resumed"], theirs[f"{name} resumed"]
+        whole_losses, whole_lrs = theirs[name][0][RESUME_AT:], theirs[name][1][RESUME_AT:]
+        if [pytest.approx(step, rel=1e-12, abs=1e-15) for step in whole_lrs] != lrs:
+            problems.append(f"{name} resumed at step {RESUME_AT}: lrs {lrs} != DeepSpeed's uninterrupted {whole_lrs}")
+        if [pytest.approx(step, rel=1e-12, abs=1e-15) for step in whole_lrs] != ds_lrs:
+            problems.append(f"{name}: DeepSpeed's own resumed lrs {ds_lrs} != its uninterrupted {whole_lrs}")
+        if losses != pytest.approx(whole_losses, rel=1e-6) or ds_losses != pytest.approx(whole_losses, rel=1e-6):
+            problems.append(f"{name} resumed: losses {losses} / DeepSpeed's {ds_losses} != {whole_losses}")
     assert not problems, "\n".join(problems)
     # The check can fail: the schedules under test change the lr, and training moves the loss.
     assert any(len({tuple(lr) for lr in ours[name][1]}) > 2 for name in runnable)
     assert all(ours[name][0][-1] != ours[name][0][0] for name in runnable)
     assert len(runnable) >= 15
     assert same_as[MONITORED] == MONITORED and MONITORED in runnable
+    assert all(same_as[name] == name and name in runnable for name in RESUMED)
     check_monitor_files(tmp_path / "deepspeed", tmp_path / "zerotrain")
 
 

@@ -23,7 +23,7 @@ def error_of(config: dict) -> ConfigError:
 
 def test_defaults_follow_deepspeed():
     cfg = load()
-    assert cfg.gradient_clipping == 1.0 and cfg.steps_per_print == 10 and cfg.wall_clock_breakdown is False
+    assert cfg.gradient_clipping == 1.0 and cfg.steps_per_print is None and cfg.wall_clock_breakdown is False
     assert cfg.comm_timeout_seconds == 1800.0 and cfg.seed is None
     assert cfg.optimizer is None and cfg.scheduler is None and cfg.precision == "fp32"
     fp16 = cfg.fp16
@@ -208,23 +208,125 @@ def test_unknown_top_level_key_that_is_no_typo_is_ignored_with_a_warning():
             assert f"did you mean '{meant}'" in str(error_of(dict(BASE, **{typo: {}}))), typo
 
 
-def test_every_key_of_deepspeeds_zero_block_is_known_when_installed():
-    """Each field of DeepSpeed's own zero_optimization model is read, renamed, or accepted with a warning."""
+class _Recording(dict):
+    """A config dict that records each key DeepSpeed's config reader asks it for (as 'block.key')."""
+
+    def __init__(self, path: str, seen: set, **items):
+        super().__init__(**items)
+        self.path, self.seen = path, seen
+
+    def _ask(self, key):
+        self.seen.add(self.path + str(key))
+
+    def get(self, key, *default):
+        self._ask(key)
+        return super().get(key, *default)
+
+    def __contains__(self, key):
+        self._ask(key)
+        return super().__contains__(key)
+
+    def __getitem__(self, key):
+        self._ask(key)
+        return super().__getitem__(key)
+
+
+def _known_keys(block) -> set:
+    return set(block.model_fields) | set(block.LEGACY) | set(block.DEEPSPEED_ONLY)
+
+
+def test_every_key_deepspeed_reads_is_known():
+    """Every key DeepSpeed 0.19.8 reads is read by zerotrain, renamed, or accepted with the "no effect"
+    warning (never "unknown"), taken from DeepSpeed's own config code: the keys its DeepSpeedConfig asks a
+    config dict for (top level, and the dict-read blocks checkpoint, aio, activation_checkpointing), and
+    the fields (names and aliases) of its pydantic block models."""
     import deepspeed  # noqa: F401 - in the dev extra: a missing install fails, never skips
     import os
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.monitor.config import CSVConfig, TensorBoardConfig, WandbConfig
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
                                                        DeepSpeedZeroOffloadParamConfig)
-    from zerotrain.config import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+    from zerotrain.config import (AdamParams, AioConfig, BF16Config, CheckpointConfig,
+                                  CSVMonitorConfig, FP16Config, OffloadOptimizerConfig, OffloadParamConfig,
+                                  TensorBoardConfig as OurTB, WandbConfig as OurWandb,
+                                  ZeroConfig)
+    from zerotrain.config.schema import ActivationCheckpointingConfig, TensorParallelConfig
 
+    seen: set = set()
+    dict_blocks = {"checkpoint": CheckpointConfig, "aio": AioConfig,
+                   "activation_checkpointing": ActivationCheckpointingConfig}
+    config = _Recording("", seen, train_batch_size=8, train_micro_batch_size_per_gpu=8,
+                        gradient_accumulation_steps=1,
+                        **{name: _Recording(f"{name}.", seen) for name in dict_blocks})
+    config["checkpoint"]["parallel_write"] = {}
+    DeepSpeedConfig(config)
+    top = {key for key in seen if "." not in key}
+    assert len(top) > 40 and {"zero_optimization", "datastates_ckpt"} <= top  # the recording saw DeepSpeed read
+    problems = {"": sorted(top - _known_keys(ZeroTrainConfig))}
+    for name, ours in dict_blocks.items():
+        read = {key.split(".")[1] for key in seen if key.startswith(f"{name}.")}
+        assert read, name
+        problems[name] = sorted(read - _known_keys(ours))
     legacy_values = {"cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"}  # rewritten by _prepare
     for theirs, ours in [(DeepSpeedZeroConfig, ZeroConfig), (DeepSpeedZeroOffloadOptimizerConfig,
                                                              OffloadOptimizerConfig),
-                         (DeepSpeedZeroOffloadParamConfig, OffloadParamConfig)]:
-        known = set(ours.model_fields) | set(ours.LEGACY) | set(ours.DEEPSPEED_ONLY) | legacy_values
-        names = {field.alias or name for name, field in theirs.model_fields.items()}
-        assert names <= known, (ours.PATH, sorted(names - known))
+                         (DeepSpeedZeroOffloadParamConfig, OffloadParamConfig), (DeepSpeedFP16Config, FP16Config),
+                         (DeepSpeedBF16Config, BF16Config), (TPTrainingConfig, TensorParallelConfig),
+                         (TensorBoardConfig, OurTB), (CSVConfig, CSVMonitorConfig), (WandbConfig, OurWandb)]:
+        names = set(theirs.model_fields) | {f.alias for f in theirs.model_fields.values() if f.alias}
+        problems[ours.PATH] = sorted(names - _known_keys(ours) - legacy_values)  # DeepSpeed populates by name too
+    # Adam's params beyond torch's: what DeepSpeed's engine pops (torch_adam, adam_w_mode, fp32_optimizer_states,
+    # foreach) or its FusedAdam takes (bias_correction, set_grad_none)
+    problems["optimizer.params"] = sorted({"torch_adam", "adam_w_mode", "fp32_optimizer_states", "foreach",
+                                           "bias_correction", "set_grad_none"} - _known_keys(AdamParams))
+    assert not any(problems.values()), {k: v for k, v in problems.items() if v}
+    with pytest.warns(ConfigWarning, match="tensor_parallel.preset_model is a DeepSpeed key"):
+        cfg = load(log_level="info", tensor_parallel={"autotp_size": 0, "preset_model": "llama"},
+                   zero_optimization={"allgather_sequential": True})
+    assert cfg.tensor_parallel.autotp_size == 1  # DeepSpeed's 0: no AutoTP
+    assert cfg.zero_optimization.stage3_allgather_sequential is True and "log_level" in cfg.unimplemented
+
+
+def test_configuration_reference_lists_every_key():
+    """docs/configuration.md names every key the schema reads (and its legacy spellings) under "Keys zerotrain
+    reads", and every DeepSpeed key accepted without effect under its own heading, so the reference cannot
+    fall behind the schema."""
+    import pathlib
+    import re
+
+    from zerotrain.config.base import Block
+
+    def blocks(cls=Block):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from blocks(sub)
+
+    text = (pathlib.Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+    reads, _, rest = text.partition("## DeepSpeed keys accepted without effect")
+    no_effect = rest.partition("## Environment variables")[0]
+    assert reads and no_effect
+
+    def named(section: str, key: str) -> bool:
+        return re.search(r"`(?:[\w.]*\.)?%s`" % re.escape(key), section) is not None
+
+    missing = []
+    for block in set(blocks()):
+        if not block.PATH and block is not ZeroTrainConfig:
+            continue
+        missing += [f"{block.key_path(k)} (reads)" for k in [*block.model_fields, *block.LEGACY]
+                    if k not in block.INERT and not named(reads, k)]
+        missing += [f"{block.key_path(k)} (no effect)" for k in block.DEEPSPEED_ONLY | block.INERT
+                    if not named(no_effect + reads, k)]
+    assert len(set(blocks())) > 15 and not missing, sorted(missing)
+    # and every ZEROTRAIN_* environment variable the package reads
+    package = pathlib.Path(__file__).parents[2] / "zerotrain"
+    variables = {v for path in package.rglob("*.py") for v in re.findall(r"ZEROTRAIN_[A-Z_]+", path.read_text())}
+    table = text.partition("## Environment variables")[2]
+    assert len(variables) > 5 and not [v for v in variables if f"`{v}" not in table], sorted(variables)
 
 
 def test_monitor_blocks_have_deepspeeds_keys_and_defaults():

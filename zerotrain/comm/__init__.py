@@ -16,3 +16,18 @@ from .handles import CollectiveError, CommCounters, Completed
 
 __all__ = ["Comm", "CommCounters", "CollectiveError", "Completed", "all_gather_with_grad", "all_to_all_with_grad",
            "all_reduce_with_grad"]
+
+# deepspeed.comm's names: a script ported with `import zerotrain as deepspeed` reaches this package by
+# `deepspeed.comm.get_rank()`; say where they are instead of a bare AttributeError.
+_DEEPSPEED_COMM_NAMES = frozenset({"init_distributed", "is_initialized", "destroy_process_group", "get_rank",
+                                   "get_world_size", "get_local_rank", "barrier", "all_reduce", "broadcast",
+                                   "all_gather", "ReduceOp", "get_global_rank", "all_gather_into_tensor",
+                                   "reduce_scatter_tensor", "reduce", "send", "recv", "new_group"})
+
+
+def __getattr__(name: str):
+    if name in _DEEPSPEED_COMM_NAMES:
+        raise AttributeError(f"zerotrain.comm is zerotrain's internal collectives package; deepspeed.comm's "
+                             f"{name} is zerotrain.dist.{name} (where zerotrain.dist has it): "
+                             f"`import zerotrain.dist as dist` in place of `import deepspeed.comm as dist`")
+    raise AttributeError(f"module 'zerotrain.comm' has no attribute {name!r}")

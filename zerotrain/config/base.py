@@ -121,15 +121,15 @@ def is_auto(value: Any) -> bool:
 
 # DeepSpeed-only keys whose value here is DeepSpeed's default and means what zerotrain does anyway.
 _SAME_AS_ZEROTRAIN = {"gradient_predivide_factor": 1.0, "gradient_allreduce_op": "mean",
-                      "managed_gradient_accumulation": True}
+                      "managed_gradient_accumulation": True, "fp32_optimizer_states": True, "set_grad_none": True}
 
 
 def _is_off(key: str, value: Any) -> bool:
+    if key in _SAME_AS_ZEROTRAIN and value is not None:
+        return value == _SAME_AS_ZEROTRAIN[key]
     if value is None or value is False:
         return True
-    if isinstance(value, dict) and value.get("enabled") is False:
-        return True
-    return key in _SAME_AS_ZEROTRAIN and value == _SAME_AS_ZEROTRAIN[key]
+    return isinstance(value, dict) and value.get("enabled") is False
 
 
 # --- pydantic errors -> ConfigError ------------------------------------------------

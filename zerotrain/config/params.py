@@ -50,6 +50,9 @@ class AdamParams(Block):
     """`optimizer.params` of Adam / AdamW. Unset keys take torch's defaults (weight_decay: 0.01 AdamW, 0 Adam)."""
 
     PATH = "optimizer.params"
+    # What DeepSpeed 0.19.8's engine pops or passes to its Adam kernels besides the fields below
+    # (runtime/engine.py get_optimizer_configuration, ops/adam/fused_adam.py)
+    DEEPSPEED_ONLY = frozenset({"fp32_optimizer_states", "foreach", "set_grad_none"})
 
     lr: NonNegFloat = 1e-3
     betas: Betas = (0.9, 0.999)

@@ -37,7 +37,7 @@ DEEPSPEED_ONLY_KEYS = frozenset({
     "checkpoint_parallel_write_pipeline", "monitor_config", "elastic_checkpoint", "gradient_accumulation_dtype",
     # Read by DeepSpeed 0.19.8's DeepSpeedConfig (deepspeed/runtime/config.py, constants.py).
     "disable_python_gc", "expert_parallel", "gradient_allreduce_op", "managed_gradient_accumulation",
-    "vocabulary_size",
+    "vocabulary_size", "log_level", "datastates_ckpt",
     # Not read by DeepSpeed either (it ignores unknown top-level keys), but LLaMA-Factory's shipped
     # examples/deepspeed/*.json carry it, so real configs have it.
     "comms_config",
@@ -81,7 +81,7 @@ class CheckpointConfig(Block):
 
     PATH = "checkpoint"
     DEEPSPEED_ONLY = frozenset({"tag_validation", "load_universal", "use_node_local_storage", "parallel_write",
-                                "writer"})
+                                "writer", "checkpoint_serialization"})
 
     async_save: Bool = False
     keep_last: Optional[PosInt] = None
@@ -113,10 +113,19 @@ class TensorParallelConfig(Block):
     """`tensor_parallel` (DeepSpeed's AutoTP block): `autotp_size` ranks split each layer."""
 
     PATH = "tensor_parallel"
-    DEEPSPEED_ONLY = frozenset({"tp_overlap_comm", "tensor_parallel", "injection_policy_tuple",
-                                "keep_module_on_host", "tp_grain_size", "partition_config"})
+    DEEPSPEED_ONLY = frozenset({"tp_overlap_comm", "tensor_parallel", "tp", "injection_policy_tuple",
+                                "keep_module_on_host", "tp_grain_size", "partition_config", "preset_model", "dtype",
+                                "vocab_parallel_lm_head", "vocab_parallel_ce_backend", "replace_with_kernel_inject",
+                                "kernel_inject"})
 
     autotp_size: PosInt = 1
+
+    @classmethod
+    def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
+        # DeepSpeed's default is 0, meaning no AutoTP: the same as 1 here
+        if data.get("autotp_size") == 0 and not isinstance(data["autotp_size"], bool):
+            data = dict(data, autotp_size=1)
+        return data
 
 
 class ActivationCheckpointingConfig(Block):
@@ -145,7 +154,7 @@ class ZeroTrainConfig(Block):
     train_micro_batch_size_per_gpu: Optional[PosInt] = None
     gradient_accumulation_steps: Optional[PosInt] = None
     gradient_clipping: NonNegFloat = 1.0
-    steps_per_print: NonNegInt = 10
+    steps_per_print: Optional[NonNegInt] = None  # DeepSpeed 0.19.8's default: no progress line
     wall_clock_breakdown: Bool = False
     comm_timeout_seconds: PosFloat = 1800.0
     comm_same_host_transport: Bool = True  # ranks on one host read each other's memory (gloo only)

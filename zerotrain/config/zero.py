@@ -102,6 +102,7 @@ class ZeroConfig(Block):
         "param_persistence_threshold": "stage3_param_persistence_threshold",
         "max_live_parameters": "stage3_max_live_parameters",
         "max_reuse_distance": "stage3_max_reuse_distance",
+        "allgather_sequential": "stage3_allgather_sequential",
     }
     DEEPSPEED_ONLY = frozenset({
         "load_from_fp32_weights", "elastic_checkpoint", "sub_group_size", "stage3_model_persistence_threshold",

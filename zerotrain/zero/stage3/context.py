@@ -133,7 +133,7 @@ def check_init_partitions(module: torch.nn.Module, dp_size: int) -> None:
 def _tensor_parallel_size(config: dict) -> int:
     """`tensor_parallel.autotp_size` of a config dict (1 without one). Read here, not through
     zerotrain.config: zero sits below config, and this key (with offload_param) is all Init needs of it."""
-    return int((config.get("tensor_parallel") or {}).get("autotp_size", 1))
+    return max(1, int((config.get("tensor_parallel") or {}).get("autotp_size", 1)))  # DeepSpeed's 0: no AutoTP
 
 
 def _all_module_classes() -> list[type]:
