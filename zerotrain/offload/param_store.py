@@ -51,6 +51,11 @@ def _nbytes(part) -> int:
     return part.shard_numel * part.dtype.itemsize
 
 
+def _extent(part) -> int:
+    """Bytes of `part`'s extent in an NVMe parameter file (aligned for O_DIRECT)."""
+    return round_up(max(_nbytes(part), 1))
+
+
 class HostParamStore(ParamStore):
     """`offload_param.device = cpu`: every offloaded shard is a (pinned) host tensor."""
 
@@ -122,8 +127,9 @@ class NvmeParamStore(ParamStore):
         total = 0
         for part in parts:
             self.offsets[id(part)] = total
-            total += round_up(max(_nbytes(part), 1))
-        self.size = total  # bytes of the file (add() extends it)
+            total += _extent(part)
+        self.size = total  # bytes of the file (add() extends it; freeing its end shrinks it)
+        self.free: list[tuple[int, int]] = []  # (offset, bytes) of unused extents, sorted, merged
         os.makedirs(nvme_path, exist_ok=True)
         free = shutil.disk_usage(nvme_path).free
         if total > free:
@@ -168,22 +174,17 @@ class NvmeParamStore(ParamStore):
         memory together; the pool grows (after the writes in flight) when a larger shard arrives."""
         if id(part) in self.offsets:
             return
-        nbytes = round_up(max(_nbytes(part), 1))
+        nbytes = _extent(part)
         if part.shard_numel > self.buffer_size:
             raise ValueError(f"zero_optimization.offload_param.buffer_size: {self.buffer_size} elements cannot "
                              f"hold rank {self.rank}'s shard of parameter {part.names[0]} ({part.shard_numel} "
                              f"elements); raise buffer_size to at least that")
         free = shutil.disk_usage(self.directory).free
-        if nbytes > free:
+        if nbytes > free and not any(size >= nbytes for _, size in self.free):
             raise OffloadIOError(f"NVMe parameter offload: rank {self.rank} needs {nbytes / 2**20:.1f} MiB more "
                                  f"under {self.directory} for parameter {part.names[0]}; only "
                                  f"{free / 2**20:.1f} MiB are free")
-        if self.fd < 0:
-            self.fd = self.io.open(os.path.join(self.directory, "params.swp"), nbytes)
-        else:
-            self.io.extend(self.fd, self.size, nbytes)
-        self.offsets[id(part)] = self.size
-        self.size += nbytes
+        self.offsets[id(part)] = self._allocate(nbytes)
         if nbytes > self.pool.nbytes:  # a larger buffer: only once nothing in flight holds the old ones
             for key in list(self.reads):
                 self._forget_reads(key)
@@ -198,7 +199,8 @@ class NvmeParamStore(ParamStore):
     def remove(self, part, keep_values: bool = True) -> None:
         """Give `part`'s shard back to it as a host tensor (a persistent parameter; another store), or with
         `keep_values` False drop it (a parameter the model no longer holds: replaced by a tied weight after
-        zero.Init partitioned it). Its extent stays unused in the file."""
+        zero.Init partitioned it). Its extent goes to the free list: a later `add` reuses it, and free space
+        at the end of the file is given back to the disk at once (`compact` moves shards into the rest)."""
         key = id(part)
         if key not in self.offsets:
             return
@@ -207,11 +209,74 @@ class NvmeParamStore(ParamStore):
         self._forget_reads(key)
         if key in self.cache:
             self.cached_numel -= self.cache.pop(key).numel()
+        self._release_extent(self.offsets[key], _extent(part))
         del self.offsets[key], self._by_id[key]
         self.parts = [other for other in self.parts if other is not part]
         part.store = None
         if keep_values:
             part.shard = host
+
+    # --- extents: a free list, reused by add, given back at the end of the file by compact ---------
+    def _allocate(self, nbytes: int) -> int:
+        """The offset of an extent of `nbytes`: the smallest free one that holds it (its rest stays free),
+        else new space at the end of the file (allocated now, so a full disk shows up here)."""
+        fits = [index for index, (_, size) in enumerate(self.free) if size >= nbytes]
+        if fits:
+            index = min(fits, key=lambda i: self.free[i][1])
+            offset, size = self.free[index]
+            if size == nbytes:
+                del self.free[index]
+            else:
+                self.free[index] = (offset + nbytes, size - nbytes)
+            return offset
+        if self.fd < 0:
+            self.fd = self.io.open(os.path.join(self.directory, "params.swp"), nbytes)
+        else:
+            self.io.extend(self.fd, self.size, nbytes)
+        offset, self.size = self.size, self.size + nbytes
+        return offset
+
+    def _release_extent(self, offset: int, nbytes: int) -> None:
+        """Put an extent on the free list (kept sorted and merged with its neighbours); free space at the
+        end of the file is cut off it (the file shrinks on disk)."""
+        self.free.append((offset, nbytes))
+        self.free.sort()
+        merged: list[tuple[int, int]] = []
+        for start, size in self.free:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + size)
+            else:
+                merged.append((start, size))
+        self.free = merged
+        if self.free and sum(self.free[-1]) == self.size:
+            self.size = self.free.pop()[0]
+            self.io.truncate(self.fd, self.size)
+
+    def compact(self) -> None:
+        """Move the last shards of the file into free extents before them and cut the file after the last
+        live one, until no free extent lower down holds the last shard: the file then holds the live shards
+        and at most the holes no shard fits (initialize calls this after dropping stale shards)."""
+        while self.free:
+            last = max(self.parts, key=lambda part: self.offsets[id(part)], default=None)
+            if last is None:
+                break
+            nbytes = _extent(last)
+            if not any(size >= nbytes and start < self.offsets[id(last)] for start, size in self.free):
+                break
+            host = self.host_shard(last)
+            key = id(last)
+            self._wait_write(key)
+            self._forget_reads(key)
+            old = self.offsets[key]
+            self.offsets[key] = self._allocate(nbytes)  # a free extent below it: never the end of the file
+            self.write(last, host)
+            self._wait_write(key)
+            self._release_extent(old, nbytes)
+        self.flush()
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the parameter file: the live shards' extents plus the free list."""
+        return self.size
 
     # --- reads ----------------------------------------------------------------------
     def host_shard(self, part) -> torch.Tensor:
@@ -257,7 +322,7 @@ class NvmeParamStore(ParamStore):
 
     def _read(self, part, buffer: torch.Tensor) -> Future:
         self.stats["param_reads"] += 1
-        return self.io.read(self.fd, self.offsets[id(part)], buffer[:round_up(max(_nbytes(part), 1))])
+        return self.io.read(self.fd, self.offsets[id(part)], buffer[:_extent(part)])
 
     def _copy_out(self, part, buffer: torch.Tensor) -> torch.Tensor:
         host = _host_empty(part.shard_numel, part.dtype, self.pin)
@@ -312,7 +377,7 @@ class NvmeParamStore(ParamStore):
             self.pool.release(buffer)
             raise
         pool = self.pool  # add() may replace self.pool once nothing is in flight
-        self.writes[key] = self.io.write(self.fd, self.offsets[key], buffer[:round_up(max(_nbytes(part), 1))],
+        self.writes[key] = self.io.write(self.fd, self.offsets[key], buffer[:_extent(part)],
                                          done=lambda: pool.release(buffer))
         self.stats["param_writes"] += 1
 
@@ -403,7 +468,7 @@ def build_param_store(parts: list, offload, aio, rank: int):
             if part.store is None:
                 store.add(part)
         store.max_in_cpu = int(offload.max_in_cpu)
-        store.flush()
+        store.compact()  # the dropped shards' extents: reused by the moves, cut off the file's end
         return store
     for store in early.values():  # the engine's config keeps the shards elsewhere: take them back
         for part in list(store.parts):
