@@ -256,9 +256,6 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
                 self.records.adopt_states()
             except BaseException as caught:  # noqa: BLE001 - raised on every rank by step()
                 state.error = caught
-        state.terms[index] = self.gradients.bucket_terms(index, grad)
-        if state.error is not None:
-            return
         state.order.append(index)
         self._write_published()
         while self._queued and sum(numel for _, numel in self._queued) + grad.numel() > self._stream_budget:
@@ -271,6 +268,7 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
     def _stream_bucket(self, index: int, grad: torch.Tensor, state: "StreamedStep") -> None:
         """Background thread: step bucket `index` from its final gradient shard, then read ahead the records
         of the buckets that follow it. An error is kept in `state` (every rank learns of it in step())."""
+        state.terms[index] = self.gradients.bucket_terms(index, grad)  # the norm's terms (read after settling)
         if state.error is not None:
             return
         self._on_worker.active = True

@@ -40,7 +40,7 @@ import torch
 
 from ..zero.interfaces import ParamStore
 from ..zero.stage3.context import register_param_store_factory
-from .aio import AlignedBuffers, AsyncFileIO, OffloadIOError, open_swap_directory, round_up
+from .aio import AlignedBuffers, AsyncFileIO, OffloadIOError, aligned_empty, open_swap_directory, round_up
 
 
 def _host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -149,8 +149,10 @@ class NvmeParamStore(ParamStore):
         self.pool = AlignedBuffers(max(1, int(buffer_count)), buffer_bytes, pin=self.pin)
         self.cache: OrderedDict[int, torch.Tensor] = OrderedDict()  # id(part) -> host shard, LRU order
         self.cached_numel = 0
-        self.reads: OrderedDict[int, tuple[Future, torch.Tensor]] = OrderedDict()  # reads ahead in flight
-        self.ready: dict[int, torch.Tensor] = {}  # reads ahead finished early (to free their buffer)
+        self.reads: OrderedDict[int, tuple[Future, torch.Tensor]] = OrderedDict()  # reads ahead not yet taken
+        self._reading = 0  # bytes of those reads' landing tensors
+        # bytes read ahead at most: one buffer's worth (the largest shard), i.e. several layers of a transformer
+        self.read_ahead_bytes = buffer_bytes
         self.writes: dict[int, Future] = {}
         self._resident: Optional[dict[int, torch.Tensor]] = None
         self.stats = {"param_reads": 0, "param_writes": 0, "read_ahead": 0, "read_ahead_hits": 0,
@@ -190,6 +192,7 @@ class NvmeParamStore(ParamStore):
                 self._forget_reads(key)
             self.flush()
             self.pool = AlignedBuffers(self.pool.count, nbytes, pin=self.pin)
+            self.read_ahead_bytes = max(self.read_ahead_bytes, nbytes)
         self.parts.append(part)
         self._by_id[id(part)] = part
         shard = part.detach_shard()
@@ -288,17 +291,14 @@ class NvmeParamStore(ParamStore):
             self.cache.move_to_end(key)
             self.stats["cache_hits"] += 1
             return self.cache[key]
-        if key in self.ready or key in self.reads:
+        if key in self.reads:
             self.stats["read_ahead_hits"] += 1
-            host = self.ready.pop(key) if key in self.ready else self._finish_read(key)
+            host = self._finish_read(key)
         else:
             self._wait_write(key)
-            buffer = self._acquire()
-            try:
-                self._read(part, buffer).result()
-                host = self._copy_out(part, buffer)
-            finally:
-                self.pool.release(buffer)
+            raw = self._landing(part)
+            self._read(part, raw).result()
+            host = self._shard_of(part, raw)
         self._remember(part, host)
         return host
 
@@ -306,48 +306,49 @@ class NvmeParamStore(ParamStore):
         return self.host_shard(part).to(part.device, non_blocking=True)  # no copy on a CPU run
 
     def read_ahead(self, parts: Iterable) -> None:
-        """Start reads of upcoming shards into free buffers (never waits; keeps one buffer for other I/O)."""
+        """Start reads of upcoming shards, in order, while the bytes of reads ahead not yet taken stay within
+        `read_ahead_bytes` (always at least one; never waits). A shard whose write is in flight is passed over.
+
+        Each read lands in its own aligned host tensor, which becomes the shard itself (no copy out, no pool
+        buffer held): the depth is bounded by bytes, not by a buffer count, so the many small shards of a
+        layer (biases, norms) and the next layers' matrices are all on their way together."""
         for part in parts:
             key = id(part)
             if getattr(part, "store", None) is not self or key in self.cache or key in self.reads \
-                    or key in self.ready or (self._resident is not None and key in self._resident):
+                    or key in self.writes or (self._resident is not None and key in self._resident):
                 continue
-            if len(self.reads) >= max(1, self.pool.count - 1) or key in self.writes:
+            nbytes = _extent(part)
+            if self.reads and self._reading + nbytes > self.read_ahead_bytes:
                 return
-            buffer = self.pool.acquire(block=False)
-            if buffer is None:
-                return
-            self.reads[key] = (self._read(part, buffer), buffer)
+            raw = self._landing(part)
+            self.reads[key] = (self._read(part, raw), raw)
+            self._reading += nbytes
             self.stats["read_ahead"] += 1
 
-    def _read(self, part, buffer: torch.Tensor) -> Future:
-        self.stats["param_reads"] += 1
-        return self.io.read(self.fd, self.offsets[id(part)], buffer[:_extent(part)])
+    def _landing(self, part) -> torch.Tensor:
+        """An aligned host tensor a read of `part`'s extent lands in (O_DIRECT needs the alignment)."""
+        return aligned_empty(_extent(part), pin=self.pin)
 
-    def _copy_out(self, part, buffer: torch.Tensor) -> torch.Tensor:
-        host = _host_empty(part.shard_numel, part.dtype, self.pin)
-        host.copy_(buffer[:_nbytes(part)].view(part.dtype))
-        return host
+    @staticmethod
+    def _shard_of(part, raw: torch.Tensor) -> torch.Tensor:
+        return raw[:_nbytes(part)].view(part.dtype)
+
+    def _read(self, part, raw: torch.Tensor) -> Future:
+        self.stats["param_reads"] += 1
+        return self.io.read(self.fd, self.offsets[id(part)], raw[:_extent(part)])
 
     def _finish_read(self, key: int) -> torch.Tensor:
-        future, buffer = self.reads.pop(key)
-        try:
-            future.result()
-            return self._copy_out(self._part(key), buffer)
-        finally:
-            self.pool.release(buffer)
+        future, raw = self.reads.pop(key)
+        self._reading -= raw.numel()
+        future.result()
+        return self._shard_of(self._part(key), raw)
 
     def _part(self, key: int):
         return self._by_id[key]
 
     def _acquire(self) -> torch.Tensor:
-        """A free buffer; reads ahead that hold them all are finished into host memory first (no deadlock)."""
-        buffer = self.pool.acquire(block=False)
-        while buffer is None and self.reads:
-            key = next(iter(self.reads))
-            self.ready[key] = self._finish_read(key)
-            buffer = self.pool.acquire(block=False)
-        return buffer if buffer is not None else self.pool.acquire()  # else: a write behind frees one
+        """A free write buffer (reads do not hold any); waits for a write behind to free one."""
+        return self.pool.acquire()
 
     def _remember(self, part, host: Optional[torch.Tensor]) -> None:
         """Cache `host` if it fits under max_in_cpu, evicting the least recently used shards."""
@@ -382,15 +383,13 @@ class NvmeParamStore(ParamStore):
         self.stats["param_writes"] += 1
 
     def _forget_reads(self, key: int) -> None:
-        self.ready.pop(key, None)
         if key in self.reads:
-            future, buffer = self.reads.pop(key)
+            future, raw = self.reads.pop(key)
+            self._reading -= raw.numel()
             try:
                 future.result()
             except OffloadIOError:
                 pass  # its values are being replaced anyway
-            finally:
-                self.pool.release(buffer)
 
     def _wait_write(self, key: int) -> None:
         future = self.writes.pop(key, None)
