@@ -12,15 +12,21 @@ write, an initializer).
   CPU-only run the host tensor *is* the device tensor: no copy anywhere, and an fp32
   master may share its memory as it does without offload.
 - `NvmeParamStore` (`device: nvme`): the shards live in one file per rank under
-  `nvme_path` (each at an aligned offset), moved through a bounded pool of `buffer_count`
-  aligned buffers (`aio.AlignedBuffers`, one shard per buffer, so `buffer_size` must hold
-  the largest shard) by `aio.AsyncFileIO` (O_DIRECT where the filesystem takes it). At most
-  `max_in_cpu` elements of shards are cached in host memory (least recently used first
+  `nvme_path` (each at an aligned offset), moved by `aio.AsyncFileIO` (O_DIRECT where the
+  filesystem takes it). Writes go through a bounded pool of `buffer_count` aligned buffers
+  (`aio.AlignedBuffers`, one shard per buffer, so `buffer_size` must hold the largest shard);
+  a read lands in an aligned host tensor of its own, which then is the shard (no copy). At
+  most `max_in_cpu` elements of shards are cached in host memory (least recently used first
   out); the rest are read when a gather needs them. The fetcher asks for reads ahead along
-  its recorded order (`read_ahead`), so the next modules' shards are on their way while
-  this one computes. Writes after the optimizer step go out asynchronously; `flush()` (the
-  engine calls it after every step) waits for them. Any failed read or write raises
-  `aio.OffloadIOError` in the training process, naming the file, offset and rank.
+  its recorded order (`read_ahead`: forward, then backward's recompute and gradients), as
+  many as fit in one largest shard's bytes, so the next layers' shards (a layer is many
+  small ones) are on their way while this one computes. Writes after the optimizer step go
+  out asynchronously; `flush()` (the engine calls it after every step) waits for them. Any
+  failed read or write raises `aio.OffloadIOError` in the training process, naming the
+  file, offset and rank. A shard dropped from the store (`remove`: e.g. a head tied to the
+  embedding after zero.Init wrote both) frees its extent: `add` reuses free extents, the
+  file is cut after its last live extent, and `compact` moves the last shards into holes,
+  so the file holds the live shards (plus the holes no shard fits), never orphans.
 
 `resident(write_back)` keeps every shard in host memory while inside (checkpoint save
 and load address them as tensors) and, with `write_back`, writes them all out on exit.
