@@ -185,8 +185,11 @@ def test_param_store_grows_one_shard_at_a_time_as_zero_init_hands_them_in(tmp_pa
         assert store.pool.nbytes == 20480 and store.size == 4096 + 20480 + 4096  # aligned extents, in order
         assert os.path.getsize(os.path.join(store.directory, "params.swp")) == store.size
         assert store.memory_split()["host"] == 0 and store.cached_numel == 0
+        store.read_ahead(parts)  # as far as one largest shard's bytes: p0 (4 KiB), not p1 (20 KiB) on top
+        assert list(store.reads) == [id(parts[0])] and store.read_ahead_bytes == 20480
         for part, value in zip(parts, values):
             assert torch.equal(part.shard, value.reshape(-1)), part.names
+        assert store.stats["read_ahead_hits"] == 1 and not store.reads
         store.remove(parts[1])
         assert parts[1].store is None and torch.equal(parts[1]._shard, values[1])
         assert [p.names[0] for p in store.parts] == ["p0", "p2"]
