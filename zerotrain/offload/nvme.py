@@ -268,11 +268,11 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
     def _stream_bucket(self, index: int, grad: torch.Tensor, state: "StreamedStep") -> None:
         """Background thread: step bucket `index` from its final gradient shard, then read ahead the records
         of the buckets that follow it. An error is kept in `state` (every rank learns of it in step())."""
-        state.terms[index] = self.gradients.bucket_terms(index, grad)  # the norm's terms (read after settling)
-        if state.error is not None:
-            return
         self._on_worker.active = True
         try:
+            state.terms[index] = self.gradients.bucket_terms(index, grad)  # the norm's terms (read after settling)
+            if state.error is not None:
+                return
             chunks = self._chunks_of.get(index, [])
             self._step_chunks(chunks, {index: grad}, 1.0, state, keep_tail=False)
             # read ahead the records of the buckets that came next in the last streamed step (first step:
