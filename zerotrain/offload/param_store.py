@@ -317,11 +317,29 @@ class NvmeParamStore(ParamStore):
 
         Each read lands in its own aligned host tensor, which becomes the shard itself (no copy out, no pool
         buffer held): the depth is bounded by bytes, not by a buffer count, so the many small shards of a
-        layer (biases, norms) and the next layers' matrices are all on their way together."""
+        layer (biases, norms) and the next layers' matrices are all on their way together. A finished read
+        of a shard no longer within that window (its parameter stayed gathered, so it was never taken) goes
+        to the cache instead of holding the window's bytes."""
+        window, window_bytes = [], 0
         for part in parts:
             key = id(part)
-            if getattr(part, "store", None) is not self or key in self.cache or key in self.reads \
-                    or key in self.writes or (self._resident is not None and key in self._resident):
+            if getattr(part, "store", None) is not self or key in self.cache or key in self.writes \
+                    or (self._resident is not None and key in self._resident):
+                continue
+            nbytes = _extent(part)
+            if window and window_bytes + nbytes > self.read_ahead_bytes:
+                break
+            window.append(part)
+            window_bytes += nbytes
+        wanted = {id(part) for part in window}
+        for key in [key for key, (future, _) in self.reads.items() if key not in wanted and future.done()]:
+            future, raw = self.reads.pop(key)
+            self._reading -= raw.numel()
+            if future.exception() is None:  # else: dropped; a read when it is needed raises, naming the file
+                self._remember(self._part(key), self._shard_of(self._part(key), raw))
+        for part in window:
+            key = id(part)
+            if key in self.reads:
                 continue
             nbytes = _extent(part)
             if self.reads and self._reading + nbytes > self.read_ahead_bytes:
