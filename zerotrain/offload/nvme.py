@@ -118,7 +118,7 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         self._queued: deque[tuple[Future, int]] = deque()  # (a handed-over bucket's task, its gradient elements)
         self._on_worker = threading.local()
         self._to_publish: deque[tuple[int, torch.Tensor]] = deque()  # staged buckets for the main thread to write
-        self._stream_budget = 2 * self.records.pool.count * self.records.chunk_numel
+        self._stream_budget = self.records.pool.count * self.records.chunk_numel
         try:
             self._write_initial_masters()
         except BaseException:
@@ -263,6 +263,8 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
             self._write_published()
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerotrain-nvme-step")
+        if getattr(self.buckets[index], "offloaded", False) and self._chunks_of.get(index):
+            self._stage(index)
         self._queued.append((self._worker.submit(self._stream_bucket, index, grad, state), grad.numel()))
 
     def _stream_bucket(self, index: int, grad: torch.Tensor, state: "StreamedStep") -> None:
@@ -420,12 +422,19 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         stage-3 shard kept by an offload_param store, of a staging tensor written when the bucket is whole."""
         bucket = self.buckets[chunk.bucket]
         if getattr(bucket, "offloaded", False):
-            staging = self._staging.get(chunk.bucket)
-            if staging is None:
-                staging = self._staging[chunk.bucket] = torch.empty(bucket.shard_numel, dtype=bucket.dtype)
-                self._staging_left[chunk.bucket] = sum(c.bucket == chunk.bucket for c in self.records.chunks)
-            return staging.narrow(0, chunk.start, chunk.numel)
+            return self._stage(chunk.bucket).narrow(0, chunk.start, chunk.numel)
         return bucket.local_shard().narrow(0, chunk.start, chunk.numel)
+
+    def _stage(self, index: int) -> torch.Tensor:
+        """The staging tensor of offload_param bucket `index` (made on first use). The main thread makes it
+        before handing a streamed bucket over, so the step thread allocates nothing of the model's size
+        (memory a thread's own malloc arena would keep)."""
+        staging = self._staging.get(index)
+        if staging is None:
+            bucket = self.buckets[index]
+            staging = self._staging[index] = torch.empty(bucket.shard_numel, dtype=bucket.dtype)
+            self._staging_left[index] = len(self._chunks_of.get(index, ()))
+        return staging
 
     def _published_chunk(self, chunk: Chunk) -> None:
         """A staged bucket goes to its store once all its chunks are in (in whatever order they came)."""
