@@ -154,6 +154,10 @@ def streamed(nvme_path: str) -> list:
                       train_micro_batch_size_per_gpu=4)
         if case.startswith("bf16"):  # streamed, the reduced bf16 shards go to the step uncast (grads.py)
             config["bf16"] = {"enabled": True}
+            # and the shards on NVMe too: the background step hands the new weights to the main thread's store
+            config["zero_optimization"].update(stage3_param_persistence_threshold=0, offload_param={
+                "device": "nvme", "nvme_path": os.path.join(nvme_path, case.replace(" ", "_") + "_params"),
+                "buffer_count": 2, "max_in_cpu": 0})
         engine, *_ = zerotrain.initialize(model=model, model_parameters=param_groups(model), config=config)
         factory.streams_gradients = real
         held, losses, norms, raised = [], [], [], []
@@ -182,7 +186,8 @@ def streamed(nvme_path: str) -> list:
             norms.append(engine.get_global_grad_norm())
         out.append({"losses": losses, "norms": norms, "held": held[-3:], "weights": engine.full_state_dict(),
                     "streams": engine.zero_optimizer.stream_gradients, "raised": raised,
-                    "stats": dict(engine.zero_optimizer.stats)})
+                    "stats": dict(engine.zero_optimizer.stats),
+                    "param_store": getattr(engine.param_store, "kind", None)})
         engine.zero_optimizer.close()
     return out
 
@@ -191,6 +196,7 @@ def test_gradients_streamed_to_the_nvme_step_during_backward_change_nothing_but_
     for on, off, failed, bf16_on, bf16_off in run_distributed(streamed, 2, str(tmp_path), timeout=120):
         assert on["streams"] and not off["streams"] and failed["streams"]
         assert bf16_on["streams"] and not bf16_off["streams"]
+        assert bf16_on["param_store"] == bf16_off["param_store"] == "nvme" and on["param_store"] is None
         assert bf16_on["losses"] == bf16_off["losses"] and bf16_on["norms"] == bf16_off["norms"]
         assert bf16_on["losses"] != on["losses"], "the bf16 runs train in bf16"
         for name, ref in bf16_off["weights"].items():

@@ -185,13 +185,64 @@ def test_param_store_grows_one_shard_at_a_time_as_zero_init_hands_them_in(tmp_pa
         assert store.pool.nbytes == 20480 and store.size == 4096 + 20480 + 4096  # aligned extents, in order
         assert os.path.getsize(os.path.join(store.directory, "params.swp")) == store.size
         assert store.memory_split()["host"] == 0 and store.cached_numel == 0
+        store.read_ahead(parts)  # as far as one largest shard's bytes: p0 (4 KiB), not p1 (20 KiB) on top
+        assert list(store.reads) == [id(parts[0])] and store.read_ahead_bytes == 20480
         for part, value in zip(parts, values):
             assert torch.equal(part.shard, value.reshape(-1)), part.names
+        assert store.stats["read_ahead_hits"] == 1 and not store.reads
         store.remove(parts[1])
         assert parts[1].store is None and torch.equal(parts[1]._shard, values[1])
         assert [p.names[0] for p in store.parts] == ["p0", "p2"]
         too_big = partition_parameter("big", torch.nn.Parameter(torch.zeros(10_001)), ShardGroup.local())
         with pytest.raises(ValueError, match="offload_param.buffer_size"):
             store.add(too_big)
+    finally:
+        store.close()
+
+
+def test_param_store_reuses_freed_extents_and_compacts_to_the_live_shards(tmp_path):
+    """A shard dropped from the NVMe parameter store (the tied head zero.Init wrote before the model tied it)
+    leaves no orphan: a later add reuses its extent, freed space at the file's end goes back to the disk, and
+    `compact` moves the last shard into a hole below it. Accounting: the file's allocated bytes == the live
+    shards' extents + the free list, and after compact the free list holds no extent the last shard fits."""
+    from zerotrain.offload.param_store import NvmeParamStore, _extent
+    from zerotrain.sharding import ShardGroup
+    from zerotrain.zero.stage3.partition import partition_parameter
+
+    def allocated() -> int:
+        path = os.path.join(store.directory, "params.swp")
+        assert os.path.getsize(path) == store.size
+        return os.stat(path).st_blocks * 512
+
+    def live() -> int:
+        return sum(_extent(part) for part in store.parts)
+
+    store = NvmeParamStore([], str(tmp_path), rank=0, buffer_count=2, buffer_size=10_000, max_in_cpu=0)
+    try:
+        values = {name: torch.randn(n) for name, n in [("a", 3000), ("b", 5000), ("c", 100), ("d", 2000)]}
+        parts = {name: partition_parameter(name, torch.nn.Parameter(v.clone()), ShardGroup.local())
+                 for name, v in values.items()}
+        for name in "abc":
+            store.add(parts[name])
+        store.flush()
+        assert allocated() == live() == 12288 + 20480 + 4096
+        store.remove(parts["b"])  # a hole in the middle: kept for reuse (b's values back in host memory)
+        assert store.free == [(12288, 20480)] and store.size == live() + 20480
+        store.add(parts["d"])  # 8 KiB: into the hole, not at the end
+        store.flush()
+        assert store.offsets[id(parts["d"])] == 12288 and store.free == [(20480, 12288)]
+        assert store.size == live() + 12288 and allocated() <= store.size
+        store.remove(parts["c"])  # the last extent: the file shrinks at once
+        assert store.size == 12288 + 8192 and store.free == [] and allocated() == live()
+        store.add(parts["b"])  # larger than any hole: at the end again
+        store.remove(parts["a"], keep_values=False)  # 12 KiB hole at the start, too small for b
+        store.compact()
+        assert store.size == live() + 12288  # b (20 KiB) fits no hole below it: nothing moves
+        store.add(parts["c"])  # 4 KiB: into the hole at 0
+        store.remove(parts["b"], keep_values=False)
+        store.compact()  # the tail is cut; d (at 12 KiB) then moves into the 8 KiB hole after c
+        assert store.size == allocated() == live() == 4096 + 8192 and store.free == []
+        for name in "cd":
+            assert torch.equal(parts[name].shard, values[name]), name
     finally:
         store.close()

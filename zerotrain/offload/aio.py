@@ -231,6 +231,10 @@ class AsyncFileIO:
         except OSError as error:
             raise _describe(error, "allocating", self._paths.get(fd, f"fd {fd}"), offset, nbytes) from error
 
+    def truncate(self, fd: int, nbytes: int) -> None:
+        """Cut an open file to `nbytes` (the space after it goes back to the disk)."""
+        os.ftruncate(fd, nbytes)
+
     def close(self, fd: int) -> None:
         self._paths.pop(fd, None)
         os.close(fd)

@@ -40,6 +40,17 @@ the whole model's gradients; the norm's terms are summed as they come (the same 
 agreed and committed in `step()` as above. A failed streamed step is retried by running the batch's
 forward and backward again (its gradients are gone); the chunks committed early are skipped.
 
+The streamed steps run on one background thread (`_worker`), in the order the gradients came: the main
+thread hands each final shard over and goes on with backward, so the waits on record reads, the CPU
+Adam kernel (ctypes: the GIL is released) and the writes behind overlap the backward's compute and
+collectives instead of stopping it. The thread touches only the records and this optimizer's staging;
+the new weights of an offload_param bucket (its store is not thread-safe, and the main thread's gathers
+read it) are written to the store by the main thread, at its next hand-over or when the steps are
+waited for (`_settle_streamed`: before `step()` agrees and commits, before the model is used again, and
+before anything else reads the records). At most `_stream_budget` elements of handed-over gradients wait
+for the thread (the main thread waits for the oldest beyond that): host memory stays bounded. The chunks
+are stepped in the same order with the same arithmetic: the same bits.
+
 Between steps `optimizer.state[master]` holds only the scalar states. `resident_states()` brings
 masters and per-element states into host memory (checkpoint save and load run inside it) and
 writes back whatever is there on exit; `resident_masters()` brings only the masters (read only,
@@ -49,8 +60,9 @@ a step (a checkpoint load that did not use `resident_states`) are written to dis
 from __future__ import annotations
 
 import functools
-from collections import defaultdict
-from concurrent.futures import Future
+import threading
+from collections import defaultdict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Collection, Optional
 
@@ -101,6 +113,12 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         self._staging: dict[int, torch.Tensor] = {}  # offload_param buckets: new shard values, chunk by chunk
         self._staging_left: dict[int, int] = {}  # chunks of a staged bucket not yet in its staging tensor
         self._store_written: set[int] = set()  # offload_param buckets whose store this step wrote
+        # streamed steps on a background thread (see the module docstring)
+        self._worker: Optional[ThreadPoolExecutor] = None
+        self._queued: deque[tuple[Future, int]] = deque()  # (a handed-over bucket's task, its gradient elements)
+        self._on_worker = threading.local()
+        self._to_publish: deque[tuple[int, torch.Tensor]] = deque()  # staged buckets for the main thread to write
+        self._stream_budget = self.records.pool.count * self.records.chunk_numel
         try:
             self._write_initial_masters()
         except BaseException:
@@ -132,6 +150,7 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
     def write_master(self, bucket: int, values: torch.Tensor) -> None:
         """New master values of offloaded bucket `bucket` from outside a step (a user's write to a stage-3
         parameter): into memory while resident, else into new records, each committed once written."""
+        self._settle_streamed()
         records = self.records
         if records.resident:
             self.masters[bucket].copy_(values)
@@ -149,6 +168,7 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
 
     # --- the step ----------------------------------------------------------------
     def update(self, grad_shards: list[torch.Tensor], multiplier: float, indices) -> None:
+        self._settle_streamed()
         self._update(grad_shards, multiplier, indices, None)
 
     def _update(self, grad_shards: list[torch.Tensor], multiplier: float, indices,
@@ -236,13 +256,27 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
                 self.records.adopt_states()
             except BaseException as caught:  # noqa: BLE001 - raised on every rank by step()
                 state.error = caught
-        state.terms[index] = self.gradients.bucket_terms(index, grad)
-        if state.error is not None:
-            return
-        chunks = self._chunks_of.get(index, [])
         state.order.append(index)
+        self._write_published()
+        while self._queued and sum(numel for _, numel in self._queued) + grad.numel() > self._stream_budget:
+            self._queued.popleft()[0].result()  # the oldest hand-over done: its gradient is freed
+            self._write_published()
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerotrain-nvme-step")
+        if getattr(self.buckets[index], "offloaded", False) and self._chunks_of.get(index):
+            self._stage(index)
+        self._queued.append((self._worker.submit(self._stream_bucket, index, grad, state), grad.numel()))
+
+    def _stream_bucket(self, index: int, grad: torch.Tensor, state: "StreamedStep") -> None:
+        """Background thread: step bucket `index` from its final gradient shard, then read ahead the records
+        of the buckets that follow it. An error is kept in `state` (every rank learns of it in step())."""
+        self._on_worker.active = True
         try:
-            self._step_chunks(chunks, self.reducer.grad_shards, 1.0, state, keep_tail=False)
+            state.terms[index] = self.gradients.bucket_terms(index, grad)  # the norm's terms (read after settling)
+            if state.error is not None:
+                return
+            chunks = self._chunks_of.get(index, [])
+            self._step_chunks(chunks, {index: grad}, 1.0, state, keep_tail=False)
             # read ahead the records of the buckets that came next in the last streamed step (first step:
             # backward's usual order, the reverse of the buckets'), while the backward computes them
             position = self._last_order.get(index)
@@ -256,8 +290,28 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
             self.stream.prefetch(wanted)
         except BaseException as caught:  # noqa: BLE001 - raised on every rank by step()
             state.error = caught
+        finally:
+            self._on_worker.active = False
+
+    def _write_published(self) -> None:
+        """Main thread: write the staged buckets the background thread finished into their stores."""
+        while self._to_publish:
+            bucket, staging = self._to_publish.popleft()
+            self.buckets[bucket].write_shard(staging)
+            self._store_written.add(bucket)
+
+    def _settle_streamed(self) -> None:
+        """Wait for every streamed step handed to the background thread and write their new weights."""
+        while self._queued:
+            self._queued.popleft()[0].result()  # errors are kept in the step's state, not raised here
+        self._write_published()
+
+    def before_model_use(self) -> None:
+        """The streamed steps of the last backward are done and their weights in the model before it runs."""
+        self._settle_streamed()
 
     def step(self, grad_shards: list[torch.Tensor], loss_scale: float) -> None:
+        self._settle_streamed()
         state, self._streamed = self._streamed, None
         if state is None:
             return super().step(grad_shards, loss_scale)
@@ -368,12 +422,19 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         stage-3 shard kept by an offload_param store, of a staging tensor written when the bucket is whole."""
         bucket = self.buckets[chunk.bucket]
         if getattr(bucket, "offloaded", False):
-            staging = self._staging.get(chunk.bucket)
-            if staging is None:
-                staging = self._staging[chunk.bucket] = torch.empty(bucket.shard_numel, dtype=bucket.dtype)
-                self._staging_left[chunk.bucket] = sum(c.bucket == chunk.bucket for c in self.records.chunks)
-            return staging.narrow(0, chunk.start, chunk.numel)
+            return self._stage(chunk.bucket).narrow(0, chunk.start, chunk.numel)
         return bucket.local_shard().narrow(0, chunk.start, chunk.numel)
+
+    def _stage(self, index: int) -> torch.Tensor:
+        """The staging tensor of offload_param bucket `index` (made on first use). The main thread makes it
+        before handing a streamed bucket over, so the step thread allocates nothing of the model's size
+        (memory a thread's own malloc arena would keep)."""
+        staging = self._staging.get(index)
+        if staging is None:
+            bucket = self.buckets[index]
+            staging = self._staging[index] = torch.empty(bucket.shard_numel, dtype=bucket.dtype)
+            self._staging_left[index] = len(self._chunks_of.get(index, ()))
+        return staging
 
     def _published_chunk(self, chunk: Chunk) -> None:
         """A staged bucket goes to its store once all its chunks are in (in whatever order they came)."""
@@ -381,6 +442,9 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
             self._staging_left[chunk.bucket] -= 1
             if self._staging_left[chunk.bucket] == 0:
                 del self._staging_left[chunk.bucket]
+                if getattr(self._on_worker, "active", False):  # the store is the main thread's
+                    self._to_publish.append((chunk.bucket, self._staging.pop(chunk.bucket)))
+                    return
                 self.buckets[chunk.bucket].write_shard(self._staging.pop(chunk.bucket))
                 self._store_written.add(chunk.bucket)
 
@@ -417,6 +481,7 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
     def publish(self, current: Collection[int] = ()) -> None:
         """Cast masters into the model's buffers (offloaded ones from the files unless the step just did)
         and all-gather every bucket that keeps a full copy. `current`: buckets whose shards already hold them."""
+        self._settle_streamed()
         done = self._published | set(current)
         if not self.records.resident:
             self._publish_from_files([c for c in self.records.chunks if c.bucket not in done])
@@ -445,12 +510,14 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         For checkpoint save (`write_back=False`: only read, the files stay) and load (what is in memory
         on exit is written, each record committed once written). On an exception inside, or a failed
         read, the files are left as they were."""
+        self._settle_streamed()
         with self.records.paged_in(write_back, with_states=True):
             yield self
 
     @contextmanager
     def resident_masters(self):
         """The fp32 masters in host memory while inside, read only (e.g. to gather the full weights)."""
+        self._settle_streamed()
         with self.records.paged_in(False, with_states=False):
             yield self
 
@@ -460,7 +527,13 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         return self.records.account(super().memory_split())
 
     def close(self) -> None:
-        self.records.close()
+        try:
+            self._settle_streamed()
+        finally:
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
+                self._worker = None
+            self.records.close()
 
 
 _NO_GRADIENT = torch.zeros(0)  # a streamed bucket's place in the norm's list (its terms are known)

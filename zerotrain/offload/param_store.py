@@ -12,15 +12,21 @@ write, an initializer).
   CPU-only run the host tensor *is* the device tensor: no copy anywhere, and an fp32
   master may share its memory as it does without offload.
 - `NvmeParamStore` (`device: nvme`): the shards live in one file per rank under
-  `nvme_path` (each at an aligned offset), moved through a bounded pool of `buffer_count`
-  aligned buffers (`aio.AlignedBuffers`, one shard per buffer, so `buffer_size` must hold
-  the largest shard) by `aio.AsyncFileIO` (O_DIRECT where the filesystem takes it). At most
-  `max_in_cpu` elements of shards are cached in host memory (least recently used first
+  `nvme_path` (each at an aligned offset), moved by `aio.AsyncFileIO` (O_DIRECT where the
+  filesystem takes it). Writes go through a bounded pool of `buffer_count` aligned buffers
+  (`aio.AlignedBuffers`, one shard per buffer, so `buffer_size` must hold the largest shard);
+  a read lands in an aligned host tensor of its own, which then is the shard (no copy). At
+  most `max_in_cpu` elements of shards are cached in host memory (least recently used first
   out); the rest are read when a gather needs them. The fetcher asks for reads ahead along
-  its recorded order (`read_ahead`), so the next modules' shards are on their way while
-  this one computes. Writes after the optimizer step go out asynchronously; `flush()` (the
-  engine calls it after every step) waits for them. Any failed read or write raises
-  `aio.OffloadIOError` in the training process, naming the file, offset and rank.
+  its recorded order (`read_ahead`: forward, then backward's recompute and gradients), as
+  many as fit in one largest shard's bytes, so the next layers' shards (a layer is many
+  small ones) are on their way while this one computes. Writes after the optimizer step go
+  out asynchronously; `flush()` (the engine calls it after every step) waits for them. Any
+  failed read or write raises `aio.OffloadIOError` in the training process, naming the
+  file, offset and rank. A shard dropped from the store (`remove`: e.g. a head tied to the
+  embedding after zero.Init wrote both) frees its extent: `add` reuses free extents, the
+  file is cut after its last live extent, and `compact` moves the last shards into holes,
+  so the file holds the live shards (plus the holes no shard fits), never orphans.
 
 `resident(write_back)` keeps every shard in host memory while inside (checkpoint save
 and load address them as tensors) and, with `write_back`, writes them all out on exit.
@@ -40,7 +46,7 @@ import torch
 
 from ..zero.interfaces import ParamStore
 from ..zero.stage3.context import register_param_store_factory
-from .aio import AlignedBuffers, AsyncFileIO, OffloadIOError, open_swap_directory, round_up
+from .aio import AlignedBuffers, AsyncFileIO, OffloadIOError, aligned_empty, open_swap_directory, round_up
 
 
 def _host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -49,6 +55,11 @@ def _host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
 
 def _nbytes(part) -> int:
     return part.shard_numel * part.dtype.itemsize
+
+
+def _extent(part) -> int:
+    """Bytes of `part`'s extent in an NVMe parameter file (aligned for O_DIRECT)."""
+    return round_up(max(_nbytes(part), 1))
 
 
 class HostParamStore(ParamStore):
@@ -122,8 +133,9 @@ class NvmeParamStore(ParamStore):
         total = 0
         for part in parts:
             self.offsets[id(part)] = total
-            total += round_up(max(_nbytes(part), 1))
-        self.size = total  # bytes of the file (add() extends it)
+            total += _extent(part)
+        self.size = total  # bytes of the file (add() extends it; freeing its end shrinks it)
+        self.free: list[tuple[int, int]] = []  # (offset, bytes) of unused extents, sorted, merged
         os.makedirs(nvme_path, exist_ok=True)
         free = shutil.disk_usage(nvme_path).free
         if total > free:
@@ -143,8 +155,10 @@ class NvmeParamStore(ParamStore):
         self.pool = AlignedBuffers(max(1, int(buffer_count)), buffer_bytes, pin=self.pin)
         self.cache: OrderedDict[int, torch.Tensor] = OrderedDict()  # id(part) -> host shard, LRU order
         self.cached_numel = 0
-        self.reads: OrderedDict[int, tuple[Future, torch.Tensor]] = OrderedDict()  # reads ahead in flight
-        self.ready: dict[int, torch.Tensor] = {}  # reads ahead finished early (to free their buffer)
+        self.reads: OrderedDict[int, tuple[Future, torch.Tensor]] = OrderedDict()  # reads ahead not yet taken
+        self._reading = 0  # bytes of those reads' landing tensors
+        # bytes read ahead at most: one buffer's worth (the largest shard), i.e. several layers of a transformer
+        self.read_ahead_bytes = buffer_bytes
         self.writes: dict[int, Future] = {}
         self._resident: Optional[dict[int, torch.Tensor]] = None
         self.stats = {"param_reads": 0, "param_writes": 0, "read_ahead": 0, "read_ahead_hits": 0,
@@ -168,27 +182,23 @@ class NvmeParamStore(ParamStore):
         memory together; the pool grows (after the writes in flight) when a larger shard arrives."""
         if id(part) in self.offsets:
             return
-        nbytes = round_up(max(_nbytes(part), 1))
+        nbytes = _extent(part)
         if part.shard_numel > self.buffer_size:
             raise ValueError(f"zero_optimization.offload_param.buffer_size: {self.buffer_size} elements cannot "
                              f"hold rank {self.rank}'s shard of parameter {part.names[0]} ({part.shard_numel} "
                              f"elements); raise buffer_size to at least that")
         free = shutil.disk_usage(self.directory).free
-        if nbytes > free:
+        if nbytes > free and not any(size >= nbytes for _, size in self.free):
             raise OffloadIOError(f"NVMe parameter offload: rank {self.rank} needs {nbytes / 2**20:.1f} MiB more "
                                  f"under {self.directory} for parameter {part.names[0]}; only "
                                  f"{free / 2**20:.1f} MiB are free")
-        if self.fd < 0:
-            self.fd = self.io.open(os.path.join(self.directory, "params.swp"), nbytes)
-        else:
-            self.io.extend(self.fd, self.size, nbytes)
-        self.offsets[id(part)] = self.size
-        self.size += nbytes
+        self.offsets[id(part)] = self._allocate(nbytes)
         if nbytes > self.pool.nbytes:  # a larger buffer: only once nothing in flight holds the old ones
             for key in list(self.reads):
                 self._forget_reads(key)
             self.flush()
             self.pool = AlignedBuffers(self.pool.count, nbytes, pin=self.pin)
+            self.read_ahead_bytes = max(self.read_ahead_bytes, nbytes)
         self.parts.append(part)
         self._by_id[id(part)] = part
         shard = part.detach_shard()
@@ -198,7 +208,8 @@ class NvmeParamStore(ParamStore):
     def remove(self, part, keep_values: bool = True) -> None:
         """Give `part`'s shard back to it as a host tensor (a persistent parameter; another store), or with
         `keep_values` False drop it (a parameter the model no longer holds: replaced by a tied weight after
-        zero.Init partitioned it). Its extent stays unused in the file."""
+        zero.Init partitioned it). Its extent goes to the free list: a later `add` reuses it, and free space
+        at the end of the file is given back to the disk at once (`compact` moves shards into the rest)."""
         key = id(part)
         if key not in self.offsets:
             return
@@ -207,11 +218,74 @@ class NvmeParamStore(ParamStore):
         self._forget_reads(key)
         if key in self.cache:
             self.cached_numel -= self.cache.pop(key).numel()
+        self._release_extent(self.offsets[key], _extent(part))
         del self.offsets[key], self._by_id[key]
         self.parts = [other for other in self.parts if other is not part]
         part.store = None
         if keep_values:
             part.shard = host
+
+    # --- extents: a free list, reused by add, given back at the end of the file by compact ---------
+    def _allocate(self, nbytes: int) -> int:
+        """The offset of an extent of `nbytes`: the smallest free one that holds it (its rest stays free),
+        else new space at the end of the file (allocated now, so a full disk shows up here)."""
+        fits = [index for index, (_, size) in enumerate(self.free) if size >= nbytes]
+        if fits:
+            index = min(fits, key=lambda i: self.free[i][1])
+            offset, size = self.free[index]
+            if size == nbytes:
+                del self.free[index]
+            else:
+                self.free[index] = (offset + nbytes, size - nbytes)
+            return offset
+        if self.fd < 0:
+            self.fd = self.io.open(os.path.join(self.directory, "params.swp"), nbytes)
+        else:
+            self.io.extend(self.fd, self.size, nbytes)
+        offset, self.size = self.size, self.size + nbytes
+        return offset
+
+    def _release_extent(self, offset: int, nbytes: int) -> None:
+        """Put an extent on the free list (kept sorted and merged with its neighbours); free space at the
+        end of the file is cut off it (the file shrinks on disk)."""
+        self.free.append((offset, nbytes))
+        self.free.sort()
+        merged: list[tuple[int, int]] = []
+        for start, size in self.free:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + size)
+            else:
+                merged.append((start, size))
+        self.free = merged
+        if self.free and sum(self.free[-1]) == self.size:
+            self.size = self.free.pop()[0]
+            self.io.truncate(self.fd, self.size)
+
+    def compact(self) -> None:
+        """Move the last shards of the file into free extents before them and cut the file after the last
+        live one, until no free extent lower down holds the last shard: the file then holds the live shards
+        and at most the holes no shard fits (initialize calls this after dropping stale shards)."""
+        while self.free:
+            last = max(self.parts, key=lambda part: self.offsets[id(part)], default=None)
+            if last is None:
+                break
+            nbytes = _extent(last)
+            if not any(size >= nbytes and start < self.offsets[id(last)] for start, size in self.free):
+                break
+            host = self.host_shard(last)
+            key = id(last)
+            self._wait_write(key)
+            self._forget_reads(key)
+            old = self.offsets[key]
+            self.offsets[key] = self._allocate(nbytes)  # a free extent below it: never the end of the file
+            self.write(last, host)
+            self._wait_write(key)
+            self._release_extent(old, nbytes)
+        self.flush()
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the parameter file: the live shards' extents plus the free list."""
+        return self.size
 
     # --- reads ----------------------------------------------------------------------
     def host_shard(self, part) -> torch.Tensor:
@@ -223,17 +297,14 @@ class NvmeParamStore(ParamStore):
             self.cache.move_to_end(key)
             self.stats["cache_hits"] += 1
             return self.cache[key]
-        if key in self.ready or key in self.reads:
+        if key in self.reads:
             self.stats["read_ahead_hits"] += 1
-            host = self.ready.pop(key) if key in self.ready else self._finish_read(key)
+            host = self._finish_read(key)
         else:
             self._wait_write(key)
-            buffer = self._acquire()
-            try:
-                self._read(part, buffer).result()
-                host = self._copy_out(part, buffer)
-            finally:
-                self.pool.release(buffer)
+            raw = self._landing(part)
+            self._read(part, raw).result()
+            host = self._shard_of(part, raw)
         self._remember(part, host)
         return host
 
@@ -241,48 +312,67 @@ class NvmeParamStore(ParamStore):
         return self.host_shard(part).to(part.device, non_blocking=True)  # no copy on a CPU run
 
     def read_ahead(self, parts: Iterable) -> None:
-        """Start reads of upcoming shards into free buffers (never waits; keeps one buffer for other I/O)."""
+        """Start reads of upcoming shards, in order, while the bytes of reads ahead not yet taken stay within
+        `read_ahead_bytes` (always at least one; never waits). A shard whose write is in flight is passed over.
+
+        Each read lands in its own aligned host tensor, which becomes the shard itself (no copy out, no pool
+        buffer held): the depth is bounded by bytes, not by a buffer count, so the many small shards of a
+        layer (biases, norms) and the next layers' matrices are all on their way together. A finished read
+        of a shard no longer within that window (its parameter stayed gathered, so it was never taken) goes
+        to the cache instead of holding the window's bytes."""
+        window, window_bytes = [], 0
         for part in parts:
             key = id(part)
-            if getattr(part, "store", None) is not self or key in self.cache or key in self.reads \
-                    or key in self.ready or (self._resident is not None and key in self._resident):
+            if getattr(part, "store", None) is not self or key in self.cache or key in self.writes \
+                    or (self._resident is not None and key in self._resident):
                 continue
-            if len(self.reads) >= max(1, self.pool.count - 1) or key in self.writes:
+            nbytes = _extent(part)
+            if window and window_bytes + nbytes > self.read_ahead_bytes:
+                break
+            window.append(part)
+            window_bytes += nbytes
+        wanted = {id(part) for part in window}
+        for key in [key for key, (future, _) in self.reads.items() if key not in wanted and future.done()]:
+            future, raw = self.reads.pop(key)
+            self._reading -= raw.numel()
+            if future.exception() is None:  # else: dropped; a read when it is needed raises, naming the file
+                self._remember(self._part(key), self._shard_of(self._part(key), raw))
+        for part in window:
+            key = id(part)
+            if key in self.reads:
+                continue
+            nbytes = _extent(part)
+            if self.reads and self._reading + nbytes > self.read_ahead_bytes:
                 return
-            buffer = self.pool.acquire(block=False)
-            if buffer is None:
-                return
-            self.reads[key] = (self._read(part, buffer), buffer)
+            raw = self._landing(part)
+            self.reads[key] = (self._read(part, raw), raw)
+            self._reading += nbytes
             self.stats["read_ahead"] += 1
 
-    def _read(self, part, buffer: torch.Tensor) -> Future:
-        self.stats["param_reads"] += 1
-        return self.io.read(self.fd, self.offsets[id(part)], buffer[:round_up(max(_nbytes(part), 1))])
+    def _landing(self, part) -> torch.Tensor:
+        """An aligned host tensor a read of `part`'s extent lands in (O_DIRECT needs the alignment)."""
+        return aligned_empty(_extent(part), pin=self.pin)
 
-    def _copy_out(self, part, buffer: torch.Tensor) -> torch.Tensor:
-        host = _host_empty(part.shard_numel, part.dtype, self.pin)
-        host.copy_(buffer[:_nbytes(part)].view(part.dtype))
-        return host
+    @staticmethod
+    def _shard_of(part, raw: torch.Tensor) -> torch.Tensor:
+        return raw[:_nbytes(part)].view(part.dtype)
+
+    def _read(self, part, raw: torch.Tensor) -> Future:
+        self.stats["param_reads"] += 1
+        return self.io.read(self.fd, self.offsets[id(part)], raw[:_extent(part)])
 
     def _finish_read(self, key: int) -> torch.Tensor:
-        future, buffer = self.reads.pop(key)
-        try:
-            future.result()
-            return self._copy_out(self._part(key), buffer)
-        finally:
-            self.pool.release(buffer)
+        future, raw = self.reads.pop(key)
+        self._reading -= raw.numel()
+        future.result()
+        return self._shard_of(self._part(key), raw)
 
     def _part(self, key: int):
         return self._by_id[key]
 
     def _acquire(self) -> torch.Tensor:
-        """A free buffer; reads ahead that hold them all are finished into host memory first (no deadlock)."""
-        buffer = self.pool.acquire(block=False)
-        while buffer is None and self.reads:
-            key = next(iter(self.reads))
-            self.ready[key] = self._finish_read(key)
-            buffer = self.pool.acquire(block=False)
-        return buffer if buffer is not None else self.pool.acquire()  # else: a write behind frees one
+        """A free write buffer (reads do not hold any); waits for a write behind to free one."""
+        return self.pool.acquire()
 
     def _remember(self, part, host: Optional[torch.Tensor]) -> None:
         """Cache `host` if it fits under max_in_cpu, evicting the least recently used shards."""
@@ -312,20 +402,18 @@ class NvmeParamStore(ParamStore):
             self.pool.release(buffer)
             raise
         pool = self.pool  # add() may replace self.pool once nothing is in flight
-        self.writes[key] = self.io.write(self.fd, self.offsets[key], buffer[:round_up(max(_nbytes(part), 1))],
+        self.writes[key] = self.io.write(self.fd, self.offsets[key], buffer[:_extent(part)],
                                          done=lambda: pool.release(buffer))
         self.stats["param_writes"] += 1
 
     def _forget_reads(self, key: int) -> None:
-        self.ready.pop(key, None)
         if key in self.reads:
-            future, buffer = self.reads.pop(key)
+            future, raw = self.reads.pop(key)
+            self._reading -= raw.numel()
             try:
                 future.result()
             except OffloadIOError:
                 pass  # its values are being replaced anyway
-            finally:
-                self.pool.release(buffer)
 
     def _wait_write(self, key: int) -> None:
         future = self.writes.pop(key, None)
@@ -403,7 +491,7 @@ def build_param_store(parts: list, offload, aio, rank: int):
             if part.store is None:
                 store.add(part)
         store.max_in_cpu = int(offload.max_in_cpu)
-        store.flush()
+        store.compact()  # the dropped shards' extents: reused by the moves, cut off the file's end
         return store
     for store in early.values():  # the engine's config keeps the shards elsewhere: take them back
         for part in list(store.parts):
