@@ -16,7 +16,9 @@ chunk, so the values are torch's for the same generator state (`torch.nn.init` f
 pass the tensor by keyword, included); on a persistent (always whole) parameter such an op runs
 on the full copy and the result is taken into the shard and master; any other use gathers the parameter on
 demand (for a weight used outside its module's forward, such as a tied output
-head in a user's loss).
+head in a user's loss). Before an engine owns the parameter (zero.Init construction, when
+nothing can gather yet), `param[index] = value` and an in-place initializer on `param[index]`
+(transformers zeroes an embedding's padding row so) write this rank's chunk of the result.
 """
 from __future__ import annotations
 
