@@ -22,13 +22,15 @@ class ParentInitMLP(OddMLP):
 class PaddedEmbedding(torch.nn.Module):
     """Initializes through indexing after its embedding is partitioned, as transformers' `_init_weights` does
     (`init.zeros_(module.weight[module.padding_idx])`). 7 x 6 = 42 elements, 21 per rank at world 2: row 3
-    (elements 18-23) and column 0 straddle the two ranks' chunks."""
+    (elements 18-23) and column 0 straddle the two ranks' chunks; row 1 lies in rank 0's."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(7, 6, padding_idx=3)
         with torch.no_grad():  # as transformers' initialize_weights
+            early = self.embed.weight[1]  # a view taken before the redraw: scaling it later scales the new draw
             torch.nn.init.normal_(self.embed.weight, std=2.0)
+            early.mul_(0.5)
             torch.nn.init.zeros_(self.embed.weight[3])
             self.embed.weight[:, 0].fill_(1.5)
             self.embed.weight[5] = torch.arange(6.0)

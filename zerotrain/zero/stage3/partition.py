@@ -244,9 +244,11 @@ class ZeroParameter(torch.nn.Parameter):
 _INDEXING = {"__getitem__", "__setitem__"}
 
 
-def _local_full(part: PartitionedParam) -> torch.Tensor:
-    """A transient full-shaped tensor holding this rank's shard in place and zeros elsewhere (no gather)."""
-    flat = torch.zeros(part.padded_numel, dtype=part.dtype, device=part.device)
+def _local_full(part: PartitionedParam, flat: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A transient full-shaped tensor holding this rank's shard in place and zeros elsewhere (no gather);
+    given the padded `flat` it views, its chunk is refreshed from the shard (which may have changed since)."""
+    if flat is None:
+        flat = torch.zeros(part.padded_numel, dtype=part.dtype, device=part.device)
     part.shard_of(flat).copy_(part.shard)
     return flat[:part.numel].view(part.shapes[0])
 
@@ -292,6 +294,7 @@ class ShardSlice(torch.Tensor):
                   if isinstance(item, (ShardSlice, ZeroParameter)) and item is not target]
         if name in _INITIALIZERS and isinstance(target, ShardSlice) and not others:
             part, full = target._zero_slice
+            _local_full(part, full._base if full._base is not None else full)  # the shard's current values
             with torch._C.DisableTorchFunctionSubclass():
                 func(*args, **kwargs)
             part.write_full(full)
