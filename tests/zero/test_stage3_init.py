@@ -19,6 +19,23 @@ class ParentInitMLP(OddMLP):
         torch.nn.init.zeros_(self.fc2.bias)
 
 
+class PaddedEmbedding(torch.nn.Module):
+    """Initializes through indexing after its embedding is partitioned, as transformers' `_init_weights` does
+    (`init.zeros_(module.weight[module.padding_idx])`). 7 x 6 = 42 elements, 21 per rank at world 2: row 3
+    (elements 18-23) and column 0 straddle the two ranks' chunks; row 1 lies in rank 0's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(7, 6, padding_idx=3)
+        with torch.no_grad():  # as transformers' initialize_weights
+            early = self.embed.weight[1]  # a view taken before the redraw: scaling it later scales the new draw
+            torch.nn.init.normal_(self.embed.weight, std=2.0)
+            early.mul_(0.5)
+            torch.nn.init.zeros_(self.embed.weight[3])
+            self.embed.weight[:, 0].fill_(1.5)
+            self.embed.weight[5] = torch.arange(6.0)
+
+
 def padded_flat(tensor: torch.Tensor, world: int) -> torch.Tensor:
     flat = tensor.detach().reshape(-1)
     return torch.cat([flat, flat.new_zeros(-(-flat.numel() // world) * world - flat.numel())])
@@ -86,8 +103,19 @@ def init_locally_then_gather() -> dict:
     shard_sizes = {name: p._zero.shard.numel() for name, p in model.named_parameters()}
     fc2_shard = model.fc2.weight._zero.shard.clone()
     bias_unchanged = torch.equal(model.fc1.bias._zero.shard, untouched)
+    torch.manual_seed(1)
+    with zerotrain.zero.Init():
+        padded = PaddedEmbedding()
+    try:
+        padded.embed.weight[0].sum()  # reading a slice before an engine owns the parameter: refused
+        read_error = None
+    except RuntimeError as error:
+        read_error = str(error)
+    torch.manual_seed(1)
     return {"before": before, "after": gather_all(model), "still_released": still_released,
-            "shard_sizes": shard_sizes, "fc2_shard": fc2_shard, "bias_unchanged": bias_unchanged}
+            "shard_sizes": shard_sizes, "fc2_shard": fc2_shard, "bias_unchanged": bias_unchanged,
+            "indexed_init": gather_all(padded)["embed.weight"], "indexed_plain": PaddedEmbedding().embed.weight.detach(),
+            "indexed_released": is_released(padded.embed.weight), "read_error": read_error}
 
 
 def test_initializers_on_partitioned_parameters_change_only_the_local_shard():
@@ -111,6 +139,14 @@ def test_initializers_on_partitioned_parameters_change_only_the_local_shard():
     assert torch.equal(results[1]["fc2_shard"], torch.zeros(11))
     for name in ("fc1.bias", "fc2.bias"):
         assert torch.equal(before[name], after[name]), f"{name}: not touched by anyone"
+    # Indexed initializers on a partitioned parameter no engine owns (transformers' padding row): the plain values.
+    for result in results:
+        assert result["indexed_released"]
+        plain = result["indexed_plain"]
+        assert torch.all(plain[3, 1:] == 0) and torch.all(plain[:5, 0] == 1.5) and torch.equal(plain[5], torch.arange(6.0))
+        assert plain[6, 1:].abs().sum() > 1, "the rows not indexed keep their normal_ draw"
+        torch.testing.assert_close(result["indexed_init"], plain, rtol=0, atol=0)
+        assert result["read_error"] and "GatheredParameters" in result["read_error"], result["read_error"]
 
 
 def train_from_init(steps: int, tmp: str) -> dict:

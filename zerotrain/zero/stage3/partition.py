@@ -16,7 +16,9 @@ chunk, so the values are torch's for the same generator state (`torch.nn.init` f
 pass the tensor by keyword, included); on a persistent (always whole) parameter such an op runs
 on the full copy and the result is taken into the shard and master; any other use gathers the parameter on
 demand (for a weight used outside its module's forward, such as a tied output
-head in a user's loss).
+head in a user's loss). Before an engine owns the parameter (zero.Init construction, when
+nothing can gather yet), `param[index] = value` and an in-place initializer on `param[index]`
+(transformers zeroes an embedding's padding row so) write this rank's chunk of the result.
 """
 from __future__ import annotations
 
@@ -221,6 +223,9 @@ class ZeroParameter(torch.nn.Parameter):
             target = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes `tensor=`
             initializer = name in _INITIALIZERS and isinstance(target, ZeroParameter)
             if released:
+                if name in _INDEXING and len(released) == 1 and released[0] is args[0] \
+                        and released[0]._zero.fetcher is None:
+                    return _index_unowned(name, released[0]._zero, args[1:])
                 if initializer and not target._zero.gathered and len(released) == 1:
                     rest = {key: value for key, value in kwargs.items() if value is not target}
                     if name in _FULL_TENSOR_INITS:
@@ -232,6 +237,73 @@ class ZeroParameter(torch.nn.Parameter):
                 return _apply_to_persistent(func, target._zero, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+
+# Indexing a released parameter no engine owns yet (zero.Init construction), e.g. transformers'
+# `init.zeros_(embedding.weight[padding_idx])`: see `_index_unowned`.
+_INDEXING = {"__getitem__", "__setitem__"}
+
+
+def _local_full(part: PartitionedParam, flat: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A transient full-shaped tensor holding this rank's shard in place and zeros elsewhere (no gather);
+    given the padded `flat` it views, its chunk is refreshed from the shard (which may have changed since)."""
+    if flat is None:
+        flat = torch.zeros(part.padded_numel, dtype=part.dtype, device=part.device)
+    part.shard_of(flat).copy_(part.shard)
+    return flat[:part.numel].view(part.shapes[0])
+
+
+def _index_unowned(name: str, part: PartitionedParam, rest: tuple):
+    """`param[index] = value`, or `param[index]` as a `ShardSlice` that an initializer writes in place,
+    on a parameter partitioned by zero.Init before an engine owns it (so no gather is possible: nothing
+    fetches yet). Both work on `_local_full`: an assignment or an in-place initializer overwrites (or
+    scales) the indexed elements one by one, so this rank's chunk of the result is exact without the
+    other ranks' values; `write_full` keeps that chunk. Reading a slice's values is refused."""
+    wait_for_snapshots([part])
+    full = _local_full(part)
+    if name == "__setitem__":
+        index, value = rest
+        value = value.data if isinstance(value, ZeroParameter) else value
+        with torch._C.DisableTorchFunctionSubclass():
+            full[index] = value
+        part.write_full(full)
+        return None
+    with torch._C.DisableTorchFunctionSubclass():
+        view = full[rest[0]]
+    piece = view.as_subclass(ShardSlice)
+    piece._zero_slice = (part, full)
+    return piece
+
+
+class ShardSlice(torch.Tensor):
+    """`param[index]` of a parameter zero.Init partitioned, before an engine owns it: an in-place initializer
+    on it (`zero_`, `fill_`, `normal_`, `torch.nn.init.*`, ...) writes this rank's chunk of the result into the
+    shard (transformers zeroes an embedding's padding row this way); any other use raises."""
+
+    _zero_slice: tuple
+
+    @classmethod
+    def __torch_function__(cls, func: Callable, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in _NO_GATHER and name not in ("__repr__", "__format__"):  # metadata; printing would show zeros
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        target = args[0] if args else kwargs.get("tensor")
+        others = [item for item in tree_flatten((args[1:], kwargs))[0]
+                  if isinstance(item, (ShardSlice, ZeroParameter)) and item is not target]
+        if name in _INITIALIZERS and isinstance(target, ShardSlice) and not others:
+            part, full = target._zero_slice
+            _local_full(part, full._base if full._base is not None else full)  # the shard's current values
+            with torch._C.DisableTorchFunctionSubclass():
+                func(*args, **kwargs)
+            part.write_full(full)
+            return target
+        part = next(item for item in tree_flatten((args, kwargs))[0] if isinstance(item, ShardSlice))._zero_slice[0]
+        raise RuntimeError(f"{name} on a slice of parameter {part.names[0]}, which zero.Init partitioned and no engine "
+                           "owns yet: only in-place initializers (zero_, fill_, normal_, torch.nn.init.*) or an "
+                           "assignment `param[index] = value` can change it here; to read it use "
+                           "zerotrain.zero.GatheredParameters")
 
 
 def _apply_to_full_then_shard(func: Callable, part: PartitionedParam, rest: tuple, kwargs: dict):
