@@ -52,6 +52,14 @@ def _probe(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(5))
 
 
+GENERATE = (2, 6)  # new tokens per rank: rank 0 finishes first
+
+
+def _generate(model, ids: torch.Tensor, new_tokens: int) -> list[int]:
+    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, use_cache=True,
+                          max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+
+
 def _train(engine, batches: torch.Tensor, steps, rows: slice) -> list[float]:
     losses = []
     for step in steps:
@@ -80,7 +88,16 @@ def _zero3_data_parallel(directory: str, tmp: str, vocab: int) -> dict:
     out = {"trainable": sorted(trainable), "frozen": [n for n, _ in frozen]}
     out["losses"] = _train(engine, batches, range(2), rows)
     engine.save_checkpoint(os.path.join(tmp, "adapters"))  # adapters_only
+    # Evaluation between steps: the training engine's generate, the ranks finishing after different lengths
+    # (synced: rank 0 keeps stepping until rank 1 is done, or rank 1 would hang in the gathers); no_grad, eval
+    # mode, the parameters released after; the training that follows is the reference's, which never generated.
+    engine.train()
+    out["generated"] = _generate(model, _probe(vocab)[rank:rank + 1], GENERATE[rank])
+    out["mode_after_generate"] = model.training
+    out["released_after_generate"] = all(not p._zero.gathered for p in model.parameters()
+                                         if isinstance(p, ZeroParameter) and not p._zero.persistent)
     out["losses"] += _train(engine, batches, range(2, STEPS), rows)
+    out["order_mismatches"] = engine.stage3.fetcher.stats["order_mismatches"]  # the record was left as it was
     # The base: released shards (a one-element placeholder), in the engine's frozen parts (no gradient buffer,
     # no master, no optimizer state); only adapter masters carry optimizer state.
     out["partitioned"] = all(isinstance(p, ZeroParameter) and not p._zero.gathered
@@ -160,14 +177,20 @@ def _peft_training(directory, vocab: int, steps: int, targets=None, sgd: bool = 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=0.5, momentum=0.9) if sgd else \
         torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
-    losses = []
-    for ids in _batches(vocab)[:steps]:
+    losses, generated = [], None
+    for step, ids in enumerate(_batches(vocab)[:steps]):
+        if step == 2:  # plain transformers' greedy generate where the engine generates (no effect on training)
+            model.eval()
+            with torch.no_grad():
+                generated = [_generate(model, _probe(vocab)[r:r + 1], GENERATE[r]) for r in range(2)]
+            model.train()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+    model.generated = generated
     return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}, model
 
 
@@ -199,6 +222,8 @@ def test_lora_world2_zero3_and_tensor_parallel_equal_peft(tiny_llama_dir, tmp_pa
     _close(z3[0]["weights"], ref_weights, "ZeRO-3 adapters")
     assert z3[0]["trainable"] == sorted(ref_weights) and all(".lora_" in n for n in ref_weights)
     for rank, out in enumerate(z3):
+        assert out["generated"] == reference.generated[rank] and len(out["generated"]) == GENERATE[rank], rank
+        assert out["mode_after_generate"] and out["released_after_generate"] and out["order_mismatches"] == 0
         assert out["partitioned"], f"rank {rank}: a frozen base parameter is whole on the rank"
         assert out["frozen_parts"] == sorted(out["frozen"]) and out["trainable_parts"] == out["trainable"]
         assert out["frozen_grads"] == [], "frozen parameters got gradients"
