@@ -43,13 +43,23 @@ def _config(stage: int, micro: int, optimizer: dict = ADAMW, **extra) -> dict:
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, **extra}
 
 
-def _batches(vocab: int) -> torch.Tensor:
+NEW_TOKENS = ("<|new_a|>", "<|new_b|>")  # added (--add-tokens) for the ZeRO-3 run: their rows train beside LoRA
+
+
+def _with_new(ids: torch.Tensor, vocab: int, new: int) -> torch.Tensor:
+    """`ids` with every 3rd token one of the `new` tokens added after `vocab` (so their rows get gradients)."""
+    if new:
+        ids[..., ::3] = vocab + torch.arange(ids[..., ::3].numel()).reshape(ids[..., ::3].shape) % new
+    return ids
+
+
+def _batches(vocab: int, new: int = 0) -> torch.Tensor:
     """STEPS global batches of 4 sequences of 16 tokens (every token counts: no -100 labels)."""
-    return torch.randint(0, vocab, (STEPS, 4, 16), generator=torch.Generator().manual_seed(3))
+    return _with_new(torch.randint(0, vocab, (STEPS, 4, 16), generator=torch.Generator().manual_seed(3)), vocab, new)
 
 
-def _probe(vocab: int) -> torch.Tensor:
-    return torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(5))
+def _probe(vocab: int, new: int = 0) -> torch.Tensor:
+    return _with_new(torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(5)), vocab, new)
 
 
 GENERATE = (2, 6)  # new tokens per rank: rank 0 finishes first
@@ -75,24 +85,29 @@ def _train(engine, batches: torch.Tensor, steps, rows: slice) -> list[float]:
 
 def _zero3_data_parallel(directory: str, tmp: str, vocab: int) -> dict:
     from zerotrain.cli import load_weights, model_engine
-    from zerotrain.models.hf import LoraOptions, resolve_model
+    from zerotrain.models.hf import LoraOptions, grow_vocab, load_tokenizer, resolve_model
     from zerotrain.zero.stage3.partition import ZeroParameter
 
-    source, lora = resolve_model(directory), LoraOptions(r=R)
-    batches, rank = _batches(vocab), int(os.environ["RANK"])
+    # `train --add-tokens ... --lora-r R`: the vocabulary grows, the new tokens' rows train (peft's trainable tokens)
+    source = resolve_model(directory)
+    tokenizer = load_tokenizer(source)
+    old_vocab = grow_vocab(source, tokenizer, NEW_TOKENS)
+    lora = LoraOptions(r=R, trainable_tokens=tuple(tokenizer.convert_tokens_to_ids(list(NEW_TOKENS))))
+    batches, rank = _batches(vocab, len(NEW_TOKENS)), int(os.environ["RANK"])
     rows = slice(2 * rank, 2 * rank + 2)
     engine, model = model_engine(source, _config(3, 2, checkpoint={"adapters_only": True}), seed=SEED, lora=lora)
     frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    load_weights(engine, source, model)
-    out = {"trainable": sorted(trainable), "frozen": [n for n, _ in frozen]}
+    load_weights(engine, source, model, old_vocab, tmp, SEED)
+    out = {"tokens": lora.trainable_tokens, "initial": engine.full_state_dict(trainable_only=True)}
+    out.update({"trainable": sorted(trainable), "frozen": [n for n, _ in frozen]})
     out["losses"] = _train(engine, batches, range(2), rows)
     engine.save_checkpoint(os.path.join(tmp, "adapters"))  # adapters_only
     # Evaluation between steps: the training engine's generate, the ranks finishing after different lengths
     # (synced: rank 0 keeps stepping until rank 1 is done, or rank 1 would hang in the gathers); no_grad, eval
     # mode, the parameters released after; the training that follows is the reference's, which never generated.
     engine.train()
-    out["generated"] = _generate(model, _probe(vocab)[rank:rank + 1], GENERATE[rank])
+    out["generated"] = _generate(model, _probe(vocab, len(NEW_TOKENS))[rank:rank + 1], GENERATE[rank])
     out["mode_after_generate"] = model.training
     out["released_after_generate"] = all(not p._zero.gathered for p in model.parameters()
                                          if isinstance(p, ZeroParameter) and not p._zero.persistent)
@@ -114,14 +129,14 @@ def _zero3_data_parallel(directory: str, tmp: str, vocab: int) -> dict:
 
     # A fresh engine: the base directory, then the adapters-only checkpoint of step 2; steps 3-4 again.
     engine, model = model_engine(source, _config(3, 2), seed=SEED + 1, lora=lora)  # another adapter init
-    load_weights(engine, source, model)
+    load_weights(engine, source, model, old_vocab, tmp, SEED)
     engine.load_checkpoint(os.path.join(tmp, "adapters"), tag="global_step2")
     out["resumed_losses"] = _train(engine, batches, range(2, STEPS), rows)
     out["resumed_weights"] = engine.full_state_dict(trainable_only=True)
     engine.save_checkpoint(os.path.join(tmp, "full"))  # a whole checkpoint (base + adapter, PEFT adapter files)
     engine.eval()
     with torch.no_grad():
-        out["logits"] = engine(input_ids=_probe(vocab)).logits
+        out["logits"] = engine(input_ids=_probe(vocab, len(NEW_TOKENS))).logits
     engine.close()
     return out
 
@@ -164,25 +179,38 @@ def _lora_world2(directory: str, tmp: str, vocab: int) -> dict:
 
 # --- the reference: peft in one process ------------------------------------------------------------------------
 
-def _peft_model(directory, targets=None):
+def _resized(directory, new: int):
+    """The base model with `new` tokens added as `zerotrain train --add-tokens` adds them (write_resized's rows:
+    transformers' mean resizing from the same seed)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    if new:
+        torch.manual_seed(SEED)
+        model.resize_token_embeddings(model.config.vocab_size + new)
+    return model
+
+
+def _peft_model(directory, targets=None, new: int = 0):
+    model = _resized(directory, new)
+    vocab = model.config.vocab_size - new
     torch.manual_seed(SEED)
+    tokens = {"model.embed_tokens": list(range(vocab, vocab + new)), "lm_head": list(range(vocab, vocab + new))}
     config = peft.LoraConfig(r=R, lora_alpha=2 * R, lora_dropout=0.0, target_modules=list(targets) if targets else
-                             None, task_type="CAUSAL_LM")
+                             None, task_type="CAUSAL_LM", trainable_token_indices=tokens if new else None)
     return peft.get_peft_model(model, config)
 
 
-def _peft_training(directory, vocab: int, steps: int, targets=None, sgd: bool = False):
-    model = _peft_model(directory, targets)
+def _peft_training(directory, vocab: int, steps: int, targets=None, sgd: bool = False, new: int = 0):
+    model = _peft_model(directory, targets, new)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=0.5, momentum=0.9) if sgd else \
         torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
     losses, generated = [], None
-    for step, ids in enumerate(_batches(vocab)[:steps]):
+    initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    for step, ids in enumerate(_batches(vocab, new)[:steps]):
         if step == 2:  # plain transformers' greedy generate where the engine generates (no effect on training)
             model.eval()
             with torch.no_grad():
-                generated = [_generate(model, _probe(vocab)[r:r + 1], GENERATE[r]) for r in range(2)]
+                generated = [_generate(model, _probe(vocab, new)[r:r + 1], GENERATE[r]) for r in range(2)]
             model.train()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -190,7 +218,7 @@ def _peft_training(directory, vocab: int, steps: int, targets=None, sgd: bool = 
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    model.generated = generated
+    model.generated, model.initial = generated, initial
     return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}, model
 
 
@@ -214,13 +242,24 @@ def test_lora_world2_zero3_and_tensor_parallel_equal_peft(tiny_llama_dir, tmp_pa
     results = run_distributed(_lora_world2, 2, directory, str(tmp_path), vocab, timeout=300)
 
     # --- ZeRO-3, data-parallel 2 == peft on one process ---
-    ref_losses, ref_weights, reference = _peft_training(directory, vocab, STEPS)
+    new = len(NEW_TOKENS)
+    ref_losses, ref_weights, reference = _peft_training(directory, vocab, STEPS, new=new)
     z3 = [r["zero3"] for r in results]
+    assert z3[0]["tokens"] == (vocab, vocab + 1)
     for step in range(STEPS):
         assert (z3[0]["losses"][step] + z3[1]["losses"][step]) / 2 == pytest.approx(ref_losses[step], rel=1e-5)
     assert all(t.abs().sum() > 0 for n, t in ref_weights.items() if ".lora_B." in n), "lora_B left zero: no training"
+    # the new tokens' rows of the embedding and of the (untied) head: they start from the resized base rows, as
+    # peft's do, and they train
+    deltas = sorted(n for n in ref_weights if ".trainable_tokens_delta." in n)
+    assert [n.split(".token_adapter.")[0] for n in deltas] == ["base_model.model.lm_head",
+                                                                "base_model.model.model.embed_tokens"]
+    _close({n: z3[0]["initial"][n] for n in deltas}, {n: reference.initial[n] for n in deltas}, "token rows at start")
+    for name in deltas:
+        assert (ref_weights[name] - reference.initial[name]).abs().amax() > 1e-3, f"{name}: the new rows never trained"
     _close(z3[0]["weights"], ref_weights, "ZeRO-3 adapters")
-    assert z3[0]["trainable"] == sorted(ref_weights) and all(".lora_" in n for n in ref_weights)
+    assert z3[0]["trainable"] == sorted(ref_weights)
+    assert all(".lora_" in n or ".trainable_tokens_delta." in n for n in ref_weights)
     for rank, out in enumerate(z3):
         assert out["generated"] == reference.generated[rank] and len(out["generated"]) == GENERATE[rank], rank
         assert out["mode_after_generate"] and out["released_after_generate"] and out["order_mismatches"] == 0
@@ -245,11 +284,15 @@ def test_lora_world2_zero3_and_tensor_parallel_equal_peft(tiny_llama_dir, tmp_pa
     _close(z3[0]["resumed_weights"], z3[0]["weights"], "resumed from adapters_only")
 
     # Every checkpoint holds the adapter in PEFT's layout: PeftModel.from_pretrained gives the engine's logits.
+    # (the base resized to the new vocabulary first, as a user does after adding the tokens to the tokenizer: the
+    # trained rows of the new tokens replace whatever the resize gave them)
     full = tmp_path / "full" / "global_step4"
+    probe = _probe(vocab, new)
     base = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    base.resize_token_embeddings(vocab + new, mean_resizing=False)
     loaded = peft.PeftModel.from_pretrained(base, str(full)).eval()
     with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=_probe(vocab)).logits, z3[0]["logits"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(loaded(input_ids=probe).logits, z3[0]["logits"], rtol=1e-5, atol=1e-5)
     # ... and so does from_pretrained of the checkpoint directory itself (the frozen base is stored under the base
     # model's names, the adapter beside it), and of its plain export (no --merge-lora: the same two parts).
     plain = tmp_path / "plain"
@@ -257,8 +300,7 @@ def test_lora_world2_zero3_and_tensor_parallel_equal_peft(tiny_llama_dir, tmp_pa
     for directory_of_model in (full, plain):
         as_model = transformers.AutoModelForCausalLM.from_pretrained(directory_of_model).eval()
         with torch.no_grad():
-            torch.testing.assert_close(as_model(input_ids=_probe(vocab)).logits, z3[0]["logits"],
-                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(as_model(input_ids=probe).logits, z3[0]["logits"], rtol=1e-5, atol=1e-5)
     for checkpoint in (full, adapters):  # an adapters_only checkpoint carries it too
         saved = load_file(str(checkpoint / "adapter_model.safetensors"))
         assert set(saved) == {n.replace(".default", "") for n in ref_weights}
@@ -268,11 +310,10 @@ def test_lora_world2_zero3_and_tensor_parallel_equal_peft(tiny_llama_dir, tmp_pa
     assert main(["ckpt", "export", str(full), str(out), "--merge-lora"]) == 0
     assert not (out / "adapter_config.json").exists()
     merged = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    want = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(directory),
-                                          str(full)).merge_and_unload().eval()
+    want = peft.PeftModel.from_pretrained(_resized(directory, new), str(full)).merge_and_unload().eval()
     with torch.no_grad():
-        torch.testing.assert_close(merged(input_ids=_probe(vocab)).logits, want(input_ids=_probe(vocab)).logits,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(merged(input_ids=probe).logits, want(input_ids=probe).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(merged(input_ids=probe).logits, z3[0]["logits"], rtol=1e-5, atol=1e-5)
     assert main(["ckpt", "export", str(adapters), str(tmp_path / "nope"), "--merge-lora"]) == 1  # no base in it
 
     # --- tensor parallelism 2, LoRA on column- and row-split layers, ZeRO stages 0-3 ---
