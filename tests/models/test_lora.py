@@ -1,15 +1,19 @@
 """LoRA through peft in `zerotrain train` (`--lora-r`, `zerotrain.models.hf.apply_lora`), against peft itself.
 
 One world-2 launch holds every equality:
-- ZeRO-3, data-parallel 2: the frozen base stays partitioned (never whole on a rank), has no gradient buffer
-  and no optimizer state; the adapters train as single-process peft trains them on the same batches (losses
-  1e-5 relative, adapter weights rtol 1e-5 / atol 1e-6); a `checkpoint.adapters_only` save holds only the
-  adapters and their optimizer states, and a fresh engine that loads the base directory and then that
+- ZeRO-3, data-parallel 2, with two tokens added (`--add-tokens`): the frozen base stays partitioned (never
+  whole on a rank), has no gradient buffer and no optimizer state; the adapters and the new tokens' rows of
+  the embedding and the untied head (peft's trainable tokens) train as single-process peft trains them on the
+  same batches (losses 1e-5 relative, weights rtol 1e-5 / atol 1e-6); a `checkpoint.adapters_only` save holds
+  only those and their optimizer states, and a fresh engine that loads the base directory and then that
   checkpoint continues exactly; its full save's adapter (PEFT layout) loads with `PeftModel.from_pretrained`
-  and gives the engine's logits; `ckpt export --merge-lora` loads with `AutoModelForCausalLM` and gives peft's
-  merged logits.
-- tensor parallelism 2 (ZeRO stages 0-3), LoRA on every linear layer (column- and row-split bases): the
-  same equality with peft, and the save (frozen split base joined whole) loads back exactly.
+  (on the resized base) and `AutoModelForCausalLM.from_pretrained(checkpoint)`, both giving the engine's
+  logits; `ckpt export --merge-lora` gives them too, and peft's merged logits. Between steps 2 and 3 each rank
+  calls the training engine's `generate`, finishing after different lengths: the tokens are transformers'
+  greedy ones, and the training after it is the reference's, which never generated.
+- tensor parallelism 2 (ZeRO stages 0-3), LoRA on every linear layer (column- and row-split bases), with new
+  tokens' rows training at stages 0-2 (the embedding and head then whole) and without at stage 3 (both split
+  by vocabulary): the same equality with peft, and the save (frozen split base joined whole) loads back exactly.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ SEED, R, STEPS = 7, 4, 4
 # then differ by ~5e-6 though every loss agrees to 1e-5): the tensor-parallel runs train with SGD + momentum,
 # whose update is linear in the gradient, so the comparison stays about the math at the usual tolerances.
 TP_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TP_NEW_TOKENS = {0: 2, 1: 2, 2: 2, 3: 0}  # tokens added (their rows training) in the tensor-parallel run per stage
 
 
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}
@@ -145,12 +150,14 @@ def _tensor_parallel(directory: str, tmp: str, vocab: int, stage: int) -> dict:
     import zerotrain
     from zerotrain.models.hf import LoraOptions, adapter_files, apply_lora
 
-    batches = _batches(vocab)
+    new = TP_NEW_TOKENS[stage]
+    batches = _batches(vocab, new)
     config = _config(stage, 4, SGD, tensor_parallel={"autotp_size": 2})
 
     def build(seed: int):
-        model = transformers.AutoModelForCausalLM.from_pretrained(directory)
-        model = apply_lora(model, LoraOptions(r=R, target_modules=TP_TARGETS), base_dir=directory, seed=seed)
+        model = _resized(directory, new)
+        options = LoraOptions(r=R, target_modules=TP_TARGETS, trainable_tokens=tuple(range(vocab, vocab + new)))
+        model = apply_lora(model, options, base_dir=directory, seed=seed)
         engine, *_ = zerotrain.initialize(model=model, config=config)
         engine.add_checkpoint_files(lambda: adapter_files(engine.full_state_dict(trainable_only=True), model))
         return engine, model
@@ -317,15 +324,21 @@ def test_lora_world2_zero3_and_tensor_parallel_equal_peft(tiny_llama_dir, tmp_pa
     assert main(["ckpt", "export", str(adapters), str(tmp_path / "nope"), "--merge-lora"]) == 1  # no base in it
 
     # --- tensor parallelism 2, LoRA on column- and row-split layers, ZeRO stages 0-3 ---
-    tp_losses, _, _ = _peft_training(directory, vocab, STEPS, TP_TARGETS, sgd=True)
-    tp_weights = _peft_training(directory, vocab, 3, TP_TARGETS, sgd=True)[1]
-    assert all(t.abs().sum() > 0 for n, t in tp_weights.items() if ".lora_B." in n), "lora_B left zero: no training"
-    base_weights = transformers.AutoModelForCausalLM.from_pretrained(directory).state_dict()
+    # (stages 0-2 with new tokens whose rows train: the embedding and head stay whole; stage 3 without: they are
+    # split by vocabulary)
+    reference = {new: (_peft_training(directory, vocab, STEPS, TP_TARGETS, sgd=True, new=new)[0],
+                       _peft_training(directory, vocab, 3, TP_TARGETS, sgd=True, new=new)[1])
+                 for new in set(TP_NEW_TOKENS.values())}
     for stage in (0, 1, 2, 3):
+        tp_losses, tp_weights = reference[TP_NEW_TOKENS[stage]]
+        assert all(t.abs().sum() > 0 for n, t in tp_weights.items() if ".lora_B." in n), "lora_B left zero"
+        assert sum(".trainable_tokens_delta." in n for n in tp_weights) == (2 if TP_NEW_TOKENS[stage] else 0)
+        base_weights = _resized(directory, TP_NEW_TOKENS[stage]).state_dict()
         for rank, result in enumerate(results):
             got = result["tp"][stage]
             where = f"TP2 stage {stage} rank {rank}"
             assert any(".base_layer." in n for n in got["frozen_split"]), f"{where}: the base is split"
+            assert any("embed_tokens" in n for n in got["split"]) == (TP_NEW_TOKENS[stage] == 0), where
             assert any(".lora_A." in n for n in got["split"]) and any(".lora_B." in n for n in got["split"])
             assert got["losses"] == pytest.approx(tp_losses[:3], rel=1e-5), where
             assert got["next_loss"] == pytest.approx(tp_losses[3:], rel=1e-5), f"{where}: after the load"
