@@ -413,8 +413,8 @@ def trained_token_rows(model: torch.nn.Module) -> list[tuple[str, str, list[int]
     out = []
     for name, module in base.named_modules():
         adapter = getattr(module, "token_adapter", None)
-        if adapter is None or not hasattr(adapter, "token_indices"):
-            continue
+        if adapter is None or not hasattr(adapter, "token_indices") or getattr(adapter, "tied_adapter", None):
+            continue  # a tied head's adapter shares the embedding's rows (and parameter)
         for key, rows in adapter.token_indices.items():
             out.append((f"{prefix}.{name}.token_adapter.trainable_tokens_delta.{key}", name, list(rows)))
     return out
