@@ -10,7 +10,8 @@ One world-2 launch holds every equality:
   (on the resized base) and `AutoModelForCausalLM.from_pretrained(checkpoint)`, both giving the engine's
   logits; `ckpt export --merge-lora` gives them too, and peft's merged logits. Between steps 2 and 3 each rank
   calls the training engine's `generate`, finishing after different lengths: the tokens are transformers'
-  greedy ones, and the training after it is the reference's, which never generated.
+  greedy ones, and the training after it is the reference's, which never generated. The same with a tied
+  head (one trained delta for both).
 - tensor parallelism 2 (ZeRO stages 0-3), LoRA on every linear layer (column- and row-split bases), with new
   tokens' rows training at stages 0-2 (the embedding and head then whole) and without at stage 3 (both split
   by vocabulary): the same equality with peft, and the save (frozen split base joined whole) loads back exactly.
@@ -25,6 +26,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from models_for_tests import tied_llama_copy
 
 import transformers  # the dev extra has it: a missing install fails, never skips
 import peft  # the dev extra has it: a missing install fails, never skips
@@ -179,8 +181,27 @@ def _tensor_parallel(directory: str, tmp: str, vocab: int, stage: int) -> dict:
     return out
 
 
-def _lora_world2(directory: str, tmp: str, vocab: int) -> dict:
-    return {"zero3": _zero3_data_parallel(directory, tmp, vocab),
+def _tied_new_tokens(directory: str, tmp: str, vocab: int) -> dict:
+    """ZeRO-3 LoRA with new tokens on a model with a tied head: one delta, shared by embedding and head."""
+    from zerotrain.cli import load_weights, model_engine
+    from zerotrain.models.hf import LoraOptions, grow_vocab, load_tokenizer, resolve_model
+
+    source = resolve_model(directory)
+    tokenizer = load_tokenizer(source)
+    old_vocab = grow_vocab(source, tokenizer, NEW_TOKENS)
+    lora = LoraOptions(r=R, trainable_tokens=tuple(tokenizer.convert_tokens_to_ids(list(NEW_TOKENS))))
+    engine, model = model_engine(source, _config(3, 2), seed=SEED, lora=lora)
+    load_weights(engine, source, model, old_vocab, tmp, SEED)
+    rank = int(os.environ["RANK"])
+    losses = _train(engine, _batches(vocab, len(NEW_TOKENS)), range(2), slice(2 * rank, 2 * rank + 2))
+    weights = engine.full_state_dict(trainable_only=True)
+    engine.close()
+    return {"losses": losses, "weights": weights}
+
+
+def _lora_world2(directory: str, tmp: str, vocab: int, tied: str) -> dict:
+    return {"tied": _tied_new_tokens(tied, tmp, vocab),
+            "zero3": _zero3_data_parallel(directory, tmp, vocab),
             "tp": {stage: _tensor_parallel(directory, tmp, vocab, stage) for stage in (0, 1, 2, 3)}}
 
 
@@ -246,7 +267,8 @@ def test_lora_world2_zero3_and_tensor_parallel_equal_peft(tiny_llama_dir, tmp_pa
 
     directory = str(tiny_llama_dir)
     vocab = transformers.AutoConfig.from_pretrained(directory).vocab_size
-    results = run_distributed(_lora_world2, 2, directory, str(tmp_path), vocab, timeout=300)
+    tied = str(tied_llama_copy(directory, tmp_path / "tied"))
+    results = run_distributed(_lora_world2, 2, directory, str(tmp_path), vocab, tied, timeout=300)
 
     # --- ZeRO-3, data-parallel 2 == peft on one process ---
     new = len(NEW_TOKENS)
@@ -322,6 +344,15 @@ def test_lora_world2_zero3_and_tensor_parallel_equal_peft(tiny_llama_dir, tmp_pa
         torch.testing.assert_close(merged(input_ids=probe).logits, want(input_ids=probe).logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(merged(input_ids=probe).logits, z3[0]["logits"], rtol=1e-5, atol=1e-5)
     assert main(["ckpt", "export", str(adapters), str(tmp_path / "nope"), "--merge-lora"]) == 1  # no base in it
+
+    # --- a tied head: peft trains one delta for both; the engine names the tied parameter under both names ---
+    tied_losses, tied_weights, _ = _peft_training(tied, vocab, 2, new=new)
+    assert [n for n in tied_weights if ".trainable_tokens_delta." in n] == \
+        ["base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta.default"]
+    for step in range(2):
+        got = [r["tied"]["losses"][step] for r in results]
+        assert sum(got) / 2 == pytest.approx(tied_losses[step], rel=1e-5), f"tied head, step {step + 1}"
+    _close({n: t for n, t in results[0]["tied"]["weights"].items() if n in tied_weights}, tied_weights, "tied head")
 
     # --- tensor parallelism 2, LoRA on column- and row-split layers, ZeRO stages 0-3 ---
     # (stages 0-2 with new tokens whose rows train: the embedding and head stay whole; stage 3 without: they are
