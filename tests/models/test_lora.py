@@ -72,9 +72,10 @@ def _probe(vocab: int, new: int = 0) -> torch.Tensor:
 GENERATE = (2, 6)  # new tokens per rank: rank 0 finishes first
 
 
-def _generate(model, ids: torch.Tensor, new_tokens: int) -> list[int]:
+def _generate(model, ids: torch.Tensor, new_tokens: int, **kwargs) -> list[int]:
     return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, use_cache=True,
-                          max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+                          max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0,
+                          **kwargs)[0, ids.shape[1]:].tolist()
 
 
 def _train(engine, batches: torch.Tensor, steps, rows: slice) -> list[float]:
@@ -114,7 +115,9 @@ def _zero3_data_parallel(directory: str, tmp: str, vocab: int) -> dict:
     # (synced: rank 0 keeps stepping until rank 1 is done, or rank 1 would hang in the gathers); no_grad, eval
     # mode, the parameters released after; the training that follows is the reference's, which never generated.
     engine.train()
-    out["generated"] = _generate(model, _probe(vocab, len(NEW_TOKENS))[rank:rank + 1], GENERATE[rank])
+    # (synced_gpus=False as code written for DeepSpeed passes it: `is_deepspeed_zero3_enabled()` is False here)
+    out["generated"] = _generate(model, _probe(vocab, len(NEW_TOKENS))[rank:rank + 1], GENERATE[rank],
+                                 synced_gpus=False)
     out["mode_after_generate"] = model.training
     out["released_after_generate"] = all(not p._zero.gathered for p in model.parameters()
                                          if isinstance(p, ZeroParameter) and not p._zero.persistent)

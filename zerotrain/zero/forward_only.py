@@ -141,8 +141,8 @@ def generate_between_steps(generate: Callable, module: torch.nn.Module, fetcher=
     after), each forward of the model one bracket of its own at stage 3 (`fetcher`: gathered, then released
     whole, outside the training micro-steps' record, which it neither extends nor follows), so the training
     that resumes is the one it would have been without the call. `synced`: transformers' `synced_gpus=True`
-    by default (a rank whose sequences have finished keeps running forwards until every rank has), needed
-    where a forward holds collectives (stage-3 gathers, tensor / sequence parallelism). `before_use`: what
+    (a rank whose sequences have finished keeps running forwards until every rank has), needed where a
+    forward holds collectives (stage-3 gathers, tensor / sequence / expert parallelism). `before_use`: what
     the engine undoes before its model is used (super_offload's speculative weights)."""
     import functools
 
@@ -151,7 +151,9 @@ def generate_between_steps(generate: Callable, module: torch.nn.Module, fetcher=
 
     @functools.wraps(generate)
     def wrapper(*args, **kwargs):
-        if synced and kwargs.get("synced_gpus") is None:
+        if synced:
+            # even over an explicit False: loops written for DeepSpeed pass `is_deepspeed_zero3_enabled()` (False
+            # here; the HF Seq2SeqTrainer does), and with collectives in every forward, unsynced ranks can only hang
             kwargs["synced_gpus"] = True
         before_use()
         was_training = module.training
