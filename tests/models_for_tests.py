@@ -175,3 +175,23 @@ def assert_tolerance_discriminates(where: str, reference: tuple, candidate: tupl
         assert got <= tol, f"{where}: {what} out of tolerance ({report})"
         assert base >= margin * tol, (f"{where}: the do-nothing baseline's {what} are within {margin}x the tolerance, "
                                       f"so this check could not fail: train longer or tighten it ({report})")
+
+
+def tied_llama_copy(src, out):
+    """The tiny-Llama fixture's model (`src`) with tied embeddings, random weights, one model.safetensors
+    (lm_head.weight not stored), its tokenizer files copied: a `Path` to `out`."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    import transformers
+
+    src, out = Path(src), Path(out)
+    config = transformers.AutoConfig.from_pretrained(src)
+    config.tie_word_embeddings = True
+    torch.manual_seed(3)
+    transformers.LlamaForCausalLM(config).save_pretrained(out)
+    for name in os.listdir(src):
+        if name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(src / name, out / name)
+    return out

@@ -20,6 +20,7 @@ memory per rank of each ZeRO stage and offload choice (``zerotrain.estimate``). 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -553,7 +554,9 @@ def _train(args: argparse.Namespace) -> int:
         source = resolve_model(args.model, args.model_config, args.tokenizer)
         tokenizer = load_tokenizer(source)
         added = list(args.add_tokens or ()) + _chat_tokens(args, tokenizer)
+        known = set(tokenizer.get_vocab())
         old_vocab = grow_vocab(source, tokenizer, added)  # the model is built at the new size
+        new_ids = sorted({tokenizer.convert_tokens_to_ids(token) for token in added if token not in known})
     except ModelError as exc:
         raise CLIError(str(exc)) from None
     max_positions = int(getattr(source.config, "max_position_embeddings", 0) or 0) or None
@@ -564,6 +567,12 @@ def _train(args: argparse.Namespace) -> int:
                        f"{source.name!r}")
 
     lora = _lora_options(args)
+    if lora is not None and new_ids:
+        # the new tokens' rows of the embedding (and an untied head) train beside the adapter, or they would
+        # keep their initial values (peft's trainable_token_indices)
+        lora = dataclasses.replace(lora, trainable_tokens=tuple(new_ids))
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{PROG}: LoRA: the rows of the {len(new_ids)} added tokens train too", flush=True)
     try:
         engine, model = model_engine(source, args.config, seed=args.seed, lora=lora)
     except ModelError as exc:
@@ -696,7 +705,7 @@ def model_engine(source, config, seed: int = 0, lora=None):
     from zerotrain.config import load_config
     from zerotrain.models.hf import apply_lora, build_model
     from zerotrain.precision import training_dtype
-    from zerotrain.zero import Init
+    from zerotrain.zero import GatheredParameters, Init
 
     run_config = load_config(config)
     dtype = training_dtype(run_config.precision)
@@ -705,7 +714,11 @@ def model_engine(source, config, seed: int = 0, lora=None):
     build_dtype = dtype if (stage3 or source.weights_dir is not None) else torch.float32
     model = build_model(source, build_dtype, init=init, seed=seed)
     if lora is not None:
-        model = apply_lora(model, lora, base_dir=source.weights_dir, seed=seed)
+        # peft reads the trainable-token rows of the embedding (and head) when it wraps them: gathered whole for
+        # it at ZeRO-3 (their values do not matter: load_weights sets the rows from the weights it loads)
+        embeddings = [m.weight for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
+        with GatheredParameters(embeddings, enabled=stage3 and bool(lora.trainable_tokens)):
+            model = apply_lora(model, lora, base_dir=source.weights_dir, seed=seed)
     engine, _, _, _ = zerotrain.initialize(model=model, config=config)
     if lora is not None:  # the adapter in PEFT's layout in every checkpoint (gathered at each save: collective)
         from zerotrain.models.hf import adapter_files
@@ -721,15 +734,18 @@ def load_weights(engine, source, model, old_vocab: Optional[int] = None, save_di
     head grow to config.vocab_size: rank 0 writes the resized tensors as an overlay of the directory
     (``zerotrain.models.hf.write_resized``) where every rank reads it (``save_dir``; without one the temp
     directory, which must then be shared by the ranks), every rank loads from it, rank 0 removes it."""
-    if old_vocab is None:
+    from zerotrain.models.hf import trained_token_rows, write_resized
+
+    if old_vocab is None and not trained_token_rows(model):
         engine.load_checkpoint(source.weights_dir, load_module_only=True)
         return
+    # the overlay also holds the rows LoRA's trainable tokens start from (the base rows, resized or not)
+    old_vocab = old_vocab if old_vocab is not None else int(source.config.vocab_size)
     import shutil
     import tempfile
     import uuid
 
     from zerotrain.comm import Comm
-    from zerotrain.models.hf import write_resized
 
     comm = Comm(None, engine.global_rank, engine.world_size)
     token = comm.all_gather_object(uuid.uuid4().hex[:12])[0]  # one name for the whole job

@@ -39,7 +39,7 @@ from .zero.interfaces import GradientReducer
 from .zero.grads import FullBufferReducer, PartitionedReducer
 from .zero.reduce import GradQuantization, reduce_for
 from .zero.forward_only import ForwardPasses, NoGradients, NoOptimizer, NoOptimizerError, no_optimizer_message, \
-    synced_generate
+    generate_between_steps, synced_generate
 from .zero.optimizer import ShardedOptimizer
 from .zero.stage3.grads import Stage3GradReducer
 from .zero.stage3.hooks import Stage3Hooks
@@ -131,6 +131,8 @@ class ZeroTrainEngine:
         self.forward_passes: Optional[ForwardPasses] = None
         if self.inference:
             self._prepare_forward_only()
+        else:
+            self._prepare_generate_between_steps()
         self.loss_scaler = LossScaler.from_config(config.fp16)
 
         self.micro_steps = 0
@@ -165,6 +167,22 @@ class ZeroTrainEngine:
         generate = getattr(self.module, "generate", None)
         if self.topology.world_size > 1 and callable(generate) and not getattr(generate, "zerotrain_synced", False):
             self.module.generate = synced_generate(generate)  # an instance attribute: engine.module.generate too
+
+    def _prepare_generate_between_steps(self) -> None:
+        """A training engine's `engine.module.generate(...)` (evaluation between steps): no_grad, eval mode,
+        stage-3 parameters gathered per forward and released after, outside the training record; synced across
+        ranks where a forward holds collectives (`zero.forward_only.generate_between_steps`)."""
+        generate = getattr(self.module, "generate", None)
+        while hasattr(generate, "zerotrain_synced"):  # wrapped for an earlier engine of this model: its own
+            generate = generate.__wrapped__
+        if not callable(generate):
+            return
+        topology = self.topology
+        synced = topology.world_size > 1 and (self.stage == 3 or topology.tp_size > 1 or topology.sp_size > 1
+                                              or self.expert_groups is not None)
+        self.module.generate = generate_between_steps(  # an instance attribute: engine.module.generate
+            generate, self.module, self.stage3.fetcher if self.stage3 is not None else None,
+            before_use=self._before_model_use, synced=synced)
 
     def generate(self, *args: Any, **kwargs: Any):
         """`engine.module.generate(...)` (a Hugging Face model's), synced across ranks at world > 1."""

@@ -5,7 +5,8 @@ LoRA); per-module `rank_pattern` / `alpha_pattern` override r and alpha the way 
 matches them (the pattern matches the module name's tail). `fan_in_fan_out` layers
 (GPT-2's Conv1D) store W transposed, as do embedding adapters (`lora_embedding_A/B`),
 so their product is transposed before it is added. Full weights the adapter saved
-(`modules_to_save`) replace the base weight.
+(`modules_to_save`) replace the base weight; trained token rows (`trainable_token_indices`,
+e.g. the new tokens of `train --add-tokens --lora-r`) replace those rows of it.
 
 It is a part of its own (imports nothing of zerotrain) because both the merge tool and the
 checkpoint export use it, and neither may import the other. This is the one implementation of LoRA folding: `zerotrain merge` uses it for
@@ -37,7 +38,11 @@ _LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_
                        r"(?:\.[^.]+)?(?:\.weight)?$")
 
 
-_ADAPTER_PARTS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.")
+# peft's trainable tokens (`trainable_token_indices`): the trained rows of an embedding / head, saved as
+# `X.token_adapter.trainable_tokens_delta` (n rows x hidden); the base weight is `X.token_adapter.base_layer.weight`
+_TOKENS_DELTA = ".token_adapter.trainable_tokens_delta"
+_ADAPTER_PARTS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.",
+                  _TOKENS_DELTA)
 
 
 def is_adapter_weight(name: str) -> bool:
@@ -47,10 +52,21 @@ def is_adapter_weight(name: str) -> bool:
 
 def base_weight_name(name: str) -> str:
     """The base model's name of a PEFT-wrapped model's weight: ``base_model.model.X.base_layer.weight`` ->
-    ``X.weight`` (names that are not PEFT's come back as they are)."""
+    ``X.weight``, ``X.token_adapter.base_layer.weight`` (trainable tokens) -> ``X.weight`` (names that are not
+    PEFT's come back as they are)."""
     if name.startswith(_PEFT_PREFIX):
         name = name[len(_PEFT_PREFIX):]
-    return name.replace(".base_layer.", ".")
+    return name.replace(".token_adapter.base_layer.", ".").replace(".original_module.", ".") \
+        .replace(".base_layer.", ".")
+
+
+def _token_indices(config: dict, module: str) -> Optional[list]:
+    """The rows peft's `trainable_token_indices` trains in `module`: a list means the input embedding (the one
+    module with a delta, or every tied one); a dict is keyed by module names, matched at the end (peft's rule)."""
+    indices = config.get("trainable_token_indices")
+    if isinstance(indices, dict):
+        return next((rows for key, rows in indices.items() if module == key or module.endswith("." + key)), None)
+    return indices
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -83,8 +99,17 @@ class LoraAdapter:
         self._handle = safe_open(weights_path, framework="pt")
         self.pairs: dict[str, dict[str, str]] = {}   # base weight name -> {"A": key, "B": key, "embedding": bool}
         self.replaced: dict[str, str] = {}           # base weight name -> adapter key of a full weight
+        self.rows: dict[str, tuple[str, list]] = {}  # base weight name -> (adapter key, rows): trainable tokens
         for key in self._handle.keys():
             name = key[len(_PEFT_PREFIX):] if key.startswith(_PEFT_PREFIX) else key
+            if name.endswith(_TOKENS_DELTA):
+                module = name[:-len(_TOKENS_DELTA)]
+                rows = _token_indices(self.config, module)
+                if rows is None:
+                    raise LoraError(f"{weights_path}: trained token rows of {module!r}, but adapter_config.json's "
+                                    f"trainable_token_indices names no rows for it")
+                self.rows[module + ".weight"] = (key, list(rows))
+                continue
             match = _LORA_KEY.match(name)
             if match is None:
                 self.replaced[name.replace(".modules_to_save.default.", ".")] = key
@@ -106,7 +131,7 @@ class LoraAdapter:
 
     def check_targets(self, weight_map: dict, where: str) -> None:
         """Every weight the adapter changes exists in the base model."""
-        for target in list(self.pairs) + list(self.replaced):
+        for target in list(self.pairs) + list(self.replaced) + list(self.rows):
             if target not in weight_map:
                 raise LoraError(f"LoRA adapter {self.weights_path} changes {target!r}, which {where} does not have")
 
@@ -134,7 +159,15 @@ class LoraAdapter:
                                  f"the base weight has {list(weight.shape)}")
             return full
         delta = self.delta(name, tuple(weight.shape))
-        return weight if delta is None else weight.float() + delta
+        weight = weight if delta is None else weight.float() + delta
+        if name in self.rows:  # trainable tokens: the trained rows replace the base's (peft's index_copy)
+            key, rows = self.rows[name]
+            trained = self._handle.get_tensor(key).float()
+            if trained.shape != (len(rows), weight.shape[-1]) or max(rows) >= weight.shape[0]:
+                raise LoraError(f"LoRA adapter {self.weights_path}: {len(rows)} trained rows of shape "
+                                 f"{list(trained.shape)} do not fit {name!r} of shape {list(weight.shape)}")
+            weight = weight.float().index_copy(0, torch.tensor(rows), trained)
+        return weight
 
 
 def fold_lora(weight: torch.Tensor, name: str, adapter: "LoraAdapter | str") -> torch.Tensor:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from models_for_tests import tied_llama_copy
 
 import transformers  # the dev extra has it: a missing install fails, never skips
 
@@ -20,18 +21,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _probe(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(5))
-
-
-def _tied_copy(src: Path, out: Path) -> Path:
-    """The fixture's model with tied embeddings, one model.safetensors (lm_head.weight not stored)."""
-    config = transformers.AutoConfig.from_pretrained(src)
-    config.tie_word_embeddings = True
-    torch.manual_seed(3)
-    transformers.LlamaForCausalLM(config).save_pretrained(out)
-    for name in os.listdir(src):
-        if name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy(src / name, out / name)
-    return out
 
 
 # --- missing and bad inputs (in-process) -------------------------------------------------------------------
@@ -145,7 +134,7 @@ def test_zero3_world2_loads_like_from_pretrained_and_train_on_jsonl_resumes_on_o
 
     sharded = Path(tiny_llama_dir)
     assert len(set(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"].values())) > 1
-    tied = _tied_copy(sharded, tmp_path / "tied")
+    tied = tied_llama_copy(sharded, tmp_path / "tied")
     vocab = transformers.AutoConfig.from_pretrained(sharded).vocab_size
     chat = write_chat_jsonl(tmp_path / "chat.jsonl", n=48)
     base = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 0,

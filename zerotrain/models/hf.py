@@ -28,7 +28,7 @@ import torch
 
 __all__ = ["PRESETS", "ModelError", "ModelSource", "resolve_model", "build_model", "load_tokenizer",
            "preset_config", "tokenizer_files", "byte_tokenizer", "grow_vocab", "write_resized", "check_weights",
-           "count_parameters", "LoraOptions", "apply_lora", "adapter_files"]
+           "count_parameters", "LoraOptions", "apply_lora", "adapter_files", "trained_token_rows"]
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -266,8 +266,14 @@ def write_resized(source: ModelSource, model: torch.nn.Module, old_vocab: int, o
     directory = Path(source.weights_dir)
     weight_map = _weight_map(directory)
     new_vocab = int(source.config.vocab_size)
+    rows = trained_token_rows(model)
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT-wrapped one: its base
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     names = {id(module): name for name, module in model.named_modules()}
+    # peft's trainable-tokens wrapper (LoRA with new tokens) holds the layer as `original_module`
+    embedding, head = (getattr(m, "original_module", m) if m is not None else None for m in (embedding, head))
+    names.update({id(getattr(m, "original_module", None)): n for n, m in model.named_modules()
+                  if hasattr(m, "original_module")})
 
     def stored(param_name: str) -> str:
         prefix = getattr(model, "base_model_prefix", "") or ""
@@ -306,12 +312,18 @@ def write_resized(source: ModelSource, model: torch.nn.Module, old_vocab: int, o
             resized[head_name] = new_head.weight.data
             if bias_name is not None:
                 resized[bias_name] = new_head.bias.data
+        # The rows peft's trainable tokens train start from the (resized) base rows: stored under the deltas'
+        # own names, the loader reads them like any weight.
+        for delta, module, indices in rows:
+            name = stored(f"{module}.weight")
+            resized[delta] = (resized[name] if name in resized else read(name))[indices].clone()
     overlay = Path(out_dir)
     overlay.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in resized.items()}, str(overlay / "resized.safetensors"))
     for file in set(weight_map.values()):
         (overlay / file).symlink_to(directory / file)
     index = {name: ("resized.safetensors" if name in resized else file) for name, file in weight_map.items()}
+    index.update({name: "resized.safetensors" for name in resized})
     (overlay / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": index}))
     return str(overlay)
 
@@ -336,12 +348,16 @@ def count_parameters(model: torch.nn.Module) -> int:
 class LoraOptions:
     """`zerotrain train --lora-*`: rank, alpha (default 2 * r: a scale of 2, as common LoRA recipes use; peft's
     own default is a fixed 8), dropout, and the modules to adapt (default: peft's per-architecture list, e.g.
-    q_proj and v_proj for Llama; ``all-linear`` adapts every linear layer but the output head)."""
+    q_proj and v_proj for Llama; ``all-linear`` adapts every linear layer but the output head).
+    ``trainable_tokens``: token ids whose rows of the input embedding (and of an untied output head) train in
+    full beside the adapter (peft's ``trainable_token_indices``): the tokens ``--add-tokens`` / a chat
+    template added, which would otherwise keep their initial rows."""
 
     r: int
     alpha: Optional[float] = None
     dropout: float = 0.0
     target_modules: Optional[tuple[str, ...]] = None
+    trainable_tokens: tuple[int, ...] = ()
 
 
 def apply_lora(model: torch.nn.Module, options: LoraOptions, base_dir: Optional[str] = None,
@@ -365,13 +381,43 @@ def apply_lora(model: torch.nn.Module, options: LoraOptions, base_dir: Optional[
         targets = "all-linear"
     config = LoraConfig(r=options.r, lora_alpha=options.alpha if options.alpha is not None else 2 * options.r,
                         lora_dropout=options.dropout, target_modules=list(targets) if isinstance(targets, tuple)
-                        else targets, task_type="CAUSAL_LM", base_model_name_or_path=base_dir)
+                        else targets, task_type="CAUSAL_LM", base_model_name_or_path=base_dir,
+                        trainable_token_indices=_token_rows(model, options.trainable_tokens))
     torch.manual_seed(seed)
     try:
         return get_peft_model(model, config)
     except ValueError as error:  # targets that match no module, a model type peft has no default for
         raise ModelError(f"--lora-target-modules {','.join(targets) if isinstance(targets, tuple) else targets}: "
                          f"{error}") from None
+
+
+def _token_rows(model: torch.nn.Module, tokens: tuple[int, ...]):
+    """peft's ``trainable_token_indices`` for ``tokens``: a list (the input embedding; peft ties a tied head to
+    it), or, with an untied output head, the same rows of both by module name (its new rows must learn too)."""
+    if not tokens:
+        return None
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None or head.weight is embedding.weight:
+        return list(tokens)
+    names = {id(module): name for name, module in model.named_modules()}
+    return {names[id(embedding)]: list(tokens), names[id(head)]: list(tokens)}
+
+
+def trained_token_rows(model: torch.nn.Module) -> list[tuple[str, str, list[int]]]:
+    """``(parameter name, module name in the base model, rows)`` of each peft trainable-tokens delta of a
+    PEFT-wrapped ``model`` (``apply_lora`` with ``trainable_tokens``); [] without any."""
+    if not hasattr(model, "get_base_model"):
+        return []
+    base = model.get_base_model()
+    prefix = next(name for name, module in model.named_modules() if module is base)
+    out = []
+    for name, module in base.named_modules():
+        adapter = getattr(module, "token_adapter", None)
+        if adapter is None or not hasattr(adapter, "token_indices") or getattr(adapter, "tied_adapter", None):
+            continue  # a tied head's adapter shares the embedding's rows (and parameter)
+        for key, rows in adapter.token_indices.items():
+            out.append((f"{prefix}.{name}.token_adapter.trainable_tokens_delta.{key}", name, list(rows)))
+    return out
 
 
 def adapter_files(trainable: dict, model: torch.nn.Module) -> dict[str, bytes]:
@@ -386,7 +432,9 @@ def adapter_files(trainable: dict, model: torch.nn.Module) -> dict[str, bytes]:
     from peft import get_peft_model_state_dict
     from safetensors.torch import save
 
-    adapter = get_peft_model_state_dict(model, state_dict=trainable)
+    # save_embedding_layers=False: trainable-token rows are saved as their deltas (peft would otherwise look up
+    # the base model's config to see whether the vocabulary grew, and save the whole embedding if it did)
+    adapter = get_peft_model_state_dict(model, state_dict=trainable, save_embedding_layers=False)
     files = {"adapter_model.safetensors": save({k: v.contiguous() for k, v in adapter.items()},
                                                metadata={"format": "pt"})}
     with tempfile.TemporaryDirectory() as tmp:

@@ -14,6 +14,12 @@ layer computes exactly what it computes unsplit:
   as the base layer's is after its all-reduce.
 
 Every name in the rewritten plan is exact (no patterns), so no plan entry can reach into a wrapper.
+
+An embedding or head whose new tokens' rows train (peft's trainable tokens, `train --add-tokens --lora-r`)
+stays whole on every rank: peft's wrapper writes the trained rows into the whole weight (`index_copy`) and
+calls the layer's function itself, which a vocabulary split would have to redo; the layer is frozen, so
+keeping it whole costs its weights only (no gradients or optimizer state), and its trained rows get the same
+whole gradient on every rank (its input, and its output's gradient, are whole).
 """
 from __future__ import annotations
 
@@ -36,6 +42,14 @@ def _wrappers(model: nn.Module) -> dict[str, nn.Module]:
             and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)}
 
 
+def _token_wrappers(model: nn.Module) -> dict[str, nn.Module]:
+    """{name in the base model: peft trainable-tokens wrapper} (a module with `token_adapter` and the layer as
+    `original_module`)."""
+    return {name: module for name, module in model.get_base_model().named_modules()
+            if isinstance(getattr(module, "token_adapter", None), nn.Module)
+            and isinstance(getattr(module, "original_module", None), nn.Module)}
+
+
 def is_lora_wrapped(model: nn.Module) -> bool:
     """A peft `PeftModel` (duck-typed: `get_base_model` and `peft_config`) with LoRA layers."""
     return hasattr(model, "get_base_model") and hasattr(model, "peft_config") and bool(_wrappers(model))
@@ -49,7 +63,7 @@ def _unwrapped(base: nn.Module, wrappers: dict[str, nn.Module]) -> Iterator[None
         setattr(base.get_submodule(parent_name) if parent_name else base, child, module)
 
     for name, wrapper in wrappers.items():
-        put(name, wrapper.base_layer)
+        put(name, wrapper.original_module if hasattr(wrapper, "token_adapter") else wrapper.base_layer)
     try:
         yield
     finally:
@@ -62,8 +76,8 @@ def lora_plan(model: nn.Module, tp_size: int, plan: Optional[dict] = None) -> di
     from .autotp import resolve_plan
 
     base = model.get_base_model()
-    wrappers = _wrappers(model)
-    with _unwrapped(base, wrappers):
+    wrappers, tokens = _wrappers(model), _token_wrappers(model)
+    with _unwrapped(base, {**wrappers, **tokens}):
         base_plan = resolve_plan(base, tp_size, plan)
         modules = [name for name, _ in base.named_modules() if name]
     prefix = next(name for name, module in model.named_modules() if module is base)
@@ -71,6 +85,8 @@ def lora_plan(model: nn.Module, tp_size: int, plan: Optional[dict] = None) -> di
     out: dict[str, Style] = {}
     for pattern, style in base_plan.items():
         for name in (n for n in modules if fnmatch.fnmatchcase(n, pattern)):
+            if name in tokens:
+                continue  # trainable tokens: the layer stays whole (module docstring)
             wrapper = wrappers.get(name)
             if wrapper is None:
                 out[prefix + name] = style

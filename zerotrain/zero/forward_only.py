@@ -13,6 +13,10 @@ micro-step: the first forward records the order of stage-3 gathers, later ones f
 reads of NVMe-offloaded shards run ahead along it, wrapping from the end of one forward into the start of
 the next (the next token's forward repeats the same order). It also counts the forwards (`count`): at
 world > 1 every rank must run as many as the others, or their gathers stop matching.
+
+A TRAINING engine's `engine.module.generate(...)` (evaluation between steps) is wrapped by
+`generate_between_steps`: no_grad, eval mode, each forward a `ForwardPasses` bracket kept out of the
+training record (`traced=False`), synced across ranks where forwards hold collectives.
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ import torch
 
 from .interfaces import GradientReducer, MasterOptimizer
 
-__all__ = ["NoOptimizerError", "NoGradients", "NoOptimizer", "ForwardPasses", "no_optimizer_message"]
+__all__ = ["NoOptimizerError", "NoGradients", "NoOptimizer", "ForwardPasses", "no_optimizer_message",
+           "generate_between_steps", "synced_generate"]
 
 
 class NoOptimizerError(RuntimeError):
@@ -91,12 +96,13 @@ class ForwardPasses:
     of the root module (a model calling itself) count once.
     """
 
-    def __init__(self, module: torch.nn.Module, fetcher=None):
+    def __init__(self, module: torch.nn.Module, fetcher=None, traced: bool = True):
         self.fetcher = fetcher
+        self.traced = traced  # False: forwards between a training engine's steps, kept out of its record
         self.count = 0  # forwards of the root module since the engine was built
         self.listener = None  # told where each forward begins and ends (a memory timeline); None: nobody
         self._depth = 0
-        if fetcher is not None:
+        if fetcher is not None and traced:
             fetcher.repeats = True  # the next forward follows the same record: reads ahead wrap to its start
         # prepend: before any hook on the root module itself (a root with its own parameters gathers there)
         self._handles = [module.register_forward_pre_hook(self._begin, prepend=True),
@@ -109,11 +115,13 @@ class ForwardPasses:
             if self.listener is not None:
                 self.listener.begin("forward")
             if self.fetcher is not None:
-                self.fetcher.begin_micro_step()
+                self.fetcher.begin_micro_step() if self.traced else self.fetcher.begin_untraced()
 
     def _end(self, module, args, output) -> None:
         self._depth = max(self._depth - 1, 0)
-        if self._depth == 0 and self.fetcher is not None:
+        if self._depth == 0 and self.fetcher is not None and not self.traced:
+            self.fetcher.end_untraced()
+        elif self._depth == 0 and self.fetcher is not None:
             # no backward follows: close the record after the first forward, release every gathered shard
             self.fetcher.end_forward(backward_follows=False)
             self.fetcher.end_micro_step()
@@ -124,6 +132,43 @@ class ForwardPasses:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def generate_between_steps(generate: Callable, module: torch.nn.Module, fetcher=None,
+                           before_use: Callable[[], None] = lambda: None, synced: bool = False) -> Callable:
+    """`generate` of a TRAINING engine's model, for evaluation between its steps (the HF Trainer's
+    `predict_with_generate`, a user's own loop): under no_grad, in eval mode (the module's mode restored
+    after), each forward of the model one bracket of its own at stage 3 (`fetcher`: gathered, then released
+    whole, outside the training micro-steps' record, which it neither extends nor follows), so the training
+    that resumes is the one it would have been without the call. `synced`: transformers' `synced_gpus=True`
+    (a rank whose sequences have finished keeps running forwards until every rank has), needed where a
+    forward holds collectives (stage-3 gathers, tensor / sequence / expert parallelism). `before_use`: what
+    the engine undoes before its model is used (super_offload's speculative weights)."""
+    import functools
+
+    # generate runs the underlying Hugging Face model's forward (a PEFT wrapper's own forward is not called)
+    target = module.get_base_model() if hasattr(module, "get_base_model") else module
+
+    @functools.wraps(generate)
+    def wrapper(*args, **kwargs):
+        if synced:
+            # even over an explicit False: loops written for DeepSpeed pass `is_deepspeed_zero3_enabled()` (False
+            # here; the HF Seq2SeqTrainer does), and with collectives in every forward, unsynced ranks can only hang
+            kwargs["synced_gpus"] = True
+        before_use()
+        was_training = module.training
+        passes = ForwardPasses(target, fetcher, traced=False) if fetcher is not None else None
+        module.eval()
+        try:
+            with torch.no_grad():
+                return generate(*args, **kwargs)
+        finally:
+            if passes is not None:
+                passes.remove()
+            module.train(was_training)
+
+    wrapper.zerotrain_synced = synced
+    return wrapper
 
 
 def synced_generate(generate: Callable) -> Callable:

@@ -156,6 +156,23 @@ class ParamFetcher:
         self._drop_secondaries()
         self.pool.clear()
 
+    def begin_untraced(self) -> None:
+        """A forward outside the training micro-steps (`generate` of a training engine between its steps):
+        its requests neither extend the record (were it still recording) nor follow it, so it prefetches and
+        keeps nothing; `end_untraced` releases what it gathered and puts the record back as it was."""
+        self._untraced = (self.trace.recording, self.trace.cursor, self.trace.in_order)
+        self.trace.recording, self.trace.in_order = False, False
+
+    def end_untraced(self) -> None:
+        for key in list(self._inflight):
+            self._complete(key)
+        for part in self.parts:
+            if part.gathered and not part.persistent and self.holds.get(id(part), 0) == 0:
+                self._release(part)
+        self._drop_secondaries()
+        self.pool.clear()
+        self.trace.recording, self.trace.cursor, self.trace.in_order = self._untraced
+
     def fetch(self, parts: list[PartitionedParam], reason: str = "forward") -> None:
         """Make `parts` gathered now (waiting for prefetched ones), then prefetch what comes next."""
         parts = [part for part in parts if not part.persistent]
