@@ -24,8 +24,12 @@ bad checkpoint raises the same CheckpointError on every rank, naming the file or
 tensor, and leaves model, optimizer and counters untouched.
 
 Speed: the checksum pass is the load's one read from the disk (through the page cache);
-`apply` then copies the bytes from memory straight into the engine's tensors, its reads
-spread over a few threads (`directio.READ_THREADS`).
+`apply` then copies the bytes from memory straight into the engine's tensors, on as many
+threads as this host has cores per rank (`directio.copy_threads`; a copy is CPU-bound, more
+threads only cost CPU). Without checksums the reads go to the disk, `directio.READ_THREADS`
+at once. The optimizer's scalar states (one `step` per parameter, read while planning) are
+requested from the kernel before the checksum pass starts (`reader.prefetch_small_tensors`),
+so that planning does not wait on single small reads behind another rank's checksum stream.
 """
 from __future__ import annotations
 
@@ -41,9 +45,9 @@ from .format import MASTER, MODEL, OPTIMIZER, CheckpointError, read_json, rng_fi
 from .loco import loco_file, read_loco, restore_loco
 from .optim_state import StateTemplate, check_groups, make_scalar, probe_template, restore_hyperparameters
 from .plan import extra_tensors
-from .directio import run_parallel
+from .directio import READ_THREADS, copy_threads, run_parallel
 from .integrity import check_pieces
-from .reader import TensorReader
+from .reader import TensorReader, prefetch_small_tensors
 from .slots import CheckpointState, sharded_names
 from .split import RunsRead, expected_shape, tensor_slices
 from .source import HUGGING_FACE, ZEROTRAIN, Source, needed_files, open_source, resolve, verify
@@ -87,6 +91,7 @@ class LoadPlan:
     load_optimizer: bool
     files: contextlib.ExitStack
     loco: Optional[dict] = None          # this rank's saved LoCo error buffers, when it has some
+    cached: bool = False                 # the checksum pass put every byte in the page cache: copies, not reads
 
 
 def _name_candidates(module: torch.nn.Module, name: str, hugging_face: bool) -> list[str]:
@@ -200,12 +205,14 @@ def prepare(state: CheckpointState, path: str, sharded: set[str], load_optimizer
     comm = state.world
     rank, world = comm.rank, comm.size
     hugging_face = source.kind == HUGGING_FACE
+    load_optimizer = load_optimizer_states and not load_module_only and source.kind == ZEROTRAIN
+    if load_optimizer:
+        prefetch_small_tensors(path, sorted(source.files_of(OPTIMIZER)))
     if source.kind == ZEROTRAIN:
         share = verify(source, needed_files(source, load_optimizer_states, load_module_only), rank, world,
                        checksums=state.config.checkpoint.verify_on_load)
         if share is not None and checked is not None:
             checked.append(share)
-    load_optimizer = load_optimizer_states and not load_module_only and source.kind == ZEROTRAIN
     module = state.module
     files = contextlib.ExitStack()
     try:
@@ -264,7 +271,8 @@ def prepare(state: CheckpointState, path: str, sharded: set[str], load_optimizer
     except BaseException:
         files.close()
         raise
-    return LoadPlan(path, source, slot_loads, extras, rng, load_optimizer, files, loco)
+    cached = source.kind == ZEROTRAIN and bool(state.config.checkpoint.verify_on_load)
+    return LoadPlan(path, source, slot_loads, extras, rng, load_optimizer, files, loco, cached)
 
 
 def _state_tensor(current, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -321,7 +329,9 @@ def apply(state: CheckpointState, plan: LoadPlan, load_lr_scheduler_states: bool
             optimizer.state[slot.master] = restored
         tasks = [_no_grad(read.into, target) for read, target in reads]
         tasks += [_no_grad(_extra_read, read, targets[name]) for name, read in plan.extras]
-        run_parallel(tasks)
+        topology = state.topology
+        run_parallel(tasks, copy_threads(min(topology.world_size, (topology.ranks_per_node or topology.dp_size)
+                                             * topology.tp_size)) if plan.cached else READ_THREADS)
         state.publish()  # every rank's model weights current after masters and frozen shards were written
     if plan.source.kind != ZEROTRAIN:
         return

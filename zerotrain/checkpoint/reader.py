@@ -26,6 +26,33 @@ from .directio import READ_CHUNK, SharedFiles
 from .format import CheckpointError, itemsize, numel_of, read_layout, st_dtype
 
 
+SMALL_TENSOR_BYTES = 64
+
+
+def prefetch_small_tensors(directory: str, names) -> None:
+    """Ask the kernel to read, in the background, the pages of the small tensors (optimizer scalars such as
+    Adam's `step`, one per parameter) of files `names`: a load reads them one by one while it plans, and
+    each would otherwise be a synchronous read from the disk in the middle of another rank's checksum
+    stream (measured: 148 such reads cost rank 0 0.02-0.7 s of a 70m load). Best effort: a file whose
+    header cannot be read is left to the checks that name it."""
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            header, data_start = read_layout(path)
+            fd = os.open(path, os.O_RDONLY)
+        except (CheckpointError, OSError):
+            continue
+        try:
+            for entry in header.values():
+                begin, end = entry["data_offsets"]
+                if 0 < end - begin <= SMALL_TENSOR_BYTES:
+                    os.posix_fadvise(fd, data_start + begin, end - begin, os.POSIX_FADV_WILLNEED)
+        except (OSError, KeyError, TypeError, ValueError, AttributeError):
+            pass  # no posix_fadvise, or a malformed header (named later, by `check`)
+        finally:
+            os.close(fd)
+
+
 class TensorReader:
     """Tensors by name over the files of one weight map ({name: file}) inside `directory`."""
 
