@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import os
 import subprocess
@@ -260,6 +261,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``zerotrain`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if not faulthandler.is_enabled():  # a rank that dies by a signal (SIGABRT, SIGSEGV) prints every thread's stack
+        faulthandler.enable()
     try:
         return _run(args)
     except BrokenPipeError:  # `zerotrain ckpt inspect ... | head`: the reader left; no traceback

@@ -104,7 +104,10 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Gro
 
 
 def barrier(group: Group = None) -> None:
-    """Wait until every rank of `group` gets here (an all-reduce of one element through zerotrain.comm)."""
+    """Wait until every rank of `group` gets here (through zerotrain.comm: torch's barrier on gloo, an all-reduce
+    of one element on the device elsewhere)."""
     comm = _comm(group)
-    device = default_device() if _torch_dist.get_backend(comm.group) == "nccl" else torch.device("cpu")
-    comm.all_reduce(torch.zeros(1, device=device))
+    if _torch_dist.get_backend(comm.group) == "gloo":
+        comm.barrier()
+    else:
+        comm.all_reduce(torch.zeros(1, device=default_device()))
