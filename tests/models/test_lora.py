@@ -91,16 +91,24 @@ def _train(engine, batches: torch.Tensor, steps, rows: slice) -> list[float]:
 
 # --- every rank of the one world-2 launch ---------------------------------------------------------------------
 
-def _zero3_data_parallel(directory: str, tmp: str, vocab: int) -> dict:
-    from zerotrain.cli import load_weights, model_engine
+def _grown_with_new_tokens(directory: str):
+    """`train --add-tokens ... --lora-r R`'s setup: the model source with its vocabulary grown by NEW_TOKENS, the
+    old vocabulary size, and LoRA options training the new tokens' rows."""
     from zerotrain.models.hf import LoraOptions, grow_vocab, load_tokenizer, resolve_model
-    from zerotrain.zero.stage3.partition import ZeroParameter
 
-    # `train --add-tokens ... --lora-r R`: the vocabulary grows, the new tokens' rows train (peft's trainable tokens)
     source = resolve_model(directory)
     tokenizer = load_tokenizer(source)
     old_vocab = grow_vocab(source, tokenizer, NEW_TOKENS)
-    lora = LoraOptions(r=R, trainable_tokens=tuple(tokenizer.convert_tokens_to_ids(list(NEW_TOKENS))))
+    new_ids = tuple(tokenizer.convert_tokens_to_ids(list(NEW_TOKENS)))
+    return source, old_vocab, LoraOptions(r=R, trainable_tokens=new_ids)
+
+
+def _zero3_data_parallel(directory: str, tmp: str, vocab: int) -> dict:
+    from zerotrain.cli import load_weights, model_engine
+    from zerotrain.zero.stage3.partition import ZeroParameter
+
+    # `train --add-tokens ... --lora-r R`: the vocabulary grows, the new tokens' rows train (peft's trainable tokens)
+    source, old_vocab, lora = _grown_with_new_tokens(directory)
     batches, rank = _batches(vocab, len(NEW_TOKENS)), int(os.environ["RANK"])
     rows = slice(2 * rank, 2 * rank + 2)
     engine, model = model_engine(source, _config(3, 2, checkpoint={"adapters_only": True}), seed=SEED, lora=lora)
@@ -187,12 +195,8 @@ def _tensor_parallel(directory: str, tmp: str, vocab: int, stage: int) -> dict:
 def _tied_new_tokens(directory: str, tmp: str, vocab: int) -> dict:
     """ZeRO-3 LoRA with new tokens on a model with a tied head: one delta, shared by embedding and head."""
     from zerotrain.cli import load_weights, model_engine
-    from zerotrain.models.hf import LoraOptions, grow_vocab, load_tokenizer, resolve_model
 
-    source = resolve_model(directory)
-    tokenizer = load_tokenizer(source)
-    old_vocab = grow_vocab(source, tokenizer, NEW_TOKENS)
-    lora = LoraOptions(r=R, trainable_tokens=tuple(tokenizer.convert_tokens_to_ids(list(NEW_TOKENS))))
+    source, old_vocab, lora = _grown_with_new_tokens(directory)
     engine, model = model_engine(source, _config(3, 2), seed=SEED, lora=lora)
     load_weights(engine, source, model, old_vocab, tmp, SEED)
     rank = int(os.environ["RANK"])
