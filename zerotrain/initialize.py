@@ -64,6 +64,22 @@ def _check_keywords(unused: dict) -> None:
                       stacklevel=3)
 
 
+def _refuse_deepspeed_partitions(model: torch.nn.Module) -> None:
+    """A model that DeepSpeed's own `deepspeed.zero.Init` partitioned (its parameters hold 0 elements, the
+    values sit in DeepSpeed's `ds_tensor` shards) cannot be trained here: say so at once, not as a shape
+    error deep in the engine. transformers' `from_pretrained` builds under it whenever `HfDeepSpeedConfig` (or
+    the HF Trainer's DeepSpeed path) is active and the deepspeed package is installed."""
+    for name, param in model.named_parameters():
+        if "ds_tensor" in vars(param):  # DeepSpeed's attribute on the parameters it partitioned (not ours)
+            raise ValueError(
+                f"zerotrain.initialize: parameter {name} was partitioned by DeepSpeed's deepspeed.zero.Init "
+                f"(it holds {param.numel()} of its {vars(param).get('ds_numel', '?')} elements here; DeepSpeed keeps "
+                "them in its own shards, which zerotrain cannot adopt). Build the model under zerotrain.zero.Init "
+                "(or without it) instead; for transformers' from_pretrained drop HfDeepSpeedConfig / "
+                "is_deepspeed_zero3_enabled and use zerotrain.from_pretrained (docs/porting.md; `zerotrain port` "
+                "rewrites these imports)")
+
+
 def _config_from_args(args: Any) -> Any:
     """`args.zerotrain_config`, `args.deepspeed_config` or (deprecated) `args.deepscale_config`: the paths
     `add_config_arguments` adds; two different ones are an error."""
@@ -101,6 +117,7 @@ def initialize(model: torch.nn.Module = None, config: Union[dict, str, os.PathLi
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"zerotrain.initialize needs model= a torch.nn.Module, got {type(model).__name__} "
                         "(pass arguments by keyword: its first positional parameter is the model, not args)")
+    _refuse_deepspeed_partitions(model)
     if config is None:
         config = config_params
     from_args = _config_from_args(args) if args is not None else None

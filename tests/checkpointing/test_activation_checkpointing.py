@@ -233,10 +233,45 @@ def test_configure_reads_the_block_and_refuses_contiguous_without_partition():
     assert ckpt.is_configured() and ckpt._state.partition and not ckpt._state.cpu and ckpt._state.profile
     with pytest.raises(ValueError, match="contiguous_memory_optimization needs partition_activations"):
         ckpt.configure(None, contiguous_checkpointing=True)
-    with pytest.raises(ValueError, match="number_checkpoints"):
-        ckpt.configure(None, partition_activations=True, contiguous_checkpointing=True)
     with pytest.raises(Exception, match="activation_checkpointing.number_checkpoint"):
         load_config({"activation_checkpointing": {"number_checkpoint": 2}})
     with pytest.raises(ValueError, match="use_reentrant=True"):
         ckpt.checkpoint(torch.sin, torch.ones(2), use_reentrant=True)
     ckpt.configure(None)
+
+
+# The shape of DeepSpeedExamples' Megatron-LM `ds_zero-offload_10B_config.json`: contiguous_memory_optimization
+# without number_checkpoints (Megatron passes configure(num_checkpoints=num_layers) itself).
+MEGATRON_10B_SHAPE = {
+    "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 1,
+    "zero_optimization": {"stage": 2, "cpu_offload": True, "contiguous_gradients": True, "overlap_comm": True,
+                          "reduce_scatter": True, "reduce_bucket_size": 50000000, "allgather_bucket_size": 500000000},
+    "optimizer": {"type": "Adam", "params": {"lr": 0.00015, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}},
+    "gradient_clipping": 1.0,
+    "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+    "activation_checkpointing": {"partition_activations": True, "contiguous_memory_optimization": True,
+                                 "cpu_checkpointing": True},
+    "wall_clock_breakdown": False,
+}
+
+
+def test_contiguous_without_number_checkpoints_loads_and_is_checked_on_use():
+    """As DeepSpeed: the config loads and configures; only a checkpoint before the number is known raises."""
+    from zerotrain import checkpointing as ckpt
+    from zerotrain.config import load_config
+
+    config = load_config(MEGATRON_10B_SHAPE)
+    assert config.activation_checkpointing.contiguous_memory_optimization
+    assert config.activation_checkpointing.number_checkpoints is None
+    try:
+        ckpt.configure(None, deepspeed_config=config)  # what the engine does at initialize
+        weight = torch.nn.Parameter(torch.randn(4, 4))
+        with pytest.raises(ValueError, match="contiguous_memory_optimization needs number_checkpoints"):
+            ckpt.checkpoint(lambda x: x @ weight, torch.randn(3, 4, requires_grad=True))
+        ckpt.set_num_layers(2)  # Megatron: configure(mpu, deepspeed_config=..., num_checkpoints=num_layers)
+        x = torch.randn(3, 4, requires_grad=True)
+        ckpt.checkpoint(lambda t: (t @ weight).tanh(), x).sum().backward()
+        want = torch.autograd.grad((x.detach() @ weight).tanh().sum(), weight)[0]
+        torch.testing.assert_close(weight.grad, want)
+    finally:
+        ckpt.configure(None)

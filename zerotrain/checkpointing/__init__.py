@@ -121,10 +121,9 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
             setattr(state, name, value)
     if state.contiguous and not state.partition:
         raise ValueError("activation_checkpointing.contiguous_memory_optimization needs partition_activations: true")
-    if state.contiguous and not state.number_checkpoints:
-        raise ValueError("activation_checkpointing.contiguous_memory_optimization needs number_checkpoints "
-                         "(how many checkpoints one forward keeps)")
-    if state.contiguous:
+    # Without number_checkpoints the contiguous buffer is sized later (set_num_layers, or configure's
+    # num_checkpoints, as Megatron passes it); DeepSpeed accepts such a config too and checks only on use.
+    if state.contiguous and state.number_checkpoints:
         state.arena = ContiguousArena(int(state.number_checkpoints))
     state.configured = True
     _state.__dict__.update(state.__dict__)
@@ -242,6 +241,10 @@ def checkpoint(function: Callable, *args, **kwargs):
         raise ValueError("zerotrain.checkpointing.checkpoint: context_fn is not supported (zerotrain's own "
                          "context_fn replays the RNG tracker and the checkpoint boundary options)")
     saver = None
+    if _state.contiguous and _state.arena is None:
+        raise ValueError("activation_checkpointing.contiguous_memory_optimization needs number_checkpoints (how "
+                         "many checkpoints one forward keeps): set it in the config, or call "
+                         "checkpointing.configure(num_checkpoints=N) or checkpointing.set_num_layers(N)")
     if _state.partition or _state.cpu:
         saver = InputSaver(_state.tp, _state.partition, _state.cpu, _state.arena, _state.stats)
     with saver.hooks() if saver is not None else contextlib.nullcontext():

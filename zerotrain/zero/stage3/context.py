@@ -29,7 +29,8 @@ from ...sharding import ShardGroup
 from ...topology import Topology
 from ..interfaces import ParamStore
 from .fetch import gather_standalone
-from .partition import PartitionedParam, ZeroParameter, partition_parameter, wait_for_snapshots
+from .partition import (PartitionedParam, ZeroParameter, partition_parameter, state_dict_placeholders,
+                        wait_for_snapshots)
 
 
 class Init:
@@ -108,6 +109,7 @@ class Init:
             part = partition_parameter(name, param, ShardGroup.over(self.comm, True))
             if self.store is not None and part.numel > self.persistence_threshold:
                 self.store.add(part)  # to NVMe now: host memory holds one module's shards, not the model's
+        state_dict_placeholders(module)
 
 
 _param_store_factory: Optional[Callable[[dict, int], Optional[ParamStore]]] = None

@@ -22,6 +22,9 @@ nothing can gather yet), `param[index] = value` and an in-place initializer on `
 """
 from __future__ import annotations
 
+import enum
+import itertools
+import weakref
 from typing import Callable, Optional, Protocol
 
 import torch
@@ -60,6 +63,17 @@ _FULL_TENSOR_INITS = {
 _INITIALIZERS = _SHARD_SAFE_INPLACE | _FULL_TENSOR_INITS
 
 
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's status of a partitioned parameter (`param.ds_status`): whole here, or only its shard."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+_ids = itertools.count()  # DeepSpeed's `ds_id`: a number per partitioned parameter, unique in the process
+
+
 class PartitionedParam(ShardLayout):
     """One parameter's layout and shard: the ShardLayout of a single parameter that stores only its shard."""
 
@@ -80,10 +94,12 @@ class PartitionedParam(ShardLayout):
         self.fetcher = None  # set by the engine's ParamFetcher
         self.fence: Optional[Fence] = None  # set by the engine (partition_module): its async checkpoint's fence
         self.empty = self._placeholder()
+        self.saving_state_dict = False  # set while its module's state_dict() saves it (see state_dict_placeholders)
         param.__class__ = ZeroParameter
         param._zero = self
         param.ds_shape = torch.Size(self.shapes[0])  # DeepSpeed's names for the full shape and size
         param.ds_numel = self.numel
+        param.ds_id = next(_ids)
 
     # --- storage ----------------------------------------------------------
     def _placeholder(self) -> torch.Tensor:
@@ -179,6 +195,23 @@ class PartitionedParam(ShardLayout):
         else:
             self.param.data = self.empty
 
+    def state_dict_value(self) -> torch.Tensor:
+        """What `module.state_dict()` holds for this parameter: its values while gathered (persistent, or inside
+        GatheredParameters), else DeepSpeed's placeholder, an empty tensor: never a gather, so a state_dict()
+        called on one rank only (a rank-0 save) cannot wait on the others."""
+        self.saving_state_dict = False
+        if self.gathered:
+            with torch._C.DisableTorchFunctionSubclass():
+                return self.param.detach()
+        if not _warned_placeholders:
+            _warned_placeholders.append(True)
+            import warnings
+            warnings.warn(f"state_dict() of a ZeRO-3 model: partitioned parameters such as {self.names[0]} are "
+                          "empty placeholders (as in DeepSpeed); for whole weights use engine.full_state_dict() or "
+                          "engine.save_16bit_model() (collective), or call state_dict() inside "
+                          "zerotrain.zero.GatheredParameters(model.parameters()) on every rank", stacklevel=4)
+        return torch.empty(0, dtype=self.dtype, device=self.device)
+
     def write_master(self, values: torch.Tensor) -> None:
         """New values for the fp32 master (through the optimizer's writer when it keeps the master in files)."""
         (self.master_writer or self.master.copy_)(values)
@@ -192,6 +225,38 @@ class PartitionedParam(ShardLayout):
             self.write_master(self.shard_of(flat))
         if self.gathered:
             self.flat_param.copy_(flat)
+
+
+_warned_placeholders: list = []  # one warning per process
+_placeholder_modules: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def state_dict_placeholders(module: torch.nn.Module) -> None:
+    """Make `state_dict()` of `module` and its submodules communication-free for partitioned parameters, as
+    DeepSpeed's: a released one is saved as an empty placeholder (`PartitionedParam.state_dict_value`) instead
+    of being gathered, which would hang a state_dict() called on one rank only. A state_dict pre-hook on each
+    module holding partitioned parameters marks them for the `detach()` that `Module._save_to_state_dict`
+    calls next; the post-hook clears the marks (keep_vars=True: no detach, the parameters themselves)."""
+    for owner in module.modules():
+        if not _own_parts(owner) or owner in _placeholder_modules:
+            continue
+        _placeholder_modules.add(owner)
+        owner.register_state_dict_pre_hook(_mark_saving)
+        owner.register_state_dict_post_hook(_unmark_saving)
+
+
+def _own_parts(module: torch.nn.Module) -> list:
+    return [p._zero for p in module.parameters(recurse=False) if isinstance(p, ZeroParameter)]
+
+
+def _mark_saving(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+    for part in _own_parts(module):
+        part.saving_state_dict = not keep_vars
+
+
+def _unmark_saving(module: torch.nn.Module, state_dict, prefix: str, local_metadata) -> None:
+    for part in _own_parts(module):
+        part.saving_state_dict = False
 
 
 def _zero_params_in(args, kwargs) -> list:
@@ -214,13 +279,21 @@ class ZeroParameter(torch.nn.Parameter):
 
     _zero: PartitionedParam
 
+    @property
+    def ds_status(self) -> ZeroParamStatus:
+        """DeepSpeed's name: AVAILABLE while whole (gathered, or persistent), NOT_AVAILABLE while only the shard
+        is here (DeepSpeed-Chat gathers exactly the NOT_AVAILABLE ones before reading them)."""
+        return ZeroParamStatus.AVAILABLE if self._zero.gathered else ZeroParamStatus.NOT_AVAILABLE
+
     @classmethod
     def __torch_function__(cls, func: Callable, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        target = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes `tensor=`
+        if name == "detach" and isinstance(target, ZeroParameter) and target._zero.saving_state_dict:
+            return target._zero.state_dict_value()
         if name not in _NO_GATHER:
             released = [p for p in _zero_params_in(args, kwargs) if not p._zero.gathered]
-            target = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes `tensor=`
             initializer = name in _INITIALIZERS and isinstance(target, ZeroParameter)
             if released:
                 if name in _INDEXING and len(released) == 1 and released[0] is args[0] \
@@ -236,8 +309,20 @@ class ZeroParameter(torch.nn.Parameter):
             elif initializer and target._zero.persistent:
                 return _apply_to_persistent(func, target._zero, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+        if result is target and name not in _RETURNS_SELF and not name.endswith("_"):
+            # `p.cpu()` / `p.to(same device)` / `p.contiguous()` return the parameter itself: hand out a plain
+            # tensor instead (a view, still differentiable to it), so `torch.save({k: v.cpu()})` pickles tensors,
+            # not a parameter carrying process groups, and it keeps the gathered values after the release.
+            with torch._C.DisableTorchFunctionSubclass():
+                return torch.Tensor.view_as(result, result)
+        return result
 
+
+# Methods and operators that return the parameter itself by design (in-place operators, attribute access).
+_RETURNS_SELF = {"__get__", "__set__", "__delete__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
+                 "__ifloordiv__", "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                 "__irshift__", "__imatmul__"}
 
 # Indexing a released parameter no engine owns yet (zero.Init construction), e.g. transformers'
 # `init.zeros_(embedding.weight[padding_idx])`: see `_index_unowned`.

@@ -10,7 +10,7 @@ from ...comm import Comm
 from ...sharding import ExpertGroups, ShardGroup, is_split_expert
 from .fetch import ParamFetcher
 from .hooks import Stage3Hooks
-from .partition import Fence, PartitionedParam, ZeroParameter, partition_parameter
+from .partition import Fence, PartitionedParam, ZeroParameter, partition_parameter, state_dict_placeholders
 
 
 @dataclass
@@ -88,6 +88,7 @@ def partition_module(module: torch.nn.Module, comm: Comm, group_of: dict[int, in
         part.persistent = part.numel <= persistence_threshold
         (trainable if param.requires_grad and id(param) in group_of else frozen).append(part)
     trainable.reverse()
+    state_dict_placeholders(module)  # module.state_dict() never gathers (a rank-0-only save must not hang)
     for index, part in enumerate(trainable):
         part.index = index
     fetcher = ParamFetcher(trainable + frozen, comm, sequential, prefetch_numel, max_live_numel, max_reuse_distance)
