@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import argparse
 
-from . import dist
+from . import accelerator, checkpointing, compression, dist, moe, ops, runtime, utils  # DeepSpeed's paths (port.paths)
 from .dist import init_distributed
 from .initialize import initialize
+from .pretrained import from_pretrained
 
 __version__ = "0.1.0"
 
-__all__ = ["initialize", "init_distributed", "add_config_arguments", "dist", "__version__"]
+__all__ = ["initialize", "init_distributed", "add_config_arguments", "from_pretrained", "dist", "accelerator", "checkpointing",
+           "compression", "moe", "ops", "runtime", "utils", "__version__"]
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

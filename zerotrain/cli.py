@@ -15,7 +15,8 @@ memory per rank of each ZeRO stage and offload choice (``zerotrain.estimate``). 
 [RUN_DIR ...]`` draws runs' metrics.jsonl as PNGs (``zerotrain.plots``).
 ``zerotrain generate`` runs a model directory forward-only (ZeRO-Inference, ``zerotrain.inference``).
 ``zerotrain train-embedding`` fine-tunes a sentence-embedding model contrastively
-(``zerotrain.embedding.command``).
+(``zerotrain.embedding.command``). ``zerotrain port PATH...`` rewrites a DeepSpeed program's imports
+(``zerotrain.port.command``).
 """
 from __future__ import annotations
 
@@ -193,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_embedding_parser(sub)
     from zerotrain.inference import add_generate_parser
     add_generate_parser(sub)
+    from zerotrain.port.command import add_port_parser
+    add_port_parser(sub)
     return parser
 
 
@@ -278,6 +281,9 @@ def _run(args: argparse.Namespace) -> int:
             return run_ckpt(args)
         if args.command == "launch":
             return _launch_script(args)
+        if args.command == "port":
+            from zerotrain.port.command import run_port
+            return run_port(args)
         if args.command == "merge":
             from zerotrain.merge.command import run_merge
             return run_merge(args)

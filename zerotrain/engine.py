@@ -29,7 +29,7 @@ from .offload.param_store import build_param_store, resident_model_states
 from .precision import LossScaler, training_dtype
 from .schedules import build_scheduler
 from .lifecycle import StopRequest
-from .monitor import TIMER_FIELDS, Monitors, WallClockTimers, check_monitor_libraries
+from .monitor import TIMER_FIELDS, Monitors, ThroughputTimer, WallClockTimers, check_monitor_libraries
 from .topology import Topology
 from .consolidate import full_state_dict
 from .sharding import ShardRecord, ShardedSlot
@@ -145,6 +145,7 @@ class ZeroTrainEngine:
         self.checkpointer = None  # created by the first save_checkpoint
         self.stop_request = StopRequest()  # signals turned into a stop at a step boundary (opt-in)
         self.timers = WallClockTimers(config.wall_clock_breakdown, topology.device)  # DeepSpeed's fwd/bwd/step
+        self.tput_timer = ThroughputTimer(config.train_batch_size)  # DeepSpeed's engine.tput_timer (monitor.throughput)
         check_monitor_libraries(config)  # an enabled tensorboard/wandb block without its library: refused on every rank
         self.monitor: Optional[Monitors] = None  # DeepSpeed's engine events, rank 0, built at the first step
         self._configure_activation_checkpointing()

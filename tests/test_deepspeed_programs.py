@@ -9,11 +9,16 @@
 - The activation_checkpointing block of DeepSpeedExamples' Megatron 10B config (contiguous without
   number_checkpoints) initializes.
 - A model built under DeepSpeed's own `deepspeed.zero.Init` is refused by `zerotrain.initialize` at once.
+- DeepSpeed's names that such programs read: `param.ds_status` / `ds_id`, `engine.tput_timer`.
+- `zerotrain.from_pretrained` (HfDeepSpeedConfig's effect) from a sharded safetensors directory: every parameter
+  is a released ZeRO-3 parameter holding only its chunk right after the call, the chunks are exactly transformers'
+  own `from_pretrained` weights (gathered through the engine), and a training step matches the plain model's
+  loss; `HfDeepSpeedConfig` (transformers' name) switches `is_deepspeed_zero3_enabled` and supplies the config.
 """
 from __future__ import annotations
 
 import importlib.util
-import os
+import json
 import time
 
 import pytest
@@ -60,8 +65,15 @@ def stage3_saves(save_path: str) -> dict:
     zerotrain.dist.barrier()
 
     params = dict(engine.module.named_parameters())
+    from zerotrain.runtime.zero.partition_parameters import ZeroParamStatus
+
+    out["status_released"] = {k: p.ds_status for k, p in params.items()}
+    out["ds_ids"] = [p.ds_id for p in params.values()]
+    engine.tput_timer.update_epoch_count()  # DeepSpeed-Chat, once per epoch
+    out["epochs"] = engine.tput_timer.epoch_count
     with GatheredParameters(list(params.values())):
         inside = {k: v.cpu() for k, v in params.items()}  # DeepSpeed-Chat's save, verbatim
+        out["status_gathered"] = {p.ds_status for p in params.values()} == {ZeroParamStatus.AVAILABLE}
         gathered_state = {k: v.clone() for k, v in engine.module.state_dict().items()}
     outside = {k: v.cpu() for k, v in params.items()}  # gathered on access, all ranks
     if rank == 0:
@@ -78,8 +90,18 @@ def stage3_saves(save_path: str) -> dict:
     return out
 
 
-def test_stage3_saves_of_real_programs(tmp_path):
-    results = run_distributed(stage3_saves, WORLD, str(tmp_path / "pytorch_model.bin"), timeout=120)
+def both(save_path: str, model_dir: str) -> tuple[dict, dict]:
+    return stage3_saves(save_path), load_partitioned(model_dir)
+
+
+def test_stage3_saves_of_real_programs_and_from_pretrained(tmp_path):
+    """One launch at world 2 (the suite's budget): the saves above, then `zerotrain.from_pretrained`."""
+    directory = tiny_llama_dir(tmp_path / "model")
+    index = json.loads((tmp_path / "model" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2  # really sharded
+    both_results = run_distributed(both, WORLD, str(tmp_path / "pytorch_model.bin"), directory, timeout=300)
+    check_from_pretrained(directory, [pretrained for _, pretrained in both_results])
+    results = [saves for saves, _ in both_results]
     zero = results[0]
     full = zero["full"]
     assert zero["partitioned"] == {"fc1.weight", "fc1.bias", "fc2.weight"}
@@ -92,6 +114,12 @@ def test_stage3_saves_of_real_programs(tmp_path):
         else:
             torch.testing.assert_close(value, full[name], rtol=0, atol=0)
     assert len(zero["alone_warning"]) == 1 and "GatheredParameters" in zero["alone_warning"][0]
+    # DeepSpeed's names on partitioned parameters and the engine
+    from zerotrain.runtime.zero.partition_parameters import ZeroParamStatus
+
+    assert zero["status_released"] == {name: ZeroParamStatus.NOT_AVAILABLE if name in zero["partitioned"]
+                                       else ZeroParamStatus.AVAILABLE for name in full}
+    assert zero["status_gathered"] and len(set(zero["ds_ids"])) == 4 and zero["epochs"] == 1
     for rank, result in enumerate(results):
         # bug 1: plain tensors, saved and loaded; the values outlive the gather
         assert result["inside_types"] == {torch.Tensor} and result["outside_types"] == {torch.Tensor}, rank
@@ -101,6 +129,72 @@ def test_stage3_saves_of_real_programs(tmp_path):
             torch.testing.assert_close(result["outside_values"][name], want, rtol=0, atol=0)
             torch.testing.assert_close(result["gathered_state"][name], want, rtol=0, atol=0)
         assert result["loss_after"] == results[0]["loss_after"]
+
+
+PRETRAINED_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "gradient_clipping": 0.0}
+
+
+def tiny_llama_dir(out) -> str:
+    """A 2-layer Llama with odd sizes (chunks cut rows), written sharded (several safetensors + index)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=67, hidden_size=24, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=37, max_position_embeddings=64,
+                         tie_word_embeddings=False, use_cache=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True, max_shard_size="8KB")
+    return str(out)
+
+
+def load_partitioned(directory: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    import zerotrain
+    from zerotrain.pretrained import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+    from zerotrain.zero.stage3 import ZeroParameter
+
+    before = is_deepspeed_zero3_enabled()
+    hf_config = HfDeepSpeedConfig(PRETRAINED_CONFIG)  # kept alive, as transformers requires: its config is used below
+    model = zerotrain.from_pretrained(AutoModelForCausalLM, directory)
+    params = dict(model.named_parameters())
+    out = {
+        "enabled": (before, is_deepspeed_zero3_enabled()),
+        "partitioned": all(isinstance(p, ZeroParameter) and not p._zero.gathered for p in params.values()),
+        "held": sum(p._zero.shard.numel() for p in params.values()),
+        "total": sum(p.ds_numel for p in params.values()),
+    }
+    del hf_config
+    engine, *_ = zerotrain.initialize(model=model, config=PRETRAINED_CONFIG)
+    out["weights"] = engine.full_state_dict()
+    ids = torch.arange(12).reshape(2, 6) % 67
+    mine = ids[engine.global_rank:engine.global_rank + 1]
+    loss = engine(input_ids=mine, labels=mine).loss
+    engine.backward(loss)
+    engine.step()
+    total = loss.detach().clone()
+    zerotrain.dist.all_reduce(total)
+    out["loss"] = total.item() / 2
+    return out
+
+
+def check_from_pretrained(directory: str, results: list) -> None:
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    want = {name: tensor for name, tensor in reference.state_dict().items()}
+    for rank, result in enumerate(results):
+        assert result["enabled"] == (False, True), rank
+        assert result["partitioned"], f"rank {rank}: a parameter was whole after from_pretrained"
+        assert result["held"] < 0.55 * result["total"], rank  # about half each: its chunks only
+    got = results[0]["weights"]
+    assert set(got) == {name for name, _ in reference.named_parameters()}
+    for name, tensor in got.items():
+        torch.testing.assert_close(tensor, want[name], rtol=0, atol=0, msg=name)
+    ids = torch.arange(12).reshape(2, 6) % 67
+    ref_loss = sum(reference(input_ids=ids[r:r + 1], labels=ids[r:r + 1]).loss.item() for r in range(2)) / 2
+    assert abs(results[0]["loss"] - ref_loss) <= 1e-5 * abs(ref_loss)
 
 
 def build_under_deepspeed_init() -> str:

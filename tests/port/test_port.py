@@ -1,0 +1,229 @@
+"""`zerotrain port` and DeepSpeed's import paths mirrored under zerotrain (issue 28).
+
+- Every path of `zerotrain.port.paths` imports with the names it lists; docs/porting.md's table is the
+  generated one.
+- The fixtures (import lines of our own, tests/port/fixtures/) port: every mapped path is rewritten and the
+  ported file runs, binding each local name to zerotrain's object; the unmappable lines are left as they are
+  and listed with the guide's advice; the launcher lines of a shell script become `zerotrain launch`.
+- The mirrored helpers mean what DeepSpeed's do (accelerator on the CPU, ops.adam, moe.utils, module_utils).
+"""
+from __future__ import annotations
+
+import importlib
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerotrain.port.paths import MODULES, NOT_PROVIDED, TRANSFORMERS, mirrored_paths, porting_table
+from zerotrain.port.rewrite import rewrite_python, rewrite_shell
+
+FIXTURES = Path(__file__).parent / "fixtures"
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "porting.md"
+
+
+def test_every_listed_path_imports_with_its_names():
+    for entry in MODULES:
+        module = importlib.import_module(entry.target)
+        for name in entry.names:
+            assert hasattr(module, name), f"{entry.target}.{name} ({entry.source})"
+        for name, (where, target) in entry.moved.items():
+            assert hasattr(importlib.import_module(where), target), f"{where}.{target} ({entry.source}.{name})"
+    for names in TRANSFORMERS.values():
+        for where, target in names.values():
+            assert hasattr(importlib.import_module(where), target)
+    assert {"zerotrain.ops.adam", "zerotrain.accelerator", "zerotrain.runtime.zero.partition_parameters",
+            "zerotrain.moe.utils", "zerotrain.compression.helper", "zerotrain.utils.module_utils"} <= set(mirrored_paths())
+
+
+def test_the_guide_has_the_generated_table():
+    text = GUIDE.read_text()
+    match = re.search(r"<!-- deepspeed-paths -->\n(.*?)<!-- /deepspeed-paths -->", text, re.S)
+    assert match, f"{GUIDE}: no <!-- deepspeed-paths --> table"
+    assert match.group(1) == porting_table(), "docs/porting.md's table is stale: paste `zerotrain port --table`"
+
+
+def test_the_fixture_covers_every_mapped_path():
+    text = (FIXTURES / "ds_program.py").read_text()
+    for entry in MODULES:
+        assert re.search(rf"(from|import) {re.escape(entry.source)}( |$)", text, re.M), entry.source
+        for name in (*entry.names, *entry.moved):
+            if entry.source not in ("deepspeed.runtime.activation_checkpointing.checkpointing",):
+                assert re.search(rf"\b{name}\b", text), f"{entry.source}.{name} is not in the fixture"
+    for module in TRANSFORMERS:
+        assert f"from {module} import" in text
+
+
+def test_a_program_ports_and_binds_zerotrain_objects(tmp_path):
+    import zerotrain
+    import zerotrain.accelerator
+    import zerotrain.checkpointing
+    import zerotrain.dist
+    import zerotrain.engine
+    import zerotrain.ops.adam
+    import zerotrain.pretrained
+    import zerotrain.runtime.zero.partition_parameters as pp
+    import zerotrain.utils
+
+    source = (FIXTURES / "ds_program.py").read_text()
+    ported, unported = rewrite_python(source)
+    assert unported == []
+    code = "\n".join(line for line in ported.splitlines() if not line.startswith("#"))
+    assert not re.search(r"^\s*(import|from) deepspeed", code, re.M), ported
+    assert "from transformers.integrations import PeftAdapterMixin" in ported  # transformers' own names stay
+    # a comment inside a rewritten statement is kept after it; what is not an import is as it was
+    assert "from zerotrain.ops.adam import DeepSpeedCPUAdam, FusedAdam  # offload\n" in ported
+    assert ported.splitlines()[:2] == source.splitlines()[:2]
+    assert ported[ported.index("\n\ndef main():"):].replace("import zerotrain as deepspeed; import zerotrain.accelerator",
+                                                            "import deepspeed.accelerator") == \
+        source[source.index("\n\ndef main():"):]
+    namespace: dict = {}
+    exec(compile(ported, str(tmp_path / "ds_program.py"), "exec"), namespace)
+    expected = {
+        "deepspeed": zerotrain, "dist": zerotrain.dist, "ds_comm": zerotrain.dist,
+        "accel_from_root": zerotrain.accelerator.get_accelerator, "get_accelerator": zerotrain.accelerator.get_accelerator,
+        "RootEngine": zerotrain.engine.ZeroTrainEngine, "DeepSpeedEngine": zerotrain.engine.ZeroTrainEngine,
+        "initialize": zerotrain.initialize, "zero": zerotrain.zero, "checkpointing": zerotrain.checkpointing,
+        "get_rank": zerotrain.dist.get_rank, "comm_init": zerotrain.dist.init_distributed,
+        "FusedAdam": zerotrain.ops.adam.FusedAdam, "DeepSpeedCPUAdam": zerotrain.ops.adam.DeepSpeedCPUAdam,
+        "adam": zerotrain.ops.adam, "ZeroParamStatus": pp.ZeroParamStatus, "PPGathered": zerotrain.zero.GatheredParameters,
+        "RuntimeInit": zerotrain.zero.Init, "partition_parameters": pp, "ds_checkpointing": zerotrain.checkpointing,
+        "checkpoint": zerotrain.checkpointing.checkpoint, "RepeatingLoader": zerotrain.utils.RepeatingLoader,
+        "RuntimeRepeatingLoader": zerotrain.utils.RepeatingLoader, "mu_getattr": zerotrain.utils.recursive_getattr,
+        "recursive_setattr": zerotrain.utils.recursive_setattr, "log_dist": zerotrain.utils.log_dist,
+        "HfDeepSpeedConfig": zerotrain.pretrained.HfDeepSpeedConfig,
+        "IntegrationsConfig": zerotrain.pretrained.HfDeepSpeedConfig,
+        "OldHfDeepSpeedConfig": zerotrain.pretrained.HfDeepSpeedConfig,
+        "is_deepspeed_zero3_enabled": zerotrain.pretrained.is_deepspeed_zero3_enabled,
+    }
+    for name, obj in expected.items():
+        assert namespace[name] is obj, name
+    assert namespace["main"]() is zerotrain.accelerator.get_accelerator()  # `import deepspeed.X` in a one-line body
+
+
+def test_unmappable_lines_stay_and_are_listed_with_advice():
+    source = (FIXTURES / "ds_unported.py").read_text()
+    ported, unported = rewrite_python(source)
+    assert ported == source.replace("\nimport deepspeed\n", "\nimport zerotrain as deepspeed\n")
+    listed = {item.line: (item.what, item.advice) for item in unported}
+    assert sorted(listed) == [3, 4, 5, 6, 7, 8]
+    assert listed[3] == ("from deepspeed import DeepSpeedConfig", NOT_PROVIDED["deepspeed:DeepSpeedConfig"])
+    assert listed[4][1] == NOT_PROVIDED["deepspeed.ops.sparse_attention"]
+    assert listed[5][0] == "from deepspeed.pipe import ..." and listed[5][1] == NOT_PROVIDED["deepspeed.pipe"]
+    assert "import zerotrain.dist as" in listed[6][1]
+    assert listed[7][1] == NOT_PROVIDED["deepspeed.utils:safe_get_full_fp32_param"]
+    assert "docs/porting.md" in listed[8][1]
+
+
+def test_launcher_lines_become_zerotrain_launch():
+    ported, unported = rewrite_shell((FIXTURES / "launch.sh").read_text())
+    assert ported.splitlines()[3:] == [
+        "zerotrain launch --nproc 2 main.py --zero_stage 3 \\",
+        "   --deepspeed --output_dir $OUTPUT &> $OUTPUT/training.log",
+        "NCCL_DEBUG=INFO zerotrain launch --nproc 2 --master-port 29600 --no-local-rank \\",
+        "   train.py --deepspeed_config ds.json",
+        "zerotrain launch --nnodes 2 --master-addr node0 --node-rank 1 --nproc 8 train.py",
+        "deepspeed --hostfile hosts main.py",
+        "pip install deepspeed",
+    ]
+    assert [(item.line, item.what) for item in unported] == [(9, "deepspeed launcher option(s) --hostfile")]
+
+
+def test_the_command_shows_a_diff_and_writes(tmp_path, capsys):
+    from zerotrain.cli import main
+
+    work = tmp_path / "program"
+    shutil.copytree(FIXTURES, work)
+    before = {p.name: p.read_text() for p in work.iterdir()}
+    assert main(["port", str(work)]) == 1  # something is not ported: listed, exit status 1
+    out, err = capsys.readouterr()
+    assert "\n-import deepspeed.comm as dist\n" in out and "\n+import zerotrain.dist as dist\n" in out
+    assert "\n+zerotrain launch --nproc 2 main.py --zero_stage 3 \\\n" in out
+    assert "ds_unported.py:4: not ported: from deepspeed.ops.sparse_attention import ..." in err
+    assert {p.name: p.read_text() for p in work.iterdir()} == before  # a diff only
+    assert main(["port", "--write", str(work)]) == 1
+    assert (work / "ds_program.py").read_text() == rewrite_python(before["ds_program.py"])[0]
+    assert (work / "launch.sh").read_text() == rewrite_shell(before["launch.sh"])[0]
+    capsys.readouterr()
+    assert main(["port", "--table"]) == 0 and capsys.readouterr().out == porting_table()
+
+
+# --- the mirrored helpers ---------------------------------------------------------------------------------
+def test_accelerator_on_the_cpu_means_what_deepspeeds_does():
+    from zerotrain.accelerator import Accelerator
+
+    acc = Accelerator("cpu")
+    assert (acc.device_name(), acc.device_name(1), acc.current_device_name()) == ("cpu", "cpu", "cpu")
+    assert acc.device(0) is None and acc.is_available() and acc.device_count() == 1
+    assert acc.communication_backend_name() == "gloo"
+    acc.set_device(0)
+    acc.synchronize()
+    acc.manual_seed(3)
+    first = torch.rand(4)
+    acc.manual_seed_all(3)
+    assert torch.equal(torch.rand(4), first) and acc.initial_seed() == 3
+    state = acc.get_rng_state()
+    drawn = torch.rand(2)
+    acc.set_rng_state(state)
+    assert torch.equal(torch.rand(2), drawn)
+    assert (acc.memory_allocated(), acc.max_memory_allocated()) == (0, 0)
+    acc.empty_cache()
+    assert acc.FloatTensor(2, 3).shape == (2, 3) and acc.LongTensor([1, 2]).dtype == torch.int64
+    assert torch.device(acc.device_name(0)).type == "cpu" and acc.on_accelerator(torch.zeros(1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_accelerator_on_cuda():
+    from zerotrain.accelerator import Accelerator
+
+    acc = Accelerator("cuda")
+    acc.set_device(0)
+    assert acc.device_name(0) == "cuda:0" and acc.current_device_name() == "cuda:0" and acc.device_name() == "cuda"
+    before = acc.memory_allocated()
+    x = torch.empty(1 << 20, device=acc.current_device_name())
+    assert acc.memory_allocated() >= before + x.numel() * 4 and acc.max_memory_allocated() >= acc.memory_allocated()
+    acc.manual_seed_all(5)
+    first = torch.rand(3, device="cuda")
+    acc.manual_seed(5)
+    assert torch.equal(torch.rand(3, device="cuda"), first)
+    acc.synchronize()
+    assert acc.communication_backend_name() == "nccl" and acc.device_count() == torch.cuda.device_count()
+
+
+def test_ops_adam_are_torchs_adam_with_deepspeeds_defaults():
+    from zerotrain.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    params = [torch.nn.Parameter(torch.randn(3))]
+    fused = FusedAdam([{"params": params, "weight_decay": 0.1}], lr=0.5, betas=(0.9, 0.95))
+    assert type(fused) is torch.optim.AdamW  # the offload paths pick kernels by the exact class
+    assert fused.param_groups[0]["weight_decay"] == 0.1 and fused.defaults["betas"] == (0.9, 0.95)
+    cpu = DeepSpeedCPUAdam(params)
+    assert type(cpu) is torch.optim.AdamW and cpu.defaults["weight_decay"] == 0.0 and cpu.defaults["lr"] == 1e-3
+    assert type(FusedAdam(params, adam_w_mode=False)) is torch.optim.Adam
+    assert type(DeepSpeedCPUAdam(params, adamw_mode=False)) is torch.optim.Adam
+    with pytest.raises(NotImplementedError, match="bias_correction"):
+        FusedAdam(params, bias_correction=False)
+
+
+def test_moe_groups_and_module_utils():
+    from zerotrain.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    from zerotrain.sharding import TensorSlice
+    from zerotrain.utils.module_utils import recursive_getattr, recursive_setattr
+
+    dense, other = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    expert = torch.nn.Parameter(torch.zeros(2, 4))
+    expert.ep_slice = TensorSlice((4, 4), 0, ((0, 2),))
+    group = {"params": [dense, expert, other], "name": "parameters", "lr": 0.1}
+    split = split_params_into_different_moe_groups_for_optimizer(group)
+    assert [g["params"] for g in split] == [[dense, other], [expert]]
+    assert split[1]["moe"] is True and split[1]["lr"] == 0.1 and "moe" not in split[0]
+    plain = {"params": [dense], "name": "parameters"}
+    assert split_params_into_different_moe_groups_for_optimizer((plain,)) == [plain]
+
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    assert recursive_getattr(model, "0.0") is model[0][0]
+    replacement = torch.nn.Identity()
+    recursive_setattr(model, "0.0", replacement)
+    assert model[0][0] is replacement

@@ -1,0 +1,281 @@
+"""Rewriting a DeepSpeed program's imports and launcher lines to zerotrain, as source text.
+
+Python files: every `import deepspeed...` / `from deepspeed... import ...` statement (and transformers'
+`HfDeepSpeedConfig` / `is_deepspeed_zero3_enabled` imports) is replaced by the zerotrain import the table
+in `zerotrain.port.paths` gives, binding the same local names, so the rest of the program is untouched.
+Statements are found with the standard library's `tokenize` (not libcst, and not `ast` over the whole
+file): it needs no extra dependency, it keeps every byte outside the rewritten statements (comments,
+formatting; a comment inside a rewritten statement of several lines follows the new one), and it still finds the statements of a file that does not parse as a whole; each statement
+found is then read with `ast`. A statement naming anything without a zerotrain counterpart is left as
+it is and reported with the guide's advice (`Unported`).
+
+Shell scripts: a `deepspeed [launcher options] script.py args` command becomes `zerotrain launch
+[options] script.py args` (`--num_gpus N` / `--include localhost:0,1` -> `--nproc N`, `--num_nodes` ->
+`--nnodes`, `--master_addr` / `--master_port` / `--node_rank` -> `--master-addr` / `--master-port` /
+`--node-rank`, `--no_local_rank` -> `--no-local-rank`); a command with another launcher option (hostfile,
+core binding, ...) is left as it is and reported.
+"""
+from __future__ import annotations
+
+import ast
+import io
+import re
+import textwrap
+import tokenize
+from dataclasses import dataclass
+from typing import Optional
+
+from .paths import NOT_PROVIDED, TRANSFORMERS, advice_for, lookup
+
+__all__ = ["Unported", "rewrite_python", "rewrite_shell"]
+
+
+@dataclass(frozen=True)
+class Unported:
+    """Something left as it was: where (1-based line), what, and what to write instead."""
+
+    line: int
+    what: str
+    advice: str
+
+
+# --- Python ----------------------------------------------------------------------------------------
+def _statements(source: str) -> list[tuple[tuple[int, int], tuple[int, int], bool, list[str]]]:
+    """(start, end, starts_line, comments) of every import statement: (row, col) positions from tokenize, the
+    end before a trailing comment; `starts_line`: nothing but indentation precedes it on its line; `comments`:
+    those inside a statement of several lines (kept after the rewritten one)."""
+    found = []
+    tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    at_start, first_on_line = True, True
+    index = 0
+    while index < len(tokens):
+        token = tokens[index]
+        if token.type in (tokenize.NEWLINE, tokenize.NL):
+            at_start = first_on_line = True
+        elif token.type in (tokenize.INDENT, tokenize.DEDENT, tokenize.COMMENT, tokenize.ENCODING):
+            pass
+        elif token.type == tokenize.OP and token.string == ";":
+            at_start, first_on_line = True, False
+        elif token.type == tokenize.OP and token.string == ":" and _opens_body(tokens, index):
+            at_start, first_on_line = True, False  # `if x: import deepspeed`
+        elif at_start and token.type == tokenize.NAME and token.string in ("import", "from"):
+            end, depth, last = index, 0, token
+            while end < len(tokens):
+                current = tokens[end]
+                if current.type == tokenize.OP and current.string in "([{":
+                    depth += 1
+                elif current.type == tokenize.OP and current.string in ")]}":
+                    depth -= 1
+                elif depth == 0 and (current.type in (tokenize.NEWLINE, tokenize.ENDMARKER)
+                                     or (current.type == tokenize.OP and current.string == ";")):
+                    break
+                if current.type not in (tokenize.COMMENT, tokenize.NL):
+                    last = current
+                end += 1
+            comments = [t.string for t in tokens[index:end] if t.type == tokenize.COMMENT and t.start[0] < last.end[0]]
+            found.append((token.start, last.end, first_on_line, comments))
+            index = end
+            at_start = False
+            continue
+        else:
+            at_start = False
+        index += 1
+    return found
+
+
+def _opens_body(tokens: list, index: int) -> bool:
+    """True when the `:` at `index` ends a compound statement's header on its line (a body may follow)."""
+    line_start = index
+    while line_start > 0 and tokens[line_start - 1].type not in (tokenize.NEWLINE, tokenize.NL, tokenize.INDENT,
+                                                                 tokenize.DEDENT):
+        line_start -= 1
+    head = tokens[line_start].string
+    return head in ("if", "elif", "else", "try", "except", "finally", "with", "for", "while", "def", "class")
+
+
+def _offsets(source: str) -> list[int]:
+    starts, total = [0], 0
+    for line in source.splitlines(keepends=True):
+        total += len(line)
+        starts.append(total)
+    return starts
+
+
+def _alias(name: str, asname: Optional[str]) -> str:
+    return f"{name} as {asname}" if asname and asname != name else name
+
+
+def _from(module: str, names: list[tuple[str, Optional[str]]]) -> str:
+    return f"from {module} import " + ", ".join(_alias(name, asname) for name, asname in names)
+
+
+def _port_import(node: ast.Import, line: int, unported: list[Unported]) -> Optional[list[str]]:
+    """The statements replacing `import ...` (None: nothing to change, or something unmappable)."""
+    parts, extra, changed = [], [], False
+    for alias in node.names:
+        name = alias.name
+        if name != "deepspeed" and not name.startswith("deepspeed."):
+            parts.append(_alias(name, alias.asname))
+            continue
+        entry = lookup(name)
+        if entry is None:
+            unported.append(Unported(line, f"import {name}", advice_for(name)))
+            return None
+        changed = True
+        if alias.asname:
+            parts.append(f"{entry.target} as {alias.asname}")
+        elif name == "deepspeed":
+            parts.append("zerotrain as deepspeed")
+        elif entry.mirrored:  # `deepspeed.X.y` in the code: bind `deepspeed` to zerotrain, load zerotrain.X
+            parts.append("zerotrain as deepspeed")
+            extra.append(f"import {entry.target}")
+        else:
+            unported.append(Unported(line, f"import {name}",
+                                     f"write `import {entry.target} as <name>` and use that name "
+                                     f"({name} is {entry.target} in zerotrain)"))
+            return None
+    if not changed:
+        return None
+    return ["import " + ", ".join(parts)] + extra
+
+
+def _port_from(node: ast.ImportFrom, line: int, unported: list[Unported]) -> Optional[list[str]]:
+    """The statements replacing `from ... import ...` (None: nothing to change, or something unmappable)."""
+    module = node.module or ""
+    if node.level:
+        return None
+    if module in TRANSFORMERS:
+        mapping = TRANSFORMERS[module]
+        moved = [(alias, mapping[alias.name]) for alias in node.names if alias.name in mapping]
+        if not moved:
+            return None
+        kept = [(alias.name, alias.asname) for alias in node.names if alias.name not in mapping]
+        return _grouped([((target_module, target), alias.asname or alias.name) for alias, (target_module, target)
+                         in moved]) + ([_from(module, kept)] if kept else [])
+    if module != "deepspeed" and not module.startswith("deepspeed."):
+        return None
+    entry = lookup(module)
+    if entry is None:
+        unported.append(Unported(line, f"from {module} import ...", advice_for(module)))
+        return None
+    targets, missing = [], []
+    for alias in node.names:
+        if alias.name == "*":
+            if not entry.mirrored:
+                missing.append("*")
+            targets.append(((entry.target, "*"), None))
+            continue
+        where = entry.where(alias.name)
+        if where is None:
+            missing.append(alias.name)
+        else:
+            targets.append((where, alias.asname or alias.name))
+    if missing:
+        for name in missing:
+            unported.append(Unported(line, f"from {module} import {name}", advice_for(module, name)))
+        return None
+    return _grouped(targets)
+
+
+def _grouped(targets: list[tuple[tuple[str, str], Optional[str]]]) -> list[str]:
+    """`from M import a as x, b` statements, one per module, in first-seen order; local names kept."""
+    by_module: dict[str, list[tuple[str, Optional[str]]]] = {}
+    for (module, name), local in targets:
+        by_module.setdefault(module, []).append((name, local))
+    return [_from(module, names) for module, names in by_module.items()]
+
+
+def rewrite_python(source: str) -> tuple[str, list[Unported]]:
+    """`source` with its DeepSpeed imports ported, and what was left as it was."""
+    unported: list[Unported] = []
+    starts = _offsets(source)
+    pieces, cursor = [], 0
+    for (start_row, start_col), (end_row, end_col), first_on_line, comments in _statements(source):
+        begin, end = starts[start_row - 1] + start_col, starts[end_row - 1] + end_col
+        text = source[begin:end]
+        try:
+            node = ast.parse(textwrap.dedent(text)).body[0]
+        except SyntaxError:
+            continue
+        if isinstance(node, ast.Import):
+            new = _port_import(node, start_row, unported)
+        elif isinstance(node, ast.ImportFrom):
+            new = _port_from(node, start_row, unported)
+        else:
+            continue
+        if new is None:
+            continue
+        indent = source[starts[start_row - 1]:begin]
+        separator = "\n" + indent if first_on_line and not indent.strip() else "; "
+        pieces += [source[cursor:begin], separator.join(new) + "".join(f"  {c}" for c in comments)]
+        cursor = end
+    pieces.append(source[cursor:])
+    return "".join(pieces), unported
+
+
+# --- shell scripts ---------------------------------------------------------------------------------
+_VALUE_OPTIONS = {"--num_gpus": "--nproc", "--num-gpus": "--nproc", "--num_nodes": "--nnodes",
+                  "--num-nodes": "--nnodes", "--master_addr": "--master-addr", "--master-addr": "--master-addr",
+                  "--master_port": "--master-port", "--master-port": "--master-port", "--node_rank": "--node-rank",
+                  "--node-rank": "--node-rank", "--include": "--nproc", "-i": "--nproc"}
+_FLAG_OPTIONS = {"--no_local_rank": "--no-local-rank", "--no-local-rank": "--no-local-rank"}
+_LAUNCHER = re.compile(r"(^[ \t]*|[;&|(][ \t]*|^[ \t]*(?:\w+=\S*[ \t]+)+)(deepspeed)(?=[ \t])", re.M)
+
+
+def _include_count(value: str) -> Optional[int]:
+    """GPUs named by `--include localhost:0,1` (one host), or None."""
+    match = re.fullmatch(r"[\w.-]+:([\d,]+)", value)
+    return len(match.group(1).split(",")) if match else None
+
+
+def rewrite_shell(source: str) -> tuple[str, list[Unported]]:
+    """`source` with each `deepspeed` launcher command turned into `zerotrain launch`."""
+    unported: list[Unported] = []
+    out, cursor = [], 0
+    for match in _LAUNCHER.finditer(source):
+        line = source.count("\n", 0, match.start(2)) + 1
+        start = match.end(2)
+        words = []  # (start, end, text) of the launcher's own words, up to the script
+        for word in re.finditer(r"\\\n|[^\s\\]+(?:\\.[^\s\\]*)*", source[start:]):
+            text = word.group(0)
+            if text == "\\\n":
+                continue
+            if source[start:start + word.start()].count("\n") > source[start:start + word.start()].count("\\\n"):
+                break  # the command ended
+            words.append((start + word.start(), start + word.end(), text))
+            if not text.startswith("-") and (len(words) < 2 or words[-2][2] not in _VALUE_OPTIONS):
+                break  # the script
+        replacements, bad = [], []
+        index = 0
+        while index < len(words) - 1:
+            begin, end, text = words[index]
+            option, _, inline = text.partition("=")
+            if option in _FLAG_OPTIONS:
+                replacements.append((begin, end, _FLAG_OPTIONS[option]))
+            elif option in _VALUE_OPTIONS:
+                value_word = None if inline else (words[index + 1] if index + 1 < len(words) - 1 else None)
+                value = inline or (value_word[2] if value_word else "")
+                new = _VALUE_OPTIONS[option]
+                if option in ("--include", "-i"):
+                    count = _include_count(value)
+                    if count is None:
+                        bad.append(text)
+                    value = str(count)
+                stop = value_word[1] if value_word else end
+                replacements.append((begin, stop, f"{new} {value}"))
+                index += 1 if value_word else 0
+            elif text.startswith("-"):
+                bad.append(text)
+            index += 1
+        if bad:
+            unported.append(Unported(line, "deepspeed launcher option(s) " + " ".join(bad),
+                                     "zerotrain launch takes --nproc, --nnodes, --node-rank, --master-addr, "
+                                     "--master-port, --no-local-rank; " + NOT_PROVIDED["deepspeed.launcher.runner"]))
+            continue
+        out.append(source[cursor:match.start(2)] + "zerotrain launch")
+        cursor = start
+        for begin, end, text in replacements:
+            out.append(source[cursor:begin] + text)
+            cursor = end
+    out.append(source[cursor:])
+    return "".join(out), unported
