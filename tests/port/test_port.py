@@ -125,10 +125,11 @@ def test_launcher_lines_become_zerotrain_launch():
         "NCCL_DEBUG=INFO zerotrain launch --nproc 2 --master-port 29600 --no-local-rank \\",
         "   train.py --deepspeed_config ds.json",
         "zerotrain launch --nnodes 2 --master-addr node0 --node-rank 1 --nproc 8 train.py",
+        "zerotrain launch --nproc 2 train.py",
         "deepspeed --hostfile hosts main.py",
         "pip install deepspeed",
     ]
-    assert [(item.line, item.what) for item in unported] == [(9, "deepspeed launcher option(s) --hostfile")]
+    assert [(item.line, item.what) for item in unported] == [(10, "deepspeed launcher option(s) --hostfile")]
 
 
 def test_the_command_shows_a_diff_and_writes(tmp_path, capsys):

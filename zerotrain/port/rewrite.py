@@ -12,8 +12,9 @@ it is and reported with the guide's advice (`Unported`).
 Shell scripts: a `deepspeed [launcher options] script.py args` command becomes `zerotrain launch
 [options] script.py args` (`--num_gpus N` / `--include localhost:0,1` -> `--nproc N`, `--num_nodes` ->
 `--nnodes`, `--master_addr` / `--master_port` / `--node_rank` -> `--master-addr` / `--master-port` /
-`--node-rank`, `--no_local_rank` -> `--no-local-rank`); a command with another launcher option (hostfile,
-core binding, ...) is left as it is and reported.
+`--node-rank`, `--no_local_rank` -> `--no-local-rank`; CPU core binding `--bind_cores_to_rank` /
+`--bind_core_list` is dropped); a command with another launcher option (hostfile, ...) is left as it is
+and reported.
 """
 from __future__ import annotations
 
@@ -219,7 +220,14 @@ _VALUE_OPTIONS = {"--num_gpus": "--nproc", "--num-gpus": "--nproc", "--num_nodes
                   "--master_port": "--master-port", "--master-port": "--master-port", "--node_rank": "--node-rank",
                   "--node-rank": "--node-rank", "--include": "--nproc", "-i": "--nproc"}
 _FLAG_OPTIONS = {"--no_local_rank": "--no-local-rank", "--no-local-rank": "--no-local-rank"}
+# CPU core binding: placement only, no effect on what runs (torchrun's workers use the cores the OS gives them).
+_DROPPED = {"--bind_cores_to_rank": False, "--bind_core_list": True}  # option -> takes a value
 _LAUNCHER = re.compile(r"(^[ \t]*|[;&|(][ \t]*|^[ \t]*(?:\w+=\S*[ \t]+)+)(deepspeed)(?=[ \t])", re.M)
+
+
+def _takes_value(word: str) -> bool:
+    """True for a launcher option whose value is the next word."""
+    return word in _VALUE_OPTIONS or _DROPPED.get(word, False)
 
 
 def _include_count(value: str) -> Optional[int]:
@@ -243,7 +251,7 @@ def rewrite_shell(source: str) -> tuple[str, list[Unported]]:
             if source[start:start + word.start()].count("\n") > source[start:start + word.start()].count("\\\n"):
                 break  # the command ended
             words.append((start + word.start(), start + word.end(), text))
-            if not text.startswith("-") and (len(words) < 2 or words[-2][2] not in _VALUE_OPTIONS):
+            if not text.startswith("-") and (len(words) < 2 or not _takes_value(words[-2][2])):
                 break  # the script
         replacements, bad = [], []
         index = 0
@@ -252,6 +260,10 @@ def rewrite_shell(source: str) -> tuple[str, list[Unported]]:
             option, _, inline = text.partition("=")
             if option in _FLAG_OPTIONS:
                 replacements.append((begin, end, _FLAG_OPTIONS[option]))
+            elif option in _DROPPED:
+                takes_value = _DROPPED[option] and not inline
+                index += 1 if takes_value else 0
+                replacements.append((begin, words[index + 1][0], ""))  # up to the next word: no double space
             elif option in _VALUE_OPTIONS:
                 value_word = None if inline else (words[index + 1] if index + 1 < len(words) - 1 else None)
                 value = inline or (value_word[2] if value_word else "")
