@@ -72,7 +72,8 @@ def stage3_saves(save_path: str) -> dict:
     engine.tput_timer.update_epoch_count()  # DeepSpeed-Chat, once per epoch
     out["epochs"] = engine.tput_timer.epoch_count
     with GatheredParameters(list(params.values())):
-        inside = {k: v.cpu() for k, v in params.items()}  # DeepSpeed-Chat's save, verbatim
+        inside = {k: v.cpu() for k, v in params.items()}
+        inside_data = {k: v.data.cpu() for k, v in params.items()}  # DeepSpeed-Chat's save_zero_three_model
         out["status_gathered"] = {p.ds_status for p in params.values()} == {ZeroParamStatus.AVAILABLE}
         gathered_state = {k: v.clone() for k, v in engine.module.state_dict().items()}
     outside = {k: v.cpu() for k, v in params.items()}  # gathered on access, all ranks
@@ -82,6 +83,7 @@ def stage3_saves(save_path: str) -> dict:
     out.update(full=full, inside_types={type(v) for v in inside.values()},
                outside_types={type(v) for v in outside.values()},
                inside_after_release={k: v.clone() for k, v in inside.items()},
+               data_after_release={k: (type(v), v.clone()) for k, v in inside_data.items()},
                outside_values={k: v.detach().clone() for k, v in outside.items()},
                saved=torch.load(save_path), gathered_state=gathered_state,
                partitioned={k for k, p in params.items() if not p._zero.persistent})
@@ -126,6 +128,9 @@ def test_stage3_saves_of_real_programs_and_from_pretrained(tmp_path):
         for name, want in full.items():
             torch.testing.assert_close(result["saved"][name], want, rtol=0, atol=0)
             torch.testing.assert_close(result["inside_after_release"][name], want, rtol=0, atol=0)
+            kind, value = result["data_after_release"][name]
+            assert kind is torch.Tensor
+            torch.testing.assert_close(value, want, rtol=0, atol=0)
             torch.testing.assert_close(result["outside_values"][name], want, rtol=0, atol=0)
             torch.testing.assert_close(result["gathered_state"][name], want, rtol=0, atol=0)
         assert result["loss_after"] == results[0]["loss_after"]
