@@ -155,3 +155,46 @@ def test_the_distributed_check_sees_every_alias(tmp_path):
                       "d.get_rank()\n")
     assert [name for name, _ in distributed_calls(source)] == ["barrier", "all_reduce", "broadcast", "all_reduce",
                                                                 "get_rank"]
+
+
+# -- trainers use the TrainingEngine Protocol: no probing the engine by name -----------------------------------
+
+ENGINE_NAMES = {"engine", "_engine"}  # `engine`, `self.engine`, `self._engine`, `trainer.engine`, ...
+
+
+def engine_probes(path: Path) -> list[tuple[str, int]]:
+    """(`getattr`/`hasattr`, line) of every probe of an engine by name in `path`: the first argument is a name
+    or attribute called `engine`/`_engine`, possibly nested (`getattr(getattr(engine, "x"), "y")`)."""
+    tree = ast.parse(path.read_text(), str(path))
+
+    def is_engine(node) -> bool:
+        if isinstance(node, ast.Name):
+            return node.id in ENGINE_NAMES
+        if isinstance(node, ast.Attribute):
+            return node.attr in ENGINE_NAMES
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" and node.args:
+            return is_engine(node.args[0])  # a part of the engine, reached by name
+        return False
+
+    return [(node.func.id, node.lineno) for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr") and node.args and is_engine(node.args[0])]
+
+
+def test_nothing_outside_the_engine_probes_it_by_name():
+    """Trainers and commands call the members `zerotrain.training_engine.TrainingEngine` declares (optional
+    ones have defaults), so nothing outside the engine part asks whether the engine has an attribute."""
+    broken = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if part_of(".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")) == "engine":
+            continue
+        broken += [f"{path.relative_to(ROOT)}:{line}: {probe}(engine, ...)" for probe, line in engine_probes(path)]
+    assert broken == [], "probes of the engine outside it (declare the member in TrainingEngine):\n" + "\n".join(broken)
+
+
+def test_the_probe_check_can_fail(tmp_path):
+    source = tmp_path / "sample.py"
+    source.write_text("a = getattr(engine, 'config', None)\nb = hasattr(self.engine, 'eval')\n"
+                      "c = getattr(getattr(self._engine, 'checkpointer', None), 'pending', False)\n"
+                      "d = getattr(self.dataloader, 'sampler', None)\ne = engine.config\n")
+    assert sorted(engine_probes(source)) == [("getattr", 1), ("getattr", 3), ("getattr", 3), ("hasattr", 2)]
