@@ -27,7 +27,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Union
 
 import threading
 
@@ -40,7 +40,7 @@ from .monitor.memory_timeline import MemoryTimeline
 from .monitor.measure import memory_bytes, memory_kind, parameter_count, peak_flops
 from .training_engine import TrainingEngine
 
-__all__ = ["Trainer", "TrainSummary", "mean_across_ranks"]
+__all__ = ["Trainer", "TrainSummary", "TrainStep", "StepResult", "MetricsLog", "mean_across_ranks"]
 
 
 def mean_across_ranks(
@@ -91,6 +91,59 @@ class TrainSummary:
         return text
 
 
+@dataclass
+class StepResult:
+    """What one optimizer step of a pluggable `TrainStep` reports to the loop."""
+
+    loss: float  # the step's loss, the mean over ranks
+    lr: float  # the learning rate the update applied
+    tokens: int  # input tokens of the step over all data-parallel ranks
+    memory: list  # every rank's memory high-water mark in bytes ([]: not measured)
+    stop_signal: int = 0  # a stop signal every rank agreed on in the step's reduction (0: none)
+
+
+class TrainStep(Protocol):
+    """One optimizer step, plugged into `Trainer` (`step=`) in place of its language-model step over a
+    dataloader: the contrastive step of `zerotrain.embedding` is one. The loop around it (counting, metrics,
+    evaluation, checkpoints, progress, the summary) is the Trainer's, the same for every kind of training."""
+
+    def run(self) -> StepResult:
+        """Run one optimizer step of the engine (every micro-batch of it)."""
+        ...
+
+    def client_state(self) -> Optional[dict]:
+        """Saved with each checkpoint (`engine.save_checkpoint(client_state=...)`), e.g. the data position."""
+        return None
+
+
+class MetricsLog:
+    """Rank 0's metrics writer: one record per step to ``log_dir/metrics.jsonl`` (appended: a resumed run
+    continues the file) and to the monitors the config enables (DeepSpeed's ``tensorboard``, ``csv_monitor``,
+    ``wandb`` blocks); every run writes through it (the schema: ``zerotrain.monitor.schema``)."""
+
+    def __init__(self, config: Any, log_dir: Optional[Path]) -> None:
+        self.monitors = Monitors.build(config, log_dir)
+        self._file = None
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            self._file = open(log_dir / "metrics.jsonl", "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        """One record; NaN and infinities are written as null (JSON has none)."""
+        record = _finite(record)
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        if self.monitors:
+            self.monitors.write(record)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self.monitors is not None:
+            self.monitors.close()
+
+
 class Trainer:
     """Runs ``total_steps`` optimizer steps of ``engine`` over ``dataloader``.
 
@@ -120,12 +173,17 @@ class Trainer:
         memory_timeline: > 0: every rank samples its memory every this many seconds (and at each of the
             engine's phase boundaries) into ``log_dir/memory_timeline.rank{R}.jsonl`` during ``train()``
             (``zerotrain.monitor.MemoryTimeline``; needs ``log_dir``); 0: off.
+        step: a `TrainStep` run for each optimizer step instead of the language-model step over
+            ``dataloader`` (then None): e.g. the contrastive step of ``zerotrain train-embedding``.
+        evaluator: ``evaluator(when) -> fields`` ("before" / "after" training, or "step"), merged into the
+            record of the step it follows, instead of the mean loss over ``eval_data``.
+        eval_before: also evaluate before the first step (a record of step 0 when starting from scratch).
     """
 
     def __init__(
         self,
         engine: TrainingEngine,
-        dataloader: Iterable,
+        dataloader: Optional[Iterable],
         total_steps: int,
         eval_data: Optional[Iterable] = None,
         log_dir: Optional[Union[str, os.PathLike]] = None,
@@ -137,11 +195,16 @@ class Trainer:
         save_every: int = 0,
         stop_signals: Any = None,
         memory_timeline: float = 0.0,
+        step: Optional[TrainStep] = None,
+        evaluator: Optional[Callable[[str], Optional[dict]]] = None,
+        eval_before: bool = False,
     ) -> None:
         if total_steps < 0:
             raise ValueError(f"total_steps must be >= 0, got {total_steps}")
         if save_every < 0:
             raise ValueError(f"save_every must be >= 0, got {save_every}")
+        if (step is None) == (dataloader is None):
+            raise ValueError("give either a dataloader (the language-model step) or a step, not both")
         # An enabled monitor whose library is missing stops every rank here, not only rank 0 later.
         self.config = engine.config
         check_monitor_libraries(self.config)
@@ -173,6 +236,9 @@ class Trainer:
         self.history: list[dict] = []
         self.stop_signals = stop_signals
         self.stop_request = StopRequest()
+        self.step = step
+        self.evaluator = evaluator
+        self.eval_before = bool(eval_before)
         self.monitors: Optional[Monitors] = None
         self._memory: list[int] = []
         self._flops_per_token: Optional[float] = None
@@ -286,6 +352,23 @@ class Trainer:
         self._stop_signal = int(mean) if count and mean == int(mean) else (-1 if count else 0)
         return float(values[0].item()) / dist.get_world_size()
 
+    def _one_step(self) -> tuple[float, float, int]:
+        """(loss, lr, tokens) of the next optimizer step: the language-model step or the pluggable one."""
+        if self.step is None:
+            return self.train_step()
+        result = self.step.run()
+        self._memory, self._stop_signal = list(result.memory), int(result.stop_signal)
+        return result.loss, result.lr, result.tokens
+
+    def _evaluate(self, when: str) -> Optional[dict]:
+        """The evaluation's fields for the step record: the evaluator's, or the mean loss over eval_data; None
+        without either."""
+        if self.evaluator is not None:
+            return self.evaluator(when)
+        if self.eval_data is None or when == "before":
+            return None
+        return {"eval_loss": self.evaluate()}
+
     def _current_lr(self) -> float:
         lrs = self.engine.get_lr()
         return float(lrs[0]) if lrs else float("nan")
@@ -317,7 +400,9 @@ class Trainer:
     def save_checkpoint(self, step: int, console: Optional[Any]) -> Optional[str]:
         """Save the engine into ``save_dir`` (every rank) and report where on rank 0."""
         assert self.save_dir is not None
-        path = self.engine.save_checkpoint(str(self.save_dir))
+        state = self.step.client_state() if self.step is not None else None
+        path = (self.engine.save_checkpoint(str(self.save_dir), client_state=state) if state is not None
+                else self.engine.save_checkpoint(str(self.save_dir)))
         if path is None:  # failed, and checkpoint.on_save_error is "warn": training goes on
             if console is not None:
                 console.print(f"checkpoint of step {step} failed (see the warning); training goes on; the "
@@ -351,9 +436,9 @@ class Trainer:
         is_main = self.rank == 0
         console = self._get_console() if is_main else None
         live = bool(console is not None and console.is_terminal)
-        metrics = self._open_metrics() if is_main else None
-        if is_main:
-            self.monitors = Monitors.build(self.config, self.log_dir)
+        metrics = MetricsLog(self.config, self.log_dir) if is_main else None
+        if metrics is not None:
+            self.monitors = metrics.monitors
         comm_before = self._comm_bytes()
 
         progress = task = None
@@ -367,7 +452,12 @@ class Trainer:
         last_loss = float("nan")
         eval_loss: Optional[float] = None
         step = start_step
-        self._seek()
+        if self.step is None:
+            self._seek()
+        if self.eval_before:
+            fields = self._evaluate("before")
+            if fields and start_step == 0 and metrics is not None:  # from scratch: the untrained model's record
+                metrics.write({"step": 0, "samples": 0, **fields})
         saved_step = start_step if start_step > 0 else None
         # The engine's own steps_per_print line would repeat what this loop reports: off while it runs.
         quiet = self.engine.progress_printing(False)
@@ -380,7 +470,7 @@ class Trainer:
         try:
             for step in range(start_step + 1, self.total_steps + 1):
                 t_step = time.perf_counter()
-                loss, lr, tokens = self.train_step()
+                loss, lr, tokens = self._one_step()
                 dt = time.perf_counter() - t_step
                 train_time += dt
                 total_tokens += tokens
@@ -389,15 +479,14 @@ class Trainer:
                 # speculative steps, rollbacks, redone steps, NVMe bytes (none without offload)
                 record.update({f"offload_{k}": v for k, v in self.engine.offload_stats().items()})
                 due = self.eval_interval and step % self.eval_interval == 0
-                if self.eval_data is not None and (due or step == self.total_steps):
-                    eval_loss = self.evaluate()
-                    record["eval_loss"] = eval_loss
+                if due or step == self.total_steps:
+                    fields = self._evaluate("after" if step == self.total_steps else "step")
+                    if fields is not None:
+                        record.update(fields)
+                        eval_loss = fields.get("eval_loss", eval_loss)
                 self.history.append(record)
                 if metrics is not None:
-                    metrics.write(json.dumps(_finite(record)) + "\n")
-                    metrics.flush()
-                if self.monitors:
-                    self.monitors.write(_finite(record))
+                    metrics.write(record)
                 if progress is not None:
                     progress.update(task, completed=step, **_fields(record))
                 elif console is not None and (
@@ -421,11 +510,11 @@ class Trainer:
                 progress.stop()
             if metrics is not None:
                 metrics.close()
-            if self.monitors is not None:
-                self.monitors.close()
 
-        if self.eval_data is not None and eval_loss is None and step == start_step and stopped_by is None:
-            eval_loss = self.evaluate()  # nothing left to train: still report the eval loss
+        if step == start_step and stopped_by is None:  # nothing left to train: still report the evaluation
+            fields = self._evaluate("after")
+            if fields is not None:
+                eval_loss = fields.get("eval_loss", eval_loss)
         if self.save_dir is not None:
             if saved_step != step:
                 self.save_checkpoint(step, console)
@@ -527,12 +616,6 @@ class Trainer:
 
             self._console = Console(file=sys.stdout)
         return self._console
-
-    def _open_metrics(self):
-        if self.log_dir is None:
-            return None
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        return open(self.log_dir / "metrics.jsonl", "a", encoding="utf-8")
 
     def _make_progress(self, console, start_step: int):
         from rich.progress import (

@@ -95,8 +95,9 @@ class ContrastiveStep:
 
     `engine` is a zerotrain engine (`zerotrain.training_engine.TrainingEngine`: DeepSpeed's
     `__call__`/`backward`/`step` and `gradient_accumulation_steps()`); `comm` the data-parallel Comm whose
-    ranks share negatives (None: this rank's only). `chunk_size`: compute the loss in tiles of that many queries x candidates
-    (inf-CL style, `zerotrain.embedding.loss.chunked_info_nce`); None holds the whole score matrix.
+    ranks share negatives (None: this rank's only). `chunk_size`: compute the loss in tiles of that many
+    queries x candidates (inf-CL style, `zerotrain.embedding.loss.chunked_info_nce`); None holds the whole
+    score matrix.
 
     After each step, `tokens` holds the step's input tokens over all ranks (attended positions of every
     text, counted once) and `memory` every rank's memory high-water mark (`memory_fn()` of each rank,
