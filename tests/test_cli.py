@@ -15,14 +15,17 @@ from zerotrain.cli import main
 from zerotrain.data import TokenBlockDataset, load_stdlib_corpus
 from zerotrain.models import GPT, GPTConfig
 from zerotrain.trainer import Trainer, mean_across_ranks
+from zerotrain.topology import Topology
+from zerotrain.training_engine import TrainingEngine
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 # -- a stand-in engine: the public engine API over a plain model and torch optimizer ----------
 
-class StandInEngine:
-    """Implements the slice of the engine API the Trainer uses, single process, no sharding."""
+class StandInEngine(TrainingEngine):
+    """Implements the slice of the engine API the Trainer uses, single process, no sharding (the rest: the
+    `TrainingEngine` Protocol's defaults)."""
 
     def __init__(self, model, micro_batch=2, accumulation=2, lr=1e-3):
         self.module = model
@@ -31,10 +34,9 @@ class StandInEngine:
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
-        self.config = SimpleNamespace(steps_per_print=2, seed=None,
+        self.config = SimpleNamespace(steps_per_print=2, seed=None, precision="fp32",
                                       zero_optimization=SimpleNamespace(stage=0))
-        self.topology = SimpleNamespace(rank=0, world_size=1, dp_size=1, dp_group=None,
-                                        device=torch.device("cpu"))
+        self.topology = Topology(rank=0, world_size=1, dp_group=None, dp_rank=0, dp_size=1, device=torch.device("cpu"))
         self.calls = []
 
     def __call__(self, x, y):
@@ -219,12 +221,13 @@ def test_train_tiny_end_to_end(tmp_path):
 def test_workers_get_full_option_names_without_nproc():
     # torch.distributed.run's parser rejects `--nproc` (an ambiguous abbreviation of its
     # --nproc-per-node) even after the script name, so workers must not receive it.
-    from zerotrain.cli import _worker_argv, build_parser
+    from zerotrain.cli import build_parser
+    from zerotrain.train.command import worker_argv
 
     args = build_parser().parse_args(
         ["train", "--config", "c.json", "--nproc", "2", "--model", "tiny", "--steps", "7",
          "--log-dir", "runs/x", "--master-port", "29500", "--resume", "--save-every", "3"])
-    argv = _worker_argv(args)
+    argv = worker_argv(args)
     assert argv[0] == "train"
     assert "--config=c.json" in argv and "--steps=7" in argv and "--log-dir=runs/x" in argv
     assert "--resume" in argv and "--save-every=3" in argv and "--save-dir=checkpoints" in argv
@@ -319,13 +322,13 @@ def test_launch_rendezvous_and_worker_arguments(tmp_path, monkeypatch):
     """The torchrun options `launch` builds (standalone on one node without an address; a static rendezvous
     otherwise), and the worker's reading of its arguments with or without the separator (torchrun's parser
     drops it when no worker flag precedes it)."""
-    from zerotrain.cli import _rendezvous
+    from zerotrain.command import rendezvous
     from zerotrain.launcher import run_worker
 
-    assert _rendezvous(2) == ["--standalone", "--nproc_per_node", "2"]
-    assert _rendezvous(8, 2, 1, "node0", 29400) == ["--nnodes", "2", "--node_rank", "1", "--master_addr", "node0",
+    assert rendezvous(2) == ["--standalone", "--nproc_per_node", "2"]
+    assert rendezvous(8, 2, 1, "node0", 29400) == ["--nnodes", "2", "--node_rank", "1", "--master_addr", "node0",
                                                     "--master_port", "29400", "--nproc_per_node", "8"]
-    assert _rendezvous(2, master_port=1234)[:8] == ["--nnodes", "1", "--node_rank", "0", "--master_addr",
+    assert rendezvous(2, master_port=1234)[:8] == ["--nnodes", "1", "--node_rank", "0", "--master_addr",
                                                     "127.0.0.1", "--master_port", "1234"]
     script = tmp_path / "echo.py"
     out = tmp_path / "argv.json"

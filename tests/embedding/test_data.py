@@ -83,3 +83,19 @@ def test_pool_modes_ignore_padding():
     left = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 1]])  # left padding: the last token is the last position
     torch.testing.assert_close(pool(hidden, left, "lasttoken"), hidden[:, 3])
     torch.testing.assert_close(pool(hidden, mask, "max"), torch.stack([hidden[0, 2], hidden[1, 1]]))
+
+
+def test_epochs_count_the_batches_each_epoch_gives(tmp_path):
+    """`--epochs` without `--steps` trains every batch of every epoch (their counts differ where duplicate texts
+    leave a batch unfilled), from a resume position on."""
+    from zerotrain.embedding.data import DataPosition
+    from zerotrain.embedding.steps import steps_in_epochs
+
+    records = [{"query": f"q{i}", "positive": f"p{i % 5}", "negatives": [f"n{i % 7}"]} for i in range(40)]
+    data = load_pairs([_write(tmp_path / "pairs.jsonl", records)])
+    counts = [len(list(global_batches(data, 4, seed=3, epoch=e))) for e in range(3)]
+    start = DataPosition(epoch=0, batch=0, seed=3, global_batch=4, pairs=40, consumed_samples=0)
+    assert steps_in_epochs(data, start, 3) == sum(counts)
+    resumed = DataPosition(epoch=1, batch=2, seed=3, global_batch=4, pairs=40, consumed_samples=4 * (counts[0] + 2))
+    assert steps_in_epochs(data, resumed, 3) == counts[1] - 2 + counts[2]
+    assert steps_in_epochs(data, resumed, 1) == 0

@@ -74,7 +74,8 @@ def add_train_embedding_parser(sub: Any) -> None:
                         help="continue from the latest checkpoint in --save-dir at the exact next batch (any world "
                              "size, if ranks x accumulation x micro-batch is unchanged)")
     parser.add_argument("--export", default=None, metavar="DIR", help="sentence-transformers directory to write")
-    parser.add_argument("--log-every", type=int, default=10, metavar="N")
+    parser.add_argument("--log-every", type=int, default=10, metavar="N",
+                        help="a progress line every N steps when stdout is not a terminal (the training loop's)")
     parser.add_argument("--nproc", type=int, default=1, metavar="N", help="ranks on this machine")
 
 
@@ -117,21 +118,21 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 def run_train_embedding(args: argparse.Namespace) -> int:
-    import time
-
     import torch
     from zerotrain import dist
     from transformers import AutoModel, AutoTokenizer
 
     import zerotrain
     from zerotrain.comm import Comm
+    from zerotrain.trainer import Trainer
     from zerotrain.config import ConfigError
     from zerotrain.monitor.measure import memory_bytes
 
-    from .data import DataPosition, global_batches, load_pairs, rank_micro_batches, tokenize_micro_batch
+    from .data import DataPosition, load_pairs
     from .export import export_sentence_transformers
     from .gradcache import ContrastiveStep
-    from .metrics import RETRIEVAL_FIELDS, RunLog, step_record
+    from .metrics import RETRIEVAL_FIELDS
+    from .steps import PairSteps, steps_in_epochs
     from .pooling import read_pooling
 
     model_dir = Path(args.model)
@@ -164,7 +165,6 @@ def run_train_embedding(args: argparse.Namespace) -> int:
         if name.startswith("pooler."):  # BERT's pooler head: sentence embeddings never use it
             param.requires_grad_(False)
     engine, *_ = zerotrain.initialize(model=model, config=config)
-    log = None
     try:
         topology = engine.topology
         comm = Comm.data_parallel(topology)
@@ -173,7 +173,6 @@ def run_train_embedding(args: argparse.Namespace) -> int:
         global_batch = world * accumulation * micro
         step = ContrastiveStep(engine, comm, pooling, scale=args.scale, matryoshka_dims=dims,
                                chunk_size=args.loss_chunk_size, memory_fn=lambda: memory_bytes(topology.device))
-        log = RunLog(engine.config, args.log_dir, rank == 0)
         if args.save_dir is not None:
             engine.claim_save_dir(os.path.abspath(args.save_dir))
         seed = 0 if args.seed is None else args.seed
@@ -221,56 +220,17 @@ def run_train_embedding(args: argparse.Namespace) -> int:
                         f.write(json.dumps(record) + "\n")
             return {RETRIEVAL_FIELDS[k]: v for k, v in record.items() if k in RETRIEVAL_FIELDS}
 
-        before = evaluate("before")
-        if before is not None and engine.global_steps == 0:
-            log.write({"step": 0, "samples": 0, **before})
-
-        def save() -> None:
-            path = engine.save_checkpoint(os.path.abspath(args.save_dir), client_state={"embedding": {
-                "pooling": pooling.mode, "data": position.to_dict()}})
-            if rank == 0:
-                print(f"zerotrain: checkpoint {path}", flush=True)
-
-        total = args.steps
-        losses: list[float] = []
-        saved_at = engine.global_steps if args.resume else None
-        started = time.perf_counter()
-
-        def done() -> bool:
-            return engine.global_steps >= total if total is not None else position.epoch >= args.epochs
-
-        # the engine's own monitor events and progress lines would repeat this loop's records
-        with engine.progress_printing(False):
-            while not done():
-                batches = list(global_batches(data, global_batch, seed=position.seed, epoch=position.epoch))
-                if not batches:
-                    raise ValueError(f"{len(data)} pairs cannot fill one batch of {global_batch} queries without "
-                                     "duplicate texts: use a smaller batch or more data")
-                for batch in batches[position.batch:]:
-                    if done():
-                        break
-                    micro_batches = [tokenize_micro_batch(data, part, tokenizer, args.max_length, topology.device)
-                                     for part in rank_micro_batches(batch, rank, world, accumulation)]
-                    lr = float(engine.get_lr()[0])
-                    t0 = time.perf_counter()
-                    losses.append(step.step(micro_batches))
-                    seconds = time.perf_counter() - t0
-                    position.batch += 1
-                    position.consumed_samples += global_batch
-                    log.write(step_record(engine, step, losses[-1], lr, seconds, started))
-                    if rank == 0 and (engine.global_steps % args.log_every == 0 or len(losses) == 1):
-                        print(f"step {engine.global_steps}: loss {losses[-1]:.6g}", flush=True)
-                    if args.save_dir is not None and args.save_every and engine.global_steps % args.save_every == 0:
-                        save()
-                        saved_at = engine.global_steps
-                if position.batch >= len(batches):  # else the steps ran out inside this epoch
-                    position.epoch, position.batch = position.epoch + 1, 0
-        after = evaluate("after")
-        if after is not None:
-            log.add_to_last(after)
-        log.close()
-        if args.save_dir is not None and saved_at != engine.global_steps:
-            save()
+        # the one training loop (zerotrain.trainer), with the contrastive step plugged in
+        total = args.steps if args.steps is not None else \
+            engine.global_steps + steps_in_epochs(data, position, args.epochs)
+        steps = PairSteps(engine, step, data, position, tokenizer, args.max_length, rank, world, accumulation,
+                          extra_state={"pooling": pooling.mode})
+        trainer = Trainer(engine, None, total_steps=total, step=steps, evaluator=evaluate, eval_before=True,
+                          log_dir=args.log_dir, steps_per_print=args.log_every, stop_signals=(),
+                          save_dir=os.path.abspath(args.save_dir) if args.save_dir is not None else None,
+                          save_every=args.save_every or 0)
+        summary = trainer.train()
+        losses = [record["loss"] for record in trainer.history]
         if args.export is not None:
             # collective: every rank takes part, rank 0 gets every parameter, frozen ones included (the module's
             # own state_dict() would fetch stage-3 shards on one rank only)
@@ -279,7 +239,7 @@ def run_train_embedding(args: argparse.Namespace) -> int:
                 export_sentence_transformers(args.export, weights, model.config, tokenizer, pooling, args.max_length)
                 print(f"zerotrain: exported a sentence-transformers model to {args.export}", flush=True)
         if rank == 0 and losses:
-            print(json.dumps({"steps": len(losses), "first_loss": losses[0], "last_loss": losses[-1]}), flush=True)
+            print(json.dumps({"steps": summary.steps, "first_loss": losses[0], "last_loss": losses[-1]}), flush=True)
         engine.close()
         if dist.is_initialized():
             dist.barrier()
