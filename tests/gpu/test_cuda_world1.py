@@ -3,9 +3,10 @@ checkpoint round trip reproduce plain PyTorch on the same GPU (fp32, 1e-5 relati
 offload_param too) stay close to it while the untrained run does not; the same for a Hugging Face model (the
 offline tiny Llama: fp32 ZeRO-3 exact, bf16, and fp16 with offload_param on NVMe).
 
-Skipped without a GPU (the CPU suite covers the same code with gloo). A session with a GPU runs
-`bash benchmarks/gpu_check.sh` (or `python -m pytest -q tests/gpu`) for these, and the CPU suite with `CUDA_VISIBLE_DEVICES=` (with one
-GPU, world-2 tests would put two NCCL ranks on one device, which NCCL refuses).
+Skipped without a GPU (the CPU suite covers the same code with gloo; ZEROTRAIN_GPU_DRY_RUN=1 runs them on the CPU).
+A session with a GPU runs `bash benchmarks/gpu_check.sh` (or `python -m pytest -q tests/gpu`) for these, and the
+CPU suite with `CUDA_VISIBLE_DEVICES=` (with one GPU, world-2 tests would put two NCCL ranks on one device, which
+NCCL refuses).
 """
 from __future__ import annotations
 
