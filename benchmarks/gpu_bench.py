@@ -19,9 +19,11 @@ parts later in the list that no longer fit are recorded as not run). Each append
 - `offload`: a ~0.5B Llama (hidden 1536, 12 layers), bf16, ZeRO-3, optimizer states on the CPU (pinned):
   plain offload against SuperOffload (speculative CPU Adam overlapping backward); step time (forward + backward
   + step, synchronized), the ratio super / plain (the seed's claim: <= 0.8).
-- `nvme`: a fixed 1.1B Llama (hidden 2048, 22 layers, intermediate 5632: TinyLlama's shape), bf16, ZeRO-3 with
-  optimizer states AND parameters on NVMe (O_DIRECT where the folder takes it): the seconds of two steps
-  (the first reads states written at start), with the offload counters.
+- `nvme`: a fixed 0.45B Llama (the `offload` part's shape, 4 x 512 tokens), bf16, ZeRO-3 with optimizer states
+  AND parameters on NVMe (O_DIRECT where the folder takes it): the seconds of two steps (the first reads the
+  states written at start; ~5.4 GB of fp32 states read and written per step, sized for the five-minute run on a
+  disk of unknown speed), with the offload counters. `--nvme-size llama11b` (TinyLlama's 1.1B shape, ~13 GB of
+  states) is the larger rerun when minutes are left.
 """
 from __future__ import annotations
 
@@ -44,17 +46,20 @@ SIZES = {  # name -> LlamaConfig fields, micro-batch, sequence, warm-up steps, t
                      num_key_value_heads=8, vocab_size=32000), 8, 1024, 2, 5),
     "llama05b": (dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=24,
                       num_key_value_heads=8, vocab_size=32000), 16, 1024, 1, 3),
+    "llama05b_nvme": (dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=24,
+                           num_key_value_heads=8, vocab_size=32000), 4, 512, 0, 2),
     "llama11b": (dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                       num_key_value_heads=4, vocab_size=32000), 4, 512, 0, 2),
     "tiny": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=256), 2, 32, 1, 2),
 }
-PART_SIZE = {"zt_llama": "llama1b", "hf_ds_llama": "llama1b", "offload": "llama05b", "nvme": "llama11b"}
+PART_SIZE = {"zt_llama": "llama1b", "hf_ds_llama": "llama1b", "offload": "llama05b", "nvme": "llama05b_nvme"}
 
 
 # --- shared pieces ---------------------------------------------------------------------------------------------
 def _size(args, part: str):
-    fields, micro, seq, warmup, timed = SIZES["tiny" if args.tiny else PART_SIZE[part]]
+    name = "tiny" if args.tiny else (args.nvme_size if part == "nvme" and args.nvme_size else PART_SIZE[part])
+    fields, micro, seq, warmup, timed = SIZES[name]
     return fields, micro, seq, warmup, timed
 
 
@@ -152,17 +157,7 @@ def part_zt_llama(args) -> dict:
           "zero_optimization": {"stage": 3}}
     engine, *_ = zerotrain.initialize(model=model, config=ds)
     setup = time.perf_counter() - start
-    times, losses = [], []
-    for ids in _batches(config.vocab_size, micro, seq, warmup + timed):
-        ids = ids.to(args.device)
-        _sync(args.device)
-        begin = time.perf_counter()
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        _sync(args.device)
-        times.append(time.perf_counter() - begin)
-        losses.append(round(float(loss.detach()), 4))
+    times, losses = _timed_steps(args, engine, config, micro, seq, warmup + timed)
     engine.close()
     return {**_throughput(times[warmup:], micro * seq, config, seq, args.device, _datasheet_peak(args.device)),
             "setup_s": round(setup, 1), "losses": losses, "engine": "zerotrain"}
@@ -350,6 +345,7 @@ def main() -> int:
     parser.add_argument("--scratch", default=str(REPO / "runs" / "gpu_scratch"))
     parser.add_argument("--budget", type=float, default=140.0, help="seconds for every part together")
     parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--nvme-size", choices=sorted(SIZES), default="", help="the nvme part's model (see SIZES)")
     parser.add_argument("--run-part", choices=PARTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run_part:
@@ -372,6 +368,7 @@ def main() -> int:
         else:
             command = [sys.executable, __file__, "--run-part", part, "--device", args.device, "--scratch",
                        args.scratch] + (["--tiny"] if args.tiny else [])
+            command += ["--nvme-size", args.nvme_size] if args.nvme_size else []
             print(f"[gpu_bench] {part}: at most {limit:.0f} s", flush=True)
             began = time.monotonic()
             try:

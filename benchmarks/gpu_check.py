@@ -213,6 +213,7 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--tests", default="tests/gpu", help="pytest selection (default tests/gpu)")
     parser.add_argument("--parts", default="", help="benchmark parts, comma-separated (default: all)")
+    parser.add_argument("--nvme-size", default="", help="the benchmark's nvme model (gpu_bench.py --nvme-size)")
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe:
@@ -277,6 +278,7 @@ def main(argv: list | None = None) -> int:
                    "--budget", f"{max(20.0, bench_budget - 10):.0f}", "--scratch", str(scratch)]
         command += ["--tiny"] if args.tiny else []
         command += ["--parts", args.parts] if args.parts else []
+        command += ["--nvme-size", args.nvme_size] if args.nvme_size else []
         log(out, f"benchmark: at most {bench_budget:.0f} s")
         code, seconds = run_streamed(command, env, out / "bench.log", max(30.0, bench_budget))
         table = out / "bench.md"

@@ -5,7 +5,7 @@
 # numpy, safetensors, psutil, rich, pytest, pytest-timeout, hypothesis, accelerate, tokenizers, huggingface-hub,
 # pyyaml and regex already (/work/.library/device/KINDS.md). It lacks pydantic (+ its core, annotated-types,
 # typing-inspection) and isal, and has an older transformers (5.17) and peft: we carry the versions the CPU suite
-# runs, so both machines run the same code. DeepSpeed (for the HF Trainer + DeepSpeed column) is built here as a
+# runs, so both machines run the same code (and regex, whose version transformers checks at import). DeepSpeed (for the HF Trainer + DeepSpeed column) is built here as a
 # pure-Python wheel with no compiled ops (DS_BUILD_OPS=0; the benchmark uses torch's Adam) plus hjson.
 # torch is never carried: the machine's CUDA build is the one under test.
 #
@@ -27,6 +27,7 @@ WHEELS=(
   "$(pin typing-inspection 0.4.5)" "$(pin typing_extensions 4.16.0)"
   "$(pin isal 1.9.1)"
   "$(pin transformers 5.24.0)" "$(pin peft 0.21.2)"
+  "$(pin regex 2026.1.15)"  # transformers checks regex >= 2025.10.22 at import; the machine's may be older
   "$(pin hjson 3.1.0)"
 )
 "$PY" -m pip download -q "${PLATFORM[@]}" -d "$OUT" "${WHEELS[@]}"

@@ -196,7 +196,8 @@ def test_world1_paths_match_plain_pytorch_on_this_device(tmp_path):
         stats = run[name]["offload"]
         assert stats["speculative_steps"] == STEPS and stats["committed"] + stats["clip_redos"] == STEPS, (name, stats)
         assert stats["clip_redos"] >= 1 and stats["committed"] >= 1, (name, stats)
-    # SuperOffload equals plain CPU offload bit for bit (the same CPU Adam on the same gradients).
+    # SuperOffload equals plain CPU offload bit for bit (the same CPU Adam on the same gradients; on the CPU this
+    # holds, tests/offload/test_offload_speculation.py; a GPU difference would name the first tensor that differs).
     for got, want in (("zero2 super_offload", "zero2 cpu offload (pinned)"),
                       ("zero2 super_offload, fp16 overflow", "zero2 plain offload, fp16 overflow")):
         assert run[got]["losses"] == run[want]["losses"], (got, want)
@@ -204,7 +205,10 @@ def test_world1_paths_match_plain_pytorch_on_this_device(tmp_path):
             assert torch.equal(run[got]["weights"][tensor_name], tensor), (got, tensor_name)
     # NVMe: O_DIRECT where the directory takes it, and then no fallback warning.
     nvme_warnings = [w for w in run["zero3 nvme states + params"]["warnings"] if "O_DIRECT" in w]
-    assert nvme_warnings == ([] if run["direct_io"] else nvme_warnings) and (run["direct_io"] or nvme_warnings)
+    if run["direct_io"]:
+        assert not nvme_warnings, nvme_warnings
+    else:  # a folder without O_DIRECT (tmpfs): the buffered fallback is announced
+        assert nvme_warnings
     # bf16 (fp32 masters) close to fp32, the do-nothing run outside (tolerances as test_cuda_world1's).
     assert_tolerance_discriminates("bf16 zero2", reference, (run["zero2 bf16"]["losses"], run["zero2 bf16"]["weights"]),
                                    untrained, loss_tol=7e-3, weight_tol=1e-2)
