@@ -169,7 +169,9 @@ def part_hf_ds_llama(args) -> dict:
         sock.bind(("127.0.0.1", 0))
         os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
     if args.device == "cpu":
-        os.environ["DS_ACCELERATOR"] = "cpu"
+        os.environ["DS_ACCELERATOR"] = "cpu"  # (its init_distributed JIT-builds a shared-memory op, cached in ~)
+    else:  # no DeepSpeed op should be built on CUDA (torch Adam); if one is, it is this run's, named in the log
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(args.scratch) / "torch_extensions"))
     try:
         import deepspeed
     except Exception as error:  # noqa: BLE001 - the table says why the column is empty

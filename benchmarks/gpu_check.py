@@ -23,6 +23,7 @@ import glob
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -133,7 +134,6 @@ def scratch_dir(out: Path) -> Path:
     its files would travel back). The first candidate that takes it, else the first that exists."""
     candidates = [os.environ.get("ZEROTRAIN_SCRATCH"), str(REPO / "runs" / "gpu_scratch"), "/var/tmp/zerotrain_gpu",
                   os.path.join(tempfile.gettempdir(), "zerotrain_gpu")]
-    sys.path.insert(0, str(REPO))
     from zerotrain.offload.aio import direct_io_supported
 
     usable = []
@@ -211,8 +211,11 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("--test-timeout", type=int, default=150, help="seconds per test")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
-    parser.add_argument("--tests", default="tests/gpu", help="pytest selection (default tests/gpu)")
+    parser.add_argument("--tests", default="tests/gpu",
+                        help="pytest arguments, shell-quoted (default tests/gpu; e.g. \"tests/gpu -k 'lora or gloo'\")")
     parser.add_argument("--parts", default="", help="benchmark parts, comma-separated (default: all)")
+    parser.add_argument("--install", action="store_true",
+                        help="install .whl's wheels on the CPU too (a simulation of the GPU machine's set-up)")
     parser.add_argument("--nvme-size", default="", help="the benchmark's nvme model (gpu_bench.py --nvme-size)")
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -236,16 +239,18 @@ def main(argv: list | None = None) -> int:
 
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1")
     paths = [str(REPO)]
-    if device == "cuda":
+    if device == "cuda" or args.install:
         site = Path(tempfile.gettempdir()) / "zerotrain_gpu_site"
         installed = install_wheels(site, out)
         if installed["wheels"]:
             paths.insert(0, str(site))
     else:  # the dry run uses this machine's environment as it is
         installed = {"wheels": [], "note": "dry run: this environment's packages"}
+    if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
         env["ZEROTRAIN_GPU_DRY_RUN"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    sys.path[:0] = paths  # this process imports zerotrain too (scratch_dir), which needs the carried pydantic
     info = environment(env, device)
     info["installed"] = installed
     (out / "env.json").write_text(json.dumps(info, indent=1))
@@ -260,7 +265,7 @@ def main(argv: list | None = None) -> int:
     status = 0
     if not args.skip_tests:
         test_budget = args.budget * args.test_share - (time.monotonic() - start)
-        command = [sys.executable, "-m", "pytest", *args.tests.split(), "-v", "-rfE", "-p", "no:cacheprovider",
+        command = [sys.executable, "-m", "pytest", *shlex.split(args.tests), "-v", "-rfE", "-p", "no:cacheprovider",
                    "-o", "addopts=", f"--timeout={args.test_timeout}", f"--junitxml={out / 'tests.xml'}",
                    f"--basetemp={scratch / 'pytest'}"]
         log(out, f"tests: {' '.join(command[3:])} (at most {test_budget:.0f} s)")

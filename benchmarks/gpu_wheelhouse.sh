@@ -14,9 +14,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-/work/main/.venv/bin/python}
-OUT=.whl
+OUT=${WHEEL_DIR:-.whl}                  # another folder and Python: a simulation of the machine here (3.11)
+TARGET_PYTHON=${WHEEL_PYTHON:-3.12}     # the GPU machine's python3
 rm -rf "$OUT" && mkdir -p "$OUT"
-PLATFORM=(--python-version 3.12 --implementation cp --only-binary=:all: --no-deps
+PLATFORM=(--python-version "$TARGET_PYTHON" --implementation cp --only-binary=:all: --no-deps
           --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
           --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 # Pin to what this checkout's CPU suite runs (pip show in the dev venv), falling back to known-good versions.
