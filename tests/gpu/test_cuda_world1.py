@@ -3,18 +3,25 @@ checkpoint round trip reproduce plain PyTorch on the same GPU (fp32, 1e-5 relati
 offload_param too) stay close to it while the untrained run does not; the same for a Hugging Face model (the
 offline tiny Llama: fp32 ZeRO-3 exact, bf16, and fp16 with offload_param on NVMe).
 
-Skipped without a GPU (the CPU suite covers the same code with gloo). A session with a GPU runs
-`python -m pytest -q tests/gpu` for these, and the CPU suite with `CUDA_VISIBLE_DEVICES=` (with one
-GPU, world-2 tests would put two NCCL ranks on one device, which NCCL refuses).
+Skipped without a GPU (the CPU suite covers the same code with gloo; ZEROTRAIN_GPU_DRY_RUN=1 runs them on the CPU).
+A session with a GPU runs `bash benchmarks/gpu_check.sh` (or `python -m pytest -q tests/gpu`) for these, and the
+CPU suite with `CUDA_VISIBLE_DEVICES=` (with one GPU, world-2 tests would put two NCCL ranks on one device, which
+NCCL refuses).
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 from distributed import run_distributed
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# ZEROTRAIN_GPU_DRY_RUN=1 (benchmarks/gpu_check.py --device cpu) runs these on the CPU, to find a test's own
+# errors before a GPU session's minutes do.
+DRY_RUN = os.environ.get("ZEROTRAIN_GPU_DRY_RUN") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(DEVICE != "cuda" and not DRY_RUN, reason="needs a CUDA device")
 
 STEPS, MICRO, ACCUMULATION = 4, 4, 2
 
@@ -46,7 +53,7 @@ def cuda_run(stage: int, zero_extra: dict, save_dir: str = "", top: dict | None 
 
     torch.manual_seed(0)
     engine, _, _, _ = zerotrain.initialize(model=OddMLP(), config=_config(stage, zero_extra, top))
-    assert engine.topology.device.type == "cuda"
+    assert engine.topology.device.type == DEVICE
     batches = make_batches(STEPS, MICRO * ACCUMULATION)
     if not save_dir:
         losses = _train(engine, batches)
@@ -68,9 +75,20 @@ def cuda_reference(lr: float = 1e-2) -> tuple:
     """Plain fp32 PyTorch on the GPU (lr 0: the do-nothing baseline of the lossy modes)."""
     from models_for_tests import OddMLP, make_batches, reference_training
 
-    batches = [(x.cuda(), y.cuda()) for x, y in make_batches(STEPS, MICRO * ACCUMULATION)]
-    losses, weights = reference_training(lambda: OddMLP().cuda(), batches, lr=lr)
+    batches = [(x.to(DEVICE), y.to(DEVICE)) for x, y in make_batches(STEPS, MICRO * ACCUMULATION)]
+    losses, weights = reference_training(lambda: OddMLP().to(DEVICE), batches, lr=lr)
     return losses, {name: tensor.cpu() for name, tensor in weights.items()}
+
+
+@pytest.fixture(scope="module")
+def gpu_reference() -> tuple:
+    """Plain fp32 PyTorch on the GPU, computed once for the module (each launch costs GPU-session seconds)."""
+    return run_distributed(cuda_reference, 1)[0]
+
+
+@pytest.fixture(scope="module")
+def gpu_untrained() -> tuple:
+    return run_distributed(cuda_reference, 1, 0.0)[0]
 
 
 MODES = {
@@ -88,19 +106,19 @@ MODES = {
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_cuda_mode_matches_plain_pytorch_on_the_gpu(mode):
+def test_cuda_mode_matches_plain_pytorch_on_the_gpu(mode, gpu_reference):
     from models_for_tests import assert_same_training
 
     stage, extra = MODES[mode]
-    ref_losses, ref_weights = run_distributed(cuda_reference, 1)[0]
+    ref_losses, ref_weights = gpu_reference
     result = run_distributed(cuda_run, 1, stage, extra)[0]
     assert_same_training(result["losses"], result["weights"], ref_losses, ref_weights)
 
 
-def test_cuda_nvme_offload_matches(tmp_path):
+def test_cuda_nvme_offload_matches(tmp_path, gpu_reference):
     from models_for_tests import assert_same_training
 
-    ref_losses, ref_weights = run_distributed(cuda_reference, 1)[0]
+    ref_losses, ref_weights = gpu_reference
     extra = {"stage3_param_persistence_threshold": 0,
              "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True}}
     result = run_distributed(cuda_run, 1, 3, extra)[0]
@@ -120,25 +138,24 @@ LOW_PRECISION = {"bf16 stage 2": (2, {}, {"bf16": {"enabled": True}}),
 
 
 @pytest.mark.parametrize("mode", list(LOW_PRECISION))
-def test_cuda_bf16_fp16_close_to_fp32_and_not_to_the_untrained_run(mode):
+def test_cuda_bf16_fp16_close_to_fp32_and_not_to_the_untrained_run(mode, gpu_reference, gpu_untrained):
     """CUDA bf16 / fp16 kernels with fp32 masters: within 0.7% (losses) / 1% (weights, relative L2) of fp32
     PyTorch on the GPU; the untrained run (measured on CPU: 2.1% / 11% after these steps, bf16 there 0.3% / 0.2%)
     falls outside by 2x. Dry-run on CPU only: no GPU session has run it yet."""
     from models_for_tests import assert_tolerance_discriminates
 
     stage, extra, top = LOW_PRECISION[mode]
-    reference = run_distributed(cuda_reference, 1)[0]
-    untrained = run_distributed(cuda_reference, 1, 0.0)[0]
+    reference, untrained = gpu_reference, gpu_untrained
     result = run_distributed(cuda_run, 1, stage, extra, "", top)[0]
     assert all(w.dtype == torch.float32 for w in result["weights"].values()), mode  # the fp32 masters
     assert_tolerance_discriminates(f"cuda {mode}", reference, (result["losses"], result["weights"]), untrained,
                                    loss_tol=7e-3, weight_tol=1e-2)
 
 
-def test_cuda_checkpoint_stage3_resumes_at_stage1(tmp_path):
+def test_cuda_checkpoint_stage3_resumes_at_stage1(tmp_path, gpu_reference):
     from models_for_tests import assert_same_training
 
-    ref_losses, ref_weights = run_distributed(cuda_reference, 1)[0]
+    ref_losses, ref_weights = gpu_reference
     result = run_distributed(cuda_run, 1, 3, {"stage3_param_persistence_threshold": 0}, str(tmp_path))[0]
     assert_same_training(result["losses"], result["weights"], ref_losses, ref_weights)
 
@@ -227,7 +244,7 @@ def test_cuda_hf_llama_matches_fp32_pytorch(tiny_llama_dir, tmp_path):
     from models_for_tests import assert_same_training, assert_tolerance_discriminates
 
     result = run_distributed(hf_runs, 1, str(tiny_llama_dir), str(tmp_path), timeout=300)[0]
-    assert result["device"] == "cuda"
+    assert result["device"] == DEVICE
     untrained = result["untrained"]
     for mode, (*_, lr) in HF_MODES.items():
         losses, weights, skipped = result[mode]

@@ -164,7 +164,10 @@ def quantize_rows(x: torch.Tensor, bits: int, block_size: int = DEFAULT_BLOCK,
         values = F.pad(values, (0, blocks * block - cols))
     values = values.reshape(rows, blocks, block)
     qmax = QMAX[bits]
-    scales = _round_scales(values.abs().amax(dim=2) / qmax if blocks else values.new_zeros(rows, 0), scale_dtype)
+    # Divided by a tensor, not a Python number: CUDA computes `tensor / number` as tensor * (1 / number), which
+    # rounds twice and can differ from the CPU's correctly rounded division in the last bit (then the integers too).
+    amax = values.abs().amax(dim=2) if blocks else values.new_zeros(rows, 0)
+    scales = _round_scales(amax / torch.full((), float(qmax), device=amax.device), scale_dtype)
     divisor = scales.to(torch.float32)
     divisor = torch.where(divisor > 0, divisor, torch.ones_like(divisor)).unsqueeze(-1)
     integers = torch.round(values / divisor).clamp_(-qmax, qmax).to(torch.int8).view(rows, blocks * block)
