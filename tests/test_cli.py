@@ -340,3 +340,41 @@ def test_launch_rendezvous_and_worker_arguments(tmp_path, monkeypatch):
         assert json.loads(out.read_text()) == expected, argv
     with pytest.raises(SystemExit, match="unknown worker flag"):
         run_worker(["--frobnicate", "--", str(script)])
+
+
+def _calls(node) -> list[str]:
+    """Dotted names of the calls in `node` (`dist.barrier`, `engine.close`, ...), in source order."""
+    import ast
+
+    names = []
+    for call in ast.walk(node):
+        if isinstance(call, ast.Call):
+            names.append(ast.unparse(call.func))
+    return names
+
+
+def test_every_command_ends_on_a_barrier_before_tearing_down():
+    """The audit of issue #30 bug 2, kept: every function in zerotrain/ that tears torch.distributed down in a
+    `finally` (the commands' ranks: train, train-embedding, generate; merge, ckpt, estimate and plot start no
+    process group) ends its `try` body with `dist.barrier()` (torch's barrier on gloo). An all-reduce or
+    all-gather as the last collective leaves a work holding a Python-made tensor that gloo's thread may
+    release while the interpreter finalizes: SIGABRT 'terminate called without an active exception' at
+    exit, in some runs only (`generate --nproc 2` ended on its all-gather of the texts)."""
+    import ast
+
+    found = []
+    for path in sorted((REPO / "zerotrain").rglob("*.py")):
+        if path.name == "dist.py":
+            continue  # the wrappers themselves
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Try) and node.finalbody
+                    and any(name.endswith("destroy_process_group") for name in _calls(ast.Module(node.finalbody, [])))):
+                continue
+            last = node.body[-1]
+            if isinstance(last, ast.If) and len(last.body) == 1:  # `if dist.is_initialized(): dist.barrier()`
+                last = last.body[0]
+            where = f"{path.relative_to(REPO)}:{last.lineno}"
+            found.append(where)
+            assert isinstance(last, ast.Expr) and _calls(last) == ["dist.barrier"], \
+                f"{where}: the last statement before the teardown is {ast.unparse(last)!r}, not dist.barrier()"
+    assert len(found) >= 3, found  # train, train-embedding, generate
