@@ -219,12 +219,13 @@ def test_train_tiny_end_to_end(tmp_path):
 def test_workers_get_full_option_names_without_nproc():
     # torch.distributed.run's parser rejects `--nproc` (an ambiguous abbreviation of its
     # --nproc-per-node) even after the script name, so workers must not receive it.
-    from zerotrain.cli import _worker_argv, build_parser
+    from zerotrain.cli import build_parser
+    from zerotrain.train.command import worker_argv
 
     args = build_parser().parse_args(
         ["train", "--config", "c.json", "--nproc", "2", "--model", "tiny", "--steps", "7",
          "--log-dir", "runs/x", "--master-port", "29500", "--resume", "--save-every", "3"])
-    argv = _worker_argv(args)
+    argv = worker_argv(args)
     assert argv[0] == "train"
     assert "--config=c.json" in argv and "--steps=7" in argv and "--log-dir=runs/x" in argv
     assert "--resume" in argv and "--save-every=3" in argv and "--save-dir=checkpoints" in argv
@@ -319,13 +320,13 @@ def test_launch_rendezvous_and_worker_arguments(tmp_path, monkeypatch):
     """The torchrun options `launch` builds (standalone on one node without an address; a static rendezvous
     otherwise), and the worker's reading of its arguments with or without the separator (torchrun's parser
     drops it when no worker flag precedes it)."""
-    from zerotrain.cli import _rendezvous
+    from zerotrain.command import rendezvous
     from zerotrain.launcher import run_worker
 
-    assert _rendezvous(2) == ["--standalone", "--nproc_per_node", "2"]
-    assert _rendezvous(8, 2, 1, "node0", 29400) == ["--nnodes", "2", "--node_rank", "1", "--master_addr", "node0",
+    assert rendezvous(2) == ["--standalone", "--nproc_per_node", "2"]
+    assert rendezvous(8, 2, 1, "node0", 29400) == ["--nnodes", "2", "--node_rank", "1", "--master_addr", "node0",
                                                     "--master_port", "29400", "--nproc_per_node", "8"]
-    assert _rendezvous(2, master_port=1234)[:8] == ["--nnodes", "1", "--node_rank", "0", "--master_addr",
+    assert rendezvous(2, master_port=1234)[:8] == ["--nnodes", "1", "--node_rank", "0", "--master_addr",
                                                     "127.0.0.1", "--master_port", "1234"]
     script = tmp_path / "echo.py"
     out = tmp_path / "argv.json"

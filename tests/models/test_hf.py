@@ -72,13 +72,14 @@ def test_missing_or_incomplete_model_directories_are_named(tiny_llama_dir, tmp_p
 
 def test_workers_get_the_model_and_data_arguments(tmp_path):
     """`--nproc N` re-runs `train` in each worker: the model/data options survive the round trip."""
-    from zerotrain.cli import _worker_argv, build_parser
+    from zerotrain.cli import build_parser
+    from zerotrain.train.command import worker_argv
 
     argv = ["train", "--config", "c.json", "--nproc", "2", "--model", "m", "--tokenizer", "t", "--data", "a.jsonl",
             "b.txt", "--eval-data", "e.jsonl", "--text-field", "body", "--no-packing", "--num-proc", "3",
             "--skip-bad-records", "--add-tokens", "<|a|>", "<|b|>", "--seq-len", "64"]
     args = build_parser().parse_args(argv)
-    again = build_parser().parse_args(_worker_argv(args))
+    again = build_parser().parse_args(worker_argv(args))
     for key in ("model", "tokenizer", "text_field", "no_packing", "num_proc", "skip_bad_records", "add_tokens",
                 "seq_len"):
         assert getattr(again, key) == getattr(args, key), key
@@ -90,7 +91,7 @@ def test_workers_get_the_model_and_data_arguments(tmp_path):
 
 def _load_at_zero3(cases: list[tuple[str, list]], vocab: int, tmp: str) -> dict:
     """Each (directory, tokens to add) as `zerotrain train` loads it at ZeRO-3: logits, weights, partitioning."""
-    from zerotrain.cli import load_weights, model_engine
+    from zerotrain.train.command import load_weights, model_engine
     from zerotrain.models.hf import grow_vocab, load_tokenizer, resolve_model
     from zerotrain.zero.stage3.partition import ZeroParameter
 

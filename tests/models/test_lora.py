@@ -104,7 +104,7 @@ def _grown_with_new_tokens(directory: str):
 
 
 def _zero3_data_parallel(directory: str, tmp: str, vocab: int) -> dict:
-    from zerotrain.cli import load_weights, model_engine
+    from zerotrain.train.command import load_weights, model_engine
     from zerotrain.zero.stage3.partition import ZeroParameter
 
     # `train --add-tokens ... --lora-r R`: the vocabulary grows, the new tokens' rows train (peft's trainable tokens)
@@ -194,7 +194,7 @@ def _tensor_parallel(directory: str, tmp: str, vocab: int, stage: int) -> dict:
 
 def _tied_new_tokens(directory: str, tmp: str, vocab: int) -> dict:
     """ZeRO-3 LoRA with new tokens on a model with a tied head: one delta, shared by embedding and head."""
-    from zerotrain.cli import load_weights, model_engine
+    from zerotrain.train.command import load_weights, model_engine
 
     source, old_vocab, lora = _grown_with_new_tokens(directory)
     engine, model = model_engine(source, _config(3, 2), seed=SEED, lora=lora)
@@ -395,14 +395,15 @@ def test_lora_world2_zero3_and_tensor_parallel_equal_peft(tiny_llama_dir, tmp_pa
 
 
 def test_lora_options_reach_the_workers_and_bad_ones_are_named(tmp_path, capsys):
-    from zerotrain.cli import _lora_options, _worker_argv, build_parser, main
+    from zerotrain.cli import build_parser, main
+    from zerotrain.train.command import lora_options, worker_argv
 
     argv = ["train", "--config", "c.json", "--nproc", "2", "--lora-r", "8", "--lora-alpha", "32", "--lora-dropout",
             "0.1", "--lora-target-modules", "q_proj, v_proj,o_proj"]
     args = build_parser().parse_args(argv)
-    again = build_parser().parse_args(_worker_argv(args))
-    assert _lora_options(again) == _lora_options(args)
-    options = _lora_options(args)
+    again = build_parser().parse_args(worker_argv(args))
+    assert lora_options(again) == lora_options(args)
+    options = lora_options(args)
     assert (options.r, options.alpha, options.dropout, options.target_modules) == \
         (8, 32.0, 0.1, ("q_proj", "v_proj", "o_proj"))
     config = tmp_path / "ds.json"

@@ -1,0 +1,112 @@
+"""What the `zerotrain` commands share: the usage error, whether this process is a worker, and starting a
+command's ranks under PyTorch's launcher with the stop signals forwarded.
+
+``zerotrain train --nproc N``, ``train-embedding``, ``generate`` and ``launch`` all start their workers here
+(`run_torchrun`): ``python -m torch.distributed.run`` in its own session, the stop signals forwarded to it once,
+the job's exit status (128 + the signal's number after a stop) returned.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+__all__ = ["CLIError", "PROG", "inside_worker", "print_error", "rendezvous", "run_torchrun"]
+
+PROG = "zerotrain"
+WORKER_ENV_VARS = ("RANK", "LOCAL_RANK")
+
+
+class CLIError(Exception):
+    """A usage problem reported as one line on stderr, exit status 2."""
+
+
+def print_error(message: str) -> None:
+    """``zerotrain: error: MESSAGE`` on stderr."""
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+
+
+def inside_worker() -> bool:
+    """True in a worker started by torch.distributed.run (its environment names the rank)."""
+    return any(var in os.environ for var in WORKER_ENV_VARS)
+
+
+def rendezvous(nproc: int, nnodes: int = 1, node_rank: int = 0, master_addr: Optional[str] = None,
+                master_port: Optional[int] = None) -> list[str]:
+    """torch.distributed.run's options for `nproc` workers per node: `--standalone` (a free port) for one
+    node without a port, else a static rendezvous at master_addr:master_port."""
+    if nnodes == 1 and master_port is None and master_addr is None:
+        cmd = ["--standalone"]
+    else:
+        cmd = ["--nnodes", str(nnodes), "--node_rank", str(node_rank),
+               "--master_addr", master_addr or "127.0.0.1", "--master_port", str(master_port or 29500)]
+    return cmd + ["--nproc_per_node", str(nproc)]
+
+
+def agent_signals(stop_signals: str) -> str:
+    """The signals torchrun's agent forwards to its workers: its own default set plus the stop signals."""
+    from zerotrain.lifecycle import parse_signals
+    names = ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *(s.name for s in parse_signals(stop_signals))]
+    return ",".join(dict.fromkeys(names))
+
+
+def run_torchrun(rendezvous: list[str], target: list[str], stop_signals: str = "SIGTERM,SIGINT,SIGHUP,SIGUSR1",
+                  max_restarts: int = 0, stop_timeout: int = 300) -> int:
+    """Run `python -m torch.distributed.run RENDEZVOUS TARGET`; return the job's exit status.
+
+    The one place both `train --nproc` and `launch` start workers. The agent runs in its own session
+    (a terminal's Ctrl-C reaches this process only, which forwards it once), forwards the stop signals to
+    the workers and gives them `stop_timeout` seconds to save; it dies with this process (SIGKILL on parent
+    death: its workers then die with it and commit nothing). A stop is reported by exit status 128 + the
+    signal number, a crash by the agent's own non-zero status.
+    """
+    import signal
+    import tempfile
+
+    from zerotrain.lifecycle import STOP_FILE_ENV, kill_me_with_parent, parse_signals, read_stop_file
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--max_restarts", str(max_restarts),
+           "--shutdown_timeout", str(stop_timeout), "--signals_to_handle", agent_signals(stop_signals), *target]
+    env = os.environ.copy()
+    env.setdefault("OMP_NUM_THREADS", "1")
+    # Workers must import this same zerotrain, wherever the launching interpreter found it.
+    package_root = str(Path(__file__).resolve().parent.parent)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if package_root not in paths:
+        env["PYTHONPATH"] = os.pathsep.join([package_root, *paths])
+    handle, stop_file = tempfile.mkstemp(prefix="zerotrain-stop-")
+    os.close(handle)
+    env[STOP_FILE_ENV] = stop_file
+    received: list[int] = []
+    forwarded = {int(s) for s in parse_signals(stop_signals)} | {int(signal.SIGTERM), int(signal.SIGINT),
+                                                                  int(signal.SIGHUP)}
+    agent = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=kill_me_with_parent)
+
+    def forward(signum, frame) -> None:
+        received.append(signum)
+        try:
+            agent.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {sig: signal.signal(sig, forward) for sig in forwarded}
+    try:
+        while True:
+            try:
+                status = agent.wait()
+                break
+            except KeyboardInterrupt:  # only if SIGINT is not among the forwarded ones
+                agent.send_signal(signal.SIGINT)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        stop = read_stop_file(stop_file)
+        os.unlink(stop_file)
+    if stop is not None or received:
+        sig = stop[0] if stop is not None else signal.Signals(received[0])
+        print_error(f"stopped by {sig.name}" + (f" ({stop[1]})" if stop is not None and stop[1] else "")
+               + ("" if status == 0 or stop is not None else f"; the ranks exited with status {status}"))
+        return 128 + int(sig)
+    return status

@@ -1,0 +1,1 @@
+"""`zerotrain train`: the command that trains a causal LM (`zerotrain.train.command`)."""
