@@ -65,6 +65,12 @@ def test_missing_or_incomplete_model_directories_are_named(tiny_llama_dir, tmp_p
     config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1}))
     assert main(["train", "--config", str(config), "--nproc", "2", "--model", str(cases[shard])]) == 2
     assert shard in capsys.readouterr().err
+    # tokenizer_config.json without tokenizer.json (a fast tokenizer with nothing to build it from): one line naming
+    # the file, before any process starts (it was transformers' paragraph and a launcher trace from the ranks)
+    no_json = broken("no_tokenizer_json", ["tokenizer.json"])
+    assert main(["train", "--config", str(config), "--nproc", "2", "--model", str(no_json)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"zerotrain: error: {no_json.resolve()} has no tokenizer.json") and err.count("\n") == 1, err
     assert main(["train", "--config", str(config), "--model", str(tiny_llama_dir), "--data",
                  str(tmp_path / "nope.jsonl")]) == 2
     assert "nope.jsonl: no such file" in capsys.readouterr().err

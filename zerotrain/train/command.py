@@ -184,11 +184,13 @@ def check_train_args(args: argparse.Namespace) -> None:
         for data_path in paths or ():
             if not os.path.exists(data_path):
                 raise CLIError(f"{flag} {data_path}: no such file or directory")
-    from zerotrain.models.hf import PRESETS, ModelError, resolve_model
+    from zerotrain.models.hf import PRESETS, ModelError, load_tokenizer, resolve_model
     try:  # every file it names, before any process (a preset alone needs no transformers import here)
         if args.model_config is not None or args.tokenizer is not None or (
                 args.model is not None and (args.model not in PRESETS or os.path.isdir(args.model))):
-            resolve_model(args.model, args.model_config, args.tokenizer)
+            source = resolve_model(args.model, args.model_config, args.tokenizer)
+            if not inside_worker():
+                load_tokenizer(source)  # one that cannot load (e.g. no tokenizer.json) fails here, not in every rank
     except ModelError as exc:
         raise CLIError(str(exc)) from None
     if args.max_corpus_bytes < 1:
