@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from zerotrain.command import PROG, CLIError, inside_worker, report_error, rendezvous, run_torchrun
+from zerotrain.command import PROG, CLIError, HelpFormatter, inside_worker, report_error, rendezvous, run_torchrun
 
 __all__ = ["main", "build_parser"]
 
@@ -100,7 +100,7 @@ def _add_launch_parser(sub) -> None:
             "'--local_rank' (see zerotrain.launcher). Multi-node: run it on every node with the same "
             "--nnodes, --master-addr and --master-port and that node's --node-rank."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     launch.add_argument("--nproc", type=int, default=1, metavar="N", help="processes (ranks) on this node")
     launch.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of nodes")

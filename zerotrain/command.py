@@ -7,13 +7,14 @@ the job's exit status (128 + the signal's number after a stop) returned.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["CLIError", "PROG", "inside_worker", "print_error", "report_error", "rendezvous", "run_torchrun"]
+__all__ = ["HelpFormatter", "CLIError", "PROG", "inside_worker", "print_error", "report_error", "rendezvous", "run_torchrun"]
 
 PROG = "zerotrain"
 WORKER_ENV_VARS = ("RANK", "LOCAL_RANK")
@@ -21,6 +22,17 @@ WORKER_ENV_VARS = ("RANK", "LOCAL_RANK")
 
 class CLIError(Exception):
     """A usage problem reported as one line on stderr, exit status 2."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` with each option's default said once: "(default: X)" is added only where the help text does not
+    already say its default, and never for an unset (None) or off (False) one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return super()._get_help_string(action)
 
 
 def print_error(message: str) -> None:

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from zerotrain.command import PROG, CLIError, inside_worker
+from zerotrain.command import PROG, CLIError, HelpFormatter, inside_worker
 
 # The share of the data held out for evaluation when nothing else says: the built-in corpus' tail; with --data, when
 # --eval-interval asks for evaluation without --eval-data or --val-fraction.
@@ -41,7 +41,7 @@ def add_train_parser(sub: Any) -> None:
             "Python standard library's own source files (no download). Batch sizes, optimizer, scheduler, "
             "precision and ZeRO stage come from the DeepSpeed-style JSON config."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     train.add_argument(
         "--config", required=True, metavar="PATH",
