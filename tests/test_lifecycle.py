@@ -139,6 +139,7 @@ def test_sigterm_saves_exits_143_and_resume_continues_exactly(tmp_path, uninterr
     assert f"zerotrain: {line}" in err  # the launcher's own closing line
     # a stop is no error: no "error:", no agent traceback, no torchelastic lines about the workers it stopped
     assert "zerotrain: error" not in err and "Traceback" not in err and "closing signal" not in err, err
+    assert err.count("received SIGTERM") == 1, err  # every rank got it, rank 0 says so
     assert stop_step < UNINTERRUPTED_STEPS, f"the stop came only at step {stop_step}: nothing left to resume"
 
     _run(_train_cmd(stopped / "ckpt", stopped / "log", UNINTERRUPTED_STEPS, "--resume"))
