@@ -15,14 +15,17 @@ from zerotrain.cli import main
 from zerotrain.data import TokenBlockDataset, load_stdlib_corpus
 from zerotrain.models import GPT, GPTConfig
 from zerotrain.trainer import Trainer, mean_across_ranks
+from zerotrain.topology import Topology
+from zerotrain.training_engine import TrainingEngine
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 # -- a stand-in engine: the public engine API over a plain model and torch optimizer ----------
 
-class StandInEngine:
-    """Implements the slice of the engine API the Trainer uses, single process, no sharding."""
+class StandInEngine(TrainingEngine):
+    """Implements the slice of the engine API the Trainer uses, single process, no sharding (the rest: the
+    `TrainingEngine` Protocol's defaults)."""
 
     def __init__(self, model, micro_batch=2, accumulation=2, lr=1e-3):
         self.module = model
@@ -31,10 +34,9 @@ class StandInEngine:
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
-        self.config = SimpleNamespace(steps_per_print=2, seed=None,
+        self.config = SimpleNamespace(steps_per_print=2, seed=None, precision="fp32",
                                       zero_optimization=SimpleNamespace(stage=0))
-        self.topology = SimpleNamespace(rank=0, world_size=1, dp_size=1, dp_group=None,
-                                        device=torch.device("cpu"))
+        self.topology = Topology(rank=0, world_size=1, dp_group=None, dp_rank=0, dp_size=1, device=torch.device("cpu"))
         self.calls = []
 
     def __call__(self, x, y):

@@ -32,7 +32,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 
@@ -253,24 +253,6 @@ def probe_optimizer(opt_config) -> OptimizerState:
     return OptimizerState(per_element, per_tensor, type(optimizer).__name__)
 
 
-def _bucket_numels(params: Sequence[ParamInfo], bucket_numel: int) -> list[int]:
-    """Element counts of the stage 0-2 buckets: `zero.flat.build_buckets`' packing (reverse registration
-    order; one dtype and one optimizer group here, so only the size limit closes a bucket)."""
-    buckets, current = [], 0
-    for param in reversed(list(params)):
-        if current and current + param.numel > bucket_numel:
-            buckets.append(current)
-            current = 0
-        current += param.numel
-    if current:
-        buckets.append(current)
-    return buckets
-
-
-def _padded(numel: int, partitions: int) -> int:
-    return -(-numel // partitions) * partitions
-
-
 def _offloaded(shards: list[int], ratio: float) -> list[bool]:
     from .offload.cpu_optimizer import choose_offloaded  # the engine's own rule for `ratio`
 
@@ -288,7 +270,9 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
     or "cpu" (a CPU run keeps no separate host copies of what already is in host memory). Split experts
     (`shape.ep_size` > 1) are partitioned over their expert-data-parallel group of dp_size / ep_size ranks, in
     buckets of their own. `ranks_per_node`: ZeRO ranks per node (qgZ's two hops across nodes; None: one node)."""
+    from .offload.aio import round_up
     from .precision import training_dtype
+    from .zero.flat import bucket_layout, padded_numel
 
     zero = config.zero_optimization
     dtype = training_dtype(config.precision)
@@ -314,8 +298,9 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
         for members, group, dense in (([p for p in trainable if not p.expert], dp_size, True),
                                       ([p for p in trainable if p.expert], expert_ranks, False)):
             partitions = group if option.stage >= 1 else 1  # zero.flat.build_sharded_buckets / ShardGroup.over
-            for numel in _bucket_numels(members, int(zero.reduce_bucket_size)):
-                buckets.append(_padded(numel, partitions))
+            # the engine's own packing (one dtype and optimizer group here: only the size limit closes a bucket)
+            for bucket in bucket_layout([(p.numel, None) for p in members], int(zero.reduce_bucket_size)):
+                buckets.append(padded_numel(sum(members[i].numel for i in bucket), partitions))
                 shards.append(buckets[-1] // partitions)
                 reduces.append((shards[-1], group, dense))
         memory.add("parameters", "device", sum(buckets) * d + sum(p.numel * size(p) for p in frozen))
@@ -327,10 +312,10 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
         if option.stage == 2:  # staging buffers: the bucket being filled and one reduce in flight
             memory.transient["gradient staging"] = min(2 * max(buckets, default=0), sum(buckets)) * d
     else:
-        parts = [(p, _padded(p.numel, ranks(p))) for p in trainable]
+        parts = [(p, padded_numel(p.numel, ranks(p))) for p in trainable]
         threshold = int(zero.stage3_param_persistence_threshold)
         persistent = lambda p: p.numel <= threshold  # noqa: E731 - the engine's rule, one line
-        all_parts = parts + [(p, _padded(p.numel, ranks(p))) for p in frozen]
+        all_parts = parts + [(p, padded_numel(p.numel, ranks(p))) for p in frozen]
         offloaded_shards = sum(padded // ranks(p) * d for p, padded in all_parts
                                if option.offload_param != "none" and not persistent(p))
         device_shards = sum(padded // ranks(p) * d for p, padded in all_parts) - offloaded_shards
@@ -344,10 +329,10 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
             cached = min(offloaded_shards, int(store.max_in_cpu) * d)
             memory.add("parameters", "host", cached)
             largest = max((padded // ranks(p) * d for p, padded in all_parts if not persistent(p)), default=1)
-            memory.add("host_io_buffers", "host", int(store.buffer_count) * _round_up(max(largest, 1)))
+            memory.add("host_io_buffers", "host", int(store.buffer_count) * round_up(max(largest, 1)))
             memory.notes.append("NVMe parameters: host cache counted at its max_in_cpu bound")
             # offload.param_store: each shard at a 4 KiB-aligned offset of one file
-            memory.nvme_files += sum(_round_up(max(padded // ranks(p) * d, 1)) for p, padded in all_parts
+            memory.nvme_files += sum(round_up(max(padded // ranks(p) * d, 1)) for p, padded in all_parts
                                      if not persistent(p))
         shards = [padded // ranks(p) for p, padded in parts]
         reduces = [(padded // ranks(p), ranks(p), not p.expert) for p, padded in parts]  # qgZ: one per parameter
@@ -406,9 +391,9 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
         memory.add("host_io_buffers", "host", 4 * sum(host_shards))
     if offload_opt == "nvme" and host_shards:  # the NVMe optimizer's pool of aligned buffers
         from .offload.nvme import DEFAULT_CHUNK_NUMEL
-        chunk = _round_up(min(DEFAULT_CHUNK_NUMEL, max(host_shards)), 1024)
-        region = _round_up(chunk * 4)
-        record = region + (optimizer.per_element // 4) * _round_up(chunk * 4)
+        chunk = round_up(min(DEFAULT_CHUNK_NUMEL, max(host_shards)), 1024)
+        region = round_up(chunk * 4)
+        record = region + (optimizer.per_element // 4) * round_up(chunk * 4)
         buffer_count = max(2, int(zero.offload_optimizer.buffer_count))
         memory.add("host_io_buffers", "host", buffer_count * (record + region))
         memory.nvme_files += _nvme_optimizer_file(host_shards, chunk, optimizer)
@@ -482,6 +467,7 @@ def _nvme_optimizer_file(shards: list[int], chunk: int, optimizer: OptimizerStat
     """Bytes of the NVMe optimizer's swap file (`offload.nvme_records`): each shard cut into equal chunks of
     at most `chunk` elements (rounded to 1024), one record per chunk (the fp32 master and each per-element
     state, each region 4 KiB-aligned) of its size class, and `DEFAULT_SPARE_RECORDS` spare records per class."""
+    from .offload.aio import round_up
     from .offload.nvme_records import DEFAULT_SPARE_RECORDS
 
     regions = 1 + optimizer.per_element // 4  # the master + the fp32 states (Adam: exp_avg, exp_avg_sq)
@@ -490,14 +476,10 @@ def _nvme_optimizer_file(shards: list[int], chunk: int, optimizer: OptimizerStat
         if shard <= 0:
             continue
         pieces = -(-shard // chunk)
-        per = _round_up(-(-shard // pieces), 1024)
+        per = round_up(-(-shard // pieces), 1024)
         classes.add(per)
-        total += -(-shard // per) * regions * _round_up(per * 4)
-    return total + sum(DEFAULT_SPARE_RECORDS * regions * _round_up(per * 4) for per in classes)
-
-
-def _round_up(value: int, multiple: int = 4096) -> int:
-    return -(-value // multiple) * multiple
+        total += -(-shard // per) * regions * round_up(per * 4)
+    return total + sum(DEFAULT_SPARE_RECORDS * regions * round_up(per * 4) for per in classes)
 
 
 def default_options(config) -> list[Option]:

@@ -10,8 +10,8 @@ checkpoint every ``save_every`` steps and after the last one (``engine.save_chec
 the config's ``checkpoint`` block decides async saving and rotation). A resumed engine
 (``engine.load_checkpoint`` before ``train()``) continues at its step and at its exact data
 position: the batches already consumed (``engine.global_samples``) are skipped. It uses
-nothing the engine does not offer to any user, so everything it does can also be done in a
-hand-written loop.
+nothing the engine does not offer to any user (the `zerotrain.training_engine.TrainingEngine` Protocol:
+no probing, no reading the engine's parts), so everything it does can also be done in a hand-written loop.
 
 Signals: by default the Trainer turns SIGTERM, SIGINT, SIGHUP and SIGUSR1 into a stop request
 (`zerotrain.lifecycle`). The flag travels in the loss all-reduce every step already makes, so all
@@ -20,7 +20,6 @@ checkpoint (with ``save_dir``) and returns a summary whose ``stopped_by`` names 
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -39,6 +38,7 @@ from .lifecycle import StopRequest
 from .monitor import Monitors, TIMER_FIELDS, check_monitor_libraries
 from .monitor.memory_timeline import MemoryTimeline
 from .monitor.measure import memory_bytes, memory_kind, parameter_count, peak_flops
+from .training_engine import TrainingEngine
 
 __all__ = ["Trainer", "TrainSummary", "mean_across_ranks"]
 
@@ -95,7 +95,8 @@ class Trainer:
     """Runs ``total_steps`` optimizer steps of ``engine`` over ``dataloader``.
 
     Args:
-        engine: the object returned first by ``zerotrain.initialize``.
+        engine: the object returned first by ``zerotrain.initialize``, or anything else with the members of
+            ``zerotrain.training_engine.TrainingEngine``.
         dataloader: yields ``(x, y)`` micro-batches (``engine(x, y) -> (logits, loss)``) or dicts of
             tensors (``engine(**batch).loss``, a Hugging Face model: ``zerotrain.data``'s batches);
             re-iterated (with ``sampler.set_epoch``) when exhausted. A resumed run skips the batches
@@ -123,7 +124,7 @@ class Trainer:
 
     def __init__(
         self,
-        engine: Any,
+        engine: TrainingEngine,
         dataloader: Iterable,
         total_steps: int,
         eval_data: Optional[Iterable] = None,
@@ -141,14 +142,16 @@ class Trainer:
             raise ValueError(f"total_steps must be >= 0, got {total_steps}")
         if save_every < 0:
             raise ValueError(f"save_every must be >= 0, got {save_every}")
+        # An enabled monitor whose library is missing stops every rank here, not only rank 0 later.
+        self.config = engine.config
+        check_monitor_libraries(self.config)
         self.engine = engine
         self.dataloader = dataloader
         self.total_steps = int(total_steps)
         self.eval_data = eval_data
         self.log_dir = Path(log_dir) if log_dir is not None else None
         if steps_per_print is None:
-            config = getattr(engine, "config", None)
-            steps_per_print = getattr(config, "steps_per_print", None) or 10
+            steps_per_print = self.config.steps_per_print or 10
         self.steps_per_print = max(1, int(steps_per_print))
         self.eval_interval = max(0, int(eval_interval))
         self.eval_batches = eval_batches
@@ -162,23 +165,14 @@ class Trainer:
         self._epoch = 0
         self._batches: Optional[Iterator] = None
 
-        topology = getattr(engine, "topology", None)
-        if topology is not None:
-            self.rank = int(topology.rank)
-            # ranks that see different samples (sequence-parallel peers share theirs)
-            self.dp_size = int(getattr(topology, "data_parallel_size", getattr(topology, "dp_size", 1)))
-        elif dist.is_initialized():
-            self.rank, self.dp_size = dist.get_rank(), dist.get_world_size()
-        else:
-            self.rank, self.dp_size = 0, 1
-        self.dp_group = getattr(topology, "dp_group", None)
-        self.device = getattr(engine, "device", None) or getattr(topology, "device", None)
+        topology = engine.topology
+        self.rank = int(topology.rank)
+        self.dp_size = int(topology.data_parallel_size)  # ranks that see different samples (not sequence peers)
+        self.dp_group = topology.dp_group
+        self.device = engine.device
         self.history: list[dict] = []
         self.stop_signals = stop_signals
         self.stop_request = StopRequest()
-        # An enabled monitor whose library is missing stops every rank here, not only rank 0 later.
-        self.config = getattr(engine, "config", None)
-        check_monitor_libraries(self.config)
         self.monitors: Optional[Monitors] = None
         self._memory: list[int] = []
         self._flops_per_token: Optional[float] = None
@@ -201,7 +195,7 @@ class Trainer:
 
     def _seek(self) -> None:
         """Skip the micro-batches a resumed engine already consumed (from ``engine.global_samples``)."""
-        samples = int(getattr(self.engine, "global_samples", 0) or 0)
+        samples = int(self.engine.global_samples)
         if samples == 0:
             return
         if getattr(getattr(self.dataloader, "sampler", None), "consumed_samples", None) is not None:
@@ -225,7 +219,7 @@ class Trainer:
         dict of tensors (``zerotrain.data``'s batches) for a Hugging Face model, ``engine(**batch).loss``.
         Under sequence parallelism (``engine.sequence_parallel``) each rank runs its slice of the batch; the
         token count is the whole batch's."""
-        sp = getattr(self.engine, "sequence_parallel", None)
+        sp = self.engine.sequence_parallel
         if isinstance(batch, dict):
             batch = {key: self._to_device(value) for key, value in batch.items()}
             tokens = int(batch["input_ids"].numel())
@@ -301,9 +295,8 @@ class Trainer:
         """Mean loss over the eval data (averaged over ranks); None without eval data."""
         if self.eval_data is None:
             return None
-        was_training = getattr(self.engine, "training", None)
-        if hasattr(self.engine, "eval"):
-            self.engine.eval()
+        was_training = self.engine.training
+        self.engine.eval()
         total = torch.zeros((), dtype=torch.float64)
         count = 0
         try:
@@ -314,7 +307,7 @@ class Trainer:
                 total += loss.detach().to("cpu", torch.float64)
                 count += 1
         finally:
-            if was_training and hasattr(self.engine, "train"):
+            if was_training:
                 self.engine.train()
         local = (total / count).item() if count else float("nan")
         return mean_across_ranks(local, device=self.device, group=self.dp_group)
@@ -332,8 +325,7 @@ class Trainer:
             return None
         self.last_checkpoint = path
         if console is not None:
-            last_save = getattr(self.engine, "last_save", None)  # an engine-like object may not report it
-            pending, stall = last_save() if last_save is not None else (False, None)
+            pending, stall = self.engine.last_save()
             how = "being written in the background" if pending else "saved"
             took = f", training paused {stall:.2f}s" if stall is not None else ""
             console.print(f"checkpoint of step {step} {how}: {path}{took}", highlight=False, soft_wrap=True)
@@ -346,24 +338,21 @@ class Trainer:
         if not self.memory_timeline:
             return self._train()
         timeline = MemoryTimeline(self.log_dir, rank=self.rank, device=self.device, interval_s=self.memory_timeline,
-                                  step=int(getattr(self.engine, "global_steps", 0) or 0))
-        watch = getattr(self.engine, "watch_memory", None)
-        if callable(watch):
-            watch(timeline)
+                                  step=int(self.engine.global_steps))
+        self.engine.watch_memory(timeline)
         try:
             return self._train()
         finally:
-            if callable(watch):
-                watch(None)
+            self.engine.watch_memory(None)
             timeline.close()
 
     def _train(self) -> TrainSummary:
-        start_step = int(getattr(self.engine, "global_steps", 0) or 0)
+        start_step = int(self.engine.global_steps)
         is_main = self.rank == 0
         console = self._get_console() if is_main else None
         live = bool(console is not None and console.is_terminal)
         metrics = self._open_metrics() if is_main else None
-        if is_main and self.config is not None:
+        if is_main:
             self.monitors = Monitors.build(self.config, self.log_dir)
         comm_before = self._comm_bytes()
 
@@ -381,8 +370,7 @@ class Trainer:
         self._seek()
         saved_step = start_step if start_step > 0 else None
         # The engine's own steps_per_print line would repeat what this loop reports: off while it runs.
-        quiet = getattr(self.engine, "progress_printing", None)
-        quiet = quiet(False) if callable(quiet) else contextlib.nullcontext()
+        quiet = self.engine.progress_printing(False)
         quiet.__enter__()
         self._stop_signal = 0
         stopped_by: Optional[str] = None
@@ -398,9 +386,8 @@ class Trainer:
                 total_tokens += tokens
                 last_loss = loss
                 record, comm_before = self._record(step, loss, lr, tokens, dt, t0, comm_before)
-                offload_stats = getattr(self.engine, "offload_stats", None)
-                if callable(offload_stats):  # speculative steps, rollbacks, redone steps, NVMe bytes
-                    record.update({f"offload_{k}": v for k, v in offload_stats().items()})
+                # speculative steps, rollbacks, redone steps, NVMe bytes (none without offload)
+                record.update({f"offload_{k}": v for k, v in self.engine.offload_stats().items()})
                 due = self.eval_interval and step % self.eval_interval == 0
                 if self.eval_data is not None and (due or step == self.total_steps):
                     eval_loss = self.evaluate()
@@ -442,7 +429,7 @@ class Trainer:
         if self.save_dir is not None:
             if saved_step != step:
                 self.save_checkpoint(step, console)
-            pending = bool(getattr(getattr(self.engine, "checkpointer", None), "pending", False))
+            pending, _ = self.engine.last_save()
             self.engine.wait_checkpoint()  # an asynchronous save commits (or raises) before we return
             if pending and console is not None:
                 console.print(f"checkpoint committed: {self.last_checkpoint}", highlight=False, soft_wrap=True)
@@ -471,18 +458,17 @@ class Trainer:
                 comm_before: Optional[int]) -> tuple[dict, Optional[int]]:
         """The step's metrics record, and the communication counter to measure the next step from."""
         engine = self.engine
-        batch = int(engine.train_batch_size()) if hasattr(engine, "train_batch_size") else 0
-        samples = getattr(engine, "global_samples", None)
+        batch = int(engine.train_batch_size())
         record: dict[str, Any] = {
             "step": step,
-            "samples": int(samples) if samples is not None else step * batch,
+            "samples": int(engine.global_samples),
             "loss": loss,
             "lr": lr,
             "next_lr": self._current_lr(),
         }
-        if getattr(self.config, "precision", None) == "fp16" and hasattr(engine, "loss_scale"):
+        if self.config.precision == "fp16":
             record["loss_scale"] = float(engine.loss_scale)
-        norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
+        norm = engine.get_global_grad_norm()
         if norm is not None:
             record["grad_norm"] = float(norm)
         tokens_per_s = tokens / dt if dt > 0 else float("nan")
@@ -498,29 +484,29 @@ class Trainer:
             record["comm_bytes"] = comm_now - (comm_before or 0)
             record["comm_bytes_total"] = comm_now
         record["elapsed_s"] = time.perf_counter() - t0
-        timers = engine.get_wall_clock_timers() if hasattr(engine, "get_wall_clock_timers") else {}
+        timers = engine.get_wall_clock_timers()
         record.update({TIMER_FIELDS[name]: ms for name, ms in timers.items() if name in TIMER_FIELDS})
         return record, comm_now
 
     def _comm_bytes(self) -> Optional[int]:
         """Bytes this rank sent in the library's collectives since the engine was built (None: not counted)."""
-        counters = getattr(self.engine, "counters", None)
-        return sum(counters.bytes.values()) if hasattr(counters, "bytes") else None
+        counters = self.engine.counters
+        return sum(counters.bytes.values()) if counters is not None else None
 
     def _mfu(self, tokens_per_s: float) -> Optional[float]:
         """Model FLOPs utilisation (6 x parameters FLOPs per token) where the device's peak is known.
 
         Not with tensor parallelism (each rank's module holds slices) and not on CPUs (no known peak)."""
-        topology = getattr(self.engine, "topology", None)
-        if self.device is None or int(getattr(topology, "tp_size", 1)) != 1 or not math.isfinite(tokens_per_s):
+        topology = self.engine.topology
+        if self.device is None or int(topology.tp_size) != 1 or not math.isfinite(tokens_per_s):
             return None
-        peak = peak_flops(torch.device(self.device), getattr(self.config, "precision", "fp32"))
-        module = getattr(self.engine, "module", None)
+        peak = peak_flops(torch.device(self.device), self.config.precision)
+        module = self.engine.module
         if peak is None or module is None:
             return None
         if self._flops_per_token is None:
             self._flops_per_token = 6.0 * parameter_count(module)
-        devices = int(getattr(topology, "world_size", self.dp_size))
+        devices = int(topology.world_size)
         return self._flops_per_token * tokens_per_s / (peak * devices)
 
     def _outputs(self) -> dict:

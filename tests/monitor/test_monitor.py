@@ -19,14 +19,16 @@ from rich.console import Console
 from zerotrain.cli import main
 from zerotrain.config import load_config
 from zerotrain.monitor import FIELDS, MonitorUnavailable, Monitors, check_monitor_libraries, events
+from zerotrain.topology import Topology
 from zerotrain.trainer import Trainer
+from zerotrain.training_engine import TrainingEngine
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
 
 
-class Fp16StandIn:
+class Fp16StandIn(TrainingEngine):
     """The slice of the engine API the Trainer reads, on a linear model; fp16-like: a loss scale that
     halves every step (as an overflow would lower it)."""
 
@@ -40,8 +42,7 @@ class Fp16StandIn:
         self.config = load_config(dict(BASE, fp16={"enabled": True},
                                        csv_monitor={"enabled": True, "output_path": str(tmp_path), "job_name": "csv"}),
                                   dp_world_size=1)
-        self.topology = SimpleNamespace(rank=0, world_size=1, dp_size=1, dp_group=None, tp_size=1,
-                                        device=torch.device("cpu"))
+        self.topology = Topology(rank=0, world_size=1, dp_group=None, dp_rank=0, dp_size=1, device=torch.device("cpu"))
 
     def __call__(self, x, y):
         loss = torch.nn.functional.mse_loss(self.module(x.float()).squeeze(-1), y.float())

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from zerotrain.comm import Comm
+from zerotrain.training_engine import TrainingEngine
 
 from .loss import contrastive_loss
 from .pooling import Pooling, pool
@@ -92,9 +93,9 @@ def _set_rng_state(state: tuple, device: torch.device) -> None:
 class ContrastiveStep:
     """`step(micro_batches)` runs one optimizer step of the engine over `accumulation` micro-batches.
 
-    `engine` is a zerotrain engine (anything with DeepSpeed's `__call__`/`backward`/`step` and
-    `gradient_accumulation_steps()`); `comm` the data-parallel Comm whose ranks share negatives
-    (None: this rank's only). `chunk_size`: compute the loss in tiles of that many queries x candidates
+    `engine` is a zerotrain engine (`zerotrain.training_engine.TrainingEngine`: DeepSpeed's
+    `__call__`/`backward`/`step` and `gradient_accumulation_steps()`); `comm` the data-parallel Comm whose
+    ranks share negatives (None: this rank's only). `chunk_size`: compute the loss in tiles of that many queries x candidates
     (inf-CL style, `zerotrain.embedding.loss.chunked_info_nce`); None holds the whole score matrix.
 
     After each step, `tokens` holds the step's input tokens over all ranks (attended positions of every
@@ -102,7 +103,7 @@ class ContrastiveStep:
     gathered in the loss's all-reduce), for the metrics record.
     """
 
-    def __init__(self, engine: Any, comm: Optional[Comm], pooling: Pooling, *, scale: float = 20.0,
+    def __init__(self, engine: TrainingEngine, comm: Optional[Comm], pooling: Pooling, *, scale: float = 20.0,
                  matryoshka_dims: Optional[Sequence[int]] = None, chunk_size: Optional[int] = None,
                  memory_fn: Optional[Callable[[], int]] = None):
         if chunk_size is not None and chunk_size < 1:

@@ -20,6 +20,7 @@ import torch
 
 from zerotrain.monitor import TIMER_FIELDS, Monitors, check_monitor_libraries
 from zerotrain.monitor.measure import memory_kind
+from zerotrain.training_engine import TrainingEngine
 
 __all__ = ["RETRIEVAL_FIELDS", "RunLog", "step_record"]
 
@@ -32,7 +33,7 @@ def _finite(record: dict) -> dict:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
 
 
-def step_record(engine: Any, step: Any, loss: float, lr: float, seconds: float, started: float) -> dict:
+def step_record(engine: TrainingEngine, step: Any, loss: float, lr: float, seconds: float, started: float) -> dict:
     """The record of the optimizer step `step` (a `ContrastiveStep`) just ran on `engine` in `seconds`."""
     batch = int(engine.train_batch_size())
     record: dict[str, Any] = {"step": int(engine.global_steps), "samples": int(engine.global_samples),
@@ -46,7 +47,7 @@ def step_record(engine: Any, step: Any, loss: float, lr: float, seconds: float, 
         record["memory_bytes"] = list(step.memory)
         record["memory_kind"] = memory_kind(torch.device(engine.device))
     record["elapsed_s"] = time.perf_counter() - started
-    timers = engine.get_wall_clock_timers() if hasattr(engine, "get_wall_clock_timers") else {}
+    timers = engine.get_wall_clock_timers()
     record.update({TIMER_FIELDS[name]: ms for name, ms in timers.items() if name in TIMER_FIELDS})
     return record
 

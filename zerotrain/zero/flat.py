@@ -15,12 +15,41 @@ than re-deriving the layout.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from typing import Hashable, Iterable, Optional, Sequence
 
 import torch
 
 from ..comm import Comm
 from ..sharding import ExpertGroups, ShardGroup, ShardRecord, is_split_expert
+
+
+def padded_numel(numel: int, partitions: int) -> int:
+    """`numel` rounded up to a multiple of `partitions`: a flat layout every rank shards equally (the padding
+    of a FlatBucket and of a stage-3 PartitionedParam; `zerotrain.estimate` counts with it too)."""
+    return -(-numel // partitions) * partitions
+
+
+def bucket_layout(sizes: Sequence[tuple[int, Hashable]], bucket_numel: int) -> list[list[int]]:
+    """How `build_buckets` packs: for parameters given as (numel, kind) in registration order, the indices of
+    each bucket's members, in packing order.
+
+    Parameters are taken in reverse registration order, which is roughly the order backward produces their
+    gradients, so the first bucket fills first. A bucket never mixes kinds (dtype and optimizer group) and
+    closes before it would exceed `bucket_numel` elements; a parameter larger than the limit gets a bucket of
+    its own. Pure arithmetic: `zerotrain.estimate` lays out a model it never builds with it."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    current_numel = 0
+    for index in reversed(range(len(sizes))):
+        numel, kind = sizes[index]
+        if current and (sizes[current[0]][1] != kind or current_numel + numel > bucket_numel):
+            buckets.append(current)
+            current, current_numel = [], 0
+        current.append(index)
+        current_numel += numel
+    if current:
+        buckets.append(current)
+    return buckets
 
 
 class ShardLayout:
@@ -51,7 +80,7 @@ class ShardLayout:
             self.offsets.append(total)
             total += numel
         self.numel = total
-        self.padded_numel = -(-total // partitions) * partitions
+        self.padded_numel = padded_numel(total, partitions)
         self.shard_numel = self.padded_numel // partitions
         first = params[0]
         self.dtype, self.device = first.dtype, first.device
@@ -123,34 +152,16 @@ class FlatBucket(ShardLayout):
 
 def build_buckets(named_params: Iterable[tuple[str, torch.nn.Parameter]], group_of: dict[int, int],
                   bucket_numel: int, group: ShardGroup) -> list[FlatBucket]:
-    """Pack trainable parameters into buckets of at most `bucket_numel` elements.
-
-    Parameters are taken in reverse registration order, which is roughly the order
-    backward produces their gradients, so the first bucket fills first. A bucket
-    never mixes dtypes or optimizer groups; a parameter larger than the limit gets
-    a bucket of its own. `group_of` maps id(param) to its optimizer group index; every
-    bucket is sharded over `group`.
+    """Pack trainable parameters into buckets of at most `bucket_numel` elements (`bucket_layout`: reverse
+    registration order, one dtype and optimizer group per bucket). `group_of` maps id(param) to its optimizer
+    group index; every bucket is sharded over `group`.
     """
-    ordered = [(name, p) for name, p in named_params if p.requires_grad][::-1]
+    trainable = [(name, p) for name, p in named_params if p.requires_grad]
+    sizes = [(p.numel(), (p.dtype, group_of[id(p)])) for _, p in trainable]
     buckets: list[FlatBucket] = []
-    current: list[tuple[str, torch.nn.Parameter]] = []
-    current_numel = 0
-
-    def close() -> None:
-        nonlocal current, current_numel
-        if current:
-            buckets.append(FlatBucket(len(buckets), current, group_of[id(current[0][1])], group))
-        current, current_numel = [], 0
-
-    for name, param in ordered:
-        if current:
-            head = current[0][1]
-            same_kind = head.dtype == param.dtype and group_of[id(head)] == group_of[id(param)]
-            if not same_kind or current_numel + param.numel() > bucket_numel:
-                close()
-        current.append((name, param))
-        current_numel += param.numel()
-    close()
+    for members in bucket_layout(sizes, bucket_numel):
+        first = trainable[members[0]][1]
+        buckets.append(FlatBucket(len(buckets), [trainable[i] for i in members], group_of[id(first)], group))
     return buckets
 
 
