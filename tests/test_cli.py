@@ -150,6 +150,11 @@ def test_help_explains_every_option(capsys):
                    "--max-corpus-bytes", "--log-dir", "--seed", "--master-port",
                    "--save-dir", "--save-every", "--no-save", "--resume", "--memory-timeline"):
         assert option in text
+    # each option's default said once: not "Default: small (default: None)", no "(default: False)" on a flag
+    blocks = [block for block in text.split("\n  -")[1:]]
+    assert all(block.lower().count("default") <= 1 for block in blocks), \
+        [block for block in blocks if block.lower().count("default") > 1]
+    assert "(default: None)" not in text and "(default: False)" not in text and "(default: 50)" in text
     with pytest.raises(SystemExit) as exc:
         main(["--help"])
     assert exc.value.code == 0
@@ -343,3 +348,88 @@ def test_launch_rendezvous_and_worker_arguments(tmp_path, monkeypatch):
         assert json.loads(out.read_text()) == expected, argv
     with pytest.raises(SystemExit, match="unknown worker flag"):
         run_worker(["--frobnicate", "--", str(script)])
+
+
+def _calls(node) -> list[str]:
+    """Dotted names of the calls in `node` (`dist.barrier`, `engine.close`, ...), in source order."""
+    import ast
+
+    names = []
+    for call in ast.walk(node):
+        if isinstance(call, ast.Call):
+            names.append(ast.unparse(call.func))
+    return names
+
+
+def test_every_command_ends_on_a_barrier_before_tearing_down():
+    """The audit of issue #30 bug 2, kept: every function in zerotrain/ that tears torch.distributed down in a
+    `finally` (the commands' ranks: train, train-embedding, generate; merge, ckpt, estimate and plot start no
+    process group) ends its `try` body with `dist.barrier()` (torch's barrier on gloo). An all-reduce or
+    all-gather as the last collective leaves a work holding a Python-made tensor that gloo's thread may
+    release while the interpreter finalizes: SIGABRT 'terminate called without an active exception' at
+    exit, in some runs only (`generate --nproc 2` ended on its all-gather of the texts)."""
+    import ast
+
+    found = []
+    for path in sorted((REPO / "zerotrain").rglob("*.py")):
+        if path.name == "dist.py":
+            continue  # the wrappers themselves
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Try) and node.finalbody
+                    and any(name.endswith("destroy_process_group") for name in _calls(ast.Module(node.finalbody, [])))):
+                continue
+            last = node.body[-1]
+            if isinstance(last, ast.If) and len(last.body) == 1:  # `if dist.is_initialized(): dist.barrier()`
+                last = last.body[0]
+            where = f"{path.relative_to(REPO)}:{last.lineno}"
+            found.append(where)
+            assert isinstance(last, ast.Expr) and _calls(last) == ["dist.barrier"], \
+                f"{where}: the last statement before the teardown is {ast.unparse(last)!r}, not dist.barrier()"
+    assert len(found) >= 3, found  # train, train-embedding, generate
+
+
+def test_start_notes_say_lora_share_and_where_metrics_go(capsys):
+    """Rank 0's notes after the start line: a LoRA run's trainable parameters as peft prints them, and, without
+    --log-dir, that metrics are not written to files (both used to be silent)."""
+    import peft
+    import transformers
+
+    from zerotrain.cli import build_parser
+    from zerotrain.train.command import _start_notes, lora_options
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(config), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    model.print_trainable_parameters()
+    peft_line = capsys.readouterr().out.strip()
+    args = build_parser().parse_args(["train", "--config", "c.json", "--lora-r", "4"])
+    lora, plain = _start_notes(args, model, lora_options(args))
+    assert lora == f"zerotrain: LoRA: {peft_line}" and "trainable%" in lora
+    assert plain.startswith("zerotrain: metrics go to this output only; --log-dir DIR")
+    args = build_parser().parse_args(["train", "--config", "c.json", "--log-dir", "runs"])
+    assert _start_notes(args, model, None) == []
+
+
+def test_a_rank_start_up_error_is_one_line_once_at_nproc_2(tiny_llama_dir, tmp_path):
+    """An error the ranks meet at start-up (here: the text field is not in the .jsonl.gz records) is printed
+    once, one line, exit status 2, as at --nproc 1: the rank hands it to the launcher through its torchelastic
+    error file; no rank traceback, no launcher ChildFailedError table (there were 40-70 lines of both). The
+    message names the record's keys and --text-field, and the compressed file was read to find them."""
+    import gzip
+
+    data = tmp_path / "notes.jsonl.gz"
+    data.write_bytes(gzip.compress(b'{"text": "def f(): pass"}\n{"text": "x = 1"}\n'))
+    env = dict(os.environ, OMP_NUM_THREADS="1", ZEROTRAIN_DATA_CACHE=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(var, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "zerotrain.cli", "train", "--config", str(REPO / "examples/zero2.json"),
+         "--nproc", "2", "--model", str(tiny_llama_dir), "--data", str(data), "--text-field", "body",
+         "--steps", "1", "--no-save"], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [f"zerotrain: error: {data}, line 1: missing field 'body' (or chat 'messages'); the record's "
+                      "keys are 'text': name the text field with --text-field (DataConfig.text_field) (and 1 more "
+                      "bad records; skip_bad_records skips them)"], proc.stderr
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr and "exitcode" not in proc.stderr

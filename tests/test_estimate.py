@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -342,6 +343,17 @@ def test_estimate_command_table_json_and_errors(tmp_path, capsys):
     ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stgae": 2}}))
     assert main(["estimate", "--model", "tiny", "--config", str(ds), "--world", "2"]) == 2
     assert "stgae" in capsys.readouterr().err
+    # the README's example, with the example config (train_batch_size 16: it fits 4 ranks, not 16): estimated with
+    # its micro-batch and a note, not refused
+    import re
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    command = re.search(r"`zerotrain (estimate [^`]*)`", readme).group(1).split()
+    assert command[command.index("--config") + 1] == "ds.json" and "--nodes" in command
+    command[command.index("--config") + 1] = str(Path(__file__).resolve().parents[1] / "examples" / "zero2.json")
+    assert main([*command, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["world_size"] == 16 and result["activations"]["micro_batch"] == 4
+    assert result["note"].startswith("the config's train_batch_size=16 does not fit 16 data-parallel ranks")
     # optimizer states are read from the optimizer zerotrain builds (none in the config: AdamW)
     from zerotrain.config import load_config
     sgd = load_config({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}).optimizer

@@ -134,8 +134,12 @@ def test_sigterm_saves_exits_143_and_resume_continues_exactly(tmp_path, uninterr
     stop_step = max(_losses(stopped / "log"))
     tag = f"global_step{stop_step}"
     assert (stopped / "ckpt" / "latest").read_text().strip() == tag
-    assert f"stopped by SIGTERM at step {stop_step}: checkpoint {stopped / 'ckpt' / tag}" in out
-    assert "stopped by SIGTERM" in err  # the launcher's own closing line
+    line = f"stopped by SIGTERM at step {stop_step}; checkpoint {stopped / 'ckpt' / tag}; continue with --resume"
+    assert f"zerotrain: {line}" in out  # rank 0
+    assert f"zerotrain: {line}" in err  # the launcher's own closing line
+    # a stop is no error: no "error:", no agent traceback, no torchelastic lines about the workers it stopped
+    assert "zerotrain: error" not in err and "Traceback" not in err and "closing signal" not in err, err
+    assert err.count("received SIGTERM") == 1, err  # every rank got it, rank 0 says so
     assert stop_step < UNINTERRUPTED_STEPS, f"the stop came only at step {stop_step}: nothing left to resume"
 
     _run(_train_cmd(stopped / "ckpt", stopped / "log", UNINTERRUPTED_STEPS, "--resume"))

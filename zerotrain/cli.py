@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from zerotrain.command import PROG, CLIError, inside_worker, print_error, rendezvous, run_torchrun
+from zerotrain.command import PROG, CLIError, HelpFormatter, inside_worker, report_error, rendezvous, run_torchrun
 
 __all__ = ["main", "build_parser"]
 
@@ -103,7 +103,7 @@ def _add_launch_parser(sub) -> None:
             "'--local_rank' (see zerotrain.launcher). Multi-node: run it on every node with the same "
             "--nnodes, --master-addr and --master-port and that node's --node-rank."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     launch.add_argument("--nproc", type=int, default=1, metavar="N", help="processes (ranks) on this node")
     launch.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of nodes")
@@ -167,22 +167,23 @@ def _run(args: argparse.Namespace) -> int:
                 return run_torchrun(rendezvous(args.nproc), ["-m", "zerotrain.cli", *worker_argv(args)])
             return run_train_embedding(args)
         if args.command == "train":
-            from zerotrain.train.command import check_train_args, run_train
+            from zerotrain.train.command import already_trained, check_train_args, run_train
             check_train_args(args)
+            done = None if inside_worker() else already_trained(args)
+            if done is not None:  # --resume at or past --steps: nothing to launch (rc 0, as the HF Trainer)
+                print(done, flush=True)
+                return 0
             if args.nproc > 1 and not inside_worker():
                 return _launch(args)
             return run_train(args)
     except CLIError as exc:
-        print_error(str(exc))
-        return 2
+        return report_error(str(exc), 2)
     except Exception as exc:  # config errors: one clean line, no traceback
         if _is_config_error(exc):
-            print_error(str(exc))
-            return 2
+            return report_error(str(exc), 2)
         from zerotrain.checkpoint import CheckpointError
         if isinstance(exc, CheckpointError):  # a bad checkpoint to resume from, or a failed save
-            print_error(str(exc))
-            return 1
+            return report_error(str(exc), 1)
         raise
     return 0
 

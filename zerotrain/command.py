@@ -7,13 +7,14 @@ the job's exit status (128 + the signal's number after a stop) returned.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["CLIError", "PROG", "inside_worker", "print_error", "rendezvous", "run_torchrun"]
+__all__ = ["HelpFormatter", "CLIError", "PROG", "inside_worker", "print_error", "report_error", "rendezvous", "run_torchrun"]
 
 PROG = "zerotrain"
 WORKER_ENV_VARS = ("RANK", "LOCAL_RANK")
@@ -23,9 +24,30 @@ class CLIError(Exception):
     """A usage problem reported as one line on stderr, exit status 2."""
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` with each option's default said once: "(default: X)" is added only where the help text does not
+    already say its default, and never for an unset (None) or off (False) one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return super()._get_help_string(action)
+
+
 def print_error(message: str) -> None:
     """``zerotrain: error: MESSAGE`` on stderr."""
     print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+
+
+def report_error(message: str, status: int) -> int:
+    """A usage error's one line: printed here, or, in a worker of `run_torchrun`, handed to the launcher through
+    this rank's error file (`zerotrain.elastic`), which prints it once for all ranks; returns `status`."""
+    from zerotrain.elastic import AGENT_ENV, record_usage_error
+
+    if not (inside_worker() and os.environ.get(AGENT_ENV) == "1" and record_usage_error(message, status)):
+        print_error(message)
+    return status
 
 
 def inside_worker() -> bool:
@@ -67,7 +89,10 @@ def run_torchrun(rendezvous: list[str], target: list[str], stop_signals: str = "
 
     from zerotrain.lifecycle import STOP_FILE_ENV, kill_me_with_parent, parse_signals, read_stop_file
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--max_restarts", str(max_restarts),
+    from zerotrain.elastic import AGENT_ENV, ERROR_FILE_ENV, read_usage_error
+
+    # torchrun's agent through zerotrain.elastic: a usage error in the ranks comes back in its error file
+    cmd = [sys.executable, "-m", "zerotrain.elastic", *rendezvous, "--max_restarts", str(max_restarts),
            "--shutdown_timeout", str(stop_timeout), "--signals_to_handle", agent_signals(stop_signals), *target]
     env = os.environ.copy()
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -79,6 +104,11 @@ def run_torchrun(rendezvous: list[str], target: list[str], stop_signals: str = "
     handle, stop_file = tempfile.mkstemp(prefix="zerotrain-stop-")
     os.close(handle)
     env[STOP_FILE_ENV] = stop_file
+    handle, error_file = tempfile.mkstemp(prefix="zerotrain-error-")
+    os.close(handle)
+    os.unlink(error_file)  # torchelastic writes it only when a rank failed
+    env[ERROR_FILE_ENV] = error_file
+    env[AGENT_ENV] = "1"
     received: list[int] = []
     forwarded = {int(s) for s in parse_signals(stop_signals)} | {int(signal.SIGTERM), int(signal.SIGINT),
                                                                   int(signal.SIGHUP)}
@@ -104,9 +134,16 @@ def run_torchrun(rendezvous: list[str], target: list[str], stop_signals: str = "
             signal.signal(sig, handler)
         stop = read_stop_file(stop_file)
         os.unlink(stop_file)
-    if stop is not None or received:
+        usage = read_usage_error(error_file) if status != 0 else None
+        if os.path.exists(error_file):
+            os.unlink(error_file)
+    if stop is not None or received:  # a stop, not an error: no "error:", no trace (the agent ends quietly)
         sig = stop[0] if stop is not None else signal.Signals(received[0])
-        print_error(f"stopped by {sig.name}" + (f" ({stop[1]})" if stop is not None and stop[1] else "")
-               + ("" if status == 0 or stop is not None else f"; the ranks exited with status {status}"))
+        print(f"{PROG}: stopped by {sig.name}" + (f" at {stop[1]}" if stop is not None and stop[1] else "")
+              + ("" if status == 0 or stop is not None else f"; the ranks exited with status {status}"),
+              file=sys.stderr, flush=True)
         return 128 + int(sig)
+    if usage is not None:  # a rank's one-line usage error, printed once
+        print_error(usage[0])
+        return usage[1]
     return status

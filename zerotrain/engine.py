@@ -20,7 +20,6 @@ import torch
 from .checkpoint import Checkpointer, CheckpointState, SnapshotFences, load_checkpoint, save_checkpoint
 from .comm import Comm, CommCounters
 from .config import ZeroTrainConfig
-from .config.zero import warn_settings_without_effect
 from .optim import build_optimizer
 from .parallel import tensor_parallel_comm
 from .parallel.experts import build_expert_groups, check_expert_parallel
@@ -69,7 +68,6 @@ class ZeroTrainEngine:
         self.config = config
         self.topology = topology
         self.stage = config.zero_optimization.stage
-        warn_settings_without_effect(config.zero_optimization)
         self.dtype = training_dtype(config.precision)
         check_expert_parallel(model, config, topology)  # experts split over ranks: what is refused with them
         self.counters = CommCounters()

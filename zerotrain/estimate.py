@@ -729,7 +729,7 @@ def estimate(model_spec, config_source, world_size: int, options: Optional[list[
     # (of one tensor-parallel index: initialize's Topology.build)
     dp_size, zero_ranks = world_size // (tp * sp), world_size // tp
     per_node = None if ranks_per_node is None else max(1, ranks_per_node // tp)  # Topology: per tp index
-    config = load_config(config, dp_world_size=dp_size)
+    config, batch_note = _batch_for(config, dp_size)
     dtype = training_dtype(config.precision)
     given = isinstance(model_spec, torch.nn.Module)
     family = model_spec if isinstance(model_spec, ModelFamily) else None
@@ -759,6 +759,8 @@ def estimate(model_spec, config_source, world_size: int, options: Optional[list[
               "zero_ranks": zero_ranks, "optimizer": optimizer.name, "device": device_type,
               "config_option": config_option(config).label,
               "options": [m.as_dict() for m in per_option], "activations": activations.as_dict()}
+    if batch_note:
+        result["note"] = batch_note
     if memory is not None:
         if given:
             raise ValueError("--memory's largest-model search resizes a preset, a config.json or a ModelFamily; "
@@ -955,6 +957,26 @@ def _usage(message: str) -> int:
     return 2
 
 
+def _batch_for(config, dp_size: int):
+    """``(config, note)``: `config` with its batch triple resolved for `dp_size` data-parallel ranks. Memory per rank
+    depends on the micro-batch only, so a global batch written for another world size (`train_batch_size` 16 of
+    examples/zero*.json, estimated for 2 nodes x 8) is set aside, with a note, instead of refused."""
+    from .config import ConfigError, load_config
+    from .config.batch import GAS, MICRO, TBS
+
+    try:
+        return load_config(config, dp_world_size=dp_size), None
+    except ConfigError as error:
+        if error.key not in (TBS, MICRO, GAS) or config.train_micro_batch_size_per_gpu is None:
+            raise
+    kept = {key: value for key, value in config.raw.items() if key not in (TBS, GAS)}
+    resolved = load_config(kept, dp_world_size=dp_size)
+    return resolved, (f"the config's {TBS}={config.train_batch_size} does not fit {dp_size} data-parallel ranks of "
+                      f"{MICRO}={resolved.train_micro_batch_size_per_gpu} (the run would refuse it); estimated "
+                      f"with that micro-batch and no accumulation: memory per rank does not depend on the global "
+                      f"batch")
+
+
 def _print_table(result: dict, memory: Optional[int]) -> None:
     import sys
 
@@ -996,6 +1018,8 @@ def _print_table(result: dict, memory: Optional[int]) -> None:
         "'+ act. (ckpt)' = device total + activations with checkpointing + transient step buffers "
         "(gradient staging, stage-3 gathers, ZeRO++ scratch and hpZ secondaries; see --json).",
     ]
+    if result.get("note"):
+        footer.append(f"note: {result['note']}.")
     files = [(o["option"], o["nvme_files"]) for o in result["options"] if o.get("nvme_files")]
     for label, nbytes in files:
         footer.append(f"{label}: NVMe swap files {format_bytes(nbytes)} per rank (the nvme column plus alignment, "

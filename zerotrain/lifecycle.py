@@ -120,8 +120,9 @@ class StopRequest:
         now = time.monotonic()
         if self.signal is None:
             self.signal, self._first_at = sig, now
-            _say(f"zerotrain: received {sig.name}: stopping at the next step boundary "
-                 f"(a checkpoint is saved where a save directory is set); send it again to exit at once\n")
+            if os.environ.get("RANK", "0") == "0":  # every rank got it; one says so
+                _say(f"zerotrain: received {sig.name}: stopping at the next step boundary "
+                     f"(a checkpoint is saved where a save directory is set); send it again to exit at once\n")
             return
         if now - self._first_at < REPEAT_WINDOW_S:
             return  # the same stop delivered twice (process-group kill + launcher forwarding)

@@ -82,6 +82,7 @@ def test_config_block_async_save_and_keep_last_are_honoured(runs):
 def test_resume_continues_at_saved_step_with_the_same_losses(runs):
     root = runs["root"]
     assert f"resumed from {root / 'checkpoints' / 'global_step4'} at step 4" in runs["second"].stdout
+    assert f"weights from {root / 'checkpoints' / 'global_step4'})" in runs["second"].stdout  # not "random init"
     full, resumed = losses(root / "full"), losses(root / "resumed")
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]  # the resumed run appended steps 5 and 6
     for step in range(1, 7):

@@ -162,3 +162,44 @@ def test_hf_trainer_zero3_config_loads_with_warnings(tmp_path):
     assert cfg.train_batch_size is None and cfg.precision == "fp32"
     with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu"):
         cfg.resolve_batch(2)
+
+
+WARNED = """\
+{
+  "train_batch_size": 8,
+  "zero_optimization": {
+    "stage": 1,
+    "zero_quantized_weights": true
+  },
+  "gradient_clipping": "auto",
+  "no_such_top_level_key": 3
+}
+"""
+
+
+def test_warnings_point_at_the_config_file_and_key(tmp_path):
+    """A config warning names the user's file and the line of the key (Python prints that line under it), or, for
+    a dict, the user's own call: never a line of zerotrain's source, which reads as the cause."""
+    import warnings
+
+    import torch
+
+    import zerotrain
+    from zerotrain.config import ConfigWarning
+
+    path = write(tmp_path, WARNED)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(str(path), dp_world_size=1)
+    where = {(w.filename, w.lineno, str(w.message).split(" ")[0]) for w in caught if w.category is ConfigWarning}
+    assert where == {(str(path), 5, "zero_optimization.zero_quantized_weights"),  # needs stage 3: no effect
+                     (str(path), 7, "gradient_clipping"),  # "auto" is not filled in
+                     (str(path), 8, "unknown")}, where
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ConfigError, match="autotp_size"):  # refused before any process group starts
+            zerotrain.initialize(model=torch.nn.Linear(2, 2), config={**json.loads(WARNED),
+                                                                     "tensor_parallel": {"autotp_size": 2}})
+    lines = {w.lineno for w in caught if w.category is ConfigWarning}
+    assert {w.filename for w in caught if w.category is ConfigWarning} == {__file__} and len(lines) == 1, \
+        [(w.filename, w.lineno) for w in caught]

@@ -103,6 +103,14 @@ def test_bad_records_named_by_file_and_line_and_skipped(tmp_path, tiny_tokenizer
     assert _ids(got) == _expected(tok, ["good one", "good two"])
     assert len(got.skipped) == 2
     assert got.skipped[0].startswith(f"{bad}, line 2") and got.skipped[1].startswith(f"{bad}, line 3: missing field")
+    # a compressed file reads as the plain one does (the json validation decompresses, datasets too)
+    import gzip
+    packed = tmp_path / "good.jsonl.gz"
+    packed.write_bytes(gzip.compress(("\n".join(lines[::3]) + "\n").encode()))
+    assert _ids(tokenize_files([packed], tok, cache_dir=cache)) == _expected(tok, ["good one", "good two"])
+    # the missing field's message lists the record's keys and says how to name the field
+    assert got.skipped[1] == (f"{bad}, line 3: missing field 'text' (or chat 'messages'); the record's keys are 'txt': "
+                              "name the text field with --text-field (DataConfig.text_field)")
     # The skipped records are reported again on a cache hit.
     again = build_data(DataConfig([bad], seq_len=8, skip_bad_records=True, cache_dir=cache), tok)
     assert again.tokenized.cache_hit and len(again.skipped) == 2

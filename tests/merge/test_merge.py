@@ -228,25 +228,39 @@ def test_source_dtype_kept_and_bad_params(tiny, tmp_path):
         recipe_from_yaml(str(config))
 
 
+def _decimal_crc_bytes(tensors: dict) -> bytes:
+    """`tensors` as safetensors bytes whose crc32 spells only the digits 0-9 in hex (a metadata nonce varied until
+    it does: ~2% of crcs are such, so a few dozen tries): the manifest entry a decimal parse reads wrongly."""
+    from safetensors.torch import save
+
+    for nonce in range(10_000):
+        data = save(tensors, metadata={"nonce": str(nonce)})
+        if f"{zlib.crc32(data):08x}".isdigit():
+            return data
+    raise AssertionError("no nonce gave an all-digit crc32")
+
+
 def _unified(path, model: dict) -> str:
     """A unified zerotrain checkpoint laid out as `checkpoint.format` describes: bf16 model files, fp32
-    master weights, trainer state and a manifest with crc32s (written with the checkpoint's own helpers)."""
-    from zerotrain.checkpoint.integrity import file_crc32, write_manifest
+    master weights (both files' crc32s spell only the digits 0-9), trainer state and a manifest with crc32s (written
+    with the checkpoint's own helpers)."""
+    from zerotrain.checkpoint.integrity import file_crc32, manifest_entry, write_manifest
 
     os.makedirs(path)
     files = {}
     for kind, tensors in (("model", {n: t.bfloat16() for n, t in model.items()}),
                           ("master_weights", {n: t.float() for n, t in model.items()})):
         file = f"{kind}-00001-of-00001.safetensors"
-        save_file(tensors, os.path.join(path, file))
+        with open(os.path.join(path, file), "wb") as handle:
+            handle.write(_decimal_crc_bytes(tensors))
         json.dump({"metadata": {}, "weight_map": {n: file for n in tensors}},
                   open(os.path.join(path, f"{kind}.safetensors.index.json"), "w"))
         files[file] = None
         files[f"{kind}.safetensors.index.json"] = None
     json.dump({"global_steps": 10}, open(os.path.join(path, "trainer_state.json"), "w"))
     files["trainer_state.json"] = None
-    entries = {name: {"size": os.path.getsize(os.path.join(path, name)),
-                      "crc32": file_crc32(os.path.join(path, name))} for name in files}
+    entries = {name: manifest_entry(os.path.getsize(os.path.join(path, name)),
+                                    file_crc32(os.path.join(path, name))) for name in files}
     write_manifest(str(path), entries, {})
     return str(path)
 
@@ -267,5 +281,51 @@ def test_unified_checkpoint_input_reads_masters_and_manifest_checksums(tiny, tmp
     manifest = json.load(open(os.path.join(ckpt, "manifest.json")))
     entry = next(e for e in record["inputs"] if e["kind"] == "zerotrain")
     assert entry["path"] == ckpt
-    assert entry["checksums"]["master_weights-00001-of-00001.safetensors"] == \
-        f"crc32:{manifest['files']['master_weights-00001-of-00001.safetensors']['crc32']:08x}"
+    assert set(entry["checksums"]) == {"model-00001-of-00001.safetensors", "master_weights-00001-of-00001.safetensors"}
+    for file, checksum in entry["checksums"].items():
+        assert manifest["files"][file]["crc32"].isdigit()  # hex, though it reads as a decimal number too
+        crc = zlib.crc32(open(os.path.join(ckpt, file), "rb").read())
+        assert checksum == f"crc32:{crc:08x}" == f"crc32:{manifest['files'][file]['crc32']}", file
+
+
+def _real_checkpoint(model_dir: str, save_dir: str) -> str:
+    """A checkpoint as `zerotrain train` writes it: the model directory under the engine, one step, saved."""
+    import transformers
+
+    import zerotrain
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    engine, *_ = zerotrain.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 1}, "steps_per_print": 0})
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    path = engine.save_checkpoint(save_dir)
+    engine.close()
+    return path
+
+
+def test_merge_docs_first_example_on_a_real_checkpoint(tiny, tmp_path):
+    """docs/merge.md's first example with a checkpoint the engine saved: the manifest's hex crc32s are read as
+    hex (they were parsed as decimal: ValueError on any hex letter)."""
+    from distributed import run_distributed
+
+    ckpt = run_distributed(_real_checkpoint, 1, tiny["a"], str(tmp_path / "ckpt"))[0]
+    assert os.path.basename(ckpt) == "global_step1"
+    out = str(tmp_path / "merged")
+    assert run("--method", "linear", "--models", ckpt, tiny["b"], "--weights", "0.5", "0.5", "--out", out) == 0
+    from safetensors.torch import load_file
+    trained = {}
+    for file in os.listdir(ckpt):
+        if file.startswith("model-") and file.endswith(".safetensors"):
+            trained.update(load_file(os.path.join(ckpt, file)))
+    b, merged = load_dir(tiny["b"]), load_dir(out)
+    assert set(merged) == set(b) and trained.keys() == b.keys()
+    for name in b:
+        torch.testing.assert_close(merged[name].float(), (trained[name].float() + b[name]) / 2, rtol=1e-6, atol=1e-6)
+    record = json.load(open(os.path.join(out, "merge_config.json")))
+    entry = next(e for e in record["inputs"] if e["kind"] == "zerotrain")
+    assert entry["checksums"]
+    for file, checksum in entry["checksums"].items():
+        assert checksum == f"crc32:{zlib.crc32(open(os.path.join(ckpt, file), 'rb').read()):08x}", file

@@ -65,6 +65,12 @@ def test_missing_or_incomplete_model_directories_are_named(tiny_llama_dir, tmp_p
     config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1}))
     assert main(["train", "--config", str(config), "--nproc", "2", "--model", str(cases[shard])]) == 2
     assert shard in capsys.readouterr().err
+    # tokenizer_config.json without tokenizer.json (a fast tokenizer with nothing to build it from): one line naming
+    # the file, before any process starts (it was transformers' paragraph and a launcher trace from the ranks)
+    no_json = broken("no_tokenizer_json", ["tokenizer.json"])
+    assert main(["train", "--config", str(config), "--nproc", "2", "--model", str(no_json)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"zerotrain: error: {no_json.resolve()} has no tokenizer.json") and err.count("\n") == 1, err
     assert main(["train", "--config", str(config), "--model", str(tiny_llama_dir), "--data",
                  str(tmp_path / "nope.jsonl")]) == 2
     assert "nope.jsonl: no such file" in capsys.readouterr().err
@@ -115,22 +121,26 @@ def _load_at_zero3(cases: list[tuple[str, list]], vocab: int, tmp: str) -> dict:
     return out
 
 
-def _load_then_train(directories: list[str], vocab: int, cwd: str, argv: list[str]) -> dict:
+def _load_then_train(directories: list[str], vocab: int, cwd: str, argv: list[str], *more: list[str]) -> dict:
     """In each rank of a run_distributed launch: the loads, then the `train` command as a torchrun worker runs it
-    (RANK is set, so `main` trains in this process; the launcher itself is covered by the demo's tests)."""
+    (RANK is set, so `main` trains in this process; the launcher itself is covered by the demo's tests), then
+    the `more` commands one after the other in the same process."""
     from zerotrain.cli import main
 
     loaded = _load_at_zero3(directories, vocab, os.path.join(cwd, "overlays")) if directories else {}
     os.chdir(cwd)
     os.environ["ZEROTRAIN_DATA_CACHE"] = os.path.join(cwd, "cache")
-    return {"loaded": loaded, "status": main(["train", *argv])}
+    status = main(["train", *argv])
+    return {"loaded": loaded, "status": status, "more": [main(["train", *other]) for other in more]}
 
 
 def _losses(log_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (log_dir / "metrics.jsonl").read_text().splitlines())}
 
 
-def test_zero3_world2_loads_like_from_pretrained_and_train_on_jsonl_resumes_on_one_rank(tiny_llama_dir, tmp_path):
+def test_zero3_world2_loads_like_from_pretrained_and_train_on_jsonl_resumes_on_one_rank(tiny_llama_dir, tmp_path,
+                                                                                         capsys, monkeypatch):
+    from zerotrain.cli import main
     from zerotrain.models.tiny_llama import write_chat_jsonl
 
     sharded = Path(tiny_llama_dir)
@@ -138,13 +148,15 @@ def test_zero3_world2_loads_like_from_pretrained_and_train_on_jsonl_resumes_on_o
     tied = tied_llama_copy(sharded, tmp_path / "tied")
     vocab = transformers.AutoConfig.from_pretrained(sharded).vocab_size
     chat = write_chat_jsonl(tmp_path / "chat.jsonl", n=48)
+    one = tmp_path / "one.jsonl"  # an eval set of one sample: less than a micro-batch per rank, evaluated all the same
+    one.write_text(json.dumps({"text": "def add(a, b):\n    return a + b\n"}) + "\n")
     base = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 0,
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     (tmp_path / "w2.json").write_text(json.dumps(base))
     (tmp_path / "w1.json").write_text(json.dumps({**base, "gradient_accumulation_steps": 2}))  # same global batch
     common = ["--model", str(sharded), "--data", str(chat), "--seq-len", "64", "--steps", "4"]
-    first = ["--config", "w2.json", *common, "--eval-data", str(chat), "--save-dir", "ckpt", "--save-every", "2",
+    first = ["--config", "w2.json", *common, "--eval-data", str(one), "--save-dir", "ckpt", "--save-every", "2",
              "--log-dir", "full"]
     (tmp_path / "overlays").mkdir()
     new = ["<|tool|>", "<|think|>", "<|x|>"]
@@ -193,7 +205,23 @@ def test_zero3_world2_loads_like_from_pretrained_and_train_on_jsonl_resumes_on_o
     shutil.copytree(tmp_path / "ckpt" / "global_step2", resumed / "global_step2")
     (resumed / "latest").write_text("global_step2")
     again = ["--config", "w1.json", *common, "--save-dir", "resumed", "--resume", "--log-dir", "again"]
-    assert run_distributed(_load_then_train, 1, [], vocab, str(tmp_path), again)[0]["status"] == 0
+    # then, in the same process: --resume --steps 3 on the step-4 checkpoint trains nothing, says so, exit status 0
+    # (it used to print "trained 0 steps ... final loss nan"); --data with --val-fraction and no --eval-data
+    # evaluates on the held-out tail (it used to evaluate nothing, silently)
+    behind = ["--config", "w1.json", *common[:-1], "3", "--save-dir", "resumed", "--resume", "--log-dir", "behind"]
+    held_out = ["--config", "w1.json", *common[:-1], "2", "--val-fraction", "0.25", "--eval-interval", "1",
+                "--no-save", "--log-dir", "held_out"]
+    result = run_distributed(_load_then_train, 1, [], vocab, str(tmp_path), again, behind, held_out)[0]
+    assert result["status"] == 0 and result["more"] == [0, 0]
+    assert not (tmp_path / "behind" / "metrics.jsonl").exists() and (resumed / "latest").read_text() == "global_step4"
+    assert [("eval_loss" in r, r["step"]) for r in map(json.loads, (tmp_path / "held_out" / "metrics.jsonl")
+                                                         .read_text().splitlines())] == [(True, 1), (True, 2)]
+    capsys.readouterr()
+    # the same before any process starts: the launcher reads the checkpoint's step
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *behind[:-2], "--nproc", "2", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "nothing to train: --steps 2" in out and "global_step4 is at step 4" in out, out
     full, second = _losses(tmp_path / "full"), _losses(tmp_path / "again")
     assert sorted(second) == [3, 4]
     for step in (3, 4):

@@ -18,7 +18,8 @@ Public API: `save_checkpoint`, `load_checkpoint` (what the engine's methods call
 `CheckpointState`), `Checkpointer` (`engine.checkpointer`: `wait()`, `raise_if_failed()`, `pending`,
 `last_stall_seconds`, `last_fence_seconds`: their sum is an async save's training stall),
 `SnapshotFences` (the engine's fence: what writers of its slots wait on outside `engine.step()`),
-`CheckpointError`, and the offline tools `inspect_checkpoint`, `verify_checkpoint`, `export_model`.
+`CheckpointError`, and the offline tools `inspect_checkpoint`, `verify_checkpoint`, `export_model`,
+`latest_step`.
 
 Modules, one concept each:
     format        file names, the streaming safetensors writer, CheckpointError
@@ -48,7 +49,7 @@ from .slots import CheckpointState, LoCoErrors, Stateful
 from .fence import SnapshotFences
 from .format import CheckpointError
 from .load import load_checkpoint
-from .tools import export_model, inspect_checkpoint, verify_checkpoint
+from .tools import export_model, inspect_checkpoint, latest_step, verify_checkpoint
 
 __all__ = ["save_checkpoint", "load_checkpoint", "Checkpointer", "CheckpointState", "Stateful", "LoCoErrors", "CheckpointError", "SnapshotFences",
-           "inspect_checkpoint", "verify_checkpoint", "export_model"]
+           "inspect_checkpoint", "verify_checkpoint", "export_model", "latest_step"]

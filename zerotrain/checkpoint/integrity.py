@@ -42,6 +42,24 @@ CHECKSUM = "crc32"
 CHECKSUM_THREADS = 1
 
 
+def crc32_text(crc: int) -> str:
+    """A crc32 as the manifest spells it: 8 lowercase hex digits (the one formatter; `parse_crc32` reads it)."""
+    return f"{crc:08x}"
+
+
+def parse_crc32(text: str, where: str = "manifest") -> int:
+    """The crc32 a manifest entry spells (`crc32_text`): always hexadecimal, also when its digits are all 0-9.
+    `where` (the manifest and file) names the entry in the error."""
+    if not isinstance(text, str) or len(text) != 8 or any(c not in "0123456789abcdefABCDEF" for c in text):
+        raise CheckpointError(f"{where}: crc32 {text!r} is not 8 hexadecimal digits")
+    return int(text, 16)
+
+
+def manifest_entry(size: int, crc: int) -> dict:
+    """A file's manifest entry: its size and crc32 (spelled by `crc32_text`)."""
+    return {"size": size, "crc32": crc32_text(crc)}
+
+
 def file_crc32(path: str) -> int:
     """crc32 of a whole file, streamed (O_DIRECT when possible: the file is not left in the page cache)."""
     crc = 0
@@ -222,7 +240,7 @@ def corrupt_files(directory: str, shares: list[dict]) -> dict[str, str]:
             actual = joined[0][3]
         else:
             continue
-        if f"{actual:08x}" != expected:
-            bad[name] = (f"{os.path.join(directory, name)}: checksum mismatch (crc32 {actual:08x}, manifest says "
+        if actual != parse_crc32(expected, f"{os.path.join(directory, MANIFEST)} entry {name!r}"):
+            bad[name] = (f"{os.path.join(directory, name)}: checksum mismatch (crc32 {crc32_text(actual)}, manifest says "
                          f"{expected}): the file is corrupt")
     return bad

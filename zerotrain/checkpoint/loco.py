@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from .format import CheckpointError, SafetensorsWriter
+from .integrity import manifest_entry
 from .slots import LoCoErrors
 
 _KIND = "loco"
@@ -74,7 +75,7 @@ def write_loco(path: str, state: dict) -> dict:
     except BaseException:
         writer.abort()
         raise
-    return {"size": size, "crc32": f"{crc:08x}"}
+    return manifest_entry(size, crc)
 
 
 def read_loco(path: str) -> dict:

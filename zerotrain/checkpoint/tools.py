@@ -37,6 +37,19 @@ def _path(directory: str) -> str:
     return path
 
 
+def latest_step(save_dir: str) -> Optional[tuple[str, int]]:
+    """``(path, global step)`` of the checkpoint `save_dir`'s `latest` names, None when there is none; read only
+    (nothing recovered or checked: what a command says before it starts its ranks, which then load it)."""
+    tag = commit.read_latest(save_dir)
+    path = os.path.join(save_dir, tag) if tag else None
+    if path is None or not os.path.isfile(os.path.join(path, TRAINER_STATE)):
+        return None
+    try:
+        return path, int(read_json(os.path.join(path, TRAINER_STATE))["global_steps"])
+    except (CheckpointError, KeyError, TypeError, ValueError):
+        return None  # the load itself reports what is wrong with it
+
+
 def inspect_checkpoint(directory: str) -> dict:
     """Tensors (dtype, shape, bytes) per kind, the step, and the topology that wrote the checkpoint."""
     path = _path(directory)

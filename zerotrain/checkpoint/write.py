@@ -34,7 +34,7 @@ import torch
 from . import commit
 from .format import (LATEST, MASTER, MODEL, OPTIMIZER, TRAINER_STATE, CheckpointError, SafetensorsWriter,
                      index_file, rng_file, write_json)
-from .integrity import write_manifest
+from .integrity import manifest_entry, write_manifest
 from .loco import loco_file, write_loco
 from .plan import SavePlan
 from .split import assemble_whole
@@ -91,7 +91,7 @@ class SaveJob:
             try:
                 for name, writer in list(self._writers.items()):
                     size, crc = writer.close()
-                    written[name] = {"size": size, "crc32": f"{crc:08x}"}
+                    written[name] = manifest_entry(size, crc)
                 self._writers.clear()
                 self._write_small_files(temp, written)
                 commit.event("files-written")
@@ -167,7 +167,7 @@ class SaveJob:
         if writer is None:
             for other in [n for n in self._writers if self._open_plan[n].kind == kind]:
                 size, crc = self._writers.pop(other).close()  # the writer's previous file of this kind is done
-                written[other] = {"size": size, "crc32": f"{crc:08x}"}
+                written[other] = manifest_entry(size, crc)
             spec = self._open_plan[name]
             writer = self._writers[name] = SafetensorsWriter(os.path.join(temp, name), spec.entries,
                                                              {"zerotrain": kind})
@@ -200,7 +200,7 @@ class SaveJob:
     def _write_small_files(self, temp: str, written: dict) -> None:
         def put(name: str, payload) -> None:
             size, crc = write_json(os.path.join(temp, name), payload)
-            written[name] = {"size": size, "crc32": f"{crc:08x}"}
+            written[name] = manifest_entry(size, crc)
 
         put(rng_file(self.comm.rank), self.rng_state)
         if self.loco_state is not None:

@@ -25,12 +25,14 @@ the full dotted key.
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
 import os
 import sys
 import warnings
-from typing import Annotated, Any, ClassVar, Optional
+from contextvars import ContextVar
+from typing import Annotated, Any, ClassVar, Iterator, Optional
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
@@ -51,17 +53,56 @@ class ConfigWarning(UserWarning):
     """A config key that was accepted but changes nothing (or was rewritten)."""
 
 
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # zerotrain/
 _PYDANTIC_DIR = os.path.dirname(os.path.abspath(sys.modules[BaseModel.__module__].__file__))
+# The config file being read (its name and text), while `load_config` validates it: warnings point into it.
+_SOURCE: ContextVar[Optional[tuple[str, str]]] = ContextVar("zerotrain_config_source", default=None)
+# One registry for every config warning: the same warning about the same key is shown once per process (a config
+# is validated more than once on its way into the engine).
+_REGISTRY: dict = {}
 
 
-def warn(message: str) -> None:
-    """Warn with `ConfigWarning`, attributed to the first frame outside the config code and pydantic."""
-    level, frame = 1, sys._getframe(0)
+@contextlib.contextmanager
+def config_source(file: str, text: str) -> Iterator[None]:
+    """While validating the config read from `file` (its `text`): `warn` names the file and the key's line."""
+    token = _SOURCE.set((file, text))
+    try:
+        yield
+    finally:
+        _SOURCE.reset(token)
+
+
+def key_line(text: str, key: Optional[str]) -> int:
+    """The line of JSON `text` where dotted `key` is written (each part's quoted name searched after the previous
+    one's; the deepest part found), 1 when not even its first part is there."""
+    index, at = 0, None
+    for part in (key or "").split(".") if key else ():
+        found = text.find(f'"{part}"', index)
+        if found < 0:
+            break
+        index = at = found
+    return 1 if at is None else text.count("\n", 0, at) + 1
+
+
+def warn(message: str, key: Optional[str] = None) -> None:
+    """Warn with `ConfigWarning` about the user's config, never an internal source line: while a config file is
+    read, at the file and the line of `key` (the dotted key the message names; Python shows that line of the
+    file under the message); for a config given as a dict, at the first caller outside zerotrain and pydantic
+    (the user's `zerotrain.initialize(config=...)`)."""
+    source = _SOURCE.get()
+    if source is not None:
+        file, text = source
+        warnings.warn_explicit(message, ConfigWarning, file, key_line(text, key), registry=_REGISTRY)
+        return
+    frame = sys._getframe(1)
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith((_PKG_DIR, _PYDANTIC_DIR)):
         frame = frame.f_back
-        level += 1
-    warnings.warn(message, ConfigWarning, stacklevel=level)
+    if frame is None or frame.f_code.co_filename.startswith("<"):  # no user code (runpy): name the config
+        warnings.warn_explicit(message, ConfigWarning, "<config>", 0, registry=_REGISTRY)
+        return
+    warnings.warn_explicit(message, ConfigWarning, frame.f_code.co_filename, frame.f_lineno,
+                           registry=frame.f_globals.setdefault("__warningregistry__", {}),
+                           module_globals=frame.f_globals)
 
 
 # --- value types: JSON-shaped, no silent coercion from strings or booleans -------------
@@ -221,7 +262,8 @@ class Block(BaseModel):
         for key, value in data.items():
             name = cls.LEGACY.get(key, key)
             if key in cls.WARN_LEGACY:
-                warn(f"{cls.key_path(key)} is the older name of {cls.key_path(name)}; read as {cls.key_path(name)}")
+                warn(f"{cls.key_path(key)} is the older name of {cls.key_path(name)}; read as {cls.key_path(name)}",
+                     cls.key_path(key))
             if name in cls.model_fields:
                 if name in given_as:
                     if out.get(name) != value:
@@ -250,7 +292,7 @@ class Block(BaseModel):
             if isinstance(info.context, dict):
                 info.context.setdefault("unimplemented", {})[path] = value
             warn(f"{path} = {value!r}: zerotrain accepts this DeepSpeed key but does not implement it; "
-                 f"it has no effect")
+                 f"it has no effect", path)
         return self
 
     @classmethod
@@ -268,7 +310,7 @@ class Block(BaseModel):
             meaning = "the block takes its defaults"
         else:
             meaning = f"the default {default!r} is used"
-        warn(f"{cls.key_path(name)} is 'auto', which zerotrain does not fill in; {meaning}")
+        warn(f"{cls.key_path(name)} is 'auto', which zerotrain does not fill in; {meaning}", cls.key_path(name))
 
     @classmethod
     def _record_deepspeed_only(cls, key: str, value: Any, info: ValidationInfo) -> None:
@@ -276,7 +318,7 @@ class Block(BaseModel):
         if isinstance(info.context, dict):
             info.context.setdefault("unimplemented", {})[path] = value
         if not _is_off(key, value):
-            warn(f"{path} is a DeepSpeed key that zerotrain does not implement; it is ignored and has no effect")
+            warn(f"{path} is a DeepSpeed key that zerotrain does not implement; it is ignored and has no effect", path)
 
     @classmethod
     def _unknown_key(cls, key: str, strict: bool) -> None:
@@ -291,7 +333,7 @@ class Block(BaseModel):
             why = " (strict_config is true)" if not cls.PATH else ""
             raise ConfigError(f"unknown key '{path}'{why}; valid keys here: {valid}", key=path)
         warn(f"unknown top-level key '{path}' is ignored, as DeepSpeed ignores it (set \"strict_config\": true "
-             f"to make this an error)")
+             f"to make this an error)", path)
 
     @classmethod
     def _near_miss(cls, key: str) -> Optional[str]:

@@ -22,7 +22,7 @@ from typing import Any, Optional, Union
 
 from pydantic import ValidationError
 
-from .base import ConfigError, error_from_validation
+from .base import ConfigError, config_source, error_from_validation
 from .schema import ZeroTrainConfig
 
 __all__ = ["load_config", "read_config_file", "strip_json_comments", "parse_json_text"]
@@ -115,6 +115,11 @@ def parse_json_text(text: str, source: str = "<config>") -> dict[str, Any]:
 def read_config_file(path: Union[str, os.PathLike]) -> dict[str, Any]:
     """Read a JSON config file into a dict."""
     name = os.fspath(path)
+    return parse_json_text(_read_text(name), name)
+
+
+def _read_text(name: str) -> str:
+    """The text of config file `name` (a ConfigError naming it when it cannot be read)."""
     try:
         with open(name, encoding="utf-8-sig") as handle:
             text = handle.read()
@@ -126,7 +131,7 @@ def read_config_file(path: Union[str, os.PathLike]) -> dict[str, Any]:
         raise ConfigError(f"{name}: not UTF-8 text ({err.reason} at byte {err.start})", file=name) from None
     except OSError as err:
         raise ConfigError(f"{name}: cannot read the config file: {err.strerror}", file=name) from None
-    return parse_json_text(text, name)
+    return text
 
 
 def _drop_commented(value: Any) -> Any:
@@ -166,7 +171,12 @@ def load_config(source: ConfigSource, dp_world_size: Optional[int] = None) -> Ze
             cfg = _build(parse_json_text(source), dp_world_size)
         elif isinstance(source, (str, os.PathLike)):
             file = os.fspath(source)
-            cfg = _build(read_config_file(file), dp_world_size)
+            text = _read_text(file)
+            with config_source(file, text):  # its warnings name the file and the key's line
+                cfg = _build(parse_json_text(text, file), dp_world_size)
+                if dp_world_size is not None:
+                    cfg = cfg.resolve_batch(dp_world_size)
+            return cfg
         else:
             raise ConfigError(f"config must be a dict or a path to a JSON file, got {type(source).__name__}")
         if dp_world_size is not None:

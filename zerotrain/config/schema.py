@@ -184,7 +184,7 @@ class ZeroTrainConfig(Block):
         if isinstance(zero, bool):  # DeepSpeed's oldest form: true means stage 1
             data["zero_optimization"] = {"stage": 1 if zero else 0}
             warn(f"zero_optimization: {str(zero).lower()} is a legacy DeepSpeed form; read as "
-                 f"{{\"stage\": {1 if zero else 0}}}")
+                 f"{{\"stage\": {1 if zero else 0}}}", "zero_optimization")
         return data
 
     @model_validator(mode="after")

@@ -5,8 +5,6 @@ whether they are implemented is the engine's business.
 """
 from __future__ import annotations
 
-import warnings
-
 from typing import Annotated, Any, Optional
 
 from pydantic import BeforeValidator, Field, model_validator
@@ -165,7 +163,8 @@ class ZeroConfig(Block):
             if pin is not None:
                 block.setdefault("pin_memory", pin)
             data[new] = block
-            warn(f"{cls.key_path(old)} is a legacy DeepSpeed key; read as {cls.key_path(new)}.device = 'cpu'")
+            warn(f"{cls.key_path(old)} is a legacy DeepSpeed key; read as {cls.key_path(new)}.device = 'cpu'",
+                 cls.key_path(old))
         return data
 
     @model_validator(mode="after")
@@ -176,6 +175,11 @@ class ZeroConfig(Block):
         if self.offload_optimizer is not None and self.offload_optimizer.enabled and self.stage == 0:
             raise ConfigError(f"{self.key_path('offload_optimizer')}: optimizer offload needs stage 1, 2 or 3 "
                               f"(stage is 0)", key=self.key_path("offload_optimizer"))
+        return self
+
+    @model_validator(mode="after")
+    def _warn_without_effect(self):
+        warn_settings_without_effect(self)  # while the file is read: the warnings point at its keys
         return self
 
     def stage3_fetch_limits(self) -> tuple[int, int, int]:
@@ -201,7 +205,8 @@ class ZeroConfig(Block):
 
 
 def warn_settings_without_effect(zero: "ZeroConfig") -> None:
-    """Warn, naming the key, for settings accepted but with no effect at this stage."""
+    """Warn, naming the key, for settings accepted but with no effect at this stage (when the block is
+    validated)."""
     stage = zero.stage
     # ZeRO++ keys that do nothing at this stage (DeepSpeed ignores them there too).
     no_effect = {
@@ -217,4 +222,4 @@ def warn_settings_without_effect(zero: "ZeroConfig") -> None:
     }
     for key, (is_set, why) in no_effect.items():
         if is_set:
-            warnings.warn(f"{key} has no effect: it {why}")
+            warn(f"{key} has no effect: it {why}", key)

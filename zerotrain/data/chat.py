@@ -26,7 +26,7 @@ import re
 from pathlib import Path
 from typing import Sequence, Union
 
-from zerotrain.data.records import _classify, _starts_with_bracket, data_files_in
+from zerotrain.data.records import _classify, _open, _starts_with_bracket, data_files_in, data_suffix
 
 __all__ = ["CHATML_TEMPLATE", "CHATML_TOKENS", "template_special_tokens", "prepare_chat_tokenizer", "has_chat_records"]
 
@@ -71,7 +71,7 @@ def _file_kind(path: Path, text_field: str, messages_field: str) -> str:
         if isinstance(ds, datasets.DatasetDict):
             ds = ds["train"] if "train" in ds else next(iter(ds.values()))
         return "messages" if messages_field in ds.column_names else "text"
-    suffix = path.suffix.lower()
+    suffix = data_suffix(path)
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -79,19 +79,20 @@ def _file_kind(path: Path, text_field: str, messages_field: str) -> str:
     if suffix == ".csv":
         import csv
 
-        with path.open(newline="", encoding="utf-8") as f:
+        with _open(path, "r") as f:
             header = next(csv.reader(f), [])
         return "messages" if messages_field in header else "text"
     if suffix in (".jsonl", ".json"):
         if suffix == ".json" and _starts_with_bracket(path):
             try:
-                records = json.loads(path.read_text(encoding="utf-8"))
+                with _open(path, "r") as f:
+                    records = json.loads(f.read())
             except json.JSONDecodeError:
                 return "text"  # named with its line by the full validation
             records = records if isinstance(records, list) else []
         else:
             records = []
-            with path.open(encoding="utf-8", errors="replace") as f:
+            with _open(path, "r", errors="replace") as f:
                 for line in f:
                     if not line.strip():
                         continue

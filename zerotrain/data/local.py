@@ -8,13 +8,14 @@ See ``docs/data.md`` for the formats and rules.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from zerotrain.data.packing import (DocumentDataset, PackedCollator, PackedDataset, PaddingCollator,
                                     packed_attention_mode)
@@ -81,10 +82,32 @@ class TrainData:
         """Every sample exactly once across ranks, in order (rank ``r`` takes ``r, r + dp_size, ...``).
 
         Ranks may get one batch more or less than each other: sum losses and token counts
-        locally and reduce once at the end (no per-batch collective).
+        locally and reduce once at the end (no per-batch collective). A set smaller than one
+        micro-batch per rank gives every rank one batch, the samples taken in turn from the
+        rank's own offset and repeated (each rank runs the same forwards, as ZeRO-3 needs: a
+        sample may count more than once).
         """
-        indices = list(range(dp_rank, len(self.dataset), dp_size))
+        n = len(self.dataset)
+        if 0 < n < micro_batch_size * dp_size:
+            indices = [(dp_rank * micro_batch_size + j) % n for j in range(micro_batch_size)]
+        else:
+            indices = list(range(dp_rank, n, dp_size))
         return DataLoader(self.dataset, batch_size=micro_batch_size, sampler=indices, collate_fn=self.collator)
+
+    def eval_batches(self, *, micro_batch_size: int, dp_size: int = 1) -> int:
+        """Batches every rank has in `eval_loader` (at least one when there is any sample)."""
+        n = len(self.dataset)
+        return max(1, n // (micro_batch_size * dp_size)) if n else 0
+
+    def hold_out(self, fraction: float) -> tuple["TrainData", "TrainData"]:
+        """``(train, held_out)``: the last ``fraction`` of the samples (at least one) held out for evaluation, as
+        the tail of the built-in corpus is; ValueError when no sample would be left to train on."""
+        n = len(self.dataset)
+        held = max(1, round(n * fraction))
+        if held >= n:
+            raise ValueError(f"holding out {fraction:g} of {n} samples for evaluation leaves none to train on")
+        return (dataclasses.replace(self, dataset=Subset(self.dataset, range(n - held))),
+                dataclasses.replace(self, dataset=Subset(self.dataset, range(n - held, n))))
 
 
 def build_data(config: DataConfig, tokenizer, *, comm=None, local_rank: Optional[int] = None, model: Any = None,

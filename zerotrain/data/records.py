@@ -8,6 +8,9 @@ Formats (chosen by suffix; a directory is one written by ``datasets.save_to_disk
   objects), each with a text field (``text_field``, default ``"text"``) or a chat ``messages``
   list of ``{"role": ..., "content": ...}`` turns.
 - ``.parquet``, ``.csv``: a column named ``text_field`` or ``messages_field``.
+- Compressed ``.txt``, ``.jsonl``, ``.json`` and ``.csv`` files (``.gz``, ``.bz2``, ``.xz``: ``data.jsonl.gz``):
+  ``datasets`` decompresses text and csv itself; the JSON validation pass reads them through Python's
+  own ``gzip`` / ``bz2`` / ``lzma``.
 
 Every file yields a dataset with ONE column: ``text`` (str) or ``messages`` (list of turns), so the
 tokenizer step knows how to treat it. Why a validation pass of our own for JSON: ``datasets``' json
@@ -18,15 +21,35 @@ parquet/csv/saved datasets the loader parses fine and we check the fields row by
 """
 from __future__ import annotations
 
+import bz2
+import gzip
 import json
+import lzma
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-__all__ = ["BadRecordError", "BadRecord", "LoadedFile", "load_data_file", "data_files_in", "SUFFIXES"]
+__all__ = ["BadRecordError", "BadRecord", "LoadedFile", "load_data_file", "data_files_in", "data_suffix", "SUFFIXES"]
 
 SUFFIXES = (".txt", ".jsonl", ".json", ".parquet", ".csv")
+_COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}  # a compressed file: its format's suffix first
+
+
+def data_suffix(path: Union[str, Path]) -> str:
+    """The format suffix of a data file: `.jsonl` for `a.jsonl` and for `a.jsonl.gz` (lower case)."""
+    suffixes = [suffix.lower() for suffix in Path(path).suffixes]
+    if len(suffixes) >= 2 and suffixes[-1] in _COMPRESSED:
+        return suffixes[-2]
+    return suffixes[-1] if suffixes else ""
+
+
+def _open(path: Union[str, Path], mode: str = "rb", errors: str = "strict"):
+    """`path` opened for reading (mode "rb" or "r": UTF-8 text), decompressed when it ends in .gz, .bz2 or .xz."""
+    opener = _COMPRESSED.get(Path(path).suffix.lower())
+    if "b" in mode:
+        return (opener or open)(path, "rb")
+    return (opener or open)(path, "rt", encoding="utf-8", errors=errors, newline="")
 
 
 class BadRecordError(ValueError):
@@ -61,7 +84,7 @@ def data_files_in(paths: Sequence[Union[str, Path]]) -> list[Path]:
         if not p.exists():
             raise FileNotFoundError(f"data path {p} does not exist")
         if p.is_dir() and not _is_saved_dataset(p):
-            found = sorted(q for q in p.rglob("*") if q.is_file() and q.suffix in SUFFIXES)
+            found = sorted(q for q in p.rglob("*") if q.is_file() and data_suffix(q) in SUFFIXES)
             if not found:
                 raise BadRecordError(f"{p}: directory holds no data files ({', '.join(SUFFIXES)}) "
                                      "and was not written by datasets.save_to_disk")
@@ -101,7 +124,9 @@ def _classify(record: Any, text_field: str, messages_field: str) -> tuple[Option
         if not isinstance(value, str):
             return None, f"field '{text_field}' is not a string"
         return "text", None
-    return None, f"missing field '{text_field}' (or chat '{messages_field}')"
+    keys = ", ".join(repr(k) for k in list(record)[:12]) + (", ..." if len(record) > 12 else "")
+    return None, (f"missing field '{text_field}' (or chat '{messages_field}'); the record's keys are {keys or 'none'}: "
+                  f"name the text field with --text-field (DataConfig.text_field)")
 
 
 def _fail_or_skip(bad: list[BadRecord], skip: bool) -> None:
@@ -121,14 +146,14 @@ def _jsonl_good_records(path: str, bad_lines: tuple, kind: str, text_field: str,
                         digest: str):
     """The valid records of a validated jsonl file (``digest`` only keys datasets' generator cache)."""
     bad = set(bad_lines)
-    with open(path, encoding="utf-8") as f:
+    with _open(path, "r") as f:
         for lineno, line in enumerate(f, start=1):
             if line.strip() and lineno not in bad:
                 yield _clean(json.loads(line), kind, text_field, messages_field)
 
 
 def _starts_with_bracket(path: Path) -> bool:
-    with path.open(encoding="utf-8") as f:
+    with _open(path, "r") as f:
         for line in f:
             if line.strip():
                 return line.lstrip().startswith("[")
@@ -148,9 +173,10 @@ def _json_dataset(path: Path, text_field: str, messages_field: str, skip: bool, 
 
     bad: list[BadRecord] = []
     kinds: dict[str, int] = {}
-    if path.suffix == ".json" and _starts_with_bracket(path):
+    if data_suffix(path) == ".json" and _starts_with_bracket(path):
         try:
-            array = json.loads(path.read_text(encoding="utf-8"))
+            with _open(path, "r") as f:
+                array = json.loads(f.read())
         except json.JSONDecodeError as e:
             raise BadRecordError(f"{path}, line {e.lineno}: not valid JSON ({e.msg})") from None
         good = []
@@ -165,7 +191,7 @@ def _json_dataset(path: Path, text_field: str, messages_field: str, skip: bool, 
     else:
         digest = hashlib.sha256()
         nonblank = 0
-        with path.open("rb") as f:
+        with _open(path, "rb") as f:
             for lineno, raw in enumerate(f, start=1):
                 digest.update(raw)
                 line = raw.decode("utf-8", errors="replace")
@@ -210,7 +236,8 @@ def _check_columns(path: Path, ds, text_field: str, messages_field: str, skip: b
         kind, column = "text", text_field
     else:
         raise BadRecordError(f"{path}: missing field '{text_field}' (or chat '{messages_field}'); "
-                             f"columns are {ds.column_names}")
+                             f"columns are {ds.column_names}: name the text field with --text-field "
+                             f"(DataConfig.text_field)")
     bad: list[BadRecord] = []
     keep: list[int] = []
     for i, value in enumerate(ds[column]):
@@ -251,10 +278,11 @@ def load_data_file(path: Union[str, Path], *, text_field: str = "text", messages
             ds = ds["train"]
         kind, ds, bad = _check_columns(path, ds, text_field, messages_field, skip_bad_records, 0, "row")
         return LoadedFile(str(path), kind, ds, bad)
-    suffix = path.suffix.lower()
-    if suffix not in SUFFIXES:
-        raise BadRecordError(f"{path}: unsupported data file type '{suffix}' (supported: {', '.join(SUFFIXES)} "
-                             "or a datasets.save_to_disk directory)")
+    suffix = data_suffix(path)
+    if suffix not in SUFFIXES or (suffix == ".parquet" and path.suffix.lower() in _COMPRESSED):
+        raise BadRecordError(f"{path}: unsupported data file type '{''.join(path.suffixes[-2:]) or suffix}' "
+                             f"(supported: {', '.join(SUFFIXES)}, the text ones also as .gz, .bz2 or .xz, or a "
+                             "datasets.save_to_disk directory)")
     if os.path.getsize(path) == 0:
         raise BadRecordError(f"{path}: file is empty")
     if suffix in (".jsonl", ".json"):

@@ -263,14 +263,18 @@ def tokenize_files(paths: Sequence[Union[str, Path]], tokenizer, settings: Token
                 mine = "busy"
             else:
                 error = outcome.get("error")
-                mine = None if error is None else f"{type(error).__name__}: {error}"
+                # a bad record is the same one-line error on every rank (not a wrapped one on the waiting ranks)
+                mine = None if error is None else (isinstance(error, BadRecordError), f"{type(error).__name__}: {error}",
+                                                   str(error))
             status = comm.all_gather_object(mine)
             if "busy" not in status:
                 break
         if "error" not in outcome:
             failed = [(r, m) for r, m in enumerate(status) if m]
             if failed:
-                rank, message = failed[0]
+                rank, (bad_record, message, text) = failed[0]
+                if bad_record:
+                    raise BadRecordError(text)
                 raise RuntimeError(f"rank {rank} failed to build the tokenized data cache: {message}")
     if "error" in outcome:
         raise outcome["error"]

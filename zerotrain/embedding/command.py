@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+from zerotrain.command import HelpFormatter
+
 __all__ = ["add_train_embedding_parser", "run_train_embedding", "worker_argv"]
 
 _OPTIONS = ("model", "config", "eval_stdlib", "metrics", "log_dir", "micro_batch", "accumulation", "lr", "stage",
@@ -33,7 +35,7 @@ def add_train_embedding_parser(sub: Any) -> None:
         description="Fine-tune an encoder (Hugging Face or sentence-transformers directory) with InfoNCE over "
                     "in-batch, hard and cross-rank negatives; gradient accumulation makes ONE bigger contrastive "
                     "batch (GradCache). Data: jsonl of {\"query\", \"positive\", \"negatives\": [...]}.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     parser.add_argument("--model", required=True, metavar="DIR", help="encoder directory (no hub downloads)")
     parser.add_argument("--data", required=True, nargs="+", metavar="FILE",
                         help="jsonl pair file(s); `stdlib`: the train split of the standard library's "

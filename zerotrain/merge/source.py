@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from ..checkpoint.format import HF_CONFIG, MASTER, MODEL, CheckpointError, read_header, st_dtype
-from ..checkpoint.integrity import file_crc32
+from ..checkpoint.integrity import crc32_text, file_crc32, parse_crc32
 from ..checkpoint.source import ZEROTRAIN, open_source, resolve
 from .errors import MergeError
 from ..lora import LoraAdapter
@@ -137,7 +137,8 @@ class TensorSource:
         out = {}
         for file in files:
             if self.kind == ZEROTRAIN and self.manifest and file in self.manifest["files"]:
-                out[file] = f"crc32:{int(self.manifest['files'][file]['crc32']):08x}"
+                crc = parse_crc32(self.manifest["files"][file]["crc32"], f"{self.path}/manifest.json entry {file!r}")
+                out[file] = f"crc32:{crc32_text(crc)}"
                 continue
-            out[file] = f"crc32:{file_crc32(os.path.join(self.path, file)):08x}"
+            out[file] = f"crc32:{crc32_text(file_crc32(os.path.join(self.path, file)))}"
         return out

@@ -192,7 +192,13 @@ def load_tokenizer(source: ModelSource):
     try:
         return AutoTokenizer.from_pretrained(source.tokenizer_dir, local_files_only=True, trust_remote_code=False)
     except Exception as error:  # noqa: BLE001
-        raise ModelError(f"cannot load the tokenizer of {source.tokenizer_dir}: {error}") from None
+        # one line: the file a fast tokenizer needs when it is missing, else transformers' first line
+        if not (Path(source.tokenizer_dir) / "tokenizer.json").is_file():
+            raise ModelError(f"{source.tokenizer_dir} has no tokenizer.json, and transformers cannot build the "
+                             "tokenizer from its other files; add tokenizer.json, or give a tokenizer directory with "
+                             "--tokenizer DIR") from None
+        why = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise ModelError(f"cannot load the tokenizer of {source.tokenizer_dir}: {why}") from None
 
 
 def byte_tokenizer():

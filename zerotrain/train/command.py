@@ -17,9 +17,13 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from zerotrain.command import PROG, CLIError, inside_worker
+from zerotrain.command import PROG, CLIError, HelpFormatter, inside_worker
 
-__all__ = ["add_train_parser", "check_train_args", "worker_argv", "run_train", "lora_options", "model_engine",
+# The share of the data held out for evaluation when nothing else says: the built-in corpus' tail; with --data, when
+# --eval-interval asks for evaluation without --eval-data or --val-fraction.
+DEFAULT_VAL_FRACTION = 0.02
+
+__all__ = ["add_train_parser", "check_train_args", "already_trained", "worker_argv", "run_train", "lora_options", "model_engine",
            "load_weights"]
 
 
@@ -37,7 +41,7 @@ def add_train_parser(sub: Any) -> None:
             "Python standard library's own source files (no download). Batch sizes, optimizer, scheduler, "
             "precision and ZeRO stage come from the DeepSpeed-style JSON config."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     train.add_argument(
         "--config", required=True, metavar="PATH",
@@ -100,8 +104,10 @@ def add_train_parser(sub: Any) -> None:
         help="read at most this many bytes of standard-library source as the corpus",
     )
     train.add_argument(
-        "--val-fraction", type=float, default=0.02, metavar="F",
-        help="fraction of the corpus (its tail) held out for evaluation; 0 disables eval",
+        "--val-fraction", type=float, default=None, metavar="F",
+        help="fraction of the training data (its last samples) held out for evaluation; 0 disables it. Default: "
+             "0.02 of the built-in corpus; with --data, none unless --eval-interval asks for evaluation (then "
+             "0.02); not with --eval-data, which is the evaluation set",
     )
     train.add_argument(
         "--eval-interval", type=int, default=0, metavar="N",
@@ -184,11 +190,13 @@ def check_train_args(args: argparse.Namespace) -> None:
         for data_path in paths or ():
             if not os.path.exists(data_path):
                 raise CLIError(f"{flag} {data_path}: no such file or directory")
-    from zerotrain.models.hf import PRESETS, ModelError, resolve_model
+    from zerotrain.models.hf import PRESETS, ModelError, load_tokenizer, resolve_model
     try:  # every file it names, before any process (a preset alone needs no transformers import here)
         if args.model_config is not None or args.tokenizer is not None or (
                 args.model is not None and (args.model not in PRESETS or os.path.isdir(args.model))):
-            resolve_model(args.model, args.model_config, args.tokenizer)
+            source = resolve_model(args.model, args.model_config, args.tokenizer)
+            if not inside_worker():
+                load_tokenizer(source)  # one that cannot load (e.g. no tokenizer.json) fails here, not in every rank
     except ModelError as exc:
         raise CLIError(str(exc)) from None
     if args.max_corpus_bytes < 1:
@@ -208,8 +216,11 @@ def check_train_args(args: argparse.Namespace) -> None:
         raise CLIError("--save-dir is empty (use --no-save to save no checkpoint)")
     if args.resume and args.no_save:
         raise CLIError("--resume reads --save-dir, which --no-save turns off")
-    if not 0.0 <= args.val_fraction < 1.0:
+    if args.val_fraction is not None and not 0.0 <= args.val_fraction < 1.0:
         raise CLIError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
+    if args.val_fraction and args.eval_data:
+        raise CLIError("--val-fraction holds part of --data out for evaluation, --eval-data names the evaluation "
+                       "data: give one")
     path = Path(args.config)
     if not path.is_file():
         raise CLIError(f"config file {args.config!r} not found")
@@ -231,6 +242,25 @@ def check_train_args(args: argparse.Namespace) -> None:
             return
         from zerotrain.monitor import check_monitor_libraries
         check_monitor_libraries(load_config(args.config, dp_world_size=args.nproc))  # e.g. tensorboard not installed
+
+
+def already_trained(args: argparse.Namespace) -> Optional[str]:
+    """With --resume: the line to print instead of training when the latest checkpoint in --save-dir is already at
+    or past --steps (the total to reach, as the HF Trainer's max_steps), before any process starts; else None."""
+    if not args.resume or args.no_save:
+        return None
+    from zerotrain.checkpoint import latest_step
+
+    latest = latest_step(os.path.abspath(args.save_dir))
+    if latest is None or latest[1] < args.steps:
+        return None
+    return nothing_to_train(*latest, args.steps)
+
+
+def nothing_to_train(path: str, step: int, steps: int) -> str:
+    """What a resumed run says when its checkpoint already holds the steps asked for."""
+    return (f"{PROG}: nothing to train: --steps {steps} is the total to reach, counting the steps done, and the "
+            f"checkpoint {path} is at step {step}; give --steps above {step} to train on")
 
 
 # Options a worker receives, in that order. `--nproc` is not among them: a worker knows it is
@@ -326,6 +356,12 @@ def run_train(args: argparse.Namespace) -> int:
             base_loaded = True
         if args.resume:
             path, _ = engine.load_checkpoint(save_dir)
+            if path is not None and engine.global_steps >= args.steps:  # e.g. an elastic restart after the end
+                if rank == 0:
+                    print(nothing_to_train(path, engine.global_steps, args.steps), flush=True)
+                engine.close()
+                dist.barrier()
+                return 0
             if rank == 0:
                 print(f"{PROG}: resumed from {path} at step {engine.global_steps}" if path is not None else
                       f"{PROG}: nothing to resume in {save_dir}; starting from scratch", flush=True)
@@ -338,7 +374,8 @@ def run_train(args: argparse.Namespace) -> int:
         loader = make_loader(engine.global_samples)  # a resumed run continues at the exact next sample
         if rank == 0:
             stage = engine.config.zero_optimization.stage
-            weights = f"weights from {source.weights_dir}" if source.weights_dir else "random init"
+            weights = (f"weights from {path}" if path is not None else  # resumed: the checkpoint's
+                       f"weights from {source.weights_dir}" if source.weights_dir else "random init")
             print(
                 f"{PROG}: model {source.name} ({type(model).__name__}, {count_parameters(model):,} params, "
                 f"{weights}), world size {world}, ZeRO stage {stage}, batch {engine.train_batch_size()} = "
@@ -346,6 +383,8 @@ def run_train(args: argparse.Namespace) -> int:
                 f"{dp_size} ranks, seq {seq_len}, {data_text}",
                 flush=True,
             )
+            for line in _start_notes(args, model, lora):
+                print(line, flush=True)
         trainer = Trainer(
             engine,
             loader,
@@ -369,10 +408,24 @@ def run_train(args: argparse.Namespace) -> int:
         where = (f"checkpoint {summary.checkpoint}; continue with --resume" if summary.checkpoint
                  else "no checkpoint saved (--no-save)")
         if rank == 0:
-            print(f"{PROG}: stopped by {summary.stopped_by} at step {engine.global_steps}: {where}", flush=True)
-            trainer.stop_request.tell_launcher(summary.stopped_by, f"step {engine.global_steps}, {where}")
+            print(f"{PROG}: stopped by {summary.stopped_by} at step {engine.global_steps}; {where}", flush=True)
+            trainer.stop_request.tell_launcher(summary.stopped_by, f"step {engine.global_steps}; {where}")
         return trainer.stop_request.exit_status(summary.stopped_by)
     return 0
+
+
+def _start_notes(args: argparse.Namespace, model, lora) -> list[str]:
+    """Rank 0's lines after the start line: LoRA's trainable share (as peft's print_trainable_parameters says it,
+    from its own count, partitioned parameters included) and where metrics go when --log-dir is not given."""
+    notes = []
+    if lora is not None:
+        trainable, total = model.get_nb_trainable_parameters()
+        notes.append(f"{PROG}: LoRA: trainable params: {trainable:,} || all params: {total:,} || "
+                     f"trainable%: {100 * trainable / total:.4f}")
+    if args.log_dir is None:
+        notes.append(f"{PROG}: metrics go to this output only; --log-dir DIR also writes them to DIR/metrics.jsonl "
+                     "and DIR/summary.json")
+    return notes
 
 
 def lora_options(args: argparse.Namespace):
@@ -495,7 +548,7 @@ def _stdlib_data(args: argparse.Namespace, seq_len: int, world: int, rank: int, 
     from zerotrain.data import TokenBlockDataset, load_stdlib_corpus, split
 
     tokens = load_stdlib_corpus(max_bytes=args.max_corpus_bytes)
-    train_tokens, val_tokens = split(tokens, args.val_fraction)
+    train_tokens, val_tokens = split(tokens, DEFAULT_VAL_FRACTION if args.val_fraction is None else args.val_fraction)
     train_set = TokenBlockDataset(train_tokens, seq_len)
     if len(train_set) < world * micro:
         raise CLIError(
@@ -541,6 +594,9 @@ def _local_data(args: argparse.Namespace, engine, model, tokenizer, seq_len: int
             raise CLIError(str(exc)) from None
 
     train = build(args.data)
+    evals, held = _eval_set(args, train, build)
+    if held:
+        train = held[0]
     micro, dp_size = engine.train_micro_batch_size_per_gpu(), engine.dp_world_size
     dp_rank = engine.topology.data_parallel_rank
     if engine.global_rank == 0 and train.skipped:
@@ -555,13 +611,34 @@ def _local_data(args: argparse.Namespace, engine, model, tokenizer, seq_len: int
             raise CLIError(f"--data: {exc}") from None
 
     eval_loader, eval_batches = None, args.eval_batches
-    if args.eval_data:
-        evals = build(args.eval_data)
+    if evals is not None and args.eval_batches > 0:
         # Every rank must run the same number of forward passes (ZeRO-3 gathers weights in each one).
-        eval_batches = min(args.eval_batches, len(evals.dataset) // (micro * dp_size))
-        if eval_batches < 1:
-            raise CLIError(f"--eval-data gives {len(evals.dataset)} samples, fewer than one micro-batch per rank "
-                           f"({dp_size} x {micro})")
+        eval_batches = min(args.eval_batches, evals.eval_batches(micro_batch_size=micro, dp_size=dp_size))
         eval_loader = evals.eval_loader(micro_batch_size=micro, dp_rank=dp_rank, dp_size=dp_size)
     what = "packed" if not args.no_packing else "padded"
-    return f"data {len(train.dataset):,} {what} samples", make_loader, eval_loader, eval_batches
+    text = f"data {len(train.dataset):,} {what} samples"
+    if held:
+        text += f", the last {len(evals.dataset):,} held out for evaluation (--val-fraction {held[1]:g})"
+    elif evals is not None:
+        text += f", eval {len(evals.dataset):,} samples"
+    else:
+        text += ", no evaluation (give --eval-data or --val-fraction)"
+    return text, make_loader, eval_loader, eval_batches
+
+
+def _eval_set(args: argparse.Namespace, train, build):
+    """The evaluation samples of a --data run and, when they are held out of --data, ``(train, fraction)``:
+    --eval-data; else the tail --val-fraction of --data's samples when --val-fraction, or --eval-interval, asks
+    for evaluation (0.02 by default then, as for the built-in corpus); else none."""
+    if args.eval_data:
+        return build(args.eval_data), None
+    fraction = args.val_fraction
+    if fraction is None and args.eval_interval > 0:
+        fraction = DEFAULT_VAL_FRACTION
+    if not fraction:
+        return None, None
+    try:
+        rest, evals = train.hold_out(fraction)
+    except ValueError as exc:
+        raise CLIError(f"--val-fraction: {exc}") from None
+    return evals, (rest, fraction)
