@@ -20,6 +20,25 @@ def _greedy(model, ids, **kwargs):
                           max_new_tokens=MAX_NEW, use_cache=True, **kwargs)[0, ids.shape[1]:].tolist()
 
 
+def _between_inference_and_training(model, config: dict) -> int:
+    """Host bytes per rank halfway between what `model` needs forward-only and trained under `config` at world 2
+    (zerotrain estimate's rules, as initialize's check uses them)."""
+    from dataclasses import replace
+
+    from zerotrain.config import load_config
+    from zerotrain.estimate import config_option, estimate_option, model_shape, probe_optimizer
+
+    cfg = load_config(config)
+    shape = model_shape(model)
+    needs = []
+    for trained in (False, True):
+        part = replace(shape, params=[replace(p, trainable=trained) for p in shape.params])
+        memory = estimate_option(part, cfg, 2, config_option(cfg), probe_optimizer(cfg.optimizer), "cpu")
+        needs.append(memory.total("host") + memory.total("device") + sum(memory.transient.values()))
+    assert needs[0] * 2 < needs[1], needs
+    return (needs[0] + needs[1]) // 2
+
+
 def _generate_on_rank(model_dir: str, nvme: str) -> dict:
     import transformers
 
@@ -45,6 +64,9 @@ def _generate_on_rank(model_dir: str, nvme: str) -> dict:
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                     "offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_count": 4,
                                                       "buffer_size": 100_000, "max_in_cpu": 1000}}}
+    # A memory budget a forward-only engine fits and the same model trained would not (zerotrain.budget): the
+    # forward-only engine is built, initialize with an optimizer refuses it before building anything.
+    config["zero_optimization"]["memory_budget_bytes"] = budget = _between_inference_and_training(reference, config)
     engine, _ = load_for_inference(model_dir, config)
     from zerotrain.monitor import MemoryTimeline
     timeline = MemoryTimeline(os.path.join(nvme, "timeline"), rank=rank)
@@ -71,7 +93,9 @@ def _generate_on_rank(model_dir: str, nvme: str) -> dict:
     with pytest.raises(ConfigError, match="scheduler"):
         zerotrain.initialize(model=torch.nn.Linear(2, 2), config={
             "train_batch_size": 2, "scheduler": {"type": "WarmupLR"}})
-    result = {"want": want, "got": got, "logits_diff": float((logits - want_logits).abs().max()),
+    with pytest.raises(ConfigError, match=f"more than the .* there are \\(zero_optimization.memory_budget_bytes\\)"):
+        zerotrain.initialize(model=reference, config=dict(config, train_micro_batch_size_per_gpu=1))
+    result = {"budget": budget, "want": want, "got": got, "logits_diff": float((logits - want_logits).abs().max()),
               "forwards": engine.forward_passes.count, "report": report, "errors": errors,
               "store": dict(engine.param_store.stats), "phases": {"gather", "forward"} <= boundaries, "mismatches": engine.stage3.fetcher.stats["order_mismatches"]}
     engine.close()

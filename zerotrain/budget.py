@@ -19,13 +19,14 @@ leaves unset is sized from a per-rank budget instead:
   fit is refused before any step, naming its largest consumers and the keys that shrink them.
 
 `plan_sizes` and `check_fits` are pure functions of their arguments (tests call them directly);
-`resolve_memory` is what `initialize` calls: it measures, agrees, plans, prints (rank 0, one line per
-choice) and returns the config with the chosen values.
+`resolve_memory` is what `initialize` calls: it measures, agrees, plans, prints (rank 0, on stderr, one line
+per choice) and returns the config with the chosen values.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+import sys
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -348,9 +349,10 @@ def check_fits(memory: RankMemory, limit: int, limit_reason: str, device_type: s
 
 # --- what initialize calls ----------------------------------------------------------------------------
 def resolve_memory(model: torch.nn.Module, config, topology: Topology, comm: Optional[Comm] = None,
-                   host: Optional[HostMemory] = None):
+                   host: Optional[HostMemory] = None, trains: bool = True):
     """`config` with its unset size keys chosen from the memory budget (agreed over the ZeRO ranks), after
-    checking that the run fits; rank 0 prints the choices. Collective over the ZeRO group."""
+    checking that the run fits; rank 0 prints the choices. Collective over the ZeRO group. `trains` False: a
+    forward-only engine (no gradients, masters or optimizer states to count)."""
     comm = comm or Comm.data_parallel(topology)
     zero = config.zero_optimization
     device_type = topology.device.type
@@ -366,11 +368,13 @@ def resolve_memory(model: torch.nn.Module, config, topology: Topology, comm: Opt
               f"{DEFAULT_FRACTION:.0%} of {format_bytes(share)}: {host.source} / {ranks} ranks on the node "
               f"+ this rank's {format_bytes(own)}, least over {comm.size} ranks")
     shape = model_shape(model)
+    if not trains:
+        shape = replace(shape, params=[replace(p, trainable=False) for p in shape.params])
     optimizer = probe_optimizer(config.optimizer)
     plan = plan_sizes(budget, shape, comm.size, config, device_type, reason, optimizer)
     resolved = plan.apply(config)
-    if topology.rank == 0:
-        print("\n".join(plan.lines()), flush=True)
+    if topology.rank == 0 and plan.choices:  # on stderr: a script's own output stays its own
+        print("\n".join(plan.lines()), file=sys.stderr, flush=True)
     memory = estimate_option(shape, resolved, comm.size, config_option(resolved), optimizer, device_type)
     limit, why = ((budget, f"{PREFIX}memory_budget_bytes") if explicit is not None
                   else (share, f"{host.source} / {ranks} ranks on the node + this rank's resident bytes"))
