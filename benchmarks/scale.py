@@ -264,6 +264,8 @@ def engine_config(spec: dict) -> dict:
     if spec.get("defaults"):  # what a new user runs: no size key, no activation checkpointing (issue #27)
         nvme = {"device": "nvme", "nvme_path": spec["nvme_dir"]}
         zero = {"stage": 3, "offload_param": dict(nvme), "offload_optimizer": dict(nvme)}
+        if spec.get("budget"):
+            zero["memory_budget_bytes"] = int(spec["budget"])
         for key, value in (spec.get("resolved") or {}).items():  # the sizes the run chose (for the estimate)
             block, _, name = key.rpartition(".")
             (zero[block] if block else zero)[name] = value
@@ -637,6 +639,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--defaults", action="store_true",
                         help="no size key set (zerotrain's memory budget chooses them), no activation checkpointing")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="with --defaults: zero_optimization.memory_budget_bytes (else half the available memory)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plots", default=None, help="folder for the per-rank memory timeline PNGs")
     parser.add_argument("--estimate-only", action="store_true",
@@ -659,7 +663,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     work = tempfile.mkdtemp(prefix="zt-scale-", dir=args.nvme_path)
     spec = {"model": args.model, "params": params, "layers": layers, "width": width, "seq": args.seq, "micro": args.micro,
             "steps": args.steps, "bucket": args.bucket, "cache": args.cache, "inner": _llama_inner(width),
-            "nvme_dir": os.path.join(work, "swap"), "out_dir": work, "defaults": args.defaults}
+            "nvme_dir": os.path.join(work, "swap"), "out_dir": work, "defaults": args.defaults,
+            "budget": args.budget}
     os.makedirs(spec["nvme_dir"])
     print(f"{args.model} {layers}x{width}: {params / 1e9:.3f}B parameters; writes up to {need / 1e9:.1f} GB, "
           f"{free / 1e9:.1f} GB free; files under {work}", flush=True)
