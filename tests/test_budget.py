@@ -104,26 +104,27 @@ def test_a_run_that_cannot_fit_is_refused_with_the_numbers(shape):
     check_fits(memory, 4 * GiB, "plenty")  # fits: nothing raised
 
 
+def _cgroup(root, line: str, directory: str, limit: tuple[str, str], usage: tuple[str, int]) -> None:
+    """A fake /proc/self/cgroup naming `directory`, with its limit and usage files."""
+    (root / "proc/self/cgroup").write_text(line)
+    folder = root / directory
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / limit[0]).write_text(f"{limit[1]}\n")
+    (folder / usage[0]).write_text(f"{usage[1]}\n")
+
+
 def test_host_memory_reads_the_cgroup_limit(tmp_path):
     """cgroup v2: memory.max - memory.current wins over a larger MemAvailable; v1 the same with its files; no
     limit ("max") leaves MemAvailable."""
-    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc/self").mkdir(parents=True)
     (tmp_path / "proc/meminfo").write_text("MemTotal: 100 kB\nMemAvailable: 20971520 kB\n")  # 20 GiB
-    (tmp_path / "proc/self").mkdir()
-    (tmp_path / "proc/self/cgroup").write_text("0::/job\n")
-    v2 = tmp_path / "sys/fs/cgroup/job"
-    v2.mkdir(parents=True)
-    (v2 / "memory.max").write_text(f"{8 * GiB}\n")
-    (v2 / "memory.current").write_text(f"{3 * GiB}\n")
+    _cgroup(tmp_path, "0::/job\n", "sys/fs/cgroup/job", ("memory.max", str(8 * GiB)), ("memory.current", 3 * GiB))
     found = host_memory_available(str(tmp_path))
     assert found.available == 5 * GiB and "cgroup v2" in found.source
-    (v2 / "memory.max").write_text("max\n")
+    _cgroup(tmp_path, "0::/job\n", "sys/fs/cgroup/job", ("memory.max", "max"), ("memory.current", 3 * GiB))
     assert host_memory_available(str(tmp_path)).available == 20 * GiB
-    (tmp_path / "proc/self/cgroup").write_text("4:memory:/job1\n")
-    v1 = tmp_path / "sys/fs/cgroup/memory/job1"
-    v1.mkdir(parents=True)
-    (v1 / "memory.limit_in_bytes").write_text(f"{4 * GiB}\n")
-    (v1 / "memory.usage_in_bytes").write_text(f"{1 * GiB}\n")
+    _cgroup(tmp_path, "4:memory:/job1\n", "sys/fs/cgroup/memory/job1", ("memory.limit_in_bytes", str(4 * GiB)),
+            ("memory.usage_in_bytes", GiB))
     found = host_memory_available(str(tmp_path))
     assert found.available == 3 * GiB and "cgroup v1" in found.source
     assert default_budget(8 * GiB, 2, own=GiB) == int(0.5 * 5 * GiB)
