@@ -11,8 +11,8 @@ leaves unset is sized from a per-rank budget instead:
   `memory.max` - `memory.current` (v2) or `memory.limit_in_bytes` - `memory.usage_in_bytes` (v1)) split
   over the ranks on the node, plus what this rank already holds; the minimum over the ZeRO ranks, so
   that every rank chooses the same sizes (sizes that differ would mismatch the collectives);
-- what the model states need on the host (`estimate.estimate_option` with every sized key at its
-  smallest) is taken off, and what is left (the headroom) is shared out by `SHARES`; each size is kept
+- what the runtime (the rank's resident bytes besides the model's tensors) and the model states need on
+  the host (`estimate.estimate_option` with every sized key at its smallest) is taken off, and what is left (the headroom) is shared out by `SHARES`; each size is kept
   between its smallest useful value and DeepSpeed's default;
 - a key the user sets wins; the resolved run (the estimate with the chosen sizes) is then compared with
   the memory there is (the set budget, or else the whole available share of the rank): a run that cannot
@@ -38,19 +38,21 @@ from .estimate import ModelShape, RankMemory, config_option, estimate_option, fo
 from .topology import Topology
 
 __all__ = ["DEFAULT_FRACTION", "SHARES", "HostMemory", "Choice", "MemoryPlan", "host_memory_available",
-           "default_budget", "plan_sizes", "check_fits", "resolve_memory"]
+           "default_budget", "runtime_bytes", "plan_sizes", "check_fits", "resolve_memory"]
 
 # The share of the host memory available to the job that the budget takes by default: the rest is left to
 # the activations (not known before the first batch), the allocator's caching and the runtime.
 DEFAULT_FRACTION = 0.5
 
-# How the headroom (budget - model states) is shared out among the consumers a key sizes.
+# How the headroom (budget - runtime - model states) is shared out among the consumers a key sizes. They add up
+# to 80%: the rest is for what the estimate does not model (allocator caching, reads ahead, the step thread's
+# queue; benchmarks/RESULTS_scale.md measured peak RSS at 1.1-1.2x the estimate plus the runtime).
 SHARES = {
-    "reduce_bucket_size": 0.15,       # gradient staging: 2 buckets in the training dtype
-    "stage3_max_live_parameters": 0.15,  # gathered parameters (stage 3)
-    "offload_param.max_in_cpu": 0.30,    # the NVMe parameter store's host cache
-    "offload_param.buffer_size": 0.20,   # the NVMe parameter store's write buffers (buffer_count of them)
-    "offload_optimizer.buffer_count": 0.20,  # the NVMe optimizer's record buffers
+    "reduce_bucket_size": 0.12,       # gradient staging: 2 buckets in the training dtype
+    "stage3_max_live_parameters": 0.12,  # gathered parameters (stage 3)
+    "offload_param.max_in_cpu": 0.24,    # the NVMe parameter store's host cache
+    "offload_param.buffer_size": 0.16,   # the NVMe parameter store's write buffers (buffer_count of them)
+    "offload_optimizer.buffer_count": 0.16,  # the NVMe optimizer's record buffers
 }
 
 # The smallest useful value of each element count (below it a key costs more in calls than it saves).
@@ -93,7 +95,7 @@ class MemoryPlan:
     def lines(self) -> list[str]:
         """What rank 0 prints at start: the budget, then one line per choice."""
         head = (f"zerotrain memory budget: {format_bytes(self.budget)} per rank ({self.budget_reason}); the "
-                f"model states and smallest step buffers {format_bytes(self.states)}, headroom "
+                f"runtime, model states and smallest step buffers {format_bytes(self.states)}, headroom "
                 f"{format_bytes(max(0, self.budget - self.states))}")
         return [head] + [f"  {PREFIX}{c.key} = {c.value:,}: {c.reason}" for c in self.choices]
 
@@ -183,6 +185,20 @@ def _own_rss(root: str = "/") -> int:
         return 0
 
 
+def runtime_bytes(model: torch.nn.Module, own: int) -> int:
+    """What this rank holds besides the model's tensors (`own`: its resident bytes now, less the host bytes of
+    the model's parameters and buffers, which the estimate counts itself)."""
+    seen, held = set(), 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if tensor.device.type != "cpu":
+            continue
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            held += storage.nbytes()
+    return max(0, own - held)
+
+
 def default_budget(available: int, ranks_on_node: int, own: int = 0, fraction: float = DEFAULT_FRACTION) -> int:
     """`fraction` of this rank's part of the available host memory (its share of `available` plus the
     `own` bytes it already holds)."""
@@ -230,7 +246,7 @@ def _host_bytes(memory: RankMemory, device_type: str) -> int:
 
 
 def plan_sizes(budget: int, shape: ModelShape, dp_size: int, config, device_type: str = "cpu",
-               budget_reason: str = "given", optimizer=None) -> MemoryPlan:
+               budget_reason: str = "given", optimizer=None, runtime: int = 0) -> MemoryPlan:
     """The value of every size key of `config`'s run at `dp_size` ZeRO ranks for a per-rank `budget` (bytes).
 
     The keys the config set keep their values. The others share the headroom left after the model states
@@ -240,7 +256,8 @@ def plan_sizes(budget: int, shape: ModelShape, dp_size: int, config, device_type
     offload_param.max_in_cpu = share / dtype bytes; offload_param.buffer_size = share / (buffer_count x dtype
     bytes), at most the largest shard (no buffer larger than what it writes); offload_param.buffer_count =
     DeepSpeed's 5, fewer if even 1M-element buffers do not fit; offload_optimizer.buffer_count = share / one
-    record buffer, 2 to 4."""
+    record buffer, 2 to 4. `runtime`: host bytes the rank holds that the estimate does not count (Python,
+    torch, the communication library), taken off the budget with the model states."""
     from .precision import training_dtype
 
     zero = config.zero_optimization
@@ -256,8 +273,8 @@ def plan_sizes(budget: int, shape: ModelShape, dp_size: int, config, device_type
                 "offload_param.buffer_size": max(1, min(MIN_WRITE_BUFFER, largest_shard)),
                 "offload_optimizer.buffer_count": 2}
     floor = MemoryPlan(budget, budget_reason, 0, [Choice(k, smallest[k], "") for k in keys if k not in user])
-    states = _host_bytes(estimate_option(shape, floor.apply(config), dp_size, config_option(config), optimizer,
-                                         device_type), device_type)
+    states = runtime + _host_bytes(estimate_option(shape, floor.apply(config), dp_size, config_option(config),
+                                                   optimizer, device_type), device_type)
     headroom = max(0, budget - states)
     plan = MemoryPlan(budget, budget_reason, states)
 
@@ -309,6 +326,7 @@ SHRINK = {
     "optimizer_states": "zero_optimization.offload_optimizer.device: nvme",
     "host_io_buffers": "offload_param.buffer_count / buffer_size, offload_optimizer.buffer_count",
     "buffers": "the model's own buffers",
+    "runtime": "Python, torch and the communication library",
     "loco_errors": "zeropp_loco_param",
     "gathered parameters (bound)": "stage3_max_live_parameters",
     "gradient staging": "reduce_bucket_size",
@@ -325,11 +343,12 @@ def _consumers(memory: RankMemory, device_type: str) -> list[tuple[str, int]]:
 
 
 def check_fits(memory: RankMemory, limit: int, limit_reason: str, device_type: str = "cpu",
-               device_limit: Optional[int] = None) -> None:
+               device_limit: Optional[int] = None, runtime: int = 0) -> None:
     """Raise a one-line ConfigError when the estimated bytes per rank (`memory`: the resolved run) exceed
     `limit` (host bytes per rank; on a CPU run the device is the host) or, on a GPU, `device_limit`; it names
-    the numbers, the three largest consumers and the keys that shrink them."""
-    checks = [("host", _host_bytes(memory, device_type), limit, limit_reason)]
+    the numbers, the three largest consumers and the keys that shrink them. `runtime`: host bytes besides the
+    model's tensors (counted with the host's)."""
+    checks = [("host", runtime + _host_bytes(memory, device_type), limit, limit_reason)]
     if device_type != "cpu" and device_limit is not None:
         device = memory.total("device") + sum(memory.transient.values())
         checks.append(("device", device, device_limit, "free device memory"))
@@ -337,7 +356,7 @@ def check_fits(memory: RankMemory, limit: int, limit_reason: str, device_type: s
         if have <= 0 or need <= have:
             continue
         if place == "host":
-            top = _consumers(memory, device_type)[:3]
+            top = sorted(_consumers(memory, device_type) + [("runtime", runtime)], key=lambda item: -item[1])[:3]
         else:
             top = sorted([(r, memory.rows[r]["device"]) for r in memory.rows] + list(memory.transient.items()),
                          key=lambda item: -item[1])[:3]
@@ -362,8 +381,10 @@ def resolve_memory(model: torch.nn.Module, config, topology: Topology, comm: Opt
     share = host.available // ranks + own  # this rank's part of what the job may use
     explicit = zero.memory_budget_bytes
     budget = int(explicit) if explicit is not None else default_budget(host.available, ranks, own)
-    # one budget for every rank: the sizes below follow from it and the model, the same everywhere
-    budget, share = comm.min_ints([budget, share], topology.device)
+    # one budget, share and runtime (the largest) for every rank: the sizes and the check below follow from them
+    # and the model, the same everywhere (ranks that chose differently would mismatch their collectives)
+    budget, share, negative_runtime = comm.min_ints([budget, share, -runtime_bytes(model, own)], topology.device)
+    runtime = -negative_runtime
     reason = (f"{PREFIX}memory_budget_bytes" if explicit is not None else
               f"{DEFAULT_FRACTION:.0%} of {format_bytes(share)}: {host.source} / {ranks} ranks on the node "
               f"+ this rank's {format_bytes(own)}, least over {comm.size} ranks")
@@ -371,7 +392,7 @@ def resolve_memory(model: torch.nn.Module, config, topology: Topology, comm: Opt
     if not trains:
         shape = replace(shape, params=[replace(p, trainable=False) for p in shape.params])
     optimizer = probe_optimizer(config.optimizer)
-    plan = plan_sizes(budget, shape, comm.size, config, device_type, reason, optimizer)
+    plan = plan_sizes(budget, shape, comm.size, config, device_type, reason, optimizer, runtime)
     resolved = plan.apply(config)
     if topology.rank == 0 and plan.choices:  # on stderr: a script's own output stays its own
         print("\n".join(plan.lines()), file=sys.stderr, flush=True)
@@ -382,5 +403,5 @@ def resolve_memory(model: torch.nn.Module, config, topology: Topology, comm: Opt
     if device_type == "cuda":  # free device memory plus what this process already holds (the model, counted)
         free = torch.cuda.mem_get_info(topology.device)[0] + torch.cuda.memory_reserved(topology.device)
         device_limit = comm.min_ints([free], topology.device)[0]
-    check_fits(memory, limit, why, device_type, device_limit)
+    check_fits(memory, limit, why, device_type, device_limit, runtime)
     return resolved
