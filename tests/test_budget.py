@@ -66,6 +66,10 @@ def test_sizes_follow_the_budget(shape):
         memory = estimate_option(shape, plan.apply(config), 2, config_option(config), optimizer, "cpu")
         needed = memory.total("host") + memory.total("device") + sum(memory.transient.values())
         assert needed <= plan.budget or plan is large, (needed, plan.budget)
+    # on a GPU the reduce buckets and gathered parameters are device memory: not sized from this host budget
+    gpu = plan_sizes(2 * GiB, shape, 2, config, "cuda")
+    assert gpu.value("reduce_bucket_size") is None and gpu.value("stage3_max_live_parameters") is None
+    assert gpu.value("offload_param.max_in_cpu") is not None
     # the printed lines: the budget first, then one per key with its value and why
     lines = small.lines()
     assert lines[0].startswith("zerotrain memory budget: 2.00 GiB per rank") and len(lines) == 1 + 6

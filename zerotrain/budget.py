@@ -206,13 +206,16 @@ def default_budget(available: int, ranks_on_node: int, own: int = 0, fraction: f
 
 
 # --- the sizes ----------------------------------------------------------------------------------------
-def _zero_keys(config) -> dict[str, tuple[object, str]]:
-    """The size keys this config's run uses: key -> (block, field name)."""
+def _zero_keys(config, device_type: str) -> dict[str, tuple[object, str]]:
+    """The host-memory size keys this config's run uses: key -> (block, field name). On a GPU the reduce buckets
+    and the gathered parameters are device memory, which this budget does not cover: they keep their values."""
     zero = config.zero_optimization
+    on_host = device_type == "cpu"
     # at stages 0-1 every rank holds the whole gradient buffer whatever the bucket size: no key to size
-    keys = {"reduce_bucket_size": (zero, "reduce_bucket_size")} if zero.stage >= 2 else {}
+    keys = {"reduce_bucket_size": (zero, "reduce_bucket_size")} if zero.stage >= 2 and on_host else {}
     if zero.stage == 3:
-        keys["stage3_max_live_parameters"] = (zero, "stage3_max_live_parameters")
+        if on_host:
+            keys["stage3_max_live_parameters"] = (zero, "stage3_max_live_parameters")
         offload = zero.offload_param
         if offload is not None and offload.device == "nvme":
             for name in ("max_in_cpu", "buffer_count", "buffer_size"):
@@ -262,11 +265,11 @@ def plan_sizes(budget: int, shape: ModelShape, dp_size: int, config, device_type
 
     zero = config.zero_optimization
     d = training_dtype(config.precision).itemsize
-    keys = _zero_keys(config)
+    keys = _zero_keys(config, device_type)
     user = {key for key, (block, name) in keys.items() if name in block.model_fields_set}
     optimizer = optimizer or probe_optimizer(config.optimizer)
     threshold = int(zero.stage3_param_persistence_threshold) if zero.stage == 3 else -1
-    largest, two_modules, largest_shard = _modules(shape, dp_size, threshold)
+    _, two_modules, largest_shard = _modules(shape, dp_size, threshold)
     # the floor: every unset key at its smallest; what that run needs is the model states
     smallest = {"reduce_bucket_size": MIN_BUCKET, "stage3_max_live_parameters": max(1, two_modules),
                 "offload_param.max_in_cpu": 0, "offload_param.buffer_count": 1,
