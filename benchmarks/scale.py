@@ -26,11 +26,18 @@ reduce / optimizer step) as `DIR/scale_{model}_{size}b_memory_timeline_rank{R}.p
     python benchmarks/scale.py --params 1e9 --plots benchmarks/results   # + the memory timeline PNGs
     python benchmarks/scale.py --params 4e9 --steps 3 --json out.json    # the largest size
     python benchmarks/scale.py --model llama --params 1e9
+    python benchmarks/scale.py --params 1e9 --defaults   # no size key: zerotrain's memory budget sizes them
+
+With `--defaults` the config sets no size key and no activation checkpointing (what a new user runs, issue
+#27): rank 0 prints the memory budget and the sizes it chose, and the table gives peak RSS / budget per rank.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import re
 import math
 import os
 import shutil
@@ -247,12 +254,25 @@ def build_model(spec: dict, config: dict):
     with init:
         model = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
     model.config.use_cache = False
-    enable_hf_gradient_checkpointing(model)
+    if not spec.get("defaults"):
+        enable_hf_gradient_checkpointing(model)
     del zerotrain
     return model
 
 
 def engine_config(spec: dict) -> dict:
+    if spec.get("defaults"):  # what a new user runs: no size key, no activation checkpointing (issue #27)
+        nvme = {"device": "nvme", "nvme_path": spec["nvme_dir"]}
+        zero = {"stage": 3, "offload_param": dict(nvme), "offload_optimizer": dict(nvme)}
+        if spec.get("budget"):
+            zero["memory_budget_bytes"] = int(spec["budget"])
+        for key, value in (spec.get("resolved") or {}).items():  # the sizes the run chose (for the estimate)
+            block, _, name = key.rpartition(".")
+            (zero[block] if block else zero)[name] = value
+        return {"train_micro_batch_size_per_gpu": spec["micro"], "gradient_accumulation_steps": 1,
+                "bf16": {"enabled": True}, "gradient_clipping": 0.0, "wall_clock_breakdown": True,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+                "zero_optimization": zero, "steps_per_print": 0, "comm_timeout_seconds": 1800}
     nvme = {"device": "nvme", "nvme_path": spec["nvme_dir"], "buffer_count": 4}
     return {
         "train_micro_batch_size_per_gpu": spec["micro"], "gradient_accumulation_steps": 1,
@@ -287,8 +307,18 @@ def worker(spec: dict) -> None:
     with timeline.phase("init"):
         model = build_model(spec, config)
     sampler.phase = "initialize"
-    with timeline.phase("initialize"):
+    printed = io.StringIO()  # rank 0's memory budget lines (zerotrain.budget, on stderr), kept for the report
+    with timeline.phase("initialize"), contextlib.redirect_stderr(printed):
         engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=config)
+    sys.stderr.write(printed.getvalue())
+    budget_lines = [line for line in printed.getvalue().splitlines() if "memory budget" in line or
+                    line.startswith("  zero_optimization.")]
+    zero = engine.config.zero_optimization
+    resolved = {"reduce_bucket_size": zero.reduce_bucket_size,
+                "stage3_max_live_parameters": zero.stage3_max_live_parameters,
+                **{f"offload_param.{k}": getattr(zero.offload_param, k) for k in ("max_in_cpu", "buffer_count",
+                                                                                  "buffer_size")},
+                "offload_optimizer.buffer_count": zero.offload_optimizer.buffer_count}
     engine.watch_memory(timeline)
     setup_s = time.perf_counter() - t0
     params = sum(p._zero.numel if hasattr(p, "_zero") else p.numel() for p in engine.module.parameters())
@@ -327,7 +357,8 @@ def worker(spec: dict) -> None:
               "peak_rss_phase": sampler.peak_phase, "peak_rss_by_phase": sampler.peaks, "disk_peak_all_ranks": sampler.disk_peak,
               "optimizer_stats": {k: v for k, v in opt_stats.items() if isinstance(v, (int, float))},
               "param_store_stats": dict(getattr(store, "stats", {}) or {}),
-              "memory_report": _jsonable(engine.memory_report())}
+              "memory_report": _jsonable(engine.memory_report()), "budget_lines": budget_lines,
+              "resolved": resolved}
     engine.close()
     with open(os.path.join(spec["out_dir"], f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -438,7 +469,10 @@ def predict(spec: dict) -> dict:
     result = estimate(model, config, WORLD, options=[config_option(load_config(config))], device_type="cpu",
                       seq_len=spec["seq"], micro_batch=spec["micro"])
     option = result["options"][0]
-    return {"rss": device_peak(option, result["activations"]) + option["totals"]["host"],
+    acts = dict(result["activations"])
+    if spec.get("defaults"):  # no activation checkpointing in this run
+        acts["with_checkpointing"] = acts["without_checkpointing"]
+    return {"rss": device_peak(option, acts) + option["totals"]["host"],
             "nvme": option["nvme_files"], "rows": option["rows"], "transient": option["transient"],
             "activations": result["activations"]}
 
@@ -447,7 +481,7 @@ def estimate_columns(spec: dict, ranks: list[dict]) -> list[dict]:
     """Per rank: the prediction (`predict`) next to what the run measured (NVMe: the peak on disk of both
     ranks / 2). The RSS ratio is taken against the prediction plus the runtime the estimate leaves out: the
     rank's own RSS at start (Python, torch, zerotrain imported; before the model is built)."""
-    predicted = predict(spec)
+    predicted = predict(dict(spec, resolved=ranks[0]["resolved"]) if spec.get("defaults") else spec)
     rss, nvme = predicted["rss"], predicted["nvme"]
     disk = max(r["disk_peak_all_ranks"] for r in ranks) / WORLD
     return [{"rank": r["rank"], "rss_predicted": rss, "rss_measured": r["peak_rss"],
@@ -472,7 +506,7 @@ def print_prediction(args, layers: int, width: int, params: int) -> int:
     spec = {"model": args.model, "params": params, "layers": layers, "width": width, "seq": args.seq,
             "micro": args.micro, "steps": args.steps, "bucket": args.bucket, "cache": args.cache,
             "inner": _llama_inner(width), "nvme_dir": os.path.join(args.nvme_path, "unused"), "out_dir": ""}
-    predicted = predict(spec)
+    predicted = predict(dict(spec, resolved=ranks[0]["resolved"]) if spec.get("defaults") else spec)
     print(f"{args.model} {layers}x{width}: {params / 1e9:.3f}B parameters; zerotrain estimate per rank: host RSS "
           f"{predicted['rss'] / 2**30:.2f} GiB (+ the runtime), NVMe files {predicted['nvme'] / 1e9:.2f} GB "
           f"(both ranks {WORLD * predicted['nvme'] / 1e9:.2f} GB = {WORLD * predicted['nvme'] / params:.2f} B/param)")
@@ -544,14 +578,33 @@ def summarize(spec: dict, ranks: list[dict], dd: dict, compute: dict, load: tupl
             "disk_bytes": disk, "disk_bytes_per_param": disk / params, "steps": steps,
             "dd_gbps": dd, "compute_s": compute, "io_bound_s": io_bound,
             "overlap_ratio": last["s"] / bound, "load_before_after": load,
+            "defaults": bool(spec.get("defaults")), "budget_lines": next((r["budget_lines"] for r in ranks
+                                                                          if r["budget_lines"]), []),
+            "budget_bytes": _budget_bytes(next((r["budget_lines"] for r in ranks if r["budget_lines"]), [])),
+            "resolved": ranks[0]["resolved"],
             "optimizer_stats": [r["optimizer_stats"] for r in ranks],
             "param_store_stats": [r["param_store_stats"] for r in ranks]}
 
 
+def _budget_bytes(lines: list[str]) -> Optional[int]:
+    """The per-rank budget the run printed ("zerotrain memory budget: 5.61 GiB per rank ...")."""
+    match = re.search(r"memory budget: ([0-9.]+) (B|KiB|MiB|GiB|TiB)", lines[0]) if lines else None
+    if match is None:
+        return None
+    return int(float(match.group(1)) * 1024 ** ["B", "KiB", "MiB", "GiB", "TiB"].index(match.group(2)))
+
+
 def print_table(summary: dict) -> None:
     s = summary
+    how = ("no size key set, no activation checkpointing (--defaults)" if s.get("defaults")
+           else "activation checkpointing, tuned size keys")
     print(f"\n{s['model']} {s['layers']}x{s['width']}: {s['params'] / 1e9:.3f}B parameters, world {WORLD}, "
-          f"B={s['micro']} T={s['seq']}, bf16, ZeRO-3, params+optimizer on NVMe, activation checkpointing")
+          f"B={s['micro']} T={s['seq']}, bf16, ZeRO-3, params+optimizer on NVMe, {how}")
+    if s.get("budget_lines"):
+        print("\n".join(s["budget_lines"]))
+        if s.get("budget_bytes"):
+            print("peak RSS per rank / budget: " + ", ".join(f"{g * 2**30 / s['budget_bytes']:.2f}"
+                                                            for g in s["peak_rss_gib"]))
     print(f"setup (zero.Init + initialize): {s['setup_s']:.1f} s; peak RSS per rank: "
           + ", ".join(f"{g:.2f} GiB ({p})" for g, p in zip(s["peak_rss_gib"], s["peak_rss_phase"])))
     print("peak RSS by phase (GiB): " + "; ".join(
@@ -584,6 +637,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--nvme-path", default=tempfile.gettempdir())
     parser.add_argument("--keep-free", type=float, default=5e9, help="bytes that must stay free on the disk")
     parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--defaults", action="store_true",
+                        help="no size key set (zerotrain's memory budget chooses them), no activation checkpointing")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="with --defaults: zero_optimization.memory_budget_bytes (else half the available memory)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plots", default=None, help="folder for the per-rank memory timeline PNGs")
     parser.add_argument("--estimate-only", action="store_true",
@@ -606,7 +663,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     work = tempfile.mkdtemp(prefix="zt-scale-", dir=args.nvme_path)
     spec = {"model": args.model, "params": params, "layers": layers, "width": width, "seq": args.seq, "micro": args.micro,
             "steps": args.steps, "bucket": args.bucket, "cache": args.cache, "inner": _llama_inner(width),
-            "nvme_dir": os.path.join(work, "swap"), "out_dir": work}
+            "nvme_dir": os.path.join(work, "swap"), "out_dir": work, "defaults": args.defaults,
+            "budget": args.budget}
     os.makedirs(spec["nvme_dir"])
     print(f"{args.model} {layers}x{width}: {params / 1e9:.3f}B parameters; writes up to {need / 1e9:.1f} GB, "
           f"{free / 1e9:.1f} GB free; files under {work}", flush=True)

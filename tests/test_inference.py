@@ -45,6 +45,15 @@ def _generate_on_rank(model_dir: str, nvme: str) -> dict:
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                     "offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_count": 4,
                                                       "buffer_size": 100_000, "max_in_cpu": 1000}}}
+    # Under a memory budget nothing fits (zerotrain.budget), a forward-only engine is refused for its parameters
+    # and buffers, the same model trained also for its gradients and optimizer states
+    refused = []
+    for build in (lambda tight: load_for_inference(model_dir, tight)[0].close(),
+                  lambda tight: zerotrain.initialize(model=reference, config=dict(tight, train_micro_batch_size_per_gpu=1))):
+        tight = dict(config, zero_optimization=dict(config["zero_optimization"], memory_budget_bytes=10_000))
+        with pytest.raises(ConfigError, match="there are \\(zero_optimization.memory_budget_bytes\\)") as caught:
+            build(tight)
+        refused.append(str(caught.value))
     engine, _ = load_for_inference(model_dir, config)
     from zerotrain.monitor import MemoryTimeline
     timeline = MemoryTimeline(os.path.join(nvme, "timeline"), rank=rank)
@@ -71,7 +80,7 @@ def _generate_on_rank(model_dir: str, nvme: str) -> dict:
     with pytest.raises(ConfigError, match="scheduler"):
         zerotrain.initialize(model=torch.nn.Linear(2, 2), config={
             "train_batch_size": 2, "scheduler": {"type": "WarmupLR"}})
-    result = {"want": want, "got": got, "logits_diff": float((logits - want_logits).abs().max()),
+    result = {"refused": refused, "want": want, "got": got, "logits_diff": float((logits - want_logits).abs().max()),
               "forwards": engine.forward_passes.count, "report": report, "errors": errors,
               "store": dict(engine.param_store.stats), "phases": {"gather", "forward"} <= boundaries, "mismatches": engine.stage3.fetcher.stats["order_mismatches"]}
     engine.close()
@@ -83,6 +92,9 @@ def test_zero3_nvme_generate_matches_transformers_on_every_rank(tiny_llama_dir, 
     lengths = [len(r["want"]) for r in results]
     assert lengths[0] < MAX_NEW == lengths[1], f"rank 0 finishes early, rank 1 does not: {lengths}"
     for rank, result in enumerate(results):
+        forward_only, trained = result["refused"]  # both name what they need, what there is and the largest
+        assert "optimizer_states" not in forward_only and "gradient staging" not in forward_only, forward_only
+        assert "optimizer_states" in trained and "more than the 9.77 KiB there are" in trained, trained
         assert result["got"] == result["want"], f"rank {rank}: greedy tokens differ from transformers'"
         assert result["logits_diff"] < 1e-5, f"rank {rank}: engine(...) logits differ by {result['logits_diff']}"
         # every rank ran the same forwards: 1 engine(...) + MAX_NEW in generate (rank 0 kept stepping) + 1 for the loss

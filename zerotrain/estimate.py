@@ -329,7 +329,8 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
             cached = min(offloaded_shards, int(store.max_in_cpu) * d)
             memory.add("parameters", "host", cached)
             largest = max((padded // ranks(p) * d for p, padded in all_parts if not persistent(p)), default=1)
-            memory.add("host_io_buffers", "host", int(store.buffer_count) * round_up(max(largest, 1)))
+            buffer = min(largest, int(store.buffer_size) * d)  # a larger shard is written in pieces
+            memory.add("host_io_buffers", "host", int(store.buffer_count) * round_up(max(buffer, 1)))
             memory.notes.append("NVMe parameters: host cache counted at its max_in_cpu bound")
             # offload.param_store: each shard at a 4 KiB-aligned offset of one file
             memory.nvme_files += sum(round_up(max(padded // ranks(p) * d, 1)) for p, padded in all_parts

@@ -55,13 +55,51 @@ def train_modes(nvme_path: str) -> list:
         report = engine.memory_report()
         store = engine.param_store
         results.append((what, losses, engine.full_state_dict(), report, dict(getattr(store, "stats", {}))))
+        topology = engine.topology
         engine.close()
-    return results
+    return results, budget_checks(topology, nvme_path)
+
+
+def budget_checks(topology, nvme_path: str) -> dict:
+    """The memory budget at world 2 (zerotrain.budget): ranks that see different host memory choose the same
+    sizes (the least budget), and a config that cannot fit its set budget is refused by initialize, before
+    any step, with the numbers."""
+    import zerotrain
+    from models_for_tests import OddMLP
+    from zerotrain.budget import HostMemory, _own_rss, default_budget, plan_sizes, resolve_memory
+    from zerotrain.config import ConfigError, load_config
+    from zerotrain.estimate import model_shape
+
+    rank = topology.rank
+    unset = {"device": "nvme", "nvme_path": os.path.join(nvme_path, "budget")}  # no size key set
+    raw = param_config(unset, dict(unset))
+    del raw["zero_optimization"]["reduce_bucket_size"]
+    config = load_config(raw)
+    model = OddMLP()
+    host = HostMemory((rank + 1) * 2**28, "test")  # rank 1 sees twice rank 0's memory
+    local = plan_sizes(default_budget(host.available, 2, _own_rss()), model_shape(model), 2, config, "cpu")
+    zero = resolve_memory(model, config, topology, host=host).zero_optimization
+    chosen = (zero.reduce_bucket_size, zero.stage3_max_live_parameters, zero.offload_param.max_in_cpu,
+              zero.offload_param.buffer_count, zero.offload_param.buffer_size, zero.offload_optimizer.buffer_count)
+    raw["zero_optimization"]["memory_budget_bytes"] = 10_000  # less than the model states and buffers need
+    try:
+        zerotrain.initialize(model=OddMLP(), model_parameters=None, config=raw)
+        refused = ""
+    except ConfigError as error:
+        refused = str(error)
+    return {"chosen": chosen, "local_reduce_bucket_size": local.value("reduce_bucket_size"), "refused": refused}
 
 
 def test_offload_param_matches_single_process(tmp_path):
     ref_losses, ref_weights = reference_training(world_batches(2, 3))
-    for what, losses, weights, report, stats in run_distributed(train_modes, 2, str(tmp_path), timeout=150)[0]:
+    results = run_distributed(train_modes, 2, str(tmp_path), timeout=150)
+    budgets = [budget for _, budget in results]
+    assert budgets[0]["local_reduce_bucket_size"] != budgets[1]["local_reduce_bucket_size"], budgets  # can differ
+    assert budgets[0]["chosen"] == budgets[1]["chosen"], budgets  # ... but the ranks agree
+    for budget in budgets:
+        assert "more than the 9.77 KiB there are (zero_optimization.memory_budget_bytes)" in budget["refused"], budget
+        assert "largest: " in budget["refused"] and "needs " in budget["refused"], budget
+    for what, losses, weights, report, stats in results[0][0]:
         assert_matches_reference(f"offload_param {what}", losses, weights, ref_losses, ref_weights)
         # Memory: on the device only fc2.bias remains (its 2-element shard + its 4-element full copy, fp32).
         assert report["parameters"] == (2 + 4) * 4, (what, report["parameters"])
@@ -140,17 +178,6 @@ def failing_read(nvme_path: str) -> dict:
 def test_offload_param_failed_read_raises(tmp_path):
     for rank, result in enumerate(run_distributed(failing_read, 2, str(tmp_path), timeout=120)):
         assert "reading" in result["message"] and "params.swp" in result["message"], (rank, result)
-
-
-def build_small(path: str) -> str:
-    with pytest.raises(ValueError) as caught:
-        build(nvme(path, buffer_size=4))
-    return str(caught.value)
-
-
-def test_offload_param_buffer_too_small_names_the_key(tmp_path):
-    for message in run_distributed(build_small, 1, str(tmp_path), timeout=60):
-        assert "offload_param.buffer_size" in message and "fc1.weight" in message, message
 
 
 def test_offload_param_config_no_longer_warns():

@@ -193,9 +193,19 @@ def test_param_store_grows_one_shard_at_a_time_as_zero_init_hands_them_in(tmp_pa
         store.remove(parts[1])
         assert parts[1].store is None and torch.equal(parts[1]._shard, values[1])
         assert [p.names[0] for p in store.parts] == ["p0", "p2"]
-        too_big = partition_parameter("big", torch.nn.Parameter(torch.zeros(10_001)), ShardGroup.local())
-        with pytest.raises(ValueError, match="offload_param.buffer_size"):
-            store.add(too_big)
+        # a shard larger than buffer_size (10_000 elements): written in pieces, the pool's buffers stay at
+        # buffer_size (40_000 bytes, aligned up), and every piece lands where the read finds it
+        big_values = torch.randn(25_003)
+        big = partition_parameter("big", torch.nn.Parameter(big_values.clone()), ShardGroup.local())
+        store.add(big)
+        store.flush()
+        assert store.pool.nbytes == 40960 and store.pool.count == 2, store.pool.nbytes
+        assert torch.equal(big.shard, big_values)
+        store.resize_pool(3, 1000)  # what initialize does with the budget's sizes: 1000 fp32 elements -> 4 KiB
+        assert store.pool.nbytes == 4096 and store.pool.count == 3
+        big.write_shard(big_values * 2)
+        store.flush()
+        assert not store.cache and torch.equal(big.shard, big_values * 2) and store.stats["param_writes"] >= 2
     finally:
         store.close()
 

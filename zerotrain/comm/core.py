@@ -315,6 +315,12 @@ class Comm:
         self.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item() > 0)
 
+    def min_ints(self, values: list[int], device: torch.device) -> list[int]:
+        """The least of each value over the ranks (e.g. a memory budget every rank must share)."""
+        tensor = torch.tensor(values, dtype=torch.int64, device=device)
+        self.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return [int(v) for v in tensor.tolist()]
+
     def sum_scalar(self, value: torch.Tensor) -> torch.Tensor:
         """Sum a one-element tensor over ranks (e.g. squared gradient norms of the shards)."""
         self.all_reduce(value)

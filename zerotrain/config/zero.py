@@ -136,6 +136,9 @@ class ZeroConfig(Block):
     zero_quantized_gradients: Bool = False
     zero_hpz_partition_size: PosInt = 1
     zeropp_loco_param: Optional[LocoConfig] = None
+    # zerotrain's own: the host bytes per rank that the size keys left unset are chosen from
+    # (zerotrain.budget; None: half of the host memory available to the job / ranks on the node)
+    memory_budget_bytes: Optional[PosInt] = None
 
     @classmethod
     def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:

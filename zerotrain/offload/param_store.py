@@ -14,7 +14,8 @@ write, an initializer).
 - `NvmeParamStore` (`device: nvme`): the shards live in one file per rank under
   `nvme_path` (each at an aligned offset), moved by `aio.AsyncFileIO` (O_DIRECT where the
   filesystem takes it). Writes go through a bounded pool of `buffer_count` aligned buffers
-  (`aio.AlignedBuffers`, one shard per buffer, so `buffer_size` must hold the largest shard);
+  (`aio.AlignedBuffers`) of at most `buffer_size` elements each: a larger shard is written in pieces, so
+  the pool stays the same size whatever the model's largest tensor (the embedding);
   a read lands in an aligned host tensor of its own, which then is the shard (no copy). At
   most `max_in_cpu` elements of shards are cached in host memory (least recently used first
   out); the rest are read when a gather needs them. The fetcher asks for reads ahead along
@@ -123,11 +124,8 @@ class NvmeParamStore(ParamStore):
         self.rank = rank
         self.pin = bool(pin_memory) and torch.cuda.is_available()
         self.max_in_cpu = int(max_in_cpu)
-        largest = max(parts, key=lambda part: part.shard_numel, default=None)
-        if largest is not None and largest.shard_numel > buffer_size:
-            raise ValueError(f"zero_optimization.offload_param.buffer_size: {buffer_size} elements cannot hold "
-                             f"rank {rank}'s shard of parameter {largest.names[0]} ({largest.shard_numel} "
-                             f"elements); raise buffer_size to at least that")
+        if int(buffer_size) < 1:
+            raise ValueError(f"zero_optimization.offload_param.buffer_size: must be at least 1, got {buffer_size}")
         self.buffer_size = int(buffer_size)
         self.offsets: dict[int, int] = {}
         total = 0
@@ -151,15 +149,15 @@ class NvmeParamStore(ParamStore):
             except BaseException:
                 self._finalizer()
                 raise
-        buffer_bytes = round_up(max((_nbytes(part) for part in parts), default=1))
-        self.pool = AlignedBuffers(max(1, int(buffer_count)), buffer_bytes, pin=self.pin)
+        largest_bytes = round_up(max((_nbytes(part) for part in parts), default=1))
+        self.pool = AlignedBuffers(max(1, int(buffer_count)), self._buffer_bytes(parts), pin=self.pin)
         self.cache: OrderedDict[int, torch.Tensor] = OrderedDict()  # id(part) -> host shard, LRU order
         self.cached_numel = 0
         self.reads: OrderedDict[int, tuple[Future, torch.Tensor]] = OrderedDict()  # reads ahead not yet taken
         self._reading = 0  # bytes of those reads' landing tensors
-        # bytes read ahead at most: one buffer's worth (the largest shard), i.e. several layers of a transformer
-        self.read_ahead_bytes = buffer_bytes
-        self.writes: dict[int, Future] = {}
+        # bytes read ahead at most: the largest shard's, i.e. several layers of a transformer
+        self.read_ahead_bytes = largest_bytes
+        self.writes: dict[int, list[Future]] = {}  # a shard's writes in flight: one per piece
         self._resident: Optional[dict[int, torch.Tensor]] = None
         self.stats = {"param_reads": 0, "param_writes": 0, "read_ahead": 0, "read_ahead_hits": 0,
                       "cache_hits": 0}
@@ -183,27 +181,37 @@ class NvmeParamStore(ParamStore):
         if id(part) in self.offsets:
             return
         nbytes = _extent(part)
-        if part.shard_numel > self.buffer_size:
-            raise ValueError(f"zero_optimization.offload_param.buffer_size: {self.buffer_size} elements cannot "
-                             f"hold rank {self.rank}'s shard of parameter {part.names[0]} ({part.shard_numel} "
-                             f"elements); raise buffer_size to at least that")
         free = shutil.disk_usage(self.directory).free
         if nbytes > free and not any(size >= nbytes for _, size in self.free):
             raise OffloadIOError(f"NVMe parameter offload: rank {self.rank} needs {nbytes / 2**20:.1f} MiB more "
                                  f"under {self.directory} for parameter {part.names[0]}; only "
                                  f"{free / 2**20:.1f} MiB are free")
         self.offsets[id(part)] = self._allocate(nbytes)
-        if nbytes > self.pool.nbytes:  # a larger buffer: only once nothing in flight holds the old ones
-            for key in list(self.reads):
-                self._forget_reads(key)
-            self.flush()
-            self.pool = AlignedBuffers(self.pool.count, nbytes, pin=self.pin)
-            self.read_ahead_bytes = max(self.read_ahead_bytes, nbytes)
+        if self._buffer_bytes([part]) > self.pool.nbytes:  # larger buffers: once no write in flight holds one
+            self.resize_pool(self.pool.count, self.buffer_size, self._buffer_bytes([part]))
+        self.read_ahead_bytes = max(self.read_ahead_bytes, nbytes)
         self.parts.append(part)
         self._by_id[id(part)] = part
         shard = part.detach_shard()
         part.store = self
         self.write(part, shard)
+
+    def _buffer_bytes(self, parts: Iterable) -> int:
+        """Bytes of one write buffer: the largest shard's, at most `buffer_size` elements of it (a larger shard
+        is written in pieces), so the pool does not grow with the model's largest tensor."""
+        return round_up(max((min(_nbytes(part), self.buffer_size * part.dtype.itemsize) for part in parts),
+                            default=1))
+
+    def resize_pool(self, buffer_count: int, buffer_size: int, at_least: int = 0) -> None:
+        """Write through `buffer_count` buffers of at most `buffer_size` elements from now on (initialize gives
+        the budget's sizes to the store zero.Init built with the config's), each of at least `at_least` bytes."""
+        for key in list(self.reads):
+            self._forget_reads(key)
+        self.flush()
+        self.buffer_size = max(1, int(buffer_size))
+        nbytes = max(self._buffer_bytes(self.parts), round_up(max(1, at_least)))
+        if nbytes != self.pool.nbytes or int(buffer_count) != self.pool.count:
+            self.pool = AlignedBuffers(max(1, int(buffer_count)), nbytes, pin=self.pin)
 
     def remove(self, part, keep_values: bool = True) -> None:
         """Give `part`'s shard back to it as a host tensor (a persistent parameter; another store), or with
@@ -395,15 +403,21 @@ class NvmeParamStore(ParamStore):
         for copies in (self.cache, self._resident or {}):
             if key in copies and copies[key].data_ptr() != values.data_ptr():
                 copies[key].copy_(values)
-        buffer = self._acquire()
-        try:
-            buffer[:_nbytes(part)].view(part.dtype).copy_(values.reshape(-1))
-        except BaseException:
-            self.pool.release(buffer)
-            raise
-        pool = self.pool  # add() may replace self.pool once nothing is in flight
-        self.writes[key] = self.io.write(self.fd, self.offsets[key], buffer[:_extent(part)],
-                                         done=lambda: pool.release(buffer))
+        flat = values.reshape(-1)
+        pool = self.pool  # resize_pool may replace self.pool once nothing is in flight
+        step = pool.nbytes // part.dtype.itemsize  # elements per piece (pool.nbytes is aligned)
+        futures = self.writes[key] = []
+        for start in range(0, part.shard_numel, step):
+            count = min(step, part.shard_numel - start)
+            buffer = self._acquire()
+            try:
+                buffer[:count * part.dtype.itemsize].view(part.dtype).copy_(flat[start:start + count])
+            except BaseException:
+                pool.release(buffer)
+                raise
+            futures.append(self.io.write(self.fd, self.offsets[key] + start * part.dtype.itemsize,
+                                         buffer[:round_up(count * part.dtype.itemsize)],
+                                         done=lambda buffer=buffer: pool.release(buffer)))
         self.stats["param_writes"] += 1
 
     def _forget_reads(self, key: int) -> None:
@@ -416,15 +430,14 @@ class NvmeParamStore(ParamStore):
                 pass  # its values are being replaced anyway
 
     def _wait_write(self, key: int) -> None:
-        future = self.writes.pop(key, None)
-        if future is not None:
+        for future in self.writes.pop(key, ()):
             future.result()
 
     def flush(self) -> None:
         """Wait for every write; raise the first failure (after all have finished: nothing left running)."""
         writes, self.writes = self.writes, {}
         error = None
-        for future in writes.values():
+        for future in (f for futures in writes.values() for f in futures):
             try:
                 future.result()
             except BaseException as caught:  # noqa: BLE001 - the first one is raised below
@@ -491,6 +504,7 @@ def build_param_store(parts: list, offload, aio, rank: int):
             if part.store is None:
                 store.add(part)
         store.max_in_cpu = int(offload.max_in_cpu)
+        store.resize_pool(int(offload.buffer_count), int(offload.buffer_size))
         store.compact()  # the dropped shards' extents: reused by the moves, cut off the file's end
         return store
     for store in early.values():  # the engine's config keeps the shards elsewhere: take them back

@@ -1,0 +1,135 @@
+"""The memory budget (zerotrain.budget, issue #27): the size keys a config leaves unset follow the budget, a key
+the config sets wins, a run that cannot fit is refused with the numbers, and the host memory is read from the
+cgroup as well as /proc/meminfo. In-process, on the pure functions; the world-2 agreement and the refusal by
+`initialize` before any step are checked in tests/offload/test_offload_param.py (one launch with its training)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from zerotrain.budget import (DEEPSPEED, MIN_BUCKET, SHARES, check_fits, default_budget, host_memory_available,
+                              plan_sizes)
+from zerotrain.config import ConfigError, load_config
+from zerotrain.estimate import config_option, estimate_option, load_meta_model, model_shape, probe_optimizer
+
+GiB = 2**30
+
+
+def nvme_config(**zero) -> object:
+    block = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/unused"},
+             "offload_optimizer": {"device": "nvme", "nvme_path": "/unused"}}
+    for key, value in zero.items():
+        if isinstance(value, dict):
+            block[key] = {**block[key], **value}
+        else:
+            block[key] = value
+    return load_config({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": block})
+
+
+@pytest.fixture(scope="module")
+def shape():
+    model, _ = load_meta_model("70m", torch.bfloat16, layers=4, width=2112)  # 4 x 2112: MLP weights 8.9M elements
+    return model_shape(model)
+
+
+def largest_shard(shape) -> int:
+    return -(-max(p.numel for p in shape.params) // 2)  # world 2
+
+
+def test_sizes_follow_the_budget(shape):
+    """A small and a large budget give different sizes: each unset key takes its documented share of the
+    headroom (budget - model states), between its smallest useful value and DeepSpeed's default."""
+    config = nvme_config()
+    small, large = plan_sizes(2 * GiB, shape, 2, config), plan_sizes(64 * GiB, shape, 2, config)
+    headroom = small.budget - small.states
+    assert 0 < headroom < small.budget
+    assert small.value("reduce_bucket_size") == int(SHARES["reduce_bucket_size"] * headroom / (2 * 2))  # bf16
+    assert small.value("stage3_max_live_parameters") == int(SHARES["stage3_max_live_parameters"] * headroom / 2)
+    assert small.value("offload_param.max_in_cpu") == int(SHARES["offload_param.max_in_cpu"] * headroom / 2)
+    # the large budget: DeepSpeed's defaults (nothing needs more), and the write buffers at the largest shard
+    assert large.value("reduce_bucket_size") == DEEPSPEED["reduce_bucket_size"]
+    assert large.value("offload_param.max_in_cpu") == DEEPSPEED["offload_param.max_in_cpu"]
+    assert large.value("offload_optimizer.buffer_count") == DEEPSPEED["offload_optimizer.buffer_count"]
+    assert large.value("offload_param.buffer_size") == largest_shard(shape)  # no buffer larger than a shard
+    for key in ("reduce_bucket_size", "stage3_max_live_parameters", "offload_param.max_in_cpu"):
+        assert small.value(key) < large.value(key), key
+    # a tiny budget: every key at its smallest, and the write buffers are pieces of the largest shard
+    tiny = plan_sizes(64 * 2**20, shape, 2, config)
+    assert tiny.value("reduce_bucket_size") == MIN_BUCKET and tiny.value("offload_param.max_in_cpu") == 0
+    assert tiny.value("offload_optimizer.buffer_count") == 2 and tiny.value("offload_param.buffer_size") < largest_shard(shape)
+    # what the resolved run needs stays within the budget whenever the headroom is not negative
+    optimizer = probe_optimizer(config.optimizer)
+    for plan in (small, large):
+        memory = estimate_option(shape, plan.apply(config), 2, config_option(config), optimizer, "cpu")
+        needed = memory.total("host") + memory.total("device") + sum(memory.transient.values())
+        assert needed <= plan.budget or plan is large, (needed, plan.budget)
+    # on a GPU the reduce buckets and gathered parameters are device memory: not sized from this host budget
+    gpu = plan_sizes(2 * GiB, shape, 2, config, "cuda")
+    assert gpu.value("reduce_bucket_size") is None and gpu.value("stage3_max_live_parameters") is None
+    assert gpu.value("offload_param.max_in_cpu") is not None
+    # the printed lines: the budget first, then one per key with its value and why
+    lines = small.lines()
+    assert lines[0].startswith("zerotrain memory budget: 2.00 GiB per rank") and len(lines) == 1 + 6
+    assert "zero_optimization.offload_param.max_in_cpu = " in "\n".join(lines)
+
+
+def test_a_key_the_user_sets_wins(shape):
+    config = nvme_config(reduce_bucket_size=12345, offload_param={"max_in_cpu": 7, "buffer_count": 3})
+    plan = plan_sizes(1 * GiB, shape, 2, config)
+    assert plan.value("reduce_bucket_size") == 12345 and plan.value("offload_param.max_in_cpu") == 7
+    assert plan.value("offload_param.buffer_count") == 3
+    resolved = plan.apply(config)
+    zero = resolved.zero_optimization
+    assert zero.reduce_bucket_size == 12345 and zero.offload_param.max_in_cpu == 7
+    # the unset ones were chosen, and the config still tells the user's keys from the chosen ones
+    assert zero.stage3_max_live_parameters == plan.value("stage3_max_live_parameters") != DEEPSPEED[
+        "stage3_max_live_parameters"]
+    assert "stage3_max_live_parameters" not in zero.model_fields_set and "reduce_bucket_size" in zero.model_fields_set
+    assert zero.stage3_fetch_limits()[0] == config.zero_optimization.stage3_fetch_limits()[0]
+
+
+def test_a_run_that_cannot_fit_is_refused_with_the_numbers(shape):
+    """The model with its optimizer in host memory (no offload, stage 2) at world 2 needs ~1 GiB per rank: refused
+    under 256 MiB, naming the need, the limit and the largest consumers with their keys; accepted above."""
+    config = load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {}},
+                          "zero_optimization": {"stage": 2}})
+    plan = plan_sizes(256 * 2**20, shape, 2, config)
+    memory = estimate_option(shape, plan.apply(config), 2, config_option(config), probe_optimizer(config.optimizer),
+                             "cpu")
+    with pytest.raises(ConfigError) as caught:
+        check_fits(memory, 256 * 2**20, "zero_optimization.memory_budget_bytes")
+    message = str(caught.value)
+    assert "\n" not in message and "more than the 256.00 MiB there are (zero_optimization.memory_budget_bytes)" \
+        in message, message
+    assert "largest: optimizer_states" in message and "offload_optimizer.device: nvme" in message, message
+    check_fits(memory, 4 * GiB, "plenty")  # fits: nothing raised
+
+
+def _cgroup(root, line: str, directory: str, limit: tuple[str, str], usage: tuple[str, int]) -> None:
+    """A fake /proc/self/cgroup naming `directory`, with its limit and usage files."""
+    (root / "proc/self/cgroup").write_text(line)
+    folder = root / directory
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / limit[0]).write_text(f"{limit[1]}\n")
+    (folder / usage[0]).write_text(f"{usage[1]}\n")
+
+
+def test_host_memory_reads_the_cgroup_limit(tmp_path):
+    """cgroup v2: memory.max - memory.current wins over a larger MemAvailable; v1 the same with its files; no
+    limit ("max") leaves MemAvailable."""
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/meminfo").write_text("MemTotal: 100 kB\nMemAvailable: 20971520 kB\n")  # 20 GiB
+    _cgroup(tmp_path, "0::/job\n", "sys/fs/cgroup/job", ("memory.max", str(8 * GiB)), ("memory.current", 3 * GiB))
+    found = host_memory_available(str(tmp_path))
+    assert found.available == 5 * GiB and "cgroup v2" in found.source
+    _cgroup(tmp_path, "0::/job\n", "sys/fs/cgroup/job", ("memory.max", "max"), ("memory.current", 3 * GiB))
+    assert host_memory_available(str(tmp_path)).available == 20 * GiB
+    _cgroup(tmp_path, "4:memory:/job1\n", "sys/fs/cgroup/memory/job1", ("memory.limit_in_bytes", str(4 * GiB)),
+            ("memory.usage_in_bytes", GiB))
+    found = host_memory_available(str(tmp_path))
+    assert found.available == 3 * GiB and "cgroup v1" in found.source
+    assert default_budget(8 * GiB, 2, own=GiB) == int(0.5 * 5 * GiB)
+    assert host_memory_available().available > 0  # this machine's
