@@ -136,7 +136,7 @@ def streamed(nvme_path: str) -> list:
     (a write on rank 0) and is retried by running the batch's forward/backward again."""
     import zerotrain
     import zerotrain.offload.aio as aio
-    import zerotrain.offload.factory as factory
+    import zerotrain.offload.nvme as factory
     from zerotrain.offload import OffloadIOError
     from offload_common import engine_config, param_groups
     from models_for_tests import OddMLP, micro_slice

@@ -76,6 +76,9 @@ class NoOptimizer(MasterOptimizer):
         self.last_grad_norm: Optional[float] = None
         self.stats: dict = {}
 
+    def refuse_training(self, call: str, hint: str = "") -> None:
+        raise NoOptimizerError(no_optimizer_message(call) + hint)
+
     def has_overflow(self, grad_shards: list) -> bool:
         raise NoOptimizerError(no_optimizer_message("engine.step()"))
 

@@ -135,6 +135,10 @@ class MasterOptimizer(Protocol):
         ...
 
     # --- optional capabilities: no-op defaults ------------------------------
+    def refuse_training(self, call: str, hint: str = "") -> None:
+        """Raise when this optimizer cannot train (a forward-only engine's, `call` naming what was asked);
+        nothing by default."""
+
     def before_model_use(self) -> None:
         """Called before the model is used again (super_offload undoes speculative weights); nothing by default."""
 
