@@ -16,7 +16,7 @@ from ..offload.param_store import resident_model_states
 from ..sharding import ShardedSlot
 from .parts import EngineParts
 
-__all__ = ["sharded_slots", "frozen_slots", "publish_weights", "checkpoint_state", "StepCounters", "LoCoState"]
+__all__ = ["sharded_slots", "frozen_slots", "publish_weights", "checkpoint_state", "StepCounters", "ReducerLoCoState"]
 
 
 def sharded_slots(parts: EngineParts) -> list[ShardedSlot]:
@@ -53,9 +53,9 @@ class StepCounters:
             setattr(self._holder, key, int(state[key]))
 
 
-class LoCoState:
+class ReducerLoCoState:
     """The gradient reducer's LoCo error buffers as a checkpoint saves and restores them
-    (`checkpoint.LoCoErrors`); `steps`: the optimizer steps taken so far, read at load."""
+    (`checkpoint.LoCoState`); `steps`: the optimizer steps taken so far, read at load."""
 
     def __init__(self, parts: EngineParts, steps: Any):
         self._reducer = parts.reducer
@@ -97,4 +97,4 @@ def checkpoint_state(parts: EngineParts, holder: Any, files: dict) -> Checkpoint
         # during backward).
         defer_copies=topology.device.type == "cpu" and parts.zero_optimizer.snapshot_in_background,
         counters=StepCounters(holder), loss_scaler=parts.loss_scaler, scheduler=parts.lr_scheduler,
-        loco=LoCoState(parts, lambda: holder.global_steps), fences=parts.fences, files=files)
+        loco=ReducerLoCoState(parts, lambda: holder.global_steps), fences=parts.fences, files=files)

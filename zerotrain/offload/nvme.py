@@ -435,7 +435,7 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         """Where the chunk's new weights go: its range of the model shard (training dtype), or, for a
         stage-3 shard kept by an offload_param store, of a staging tensor written when the bucket is whole."""
         bucket = self.buckets[chunk.bucket]
-        if getattr(bucket, "offloaded", False):
+        if bucket.offloaded:
             return self._stage(chunk.bucket).narrow(0, chunk.start, chunk.numel)
         return bucket.local_shard().narrow(0, chunk.start, chunk.numel)
 
@@ -503,7 +503,7 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         handles = []
         for index, (bucket, master) in enumerate(zip(self.buckets, self.masters)):
             from_master = (self.records.resident or not self.offloaded[index]) and index not in current
-            if getattr(bucket, "offloaded", False):  # offload_param: into host memory or the NVMe file
+            if bucket.offloaded:  # offload_param: into host memory or the NVMe file
                 if from_master:
                     bucket.write_shard(master)
                 continue
