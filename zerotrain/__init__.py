@@ -10,8 +10,7 @@ import argparse
 from . import dist
 from .dist import init_distributed
 from .initialize import initialize
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "dist", "__version__"]
 
