@@ -186,7 +186,7 @@ def streamed(nvme_path: str) -> list:
             norms.append(engine.get_global_grad_norm())
         out.append({"losses": losses, "norms": norms, "held": held[-3:], "weights": engine.full_state_dict(),
                     "streams": engine.zero_optimizer.stream_gradients, "raised": raised,
-                    "stats": dict(engine.zero_optimizer.stats),
+                    "stats": engine.offload_stats(),
                     "param_store": getattr(engine.param_store, "kind", None)})
         engine.zero_optimizer.close()
     return out

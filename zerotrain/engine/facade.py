@@ -294,6 +294,17 @@ class ZeroTrainEngine(EngineCore):
         report.update(self._offload_memory())
         return report
 
+    def work_stats(self) -> dict[str, dict]:
+        """Counters of the parts' work since the engine was built, by part: `gather` (stage 3's parameter
+        gathers, prefetches, qwZ/hpZ gathers and the bytes they held), `reduce` (the gradient reducer's staging
+        buffers and reduce-scatters), `offload` (the offloaded optimizer's, as `offload_stats()`),
+        `param_store` (offload_param's NVMe reads and writes); {} for a part that does none. For benchmarks
+        and tests that check how the work is done, without reaching into the parts."""
+        parts = self.parts
+        return {"gather": parts.weights.gather_stats(), "reduce": dict(parts.reducer.stats),
+                "offload": self.offload_stats(),
+                "param_store": dict(parts.param_store.stats) if parts.param_store is not None else {}}
+
     def offload_stats(self) -> dict:
         """Counters of the offloaded optimizer (steps; with super_offload speculative steps, rollbacks,
         clip_redos = steps redone with clipped gradients; with nvme bytes read/written); {} without offload."""

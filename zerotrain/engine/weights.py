@@ -79,6 +79,10 @@ class Weights:
     def watch(self, phase: Callable) -> None:
         """Tell the gatherer where its blocking gathers begin and end (nothing gathers here)."""
 
+    def gather_stats(self) -> dict:
+        """Counters of the gatherer (gathers, prefetches, bytes held); {} where nothing gathers."""
+        return {}
+
 
 FlatWeights = Weights
 
@@ -127,3 +131,6 @@ class PartitionedWeights(Weights):
 
     def watch(self, phase: Callable) -> None:
         self.fetcher.phase = phase
+
+    def gather_stats(self) -> dict:
+        return dict(self.fetcher.stats)

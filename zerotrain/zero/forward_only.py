@@ -47,6 +47,7 @@ class NoGradients(GradientReducer):
         self.grad_shards: list = []
         self.shard_ready_callbacks: list = []
         self.optimizer_steps = 0
+        self.stats: dict = {}
 
     def begin_backward(self, boundary: bool) -> None:
         raise NoOptimizerError(no_optimizer_message("engine.backward()"))

@@ -65,6 +65,7 @@ class GradientReducer(Protocol):
     grad_shards: list
     shard_ready_callbacks: list[Callable[[int], None]]  # called with a bucket index when its shard is final
     optimizer_steps: int
+    stats: dict  # counters of its work (staging buffers, reduce-scatters); empty where it does none
 
     def begin_backward(self, boundary: bool) -> None:
         """Before a backward pass; `boundary`: its gradients end the accumulation (reduce them)."""
@@ -166,6 +167,9 @@ class MasterOptimizer(Protocol):
 @runtime_checkable
 class ParamStore(Protocol):
     """Where stage 3's non-persistent parameter shards live under offload_param (host memory or NVMe)."""
+
+    kind: str  # "cpu" or "nvme"
+    stats: dict  # counters of its reads and writes; empty where it does none (host memory)
 
     def add(self, part) -> None:
         """Take `part`'s shard from now on (zero.Init hands each shard in as it partitions a module)."""
