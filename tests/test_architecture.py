@@ -209,13 +209,7 @@ def test_the_probe_check_can_fail(tmp_path):
 # TEMPORARY: the import cycles main still has (issue #32; helper `engine` removes them). Each entry is one
 # lazy import that closes a cycle; an entry no longer on a cycle fails the test below, so the list can only
 # shrink. Remove it when the cycles are gone.
-KNOWN_CYCLE_EDGES = {
-    # models -> checkpointing -> parallel -> models: the GPT's activation checkpointing, checkpointing's tensor-
-    # parallel comm, autotp's plan for the GPT
-    ("zerotrain.parallel.autotp", "zerotrain.models"),
-    ("zerotrain.parallel.plan", "zerotrain.parallel.autotp"),  # inside parallel/: plan <-> autotp
-    ("zerotrain.parallel.adapters", "zerotrain.parallel.autotp"),  # inside parallel/: adapters <-> autotp
-}
+KNOWN_CYCLE_EDGES: set = set()  # none left: a cycle may only be added here with a reason and a plan to remove it
 
 
 def _is_module(name: str, root: Path) -> bool:

@@ -82,7 +82,7 @@ def _generate_on_rank(model_dir: str, nvme: str) -> dict:
             "train_batch_size": 2, "scheduler": {"type": "WarmupLR"}})
     result = {"refused": refused, "want": want, "got": got, "logits_diff": float((logits - want_logits).abs().max()),
               "forwards": engine.forward_passes.count, "report": report, "errors": errors,
-              "store": dict(engine.param_store.stats), "phases": {"gather", "forward"} <= boundaries, "mismatches": engine.stage3.fetcher.stats["order_mismatches"]}
+              "store": engine.work_stats()["param_store"], "phases": {"gather", "forward"} <= boundaries, "mismatches": engine.work_stats()["gather"]["order_mismatches"]}
     engine.close()
     return result
 

@@ -11,8 +11,7 @@ from . import accelerator, checkpointing, compression, dist, moe, ops, runtime, 
 from .dist import init_distributed
 from .initialize import initialize
 from .pretrained import from_pretrained
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "from_pretrained", "dist", "accelerator", "checkpointing",
            "compression", "moe", "ops", "runtime", "utils", "__version__"]

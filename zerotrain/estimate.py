@@ -404,9 +404,9 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
 
 
 def _streams_gradients(config, option: Option) -> bool:
-    """The engine's rule (`offload.factory.streams_gradients`) for the stage-3 reducer (exact reduce: qgZ's
+    """The engine's rule (`offload.nvme.streams_gradients`) for the stage-3 reducer (exact reduce: qgZ's
     per-parameter reducer does not release shards) with the optimizer on NVMe."""
-    from .offload.factory import streams_gradients
+    from .offload.nvme import streams_gradients
 
     class _Stage3Reducer:  # what the rule asks of the reducer: that it can release consumed shards
         release_final_shards = False

@@ -66,7 +66,7 @@ def async_nvme_run(root: str) -> dict:
         engine.wait_checkpoint()
     finally:
         snapshot.Sources.complete, write.SaveJob._write_round = complete, write_round
-    stats = dict(engine.param_store.stats)
+    stats = engine.work_stats()["param_store"]
     engine.close()
     fresh = nvme_engine(os.path.join(root, f"nvme_b{rank}"), seed=123)  # other initial weights
     fresh.load_checkpoint(save_dir)

@@ -83,7 +83,7 @@ def train(model, stage: int, tp: int, checkpointing: bool, hf: bool = False, see
         total = loss.detach().reshape(1).clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    fetch_stats = dict(engine.stage3.fetcher.stats) if engine.stage3 is not None else {}
+    fetch_stats = engine.work_stats()["gather"]
     return {"losses": losses, "weights": engine.full_state_dict(), "fetch": fetch_stats,
             "held": held_after_backward, "ckpt": ckpt.stats()}
 

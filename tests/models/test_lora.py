@@ -130,7 +130,7 @@ def _zero3_data_parallel(directory: str, tmp: str, vocab: int) -> dict:
     out["released_after_generate"] = all(not p._zero.gathered for p in model.parameters()
                                          if isinstance(p, ZeroParameter) and not p._zero.persistent)
     out["losses"] += _train(engine, batches, range(2, STEPS), rows)
-    out["order_mismatches"] = engine.stage3.fetcher.stats["order_mismatches"]  # the record was left as it was
+    out["order_mismatches"] = engine.work_stats()["gather"]["order_mismatches"]  # the record was left as it was
     # The base: released shards (a one-element placeholder), in the engine's frozen parts (no gradient buffer,
     # no master, no optimizer state); only adapter masters carry optimizer state.
     out["partitioned"] = all(isinstance(p, ZeroParameter) and not p._zero.gathered

@@ -149,7 +149,7 @@ def async_save_during_speculation(save_dir: str, precision: str) -> dict:
     try:
         engine.save_checkpoint(save_dir, tag="speculating", async_save=True)
         train(engine, 2, 1)  # its backward speculates while the copy is still pending
-        speculated = engine.zero_optimizer.stats["bucket_updates"]
+        speculated = engine.offload_stats()["bucket_updates"]
         engine.wait_checkpoint()
     finally:
         snapshot_module.Sources.complete = original

@@ -136,7 +136,7 @@ def streamed(nvme_path: str) -> list:
     (a write on rank 0) and is retried by running the batch's forward/backward again."""
     import zerotrain
     import zerotrain.offload.aio as aio
-    import zerotrain.offload.factory as factory
+    import zerotrain.offload.nvme as factory
     from zerotrain.offload import OffloadIOError
     from offload_common import engine_config, param_groups
     from models_for_tests import OddMLP, micro_slice
@@ -186,7 +186,7 @@ def streamed(nvme_path: str) -> list:
             norms.append(engine.get_global_grad_norm())
         out.append({"losses": losses, "norms": norms, "held": held[-3:], "weights": engine.full_state_dict(),
                     "streams": engine.zero_optimizer.stream_gradients, "raised": raised,
-                    "stats": dict(engine.zero_optimizer.stats),
+                    "stats": engine.offload_stats(),
                     "param_store": getattr(engine.param_store, "kind", None)})
         engine.zero_optimizer.close()
     return out

@@ -35,7 +35,7 @@ def train_fp16(stage: int, block: dict | None) -> dict:
 
     losses, _ = train_steps(engine, world_batches(2), inject=inject, on_step=on_step)
     assert_same_snapshot(snaps[OVERFLOW_STEP - 1], snaps[OVERFLOW_STEP], f"{block}: the overflow step")
-    stats = dict(getattr(engine.zero_optimizer, "stats", {}))
+    stats = engine.offload_stats()
     final = snapshot(engine)
     result = {"losses": losses, "skipped": engine.skipped_steps, "scale": engine.loss_scale, "stats": stats,
               "final": final, "weights": engine.full_state_dict()}

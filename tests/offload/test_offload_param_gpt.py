@@ -63,7 +63,7 @@ def train_offloaded(nvme_root: str) -> list:
             dist.all_reduce(total)
             losses.append(total.item() / (ACCUMULATION * world))
             norms.append(engine.get_global_grad_norm())
-        stats = dict(getattr(engine.param_store, "stats", {}))
+        stats = engine.work_stats()["param_store"]
         tied = engine.module.lm_head.weight is engine.module.transformer.wte.weight  # still one parameter
         results.append((what, tied, losses, norms, engine.full_state_dict(), engine.param_store.kind, stats))
         engine.close()

@@ -63,7 +63,7 @@ def train_all() -> dict:
     for batch in batches():
         losses.append(train_global_step(engine, batch, MICRO))
         norms.append(engine.get_global_grad_norm())
-    out["super_offload"] = (losses, norms, engine.full_state_dict(), dict(engine.zero_optimizer.stats),
+    out["super_offload"] = (losses, norms, engine.full_state_dict(), engine.offload_stats(),
                             type(engine.zero_optimizer).__name__, experts)
     engine.close()
     out["overflow"] = overflow_in_rank_1s_experts()

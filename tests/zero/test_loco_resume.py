@@ -93,10 +93,10 @@ def other_layout(save_dir: str) -> dict:
         warnings.simplefilter("always")
         engine.load_checkpoint(os.path.join(save_dir, "sync"))
     messages = [str(w.message) for w in caught if "restart from zero" in str(w.message)]
-    out = {"warnings": messages, "loco_bytes": engine.reducer.loco_bytes(),
+    out = {"warnings": messages, "loco_bytes": engine.memory_report()["loco_errors"],
            "optimizer_steps": engine.reducer.optimizer_steps}
     out["losses"] = _train(engine, SAVE_AT, 1)  # step 5 (step 6 would hit reset_T)
-    out["loco_bytes_after"] = engine.reducer.loco_bytes()
+    out["loco_bytes_after"] = engine.memory_report()["loco_errors"]
     return out
 
 

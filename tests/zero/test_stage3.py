@@ -103,7 +103,7 @@ def train_stage3(combos: list) -> list:
             dist.all_reduce(total)
             losses.append(total.item() / (accumulation * world))
             norms.append(engine.get_global_grad_norm())
-        stats = dict(engine.stage3.fetcher.stats)
+        stats = engine.work_stats()["gather"]
         results.append(((accumulation, zero, external, use_init), losses, engine.full_state_dict(), stats, norms))
     return results
 
@@ -176,7 +176,7 @@ def train_dynamic() -> tuple:
         total = loss.detach().reshape(1)
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    return losses, engine.full_state_dict(), dict(engine.stage3.fetcher.stats)
+    return losses, engine.full_state_dict(), engine.work_stats()["gather"]
 
 
 def reference_dynamic(world: int) -> tuple[list[float], dict[str, torch.Tensor]]:

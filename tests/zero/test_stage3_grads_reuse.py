@@ -34,8 +34,8 @@ def train_counting(combos: list) -> list:
             losses.append(total.item() / (accumulation * world))
         comm = engine.memory_report()["comm"]
         results.append({"combo": (accumulation, zero), "losses": losses, "weights": engine.full_state_dict(),
-                        "micro_steps": micro_steps, "comm": comm, "fetch": dict(engine.stage3.fetcher.stats),
-                        "reduce": dict(engine.reducer.stats)})
+                        "micro_steps": micro_steps, "comm": comm, "fetch": engine.work_stats()["gather"],
+                        "reduce": engine.work_stats()["reduce"]})
     return results
 
 
@@ -102,10 +102,10 @@ def evaluate_after_training() -> tuple:
         engine.backward(compute_loss(engine, engine.module, ids[2 * rank:2 * rank + 2], targets[2 * rank:2 * rank + 2], False))
         engine.step()
     ids, targets = data[2]
-    gathers_before = engine.stage3.fetcher.stats["gathers"]
+    gathers_before = engine.work_stats()["gather"]["gathers"]
     with torch.no_grad():
         compute_loss(engine, engine.module, ids[2 * rank:2 * rank + 2], targets[2 * rank:2 * rank + 2], False)
-    return gathers_before, dict(engine.stage3.fetcher.stats)
+    return gathers_before, engine.work_stats()["gather"]
 
 
 def test_forward_without_grad_keeps_nothing_for_reuse():

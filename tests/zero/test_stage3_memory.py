@@ -43,9 +43,9 @@ def stage3_memory(zero: dict, accumulation: int = 1) -> dict:
     report = engine.memory_report()
     report["held_between_micro_steps"] = held_between_micro_steps
     report["between_micro_steps"] = between
-    report["reduce"] = dict(engine.reducer.stats)
+    report["reduce"] = engine.work_stats()["reduce"]
     report["sizes"] = sizes
-    report["stats"] = dict(engine.stage3.fetcher.stats)
+    report["stats"] = engine.work_stats()["gather"]
     report["tensors"] = len(engine.optimizer.state)
     return report
 

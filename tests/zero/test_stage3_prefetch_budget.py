@@ -58,7 +58,7 @@ def train_with(zeros: list[dict]) -> list[dict]:
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-        results.append({"losses": losses, "stats": dict(engine.stage3.fetcher.stats)})
+        results.append({"losses": losses, "stats": engine.work_stats()["gather"]})
     return results
 
 

@@ -93,11 +93,11 @@ def run_combos(combos: list, save_root: str) -> list:
         after = engine.memory_report()["comm"]
         delta = {kind: {field: value - before.get(kind, {}).get(field, 0) for field, value in entry.items()}
                  for kind, entry in after.items()}
-        stats = dict(engine.stage3.fetcher.stats) if engine.stage3 is not None else {}
+        stats = engine.work_stats()["gather"]
         grad_numel = sum(b.padded_numel for b in engine.buckets)
         results.append({"name": name, "accumulation": accumulation, "losses": losses, "stage": stage, "zero": zero,
                         "weights": engine.full_state_dict(), "comm": delta, "stats": stats,
-                        "grad_numel": grad_numel, "loco_bytes": engine.reducer.loco_bytes(),
+                        "grad_numel": grad_numel, "loco_bytes": engine.memory_report()["loco_errors"],
                         "gradient_report": engine.memory_report()["gradients"], "resumed": resumed})
     return results
 
@@ -207,7 +207,7 @@ def loco_bookkeeping() -> dict:
             x, y = micro_slice(batch, a, rank, world, MICRO)
             engine.backward(engine(x, y))
             engine.step()
-        pattern.append((engine.reducer.optimizer_steps, engine.global_steps, engine.reducer.loco_bytes() > 0))
+        pattern.append((engine.reducer.optimizer_steps, engine.global_steps, engine.memory_report()["loco_errors"] > 0))
     out["pattern"] = pattern
 
     # Save / load, rescale and drop, on an engine that does not reset.
@@ -250,7 +250,7 @@ def loco_bookkeeping() -> dict:
             x[0, 0] = float("inf")
         engine.backward(engine(x.half(), y.half()))
         engine.step()
-        trace.append((engine.skipped_steps, engine.loss_scale, engine.reducer.loco_bytes()))
+        trace.append((engine.skipped_steps, engine.loss_scale, engine.memory_report()["loco_errors"]))
     out["fp16"] = trace
     out["fp16_finite"] = all(torch.isfinite(slot.master).all().item() for slot in engine.sharded_slots())
     return out

@@ -45,11 +45,11 @@ Modules, one concept each:
 from __future__ import annotations
 
 from .checkpointer import Checkpointer, save_checkpoint
-from .slots import CheckpointState, LoCoErrors, Stateful
+from .slots import CheckpointState, LoCoState, Stateful
 from .fence import SnapshotFences
 from .format import CheckpointError
 from .load import load_checkpoint
 from .tools import export_model, inspect_checkpoint, latest_step, verify_checkpoint
 
-__all__ = ["save_checkpoint", "load_checkpoint", "Checkpointer", "CheckpointState", "Stateful", "LoCoErrors", "CheckpointError", "SnapshotFences",
+__all__ = ["save_checkpoint", "load_checkpoint", "Checkpointer", "CheckpointState", "Stateful", "LoCoState", "CheckpointError", "SnapshotFences",
            "inspect_checkpoint", "verify_checkpoint", "export_model", "latest_step"]

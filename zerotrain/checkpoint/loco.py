@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from .format import CheckpointError, SafetensorsWriter
 from .integrity import manifest_entry
-from .slots import LoCoErrors
+from .slots import LoCoState
 
 _KIND = "loco"
 
@@ -30,7 +30,7 @@ def loco_file(rank: int) -> str:
     return f"loco_state_{rank}.safetensors"
 
 
-def capture_loco(loco: LoCoErrors) -> Optional[dict]:
+def capture_loco(loco: LoCoState) -> Optional[dict]:
     """This rank's LoCo state (CPU copies, safe to write later), or None when LoCo is off."""
     if not loco.enabled:
         return None
@@ -93,7 +93,7 @@ def read_loco(path: str) -> dict:
         raise CheckpointError(f"cannot read LoCo state {path}: {type(error).__name__}: {error}") from error
 
 
-def restore_loco(loco: LoCoErrors, state: Optional[dict], path: str, rank: int) -> None:
+def restore_loco(loco: LoCoState, state: Optional[dict], path: str, rank: int) -> None:
     """Give the reducer its saved LoCo buffers, or restart them from zero (warning) when there are none.
 
     Called after the counters are restored: the reducer's step count (reset_T) follows them."""

@@ -36,7 +36,7 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-class LoCoErrors(Protocol):
+class LoCoState(Protocol):
     """LoCo's per-rank error buffers (`enabled` False when gradients are not quantized with LoCo).
 
     `state_dict()` gives CPU copies, safe to write later; `load_state_dict(None)` restarts them from
@@ -68,7 +68,7 @@ class CheckpointState:
     counters: Stateful                          # global_steps, global_samples, skipped_steps, micro_steps
     loss_scaler: Stateful
     scheduler: Optional[Stateful]
-    loco: LoCoErrors
+    loco: LoCoState
     fences: SnapshotFences                      # pending async snapshot copies of these slots
     # Files copied into every checkpoint directory by rank 0, listed in the manifest ({name: bytes}; e.g. the
     # tokenizer's, so AutoTokenizer.from_pretrained(checkpoint) works). The engine's dict: later additions count.

@@ -95,7 +95,7 @@ def _tuples(value):
 # --- trainer state ----------------------------------------------------------------------------
 def capture_trainer_state(state: "CheckpointState", tag: str, client_state: dict) -> dict:
     """Counters, scheduler, loss scaler, config and topology of `state`, JSON-ready (taken now)."""
-    from .. import __version__
+    from ..version import __version__
 
     gas = state.config.gradient_accumulation_steps
     scheduler = state.scheduler

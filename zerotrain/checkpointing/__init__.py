@@ -40,6 +40,7 @@ from ..comm import Comm
 from .rng import (CudaRNGStatesTracker, RNGStatesTracker, get_cuda_rng_tracker, get_rng_tracker,
                   model_parallel_cuda_manual_seed, model_parallel_manual_seed)
 from .saved import ContiguousArena, InputSaver
+from .settings import Settings as _State, fresh_stats as _fresh_stats, settings as _state
 
 __all__ = ["checkpoint", "configure", "is_configured", "reset", "stats", "enable_hf_gradient_checkpointing",
            "get_rng_tracker", "get_cuda_rng_tracker", "model_parallel_manual_seed", "model_parallel_cuda_manual_seed",
@@ -48,31 +49,6 @@ __all__ = ["checkpoint", "configure", "is_configured", "reset", "stats", "enable
 logger = logging.getLogger("zerotrain")
 
 
-class _State:
-    """What `configure` set (module-level, as DeepSpeed's is: model code calls `checkpoint` without an engine)."""
-
-    def __init__(self) -> None:
-        self.configured = False
-        self.tp: Optional[Comm] = None
-        self.partition = False
-        self.cpu = False
-        self.contiguous = False
-        self.number_checkpoints: Optional[int] = None
-        self.synchronize = False
-        self.profile = False
-        self.arena: Optional[ContiguousArena] = None
-        self.stats = _fresh_stats()
-
-    def tp_rank(self) -> int:
-        return self.tp.rank if self.tp is not None else 0
-
-
-def _fresh_stats() -> dict:
-    return {"forwards": 0, "recomputes": 0, "forward_seconds": 0.0, "recompute_seconds": 0.0,
-            "input_bytes": 0, "kept_device_bytes": 0, "kept_host_bytes": 0}
-
-
-_state = _State()
 
 
 def _tp_comm(mpu: Any) -> Optional[Comm]:
@@ -85,8 +61,7 @@ def _tp_comm(mpu: Any) -> Optional[Comm]:
     if isinstance(mpu, Topology):
         if mpu.tp_size == 1:
             return None
-        from ..parallel import tensor_parallel_comm
-        return tensor_parallel_comm(mpu)
+        return Comm.tensor_parallel(mpu)
     for prefix in ("get_tensor_model_parallel_", "get_model_parallel_"):
         if hasattr(mpu, prefix + "group"):
             size = int(getattr(mpu, prefix + "world_size")())

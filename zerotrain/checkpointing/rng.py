@@ -17,6 +17,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from .settings import settings as _state
+
 __all__ = ["RNGStatesTracker", "CudaRNGStatesTracker", "get_rng_tracker", "get_cuda_rng_tracker",
            "model_parallel_manual_seed", "model_parallel_cuda_manual_seed", "MODEL_PARALLEL_RNG", "rng_device_type"]
 
@@ -119,7 +121,6 @@ def model_parallel_manual_seed(seed: int, tp_rank: Optional[int] = None) -> None
     `tp_rank` defaults to the tensor-parallel rank given to `zerotrain.checkpointing.configure`, else 0.
     """
     if tp_rank is None:
-        from . import _state  # late: the package imports this module
         tp_rank = _state.tp_rank()
     tracker = get_rng_tracker()
     tracker.reset()

@@ -95,6 +95,12 @@ class Comm:
         return cls(topology.dp_group, topology.dp_rank, topology.dp_size, counters,
                    same_host_transport=topology.same_host_transport, timeout_seconds=topology.timeout_seconds)
 
+    @classmethod
+    def tensor_parallel(cls, topology: Topology, counters: Optional[CommCounters] = None) -> "Comm":
+        """Collectives over this rank's tensor-parallel group."""
+        return cls(topology.tp_group, topology.tp_rank, topology.tp_size, counters,
+                   same_host_transport=topology.same_host_transport, timeout_seconds=topology.timeout_seconds)
+
     def subgroup(self, group: Optional[dist.ProcessGroup], rank: int, size: int) -> "Comm":
         """A Comm over another group, with this one's counters and settings."""
         return Comm(group, rank, size, self.counters, gloo_point_to_point=self.gloo_point_to_point,

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import __version__ as zerotrain_version
+from ..version import __version__ as zerotrain_version
 from ..checkpoint.format import HF_CONFIG, numel_of
 from . import methods
 from .errors import MergeError

@@ -1,7 +1,7 @@
 """Optimizer states and the optimizer step off the device: CPU (fused CPU Adam, SuperOffload-style
 overlap with exact rollback) and NVMe (async I/O swapper with bounded aligned buffers).
 
-`build_offload_optimizer` (`factory`) picks the class from `zero_optimization.offload_optimizer`; every
+The engine (`zerotrain.engine.parts`) picks the class from `zero_optimization.offload_optimizer`; every
 class is a ShardedOptimizer (`zero.interfaces.MasterOptimizer`) (`masters`, `step`, `publish`, `has_overflow`, `grad_norm`,
 `state_bytes`, `last_grad_norm`, `param_groups`, `optimizer`) plus `stats`, `memory_split()`,
 `offloaded_bytes()`, `resident_states()` (the checkpoint saves and loads inside it) and `close()`.
@@ -9,9 +9,8 @@ An offloaded run computes what the device run computes.
 """
 from .aio import OffloadIOError
 from .cpu_optimizer import OffloadOptimizer, choose_offloaded, resident_states
-from .factory import build_offload_optimizer
 from .nvme import NvmeOffloadOptimizer
 from .speculative import SuperOffloadOptimizer
 
 __all__ = ["OffloadIOError", "OffloadOptimizer", "SuperOffloadOptimizer", "NvmeOffloadOptimizer",
-           "build_offload_optimizer", "choose_offloaded", "resident_states"]
+           "choose_offloaded", "resident_states"]

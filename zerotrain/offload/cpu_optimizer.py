@@ -32,13 +32,13 @@ from typing import Collection, Optional
 import torch
 
 from ..comm import Comm
-from ..zero.flat import FlatBucket
+from ..zero.flat import ShardLayout
 from ..zero.gradnorm import GlobalGradients
 from ..zero.optimizer import ShardedOptimizer, device_master, is_own_master
 from .cpu_adam import COPY_BACK_DTYPES, CpuAdamStepper
 
 
-def choose_offloaded(buckets: list[FlatBucket], ratio: float) -> list[bool]:
+def choose_offloaded(buckets: list[ShardLayout], ratio: float) -> list[bool]:
     """Which buckets go to the host: in index order, each when half of it still fits under `ratio` of the elements."""
     total = sum(b.shard_numel for b in buckets)
     chosen, done = [], 0
@@ -121,7 +121,7 @@ class OffloadOptimizer(ShardedOptimizer):
     kind = "cpu"
     snapshot_in_background = False  # MasterOptimizer: states paged in for the save (NVMe), updated in backward
 
-    def __init__(self, buckets: list[FlatBucket], comm: Comm, optimizer: torch.optim.Optimizer,
+    def __init__(self, buckets: list[ShardLayout], comm: Comm, optimizer: torch.optim.Optimizer,
                  group_params: list[list[torch.Tensor]], clip_norm: float, ratio: float = 1.0,
                  pin_memory: bool = False, reducer=None, host_grads: bool = True,
                  gradients: Optional[GlobalGradients] = None):
@@ -141,7 +141,7 @@ class OffloadOptimizer(ShardedOptimizer):
         if reducer is not None:
             reducer.shard_ready_callbacks.append(self._on_shard_ready)
 
-    def initial_master(self, index: int, bucket: FlatBucket) -> torch.Tensor:
+    def initial_master(self, index: int, bucket: ShardLayout) -> torch.Tensor:
         """Offloaded buckets: a host master (`initial_host_master`); the others on the device."""
         shard = bucket.local_shard()
         if self.offloaded[index]:
@@ -217,7 +217,7 @@ class OffloadOptimizer(ShardedOptimizer):
         """Bucket `index`'s model shard when the CPU Adam kernel can write the new weights straight into it
         (a contiguous CPU tensor of fp32/bf16/fp16, not the master itself, not an offload_param shard); else None."""
         bucket, master = self.buckets[index], self.masters[index]
-        if getattr(bucket, "offloaded", False):
+        if bucket.offloaded:
             return None
         shard = bucket.local_shard()
         if shard.device.type != "cpu" or shard.dtype not in COPY_BACK_DTYPES or not shard.is_contiguous() \

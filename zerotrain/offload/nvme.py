@@ -33,7 +33,7 @@ the records hold the early-committed chunks' new values (a checkpoint load clear
 allocated in full when the optimizer is built, so a disk too small fails at start-up with the sizes
 in the message.
 
-Gradients streamed (`stream_gradients`, chosen by `factory.streams_gradients`: stage 3, no clipping,
+Gradients streamed (`stream_gradients`, chosen by `streams_gradients` below: stage 3, no clipping,
 no loss scale or overflow check, no accumulation): each bucket is stepped as soon as the reducer has
 its final gradient shard, during backward, and the reducer frees the shard, so host memory never holds
 the whole model's gradients; the norm's terms are summed as they come (the same sum), and the step is
@@ -75,7 +75,21 @@ from .nvme_records import DEFAULT_CHUNK_NUMEL, Chunk, NvmeRecords, master_placeh
 from .nvme_stream import NvmeStream
 from .partial import SubsetStepper
 
-__all__ = ["NvmeOffloadOptimizer", "DEFAULT_CHUNK_NUMEL"]
+__all__ = ["NvmeOffloadOptimizer", "DEFAULT_CHUNK_NUMEL", "streams_gradients"]
+
+
+def streams_gradients(config, reducer) -> bool:
+    """Whether NVMe offload steps each bucket as soon as its gradient shard is final, during backward, so
+    that host memory never holds the whole model's gradients: only where nothing needs all of them before
+    the update (no clipping, no fp16 loss scale, no bf16 overflow check, every bucket offloaded), the
+    reducer frees a shard once consumed (stage 3), and no accumulation: with it the reducer holds the
+    summed shards between micro-batches anyway, and a failed step could not be retried by running the one
+    batch's forward/backward again (its gradients are gone once streamed)."""
+    offload = config.zero_optimization.offload_optimizer
+    return (not config.gradient_clipping and not config.fp16.enabled and float(offload.ratio) >= 1.0
+            and config.gradient_accumulation_steps == 1
+            and not (config.bf16.enabled and config.bf16.check_grad_overflow)
+            and hasattr(reducer, "release_final_shards"))
 
 
 class NvmeOffloadOptimizer(OffloadOptimizer):
@@ -421,7 +435,7 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         """Where the chunk's new weights go: its range of the model shard (training dtype), or, for a
         stage-3 shard kept by an offload_param store, of a staging tensor written when the bucket is whole."""
         bucket = self.buckets[chunk.bucket]
-        if getattr(bucket, "offloaded", False):
+        if bucket.offloaded:
             return self._stage(chunk.bucket).narrow(0, chunk.start, chunk.numel)
         return bucket.local_shard().narrow(0, chunk.start, chunk.numel)
 
@@ -489,7 +503,7 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         handles = []
         for index, (bucket, master) in enumerate(zip(self.buckets, self.masters)):
             from_master = (self.records.resident or not self.offloaded[index]) and index not in current
-            if getattr(bucket, "offloaded", False):  # offload_param: into host memory or the NVMe file
+            if bucket.offloaded:  # offload_param: into host memory or the NVMe file
                 if from_master:
                     bucket.write_shard(master)
                 continue

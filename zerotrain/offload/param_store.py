@@ -70,6 +70,7 @@ class HostParamStore(ParamStore):
 
     def __init__(self, parts: list, pin_memory: bool = False):
         self.parts = parts
+        self.stats: dict = {}  # no reads or writes to count: every shard is a host tensor
         self.pin = bool(pin_memory) and torch.cuda.is_available()
         self.hosts: dict[int, torch.Tensor] = {}
         for part in parts:

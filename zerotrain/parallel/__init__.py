@@ -29,6 +29,5 @@ __all__ = ["tensor_parallel_comm", "apply_tensor_parallel", "resolve_plan", "ass
 
 
 def tensor_parallel_comm(topology: Topology, counters: Optional[CommCounters] = None) -> Comm:
-    """Collectives over this rank's tensor-parallel group."""
-    return Comm(topology.tp_group, topology.tp_rank, topology.tp_size, counters,
-                same_host_transport=topology.same_host_transport, timeout_seconds=topology.timeout_seconds)
+    """Collectives over this rank's tensor-parallel group (`Comm.tensor_parallel`)."""
+    return Comm.tensor_parallel(topology, counters)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch.nn as nn
 
@@ -71,10 +71,10 @@ def _unwrapped(base: nn.Module, wrappers: dict[str, nn.Module]) -> Iterator[None
             put(name, wrapper)
 
 
-def lora_plan(model: nn.Module, tp_size: int, plan: Optional[dict] = None) -> dict[str, Style]:
-    """The plan for a LoRA-wrapped `model`: its base model's (given, its own, or inferred), on the wrapped names."""
-    from .autotp import resolve_plan
-
+def lora_plan(model: nn.Module, tp_size: int, plan: Optional[dict],
+              resolve_plan: Callable[[nn.Module, int, Optional[dict]], dict[str, Style]]) -> dict[str, Style]:
+    """The plan for a LoRA-wrapped `model`: its base model's (given, its own, or inferred by `resolve_plan`,
+    `autotp`'s, which calls this one: handed in, so neither module imports the other), on the wrapped names."""
     base = model.get_base_model()
     wrappers, tokens = _wrappers(model), _token_wrappers(model)
     with _unwrapped(base, {**wrappers, **tokens}):

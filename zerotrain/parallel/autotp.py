@@ -31,6 +31,7 @@ from typing import Any, Optional, Union
 
 import torch.nn as nn
 
+from .adapters import is_lora_wrapped, lora_plan
 from .plan import GPT_PLAN, Column, Row, Style, SumGrad, Vocab, is_conv1d
 
 __all__ = ["resolve_plan", "huggingface_plan", "infer_plan", "translate_style", "HF_STYLES", "REFUSED_HF_STYLES"]
@@ -306,10 +307,9 @@ def resolve_plan(model: nn.Module, tp_size: int, plan: Optional[dict] = None) ->
     """The plan `apply_tensor_parallel` splits `model` by at `tp_size` ranks (see the module docstring); a PEFT
     LoRA-wrapped model gets its base model's plan with the adapters split along (`parallel.adapters`)."""
     from ..models import GPT
-    from .adapters import is_lora_wrapped, lora_plan
 
     if is_lora_wrapped(model):
-        return lora_plan(model, tp_size, plan)
+        return lora_plan(model, tp_size, plan, resolve_plan)
 
     if plan is not None:
         strings = any(isinstance(style, str) for style in plan.values())

@@ -22,7 +22,7 @@ import torch.nn as nn
 from ..comm import Comm
 from .tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
-__all__ = ["Column", "Row", "Vocab", "SumGrad", "Style", "apply_tensor_parallel", "default_plan", "GPT_PLAN"]
+__all__ = ["Column", "Row", "Vocab", "SumGrad", "Style", "apply_tensor_parallel", "GPT_PLAN"]
 
 
 @dataclass(frozen=True)
@@ -170,10 +170,3 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, Style], comm: Comm,
 
 def _as_is(params: list) -> ContextManager:
     return contextlib.nullcontext()
-
-
-def default_plan(model: nn.Module, tp_size: int = 2) -> dict[str, Style]:
-    """The plan for `model` when none is passed: its built-in one (zerotrain's GPT), a Hugging Face
-    model's own, or one inferred from its layers (`autotp.resolve_plan`)."""
-    from .autotp import resolve_plan
-    return resolve_plan(model, tp_size)

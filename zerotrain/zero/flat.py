@@ -57,9 +57,15 @@ class ShardLayout:
     ShardGroup: what a FlatBucket (stages 0-2) and a PartitionedParam (stage 3, one parameter) share.
 
     Partition `rank` owns elements [rank * shard_numel, (rank + 1) * shard_numel) of the flat layout.
+
+    It is the bucket interface the reducers and optimizers are handed (stages 0-2 and stage 3 alike): the
+    layout below, `local_shard()`, and where the shard lives, as real attributes (a PartitionedParam
+    computes them from its parameter store), so no optimizer asks a bucket by name what it is.
     """
 
     keeps_full_copy = True  # stages 1-2: every rank holds the whole flat buffer between steps
+    offloaded = False  # offload_param (stage 3): the shard lives in a parameter store (`write_shard` changes it)
+    shard_in_device_memory = True  # `local_shard()` is a lasting tensor in device memory (an fp32 master may share it)
 
     def __init__(self, index: int, names: list[str], params: list[torch.nn.Parameter], shapes: list[tuple],
                  group_index: int, group: ShardGroup):

@@ -47,6 +47,7 @@ class NoGradients(GradientReducer):
         self.grad_shards: list = []
         self.shard_ready_callbacks: list = []
         self.optimizer_steps = 0
+        self.stats: dict = {}
 
     def begin_backward(self, boundary: bool) -> None:
         raise NoOptimizerError(no_optimizer_message("engine.backward()"))
@@ -75,6 +76,9 @@ class NoOptimizer(MasterOptimizer):
         self.optimizer = None
         self.last_grad_norm: Optional[float] = None
         self.stats: dict = {}
+
+    def refuse_training(self, call: str, hint: str = "") -> None:
+        raise NoOptimizerError(no_optimizer_message(call) + hint)
 
     def has_overflow(self, grad_shards: list) -> bool:
         raise NoOptimizerError(no_optimizer_message("engine.step()"))

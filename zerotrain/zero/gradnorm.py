@@ -22,7 +22,7 @@ import torch
 
 from ..comm import Comm
 from ..sharding import tensor_slice_of
-from .flat import FlatBucket
+from .flat import ShardLayout
 
 __all__ = ["GlobalGradients", "squared_l2"]
 
@@ -33,7 +33,7 @@ def squared_l2(grad: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
 
 
-def _split_ranges(bucket: FlatBucket) -> list[tuple[int, int]]:
+def _split_ranges(bucket: ShardLayout) -> list[tuple[int, int]]:
     """[start, end) ranges of this rank's shard that hold pieces of tensor-parallel-split parameters."""
     split_names = {name for name, param in zip(bucket.names, bucket.params) if tensor_slice_of(param) is not None}
     ranges: list[list[int]] = []
@@ -51,7 +51,7 @@ def _split_ranges(bucket: FlatBucket) -> list[tuple[int, int]]:
 class GlobalGradients:
     """Norm and overflow of the gradient shards of `buckets`, agreed on every rank of the grid."""
 
-    def __init__(self, buckets: list[FlatBucket], comm: Comm, tp_comm: Optional[Comm] = None):
+    def __init__(self, buckets: list[ShardLayout], comm: Comm, tp_comm: Optional[Comm] = None):
         self.comm = comm
         # Buckets whose squares are summed over the data-parallel ranks: partitioned or split experts.
         self._distinct = [bucket.group.distinct for bucket in buckets]

@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..comm import Completed, Comm
-from .flat import FlatBucket
+from .flat import FlatBucket, ShardLayout
 from .interfaces import BucketReduce, GradientReducer
 from .reduce import ExactReduce
 
@@ -205,27 +205,27 @@ class BucketReducer(GradientReducer):
         (LoCo's error buffers are dropped on an overflow, rescaled when the loss scale changed, and
         zeroed every reset_T steps)."""
         self.optimizer_steps += 1
-        self.reduce.after_optimizer_step(overflow, scale_before, scale_after, self.optimizer_steps)
+        self.reduce.loco_after_step(overflow, scale_before, scale_after, self.optimizer_steps)
 
     def loco_state(self) -> dict:
         """This rank's LoCo error buffers (CPU tensors), their layout and the step count, for a checkpoint.
         Per-rank state: it only loads back on the same data-parallel layout (see load_loco_state)."""
-        return {"optimizer_steps": self.optimizer_steps, **self.reduce.error_state()}
+        return {"optimizer_steps": self.optimizer_steps, **self.reduce.loco_state()}
 
     def load_loco_state(self, state: dict) -> bool:
         """Restore what loco_state() returned. On another layout (world size, buckets, hops, expert groups) the
         error buffers start from zero with a warning (the step count is still restored); returns whether
         the buffers were loaded."""
         self.optimizer_steps = int(state.get("optimizer_steps", 0))
-        return self.reduce.load_error_state(state)
+        return self.reduce.load_loco_state(state)
 
     def reset_loco_state(self) -> None:
         """Zero every LoCo error buffer (the step count is kept)."""
-        self.reduce.reset_error()
+        self.reduce.reset_loco_state()
 
     def loco_bytes(self) -> int:
         """Bytes of LoCo error buffers this rank holds (8-bit values plus block scales)."""
-        return self.reduce.error_bytes()
+        return self.reduce.loco_bytes()
 
     # --- accounting -------------------------------------------------------
     def held_bytes(self) -> int:
@@ -341,7 +341,7 @@ class PartitionedReducer(BucketReducer):
 
     reduces_every_micro_step = True
 
-    def __init__(self, buckets: list[FlatBucket], comm: Comm, reduce: Optional[BucketReduce] = None, *,
+    def __init__(self, buckets: list[ShardLayout], comm: Comm, reduce: Optional[BucketReduce] = None, *,
                  reduce_dtype: Optional[torch.dtype] = None):
         self.reduce_dtype = reduce_dtype
         self.grad_shards: list[Optional[torch.Tensor]] = [None] * len(buckets)
@@ -354,7 +354,7 @@ class PartitionedReducer(BucketReducer):
         self.grad_shards = [None] * len(self.buckets)
 
     # --- staging ----------------------------------------------------------
-    def _predivides(self, bucket: FlatBucket) -> bool:
+    def _predivides(self, bucket: ShardLayout) -> bool:
         """Divide by the world size while staging (one pass less) when reducing in the training dtype; in
         another reduce dtype divide after the cast, as the full-buffer reducer does."""
         return self.comm.size > 1 and self.reduce_dtype in (None, bucket.dtype)

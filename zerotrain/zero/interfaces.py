@@ -39,21 +39,21 @@ class BucketReduce(Protocol):
     # --- error feedback (LoCo): no-op defaults ------------------------------
     loco_enabled: bool = False
 
-    def after_optimizer_step(self, overflow: bool, scale_before: float, scale_after: float, steps: int) -> None:
+    def loco_after_step(self, overflow: bool, scale_before: float, scale_after: float, steps: int) -> None:
         """After an optimizer step (taken or skipped); `steps` counted so far, this one included."""
 
-    def error_state(self) -> dict:
+    def loco_state(self) -> dict:
         """The error buffers and their layout, for a checkpoint."""
         return {}
 
-    def load_error_state(self, state: dict) -> bool:
-        """Restore what error_state() returned; whether the buffers were loaded."""
+    def load_loco_state(self, state: dict) -> bool:
+        """Restore what loco_state() returned; whether the buffers were loaded."""
         return False
 
-    def reset_error(self) -> None:
+    def reset_loco_state(self) -> None:
         """Zero every error buffer."""
 
-    def error_bytes(self) -> int:
+    def loco_bytes(self) -> int:
         return 0
 
 
@@ -65,6 +65,7 @@ class GradientReducer(Protocol):
     grad_shards: list
     shard_ready_callbacks: list[Callable[[int], None]]  # called with a bucket index when its shard is final
     optimizer_steps: int
+    stats: dict  # counters of its work (staging buffers, reduce-scatters); empty where it does none
 
     def begin_backward(self, boundary: bool) -> None:
         """Before a backward pass; `boundary`: its gradients end the accumulation (reduce them)."""
@@ -135,6 +136,10 @@ class MasterOptimizer(Protocol):
         ...
 
     # --- optional capabilities: no-op defaults ------------------------------
+    def refuse_training(self, call: str, hint: str = "") -> None:
+        """Raise when this optimizer cannot train (a forward-only engine's, `call` naming what was asked);
+        nothing by default."""
+
     def before_model_use(self) -> None:
         """Called before the model is used again (super_offload undoes speculative weights); nothing by default."""
 
@@ -162,6 +167,17 @@ class MasterOptimizer(Protocol):
 @runtime_checkable
 class ParamStore(Protocol):
     """Where stage 3's non-persistent parameter shards live under offload_param (host memory or NVMe)."""
+
+    kind: str  # "cpu" or "nvme"
+    stats: dict  # counters of its reads and writes; empty where it does none (host memory)
+
+    def add(self, part) -> None:
+        """Take `part`'s shard from now on (zero.Init hands each shard in as it partitions a module)."""
+        raise NotImplementedError(f"{type(self).__name__} takes its shards when it is built")
+
+    def remove(self, part, keep_values: bool = True) -> None:
+        """Give `part`'s shard back to it as a tensor (or, without `keep_values`, drop it)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps its shards until closed")
 
     def shares_device_memory(self, part) -> bool:
         ...

@@ -17,17 +17,17 @@ from typing import Collection, Optional
 import torch
 
 from ..comm import Comm
-from .flat import FlatBucket
+from .flat import ShardLayout
 from .gradnorm import GlobalGradients
 from .interfaces import MasterOptimizer
 
 
-def is_own_master(bucket: FlatBucket) -> bool:
+def is_own_master(bucket: ShardLayout) -> bool:
     """An fp32 shard in device memory is its own fp32 master (no copy); any other needs one."""
-    return bucket.dtype == torch.float32 and getattr(bucket, "shard_in_device_memory", True)
+    return bucket.dtype == torch.float32 and bucket.shard_in_device_memory
 
 
-def device_master(bucket: FlatBucket, shard: torch.Tensor) -> torch.Tensor:
+def device_master(bucket: ShardLayout, shard: torch.Tensor) -> torch.Tensor:
     """The fp32 master of `shard` on the device: the shard itself when it can be, else an fp32 copy
     (another dtype, or a stage-3 shard offloaded to host or NVMe by offload_param)."""
     return shard if is_own_master(bucket) else shard.detach().to(device=bucket.device, dtype=torch.float32, copy=True)
@@ -38,7 +38,7 @@ class ShardedOptimizer(MasterOptimizer):
 
     Subclasses (zerotrain.offload) choose where a bucket's master lives by overriding `initial_master`."""
 
-    def __init__(self, buckets: list[FlatBucket], comm: Comm, optimizer: torch.optim.Optimizer,
+    def __init__(self, buckets: list[ShardLayout], comm: Comm, optimizer: torch.optim.Optimizer,
                  group_params: list[list[torch.Tensor]], clip_norm: float,
                  gradients: Optional[GlobalGradients] = None):
         """`gradients` agrees on norm and overflow across the grid (default: the data-parallel ranks)."""
@@ -56,7 +56,7 @@ class ShardedOptimizer(MasterOptimizer):
         self.last_grad_norm: Optional[float] = None
         self.stats: dict[str, float] = {}  # counters of offloaded optimizers (MasterOptimizer.stats)
 
-    def initial_master(self, index: int, bucket: FlatBucket) -> torch.Tensor:
+    def initial_master(self, index: int, bucket: ShardLayout) -> torch.Tensor:
         """Bucket `index`'s fp32 master, built from its model shard: on the device (`device_master`)."""
         return device_master(bucket, bucket.local_shard())
 
@@ -106,7 +106,7 @@ class ShardedOptimizer(MasterOptimizer):
         CPU Adam kernel wrote it in its update pass); only their all-gather is left to do."""
         handles = []
         for index, (bucket, master) in enumerate(zip(self.buckets, self.masters)):
-            if getattr(bucket, "offloaded", False):  # offload_param: into host memory or the NVMe file
+            if bucket.offloaded:  # offload_param: into host memory or the NVMe file
                 bucket.write_shard(master)
                 continue
             shard = bucket.local_shard()

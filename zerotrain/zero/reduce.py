@@ -114,7 +114,7 @@ class QuantizedReduce(BucketReduce):
         """The quantized reducers there are (an expert bucket no other rank holds has none)."""
         return [reducer for reducer in self.per_bucket if reducer is not None]
 
-    def after_optimizer_step(self, overflow: bool, scale_before: float, scale_after: float, steps: int) -> None:
+    def loco_after_step(self, overflow: bool, scale_before: float, scale_after: float, steps: int) -> None:
         """LoCo's error buffers are dropped on an overflow, rescaled when the loss scale changed, and
         zeroed every reset_T optimizer steps (`steps`: counted so far, this one included)."""
         if not self.loco_enabled:
@@ -127,12 +127,12 @@ class QuantizedReduce(BucketReduce):
             if steps % self.quantization.reset_T == 0:
                 reducer.reset_error()
 
-    def error_state(self) -> dict:
+    def loco_state(self) -> dict:
         return {"layout": self._layout(),
                 "buffers": [[feedback.state_dict() for feedback in reducer.feedbacks] if reducer is not None else []
                             for reducer in self.per_bucket]}
 
-    def load_error_state(self, state: dict) -> bool:
+    def load_loco_state(self, state: dict) -> bool:
         if not self.loco_enabled:
             return False
         layout, current = state.get("layout"), self._layout()
@@ -141,7 +141,7 @@ class QuantizedReduce(BucketReduce):
         if layout != current:
             warnings.warn(f"LoCo error buffers of rank {self.comm.rank} were saved on another layout "
                           f"({state.get('layout')} vs {current}); they restart from zero")
-            self.reset_error()
+            self.reset_loco_state()
             return False
         device = self.buckets[0].device if self.buckets else None
         for reducer, saved in zip(self.per_bucket, state["buffers"]):
@@ -149,7 +149,7 @@ class QuantizedReduce(BucketReduce):
                 feedback.load_state_dict(entry, device)
         return True
 
-    def reset_error(self) -> None:
+    def reset_loco_state(self) -> None:
         for reducer in self._reducers():
             reducer.reset_error()
 
@@ -161,7 +161,7 @@ class QuantizedReduce(BucketReduce):
                 # expert buckets: how many ranks share each one's reduction (the expert-data-parallel group)
                 "expert_partitions": [bucket.group.partitions for bucket in self.buckets if bucket.group.expert]}
 
-    def error_bytes(self) -> int:
+    def loco_bytes(self) -> int:
         """Bytes of LoCo error buffers (8-bit values plus block scales)."""
         return sum(feedback.nbytes for reducer in self._reducers() for feedback in reducer.feedbacks)
 

@@ -13,7 +13,7 @@ adopts that store.
 `GatheredParameters(params, modifier_rank=None)` gathers parameters for user code;
 with `modifier_rank`, that rank's values are broadcast on exit and written back
 into every rank's shard and fp32 master, after waiting for any asynchronous
-checkpoint still copying those shards (the engine's fence, `PartitionedParam.fence`).
+checkpoint still copying those shards (the engine's fence, `PartitionedParam.owner.fence`).
 """
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def GatheredParameters(params: Union[torch.nn.Parameter, Iterable[torch.nn.Param
     if experts and modifier_rank is not None:  # each expert-parallel rank holds other experts: no one modifier
         raise NotImplementedError(f"GatheredParameters(modifier_rank={modifier_rank}) on expert-parallel parameters "
                                   f"{experts[:4]} is not supported (read-only gathers are)")
-    fetcher = parts[0].fetcher
+    fetcher = parts[0].owner
     if fetcher is not None:
         fetcher.fetch(parts, reason="user")
         fetcher.hold(parts)

@@ -43,7 +43,8 @@ class Fence(Protocol):
 
 def wait_for_snapshots(parts) -> None:
     """Wait on the fence of every engine owning one of `parts` (none before an engine adopted them)."""
-    for fence in {id(part.fence): part.fence for part in parts if part.fence is not None}.values():
+    fences = [part.owner.fence for part in parts if part.owner is not None and part.owner.fence is not None]
+    for fence in {id(fence): fence for fence in fences}.values():
         fence.wait()
 
 # In-place element-wise ops that can run on the shard alone (initializers, mostly).
@@ -91,8 +92,9 @@ class PartitionedParam(ShardLayout):
         self.persistent = False
         self.master: Optional[torch.Tensor] = None  # set by the optimizer; kept in sync by GatheredParameters
         self.master_writer: Optional[Callable[[torch.Tensor], None]] = None  # set where the master is in files (NVMe)
-        self.fetcher = None  # set by the engine's ParamFetcher
-        self.fence: Optional[Fence] = None  # set by the engine (partition_module): its async checkpoint's fence
+        # The engine's ParamFetcher, once an engine adopted this parameter (`partition_module`): it gathers the
+        # parameter and carries the engine's fence (`owner.fence`: its pending async checkpoint copies)
+        self.owner = None
         self.empty = self._placeholder()
         self.saving_state_dict = False  # set while its module's state_dict() saves it (see state_dict_placeholders)
         param.__class__ = ZeroParameter
@@ -143,10 +145,10 @@ class PartitionedParam(ShardLayout):
 
     def fetch_for_access(self) -> None:
         """Gather now for use outside a module's forward (released again after the next backward)."""
-        if self.fetcher is None:
+        if self.owner is None:
             raise RuntimeError(f"parameter {self.names[0]} is partitioned (ZeRO-3) and no engine owns it yet; "
                                "use zerotrain.zero.GatheredParameters to read it")
-        self.fetcher.fetch([self], reason="access")
+        self.owner.fetch([self], reason="access")
 
     @property
     def offloaded(self) -> bool:
@@ -297,7 +299,7 @@ class ZeroParameter(torch.nn.Parameter):
             initializer = name in _INITIALIZERS and isinstance(target, ZeroParameter)
             if released:
                 if name in _INDEXING and len(released) == 1 and released[0] is args[0] \
-                        and released[0]._zero.fetcher is None:
+                        and released[0]._zero.owner is None:
                     return _index_unowned(name, released[0]._zero, args[1:])
                 if initializer and not target._zero.gathered and len(released) == 1:
                     rest = {key: value for key, value in kwargs.items() if value is not target}

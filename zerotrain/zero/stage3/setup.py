@@ -84,14 +84,16 @@ def partition_module(module: torch.nn.Module, comm: Comm, group_of: dict[int, in
                 comm.broadcast(param.data, src=0)
             part = partition_parameter(name, param, ShardGroup.over(comm, True))
         part.group_index = group_of.get(id(param), 0)
-        part.fence = fence  # the engine's: writes to this shard wait for its pending snapshot copies
         part.persistent = part.numel <= persistence_threshold
         (trainable if param.requires_grad and id(param) in group_of else frozen).append(part)
     trainable.reverse()
     state_dict_placeholders(module)  # module.state_dict() never gathers (a rank-0-only save must not hang)
     for index, part in enumerate(trainable):
         part.index = index
-    fetcher = ParamFetcher(trainable + frozen, comm, sequential, prefetch_numel, max_live_numel, max_reuse_distance)
+    # the fetcher owns every part from now on, with the engine's fence: writes to a shard wait for its pending
+    # snapshot copies
+    fetcher = ParamFetcher(trainable + frozen, comm, sequential, prefetch_numel, max_live_numel, max_reuse_distance,
+                           fence=fence)
     for part in trainable + frozen:  # persistent parameters are gathered once, in the same order everywhere
         if part.persistent:
             buffer = torch.empty(part.padded_numel, dtype=part.dtype, device=part.device)
