@@ -46,21 +46,30 @@ def _run(engine: str, stage: int, model_dir: str, out: str, resume: bool = False
         from zerotrain.hf import Trainer, TrainingArguments
     else:
         from transformers import Trainer, TrainingArguments
+    from transformers import EarlyStoppingCallback
+
+    # ZeRO-2: evaluation every SAVE_AT steps, the best model loaded at the end, early stopping, TensorBoard and
+    # rotation (save_total_limit 1 keeps the best and the last); ZeRO-3: activation checkpointing.
+    by_stage = dict(eval_strategy="steps", eval_steps=SAVE_AT, load_best_model_at_end=True,
+                    metric_for_best_model="eval_loss", save_total_limit=1, report_to="tensorboard") if stage == 2 \
+        else dict(gradient_checkpointing=True, report_to="none")
     args = TrainingArguments(
         output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=STEPS,
         learning_rate=1e-3, warmup_steps=1, weight_decay=0.01, max_grad_norm=1.0, logging_steps=1,
-        save_steps=SAVE_AT, save_total_limit=1 if engine == "zt" and stage == 2 else None, report_to="none",
-        use_cpu=True, seed=3, deepspeed=_config(stage), disable_tqdm=True, per_device_eval_batch_size=2)
+        save_steps=SAVE_AT, use_cpu=True, seed=3, deepspeed=_config(stage), disable_tqdm=True,
+        per_device_eval_batch_size=2, **by_stage)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    trainer = Trainer(model=model, args=args, train_dataset=_data(), eval_dataset=_data(8, seed=1))
+    trainer = Trainer(model=model, args=args, train_dataset=_data(), eval_dataset=_data(8, seed=1),
+                      callbacks=[EarlyStoppingCallback(early_stopping_patience=3)] if stage == 2 else None)
     trainer.train(resume_from_checkpoint=os.path.join(out, f"checkpoint-{SAVE_AT}") if resume else None)
     log = [(h["step"], h["loss"], h["learning_rate"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
-    result = {"log": log, "eval_loss": trainer.evaluate()["eval_loss"]}
+    result = {"log": log, "eval_loss": trainer.evaluate()["eval_loss"], "best": trainer.state.best_model_checkpoint}
     if engine == "zt" and not resume:
         result["test_loss"] = trainer.predict(_data(8, seed=1)).metrics["test_loss"]
         trainer.save_model(os.path.join(out, "final"))
         result["weights"] = trainer._zt_engine.full_state_dict()
         result["checkpoints"] = sorted(p.name for p in pathlib.Path(out).glob("checkpoint-*"))
+        result["tensorboard"] = [p.name for p in pathlib.Path(out).rglob("events.out.tfevents*")]
     del trainer, args
     if engine == "ds":
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
@@ -96,8 +105,12 @@ def test_trainer_matches_transformers_trainer_with_deepspeed(tiny_llama_dir, tmp
         assert norm > 1.0  # clipping is active in these steps (max_grad_norm 1.0)
         assert _close(zt["eval_loss"], ds["eval_loss"]), (stage, zt["eval_loss"], ds["eval_loss"])
         assert _close(zt["test_loss"], zt["eval_loss"])
-        # stage 2 ran with save_total_limit=1: checkpoint-2 was rotated away
-        assert zt["checkpoints"] == ([f"checkpoint-{STEPS}"] if stage == 2 else [f"checkpoint-{SAVE_AT}", f"checkpoint-{STEPS}"])
+        # ZeRO-2 ran with save_total_limit=1 and load_best_model_at_end: only the best checkpoint is left
+        assert zt["checkpoints"] == ([os.path.basename(zt["best"])] if stage == 2 else
+                                     [f"checkpoint-{SAVE_AT}", f"checkpoint-{STEPS}"])
+    # ZeRO-2 loaded its best checkpoint at the end (the evaluation above is of those weights, as DeepSpeed's)
+    assert results[("zt", 2)]["best"] == results[("ds", 2)]["best"].replace("ds2", "zt2")
+    assert results[("zt", 2)]["tensorboard"]
     # resumed from checkpoint-2 of the ZeRO-3 run (a second run kept it): the uninterrupted run's steps 3-4
     full, resumed = results[("zt", 3)], results[("zt", "resumed")]
     assert [s for s, *_ in resumed["log"]] == list(range(1, STEPS + 1))  # steps 1-2 from the checkpoint's state
