@@ -34,10 +34,11 @@ from accelerate import Accelerator
 from transformers.trainer import SCHEDULER_NAME
 
 import zerotrain
+from zerotrain.zero import GatheredParameters
 from zerotrain.config import ConfigError, read_config_file
 from zerotrain.config.hf_arguments import arguments_of, auto_values, config_from_arguments, fill_auto
 
-__all__ = ["Trainer", "TrainingArguments", "ZeroTrainMixin"]
+__all__ = ["Trainer", "TrainingArguments", "ZeroTrainArguments", "ZeroTrainMixin"]
 
 # Trainer features zerotrain's engine does not take over, refused by their argument name (name -> why).
 _REFUSED = {
@@ -63,6 +64,7 @@ class TrainingEngine(Protocol):
     def save_checkpoint(self, save_dir: str) -> str: ...
     def load_checkpoint(self, load_dir: str, load_module_only: bool = False) -> Any: ...
     def bfloat16_enabled(self) -> bool: ...
+    def zero_optimization_stage(self) -> int: ...
     def fp16_enabled(self) -> bool: ...
 
 
@@ -72,26 +74,49 @@ def _read(config: Union[str, os.PathLike, dict]) -> dict:
     return read_config_file(config)
 
 
-class TrainingArguments(transformers.TrainingArguments):
-    """transformers' TrainingArguments; `deepspeed` (a path or a dict) is zerotrain's config, never DeepSpeed's.
+@contextlib.contextmanager
+def _without_deepspeed_environment() -> Any:
+    """accelerate (and transformers after it) switch to DeepSpeed when ACCELERATE_USE_DEEPSPEED is set (by
+    `accelerate launch --use_deepspeed`, or left by an earlier DeepSpeed run in the process): not here."""
+    saved = os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["ACCELERATE_USE_DEEPSPEED"] = saved
 
-    `zerotrain_config` holds it with the "auto" values transformers fills at this point (batch sizes,
-    clipping, optimizer, precision) filled; the model's and the run's ("auto" bucket sizes, the scheduler's
-    steps) are filled when the engine is built. A value that disagrees with an argument is a `ConfigError`
-    naming both, as transformers refuses it. Without `deepspeed`, the arguments alone give ZeRO-3.
+
+class ZeroTrainArguments:
+    """The zerotrain part of a TrainingArguments subclass (transformers', TRL's configs): put it first.
+
+    `deepspeed` (a path or a dict) is zerotrain's config, never DeepSpeed's: `__post_init__` takes it out
+    before transformers sees it and keeps it as `zerotrain_config`, with the "auto" values transformers
+    fills at this point (batch sizes, clipping, optimizer, precision) filled; the model's and the run's
+    ("auto" bucket sizes, the scheduler's steps) are filled when the engine is built. A value that
+    disagrees with an argument is a `ConfigError` naming both, as transformers refuses it. Without
+    `deepspeed`, the arguments alone give ZeRO-3. `deepspeed` keeps the value given; `deepspeed_plugin`
+    stays None (accelerate is never in its DeepSpeed mode).
     """
+
+    deepspeed: Any
+    world_size: int
 
     def __post_init__(self) -> None:
         given = self.deepspeed
         self.deepspeed = None  # transformers would build HfTrainerDeepSpeedConfig and switch accelerate to DeepSpeed
         try:
-            super().__post_init__()
-            _ = self.world_size  # the distributed state is built now, while transformers sees no DeepSpeed config
+            with _without_deepspeed_environment():
+                super().__post_init__()
+                _ = self.world_size  # the distributed state is built now, while transformers sees no DeepSpeed config
         finally:
             self.deepspeed = given  # the value the user gave, as transformers keeps it
         self.zerotrain_config: Optional[dict] = None
         if given:
             self.zerotrain_config = fill_auto(_read(given), auto_values(arguments_of(self), world_size=self.world_size))
+
+
+class TrainingArguments(ZeroTrainArguments, transformers.TrainingArguments):
+    """transformers' TrainingArguments with `deepspeed=` as zerotrain's config (`ZeroTrainArguments`)."""
 
 
 def _hidden_size(model: torch.nn.Module) -> Optional[int]:
@@ -195,7 +220,8 @@ class ZeroTrainMixin:
         for name, why in _REFUSED.items():
             if getattr(args, name, None):
                 raise ValueError(f"{name}: not supported by zerotrain.hf.Trainer: {why}")
-        super().create_accelerator_and_postprocess()
+        with _without_deepspeed_environment():
+            super().create_accelerator_and_postprocess()
         # The Trainer builds its Accelerator inside this method with no seam for the class; rather than copy the
         # method, the instance becomes the subclass that adds the engine's backward (nothing else changes).
         self.accelerator.__class__ = _EngineAccelerator
@@ -207,7 +233,7 @@ class ZeroTrainMixin:
         """The engine's config: the arguments' `deepspeed` config with the rest of "auto" filled (the model's
         hidden size, the run's steps), or without one a ZeRO-3 config from the arguments alone."""
         args = self.args
-        given = args.zerotrain_config if isinstance(args, TrainingArguments) else None
+        given = args.zerotrain_config if isinstance(args, ZeroTrainArguments) else None
         if given is None:
             return config_from_arguments(arguments_of(args), world_size=args.world_size, optimizer_and_scheduler=False)
         stage = (given.get("zero_optimization") or {}).get("stage", 0)
@@ -235,7 +261,7 @@ class ZeroTrainMixin:
     def create_optimizer(self, model: Optional[torch.nn.Module] = None) -> Any:
         """The Trainer's optimizer, unless the config has an `optimizer` block (the engine builds that one)."""
         args = self.args
-        given = args.zerotrain_config if isinstance(args, TrainingArguments) else None
+        given = args.zerotrain_config if isinstance(args, ZeroTrainArguments) else None
         if self._zt_engine is None and given is not None and "optimizer" in given:
             return self.optimizer
         return super().create_optimizer(model) if model is not None else super().create_optimizer()
@@ -246,6 +272,14 @@ class ZeroTrainMixin:
         if not training:  # evaluation before any training: the model as it is
             return model
         return self._zt_build_engine(model)
+
+    def zerotrain_gathered(self, params: Any) -> Any:
+        """A context in which `params` are whole on every rank (partitioned ones gathered at ZeRO-3): for code
+        that reads a parameter without calling its module, where transformers/TRL gather only under DeepSpeed."""
+        engine = self._zt_engine
+        if engine is None or engine.zero_optimization_stage() != 3:
+            return contextlib.nullcontext()
+        return GatheredParameters(list(params))
 
     # --- the step ----------------------------------------------------------------------------------------------
     def _clip_grad_norm(self, model: Any) -> Any:
