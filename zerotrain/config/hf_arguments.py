@@ -255,20 +255,17 @@ def config_from_arguments(arguments: Mapping[str, Any], *, world_size: int, num_
     `checkpoint.keep_last` with `override`.
     """
     a = _with_defaults(arguments)
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": a["per_device_train_batch_size"],
-        "gradient_accumulation_steps": a["gradient_accumulation_steps"],
-        "train_batch_size": world_size * a["per_device_train_batch_size"] * a["gradient_accumulation_steps"],
-        "gradient_clipping": a["max_grad_norm"],
-        "steps_per_print": a["logging_steps"],
-        "fp16": {"enabled": bool(a["fp16"] or a["fp16_full_eval"])},
-        "bf16": {"enabled": bool(a["bf16"] or a["bf16_full_eval"])},
-        "zero_optimization": {"stage": zero_stage},
-    }
+    values = auto_values(a, world_size=world_size)
+    config: dict[str, Any] = {"zero_optimization": {"stage": zero_stage}, "steps_per_print": a["logging_steps"]}
+    keys = ["train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "gradient_clipping",
+            "fp16.enabled", "bf16.enabled"]
     if optimizer_and_scheduler:
-        config["optimizer"] = {"type": "AdamW", "params": {
-            "lr": a["learning_rate"], "betas": [a["adam_beta1"], a["adam_beta2"]], "eps": a["adam_epsilon"],
-            "weight_decay": a["weight_decay"]}}
+        config["optimizer"] = {"type": "AdamW"}
+        keys += ["optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
+                 "optimizer.params.weight_decay"]
+    for key in keys:
+        _set(config, key, values[key])
+    if optimizer_and_scheduler:
         scheduler = _scheduler_block(a, num_training_steps)
         if scheduler is not None:
             config["scheduler"] = scheduler
