@@ -239,7 +239,12 @@ class ZeroTrainMixin:
         stage = (given.get("zero_optimization") or {}).get("stage", 0)
         values = auto_values(arguments_of(args), world_size=args.world_size, num_training_steps=num_training_steps,
                              hidden_size=_hidden_size(model), zero_stage=stage)
-        return fill_auto(given, values)
+        filled = fill_auto(given, values)
+        # accelerate supplies these from the Trainer when a DeepSpeed config leaves them out: so does this
+        for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
+            if key not in filled:
+                filled[key] = values[key]
+        return filled
 
     def _zt_build_engine(self, model: torch.nn.Module) -> TrainingEngine:
         num_training_steps = int(self.state.max_steps)
