@@ -98,7 +98,7 @@ def _close(a: float, b: float) -> bool:
 
 @pytest.mark.timeout(900)  # one launch, five Trainer runs; minutes only on a loaded machine
 def test_trainer_matches_transformers_trainer_with_deepspeed(tiny_llama_dir, tmp_path):
-    results = run_distributed(_worker, 2, str(tiny_llama_dir), str(tmp_path), timeout=420)[0]
+    results = run_distributed(_worker, 2, str(tiny_llama_dir), str(tmp_path), timeout=840)[0]
     for stage in (2, 3):
         zt, ds = results[("zt", stage)], results[("ds", stage)]
         assert [s for s, *_ in zt["log"]] == list(range(1, STEPS + 1))
