@@ -7,6 +7,8 @@ What runs (world size 2, CPU, gloo, fp32, one thread per rank):
 
 * ``zt``: ``zerotrain train --nproc 2 --model DIR --data DATA --config ds.json`` (the CLI, as a user runs it);
   tokens/s and peak RSS per rank come from its ``metrics.jsonl``.
+* ``zthf``: the ``hf`` script with ``zerotrain.hf``'s ``Trainer`` and ``TrainingArguments`` imported instead
+  (nothing else changed; the model loaded whole by ``from_pretrained``, partitioned when the engine starts).
 * ``hf``: ``transformers.Trainer`` with ``TrainingArguments(deepspeed=ds.json)`` under torchrun, the model
   loaded with ``AutoModelForCausalLM.from_pretrained`` (after the TrainingArguments, so transformers builds it
   under DeepSpeed's ``zero.Init``: partitioned at load, as zerotrain does); a callback records the same
@@ -106,23 +108,28 @@ def count_params(model_dir: str) -> int:
 # --- the HF Trainer worker (one per rank, under torchrun) -------------------------------------------------------
 
 def hf_worker(args: argparse.Namespace) -> None:
+    """One rank of the Trainer script: transformers' Trainer + DeepSpeed (``hf``), or the very same script with
+    ``zerotrain.hf``'s Trainer and TrainingArguments (``zthf``: its two imports changed, nothing else)."""
     import torch
     import torch.distributed as dist
 
-    import deepspeed
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-    # gloo before anything else (DeepSpeed's CPU accelerator would pick oneCCL); deepspeed.comm must know the
-    # group before from_pretrained's zero.Init reads the world size; transformers/accelerate then find it there.
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = dist.get_rank()
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback,
-                              TrainingArguments)
+    if args.worker == "zthf":
+        from zerotrain.hf import Trainer, TrainingArguments
+    else:
+        import deepspeed
+        from transformers import Trainer, TrainingArguments
+
+        # gloo before anything else (DeepSpeed's CPU accelerator would pick oneCCL); deepspeed.comm must know the
+        # group before from_pretrained's zero.Init reads the world size; transformers/accelerate then find it there.
+        deepspeed.init_distributed(dist_backend="gloo")
 
     from zerotrain.data import DataConfig, build_data
 
     ds = json.loads(Path(args.config).read_text())
     opt = ds["optimizer"]["params"]
-    out_dir = Path(args.out) / "hf"
+    out_dir = Path(args.out) / args.worker
     training_args = TrainingArguments(
         output_dir=str(out_dir), deepspeed=args.config, per_device_train_batch_size=args.micro,
         gradient_accumulation_steps=1, max_steps=args.steps, learning_rate=opt["lr"],
@@ -131,6 +138,7 @@ def hf_worker(args: argparse.Namespace) -> None:
         warmup_steps=0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
         dataloader_num_workers=0, remove_unused_columns=False, seed=1234, disable_tqdm=True,
     )
+    rank = dist.get_rank()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     # After TrainingArguments(deepspeed=...) at ZeRO-3 this builds the model under zero.Init (partitioned).
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
@@ -153,7 +161,7 @@ def hf_worker(args: argparse.Namespace) -> None:
     rss = [None] * dist.get_world_size()
     dist.all_gather_object(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if rank == 0:
-        (Path(args.out) / "hf.json").write_text(json.dumps({"records": records, "peak_rss": rss}))
+        (Path(args.out) / f"{args.worker}.json").write_text(json.dumps({"records": records, "peak_rss": rss}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -175,13 +183,13 @@ def run_zt(paths: dict, args: argparse.Namespace, out: Path) -> dict:
             "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"]}
 
 
-def run_hf(paths: dict, args: argparse.Namespace, out: Path) -> dict:
+def run_hf(paths: dict, args: argparse.Namespace, out: Path, worker: str = "hf") -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
-           "--worker", "hf", "--out", str(out), "--model", paths["model"], "--data", paths["data"],
+           "--worker", worker, "--out", str(out), "--model", paths["model"], "--data", paths["data"],
            "--config", paths["config"], "--work-dir", args.work_dir, "--seq-len", str(args.seq_len),
            "--micro", str(args.micro), "--steps", str(args.steps)]
-    _run(cmd, out / "hf.log", args)
-    result = json.loads((out / "hf.json").read_text())
+    _run(cmd, out / f"{worker}.log", args)
+    result = json.loads((out / f"{worker}.json").read_text())
     recs, w = result["records"], args.warmup
     seconds = recs[-1]["t"] - recs[w - 1]["t"]
     tokens = args.micro * 2 * args.seq_len * (len(recs) - w)
@@ -218,7 +226,8 @@ def main() -> None:
     p.add_argument("--intermediate", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--data-bytes", type=int, default=4 << 20, help="stdlib source bytes in the jsonl")
-    p.add_argument("--engines", default="zt,hf")
+    p.add_argument("--engines", default="zt,hf,zthf",
+                   help="zt: zerotrain train; hf: Trainer + DeepSpeed; zthf: the same Trainer script on zerotrain.hf")
     p.add_argument("--work-dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "zerotrain-hf-bench"))
     p.add_argument("--timeout", type=int, default=900, help="seconds per run")
     p.add_argument("--json", default=None, help="also write the raw results here")
@@ -230,7 +239,7 @@ def main() -> None:
     p.add_argument("--data", default=None, help=argparse.SUPPRESS)
     p.add_argument("--config", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.worker == "hf":
+    if args.worker in ("hf", "zthf"):
         hf_worker(args)
         return
     if args.warmup < 1 or args.steps <= args.warmup:
@@ -247,7 +256,7 @@ def main() -> None:
             out = Path(args.work_dir) / "runs" / f"{e}{r}"
             shutil.rmtree(out, ignore_errors=True)  # metrics.jsonl appends: start each run clean
             t0 = time.time()
-            res = (run_zt if e == "zt" else run_hf)(paths, args, out)
+            res = run_zt(paths, args, out) if e == "zt" else run_hf(paths, args, out, worker=e)
             res["load1"] = os.getloadavg()[0]
             results[e].append(res)
             print(f"round {r} {e}: {res['tokens_per_s']:,.0f} tokens/s, peak RSS MiB "
@@ -271,8 +280,9 @@ def main() -> None:
         "| engine | tokens/s | peak RSS rank 0 (MiB) | peak RSS rank 1 (MiB) | loss first -> last | per round tokens/s |",
         "|---|---|---|---|---|---|",
     ]
+    names = {"zt": "zerotrain train", "hf": "HF Trainer + DeepSpeed", "zthf": "zerotrain.hf.Trainer (same script)"}
     for e in engines:
-        lines.append(f"| {'zerotrain train' if e == 'zt' else 'HF Trainer + DeepSpeed'} | "
+        lines.append(f"| {names[e]} | "
                      f"{med(e, 'tokens_per_s'):,.0f} | {_mib(med(e, 'peak_rss', 0))} | {_mib(med(e, 'peak_rss', 1))} | "
                      f"{results[e][0]['loss_first']:.3f} -> {results[e][0]['loss_last']:.3f} | "
                      f"{', '.join(format(x['tokens_per_s'], ',.0f') for x in results[e])} |")
@@ -282,6 +292,11 @@ def main() -> None:
         pairs = [z["tokens_per_s"] / h["tokens_per_s"] for z, h in zip(results["zt"], results["hf"])]
         lines += ["", f"**zerotrain / HF Trainer: tokens/s {speed:.2f}x** (per round {', '.join(f'{x:.2f}' for x in pairs)}; "
                   f"target >= 1.3x), **peak RSS {mem[0]:.2f}x / {mem[1]:.2f}x** (rank 0 / rank 1; target <= 1.0x)."]
+    if "zthf" in results and "hf" in results:
+        speed = med("zthf", "tokens_per_s") / med("hf", "tokens_per_s")
+        mem = [med("zthf", "peak_rss", r) / med("hf", "peak_rss", r) for r in (0, 1)]
+        lines += ["", f"**zerotrain.hf.Trainer / HF Trainer + DeepSpeed (the same script): tokens/s {speed:.2f}x** "
+                  f"(target >= 1.3x), **peak RSS {mem[0]:.2f}x / {mem[1]:.2f}x** (rank 0 / rank 1; target <= 1.0x)."]
     table = "\n".join(lines)
     print("\n" + table + "\n")
     rerun = (f"{shlex.quote(sys.executable)} benchmarks/hf_trainer.py --rounds 3 --steps 8 --write-results")

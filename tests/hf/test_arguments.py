@@ -1,0 +1,77 @@
+"""`zerotrain.hf.TrainingArguments` and the Trainer's refusals, in one process (no ranks needed).
+
+The config never reaches transformers' DeepSpeed path (no HfTrainerDeepSpeedConfig, no DeepSpeed plugin,
+even with ACCELERATE_USE_DEEPSPEED set), its "auto" values are filled from the arguments, a fixed value
+that disagrees with an argument is refused naming both, and unsupported Trainer features are refused by name.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from zerotrain.config import ConfigError  # noqa: E402
+
+
+@pytest.fixture
+def tiny_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                        num_key_value_heads=1, intermediate_size=32))
+
+
+def _args(tmp_path, **kw):
+    from zerotrain.hf import TrainingArguments
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kw)
+
+
+def test_config_is_zerotrains_and_auto_is_filled(tmp_path, monkeypatch):
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # e.g. left by `accelerate launch --use_deepspeed`
+    config = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
+              "gradient_clipping": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
+    args = _args(tmp_path, deepspeed=config, per_device_train_batch_size=3, max_grad_norm=0.25, learning_rate=2e-4)
+    assert args.deepspeed is config  # kept as given
+    assert args.deepspeed_plugin is None and not is_deepspeed_zero3_enabled()
+    assert getattr(args, "hf_deepspeed_config", None) is None
+    assert os.environ["ACCELERATE_USE_DEEPSPEED"] == "true"  # restored
+    filled = args.zerotrain_config
+    assert filled["train_micro_batch_size_per_gpu"] == 3 and filled["gradient_clipping"] == 0.25
+    assert filled["optimizer"]["params"]["lr"] == 2e-4
+    with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu=4 vs per_device_train_batch_size=3"):
+        _args(tmp_path, deepspeed={"train_micro_batch_size_per_gpu": 4}, per_device_train_batch_size=3)
+
+
+@pytest.mark.parametrize("name, value", [("torch_compile", True), ("auto_find_batch_size", True)])
+def test_unsupported_features_are_refused_by_name(tmp_path, tiny_model, name, value):
+    from zerotrain.hf import Trainer
+
+    with pytest.raises(ValueError, match=f"^{name}: not supported by zerotrain.hf.Trainer"):
+        Trainer(model=tiny_model, args=_args(tmp_path, **{name: value}))
+
+
+def test_transformers_deepspeed_arguments_are_refused(tmp_path, tiny_model):
+    pytest.importorskip("deepspeed")
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from zerotrain.hf import Trainer
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                                     deepspeed={"zero_optimization": {"stage": 2}})
+        with pytest.raises(ValueError, match="use zerotrain.hf.TrainingArguments"):
+            Trainer(model=tiny_model, args=args)
+    finally:
+        unset_hf_deepspeed_config()

@@ -1,0 +1,23 @@
+"""Hugging Face Trainer and TRL scripts on zerotrain's engine: change the imports, keep the script.
+
+    from zerotrain.hf import Trainer, TrainingArguments        # instead of transformers'
+    from zerotrain.hf import SFTTrainer, SFTConfig             # instead of trl's (needs `trl`)
+
+`TrainingArguments(deepspeed=...)` is zerotrain's config ("auto" filled as transformers fills it);
+without it the arguments alone give ZeRO-3. docs/hf.md lists what is supported and what is refused.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .trainer import Trainer, TrainingArguments, ZeroTrainMixin
+
+__all__ = ["Trainer", "TrainingArguments", "ZeroTrainMixin", "SFTTrainer", "SFTConfig"]
+
+
+def __getattr__(name: str) -> Any:
+    # TRL is optional: `from zerotrain.hf import Trainer` must not need it.
+    if name in ("SFTTrainer", "SFTConfig"):
+        from . import trl
+        return getattr(trl, name)
+    raise AttributeError(f"module 'zerotrain.hf' has no attribute {name!r}")
