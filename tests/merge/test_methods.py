@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from zerotrain.merge import methods
@@ -116,6 +116,8 @@ def test_dare_mask_keeps_density_fraction():
 
 @SETTINGS
 @given(shape=shapes, seed=st.integers(0, 999), t=st.floats(0.0, 1.0), dtype=dtypes)
+# one element each, of opposite signs (seed 0: 1.54 and -0.29): colinear pointing opposite ways, cos = -1
+@example(shape=(1,), seed=0, t=0.25, dtype=torch.float32)
 def test_slerp(shape, seed, t, dtype):
     a, b = _inputs(seed, shape, 2, dtype)
     a64, b64 = a.double().numpy(), b.double().numpy()
@@ -136,6 +138,9 @@ def test_slerp_colinear_falls_back_to_lerp():
     # the fallback is what the check can catch: spherical interpolation of 2a from a is not 0.75a + 0.25*2a
     c = torch.randn(50)
     assert not torch.allclose(methods.slerp(0.25, a, c), 0.75 * a + 0.25 * c, atol=1e-3)
+    # pointing opposite ways is colinear too (|cos| > threshold): the angle is pi, its sine ~0, no spherical path
+    d = -2 * a + 1e-6 * torch.randn(50)
+    _close(methods.slerp(0.25, a, d), (0.75 * a + 0.25 * d).double().numpy())
 
 
 def test_bad_consensus_is_an_error_small_density_keeps_one():
