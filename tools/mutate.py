@@ -16,7 +16,8 @@ from a table (`COVERING`) or from the tests' imports, and it needs nothing beyon
 
 The file is restored always: on success, failure, Ctrl-C or SIGTERM (a finally block), and a copy of the
 original sits at FILE.mutate-orig while a mutant is on disk, which the next run puts back first if a run
-was killed -9. Children run with PYTHONDONTWRITEBYTECODE and the original's mtime is restored, so no
+was killed -9 (a FILE.mutate-pid names the live run: another run, or --list, never takes the file from
+it). Children run with PYTHONDONTWRITEBYTECODE and the original's mtime is restored, so no
 stale bytecode of a mutant survives. A mutant's test run has a time limit (3x the unmutated run, at least
 60 s): a mutant that hangs counts as killed (`timeout`); `ZEROTRAIN_TEST_RUN_TIMEOUT` caps every
 `run_distributed` launch at that limit so that a hung collective fails the test instead of the whole run.
@@ -45,6 +46,7 @@ from typing import Iterator, Optional
 ROOT = Path(__file__).resolve().parent.parent
 EQUIVALENTS = ROOT / "tools" / "mutation_equivalents.txt"
 BACKUP_SUFFIX = ".mutate-orig"
+LOCK_SUFFIX = ".mutate-pid"
 
 # module -> the tests that cover it and run in minutes (not every test that reaches it: those are the suite).
 # Modules not listed get the test files that import them (`covering_tests`).
@@ -394,6 +396,8 @@ class MutatedFile:
         self.original = self.path.read_bytes()
         self.stat = self.path.stat()
         self.backup.write_bytes(self.original)
+        self.lock = self.path.with_name(self.path.name + LOCK_SUFFIX)
+        self.lock.write_text(str(os.getpid()))
         self._old_handler = signal.signal(signal.SIGTERM, _raise_interrupt) \
             if _in_main_thread() else None
         return self.put
@@ -407,6 +411,7 @@ class MutatedFile:
         self.path.write_bytes(self.original)
         os.utime(self.path, ns=(self.stat.st_atime_ns, self.stat.st_mtime_ns))
         self.backup.unlink(missing_ok=True)
+        self.lock.unlink(missing_ok=True)
         if self._old_handler is not None:
             signal.signal(signal.SIGTERM, self._old_handler)
 
@@ -420,15 +425,37 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+def _owner(path: Path) -> Optional[int]:
+    """The pid of a live run that has `path` mutated now (its FILE.mutate-pid), else None."""
+    lock = path.with_name(path.name + LOCK_SUFFIX)
+    try:
+        pid = int(lock.read_text())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None
+    return pid if pid != os.getpid() else None
+
+
 def restore_backup(path: Path) -> bool:
-    """Put back a copy a killed run left (FILE.mutate-orig); True when there was one."""
+    """Put back a copy a killed run left (FILE.mutate-orig); True when there was one. Refuses (RuntimeError)
+    while another live run has the file mutated."""
     backup = path.with_name(path.name + BACKUP_SUFFIX)
+    owner = _owner(path)
+    if owner is not None:
+        raise RuntimeError(f"{path} is being mutated by another run (pid {owner}); wait for it or stop it")
     if backup.exists():
         path.write_bytes(backup.read_bytes())
         backup.unlink()
+        path.with_name(path.name + LOCK_SUFFIX).unlink(missing_ok=True)
         print(f"restored {path} from {backup.name} (a previous run was killed)", file=sys.stderr)
         return True
     return False
+
+
+def original_source(path: Path) -> bytes:
+    """The file as it is without a mutant (the backup while a run has one on disk): for --list."""
+    backup = path.with_name(path.name + BACKUP_SUFFIX)
+    return backup.read_bytes() if backup.exists() else path.read_bytes()
 
 
 def select(mutants: list[Mutant], sample: Optional[int], seed: int) -> list[Mutant]:
@@ -447,15 +474,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--timeout", type=float, help="seconds per mutant (default: 3x the unmutated run, >= 60)")
     parser.add_argument("--list", action="store_true", help="print the mutants and the tests, run nothing")
     parser.add_argument("--only", nargs="+", help="run only these mutant ids")
+    parser.add_argument("--lines", help="only mutants starting on lines A-B (a function of a large module)")
     parser.add_argument("--report", help="write the results as JSON here")
     parser.add_argument("--equivalents", default=str(EQUIVALENTS), help="the list of equivalent mutant ids")
     args = parser.parse_args(argv)
 
     path = str(Path(args.file))
     file = ROOT / path
-    restore_backup(file)
-    source = file.read_bytes()
+    if not args.list:
+        restore_backup(file)
+    source = original_source(file)
     all_mutants = mutants_of(path, source)
+    if args.lines:
+        first, _, last = args.lines.partition("-")
+        all_mutants = [m for m in all_mutants if int(first) <= m.line <= int(last or first)]
     equivalents = load_equivalents(Path(args.equivalents))
     chosen = select(all_mutants, args.sample, args.seed)
     if args.only:

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import os
-import textwrap
-
 import pytest
 
 from tools import mutate
@@ -92,3 +90,10 @@ def test_the_file_comes_back_after_an_interrupt_or_a_killed_run(planted):
     module.write_text("mutated = 1\n")
     assert mutate.restore_backup(module) and module.read_text() == MODULE
     assert not (planted / ("clip.py" + mutate.BACKUP_SUFFIX)).exists()
+    # while a live run has the file mutated (its pid beside it), nothing takes the file from it
+    (planted / ("clip.py" + mutate.BACKUP_SUFFIX)).write_text(MODULE)
+    (planted / ("clip.py" + mutate.LOCK_SUFFIX)).write_text(str(os.getppid()))
+    module.write_text("mutated = 1\n")
+    with pytest.raises(RuntimeError, match="being mutated by another run"):
+        mutate.restore_backup(module)
+    assert module.read_text() == "mutated = 1\n"
