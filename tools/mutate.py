@@ -242,7 +242,8 @@ class _Mutator(ast.NodeVisitor):
             swapped = ast.Attribute(func.value, _METHOD_SWAPS[func.attr], func.ctx)
             self.add(node, ast.Call(swapped, node.args, node.keywords), "method swap")
         positional = [a for a in node.args if not isinstance(a, ast.Starred)]
-        if len(positional) == len(node.args) >= 2 and _text(node.args[0]) != _text(node.args[1]):
+        commutative = isinstance(func, ast.Name) and func.id in ("max", "min")  # swapping is equivalent
+        if len(positional) == len(node.args) >= 2 and not commutative and _text(node.args[0]) != _text(node.args[1]):
             args = [node.args[1], node.args[0], *node.args[2:]]
             self.add(node, ast.Call(func, args, node.keywords), "swap arguments")
         self.generic_visit(node)
@@ -366,6 +367,7 @@ def run_tests(tests: list[str], timeout: float, extra_env: Optional[dict] = None
     start = time.monotonic()
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)
+    code = None
     try:
         code = process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
