@@ -486,6 +486,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.list:
         restore_backup(file)
     source = original_source(file)
+    changed = subprocess.run(["git", "diff", "--quiet", "--", path], cwd=ROOT, capture_output=True).returncode
+    if changed == 1:
+        print(f"warning: {path} differs from git's HEAD: its mutants are of the file as it is now", file=sys.stderr)
     all_mutants = mutants_of(path, source)
     if args.lines:
         first, _, last = args.lines.partition("-")
@@ -532,6 +535,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"({seconds:.0f} s)", flush=True)
             if status == "survived":
                 survivors.append(mutant)
+    if file.read_bytes() != source:
+        print(f"{path} is not as it was before the run: restore it (git checkout)", file=sys.stderr)
+        return 3
     counted = len(chosen) - counts["equivalent"]
     killed = counts["killed"] + counts["timeout"]
     score = killed / counted if counted else 1.0
