@@ -145,7 +145,7 @@ def test_slerp_colinear_falls_back_to_lerp():
 
 def test_density_edges_and_defaults():
     """Density 1 (or more) keeps the task vector whole; 0 drops all of it; the defaults are mergekit's (linear is a
-    weighted mean, DARE does not rescale)."""
+    weighted mean, DARE rescales the kept elements by 1 / density)."""
     g = torch.Generator().manual_seed(3)
     delta = torch.randn(4, 5, generator=g)
     for density in (1.0, 1.5):
@@ -154,7 +154,7 @@ def test_density_edges_and_defaults():
     assert torch.equal(methods.magnitude_prune(delta, 0.0), torch.zeros_like(delta))
     assert methods.magnitude_prune(torch.empty(0), 0.5).numel() == 0
     mask = methods.bernoulli_mask((4, 5), 0.5, g)
-    torch.testing.assert_close(methods.dare_drop(delta, 0.5, mask), delta * mask, rtol=0, atol=0)
+    torch.testing.assert_close(methods.dare_drop(delta, 0.5, mask), delta * mask / 0.5)  # rescales by default
     a, b = torch.randn(3, generator=g), torch.randn(3, generator=g)
     _close(methods.linear([a, b], [1.0, 3.0]), ((a + 3 * b) / 4).double().numpy())
 

@@ -61,7 +61,7 @@ def bernoulli_mask(shape: Sequence[int], density: float, generator: torch.Genera
     return torch.rand(tuple(shape), generator=generator) < density
 
 
-def dare_drop(delta: torch.Tensor, density: float, mask: torch.Tensor, rescale: bool = False) -> torch.Tensor:
+def dare_drop(delta: torch.Tensor, density: float, mask: torch.Tensor, rescale: bool = True) -> torch.Tensor:
     """DARE's drop-and-rescale of one task vector with a given keep `mask`."""
     if density >= 1:
         return delta
