@@ -74,6 +74,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     Ranks in `expect_exit` may die without reporting; their result is then None.
     """
     expected_exits = set(expect_exit)
+    # `python -m tools.mutate` caps every launch at its per-mutant limit: a mutant that hangs fails fast
+    cap = os.environ.get("ZEROTRAIN_TEST_RUN_TIMEOUT")
+    timeout = min(timeout, float(cap)) if cap else timeout
     ctx = _context()
     results = ctx.Queue()
     port = free_port()

@@ -286,6 +286,66 @@ def test_trainer_resumed_engine_skips_consumed_batches():
     assert torch.equal(resumed._next_batch()[0], drawn[5])
 
 
+class _Recording(torch.nn.Module):
+    """The tiny GPT, keeping every input batch its forward sees (what a run trained on, in order)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = GPT(GPTConfig.preset("tiny"))
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x, y):
+        self.seen.append(x.clone())
+        return self.inner(x, y)
+
+
+def _resume_world2(save_dir: str) -> dict:
+    """On each of 2 ranks (a real engine, ZeRO-1, SGD, no clipping, accumulation 2; each rank its half of the
+    samples by a DistributedSampler, which cannot seek): 4 uninterrupted steps; then 2 steps, saved, and a new
+    engine resumed from the save for steps 3-4. The inputs each run trained on, and its final weights."""
+    import zerotrain
+
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 1},
+              "steps_per_print": 0, "comm_timeout_seconds": 60}
+
+    def run(total_steps: int, save: bool = False, load: bool = False):
+        model = _Recording()
+        engine, *_ = zerotrain.initialize(model=model, config=config)
+        if load:
+            engine.load_checkpoint(save_dir)
+        dataset = TokenBlockDataset(load_stdlib_corpus(max_bytes=48 * 16 + 1), 16)  # 48 samples, 12 batches a rank
+        sampler = torch.utils.data.DistributedSampler(dataset, shuffle=False)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=2, sampler=sampler)
+        Trainer(engine, loader, total_steps=total_steps, save_dir=save_dir if save else None,
+                console=Console(file=io.StringIO())).train()
+        weights = engine.full_state_dict()
+        engine.close()
+        return model.seen, weights
+
+    whole, whole_weights = run(4)
+    first, _ = run(2, save=True)
+    resumed, resumed_weights = run(4, load=True)
+    return {"whole": whole, "first": first, "resumed": resumed, "whole weights": whole_weights,
+            "resumed weights": resumed_weights}
+
+
+def test_trainer_resumed_at_world2_trains_on_the_samples_the_uninterrupted_run_did(tmp_path):
+    # each step draws 2 micro-batches of 2 samples on each of 2 ranks: the resumed run (global_samples 16) skips
+    # 4 of each rank's batches, not 8 (global_samples / micro, forgetting the data-parallel size)
+    from tests.distributed import run_distributed
+
+    for rank, got in enumerate(run_distributed(_resume_world2, 2, str(tmp_path), timeout=240)):
+        assert len(got["whole"]) == 8 and len(got["first"]) == 4 and len(got["resumed"]) == 4, rank
+        assert len({tuple(x.flatten().tolist()) for x in got["whole"]}) == 8, rank  # 8 different batches
+        for index, (x, want) in enumerate(zip(got["first"] + got["resumed"], got["whole"])):
+            assert torch.equal(x, want), (rank, index)
+        if rank == 0:
+            for name, weight in got["whole weights"].items():
+                torch.testing.assert_close(got["resumed weights"][name], weight, rtol=1e-5, atol=1e-6)
+
+
 def test_version_prints_the_package_version(capsys):
     import zerotrain
 

@@ -147,6 +147,19 @@ def test_one_cycle_lr_and_momentum_by_hand():
         scheduler.step()
 
 
+def test_one_cycle_without_a_decay_step_size_stays_at_min_lr_after_the_cycle():
+    """A decay rate with no decay_step_size (0, the default) does not decay: min_lr and max momentum after the
+    cycle, as DeepSpeed's OneCycle skips the decay when either is 0."""
+    optimizer = _adam_groups(1)
+    scheduler = OneCycle(optimizer, cycle_min_lr=0.01, cycle_max_lr=0.05, cycle_first_step_size=2,
+                         decay_lr_rate=0.5, decay_mom_rate=0.5, cycle_min_mom=0.85, cycle_max_mom=0.95)
+    for _ in range(6):
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01)
+    assert optimizer.param_groups[0]["betas"] == pytest.approx((0.95, 0.99))
+
+
 def test_one_cycle_stairs_per_group_and_sgd():
     opt, sched = make("OneCycle", {"cycle_min_lr": [0.0, 0.1], "cycle_max_lr": [0.8, 0.9], "cycle_first_step_size": 4,
                                    "cycle_first_stair_count": 2}, group_lrs=(0.3, 0.3))

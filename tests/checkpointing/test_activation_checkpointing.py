@@ -222,6 +222,44 @@ def test_rng_tracker_replays_a_forked_dropout_in_the_recompute():
     assert not torch.equal(forked, torch.rand(16))
 
 
+def test_rng_tracker_after_backward_is_where_the_forward_left_it_over_several_regions():
+    """Three checkpointed regions, each with a forked dropout: after backward (three recomputes, the last
+    replaying the first region's snapshot) the tracker holds the state the forward advanced it to, as without
+    checkpointing, so the next step draws new masks: two steps' gradients equal plain autograd's."""
+    from zerotrain import checkpointing as ckpt
+
+    tracker = ckpt.get_rng_tracker()
+    weights = [torch.randn(32, 32, requires_grad=True) for _ in range(3)]
+
+    def region(x, weight):
+        with tracker.fork():
+            return torch.nn.functional.dropout(torch.tanh(x @ weight), 0.5)
+
+    def run(checkpointed: bool) -> tuple[list, dict]:
+        ckpt.model_parallel_manual_seed(11, tp_rank=0)
+        torch.manual_seed(3)
+        grads, after = [], None
+        for _ in range(2):
+            x = torch.randn(4, 32)
+            for weight in weights:
+                x = ckpt.checkpoint(region, x, weight) if checkpointed else region(x, weight)
+            x.sum().backward()
+            grads.append([weight.grad.clone() for weight in weights])
+            for weight in weights:
+                weight.grad = None
+            after = after or tracker.get_states()  # after the first step's backward
+        return grads, after
+
+    want_grads, want_after = run(False)
+    got_grads, got_after = run(True)
+    assert want_after.keys() == got_after.keys()
+    for name, state in want_after.items():
+        assert torch.equal(got_after[name], state), name
+    for got, want in zip(got_grads, want_grads):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 def test_configure_reads_the_block_and_refuses_contiguous_without_partition():
     from zerotrain import checkpointing as ckpt
     from zerotrain.config import load_config

@@ -49,3 +49,14 @@ def test_epochs_bounded_and_bad_resume_rejected():
         ResumableSampler(N, global_batch_size=G).load_state_dict({"consumed_samples": 0, "seed": 1})
     with pytest.raises(ValueError, match="multiple of the data-parallel size"):
         ResumableSampler(N, global_batch_size=5, dp_size=2)
+
+
+def test_one_sample_a_global_batch_of_one_and_one_rank_by_default():
+    """The smallest valid stream (one sample, batches of one, the default single rank) runs; zero of either is
+    refused, naming what is wrong."""
+    sampler = ResumableSampler(1, global_batch_size=1, num_epochs=3, shuffle=False)
+    assert list(sampler) == [0, 0, 0] and len(ResumableSampler(1, global_batch_size=1, num_epochs=3)) == 3
+    with pytest.raises(ValueError, match="empty"):
+        ResumableSampler(0, global_batch_size=1)
+    with pytest.raises(ValueError, match="positive multiple"):
+        ResumableSampler(4, global_batch_size=0)

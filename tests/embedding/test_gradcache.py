@@ -18,15 +18,18 @@ from tests.models_for_tests import assert_same_training
 MICRO, ACCUMULATION, NEGATIVES, SEQ, STEPS, LR, SCALE = 8, 4, 1, 10, 2, 2e-3, 20.0
 # Adam divides by sqrt(v) + eps: a larger eps keeps float noise in near-zero gradients from being magnified
 EPS = 1e-6
+# The run that hides nothing: dropout on (the re-embedding must replay the first pass's masks), plain SGD and no
+# clipping (AdamW and clipping are blind to a uniform gradient scale, e.g. a lost `* accumulation`)
+DROPOUT, SGD_LR, DROPOUT_SEED = 0.1, 0.5, 1234
 
 
-def tiny_bert():
+def tiny_bert(dropout: float = 0.0):
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
     config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0)
+                        intermediate_size=64, max_position_embeddings=SEQ, hidden_dropout_prob=dropout,
+                        attention_probs_dropout_prob=dropout)
     return BertModel(config, add_pooling_layer=False)
 
 
@@ -55,12 +58,15 @@ def _pooled(model, features):
     return (hidden * mask).sum(1) / mask.sum(1)
 
 
-def reference(world: int, independent: bool = False):
+def reference(world: int, independent: bool = False, dropout_sgd: bool = False):
     """Plain PyTorch: per step, InfoNCE of all world x accumulation x micro queries against all candidates.
 
-    `independent=True` is the usual accumulation instead (each micro-batch its own contrastive batch)."""
-    model = tiny_bert()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, eps=EPS)
+    `independent=True` is the usual accumulation instead (each micro-batch its own contrastive batch).
+    `dropout_sgd=True`: dropout on, plain SGD, no clipping (see `train_all_stages`)."""
+    model = tiny_bert(DROPOUT if dropout_sgd else 0.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR) if dropout_sgd else \
+        torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, eps=EPS)
+    torch.manual_seed(DROPOUT_SEED)
     losses = []
     for step in micro_batches(world):
         groups = [[mb for ranks in step for mb in ranks]] if not independent else \
@@ -75,16 +81,18 @@ def reference(world: int, independent: bool = False):
             loss = F.cross_entropy(scores, torch.arange(len(queries))) / len(groups)
             loss.backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if not dropout_sgd:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(total)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def train_all_stages(cases):
+def train_all_stages(cases, dropout_sgd: bool = False):
     """On every rank: for each (stage, loss chunk size), an engine trained with ContrastiveStep; rank 0
-    returns losses and weights."""
+    returns losses and weights. `dropout_sgd`: also a stage-0 run with dropout on, SGD and no clipping
+    (under the key "dropout sgd")."""
     import zerotrain
     from zerotrain.comm import Comm
     from zerotrain.embedding import ContrastiveStep, PairBatch, Pooling
@@ -110,11 +118,24 @@ def train_all_stages(cases):
         weights = engine.full_state_dict()
         engine.close()
         results[(stage, chunk)] = (losses, weights)
+    if dropout_sgd:
+        config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUMULATION,
+                  "optimizer": {"type": "SGD", "params": {"lr": SGD_LR}}, "gradient_clipping": 0.0, "steps_per_print": 0,
+                  "comm_timeout_seconds": 60}
+        engine, *_ = zerotrain.initialize(model=tiny_bert(DROPOUT), config=config)
+        step = ContrastiveStep(engine, Comm.data_parallel(engine.topology), Pooling("mean"), scale=SCALE)
+        torch.manual_seed(DROPOUT_SEED)
+        losses = [step.step([PairBatch(f, MICRO) for f in batches[0]]) for batches in micro_batches(1)]
+        results["dropout sgd"] = (losses, engine.full_state_dict())
+        engine.close()
     return results if dist.get_rank() == 0 else None
 
 
 def _check(results, world):
     ref_losses, ref_weights = reference(world)
+    if "dropout sgd" in results:
+        losses, weights = results.pop("dropout sgd")
+        assert_same_training(losses, weights, *reference(world, dropout_sgd=True), where="dropout on, SGD")
     for (stage, chunk), (losses, weights) in results.items():
         try:
             assert_same_training(losses, weights, ref_losses, ref_weights)
@@ -127,7 +148,7 @@ def _check(results, world):
 
 
 def test_accumulation_is_one_batch_world1():
-    _check(run_distributed(train_all_stages, 1, ((0, None), (3, None), (0, 5)))[0], 1)
+    _check(run_distributed(train_all_stages, 1, ((0, None), (3, None), (0, 5)), dropout_sgd=True)[0], 1)
 
 
 def test_negatives_across_ranks_world2_all_stages():

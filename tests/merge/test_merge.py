@@ -329,3 +329,33 @@ def test_merge_docs_first_example_on_a_real_checkpoint(tiny, tmp_path):
     assert entry["checksums"]
     for file, checksum in entry["checksums"].items():
         assert checksum == f"crc32:{zlib.crc32(open(os.path.join(ckpt, file), 'rb').read()):08x}", file
+
+
+def test_lora_folding_equals_peft_merge_on_gpt2_conv1d_with_patterns(tmp_path):
+    """An adapter peft itself trained-shape over GPT-2 (`Conv1D` layers store W transposed: fan_in_fan_out) with
+    per-module `rank_pattern` and `alpha_pattern`: every folded weight equals peft's own `merge_and_unload`."""
+    import peft
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+    model = transformers.GPT2LMHeadModel(config)
+    base = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    # c_attn (16 -> 48) and c_fc (16 -> 64) are not square: a product left untransposed cannot fit;
+    # c_proj's (attention: 16 -> 16) is square: only the values tell it
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True,
+                           rank_pattern={"c_fc": 2}, alpha_pattern={"attn.c_proj": 3, "c_attn": 12},
+                           lora_dropout=0.0, init_lora_weights=False)  # B random, not zero: every delta counts
+    wrapped = peft.get_peft_model(model, lora)
+    adapter = tmp_path / "adapter"
+    wrapped.save_pretrained(str(adapter))
+    want = wrapped.merge_and_unload().state_dict()
+    from zerotrain.lora import LoraAdapter
+
+    folder = LoraAdapter(str(adapter))
+    changed = 0
+    for name, weight in base.items():
+        got = folder.fold(name, weight)
+        torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+        changed += not torch.equal(got, weight)
+    assert changed == 2 * 4  # c_attn, attn.c_proj, mlp.c_fc and mlp.c_proj of both layers

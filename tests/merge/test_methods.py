@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from zerotrain.merge import methods
@@ -116,6 +116,8 @@ def test_dare_mask_keeps_density_fraction():
 
 @SETTINGS
 @given(shape=shapes, seed=st.integers(0, 999), t=st.floats(0.0, 1.0), dtype=dtypes)
+# one element each, of opposite signs (seed 0: 1.54 and -0.29): colinear pointing opposite ways, cos = -1
+@example(shape=(1,), seed=0, t=0.25, dtype=torch.float32)
 def test_slerp(shape, seed, t, dtype):
     a, b = _inputs(seed, shape, 2, dtype)
     a64, b64 = a.double().numpy(), b.double().numpy()
@@ -136,6 +138,25 @@ def test_slerp_colinear_falls_back_to_lerp():
     # the fallback is what the check can catch: spherical interpolation of 2a from a is not 0.75a + 0.25*2a
     c = torch.randn(50)
     assert not torch.allclose(methods.slerp(0.25, a, c), 0.75 * a + 0.25 * c, atol=1e-3)
+    # pointing opposite ways is colinear too (|cos| > threshold): the angle is pi, its sine ~0, no spherical path
+    d = -2 * a + 1e-6 * torch.randn(50)
+    _close(methods.slerp(0.25, a, d), (0.75 * a + 0.25 * d).double().numpy())
+
+
+def test_density_edges_and_defaults():
+    """Density 1 (or more) keeps the task vector whole; 0 drops all of it; the defaults are mergekit's (linear is a
+    weighted mean, DARE rescales the kept elements by 1 / density)."""
+    g = torch.Generator().manual_seed(3)
+    delta = torch.randn(4, 5, generator=g)
+    for density in (1.0, 1.5):
+        assert torch.equal(methods.magnitude_prune(delta, density), delta)
+        assert torch.equal(methods.dare_drop(delta, density, torch.zeros(4, 5, dtype=torch.bool), rescale=True), delta)
+    assert torch.equal(methods.magnitude_prune(delta, 0.0), torch.zeros_like(delta))
+    assert methods.magnitude_prune(torch.empty(0), 0.5).numel() == 0
+    mask = methods.bernoulli_mask((4, 5), 0.5, g)
+    torch.testing.assert_close(methods.dare_drop(delta, 0.5, mask), delta * mask / 0.5)  # rescales by default
+    a, b = torch.randn(3, generator=g), torch.randn(3, generator=g)
+    _close(methods.linear([a, b], [1.0, 3.0]), ((a + 3 * b) / 4).double().numpy())
 
 
 def test_bad_consensus_is_an_error_small_density_keeps_one():

@@ -7,7 +7,8 @@ Llama with one key/value head (replicated over the two ranks) at an odd length w
 sequence-parallel ranks); the GPT saved at SP2 and resumed at SP1 x DP2; the GPT at ZeRO-3 with parameters and
 optimizer state on NVMe (exact); the GPT at ZeRO-3 with ZeRO++ qgZ + LoCo + qwZ (lossy). One world-4 launch: SP2 x DP2 at
 ZeRO-3 (and for the GPT also with hpZ and the optimizer offloaded to the CPU) and SP2 x TP2 for the GPT and a Llama with grouped-query attention (4 heads, 2 key/value heads: one per
-tensor-parallel rank, replicated over the sequence-parallel pair); Qwen2 at SP2 x DP2 ZeRO-3 and Mistral at
+tensor-parallel rank, replicated over the sequence-parallel pair) and the same Llama at SP4 (each key/value head
+copied to the two ranks of its group); Qwen2 at SP2 x DP2 ZeRO-3 and Mistral at
 SP2 x TP2 ZeRO-0; the GPT at SP2 x DP2 ZeRO-2 with qgZ + LoCo taking two hops (2 pretend nodes, lossy). Each
 is compared with plain single-process AdamW on the whole sequences: losses within 1e-5 relative, weights rtol
 1e-5 / atol 1e-6; the lossy ZeRO++ runs (6 steps at lr 1e-2, eps 1e-3) within 0.4% (losses) and 8% (relative L2
@@ -195,6 +196,14 @@ def world2(save_root: str) -> dict:
     return results
 
 
+def sp4_two_kv_heads() -> tuple:
+    """The Llama (4 heads, 2 key/value heads) at SP4: each key/value head is copied to the two ranks of its
+    query heads' group (kv head 0 to ranks 0-1, kv head 1 to ranks 2-3), not cycled over the ranks."""
+    engine = make_engine("llama", sp=4, stage=1)
+    assert (engine.topology.sp_size, engine.dp_world_size) == (4, 1)
+    return train(engine, "llama", llama_batches(STEPS, SEQ, False), 0, STEPS), engine.full_state_dict()
+
+
 def world4() -> dict:
     results = {}
     for kind in ("gpt", "llama"):
@@ -205,6 +214,7 @@ def world4() -> dict:
         engine = make_engine(kind, sp=2, tp=2, stage=1)
         assert (engine.topology.sp_size, engine.topology.tp_size, engine.dp_world_size) == (2, 2, 1)
         results[f"{kind} SP2 x TP2"] = (train(engine, kind, data, 0, STEPS), engine.full_state_dict())
+    results["llama SP4"] = sp4_two_kv_heads()
     # ZeRO-3 with hpZ's backward gathers inside each sequence-parallel pair, and the optimizer offloaded
     engine = make_engine("gpt", sp=2, stage=3, zero_hpz_partition_size=2,
                          offload_optimizer={"device": "cpu"})
@@ -286,6 +296,8 @@ def test_sequence_parallel_world4_with_data_parallel_zero3_and_tensor_parallel()
     for kind, shape in (("qwen2", "SP2 x DP2 ZeRO-3"), ("mistral", "SP2 x TP2 ZeRO-0")):
         losses, at_steps, _ = reference(kind)
         check(f"{kind} {shape}", results[f"{kind} {shape}"], (losses[:STEPS], at_steps))
+    losses, at_steps, _ = reference("llama")
+    check("llama SP4 (2 key/value heads: each on 2 ranks)", results["llama SP4"], (losses[:STEPS], at_steps))
     losses, at_steps, _ = reference("gpt")
     check("gpt SP2 x DP2 ZeRO-3 hpZ offload", results["gpt SP2 x DP2 ZeRO-3 hpZ offload"], (losses[:STEPS], at_steps))
     assert {"reduce_scatter_q4_intra", "reduce_scatter_q4_inter"} <= set(results["qgZ collectives"])  # two hops

@@ -1,0 +1,560 @@
+"""Mutation testing of one module of zerotrain: do its tests fail when its code is wrong?
+
+    python -m tools.mutate zerotrain/zero/gradnorm.py [--sample N --seed S] [--tests T ...] [--list]
+
+Each mutant is one small plausible bug (a flipped comparison, a dropped factor or term, an off-by-one
+constant, a dropped call, a removed `abs`, swapped arguments, ...) made from the file's `ast`. The tool
+writes it into the file ON DISK, runs the tests that cover the module (pytest in a subprocess, stopping at
+the first failure) and restores the file. Most of zerotrain runs inside spawned ranks: a tool that decides
+coverage in its own process (mutmut) sees that code as untested; a file on disk is what the ranks import.
+
+Why our own ~400 lines and not cosmic-ray (which also mutates on disk and runs a command): its operators
+are generic (every int literal and keyword, many equivalent mutants per line), it needs a session database
+and a config per module, and it has no notion of "the tests that cover this module"; here the operators
+are the bugs this project has actually shipped or planted (see docs/testing.md), the covering tests come
+from a table (`COVERING`) or from the tests' imports, and it needs nothing beyond pytest.
+
+The file is restored always: on success, failure, Ctrl-C or SIGTERM (a finally block), and a copy of the
+original sits at FILE.mutate-orig while a mutant is on disk, which the next run puts back first if a run
+was killed -9 (a FILE.mutate-pid names the live run: another run, or --list, never takes the file from
+it). Children run with PYTHONDONTWRITEBYTECODE and the original's mtime is restored, so no
+stale bytecode of a mutant survives. A mutant's test run has a time limit (3x the unmutated run, at least
+60 s): a mutant that hangs counts as killed (`timeout`); `ZEROTRAIN_TEST_RUN_TIMEOUT` caps every
+`run_distributed` launch at that limit so that a hung collective fails the test instead of the whole run.
+
+Survivors print as FILE:LINE, the mutant id, the operator and a diff. An id listed in
+tools/mutation_equivalents.txt (`ID  FILE  reason`) is an equivalent mutant: it is not run, and not counted.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import hashlib
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+EQUIVALENTS = ROOT / "tools" / "mutation_equivalents.txt"
+BACKUP_SUFFIX = ".mutate-orig"
+LOCK_SUFFIX = ".mutate-pid"
+
+# module -> the tests that cover it and run in minutes (not every test that reaches it: those are the suite).
+# Modules not listed get the test files that import them (`covering_tests`).
+COVERING: dict[str, list[str]] = {
+    # fp32 data parallel; tensor-parallel ranks != 0 (split ranges); fp16's overflow agreement
+    "zerotrain/zero/gradnorm.py": ["tests/zero/test_parity.py",
+                                   "tests/parallel/test_tensor_parallel_engine.py::test_tensor_parallel_only",
+                                   "tests/zero/test_precision_and_memory.py::test_fp16_overflow_skips_step_on_every_rank",
+                                   "tests/parallel/test_moe_engine.py"],
+    "zerotrain/zero/grads.py": ["tests/zero/test_parity.py", "tests/zero/test_stage3_grads_reuse.py"],
+    "zerotrain/zero/reduce.py": ["tests/zero/test_parity.py"],
+    "zerotrain/zero/optimizer.py": ["tests/zero/test_parity.py", "tests/test_loss_scaler.py"],
+    "zerotrain/comm/quant.py": ["tests/comm/test_quant_props.py", "tests/comm/test_qgz_collectives.py"],
+    "zerotrain/comm/compressed.py": ["tests/comm/test_qgz_collectives.py", "tests/comm/test_loco_bounded.py"],
+    "zerotrain/schedules.py": ["tests/test_schedules.py"],
+    "zerotrain/precision.py": ["tests/test_loss_scaler.py", "tests/zero/test_precision_and_memory.py"],
+    "zerotrain/lora.py": ["tests/merge/test_merge.py"],
+    "zerotrain/merge/methods.py": ["tests/merge/test_methods.py", "tests/merge/test_merge.py"],
+    "zerotrain/embedding/loss.py": ["tests/embedding/test_loss.py",  # rank > 0's labels: negatives across ranks
+                                    "tests/embedding/test_gradcache.py::test_negatives_across_ranks_world2_all_stages"],
+    "zerotrain/embedding/gradcache.py": ["tests/embedding/test_gradcache.py"],
+    "zerotrain/data/packing.py": ["tests/data/test_local_data.py", "tests/data/test_corpus.py"],
+    "zerotrain/data/sampler.py": ["tests/data/test_sampler.py"],
+    "zerotrain/trainer.py": ["tests/test_cli.py"],
+}
+
+# Method names whose swap is a plausible slip (the GQA bug: repeat for repeat_interleave).
+_METHOD_SWAPS = {"repeat_interleave": "repeat", "sum": "mean", "mean": "sum", "max": "min", "min": "max",
+                 "amax": "amin", "amin": "amax", "argmax": "argmin", "argmin": "argmax", "floor": "ceil",
+                 "ceil": "floor", "add_": "sub_", "sub_": "add_", "mul_": "div_", "div_": "mul_",
+                 "clamp_min": "clamp_max", "clamp_max": "clamp_min"}
+_COMPARE_SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,
+                  ast.NotEq: ast.Eq, ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Is: ast.IsNot, ast.IsNot: ast.Is}
+_BINOP_SWAPS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult,
+                ast.FloorDiv: ast.Mult, ast.Pow: ast.Mult, ast.Mod: ast.FloorDiv}
+_DROPPABLE = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv)
+_QUIET_CALLS = re.compile(r"^(logger|logging|log)\.|^warnings\.warn$")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One change of the source: bytes [start, end) of the file become `replacement`."""
+    path: str
+    line: int
+    start: int
+    end: int
+    replacement: str
+    operator: str
+    original: str
+
+    context: str = ""  # the line's text and which of its identical changes this is
+
+    @property
+    def id(self) -> str:
+        """Stable across edits elsewhere in the file: the path, the operator, the changed text and the line's
+        text (not its number)."""
+        key = f"{self.path}\0{self.operator}\0{self.original}\0{self.replacement}\0{self.context}"
+        return hashlib.sha1(key.encode()).hexdigest()[:10]
+
+    def apply(self, source: bytes) -> bytes:
+        return source[:self.start] + self.replacement.encode() + source[self.end:]
+
+    def diff(self, source: bytes) -> str:
+        before = source.decode().splitlines(keepends=True)
+        after = self.apply(source).decode().splitlines(keepends=True)
+        return "".join(difflib.unified_diff(before, after, f"a/{self.path}", f"b/{self.path}", n=0))
+
+
+# --- making mutants ---------------------------------------------------------------------------------
+
+class _Mutator(ast.NodeVisitor):
+    """Walks a module's ast; `found` collects (node, replacement text, operator) for every mutant."""
+
+    def __init__(self) -> None:
+        self.found: list[tuple[ast.AST, str, str]] = []
+
+    def add(self, node: ast.AST, replacement: ast.AST | str, operator: str) -> None:
+        text = replacement if isinstance(replacement, str) else _text(replacement)
+        self.found.append((node, text, operator))
+
+    # subtrees that hold no behaviour worth mutating
+    def visit_JoinedStr(self, node: ast.JoinedStr) -> None:  # f-strings: messages
+        return
+
+    def visit_arg(self, node: ast.arg) -> None:  # annotations
+        return
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        if node.value is not None:
+            self.visit(node.value)
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
+        body = node.body[1:] if _is_docstring(node.body[0]) else node.body
+        for default in node.args.defaults + [d for d in node.args.kw_defaults if d is not None]:
+            self.visit(default)
+        for statement in body:
+            self.visit(statement)
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        for statement in node.body[1:] if _is_docstring(node.body[0]) else node.body:
+            self.visit(statement)
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return
+        self.generic_visit(node)
+
+    def visit_Raise(self, node: ast.Raise) -> None:  # the error's text; the condition above it is mutated
+        return
+
+    def visit_Assert(self, node: ast.Assert) -> None:
+        self.visit(node.test)
+
+    # operators
+    def visit_Compare(self, node: ast.Compare) -> None:
+        for index, op in enumerate(node.ops):
+            swap = _COMPARE_SWAPS.get(type(op))
+            if swap is not None:
+                ops = list(node.ops)
+                ops[index] = swap()
+                self.add(node, ast.Compare(node.left, ops, node.comparators), "compare")
+        self.generic_visit(node)
+
+    def visit_BinOp(self, node: ast.BinOp) -> None:
+        swap = _BINOP_SWAPS.get(type(node.op))
+        if swap is not None:
+            self.add(node, ast.BinOp(node.left, swap(), node.right), "binop")
+        if isinstance(node.op, _DROPPABLE):
+            self.add(node, node.left, "drop right operand")
+            if not isinstance(node.op, (ast.Div, ast.FloorDiv)):  # `x / y` -> `y` is rarely plausible
+                self.add(node, node.right, "drop left operand")
+        self.generic_visit(node)
+
+    def visit_AugAssign(self, node: ast.AugAssign) -> None:
+        swap = _BINOP_SWAPS.get(type(node.op))
+        if swap is not None:
+            self.add(node, ast.AugAssign(node.target, swap(), node.value), "augassign")
+        self.add(node, "pass", "drop statement")
+        self.visit(node.value)
+
+    def visit_BoolOp(self, node: ast.BoolOp) -> None:
+        other = ast.Or() if isinstance(node.op, ast.And) else ast.And()
+        self.add(node, ast.BoolOp(other, node.values), "and/or")
+        self.generic_visit(node)
+
+    def visit_UnaryOp(self, node: ast.UnaryOp) -> None:
+        if isinstance(node.op, (ast.Not, ast.USub)):
+            self.add(node, node.operand, "drop unary")
+        self.generic_visit(node)
+
+    def _negate(self, test: ast.expr) -> None:
+        # `not (a == b)` is the compare mutant already, `not not a` the dropped `not`
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            return
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and \
+                isinstance(test.ops[0], (ast.Eq, ast.NotEq, ast.In, ast.NotIn, ast.Is, ast.IsNot)):
+            return
+        self.add(test, ast.UnaryOp(ast.Not(), test), "negate condition")
+
+    def visit_If(self, node: ast.If) -> None:
+        self._negate(node.test)
+        self.generic_visit(node)
+
+    visit_While = visit_If
+
+    def visit_IfExp(self, node: ast.IfExp) -> None:
+        self._negate(node.test)
+        self.generic_visit(node)
+
+    def visit_Constant(self, node: ast.Constant) -> None:
+        value = node.value
+        if isinstance(value, bool) or value is None:
+            if isinstance(value, bool):
+                self.add(node, repr(not value), "constant")
+        elif isinstance(value, int):
+            self.add(node, repr(value + 1), "constant +1")
+            self.add(node, repr(value - 1), "constant -1")
+        elif isinstance(value, float):
+            self.add(node, repr(1.0 if value == 0 else value * 2), "constant")
+
+    def visit_Slice(self, node: ast.Slice) -> None:
+        for bound in (node.lower, node.upper):
+            if bound is not None and not isinstance(bound, ast.Constant):
+                self.add(bound, ast.BinOp(bound, ast.Add(), ast.Constant(1)), "slice bound +1")
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        func = node.func
+        if isinstance(func, ast.Name) and func.id == "abs" and len(node.args) == 1:
+            self.add(node, node.args[0], "drop abs")
+        if isinstance(func, ast.Name) and func.id in ("max", "min") and len(node.args) >= 2:
+            self.add(node, ast.Call(ast.Name("min" if func.id == "max" else "max"), node.args, node.keywords),
+                     "max/min")
+        if isinstance(func, ast.Attribute) and func.attr in _METHOD_SWAPS:
+            swapped = ast.Attribute(func.value, _METHOD_SWAPS[func.attr], func.ctx)
+            self.add(node, ast.Call(swapped, node.args, node.keywords), "method swap")
+        positional = [a for a in node.args if not isinstance(a, ast.Starred)]
+        commutative = isinstance(func, ast.Name) and func.id in ("max", "min")  # swapping is equivalent
+        if len(positional) == len(node.args) >= 2 and not commutative and _text(node.args[0]) != _text(node.args[1]):
+            args = [node.args[1], node.args[0], *node.args[2:]]
+            self.add(node, ast.Call(func, args, node.keywords), "swap arguments")
+        self.generic_visit(node)
+
+    def visit_Expr(self, node: ast.Expr) -> None:
+        if isinstance(node.value, ast.Call) and not _QUIET_CALLS.match(_text(node.value.func)):
+            self.add(node, "pass", "drop call")
+        self.generic_visit(node)
+
+    def visit_Return(self, node: ast.Return) -> None:
+        if node.value is not None and not (isinstance(node.value, ast.Constant) and node.value.value is None):
+            self.add(node, "return None", "drop return value")
+        self.generic_visit(node)
+
+
+def _is_docstring(statement: ast.stmt) -> bool:
+    return isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant) and \
+        isinstance(statement.value.value, str)
+
+
+def _text(node: ast.AST) -> str:
+    """Source text of a (possibly new) node; parenthesized expressions keep their place in any context."""
+    text = ast.unparse(ast.fix_missing_locations(node))
+    if isinstance(node, ast.expr) and not isinstance(node, (ast.Name, ast.Constant, ast.Attribute, ast.Call,
+                                                            ast.Subscript)):
+        return f"({text})"
+    return text
+
+
+def _offsets(source: bytes) -> list[int]:
+    """Byte offset of the start of each line (1-based line numbers index it after a leading 0)."""
+    starts = [0, 0]
+    for index, byte in enumerate(source):
+        if byte == 0x0A:
+            starts.append(index + 1)
+    return starts
+
+
+def mutants_of(path: str, source: Optional[bytes] = None) -> list[Mutant]:
+    """Every mutant of the file at `path` (relative to the repository root), in source order; each compiles."""
+    source = (ROOT / path).read_bytes() if source is None else source
+    tree = ast.parse(source)
+    mutator = _Mutator()
+    mutator.visit(tree)
+    starts = _offsets(source)
+    lines = source.decode().splitlines()
+    out, seen, occurrences = [], set(), {}
+    for node, replacement, operator in sorted(mutator.found, key=lambda f: (f[0].lineno, f[0].col_offset)):
+        start = starts[node.lineno] + node.col_offset
+        end = starts[node.end_lineno] + node.end_col_offset
+        original = source[start:end].decode()
+        if replacement == original or (start, end, replacement) in seen:
+            continue
+        seen.add((start, end, replacement))
+        line = lines[node.lineno - 1].strip()
+        nth = occurrences[(line, operator, original, replacement)] = \
+            occurrences.get((line, operator, original, replacement), -1) + 1
+        mutant = Mutant(path, node.lineno, start, end, replacement, operator, original, context=f"{line}\0{nth}")
+        try:
+            compile(mutant.apply(source), path, "exec")
+        except SyntaxError:
+            continue
+        out.append(mutant)
+    return sorted(out, key=lambda m: (m.start, m.end, m.replacement))
+
+
+# --- which tests ----------------------------------------------------------------------------------
+
+def _dotted(path: str) -> str:
+    name = path[:-3] if path.endswith(".py") else path
+    name = name.replace("/", ".")
+    return name[: -len(".__init__")] if name.endswith(".__init__") else name
+
+
+def covering_tests(path: str) -> list[str]:
+    """The declared tests of `path` (COVERING), or else every test file that imports its module (at any
+    depth of the file: spawned functions import inside themselves) or names it in `from package import`."""
+    if path in COVERING:
+        return COVERING[path]
+    module = _dotted(path)
+    package, _, leaf = module.rpartition(".")
+    found = []
+    for test in sorted((ROOT / "tests").rglob("test_*.py")):
+        tree = ast.parse(test.read_bytes())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            if any(name == module or name.startswith(module + ".") for name in names) or \
+                    (isinstance(node, ast.ImportFrom) and node.module == package and
+                     any(alias.name == leaf for alias in node.names)):
+                found.append(str(test.relative_to(ROOT)))
+                break
+    return found
+
+
+# --- running --------------------------------------------------------------------------------------
+
+def load_equivalents(path: Path = EQUIVALENTS) -> dict[str, str]:
+    """id -> reason, from lines `ID  FILE  reason` (# comments and blank lines skipped)."""
+    if not path.exists():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip() if line.lstrip().startswith("#") else line.strip()
+        if line:
+            parts = line.split(None, 2)
+            out[parts[0]] = parts[2] if len(parts) > 2 else ""
+    return out
+
+
+def run_tests(tests: list[str], timeout: float, extra_env: Optional[dict] = None) -> tuple[str, float]:
+    """('passed' | 'failed' | 'timeout', seconds) of pytest over `tests`, in its own process group (killed
+    whole, spawned ranks included, at the time limit)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               PYTHONDONTWRITEBYTECODE="1", ZEROTRAIN_TEST_RUN_TIMEOUT=str(int(timeout)), **(extra_env or {}))
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header",
+               f"--timeout={int(timeout)}", *tests]
+    start = time.monotonic()
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    code = None
+    try:
+        code = process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        if process.poll() is None or code is None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
+    seconds = time.monotonic() - start
+    if code is None:
+        return "timeout", seconds
+    return ("passed" if code == 0 else "failed"), seconds
+
+
+class MutatedFile:
+    """`with MutatedFile(path) as put:` then `put(bytes)` writes a mutant; the original comes back on exit
+    (any exit: exception, KeyboardInterrupt, SIGTERM turned into one), its mtime too."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.backup = path.with_name(path.name + BACKUP_SUFFIX)
+
+    def __enter__(self):
+        restore_backup(self.path)
+        self.original = self.path.read_bytes()
+        self.stat = self.path.stat()
+        self.backup.write_bytes(self.original)
+        self.lock = self.path.with_name(self.path.name + LOCK_SUFFIX)
+        self.lock.write_text(str(os.getpid()))
+        self._old_handler = signal.signal(signal.SIGTERM, _raise_interrupt) \
+            if _in_main_thread() else None
+        return self.put
+
+    def put(self, content: bytes) -> None:
+        self.path.write_bytes(content)
+        # a new mtime (the original's + 2 s) and PYTHONDONTWRITEBYTECODE: the original's .pyc never passes for it
+        os.utime(self.path, ns=(self.stat.st_atime_ns, self.stat.st_mtime_ns + 2_000_000_000))
+
+    def __exit__(self, *exc) -> None:
+        self.path.write_bytes(self.original)
+        os.utime(self.path, ns=(self.stat.st_atime_ns, self.stat.st_mtime_ns))
+        self.backup.unlink(missing_ok=True)
+        self.lock.unlink(missing_ok=True)
+        if self._old_handler is not None:
+            signal.signal(signal.SIGTERM, self._old_handler)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _in_main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+def _owner(path: Path) -> Optional[int]:
+    """The pid of a live run that has `path` mutated now (its FILE.mutate-pid), else None."""
+    lock = path.with_name(path.name + LOCK_SUFFIX)
+    try:
+        pid = int(lock.read_text())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None
+    return pid if pid != os.getpid() else None
+
+
+def restore_backup(path: Path) -> bool:
+    """Put back a copy a killed run left (FILE.mutate-orig); True when there was one. Refuses (RuntimeError)
+    while another live run has the file mutated."""
+    backup = path.with_name(path.name + BACKUP_SUFFIX)
+    owner = _owner(path)
+    if owner is not None:
+        raise RuntimeError(f"{path} is being mutated by another run (pid {owner}); wait for it or stop it")
+    if backup.exists():
+        path.write_bytes(backup.read_bytes())
+        backup.unlink()
+        path.with_name(path.name + LOCK_SUFFIX).unlink(missing_ok=True)
+        print(f"restored {path} from {backup.name} (a previous run was killed)", file=sys.stderr)
+        return True
+    return False
+
+
+def original_source(path: Path) -> bytes:
+    """The file as it is without a mutant (the backup while a run has one on disk): for --list."""
+    backup = path.with_name(path.name + BACKUP_SUFFIX)
+    return backup.read_bytes() if backup.exists() else path.read_bytes()
+
+
+def select(mutants: list[Mutant], sample: Optional[int], seed: int) -> list[Mutant]:
+    if sample is None or sample >= len(mutants):
+        return mutants
+    return sorted(random.Random(seed).sample(mutants, sample), key=lambda m: (m.start, m.end, m.replacement))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.mutate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("file", help="the module to mutate, relative to the repository root")
+    parser.add_argument("--tests", nargs="+", help="test files or node ids to run (default: COVERING, else the "
+                                                   "test files importing the module)")
+    parser.add_argument("--sample", type=int, help="run a seeded random sample of this many mutants")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, help="seconds per mutant (default: 3x the unmutated run, >= 60)")
+    parser.add_argument("--list", action="store_true", help="print the mutants and the tests, run nothing")
+    parser.add_argument("--only", nargs="+", help="run only these mutant ids")
+    parser.add_argument("--lines", help="only mutants starting on lines A-B (a function of a large module)")
+    parser.add_argument("--report", help="write the results as JSON here")
+    parser.add_argument("--equivalents", default=str(EQUIVALENTS), help="the list of equivalent mutant ids")
+    args = parser.parse_args(argv)
+
+    path = str(Path(args.file))
+    file = ROOT / path
+    if not args.list:
+        restore_backup(file)
+    source = original_source(file)
+    changed = subprocess.run(["git", "diff", "--quiet", "--", path], cwd=ROOT, capture_output=True).returncode
+    if changed == 1:
+        print(f"warning: {path} differs from git's HEAD: its mutants are of the file as it is now", file=sys.stderr)
+    all_mutants = mutants_of(path, source)
+    if args.lines:
+        first, _, last = args.lines.partition("-")
+        all_mutants = [m for m in all_mutants if int(first) <= m.line <= int(last or first)]
+    equivalents = load_equivalents(Path(args.equivalents))
+    chosen = select(all_mutants, args.sample, args.seed)
+    if args.only:
+        chosen = [m for m in all_mutants if m.id in set(args.only)]
+    tests = args.tests or covering_tests(path)
+    print(f"{path}: {len(all_mutants)} mutants, running {len(chosen)}"
+          f"{f' (sample, seed {args.seed})' if args.sample and len(chosen) < len(all_mutants) else ''}; "
+          f"tests: {' '.join(tests) or '(none)'}")
+    if args.list:
+        for m in chosen:
+            print(f"{path}:{m.line} {m.id} {m.operator}: {m.original!r} -> {m.replacement!r}"
+                  f"{'  [equivalent]' if m.id in equivalents else ''}")
+        return 0
+    if not tests:
+        print("no tests cover this module: pass --tests", file=sys.stderr)
+        return 2
+    outcome, seconds = run_tests(tests, timeout=args.timeout or 1800)
+    if outcome != "passed":
+        print(f"the tests do not pass without a mutant ({outcome}): fix them first", file=sys.stderr)
+        return 2
+    timeout = args.timeout or max(60.0, 3 * seconds)
+    print(f"unmutated: passed in {seconds:.0f} s; {timeout:.0f} s per mutant at most")
+    results: list[dict] = []
+    survivors: list[Mutant] = []
+    counts = {"killed": 0, "timeout": 0, "survived": 0, "equivalent": 0}
+    with MutatedFile(file) as put:
+        for number, mutant in enumerate(chosen, 1):
+            if mutant.id in equivalents:
+                counts["equivalent"] += 1
+                results.append({"id": mutant.id, "line": mutant.line, "outcome": "equivalent"})
+                continue
+            put(mutant.apply(source))
+            outcome, seconds = run_tests(tests, timeout)
+            status = {"failed": "killed", "timeout": "timeout", "passed": "survived"}[outcome]
+            counts[status] += 1
+            results.append({"id": mutant.id, "line": mutant.line, "operator": mutant.operator,
+                            "original": mutant.original, "replacement": mutant.replacement, "outcome": status,
+                            "seconds": round(seconds, 1)})
+            print(f"[{number}/{len(chosen)}] {path}:{mutant.line} {mutant.id} {mutant.operator}: {status} "
+                  f"({seconds:.0f} s)", flush=True)
+            if status == "survived":
+                survivors.append(mutant)
+    if file.read_bytes() != source:
+        print(f"{path} is not as it was before the run: restore it (git checkout)", file=sys.stderr)
+        return 3
+    counted = len(chosen) - counts["equivalent"]
+    killed = counts["killed"] + counts["timeout"]
+    score = killed / counted if counted else 1.0
+    print(f"\n{path}: {len(chosen)} run, {killed} killed ({counts['timeout']} by timeout), "
+          f"{counts['equivalent']} equivalent, {counts['survived']} survived: score {score:.0%}")
+    for mutant in survivors:
+        print(f"\nSURVIVED {path}:{mutant.line} {mutant.id} ({mutant.operator})\n{mutant.diff(source)}", end="")
+    if args.report:
+        Path(args.report).write_text(json.dumps({"file": path, "mutants": len(all_mutants), "run": len(chosen),
+                                                 "sample": args.sample, "seed": args.seed, "tests": tests,
+                                                 **counts, "score": score, "results": results}, indent=1))
+    return 0 if not survivors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
