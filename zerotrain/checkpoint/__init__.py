@@ -9,7 +9,7 @@ committed by a rename once every rank's files and the manifest are fsynced
 pieces are copied to reusable host buffers (`snapshot`); a background thread
 writes and commits (`checkpointer`). `load_checkpoint` reads it back onto any world
 size, ZeRO stage and tensor-parallel degree, each rank reading only its slices (`load`, `reader`,
-`source`, `split`).
+`source`, `split`); given a DeepSpeed ZeRO checkpoint directory it converts it first (`deepspeed_dir`).
 
 The checkpoint never reads the engine: the engine hands it a `CheckpointState` (`slots`), a
 fixed, declared set of state (slots, optimizer, counters, loss scaler, scheduler, LoCo buffers).
@@ -40,7 +40,8 @@ Modules, one concept each:
     optim_state   optimizer state keys, scalars, group hyperparameters
     state         trainer state and RNG as JSON
     tools         inspect / verify / export, for the `zerotrain ckpt` command
-    command       the `zerotrain ckpt inspect|verify|export` subcommands (argparse, output, exit codes)
+    deepspeed_dir DeepSpeed ZeRO checkpoint directories joined into whole tensors and written as a checkpoint
+    command       the `zerotrain ckpt inspect|verify|import|export` subcommands (argparse, output, exit codes)
 """
 from __future__ import annotations
 

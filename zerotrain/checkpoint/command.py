@@ -1,4 +1,4 @@
-"""`zerotrain ckpt inspect|verify|export`: the checkpoint tools on the command line.
+"""`zerotrain ckpt inspect|verify|import|export`: the checkpoint tools on the command line.
 
 `zerotrain.cli` adds these subcommands with `add_ckpt_parser` and runs them with
 `run_ckpt`; the work is done by `tools` (no engine, no process group). Exit status:
@@ -47,6 +47,7 @@ def add_ckpt_parser(sub: argparse._SubParsersAction, prog: str) -> None:
                      f"(e.g. `{prog} ckpt verify checkpoints && echo intact`)."),
     )
     verify.add_argument("dir", metavar="DIR", help=_DIR_HELP)
+    _add_import_parser(tools)
 
     export = tools.add_parser(
         "export", help="write the model weights only, in Hugging Face layout",
@@ -67,6 +68,19 @@ def add_ckpt_parser(sub: argparse._SubParsersAction, prog: str) -> None:
                              "directory); the export is then the merged model under the base model's names")
 
 
+def _add_import_parser(tools: argparse._SubParsersAction) -> None:
+    imported = tools.add_parser(
+        "import", help="convert a DeepSpeed ZeRO checkpoint into a zerotrain checkpoint",
+        description=("Read a DeepSpeed 0.19 ZeRO checkpoint (stage 1-3, any world size: a save directory with "
+                     "`latest`, or a global_stepN directory) and write it as a zerotrain checkpoint in "
+                     "OUT/<tag> with OUT/latest: the fp32 master weights (the consolidation zero_to_fp32.py does), "
+                     "every optimizer state, the LR scheduler, the step counters and the client state. "
+                     "engine.load_checkpoint(DS_DIR) does this by itself; the command keeps the result."),
+    )
+    imported.add_argument("dir", metavar="DS_DIR", help="the DeepSpeed checkpoint")
+    imported.add_argument("out", metavar="OUT", help="the save directory to write (its <tag> must not exist)")
+
+
 def run_ckpt(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
     """Run one `ckpt` tool; returns the exit status (1 on a bad checkpoint, with one line on stderr)."""
     # sys.stdout is looked up per call, not bound at import: a caller (or pytest) may have replaced it since
@@ -85,6 +99,10 @@ def run_ckpt(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
             result = verify_checkpoint(args.dir)
             out.write(f"OK {result['path']}: {result['files']} files, {_size(result['bytes'])} "
                       f"match the manifest\n")
+        elif args.ckpt_command == "import":
+            from .deepspeed_dir import convert_deepspeed
+            path = convert_deepspeed(args.dir, args.out)
+            out.write(f"imported DeepSpeed checkpoint {args.dir} as {path}\n")
         elif args.ckpt_command == "export":
             path = export_model(args.dir, args.out, dtype=args.dtype, merge_lora=getattr(args, "merge_lora", None))
             merged = getattr(args, "merge_lora", None)

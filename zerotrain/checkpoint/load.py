@@ -36,11 +36,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
+from .deepspeed_dir import convert_deepspeed, deepspeed_tag_dir
 from .format import MASTER, MODEL, OPTIMIZER, CheckpointError, read_json, rng_file
 from .loco import loco_file, read_loco, restore_loco
 from .optim_state import StateTemplate, check_groups, make_scalar, probe_template, restore_hyperparameters
@@ -355,9 +358,44 @@ def load_checkpoint(state: CheckpointState, load_dir: str, tag: Optional[str] = 
     Returns (None, None) with a warning when `load_dir` holds no checkpoint and no `latest`
     (as DeepSpeed does), so "resume if there is something to resume" needs no special case.
     """
+    deepspeed_path = deepspeed_tag_dir(load_dir, tag)
+    if deepspeed_path is not None:  # a DeepSpeed checkpoint: converted once (rank 0), then loaded as ours
+        return _load_deepspeed(state, deepspeed_path, load_optimizer_states, load_lr_scheduler_states,
+                               load_module_only)
     with state.resident(True):  # NVMe-offloaded states and parameters in memory; written back after
         return _load_resident(state, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
                               load_module_only)
+
+
+def _load_deepspeed(state: CheckpointState, path: str, load_optimizer_states: bool, load_lr_scheduler_states: bool,
+                    load_module_only: bool):
+    """Load DeepSpeed checkpoint `path`: rank 0 writes it as a zerotrain checkpoint in a temporary directory beside
+    it (on the file system every rank reads it from), every rank loads that (resharded onto this topology) and
+    rank 0 removes it. Returns (path, client_state) as DeepSpeed's load_checkpoint does."""
+    comm = state.world
+    parent = os.path.dirname(os.path.abspath(path))
+    temp, message = None, None
+    if comm.rank == 0:
+        try:
+            try:
+                temp = tempfile.mkdtemp(prefix=".zerotrain-import-", dir=parent)
+            except OSError:  # a read-only checkpoint directory: the local temporary directory (one node)
+                temp = tempfile.mkdtemp(prefix="zerotrain-import-")
+            convert_deepspeed(path, temp)
+        except Exception as error:  # noqa: BLE001 - every rank must learn it
+            message = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+    temp, message = comm.all_gather_object((temp, message))[0]
+    try:
+        if message is not None:
+            raise CheckpointError(f"cannot import DeepSpeed checkpoint {path}: {message}")
+        with state.resident(True):
+            _, client_state = _load_resident(state, temp, None, load_optimizer_states, load_lr_scheduler_states,
+                                             load_module_only)
+    finally:
+        comm.all_gather_object(None)  # every rank has read the converted files
+        if comm.rank == 0 and temp is not None:
+            shutil.rmtree(temp, ignore_errors=True)
+    return path, client_state
 
 
 def _load_resident(state: CheckpointState, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,

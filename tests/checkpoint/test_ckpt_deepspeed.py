@@ -1,0 +1,127 @@
+"""DeepSpeed checkpoints in, against DeepSpeed 0.19.8 itself (world 2, fp32, torch AdamW, WarmupLR still
+warming up, so the scheduler state matters).
+
+In: DeepSpeed trains SAVE_AT steps at ZeRO-2 and ZeRO-3, saves (with a client state), trains MORE steps and
+saves again for its final weights. zerotrain's `engine.load_checkpoint(DS_DIR)` loads each at the other stage
+(resharded: DeepSpeed's flat ZeRO-2 partitions into zerotrain's per-parameter ZeRO-3 pieces and back), trains
+the same MORE steps and must match DeepSpeed's losses and final fp32 weights (`zero_to_fp32`'s consolidation of
+DeepSpeed's last save) within 1e-5, with DeepSpeed's step counter, lr and client state.
+`zerotrain ckpt import` writes the same conversion to a directory: it verifies and holds DeepSpeed's Adam
+states. Two launches: DeepSpeed, then zerotrain.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+import os
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from models_for_tests import OddMLP, make_batches, micro_slice
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+
+DP, MICRO, ACCUMULATION, SAVE_AT, MORE = 2, 2, 2, 3, 3
+STAGES = (2, 3)
+
+
+def config(stage: int) -> dict:
+    return {"train_batch_size": MICRO * ACCUMULATION * DP, "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": ACCUMULATION, "steps_per_print": 10**6,
+            "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 8, "warmup_max_lr": 1e-2}}}
+
+
+def train(engine, steps: slice) -> list[float]:
+    """Optimizer steps `steps` over the shared batches: each step's global mean loss."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for batch in make_batches(SAVE_AT + MORE, MICRO * ACCUMULATION * DP)[steps]:
+        total = torch.zeros(1)
+        for index in range(ACCUMULATION):
+            x, y = micro_slice(batch, index, rank, world, MICRO)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float()
+        dist.all_reduce(total)
+        losses.append(total.item() / (ACCUMULATION * world))
+    return losses
+
+
+def deepspeed_runs(root: str) -> dict:
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    out = {}
+    for stage in STAGES:
+        torch.manual_seed(0)
+        engine, *_ = deepspeed.initialize(model=OddMLP(), config=config(stage))
+        train(engine, slice(None, SAVE_AT))
+        engine.save_checkpoint(os.path.join(root, f"ds{stage}"), client_state={"epoch": 7, "note": "ds"})
+        out[stage] = {"losses": train(engine, slice(SAVE_AT, None)), "lr": engine.get_lr()}
+        engine.save_checkpoint(os.path.join(root, f"ds{stage}_end"))
+        dist.barrier()
+        engine.destroy()
+    return out
+
+
+def zerotrain_runs(root: str) -> dict:
+    import zerotrain
+
+    out = {}
+    for saved, stage in zip(STAGES, reversed(STAGES)):
+        torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
+        engine, *_ = zerotrain.initialize(model=OddMLP(), config=config(stage))
+        path, client = engine.load_checkpoint(os.path.join(root, f"ds{saved}"))
+        steps = engine.global_steps
+        losses = train(engine, slice(SAVE_AT, None))
+        out[(saved, stage)] = {"path": path, "client": client, "steps": steps, "losses": losses,
+                               "lr": engine.get_lr(), "weights": engine.full_state_dict()}
+        engine.close()
+    return out
+
+
+def test_a_deepspeed_checkpoint_resumes_in_zerotrain_exactly(tmp_path):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from zerotrain.checkpoint import verify_checkpoint
+    from zerotrain.checkpoint.reader import TensorReader
+    from zerotrain.checkpoint.source import open_source
+    from zerotrain.checkpoint.command import add_ckpt_parser, run_ckpt
+
+    parser = argparse.ArgumentParser()
+    add_ckpt_parser(parser.add_subparsers(dest="command"), "zerotrain")
+    theirs = run_distributed(deepspeed_runs, DP, str(tmp_path), timeout=300)[0]
+    ours = run_distributed(zerotrain_runs, DP, str(tmp_path), timeout=300)[0]
+    for saved, stage in zip(STAGES, reversed(STAGES)):  # in: zerotrain resumed DeepSpeed's checkpoints
+        final = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / f"ds{saved}_end"))
+        run = ours[(saved, stage)]
+        where = f"DeepSpeed ZeRO-{saved} checkpoint resumed at zerotrain ZeRO-{stage}"
+        assert run["path"] == str(tmp_path / f"ds{saved}" / f"global_step{SAVE_AT}"), where
+        assert run["client"] == {"epoch": 7, "note": "ds"} and run["steps"] == SAVE_AT, where
+        assert run["losses"] == pytest.approx(theirs[saved]["losses"], rel=1e-5), where
+        assert run["lr"] == pytest.approx(theirs[saved]["lr"], rel=1e-12), where
+        assert sorted(run["weights"]) == sorted(final), where
+        for name, tensor in final.items():
+            torch.testing.assert_close(run["weights"][name], tensor.float(), rtol=1e-5, atol=1e-7, msg=where)
+        # the losses move: the comparison can fail
+        assert len(set(theirs[saved]["losses"])) == MORE
+    # `zerotrain ckpt import`: a verified checkpoint with DeepSpeed's masters and Adam states
+    for saved in STAGES:
+        args = parser.parse_args(["ckpt", "import", str(tmp_path / f"ds{saved}"), str(tmp_path / f"imported{saved}")])
+        assert run_ckpt(args, io.StringIO()) == 0
+        out = str(tmp_path / f"imported{saved}" / f"global_step{SAVE_AT}")
+        assert verify_checkpoint(out)["ok"]
+        source = open_source(out, load_module_only=False)
+        with TensorReader(out, source.maps["optimizer"], "optimizer states") as optim:
+            assert optim.read("fc1.weight/step").item() == SAVE_AT
+            assert optim.read("fc1.weight/exp_avg_sq").shape == (7, 6)
