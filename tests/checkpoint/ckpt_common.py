@@ -73,9 +73,14 @@ def optimizer_state(engine) -> list[dict]:
 
 def snapshot(engine) -> dict:
     """What a test compares: full weights (rank 0), extras, optimizer state, counters."""
+    from zerotrain.zero import GatheredParameters
+
+    # module.state_dict() of a ZeRO-3 model holds DeepSpeed's empty placeholders unless gathered (every rank)
+    with GatheredParameters(list(engine.module.parameters())):
+        module = {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
     return {
         "weights": engine.full_state_dict(),
-        "module": {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()},
+        "module": module,
         "optimizer": optimizer_state(engine),
         "counters": (engine.global_steps, engine.global_samples, engine.skipped_steps, engine.micro_steps),
         "lr": engine.get_lr(),
