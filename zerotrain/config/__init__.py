@@ -6,9 +6,11 @@
 Modules: `base` (errors, value types, key screening), `schema` (the top-level model),
 `zero` (`zero_optimization`), `params` (`optimizer`, `scheduler`), `batch` (the batch-size
 triple), `loader` (files, comments, "auto"; its docstring lists the rules), `auto`
-(filling "auto" with the values HF's Trainer would use).
+(filling "auto"), `hf_arguments` (HF TrainingArguments names -> config keys, the "auto" values
+transformers fills, a complete config from arguments alone).
 """
-from .auto import fill_auto, hf_auto_values
+from .auto import fill_auto
+from .hf_arguments import hf_auto_values
 from .base import ConfigError, ConfigWarning
 from .batch import resolve_batch_triple
 from .loader import load_config, parse_json_text, read_config_file, strip_json_comments

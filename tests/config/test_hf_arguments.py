@@ -1,0 +1,124 @@
+"""`zerotrain.config.hf_arguments`: "auto" filled exactly as transformers fills it, and configs from arguments alone.
+
+The reference is transformers' own `HfTrainerDeepSpeedConfig` (trainer_config_process at
+TrainingArguments time, trainer_config_finalize with the model and the step count), run on every
+stored real-world config that holds "auto" values, with arguments that differ from every default.
+"""
+from __future__ import annotations
+
+import copy
+import pathlib
+import types
+import warnings
+
+import pytest
+
+from zerotrain.config import ConfigError, load_config, read_config_file
+from zerotrain.config.hf_arguments import (arguments_of, auto_values, config_from_arguments, fill_auto, override)
+
+REAL = pathlib.Path(__file__).parent / "real_world"
+WORLD = 2
+ARGS = dict(per_device_train_batch_size=3, gradient_accumulation_steps=2, learning_rate=3e-4, adam_beta1=0.8,
+            adam_beta2=0.95, adam_epsilon=1e-6, weight_decay=0.05, max_grad_norm=0.5, warmup_steps=0.1)
+STEPS, HIDDEN = 37, 48
+
+
+def _transformers_filled(config: dict, args) -> dict:
+    """What transformers 5.x makes of `config` with these TrainingArguments (its own code)."""
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
+
+    hf = HfTrainerDeepSpeedConfig(copy.deepcopy(config))
+    try:
+        hf.trainer_config_process(args)
+        model = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=HIDDEN))
+        hf.trainer_config_finalize(args, model, STEPS)
+        return hf.config
+    finally:
+        unset_hf_deepspeed_config()
+
+
+def _training_arguments(tmp_path, **changes):
+    transformers = pytest.importorskip("transformers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                                              **dict(ARGS, **changes))
+    return args
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in REAL.glob("*.json") if '"auto"' in p.read_text()))
+def test_fill_auto_is_what_transformers_fills(name, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = _training_arguments(tmp_path)
+    config = read_config_file(REAL / name)
+    for key in ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "train_batch_size"):
+        if isinstance(config.get(key), int):  # a fixed value is a mismatch by design; the next test checks that
+            config[key] = "auto"
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    values = auto_values(arguments_of(args), world_size=args.world_size, num_training_steps=STEPS,
+                         hidden_size=HIDDEN, zero_stage=stage)
+    try:
+        expected = _transformers_filled(config, args)
+    except ValueError as refused:  # a fixed value that disagrees with the arguments: refused by both, same keys
+        with pytest.raises(ConfigError) as err:
+            fill_auto(config, values)
+        for line in str(refused).splitlines():
+            if line.startswith("- ds "):
+                assert line[5:].split("=")[0] + "=" in str(err.value)
+        return
+    assert fill_auto(config, values) == expected
+
+
+def test_mismatches_are_refused_together_like_transformers(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = _training_arguments(tmp_path)
+    config = read_config_file(REAL / "hf_transformers_zero2.json")
+    config["gradient_clipping"] = 2.0
+    config["optimizer"]["params"]["lr"] = 1.0
+    config["scheduler"]["params"]["warmup_min_lr"] = 7  # fill-only in transformers: never a mismatch
+    with pytest.raises(ValueError, match="gradient_clipping=2.0 vs hf max_grad_norm"):
+        _transformers_filled(config, args)
+    values = auto_values(arguments_of(args), world_size=1, num_training_steps=STEPS, hidden_size=HIDDEN)
+    with pytest.raises(ConfigError) as err:
+        fill_auto(config, values)
+    assert "gradient_clipping=2.0 vs max_grad_norm=0.5" in str(err.value)
+    assert "optimizer.params.lr=1.0 vs learning_rate=0.0003" in str(err.value)
+    assert "warmup_min_lr" not in str(err.value)
+    assert fill_auto(config, values, check=False)["gradient_clipping"] == 2.0
+
+
+def test_arguments_alone_give_a_complete_zero3_config():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing in it is without effect
+        cfg = load_config(config_from_arguments(ARGS, world_size=WORLD, num_training_steps=STEPS),
+                          dp_world_size=WORLD)
+    assert cfg.zero_optimization.stage == 3
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (12, 3, 2)
+    assert cfg.gradient_clipping == 0.5
+    assert cfg.optimizer.type.lower() == "adamw"
+    assert cfg.optimizer.params["lr"] == 3e-4 and tuple(cfg.optimizer.params["betas"]) == (0.8, 0.95)
+    assert cfg.scheduler.type == "WarmupDecayLR"
+    assert cfg.scheduler.params["warmup_num_steps"] == 4 and cfg.scheduler.params["total_num_steps"] == STEPS
+    # the HF Trainer subclass builds its own optimizer and scheduler (as under DeepSpeed without those blocks)
+    bare = config_from_arguments({"bf16": True}, world_size=WORLD, optimizer_and_scheduler=False)
+    assert "optimizer" not in bare and "scheduler" not in bare and bare["bf16"] == {"enabled": True}
+    assert bare["train_micro_batch_size_per_gpu"] == 8  # TrainingArguments' default
+    with pytest.raises(ConfigError, match="lr_scheduler_type: 'polynomial'"):
+        config_from_arguments({"lr_scheduler_type": "polynomial"}, world_size=1, num_training_steps=STEPS)
+    with pytest.raises(ConfigError, match="learning_rte: not a training argument"):
+        config_from_arguments({"learning_rte": 1.0}, world_size=1)
+
+
+def test_override_sets_only_the_given_arguments():
+    config = read_config_file(REAL / "written_warmupdecaylr_zero2.json")
+    out = override(config, {"learning_rate": 1e-3, "per_device_train_batch_size": 4, "save_total_limit": 2},
+                   world_size=WORLD)
+    assert out["optimizer"]["params"]["lr"] == 1e-3
+    assert out["scheduler"]["params"]["warmup_max_lr"] == 1e-3
+    assert out["train_micro_batch_size_per_gpu"] == 4
+    assert out["checkpoint"]["keep_last"] == 2
+    assert out["gradient_clipping"] == config["gradient_clipping"]  # not given: the file's value
+    assert out["zero_optimization"] == config["zero_optimization"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the file's allgather_bucket_size: a DeepSpeed key without effect here
+        load_config(out, dp_world_size=WORLD)
