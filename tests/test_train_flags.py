@@ -144,3 +144,58 @@ def test_print_config_prints_the_effective_config_and_trains_nothing(tmp_path, c
     printed = json.loads(capsys.readouterr().out)
     assert printed["optimizer"]["params"]["lr"] == 1e-3 and printed["zero_optimization"]["stage"] == 2
     assert "scheduler" not in printed  # train-embedding's default: constant
+
+
+def _readme_blocks() -> list[str]:
+    """The fenced bash blocks of the README's "Training your own model" walkthrough: flags only, then DeepSpeed."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("## Training your own model", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```bash\n(.*?)```", section, flags=re.S)[:2]
+
+
+def test_the_readme_walkthrough_runs_as_written_with_flags_only_and_with_a_deepspeed_config(tmp_path):
+    """The README's first-day commands, as written (zerotrain and python are this checkout's), in a fresh directory
+    that has the repository's examples/: the flags-only walkthrough, then the DeepSpeed-config variant."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    blocks = _readme_blocks()
+    assert len(blocks) == 2 and "--config" not in blocks[0] and "--deepspeed" in blocks[1], blocks
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "examples").symlink_to(root / "examples")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, command in (("zerotrain", f"{sys.executable} -m zerotrain.cli"), ("python", sys.executable)):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec {command} "$@"\n')  # a wrapper: the venv stays this one
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(root)}
+    outputs = []
+    for block in blocks:
+        run = subprocess.run(["bash", "-e", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=900)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        outputs.append(run.stdout)
+    flags, deepspeed = outputs
+    # flags only: the epochs the steps make, said at the start, in every progress line, the metrics and the summary
+    assert "20 steps = " in flags and " epochs of " in flags and "epoch " in flags
+    records = [record for record in map(json.loads, (tmp_path / "ft-log" / "metrics.jsonl").read_text().splitlines())
+               if "epoch" in record]
+    per_epoch = records[-1]["step"] / records[-1]["epoch"]
+    assert records[-1]["step"] == 40 and per_epoch == int(per_epoch) > 0
+    summary = json.loads((tmp_path / "ft-log" / "summary.json").read_text())
+    assert summary["epochs"] == pytest.approx(40 / per_epoch)
+    saved = json.loads((tmp_path / "ft" / "effective_config.json").read_text())
+    assert saved["optimizer"]["params"]["lr"] == 3e-4 and saved["zero_optimization"]["stage"] == 3
+    assert saved["scheduler"]["type"] == "WarmupLR" and saved["train_micro_batch_size_per_gpu"] == 4
+    assert (tmp_path / "ft-log" / "plots" / "loss.png").is_file()
+    # the DeepSpeed file: "auto" filled from the flags (and the model's hidden size), printed by `cat`
+    printed = json.loads(deepspeed[deepspeed.index("{\n"):])
+    assert printed["optimizer"]["params"]["lr"] == 3e-4 and printed["train_batch_size"] == 8
+    assert printed["scheduler"]["params"]["warmup_num_steps"] == 5
+    assert isinstance(printed["zero_optimization"]["reduce_bucket_size"], int)
+    assert "auto" not in json.dumps(printed)

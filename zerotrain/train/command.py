@@ -119,6 +119,8 @@ def add_train_parser(sub: Any) -> None:
         "--eval-steps", "--eval-interval", dest="eval_interval", type=int, default=0, metavar="N",
         help="evaluate every N steps (0: only after the last step)",
     )
+    train.add_argument("--per-device-eval-batch-size", type=int, default=None, metavar="B",
+                       help="samples per evaluation micro-batch per rank (default: the training micro-batch)")
     train.add_argument(
         "--eval-batches", type=int, default=8, metavar="N",
         help="micro-batches per rank in each evaluation",
@@ -183,6 +185,8 @@ def check_train_args(args: argparse.Namespace) -> None:
         args.steps = DEFAULT_STEPS
     if args.seq_len is not None and args.seq_len < 1:
         raise CLIError(f"--seq-len must be >= 1, got {args.seq_len}")
+    if args.per_device_eval_batch_size is not None and args.per_device_eval_batch_size < 1:
+        raise CLIError(f"--per-device-eval-batch-size must be >= 1, got {args.per_device_eval_batch_size}")
     if args.num_proc is not None and args.num_proc < 1:
         raise CLIError(f"--num-proc must be >= 1, got {args.num_proc}")
     if args.memory_timeline is not None and (args.memory_timeline <= 0 or args.log_dir is None):
@@ -302,7 +306,8 @@ def nothing_to_train(path: str, step: int, steps: int) -> str:
 # one from the launcher's environment, and the launcher's own parser would stop at `--nproc`
 # as an ambiguous abbreviation of its `--nproc-per-node` (argparse checks every argument,
 # even those meant for the script). `--master-port` concerns only the launcher.
-_WORKER_OPTIONS = ("config", "zero_stage", *HF_FLAGS, "num_train_epochs", "model", "model_config", "tokenizer", "text_field", "num_proc", "steps", "seq_len",
+_WORKER_OPTIONS = ("config", "zero_stage", *HF_FLAGS, "num_train_epochs", "per_device_eval_batch_size",
+                   "model", "model_config", "tokenizer", "text_field", "num_proc", "steps", "seq_len",
                    "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
                    "max_corpus_bytes", "val_fraction", "eval_interval", "eval_batches", "log_dir", "seed",
                    "save_dir", "save_every", "stop_signals", "memory_timeline")
@@ -611,7 +616,8 @@ def _stdlib_data(args: argparse.Namespace, seq_len: int, world: int, rank: int, 
     val_set = TokenBlockDataset(val_tokens, seq_len) if val_tokens.numel() > 1 else None
     if val_set is not None and len(val_set) > 0 and args.eval_batches > 0:
         val_sampler = DistributedSampler(val_set, num_replicas=world, rank=rank, shuffle=False)
-        eval_loader = DataLoader(val_set, batch_size=micro, sampler=val_sampler, collate_fn=_causal_blocks)
+        eval_loader = DataLoader(val_set, batch_size=args.per_device_eval_batch_size or micro, sampler=val_sampler,
+                                 collate_fn=_causal_blocks)
     # The Trainer skips the batches a resumed run consumed (this sampler does not know its position).
     return f"corpus {tokens.numel():,} bytes", (lambda consumed: loader), eval_loader, args.eval_batches, len(train_set)
 
@@ -662,8 +668,9 @@ def _local_data(args: argparse.Namespace, engine, model, tokenizer, seq_len: int
     eval_loader, eval_batches = None, args.eval_batches
     if evals is not None and args.eval_batches > 0:
         # Every rank must run the same number of forward passes (ZeRO-3 gathers weights in each one).
-        eval_batches = min(args.eval_batches, evals.eval_batches(micro_batch_size=micro, dp_size=dp_size))
-        eval_loader = evals.eval_loader(micro_batch_size=micro, dp_rank=dp_rank, dp_size=dp_size)
+        eval_micro = args.per_device_eval_batch_size or micro
+        eval_batches = min(args.eval_batches, evals.eval_batches(micro_batch_size=eval_micro, dp_size=dp_size))
+        eval_loader = evals.eval_loader(micro_batch_size=eval_micro, dp_rank=dp_rank, dp_size=dp_size)
     what = "packed" if not args.no_packing else "padded"
     text = f"data {len(train.dataset):,} {what} samples"
     if held:
