@@ -148,13 +148,15 @@ def test_help_explains_every_option(capsys):
     text = capsys.readouterr().out
     for option in ("--config", "--nproc", "--model", "--steps", "--seq-len",
                    "--max-corpus-bytes", "--log-dir", "--seed", "--master-port",
-                   "--save-dir", "--save-every", "--no-save", "--resume", "--memory-timeline"):
+                   "--save-dir", "--save-every", "--no-save", "--resume", "--memory-timeline",
+                   "--max-steps", "--num-train-epochs", "--learning-rate", "--per-device-train-batch-size",
+                   "--deepspeed", "--output-dir", "--save-steps", "--eval-steps", "--print-config"):
         assert option in text
     # each option's default said once: not "Default: small (default: None)", no "(default: False)" on a flag
     blocks = [block for block in text.split("\n  -")[1:]]
     assert all(block.lower().count("default") <= 1 for block in blocks), \
         [block for block in blocks if block.lower().count("default") > 1]
-    assert "(default: None)" not in text and "(default: False)" not in text and "(default: 50)" in text
+    assert "(default: None)" not in text and "(default: False)" not in text and "default 50 when" in text
     with pytest.raises(SystemExit) as exc:
         main(["--help"])
     assert exc.value.code == 0

@@ -162,13 +162,18 @@ def _run(args: argparse.Namespace) -> int:
                 return run_torchrun(rendezvous(args.nproc), ["-m", "zerotrain.cli", *generate_argv(args)])
             return run_generate(args)
         if args.command == "train-embedding":
-            from zerotrain.embedding.command import run_train_embedding, worker_argv
+            from zerotrain.embedding.command import effective_embedding_config, run_train_embedding, worker_argv
+            if args.print_config:
+                return _print_config(effective_embedding_config(args))
             if args.nproc > 1 and not inside_worker():
                 return run_torchrun(rendezvous(args.nproc), ["-m", "zerotrain.cli", *worker_argv(args)])
             return run_train_embedding(args)
         if args.command == "train":
             from zerotrain.train.command import already_trained, check_train_args, run_train
             check_train_args(args)
+            if args.print_config:
+                from zerotrain.train.command import train_config
+                return _print_config(train_config(args, world_size=args.nproc))
             done = None if inside_worker() else already_trained(args)
             if done is not None:  # --resume at or past --steps: nothing to launch (rc 0, as the HF Trainer)
                 print(done, flush=True)
@@ -185,6 +190,13 @@ def _run(args: argparse.Namespace) -> int:
         if isinstance(exc, CheckpointError):  # a bad checkpoint to resume from, or a failed save
             return report_error(str(exc), 1)
         raise
+    return 0
+
+
+def _print_config(config: dict) -> int:
+    """`--print-config`: the effective config as JSON on stdout; nothing is trained."""
+    import json
+    print(json.dumps(config, indent=2), flush=True)
     return 0
 
 

@@ -76,12 +76,15 @@ class TrainSummary:
     checkpoint: Optional[str] = None
     stopped_by: Optional[str] = None  # the signal that stopped training early (e.g. "SIGTERM"), if any
     outputs: Optional[dict] = None  # where rank 0 wrote: "metrics" file, monitor name -> directory
+    epochs: Optional[float] = None  # passes over the training data at the end (with the loop's steps_per_epoch)
 
     def format(self) -> str:
         text = (
             f"trained {self.steps} steps in {self.total_time_s:.1f}s: "
             f"final loss {self.final_loss:.4f}, {self.mean_tokens_per_s:,.0f} tokens/s"
         )
+        if self.epochs is not None:
+            text = text.replace(" steps in ", f" steps ({self.epochs:.2f} epochs) in ", 1)
         if self.final_eval_loss is not None:
             text += f", eval loss {self.final_eval_loss:.4f}"
         if self.stopped_by is not None:
@@ -178,6 +181,8 @@ class Trainer:
         evaluator: ``evaluator(when) -> fields`` ("before" / "after" training, or "step"), merged into the
             record of the step it follows, instead of the mean loss over ``eval_data``.
         eval_before: also evaluate before the first step (a record of step 0 when starting from scratch).
+        steps_per_epoch: optimizer steps in one pass over the data: each record, progress line and the
+            summary then say the epoch (step / steps_per_epoch); None: not said.
     """
 
     def __init__(
@@ -198,6 +203,7 @@ class Trainer:
         step: Optional[TrainStep] = None,
         evaluator: Optional[Callable[[str], Optional[dict]]] = None,
         eval_before: bool = False,
+        steps_per_epoch: Optional[int] = None,
     ) -> None:
         if total_steps < 0:
             raise ValueError(f"total_steps must be >= 0, got {total_steps}")
@@ -225,6 +231,7 @@ class Trainer:
             raise ValueError("memory_timeline needs a log_dir (its files go next to metrics.jsonl)")
         self.memory_timeline = float(memory_timeline or 0.0)
         self.last_checkpoint: Optional[str] = None
+        self.steps_per_epoch = int(steps_per_epoch) if steps_per_epoch else None
         self._epoch = 0
         self._batches: Optional[Iterator] = None
 
@@ -532,6 +539,7 @@ class Trainer:
             checkpoint=self.last_checkpoint,
             stopped_by=stopped_by,
             outputs=self._outputs() if is_main else None,
+            epochs=step / self.steps_per_epoch if self.steps_per_epoch else None,
         )
         if is_main:
             if self.log_dir is not None:
@@ -551,6 +559,7 @@ class Trainer:
         record: dict[str, Any] = {
             "step": step,
             "samples": int(engine.global_samples),
+            **({"epoch": step / self.steps_per_epoch} if self.steps_per_epoch else {}),
             "loss": loss,
             "lr": lr,
             "next_lr": self._current_lr(),
@@ -663,7 +672,8 @@ def _fields(record: dict) -> dict:
 def _plain_line(record: dict, total_steps: int) -> str:
     f = _fields(record)
     line = (
-        f"step {record['step']}/{total_steps}  loss {f['loss']}  lr {f['lr']}  "
+        f"step {record['step']}/{total_steps}" + (f"  epoch {record['epoch']:.2f}" if "epoch" in record else "")
+        + f"  loss {f['loss']}  lr {f['lr']}  "
         f"{f['tps']} tok/s  {record['elapsed_s']:.1f}s"
     )
     if record.get("eval_loss") is not None:

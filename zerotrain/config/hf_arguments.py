@@ -30,7 +30,7 @@ from .auto import fill_auto as _fill_only
 from .base import ConfigError, is_auto
 
 __all__ = ["ARGUMENT_DEFAULTS", "ARGUMENT_KEYS", "FILL_ONLY_KEYS", "arguments_of", "auto_values", "fill_auto",
-           "config_from_arguments", "override", "warmup_steps", "hf_auto_values", "SCHEDULER_TYPES"]
+           "config_from_arguments", "override", "warmup_steps", "hf_auto_values", "SCHEDULER_TYPES", "scheduler_block"]
 
 # TrainingArguments' defaults for the fields this module reads (transformers 5.x).
 ARGUMENT_DEFAULTS: dict[str, Any] = {
@@ -244,6 +244,11 @@ def _scheduler_block(a: Mapping[str, Any], num_training_steps: Optional[int]) ->
     return {"type": name, "params": params}
 
 
+def scheduler_block(arguments: Mapping[str, Any], num_training_steps: Optional[int]) -> Optional[dict[str, Any]]:
+    """The config's `scheduler` block for `lr_scheduler_type` (HF defaults for what is not given); None: constant."""
+    return _scheduler_block(_with_defaults(arguments), num_training_steps)
+
+
 def config_from_arguments(arguments: Mapping[str, Any], *, world_size: int, num_training_steps: Optional[int] = None,
                           zero_stage: int = 3, optimizer_and_scheduler: bool = True) -> dict[str, Any]:
     """A complete config from the training arguments alone: ZeRO-3 (`zero_stage`) by default.
@@ -304,6 +309,11 @@ def override(config: Mapping[str, Any], arguments: Mapping[str, Any], *, world_s
                 continue  # warmup without a step count: set where the scheduler block is built
             else:
                 value = values[dotted]
+            if dotted == "optimizer.params.betas" and not {"adam_beta1", "adam_beta2"} <= given:
+                # one beta given: the other stays the file's (a flag sets only its own value)
+                _, old = _lookup(out, dotted)
+                if isinstance(old, (list, tuple)) and len(old) == 2 and not any(is_auto(b) for b in old):
+                    value = [value[0], old[1]] if "adam_beta1" in given else [old[0], value[1]]
             block = dotted.split(".")[0]
             if "." in dotted and block not in out and block not in ("fp16", "bf16", "checkpoint"):
                 continue

@@ -17,12 +17,16 @@ from typing import Any, Optional
 
 from zerotrain.command import HelpFormatter
 
-__all__ = ["add_train_embedding_parser", "run_train_embedding", "worker_argv"]
+__all__ = ["add_train_embedding_parser", "run_train_embedding", "worker_argv", "effective_embedding_config"]
 
-_OPTIONS = ("model", "config", "eval_stdlib", "metrics", "log_dir", "micro_batch", "accumulation", "lr", "stage",
-            "steps", "epochs", "negatives", "max_length", "pooling", "scale", "matryoshka_dims", "loss_chunk_size",
-            "seed", "save_dir", "save_every", "export", "log_every")
-_FLAGS = ("resume",)
+_OPTIONS = ("model", "config", "eval_stdlib", "metrics", "log_dir", "zero_stage", "steps", "epochs",
+            "learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps", "warmup_steps",
+            "warmup_ratio", "lr_scheduler_type", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+            "max_grad_norm", "save_total_limit", "logging_steps", "negatives", "max_length", "pooling", "scale", "matryoshka_dims", "loss_chunk_size",
+            "seed", "save_dir", "save_every", "export")
+_FLAGS = ("resume", "bf16", "fp16")
+# this command's defaults where TrainingArguments' differ (HF names): no decay, a step-10 progress line
+DEFAULTS = {"learning_rate": 2e-5, "weight_decay": 0.01, "lr_scheduler_type": "constant", "logging_steps": 10}
 # keys of the config file's "embedding" block (read here, not by the engine) -> the CLI option they set
 CONFIG_KEYS = {"loss_chunk_size": "loss_chunk_size"}
 
@@ -47,15 +51,15 @@ def add_train_embedding_parser(sub: Any) -> None:
     parser.add_argument("--log-dir", default=None, metavar="DIR",
                         help="write DIR/metrics.jsonl: one record per step (docs/metrics.md schema), the evaluations "
                              "as recall_at_1/recall_at_10/mrr_at_10; `zerotrain plot DIR` draws it")
-    parser.add_argument("--config", metavar="PATH", help="DeepSpeed-style JSON config (overrides the batch, "
-                        "lr and stage options below)")
-    parser.add_argument("--micro-batch", type=int, default=8, metavar="B", help="queries per micro-batch per rank")
-    parser.add_argument("--accumulation", type=int, default=1, metavar="A",
-                        help="micro-batches per step: one contrastive batch of A x B queries per rank")
-    parser.add_argument("--lr", type=float, default=2e-5)
-    parser.add_argument("--stage", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default: --epochs)")
-    parser.add_argument("--epochs", type=int, default=1)
+    from zerotrain.train.flags import add_training_flags
+    # TrainingArguments' names, as `zerotrain train` has them; this command's older names stay as aliases
+    add_training_flags(parser, aliases={"learning_rate": ["--lr"], "per_device_train_batch_size": ["--micro-batch"],
+                                        "gradient_accumulation_steps": ["--accumulation"],
+                                        "logging_steps": ["--log-every"]})
+    parser.add_argument("--max-steps", "--steps", dest="steps", type=int, default=None,
+                        help="optimizer steps (default: --num-train-epochs); wins over --num-train-epochs")
+    parser.add_argument("--num-train-epochs", "--epochs", dest="epochs", type=float, default=1,
+                        help="passes over the pairs when --max-steps is not given")
     parser.add_argument("--negatives", type=int, default=None, metavar="N",
                         help="hard negatives per query (default: the fewest any record has)")
     parser.add_argument("--max-length", type=int, default=256, metavar="T", help="tokens per text")
@@ -69,15 +73,14 @@ def add_train_embedding_parser(sub: Any) -> None:
                              "matrix never held (config: embedding.loss_chunk_size); default: the whole matrix")
     parser.add_argument("--seed", type=int, default=None, help="data order and initialisation (default 0; on "
                         "--resume the checkpoint's)")
-    parser.add_argument("--save-dir", default=None, metavar="DIR", help="unified checkpoint after the last step")
-    parser.add_argument("--save-every", type=int, default=None, metavar="N",
+    parser.add_argument("--output-dir", "--save-dir", dest="save_dir", default=None, metavar="DIR",
+                        help="unified checkpoint after the last step (and effective_config.json)")
+    parser.add_argument("--save-steps", "--save-every", dest="save_every", type=int, default=None, metavar="N",
                         help="also save every N optimizer steps (with the data position, for --resume)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in --save-dir at the exact next batch (any world "
                              "size, if ranks x accumulation x micro-batch is unchanged)")
     parser.add_argument("--export", default=None, metavar="DIR", help="sentence-transformers directory to write")
-    parser.add_argument("--log-every", type=int, default=10, metavar="N",
-                        help="a progress line every N steps when stdout is not a terminal (the training loop's)")
     parser.add_argument("--nproc", type=int, default=1, metavar="N", help="ranks on this machine")
 
 
@@ -92,18 +95,18 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def _config(args: argparse.Namespace) -> Any:
+def _config(args: argparse.Namespace, world: Optional[int] = None) -> Any:
     """The engine's config (a dict); the file's "embedding" block is taken out and applied to `args`
     (a CLI option given explicitly wins)."""
     from zerotrain.config import ConfigError
     from zerotrain.config.loader import read_config_file
 
-    if args.config is None:
-        return {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": args.accumulation,
-                "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": args.lr,
-                                                                                    "weight_decay": 0.01}},
-                "zero_optimization": {"stage": args.stage}, "steps_per_print": 0}
-    config = read_config_file(args.config)
+    from zerotrain.train.flags import effective_config
+
+    world = world if world is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    config = effective_config(args, world_size=world, num_training_steps=args.steps, defaults=DEFAULTS)
+    if args.config is None and args.zero_stage is None:
+        config["zero_optimization"]["stage"] = 0  # this command's default: the encoders it trains are small
     block = config.pop("embedding", {})
     if not isinstance(block, dict):
         raise ConfigError(f"{args.config}: 'embedding' must be an object", key="embedding", file=args.config)
@@ -117,6 +120,11 @@ def _config(args: argparse.Namespace) -> Any:
         if getattr(args, CONFIG_KEYS[key]) is None:
             setattr(args, CONFIG_KEYS[key], value)
     return config
+
+
+def effective_embedding_config(args: argparse.Namespace) -> dict:
+    """The config `--print-config` prints: file, flags and filled "auto" values at --nproc ranks."""
+    return _config(argparse.Namespace(**vars(args)), world=args.nproc)
 
 
 def run_train_embedding(args: argparse.Namespace) -> int:
@@ -145,7 +153,13 @@ def run_train_embedding(args: argparse.Namespace) -> int:
         raise ConfigError("--resume reads the latest checkpoint of --save-dir: give --save-dir", key="--resume")
     if args.save_every is not None and args.save_every < 1:
         raise ConfigError(f"--save-every must be >= 1, got {args.save_every}", key="--save-every")
+    if args.epochs != int(args.epochs) or args.epochs < 0:
+        raise ConfigError(f"--num-train-epochs: train-embedding runs whole epochs, got {args.epochs:g} (--max-steps "
+                          "sets any number of steps)", key="--num-train-epochs")
     config = _config(args)
+    if args.save_dir is not None and int(os.environ.get("RANK", "0")) == 0:
+        from zerotrain.train.flags import write_effective_config
+        write_effective_config(config, args.save_dir)
     if args.loss_chunk_size is not None and args.loss_chunk_size < 1:
         raise ConfigError(f"--loss-chunk-size must be >= 1, got {args.loss_chunk_size}", key="--loss-chunk-size")
     dims = [int(d) for d in args.matryoshka_dims.split(",")] if args.matryoshka_dims else None
@@ -224,11 +238,11 @@ def run_train_embedding(args: argparse.Namespace) -> int:
 
         # the one training loop (zerotrain.trainer), with the contrastive step plugged in
         total = args.steps if args.steps is not None else \
-            engine.global_steps + steps_in_epochs(data, position, args.epochs)
+            engine.global_steps + steps_in_epochs(data, position, int(args.epochs))
         steps = PairSteps(engine, step, data, position, tokenizer, args.max_length, rank, world, accumulation,
                           extra_state={"pooling": pooling.mode})
         trainer = Trainer(engine, None, total_steps=total, step=steps, evaluator=evaluate, eval_before=True,
-                          log_dir=args.log_dir, steps_per_print=args.log_every, stop_signals=(),
+                          log_dir=args.log_dir, steps_per_print=engine.config.steps_per_print or 10, stop_signals=(),
                           save_dir=os.path.abspath(args.save_dir) if args.save_dir is not None else None,
                           save_every=args.save_every or 0)
         summary = trainer.train()

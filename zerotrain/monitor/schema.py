@@ -33,6 +33,8 @@ FIELDS: dict[str, tuple[str, str, str]] = {
     "step": ("optimizer steps", "always", "the optimizer step this record is about (1-based, counting resumed steps)"),
     "samples": ("samples", "always", "samples trained so far over all data-parallel ranks (engine.global_samples "
                 "after the step): the x-axis of every monitor event, as in DeepSpeed"),
+    "epoch": ("epochs", "when the loop knows its steps per epoch (`zerotrain train`)", "passes over the training "
+              "data so far: step / optimizer steps per epoch (fractional, as the HF Trainer's `epoch`)"),
     "loss": ("nats/token", "always", "training loss of the step, averaged over micro-steps and ranks"),
     "eval_loss": ("nats/token", "on evaluation steps", "held-out loss averaged over the eval batches and ranks"),
     "lr": ("learning rate", "always", "the rate this step's update applied (first param group)"),

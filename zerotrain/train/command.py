@@ -13,15 +13,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Optional
 
 from zerotrain.command import PROG, CLIError, HelpFormatter, inside_worker
+from zerotrain.train.flags import HF_FLAGS
 
 # The share of the data held out for evaluation when nothing else says: the built-in corpus' tail; with --data, when
 # --eval-interval asks for evaluation without --eval-data or --val-fraction.
 DEFAULT_VAL_FRACTION = 0.02
+# where this command's defaults differ from TrainingArguments' (HF names): a progress line every 10 steps
+TRAIN_DEFAULTS = {"logging_steps": 10}
+DEFAULT_STEPS = 50  # optimizer steps when neither --max-steps nor --num-train-epochs is given
 
 __all__ = ["add_train_parser", "check_train_args", "already_trained", "worker_argv", "run_train", "lora_options", "model_engine",
            "load_weights"]
@@ -43,10 +48,8 @@ def add_train_parser(sub: Any) -> None:
         ),
         formatter_class=HelpFormatter,
     )
-    train.add_argument(
-        "--config", required=True, metavar="PATH",
-        help="DeepSpeed-style JSON config file (see examples/zero*.json)",
-    )
+    from zerotrain.train.flags import add_training_flags
+    add_training_flags(train)  # --config/--deepspeed, --learning-rate, --per-device-train-batch-size, ... (HF's names)
     train.add_argument(
         "--nproc", type=int, default=1, metavar="N",
         help="number of processes (ranks) on this machine; N > 1 re-launches this command "
@@ -92,8 +95,11 @@ def add_train_parser(sub: Any) -> None:
     train.add_argument("--lora-target-modules", default=None, metavar="A,B,...",
                        help="module names to adapt (e.g. q_proj,k_proj,v_proj,o_proj, or all-linear); default: "
                             "peft's list for the architecture (q_proj,v_proj for Llama)")
-    train.add_argument("--steps", type=int, default=50, metavar="N",
-                       help="optimizer steps to run")
+    train.add_argument("--max-steps", "--steps", dest="steps", type=int, default=None, metavar="N",
+                       help=f"optimizer steps to reach (wins over --num-train-epochs); default {DEFAULT_STEPS} when "
+                            "neither is given")
+    train.add_argument("--num-train-epochs", type=float, default=None, metavar="E",
+                       help="passes over the training data (fractions allowed), when --max-steps is not given")
     train.add_argument(
         "--seq-len", type=int, default=None, metavar="T",
         help="tokens per training sequence (default with --data: 1024, without: 128; at most the model's "
@@ -110,9 +116,11 @@ def add_train_parser(sub: Any) -> None:
              "0.02); not with --eval-data, which is the evaluation set",
     )
     train.add_argument(
-        "--eval-interval", type=int, default=0, metavar="N",
+        "--eval-steps", "--eval-interval", dest="eval_interval", type=int, default=0, metavar="N",
         help="evaluate every N steps (0: only after the last step)",
     )
+    train.add_argument("--per-device-eval-batch-size", type=int, default=None, metavar="B",
+                       help="samples per evaluation micro-batch per rank (default: the training micro-batch)")
     train.add_argument(
         "--eval-batches", type=int, default=8, metavar="N",
         help="micro-batches per rank in each evaluation",
@@ -130,12 +138,12 @@ def add_train_parser(sub: Any) -> None:
     train.add_argument("--seed", type=int, default=1234,
                        help="seed for model init and data order (same on every rank)")
     train.add_argument(
-        "--save-dir", default="checkpoints", metavar="DIR",
+        "--output-dir", "--save-dir", dest="save_dir", default="checkpoints", metavar="DIR",
         help="save a checkpoint here (DIR/global_step<N>, DIR/latest) after the last step, relative "
              "to the current directory; the config's `checkpoint` block sets async_save, keep_last "
              "and verify_on_load",
     )
-    train.add_argument("--save-every", type=int, default=0, metavar="N",
+    train.add_argument("--save-steps", "--save-every", dest="save_every", type=int, default=0, metavar="N",
                        help="also save a checkpoint every N steps (0: only after the last step)")
     train.add_argument("--no-save", action="store_true", help="save no checkpoint at all")
     train.add_argument(
@@ -169,10 +177,16 @@ def check_train_args(args: argparse.Namespace) -> None:
     """Reject what can be rejected before any process starts."""
     if args.nproc < 1:
         raise CLIError(f"--nproc must be >= 1, got {args.nproc}")
-    if args.steps < 0:
-        raise CLIError(f"--steps must be >= 0, got {args.steps}")
+    if args.steps is not None and args.steps < 0:
+        raise CLIError(f"--max-steps must be >= 0, got {args.steps}")
+    if args.num_train_epochs is not None and args.num_train_epochs <= 0:
+        raise CLIError(f"--num-train-epochs must be > 0, got {args.num_train_epochs:g}")
+    if args.steps is None and args.num_train_epochs is None:
+        args.steps = DEFAULT_STEPS
     if args.seq_len is not None and args.seq_len < 1:
         raise CLIError(f"--seq-len must be >= 1, got {args.seq_len}")
+    if args.per_device_eval_batch_size is not None and args.per_device_eval_batch_size < 1:
+        raise CLIError(f"--per-device-eval-batch-size must be >= 1, got {args.per_device_eval_batch_size}")
     if args.num_proc is not None and args.num_proc < 1:
         raise CLIError(f"--num-proc must be >= 1, got {args.num_proc}")
     if args.memory_timeline is not None and (args.memory_timeline <= 0 or args.log_dir is None):
@@ -221,27 +235,52 @@ def check_train_args(args: argparse.Namespace) -> None:
     if args.val_fraction and args.eval_data:
         raise CLIError("--val-fraction holds part of --data out for evaluation, --eval-data names the evaluation "
                        "data: give one")
-    path = Path(args.config)
-    if not path.is_file():
-        raise CLIError(f"config file {args.config!r} not found")
-    try:
-        json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CLIError(f"cannot read config file {args.config!r}: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise CLIError(
-            f"config file {args.config!r} is not valid JSON: {exc.msg} "
-            f"(line {exc.lineno}, column {exc.colno})"
-        ) from None
+    if args.config is not None:
+        path = Path(args.config)
+        if not path.is_file():
+            raise CLIError(f"config file {args.config!r} not found")
+        try:
+            json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CLIError(f"cannot read config file {args.config!r}: {exc}") from None
+        except json.JSONDecodeError as exc:
+            raise CLIError(
+                f"config file {args.config!r} is not valid JSON: {exc.msg} "
+                f"(line {exc.lineno}, column {exc.colno})"
+            ) from None
     if not inside_worker():
         # Validate the whole config once, for the world size the job will have, so a bad
         # key fails here instead of in every worker.
-        try:
-            from zerotrain.config import load_config
-        except ImportError:
-            return
+        from zerotrain.config import load_config
         from zerotrain.monitor import check_monitor_libraries
-        check_monitor_libraries(load_config(args.config, dp_world_size=args.nproc))  # e.g. tensorboard not installed
+        config = train_config(args, world_size=args.nproc)
+        check_monitor_libraries(load_config(config, dp_world_size=args.nproc))
+
+
+def train_config(args: argparse.Namespace, *, world_size: int, hidden_size: Optional[int] = None) -> dict:
+    """The run's effective config (a dict): the --config file with the HF flags over it and its "auto" values filled,
+    or the flags alone (ZeRO-3); `zerotrain.train.flags.effective_config` for `--max-steps` optimizer steps. With
+    --num-train-epochs alone the steps are known only once the data is read: a schedule that decays over the run
+    cannot be laid out then (one clear error)."""
+    from zerotrain.config import ConfigError
+    from zerotrain.train.flags import effective_config
+
+    if hidden_size is None and args.config is not None:  # the model's hidden size fills "auto" bucket sizes
+        from zerotrain.models.hf import ModelError, resolve_model
+        try:
+            hidden = getattr(resolve_model(args.model, args.model_config, args.tokenizer).config, "hidden_size", None)
+        except ModelError as exc:
+            raise CLIError(str(exc)) from None
+        hidden_size = hidden if isinstance(hidden, int) else None
+    try:
+        return effective_config(args, world_size=world_size, num_training_steps=args.steps, hidden_size=hidden_size,
+                                defaults=TRAIN_DEFAULTS)
+    except ConfigError as exc:
+        if args.steps is None and "needs its number of steps" in str(exc):
+            raise CLIError("--num-train-epochs without --max-steps: the run's steps are known only once the data is "
+                           "read, so the learning-rate decay cannot be laid out; give --max-steps, or "
+                           "--lr-scheduler-type constant_with_warmup / constant") from None
+        raise
 
 
 def already_trained(args: argparse.Namespace) -> Optional[str]:
@@ -252,7 +291,7 @@ def already_trained(args: argparse.Namespace) -> Optional[str]:
     from zerotrain.checkpoint import latest_step
 
     latest = latest_step(os.path.abspath(args.save_dir))
-    if latest is None or latest[1] < args.steps:
+    if latest is None or args.steps is None or latest[1] < args.steps:
         return None
     return nothing_to_train(*latest, args.steps)
 
@@ -267,12 +306,13 @@ def nothing_to_train(path: str, step: int, steps: int) -> str:
 # one from the launcher's environment, and the launcher's own parser would stop at `--nproc`
 # as an ambiguous abbreviation of its `--nproc-per-node` (argparse checks every argument,
 # even those meant for the script). `--master-port` concerns only the launcher.
-_WORKER_OPTIONS = ("config", "model", "model_config", "tokenizer", "text_field", "num_proc", "steps", "seq_len",
+_WORKER_OPTIONS = ("config", "zero_stage", *HF_FLAGS, "num_train_epochs", "per_device_eval_batch_size",
+                   "model", "model_config", "tokenizer", "text_field", "num_proc", "steps", "seq_len",
                    "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
                    "max_corpus_bytes", "val_fraction", "eval_interval", "eval_batches", "log_dir", "seed",
                    "save_dir", "save_every", "stop_signals", "memory_timeline")
 _WORKER_LISTS = ("data", "eval_data")
-_WORKER_FLAGS = ("no_save", "resume", "no_packing", "skip_bad_records")
+_WORKER_FLAGS = ("no_save", "resume", "no_packing", "skip_bad_records", "bf16", "fp16")
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
@@ -323,8 +363,11 @@ def run_train(args: argparse.Namespace) -> int:
         lora = dataclasses.replace(lora, trainable_tokens=tuple(new_ids))
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"{PROG}: LoRA: the rows of the {len(new_ids)} added tokens train too", flush=True)
+    hidden = getattr(source.config, "hidden_size", None)
+    config = train_config(args, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                          hidden_size=hidden if isinstance(hidden, int) else None)
     try:
-        engine, model = model_engine(source, args.config, seed=args.seed, lora=lora)
+        engine, model = model_engine(source, config, seed=args.seed, lora=lora)
     except ModelError as exc:
         raise CLIError(str(exc)) from None
     dtype = engine.dtype
@@ -335,9 +378,11 @@ def run_train(args: argparse.Namespace) -> int:
         dp_rank, dp_size = engine.topology.data_parallel_rank, engine.dp_world_size
         engine.add_checkpoint_files(tokenizer_files(tokenizer))  # from_pretrained(checkpoint) finds the tokenizer
         if args.data:
-            data_text, make_loader, eval_loader, eval_batches = _local_data(args, engine, model, tokenizer, seq_len, dtype)
+            data_text, make_loader, eval_loader, eval_batches, samples = _local_data(args, engine, model, tokenizer,
+                                                                                      seq_len, dtype)
         else:
-            data_text, make_loader, eval_loader, eval_batches = _stdlib_data(args, seq_len, dp_size, dp_rank, micro)
+            data_text, make_loader, eval_loader, eval_batches, samples = _stdlib_data(args, seq_len, dp_size, dp_rank,
+                                                                                       micro)
 
         save_dir = None if args.no_save else os.path.abspath(args.save_dir)
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
@@ -345,6 +390,10 @@ def run_train(args: argparse.Namespace) -> int:
             args.resume = True  # an elastic restart continues from the latest committed checkpoint
             if rank == 0:
                 print(f"{PROG}: restart {restarts} of this job: resuming from the latest checkpoint", flush=True)
+        if rank == 0:  # the run's record of what it trained with (file, flags, filled "auto" values)
+            from zerotrain.train.flags import write_effective_config
+            for directory in {d for d in (save_dir, args.log_dir) if d is not None}:
+                write_effective_config(config, directory)
         if save_dir is not None:
             engine.claim_save_dir(save_dir)  # one job per save directory: refused before training, not at the first save
         path = None
@@ -356,7 +405,7 @@ def run_train(args: argparse.Namespace) -> int:
             base_loaded = True
         if args.resume:
             path, _ = engine.load_checkpoint(save_dir)
-            if path is not None and engine.global_steps >= args.steps:  # e.g. an elastic restart after the end
+            if path is not None and args.steps is not None and engine.global_steps >= args.steps:  # e.g. an elastic restart after the end
                 if rank == 0:
                     print(nothing_to_train(path, engine.global_steps, args.steps), flush=True)
                 engine.close()
@@ -372,6 +421,9 @@ def run_train(args: argparse.Namespace) -> int:
             if rank == 0 and old_vocab is not None:
                 print(f"{PROG}: vocabulary grown from {old_vocab} to {source.config.vocab_size} tokens", flush=True)
         loader = make_loader(engine.global_samples)  # a resumed run continues at the exact next sample
+        steps_per_epoch = max(1, samples // engine.train_batch_size())  # full global batches in one pass
+        if args.steps is None:  # --num-train-epochs alone: the steps those passes make (the HF Trainer's max_steps)
+            args.steps = math.ceil(args.num_train_epochs * steps_per_epoch)
         if rank == 0:
             stage = engine.config.zero_optimization.stage
             weights = (f"weights from {path}" if path is not None else  # resumed: the checkpoint's
@@ -380,7 +432,8 @@ def run_train(args: argparse.Namespace) -> int:
                 f"{PROG}: model {source.name} ({type(model).__name__}, {count_parameters(model):,} params, "
                 f"{weights}), world size {world}, ZeRO stage {stage}, batch {engine.train_batch_size()} = "
                 f"{micro} micro x {engine.gradient_accumulation_steps()} accumulation x "
-                f"{dp_size} ranks, seq {seq_len}, {data_text}",
+                f"{dp_size} ranks, seq {seq_len}, {data_text}; {args.steps} steps = "
+                f"{args.steps / steps_per_epoch:.2f} epochs of {steps_per_epoch} steps",
                 flush=True,
             )
             for line in _start_notes(args, model, lora):
@@ -398,6 +451,7 @@ def run_train(args: argparse.Namespace) -> int:
             save_dir=save_dir,
             save_every=args.save_every,
             stop_signals=args.stop_signals or (),
+            steps_per_epoch=steps_per_epoch,
         )
         summary = trainer.train()
         engine.close()  # pending saves committed, offload threads and files released
@@ -562,9 +616,10 @@ def _stdlib_data(args: argparse.Namespace, seq_len: int, world: int, rank: int, 
     val_set = TokenBlockDataset(val_tokens, seq_len) if val_tokens.numel() > 1 else None
     if val_set is not None and len(val_set) > 0 and args.eval_batches > 0:
         val_sampler = DistributedSampler(val_set, num_replicas=world, rank=rank, shuffle=False)
-        eval_loader = DataLoader(val_set, batch_size=micro, sampler=val_sampler, collate_fn=_causal_blocks)
+        eval_loader = DataLoader(val_set, batch_size=args.per_device_eval_batch_size or micro, sampler=val_sampler,
+                                 collate_fn=_causal_blocks)
     # The Trainer skips the batches a resumed run consumed (this sampler does not know its position).
-    return f"corpus {tokens.numel():,} bytes", (lambda consumed: loader), eval_loader, args.eval_batches
+    return f"corpus {tokens.numel():,} bytes", (lambda consumed: loader), eval_loader, args.eval_batches, len(train_set)
 
 
 def _causal_blocks(items: list) -> dict:
@@ -613,8 +668,9 @@ def _local_data(args: argparse.Namespace, engine, model, tokenizer, seq_len: int
     eval_loader, eval_batches = None, args.eval_batches
     if evals is not None and args.eval_batches > 0:
         # Every rank must run the same number of forward passes (ZeRO-3 gathers weights in each one).
-        eval_batches = min(args.eval_batches, evals.eval_batches(micro_batch_size=micro, dp_size=dp_size))
-        eval_loader = evals.eval_loader(micro_batch_size=micro, dp_rank=dp_rank, dp_size=dp_size)
+        eval_micro = args.per_device_eval_batch_size or micro
+        eval_batches = min(args.eval_batches, evals.eval_batches(micro_batch_size=eval_micro, dp_size=dp_size))
+        eval_loader = evals.eval_loader(micro_batch_size=eval_micro, dp_rank=dp_rank, dp_size=dp_size)
     what = "packed" if not args.no_packing else "padded"
     text = f"data {len(train.dataset):,} {what} samples"
     if held:
@@ -623,7 +679,7 @@ def _local_data(args: argparse.Namespace, engine, model, tokenizer, seq_len: int
         text += f", eval {len(evals.dataset):,} samples"
     else:
         text += ", no evaluation (give --eval-data or --val-fraction)"
-    return text, make_loader, eval_loader, eval_batches
+    return text, make_loader, eval_loader, eval_batches, len(train.dataset)
 
 
 def _eval_set(args: argparse.Namespace, train, build):

@@ -1,0 +1,201 @@
+"""The HF `TrainingArguments` flags of `zerotrain train` / `train-embedding` (zerotrain.train.flags): each flag sets
+its config key, a flag wins over the file's key, a file's "auto" values are filled from the flags, the old names are
+aliases, `--print-config` prints the effective config. In-process: the parser and the config, no launch."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zerotrain.cli import build_parser, main
+from zerotrain.config import load_config
+from zerotrain.train.command import check_train_args, train_config
+
+# flag, value, config key (dotted), the value the key gets
+FLAG_KEYS = [
+    ("--learning-rate", "3e-4", "optimizer.params.lr", 3e-4),
+    ("--learning-rate", "3e-4", "scheduler.params.warmup_max_lr", 3e-4),
+    ("--per-device-train-batch-size", "3", "train_micro_batch_size_per_gpu", 3),
+    ("--per-device-train-batch-size", "3", "train_batch_size", 3 * 2),
+    ("--gradient-accumulation-steps", "4", "gradient_accumulation_steps", 4),
+    ("--gradient-accumulation-steps", "4", "train_batch_size", 8 * 4 * 2),
+    ("--warmup-steps", "7", "scheduler.params.warmup_num_steps", 7),
+    ("--warmup-ratio", "0.25", "scheduler.params.warmup_num_steps", 5),  # of --max-steps 20
+    ("--lr-scheduler-type", "cosine", "scheduler.type", "WarmupCosineLR"),
+    ("--lr-scheduler-type", "constant_with_warmup", "scheduler.type", "WarmupLR"),
+    ("--weight-decay", "0.1", "optimizer.params.weight_decay", 0.1),
+    ("--adam-beta1", "0.8", "optimizer.params.betas", [0.8, 0.999]),
+    ("--adam-beta2", "0.95", "optimizer.params.betas", [0.9, 0.95]),
+    ("--adam-epsilon", "1e-6", "optimizer.params.eps", 1e-6),
+    ("--max-grad-norm", "0.5", "gradient_clipping", 0.5),
+    ("--bf16", None, "bf16.enabled", True),
+    ("--fp16", None, "fp16.enabled", True),
+    ("--save-total-limit", "2", "checkpoint.keep_last", 2),
+    ("--logging-steps", "3", "steps_per_print", 3),
+    ("--zero-stage", "1", "zero_optimization.stage", 1),
+    ("--stage", "2", "zero_optimization.stage", 2),
+]
+
+
+def _get(config: dict, dotted: str):
+    node = config
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def _train_args(*argv: str):
+    args = build_parser().parse_args(["train", "--max-steps", "20", "--nproc", "2", *argv])
+    check_train_args(args)
+    return args
+
+
+def _file(tmp_path, config: dict) -> str:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("flag,value,key,expected", FLAG_KEYS)
+def test_each_flag_sets_its_key_without_a_file_and_over_a_file(tmp_path, flag, value, key, expected):
+    argv = [flag] + ([value] if value is not None else [])
+    alone = train_config(_train_args(*argv), world_size=2)
+    assert _get(alone, key) == pytest.approx(expected) if not isinstance(expected, str) else _get(alone, key) == expected
+    load_config(alone, dp_world_size=2)  # a complete, valid config
+    if key.startswith("scheduler.") or key == "scheduler.type":
+        return  # the file's scheduler: see test_flags_win_over_the_files_keys
+    # over a file that sets every key to something else: the flag wins
+    other = {"train_micro_batch_size_per_gpu": 5, "gradient_accumulation_steps": 1, "train_batch_size": 10,
+             "gradient_clipping": 9.0, "steps_per_print": 99, "fp16": {"enabled": False}, "bf16": {"enabled": False},
+             "optimizer": {"type": "AdamW", "params": {"lr": 1.0, "betas": [0.5, 0.5], "eps": 1.0,
+                                                        "weight_decay": 0.9}},
+             "checkpoint": {"keep_last": 9}, "zero_optimization": {"stage": 0}}
+    over = train_config(_train_args("--config", _file(tmp_path, other), *argv), world_size=2)
+    got = _get(over, key)
+    if key == "optimizer.params.betas":  # the other beta stays the file's
+        expected = [0.8, 0.5] if flag == "--adam-beta1" else [0.5, 0.95]
+    if key == "train_batch_size" and flag == "--gradient-accumulation-steps":
+        expected = 5 * 4 * 2  # recomputed with the file's micro-batch
+    assert got == (pytest.approx(expected) if not isinstance(expected, str) else expected)
+
+
+def test_flags_win_over_the_files_keys_and_fill_its_auto_values(tmp_path):
+    auto = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+            "gradient_clipping": "auto", "optimizer": {"type": "AdamW", "params": {
+                "lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                              "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}, "steps_per_print": 7}
+    args = _train_args("--deepspeed", _file(tmp_path, auto), "--learning-rate", "2e-4", "--warmup-ratio", "0.1",
+                       "--per-device-train-batch-size", "2", "--gradient-accumulation-steps", "3")
+    config = train_config(args, world_size=2, hidden_size=16)
+    # filled as transformers fills them: flags given, HF's defaults for the rest, the steps for the schedule
+    assert config["train_micro_batch_size_per_gpu"] == 2 and config["gradient_accumulation_steps"] == 3
+    assert config["train_batch_size"] == 12 and config["gradient_clipping"] == 1.0
+    assert config["optimizer"]["params"] == {"lr": 2e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+    assert config["scheduler"]["params"] == {"warmup_min_lr": 0, "warmup_max_lr": 2e-4, "warmup_num_steps": 2,
+                                             "total_num_steps": 20}
+    assert config["zero_optimization"]["reduce_bucket_size"] == 16 * 16 and config["steps_per_print"] == 7
+    # a flag over a non-auto key, and the scheduler type replaced by --lr-scheduler-type
+    fixed = dict(auto, gradient_clipping=0.3, scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 4}})
+    args = _train_args("--config", _file(tmp_path, fixed), "--max-grad-norm", "2.0", "--lr-scheduler-type", "cosine")
+    config = train_config(args, world_size=2)
+    assert config["gradient_clipping"] == 2.0 and config["scheduler"]["type"] == "WarmupCosineLR"
+    assert config["scheduler"]["params"]["total_num_steps"] == 20
+    # no flag: the file's own value stays
+    assert train_config(_train_args("--config", _file(tmp_path, fixed)), world_size=2)["gradient_clipping"] == 0.3
+
+
+def test_flags_alone_make_a_zero3_config_and_old_names_are_aliases():
+    config = train_config(_train_args(), world_size=2)
+    assert config["zero_optimization"]["stage"] == 3 and config["optimizer"]["type"] == "AdamW"
+    assert config["scheduler"]["type"] == "WarmupDecayLR" and config["scheduler"]["params"]["total_num_steps"] == 20
+    parse = build_parser().parse_args
+    for new, old, value, dest in (("--max-steps", "--steps", "7", "steps"), ("--save-steps", "--save-every", "3", "save_every"),
+                                  ("--eval-steps", "--eval-interval", "4", "eval_interval"),
+                                  ("--output-dir", "--save-dir", "d", "save_dir"), ("--deepspeed", "--config", "c.json", "config")):
+        assert getattr(parse(["train", new, value]), dest) == getattr(parse(["train", old, value]), dest) != \
+            getattr(parse(["train"]), dest)
+    embed = ["train-embedding", "--model", "m", "--data", "d"]
+    for new, old, value, dest in (("--learning-rate", "--lr", "1e-3", "learning_rate"),
+                                  ("--num-train-epochs", "--epochs", "3", "epochs"), ("--zero-stage", "--stage", "2", "zero_stage"),
+                                  ("--per-device-train-batch-size", "--micro-batch", "5", "per_device_train_batch_size"),
+                                  ("--gradient-accumulation-steps", "--accumulation", "2", "gradient_accumulation_steps"),
+                                  ("--max-steps", "--steps", "9", "steps"), ("--save-steps", "--save-every", "4", "save_every"),
+                                  ("--output-dir", "--save-dir", "o", "save_dir"), ("--logging-steps", "--log-every", "6", "logging_steps")):
+        assert getattr(parse([*embed, new, value]), dest) == getattr(parse([*embed, old, value]), dest) != \
+            getattr(parse(embed), dest)
+
+
+def test_epochs_alone_need_a_schedule_that_does_not_decay():
+    with pytest.raises(Exception, match="--num-train-epochs without --max-steps"):
+        train_config(build_parser().parse_args(["train", "--num-train-epochs", "2"]), world_size=1)
+    args = build_parser().parse_args(["train", "--num-train-epochs", "2", "--lr-scheduler-type", "constant_with_warmup"])
+    assert train_config(args, world_size=1)["scheduler"]["type"] == "WarmupLR"
+
+
+def test_print_config_prints_the_effective_config_and_trains_nothing(tmp_path, capsys):
+    assert main(["train", "--print-config", "--learning-rate", "1e-4", "--max-steps", "10", "--output-dir",
+                 str(tmp_path / "never")]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["optimizer"]["params"]["lr"] == 1e-4 and printed["scheduler"]["params"]["total_num_steps"] == 10
+    assert not (tmp_path / "never").exists()
+    assert main(["train-embedding", "--model", "m", "--data", "d", "--print-config", "--lr", "1e-3", "--stage", "2"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["optimizer"]["params"]["lr"] == 1e-3 and printed["zero_optimization"]["stage"] == 2
+    assert "scheduler" not in printed  # train-embedding's default: constant
+
+
+def _readme_blocks() -> list[str]:
+    """The fenced bash blocks of the README's "Training your own model" walkthrough: flags only, then DeepSpeed."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("## Training your own model", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```bash\n(.*?)```", section, flags=re.S)[:2]
+
+
+def test_the_readme_walkthrough_runs_as_written_with_flags_only_and_with_a_deepspeed_config(tmp_path):
+    """The README's first-day commands, as written (zerotrain and python are this checkout's), in a fresh directory
+    that has the repository's examples/: the flags-only walkthrough, then the DeepSpeed-config variant."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    blocks = _readme_blocks()
+    assert len(blocks) == 2 and "--config" not in blocks[0] and "--deepspeed" in blocks[1], blocks
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "examples").symlink_to(root / "examples")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, command in (("zerotrain", f"{sys.executable} -m zerotrain.cli"), ("python", sys.executable)):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec {command} "$@"\n')  # a wrapper: the venv stays this one
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(root)}
+    outputs = []
+    for block in blocks:
+        run = subprocess.run(["bash", "-e", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=900)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        outputs.append(run.stdout)
+    flags, deepspeed = outputs
+    # flags only: the epochs the steps make, said at the start, in every progress line, the metrics and the summary
+    assert "20 steps = " in flags and " epochs of " in flags and "epoch " in flags
+    records = [record for record in map(json.loads, (tmp_path / "ft-log" / "metrics.jsonl").read_text().splitlines())
+               if "epoch" in record]
+    per_epoch = records[-1]["step"] / records[-1]["epoch"]
+    assert records[-1]["step"] == 40 and per_epoch == int(per_epoch) > 0
+    summary = json.loads((tmp_path / "ft-log" / "summary.json").read_text())
+    assert summary["epochs"] == pytest.approx(40 / per_epoch)
+    saved = json.loads((tmp_path / "ft" / "effective_config.json").read_text())
+    assert saved["optimizer"]["params"]["lr"] == 3e-4 and saved["zero_optimization"]["stage"] == 3
+    assert saved["scheduler"]["type"] == "WarmupLR" and saved["train_micro_batch_size_per_gpu"] == 4
+    assert (tmp_path / "ft-log" / "plots" / "loss.png").is_file()
+    # the DeepSpeed file: "auto" filled from the flags (and the model's hidden size), printed by `cat`
+    printed = json.loads(deepspeed[deepspeed.index("{\n"):])
+    assert printed["optimizer"]["params"]["lr"] == 3e-4 and printed["train_batch_size"] == 8
+    assert printed["scheduler"]["params"]["warmup_num_steps"] == 5
+    assert isinstance(printed["zero_optimization"]["reduce_bucket_size"], int)
+    assert "auto" not in json.dumps(printed)

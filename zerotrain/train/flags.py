@@ -1,0 +1,117 @@
+"""The Hugging Face `TrainingArguments` flags of `zerotrain train` and `zerotrain train-embedding`, and the config they make.
+
+Both commands take the same flags, with TrainingArguments' names and meaning (`--learning-rate`,
+`--per-device-train-batch-size`, `--num-train-epochs`, ...); `add_training_flags` adds them, `effective_config`
+turns them into the engine's config: the `--config`/`--deepspeed` file's keys with the given flags over them and its
+"auto" values filled from the flags as transformers fills them, or, without a file, a complete ZeRO-3 config from
+the flags alone. The name mapping and the "auto" rules are `zerotrain.config.hf_arguments`' (one module for the CLI
+and `zerotrain.hf`); this module only reads the command line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any, Optional
+
+__all__ = ["HF_FLAGS", "add_training_flags", "training_arguments", "effective_config", "write_effective_config",
+           "EFFECTIVE_CONFIG"]
+
+EFFECTIVE_CONFIG = "effective_config.json"  # the file in the run directory
+
+# HF flag (TrainingArguments field) -> (type, help). Each sets the config keys hf_arguments.ARGUMENT_KEYS names.
+HF_FLAGS: dict[str, tuple[Any, str]] = {
+    "learning_rate": (float, "peak learning rate (optimizer.params.lr, scheduler warmup_max_lr); HF default 5e-05"),
+    "per_device_train_batch_size": (int, "micro-batch per rank (train_micro_batch_size_per_gpu); HF default 8"),
+    "gradient_accumulation_steps": (int, "micro-batches per optimizer step (gradient_accumulation_steps); "
+                                         "HF default 1"),
+    "warmup_steps": (float, "linear warmup steps (scheduler.params.warmup_num_steps); a value < 1 is a share of "
+                            "the steps, as --warmup-ratio"),
+    "warmup_ratio": (float, "warmup as a share of the run's steps"),
+    "lr_scheduler_type": (str, "linear (WarmupDecayLR), cosine (WarmupCosineLR), constant_with_warmup "
+                               "(WarmupLR) or constant (no scheduler); HF default linear"),
+    "weight_decay": (float, "AdamW weight decay (optimizer.params.weight_decay); HF default 0"),
+    "adam_beta1": (float, "AdamW beta1 (optimizer.params.betas[0]); HF default 0.9"),
+    "adam_beta2": (float, "AdamW beta2 (optimizer.params.betas[1]); HF default 0.999"),
+    "adam_epsilon": (float, "AdamW epsilon (optimizer.params.eps); HF default 1e-08"),
+    "max_grad_norm": (float, "gradient clipping norm (gradient_clipping); HF default 1.0"),
+    "save_total_limit": (int, "keep the newest N checkpoints (checkpoint.keep_last)"),
+    "logging_steps": (int, "a progress line every N steps (steps_per_print)"),
+}
+_BOOL_FLAGS = {"bf16": "bf16 mixed precision (bf16.enabled)", "fp16": "fp16 mixed precision with loss scaling "
+                                                                     "(fp16.enabled)"}
+
+
+def add_training_flags(parser: argparse.ArgumentParser, *, aliases: Optional[dict[str, list[str]]] = None) -> None:
+    """Add the HF flags that map to config keys, plus `--config`/`--deepspeed`, `--zero-stage`/`--stage` and
+    `--print-config`; `aliases` adds a command's older names for a flag (`{"learning_rate": ["--lr"]}`)."""
+    aliases = aliases or {}
+    parser.add_argument("--config", "--deepspeed", dest="config", default=None, metavar="PATH",
+                        help="DeepSpeed-style JSON config file (examples/zero*.json); its \"auto\" values are filled "
+                             "from the flags, the flags given override its keys. Without it the flags make the "
+                             "whole config (ZeRO-3)")
+    parser.add_argument("--zero-stage", "--stage", dest="zero_stage", type=int, default=None, choices=(0, 1, 2, 3),
+                        help="ZeRO stage (zero_optimization.stage); default 3 without --config")
+    for name, (kind, text) in HF_FLAGS.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", *aliases.get(name, ()), dest=name, type=kind,
+                            default=None, help=text)
+    for name, text in _BOOL_FLAGS.items():
+        parser.add_argument(f"--{name}", dest=name, action="store_true", default=None, help=text)
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the effective config (file, flags and filled \"auto\" values) and exit")
+
+
+def training_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The HF arguments given on the command line (only those given), by their TrainingArguments names."""
+    out = {name: getattr(args, name) for name in (*HF_FLAGS, *_BOOL_FLAGS) if getattr(args, name, None) is not None}
+    if out.get("warmup_steps") is not None and out.get("warmup_ratio") is not None:
+        out.pop("warmup_ratio")  # TrainingArguments: warmup_steps wins
+    return out
+
+
+def effective_config(args: argparse.Namespace, *, world_size: int, num_training_steps: Optional[int],
+                     hidden_size: Optional[int] = None, defaults: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """The engine's config for these arguments (a dict).
+
+    With `--config`: the file, the given flags over its keys (`hf_arguments.override`), then its "auto" values
+    filled from the flags (HF's defaults where a flag is not given) as transformers fills them. Without: a complete
+    config from the flags (`hf_arguments.config_from_arguments`, ZeRO-3 unless `--zero-stage`), `defaults`
+    (a command's own defaults, HF argument names) under the flags given.
+    """
+    from zerotrain.config.hf_arguments import (auto_values, config_from_arguments, fill_auto, override,
+                                                scheduler_block)
+    from zerotrain.config.loader import read_config_file
+
+    given = training_arguments(args)
+    if args.config is None:
+        arguments = {**(defaults or {}), **given}
+        config = config_from_arguments(arguments, world_size=world_size, num_training_steps=num_training_steps,
+                                       zero_stage=3 if args.zero_stage is None else args.zero_stage)
+        return override(config, {k: v for k, v in arguments.items() if k == "save_total_limit"},
+                        world_size=world_size)
+    arguments = {**(defaults or {}), **given}
+    config = read_config_file(args.config)
+    if args.zero_stage is not None:
+        config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    values = auto_values(arguments, world_size=world_size, num_training_steps=num_training_steps,
+                         hidden_size=hidden_size, zero_stage=stage if isinstance(stage, int) else 3)
+    config = fill_auto(config, values, check=False)  # "auto" -> the flags' (or HF's default) values
+    config = override(config, {k: v for k, v in given.items() if k != "lr_scheduler_type"}, world_size=world_size,
+                      num_training_steps=num_training_steps)  # the flags given win over the file's own values
+    if "lr_scheduler_type" in given and "optimizer" in config:
+        block = scheduler_block(arguments, num_training_steps)
+        if block is None:
+            config.pop("scheduler", None)
+        else:
+            config["scheduler"] = block
+    return config
+
+
+def write_effective_config(config: dict[str, Any], directory: str) -> str:
+    """Write `config` as `directory/effective_config.json` (the run's record of what it trained with)."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, EFFECTIVE_CONFIG)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(config, indent=2) + "\n")
+    return path
