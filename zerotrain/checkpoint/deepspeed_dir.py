@@ -38,7 +38,7 @@ import torch
 from . import commit
 from .format import (FORMAT_NAME, FORMAT_VERSION, LATEST, MASTER, MODEL, OPTIMIZER, TRAINER_STATE, CheckpointError,
                      SafetensorsWriter, dtype_name, index_file, itemsize, numel_of, shard_file, write_json)
-from .integrity import write_manifest
+from .integrity import crc32_text, write_manifest
 from .state import decode, encode
 
 MODEL_STATES = "_model_states.pt"
@@ -287,7 +287,7 @@ def _write_file(directory: str, name: str, entries: list, tensors: dict, kind: s
     except BaseException:
         writer.abort()
         raise
-    files[name] = {"size": size, "crc32": f"{crc:08x}"}
+    files[name] = {"size": size, "crc32": crc32_text(crc)}
 
 
 def convert_deepspeed(ds_path: str, out_dir: str, tag: Optional[str] = None) -> str:
@@ -332,8 +332,8 @@ def convert_deepspeed(ds_path: str, out_dir: str, tag: Optional[str] = None) -> 
                                               for i, group in enumerate(ds.group_hyper)])
             size, crc = write_json(os.path.join(temp, index_file(kind)),
                                    {"metadata": metadata, "weight_map": {k: name for k, _ in entries}})
-            files[index_file(kind)] = {"size": size, "crc32": f"{crc:08x}"}
-        from .. import __version__
+            files[index_file(kind)] = {"size": size, "crc32": crc32_text(crc)}
+        from ..version import __version__
         steps = int(ds.model_states.get("global_steps", 0))
         trainer_state = {
             "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "zerotrain_version": __version__, "tag": tag,
@@ -349,7 +349,7 @@ def convert_deepspeed(ds_path: str, out_dir: str, tag: Optional[str] = None) -> 
             "param_groups": ds.groups,
         }
         size, crc = write_json(os.path.join(temp, TRAINER_STATE), trainer_state)
-        files[TRAINER_STATE] = {"size": size, "crc32": f"{crc:08x}"}
+        files[TRAINER_STATE] = {"size": size, "crc32": crc32_text(crc)}
         write_manifest(temp, files, {"tag": tag, "save_id": save_id, "global_steps": steps,
                                      "world_size": ds.world_size, "imported_from": os.path.abspath(path)})
         commit.commit_directory(temp, final)
