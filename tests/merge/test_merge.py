@@ -288,30 +288,14 @@ def test_unified_checkpoint_input_reads_masters_and_manifest_checksums(tiny, tmp
         assert checksum == f"crc32:{crc:08x}" == f"crc32:{manifest['files'][file]['crc32']}", file
 
 
-def _real_checkpoint(model_dir: str, save_dir: str) -> str:
-    """A checkpoint as `zerotrain train` writes it: the model directory under the engine, one step, saved."""
-    import transformers
-
-    import zerotrain
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
-    engine, *_ = zerotrain.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-        "zero_optimization": {"stage": 1}, "steps_per_print": 0})
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    engine.backward(engine(input_ids=ids, labels=ids).loss)
-    engine.step()
-    path = engine.save_checkpoint(save_dir)
-    engine.close()
-    return path
-
-
 def test_merge_docs_first_example_on_a_real_checkpoint(tiny, tmp_path):
     """docs/merge.md's first example with a checkpoint the engine saved: the manifest's hex crc32s are read as
     hex (they were parsed as decimal: ValueError on any hex letter)."""
     from distributed import run_distributed
 
-    ckpt = run_distributed(_real_checkpoint, 1, tiny["a"], str(tmp_path / "ckpt"))[0]
+    from merge_ranks import real_checkpoint
+
+    ckpt = run_distributed(real_checkpoint, 1, tiny["a"], str(tmp_path / "ckpt"))[0]
     assert os.path.basename(ckpt) == "global_step1"
     out = str(tmp_path / "merged")
     assert run("--method", "linear", "--models", ckpt, tiny["b"], "--weights", "0.5", "0.5", "--out", out) == 0
