@@ -183,3 +183,17 @@ def test_rotation_counts_only_committed_checkpoints(tmp_path):
     deleted = commit.rotate(save_dir, 1, just_committed="c")
     assert deleted == ["b"]
     assert sorted(os.listdir(save_dir)) == ["a", "c", "d.zerotrain-tmp-0000", "latest", "user_notes"]
+
+
+def test_crc32_text_is_eight_hex_digits_and_parses_back():
+    """The manifest's crc32 spelling: zero-padded to 8 hex digits (a crc below 0x10000000 too), read back as hex
+    (all-digit spellings included), anything else refused naming the entry."""
+    from zerotrain.checkpoint.integrity import crc32_text, parse_crc32
+
+    for crc in (0, 0x1234, 0x0ABCDEF1, 0x12345678, 0xFFFFFFFF):
+        text = crc32_text(crc)
+        assert len(text) == 8 and text == text.lower() and parse_crc32(text) == crc
+    assert crc32_text(0x1234) == "00001234"
+    for bad in ("1234", "0x001234", "zzzzzzzz"):
+        with pytest.raises(Exception, match="manifest"):
+            parse_crc32(bad)
