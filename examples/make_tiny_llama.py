@@ -31,8 +31,8 @@ def main() -> None:
     chat = write_chat_jsonl(os.path.join(args.out_dir, "chat.jsonl"), n=args.conversations)
     print(f"model: {model_dir}\ndata:  {chat}")
     print("fine-tune it on 2 processes at ZeRO-3 (README, 'Training your own model'):\n"
-          f"  zerotrain train --model {model_dir} --data {chat} --config examples/zero3.json --nproc 2 "
-          "--seq-len 256 --steps 20 --save-every 10 --save-dir ft --log-dir ft-log")
+          f"  zerotrain train --model {model_dir} --data {chat} --nproc 2 --seq-len 256 --max-steps 10 "
+          "--learning-rate 3e-4 --per-device-train-batch-size 4 --save-steps 5 --output-dir ft --log-dir ft-log")
 
 
 if __name__ == "__main__":

@@ -244,6 +244,29 @@ def test_workers_get_full_option_names_without_nproc():
     assert worker.steps == 7 and worker.resume and worker.save_every == 3
 
 
+def test_train_takes_the_multi_node_flags_launch_takes(capsys):
+    """`train --nnodes N --node-rank R --master-addr H --master-port P`: torchrun's static rendezvous on every
+    node (as `zerotrain launch`), the world N x --nproc in the checked config; bad ones are one line, rc 2."""
+    from zerotrain.cli import build_parser
+    from zerotrain.train.command import launch_options, worker_argv
+
+    argv = ["train", "--nproc", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
+            "--master-port", "29600", "--per-device-train-batch-size", "3", "--max-steps", "4"]
+    args = build_parser().parse_args(argv)
+    assert launch_options(args) == ["--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1",
+                                    "--master_port", "29600", "--nproc_per_node", "2"]
+    assert launch_options(build_parser().parse_args(["train", "--nproc", "2"]))[0] == "--standalone"
+    assert not any(a.startswith(("--nnodes", "--node-rank", "--master")) for a in worker_argv(args))
+    assert main([*argv, "--print-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["train_batch_size"] == 3 * 4  # 2 nodes x 2 ranks
+    for bad, says in ((["--nnodes", "2"], "--nnodes > 1 needs --master-addr and --master-port"),
+                      (["--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "--master-port", "1"],
+                       "--node-rank must be in [0, 2)"), (["--nnodes", "0"], "--nnodes must be >= 1")):
+        assert main(["train", *bad]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.skipif(not _engine_available(), reason="zerotrain.config is not importable yet")
 def test_config_error_exits_2_before_launching(capsys, tmp_path):
     bad = tmp_path / "triple.json"

@@ -127,11 +127,85 @@ def test_flags_alone_make_a_zero3_config_and_old_names_are_aliases():
             getattr(parse(embed), dest)
 
 
-def test_epochs_alone_need_a_schedule_that_does_not_decay():
-    with pytest.raises(Exception, match="--num-train-epochs without --max-steps"):
-        train_config(build_parser().parse_args(["train", "--num-train-epochs", "2"]), world_size=1)
+def test_epochs_without_max_steps_lay_the_schedule_out_once_the_data_is_read(capsys):
+    """`run_train` reads the data before the engine and lays a decaying schedule over the steps the epochs make (the
+    README walkthrough's DeepSpeed run checks it end to end); before the data only `--print-config` cannot say them."""
+    args = build_parser().parse_args(["train", "--num-train-epochs", "2"])
+    check_train_args(args)  # the check before launching lays it out over a stand-in
+    assert args.steps is None and train_config(args, world_size=1, steps=12)["scheduler"]["params"][
+        "total_num_steps"] == 12
+    with pytest.raises(Exception, match="--print-config with --num-train-epochs and no --max-steps"):
+        train_config(args, world_size=1)
+    assert main(["train", "--num-train-epochs", "2", "--print-config"]) == 2
+    assert "give --max-steps to see them" in capsys.readouterr().err
     args = build_parser().parse_args(["train", "--num-train-epochs", "2", "--lr-scheduler-type", "constant_with_warmup"])
     assert train_config(args, world_size=1)["scheduler"]["type"] == "WarmupLR"
+
+
+def test_gradient_checkpointing_flag_turns_on_the_models_checkpointing(tiny_llama_dir):
+    """--gradient-checkpointing: the config's activation_checkpointing block (printed, saved) and, with it, each
+    decoder layer of the Hugging Face model recomputed in backward by zerotrain's checkpoint: the layer runs twice,
+    and the loss and gradients are those without checkpointing."""
+    import torch
+
+    from zerotrain import checkpointing
+    from zerotrain.models.hf import resolve_model
+    from zerotrain.train.command import train_model
+
+    config = train_config(_train_args("--gradient-checkpointing", "--zero-stage", "0"), world_size=1)
+    assert config["activation_checkpointing"] == {}
+    assert "activation_checkpointing" not in train_config(_train_args(), world_size=1)
+    assert build_parser().parse_args(["train-embedding", "--model", "m", "--data", "d",
+                                      "--gradient-checkpointing"]).gradient_checkpointing
+    config = dict(config, train_batch_size=1, train_micro_batch_size_per_gpu=1)
+    model = train_model(resolve_model(str(tiny_llama_dir)), config, seed=3)
+    layers = list(model.model.layers)  # the decoder layers (transformers' GradientCheckpointingLayer)
+    assert len(layers) > 1 and all(m.gradient_checkpointing for m in layers)
+    assert all(m._gradient_checkpointing_func.func is checkpointing.checkpoint for m in layers)
+    torch.manual_seed(0)
+    for p in model.parameters():  # weights are not read here: give them values
+        torch.nn.init.normal_(p, std=0.02)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    calls = []
+    layers[0].mlp.register_forward_hook(lambda *_: calls.append(1))  # inside the checkpointed layer
+    model.train()
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    loss, grads = loss_and_grads()
+    assert len(calls) == 2  # forward, and the recompute in backward
+    model.gradient_checkpointing_disable()
+    calls.clear()
+    want_loss, want_grads = loss_and_grads()
+    assert len(calls) == 1
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_per_device_eval_batch_size_sets_the_evaluation_micro_batch(tmp_path):
+    """`--per-device-eval-batch-size`: the evaluation loader's micro-batch per rank (default: the training one), on
+    `train` and `train-embedding` (whose retrieval evaluation encodes that many texts per forward)."""
+    from zerotrain.embedding.command import worker_argv as embedding_argv
+    from zerotrain.train.command import _stdlib_sets, worker_argv
+
+    def eval_batch(*argv: str) -> int:
+        args = build_parser().parse_args(["train", "--max-corpus-bytes", "20000", "--eval-batches", "2", *argv])
+        args = build_parser().parse_args(worker_argv(args))  # as each rank gets it
+        data = _stdlib_sets(args, 16)
+        _, make_loader, eval_loader, _ = data.loaders(args, micro=2, global_batch=4, dp_rank=1, dp_size=2)
+        assert len(next(iter(make_loader(0)))["input_ids"]) == 2
+        return len(next(iter(eval_loader))["input_ids"])
+
+    assert eval_batch() == 2 and eval_batch("--per-device-eval-batch-size", "3") == 3
+    embed = build_parser().parse_args(["train-embedding", "--model", "m", "--data", "d",
+                                       "--per-device-eval-batch-size", "5"])
+    assert build_parser().parse_args(embedding_argv(embed)).per_device_eval_batch_size == 5
+    assert main(["train", "--per-device-eval-batch-size", "0"]) == 2
 
 
 def test_print_config_prints_the_effective_config_and_trains_nothing(tmp_path, capsys):
@@ -182,20 +256,40 @@ def test_the_readme_walkthrough_runs_as_written_with_flags_only_and_with_a_deeps
         outputs.append(run.stdout)
     flags, deepspeed = outputs
     # flags only: the epochs the steps make, said at the start, in every progress line, the metrics and the summary
-    assert "20 steps = " in flags and " epochs of " in flags and "epoch " in flags
+    assert "10 steps = " in flags and " epochs of " in flags and "epoch " in flags
     records = [record for record in map(json.loads, (tmp_path / "ft-log" / "metrics.jsonl").read_text().splitlines())
                if "epoch" in record]
     per_epoch = records[-1]["step"] / records[-1]["epoch"]
-    assert records[-1]["step"] == 40 and per_epoch == int(per_epoch) > 0
+    assert records[-1]["step"] == 20 and per_epoch == int(per_epoch) > 0
     summary = json.loads((tmp_path / "ft-log" / "summary.json").read_text())
-    assert summary["epochs"] == pytest.approx(40 / per_epoch)
+    assert summary["epochs"] == pytest.approx(20 / per_epoch)
     saved = json.loads((tmp_path / "ft" / "effective_config.json").read_text())
     assert saved["optimizer"]["params"]["lr"] == 3e-4 and saved["zero_optimization"]["stage"] == 3
     assert saved["scheduler"]["type"] == "WarmupLR" and saved["train_micro_batch_size_per_gpu"] == 4
+    assert "activation_checkpointing" not in saved
     assert (tmp_path / "ft-log" / "plots" / "loss.png").is_file()
     # the DeepSpeed file: "auto" filled from the flags (and the model's hidden size), printed by `cat`
     printed = json.loads(deepspeed[deepspeed.index("{\n"):])
     assert printed["optimizer"]["params"]["lr"] == 3e-4 and printed["train_batch_size"] == 8
-    assert printed["scheduler"]["params"]["warmup_num_steps"] == 5
+    assert printed["scheduler"]["params"]["warmup_num_steps"] == 2
     assert isinstance(printed["zero_optimization"]["reduce_bucket_size"], int)
-    assert "auto" not in json.dumps(printed)
+    assert "auto" not in json.dumps(printed) and printed["activation_checkpointing"] == {}
+    # --num-train-epochs 2 without --max-steps: the data read before the engine, total_num_steps the steps the two
+    # epochs make, and the linear decay laid over them: every step's lr is the schedule's, down to its end
+    records = [r for r in map(json.loads, (tmp_path / "ft-ds-log" / "metrics.jsonl").read_text().splitlines())
+               if "lr" in r]
+    steps = printed["scheduler"]["params"]["total_num_steps"]
+    assert [r["step"] for r in records] == list(range(1, steps + 1)) and records[-1]["epoch"] == pytest.approx(2)
+    assert steps == 2 * (steps // 2) > 2 and f"trained {steps} steps (2.00 epochs)" in deepspeed
+    import torch
+
+    from zerotrain.schedules import WarmupDecayLR
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=3e-4)
+    schedule = WarmupDecayLR(optimizer, **printed["scheduler"]["params"])
+    want = []
+    for _ in range(steps):
+        want.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert [r["lr"] for r in records] == pytest.approx(want, rel=1e-6)
+    assert want[-1] < want[-2] < 3e-4 and optimizer.param_groups[0]["lr"] == 0  # the schedule's end: lr 0 after it

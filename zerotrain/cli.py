@@ -173,12 +173,12 @@ def _run(args: argparse.Namespace) -> int:
             check_train_args(args)
             if args.print_config:
                 from zerotrain.train.command import train_config
-                return _print_config(train_config(args, world_size=args.nproc))
+                return _print_config(train_config(args, world_size=args.nproc * args.nnodes))
             done = None if inside_worker() else already_trained(args)
             if done is not None:  # --resume at or past --steps: nothing to launch (rc 0, as the HF Trainer)
                 print(done, flush=True)
                 return 0
-            if args.nproc > 1 and not inside_worker():
+            if (args.nproc > 1 or args.nnodes > 1) and not inside_worker():
                 return _launch(args)
             return run_train(args)
     except CLIError as exc:
@@ -215,9 +215,9 @@ def _is_config_error(exc: BaseException) -> bool:
 
 def _launch(args: argparse.Namespace) -> int:
     """Re-run `train` under torch.distributed.run with ``args.nproc`` workers."""
-    from zerotrain.train.command import worker_argv
+    from zerotrain.train.command import launch_options, worker_argv
 
-    return run_torchrun(rendezvous(args.nproc, master_port=args.master_port),
+    return run_torchrun(launch_options(args),
                         ["-m", "zerotrain.cli", *worker_argv(args)], stop_signals=args.stop_signals,
                         max_restarts=args.max_restarts, stop_timeout=args.stop_timeout)
 

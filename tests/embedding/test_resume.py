@@ -75,8 +75,12 @@ def test_resume_at_another_world_size_metrics_and_chunked_loss(tmp_path):
     data.write_text("".join(json.dumps({"query": f"how do I {t}?", "positive": f"Use the library to {t}.",
                                         "negatives": [f"A note on topic {i}."]}) + "\n" for i, t in enumerate(topics)))
     common = ["--model", str(model), "--data", str(data), "--lr", "1e-3", "--max-length", "16", "--seed", "3"]
-    _cli(*common, "--micro-batch", "4", "--accumulation", "2", "--steps", str(STEPS), "--loss-chunk-size", "3",
-         "--save-dir", str(tmp_path / "a"), "--log-dir", str(tmp_path / "a_log"))
+    # the reference: ZeRO-3 (the default without a file) with gradient checkpointing (the encoder's layers recomputed
+    # in GradCache's backward); the runs it is compared with: stage 0 (the file's) and stage 3, without
+    reference = _cli(*common, "--micro-batch", "4", "--accumulation", "2", "--steps", str(STEPS), "--loss-chunk-size",
+                     "3", "--gradient-checkpointing", "--save-dir", str(tmp_path / "a"), "--log-dir", str(tmp_path / "a_log"))
+    assert "ZeRO stage 3" in reference.stdout
+    assert json.loads((tmp_path / "a" / "effective_config.json").read_text())["activation_checkpointing"] == {}
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({
         "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
@@ -88,8 +92,11 @@ def test_resume_at_another_world_size_metrics_and_chunked_loss(tmp_path):
     assert "one contrastive batch = 8 queries (2 ranks x 1 accumulation x 4 micro)" in first.stdout
     assert "loss in tiles of 5" in first.stdout  # the config file's embedding block reached the loss
     resumed = _cli(*common[:-2], "--micro-batch", "8", "--steps", str(STEPS), "--resume", "--save-dir",
-                   str(tmp_path / "b"), "--log-dir", str(tmp_path / "b_log"), "--eval-stdlib", "12")
+                   str(tmp_path / "b"), "--log-dir", str(tmp_path / "b_log"), "--eval-stdlib", "12",
+                   "--per-device-eval-batch-size", "5")
     assert "at step 2: epoch 0, batch 2 next (16 queries consumed)" in resumed.stdout, resumed.stdout
+    evaluations = [json.loads(line) for line in resumed.stdout.splitlines() if line.startswith('{"eval"')]
+    assert len(evaluations) == 2 and all(e["batch_size"] == 5 for e in evaluations)  # 12 texts: forwards of 5, 5, 2
 
     want, got = _records(tmp_path / "a_log"), _records(tmp_path / "b_log")
     assert sorted(want) == list(range(1, STEPS + 1)) and sorted(got) == list(range(1, STEPS + 1))

@@ -22,11 +22,12 @@ __all__ = ["add_train_embedding_parser", "run_train_embedding", "worker_argv", "
 _OPTIONS = ("model", "config", "eval_stdlib", "metrics", "log_dir", "zero_stage", "steps", "epochs",
             "learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps", "warmup_steps",
             "warmup_ratio", "lr_scheduler_type", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
-            "max_grad_norm", "save_total_limit", "logging_steps", "negatives", "max_length", "pooling", "scale", "matryoshka_dims", "loss_chunk_size",
+            "max_grad_norm", "save_total_limit", "logging_steps", "per_device_eval_batch_size", "negatives", "max_length", "pooling", "scale", "matryoshka_dims", "loss_chunk_size",
             "seed", "save_dir", "save_every", "export")
-_FLAGS = ("resume", "bf16", "fp16")
+_FLAGS = ("resume", "bf16", "fp16", "gradient_checkpointing")
 # this command's defaults where TrainingArguments' differ (HF names): no decay, a step-10 progress line
 DEFAULTS = {"learning_rate": 2e-5, "weight_decay": 0.01, "lr_scheduler_type": "constant", "logging_steps": 10}
+EVAL_BATCH = 64  # texts per forward in the retrieval evaluation without --per-device-eval-batch-size
 # keys of the config file's "embedding" block (read here, not by the engine) -> the CLI option they set
 CONFIG_KEYS = {"loss_chunk_size": "loss_chunk_size"}
 
@@ -105,8 +106,6 @@ def _config(args: argparse.Namespace, world: Optional[int] = None) -> Any:
 
     world = world if world is not None else int(os.environ.get("WORLD_SIZE", "1"))
     config = effective_config(args, world_size=world, num_training_steps=args.steps, defaults=DEFAULTS)
-    if args.config is None and args.zero_stage is None:
-        config["zero_optimization"]["stage"] = 0  # this command's default: the encoders it trains are small
     block = config.pop("embedding", {})
     if not isinstance(block, dict):
         raise ConfigError(f"{args.config}: 'embedding' must be an object", key="embedding", file=args.config)
@@ -156,6 +155,9 @@ def run_train_embedding(args: argparse.Namespace) -> int:
     if args.epochs != int(args.epochs) or args.epochs < 0:
         raise ConfigError(f"--num-train-epochs: train-embedding runs whole epochs, got {args.epochs:g} (--max-steps "
                           "sets any number of steps)", key="--num-train-epochs")
+    if args.per_device_eval_batch_size is not None and args.per_device_eval_batch_size < 1:
+        raise ConfigError(f"--per-device-eval-batch-size must be >= 1, got {args.per_device_eval_batch_size}",
+                          key="--per-device-eval-batch-size")
     config = _config(args)
     if args.save_dir is not None and int(os.environ.get("RANK", "0")) == 0:
         from zerotrain.train.flags import write_effective_config
@@ -180,6 +182,9 @@ def run_train_embedding(args: argparse.Namespace) -> int:
     for name, param in model.named_parameters():
         if name.startswith("pooler."):  # BERT's pooler head: sentence embeddings never use it
             param.requires_grad_(False)
+    if "activation_checkpointing" in config:  # --gradient-checkpointing (or the file's block): the encoder's layers
+        from zerotrain.checkpointing import enable_hf_gradient_checkpointing
+        enable_hf_gradient_checkpointing(model)
     engine, *_ = zerotrain.initialize(model=model, config=config)
     try:
         topology = engine.topology
@@ -217,6 +222,8 @@ def run_train_embedding(args: argparse.Namespace) -> int:
                   f"({world} ranks x {accumulation} accumulation x {micro} micro), ZeRO stage "
                   f"{engine.zero_optimization_stage()}{chunk}", flush=True)
 
+        eval_batch = args.per_device_eval_batch_size or EVAL_BATCH  # texts per forward in the retrieval evaluation
+
         def evaluate(when: str) -> Optional[dict]:
             if not held_out:
                 return None
@@ -224,11 +231,11 @@ def run_train_embedding(args: argparse.Namespace) -> int:
             from .retrieval import retrieval_metrics
             # every rank encodes (stage 3's forwards gather shards collectively); rank 0 reports
             queries = encode(engine, tokenizer, [p["query"] for p in held_out], pooling,
-                             max_length=args.max_length, device=topology.device)
+                             max_length=args.max_length, batch_size=eval_batch, device=topology.device)
             passages = encode(engine, tokenizer, [p["positive"] for p in held_out], pooling,
-                              max_length=args.max_length, device=topology.device)
+                              max_length=args.max_length, batch_size=eval_batch, device=topology.device)
             record = {"eval": "stdlib_docstring_to_source", "when": when, "step": engine.global_steps,
-                      "queries": len(held_out), **retrieval_metrics(queries, passages)}
+                      "queries": len(held_out), "batch_size": eval_batch, **retrieval_metrics(queries, passages)}
             if rank == 0:
                 print(json.dumps(record), flush=True)
                 if args.metrics is not None:

@@ -28,8 +28,8 @@ DEFAULT_VAL_FRACTION = 0.02
 TRAIN_DEFAULTS = {"logging_steps": 10}
 DEFAULT_STEPS = 50  # optimizer steps when neither --max-steps nor --num-train-epochs is given
 
-__all__ = ["add_train_parser", "check_train_args", "already_trained", "worker_argv", "run_train", "lora_options", "model_engine",
-           "load_weights"]
+__all__ = ["add_train_parser", "check_train_args", "already_trained", "worker_argv", "launch_options", "run_train", "lora_options", "model_engine",
+           "train_model", "train_engine", "load_weights"]
 
 
 def add_train_parser(sub: Any) -> None:
@@ -119,8 +119,6 @@ def add_train_parser(sub: Any) -> None:
         "--eval-steps", "--eval-interval", dest="eval_interval", type=int, default=0, metavar="N",
         help="evaluate every N steps (0: only after the last step)",
     )
-    train.add_argument("--per-device-eval-batch-size", type=int, default=None, metavar="B",
-                       help="samples per evaluation micro-batch per rank (default: the training micro-batch)")
     train.add_argument(
         "--eval-batches", type=int, default=8, metavar="N",
         help="micro-batches per rank in each evaluation",
@@ -152,9 +150,15 @@ def add_train_parser(sub: Any) -> None:
              "step, RNG and data position; starts from scratch if there is none. --steps is the "
              "total to reach, counting the steps already done",
     )
+    train.add_argument("--nnodes", type=int, default=1, metavar="N",
+                       help="number of machines; run the same command on each, with its --node-rank and node 0's "
+                            "--master-addr and --master-port (the world is N x --nproc ranks)")
+    train.add_argument("--node-rank", type=int, default=0, metavar="R", help="this machine's index (0..nnodes-1)")
+    train.add_argument("--master-addr", default=None, metavar="HOST",
+                       help="address of node 0 (required with --nnodes > 1)")
     train.add_argument(
         "--master-port", type=int, default=None, metavar="P",
-        help="rendezvous port for --nproc > 1 (default: a free port picked by the launcher)",
+        help="rendezvous port on node 0 (required with --nnodes > 1; default: a free port picked by the launcher)",
     )
     train.add_argument(
         "--max-restarts", type=int, default=0, metavar="K",
@@ -177,6 +181,12 @@ def check_train_args(args: argparse.Namespace) -> None:
     """Reject what can be rejected before any process starts."""
     if args.nproc < 1:
         raise CLIError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.nnodes < 1:
+        raise CLIError(f"--nnodes must be >= 1, got {args.nnodes}")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise CLIError(f"--node-rank must be in [0, {args.nnodes}), got {args.node_rank}")
+    if args.nnodes > 1 and (args.master_addr is None or args.master_port is None):
+        raise CLIError("--nnodes > 1 needs --master-addr and --master-port (node 0's address and a free port)")
     if args.steps is not None and args.steps < 0:
         raise CLIError(f"--max-steps must be >= 0, got {args.steps}")
     if args.num_train_epochs is not None and args.num_train_epochs <= 0:
@@ -253,15 +263,18 @@ def check_train_args(args: argparse.Namespace) -> None:
         # key fails here instead of in every worker.
         from zerotrain.config import load_config
         from zerotrain.monitor import check_monitor_libraries
-        config = train_config(args, world_size=args.nproc)
-        check_monitor_libraries(load_config(config, dp_world_size=args.nproc))
+        config = train_config(args, world_size=args.nproc * args.nnodes, steps=args.steps or 1)  # the steps: once the data is read
+        check_monitor_libraries(load_config(config, dp_world_size=args.nproc * args.nnodes))
 
 
-def train_config(args: argparse.Namespace, *, world_size: int, hidden_size: Optional[int] = None) -> dict:
+def train_config(args: argparse.Namespace, *, world_size: int, hidden_size: Optional[int] = None,
+                 steps: Optional[int] = None) -> dict:
     """The run's effective config (a dict): the --config file with the HF flags over it and its "auto" values filled,
-    or the flags alone (ZeRO-3); `zerotrain.train.flags.effective_config` for `--max-steps` optimizer steps. With
-    --num-train-epochs alone the steps are known only once the data is read: a schedule that decays over the run
-    cannot be laid out then (one clear error)."""
+    or the flags alone (ZeRO-3); `zerotrain.train.flags.effective_config` for `steps` optimizer steps (default
+    --max-steps). With --num-train-epochs alone the steps are known only once the data is read (`run_train` reads it
+    before building the engine); before that a schedule that decays over the run is laid out over `steps` (the
+    check before launching, the model's build), or refused when it is None too (`--print-config`: one clear
+    error)."""
     from zerotrain.config import ConfigError
     from zerotrain.train.flags import effective_config
 
@@ -273,13 +286,13 @@ def train_config(args: argparse.Namespace, *, world_size: int, hidden_size: Opti
             raise CLIError(str(exc)) from None
         hidden_size = hidden if isinstance(hidden, int) else None
     try:
-        return effective_config(args, world_size=world_size, num_training_steps=args.steps, hidden_size=hidden_size,
-                                defaults=TRAIN_DEFAULTS)
+        return effective_config(args, world_size=world_size, num_training_steps=args.steps if steps is None else steps,
+                                hidden_size=hidden_size, defaults=TRAIN_DEFAULTS)
     except ConfigError as exc:
-        if args.steps is None and "needs its number of steps" in str(exc):
-            raise CLIError("--num-train-epochs without --max-steps: the run's steps are known only once the data is "
-                           "read, so the learning-rate decay cannot be laid out; give --max-steps, or "
-                           "--lr-scheduler-type constant_with_warmup / constant") from None
+        if args.steps is None and steps is None and "needs its number of steps" in str(exc):
+            raise CLIError("--print-config with --num-train-epochs and no --max-steps: the run's steps (and the "
+                           "learning-rate decay's total_num_steps) are known only once the data is read; give "
+                           "--max-steps to see them") from None
         raise
 
 
@@ -312,7 +325,7 @@ _WORKER_OPTIONS = ("config", "zero_stage", *HF_FLAGS, "num_train_epochs", "per_d
                    "max_corpus_bytes", "val_fraction", "eval_interval", "eval_batches", "log_dir", "seed",
                    "save_dir", "save_every", "stop_signals", "memory_timeline")
 _WORKER_LISTS = ("data", "eval_data")
-_WORKER_FLAGS = ("no_save", "resume", "no_packing", "skip_bad_records", "bf16", "fp16")
+_WORKER_FLAGS = ("no_save", "resume", "no_packing", "skip_bad_records", "bf16", "fp16", "gradient_checkpointing")
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
@@ -329,6 +342,14 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--add-tokens", *args.add_tokens]
     argv += [f"--{dest.replace('_', '-')}" for dest in _WORKER_FLAGS if getattr(args, dest)]
     return argv
+
+
+def launch_options(args: argparse.Namespace) -> list[str]:
+    """torch.distributed.run's rendezvous options for this node's --nproc workers (multi-node: --nnodes, --node-rank,
+    --master-addr, --master-port, as `zerotrain launch` takes them)."""
+    from zerotrain.command import rendezvous
+
+    return rendezvous(args.nproc, args.nnodes, args.node_rank, args.master_addr, args.master_port)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -364,25 +385,44 @@ def run_train(args: argparse.Namespace) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"{PROG}: LoRA: the rows of the {len(new_ids)} added tokens train too", flush=True)
     hidden = getattr(source.config, "hidden_size", None)
-    config = train_config(args, world_size=int(os.environ.get("WORLD_SIZE", "1")),
-                          hidden_size=hidden if isinstance(hidden, int) else None)
+    hidden = hidden if isinstance(hidden, int) else None
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # The model and the data come before the engine, as in the HF Trainer: the steps --num-train-epochs makes are
+    # known once the data is read, and the learning-rate schedule is laid out over them. The config before that
+    # (`layout`) fixes all the model needs (dtype, stage); only the schedule's step counts wait for the data.
+    layout = train_config(args, world_size=world_size, hidden_size=hidden, steps=args.steps or 1)
+    from zerotrain.config import load_config
+    from zerotrain.precision import training_dtype
+    run_config = load_config(layout)
+    dist.init_distributed(timeout=run_config.comm_timeout_seconds)
+    dtype = training_dtype(run_config.precision)
     try:
-        engine, model = model_engine(source, config, seed=args.seed, lora=lora)
+        model = train_model(source, layout, seed=args.seed, lora=lora)
     except ModelError as exc:
         raise CLIError(str(exc)) from None
-    dtype = engine.dtype
     try:
         world, rank = dist.get_world_size(), dist.get_rank()
+        if args.data:
+            data = _local_sets(args, model, tokenizer, seq_len, dtype)
+        else:
+            data = _stdlib_sets(args, seq_len)
+        # the global batch the engine will have (micro x accumulation x data-parallel ranks)
+        dp_world = world // (int(run_config.tensor_parallel.autotp_size) * int(run_config.sequence_parallel_size))
+        global_batch = load_config(layout, dp_world_size=dp_world).train_batch_size
+        steps_per_epoch = max(1, data.samples // global_batch)  # full global batches in one pass
+        if args.steps is None:  # --num-train-epochs alone: the steps those passes make (the HF Trainer's max_steps)
+            args.steps = math.ceil(args.num_train_epochs * steps_per_epoch)
+        config = train_config(args, world_size=world_size, hidden_size=hidden)  # the schedule over those steps
+        engine = train_engine(model, config, lora)
+        if engine.train_batch_size() != global_batch:
+            raise CLIError(f"the engine's global batch is {engine.train_batch_size()}, not the {global_batch} the "
+                           "config gives: set train_micro_batch_size_per_gpu (the memory budget chose it)")
         micro = engine.train_micro_batch_size_per_gpu()
         # ranks that see different samples: tensor- and sequence-parallel peers share theirs
         dp_rank, dp_size = engine.topology.data_parallel_rank, engine.dp_world_size
         engine.add_checkpoint_files(tokenizer_files(tokenizer))  # from_pretrained(checkpoint) finds the tokenizer
-        if args.data:
-            data_text, make_loader, eval_loader, eval_batches, samples = _local_data(args, engine, model, tokenizer,
-                                                                                      seq_len, dtype)
-        else:
-            data_text, make_loader, eval_loader, eval_batches, samples = _stdlib_data(args, seq_len, dp_size, dp_rank,
-                                                                                       micro)
+        data_text, make_loader, eval_loader, eval_batches = data.loaders(
+            args, micro=micro, global_batch=global_batch, dp_rank=dp_rank, dp_size=dp_size)
 
         save_dir = None if args.no_save else os.path.abspath(args.save_dir)
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
@@ -421,9 +461,6 @@ def run_train(args: argparse.Namespace) -> int:
             if rank == 0 and old_vocab is not None:
                 print(f"{PROG}: vocabulary grown from {old_vocab} to {source.config.vocab_size} tokens", flush=True)
         loader = make_loader(engine.global_samples)  # a resumed run continues at the exact next sample
-        steps_per_epoch = max(1, samples // engine.train_batch_size())  # full global batches in one pass
-        if args.steps is None:  # --num-train-epochs alone: the steps those passes make (the HF Trainer's max_steps)
-            args.steps = math.ceil(args.num_train_epochs * steps_per_epoch)
         if rank == 0:
             stage = engine.config.zero_optimization.stage
             weights = (f"weights from {path}" if path is not None else  # resumed: the checkpoint's
@@ -516,19 +553,25 @@ def _chat_tokens(args: argparse.Namespace, tokenizer) -> list[str]:
 
 
 def model_engine(source, config, seed: int = 0, lora=None):
-    """``(engine, model)``: the model of a resolved ``--model`` (``zerotrain.models.hf.ModelSource``) under
-    ``zerotrain.initialize``; its directory's weights are not read yet (``engine.load_checkpoint(
-    source.weights_dir, load_module_only=True)`` reads each rank's own shard ranges).
+    """``(engine, model)``: `train_model` under `train_engine` (the model of a resolved ``--model``,
+    ``zerotrain.models.hf.ModelSource``); its directory's weights are not read yet (``engine.load_checkpoint(
+    source.weights_dir, load_module_only=True)`` reads each rank's own shard ranges)."""
+    model = train_model(source, config, seed=seed, lora=lora)
+    return train_engine(model, config, lora), model
+
+
+def train_model(source, config: dict, seed: int = 0, lora=None):
+    """The model of a resolved ``--model`` for `config`, before any engine (weights not read yet).
 
     At ZeRO-3 the model is built inside ``zero.Init`` in the config's dtype: every module is partitioned as
     soon as it is built, so the whole model never exists on one rank. Elsewhere a model with weights to load
     is built in the config's dtype; a random init in fp32 (the engine casts; its fp32 masters keep the init).
-    With ``lora`` (``zerotrain.models.hf.LoraOptions``) peft wraps the model with LoRA adapters before the engine
-    is built: only the adapters train; at ZeRO-3 the frozen base stays partitioned.
+    With ``lora`` (``zerotrain.models.hf.LoraOptions``) peft wraps the model with LoRA adapters: only the
+    adapters train; at ZeRO-3 the frozen base stays partitioned. A config with an ``activation_checkpointing``
+    block (``--gradient-checkpointing``) turns on the model's gradient checkpointing with zerotrain's function.
     """
     import torch
 
-    import zerotrain
     from zerotrain.config import load_config
     from zerotrain.models.hf import apply_lora, build_model
     from zerotrain.precision import training_dtype
@@ -546,11 +589,22 @@ def model_engine(source, config, seed: int = 0, lora=None):
         embeddings = [m.weight for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
         with GatheredParameters(embeddings, enabled=stage3 and bool(lora.trainable_tokens)):
             model = apply_lora(model, lora, base_dir=source.weights_dir, seed=seed)
+    if "activation_checkpointing" in config:  # --gradient-checkpointing, or a file's block: the model's own layers
+        from zerotrain.checkpointing import enable_hf_gradient_checkpointing
+        enable_hf_gradient_checkpointing(model.get_base_model() if lora is not None else model)
+    return model
+
+
+def train_engine(model, config: dict, lora=None):
+    """``zerotrain.initialize`` of a `train_model` model; with ``lora`` every checkpoint also holds the adapter in
+    PEFT's layout (gathered at each save: collective)."""
+    import zerotrain
+
     engine, _, _, _ = zerotrain.initialize(model=model, config=config)
-    if lora is not None:  # the adapter in PEFT's layout in every checkpoint (gathered at each save: collective)
+    if lora is not None:
         from zerotrain.models.hf import adapter_files
         engine.add_checkpoint_files(lambda: adapter_files(engine.full_state_dict(trainable_only=True), model))
-    return engine, model
+    return engine
 
 
 def load_weights(engine, source, model, old_vocab: Optional[int] = None, save_dir: Optional[str] = None,
@@ -594,32 +648,46 @@ def load_weights(engine, source, model, old_vocab: Optional[int] = None, save_di
             shutil.rmtree(overlay, ignore_errors=True)
 
 
-def _stdlib_data(args: argparse.Namespace, seq_len: int, world: int, rank: int, micro: int):
-    """The demo's data: the standard library's source as bytes, in (input_ids, labels) blocks."""
-    from torch.utils.data import DataLoader
-    from torch.utils.data.distributed import DistributedSampler
+class _Data:
+    """The run's data, read before the engine exists (`samples`: training samples in one pass, for the steps an
+    epoch makes); `loaders` wires it to the engine's batch sizes and data-parallel position:
+    ``(text, make_loader(consumed samples), eval loader, eval batches)``."""
 
+    def __init__(self, samples: int, loaders) -> None:
+        self.samples = samples
+        self.loaders = loaders
+
+
+def _stdlib_sets(args: argparse.Namespace, seq_len: int) -> _Data:
+    """The demo's data: the standard library's source as bytes, in (input_ids, labels) blocks."""
     from zerotrain.data import TokenBlockDataset, load_stdlib_corpus, split
 
     tokens = load_stdlib_corpus(max_bytes=args.max_corpus_bytes)
     train_tokens, val_tokens = split(tokens, DEFAULT_VAL_FRACTION if args.val_fraction is None else args.val_fraction)
     train_set = TokenBlockDataset(train_tokens, seq_len)
-    if len(train_set) < world * micro:
-        raise CLIError(
-            f"the corpus gives {len(train_set)} training blocks of {seq_len} tokens, fewer "
-            f"than one micro-batch per rank ({world} x {micro}); raise --max-corpus-bytes"
-        )
-    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed,
-                                 drop_last=True)
-    loader = DataLoader(train_set, batch_size=micro, sampler=sampler, drop_last=True, collate_fn=_causal_blocks)
-    eval_loader = None
     val_set = TokenBlockDataset(val_tokens, seq_len) if val_tokens.numel() > 1 else None
-    if val_set is not None and len(val_set) > 0 and args.eval_batches > 0:
-        val_sampler = DistributedSampler(val_set, num_replicas=world, rank=rank, shuffle=False)
-        eval_loader = DataLoader(val_set, batch_size=args.per_device_eval_batch_size or micro, sampler=val_sampler,
-                                 collate_fn=_causal_blocks)
-    # The Trainer skips the batches a resumed run consumed (this sampler does not know its position).
-    return f"corpus {tokens.numel():,} bytes", (lambda consumed: loader), eval_loader, args.eval_batches, len(train_set)
+
+    def loaders(args: argparse.Namespace, *, micro: int, global_batch: int, dp_rank: int, dp_size: int):
+        from torch.utils.data import DataLoader
+        from torch.utils.data.distributed import DistributedSampler
+
+        if len(train_set) < dp_size * micro:
+            raise CLIError(
+                f"the corpus gives {len(train_set)} training blocks of {seq_len} tokens, fewer "
+                f"than one micro-batch per rank ({dp_size} x {micro}); raise --max-corpus-bytes"
+            )
+        sampler = DistributedSampler(train_set, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=args.seed,
+                                     drop_last=True)
+        loader = DataLoader(train_set, batch_size=micro, sampler=sampler, drop_last=True, collate_fn=_causal_blocks)
+        eval_loader = None
+        if val_set is not None and len(val_set) > 0 and args.eval_batches > 0:
+            val_sampler = DistributedSampler(val_set, num_replicas=dp_size, rank=dp_rank, shuffle=False)
+            eval_loader = DataLoader(val_set, batch_size=args.per_device_eval_batch_size or micro,
+                                     sampler=val_sampler, collate_fn=_causal_blocks)
+        # The Trainer skips the batches a resumed run consumed (this sampler does not know its position).
+        return f"corpus {tokens.numel():,} bytes", (lambda consumed: loader), eval_loader, args.eval_batches
+
+    return _Data(len(train_set), loaders)
 
 
 def _causal_blocks(items: list) -> dict:
@@ -630,12 +698,14 @@ def _causal_blocks(items: list) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-def _local_data(args: argparse.Namespace, engine, model, tokenizer, seq_len: int, dtype):
+def _local_sets(args: argparse.Namespace, model, tokenizer, seq_len: int, dtype) -> _Data:
     """--data / --eval-data through zerotrain.data: tokenized once per node (cached), packed or padded."""
+    from zerotrain import dist
     from zerotrain.comm import Comm
     from zerotrain.data import BadRecordError, DataConfig, build_data
 
-    world_comm = Comm(None, engine.global_rank, engine.world_size)  # every rank: one tokenizer per node
+    rank = dist.get_rank()
+    world_comm = Comm(None, rank, dist.get_world_size())  # every rank: one tokenizer per node
     # a PEFT-wrapped model (--lora-r) passes position_ids and masks on to its base model: ask the base
     base_model = model.get_base_model() if hasattr(model, "get_base_model") else model
 
@@ -652,34 +722,35 @@ def _local_data(args: argparse.Namespace, engine, model, tokenizer, seq_len: int
     evals, held = _eval_set(args, train, build)
     if held:
         train = held[0]
-    micro, dp_size = engine.train_micro_batch_size_per_gpu(), engine.dp_world_size
-    dp_rank = engine.topology.data_parallel_rank
-    if engine.global_rank == 0 and train.skipped:
+    if rank == 0 and train.skipped:
         print(f"{PROG}: skipped {len(train.skipped)} bad record(s) (--skip-bad-records), first: {train.skipped[0]}",
               flush=True)
 
-    def make_loader(consumed: int):
-        try:
-            return train.loader(micro_batch_size=micro, global_batch_size=engine.train_batch_size(),
-                                dp_rank=dp_rank, dp_size=dp_size, consumed_samples=consumed)
-        except ValueError as exc:
-            raise CLIError(f"--data: {exc}") from None
+    def loaders(args: argparse.Namespace, *, micro: int, global_batch: int, dp_rank: int, dp_size: int):
+        def make_loader(consumed: int):
+            try:
+                return train.loader(micro_batch_size=micro, global_batch_size=global_batch,
+                                    dp_rank=dp_rank, dp_size=dp_size, consumed_samples=consumed)
+            except ValueError as exc:
+                raise CLIError(f"--data: {exc}") from None
 
-    eval_loader, eval_batches = None, args.eval_batches
-    if evals is not None and args.eval_batches > 0:
-        # Every rank must run the same number of forward passes (ZeRO-3 gathers weights in each one).
-        eval_micro = args.per_device_eval_batch_size or micro
-        eval_batches = min(args.eval_batches, evals.eval_batches(micro_batch_size=eval_micro, dp_size=dp_size))
-        eval_loader = evals.eval_loader(micro_batch_size=eval_micro, dp_rank=dp_rank, dp_size=dp_size)
-    what = "packed" if not args.no_packing else "padded"
-    text = f"data {len(train.dataset):,} {what} samples"
-    if held:
-        text += f", the last {len(evals.dataset):,} held out for evaluation (--val-fraction {held[1]:g})"
-    elif evals is not None:
-        text += f", eval {len(evals.dataset):,} samples"
-    else:
-        text += ", no evaluation (give --eval-data or --val-fraction)"
-    return text, make_loader, eval_loader, eval_batches, len(train.dataset)
+        eval_loader, eval_batches = None, args.eval_batches
+        if evals is not None and args.eval_batches > 0:
+            # Every rank must run the same number of forward passes (ZeRO-3 gathers weights in each one).
+            eval_micro = args.per_device_eval_batch_size or micro
+            eval_batches = min(args.eval_batches, evals.eval_batches(micro_batch_size=eval_micro, dp_size=dp_size))
+            eval_loader = evals.eval_loader(micro_batch_size=eval_micro, dp_rank=dp_rank, dp_size=dp_size)
+        what = "packed" if not args.no_packing else "padded"
+        text = f"data {len(train.dataset):,} {what} samples"
+        if held:
+            text += f", the last {len(evals.dataset):,} held out for evaluation (--val-fraction {held[1]:g})"
+        elif evals is not None:
+            text += f", eval {len(evals.dataset):,} samples"
+        else:
+            text += ", no evaluation (give --eval-data or --val-fraction)"
+        return text, make_loader, eval_loader, eval_batches
+
+    return _Data(len(train.dataset), loaders)
 
 
 def _eval_set(args: argparse.Namespace, train, build):

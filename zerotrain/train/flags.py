@@ -38,8 +38,11 @@ HF_FLAGS: dict[str, tuple[Any, str]] = {
     "save_total_limit": (int, "keep the newest N checkpoints (checkpoint.keep_last)"),
     "logging_steps": (int, "a progress line every N steps (steps_per_print)"),
 }
-_BOOL_FLAGS = {"bf16": "bf16 mixed precision (bf16.enabled)", "fp16": "fp16 mixed precision with loss scaling "
-                                                                     "(fp16.enabled)"}
+_BOOL_FLAGS = {"bf16": "bf16 mixed precision (bf16.enabled)",
+               "fp16": "fp16 mixed precision with loss scaling (fp16.enabled)",
+               "gradient_checkpointing": "recompute each layer's activations in backward instead of keeping them "
+                                         "(adds an activation_checkpointing block: the model's own gradient "
+                                         "checkpointing, run by zerotrain.checkpointing)"}
 
 
 def add_training_flags(parser: argparse.ArgumentParser, *, aliases: Optional[dict[str, list[str]]] = None) -> None:
@@ -56,14 +59,18 @@ def add_training_flags(parser: argparse.ArgumentParser, *, aliases: Optional[dic
         parser.add_argument(f"--{name.replace('_', '-')}", *aliases.get(name, ()), dest=name, type=kind,
                             default=None, help=text)
     for name, text in _BOOL_FLAGS.items():
-        parser.add_argument(f"--{name}", dest=name, action="store_true", default=None, help=text)
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, action="store_true", default=None, help=text)
+    parser.add_argument("--per-device-eval-batch-size", type=int, default=None, metavar="B",
+                        help="samples per evaluation micro-batch per rank (HF's per_device_eval_batch_size); default: "
+                             "the training micro-batch (train), 64 texts per forward (train-embedding)")
     parser.add_argument("--print-config", action="store_true",
                         help="print the effective config (file, flags and filled \"auto\" values) and exit")
 
 
 def training_arguments(args: argparse.Namespace) -> dict[str, Any]:
     """The HF arguments given on the command line (only those given), by their TrainingArguments names."""
-    out = {name: getattr(args, name) for name in (*HF_FLAGS, *_BOOL_FLAGS) if getattr(args, name, None) is not None}
+    out = {name: getattr(args, name) for name in (*HF_FLAGS, *_BOOL_FLAGS)
+           if getattr(args, name, None) is not None and name != "gradient_checkpointing"}
     if out.get("warmup_steps") is not None and out.get("warmup_ratio") is not None:
         out.pop("warmup_ratio")  # TrainingArguments: warmup_steps wins
     return out
@@ -87,8 +94,9 @@ def effective_config(args: argparse.Namespace, *, world_size: int, num_training_
         arguments = {**(defaults or {}), **given}
         config = config_from_arguments(arguments, world_size=world_size, num_training_steps=num_training_steps,
                                        zero_stage=3 if args.zero_stage is None else args.zero_stage)
-        return override(config, {k: v for k, v in arguments.items() if k == "save_total_limit"},
-                        world_size=world_size)
+        config = override(config, {k: v for k, v in arguments.items() if k == "save_total_limit"},
+                          world_size=world_size)
+        return _with_checkpointing(config, args)
     arguments = {**(defaults or {}), **given}
     config = read_config_file(args.config)
     if args.zero_stage is not None:
@@ -105,6 +113,15 @@ def effective_config(args: argparse.Namespace, *, world_size: int, num_training_
             config.pop("scheduler", None)
         else:
             config["scheduler"] = block
+    return _with_checkpointing(config, args)
+
+
+def _with_checkpointing(config: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """`--gradient-checkpointing` (TrainingArguments' gradient_checkpointing): the config's activation_checkpointing
+    block (DeepSpeed's; a file's own block is kept as it is), which turns on the model's gradient checkpointing with
+    `zerotrain.checkpointing.checkpoint` as the function (`zerotrain.checkpointing.enable_hf_gradient_checkpointing`)."""
+    if getattr(args, "gradient_checkpointing", None):
+        config.setdefault("activation_checkpointing", {})
     return config
 
 
