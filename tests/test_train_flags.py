@@ -218,6 +218,8 @@ def test_print_config_prints_the_effective_config_and_trains_nothing(tmp_path, c
     printed = json.loads(capsys.readouterr().out)
     assert printed["optimizer"]["params"]["lr"] == 1e-3 and printed["zero_optimization"]["stage"] == 2
     assert "scheduler" not in printed  # train-embedding's default: constant
+    assert main(["train-embedding", "--model", "m", "--data", "d", "--print-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["zero_optimization"]["stage"] == 3  # ZeRO-3 by default, as train
 
 
 def _readme_blocks() -> list[str]:
