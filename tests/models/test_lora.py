@@ -313,7 +313,7 @@ def test_lora_world2_zero3_and_tensor_parallel_equal_peft(tiny_llama_dir, tmp_pa
     # adapters_only: the checkpoint holds the adapters and their optimizer states, nothing of the base; the
     # fresh engine that read the base directory and then it continued exactly.
     adapters = tmp_path / "adapters" / "global_step2"
-    assert _safetensors_keys(adapters) == set(ref_weights)
+    assert _safetensors_keys(adapters) == set() and _safetensors_keys(adapters, "master_weights") == set(ref_weights)
     assert {key.split("/")[0] for key in _safetensors_keys(adapters, "optimizer")} == set(ref_weights)
     assert z3[0]["resumed_losses"] == pytest.approx(z3[0]["losses"][2:], rel=1e-5)
     assert z3[1]["resumed_losses"] == pytest.approx(z3[1]["losses"][2:], rel=1e-5)
@@ -331,10 +331,17 @@ def test_lora_world2_zero3_and_tensor_parallel_equal_peft(tiny_llama_dir, tmp_pa
         torch.testing.assert_close(loaded(input_ids=probe).logits, z3[0]["logits"], rtol=1e-5, atol=1e-5)
     # ... and so does from_pretrained of the checkpoint directory itself (the frozen base is stored under the base
     # model's names, the adapter beside it), and of its plain export (no --merge-lora: the same two parts).
+    # The model files hold the base model's names only (the adapter: adapter_model.safetensors, and its fp32 values
+    # in the master files, which the resume above read): transformers loads them with no unexpected or missing key.
+    base_names = set(transformers.AutoModelForCausalLM.from_pretrained(directory).state_dict())
+    assert _safetensors_keys(full) <= base_names and set(ref_weights) <= _safetensors_keys(full, "master_weights")
     plain = tmp_path / "plain"
     assert main(["ckpt", "export", str(full), str(plain)]) == 0
     for directory_of_model in (full, plain):
-        as_model = transformers.AutoModelForCausalLM.from_pretrained(directory_of_model).eval()
+        as_model, info = transformers.AutoModelForCausalLM.from_pretrained(directory_of_model,
+                                                                            output_loading_info=True)
+        assert not any(info.get(k) for k in ("unexpected_keys", "missing_keys", "mismatched_keys")), info
+        as_model.eval()
         with torch.no_grad():
             torch.testing.assert_close(as_model(input_ids=probe).logits, z3[0]["logits"], rtol=1e-5, atol=1e-5)
     for checkpoint in (full, adapters):  # an adapters_only checkpoint carries it too

@@ -3,8 +3,10 @@
 One directory per tag::
 
     model-00001-of-0000n.safetensors ...   whole tensors in the training dtype, under the model's names
+                                           (a PEFT model's: the base model's names, no adapter weight)
     model.safetensors.index.json           {"metadata": {"total_size": ...}, "weight_map": {name: file}}
-    master_weights-0000i-of-0000n.safetensors + index   fp32 masters (bf16/fp16 training only)
+    master_weights-0000i-of-0000n.safetensors + index   fp32 masters (bf16/fp16 training; trained adapter
+                                           weights at any dtype: plan.TensorPlan.adapter)
     optimizer-0000i-of-0000n.safetensors + index        "name/exp_avg", "name/exp_avg_sq", "name/step", ...
     config.json, generation_config.json    when the model has a Hugging Face config
     trainer_state.json                     counters, scheduler, loss scaler, config, topology, client_state

@@ -127,7 +127,7 @@ def _record_read(reader: TensorReader, stored: str, record, slices: dict):
 
 
 def _check_model_fits(model: TensorReader, module, slots, slices: dict, hugging_face: bool, path: str,
-                      base_only: bool = False) -> None:
+                      base_only: bool = False, masters: Optional[TensorReader] = None) -> None:
     """Every parameter this rank loads is in the model weights with its shape, else one error naming the first
     mismatching weight and how many mismatch (a checkpoint of another model is named by its weights, not by
     the first optimizer state that happens to be read)."""
@@ -138,6 +138,8 @@ def _check_model_fits(model: TensorReader, module, slots, slices: dict, hugging_
             if record.name in seen:
                 continue
             seen.add(record.name)
+            if masters is not None and slot.master is not None and masters.has(record.name):
+                continue  # a trained adapter weight: in the master files only (plan.TensorPlan.adapter)
             name = _find(model, module, record.name, hugging_face)
             if name is None and base_only and is_adapter_weight(record.name):
                 continue  # a LoRA adapter on its base model's weights: it keeps its initialisation
@@ -228,7 +230,7 @@ def prepare(state: CheckpointState, path: str, sharded: set[str], load_optimizer
         adapters_only = bool(source.kind == ZEROTRAIN and (source.trainer_state or {}).get("adapters_only"))
         loaded_slots = [slot for slot in state.slots() if not (adapters_only and slot.master is None)]
         base_only = hugging_face or load_module_only  # a model's weights, maybe the base of a LoRA-wrapped one
-        _check_model_fits(model, module, loaded_slots, slices, hugging_face, path, base_only)
+        _check_model_fits(model, module, loaded_slots, slices, hugging_face, path, base_only, masters)
         if load_optimizer:
             check_groups(source.optimizer_meta.get("param_groups", []), state.optimizer)
         slot_loads = []

@@ -92,12 +92,19 @@ class TensorPlan:
             return self.name
         return base_weight_name(self.name)
 
+    @property
+    def adapter(self) -> bool:
+        """A trained PEFT adapter weight (LoRA A/B, trainable-token rows): not in the model weight files, which
+        hold the base model's names only (``from_pretrained(checkpoint)`` then loads them with no unexpected key,
+        and the adapter from ``adapter_model.safetensors`` beside them); its fp32 value is in the master files."""
+        return self.trainable and is_adapter_weight(self.name)
+
     def kinds(self, master_separate: bool) -> list[tuple[str, torch.dtype]]:
         """(source kind, dtype) of every per-element tensor saved for this name, in write order."""
         if not self.trainable:
             return [("model", self.dtype)]
-        kinds = [("model", self.dtype)]
-        if master_separate:
+        kinds = [] if self.adapter else [("model", self.dtype)]
+        if master_separate or self.adapter:
             kinds.append(("master", torch.float32))
         kinds += [(f"state:{key}", dtype) for key, dtype in sorted(self.states.items())]
         return kinds
@@ -122,6 +129,11 @@ class SavePlan:
     files: list              # FileSpec
     rounds: list             # [{writer: [names]}]
     splits: list             # per round: splits[sender][receiver] bytes
+
+    @property
+    def master_files(self) -> bool:
+        """Whether the checkpoint has master weight files (separate fp32 masters, or adapter weights)."""
+        return any(spec.kind == MASTER for spec in self.files)
 
     def weight_map(self, kind: str) -> dict[str, str]:
         return {key: spec.name for spec in self.files if spec.kind == kind for key, _, _ in spec.entries}
@@ -336,7 +348,7 @@ def _check_coverage(tensor: TensorPlan) -> None:
 
 def _file_entries(tensor: TensorPlan, kind: str) -> list:
     if kind == MODEL:
-        return [(tensor.model_key, tensor.dtype, tensor.shape)]
+        return [] if tensor.adapter else [(tensor.model_key, tensor.dtype, tensor.shape)]
     if not tensor.trainable:
         return []
     if kind == MASTER:
@@ -347,7 +359,8 @@ def _file_entries(tensor: TensorPlan, kind: str) -> list:
 
 def _plan_files(tensors: dict, world: int, master_separate: bool, max_file_bytes: int) -> list[FileSpec]:
     files: list[FileSpec] = []
-    for kind in ((MODEL, MASTER, OPTIMIZER) if master_separate else (MODEL, OPTIMIZER)):
+    separate = master_separate or any(t.adapter for t in tensors.values())
+    for kind in ((MODEL, MASTER, OPTIMIZER) if separate else (MODEL, OPTIMIZER)):
         chunks: list[tuple[int, list]] = []
         for writer in range(world):
             current, size = [], 0

@@ -136,7 +136,8 @@ def export_model(directory: str, out: str, dtype: Optional[str] = None,
     # weights beside it: merged, it is written under the base model's names without the adapter weights.
     names = {name: name for name in source.maps[MODEL]}
     from ..lora import base_weight_name, is_adapter_weight
-    lora_checkpoint = any(is_adapter_weight(name) for name in names)
+    # (the adapter's trained weights are in the master files, older checkpoints had them in the model files too)
+    lora_checkpoint = any(is_adapter_weight(name) for name in (*names, *source.maps.get(MASTER, {})))
     if merge_lora is None and lora_checkpoint:
         # Not merged: the base weights under the base model's names and PEFT's adapter files beside them, as the
         # checkpoint directory holds them (from_pretrained(out) gives the LoRA model, PeftModel.from_pretrained

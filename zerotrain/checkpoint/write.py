@@ -208,7 +208,7 @@ class SaveJob:
             written[name] = write_loco(os.path.join(temp, name), self.loco_state)
         if self.comm.rank != 0:
             return
-        kinds = (MODEL, MASTER, OPTIMIZER) if self.plan.master_separate else (MODEL, OPTIMIZER)
+        kinds = (MODEL, MASTER, OPTIMIZER) if self.plan.master_files else (MODEL, OPTIMIZER)
         for kind in kinds:
             metadata = {"total_size": self.plan.total_size(kind), "zerotrain": kind}
             if kind == OPTIMIZER:

@@ -44,7 +44,8 @@ def add_train_parser(sub: Any) -> None:
             "Train a local Hugging Face causal-LM directory (--model DIR) or config (--model-config) on "
             "local data files (--data), or, without --data, a built-in preset (a byte-level Llama) on the "
             "Python standard library's own source files (no download). Batch sizes, optimizer, scheduler, "
-            "precision and ZeRO stage come from the DeepSpeed-style JSON config."
+            "precision and ZeRO stage come from the Hugging Face Trainer's flags (ZeRO-3 by default), over a "
+            "DeepSpeed-style JSON config when --deepspeed/--config gives one."
         ),
         formatter_class=HelpFormatter,
     )
