@@ -354,8 +354,9 @@ def launch_options(args: argparse.Namespace) -> list[str]:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """One rank of `zerotrain train`: build the model and engine, load weights or resume, wire the data, run the
-    `Trainer`; the exit status (128 + the signal's number after a stop)."""
+    """One rank of `zerotrain train`: build the model, read the data (the steps --num-train-epochs makes), build the
+    engine with the schedule over those steps, load weights or resume, wire the data, run the `Trainer`; the exit
+    status (128 + the signal's number after a stop)."""
     from zerotrain import dist
 
     from zerotrain.models.hf import (ModelError, count_parameters, grow_vocab, load_tokenizer, resolve_model,
