@@ -4,7 +4,8 @@ Every case trains the repository's GPT (its Blocks, a tied token embedding on th
 head on the last) split into pipeline pieces, with gradient accumulation (micro-batches of one batch) and active
 gradient clipping, against plain single-process AdamW over the whole batches: losses, global gradient norms
 (over every stage, the tied weight once) and weights within 1e-5; the tied copies equal on both stages.
-One launch per world size: world 2 (PP2: 1F1B, interleaved 1F1B, interleaved zero-bubble) and world 4
+One launch per world size: world 2 (PP2: 1F1B, interleaved 1F1B, interleaved zero-bubble with activation
+checkpointing) and world 4
 (PP2 x DP2 with ZeRO-1: 1F1B, interleaved 1F1B).
 """
 from __future__ import annotations
@@ -51,13 +52,18 @@ def train_cases(cases: list) -> list:
 
     world = int(os.environ["WORLD_SIZE"])
     out = []
-    for schedule, stage, accumulation in cases:
+    for schedule, stage, accumulation, *pipeline in cases:
         module = PipelineModule(gpt_layers(gpt_config()), num_stages=2, loss_fn=gpt_loss,
                                 partition_method="uniform", seed_layers=True, base_seed=BASE_SEED)
-        engine, _, _, _ = zerotrain.initialize(model=module, config=config(schedule, stage, accumulation))
+        engine, _, _, _ = zerotrain.initialize(model=module, config=config(schedule, stage, accumulation,
+                                                                          **(pipeline[0] if pipeline else {})))
         dp, dp_rank = world // 2, engine.topology.dp_rank
         rank = engine.topology.rank  # the grid: pipeline outermost, stages of world / pp consecutive ranks
         assert (engine.stage_id, dp_rank, engine.topology.dp_size) == (rank // dp, rank % dp, dp), rank
+        calls = []  # forwards of this rank's Blocks: activation checkpointing recomputes each in backward
+        for layer in module.children():  # (counted in forward itself: module hooks do not fire in the recompute)
+            if type(layer).__name__ == "Block":
+                layer.forward = lambda *args, forward=layer.forward: (calls.append(1), forward(*args))[1]
         losses, norms = [], []
         for batch in batches(MICRO * accumulation * dp):
             reads = []
@@ -71,6 +77,8 @@ def train_cases(cases: list) -> list:
             losses.append(float(engine.train_batch(data)))
             assert len(reads) == (accumulation if data is not None else 0)
             norms.append(engine.get_global_grad_norm())
+        recomputed = len(calls) > 1.5 * STEPS * accumulation * sum(type(m).__name__ == "Block" for m in module.children())
+        assert recomputed == bool(pipeline and pipeline[0].get("activation_checkpoint_interval")), len(calls)
         # eval_batch: the same loss on every rank, forward only (weights unchanged)
         before = {n: p.detach().clone() for n, p in module.named_parameters()}
         evaluation = float(engine.eval_batch(iter([micro_slice(batches(MICRO * accumulation * dp)[0], i, dp_rank,
@@ -78,7 +86,7 @@ def train_cases(cases: list) -> list:
         assert all(torch.equal(before[n], p) for n, p in module.named_parameters())
         weights = {n: p.detach().clone() for n, p in module.named_parameters()}
         replicas = sorted(n for n, p in module.named_parameters() if is_pipeline_replica(p))
-        out.append(dict(case=(schedule, stage, accumulation), losses=losses, norms=norms, eval=evaluation,
+        out.append(dict(case=(schedule, stage, accumulation, *pipeline), losses=losses, norms=norms, eval=evaluation,
                         weights=weights, replicas=replicas, stage_id=engine.stage_id, dp_rank=dp_rank,
                         global_steps=engine.global_steps))
     return out
@@ -164,7 +172,7 @@ def check_against_reference(results: list, world: int) -> None:
     ranks = len(results)
     for case_index in range(len(results[0])):
         per_rank = [results[rank][case_index] for rank in range(ranks)]
-        schedule, stage, accumulation = per_rank[0]["case"]
+        schedule, stage, accumulation = per_rank[0]["case"][:3]
         where = f"world {world}, {schedule}, ZeRO-{stage}, accumulation {accumulation}"
         ref_losses, ref_norms, ref_eval, ref_weights = reference(accumulation, dp)
         for got in per_rank:  # the batch mean loss and the norm reach every rank
@@ -192,7 +200,9 @@ def check_against_reference(results: list, world: int) -> None:
 
 
 def test_pp2_schedules_match_single_process():
-    cases = [("1f1b", 0, 2), ("interleaved_1f1b", 1, 4), ("interleaved_zero_bubble", 1, 2)]
+    # zero-bubble with activation checkpointing: recomputation under its separate input / weight backward passes
+    cases = [("1f1b", 0, 2), ("interleaved_1f1b", 1, 4),
+             ("interleaved_zero_bubble", 1, 2, {"activation_checkpoint_interval": 1})]
     check_against_reference(run_distributed(train_cases, 2, cases), 2)
 
 
