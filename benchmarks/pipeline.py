@@ -108,14 +108,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--ms", default="2,4,8", help="micro-batches per step (default p, 2p, 4p)")
+    parser.add_argument("--schedules", default=",".join((*SCHEDULES, "zero3")))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "pipeline.json"))
     args = parser.parse_args()
     p = 2
     rows = []
     scratch = Path(args.out).with_suffix(".rank")
     scratch.parent.mkdir(parents=True, exist_ok=True)
-    for m in (p, 2 * p, 4 * p):
-        for schedule in (*SCHEDULES, "zero3"):
+    for m in (int(v) for v in args.ms.split(",")):
+        for schedule in args.schedules.split(","):
             job = dict(preset=args.preset, schedule=schedule, m=m, micro=args.micro, seq=args.seq, steps=args.steps)
             ranks = run_job(job, scratch, p)
             theory = (p - 1) / (m + p - 1) if schedule in ("gpipe", "1f1b") else None
