@@ -292,6 +292,10 @@ class PipelineEngine:
 
     def eval_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
         """The mean loss over `gradient_accumulation_steps` micro-batches, forward only, on every rank."""
+        if self.config.pipeline.schedule == "zbv_zero_bubble":
+            # torch 2.13's ZBV runtime still steals backward inputs in a forward-only run (AssertionError)
+            raise NotImplementedError("eval_batch with pipeline.schedule 'zbv_zero_bubble' is not available (torch's "
+                                      "ZBV schedule has no forward-only run); evaluate with another schedule")
         was_training = self.module.training
         self.eval()
         try:
