@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import argparse
 
-from . import accelerator, checkpointing, compression, dist, moe, ops, runtime, utils  # DeepSpeed's paths (port.paths)
+from . import accelerator, checkpointing, compression, dist, moe, ops, pipe, runtime, utils  # DeepSpeed's paths (port.paths)
 from .dist import init_distributed
 from .initialize import initialize
 from .pretrained import from_pretrained
 from .version import __version__
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "from_pretrained", "dist", "accelerator", "checkpointing",
-           "compression", "moe", "ops", "runtime", "utils", "__version__"]
+           "compression", "moe", "ops", "pipe", "runtime", "utils", "__version__"]
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

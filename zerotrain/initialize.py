@@ -20,6 +20,7 @@ from .parallel.sequence import check_sequence_parallel
 from .budget import resolve_memory
 from .engine import OptimizerLike, ZeroTrainEngine
 from .lifecycle import die_with_parent, under_torchrun
+from .pipe import PipelineEngine, PipelineModule, check_pipeline_config, pipeline_size, prepare_pipeline
 from .topology import Topology
 from .zero import GatheredParameters
 from .zero.stage3 import check_init_partitions
@@ -141,6 +142,10 @@ def initialize(model: torch.nn.Module = None, config: Union[dict, str, os.PathLi
         raise ConfigError(f"{err}; this job has world size {world}", key=err.key, file=err.file) from None
     tp_size = int(cfg.tensor_parallel.autotp_size)
     sp_size = int(cfg.sequence_parallel_size)
+    pp_size = pipeline_size(model, cfg)  # a PipelineModule's num_stages (docs/pipeline.md)
+    if isinstance(model, PipelineModule):
+        check_pipeline_config(model, cfg, world)
+        world //= pp_size  # below: the ranks of one pipeline stage
     if world % tp_size:
         raise ConfigError(f"tensor_parallel.autotp_size: {tp_size} does not divide the world size {world}",
                           key="tensor_parallel.autotp_size")
@@ -155,7 +160,8 @@ def initialize(model: torch.nn.Module = None, config: Union[dict, str, os.PathLi
     if under_torchrun() and os.environ.get("ZEROTRAIN_DIE_WITH_PARENT", "1") != "0":
         die_with_parent()  # an orphaned rank must not train on into the directory a restart resumes from
     topology = Topology.build(timeout_seconds=cfg.comm_timeout_seconds, tp_size=tp_size,
-                              same_host_transport=cfg.comm_same_host_transport, sp_size=sp_size)
+                              same_host_transport=cfg.comm_same_host_transport, sp_size=sp_size, pp_size=pp_size)
+    plan = prepare_pipeline(model, cfg, topology) if isinstance(model, PipelineModule) else None
     if tp_size > 1:
         check_init_partitions(model, topology.dp_size)
         # Layers built under zero.Init are gathered one at a time to be sliced (the slices are plain tensors
@@ -166,4 +172,6 @@ def initialize(model: torch.nn.Module = None, config: Union[dict, str, os.PathLi
     engine = ZeroTrainEngine(model, cfg, topology, model_parameters=model_parameters,
                              optimizer=optimizer, lr_scheduler=lr_scheduler)
     dataloader = engine.use_training_data(training_data, collate_fn) if training_data is not None else None
+    if plan is not None:  # DeepSpeed's PipelineEngine: train_batch / eval_batch over the ZeRO engine
+        return PipelineEngine(engine, plan), engine.optimizer, dataloader, engine.lr_scheduler
     return engine, engine.optimizer, dataloader, engine.lr_scheduler

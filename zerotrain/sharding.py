@@ -133,6 +133,17 @@ def tensor_slice_of(param: torch.Tensor) -> Optional[TensorSlice]:
     return getattr(param, "tp_slice", None)
 
 
+def mark_pipeline_replica(param: torch.Tensor) -> None:
+    """Mark `param` as a copy of a parameter another pipeline stage owns (a tied layer's weight on a later
+    stage): its gradient is summed with the owner's, and it counts once in the global gradient norm, there."""
+    param.pipeline_replica = True
+
+
+def is_pipeline_replica(param: torch.Tensor) -> bool:
+    """Whether `param` is a pipeline stage's copy of a tied parameter owned by another stage."""
+    return bool(getattr(param, "pipeline_replica", False))
+
+
 def expert_slice_of(param: torch.Tensor) -> Optional[TensorSlice]:
     """The TensorSlice an expert-parallel parameter carries (`ep_slice`), or None."""
     return getattr(param, "ep_slice", None)

@@ -10,7 +10,9 @@ sequence-parallel axis (Ulysses, `sequence_parallel_size`): ranks are ordered da
 (tensor innermost), each block of `sp_size` consecutive ZeRO ranks is a sequence-parallel group.
 ZeRO partitions and reduces over the data × sequence ranks (`dp_group`, as DeepSpeed's Ulysses: the
 sequence-parallel ranks share ZeRO partitions); the batch counts data-parallel ranks only
-(`data_parallel_size`, `data_parallel_rank`).
+(`data_parallel_size`, `data_parallel_rank`). Pipeline parallelism (`pp_size` stages, `zerotrain.pipe`) is
+the outermost axis: ranks are ordered pipeline × data × sequence × tensor, each stage a block of
+world / pp consecutive ranks; `pp_group` holds the ranks at this rank's place in every stage.
 """
 from __future__ import annotations
 
@@ -114,11 +116,16 @@ class Topology:
     # Ranks per node (machine): ZEROTRAIN_RANKS_PER_NODE, else torchrun's LOCAL_WORLD_SIZE, else all.
     # The two-hop quantized gradient reduce runs inside a node first, then across nodes.
     ranks_per_node: int = 0
+    # pipeline parallelism (outermost axis): this rank's stage index and the ranks at its place in every stage
+    pp_size: int = 1
+    pp_group: Optional[dist.ProcessGroup] = None
+    pp_rank: int = 0
     _subgroups: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, timeout_seconds: float = 1800.0, device: Optional[torch.device] = None,
-              tp_size: int = 1, same_host_transport: bool = True, sp_size: int = 1) -> "Topology":
+              tp_size: int = 1, same_host_transport: bool = True, sp_size: int = 1,
+              pp_size: int = 1) -> "Topology":
         """The topology of the running job (starting torch.distributed when needed).
 
         With `tp_size` > 1 the ranks form a (data, tensor) grid: each block of `tp_size`
@@ -126,23 +133,72 @@ class Topology:
         are cheapest) is a tensor-parallel group, and the ranks with the same index in every
         block form a data-parallel group, across which ZeRO shards. With `sp_size` > 1 each block of
         `sp_size` consecutive ranks of that group is a sequence-parallel group (global rank =
-        (d × sp + s) × tp + t); ZeRO still shards across the whole group (data × sequence ranks)."""
+        (d × sp + s) × tp + t); ZeRO still shards across the whole group (data × sequence ranks). With
+        `pp_size` > 1 the world is first cut into `pp_size` pipeline stages of world / pp consecutive ranks
+        (global rank = ((p × dp + d) × sp + s) × tp + t): the groups above are made inside each stage, and
+        the ranks at the same place in every stage form the pipeline group (`pp_group`)."""
         init_distributed(timeout_seconds)
         rank, world = dist.get_rank(), dist.get_world_size()
-        if tp_size < 1 or world % tp_size:
-            raise ValueError(f"tensor_parallel.autotp_size: {tp_size} does not divide the world size {world}")
+        if not isinstance(pp_size, int) or pp_size < 1 or world % pp_size:
+            raise ValueError(f"pipeline_parallel_size: {pp_size} does not divide the world size {world}")
+        stage_world = world // pp_size
+        if tp_size < 1 or stage_world % tp_size:
+            raise ValueError(f"tensor_parallel.autotp_size: {tp_size} does not divide the world size {world}"
+                             + (f" / {pp_size} pipeline stages" if pp_size > 1 else ""))
         topology = cls(rank=rank, world_size=world, dp_group=dist.group.WORLD, dp_rank=rank, dp_size=world,
                        device=device or default_device(), timeout_seconds=timeout_seconds,
                        same_host_transport=same_host_transport,
                        ranks_per_node=_ranks_per_node(world))
-        if not isinstance(sp_size, int) or sp_size < 1 or world % (tp_size * sp_size):
+        if not isinstance(sp_size, int) or sp_size < 1 or stage_world % (tp_size * sp_size):
             raise ValueError(f"sequence_parallel_size: {sp_size} x tensor_parallel.autotp_size: {tp_size} does not "
-                             f"divide the world size {world}")
+                             f"divide the world size {world}" + (f" / {pp_size} pipeline stages" if pp_size > 1 else ""))
+        if pp_size > 1:
+            topology._split_pipeline(pp_size)
         if tp_size > 1:
             topology._split_tensor_parallel(tp_size)
         if sp_size > 1:
             topology._split_sequence_parallel(sp_size)
         return topology
+
+    def _split_pipeline(self, pp_size: int) -> None:
+        """The pipeline groups, and the data-parallel group cut down to this rank's stage (collective)."""
+        timeout = datetime.timedelta(seconds=self.timeout_seconds)
+        stage_world = self.world_size // pp_size
+        for place in range(stage_world):
+            ranks = [stage * stage_world + place for stage in range(pp_size)]
+            group = dist.new_group(ranks=ranks, timeout=timeout)
+            if self.rank in ranks:
+                self.pp_group, self.pp_rank = group, ranks.index(self.rank)
+        for stage in range(pp_size):
+            ranks = list(range(stage * stage_world, (stage + 1) * stage_world))
+            group = dist.new_group(ranks=ranks, timeout=timeout)
+            if self.rank in ranks:
+                self.dp_group, self.dp_rank = group, ranks.index(self.rank)
+        self.pp_size, self.dp_size = pp_size, stage_world
+        self.ranks_per_node = max(1, min(self.ranks_per_node, stage_world))
+
+    @property
+    def stage_world_size(self) -> int:
+        """Ranks per pipeline stage: world / pp."""
+        return self.world_size // self.pp_size
+
+    def pipeline_subgroup(self, stages: list[int]) -> tuple[Optional[dist.ProcessGroup], int, int]:
+        """The ranks at this rank's place in the pipeline stages `stages` (sorted stage indices; e.g. the stages
+        holding one tied layer); (group or None when one stage, this rank's index in it or -1 outside it, size).
+        Collective on first use: every rank creates every place's group, in the same order."""
+        stages = sorted(stages)
+        key = ("pipeline", tuple(stages))
+        if key not in self._subgroups:
+            stage_world = self.stage_world_size
+            mine: tuple[Optional[dist.ProcessGroup], int, int] = (None, -1, len(stages))
+            for place in range(stage_world):
+                ranks = [stage * stage_world + place for stage in stages]
+                group = dist.new_group(ranks=ranks, timeout=datetime.timedelta(seconds=self.timeout_seconds)) \
+                    if len(ranks) > 1 else None
+                if self.rank in ranks:
+                    mine = (group, ranks.index(self.rank), len(ranks))
+            self._subgroups[key] = mine
+        return self._subgroups[key]
 
     def _split_sequence_parallel(self, sp_size: int) -> None:
         """This rank's sequence-parallel group: `sp_size` consecutive ranks of its ZeRO group (collective)."""
@@ -166,12 +222,14 @@ class Topology:
             group = dist.new_group(ranks=ranks, timeout=timeout)
             if self.rank in ranks:
                 self.tp_group, self.tp_rank = group, ranks.index(self.rank)
-        for index in range(tp_size):
-            ranks = list(range(index, self.world_size, tp_size))
-            group = dist.new_group(ranks=ranks, timeout=timeout)
-            if self.rank in ranks:
-                self.dp_group, self.dp_rank = group, ranks.index(self.rank)
-        self.tp_size, self.dp_size = tp_size, self.world_size // tp_size
+        stage_world = self.stage_world_size
+        for stage in range(self.pp_size):
+            for index in range(tp_size):
+                ranks = list(range(stage * stage_world + index, (stage + 1) * stage_world, tp_size))
+                group = dist.new_group(ranks=ranks, timeout=timeout)
+                if self.rank in ranks:
+                    self.dp_group, self.dp_rank = group, ranks.index(self.rank)
+        self.tp_size, self.dp_size = tp_size, stage_world // tp_size
         self.ranks_per_node = max(1, self.ranks_per_node // tp_size)
 
     # --- data-parallel subgroups (ZeRO++) -------------------------------------------
@@ -181,10 +239,13 @@ class Topology:
         return dist.get_process_group_ranks(self.dp_group)
 
     def _every_dp_ranks(self) -> list[list[int]]:
-        """The global ranks of every data-parallel group of the grid (one per tensor-parallel index)."""
-        if self.tp_size == 1:
+        """The global ranks of every data-parallel group of the grid (one per pipeline stage and tensor-parallel
+        index)."""
+        if self.tp_size == 1 and self.pp_size == 1:
             return [self._dp_ranks()]
-        return [list(range(index, self.world_size, self.tp_size)) for index in range(self.tp_size)]
+        stage_world = self.stage_world_size
+        return [list(range(stage * stage_world + index, (stage + 1) * stage_world, self.tp_size))
+                for stage in range(self.pp_size) for index in range(self.tp_size)]
 
     def _subgroup(self, key: tuple, members: list[list[int]]) -> tuple[Optional[dist.ProcessGroup], int, int]:
         """Create (once) one group per list of dp indices in `members`, in every data-parallel group of
@@ -194,7 +255,7 @@ class Topology:
         if key not in self._subgroups:
             mine = None
             for global_ranks in self._every_dp_ranks():
-                own = self.tp_size == 1 or self.rank in global_ranks  # this rank's data-parallel group
+                own = (self.tp_size == 1 and self.pp_size == 1) or self.rank in global_ranks  # this rank's group
                 for indices in members:
                     ranks = [global_ranks[i] for i in indices]
                     if len(ranks) == 1:
@@ -254,4 +315,4 @@ class Topology:
     def describe(self) -> dict:
         """The facts a checkpoint records about the layout that wrote it."""
         return {"world_size": self.world_size, "dp_size": self.dp_size, "tp_size": self.tp_size, "ep_size": self.ep_size,
-                "sp_size": self.sp_size}
+                "sp_size": self.sp_size, "pp_size": self.pp_size}

@@ -111,7 +111,8 @@ def test_unmappable_lines_stay_and_are_listed_with_advice():
     assert sorted(listed) == [3, 4, 5, 6, 7, 8]
     assert listed[3] == ("from deepspeed import DeepSpeedConfig", NOT_PROVIDED["deepspeed:DeepSpeedConfig"])
     assert listed[4][1] == NOT_PROVIDED["deepspeed.ops.sparse_attention"]
-    assert listed[5][0] == "from deepspeed.pipe import ..." and listed[5][1] == NOT_PROVIDED["deepspeed.pipe"]
+    assert listed[5][0] == "from deepspeed.runtime.pipe.schedule import ..." and \
+        listed[5][1] == NOT_PROVIDED["deepspeed.runtime.pipe.schedule"]
     assert "import zerotrain.dist as" in listed[6][1]
     assert listed[7][1] == NOT_PROVIDED["deepspeed.utils:safe_get_full_fp32_param"]
     assert "docs/porting.md" in listed[8][1]

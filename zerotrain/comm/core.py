@@ -101,6 +101,12 @@ class Comm:
         return cls(topology.tp_group, topology.tp_rank, topology.tp_size, counters,
                    same_host_transport=topology.same_host_transport, timeout_seconds=topology.timeout_seconds)
 
+    @classmethod
+    def pipeline(cls, topology: Topology, counters: Optional[CommCounters] = None) -> "Comm":
+        """Collectives over this rank's pipeline group (the ranks at its place in every stage)."""
+        return cls(topology.pp_group, topology.pp_rank, topology.pp_size, counters,
+                   same_host_transport=topology.same_host_transport, timeout_seconds=topology.timeout_seconds)
+
     def subgroup(self, group: Optional[dist.ProcessGroup], rank: int, size: int) -> "Comm":
         """A Comm over another group, with this one's counters and settings."""
         return Comm(group, rank, size, self.counters, gloo_point_to_point=self.gloo_point_to_point,

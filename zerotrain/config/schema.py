@@ -21,13 +21,14 @@ from .params import OptimizerConfig, SchedulerConfig
 from .zero import ZeroConfig
 
 __all__ = ["ZeroTrainConfig", "FP16Config", "BF16Config", "CheckpointConfig", "AioConfig", "TensorParallelConfig", "ActivationCheckpointingConfig",
+           "PipelineConfig", "PIPELINE_SCHEDULES",
            "DEEPSPEED_ONLY_KEYS"]
 
 # Top-level keys DeepSpeed accepts that zerotrain does not implement: accepted with a warning.
 DEEPSPEED_ONLY_KEYS = frozenset({
     "amp", "flops_profiler", "comet",
     "comms_logger", "compression_training", "data_efficiency", "curriculum_learning", "elasticity", "autotuning",
-    "pipeline", "sparse_attention", "dump_state", "prescale_gradients", "gradient_predivide_factor",
+    "sparse_attention", "dump_state", "prescale_gradients", "gradient_predivide_factor",
     "communication_data_type", "seq_parallel_communication_data_type", "sparse_gradients",
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "memory_breakdown", "data_types",
     "eigenvalue", "progressive_layer_drop", "quantize_training", "hybrid_engine", "nebula", "weight_quantization",
@@ -142,6 +143,39 @@ class ActivationCheckpointingConfig(Block):
     profile: Bool = False
 
 
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
+                      "zbv_zero_bubble")
+
+
+class PipelineConfig(Block):
+    """`pipeline` (docs/pipeline.md): which schedule of `torch.distributed.pipelining` runs the stages of a
+    `zerotrain.pipe.PipelineModule`, how many model pieces each rank holds (`stages_per_rank`: 1 for
+    `1f1b`/`gpipe`, default 2 for the interleaved, looped and zero-bubble ones; `zbv_zero_bubble` needs 2), the
+    activation checkpoint interval in layers (0: none) and whether each layer is built under its own seed."""
+
+    PATH = "pipeline"
+    # DeepSpeed's: the stage count comes from PipelineModule(num_stages=...), its partition_method and the
+    # activation exchange of torch's pipelining
+    DEEPSPEED_ONLY = frozenset({"stages", "partition", "pipe_partitioned", "grad_partitioned", "use_reentrant"})
+
+    schedule: choice(*PIPELINE_SCHEDULES) = "1f1b"
+    stages_per_rank: Optional[PosInt] = None
+    activation_checkpoint_interval: NonNegInt = 0
+    seed_layers: Bool = False
+
+    @property
+    def multi_stage(self) -> bool:
+        """Whether the schedule runs several model pieces per rank (torch's PipelineScheduleMulti)."""
+        return self.schedule not in ("1f1b", "gpipe")
+
+    @property
+    def pieces_per_rank(self) -> int:
+        """Model pieces (torch's stages) each rank holds."""
+        if self.stages_per_rank is not None:
+            return int(self.stages_per_rank)
+        return 2 if self.multi_stage else 1
+
+
 class ZeroTrainConfig(Block):
     """The whole config. Batch fields are None until `resolve_batch(dp_world_size)` fills them in."""
 
@@ -170,6 +204,9 @@ class ZeroTrainConfig(Block):
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     # Ulysses sequence parallelism (DeepSpeed's key): ranks per sequence-parallel group, docs/sequence_parallel.md
     sequence_parallel_size: PosInt = 1
+    # pipeline stages (docs/pipeline.md): a zerotrain.pipe.PipelineModule's num_stages, which this must match
+    pipeline_parallel_size: PosInt = 1
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
@@ -192,6 +229,14 @@ class ZeroTrainConfig(Block):
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one", key="fp16.enabled")
         dp = info.context.get("dp_world_size") if isinstance(info.context, dict) else None
+        pipe = self.pipeline
+        if pipe.stages_per_rank is not None and not pipe.multi_stage and pipe.stages_per_rank != 1:
+            raise ConfigError(f"pipeline.stages_per_rank: {pipe.stages_per_rank} needs a multi-stage schedule "
+                              f"(interleaved_1f1b, looped_bfs, interleaved_zero_bubble, zbv_zero_bubble); "
+                              f"{pipe.schedule!r} runs one piece per rank", key="pipeline.stages_per_rank")
+        if pipe.schedule == "zbv_zero_bubble" and pipe.pieces_per_rank != 2:
+            raise ConfigError("pipeline.stages_per_rank: zbv_zero_bubble places exactly 2 pieces per rank (a V)",
+                              key="pipeline.stages_per_rank")
         check_batch_partial(self.train_batch_size, self.train_micro_batch_size_per_gpu,
                             self.gradient_accumulation_steps, dp_world_size=dp)
         return self

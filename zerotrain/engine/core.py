@@ -102,6 +102,28 @@ class EngineCore:
         return loss
 
     @contextlib.contextmanager
+    def external_backward(self):
+        """Gradients made outside `backward()` (a pipeline schedule's backward passes, which scale the loss
+        themselves and may add into `.grad` directly: zero-bubble's weight passes) accumulate inside the block
+        and are reduced once when it exits, as one accumulation-boundary backward; the next `step()` at the
+        boundary updates. The block may adjust the gradients before the reduce (tied weights). Stages 0-1 only:
+        their reducer keeps a full buffer until the boundary (stages 2-3 reduce inside every backward)."""
+        parts = self.parts
+        parts.zero_optimizer.refuse_training("engine.external_backward()")
+        if parts.stage >= 2:
+            raise RuntimeError(f"external_backward() needs ZeRO stage 0 or 1, not {parts.stage}: stages 2 and 3 "
+                               "reduce gradients during every backward, through hooks")
+        parts.zero_optimizer.before_model_use()
+        parts.reducer.begin_backward(boundary=False)  # hooks only fold gradients into the buffer
+        yield
+        parts.reducer.end_backward()
+        with self.timers("bwd_allreduce"):
+            parts.reducer.begin_backward(boundary=True)  # no backward runs: end_backward reduces every bucket
+            parts.reducer.end_backward()
+        parts.weights.end_micro_step()
+        self._backward_done = True
+
+    @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside skip the gradient reduction; the next backward outside reduces the sum.
 

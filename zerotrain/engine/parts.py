@@ -253,7 +253,9 @@ def _master_optimizer(buckets: list, config: ZeroTrainConfig, topology: Topology
     """The object that owns master shards and runs the update: on the device, or the offloaded optimizer
     `zero_optimization.offload_optimizer` asks for (plain CPU offload, super_offload or NVMe)."""
     offload = config.zero_optimization.offload_optimizer
-    gradients = GlobalGradients(buckets, comm, tp_comm)
+    # pipeline parallelism: the norm and the overflow flag over every stage (zerotrain.pipe)
+    pp_comm = Comm.pipeline(topology, comm.counters) if topology.pp_size > 1 else None
+    gradients = GlobalGradients(buckets, comm, tp_comm, pp_comm)
     groups = [g["params"] for g in torch_optimizer.param_groups]
     if offload is None or offload.device not in ("cpu", "nvme"):
         return ShardedOptimizer(buckets, comm, torch_optimizer, groups, config.gradient_clipping, gradients=gradients)

@@ -84,6 +84,9 @@ MODULES: tuple[ModulePath, ...] = (
     ModulePath("deepspeed.utils", "zerotrain.utils", ("logger", "log_dist", "RepeatingLoader")),
     ModulePath("deepspeed.utils.logging", "zerotrain.utils.logging", ("logger", "log_dist")),
     ModulePath("deepspeed.runtime.dataloader", "zerotrain.utils", ("RepeatingLoader",)),
+    ModulePath("deepspeed.pipe", "zerotrain.pipe", ("PipelineModule", "LayerSpec", "TiedLayerSpec"),
+               note="on torch.distributed.pipelining's schedules (`pipeline.schedule`); `engine.train_batch` / "
+                    "`eval_batch` as DeepSpeed's (docs/pipeline.md)"),
 )
 
 # transformers' DeepSpeed integration names (their constructors need the deepspeed package, and with it
@@ -112,11 +115,12 @@ NOT_PROVIDED: dict[str, str] = {
     "deepspeed.ops.op_builder.builder": "zerotrain builds no DeepSpeed ops",
     "deepspeed.moe.layer": "zerotrain's expert-parallel layer is `zerotrain.parallel.moe.ExpertParallelMoE` "
                            "(docs/porting.md); DeepSpeed's MoE class is not provided",
-    "deepspeed.pipe": "no pipeline parallelism: ZeRO-3 (with offload) or tensor parallelism instead",
-    "deepspeed.runtime.pipe": "no pipeline parallelism: ZeRO-3 (with offload) or tensor parallelism instead",
-    "deepspeed.runtime.pipe.engine": "no pipeline parallelism",
-    "deepspeed.runtime.pipe.topology": "no pipeline parallelism; the rank grid is `zerotrain.topology.Topology`",
-    "deepspeed.runtime.pipe.schedule": "no pipeline parallelism",
+    "deepspeed.runtime.pipe": "import `PipelineModule`, `LayerSpec`, `TiedLayerSpec` from `zerotrain.pipe`",
+    "deepspeed.runtime.pipe.engine": "`zerotrain.initialize(model=PipelineModule(...))` returns the pipeline engine "
+                                     "(`zerotrain.pipe.PipelineEngine`)",
+    "deepspeed.runtime.pipe.topology": "the rank grid (pipeline x data x sequence x tensor) is "
+                                       "`zerotrain.topology.Topology`, built from num_stages and the config",
+    "deepspeed.runtime.pipe.schedule": "the schedules are torch's: the config's `pipeline.schedule`",
     "deepspeed.sequence.layer": "Ulysses sequence parallelism comes from `sequence_parallel_size` in the config "
                                 "(docs/sequence_parallel.md)",
     "deepspeed.sequence.fpdt_layer": "no FPDT: Ulysses sequence parallelism via `sequence_parallel_size`",

@@ -12,6 +12,9 @@ summed over the data-parallel ranks too: partitioned ones over the expert-data-p
 ones only from that group's rank 0, so each expert element counts once whatever ep_size is.
 With tensor parallelism experts are not split by it (no `tp_slice`): like replicated parameters
 they count on tensor-parallel rank 0 only (`_split_ranges` leaves them out elsewhere).
+With pipeline parallelism each stage holds different parameters: the squares (and the overflow flag) are
+summed over the pipeline group too, and a tied parameter's copy on a later stage
+(`sharding.is_pipeline_replica`) counts on its owning stage only.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from typing import Collection, Optional
 import torch
 
 from ..comm import Comm
-from ..sharding import tensor_slice_of
+from ..sharding import is_pipeline_replica, tensor_slice_of
 from .flat import ShardLayout
 
 __all__ = ["GlobalGradients", "squared_l2"]
@@ -33,12 +36,15 @@ def squared_l2(grad: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
 
 
-def _split_ranges(bucket: ShardLayout) -> list[tuple[int, int]]:
-    """[start, end) ranges of this rank's shard that hold pieces of tensor-parallel-split parameters."""
-    split_names = {name for name, param in zip(bucket.names, bucket.params) if tensor_slice_of(param) is not None}
+def _split_ranges(bucket: ShardLayout, split_only: bool = True) -> list[tuple[int, int]]:
+    """[start, end) ranges of this rank's shard that count in the norm here: pieces of tensor-parallel-split
+    parameters (`split_only`, tensor-parallel ranks other than 0) or of any parameter, never of a pipeline
+    replica (counted on its owning stage)."""
+    counted = {name for name, param in zip(bucket.names, bucket.params)
+               if not is_pipeline_replica(param) and (not split_only or tensor_slice_of(param) is not None)}
     ranges: list[list[int]] = []
     for record in bucket.shard_records():
-        if record.name not in split_names:
+        if record.name not in counted:
             continue
         start, end = record.shard_start, record.shard_start + record.numel
         if ranges and ranges[-1][1] == start:
@@ -51,17 +57,22 @@ def _split_ranges(bucket: ShardLayout) -> list[tuple[int, int]]:
 class GlobalGradients:
     """Norm and overflow of the gradient shards of `buckets`, agreed on every rank of the grid."""
 
-    def __init__(self, buckets: list[ShardLayout], comm: Comm, tp_comm: Optional[Comm] = None):
+    def __init__(self, buckets: list[ShardLayout], comm: Comm, tp_comm: Optional[Comm] = None,
+                 pp_comm: Optional[Comm] = None):
         self.comm = comm
+        self.pp_comm = pp_comm if pp_comm is not None and pp_comm.size > 1 else None
         # Buckets whose squares are summed over the data-parallel ranks: partitioned or split experts.
         self._distinct = [bucket.group.distinct for bucket in buckets]
         # Expert replicas over the expert-data-parallel group count on one rank of it only.
         self._counted = [bucket.group.counts_in_norm for bucket in buckets]
         self.tp_comm = tp_comm if tp_comm is not None and tp_comm.size > 1 else None
-        # Tensor-parallel ranks other than 0 count only their split slices.
-        self._split_only: Optional[list[list[tuple[int, int]]]] = None
-        if self.tp_comm is not None and self.tp_comm.rank != 0:
-            self._split_only = [_split_ranges(bucket) for bucket in buckets]
+        # Tensor-parallel ranks other than 0 count only their split slices; pipeline replicas count elsewhere.
+        # Per bucket: the [start, end) ranges counted, or None for the whole shard.
+        split_only = self.tp_comm is not None and self.tp_comm.rank != 0
+        self._ranges: list[Optional[list[tuple[int, int]]]] = [
+            _split_ranges(bucket, split_only)
+            if split_only or any(is_pipeline_replica(param) for param in bucket.params) else None
+            for bucket in buckets]
 
     def bucket_terms(self, index: int, grad: torch.Tensor) -> list[torch.Tensor]:
         """The squares bucket `index`'s gradient shard adds to the norm, in the order `squared_norm` adds
@@ -69,9 +80,10 @@ class GlobalGradients:
         becomes final) and handed to `squared_norm`, the sum is bit for bit the same."""
         if not self._counted[index]:
             return []
-        if self._split_only is None:
+        ranges = self._ranges[index]
+        if ranges is None:
             return [squared_l2(grad)]
-        return [squared_l2(grad[start:end]) for start, end in self._split_only[index]]
+        return [squared_l2(grad[start:end]) for start, end in ranges]
 
     def squared_norm(self, grad_shards: list[torch.Tensor],
                      terms: Optional[dict[int, list[torch.Tensor]]] = None) -> float:
@@ -90,6 +102,8 @@ class GlobalGradients:
         squared = distinct + replicated
         if self.tp_comm is not None:
             self.tp_comm.sum_scalar(squared)
+        if self.pp_comm is not None:  # every stage holds different parameters
+            self.pp_comm.sum_scalar(squared)
         return squared.item()
 
     def norm(self, grad_shards: list[torch.Tensor], terms: Optional[dict[int, list[torch.Tensor]]] = None) -> float:
@@ -100,7 +114,7 @@ class GlobalGradients:
         """Whether bucket `index`'s `bucket_terms` show its whole gradient shard finite: a sum of squares
         is inf or nan when any element is, so a finite sum over the whole shard proves every element finite
         (an inf sum of finite squares proves nothing: that shard is then checked element by element)."""
-        return bool(terms) and self._counted[index] and self._split_only is None and \
+        return bool(terms) and self._counted[index] and self._ranges[index] is None and \
             all(bool(torch.isfinite(term).all()) for term in terms)
 
     def overflow(self, grad_shards: list[torch.Tensor], known_finite: Collection[int] = ()) -> bool:
@@ -112,4 +126,6 @@ class GlobalGradients:
         overflow = self.comm.any_true(local, device)
         if self.tp_comm is not None:
             overflow = self.tp_comm.any_true(overflow, device)
+        if self.pp_comm is not None:
+            overflow = self.pp_comm.any_true(overflow, device)
         return overflow

@@ -1,0 +1,136 @@
+"""Pipeline bubble, step time and peak memory at p = 2 stages: torch's schedules through zerotrain.pipe, vs ZeRO-3.
+
+The bubble is measured as each rank's time blocked waiting for its peer: the wall time inside the schedule's waits
+on point-to-point receives and sends (torch.distributed.pipelining.schedules._wait_batch_p2p, timed by wrapping
+it here, in the benchmark only), as a fraction of the step. Theory for GPipe / 1F1B: (p - 1) / (m + p - 1) for
+m micro-batches. Only p = 2: on a 2-core machine a waiting rank lends its core to the other, so wall-clock
+bubbles at p > 2 mean nothing here. Each row is one fresh 2-rank job; the same GPT and batch are then trained
+with ZeRO-3 over the same 2 ranks (data parallel: each rank m/2 micro-batches per step).
+
+    python benchmarks/pipeline.py [--preset small] [--steps 6] [--micro 4] [--seq 128] [--out results/pipeline.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _batches(steps: int, count: int, micro: int, seq: int, vocab: int):
+    generator = torch.Generator().manual_seed(0)
+    return [[(torch.randint(0, vocab, (micro, seq), generator=generator),
+              torch.randint(0, vocab, (micro, seq), generator=generator)) for _ in range(count)]
+            for _ in range(steps)]
+
+
+def _worker(rank: int, world: int, port: int, job: dict, out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed.pipelining.schedules as schedules
+
+    import zerotrain
+    from zerotrain.models.gpt import GPT, GPTConfig
+    from zerotrain.pipe import PipelineModule
+    from zerotrain.pipe.gpt import gpt_layers, gpt_loss
+
+    blocked = [0.0]
+    original = schedules._wait_batch_p2p
+
+    def timed_wait(work):  # the benchmark's instrument: time blocked on the peer
+        start = time.perf_counter()
+        try:
+            return original(work)
+        finally:
+            blocked[0] += time.perf_counter() - start
+
+    schedules._wait_batch_p2p = timed_wait
+    config = GPTConfig.preset(job["preset"], block_size=job["seq"])
+    m, micro, seq, steps = job["m"], job["micro"], job["seq"], job["steps"]
+    base = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0, "steps_per_print": 0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+    torch.manual_seed(0)
+    if job["schedule"] == "zero3":
+        cfg = dict(base, gradient_accumulation_steps=max(1, m // world), zero_optimization={"stage": 3})
+        engine, _, _, _ = zerotrain.initialize(model=GPT(config), config=cfg)
+        data = _batches(steps, max(1, m // world), micro, seq, config.vocab_size)
+
+        def step(batch):
+            for x, y in batch:
+                _, loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+    else:
+        module = PipelineModule(gpt_layers(config), num_stages=world, loss_fn=gpt_loss, partition_method="parameters")
+        cfg = dict(base, gradient_accumulation_steps=m, zero_optimization={"stage": 1},
+                   pipeline={"schedule": job["schedule"]})
+        engine, _, _, _ = zerotrain.initialize(model=module, config=cfg)
+        data = _batches(steps, m, micro, seq, config.vocab_size)
+
+        def step(batch):
+            engine.train_batch(iter(batch))
+    step(data[0])  # warm-up (torch's shape inference on the first pipeline step)
+    blocked[0] = 0.0
+    start = time.perf_counter()
+    for batch in data[1:]:
+        step(batch)
+    seconds = time.perf_counter() - start
+    result = {"rank": rank, "step_s": seconds / (steps - 1), "blocked_fraction": blocked[0] / seconds,
+              "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    Path(f"{out}.{rank}").write_text(json.dumps(result))
+
+
+def run_job(job: dict, out: Path, world: int = 2) -> list[dict]:
+    port = _free_port()
+    mp.start_processes(_worker, args=(world, port, job, str(out)), nprocs=world, start_method="spawn")
+    return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(world)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--ms", default="2,4,8", help="micro-batches per step (default p, 2p, 4p)")
+    parser.add_argument("--schedules", default=",".join((*SCHEDULES, "zero3")))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "pipeline.json"))
+    args = parser.parse_args()
+    p = 2
+    rows = []
+    scratch = Path(args.out).with_suffix(".rank")
+    scratch.parent.mkdir(parents=True, exist_ok=True)
+    for m in (int(v) for v in args.ms.split(",")):
+        for schedule in args.schedules.split(","):
+            job = dict(preset=args.preset, schedule=schedule, m=m, micro=args.micro, seq=args.seq, steps=args.steps)
+            ranks = run_job(job, scratch, p)
+            theory = (p - 1) / (m + p - 1) if schedule in ("gpipe", "1f1b") else None
+            row = dict(m=m, schedule=schedule, theory=theory, ranks=ranks,
+                       blocked=[r["blocked_fraction"] for r in ranks], step_s=max(r["step_s"] for r in ranks),
+                       peak_rss_mib=[round(r["peak_rss_mib"]) for r in ranks])
+            rows.append(row)
+            print(f"m={m:2d} {schedule:24s} blocked {' '.join(f'{b:.3f}' for b in row['blocked'])}"
+                  f"  theory {'-' if theory is None else f'{theory:.3f}'}  step {row['step_s']:.3f}s"
+                  f"  peak RSS {row['peak_rss_mib']} MiB", flush=True)
+    Path(args.out).write_text(json.dumps({"p": p, "preset": args.preset, "micro": args.micro, "seq": args.seq,
+                                          "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

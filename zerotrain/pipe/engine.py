@@ -1,0 +1,336 @@
+"""`PipelineEngine`: DeepSpeed's `train_batch` / `eval_batch` over torch's pipelining schedules and a ZeRO engine.
+
+`prepare_pipeline` (called by `initialize` before the engine is built) builds this rank's pieces of a
+`PipelineModule`, marks the copies of tied parameters on later stages (`sharding.mark_pipeline_replica`: they
+count once in the gradient norm) and makes those copies equal to the owning stage's. The ZeRO engine
+(`engine.ZeroTrainEngine`, stage 0 or 1 over this stage's data-parallel ranks) is then built over the
+PipelineModule; `PipelineEngine` wraps it:
+
+`train_batch(data_iter)`: the first stage reads the inputs and the last the labels of exactly
+`gradient_accumulation_steps` micro-batches (the others never touch the iterator); torch's schedule runs every
+forward and backward (each micro-batch's loss unscaled, so gradients add up); inside the ZeRO engine's
+`external_backward()` block the summed gradients are divided by the micro-batch count and the tied copies summed
+over their stages (DeepSpeed's tied-weight all-reduce); the block's exit reduces them over the data-parallel
+ranks once (after the schedule: zero-bubble schedules add into `.grad` directly, without hooks); the engine's
+`step()` clips by the norm over every stage and updates. The batch's mean loss is broadcast from the last stage.
+"""
+from __future__ import annotations
+
+from typing import Any, ContextManager, Iterator, Optional, Protocol
+
+import torch
+from torch.distributed.pipelining import PipelineStage
+
+from ..comm import Comm
+from ..config import ConfigError, ZeroTrainConfig
+from ..sharding import mark_pipeline_replica
+from ..topology import Topology
+from .module import PipelineModule
+from .schedule import Placement, schedule_class
+
+
+class StageEngine(Protocol):
+    """What the pipeline engine calls on the ZeRO engine of its stage (`engine.ZeroTrainEngine` has it all)."""
+
+    config: ZeroTrainConfig
+    global_steps: int
+    global_samples: int
+
+    @property
+    def comm(self) -> Comm: ...  # the stage's data-parallel ranks
+
+    @property
+    def optimizer(self) -> Optional[torch.optim.Optimizer]: ...
+
+    @property
+    def lr_scheduler(self) -> Any: ...
+
+    @property
+    def loss_scale(self) -> float: ...
+
+    def external_backward(self) -> ContextManager[None]: ...
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None: ...
+
+    def step(self) -> None: ...
+
+    def get_lr(self) -> list[float]: ...
+
+    def get_global_grad_norm(self) -> Optional[float]: ...
+
+__all__ = ["PipelineEngine", "StageEngine", "PipelinePlan", "prepare_pipeline", "check_pipeline_config", "pipeline_size"]
+
+
+def pipeline_size(model: torch.nn.Module, config: ZeroTrainConfig) -> int:
+    """The pipeline size of this job: a PipelineModule's `num_stages` (the config's `pipeline_parallel_size`, when
+    set, must agree), else `pipeline_parallel_size`."""
+    configured = int(config.pipeline_parallel_size)
+    if isinstance(model, PipelineModule):
+        if configured not in (1, model.num_stages):
+            raise ConfigError(f"pipeline_parallel_size: {configured} disagrees with the PipelineModule's "
+                              f"num_stages={model.num_stages}", key="pipeline_parallel_size")
+        return model.num_stages
+    if configured > 1:
+        raise ConfigError(f"pipeline_parallel_size: {configured} needs a zerotrain.pipe.PipelineModule model "
+                          f"(got {type(model).__name__}); splitting other models is not available yet",
+                          key="pipeline_parallel_size")
+    return 1
+
+
+def check_pipeline_config(model: PipelineModule, config: ZeroTrainConfig, world: int) -> None:
+    """Refuse, by the key at fault, what the pipeline engine cannot run (before any process group exists)."""
+    pp = model.num_stages
+    stage = int(config.zero_optimization.stage)
+    if stage >= 2:
+        raise ConfigError(
+            f"zero_optimization.stage: {stage} with pipeline parallelism is refused: stages 2 and 3 reduce (and "
+            "stage 3 gathers) per backward through gradient hooks, while torch's pipeline schedules run many "
+            "backwards per step and the zero-bubble ones add weight gradients into .grad without hooks; use "
+            "stage 0 or 1 (ZeRO-1 over each stage's data-parallel ranks, as DeepSpeed allows)",
+            key="zero_optimization.stage")
+    if int(config.tensor_parallel.autotp_size) > 1 or int(config.sequence_parallel_size) > 1:
+        raise ConfigError("pipeline parallelism with tensor_parallel.autotp_size > 1 or sequence_parallel_size > 1 "
+                          "is not available yet (the grid supports it; the pieces do not split their layers)",
+                          key="tensor_parallel.autotp_size" if int(config.tensor_parallel.autotp_size) > 1
+                          else "sequence_parallel_size")
+    if model.loss_fn is None:
+        raise ValueError("PipelineModule: loss_fn is required for training (it runs on the last stage)")
+    model.partition(pp * config.pipeline.pieces_per_rank)  # layers < pieces: refused here, naming the counts
+    if world % pp:
+        raise ConfigError(f"pipeline_parallel_size: the PipelineModule's num_stages={pp} does not divide the "
+                          f"world size {world}", key="pipeline_parallel_size")
+
+
+class PipelinePlan:
+    """This rank's share of the pipeline: its pieces, where every piece sits, the tied-weight groups."""
+
+    def __init__(self, module: PipelineModule, placement: Placement, topology: Topology,
+                 tied: dict[str, Comm], pp_comm: Comm) -> None:
+        self.module, self.placement, self.topology = module, placement, topology
+        self.tied = tied        # tied key -> Comm over the stages holding it (only keys this rank holds, > 1 stage)
+        self.pp_comm = pp_comm  # this rank's pipeline group (the loss broadcast)
+
+
+def prepare_pipeline(module: PipelineModule, config: ZeroTrainConfig, topology: Topology) -> PipelinePlan:
+    """Build this rank's pieces, mark tied copies on later stages as replicas and copy the owner's values into
+    them (collective over the world: every rank makes every tie group, in key order)."""
+    pipe = config.pipeline
+    placement = Placement(topology.pp_size, pipe.pieces_per_rank, v_shape=pipe.schedule == "zbv_zero_bubble")
+    module.build(placement.pieces_of(topology.pp_rank), placement.rank_of, placement.pieces,
+                 interval=pipe.activation_checkpoint_interval, seed_layers=pipe.seed_layers)
+    pp_comm = Comm.pipeline(topology)
+    tied: dict[str, Comm] = {}
+    for key in sorted(module.tied_owners):
+        owners = module.tied_owners[key]
+        group, rank, size = topology.pipeline_subgroup(owners)
+        params = module.tied_parameters(key)
+        if rank < 0 or size == 1:
+            continue
+        comm = pp_comm.subgroup(group, rank, size)
+        with torch.no_grad():
+            for param in params:
+                comm.broadcast(param.data, src=0)  # the first stage holding the key owns it
+                if rank > 0:
+                    mark_pipeline_replica(param)
+        tied[key] = comm
+    return PipelinePlan(module, placement, topology, tied, pp_comm)
+
+
+class PipelineEngine:
+    """DeepSpeed's pipeline engine API (`train_batch`, `eval_batch`, stage questions) over a ZeRO engine."""
+
+    def __init__(self, engine: StageEngine, plan: PipelinePlan) -> None:
+        self.engine = engine
+        self.plan = plan
+        self.module: PipelineModule = plan.module
+        self.config: ZeroTrainConfig = engine.config
+        self.topology: Topology = plan.topology
+        self.micro_batches = int(self.config.gradient_accumulation_steps)
+        placement = plan.placement
+        device = self.topology.device
+        pp = self.topology.pp_size
+        group = self.topology.pp_group if pp > 1 else None
+        self.stages = [PipelineStage(piece, piece.index, placement.pieces, device, group=group)
+                       for piece in self.module.pieces]
+        cls = schedule_class(self.config.pipeline.schedule)
+        # scale_grads=False: each micro-batch's loss is unscaled and gradients add up; divided once after the
+        # schedule, per parameter (a tied module held twice on one rank would otherwise be divided twice)
+        target = self.stages[0] if len(self.stages) == 1 and not self.config.pipeline.multi_stage else self.stages
+        self.schedule = cls(target, self.micro_batches, loss_fn=self._loss, scale_grads=False)
+        self._first = placement.first_rank == self.topology.pp_rank
+        self._last = placement.last_rank == self.topology.pp_rank
+        self._params = list(dict.fromkeys(self.module.parameters()))
+
+    # --- DeepSpeed's questions ------------------------------------------------------
+    @property
+    def stage_id(self) -> int:
+        return self.topology.pp_rank
+
+    @property
+    def num_stages(self) -> int:
+        return self.topology.pp_size
+
+    def is_first_stage(self) -> bool:
+        return self._first
+
+    def is_last_stage(self) -> bool:
+        return self._last
+
+    @property
+    def global_steps(self) -> int:
+        return self.engine.global_steps
+
+    @property
+    def global_samples(self) -> int:
+        return self.engine.global_samples
+
+    @property
+    def device(self) -> torch.device:
+        return self.topology.device
+
+    @property
+    def optimizer(self) -> Optional[torch.optim.Optimizer]:
+        return self.engine.optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self.engine.lr_scheduler
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.micro_batches
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return int(self.config.train_micro_batch_size_per_gpu)
+
+    def train_batch_size(self) -> int:
+        return int(self.config.train_batch_size)
+
+    def get_lr(self) -> list[float]:
+        return self.engine.get_lr()
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """The unscaled gradient norm of the last step, over every stage (before clipping)."""
+        return self.engine.get_global_grad_norm()
+
+    def train(self, mode: bool = True) -> "PipelineEngine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "PipelineEngine":
+        return self.train(False)
+
+    # --- refused: the schedule runs forward and backward ------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a pipeline engine runs whole batches: engine.train_batch(data_iter) or "
+                           "engine.eval_batch(data_iter), not engine(...) / backward / step (as DeepSpeed's)")
+
+    __call__ = forward
+    backward = forward
+    step = forward
+
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, **kwargs: Any) -> None:
+        raise NotImplementedError("save_checkpoint with pipeline parallelism is not available yet "
+                                  "(docs/pipeline.md, 'Not yet')")
+
+    load_checkpoint = save_checkpoint
+
+    # --- the batch ------------------------------------------------------------------
+    def _loss(self, output: Any, target: Any) -> torch.Tensor:
+        loss = self.module.loss_fn(output, target)
+        scale = self.engine.loss_scale
+        return loss * scale if scale != 1.0 else loss
+
+    def _read(self, data_iter: Optional[Iterator]) -> tuple[tuple, Any]:
+        """(inputs for the first stage or (), labels for the last or None), each the micro-batches of one batch
+        joined on dim 0 (torch's schedule splits them back: every micro-batch must have the same shape)."""
+        if not (self._first or self._last):
+            return (), None
+        if data_iter is None:
+            raise ValueError(f"train_batch/eval_batch: pipeline rank {self.stage_id} holds the "
+                             f"{'first' if self._first else 'last'} stage and needs data_iter")
+        inputs, labels = [], []
+        for index in range(self.micro_batches):
+            try:
+                batch = next(data_iter)
+            except StopIteration:
+                raise ValueError(f"data_iter ran out after {index} of the {self.micro_batches} micro-batches of a "
+                                 "batch (gradient_accumulation_steps)") from None
+            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+                raise ValueError("each micro-batch must be an (inputs, labels) pair, as in DeepSpeed's pipeline")
+            inputs.append(batch[0] if isinstance(batch[0], (tuple, list)) else (batch[0],))
+            labels.append(batch[1])
+        device = self.device
+        joined_inputs: tuple = ()
+        if self._first:
+            joined_inputs = tuple(_join([mb[i] for mb in inputs], device, f"inputs[{i}]")
+                                  for i in range(len(inputs[0])))
+        joined_labels = _join(labels, device, "labels") if self._last else None
+        return joined_inputs, joined_labels
+
+    def _run(self, data_iter: Optional[Iterator], train: bool) -> torch.Tensor:
+        inputs, labels = self._read(data_iter)
+        losses: Optional[list] = [] if self._last else None
+        kwargs = {"target": labels, "losses": losses} if self._last else {}
+        if train:
+            self.schedule.step(*inputs, **kwargs)
+        else:
+            with torch.no_grad():
+                self.schedule.eval(*inputs, **kwargs)
+        return self._batch_loss(losses)
+
+    def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
+        """One optimizer step over `gradient_accumulation_steps` micro-batches of `data_iter` (read on the first
+        and last stage only); returns the batch's mean loss on every rank."""
+        engine = self.engine
+        self.train()
+        with engine.external_backward():
+            loss = self._run(data_iter, train=True)
+            self._finish_gradients()
+        engine.set_gradient_accumulation_boundary(True)
+        engine.step()
+        return loss
+
+    def eval_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
+        """The mean loss over `gradient_accumulation_steps` micro-batches, forward only, on every rank."""
+        if self.config.pipeline.schedule == "zbv_zero_bubble":
+            # torch 2.13's ZBV runtime still steals backward inputs in a forward-only run (AssertionError)
+            raise NotImplementedError("eval_batch with pipeline.schedule 'zbv_zero_bubble' is not available (torch's "
+                                      "ZBV schedule has no forward-only run); evaluate with another schedule")
+        was_training = self.module.training
+        self.eval()
+        try:
+            return self._run(data_iter, train=False)
+        finally:
+            self.train(was_training)
+
+    def _finish_gradients(self) -> None:
+        """Mean over the micro-batches, then the tied copies summed over their stages (before the ZeRO reduce)."""
+        with torch.no_grad():
+            for param in self._params:
+                if param.grad is not None:
+                    param.grad.div_(self.micro_batches)
+            for key, comm in self.plan.tied.items():
+                for param in self.module.tied_parameters(key):
+                    if param.grad is None:
+                        param.grad = torch.zeros_like(param)
+                    comm.all_reduce(param.grad)
+
+    def _batch_loss(self, losses: Optional[list]) -> torch.Tensor:
+        """The mean of the last stage's micro-batch losses (loss scale removed), broadcast over the pipeline."""
+        value = torch.zeros((), dtype=torch.float32, device=self.device)
+        if losses is not None:
+            value = torch.stack([loss.detach().float() for loss in losses]).mean() / self.engine.loss_scale
+            dp = self.engine.comm  # the mean over the stage's data-parallel ranks too, as DeepSpeed's
+            if dp.size > 1:
+                dp.all_reduce(value)
+                value /= dp.size
+        self.plan.pp_comm.broadcast(value, src=self.plan.placement.last_rank)
+        return value
+
+
+def _join(tensors: list, device: torch.device, what: str) -> torch.Tensor:
+    shapes = {tuple(t.shape) for t in tensors}
+    if len(shapes) != 1:
+        raise ValueError(f"pipeline micro-batches must all have one shape (torch's PipelineStage exchanges fixed "
+                         f"shapes; pad to the sequence length): {what} has {sorted(shapes)}")
+    return torch.cat([t.to(device) for t in tensors], dim=0)
