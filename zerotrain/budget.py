@@ -314,7 +314,10 @@ def plan_sizes(budget: int, shape: ModelShape, dp_size: int, config, device_type
              "the largest shard, or DeepSpeed's default if less")
     if "offload_optimizer.buffer_count" in keys:
         from .offload.nvme import DEFAULT_CHUNK_NUMEL
-        record = DEFAULT_CHUNK_NUMEL * (4 + optimizer.per_element + 4)  # a chunk's record and its gradient region
+        narrow = config.bf16_records  # bf16 master (and states): offload.nvme.record_dtypes
+        stored = 2 + optimizer.per_element // (2 if config.bf16.bf16_optimizer_states else 1) if narrow \
+            else 4 + optimizer.per_element
+        record = DEFAULT_CHUNK_NUMEL * (stored + 4)  # a chunk's record and its gradient region
         pick("offload_optimizer.buffer_count", share("offload_optimizer.buffer_count") / record, 2,
              DEEPSPEED["offload_optimizer.buffer_count"], f"record buffers of {format_bytes(record)}")
     return plan

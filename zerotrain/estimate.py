@@ -375,14 +375,20 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
 
     # masters and optimizer states, bucket by bucket (stage 3: parameter by parameter)
     offloaded = _offloaded(shards, ratio) if offload_opt != "none" else [False] * len(shards)
+    # the NVMe records' bytes per element: master, per-element states (bf16_master_weights_and_grads /
+    # bf16_optimizer_states: bf16, the states' fp32 halved; offload.nvme.record_dtypes)
+    narrow = offload_opt == "nvme" and config.bf16_records
+    master_bytes = 2 if narrow else 4
+    state_bytes = 2 if narrow and config.bf16.bf16_optimizer_states else 4
+    stored_states = optimizer.per_element * state_bytes // 4
     for shard, own, off in zip(shards, own_master_possible, offloaded):
         states = shard * optimizer.per_element + optimizer.per_tensor
         if off and offload_opt == "cpu":
             memory.add("master_weights", "host", 4 * shard)
             memory.add("optimizer_states", "host", states)
         elif off:  # nvme: masters and per-element states in files, per-tensor ones in memory
-            memory.add("master_weights", "nvme", 4 * shard)
-            memory.add("optimizer_states", "nvme", shard * optimizer.per_element)
+            memory.add("master_weights", "nvme", master_bytes * shard)
+            memory.add("optimizer_states", "nvme", shard * stored_states)
             memory.add("optimizer_states", "host", optimizer.per_tensor)
         else:
             memory.add("master_weights", "device", 0 if own else 4 * shard)
@@ -394,10 +400,12 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
         from .offload.nvme import DEFAULT_CHUNK_NUMEL
         chunk = round_up(min(DEFAULT_CHUNK_NUMEL, max(host_shards)), 1024)
         region = round_up(chunk * 4)
-        record = region + (optimizer.per_element // 4) * round_up(chunk * 4)
+        record = round_up(chunk * master_bytes) + (optimizer.per_element // 4) * round_up(chunk * state_bytes)
         buffer_count = max(2, int(zero.offload_optimizer.buffer_count))
         memory.add("host_io_buffers", "host", buffer_count * (record + region))
-        memory.nvme_files += _nvme_optimizer_file(host_shards, chunk, optimizer)
+        if narrow:  # the fp32 working copy of one narrow record (NvmeRecords.widen)
+            memory.add("host_io_buffers", "host", (1 + optimizer.per_element // 4) * chunk * 4)
+        memory.nvme_files += _nvme_optimizer_file(host_shards, chunk, optimizer, master_bytes, state_bytes)
         memory.notes.append("NVMe optimizer: the file holds the records once plus 2 spare records per size class "
                             "(a ring committed by an index flip)")
     return memory
@@ -464,14 +472,20 @@ class _ZeroPP:
                                 "inside 'gradients', and as 'loco_errors')")
 
 
-def _nvme_optimizer_file(shards: list[int], chunk: int, optimizer: OptimizerState) -> int:
+def _nvme_optimizer_file(shards: list[int], chunk: int, optimizer: OptimizerState, master_bytes: int = 4,
+                         state_bytes: int = 4) -> int:
     """Bytes of the NVMe optimizer's swap file (`offload.nvme_records`): each shard cut into equal chunks of
-    at most `chunk` elements (rounded to 1024), one record per chunk (the fp32 master and each per-element
-    state, each region 4 KiB-aligned) of its size class, and `DEFAULT_SPARE_RECORDS` spare records per class."""
+    at most `chunk` elements (rounded to 1024), one record per chunk (the master and each per-element state,
+    `master_bytes` / `state_bytes` per element (fp32: 4; bf16 records: 2), each region 4 KiB-aligned) of its size
+    class, and `DEFAULT_SPARE_RECORDS` spare records per class."""
     from .offload.aio import round_up
     from .offload.nvme_records import DEFAULT_SPARE_RECORDS
 
-    regions = 1 + optimizer.per_element // 4  # the master + the fp32 states (Adam: exp_avg, exp_avg_sq)
+    states = optimizer.per_element // 4  # the fp32 states (Adam: exp_avg, exp_avg_sq)
+
+    def record(per: int) -> int:
+        return round_up(per * master_bytes) + states * round_up(per * state_bytes)
+
     total, classes = 0, set()
     for shard in shards:
         if shard <= 0:
@@ -479,8 +493,8 @@ def _nvme_optimizer_file(shards: list[int], chunk: int, optimizer: OptimizerStat
         pieces = -(-shard // chunk)
         per = round_up(-(-shard // pieces), 1024)
         classes.add(per)
-        total += -(-shard // per) * regions * round_up(per * 4)
-    return total + sum(DEFAULT_SPARE_RECORDS * regions * round_up(per * 4) for per in classes)
+        total += -(-shard // per) * record(per)
+    return total + sum(DEFAULT_SPARE_RECORDS * record(per) for per in classes)
 
 
 def default_options(config) -> list[Option]:
