@@ -717,7 +717,7 @@ def _kind_of(model: torch.nn.Module) -> str:
 def estimate(model_spec, config_source, world_size: int, options: Optional[list[Option]] = None,
              device_type: str = "cuda", seq_len: Optional[int] = None,
              micro_batch: Optional[int] = None, memory: Optional[int] = None,
-             ranks_per_node: Optional[int] = None) -> dict:
+             ranks_per_node: Optional[int] = None, sizes: Optional[Callable] = None) -> dict:
     """Everything `zerotrain estimate` prints, as a dict: the model, the world, per-option bytes per rank
     (`RankMemory.as_dict()`), the activations of one micro-batch, and with `memory` (device bytes per
     rank) the largest depth and width of this architecture that fit under the config's own option.
@@ -727,7 +727,11 @@ def estimate(model_spec, config_source, world_size: int, options: Optional[list[
     a group of ep_size ranks, `ExpertParallelMoE(..., shape_comm(ep_size))`: expert parallelism lives in the
     model, not in the config). The world is data x sequence x tensor parallel: `tensor_parallel.autotp_size`
     splits the model by its plan as `initialize` does (ZeRO then partitions over world / tp ranks), and
-    `sequence_parallel_size` splits each sequence. `ranks_per_node`: ranks per node (qgZ's two hops)."""
+    `sequence_parallel_size` splits each sequence. `ranks_per_node`: ranks per node (qgZ's two hops).
+    `sizes`: how the size keys the config leaves unset are chosen (`zerotrain.budget.estimate_sizes`, what
+    `zerotrain estimate` passes: the memory budget's rules, as the engine applies them; called as
+    `sizes(shape, config, zero_ranks, device_type, optimizer, ranks_on_node)` -> (config, plan with `lines()`));
+    None: the config's values (DeepSpeed's defaults where unset)."""
     from .config import load_config
     from .precision import training_dtype
 
@@ -762,6 +766,10 @@ def estimate(model_spec, config_source, world_size: int, options: Optional[list[
         raise ValueError(f"the model's experts are split over {shape.ep_size} ranks, which does not divide the "
                          f"{zero_ranks} ZeRO ranks (world / tensor_parallel.autotp_size)")
     optimizer = probe_optimizer(config.optimizer)
+    budget_lines = None
+    if sizes is not None:  # the unset size keys as the memory budget chooses them
+        config, plan = sizes(shape, config, zero_ranks, device_type, optimizer, per_node)
+        budget_lines = plan.lines()
     per_option = [estimate_option(shape, config, zero_ranks, option, optimizer, device_type, per_node)
                   for option in (options or default_options(config))]
     micro = micro_batch or int(config.train_micro_batch_size_per_gpu)
@@ -776,6 +784,8 @@ def estimate(model_spec, config_source, world_size: int, options: Optional[list[
               "options": [m.as_dict() for m in per_option], "activations": activations.as_dict()}
     if batch_note:
         result["note"] = batch_note
+    if budget_lines is not None:
+        result["memory_budget"] = budget_lines
     if memory is not None:
         if given:
             raise ValueError("--memory's largest-model search resizes a preset, a config.json or a ModelFamily; "
@@ -940,8 +950,9 @@ def add_estimate_parser(sub) -> None:
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
 
 
-def run_estimate(args) -> int:
-    """`zerotrain estimate`: print the table (rich on a terminal) or JSON; 2 on a usage error."""
+def run_estimate(args, sizes: Optional[Callable] = None) -> int:
+    """`zerotrain estimate`: print the table (rich on a terminal) or JSON; 2 on a usage error. `sizes`: see
+    `estimate` (the command passes the memory budget's `zerotrain.budget.estimate_sizes`)."""
     if args.world is not None and args.gpus_per_node is not None:
         return _usage("give --world or --nodes/--gpus-per-node, not both")
     world = args.world if args.world is not None else args.nodes * (args.gpus_per_node or 1)
@@ -956,7 +967,8 @@ def run_estimate(args) -> int:
         memory = parse_bytes(args.memory) if args.memory else None
         result = estimate(args.model, args.config, world, device_type=args.device, seq_len=args.seq_len,
                           micro_batch=args.micro_batch, memory=memory,
-                          ranks_per_node=args.gpus_per_node if args.gpus_per_node is not None else None)
+                          ranks_per_node=args.gpus_per_node if args.gpus_per_node is not None else None,
+                          sizes=sizes)
     except ValueError as exc:  # ConfigError is one: it names the key and file
         return _usage(str(exc))
     if args.json:
@@ -1035,6 +1047,8 @@ def _print_table(result: dict, memory: Optional[int]) -> None:
     ]
     if result.get("note"):
         footer.append(f"note: {result['note']}.")
+    if result.get("memory_budget"):  # the unset size keys, as the engine's memory budget chooses them
+        footer.extend(result["memory_budget"])
     files = [(o["option"], o["nvme_files"]) for o in result["options"] if o.get("nvme_files")]
     for label, nbytes in files:
         footer.append(f"{label}: NVMe swap files {format_bytes(nbytes)} per rank (the nvme column plus alignment, "
