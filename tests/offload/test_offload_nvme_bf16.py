@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from test_offload_nvme_masters import _adamw, _amsgrad_adam  # two groups; amsgrad: the torch step per chunk
 from zerotrain.offload.aio import round_up
 from zerotrain.offload.stochastic_round import round_bf16_, rounding_seed
 
@@ -32,16 +33,6 @@ def _build(tmp_path, make_optimizer, state_dtype=torch.bfloat16):
     # the reference: fp32 masters holding the stored bf16 values (the first records: the shards rounded to nearest)
     ref = [torch.nn.Parameter(p.detach().to(torch.bfloat16).float()) for p in params]
     return params, opt, ref, make_optimizer(ref)
-
-
-def _adamw(params):
-    return torch.optim.AdamW([{"params": [params[0]], "lr": 1e-3},
-                              {"params": [params[1]], "lr": 5e-4, "weight_decay": 0.1}], fused=True)
-
-
-def _amsgrad_adam(params):  # not taken by the CPU Adam kernel: the torch step runs per chunk
-    return torch.optim.Adam([{"params": [params[0]], "lr": 1e-3, "amsgrad": True},
-                             {"params": [params[1]], "lr": 5e-4, "weight_decay": 0.1}], fused=True)
 
 
 def _store_like_the_records(opt, ref, ref_opt, narrow_states: bool) -> None:
