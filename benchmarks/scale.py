@@ -110,10 +110,11 @@ def dd_bandwidth(directory: str, nbytes: int = 1 << 30) -> dict:
     return out
 
 
-def disk_needed(params: int) -> int:
-    """Bytes the run writes on disk at most: 14 per parameter (fp32 master and Adam moments, bf16 weights),
-    each rank's spare records, shard padding (one record per rank per bucket at worst), and dd's file."""
-    return 14 * params + WORLD * (SPARE_RECORDS + 16) * RECORD_BYTES + (1 << 30)
+def disk_needed(params: int, bf16_records: bool = False) -> int:
+    """Bytes the run writes on disk at most: 14 per parameter (fp32 master and Adam moments, bf16 weights; 8
+    with `--bf16-records`), each rank's spare records, shard padding (one record per rank per bucket at worst),
+    and dd's file."""
+    return (8 if bf16_records else 14) * params + WORLD * (SPARE_RECORDS + 16) * RECORD_BYTES + (1 << 30)
 
 
 def du(path: str) -> int:
@@ -269,8 +270,11 @@ def engine_config(spec: dict) -> dict:
         for key, value in (spec.get("resolved") or {}).items():  # the sizes the run chose (for the estimate)
             block, _, name = key.rpartition(".")
             (zero[block] if block else zero)[name] = value
+        bf16 = {"enabled": True}
+        if spec.get("bf16_records"):  # masters and Adam moments stored in bf16 on NVMe
+            bf16.update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
         return {"train_micro_batch_size_per_gpu": spec["micro"], "gradient_accumulation_steps": 1,
-                "bf16": {"enabled": True}, "gradient_clipping": 0.0, "wall_clock_breakdown": True,
+                "bf16": bf16, "gradient_clipping": 0.0, "wall_clock_breakdown": True,
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
                 "zero_optimization": zero, "steps_per_print": 0, "comm_timeout_seconds": 1800}
     nvme = {"device": "nvme", "nvme_path": spec["nvme_dir"], "buffer_count": 4}
@@ -505,8 +509,9 @@ def print_prediction(args, layers: int, width: int, params: int) -> int:
     """--estimate-only: the prediction for this shape, nothing run or written."""
     spec = {"model": args.model, "params": params, "layers": layers, "width": width, "seq": args.seq,
             "micro": args.micro, "steps": args.steps, "bucket": args.bucket, "cache": args.cache,
-            "inner": _llama_inner(width), "nvme_dir": os.path.join(args.nvme_path, "unused"), "out_dir": ""}
-    predicted = predict(dict(spec, resolved=ranks[0]["resolved"]) if spec.get("defaults") else spec)
+            "inner": _llama_inner(width), "nvme_dir": os.path.join(args.nvme_path, "unused"), "out_dir": "",
+            "defaults": args.defaults, "bf16_records": args.bf16_records}
+    predicted = predict(spec)  # with --defaults: the size keys at DeepSpeed's values (the budget is not run)
     print(f"{args.model} {layers}x{width}: {params / 1e9:.3f}B parameters; zerotrain estimate per rank: host RSS "
           f"{predicted['rss'] / 2**30:.2f} GiB (+ the runtime), NVMe files {predicted['nvme'] / 1e9:.2f} GB "
           f"(both ranks {WORLD * predicted['nvme'] / 1e9:.2f} GB = {WORLD * predicted['nvme'] / params:.2f} B/param)")
@@ -641,6 +646,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="no size key set (zerotrain's memory budget chooses them), no activation checkpointing")
     parser.add_argument("--budget", type=float, default=None,
                         help="with --defaults: zero_optimization.memory_budget_bytes (else half the available memory)")
+    parser.add_argument("--bf16-records", action="store_true",
+                        help="with --defaults: bf16.bf16_master_weights_and_grads + bf16_optimizer_states (the NVMe "
+                             "records in bf16: ~8 bytes per parameter on disk instead of 14)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plots", default=None, help="folder for the per-rank memory timeline PNGs")
     parser.add_argument("--estimate-only", action="store_true",
@@ -654,7 +662,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     params = gpt_params(layers, width, args.seq) if args.model == "gpt" else llama_params(layers, width)
     if args.estimate_only:
         return print_prediction(args, layers, width, params)
-    need, free = disk_needed(params), shutil.disk_usage(args.nvme_path).free
+    if args.bf16_records and not args.defaults:
+        parser.error("--bf16-records needs --defaults")
+    need, free = disk_needed(params, args.bf16_records), shutil.disk_usage(args.nvme_path).free
     if free - need < args.keep_free:
         print(f"refusing {args.model} {layers}x{width} ({params / 1e9:.2f}B parameters): it writes up to "
               f"{need / 1e9:.1f} GB under {args.nvme_path}, which has {free / 1e9:.1f} GB free; at least "
@@ -664,7 +674,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     spec = {"model": args.model, "params": params, "layers": layers, "width": width, "seq": args.seq, "micro": args.micro,
             "steps": args.steps, "bucket": args.bucket, "cache": args.cache, "inner": _llama_inner(width),
             "nvme_dir": os.path.join(work, "swap"), "out_dir": work, "defaults": args.defaults,
-            "budget": args.budget}
+            "budget": args.budget, "bf16_records": args.bf16_records}
     os.makedirs(spec["nvme_dir"])
     print(f"{args.model} {layers}x{width}: {params / 1e9:.3f}B parameters; writes up to {need / 1e9:.1f} GB, "
           f"{free / 1e9:.1f} GB free; files under {work}", flush=True)

@@ -25,6 +25,17 @@ memory), and, for zerotrain, the bytes per step of every collective kind read fr
     python benchmarks/zero_speed_memory.py                     # the full run (minutes)
     python benchmarks/zero_speed_memory.py --model tiny --steps 2   # smoke run (< 60 s)
     python benchmarks/zero_speed_memory.py --engines ddp,zt1,zt2 --steps 12 --json out.json
+
+Shapes (`--shape`, issue #27: ZeRO-3's memory on every shape, not only the benchmark's own model): the preset's
+depth and width as
+  gpt          zerotrain's GPT: tied head, fused qkv, byte vocabulary (256) - the default
+  gpt-untied   untied head, vocabulary 8192
+  gpt-vocab    tied head, vocabulary 8192
+  llama        Hugging Face LlamaForCausalLM: separate q/k/v, SwiGLU MLP (4 x width), untied head, vocabulary 8192
+`--matrix` runs FSDP2 and zerotrain ZeRO-3 (`{"stage": 3}` only) on every shape, `--rounds` interleaved rounds,
+and prints peak/FSDP2 and step/FSDP2 per shape (targets: <= 1.00 and <= 0.80):
+
+    python benchmarks/zero_speed_memory.py --matrix --model small --rounds 3 --json matrix.json
 """
 from __future__ import annotations
 
@@ -76,6 +87,8 @@ ZEROTRAIN_VARIANTS: list[tuple[str, str, dict]] = [
     ("zt3", "zerotrain ZeRO-3 (bucketed)", {"stage": 3}),
     ("zt3s", "zerotrain ZeRO-3 (sequential)", {"stage": 3, "stage3_allgather_sequential": True}),
     ("zt3r", "zerotrain ZeRO-3 (DeepSpeed defaults)", {"stage": 3, **ZT3_DEEPSPEED}),
+    # zt3d: {"stage": 3} and no other zero key (not even the benchmark's reduce_bucket_size): what --matrix runs
+    ("zt3d", "zerotrain ZeRO-3 ({\"stage\": 3} only)", {"stage": 3, "_only": True}),
     # zt2g/zt3g: as zt2/zt3 with the same-host transport off: every collective byte through gloo's
     # loopback sockets, as DDP and FSDP2 do here ("_config": top-level config keys).
     ("zt2g", "zerotrain ZeRO-2 (gloo sockets)", {"stage": 2, "_config": {"comm_same_host_transport": False}}),
@@ -129,11 +142,47 @@ def _make_batches(n: int, batch: int, seq_len: int, rank: int) -> list:
     return out
 
 
-def _build_model(preset: str):
+SHAPES = {"gpt": "tied head, fused qkv, V 256", "gpt-untied": "untied head, fused qkv, V 8192",
+          "gpt-vocab": "tied head, fused qkv, V 8192", "llama": "HF Llama: separate q/k/v, untied head, V 8192"}
+LARGE_VOCAB = 8192
+
+
+def _build_model(preset: str, shape: str = "gpt"):
+    """The preset's depth and width in one of `SHAPES`."""
     import torch
     from zerotrain.models import GPT, GPTConfig
     torch.manual_seed(SEED)
-    return GPT(GPTConfig.preset(preset))
+    config = GPTConfig.preset(preset)
+    if shape == "gpt":
+        return GPT(config)
+    if shape in ("gpt-untied", "gpt-vocab"):
+        return GPT(GPTConfig.preset(preset, vocab_size=LARGE_VOCAB, tie_weights=shape == "gpt-vocab"))
+    if shape == "llama":
+        import transformers
+        hf = transformers.LlamaConfig(vocab_size=LARGE_VOCAB, hidden_size=config.n_embd,
+                                      intermediate_size=4 * config.n_embd, num_hidden_layers=config.n_layer,
+                                      num_attention_heads=config.n_head, num_key_value_heads=config.n_head,
+                                      max_position_embeddings=config.block_size, tie_word_embeddings=False)
+        return transformers.LlamaForCausalLM(hf)
+    raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+
+
+def _engine_loss(wrapper, model, x, y):
+    """The mean next-token loss through `wrapper` (the model itself, DDP or an engine) of either kind of `model`:
+    zerotrain's GPT returns (logits, loss); a Hugging Face model `.loss` (labels shifted inside)."""
+    if hasattr(getattr(model, "config", None), "model_type"):
+        return wrapper(input_ids=x, labels=y).loss
+    return wrapper(x, y)[1]
+
+
+def _loss(model, x, y):
+    return _engine_loss(model, model, x, y)
+
+
+def _blocks(model) -> list:
+    """The transformer blocks FSDP2 shards one by one."""
+    inner = getattr(model, "transformer", None)
+    return list(inner.h) if inner is not None else list(model.model.layers)
 
 
 def _adamw_kwargs(impl: str) -> dict:
@@ -157,10 +206,10 @@ class Runner:
 def _setup_ddp(args) -> Runner:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
-    model = DDP(_build_model(args.model))
+    model = DDP(_build_model(args.model, args.shape))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, **_adamw_kwargs(args.adamw))
     r = Runner()
-    r.forward = lambda x, y: model(x, y)[1]
+    r.forward = lambda x, y: _engine_loss(model, model.module, x, y)
     r.backward = lambda loss: loss.backward()
 
     def step():
@@ -179,13 +228,13 @@ def _setup_fsdp2(args) -> Runner:
     except ImportError as error:
         raise Unavailable(f"torch.distributed.fsdp.fully_shard: {error}") from error
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-    model = _build_model(args.model)
-    for block in model.transformer.h:
+    model = _build_model(args.model, args.shape)
+    for block in _blocks(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, **_adamw_kwargs(args.adamw))
     r = Runner()
-    r.forward = lambda x, y: model(x, y)[1]
+    r.forward = lambda x, y: _loss(model, x, y)
     r.backward = lambda loss: loss.backward()
 
     def step():
@@ -212,10 +261,10 @@ def _setup_deepspeed(args, stage: int) -> Runner:
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
     }
-    model = _build_model(args.model)
+    model = _build_model(args.model, args.shape)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     r = Runner()
-    r.forward = lambda x, y: engine(x, y)[1]
+    r.forward = lambda x, y: _engine_loss(engine, model, x, y)
     r.backward = lambda loss: engine.backward(loss)
     r.step = lambda: engine.step()
     return r
@@ -223,8 +272,9 @@ def _setup_deepspeed(args, stage: int) -> Runner:
 
 def _setup_zerotrain(args, overrides: dict) -> Runner:
     import zerotrain
-    zero = {"reduce_bucket_size": args.bucket}
+    zero = {} if overrides.get("_only") else {"reduce_bucket_size": args.bucket}
     zero.update(overrides)
+    zero.pop("_only", None)
     top_level = zero.pop("_config", {})
     config = {
         "train_micro_batch_size_per_gpu": args.batch,
@@ -233,13 +283,13 @@ def _setup_zerotrain(args, overrides: dict) -> Runner:
         "zero_optimization": zero,
         **top_level,
     }
-    model = _build_model(args.model)
+    model = _build_model(args.model, args.shape)
     try:
         engine, _, _, _ = zerotrain.initialize(model=model, config=config)
     except NotImplementedError as error:
         raise Unavailable(f"not available: {error}") from error
     r = Runner()
-    r.forward = lambda x, y: engine(x, y)[1]
+    r.forward = lambda x, y: _engine_loss(engine, model, x, y)
     r.backward = lambda loss: engine.backward(loss)
     r.step = lambda: engine.step()
     r.comm = lambda: engine.memory_report()["comm"]
@@ -365,7 +415,7 @@ def run_engine(engine: str, args, workdir: Path) -> dict:
     """Launch both ranks of one engine in fresh processes; merge their results."""
     port = _free_port()
     procs, logs, outs = [], [], []
-    spec_args = {k: getattr(args, k) for k in ("model", "steps", "warmup", "batch", "seq_len", "bucket", "adamw")}
+    spec_args = {k: getattr(args, k) for k in ("model", "steps", "warmup", "batch", "seq_len", "bucket", "adamw", "shape")}
     started = time.perf_counter()
     for rank in range(WORLD_SIZE):
         out = workdir / f"{engine}.rank{rank}.json"
@@ -480,12 +530,11 @@ def _loadavg() -> float:
 PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold default (zerotrain and DeepSpeed)
 
 
-def _param_bytes(preset: str) -> tuple[int, int, int]:
+def _param_bytes(preset: str, shape: str = "gpt") -> tuple[int, int, int]:
     """(parameters, Ψ = fp32 parameter bytes, bytes of the parameters stage 3 keeps whole)."""
     import torch
-    from zerotrain.models import GPT, GPTConfig
     with torch.device("meta"):
-        model = GPT(GPTConfig.preset(preset))
+        model = _build_model(preset, shape)
     numel = sum(p.numel() for p in model.parameters())
     persistent = sum(p.numel() for p in model.parameters() if p.numel() <= PERSISTENCE_THRESHOLD)
     return numel, numel * 4, persistent * 4  # fp32
@@ -578,6 +627,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "all rounds' steps (evens out background load; default 1)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per engine before it is killed")
     parser.add_argument("--json", dest="json_path", default=None, help="also write all results to this JSON file")
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="gpt",
+                        help="the model's shape at the preset's depth and width (see the module docstring)")
+    parser.add_argument("--matrix", action="store_true",
+                        help="FSDP2 and zerotrain ZeRO-3 ({\"stage\": 3}) on every shape: peak and step vs FSDP2")
     parser.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args._worker is not None:
@@ -596,7 +649,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if "ddp" in engines:  # the baseline first
         engines.remove("ddp")
         engines.insert(0, "ddp")
-    numel, psi, persistent = _param_bytes(args.model)
+    if args.matrix:
+        return run_matrix(args)
+    numel, psi, persistent = _param_bytes(args.model, args.shape)
 
     runs: dict[str, list[dict]] = {e: [] for e in engines}
     with tempfile.TemporaryDirectory(prefix="zt-bench-") as tmp:
@@ -634,6 +689,48 @@ def main(argv: Optional[list[str]] = None) -> int:
         Path(args.json_path).write_text(json.dumps(payload, indent=2))
         print(f"\nwrote {args.json_path}")
     return 0 if all(r["status"] != "failed" for r in results) else 1
+
+
+def run_matrix(args) -> int:
+    """`--matrix`: per shape, FSDP2 and zt3d ({"stage": 3} only) in interleaved rounds (fresh processes each); the ratios."""
+    rows, payload = [], {}
+    with tempfile.TemporaryDirectory(prefix="zt-matrix-") as tmp:
+        for shape in SHAPES:
+            args.shape = shape
+            runs: dict[str, list[dict]] = {"fsdp2": [], "zt3d": []}
+            for round_index in range(args.rounds):
+                for engine in runs:
+                    workdir = Path(tmp) / f"{shape}-{round_index}"
+                    workdir.mkdir(exist_ok=True)
+                    result = run_engine(engine, args, workdir)
+                    result["loadavg_1m_after"] = _loadavg()
+                    runs[engine].append(result)
+                    shown = (f"step {_median(result['step_times']):.3f} s, peak RSS "
+                             f"{'/'.join(f'{v / 2**20:.0f}' for v in result['peak_rss'])} MiB"
+                             if result["status"] == "ok" else f"{result['status']}: {result.get('reason', '')[:200]}")
+                    print(f"[{shape} {ENGINES[engine]} round {round_index + 1}] {shown}, load "
+                          f"{result['loadavg_1m_after']:.1f}", flush=True)
+            fsdp, zt3 = (_summarize(runs[e]) for e in ("fsdp2", "zt3d"))
+            payload[shape] = {"fsdp2": fsdp, "zt3": zt3, "params": _param_bytes(args.model, shape)[0]}
+            if fsdp["status"] != "ok" or zt3["status"] != "ok":
+                rows.append(f"| {shape} | {SHAPES[shape]} | {fsdp['status']} / {zt3['status']} | | | | |")
+                continue
+            # the peak per round is the larger rank's; the ratio of medians over the rounds
+            peak = {name: _median([max(r["peak_rss"]) for r in summary["rounds"]])
+                    for name, summary in (("fsdp2", fsdp), ("zt3", zt3))}
+            rows.append(f"| {shape} | {SHAPES[shape]} | {payload[shape]['params'] / 1e6:.1f}M | "
+                        f"{peak['fsdp2'] / 2**20:.0f} / {peak['zt3'] / 2**20:.0f} | **{peak['zt3'] / peak['fsdp2']:.2f}** | "
+                        f"{fsdp['step_s']:.3f} / {zt3['step_s']:.3f} | **{zt3['step_s'] / fsdp['step_s']:.2f}** |")
+    print(f"\npreset {args.model} depth and width, world {WORLD_SIZE}, B={args.batch}/rank, T={args.seq_len}, fp32 "
+          f"AdamW ({args.adamw}), clip {CLIP}, {args.warmup} + {args.steps} steps x {args.rounds} rounds "
+          f"(interleaved; medians); zerotrain: {{\"stage\": 3}} only (targets: peak <= 1.00x, step <= 0.80x FSDP2)\n")
+    print("| shape | what | params | peak RSS MiB FSDP2 / ZeRO-3 | peak / FSDP2 | step s FSDP2 / ZeRO-3 | step / FSDP2 |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()
+                                                             if not k.startswith("_")}, "shapes": payload}, indent=2))
+    return 0
 
 
 if __name__ == "__main__":

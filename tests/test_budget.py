@@ -133,3 +133,50 @@ def test_host_memory_reads_the_cgroup_limit(tmp_path):
     assert found.available == 3 * GiB and "cgroup v1" in found.source
     assert default_budget(8 * GiB, 2, own=GiB) == int(0.5 * 5 * GiB)
     assert host_memory_available().available > 0  # this machine's
+
+
+def test_the_plan_is_printed_once_per_process_on_rank_0_and_not_when_every_key_is_set(shape, capsys, monkeypatch):
+    from zerotrain import budget
+
+    monkeypatch.setattr(budget, "_announced", [False])
+    chosen = plan_sizes(2 * GiB, shape, 2, nvme_config())
+    all_set = plan_sizes(2 * GiB, shape, 2, nvme_config(reduce_bucket_size=MIN_BUCKET, stage3_max_live_parameters=10**8,
+                                                        offload_param={"max_in_cpu": 0, "buffer_count": 2,
+                                                                       "buffer_size": MIN_BUCKET},
+                                                        offload_optimizer={"buffer_count": 2}))
+    assert all(c.user for c in all_set.choices) and not all(c.user for c in chosen.choices)
+    assert not budget.announce(all_set, 0)  # nothing chosen: nothing to say (and the one print is still due)
+    assert not budget.announce(chosen, 1)  # not rank 1
+    assert capsys.readouterr().err == ""
+    assert budget.announce(chosen, 0)
+    assert capsys.readouterr().err.splitlines() == chosen.lines()
+    assert not budget.announce(chosen, 0)  # a second engine of the process: silent
+    assert capsys.readouterr().err == ""
+
+
+def test_zerotrain_estimate_sizes_the_unset_keys_by_the_budget():
+    """`zerotrain estimate` (estimate(..., sizes=estimate_sizes)) reports the sizes the engine would choose under the
+    config's budget, and estimates the run with them: a small and a large budget give different host buffers."""
+    from zerotrain.budget import estimate_sizes
+    from zerotrain.estimate import estimate
+
+    raw = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/unused"},
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": "/unused"}}}
+    results = {}
+    for budget in (512 * 2**20, 8 * GiB):
+        raw["zero_optimization"]["memory_budget_bytes"] = budget
+        result = estimate("70m", raw, 2, device_type="cpu", sizes=estimate_sizes)
+        meta, _ = load_meta_model("70m", torch.bfloat16)
+        config = load_config(raw, dp_world_size=2)
+        resolved, plan = estimate_sizes(model_shape(meta), config, 2, "cpu", probe_optimizer(config.optimizer))
+        assert result["memory_budget"] == plan.lines(), result["memory_budget"]
+        own = next(o for o in result["options"] if o["option"] == result["config_option"])
+        expected = estimate_option(model_shape(meta), resolved, 2, config_option(resolved),
+                                   probe_optimizer(config.optimizer), "cpu")
+        assert own["rows"] == expected.as_dict()["rows"]
+        results[budget] = own["transient"]["gradient staging"]  # 2 reduce buckets
+    assert results[512 * 2**20] < results[8 * GiB], results
+    plain = estimate("70m", raw, 2, device_type="cpu")  # without sizes: DeepSpeed's defaults, no budget lines
+    assert "memory_budget" not in plain

@@ -17,11 +17,12 @@ from zerotrain.estimate import (Option, estimate, estimate_option, load_meta_mod
 # world 2 (its MLP width is odd) and a mix of partitioned and persistent stage-3 parameters.
 _ZERO = {"reduce_bucket_size": 20000, "stage3_param_persistence_threshold": 1000}
 
-# (stage, offload_optimizer (device, ratio), offload_param, precision)
+# (stage, offload_optimizer (device, ratio), offload_param, precision); "bf16 records": bf16 training with the
+# NVMe records in bf16 (bf16_master_weights_and_grads + bf16_optimizer_states: 6 bytes per Adam parameter)
 CASES = [
     (0, None, None, "fp32"), (1, None, None, "fp32"), (2, None, None, "fp32"), (3, None, None, "fp32"),
     (2, ("cpu", 0.5), None, "fp32"), (3, ("cpu", 1.0), "cpu", "fp32"), (2, None, None, "bf16"),
-    (3, None, "cpu", "bf16"), (2, ("nvme", 1.0), None, "fp32"), (3, None, "nvme", "bf16"),
+    (3, None, "cpu", "bf16"), (2, ("nvme", 1.0), None, "bf16 records"), (3, None, "nvme", "bf16"),
     (3, ("nvme", 1.0), "nvme", "fp32"),  # without clipping the NVMe step streams each gradient shard: none held
 ]
 STREAMED = CASES[-1]
@@ -41,6 +42,8 @@ def _config(stage: int, offload, offload_param, precision: str, nvme_path: str =
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
+    elif precision == "bf16 records":
+        config["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     return config
 
 

@@ -19,8 +19,9 @@ leaves unset is sized from a per-rank budget instead:
   fit is refused before any step, naming its largest consumers and the keys that shrink them.
 
 `plan_sizes` and `check_fits` are pure functions of their arguments (tests call them directly);
-`resolve_memory` is what `initialize` calls: it measures, agrees, plans, prints (rank 0, on stderr, one line
-per choice) and returns the config with the chosen values.
+`resolve_memory` is what the engine calls (however it is built: `initialize` or `ZeroTrainEngine(...)`): it
+measures, agrees, plans, prints (`announce`: rank 0, on stderr, one line per choice, once per process) and
+returns the config with the chosen values. `estimate_sizes` applies the same rules for `zerotrain estimate`.
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ from .estimate import ModelShape, RankMemory, config_option, estimate_option, fo
 from .topology import Topology
 
 __all__ = ["DEFAULT_FRACTION", "SHARES", "HostMemory", "Choice", "MemoryPlan", "host_memory_available",
-           "default_budget", "runtime_bytes", "plan_sizes", "check_fits", "resolve_memory"]
+           "default_budget", "runtime_bytes", "plan_sizes", "check_fits", "resolve_memory", "announce",
+           "estimate_sizes"]
 
 # The share of the host memory available to the job that the budget takes by default: the rest is left to
 # the activations (not known before the first batch), the allocator's caching and the runtime.
@@ -314,7 +316,10 @@ def plan_sizes(budget: int, shape: ModelShape, dp_size: int, config, device_type
              "the largest shard, or DeepSpeed's default if less")
     if "offload_optimizer.buffer_count" in keys:
         from .offload.nvme import DEFAULT_CHUNK_NUMEL
-        record = DEFAULT_CHUNK_NUMEL * (4 + optimizer.per_element + 4)  # a chunk's record and its gradient region
+        narrow = config.bf16_records  # bf16 master (and states): offload.nvme.record_dtypes
+        stored = 2 + optimizer.per_element // (2 if config.bf16.bf16_optimizer_states else 1) if narrow \
+            else 4 + optimizer.per_element
+        record = DEFAULT_CHUNK_NUMEL * (stored + 4)  # a chunk's record and its gradient region
         pick("offload_optimizer.buffer_count", share("offload_optimizer.buffer_count") / record, 2,
              DEEPSPEED["offload_optimizer.buffer_count"], f"record buffers of {format_bytes(record)}")
     return plan
@@ -369,7 +374,41 @@ def check_fits(memory: RankMemory, limit: int, limit_reason: str, device_type: s
                           f"there are ({why}); largest: {named}", key="zero_optimization")
 
 
-# --- what initialize calls ----------------------------------------------------------------------------
+# --- what the engine calls ----------------------------------------------------------------------------
+_announced = [False]  # whether this process printed a plan already
+
+
+def announce(plan: MemoryPlan, rank: int) -> bool:
+    """Print the plan's lines on stderr (a script's own output stays its own), once per process, on rank 0, and
+    only when the budget chose something (every size key set: nothing to say). Later engines of the same process
+    (a test suite, an evaluation engine beside the training one) print nothing: their choices follow the same
+    rules, and `zerotrain estimate` shows them for any config. Returns whether it printed."""
+    if rank != 0 or _announced[0] or all(choice.user for choice in plan.choices):
+        return False
+    _announced[0] = True
+    print("\n".join(plan.lines()), file=sys.stderr, flush=True)
+    return True
+
+
+
+def estimate_sizes(shape: ModelShape, config, zero_ranks: int, device_type: str, optimizer=None,
+                   ranks_on_node: Optional[int] = None, host: Optional[HostMemory] = None):
+    """`zerotrain estimate`'s view of the budget: `config` with its unset size keys as a run of `zero_ranks` ranks
+    (`ranks_on_node` of them on one node) would choose them, and the plan (its `lines()`). The budget is the
+    config's `memory_budget_bytes`, else `DEFAULT_FRACTION` of the host memory available on this machine now
+    (`host`) over the ranks on the node; the runtime (unknown before a run) is not taken off."""
+    zero = config.zero_optimization
+    host = host or host_memory_available()
+    ranks = max(1, int(ranks_on_node or zero_ranks))
+    explicit = zero.memory_budget_bytes
+    budget = int(explicit) if explicit is not None else default_budget(host.available, ranks)
+    reason = (f"{PREFIX}memory_budget_bytes" if explicit is not None else
+              f"{DEFAULT_FRACTION:.0%} of this machine's {host.source} {format_bytes(host.available)} / {ranks} "
+              f"ranks on the node")
+    plan = plan_sizes(budget, shape, zero_ranks, config, device_type, reason, optimizer)
+    return plan.apply(config), plan
+
+
 def resolve_memory(model: torch.nn.Module, config, topology: Topology, comm: Optional[Comm] = None,
                    host: Optional[HostMemory] = None, trains: bool = True):
     """`config` with its unset size keys chosen from the memory budget (agreed over the ZeRO ranks), after
@@ -397,8 +436,7 @@ def resolve_memory(model: torch.nn.Module, config, topology: Topology, comm: Opt
     optimizer = probe_optimizer(config.optimizer)
     plan = plan_sizes(budget, shape, comm.size, config, device_type, reason, optimizer, runtime)
     resolved = plan.apply(config)
-    if topology.rank == 0 and plan.choices:  # on stderr: a script's own output stays its own
-        print("\n".join(plan.lines()), file=sys.stderr, flush=True)
+    announce(plan, topology.rank)
     memory = estimate_option(shape, resolved, comm.size, config_option(resolved), optimizer, device_type)
     limit, why = ((budget, f"{PREFIX}memory_budget_bytes") if explicit is not None
                   else (share, f"{host.source} / {ranks} ranks on the node + this rank's resident bytes"))

@@ -154,8 +154,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "plot":
             return _plot(args)
         if args.command == "estimate":
+            from zerotrain.budget import estimate_sizes
             from zerotrain.estimate import run_estimate
-            return run_estimate(args)
+            return run_estimate(args, sizes=estimate_sizes)  # the unset size keys as the memory budget sizes them
         if args.command == "generate":
             from zerotrain.inference import run_generate, worker_argv as generate_argv
             if args.nproc > 1 and not inside_worker():

@@ -375,14 +375,20 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
 
     # masters and optimizer states, bucket by bucket (stage 3: parameter by parameter)
     offloaded = _offloaded(shards, ratio) if offload_opt != "none" else [False] * len(shards)
+    # the NVMe records' bytes per element: master, per-element states (bf16_master_weights_and_grads /
+    # bf16_optimizer_states: bf16, the states' fp32 halved; offload.nvme.record_dtypes)
+    narrow = offload_opt == "nvme" and config.bf16_records
+    master_bytes = 2 if narrow else 4
+    state_bytes = 2 if narrow and config.bf16.bf16_optimizer_states else 4
+    stored_states = optimizer.per_element * state_bytes // 4
     for shard, own, off in zip(shards, own_master_possible, offloaded):
         states = shard * optimizer.per_element + optimizer.per_tensor
         if off and offload_opt == "cpu":
             memory.add("master_weights", "host", 4 * shard)
             memory.add("optimizer_states", "host", states)
         elif off:  # nvme: masters and per-element states in files, per-tensor ones in memory
-            memory.add("master_weights", "nvme", 4 * shard)
-            memory.add("optimizer_states", "nvme", shard * optimizer.per_element)
+            memory.add("master_weights", "nvme", master_bytes * shard)
+            memory.add("optimizer_states", "nvme", shard * stored_states)
             memory.add("optimizer_states", "host", optimizer.per_tensor)
         else:
             memory.add("master_weights", "device", 0 if own else 4 * shard)
@@ -394,10 +400,12 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
         from .offload.nvme import DEFAULT_CHUNK_NUMEL
         chunk = round_up(min(DEFAULT_CHUNK_NUMEL, max(host_shards)), 1024)
         region = round_up(chunk * 4)
-        record = region + (optimizer.per_element // 4) * round_up(chunk * 4)
+        record = round_up(chunk * master_bytes) + (optimizer.per_element // 4) * round_up(chunk * state_bytes)
         buffer_count = max(2, int(zero.offload_optimizer.buffer_count))
         memory.add("host_io_buffers", "host", buffer_count * (record + region))
-        memory.nvme_files += _nvme_optimizer_file(host_shards, chunk, optimizer)
+        if narrow:  # the fp32 working copy of one narrow record (NvmeRecords.widen)
+            memory.add("host_io_buffers", "host", (1 + optimizer.per_element // 4) * chunk * 4)
+        memory.nvme_files += _nvme_optimizer_file(host_shards, chunk, optimizer, master_bytes, state_bytes)
         memory.notes.append("NVMe optimizer: the file holds the records once plus 2 spare records per size class "
                             "(a ring committed by an index flip)")
     return memory
@@ -464,14 +472,20 @@ class _ZeroPP:
                                 "inside 'gradients', and as 'loco_errors')")
 
 
-def _nvme_optimizer_file(shards: list[int], chunk: int, optimizer: OptimizerState) -> int:
+def _nvme_optimizer_file(shards: list[int], chunk: int, optimizer: OptimizerState, master_bytes: int = 4,
+                         state_bytes: int = 4) -> int:
     """Bytes of the NVMe optimizer's swap file (`offload.nvme_records`): each shard cut into equal chunks of
-    at most `chunk` elements (rounded to 1024), one record per chunk (the fp32 master and each per-element
-    state, each region 4 KiB-aligned) of its size class, and `DEFAULT_SPARE_RECORDS` spare records per class."""
+    at most `chunk` elements (rounded to 1024), one record per chunk (the master and each per-element state,
+    `master_bytes` / `state_bytes` per element (fp32: 4; bf16 records: 2), each region 4 KiB-aligned) of its size
+    class, and `DEFAULT_SPARE_RECORDS` spare records per class."""
     from .offload.aio import round_up
     from .offload.nvme_records import DEFAULT_SPARE_RECORDS
 
-    regions = 1 + optimizer.per_element // 4  # the master + the fp32 states (Adam: exp_avg, exp_avg_sq)
+    states = optimizer.per_element // 4  # the fp32 states (Adam: exp_avg, exp_avg_sq)
+
+    def record(per: int) -> int:
+        return round_up(per * master_bytes) + states * round_up(per * state_bytes)
+
     total, classes = 0, set()
     for shard in shards:
         if shard <= 0:
@@ -479,8 +493,8 @@ def _nvme_optimizer_file(shards: list[int], chunk: int, optimizer: OptimizerStat
         pieces = -(-shard // chunk)
         per = round_up(-(-shard // pieces), 1024)
         classes.add(per)
-        total += -(-shard // per) * regions * round_up(per * 4)
-    return total + sum(DEFAULT_SPARE_RECORDS * regions * round_up(per * 4) for per in classes)
+        total += -(-shard // per) * record(per)
+    return total + sum(DEFAULT_SPARE_RECORDS * record(per) for per in classes)
 
 
 def default_options(config) -> list[Option]:
@@ -703,7 +717,7 @@ def _kind_of(model: torch.nn.Module) -> str:
 def estimate(model_spec, config_source, world_size: int, options: Optional[list[Option]] = None,
              device_type: str = "cuda", seq_len: Optional[int] = None,
              micro_batch: Optional[int] = None, memory: Optional[int] = None,
-             ranks_per_node: Optional[int] = None) -> dict:
+             ranks_per_node: Optional[int] = None, sizes: Optional[Callable] = None) -> dict:
     """Everything `zerotrain estimate` prints, as a dict: the model, the world, per-option bytes per rank
     (`RankMemory.as_dict()`), the activations of one micro-batch, and with `memory` (device bytes per
     rank) the largest depth and width of this architecture that fit under the config's own option.
@@ -713,7 +727,11 @@ def estimate(model_spec, config_source, world_size: int, options: Optional[list[
     a group of ep_size ranks, `ExpertParallelMoE(..., shape_comm(ep_size))`: expert parallelism lives in the
     model, not in the config). The world is data x sequence x tensor parallel: `tensor_parallel.autotp_size`
     splits the model by its plan as `initialize` does (ZeRO then partitions over world / tp ranks), and
-    `sequence_parallel_size` splits each sequence. `ranks_per_node`: ranks per node (qgZ's two hops)."""
+    `sequence_parallel_size` splits each sequence. `ranks_per_node`: ranks per node (qgZ's two hops).
+    `sizes`: how the size keys the config leaves unset are chosen (`zerotrain.budget.estimate_sizes`, what
+    `zerotrain estimate` passes: the memory budget's rules, as the engine applies them; called as
+    `sizes(shape, config, zero_ranks, device_type, optimizer, ranks_on_node)` -> (config, plan with `lines()`));
+    None: the config's values (DeepSpeed's defaults where unset)."""
     from .config import load_config
     from .precision import training_dtype
 
@@ -748,6 +766,10 @@ def estimate(model_spec, config_source, world_size: int, options: Optional[list[
         raise ValueError(f"the model's experts are split over {shape.ep_size} ranks, which does not divide the "
                          f"{zero_ranks} ZeRO ranks (world / tensor_parallel.autotp_size)")
     optimizer = probe_optimizer(config.optimizer)
+    budget_lines = None
+    if sizes is not None:  # the unset size keys as the memory budget chooses them
+        config, plan = sizes(shape, config, zero_ranks, device_type, optimizer, per_node)
+        budget_lines = plan.lines()
     per_option = [estimate_option(shape, config, zero_ranks, option, optimizer, device_type, per_node)
                   for option in (options or default_options(config))]
     micro = micro_batch or int(config.train_micro_batch_size_per_gpu)
@@ -762,6 +784,8 @@ def estimate(model_spec, config_source, world_size: int, options: Optional[list[
               "options": [m.as_dict() for m in per_option], "activations": activations.as_dict()}
     if batch_note:
         result["note"] = batch_note
+    if budget_lines is not None:
+        result["memory_budget"] = budget_lines
     if memory is not None:
         if given:
             raise ValueError("--memory's largest-model search resizes a preset, a config.json or a ModelFamily; "
@@ -926,8 +950,9 @@ def add_estimate_parser(sub) -> None:
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
 
 
-def run_estimate(args) -> int:
-    """`zerotrain estimate`: print the table (rich on a terminal) or JSON; 2 on a usage error."""
+def run_estimate(args, sizes: Optional[Callable] = None) -> int:
+    """`zerotrain estimate`: print the table (rich on a terminal) or JSON; 2 on a usage error. `sizes`: see
+    `estimate` (the command passes the memory budget's `zerotrain.budget.estimate_sizes`)."""
     if args.world is not None and args.gpus_per_node is not None:
         return _usage("give --world or --nodes/--gpus-per-node, not both")
     world = args.world if args.world is not None else args.nodes * (args.gpus_per_node or 1)
@@ -942,7 +967,8 @@ def run_estimate(args) -> int:
         memory = parse_bytes(args.memory) if args.memory else None
         result = estimate(args.model, args.config, world, device_type=args.device, seq_len=args.seq_len,
                           micro_batch=args.micro_batch, memory=memory,
-                          ranks_per_node=args.gpus_per_node if args.gpus_per_node is not None else None)
+                          ranks_per_node=args.gpus_per_node if args.gpus_per_node is not None else None,
+                          sizes=sizes)
     except ValueError as exc:  # ConfigError is one: it names the key and file
         return _usage(str(exc))
     if args.json:
@@ -1021,6 +1047,8 @@ def _print_table(result: dict, memory: Optional[int]) -> None:
     ]
     if result.get("note"):
         footer.append(f"note: {result['note']}.")
+    if result.get("memory_budget"):  # the unset size keys, as the engine's memory budget chooses them
+        footer.extend(result["memory_budget"])
     files = [(o["option"], o["nvme_files"]) for o in result["options"] if o.get("nvme_files")]
     for label, nbytes in files:
         footer.append(f"{label}: NVMe swap files {format_bytes(nbytes)} per rank (the nvme column plus alignment, "

@@ -17,7 +17,6 @@ from .config.batch import GAS, MICRO, TBS
 from .parallel import apply_tensor_parallel, tensor_parallel_comm
 from .parallel.autotp import resolve_plan
 from .parallel.sequence import check_sequence_parallel
-from .budget import resolve_memory
 from .engine import OptimizerLike, ZeroTrainEngine
 from .lifecycle import die_with_parent, under_torchrun
 from .pipe import PipelineEngine, PipelineModule, check_pipeline_config, pipeline_size, prepare_pipeline
@@ -167,8 +166,7 @@ def initialize(model: torch.nn.Module = None, config: Union[dict, str, os.PathLi
         # Layers built under zero.Init are gathered one at a time to be sliced (the slices are plain tensors
         # again, which the engine partitions over the data-parallel group like any other parameter).
         apply_tensor_parallel(model, tensor_parallel_plan, tensor_parallel_comm(topology), whole=GatheredParameters)
-    # the size keys left unset, from the memory budget; a run that cannot fit stops here
-    cfg = resolve_memory(model, cfg, topology, trains=optimizer is not None or cfg.optimizer is not None)
+    # the engine sizes the keys left unset from the memory budget (zerotrain.budget) and refuses a run that cannot fit
     engine = ZeroTrainEngine(model, cfg, topology, model_parameters=model_parameters,
                              optimizer=optimizer, lr_scheduler=lr_scheduler)
     dataloader = engine.use_training_data(training_data, collate_fn) if training_data is not None else None

@@ -62,13 +62,14 @@ def train_modes(nvme_path: str) -> list:
 
 def budget_checks(topology, nvme_path: str) -> dict:
     """The memory budget at world 2 (zerotrain.budget): ranks that see different host memory choose the same
-    sizes (the least budget), and a config that cannot fit its set budget is refused by initialize, before
+    sizes (the least budget), and a config that cannot fit its set budget is refused by initialize (and by a ZeroTrainEngine built directly), before
     any step, with the numbers."""
     import zerotrain
     from models_for_tests import OddMLP
     from zerotrain.budget import HostMemory, _own_rss, default_budget, plan_sizes, resolve_memory
     from zerotrain.config import ConfigError, load_config
     from zerotrain.estimate import model_shape
+    from zerotrain.engine import ZeroTrainEngine
 
     rank = topology.rank
     unset = {"device": "nvme", "nvme_path": os.path.join(nvme_path, "budget")}  # no size key set
@@ -82,11 +83,14 @@ def budget_checks(topology, nvme_path: str) -> dict:
     chosen = (zero.reduce_bucket_size, zero.stage3_max_live_parameters, zero.offload_param.max_in_cpu,
               zero.offload_param.buffer_count, zero.offload_param.buffer_size, zero.offload_optimizer.buffer_count)
     raw["zero_optimization"]["memory_budget_bytes"] = 10_000  # less than the model states and buffers need
-    try:
-        zerotrain.initialize(model=OddMLP(), model_parameters=None, config=raw)
-        refused = ""
-    except ConfigError as error:
-        refused = str(error)
+    refused = []
+    for build in (lambda: zerotrain.initialize(model=OddMLP(), model_parameters=None, config=raw),
+                  lambda: ZeroTrainEngine(OddMLP(), load_config(raw, dp_world_size=2), topology)):  # built directly
+        try:
+            build()
+            refused.append("")
+        except ConfigError as error:
+            refused.append(str(error))
     return {"chosen": chosen, "local_reduce_bucket_size": local.value("reduce_bucket_size"), "refused": refused}
 
 
@@ -96,9 +100,10 @@ def test_offload_param_matches_single_process(tmp_path):
     budgets = [budget for _, budget in results]
     assert budgets[0]["local_reduce_bucket_size"] != budgets[1]["local_reduce_bucket_size"], budgets  # can differ
     assert budgets[0]["chosen"] == budgets[1]["chosen"], budgets  # ... but the ranks agree
-    for budget in budgets:
-        assert "more than the 9.77 KiB there are (zero_optimization.memory_budget_bytes)" in budget["refused"], budget
-        assert "largest: " in budget["refused"] and "needs " in budget["refused"], budget
+    for budget in budgets:  # by initialize and by an engine built directly, the same way
+        for refused in budget["refused"]:
+            assert "more than the 9.77 KiB there are (zero_optimization.memory_budget_bytes)" in refused, budget
+            assert "largest: " in refused and "needs " in refused, budget
     for what, losses, weights, report, stats in results[0][0]:
         assert_matches_reference(f"offload_param {what}", losses, weights, ref_losses, ref_weights)
         # Memory: on the device only fc2.bias remains (its 2-element shard + its 4-element full copy, fp32).

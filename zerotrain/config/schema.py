@@ -67,11 +67,23 @@ class BF16Config(Block):
     """`bf16` (legacy top-level spelling: `bfloat16`)."""
 
     PATH = "bf16"
-    DEEPSPEED_ONLY = frozenset({"immediate_grad_update", "bf16_master_weights_and_grads", "bf16_optimizer_states"})
+    DEEPSPEED_ONLY = frozenset({"immediate_grad_update"})
 
     enabled: Bool = False
     # DeepSpeed's: check the gradients for inf/nan and skip such a step (state untouched), as fp16 does
     check_grad_overflow: Bool = False
+    # DeepSpeed's: masters (and, with the second, Adam's moments) stored in bf16. zerotrain implements them on
+    # the NVMe optimizer's records (stochastic rounding, offload/stochastic_round.py); elsewhere fp32 (warned)
+    bf16_master_weights_and_grads: Bool = False
+    bf16_optimizer_states: Bool = False
+
+    @model_validator(mode="after")
+    def _states_need_masters(self):
+        if self.bf16_optimizer_states and not self.bf16_master_weights_and_grads:
+            raise ConfigError(f"{self.key_path('bf16_optimizer_states')}: requires "
+                              f"{self.key_path('bf16_master_weights_and_grads')} (as DeepSpeed)",
+                              key=self.key_path("bf16_optimizer_states"))
+        return self
 
 
 SaveErrorPolicy = choice("raise", "warn")
@@ -228,6 +240,10 @@ class ZeroTrainConfig(Block):
     def _check_cross_keys(self, info: ValidationInfo):
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one", key="fp16.enabled")
+        if self.bf16.bf16_master_weights_and_grads and not self.bf16_records:
+            warn("bf16.bf16_master_weights_and_grads: bf16 masters and optimizer states are implemented on the "
+                 "NVMe optimizer (bf16.enabled, zero_optimization.stage >= 1, offload_optimizer.device 'nvme'); "
+                 "this run keeps them in fp32", "bf16.bf16_master_weights_and_grads")
         dp = info.context.get("dp_world_size") if isinstance(info.context, dict) else None
         pipe = self.pipeline
         if pipe.stages_per_rank is not None and not pipe.multi_stage and pipe.stages_per_rank != 1:
@@ -240,6 +256,15 @@ class ZeroTrainConfig(Block):
         check_batch_partial(self.train_batch_size, self.train_micro_batch_size_per_gpu,
                             self.gradient_accumulation_steps, dp_world_size=dp)
         return self
+
+    @property
+    def bf16_records(self) -> bool:
+        """Whether the NVMe optimizer stores its masters in bf16 (`bf16.bf16_master_weights_and_grads` where it is
+        implemented: bf16 training, stage >= 1, offload_optimizer on NVMe); its states too with
+        `bf16.bf16_optimizer_states`."""
+        offload = self.zero_optimization.offload_optimizer
+        return bool(self.bf16.enabled and self.bf16.bf16_master_weights_and_grads and self.zero_optimization.stage >= 1
+                    and offload is not None and offload.device == "nvme")
 
     @property
     def precision(self) -> str:

@@ -22,6 +22,7 @@ from ..topology import Topology
 from ..config import ZeroTrainConfig
 from ..zero.forward_only import synced_generate
 from . import export, state
+from ..budget import resolve_memory
 from .core import EngineCore
 from .parts import OptimizerLike, build_parts
 
@@ -34,6 +35,9 @@ class ZeroTrainEngine(EngineCore):
     def __init__(self, model: torch.nn.Module, config: ZeroTrainConfig, topology: Topology,
                  model_parameters: Optional[Iterable] = None, optimizer: OptimizerLike = None,
                  lr_scheduler: Any = None):
+        # the size keys left unset, from the memory budget (every way of building an engine); a run that cannot
+        # fit stops here, before any part is built
+        config = resolve_memory(model, config, topology, trains=optimizer is not None or config.optimizer is not None)
         super().__init__(build_parts(model, config, topology, model_parameters, optimizer, lr_scheduler))
         self._checkpoint_files: dict[str, bytes] = {}  # add_checkpoint_files: copied into every checkpoint
         self._checkpoint_file_makers: list[Callable[[], dict]] = []  # ... and files made at each save

@@ -264,7 +264,8 @@ def _master_optimizer(buckets: list, config: ZeroTrainConfig, topology: Topology
     if offload.device == "nvme":
         return nvme_offload.NvmeOffloadOptimizer(buckets, comm, torch_optimizer, groups, config.gradient_clipping,
                                     nvme_path=offload.nvme_path, buffer_count=int(offload.buffer_count),
-                                    aio=config.aio, stream_gradients=nvme_offload.streams_gradients(config, reducer), **common)
+                                    aio=config.aio, stream_gradients=nvme_offload.streams_gradients(config, reducer),
+                                    **nvme_offload.record_dtypes(config), **common)
     if offload.super_offload:
         # `fences`: waited on by SuperOffload's in-place steps during backward
         return SuperOffloadOptimizer(buckets, comm, torch_optimizer, groups, config.gradient_clipping,

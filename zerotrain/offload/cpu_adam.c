@@ -121,3 +121,27 @@ void zt_adam_step_to(const float *restrict p, const float *restrict g, const flo
         default: break;
     }
 }
+
+/* Stochastic rounding of fp32 to bf16 (offload/stochastic_round.py): the 16 bits dropped are compared with a
+   uniform 16-bit number from a counter-based hash of (seed, element index), so a value rounds up with the
+   probability of its distance from the bf16 below it, and repeated small updates add up in expectation
+   where round-to-nearest would drop every one of them. Deterministic in (seed, index). NaN stays NaN,
+   +-inf stays +-inf. */
+static inline uint32_t zt_mix(uint64_t x) {  /* splitmix64's finalizer */
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return (uint32_t)(x ^ (x >> 31));
+}
+
+void zt_round_bf16(const float *restrict src, uint16_t *restrict dst, int64_t n, uint64_t seed) {
+    uint64_t base = seed * 0xd1342543de82ef95ull;
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t u; memcpy(&u, &src[i], 4);
+        if ((u & 0x7f800000u) == 0x7f800000u) {  /* inf or NaN: no noise */
+            dst[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u) : (uint16_t)(u >> 16);
+        } else {
+            dst[i] = (uint16_t)((u + (zt_mix(base + (uint64_t)i) & 0xffffu)) >> 16);
+        }
+    }
+}

@@ -119,6 +119,8 @@ def kernel() -> Optional[ctypes.CDLL]:
                 lib.zt_adam_step.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.POINTER(_Args)]
                 lib.zt_adam_step_to.restype = None
                 lib.zt_adam_step_to.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.POINTER(_Args)]
+                lib.zt_round_bf16.restype = None  # offload/stochastic_round.py
+                lib.zt_round_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64]
             except (OSError, RuntimeError) as error:
                 lib, reason = None, str(error)
         if lib is None and reason != "ZEROTRAIN_CPU_ADAM=torch":

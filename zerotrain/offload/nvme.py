@@ -75,7 +75,15 @@ from .nvme_records import DEFAULT_CHUNK_NUMEL, Chunk, NvmeRecords, master_placeh
 from .nvme_stream import NvmeStream
 from .partial import SubsetStepper
 
-__all__ = ["NvmeOffloadOptimizer", "DEFAULT_CHUNK_NUMEL", "streams_gradients"]
+__all__ = ["NvmeOffloadOptimizer", "DEFAULT_CHUNK_NUMEL", "streams_gradients", "record_dtypes"]
+
+
+def record_dtypes(config) -> dict[str, Optional[torch.dtype]]:
+    """The dtypes the records store (`NvmeOffloadOptimizer`'s `master_dtype`, `state_dtype`): bf16 masters with
+    `bf16.bf16_master_weights_and_grads`, bf16 fp32-states with `bf16.bf16_optimizer_states` (bf16 training)."""
+    narrow = config.bf16_records
+    return {"master_dtype": torch.bfloat16 if narrow else torch.float32,
+            "state_dtype": torch.bfloat16 if narrow and config.bf16.bf16_optimizer_states else None}
 
 
 def streams_gradients(config, reducer) -> bool:
@@ -102,7 +110,8 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
 
     def __init__(self, *args, nvme_path: str, buffer_count: int = 4, aio=None,
                  chunk_numel: Optional[int] = None, direct: Optional[bool] = None, spare: Optional[int] = None,
-                 stream_gradients: bool = False, **kwargs):
+                 stream_gradients: bool = False, master_dtype: torch.dtype = torch.float32,
+                 state_dtype: Optional[torch.dtype] = None, **kwargs):
         kwargs["host_grads"] = False  # gradients go to the host chunk by chunk, through the buffers
         super().__init__(*args, **kwargs)
         # gradients stepped bucket by bucket during backward (the factory decides: no clipping, no loss
@@ -115,7 +124,8 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         self._stepper = SubsetStepper(self.optimizer)
         self.records = NvmeRecords(self.buckets, self.masters, self.optimizer, self.offloaded, nvme_path=nvme_path,
                                    rank=comm_rank(self), buffer_count=buffer_count, aio=aio, chunk_numel=chunk_numel,
-                                   direct=direct, pin_memory=kwargs.get("pin_memory", False), spare=spare)
+                                   direct=direct, pin_memory=kwargs.get("pin_memory", False), spare=spare,
+                                   master_dtype=master_dtype, state_dtype=state_dtype)
         self.stream = NvmeStream(self.records)
         self._chunks_of: dict[int, list[Chunk]] = {}
         for chunk in self.records.chunks:
@@ -368,12 +378,17 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
 
     def _step_chunk(self, chunk: Chunk, buffer: torch.Tensor, grad_shard: torch.Tensor, multiplier: float,
                     scalars: dict) -> None:
-        """Update the chunk's master and states in `buffer` and cast the new weights into the model's shard."""
+        """Update the chunk's master and states in `buffer` and cast the new weights into the model's shard.
+        A narrow (bf16) record is stepped in fp32 copies and stored back rounded stochastically; the model
+        then gets the stored master, so that it and the records agree."""
         group, master = self.records.group(chunk), self.records.master(chunk, buffer)
         regions = self.records.states(chunk, buffer)
         grad = grad_shard.narrow(0, chunk.start, chunk.numel)
         fresh = not self.records.has_state[chunk.bucket]
         target = self._publish_target(chunk)
+        narrow = self.records.narrow_records
+        if narrow:
+            master, regions = self.records.widen(chunk, buffer, fresh)
         if set(regions) == {"exp_avg", "exp_avg_sq"} and self.cpu_adam.supports(master, group):
             if chunk.bucket not in scalars:  # one step count per bucket, shared by its chunks
                 old = None if fresh else self.optimizer.state.get(self.masters[chunk.bucket], {}).get("step")
@@ -384,13 +399,18 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
                     region.zero_()
             if not (grad.device.type == "cpu" and grad.dtype == torch.float32 and grad.is_contiguous()):
                 grad = self.records.gradient(buffer, chunk.numel).copy_(grad)
-            direct = target.device.type == "cpu" and target.dtype in COPY_BACK_DTYPES and target.is_contiguous()
+            direct = not narrow and target.device.type == "cpu" and target.dtype in COPY_BACK_DTYPES \
+                and target.is_contiguous()
             self._kernel_step(master, grad, regions, scalars[chunk.bucket]["step"], group, multiplier,
                               target if direct else None)
-            if not direct:
-                target.copy_(master)
         else:
+            direct = False
             self._torch_step(chunk, master, grad, regions, fresh, multiplier, buffer, scalars)
+        if narrow:  # the seed: the optimizer's step count (checkpointed), so a resumed run rounds the same way
+            step = scalars[chunk.bucket].get("step", self.stats["steps"])
+            self.records.store(chunk, buffer, master, regions, int(step))
+            master = self.records.master(chunk, buffer)
+        if not direct:
             target.copy_(master)
         self._published_chunk(chunk)
 
@@ -469,7 +489,7 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
             for chunk in chunks:
                 region = self.records.master_region(chunk, buffer)
                 self.records.io.read(self.records.fd, self.records.current(chunk), region).result()
-                self._publish_target(chunk).copy_(region.view(torch.float32)[:chunk.numel])
+                self._publish_target(chunk).copy_(self.records.master(chunk, buffer))
                 self._published_chunk(chunk)
         finally:
             self.records.pool.release(buffer)

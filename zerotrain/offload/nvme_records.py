@@ -2,7 +2,11 @@
 
 A chunk's record, in the swap file and in an I/O buffer, is its fp32 master (one aligned region)
 followed by one aligned region per per-element optimizer state (the group's layout,
-`probe_state_layout`). A buffer holds one record of the largest size and, after it, one fp32
+`probe_state_layout`). With `master_dtype` bf16 (`bf16.bf16_master_weights_and_grads`) the master region
+is bf16, and with `state_dtype` bf16 (`bf16.bf16_optimizer_states`) so are the fp32 states: 6 bytes per
+Adam parameter instead of 12. Such a record is stepped in fp32 (`widen`: an fp32 working copy in a
+scratch buffer) and stored back rounded stochastically (`store`, `stochastic_round.py`); in host memory
+(`paged_in`) masters and states are fp32 as always. A buffer holds one record of the largest size and, after it, one fp32
 region for the chunk's gradient when it must be copied to the host. A bucket's shard is cut into
 chunks of equal size (at most `chunk_numel` elements), so its records all have one size, and the
 same-shaped shards of every layer share it: the record size classes are few.
@@ -38,6 +42,7 @@ import torch
 
 from .aio import ALIGN, AlignedBuffers, AsyncFileIO, OffloadIOError, open_swap_directory, round_up
 from .partial import probe_state_layout
+from .stochastic_round import round_bf16_, rounding_seed
 
 DEFAULT_CHUNK_NUMEL = 1 << 22  # 4M elements: 16 MiB per fp32 region per chunk
 # Spare extents per record size class. Two: a write of a class waits at most for the write of that class
@@ -74,16 +79,23 @@ class NvmeRecords:
     def __init__(self, buckets: Sequence, masters: list[torch.Tensor], optimizer: torch.optim.Optimizer,
                  offloaded: Sequence[bool], *, nvme_path: str, rank: int, buffer_count: int = 4, aio=None,
                  chunk_numel: Optional[int] = None, direct: Optional[bool] = None, pin_memory: bool = False,
-                 spare: Optional[int] = None):
+                 spare: Optional[int] = None, master_dtype: torch.dtype = torch.float32,
+                 state_dtype: Optional[torch.dtype] = None):
         self.buckets, self.masters, self.optimizer, self.rank = buckets, masters, optimizer, rank
+        # what the records store: the master's dtype, and the fp32 states' (None: the optimizer's own)
+        self.master_dtype, self.state_dtype = master_dtype, state_dtype
+        self.narrow_records = master_dtype != torch.float32 or state_dtype not in (None, torch.float32)
+        self._scratch: Optional[torch.Tensor] = None  # fp32 working copy of a narrow record (`widen`)
         shards = [b.shard_numel for b, off in zip(buckets, offloaded) if off] or [1]
         self.chunk_numel = round_up(min(chunk_numel or DEFAULT_CHUNK_NUMEL, max(shards)), ALIGN // 4)
         self.region = round_up(self.chunk_numel * 4)  # one fp32 chunk: the master, the gradient
-        self.layouts: dict[int, list[tuple[str, torch.dtype, int, int]]] = {}  # key, dtype, offset, bytes
+        self.layouts: dict[int, list[tuple[str, torch.dtype, int, int]]] = {}  # key, stored dtype, offset, bytes
+        self.memory_dtypes: dict[int, dict[str, torch.dtype]] = {}  # group -> key -> the optimizer's own dtype
         self.record_bytes: dict[int, int] = {}  # the largest record of each group (chunk_numel elements)
         self._probed: dict[int, list[tuple[str, torch.dtype]]] = {}
         for group in {b.group_index for b, off in zip(buckets, offloaded) if off}:
             self._probed[group] = probe_state_layout(optimizer, group)
+            self.memory_dtypes[group] = dict(self._probed[group])
             self.layouts[group], self.record_bytes[group] = self._layout(group, self.chunk_numel)
         self._class_layouts: dict[tuple[int, int], tuple[list, int]] = {}  # size class -> (layout, record bytes)
         self.chunks: list[Chunk] = []
@@ -119,8 +131,10 @@ class NvmeRecords:
 
     def _layout(self, group: int, numel: int) -> tuple[list[tuple[str, torch.dtype, int, int]], int]:
         """The layout of a record of `numel` elements of `group`: the master first, then each state."""
-        offset, layout = round_up(numel * 4), []
+        offset, layout = round_up(numel * self.master_dtype.itemsize), []
         for key, dtype in self._probed[group]:
+            if dtype == torch.float32 and self.state_dtype is not None:
+                dtype = self.state_dtype
             size = round_up(numel * dtype.itemsize)
             layout.append((key, dtype, offset, size))
             offset += size
@@ -225,10 +239,39 @@ class NvmeRecords:
 
     def master_region(self, chunk: Chunk, buffer: torch.Tensor) -> torch.Tensor:
         """The aligned bytes of the chunk's master at the start of its record (what a master-only read fills)."""
-        return buffer[:round_up(chunk.size_class[1] * 4)]
+        return buffer[:round_up(chunk.size_class[1] * self.master_dtype.itemsize)]
 
     def master(self, chunk: Chunk, buffer: torch.Tensor) -> torch.Tensor:
-        return self.master_region(chunk, buffer).view(torch.float32)[:chunk.numel]
+        """The chunk's master in the buffer, in the records' dtype."""
+        return self.master_region(chunk, buffer).view(self.master_dtype)[:chunk.numel]
+
+    def widen(self, chunk: Chunk, buffer: torch.Tensor, fresh: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """fp32 working copies of the chunk's master and states in the buffer's narrow record, in a scratch
+        buffer (one: the steps run one at a time); states zero where `fresh`. `store` writes them back."""
+        count = 1 + len(self.states(chunk, buffer))
+        if self._scratch is None or self._scratch.numel() < count * self.chunk_numel:
+            self._scratch = torch.empty(count * self.chunk_numel, dtype=torch.float32)
+        views = [self._scratch[i * self.chunk_numel:i * self.chunk_numel + chunk.numel] for i in range(count)]
+        master = views[0].copy_(self.master(chunk, buffer))
+        memory = self.memory_dtypes[self.group(chunk)]
+        states = {}
+        for view, (key, region) in zip(views[1:], self.states(chunk, buffer).items()):
+            if region.dtype == memory[key]:  # stored as the optimizer keeps it: stepped in place
+                view = region
+            states[key] = view.zero_() if fresh else view.copy_(region)
+        return master, states
+
+    def store(self, chunk: Chunk, buffer: torch.Tensor, master: torch.Tensor, states: dict[str, torch.Tensor],
+              step: int) -> None:
+        """The stepped fp32 `master` and `states` (from `widen`) into the buffer's record: bf16 regions rounded
+        stochastically with a seed of (rank, chunk, optimizer step), so a repeated step stores the same bits."""
+        regions = self.states(chunk, buffer)
+        pairs = [(self.master(chunk, buffer), master)] + [(regions[key], states[key]) for key in regions]
+        for which, (region, value) in enumerate(pairs):
+            if region.dtype == torch.bfloat16 and value.dtype == torch.float32:
+                round_bf16_(value, region, rounding_seed(self.rank, chunk.bucket, chunk.index, step, which))
+            else:
+                region.copy_(value)
 
     def states(self, chunk: Chunk, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of the chunk's per-element states in the buffer's record."""
@@ -289,8 +332,9 @@ class NvmeRecords:
                     continue
                 state = self.optimizer.state[self.masters[bucket]]
                 for key, region in self.states(chunk, buffer).items():
+                    dtype = self.memory_dtypes[self.buckets[bucket].group_index][key]
                     if not torch.is_tensor(state.get(key)) or state[key].numel() != numel:
-                        state[key] = torch.empty(numel, dtype=region.dtype)
+                        state[key] = torch.empty(numel, dtype=dtype)
                     state[key].narrow(0, chunk.start, chunk.numel).copy_(region)
         finally:
             self.pool.release(buffer)
@@ -347,14 +391,17 @@ class NvmeRecords:
     # --- accounting ------------------------------------------------------------------
     def account(self, split: dict[str, int]) -> dict[str, int]:
         """An OffloadOptimizer memory split, corrected: the offloaded masters and per-element states counted
-        under `nvme` (in host memory only while resident) and the I/O buffers under `host_buffers`."""
+        under `nvme` (in host memory only while resident; in the records' dtypes) and the I/O buffers (and
+        the fp32 scratch of narrow records) under `host_buffers`."""
         for bucket in self.on_disk:
             numel = self.buckets[bucket].shard_numel
             if not self.resident:
                 split["host"] -= numel * 4  # OffloadOptimizer counts a host master: here a placeholder
             per_element = sum(d.itemsize for _, d, *_ in self.layouts[self.buckets[bucket].group_index])
-            split["nvme"] += (4 + (per_element if self.has_state[bucket] else 0)) * numel
+            split["nvme"] += (self.master_dtype.itemsize + (per_element if self.has_state[bucket] else 0)) * numel
         split["host_buffers"] += self.pool.total_bytes()
+        if self._scratch is not None:
+            split["host_buffers"] += self._scratch.numel() * 4
         return split
 
 

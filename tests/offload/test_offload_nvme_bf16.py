@@ -1,0 +1,120 @@
+"""bf16 records of NVMe offload (`bf16.bf16_master_weights_and_grads`, `bf16.bf16_optimizer_states`): masters and
+Adam states stored in bf16, stepped in fp32, stored back rounded stochastically (`offload/stochastic_round.py`).
+
+Exact where it can be: each step is bit for bit torch's fused AdamW on the fp32 values of the stored bf16 records
+followed by `round_bf16_` with the chunk's seed (kernel path and torch-step path); the files hold 6 bytes per
+Adam parameter (10 with bf16 masters and fp32 states); checkpoints page fp32 values in. The world-2 engine run against fp32 masters
+(the lossy rule) is in tests/offload/test_offload_stage3.py's launch.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_offload_nvme_masters import _adamw, _amsgrad_adam  # two groups; amsgrad: the torch step per chunk
+from zerotrain.offload.aio import round_up
+from zerotrain.offload.stochastic_round import round_bf16_, rounding_seed
+
+SIZES = (12000, 10000)
+CHUNK = 1024
+
+
+def _build(tmp_path, make_optimizer, state_dtype=torch.bfloat16):
+    from zerotrain.offload import NvmeOffloadOptimizer
+    from zerotrain.sharding import ShardGroup
+    from zerotrain.zero.flat import FlatBucket
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n) * 0.05) for n in SIZES]
+    buckets = [FlatBucket(i, [(f"p{i}", p)], i, ShardGroup.local()) for i, p in enumerate(params)]
+    opt = NvmeOffloadOptimizer(buckets, None, make_optimizer(params), [[p] for p in params], 0.0,
+                               nvme_path=str(tmp_path), buffer_count=2, chunk_numel=CHUNK,
+                               master_dtype=torch.bfloat16, state_dtype=state_dtype)
+    # the reference: fp32 masters holding the stored bf16 values (the first records: the shards rounded to nearest)
+    ref = [torch.nn.Parameter(p.detach().to(torch.bfloat16).float()) for p in params]
+    return params, opt, ref, make_optimizer(ref)
+
+
+def _store_like_the_records(opt, ref, ref_opt, narrow_states: bool) -> None:
+    """Round the reference's masters (and states) per chunk with the records' seeds, as `NvmeRecords.store`."""
+    with torch.no_grad():
+        for bucket, r in enumerate(ref):
+            state = ref_opt.state[r]
+            keys = [key for key, *_ in opt.records.layouts[bucket]]
+            tensors = [r.data] + [state[key] for key in keys]
+            step = int(state["step"])
+            for index, start in enumerate(range(0, r.numel(), CHUNK)):
+                for which, tensor in enumerate(tensors):
+                    if which and not narrow_states:
+                        continue
+                    piece = tensor[start:start + CHUNK]
+                    out = torch.empty_like(piece, dtype=torch.bfloat16)
+                    round_bf16_(piece.contiguous(), out, rounding_seed(0, bucket, index, step, which))
+                    piece.copy_(out)
+
+
+@pytest.mark.parametrize("make_optimizer,narrow_states", [(_adamw, True), (_amsgrad_adam, True), (_adamw, False)])
+def test_bf16_records_step_as_torch_then_round_and_take_six_bytes(tmp_path, make_optimizer, narrow_states):
+    params, opt, ref, ref_opt = _build(tmp_path, make_optimizer, torch.bfloat16 if narrow_states else None)
+    per_state = 2 if narrow_states else 4
+    states = [len(opt.records.layouts[group]) for group in range(len(SIZES))]  # amsgrad: 3 in group 0
+    # the file: every chunk's record (bf16 master + states), each region 4 KiB-aligned, plus 2 spares per class
+    per_chunk = [round_up(CHUNK * 2) + k * round_up(CHUNK * per_state) for k in states]
+    assert opt.records.disk_bytes() == sum((-(-n // CHUNK) + 2) * c for n, c in zip(SIZES, per_chunk))
+    for step in range(4):
+        grads = [torch.randn(n) for n in SIZES]
+        for r, g in zip(ref, grads):
+            r.grad = g * 0.5
+        ref_opt.step()
+        _store_like_the_records(opt, ref, ref_opt, narrow_states)
+        opt.update([g.clone() for g in grads], 0.5, range(len(grads)))
+        opt.publish()
+        for p, r in zip(params, ref):  # the model gets the stored bf16 master
+            assert torch.equal(p.detach(), r.detach()), step
+    split = opt.memory_split()
+    assert split["nvme"] == sum((2 + k * per_state) * n for k, n in zip(states, SIZES)), split
+    with opt.resident_states(write_back=False):  # checkpoints see fp32 masters and states holding the bf16 values
+        for master, r in zip(opt.masters, ref):
+            assert master.dtype == torch.float32 and torch.equal(master, r.detach())
+            for key, value in ref_opt.state[r].items():
+                got = opt.optimizer.state[master][key]
+                assert got.dtype == value.dtype and torch.equal(got, value), key
+    opt.close()
+
+
+def test_stochastic_rounding_is_unbiased_deterministic_and_keeps_specials():
+    from zerotrain.offload.cpu_adam import kernel
+
+    assert kernel() is not None, "the C kernel builds here (the fallback is torch's generator)"
+    value = 1.0 + 2 ** -10  # a quarter of the way from bf16's 1.0 to the next value (1 + 2**-7 ... 2**-8 apart)
+    source = torch.full((1 << 16,), value)
+    out, again = torch.empty(1 << 16, dtype=torch.bfloat16), torch.empty(1 << 16, dtype=torch.bfloat16)
+    round_bf16_(source, out, 7)
+    round_bf16_(source, again, 7)
+    assert torch.equal(out, again)
+    assert set(out.float().unique().tolist()) == {1.0, 1.0 + 2 ** -7}  # only the two neighbours
+    assert abs(out.float().mean().item() - value) < 2e-5  # in expectation the value (nearest would give 1.0)
+    assert source.to(torch.bfloat16).float().mean().item() == 1.0
+    round_bf16_(source, again, 8)
+    assert not torch.equal(out, again)  # another seed, other noise
+    specials = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0, -value] + [0.0] * 10)
+    got = round_bf16_(specials, torch.empty(16, dtype=torch.bfloat16), 1).float()
+    assert got[0] == float("inf") and got[1] == -float("inf") and got[2].isnan() and got[3] == 0 and got[4] == 0
+    assert got[5].item() in (-1.0, -1.0 - 2 ** -7)
+
+
+def test_the_keys_need_each_other_and_the_nvme_optimizer():
+    from zerotrain.config import ConfigError, load_config
+    from zerotrain.offload.nvme import record_dtypes
+
+    nvme = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}
+    both = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    with pytest.raises(ConfigError, match="bf16.bf16_optimizer_states: requires bf16.bf16_master_weights_and_grads"):
+        load_config({"bf16": {"enabled": True, "bf16_optimizer_states": True}, "zero_optimization": nvme})
+    config = load_config({"bf16": both, "zero_optimization": nvme})
+    assert record_dtypes(config) == {"master_dtype": torch.bfloat16, "state_dtype": torch.bfloat16}
+    masters_only = load_config({"bf16": dict(both, bf16_optimizer_states=False), "zero_optimization": nvme})
+    assert record_dtypes(masters_only) == {"master_dtype": torch.bfloat16, "state_dtype": None}
+    with pytest.warns(UserWarning, match="bf16.bf16_master_weights_and_grads: .* keeps them in fp32"):
+        on_cpu = load_config({"bf16": both, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
+    assert not on_cpu.bf16_records
