@@ -155,7 +155,7 @@ class Comm:
         if entry is None:
             try:
                 transport = same_host.connect(self.group, self.rank, self.size, self.timeout_seconds)
-            except RuntimeError as error:
+            except (RuntimeError, OSError) as error:
                 raise _failure("same-host transport setup", self.rank, self.size, error) from error
             entry = _SAME_HOST[id(group)] = (group, transport)
         return entry[1]
