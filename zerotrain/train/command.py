@@ -152,14 +152,13 @@ def add_train_parser(sub: Any) -> None:
              "step, RNG and data position; starts from scratch if there is none. --steps is the "
              "total to reach, counting the steps already done",
     )
-    train.add_argument(
-        "--master-port", type=int, default=None, metavar="P",
-        help="rendezvous port for --nproc > 1 (default: a free port picked by the launcher)",
-    )
+    from zerotrain.command import add_node_flags
+    add_node_flags(train)  # several nodes as torchrun takes them (docs/multinode.md)
     train.add_argument(
         "--max-restarts", type=int, default=0, metavar="K",
-        help="with --nproc > 1: restart all ranks up to K times when one fails; each restart resumes "
-             "from the latest committed checkpoint in --save-dir (a stop by signal is never restarted)",
+        help="with --nproc > 1 or several nodes: restart this node's ranks up to K times when one fails (the "
+             "other nodes re-join); each restart resumes from the latest committed checkpoint in --save-dir (a "
+             "stop by signal is never restarted)",
     )
     train.add_argument(
         "--stop-signals", default="SIGTERM,SIGINT,SIGHUP,SIGUSR1", metavar="LIST",
@@ -253,8 +252,9 @@ def check_train_args(args: argparse.Namespace) -> None:
         # key fails here instead of in every worker.
         from zerotrain.config import load_config
         from zerotrain.monitor import check_monitor_libraries
-        config = train_config(args, world_size=args.nproc)
-        check_monitor_libraries(load_config(config, dp_world_size=args.nproc))
+        from zerotrain.command import max_world_size
+        config = train_config(args, world_size=max_world_size(args))
+        check_monitor_libraries(load_config(config, dp_world_size=max_world_size(args)))
 
 
 def train_config(args: argparse.Namespace, *, world_size: int, hidden_size: Optional[int] = None) -> dict:
