@@ -9,7 +9,7 @@ deleted first. Only root can do this: `skip_reason()` says why a test cannot run
 
 A node is a holder process (`sleep`) inside the namespaces; programs join it either as a command
 (`Node.command(argv)`: `nsenter` into its network, UTS and mount namespaces, in this directory) or, for a rank
-forked by `tests/distributed.py` (single-threaded at that point), in-process with `Node.enter()`. Every node's
+forked by `tests/distributed.py` (single-threaded at that point), in-process with `join_as_rank(pids, per_node)`. Every node's
 link interface is called `LINK` (as `eth0` is on every host of a cluster): `GLOO_SOCKET_IFNAME=LINK` makes
 gloo use it. Traffic stays inside the namespaces; the kernel has no netem, so a `rate` (tbf) shapes bandwidth
 only, no latency.
@@ -102,6 +102,32 @@ def clean_leftovers() -> list[str]:
     return removed
 
 
+def enter(pid: int) -> None:
+    """Move this single-threaded process (a rank forked by tests/distributed.py, first thing) into the node whose
+    holder is `pid`: its network, hostname and mount namespace (its /dev/shm); the working directory is kept."""
+    cwd = os.getcwd()
+    libc = _libc()
+    for kind, flag in (("net", _CLONE_NEWNET), ("uts", _CLONE_NEWUTS), ("mnt", _CLONE_NEWNS)):
+        fd = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY)
+        try:
+            _check(libc.setns(fd, flag), f"setns {kind} of the node held by pid {pid}")
+        finally:
+            os.close(fd)
+    os.chdir(cwd)
+
+
+def join_as_rank(pids: Sequence[int], ranks_per_node: int) -> int:
+    """In a rank of tests/distributed.py's `run_distributed`: enter node RANK // ranks_per_node (of the holders
+    `pids`) and set torchrun's per-node variables as a launcher on that node would (LOCAL_RANK, LOCAL_WORLD_SIZE,
+    GROUP_RANK, MASTER_ADDR node 0's address, GLOO_SOCKET_IFNAME the link). Returns the node's index."""
+    rank = int(os.environ["RANK"])
+    node = rank // ranks_per_node
+    enter(pids[node])
+    os.environ.update(LOCAL_RANK=str(rank % ranks_per_node), LOCAL_WORLD_SIZE=str(ranks_per_node),
+                      GROUP_RANK=str(node), MASTER_ADDR=f"{SUBNET}.1", GLOO_SOCKET_IFNAME=LINK)
+    return node
+
+
 @dataclass
 class Node:
     """One node: its index, netns name, hostname, address on the link and holder process."""
@@ -116,18 +142,10 @@ class Node:
         return ["nsenter", f"--target={self.holder.pid}", "--net", "--uts", "--mount", f"--wd={os.getcwd()}",
                 "--", *argv]
 
-    def enter(self) -> None:
-        """Move this single-threaded process into the node (network, hostname, mount namespace: its /dev/shm);
-        the working directory is kept."""
-        cwd = os.getcwd()
-        libc = _libc()
-        for kind, flag in (("net", _CLONE_NEWNET), ("uts", _CLONE_NEWUTS), ("mnt", _CLONE_NEWNS)):
-            fd = os.open(f"/proc/{self.holder.pid}/ns/{kind}", os.O_RDONLY)
-            try:
-                _check(libc.setns(fd, flag), f"setns {kind} of node {self.index}")
-            finally:
-                os.close(fd)
-        os.chdir(cwd)
+    @property
+    def pid(self) -> int:
+        """The holder's pid: what `enter(pid)` takes in a spawned rank."""
+        return self.holder.pid
 
     def exec(self, *argv: str) -> subprocess.CompletedProcess:
         """Run a short command inside the node's network namespace (e.g. `ip link set LINK down`)."""
