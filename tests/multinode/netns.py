@@ -174,8 +174,8 @@ class Nodes:
 @contextlib.contextmanager
 def two_nodes(rate: Optional[str] = None, shm_size: str = "256m") -> Iterator[Nodes]:
     """Two nodes, `SUBNET`.1 and `SUBNET`.2, joined by a veth pair called `LINK` on both sides (shaped by a tbf
-    qdisc to `rate`, e.g. "1gbit", when given); hostnames node0 and node1; each with loopback up and a private
-    tmpfs of `shm_size` over /dev/shm. Everything is removed on exit, also when the body raised."""
+    qdisc to `rate`, e.g. "1gbit", when given); hostnames node0 and node1 (each node's own /etc/hosts names both);
+    each with loopback up and a private tmpfs of `shm_size` over /dev/shm. Everything is removed on exit, also when the body raised."""
     clean_leftovers()
     run = f"{_PREFIX}{os.getpid()}x{next(_COUNTER)}"
     names = [f"{run}n{i}" for i in range(2)]
@@ -188,6 +188,8 @@ def two_nodes(rate: Optional[str] = None, shm_size: str = "256m") -> Iterator[No
             _run(["ip", "-n", name, "link", "set", "lo", "up"])
         _run(["ip", "-n", names[0], "link", "add", LINK, "type", "veth", "peer", "name", LINK, "netns", names[1]])
         nodes = []
+        # every node resolves every node's name, as on a cluster (torchrun's c10d rendezvous resolves its own)
+        hosts = "127.0.0.1 localhost\\n" + "".join(f"{SUBNET}.{i + 1} node{i}\\n" for i in range(len(names)))
         for index, name in enumerate(names):
             address = f"{SUBNET}.{index + 1}"
             _run(["ip", "-n", name, "addr", "add", f"{address}/24", "dev", LINK])
@@ -198,8 +200,9 @@ def two_nodes(rate: Optional[str] = None, shm_size: str = "256m") -> Iterator[No
             hostname = f"node{index}"
             holder = subprocess.Popen(
                 ["ip", "netns", "exec", name, "unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c",
-                 f"hostname {hostname} && mount -t tmpfs -o size={shm_size} tmpfs /dev/shm && echo ready "
-                 f"&& exec sleep 100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                 f"hostname {hostname} && mount -t tmpfs -o size={shm_size} tmpfs /dev/shm "
+                 f"&& printf '{hosts}' > /dev/shm/.zerotrain-netns-hosts "
+                 f"&& mount --bind /dev/shm/.zerotrain-netns-hosts /etc/hosts && echo ready && exec sleep 100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                 start_new_session=True)
             holders.append(holder)
             line = holder.stdout.readline().strip()

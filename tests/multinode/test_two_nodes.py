@@ -121,3 +121,26 @@ def _weights_after(steps: int) -> dict:
     if steps not in _REFERENCE:
         _REFERENCE[steps] = reference_training(OddMLP, make_batches(steps, 8))[1]
     return _REFERENCE[steps]
+
+
+def test_nodes_are_torn_down_when_the_body_fails_and_leftovers_of_a_dead_run_are_removed():
+    def ours() -> list[str]:
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        return [name for name in listed if name.startswith("ztmn")]
+
+    with pytest.raises(RuntimeError, match="a failing test"):
+        with netns.two_nodes(rate="100mbit") as nodes:
+            holders = [node.pid for node in nodes.nodes]
+            assert len([name for name in ours() if name.startswith(f"ztmn{os.getpid()}x")]) == 2
+            raise RuntimeError("a failing test")
+    assert not [name for name in ours() if name.startswith(f"ztmn{os.getpid()}x")]
+    assert not [pid for pid in holders if os.path.exists(f"/proc/{pid}")]
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that no longer runs: the creator of a crashed run's namespace
+    leftover = f"ztmn{gone.pid}x0n0"
+    subprocess.run(["ip", "netns", "add", leftover], check=True)
+    try:
+        assert leftover in netns.clean_leftovers()
+        assert leftover not in ours()
+    finally:
+        subprocess.run(["ip", "netns", "del", leftover], capture_output=True)
