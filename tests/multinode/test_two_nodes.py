@@ -1,6 +1,6 @@
 """2 nodes x 2 ranks over network namespaces (tests/multinode/netns.py): ZeRO-3 and ZeRO-3 + hpZ train as one
 process does, the node-aware layout holds (same-host transport only inside a node, hpZ's secondary partition
-inside a node, one tokenization per node), and the checkpoint the 2-node job saves loads on one node and
+inside a node, one tokenization per node, the NVMe swap path node-local), and the checkpoint the 2-node job saves loads on one node and
 continues exactly. One 4-rank launch and one 2-rank launch."""
 from __future__ import annotations
 
@@ -18,20 +18,24 @@ pytestmark = pytest.mark.skipif(netns.skip_reason() is not None, reason=str(netn
 STEPS = 3  # the 2-node job's steps; the 1-node job continues with one more
 
 
-def _config(hpz: int) -> dict:
+NVME = "/dev/shm/nvme"  # the same path on every node, each node's own (private) file system
+
+
+def _config(hpz: int, nvme: bool = False) -> dict:
+    offload = {"offload_param": {"device": "nvme", "nvme_path": NVME, "buffer_count": 2}} if nvme else {}
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4 // int(os.environ["WORLD_SIZE"]),
             "gradient_clipping": 1.0, "comm_timeout_seconds": 60,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
             "zero_optimization": {"stage": 3, "reduce_bucket_size": 40, "stage3_param_persistence_threshold": 0,
-                                  "zero_hpz_partition_size": hpz}}
+                                  "zero_hpz_partition_size": hpz, **offload}}
 
 
-def _train(hpz: int, batches) -> tuple:
+def _train(hpz: int, batches, nvme: bool = False) -> tuple:
     import zerotrain
     from models_for_tests import OddMLP, train_global_step
 
     torch.manual_seed(0)
-    engine, _, _, _ = zerotrain.initialize(model=OddMLP(), config=_config(hpz))
+    engine, _, _, _ = zerotrain.initialize(model=OddMLP(), config=_config(hpz, nvme))
     losses = [train_global_step(engine, batch, micro=2) for batch in batches]
     return engine, losses
 
@@ -51,6 +55,11 @@ def two_node_job(pids: list, save_dir: str, data_file: str, tokenizer_dir: str) 
         if hpz == 2:
             engine.save_checkpoint(save_dir, tag="two_nodes")
             out["world_same_host"] = engine.comm._same_host() is not None  # spans both nodes: sockets
+    engine, losses = _train(1, batches, nvme=True)  # parameters swapped to a node-local "NVMe" path
+    out["nvme"] = {"losses": losses, "weights": {k: v.clone() for k, v in engine.full_state_dict().items()},
+                   "swap": sorted(name.split("-")[2] for name in os.listdir(NVME))}  # this node's ranks' directories
+    torch.distributed.barrier()  # every rank has looked before any removes its swap directory
+    engine.close()
     topology = Topology.build()
     group, rank, size = topology.partition_group(2)  # hpZ's secondary partition: this node's two ranks
     inside = Comm(group, rank, size, CommCounters(), timeout_seconds=60)
@@ -97,6 +106,9 @@ def test_two_nodes_train_as_one_process_and_the_checkpoint_loads_on_one_node(tmp
             assert_same_training(result[hpz]["losses"], result[hpz]["weights"] if rank == 0 else {},
                                  ref_losses[:STEPS], _weights_after(STEPS) if rank == 0 else {},
                                  where=f"rank {rank} hpz {hpz}")
+        assert_same_training(result["nvme"]["losses"], result["nvme"]["weights"] if rank == 0 else {},
+                             ref_losses[:STEPS], _weights_after(STEPS) if rank == 0 else {}, where=f"rank {rank} nvme")
+        assert result["nvme"]["swap"] == [f"r{2 * (rank // 2)}", f"r{2 * (rank // 2) + 1}"], result["nvme"]["swap"]
         assert not result["world_same_host"], rank  # never through shared memory across the link
         assert result["node_same_host"], rank  # the node's own ranks do read each other's memory
         assert result["node_group"] == [2.0 * (rank // 2), 2.0 * (rank // 2) + 1], rank  # within the node
