@@ -248,14 +248,15 @@ def test_train_takes_the_multi_node_flags_launch_takes(capsys):
     """`train --nnodes N --node-rank R --master-addr H --master-port P`: torchrun's static rendezvous on every
     node (as `zerotrain launch`), the world N x --nproc in the checked config; bad ones are one line, rc 2."""
     from zerotrain.cli import build_parser
-    from zerotrain.train.command import launch_options, worker_argv
+    from zerotrain.command import node_rendezvous
+    from zerotrain.train.command import worker_argv
 
     argv = ["train", "--nproc", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
             "--master-port", "29600", "--per-device-train-batch-size", "3", "--max-steps", "4"]
     args = build_parser().parse_args(argv)
-    assert launch_options(args) == ["--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1",
+    assert node_rendezvous(args) == ["--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1",
                                     "--master_port", "29600", "--nproc_per_node", "2"]
-    assert launch_options(build_parser().parse_args(["train", "--nproc", "2"]))[0] == "--standalone"
+    assert node_rendezvous(build_parser().parse_args(["train", "--nproc", "2"]))[0] == "--standalone"
     assert not any(a.startswith(("--nnodes", "--node-rank", "--master")) for a in worker_argv(args))
     assert main([*argv, "--print-config"]) == 0
     assert json.loads(capsys.readouterr().out)["train_batch_size"] == 3 * 4  # 2 nodes x 2 ranks

@@ -28,7 +28,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from zerotrain.command import PROG, CLIError, HelpFormatter, inside_worker, report_error, rendezvous, run_torchrun
+from zerotrain.command import (PROG, CLIError, HelpFormatter, add_node_flags, inside_worker, max_world_size, multi_node,
+                               node_rendezvous, report_error, rendezvous, run_torchrun)
 
 __all__ = ["main", "build_parser"]
 
@@ -100,18 +101,14 @@ def _add_launch_parser(sub) -> None:
             "Start SCRIPT with its ARGS on --nproc processes per node through PyTorch's launcher "
             "(python -m torch.distributed.run), with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and "
             "MASTER_PORT set, and --local_rank=N appended for scripts whose source declares "
-            "'--local_rank' (see zerotrain.launcher). Multi-node: run it on every node with the same "
-            "--nnodes, --master-addr and --master-port and that node's --node-rank."
+            "'--local_rank' (see zerotrain.launcher). Multi-node (docs/multinode.md): run it on every node with "
+            "the same --nnodes, --master-addr and --master-port and that node's --node-rank, or elastic: "
+            "--rdzv-backend c10d --rdzv-endpoint HOST:PORT --nnodes MIN:MAX on every node."
         ),
         formatter_class=HelpFormatter,
     )
     launch.add_argument("--nproc", type=int, default=1, metavar="N", help="processes (ranks) on this node")
-    launch.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of nodes")
-    launch.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node's index (0..nnodes-1)")
-    launch.add_argument("--master-addr", default=None, metavar="HOST",
-                        help="address of node 0 (required with --nnodes > 1; default 127.0.0.1)")
-    launch.add_argument("--master-port", type=int, default=None, metavar="P",
-                        help="rendezvous port on node 0 (default: a free port, single node only)")
+    add_node_flags(launch)  # --nnodes, --node-rank, --master-addr/--master-port, --rdzv-backend/--rdzv-endpoint ...
     launch.add_argument("--no-local-rank", action="store_true",
                         help="never append --local_rank=N to the script's arguments")
     launch.add_argument("--max-restarts", type=int, default=0, metavar="K",
@@ -174,12 +171,12 @@ def _run(args: argparse.Namespace) -> int:
             check_train_args(args)
             if args.print_config:
                 from zerotrain.train.command import train_config
-                return _print_config(train_config(args, world_size=args.nproc * args.nnodes))
+                return _print_config(train_config(args, world_size=max_world_size(args)))
             done = None if inside_worker() else already_trained(args)
             if done is not None:  # --resume at or past --steps: nothing to launch (rc 0, as the HF Trainer)
                 print(done, flush=True)
                 return 0
-            if (args.nproc > 1 or args.nnodes > 1) and not inside_worker():
+            if (args.nproc > 1 or multi_node(args)) and not inside_worker():
                 return _launch(args)
             return run_train(args)
     except CLIError as exc:
@@ -215,10 +212,10 @@ def _is_config_error(exc: BaseException) -> bool:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    """Re-run `train` under torch.distributed.run with ``args.nproc`` workers."""
-    from zerotrain.train.command import launch_options, worker_argv
+    """Re-run `train` under torch.distributed.run with ``args.nproc`` workers on this node (of --nnodes)."""
+    from zerotrain.train.command import worker_argv
 
-    return run_torchrun(launch_options(args),
+    return run_torchrun(node_rendezvous(args),
                         ["-m", "zerotrain.cli", *worker_argv(args)], stop_signals=args.stop_signals,
                         max_restarts=args.max_restarts, stop_timeout=args.stop_timeout)
 
@@ -229,15 +226,9 @@ def _launch_script(args: argparse.Namespace) -> int:
 
     if args.nproc < 1:
         raise CLIError(f"--nproc must be >= 1, got {args.nproc}")
-    if args.nnodes < 1:
-        raise CLIError(f"--nnodes must be >= 1, got {args.nnodes}")
-    if not 0 <= args.node_rank < args.nnodes:
-        raise CLIError(f"--node-rank must be in [0, {args.nnodes}), got {args.node_rank}")
-    if args.nnodes > 1 and (args.master_addr is None or args.master_port is None):
-        raise CLIError("--nnodes > 1 needs --master-addr and --master-port (node 0's address and a free port)")
+    workers = node_rendezvous(args)
     if not Path(args.script).is_file():
         raise CLIError(f"script {args.script!r} not found")
-    workers = rendezvous(args.nproc, args.nnodes, args.node_rank, args.master_addr, args.master_port)
     if args.max_restarts < 0 or args.stop_timeout < 0:
         raise CLIError("--max-restarts and --stop-timeout must be >= 0")
     return run_torchrun(workers, worker_target(args.script, args.script_args, not args.no_local_rank),

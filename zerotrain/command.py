@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["HelpFormatter", "CLIError", "PROG", "inside_worker", "print_error", "report_error", "rendezvous", "run_torchrun"]
+__all__ = ["HelpFormatter", "CLIError", "PROG", "inside_worker", "print_error", "report_error", "rendezvous", "run_torchrun",
+           "add_node_flags", "node_rendezvous", "multi_node", "max_world_size"]
 
 PROG = "zerotrain"
 WORKER_ENV_VARS = ("RANK", "LOCAL_RANK")
@@ -65,6 +66,86 @@ def rendezvous(nproc: int, nnodes: int = 1, node_rank: int = 0, master_addr: Opt
         cmd = ["--nnodes", str(nnodes), "--node_rank", str(node_rank),
                "--master_addr", master_addr or "127.0.0.1", "--master_port", str(master_port or 29500)]
     return cmd + ["--nproc_per_node", str(nproc)]
+
+
+def add_node_flags(parser: argparse.ArgumentParser) -> None:
+    """torchrun's multi-node options, by its names (hyphens or underscores): a static rendezvous (`--nnodes N
+    --node-rank R --master-addr HOST --master-port P`) or an elastic one (`--rdzv-backend c10d --rdzv-endpoint
+    HOST:PORT --nnodes MIN:MAX`); `node_rendezvous` checks them and turns them into the agent's options."""
+    parser.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
+                        help="number of nodes; MIN:MAX with --rdzv-backend c10d (elastic: the job runs with any "
+                             "number of nodes in that range and re-forms when one leaves or joins)")
+    parser.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=None, metavar="R",
+                        help="this node's index, 0..nnodes-1 (static rendezvous; default 0)")
+    parser.add_argument("--master-addr", "--master_addr", dest="master_addr", default=None, metavar="HOST",
+                        help="address of node 0, reachable from every node (static rendezvous; required with "
+                             "--nnodes > 1)")
+    parser.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=None, metavar="P",
+                        help="rendezvous port on node 0 (static; required with --nnodes > 1; default on one "
+                             "node: a free port picked by the launcher)")
+    parser.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default="static",
+                        choices=("static", "c10d"),
+                        help="static: fixed nodes and ranks (--node-rank, --master-addr); c10d: elastic, node "
+                             "ranks assigned at the rendezvous at --rdzv-endpoint")
+    parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default=None,
+                        metavar="HOST:PORT",
+                        help="the c10d rendezvous store: one node's address and a free port (that node hosts it)")
+    parser.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default="none", metavar="ID",
+                        help="the job's id, the same on every node (c10d)")
+    parser.add_argument("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", default=None, metavar="K=V,...",
+                        help="torchrun's rendezvous settings, e.g. join_timeout=60,last_call_timeout=1,"
+                             "close_timeout=10 (c10d)")
+
+
+def _node_range(nnodes: str) -> tuple[int, int]:
+    low, sep, high = str(nnodes).partition(":")
+    try:
+        bounds = (int(low), int(high) if sep else int(low))
+    except ValueError:
+        raise CLIError(f"--nnodes must be N or MIN:MAX, got {nnodes!r}") from None
+    if bounds[0] < 1 or bounds[1] < bounds[0]:
+        raise CLIError(f"--nnodes must be >= 1 (and MIN <= MAX), got {nnodes!r}")
+    return bounds
+
+
+def max_world_size(args: argparse.Namespace) -> int:
+    """The most ranks the job can have: --nproc per node times the most nodes (--nnodes N or MIN:MAX)."""
+    return args.nproc * _node_range(args.nnodes)[1]
+
+
+def multi_node(args: argparse.Namespace) -> bool:
+    """Whether the options ask for more than this node (several nodes, or an elastic rendezvous)."""
+    return _node_range(args.nnodes)[1] > 1 or args.rdzv_backend != "static"
+
+
+def node_rendezvous(args: argparse.Namespace) -> list[str]:
+    """The agent's rendezvous options for `add_node_flags`' options (and --nproc); a clear error for a bad mix."""
+    low, high = _node_range(args.nnodes)
+    if args.rdzv_backend == "static":
+        if low != high:
+            raise CLIError(f"--nnodes {args.nnodes}: a range needs the elastic rendezvous (--rdzv-backend c10d "
+                           "--rdzv-endpoint HOST:PORT)")
+        if args.rdzv_endpoint is not None:
+            raise CLIError("--rdzv-endpoint is for --rdzv-backend c10d; the static rendezvous takes --master-addr "
+                           "and --master-port")
+        node_rank = 0 if args.node_rank is None else args.node_rank
+        if not 0 <= node_rank < high:
+            raise CLIError(f"--node-rank must be in [0, {high}), got {node_rank}")
+        if high > 1 and (args.master_addr is None or args.master_port is None):
+            raise CLIError("--nnodes > 1 needs --master-addr and --master-port (node 0's address and a free port)")
+        return rendezvous(args.nproc, high, node_rank, args.master_addr, args.master_port)
+    if args.rdzv_endpoint is None:
+        raise CLIError("--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT (one node's address and a free port)")
+    for flag, value in (("--node-rank", args.node_rank), ("--master-addr", args.master_addr),
+                        ("--master-port", args.master_port)):
+        if value is not None:
+            raise CLIError(f"{flag} is for the static rendezvous; with --rdzv-backend c10d the node ranks and the "
+                           "master are assigned at --rdzv-endpoint")
+    cmd = ["--nnodes", f"{low}:{high}", "--rdzv_backend", "c10d", "--rdzv_endpoint", args.rdzv_endpoint,
+           "--rdzv_id", args.rdzv_id]
+    if args.rdzv_conf:
+        cmd += ["--rdzv_conf", args.rdzv_conf]
+    return cmd + ["--nproc_per_node", str(args.nproc)]
 
 
 def agent_signals(stop_signals: str) -> str:

@@ -43,15 +43,20 @@ class _PointToPoint:
     """Handle of one collective built from point-to-point transfers: wait() waits for every
     transfer (naming the collective on failure), then runs the local `finish` step once."""
 
-    def __init__(self, works: list, finish: Optional[Callable[[], None]], kind: str, rank: int, size: int):
+    def __init__(self, works: list, finish: Optional[Callable[[], None]], kind: str, rank: int, size: int,
+                 peers: Optional[list[str]] = None):
+        """`peers[i]`: what `works[i]` waits for, e.g. "a receive from global rank 2" (named in a failure)."""
         self._works, self._finish, self._kind, self._rank, self._size = works, finish, kind, rank, size
+        self._peers = peers or [""] * len(works)
 
     def wait(self) -> bool:
+        index = 0
         try:
-            for work in self._works:
+            for index, work in enumerate(self._works):
                 work.wait()
         except RuntimeError as error:
-            raise _failure(self._kind, self._rank, self._size, error) from error
+            peer = self._peers[index]  # a dead host or a cut link: the peer this rank waited on
+            raise _failure(self._kind + (f" ({peer})" if peer else ""), self._rank, self._size, error) from error
         self._works = []
         if self._finish is not None:
             finish, self._finish = self._finish, None
@@ -161,7 +166,7 @@ class Comm:
         if entry is None:
             try:
                 transport = same_host.connect(self.group, self.rank, self.size, self.timeout_seconds)
-            except RuntimeError as error:
+            except (RuntimeError, OSError) as error:
                 raise _failure("same-host transport setup", self.rank, self.size, error) from error
             entry = _SAME_HOST[id(group)] = (group, transport)
         return entry[1]
@@ -189,15 +194,17 @@ class Comm:
         in_world = self.group is None or self.group == dist.group.WORLD
         name = "WORLD" if in_world else getattr(self.group, "group_name", str(id(self.group)))
         tag = _NEXT_TAG[name] = _NEXT_TAG[name] % (1 << 30) + 1
-        works = []
+        works, waits = [], []
         try:
             for peer, tensor in receives.items():
                 works.append(dist.irecv(tensor, src=self._global(peer), group=self.group, tag=tag))
+                waits.append(f"a receive from global rank {self._global(peer)}")
             for peer, tensor in sends.items():
                 works.append(dist.isend(tensor, dst=self._global(peer), group=self.group, tag=tag))
+                waits.append(f"a send to global rank {self._global(peer)}")
         except RuntimeError as error:
             raise _failure(kind, self.rank, self.size, error) from error
-        handle = _PointToPoint(works, finish, kind, self.rank, self.size)
+        handle = _PointToPoint(works, finish, kind, self.rank, self.size, waits)
         if async_op:
             return handle
         handle.wait()

@@ -26,11 +26,14 @@ block also reads every op whose data is there, so no rank waits on a peer that w
 A peer that dies (its pid is gone or a zombie) or does not answer within the group's timeout
 ends the wait with an error naming that peer's rank.
 
-Enabled when every rank of the group is on this host (same hostname and boot id), on Linux
-x86-64 (its stores are seen in program order by other cores, which the records rely on), and a
-probe read of every peer succeeds (ptrace policy allows it: under Yama's ptrace_scope 1 the ranks
-name their common parent as the one allowed ptracer, `allow_siblings`); otherwise the group keeps
-gloo's sockets.
+Enabled when every rank of the group is on this host (same hostname, boot id and network
+namespace: two network namespaces on one kernel are two hosts, whose traffic must cross their
+link), on Linux x86-64 (its stores are seen in program order by other cores, which the records
+rely on), every rank could open and map rank 0's mailbox (containers started with
+`--network=host --pid=host` share hostname, boot id and pids but each have their own
+`/dev/shm`), and a probe read of every peer succeeds (ptrace policy allows it: under Yama's
+ptrace_scope 1 the ranks name their common parent as the one allowed ptracer, `allow_siblings`);
+every rank learns every rank's answer before the verdict, so all keep gloo's sockets otherwise.
 `ZEROTRAIN_SAME_HOST_TRANSPORT=0` turns it off.
 """
 from __future__ import annotations
@@ -100,6 +103,30 @@ def _boot_id() -> str:
         return ""
 
 
+def _net_namespace() -> str:
+    """This process's network namespace (the inode of /proc/self/ns/net; "" where there is none)."""
+    try:
+        return str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        return ""
+
+
+def _mailbox_bytes(size: int) -> int:
+    return 8 * (1 + size * _BLOCK)
+
+
+def open_mailbox(path: str, size: int) -> Optional[mmap.mmap]:
+    """Map the mailbox file at `path` for a group of `size` ranks; None when this rank cannot see it
+    (another /dev/shm than rank 0's, another file system) or it is not the expected size."""
+    try:
+        with open(path, "r+b") as file:
+            if os.fstat(file.fileno()).st_size != _mailbox_bytes(size):
+                return None
+            return mmap.mmap(file.fileno(), _mailbox_bytes(size))
+    except (OSError, ValueError):
+        return None
+
+
 def read_from(pid: int, address: int, destination: torch.Tensor) -> None:
     """Copy destination.nbytes bytes at `address` in process `pid` into `destination` (contiguous)."""
     libc = _libc()
@@ -162,11 +189,11 @@ class _Op:
 class SameHostTransport:
     """Reduce-scatter and all-gather between the ranks of one group on one host (see module doc)."""
 
-    def __init__(self, rank: int, size: int, pids: list[int], mailbox_path: str, timeout_seconds: float):
+    def __init__(self, rank: int, size: int, pids: list[int], mailbox: mmap.mmap, timeout_seconds: float):
+        """`mailbox`: the group's mailbox as mapped by `open_mailbox` (the transport owns it from here)."""
         self.rank, self.size, self.pids = rank, size, pids
         self.timeout_seconds = timeout_seconds
-        with open(mailbox_path, "r+b") as file:
-            self._map = mmap.mmap(file.fileno(), 8 * (1 + size * _BLOCK))
+        self._map = mailbox
         self._words = (ctypes.c_int64 * (1 + size * _BLOCK)).from_buffer(self._map)
         self._base = ctypes.addressof(self._words)
         self._next_op = 1  # op 0 would match the mailbox's zeroed records
@@ -328,7 +355,8 @@ class _Handle:
 
 def connect(group: Optional[dist.ProcessGroup], rank: int, size: int,
             timeout_seconds: float) -> Optional[SameHostTransport]:
-    """Collective over `group`: a transport when every rank is on this host and can read the others, else None."""
+    """Collective over `group`: a transport when every rank is on this host, maps the mailbox and can read the
+    others, else None (on every rank: the verdict is agreed)."""
     here = supported_here()
     probe = torch.tensor([rank * 7919 + 12345], dtype=torch.int64)
     mailbox = None
@@ -336,21 +364,24 @@ def connect(group: Optional[dist.ProcessGroup], rank: int, size: int,
         directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         mailbox = os.path.join(directory, f"zerotrain-mailbox-{uuid.uuid4().hex}")
         with open(mailbox, "wb") as file:
-            file.truncate(8 * (1 + size * _BLOCK))
+            file.truncate(_mailbox_bytes(size))
+    mapped: Optional[mmap.mmap] = None
     try:
-        info = (here, socket.gethostname(), _boot_id(), os.getpid(), probe.data_ptr(), mailbox, os.getppid())
+        info = (here, (socket.gethostname(), _boot_id(), _net_namespace()), os.getpid(), probe.data_ptr(), mailbox,
+                os.getppid())
         everyone: list = [None] * size
         dist.all_gather_object(everyone, info, group=group)
-        same_host = everyone[0][5] is not None and all(entry[0] and entry[1:3] == everyone[0][1:3]
-                                                         for entry in everyone)
+        same_host = everyone[0][4] is not None and all(entry[0] and entry[1] == everyone[0][1] for entry in everyone)
+        if same_host:  # the same host by every name, but perhaps not the same /dev/shm: this rank must see the file
+            mapped = open_mailbox(everyone[0][4], size)
         readable = False
-        if same_host and allow_siblings(_ptrace_scope(), [entry[6] for entry in everyone]):
+        if same_host and allow_siblings(_ptrace_scope(), [entry[5] for entry in everyone]):
             dist.barrier(group=group)  # every rank allows its siblings before anyone probes
-        if same_host:
+        if mapped is not None:
             try:
                 for peer in range(size):
                     value = torch.empty(1, dtype=torch.int64)
-                    read_from(everyone[peer][3], everyone[peer][4], value)
+                    read_from(everyone[peer][2], everyone[peer][3], value)
                     readable = int(value) == peer * 7919 + 12345
                     if not readable:
                         break
@@ -360,10 +391,12 @@ def connect(group: Optional[dist.ProcessGroup], rank: int, size: int,
         dist.all_gather_object(verdicts, readable, group=group)
         transport = None
         if all(verdicts):
-            pids = [entry[3] for entry in everyone]
-            transport = SameHostTransport(rank, size, pids, everyone[0][5], timeout_seconds)
+            pids = [entry[2] for entry in everyone]
+            transport, mapped = SameHostTransport(rank, size, pids, mapped, timeout_seconds), None
         dist.barrier(group=group)  # every rank has mapped the mailbox (or given up) before it goes away
     finally:
+        if mapped is not None:  # mapped, but some rank could not: sockets for all
+            mapped.close()
         if mailbox is not None:
             os.unlink(mailbox)
     return transport

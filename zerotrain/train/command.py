@@ -28,7 +28,7 @@ DEFAULT_VAL_FRACTION = 0.02
 TRAIN_DEFAULTS = {"logging_steps": 10}
 DEFAULT_STEPS = 50  # optimizer steps when neither --max-steps nor --num-train-epochs is given
 
-__all__ = ["add_train_parser", "check_train_args", "already_trained", "worker_argv", "launch_options", "run_train", "lora_options", "model_engine",
+__all__ = ["add_train_parser", "check_train_args", "already_trained", "worker_argv", "run_train", "lora_options", "model_engine",
            "train_model", "train_engine", "load_weights"]
 
 
@@ -151,20 +151,13 @@ def add_train_parser(sub: Any) -> None:
              "step, RNG and data position; starts from scratch if there is none. --steps is the "
              "total to reach, counting the steps already done",
     )
-    train.add_argument("--nnodes", type=int, default=1, metavar="N",
-                       help="number of machines; run the same command on each, with its --node-rank and node 0's "
-                            "--master-addr and --master-port (the world is N x --nproc ranks)")
-    train.add_argument("--node-rank", type=int, default=0, metavar="R", help="this machine's index (0..nnodes-1)")
-    train.add_argument("--master-addr", default=None, metavar="HOST",
-                       help="address of node 0 (required with --nnodes > 1)")
-    train.add_argument(
-        "--master-port", type=int, default=None, metavar="P",
-        help="rendezvous port on node 0 (required with --nnodes > 1; default: a free port picked by the launcher)",
-    )
+    from zerotrain.command import add_node_flags
+    add_node_flags(train)  # several nodes as torchrun takes them (docs/multinode.md)
     train.add_argument(
         "--max-restarts", type=int, default=0, metavar="K",
-        help="with --nproc > 1: restart all ranks up to K times when one fails; each restart resumes "
-             "from the latest committed checkpoint in --save-dir (a stop by signal is never restarted)",
+        help="with --nproc > 1 or several nodes: restart this node's ranks up to K times when one fails (the "
+             "other nodes re-join); each restart resumes from the latest committed checkpoint in --save-dir (a "
+             "stop by signal is never restarted)",
     )
     train.add_argument(
         "--stop-signals", default="SIGTERM,SIGINT,SIGHUP,SIGUSR1", metavar="LIST",
@@ -182,12 +175,8 @@ def check_train_args(args: argparse.Namespace) -> None:
     """Reject what can be rejected before any process starts."""
     if args.nproc < 1:
         raise CLIError(f"--nproc must be >= 1, got {args.nproc}")
-    if args.nnodes < 1:
-        raise CLIError(f"--nnodes must be >= 1, got {args.nnodes}")
-    if not 0 <= args.node_rank < args.nnodes:
-        raise CLIError(f"--node-rank must be in [0, {args.nnodes}), got {args.node_rank}")
-    if args.nnodes > 1 and (args.master_addr is None or args.master_port is None):
-        raise CLIError("--nnodes > 1 needs --master-addr and --master-port (node 0's address and a free port)")
+    from zerotrain.command import node_rendezvous
+    node_rendezvous(args)  # the node options (--nnodes, --node-rank, --rdzv-*) are checked before any process starts
     if args.steps is not None and args.steps < 0:
         raise CLIError(f"--max-steps must be >= 0, got {args.steps}")
     if args.num_train_epochs is not None and args.num_train_epochs <= 0:
@@ -264,8 +253,9 @@ def check_train_args(args: argparse.Namespace) -> None:
         # key fails here instead of in every worker.
         from zerotrain.config import load_config
         from zerotrain.monitor import check_monitor_libraries
-        config = train_config(args, world_size=args.nproc * args.nnodes, steps=args.steps or 1)  # the steps: once the data is read
-        check_monitor_libraries(load_config(config, dp_world_size=args.nproc * args.nnodes))
+        from zerotrain.command import max_world_size
+        config = train_config(args, world_size=max_world_size(args), steps=args.steps or 1)  # the steps: once the data is read
+        check_monitor_libraries(load_config(config, dp_world_size=max_world_size(args)))
 
 
 def train_config(args: argparse.Namespace, *, world_size: int, hidden_size: Optional[int] = None,
@@ -343,14 +333,6 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--add-tokens", *args.add_tokens]
     argv += [f"--{dest.replace('_', '-')}" for dest in _WORKER_FLAGS if getattr(args, dest)]
     return argv
-
-
-def launch_options(args: argparse.Namespace) -> list[str]:
-    """torch.distributed.run's rendezvous options for this node's --nproc workers (multi-node: --nnodes, --node-rank,
-    --master-addr, --master-port, as `zerotrain launch` takes them)."""
-    from zerotrain.command import rendezvous
-
-    return rendezvous(args.nproc, args.nnodes, args.node_rank, args.master_addr, args.master_port)
 
 
 def run_train(args: argparse.Namespace) -> int:
