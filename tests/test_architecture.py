@@ -200,6 +200,47 @@ def test_the_probe_check_can_fail(tmp_path):
     assert sorted(engine_probes(source)) == [("getattr", 1), ("getattr", 3), ("getattr", 3), ("hasattr", 2)]
 
 
+# -- nor do the parts probe each other: a capability is a declared member (zero/interfaces.py, ShardLayout) -----
+
+# What the parts hold each other as (`reducer`, `self.zero_optimizer`, `self.buckets[i]`, `part.owner`, ...).
+PART_NAMES = {"reducer", "zero_optimizer", "fetcher", "param_store", "store", "comm", "part", "parts", "bucket",
+              "buckets", "records", "stream", "checkpointer", "weights", "owner", "fence", "fences", "loss_scaler",
+              "reduce", "timers", "monitor", "monitors"}
+
+
+def part_probes(path: Path) -> list[tuple[str, int]]:
+    """(`getattr`/`hasattr`, line) of every probe by name of an object held under a part's name in `path`
+    (`hasattr(reducer, "x")`, `getattr(self.buckets[i], "x", False)`, `getattr(optimizer.comm, "rank", 0)`)."""
+    def held_as(node) -> str:
+        while isinstance(node, ast.Subscript):
+            node = node.value
+        if isinstance(node, ast.Name):
+            return node.id.lstrip("_")
+        if isinstance(node, ast.Attribute):
+            return node.attr.lstrip("_")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" and node.args:
+            return held_as(node.args[0])
+        return ""
+
+    return [(node.func.id, node.lineno) for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr") and node.args and held_as(node.args[0]) in PART_NAMES]
+
+
+def test_no_part_probes_another_by_name():
+    broken = [f"{path.relative_to(ROOT)}:{line}: {probe}(...)" for path in sorted(PACKAGE.rglob("*.py"))
+              for probe, line in part_probes(path)]
+    assert broken == [], "probes of a part by name (declare the member in its interface):\n" + "\n".join(broken)
+
+
+def test_the_part_probe_check_can_fail(tmp_path):
+    source = tmp_path / "sample.py"
+    source.write_text("a = hasattr(reducer, 'release_final_shards')\nb = getattr(self.buckets[i], 'offloaded', 0)\n"
+                      "c = getattr(optimizer.comm, 'rank', 0)\nd = getattr(part, 'store', None)\n"
+                      "e = getattr(self.dataloader, 'sampler', None)\nf = getattr(model, 'config', None)\n")
+    assert sorted(part_probes(source)) == [("getattr", 2), ("getattr", 3), ("getattr", 4), ("hasattr", 1)]
+
+
 # -- no import cycles ------------------------------------------------------------------------------------------
 #
 # Module by module: every import counts, lazy ones inside functions too, and importing `a.b.c` also imports the
