@@ -41,14 +41,14 @@ import weakref
 from collections import OrderedDict
 from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
-from types import SimpleNamespace
 from typing import Iterable, Optional
 
 import torch
 
 from ..zero.interfaces import ParamStore
 from ..zero.stage3.context import register_param_store_factory
-from .aio import AlignedBuffers, AsyncFileIO, OffloadIOError, aligned_empty, open_swap_directory, round_up
+from .aio import (AlignedBuffers, AsyncFileIO, OffloadIOError, aio_settings, aligned_empty, open_swap_directory,
+                  round_up)
 
 
 def _host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -535,9 +535,7 @@ def init_param_store(config: dict, rank: int) -> Optional[NvmeParamStore]:
     offload = zero.get("offload_param") or {}
     if offload.get("device") != "nvme" or not offload.get("nvme_path"):
         return None
-    aio = dict(config.get("aio") or {})
-    aio.setdefault("intra_op_parallelism", aio.get("thread_count", 1))  # the old name, as the config reads it
-    aio = SimpleNamespace(**aio)
+    aio = aio_settings(config.get("aio"))
     return NvmeParamStore([], str(offload["nvme_path"]), rank, buffer_count=int(offload.get("buffer_count", 5)),
                           buffer_size=int(offload.get("buffer_size", 100_000_000)),
                           max_in_cpu=int(offload.get("max_in_cpu", 1_000_000_000)),
