@@ -8,12 +8,23 @@ from the doc itself, so the doc and this check cannot drift apart.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "zerotrain"
 DOC = ROOT / "docs" / "architecture.md"
+
+
+def parsed(path: Path) -> ast.Module:
+    """The syntax tree of `path`, parsed once per content for all the checks below."""
+    return _parse(path.read_text(), str(path))
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(text: str, filename: str) -> ast.Module:
+    return ast.parse(text, filename)
 
 
 def rules() -> dict[str, set[str]]:
@@ -45,7 +56,7 @@ def imports(path: Path) -> list[tuple[str, int]]:
     """(absolute module name, line) of every zerotrain import in `path`, lazy ones included."""
     package = list(path.relative_to(ROOT).parts[:-1])  # what `from .` means here, module or __init__
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.Import):
             found += [(alias.name, node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -101,7 +112,7 @@ def distributed_rules() -> dict[str, set[str]]:
 
 def distributed_calls(path: Path) -> list[tuple[str, int]]:
     """(function, line) of every call into torch.distributed in `path`, whatever it is imported as."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = parsed(path)
     aliases = {}  # local dotted name -> what it stands for
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -177,7 +188,7 @@ def probes(path: Path, names: set) -> list[tuple[str, int]]:
             return held_as(node.args[0])  # a part of it, reached by name
         return ""
 
-    return [(node.func.id, node.lineno) for node in ast.walk(ast.parse(path.read_text(), str(path)))
+    return [(node.func.id, node.lineno) for node in ast.walk(parsed(path))
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
             and node.func.id in ("getattr", "hasattr") and node.args and held_as(node.args[0]) in names]
 
@@ -279,7 +290,7 @@ def runtime_imports(path: Path, root: Path = ROOT) -> list[tuple[str, int]]:
         for child in ast.iter_child_nodes(node):
             visit(child)
 
-    visit(ast.parse(path.read_text(), str(path)))
+    visit(parsed(path))
     return [(name, line) for name, line in found if name == "zerotrain" or name.startswith("zerotrain.")]
 
 
