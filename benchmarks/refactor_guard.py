@@ -2,6 +2,12 @@
 
     python benchmarks/refactor_guard.py --before /path/to/old/checkout --after . --rounds 3
 
+    # the commit before a refactor, checked out beside this one (each side runs its own code):
+    git worktree add --detach /tmp/zt-before 41f9958
+    python benchmarks/refactor_guard.py --before /tmp/zt-before --after . --rounds 3
+    # a smoke run of the script itself (seconds per round, numbers meaningless):
+    python benchmarks/refactor_guard.py --before /tmp/zt-before --after . --rounds 1 --steps 1 --model tiny --seq-len 32
+
 Runs, for each round, `benchmarks/zero_speed_memory.py` (ZeRO-1/2/3 engines, the 70M GPT at world 2)
 and `benchmarks/offload.py --parts step` (plain and super offload, with and without clipping) from the
 `--before` checkout, then the same from the `--after` checkout (each script runs the code of its own
@@ -21,20 +27,22 @@ import tempfile
 from pathlib import Path
 
 
-def _zero(checkout: Path, engines: str, steps: int, out: Path) -> dict[str, list[float]]:
+def _zero(checkout: Path, engines: str, steps: int, out: Path, shape: list[str]) -> dict[str, list[float]]:
     subprocess.run([sys.executable, str(checkout / "benchmarks/zero_speed_memory.py"), "--engines", engines,
-                    "--steps", str(steps), "--warmup", "2", "--json", str(out)], check=True,
+                    "--steps", str(steps), "--warmup", "2", *shape, "--json", str(out)], check=True,
                    stdout=subprocess.DEVNULL, timeout=3600)
     results = json.loads(out.read_text())["results"]
     return {r["label"]: [t for run in r.get("rounds", [r]) for t in run.get("step_times", [])] for r in results}
 
 
-def _offload(checkout: Path, steps: int) -> dict[str, list[float]]:
+def _offload(checkout: Path, steps: int, shape: list[str]) -> dict[str, list[float]]:
     done = subprocess.run([sys.executable, str(checkout / "benchmarks/offload.py"), "--parts", "step",
-                           "--steps", str(steps)], check=True, capture_output=True, text=True, timeout=3600)
+                           "--steps", str(steps), *shape], check=True, capture_output=True, text=True, timeout=3600)
     rows: dict[str, list[float]] = {}
     for line in done.stdout.splitlines():  # | mode | fwd | bwd | step | total | vs plain | spec |
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 7 and cells[1].startswith("failed"):  # a mode whose ranks failed: no number to compare
+            raise SystemExit(f"{checkout}: benchmarks/offload.py {cells[0]}: {cells[1]}\n{done.stdout}{done.stderr}")
         if len(cells) == 7 and re.fullmatch(r"[0-9.]+", cells[4]):
             label = cells[0]
             while label in rows:  # the same label in the second (clipping) launch
@@ -50,14 +58,18 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--engines", default="zt1,zt2,zt3")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--model", default="70m", help="GPT preset of both scripts: 70m (the numbers), tiny (a smoke run)")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sample in both scripts (tiny: at most 32)")
     args = parser.parse_args()
     times: dict[str, dict[str, list[float]]] = {"before": {}, "after": {}}
+    shape = ["--model", args.model, "--seq-len", str(args.seq_len)]
     with tempfile.TemporaryDirectory() as tmp:
         for round_index in range(args.rounds):
             for which in ("before", "after"):
                 checkout = getattr(args, which).resolve()
-                found = _zero(checkout, args.engines, args.steps, Path(tmp) / f"{which}{round_index}.json")
-                found.update({f"offload: {k}": v for k, v in _offload(checkout, max(3, args.steps // 2)).items()})
+                found = _zero(checkout, args.engines, args.steps, Path(tmp) / f"{which}{round_index}.json", shape)
+                found.update({f"offload: {k}": v
+                              for k, v in _offload(checkout, max(3, args.steps // 2), shape).items()})
                 for label, values in found.items():
                     times[which].setdefault(label, []).extend(values)
                 print(f"round {round_index + 1}/{args.rounds} {which}: "

@@ -8,12 +8,23 @@ from the doc itself, so the doc and this check cannot drift apart.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "zerotrain"
 DOC = ROOT / "docs" / "architecture.md"
+
+
+def parsed(path: Path) -> ast.Module:
+    """The syntax tree of `path`, parsed once per content for all the checks below."""
+    return _parse(path.read_text(), str(path))
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(text: str, filename: str) -> ast.Module:
+    return ast.parse(text, filename)
 
 
 def rules() -> dict[str, set[str]]:
@@ -45,7 +56,7 @@ def imports(path: Path) -> list[tuple[str, int]]:
     """(absolute module name, line) of every zerotrain import in `path`, lazy ones included."""
     package = list(path.relative_to(ROOT).parts[:-1])  # what `from .` means here, module or __init__
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.Import):
             found += [(alias.name, node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -101,7 +112,7 @@ def distributed_rules() -> dict[str, set[str]]:
 
 def distributed_calls(path: Path) -> list[tuple[str, int]]:
     """(function, line) of every call into torch.distributed in `path`, whatever it is imported as."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = parsed(path)
     aliases = {}  # local dotted name -> what it stands for
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -162,23 +173,29 @@ def test_the_distributed_check_sees_every_alias(tmp_path):
 ENGINE_NAMES = {"engine", "_engine"}  # `engine`, `self.engine`, `self._engine`, `trainer.engine`, ...
 
 
-def engine_probes(path: Path) -> list[tuple[str, int]]:
-    """(`getattr`/`hasattr`, line) of every probe of an engine by name in `path`: the first argument is a name
-    or attribute called `engine`/`_engine`, possibly nested (`getattr(getattr(engine, "x"), "y")`)."""
-    tree = ast.parse(path.read_text(), str(path))
-
-    def is_engine(node) -> bool:
+def probes(path: Path, names: set) -> list[tuple[str, int]]:
+    """(`getattr`/`hasattr`, line) of every probe by name, in `path`, of an object held under one of `names`
+    (a name or attribute, `_` prefix or not, indexed or not: `engine`, `self._engine`, `self.buckets[i]`), also
+    nested (`getattr(getattr(engine, "x"), "y")`: both)."""
+    def held_as(node) -> str:
+        while isinstance(node, ast.Subscript):
+            node = node.value
         if isinstance(node, ast.Name):
-            return node.id in ENGINE_NAMES
+            return node.id.lstrip("_")
         if isinstance(node, ast.Attribute):
-            return node.attr in ENGINE_NAMES
+            return node.attr.lstrip("_")
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" and node.args:
-            return is_engine(node.args[0])  # a part of the engine, reached by name
-        return False
+            return held_as(node.args[0])  # a part of it, reached by name
+        return ""
 
-    return [(node.func.id, node.lineno) for node in ast.walk(tree)
+    return [(node.func.id, node.lineno) for node in ast.walk(parsed(path))
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-            and node.func.id in ("getattr", "hasattr") and node.args and is_engine(node.args[0])]
+            and node.func.id in ("getattr", "hasattr") and node.args and held_as(node.args[0]) in names]
+
+
+def engine_probes(path: Path) -> list[tuple[str, int]]:
+    """Probes of an engine by name in `path` (`engine`, `self.engine`, `self._engine`, nested getattrs)."""
+    return probes(path, ENGINE_NAMES)
 
 
 def test_nothing_outside_the_engine_probes_it_by_name():
@@ -198,6 +215,31 @@ def test_the_probe_check_can_fail(tmp_path):
                       "c = getattr(getattr(self._engine, 'checkpointer', None), 'pending', False)\n"
                       "d = getattr(self.dataloader, 'sampler', None)\ne = engine.config\n")
     assert sorted(engine_probes(source)) == [("getattr", 1), ("getattr", 3), ("getattr", 3), ("hasattr", 2)]
+    # and probes between parts (test_no_part_probes_another_by_name)
+    source.write_text("a = hasattr(reducer, 'release_final_shards')\nb = getattr(self.buckets[i], 'offloaded', 0)\n"
+                      "c = getattr(optimizer.comm, 'rank', 0)\nd = getattr(part, 'store', None)\n"
+                      "e = getattr(self.dataloader, 'sampler', None)\nf = getattr(model, 'config', None)\n")
+    assert sorted(part_probes(source)) == [("getattr", 2), ("getattr", 3), ("getattr", 4), ("hasattr", 1)]
+
+
+# -- nor do the parts probe each other: a capability is a declared member (zero/interfaces.py, ShardLayout) -----
+
+# What the parts hold each other as (`reducer`, `self.zero_optimizer`, `self.buckets[i]`, `part.owner`, ...).
+PART_NAMES = {"reducer", "zero_optimizer", "fetcher", "param_store", "store", "comm", "part", "parts", "bucket",
+              "buckets", "records", "stream", "checkpointer", "weights", "owner", "fence", "fences", "loss_scaler",
+              "reduce", "timers", "monitor", "monitors"}
+
+
+def part_probes(path: Path) -> list[tuple[str, int]]:
+    """Probes of a part by name in `path` (`hasattr(reducer, "x")`, `getattr(self.buckets[i], "x", False)`,
+    `getattr(optimizer.comm, "rank", 0)`)."""
+    return probes(path, PART_NAMES)
+
+
+def test_no_part_probes_another_by_name():
+    broken = [f"{path.relative_to(ROOT)}:{line}: {probe}(...)" for path in sorted(PACKAGE.rglob("*.py"))
+              for probe, line in part_probes(path)]
+    assert broken == [], "probes of a part by name (declare the member in its interface):\n" + "\n".join(broken)
 
 
 # -- no import cycles ------------------------------------------------------------------------------------------
@@ -248,7 +290,7 @@ def runtime_imports(path: Path, root: Path = ROOT) -> list[tuple[str, int]]:
         for child in ast.iter_child_nodes(node):
             visit(child)
 
-    visit(ast.parse(path.read_text(), str(path)))
+    visit(parsed(path))
     return [(name, line) for name, line in found if name == "zerotrain" or name.startswith("zerotrain.")]
 
 

@@ -415,12 +415,11 @@ def _streams_gradients(config, option: Option) -> bool:
     """The engine's rule (`offload.nvme.streams_gradients`) for the stage-3 reducer (exact reduce: qgZ's
     per-parameter reducer does not release shards) with the optimizer on NVMe."""
     from .offload.nvme import streams_gradients
+    from .zero.stage3.grads import Stage3GradReducer
 
-    class _Stage3Reducer:  # what the rule asks of the reducer: that it can release consumed shards
-        release_final_shards = False
     return (option.stage == 3 and option.offload_optimizer == "nvme"
             and not config.zero_optimization.zero_quantized_gradients
-            and streams_gradients(config, _Stage3Reducer()))
+            and streams_gradients(config, Stage3GradReducer.can_free_final_shards))
 
 
 def _wire(cols: int, bits: int) -> int:

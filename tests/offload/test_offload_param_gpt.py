@@ -65,7 +65,8 @@ def train_offloaded(nvme_root: str) -> list:
             norms.append(engine.get_global_grad_norm())
         stats = engine.work_stats()["param_store"]
         tied = engine.module.lm_head.weight is engine.module.transformer.wte.weight  # still one parameter
-        results.append((what, tied, losses, norms, engine.full_state_dict(), engine.param_store.kind, stats))
+        results.append((what, tied, losses, norms, engine.full_state_dict(),
+                        "nvme" if engine.memory_report()["offload_param"]["nvme"] else "cpu", stats))
         engine.close()
     return results
 

@@ -171,12 +171,14 @@ def test_param_store_grows_one_shard_at_a_time_as_zero_init_hands_them_in(tmp_pa
     pool grows to a larger shard, the values read back are the ones written; remove gives them back."""
     from zerotrain.offload.param_store import NvmeParamStore
     from zerotrain.sharding import ShardGroup
+    from zerotrain.zero.stage3.owner import ParamOwner
     from zerotrain.zero.stage3.partition import partition_parameter
 
     store = NvmeParamStore([], str(tmp_path), rank=0, buffer_count=2, buffer_size=10_000, max_in_cpu=0)
+    owner = ParamOwner(store=store)  # what zero.Init hands the parameters it partitions
     try:
         values = [torch.randn(10), torch.randn(5000), torch.randn(7, 3)]
-        parts = [partition_parameter(f"p{i}", torch.nn.Parameter(v.clone()), ShardGroup.local())
+        parts = [partition_parameter(f"p{i}", torch.nn.Parameter(v.clone()), ShardGroup.local(), owner=owner)
                  for i, v in enumerate(values)]
         for part in parts:
             store.add(part)
@@ -196,7 +198,7 @@ def test_param_store_grows_one_shard_at_a_time_as_zero_init_hands_them_in(tmp_pa
         # a shard larger than buffer_size (10_000 elements): written in pieces, the pool's buffers stay at
         # buffer_size (40_000 bytes, aligned up), and every piece lands where the read finds it
         big_values = torch.randn(25_003)
-        big = partition_parameter("big", torch.nn.Parameter(big_values.clone()), ShardGroup.local())
+        big = partition_parameter("big", torch.nn.Parameter(big_values.clone()), ShardGroup.local(), owner=owner)
         store.add(big)
         store.flush()
         assert store.pool.nbytes == 40960 and store.pool.count == 2, store.pool.nbytes
@@ -217,6 +219,7 @@ def test_param_store_reuses_freed_extents_and_compacts_to_the_live_shards(tmp_pa
     shards' extents + the free list, and after compact the free list holds no extent the last shard fits."""
     from zerotrain.offload.param_store import NvmeParamStore, _extent
     from zerotrain.sharding import ShardGroup
+    from zerotrain.zero.stage3.owner import ParamOwner
     from zerotrain.zero.stage3.partition import partition_parameter
 
     def allocated() -> int:
@@ -230,8 +233,8 @@ def test_param_store_reuses_freed_extents_and_compacts_to_the_live_shards(tmp_pa
     store = NvmeParamStore([], str(tmp_path), rank=0, buffer_count=2, buffer_size=10_000, max_in_cpu=0)
     try:
         values = {name: torch.randn(n) for name, n in [("a", 3000), ("b", 5000), ("c", 100), ("d", 2000)]}
-        parts = {name: partition_parameter(name, torch.nn.Parameter(v.clone()), ShardGroup.local())
-                 for name, v in values.items()}
+        parts = {name: partition_parameter(name, torch.nn.Parameter(v.clone()), ShardGroup.local(),
+                                           owner=ParamOwner(store=store)) for name, v in values.items()}
         for name in "abc":
             store.add(parts[name])
         store.flush()

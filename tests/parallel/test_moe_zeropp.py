@@ -118,7 +118,7 @@ def train_stage3_zeropp(ep_size: int) -> list:
         after = engine.memory_report()["comm"]
         comm = {kind: entry["calls"] - before.get(kind, {}).get("calls", 0) for kind, entry in after.items()}
         expert_gathers = sorted(quantizer.comm.size for quantizer in fetcher._expert_quantizers.values())
-        results.append((what, losses, engine.full_state_dict(), comm, dict(fetcher.stats), expert_gathers))
+        results.append((what, losses, engine.full_state_dict(), comm, engine.work_stats()["gather"], expert_gathers))
         engine.close()
     return results
 

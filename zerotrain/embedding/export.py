@@ -24,7 +24,7 @@ __all__ = ["encode", "export_sentence_transformers"]
 def encode(model: Any, tokenizer: Any, texts: Sequence[str], pooling: Pooling, *, max_length: int = 256,
            batch_size: int = 64, device: Union[str, torch.device, None] = None) -> torch.Tensor:
     """Unit-length embeddings (float32, CPU) of `texts` by `model` (an engine or an encoder module), in eval mode."""
-    was_training = model.training if hasattr(model, "training") else model.module.training
+    was_training = model.training  # a module's, or the engine's (TrainingEngine.training)
     model.eval()
     out = []
     try:

@@ -124,7 +124,8 @@ def build_parts(model: torch.nn.Module, config: ZeroTrainConfig, topology: Topol
         stage3 = partition_module(module, comm, group_of, int(zero.stage3_param_persistence_threshold),
                                   bool(zero.stage3_allgather_sequential), int(prefetch_numel),
                                   int(max_live_numel), int(max_reuse_distance), experts=expert_groups, fence=fences)
-        stage3.use_param_store(build_param_store(stage3.all_parts(), zero.offload_param, config.aio, comm.rank))
+        stage3.use_param_store(build_param_store(stage3.all_parts(), zero.offload_param, config.aio, comm.rank,
+                                                 stage3.early_stores))
         param_store = stage3.param_store
         weights: Weights = PartitionedWeights(module, stage3)
     else:
@@ -140,6 +141,8 @@ def build_parts(model: torch.nn.Module, config: ZeroTrainConfig, topology: Topol
     zero_optimizer = NoOptimizer() if forward_only else \
         _master_optimizer(weights.buckets, config, topology, comm, tp_comm, torch_optimizer, reducer, loss_scaler,
                           fences)
+    if weights.stage3 is not None:  # GatheredParameters and initializers write the masters through the owner
+        weights.stage3.use_masters(zero_optimizer)
     scheduler = None if forward_only else _scheduler(config, torch_optimizer, lr_scheduler)
     forward_passes = None
     if forward_only:
@@ -264,7 +267,7 @@ def _master_optimizer(buckets: list, config: ZeroTrainConfig, topology: Topology
     if offload.device == "nvme":
         return nvme_offload.NvmeOffloadOptimizer(buckets, comm, torch_optimizer, groups, config.gradient_clipping,
                                     nvme_path=offload.nvme_path, buffer_count=int(offload.buffer_count),
-                                    aio=config.aio, stream_gradients=nvme_offload.streams_gradients(config, reducer),
+                                    aio=config.aio, stream_gradients=nvme_offload.streams_gradients(config, reducer.can_free_final_shards),
                                     **nvme_offload.record_dtypes(config), **common)
     if offload.super_offload:
         # `fences`: waited on by SuperOffload's in-place steps during backward

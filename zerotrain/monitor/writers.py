@@ -133,7 +133,7 @@ class Monitors:
 
     def paths(self) -> dict[str, str]:
         """Where each monitor writes: block name -> directory."""
-        return {name: str(m.path) for name, m in self.monitors.items() if getattr(m, "path", None) is not None}
+        return {name: str(m.path) for name, m in self.monitors.items() if m.path is not None}
 
     def write(self, record: dict[str, Any]) -> None:
         if self.monitors:

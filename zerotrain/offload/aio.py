@@ -33,7 +33,8 @@ import uuid
 import warnings
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Optional
+from types import SimpleNamespace
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -295,9 +296,27 @@ class AsyncFileIO:
             self.close(fd)
 
 
-def open_swap_directory(nvme_path: str, prefix: str, aio_config, direct: Optional[bool],
+class AioSettings(Protocol):
+    """What the I/O reads of the `aio` config block (`zerotrain.config.schema.AioConfig`, or `aio_settings`)."""
+
+    intra_op_parallelism: int
+    block_size: int
+    queue_depth: int
+
+
+def aio_settings(block: Optional[dict] = None) -> AioSettings:
+    """The `aio` settings of a raw config block (the config's defaults for missing keys; `thread_count` is the
+    old name of `intra_op_parallelism`): for callers below `config` (zero.Init's store) and without a config."""
+    block = dict(block or {})
+    return SimpleNamespace(intra_op_parallelism=int(block.get("intra_op_parallelism", block.get("thread_count", 1))),
+                           block_size=int(block.get("block_size", 1 << 20)),
+                           queue_depth=int(block.get("queue_depth", 8)))
+
+
+def open_swap_directory(nvme_path: str, prefix: str, aio_config: Optional[AioSettings], direct: Optional[bool],
                         what: str) -> tuple[str, "AsyncFileIO"]:
-    """A fresh directory under `nvme_path` and an `AsyncFileIO` set up from the `aio` config block.
+    """A fresh directory under `nvme_path` and an `AsyncFileIO` set up from the `aio` config block (None: its
+    defaults).
 
     `direct` None probes O_DIRECT in that directory, warning (with `what` and the path) when the
     file system does not take it and buffered I/O is used instead."""
@@ -307,7 +326,7 @@ def open_swap_directory(nvme_path: str, prefix: str, aio_config, direct: Optiona
         direct = direct_io_supported(directory)
         if not direct:
             warnings.warn(f"{what}: {nvme_path} does not take O_DIRECT; using buffered I/O")
-    io = AsyncFileIO(threads=int(getattr(aio_config, "intra_op_parallelism", 1)), direct=direct,
-                     block_size=int(getattr(aio_config, "block_size", 1 << 20)),
-                     queue_depth=max(2, int(getattr(aio_config, "queue_depth", 8))))
+    settings = aio_config if aio_config is not None else aio_settings()
+    io = AsyncFileIO(threads=int(settings.intra_op_parallelism), direct=direct, block_size=int(settings.block_size),
+                     queue_depth=max(2, int(settings.queue_depth)))
     return directory, io

@@ -59,7 +59,6 @@ a step (a checkpoint load that did not use `resident_states`) are written to dis
 """
 from __future__ import annotations
 
-import functools
 import threading
 from collections import defaultdict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -86,18 +85,19 @@ def record_dtypes(config) -> dict[str, Optional[torch.dtype]]:
             "state_dtype": torch.bfloat16 if narrow and config.bf16.bf16_optimizer_states else None}
 
 
-def streams_gradients(config, reducer) -> bool:
+def streams_gradients(config, frees_final_shards: bool) -> bool:
     """Whether NVMe offload steps each bucket as soon as its gradient shard is final, during backward, so
     that host memory never holds the whole model's gradients: only where nothing needs all of them before
     the update (no clipping, no fp16 loss scale, no bf16 overflow check, every bucket offloaded), the
-    reducer frees a shard once consumed (stage 3), and no accumulation: with it the reducer holds the
+    reducer can free a shard once consumed (`frees_final_shards`: its `can_free_final_shards`, stage 3),
+    and no accumulation: with it the reducer holds the
     summed shards between micro-batches anyway, and a failed step could not be retried by running the one
     batch's forward/backward again (its gradients are gone once streamed)."""
     offload = config.zero_optimization.offload_optimizer
     return (not config.gradient_clipping and not config.fp16.enabled and float(offload.ratio) >= 1.0
             and config.gradient_accumulation_steps == 1
             and not (config.bf16.enabled and config.bf16.check_grad_overflow)
-            and hasattr(reducer, "release_final_shards"))
+            and frees_final_shards)
 
 
 class NvmeOffloadOptimizer(OffloadOptimizer):
@@ -118,7 +118,7 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         # scale, no overflow check, a reducer that frees shards once consumed)
         self.stream_gradients = bool(stream_gradients) and self.reducer is not None
         if self.stream_gradients:
-            self.reducer.release_final_shards = True
+            self.reducer.free_final_shards()
         self._streamed: Optional[StreamedStep] = None
         self._last_order: dict[int, int] = {}  # the buckets' order in the last streamed step
         self._stepper = SubsetStepper(self.optimizer)
@@ -148,8 +148,6 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         except BaseException:
             self.records.close()
             raise
-        for bucket in self.records.on_disk:  # stage 3: GatheredParameters(modifier_rank=...) writes masters through here
-            self.buckets[bucket].master_writer = functools.partial(self.write_master, bucket)
 
     def initial_host_master(self, shard: torch.Tensor, pin_memory: bool) -> torch.Tensor:
         """No host copy, even while building: `_write_initial_masters` fills the records from the model shards
@@ -172,8 +170,11 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
             future.result()
 
     def write_master(self, bucket: int, values: torch.Tensor) -> None:
-        """New master values of offloaded bucket `bucket` from outside a step (a user's write to a stage-3
-        parameter): into memory while resident, else into new records, each committed once written."""
+        """New master values of bucket `bucket` from outside a step (a user's write to a stage-3 parameter):
+        an offloaded one's into memory while resident, else into new records, each committed once written."""
+        if bucket not in self._chunks_of:  # not on disk: its master is a tensor
+            self.masters[bucket].copy_(values)
+            return
         self._settle_streamed()
         records = self.records
         if records.resident:
@@ -256,7 +257,7 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         records = self.records
         resumed = [c for c in chunks if c in records.resume]
         self.stats["nvme_resumed_chunks"] += len(resumed)
-        self._publish_from_files([c for c in resumed if getattr(self.buckets[c.bucket], "offloaded", False)])
+        self._publish_from_files([c for c in resumed if self.buckets[c.bucket].offloaded])
         self.stream.run([c for c in chunks if c not in records.resume], grad_shards, multiplier, self._step_chunk,
                         state.stepped, state.keep, state.scalars, state.pending, state.committed,
                         in_flight=state.in_flight, keep_tail=keep_tail, wait=keep_tail)
@@ -287,7 +288,7 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
             self._write_published()
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerotrain-nvme-step")
-        if getattr(self.buckets[index], "offloaded", False) and self._chunks_of.get(index):
+        if self.buckets[index].offloaded and self._chunks_of.get(index):
             self._stage(index)
         self._queued.append((self._worker.submit(self._stream_bucket, index, grad, state), grad.numel()))
 
@@ -501,7 +502,7 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         self._staging_left.clear()
         written_whole = set(self._store_written)
         chunks = [c for c in self.records.chunks if c.bucket in written_whole] + \
-            [c for c in stepped if not getattr(self.buckets[c.bucket], "offloaded", False)]
+            [c for c in stepped if not self.buckets[c.bucket].offloaded]
         try:
             self._publish_from_files(chunks)
         except BaseException as error:
@@ -602,5 +603,5 @@ class StreamedStep:
 
 
 def comm_rank(optimizer) -> int:
-    return int(getattr(optimizer.comm, "rank", 0)) if optimizer.comm is not None else 0
+    return int(optimizer.comm.rank) if optimizer.comm is not None else 0
 

@@ -2,8 +2,9 @@
 
 Each non-persistent partitioned parameter's 1/N shard (training dtype) lives in a store
 instead of device memory; persistent parameters (`stage3_param_persistence_threshold`)
-stay whole on the device as before. A `PartitionedParam` with a `store` reads its shard
-through it: `part.shard` is the host copy, `part.device_shard()` the copy a gather sends,
+stay whole on the device as before. A `PartitionedParam` whose shard a store keeps (its
+owner's `store`: a store takes a shard with `detach_shard` and gives it back with
+`restore_shard`, never setting anything on the parameter) reads its shard through it: `part.shard` is the host copy, `part.device_shard()` the copy a gather sends,
 `part.write_shard(values)` takes new values (the optimizer's publish, a GatheredParameters
 write, an initializer).
 
@@ -40,14 +41,14 @@ import weakref
 from collections import OrderedDict
 from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
-from types import SimpleNamespace
 from typing import Iterable, Optional
 
 import torch
 
 from ..zero.interfaces import ParamStore
 from ..zero.stage3.context import register_param_store_factory
-from .aio import AlignedBuffers, AsyncFileIO, OffloadIOError, aligned_empty, open_swap_directory, round_up
+from .aio import (AlignedBuffers, AsyncFileIO, OffloadIOError, aio_settings, aligned_empty, open_swap_directory,
+                  round_up)
 
 
 def _host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -80,7 +81,6 @@ class HostParamStore(ParamStore):
                 host.copy_(shard)
                 shard = host
             self.hosts[id(part)] = shard
-            part.store = self
 
     def shares_device_memory(self, part) -> bool:
         """True when the host shard is on the training device itself (a CPU run): masters may alias it."""
@@ -165,7 +165,6 @@ class NvmeParamStore(ParamStore):
         self._by_id = {id(part): part for part in parts}
         for part in parts:
             shard = part.detach_shard()
-            part.store = self
             self.write(part, shard)
             self._remember(part, shard if shard.device.type == "cpu" else None)
         self.flush()
@@ -194,7 +193,6 @@ class NvmeParamStore(ParamStore):
         self.parts.append(part)
         self._by_id[id(part)] = part
         shard = part.detach_shard()
-        part.store = self
         self.write(part, shard)
 
     def _buffer_bytes(self, parts: Iterable) -> int:
@@ -230,9 +228,7 @@ class NvmeParamStore(ParamStore):
         self._release_extent(self.offsets[key], _extent(part))
         del self.offsets[key], self._by_id[key]
         self.parts = [other for other in self.parts if other is not part]
-        part.store = None
-        if keep_values:
-            part.shard = host
+        part.restore_shard(host)
 
     # --- extents: a free list, reused by add, given back at the end of the file by compact ---------
     def _allocate(self, nbytes: int) -> int:
@@ -332,7 +328,7 @@ class NvmeParamStore(ParamStore):
         window, window_bytes = [], 0
         for part in parts:
             key = id(part)
-            if getattr(part, "store", None) is not self or key in self.cache or key in self.writes \
+            if key not in self.offsets or key in self.cache or key in self.writes \
                     or (self._resident is not None and key in self._resident):
                 continue
             nbytes = _extent(part)
@@ -486,12 +482,13 @@ def _cleanup(io: AsyncFileIO, directory: str) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def build_param_store(parts: list, offload, aio, rank: int):
+def build_param_store(parts: list, offload, aio, rank: int, early_stores: Iterable = ()):
     """The store `zero_optimization.offload_param` asks for, holding the non-persistent shards of `parts`.
 
-    Shards zero.Init already wrote to an NVMe store (`init_param_store`) stay there: that store is
-    adopted, given the shards it lacks, and gives back the persistent ones."""
-    early = {id(part.store): part.store for part in parts if isinstance(part.store, NvmeParamStore)}
+    Shards zero.Init already wrote to an NVMe store (`init_param_store`; `early_stores`: those the parts'
+    shards are in) stay there: that store is adopted, given the shards it lacks, and gives back the
+    persistent ones. The caller hands the returned store to the parts' owner."""
+    early = {id(store): store for store in early_stores if isinstance(store, NvmeParamStore)}
     offloaded = [part for part in parts if not part.persistent]
     if len(early) == 1 and offload is not None and offload.device == "nvme":
         store = next(iter(early.values()))
@@ -499,10 +496,10 @@ def build_param_store(parts: list, offload, aio, rank: int):
         for stale in [part for part in store.parts if id(part) not in engine_parts]:
             store.remove(stale, keep_values=False)  # e.g. an embedding replaced by the tied head after Init
         for part in parts:
-            if part.persistent and part.store is store:
+            if part.persistent and id(part) in store.offsets:
                 store.remove(part)
         for part in offloaded:
-            if part.store is None:
+            if not part.offloaded:
                 store.add(part)
         store.max_in_cpu = int(offload.max_in_cpu)
         store.resize_pool(int(offload.buffer_count), int(offload.buffer_size))
@@ -538,9 +535,7 @@ def init_param_store(config: dict, rank: int) -> Optional[NvmeParamStore]:
     offload = zero.get("offload_param") or {}
     if offload.get("device") != "nvme" or not offload.get("nvme_path"):
         return None
-    aio = dict(config.get("aio") or {})
-    aio.setdefault("intra_op_parallelism", aio.get("thread_count", 1))  # the old name, as the config reads it
-    aio = SimpleNamespace(**aio)
+    aio = aio_settings(config.get("aio"))
     return NvmeParamStore([], str(offload["nvme_path"]), rank, buffer_count=int(offload.get("buffer_count", 5)),
                           buffer_size=int(offload.get("buffer_size", 100_000_000)),
                           max_in_cpu=int(offload.get("max_in_cpu", 1_000_000_000)),

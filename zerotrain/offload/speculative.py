@@ -247,7 +247,7 @@ class SuperOffloadOptimizer(OffloadOptimizer):
             except BaseException as failure:  # noqa: BLE001 - re-raised below after the rollback
                 error = error or failure
         self._agreed = True
-        here = int(getattr(self.comm, "rank", 0)) if self.comm is not None else 0
+        here = int(self.comm.rank) if self.comm is not None else 0
         failed = [here] if error is not None else []
         if self.comm is not None and self.comm.size > 1:
             flags = torch.zeros(self.comm.size, dtype=torch.float32, device=self.device)

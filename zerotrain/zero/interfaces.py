@@ -106,6 +106,15 @@ class GradientReducer(Protocol):
     def reset_loco_state(self) -> None:
         """Zero every LoCo error buffer (the step count is kept)."""
 
+    # --- final shards consumed by the callbacks (NVMe offload's streamed step): only where declared ----------
+    can_free_final_shards: bool = False  # whether `free_final_shards()` is supported (stage 3's reducer)
+
+    def free_final_shards(self) -> None:
+        """From now on drop each final shard right after the `shard_ready_callbacks` ran: a consumer that steps
+        every shard in its callback (NVMe offload, streaming) asks for it, so host memory never holds all
+        gradients. Only where `can_free_final_shards`."""
+        raise NotImplementedError(f"{type(self).__name__} keeps its final shards until zero()")
+
 
 @runtime_checkable
 class MasterOptimizer(Protocol):
@@ -134,6 +143,11 @@ class MasterOptimizer(Protocol):
     def state_bytes(self) -> int:
         """Bytes of optimizer state and separate masters left on the training device."""
         ...
+
+    def write_master(self, index: int, values: torch.Tensor) -> None:
+        """New values for bucket `index`'s master from outside a step (a user's write to a stage-3 parameter:
+        GatheredParameters, an in-place initializer); NVMe writes its files. Into the tensor by default."""
+        self.masters[index].copy_(values)
 
     # --- optional capabilities: no-op defaults ------------------------------
     def refuse_training(self, call: str, hint: str = "") -> None:

@@ -48,9 +48,7 @@ class ShardedOptimizer(MasterOptimizer):
         self.gradients = gradients if gradients is not None else GlobalGradients(buckets, comm)
         self.masters: list[torch.Tensor] = []
         for index, bucket in enumerate(buckets):
-            master = self.initial_master(index, bucket)
-            bucket.master = master
-            self.masters.append(master)
+            self.masters.append(self.initial_master(index, bucket))
         self.optimizer = optimizer
         self._rewire(group_params)
         self.last_grad_norm: Optional[float] = None

@@ -14,6 +14,9 @@ adopts that store.
 with `modifier_rank`, that rank's values are broadcast on exit and written back
 into every rank's shard and fp32 master, after waiting for any asynchronous
 checkpoint still copying those shards (the engine's fence, `PartitionedParam.owner.fence`).
+
+Init hands every parameter it partitions one owner (`owner.ParamOwner`) holding its store; the
+engine gives them its own when it adopts them.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from ...sharding import ShardGroup
 from ...topology import Topology
 from ..interfaces import ParamStore
 from .fetch import gather_standalone
+from .owner import ParamOwner
 from .partition import (PartitionedParam, ZeroParameter, partition_parameter, state_dict_placeholders,
                         wait_for_snapshots)
 
@@ -53,6 +57,7 @@ class Init:
         self.config = config or {}
         self.tp_size = _tensor_parallel_size(self.config)
         self.store = None  # offload_param nvme: where each shard goes as it is partitioned
+        self.owner = ParamOwner()  # of every parameter it partitions (with the store)
         threshold = (self.config.get("zero_optimization") or {}).get("stage3_param_persistence_threshold", 100_000)
         # "auto" (HF Trainer configs): offload every shard; initialize gives the persistent ones back.
         self.persistence_threshold = int(threshold) if isinstance(threshold, (int, float)) else 0
@@ -67,6 +72,7 @@ class Init:
         self.device = topology.device
         if _param_store_factory is not None:
             self.store = _param_store_factory(self.config, self.comm.rank)
+        self.owner = ParamOwner(store=self.store)
         for cls in _all_module_classes():
             if "__init__" in cls.__dict__:
                 original = cls.__dict__["__init__"]
@@ -106,7 +112,7 @@ class Init:
                 if self.dtype is not None and param.is_floating_point():
                     param.data = param.data.to(self.dtype)
                 param.data = param.data.to(self.device)
-            part = partition_parameter(name, param, ShardGroup.over(self.comm, True))
+            part = partition_parameter(name, param, ShardGroup.over(self.comm, True), owner=self.owner)
             if self.store is not None and part.numel > self.persistence_threshold:
                 self.store.add(part)  # to NVMe now: host memory holds one module's shards, not the model's
         state_dict_placeholders(module)
@@ -163,7 +169,7 @@ def GatheredParameters(params: Union[torch.nn.Parameter, Iterable[torch.nn.Param
     if experts and modifier_rank is not None:  # each expert-parallel rank holds other experts: no one modifier
         raise NotImplementedError(f"GatheredParameters(modifier_rank={modifier_rank}) on expert-parallel parameters "
                                   f"{experts[:4]} is not supported (read-only gathers are)")
-    fetcher = parts[0].owner
+    fetcher = parts[0].owner.fetcher
     if fetcher is not None:
         fetcher.fetch(parts, reason="user")
         fetcher.hold(parts)

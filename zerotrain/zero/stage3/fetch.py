@@ -62,7 +62,7 @@ import torch
 from ...comm import Comm
 from ...comm.compressed import QuantizedAllGather
 from .buffers import BufferPool
-from .partition import Fence, PartitionedParam
+from .partition import PartitionedParam
 from .trace import FetchTrace
 
 
@@ -79,9 +79,8 @@ class ParamFetcher:
     """Owns every gather and release of partitioned parameters for one engine."""
 
     def __init__(self, parts: list[PartitionedParam], comm: Comm, sequential: bool, prefetch_numel: int,
-                 max_live_numel: int = 10**9, max_reuse_distance: int = 10**9, fence: Optional[Fence] = None):
+                 max_live_numel: int = 10**9, max_reuse_distance: int = 10**9):
         self.parts = parts
-        self.fence = fence  # the engine's: what writers of these parts' shards and masters wait on first
         self.comm = comm
         self.sequential = sequential
         self.prefetch_numel = prefetch_numel
@@ -113,8 +112,6 @@ class ParamFetcher:
                       "peak_live_inflight_numel": 0, "order_mismatches": 0,
                       "releases": 0, "reuse_kept": 0,
                       "quantized_gathers": 0, "hpz_gathers": 0, "secondary_bytes": 0, "peak_secondary_bytes": 0}
-        for part in parts:
-            part.owner = self
 
     def configure_zeropp(self, quantize_weights: bool = False, hpz: Optional[Comm] = None,
                          block_size: int = 256) -> None:

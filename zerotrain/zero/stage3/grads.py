@@ -97,10 +97,15 @@ class Stage3GradReducer(BucketReducer):
         self._stores: list[Optional[torch.Tensor]] = [None] * len(buckets)  # reduced fp32 shards
         self._staging: list[Optional[torch.Tensor]] = [None] * len(buckets)
         self._owned: set[int] = set()  # buckets whose staging buffer is ours (not an adopted gradient)
-        self.release_final_shards = False  # set by a consumer that takes each final shard in its callback
+        self._free_final = False  # free_final_shards(): a consumer takes each final shard in its callback
         super().__init__(buckets, [[part.param for part in bucket.parts] for bucket in buckets], comm, reduce,
                          max_in_flight)
         self.stats["reduce_scatters"] = 0
+
+    can_free_final_shards = True
+
+    def free_final_shards(self) -> None:
+        self._free_final = True
 
     def zero(self) -> None:
         """Forget and free all gradients (after a step, or when a step is skipped)."""
@@ -185,10 +190,10 @@ class Stage3GradReducer(BucketReducer):
         if store is not None:
             store.add_(output)
             return
-        # A consumer that steps each final shard at once (NVMe offload, `release_final_shards`) casts it
+        # A consumer that steps each final shard at once (NVMe offload, `free_final_shards`) casts it
         # chunk by chunk into its own fp32 buffer: a whole-bucket fp32 copy here would only cost time
         # and memory (no accumulation then, so nothing is summed in the training dtype).
-        keep = output.dtype == torch.float32 or self.release_final_shards
+        keep = output.dtype == torch.float32 or self._free_final
         store = output if keep else output.float()
         self._stores[index] = store
         for part, offset in zip(bucket.parts, bucket.offsets):
@@ -198,7 +203,7 @@ class Stage3GradReducer(BucketReducer):
         for part in self.buckets[index].parts:
             for callback in self.shard_ready_callbacks:
                 callback(part.index)
-        if self.release_final_shards:  # a callback consumed them (NVMe offload steps them during backward)
+        if self._free_final:  # a callback consumed them (NVMe offload steps them during backward)
             self._stores[index] = None
             for part in self.buckets[index].parts:
                 self.grad_shards[part.index] = None

@@ -25,25 +25,22 @@ from __future__ import annotations
 import enum
 import itertools
 import weakref
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from ...sharding import ShardGroup
 from ..flat import ShardLayout
+from .owner import Fence, ParamOwner
 
-
-class Fence(Protocol):
-    """What a writer of shards or masters waits on first: the engine's fence for its pending asynchronous
-    checkpoint snapshot copies (`zerotrain.checkpoint.fence.SnapshotFences`, handed in by the engine)."""
-
-    def wait(self) -> None: ...
+__all__ = ["Fence", "PartitionedParam", "ZeroParameter", "ZeroParamStatus", "partition_parameter",
+           "state_dict_placeholders", "wait_for_snapshots"]
 
 
 def wait_for_snapshots(parts) -> None:
     """Wait on the fence of every engine owning one of `parts` (none before an engine adopted them)."""
-    fences = [part.owner.fence for part in parts if part.owner is not None and part.owner.fence is not None]
+    fences = [part.owner.fence for part in parts if part.owner.fence is not None]
     for fence in {id(fence): fence for fence in fences}.values():
         fence.wait()
 
@@ -76,25 +73,26 @@ _ids = itertools.count()  # DeepSpeed's `ds_id`: a number per partitioned parame
 
 
 class PartitionedParam(ShardLayout):
-    """One parameter's layout and shard: the ShardLayout of a single parameter that stores only its shard."""
+    """One parameter's layout and shard: the ShardLayout of a single parameter that stores only its shard.
+
+    What it reaches beyond itself (the fetcher, the fence, the parameter store holding an offloaded shard, the
+    fp32 master) comes from its one `owner` (`owner.ParamOwner`), which its builder hands it."""
 
     def __init__(self, name: str, param: torch.nn.Parameter, group: ShardGroup,
-                 group_index: int = 0, shard: Optional[torch.Tensor] = None, full_shape: Optional[tuple] = None):
+                 group_index: int = 0, shard: Optional[torch.Tensor] = None, full_shape: Optional[tuple] = None,
+                 owner: Optional[ParamOwner] = None):
         super().__init__(0, [name], [param], [tuple(full_shape if full_shape is not None else param.shape)],
                          group_index, group)
         if shard is None:
             flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
             flat[:self.numel].copy_(param.data.reshape(-1))
             shard = self.shard_of(flat).clone()
-        self.store = None  # an offload_param store (zerotrain.offload.param_store) that keeps the shard
+        # None while an offload_param store (`owner.store`, zerotrain.offload.param_store) keeps the shard
         self._shard: Optional[torch.Tensor] = shard
         self.flat_param: Optional[torch.Tensor] = None  # the gathered full buffer, while gathered
         self.persistent = False
-        self.master: Optional[torch.Tensor] = None  # set by the optimizer; kept in sync by GatheredParameters
-        self.master_writer: Optional[Callable[[torch.Tensor], None]] = None  # set where the master is in files (NVMe)
-        # The engine's ParamFetcher, once an engine adopted this parameter (`partition_module`): it gathers the
-        # parameter and carries the engine's fence (`owner.fence`: its pending async checkpoint copies)
-        self.owner = None
+        # zero.Init's or a lone one until an engine adopts the parameter (`partition_module`): then the engine's
+        self.owner: ParamOwner = owner if owner is not None else ParamOwner()
         self.empty = self._placeholder()
         self.saving_state_dict = False  # set while its module's state_dict() saves it (see state_dict_placeholders)
         param.__class__ = ZeroParameter
@@ -116,11 +114,11 @@ class PartitionedParam(ShardLayout):
     def shard(self) -> torch.Tensor:
         """This rank's chunk (training dtype). Offloaded: its host copy, read in from NVMe if needed;
         change it through `write_shard`, not in place."""
-        return self._shard if self.store is None else self.store.host_shard(self)
+        return self._shard if self._shard is not None else self.owner.store.host_shard(self)
 
     @shard.setter
     def shard(self, value: torch.Tensor) -> None:
-        if self.store is not None:
+        if self._shard is None:
             raise RuntimeError(f"parameter {self.names[0]}: its shard is offloaded; use write_shard()")
         self._shard = value
 
@@ -129,35 +127,50 @@ class PartitionedParam(ShardLayout):
 
     def device_shard(self) -> torch.Tensor:
         """The shard on the training device, for a gather (offloaded: copied in, or read from NVMe)."""
-        return self._shard if self.store is None else self.store.device_shard(self)
+        return self._shard if self._shard is not None else self.owner.store.device_shard(self)
 
     def write_shard(self, values: torch.Tensor) -> None:
         """Take new shard values (cast to the training dtype), wherever the shard lives."""
-        if self.store is not None:
-            self.store.write(self, values)
+        if self._shard is None:
+            self.owner.store.write(self, values)
         elif values.data_ptr() != self._shard.data_ptr():
             self._shard.copy_(values)
 
     def detach_shard(self) -> torch.Tensor:
-        """Hand the shard to an offload store (which keeps it from now on)."""
+        """Hand the shard to an offload store (which keeps it from now on: the owner's `store`)."""
         shard, self._shard = self._shard, None
         return shard
 
+    def restore_shard(self, shard: Optional[torch.Tensor]) -> None:
+        """Take the shard back from the store that kept it (None: the store dropped it, the model no longer
+        holds this parameter)."""
+        self._shard = shard
+
+    @property
+    def store(self):
+        """The parameter store keeping the shard (its owner's, offload_param); None while the shard is here."""
+        return self.owner.store if self._shard is None else None
+
+    @property
+    def master(self) -> Optional[torch.Tensor]:
+        """The fp32 master (its owner's master optimizer's; NVMe: a placeholder); None without one."""
+        return self.owner.master_of(self)
+
     def fetch_for_access(self) -> None:
         """Gather now for use outside a module's forward (released again after the next backward)."""
-        if self.owner is None:
+        if self.owner.fetcher is None:
             raise RuntimeError(f"parameter {self.names[0]} is partitioned (ZeRO-3) and no engine owns it yet; "
                                "use zerotrain.zero.GatheredParameters to read it")
-        self.owner.fetch([self], reason="access")
+        self.owner.fetcher.fetch([self], reason="access")
 
     @property
     def offloaded(self) -> bool:
-        return self.store is not None
+        return self._shard is None
 
     @property
     def shard_in_device_memory(self) -> bool:
         """True when `local_shard()` is a lasting tensor in device memory (an fp32 master may share it)."""
-        return self.store is None or self.store.shares_device_memory(self)
+        return self._shard is not None or self.owner.store.shares_device_memory(self)
 
     @property
     def keeps_full_copy(self) -> bool:
@@ -185,10 +198,10 @@ class PartitionedParam(ShardLayout):
 
     def to_(self, device: torch.device, dtype: torch.dtype) -> None:
         """Move or cast the shard (the module's own .to() would gather)."""
-        if self.store is not None:
+        if self._shard is None:
             if (device, dtype) == (self.device, self.dtype):
                 return
-            self.store.remove(self)  # written out by zero.Init: back in memory to cast (the engine re-offloads it)
+            self.owner.store.remove(self)  # written out by zero.Init: back in memory to cast (the engine re-offloads it)
         self.shard = self.shard.to(device=device, dtype=dtype)
         self.dtype, self.device = dtype, device
         self.empty = self._placeholder()
@@ -215,15 +228,16 @@ class PartitionedParam(ShardLayout):
         return torch.empty(0, dtype=self.dtype, device=self.device)
 
     def write_master(self, values: torch.Tensor) -> None:
-        """New values for the fp32 master (through the optimizer's writer when it keeps the master in files)."""
-        (self.master_writer or self.master.copy_)(values)
+        """New values for the fp32 master, wherever the master optimizer keeps it (NVMe: in its files)."""
+        self.owner.write_master(self, values)
 
     def write_full(self, full: torch.Tensor) -> None:
         """Take new full values: keep this rank's chunk in the shard (and the fp32 master)."""
         flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
         flat[:self.numel].copy_(full.reshape(-1))
         self.write_shard(self.shard_of(flat))
-        if self.master is not None and (self.store is not None or self.master.data_ptr() != self._shard.data_ptr()):
+        master = self.master
+        if master is not None and (self._shard is None or master.data_ptr() != self._shard.data_ptr()):
             self.write_master(self.shard_of(flat))
         if self.gathered:
             self.flat_param.copy_(flat)
@@ -299,7 +313,7 @@ class ZeroParameter(torch.nn.Parameter):
             initializer = name in _INITIALIZERS and isinstance(target, ZeroParameter)
             if released:
                 if name in _INDEXING and len(released) == 1 and released[0] is args[0] \
-                        and released[0]._zero.owner is None:
+                        and released[0]._zero.owner.fetcher is None:
                     return _index_unowned(name, released[0]._zero, args[1:])
                 if initializer and not target._zero.gathered and len(released) == 1:
                     rest = {key: value for key, value in kwargs.items() if value is not target}
@@ -438,14 +452,17 @@ def _apply_to_shard(func: Callable, part: PartitionedParam, rest: tuple, kwargs:
         valid = max(0, min(end, part.numel) - start)
         shard[valid:].zero_()
     part.write_shard(shard)  # offloaded: back to the host copy or the file
-    if part.master is not None and part.master.data_ptr() != shard.data_ptr():
+    master = part.master
+    if master is not None and master.data_ptr() != shard.data_ptr():
         part.write_master(shard)
     return part.param
 
 
-def partition_parameter(name: str, param: torch.nn.Parameter, group: ShardGroup) -> PartitionedParam:
-    """Partition one full parameter in place over `group`: keep this rank's shard, release the rest."""
-    part = PartitionedParam(name, param, group)
+def partition_parameter(name: str, param: torch.nn.Parameter, group: ShardGroup,
+                        owner: Optional[ParamOwner] = None) -> PartitionedParam:
+    """Partition one full parameter in place over `group`: keep this rank's shard, release the rest. `owner`:
+    what it reaches beyond itself (zero.Init's, with its parameter store); a lone one if not given."""
+    part = PartitionedParam(name, param, group, owner=owner)
     part.release()
     return part
 

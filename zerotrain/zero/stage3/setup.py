@@ -10,7 +10,8 @@ from ...comm import Comm
 from ...sharding import ExpertGroups, ShardGroup, is_split_expert
 from .fetch import ParamFetcher
 from .hooks import Stage3Hooks
-from .partition import Fence, PartitionedParam, ZeroParameter, partition_parameter, state_dict_placeholders
+from .owner import Fence, ParamOwner
+from .partition import PartitionedParam, ZeroParameter, partition_parameter, state_dict_placeholders
 
 
 @dataclass
@@ -20,6 +21,8 @@ class Stage3Model:
     trainable: list[PartitionedParam]  # in reverse registration order (≈ backward order)
     frozen: list[PartitionedParam]
     fetcher: ParamFetcher
+    owner: ParamOwner  # every part's: the fetcher, the engine's fence, the parameter store, the masters
+    early_stores: list  # the parameter stores zero.Init wrote shards to (`build_param_store` adopts or empties them)
     hooks: Stage3Hooks = None
     param_store: object = None  # offload_param: where the non-persistent shards live (None: on the device)
 
@@ -27,8 +30,20 @@ class Stage3Model:
         return self.trainable + self.frozen
 
     def use_param_store(self, store) -> None:
-        """Keep the shards in `store` (offload_param); gathers read them through the fetcher."""
-        self.param_store = self.fetcher.param_store = store
+        """Keep the offloaded shards in `store` (offload_param: every part whose shard is detached is in it);
+        the parts reach it through their owner, gathers read ahead through the fetcher. Then gather the
+        persistent parameters (their shards may have been in zero.Init's store until now)."""
+        self.param_store = self.fetcher.param_store = self.owner.store = store
+        for part in self.all_parts():  # persistent parameters are gathered once, in the same order everywhere
+            if part.persistent:
+                buffer = torch.empty(part.padded_numel, dtype=part.dtype, device=part.device)
+                part.group.comm.all_gather(buffer, part.shard)
+                part.bind(buffer)
+
+    def use_masters(self, optimizer) -> None:
+        """The trainable parts' fp32 masters are `optimizer`'s from now on (written back by GatheredParameters
+        and in-place initializers)."""
+        self.owner.use_masters(optimizer)
 
     def refresh_frozen(self) -> None:
         """Re-gather the gathered frozen parameters after their shards were written (a checkpoint load)."""
@@ -67,14 +82,17 @@ def partition_module(module: torch.nn.Module, comm: Comm, group_of: dict[int, in
     for the optimizer), as DeepSpeed's `stage3_param_persistence_threshold` does.
     Split experts (`experts`, zerotrain.parallel.experts) are partitioned over their
     expert-data-parallel group instead, starting from that group's rank 0's values.
-    `fence` (the engine's checkpoint fence) is handed to every partitioned parameter.
+    `fence` (the engine's checkpoint fence) is handed to every partitioned parameter, in its new owner;
+    the engine then calls `use_param_store` (which gathers the persistent parameters) and `use_masters`.
     """
-    trainable, frozen = [], []
+    trainable, frozen, early = [], [], {}
     for name, param in module.named_parameters():
         if is_split_expert(param):
             part = _partition_expert(name, param, experts, trainable=param.requires_grad and id(param) in group_of)
         elif isinstance(param, ZeroParameter):
             part = param._zero
+            if part.store is not None:  # zero.Init's NVMe store holds its shard
+                early[id(part.store)] = part.store
             part.names = [name]
             if part.partitions != comm.size:
                 raise ValueError(f"parameter {name} was partitioned for {part.partitions} ranks, not {comm.size}")
@@ -90,16 +108,13 @@ def partition_module(module: torch.nn.Module, comm: Comm, group_of: dict[int, in
     state_dict_placeholders(module)  # module.state_dict() never gathers (a rank-0-only save must not hang)
     for index, part in enumerate(trainable):
         part.index = index
-    # the fetcher owns every part from now on, with the engine's fence: writes to a shard wait for its pending
-    # snapshot copies
-    fetcher = ParamFetcher(trainable + frozen, comm, sequential, prefetch_numel, max_live_numel, max_reuse_distance,
-                           fence=fence)
-    for part in trainable + frozen:  # persistent parameters are gathered once, in the same order everywhere
-        if part.persistent:
-            buffer = torch.empty(part.padded_numel, dtype=part.dtype, device=part.device)
-            part.group.comm.all_gather(buffer, part.shard)
-            part.bind(buffer)
-    return Stage3Model(trainable, frozen, fetcher)
+    # one owner for every part from now on: the fetcher gathers them, writes to a shard wait on the engine's
+    # fence (its pending snapshot copies); the store and masters follow (use_param_store, use_masters)
+    fetcher = ParamFetcher(trainable + frozen, comm, sequential, prefetch_numel, max_live_numel, max_reuse_distance)
+    owner = ParamOwner(fetcher, fence)
+    for part in trainable + frozen:
+        part.owner = owner
+    return Stage3Model(trainable, frozen, fetcher, owner, list(early.values()))
 
 
 def _partition_expert(name: str, param: torch.nn.Parameter, experts: Optional[ExpertGroups],
