@@ -36,7 +36,8 @@ from transformers.trainer import SCHEDULER_NAME
 import zerotrain
 from zerotrain.zero import GatheredParameters
 from zerotrain.config import ConfigError, read_config_file
-from zerotrain.config.hf_arguments import arguments_of, auto_values, config_from_arguments, fill_auto
+from zerotrain.config.hf_arguments import (arguments_of, auto_values, config_from_arguments, fill_auto,
+                                           with_mixed_precision)
 
 __all__ = ["Trainer", "TrainingArguments", "ZeroTrainArguments", "ZeroTrainMixin"]
 
@@ -112,7 +113,9 @@ class ZeroTrainArguments:
             self.deepspeed = given  # the value the user gave, as transformers keeps it
         self.zerotrain_config: Optional[dict] = None
         if given:
-            self.zerotrain_config = fill_auto(_read(given), auto_values(arguments_of(self), world_size=self.world_size))
+            arguments = arguments_of(self)
+            filled = fill_auto(_read(given), auto_values(arguments, world_size=self.world_size))
+            self.zerotrain_config = with_mixed_precision(filled, arguments)  # as accelerate completes DeepSpeed's
 
 
 class TrainingArguments(ZeroTrainArguments, transformers.TrainingArguments):
@@ -225,6 +228,11 @@ class ZeroTrainMixin:
         # The Trainer builds its Accelerator inside this method with no seam for the class; rather than copy the
         # method, the instance becomes the subclass that adds the engine's backward (nothing else changes).
         self.accelerator.__class__ = _EngineAccelerator
+        # The engine owns the precision (the model in the training dtype, fp32 masters, its loss scaler), as
+        # DeepSpeed does, for which accelerate neither autocasts nor builds a GradScaler: nor here (fp16 on a
+        # GradScaler would also unscale the engine's gradients a second time).
+        self.accelerator.native_amp = False
+        self.accelerator.scaler = None
         if args.save_only_model and args.load_best_model_at_end:
             raise ValueError("save_only_model with load_best_model_at_end: the best model is read from the "
                              "checkpoint's engine state, which save_only_model leaves out (as with DeepSpeed)")
