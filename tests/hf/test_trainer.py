@@ -14,7 +14,7 @@ A second launch at world 1 (the same global batch: per-device 4) resumes the wor
 step-2 checkpoint (`resume_from_checkpoint` at another world size) and continues with the uninterrupted
 run's losses, learning rates and norms (1e-5); and trains with `fp16=True` (the config's fp16 block "auto",
 the engine's loss scaling) reporting to W&B offline: by the lossy-mode rule near the fp32 run, unlike the
-untrained weights, and the W&B run's summary holds the last logged loss.
+untrained weights, and the W&B run file holds every logged loss.
 """
 from __future__ import annotations
 
