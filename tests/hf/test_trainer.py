@@ -8,7 +8,8 @@ Checked: the logged loss, learning rate and gradient norm of every optimizer ste
 and so does `evaluate()`'s loss after training; `predict()` gives the evaluation loss; `save_model()` writes
 a directory `from_pretrained` loads with the trained weights; `save_total_limit` rotates checkpoint
 directories. A peft LoRA model passed in trains at ZeRO-3 (its frozen base partitioned) as under transformers'
-own Trainer (DDP): the same steps and adapters.
+own Trainer (DDP): the same steps and adapters. A model built partitioned under `zerotrain.zero.Init` with
+the (sharded) pretrained directory loaded by `trainer.zerotrain_load_pretrained` trains as from_pretrained's.
 
 A second launch at world 1 (the same global batch: per-device 4) resumes the world-2 ZeRO-3 run from its
 step-2 checkpoint (`resume_from_checkpoint` at another world size) and continues with the uninterrupted
@@ -48,7 +49,7 @@ def _config(stage: int, **blocks) -> dict:
 
 
 def _run(engine: str, stage: int, model_dir: str, out: str, resume: bool = False, per_device: int = 2,
-         **more) -> dict:
+         partitioned: bool = False, **more) -> dict:
     """The same Trainer script on `engine` ("zt" or "ds"); its per-step log, eval loss and (zt) final weights.
     `per_device`: the micro-batch (4 at world 1 keeps world 2's global batch); `more`: other arguments."""
     from transformers import AutoModelForCausalLM
@@ -70,9 +71,18 @@ def _run(engine: str, stage: int, model_dir: str, out: str, resume: bool = False
         save_steps=SAVE_AT, use_cpu=True, seed=3, deepspeed=_config(stage), disable_tqdm=True,
         per_device_eval_batch_size=2, **by_stage)
     args = TrainingArguments(**{**arguments, **more})
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if partitioned:  # too large to build whole: built partitioned, the pretrained shards loaded into it
+        import zerotrain
+        from transformers import AutoConfig
+
+        with zerotrain.zero.Init(config_dict_or_path=args.zerotrain_config):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     trainer = Trainer(model=model, args=args, train_dataset=_data(), eval_dataset=_data(8, seed=1),
                       callbacks=[EarlyStoppingCallback(early_stopping_patience=3)] if stage == 2 else None)
+    if partitioned:
+        trainer.zerotrain_load_pretrained(model_dir)
     trainer.train(resume_from_checkpoint=os.path.join(out, f"checkpoint-{SAVE_AT}") if resume else None)
     result = {"log": trainer_log(trainer), "eval_loss": trainer.evaluate()["eval_loss"],
               "best": trainer.state.best_model_checkpoint}
@@ -124,6 +134,8 @@ def _worker(model_dir: str, root: str) -> dict:
     results = {}
     for stage in (2, 3):
         results[("zt", stage)] = _run("zt", stage, model_dir, os.path.join(root, f"zt{stage}"))
+    results[("zt", "partitioned")] = _run("zt", 3, model_dir, os.path.join(root, "zt3_init"), partitioned=True,
+                                          max_steps=2, save_strategy="no")
     results[("zt", "lora")] = _lora("zt", model_dir, os.path.join(root, "zt_lora"))
     results[("hf", "lora")] = _lora("hf", model_dir, os.path.join(root, "hf_lora"))
     os.environ["DS_ACCELERATOR"] = "cpu"
@@ -164,6 +176,8 @@ def test_trainer_matches_transformers_trainer_with_deepspeed(tiny_llama_dir, tmp
     # ZeRO-2 loaded its best checkpoint at the end (the evaluation above is of those weights, as DeepSpeed's)
     assert results[("zt", 2)]["best"] == results[("ds", 2)]["best"].replace("ds2", "zt2")
     assert results[("zt", 2)]["tensorboard"]
+    # built under zerotrain.zero.Init, the sharded safetensors directory loaded by each rank: as from_pretrained
+    assert_same_steps("built partitioned", results[("zt", "partitioned")]["log"], results[("zt", 3)]["log"][:2], steps=2)
     # a peft LoRA model at ZeRO-3: transformers' own Trainer's steps and adapters
     zt_lora, hf_lora = results[("zt", "lora")], results[("hf", "lora")]
     assert_same_steps("LoRA at ZeRO-3 vs transformers.Trainer", zt_lora["log"], hf_lora["log"], steps=3)

@@ -35,6 +35,7 @@ from transformers.trainer import SCHEDULER_NAME
 
 import zerotrain
 from zerotrain.zero import GatheredParameters
+from zerotrain.zero.stage3.partition import ZeroParameter
 from zerotrain.config import ConfigError, read_config_file
 from zerotrain.config.hf_arguments import (arguments_of, auto_values, config_from_arguments, fill_auto,
                                            with_mixed_precision)
@@ -212,6 +213,7 @@ class ZeroTrainMixin:
     """
 
     _zt_engine: Optional[TrainingEngine] = None
+    _zt_pretrained: Optional[str] = None
 
     # --- set-up ------------------------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
@@ -261,6 +263,8 @@ class ZeroTrainMixin:
         engine, engine_optimizer, _, engine_scheduler = zerotrain.initialize(model=model, config=config,
                                                                              optimizer=optimizer)
         self._zt_engine = engine
+        if self._zt_pretrained is not None:  # each rank reads its own shard ranges of the directory
+            engine.load_checkpoint(self._zt_pretrained, load_module_only=True)
         self.accelerator.engine = engine
         self.optimizer = _EngineOptimizer(engine_optimizer)
         if engine_scheduler is not None:  # the config's `scheduler` block: the engine steps it
@@ -270,6 +274,20 @@ class ZeroTrainMixin:
             # step: the learning rates logged and applied are those of DeepSpeed's integration, step for step.
             self.lr_scheduler = self.create_scheduler(num_training_steps=num_training_steps, optimizer=engine_optimizer)
         return engine
+
+    def _move_model_to_device(self, model: torch.nn.Module, device: Any) -> Any:
+        if any(isinstance(p, ZeroParameter) for p in model.parameters()):
+            # built partitioned under zerotrain.zero.Init: the engine places it (as the Trainer leaves a DeepSpeed
+            # model where it is); a partitioned parameter cannot be moved whole
+            return None
+        return super()._move_model_to_device(model, device)
+
+    def zerotrain_load_pretrained(self, directory: Union[str, os.PathLike]) -> None:
+        """Load a Hugging Face model directory's weights (safetensors, sharded or not) into the model when the
+        engine is built, each rank reading only its own shard ranges: for a model built partitioned under
+        `zerotrain.zero.Init` (too large to build whole), where `from_pretrained` cannot be used. Call before
+        `train()`."""
+        self._zt_pretrained = os.fspath(directory)
 
     def create_optimizer(self, model: Optional[torch.nn.Module] = None) -> Any:
         """The Trainer's optimizer, unless the config has an `optimizer` block (the engine builds that one)."""
