@@ -51,6 +51,19 @@ def test_config_is_zerotrains_and_auto_is_filled(tmp_path, monkeypatch):
         _args(tmp_path, deepspeed={"train_micro_batch_size_per_gpu": 4}, per_device_train_batch_size=3)
 
 
+def test_mixed_precision_is_put_into_the_config_as_accelerate_does(tmp_path):
+    # accelerate enables a DeepSpeed config's missing bf16/fp16 block from the Trainer's precision (TRL's SFTConfig
+    # defaults to bf16=True), disables the other one, and refuses the opposite precision
+    stage2 = {"zero_optimization": {"stage": 2}}
+    assert _args(tmp_path, deepspeed=stage2, bf16=True).zerotrain_config["bf16"] == {"enabled": True}
+    fp16 = _args(tmp_path, deepspeed=stage2, fp16=True).zerotrain_config
+    assert fp16["fp16"] == {"enabled": True} and fp16["bf16"] == {"enabled": False}
+    kept = {**stage2, "bf16": {"enabled": "auto"}}
+    assert _args(tmp_path, deepspeed=kept).zerotrain_config["bf16"] == {"enabled": False}
+    with pytest.raises(ConfigError, match="^fp16.enabled: the config disagrees with the training arguments"):
+        _args(tmp_path, deepspeed={**stage2, "fp16": {"enabled": True}}, bf16=True)
+
+
 @pytest.mark.parametrize("name, value", [("torch_compile", True), ("auto_find_batch_size", True)])
 def test_unsupported_features_are_refused_by_name(tmp_path, tiny_model, name, value):
     from zerotrain.hf import Trainer

@@ -5,14 +5,22 @@ script twice per ZeRO stage (2 and 3): once with zerotrain's `Trainer`/`Training
 transformers' + DeepSpeed (its CPU accelerator, the Trainer's torch AdamW as under DeepSpeed without an
 `optimizer` block, the Trainer's linear scheduler with warmup, gradient accumulation 2, clipping active).
 Checked: the logged loss, learning rate and gradient norm of every optimizer step equal DeepSpeed's (1e-5),
-and so does `evaluate()`'s loss after training; `predict()` gives the evaluation loss; a run resumed from
-its step-2 checkpoint (`resume_from_checkpoint`) continues with the uninterrupted run's losses;
-`save_model()` writes a directory `from_pretrained` loads with the trained weights; `save_total_limit`
-rotates checkpoint directories.
+and so does `evaluate()`'s loss after training; `predict()` gives the evaluation loss; `save_model()` writes
+a directory `from_pretrained` loads with the trained weights; `save_total_limit` rotates checkpoint
+directories. A peft LoRA model passed in trains at ZeRO-3 (its frozen base partitioned) as under transformers'
+own Trainer (DDP): the same steps and adapters. A model built partitioned under `zerotrain.zero.Init` with
+the (sharded) pretrained directory loaded by `trainer.zerotrain_load_pretrained` trains as from_pretrained's.
+
+A second launch at world 1 (the same global batch: per-device 4) resumes the world-2 ZeRO-3 run from its
+step-2 checkpoint (`resume_from_checkpoint` at another world size) and continues with the uninterrupted
+run's losses, learning rates and norms (1e-5); and trains with `fp16=True` (the config's fp16 block "auto",
+the engine's loss scaling) reporting to W&B offline: by the lossy-mode rule near the fp32 run, unlike the
+untrained weights, and the W&B run file holds every logged loss.
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import pathlib
 import warnings
@@ -21,10 +29,12 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from hf_compare import assert_same_steps, close, trainer_log
+from models_for_tests import assert_tolerance_discriminates
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 
-STEPS, SAVE_AT, TOL = 4, 2, 1e-5
+STEPS, SAVE_AT = 4, 2
 
 
 def _data(n: int = 32, seq: int = 16, vocab: int = 200, seed: int = 0) -> list:
@@ -33,13 +43,15 @@ def _data(n: int = 32, seq: int = 16, vocab: int = 200, seed: int = 0) -> list:
     return [{"input_ids": r, "labels": r.clone(), "attention_mask": torch.ones_like(r)} for r in ids]
 
 
-def _config(stage: int) -> dict:
+def _config(stage: int, **blocks) -> dict:
     return {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "gradient_clipping": "auto"}
+            "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "gradient_clipping": "auto", **blocks}
 
 
-def _run(engine: str, stage: int, model_dir: str, out: str, resume: bool = False) -> dict:
-    """The same Trainer script on `engine` ("zt" or "ds"); its per-step log, eval loss and (zt) final weights."""
+def _run(engine: str, stage: int, model_dir: str, out: str, resume: bool = False, per_device: int = 2,
+         partitioned: bool = False, **more) -> dict:
+    """The same Trainer script on `engine` ("zt" or "ds"); its per-step log, eval loss and (zt) final weights.
+    `per_device`: the micro-batch (4 at world 1 keeps world 2's global batch); `more`: other arguments."""
     from transformers import AutoModelForCausalLM
 
     if engine == "zt":
@@ -53,18 +65,31 @@ def _run(engine: str, stage: int, model_dir: str, out: str, resume: bool = False
     by_stage = dict(eval_strategy="steps", eval_steps=SAVE_AT, load_best_model_at_end=True,
                     metric_for_best_model="eval_loss", save_total_limit=1, report_to="tensorboard") if stage == 2 \
         else dict(gradient_checkpointing=True, report_to="none")
-    args = TrainingArguments(
-        output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=STEPS,
+    arguments = dict(
+        output_dir=out, per_device_train_batch_size=per_device, gradient_accumulation_steps=2, max_steps=STEPS,
         learning_rate=1e-3, warmup_steps=1, weight_decay=0.01, max_grad_norm=1.0, logging_steps=1,
         save_steps=SAVE_AT, use_cpu=True, seed=3, deepspeed=_config(stage), disable_tqdm=True,
         per_device_eval_batch_size=2, **by_stage)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    args = TrainingArguments(**{**arguments, **more})
+    if partitioned:  # too large to build whole: built partitioned, the pretrained shards loaded into it
+        import zerotrain
+        from transformers import AutoConfig
+
+        with zerotrain.zero.Init(config_dict_or_path=args.zerotrain_config):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     trainer = Trainer(model=model, args=args, train_dataset=_data(), eval_dataset=_data(8, seed=1),
                       callbacks=[EarlyStoppingCallback(early_stopping_patience=3)] if stage == 2 else None)
+    if partitioned:
+        trainer.zerotrain_load_pretrained(model_dir)
     trainer.train(resume_from_checkpoint=os.path.join(out, f"checkpoint-{SAVE_AT}") if resume else None)
-    log = [(h["step"], h["loss"], h["learning_rate"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
-    result = {"log": log, "eval_loss": trainer.evaluate()["eval_loss"], "best": trainer.state.best_model_checkpoint}
-    if engine == "zt" and not resume:
+    result = {"log": trainer_log(trainer), "eval_loss": trainer.evaluate()["eval_loss"],
+              "best": trainer.state.best_model_checkpoint}
+    if engine == "zt" and more.get("fp16"):
+        result["fp16"] = (trainer._zt_engine.fp16_enabled(), trainer._zt_engine.loss_scale)
+        result["weights"] = {k: v.float() for k, v in trainer._zt_engine.full_state_dict().items()}
+    elif engine == "zt" and not resume:
         result["test_loss"] = trainer.predict(_data(8, seed=1)).metrics["test_loss"]
         trainer.save_model(os.path.join(out, "final"))
         result["weights"] = trainer._zt_engine.full_state_dict()
@@ -77,12 +102,42 @@ def _run(engine: str, stage: int, model_dir: str, out: str, resume: bool = False
     return result
 
 
+def _lora(engine: str, model_dir: str, out: str) -> dict:
+    """A peft LoRA model passed in: on zerotrain at ZeRO-3 (the frozen base partitioned) or transformers' own
+    Trainer (DDP); its per-step log and trained adapter weights."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    if engine == "zt":
+        from zerotrain.hf import Trainer, TrainingArguments
+        more = {"deepspeed": _config(3)}
+    else:
+        from transformers import Trainer, TrainingArguments
+        more = {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(0)  # the adapters' initialization
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+                             learning_rate=1e-2, warmup_steps=1, logging_steps=1, save_strategy="no", use_cpu=True,
+                             seed=3, disable_tqdm=True, report_to="none", **more)
+    trainer = Trainer(model=model, args=args, train_dataset=_data())
+    trainer.train()
+    if engine == "zt":
+        adapters = trainer._zt_engine.full_state_dict(trainable_only=True)
+    else:
+        adapters = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+    return {"log": trainer_log(trainer), "adapters": adapters}
+
+
 def _worker(model_dir: str, root: str) -> dict:
     warnings.simplefilter("ignore")
     results = {}
     for stage in (2, 3):
         results[("zt", stage)] = _run("zt", stage, model_dir, os.path.join(root, f"zt{stage}"))
-    results[("zt", "resumed")] = _run("zt", 3, model_dir, os.path.join(root, "zt3"), resume=True)
+    results[("zt", "partitioned")] = _run("zt", 3, model_dir, os.path.join(root, "zt3_init"), partitioned=True,
+                                          max_steps=2, save_strategy="no")
+    results[("zt", "lora")] = _lora("zt", model_dir, os.path.join(root, "zt_lora"))
+    results[("hf", "lora")] = _lora("hf", model_dir, os.path.join(root, "hf_lora"))
     os.environ["DS_ACCELERATOR"] = "cpu"
     import deepspeed
 
@@ -92,35 +147,43 @@ def _worker(model_dir: str, root: str) -> dict:
     return results if int(os.environ["RANK"]) == 0 else {}
 
 
-def _close(a: float, b: float) -> bool:
-    return abs(a - b) <= TOL * max(1.0, abs(b))
+def _worker_world1(model_dir: str, root: str) -> dict:
+    """At world 1: resume the world-2 ZeRO-3 run's step-2 checkpoint; train in fp16 reporting to W&B offline."""
+    warnings.simplefilter("ignore")
+    os.environ.update(WANDB_MODE="offline", WANDB_DIR=root, WANDB_SILENT="true")
+    resumed = _run("zt", 3, model_dir, os.path.join(root, "zt3"), resume=True, per_device=4)
+    fp16 = _run("zt", 3, model_dir, os.path.join(root, "fp16"), per_device=4, fp16=True, report_to=["wandb"],
+                save_strategy="no", deepspeed=_config(3, fp16={"enabled": "auto", "initial_scale_power": 8}))
+    import wandb
+
+    wandb.finish()  # as the script's end would (a spawned rank exits without running atexit)
+    os.environ.pop("WANDB_MODE")
+    return {"resumed": resumed, "fp16": fp16}
 
 
-@pytest.mark.timeout(900)  # one launch, five Trainer runs; minutes only on a loaded machine
+@pytest.mark.timeout(1500)  # two launches, six Trainer runs; minutes only on a loaded machine
 def test_trainer_matches_transformers_trainer_with_deepspeed(tiny_llama_dir, tmp_path):
     results = run_distributed(_worker, 2, str(tiny_llama_dir), str(tmp_path), timeout=840)[0]
     for stage in (2, 3):
         zt, ds = results[("zt", stage)], results[("ds", stage)]
-        assert [s for s, *_ in zt["log"]] == list(range(1, STEPS + 1))
-        for (step, loss, lr, norm), (_, ds_loss, ds_lr, ds_norm) in zip(zt["log"], ds["log"], strict=True):
-            assert _close(loss, ds_loss), (stage, step, loss, ds_loss)
-            assert lr == pytest.approx(ds_lr, rel=1e-12, abs=1e-15), (stage, step, lr, ds_lr)
-            assert _close(norm, ds_norm), (stage, step, norm, ds_norm)
-        assert norm > 1.0  # clipping is active in these steps (max_grad_norm 1.0)
-        assert _close(zt["eval_loss"], ds["eval_loss"]), (stage, zt["eval_loss"], ds["eval_loss"])
-        assert _close(zt["test_loss"], zt["eval_loss"])
+        assert_same_steps(f"ZeRO-{stage} vs Trainer + DeepSpeed", zt["log"], ds["log"], steps=STEPS)
+        assert zt["log"][-1][3] > 1.0  # clipping is active in these steps (max_grad_norm 1.0)
+        assert close(zt["eval_loss"], ds["eval_loss"]), (stage, zt["eval_loss"], ds["eval_loss"])
+        assert close(zt["test_loss"], zt["eval_loss"])
         # ZeRO-2 ran with save_total_limit=1 and load_best_model_at_end: only the best checkpoint is left
         assert zt["checkpoints"] == ([os.path.basename(zt["best"])] if stage == 2 else
                                      [f"checkpoint-{SAVE_AT}", f"checkpoint-{STEPS}"])
     # ZeRO-2 loaded its best checkpoint at the end (the evaluation above is of those weights, as DeepSpeed's)
     assert results[("zt", 2)]["best"] == results[("ds", 2)]["best"].replace("ds2", "zt2")
     assert results[("zt", 2)]["tensorboard"]
-    # resumed from checkpoint-2 of the ZeRO-3 run (a second run kept it): the uninterrupted run's steps 3-4
-    full, resumed = results[("zt", 3)], results[("zt", "resumed")]
-    assert [s for s, *_ in resumed["log"]] == list(range(1, STEPS + 1))  # steps 1-2 from the checkpoint's state
-    for (step, loss, lr, norm), (_, f_loss, f_lr, f_norm) in zip(resumed["log"], full["log"], strict=True):
-        assert _close(loss, f_loss) and lr == f_lr and _close(norm, f_norm), (step, loss, f_loss)
-    assert _close(resumed["eval_loss"], full["eval_loss"])
+    # built under zerotrain.zero.Init, the sharded safetensors directory loaded by each rank: as from_pretrained
+    assert_same_steps("built partitioned", results[("zt", "partitioned")]["log"], results[("zt", 3)]["log"][:2], steps=2)
+    # a peft LoRA model at ZeRO-3: transformers' own Trainer's steps and adapters
+    zt_lora, hf_lora = results[("zt", "lora")], results[("hf", "lora")]
+    assert_same_steps("LoRA at ZeRO-3 vs transformers.Trainer", zt_lora["log"], hf_lora["log"], steps=3)
+    assert sorted(zt_lora["adapters"]) == sorted(hf_lora["adapters"]) and hf_lora["adapters"]
+    for name, tensor in hf_lora["adapters"].items():
+        torch.testing.assert_close(zt_lora["adapters"][name], tensor, rtol=1e-5, atol=1e-7, msg=name)
     # save_model: an HF directory with the trained weights
     from transformers import AutoModelForCausalLM
 
@@ -130,3 +193,23 @@ def test_trainer_matches_transformers_trainer_with_deepspeed(tiny_llama_dir, tmp
         assert set(weights) <= set(loaded)
         for name, tensor in weights.items():
             torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=name)
+
+    world1 = run_distributed(_worker_world1, 1, str(tiny_llama_dir), str(tmp_path), timeout=600)[0]
+    # resumed at world 1 from checkpoint-2 of the world-2 ZeRO-3 run: the uninterrupted run's steps 3-4
+    full, resumed = results[("zt", 3)], world1["resumed"]
+    assert_same_steps("resumed at world 1", resumed["log"], full["log"], steps=STEPS)  # 1-2 from the checkpoint
+    assert close(resumed["eval_loss"], full["eval_loss"])
+    # fp16 through TrainingArguments: the engine's loss scaling, near the fp32 run, unlike no training
+    fp16 = world1["fp16"]
+    assert fp16["fp16"][0] and fp16["fp16"][1] > 1.0, fp16["fp16"]
+    initial = {k: v.float() for k, v in AutoModelForCausalLM.from_pretrained(tiny_llama_dir).state_dict().items()
+               if k in full["weights"]}
+    losses = [loss for _, loss, *_ in fp16["log"]]
+    assert max(abs(a - b) / b for a, (_, b, *_) in zip(losses, full["log"], strict=True)) <= 1e-2, (losses, full["log"])
+    assert_tolerance_discriminates("Trainer fp16 vs fp32", ([l for _, l, *_ in full["log"]], full["weights"]),
+                                   (losses, fp16["weights"]), (None, initial), loss_tol=None, weight_tol=4e-3)
+    # W&B offline: the run's file holds every logged loss (its records keep the values as JSON text)
+    runs = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, runs
+    recorded = runs[0].read_bytes()
+    assert b"train/loss" in recorded and all(json.dumps(loss).encode() in recorded for loss in losses), losses

@@ -30,7 +30,8 @@ from .auto import fill_auto as _fill_only
 from .base import ConfigError, is_auto
 
 __all__ = ["ARGUMENT_DEFAULTS", "ARGUMENT_KEYS", "FILL_ONLY_KEYS", "arguments_of", "auto_values", "fill_auto",
-           "config_from_arguments", "override", "warmup_steps", "hf_auto_values", "SCHEDULER_TYPES", "scheduler_block"]
+           "config_from_arguments", "override", "warmup_steps", "hf_auto_values", "SCHEDULER_TYPES", "scheduler_block",
+           "with_mixed_precision"]
 
 # TrainingArguments' defaults for the fields this module reads (transformers 5.x).
 ARGUMENT_DEFAULTS: dict[str, Any] = {
@@ -209,6 +210,29 @@ def fill_auto(config: Mapping[str, Any], values: Mapping[str, Any], *, check: bo
         raise ConfigError(f"{mismatches[0][0]}: the config disagrees with the training arguments: {listed} "
                           "(set these keys to \"auto\" to take the arguments' values)", key=mismatches[0][0])
     return filled
+
+
+def with_mixed_precision(config: Mapping[str, Any], arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of `config` with the Trainer's mixed precision (`fp16` / `bf16`) put in, as accelerate puts it into a
+    DeepSpeed config (`DeepSpeedPlugin.set_mixed_precision`): a `bf16` (`fp16`) block the config lacks is enabled
+    when the argument is set, the other one disabled; one that says the opposite precision is refused.
+
+    This is what TRL users meet first: `SFTConfig` defaults to `bf16=True`, so a DeepSpeed config without a `bf16`
+    block trains in bf16 under the Trainer + DeepSpeed, and does here too.
+    """
+    a = _with_defaults(arguments)
+    mixed = "fp16" if a["fp16"] else "bf16" if a["bf16"] else "no"
+    out = copy.deepcopy(dict(config))
+    if mixed != "no":
+        other = "bf16" if mixed == "fp16" else "fp16"
+        if str((out.get(other) or {}).get("enabled", False)).lower() == "true":
+            raise ConfigError(f"{other}.enabled: the config enables {other} while the training arguments ask for "
+                              f"{mixed} ({mixed}=True)", key=f"{other}.enabled")
+        if mixed not in out:
+            out[mixed] = {"enabled": True}
+    for dtype in ("fp16", "bf16"):
+        out.setdefault(dtype, {"enabled": False})
+    return out
 
 
 def _set(config: dict[str, Any], dotted: str, value: Any) -> None:

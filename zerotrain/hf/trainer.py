@@ -35,8 +35,10 @@ from transformers.trainer import SCHEDULER_NAME
 
 import zerotrain
 from zerotrain.zero import GatheredParameters
+from zerotrain.zero.stage3.partition import ZeroParameter
 from zerotrain.config import ConfigError, read_config_file
-from zerotrain.config.hf_arguments import arguments_of, auto_values, config_from_arguments, fill_auto
+from zerotrain.config.hf_arguments import (arguments_of, auto_values, config_from_arguments, fill_auto,
+                                           with_mixed_precision)
 
 __all__ = ["Trainer", "TrainingArguments", "ZeroTrainArguments", "ZeroTrainMixin"]
 
@@ -112,7 +114,9 @@ class ZeroTrainArguments:
             self.deepspeed = given  # the value the user gave, as transformers keeps it
         self.zerotrain_config: Optional[dict] = None
         if given:
-            self.zerotrain_config = fill_auto(_read(given), auto_values(arguments_of(self), world_size=self.world_size))
+            arguments = arguments_of(self)
+            filled = fill_auto(_read(given), auto_values(arguments, world_size=self.world_size))
+            self.zerotrain_config = with_mixed_precision(filled, arguments)  # as accelerate completes DeepSpeed's
 
 
 class TrainingArguments(ZeroTrainArguments, transformers.TrainingArguments):
@@ -209,6 +213,7 @@ class ZeroTrainMixin:
     """
 
     _zt_engine: Optional[TrainingEngine] = None
+    _zt_pretrained: Optional[str] = None
 
     # --- set-up ------------------------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
@@ -225,6 +230,11 @@ class ZeroTrainMixin:
         # The Trainer builds its Accelerator inside this method with no seam for the class; rather than copy the
         # method, the instance becomes the subclass that adds the engine's backward (nothing else changes).
         self.accelerator.__class__ = _EngineAccelerator
+        # The engine owns the precision (the model in the training dtype, fp32 masters, its loss scaler), as
+        # DeepSpeed does, for which accelerate neither autocasts nor builds a GradScaler: nor here (fp16 on a
+        # GradScaler would also unscale the engine's gradients a second time).
+        self.accelerator.native_amp = False
+        self.accelerator.scaler = None
         if args.save_only_model and args.load_best_model_at_end:
             raise ValueError("save_only_model with load_best_model_at_end: the best model is read from the "
                              "checkpoint's engine state, which save_only_model leaves out (as with DeepSpeed)")
@@ -253,6 +263,8 @@ class ZeroTrainMixin:
         engine, engine_optimizer, _, engine_scheduler = zerotrain.initialize(model=model, config=config,
                                                                              optimizer=optimizer)
         self._zt_engine = engine
+        if self._zt_pretrained is not None:  # each rank reads its own shard ranges of the directory
+            engine.load_checkpoint(self._zt_pretrained, load_module_only=True)
         self.accelerator.engine = engine
         self.optimizer = _EngineOptimizer(engine_optimizer)
         if engine_scheduler is not None:  # the config's `scheduler` block: the engine steps it
@@ -262,6 +274,20 @@ class ZeroTrainMixin:
             # step: the learning rates logged and applied are those of DeepSpeed's integration, step for step.
             self.lr_scheduler = self.create_scheduler(num_training_steps=num_training_steps, optimizer=engine_optimizer)
         return engine
+
+    def _move_model_to_device(self, model: torch.nn.Module, device: Any) -> Any:
+        if any(isinstance(p, ZeroParameter) for p in model.parameters()):
+            # built partitioned under zerotrain.zero.Init: the engine places it (as the Trainer leaves a DeepSpeed
+            # model where it is); a partitioned parameter cannot be moved whole
+            return None
+        return super()._move_model_to_device(model, device)
+
+    def zerotrain_load_pretrained(self, directory: Union[str, os.PathLike]) -> None:
+        """Load a Hugging Face model directory's weights (safetensors, sharded or not) into the model when the
+        engine is built, each rank reading only its own shard ranges: for a model built partitioned under
+        `zerotrain.zero.Init` (too large to build whole), where `from_pretrained` cannot be used. Call before
+        `train()`."""
+        self._zt_pretrained = os.fspath(directory)
 
     def create_optimizer(self, model: Optional[torch.nn.Module] = None) -> Any:
         """The Trainer's optimizer, unless the config has an `optimizer` block (the engine builds that one)."""
