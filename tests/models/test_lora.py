@@ -206,6 +206,27 @@ def _tied_new_tokens(directory: str, tmp: str, vocab: int) -> dict:
     return {"losses": losses, "weights": weights}
 
 
+def _adapters_at_world1(directory: str, tmp: str, checkpoint: str, vocab: int) -> dict:
+    """In the test's own process (a world of one): a fresh engine, the base directory, then the world-2
+    adapters_only checkpoint of step 2; steps 3-4 on all four rows of each batch."""
+    import torch.distributed as dist
+
+    from zerotrain.train.command import load_weights, model_engine
+
+    source, old_vocab, lora = _grown_with_new_tokens(directory)
+    started = dist.is_initialized()
+    engine, model = model_engine(source, _config(3, 4), seed=SEED + 1, lora=lora)  # another adapter init
+    try:
+        load_weights(engine, source, model, old_vocab, tmp, SEED)
+        engine.load_checkpoint(checkpoint, tag="global_step2")
+        losses = _train(engine, _batches(vocab, len(NEW_TOKENS)), range(2, STEPS), slice(0, 4))
+        return {"losses": losses, "weights": engine.full_state_dict(trainable_only=True)}
+    finally:
+        engine.close()
+        if not started and dist.is_initialized():  # a world of one, this test's own
+            dist.destroy_process_group()
+
+
 def _lora_world2(directory: str, tmp: str, vocab: int, tied: str) -> dict:
     return {"tied": _tied_new_tokens(tied, tmp, vocab),
             "zero3": _zero3_data_parallel(directory, tmp, vocab),
@@ -318,6 +339,14 @@ def test_lora_world2_zero3_and_tensor_parallel_equal_peft(tiny_llama_dir, tmp_pa
     assert z3[0]["resumed_losses"] == pytest.approx(z3[0]["losses"][2:], rel=1e-5)
     assert z3[1]["resumed_losses"] == pytest.approx(z3[1]["losses"][2:], rel=1e-5)
     _close(z3[0]["resumed_weights"], z3[0]["weights"], "resumed from adapters_only")
+    # ... and at another world size: this process (world 1, one micro-batch of the 4 rows the two ranks split) reads
+    # the world-2 checkpoint's adapters and their Adam states from the master and optimizer files, and continues
+    # exactly (losses the two ranks' mean, weights the world-2 run's)
+    world1 = _adapters_at_world1(directory, str(tmp_path / "world1"), str(tmp_path / "adapters"), vocab)
+    for step in range(2, STEPS):
+        assert world1["losses"][step - 2] == pytest.approx((z3[0]["losses"][step] + z3[1]["losses"][step]) / 2,
+                                                           rel=1e-5), f"world 1 from world 2, step {step + 1}"
+    _close(world1["weights"], z3[0]["weights"], "adapters_only of world 2 resumed at world 1")
 
     # Every checkpoint holds the adapter in PEFT's layout: PeftModel.from_pretrained gives the engine's logits.
     # (the base resized to the new vocabulary first, as a user does after adding the tokens to the tokenizer: the

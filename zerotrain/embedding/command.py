@@ -96,16 +96,18 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def _config(args: argparse.Namespace, world: Optional[int] = None) -> Any:
-    """The engine's config (a dict); the file's "embedding" block is taken out and applied to `args`
-    (a CLI option given explicitly wins)."""
+def _config(args: argparse.Namespace, world: Optional[int] = None, steps: Optional[int] = None) -> Any:
+    """The engine's config (a dict) for `steps` optimizer steps (default --max-steps: a decaying schedule's
+    total_num_steps); the file's "embedding" block is taken out and applied to `args` (a CLI option given
+    explicitly wins)."""
     from zerotrain.config import ConfigError
     from zerotrain.config.loader import read_config_file
 
     from zerotrain.train.flags import effective_config
 
     world = world if world is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    config = effective_config(args, world_size=world, num_training_steps=args.steps, defaults=DEFAULTS)
+    config = effective_config(args, world_size=world, num_training_steps=args.steps if steps is None else steps,
+                              defaults=DEFAULTS)
     block = config.pop("embedding", {})
     if not isinstance(block, dict):
         raise ConfigError(f"{args.config}: 'embedding' must be an object", key="embedding", file=args.config)
@@ -158,10 +160,10 @@ def run_train_embedding(args: argparse.Namespace) -> int:
     if args.per_device_eval_batch_size is not None and args.per_device_eval_batch_size < 1:
         raise ConfigError(f"--per-device-eval-batch-size must be >= 1, got {args.per_device_eval_batch_size}",
                           key="--per-device-eval-batch-size")
-    config = _config(args)
-    if args.save_dir is not None and int(os.environ.get("RANK", "0")) == 0:
-        from zerotrain.train.flags import write_effective_config
-        write_effective_config(config, args.save_dir)
+    # The data comes before the engine, as in `zerotrain train` and the HF Trainer: with --num-train-epochs alone the
+    # steps (a decaying schedule's total_num_steps) are known once the pairs are read. The config before that
+    # (`layout`, over a stand-in step count) gives the global batch those steps are counted in.
+    layout = _config(args, steps=args.steps or 1)
     if args.loss_chunk_size is not None and args.loss_chunk_size < 1:
         raise ConfigError(f"--loss-chunk-size must be >= 1, got {args.loss_chunk_size}", key="--loss-chunk-size")
     dims = [int(d) for d in args.matryoshka_dims.split(",")] if args.matryoshka_dims else None
@@ -176,6 +178,17 @@ def run_train_embedding(args: argparse.Namespace) -> int:
             import tempfile
             args.data = [str(write_pairs(train_pairs, Path(tempfile.mkdtemp()) / "stdlib_train.jsonl"))]
     data = load_pairs(args.data, args.negatives)
+    seed = 0 if args.seed is None else args.seed
+    schedule_steps = args.steps
+    if schedule_steps is None:  # the passes over the pairs from the start (a resume counts the same run's)
+        from zerotrain.config import load_config
+        batch = load_config(layout, dp_world_size=int(os.environ.get("WORLD_SIZE", "1"))).train_batch_size
+        schedule_steps = steps_in_epochs(data, DataPosition(epoch=0, batch=0, seed=seed, global_batch=batch,
+                                                            pairs=len(data), consumed_samples=0), int(args.epochs))
+    config = _config(args, steps=schedule_steps)
+    if args.save_dir is not None and int(os.environ.get("RANK", "0")) == 0:
+        from zerotrain.train.flags import write_effective_config
+        write_effective_config(config, args.save_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     torch.manual_seed(args.seed or 0)
     model = AutoModel.from_pretrained(model_dir, dtype=torch.float32)
@@ -196,7 +209,6 @@ def run_train_embedding(args: argparse.Namespace) -> int:
                                chunk_size=args.loss_chunk_size, memory_fn=lambda: memory_bytes(topology.device))
         if args.save_dir is not None:
             engine.claim_save_dir(os.path.abspath(args.save_dir))
-        seed = 0 if args.seed is None else args.seed
         position = DataPosition(epoch=0, batch=0, seed=seed, global_batch=global_batch, pairs=len(data),
                                 consumed_samples=0)
         if args.resume:
