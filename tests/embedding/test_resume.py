@@ -138,7 +138,7 @@ def test_resume_refuses_another_global_batch_data_or_seed():
         DataPosition.from_dict({"epoch": 1}, "ckpt")
 
 
-def test_epochs_without_max_steps_lay_a_decaying_schedule_over_the_run(tmp_path):
+def test_epochs_without_max_steps_lay_a_decaying_schedule_over_the_run(tmp_path, capsys):
     """`--num-train-epochs 2 --lr-scheduler-type linear` and no --max-steps (in-process, world 1): the pairs are read
     before the engine, total_num_steps is the steps the two epochs make (12 pairs, batches of 4: 6), and every step's lr
     is that schedule's, which ends with the run (lr 0 one step after the last)."""
@@ -154,8 +154,14 @@ def test_epochs_without_max_steps_lay_a_decaying_schedule_over_the_run(tmp_path)
                  "--log-dir", str(tmp_path / "log")]) == 0
     params = json.loads((tmp_path / "out" / "effective_config.json").read_text())["scheduler"]["params"]
     assert params["total_num_steps"] == 6
+    # --print-config reads the pairs for the same count (and trains nothing)
+    capsys.readouterr()
+    assert main(["train-embedding", "--model", str(model), "--data", str(data), "--per-device-train-batch-size", "4",
+                 "--num-train-epochs", "2", "--lr-scheduler-type", "linear", "--print-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["scheduler"]["params"]["total_num_steps"] == 6
     records = _records(tmp_path / "log")
     assert sorted(records) == list(range(1, 7))
+    assert [records[s]["epoch"] for s in range(1, 7)] == pytest.approx([s / 3 for s in range(1, 7)])  # 3 steps per epoch
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
     schedule, want = WarmupDecayLR(optimizer, **params), []
     for _ in range(6):

@@ -123,9 +123,31 @@ def _config(args: argparse.Namespace, world: Optional[int] = None, steps: Option
     return config
 
 
+def _epoch_steps(args: argparse.Namespace, layout: Any, data: Any, world: int) -> int:
+    """The optimizer steps --num-train-epochs makes over `data` from the start, in the global batch of `layout` (a
+    config over a stand-in step count) at `world` ranks: a decaying schedule's total_num_steps."""
+    from zerotrain.config import load_config
+
+    from .data import DataPosition
+    from .steps import steps_in_epochs
+
+    batch = load_config(layout, dp_world_size=world).train_batch_size
+    seed = 0 if args.seed is None else args.seed
+    return steps_in_epochs(data, DataPosition(epoch=0, batch=0, seed=seed, global_batch=batch, pairs=len(data),
+                                              consumed_samples=0), int(args.epochs))
+
+
 def effective_embedding_config(args: argparse.Namespace) -> dict:
-    """The config `--print-config` prints: file, flags and filled "auto" values at --nproc ranks."""
-    return _config(argparse.Namespace(**vars(args)), world=args.nproc)
+    """The config `--print-config` prints: file, flags and filled "auto" values at --nproc ranks (with
+    --num-train-epochs alone, over the steps the pairs make: the files are read, nothing is trained)."""
+    args = argparse.Namespace(**vars(args))
+    if args.steps is None and args.data and args.data != ["stdlib"]:
+        from .data import load_pairs
+
+        layout = _config(args, world=args.nproc, steps=1)
+        return _config(args, world=args.nproc,
+                       steps=_epoch_steps(args, layout, load_pairs(args.data, args.negatives), args.nproc))
+    return _config(args, world=args.nproc)
 
 
 def run_train_embedding(args: argparse.Namespace) -> int:
@@ -143,7 +165,7 @@ def run_train_embedding(args: argparse.Namespace) -> int:
     from .export import export_sentence_transformers
     from .gradcache import ContrastiveStep
     from .metrics import RETRIEVAL_FIELDS
-    from .steps import PairSteps, steps_in_epochs
+    from .steps import PairSteps, epoch_batches, steps_in_epochs
     from .pooling import read_pooling
 
     model_dir = Path(args.model)
@@ -181,10 +203,7 @@ def run_train_embedding(args: argparse.Namespace) -> int:
     seed = 0 if args.seed is None else args.seed
     schedule_steps = args.steps
     if schedule_steps is None:  # the passes over the pairs from the start (a resume counts the same run's)
-        from zerotrain.config import load_config
-        batch = load_config(layout, dp_world_size=int(os.environ.get("WORLD_SIZE", "1"))).train_batch_size
-        schedule_steps = steps_in_epochs(data, DataPosition(epoch=0, batch=0, seed=seed, global_batch=batch,
-                                                            pairs=len(data), consumed_samples=0), int(args.epochs))
+        schedule_steps = _epoch_steps(args, layout, data, int(os.environ.get("WORLD_SIZE", "1")))
     config = _config(args, steps=schedule_steps)
     if args.save_dir is not None and int(os.environ.get("RANK", "0")) == 0:
         from zerotrain.train.flags import write_effective_config
@@ -260,8 +279,13 @@ def run_train_embedding(args: argparse.Namespace) -> int:
             engine.global_steps + steps_in_epochs(data, position, int(args.epochs))
         steps = PairSteps(engine, step, data, position, tokenizer, args.max_length, rank, world, accumulation,
                           extra_state={"pooling": pooling.mode})
+        # the epoch each record, progress line and the summary show (an epoch's batches, as duplicate texts may
+        # leave one fewer in a later epoch, counted from the first)
+        per_epoch = len(epoch_batches(data, DataPosition(epoch=0, batch=0, seed=position.seed,
+                                                         global_batch=global_batch, pairs=len(data),
+                                                         consumed_samples=0)))
         trainer = Trainer(engine, None, total_steps=total, step=steps, evaluator=evaluate, eval_before=True,
-                          log_dir=args.log_dir, steps_per_print=engine.config.steps_per_print or 10, stop_signals=(),
+                          steps_per_epoch=per_epoch, log_dir=args.log_dir, steps_per_print=engine.config.steps_per_print or 10, stop_signals=(),
                           save_dir=os.path.abspath(args.save_dir) if args.save_dir is not None else None,
                           save_every=args.save_every or 0)
         summary = trainer.train()
