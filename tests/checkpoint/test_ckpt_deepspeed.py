@@ -65,6 +65,13 @@ def train(engine, steps: slice) -> list[float]:
     return losses
 
 
+def save_midway(engine, directory: str, client_state: dict) -> dict:
+    """SAVE_AT steps, a save to `directory`, MORE steps: the uninterrupted run's losses and lr."""
+    train(engine, slice(None, SAVE_AT))
+    engine.save_checkpoint(directory, client_state=client_state)
+    return {"losses": train(engine, slice(SAVE_AT, None)), "lr": engine.get_lr()}
+
+
 def zerotrain_runs(root: str) -> dict:
     """zerotrain's side of "out": SAVE_AT steps, a save, MORE steps (the uninterrupted run)."""
     import zerotrain
@@ -73,10 +80,8 @@ def zerotrain_runs(root: str) -> dict:
     for stage in STAGES:
         torch.manual_seed(0)
         engine, *_ = zerotrain.initialize(model=OddMLP(), config=config(stage))
-        train(engine, slice(None, SAVE_AT))
-        engine.save_checkpoint(os.path.join(root, f"zt{stage}"), client_state={"epoch": 5, "note": "zt"})
-        out[stage] = {"losses": train(engine, slice(SAVE_AT, None)), "lr": engine.get_lr(),
-                      "weights": engine.full_state_dict()}
+        out[stage] = save_midway(engine, os.path.join(root, f"zt{stage}"), {"epoch": 5, "note": "zt"})
+        out[stage]["weights"] = engine.full_state_dict()
         engine.close()
     return out
 
@@ -94,9 +99,7 @@ def deepspeed_runs(root: str) -> dict:
     for stage in STAGES:
         torch.manual_seed(0)
         engine, *_ = deepspeed.initialize(model=OddMLP(), config=config(stage))
-        train(engine, slice(None, SAVE_AT))
-        engine.save_checkpoint(os.path.join(root, f"ds{stage}"), client_state={"epoch": 7, "note": "ds"})
-        out[stage] = {"losses": train(engine, slice(SAVE_AT, None)), "lr": engine.get_lr()}
+        out[stage] = save_midway(engine, os.path.join(root, f"ds{stage}"), {"epoch": 7, "note": "ds"})
         engine.save_checkpoint(os.path.join(root, f"ds{stage}_end"))
         dist.barrier()
         engine.destroy()
