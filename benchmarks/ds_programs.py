@@ -10,8 +10,8 @@ tar -x -C /tmp/dse`); nothing of it is committed here. For each ZeRO stage the s
 2. runs both on 2 ranks on the CPU (DeepSpeed through torchrun with ``DS_ACCELERATOR=cpu``; zerotrain through
    `zerotrain launch --nproc 2`, the launcher the port writes), with the recipe's small offline model and data;
 3. records every loss the program computes at full precision (a `sitecustomize` on the ranks' PYTHONPATH wraps
-   `torch.nn.functional.cross_entropy`, which the programs' losses go through: measuring, not an edit of the
-   program), and prints the loss comparison (max absolute / relative difference over the steps, rank 0) and,
+   `torch.nn.functional.cross_entropy`, which the programs' losses go through, and seeds torch's generator, which
+   otherwise starts from a random seed: the harness, not an edit of the program), and prints the loss comparison (max absolute / relative difference over the steps, rank 0) and,
    when the program saves a model, whether `transformers`' `from_pretrained` loads it.
 
 Recipes say how a program is started and fed offline:
@@ -43,6 +43,10 @@ import os
 if os.environ.get("DSPROG_LOSSES"):
     import torch
     import torch.nn.functional as _F
+
+    # torch's default generator starts from a random seed: both engines' runs start from the same one, as if the
+    # program seeded itself (rank 0's initial weights are broadcast by either engine)
+    torch.manual_seed(int(os.environ.get("DSPROG_SEED", "0")))
 
     _original = _F.cross_entropy
 

@@ -149,6 +149,9 @@ def test_deepspeed_checkpoints_resume_exactly_in_zerotrain_and_back(tmp_path):
                                   "--deepspeed-config", _config_file(tmp_path, stage),
                                   str(tmp_path / f"zt{saved}"), str(tmp_path / f"back{saved}")])
         assert run_ckpt(args, io.StringIO()) == 0
+    # without the world size DeepSpeed will resume at, the export is refused (usage error), nothing written
+    args = parser.parse_args(["ckpt", "export", "--format", "deepspeed", str(tmp_path / "zt2"), str(tmp_path / "x")])
+    assert run_ckpt(args, io.StringIO()) == 2 and not (tmp_path / "x").exists()
     theirs = run_distributed(deepspeed_runs, DP, str(tmp_path), timeout=300)[0]
     for saved, stage in zip(STAGES, reversed(STAGES)):  # out: DeepSpeed resumed zerotrain's exports
         final = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / f"back{saved}_end"))
