@@ -303,8 +303,10 @@ def export_deepspeed(directory: str, out_dir: str, world_size: int, stage: Optio
     if dtype == torch.bfloat16 and stage == 1:
         raise CheckpointError("bf16 at ZeRO stage 1: DeepSpeed trains it with its BF16_Optimizer, whose checkpoint "
                               "layout is not written here; export at stage 2 or 3")
-    if trainer.get("topology", {}).get("tp_size", 1) not in (1, None):
-        raise CheckpointError(f"{path} was written with tensor parallelism; only data-parallel ZeRO is exported")
+    for key, what in (("tp_size", "tensor"), ("ep_size", "expert")):
+        if topology.get(key, 1) not in (1, None):
+            raise CheckpointError(f"{path} was written with {what} parallelism ({key} {topology[key]}); only "
+                                  f"data-parallel ZeRO is exported (DeepSpeed keeps those in other files)")
     groups = _groups(trainer, optimizer_meta, trainable, path)
     hyper = [_hyper(group) for group in (optimizer_meta.get("param_groups") or [{}])]
     shared = dict(trainer.get("shared_params") or {})
