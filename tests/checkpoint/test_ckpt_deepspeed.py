@@ -1,5 +1,6 @@
-"""DeepSpeed checkpoints in, against DeepSpeed 0.19.8 itself (world 2, fp32, torch AdamW, WarmupLR still
-warming up, so the scheduler state matters).
+"""DeepSpeed checkpoints in and out, against DeepSpeed 0.19.8 itself (world 2, fp32, torch AdamW, WarmupLR still
+warming up, so the scheduler state matters; ZeRO-2 with round_robin_gradients, so DeepSpeed's flat groups are
+reordered).
 
 In: DeepSpeed trains SAVE_AT steps at ZeRO-2 and ZeRO-3, saves (with a client state), trains MORE steps and
 saves again for its final weights. zerotrain's `engine.load_checkpoint(DS_DIR)` loads each at the other stage
@@ -7,13 +8,22 @@ saves again for its final weights. zerotrain's `engine.load_checkpoint(DS_DIR)` 
 the same MORE steps and must match DeepSpeed's losses and final fp32 weights (`zero_to_fp32`'s consolidation of
 DeepSpeed's last save) within 1e-5, with DeepSpeed's step counter, lr and client state.
 `zerotrain ckpt import` writes the same conversion to a directory: it verifies and holds DeepSpeed's Adam
-states. Two launches: DeepSpeed, then zerotrain.
+states.
+
+Out: zerotrain trains SAVE_AT steps at ZeRO-2 and ZeRO-3, saves, and goes on MORE steps (the uninterrupted
+run). `zerotrain ckpt export --format deepspeed` writes each save for DeepSpeed at the other stage; DeepSpeed's
+own `load_checkpoint` resumes it and its MORE steps must give the uninterrupted run's losses and final weights
+within 1e-5, with the step, lr and client state.
+
+Two launches: zerotrain's runs, then one with DeepSpeed's runs, zerotrain resuming DeepSpeed's saves and
+DeepSpeed resuming the exports (both engines in the same ranks, one after the other).
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import io
+import json
 import os
 
 import pytest
@@ -31,7 +41,7 @@ STAGES = (2, 3)
 def config(stage: int) -> dict:
     return {"train_batch_size": MICRO * ACCUMULATION * DP, "train_micro_batch_size_per_gpu": MICRO,
             "gradient_accumulation_steps": ACCUMULATION, "steps_per_print": 10**6,
-            "zero_optimization": {"stage": stage},
+            "zero_optimization": {"stage": stage, **({"round_robin_gradients": True} if stage == 2 else {})},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 8, "warmup_max_lr": 1e-2}}}
 
@@ -55,42 +65,75 @@ def train(engine, steps: slice) -> list[float]:
     return losses
 
 
+def save_midway(engine, directory: str, client_state: dict) -> dict:
+    """SAVE_AT steps, a save to `directory`, MORE steps: the uninterrupted run's losses and lr."""
+    train(engine, slice(None, SAVE_AT))
+    engine.save_checkpoint(directory, client_state=client_state)
+    return {"losses": train(engine, slice(SAVE_AT, None)), "lr": engine.get_lr()}
+
+
+def zerotrain_runs(root: str) -> dict:
+    """zerotrain's side of "out": SAVE_AT steps, a save, MORE steps (the uninterrupted run)."""
+    import zerotrain
+
+    out = {}
+    for stage in STAGES:
+        torch.manual_seed(0)
+        engine, *_ = zerotrain.initialize(model=OddMLP(), config=config(stage))
+        out[stage] = save_midway(engine, os.path.join(root, f"zt{stage}"), {"epoch": 5, "note": "zt"})
+        out[stage]["weights"] = engine.full_state_dict()
+        engine.close()
+    return out
+
+
 def deepspeed_runs(root: str) -> dict:
+    """DeepSpeed's runs and saves; zerotrain resuming them ("in"); DeepSpeed resuming zerotrain's exports ("out")."""
     os.environ["DS_ACCELERATOR"] = "cpu"
     import deepspeed
     import torch.distributed as dist
+
+    import zerotrain
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     out = {}
     for stage in STAGES:
         torch.manual_seed(0)
         engine, *_ = deepspeed.initialize(model=OddMLP(), config=config(stage))
-        train(engine, slice(None, SAVE_AT))
-        engine.save_checkpoint(os.path.join(root, f"ds{stage}"), client_state={"epoch": 7, "note": "ds"})
-        out[stage] = {"losses": train(engine, slice(SAVE_AT, None)), "lr": engine.get_lr()}
+        out[stage] = save_midway(engine, os.path.join(root, f"ds{stage}"), {"epoch": 7, "note": "ds"})
         engine.save_checkpoint(os.path.join(root, f"ds{stage}_end"))
         dist.barrier()
         engine.destroy()
-    return out
-
-
-def zerotrain_runs(root: str) -> dict:
-    import zerotrain
-
-    out = {}
-    for saved, stage in zip(STAGES, reversed(STAGES)):
+    for saved, stage in zip(STAGES, reversed(STAGES)):  # in: zerotrain resumes DeepSpeed's saves
         torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
         engine, *_ = zerotrain.initialize(model=OddMLP(), config=config(stage))
         path, client = engine.load_checkpoint(os.path.join(root, f"ds{saved}"))
         steps = engine.global_steps
         losses = train(engine, slice(SAVE_AT, None))
-        out[(saved, stage)] = {"path": path, "client": client, "steps": steps, "losses": losses,
-                               "lr": engine.get_lr(), "weights": engine.full_state_dict()}
+        out[("in", saved, stage)] = {"path": path, "client": client, "steps": steps, "losses": losses,
+                                     "lr": engine.get_lr(), "weights": engine.full_state_dict()}
         engine.close()
+    for saved, stage in zip(STAGES, reversed(STAGES)):  # out: DeepSpeed resumes zerotrain's exports
+        torch.manual_seed(1)
+        engine, *_ = deepspeed.initialize(model=OddMLP(), config=config(stage))
+        path, client = engine.load_checkpoint(os.path.join(root, f"back{saved}"))
+        steps = engine.global_steps
+        losses = train(engine, slice(SAVE_AT, None))
+        out[("out", saved, stage)] = {"path": path, "client": client, "steps": steps, "losses": losses,
+                                      "lr": engine.get_lr()}
+        engine.save_checkpoint(os.path.join(root, f"back{saved}_end"))
+        dist.barrier()
+        engine.destroy()
     return out
 
 
-def test_a_deepspeed_checkpoint_resumes_in_zerotrain_exactly(tmp_path):
+def _config_file(root, stage: int) -> str:
+    path = os.path.join(str(root), f"ds_config{stage}.json")
+    with open(path, "w") as handle:
+        json.dump(config(stage), handle)
+    return path
+
+
+def test_deepspeed_checkpoints_resume_exactly_in_zerotrain_and_back(tmp_path):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from zerotrain.checkpoint import verify_checkpoint
@@ -100,11 +143,34 @@ def test_a_deepspeed_checkpoint_resumes_in_zerotrain_exactly(tmp_path):
 
     parser = argparse.ArgumentParser()
     add_ckpt_parser(parser.add_subparsers(dest="command"), "zerotrain")
+    uninterrupted = run_distributed(zerotrain_runs, DP, str(tmp_path), timeout=300)[0]
+    for saved, stage in zip(STAGES, reversed(STAGES)):  # out: each save exported for DeepSpeed at the other stage
+        args = parser.parse_args(["ckpt", "export", "--format", "deepspeed", "--world-size", str(DP),
+                                  "--deepspeed-config", _config_file(tmp_path, stage),
+                                  str(tmp_path / f"zt{saved}"), str(tmp_path / f"back{saved}")])
+        assert run_ckpt(args, io.StringIO()) == 0
+    # without the world size DeepSpeed will resume at, the export is refused (usage error), nothing written
+    args = parser.parse_args(["ckpt", "export", "--format", "deepspeed", str(tmp_path / "zt2"), str(tmp_path / "x")])
+    assert run_ckpt(args, io.StringIO()) == 2 and not (tmp_path / "x").exists()
     theirs = run_distributed(deepspeed_runs, DP, str(tmp_path), timeout=300)[0]
-    ours = run_distributed(zerotrain_runs, DP, str(tmp_path), timeout=300)[0]
+    for saved, stage in zip(STAGES, reversed(STAGES)):  # out: DeepSpeed resumed zerotrain's exports
+        final = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / f"back{saved}_end"))
+        run, reference = theirs[("out", saved, stage)], uninterrupted[saved]
+        where = f"zerotrain ZeRO-{saved} checkpoint exported to and resumed by DeepSpeed ZeRO-{stage}"
+        # DeepSpeed's load_checkpoint returns the model-states file it read
+        assert os.path.dirname(run["path"]) == str(tmp_path / f"back{saved}" / f"global_step{SAVE_AT}"), where
+        # DeepSpeed hands back every top-level key it does not consume (buffer_names, ds_config, ...) besides ours
+        assert {k: run["client"].get(k) for k in ("epoch", "note")} == {"epoch": 5, "note": "zt"}, where
+        assert run["steps"] == SAVE_AT, where
+        assert run["losses"] == pytest.approx(reference["losses"], rel=1e-5), where
+        assert run["lr"] == pytest.approx(reference["lr"], rel=1e-12), where
+        assert sorted(reference["weights"]) == sorted(final), where
+        for name, tensor in final.items():
+            torch.testing.assert_close(tensor.float(), reference["weights"][name], rtol=1e-5, atol=1e-7, msg=where)
+        assert len(set(reference["losses"])) == MORE
     for saved, stage in zip(STAGES, reversed(STAGES)):  # in: zerotrain resumed DeepSpeed's checkpoints
         final = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / f"ds{saved}_end"))
-        run = ours[(saved, stage)]
+        run = theirs[("in", saved, stage)]
         where = f"DeepSpeed ZeRO-{saved} checkpoint resumed at zerotrain ZeRO-{stage}"
         assert run["path"] == str(tmp_path / f"ds{saved}" / f"global_step{SAVE_AT}"), where
         assert run["client"] == {"epoch": 7, "note": "ds"} and run["steps"] == SAVE_AT, where

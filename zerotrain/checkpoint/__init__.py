@@ -19,7 +19,7 @@ Public API: `save_checkpoint`, `load_checkpoint` (what the engine's methods call
 `last_stall_seconds`, `last_fence_seconds`: their sum is an async save's training stall),
 `SnapshotFences` (the engine's fence: what writers of its slots wait on outside `engine.step()`),
 `CheckpointError`, and the offline tools `inspect_checkpoint`, `verify_checkpoint`, `export_model`,
-`latest_step`.
+`latest_step`, `export_deepspeed`.
 
 Modules, one concept each:
     format        file names, the streaming safetensors writer, CheckpointError
@@ -41,6 +41,7 @@ Modules, one concept each:
     state         trainer state and RNG as JSON
     tools         inspect / verify / export, for the `zerotrain ckpt` command
     deepspeed_dir DeepSpeed ZeRO checkpoint directories joined into whole tensors and written as a checkpoint
+    deepspeed_export  a checkpoint written as a DeepSpeed ZeRO checkpoint directory for a chosen world size
     command       the `zerotrain ckpt inspect|verify|import|export` subcommands (argparse, output, exit codes)
 """
 from __future__ import annotations
@@ -50,7 +51,8 @@ from .slots import CheckpointState, LoCoState, Stateful
 from .fence import SnapshotFences
 from .format import CheckpointError
 from .load import load_checkpoint
+from .deepspeed_export import export_deepspeed
 from .tools import export_model, inspect_checkpoint, latest_step, verify_checkpoint
 
 __all__ = ["save_checkpoint", "load_checkpoint", "Checkpointer", "CheckpointState", "Stateful", "LoCoState", "CheckpointError", "SnapshotFences",
-           "inspect_checkpoint", "verify_checkpoint", "export_model", "latest_step"]
+           "inspect_checkpoint", "verify_checkpoint", "export_model", "latest_step", "export_deepspeed"]

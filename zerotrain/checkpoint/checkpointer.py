@@ -99,6 +99,7 @@ class Checkpointer:
                               defer=async_save and state.defer_copies)
             rank0 = self.comm.rank == 0
             trainer_state = capture_trainer_state(state, tag, client_state)  # every rank: same errors everywhere
+            trainer_state["param_groups"] = plan.param_groups()
             optimizer_meta = {"optimizer": type(state.optimizer).__name__,
                               "param_groups": group_hyperparameters(state.optimizer)}
             job = SaveJob(plan=plan, sources=sources, comm=self.comm, save_dir=os.path.abspath(save_dir), tag=tag,

@@ -50,12 +50,13 @@ def add_ckpt_parser(sub: argparse._SubParsersAction, prog: str) -> None:
     _add_import_parser(tools)
 
     export = tools.add_parser(
-        "export", help="write the model weights only, in Hugging Face layout",
+        "export", help="write the model weights in Hugging Face layout, or (--format deepspeed) a DeepSpeed checkpoint",
         description=("Write the model weights (no optimizer or trainer state) to a new directory as "
                      "model-*.safetensors + model.safetensors.index.json (+ config.json and the "
                      "tokenizer files when the model has a Hugging Face config: from_pretrained(OUT) loads it; "
                      "a model that is not a Hugging Face architecture is said so), optionally cast. Weights come from the fp32 "
-                     "master copies when the checkpoint has them. The checkpoint is verified first."),
+                     "master copies when the checkpoint has them. The checkpoint is verified first. With --format deepspeed: "
+                     "a DeepSpeed 0.19 checkpoint directory to resume from instead (see --format)."),
     )
     export.add_argument("dir", metavar="DIR", help=_DIR_HELP)
     export.add_argument("out", metavar="OUT", help="output directory (must not exist, or be empty)")
@@ -66,6 +67,20 @@ def add_ckpt_parser(sub: argparse._SubParsersAction, prog: str) -> None:
                              "exported weights: W += B @ A * alpha/r (alpha/sqrt(r) with rslora). Without a value: "
                              "the adapter of a `train --lora-r` checkpoint itself (written into every checkpoint "
                              "directory); the export is then the merged model under the base model's names")
+    export.add_argument("--format", choices=("hf", "deepspeed"), default="hf",
+                        help="hf (default): the model weights in Hugging Face layout. deepspeed: a whole DeepSpeed 0.19 "
+                             "ZeRO checkpoint (OUT/latest, OUT/<tag>/: model states, one optimizer file per rank with "
+                             "the fp32 partition and the optimizer states, scheduler, step, client state) that "
+                             "DeepSpeed's engine.load_checkpoint(OUT) resumes at --world-size ranks and --stage")
+    export.add_argument("--world-size", type=int, default=None, metavar="N",
+                        help="with --format deepspeed: the data-parallel world size DeepSpeed will resume at")
+    export.add_argument("--stage", type=int, choices=(1, 2, 3), default=None,
+                        help="with --format deepspeed: the ZeRO stage DeepSpeed will run (default: the config's, else "
+                             "the checkpoint's)")
+    export.add_argument("--deepspeed-config", default=None, metavar="JSON",
+                        help="with --format deepspeed: the DeepSpeed config the resumed run uses (default: the "
+                             "checkpoint's); its zero_optimization (round_robin_gradients, parameter_alignment, "
+                             "sub_group_size) and gradient_clipping shape the layout")
 
 
 def _add_import_parser(tools: argparse._SubParsersAction) -> None:
@@ -103,6 +118,15 @@ def run_ckpt(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
             from .deepspeed_dir import convert_deepspeed
             path = convert_deepspeed(args.dir, args.out)
             out.write(f"imported DeepSpeed checkpoint {args.dir} as {path}\n")
+        elif args.ckpt_command == "export" and getattr(args, "format", "hf") == "deepspeed":
+            if args.world_size is None or args.dtype is not None or args.merge_lora is not None:
+                print("zerotrain ckpt export: --format deepspeed needs --world-size N (the ranks DeepSpeed resumes "
+                      "at) and takes neither --dtype nor --merge-lora", file=sys.stderr, flush=True)
+                return 2
+            from .deepspeed_export import export_deepspeed
+            path = export_deepspeed(args.dir, args.out, args.world_size, stage=args.stage,
+                                    config=args.deepspeed_config)
+            out.write(f"exported {args.dir} as a DeepSpeed checkpoint for {args.world_size} ranks: {path}\n")
         elif args.ckpt_command == "export":
             path = export_model(args.dir, args.out, dtype=args.dtype, merge_lora=getattr(args, "merge_lora", None))
             merged = getattr(args, "merge_lora", None)

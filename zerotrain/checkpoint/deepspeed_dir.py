@@ -178,7 +178,11 @@ def read_deepspeed(path: str) -> DeepSpeedState:
         masters, states, scalars, hyper = _join_stage3(optim, shapes, world, path)
     client = {k: v for k, v in model_states.items() if k not in _DS_KEYS}
     aliases = {alias: source for alias, source in (model_states.get("shared_params") or {}).items()}
-    return DeepSpeedState(stage, world, masters, [list(group) for group in shapes], states, scalars, extras, aliases,
+    # DeepSpeed's flat groups may be in round-robin order (zero_optimization.round_robin_gradients: param_shapes,
+    # which the joins above follow, records that order); the groups are recorded in the module's order
+    order = {name: index for index, name in enumerate(module)}
+    groups = [sorted(group, key=lambda name: order.get(name, len(order))) for group in shapes]
+    return DeepSpeedState(stage, world, masters, groups, states, scalars, extras, aliases,
                           hyper, model_states, client, optim[0].get("loss_scaler"))
 
 
@@ -347,6 +351,8 @@ def convert_deepspeed(ds_path: str, out_dir: str, tag: Optional[str] = None) -> 
             "client_state": encode(ds.client_state, "client_state"),
             "adapters_only": False,
             "param_groups": ds.groups,
+            "buffer_names": [name for name in ds.model_states.get("buffer_names") or [] if name in ds.extras],
+            "shared_params": dict(ds.aliases),
         }
         size, crc = write_json(os.path.join(temp, TRAINER_STATE), trainer_state)
         files[TRAINER_STATE] = {"size": size, "crc32": crc32_text(crc)}

@@ -76,6 +76,7 @@ class TensorPlan:
     writer: int = 0
     slices: dict = field(default_factory=dict)   # slice holder -> TensorSlice; empty: not split
     expert: bool = False                         # split over expert-parallel ranks (holders: ep ranks)
+    group: int = -1                              # the optimizer param group of its master (-1: not trainable)
 
     @property
     def numel(self) -> int:
@@ -142,6 +143,15 @@ class SavePlan:
         return sum(numel_of(shape) * itemsize(dtype) for spec in self.files if spec.kind == kind
                    for _, dtype, shape in spec.entries)
 
+    def param_groups(self) -> list[list[str]]:
+        """The trainable tensors of each optimizer param group, in state_dict order (recorded in trainer_state.json:
+        what an export to another layout, e.g. DeepSpeed's flat groups, needs to rebuild the groups)."""
+        groups: list[list[str]] = [[] for _ in range(1 + max((t.group for t in self.tensors.values()), default=-1))]
+        for name, tensor in self.tensors.items():
+            if tensor.trainable and tensor.group >= 0:
+                groups[tensor.group].append(name)
+        return groups
+
     def names_of(self, writer: int) -> list[str]:
         return [name for name, t in self.tensors.items() if t.writer == writer]
 
@@ -184,6 +194,7 @@ def local_layout(state: CheckpointState, slots, rank: int) -> dict:
     and the TensorSlice of each tensor-parallel split parameter among them."""
     described, sharded = [], set()
     split = tensor_slices(state.module)
+    group_of = {id(p): index for index, group in enumerate(state.optimizer.param_groups) for p in group["params"]}
     for slot in slots:
         elementwise, scalars = {}, {}
         if slot.master is not None:
@@ -193,6 +204,7 @@ def local_layout(state: CheckpointState, slots, rank: int) -> dict:
         sharded.update(r[0] for r in records)
         described.append({
             "trainable": slot.master is not None,
+            "group": group_of.get(id(slot.master), -1) if slot.master is not None else -1,
             "replicated": bool(slot.replicated), "numel": int(slot.model_shard.numel()),
             "model_dtype": dtype_name(slot.model_shard.dtype), "records": records,
             "states": {k: dtype_name(v.dtype) for k, v in sorted(elementwise.items())},
@@ -234,7 +246,8 @@ def build_plan(layouts: list[dict], max_file_bytes: int = MAX_FILE_BYTES, round_
                 if tensor is None:
                     tensor = tensors[name] = TensorPlan(name, shape, torch_dtype(slot["model_dtype"]),
                                                         slot["trainable"], states, scalars,
-                                                        replicated=slot["replicated"], expert=name in experts)
+                                                        replicated=slot["replicated"], expert=name in experts,
+                                                        group=slot.get("group", -1))
                 elif tensor.shape != shape or tensor.states != states or tensor.scalars != scalars or \
                         tensor.slices.get(tp_rank, tensor_slice) != tensor_slice or \
                         tensor.expert != (name in experts):

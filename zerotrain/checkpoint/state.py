@@ -119,7 +119,26 @@ def capture_trainer_state(state: "CheckpointState", tag: str, client_state: dict
         "client_state": encode(client_state, "client_state"),
         # only the trainable parameters were written (checkpoint.adapters_only): a load reads no frozen ones
         "adapters_only": bool(state.config.checkpoint.adapters_only),
+        # what an export to DeepSpeed's layout needs beside the tensors (`deepspeed_export`)
+        **module_names(state.module),
     }
+
+
+def module_names(module: torch.nn.Module) -> dict:
+    """The persistent buffers among the module's state (the rest are parameters) and its tied names ({alias:
+    the name the tensor is saved under}), as DeepSpeed's checkpoints record them (`buffer_names`,
+    `shared_params`)."""
+    params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    first: dict = {}
+    shared = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if torch.is_tensor(tensor):
+            if id(tensor) in first:
+                shared[name] = first[id(tensor)]
+            else:
+                first[id(tensor)] = name
+    buffers = [name for name in module.state_dict(keep_vars=True) if name not in params and name not in shared]
+    return {"buffer_names": buffers, "shared_params": shared}
 
 
 def _plain(value):
