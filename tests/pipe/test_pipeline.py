@@ -6,7 +6,10 @@ gradient clipping, against plain single-process AdamW over the whole batches: lo
 (over every stage, the tied weight once) and weights within 1e-5; the tied copies equal on both stages.
 One launch per world size: world 2 (PP2: 1F1B, interleaved 1F1B, interleaved zero-bubble with activation
 checkpointing) and world 4
-(PP2 x DP2 with ZeRO-1: 1F1B, interleaved 1F1B, ZBV zero-bubble).
+(PP2 x DP2 with ZeRO-1: 1F1B, interleaved 1F1B, ZBV zero-bubble). The world-4 launch also checkpoints: its 1F1B
+case saves before its last step, and the same launch loads that checkpoint at PP1 x DP4 and PP4 x DP1 (world 4
+has no PP2 x DP1; PP4 x DP1 changes the stage count and the data-parallel size at once) and trains the last step:
+equal to the uninterrupted run, the tied head's copy read from the embedding's entries (stored once).
 """
 from __future__ import annotations
 

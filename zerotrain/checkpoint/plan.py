@@ -28,7 +28,9 @@ by it): only tensor-parallel rank 0's ranks are holders, so each expert is saved
 Partitioned frozen parameters (stage 3) are slots without a master: only their model
 file entry is written. Tensors outside every slot (frozen parameters at stages 0-2,
 persistent buffers) are whole on every rank; they are assigned for balance and need
-no exchange. Tied tensors appear once,
+no exchange (with pipeline parallelism each stage's are listed by the stage's first rank
+and written by one of its ranks). A tensor named in `CheckpointState.aliases` (a tied
+layer's copy on a later pipeline stage) is left out: its owner's is saved. Tied tensors appear once,
 under their first name in `state_dict` order, as Hugging Face saves them.
 """
 from __future__ import annotations
