@@ -101,6 +101,7 @@ def train_cases(cases: list, save_dir: str = "") -> list:
         out.append(dict(case=(schedule, stage, accumulation, *pipeline), losses=losses, norms=norms, eval=evaluation,
                         weights=weights, replicas=replicas, stage_id=engine.stage_id, dp_rank=dp_rank,
                         global_steps=engine.global_steps))
+        engine.close()  # the saving engine releases its save directory's lock
     if save_dir:  # the batch size: MICRO x accumulation x dp = 8 samples at every shape
         out += [resume(save_dir, 1, accumulation=1), resume(save_dir, 4, accumulation=4)]
     return out

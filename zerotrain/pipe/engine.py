@@ -62,6 +62,8 @@ class StageEngine(Protocol):
 
     def checkpoint_state(self) -> CheckpointState: ...
 
+    def close(self) -> None: ...
+
 __all__ = ["PipelineEngine", "StageEngine", "PipelinePlan", "prepare_pipeline", "check_pipeline_config", "pipeline_size"]
 
 
@@ -248,6 +250,12 @@ class PipelineEngine:
             self._checkpointer = Checkpointer(self._checkpoint_state())
         return save_checkpoint(self._checkpointer, save_dir, tag=tag, client_state=client_state,
                                save_latest=save_latest, async_save=False)
+
+    def close(self) -> None:
+        """Release the checkpoint save directory's lock, then the stage engine's resources (idempotent)."""
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+        self.engine.close()
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False, **kwargs: Any):
