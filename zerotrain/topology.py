@@ -182,6 +182,18 @@ class Topology:
         """Ranks per pipeline stage: world / pp."""
         return self.world_size // self.pp_size
 
+    def own_group(self) -> Optional[dist.ProcessGroup]:
+        """A process group of this rank alone (torch's `PipelineStage` of a one-stage pipeline on several
+        data-parallel ranks needs a pipeline group of size 1); None in a one-rank world. Collective on first
+        use: every rank creates every rank's group, in the same order."""
+        if self.world_size == 1:
+            return None
+        if "own" not in self._subgroups:
+            timeout = datetime.timedelta(seconds=self.timeout_seconds)
+            groups = [dist.new_group(ranks=[rank], timeout=timeout) for rank in range(self.world_size)]
+            self._subgroups["own"] = groups[self.rank]
+        return self._subgroups["own"]
+
     def pipeline_subgroup(self, stages: list[int]) -> tuple[Optional[dist.ProcessGroup], int, int]:
         """The ranks at this rank's place in the pipeline stages `stages` (sorted stage indices; e.g. the stages
         holding one tied layer); (group or None when one stage, this rank's index in it or -1 outside it, size).

@@ -197,3 +197,17 @@ def test_crc32_text_is_eight_hex_digits_and_parses_back():
     for bad in ("1234", "0x001234", "zzzzzzzz"):
         with pytest.raises(Exception, match="manifest"):
             parse_crc32(bad)
+
+
+def test_plan_writes_a_pipeline_stage_s_buffers_from_that_stage():
+    # PP2 x DP2: each stage's first rank lists the tensors outside its slots (buffers), which only that stage's
+    # ranks hold; without extras_ranks the least-loaded writers would be ranks 0 and 1 for some of stage 1's
+    layouts = _layouts(4, {"0.w": (64,)}, split_each=True)
+    for layout in layouts:
+        layout["extras_ranks"] = None
+    layouts[2]["extras"] = [(f"3.buf{i}", (256,), "float32", False) for i in range(4)]
+    layouts[2]["extras_ranks"], layouts[2]["order"] = [2, 3], [f"3.buf{i}" for i in range(4)]
+    plan = build_plan(layouts)
+    writers = {name: tensor.writer for name, tensor in plan.tensors.items()}
+    assert list(plan.tensors) == ["0.w", "3.buf0", "3.buf1", "3.buf2", "3.buf3"], list(plan.tensors)
+    assert {writers[f"3.buf{i}"] for i in range(4)} == {2, 3}, writers

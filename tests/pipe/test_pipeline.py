@@ -6,7 +6,10 @@ gradient clipping, against plain single-process AdamW over the whole batches: lo
 (over every stage, the tied weight once) and weights within 1e-5; the tied copies equal on both stages.
 One launch per world size: world 2 (PP2: 1F1B, interleaved 1F1B, interleaved zero-bubble with activation
 checkpointing) and world 4
-(PP2 x DP2 with ZeRO-1: 1F1B, interleaved 1F1B, ZBV zero-bubble).
+(PP2 x DP2 with ZeRO-1: 1F1B, interleaved 1F1B, ZBV zero-bubble). The world-4 launch also checkpoints: its 1F1B
+case saves before its last step, and the same launch loads that checkpoint at PP1 x DP4 and PP4 x DP1 (world 4
+has no PP2 x DP1; PP4 x DP1 changes the stage count and the data-parallel size at once) and trains the last step:
+equal to the uninterrupted run, the tied head's copy read from the embedding's entries (stored once).
 """
 from __future__ import annotations
 
@@ -42,9 +45,10 @@ def config(schedule: str, stage: int, accumulation: int, **pipeline) -> dict:
             "pipeline": {"schedule": schedule, **pipeline}}
 
 
-def train_cases(cases: list) -> list:
+def train_cases(cases: list, save_dir: str = "") -> list:
     """On each rank: train every (schedule, ZeRO stage, accumulation) case; per case its losses, norms, this
-    rank's named weights, which of them are replicas of a tied weight, and its grid place."""
+    rank's named weights, which of them are replicas of a tied weight, and its grid place. With `save_dir`: the
+    first case also saves a checkpoint after step STEPS - 1, and `resume` loads it at other shapes."""
     import zerotrain
     from zerotrain.pipe import PipelineModule
     from zerotrain.pipe.gpt import gpt_layers, gpt_loss
@@ -65,7 +69,9 @@ def train_cases(cases: list) -> list:
             if type(layer).__name__ == "Block":
                 layer.forward = lambda *args, forward=layer.forward: (calls.append(1), forward(*args))[1]
         losses, norms = [], []
-        for batch in batches(MICRO * accumulation * dp):
+        for step, batch in enumerate(batches(MICRO * accumulation * dp)):
+            if save_dir and not out and step == STEPS - 1:  # PP2 x DP2, ZeRO-1: saved before the last step
+                engine.save_checkpoint(save_dir, tag="resume", client_state={"data_step": step})
             reads = []
 
             def micro_batches():
@@ -95,7 +101,31 @@ def train_cases(cases: list) -> list:
         out.append(dict(case=(schedule, stage, accumulation, *pipeline), losses=losses, norms=norms, eval=evaluation,
                         weights=weights, replicas=replicas, stage_id=engine.stage_id, dp_rank=dp_rank,
                         global_steps=engine.global_steps))
+        engine.close()  # the saving engine releases its save directory's lock
+    if save_dir:  # the batch size: MICRO x accumulation x dp = 8 samples at every shape
+        out += [resume(save_dir, 1, accumulation=1), resume(save_dir, 4, accumulation=4)]
     return out
+
+
+def resume(save_dir: str, stages: int, accumulation: int) -> dict:
+    """Load the PP2 x DP2 checkpoint at `stages` x (world / stages) and train its last step."""
+    import zerotrain
+    from zerotrain.pipe import PipelineModule
+    from zerotrain.pipe.gpt import gpt_layers, gpt_loss
+    from zerotrain.sharding import is_pipeline_replica
+
+    module = PipelineModule(gpt_layers(gpt_config()), num_stages=stages, loss_fn=gpt_loss,
+                            partition_method="uniform", seed_layers=True, base_seed=BASE_SEED + 1)  # other weights
+    engine, _, _, _ = zerotrain.initialize(model=module, config=config("1f1b", 1, accumulation))
+    _, client_state = engine.load_checkpoint(save_dir, tag="resume")
+    step, steps = client_state["data_step"], engine.global_steps
+    dp, dp_rank = engine.topology.dp_size, engine.topology.dp_rank
+    batch = batches(MICRO * accumulation * dp)[step]
+    data = iter([micro_slice(batch, i, dp_rank, dp, MICRO) for i in range(accumulation)])
+    loss = float(engine.train_batch(data if engine.is_first_stage() or engine.is_last_stage() else None))
+    return dict(resume=stages, loaded_steps=steps, loss=loss, global_steps=engine.global_steps,
+                weights={n: p.detach().clone() for n, p in module.named_parameters()},
+                replicas=sorted(n for n, p in module.named_parameters() if is_pipeline_replica(p)))
 
 
 class Reference(nn.Module):
@@ -176,7 +206,7 @@ def assert_weight_close(got: torch.Tensor, ref: torch.Tensor, where: str) -> Non
 def check_against_reference(results: list, world: int) -> None:
     dp = world // 2
     ranks = len(results)
-    for case_index in range(len(results[0])):
+    for case_index in range(sum("case" in got for got in results[0])):
         per_rank = [results[rank][case_index] for rank in range(ranks)]
         schedule, stage, accumulation = per_rank[0]["case"][:3]
         where = f"world {world}, {schedule}, ZeRO-{stage}, accumulation {accumulation}"
@@ -214,10 +244,46 @@ def test_pp2_schedules_match_single_process():
     check_against_reference(run_distributed(train_cases, 2, cases), 2)
 
 
-def test_pp2_dp2_zero1_matches_single_process():
-    # ZBV: pieces in a V, so rank 0 holds the embedding and the head, one tied module used twice on one rank
+def check_resumes(results: list, save_dir) -> None:
+    """The checkpoint saved at PP2 x DP2 before the last step, loaded at PP1 x DP4 and PP4 x DP1: the last step
+    continues exactly as the uninterrupted run (the reference), every weight and the tied copies."""
+    from safetensors import safe_open
+    keys = set()
+    for path in (save_dir / "resume").glob("*.safetensors"):
+        with safe_open(str(path), "pt") as handle:
+            keys.update(handle.keys())
+    last = len(gpt_layers_names()) - 1  # the tied head's position: stored once, under the embedding's name
+    assert "0.wte.weight" in keys and "0.wte.weight/exp_avg_sq" in keys, sorted(keys)
+    assert not any(key.startswith(f"{last}.") for key in keys), sorted(keys)
+    ref_losses, _, _, ref_weights = reference(2, 2)
+    for stages in (1, 4):
+        per_rank = [got for rank in results for got in rank if got.get("resume") == stages]
+        where = f"resumed at PP{stages} x DP{4 // stages}"
+        joined = {}
+        for got in per_rank:
+            assert (got["loaded_steps"], got["global_steps"]) == (STEPS - 1, STEPS), where
+            assert abs(got["loss"] - ref_losses[-1]) <= 1e-5 * abs(ref_losses[-1]), (where, got["loss"], ref_losses)
+            joined.update({n: w for n, w in got["weights"].items() if n not in got["replicas"]})
+            for name in got["replicas"]:  # the head's copy on the last stage, loaded from the embedding's entries
+                assert_weight_close(got["weights"][name], ref_weights["0." + name.split(".", 1)[1]], f"{where} {name}")
+        assert sorted(joined) == sorted(ref_weights), where
+        for name, ref in ref_weights.items():
+            assert_weight_close(joined[name], ref, f"{where} {name}")
+        assert any(got["replicas"] for got in per_rank) == (stages > 1), where
+
+
+def gpt_layers_names() -> list:
+    from zerotrain.pipe.gpt import gpt_layers
+    return gpt_layers(gpt_config())
+
+
+def test_pp2_dp2_zero1_matches_single_process(tmp_path):
+    # ZBV: pieces in a V, so rank 0 holds the embedding and the head, one tied module used twice on one rank.
+    # The first case saves before its last step; the same launch resumes at PP1 x DP4 and PP4 x DP1.
     cases = [("1f1b", 1, 2), ("interleaved_1f1b", 1, 2), ("zbv_zero_bubble", 1, 4)]
-    check_against_reference(run_distributed(train_cases, 4, cases), 4)
+    results = run_distributed(train_cases, 4, cases, str(tmp_path))
+    check_against_reference(results, 4)
+    check_resumes(results, tmp_path)
 
 
 def test_refusals_name_the_key():

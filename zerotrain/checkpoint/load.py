@@ -51,7 +51,7 @@ from .plan import extra_tensors
 from .directio import READ_THREADS, copy_threads, run_parallel
 from .integrity import check_pieces
 from .reader import TensorReader, prefetch_small_tensors
-from .slots import CheckpointState, sharded_names
+from .slots import CheckpointState, aliased_slots, sharded_names
 from .split import RunsRead, expected_shape, tensor_slices
 from .source import HUGGING_FACE, ZEROTRAIN, Source, needed_files, open_source, resolve, verify
 from .state import apply_trainer_state, decode, restore_rng
@@ -228,14 +228,16 @@ def prepare(state: CheckpointState, path: str, sharded: set[str], load_optimizer
         # checkpoint.adapters_only: the checkpoint holds only the trainable parameters; the frozen ones keep what
         # the model has (its base, loaded from the model directory first)
         adapters_only = bool(source.kind == ZEROTRAIN and (source.trainer_state or {}).get("adapters_only"))
-        loaded_slots = [slot for slot in state.slots() if not (adapters_only and slot.master is None)]
+        # a pipeline's tied copies read the owner's entries (CheckpointState.aliases)
+        all_slots = aliased_slots(state.slots(), state.aliases)
+        loaded_slots = [slot for slot in all_slots if not (adapters_only and slot.master is None)]
         base_only = hugging_face or load_module_only  # a model's weights, maybe the base of a LoRA-wrapped one
         _check_model_fits(model, module, loaded_slots, slices, hugging_face, path, base_only, masters)
         if load_optimizer:
             check_groups(source.optimizer_meta.get("param_groups", []), state.optimizer)
         slot_loads = []
         templates = _Templates(state.optimizer) if load_optimizer else None  # forward-only engines have none
-        for slot in state.slots():
+        for slot in all_slots:
             frozen = slot.master is None  # a partitioned frozen parameter (stage 3): model dtype, no optimizer
             load = SlotLoad([])
             if frozen and adapters_only:

@@ -28,7 +28,9 @@ by it): only tensor-parallel rank 0's ranks are holders, so each expert is saved
 Partitioned frozen parameters (stage 3) are slots without a master: only their model
 file entry is written. Tensors outside every slot (frozen parameters at stages 0-2,
 persistent buffers) are whole on every rank; they are assigned for balance and need
-no exchange. Tied tensors appear once,
+no exchange (with pipeline parallelism each stage's are listed by the stage's first rank
+and written by one of its ranks). A tensor named in `CheckpointState.aliases` (a tied
+layer's copy on a later pipeline stage) is left out: its owner's is saved. Tied tensors appear once,
 under their first name in `state_dict` order, as Hugging Face saves them.
 """
 from __future__ import annotations
@@ -192,7 +194,7 @@ def state_dict_order(module: torch.nn.Module) -> list[str]:
 def local_layout(state: CheckpointState, slots, rank: int) -> dict:
     """What this rank holds, as plain data: records, dtypes and optimizer state keys of each slot,
     and the TensorSlice of each tensor-parallel split parameter among them."""
-    described, sharded = [], set()
+    described, sharded = [], set(state.aliases)  # aliases: another rank saves the owner's tensor
     split = tensor_slices(state.module)
     group_of = {id(p): index for index, group in enumerate(state.optimizer.param_groups) for p in group["params"]}
     for slot in slots:
@@ -200,7 +202,7 @@ def local_layout(state: CheckpointState, slots, rank: int) -> dict:
         if slot.master is not None:
             elementwise, scalars = split_state(state.optimizer.state.get(slot.master, {}), slot.master)
         records = [(r.name, tuple(int(s) for s in r.full_shape), int(r.param_start), int(r.numel), int(r.shard_start))
-                   for r in slot.records]
+                   for r in slot.records if r.name not in state.aliases]
         sharded.update(r[0] for r in records)
         described.append({
             "trainable": slot.master is not None,
@@ -210,12 +212,18 @@ def local_layout(state: CheckpointState, slots, rank: int) -> dict:
             "states": {k: dtype_name(v.dtype) for k, v in sorted(elementwise.items())},
             "scalars": {k: dtype_name(v.dtype) if torch.is_tensor(v) else "float64" for k, v in sorted(scalars.items())},
         })
+    # Tensors outside the slots are whole on every rank, listed by rank 0; with pipeline parallelism each stage
+    # holds its own layers', listed by the stage's first rank and written by one of the stage's ranks.
+    topology = state.topology
+    stage_world = topology.world_size // topology.pp_size
+    lists = rank == 0 if topology.pp_size == 1 else rank % stage_world == 0
     extras = []
-    if rank == 0 and not state.config.checkpoint.adapters_only:  # adapters_only: no frozen weights, no buffers
+    if lists and not state.config.checkpoint.adapters_only:  # adapters_only: no frozen weights, no buffers
         extras = [(name, tuple(t.shape), dtype_name(t.dtype), name in split)
                   for name, t in extra_tensors(state.module, sharded)]
     experts = {name for name, _ in expert_params(state.module)}  # frozen ones too: refused by name
-    return {"slots": described, "extras": extras, "order": state_dict_order(state.module) if rank == 0 else [],
+    return {"slots": described, "extras": extras, "order": state_dict_order(state.module) if lists else [],
+            "extras_ranks": list(range(rank, rank + stage_world)) if lists and topology.pp_size > 1 else None,
             "tp_rank": int(state.topology.tp_rank),
             "dp_rank": int(state.topology.dp_rank), "ep_rank": int(state.ep_rank),
             "experts": sorted(experts),
@@ -261,14 +269,18 @@ def build_plan(layouts: list[dict], max_file_bytes: int = MAX_FILE_BYTES, round_
     refuse_split_extras([extra[0] for extra in layouts[0]["extras"]
                          if extra[0] not in tensors and len(extra) > 3 and extra[3]],
                         set(layouts[0].get("experts", ())))
-    for name, shape, dtype, *_ in layouts[0]["extras"]:
-        if name not in tensors:  # rank 0 lists every name outside its own slots; others' slots hold some
-            tensors[name] = TensorPlan(name, tuple(shape), torch_dtype(dtype), False)
-    order = {name: i for i, name in enumerate(layouts[0]["order"])}
+    writers: dict[str, list[int]] = {}  # extras only some ranks hold (a pipeline stage's): who may write them
+    for layout in layouts:  # rank 0 (each stage's first rank with a pipeline) lists every name outside its own
+        for name, shape, dtype, *_ in layout["extras"]:  # slots; other ranks' slots hold some of them
+            if name not in tensors:
+                tensors[name] = TensorPlan(name, tuple(shape), torch_dtype(dtype), False)
+                if layout.get("extras_ranks") is not None:
+                    writers[name] = layout["extras_ranks"]
+    order = {name: i for i, name in enumerate(name for layout in layouts for name in layout["order"])}
     tensors = dict(sorted(tensors.items(), key=lambda item: (order.get(item[0], len(order)), item[0])))
     master_separate = any(t.dtype != torch.float32 for t in tensors.values() if t.trainable)
 
-    _assign_writers(tensors, holders, world, master_separate)
+    _assign_writers(tensors, holders, world, master_separate, writers)
     tp_ranks = sorted({layout.get("tp_rank", 0) for layout in layouts})
     ep_ranks = sorted({_expert_rank(layout) for layout in layouts})
     for name, tensor in tensors.items():
@@ -294,13 +306,14 @@ def _expert_rank(layout: dict) -> int:
     return layout.get("ep_rank", layout.get("dp_rank", 0))
 
 
-def _assign_writers(tensors: dict, holders: dict, world: int, master_separate: bool) -> None:
+def _assign_writers(tensors: dict, holders: dict, world: int, master_separate: bool,
+                    writers: dict[str, list[int]]) -> None:
     sizes = {name: t.nbytes(master_separate) for name, t in tensors.items()}
     cap = sum(sizes.values()) / world * _LOCALITY_SLACK
     loads = [0] * world
     for name in sorted(tensors, key=lambda n: (-sizes[n], n)):
         tensor = tensors[name]
-        least = min(range(world), key=lambda r: (loads[r], r))
+        least = min(writers.get(name, range(world)), key=lambda r: (loads[r], r))
         writer = least
         if name in holders and not tensor.replicated:
             held = {r: sum(p.numel for p in ps) for r, ps in holders[name].items()}

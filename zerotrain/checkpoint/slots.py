@@ -16,7 +16,7 @@ The checkpoint never reads or writes an engine attribute; the engine builds a
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol
 
 import torch
@@ -73,7 +73,19 @@ class CheckpointState:
     # Files copied into every checkpoint directory by rank 0, listed in the manifest ({name: bytes}; e.g. the
     # tokenizer's, so AutoTokenizer.from_pretrained(checkpoint) works). The engine's dict: later additions count.
     files: dict = field(default_factory=dict)
+    # {name: owner's name}: this rank's tensors that are copies of a tensor saved under another name (a tied
+    # layer's weights on a later pipeline stage, zerotrain.pipe): left out of a save (the owner's are saved,
+    # once), loaded from the owner's entries (weights and optimizer states).
+    aliases: dict = field(default_factory=dict)
 
 
 def sharded_names(slots) -> set[str]:
     return {record.name for slot in slots for record in slot.records}
+
+
+def aliased_slots(slots: list[ShardedSlot], aliases: dict) -> list[ShardedSlot]:
+    """`slots` with each record of an aliased name renamed to its owner's (what a load reads them from)."""
+    if not aliases:
+        return slots
+    return [replace(slot, records=[replace(record, name=aliases.get(record.name, record.name))
+                                   for record in slot.records]) for slot in slots]

@@ -21,10 +21,12 @@ from typing import Any, ContextManager, Iterator, Optional, Protocol
 import torch
 from torch.distributed.pipelining import PipelineStage
 
+from ..checkpoint import Checkpointer, CheckpointState, load_checkpoint, save_checkpoint
 from ..comm import Comm
 from ..config import ConfigError, ZeroTrainConfig
 from ..sharding import mark_pipeline_replica
 from ..topology import Topology
+from .checkpoint import pipeline_checkpoint_state
 from .module import PipelineModule
 from .schedule import Placement, schedule_class
 
@@ -57,6 +59,10 @@ class StageEngine(Protocol):
     def get_lr(self) -> list[float]: ...
 
     def get_global_grad_norm(self) -> Optional[float]: ...
+
+    def checkpoint_state(self) -> CheckpointState: ...
+
+    def close(self) -> None: ...
 
 __all__ = ["PipelineEngine", "StageEngine", "PipelinePlan", "prepare_pipeline", "check_pipeline_config", "pipeline_size"]
 
@@ -149,7 +155,7 @@ class PipelineEngine:
         placement = plan.placement
         device = self.topology.device
         pp = self.topology.pp_size
-        group = self.topology.pp_group if pp > 1 else None
+        group = self.topology.pp_group if pp > 1 else self.topology.own_group()  # not the default group
         self.stages = [PipelineStage(piece, piece.index, placement.pieces, device, group=group)
                        for piece in self.module.pieces]
         cls = schedule_class(self.config.pipeline.schedule)
@@ -160,6 +166,7 @@ class PipelineEngine:
         self._first = placement.first_rank == self.topology.pp_rank
         self._last = placement.last_rank == self.topology.pp_rank
         self._params = list(dict.fromkeys(self.module.parameters()))
+        self._checkpointer: Optional[Checkpointer] = None
 
     # --- DeepSpeed's questions ------------------------------------------------------
     @property
@@ -228,11 +235,35 @@ class PipelineEngine:
     backward = forward
     step = forward
 
-    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, **kwargs: Any) -> None:
-        raise NotImplementedError("save_checkpoint with pipeline parallelism is not available yet "
-                                  "(docs/pipeline.md, 'Not yet')")
+    # --- checkpoints: the unified format over every stage (pipe.checkpoint) ------------------------
+    def _checkpoint_state(self) -> CheckpointState:
+        return pipeline_checkpoint_state(self.engine.checkpoint_state(), self.module, self.topology, self.engine.comm)
 
-    load_checkpoint = save_checkpoint
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
+                        save_latest: bool = True, async_save: Optional[bool] = None, **kwargs: Any) -> str:
+        """Write a unified checkpoint of every stage (call on every rank); synchronous (`async_save` is not
+        available with a pipeline: the stage engine's step would not fence the snapshot)."""
+        if async_save or (async_save is None and self.config.checkpoint.async_save):
+            raise ValueError("checkpoint.async_save with pipeline parallelism is not available yet; save "
+                             "synchronously (async_save=False)")
+        if self._checkpointer is None:
+            self._checkpointer = Checkpointer(self._checkpoint_state())
+        return save_checkpoint(self._checkpointer, save_dir, tag=tag, client_state=client_state,
+                               save_latest=save_latest, async_save=False)
+
+    def close(self) -> None:
+        """Release the checkpoint save directory's lock, then the stage engine's resources (idempotent)."""
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+        self.engine.close()
+
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False, **kwargs: Any):
+        """Load a unified checkpoint saved at any pipeline, data-parallel or ZeRO shape; returns
+        (path, client_state). Tied copies on later stages read their owner's entries."""
+        return load_checkpoint(self._checkpoint_state(), load_dir, tag=tag,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
 
     # --- the batch ------------------------------------------------------------------
     def _loss(self, output: Any, target: Any) -> torch.Tensor:

@@ -258,6 +258,16 @@ class PipelineModule(nn.Module):
             params.append(obj)
         return params
 
+    def tied_owner_name(self, name: str) -> str:
+        """The name a tied layer's parameter `name` (\"<layer index>.<attr>\") has at the key's first position
+        (`4.wte.weight` -> `0.wte.weight`): where one copy of it is saved; other names are returned as they are."""
+        index, _, attr = name.partition(".")
+        spec = self._specs[int(index)] if index.isdigit() and int(index) < len(self._specs) else None
+        if not isinstance(spec, TiedLayerSpec):
+            return name
+        first = next(i for i, s in enumerate(self._specs) if isinstance(s, TiedLayerSpec) and s.key == spec.key)
+        return f"{first}.{attr}"
+
     def train(self, mode: bool = True) -> "PipelineModule":
         super().train(mode)
         for piece in self.pieces:  # not children (their layers are ours): follow our mode
