@@ -11,6 +11,11 @@ ranks never answered. It never hangs.
 Tests of failure handling pass `expect_exit={rank, ...}`: those ranks may end their
 process without reporting (e.g. `os._exit` to simulate a crash); their result is
 None instead of an error.
+
+`run_python(["-m", MODULE or "-c", CODE, *ARGS], cwd=..., env=...)` (and `run_cli(ARGS)` for
+`python -m zerotrain.cli ARGS`) runs a command as its own process forked from the same forkserver: its
+own working directory, environment, file descriptors 1 and 2 and exit status, without importing torch and
+zerotrain again (seconds per command).
 """
 from __future__ import annotations
 
@@ -19,7 +24,10 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_module
+import runpy
 import socket
+import subprocess
+import tempfile
 import sys
 import time
 import traceback
@@ -121,3 +129,83 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             if process.is_alive():
                 process.kill()
     return [outcomes[rank] for rank in range(world_size)]
+
+
+def _python_child(argv: list, cwd: str, env: dict, sys_path: list, out_path: str, err_path: str) -> None:
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:] = [cwd, *sys_path]  # `python -m` and `python -c` put the working directory first
+    for fd, path in ((1, out_path), (2, err_path)):
+        handle = os.open(path, os.O_WRONLY | os.O_TRUNC)
+        os.dup2(handle, fd)
+        os.close(handle)
+    import torch
+    if env.get("OMP_NUM_THREADS"):  # a fresh interpreter reads it when torch starts its thread pool
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    code = 0
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = ["-c", *argv[2:]]
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    except SystemExit as exc:  # as the interpreter turns `sys.exit(x)` into a status
+        if exc.code is None:
+            code = 0
+        elif isinstance(exc.code, int):
+            code = exc.code
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        import atexit
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code & 0xFF)
+
+
+def run_python(argv: Iterable[str], *, cwd: str | os.PathLike | None = None, env: dict | None = None,
+               timeout: float = 240.0) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` or `python -c CODE ARGS` (argv without the interpreter) in `cwd` (default: this
+    one) with environment `env` (default: this one), as a process forked from the forkserver; returns what
+    `subprocess.run(..., capture_output=True, text=True)` would, and raises subprocess.TimeoutExpired past
+    `timeout`. For processes that need no process tree of their own above them (a `--nproc N` launcher still
+    starts torchrun's agent and its ranks as fresh interpreters).
+    """
+    argv = [str(a) for a in argv]
+    assert argv[0] in ("-m", "-c") and len(argv) >= 2, argv
+    cap = os.environ.get("ZEROTRAIN_TEST_RUN_TIMEOUT")  # `python -m tools.mutate`'s limit, as for run_distributed
+    timeout = min(timeout, float(cap)) if cap else timeout
+    env = dict(os.environ if env is None else env)
+    with tempfile.TemporaryDirectory(prefix="zerotrain-python-") as tmp:
+        out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        for path in (out_path, err_path):
+            open(path, "w").close()
+        process = _context().Process(target=_python_child, args=(argv, os.fspath(cwd or os.getcwd()), env,
+                                                                 list(sys.path), out_path, err_path))
+        process.start()
+        try:
+            process.join(timeout)
+        finally:  # past the timeout, or the test interrupted: it must not outlive the call (as subprocess.run)
+            timed_out = process.is_alive()
+            if timed_out:
+                process.kill()
+                process.join(5)
+        with open(out_path, errors="replace") as out, open(err_path, errors="replace") as err:
+            stdout, stderr = out.read(), err.read()
+    cmd = [sys.executable, *argv]
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(cmd, process.exitcode, stdout, stderr)  # -N: killed by signal N
+
+
+def run_cli(args: Iterable[str], *, cwd: str | os.PathLike | None = None, env: dict | None = None,
+            timeout: float = 240.0) -> subprocess.CompletedProcess:
+    """`python -m zerotrain.cli ARGS`, as `run_python` runs it."""
+    return run_python(["-m", "zerotrain.cli", *args], cwd=cwd, env=env, timeout=timeout)

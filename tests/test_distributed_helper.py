@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
 import time
 
 import pytest
@@ -75,3 +76,33 @@ def test_rank_that_dies_is_reported_before_the_timeout():
     assert "3" in message.split("exit code")[-1], f"the exit code is reported: {message}"
     assert elapsed < 15, f"took {elapsed:.1f}s: waited for the timeout instead of noticing the death"
     assert not multiprocessing.active_children(), "the surviving rank was left running"
+
+
+_PROBE = """
+import os, sys
+print("out", sys.argv[1:], os.getcwd(), os.environ.get("PROBE"), "RANK" in os.environ, flush=True)
+print("err", file=sys.stderr)
+if sys.argv[1] == "sleep":
+    import time
+    time.sleep(60)
+sys.exit(int(sys.argv[1]) if sys.argv[1].isdigit() else sys.argv[1])
+"""
+
+
+def test_run_python_is_a_process_of_its_own(tmp_path):
+    """What subprocess.run(capture_output=True, text=True) gives: separate streams, the exit status (a
+    message for a string), the given cwd and environment (only it); past the timeout the process is killed."""
+    from distributed import run_cli, run_python
+
+    done = run_python(["-c", _PROBE, "7"], cwd=tmp_path, env={"PROBE": "x", "PATH": os.environ["PATH"]})
+    assert done.returncode == 7
+    assert done.stdout == f"out ['7'] {tmp_path} x False\n" and done.stderr == "err\n", done
+    done = run_python(["-c", _PROBE, "bad input"], cwd=tmp_path, env={})
+    assert done.returncode == 1 and done.stderr == "err\nbad input\n", done
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired) as info:
+        run_python(["-c", _PROBE, "sleep"], cwd=tmp_path, env={}, timeout=2)
+    assert "out ['sleep']" in info.value.output and time.monotonic() - started < 15
+    assert not multiprocessing.active_children(), "the timed-out process was left running"
+    done = run_cli(["ckpt", "verify", str(tmp_path / "missing")], cwd=tmp_path)
+    assert done.returncode == 1 and done.stdout == "" and "missing does not exist" in done.stderr, done

@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from distributed import run_distributed
+from distributed import run_cli, run_distributed
 from models_for_tests import OddMLP, make_batches, micro_slice
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -430,9 +430,8 @@ def test_launch_runs_a_deepspeed_script_ported_by_its_import(tmp_path):
                                   "zero_optimization": {"stage": 2}}))
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=REPO_ROOT)
-    proc = subprocess.run([sys.executable, "-m", "zerotrain.cli", "launch", "--nproc", "2", str(script),
-                           "--deepspeed_config", str(config), "--nproc", "3", "--out", str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_cli(["launch", "--nproc", "2", str(script), "--deepspeed_config", str(config), "--nproc", "3",
+                    "--out", str(out)], cwd=tmp_path, env=env, timeout=300)  # the launcher forked, ranks fresh
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     for rank, info in enumerate(ranks):

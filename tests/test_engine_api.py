@@ -3,14 +3,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
-from distributed import run_distributed
+from distributed import run_distributed, run_python
 from models_for_tests import OddMLP, make_batches, micro_slice, reference_training, train_global_step
 
 MICRO, STEPS, LR = 2, 4, 1e-2
@@ -407,8 +405,8 @@ def test_world_of_one_without_launcher_env():
                         "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
     env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    done = subprocess.run([sys.executable, "-c", SINGLE_PROCESS_SCRIPT.format(tests_dir=TESTS_DIR)],
-                          env=env, capture_output=True, text=True, timeout=120, cwd=TESTS_DIR)
+    done = run_python(["-c", SINGLE_PROCESS_SCRIPT.format(tests_dir=TESTS_DIR)], env=env, timeout=120,
+                      cwd=TESTS_DIR)  # a process of its own, forked with torch imported
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["world"] == 1 and result["initialized"] and result["backend"] == "gloo", result
@@ -534,8 +532,7 @@ def test_world_size_variable_without_rank_is_a_world_of_one():
             "optimizer": {{"type": "SGD", "params": {{"lr": 0.1}}}}}})
         print(dist.get_world_size(), engine.train_micro_batch_size_per_gpu(), engine.train_batch_size())
     """)
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
-                          cwd=TESTS_DIR)
+    done = run_python(["-c", script], env=env, timeout=120, cwd=TESTS_DIR)
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.split() == ["1", "4", "4"], f"world, micro, train batch: {done.stdout}"
 

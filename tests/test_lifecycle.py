@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from distributed import run_cli, run_distributed, run_python
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH_TIMEOUT = 180
@@ -74,7 +74,9 @@ def _communicate(proc: subprocess.Popen) -> tuple[str, str]:
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    """A launch nothing signals: the launcher forked from the test forkserver (`run_cli`), not a fresh interpreter."""
+    assert cmd[:3] == [sys.executable, "-m", "zerotrain.cli"], cmd
+    done = run_cli(cmd[3:], cwd=os.getcwd(), env=_env(), timeout=LAUNCH_TIMEOUT)
     assert done.returncode == 0, done.stdout + done.stderr
     return done
 
@@ -252,8 +254,7 @@ print("not reached", flush=True)
 
 
 def test_a_second_signal_exits_at_once():
-    done = subprocess.run([sys.executable, "-c", _SECOND_SIGNAL], env=_env(), capture_output=True, text=True,
-                          timeout=60)
+    done = run_python(["-c", _SECOND_SIGNAL], env=_env(), timeout=60)
     assert done.returncode == 128 + signal.SIGTERM, done.stdout + done.stderr
     assert "still running" in done.stdout and "not reached" not in done.stdout
     assert "again: exiting now" in done.stderr

@@ -1,6 +1,8 @@
 """The command line: `zerotrain train` saves and resumes; `zerotrain ckpt inspect|verify|export`.
 
-Every command runs as a real subprocess (`python -m zerotrain.cli`), as a user would run it.
+Every command runs as a process of its own (`python -m zerotrain.cli` forked from the test helpers'
+forkserver, `run_cli`: its own cwd, environment, output and exit status without importing torch again;
+the piped commands as real shell pipelines), as a user would run it.
 One module-scoped fixture trains the tiny GPT three times at world size 2 (ZeRO stage 3):
 6 steps uninterrupted; 4 steps saving every step asynchronously with keep_last 2; then a
 resume to step 6. The corpus is small enough that step 6 starts a second epoch, so the
@@ -21,6 +23,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from distributed import run_cli
+
 REPO = Path(__file__).resolve().parents[2]
 CORPUS_BYTES = "3000"  # 91 blocks of 32 tokens: 11 micro-batches per rank and epoch
 
@@ -30,8 +34,7 @@ def zerotrain(*args: str, cwd: Path, timeout: int = 240) -> subprocess.Completed
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    return subprocess.run([sys.executable, "-m", "zerotrain.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_cli(args, cwd=cwd, env=env, timeout=timeout)
 
 
 def train(cwd: Path, config: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:

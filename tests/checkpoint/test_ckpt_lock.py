@@ -1,4 +1,5 @@
-"""One writer per save directory (zerotrain.checkpoint.lock), with real processes holding the lock."""
+"""One writer per save directory (zerotrain.checkpoint.lock), with real processes holding the lock (those that
+only try to take it are forked from the test forkserver, `run_python`)."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from distributed import run_cli, run_python
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,8 +48,7 @@ def _env(**extra: str) -> dict:
 
 
 def _take(save_dir: Path, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", _TAKE, str(save_dir)], env=_env(**env), capture_output=True,
-                          text=True, timeout=60)
+    return run_python(["-c", _TAKE, str(save_dir)], env=_env(**env), timeout=60)  # its own process
 
 
 def test_a_second_job_is_refused_naming_the_holder_and_a_stale_lock_is_taken_over(tmp_path):
@@ -97,7 +99,7 @@ def test_second_train_command_on_the_same_save_dir_is_refused_before_training(tm
         while not (tmp_path / ".zerotrain-lock.json").exists():
             assert first.poll() is None and time.monotonic() < deadline, first.communicate()
             time.sleep(0.1)
-        second = subprocess.run([*cmd, "--steps", "2"], env=_env(), capture_output=True, text=True, timeout=120)
+        second = run_cli([*cmd[3:], "--steps", "2"], env=_env(), timeout=120)
         assert second.returncode == 1, second.stdout + second.stderr
         assert "another job writes checkpoints to" in second.stderr and f"pid {first.pid}" in second.stderr
         assert "step 1" not in second.stdout  # refused before training

@@ -109,25 +109,30 @@ def test_dead_peer_is_named_not_waited_for():
     assert float(seconds) < 10, message  # found by the liveness check, long before the 600 s timeout
 
 
-def peer_silent() -> str:
-    """Rank 1 stays alive but never joins the collective: rank 0 times out naming the wait."""
+def peer_silent(done_marker: str) -> str:
+    """Rank 1 stays alive but never joins the collective: rank 0 times out naming the wait. Rank 1 lives
+    until rank 0 has its answer (the marker file), 8 s at most."""
     from zerotrain.comm import CollectiveError
 
     comm = _comm(True, timeout_seconds=2)
     full = torch.empty(comm.size * 4)
     comm.all_gather(full, torch.ones(4))
     if comm.rank == 1:
-        time.sleep(8)
+        deadline = time.monotonic() + 8
+        while not os.path.exists(done_marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
         os._exit(0)
     try:
         comm.all_gather(full, torch.ones(4))
     except CollectiveError as error:
         return str(error)
+    finally:
+        open(done_marker, "w").close()
     return "no error"
 
 
-def test_silent_peer_times_out():
-    message = run_distributed(peer_silent, 2, expect_exit={1}, timeout=120)[0]
+def test_silent_peer_times_out(tmp_path):
+    message = run_distributed(peer_silent, 2, str(tmp_path / "rank0_done"), expect_exit={1}, timeout=120)[0]
     assert "within 2 s" in message and "rank 0 of 2" in message, message
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+
+from distributed import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = ["def add(a, b): return a + b", "Return the sum of two numbers.", "Open a file for reading.",
@@ -33,11 +33,10 @@ def test_train_export_load_in_sentence_transformers(tmp_path):
     data.write_text("".join(json.dumps({"query": f"how do I {t}?", "positive": f"Use the library to {t}.",
                                         "negatives": [f"A note on topic {i}."]}) + "\n" for i, t in enumerate(topics)))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-m", "zerotrain.cli", "train-embedding", "--model", str(minilm),
-                          "--data", str(data), "--nproc", "2", "--stage", "3", "--micro-batch", "2",
-                          "--accumulation", "2", "--steps", "2", "--lr", "1e-3", "--max-length", "16",
-                          "--save-dir", str(tmp_path / "ckpt"), "--export", str(tmp_path / "st")],
-                         capture_output=True, text=True, env=env, timeout=240)
+    run = run_cli(["train-embedding", "--model", str(minilm), "--data", str(data), "--nproc", "2", "--stage", "3",
+                   "--micro-batch", "2", "--accumulation", "2", "--steps", "2", "--lr", "1e-3", "--max-length", "16",
+                   "--save-dir", str(tmp_path / "ckpt"), "--export", str(tmp_path / "st")],
+                  cwd=tmp_path, env=env, timeout=240)  # the launcher forked from the test forkserver
     assert run.returncode == 0, run.stdout + run.stderr
     assert "one contrastive batch = 8 queries (2 ranks x 2 accumulation x 2 micro)" in run.stdout
 

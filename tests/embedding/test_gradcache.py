@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tests.distributed import run_distributed
+from distributed import run_distributed
 from tests.models_for_tests import assert_same_training
 
 MICRO, ACCUMULATION, NEGATIVES, SEQ, STEPS, LR, SCALE = 8, 4, 1, 10, 2, 2e-3, 20.0

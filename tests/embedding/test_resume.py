@@ -13,13 +13,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from distributed import run_cli
 from zerotrain.embedding.data import DataPosition
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,8 +43,7 @@ def _model_dir(tmp_path: Path) -> Path:
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-m", "zerotrain.cli", "train-embedding", *argv], capture_output=True,
-                         text=True, env=env, timeout=240)
+    run = run_cli(["train-embedding", *argv], cwd=os.getcwd(), env=env, timeout=240)  # its own process
     assert run.returncode == 0, run.stdout + run.stderr
     return run
 
