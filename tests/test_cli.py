@@ -360,7 +360,7 @@ def _resume_world2(save_dir: str) -> dict:
 def test_trainer_resumed_at_world2_trains_on_the_samples_the_uninterrupted_run_did(tmp_path):
     # each step draws 2 micro-batches of 2 samples on each of 2 ranks: the resumed run (global_samples 16) skips
     # 4 of each rank's batches, not 8 (global_samples / micro, forgetting the data-parallel size)
-    from tests.distributed import run_distributed
+    from distributed import run_distributed
 
     for rank, got in enumerate(run_distributed(_resume_world2, 2, str(tmp_path), timeout=240)):
         assert len(got["whole"]) == 8 and len(got["first"]) == 4 and len(got["resumed"]) == 4, rank
