@@ -71,6 +71,8 @@ COVERING: dict[str, list[str]] = {
     "zerotrain/embedding/gradcache.py": ["tests/embedding/test_gradcache.py"],
     "zerotrain/data/packing.py": ["tests/data/test_local_data.py"],  # test_corpus.py never imports packing
     "zerotrain/data/sampler.py": ["tests/data/test_sampler.py"],
+    # in-process formats, cache and packing inputs; the spawned file: the rank-0 builder thread and its barrier
+    "zerotrain/data/tokenization.py": ["tests/data/test_local_data.py", "tests/data/test_data_distributed.py"],
     "zerotrain/trainer.py": ["tests/test_cli.py"],
 }
 

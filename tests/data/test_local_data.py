@@ -303,3 +303,12 @@ def test_one_token_documents_padding_multiple_and_old_transformers(monkeypatch):
     assert packed_attention_mode(HfLike()) == "position_ids"
     monkeypatch.setitem(sys.modules, "transformers.masking_utils", None)  # transformers < 4.54: import fails
     assert packed_attention_mode(HfLike()) == "mask_4d"
+
+
+def test_a_directory_input_is_keyed_by_its_files_bytes(tmp_path):
+    # The cache key of a directory (save_to_disk, a folder of .txt) changes when a file in it changes, same names.
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("one")
+    before = tokenization.files_fingerprint([tmp_path / "d"])
+    (tmp_path / "d" / "a.txt").write_text("two")
+    assert tokenization.files_fingerprint([tmp_path / "d"]) != before
