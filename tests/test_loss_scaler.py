@@ -113,6 +113,8 @@ def test_static_loss_scale_never_changes():
     assert not s.dynamic
     assert scales_after(s, "x.x.xx....") == [128.0] * 10
     assert s.iteration == 10
+    one = scaler(loss_scale=1.0)  # a static scale of 1 (fp16 unscaled) is static too, not DeepSpeed's dynamic rule
+    assert not one.dynamic and scales_after(one, "x....") == [1.0] * 5
 
 
 def test_state_dict_round_trips():

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerotrain.comm.quant import (QMAX, NonFiniteError, QuantizedRows, effective_block, quantize, quantize_rows,
-                                  row_wire_bytes)
+from zerotrain.comm.quant import (QMAX, NonFiniteError, QuantizedRows, dequantize, effective_block, quantize,
+                                  quantize_rows, row_wire_bytes)
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None)
 
@@ -139,3 +139,26 @@ def test_bad_arguments():
         quantize(torch.ones(4), 4, 7)
     with pytest.raises(TypeError):
         quantize(torch.ones(4, dtype=torch.int32), 4)
+
+
+def test_sizes_state_and_a_bad_wire_buffer():
+    # nbytes is what goes on the wire (data and scales); a buffer of another width is refused, not misread.
+    x = torch.randn(3, 100, generator=torch.Generator().manual_seed(0))
+    for bits in (4, 8):
+        q = quantize_rows(x, bits, 32)
+        wire = q.wire()
+        assert q.nbytes == wire.numel() == 3 * row_wire_bytes(100, bits, 32)
+        with pytest.raises(ValueError, match="does not hold rows of 100 values"):
+            QuantizedRows.from_wire(wire[:, :-1], 100, bits, 32)
+        back = QuantizedRows.from_state(q.to_state())  # LoCo's error feedback is checkpointed so
+        assert torch.equal(back.dequantize(), q.dequantize()) and back.nbytes == q.nbytes
+    with pytest.raises(ValueError, match="8 or 4 bits"):
+        row_wire_bytes(100, 3)
+    # The module-level dequantize: reshaped to the caller's shape, in the caller's dtype.
+    q = quantize(x, 8, 32)
+    assert torch.equal(dequantize(q, shape=(3, 100)), q.dequantize().reshape(3, 100))
+    assert dequantize(q, dtype=torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(NonFiniteError, match="float16 range"):
+        quantize(torch.tensor([1e7, 1.0]), 8, scale_dtype=torch.float16)
+    with pytest.raises(ValueError, match="float32 or float16"):
+        quantize(torch.ones(4), 8, scale_dtype=torch.bfloat16)

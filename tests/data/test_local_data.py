@@ -268,3 +268,47 @@ def test_chat_template_tokens_are_added_and_chatml_is_the_default(tmp_path, tiny
             assert tokens.count(ids[end]) == len(conv), "each turn ends with the new token, one id"
             kept = [t for t in labels if t != -100]
             assert tok.decode(kept) == "".join(t["content"] + end for t in conv if t["role"] == "assistant")
+
+
+def test_one_token_documents_padding_multiple_and_old_transformers(monkeypatch):
+    import sys
+    import types
+
+    import datasets
+
+    from zerotrain.data.packing import PaddingCollator
+
+    # A one-token document is still a document: its token is kept and not predicted from the previous one.
+    docs = {"input_ids": [[1, 2], [3], [4, 5, 6]], "labels": [[1, 2], [3], [4, 5, 6]]}
+    packed = PackedDataset(datasets.Dataset.from_dict(docs), seq_len=4, pad_token_id=0)
+    blocks = PackedCollator()([packed[i] for i in range(len(packed))])
+    assert blocks["input_ids"].tolist() == [[1, 2, 3, 4], [5, 6, 0, 0]]
+    assert blocks["position_ids"].tolist() == [[0, 1, 0, 0], [0, 1, 0, 1]]
+    assert blocks["labels"].tolist() == [[-100, 2, -100, -100], [5, 6, -100, -100]]
+    # Padding to a multiple: the longest (3) rounds up to 8.
+    batch = PaddingCollator(pad_token_id=0, pad_to_multiple_of=8)(
+        [{"input_ids": torch.tensor([1, 2, 3]), "labels": torch.tensor([1, 2, 3])}])
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 0, 0, 0, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0, 0, 0, 0]]
+    # A model built on create_causal_mask resets positions itself, unless transformers lacks that detection.
+    hf_like = types.ModuleType("hf_like_modeling")
+    hf_like.create_causal_mask = lambda *a, **k: None
+    monkeypatch.setitem(sys.modules, "hf_like_modeling", hf_like)
+
+    class HfLike(torch.nn.Module):
+        def forward(self, input_ids, position_ids=None, attention_mask=None):
+            return input_ids
+
+    HfLike.__module__ = "hf_like_modeling"
+    assert packed_attention_mode(HfLike()) == "position_ids"
+    monkeypatch.setitem(sys.modules, "transformers.masking_utils", None)  # transformers < 4.54: import fails
+    assert packed_attention_mode(HfLike()) == "mask_4d"
+
+
+def test_a_directory_input_is_keyed_by_its_files_bytes(tmp_path):
+    # The cache key of a directory (save_to_disk, a folder of .txt) changes when a file in it changes, same names.
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("one")
+    before = tokenization.files_fingerprint([tmp_path / "d"])
+    (tmp_path / "d" / "a.txt").write_text("two")
+    assert tokenization.files_fingerprint([tmp_path / "d"]) != before
