@@ -140,14 +140,20 @@ def _epoch_steps(args: argparse.Namespace, layout: Any, data: Any, world: int) -
 def effective_embedding_config(args: argparse.Namespace) -> dict:
     """The config `--print-config` prints: file, flags and filled "auto" values at --nproc ranks (with
     --num-train-epochs alone, over the steps the pairs make: the files are read, nothing is trained)."""
-    args = argparse.Namespace(**vars(args))
-    if args.steps is None and args.data and args.data != ["stdlib"]:
-        from .data import load_pairs
+    from zerotrain.config import ConfigError
 
-        layout = _config(args, world=args.nproc, steps=1)
-        return _config(args, world=args.nproc,
-                       steps=_epoch_steps(args, layout, load_pairs(args.data, args.negatives), args.nproc))
-    return _config(args, world=args.nproc)
+    args = argparse.Namespace(**vars(args))
+    try:
+        return _config(args, world=args.nproc)
+    except ConfigError as exc:  # a schedule that decays over the run: its steps come from the pairs
+        if args.steps is not None or not args.data or args.data == ["stdlib"] or \
+                "needs its number of steps" not in str(exc):
+            raise
+    from .data import load_pairs
+
+    layout = _config(args, world=args.nproc, steps=1)
+    return _config(args, world=args.nproc,
+                   steps=_epoch_steps(args, layout, load_pairs(args.data, args.negatives), args.nproc))
 
 
 def run_train_embedding(args: argparse.Namespace) -> int:
