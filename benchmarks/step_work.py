@@ -90,7 +90,7 @@ def worker(spec: dict) -> None:
     from zerotrain.models import GPTConfig
     seq_len = min(128, GPTConfig.preset(spec["model"]).block_size)  # zero_speed_memory.py's default
     args = argparse.Namespace(model=spec["model"], batch=4, seq_len=seq_len, bucket=int(2e7), adamw="fused",
-                              steps=spec["steps"], warmup=2)
+                              steps=spec["steps"], warmup=2, shape="gpt")  # shape: zero_speed_memory.py >= #27
     need = 2 + spec["steps"] + 2 * spec["profile_steps"]
     batches = bench._make_batches(need, args.batch, args.seq_len, rank)
     runner = bench._setup(args, spec["engine"])
