@@ -105,8 +105,8 @@ def from_pretrained(model_class: Any, pretrained_model_name_or_path: Union[str, 
     At ZeRO stage 3 (`config`, or a live `HfDeepSpeedConfig`'s) the model is built under `zerotrain.zero.Init`
     and every rank reads only its shard of each weight from the local directory's safetensors files: the model
     is never whole on one rank. Collective at stage 3 (every rank calls it). `dtype`: the weights' dtype (default:
-    the config's bf16/fp16, else fp32). Other keywords go to the model's config (`from_config`) at stage 3 and to
-    `from_pretrained` otherwise.
+    the config's bf16/fp16, else fp32). Other keywords are `from_pretrained`'s (at stage 3 as
+    `partitioned_from_pretrained` takes them: config overrides, `attn_implementation`, ...).
     """
     if config is None and _live is not None and _live() is not None:
         config = _live().config
@@ -115,18 +115,13 @@ def from_pretrained(model_class: Any, pretrained_model_name_or_path: Union[str, 
     if (raw.get("zero_optimization") or {}).get("stage", 0) != 3:
         return model_class.from_pretrained(pretrained_model_name_or_path, dtype=dtype, **kwargs)
     from transformers import AutoConfig
-
-    directory = Path(pretrained_model_name_or_path)
-    files = _weight_files(directory)
-    hf_config = AutoConfig.from_pretrained(directory, local_files_only=True)
     from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
     if isinstance(model_class, type) and issubclass(model_class, _BaseAutoModelClass):
-        # The concrete class, imported now: zero.Init wraps the __init__ of the module classes that exist when it
-        # is entered, so a class first imported inside it would keep its own parameters whole.
+        hf_config = AutoConfig.from_pretrained(pretrained_model_name_or_path, local_files_only=True)
         model_class = model_class._model_mapping[type(hf_config)]
-    with Init(config=raw, dtype=dtype):
-        return _build_and_load(model_class, hf_config, files, dtype, kwargs)
+    with Init(config=raw, dtype=dtype) as init:
+        return partitioned_from_pretrained(model_class, pretrained_model_name_or_path, init=init, **kwargs)
 
 
 def _build_and_load(model_class: Any, hf_config: Any, files: dict[str, Path], dtype: torch.dtype,
