@@ -10,6 +10,11 @@ a directory `from_pretrained` loads with the trained weights; `save_total_limit`
 directories. A peft LoRA model passed in trains at ZeRO-3 (its frozen base partitioned) as under transformers'
 own Trainer (DDP): the same steps and adapters. A model built partitioned under `zerotrain.zero.Init` with
 the (sharded) pretrained directory loaded by `trainer.zerotrain_load_pretrained` trains as from_pretrained's.
+transformers' own `from_pretrained` inside `zerotrain.zero.Init` gives a partitioned model holding a whole
+`from_pretrained`'s weights exactly (what it cannot honour refused by name); `resize_token_embeddings` on it
+(ranks drawing differently: rank 0's rows kept) equals a whole model resized alike, and trains the same steps;
+`generate` at world 2 with prompts and lengths differing by rank (one rank finishing first) does not hang and
+gives each rank a whole copy's tokens.
 
 A second launch at world 1 (the same global batch: per-device 4) resumes the world-2 ZeRO-3 run from its
 step-2 checkpoint (`resume_from_checkpoint` at another world size) and continues with the uninterrupted
