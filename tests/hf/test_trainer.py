@@ -10,6 +10,11 @@ a directory `from_pretrained` loads with the trained weights; `save_total_limit`
 directories. A peft LoRA model passed in trains at ZeRO-3 (its frozen base partitioned) as under transformers'
 own Trainer (DDP): the same steps and adapters. A model built partitioned under `zerotrain.zero.Init` with
 the (sharded) pretrained directory loaded by `trainer.zerotrain_load_pretrained` trains as from_pretrained's.
+transformers' own `from_pretrained` inside `zerotrain.zero.Init` gives a partitioned model holding a whole
+`from_pretrained`'s weights exactly (what it cannot honour refused by name); `resize_token_embeddings` on it
+(ranks drawing differently: rank 0's rows kept) equals a whole model resized alike, and trains the same steps;
+`generate` at world 2 with prompts and lengths differing by rank (one rank finishing first) does not hang and
+gives each rank a whole copy's tokens.
 
 A second launch at world 1 (the same global batch: per-device 4) resumes the world-2 ZeRO-3 run from its
 step-2 checkpoint (`resume_from_checkpoint` at another world size) and continues with the uninterrupted
@@ -129,6 +134,86 @@ def _lora(engine: str, model_dir: str, out: str) -> dict:
     return {"log": trainer_log(trainer), "adapters": adapters}
 
 
+VOCAB = 530  # resized from the tiny Llama's 512
+
+
+def _gathered_state(model: torch.nn.Module) -> dict:
+    """The model's whole state dict on every rank (its partitioned parameters gathered): collective."""
+    from zerotrain.zero import GatheredParameters
+
+    with GatheredParameters(list(model.parameters())):
+        return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def _from_pretrained_under_init(model_dir: str, root: str) -> dict:
+    """transformers' own `from_pretrained` inside `zerotrain.zero.Init` (the sharded directory): the loaded model
+    against a whole one; refusals by name; `resize_token_embeddings` on it (each rank's generator different: rank
+    0's new rows are kept) trained 2 steps against a whole model resized the same way; then `generate` at world 2
+    with the ranks' prompts and lengths differing (the default `synced_gpus`, True as under DeepSpeed) against a
+    whole copy of the trained weights generating alone on each rank."""
+    import zerotrain
+    from transformers import AutoModelForCausalLM
+
+    rank = int(os.environ["RANK"])
+    args = dict(output_dir=root, max_steps=2, save_strategy="no")
+    whole = AutoModelForCausalLM.from_pretrained(model_dir)
+    with zerotrain.zero.Init(config_dict_or_path=_config(3)):
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        refused = []
+        for bad in (dict(device_map="cpu"), dict(state_dict={"lm_head.weight": torch.zeros(1)}), dict(quantization_config={"load_in_8bit": True})):
+            try:
+                AutoModelForCausalLM.from_pretrained(model_dir, **bad)
+            except ValueError as error:
+                refused.append(str(error))
+    loaded = _gathered_state(model)
+    result = {"loaded_equal": sorted(loaded) == sorted(whole.state_dict()) and all(
+                  torch.equal(loaded[name], tensor) for name, tensor in whole.state_dict().items()),
+              "partitioned": all(type(p).__name__ == "ZeroParameter" for p in model.parameters()),
+              "eval_mode": not model.training, "refused": refused,
+              "generation_config": model.generation_config.to_dict() == whole.generation_config.to_dict()}
+    torch.manual_seed(5 + rank)
+    model.resize_token_embeddings(VOCAB)  # mean resizing: a random draw per rank
+    torch.manual_seed(5)
+    whole.resize_token_embeddings(VOCAB)
+    resized = _gathered_state(model)
+    result["resized_equal"] = all(torch.equal(resized[name], tensor) for name, tensor in whole.state_dict().items())
+    result["vocab"] = (model.config.vocab_size, model.get_input_embeddings().weight.shape[0])
+    trainer = _train(model, **args)
+    result["resized"] = trainer_log(trainer)
+    result["resized_whole"] = trainer_log(_train(whole, **{**args, "output_dir": root + "_whole"}))
+    try:
+        model.resize_token_embeddings(VOCAB + 8)
+    except RuntimeError as error:
+        result["resize_after_engine"] = str(error)
+    # generate: rank r prompts 5 + 4r tokens and stops after 3 + 4r new ones (rank 0 finishes first)
+    prompt = torch.randint(3, VOCAB, (1, 5 + 4 * rank), generator=torch.Generator().manual_seed(11 + rank))
+    state = _gathered_state(model)
+    model.eval()
+    with torch.no_grad():
+        tokens = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3 + 4 * rank,
+                                do_sample=False)
+    reference = AutoModelForCausalLM.from_config(model.config)
+    reference.load_state_dict(state)
+    reference.generation_config = model.generation_config
+    with torch.no_grad():
+        expected = reference.eval().generate(prompt, attention_mask=torch.ones_like(prompt),
+                                             max_new_tokens=3 + 4 * rank, do_sample=False)
+    result["generate"] = (tokens.tolist(), expected.tolist())
+    return result
+
+
+def _train(model: torch.nn.Module, **more) -> object:
+    """`zerotrain.hf.Trainer` at ZeRO-3 on `model` (the `_run` script's arguments, `more` over them): trained."""
+    from zerotrain.hf import Trainer, TrainingArguments
+
+    args = TrainingArguments(per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-3,
+                             warmup_steps=1, max_grad_norm=1.0, logging_steps=1, use_cpu=True, seed=3,
+                             disable_tqdm=True, report_to="none", deepspeed=_config(3), **more)
+    trainer = Trainer(model=model, args=args, train_dataset=_data())
+    trainer.train()
+    return trainer
+
+
 def _worker(model_dir: str, root: str) -> dict:
     warnings.simplefilter("ignore")
     results = {}
@@ -136,6 +221,9 @@ def _worker(model_dir: str, root: str) -> dict:
         results[("zt", stage)] = _run("zt", stage, model_dir, os.path.join(root, f"zt{stage}"))
     results[("zt", "partitioned")] = _run("zt", 3, model_dir, os.path.join(root, "zt3_init"), partitioned=True,
                                           max_steps=2, save_strategy="no")
+    results[("zt", "from_pretrained")] = _from_pretrained_under_init(model_dir, os.path.join(root, "zt3_hf_init"))
+    if int(os.environ["RANK"]) == 1:
+        results[("zt", "generate_rank1")] = results[("zt", "from_pretrained")]["generate"]
     results[("zt", "lora")] = _lora("zt", model_dir, os.path.join(root, "zt_lora"))
     results[("hf", "lora")] = _lora("hf", model_dir, os.path.join(root, "hf_lora"))
     os.environ["DS_ACCELERATOR"] = "cpu"
@@ -144,7 +232,7 @@ def _worker(model_dir: str, root: str) -> dict:
     deepspeed.init_distributed(dist_backend="gloo")  # before from_pretrained's zero.Init reads the world size
     for stage in (2, 3):
         results[("ds", stage)] = _run("ds", stage, model_dir, os.path.join(root, f"ds{stage}"))
-    return results if int(os.environ["RANK"]) == 0 else {}
+    return results if int(os.environ["RANK"]) == 0 else {"generate_rank1": results[("zt", "generate_rank1")]}
 
 
 def _worker_world1(model_dir: str, root: str) -> dict:
@@ -163,7 +251,7 @@ def _worker_world1(model_dir: str, root: str) -> dict:
 
 @pytest.mark.timeout(1500)  # two launches, six Trainer runs; minutes only on a loaded machine
 def test_trainer_matches_transformers_trainer_with_deepspeed(tiny_llama_dir, tmp_path):
-    results = run_distributed(_worker, 2, str(tiny_llama_dir), str(tmp_path), timeout=840)[0]
+    results, rank1 = run_distributed(_worker, 2, str(tiny_llama_dir), str(tmp_path), timeout=840)
     for stage in (2, 3):
         zt, ds = results[("zt", stage)], results[("ds", stage)]
         assert_same_steps(f"ZeRO-{stage} vs Trainer + DeepSpeed", zt["log"], ds["log"], steps=STEPS)
@@ -178,6 +266,19 @@ def test_trainer_matches_transformers_trainer_with_deepspeed(tiny_llama_dir, tmp
     assert results[("zt", 2)]["tensorboard"]
     # built under zerotrain.zero.Init, the sharded safetensors directory loaded by each rank: as from_pretrained
     assert_same_steps("built partitioned", results[("zt", "partitioned")]["log"], results[("zt", 3)]["log"][:2], steps=2)
+    # transformers' own from_pretrained inside zerotrain.zero.Init: partitioned, the checkpoint's weights exactly
+    hf_init = results[("zt", "from_pretrained")]
+    assert hf_init["partitioned"] and hf_init["loaded_equal"] and hf_init["eval_mode"] and hf_init["generation_config"]
+    assert len(hf_init["refused"]) == 3 and all(f"{name}=...) inside zerotrain.zero.Init" in error for name, error in
+                                                zip(("device_map", "state_dict", "quantization_config"), hf_init["refused"]))
+    # resize_token_embeddings on it: rank 0's new rows, as a whole model resized alike; the same training steps
+    assert hf_init["resized_equal"] and hf_init["vocab"] == (VOCAB, VOCAB), hf_init["vocab"]
+    assert_same_steps("resized partitioned vs whole", hf_init["resized"], hf_init["resized_whole"], steps=2)
+    assert "before zerotrain.initialize" in hf_init["resize_after_engine"]
+    # generate at world 2 (prompts and lengths differ by rank): no hang, a whole model's tokens on every rank
+    for tokens, expected in (hf_init["generate"], rank1["generate_rank1"]):
+        assert tokens == expected, (tokens, expected)
+    assert [len(hf_init["generate"][0][0]), len(rank1["generate_rank1"][0][0])] == [8, 16]
     # a peft LoRA model at ZeRO-3: transformers' own Trainer's steps and adapters
     zt_lora, hf_lora = results[("zt", "lora")], results[("hf", "lora")]
     assert_same_steps("LoRA at ZeRO-3 vs transformers.Trainer", zt_lora["log"], hf_lora["log"], steps=3)

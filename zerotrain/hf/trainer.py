@@ -34,6 +34,7 @@ from accelerate import Accelerator
 from transformers.trainer import SCHEDULER_NAME
 
 import zerotrain
+from zerotrain.pretrained import install_transformers_zero3_branches
 from zerotrain.zero import GatheredParameters
 from zerotrain.zero.stage3.partition import ZeroParameter
 from zerotrain.config import ConfigError, read_config_file
@@ -49,6 +50,10 @@ _REFUSED = {
     "fsdp": "FSDP is another sharding engine; zerotrain shards the model itself",
     "auto_find_batch_size": "the engine is built once for the batch size of the config",
 }
+
+
+# resize_token_embeddings right on the partitioned models trained here (a model built under zero.Init)
+install_transformers_zero3_branches()
 
 
 class TrainingEngine(Protocol):

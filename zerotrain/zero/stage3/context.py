@@ -17,13 +17,16 @@ checkpoint still copying those shards (the engine's fence, `PartitionedParam.own
 
 Init hands every parameter it partitions one owner (`owner.ParamOwner`) holding its store; the
 engine gives them its own when it adopts them.
+
+Parts above `zero` extend what Init does while it is active through `register_init_extension` (as
+`zerotrain.pretrained` routes transformers' `from_pretrained` to a partitioned load), never by being imported here.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import json
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, ContextManager, Iterable, Optional, Union
 
 import torch
 
@@ -62,6 +65,7 @@ class Init:
         # "auto" (HF Trainer configs): offload every shard; initialize gives the persistent ones back.
         self.persistence_threshold = int(threshold) if isinstance(threshold, (int, float)) else 0
         self._patched: list[tuple[type, object]] = []
+        self._extensions = contextlib.ExitStack()
         self.comm: Optional[Comm] = None
 
     def __enter__(self) -> "Init":
@@ -73,14 +77,27 @@ class Init:
         if _param_store_factory is not None:
             self.store = _param_store_factory(self.config, self.comm.rank)
         self.owner = ParamOwner(store=self.store)
+        self.wrap_new_classes()
+        try:
+            for extension in _extensions:
+                self._extensions.enter_context(extension(self))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def wrap_new_classes(self) -> None:
+        """Partition the parameters of module classes defined since Init was entered, too (a model class whose
+        module is first imported inside it, as transformers' Auto classes import theirs)."""
+        wrapped = {cls for cls, _ in self._patched}
         for cls in _all_module_classes():
-            if "__init__" in cls.__dict__:
+            if "__init__" in cls.__dict__ and cls not in wrapped:
                 original = cls.__dict__["__init__"]
                 cls.__init__ = self._wrap(original)
                 self._patched.append((cls, original))
-        return self
 
     def __exit__(self, *exc) -> None:
+        self._extensions.close()
         for cls, original in reversed(self._patched):
             cls.__init__ = original
         self._patched.clear()
@@ -119,6 +136,14 @@ class Init:
 
 
 _param_store_factory: Optional[Callable[[dict, int], Optional[ParamStore]]] = None
+_extensions: list[Callable[["Init"], ContextManager]] = []
+
+
+def register_init_extension(extension: Callable[["Init"], ContextManager]) -> None:
+    """Add a context that every `Init` enters (given the Init) after it starts partitioning and leaves before it
+    stops: how a part above `zero` changes what happens inside Init (registered once, on that part's import)."""
+    if extension not in _extensions:
+        _extensions.append(extension)
 
 
 def register_param_store_factory(factory: Callable[[dict, int], Optional[ParamStore]]) -> None:
