@@ -286,6 +286,7 @@ def world4_cases(cases: list, save_dir: str, hf_save_dir: str) -> dict:
     return {"gpt": train_cases(cases, save_dir), "hf": hf_cases(hf_save_dir)}
 
 
+@pytest.mark.timeout(600)  # one world-4 launch of 9 engines (GPT and Llama cases) and their references
 def test_pp2_dp2_zero1_gpt_and_hf_llama_match_single_process(tmp_path):
     # ZBV: pieces in a V, so rank 0 holds the embedding and the head, one tied module used twice on one rank.
     # The first case saves before its last step; the same launch resumes at PP1 x DP4 and PP4 x DP1.

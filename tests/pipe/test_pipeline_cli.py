@@ -37,3 +37,19 @@ def test_train_pipeline_parallel_size_2_on_a_data_file(tmp_path, tiny_llama_dir)
     moved = {n for n, p in trained.named_parameters() if not torch.equal(p, names[n])}
     # both stages' layers trained (embedding on the first, the head on the last)
     assert "model.embed_tokens.weight" in moved and "lm_head.weight" in moved and "model.norm.weight" in moved, moved
+
+
+def test_pipeline_flag_config_and_refusals(capsys):
+    """The flag sets `pipeline_parallel_size`, ZeRO-1 by default and a batch of world / N data-parallel ranks; what it
+    cannot run is one line naming the flag, before any process starts (rc 2)."""
+    from zerotrain.cli import main
+
+    assert main(["train", "--nproc", "4", "--pipeline-parallel-size", "2", "--per-device-train-batch-size", "3",
+                 "--gradient-accumulation-steps", "2", "--max-steps", "4", "--print-config"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["pipeline_parallel_size"] == 2 and printed["zero_optimization"]["stage"] == 1
+    assert printed["train_batch_size"] == 3 * 2 * 2  # micro x accumulation x (4 ranks / 2 stages)
+    assert main(["train", "--nproc", "3", "--pipeline-parallel-size", "2"]) == 2
+    assert "--pipeline-parallel-size 2 does not divide the 3 ranks" in capsys.readouterr().err
+    assert main(["train", "--nproc", "2", "--pipeline-parallel-size", "2", "--lora-r", "4"]) == 2
+    assert "--pipeline-parallel-size 2 with --lora-r is not available yet" in capsys.readouterr().err

@@ -264,11 +264,12 @@ def check_train_args(args: argparse.Namespace) -> None:
         from zerotrain.config import load_config
         from zerotrain.monitor import check_monitor_libraries
         from zerotrain.command import max_world_size
-        config = train_config(args, world_size=max_world_size(args), steps=args.steps or 1)  # the steps: once the data is read
         world = max_world_size(args)
         pipeline = args.pipeline_parallel_size or 1
         if world % pipeline:
-            raise CLIError(f"--pipeline-parallel-size {pipeline} does not divide the {world} ranks of this job")
+            raise CLIError(f"--pipeline-parallel-size {pipeline} does not divide the {world} ranks of this job "
+                           "(--nproc x --nnodes)")
+        config = train_config(args, world_size=world, steps=args.steps or 1)  # the steps: once the data is read
         check_monitor_libraries(load_config(config, dp_world_size=world // pipeline))
 
 
