@@ -19,7 +19,8 @@ from .parallel.autotp import resolve_plan
 from .parallel.sequence import check_sequence_parallel
 from .engine import OptimizerLike, ZeroTrainEngine
 from .lifecycle import die_with_parent, under_torchrun
-from .pipe import PipelineEngine, PipelineModule, check_pipeline_config, pipeline_size, prepare_pipeline
+from .pipe import (PipelineEngine, PipelineModule, check_pipeline_config, pipeline_model, pipeline_size,
+                   prepare_pipeline)
 from .topology import Topology
 from .zero import GatheredParameters
 from .zero.stage3 import check_init_partitions
@@ -141,6 +142,7 @@ def initialize(model: torch.nn.Module = None, config: Union[dict, str, os.PathLi
         raise ConfigError(f"{err}; this job has world size {world}", key=err.key, file=err.file) from None
     tp_size = int(cfg.tensor_parallel.autotp_size)
     sp_size = int(cfg.sequence_parallel_size)
+    model = pipeline_model(model, int(cfg.pipeline_parallel_size))  # a Hugging Face LM split (pipe.hf)
     pp_size = pipeline_size(model, cfg)  # a PipelineModule's num_stages (docs/pipeline.md)
     if isinstance(model, PipelineModule):
         check_pipeline_config(model, cfg, world)

@@ -9,7 +9,10 @@ checkpointing) and world 4
 (PP2 x DP2 with ZeRO-1: 1F1B, interleaved 1F1B, ZBV zero-bubble). The world-4 launch also checkpoints: its 1F1B
 case saves before its last step, and the same launch loads that checkpoint at PP1 x DP4 and PP4 x DP1 (world 4
 has no PP2 x DP1; PP4 x DP1 changes the stage count and the data-parallel size at once) and trains the last step:
-equal to the uninterrupted run, the tied head's copy read from the embedding's entries (stored once).
+equal to the uninterrupted run, the tied head's copy read from the embedding's entries (stored once). The same
+world-4 launch runs tests/pipe/hf_llama.py's cases: a Hugging Face Llama split from "pipeline_parallel_size" alone
+(padded and packed micro-batches, tied and untied head), its checkpoint under the Hugging Face names read by
+`from_pretrained`, resumed by a plain ZeRO run and that run's checkpoint by a PP4 pipeline.
 """
 from __future__ import annotations
 
@@ -277,13 +280,26 @@ def gpt_layers_names() -> list:
     return gpt_layers(gpt_config())
 
 
-def test_pp2_dp2_zero1_matches_single_process(tmp_path):
+def world4_cases(cases: list, save_dir: str, hf_save_dir: str) -> dict:
+    """The world-4 launch: the GPT cases and tests/pipe/hf_llama.py's Hugging Face Llama cases."""
+    from hf_llama import hf_cases
+    return {"gpt": train_cases(cases, save_dir), "hf": hf_cases(hf_save_dir)}
+
+
+@pytest.mark.timeout(600)  # one world-4 launch of 9 engines (GPT and Llama cases) and their references
+def test_pp2_dp2_zero1_gpt_and_hf_llama_match_single_process(tmp_path):
     # ZBV: pieces in a V, so rank 0 holds the embedding and the head, one tied module used twice on one rank.
     # The first case saves before its last step; the same launch resumes at PP1 x DP4 and PP4 x DP1.
+    # The same launch splits a Hugging Face Llama from "pipeline_parallel_size" (tests/pipe/hf_llama.py).
+    from hf_llama import check_hf_cases
     cases = [("1f1b", 1, 2), ("interleaved_1f1b", 1, 2), ("zbv_zero_bubble", 1, 4)]
-    results = run_distributed(train_cases, 4, cases, str(tmp_path))
-    check_against_reference(results, 4)
-    check_resumes(results, tmp_path)
+    (tmp_path / "gpt").mkdir()
+    (tmp_path / "hf").mkdir()
+    results = run_distributed(world4_cases, 4, cases, str(tmp_path / "gpt"), str(tmp_path / "hf"), timeout=300)
+    gpt = [rank["gpt"] for rank in results]
+    check_against_reference(gpt, 4)
+    check_resumes(gpt, tmp_path / "gpt")
+    check_hf_cases([rank["hf"] for rank in results], tmp_path / "hf")
 
 
 def test_refusals_name_the_key():
@@ -305,6 +321,18 @@ def test_refusals_name_the_key():
         zerotrain.initialize(model=nn.Linear(2, 2), config=dict(config("1f1b", 1, 1), pipeline_parallel_size=2))
     with pytest.raises(ValueError, match=r"partition_method must be"):
         PipelineModule(layers, num_stages=2, partition_method="best")
+    # tensor / sequence parallelism inside a stage: not yet, refused by the key
+    with pytest.raises(ConfigError, match=r"pipeline parallelism with tensor_parallel\.autotp_size > 1"):
+        zerotrain.initialize(model=PipelineModule(layers, num_stages=2, loss_fn=gpt_loss),
+                             config=dict(config("1f1b", 1, 1), tensor_parallel={"autotp_size": 2}))
+    with pytest.raises(ConfigError, match=r"sequence_parallel_size > 1 is not available"):
+        zerotrain.initialize(model=PipelineModule(layers, num_stages=2, loss_fn=gpt_loss),
+                             config=dict(config("1f1b", 1, 1), sequence_parallel_size=2))
+    # a Hugging Face model the split does not know: refused naming its model_type (GPT-2's blocks differ)
+    import transformers
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64))
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_size: splitting a GPT2LMHeadModel \(model_type 'gpt2'\)"):
+        zerotrain.initialize(model=gpt2, config=dict(config("1f1b", 1, 1), pipeline_parallel_size=2))
 
 
 def test_partition_methods():

@@ -6,8 +6,10 @@ cut into stages; `zerotrain.initialize(model=PipelineModule(...))` returns a `Pi
 (docs/pipeline.md).
 """
 from .engine import PipelineEngine, PipelinePlan, check_pipeline_config, pipeline_size, prepare_pipeline
+from .hf import CausalLMPipeline, causal_lm_pipeline, pipeline_model
 from .module import LayerSpec, PipelineModule, TiedLayerSpec
 from .schedule import Placement, schedule_class
 
 __all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec", "PipelineEngine", "PipelinePlan", "prepare_pipeline",
-           "check_pipeline_config", "pipeline_size", "Placement", "schedule_class"]
+           "check_pipeline_config", "pipeline_size", "CausalLMPipeline",
+           "causal_lm_pipeline", "pipeline_model", "Placement", "schedule_class"]

@@ -26,6 +26,7 @@ from ..comm import Comm
 from ..config import ConfigError, ZeroTrainConfig
 from ..sharding import mark_pipeline_replica
 from ..topology import Topology
+from ..training_engine import TrainingEngine
 from .checkpoint import pipeline_checkpoint_state
 from .module import PipelineModule
 from .schedule import Placement, schedule_class
@@ -37,6 +38,7 @@ class StageEngine(Protocol):
     config: ZeroTrainConfig
     global_steps: int
     global_samples: int
+    micro_steps: int
 
     @property
     def comm(self) -> Comm: ...  # the stage's data-parallel ranks
@@ -57,6 +59,8 @@ class StageEngine(Protocol):
     def step(self) -> None: ...
 
     def get_lr(self) -> list[float]: ...
+
+    def add_checkpoint_files(self, files: dict) -> None: ...
 
     def get_global_grad_norm(self) -> Optional[float]: ...
 
@@ -142,8 +146,9 @@ def prepare_pipeline(module: PipelineModule, config: ZeroTrainConfig, topology: 
     return PipelinePlan(module, placement, topology, tied, pp_comm)
 
 
-class PipelineEngine:
-    """DeepSpeed's pipeline engine API (`train_batch`, `eval_batch`, stage questions) over a ZeRO engine."""
+class PipelineEngine(TrainingEngine):
+    """DeepSpeed's pipeline engine API (`train_batch`, `eval_batch`, stage questions) over a ZeRO engine; a
+    `TrainingEngine` for the loops (its neutral reports; `zerotrain train` drives it through `train_batch`)."""
 
     def __init__(self, engine: StageEngine, plan: PipelinePlan) -> None:
         self.engine = engine
@@ -214,6 +219,37 @@ class PipelineEngine:
 
     def get_lr(self) -> list[float]:
         return self.engine.get_lr()
+
+    @property
+    def loss_scale(self) -> float:  # type: ignore[override]
+        return self.engine.loss_scale
+
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
+    @property
+    def global_rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        """Ranks of one stage that see different samples."""
+        return self.topology.data_parallel_size
+
+    def add_checkpoint_files(self, files: dict) -> None:
+        """Copy these files ({name: bytes}) into every checkpoint directory saved from now on (the tokenizer's)."""
+        self.engine.add_checkpoint_files(files)
+
+    def claim_save_dir(self, save_dir: str) -> None:
+        """Take `save_dir`'s one-writer lock for this job now (every rank), instead of at the first save."""
+        if self._checkpointer is None:
+            self._checkpointer = Checkpointer(self._checkpoint_state())
+        self._checkpointer.claim(save_dir)
 
     def get_global_grad_norm(self) -> Optional[float]:
         """The unscaled gradient norm of the last step, over every stage (before clipping)."""
@@ -317,7 +353,8 @@ class PipelineEngine:
         with engine.external_backward():
             loss = self._run(data_iter, train=True)
             self._finish_gradients()
-        engine.set_gradient_accumulation_boundary(True)
+        engine.micro_steps += self.micro_batches - 1  # each micro-batch is a micro-step (DeepSpeed's count); the
+        engine.set_gradient_accumulation_boundary(True)  # step() below counts the last: a save sees a whole cycle
         engine.step()
         return loss
 

@@ -27,6 +27,7 @@ class LayerSpec:
         if not isinstance(typename, type) or not issubclass(typename, nn.Module):
             raise TypeError(f"LayerSpec needs an nn.Module subclass, got {typename!r}")
         self.typename, self.args, self.kwargs = typename, args, kwargs
+        self.forward_fn: Optional[Callable] = None  # how the position runs its module (TiedLayerSpec, pipe.hf)
 
     def build(self) -> nn.Module:
         return self.typename(*self.args, **self.kwargs)
@@ -121,7 +122,8 @@ class PipelineModule(nn.Module):
 
     def __init__(self, layers: Sequence[Any], num_stages: int, loss_fn: Optional[Callable] = None,
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
-                 seed_layers: bool = False, base_seed: int = 1234, topology: Any = None) -> None:
+                 seed_layers: bool = False, base_seed: int = 1234, topology: Any = None,
+                 layer_names: Optional[Sequence[str]] = None) -> None:
         super().__init__()
         if topology is not None:
             raise ValueError("PipelineModule(topology=...): zerotrain builds the grid from the config and "
@@ -139,6 +141,11 @@ class PipelineModule(nn.Module):
             raise ValueError(f"PipelineModule: {len(self._specs)} layers cannot fill num_stages={num_stages} "
                              "pipeline stages (each stage needs at least one layer)")
         self.num_stages = num_stages
+        # the dotted name each layer is registered under (default: its index, DeepSpeed's names; pipe.hf: the
+        # Hugging Face model's own, `model.layers.3`, so checkpoints carry the plain model's names)
+        self.layer_names = [str(i) for i in range(len(self._specs))] if layer_names is None else list(layer_names)
+        if len(self.layer_names) != len(self._specs):
+            raise ValueError(f"PipelineModule: {len(self.layer_names)} layer_names for {len(self._specs)} layers")
         self.loss_fn = loss_fn
         self.partition_method = partition_method
         self._check_partition_method(partition_method)
@@ -216,9 +223,8 @@ class PipelineModule(nn.Module):
             layers = []
             for index in range(self.bounds[piece], self.bounds[piece + 1]):
                 spec = self._specs[index]
-                forward_fn = None
+                forward_fn = spec.forward_fn if isinstance(spec, LayerSpec) else None
                 if isinstance(spec, TiedLayerSpec):
-                    forward_fn = spec.forward_fn
                     if spec.key not in tied:
                         tied[spec.key] = self._build_one(index, spec, seed)
                     layer = tied[spec.key]
@@ -227,13 +233,25 @@ class PipelineModule(nn.Module):
                 else:
                     layer = spec
                 if isinstance(layer, nn.Module):
-                    self.add_module(str(index), layer)
+                    self._register(self.layer_names[index], layer)
                 layers.append((index, layer, forward_fn))
             built.append(Piece(piece, layers, interval))
         self.pieces = built
         self._tied_modules = tied
         self._tied_specs = {spec.key: spec for spec in self._specs if isinstance(spec, TiedLayerSpec)}
         return built
+
+    def _register(self, name: str, layer: nn.Module) -> None:
+        """Register `layer` under the dotted `name`, making plain container modules for its parents."""
+        parent: nn.Module = self
+        *path, leaf = name.split(".")
+        for part in path:
+            child = parent._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                parent.add_module(part, child)
+            parent = child
+        parent.add_module(leaf, layer)
 
     def _build_one(self, index: int, spec: LayerSpec, seed: bool) -> nn.Module:
         if not seed:
@@ -259,14 +277,16 @@ class PipelineModule(nn.Module):
         return params
 
     def tied_owner_name(self, name: str) -> str:
-        """The name a tied layer's parameter `name` (\"<layer index>.<attr>\") has at the key's first position
-        (`4.wte.weight` -> `0.wte.weight`): where one copy of it is saved; other names are returned as they are."""
-        index, _, attr = name.partition(".")
-        spec = self._specs[int(index)] if index.isdigit() and int(index) < len(self._specs) else None
+        """The name a tied layer's parameter `name` (\"<layer name>.<attr>\") has at the key's first position
+        (`4.wte.weight` -> `0.wte.weight`; pipe.hf: `lm_head.weight` -> `model.embed_tokens.weight`): where one
+        copy of it is saved; other names are returned as they are."""
+        index = max((i for i, layer in enumerate(self.layer_names) if name.startswith(layer + ".")),
+                    key=lambda i: len(self.layer_names[i]), default=None)
+        spec = self._specs[index] if index is not None else None
         if not isinstance(spec, TiedLayerSpec):
             return name
         first = next(i for i, s in enumerate(self._specs) if isinstance(s, TiedLayerSpec) and s.key == spec.key)
-        return f"{first}.{attr}"
+        return self.layer_names[first] + name[len(self.layer_names[index]):]
 
     def train(self, mode: bool = True) -> "PipelineModule":
         super().train(mode)

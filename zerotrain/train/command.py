@@ -96,6 +96,11 @@ def add_train_parser(sub: Any) -> None:
     train.add_argument("--lora-target-modules", default=None, metavar="A,B,...",
                        help="module names to adapt (e.g. q_proj,k_proj,v_proj,o_proj, or all-linear); default: "
                             "peft's list for the architecture (q_proj,v_proj for Llama)")
+    train.add_argument("--pipeline-parallel-size", "--pipeline-model-parallel-size", dest="pipeline_parallel_size",
+                       type=int, default=None, metavar="N",
+                       help="split the model's decoder layers over N pipeline stages (pipeline_parallel_size; "
+                            "docs/pipeline.md): Llama, Qwen2 and Qwen3 architectures, ZeRO-0/1 per stage (the "
+                            "default stage becomes 1), no evaluation yet")
     train.add_argument("--max-steps", "--steps", dest="steps", type=int, default=None, metavar="N",
                        help=f"optimizer steps to reach (wins over --num-train-epochs); default {DEFAULT_STEPS} when "
                             "neither is given")
@@ -200,6 +205,11 @@ def check_train_args(args: argparse.Namespace) -> None:
         raise CLIError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
     if args.eval_data and not args.data:
         raise CLIError("--eval-data needs --data")
+    if args.pipeline_parallel_size is not None and args.pipeline_parallel_size < 1:
+        raise CLIError(f"--pipeline-parallel-size must be >= 1, got {args.pipeline_parallel_size}")
+    if (args.pipeline_parallel_size or 1) > 1 and (args.lora_r is not None or args.eval_data):
+        raise CLIError(f"--pipeline-parallel-size {args.pipeline_parallel_size} with "
+                       f"{'--lora-r' if args.lora_r is not None else '--eval-data'} is not available yet")
     for flag, paths in (("--data", args.data), ("--eval-data", args.eval_data)):
         for data_path in paths or ():
             if not os.path.exists(data_path):
@@ -254,8 +264,13 @@ def check_train_args(args: argparse.Namespace) -> None:
         from zerotrain.config import load_config
         from zerotrain.monitor import check_monitor_libraries
         from zerotrain.command import max_world_size
-        config = train_config(args, world_size=max_world_size(args), steps=args.steps or 1)  # the steps: once the data is read
-        check_monitor_libraries(load_config(config, dp_world_size=max_world_size(args)))
+        world = max_world_size(args)
+        pipeline = args.pipeline_parallel_size or 1
+        if world % pipeline:
+            raise CLIError(f"--pipeline-parallel-size {pipeline} does not divide the {world} ranks of this job "
+                           "(--nproc x --nnodes)")
+        config = train_config(args, world_size=world, steps=args.steps or 1)  # the steps: once the data is read
+        check_monitor_libraries(load_config(config, dp_world_size=world // pipeline))
 
 
 def train_config(args: argparse.Namespace, *, world_size: int, hidden_size: Optional[int] = None,
@@ -276,9 +291,16 @@ def train_config(args: argparse.Namespace, *, world_size: int, hidden_size: Opti
         except ModelError as exc:
             raise CLIError(str(exc)) from None
         hidden_size = hidden if isinstance(hidden, int) else None
+    pipeline = getattr(args, "pipeline_parallel_size", None) or 1
     try:
-        return effective_config(args, world_size=world_size, num_training_steps=args.steps if steps is None else steps,
-                                hidden_size=hidden_size, defaults=TRAIN_DEFAULTS)
+        config = effective_config(args, world_size=world_size // pipeline,
+                                  num_training_steps=args.steps if steps is None else steps,
+                                  hidden_size=hidden_size, defaults=TRAIN_DEFAULTS)
+        if pipeline > 1:  # the stages split the world; ZeRO-2/3 are refused with a pipeline: stage 1 by default
+            config["pipeline_parallel_size"] = pipeline
+            if args.config is None and args.zero_stage is None:
+                config["zero_optimization"]["stage"] = 1
+        return config
     except ConfigError as exc:
         if args.steps is None and steps is None and "needs its number of steps" in str(exc):
             raise CLIError("--print-config with --num-train-epochs and no --max-steps: the run's steps (and the "
@@ -312,6 +334,7 @@ def nothing_to_train(path: str, step: int, steps: int) -> str:
 # even those meant for the script). `--master-port` concerns only the launcher.
 _WORKER_OPTIONS = ("config", "zero_stage", *HF_FLAGS, "num_train_epochs", "per_device_eval_batch_size",
                    "model", "model_config", "tokenizer", "text_field", "num_proc", "steps", "seq_len",
+                   "pipeline_parallel_size",
                    "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
                    "max_corpus_bytes", "val_fraction", "eval_interval", "eval_batches", "log_dir", "seed",
                    "save_dir", "save_every", "stop_signals", "memory_timeline")
@@ -391,7 +414,8 @@ def run_train(args: argparse.Namespace) -> int:
         else:
             data = _stdlib_sets(args, seq_len)
         # the global batch the engine will have (micro x accumulation x data-parallel ranks)
-        dp_world = world // (int(run_config.tensor_parallel.autotp_size) * int(run_config.sequence_parallel_size))
+        dp_world = world // (int(run_config.tensor_parallel.autotp_size) * int(run_config.sequence_parallel_size)
+                             * int(run_config.pipeline_parallel_size))
         global_batch = load_config(layout, dp_world_size=dp_world).train_batch_size
         steps_per_epoch = max(1, data.samples // global_batch)  # full global batches in one pass
         if args.steps is None:  # --num-train-epochs alone: the steps those passes make (the HF Trainer's max_steps)
@@ -459,9 +483,19 @@ def run_train(args: argparse.Namespace) -> int:
             )
             for line in _start_notes(args, model, lora):
                 print(line, flush=True)
+        step = None
+        if int(run_config.pipeline_parallel_size) > 1:  # whole batches through train_batch (train.pipeline)
+            from zerotrain.train.pipeline import PipelineLMStep
+            reads = engine.is_first_stage() or engine.is_last_stage()
+            step = PipelineLMStep(engine, loader if reads else None, seq_len)
+            loader, eval_loader = None, None
+            if rank == 0:
+                print(f"{PROG}: pipeline: {engine.num_stages} stages ({engine.config.pipeline.schedule}), "
+                      "micro-batches padded to --seq-len; no evaluation with a pipeline yet", flush=True)
         trainer = Trainer(
             engine,
             loader,
+            step=step,
             total_steps=args.steps,
             eval_data=eval_loader,
             log_dir=args.log_dir,
