@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import gc
+import importlib.util
 import json
 import os
 import pstats
@@ -32,10 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-MODES = [("cpu offload, clip 1.0", {"device": "cpu"}, 1.0),
-         ("super_offload, clip 1.0", {"device": "cpu", "super_offload": True}, 1.0),
-         ("cpu offload, no clip", {"device": "cpu"}, 0.0),
-         ("super_offload, no clip", {"device": "cpu", "super_offload": True}, 0.0)]
+OFFLOAD = Path(__file__).resolve().parent / "offload.py"  # its GPT, modes and engine setup
 PHASES = ("fwd", "bwd", "step")
 
 
@@ -63,6 +62,18 @@ def _sample(gc_clock: _GcClock) -> list[float]:
 FIELDS = ("wall", "thread_cpu", "process_cpu", "gc_s", "gc0", "gc1", "gc2", "vol_switches", "invol_switches")
 
 
+@functools.lru_cache(maxsize=None)
+def _offload_bench():
+    """benchmarks/offload.py beside this script (its MODES and `build_engines`; zerotrain from PYTHONPATH)."""
+    spec = importlib.util.spec_from_file_location("offload_bench", OFFLOAD)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+MODES = _offload_bench().MODES
+
+
 def _calls(profile: cProfile.Profile, root: Path) -> dict[str, int]:
     """{function: calls} of a profile; the checkout's own functions by their path inside it (the two checkouts'
     paths differ), others by file name and function."""
@@ -82,20 +93,11 @@ def worker(spec: dict) -> None:
     import torch.distributed as dist
 
     import zerotrain
-    from zerotrain.models import GPT, GPTConfig
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    engines = []
-    for mode in spec["modes"]:
-        _, block, clip = MODES[mode]
-        torch.manual_seed(1234)
-        model = GPT(GPTConfig.preset(spec["model"]))
-        config = {"train_micro_batch_size_per_gpu": spec["batch"], "gradient_clipping": clip, "steps_per_print": 0,
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-                  "zero_optimization": {"stage": 2, "reduce_bucket_size": spec["bucket"], "offload_optimizer": block}}
-        engines.append(zerotrain.initialize(model=model, config=config)[0])
+    engines = _offload_bench().build_engines(spec)
     clock = _GcClock()
     gen = torch.Generator().manual_seed(rank)
     rows: list[list] = [[] for _ in engines]
