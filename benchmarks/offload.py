@@ -135,17 +135,12 @@ MODES = [("cpu offload, clip 1.0", {"device": "cpu"}, 1.0),
          ("cpu offload + super_offload, no clip", {"device": "cpu", "super_offload": True}, 0.0)]
 
 
-def worker(spec: dict) -> None:
-    """One rank: an engine per mode in `spec["modes"]` (same seed, same batches), their steps alternated
-    (A, B, A, B, ...) so that a slow spell of the machine hits every mode alike."""
-    import torch.distributed as dist
-
+def build_engines(spec: dict) -> list:
+    """An engine per mode in `spec["modes"]` (indices into MODES), each on the same seeded GPT (`spec["model"]`),
+    ZeRO-2 with `spec["bucket"]` elements per bucket (also `benchmarks/blocked_time.py`'s)."""
     import zerotrain
     from zerotrain.models import GPT, GPTConfig
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
     engines = []
     for mode in spec["modes"]:
         _, block, clip = MODES[mode]
@@ -155,6 +150,18 @@ def worker(spec: dict) -> None:
                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
                   "zero_optimization": {"stage": 2, "reduce_bucket_size": spec["bucket"], "offload_optimizer": block}}
         engines.append(zerotrain.initialize(model=model, config=config)[0])
+    return engines
+
+
+def worker(spec: dict) -> None:
+    """One rank: an engine per mode in `spec["modes"]` (same seed, same batches), their steps alternated
+    (A, B, A, B, ...) so that a slow spell of the machine hits every mode alike."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    engines = build_engines(spec)
     gen = torch.Generator().manual_seed(rank)
     rows: list[list[list[float]]] = [[] for _ in engines]
     for _ in range(spec["warmup"] + spec["steps"]):
