@@ -56,12 +56,20 @@ COVERING: dict[str, list[str]] = {
                                    "tests/parallel/test_tensor_parallel_engine.py::test_tensor_parallel_only",
                                    "tests/zero/test_precision_and_memory.py::test_fp16_overflow_skips_step_on_every_rank",
                                    "tests/parallel/test_moe_engine.py"],
-    "zerotrain/zero/grads.py": ["tests/zero/test_parity.py", "tests/zero/test_stage3_grads_reuse.py"],
-    "zerotrain/zero/reduce.py": ["tests/zero/test_parity.py"],
+    # in-process units first (the staging pool, qgZ's per-bucket reducers and LoCo bookkeeping), then the engine:
+    # exact stages 0-2, stage 3's reuse, qgZ + LoCo through the reducer, the held-gradient accounting
+    "zerotrain/zero/grads.py": ["tests/zero/test_grads_units.py", "tests/zero/test_parity.py",
+                                "tests/zero/test_stage3_grads_reuse.py",
+                                "tests/zero/test_zeropp_training.py::test_loco_reset_save_load_rescale_and_overflow",
+                                "tests/zero/test_precision_and_memory.py::test_memory_accounting_world_4"],
+    "zerotrain/zero/reduce.py": ["tests/zero/test_grads_units.py",
+                                 "tests/zero/test_zeropp_training.py::test_loco_reset_save_load_rescale_and_overflow",
+                                 "tests/zero/test_parity.py"],
     "zerotrain/zero/optimizer.py": ["tests/zero/test_parity.py", "tests/test_loss_scaler.py"],
     # in-process: every function and branch of quant.py (its collectives are compressed.py's, tested there)
     "zerotrain/comm/quant.py": ["tests/comm/test_quant_props.py"],
-    "zerotrain/comm/compressed.py": ["tests/comm/test_qgz_collectives.py", "tests/comm/test_loco_bounded.py"],
+    "zerotrain/comm/compressed.py": ["tests/comm/test_error_feedback.py", "tests/comm/test_qgz_collectives.py",
+                                     "tests/comm/test_loco_bounded.py"],
     "zerotrain/schedules.py": ["tests/test_schedules.py"],
     "zerotrain/precision.py": ["tests/test_loss_scaler.py", "tests/zero/test_precision_and_memory.py"],
     "zerotrain/lora.py": ["tests/merge/test_merge.py"],
