@@ -58,3 +58,24 @@ def test_error_feedback_update_compensate_rescale_reset_and_state():
     _close(no_memory.error(), c2 - d2)
     with pytest.raises(ValueError, match="err_beta"):
         ErrorFeedback(2, 40, beta=1.0)
+
+
+def test_quantized_reduce_scatter_layout_one_and_two_hops():
+    """The rows and columns of each hop (two hops only when both hierarchy levels have several ranks), the
+    shape of each hop's LoCo buffer, and the bytes one call sends, from the layout alone (no collective runs)."""
+    from zerotrain.comm import Comm
+    from zerotrain.comm.compressed import QuantizedReduceScatter
+    from zerotrain.comm.quant import row_wire_bytes
+
+    S = 100
+    two = QuantizedReduceScatter(Comm(None, 3, 4), S, bits=4, block_size=16, loco_beta=0.5,
+                                 hierarchy=(Comm(None, 1, 2), Comm(None, 1, 2)))
+    assert two.two_hop and [(hop.rows, hop.cols) for hop in two.hops] == [(2, 2 * S), (2, S)]
+    assert [f.shape for f in two.feedbacks] == [(2, 2 * S), (2, S)]
+    assert two.wire_bytes_per_call() == row_wire_bytes(2 * S, 4, 16) + row_wire_bytes(S, 4, 16)
+    one = QuantizedReduceScatter(Comm(None, 3, 4), S, bits=4, block_size=16,
+                                 hierarchy=(Comm(None, 0, 4), Comm(None, 0, 1)))  # one node: one hop
+    assert not one.two_hop and [(hop.rows, hop.cols) for hop in one.hops] == [(4, S)] and one.feedbacks == []
+    assert one.wire_bytes_per_call() == 3 * row_wire_bytes(S, 4, 16)
+    with pytest.raises(ValueError, match="two-hop reduce"):
+        QuantizedReduceScatter(Comm(None, 0, 4), S, hierarchy=(Comm(None, 0, 2), Comm(None, 0, 3)))
