@@ -65,7 +65,8 @@ COVERING: dict[str, list[str]] = {
     "zerotrain/zero/reduce.py": ["tests/zero/test_grads_units.py",
                                  "tests/zero/test_zeropp_training.py::test_loco_reset_save_load_rescale_and_overflow",
                                  "tests/zero/test_parity.py"],
-    "zerotrain/zero/optimizer.py": ["tests/test_loss_scaler.py", "tests/zero/test_parity.py"],
+    "zerotrain/zero/optimizer.py": ["tests/zero/test_optimizer_units.py", "tests/test_loss_scaler.py",
+                                    "tests/zero/test_parity.py"],
     # parity at world 2 (also: released between steps, counters from zero); Init's writes and initializers;
     # state_dict() inside GatheredParameters
     "zerotrain/zero/stage3/partition.py": ["tests/zero/test_stage3.py::test_stage3_matches_single_process[2]",
