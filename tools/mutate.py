@@ -87,6 +87,7 @@ COVERING: dict[str, list[str]] = {
         "tests/offload/test_offload_nvme_ring.py::test_the_file_is_the_records_once_plus_the_spares",
         "tests/offload/test_offload_units.py::test_streamed_chunks_equal_fused_adamw_bitwise",
         "tests/offload/test_offload_nvme_bf16.py",  # bf16 records: stochastic rounding into them
+        "tests/offload/test_offload_nvme_masters.py::test_masters_live_in_the_files_and_match_torch_bitwise",
         "tests/offload/test_offload_nvme_ring.py"],
     "zerotrain/schedules.py": ["tests/test_schedules.py"],
     "zerotrain/precision.py": ["tests/test_loss_scaler.py", "tests/zero/test_precision_and_memory.py"],
