@@ -158,7 +158,15 @@ def qwz_on_ranks(comm, rank, world) -> dict:
     gather = QuantizedAllGather(comm, bits=8, block_size=BLOCK)
     handle = gather(shards)
     handle.wait()
-    return {"full": full, "gathered": handle.result}
+    # the counter's logical bytes: what the fp32 gather of the whole tensors would have sent
+    logical = comm.counters.snapshot()["all_gather_q8"]["logical_bytes"]
+    diverged = shards[0].clone()
+    if rank == 1:
+        diverged[0] = float("inf")
+    nonfinite = gather([diverged])
+    nonfinite.wait()
+    return {"full": full, "gathered": handle.result, "nonfinite": nonfinite.result[0].view(world, -1),
+            "logical": (logical, sum(t.numel() * 4 for t in full) * (world - 1) / world)}
 
 
 def _check_close(result, expected, bound, exact, what):
@@ -196,6 +204,9 @@ def test_quantized_reduce_scatter_and_loco(world, per_node):
             step = full.abs().max() / 127  # at most the largest block scale
             assert gathered.shape == full.shape
             assert ((gathered - full).abs() <= step / 2 * (1 + 1e-5)).all()
+        assert qwz["logical"][0] == pytest.approx(qwz["logical"][1]), qwz["logical"]
+        # a diverged shard (rank 1's) arrives as nan on every rank, the others' as numbers
+        assert torch.isnan(qwz["nonfinite"][1]).all() and torch.isfinite(qwz["nonfinite"][0]).all()
     for out in outs[1:]:  # every rank dequantized the same weights
         for mine, first in zip(out["qwz"]["gathered"], outs[0]["qwz"]["gathered"]):
             assert torch.equal(mine, first)

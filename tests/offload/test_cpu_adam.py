@@ -183,3 +183,38 @@ def test_without_a_compiler_it_warns_and_falls_back_to_torch(monkeypatch, tmp_pa
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert cpu_adam.kernel() is None
+
+
+@needs_kernel
+def test_a_fresh_cache_builds_the_library_once_and_later_builds_reuse_it(monkeypatch, tmp_path):
+    """The first build publishes the library into the cache directory; the next finds it and compiles nothing."""
+    import subprocess
+
+    monkeypatch.setenv("ZEROTRAIN_CACHE_DIR", str(tmp_path))
+    compiler = cpu_adam._compiler()
+    library = cpu_adam._build(compiler)
+    assert library.parent == tmp_path and library.is_file()
+    assert [p.name for p in tmp_path.iterdir()] == [library.name]  # the work directory is gone
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("compiled although the cache holds it"))
+    assert cpu_adam._build(compiler) == library
+
+
+@needs_kernel
+def test_threads_run_their_spans_at_the_same_time(monkeypatch):
+    """`threads=4` runs four spans at once (the pool holds the other three threads): each span waits at a
+    barrier of four, which a pool too small to run them together never passes."""
+    import threading
+    from types import SimpleNamespace
+
+    lib = cpu_adam.kernel()
+    barrier = threading.Barrier(4, timeout=60)
+
+    def step(*args):
+        barrier.wait()
+        lib.zt_adam_step(*args)
+
+    monkeypatch.setattr(cpu_adam, "kernel", lambda: SimpleNamespace(zt_adam_step=step))
+    param, grad = torch.randn(4 * (1 << 16)), torch.randn(4 * (1 << 16))
+    adam_step(param, grad, torch.zeros_like(param), torch.zeros_like(param), torch.tensor(1.0), lr=1e-3, beta1=0.9,
+              beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, threads=4)
+    assert not barrier.broken

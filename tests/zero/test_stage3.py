@@ -91,6 +91,7 @@ def train_stage3(combos: list) -> list:
         else:
             model = TiedModel()
         engine, *_ = zerotrain.initialize(model=model, config=stage3_config(accumulation, **zero))
+        fresh = engine.work_stats()["gather"]  # nothing gathered before the first forward
         losses, norms = [], []
         for ids, targets in make_data(world, accumulation):
             total = torch.zeros(1)
@@ -104,6 +105,10 @@ def train_stage3(combos: list) -> list:
             losses.append(total.item() / (accumulation * world))
             norms.append(engine.get_global_grad_norm())
         stats = engine.work_stats()["gather"]
+        # between steps only shards are held: every non-persistent parameter is released
+        stats["held_between_steps"] = sorted(name for name, param in engine.module.named_parameters()
+                                             if param._zero.gathered and not param._zero.persistent)
+        stats["fresh"] = fresh
         results.append(((accumulation, zero, external, use_init), losses, engine.full_state_dict(), stats, norms))
     return results
 
@@ -133,6 +138,9 @@ def test_stage3_matches_single_process(world):
         assert norms == pytest.approx(ref_norms, rel=1e-5), f"{what}: gradient norms {norms} vs {ref_norms}"
         for name, ref in ref_weights.items():
             torch.testing.assert_close(weights[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} {name}: {m}")
+        assert stats["held_between_steps"] == [], f"{what}: still gathered after the step"
+        if not use_init:
+            assert not any(stats["fresh"].values()), f"{what}: counted before any gather: {stats['fresh']}"
         all_gathered_once = zero.get("stage3_param_persistence_threshold", 0) > 0
         if world > 1 and zero.get("stage3_prefetch_bucket_size", 1) and not external and not all_gathered_once:
             assert stats["prefetch_hits"] > 0, f"{what}: prefetch never used: {stats}"

@@ -21,13 +21,22 @@ def init_after_initialize(inits: list, persistence_threshold: int = 0) -> dict:
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": persistence_threshold}, "steps_per_print": 0}
     engine, *_ = zerotrain.initialize(model=OddMLP(), config=config)
     params = dict(engine.module.named_parameters())
+    returned_self = []  # torch.nn.init returns the tensor it filled, as on a plain tensor
     for seed, (name, init, kwargs) in enumerate(inits):
-        getattr(torch.nn.init, init)(params[name], generator=torch.Generator().manual_seed(seed), **kwargs)
+        returned = getattr(torch.nn.init, init)(params[name], generator=torch.Generator().manual_seed(seed), **kwargs)
+        returned_self.append(returned is params[name])
     parts = {name: params[name]._zero for name, _, _ in inits}
-    return {"released": all(is_released(p) for p in params.values()),
-            "persistent": all(part.persistent for part in parts.values()), "full": {key.removeprefix("module."): value for key, value in engine.full_state_dict().items()},
-            "shards": {name: part.shard.clone() for name, part in parts.items()},
-            "masters": {name: part.master.clone() for name, part in parts.items()}}
+    out = {"released": all(is_released(p) for p in params.values()), "returned_self": returned_self,
+           "persistent": all(part.persistent for part in parts.values()), "full": {key.removeprefix("module."): value for key, value in engine.full_state_dict().items()},
+           "shards": {name: part.shard.clone() for name, part in parts.items()},
+           "masters": {name: part.master.clone() for name, part in parts.items()}}
+    if not persistence_threshold:  # element-wise ops on a released parameter: a full-shaped operand cut to the chunk
+        bias = params["fc2.bias"]
+        with torch.no_grad():
+            bias.fill_(0.5)  # the last rank's padding stays zero
+            bias.add_(torch.arange(bias.numel(), dtype=bias.dtype).reshape(bias.shape))
+        out["bias_shard"], out["bias_master"] = bias._zero.shard.clone(), bias._zero.master.clone()
+    return out
 
 
 def expected(inits: list) -> dict:
@@ -54,6 +63,7 @@ def check_inits_match_torch(persistence_threshold: int) -> None:
     for inits in (INITS, XAVIER):
         want = expected(inits)
         for rank, result in enumerate(run_distributed(init_after_initialize, world, inits, persistence_threshold)):
+            assert all(result["returned_self"]), f"rank {rank}: {result['returned_self']}"
             if persistence_threshold:
                 assert result["persistent"], f"rank {rank}: the parameters were meant to stay whole"
             else:
@@ -61,6 +71,13 @@ def check_inits_match_torch(persistence_threshold: int) -> None:
             for name, ref in want.items() if rank == 0 else ():  # full_state_dict: on rank 0 only
                 torch.testing.assert_close(result["full"][name], ref, rtol=0, atol=0,
                                            msg=lambda m: f"rank {rank} {name}: {m}")
+            if not persistence_threshold:
+                numel = want["fc2.bias"].numel()
+                shard = result["bias_shard"]
+                flat = torch.zeros(shard.numel() * world)
+                flat[:numel] = 0.5 + torch.arange(numel, dtype=torch.float32)
+                chunk = flat[rank * shard.numel():(rank + 1) * shard.numel()]
+                assert torch.equal(shard, chunk) and torch.equal(result["bias_master"], chunk), (rank, shard, chunk)
             for name in result["shards"]:
                 shard = result["shards"][name]
                 flat = torch.zeros(shard.numel() * world)
