@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Any, ContextManager, Iterator, Optional, Protocol
 
 import torch
-from torch.distributed.pipelining import PipelineStage
 
 from ..checkpoint import Checkpointer, CheckpointState, load_checkpoint, save_checkpoint
 from ..comm import Comm
@@ -161,6 +160,7 @@ class PipelineEngine(TrainingEngine):
         device = self.topology.device
         pp = self.topology.pp_size
         group = self.topology.pp_group if pp > 1 else self.topology.own_group()  # not the default group
+        from torch.distributed.pipelining import PipelineStage  # on use: it imports torch._dynamo (schedule.py)
         self.stages = [PipelineStage(piece, piece.index, placement.pieces, device, group=group)
                        for piece in self.module.pieces]
         cls = schedule_class(self.config.pipeline.schedule)

@@ -10,23 +10,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch.distributed import pipelining
-
 __all__ = ["Placement", "schedule_class"]
 
+# The config's names -> torch.distributed.pipelining's class names. The module is imported only when a
+# pipeline is built: it pulls in torch._dynamo and sympy (seconds per process), and every `import zerotrain`
+# (each CLI process, each spawned rank) imports zerotrain.pipe for DeepSpeed's `deepspeed.pipe` path.
 _CLASSES = {
-    "gpipe": pipelining.ScheduleGPipe,
-    "1f1b": pipelining.Schedule1F1B,
-    "interleaved_1f1b": pipelining.ScheduleInterleaved1F1B,
-    "looped_bfs": pipelining.ScheduleLoopedBFS,
-    "interleaved_zero_bubble": pipelining.ScheduleInterleavedZeroBubble,
-    "zbv_zero_bubble": pipelining.ScheduleZBVZeroBubble,
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "looped_bfs": "ScheduleLoopedBFS",
+    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
+    "zbv_zero_bubble": "ScheduleZBVZeroBubble",
 }
 
 
 def schedule_class(name: str) -> type:
     """torch's schedule class for `pipeline.schedule` `name` (validated by the config)."""
-    return _CLASSES[name]
+    from torch.distributed import pipelining  # imported here, not at module import (see _CLASSES)
+    return getattr(pipelining, _CLASSES[name])
 
 
 @dataclass(frozen=True)
