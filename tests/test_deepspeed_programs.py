@@ -14,6 +14,9 @@
   is a released ZeRO-3 parameter holding only its chunk right after the call, the chunks are exactly transformers'
   own `from_pretrained` weights (gathered through the engine), and a training step matches the plain model's
   loss; `HfDeepSpeedConfig` (transformers' name) switches `is_deepspeed_zero3_enabled` and supplies the config.
+- DeepSpeed-Chat's sequence `HfDeepSpeedConfig(stage-3 config)` then transformers' own
+  `AutoModelForCausalLM.from_pretrained(dir, config=...)`: partitioned, its gathered values transformers' weights;
+  once the object is deleted `from_pretrained` is transformers' plain one again.
 """
 from __future__ import annotations
 
@@ -154,23 +157,37 @@ def tiny_llama_dir(out) -> str:
 
 
 def load_partitioned(directory: str) -> dict:
-    from transformers import AutoModelForCausalLM
+    import gc
+
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
     import zerotrain
     from zerotrain.pretrained import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+    from zerotrain.zero import GatheredParameters
     from zerotrain.zero.stage3 import ZeroParameter
 
+    plain = PreTrainedModel.__dict__["from_pretrained"]
     before = is_deepspeed_zero3_enabled()
     hf_config = HfDeepSpeedConfig(PRETRAINED_CONFIG)  # kept alive, as transformers requires: its config is used below
     model = zerotrain.from_pretrained(AutoModelForCausalLM, directory)
+    # DeepSpeed-Chat's create_hf_model: transformers' own call (with the model's config) while the object lives
+    script = AutoModelForCausalLM.from_pretrained(directory, config=AutoConfig.from_pretrained(directory))
     params = dict(model.named_parameters())
     out = {
         "enabled": (before, is_deepspeed_zero3_enabled()),
         "partitioned": all(isinstance(p, ZeroParameter) and not p._zero.gathered for p in params.values()),
         "held": sum(p._zero.shard.numel() for p in params.values()),
         "total": sum(p.ds_numel for p in params.values()),
+        "script_partitioned": [name for name, p in script.named_parameters()
+                               if not (isinstance(p, ZeroParameter) and not p._zero.gathered)],
     }
-    del hf_config
+    with GatheredParameters(list(script.parameters())):
+        out["script_weights"] = {name: p.detach().clone() for name, p in script.named_parameters()}
+    del hf_config, script
+    gc.collect()
+    after = AutoModelForCausalLM.from_pretrained(directory)
+    out["plain_after"] = (PreTrainedModel.__dict__["from_pretrained"] is plain,
+                          any(isinstance(p, ZeroParameter) for p in after.parameters()))
     engine, *_ = zerotrain.initialize(model=model, config=PRETRAINED_CONFIG)
     out["weights"] = engine.full_state_dict()
     ids = torch.arange(12).reshape(2, 6) % 67
@@ -193,6 +210,11 @@ def check_from_pretrained(directory: str, results: list) -> None:
         assert result["enabled"] == (False, True), rank
         assert result["partitioned"], f"rank {rank}: a parameter was whole after from_pretrained"
         assert result["held"] < 0.55 * result["total"], rank  # about half each: its chunks only
+        assert result["script_partitioned"] == [], f"rank {rank}: whole after transformers' from_pretrained"
+        assert set(result["script_weights"]) == {name for name, _ in reference.named_parameters()}
+        for name, tensor in result["script_weights"].items():
+            torch.testing.assert_close(tensor, want[name], rtol=0, atol=0, msg=name)
+        assert result["plain_after"] == (True, False), rank
     got = results[0]["weights"]
     assert set(got) == {name for name, _ in reference.named_parameters()}
     for name, tensor in got.items():

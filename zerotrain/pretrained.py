@@ -15,7 +15,9 @@ goes to `zerotrain.initialize(model=...)` as any other.
 
 `HfDeepSpeedConfig` / `is_deepspeed_zero3_enabled` are transformers' names (what `zerotrain port` maps
 their imports to): while an `HfDeepSpeedConfig` with stage 3 is alive, `is_deepspeed_zero3_enabled()` is
-True and `zerotrain.from_pretrained(..., config=None)` uses its config.
+True, `zerotrain.from_pretrained(..., config=None)` uses its config, and transformers' own
+`from_pretrained` (any Auto class or model class) builds partitioned under `zerotrain.zero.Init` of that
+config, as DeepSpeed scripts (DeepSpeed-Chat) expect; when the object is collected it is plain again.
 
 transformers' own `from_pretrained` called inside `zerotrain.zero.Init` (as DeepSpeed users write it inside
 `deepspeed.zero.Init`) is routed here too (`partitioned_from_pretrained`, through `zero`'s Init extension),
@@ -33,7 +35,7 @@ import json
 import os
 import weakref
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -55,6 +57,8 @@ class HfDeepSpeedConfig:
         global _live
         self.config = _read(config_file_or_dict)
         _live = weakref.ref(self)
+        _sync_config_redirect()
+        weakref.finalize(self, _sync_config_redirect)  # plain from_pretrained again once it is collected
 
     def get_value(self, ds_key_long: str, default: Any = None) -> Any:
         """The value at a dotted key (`zero_optimization.stage`), or `default`."""
@@ -120,8 +124,16 @@ def from_pretrained(model_class: Any, pretrained_model_name_or_path: Union[str, 
     if isinstance(model_class, type) and issubclass(model_class, _BaseAutoModelClass):
         hf_config = AutoConfig.from_pretrained(pretrained_model_name_or_path, local_files_only=True)
         model_class = model_class._model_mapping[type(hf_config)]
+    return _stage3_from_pretrained(model_class, pretrained_model_name_or_path, raw, dtype, (), kwargs)
+
+
+def _stage3_from_pretrained(model_class: Any, pretrained_model_name_or_path: Union[str, os.PathLike], raw: dict,
+                            dtype: torch.dtype, model_args: tuple, kwargs: dict) -> torch.nn.Module:
+    """`model_class` (a model class) loaded partitioned under `zerotrain.zero.Init(raw, dtype)`; `kwargs` are
+    transformers' `from_pretrained` keywords (its `config` is the model's config, not the ZeRO one)."""
     with Init(config=raw, dtype=dtype) as init:
-        return partitioned_from_pretrained(model_class, pretrained_model_name_or_path, init=init, **kwargs)
+        return partitioned_from_pretrained(model_class, pretrained_model_name_or_path, *model_args, init=init,
+                                           **kwargs)
 
 
 def _build_and_load(model_class: Any, hf_config: Any, files: dict[str, Path], dtype: torch.dtype,
@@ -242,6 +254,29 @@ def _checkpoint_dtype(config: Any, files: dict[str, Path]) -> torch.dtype:
     return torch.float32
 
 
+def _redirect_from_pretrained(load: Callable[..., torch.nn.Module]) -> Callable[[], None]:
+    """Make transformers' `PreTrainedModel.from_pretrained` (and every Auto class, which calls it on the model
+    class it picks) call `load(plain, cls, path, *model_args, **kwargs)`, `plain` being the function it replaced;
+    returns the undo, which restores that unless another redirect has replaced this one since (redirects nest:
+    an Init inside a live config's load)."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.__dict__["from_pretrained"]
+
+    def redirected(cls: Any, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        return load(original.__func__, cls, *args, **kwargs)
+
+    redirect = classmethod(redirected)
+    PreTrainedModel.from_pretrained = redirect
+    install_transformers_zero3_branches()
+
+    def undo() -> None:
+        if PreTrainedModel.__dict__.get("from_pretrained") is redirect:
+            PreTrainedModel.from_pretrained = original
+
+    return undo
+
+
 @contextlib.contextmanager
 def _route_from_pretrained(init: Init) -> Any:
     """While `init` is active, transformers' `PreTrainedModel.from_pretrained` (and every Auto class, which calls
@@ -252,19 +287,40 @@ def _route_from_pretrained(init: Init) -> Any:
     if "transformers" not in sys.modules:
         yield
         return
-    from transformers import PreTrainedModel
 
-    original = PreTrainedModel.__dict__["from_pretrained"]
-
-    def from_pretrained_under_init(cls: Any, pretrained_model_name_or_path: Any, *model_args: Any, **kwargs: Any):
+    def from_pretrained_under_init(plain: Any, cls: Any, pretrained_model_name_or_path: Any, *model_args: Any,
+                                   **kwargs: Any) -> torch.nn.Module:
         return partitioned_from_pretrained(cls, pretrained_model_name_or_path, *model_args, init=init, **kwargs)
 
-    PreTrainedModel.from_pretrained = classmethod(from_pretrained_under_init)
-    install_transformers_zero3_branches()
+    undo = _redirect_from_pretrained(from_pretrained_under_init)
     try:
         yield
     finally:
-        PreTrainedModel.from_pretrained = original
+        undo()
+
+
+_config_redirect: list = []  # the undo of the redirect a live stage-3 HfDeepSpeedConfig installed
+
+
+def _sync_config_redirect() -> None:
+    """Redirect transformers' `from_pretrained` to a partitioned load while a stage-3 `HfDeepSpeedConfig` is
+    alive (transformers builds under DeepSpeed's zero.Init then), undo it when none is (the object collected,
+    or a later one below stage 3 replacing it)."""
+    if is_deepspeed_zero3_enabled() and not _config_redirect:
+        _config_redirect.append(_redirect_from_pretrained(_from_pretrained_under_config))
+    elif not is_deepspeed_zero3_enabled() and _config_redirect:
+        _config_redirect.pop()()
+
+
+def _from_pretrained_under_config(plain: Any, cls: Any, pretrained_model_name_or_path: Any, *model_args: Any,
+                                  **kwargs: Any) -> torch.nn.Module:
+    """transformers' `from_pretrained` while a stage-3 `HfDeepSpeedConfig` is alive: built partitioned under
+    `zerotrain.zero.Init` of its config (its bf16/fp16 dtype, as DeepSpeed's zero.Init casts)."""
+    live = _live() if _live is not None else None
+    if live is None or not live.is_zero3():  # collected while a nested redirect (an Init's) kept this one in place
+        return plain(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+    return _stage3_from_pretrained(cls, pretrained_model_name_or_path, live.config, _dtype_of(live.config),
+                                   model_args, kwargs)
 
 
 register_init_extension(_route_from_pretrained)
