@@ -46,15 +46,26 @@ def test_sizes_follow_the_budget(shape):
     small, large = plan_sizes(2 * GiB, shape, 2, config), plan_sizes(64 * GiB, shape, 2, config)
     headroom = small.budget - small.states
     assert 0 < headroom < small.budget
-    assert small.value("reduce_bucket_size") == int(SHARES["reduce_bucket_size"] * headroom / (2 * 2))  # bf16
+    # stage 3: the reduce bucket at most the largest parameter (its share of 2 GiB would be 44M elements: a bucket
+    # that large held 2.5x the largest parameter's whole gradients at once, above FSDP2's one block)
+    assert SHARES["reduce_bucket_size"] * headroom / (2 * 2) > 2 * largest_shard(shape)  # bf16
+    assert small.value("reduce_bucket_size") == 2 * largest_shard(shape)  # the largest parameter, padded
+    half = plan_sizes(small.states + int(2 * 2 * 2 * largest_shard(shape) / SHARES["reduce_bucket_size"]) // 2, shape,
+                      2, config)  # a headroom whose share is half the cap: the share
+    assert MIN_BUCKET < half.value("reduce_bucket_size") < 2 * largest_shard(shape)
+    assert "the largest parameter (the headroom allows more)" in "\n".join(small.lines())
+    # stages 1-2 keep DeepSpeed's default as the cap (their flat buckets hold a shard of every gradient anyway)
+    stage2 = load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {}},
+                          "zero_optimization": {"stage": 2}})
+    assert plan_sizes(64 * GiB, shape, 2, stage2).value("reduce_bucket_size") == DEEPSPEED["reduce_bucket_size"]
     assert small.value("stage3_max_live_parameters") == int(SHARES["stage3_max_live_parameters"] * headroom / 2)
     assert small.value("offload_param.max_in_cpu") == int(SHARES["offload_param.max_in_cpu"] * headroom / 2)
     # the large budget: DeepSpeed's defaults (nothing needs more), and the write buffers at the largest shard
-    assert large.value("reduce_bucket_size") == DEEPSPEED["reduce_bucket_size"]
+    assert large.value("reduce_bucket_size") == 2 * largest_shard(shape)
     assert large.value("offload_param.max_in_cpu") == DEEPSPEED["offload_param.max_in_cpu"]
     assert large.value("offload_optimizer.buffer_count") == DEEPSPEED["offload_optimizer.buffer_count"]
     assert large.value("offload_param.buffer_size") == largest_shard(shape)  # no buffer larger than a shard
-    for key in ("reduce_bucket_size", "stage3_max_live_parameters", "offload_param.max_in_cpu"):
+    for key in ("stage3_max_live_parameters", "offload_param.max_in_cpu"):
         assert small.value(key) < large.value(key), key
     # a tiny budget: every key at its smallest, and the write buffers are pieces of the largest shard
     tiny = plan_sizes(64 * 2**20, shape, 2, config)
@@ -176,7 +187,7 @@ def test_zerotrain_estimate_sizes_the_unset_keys_by_the_budget():
         expected = estimate_option(model_shape(meta), resolved, 2, config_option(resolved),
                                    probe_optimizer(config.optimizer), "cpu")
         assert own["rows"] == expected.as_dict()["rows"]
-        results[budget] = own["transient"]["gradient staging"]  # 2 reduce buckets
+        results[budget] = own["rows"]["host_io_buffers"]["host"]  # the NVMe stores' buffers
     assert results[512 * 2**20] < results[8 * GiB], results
     plain = estimate("70m", raw, 2, device_type="cpu")  # without sizes: DeepSpeed's defaults, no budget lines
     assert "memory_budget" not in plain
