@@ -89,6 +89,10 @@ ZEROTRAIN_VARIANTS: list[tuple[str, str, dict]] = [
     ("zt3r", "zerotrain ZeRO-3 (DeepSpeed defaults)", {"stage": 3, **ZT3_DEEPSPEED}),
     # zt3d: {"stage": 3} and no other zero key (not even the benchmark's reduce_bucket_size): what --matrix runs
     ("zt3d", "zerotrain ZeRO-3 ({\"stage\": 3} only)", {"stage": 3, "_only": True}),
+    # zt3b: as zt3d with a model-sized reduce bucket: what the memory budget chose on a quiet machine before its
+    # stage-3 cap (at most the largest parameter), for the A/B of the untied-head diagnosis (issue #27)
+    ("zt3b", "zerotrain ZeRO-3 (model-sized reduce bucket)", {"stage": 3, "reduce_bucket_size": 500_000_000,
+                                                                "_only": True}),
     # zt2g/zt3g: as zt2/zt3 with the same-host transport off: every collective byte through gloo's
     # loopback sockets, as DDP and FSDP2 do here ("_config": top-level config keys).
     ("zt2g", "zerotrain ZeRO-2 (gloo sockets)", {"stage": 2, "_config": {"comm_same_host_transport": False}}),

@@ -46,15 +46,26 @@ def test_sizes_follow_the_budget(shape):
     small, large = plan_sizes(2 * GiB, shape, 2, config), plan_sizes(64 * GiB, shape, 2, config)
     headroom = small.budget - small.states
     assert 0 < headroom < small.budget
-    assert small.value("reduce_bucket_size") == int(SHARES["reduce_bucket_size"] * headroom / (2 * 2))  # bf16
+    # stage 3: the reduce bucket at most the largest parameter (its share of 2 GiB would be 44M elements: a bucket
+    # that large held 2.5x the largest parameter's whole gradients at once, above FSDP2's one block)
+    assert SHARES["reduce_bucket_size"] * headroom / (2 * 2) > 2 * largest_shard(shape)  # bf16
+    assert small.value("reduce_bucket_size") == 2 * largest_shard(shape)  # the largest parameter, padded
+    half = plan_sizes(small.states + int(2 * 2 * 2 * largest_shard(shape) / SHARES["reduce_bucket_size"]) // 2, shape,
+                      2, config)  # a headroom whose share is half the cap: the share
+    assert MIN_BUCKET < half.value("reduce_bucket_size") < 2 * largest_shard(shape)
+    assert "the largest parameter (the headroom allows more)" in "\n".join(small.lines())
+    # stages 1-2 keep DeepSpeed's default as the cap (their flat buckets hold a shard of every gradient anyway)
+    stage2 = load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {}},
+                          "zero_optimization": {"stage": 2}})
+    assert plan_sizes(64 * GiB, shape, 2, stage2).value("reduce_bucket_size") == DEEPSPEED["reduce_bucket_size"]
     assert small.value("stage3_max_live_parameters") == int(SHARES["stage3_max_live_parameters"] * headroom / 2)
     assert small.value("offload_param.max_in_cpu") == int(SHARES["offload_param.max_in_cpu"] * headroom / 2)
     # the large budget: DeepSpeed's defaults (nothing needs more), and the write buffers at the largest shard
-    assert large.value("reduce_bucket_size") == DEEPSPEED["reduce_bucket_size"]
+    assert large.value("reduce_bucket_size") == 2 * largest_shard(shape)
     assert large.value("offload_param.max_in_cpu") == DEEPSPEED["offload_param.max_in_cpu"]
     assert large.value("offload_optimizer.buffer_count") == DEEPSPEED["offload_optimizer.buffer_count"]
     assert large.value("offload_param.buffer_size") == largest_shard(shape)  # no buffer larger than a shard
-    for key in ("reduce_bucket_size", "stage3_max_live_parameters", "offload_param.max_in_cpu"):
+    for key in ("stage3_max_live_parameters", "offload_param.max_in_cpu"):
         assert small.value(key) < large.value(key), key
     # a tiny budget: every key at its smallest, and the write buffers are pieces of the largest shard
     tiny = plan_sizes(64 * 2**20, shape, 2, config)
@@ -176,7 +187,55 @@ def test_zerotrain_estimate_sizes_the_unset_keys_by_the_budget():
         expected = estimate_option(model_shape(meta), resolved, 2, config_option(resolved),
                                    probe_optimizer(config.optimizer), "cpu")
         assert own["rows"] == expected.as_dict()["rows"]
-        results[budget] = own["transient"]["gradient staging"]  # 2 reduce buckets
+        results[budget] = own["rows"]["host_io_buffers"]["host"]  # the NVMe stores' buffers
     assert results[512 * 2**20] < results[8 * GiB], results
     plain = estimate("70m", raw, 2, device_type="cpu")  # without sizes: DeepSpeed's defaults, no budget lines
     assert "memory_budget" not in plain
+
+
+def test_a_4_gib_budget_holds_at_every_size_of_the_issue():
+    """Issue #27's sizes as `benchmarks/scale.py --defaults --budget 4GiB` runs them (world 2, B=1, T=64, bf16, NVMe
+    parameters and optimizer, no size key, no activation checkpointing): GPT 0.24B, 1B, 2.4B, 4B and the 7B
+    Llama with bf16 records. The estimate's per-rank host peak under the sizes the budget chooses (`zerotrain
+    estimate`'s accounting: states in memory + activations + transient step buffers), plus the runtime (Python,
+    torch, gloo: measured 0.30-0.34 GiB per rank), stays under 4 GiB at every size, and from 1B up it does not
+    grow with the parameters (the measured peaks are in benchmarks/RESULTS_scale.md)."""
+    import math
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zerotrain.budget import estimate_sizes
+    from zerotrain.estimate import device_peak, estimate
+    from zerotrain.models import GPT, GPTConfig
+
+    vocab, runtime = 50304, 0.4 * GiB
+
+    def config(narrow: bool) -> dict:
+        nvme = {"device": "nvme", "nvme_path": "/unused"}
+        bf16 = dict(enabled=True, bf16_master_weights_and_grads=narrow, bf16_optimizer_states=narrow)
+        return {"train_micro_batch_size_per_gpu": 1, "bf16": bf16, "gradient_clipping": 0.0,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+                "zero_optimization": {"stage": 3, "offload_param": dict(nvme), "offload_optimizer": dict(nvme),
+                                      "memory_budget_bytes": 4 * GiB}}
+
+    peaks, params = {}, {}
+    with torch.device("meta"):
+        models = {f"gpt {layers}x{width}": GPT(GPTConfig(vocab_size=vocab, n_layer=layers, n_head=width // 128,
+                                                         n_embd=width, block_size=64, bias=True))
+                  for layers, width in ((9, 1280), (18, 2048), (24, 2816), (29, 3328))}
+        models["llama 32x4096"] = LlamaForCausalLM(LlamaConfig(
+            vocab_size=vocab, hidden_size=4096, intermediate_size=int(math.ceil(8 * 4096 / 3 / 256) * 256),
+            num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=128,
+            tie_word_embeddings=False, use_cache=False))
+    for name, model in models.items():
+        result = estimate(model.to(torch.bfloat16), config(name.startswith("llama")), 2, device_type="cpu",
+                          seq_len=64, micro_batch=1, sizes=estimate_sizes)
+        own = next(o for o in result["options"] if o["option"] == result["config_option"])
+        activations = dict(result["activations"], with_checkpointing=result["activations"]["without_checkpointing"])
+        peaks[name] = device_peak(own, activations) + own["totals"]["host"]
+        params[name] = result["parameters"]
+        assert result["memory_budget"][0].startswith("zerotrain memory budget: 4.00 GiB per rank"), result
+    assert all(peak + runtime <= 4 * GiB for peak in peaks.values()), {k: v / GiB for k, v in peaks.items()}
+    one, four = peaks["gpt 18x2048"], peaks["gpt 29x3328"]
+    assert params["gpt 29x3328"] > 3.9 * params["gpt 18x2048"]
+    assert four < 1.2 * one, (one / GiB, four / GiB)  # 4x the parameters, < 1.2x the memory (estimated 1.14x)

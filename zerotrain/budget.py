@@ -271,7 +271,7 @@ def plan_sizes(budget: int, shape: ModelShape, dp_size: int, config, device_type
     user = {key for key, (block, name) in keys.items() if name in block.model_fields_set}
     optimizer = optimizer or probe_optimizer(config.optimizer)
     threshold = int(zero.stage3_param_persistence_threshold) if zero.stage == 3 else -1
-    _, two_modules, largest_shard = _modules(shape, dp_size, threshold)
+    largest, two_modules, largest_shard = _modules(shape, dp_size, threshold)
     # the floor: every unset key at its smallest; what that run needs is the model states
     smallest = {"reduce_bucket_size": MIN_BUCKET, "stage3_max_live_parameters": max(1, two_modules),
                 "offload_param.max_in_cpu": 0, "offload_param.buffer_count": 1,
@@ -296,8 +296,14 @@ def plan_sizes(budget: int, shape: ModelShape, dp_size: int, config, device_type
 
     share = lambda key: SHARES[key] * headroom  # noqa: E731 - bytes of one consumer's share
     if "reduce_bucket_size" in keys:
-        pick("reduce_bucket_size", share("reduce_bucket_size") / (2 * d), MIN_BUCKET,
-             DEEPSPEED["reduce_bucket_size"], "2 buckets in the training dtype")
+        # Stage 3: at most the largest parameter. A bucket holds its members' whole (unsharded) gradients until
+        # its reduce-scatter; one as large as the model held them all at the end of backward, above FSDP2,
+        # which reduces one block at a time (benchmarks/RESULTS_zero_speed.md, the untied-head shape). A rank
+        # holds the largest parameter's whole gradient anyway, and a bucket of it alone needs no copy.
+        cap, why = ((min(DEEPSPEED["reduce_bucket_size"], max(MIN_BUCKET, largest)), "the largest parameter")
+                    if zero.stage == 3 and largest else (DEEPSPEED["reduce_bucket_size"], "DeepSpeed's default"))
+        pick("reduce_bucket_size", share("reduce_bucket_size") / (2 * d), MIN_BUCKET, cap,
+             "2 buckets in the training dtype", why)
     if "stage3_max_live_parameters" in keys:
         pick("stage3_max_live_parameters", share("stage3_max_live_parameters") / d, max(1, two_modules),
              max(two_modules, DEEPSPEED["stage3_max_live_parameters"]),

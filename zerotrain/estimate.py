@@ -377,15 +377,16 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
     offloaded = _offloaded(shards, ratio) if offload_opt != "none" else [False] * len(shards)
     # the NVMe records' bytes per element: master, per-element states (bf16_master_weights_and_grads /
     # bf16_optimizer_states: bf16, the states' fp32 halved; offload.nvme.record_dtypes)
-    narrow = offload_opt == "nvme" and config.bf16_records
+    # CPU offload stores them alike in host memory: offload.bf16_host)
+    narrow = offload_opt in ("nvme", "cpu") and config.bf16_records
     master_bytes = 2 if narrow else 4
     state_bytes = 2 if narrow and config.bf16.bf16_optimizer_states else 4
     stored_states = optimizer.per_element * state_bytes // 4
     for shard, own, off in zip(shards, own_master_possible, offloaded):
         states = shard * optimizer.per_element + optimizer.per_tensor
         if off and offload_opt == "cpu":
-            memory.add("master_weights", "host", 4 * shard)
-            memory.add("optimizer_states", "host", states)
+            memory.add("master_weights", "host", master_bytes * shard)
+            memory.add("optimizer_states", "host", shard * stored_states + optimizer.per_tensor)
         elif off:  # nvme: masters and per-element states in files, per-tensor ones in memory
             memory.add("master_weights", "nvme", master_bytes * shard)
             memory.add("optimizer_states", "nvme", shard * stored_states)

@@ -35,19 +35,20 @@ def _build(tmp_path, make_optimizer, state_dtype=torch.bfloat16):
     return params, opt, ref, make_optimizer(ref)
 
 
-def _store_like_the_records(opt, ref, ref_opt, narrow_states: bool) -> None:
-    """Round the reference's masters (and states) per chunk with the records' seeds, as `NvmeRecords.store`."""
+def _store_like_the_records(opt, ref, ref_opt, narrow_states: bool, chunk: int = CHUNK) -> None:
+    """Round the reference's masters (and states) per chunk with the records' seeds, as `NvmeRecords.store`
+    (and `Bf16HostStates.step`: the same seeds, its own chunk size)."""
     with torch.no_grad():
         for bucket, r in enumerate(ref):
             state = ref_opt.state[r]
-            keys = [key for key, *_ in opt.records.layouts[bucket]]
+            keys = sorted(key for key, value in state.items() if torch.is_tensor(value) and value.numel() == r.numel())
             tensors = [r.data] + [state[key] for key in keys]
             step = int(state["step"])
-            for index, start in enumerate(range(0, r.numel(), CHUNK)):
+            for index, start in enumerate(range(0, r.numel(), chunk)):
                 for which, tensor in enumerate(tensors):
                     if which and not narrow_states:
                         continue
-                    piece = tensor[start:start + CHUNK]
+                    piece = tensor[start:start + chunk]
                     out = torch.empty_like(piece, dtype=torch.bfloat16)
                     round_bf16_(piece.contiguous(), out, rounding_seed(0, bucket, index, step, which))
                     piece.copy_(out)
@@ -82,6 +83,49 @@ def test_bf16_records_step_as_torch_then_round_and_take_six_bytes(tmp_path, make
     opt.close()
 
 
+@pytest.mark.parametrize("make_optimizer,narrow_states", [(_adamw, True), (_amsgrad_adam, True), (_adamw, False)])
+def test_cpu_offload_bf16_masters_step_as_torch_then_round_and_take_six_bytes(make_optimizer, narrow_states):
+    """Plain CPU offload with bf16 masters (and states): in host memory, stepped and rounded as the NVMe records;
+    checkpoints see fp32 copies, and a write back of what they saw leaves every stored bit as it was."""
+    from zerotrain.offload import OffloadOptimizer
+    from zerotrain.offload.bf16_host import CHUNK_NUMEL
+    from zerotrain.sharding import ShardGroup
+    from zerotrain.zero.flat import FlatBucket
+
+    torch.manual_seed(0)
+    sizes = (CHUNK_NUMEL + 3000, 10000)  # two chunks in the first bucket (kernel path)
+    params = [torch.nn.Parameter(torch.randn(n) * 0.05) for n in sizes]
+    buckets = [FlatBucket(i, [(f"p{i}", p)], i, ShardGroup.local()) for i, p in enumerate(params)]
+    opt = OffloadOptimizer(buckets, None, make_optimizer(params), [[p] for p in params], 0.0,
+                           master_dtype=torch.bfloat16, state_dtype=torch.bfloat16 if narrow_states else None)
+    ref = [torch.nn.Parameter(p.detach().to(torch.bfloat16).float()) for p in params]
+    ref_opt = make_optimizer(ref)
+    for step in range(3):
+        grads = [torch.randn(n) for n in sizes]
+        for r, g in zip(ref, grads):
+            r.grad = g * 0.5
+        ref_opt.step()
+        _store_like_the_records(opt, ref, ref_opt, narrow_states, chunk=CHUNK_NUMEL)
+        opt.step([g.clone() for g in grads], 2.0)  # loss scale 2: the multiplier 0.5
+        for p, r in zip(params, ref):  # the model gets the stored bf16 master
+            assert torch.equal(p.detach(), r.detach()), step
+    per_state = 2 if narrow_states else 4
+    states = [sum(1 for v in ref_opt.state[r].values() if torch.is_tensor(v) and v.numel() == r.numel()) for r in ref]
+    assert opt.memory_split()["host"] == sum((2 + k * per_state) * n + 4 for k, n in zip(states, sizes))
+    stored = [(m.clone(), {k: v.clone() for k, v in opt.optimizer.state[m].items()}) for m in opt.masters]
+    with opt.resident_states(write_back=True):  # a checkpoint: fp32 copies holding the bf16 values
+        for master, r in zip(opt.masters, ref):
+            assert master.dtype == torch.float32 and torch.equal(master, r.detach())
+            for key, value in ref_opt.state[r].items():
+                got = opt.optimizer.state[master][key]
+                assert got.dtype == value.dtype and torch.equal(got, value), key
+    for master, (was, state) in zip(opt.masters, stored):  # narrowed back exactly
+        assert master.dtype == torch.bfloat16 and torch.equal(master, was)
+        for key, value in state.items():
+            now = opt.optimizer.state[master][key]
+            assert now.dtype == value.dtype and torch.equal(now, value), key
+
+
 def test_stochastic_rounding_is_unbiased_deterministic_and_keeps_specials():
     from zerotrain.offload.cpu_adam import kernel
 
@@ -103,7 +147,7 @@ def test_stochastic_rounding_is_unbiased_deterministic_and_keeps_specials():
     assert got[5].item() in (-1.0, -1.0 - 2 ** -7)
 
 
-def test_the_keys_need_each_other_and_the_nvme_optimizer():
+def test_the_keys_need_each_other_and_an_offloaded_optimizer():
     from zerotrain.config import ConfigError, load_config
     from zerotrain.offload.nvme import record_dtypes
 
@@ -115,6 +159,9 @@ def test_the_keys_need_each_other_and_the_nvme_optimizer():
     assert record_dtypes(config) == {"master_dtype": torch.bfloat16, "state_dtype": torch.bfloat16}
     masters_only = load_config({"bf16": dict(both, bf16_optimizer_states=False), "zero_optimization": nvme})
     assert record_dtypes(masters_only) == {"master_dtype": torch.bfloat16, "state_dtype": None}
+    on_cpu = load_config({"bf16": both, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
+    assert on_cpu.bf16_records  # plain CPU offload stores them in bf16 too (offload/bf16_host.py)
     with pytest.warns(UserWarning, match="bf16.bf16_master_weights_and_grads: .* keeps them in fp32"):
-        on_cpu = load_config({"bf16": both, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
-    assert not on_cpu.bf16_records
+        speculative = load_config({"bf16": both, "zero_optimization": {
+            "stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}}})
+    assert not speculative.bf16_records

@@ -73,7 +73,8 @@ class BF16Config(Block):
     # DeepSpeed's: check the gradients for inf/nan and skip such a step (state untouched), as fp16 does
     check_grad_overflow: Bool = False
     # DeepSpeed's: masters (and, with the second, Adam's moments) stored in bf16. zerotrain implements them on
-    # the NVMe optimizer's records (stochastic rounding, offload/stochastic_round.py); elsewhere fp32 (warned)
+    # the offloaded optimizer, NVMe records or CPU memory (stochastic rounding, offload/stochastic_round.py);
+    # elsewhere fp32 (warned)
     bf16_master_weights_and_grads: Bool = False
     bf16_optimizer_states: Bool = False
 
@@ -242,8 +243,8 @@ class ZeroTrainConfig(Block):
             raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one", key="fp16.enabled")
         if self.bf16.bf16_master_weights_and_grads and not self.bf16_records:
             warn("bf16.bf16_master_weights_and_grads: bf16 masters and optimizer states are implemented on the "
-                 "NVMe optimizer (bf16.enabled, zero_optimization.stage >= 1, offload_optimizer.device 'nvme'); "
-                 "this run keeps them in fp32", "bf16.bf16_master_weights_and_grads")
+                 "offloaded optimizer (bf16.enabled, zero_optimization.stage >= 1, offload_optimizer.device 'nvme' "
+                 "or 'cpu' without super_offload); this run keeps them in fp32", "bf16.bf16_master_weights_and_grads")
         dp = info.context.get("dp_world_size") if isinstance(info.context, dict) else None
         pipe = self.pipeline
         if pipe.stages_per_rank is not None and not pipe.multi_stage and pipe.stages_per_rank != 1:
@@ -259,12 +260,13 @@ class ZeroTrainConfig(Block):
 
     @property
     def bf16_records(self) -> bool:
-        """Whether the NVMe optimizer stores its masters in bf16 (`bf16.bf16_master_weights_and_grads` where it is
-        implemented: bf16 training, stage >= 1, offload_optimizer on NVMe); its states too with
-        `bf16.bf16_optimizer_states`."""
+        """Whether the offloaded optimizer stores its masters in bf16 (`bf16.bf16_master_weights_and_grads` where it
+        is implemented: bf16 training, stage >= 1, offload_optimizer on NVMe or the CPU without super_offload); its
+        states too with `bf16.bf16_optimizer_states`."""
         offload = self.zero_optimization.offload_optimizer
         return bool(self.bf16.enabled and self.bf16.bf16_master_weights_and_grads and self.zero_optimization.stage >= 1
-                    and offload is not None and offload.device == "nvme")
+                    and offload is not None and (offload.device == "nvme"
+                                                 or (offload.device == "cpu" and not offload.super_offload)))
 
     @property
     def precision(self) -> str:

@@ -274,7 +274,8 @@ def _master_optimizer(buckets: list, config: ZeroTrainConfig, topology: Topology
         return SuperOffloadOptimizer(buckets, comm, torch_optimizer, groups, config.gradient_clipping,
                                      loss_scale=lambda: loss_scaler.scale,
                                      speculation=offload.super_offload_speculation, fence=fences, **common)
-    return OffloadOptimizer(buckets, comm, torch_optimizer, groups, config.gradient_clipping, **common)
+    return OffloadOptimizer(buckets, comm, torch_optimizer, groups, config.gradient_clipping,
+                            **nvme_offload.record_dtypes(config), **common)
 
 
 def _scheduler(config: ZeroTrainConfig, optimizer: torch.optim.Optimizer, lr_scheduler: Any):

@@ -236,6 +236,11 @@ class CpuAdamStepper:
 
     def supports(self, master: torch.Tensor, group_index: int) -> bool:
         """Whether `master` (of group `group_index`) can be stepped by the kernel."""
+        return self.supports_group(group_index) and master.dtype == torch.float32 \
+            and master.device.type == "cpu" and master.is_contiguous()
+
+    def supports_group(self, group_index: int) -> bool:
+        """Whether group `group_index`'s update is one the kernel runs (fp32 CPU tensors of it, see `supports`)."""
         if type(self.optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or kernel() is None:
             return False
         group = self.optimizer.param_groups[group_index]
@@ -243,8 +248,7 @@ class CpuAdamStepper:
                                                                 "differentiable")):
             return False
         numbers = [group["lr"], *group["betas"], group["eps"], group["weight_decay"]]
-        return all(isinstance(x, (int, float)) for x in numbers) and master.dtype == torch.float32 \
-            and master.device.type == "cpu" and master.is_contiguous()
+        return all(isinstance(x, (int, float)) for x in numbers)
 
     def _state(self, master: torch.Tensor) -> dict:
         state = self.optimizer.state[master]
@@ -254,7 +258,8 @@ class CpuAdamStepper:
             state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
         return state
 
-    def _hyper(self, group_index: int) -> dict:
+    def hyper(self, group_index: int) -> dict:
+        """`adam_step`'s hyperparameters of group `group_index` (as they are now: schedules apply)."""
         group = self.optimizer.param_groups[group_index]
         beta1, beta2 = group["betas"]
         return dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
@@ -267,7 +272,7 @@ class CpuAdamStepper:
         state = self._state(master)
         state["step"].add_(1)
         adam_step(master, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], multiplier=multiplier,
-                  copy_to=copy_to, **self._hyper(group_index))
+                  copy_to=copy_to, **self.hyper(group_index))
 
     def step_to(self, master: torch.Tensor, grad: torch.Tensor, group_index: int,
                 out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], multiplier: float = 1.0,
@@ -276,7 +281,7 @@ class CpuAdamStepper:
         and its state keep their values (a fresh state is created, as zeros at step 0). `swap_in` keeps it."""
         state = self._state(master)
         adam_step(master, grad, state["exp_avg"], state["exp_avg_sq"], state["step"] + 1, multiplier=multiplier,
-                  copy_to=copy_to, out=out, **self._hyper(group_index))
+                  copy_to=copy_to, out=out, **self.hyper(group_index))
 
     def swap_in(self, master: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

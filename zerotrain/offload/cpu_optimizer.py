@@ -35,6 +35,7 @@ from ..comm import Comm
 from ..zero.flat import ShardLayout
 from ..zero.gradnorm import GlobalGradients
 from ..zero.optimizer import ShardedOptimizer, device_master, is_own_master
+from .bf16_host import Bf16HostStates
 from .cpu_adam import COPY_BACK_DTYPES, CpuAdamStepper
 
 
@@ -124,15 +125,21 @@ class OffloadOptimizer(ShardedOptimizer):
     def __init__(self, buckets: list[ShardLayout], comm: Comm, optimizer: torch.optim.Optimizer,
                  group_params: list[list[torch.Tensor]], clip_norm: float, ratio: float = 1.0,
                  pin_memory: bool = False, reducer=None, host_grads: bool = True,
-                 gradients: Optional[GlobalGradients] = None):
+                 gradients: Optional[GlobalGradients] = None, master_dtype: torch.dtype = torch.float32,
+                 state_dtype: Optional[torch.dtype] = None):
+        """`master_dtype` bf16 (`bf16.bf16_master_weights_and_grads`; `state_dtype` bf16 with
+        `bf16.bf16_optimizer_states`): the offloaded masters (and Adam's moments) stored in bf16 (`bf16_host`)."""
         # Which buckets go to the host, known before ShardedOptimizer builds the masters (initial_master).
         self.ratio = ratio
+        self.master_dtype = master_dtype
         self.offloaded = choose_offloaded(buckets, ratio)
         self.device = buckets[0].device if buckets else torch.device("cpu")
         self._pin_memory = pin_memory
         super().__init__(buckets, comm, optimizer, group_params, clip_norm, gradients)
         prefer_fused(optimizer)
         self.cpu_adam = CpuAdamStepper(optimizer)  # our one-pass kernel for fp32 host masters
+        self.bf16_host = Bf16HostStates(optimizer, self.cpu_adam, comm.rank if comm is not None else 0,
+                                        state_dtype) if master_dtype == torch.bfloat16 else None
         self.shards_written: set[int] = set()  # buckets whose model shard this step's kernel already wrote
         sizes = {i: b.shard_numel for i, b in enumerate(buckets) if self.offloaded[i]}
         self.host_grads = HostGradients(sizes, pin_memory) if host_grads else None
@@ -150,6 +157,8 @@ class OffloadOptimizer(ShardedOptimizer):
 
     def initial_host_master(self, shard: torch.Tensor, pin_memory: bool) -> torch.Tensor:
         """An offloaded bucket's fp32 master, built from its model shard (NVMe overrides: into the files)."""
+        if self.master_dtype == torch.bfloat16:
+            return Bf16HostStates.initial_master(shard)
         master = host_empty(shard.numel(), pin_memory)
         master.copy_(shard)
         return master
@@ -230,6 +239,10 @@ class OffloadOptimizer(ShardedOptimizer):
         applied as the gradient is read (the reduced gradient is left as it was) and, with `copy_back`, the
         new weights are cast into the model shard. Returns whether the model shard was written."""
         target = self.model_shard_target(index) if copy_back else None
+        if self.bf16_host is not None:
+            self.bf16_host.step(index, self.masters[index], self.kernel_gradient(index, grad),
+                                self.buckets[index].group_index, multiplier, copy_to=target)
+            return target is not None
         self.cpu_adam.step(self.masters[index], self.kernel_gradient(index, grad), self.buckets[index].group_index,
                            multiplier, copy_to=target)
         return target is not None
@@ -248,6 +261,9 @@ class OffloadOptimizer(ShardedOptimizer):
         for index in indices:
             grad, master = grad_shards[index], self.masters[index]
             if grad is None:
+                continue
+            if self.offloaded[index] and self.bf16_host is not None:
+                native.append(index)
                 continue
             if self.offloaded[index] and self.cpu_adam.supports(master, self.buckets[index].group_index):
                 native.append(index)
@@ -298,8 +314,13 @@ class OffloadOptimizer(ShardedOptimizer):
 
     @contextmanager
     def resident_states(self, write_back: bool = True):
-        """Every optimizer state in `optimizer.state` while inside: host states always are (NVMe pages them in)."""
-        yield self
+        """Every optimizer state in `optimizer.state` while inside: host states always are (NVMe pages them in);
+        bf16-stored masters and states are fp32 copies while inside (`Bf16HostStates.widen`)."""
+        if self.bf16_host is None:
+            yield self
+            return
+        with self.bf16_host.widen([m for m, off in zip(self.masters, self.offloaded) if off], write_back):
+            yield self
 
     def close(self) -> None:
         """Release threads and files (nothing to release for plain CPU offload)."""

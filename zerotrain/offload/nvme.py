@@ -78,8 +78,9 @@ __all__ = ["NvmeOffloadOptimizer", "DEFAULT_CHUNK_NUMEL", "streams_gradients", "
 
 
 def record_dtypes(config) -> dict[str, Optional[torch.dtype]]:
-    """The dtypes the records store (`NvmeOffloadOptimizer`'s `master_dtype`, `state_dtype`): bf16 masters with
-    `bf16.bf16_master_weights_and_grads`, bf16 fp32-states with `bf16.bf16_optimizer_states` (bf16 training)."""
+    """The dtypes the records store (`NvmeOffloadOptimizer`'s `master_dtype`, `state_dtype`; plain CPU offload's
+    too, `bf16_host.py`): bf16 masters with `bf16.bf16_master_weights_and_grads`, bf16 fp32-states with
+    `bf16.bf16_optimizer_states` (bf16 training)."""
     narrow = config.bf16_records
     return {"master_dtype": torch.bfloat16 if narrow else torch.float32,
             "state_dtype": torch.bfloat16 if narrow and config.bf16.bf16_optimizer_states else None}
