@@ -26,9 +26,10 @@ reduce-scatter and all-gather send every peer its chunk directly, so of each ran
 half goes to the other node: 2 Psi cross per collective, and ZeRO-3's forward gather, backward gather and gradient
 reduce make 6 Psi a step. hpZ keeps the backward gather inside the node (4 Psi); qwZ makes the forward gather int8
 (0.5 Psi, plus a scale per 2048 values); qgZ reduces int4 in two hops, inside the node first, after which each rank
-sends the other node a quarter of the gradient in int4 (Psi/8 in all). DeepSpeed on gloo: a ring all-gather crosses
-twice (1.5 Psi), its reduce-scatter is gloo's all-reduce (3 Psi): 6 Psi too. The measured bytes add TCP/IP headers
-(~3%) and the small persistent parameters' all-reduce.
+sends the other node a quarter of the gradient in int4 (Psi/8 in all). DeepSpeed on gloo uses gloo's ring
+collectives: a ring over ranks 0-3 crosses the link twice, (N-1)/N Psi per crossing per collective, 1.5 Psi a
+collective and 4.5 Psi a step (a ring crosses less than the direct exchange: 0.75x). The measured bytes add TCP/IP
+headers (~3%), qwZ/qgZ's scales and the small persistent parameters' all-reduce.
 
 Needs root (ip netns, tc, nsenter). Run on a quiet machine (the step times are CPU-bound inside each node):
 
@@ -70,7 +71,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "ds3pp": ("deepspeed", {"stage": 3, **ZPP}),
 }
 # bytes crossing the link per step, in units of Psi (fp32 parameter bytes): see the module docstring
-THEORY = {"zt3": 6.0, "hpz": 4.0, "hpz+qwz": 2.5, "zpp": 0.625, "zpp+loco": 0.625, "ds3": 6.0, "ds3pp": 0.625}
+THEORY = {"zt3": 6.0, "hpz": 4.0, "hpz+qwz": 2.5, "zpp": 0.625, "zpp+loco": 0.625, "ds3": 4.5, "ds3pp": 0.625}
 
 
 def _link_tx() -> int:
@@ -239,7 +240,7 @@ def render(table: dict, rates: list[str], variants: list[str], psi: int, args: d
         for name in variants:
             cell = table[rate][name]
             if cell["status"] != "ok":
-                lines.append(f"| {rate} | {name} | {cell['reason']} | | | | | | |")
+                lines.append(f"| {rate} | {name} | {cell['reason'][:90]} | | | | | | |")
                 continue
             bare = table.get("none", {}).get(name, {})
             model = "" if rate == "none" or bare.get("status") != "ok" else \
