@@ -1,8 +1,9 @@
 """Which peer did not answer, when one of gloo's own collectives fails.
 
 gloo's errors name no rank: a timeout says only "Timed out waiting 10000ms for recv operation to complete", a dead
-peer's closed socket at most an address (and only on the ranks that were reading from that peer). So when a
-collective that gloo runs itself (all-reduce, barrier, broadcast, all-to-all, ...) fails, every failing rank reports
+peer's closed socket at most an address (and only on the ranks that were reading from that peer); the same-host
+transport's timeout names none either. So when a collective that gloo runs itself (all-reduce, barrier, broadcast,
+all-to-all, ...) or the same-host transport fails, every failing rank reports
 the failure on the job's store (the TCPStore at MASTER_ADDR:MASTER_PORT: torchrun's agent's, or rank 0's) under
 the collective's sequence number in its group, and waits a short grace (the group's timeout, at most 30 s) for the
 group's other ranks to report the same. The members that never do are the ones that did not reach the collective:

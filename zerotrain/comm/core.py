@@ -187,10 +187,12 @@ class Comm:
 
     def _shared(self, kind: str, transport, source: torch.Tensor, reads: dict,
                 finish: Optional[Callable[[], None]], async_op: bool):
+        number = blame.next_number(self._group_name())
         try:
-            handle = _Named(transport.post(source, reads, finish, kind), kind, self.rank, self.size)
+            handle = _Named(transport.post(source, reads, finish, kind), kind, self.rank, self.size,
+                            explain=lambda error: self._blamed(kind, number, error))
         except (RuntimeError, OSError) as error:
-            raise _failure(kind, self.rank, self.size, error) from error
+            raise self._blamed(kind, number, error) from error
         if async_op:
             return handle
         handle.wait()
