@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from ..topology import _ranks_per_node  # the layout's one reading of ZEROTRAIN_RANKS_PER_NODE / LOCAL_WORLD_SIZE
+
 _GRACE_CAP_SECONDS = 30.0
 
 # Gloo collectives issued so far per process group (by name): every rank of a group issues the same ones in the
@@ -34,14 +36,6 @@ def next_number(group_name: str) -> int:
     """The number of the collective about to be issued on `group_name` (counted per process)."""
     _ISSUED[group_name] += 1
     return _ISSUED[group_name]
-
-
-def _ranks_per_node(world: int) -> int:
-    for name in ("ZEROTRAIN_RANKS_PER_NODE", "LOCAL_WORLD_SIZE"):
-        value = os.environ.get(name, "")
-        if value.isdigit() and int(value) > 0:
-            return min(int(value), world)
-    return world
 
 
 def _names(ranks: list[int], world: int) -> str:
