@@ -52,6 +52,8 @@ def silent_then_dead(flags: str) -> dict:
         Comm(dead, rank, 3, timeout_seconds=TIMEOUT).all_reduce(torch.ones(4))
     except CollectiveError as error:
         errors["dead"] = str(error)
+    open(f"{flags}.done{rank}", "w").close()  # rank 0 hosts the job's store: it stays until rank 1 is done with it
+    _wait_for([f"{flags}.done0", f"{flags}.done1"])
     return errors
 
 
