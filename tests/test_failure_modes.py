@@ -61,6 +61,7 @@ def test_dead_rank_raises_instead_of_hanging(stage):
     assert survivor["error"].startswith("CollectiveError: "), survivor
     assert any(kind in survivor["error"] for kind in ("all_reduce", "reduce_scatter", "all_gather")), survivor
     assert "rank 0 of 2" in survivor["error"], survivor
+    assert "global rank 1" in survivor["error"], survivor  # the peer: named by our p2p collectives or comm.blame
     assert survivor["seconds"] <= COMM_TIMEOUT + 5, survivor
     assert elapsed < 2 * COMM_TIMEOUT + 20, f"the job took {elapsed:.1f}s to end"
 
@@ -103,6 +104,7 @@ def test_stuck_rank_hits_the_comm_timeout(tmp_path):
     assert stuck is None
     assert survivor["error"] is not None and survivor["step"] == 1, survivor
     assert survivor["error"].startswith("CollectiveError: ") and "rank 0 of 2" in survivor["error"], survivor
+    assert "global rank 1" in survivor["error"], survivor
     assert STUCK_TIMEOUT - 0.5 <= survivor["seconds"] <= STUCK_TIMEOUT + 10, survivor
 
 

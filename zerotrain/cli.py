@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from zerotrain.command import (PROG, CLIError, HelpFormatter, add_node_flags, inside_worker, max_world_size, multi_node,
-                               node_rendezvous, report_error, rendezvous, run_torchrun)
+                               node_rendezvous, report_error, run_torchrun)
 
 __all__ = ["main", "build_parser"]
 
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     from zerotrain.embedding.command import add_train_embedding_parser
     add_train_embedding_parser(sub)
     from zerotrain.inference import add_generate_parser
-    add_generate_parser(sub)
+    add_node_flags(add_generate_parser(sub))  # several nodes as torchrun takes them (docs/multinode.md)
     from zerotrain.port.command import add_port_parser
     add_port_parser(sub)
     return parser
@@ -156,15 +156,15 @@ def _run(args: argparse.Namespace) -> int:
             return run_estimate(args, sizes=estimate_sizes)  # the unset size keys as the memory budget sizes them
         if args.command == "generate":
             from zerotrain.inference import run_generate, worker_argv as generate_argv
-            if args.nproc > 1 and not inside_worker():
-                return run_torchrun(rendezvous(args.nproc), ["-m", "zerotrain.cli", *generate_argv(args)])
+            if (args.nproc > 1 or multi_node(args)) and not inside_worker():
+                return run_torchrun(node_rendezvous(args), ["-m", "zerotrain.cli", *generate_argv(args)])
             return run_generate(args)
         if args.command == "train-embedding":
             from zerotrain.embedding.command import effective_embedding_config, run_train_embedding, worker_argv
             if args.print_config:
                 return _print_config(effective_embedding_config(args))
-            if args.nproc > 1 and not inside_worker():
-                return run_torchrun(rendezvous(args.nproc), ["-m", "zerotrain.cli", *worker_argv(args)])
+            if (args.nproc > 1 or multi_node(args)) and not inside_worker():
+                return run_torchrun(node_rendezvous(args), ["-m", "zerotrain.cli", *worker_argv(args)])
             return run_train_embedding(args)
         if args.command == "train":
             from zerotrain.train.command import already_trained, check_train_args, run_train

@@ -85,7 +85,8 @@ def load_for_inference(model_dir: Union[str, os.PathLike], config: Union[dict, s
 
 
 # --- the command ---------------------------------------------------------------------------------
-def add_generate_parser(sub) -> None:
+def add_generate_parser(sub) -> argparse.ArgumentParser:
+    """The `generate` subcommand's parser (the CLI adds torchrun's node options to it)."""
     generate = sub.add_parser(
         "generate",
         help="generate text with a Hugging Face model directory, ZeRO-sharded (ZeRO-Inference)",
@@ -100,6 +101,7 @@ def add_generate_parser(sub) -> None:
                           help="a prompt (repeat for several)")
     generate.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="tokens to generate per prompt")
     generate.add_argument("--nproc", type=int, default=1, metavar="N", help="processes (ranks) on this machine")
+    return generate
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:

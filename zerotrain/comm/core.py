@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from ..topology import Topology
-from . import same_host
-from .handles import CommCounters, Completed, _failure, _Named, _nbytes
+from . import blame, same_host
+from .handles import CollectiveError, CommCounters, Completed, _failure, _Named, _nbytes
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -121,12 +121,26 @@ class Comm:
         return (self.size - 1) / self.size
 
     def _call(self, kind: str, collective, *args, async_op: bool = False, **kwargs):
-        """Run a torch.distributed collective, naming it in any failure (sync, or at the handle's wait)."""
+        """Run a torch.distributed collective, naming it in any failure (sync, or at the handle's wait), and
+        the peers that never reached it (`comm.blame`: gloo's own errors name none)."""
+        number = blame.next_number(self._group_name())
         try:
             work = collective(*args, async_op=async_op, **kwargs)
         except RuntimeError as error:
-            raise _failure(kind, self.rank, self.size, error) from error
-        return _Named(work, kind, self.rank, self.size) if async_op else work
+            raise self._blamed(kind, number, error) from error
+        if not async_op:
+            return work
+        return _Named(work, kind, self.rank, self.size, explain=lambda error: self._blamed(kind, number, error))
+
+    def _blamed(self, kind: str, number: int, error: BaseException) -> CollectiveError:
+        members = [self._global(r) for r in range(self.size)]
+        clause = blame.silent_members(self._group_name(), number, members, self.timeout_seconds)
+        return _failure(f"{kind} ({clause})", self.rank, self.size, error)
+
+    def _group_name(self) -> str:
+        if self.group is None or self.group == dist.group.WORLD:
+            return "WORLD"
+        return getattr(self.group, "group_name", str(id(self.group)))
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False):
         """In-place all-reduce of `tensor`."""
@@ -173,10 +187,12 @@ class Comm:
 
     def _shared(self, kind: str, transport, source: torch.Tensor, reads: dict,
                 finish: Optional[Callable[[], None]], async_op: bool):
+        number = blame.next_number(self._group_name())
         try:
-            handle = _Named(transport.post(source, reads, finish, kind), kind, self.rank, self.size)
+            handle = _Named(transport.post(source, reads, finish, kind), kind, self.rank, self.size,
+                            explain=lambda error: self._blamed(kind, number, error))
         except (RuntimeError, OSError) as error:
-            raise _failure(kind, self.rank, self.size, error) from error
+            raise self._blamed(kind, number, error) from error
         if async_op:
             return handle
         handle.wait()
@@ -191,8 +207,7 @@ class Comm:
     def _exchange(self, kind: str, sends: dict, receives: dict, finish: Optional[Callable[[], None]],
                   async_op: bool):
         """Post every receive, then every send (group rank -> tensor), under one fresh tag."""
-        in_world = self.group is None or self.group == dist.group.WORLD
-        name = "WORLD" if in_world else getattr(self.group, "group_name", str(id(self.group)))
+        name = self._group_name()
         tag = _NEXT_TAG[name] = _NEXT_TAG[name] % (1 << 30) + 1
         works, waits = [], []
         try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -55,13 +55,17 @@ def _failure(kind: str, rank: int, size: int, error: BaseException) -> Collectiv
 class _Named:
     """A collective's handle whose wait() names the collective when it fails."""
 
-    def __init__(self, work, kind: str, rank: int, size: int):
-        self._work, self._kind, self._rank, self._size = work, kind, rank, size
+    def __init__(self, work, kind: str, rank: int, size: int,
+                 explain: Optional[Callable[[BaseException], CollectiveError]] = None):
+        """`explain(error)`: the error to raise instead of the plain one (e.g. naming the peers at fault)."""
+        self._work, self._kind, self._rank, self._size, self._explain = work, kind, rank, size, explain
 
     def wait(self, *args, **kwargs):
         try:
             return self._work.wait(*args, **kwargs)
         except (RuntimeError, OSError) as error:
+            if self._explain is not None:
+                raise self._explain(error) from error
             raise _failure(self._kind, self._rank, self._size, error) from error
 
     def __getattr__(self, name):

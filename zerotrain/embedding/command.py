@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from zerotrain.command import HelpFormatter
+from zerotrain.command import HelpFormatter, add_node_flags, max_world_size
 
 __all__ = ["add_train_embedding_parser", "run_train_embedding", "worker_argv", "effective_embedding_config"]
 
@@ -83,6 +83,7 @@ def add_train_embedding_parser(sub: Any) -> None:
                              "size, if ranks x accumulation x micro-batch is unchanged)")
     parser.add_argument("--export", default=None, metavar="DIR", help="sentence-transformers directory to write")
     parser.add_argument("--nproc", type=int, default=1, metavar="N", help="ranks on this machine")
+    add_node_flags(parser)  # several nodes as torchrun takes them (docs/multinode.md)
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
@@ -138,22 +139,22 @@ def _epoch_steps(args: argparse.Namespace, layout: Any, data: Any, world: int) -
 
 
 def effective_embedding_config(args: argparse.Namespace) -> dict:
-    """The config `--print-config` prints: file, flags and filled "auto" values at --nproc ranks (with
+    """The config `--print-config` prints: file, flags and filled "auto" values at --nproc ranks per node (with
     --num-train-epochs alone, over the steps the pairs make: the files are read, nothing is trained)."""
     from zerotrain.config import ConfigError
 
     args = argparse.Namespace(**vars(args))
     try:
-        return _config(args, world=args.nproc)
+        return _config(args, world=max_world_size(args))
     except ConfigError as exc:  # a schedule that decays over the run: its steps come from the pairs
         if args.steps is not None or not args.data or args.data == ["stdlib"] or \
                 "needs its number of steps" not in str(exc):
             raise
     from .data import load_pairs
 
-    layout = _config(args, world=args.nproc, steps=1)
-    return _config(args, world=args.nproc,
-                   steps=_epoch_steps(args, layout, load_pairs(args.data, args.negatives), args.nproc))
+    world = max_world_size(args)
+    layout = _config(args, world=world, steps=1)
+    return _config(args, world=world, steps=_epoch_steps(args, layout, load_pairs(args.data, args.negatives), world))
 
 
 def run_train_embedding(args: argparse.Namespace) -> int:
