@@ -372,11 +372,23 @@ def launch(engine: str, program: str, recipe: Recipe, stage: int, steps: int, ha
         command = [PYTHON, "-m", "zerotrain.cli", "launch", "--nproc", "2", "--master-port", str(_free_port()),
                    recipe.entry, *args]
     started = time.perf_counter()
+    process = subprocess.Popen(command, cwd=program, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
     try:
-        done = subprocess.run(command, cwd=program, env=env, capture_output=True, text=True, timeout=timeout)
-        rc, output = done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as expired:  # e.g. DeepSpeed building its shm op on a loaded machine
-        rc, output = 124, f"timed out after {timeout} s\n" + str(expired.stdout or "") + str(expired.stderr or "")
+        output, _ = process.communicate(timeout=timeout)
+        rc = process.returncode
+    except subprocess.TimeoutExpired:  # e.g. DeepSpeed compiling an op on a loaded machine
+        # the launcher and every process under it: the ranks run in sessions of their own and would outlive it
+        import psutil  # a dependency of deepspeed
+
+        launcher = psutil.Process(process.pid)
+        for child in [*launcher.children(recursive=True), launcher]:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+        output, _ = process.communicate()
+        rc, output = 124, f"timed out after {timeout} s\n" + (output or "")
     seconds = time.perf_counter() - started
     with open(os.path.join(losses, "output.txt"), "w") as handle:
         handle.write(output)
@@ -413,9 +425,16 @@ def from_pretrained_loads(path) -> str:
         if any(name.startswith("rwtransformer.") for name in saved):
             if "v_head.weight" not in saved:
                 return "no: v_head.weight missing"
-            body = {name[len("rwtransformer."):]: value for name, value in saved.items()
+            import tempfile
+
+            from safetensors.torch import save_file
+
+            body = {name[len("rwtransformer."):]: value.contiguous() for name, value in saved.items()
                     if name.startswith("rwtransformer.")}
-            model, info = AutoModel.from_pretrained(path, state_dict=body, output_loading_info=True)
+            with tempfile.TemporaryDirectory() as renamed:  # the body's tensors under the base model's names
+                save_file(body, os.path.join(renamed, "model.safetensors"), metadata={"format": "pt"})
+                shutil.copy(os.path.join(path, "config.json"), renamed)
+                model, info = AutoModel.from_pretrained(renamed, output_loading_info=True)
         else:
             model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
         problems = {key: value for key, value in info.items() if value}

@@ -106,11 +106,13 @@ def zerotrain_runs(root: str) -> dict:
         engine, *_ = zerotrain.initialize(model=OddMLP(), config=config(stage, dtype))
         train(engine, slice(None, SAVE_AT), DTYPES[dtype])
         engine.save_checkpoint(os.path.join(root, f"zt_{dtype}"), client_state={"epoch": 5, "note": dtype})
+        scale_at_save = engine.loss_scale
         # the do-nothing baseline: the saved weights, frozen, on the steps after the save
         frozen = {"losses": train(engine, slice(SAVE_AT, None), DTYPES[dtype], update=False),
                   "weights": engine.full_state_dict()}
         out[dtype] = {"losses": train(engine, slice(SAVE_AT, None), DTYPES[dtype]), "lr": engine.get_lr(),
-                      "weights": engine.full_state_dict(), "frozen": frozen}
+                      "weights": engine.full_state_dict(), "frozen": frozen,
+                      "scales": (scale_at_save, engine.loss_scale)}
         engine.close()
     return out
 
@@ -161,10 +163,10 @@ def deepspeed_runs(root: str) -> dict:
         torch.manual_seed(1)
         engine, *_ = deepspeed.initialize(model=OddMLP(), config=config(stage, dtype))
         path, client = engine.load_checkpoint(os.path.join(root, f"back_{dtype}"))
-        steps = engine.global_steps
+        steps, scale_at_load = engine.global_steps, float(engine.optimizer.loss_scale)
         losses = train(engine, slice(SAVE_AT, None), DTYPES[dtype])
         out[("out", dtype)] = {"path": path, "client": client, "steps": steps, "losses": losses,
-                               "lr": engine.get_lr()}
+                               "lr": engine.get_lr(), "scales": (scale_at_load, float(engine.optimizer.loss_scale))}
         engine.save_checkpoint(os.path.join(root, f"back_{dtype}_end"))
         dist.barrier()
         engine.destroy()
@@ -225,6 +227,10 @@ def test_deepspeed_checkpoints_resume_exactly_in_zerotrain_and_back(tmp_path):
         assert {k: run["client"].get(k) for k in ("epoch", "note")} == {"epoch": 5, "note": dtype}, where
         assert run["steps"] == SAVE_AT, where
         assert run["lr"] == pytest.approx(reference["lr"], rel=1e-12), where
+        # the loss scale resumes and grows on the same schedule (fp16: loss_scale_window 2, so it grows after the save)
+        assert run["scales"] == reference["scales"], where
+        if dtype == "fp16":
+            assert reference["scales"][1] > reference["scales"][0], where
         assert sorted(reference["weights"]) == sorted(final), where
         assert_tolerance_discriminates(where, (reference["losses"], reference["weights"]),
                                        (run["losses"], {k: v.float() for k, v in final.items()}),
