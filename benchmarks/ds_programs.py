@@ -59,6 +59,37 @@ if os.environ.get("DSPROG_LOSSES"):
         return loss
 
     _F.cross_entropy = cross_entropy
+
+    _original_logsigmoid = _F.logsigmoid
+
+    def logsigmoid(*args, **kwargs):
+        # DeepSpeed-Chat's reward model: loss = -sum(logsigmoid(chosen - rejected).mean()) / batch, one term per
+        # pair; each training term is recorded (its mean, as the program takes it)
+        out = _original_logsigmoid(*args, **kwargs)
+        if out.requires_grad and os.environ.get("DSPROG_LOGSIGMOID"):
+            rank = os.environ.get("RANK", "0")
+            with open(os.path.join(os.environ["DSPROG_LOSSES"], f"rank{rank}.txt"), "a") as handle:
+                handle.write(repr(float(out.detach().float().mean())) + "\\n")
+        return out
+
+    _F.logsigmoid = logsigmoid
+
+if os.environ.get("DSPROG_WIKITEXT"):
+    # HelloDeepSpeed reads datasets.load_dataset("wikitext", "wikitext-2-v1", split="train") from the hub: the
+    # harness answers that one call with the local stand-in's lines (one record per line ending in a newline, blank
+    # lines as empty records: wikitext's "text" column)
+    import datasets as _datasets
+
+    _original_load_dataset = _datasets.load_dataset
+
+    def load_dataset(path, *args, **kwargs):
+        if path == "wikitext":
+            with open(os.environ["DSPROG_WIKITEXT"], encoding="utf-8") as handle:
+                lines = handle.read().split("\\n")
+            return _datasets.Dataset.from_dict({"text": [line + "\\n" if line else "" for line in lines]})
+        return _original_load_dataset(path, *args, **kwargs)
+
+    _datasets.load_dataset = load_dataset
 '''
 
 # A stand-in for the parts of torchvision the CIFAR program uses: synthetic CIFAR-shaped data, no download.
@@ -128,25 +159,36 @@ class Recipe:
     """How one program is started and fed: its entry script, its arguments per stage, the harness files."""
 
     entry = ""
-    saves_model = False
+    # how DeepSpeed starts the original: "torchrun" (the program reads LOCAL_RANK) or "deepspeed" (DeepSpeed's
+    # own launcher, as the program's scripts do: it passes --local_rank, which some programs require)
+    deepspeed_launcher = "torchrun"
 
-    def args(self, stage: int, steps: int) -> list[str]:
+    def args(self, stage: int, steps: int, out: str) -> list[str]:
+        """The program's command line for one launch; `out` is that launch's own directory (outputs, caches)."""
         raise NotImplementedError
 
-    def prepare(self, harness: str, program: str) -> None:
+    def prepare(self, harness: str, program: str, steps: int) -> None:
         """Write what the program needs offline (data, stand-ins) into the harness or program directory."""
 
-    def saved_model(self, program: str, stage: int):
+    def pythonpath(self, program: str) -> list[str]:
+        """Directories the program imports from besides its own (what its install step would provide)."""
+        return []
+
+    def env(self) -> dict:
+        return {}
+
+    def saved_model(self, out: str):
+        """The directory the program saved its model to in a launch, or None when it saves none."""
         return None
 
 
 class Cifar(Recipe):
     entry = "cifar10_deepspeed.py"
 
-    def args(self, stage: int, steps: int) -> list[str]:
+    def args(self, stage: int, steps: int, out: str) -> list[str]:
         return ["--deepspeed", "--epochs", "1", "--log-interval", "1", "--dtype", "fp32", "--stage", str(stage)]
 
-    def prepare(self, harness: str, program: str) -> None:
+    def prepare(self, harness: str, program: str, steps: int) -> None:
         try:
             import torchvision  # noqa: F401
         except ImportError:
@@ -156,7 +198,148 @@ class Cifar(Recipe):
                     handle.write(text)
 
 
-RECIPES = {"cifar": Cifar}
+_WORDS = ("the a model train step loss data rank shard gather reduce scatter weight grad optimizer state adam "
+          "token batch layer head norm python value list dict file path read write save load").split()
+
+
+class ChatStep(Recipe):
+    """DeepSpeed-Chat (applications/DeepSpeed-Chat: its `dschat` package and `training/`): a tiny local Llama
+    written by `zerotrain.models.tiny_llama` (hidden 64, 2 layers, vocab 512, byte-level BPE tokenizer) and the
+    program's own `local/jsonfile` data (`data/train.json`, `data/eval.json` under the checkout: prompt / chosen /
+    rejected records from a fixed seed), bf16, 2 sequences of 64 tokens per rank, 1 epoch of `steps` steps."""
+
+    deepspeed_launcher = "deepspeed"  # main.py takes the rank from --local_rank only
+    data_split = "1,0,0"
+
+    def prepare(self, harness: str, program: str, steps: int) -> None:
+        import random
+
+        # no "llama" in the path: dschat picks the sentencepiece LlamaTokenizer for such paths, AutoTokenizer else
+        model = os.path.join(harness, "tiny_model")
+        if not os.path.isdir(model):
+            sys.path.insert(0, REPO)
+            from zerotrain.models.tiny_llama import build_tiny_llama
+
+            build_tiny_llama(model)
+            # as a hub GPT-2/OPT tokenizer directory (DeepSpeed-Chat's default model is facebook/opt-350m): the
+            # byte-level BPE's vocab.json + merges.txt beside tokenizer.json and the GPT2Tokenizer class, so the
+            # program's `tokenizer.save_vocabulary(output_dir)` has a vocabulary file to copy (transformers 5's
+            # tokenizers backend raises AttributeError `vocab_file` for a tokenizer.json-only directory)
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(model).backend_tokenizer.model.save(model)
+            config_path = os.path.join(model, "tokenizer_config.json")
+            with open(config_path) as handle:
+                tokenizer_config = json.load(handle)
+            tokenizer_config["tokenizer_class"] = "GPT2Tokenizer"
+            with open(config_path, "w") as handle:
+                json.dump(tokenizer_config, handle, indent=2)
+        rng = random.Random(0)
+
+        def sentence(n):
+            return " ".join(rng.choice(_WORDS) for _ in range(n))
+
+        def records(count):
+            return [{"prompt": f"Human: {sentence(rng.randint(4, 12))}? Assistant:",
+                     "chosen": sentence(rng.randint(6, 24)) + ".", "rejected": sentence(rng.randint(3, 24))}
+                    for _ in range(count)]
+
+        os.makedirs(os.path.join(program, "data"), exist_ok=True)
+        for name, count in (("train", steps * 2 * 2), ("eval", 8)):
+            with open(os.path.join(program, "data", f"{name}.json"), "w") as handle:
+                json.dump(records(count), handle)
+        self.model = model
+
+    def pythonpath(self, program: str) -> list[str]:
+        return [program]  # `dschat` (the checkout's `pip install -e .`)
+
+    def args(self, stage: int, steps: int, out: str) -> list[str]:
+        return ["--data_path", "local/jsonfile", "--data_split", self.data_split, "--data_output_path",
+                os.path.join(out, "data_files"), "--model_name_or_path", self.model,
+                "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2", "--max_seq_len", "64",
+                "--num_train_epochs", "1", "--zero_stage", str(stage), "--dtype", "bf16", "--seed", "1234",
+                "--output_dir", os.path.join(out, "model"), *self.extra_args()]
+
+    def extra_args(self) -> list[str]:
+        return []
+
+    def saved_model(self, out: str):
+        return os.path.join(out, "model")
+
+
+class ChatSFT(ChatStep):
+    entry = "training/step1_supervised_finetuning/main.py"
+
+    def extra_args(self) -> list[str]:
+        return ["--learning_rate", "1e-3"]
+
+
+class ChatReward(ChatStep):
+    """Step 2: the reward model (a Llama body + value head, pairwise loss through `logsigmoid`; every pair's term is
+    recorded). Its saved `pytorch_model.bin` holds `rwtransformer.*` + `v_head.weight` (what step 3 reads)."""
+
+    entry = "training/step2_reward_model_finetuning/main.py"
+    data_split = "0,1,0"
+
+    def extra_args(self) -> list[str]:
+        return ["--learning_rate", "1e-3", "--num_padding_at_beginning", "0"]
+
+    def env(self) -> dict:
+        return {"DSPROG_LOGSIGMOID": "1"}
+
+
+class HelloDeepSpeed(Recipe):
+    """training/HelloDeepSpeed/train_bert_ds.py: a RoBERTa-style MLM (the program's own model: 6 layers, h 256,
+    vocab 50265, dropout 0.1) on a local wikitext stand-in (lines of English-like text from a fixed seed, blank lines
+    between paragraphs as wikitext has) with a byte-level BPE tokenizer trained on it offline (RoBERTa's special
+    tokens <s>=0 <pad>=1 </s>=2 <unk>=3 <mask>=4), sequences of at most 64 tokens, batch 4 per rank, bf16. Its
+    DeepSpeed config is fixed in the code: ZeRO-1 with `offload_optimizer: cpu` and Adam (lr 1e-4): the `stage`
+    asked for is not used (the program has no option for it), so one stage is run."""
+
+    entry = "train_bert_ds.py"
+    deepspeed_launcher = "deepspeed"  # run_ds.sh's launcher; `fire` takes its --local_rank
+
+    def prepare(self, harness: str, program: str, steps: int) -> None:
+        import random
+
+        data = os.path.join(harness, "wikitext_train.txt")
+        tokenizer = os.path.join(harness, "mlm_tokenizer")
+        if not os.path.exists(data):
+            rng = random.Random(0)
+            lines = []
+            for _ in range(400):
+                words = [rng.choice(_WORDS) for _ in range(rng.randint(8, 40))]
+                lines.append(" " + " ".join(words).capitalize() + " . ")
+                if rng.random() < 0.2:
+                    lines.append("")
+            with open(data, "w", encoding="utf-8") as handle:
+                handle.write("\n".join(lines))
+        if not os.path.isdir(tokenizer):
+            from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+            from transformers import PreTrainedTokenizerFast
+
+            core = Tokenizer(models.BPE(unk_token="<unk>"))
+            core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            core.decoder = decoders.ByteLevel()
+            special = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+            core.train([data], trainers.BpeTrainer(vocab_size=600, special_tokens=special,
+                                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+            PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", pad_token="<pad>", eos_token="</s>",
+                                    unk_token="<unk>", mask_token="<mask>").save_pretrained(tokenizer)
+        self.tokenizer = tokenizer
+        self.data = data
+
+    def env(self) -> dict:
+        return {"DSPROG_WIKITEXT": self.data}
+
+    def args(self, stage: int, steps: int, out: str) -> list[str]:
+        # train() runs steps 1 .. num_iterations - 1
+        return ["--checkpoint_dir", os.path.join(out, "experiments"), "--tokenizer", self.tokenizer,
+                "--max_seq_length", "64", "--batch_size", "4", "--num_iterations", str(steps + 1),
+                "--checkpoint_every", "1000000", "--log_every", "1", "--dtype", "bf16"]
+
+
+RECIPES = {"cifar": Cifar, "chat-sft": ChatSFT, "chat-reward": ChatReward, "hello-deepspeed": HelloDeepSpeed}
 
 
 def port(copy: str) -> int:
@@ -173,22 +356,39 @@ def port(copy: str) -> int:
 
 def launch(engine: str, program: str, recipe: Recipe, stage: int, steps: int, harness: str, losses: str,
            timeout: int) -> dict:
-    os.makedirs(losses, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([harness, REPO]), DSPROG_LOSSES=losses, OMP_NUM_THREADS="1",
-               DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    args = recipe.args(stage, steps)
-    if engine == "deepspeed":
+    shutil.rmtree(losses, ignore_errors=True)  # a rerun in the same work directory starts clean
+    os.makedirs(losses)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([harness, *recipe.pythonpath(program), REPO]),
+               DSPROG_LOSSES=losses, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **recipe.env())
+    args = recipe.args(stage, steps, losses)
+    if engine == "deepspeed" and recipe.deepspeed_launcher == "deepspeed":
+        command = [PYTHON, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(_free_port()),
+                   recipe.entry, *args]
+    elif engine == "deepspeed":
         command = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                    str(_free_port()), recipe.entry, *args]
     else:
         command = [PYTHON, "-m", "zerotrain.cli", "launch", "--nproc", "2", "--master-port", str(_free_port()),
                    recipe.entry, *args]
     started = time.perf_counter()
+    process = subprocess.Popen(command, cwd=program, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
     try:
-        done = subprocess.run(command, cwd=program, env=env, capture_output=True, text=True, timeout=timeout)
-        rc, output = done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as expired:  # e.g. DeepSpeed building its shm op on a loaded machine
-        rc, output = 124, f"timed out after {timeout} s\n" + str(expired.stdout or "") + str(expired.stderr or "")
+        output, _ = process.communicate(timeout=timeout)
+        rc = process.returncode
+    except subprocess.TimeoutExpired:  # e.g. DeepSpeed compiling an op on a loaded machine
+        # the launcher and every process under it: the ranks run in sessions of their own and would outlive it
+        import psutil  # a dependency of deepspeed
+
+        launcher = psutil.Process(process.pid)
+        for child in [*launcher.children(recursive=True), launcher]:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+        output, _ = process.communicate()
+        rc, output = 124, f"timed out after {timeout} s\n" + (output or "")
     seconds = time.perf_counter() - started
     with open(os.path.join(losses, "output.txt"), "w") as handle:
         handle.write(output)
@@ -200,15 +400,62 @@ def launch(engine: str, program: str, recipe: Recipe, stage: int, steps: int, ha
     return {"rc": rc, "seconds": seconds, "losses": values, "tail": output.strip().splitlines()[-5:]}
 
 
+def _saved_weights(path: str) -> dict:
+    """The tensors a program saved (`pytorch_model.bin` or safetensors) in `path`, by name."""
+    binary = os.path.join(path, "pytorch_model.bin")
+    if os.path.exists(binary):
+        import torch
+
+        return torch.load(binary, map_location="cpu", weights_only=True)
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
 def from_pretrained_loads(path) -> str:
+    """Whether transformers' `from_pretrained` loads the saved directory, with its own loading report. A reward
+    model (DeepSpeed-Chat step 2: `rwtransformer.*` + `v_head.weight`) loads its body as `AutoModel` from the
+    renamed tensors (step 3's loader does the same renaming by module), its head is checked for presence."""
     if path is None:
         return "n/a (the program saves no model)"
     try:
-        from transformers import AutoModel
-        AutoModel.from_pretrained(path)
-        return "yes"
+        from transformers import AutoModel, AutoModelForCausalLM
+
+        saved = _saved_weights(path)
+        if any(name.startswith("rwtransformer.") for name in saved):
+            if "v_head.weight" not in saved:
+                return "no: v_head.weight missing"
+            import tempfile
+
+            from safetensors.torch import save_file
+
+            body = {name[len("rwtransformer."):]: value.contiguous() for name, value in saved.items()
+                    if name.startswith("rwtransformer.")}
+            with tempfile.TemporaryDirectory() as renamed:  # the body's tensors under the base model's names
+                save_file(body, os.path.join(renamed, "model.safetensors"), metadata={"format": "pt"})
+                shutil.copy(os.path.join(path, "config.json"), renamed)
+                model, info = AutoModel.from_pretrained(renamed, output_loading_info=True)
+        else:
+            model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+        problems = {key: value for key, value in info.items() if value}
+        if problems:
+            return f"no: {problems}"
+        return f"yes ({type(model).__name__}, {len(saved)} tensors, no missing/unexpected keys)"
     except Exception as error:  # noqa: BLE001 - any failure is the answer
         return f"no: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+
+
+def saved_difference(ours, theirs):
+    """Max |difference| between the two engines' saved tensors (same names), or why not comparable."""
+    if ours is None or theirs is None:
+        return None
+    try:
+        a, b = _saved_weights(ours), _saved_weights(theirs)
+    except Exception as error:  # noqa: BLE001
+        return f"n/a: {type(error).__name__}: {error}"
+    if set(a) != set(b):
+        return f"different names: {sorted(set(a) ^ set(b))[:4]}"
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
 def compare(ours: list, theirs: list) -> dict:
@@ -244,8 +491,8 @@ def main(argv=None) -> int:
         shutil.rmtree(copy, ignore_errors=True)
         shutil.copytree(args.program, copy)
     changed = port(ported)
-    recipe.prepare(harness, original)
-    recipe.prepare(harness, ported)
+    recipe.prepare(harness, original, args.steps)
+    recipe.prepare(harness, ported, args.steps)
     print(f"{args.recipe}: `zerotrain port --write` changed {changed} lines (diff: {ported}.port.diff); "
           f"no other edit")
     results = {"recipe": args.recipe, "program": os.path.abspath(args.program), "ported_lines": changed, "stages": {}}
@@ -254,8 +501,12 @@ def main(argv=None) -> int:
         for engine, program in (("deepspeed", original), ("zerotrain", ported)):
             row[engine] = launch(engine, program, recipe, stage, args.steps, harness,
                                  os.path.join(work, f"losses_{engine}_zero{stage}"), args.timeout)
-            row[engine]["from_pretrained"] = from_pretrained_loads(recipe.saved_model(program, stage))
+            row[engine]["from_pretrained"] = from_pretrained_loads(
+                recipe.saved_model(os.path.join(work, f"losses_{engine}_zero{stage}")))
         row["compare"] = compare(row["zerotrain"]["losses"], row["deepspeed"]["losses"])
+        row["saved_max_abs_diff"] = saved_difference(
+            recipe.saved_model(os.path.join(work, f"losses_zerotrain_zero{stage}")),
+            recipe.saved_model(os.path.join(work, f"losses_deepspeed_zero{stage}")))
         results["stages"][stage] = row
         c = row["compare"]
         print(f"ZeRO-{stage}: rc deepspeed={row['deepspeed']['rc']} zerotrain={row['zerotrain']['rc']}; "
@@ -263,10 +514,16 @@ def main(argv=None) -> int:
               f"{c.get('steps', 0)} losses compared, max |diff| {c.get('max_abs', float('nan')):.3g}, "
               f"max rel {c.get('max_rel', float('nan')):.3g}; first {c.get('first')}, last {c.get('last')}; "
               f"from_pretrained: deepspeed {row['deepspeed']['from_pretrained']}, "
-              f"zerotrain {row['zerotrain']['from_pretrained']}")
+              f"zerotrain {row['zerotrain']['from_pretrained']}; saved weights max |diff| "
+              f"{row['saved_max_abs_diff']}")
         for engine in ("deepspeed", "zerotrain"):
             if row[engine]["rc"] != 0:
                 print(f"  {engine} failed:\n    " + "\n    ".join(row[engine]["tail"]))
+    if {2, 3} <= set(results["stages"]):  # the yardstick for lossy modes: DeepSpeed's own ZeRO-2 vs ZeRO-3 losses
+        spread = compare(results["stages"][3]["deepspeed"]["losses"], results["stages"][2]["deepspeed"]["losses"])
+        results["deepspeed_stage_spread"] = spread
+        print(f"DeepSpeed's own ZeRO-2 vs ZeRO-3 spread: {spread.get('steps', 0)} losses, max |diff| "
+              f"{spread.get('max_abs', float('nan')):.3g}, max rel {spread.get('max_rel', float('nan')):.3g}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=2, default=str)

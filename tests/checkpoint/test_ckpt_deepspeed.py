@@ -15,6 +15,11 @@ run). `zerotrain ckpt export --format deepspeed` writes each save for DeepSpeed 
 own `load_checkpoint` resumes it and its MORE steps must give the uninterrupted run's losses and final weights
 within 1e-5, with the step, lr and client state.
 
+Out in bf16 and fp16 (dynamic loss scale): zerotrain trains bf16 at ZeRO-3 and fp16 at ZeRO-2, saves, goes on; the
+exports (DeepSpeed's bf16_ optimizer files, its loss scaler object) are resumed by DeepSpeed at the other stage and
+judged by the lossy-mode rule against the uninterrupted run: losses and final fp32 weights near it, while the run
+that does not train after the save (the saved weights, frozen) is outside the tolerance.
+
 Two launches: zerotrain's runs, then one with DeepSpeed's runs, zerotrain resuming DeepSpeed's saves and
 DeepSpeed resuming the exports (both engines in the same ranks, one after the other).
 """
@@ -30,24 +35,33 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from models_for_tests import OddMLP, make_batches, micro_slice
+from models_for_tests import OddMLP, assert_tolerance_discriminates, make_batches, micro_slice
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 
 DP, MICRO, ACCUMULATION, SAVE_AT, MORE = 2, 2, 2, 3, 3
 STAGES = (2, 3)
+# lossy exports: dtype -> (the stage zerotrain saves at, the stage DeepSpeed resumes at)
+LOSSY = {"bf16": (3, 2), "fp16": (2, 3)}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# lossy-mode tolerances (relative loss distance per step; weight distance ||w - w_ref|| / ||w_ref||)
+LOSS_TOL, WEIGHT_TOL = 5e-3, 1e-2
 
 
-def config(stage: int) -> dict:
+def config(stage: int, dtype: str = "fp32") -> dict:
+    precision = {"bf16": {"bf16": {"enabled": True}},
+                 "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}}}
     return {"train_batch_size": MICRO * ACCUMULATION * DP, "train_micro_batch_size_per_gpu": MICRO,
             "gradient_accumulation_steps": ACCUMULATION, "steps_per_print": 10**6,
             "zero_optimization": {"stage": stage, **({"round_robin_gradients": True} if stage == 2 else {})},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
-            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 8, "warmup_max_lr": 1e-2}}}
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 8, "warmup_max_lr": 1e-2}},
+            **precision.get(dtype, {})}
 
 
-def train(engine, steps: slice) -> list[float]:
-    """Optimizer steps `steps` over the shared batches: each step's global mean loss."""
+def train(engine, steps: slice, dtype: torch.dtype = torch.float32, update: bool = True) -> list[float]:
+    """Optimizer steps `steps` over the shared batches (inputs cast to `dtype`): each step's global mean loss.
+    update=False: the losses of the current weights on those batches, nothing trained."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -55,21 +69,25 @@ def train(engine, steps: slice) -> list[float]:
     for batch in make_batches(SAVE_AT + MORE, MICRO * ACCUMULATION * DP)[steps]:
         total = torch.zeros(1)
         for index in range(ACCUMULATION):
-            x, y = micro_slice(batch, index, rank, world, MICRO)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
+            x, y = (t.to(dtype) for t in micro_slice(batch, index, rank, world, MICRO))
+            if update:
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+            else:
+                with torch.no_grad():
+                    loss = engine(x, y)
             total += loss.detach().float()
         dist.all_reduce(total)
         losses.append(total.item() / (ACCUMULATION * world))
     return losses
 
 
-def save_midway(engine, directory: str, client_state: dict) -> dict:
+def save_midway(engine, directory: str, client_state: dict, dtype: torch.dtype = torch.float32) -> dict:
     """SAVE_AT steps, a save to `directory`, MORE steps: the uninterrupted run's losses and lr."""
-    train(engine, slice(None, SAVE_AT))
+    train(engine, slice(None, SAVE_AT), dtype)
     engine.save_checkpoint(directory, client_state=client_state)
-    return {"losses": train(engine, slice(SAVE_AT, None)), "lr": engine.get_lr()}
+    return {"losses": train(engine, slice(SAVE_AT, None), dtype), "lr": engine.get_lr()}
 
 
 def zerotrain_runs(root: str) -> dict:
@@ -83,6 +101,19 @@ def zerotrain_runs(root: str) -> dict:
         out[stage] = save_midway(engine, os.path.join(root, f"zt{stage}"), {"epoch": 5, "note": "zt"})
         out[stage]["weights"] = engine.full_state_dict()
         engine.close()
+    for dtype, (stage, _) in LOSSY.items():
+        torch.manual_seed(0)
+        engine, *_ = zerotrain.initialize(model=OddMLP(), config=config(stage, dtype))
+        train(engine, slice(None, SAVE_AT), DTYPES[dtype])
+        engine.save_checkpoint(os.path.join(root, f"zt_{dtype}"), client_state={"epoch": 5, "note": dtype})
+        scale_at_save = engine.loss_scale
+        # the do-nothing baseline: the saved weights, frozen, on the steps after the save
+        frozen = {"losses": train(engine, slice(SAVE_AT, None), DTYPES[dtype], update=False),
+                  "weights": engine.full_state_dict()}
+        out[dtype] = {"losses": train(engine, slice(SAVE_AT, None), DTYPES[dtype]), "lr": engine.get_lr(),
+                      "weights": engine.full_state_dict(), "frozen": frozen,
+                      "scales": (scale_at_save, engine.loss_scale)}
+        engine.close()
     return out
 
 
@@ -95,6 +126,11 @@ def deepspeed_runs(root: str) -> dict:
     import zerotrain
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    from deepspeed.accelerator import get_accelerator
+
+    # DeepSpeed's CPU accelerator refuses fp16 unless the CPU has mkldnn fp16 (AVX512-FP16 / AMX); torch's own fp16
+    # CPU kernels run this model, so its capability gate is lifted in these ranks for the fp16 export's resume
+    type(get_accelerator()).is_fp16_supported = lambda self: True
     out = {}
     for stage in STAGES:
         torch.manual_seed(0)
@@ -123,13 +159,24 @@ def deepspeed_runs(root: str) -> dict:
         engine.save_checkpoint(os.path.join(root, f"back{saved}_end"))
         dist.barrier()
         engine.destroy()
+    for dtype, (_, stage) in LOSSY.items():  # out, bf16 / fp16: DeepSpeed resumes the lossy exports
+        torch.manual_seed(1)
+        engine, *_ = deepspeed.initialize(model=OddMLP(), config=config(stage, dtype))
+        path, client = engine.load_checkpoint(os.path.join(root, f"back_{dtype}"))
+        steps, scale_at_load = engine.global_steps, float(engine.optimizer.loss_scale)
+        losses = train(engine, slice(SAVE_AT, None), DTYPES[dtype])
+        out[("out", dtype)] = {"path": path, "client": client, "steps": steps, "losses": losses,
+                               "lr": engine.get_lr(), "scales": (scale_at_load, float(engine.optimizer.loss_scale))}
+        engine.save_checkpoint(os.path.join(root, f"back_{dtype}_end"))
+        dist.barrier()
+        engine.destroy()
     return out
 
 
-def _config_file(root, stage: int) -> str:
-    path = os.path.join(str(root), f"ds_config{stage}.json")
+def _config_file(root, stage: int, dtype: str = "fp32") -> str:
+    path = os.path.join(str(root), f"ds_config{stage}_{dtype}.json")
     with open(path, "w") as handle:
-        json.dump(config(stage), handle)
+        json.dump(config(stage, dtype), handle)
     return path
 
 
@@ -148,6 +195,11 @@ def test_deepspeed_checkpoints_resume_exactly_in_zerotrain_and_back(tmp_path):
         args = parser.parse_args(["ckpt", "export", "--format", "deepspeed", "--world-size", str(DP),
                                   "--deepspeed-config", _config_file(tmp_path, stage),
                                   str(tmp_path / f"zt{saved}"), str(tmp_path / f"back{saved}")])
+        assert run_ckpt(args, io.StringIO()) == 0
+    for dtype, (saved, stage) in LOSSY.items():
+        args = parser.parse_args(["ckpt", "export", "--format", "deepspeed", "--world-size", str(DP),
+                                  "--deepspeed-config", _config_file(tmp_path, stage, dtype),
+                                  str(tmp_path / f"zt_{dtype}"), str(tmp_path / f"back_{dtype}")])
         assert run_ckpt(args, io.StringIO()) == 0
     # without the world size DeepSpeed will resume at, the export is refused (usage error), nothing written
     args = parser.parse_args(["ckpt", "export", "--format", "deepspeed", str(tmp_path / "zt2"), str(tmp_path / "x")])
@@ -168,6 +220,22 @@ def test_deepspeed_checkpoints_resume_exactly_in_zerotrain_and_back(tmp_path):
         for name, tensor in final.items():
             torch.testing.assert_close(tensor.float(), reference["weights"][name], rtol=1e-5, atol=1e-7, msg=where)
         assert len(set(reference["losses"])) == MORE
+    for dtype, (saved, stage) in LOSSY.items():  # out, lossy: DeepSpeed resumed the bf16 / fp16 exports
+        final = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / f"back_{dtype}_end"))
+        run, reference = theirs[("out", dtype)], uninterrupted[dtype]
+        where = f"zerotrain {dtype} ZeRO-{saved} checkpoint exported to and resumed by DeepSpeed {dtype} ZeRO-{stage}"
+        assert {k: run["client"].get(k) for k in ("epoch", "note")} == {"epoch": 5, "note": dtype}, where
+        assert run["steps"] == SAVE_AT, where
+        assert run["lr"] == pytest.approx(reference["lr"], rel=1e-12), where
+        # the loss scale resumes and grows on the same schedule (fp16: loss_scale_window 2, so it grows after the save)
+        assert run["scales"] == reference["scales"], where
+        if dtype == "fp16":
+            assert reference["scales"][1] > reference["scales"][0], where
+        assert sorted(reference["weights"]) == sorted(final), where
+        assert_tolerance_discriminates(where, (reference["losses"], reference["weights"]),
+                                       (run["losses"], {k: v.float() for k, v in final.items()}),
+                                       (reference["frozen"]["losses"], reference["frozen"]["weights"]),
+                                       loss_tol=LOSS_TOL, weight_tol=WEIGHT_TOL)
     for saved, stage in zip(STAGES, reversed(STAGES)):  # in: zerotrain resumed DeepSpeed's checkpoints
         final = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / f"ds{saved}_end"))
         run = theirs[("in", saved, stage)]
