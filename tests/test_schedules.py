@@ -251,3 +251,114 @@ def test_state_saved_by_the_old_rule_resumes_under_the_new_one():
     assert sched.last_epoch == 3 and sched.warmup_num_steps == 4
     # step 3 uses index 2 of the linear warmup; then 3/4, then the decay from index 4
     assert [lrs[0] for lrs in lrs_over(opt, sched, 3)] == pytest.approx([0.05, 0.075, 0.1])
+
+
+# --- HFSchedule: what HF's `lr_scheduler_type` makes (the CLI's flags, config_from_arguments) ------------------------
+
+HF_STEPS, HF_LR = 6, 1e-2
+
+
+def _hf_lrs(name: str, warmup: int, steps: int, lr: float) -> list[float]:
+    """transformers' schedule on a plain torch optimizer, stepped as the HF Trainer steps it: the lr of each step."""
+    from transformers import get_scheduler
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    schedule, seen = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=steps), []
+    for _ in range(steps):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    return seen
+
+
+def _engine_lrs(config: dict, batches, overflow_at: int = -1) -> tuple[list[float], object]:
+    """In-process (world 1) engine: the lr each optimizer step applies (read before it), over `batches`; with
+    `overflow_at`, that batch carries an inf (a skipped step under bf16.check_grad_overflow) and is repeated
+    clean after it."""
+    import zerotrain
+    from models_for_tests import OddMLP
+
+    torch.manual_seed(0)
+    engine = zerotrain.initialize(model=OddMLP(), config=config)[0]
+    seen = []
+    for index, (x, y) in enumerate(batches):
+        if index == overflow_at:
+            before = engine.get_lr()
+            engine.backward(engine(torch.full_like(x, float("inf")).to(engine.dtype), y.to(engine.dtype)))
+            engine.step()
+            assert engine.skipped_steps == 1 and engine.get_lr() == before  # a skipped step does not advance it
+        seen.append(engine.get_lr()[0])
+        engine.backward(engine(x.to(engine.dtype), y.to(engine.dtype)))
+        engine.step()
+    return seen, engine
+
+
+def _reference_weights(name: str, warmup: int, batches) -> dict:
+    """Plain torch AdamW (HF's defaults, clipping at 1.0) under transformers' schedule: the weights after `batches`."""
+    from models_for_tests import OddMLP
+    from transformers import get_scheduler
+
+    torch.manual_seed(0)
+    model = OddMLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=HF_LR, weight_decay=0.0)
+    schedule = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=HF_STEPS)
+    for x, y in batches:
+        model(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        schedule.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_lr_scheduler_type_trains_with_transformers_schedule_step_for_step(tmp_path):
+    """`lr_scheduler_type` (the CLI's --lr-scheduler-type / --warmup-steps, config_from_arguments) gives the HF Trainer's
+    curve in the engine: for linear / cosine / constant_with_warmup, with no warmup and with 2, the lr every optimizer
+    step applies is `transformers.get_scheduler`'s (step 1 at the full lr without warmup, where DeepSpeed's
+    WarmupDecayLR would raise the warmup to 2 steps at lr 0), the weights are plain torch AdamW's under that schedule,
+    an overflow-skipped step does not advance it, and a checkpoint resumes it. A config's DeepSpeed block keeps
+    DeepSpeed's rule."""
+    from models_for_tests import make_batches
+
+    from zerotrain.config.hf_arguments import config_from_arguments
+
+    batches = make_batches(HF_STEPS, 4)
+    for name in ("linear", "cosine", "constant_with_warmup"):
+        for warmup in (0, 2):
+            arguments = {"lr_scheduler_type": name, "warmup_steps": warmup, "learning_rate": HF_LR,
+                         "per_device_train_batch_size": 4, "bf16": name == "cosine"}
+            config = config_from_arguments(arguments, world_size=1, num_training_steps=HF_STEPS, zero_stage=1)
+            if name == "cosine":  # bf16 with the overflow check: step 3 is once skipped on an inf gradient
+                config["bf16"]["check_grad_overflow"] = True
+            want = _hf_lrs(name, warmup, HF_STEPS, HF_LR)
+            got, engine = _engine_lrs(config, batches, overflow_at=2 if name == "cosine" else -1)
+            assert got == pytest.approx(want, rel=1e-12, abs=1e-15), (name, warmup, got, want)
+            assert (got[0] == HF_LR) == (warmup == 0)  # no warmup: step 1 at the full lr, as the HF Trainer
+            assert len(set(got)) > 1 or (name, warmup) == ("constant_with_warmup", 0)  # the curve moves
+            if name == "linear":  # the lrs applied are the lrs used: torch's AdamW under the same schedule
+                weights, reference = engine.full_state_dict(), _reference_weights(name, warmup, batches)
+                for key, value in reference.items():
+                    torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-7)
+    # resume: 3 steps, a checkpoint, a new engine from it: steps 4.. run at the schedule's lrs 4..
+    config = config_from_arguments({"lr_scheduler_type": "cosine", "warmup_steps": 2, "learning_rate": HF_LR,
+                                    "per_device_train_batch_size": 4}, world_size=1, num_training_steps=HF_STEPS,
+                                   zero_stage=1)
+    _, first = _engine_lrs(config, batches[:3])
+    first.save_checkpoint(str(tmp_path / "ckpt"))
+    import zerotrain
+    from models_for_tests import OddMLP
+
+    resumed = zerotrain.initialize(model=OddMLP(), config=config)[0]
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    later = []
+    for x, y in batches[3:]:
+        later.append(resumed.get_lr()[0])
+        resumed.backward(resumed(x, y))
+        resumed.step()
+    assert later == pytest.approx(_hf_lrs("cosine", 2, HF_STEPS, HF_LR)[3:], rel=1e-12)
+    # a config file's DeepSpeed WarmupDecayLR keeps DeepSpeed's rule: warmup 1 is raised to 2, steps 1 and 2 at lr 0
+    params = {"warmup_min_lr": 0, "warmup_max_lr": HF_LR, "warmup_num_steps": 1, "total_num_steps": HF_STEPS,
+              "warmup_type": "linear"}
+    got, _ = _engine_lrs(dict(config, scheduler={"type": "WarmupDecayLR", "params": params}), batches)
+    want = [lrs[0] for lrs in lrs_over(*make("WarmupDecayLR", params, group_lrs=(HF_LR,)), HF_STEPS)]
+    assert got == pytest.approx(want, rel=1e-12) and got[:3] == [0.0, 0.0, HF_LR / 2]

@@ -14,15 +14,14 @@ from zerotrain.train.command import check_train_args, train_config
 # flag, value, config key (dotted), the value the key gets
 FLAG_KEYS = [
     ("--learning-rate", "3e-4", "optimizer.params.lr", 3e-4),
-    ("--learning-rate", "3e-4", "scheduler.params.warmup_max_lr", 3e-4),
     ("--per-device-train-batch-size", "3", "train_micro_batch_size_per_gpu", 3),
     ("--per-device-train-batch-size", "3", "train_batch_size", 3 * 2),
     ("--gradient-accumulation-steps", "4", "gradient_accumulation_steps", 4),
     ("--gradient-accumulation-steps", "4", "train_batch_size", 8 * 4 * 2),
-    ("--warmup-steps", "7", "scheduler.params.warmup_num_steps", 7),
-    ("--warmup-ratio", "0.25", "scheduler.params.warmup_num_steps", 5),  # of --max-steps 20
-    ("--lr-scheduler-type", "cosine", "scheduler.type", "WarmupCosineLR"),
-    ("--lr-scheduler-type", "constant_with_warmup", "scheduler.type", "WarmupLR"),
+    ("--warmup-steps", "7", "scheduler.params.num_warmup_steps", 7),
+    ("--warmup-ratio", "0.25", "scheduler.params.num_warmup_steps", 5),  # of --max-steps 20
+    ("--lr-scheduler-type", "cosine", "scheduler.params.name", "cosine"),
+    ("--lr-scheduler-type", "constant_with_warmup", "scheduler.type", "HFSchedule"),
     ("--weight-decay", "0.1", "optimizer.params.weight_decay", 0.1),
     ("--adam-beta1", "0.8", "optimizer.params.betas", [0.8, 0.999]),
     ("--adam-beta2", "0.95", "optimizer.params.betas", [0.9, 0.95]),
@@ -100,8 +99,13 @@ def test_flags_win_over_the_files_keys_and_fill_its_auto_values(tmp_path):
     fixed = dict(auto, gradient_clipping=0.3, scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 4}})
     args = _train_args("--config", _file(tmp_path, fixed), "--max-grad-norm", "2.0", "--lr-scheduler-type", "cosine")
     config = train_config(args, world_size=2)
-    assert config["gradient_clipping"] == 2.0 and config["scheduler"]["type"] == "WarmupCosineLR"
-    assert config["scheduler"]["params"]["total_num_steps"] == 20
+    assert config["gradient_clipping"] == 2.0 and config["scheduler"] == {
+        "type": "HFSchedule", "params": {"name": "cosine", "num_warmup_steps": 0, "num_training_steps": 20}}
+    # that config as a file again (a saved effective_config.json): the warmup flags set transformers' names
+    args = _train_args("--config", _file(tmp_path, config), "--learning-rate", "1e-3", "--warmup-steps", "3")
+    again = train_config(args, world_size=2)
+    assert again["scheduler"]["params"] == {"name": "cosine", "num_warmup_steps": 3, "num_training_steps": 20}
+    assert again["optimizer"]["params"]["lr"] == 1e-3
     # no flag: the file's own value stays
     assert train_config(_train_args("--config", _file(tmp_path, fixed)), world_size=2)["gradient_clipping"] == 0.3
 
@@ -109,7 +113,8 @@ def test_flags_win_over_the_files_keys_and_fill_its_auto_values(tmp_path):
 def test_flags_alone_make_a_zero3_config_and_old_names_are_aliases():
     config = train_config(_train_args(), world_size=2)
     assert config["zero_optimization"]["stage"] == 3 and config["optimizer"]["type"] == "AdamW"
-    assert config["scheduler"]["type"] == "WarmupDecayLR" and config["scheduler"]["params"]["total_num_steps"] == 20
+    assert config["scheduler"] == {"type": "HFSchedule",
+                                   "params": {"name": "linear", "num_warmup_steps": 0, "num_training_steps": 20}}
     parse = build_parser().parse_args
     for new, old, value, dest in (("--max-steps", "--steps", "7", "steps"), ("--save-steps", "--save-every", "3", "save_every"),
                                   ("--eval-steps", "--eval-interval", "4", "eval_interval"),
@@ -133,13 +138,14 @@ def test_epochs_without_max_steps_lay_the_schedule_out_once_the_data_is_read(cap
     args = build_parser().parse_args(["train", "--num-train-epochs", "2"])
     check_train_args(args)  # the check before launching lays it out over a stand-in
     assert args.steps is None and train_config(args, world_size=1, steps=12)["scheduler"]["params"][
-        "total_num_steps"] == 12
+        "num_training_steps"] == 12
     with pytest.raises(Exception, match="--print-config with --num-train-epochs and no --max-steps"):
         train_config(args, world_size=1)
     assert main(["train", "--num-train-epochs", "2", "--print-config"]) == 2
     assert "give --max-steps to see them" in capsys.readouterr().err
     args = build_parser().parse_args(["train", "--num-train-epochs", "2", "--lr-scheduler-type", "constant_with_warmup"])
-    assert train_config(args, world_size=1)["scheduler"]["type"] == "WarmupLR"
+    assert train_config(args, world_size=1)["scheduler"] == {
+        "type": "HFSchedule", "params": {"name": "constant_with_warmup", "num_warmup_steps": 0}}
 
 
 def test_gradient_checkpointing_flag_turns_on_the_models_checkpointing(tiny_llama_dir):
@@ -212,7 +218,8 @@ def test_print_config_prints_the_effective_config_and_trains_nothing(tmp_path, c
     assert main(["train", "--print-config", "--learning-rate", "1e-4", "--max-steps", "10", "--output-dir",
                  str(tmp_path / "never")]) == 0
     printed = json.loads(capsys.readouterr().out)
-    assert printed["optimizer"]["params"]["lr"] == 1e-4 and printed["scheduler"]["params"]["total_num_steps"] == 10
+    assert printed["optimizer"]["params"]["lr"] == 1e-4 and printed["scheduler"] == {"type": "HFSchedule", "params": {
+        "name": "linear", "num_warmup_steps": 0, "num_training_steps": 10}}  # the HF default: linear, no warmup
     assert not (tmp_path / "never").exists()
     assert main(["train-embedding", "--model", "m", "--data", "d", "--print-config", "--lr", "1e-3", "--stage", "2"]) == 0
     printed = json.loads(capsys.readouterr().out)
@@ -267,7 +274,8 @@ def test_the_readme_walkthrough_runs_as_written_with_flags_only_and_with_a_deeps
     assert summary["epochs"] == pytest.approx(20 / per_epoch)
     saved = json.loads((tmp_path / "ft" / "effective_config.json").read_text())
     assert saved["optimizer"]["params"]["lr"] == 3e-4 and saved["zero_optimization"]["stage"] == 3
-    assert saved["scheduler"]["type"] == "WarmupLR" and saved["train_micro_batch_size_per_gpu"] == 4
+    assert saved["scheduler"] == {"type": "HFSchedule", "params": {"name": "constant_with_warmup", "num_warmup_steps": 5}}
+    assert saved["train_micro_batch_size_per_gpu"] == 4
     assert "activation_checkpointing" not in saved
     assert (tmp_path / "ft-log" / "plots" / "loss.png").is_file()
     # the DeepSpeed file: "auto" filled from the flags (and the model's hidden size), printed by `cat`

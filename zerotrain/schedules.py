@@ -1,4 +1,5 @@
-"""DeepSpeed's LR schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle) as torch LR schedulers.
+"""DeepSpeed's LR schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle) as torch LR schedulers,
+and `HFSchedule`: transformers' schedules (the HF Trainer's `lr_scheduler_type` curves).
 
 Call `step()` once after every applied optimizer step, as DeepSpeed's engine does (an
 overflow-skipped step does not advance the schedule). The lr each optimizer step uses is the
@@ -26,6 +27,11 @@ uses index t directly.
 
 A scheduler's state is its step count (`last_epoch`); its parameters come from the config, so a
 state saved by an older zerotrain (which applied g(t) one step sooner) resumes under this rule.
+
+HFSchedule (`{"type": "HFSchedule", "params": {"name": "linear", "num_warmup_steps": W,
+"num_training_steps": T}}`, what `lr_scheduler_type` makes) is built by `transformers.get_scheduler`,
+so optimizer step t (from 1) runs at lr * f(t - 1), f the schedule's factor: exactly the HF Trainer's
+curve, which steps its scheduler after each optimizer step too (with W = 0, step 1 runs at the full lr).
 """
 from __future__ import annotations
 
@@ -38,7 +44,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from .config import ConfigError, SchedulerConfig
 
-__all__ = ["build_scheduler", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"]
+__all__ = ["build_scheduler", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "HFSchedule"]
 
 
 def _effective_warmup(steps: int, key: str = "scheduler.params.warmup_num_steps") -> int:
@@ -255,8 +261,38 @@ class OneCycle(_DeepSpeedIndexed):
                 group["betas"] = (beta1, 0.99)
 
 
+class HFSchedule(_DeepSpeedIndexed):
+    """transformers' schedule `name` (`transformers.get_scheduler`: linear, cosine, constant,
+    constant_with_warmup): each group's initial lr times the schedule's factor at the step count.
+
+    transformers builds the factor functions (the field's library, and so the HF Trainer's curve exactly);
+    this class only keeps them and, like the DeepSpeed schedules above, stores the step count alone (the
+    functions are not checkpoint state: they come from the config again on resume)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, name: str = "linear", num_warmup_steps: int = 0,
+                 num_training_steps: Optional[int] = None, last_epoch: int = -1):
+        try:
+            from transformers import get_scheduler  # lazy: only this scheduler type needs transformers
+        except ImportError:
+            raise ConfigError("scheduler.type: HFSchedule needs transformers (pip install 'zerotrain[hf]')",
+                              key="scheduler.type") from None
+        built = get_scheduler(name, optimizer, num_warmup_steps=int(num_warmup_steps),
+                              num_training_steps=None if num_training_steps is None else int(num_training_steps))
+        self.name = name
+        self._factors = list(built.lr_lambdas)  # torch LambdaLR's documented per-group functions
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self) -> list[float]:
+        step = max(self.last_epoch, 0)
+        return [base * factor(step) for base, factor in zip(self.base_lrs, self._factors)]
+
+    def state_dict(self) -> dict:
+        """The step count and last lrs (JSON-ready; the factor functions are rebuilt from the config)."""
+        return {key: value for key, value in super().state_dict().items() if key != "_factors"}
+
+
 _BUILDERS = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR,
-             "OneCycle": OneCycle}
+             "OneCycle": OneCycle, "HFSchedule": HFSchedule}
 
 
 def build_scheduler(sched_cfg: Optional[SchedulerConfig], optimizer: torch.optim.Optimizer) -> Optional[LRScheduler]:

@@ -97,8 +97,8 @@ def test_arguments_alone_give_a_complete_zero3_config():
     assert cfg.gradient_clipping == 0.5
     assert cfg.optimizer.type.lower() == "adamw"
     assert cfg.optimizer.params["lr"] == 3e-4 and tuple(cfg.optimizer.params["betas"]) == (0.8, 0.95)
-    assert cfg.scheduler.type == "WarmupDecayLR"
-    assert cfg.scheduler.params["warmup_num_steps"] == 4 and cfg.scheduler.params["total_num_steps"] == STEPS
+    assert cfg.scheduler.type == "HFSchedule"  # transformers' own curve, not DeepSpeed's WarmupDecayLR
+    assert cfg.scheduler.params == {"name": "linear", "num_warmup_steps": 4, "num_training_steps": STEPS}
     # the HF Trainer subclass builds its own optimizer and scheduler (as under DeepSpeed without those blocks)
     bare = config_from_arguments({"bf16": True}, world_size=WORLD, optimizer_and_scheduler=False)
     assert "optimizer" not in bare and "scheduler" not in bare and bare["bf16"] == {"enabled": True}

@@ -128,6 +128,11 @@ def test_whole_floats_become_ints():
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": -0.1}}}, "scheduler.params.warmup_max_lr"),
     ({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 0}}}, "scheduler.params.total_num_steps"),
     ({"scheduler": {"type": "WarmupLR", "params": {"total_num_steps": 100}}}, "scheduler.params.total_num_steps"),
+    ({"scheduler": {"type": "HFSchedule", "params": {"name": "polynomial", "num_training_steps": 5}}},
+     "scheduler.params.name"),
+    ({"scheduler": {"type": "HFSchedule", "params": {"name": "cosine"}}}, "scheduler.params.num_training_steps"),
+    ({"scheduler": {"type": "HFSchedule", "params": {"num_warmup_steps": -1, "num_training_steps": 5}}},
+     "scheduler.params.num_warmup_steps"),
 ])
 def test_wrong_values_name_the_key(config, key):
     err = error_of(dict(BASE, **config))

@@ -140,9 +140,10 @@ def test_resume_refuses_another_global_batch_data_or_seed():
 def test_epochs_without_max_steps_lay_a_decaying_schedule_over_the_run(tmp_path, capsys):
     """`--num-train-epochs 2 --lr-scheduler-type linear` and no --max-steps (in-process, world 1): the pairs are read
     before the engine, total_num_steps is the steps the two epochs make (12 pairs, batches of 4: 6), and every step's lr
-    is that schedule's, which ends with the run (lr 0 one step after the last)."""
+    is transformers' linear schedule's (the HF Trainer's), which ends with the run (lr 0 one step after the last)."""
+    from transformers import get_scheduler
+
     from zerotrain.cli import main
-    from zerotrain.schedules import WarmupDecayLR
 
     model, data = _model_dir(tmp_path), tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps({"query": f"how do I do task {i}?", "positive": f"Call tool number {i}.",
@@ -152,22 +153,22 @@ def test_epochs_without_max_steps_lay_a_decaying_schedule_over_the_run(tmp_path,
                  "--lr-scheduler-type", "linear", "--logging-steps", "1", "--output-dir", str(tmp_path / "out"),
                  "--log-dir", str(tmp_path / "log")]) == 0
     params = json.loads((tmp_path / "out" / "effective_config.json").read_text())["scheduler"]["params"]
-    assert params["total_num_steps"] == 6
+    assert params == {"name": "linear", "num_warmup_steps": 0, "num_training_steps": 6}  # transformers' schedule
     # --print-config reads the pairs for the same count (and trains nothing)
     capsys.readouterr()
     assert main(["train-embedding", "--model", str(model), "--data", str(data), "--per-device-train-batch-size", "4",
                  "--num-train-epochs", "2", "--lr-scheduler-type", "linear", "--print-config"]) == 0
-    assert json.loads(capsys.readouterr().out)["scheduler"]["params"]["total_num_steps"] == 6
+    assert json.loads(capsys.readouterr().out)["scheduler"]["params"]["num_training_steps"] == 6
     records = _records(tmp_path / "log")
     assert sorted(records) == list(range(1, 7))
     assert [records[s]["epoch"] for s in range(1, 7)] == pytest.approx([s / 3 for s in range(1, 7)])  # 3 steps per epoch
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
-    schedule, want = WarmupDecayLR(optimizer, **params), []
+    schedule, want = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=6), []
     for _ in range(6):
         want.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         schedule.step()
     assert [records[s]["lr"] for s in range(1, 7)] == pytest.approx(want, rel=1e-6)
-    assert want[-1] < want[-2] < 1e-3  # decaying at the last steps, not flat
+    assert want[0] == 1e-3 and want[-1] < want[-2] < 1e-3  # HF's: step 1 at the full lr, decaying, not flat
     schedule.step()
     assert optimizer.param_groups[0]["lr"] == 0  # the decay's end is the run's end

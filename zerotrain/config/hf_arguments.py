@@ -17,7 +17,9 @@ sets to a different value than the argument is a mismatch (one `ConfigError` lis
 transformers raises one ValueError), except the keys transformers only fills (`warmup_min_lr`, the
 hidden-size bucket sizes). Bucket sizes follow the model's hidden size h: reduce h*h, and at ZeRO-3
 prefetch 0.9*h*h and persistence 10*h. `warmup_num_steps` is max(1, warmup steps) (DeepSpeed
-0.19.6+ refuses 0), `total_num_steps` the Trainer's number of optimizer steps.
+0.19.6+ refuses 0), `total_num_steps` the Trainer's number of optimizer steps (for a file's DeepSpeed
+scheduler). A scheduler made from `lr_scheduler_type` alone is an `HFSchedule` block (transformers' own
+schedule, built by `zerotrain.schedules`): the HF Trainer's lr at every step, no 2-step minimum warmup.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from typing import Any, Optional
 
 from .auto import fill_auto as _fill_only
 from .base import ConfigError, is_auto
+from .params import HF_SCHEDULES
 
 __all__ = ["ARGUMENT_DEFAULTS", "ARGUMENT_KEYS", "FILL_ONLY_KEYS", "arguments_of", "auto_values", "fill_auto",
            "config_from_arguments", "override", "warmup_steps", "hf_auto_values", "SCHEDULER_TYPES", "scheduler_block",
@@ -99,13 +102,14 @@ _REPORTED_AS = {
     "scheduler.params.warmup_num_steps": "warmup_steps",
 }
 
-# HF `lr_scheduler_type` -> the config scheduler with the same curve (linear warmup from 0), for a config
-# built from arguments alone where no Trainer is there to build its own scheduler (the CLI). "constant":
-# no scheduler block.
+# HF `lr_scheduler_type` -> the config scheduler type with its curve, for a config built from arguments alone
+# where no Trainer is there to build its own scheduler (the CLI): zerotrain's HFSchedule, built by
+# transformers' `get_scheduler` itself (DeepSpeed's WarmupDecayLR & co. would raise warmup to 2 steps, so the
+# first steps would run at lr 0 where the HF Trainer runs step 1 at the full lr). "constant": no scheduler block.
 SCHEDULER_TYPES: dict[str, Optional[str]] = {
-    "linear": "WarmupDecayLR",
-    "cosine": "WarmupCosineLR",
-    "constant_with_warmup": "WarmupLR",
+    "linear": "HFSchedule",
+    "cosine": "HFSchedule",
+    "constant_with_warmup": "HFSchedule",
     "constant": None,
 }
 
@@ -255,16 +259,12 @@ def _scheduler_block(a: Mapping[str, Any], num_training_steps: Optional[int]) ->
     if name is None:
         return None
     steps = warmup_steps(a, num_training_steps or 0) if num_training_steps is not None or a["warmup_steps"] >= 1 else 0
-    params: dict[str, Any] = {"warmup_num_steps": max(1, steps), "warmup_type": "linear"}
-    if name == "WarmupCosineLR":
-        params.update(warmup_min_ratio=0.0, cos_min_ratio=0.0)
-    else:
-        params.update(warmup_min_lr=0, warmup_max_lr=a["learning_rate"])
-    if name != "WarmupLR":
+    params: dict[str, Any] = {"name": kind, "num_warmup_steps": steps}
+    if HF_SCHEDULES[kind]:
         if num_training_steps is None:
             raise ConfigError(f"lr_scheduler_type: {kind!r} decays over the run and needs its number of steps",
                               key="lr_scheduler_type")
-        params["total_num_steps"] = num_training_steps
+        params["num_training_steps"] = num_training_steps
     return {"type": name, "params": params}
 
 
@@ -301,6 +301,11 @@ def config_from_arguments(arguments: Mapping[str, Any], *, world_size: int, num_
     return config
 
 
+# DeepSpeed's scheduler keys -> HFSchedule's (None: HFSchedule has no such key; it scales the optimizer's lr).
+_HF_SCHEDULE_KEYS: dict[str, Optional[str]] = {"scheduler.params.warmup_num_steps": "scheduler.params.num_warmup_steps",
+                                               "scheduler.params.total_num_steps": "scheduler.params.num_training_steps"}
+
+
 def override(config: Mapping[str, Any], arguments: Mapping[str, Any], *, world_size: int,
              num_training_steps: Optional[int] = None) -> dict[str, Any]:
     """A copy of `config` in which the keys of the given arguments (only those given) are set to their values.
@@ -333,6 +338,13 @@ def override(config: Mapping[str, Any], arguments: Mapping[str, Any], *, world_s
                 continue  # warmup without a step count: set where the scheduler block is built
             else:
                 value = values[dotted]
+            if dotted.startswith("scheduler.params.") and _lookup(out, "scheduler.type")[1] == "HFSchedule":
+                # transformers' schedule (a config written by `--print-config`): its own names, the lr is the optimizer's
+                dotted = _HF_SCHEDULE_KEYS.get(dotted)
+                if dotted is None:
+                    continue
+                if dotted.endswith("num_warmup_steps"):
+                    value = warmup_steps(a, num_training_steps or 0)
             if dotted == "optimizer.params.betas" and not {"adam_beta1", "adam_beta2"} <= given:
                 # one beta given: the other stays the file's (a flag sets only its own value)
                 _, old = _lookup(out, dotted)

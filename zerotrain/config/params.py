@@ -16,7 +16,7 @@ from .base import (Block, Bool, ConfigError, NonNegFloat, NonNegInt, PosFloat, P
                    error_from_validation)
 
 __all__ = ["OptimizerConfig", "SchedulerConfig", "AdamParams", "SGDParams", "WarmupLRParams",
-           "WarmupDecayLRParams", "WarmupCosineLRParams", "OneCycleParams"]
+           "WarmupDecayLRParams", "WarmupCosineLRParams", "OneCycleParams", "HFScheduleParams", "HF_SCHEDULES"]
 
 
 def _betas(value: Any) -> tuple[float, float]:
@@ -133,6 +133,29 @@ class WarmupCosineLRParams(Block):
     warmup_type: WarmupType = "log"
 
 
+# transformers' schedule names `HFSchedule` builds (`transformers.get_scheduler`), and whether each needs the
+# run's number of steps (it decays over them).
+HF_SCHEDULES: dict[str, bool] = {"linear": True, "cosine": True, "constant": False, "constant_with_warmup": False}
+
+
+class HFScheduleParams(Block):
+    """`scheduler.params` of HFSchedule (zerotrain's, not DeepSpeed's): transformers' schedule `name`, the HF
+    Trainer's curve for `lr_scheduler_type` (no warmup: step 1 at the full lr)."""
+
+    PATH = "scheduler.params"
+
+    name: choice(*HF_SCHEDULES) = "linear"
+    num_warmup_steps: NonNegInt = 0
+    num_training_steps: Optional[PosInt] = None
+
+    @model_validator(mode="after")
+    def _needs_steps(self):
+        if HF_SCHEDULES[self.name] and self.num_training_steps is None:
+            key = self.key_path("num_training_steps")
+            raise ConfigError(f"{key}: required by {self.name!r} (it decays over the run's steps)", key=key)
+        return self
+
+
 class OneCycleParams(Block):
     """`scheduler.params` of OneCycle (DeepSpeed's 1Cycle policy): lr up and down one cycle, then decay."""
 
@@ -214,15 +237,15 @@ class OptimizerConfig(_Typed):
 
 
 class SchedulerConfig(_Typed):
-    """`scheduler`: `type` is "WarmupLR", "WarmupDecayLR", "WarmupCosineLR" or "OneCycle"; `params` holds the
-    keys given."""
+    """`scheduler`: `type` is "WarmupLR", "WarmupDecayLR", "WarmupCosineLR" or "OneCycle" (DeepSpeed's), or
+    "HFSchedule" (transformers' schedules, what HF's `lr_scheduler_type` makes); `params` holds the keys given."""
 
     PATH = "scheduler"
     TYPES = {"WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams,
-             "WarmupCosineLR": WarmupCosineLRParams, "OneCycle": OneCycleParams}
+             "WarmupCosineLR": WarmupCosineLRParams, "OneCycle": OneCycleParams, "HFSchedule": HFScheduleParams}
     DEEPSPEED_TYPES = frozenset({"lrrangetest"})
     HINT = ", or pass a torch LR scheduler to zerotrain.initialize"
-    SPELLING = "WarmupLR, WarmupDecayLR, WarmupCosineLR or OneCycle"
+    SPELLING = "WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or HFSchedule"
 
     type: str
     params: dict[str, Any] = Field(default_factory=dict)

@@ -21,15 +21,18 @@ EFFECTIVE_CONFIG = "effective_config.json"  # the file in the run directory
 
 # HF flag (TrainingArguments field) -> (type, help). Each sets the config keys hf_arguments.ARGUMENT_KEYS names.
 HF_FLAGS: dict[str, tuple[Any, str]] = {
-    "learning_rate": (float, "peak learning rate (optimizer.params.lr, scheduler warmup_max_lr); HF default 5e-05"),
+    "learning_rate": (float, "peak learning rate (optimizer.params.lr; a file's DeepSpeed scheduler: warmup_max_lr); "
+                              "HF default 5e-05"),
     "per_device_train_batch_size": (int, "micro-batch per rank (train_micro_batch_size_per_gpu); HF default 8"),
     "gradient_accumulation_steps": (int, "micro-batches per optimizer step (gradient_accumulation_steps); "
                                          "HF default 1"),
-    "warmup_steps": (float, "linear warmup steps (scheduler.params.warmup_num_steps); a value < 1 is a share of "
-                            "the steps, as --warmup-ratio"),
+    "warmup_steps": (float, "linear warmup steps from lr 0 (scheduler.params.num_warmup_steps; a file's DeepSpeed "
+                            "scheduler: warmup_num_steps); a value < 1 is a share of the steps, as --warmup-ratio; "
+                            "HF default 0"),
     "warmup_ratio": (float, "warmup as a share of the run's steps"),
-    "lr_scheduler_type": (str, "linear (WarmupDecayLR), cosine (WarmupCosineLR), constant_with_warmup "
-                               "(WarmupLR) or constant (no scheduler); HF default linear"),
+    "lr_scheduler_type": (str, "linear, cosine, constant_with_warmup (an HFSchedule block: transformers' schedule, "
+                               "the HF Trainer's lr at every step; step 1 at the full lr without warmup) or constant "
+                               "(no scheduler); HF default linear"),
     "weight_decay": (float, "AdamW weight decay (optimizer.params.weight_decay); HF default 0"),
     "adam_beta1": (float, "AdamW beta1 (optimizer.params.betas[0]); HF default 0.9"),
     "adam_beta2": (float, "AdamW beta2 (optimizer.params.betas[1]); HF default 0.999"),
