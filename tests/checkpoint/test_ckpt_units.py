@@ -157,8 +157,15 @@ def test_checksum_shares_join_into_file_crcs_and_name_a_corrupt_file(tmp_path):
     shares = [checksum_share(str(tmp_path), manifest, sizes, rank, 3) for rank in range(3)]
     error = check_pieces(str(tmp_path), shares)
     assert error is not None and "c.safetensors: checksum mismatch" in error and "a.safetensors" not in error
+    assert error.startswith(str(tmp_path / "c.safetensors"))  # one corrupt file: its own one-line error
     # a rank that failed before its share was checked leaves its files unjudged (its own error is reported)
     assert check_pieces(str(tmp_path), shares[:1]) is None
+    data = bytearray((tmp_path / "d.json").read_bytes())
+    data[3] ^= 0x01
+    (tmp_path / "d.json").write_bytes(bytes(data))
+    shares = [checksum_share(str(tmp_path), manifest, sizes, rank, 2) for rank in range(2)]
+    error = check_pieces(str(tmp_path), shares)  # two: both named
+    assert error.startswith("2 files are corrupt") and "c.safetensors: checksum" in error and "d.json: checksum" in error
 
 
 @pytest.mark.parametrize("make, keys", [
@@ -211,3 +218,22 @@ def test_plan_writes_a_pipeline_stage_s_buffers_from_that_stage():
     writers = {name: tensor.writer for name, tensor in plan.tensors.items()}
     assert list(plan.tensors) == ["0.w", "3.buf0", "3.buf1", "3.buf2", "3.buf3"], list(plan.tensors)
     assert {writers[f"3.buf{i}"] for i in range(4)} == {2, 3}, writers
+
+
+def test_a_manifest_not_ours_is_refused_and_file_crc32_is_zlibs(tmp_path):
+    """read_manifest takes only zerotrain's own manifest: another format name, `files` that is not a mapping,
+    a newer format version or another checksum are each refused naming the file; a whole file's streamed
+    crc32 (merge sources) is zlib's of its bytes."""
+    from zerotrain.checkpoint.integrity import MANIFEST, file_crc32, read_manifest
+
+    data = os.urandom((1 << 20) + 13)
+    (tmp_path / "a.bin").write_bytes(data)
+    assert file_crc32(str(tmp_path / "a.bin")) == zlib.crc32(data)
+    write_manifest(str(tmp_path), {"a.bin": {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}}, {})
+    good = json.loads((tmp_path / MANIFEST).read_text())
+    assert read_manifest(str(tmp_path))["files"] == good["files"]
+    for change in ({"format": "other"}, {"files": ["a.bin"]}, {"format_version": good["format_version"] + 1},
+                   {"checksum": "md5"}):
+        (tmp_path / MANIFEST).write_text(json.dumps({**good, **change}))
+        with pytest.raises(CheckpointError, match=MANIFEST):
+            read_manifest(str(tmp_path))

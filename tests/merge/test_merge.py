@@ -343,3 +343,48 @@ def test_lora_folding_equals_peft_merge_on_gpt2_conv1d_with_patterns(tmp_path):
         torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
         changed += not torch.equal(got, weight)
     assert changed == 2 * 4  # c_attn, attn.c_proj, mlp.c_fc and mlp.c_proj of both layers
+
+
+def test_lora_trainable_tokens_and_peft_defaults_fold_like_peft_merge(tmp_path):
+    """peft's `trainable_token_indices` keyed by module name (matched at its end: `wte` is
+    `transformer.wte`), r and lora_alpha left at peft's defaults (absent from adapter_config.json:
+    8 and 8), and the names a PEFT-wrapped model gives its base weights: what zerotrain folds equals
+    peft's own `merge_and_unload`, and the trained rows replace exactly the rows named."""
+    import peft
+    import transformers
+
+    from zerotrain.lora import LoraAdapter, base_weight_name, is_adapter_weight
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                     tie_word_embeddings=False)
+    model = transformers.GPT2LMHeadModel(config)
+    base = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    # lm_head first: a key that is not the module's must not give the module its rows
+    lora = peft.LoraConfig(target_modules=["c_attn"], fan_in_fan_out=True,
+                           trainable_token_indices={"lm_head": [2], "wte": [1, 5]},
+                           lora_dropout=0.0, init_lora_weights=False)
+    wrapped = peft.get_peft_model(model, lora)
+    names = [name for name, _ in wrapped.named_parameters()]
+    assert base_weight_name("base_model.model.transformer.h.0.attn.c_attn.base_layer.weight") == \
+        "transformer.h.0.attn.c_attn.weight"
+    assert base_weight_name("base_model.model.transformer.wte.token_adapter.base_layer.weight") == \
+        "transformer.wte.weight"
+    assert {base_weight_name(n) for n in names if not is_adapter_weight(n)} == set(base)
+    with torch.no_grad():  # trained rows that differ from the base's
+        for name, param in wrapped.named_parameters():
+            if "trainable_tokens_delta" in name:
+                param.add_(torch.randn_like(param))
+    adapter = tmp_path / "adapter"
+    wrapped.save_pretrained(str(adapter))
+    settings = json.loads((adapter / "adapter_config.json").read_text())
+    del settings["r"], settings["lora_alpha"]
+    (adapter / "adapter_config.json").write_text(json.dumps(settings))
+    want = wrapped.merge_and_unload().state_dict()
+    folder = LoraAdapter(str(adapter))
+    for name, weight in base.items():
+        torch.testing.assert_close(folder.fold(name, weight), want[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    for name, rows in (("transformer.wte.weight", [1, 5]), ("lm_head.weight", [2])):
+        changed = (folder.fold(name, base[name]) != base[name]).any(dim=1)
+        assert changed.nonzero().flatten().tolist() == rows, name
