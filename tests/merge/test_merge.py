@@ -388,3 +388,17 @@ def test_lora_trainable_tokens_and_peft_defaults_fold_like_peft_merge(tmp_path):
     for name, rows in (("transformer.wte.weight", [1, 5]), ("lm_head.weight", [2])):
         changed = (folder.fold(name, base[name]) != base[name]).any(dim=1)
         assert changed.nonzero().flatten().tolist() == rows, name
+    # the list form: rows of the input embedding
+    listed = peft.get_peft_model(transformers.GPT2LMHeadModel(config),
+                                 peft.LoraConfig(target_modules=["c_attn"], fan_in_fan_out=True,
+                                                 trainable_token_indices=[3], init_lora_weights=False))
+    with torch.no_grad():
+        for name, param in listed.named_parameters():
+            if "trainable_tokens_delta" in name:
+                param.add_(1.0)
+    listed.save_pretrained(str(tmp_path / "listed"))
+    wte = dict(listed.named_parameters())["base_model.model.transformer.wte.token_adapter.base_layer.weight"]
+    wte = wte.detach().clone()  # merge_and_unload changes it in place
+    folded = LoraAdapter(str(tmp_path / "listed")).fold("transformer.wte.weight", wte)
+    torch.testing.assert_close(folded, listed.merge_and_unload().state_dict()["transformer.wte.weight"])
+    assert (folded != wte).any(dim=1).nonzero().flatten().tolist() == [3]
