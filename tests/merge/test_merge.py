@@ -349,11 +349,12 @@ def test_lora_trainable_tokens_and_peft_defaults_fold_like_peft_merge(tmp_path):
     """peft's `trainable_token_indices` keyed by module name (matched at its end: `wte` is
     `transformer.wte`), r and lora_alpha left at peft's defaults (absent from adapter_config.json:
     8 and 8), and the names a PEFT-wrapped model gives its base weights: what zerotrain folds equals
-    peft's own `merge_and_unload`, and the trained rows replace exactly the rows named."""
+    peft's own `merge_and_unload`, and the trained rows replace exactly the rows named (the list form of
+    `trainable_token_indices` too); an adapter with lora_A but no lora_B is refused."""
     import peft
     import transformers
 
-    from zerotrain.lora import LoraAdapter, base_weight_name, is_adapter_weight
+    from zerotrain.lora import LoraAdapter, LoraError, base_weight_name, is_adapter_weight
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2,
@@ -402,3 +403,10 @@ def test_lora_trainable_tokens_and_peft_defaults_fold_like_peft_merge(tmp_path):
     folded = LoraAdapter(str(tmp_path / "listed")).fold("transformer.wte.weight", wte)
     torch.testing.assert_close(folded, listed.merge_and_unload().state_dict()["transformer.wte.weight"])
     assert (folded != wte).any(dim=1).nonzero().flatten().tolist() == [3]
+    # half a pair (lora_A without lora_B) is refused naming what is missing
+    (tmp_path / "half").mkdir()
+    save_file({"base_model.model.transformer.h.0.attn.c_attn.lora_A.weight": torch.ones(8, 16)},
+              str(tmp_path / "half" / "adapter_model.safetensors"))
+    (tmp_path / "half" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
+    with pytest.raises(LoraError, match="c_attn.weight' lack lora_B"):
+        LoraAdapter(str(tmp_path / "half"))
