@@ -92,6 +92,7 @@ COVERING: dict[str, list[str]] = {
     # no test file imports it by name (the plans reach it): the refusals in-process, GPT at TP2, HF models' plans
     "zerotrain/parallel/tensor.py": [
         "tests/parallel/test_tensor_parallel.py::test_bad_splits_and_plans_name_the_module",
+        "tests/parallel/test_tensor_parallel.py::test_split_linears_report_the_whole_layers_features_in_both_weight_layouts",
         "tests/parallel/test_tensor_parallel.py::test_gpt_tensor_parallel_matches_single_process[2]",
         "tests/parallel/test_tensor_parallel_hf.py::test_hf_models_split_by_their_own_or_an_inferred_plan_train_like_one_process"],
 }
