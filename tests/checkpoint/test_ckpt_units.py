@@ -237,3 +237,25 @@ def test_a_manifest_not_ours_is_refused_and_file_crc32_is_zlibs(tmp_path):
         (tmp_path / MANIFEST).write_text(json.dumps({**good, **change}))
         with pytest.raises(CheckpointError, match=MANIFEST):
             read_manifest(str(tmp_path))
+
+
+def test_plan_records_param_groups_and_stores_frozen_peft_base_weights_under_base_names():
+    """trainer_state's param groups: each group's trainable tensors in state_dict order, no extra group; a frozen
+    base weight of a PEFT-wrapped model is stored under the base model's name, a trainable one (and an adapter
+    weight) under its own."""
+    base = "base_model.model.layer.base_layer.weight"
+    shapes = {"w0": (4, 3), "b0": (4,), "w1": (4, 3), base: (2, 2), "base_model.model.layer.lora_A.weight": (1, 2)}
+    layouts = _layouts(2, shapes, split_each=True)
+    for rank in range(2):
+        for slot, name in zip(layouts[rank]["slots"], shapes):
+            slot["group"] = {"w0": 0, "w1": 0, "b0": 1}.get(name, -1)
+    plan = build_plan(layouts)
+    assert plan.param_groups() == [["w0", "w1"], ["b0"]]
+    assert plan.tensors[base].model_key == base  # trainable: its own name (its masters are keyed by it)
+    for rank in range(2):
+        layouts[rank]["slots"][3]["trainable"] = False
+    layouts = [{**layout, "slots": [dict(s, trainable=False) if i == 4 else s for i, s in enumerate(layout["slots"])]}
+               for layout in layouts]
+    plan = build_plan(layouts)
+    assert plan.tensors[base].model_key == "layer.weight"
+    assert plan.tensors["base_model.model.layer.lora_A.weight"].model_key == "base_model.model.layer.lora_A.weight"
