@@ -361,9 +361,10 @@ def test_lora_trainable_tokens_and_peft_defaults_fold_like_peft_merge(tmp_path):
                                      tie_word_embeddings=False)
     model = transformers.GPT2LMHeadModel(config)
     base = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-    # lm_head first: a key that is not the module's must not give the module its rows
+    # lm_head first: a key that is not the module's must not give the module its rows; row 20 is past the
+    # hidden size (16), within the vocabulary (32)
     lora = peft.LoraConfig(target_modules=["c_attn"], fan_in_fan_out=True,
-                           trainable_token_indices={"lm_head": [2], "wte": [1, 5]},
+                           trainable_token_indices={"lm_head": [2], "wte": [1, 20]},
                            lora_dropout=0.0, init_lora_weights=False)
     wrapped = peft.get_peft_model(model, lora)
     names = [name for name, _ in wrapped.named_parameters()]
@@ -386,7 +387,7 @@ def test_lora_trainable_tokens_and_peft_defaults_fold_like_peft_merge(tmp_path):
     for name, weight in base.items():
         torch.testing.assert_close(folder.fold(name, weight), want[name], rtol=1e-5, atol=1e-6,
                                    msg=lambda m, name=name: f"{name}: {m}")
-    for name, rows in (("transformer.wte.weight", [1, 5]), ("lm_head.weight", [2])):
+    for name, rows in (("transformer.wte.weight", [1, 20]), ("lm_head.weight", [2])):
         changed = (folder.fold(name, base[name]) != base[name]).any(dim=1)
         assert changed.nonzero().flatten().tolist() == rows, name
     # the list form: rows of the input embedding
