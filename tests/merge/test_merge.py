@@ -354,7 +354,7 @@ def test_lora_trainable_tokens_and_peft_defaults_fold_like_peft_merge(tmp_path):
     import peft
     import transformers
 
-    from zerotrain.lora import LoraAdapter, LoraError, base_weight_name, is_adapter_weight
+    from zerotrain.lora import LoraAdapter, LoraError, base_weight_name, fold_lora, is_adapter_weight
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2,
@@ -387,6 +387,12 @@ def test_lora_trainable_tokens_and_peft_defaults_fold_like_peft_merge(tmp_path):
     for name, weight in base.items():
         torch.testing.assert_close(folder.fold(name, weight), want[name], rtol=1e-5, atol=1e-6,
                                    msg=lambda m, name=name: f"{name}: {m}")
+    # fold_lora (the public function): from a directory or a LoraAdapter, in the weight's dtype; integers untouched
+    name = "transformer.h.0.attn.c_attn.weight"
+    for source in (str(adapter), folder):
+        got = fold_lora(base[name].bfloat16(), name, source)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, folder.fold(name, base[name].bfloat16()).bfloat16())
+    assert torch.equal(fold_lora(torch.arange(4), "transformer.wte.weight", folder), torch.arange(4))
     for name, rows in (("transformer.wte.weight", [1, 20]), ("lm_head.weight", [2])):
         changed = (folder.fold(name, base[name]) != base[name]).any(dim=1)
         assert changed.nonzero().flatten().tolist() == rows, name
