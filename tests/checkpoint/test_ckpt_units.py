@@ -259,3 +259,15 @@ def test_plan_records_param_groups_and_stores_frozen_peft_base_weights_under_bas
     plan = build_plan(layouts)
     assert plan.tensors[base].model_key == "layer.weight"
     assert plan.tensors["base_model.model.layer.lora_A.weight"].model_key == "base_model.model.layer.lora_A.weight"
+
+
+def test_plan_shards_fills_files_up_to_the_shard_size_in_order():
+    """Entries in order, each file at most `shard_size` bytes (counted as numel x itemsize), a larger tensor in a
+    file of its own, the first file never empty."""
+    from zerotrain.checkpoint.format import plan_shards
+
+    entries = [("a", torch.float32, (10,)), ("b", torch.float32, (10,)), ("c", torch.bfloat16, (20,)),
+               ("big", torch.float32, (100,)), ("d", torch.float32, (2, 5))]
+    files = plan_shards(entries, shard_size=80)
+    assert [[e[0] for e in f] for f in files] == [["a", "b"], ["c"], ["big"], ["d"]]
+    assert [[e[0] for e in f] for f in plan_shards(entries[3:], shard_size=80)] == [["big"], ["d"]]
