@@ -271,3 +271,12 @@ def test_plan_shards_fills_files_up_to_the_shard_size_in_order():
     files = plan_shards(entries, shard_size=80)
     assert [[e[0] for e in f] for f in files] == [["a", "b"], ["c"], ["big"], ["d"]]
     assert [[e[0] for e in f] for f in plan_shards(entries[3:], shard_size=80)] == [["big"], ["d"]]
+
+
+def test_read_header_gives_each_tensors_dtype_and_shape(tmp_path):
+    from zerotrain.checkpoint.format import read_header
+
+    save_file({"w": torch.zeros(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16)}, str(tmp_path / "t.safetensors"))
+    header = read_header(str(tmp_path / "t.safetensors"))
+    assert {name: (entry["dtype"], entry["shape"]) for name, entry in header.items()} == \
+        {"w": ("F32", [2, 3]), "b": ("BF16", [4])}
