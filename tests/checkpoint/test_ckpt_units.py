@@ -280,3 +280,13 @@ def test_read_header_gives_each_tensors_dtype_and_shape(tmp_path):
     header = read_header(str(tmp_path / "t.safetensors"))
     assert {name: (entry["dtype"], entry["shape"]) for name, entry in header.items()} == \
         {"w": ("F32", [2, 3]), "b": ("BF16", [4])}
+    # a header of 60 MiB (safetensors allows up to 100 MB; zerotrain's cap is 100 MiB) is read; 101 MiB is refused
+    for mib, ok in ((60, True), (101, False)):
+        body = json.dumps({"__metadata__": {"pad": ""}}).encode()
+        body = body.replace(b'""', b'"' + b"x" * ((mib << 20) - len(body)) + b'"')
+        (tmp_path / "big.safetensors").write_bytes(len(body).to_bytes(8, "little") + body)
+        if ok:
+            assert read_header(str(tmp_path / "big.safetensors")) == {}
+        else:
+            with pytest.raises(CheckpointError, match="corrupt safetensors header"):
+                read_header(str(tmp_path / "big.safetensors"))
