@@ -312,6 +312,41 @@ def test_trainer_resumed_engine_skips_consumed_batches():
     assert torch.equal(resumed._next_batch()[0], drawn[5])
 
 
+def test_trainer_resume_seek_crosses_epochs_of_a_shuffling_sampler_and_of_a_loader_without_a_length():
+    # a sampler reshuffled each epoch (set_epoch): a resumed run 2 epochs and 1 batch in draws the batch an
+    # uninterrupted run draws there, in that epoch's order; so does a loader with no len() (an iterable, skipped
+    # batch by batch), and a resume one sample in (micro-batch 1, one step)
+    dataset = TokenBlockDataset(load_stdlib_corpus(max_bytes=6 * 16 + 1), 16)
+
+    def loader(micro: int = 2):
+        sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=3)
+        return torch.utils.data.DataLoader(dataset, batch_size=micro, sampler=sampler)
+
+    def resumed(engine, data):
+        trainer = Trainer(engine, data, total_steps=9, console=Console(file=io.StringIO()))
+        trainer._seek()
+        return trainer._next_batch()[0]
+
+    fresh = Trainer(_engine(), loader(), total_steps=9, console=Console(file=io.StringIO()))
+    drawn = [fresh._next_batch()[0] for _ in range(8)]  # 3 batches an epoch
+    assert not torch.equal(torch.cat(drawn[:3]), torch.cat(drawn[3:6]))  # the epochs' orders differ
+    engine = _engine()
+    engine.global_steps, engine.global_samples = 7, 7 * engine.train_batch_size() // 2  # 7 micro-batches in
+    assert torch.equal(resumed(engine, loader()), drawn[7])
+
+    class NoLength(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(dataset[i] for i in range(len(dataset)))
+
+    plain = [x for x, _ in torch.utils.data.DataLoader(NoLength(), batch_size=2)]
+    engine = _engine()
+    engine.global_steps, engine.global_samples = 2, 4 * 2  # 4 micro-batches in: the 2nd of the 2nd pass
+    assert torch.equal(resumed(engine, torch.utils.data.DataLoader(NoLength(), batch_size=2)), plain[1])
+    one = StandInEngine(GPT(GPTConfig.preset("tiny")), micro_batch=1, accumulation=1)
+    one.global_steps, one.global_samples = 1, 1
+    assert torch.equal(resumed(one, loader(1)), [x for x, _ in loader(1)][1])
+
+
 class _Recording(torch.nn.Module):
     """The tiny GPT, keeping every input batch its forward sees (what a run trained on, in order)."""
 

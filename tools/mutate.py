@@ -101,6 +101,27 @@ COVERING: dict[str, list[str]] = {
     # in-process formats, cache and packing inputs; the spawned file: the rank-0 builder thread and its barrier
     "zerotrain/data/tokenization.py": ["tests/data/test_local_data.py", "tests/data/test_data_distributed.py"],
     "zerotrain/trainer.py": ["tests/test_cli.py"],
+    # the manifest and the checksums in-process; a damaged checkpoint refused at world 2
+    "zerotrain/checkpoint/integrity.py": ["tests/checkpoint/test_ckpt_units.py",
+                                          "tests/checkpoint/test_ckpt_corruption.py"],
+    # range reads; a tensor-parallel slice read in runs from the whole tensor (in-process)
+    "zerotrain/checkpoint/reader.py": [
+        "tests/checkpoint/test_ckpt_units.py",
+        "tests/checkpoint/test_ckpt_tensor_parallel.py::test_a_local_range_of_a_split_tensor_reads_from_the_whole_tensor"],
+    "zerotrain/checkpoint/plan.py": [
+        "tests/checkpoint/test_ckpt_units.py",
+        "tests/checkpoint/test_ckpt_experts.py::test_plan_refuses_experts_missing_from_a_data_parallel_rank",
+        "tests/checkpoint/test_ckpt_experts.py::test_plan_takes_each_expert_once_from_its_expert_data_parallel_replicas",
+        "tests/checkpoint/test_ckpt_write.py::test_many_rounds_and_files_per_writer_load_exactly"],
+    "zerotrain/checkpoint/format.py": [
+        "tests/checkpoint/test_ckpt_units.py",
+        "tests/checkpoint/test_ckpt_write.py::test_many_rounds_and_files_per_writer_load_exactly"],
+    # no test file imports it by name (the plans reach it): the refusals in-process, GPT at TP2, HF models' plans
+    "zerotrain/parallel/tensor.py": [
+        "tests/parallel/test_tensor_parallel.py::test_bad_splits_and_plans_name_the_module",
+        "tests/parallel/test_tensor_parallel.py::test_split_linears_report_the_whole_layers_features_in_both_weight_layouts",
+        "tests/parallel/test_tensor_parallel.py::test_gpt_tensor_parallel_matches_single_process[2]",
+        "tests/parallel/test_tensor_parallel_hf.py::test_hf_models_split_by_their_own_or_an_inferred_plan_train_like_one_process"],
 }
 
 # Method names whose swap is a plausible slip (the GQA bug: repeat for repeat_interleave).

@@ -275,7 +275,10 @@ class Trainer:
             return  # a resumable sampler (zerotrain.data's) was built at the position already: nothing to skip
         micro = int(self.engine.train_micro_batch_size_per_gpu())
         consumed = samples // (micro * self.dp_size)  # micro-batches each rank has drawn
-        per_epoch = len(self.dataloader) if hasattr(self.dataloader, "__len__") else 0
+        try:
+            per_epoch = len(self.dataloader)
+        except TypeError:  # no length (a DataLoader over an IterableDataset, a stream): skipped batch by batch
+            per_epoch = 0
         if per_epoch > 0:
             self._epoch, consumed = divmod(consumed, per_epoch)
         self._batches = None

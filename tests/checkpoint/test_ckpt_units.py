@@ -157,8 +157,15 @@ def test_checksum_shares_join_into_file_crcs_and_name_a_corrupt_file(tmp_path):
     shares = [checksum_share(str(tmp_path), manifest, sizes, rank, 3) for rank in range(3)]
     error = check_pieces(str(tmp_path), shares)
     assert error is not None and "c.safetensors: checksum mismatch" in error and "a.safetensors" not in error
+    assert error.startswith(str(tmp_path / "c.safetensors"))  # one corrupt file: its own one-line error
     # a rank that failed before its share was checked leaves its files unjudged (its own error is reported)
     assert check_pieces(str(tmp_path), shares[:1]) is None
+    data = bytearray((tmp_path / "d.json").read_bytes())
+    data[3] ^= 0x01
+    (tmp_path / "d.json").write_bytes(bytes(data))
+    shares = [checksum_share(str(tmp_path), manifest, sizes, rank, 2) for rank in range(2)]
+    error = check_pieces(str(tmp_path), shares)  # two: both named
+    assert error.startswith("2 files are corrupt") and "c.safetensors: checksum" in error and "d.json: checksum" in error
 
 
 @pytest.mark.parametrize("make, keys", [
@@ -211,3 +218,75 @@ def test_plan_writes_a_pipeline_stage_s_buffers_from_that_stage():
     writers = {name: tensor.writer for name, tensor in plan.tensors.items()}
     assert list(plan.tensors) == ["0.w", "3.buf0", "3.buf1", "3.buf2", "3.buf3"], list(plan.tensors)
     assert {writers[f"3.buf{i}"] for i in range(4)} == {2, 3}, writers
+
+
+def test_a_manifest_not_ours_is_refused_and_file_crc32_is_zlibs(tmp_path):
+    """read_manifest takes only zerotrain's own manifest: another format name, `files` that is not a mapping,
+    a newer format version or another checksum are each refused naming the file; a whole file's streamed
+    crc32 (merge sources) is zlib's of its bytes."""
+    from zerotrain.checkpoint.integrity import MANIFEST, file_crc32, read_manifest
+
+    data = os.urandom((1 << 20) + 13)
+    (tmp_path / "a.bin").write_bytes(data)
+    assert file_crc32(str(tmp_path / "a.bin")) == zlib.crc32(data)
+    write_manifest(str(tmp_path), {"a.bin": {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}}, {})
+    good = json.loads((tmp_path / MANIFEST).read_text())
+    assert read_manifest(str(tmp_path))["files"] == good["files"]
+    for change in ({"format": "other"}, {"files": ["a.bin"]}, {"format_version": good["format_version"] + 1},
+                   {"checksum": "md5"}):
+        (tmp_path / MANIFEST).write_text(json.dumps({**good, **change}))
+        with pytest.raises(CheckpointError, match=MANIFEST):
+            read_manifest(str(tmp_path))
+
+
+def test_plan_records_param_groups_and_stores_frozen_peft_base_weights_under_base_names():
+    """trainer_state's param groups: each group's trainable tensors in state_dict order, no extra group; a frozen
+    base weight of a PEFT-wrapped model is stored under the base model's name, a trainable one (and an adapter
+    weight) under its own."""
+    base = "base_model.model.layer.base_layer.weight"
+    shapes = {"w0": (4, 3), "b0": (4,), "w1": (4, 3), base: (2, 2), "base_model.model.layer.lora_A.weight": (1, 2)}
+    layouts = _layouts(2, shapes, split_each=True)
+    for rank in range(2):
+        for slot, name in zip(layouts[rank]["slots"], shapes):
+            slot["group"] = {"w0": 0, "w1": 0, "b0": 1}.get(name, -1)
+    plan = build_plan(layouts)
+    assert plan.param_groups() == [["w0", "w1"], ["b0"]]
+    assert plan.tensors[base].model_key == base  # trainable: its own name (its masters are keyed by it)
+    for rank in range(2):
+        layouts[rank]["slots"][3]["trainable"] = False
+    layouts = [{**layout, "slots": [dict(s, trainable=False) if i == 4 else s for i, s in enumerate(layout["slots"])]}
+               for layout in layouts]
+    plan = build_plan(layouts)
+    assert plan.tensors[base].model_key == "layer.weight"
+    assert plan.tensors["base_model.model.layer.lora_A.weight"].model_key == "base_model.model.layer.lora_A.weight"
+
+
+def test_plan_shards_fills_files_up_to_the_shard_size_in_order():
+    """Entries in order, each file at most `shard_size` bytes (counted as numel x itemsize), a larger tensor in a
+    file of its own, the first file never empty."""
+    from zerotrain.checkpoint.format import plan_shards
+
+    entries = [("a", torch.float32, (10,)), ("b", torch.float32, (10,)), ("c", torch.bfloat16, (20,)),
+               ("big", torch.float32, (100,)), ("d", torch.float32, (2, 5))]
+    files = plan_shards(entries, shard_size=80)
+    assert [[e[0] for e in f] for f in files] == [["a", "b"], ["c"], ["big"], ["d"]]
+    assert [[e[0] for e in f] for f in plan_shards(entries[3:], shard_size=80)] == [["big"], ["d"]]
+
+
+def test_read_header_gives_each_tensors_dtype_and_shape(tmp_path):
+    from zerotrain.checkpoint.format import read_header
+
+    save_file({"w": torch.zeros(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16)}, str(tmp_path / "t.safetensors"))
+    header = read_header(str(tmp_path / "t.safetensors"))
+    assert {name: (entry["dtype"], entry["shape"]) for name, entry in header.items()} == \
+        {"w": ("F32", [2, 3]), "b": ("BF16", [4])}
+    # a header of 60 MiB (safetensors allows up to 100 MB; zerotrain's cap is 100 MiB) is read; 101 MiB is refused
+    for mib, ok in ((60, True), (101, False)):
+        body = json.dumps({"__metadata__": {"pad": ""}}).encode()
+        body = body.replace(b'""', b'"' + b"x" * ((mib << 20) - len(body)) + b'"')
+        (tmp_path / "big.safetensors").write_bytes(len(body).to_bytes(8, "little") + body)
+        if ok:
+            assert read_header(str(tmp_path / "big.safetensors")) == {}
+        else:
+            with pytest.raises(CheckpointError, match="corrupt safetensors header"):
+                read_header(str(tmp_path / "big.safetensors"))

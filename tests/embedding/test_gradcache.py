@@ -107,8 +107,10 @@ def train_all_stages(cases, dropout_sgd: bool = False):
                   "steps_per_print": 0, "comm_timeout_seconds": 60}
         engine, *_ = zerotrain.initialize(model=tiny_bert(), config=config)
         comm = Comm.data_parallel(engine.topology)
-        step = ContrastiveStep(engine, comm, Pooling("mean"), scale=SCALE, chunk_size=chunk)
         rank, world = dist.get_rank(), dist.get_world_size()
+        # each rank's memory figure is its own (1000 + rank): the step gathers them in rank order
+        step = ContrastiveStep(engine, comm, Pooling("mean"), scale=SCALE, chunk_size=chunk,
+                               memory_fn=lambda: 1000 + rank)
         # stages 2-3 take the queries and the passages as two feature sets (two forwards per micro-batch,
         # as the CLI's tokenization gives them); 0-1 one set holding every row
         split = (lambda f: PairBatch({k: v[:MICRO] for k, v in f.items()}, MICRO,
@@ -117,7 +119,7 @@ def train_all_stages(cases, dropout_sgd: bool = False):
         losses = [step.step([split(f) for f in batches[rank]]) for batches in micro_batches(world)]
         weights = engine.full_state_dict()
         engine.close()
-        results[(stage, chunk)] = (losses, weights)
+        results[(stage, chunk)] = (losses, weights, (step.tokens, step.memory))
     if dropout_sgd:
         config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUMULATION,
                   "optimizer": {"type": "SGD", "params": {"lr": SGD_LR}}, "gradient_clipping": 0.0, "steps_per_print": 0,
@@ -136,9 +138,12 @@ def _check(results, world):
     if "dropout sgd" in results:
         losses, weights = results.pop("dropout sgd")
         assert_same_training(losses, weights, *reference(world, dropout_sgd=True), where="dropout on, SGD")
-    for (stage, chunk), (losses, weights) in results.items():
+    # the last step's input tokens over every rank (attended positions), and every rank's memory in rank order
+    tokens = sum(int(f["attention_mask"].sum()) for ranks in micro_batches(world)[-1] for f in ranks)
+    for (stage, chunk), (losses, weights, counts) in results.items():
         try:
             assert_same_training(losses, weights, ref_losses, ref_weights)
+            assert counts == (tokens, [1000 + rank for rank in range(world)]), counts
         except AssertionError as error:
             raise AssertionError(f"world {world}, stage {stage}, loss chunk {chunk}: {error}") from None
     # the usual accumulation (independent micro-batches) trains differently: the check can fail

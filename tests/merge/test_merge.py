@@ -343,3 +343,77 @@ def test_lora_folding_equals_peft_merge_on_gpt2_conv1d_with_patterns(tmp_path):
         torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
         changed += not torch.equal(got, weight)
     assert changed == 2 * 4  # c_attn, attn.c_proj, mlp.c_fc and mlp.c_proj of both layers
+
+
+def test_lora_trainable_tokens_and_peft_defaults_fold_like_peft_merge(tmp_path):
+    """peft's `trainable_token_indices` keyed by module name (matched at its end: `wte` is
+    `transformer.wte`), r and lora_alpha left at peft's defaults (absent from adapter_config.json:
+    8 and 8), and the names a PEFT-wrapped model gives its base weights: what zerotrain folds equals
+    peft's own `merge_and_unload`, and the trained rows replace exactly the rows named (the list form of
+    `trainable_token_indices` too); an adapter with lora_A but no lora_B is refused."""
+    import peft
+    import transformers
+
+    from zerotrain.lora import LoraAdapter, LoraError, base_weight_name, fold_lora, is_adapter_weight
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                     tie_word_embeddings=False)
+    model = transformers.GPT2LMHeadModel(config)
+    base = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    # lm_head first: a key that is not the module's must not give the module its rows; row 20 is past the
+    # hidden size (16), within the vocabulary (32)
+    lora = peft.LoraConfig(target_modules=["c_attn"], fan_in_fan_out=True,
+                           trainable_token_indices={"lm_head": [2], "wte": [1, 20]},
+                           lora_dropout=0.0, init_lora_weights=False)
+    wrapped = peft.get_peft_model(model, lora)
+    names = [name for name, _ in wrapped.named_parameters()]
+    assert base_weight_name("base_model.model.transformer.h.0.attn.c_attn.base_layer.weight") == \
+        "transformer.h.0.attn.c_attn.weight"
+    assert base_weight_name("base_model.model.transformer.wte.token_adapter.base_layer.weight") == \
+        "transformer.wte.weight"
+    assert {base_weight_name(n) for n in names if not is_adapter_weight(n)} == set(base)
+    with torch.no_grad():  # trained rows that differ from the base's
+        for name, param in wrapped.named_parameters():
+            if "trainable_tokens_delta" in name:
+                param.add_(torch.randn_like(param))
+    adapter = tmp_path / "adapter"
+    wrapped.save_pretrained(str(adapter))
+    settings = json.loads((adapter / "adapter_config.json").read_text())
+    del settings["r"], settings["lora_alpha"]
+    (adapter / "adapter_config.json").write_text(json.dumps(settings))
+    want = wrapped.merge_and_unload().state_dict()
+    folder = LoraAdapter(str(adapter))
+    for name, weight in base.items():
+        torch.testing.assert_close(folder.fold(name, weight), want[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    # fold_lora (the public function): from a directory or a LoraAdapter, in the weight's dtype; integers untouched
+    name = "transformer.h.0.attn.c_attn.weight"
+    for source in (str(adapter), folder):
+        got = fold_lora(base[name].bfloat16(), name, source)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, folder.fold(name, base[name].bfloat16()).bfloat16())
+    assert torch.equal(fold_lora(torch.arange(4), "transformer.wte.weight", folder), torch.arange(4))
+    for name, rows in (("transformer.wte.weight", [1, 20]), ("lm_head.weight", [2])):
+        changed = (folder.fold(name, base[name]) != base[name]).any(dim=1)
+        assert changed.nonzero().flatten().tolist() == rows, name
+    # the list form: rows of the input embedding
+    listed = peft.get_peft_model(transformers.GPT2LMHeadModel(config),
+                                 peft.LoraConfig(target_modules=["c_attn"], fan_in_fan_out=True,
+                                                 trainable_token_indices=[3], init_lora_weights=False))
+    with torch.no_grad():
+        for name, param in listed.named_parameters():
+            if "trainable_tokens_delta" in name:
+                param.add_(1.0)
+    listed.save_pretrained(str(tmp_path / "listed"))
+    wte = dict(listed.named_parameters())["base_model.model.transformer.wte.token_adapter.base_layer.weight"]
+    wte = wte.detach().clone()  # merge_and_unload changes it in place
+    folded = LoraAdapter(str(tmp_path / "listed")).fold("transformer.wte.weight", wte)
+    torch.testing.assert_close(folded, listed.merge_and_unload().state_dict()["transformer.wte.weight"])
+    assert (folded != wte).any(dim=1).nonzero().flatten().tolist() == [3]
+    # half a pair (lora_A without lora_B) is refused naming what is missing
+    (tmp_path / "half").mkdir()
+    save_file({"base_model.model.transformer.h.0.attn.c_attn.lora_A.weight": torch.ones(8, 16)},
+              str(tmp_path / "half" / "adapter_model.safetensors"))
+    (tmp_path / "half" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
+    with pytest.raises(LoraError, match="c_attn.weight' lack lora_B"):
+        LoraAdapter(str(tmp_path / "half"))

@@ -136,3 +136,21 @@ def test_bad_splits_and_plans_name_the_module():
         apply_tensor_parallel(GPT(gpt_config()), {**GPT_PLAN, "decoder.*": Column()}, alone)
     with pytest.raises(TypeError, match=r"transformer.ln_f is LayerNorm"):
         apply_tensor_parallel(GPT(gpt_config()), {"transformer.ln_f": Column()}, alone)
+
+
+def test_split_linears_report_the_whole_layers_features_in_both_weight_layouts():
+    """A column- or row-parallel layer reports the in/out features of the layer it replaces (as nn.Linear
+    does), whether its weight is stored [out, in] (nn.Linear) or [in, out] (transformers' Conv1D), and
+    computes x Wᵀ (one rank: the layout alone)."""
+    from zerotrain.comm import Comm
+    from zerotrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+    alone = Comm(None, 0, 1)
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(6, 10), torch.randn(6), torch.randn(3, 10)  # 10 inputs, 6 outputs
+    for transposed in (False, True):
+        stored = weight.t().contiguous() if transposed else weight
+        for kind in (ColumnParallelLinear, RowParallelLinear):
+            layer = kind(stored, bias, alone, transposed=transposed)
+            assert (layer.in_features, layer.out_features) == (10, 6), (kind.__name__, transposed)
+            torch.testing.assert_close(layer(x), x @ weight.t() + bias)
