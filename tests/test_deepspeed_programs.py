@@ -171,7 +171,9 @@ def load_partitioned(directory: str) -> dict:
     hf_config = HfDeepSpeedConfig(PRETRAINED_CONFIG)  # kept alive, as transformers requires: its config is used below
     model = zerotrain.from_pretrained(AutoModelForCausalLM, directory)
     # DeepSpeed-Chat's create_hf_model: transformers' own call (with the model's config) while the object lives
-    script = AutoModelForCausalLM.from_pretrained(directory, config=AutoConfig.from_pretrained(directory))
+    # (DeepSpeed-Chat passes from_tf=bool(".ckpt" in path) too: an argument given but off is accepted)
+    script = AutoModelForCausalLM.from_pretrained(directory, from_tf=False,
+                                                  config=AutoConfig.from_pretrained(directory))
     params = dict(model.named_parameters())
     out = {
         "enabled": (before, is_deepspeed_zero3_enabled()),

@@ -190,6 +190,7 @@ def partitioned_from_pretrained(model_class: Any, pretrained_model_name_or_path:
         if kwargs.get(name) not in (None, False, {}):
             raise ValueError(f"{model_class.__name__}.from_pretrained(..., {name}=...) inside zerotrain.zero.Init: "
                              f"not supported ({why})")
+        kwargs.pop(name, None)  # given but off (DeepSpeed-Chat passes from_tf=False): not a model argument
     adapter = (kwargs.pop("adapter_kwargs", None) or {}).get("_adapter_model_path")  # the Auto classes' lookup
     if adapter is not None or (Path(pretrained_model_name_or_path) / "adapter_config.json").is_file():
         raise ValueError(f"{pretrained_model_name_or_path}: a PEFT adapter directory; inside zerotrain.zero.Init "
