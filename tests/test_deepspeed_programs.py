@@ -159,7 +159,7 @@ def tiny_llama_dir(out) -> str:
 def load_partitioned(directory: str) -> dict:
     import gc
 
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedModel
 
     import zerotrain
     from zerotrain.pretrained import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
@@ -185,7 +185,12 @@ def load_partitioned(directory: str) -> dict:
     }
     with GatheredParameters(list(script.parameters())):
         out["script_weights"] = {name: p.detach().clone() for name, p in script.named_parameters()}
-    del hf_config, script
+    # DeepSpeed-Chat's reward model: the base model (AutoModel) read from a checkpoint of the model with a head,
+    # whose names carry the base-model prefix ("model.")
+    base = AutoModel.from_pretrained(directory)
+    with GatheredParameters(list(base.parameters())):
+        out["base_weights"] = {name: p.detach().clone() for name, p in base.named_parameters()}
+    del hf_config, script, base
     gc.collect()
     after = AutoModelForCausalLM.from_pretrained(directory)
     out["plain_after"] = (PreTrainedModel.__dict__["from_pretrained"] is plain,
@@ -216,6 +221,10 @@ def check_from_pretrained(directory: str, results: list) -> None:
         assert set(result["script_weights"]) == {name for name, _ in reference.named_parameters()}
         for name, tensor in result["script_weights"].items():
             torch.testing.assert_close(tensor, want[name], rtol=0, atol=0, msg=name)
+        base = {name: tensor for name, tensor in want.items() if name.startswith("model.")}
+        assert {"model." + name for name in result["base_weights"]} == set(base), rank
+        for name, tensor in result["base_weights"].items():
+            torch.testing.assert_close(tensor, want["model." + name], rtol=0, atol=0, msg=name)
         assert result["plain_after"] == (True, False), rank
     got = results[0]["weights"]
     assert set(got) == {name for name, _ in reference.named_parameters()}

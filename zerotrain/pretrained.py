@@ -420,14 +420,16 @@ def _load_shards(model: torch.nn.Module, files: dict[str, Path]) -> None:
     from safetensors import safe_open
 
     handles: dict[Path, Any] = {}
+    key_of = _checkpoint_keys(model, files)
     with contextlib.ExitStack() as stack:
         def open_slice(name: str):
-            path = files[name]
+            key = key_of(name)
+            path = files[key]
             if path not in handles:
                 handles[path] = stack.enter_context(safe_open(path, "pt"))
-            return handles[path].get_slice(name)
+            return handles[path].get_slice(key)
 
-        missing = [name for name, _ in model.named_parameters() if name not in files]
+        missing = [name for name, _ in model.named_parameters() if key_of(name) not in files]
         if missing:
             raise KeyError(f"zerotrain.from_pretrained: {missing[:5]} are not in the checkpoint's files")
         with torch.no_grad():
@@ -438,9 +440,25 @@ def _load_shards(model: torch.nn.Module, files: dict[str, Path]) -> None:
                                                  part.dtype, part.device))
                 else:
                     param.data.copy_(open_slice(name)[:])
-            buffers = {name: buffer for name, buffer in model.named_buffers() if name in files}
+            buffers = {name: buffer for name, buffer in model.named_buffers() if key_of(name) in files}
             for name, buffer in buffers.items():
                 buffer.copy_(open_slice(name)[:])
+
+
+def _checkpoint_keys(model: torch.nn.Module, files: dict[str, Path]):
+    """The checkpoint's name for each of the model's names, by transformers' base-model prefix rule: a base
+    model (`AutoModel`, e.g. DeepSpeed-Chat's reward model) read from a checkpoint of its model with a head has
+    its names under `base_model_prefix.` there; a model with a head read from a base model's checkpoint has
+    them without it."""
+    prefix = model.base_model_prefix + "." if model.base_model_prefix else ""
+    names = [name for name, _ in model.named_parameters()]
+    model_prefixed = bool(prefix) and any(name.startswith(prefix) for name in names)
+    files_prefixed = bool(prefix) and any(key.startswith(prefix) for key in files)
+    if prefix and files_prefixed and not model_prefixed:
+        return lambda name: prefix + name
+    if prefix and model_prefixed and not files_prefixed:
+        return lambda name: name[len(prefix):] if name.startswith(prefix) else name
+    return lambda name: name
 
 
 def _read_chunk(tensor_slice: Any, numel: int, start: int, end: int, dtype: torch.dtype,
