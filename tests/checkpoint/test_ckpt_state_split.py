@@ -154,6 +154,7 @@ class _Split(torch.nn.Module):
         self.alias = self.col  # a tied name of the same split parameter
         self.experts = torch.nn.Parameter(torch.zeros(2, 5))
         self.experts.ep_slice = split_slice((4, 5), 0, 0, 2)
+        self.experts_alias = self.experts  # a tied name of the split expert weight
         self.all_experts = torch.nn.Parameter(torch.zeros(4, 5))  # every expert here: not split
         self.all_experts.ep_slice = split_slice((4, 5), 0, 0, 1)
         self.plain = torch.nn.Parameter(torch.zeros(3))
@@ -162,9 +163,9 @@ class _Split(torch.nn.Module):
 def test_tensor_slices_find_split_parameters_and_experts():
     module = _Split()
     slices = split.tensor_slices(module)
-    assert set(slices) == {"col", "alias", "experts"}
+    assert set(slices) == {"col", "alias", "experts", "experts_alias"}
     assert slices["col"] == slices["alias"] == module.col.tp_slice and slices["experts"] == module.experts.ep_slice
-    assert [name for name, _ in split.expert_params(module)] == ["experts"]
+    assert [name for name, _ in split.expert_params(module)] == ["experts", "experts_alias"]
 
 
 def test_refusals_of_frozen_split_parameters_name_them():

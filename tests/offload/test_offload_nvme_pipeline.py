@@ -107,6 +107,43 @@ def test_a_failed_step_drops_the_kept_records(tmp_path):
     opt.close()
 
 
+def test_a_failed_write_of_a_record_committed_early_is_not_committed_and_the_ring_keeps_its_spare(tmp_path):
+    """One spare extent: every chunk but the last is committed early, once its write is done. The step's first
+    record write fails: that record is not committed, the step rolls back whole, its extent goes back to the
+    ring, and the retried steps are still fused AdamW bit for bit."""
+    from zerotrain.offload import OffloadIOError, aio
+
+    param, opt, ref, ref_opt = _pair(tmp_path, spare=1)
+    _step_both(param, opt, ref, ref_opt)
+    assert opt.stats["nvme_early_commits"] == 4
+    before = param.detach().clone()
+    with opt.resident_states(write_back=False):
+        masters = opt.masters[0].clone()
+    real = aio._pwrite
+    calls = {"n": 0}
+
+    def failing(fd, buffers, offset):  # the step's first record write: the one the second chunk commits early
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, buffers, offset)
+
+    aio._pwrite = failing
+    try:
+        with pytest.raises(OffloadIOError, match="writing"):
+            opt.step([torch.randn(NUMEL)], 1.0)
+    finally:
+        aio._pwrite = real
+    assert torch.equal(param.detach(), before) and opt.stats["nvme_early_commits"] == 4
+    with opt.resident_states(write_back=False):
+        assert torch.equal(opt.masters[0], masters), "a record whose write failed was committed"
+    assert sum(map(len, opt.records.free.values())) == 1, "the failed record's extent is back in the ring"
+    assert opt.records.pool.free_count() == BUFFERS
+    for _ in range(2):
+        _step_both(param, opt, ref, ref_opt)
+    opt.close()
+
+
 def test_waiting_reads_start_before_waiting_writes(tmp_path, monkeypatch):
     from zerotrain.offload import aio
 
