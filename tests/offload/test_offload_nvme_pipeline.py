@@ -144,6 +144,53 @@ def test_a_failed_write_of_a_record_committed_early_is_not_committed_and_the_rin
     opt.close()
 
 
+def test_streamed_buckets_read_the_next_ones_ahead_and_give_every_buffer_back(tmp_path):
+    """Gradients streamed bucket by bucket (`stream_gradients`, stage 3 without clipping): each bucket's records
+    are stepped as its gradient arrives and the records of the buckets backward makes final next are read
+    ahead into free buffers (`NvmeStream.prefetch`); fused AdamW bit for bit, and after every step each
+    buffer is back in the pool (a record read ahead twice would hold one buffer forever)."""
+    from types import SimpleNamespace
+
+    from zerotrain.offload import NvmeOffloadOptimizer
+    from zerotrain.sharding import ShardGroup
+    from zerotrain.zero.flat import FlatBucket
+
+    sizes, buffers = (900, 700, 500), 4  # a chunk each: a bucket's read-ahead reaches past the next bucket
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+    refs = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True)  # noqa: E731
+    reducer = SimpleNamespace(grad_shards=[None] * 3, shard_ready_callbacks=[], free_final_shards=lambda: None)
+    buckets = [FlatBucket(i, [(f"p{i}", p)], 0, ShardGroup.local()) for i, p in enumerate(params)]
+    opt = NvmeOffloadOptimizer(buckets, None, make(params), [params], 0.0, reducer=reducer, nvme_path=str(tmp_path),
+                               buffer_count=buffers, chunk_numel=CHUNK, stream_gradients=True)
+    ref_opt = make(refs)
+    read_ahead = []
+    real = opt.stream.prefetch
+
+    def prefetch(chunks):
+        real(chunks)
+        read_ahead.append(len(opt.records.prefetched))
+
+    opt.stream.prefetch = prefetch
+    for step in range(3):
+        grads = [torch.randn(n) for n in sizes]
+        for ref, grad in zip(refs, grads):
+            ref.grad = grad.clone()
+        ref_opt.step()
+        reducer.grad_shards = [g.clone() for g in grads]
+        for index in (2, 1, 0):  # backward's order; the reducer frees a shard once it is handed over
+            for callback in reducer.shard_ready_callbacks:
+                callback(index)
+            reducer.grad_shards[index] = None
+        opt.step(list(reducer.grad_shards), 1.0)
+        for param, ref in zip(params, refs):
+            assert torch.equal(param.detach(), ref.detach()), step
+        assert opt.records.pool.free_count() == buffers and not opt.records.prefetched, step
+    assert any(read_ahead), "no record was read ahead"
+    opt.close()
+
+
 def test_waiting_reads_start_before_waiting_writes(tmp_path, monkeypatch):
     from zerotrain.offload import aio
 
