@@ -78,19 +78,16 @@ def test_records_changed_outside_a_step_are_read_again(tmp_path):
     opt.close()
 
 
-def test_a_failed_step_drops_the_kept_records(tmp_path):
+def _failing_step(opt, nth: int) -> None:
+    """A step whose `nth` record write fails with EIO: it raises OffloadIOError."""
     from zerotrain.offload import OffloadIOError, aio
 
-    param, opt, ref, ref_opt = _pair(tmp_path, spare=5)  # a ring that holds the step: it rolls back whole
-    record = opt.records.record_bytes[0]
-    _step_both(param, opt, ref, ref_opt)
-    before = param.detach().clone()
     real = aio._pwrite
     calls = {"n": 0}
 
-    def failing(fd, buffers, offset):  # the step's third record write fails
+    def failing(fd, buffers, offset):
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] == nth:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return real(fd, buffers, offset)
 
@@ -100,6 +97,14 @@ def test_a_failed_step_drops_the_kept_records(tmp_path):
             opt.step([torch.randn(NUMEL)], 1.0)
     finally:
         aio._pwrite = real
+
+
+def test_a_failed_step_drops_the_kept_records(tmp_path):
+    param, opt, ref, ref_opt = _pair(tmp_path, spare=5)  # a ring that holds the step: it rolls back whole
+    record = opt.records.record_bytes[0]
+    _step_both(param, opt, ref, ref_opt)
+    before = param.detach().clone()
+    _failing_step(opt, 3)  # the step's third record write fails
     assert torch.equal(param.detach(), before), "the failed step's weights were put back"
     assert not opt.records.kept and opt.records.pool.free_count() == BUFFERS, "every buffer is back in the pool"
     assert _step_both(param, opt, ref, ref_opt) == 5 * record, "after a failure every record is read"
@@ -111,29 +116,13 @@ def test_a_failed_write_of_a_record_committed_early_is_not_committed_and_the_rin
     """One spare extent: every chunk but the last is committed early, once its write is done. The step's first
     record write fails: that record is not committed, the step rolls back whole, its extent goes back to the
     ring, and the retried steps are still fused AdamW bit for bit."""
-    from zerotrain.offload import OffloadIOError, aio
-
     param, opt, ref, ref_opt = _pair(tmp_path, spare=1)
     _step_both(param, opt, ref, ref_opt)
     assert opt.stats["nvme_early_commits"] == 4
     before = param.detach().clone()
     with opt.resident_states(write_back=False):
         masters = opt.masters[0].clone()
-    real = aio._pwrite
-    calls = {"n": 0}
-
-    def failing(fd, buffers, offset):  # the step's first record write: the one the second chunk commits early
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return real(fd, buffers, offset)
-
-    aio._pwrite = failing
-    try:
-        with pytest.raises(OffloadIOError, match="writing"):
-            opt.step([torch.randn(NUMEL)], 1.0)
-    finally:
-        aio._pwrite = real
+    _failing_step(opt, 1)  # the step's first record write: the one the second chunk commits early
     assert torch.equal(param.detach(), before) and opt.stats["nvme_early_commits"] == 4
     with opt.resident_states(write_back=False):
         assert torch.equal(opt.masters[0], masters), "a record whose write failed was committed"
