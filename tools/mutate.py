@@ -116,6 +116,29 @@ COVERING: dict[str, list[str]] = {
     "zerotrain/checkpoint/format.py": [
         "tests/checkpoint/test_ckpt_units.py",
         "tests/checkpoint/test_ckpt_write.py::test_many_rounds_and_files_per_writer_load_exactly"],
+    # in-process: the codec, RNG streams, trainer state, tied names; spawned: RNG resumed at world 2
+    "zerotrain/checkpoint/state.py": ["tests/checkpoint/test_ckpt_state_split.py",
+                                      "tests/checkpoint/test_ckpt_units.py", "tests/checkpoint/test_ckpt_rng.py"],
+    # in-process: slices found, pieces joined, shapes, refusals, windowed reads; spawned: a TP2 save loaded at TP1
+    "zerotrain/checkpoint/split.py": [
+        "tests/checkpoint/test_ckpt_state_split.py",
+        "tests/checkpoint/test_ckpt_tensor_parallel.py::test_a_local_range_of_a_split_tensor_reads_from_the_whole_tensor",
+        "tests/checkpoint/test_ckpt_tensor_parallel.py::test_tp2_checkpoint_holds_whole_tensors_and_resumes_at_tp1"],
+    # in-process helpers first; then a resume across worlds and stages, and damaged checkpoints refused
+    "zerotrain/checkpoint/load.py": [
+        "tests/checkpoint/test_ckpt_load_units.py",
+        "tests/checkpoint/test_ckpt_resume.py::test_resume_across_world_sizes_and_stages[w2s2-w1s0-w2s1]",
+        "tests/checkpoint/test_ckpt_corruption.py"],
+    # in-process: kept records, early commits through the ring, a failed step; spawned: the ring's rollback
+    "zerotrain/offload/nvme_stream.py": [
+        "tests/offload/test_offload_nvme_pipeline.py",
+        "tests/offload/test_offload_units.py::test_streamed_chunks_equal_fused_adamw_bitwise",
+        "tests/offload/test_offload_nvme_ring.py"],
+    # in-process: every rollback cause against plain offload; spawned: parity, failures at world 2, fp16 overflow
+    "zerotrain/offload/speculative.py": [
+        "tests/offload/test_offload_speculation_units.py", "tests/offload/test_offload_parity.py",
+        "tests/offload/test_offload_speculation.py",
+        "tests/offload/test_offload_overflow.py::test_fp16_overflow_rolls_back_speculation_exactly[2]"],
     # no test file imports it by name (the plans reach it): the refusals in-process, GPT at TP2, HF models' plans
     "zerotrain/parallel/tensor.py": [
         "tests/parallel/test_tensor_parallel.py::test_bad_splits_and_plans_name_the_module",

@@ -78,19 +78,16 @@ def test_records_changed_outside_a_step_are_read_again(tmp_path):
     opt.close()
 
 
-def test_a_failed_step_drops_the_kept_records(tmp_path):
+def _failing_step(opt, nth: int) -> None:
+    """A step whose `nth` record write fails with EIO: it raises OffloadIOError."""
     from zerotrain.offload import OffloadIOError, aio
 
-    param, opt, ref, ref_opt = _pair(tmp_path, spare=5)  # a ring that holds the step: it rolls back whole
-    record = opt.records.record_bytes[0]
-    _step_both(param, opt, ref, ref_opt)
-    before = param.detach().clone()
     real = aio._pwrite
     calls = {"n": 0}
 
-    def failing(fd, buffers, offset):  # the step's third record write fails
+    def failing(fd, buffers, offset):
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] == nth:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return real(fd, buffers, offset)
 
@@ -100,10 +97,86 @@ def test_a_failed_step_drops_the_kept_records(tmp_path):
             opt.step([torch.randn(NUMEL)], 1.0)
     finally:
         aio._pwrite = real
+
+
+def test_a_failed_step_drops_the_kept_records(tmp_path):
+    param, opt, ref, ref_opt = _pair(tmp_path, spare=5)  # a ring that holds the step: it rolls back whole
+    record = opt.records.record_bytes[0]
+    _step_both(param, opt, ref, ref_opt)
+    before = param.detach().clone()
+    _failing_step(opt, 3)  # the step's third record write fails
     assert torch.equal(param.detach(), before), "the failed step's weights were put back"
     assert not opt.records.kept and opt.records.pool.free_count() == BUFFERS, "every buffer is back in the pool"
     assert _step_both(param, opt, ref, ref_opt) == 5 * record, "after a failure every record is read"
     assert _step_both(param, opt, ref, ref_opt) == 3 * record
+    opt.close()
+
+
+def test_a_failed_write_of_a_record_committed_early_is_not_committed_and_the_ring_keeps_its_spare(tmp_path):
+    """One spare extent: every chunk but the last is committed early, once its write is done. The step's first
+    record write fails: that record is not committed, the step rolls back whole, its extent goes back to the
+    ring, and the retried steps are still fused AdamW bit for bit."""
+    param, opt, ref, ref_opt = _pair(tmp_path, spare=1)
+    _step_both(param, opt, ref, ref_opt)
+    assert opt.stats["nvme_early_commits"] == 4
+    before = param.detach().clone()
+    with opt.resident_states(write_back=False):
+        masters = opt.masters[0].clone()
+    _failing_step(opt, 1)  # the step's first record write: the one the second chunk commits early
+    assert torch.equal(param.detach(), before) and opt.stats["nvme_early_commits"] == 4
+    with opt.resident_states(write_back=False):
+        assert torch.equal(opt.masters[0], masters), "a record whose write failed was committed"
+    assert sum(map(len, opt.records.free.values())) == 1, "the failed record's extent is back in the ring"
+    assert opt.records.pool.free_count() == BUFFERS
+    for _ in range(2):
+        _step_both(param, opt, ref, ref_opt)
+    opt.close()
+
+
+def test_streamed_buckets_read_the_next_ones_ahead_and_give_every_buffer_back(tmp_path):
+    """Gradients streamed bucket by bucket (`stream_gradients`, stage 3 without clipping): each bucket's records
+    are stepped as its gradient arrives and the records of the buckets backward makes final next are read
+    ahead into free buffers (`NvmeStream.prefetch`); fused AdamW bit for bit, and after every step each
+    buffer is back in the pool (a record read ahead twice would hold one buffer forever)."""
+    from types import SimpleNamespace
+
+    from zerotrain.offload import NvmeOffloadOptimizer
+    from zerotrain.sharding import ShardGroup
+    from zerotrain.zero.flat import FlatBucket
+
+    sizes, buffers = (900, 700, 500), 4  # a chunk each: a bucket's read-ahead reaches past the next bucket
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+    refs = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True)  # noqa: E731
+    reducer = SimpleNamespace(grad_shards=[None] * 3, shard_ready_callbacks=[], free_final_shards=lambda: None)
+    buckets = [FlatBucket(i, [(f"p{i}", p)], 0, ShardGroup.local()) for i, p in enumerate(params)]
+    opt = NvmeOffloadOptimizer(buckets, None, make(params), [params], 0.0, reducer=reducer, nvme_path=str(tmp_path),
+                               buffer_count=buffers, chunk_numel=CHUNK, stream_gradients=True)
+    ref_opt = make(refs)
+    read_ahead = []
+    real = opt.stream.prefetch
+
+    def prefetch(chunks):
+        real(chunks)
+        read_ahead.append(len(opt.records.prefetched))
+
+    opt.stream.prefetch = prefetch
+    for step in range(3):
+        grads = [torch.randn(n) for n in sizes]
+        for ref, grad in zip(refs, grads):
+            ref.grad = grad.clone()
+        ref_opt.step()
+        reducer.grad_shards = [g.clone() for g in grads]
+        for index in (2, 1, 0):  # backward's order; the reducer frees a shard once it is handed over
+            for callback in reducer.shard_ready_callbacks:
+                callback(index)
+            reducer.grad_shards[index] = None
+        opt.step(list(reducer.grad_shards), 1.0)
+        for param, ref in zip(params, refs):
+            assert torch.equal(param.detach(), ref.detach()), step
+        assert opt.records.pool.free_count() == buffers and not opt.records.prefetched, step
+    assert any(read_ahead), "no record was read ahead"
     opt.close()
 
 

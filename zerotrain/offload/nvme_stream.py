@@ -85,8 +85,11 @@ class NvmeStream:
                 extent = records.claim(chunk)
                 while extent is None:  # the ring of this size is used up: commit its oldest pending record
                     position = next(i for i, (c, _) in enumerate(pending) if c.size_class == chunk.size_class)
-                    early, early_extent = pending.pop(position)
+                    early, early_extent = pending[position]
+                    # pending until its write is done: a failed write leaves it there, for the caller to abort
+                    # (its extent back to the ring), not committed
                     in_flight.pop(early).result()
+                    pending.pop(position)
                     records.commit(early, early_extent)
                     committed.append(early)
                     extent = records.claim(chunk)

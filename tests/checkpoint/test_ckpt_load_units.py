@@ -1,0 +1,143 @@
+"""The pieces of a checkpoint load in-process (`checkpoint/load.py`): the names a weight is looked up under
+(Hugging Face's base-model prefix, a PEFT-wrapped model's base names), the one error for a model that does
+not fit, the optimizer states planned for a shard (scalars shared by its parameters, a shard of padding only),
+and the reads into masters, states and whole tensors (in place, strided, split)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from zerotrain.checkpoint import load
+from zerotrain.checkpoint.format import CheckpointError
+from zerotrain.checkpoint.reader import TensorReader
+from zerotrain.sharding import ShardRecord
+
+
+def _reader(tmp_path, tensors: dict, what: str = "model weights", file: str = "t.safetensors") -> TensorReader:
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / file))
+    return TensorReader(str(tmp_path), {k: file for k in tensors}, what)
+
+
+def test_names_are_looked_up_with_and_without_the_base_model_prefix():
+    model = torch.nn.Module()
+    model.base_model_prefix = "transformer"
+    assert load._name_candidates(model, "transformer.h.0.w", False) == ["transformer.h.0.w"]
+    assert load._name_candidates(model, "transformer.h.0.w", True) == ["transformer.h.0.w", "h.0.w"]
+    assert load._name_candidates(model, "lm_head.weight", True) == ["lm_head.weight", "transformer.lm_head.weight"]
+    assert load._name_candidates(torch.nn.Linear(1, 1), "weight", True) == ["weight"]  # no prefix
+    wrapped = torch.nn.Module()  # a PEFT wrapper: its base model has the prefix
+    wrapped.get_base_model = lambda: model
+    name = "base_model.model.transformer.h.0.attn.base_layer.weight"
+    assert load._name_candidates(wrapped, name, False) == [name, "transformer.h.0.attn.weight"]
+    assert load._name_candidates(wrapped, name, True) == [name, "transformer.h.0.attn.weight", "h.0.attn.weight"]
+
+
+def _slot(records, master=None):
+    return SimpleNamespace(records=records, master=master)
+
+
+def test_a_model_that_does_not_fit_is_one_error_naming_the_first_weight_and_the_count(tmp_path):
+    reader = _reader(tmp_path, {"a": torch.zeros(2, 3), "b": torch.zeros(4), "n": torch.zeros(2, dtype=torch.int64)})
+    module, path = torch.nn.Module(), str(tmp_path)
+    a, b = ShardRecord("a", (2, 3), 0, 6, 0), ShardRecord("b", (5,), 0, 5, 6)
+    c, n = ShardRecord("c", (1,), 0, 1, 11), ShardRecord("n", (2,), 0, 2, 0)
+    load._check_model_fits(reader, module, [_slot([a]), _slot([n, a])], {}, False, path)  # integers, repeats: fine
+    with pytest.raises(CheckpointError, match=r"^tensor 'b' in \S+ has shape \[4\], the model expects \[5\] "
+                                              r"\(2 of 3 model weights this rank loads do not match\): is this a "
+                                              r"checkpoint of another model\?$"):
+        load._check_model_fits(reader, module, [_slot([a, b]), _slot([c, a])], {}, False, path)
+    with pytest.raises(CheckpointError, match=r"^tensor 'c' is missing from the model weights of \S+: is this"):
+        load._check_model_fits(reader, module, [_slot([a, c])], {}, False, path)
+    # a trained weight found in the master files, and a LoRA adapter on a base model's weights, are not missing
+    masters = _reader(tmp_path, {"c": torch.zeros(1)}, "master weights", "m.safetensors")
+    load._check_model_fits(reader, module, [_slot([a, c], master=torch.zeros(12))], {}, False, path, masters=masters)
+    with pytest.raises(CheckpointError, match="'c' is missing"):  # a frozen slot reads the model weights
+        load._check_model_fits(reader, module, [_slot([a, c])], {}, False, path, masters=masters)
+    adapter = ShardRecord("x.lora_A.weight", (1,), 0, 1, 0)
+    load._check_model_fits(reader, module, [_slot([a, adapter])], {}, False, path, base_only=True)
+    with pytest.raises(CheckpointError, match="lora_A"):
+        load._check_model_fits(reader, module, [_slot([a, adapter])], {}, False, path)
+
+
+def test_optimizer_states_of_a_shard_are_planned_and_read_into_place(tmp_path):
+    master = torch.zeros(10)
+    optimizer = torch.optim.AdamW([master], foreach=False)
+    w, v = torch.arange(6.0).reshape(2, 3), -torch.arange(1.0, 5.0)
+    tensors = {"w/exp_avg": w, "w/exp_avg_sq": w * 2, "w/step": torch.tensor(3.0),
+               "v/exp_avg": v, "v/exp_avg_sq": v * 2, "v/step": torch.tensor(3.0)}
+    reader = _reader(tmp_path, tensors, "optimizer states")
+    records = [ShardRecord("w", (2, 3), 1, 5, 0), ShardRecord("v", (4,), 0, 4, 6)]  # w from its 2nd element
+    templates = load._Templates(optimizer)
+    plan = load._plan_states(_slot(records, master), reader, templates, {})
+    assert plan.scalars == {"step": 3.0} and set(plan.states) == {"exp_avg", "exp_avg_sq"}
+    for key, factor in (("exp_avg", 1), ("exp_avg_sq", 2)):
+        target = torch.full((10,), 9.0)
+        for read in plan.states[key]:
+            read.into(target)
+        expected = torch.cat([w.reshape(-1)[1:] * factor, torch.tensor([9.0]), v * factor])
+        assert torch.equal(target, expected), key
+    # a shard of padding only takes any parameter's scalar; parameters of one shard must agree on it
+    assert load._plan_states(_slot([], master), reader, templates, {}).scalars == {"step": 3.0}
+    tensors["v/step"] = torch.tensor(4.0)
+    other = _reader(tmp_path, tensors, "optimizer states", "o.safetensors")
+    with pytest.raises(CheckpointError, match=r"'v/step' is 4.0 but other parameters of the same shard have 3.0"):
+        load._plan_states(_slot(records, master), other, templates, {})
+    no_step = _reader(tmp_path, {"w/exp_avg": w}, "optimizer states", "n.safetensors")
+    with pytest.raises(CheckpointError, match=r"optimizer state 'step' is missing from"):
+        load._plan_states(_slot([], master), no_step, templates, {})
+    with pytest.raises(CheckpointError, match="in no optimizer group"):
+        templates(torch.zeros(10))
+
+
+def test_templates_are_probed_once_per_group_and_read_off_an_existing_state(monkeypatch):
+    first, second, third = torch.zeros(4), torch.zeros(4), torch.zeros(4)
+    optimizer = torch.optim.SGD([{"params": [first, second]}, {"params": [third], "momentum": 0.9}], lr=0.1)
+    probes = []
+    real = load.probe_template
+    monkeypatch.setattr(load, "probe_template", lambda *args: probes.append(args[1]) or real(*args))
+    templates = load._Templates(optimizer)
+    assert templates(first) is templates(second) and probes == [0]
+    assert set(templates(third).elementwise) == {"momentum_buffer"} and probes == [0, 1]
+    optimizer.state[third]["momentum_buffer"] = torch.ones(4)
+    optimizer.state[third]["extra"] = torch.ones(4)  # an existing state is read, not the cached probe
+    assert set(templates(third).elementwise) == {"momentum_buffer", "extra"} and probes == [0, 1, 1]
+
+
+def test_state_tensors_are_reused_only_when_they_fit():
+    master = torch.zeros(6)
+    fits = torch.ones(6)
+    assert load._state_tensor(fits, master, torch.float32) is fits
+    for current in (None, torch.ones(6, dtype=torch.float64), torch.ones(5), 3.0):
+        made = load._state_tensor(current, master, torch.float32)
+        assert made is not current and made.dtype == torch.float32 and torch.equal(made, torch.zeros(6))
+
+
+def test_whole_tensors_are_read_into_parameters_buffers_strided_targets_and_split_slices(tmp_path):
+    from zerotrain.checkpoint.split import RunsRead
+    from zerotrain.parallel.slices import split_slice
+
+    whole = torch.arange(24.0).reshape(4, 6)
+    reader = _reader(tmp_path, {"w": whole})
+    param = torch.nn.Parameter(torch.zeros(4, 6))
+    strided = torch.zeros(6, 4).t()  # a non-contiguous buffer
+    tensor_slice = split_slice((4, 6), 1, 1, 2)  # columns 3-5: strided in the file
+    local = torch.nn.Parameter(torch.zeros(4, 3))
+    with torch.no_grad():  # as `apply` runs every read (`_no_grad`)
+        load._extra_read(load.Read(reader, "w", 0, 24, 0), param)
+        load._extra_read(load.Read(reader, "w", 0, 24, 0), strided)
+        load._extra_read(RunsRead(reader, "w", tensor_slice, 0, 12, 0), local)
+    assert torch.equal(param.detach(), whole) and torch.equal(strided, whole)
+    assert torch.equal(local.detach(), whole[:, 3:])
+    target = torch.zeros(8)
+    load.Read(reader, "w", 5, 3, 2).into(target)
+    assert torch.equal(target, torch.tensor([0, 0, 5, 6, 7, 0, 0, 0.0]))
+    record = ShardRecord("w", (4, 3), 4, 6, 1)  # a split parameter's record: its slice, mapped to the file
+    read = load._record_read(reader, "w", record, {"w": tensor_slice})
+    target = torch.zeros(8)
+    read.into(target)
+    assert torch.equal(target[1:7], whole[:, 3:].reshape(-1)[4:10]) and target[0] == 0 and target[7] == 0
+    with pytest.raises(CheckpointError, match=r"the model expects \[4, 3\]"):  # unsplit: the record's own shape
+        load._record_read(reader, "w", record, {})
