@@ -1,23 +1,31 @@
 """Work per training step of two checkouts of zerotrain, counted: a speed A/B that load does not blur.
 
     python benchmarks/step_work.py --before /path/to/old/checkout --after . --engines zt2 --rounds 4
+    # offload.py's offloaded steps (ZeRO-2; cpu offload, + super_offload; clip 1.0, no clip), by MODES index
+    python benchmarks/step_work.py --before /path/to/old/checkout --after . --engines off0,off1,off2,off3
 
 `refactor_guard.py` compares wall-clock step times, which on a shared 2-core VM move by ±10% with the
 other jobs. This script compares what does not move with load, for the same runs `zero_speed_memory.py`
 makes (its engine setup, 70M GPT, world 2, gloo, one thread per rank), each checkout's code in its own
-processes:
+processes. Engines `off0`..`off3` are `benchmarks/offload.py`'s step modes instead (its MODES by index: the
+70M GPT, ZeRO-2, reduce_bucket_size 2e7, `offload_optimizer` cpu or + super_offload, gradient_clipping 1.0 or 0;
+its random batches and launch environment), one engine per launch: the config is built by `build_engines` of
+the offload.py beside this script (an older checkout's offload.py may lack it) and run by each checkout's own
+`zerotrain.initialize`. For every engine:
 
 * CPU seconds per step (user + sys of the whole process, all threads, `getrusage`), per rank,
   rounds interleaved before/after: far less sensitive to load than wall time (waiting costs none),
   and the minor page faults per step (the kernel's share of fresh allocations);
 * on rank 0, once per checkout: Python function calls per step (cProfile; zerotrain's own functions
   listed where the counts differ), torch ops per step and the bytes they allocate (torch.profiler with
-  `profile_memory`), and the collectives per step with their bytes (the engine's comm counters).
+  `profile_memory`), and the collectives per step with their bytes (the engine's comm counters); cProfile
+  sees the main thread only (super_offload's speculation thread shows in CPU seconds and torch ops).
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import importlib.util
 import json
 import os
@@ -30,6 +38,8 @@ import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Optional
 
 
 def _load_bench(checkout: Path):
@@ -38,6 +48,36 @@ def _load_bench(checkout: Path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@functools.lru_cache(maxsize=None)
+def _offload_bench():
+    """benchmarks/offload.py beside this script: its MODES and `build_engines` (zerotrain from sys.path)."""
+    spec = importlib.util.spec_from_file_location("offload_bench", Path(__file__).resolve().parent / "offload.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _offload_mode(engine: str) -> Optional[int]:
+    """offload.py's MODES index of engine `off<N>`, or None for a zero_speed_memory.py engine."""
+    return int(engine[3:]) if re.fullmatch(r"off\d", engine) else None
+
+
+def _offload_runner(mode: int, model: str, batch: int):
+    """One engine of offload.py's mode `mode`, as a zero_speed_memory.py Runner (its config built by
+    offload.py's `build_engines`, run by the zerotrain on sys.path); the engine, for its close()."""
+    engine = _offload_bench().build_engines({"modes": [mode], "model": model, "batch": batch, "bucket": int(2e7)})[0]
+    runner = SimpleNamespace(forward=lambda x, y: engine(x, y)[1], backward=engine.backward, step=engine.step,
+                             comm=lambda: engine.memory_report()["comm"])
+    return runner, engine
+
+
+def _offload_batches(n: int, batch: int, seq_len: int, rank: int) -> list:
+    """offload.py's batches: random bytes seeded by the rank, the input its own target."""
+    import torch
+    gen = torch.Generator().manual_seed(rank)
+    return [(x, x) for x in (torch.randint(0, 256, (batch, seq_len), generator=gen) for _ in range(n))]
 
 
 def _step(runner, x, y) -> None:
@@ -86,14 +126,19 @@ def worker(spec: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    bench = _load_bench(Path(spec["checkout"]))
     from zerotrain.models import GPTConfig
-    seq_len = min(128, GPTConfig.preset(spec["model"]).block_size)  # zero_speed_memory.py's default
-    args = argparse.Namespace(model=spec["model"], batch=4, seq_len=seq_len, bucket=int(2e7), adamw="fused",
-                              steps=spec["steps"], warmup=2, shape="gpt")  # shape: zero_speed_memory.py >= #27
+    seq_len = min(128, GPTConfig.preset(spec["model"]).block_size)  # both scripts' default
     need = 2 + spec["steps"] + 2 * spec["profile_steps"]
-    batches = bench._make_batches(need, args.batch, args.seq_len, rank)
-    runner = bench._setup(args, spec["engine"])
+    mode, engine = _offload_mode(spec["engine"]), None
+    if mode is not None:
+        batches = _offload_batches(need, 4, seq_len, rank)
+        runner, engine = _offload_runner(mode, spec["model"], 4)
+    else:
+        bench = _load_bench(Path(spec["checkout"]))
+        args = argparse.Namespace(model=spec["model"], batch=4, seq_len=seq_len, bucket=int(2e7), adamw="fused",
+                                  steps=spec["steps"], warmup=2, shape="gpt")  # shape: zero_speed_memory.py >= #27
+        batches = bench._make_batches(need, args.batch, args.seq_len, rank)
+        runner = bench._setup(args, spec["engine"])
     import zerotrain
     assert Path(zerotrain.__file__).resolve().is_relative_to(Path(spec["checkout"]).resolve()), zerotrain.__file__
     for x, y in batches[:2]:  # warm-up
@@ -128,8 +173,12 @@ def worker(spec: dict) -> None:
         else:
             for x, y in rest[n:2 * n]:
                 _step(runner, x, y)
+    if engine is not None:
+        out["offload_stats"] = engine.offload_stats()  # super_offload: speculative / committed / redone steps
     Path(spec["out"] + f".rank{rank}").write_text(json.dumps(out))
     dist.barrier()
+    if engine is not None:
+        engine.close()
     dist.destroy_process_group()
 
 
@@ -143,6 +192,13 @@ def run(checkout: Path, engine: str, steps: int, profile_steps: int, model: str,
     procs = []
     for rank in range(2):
         env = bench._child_env(rank, port, engine)
+        if _offload_mode(engine) is not None:  # offload.py's launch sets no malloc or accelerator variables
+            for key in ("MALLOC_MMAP_THRESHOLD_", "DS_ACCELERATOR", "MKL_NUM_THREADS", "PYTHONUNBUFFERED",
+                        "LOCAL_WORLD_SIZE"):
+                if key in os.environ:
+                    env[key] = os.environ[key]
+                else:
+                    env.pop(key, None)
         env["PYTHONPATH"] = str(checkout)
         procs.append(subprocess.Popen([sys.executable, __file__, "--_worker", spec], env=env))
     codes = [p.wait(timeout=3600) for p in procs]
@@ -153,7 +209,9 @@ def run(checkout: Path, engine: str, steps: int, profile_steps: int, model: str,
 
 def _report(engine: str, found: dict[str, list[list[dict]]]) -> None:
     b_runs, a_runs = found["before"], found["after"]
-    print(f"\n### {engine}\n")
+    mode = _offload_mode(engine)
+    print(f"\n### {engine}" + (f" (offload.py: {_offload_bench().MODES[mode][0]})" if mode is not None else "")
+          + "\n")
     print("| per step | before | after | after / before |\n|---|---|---|---|")
     for rank in range(2):
         b = statistics.median(t for run in b_runs for t in run[rank]["cpu"])
@@ -173,6 +231,8 @@ def _report(engine: str, found: dict[str, list[list[dict]]]) -> None:
         print(f"| CPU s rank {rank}, round medians | {' '.join(f'{v:.2f}' for v in b)} | "
               f"{' '.join(f'{v:.2f}' for v in a)} | |")
     b0, a0 = b_runs[0][0], a_runs[0][0]
+    if "offload_stats" in b0:
+        print(f"| offload_stats() at the end, rank 0 | {b0['offload_stats']} | {a0.get('offload_stats')} | |")
     if "py_calls" not in b0:
         return
     rows = [("Python calls (cProfile)", b0["py_calls"], a0["py_calls"]),
