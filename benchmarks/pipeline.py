@@ -8,10 +8,12 @@ forwards and backwards; the optimizer step after it is not pipelined) and of the
 the other, so wall-clock bubbles at p > 2 mean nothing here. Each row is one fresh 2-rank job; the same GPT and
 global batch are also trained with ZeRO-3 over the same 2 ranks (data parallel: each rank m/2 micro-batches per
 step), and every pipeline row is given as ratios to it: step time, and each stage's peak memory over a ZeRO-3
-rank's (peak RSS growth of the process over its RSS before the model was built: what training added).
+rank's (peak RSS growth of the process over its RSS before the model was built, after the imports and
+the process group: what training added).
 
 At the end it prints, per m, the measured bubble of each schedule beside theory and whether zero-bubble is below
-1F1B, then the ratios to ZeRO-3. One run of the defaults takes about 4 minutes on an idle 2-core machine.
+1F1B, then the ratios to ZeRO-3. No job starts after --max-seconds (default 330), so a run stays near 6 minutes
+even on a slow machine (the jobs left out are named at the end).
 
     python benchmarks/pipeline.py [--preset small] [--steps 6] [--micro 4] [--seq 128] [--out results/pipeline.json]
 """
@@ -75,7 +77,9 @@ def _worker(rank: int, world: int, port: int, job: dict, out: str) -> None:
             blocked[0] += time.perf_counter() - start
 
     schedules._wait_batch_p2p = timed_wait
-    baseline_kib = _rss_kib("VmRSS")  # after the imports, before the model
+    from zerotrain.topology import init_distributed
+    init_distributed()  # the process group (and its threads) before the baseline: what both ways have alike
+    baseline_kib = _rss_kib("VmRSS")  # after the imports and the process group, before the model
     config = GPTConfig.preset(job["preset"], block_size=job["seq"])
     m, micro, seq, steps = job["m"], job["micro"], job["seq"], job["steps"]
     base = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0, "steps_per_print": 0,
@@ -144,6 +148,9 @@ def main() -> None:
     parser.add_argument("--ms", default="2,4,8", help="micro-batches per step (default p, 2p, 4p)")
     parser.add_argument("--schedules", default=",".join((*SCHEDULES, "zero3")))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "pipeline.json"))
+    parser.add_argument("--max-seconds", type=float, default=330.0,
+                        help="start no new job after this long (the run stays near 6 minutes on a slow machine; "
+                             "the jobs left out are named)")
     args = parser.parse_args()
     p = 2
     began = time.perf_counter()
@@ -152,8 +159,12 @@ def main() -> None:
     scratch.parent.mkdir(parents=True, exist_ok=True)
     names = args.schedules.split(",")
     ms = [int(v) for v in args.ms.split(",")]
+    skipped = []
     for m in ms:
         for schedule in names:
+            if time.perf_counter() - began > args.max_seconds:
+                skipped.append(f"m={m} {schedule}")
+                continue
             job = dict(preset=args.preset, schedule=schedule, m=m, micro=args.micro, seq=args.seq, steps=args.steps)
             ranks = run_job(job, scratch, p)
             theory = (p - 1) / (m + p - 1) if schedule in ("gpipe", "1f1b") else None
@@ -171,6 +182,8 @@ def main() -> None:
                   f"theory {'-' if theory is None else f'{theory:.3f}'}  step {row['step_s']:.3f}s  "
                   f"peak growth {row['peak_growth_mib']} MiB", flush=True)
     summary = _summary(rows, ms, names, p)
+    if skipped:
+        summary.append(f"not run (past --max-seconds {args.max_seconds:g}): {', '.join(skipped)}")
     for line in summary:
         print(line)
     elapsed = time.perf_counter() - began
@@ -194,8 +207,9 @@ def _summary(rows: list, ms: list, names: list, p: int) -> list[str]:
             cells.append(f"{'-' if bubble is None else f'{bubble:.3f}':>23s}")
         line = f"  {m:2d}   {(p - 1) / (m + p - 1):.3f} " + " ".join(cells)
         if {"1f1b", "interleaved_zero_bubble"} <= set(pipelines):
-            zb, one = by[(m, "interleaved_zero_bubble")]["bubble"], by[(m, "1f1b")]["bubble"]
-            line += f"  {'yes' if zb < one else 'NO'} ({zb:.3f} vs {one:.3f})"
+            zb, one = (by.get((m, name), {}).get("bubble") for name in ("interleaved_zero_bubble", "1f1b"))
+            if zb is not None and one is not None:
+                line += f"  {'yes' if zb < one else 'NO'} ({zb:.3f} vs {one:.3f})"
         lines.append(line)
     if "zero3" in names:
         lines.append(f"vs ZeRO-3 on the same GPT, {p} ranks, global batch: step time ratio, each stage's peak memory "
