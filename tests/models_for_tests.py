@@ -76,6 +76,28 @@ def train_global_step(engine, step_batch, micro: int, after_micro_step=None) -> 
     return total.item() / (accumulation * world)
 
 
+def accumulated_gradients(params: list, micro_loss, accumulation: int, dp: int,
+                          scale: float = 1.0) -> tuple[list[torch.Tensor], float]:
+    """One step's gradients of `params` as a data-parallel engine with gradient accumulation makes them, in its
+    order: per data-parallel rank the sum of its micro-batches' gradients over their count, then the mean over the
+    ranks (another order, e.g. one whole-batch backward, rounds differently: on a near-zero gradient element Adam
+    turns that into weight differences of 5e-6; any real error is orders of magnitude larger). `micro_loss(index,
+    rank)` is the loss of micro-batch `index` of data-parallel rank `rank`; gradients are of `loss * scale` (fp16's
+    loss scale; summed and divided in the parameters' dtype, as the engine's gradient buffer). Returns (the
+    gradients, the mean unscaled loss)."""
+    total, summed = 0.0, None
+    for rank in range(dp):
+        grads = None
+        for index in range(accumulation):
+            loss = micro_loss(index, rank)
+            micro = torch.autograd.grad(loss * scale if scale != 1.0 else loss, params)
+            grads = list(micro) if grads is None else [a + b for a, b in zip(grads, micro)]
+            total += loss.item() / (accumulation * dp)
+        grads = [g / accumulation for g in grads]
+        summed = grads if summed is None else [a + b for a, b in zip(summed, grads)]
+    return [g / dp for g in summed], total
+
+
 def assert_same_training(losses, weights, ref_losses, ref_weights, where: str = "") -> None:
     """As many losses as the reference, each within 1e-5 relative of its, and every reference weight close to the
     engine's (rtol 1e-5, atol 1e-6); failures name `where` and the tensor."""

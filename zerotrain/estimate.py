@@ -527,6 +527,9 @@ class Activations:
     blocks: int
     sequence_parallel: int = 1  # ranks each sequence is split over (Ulysses): seq_len is the whole sequence
     all_to_all_buffers: int = 0  # transient: the send and receive buffers of the largest sequence exchange
+    per_block: list = field(default_factory=list)     # what each block keeps (a pipeline stage sums its blocks')
+    block_inputs: list = field(default_factory=list)  # each block's input (what checkpointing keeps of it)
+    outside: int = 0                                  # kept outside the blocks (final norm, head, loss)
 
     def as_dict(self) -> dict:
         return {"micro_batch": self.micro_batch, "seq_len": self.seq_len, "without_checkpointing": self.full,
@@ -651,7 +654,7 @@ def measure_activations(model: torch.nn.Module, kind: str, micro_batch: int, seq
         inputs = [-(-n // tensor_parallel) for n in inputs]
     checkpointed = outside + sum(inputs) + max(per_block, default=0)
     return Activations(micro_batch, seq_len, full, checkpointed if blocks else full, len(blocks), sequence_parallel,
-                       0 if exchange is None else 2 * exchange.largest)
+                       0 if exchange is None else 2 * exchange.largest, per_block, list(inputs), outside)
 
 
 # --- the whole estimate ----------------------------------------------------------------------------
@@ -738,6 +741,16 @@ def estimate(model_spec, config_source, world_size: int, options: Optional[list[
     config = load_config(config_source)
     tp = int(config.tensor_parallel.autotp_size)
     sp = int(config.sequence_parallel_size)
+    pp = int(config.pipeline_parallel_size)
+    if pp > 1:  # what the pipeline engine runs (zerotrain.pipe.check_pipeline_config refuses the rest)
+        if tp > 1 or sp > 1:
+            raise ValueError("pipeline_parallel_size with tensor_parallel.autotp_size or sequence_parallel_size > 1 "
+                             "is not available (the engine refuses it too)")
+        if world_size % pp:
+            raise ValueError(f"pipeline_parallel_size: {pp} does not divide the world size {world_size}")
+        if memory is not None:
+            raise ValueError("--memory's largest-model search does not split pipeline stages; estimate without it")
+        world_size //= pp  # below: the ranks of one stage
     if world_size % (tp * sp):
         if tp == 1 or sp == 1:
             key, size = ("sequence_parallel_size", sp) if tp == 1 else ("tensor_parallel.autotp_size", tp)
@@ -762,6 +775,9 @@ def estimate(model_spec, config_source, world_size: int, options: Optional[list[
     whole = model_shape(model, label)  # before the split: the whole model's parameter count
     split_tensor_parallel(model, tp)
     shape = model_shape(model, label)
+    stages = pipeline_split(model, kind, config) if pp > 1 else None
+    if stages is not None:  # the table: a rank of the stage with the most parameters
+        shape = max((stage_shape for _, stage_shape in stages), key=lambda stage_shape: stage_shape.numel)
     if shape.ep_size > 1 and zero_ranks % shape.ep_size:
         raise ValueError(f"the model's experts are split over {shape.ep_size} ranks, which does not divide the "
                          f"{zero_ranks} ZeRO ranks (world / tensor_parallel.autotp_size)")
@@ -770,6 +786,8 @@ def estimate(model_spec, config_source, world_size: int, options: Optional[list[
     if sizes is not None:  # the unset size keys as the memory budget chooses them
         config, plan = sizes(shape, config, zero_ranks, device_type, optimizer, per_node)
         budget_lines = plan.lines()
+    if options is None and pp > 1:  # ZeRO-2/3 with a pipeline are refused
+        options = [option for option in default_options(config) if option.stage <= 1]
     per_option = [estimate_option(shape, config, zero_ranks, option, optimizer, device_type, per_node)
                   for option in (options or default_options(config))]
     micro = micro_batch or int(config.train_micro_batch_size_per_gpu)
@@ -782,6 +800,10 @@ def estimate(model_spec, config_source, world_size: int, options: Optional[list[
               "zero_ranks": zero_ranks, "optimizer": optimizer.name, "device": device_type,
               "config_option": config_option(config).label,
               "options": [m.as_dict() for m in per_option], "activations": activations.as_dict()}
+    if stages is not None:
+        result["world_size"] = world_size * pp
+        result["pipeline"] = pipeline_report(stages, config, activations, zero_ranks, optimizer, device_type,
+                                             per_node)
     if batch_note:
         result["note"] = batch_note
     if budget_lines is not None:
@@ -918,6 +940,72 @@ def format_bytes(nbytes: float) -> str:
     return f"{nbytes / 1024**exponent:.2f} {units[exponent]}" if exponent else f"{int(nbytes)} B"
 
 
+# --- pipeline stages -------------------------------------------------------------------------------
+
+
+def pipeline_split(model: torch.nn.Module, kind: str, config) -> list[tuple[list[int], ModelShape]]:
+    """Per pipeline rank (`pipeline_parallel_size`, the config's `pipeline.schedule` and `stages_per_rank`): the
+    indices of the layers it holds and their parameters, cut as the engine cuts them (`zerotrain.pipe`: a
+    Hugging Face model's split, `pipe.hf`; the GPT's layers, `pipe.gpt`; balanced by parameters). Layer 0 is the
+    embedding, layers 1..n the blocks, then the final norm and the head (a tied head counted again on the stage
+    holding it: it keeps a copy)."""
+    from .pipe import Placement, PipelineModule
+
+    pp, pipe = int(config.pipeline_parallel_size), config.pipeline
+    if kind == "hf":
+        from .pipe.hf import causal_lm_pipeline
+        module = causal_lm_pipeline(model, pp)
+    elif kind == "gpt":
+        from .pipe.gpt import gpt_layers
+        module = PipelineModule(gpt_layers(model.config), num_stages=pp)
+    else:
+        raise ValueError("pipeline_parallel_size: the estimate splits a GPT preset or a Hugging Face model "
+                         "(a PipelineModule of your own layers is not estimated yet)")
+    placement = Placement(pp, pipe.pieces_per_rank, v_shape=pipe.schedule == "zbv_zero_bubble")
+    bounds = module.partition(placement.pieces)
+    layer_params = module.layer_parameters()
+    out = []
+    for rank in range(pp):
+        layers = [i for piece in placement.pieces_of(rank) for i in range(bounds[piece], bounds[piece + 1])]
+        params = [ParamInfo(f"{i}.{j}", numel, trainable) for i in layers
+                  for j, (numel, trainable) in enumerate(layer_params[i])]
+        out.append((layers, ModelShape(params, [], name=f"stage {rank}")))
+    return out
+
+
+def pipeline_report(stages: list[tuple[list[int], ModelShape]], config, activations: Activations, dp_size: int,
+                    optimizer: OptimizerState, device_type: str, ranks_per_node: Optional[int]) -> dict:
+    """Per stage: its layers and parameters, the config's option's bytes per rank for them, the activations one
+    micro-batch leaves on it (its blocks' share of the meta forward's, the final norm, head and loss on the last
+    stage; with checkpointing: its blocks' inputs and one block's recompute) and how many micro-batches the
+    schedule holds in flight there (`pipe.schedule.in_flight`), so the activations in flight."""
+    from .pipe.schedule import in_flight
+
+    pp, pipe = len(stages), config.pipeline
+    m = int(config.gradient_accumulation_steps)
+    flights = in_flight(pipe.schedule, pp, m, pipe.pieces_per_rank)
+    last = max(layer for layers, _ in stages for layer in layers)
+    blocks = len(activations.per_block)
+    rows = []
+    for rank, ((layers, shape), flight) in enumerate(zip(stages, flights)):
+        mine = [layer - 1 for layer in layers if 1 <= layer <= blocks]  # layer i is block i - 1
+        outside = activations.outside if last in layers else 0
+        per_micro = outside + sum(activations.per_block[b] for b in mine)
+        checkpointed = outside + sum(activations.block_inputs[b] for b in mine) + \
+            max((activations.per_block[b] for b in mine), default=0)
+        states = estimate_option(shape, config, dp_size, config_option(config), optimizer, device_type,
+                                 ranks_per_node)
+        rows.append({"stage": rank, "layers": layers, "parameters": shape.numel,
+                     "trainable": shape.trainable_numel, "device_states": states.total("device"),
+                     "in_flight": flight, "activations_per_micro_batch": per_micro,
+                     "activations_per_micro_batch_checkpointed": checkpointed,
+                     "activations_in_flight": int(per_micro * flight),
+                     "activations_in_flight_checkpointed": int(checkpointed * flight)})
+    theory = (pp - 1) / (m + pp - 1) if pipe.schedule in ("gpipe", "1f1b") else None
+    return {"stages": pp, "schedule": pipe.schedule, "stages_per_rank": pipe.pieces_per_rank, "micro_batches": m,
+            "bubble_fraction": theory, "ranks_per_stage": dp_size, "per_stage": rows}
+
+
 # --- the command -----------------------------------------------------------------------------------
 
 
@@ -1045,6 +1133,7 @@ def _print_table(result: dict, memory: Optional[int]) -> None:
         "'+ act. (ckpt)' = device total + activations with checkpointing + transient step buffers "
         "(gradient staging, stage-3 gathers, ZeRO++ scratch and hpZ secondaries; see --json).",
     ]
+    footer.extend(_pipeline_lines(result.get("pipeline")))
     if result.get("note"):
         footer.append(f"note: {result['note']}.")
     if result.get("memory_budget"):  # the unset size keys, as the engine's memory budget chooses them
@@ -1081,3 +1170,25 @@ def _print_table(result: dict, memory: Optional[int]) -> None:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
     for line in footer:
         print(line)
+
+
+def _pipeline_lines(pipeline: Optional[dict]) -> list[str]:
+    """The per-stage lines of `zerotrain estimate` with a pipeline (none without)."""
+    if not pipeline:
+        return []
+    bubble = pipeline["bubble_fraction"]
+    lines = [f"pipeline: {pipeline['stages']} stages x {pipeline['ranks_per_stage']} data-parallel ranks, "
+             f"{pipeline['schedule']} ({pipeline['stages_per_rank']} piece(s) per rank), "
+             f"{pipeline['micro_batches']} micro-batches per step"
+             + (f", bubble (p-1)/(m+p-1) = {bubble:.3f}" if bubble is not None else "")
+             + "; the table above is a rank of the stage with the most parameters. Per stage:"]
+    for row in pipeline["per_stage"]:
+        layers = row["layers"]
+        span = f"{layers[0]}-{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) else \
+            ",".join(str(layer) for layer in layers)
+        lines.append(f"  stage {row['stage']}: layers {span}, {row['parameters']:,} parameters, model states "
+                     f"{format_bytes(row['device_states'])}; {row['in_flight']:g} micro-batches in flight x "
+                     f"{format_bytes(row['activations_per_micro_batch'])} = "
+                     f"{format_bytes(row['activations_in_flight'])} of activations "
+                     f"({format_bytes(row['activations_in_flight_checkpointed'])} checkpointed)")
+    return lines

@@ -11,6 +11,7 @@ The untied run saves before its last step; its checkpoint holds the Hugging Face
 `from_pretrained` in the test process), a plain ZeRO-1 run at DP4 (no pipeline) resumes it and trains the last step
 exactly, saves it again at once, and a PP4 x DP1 pipeline resumes that plain checkpoint and trains the last step
 exactly too (the reverse direction; 4 stages: embedding + layer, 2 layers, layer + norm + head).
+`lora_case` runs in the world-2 launch: the tied Llama with peft's LoRA at PP2, checked by `check_lora_case`.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import os
 import pytest
 import torch
 
-from models_for_tests import micro_slice
+from models_for_tests import accumulated_gradients, micro_slice
 
 pytest.importorskip("transformers")
 
@@ -118,35 +119,99 @@ def hf_cases(save_dir: str) -> list:
     return out
 
 
-def reference(tied: bool, dp: int = 2, accumulation: int = 2) -> dict:  # tied: packed batches
-    """Plain AdamW on the whole model, each micro-batch's `.loss` (HF's own), gradients summed per data-parallel
-    rank over its micro-batches, divided by their count, then the mean over ranks (the engine's order)."""
+def lora_llama(tied: bool):
+    """`llama(tied)` with peft's LoRA on q_proj, v_proj and up_proj, A and B both random (peft's zero B would
+    give A no gradient at the first step)."""
+    from peft import LoraConfig, get_peft_model
     model = llama(tied)
-    params = [p for _, p in model.named_parameters()]
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                                            target_modules=["q_proj", "v_proj", "up_proj"]))
+
+
+def reference(tied: bool, dp: int = 2, accumulation: int = 2, lora: bool = False) -> dict:  # tied: packed batches
+    """Plain AdamW on the whole model's trainable parameters (with `lora`: peft's adapters), each micro-batch's
+    `.loss` (HF's own), gradients summed in the engine's order (`accumulated_gradients`). With `lora` also the
+    trained model merged by peft (`merge_and_unload`)."""
+    model = lora_llama(tied) if lora else llama(tied)
+    params = [p for _, p in model.named_parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
     losses, norms, before_last = [], [], None
     for step, batch in enumerate(batches(MICRO * accumulation * dp, packed=tied)):
         if step == STEPS - 1:
             before_last = {n: p.detach().clone() for n, p in model.named_parameters()}
-        total, summed = 0.0, None
-        for rank in range(dp):
-            grads = None
-            for index in range(accumulation):
-                ids, mask, positions, labels = micro_slice(batch, index, rank, dp, MICRO)
-                loss = model(**model_inputs(ids, mask, positions, tied), labels=labels).loss
-                micro = torch.autograd.grad(loss, params)
-                grads = micro if grads is None else [a + b for a, b in zip(grads, micro)]
-                total += loss.item() / (accumulation * dp)
-            grads = [g / accumulation for g in grads]
-            summed = grads if summed is None else [a + b for a, b in zip(summed, grads)]
-        for param, grad in zip(params, summed):
-            param.grad = grad / dp
+
+        def micro_loss(index: int, rank: int) -> torch.Tensor:
+            ids, mask, positions, labels = micro_slice(batch, index, rank, dp, MICRO)
+            return model(**model_inputs(ids, mask, positions, tied), labels=labels).loss
+
+        grads, total = accumulated_gradients(params, micro_loss, accumulation, dp)
+        for param, grad in zip(params, grads):
+            param.grad = grad
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(total)
-    return dict(losses=losses, norms=norms, before_last=before_last,
-                weights={n: p.detach() for n, p in model.named_parameters()})
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    merged = {n: p.detach() for n, p in model.merge_and_unload().named_parameters()} if lora else None
+    return dict(losses=losses, norms=norms, before_last=before_last, weights=weights, merged=merged)
+
+
+def lora_case(save_dir: str) -> dict:
+    """World 2: the tied Llama with LoRA (`lora_llama`) at PP2 (1F1B, accumulation 2, packed micro-batches), built
+    as `zerotrain train --lora-r` builds its engine (the adapter's PEFT files in every checkpoint); saves at the
+    end."""
+    from zerotrain.sharding import is_pipeline_replica
+    from zerotrain.train.command import train_engine
+
+    model = lora_llama(True)
+    engine = train_engine(model, config("1f1b", 2, 2), lora=True)
+    assert (engine.topology.pp_size, engine.topology.dp_size) == (2, 1)
+    losses, norms = [], []
+    for batch in batches(MICRO * 2, packed=True):
+        data = pipeline_micro_batches(batch, 2, 0, 1, packed=True)
+        losses.append(float(engine.train_batch(data)))
+        norms.append(engine.get_global_grad_norm())
+    engine.save_checkpoint(save_dir, tag="lora")
+    out = dict(losses=losses, norms=norms,
+               replicas=sorted(n for n, p in engine.module.named_parameters() if is_pipeline_replica(p)),
+               trainable=sorted(n for n, p in engine.module.named_parameters() if p.requires_grad),
+               weights={n: p.detach().clone() for n, p in engine.module.named_parameters()})
+    engine.close()
+    return out
+
+
+def check_lora_case(results: list, save_dir) -> None:
+    """`results`: both ranks' `lora_case`; `save_dir`: where it saved. Losses, norms and every weight (adapters
+    trained, the base unchanged) equal single-process peft LoRA training; the checkpoint's adapter files load
+    with peft's `PeftModel.from_pretrained` and its merged export (`zerotrain ckpt export --merge-lora`) equals
+    peft's `merge_and_unload`, as without a pipeline."""
+    import transformers
+    from peft import PeftModel
+
+    from zerotrain.checkpoint.tools import export_model
+
+    ref = reference(True, dp=1, accumulation=2, lora=True)
+    where = "Llama LoRA PP2"
+    assert ref["norms"][0] > 2 * CLIP, "clipping must be active for the norm to matter"
+    joined: dict = {}
+    for got in results:
+        for what in ("losses", "norms"):
+            for value, expected in zip(got[what], ref[what], strict=True):
+                assert abs(value - expected) <= 1e-5 * abs(expected), (where, what, got[what], ref[what])
+        assert all(".lora_" in name for name in got["trainable"]) and got["trainable"], (where, got["trainable"])
+        joined.update({n: w for n, w in got["weights"].items() if n not in got["replicas"]})
+    assert [r["replicas"] for r in results] == [[], ["base_model.model.lm_head.weight"]], where
+    assert_weights(joined, ref["weights"], where)  # the adapters trained as peft's, the base unchanged
+    initial = dict(lora_llama(True).named_parameters())
+    moved = {n for n, w in joined.items() if not torch.equal(w, initial[n])}
+    assert moved and all(".lora_" in n for n in moved), (where, sorted(moved))
+    adapter = PeftModel.from_pretrained(llama(True), str(save_dir / "lora"))
+    assert_weights({n: p.detach() for n, p in adapter.named_parameters() if ".lora_" in n},
+                   {n: w for n, w in ref["weights"].items() if ".lora_" in n}, f"{where} adapter files")
+    export_model(str(save_dir / "lora"), str(save_dir / "merged"), merge_lora="")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(save_dir / "merged"))
+    assert_weights({n: p.detach() for n, p in merged.named_parameters()}, ref["merged"], f"{where} merged export")
 
 
 def assert_weights(got: dict, want: dict, where: str) -> None:

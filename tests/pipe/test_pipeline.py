@@ -5,14 +5,17 @@ head on the last) split into pipeline pieces, with gradient accumulation (micro-
 gradient clipping, against plain single-process AdamW over the whole batches: losses, global gradient norms
 (over every stage, the tied weight once) and weights within 1e-5; the tied copies equal on both stages.
 One launch per world size: world 2 (PP2: 1F1B, interleaved 1F1B, interleaved zero-bubble with activation
-checkpointing) and world 4
+checkpointing; the 1F1B case saves asynchronously before its last step, resumed at PP2 and PP1 x DP2 exactly; fp16
+with dynamic loss scaling against single-process fp16 with the same scaler, an overflow in a stage-1 gradient only
+skipping the step on both stages; tests/pipe/hf_llama.py's LoRA Llama against single-process peft) and world 4
 (PP2 x DP2 with ZeRO-1: 1F1B, interleaved 1F1B, ZBV zero-bubble). The world-4 launch also checkpoints: its 1F1B
 case saves before its last step, and the same launch loads that checkpoint at PP1 x DP4 and PP4 x DP1 (world 4
 has no PP2 x DP1; PP4 x DP1 changes the stage count and the data-parallel size at once) and trains the last step:
 equal to the uninterrupted run, the tied head's copy read from the embedding's entries (stored once). The same
 world-4 launch runs tests/pipe/hf_llama.py's cases: a Hugging Face Llama split from "pipeline_parallel_size" alone
 (padded and packed micro-batches, tied and untied head), its checkpoint under the Hugging Face names read by
-`from_pretrained`, resumed by a plain ZeRO run and that run's checkpoint by a PP4 pipeline.
+`from_pretrained`, resumed by a plain ZeRO run and that run's checkpoint by a PP4 pipeline. `zerotrain estimate`'s
+per-stage accounting is checked without a launch.
 """
 from __future__ import annotations
 
@@ -23,21 +26,22 @@ import torch
 import torch.nn as nn
 
 from distributed import run_distributed
-from models_for_tests import micro_slice
+from models_for_tests import accumulated_gradients, micro_slice
 
 STEPS, MICRO, LR, CLIP, SEQ, BASE_SEED = 3, 2, 1e-2, 0.05, 8, 1234
 
 
-def gpt_config():
+def gpt_config(tied: bool = True):
     from zerotrain.models.gpt import GPTConfig
     # no biases: a key bias gets an exactly-zero gradient, whose rounding noise Adam would turn into lr-sized steps
-    return GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=16, block_size=SEQ, n_inner=37, bias=False)
+    return GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=16, block_size=SEQ, n_inner=37, bias=False,
+                     tie_weights=tied)
 
 
-def batches(global_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(global_batch: int, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(7)
     return [(torch.randint(0, 64, (global_batch, SEQ), generator=generator),
-             torch.randint(0, 64, (global_batch, SEQ), generator=generator)) for _ in range(STEPS)]
+             torch.randint(0, 64, (global_batch, SEQ), generator=generator)) for _ in range(steps)]
 
 
 def config(schedule: str, stage: int, accumulation: int, **pipeline) -> dict:
@@ -48,10 +52,11 @@ def config(schedule: str, stage: int, accumulation: int, **pipeline) -> dict:
             "pipeline": {"schedule": schedule, **pipeline}}
 
 
-def train_cases(cases: list, save_dir: str = "") -> list:
+def train_cases(cases: list, save_dir: str = "", async_save: bool = False, resume_stages: tuple = (1, 4)) -> list:
     """On each rank: train every (schedule, ZeRO stage, accumulation) case; per case its losses, norms, this
     rank's named weights, which of them are replicas of a tied weight, and its grid place. With `save_dir`: the
-    first case also saves a checkpoint after step STEPS - 1, and `resume` loads it at other shapes."""
+    first case also saves a checkpoint after step STEPS - 1 (in the background with `async_save`: the next
+    train_batch fences it), and `resume` loads it at each of `resume_stages` pipeline sizes."""
     import zerotrain
     from zerotrain.pipe import PipelineModule
     from zerotrain.pipe.gpt import gpt_layers, gpt_loss
@@ -71,10 +76,12 @@ def train_cases(cases: list, save_dir: str = "") -> list:
         for layer in module.children():  # (counted in forward itself: module hooks do not fire in the recompute)
             if type(layer).__name__ == "Block":
                 layer.forward = lambda *args, forward=layer.forward: (calls.append(1), forward(*args))[1]
-        losses, norms = [], []
+        losses, norms, pending = [], [], None
         for step, batch in enumerate(batches(MICRO * accumulation * dp)):
-            if save_dir and not out and step == STEPS - 1:  # PP2 x DP2, ZeRO-1: saved before the last step
-                engine.save_checkpoint(save_dir, tag="resume", client_state={"data_step": step})
+            if save_dir and not out and step == STEPS - 1:  # saved before the last step
+                engine.save_checkpoint(save_dir, tag="resume", client_state={"data_step": step},
+                                       async_save=async_save)
+                pending = engine.last_save()[0]  # still being written while the last step trains (async)
             reads = []
 
             def micro_batches():
@@ -103,10 +110,11 @@ def train_cases(cases: list, save_dir: str = "") -> list:
         replicas = sorted(n for n, p in module.named_parameters() if is_pipeline_replica(p))
         out.append(dict(case=(schedule, stage, accumulation, *pipeline), losses=losses, norms=norms, eval=evaluation,
                         weights=weights, replicas=replicas, stage_id=engine.stage_id, dp_rank=dp_rank,
-                        global_steps=engine.global_steps))
-        engine.close()  # the saving engine releases its save directory's lock
-    if save_dir:  # the batch size: MICRO x accumulation x dp = 8 samples at every shape
-        out += [resume(save_dir, 1, accumulation=1), resume(save_dir, 4, accumulation=4)]
+                        global_steps=engine.global_steps, pending=pending))
+        engine.close()  # the saving engine releases its save directory's lock (after a pending save commits)
+    # the batch size: MICRO x accumulation x dp = MICRO x 2 x world / 2 samples at every shape (accumulation =
+    # the stage count: world / stages data-parallel ranks)
+    out += [resume(save_dir, stages, accumulation=stages) for stages in (resume_stages if save_dir else ())]
     return out
 
 
@@ -135,14 +143,14 @@ class Reference(nn.Module):
     """The same layers in one process (each built under seed base + index, as seed_layers builds them), tied
     positions sharing one module: plain PyTorch."""
 
-    def __init__(self) -> None:
+    def __init__(self, config=None) -> None:
         super().__init__()
         from zerotrain.pipe import TiedLayerSpec
         from zerotrain.pipe.gpt import gpt_layers
         self.layers = nn.ModuleDict()
         self.steps = []
         tied: dict = {}
-        for index, spec in enumerate(gpt_layers(gpt_config())):
+        for index, spec in enumerate(gpt_layers(config or gpt_config())):
             if isinstance(spec, TiedLayerSpec) and spec.key in tied:
                 module = tied[spec.key]
             else:
@@ -161,10 +169,8 @@ class Reference(nn.Module):
 
 
 def reference(accumulation: int, dp: int) -> tuple[list, list, list, dict]:
-    """Plain AdamW over the whole batches, each the mean of its micro-batch losses: per data-parallel rank the
-    sum of its micro-batches' gradients over their count, then the mean over ranks, summed in that order as the
-    engine sums (another order, e.g. one whole-batch backward, rounds differently: on a near-zero gradient element
-    Adam turns that into weight differences of 5e-6, measured; any real error is orders of magnitude larger)."""
+    """Plain AdamW over the whole batches, each the mean of its micro-batch losses, gradients summed in the
+    engine's order (`accumulated_gradients`)."""
     from zerotrain.pipe.gpt import gpt_loss
     model = Reference()
     params = list(model.parameters())
@@ -172,19 +178,13 @@ def reference(accumulation: int, dp: int) -> tuple[list, list, list, dict]:
     losses, norms = [], []
     count = accumulation * dp
     for batch in batches(MICRO * count):
-        total, summed = 0.0, None
-        for rank in range(dp):
-            grads = None
-            for index in range(accumulation):
-                x, y = micro_slice(batch, index, rank, dp, MICRO)
-                loss = gpt_loss(model(x), y)
-                micro = torch.autograd.grad(loss, params)
-                grads = micro if grads is None else [a + b for a, b in zip(grads, micro)]
-                total += loss.item() / count
-            grads = [g / accumulation for g in grads]
-            summed = grads if summed is None else [a + b for a, b in zip(summed, grads)]
-        for param, grad in zip(params, summed):
-            param.grad = grad / dp
+        def micro_loss(index: int, rank: int) -> torch.Tensor:
+            x, y = micro_slice(batch, index, rank, dp, MICRO)
+            return gpt_loss(model(x), y)
+
+        grads, total = accumulated_gradients(params, micro_loss, accumulation, dp)
+        for param, grad in zip(params, grads):
+            param.grad = grad
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
         optimizer.step()
         optimizer.zero_grad()
@@ -240,16 +240,141 @@ def check_against_reference(results: list, world: int) -> None:
                 assert_weight_close(got["weights"][name], ref_weights[owner_name], f"{where} replica {name}")
 
 
-def test_pp2_schedules_match_single_process():
+FP16_STEPS, OVERFLOW_STEP = 4, 2
+
+
+def fp16_config() -> dict:
+    # hysteresis 1: the overflow halves the scale at once (the scaler's own rules are tests/test_loss_scaler.py's)
+    return dict(config("1f1b", 1, 2), fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1})
+
+
+def _overflow(grad: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(grad, float("inf"))
+
+
+def fp16_case() -> dict:
+    """World 2: the untied GPT at PP2 in fp16 (dynamic loss scale, 1F1B, accumulation 2, active clipping). At step
+    OVERFLOW_STEP the gradient of the final LayerNorm's weight (layer 3, on stage 1 only) is made inf: every stage
+    must skip that step (stage 0's gradients are finite) and halve the scale. Per step the loss, the norm and the
+    loss scale; rank 0 also the whole fp32 masters of both stages (`full_state_dict`)."""
+    import zerotrain
+    from zerotrain.pipe import PipelineModule
+    from zerotrain.pipe.gpt import gpt_layers, gpt_loss
+
+    module = PipelineModule(gpt_layers(gpt_config(tied=False)), num_stages=2, loss_fn=gpt_loss,
+                            partition_method="uniform", seed_layers=True, base_seed=BASE_SEED)
+    engine, _, _, _ = zerotrain.initialize(model=module, config=fp16_config())
+    assert all(p.dtype == torch.float16 for p in module.parameters())
+    losses, norms, scales = [], [], []
+    for step, batch in enumerate(batches(MICRO * 2, FP16_STEPS)):
+        hook = None
+        if step == OVERFLOW_STEP and engine.is_last_stage():
+            hook = module.get_submodule("3").weight.register_hook(_overflow)
+        losses.append(float(engine.train_batch(iter([micro_slice(batch, i, 0, 1, MICRO) for i in range(2)]))))
+        norms.append(engine.get_global_grad_norm())
+        scales.append(engine.loss_scale)
+        if hook is not None:
+            hook.remove()
+    weights = engine.full_state_dict()  # rank 0: every stage's masters
+    engine.close()
+    return dict(losses=losses, norms=norms, scales=scales, stage_id=engine.stage_id, weights=weights)
+
+
+def fp16_reference() -> dict:
+    """Single-process fp16 with fp32 masters and the same loss scaler (`zerotrain.precision.LossScaler` from the
+    same config): gradients of the scaled loss in fp16, summed and divided in fp16 as the engine's buffer; an
+    overflow skips the step; else unscaled in fp32, clipped, AdamW on the masters, copied back to fp16."""
+    from zerotrain.config import load_config
+    from zerotrain.pipe.gpt import gpt_loss
+    from zerotrain.precision import LossScaler
+
+    model = Reference(gpt_config(tied=False))
+    names = [n.removeprefix("layers.") for n, _ in model.named_parameters()]
+    # the fp32 masters start from the fp16 weights, as the engine makes them (and DeepSpeed's fp16 optimizer)
+    masters = [p.detach().half().float() for p in model.parameters()]
+    model.half()
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(masters, lr=LR, weight_decay=0.01)
+    scaler = LossScaler.from_config(load_config(fp16_config()).fp16)
+    losses, norms, scales = [], [], []
+    norm_weight = next(i for i, p in enumerate(params) if p is model.layers["3"].weight)
+    for step, batch in enumerate(batches(MICRO * 2, FP16_STEPS)):
+        def micro_loss(index: int, rank: int) -> torch.Tensor:
+            x, y = micro_slice(batch, index, rank, 1, MICRO)
+            return gpt_loss(model(x), y)
+
+        grads, total = accumulated_gradients(params, micro_loss, 2, 1, scale=scaler.scale)
+        if step == OVERFLOW_STEP:  # what the engine's hook does to that gradient
+            grads[norm_weight] = _overflow(grads[norm_weight])
+        overflow = not all(bool(torch.isfinite(g).all()) for g in grads)
+        norm = None
+        if not overflow:
+            for master, grad in zip(masters, grads):
+                master.grad = grad.float() / scaler.scale
+            norm = float(torch.nn.utils.clip_grad_norm_(masters, CLIP))
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():
+                for param, master in zip(params, masters):
+                    param.copy_(master)
+        scaler.update(overflow)
+        losses.append(total)
+        norms.append(norm)
+        scales.append(scaler.scale)
+    return dict(losses=losses, norms=norms, scales=scales, weights=dict(zip(names, masters)))
+
+
+def check_fp16(results: list) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # fp16 kernels round by their blocking: one thread, as each rank runs
+    try:
+        ref = fp16_reference()
+    finally:
+        torch.set_num_threads(threads)
+    where = "world 2, PP2 fp16"
+    assert ref["norms"][0] > 2 * CLIP, "clipping must be active for the norm to matter"
+    assert ref["norms"][OVERFLOW_STEP] is None and ref["scales"][OVERFLOW_STEP] == ref["scales"][0] / 2, ref
+    for got in results:  # on every rank: the same losses, norms and scale, the overflow step skipped
+        assert got["scales"] == ref["scales"], (where, got["stage_id"], got["scales"], ref["scales"])
+        for what in ("losses", "norms"):
+            for step, (value, expected) in enumerate(zip(got[what], ref[what], strict=True)):
+                if expected is not None:
+                    assert abs(value - expected) <= 1e-5 * abs(expected), (where, what, step, got[what], ref[what])
+    weights = results[0]["weights"]  # stage 0's included: had it stepped on the overflow, they would differ
+    assert sorted(weights) == sorted(ref["weights"]), (where, sorted(weights))
+    for name, expected in ref["weights"].items():
+        assert_weight_close(weights[name], expected, f"{where} {name}")
+
+
+def world2_cases(cases: list, save_dir: str, lora_dir: str) -> dict:
+    """The world-2 launch: the GPT cases (the first saves asynchronously before its last step, resumed at PP2 x
+    DP1 and PP1 x DP2), the fp16 case and tests/pipe/hf_llama.py's LoRA case."""
+    from hf_llama import lora_case
+    return {"gpt": train_cases(cases, save_dir, async_save=True, resume_stages=(2, 1)), "fp16": fp16_case(),
+            "lora": lora_case(lora_dir)}
+
+
+@pytest.mark.timeout(600)  # one world-2 launch of 8 engines and their references
+def test_pp2_schedules_fp16_lora_async_save_match_single_process(tmp_path):
     # zero-bubble with activation checkpointing: recomputation under its separate input / weight backward passes
+    from hf_llama import check_lora_case
     cases = [("1f1b", 0, 2), ("interleaved_1f1b", 1, 4),
              ("interleaved_zero_bubble", 1, 2, {"activation_checkpoint_interval": 1})]
-    check_against_reference(run_distributed(train_cases, 2, cases), 2)
+    (tmp_path / "gpt").mkdir()
+    (tmp_path / "lora").mkdir()
+    results = run_distributed(world2_cases, 2, cases, str(tmp_path / "gpt"), str(tmp_path / "lora"), timeout=300)
+    gpt = [rank["gpt"] for rank in results]
+    check_against_reference(gpt, 2)
+    assert [rank[0]["pending"] for rank in gpt] == [True, True]  # async: still being written when the call returned
+    check_resumes(gpt, tmp_path / "gpt", 2, (2, 1))
+    check_fp16([rank["fp16"] for rank in results])
+    check_lora_case([rank["lora"] for rank in results], tmp_path / "lora")
 
 
-def check_resumes(results: list, save_dir) -> None:
-    """The checkpoint saved at PP2 x DP2 before the last step, loaded at PP1 x DP4 and PP4 x DP1: the last step
-    continues exactly as the uninterrupted run (the reference), every weight and the tied copies."""
+def check_resumes(results: list, save_dir, world: int, stages_list: tuple) -> None:
+    """The checkpoint saved at PP2 x DP(world / 2) before the last step, loaded at each of `stages_list` pipeline
+    sizes x (world / stages) data-parallel ranks: the last step continues exactly as the uninterrupted run (the
+    reference), every weight and the tied copies."""
     from safetensors import safe_open
     keys = set()
     for path in (save_dir / "resume").glob("*.safetensors"):
@@ -258,10 +383,11 @@ def check_resumes(results: list, save_dir) -> None:
     last = len(gpt_layers_names()) - 1  # the tied head's position: stored once, under the embedding's name
     assert "0.wte.weight" in keys and "0.wte.weight/exp_avg_sq" in keys, sorted(keys)
     assert not any(key.startswith(f"{last}.") for key in keys), sorted(keys)
-    ref_losses, _, _, ref_weights = reference(2, 2)
-    for stages in (1, 4):
+    ref_losses, _, _, ref_weights = reference(2, world // 2)
+    for stages in stages_list:
         per_rank = [got for rank in results for got in rank if got.get("resume") == stages]
-        where = f"resumed at PP{stages} x DP{4 // stages}"
+        where = f"resumed at PP{stages} x DP{world // stages}"
+        assert len(per_rank) == world, where
         joined = {}
         for got in per_rank:
             assert (got["loaded_steps"], got["global_steps"]) == (STEPS - 1, STEPS), where
@@ -298,7 +424,8 @@ def test_pp2_dp2_zero1_gpt_and_hf_llama_match_single_process(tmp_path):
     results = run_distributed(world4_cases, 4, cases, str(tmp_path / "gpt"), str(tmp_path / "hf"), timeout=300)
     gpt = [rank["gpt"] for rank in results]
     check_against_reference(gpt, 4)
-    check_resumes(gpt, tmp_path / "gpt")
+    assert [rank[0]["pending"] for rank in gpt] == [False] * 4  # a synchronous save: committed on return
+    check_resumes(gpt, tmp_path / "gpt", 4, (1, 4))
     check_hf_cases([rank["hf"] for rank in results], tmp_path / "hf")
 
 
@@ -348,3 +475,71 @@ def test_partition_methods():
     assert PipelineModule(layers, 2, partition_method="type:Block").partition(2) in ([0, 2, 5], [0, 3, 5])
     bounds = PipelineModule(layers, 2, partition_method="parameters").partition(2)
     assert bounds == [0, 2, 5]  # embedding + block | block + norm + head (the tied head counts again)
+
+
+def test_estimate_per_stage(tmp_path, capsys):
+    """`zerotrain estimate` with `pipeline_parallel_size`: the engine's cut (embedding first, head last, every layer
+    once), each stage's parameters, its share of one micro-batch's activations (they add up to the whole model's)
+    and the micro-batches each schedule holds in flight there: GPipe m on every stage, 1F1B min(m, p - s), the
+    multi-piece schedules read off torch's order of actions."""
+    import json
+
+    import transformers
+
+    from zerotrain.cli import main
+    from zerotrain.estimate import estimate
+    from zerotrain.pipe.schedule import in_flight
+
+    assert in_flight("gpipe", 2, 4) == [4, 4]
+    assert in_flight("1f1b", 2, 4) == [2, 1] and in_flight("1f1b", 4, 8) == [4, 3, 2, 1]
+    assert in_flight("1f1b", 4, 2) == [2, 2, 2, 1]  # fewer micro-batches than stages
+    assert in_flight("looped_bfs", 2, 4, 2) == [4, 4]  # every forward of every piece before the first backward
+    # interleaved 1F1B (p=2, m=4, 2 pieces per rank): rank 0 runs (2-1)*2 + 2*(2-1-0) = 4 piece-forwards, then
+    # forward + backward in turn (5 held: 2.5 whole shares); rank 1 2 + 0, then 3 held
+    assert in_flight("interleaved_1f1b", 2, 4, 2) == [2.5, 1.5]
+    for name in ("interleaved_zero_bubble", "zbv_zero_bubble"):  # deferred weight passes: never above GPipe's
+        flights = in_flight(name, 2, 4, 2)
+        assert all(0 < f <= 4 for f in flights) and flights[0] >= flights[1], (name, flights)
+
+    llama = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                     tie_word_embeddings=False)
+    llama.save_pretrained(tmp_path / "llama")
+    whole_model = transformers.LlamaForCausalLM(llama)
+    whole = sum(p.numel() for p in whole_model.parameters())
+
+    def run(schedule: str) -> dict:
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "pipeline_parallel_size": 2,
+                  "zero_optimization": {"stage": 1}, "pipeline": {"schedule": schedule}}
+        (tmp_path / f"{schedule}.json").write_text(json.dumps(config))
+        return estimate(str(tmp_path / "llama"), str(tmp_path / f"{schedule}.json"), 4, device_type="cpu",
+                        seq_len=16)
+
+    result = run("1f1b")
+    pipe = result["pipeline"]
+    stages = pipe["per_stage"]
+    assert (result["world_size"], result["dp_size"], pipe["ranks_per_stage"]) == (4, 2, 2)
+    assert [s["layers"] for s in stages] == [[0, 1, 2], [3, 4, 5, 6]]  # by parameters: embedding + 2 | 2 + norm + head
+    assert stages[0]["parameters"] + stages[1]["parameters"] == whole == result["parameters"]
+    assert stages[0]["parameters"] == sum(p.numel() for n, p in whole_model.named_parameters()
+                                          if n.startswith(("model.embed_tokens.", "model.layers.0.", "model.layers.1.")))
+    assert [s["in_flight"] for s in stages] == [2, 1] and pipe["bubble_fraction"] == pytest.approx(1 / 5)
+    acts = result["activations"]
+    assert sum(s["activations_per_micro_batch"] for s in stages) == acts["without_checkpointing"] > 0
+    assert stages[1]["activations_per_micro_batch"] > stages[0]["activations_per_micro_batch"]  # the head's logits
+    for stage in stages:
+        assert stage["activations_in_flight"] == stage["activations_per_micro_batch"] * stage["in_flight"]
+        assert 0 < stage["activations_per_micro_batch_checkpointed"] < stage["activations_per_micro_batch"]
+        assert stage["device_states"] > 0
+    # the table is a rank of the fullest stage; ZeRO-2/3 (refused with a pipeline) are not offered
+    assert {o["stage"] for o in result["options"]} == {0, 1}
+    gpipe = run("gpipe")["pipeline"]["per_stage"]
+    assert [s["in_flight"] for s in gpipe] == [4, 4]
+    assert gpipe[0]["activations_in_flight"] == 2 * stages[0]["activations_in_flight"]
+    assert main(["estimate", "--model", str(tmp_path / "llama"), "--config", str(tmp_path / "1f1b.json"),
+                 "--world", "4", "--device", "cpu", "--seq-len", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: 2 stages x 2 data-parallel ranks, 1f1b" in out and "stage 1: layers 3-6" in out, out
+    assert main(["estimate", "--model", str(tmp_path / "llama"), "--config", str(tmp_path / "1f1b.json"),
+                 "--world", "3"]) == 2
+    assert "pipeline_parallel_size: 2 does not divide the world size 3" in capsys.readouterr().err

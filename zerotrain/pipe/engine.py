@@ -16,7 +16,7 @@ ranks once (after the schedule: zero-bubble schedules add into `.grad` directly,
 """
 from __future__ import annotations
 
-from typing import Any, ContextManager, Iterator, Optional, Protocol
+from typing import Any, Callable, ContextManager, Iterator, Optional, Protocol, Union
 
 import torch
 
@@ -60,6 +60,8 @@ class StageEngine(Protocol):
     def get_lr(self) -> list[float]: ...
 
     def add_checkpoint_files(self, files: dict) -> None: ...
+
+    def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]: ...
 
     def get_global_grad_norm(self) -> Optional[float]: ...
 
@@ -172,6 +174,7 @@ class PipelineEngine(TrainingEngine):
         self._last = placement.last_rank == self.topology.pp_rank
         self._params = list(dict.fromkeys(self.module.parameters()))
         self._checkpointer: Optional[Checkpointer] = None
+        self._file_makers: list[Callable[[], dict]] = []  # add_checkpoint_files(callable): called at each save
 
     # --- DeepSpeed's questions ------------------------------------------------------
     @property
@@ -241,9 +244,23 @@ class PipelineEngine(TrainingEngine):
         """Ranks of one stage that see different samples."""
         return self.topology.data_parallel_size
 
-    def add_checkpoint_files(self, files: dict) -> None:
-        """Copy these files ({name: bytes}) into every checkpoint directory saved from now on (the tokenizer's)."""
+    def add_checkpoint_files(self, files: Union[dict, Callable[[], dict]]) -> None:
+        """Copy these files ({name: bytes}) into every checkpoint directory saved from now on (the tokenizer's).
+        A callable is called on every rank at each save (it may be collective, e.g. `full_state_dict`) and the
+        files global rank 0 gets are written: a LoRA adapter in PEFT's layout."""
+        if callable(files):
+            self._file_makers.append(files)
+            return
         self.engine.add_checkpoint_files(files)
+
+    def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+        """Full fp32 weights on CPU under the model's parameter names, every stage's, on global rank 0 only
+        ({} elsewhere; collective). `trainable_only`: only the parameters that require grad (a LoRA adapter)."""
+        own = self.engine.full_state_dict(trainable_only)  # this stage's, on its data-parallel rank 0
+        stages = self.plan.pp_comm.all_gather_object(own)   # rank 0's pipeline group: every stage's dp rank 0
+        if self.topology.rank != 0:
+            return {}
+        return {name: tensor for stage in stages for name, tensor in stage.items()}
 
     def claim_save_dir(self, save_dir: str) -> None:
         """Take `save_dir`'s one-writer lock for this job now (every rank), instead of at the first save."""
@@ -277,15 +294,26 @@ class PipelineEngine(TrainingEngine):
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         save_latest: bool = True, async_save: Optional[bool] = None, **kwargs: Any) -> str:
-        """Write a unified checkpoint of every stage (call on every rank); synchronous (`async_save` is not
-        available with a pipeline: the stage engine's step would not fence the snapshot)."""
-        if async_save or (async_save is None and self.config.checkpoint.async_save):
-            raise ValueError("checkpoint.async_save with pipeline parallelism is not available yet; save "
-                             "synchronously (async_save=False)")
+        """Write a unified checkpoint of every stage (call on every rank). `async_save` (or
+        `checkpoint.async_save`): written in the background as without a pipeline; the next `train_batch`
+        fences the snapshot copy before its optimizer step and raises a failed save's error on every rank."""
+        for make in self._file_makers:
+            self.engine.add_checkpoint_files(make())
         if self._checkpointer is None:
             self._checkpointer = Checkpointer(self._checkpoint_state())
         return save_checkpoint(self._checkpointer, save_dir, tag=tag, client_state=client_state,
-                               save_latest=save_latest, async_save=False)
+                               save_latest=save_latest, async_save=async_save)
+
+    def wait_checkpoint(self) -> None:
+        """Block until a pending asynchronous save has committed (raise its error if it failed)."""
+        if self._checkpointer is not None:
+            self._checkpointer.wait()
+
+    def last_save(self) -> tuple[bool, Optional[float]]:
+        """(whether a save is still being written, the training stall of the last save in seconds)."""
+        if self._checkpointer is None:
+            return False, None
+        return bool(self._checkpointer.pending), self._checkpointer.last_stall_seconds
 
     def close(self) -> None:
         """Release the checkpoint save directory's lock, then the stage engine's resources (idempotent)."""
@@ -297,6 +325,7 @@ class PipelineEngine(TrainingEngine):
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False, **kwargs: Any):
         """Load a unified checkpoint saved at any pipeline, data-parallel or ZeRO shape; returns
         (path, client_state). Tied copies on later stages read their owner's entries."""
+        self.wait_checkpoint()  # a pending save reads the slots the load writes
         return load_checkpoint(self._checkpoint_state(), load_dir, tag=tag,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
@@ -349,7 +378,9 @@ class PipelineEngine(TrainingEngine):
         """One optimizer step over `gradient_accumulation_steps` micro-batches of `data_iter` (read on the first
         and last stage only); returns the batch's mean loss on every rank."""
         engine = self.engine
-        self.train()
+        if self._checkpointer is not None:  # before the step writes the slots: an async save's snapshot copied,
+            self._checkpointer.raise_if_failed()  # or its failure raised on every rank (the stage engine's step
+        self.train()                              # fences only its own checkpointer)
         with engine.external_backward():
             loss = self._run(data_iter, train=True)
             self._finish_gradients()
@@ -379,6 +410,8 @@ class PipelineEngine(TrainingEngine):
                     param.grad.div_(self.micro_batches)
             for key, comm in self.plan.tied.items():
                 for param in self.module.tied_parameters(key):
+                    if not param.requires_grad:  # a frozen tied embedding (LoRA): equal and never updated
+                        continue
                     if param.grad is None:
                         param.grad = torch.zeros_like(param)
                     comm.all_reduce(param.grad)

@@ -18,6 +18,12 @@ model's attention implementation; packed position ids mark documents) for its la
 own `loss_function` (labels shifted inside), without a cache (`use_cache=False`: how packed documents stay apart
 in transformers too). Micro-batches must have one shape (pad to the sequence length). Written here because
 transformers' `_pp_plan` only names the layer boundaries; torchtitan's split is for its own Llama.
+
+LoRA: a peft `PeftModel` of such a model (`get_peft_model`, adapters applied before the split) is split the same
+way, its decoder layers holding peft's adapted linears; every layer is registered under the wrapped model's names
+(`base_model.model.model.layers.3.self_attn.q_proj.lora_A.default.weight`), so a pipeline's checkpoint, its
+adapter files and `zerotrain merge` see what a run without a pipeline saves. Only the adapters train (the base is
+frozen by peft). Adapters on the embedding or the head (peft wrappers around them, trainable tokens) are refused.
 """
 from __future__ import annotations
 
@@ -95,6 +101,19 @@ def _tied_head(embedding: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return F.linear(hidden, embedding.weight)
 
 
+def _peft_inner(model: nn.Module) -> tuple[nn.Module, str]:
+    """(the Hugging Face model, the prefix of its names) of a peft `PeftModel`, or (model, "") for any other."""
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is an optional dependency
+        return model, ""
+    if not isinstance(model, PeftModel):
+        return model, ""
+    inner = model.get_base_model()
+    prefix = next(name for name, module in model.named_modules() if module is inner)
+    return inner, prefix + "."
+
+
 def _parts(model: nn.Module) -> tuple[str, nn.Module]:
     """(the base model's attribute name, the base model), or a ConfigError naming what is missing."""
     config = model.config
@@ -114,11 +133,12 @@ def _parts(model: nn.Module) -> tuple[str, nn.Module]:
 
 
 def splittable(model: nn.Module) -> bool:
-    """Whether `model` is a Hugging Face causal LM of a model type the split supports."""
+    """Whether `model` is a Hugging Face causal LM of a model type the split supports (or a peft model of one)."""
     try:
         from transformers import PreTrainedModel
     except ImportError:  # pragma: no cover - transformers is a dependency
         return False
+    model = _peft_inner(model)[0]
     return isinstance(model, PreTrainedModel) and str(model.config.model_type) in SPLIT_MODEL_TYPES
 
 
@@ -127,30 +147,37 @@ class CausalLMPipeline(PipelineModule):
     `generation_config` are the model's (the checkpoint's config.json), its parameter names the model's."""
 
     def __init__(self, model: nn.Module, num_stages: int, partition_method: str = "parameters") -> None:
+        model, prefix = _peft_inner(model)  # LoRA: the adapted model, its layers named as inside the PeftModel
         base_name, base = _parts(model)
         config = model.config
         head = model.get_output_embeddings()
         embed = model.get_input_embeddings()
+        if not (isinstance(embed, nn.Embedding) and isinstance(head, nn.Linear)):
+            raise ConfigError(f"pipeline_parallel_size: the {type(model).__name__}'s embedding or head is wrapped "
+                              f"({type(embed).__name__}, {type(head).__name__}: LoRA on them or peft's trainable "
+                              "tokens); a pipeline runs LoRA on the decoder layers only", key="pipeline_parallel_size")
         tied = head.weight is embed.weight
         layers: list[LayerSpec] = [_TiedBuilt("embed", embed, _embed) if tied else _Built(embed, _embed)]
-        names = [f"{base_name}.embed_tokens"]
+        names = [f"{prefix}{base_name}.embed_tokens"]
         step = _DecoderStep(config, base.rotary_emb)
         for index, layer in enumerate(base.layers):
             layers.append(_Built(layer, step))
-            names.append(f"{base_name}.layers.{index}")
+            names.append(f"{prefix}{base_name}.layers.{index}")
         layers.append(_Built(base.norm, _norm))
-        names.append(f"{base_name}.norm")
+        names.append(f"{prefix}{base_name}.norm")
         layers.append(_TiedBuilt("embed", embed, _tied_head) if tied else _Built(head))
-        names.append("lm_head")
+        names.append(f"{prefix}lm_head")
         loss = functools.partial(model.loss_function, vocab_size=config.vocab_size)
         super().__init__(layers, num_stages=num_stages, loss_fn=loss, partition_method=partition_method,
                          layer_names=names)
-        self._weights = super()._layer_weights()  # counted once: the modules of other stages are released
+        # "parameters": every parameter counted, frozen ones too (a LoRA base's weights are what fills the memory;
+        # without LoRA all train), once here: the modules of other stages are released after the build
+        self._weights = [float(sum(p.numel() for p in spec.module.parameters())) for spec in layers]
         self.config = config
         if not config.architectures:
             config.architectures = [type(model).__name__]
         self.generation_config = model.generation_config
-        self._rotary_name, self._rotary = f"{base_name}.rotary_emb", base.rotary_emb
+        self._rotary_name, self._rotary = f"{prefix}{base_name}.rotary_emb", base.rotary_emb
 
     def _layer_weights(self) -> list[float]:
         return self._weights if self.partition_method == "parameters" else super()._layer_weights()
@@ -182,12 +209,12 @@ def pipeline_inputs(batch: dict) -> tuple[tuple[torch.Tensor, ...], torch.Tensor
 
 
 def pipeline_model(model: nn.Module, pipeline_parallel_size: int) -> nn.Module:
-    """The model `initialize` pipelines: a Hugging Face model split into `pipeline_parallel_size` stages
-    (refused by name when its architecture cannot be), anything else as it is."""
+    """The model `initialize` pipelines: a Hugging Face model (or a peft LoRA model of one) split into
+    `pipeline_parallel_size` stages (refused by name when its architecture cannot be), anything else as it is."""
     try:
         from transformers import PreTrainedModel
     except ImportError:  # pragma: no cover - transformers is a dependency
         return model
-    if pipeline_parallel_size <= 1 or not isinstance(model, PreTrainedModel):
+    if pipeline_parallel_size <= 1 or not isinstance(_peft_inner(model)[0], PreTrainedModel):
         return model
     return causal_lm_pipeline(model, pipeline_parallel_size)

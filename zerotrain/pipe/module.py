@@ -190,6 +190,21 @@ class PipelineModule(nn.Module):
                            if isinstance(module, nn.Module) else 0.0)
         return weights
 
+    def layer_parameters(self) -> list[list[tuple[int, bool]]]:
+        """(numel, requires_grad) of each layer's parameters, layer by layer (a LayerSpec built on the meta
+        device, nothing allocated; a tied layer's copy counted at every position: each stage holding it keeps
+        one): what `zerotrain estimate` counts per stage."""
+        out = []
+        for spec in self._specs:
+            if isinstance(spec, LayerSpec):
+                with torch.device("meta"):
+                    module = spec.build()
+            else:
+                module = spec
+            out.append([(p.numel(), p.requires_grad) for p in module.parameters()]
+                       if isinstance(module, nn.Module) else [])
+        return out
+
     def partition(self, pieces: int) -> list[int]:
         """Boundaries of `pieces` contiguous non-empty pieces balanced by `partition_method`."""
         if len(self._specs) < pieces:
