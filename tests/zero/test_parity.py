@@ -31,14 +31,18 @@ class GatedMLP(torch.nn.Module):
     reduced, so it reuses the first one's buffer; in a micro-step without the gate, side's slice of it still holds
     head's gradient unless it is zeroed."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int = 0, accumulation: int = 1) -> None:
         super().__init__()
+        self.rank, self.accumulation, self.micro_steps = rank, accumulation, 0
         self.fc1 = torch.nn.Linear(6, 7)
         self.side = torch.nn.Linear(7, 1)
         self.fc2 = torch.nn.Linear(7, 7)
         self.head = torch.nn.Linear(7, 3)
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor, gate: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, y: torch.Tensor, gate: bool | None = None) -> torch.Tensor:
+        if gate is None:  # trained by the engine: micro-step after micro-step, as `gated` says for this rank
+            gate = gated(self.micro_steps % self.accumulation, self.rank)
+            self.micro_steps += 1
         hidden = torch.tanh(self.fc1(x))
         if gate:
             hidden = hidden + torch.tanh(self.side(hidden))
@@ -58,18 +62,10 @@ def train_gated_stage2(accumulation: int) -> tuple:
 
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
-    engine, *_ = zerotrain.initialize(model=GatedMLP(), config=engine_config(2, accumulation, world))
+    engine, *_ = zerotrain.initialize(model=GatedMLP(rank, accumulation), config=engine_config(2, accumulation, world))
     losses, norms = [], []
     for batch in make_batches(STEPS, MICRO * accumulation * world):
-        total = torch.zeros(1)
-        for index in range(accumulation):
-            x, y = micro_slice(batch, index, rank, world, MICRO)
-            loss = engine(x, y, gated(index, rank))
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach()
-        dist.all_reduce(total)
-        losses.append(total.item() / (accumulation * world))
+        losses.append(train_global_step(engine, batch, MICRO))
         norms.append(engine.get_global_grad_norm())
     assert engine.work_stats()["reduce"]["staging_reused"] > 0, "the premise: staging buffers were reused"
     return losses, engine.full_state_dict(), norms
