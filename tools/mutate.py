@@ -73,9 +73,14 @@ COVERING: dict[str, list[str]] = {
                                            "tests/zero/test_stage3_init_ops.py",
                                            "tests/zero/test_stage3_init.py::test_init_holds_only_shards_and_gathers_the_plain_model",
                                            "tests/test_deepspeed_programs.py::test_stage3_saves_of_real_programs_and_from_pretrained"],
-    # parity at worlds 1, 2, 4 (released between steps, counters from zero), reuse kept, prefetch budgets
-    "zerotrain/zero/stage3/fetch.py": ["tests/zero/test_stage3.py", "tests/zero/test_stage3_grads_reuse.py",
-                                       "tests/zero/test_stage3_prefetch_budget.py"],
+    # in-process micro-steps at a world of one first (releases after no-grad and generate forwards, peaks from
+    # below, the "gather" phase, a parameter prefetch passed over kept); then parity at worlds 1, 2, 4 (released
+    # between steps, counters from zero), reuse kept, prefetch budgets
+    "zerotrain/zero/stage3/fetch.py": ["tests/zero/test_stage3_fetch_units.py", "tests/zero/test_stage3.py",
+                                       "tests/zero/test_stage3_grads_reuse.py",
+                                       "tests/zero/test_stage3_prefetch_budget.py",
+                                       # qwZ over split experts' expert-data-parallel pairs
+                                       "tests/parallel/test_moe_zeropp.py::test_stage3_qwz_and_hpz_with_split_experts[4-2]"],
     "zerotrain/zero/stage3/grads.py": ["tests/zero/test_stage3.py", "tests/zero/test_stage3_grads_reuse.py"],
     # in-process: every function and branch of quant.py (its collectives are compressed.py's, tested there)
     "zerotrain/comm/quant.py": ["tests/comm/test_quant_props.py"],
@@ -145,6 +150,24 @@ COVERING: dict[str, list[str]] = {
         "tests/parallel/test_tensor_parallel.py::test_split_linears_report_the_whole_layers_features_in_both_weight_layouts",
         "tests/parallel/test_tensor_parallel.py::test_gpt_tensor_parallel_matches_single_process[2]",
         "tests/parallel/test_tensor_parallel_hf.py::test_hf_models_split_by_their_own_or_an_inferred_plan_train_like_one_process"],
+    # in-process: the head checks, a rank's slice of a batch, positions and packed masks, the loss over the group,
+    # the attention wrapper and a wrapped HF model on one rank; then the world-2 launch (the exchanges at SP2)
+    "zerotrain/parallel/sequence.py": [
+        "tests/parallel/test_sequence_parallel.py::test_heads_that_do_not_divide_are_refused_naming_the_keys",
+        "tests/parallel/test_sequence_parallel.py::test_shard_shifts_once_pads_odd_lengths_and_counts_the_real_targets",
+        "tests/parallel/test_sequence_parallel.py::test_sliding_window_longer_than_the_window_is_refused",
+        "tests/parallel/test_sequence_parallel.py::test_positions_packed_masks_and_the_group_mean_in_process",
+        "tests/parallel/test_sequence_parallel.py::test_the_attention_wrapper_hands_the_whole_sequence_and_restores_the_module",
+        "tests/parallel/test_sequence_parallel.py::test_a_wrapped_hf_model_on_one_rank_computes_what_the_model_does",
+        "tests/parallel/test_sequence_parallel.py::test_sequence_parallel_world2_trains_like_one_process_and_resumes_at_sp1"],
+    # in-process: ep sizes, each rank's groups and a misplaced expert; then the grid's agreement under TP+EP (world 4)
+    # and full_state_dict's join of expert shards and replicas (world 4, ep_size 2)
+    "zerotrain/parallel/experts.py": [
+        "tests/parallel/test_moe_engine.py::test_expert_groups_of_each_rank_and_a_misplaced_or_uneven_expert_in_process",
+        "tests/parallel/test_moe_engine.py::test_bad_ep_sizes_are_refused_naming_them",
+        "tests/parallel/test_moe_engine.py::test_split_experts_with_tensor_parallelism_pass_the_up_front_check",
+        "tests/parallel/test_tensor_expert_parallel.py::test_experts_split_over_tensor_parallel_ranks_are_refused_naming_them",
+        "tests/parallel/test_moe_engine.py::test_engine_trains_split_experts_like_one_process[4-2]"],
 }
 
 # Method names whose swap is a plausible slip (the GQA bug: repeat for repeat_interleave).

@@ -75,7 +75,10 @@ def train_stages(stages: list[int], ep_size=None, experts_only: bool = False) ->
         for batch in global_batches(world):
             losses.append(train_global_step(engine, batch, MICRO))
             norms.append(engine.get_global_grad_norm())
-        results.append((label, losses, norms, engine.full_state_dict()))
+        before = engine.memory_report()["comm"].get("gather", {}).get("calls", 0)
+        weights = engine.full_state_dict()
+        gathers = engine.memory_report()["comm"].get("gather", {}).get("calls", 0) - before
+        results.append((label, losses, norms, weights, gathers))
     return results
 
 
@@ -105,8 +108,12 @@ def test_engine_trains_split_experts_like_one_process(world, ep_size):
     # expert replicas (ep_size < world) at stage 0, where they are not partitioned: also with only experts training
     experts_only = ep_size < world
     results = run_distributed(train_stages, world, [0, 1, 2], ep_size, experts_only, timeout=120)
-    assert all(weights == {} for rank in results[1:] for _, _, _, weights in rank)  # full weights on rank 0 only
-    for stage, losses, norms, weights in results[0]:
+    assert all(weights == {} for rank in results[1:] for _, _, _, weights, _ in rank)  # full weights on rank 0 only
+    # stage 0 partitions nothing (experts neither): a rank outside the first expert-parallel group holds replicas of
+    # experts that group has whole, so full_state_dict gathers nothing from it (its group joins the experts)
+    for rank in results[ep_size:]:
+        assert all(gathers == 0 for stage, _, _, _, gathers in rank if stage in (0, "0 experts only")), rank
+    for stage, losses, norms, weights, _ in results[0]:
         where = f"world {world}, ep_size {ep_size}, stage {stage}"
         ref_losses, ref_norms, ref_weights = reference(world, experts_only=stage == "0 experts only")
         # (the experts' own norm stays under CLIP: there the norm itself is what is checked)
@@ -232,3 +239,46 @@ def test_experts_not_in_their_expert_parallel_position_are_refused():
     for rank, message in enumerate(run_distributed(experts_in_the_wrong_position, 2)):
         assert f"on data-parallel rank {rank} holds experts" in message and "moe.w_in" in message, message
         assert "topology.expert_parallel_group(2)" in message, message
+
+
+def test_expert_groups_of_each_rank_and_a_misplaced_or_uneven_expert_in_process():
+    """build_expert_groups at ep_size == dp_size (no group to create: the expert-parallel group is the data-parallel
+    one, each expert-data-parallel group a single rank): each rank's groups, a layer built for another position
+    refused by name on the rank that holds it, experts split two ways refused, no split experts: no groups; an
+    ep_size that does not divide the data-parallel ranks names the first four split experts."""
+    from zerotrain.comm import Comm
+    from zerotrain.config import ZeroTrainConfig
+    from zerotrain.parallel.experts import build_expert_groups, check_expert_parallel, expert_parallel_size
+    from zerotrain.parallel.slices import split_slice
+    from zerotrain.topology import Topology
+
+    def experts_at(position: int, ways: int = 2, name: str = "w_in") -> torch.nn.Module:
+        model = torch.nn.Module()
+        setattr(model, name, torch.nn.Parameter(torch.zeros(4 // ways, 3)))
+        getattr(model, name).ep_slice = split_slice((4, 3), 0, position, ways)
+        return model
+
+    for rank in range(2):
+        topology = Topology(rank=rank, world_size=2, dp_group=None, dp_rank=rank, dp_size=2,
+                            device=torch.device("cpu"))
+        comm = Comm(None, rank, 2)
+        groups = build_expert_groups(experts_at(rank), topology, comm)
+        assert groups.ep_size == 2 and groups.ep is comm, "every data-parallel rank is in the one expert group"
+        assert (groups.data.rank, groups.data.size) == (0, 1) and groups.data.counters is comm.counters
+        with pytest.raises(ValueError, match=rf"'w_in' on data-parallel rank {rank} holds experts "
+                                             rf"\(\({2 * (1 - rank)}, 2\),\), but .* position {rank}: build the "
+                                             r"layer over topology.expert_parallel_group\(2\)"):
+            build_expert_groups(experts_at(1 - rank), topology, comm)
+        assert build_expert_groups(torch.nn.Module(), topology, comm) is None
+    uneven = experts_at(0)
+    uneven.w_out = experts_at(0, ways=4, name="w_out").w_out
+    with pytest.raises(ValueError, match=r"split over different numbers of ranks: \{'w_in': 2, 'w_out': 4\}"):
+        expert_parallel_size(uneven)
+    assert expert_parallel_size(experts_at(1)) == 2 and expert_parallel_size(torch.nn.Linear(2, 2)) == 1
+    many = torch.nn.Module()  # five split experts at a bad ep_size: the error names the first four
+    for index in range(5):
+        setattr(many, f"e{index}", experts_at(0, ways=4, name=f"e{index}").get_parameter(f"e{index}"))
+    with pytest.raises(ValueError, match=r"parameters \['e0', 'e1', 'e2', 'e3'\] \(experts split over ranks\) are "
+                                         r"split over ep_size=4 ranks, which does not divide the 6"):
+        check_expert_parallel(many, ZeroTrainConfig(train_micro_batch_size_per_gpu=1),
+                              types.SimpleNamespace(dp_size=6, tp_size=1))

@@ -22,6 +22,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from distributed import run_distributed
 from models_for_tests import adamw_reference_steps, assert_same_training, assert_tolerance_discriminates
@@ -365,3 +366,115 @@ def test_sliding_window_longer_than_the_window_is_refused():
     assert output.shape == (1, 8, 2, 4)
     with pytest.raises(ValueError, match="sliding_window is 4 and the sequence has 8 tokens"):
         sp.hf_attention(original, module, query, key, value, None, position_ids=positions, sliding_window=4)
+
+
+def test_positions_packed_masks_and_the_group_mean_in_process():
+    """What a rank computes without exchanging anything: its shard's global positions, the whole sequence's
+    document mask from packed positions (computed once per forward: every layer hands the same tensor), and the
+    loss averaged over the real targets (the whole micro-batch's count when given; 0, not nan, for none)."""
+    from zerotrain.comm import Comm
+    from zerotrain.parallel.sequence import IGNORE_INDEX, SequenceParallel
+
+    cpu = torch.device("cpu")
+    assert torch.equal(SequenceParallel(Comm(None, 1, 2)).local_positions(8, cpu), torch.arange(8, 16).unsqueeze(0))
+    assert torch.equal(SequenceParallel(Comm(None, 0, 2)).local_positions(8, cpu), torch.arange(8).unsqueeze(0))
+    sp = SequenceParallel(Comm(None, 0, 1))
+    unpacked = torch.arange(6).expand(2, 6)
+    full, mask = sp.gathered_positions(unpacked)
+    assert torch.equal(full, unpacked) and mask is None, "unpacked: plain causal attention, no mask"
+    packed = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]])  # documents of 3, 2, 1 tokens; one of 6
+    documents = torch.tensor([[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 0, 0]])
+    want = torch.zeros(2, 1, 6, 6, dtype=torch.bool)
+    for row in range(2):
+        for i in range(6):
+            for j in range(i + 1):
+                want[row, 0, i, j] = bool(documents[row, i] == documents[row, j])
+    full, mask = sp.gathered_positions(packed)
+    assert torch.equal(full, packed) and torch.equal(mask, want), mask
+    assert sp.gathered_positions(packed)[1] is mask, "the same positions again: the mask of this forward, not rebuilt"
+    assert sp.gathered_positions(unpacked)[1] is None, "new positions: a new mask"
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 7, generator=generator)
+    targets = torch.randint(0, 7, (2, 5), generator=generator)
+    targets[0, :2] = IGNORE_INDEX
+    flat_logits, flat_targets = logits.reshape(-1, 7), targets.reshape(-1)
+    torch.testing.assert_close(sp.causal_lm_loss(logits, targets),
+                               F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE_INDEX))
+    total = F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    torch.testing.assert_close(sp.causal_lm_loss(logits, targets, torch.tensor(16)), total / 16)
+    one = torch.full_like(targets, IGNORE_INDEX)
+    one[1, 3] = targets[1, 3] = 2
+    torch.testing.assert_close(sp.causal_lm_loss(logits, one), F.cross_entropy(logits[1, 3:4], one[1, 3:4]))
+    assert sp.causal_lm_loss(logits, torch.full_like(targets, IGNORE_INDEX)).item() == 0.0
+
+
+def test_the_attention_wrapper_hands_the_whole_sequence_and_restores_the_module():
+    """hf_attention (one rank: nothing exchanged) calls transformers' function with the gathered positions and
+    their mask in place of the local mask, num_key_value_groups set to the heads it is given and put back after,
+    even when the function fails; the output comes back as (B, S, heads, D)."""
+    from zerotrain.comm import Comm
+    from zerotrain.parallel.sequence import SequenceParallel
+
+    sp = SequenceParallel(Comm(None, 0, 1))
+    query, key, value = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    seen = {}
+
+    def original(module, q, k, v, mask, *args, **kwargs):
+        seen.update(groups=module.num_key_value_groups, mask=mask, positions=kwargs["position_ids"], args=args)
+        if kwargs.get("fail"):
+            raise RuntimeError("attention failed")
+        return torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                                attn_mask=mask).transpose(1, 2), "weights"
+
+    module = torch.nn.Module()
+    module.num_key_value_groups = 99  # whatever the model set: only the call sees the heads it is given
+    output, weights = sp.hf_attention(original, module, query, key, value, "the local mask", "dropout",
+                                      position_ids=packed)
+    assert weights is None and output.shape == (1, 6, 4, 8)
+    assert seen["groups"] == 2 and module.num_key_value_groups == 99 and seen["args"] == ("dropout",)
+    assert torch.equal(seen["positions"], packed)
+    assert seen["mask"].shape == (1, 1, 6, 6) and not seen["mask"][0, 0, 3, :3].any() and seen["mask"][0, 0, 3, 3]
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    causal[3:, :3] = False
+    want = torch.nn.functional.scaled_dot_product_attention(query, key.repeat_interleave(2, 1),
+                                                            value.repeat_interleave(2, 1), attn_mask=causal)
+    torch.testing.assert_close(output, want.transpose(1, 2))
+    with pytest.raises(RuntimeError, match="attention failed"):
+        sp.hf_attention(original, module, query, key, value, None, position_ids=packed, fail=True)
+    assert module.num_key_value_groups == 99, "restored after a failure"
+    with pytest.raises(ValueError, match="got no position_ids"):
+        sp.hf_attention(original, module, query, key, value, None)
+
+
+def test_a_wrapped_hf_model_on_one_rank_computes_what_the_model_does():
+    """enable_sequence_parallel on a Llama (eager attention: switched to sdpa, the same math) over a group of one:
+    the loss of the sharded batch and the logits without positions (supplied by the pre-hook) are the model's own;
+    labels not passed through shard are refused; enabling again does not wrap the registry's function twice."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from zerotrain.comm import Comm
+    from zerotrain.parallel.sequence import enable_sequence_parallel
+
+    def eager_llama():
+        model = build_llama(2)
+        model.config._attn_implementation = "eager"
+        return model
+
+    model, plain = eager_llama(), eager_llama()
+    sp = enable_sequence_parallel(model, Comm(None, 0, 1))
+    assert model.config._attn_implementation == "sdpa"
+    wrapper = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    enable_sequence_parallel(eager_llama(), Comm(None, 0, 1))
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is wrapper, "wrapped once"
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    loss = model(**sp.shard({"input_ids": ids, "labels": ids})).loss
+    torch.testing.assert_close(loss, plain(input_ids=ids, labels=ids, use_cache=False).loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids, use_cache=False).logits,
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="labels given without shift_labels and num_items_in_batch"):
+        model(input_ids=ids, labels=ids)
+    with pytest.raises(ValueError, match="found no attention module"):
+        enable_sequence_parallel(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2, n_positions=16)), Comm(None, 0, 1))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from models_for_tests import OddMLP, make_batches, reference_training, train_global_step
+from models_for_tests import OddMLP, make_batches, micro_slice, reference_training, train_global_step
 
 STEPS, MICRO, LR = 5, 2, 1e-2
 
@@ -24,8 +24,74 @@ def engine_config(stage: int, accumulation: int, world: int, clip: float = 1.0, 
     }
 
 
-def train_with_engine(combos: list[tuple[int, int]], clip: float = 1.0, precision: str = "fp32") -> list:
-    """On each rank: train OddMLP for every (stage, accumulation); return per-step mean losses and weights."""
+class GatedMLP(torch.nn.Module):
+    """fc1 -> side (a gate, used only when asked) -> fc2 -> head. At reduce_bucket_size 40 the stage-2 buckets, in
+    backward order, are [head.bias, head.weight, fc2.bias], [fc2.weight], [side.bias, side.weight, fc1.bias],
+    [fc1.weight]: the third takes its staging buffer when its first gradient arrives, after the first bucket was
+    reduced, so it reuses the first one's buffer; in a micro-step without the gate, side's slice of it still holds
+    head's gradient unless it is zeroed."""
+
+    def __init__(self, rank: int = 0, accumulation: int = 1) -> None:
+        super().__init__()
+        self.rank, self.accumulation, self.micro_steps = rank, accumulation, 0
+        self.fc1 = torch.nn.Linear(6, 7)
+        self.side = torch.nn.Linear(7, 1)
+        self.fc2 = torch.nn.Linear(7, 7)
+        self.head = torch.nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, gate: bool | None = None) -> torch.Tensor:
+        if gate is None:  # trained by the engine: micro-step after micro-step, as `gated` says for this rank
+            gate = gated(self.micro_steps % self.accumulation, self.rank)
+            self.micro_steps += 1
+        hidden = torch.tanh(self.fc1(x))
+        if gate:
+            hidden = hidden + torch.tanh(self.side(hidden))
+        return torch.nn.functional.mse_loss(self.head(torch.tanh(self.fc2(hidden))), y)
+
+
+def gated(index: int, rank: int) -> bool:
+    """Whether micro-step `index` on `rank` uses the gate: every rank skips it in some micro-step of each step."""
+    return (index + rank) % 2 == 0
+
+
+def train_gated_stage2(accumulation: int) -> tuple:
+    """Stage 2, a parameter that gets no gradient in some micro-steps (and on some ranks), reused staging buffers."""
+    import torch.distributed as dist
+
+    import zerotrain
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    engine, *_ = zerotrain.initialize(model=GatedMLP(rank, accumulation), config=engine_config(2, accumulation, world))
+    losses, norms = [], []
+    for batch in make_batches(STEPS, MICRO * accumulation * world):
+        losses.append(train_global_step(engine, batch, MICRO))
+        norms.append(engine.get_global_grad_norm())
+    assert engine.work_stats()["reduce"]["staging_reused"] > 0, "the premise: staging buffers were reused"
+    return losses, engine.full_state_dict(), norms
+
+
+def reference_gated(world: int, accumulation: int) -> tuple:
+    """One process: each step's loss the mean of every (micro-step, rank) slice's, each with its gate."""
+    torch.manual_seed(0)
+    model = GatedMLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    losses, norms = [], []
+    for batch in make_batches(STEPS, MICRO * accumulation * world):
+        loss = sum(model(*micro_slice(batch, index, rank, world, MICRO), gated(index, rank))
+                   for index in range(accumulation) for rank in range(world)) / (accumulation * world)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}, norms
+
+
+def train_with_engine(combos: list[tuple[int, int]], clip: float = 1.0, precision: str = "fp32",
+                      gated_accumulation: int = 0) -> list:
+    """On each rank: train OddMLP for every (stage, accumulation); return per-step mean losses and weights.
+    `gated_accumulation` > 0: then GatedMLP at stage 2 with that accumulation (`train_gated_stage2`), last."""
     import zerotrain
 
     world = int(os.environ["WORLD_SIZE"])
@@ -40,10 +106,13 @@ def train_with_engine(combos: list[tuple[int, int]], clip: float = 1.0, precisio
         assert engine.global_steps == STEPS
         assert engine.global_samples == STEPS * MICRO * accumulation * world
         results.append((stage, accumulation, step_losses, engine.full_state_dict(), norms))
+    if gated_accumulation:
+        results.append(train_gated_stage2(gated_accumulation))
     return results
 
 
 COMBOS = [(stage, accumulation) for stage in (0, 1, 2) for accumulation in (1, 2)]
+GATED_ACCUMULATION = 2
 
 
 def reference_batches_for(world: int, accumulation: int):
@@ -52,7 +121,18 @@ def reference_batches_for(world: int, accumulation: int):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_stages_match_single_process(world):
-    results = run_distributed(train_with_engine, world, COMBOS)[0]
+    """At world 2 also: stage 2 with a parameter that gets no gradient in some micro-steps on some ranks, whose
+    bucket reuses another bucket's staging buffer (its slice must count as zero, not as what the buffer held)."""
+    results = run_distributed(train_with_engine, world, COMBOS, gated_accumulation=GATED_ACCUMULATION * (world == 2))[0]
+    if world == 2:
+        losses, weights, norms = results.pop()
+        ref_losses, ref_weights, ref_norms = reference_gated(world, GATED_ACCUMULATION)
+        what = "world 2, stage 2, a parameter without a gradient in some micro-steps"
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+        assert rel <= 1e-5, f"{what}: losses {losses} vs reference {ref_losses} (max rel {rel:.2e})"
+        assert norms == pytest.approx(ref_norms, rel=1e-5), f"{what}: gradient norms {norms} vs {ref_norms}"
+        for name, ref in ref_weights.items():
+            torch.testing.assert_close(weights[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}, {name}: {m}")
     for stage, accumulation, losses, weights, norms in results:
         ref_norms: list[float] = []
         ref_losses, ref_weights = reference_training(OddMLP, reference_batches_for(world, accumulation), lr=LR,

@@ -90,13 +90,13 @@ def test_max_reuse_distance_keeps_parameters_and_saves_gathers():
     assert kept_live[0] < kept_live[2], "keeping parameters for reuse costs live memory"
 
 
-def evaluate_after_training() -> tuple:
-    """Train two steps with the default reuse distance, then run forward without grad."""
+def evaluate_after_training(zero: dict) -> tuple:
+    """Train two steps, then run forward without grad."""
     import zerotrain
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     torch.manual_seed(0)
-    engine, *_ = zerotrain.initialize(model=TiedModel(), config=stage3_config(1))
+    engine, *_ = zerotrain.initialize(model=TiedModel(), config=stage3_config(1, **zero))
     data = make_data(world, 1)
     for ids, targets in data[:2]:
         engine.backward(compute_loss(engine, engine.module, ids[2 * rank:2 * rank + 2], targets[2 * rank:2 * rank + 2], False))
@@ -108,7 +108,12 @@ def evaluate_after_training() -> tuple:
     return gathers_before, engine.work_stats()["gather"]
 
 
+def evaluate_with_and_without_reuse() -> list:
+    return [evaluate_after_training(zero) for zero in ({}, {"stage3_max_reuse_distance": 10**9})]
+
+
 def test_forward_without_grad_keeps_nothing_for_reuse():
-    for gathers_before, stats in run_distributed(evaluate_after_training, 2):
+    """The defaults (nothing kept for reuse), and reuse on: the no-grad forward must release what it keeps."""
+    for gathers_before, stats in sum(run_distributed(evaluate_with_and_without_reuse, 2), []):
         assert stats["gathers"] > gathers_before, "the no-grad forward gathered its parameters"
         assert stats["live_bytes"] == 0 and stats["inflight_bytes"] == 0, "no backward follows: all released"

@@ -1,0 +1,185 @@
+"""Stage-3 gathering in process: a world of one (a Comm without a process group, whose gathers are copies)
+driven through whole micro-steps by the engine's own parts (`partition_module`, `Stage3Hooks`,
+`PartitionedWeights`). What the fetcher keeps, releases and counts does not depend on the world size; the
+spawned tests (test_stage3*.py) check the same at worlds 2 and 4 against single-process training."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from zerotrain.comm import Comm
+from zerotrain.engine.weights import PartitionedWeights
+from zerotrain.zero.forward_only import generate_between_steps
+from zerotrain.zero.stage3.hooks import Stage3Hooks
+from zerotrain.zero.stage3.setup import partition_module
+
+
+class Net(torch.nn.Module):
+    """emb -> mid twice in a row -> out. `access`: out's weight is also used directly in the root's forward,
+    outside out's own forward (gathered on access and held by no module, as a tied head used in user code)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Linear(6, 8)
+        self.mid = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, access: bool = False) -> torch.Tensor:
+        hidden = torch.tanh(self.mid(torch.tanh(self.mid(torch.tanh(self.emb(x))))))
+        y = self.out(hidden)
+        return y + F.linear(hidden, self.out.weight) if access else y
+
+    def generate(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x, access=True)
+
+
+REQUESTS = {"emb": 6 * 8 + 8, "mid": 8 * 8 + 8, "out": 8 * 3 + 3}  # elements one module's forward gathers
+LARGEST = max(REQUESTS.values())
+
+
+def stage3(sequential: bool = False, prefetch: int = 10**6, reuse: int = 0) -> tuple[Net, PartitionedWeights]:
+    """A Net partitioned at a world of one, hooked as the engine hooks it."""
+    model = Net()
+    group_of = {id(p): 0 for p in model.parameters()}
+    parts = partition_module(model, Comm(None, 0, 1), group_of, 0, sequential, prefetch,
+                             max_reuse_distance=reuse)
+    weights = PartitionedWeights(model, parts)
+    parts.hooks = Stage3Hooks(model, weights.fetcher)
+    return model, weights
+
+
+def batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 6, generator=generator), torch.randn(4, 3, generator=generator)) for _ in range(count)]
+
+
+def micro_step(model: Net, weights: PartitionedWeights, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """One forward and backward, then the micro-step's end; the gradients (full: a world of one)."""
+    F.mse_loss(weights.forward((x,), {}), y).backward()
+    weights.end_micro_step()
+    grads = {name: param.grad.clone() for name, param in model.named_parameters()}
+    for param in model.parameters():
+        param.grad = None
+    return grads
+
+
+def reference_grads(x: torch.Tensor, y: torch.Tensor) -> dict:
+    model = Net()
+    F.mse_loss(model(x), y).backward()
+    return {name: param.grad for name, param in model.named_parameters()}
+
+
+def gathered(model: Net) -> list[str]:
+    return [name for name, param in model.named_parameters() if param._zero.gathered]
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_micro_steps_gather_exact_values_release_everything_and_count_peaks_from_below(sequential):
+    """Recorded first micro-step, then followed ones with prefetch: the gradients are one process's, nothing is
+    gathered between micro-steps, every blocking gather is one "gather" phase of the memory timeline, and each
+    peak counter is at least what one request holds (a peak taken with `min` stays 0)."""
+    model, weights = stage3(sequential)
+    fetcher = weights.fetcher
+    phases = []
+
+    @contextlib.contextmanager
+    def phase(name: str):
+        phases.append(name)
+        yield
+
+    weights.watch(phase)
+    for step, (x, y) in enumerate(batches(3)):
+        gathers_before = fetcher.stats["gathers"]
+        grads = micro_step(model, weights, x, y)
+        for name, want in reference_grads(x, y).items():
+            torch.testing.assert_close(grads[name], want, msg=lambda m: f"step {step} {name}: {m}")
+        assert gathered(model) == [], f"step {step}: still gathered after the micro-step"
+        stats = fetcher.stats
+        assert stats["live_bytes"] == stats["live_numel"] == stats["inflight_numel"] == stats["inflight_bytes"] == 0
+        if step == 0:  # recording: no prefetch, every gather blocks, each inside its own "gather" phase
+            assert stats["prefetched"] == 0
+            assert phases == ["gather"] * (stats["gathers"] - gathers_before) and phases, phases
+    stats = fetcher.stats
+    assert stats["prefetched"] > 0 and stats["prefetch_hits"] > 0, stats
+    assert stats["order_mismatches"] == 0, stats
+    largest_param = 8 * 8
+    assert stats["peak_live_bytes"] >= 4 * LARGEST, stats  # a module's weight and bias live at once
+    assert stats["peak_held_bytes"] >= stats["peak_live_bytes"], stats
+    assert stats["peak_live_inflight_numel"] >= LARGEST, stats
+    assert stats["peak_inflight_numel"] >= (largest_param if sequential else LARGEST), stats
+    # one gather's transient memory at its largest: sequential, the largest parameter's buffer; bucketed, the largest
+    # request's gathered output, its staged input (the output / ranks: one rank here) and the full buffers copied out
+    assert stats["peak_gather_bytes"] == 4 * (largest_param if sequential else 3 * LARGEST), stats
+    assert stats["peak_prefetch_inflight_numel"] >= (largest_param if sequential else REQUESTS["out"]), stats
+    if sequential:  # one parameter ahead at most
+        assert stats["peak_prefetch_inflight_params"] == 1, stats
+    else:  # a request (weight and bias) in one collective
+        assert stats["peak_prefetch_inflight_params"] >= 2, stats
+
+
+def test_forward_without_grad_releases_what_reuse_would_have_kept():
+    """With reuse on, a training forward keeps its last modules' parameters for backward; an evaluation forward
+    (no grad: no backward follows) releases every one of them when it returns, and training goes on following
+    the record."""
+    model, weights = stage3(reuse=10**9)
+    data = batches(4)
+    for x, y in data[:2]:
+        micro_step(model, weights, x, y)
+    x, y = data[2]
+    output = weights.forward((x,), {})
+    assert gathered(model), "the premise: reuse keeps parameters from forward to backward"
+    output.sum().backward()
+    weights.end_micro_step()
+    for param in model.parameters():
+        param.grad = None
+    with torch.no_grad():
+        output = weights.forward((x,), {})
+    torch.testing.assert_close(output, Net()(x))
+    assert gathered(model) == [], "no backward follows a no-grad forward: nothing may stay gathered"
+    stats = weights.fetcher.stats
+    assert stats["live_bytes"] == 0 and stats["inflight_bytes"] == 0, stats
+    hits = stats["prefetch_hits"]
+    grads = micro_step(model, weights, *data[3])
+    for name, want in reference_grads(*data[3]).items():
+        torch.testing.assert_close(grads[name], want)
+    assert stats["prefetch_hits"] > hits and stats["order_mismatches"] == 0, stats
+
+
+def test_generate_between_steps_releases_even_a_parameter_used_outside_its_module():
+    """A training engine's generate (untraced forwards) gathers on access a weight no module holds; it is
+    released when the forward returns, and the record is untouched: training goes on following it."""
+    model, weights = stage3(reuse=0)
+    model.generate = generate_between_steps(model.generate, model, weights.fetcher)
+    data = batches(3)
+    for x, y in data[:2]:
+        micro_step(model, weights, x, y)
+    stats = weights.fetcher.stats
+    hits, gathers = stats["prefetch_hits"], stats["gathers"]
+    output = model.generate(data[2][0])
+    torch.testing.assert_close(output, Net().generate(data[2][0]))
+    assert stats["gathers"] > gathers, "generate gathered its parameters"
+    assert gathered(model) == [], "gathered after generate returned"
+    assert stats["live_bytes"] == 0 and stats["inflight_bytes"] == 0, stats
+    micro_step(model, weights, *data[2])
+    assert stats["prefetch_hits"] > hits and stats["order_mismatches"] == 0, "the record was left as it was"
+
+
+def test_prefetch_passing_over_a_gathered_parameter_keeps_it_for_its_next_use():
+    """mid runs twice in a row: with prefetch on, the walk ahead sees mid's second use while mid is gathered
+    and keeps it (even with reuse off), so each followed micro-step gathers it once less than without prefetch."""
+    counts = {}
+    for prefetch in (0, 10**6):
+        model, weights = stage3(prefetch=prefetch, reuse=0)
+        data = batches(3)
+        micro_step(model, weights, *data[0])  # recorded
+        stats = weights.fetcher.stats
+        releases = stats["releases"]
+        for x, y in data[1:]:
+            micro_step(model, weights, x, y)
+        counts[prefetch] = stats["releases"] - releases
+    # two followed micro-steps, mid's weight and bias: released (and gathered) 2 x 2 times less
+    assert counts[0] - counts[10**6] == 4, counts
