@@ -39,6 +39,37 @@ def test_train_pipeline_parallel_size_2_on_a_data_file(tmp_path, tiny_llama_dir)
     assert "model.embed_tokens.weight" in moved and "lm_head.weight" in moved and "model.norm.weight" in moved, moved
 
 
+def test_train_pipeline_parallel_size_2_with_lora(tmp_path, tiny_llama_dir):
+    """`--lora-r` with `--pipeline-parallel-size 2`: each stage trains its adapters only, and the checkpoint's adapter
+    files (written from both stages) load with peft onto the untouched base, its LoRA weights trained."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def g{i}(y):\n    return y - {i}\n"}) + "\n" for i in range(32)))
+    save = tmp_path / "ck"
+    result = run_cli(["train", "--model", str(tiny_llama_dir), "--data", str(data), "--nproc", "2",
+                      "--pipeline-parallel-size", "2", "--lora-r", "4", "--max-steps", "2", "--seq-len", "32",
+                      "--per-device-train-batch-size", "2", "--gradient-accumulation-steps", "2",
+                      "--learning-rate", "1e-2", "--lr-scheduler-type", "constant", "--save-dir", str(save),
+                      "--no-packing"], timeout=400)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "pipeline: 2 stages (1f1b)" in result.stdout and "LoRA: trainable params" in result.stdout, result.stdout
+    checkpoint = save / (save / "latest").read_text().strip()
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir))
+    untouched = {n: p.detach().clone() for n, p in base.named_parameters()}
+    adapted = PeftModel.from_pretrained(base, str(checkpoint))
+    lora = {n: p for n, p in adapted.named_parameters() if "lora_" in n}
+    # peft starts lora_B at zero: a trained B on the first and on the last stage's layers
+    layers = {n.split(".layers.")[1].split(".")[0] for n, p in lora.items() if "lora_B" in n and p.abs().sum() > 0}
+    from transformers import AutoConfig
+    last = str(AutoConfig.from_pretrained(str(tiny_llama_dir)).num_hidden_layers - 1)
+    assert {"0", last} <= layers, layers
+    for name, param in adapted.get_base_model().named_parameters():
+        if "lora_" not in name:
+            assert torch.equal(param, untouched[name.replace(".base_layer", "")]), name
+
+
 def test_pipeline_flag_config_and_refusals(capsys):
     """The flag sets `pipeline_parallel_size`, ZeRO-1 by default and a batch of world / N data-parallel ranks; what it
     cannot run is one line naming the flag, before any process starts (rc 2)."""
@@ -51,5 +82,6 @@ def test_pipeline_flag_config_and_refusals(capsys):
     assert printed["train_batch_size"] == 3 * 2 * 2  # micro x accumulation x (4 ranks / 2 stages)
     assert main(["train", "--nproc", "3", "--pipeline-parallel-size", "2"]) == 2
     assert "--pipeline-parallel-size 2 does not divide the 3 ranks" in capsys.readouterr().err
-    assert main(["train", "--nproc", "2", "--pipeline-parallel-size", "2", "--lora-r", "4"]) == 2
-    assert "--pipeline-parallel-size 2 with --lora-r is not available yet" in capsys.readouterr().err
+    assert main(["train", "--nproc", "2", "--pipeline-parallel-size", "2", "--data", __file__, "--eval-data",
+                 __file__]) == 2
+    assert "--pipeline-parallel-size 2 with --eval-data is not available yet" in capsys.readouterr().err

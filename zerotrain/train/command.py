@@ -207,9 +207,8 @@ def check_train_args(args: argparse.Namespace) -> None:
         raise CLIError("--eval-data needs --data")
     if args.pipeline_parallel_size is not None and args.pipeline_parallel_size < 1:
         raise CLIError(f"--pipeline-parallel-size must be >= 1, got {args.pipeline_parallel_size}")
-    if (args.pipeline_parallel_size or 1) > 1 and (args.lora_r is not None or args.eval_data):
-        raise CLIError(f"--pipeline-parallel-size {args.pipeline_parallel_size} with "
-                       f"{'--lora-r' if args.lora_r is not None else '--eval-data'} is not available yet")
+    if (args.pipeline_parallel_size or 1) > 1 and args.eval_data:
+        raise CLIError(f"--pipeline-parallel-size {args.pipeline_parallel_size} with --eval-data is not available yet")
     for flag, paths in (("--data", args.data), ("--eval-data", args.eval_data)):
         for data_path in paths or ():
             if not os.path.exists(data_path):
