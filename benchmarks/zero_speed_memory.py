@@ -17,25 +17,35 @@ defaults) and gradient clipping at 1.0, the same number of warm-up and timed ste
 
 Per engine it reports the median step time (the slowest rank's time, per step), its
 ratio to DDP, the median forward / backward / optimizer-step split, the peak live RSS
-of each rank over the timed steps (sampled after every phase; the children run with
-``MALLOC_MMAP_THRESHOLD_=65536`` so freed buffers go back to the OS and RSS tracks live
-memory), and, for zerotrain, the bytes per step of every collective kind read from
-``engine.memory_report()["comm"]`` next to the ring-algorithm theory.
+of each rank over the timed steps, and, for zerotrain, the bytes per step of every collective kind read from
+``engine.memory_report()["comm"]`` next to the ring-algorithm theory, and `zerotrain estimate`'s
+predicted peak (with the sizes the run's memory budget chose, plus the rank's RSS before the model was
+built) beside the measured one.
+
+Peak RSS is sampled inside the steps (`RssSampler`): a thread in every rank, whatever the engine,
+reads /proc/self/statm every `--sample-ms` (2 ms) during the timed steps, so the peak includes what lives
+only inside backward (gathered parameters, unsharded gradients, reduce buckets); the values at the
+phase ends alone (what this benchmark sampled before) are printed beside it. The children run with
+``MALLOC_MMAP_THRESHOLD_=65536`` so freed buffers go back to the OS and RSS tracks live memory.
+`--where` names the module computing at each peak (module hooks), `--timeline DIR` writes zerotrain's
+memory timeline (its own phases: gather, reduce, optimizer step) at the same period.
 
     python benchmarks/zero_speed_memory.py                     # the full run (minutes)
     python benchmarks/zero_speed_memory.py --model tiny --steps 2   # smoke run (< 60 s)
     python benchmarks/zero_speed_memory.py --engines ddp,zt1,zt2 --steps 12 --json out.json
 
 Shapes (`--shape`, issue #27: ZeRO-3's memory on every shape, not only the benchmark's own model): the preset's
-depth and width as
+depth and width (or `--layers` x `--width`, heads of 64) as
   gpt          zerotrain's GPT: tied head, fused qkv, byte vocabulary (256) - the default
   gpt-untied   untied head, vocabulary 8192
   gpt-vocab    tied head, vocabulary 8192
   llama        Hugging Face LlamaForCausalLM: separate q/k/v, SwiGLU MLP (4 x width), untied head, vocabulary 8192
-`--matrix` runs FSDP2 and zerotrain ZeRO-3 (`{"stage": 3}` only) on every shape, `--rounds` interleaved rounds,
-and prints peak/FSDP2 and step/FSDP2 per shape (targets: <= 1.00 and <= 0.80):
+`--matrix` runs FSDP2 and zerotrain ZeRO-3 (`{"stage": 3}` only) on every shape at the issue's 8 layers x 768
+(1 warm-up + 2 timed steps per run unless given), `--rounds` interleaved rounds, and prints per shape
+peak/FSDP2 and step/FSDP2 (targets: <= 1.00 and <= 0.80) and ZeRO-3's measured peak / estimate (within 15%):
 
-    python benchmarks/zero_speed_memory.py --matrix --model small --rounds 3 --json matrix.json
+    python benchmarks/zero_speed_memory.py --matrix --rounds 3 --json matrix.json
+    python benchmarks/zero_speed_memory.py --engines fsdp2,zt3d --shape gpt-untied --layers 8 --width 768 --where
 """
 from __future__ import annotations
 
@@ -48,6 +58,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -119,9 +130,96 @@ class Unavailable(Exception):
 # worker side: one rank of one engine
 # =============================================================================================
 
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 def _rss() -> int:
-    import psutil
-    return psutil.Process().memory_info().rss
+    """This process's resident bytes now (/proc/self/statm: microseconds; psutil elsewhere)."""
+    try:
+        with open("/proc/self/statm", "rb") as handle:
+            return int(handle.read().split()[1]) * _PAGE
+    except OSError:
+        import psutil
+        return psutil.Process().memory_info().rss
+
+
+class RssSampler:
+    """Peak RSS of this rank inside the measured steps, backward's peak included (issue #27).
+
+    Sampling only at phase ends misses what lives inside a phase: a backward's gathered parameters, unsharded
+    gradients and reduce buckets are all freed by the time `backward()` returns. A daemon thread reads
+    /proc/self/statm every `period_s` (a `pread` of a held descriptor: a few microseconds; the GIL is free
+    while torch computes or waits in a collective, so the samples land inside kernels and collectives too)
+    and keeps the peak per `phase` ("fwd", "bwd", "step"; None: not measuring) and the `label` current at the
+    peak (`--where`: the module whose forward or backward ran). Every phase boundary samples as well.
+    """
+
+    def __init__(self, period_s: float = 0.002):
+        self.period_s = period_s
+        try:
+            self._fd: Optional[int] = os.open("/proc/self/statm", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+        self.phase: Optional[str] = None
+        self.label = ""
+        self.peaks: dict[str, int] = {}
+        self.where: dict[str, str] = {}  # phase -> label at its peak
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self._thread.start()
+
+    def read(self) -> int:
+        if self._fd is None:
+            return _rss()
+        return int(os.pread(self._fd, 128, 0).split()[1]) * _PAGE
+
+    def _note(self, phase: Optional[str]) -> None:
+        if phase is None:
+            return
+        rss = self.read()
+        self.samples += 1
+        if rss > self.peaks.get(phase, -1):
+            self.peaks[phase] = rss
+            self.where[phase] = self.label
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._note(self.phase)
+
+    def enter(self, phase: Optional[str]) -> None:
+        """Close the current phase (a last sample) and open `phase` (None: stop measuring)."""
+        self._note(self.phase)
+        self.phase = phase
+        self._note(phase)
+
+    def take(self) -> tuple[dict[str, int], dict[str, str]]:
+        """The peaks (and labels) since the last take; cleared."""
+        peaks, where = self.peaks, self.where
+        self.peaks, self.where = {}, {}
+        return peaks, where
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self._fd is not None:
+            os.close(self._fd)
+
+
+def _label_modules(model, sampler: RssSampler) -> None:
+    """`--where`: name the module computing now in the sampler's label (forward: its pre-hook; backward: its
+    full backward pre-hook), for every module that owns parameters itself, so each peak says where it was."""
+    for name, module in model.named_modules():
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue
+
+        def forward_pre(mod, args, name=name):
+            sampler.label = f"forward {name}"
+
+        def backward_pre(mod, grad_output, name=name):
+            sampler.label = f"backward {name}"
+        module.register_forward_pre_hook(forward_pre)
+        module.register_full_backward_pre_hook(backward_pre)
 
 
 def _minor_faults() -> int:
@@ -149,18 +247,32 @@ def _make_batches(n: int, batch: int, seq_len: int, rank: int) -> list:
 SHAPES = {"gpt": "tied head, fused qkv, V 256", "gpt-untied": "untied head, fused qkv, V 8192",
           "gpt-vocab": "tied head, fused qkv, V 8192", "llama": "HF Llama: separate q/k/v, untied head, V 8192"}
 LARGE_VOCAB = 8192
+# --matrix's defaults: the issue's shape (d 768, 8 layers: the untied-head GPT measured at 1.09x FSDP2's peak), 1 warm-up
+# + 2 timed steps per engine run (the step time is a median over the rounds' steps; the peak does not need more)
+MATRIX = {"layers": 8, "width": 768, "steps": 2, "warmup": 1}
 
 
-def _build_model(preset: str, shape: str = "gpt"):
-    """The preset's depth and width in one of `SHAPES`."""
+def _dims(preset: str, layers: Optional[int] = None, width: Optional[int] = None) -> dict:
+    """The preset's GPTConfig fields, with `layers` / `width` (heads of 64) in place of its depth / width."""
+    dims = {}
+    if layers:
+        dims["n_layer"] = int(layers)
+    if width:
+        dims.update(n_embd=int(width), n_head=max(1, int(width) // 64))
+    return dims
+
+
+def _build_model(preset: str, shape: str = "gpt", layers: Optional[int] = None, width: Optional[int] = None):
+    """The preset's depth and width (or `layers` x `width`) in one of `SHAPES`."""
     import torch
     from zerotrain.models import GPT, GPTConfig
     torch.manual_seed(SEED)
-    config = GPTConfig.preset(preset)
+    dims = _dims(preset, layers, width)
+    config = GPTConfig.preset(preset, **dims)
     if shape == "gpt":
         return GPT(config)
     if shape in ("gpt-untied", "gpt-vocab"):
-        return GPT(GPTConfig.preset(preset, vocab_size=LARGE_VOCAB, tie_weights=shape == "gpt-vocab"))
+        return GPT(GPTConfig.preset(preset, vocab_size=LARGE_VOCAB, tie_weights=shape == "gpt-vocab", **dims))
     if shape == "llama":
         import transformers
         hf = transformers.LlamaConfig(vocab_size=LARGE_VOCAB, hidden_size=config.n_embd,
@@ -194,11 +306,17 @@ def _adamw_kwargs(impl: str) -> dict:
 
 
 class Runner:
-    """forward(x, y) -> loss; backward(loss); step(); comm() -> counters or None; state() -> bytes."""
+    """forward(x, y) -> loss; backward(loss); step(); comm() -> counters or None; state() -> bytes;
+    model: the module itself (for `--where`); resolved: zerotrain's chosen size keys (for the estimate)."""
 
     forward: Callable
     backward: Callable
     step: Callable
+    model: Any = None
+    resolved: Optional[dict] = None
+
+    def watch(self, timeline) -> None:
+        """zerotrain: report the engine's phases (gather, reduce ...) into a `MemoryTimeline`; others: nothing."""
 
     def comm(self) -> Optional[dict]:
         return None
@@ -210,9 +328,10 @@ class Runner:
 def _setup_ddp(args) -> Runner:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
-    model = DDP(_build_model(args.model, args.shape))
+    model = DDP(_build_model(args.model, args.shape, args.layers, args.width))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, **_adamw_kwargs(args.adamw))
     r = Runner()
+    r.model = model.module
     r.forward = lambda x, y: _engine_loss(model, model.module, x, y)
     r.backward = lambda loss: loss.backward()
 
@@ -232,12 +351,13 @@ def _setup_fsdp2(args) -> Runner:
     except ImportError as error:
         raise Unavailable(f"torch.distributed.fsdp.fully_shard: {error}") from error
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-    model = _build_model(args.model, args.shape)
+    model = _build_model(args.model, args.shape, args.layers, args.width)
     for block in _blocks(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, **_adamw_kwargs(args.adamw))
     r = Runner()
+    r.model = model
     r.forward = lambda x, y: _loss(model, x, y)
     r.backward = lambda loss: loss.backward()
 
@@ -265,38 +385,53 @@ def _setup_deepspeed(args, stage: int) -> Runner:
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
     }
-    model = _build_model(args.model, args.shape)
+    model = _build_model(args.model, args.shape, args.layers, args.width)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     r = Runner()
+    r.model = model
     r.forward = lambda x, y: _engine_loss(engine, model, x, y)
     r.backward = lambda loss: engine.backward(loss)
     r.step = lambda: engine.step()
     return r
 
 
-def _setup_zerotrain(args, overrides: dict) -> Runner:
-    import zerotrain
+# the size keys the memory budget chooses when unset (zerotrain.budget): read back for the estimate
+BUDGET_KEYS = ("reduce_bucket_size", "stage3_max_live_parameters")
+
+
+def _zerotrain_config(args, overrides: dict, resolved: Optional[dict] = None) -> dict:
+    """The config a zerotrain variant runs with (`resolved`: the sizes its budget chose, for the estimate)."""
     zero = {} if overrides.get("_only") else {"reduce_bucket_size": args.bucket}
     zero.update(overrides)
     zero.pop("_only", None)
     top_level = zero.pop("_config", {})
-    config = {
+    zero.update(resolved or {})
+    return {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_clipping": CLIP,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "fused": args.adamw == "fused"}},
         "zero_optimization": zero,
         **top_level,
     }
-    model = _build_model(args.model, args.shape)
+
+
+def _setup_zerotrain(args, overrides: dict) -> Runner:
+    import zerotrain
+    config = _zerotrain_config(args, overrides)
+    model = _build_model(args.model, args.shape, args.layers, args.width)
     try:
         engine, _, _, _ = zerotrain.initialize(model=model, config=config)
     except NotImplementedError as error:
         raise Unavailable(f"not available: {error}") from error
     r = Runner()
+    r.model = model
     r.forward = lambda x, y: _engine_loss(engine, model, x, y)
     r.backward = lambda loss: engine.backward(loss)
     r.step = lambda: engine.step()
     r.comm = lambda: engine.memory_report()["comm"]
+    r.watch = engine.watch_memory
+    zero_config = engine.config.zero_optimization
+    r.resolved = {key: int(getattr(zero_config, key)) for key in BUDGET_KEYS}
 
     def state():
         report = engine.memory_report()
@@ -319,9 +454,9 @@ def _setup(args, engine: str) -> Runner:
     raise ValueError(f"unknown engine {engine!r}")
 
 
-def _phase_times(runner: Runner, batches: list, warmup: int) -> dict:
-    """Run every batch through forward/backward/step; per-step times and RSS samples."""
-    import torch
+def _phase_times(runner: Runner, batches: list, warmup: int, sampler: RssSampler) -> dict:
+    """Run every batch through forward/backward/step; per-step times and RSS: the sampler's peak inside each
+    phase (`rss_fwd` ...), and the value at each phase's end as before (`end_fwd` ...)."""
     import torch.distributed as dist
     rows = []
     comm_before = None
@@ -329,22 +464,31 @@ def _phase_times(runner: Runner, batches: list, warmup: int) -> dict:
         if index == warmup:
             comm_before = runner.comm()
         dist.barrier()  # start every step together, outside the timed region
+        sampler.take()
         faults0 = _minor_faults()
         cpu0 = time.process_time()
+        sampler.enter("fwd")
         t0 = time.perf_counter()
         loss = runner.forward(x, y)
         t1 = time.perf_counter()
-        rss_fwd = _rss()
+        end_fwd = _rss()
+        sampler.enter("bwd")
         runner.backward(loss)
         t2 = time.perf_counter()
-        rss_bwd = _rss()
+        end_bwd = _rss()
+        sampler.enter("step")
         runner.step()
         t3 = time.perf_counter()
+        sampler.enter(None)
         cpu = time.process_time() - cpu0
-        rss_step = _rss()
-        rows.append({"minflt": _minor_faults() - faults0, "cpu": cpu,"fwd": t1 - t0, "bwd": t2 - t1, "step": t3 - t2, "total": t3 - t0,
-                     "rss": max(rss_fwd, rss_bwd, rss_step), "rss_fwd": rss_fwd, "rss_bwd": rss_bwd,
-                     "rss_step": rss_step, "loss": float(loss.detach().float().item())})
+        end_step = _rss()
+        peaks, where = sampler.take()
+        phase = max(peaks, key=peaks.get)
+        rows.append({"minflt": _minor_faults() - faults0, "cpu": cpu, "fwd": t1 - t0, "bwd": t2 - t1, "step": t3 - t2,
+                     "total": t3 - t0, "rss": peaks[phase], "rss_fwd": peaks["fwd"], "rss_bwd": peaks["bwd"],
+                     "rss_step": peaks["step"], "peak_phase": phase, "peak_where": where.get(phase, ""),
+                     "end_fwd": end_fwd, "end_bwd": end_bwd, "end_step": end_step,
+                     "loss": float(loss.detach().float().item())})
     comm_after = runner.comm()
     comm = None
     if comm_after is not None:
@@ -359,6 +503,7 @@ def worker_main(spec: dict) -> int:
     """One rank: set up the engine, train, write a JSON result file."""
     out_path = Path(spec["out"])
     result: dict[str, Any] = {"engine": spec["engine"], "rank": int(os.environ["RANK"])}
+    sampler = None
     try:
         import torch
         import torch.distributed as dist
@@ -366,14 +511,33 @@ def worker_main(spec: dict) -> int:
         rank = int(os.environ["RANK"])
         args = argparse.Namespace(**spec["args"])
         import datetime
+        import zerotrain  # noqa: F401 - imported before the runtime is measured (every engine pays the same)
+        if args.shape == "llama":
+            import transformers  # noqa: F401
+        import torch._dynamo  # noqa: F401 - every torch optimizer imports it when built (torch._compile): runtime
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-        result["rss_start"] = _rss()
         batches = _make_batches(args.warmup + args.steps, args.batch, args.seq_len, rank)
+        # the runtime: Python, torch, zerotrain (transformers), gloo and the batches, before any model exists
+        result["rss_start"] = _rss()
+        sampler = RssSampler(args.sample_ms / 1000.0)
         runner = _setup(args, spec["engine"])
         result["rss_setup"] = _rss()
-        measured = _phase_times(runner, batches, args.warmup)
+        if args.where:
+            _label_modules(runner.model, sampler)
+        timeline = None
+        if args.timeline and runner.resolved is not None:  # zerotrain: its own phases, every sample on file
+            from zerotrain.monitor import MemoryTimeline
+            directory = Path(args.timeline) / spec["engine"]
+            directory.mkdir(parents=True, exist_ok=True)
+            timeline = MemoryTimeline(directory, rank=rank, interval_s=args.sample_ms / 1000.0)
+            runner.watch(timeline)
+        measured = _phase_times(runner, batches, args.warmup, sampler)
+        if timeline is not None:
+            timeline.close()
         result.update(measured)
+        result["samples"] = sampler.samples
         result["state"] = runner.state()
+        result["resolved"] = runner.resolved
         result["status"] = "ok"
         # Average the losses over ranks once, after timing: the loss curve of the global batch.
         losses = torch.tensor([row["loss"] for row in measured["rows"]], dtype=torch.float64)
@@ -385,6 +549,9 @@ def worker_main(spec: dict) -> int:
         result.update(status="unavailable", reason=str(why))
     except Exception as error:  # noqa: BLE001 - report, the parent prints it
         result.update(status="failed", reason=f"{type(error).__name__}: {error}", traceback=traceback.format_exc())
+    finally:
+        if sampler is not None:
+            sampler.stop()
     out_path.write_text(json.dumps(result))
     return 0 if result["status"] != "failed" else 1
 
@@ -419,7 +586,8 @@ def run_engine(engine: str, args, workdir: Path) -> dict:
     """Launch both ranks of one engine in fresh processes; merge their results."""
     port = _free_port()
     procs, logs, outs = [], [], []
-    spec_args = {k: getattr(args, k) for k in ("model", "steps", "warmup", "batch", "seq_len", "bucket", "adamw", "shape")}
+    spec_args = {k: getattr(args, k) for k in ("model", "steps", "warmup", "batch", "seq_len", "bucket", "adamw", "shape",
+                                                 "layers", "width", "sample_ms", "where", "timeline")}
     started = time.perf_counter()
     for rank in range(WORLD_SIZE):
         out = workdir / f"{engine}.rank{rank}.json"
@@ -482,6 +650,12 @@ def _merge(engine: str, ranks: list[dict], args, wall: float) -> dict:
         minor_faults_per_step=[_median([row["minflt"] for row in t]) for t in timed],
         peak_rss=[max(row["rss"] for row in t) for t in timed],
         peak_rss_phase=[{ph: max(row[f"rss_{ph}"] for row in t) for ph in ("fwd", "bwd", "step")} for t in timed],
+        # the phase-end values alone (what this benchmark sampled before the in-step sampler)
+        peak_rss_ends=[max(max(row[f"end_{ph}"] for ph in ("fwd", "bwd", "step")) for row in t) for t in timed],
+        # where each rank's peak step peaked: (phase, module label with --where)
+        peak_at=[[max(t, key=lambda row: row["rss"])[key] for key in ("peak_phase", "peak_where")] for t in timed],
+        samples=[r.get("samples", 0) for r in ranks],
+        resolved=ranks[0].get("resolved"),
         rss_setup=[r["rss_setup"] for r in ranks],
         rss_start=[r["rss_start"] for r in ranks],
         losses=ranks[0]["mean_losses"],
@@ -507,6 +681,10 @@ def _summarize(runs: list[dict]) -> dict:
         round_medians=[_median(r["step_times"]) for r in ok],
         peak_rss=[max(r["peak_rss"][i] for r in ok) for i in range(WORLD_SIZE)],
         minor_faults_per_step=[_median([r["minor_faults_per_step"][i] for r in ok]) for i in range(WORLD_SIZE)],
+        peak_rss_ends=[max(r["peak_rss_ends"][i] for r in ok) for i in range(WORLD_SIZE)],
+        peak_at=max(ok, key=lambda r: max(r["peak_rss"]))["peak_at"],
+        rss_start=[max(r["rss_start"][i] for r in ok) for i in range(WORLD_SIZE)],
+        resolved=ok[0].get("resolved"),
         same_losses_every_round=all(r["losses"] == ok[0]["losses"] for r in ok),
         rounds=runs,
     )
@@ -534,11 +712,12 @@ def _loadavg() -> float:
 PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold default (zerotrain and DeepSpeed)
 
 
-def _param_bytes(preset: str, shape: str = "gpt") -> tuple[int, int, int]:
+def _param_bytes(preset: str, shape: str = "gpt", layers: Optional[int] = None,
+                 width: Optional[int] = None) -> tuple[int, int, int]:
     """(parameters, Ψ = fp32 parameter bytes, bytes of the parameters stage 3 keeps whole)."""
     import torch
     with torch.device("meta"):
-        model = _build_model(preset, shape)
+        model = _build_model(preset, shape, layers, width)
     numel = sum(p.numel() for p in model.parameters())
     persistent = sum(p.numel() for p in model.parameters() if p.numel() <= PERSISTENCE_THRESHOLD)
     return numel, numel * 4, persistent * 4  # fp32
@@ -576,10 +755,47 @@ def _fmt_comm(engine: str, result: dict, psi: float, persistent: float) -> tuple
     return measured or "-", theory
 
 
+def predicted_peak(args, engine: str, resolved: Optional[dict]) -> Optional[dict]:
+    """`zerotrain estimate`'s peak per rank for a zerotrain run (None for other engines): the same model on the
+    meta device, the same config with the sizes its budget chose (`resolved`), world 2, a CPU run (the device is
+    host memory): states + activations of one micro-batch (no checkpointing here) + the transient step buffers
+    (gathered parameters, the largest whole gradient, reduce staging). The runtime (Python, torch, gloo) is not in
+    it: the ratio is taken against this plus the rank's RSS before the model was built (`rss_start`)."""
+    overrides = next((o for key, _, o in ZEROTRAIN_VARIANTS if key == engine), None)
+    if overrides is None or resolved is None:
+        return None
+    import torch
+    from zerotrain.config import load_config
+    from zerotrain.estimate import config_option, device_peak, estimate
+    config = _zerotrain_config(args, overrides, resolved)
+    with torch.device("meta"):
+        model = _build_model(args.model, args.shape, args.layers, args.width)
+    result = estimate(model, config, WORLD_SIZE, options=[config_option(load_config(config))], device_type="cpu",
+                      seq_len=args.seq_len, micro_batch=args.batch)
+    option = result["options"][0]
+    acts = dict(result["activations"])
+    acts["with_checkpointing"] = acts["without_checkpointing"]  # this benchmark checkpoints nothing
+    return {"bytes": device_peak(option, acts) + option["totals"]["host"], "states": option["totals"]["device"],
+            "activations": acts["without_checkpointing"], "transient": option["transient"]}
+
+
+def _estimate_ratio(args, result: dict) -> tuple[str, Optional[float]]:
+    """("estimate MiB (+ runtime)", measured peak / (estimate + runtime)) of one engine's summary; ("", None) when
+    there is no estimate (not a zerotrain engine)."""
+    predicted = predicted_peak(args, result["engine"], result.get("resolved"))
+    if predicted is None:
+        return "", None
+    runtime = max(result["rss_start"])
+    result["predicted"] = dict(predicted, runtime=runtime)
+    ratio = max(result["peak_rss"]) / (predicted["bytes"] + runtime)
+    return f"{predicted['bytes'] / 2**20:.0f} (+ {runtime / 2**20:.0f})", ratio
+
+
 def render(results: list[dict], args, numel: int, psi: int, persistent: int) -> str:
     base = next((r for r in results if r["engine"] == "ddp" and r["status"] == "ok"), None)
     header = ["engine", "step s", "vs DDP", "fwd / bwd / opt s", "min-max s", "CPU s", "peak RSS MiB r0/r1",
-              "vs DDP", "comm MB/step (AG RS AR)", "theory MB", "loss first→last"]
+              "vs DDP", "peak at", "phase ends MiB", "estimate MiB (+ runtime)", "peak / est.",
+              "comm MB/step (AG RS AR)", "theory MB", "loss first→last"]
     lines = []
     for r in results:
         if r["status"] != "ok":
@@ -590,11 +806,14 @@ def render(results: list[dict], args, numel: int, psi: int, persistent: int) -> 
         ratio = f"{r['step_s'] / base['step_s']:.2f}" if base else "-"
         mem_ratio = f"{peak / max(base['peak_rss']):.2f}" if base else "-"
         measured, theory = _fmt_comm(r["engine"], r, psi, persistent)
+        estimate, est_ratio = _estimate_ratio(args, r)
         lines.append([
             r["label"], f"{r['step_s']:.3f}", ratio,
             f"{r['fwd_s']:.2f} / {r['bwd_s']:.2f} / {r['opt_s']:.2f}",
             f"{r['step_min_s']:.2f}-{r['step_max_s']:.2f}", f"{r['cpu_s']:.2f}",
-            "/".join(f"{v / 2**20:.0f}" for v in r["peak_rss"]), mem_ratio, measured, theory,
+            "/".join(f"{v / 2**20:.0f}" for v in r["peak_rss"]), mem_ratio, _fmt_at(r["peak_at"]),
+            "/".join(f"{v / 2**20:.0f}" for v in r["peak_rss_ends"]), estimate,
+            "" if est_ratio is None else f"{est_ratio:.2f}", measured, theory,
             f"{r['losses'][0]:.4f}→{r['losses'][-1]:.4f}",
         ])
     widths = [max(len(h), *(len(row[i]) for row in lines)) if lines else len(h) for i, h in enumerate(header)]
@@ -602,12 +821,28 @@ def render(results: list[dict], args, numel: int, psi: int, persistent: int) -> 
            "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     for row in lines:
         out.append("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
-    caption = (f"GPT preset {args.model} ({numel / 1e6:.1f}M params, Ψ = {psi / 1e6:.1f} MB fp32), world size "
+    dims = f"{args.layers or 'its'} layers x width {args.width or 'its'}" if args.layers or args.width else "its shape"
+    caption = (f"GPT preset {args.model} ({dims}; {args.shape}: {SHAPES[args.shape]}; {numel / 1e6:.1f}M params, "
+               f"Ψ = {psi / 1e6:.1f} MB fp32), world size "
                f"{WORLD_SIZE} (gloo, CPU, 1 thread/rank), B={args.batch}/rank, T={args.seq_len}, AdamW lr {LR} "
                f"({args.adamw}), clip {CLIP}; {args.warmup} warm-up + {args.steps} timed steps"
-               f"{f' × {args.rounds} rounds' if args.rounds > 1 else ''}, median of the slowest rank per step (CPU s: process CPU time per step, all threads, slowest "
-               f"rank); zerotrain reduce_bucket_size {args.bucket:.0e}.")
+               f"{f' × {args.rounds} rounds' if args.rounds > 1 else ''}, median of the slowest rank per step (CPU s: "
+               f"process CPU time per step, all threads, slowest rank); peak RSS sampled every {args.sample_ms:g} ms "
+               f"inside the timed steps ('phase ends': sampled after forward, backward and step only); estimate: "
+               f"`zerotrain estimate` with the sizes the run chose, + the rank's RSS before the model was built; "
+               f"zerotrain reduce_bucket_size {args.bucket:.0e} (variants marked 'only': the budget's choice).")
     return caption + "\n\n" + "\n".join(out)
+
+
+def _fmt_phases(result: dict) -> str:
+    """The larger rank's peak per phase, MiB: "fwd F / bwd B / step S"."""
+    return " / ".join(f"{phase} {max(p[phase] for p in result['peak_rss_phase']) / 2**20:.0f}" for phase in ("fwd", "bwd", "step"))
+
+
+def _fmt_at(peak_at: list) -> str:
+    """Where the ranks' peaks were: the phase, and the module with --where (one entry when the ranks agree)."""
+    shown = [f"{phase}" + (f": {where}" if where else "") for phase, where in peak_at]
+    return shown[0] if len(set(shown)) == 1 else " / ".join(shown)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -615,9 +850,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", default="all",
                         help=f"comma-separated subset of: {', '.join(ENGINES)} (default: all)")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per engine (default 8)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default 2)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"timed steps per engine (default 8; --matrix {MATRIX['steps']})")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help=f"untimed warm-up steps (default 2; --matrix {MATRIX['warmup']})")
     parser.add_argument("--model", default="70m", help="GPT preset: 70m (default), small, tiny (smoke run)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help=f"transformer blocks instead of the preset's (--matrix default {MATRIX['layers']})")
+    parser.add_argument("--width", type=int, default=None,
+                        help=f"hidden size instead of the preset's, heads of 64 (--matrix default {MATRIX['width']})")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="tokens per sequence (default 128, capped at the preset's block_size)")
     parser.add_argument("--batch", type=int, default=4, help="micro-batch per rank (default 4)")
@@ -635,10 +876,21 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="the model's shape at the preset's depth and width (see the module docstring)")
     parser.add_argument("--matrix", action="store_true",
                         help="FSDP2 and zerotrain ZeRO-3 ({\"stage\": 3}) on every shape: peak and step vs FSDP2")
+    parser.add_argument("--sample-ms", type=float, default=2.0,
+                        help="RSS sampling period inside the timed steps, per rank (default 2 ms)")
+    parser.add_argument("--where", action="store_true",
+                        help="label every sample with the module whose forward / backward runs (module hooks: "
+                             "slower steps, same memory) and print where each peak was")
+    parser.add_argument("--timeline", default=None, metavar="DIR",
+                        help="zerotrain engines: write the memory timeline (zerotrain.monitor.MemoryTimeline, the "
+                             "engine's own phases: gather, reduce, optimizer step) every --sample-ms under DIR/ENGINE")
     parser.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args._worker is not None:
         return worker_main(json.loads(args._worker))
+    for key in ("steps", "warmup", "layers", "width"):  # --matrix: the issue's shape, a short run per engine
+        if getattr(args, key) is None:
+            setattr(args, key, MATRIX[key] if args.matrix else {"steps": 8, "warmup": 2}.get(key))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so run_engine's cleanup runs on kill
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -655,7 +907,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         engines.insert(0, "ddp")
     if args.matrix:
         return run_matrix(args)
-    numel, psi, persistent = _param_bytes(args.model, args.shape)
+    numel, psi, persistent = _param_bytes(args.model, args.shape, args.layers, args.width)
 
     runs: dict[str, list[dict]] = {e: [] for e in engines}
     with tempfile.TemporaryDirectory(prefix="zt-bench-") as tmp:
@@ -676,7 +928,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 if result["status"] == "ok":
                     print(f"{tag} step {_median(result['step_times']):.3f} s (median; "
                           f"{', '.join(f'{t:.2f}' for t in result['step_times'])}), peak RSS "
-                          f"{'/'.join(f'{v / 2**20:.0f}' for v in result['peak_rss'])} MiB, minor faults/step "
+                          f"{'/'.join(f'{v / 2**20:.0f}' for v in result['peak_rss'])} MiB at "
+                          f"{_fmt_at(result['peak_at'])} (peaks {_fmt_phases(result)}; phase ends {'/'.join(f'{v / 2**20:.0f}' for v in result['peak_rss_ends'])}), "
+                          f"minor faults/step "
                           f"{'/'.join(f'{v / 1e3:.0f}k' for v in result['minor_faults_per_step'])}, wall "
                           f"{result['wall_s']:.0f} s, load {result['loadavg_1m_after']:.2f}, steal "
                           f"{result['steal_pct']:.1f}%", flush=True)
@@ -696,40 +950,58 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def run_matrix(args) -> int:
-    """`--matrix`: per shape, FSDP2 and zt3d ({"stage": 3} only) in interleaved rounds (fresh processes each); the ratios."""
-    rows, payload = [], {}
+    """`--matrix`: FSDP2 and zt3d ({"stage": 3} only) on every shape, fresh processes each run, rounds interleaved
+    (round-major: every shape once per round, the two engines' order alternating between rounds); per shape the
+    peak and step ratios (medians over the rounds) and `zerotrain estimate`'s peak next to the measured one."""
+    engines = ("fsdp2", "zt3d")
+    runs: dict[str, dict[str, list[dict]]] = {shape: {e: [] for e in engines} for shape in SHAPES}
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="zt-matrix-") as tmp:
-        for shape in SHAPES:
-            args.shape = shape
-            runs: dict[str, list[dict]] = {"fsdp2": [], "zt3d": []}
-            for round_index in range(args.rounds):
-                for engine in runs:
+        for round_index in range(args.rounds):
+            for shape in SHAPES:
+                args.shape = shape
+                for engine in engines if round_index % 2 == 0 else engines[::-1]:
                     workdir = Path(tmp) / f"{shape}-{round_index}"
                     workdir.mkdir(exist_ok=True)
                     result = run_engine(engine, args, workdir)
                     result["loadavg_1m_after"] = _loadavg()
-                    runs[engine].append(result)
+                    runs[shape][engine].append(result)
                     shown = (f"step {_median(result['step_times']):.3f} s, peak RSS "
-                             f"{'/'.join(f'{v / 2**20:.0f}' for v in result['peak_rss'])} MiB"
+                             f"{'/'.join(f'{v / 2**20:.0f}' for v in result['peak_rss'])} MiB at "
+                             f"{_fmt_at(result['peak_at'])} (peaks {_fmt_phases(result)}; phase ends "
+                             f"{'/'.join(f'{v / 2**20:.0f}' for v in result['peak_rss_ends'])})"
                              if result["status"] == "ok" else f"{result['status']}: {result.get('reason', '')[:200]}")
-                    print(f"[{shape} {ENGINES[engine]} round {round_index + 1}] {shown}, load "
-                          f"{result['loadavg_1m_after']:.1f}", flush=True)
-            fsdp, zt3 = (_summarize(runs[e]) for e in ("fsdp2", "zt3d"))
-            payload[shape] = {"fsdp2": fsdp, "zt3": zt3, "params": _param_bytes(args.model, shape)[0]}
-            if fsdp["status"] != "ok" or zt3["status"] != "ok":
-                rows.append(f"| {shape} | {SHAPES[shape]} | {fsdp['status']} / {zt3['status']} | | | | |")
-                continue
-            # the peak per round is the larger rank's; the ratio of medians over the rounds
-            peak = {name: _median([max(r["peak_rss"]) for r in summary["rounds"]])
-                    for name, summary in (("fsdp2", fsdp), ("zt3", zt3))}
-            rows.append(f"| {shape} | {SHAPES[shape]} | {payload[shape]['params'] / 1e6:.1f}M | "
-                        f"{peak['fsdp2'] / 2**20:.0f} / {peak['zt3'] / 2**20:.0f} | **{peak['zt3'] / peak['fsdp2']:.2f}** | "
-                        f"{fsdp['step_s']:.3f} / {zt3['step_s']:.3f} | **{zt3['step_s'] / fsdp['step_s']:.2f}** |")
-    print(f"\npreset {args.model} depth and width, world {WORLD_SIZE}, B={args.batch}/rank, T={args.seq_len}, fp32 "
-          f"AdamW ({args.adamw}), clip {CLIP}, {args.warmup} + {args.steps} steps x {args.rounds} rounds "
-          f"(interleaved; medians); zerotrain: {{\"stage\": 3}} only (targets: peak <= 1.00x, step <= 0.80x FSDP2)\n")
-    print("| shape | what | params | peak RSS MiB FSDP2 / ZeRO-3 | peak / FSDP2 | step s FSDP2 / ZeRO-3 | step / FSDP2 |")
-    print("|---|---|---|---|---|---|---|")
+                    print(f"[round {round_index + 1} {shape} {ENGINES[engine]}] {shown}, wall {result['wall_s']:.0f} s, "
+                          f"load {result['loadavg_1m_after']:.1f}", flush=True)
+    rows, payload = [], {}
+    for shape in SHAPES:
+        args.shape = shape
+        fsdp, zt3 = (_summarize(runs[shape][e]) for e in engines)
+        params = _param_bytes(args.model, shape, args.layers, args.width)[0]
+        payload[shape] = {"fsdp2": fsdp, "zt3": zt3, "params": params}
+        if fsdp["status"] != "ok" or zt3["status"] != "ok":
+            rows.append(f"| {shape} | {SHAPES[shape]} | {fsdp['status']} / {zt3['status']} | | | | | | | |")
+            continue
+        # per round the larger rank's peak; the ratio of the medians over the rounds (and each round's ratio)
+        peaks = {name: [max(r["peak_rss"]) for r in summary["rounds"]] for name, summary in (("fsdp2", fsdp), ("zt3", zt3))}
+        peak = {name: _median(values) for name, values in peaks.items()}
+        per_round = ", ".join(f"{z / f:.2f}" for f, z in zip(peaks["fsdp2"], peaks["zt3"]))
+        step_rounds = ", ".join(f"{z / f:.2f}" for f, z in zip(fsdp["round_medians"], zt3["round_medians"]))
+        estimate, ratio = _estimate_ratio(args, dict(zt3, peak_rss=[peak["zt3"]]))
+        payload[shape]["estimate_ratio"] = ratio
+        rows.append(f"| {shape} | {SHAPES[shape]} | {params / 1e6:.1f}M | "
+                    f"{peak['fsdp2'] / 2**20:.0f} / {peak['zt3'] / 2**20:.0f} | **{peak['zt3'] / peak['fsdp2']:.2f}** "
+                    f"({per_round}) | {_fmt_at(fsdp['peak_at'])} / {_fmt_at(zt3['peak_at'])} | "
+                    f"{fsdp['step_s']:.3f} / {zt3['step_s']:.3f} | **{zt3['step_s'] / fsdp['step_s']:.2f}** "
+                    f"({step_rounds}) | {estimate} | **{ratio:.2f}** |")
+    print(f"\npreset {args.model} at {args.layers} layers x width {args.width}, world {WORLD_SIZE}, B={args.batch}/rank, "
+          f"T={args.seq_len}, fp32 AdamW ({args.adamw}), clip {CLIP}, {args.warmup} + {args.steps} steps x {args.rounds} "
+          f"rounds (interleaved; medians, each round's ratio in brackets); peak RSS sampled every {args.sample_ms:g} ms "
+          f"inside the timed steps; zerotrain: {{\"stage\": 3}} only (targets: peak <= 1.00x, step <= 0.80x FSDP2, "
+          f"measured / estimate within 15%); wall {time.perf_counter() - started:.0f} s\n")
+    print("| shape | what | params | peak RSS MiB FSDP2 / ZeRO-3 | peak / FSDP2 | peak at | step s FSDP2 / ZeRO-3 | "
+          "step / FSDP2 | ZeRO-3 estimate MiB (+ runtime) | peak / estimate |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()

@@ -239,3 +239,31 @@ def test_a_4_gib_budget_holds_at_every_size_of_the_issue():
     one, four = peaks["gpt 18x2048"], peaks["gpt 29x3328"]
     assert params["gpt 29x3328"] > 3.9 * params["gpt 18x2048"]
     assert four < 1.2 * one, (one / GiB, four / GiB)  # 4x the parameters, < 1.2x the memory (estimated 1.14x)
+
+
+def test_initialize_of_a_model_not_from_transformers_imports_none_of_it():
+    """Importing transformers costs every rank ~70 MiB of RSS (and pulls accelerate, scipy, huggingface_hub): a rank
+    training zerotrain's GPT at pipeline_parallel_size 1 must not pay it (issue #27: with it, ZeRO-3's peak on a
+    small model sat ~64 MiB above FSDP2's). A fresh interpreter: the test processes' forkserver preloads it."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import json, sys, torch, zerotrain\n"
+        "from zerotrain.models import GPT, GPTConfig\n"
+        "engine, *_ = zerotrain.initialize(model=GPT(GPTConfig.preset('tiny')), config={\n"
+        "    'train_micro_batch_size_per_gpu': 2, 'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-3}},\n"
+        "    'zero_optimization': {'stage': 3}})\n"
+        "x = torch.randint(0, 256, (2, 8))\n"
+        "engine.backward(engine(x, x)[1]); engine.step()\n"
+        "print(json.dumps(sorted(m for m in ('transformers', 'accelerate', 'scipy') if m in sys.modules)))\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    root = str(Path(__file__).resolve().parent.parent)
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [], done.stdout

@@ -208,6 +208,9 @@ class RankMemory:
     # bytes the NVMe swap files take on disk: the rows' nvme bytes plus alignment, equal-chunk padding and the
     # optimizer's spare records (offload.nvme_records)
     nvme_files: int = 0
+    # stage 3, one micro-step per step: the device gradient shards are made during backward (as its activations are
+    # freed) and freed after the step, so they and the activations peak at opposite ends of backward (device_peak)
+    gradients_made_in_backward: bool = False
 
     def add(self, row: str, place: str, nbytes: int) -> None:
         self.rows[row][place] += int(nbytes)
@@ -219,7 +222,8 @@ class RankMemory:
         return {"option": self.option.label, "stage": self.option.stage,
                 "offload_optimizer": self.option.offload_optimizer, "offload_param": self.option.offload_param,
                 "rows": self.rows, "totals": {place: self.total(place) for place in PLACES},
-                "transient": self.transient, "notes": self.notes, "nvme_files": self.nvme_files}
+                "transient": self.transient, "notes": self.notes, "nvme_files": self.nvme_files,
+                "gradients_made_in_backward": self.gradients_made_in_backward}
 
 
 @dataclass
@@ -341,6 +345,10 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
             memory.notes.append("NVMe optimizer streams gradients: no gradient shard is held after backward")
         else:
             memory.add("gradients", "device", 4 * sum(shards))
+            # (zero.stage3.grads: each shard is a reduce output made in backward, freed after the step; with gradient
+            # accumulation they outlive the next backward, under qgZ the stage-2 reducer keeps them)
+            memory.gradients_made_in_backward = (config.gradient_accumulation_steps == 1  # (None: unresolved)
+                                                 and not zero.zero_quantized_gradients)
         # an fp32 shard is its own master only where it stays in device memory (a CPU run's host store counts)
         in_device = option.offload_param == "none" or (option.offload_param == "cpu" and device_type == "cpu")
         own_master_possible = [dtype == torch.float32 and (in_device or persistent(p)) for p, _ in parts]
@@ -663,9 +671,15 @@ def measure_activations(model: torch.nn.Module, kind: str, micro_batch: int, seq
 def device_peak(memory: dict, activations: dict) -> int:
     """What one option needs on the device at the peak of a step: its states, the activations of one
     micro-batch with checkpointing, and the transient step buffers (with sequence parallelism also those of
-    its all-to-all)."""
-    return (memory["totals"]["device"] + activations["with_checkpointing"] + sum(memory["transient"].values())
-            + activations.get("all_to_all_buffers", 0))
+    its all-to-all). Stage 3 with one micro-step per step makes its gradient shards during backward, as the
+    activations are freed layer by layer, and frees them after the step: the larger of the two counts, not
+    their sum (`benchmarks/zero_speed_memory.py --matrix`: the sum overestimated the measured peak by
+    15%)."""
+    states, acts = memory["totals"]["device"], activations["with_checkpointing"]
+    if memory.get("gradients_made_in_backward"):
+        grads = memory["rows"]["gradients"]["device"]
+        states, acts = states - grads, max(acts, grads)
+    return states + acts + sum(memory["transient"].values()) + activations.get("all_to_all_buffers", 0)
 
 
 def _seq_len(model: torch.nn.Module, kind: str) -> int:

@@ -211,6 +211,8 @@ def pipeline_inputs(batch: dict) -> tuple[tuple[torch.Tensor, ...], torch.Tensor
 def pipeline_model(model: nn.Module, pipeline_parallel_size: int) -> nn.Module:
     """The model `initialize` pipelines: a Hugging Face model (or a peft LoRA model of one) split into
     `pipeline_parallel_size` stages (refused by name when its architecture cannot be), anything else as it is."""
+    if pipeline_parallel_size <= 1:  # no import: transformers' import costs every rank ~140 MiB of RSS (issue #27)
+        return model
     try:
         from transformers import PreTrainedModel
     except ImportError:  # pragma: no cover - transformers is a dependency
