@@ -271,7 +271,8 @@ def test_engine_api_and_dist_at_world_two(tmp_path):
         assert out["fp16_name"] == (True,)
         assert out["dist"] == (3.0, 2.0, 3.0, 20.0, [[0.0, 0.5], [1.0, 1.5]])
         assert out["printing_restored"] is True
-        _check_unclipped(*out["unclipped"])
+        if rank == 0:  # the whole weights (rank 1: {})
+            _check_unclipped(*out["unclipped"])
         assert out["printed_under_trainer"] == ""
         assert out["state_keys"] == ["module.fc1.bias", "module.fc1.weight", "module.fc2.bias", "module.fc2.weight"]
         assert out["applied"] == [False, True, True] * 3
