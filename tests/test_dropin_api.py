@@ -52,8 +52,9 @@ def _loud_batch():
     return x, 50 * y
 
 
-def _check_unclipped(weights: dict, norm: float) -> None:
-    """The engine's step without a gradient_clipping key equals plain torch SGD without clipping, not with 1.0."""
+def _check_default_clipping(weights: dict, norm: float) -> None:
+    """The engine's step without a gradient_clipping key equals plain torch SGD clipped at 1.0 (DeepSpeed 0.19.8's
+    default), not unclipped."""
     steps = {}
     for clip in (None, 1.0):
         torch.manual_seed(0)
@@ -66,9 +67,9 @@ def _check_unclipped(weights: dict, norm: float) -> None:
         torch.optim.SGD(model.parameters(), lr=0.1).step()
         steps[clip] = {k: v.detach() for k, v in model.state_dict().items()}
     assert total > 10 and norm == pytest.approx(float(total), rel=1e-5), (norm, total)
-    for name, value in steps[None].items():
+    for name, value in steps[1.0].items():
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6)
-    assert any(not torch.allclose(steps[1.0][name], value) for name, value in steps[None].items())
+    assert any(not torch.allclose(steps[None][name], value) for name, value in steps[1.0].items())
 
 
 # --- one world-2 launch for the engine API and zerotrain.dist --------------------------------
@@ -220,13 +221,13 @@ def engine_api_world2(save_dir: str, config_path: str) -> dict:
         out[name] = (saver.save_16bit_model(save_dir, name), _full(saver), os.path.exists(os.path.join(save_dir, name)))
     out["fp16_name"] = (saver.save_fp16_model(save_dir, "old_name.bin"),)  # DeepSpeed's older name
 
-    # no gradient_clipping key: DeepSpeed's default, no clipping, on a batch whose gradient norm is far above 1
-    # (SGD, whose update is the gradient itself; stage 2, the partitioned norm)
-    unclipped = _engine(2, optimizer={"type": "SGD", "params": {"lr": 0.1}})
+    # no gradient_clipping key: DeepSpeed 0.19.8's default, clipping at 1.0, on a batch whose gradient norm is far
+    # above 1 (SGD, whose update is the gradient itself; stage 2, the partitioned norm)
+    default_clip = _engine(2, optimizer={"type": "SGD", "params": {"lr": 0.1}})
     x, y = _micro(_loud_batch(), 0, rank)
-    unclipped.backward(unclipped(x, y))
-    unclipped.step()
-    out["unclipped"] = (_full(unclipped), unclipped.get_global_grad_norm())
+    default_clip.backward(default_clip(x, y))
+    default_clip.step()
+    out["default_clip"] = (_full(default_clip), default_clip.get_global_grad_norm())
 
     # fp16: an overflow with the scale already at min_loss_scale raises, on every rank
     fp16 = _engine(1, fp16={"enabled": True, "initial_scale_power": 1, "min_loss_scale": 2, "hysteresis": 1})
@@ -259,7 +260,7 @@ def test_engine_api_and_dist_at_world_two(tmp_path):
     for rank, out in enumerate(results):
         assert out["ranks"] == (rank, rank, 2, 2, "cpu", rank, 2, rank)
         assert out["queries"] == (1, False, False, False, None, True)
-        assert out["more_queries"] == ([(0.9, 0.999)], 1, 1, 0.0, False, False, False, {})  # clipping: DeepSpeed's 0
+        assert out["more_queries"] == ([(0.9, 0.999)], 1, 1, 1.0, False, False, False, {})
         modes, forwarded, missing = out["modes"]
         assert modes == [(False, False), (True, True)] and forwarded and "no_such_attribute" in missing
         assert sorted(x for batch in results[0]["io"] + results[1]["io"] for x in batch) == list(range(8))
@@ -272,7 +273,7 @@ def test_engine_api_and_dist_at_world_two(tmp_path):
         assert out["dist"] == (3.0, 2.0, 3.0, 20.0, [[0.0, 0.5], [1.0, 1.5]])
         assert out["printing_restored"] is True
         if rank == 0:  # the whole weights (rank 1: {})
-            _check_unclipped(*out["unclipped"])
+            _check_default_clipping(*out["default_clip"])
         assert out["printed_under_trainer"] == ""
         assert out["state_keys"] == ["module.fc1.bias", "module.fc1.weight", "module.fc2.bias", "module.fc2.weight"]
         assert out["applied"] == [False, True, True] * 3

@@ -312,11 +312,11 @@ def test_the_readme_walkthrough_runs_as_written_with_flags_only_and_with_a_deeps
 
 def test_without_max_grad_norm_the_command_clips_at_hfs_one(tmp_path):
     """`zerotrain train` without --max-grad-norm clips at HF's 1.0: flags alone, and over a DeepSpeed file without
-    gradient_clipping (which zerotrain.initialize reads as DeepSpeed's default: no clipping); the flag wins."""
+    gradient_clipping (DeepSpeed 0.19.8's default is 1.0 too); --max-grad-norm 0 turns it off."""
     bare = _file(tmp_path, {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}})
     assert load_config(train_config(_train_args(), world_size=2), dp_world_size=2).gradient_clipping == 1.0
     assert load_config(train_config(_train_args("--config", bare), world_size=2), dp_world_size=2).gradient_clipping == 1.0
-    assert load_config(bare, dp_world_size=2).gradient_clipping == 0.0
+    assert load_config(bare, dp_world_size=2).gradient_clipping == 1.0
     off = train_config(_train_args("--config", bare, "--max-grad-norm", "0"), world_size=2)
     assert load_config(off, dp_world_size=2).gradient_clipping == 0.0
 

@@ -29,7 +29,7 @@ HF_ARGS = dict(micro_batch_per_gpu=2, gradient_accumulation_steps=2, dp_world_si
 HIDDEN_SQ = 64 * 64
 
 # file -> (stage, offload_optimizer device, offload_param device, precision, gradient_clipping,
-#          (a file without it: DeepSpeed's default 0, no clipping) reduce_bucket_size, optimizer type as built, scheduler type, (tbs, micro, gas) at DP ranks)
+#          reduce_bucket_size, optimizer type as built, scheduler type, (tbs, micro, gas) at DP ranks)
 LOADS = {
     "hf_transformers_zero2.json": (2, "cpu", None, "fp32", 0.5, 200_000_000, "adamw", "WarmupLR", (8, 2, 2)),
     "hf_accelerate_zero3.json": (3, "cpu", "cpu", "fp32", 0.5, HIDDEN_SQ, "adamw", "WarmupLR", (4, 2, 1)),
@@ -38,7 +38,7 @@ LOADS = {
     "llamafactory_z2_offload.json": (2, "cpu", None, "fp32", 0.5, 500_000_000, None, None, (8, 2, 2)),
     "llamafactory_z3.json": (3, None, None, "fp32", 0.5, HIDDEN_SQ, None, None, (8, 2, 2)),
     "llamafactory_z3_offload.json": (3, "cpu", "cpu", "fp32", 0.5, HIDDEN_SQ, None, None, (8, 2, 2)),
-    "axolotl_zero1.json": (1, None, None, "fp32", 0.0, 500_000_000, "adamw", None, (8, 2, 2)),
+    "axolotl_zero1.json": (1, None, None, "fp32", 1.0, 500_000_000, "adamw", None, (8, 2, 2)),
     "axolotl_zero2.json": (2, "cpu", None, "fp32", 0.5, 500_000_000, None, None, (8, 2, 2)),
     "axolotl_zero3.json": (3, None, None, "fp32", 0.5, HIDDEN_SQ, None, None, (8, 2, 2)),
     "axolotl_zero3_bf16.json": (3, None, None, "bf16", 0.5, HIDDEN_SQ, None, None, (8, 2, 2)),
@@ -46,7 +46,7 @@ LOADS = {
     "axolotl_zero3_bf16_cpuoffload_params.json": (3, None, "cpu", "bf16", 0.5, HIDDEN_SQ, None, None, (8, 2, 2)),
     "dsexamples_cifar.json": (2, "cpu", None, "fp16", 1.0, 50_000_000, "adamw", "WarmupLR", (4, 2, 1)),
     "dsexamples_megatron_zero2.json": (2, None, None, "fp16", 1.0, 500_000_000, "adamw", None, (16, 8, 1)),
-    "dsexamples_qanet_onecycle.json": (0, None, None, "fp32", 0.0, 500_000_000, "adamw", "OneCycle", (512, 32, 8)),
+    "dsexamples_qanet_onecycle.json": (0, None, None, "fp32", 1.0, 500_000_000, "adamw", "OneCycle", (512, 32, 8)),
     # written for test_deepspeed_parity.py, one per scheduler type (README)
     "written_warmuplr_zero1.json": (1, None, None, "fp32", 0.5, 500_000_000, "adamw", "WarmupLR", (8, 2, 2)),
     "written_warmupdecaylr_zero2.json": (2, None, None, "fp32", 1.0, 200_000_000, "adamw", "WarmupDecayLR",
@@ -177,7 +177,7 @@ def test_auto_left_in_means_defaults_with_a_warning_naming_each_key():
     for key in ("gradient_clipping", "optimizer.params.lr", "optimizer.params.betas", "fp16.enabled",
                 "scheduler.params.warmup_num_steps"):
         assert sum(m.startswith(f"{key} is 'auto'") for m in messages) == 1, (key, messages)
-    assert cfg.gradient_clipping == 0.0 and cfg.optimizer.params == {} and cfg.train_batch_size is None
+    assert cfg.gradient_clipping == 1.0 and cfg.optimizer.params == {} and cfg.train_batch_size is None
 
 
 def test_fill_auto_changes_only_auto_and_follows_legacy_names():

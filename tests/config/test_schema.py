@@ -23,7 +23,7 @@ def error_of(config: dict) -> ConfigError:
 
 def test_defaults_follow_deepspeed():
     cfg = load()
-    assert cfg.gradient_clipping == 0.0 and cfg.steps_per_print is None and cfg.wall_clock_breakdown is False
+    assert cfg.gradient_clipping == 1.0 and cfg.steps_per_print is None and cfg.wall_clock_breakdown is False
     assert cfg.comm_timeout_seconds == 1800.0 and cfg.seed is None
     assert cfg.optimizer is None and cfg.scheduler is None and cfg.precision == "fp32"
     fp16 = cfg.fp16
@@ -435,7 +435,7 @@ def test_auto_means_default_with_a_warning():
                 "zero_optimization.stage3_prefetch_bucket_size", "optimizer.params.lr", "optimizer.params.betas",
                 "scheduler.params.warmup_max_lr"):
         assert key in messages
-    assert cfg.gradient_clipping == 0.0 and cfg.fp16.enabled is False
+    assert cfg.gradient_clipping == 1.0 and cfg.fp16.enabled is False
     assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
     assert cfg.optimizer.params == {} and cfg.scheduler.params == {"warmup_num_steps": 10}
 

@@ -92,7 +92,7 @@ def test_transformers_deepspeed_arguments_are_refused(tmp_path, tiny_model):
 
 def test_trainer_clips_at_max_grad_norm_where_the_config_leaves_it_out(tmp_path, tiny_model):
     """zerotrain.hf.Trainer keeps HF's clipping: `max_grad_norm` (1.0 by default) where its config has no
-    gradient_clipping, or without a config (zerotrain.initialize alone reads DeepSpeed's default there: none)."""
+    gradient_clipping, or without a config."""
     import types
 
     from zerotrain.hf import ZeroTrainMixin

@@ -20,8 +20,7 @@ class Wide(torch.nn.Module):
 
 
 def _config(**zero) -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,  # the reference clips at 1.0
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}, "steps_per_print": 0}
 
 

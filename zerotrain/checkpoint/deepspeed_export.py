@@ -49,9 +49,9 @@ from .state import decode
 DEEPSPEED_VERSION = "0.19.8"  # the version the layout was learned from and tested against
 _DS_SCHEDULERS = {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"}
 _NCCL_START_ALIGNMENT = 2  # DeepSpeed's nccl_start_alignment_factor: flat groups pad to 2 x world elements
-# DeepSpeed's default `gradient_clipping` (runtime/constants.py GRADIENT_CLIPPING_DEFAULT: no clipping), written as
-# the ZeRO-1/2 optimizer state's `clip_grad` for a config without the key, as DeepSpeed writes it
-_GRADIENT_CLIPPING_DEFAULT = 0.0
+# DeepSpeed's default `gradient_clipping` (0.19.8's GRADIENT_CLIPPING_DEFAULT); its ZeRO-1/2 load takes the clip value
+# from the checkpoint
+_GRADIENT_CLIPPING_DEFAULT = 1.0
 
 
 # --- DeepSpeed objects in a pickle, by name --------------------------------------------------------------

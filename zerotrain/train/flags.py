@@ -84,8 +84,7 @@ def effective_config(args: argparse.Namespace, *, world_size: int, num_training_
     """The engine's config for these arguments (a dict).
 
     With `--config`: the file, the given flags over its keys (`hf_arguments.override`), then its "auto" values
-    filled from the flags (HF's defaults where a flag is not given) as transformers fills them, and a
-    `gradient_clipping` it leaves out set to `max_grad_norm` (HF's 1.0 when not given). Without: a complete
+    filled from the flags (HF's defaults where a flag is not given) as transformers fills them. Without: a complete
     config from the flags (`hf_arguments.config_from_arguments`, ZeRO-3 unless `--zero-stage`), `defaults`
     (a command's own defaults, HF argument names) under the flags given.
     """
@@ -111,9 +110,6 @@ def effective_config(args: argparse.Namespace, *, world_size: int, num_training_
     config = fill_auto(config, values, check=False)  # "auto" -> the flags' (or HF's default) values
     config = override(config, {k: v for k, v in given.items() if k != "lr_scheduler_type"}, world_size=world_size,
                       num_training_steps=num_training_steps)  # the flags given win over the file's own values
-    # A file without gradient_clipping clips at --max-grad-norm (HF's default 1.0), as zerotrain.hf.Trainer fills
-    # it: the HF-style commands keep the Trainer's clipping (zerotrain.initialize reads DeepSpeed's default, none)
-    config.setdefault("gradient_clipping", values["gradient_clipping"])
     if "lr_scheduler_type" in given and "optimizer" in config:
         block = scheduler_block(arguments, num_training_steps)
         if block is None:
