@@ -60,6 +60,8 @@ _SOURCE: ContextVar[Optional[tuple[str, str]]] = ContextVar("zerotrain_config_so
 # One registry for every config warning: the same warning about the same key is shown once per process (a config
 # is validated more than once on its way into the engine).
 _REGISTRY: dict = {}
+# Config warnings shown at "<config>" (no user code to point at): each once per process (`warn`).
+_SHOWN_UNPLACED: set = set()
 
 
 @contextlib.contextmanager
@@ -117,6 +119,11 @@ def warn(message: str, key: Optional[str] = None) -> None:
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith((_PKG_DIR, _PYDANTIC_DIR)):
         frame = frame.f_back
     if frame is None or frame.f_code.co_filename.startswith("<"):  # no user code (runpy): name the config
+        # once per process by our own record: a `zerotrain` command reads its config several times, and Python's
+        # registry forgets what it showed whenever a warnings filter changes in between (seen: each line twice)
+        if message in _SHOWN_UNPLACED:
+            return
+        _SHOWN_UNPLACED.add(message)
         warnings.warn_explicit(message, ConfigWarning, "<config>", 0, registry=_REGISTRY)
         return
     warnings.warn_explicit(message, ConfigWarning, frame.f_code.co_filename, frame.f_lineno,
