@@ -46,6 +46,32 @@ def _full(engine) -> dict:
     return {k: v.clone() for k, v in engine.full_state_dict().items()}
 
 
+def _loud_batch():
+    """A global batch whose targets are far off: the gradient norm is well above 1."""
+    x, y = make_batches(1, MICRO * 2)[0]
+    return x, 50 * y
+
+
+def _check_default_clipping(weights: dict, norm: float) -> None:
+    """The engine's step without a gradient_clipping key equals plain torch SGD clipped at 1.0 (DeepSpeed 0.19.8's
+    default), not unclipped."""
+    steps = {}
+    for clip in (None, 1.0):
+        torch.manual_seed(0)
+        model = OddMLP()
+        x, y = _loud_batch()
+        model(x, y).backward()
+        total = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        steps[clip] = {k: v.detach() for k, v in model.state_dict().items()}
+    assert total > 10 and norm == pytest.approx(float(total), rel=1e-5), (norm, total)
+    for name, value in steps[1.0].items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6)
+    assert any(not torch.allclose(steps[None][name], value) for name, value in steps[1.0].items())
+
+
 # --- one world-2 launch for the engine API and zerotrain.dist --------------------------------
 
 def engine_api_world2(save_dir: str, config_path: str) -> dict:
@@ -195,6 +221,14 @@ def engine_api_world2(save_dir: str, config_path: str) -> dict:
         out[name] = (saver.save_16bit_model(save_dir, name), _full(saver), os.path.exists(os.path.join(save_dir, name)))
     out["fp16_name"] = (saver.save_fp16_model(save_dir, "old_name.bin"),)  # DeepSpeed's older name
 
+    # no gradient_clipping key: DeepSpeed 0.19.8's default, clipping at 1.0, on a batch whose gradient norm is far
+    # above 1 (SGD, whose update is the gradient itself; stage 2, the partitioned norm)
+    default_clip = _engine(2, optimizer={"type": "SGD", "params": {"lr": 0.1}})
+    x, y = _micro(_loud_batch(), 0, rank)
+    default_clip.backward(default_clip(x, y))
+    default_clip.step()
+    out["default_clip"] = (_full(default_clip), default_clip.get_global_grad_norm())
+
     # fp16: an overflow with the scale already at min_loss_scale raises, on every rank
     fp16 = _engine(1, fp16={"enabled": True, "initial_scale_power": 1, "min_loss_scale": 2, "hysteresis": 1})
     x, y = _micro(batches[0], 0, rank)
@@ -238,6 +272,8 @@ def test_engine_api_and_dist_at_world_two(tmp_path):
         assert out["fp16_name"] == (True,)
         assert out["dist"] == (3.0, 2.0, 3.0, 20.0, [[0.0, 0.5], [1.0, 1.5]])
         assert out["printing_restored"] is True
+        if rank == 0:  # the whole weights (rank 1: {})
+            _check_default_clipping(*out["default_clip"])
         assert out["printed_under_trainer"] == ""
         assert out["state_keys"] == ["module.fc1.bias", "module.fc1.weight", "module.fc2.bias", "module.fc2.weight"]
         assert out["applied"] == [False, True, True] * 3
@@ -427,7 +463,9 @@ def test_launch_runs_a_deepspeed_script_ported_by_its_import(tmp_path):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 2, "gradient_clipping": 0,
                                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-                                  "zero_optimization": {"stage": 2}}))
+                                  "zero_optimization": {"stage": 2},
+                                  # keys zerotrain ignores: one warning each for the job, not one per rank
+                                  "cuda_visible_devices": 0, "flops_profiler": {"enabled": True}}, indent=1))
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=REPO_ROOT)
     proc = run_cli(["launch", "--nproc", "2", str(script), "--deepspeed_config", str(config), "--nproc", "3",
@@ -439,6 +477,10 @@ def test_launch_runs_a_deepspeed_script_ported_by_its_import(tmp_path):
         assert info["nproc"] == 3 and info["steps"] == 4
     assert [line.split(",")[0] for line in proc.stdout.splitlines() if line.startswith("[zerotrain] step=")] == [
         "[zerotrain] step=2", "[zerotrain] step=4"]
+    for said in ("unknown top-level key 'cuda_visible_devices' is ignored",
+                 "flops_profiler is a DeepSpeed key that zerotrain does not implement"):
+        warned = [line for line in proc.stderr.splitlines() if said in line]
+        assert len(warned) == 1 and warned[0].startswith(f"{config}:"), proc.stderr  # at the file and its line
     weights = torch.load(out / "pytorch_model.bin")
     reference = _reference_weights()
     assert set(weights) == set(reference)

@@ -308,3 +308,24 @@ def test_the_readme_walkthrough_runs_as_written_with_flags_only_and_with_a_deeps
         schedule.step()
         after += 1
     assert after <= 2, after
+
+
+def test_without_max_grad_norm_the_command_clips_at_hfs_one(tmp_path):
+    """`zerotrain train` without --max-grad-norm clips at HF's 1.0: flags alone, and over a DeepSpeed file without
+    gradient_clipping (DeepSpeed 0.19.8's default is 1.0 too); --max-grad-norm 0 turns it off."""
+    bare = _file(tmp_path, {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}})
+    assert load_config(train_config(_train_args(), world_size=2), dp_world_size=2).gradient_clipping == 1.0
+    assert load_config(train_config(_train_args("--config", bare), world_size=2), dp_world_size=2).gradient_clipping == 1.0
+    assert load_config(bare, dp_world_size=2).gradient_clipping == 1.0
+    off = train_config(_train_args("--config", bare, "--max-grad-norm", "0"), world_size=2)
+    assert load_config(off, dp_world_size=2).gradient_clipping == 0.0
+
+
+def test_a_files_hf_schedule_auto_is_filled_from_the_flags(tmp_path):
+    """An HFSchedule block's "auto" values take the flags' (HF's defaults where not given) and the run's steps."""
+    hf = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "scheduler": {"type": "HFSchedule", "params": {"name": "auto", "num_warmup_steps": "auto",
+                                                         "num_training_steps": "auto"}}}
+    config = train_config(_train_args("--config", _file(tmp_path, hf), "--warmup-ratio", "0.25"), world_size=2)
+    assert config["scheduler"]["params"] == {"name": "linear", "num_warmup_steps": 5, "num_training_steps": 20}
+    load_config(config, dp_world_size=2)

@@ -8,7 +8,8 @@ One module-scoped fixture trains the tiny GPT three times at world size 2 (ZeRO 
 resume to step 6. The corpus is small enough that step 6 starts a second epoch, so the
 resumed run must find its exact data position (and RNG) to reproduce the losses.
 The uninterrupted run also carries DeepSpeed's `tensorboard` and `csv_monitor` blocks and
-`wall_clock_breakdown` (rather than a launch of its own): its events are checked against its metrics.jsonl.
+`wall_clock_breakdown` (rather than a launch of its own): its events are checked against its metrics.jsonl; and
+two keys zerotrain ignores, each warned about once for the job.
 """
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ from distributed import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 CORPUS_BYTES = "3000"  # 91 blocks of 32 tokens: 11 micro-batches per rank and epoch
+# keys a DeepSpeed config may carry that zerotrain ignores, each with one warning for the whole job -> its text
+ODD_KEYS = {"cuda_visible_devices": 0, "flops_profiler": {"enabled": True}}
+ODD_WARNINGS = ("unknown top-level key 'cuda_visible_devices' is ignored",
+                "flops_profiler is a DeepSpeed key that zerotrain does not implement")
 
 
 def zerotrain(*args: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -54,7 +59,8 @@ def runs(tmp_path_factory):
     config = json.loads((REPO / "examples/zero3.json").read_text())
     sync_config = root / "sync.json"
     monitors = {"wall_clock_breakdown": True, "tensorboard": {"enabled": True, "output_path": "monitors", "job_name": "tb"},
-                "csv_monitor": {"enabled": True, "output_path": "monitors", "job_name": "csv"}}
+                "csv_monitor": {"enabled": True, "output_path": "monitors", "job_name": "csv"},
+                **ODD_KEYS}  # warned about once for the job
     sync_config.write_text(json.dumps(dict(config, **monitors)))
     config["checkpoint"] = {"async_save": True, "keep_last": 2, "verify_on_load": True}
     async_config = root / "async.json"
@@ -71,6 +77,15 @@ def test_train_saves_where_it_says(runs):
     assert f"checkpoint of step 6 saved: {root / 'full_ckpt' / 'global_step6'}" in out
     assert (root / "full_ckpt" / "latest").read_text().strip() == "global_step6"
     assert (root / "full_ckpt" / "global_step6" / "manifest.json").is_file()
+
+
+def test_config_warnings_are_printed_once_for_the_job(runs):
+    """The launcher checks the config before it starts the 2 ranks, and each rank reads it again: each warning is
+    still printed once (by global rank 0), one line with the whole message."""
+    err = runs["full"].stderr
+    for said in ODD_WARNINGS:
+        lines = [line for line in err.splitlines() if said in line]
+        assert len(lines) == 1 and "ConfigWarning: " in lines[0], err
 
 
 def test_config_block_async_save_and_keep_last_are_honoured(runs):

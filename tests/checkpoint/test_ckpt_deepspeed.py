@@ -59,6 +59,31 @@ def config(stage: int, dtype: str = "fp32") -> dict:
             **precision.get(dtype, {})}
 
 
+# zerotrain's HFSchedule (transformers' curves) -> its warmup: exported as DeepSpeed's equivalent block, which
+# DeepSpeed resumes step for step (linear: saved inside the warmup; cosine: after it, where DeepSpeed's is exact)
+HF_SCHEDULES, HF_TOTAL = {"linear": 4, "cosine": 2}, 10
+HF_AS_DEEPSPEED = {
+    "linear": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 4,
+                                                   "warmup_type": "linear", "total_num_steps": HF_TOTAL}},
+    "cosine": {"type": "WarmupCosineLR", "params": {"total_num_steps": HF_TOTAL, "warmup_num_steps": 2,
+                                                    "warmup_min_ratio": 0.0, "cos_min_ratio": 0.0,
+                                                    "warmup_type": "linear"}}}
+
+
+def hf_config(name: str, warmup: int) -> dict:
+    return dict(config(2), scheduler={"type": "HFSchedule", "params": {"name": name, "num_warmup_steps": warmup,
+                                                                       "num_training_steps": HF_TOTAL}})
+
+
+def train_with_lrs(engine, steps: slice) -> dict:
+    """Each optimizer step of `steps` one at a time: the lr it runs at and its global mean loss."""
+    lrs, losses = [], []
+    for index in range(*steps.indices(SAVE_AT + MORE)):
+        lrs.append(engine.get_lr()[0])
+        losses += train(engine, slice(index, index + 1))
+    return {"lrs": lrs, "losses": losses}
+
+
 def train(engine, steps: slice, dtype: torch.dtype = torch.float32, update: bool = True) -> list[float]:
     """Optimizer steps `steps` over the shared batches (inputs cast to `dtype`): each step's global mean loss.
     update=False: the losses of the current weights on those batches, nothing trained."""
@@ -114,6 +139,13 @@ def zerotrain_runs(root: str) -> dict:
                       "weights": engine.full_state_dict(), "frozen": frozen,
                       "scales": (scale_at_save, engine.loss_scale)}
         engine.close()
+    for name, warmup in HF_SCHEDULES.items():  # HFSchedule: SAVE_AT steps, a save, MORE steps
+        torch.manual_seed(0)
+        engine, *_ = zerotrain.initialize(model=OddMLP(), config=hf_config(name, warmup))
+        train(engine, slice(None, SAVE_AT))
+        engine.save_checkpoint(os.path.join(root, f"zt_hf_{name}"), client_state={"epoch": 5, "note": name})
+        out[("hf", name)] = train_with_lrs(engine, slice(SAVE_AT, None))
+        engine.close()
     return out
 
 
@@ -159,6 +191,13 @@ def deepspeed_runs(root: str) -> dict:
         engine.save_checkpoint(os.path.join(root, f"back{saved}_end"))
         dist.barrier()
         engine.destroy()
+    for name in HF_SCHEDULES:  # out, HFSchedule: DeepSpeed resumes with the block the export converted it to
+        torch.manual_seed(1)
+        engine, *_ = deepspeed.initialize(model=OddMLP(), config=dict(config(2), scheduler=HF_AS_DEEPSPEED[name]))
+        engine.load_checkpoint(os.path.join(root, f"back_hf_{name}"))
+        out[("out", "hf", name)] = dict(train_with_lrs(engine, slice(SAVE_AT, None)), steps=engine.global_steps)
+        dist.barrier()
+        engine.destroy()
     for dtype, (_, stage) in LOSSY.items():  # out, bf16 / fp16: DeepSpeed resumes the lossy exports
         torch.manual_seed(1)
         engine, *_ = deepspeed.initialize(model=OddMLP(), config=config(stage, dtype))
@@ -180,7 +219,44 @@ def _config_file(root, stage: int, dtype: str = "fp32") -> str:
     return path
 
 
-def test_deepspeed_checkpoints_resume_exactly_in_zerotrain_and_back(tmp_path):
+def _check_hf_schedule_left_out_or_handed_to_the_trainers_scheduler(parser, run_ckpt, root, capsys, lrs: list) -> None:
+    """HFSchedule where DeepSpeed has no block with the same lrs (cosine resumed inside its warmup): left out, named
+    on one line. A resumed config without a scheduler block (the HF Trainer under DeepSpeed brings its own,
+    transformers' LambdaLR): the state is that scheduler's, which takes it on at the saved step."""
+    from transformers import get_scheduler
+
+    inside_warmup = root / "hf_cosine_warmup5.json"
+    inside_warmup.write_text(json.dumps(dict(config(2), scheduler={"type": "HFSchedule", "params": {
+        "name": "cosine", "num_warmup_steps": 5, "num_training_steps": HF_TOTAL}})))
+    bare = root / "no_scheduler.json"
+    bare.write_text(json.dumps({k: v for k, v in config(2).items() if k != "scheduler"}))
+    states = {}
+    for saved, given, out in (("zt_hf_cosine", inside_warmup, "left_out"), ("zt_hf_linear", bare, "lambda")):
+        capsys.readouterr()
+        args = parser.parse_args(["ckpt", "export", "--format", "deepspeed", "--world-size", str(DP),
+                                  "--deepspeed-config", str(given), str(root / saved), str(root / out)])
+        assert run_ckpt(args, io.StringIO()) == 0
+        states[out] = (capsys.readouterr().err.splitlines(), torch.load(
+            root / out / f"global_step{SAVE_AT}" / "mp_rank_00_model_states.pt", weights_only=False))
+    said, written = states["left_out"]
+    assert said == ["zerotrain ckpt export: warning: scheduler: HFSchedule 'cosine' is left out of the DeepSpeed "
+                    "checkpoint: DeepSpeed's WarmupCosineLR follows transformers' cosine one step apart, the same lrs "
+                    "only once the warmup is done (saved at step 3 of its 5); the resumed run starts its own "
+                    "scheduler"], said
+    assert written["lr_scheduler"] is None and "scheduler" not in written["ds_config"]
+    said, written = states["lambda"]
+    assert said == [] and "scheduler" not in written["ds_config"]
+    model = OddMLP()
+    schedule = get_scheduler("linear", torch.optim.AdamW(model.parameters(), lr=1e-2), num_warmup_steps=4,
+                             num_training_steps=HF_TOTAL)
+    schedule.load_state_dict(written["lr_scheduler"])
+    # the lr of the step after the save (the saved state's), then the next one's: the uninterrupted run's `lrs`
+    assert schedule.last_epoch == SAVE_AT and schedule.get_last_lr()[0] == pytest.approx(lrs[0], rel=1e-12)
+    schedule.step()
+    assert schedule.get_last_lr()[0] == pytest.approx(lrs[1], rel=1e-12)
+
+
+def test_deepspeed_checkpoints_resume_exactly_in_zerotrain_and_back(tmp_path, capsys):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from zerotrain.checkpoint import verify_checkpoint
@@ -201,6 +277,18 @@ def test_deepspeed_checkpoints_resume_exactly_in_zerotrain_and_back(tmp_path):
                                   "--deepspeed-config", _config_file(tmp_path, stage, dtype),
                                   str(tmp_path / f"zt_{dtype}"), str(tmp_path / f"back_{dtype}")])
         assert run_ckpt(args, io.StringIO()) == 0
+    # HFSchedule (DeepSpeed has no such type): written as DeepSpeed's equivalent, named on one line
+    for name in HF_SCHEDULES:
+        capsys.readouterr()
+        args = parser.parse_args(["ckpt", "export", "--format", "deepspeed", "--world-size", str(DP),
+                                  str(tmp_path / f"zt_hf_{name}"), str(tmp_path / f"back_hf_{name}")])
+        assert run_ckpt(args, io.StringIO()) == 0
+        said = capsys.readouterr().err.splitlines()
+        assert len(said) == 1 and said[0].startswith(f"zerotrain ckpt export: warning: scheduler: HFSchedule "
+                                                     f"'{name}' is written as DeepSpeed's"), said
+        assert json.loads(said[0].split("scheduler block ", 1)[1]) == HF_AS_DEEPSPEED[name]
+    _check_hf_schedule_left_out_or_handed_to_the_trainers_scheduler(parser, run_ckpt, tmp_path, capsys,
+                                                                    uninterrupted[("hf", "linear")]["lrs"])
     # without the world size DeepSpeed will resume at, the export is refused (usage error), nothing written
     args = parser.parse_args(["ckpt", "export", "--format", "deepspeed", str(tmp_path / "zt2"), str(tmp_path / "x")])
     assert run_ckpt(args, io.StringIO()) == 2 and not (tmp_path / "x").exists()
@@ -220,6 +308,12 @@ def test_deepspeed_checkpoints_resume_exactly_in_zerotrain_and_back(tmp_path):
         for name, tensor in final.items():
             torch.testing.assert_close(tensor.float(), reference["weights"][name], rtol=1e-5, atol=1e-7, msg=where)
         assert len(set(reference["losses"])) == MORE
+    for name in HF_SCHEDULES:  # out, HFSchedule: DeepSpeed's block runs transformers' lrs on from the save
+        run, reference = theirs[("out", "hf", name)], uninterrupted[("hf", name)]
+        assert run["steps"] == SAVE_AT + MORE, name
+        assert run["lrs"] == pytest.approx(reference["lrs"], rel=1e-12), name
+        assert run["losses"] == pytest.approx(reference["losses"], rel=1e-5), name
+        assert len(set(reference["lrs"])) == MORE, reference  # the lr moves on every step: the check can fail
     for dtype, (saved, stage) in LOSSY.items():  # out, lossy: DeepSpeed resumed the bf16 / fp16 exports
         final = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / f"back_{dtype}_end"))
         run, reference = theirs[("out", dtype)], uninterrupted[dtype]

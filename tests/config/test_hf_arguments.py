@@ -122,3 +122,27 @@ def test_override_sets_only_the_given_arguments():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the file's allgather_bucket_size: a DeepSpeed key without effect here
         load_config(out, dp_world_size=WORLD)
+
+
+def test_hf_schedule_auto_is_filled_from_the_arguments_or_refused_by_key():
+    """An HFSchedule block (zerotrain's: transformers' schedule) with "auto" takes lr_scheduler_type, the Trainer's
+    warmup steps and the run's steps; read without arguments to fill it, each "auto" is refused naming its key."""
+    block = {"type": "HFSchedule", "params": {"name": "auto", "num_warmup_steps": "auto", "num_training_steps": "auto"}}
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "scheduler": block}
+    arguments = {"lr_scheduler_type": "cosine", "warmup_steps": 0.1, "per_device_train_batch_size": 2, "learning_rate": 1e-3}
+    filled = fill_auto(config, auto_values(arguments, world_size=WORLD, num_training_steps=STEPS))
+    assert filled["scheduler"]["params"] == {"name": "cosine", "num_warmup_steps": 4, "num_training_steps": STEPS}
+    assert load_config(filled, dp_world_size=WORLD).scheduler.params == filled["scheduler"]["params"]
+    # fill-only: a file's own schedule is kept, not a mismatch with the arguments
+    fixed = dict(config, scheduler={"type": "HFSchedule", "params": {"name": "linear", "num_warmup_steps": 9,
+                                                                      "num_training_steps": 99}})
+    assert fill_auto(fixed, auto_values(arguments, world_size=WORLD, num_training_steps=STEPS)) == fixed
+    # the steps unknown (e.g. epochs before the data is read): the name and a whole warmup are filled, the rest stays
+    early = fill_auto(config, auto_values(dict(arguments, lr_scheduler_type="linear", warmup_steps=3), world_size=WORLD))
+    assert early["scheduler"]["params"] == {"name": "linear", "num_warmup_steps": 3, "num_training_steps": "auto"}
+    for key in ("name", "num_warmup_steps", "num_training_steps"):
+        one = copy.deepcopy(filled)
+        one["scheduler"]["params"][key] = "auto"
+        with pytest.raises(ConfigError, match=f"^scheduler.params.{key} is 'auto', which only the Hugging Face "):
+            load_config(one)

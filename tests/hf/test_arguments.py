@@ -88,3 +88,16 @@ def test_transformers_deepspeed_arguments_are_refused(tmp_path, tiny_model):
             Trainer(model=tiny_model, args=args)
     finally:
         unset_hf_deepspeed_config()
+
+
+def test_trainer_clips_at_max_grad_norm_where_the_config_leaves_it_out(tmp_path, tiny_model):
+    """zerotrain.hf.Trainer keeps HF's clipping: `max_grad_norm` (1.0 by default) where its config has no
+    gradient_clipping, or without a config."""
+    import types
+
+    from zerotrain.hf import ZeroTrainMixin
+
+    stage2 = {"zero_optimization": {"stage": 2}}
+    for deepspeed, given, clip in ((stage2, {}, 1.0), (None, {}, 1.0), (stage2, {"max_grad_norm": 0.3}, 0.3)):
+        trainer = types.SimpleNamespace(args=_args(tmp_path, deepspeed=deepspeed, **given))
+        assert ZeroTrainMixin.zerotrain_config(trainer, tiny_model, 10)["gradient_clipping"] == clip, (deepspeed, given)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from typing import Optional, TextIO
 
 from .format import CheckpointError
@@ -123,9 +124,16 @@ def run_ckpt(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
                 print("zerotrain ckpt export: --format deepspeed needs --world-size N (the ranks DeepSpeed resumes "
                       "at) and takes neither --dtype nor --merge-lora", file=sys.stderr, flush=True)
                 return 2
-            from .deepspeed_export import export_deepspeed
-            path = export_deepspeed(args.dir, args.out, args.world_size, stage=args.stage,
-                                    config=args.deepspeed_config)
+            from .deepspeed_export import ExportWarning, export_deepspeed
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", ExportWarning)
+                path = export_deepspeed(args.dir, args.out, args.world_size, stage=args.stage,
+                                        config=args.deepspeed_config)
+            for said in caught:  # what the export changed or left out: one line each (others as Python shows them)
+                if issubclass(said.category, ExportWarning):
+                    print(f"zerotrain ckpt export: warning: {said.message}", file=sys.stderr, flush=True)
+                else:
+                    warnings.showwarning(said.message, said.category, said.filename, said.lineno)
             out.write(f"exported {args.dir} as a DeepSpeed checkpoint for {args.world_size} ranks: {path}\n")
         elif args.ckpt_command == "export":
             path = export_model(args.dir, args.out, dtype=args.dtype, merge_lora=getattr(args, "merge_lora", None))

@@ -34,8 +34,9 @@ import os
 import pickle
 import shutil
 import types
+import warnings
 from collections import OrderedDict
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -48,7 +49,8 @@ from .state import decode
 DEEPSPEED_VERSION = "0.19.8"  # the version the layout was learned from and tested against
 _DS_SCHEDULERS = {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"}
 _NCCL_START_ALIGNMENT = 2  # DeepSpeed's nccl_start_alignment_factor: flat groups pad to 2 x world elements
-# DeepSpeed's default `gradient_clipping`; its ZeRO-1/2 load takes the clip value from the checkpoint
+# DeepSpeed's default `gradient_clipping` (0.19.8's GRADIENT_CLIPPING_DEFAULT); its ZeRO-1/2 load takes the clip value
+# from the checkpoint
 _GRADIENT_CLIPPING_DEFAULT = 1.0
 
 
@@ -248,16 +250,88 @@ def _loss_scaler(trainer: dict, config: dict, dtype: torch.dtype) -> _Instance:
     return _Instance(_LOSS_SCALER, {"cur_scale": scale, "dynamic": False})
 
 
-def _scheduler(trainer: dict, config: dict):
+class ExportWarning(UserWarning):
+    """What the DeepSpeed export changes or leaves out (zerotrain's HFSchedule, which DeepSpeed does not have);
+    `zerotrain ckpt export` prints each as one line."""
+
+
+def _hf_schedule_as_deepspeed(params: dict, state: dict) -> tuple[Optional[dict], int, str]:
+    """DeepSpeed's scheduler block that continues HFSchedule `params` (transformers' curve) from `state` with the same
+    lr at every later step, and the `last_batch_iteration` to resume it at; (None, 0, why) where there is none.
+
+    transformers' factor f and DeepSpeed's gamma g are functions of a step index; after t optimizer steps the HF
+    schedule sets f(t) for the next step, a DeepSpeed one g(last_batch_iteration + 1) after its next step (the
+    optimizer state carries the lr of the step in between). linear with warmup W >= 2 is WarmupDecayLR with a linear
+    warmup (g = f), constant_with_warmup WarmupLR (g = f), constant (or any warmup already done) WarmupLR from the lr
+    to itself; cosine is WarmupCosineLR one index behind (its progress is (i - W + 1) / (T - W), transformers'
+    (i - W) / (T - W)), exact only once the warmup is done. DeepSpeed raises a warmup below 2 steps to 2, which
+    changes the decay's span: not exact there."""
+    name = str(params.get("name", "linear"))
+    warmup = int(params.get("num_warmup_steps", 0))
+    total = params.get("num_training_steps")
+    steps = int(state.get("last_epoch", 0))
+    lrs = [float(lr) for lr in state.get("base_lrs") or ()]
+    if not lrs:
+        return None, 0, "its state holds no learning rates"
+    peak: Any = lrs[0] if len(set(lrs)) == 1 else lrs
+    linear = {"warmup_min_lr": 0.0, "warmup_max_lr": peak, "warmup_num_steps": warmup, "warmup_type": "linear"}
+    if name == "constant" or (name == "constant_with_warmup" and steps >= warmup):
+        return {"type": "WarmupLR", "params": dict(linear, warmup_min_lr=peak, warmup_num_steps=2)}, steps, ""
+    if warmup < 2:
+        return None, 0, (f"its warmup of {warmup} step(s) is below DeepSpeed's shortest (2), which changes the "
+                         f"curve")
+    if name == "constant_with_warmup":
+        return {"type": "WarmupLR", "params": linear}, steps, ""
+    if name == "linear" and total is not None:
+        return {"type": "WarmupDecayLR", "params": dict(linear, total_num_steps=int(total))}, steps, ""
+    if name == "cosine" and total is not None and steps >= warmup:
+        return {"type": "WarmupCosineLR", "params": {"total_num_steps": int(total), "warmup_num_steps": warmup,
+                                                     "warmup_min_ratio": 0.0, "cos_min_ratio": 0.0,
+                                                     "warmup_type": "linear"}}, steps - 1, ""
+    return None, 0, (f"DeepSpeed's WarmupCosineLR follows transformers' cosine one step apart, the same lrs only once "
+                     f"the warmup is done (saved at step {steps} of its {warmup})" if name == "cosine"
+                     else f"DeepSpeed has no {name!r} schedule")
+
+
+def _hf_block(config: dict) -> Optional[dict]:
+    block = config.get("scheduler") or {}
+    return block if str(block.get("type", "")).lower() == "hfschedule" else None
+
+
+def _scheduler(trainer: dict, config: dict) -> tuple[dict, Optional[dict]]:
+    """The DeepSpeed config to record (its `scheduler` block converted where it is zerotrain's HFSchedule) and the LR
+    scheduler state DeepSpeed's `load_checkpoint` hands to the resumed run's scheduler."""
     state = decode(trainer.get("lr_scheduler")) if trainer.get("lr_scheduler") is not None else None
     if state is None:
-        return None
-    kind = (config.get("scheduler") or {}).get("type")
-    if kind in _DS_SCHEDULERS:  # DeepSpeed's own schedulers keep the step index only (i = steps - 1)
-        if "last_batch_iteration" in state:
-            return {"last_batch_iteration": int(state["last_batch_iteration"])}
-        return {"last_batch_iteration": int(state["last_epoch"]) - 1}
-    return state
+        return config, None
+    target = (config.get("scheduler") or {}).get("type")
+    source = _hf_block(config) or _hf_block(decode(trainer.get("config") or {}) or {})
+    if source is None:
+        if target in _DS_SCHEDULERS:  # DeepSpeed's own schedulers keep the step index only (i = steps - 1)
+            if "last_batch_iteration" in state:
+                return config, {"last_batch_iteration": int(state["last_batch_iteration"])}
+            return config, {"last_batch_iteration": int(state["last_epoch"]) - 1}
+        return config, state
+    # zerotrain's HFSchedule, a type DeepSpeed does not have
+    block, index, why = _hf_schedule_as_deepspeed(source.get("params") or {}, state)
+    if target is None:
+        # no scheduler block: the resumed run brings its own, as the HF Trainer under DeepSpeed does
+        # (transformers' get_scheduler: a torch LambdaLR, whose state this is with its lambdas' slots)
+        lambdas = {"lr_lambdas": [None] * len(state.get("base_lrs") or ())}
+        return config, {**{k: v for k, v in state.items() if k != "name"}, **lambdas}
+    if target in _DS_SCHEDULERS:
+        if block is not None and block == config["scheduler"]:  # the conversion below, given back: continue it
+            return config, {"last_batch_iteration": index}
+        return config, {"last_batch_iteration": int(state["last_epoch"]) - 1}  # another schedule: from DeepSpeed's start
+    if block is None:
+        warnings.warn(f"scheduler: HFSchedule {source.get('params', {}).get('name', 'linear')!r} is left out of the "
+                      f"DeepSpeed checkpoint: {why}; the resumed run starts its own scheduler", ExportWarning,
+                      stacklevel=3)
+        return {k: v for k, v in config.items() if k != "scheduler"}, None
+    warnings.warn(f"scheduler: HFSchedule {source.get('params', {}).get('name', 'linear')!r} is written as DeepSpeed's "
+                  f"{block['type']} (the same lr at every later step): resume with the scheduler block "
+                  f"{json.dumps(block)}", ExportWarning, stacklevel=3)
+    return dict(config, scheduler=block), {"last_batch_iteration": index}
 
 
 # --- writing --------------------------------------------------------------------------------------------
@@ -316,7 +390,7 @@ def export_deepspeed(directory: str, out_dir: str, world_size: int, stage: Optio
         buffers, frozen = frozen, []
     zero = dict(config.get("zero_optimization") or {})
     zero["stage"] = stage
-    ds_config = dict(config, zero_optimization=zero)
+    ds_config, lr_scheduler = _scheduler(trainer, dict(config, zero_optimization=zero))
     tag = str(tag or trainer.get("tag") or os.path.basename(os.path.normpath(path)))
 
     out_dir = os.path.abspath(out_dir)
@@ -329,7 +403,7 @@ def export_deepspeed(directory: str, out_dir: str, world_size: int, stage: Optio
     try:
         if stage <= 2 and zero.get("round_robin_gradients"):  # the flat groups (and param_shapes) reordered
             groups = [_round_robin(names, world_size) for names in groups]
-        common = _model_states(trainer, model, groups, shared, buffers, frozen, ds_config, world_size)
+        common = _model_states(trainer, model, groups, shared, buffers, frozen, ds_config, lr_scheduler, world_size)
         prefix = "bf16_" if dtype == torch.bfloat16 else ""
         loss_scaler = _loss_scaler(trainer, config, dtype)
         if stage <= 2:
@@ -377,7 +451,7 @@ def _frozen_whole(model: OrderedDict, frozen: list) -> OrderedDict:
 
 
 def _model_states(trainer: dict, model: OrderedDict, groups: list, shared: dict, buffers: list, frozen: list,
-                  ds_config: dict, world_size: int) -> dict:
+                  ds_config: dict, lr_scheduler: Optional[dict], world_size: int) -> dict:
     client = decode(trainer.get("client_state") or {}) or {}
     steps = int(trainer.get("global_steps", 0))
     state = dict(  # DeepSpeed's key order (`_common_checkpoint_state`); module and fragments are set per file
@@ -388,7 +462,7 @@ def _model_states(trainer: dict, model: OrderedDict, groups: list, shared: dict,
         frozen_param_shapes=OrderedDict((name, model[name].shape) for name in frozen),
         shared_params=dict(shared),
         frozen_param_fragments=None,
-        lr_scheduler=_scheduler(trainer, ds_config),
+        lr_scheduler=lr_scheduler,
         data_sampler=None, random_ltd=None,
         skipped_steps=int(trainer.get("skipped_steps", 0)), global_steps=steps,
         global_samples=int(trainer.get("global_samples", 0)),

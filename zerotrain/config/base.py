@@ -21,7 +21,7 @@ Fields a block validates but zerotrain does not act on yet (``INERT``) warn, nam
 key, when set to anything but their default, and are listed in ``unimplemented``.
 
 Each block class sits at one place in the config (``PATH``), so its messages carry
-the full dotted key.
+the full dotted key. Warnings are the job's: global rank 0 shows them, once (`warn`).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from typing import Annotated, Any, ClassVar, Iterator, Optional
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 __all__ = ["ConfigError", "ConfigWarning", "Block", "Int", "PosInt", "NonNegInt", "Float", "NonNegFloat",
-           "PosFloat", "Bool", "choice", "warn", "error_from_validation", "is_auto"]
+           "PosFloat", "Bool", "choice", "warn", "error_from_validation", "is_auto", "job_rank", "quiet_warnings"]
 
 
 class ConfigError(ValueError):
@@ -60,6 +60,8 @@ _SOURCE: ContextVar[Optional[tuple[str, str]]] = ContextVar("zerotrain_config_so
 # One registry for every config warning: the same warning about the same key is shown once per process (a config
 # is validated more than once on its way into the engine).
 _REGISTRY: dict = {}
+# Config warnings shown at "<config>" (no user code to point at): each once per process (`warn`).
+_SHOWN_UNPLACED: set = set()
 
 
 @contextlib.contextmanager
@@ -84,11 +86,30 @@ def key_line(text: str, key: Optional[str]) -> int:
     return 1 if at is None else text.count("\n", 0, at) + 1
 
 
+def job_rank() -> int:
+    """This process's global rank in its job: torch.distributed's once a process group is up, else the launcher's
+    `RANK` (torchrun, `zerotrain launch`, DeepSpeed's launcher all set it), else 0 (a process of its own)."""
+    import torch.distributed as dist  # here: the config package has no torch import of its own at import time
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
 def warn(message: str, key: Optional[str] = None) -> None:
     """Warn with `ConfigWarning` about the user's config, never an internal source line: while a config file is
     read, at the file and the line of `key` (the dotted key the message names; Python shows that line of the
     file under the message); for a config given as a dict, at the first caller outside zerotrain and pydantic
-    (the user's `zerotrain.initialize(config=...)`)."""
+    (the user's `zerotrain.initialize(config=...)`).
+
+    Once per job: only global rank 0 warns (every rank reads the same config; with N ranks the same lines came N
+    times). A launcher that validates the config before it starts the ranks does so under
+    `quiet_warnings` and leaves them to rank 0."""
+    if job_rank() != 0:
+        return
     source = _SOURCE.get()
     if source is not None:
         file, text = source
@@ -98,11 +119,25 @@ def warn(message: str, key: Optional[str] = None) -> None:
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith((_PKG_DIR, _PYDANTIC_DIR)):
         frame = frame.f_back
     if frame is None or frame.f_code.co_filename.startswith("<"):  # no user code (runpy): name the config
+        # once per process by our own record: a `zerotrain` command reads its config several times, and Python's
+        # registry forgets what it showed whenever a warnings filter changes in between (seen: each line twice)
+        if message in _SHOWN_UNPLACED:
+            return
+        _SHOWN_UNPLACED.add(message)
         warnings.warn_explicit(message, ConfigWarning, "<config>", 0, registry=_REGISTRY)
         return
     warnings.warn_explicit(message, ConfigWarning, frame.f_code.co_filename, frame.f_lineno,
                            registry=frame.f_globals.setdefault("__warningregistry__", {}),
                            module_globals=frame.f_globals)
+
+
+@contextlib.contextmanager
+def quiet_warnings() -> Iterator[None]:
+    """No config warnings in this block: for a launcher that validates the config before it starts the ranks,
+    whose rank 0 then warns (else each warning came from the launcher and again from rank 0)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigWarning)
+        yield
 
 
 # --- value types: JSON-shaped, no silent coercion from strings or booleans -------------

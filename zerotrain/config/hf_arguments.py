@@ -19,7 +19,9 @@ hidden-size bucket sizes). Bucket sizes follow the model's hidden size h: reduce
 prefetch 0.9*h*h and persistence 10*h. `warmup_num_steps` is max(1, warmup steps) (DeepSpeed
 0.19.6+ refuses 0), `total_num_steps` the Trainer's number of optimizer steps (for a file's DeepSpeed
 scheduler). A scheduler made from `lr_scheduler_type` alone is an `HFSchedule` block (transformers' own
-schedule, built by `zerotrain.schedules`): the HF Trainer's lr at every step, no 2-step minimum warmup.
+schedule, built by `zerotrain.schedules`): the HF Trainer's lr at every step, no 2-step minimum warmup. A file's
+`HFSchedule` block takes "auto" the same way: `name` from `lr_scheduler_type`, `num_warmup_steps` the Trainer's
+warmup steps (0 allowed), `num_training_steps` its steps (filled, never checked: transformers does not know it).
 """
 from __future__ import annotations
 
@@ -78,8 +80,11 @@ ARGUMENT_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 # Keys transformers fills when "auto" but never checks against the arguments (`fill_only`).
+# HFSchedule's keys (zerotrain's block, which transformers does not know) are filled, never checked: a file that fixes
+# them chose its schedule.
 FILL_ONLY_KEYS = frozenset({
     "scheduler.params.warmup_min_lr",
+    "scheduler.params.name", "scheduler.params.num_warmup_steps", "scheduler.params.num_training_steps",
     "zero_optimization.reduce_bucket_size",
     "zero_optimization.stage3_prefetch_bucket_size",
     "zero_optimization.stage3_param_persistence_threshold",
@@ -164,9 +169,15 @@ def auto_values(arguments: Mapping[str, Any], *, world_size: int, num_training_s
         "fp16.enabled": bool(a["fp16"] or a["fp16_full_eval"]),
         "bf16.enabled": bool(a["bf16"] or a["bf16_full_eval"]),
     }
+    # zerotrain's HFSchedule block (transformers' schedule, its own key names): the Trainer's own values, warmup 0 allowed
+    values["scheduler.params.name"] = str(a["lr_scheduler_type"])
     if num_training_steps is not None:
         values["scheduler.params.total_num_steps"] = num_training_steps
         values["scheduler.params.warmup_num_steps"] = max(1, warmup_steps(a, num_training_steps))
+        values["scheduler.params.num_training_steps"] = num_training_steps
+        values["scheduler.params.num_warmup_steps"] = warmup_steps(a, num_training_steps)
+    elif a["warmup_steps"] >= 1:
+        values["scheduler.params.num_warmup_steps"] = int(a["warmup_steps"])
     if hidden_size is not None:
         values["zero_optimization.reduce_bucket_size"] = hidden_size * hidden_size
         if zero_stage == 3:

@@ -9,7 +9,8 @@ names the dotted key, and the file when there is one.
 `train_micro_batch_size_per_gpu`, `gradient_accumulation_steps`) "auto" means "derive it"
 (same as leaving the key out); anywhere else it means "use zerotrain's default" and
 comes with a `ConfigWarning` naming the key. A key with no default (such as
-`scheduler.params.total_num_steps`) set to "auto" is an error.
+`scheduler.params.total_num_steps`) set to "auto" is an error, and so is any "auto" in an `HFSchedule` block
+(zerotrain's, which only the HF arguments fill: `hf_arguments.auto_values`).
 To fill "auto" from training arguments as HF's Trainer does, see `auto.fill_auto`.
 """
 from __future__ import annotations

@@ -148,6 +148,16 @@ class HFScheduleParams(Block):
     num_warmup_steps: NonNegInt = 0
     num_training_steps: Optional[PosInt] = None
 
+    @classmethod
+    def _drop_auto(cls, name: str) -> None:
+        """"auto" here comes from the HF arguments (`hf_arguments.auto_values`: `zerotrain train`'s flags,
+        `zerotrain.hf.Trainer`), which fill it before the config is read; one left in has nothing to come from, and
+        a default would silently change the curve: refused, naming the key."""
+        key = cls.key_path(name)
+        raise ConfigError(f"{key} is 'auto', which only the Hugging Face training arguments fill (lr_scheduler_type, "
+                          f"warmup_steps and the run's steps, in zerotrain train and zerotrain.hf.Trainer); "
+                          f"set a value", key=key)
+
     @model_validator(mode="after")
     def _needs_steps(self):
         if HF_SCHEDULES[self.name] and self.num_training_steps is None:

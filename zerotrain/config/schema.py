@@ -200,7 +200,7 @@ class ZeroTrainConfig(Block):
     train_batch_size: Optional[PosInt] = None
     train_micro_batch_size_per_gpu: Optional[PosInt] = None
     gradient_accumulation_steps: Optional[PosInt] = None
-    gradient_clipping: NonNegFloat = 1.0
+    gradient_clipping: NonNegFloat = 1.0  # DeepSpeed 0.19.8's GRADIENT_CLIPPING_DEFAULT (DeepSpeed 0.16 had 0)
     steps_per_print: Optional[NonNegInt] = None  # DeepSpeed 0.19.8's default: no progress line
     wall_clock_breakdown: Bool = False
     comm_timeout_seconds: PosFloat = 1800.0

@@ -11,6 +11,7 @@ weights are read shard by shard (``load_weights``, with the vocabulary-growth ov
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -262,14 +263,17 @@ def check_train_args(args: argparse.Namespace) -> None:
         # key fails here instead of in every worker.
         from zerotrain.config import load_config
         from zerotrain.monitor import check_monitor_libraries
-        from zerotrain.command import max_world_size
+        from zerotrain.command import max_world_size, multi_node
         world = max_world_size(args)
         pipeline = args.pipeline_parallel_size or 1
         if world % pipeline:
             raise CLIError(f"--pipeline-parallel-size {pipeline} does not divide the {world} ranks of this job "
                            "(--nproc x --nnodes)")
-        config = train_config(args, world_size=world, steps=args.steps or 1)  # the steps: once the data is read
-        check_monitor_libraries(load_config(config, dp_world_size=world // pipeline))
+        from zerotrain.config.base import quiet_warnings
+        # launching ranks: their rank 0 shows the config's warnings, once for the job (this check only errors)
+        with quiet_warnings() if args.nproc > 1 or multi_node(args) else contextlib.nullcontext():
+            config = train_config(args, world_size=world, steps=args.steps or 1)  # the steps: once the data is read
+            check_monitor_libraries(load_config(config, dp_world_size=world // pipeline))
 
 
 def train_config(args: argparse.Namespace, *, world_size: int, hidden_size: Optional[int] = None,
