@@ -1,40 +1,63 @@
 #!/usr/bin/env python
-"""ZeRO-3 and ZeRO++ across two "nodes" joined by a shaped link: step time and inter-node bytes.
+"""ZeRO-3, ZeRO++, DDP and FSDP2 (HSDP) across two "nodes" joined by a shaped link: step time, inter-node bytes,
+and a bytes + compute model of every step time.
 
 Two nodes are built on this machine as in the multi-node tests (tests/multinode/netns.py: two network
 namespaces joined by a veth pair, each node with its own hostname and /dev/shm), two ranks on each (gloo over
-the link between nodes, zerotrain's same-host transport inside a node). The link is shaped by a token-bucket
-qdisc (`tc ... tbf`) on both ends to each `--rates` entry in turn ("none": the bare veth). This kernel has no
-netem: the link has a bandwidth but **no added latency**.
+the link between nodes, zerotrain's same-host transport inside a node). This kernel has no netem: the link gets a
+bandwidth (a token-bucket qdisc, `tc ... tbf`, on both ends) but **no added latency**.
 
-Per rate, one launch of 4 ranks trains the same GPT (fixed B*T per rank: `--batch` x `--seq-len` tokens, fp32,
-one compute thread per rank) with each variant in turn, the same seeded init and batches:
+One launch of 4 ranks trains the same GPT (fixed B*T per rank: `--batch` x `--seq-len` tokens, fp32, one compute
+thread per rank) with each variant in turn, the same seeded init and batches:
 
   zt3        zerotrain ZeRO-3
   hpz        + hpZ (zero_hpz_partition_size = ranks per node: backward's gather stays inside a node)
   hpz+qwz    + qwZ (forward's gather int8)
   zpp        + qgZ (gradients reduced int4, inside a node first)            = ZeRO++ without LoCo
   zpp+loco   + LoCo (zeropp_loco_param: error feedback of the int4 reduce) = ZeRO++ with LoCo
-  ds3        DeepSpeed ZeRO-3 (stage 3 alone), and ds3pp DeepSpeed with hpZ + qwZ + qgZ, where they run on CPU
+  ddp        torch's DistributedDataParallel (gradients all-reduced over all 4 ranks, by gloo's ring)
+  hsdp       torch's FSDP2 `fully_shard` on a 2-D DeviceMesh (replicate across nodes, shard within a node: HYBRID_SHARD,
+             torchtitan's HSDP): gathers and reduce-scatters inside a node, the gradient shards all-reduced across
+  ds3        DeepSpeed ZeRO-3 (stage 3 alone); ds3pp, DeepSpeed with hpZ + qwZ + qgZ, does not run on CPU (its
+             quantizer kernels are CUDA-only) and is not in the default list
+DDP and FSDP2 use torch's AdamW and clip_grad_norm_ (1.0), as the engines' config does.
 
-Per variant and rate: the median step time (slowest rank, ranks start each step together after a barrier),
-the bytes that crossed the link per step (the veth's tx counters of both nodes, read by each node's local
-rank 0 around the timed steps: payload plus TCP/IP headers), both as ratios to zt3, and a bytes + compute model
-of the step time: the same variant's step on the bare link plus the busier node's bytes sent / the rate.
+Every variant, after one warm-up step on the bare link, runs `--steps` timed steps at each of `--rates` in turn
+(each node's local rank 0 reshapes its end of the link between them): "none" (the bare veth), a fixed rate
+("1gbit"), or "ratioR": the rate at which ZeRO-3's inter-node traffic takes R seconds per second of its compute,
+derived in the run from the first variant's (zt3's) bare-link step and bytes (benchmarks/RESULTS_multinode.md: a
+GPU cluster at B*T = 64 tokens per rank has R ~ 100). Per variant and rate: the median step time (slowest rank;
+ranks start each step together after a barrier), the bytes that crossed the link per step (the veth's tx counters
+of both nodes: payload plus TCP/IP headers), both as ratios to zt3, and beside the step time its model:
+
+  model = serial + max(compute - serial, link)
+    compute = the same variant's step on the bare link (measured, unshaped)
+    link    = the busier node's bytes sent per step / the rate
+    serial  = the compute no inter-node transfer runs beside: the optimizer step (measured on the bare link, as a
+              phase of the step), for DDP also the forward (no gradient is ready to all-reduce yet)
+
+Every variant overlaps its inter-node transfers with the compute beside them (prefetched gathers, async reductions,
+DDP's bucketed all-reduce during backward), so the link's time hides that compute; on the bare link the model is the
+compute itself. Beside it, compute + link (nothing overlapped) is the model's upper bound. At the ratioR link the
+two differ by under 1/R.
+After the last rate every variant evaluates the same held-out batches (mean loss over ranks and batches, and its
+standard error): ZeRO++ with LoCo must stay within one standard error of exact ZeRO-3's (the LoCo rule).
+
 Theory for the bytes that cross (fp32, Psi = 4 bytes x parameters, 2 nodes x 2 ranks): zerotrain's gloo
 reduce-scatter and all-gather send every peer its chunk directly, so of each rank's (N-1)/N Psi sent per collective
 half goes to the other node: 2 Psi cross per collective, and ZeRO-3's forward gather, backward gather and gradient
 reduce make 6 Psi a step. hpZ keeps the backward gather inside the node (4 Psi); qwZ makes the forward gather int8
 (0.5 Psi, plus a scale per 2048 values); qgZ reduces int4 in two hops, inside the node first, after which each rank
-sends the other node a quarter of the gradient in int4 (Psi/8 in all). DeepSpeed on gloo uses gloo's ring
-collectives: a ring over ranks 0-3 crosses the link twice, (N-1)/N Psi per crossing per collective, 1.5 Psi a
-collective and 4.5 Psi a step (a ring crosses less than the direct exchange: 0.75x). The measured bytes add TCP/IP
-headers (~3%), qwZ/qgZ's scales and the small persistent parameters' all-reduce.
+sends the other node a quarter of the gradient in int4 (Psi/8 in all). gloo's own collectives are rings over ranks
+0-3, which cross the link twice: DeepSpeed's 1.5 Psi a collective, 4.5 Psi a step; DDP's all-reduce sends
+2 (N-1)/N Psi = 1.5 Psi per ring hop, 3 Psi across. HSDP all-reduces each rank's half (Psi/2) with its twin on the
+other node (a ring of 2: Psi/2 sent each), 2 Psi across. The measured bytes add TCP/IP headers (~3%), qwZ/qgZ's
+scales and the small persistent parameters' all-reduce.
 
 Needs root (ip netns, tc, nsenter). Run on a quiet machine (the step times are CPU-bound inside each node):
 
-    sudo .venv/bin/python benchmarks/multinode.py --json out.json       # none, 1gbit, 100mbit (~10 min quiet)
-    sudo .venv/bin/python benchmarks/multinode.py --rates none,1gbit --variants zt3,hpz,zpp+loco,ds3   # shorter
+    sudo .venv/bin/python benchmarks/multinode.py --json out.json       # none, 1gbit, ratio100 (<= 10 min quiet)
+    sudo .venv/bin/python benchmarks/multinode.py --rates none,ratio100 --variants zt3,zpp+loco,ddp,hsdp
     .venv/bin/python benchmarks/multinode.py --render out.json            # the table again, from the raw results
 """
 from __future__ import annotations
@@ -42,6 +65,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import re
 import signal
@@ -52,13 +76,13 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "multinode"))
 import netns  # noqa: E402  (the tests' two-node harness: namespaces, veth, teardown)
 
-WORLD, PER_NODE, SEED, LR = 4, 2, 1234, 1e-4
+WORLD, PER_NODE, SEED, LR, CLIP = 4, 2, 1234, 1e-4, 1.0
 ZPP = {"zero_hpz_partition_size": PER_NODE, "zero_quantized_weights": True, "zero_quantized_gradients": True}
 VARIANTS: dict[str, tuple[str, dict]] = {
     # name -> (engine, zero_optimization)
@@ -67,15 +91,43 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "hpz+qwz": ("zerotrain", {"stage": 3, "zero_hpz_partition_size": PER_NODE, "zero_quantized_weights": True}),
     "zpp": ("zerotrain", {"stage": 3, **ZPP}),
     "zpp+loco": ("zerotrain", {"stage": 3, **ZPP, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}}),
+    "ddp": ("ddp", {}),
+    "hsdp": ("fsdp2", {}),
     "ds3": ("deepspeed", {"stage": 3}),
     "ds3pp": ("deepspeed", {"stage": 3, **ZPP}),
 }
+DEFAULT_VARIANTS = [v for v in VARIANTS if v != "ds3pp"]
 # bytes crossing the link per step, in units of Psi (fp32 parameter bytes): see the module docstring
-THEORY = {"zt3": 6.0, "hpz": 4.0, "hpz+qwz": 2.5, "zpp": 0.625, "zpp+loco": 0.625, "ds3": 4.5, "ds3pp": 0.625}
+THEORY = {"zt3": 6.0, "hpz": 4.0, "hpz+qwz": 2.5, "zpp": 0.625, "zpp+loco": 0.625, "ddp": 3.0, "hsdp": 2.0,
+          "ds3": 4.5, "ds3pp": 0.625}
+MODEL_TOLERANCE = 0.15  # every measured step within 15% of its model (issue #34)
 
 
 def _link_tx() -> int:
     return int(Path(f"/sys/class/net/{netns.LINK}/statistics/tx_bytes").read_text())
+
+
+def _bits(rate: str) -> float:
+    number, unit = re.fullmatch(r"([\d.]+)([kmg]?)bit", rate.lower()).groups()
+    return float(number) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[unit]
+
+
+def _ratio(rate: str) -> Optional[float]:
+    """R of a "ratioR" rate (seconds of ZeRO-3's link traffic per second of its compute), else None."""
+    match = re.fullmatch(r"ratio([\d.]+)", rate)
+    return float(match.group(1)) if match else None
+
+
+def _shape(bits: Optional[float]) -> None:
+    """This node's end of the link (run by its local rank 0, inside the node): a token bucket at `bits`/s, or bare."""
+    if bits is None:
+        subprocess.run(["tc", "qdisc", "del", "dev", netns.LINK, "root"], capture_output=True)
+        return
+    # a bucket of ~4 ms of traffic, at least 64 KiB (one GSO packet): small, because a full bucket passes at the
+    # veth's speed, and it refills in every pause of the link (a 256 KiB bucket at 15 Mbit/s was 0.14 s of free link)
+    burst = max(64 * 1024, int(bits / 8 / 250))
+    subprocess.run(["tc", "qdisc", "replace", "dev", netns.LINK, "root", "tbf", "rate", f"{int(bits)}bit",
+                    "burst", str(burst), "latency", "100ms"], check=True, capture_output=True)
 
 
 def _model(args):
@@ -86,59 +138,171 @@ def _model(args):
     return GPT(GPTConfig.preset(args["model"], block_size=args["seq_len"]))
 
 
-def _batches(args: dict, rank: int) -> list:
+def _batches(args: dict, rank: int, count: int, stream: int) -> list:
     import torch
 
-    generator = torch.Generator().manual_seed(SEED * 100 + rank)
-    steps = args["warmup"] + args["steps"]
-    tokens = torch.randint(0, 256, (steps, args["batch"], args["seq_len"] + 1), generator=generator)
+    generator = torch.Generator().manual_seed(SEED * 100 + rank + 7919 * stream)
+    tokens = torch.randint(0, 256, (count, args["batch"], args["seq_len"] + 1), generator=generator)
     return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
 
 
-def _engine(name: str, args: dict):
+class _Trainer:
+    """One variant's training: `step(x, y)` (forward, backward, optimizer step; the loss and the seconds of each
+    phase), `evaluate(x, y)` (the loss, no update) and `close()`."""
+
+    def __init__(self, step: Callable, evaluate: Callable, close: Callable):
+        self.step, self.evaluate, self.close = step, evaluate, close
+
+
+def _engine_trainer(engine, close: Callable) -> _Trainer:
+    import torch
+
+    def step(x, y) -> tuple[float, list[float]]:
+        marks = [time.perf_counter()]
+        loss = engine(x, y)[1]
+        marks.append(time.perf_counter())
+        engine.backward(loss)
+        marks.append(time.perf_counter())
+        engine.step()
+        marks.append(time.perf_counter())
+        return float(loss.detach()), [b - a for a, b in zip(marks, marks[1:])]
+
+    def evaluate(x, y) -> float:
+        engine.eval()
+        with torch.no_grad():
+            loss = engine(x, y)[1]
+        engine.train()
+        return float(loss)
+
+    return _Trainer(step, evaluate, close)
+
+
+def _torch_trainer(module, model) -> _Trainer:
+    """`module` (DDP or FSDP2 around `model`) with torch's AdamW and gradient clipping."""
+    import torch
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step(x, y) -> tuple[float, list[float]]:
+        marks = [time.perf_counter()]
+        loss = module(x, y)[1]
+        marks.append(time.perf_counter())
+        loss.backward()
+        marks.append(time.perf_counter())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        marks.append(time.perf_counter())
+        return float(loss.detach()), [b - a for a, b in zip(marks, marks[1:])]
+
+    def evaluate(x, y) -> float:
+        module.eval()
+        with torch.no_grad():
+            loss = module(x, y)[1]
+        module.train()
+        return float(loss)
+
+    return _Trainer(step, evaluate, lambda: None)
+
+
+def _trainer(name: str, args: dict) -> _Trainer:
     kind, zero = VARIANTS[name]
     model = _model(args)
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return _torch_trainer(DistributedDataParallel(model), model)  # the GPT has no buffers to sync
+    if kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        # HSDP: dim 0 replicates across the nodes ({0, 2}, {1, 3}), dim 1 shards within a node ({0, 1}, {2, 3})
+        mesh = init_device_mesh("cpu", (WORLD // PER_NODE, PER_NODE), mesh_dim_names=("replicate", "shard"))
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):  # gloo has no ReduceOp.AVG: sum, and divide locally
+                module.set_force_sum_reduction_for_comms(True)
+        return _torch_trainer(model, model)
     config: dict[str, Any] = {"train_micro_batch_size_per_gpu": args["batch"], "gradient_accumulation_steps": 1,
-                              "gradient_clipping": 1.0, "zero_optimization": dict(zero)}
+                              "gradient_clipping": CLIP, "zero_optimization": dict(zero)}
     if kind == "zerotrain":
         import zerotrain
 
         config.update(optimizer={"type": "AdamW", "params": {"lr": LR}}, comm_timeout_seconds=600)
         engine, _, _, _ = zerotrain.initialize(model=model, config=config)
-        return engine, engine.close
+        return _engine_trainer(engine, engine.close)
     import deepspeed
 
     config.update(optimizer={"type": "AdamW", "params": {"lr": LR, "torch_adam": True}}, steps_per_print=10 ** 9)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    return engine, engine.destroy
+    return _engine_trainer(engine, engine.destroy)
 
 
-def _run_variant(name: str, args: dict, rank: int) -> dict:
+def _run_variant(name: str, spec: dict, rank: int, derived: dict) -> dict:
+    """Warm-up on the bare link, `steps` timed steps per rate, the held-out loss. `derived` (rate -> bits/s of the
+    ratioR rates) is filled by the first variant, from its own bare-link step."""
     import torch
     import torch.distributed as dist
 
-    engine, close = _engine(name, args)
-    batches = _batches(args, rank)
-    times, losses = [], []
+    args = spec["args"]
     local_first = int(os.environ["LOCAL_RANK"]) == 0
-    for index, (x, y) in enumerate(batches):
-        if index == args["warmup"]:
-            dist.barrier()
-            tx_start = _link_tx() if local_first else 0
+    trainer = _trainer(name, args)
+    batches = iter(_batches(args, rank, args["warmup"] + sum(args["steps"]), 0))
+    losses = []
+    if local_first:
+        _shape(None)
+    for _ in range(args["warmup"]):
+        losses.append(trainer.step(*next(batches))[0])
+    rates: dict[str, dict] = {}
+    for rate, steps in zip(spec["rates"], args["steps"]):
+        if rate == "none":
+            bits = None
+        elif _ratio(rate) is not None:
+            if rate not in derived:
+                raise RuntimeError(f"{rate}: derived from the first variant's bare-link step; put 'none' first")
+            bits = derived[rate]
+        else:
+            bits = _bits(rate)
         dist.barrier()
-        started = time.perf_counter()
-        loss = engine(x, y)[1]
-        engine.backward(loss)
-        engine.step()
-        if index >= args["warmup"]:
+        if local_first:
+            _shape(bits)
+        dist.barrier()
+        tx_start = _link_tx() if local_first else 0
+        times, phases = [], []
+        for _ in range(steps):
+            dist.barrier()
+            started = time.perf_counter()
+            loss, phase = trainer.step(*next(batches))
             times.append(time.perf_counter() - started)
-        losses.append(float(loss.detach()))
+            losses.append(loss)
+            phases.append(phase)
+        dist.barrier()
+        tx = (_link_tx() - tx_start) if local_first else 0
+        rates[rate] = {"times": times, "phases": phases, "tx": tx, "bits": bits}
+        if rate == "none" and not derived:  # the first variant sets the ratioR rates from its own compute and bytes
+            slowest = torch.tensor(times, dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            nodes = torch.zeros(WORLD // PER_NODE, dtype=torch.float64)
+            nodes[rank // PER_NODE] = tx
+            dist.all_reduce(nodes)
+            compute, busiest = statistics.median(slowest.tolist()), float(nodes.max()) / steps
+            for other in spec["rates"]:
+                if _ratio(other) is not None:
+                    derived[other] = busiest * 8 / (_ratio(other) * compute)
     dist.barrier()
-    tx = (_link_tx() - tx_start) if local_first else 0
+    if local_first:
+        _shape(None)
+    held = torch.zeros(WORLD, args["eval_batches"], dtype=torch.float64)
+    for index, (x, y) in enumerate(_batches(args, rank, args["eval_batches"], 1)):
+        held[rank, index] = trainer.evaluate(x, y)
+    dist.all_reduce(held)
     mean = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(mean)
-    close()
-    return {"status": "ok", "times": times, "tx": tx, "loss": (mean / WORLD).tolist()}
+    trainer.close()
+    return {"status": "ok", "rates": rates, "loss": (mean / WORLD).tolist(), "held_out": held.flatten().tolist(),
+            "derived": dict(derived)}
 
 
 def worker(spec: dict) -> int:
@@ -150,32 +314,21 @@ def worker(spec: dict) -> int:
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=900))
     results: dict[str, Any] = {}
+    derived: dict[str, float] = {}
     for name in spec["variants"]:
         try:
-            results[name] = _run_variant(name, spec["args"], rank)
+            results[name] = _run_variant(name, spec, rank, derived)
         except Exception as error:  # noqa: BLE001 - a peer that does not run here is reported, not fatal
             results[name] = {"status": "failed", "reason": f"{type(error).__name__}: {str(error).splitlines()[0]}",
                              "traceback": traceback.format_exc()}
             Path(spec["out"]).write_text(json.dumps(results))
             break  # the other ranks may be stuck in a collective of this variant: end the launch
         Path(spec["out"]).write_text(json.dumps(results))
+        if rank == 0:
+            print(f"{name}: " + ", ".join(f"{rate} {statistics.median(cell['times']):.2f} s"
+                                          for rate, cell in results[name]["rates"].items()), flush=True)
     sys.stdout.flush()
     os._exit(0)  # DeepSpeed leaves threads behind that keep a plain exit waiting
-
-
-def _set_rate(nodes: "netns.Nodes", rate: str) -> None:
-    for node in nodes.nodes:
-        if rate == "none":
-            subprocess.run(["tc", "-n", node.netns, "qdisc", "del", "dev", netns.LINK, "root"], capture_output=True)
-        else:  # a token bucket of ~4 ms of traffic (at least 256 KiB) so the kernel's timer does not cap the rate
-            burst = max(256 * 1024, int(_bits(rate) / 8 / 250))
-            subprocess.run(["tc", "-n", node.netns, "qdisc", "replace", "dev", netns.LINK, "root", "tbf", "rate",
-                            rate, "burst", str(burst), "latency", "100ms"], check=True, capture_output=True)
-
-
-def _bits(rate: str) -> float:
-    number, unit = re.fullmatch(r"([\d.]+)([kmg]?)bit", rate.lower()).groups()
-    return float(number) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[unit]
 
 
 def _free_port() -> int:
@@ -184,8 +337,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(nodes: "netns.Nodes", variants: list[str], args: dict, workdir: Path, timeout: float) -> list[dict]:
-    """4 ranks (2 per node) running `variants`; each rank's results."""
+def launch(nodes: "netns.Nodes", spec: dict, workdir: Path, timeout: float) -> list[dict]:
+    """4 ranks (2 per node) running `spec`; each rank's results."""
     port, procs, outs = _free_port(), [], []
     for rank in range(WORLD):
         node = nodes[rank // PER_NODE]
@@ -195,10 +348,10 @@ def launch(nodes: "netns.Nodes", variants: list[str], args: dict, workdir: Path,
                    LOCAL_WORLD_SIZE=str(PER_NODE), GROUP_RANK=str(node.index), MASTER_ADDR=nodes[0].address,
                    MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=netns.LINK, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-        spec = {"variants": variants, "args": args, "out": str(out)}
         log = open(workdir / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen(node.command([sys.executable, __file__, "--_worker", json.dumps(spec)]),
-                                      env=env, stdout=log, stderr=subprocess.STDOUT))
+        argv = [sys.executable, __file__, "--_worker", json.dumps({**spec, "out": str(out)})]
+        procs.append(subprocess.Popen(node.command(argv), env=env, stdout=None if rank == 0 else log,
+                                      stderr=log))
         outs.append(out)
     deadline = time.monotonic() + timeout
     try:
@@ -215,53 +368,152 @@ def launch(nodes: "netns.Nodes", variants: list[str], args: dict, workdir: Path,
     return [json.loads(out.read_text()) if out.exists() else {} for out in outs]
 
 
-def merge(ranks: list[dict], name: str) -> dict:
-    """One variant at one rate: the slowest rank per step, the link bytes per step (both nodes)."""
+def merge(ranks: list[dict], name: str, rates: list[str], counts: list[int]) -> dict:
+    """One variant: per rate the slowest rank per step, the link bytes per step (both nodes); the held-out loss."""
     mine = [r.get(name) for r in ranks]
     failed = [m for m in mine if m and m["status"] != "ok"]
     if failed or not all(mine):
-        return {"status": "failed", "reason": failed[0]["reason"] if failed else "did not run (timeout or an earlier failure)"}
-    steps = len(mine[0]["times"])
-    slowest = [max(m["times"][i] for m in mine) for i in range(steps)]
-    tx_nodes = [sum(m["tx"] for m in mine[n * PER_NODE:(n + 1) * PER_NODE]) / steps for n in range(WORLD // PER_NODE)]
-    return {"status": "ok", "step_s": statistics.median(slowest), "link_bytes": sum(tx_nodes),
-            "busiest_node_bytes": max(tx_nodes), "loss": mine[0]["loss"][-1]}
+        return {"status": "failed",
+                "reason": failed[0]["reason"] if failed else "did not run (timeout or an earlier failure)"}
+    cells = {}
+    for rate, steps in zip(rates, counts):
+        per_rank = [m["rates"][rate] for m in mine]
+        slowest = [max(r["times"][i] for r in per_rank) for i in range(steps)]
+        # forward, backward, optimizer step: each the slowest rank's, median over the steps
+        phases = [statistics.median(max(r["phases"][i][k] for r in per_rank) for i in range(steps)) for k in range(3)]
+        tx_nodes = [sum(r["tx"] for r in per_rank[n * PER_NODE:(n + 1) * PER_NODE]) / steps
+                    for n in range(WORLD // PER_NODE)]
+        cells[rate] = {"step_s": statistics.median(slowest), "steps_s": slowest, "link_bytes": sum(tx_nodes),
+                       "busiest_node_bytes": max(tx_nodes), "bits": per_rank[0]["bits"],
+                       "phases_s": phases}
+    held = mine[0]["held_out"]
+    return {"status": "ok", "rates": cells, "loss": mine[0]["loss"][-1], "held_out": statistics.mean(held),
+            "held_out_se": statistics.stdev(held) / math.sqrt(len(held)) if len(held) > 1 else float("nan")}
 
 
-def render(table: dict, rates: list[str], variants: list[str], psi: int, args: dict, load: tuple) -> str:
+def _rate_label(rate: str, bits: Optional[float]) -> str:
+    if bits is None or _ratio(rate) is None:
+        return rate
+    return f"{rate} = {bits / 1e6:.1f} Mbit/s"
+
+
+def _parts(table: dict, name: str, rate: str) -> Optional[tuple[float, float, float]]:
+    """(compute, serial compute, link seconds) of `name`'s step at `rate`; None without a bare-link measurement.
+
+    compute: the variant's step on the bare link; link: the busier node's bytes sent per step / the rate; serial:
+    the compute no inter-node transfer can run beside (the optimizer step, after the last reduction; for DDP also
+    the forward, before any gradient is ready to all-reduce)."""
+    cell = table[name]
+    if cell["status"] != "ok" or "none" not in cell["rates"]:
+        return None
+    here, bare = cell["rates"][rate], cell["rates"]["none"]
+    forward, _, optimizer = bare["phases_s"]
+    serial = min(bare["step_s"], optimizer + (forward if VARIANTS[name][0] == "ddp" else 0.0))
+    link = 0.0 if here["bits"] is None else here["busiest_node_bytes"] * 8 / here["bits"]
+    return bare["step_s"], serial, link
+
+
+def model_seconds(table: dict, name: str, rate: str) -> Optional[float]:
+    """The bytes + compute model of `name`'s step at `rate`: serial + max(compute - serial, link).
+
+    Every variant overlaps its inter-node transfers with compute by design (ZeRO-3's prefetched gathers and async
+    reduce-scatters, DeepSpeed's too, DDP's bucketed all-reduce during backward, FSDP2's async all-reduce), so the
+    link's time hides the compute it runs beside; the step is the serial compute plus the longer of the two."""
+    parts = _parts(table, name, rate)
+    if parts is None:
+        return None
+    compute, serial, link = parts
+    return serial + max(compute - serial, link)
+
+
+def no_overlap_seconds(table: dict, name: str, rate: str) -> Optional[float]:
+    """compute + link: the step if nothing overlapped (the model's upper bound)."""
+    parts = _parts(table, name, rate)
+    return None if parts is None else parts[0] + parts[2]
+
+
+def verdicts(table: dict, rates: list[str]) -> list[str]:
+    """The issue's targets, each met or not, in words."""
+    lines = []
+    base, zpp = table.get("zt3", {}), table.get("zpp+loco", {})
+    if base.get("status") == "ok" and zpp.get("status") == "ok":
+        for rate in rates:
+            ratio = zpp["rates"][rate]["link_bytes"] / base["rates"][rate]["link_bytes"]
+            step = zpp["rates"][rate]["step_s"] / base["rates"][rate]["step_s"]
+            lines.append(f"- {rate}: ZeRO++ (zpp+loco) link bytes {ratio:.2f}x ZeRO-3's (target <= 0.3: "
+                         f"{'met' if ratio <= 0.3 else 'MISSED'}); step {step:.2f}x"
+                         + (f" (target <= 0.75 on this link: {'met' if step <= 0.75 else 'MISSED'})"
+                            if _ratio(rate) is not None else ""))
+        delta = zpp["held_out"] - base["held_out"]
+        lines.append(f"- held-out loss: ZeRO++ with LoCo {zpp['held_out']:.4f} vs ZeRO-3 {base['held_out']:.4f} "
+                     f"(delta {delta:+.4f}; LoCo rule: within one standard error of exact's mean, "
+                     f"{base['held_out_se']:.4f}: {'met' if abs(delta) <= base['held_out_se'] else 'MISSED'})")
+    misses = []
+    for name, cell in table.items():
+        if cell["status"] != "ok":
+            continue
+        for rate in rates:
+            model = model_seconds(table, name, rate)
+            if model and rate != "none" and abs(cell["rates"][rate]["step_s"] / model - 1) > MODEL_TOLERANCE:
+                misses.append(f"{name} at {rate} ({cell['rates'][rate]['step_s'] / model:.2f})")
+    lines.append(f"- bytes + compute model within {MODEL_TOLERANCE:.0%} of every shaped step: "
+                 + ("met" if not misses else "MISSED by " + ", ".join(misses)))
+    return lines
+
+
+def render(saved: dict) -> str:
+    table, rates, args, psi = saved["table"], saved["rates"], saved["args"], saved["psi"]
+    load = saved.get("load", (float("nan"), float("nan")))
     lines = [f"GPT {args['model']} ({psi // 4 / 1e6:.2f}M parameters, Psi = {psi / 1e6:.1f} MB fp32), 2 nodes x 2 ranks, "
-             f"B*T per rank = {args['batch']}x{args['seq_len']}, {args['warmup']} warm-up + {args['steps']} timed steps; "
-             f"tbf-shaped veth, no added latency (no netem); load average {load[0]:.1f} before, {load[1]:.1f} after",
+             f"B*T per rank = {args['batch']}x{args['seq_len']}, {args['warmup']} warm-up step, timed steps "
+             f"{', '.join(f'{r} {n}' for r, n in zip(rates, args['steps']))}, {args['eval_batches']} held-out "
+             f"batches per rank; tbf-shaped veth, no added latency "
+             f"(no netem); load average {load[0]:.1f} before, {load[1]:.1f} after",
              "",
-             "| rate | variant | step s | / zt3 | model s | link MB/step | / zt3 | theory MB | final loss |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| rate | variant | step s | / zt3 | model s | step / model | no overlap s | link MB/step | / zt3 | "
+             "theory MB | train loss | held-out loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    base = table.get("zt3", {})
     for rate in rates:
-        base = table[rate].get("zt3", {})
-        for name in variants:
-            cell = table[rate][name]
+        for name, cell in table.items():
             if cell["status"] != "ok":
-                lines.append(f"| {rate} | {name} | {cell['reason'][:90]} | | | | | | |")
+                if rate == rates[0]:
+                    lines.append(f"| | {name} | {cell['reason'][:90]} | | | | | | | | | |")
                 continue
-            bare = table.get("none", {}).get(name, {})
-            model = "" if rate == "none" or bare.get("status") != "ok" else \
-                f"{bare['step_s'] + cell['busiest_node_bytes'] * 8 / _bits(rate):.2f}"
-            ratio = (lambda key: f"{cell[key] / base[key]:.2f}" if base.get("status") == "ok" and base[key] else "")
-            lines.append(f"| {rate} | {name} | {cell['step_s']:.2f} | {ratio('step_s')} | {model} | "
-                         f"{cell['link_bytes'] / 1e6:.1f} | {ratio('link_bytes')} | {THEORY[name] * psi / 1e6:.1f} | "
-                         f"{cell['loss']:.4f} |")
-    return "\n".join(lines)
+            here = cell["rates"][rate]
+            reference = base["rates"][rate] if base.get("status") == "ok" else None
+            ratio = (lambda key: f"{here[key] / reference[key]:.2f}" if reference and reference[key] else "")
+            model, overlap = model_seconds(table, name, rate), no_overlap_seconds(table, name, rate)
+            if here["bits"] is None:  # the bare link: the step is the compute the models start from
+                model_cells = "(compute) | "
+            else:
+                model_cells = "| " if model is None else f"{model:.2f} | {here['step_s'] / model:.2f}"
+            lines.append(
+                f"| {_rate_label(rate, here['bits'])} | {name} | {here['step_s']:.2f} | {ratio('step_s')} | "
+                f"{model_cells} | {'' if overlap is None or here['bits'] is None else f'{overlap:.2f}'} | "
+                f"{here['link_bytes'] / 1e6:.1f} | {ratio('link_bytes')} | "
+                f"{THEORY[name] * psi / 1e6:.1f} | {cell['loss']:.4f} | {cell['held_out']:.4f} |")
+    lines += ["", "model s = serial + max(compute - serial, link): compute = the variant's step on the bare link "
+              "(measured, unshaped), link = the busier node's bytes sent per step / the rate, serial = the compute no "
+              "inter-node transfer runs beside (the optimizer step; DDP also the forward); on the bare link the "
+              "compute itself. no overlap s = compute + link, the model's upper bound.", ""]
+    return "\n".join(lines + verdicts(table, rates))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rates", default="none,1gbit,100mbit", help="tbf rates of the link, 'none': unshaped")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--rates", default="none,1gbit,ratio100",
+                        help="link rates, in order: 'none' (unshaped), a tbf rate ('1gbit', '100mbit'), or 'ratioR' "
+                             "(ZeRO-3's link time R x its compute; needs 'none' first)")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"known: {', '.join(VARIANTS)}")
     parser.add_argument("--model", default="small", help="zerotrain.models GPT preset")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", help="timed steps at each rate, e.g. 3,3,1 (one number: at every rate); default "
+                                        "3 at a fixed rate or none, 1 at a ratioR rate (link-bound: it varies little)")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per launch (one rate)")
+    parser.add_argument("--eval-batches", type=int, default=2, help="held-out batches per rank")
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds for the whole launch")
     parser.add_argument("--json", help="write the raw results here")
     parser.add_argument("--render", metavar="JSON", help="print the table of an earlier --json run; run nothing")
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
@@ -269,39 +521,41 @@ def main(argv: Optional[list[str]] = None) -> int:
     if parsed._worker:
         return worker(json.loads(parsed._worker))
     if parsed.render:
-        saved = json.loads(Path(parsed.render).read_text())
-        table = saved["table"]
-        print(render(table, list(table), list(next(iter(table.values()))), saved["psi"], saved["args"],
-                     tuple(saved.get("load", (float("nan"), float("nan"))))))
+        print(render(json.loads(Path(parsed.render).read_text())))
         return 0
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`/kill: tear the nodes down on the way out
-    if netns.skip_reason():
-        print(f"cannot build two nodes here: {netns.skip_reason()}", file=sys.stderr)
-        return 2
     rates, variants = parsed.rates.split(","), parsed.variants.split(",")
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         parser.error(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
-    args = {k: getattr(parsed, k) for k in ("model", "batch", "seq_len", "steps", "warmup")}
+    bad = [r for r in rates if r != "none" and _ratio(r) is None and not re.fullmatch(r"[\d.]+[kmg]?bit", r.lower())]
+    if bad or (any(_ratio(r) is not None for r in rates) and rates[0] != "none"):
+        parser.error(f"--rates: {', '.join(bad) or 'a ratioR rate needs none first'} (e.g. none,1gbit,ratio100)")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`/kill: tear the nodes down on the way out
+    if netns.skip_reason():
+        print(f"cannot build two nodes here: {netns.skip_reason()}", file=sys.stderr)
+        return 2
+    counts = [int(n) for n in parsed.steps.split(",")] if parsed.steps else \
+        [1 if _ratio(rate) is not None else 3 for rate in rates]
+    if len(counts) == 1:
+        counts *= len(rates)
+    if len(counts) != len(rates) or min(counts) < 1:
+        parser.error(f"--steps: one count, or one per rate ({len(rates)}), each >= 1")
+    args = {k: getattr(parsed, k) for k in ("model", "batch", "seq_len", "warmup", "eval_batches")}
+    args["steps"] = counts
     psi = 4 * sum(p.numel() for p in _model(args).parameters())
     load_before = os.getloadavg()[0]
-    table: dict[str, dict] = {}
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"zerotrain-multinode-{os.getpid()}"
     workdir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
     with netns.two_nodes(shm_size="1g") as nodes:
-        for rate in rates:
-            _set_rate(nodes, rate)
-            started = time.monotonic()
-            ranks = launch(nodes, variants, args, workdir, parsed.timeout)
-            table[rate] = {name: merge(ranks, name) for name in variants}
-            print(f"{rate}: {time.monotonic() - started:.0f} s; "
-                  + ", ".join(f"{n} {c['step_s']:.2f} s" if c["status"] == "ok" else f"{n} {c['reason']}"
-                              for n, c in table[rate].items()), flush=True)
-    text = render(table, rates, variants, psi, args, (load_before, os.getloadavg()[0]))
-    print(text)
+        ranks = launch(nodes, {"variants": variants, "rates": rates, "args": args}, workdir, parsed.timeout)
+    table = {name: merge(ranks, name, rates, counts) for name in variants}
+    saved = {"args": args, "psi": psi, "rates": rates, "table": table, "load": (load_before, os.getloadavg()[0]),
+             "wall_s": time.monotonic() - started}
+    text = render(saved)
+    print(text + f"\n\nwall time {saved['wall_s']:.0f} s; rank logs in {workdir}")
     if parsed.json:
-        Path(parsed.json).write_text(json.dumps({"args": args, "psi": psi, "table": table,
-                                                 "load": (load_before, os.getloadavg()[0])}, indent=1))
+        Path(parsed.json).write_text(json.dumps(saved, indent=1))
     return 0
 
 

@@ -144,12 +144,14 @@ def distributed_calls(path: Path) -> list[tuple[str, int]]:
 
 
 def test_only_comm_calls_torch_distributed_collectives():
+    """Per part, or per module where the table has a row for it (`comm.core`: Comm, the one caller)."""
     table = distributed_rules()
-    assert set(table) <= set(rules()), f"{DOC}: the distributed-rules table names unknown parts"
+    assert {name.split(".")[0] for name in table} <= set(rules()), f"{DOC}: the distributed-rules table names unknown parts"
     broken = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        source = part_of(".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"))
-        allowed = table.get(source, set())
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        source = part_of(module)
+        allowed = table.get(module.removeprefix("zerotrain."), table.get(source, set()))
         for name, line in distributed_calls(path):
             if "*" in allowed or name in QUESTIONS or name in allowed:
                 continue

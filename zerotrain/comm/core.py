@@ -39,6 +39,11 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def _all_gather_object(output: list, obj, async_op: bool = False, **kwargs) -> None:
+    """torch's all_gather_object in `Comm._call`'s form (it has no async form)."""
+    dist.all_gather_object(output, obj, **kwargs)
+
+
 class _PointToPoint:
     """Handle of one collective built from point-to-point transfers: wait() waits for every
     transfer (naming the collective on failure), then runs the local `finish` step once."""
@@ -179,7 +184,9 @@ class Comm:
         entry = _SAME_HOST.get(id(group))
         if entry is None:
             try:
-                transport = same_host.connect(self.group, self.rank, self.size, self.timeout_seconds)
+                transport = same_host.connect(_SetupExchange(self), self.rank, self.size, self.timeout_seconds)
+            except CollectiveError:  # the exchange failed: it names the collective and the peers at fault already
+                raise
             except (RuntimeError, OSError) as error:
                 raise _failure("same-host transport setup", self.rank, self.size, error) from error
             entry = _SAME_HOST[id(group)] = (group, transport)
@@ -382,8 +389,7 @@ class Comm:
             return [obj]
         gathered: list = [None] * self.size
         self.counters.add("all_gather_object", 0)
-        self._call("all_gather_object", lambda out, o, async_op=False, **kw: dist.all_gather_object(out, o, **kw),
-                   gathered, obj, group=self.group)
+        self._call("all_gather_object", _all_gather_object, gathered, obj, group=self.group)
         return gathered
 
     def all_to_all_bytes(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
@@ -396,3 +402,22 @@ class Comm:
         self.counters.add("all_to_all", sum(input_splits) - input_splits[self.rank])
         self._call("all_to_all", dist.all_to_all_single, output, input, output_splits, input_splits,
                    group=self.group)
+
+
+class _SetupExchange:
+    """A Comm's group as the same-host transport's `SetupExchange`: its collectives through `Comm._call`, so a
+    peer that never arrives at the setup is named (`comm.blame`) as at any collective; not counted (setting the
+    transport up is not the job's traffic)."""
+
+    KIND = "same-host transport setup"
+
+    def __init__(self, comm: Comm):
+        self._comm = comm
+
+    def all_gather_object(self, obj) -> list:
+        gathered: list = [None] * self._comm.size
+        self._comm._call(self.KIND, _all_gather_object, gathered, obj, group=self._comm.group)
+        return gathered
+
+    def barrier(self) -> None:
+        self._comm._call(self.KIND, dist.barrier, group=self._comm.group)

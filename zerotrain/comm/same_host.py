@@ -47,10 +47,9 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
-import torch.distributed as dist
 
 SLOTS = 64
 _SYS_FUTEX = 202  # x86-64
@@ -353,10 +352,20 @@ class _Handle:
         return self._op.done
 
 
-def connect(group: Optional[dist.ProcessGroup], rank: int, size: int,
-            timeout_seconds: float) -> Optional[SameHostTransport]:
-    """Collective over `group`: a transport when every rank is on this host, maps the mailbox and can read the
-    others, else None (on every rank: the verdict is agreed)."""
+class SetupExchange(Protocol):
+    """The group's own collectives the setup needs (a `Comm`'s: so a peer that never arrives is named)."""
+
+    def all_gather_object(self, obj: Any) -> list:
+        """Every rank's picklable `obj`, in rank order."""
+
+    def barrier(self) -> None:
+        """Wait until every rank of the group gets here."""
+
+
+def connect(group: SetupExchange, rank: int, size: int, timeout_seconds: float) -> Optional[SameHostTransport]:
+    """Collective over `group` (its exchange, not torch.distributed directly: `comm.core` calls the collectives):
+    a transport when every rank is on this host, maps the mailbox and can read the others, else None (on every
+    rank: the verdict is agreed)."""
     here = supported_here()
     probe = torch.tensor([rank * 7919 + 12345], dtype=torch.int64)
     mailbox = None
@@ -369,14 +378,13 @@ def connect(group: Optional[dist.ProcessGroup], rank: int, size: int,
     try:
         info = (here, (socket.gethostname(), _boot_id(), _net_namespace()), os.getpid(), probe.data_ptr(), mailbox,
                 os.getppid())
-        everyone: list = [None] * size
-        dist.all_gather_object(everyone, info, group=group)
+        everyone = group.all_gather_object(info)
         same_host = everyone[0][4] is not None and all(entry[0] and entry[1] == everyone[0][1] for entry in everyone)
         if same_host:  # the same host by every name, but perhaps not the same /dev/shm: this rank must see the file
             mapped = open_mailbox(everyone[0][4], size)
         readable = False
         if same_host and allow_siblings(_ptrace_scope(), [entry[5] for entry in everyone]):
-            dist.barrier(group=group)  # every rank allows its siblings before anyone probes
+            group.barrier()  # every rank allows its siblings before anyone probes
         if mapped is not None:
             try:
                 for peer in range(size):
@@ -387,13 +395,12 @@ def connect(group: Optional[dist.ProcessGroup], rank: int, size: int,
                         break
             except OSError:  # ptrace policy (e.g. Yama) forbids it, or the pid is not ours
                 readable = False
-        verdicts: list = [None] * size
-        dist.all_gather_object(verdicts, readable, group=group)
+        verdicts = group.all_gather_object(readable)
         transport = None
         if all(verdicts):
             pids = [entry[2] for entry in everyone]
             transport, mapped = SameHostTransport(rank, size, pids, mapped, timeout_seconds), None
-        dist.barrier(group=group)  # every rank has mapped the mailbox (or given up) before it goes away
+        group.barrier()  # every rank has mapped the mailbox (or given up) before it goes away
     finally:
         if mapped is not None:  # mapped, but some rank could not: sockets for all
             mapped.close()
