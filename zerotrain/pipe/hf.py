@@ -217,6 +217,6 @@ def pipeline_model(model: nn.Module, pipeline_parallel_size: int) -> nn.Module:
         from transformers import PreTrainedModel
     except ImportError:  # pragma: no cover - transformers is a dependency
         return model
-    if pipeline_parallel_size <= 1 or not isinstance(_peft_inner(model)[0], PreTrainedModel):
+    if not isinstance(_peft_inner(model)[0], PreTrainedModel):
         return model
     return causal_lm_pipeline(model, pipeline_parallel_size)

@@ -179,16 +179,8 @@ class PipelineModule(nn.Module):
             if not any(weights):
                 raise ValueError(f"PipelineModule: partition_method {method!r} matches no layer ({sorted(set(names))})")
             return weights
-        weights = []
-        for spec in self._specs:  # "parameters": counted on the meta device, nothing allocated
-            if isinstance(spec, LayerSpec):
-                with torch.device("meta"):
-                    module = spec.build()
-            else:
-                module = spec
-            weights.append(float(sum(p.numel() for p in module.parameters() if p.requires_grad))
-                           if isinstance(module, nn.Module) else 0.0)
-        return weights
+        # "parameters": the trainable ones, counted on the meta device (nothing allocated)
+        return [float(sum(numel for numel, trainable in layer if trainable)) for layer in self.layer_parameters()]
 
     def layer_parameters(self) -> list[list[tuple[int, bool]]]:
         """(numel, requires_grad) of each layer's parameters, layer by layer (a LayerSpec built on the meta
