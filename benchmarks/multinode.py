@@ -30,16 +30,20 @@ GPU cluster at B*T = 64 tokens per rank has R ~ 100). Per variant and rate: the 
 ranks start each step together after a barrier), the bytes that crossed the link per step (the veth's tx counters
 of both nodes: payload plus TCP/IP headers), both as ratios to zt3, and beside the step time its model:
 
-  model = serial + max(compute - serial, link)
-    compute = the same variant's step on the bare link (measured, unshaped)
-    link    = the busier node's bytes sent per step / the rate
-    serial  = the compute no inter-node transfer runs beside: the optimizer step (measured on the bare link, as a
-              phase of the step), for DDP also the forward (no gradient is ready to all-reduce yet)
+  model = compute + (replay(profile, rate) - replay(profile, bare))      (the larger of the two nodes)
+    compute = the same variant's step on the bare link (measured, unshaped; the median)
+    profile = one more bare-link step of the variant, sampled every 0.5 ms on each node: the bytes its veth sent and
+              received so far, and whether the rank's compute thread runs or sleeps (waits on a transfer)
+    replay  = that step replayed through a FIFO link of the rate each way: what is sent or received between two
+              samples joins the queue when the replay reaches it; compute intervals take their bare time beside the
+              queues, a wait lasts until its bare time has passed and the queues are empty (`replay_seconds`)
 
-Every variant overlaps its inter-node transfers with the compute beside them (prefetched gathers, async reductions,
-DDP's bucketed all-reduce during backward), so the link's time hides that compute; on the bare link the model is the
-compute itself. Beside it, compute + link (nothing overlapped) is the model's upper bound. At the ratioR link the
-two differ by under 1/R.
+So each variant keeps its own overlap, measured, not assumed: zerotrain's prefetched gathers and reductions on its
+transport threads, DDP's one large bucket that is ready only at the end of backward, DeepSpeed's per-module gathers
+that the next module waits on. Nothing in it is fitted to a shaped step. Beside it, compute + link (nothing
+overlapped, the busier node's bytes sent / the rate) is an upper bound. (The first version of the model,
+serial + max(compute - serial, link) with the optimizer step as the only serial part, missed gloo's ring
+collectives by 17-36% at 1 Gbit/s: RESULTS_multinode.md.)
 After the last rate every variant evaluates the same held-out batches (mean loss over ranks and batches, and its
 standard error): ZeRO++ with LoCo must stay within one standard error of exact ZeRO-3's (the LoCo rule).
 
@@ -73,6 +77,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -105,6 +110,73 @@ MODEL_TOLERANCE = 0.15  # every measured step within 15% of its model (issue #34
 
 def _link_tx() -> int:
     return int(Path(f"/sys/class/net/{netns.LINK}/statistics/tx_bytes").read_text())
+
+
+class _SendProfile(threading.Thread):
+    """Samples, every `period` s while running, this node's link counters (bytes sent and received on the veth) and
+    whether the rank's main (compute) thread is running or asleep (waiting on a transfer): the send profile of one
+    bare-link step, replayed through a shaped link by `replay_seconds`. One per node (its local rank 0: both ranks of
+    a node share the veth). Reads are pread()s of sysfs and /proc: a few microseconds each, no GIL held for long."""
+
+    def __init__(self, period: float = 5e-4):
+        super().__init__(daemon=True)
+        self.period, self.samples, self._stop_event = period, [], threading.Event()
+        self._main = threading.get_native_id()
+
+    def run(self) -> None:
+        stats = f"/sys/class/net/{netns.LINK}/statistics/"
+        fds = [os.open(stats + "tx_bytes", os.O_RDONLY), os.open(stats + "rx_bytes", os.O_RDONLY),
+               os.open(f"/proc/self/task/{self._main}/stat", os.O_RDONLY)]
+        try:
+            while not self._stop_event.is_set():
+                now = time.perf_counter()
+                tx, rx = int(os.pread(fds[0], 32, 0)), int(os.pread(fds[1], 32, 0))
+                state = os.pread(fds[2], 512, 0).rsplit(b")", 1)[1].split()[0]  # R running/runnable, S/D waiting
+                self.samples.append((now, tx, rx, state == b"R"))
+                time.sleep(self.period)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def stop(self, started: float) -> list[tuple[float, int, int, bool]]:
+        """The samples, times from `started`, byte counts from the first sample."""
+        self._stop_event.set()
+        self.join()
+        first = self.samples[0]
+        return [(t - started, tx - first[1], rx - first[2], running) for t, tx, rx, running in self.samples]
+
+
+def replay_seconds(profile: list, bits: Optional[float], scale: float = 1.0) -> float:
+    """One node's bare-link step replayed through a link of `bits`/s each way (a fluid FIFO per direction).
+
+    Between two samples of `profile` (`_SendProfile`: seconds, cumulative bytes sent and received, main thread
+    running) the bytes sent and received join their direction's queue when the replayed step reaches that point. An
+    interval in which the main thread ran is compute: it takes its bare-link time whatever the queues hold (the
+    transfers run beside it: prefetched gathers, async reductions, DDP's buckets during backward). An interval in
+    which it slept is a wait on a transfer: it ends when its bare-link time has passed and both queues are empty
+    (everything issued so far has crossed: the link is FIFO, and what the step waits on was issued before the wait
+    ended). With bits None (the bare link) the replay is the profiled step itself. `scale` multiplies the bytes (the
+    shaped link's measured bytes over the bare link's: TCP retransmits). Measures no shaped step: it predicts one."""
+    clock = sent_done = received_done = 0.0
+    wait_started = None  # the replayed and the bare start of the wait under way: (clock, profile seconds)
+    previous = (0.0, 0, 0, True)
+    for sample in profile:
+        seconds = sample[0] - previous[0]
+        running = sample[3] and previous[3]  # asleep at either end: the interval holds a wait
+        if not running:
+            wait_started = wait_started or (clock, previous[0])
+        # when this interval's bytes were issued, replayed: by the compute as it reaches them, or, in a wait, by the
+        # transfer threads at their bare pace from the wait's start (not held back by the replayed wait)
+        issued = clock if running else wait_started[0] + previous[0] - wait_started[1]
+        if bits is not None:
+            sent_done = max(sent_done, issued) + (sample[1] - previous[1]) * scale * 8 / bits
+            received_done = max(received_done, issued) + (sample[2] - previous[2]) * scale * 8 / bits
+        if running:
+            clock, wait_started = clock + seconds, None
+        else:  # a wait lasts as long as the bare one (from its start) or until the queues are empty
+            clock = max(wait_started[0] + sample[0] - wait_started[1], sent_done, received_done)
+        previous = sample
+    return max(clock, sent_done, received_done) if bits is not None else clock
 
 
 def _bits(rate: str) -> float:
@@ -249,7 +321,8 @@ def _run_variant(name: str, spec: dict, rank: int, derived: dict) -> dict:
     args = spec["args"]
     local_first = int(os.environ["LOCAL_RANK"]) == 0
     trainer = _trainer(name, args)
-    batches = iter(_batches(args, rank, args["warmup"] + sum(args["steps"]), 0))
+    profiled = "none" in spec["rates"]
+    batches = iter(_batches(args, rank, args["warmup"] + sum(args["steps"]) + profiled, 0))
     losses = []
     if local_first:
         _shape(None)
@@ -281,6 +354,18 @@ def _run_variant(name: str, spec: dict, rank: int, derived: dict) -> dict:
         dist.barrier()
         tx = (_link_tx() - tx_start) if local_first else 0
         rates[rate] = {"times": times, "phases": phases, "tx": tx, "bits": bits}
+        if rate == "none":  # one more bare step, profiled (its own step: the sampler must not touch the timed ones)
+            sampler = _SendProfile() if local_first else None
+            dist.barrier()
+            started = time.perf_counter()
+            if sampler:
+                sampler.start()
+            loss, _ = trainer.step(*next(batches))
+            rates[rate]["profile_s"] = time.perf_counter() - started
+            losses.append(loss)
+            if sampler:
+                rates[rate]["profile"] = sampler.stop(started)
+            dist.barrier()
         if rate == "none" and not derived:  # the first variant sets the ratioR rates from its own compute and bytes
             slowest = torch.tensor(times, dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -384,8 +469,13 @@ def merge(ranks: list[dict], name: str, rates: list[str], counts: list[int]) -> 
         tx_nodes = [sum(r["tx"] for r in per_rank[n * PER_NODE:(n + 1) * PER_NODE]) / steps
                     for n in range(WORLD // PER_NODE)]
         cells[rate] = {"step_s": statistics.median(slowest), "steps_s": slowest, "link_bytes": sum(tx_nodes),
-                       "busiest_node_bytes": max(tx_nodes), "bits": per_rank[0]["bits"],
+                       "busiest_node_bytes": max(tx_nodes), "node_bytes": tx_nodes, "bits": per_rank[0]["bits"],
                        "phases_s": phases}
+        if rate == "none":  # each node's profiled step (its local rank 0's samples), up to the step's end
+            ends = [r["profile_s"] for r in per_rank]
+            cells[rate]["profiles"] = [[s for s in per_rank[n * PER_NODE]["profile"] if s[0] <= max(ends)]
+                                       for n in range(WORLD // PER_NODE)]
+            cells[rate]["profile_s"] = max(ends)
     held = mine[0]["held_out"]
     return {"status": "ok", "rates": cells, "loss": mine[0]["loss"][-1], "held_out": statistics.mean(held),
             "held_out_se": statistics.stdev(held) / math.sqrt(len(held)) if len(held) > 1 else float("nan")}
@@ -397,39 +487,44 @@ def _rate_label(rate: str, bits: Optional[float]) -> str:
     return f"{rate} = {bits / 1e6:.1f} Mbit/s"
 
 
-def _parts(table: dict, name: str, rate: str) -> Optional[tuple[float, float, float]]:
-    """(compute, serial compute, link seconds) of `name`'s step at `rate`; None without a bare-link measurement.
-
-    compute: the variant's step on the bare link; link: the busier node's bytes sent per step / the rate; serial:
-    the compute no inter-node transfer can run beside (the optimizer step, after the last reduction; for DDP also
-    the forward, before any gradient is ready to all-reduce)."""
+def _link_seconds(table: dict, name: str, rate: str) -> Optional[tuple[float, float]]:
+    """(compute, link seconds) of `name`'s step at `rate`: the variant's step on the bare link, and the busier node's
+    bytes sent per step / the rate. None without a bare-link measurement."""
     cell = table[name]
     if cell["status"] != "ok" or "none" not in cell["rates"]:
         return None
     here, bare = cell["rates"][rate], cell["rates"]["none"]
-    forward, _, optimizer = bare["phases_s"]
-    serial = min(bare["step_s"], optimizer + (forward if VARIANTS[name][0] == "ddp" else 0.0))
     link = 0.0 if here["bits"] is None else here["busiest_node_bytes"] * 8 / here["bits"]
-    return bare["step_s"], serial, link
+    return bare["step_s"], link
 
 
 def model_seconds(table: dict, name: str, rate: str) -> Optional[float]:
-    """The bytes + compute model of `name`'s step at `rate`: serial + max(compute - serial, link).
+    """The bytes + compute model of `name`'s step at `rate`: its bare-link step (the median) plus what the link adds
+    when the profiled bare-link step is replayed through it (`replay_seconds`, per node, the larger).
 
-    Every variant overlaps its inter-node transfers with compute by design (ZeRO-3's prefetched gathers and async
-    reduce-scatters, DeepSpeed's too, DDP's bucketed all-reduce during backward, FSDP2's async all-reduce), so the
-    link's time hides the compute it runs beside; the step is the serial compute plus the longer of the two."""
-    parts = _parts(table, name, rate)
-    if parts is None:
+    The replay keeps every variant's own overlap: transfers issued while the compute thread runs cross beside it,
+    a wait lasts until what was issued before it has crossed. So it tells apart DDP, whose one large bucket is ready
+    only at the end of backward, and DeepSpeed's per-module gathers, which the next module waits on, from zerotrain's
+    prefetched gathers and reductions, with no constant fitted to any shaped step."""
+    cell = table[name]
+    parts = _link_seconds(table, name, rate)
+    if parts is None or not cell["rates"]["none"].get("profiles"):
         return None
-    compute, serial, link = parts
-    return serial + max(compute - serial, link)
+    compute, _ = parts
+    here, bare = cell["rates"][rate], cell["rates"]["none"]
+    if here["bits"] is None:
+        return compute
+    added = []
+    for node, profile in enumerate(bare["profiles"]):
+        scale = here["node_bytes"][node] / max(1, profile[-1][1])  # the bytes at this rate / the profiled step's
+        added.append(replay_seconds(profile, here["bits"], scale) - replay_seconds(profile, None))
+    return compute + max(added)
 
 
 def no_overlap_seconds(table: dict, name: str, rate: str) -> Optional[float]:
-    """compute + link: the step if nothing overlapped (the model's upper bound)."""
-    parts = _parts(table, name, rate)
-    return None if parts is None else parts[0] + parts[2]
+    """compute + link: the step if nothing overlapped (an upper bound)."""
+    parts = _link_seconds(table, name, rate)
+    return None if parts is None else parts[0] + parts[1]
 
 
 def verdicts(table: dict, rates: list[str]) -> list[str]:
@@ -493,10 +588,10 @@ def render(saved: dict) -> str:
                 f"{model_cells} | {'' if overlap is None or here['bits'] is None else f'{overlap:.2f}'} | "
                 f"{here['link_bytes'] / 1e6:.1f} | {ratio('link_bytes')} | "
                 f"{THEORY[name] * psi / 1e6:.1f} | {cell['loss']:.4f} | {cell['held_out']:.4f} |")
-    lines += ["", "model s = serial + max(compute - serial, link): compute = the variant's step on the bare link "
-              "(measured, unshaped), link = the busier node's bytes sent per step / the rate, serial = the compute no "
-              "inter-node transfer runs beside (the optimizer step; DDP also the forward); on the bare link the "
-              "compute itself. no overlap s = compute + link, the model's upper bound.", ""]
+    lines += ["", "model s = compute + what the link adds to the profiled bare-link step replayed through it (per node, "
+              "the larger): compute = the variant's step on the bare link (measured, unshaped); the replay keeps the "
+              "variant's measured overlap (transfers beside compute, waits until the FIFO link has delivered what was "
+              "issued before). no overlap s = compute + the busier node's bytes sent / the rate, an upper bound.", ""]
     return "\n".join(lines + verdicts(table, rates))
 
 
