@@ -388,8 +388,13 @@ def _resume_world2(save_dir: str) -> dict:
     whole, whole_weights = run(4)
     first, _ = run(2, save=True)
     resumed, resumed_weights = run(4, load=True)
+    # an elastic restart seen by one node's agents only (the other node's agent restarted its ranks for the new
+    # round without raising its count): `zerotrain train` must resume on every rank or on none
+    from zerotrain import dist
+    from zerotrain.train.command import _job_restarts
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = "1" if dist.get_rank() == 1 else "0"
     return {"whole": whole, "first": first, "resumed": resumed, "whole weights": whole_weights,
-            "resumed weights": resumed_weights}
+            "resumed weights": resumed_weights, "restarts": _job_restarts()}
 
 
 def test_trainer_resumed_at_world2_trains_on_the_samples_the_uninterrupted_run_did(tmp_path):
@@ -399,6 +404,7 @@ def test_trainer_resumed_at_world2_trains_on_the_samples_the_uninterrupted_run_d
 
     for rank, got in enumerate(run_distributed(_resume_world2, 2, str(tmp_path), timeout=240)):
         assert len(got["whole"]) == 8 and len(got["first"]) == 4 and len(got["resumed"]) == 4, rank
+        assert got["restarts"] == 1, rank
         assert len({tuple(x.flatten().tolist()) for x in got["whole"]}) == 8, rank  # 8 different batches
         for index, (x, want) in enumerate(zip(got["first"] + got["resumed"], got["whole"])):
             assert torch.equal(x, want), (rank, index)

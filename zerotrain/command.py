@@ -177,6 +177,12 @@ def run_torchrun(rendezvous: list[str], target: list[str], stop_signals: str = "
            "--shutdown_timeout", str(stop_timeout), "--signals_to_handle", agent_signals(stop_signals), *target]
     env = os.environ.copy()
     env.setdefault("OMP_NUM_THREADS", "1")
+    # A fresh store for every rendezvous round (torch's opt-out of the one TCPStore the c10d agents share for the
+    # whole job; rank 0 of each round's workers hosts it). With the shared store the workers' key space is told
+    # apart only by TORCHELASTIC_RESTART_COUNT, which an agent raises when its own workers failed but not when it
+    # restarts them for a peer node's new round: after one node's restart the nodes' attempts disagree, and the
+    # other node's ranks read the dead generation's addresses (gloo "Connection refused", the restart fails).
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # Workers must import this same zerotrain, wherever the launching interpreter found it.
     package_root = str(Path(__file__).resolve().parent.parent)
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]

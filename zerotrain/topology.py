@@ -65,7 +65,9 @@ def _restart_safe_store(timeout: datetime.timedelta) -> Optional[dist.Store]:
     while torch's ``env://`` rendezvous uses its keys unprefixed. A restarted rank could then read the
     address a rank of an earlier attempt published and wait on that dead peer until the process-group
     timeout (seen as gloo "Connection refused" retries after a rank was killed). Prefixing the keys by
-    TORCHELASTIC_RESTART_COUNT gives every attempt a fresh rendezvous.
+    TORCHELASTIC_RESTART_COUNT gives every attempt a fresh rendezvous. (Across nodes the count can disagree: an
+    agent that restarts its ranks for another node's new round does not raise it. The zerotrain launcher avoids
+    the shared store altogether, `command.run_torchrun`; this serves a plain `torchrun` on one node.)
     """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":

@@ -361,6 +361,25 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+def _job_restarts() -> int:
+    """How many times torchrun's agents restarted this job's workers, as every rank agrees (the largest count).
+
+    An agent raises TORCHELASTIC_RESTART_COUNT when its own workers failed, not when it restarts them because
+    another node came back for a new round: after one node's restart the other node's ranks read a smaller count.
+    Deciding on the local count, those would start afresh while the restarted ones resume, and the two halves of
+    the job would run different collectives until the next restart."""
+    import torch
+
+    from zerotrain import dist
+
+    own = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if dist.get_world_size() == 1:
+        return own
+    count = torch.tensor([own], dtype=torch.int64)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
+
+
 def run_train(args: argparse.Namespace) -> int:
     """One rank of `zerotrain train`: build the model, read the data (the steps --num-train-epochs makes), build the
     engine with the schedule over those steps, load weights or resume, wire the data, run the `Trainer`; the exit
@@ -436,7 +455,7 @@ def run_train(args: argparse.Namespace) -> int:
             args, micro=micro, global_batch=global_batch, dp_rank=dp_rank, dp_size=dp_size)
 
         save_dir = None if args.no_save else os.path.abspath(args.save_dir)
-        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        restarts = _job_restarts()
         if restarts > 0 and save_dir is not None and not args.resume:
             args.resume = True  # an elastic restart continues from the latest committed checkpoint
             if rank == 0:
