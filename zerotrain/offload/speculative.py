@@ -299,6 +299,7 @@ class SuperOffloadOptimizer(OffloadOptimizer):
         self._pending.clear()
         self._written.clear()
         self._scale = None
+        self._agreed = False  # what has_overflow() agreed on was about the updates just forgotten
         self.host_grads.reset()
 
     def known_finite(self) -> set[int]:

@@ -132,9 +132,12 @@ class MasterOptimizer(Protocol):
     snapshot_in_background: bool = True
 
     def has_overflow(self, grad_shards: list[torch.Tensor]) -> bool:
+        """True on every rank when any rank's gradients hold inf or nan (collective). Optional and repeatable:
+        step() does not rely on it having been called (fp32 runs never call it), nor does a later step."""
         ...
 
     def step(self, grad_shards: list[torch.Tensor], loss_scale: float) -> None:
+        """Unscale by `loss_scale`, clip, update the masters and refresh the model weights (collective)."""
         ...
 
     def publish(self, current: Iterable[int] = ()) -> None:
