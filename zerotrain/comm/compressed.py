@@ -160,7 +160,6 @@ class QuantizedReduceScatter:
                          _Hop(inter, M, S, self.kind + "_inter", feedback(M, S))]
         else:
             self.hops = [_Hop(comm, size, S, self.kind, feedback(size, S))]
-        self.nonfinite_seen = False
 
     @property
     def two_hop(self) -> bool:
@@ -197,7 +196,6 @@ class QuantizedReduceScatter:
             if hop.feedback is not None:
                 hop.feedback.update(compensated, quantized.dequantize(), error)
         else:  # an overflow: send nan scales so the owners see it (the engine drops e on the overflow)
-            self.nonfinite_seen = True
             quantized = quantize_rows(torch.zeros(rows.shape, dtype=torch.float32, device=rows.device),
                                       self.bits, self.block_size, check_finite=False)
             quantized.scales.fill_(float("nan"))
