@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from .config import ConfigError, load_config
+from .config.base import job_rank
 from .config.batch import GAS, MICRO, TBS
 from .parallel import apply_tensor_parallel, tensor_parallel_comm
 from .parallel.autotp import resolve_plan
@@ -48,7 +49,7 @@ _IGNORED_DEEPSPEED_KEYWORDS = {
 
 def _check_keywords(unused: dict) -> None:
     """A misspelt keyword is a TypeError naming it (with the closest known name); DeepSpeed's keywords
-    without effect here are a warning naming them."""
+    without effect here are a warning naming them (global rank 0 only)."""
     import difflib
     import inspect
     import warnings
@@ -59,6 +60,8 @@ def _check_keywords(unused: dict) -> None:
             close = difflib.get_close_matches(name, known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; it accepts {sorted(known)}"
             raise TypeError(f"zerotrain.initialize() got an unexpected keyword argument {name!r}{hint}")
+    if job_rank() != 0:
+        return  # once per job, as the config's warnings: every rank is given the same keywords
     for name, value in unused.items():
         if value is None or (name == "dist_init_required" and value is True):
             continue  # what zerotrain does anyway
@@ -113,7 +116,7 @@ def initialize(model: torch.nn.Module = None, config: Union[dict, str, os.PathLi
     `config.base_model_tp_plan`) or a plan inferred from its linear layers
     (`zerotrain.parallel.autotp`), and ZeRO shards across the data-parallel groups of the grid.
     An unknown keyword is a TypeError; DeepSpeed's `distributed_port`, `mpu`, `mesh_param` and
-    `dist_init_required` are accepted with a warning when they would change anything.
+    `dist_init_required` are accepted with a warning (rank 0 only) when they would change anything.
     """
     _check_keywords(unused)
     if not isinstance(model, torch.nn.Module):
