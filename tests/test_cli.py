@@ -477,6 +477,36 @@ def test_launch_rendezvous_and_worker_arguments(tmp_path, monkeypatch):
         run_worker(["--frobnicate", "--", str(script)])
 
 
+BAD_KEY_SCRIPT = """
+import torch, zerotrain
+zerotrain.init_distributed()
+zerotrain.initialize(model=torch.nn.Linear(2, 2), config={"train_batch_size": 2, "zero_optimization": {"stag": 2}})
+"""
+
+
+def test_launch_reports_a_usage_error_in_the_script_as_one_line_once(tmp_path, monkeypatch, capsys):
+    """A config error raised in the user's script (a bad key) under `zerotrain launch --nproc 2`: one line naming
+    the key, printed once, exit status 2, no rank traceback (as `zerotrain train`). Any other exception in the
+    script keeps its traceback (in-process: the worker re-raises it)."""
+    from distributed import run_cli
+    from zerotrain.launcher import run_worker
+
+    script = tmp_path / "bad_key.py"
+    script.write_text(BAD_KEY_SCRIPT)
+    proc = run_cli(["launch", "--nproc", "2", str(script)], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    said = [line for line in proc.stderr.splitlines() if "zero_optimization.stag" in line]
+    assert said == ["zerotrain: error: unknown key 'zero_optimization.stag'; did you mean 'stage'?"], proc.stderr
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr
+
+    other = tmp_path / "other.py"
+    other.write_text("raise KeyError('not a usage error')\n")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with pytest.raises(KeyError, match="not a usage error"):
+        run_worker([str(other)])
+
+
 def _calls(node) -> list[str]:
     """Dotted names of the calls in `node` (`dist.barrier`, `engine.close`, ...), in source order."""
     import ast

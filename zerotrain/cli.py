@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from zerotrain.command import (PROG, CLIError, HelpFormatter, add_node_flags, inside_worker, max_world_size, multi_node,
-                               node_rendezvous, report_error, run_torchrun)
+                               node_rendezvous, report_error, run_torchrun, usage_error_status)
 
 __all__ = ["main", "build_parser"]
 
@@ -179,15 +179,11 @@ def _run(args: argparse.Namespace) -> int:
             if (args.nproc > 1 or multi_node(args)) and not inside_worker():
                 return _launch(args)
             return run_train(args)
-    except CLIError as exc:
-        return report_error(str(exc), 2)
-    except Exception as exc:  # config errors: one clean line, no traceback
-        if _is_config_error(exc):
-            return report_error(str(exc), 2)
-        from zerotrain.checkpoint import CheckpointError
-        if isinstance(exc, CheckpointError):  # a bad checkpoint to resume from, or a failed save
-            return report_error(str(exc), 1)
-        raise
+    except Exception as exc:  # usage errors (CLIError, config and checkpoint errors): one clean line, no traceback
+        status = usage_error_status(exc)
+        if status is None:
+            raise
+        return report_error(str(exc), status)
     return 0
 
 
@@ -196,19 +192,6 @@ def _print_config(config: dict) -> int:
     import json
     print(json.dumps(config, indent=2), flush=True)
     return 0
-
-
-def _config_error_type():
-    try:
-        from zerotrain.config import ConfigError
-    except Exception:  # the config package may not be importable (yet)
-        return None
-    return ConfigError
-
-
-def _is_config_error(exc: BaseException) -> bool:
-    config_error = _config_error_type()
-    return config_error is not None and isinstance(exc, config_error)
 
 
 def _launch(args: argparse.Namespace) -> int:

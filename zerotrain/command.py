@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["HelpFormatter", "CLIError", "PROG", "inside_worker", "print_error", "report_error", "rendezvous", "run_torchrun",
+__all__ = ["HelpFormatter", "CLIError", "PROG", "inside_worker", "print_error", "report_error", "usage_error_status",
+           "rendezvous", "run_torchrun",
            "add_node_flags", "node_rendezvous", "multi_node", "max_world_size"]
 
 PROG = "zerotrain"
@@ -49,6 +50,20 @@ def report_error(message: str, status: int) -> int:
     if not (inside_worker() and os.environ.get(AGENT_ENV) == "1" and record_usage_error(message, status)):
         print_error(message)
     return status
+
+
+def usage_error_status(exc: BaseException) -> Optional[int]:
+    """The exit status of `exc` when it is one of zerotrain's usage errors, reported as one line without a
+    traceback: a `CLIError` or a config error (2), a checkpoint error (1: a bad checkpoint to resume from, a
+    failed save); None for anything else, whose traceback is kept. `zerotrain train` and the scripts
+    `zerotrain launch` runs (`launcher`) both decide here."""
+    from zerotrain.config import ConfigError
+
+    if isinstance(exc, (CLIError, ConfigError)):
+        return 2
+    from zerotrain.checkpoint import CheckpointError  # here: a CLIError needs no torch import
+
+    return 1 if isinstance(exc, CheckpointError) else None
 
 
 def inside_worker() -> bool:

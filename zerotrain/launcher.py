@@ -69,7 +69,15 @@ def run_worker(argv: Optional[Sequence[str]] = None) -> None:
         script_args = [*script_args, f"--local_rank={os.environ.get('LOCAL_RANK', '0')}"]
     sys.argv = [script, *script_args]
     sys.path[0] = os.path.dirname(script)  # what `python script.py` puts first on the path
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except Exception as exc:  # zerotrain's usage errors: one line, once for the job, as `zerotrain train` ends
+        from .command import report_error, usage_error_status
+
+        status = usage_error_status(exc)
+        if status is None:
+            raise  # anything else keeps its traceback
+        sys.exit(report_error(str(exc), status))
     _end_like_the_commands()
 
 
