@@ -25,6 +25,7 @@ import os
 import resource
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -154,12 +155,29 @@ def main() -> None:
     args = parser.parse_args()
     p = 2
     began = time.perf_counter()
-    rows = []
-    scratch = Path(args.out).with_suffix(".rank")
-    scratch.parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     names = args.schedules.split(",")
     ms = [int(v) for v in args.ms.split(",")]
-    skipped = []
+    skipped: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="zerotrain-pipeline-") as scratch:  # the ranks' files: none left behind
+        rows = _run_jobs(args, ms, names, p, began, Path(scratch) / "rank", skipped)
+    summary = _summary(rows, ms, names, p)
+    if skipped:
+        summary.append(f"not run (past --max-seconds {args.max_seconds:g}): {', '.join(skipped)}")
+    for line in summary:
+        print(line)
+    elapsed = time.perf_counter() - began
+    print(f"({elapsed:.0f} s)")
+    Path(args.out).write_text(json.dumps({"p": p, "preset": args.preset, "micro": args.micro, "seq": args.seq,
+                                          "steps": args.steps, "elapsed_s": elapsed, "rows": rows,
+                                          "summary": summary}, indent=1))
+
+
+def _run_jobs(args: argparse.Namespace, ms: list, names: list, p: int, began: float, scratch: Path,
+              skipped: list) -> list[dict]:
+    """One 2-rank job per (m, schedule) until --max-seconds (those left out added to `skipped`); the ranks write
+    their results to `scratch`.N."""
+    rows = []
     for m in ms:
         for schedule in names:
             if time.perf_counter() - began > args.max_seconds:
@@ -181,16 +199,7 @@ def main() -> None:
                   f"{' '.join('-' if b is None else f'{b:.3f}' for b in inside)})  "
                   f"theory {'-' if theory is None else f'{theory:.3f}'}  step {row['step_s']:.3f}s  "
                   f"peak growth {row['peak_growth_mib']} MiB", flush=True)
-    summary = _summary(rows, ms, names, p)
-    if skipped:
-        summary.append(f"not run (past --max-seconds {args.max_seconds:g}): {', '.join(skipped)}")
-    for line in summary:
-        print(line)
-    elapsed = time.perf_counter() - began
-    print(f"({elapsed:.0f} s)")
-    Path(args.out).write_text(json.dumps({"p": p, "preset": args.preset, "micro": args.micro, "seq": args.seq,
-                                          "steps": args.steps, "elapsed_s": elapsed, "rows": rows,
-                                          "summary": summary}, indent=1))
+    return rows
 
 
 def _summary(rows: list, ms: list, names: list, p: int) -> list[str]:

@@ -477,6 +477,30 @@ def test_partition_methods():
     assert bounds == [0, 2, 5]  # embedding + block | block + norm + head (the tied head counts again)
 
 
+class _FrozenLinear(nn.Linear):
+    """A layer that freezes itself when built (a LayerSpec's frozen layer, built on the meta device for the cut)."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__(n_in, n_out)
+        self.requires_grad_(False)
+
+
+def test_parameters_partition_counts_trainable_parameters_only():
+    """"parameters" balances trainable parameters only, as DeepSpeed's `_count_layer_params` (requires_grad):
+    frozen layers, built ones and LayerSpecs, weigh nothing in the cut (counting them cuts elsewhere)."""
+    from zerotrain.pipe import LayerSpec, PipelineModule
+
+    frozen = nn.Linear(100, 4).requires_grad_(False)  # 404 frozen
+    layers = [LayerSpec(_FrozenLinear, 64, 64),  # 4160 frozen
+              nn.Linear(4, 100), LayerSpec(nn.Linear, 4, 100),  # 500 + 500 trainable
+              frozen, nn.Linear(4, 4)]  # 404 frozen, 20 trainable
+    module = PipelineModule(layers, 2, partition_method="parameters")
+    assert [[trainable for _, trainable in layer] for layer in module.layer_parameters()] == [
+        [False, False], [True, True], [True, True], [False, False], [True, True]]
+    # trainable [0, 500, 500, 0, 20]: 500 | 520 is the only best cut (every parameter counted: 4160 | 1424)
+    assert module.partition(2) == [0, 2, 5]
+
+
 def test_estimate_per_stage(tmp_path, capsys):
     """`zerotrain estimate` with `pipeline_parallel_size`: the engine's cut (embedding first, head last, every layer
     once), each stage's parameters, its share of one micro-batch's activations (they add up to the whole model's)

@@ -1,8 +1,11 @@
 """`zerotrain train --pipeline-parallel-size 2` end to end: a Llama directory and a local data file, 2 ranks = 2
 stages; the run trains (each step's loss on every rank, the weights move), and its checkpoint is a Hugging Face
-directory of the model's own names that `from_pretrained` reads, holding the trained weights of both stages."""
+directory of the model's own names that `from_pretrained` reads, holding the trained weights of both stages; its
+evaluation (`--eval-data`, through `eval_batch`) equals the saved model's single-process loss on the same
+micro-batches."""
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -19,20 +22,40 @@ def test_train_pipeline_parallel_size_2_on_a_data_file(tmp_path, tiny_llama_dir)
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i} + {i * i}\n"}) + "\n"
                             for i in range(48)))
+    evals = tmp_path / "eval.jsonl"  # 10 samples: 5 micro-batches of 2, evaluated as 2 batches of 2 (accumulation)
+    evals.write_text("".join(json.dumps({"text": f"def h{i}(z):\n    return z ** {i % 4}" + " + z" * (i % 3)}) + "\n"
+                             for i in range(10)))
     save, log = tmp_path / "ck", tmp_path / "log"
     result = run_cli(["train", "--model", str(tiny_llama_dir), "--data", str(data), "--nproc", "2",
                       "--pipeline-parallel-size", "2", "--max-steps", "2", "--seq-len", "32",
                       "--per-device-train-batch-size", "2", "--gradient-accumulation-steps", "2",
                       "--learning-rate", "1e-2", "--lr-scheduler-type", "constant", "--save-dir", str(save),
-                      "--log-dir", str(log), "--no-packing"], timeout=400)  # padded batches: padded again to --seq-len
+                      "--log-dir", str(log), "--no-packing", "--eval-data", str(evals)],
+                     timeout=400)  # padded batches: padded again to --seq-len
     assert result.returncode == 0, result.stdout + result.stderr
     assert "pipeline: 2 stages (1f1b)" in result.stdout, result.stdout
+    assert "evaluation 4 micro-batches per rank through eval_batch" in result.stdout, result.stdout
     records = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r and r.get("step")]
     assert [r["step"] for r in steps] == [1, 2] and all(0 < r["loss"] < 20 for r in steps), records
+    assert "eval_loss" not in steps[0], steps[0]  # evaluated after the last step only (no --eval-steps)
     latest = (save / "latest").read_text().strip()
-    trained = AutoModelForCausalLM.from_pretrained(str(save / latest))
-    initial = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir))
+    trained = AutoModelForCausalLM.from_pretrained(str(save / latest), dtype=torch.float32)
+    # the eval loss: the trained model in one process, plain PyTorch, on the same 4 micro-batches (the eval set's
+    # first 4 of 2 samples, unpadded), the mean of their losses
+    from transformers import AutoTokenizer
+
+    from zerotrain.data import DataConfig, build_data
+    eval_set = build_data(DataConfig(paths=[str(evals)], seq_len=32, packing=False, seed=1234),
+                          AutoTokenizer.from_pretrained(str(tiny_llama_dir)), model=trained)
+    with torch.no_grad():
+        losses = [trained(**batch).loss.item()
+                  for batch in itertools.islice(eval_set.eval_loader(micro_batch_size=2), 4)]
+    expected = sum(losses) / len(losses)
+    assert len(set(losses)) == 4  # the batches differ: a wrong mean over them shows
+    assert steps[1]["eval_loss"] == pytest.approx(expected, rel=1e-5), (steps[1], losses)
+    assert f"eval_loss {expected:.4f}" in result.stdout, result.stdout  # printed as without a pipeline
+    initial = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
     names = dict(initial.named_parameters())
     moved = {n for n, p in trained.named_parameters() if not torch.equal(p, names[n])}
     # both stages' layers trained (embedding on the first, the head on the last)
@@ -82,6 +105,8 @@ def test_pipeline_flag_config_and_refusals(capsys):
     assert printed["train_batch_size"] == 3 * 2 * 2  # micro x accumulation x (4 ranks / 2 stages)
     assert main(["train", "--nproc", "3", "--pipeline-parallel-size", "2"]) == 2
     assert "--pipeline-parallel-size 2 does not divide the 3 ranks" in capsys.readouterr().err
-    assert main(["train", "--nproc", "2", "--pipeline-parallel-size", "2", "--data", __file__, "--eval-data",
-                 __file__]) == 2
-    assert "--pipeline-parallel-size 2 with --eval-data is not available yet" in capsys.readouterr().err
+    # evaluation runs whole batches of gradient_accumulation_steps micro-batches: the rest left out, less refused
+    from zerotrain.train.pipeline import eval_micro_batches
+    assert [eval_micro_batches(n, 2) for n in (2, 3, 5, 8)] == [2, 2, 4, 8]
+    with pytest.raises(ValueError, match=r"1 evaluation micro-batch\(es\) per rank, fewer than the 2"):
+        eval_micro_batches(1, 2)

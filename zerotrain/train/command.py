@@ -101,7 +101,8 @@ def add_train_parser(sub: Any) -> None:
                        type=int, default=None, metavar="N",
                        help="split the model's decoder layers over N pipeline stages (pipeline_parallel_size; "
                             "docs/pipeline.md): Llama, Qwen2 and Qwen3 architectures, ZeRO-0/1 per stage (the "
-                            "default stage becomes 1), no evaluation yet")
+                            "default stage becomes 1); evaluation through its eval_batch, in whole batches of "
+                            "--gradient-accumulation-steps micro-batches")
     train.add_argument("--max-steps", "--steps", dest="steps", type=int, default=None, metavar="N",
                        help=f"optimizer steps to reach (wins over --num-train-epochs); default {DEFAULT_STEPS} when "
                             "neither is given")
@@ -208,8 +209,6 @@ def check_train_args(args: argparse.Namespace) -> None:
         raise CLIError("--eval-data needs --data")
     if args.pipeline_parallel_size is not None and args.pipeline_parallel_size < 1:
         raise CLIError(f"--pipeline-parallel-size must be >= 1, got {args.pipeline_parallel_size}")
-    if (args.pipeline_parallel_size or 1) > 1 and args.eval_data:
-        raise CLIError(f"--pipeline-parallel-size {args.pipeline_parallel_size} with --eval-data is not available yet")
     for flag, paths in (("--data", args.data), ("--eval-data", args.eval_data)):
         for data_path in paths or ():
             if not os.path.exists(data_path):
@@ -505,15 +504,10 @@ def run_train(args: argparse.Namespace) -> int:
             )
             for line in _start_notes(args, model, lora):
                 print(line, flush=True)
-        step = None
+        step, evaluator = None, None
         if int(run_config.pipeline_parallel_size) > 1:  # whole batches through train_batch (train.pipeline)
-            from zerotrain.train.pipeline import PipelineLMStep
-            reads = engine.is_first_stage() or engine.is_last_stage()
-            step = PipelineLMStep(engine, loader if reads else None, seq_len)
+            step, evaluator = _pipeline_step(args, engine, loader, eval_loader, eval_batches, seq_len)
             loader, eval_loader = None, None
-            if rank == 0:
-                print(f"{PROG}: pipeline: {engine.num_stages} stages ({engine.config.pipeline.schedule}), "
-                      "micro-batches padded to --seq-len; no evaluation with a pipeline yet", flush=True)
         trainer = Trainer(
             engine,
             loader,
@@ -529,6 +523,7 @@ def run_train(args: argparse.Namespace) -> int:
             save_every=args.save_every,
             stop_signals=args.stop_signals or (),
             steps_per_epoch=steps_per_epoch,
+            evaluator=evaluator,
         )
         summary = trainer.train()
         engine.close()  # pending saves committed, offload threads and files released
@@ -543,6 +538,36 @@ def run_train(args: argparse.Namespace) -> int:
             trainer.stop_request.tell_launcher(summary.stopped_by, f"step {engine.global_steps}; {where}")
         return trainer.stop_request.exit_status(summary.stopped_by)
     return 0
+
+
+def _pipeline_step(args: argparse.Namespace, engine, loader, eval_loader, eval_batches: int, seq_len: int):
+    """`(step, evaluator)` of a pipeline run (`train.pipeline`): whole batches through `train_batch`, the
+    evaluation (when there is eval data) through `eval_batch`, micro-batches of the training size."""
+    from zerotrain import dist
+    from zerotrain.train.pipeline import PipelineEvaluator, PipelineLMStep
+
+    reads = engine.is_first_stage() or engine.is_last_stage()
+    step = PipelineLMStep(engine, loader if reads else None, seq_len)
+    evaluator = None
+    if eval_loader is not None:
+        micro = engine.train_micro_batch_size_per_gpu()
+        if args.per_device_eval_batch_size not in (None, micro):  # a PipelineStage exchanges fixed shapes
+            raise CLIError(f"--per-device-eval-batch-size {args.per_device_eval_batch_size} with "
+                           f"--pipeline-parallel-size: a pipeline evaluates micro-batches of the training size "
+                           f"({micro})")
+        if engine.config.pipeline.schedule == "zbv_zero_bubble":
+            raise CLIError("evaluation with pipeline.schedule 'zbv_zero_bubble' is not available (torch's ZBV "
+                           "schedule has no forward-only run): choose another schedule or give no eval data")
+        try:
+            evaluator = PipelineEvaluator(engine, eval_loader, eval_batches, seq_len)
+        except ValueError as exc:
+            raise CLIError(f"--eval-batches: {exc}") from None
+    if dist.get_rank() == 0:
+        what = (f"evaluation {evaluator.batches} micro-batches per rank through eval_batch" if evaluator is not None
+                else "no evaluation data")
+        print(f"{PROG}: pipeline: {engine.num_stages} stages ({engine.config.pipeline.schedule}), "
+              f"micro-batches padded to --seq-len; {what}", flush=True)
+    return step, evaluator
 
 
 def _start_notes(args: argparse.Namespace, model, lora) -> list[str]:

@@ -6,6 +6,12 @@ whole batch in `train_batch(data_iter)` (torch's schedule), so `PipelineLMStep` 
 each padded on the right to the sequence length (a `PipelineStage` exchanges fixed shapes: label -100 and mask 0
 on the padding) and made the split model's inputs (`zerotrain.pipe.hf.pipeline_inputs`). Only the ranks of the
 first and last stage are given a loader; the others never build one.
+
+`PipelineEvaluator` is the Trainer's `evaluator` with a pipeline: the evaluation micro-batches (the eval loader's
+first `batches`, rounded down to whole batches of `gradient_accumulation_steps`: the schedule runs a fixed number
+of micro-batches) go through the engine's `eval_batch` (every stage runs its forwards, the loss is the last
+stage's, averaged over the data-parallel ranks and broadcast); the mean over those batches is the mean of the
+micro-batch losses, the `eval_loss` the Trainer's own evaluation reports without a pipeline.
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ import torch
 from zerotrain.pipe.hf import pipeline_inputs
 from zerotrain.trainer import StepResult
 
-__all__ = ["PipelineLMStep", "pad_batch"]
+__all__ = ["PipelineEvaluator", "PipelineLMStep", "eval_micro_batches", "pad_batch"]
 
 
 def pad_batch(batch: dict, seq_len: int) -> dict:
@@ -35,6 +41,21 @@ def pad_batch(batch: dict, seq_len: int) -> dict:
         tail = positions[:, -1:] + torch.arange(1, extra + 1)
         out["position_ids"] = torch.cat([positions, tail], dim=1)
     return out
+
+
+def _micro_batch(batch: dict, seq_len: int, device: torch.device) -> tuple[tuple, torch.Tensor]:
+    """A loader's batch as the pipeline's `(inputs, labels)` micro-batch on `device`, padded to `seq_len`."""
+    inputs, labels = pipeline_inputs(pad_batch(batch, seq_len))
+    return tuple(t.to(device) for t in inputs), labels.to(device)
+
+
+def eval_micro_batches(batches: int, accumulation: int) -> int:
+    """The evaluation micro-batches a pipeline runs of `batches`: whole batches of `accumulation` (each
+    `eval_batch` runs the schedule's fixed count); ValueError when not even one batch fits."""
+    if batches < accumulation:
+        raise ValueError(f"{batches} evaluation micro-batch(es) per rank, fewer than the {accumulation} "
+                         "(gradient_accumulation_steps) a pipeline's eval_batch runs at once")
+    return batches - batches % accumulation
 
 
 class PipelineLMStep:
@@ -57,11 +78,8 @@ class PipelineLMStep:
         raise RuntimeError("the training dataloader yields no batches")
 
     def _micro_batches(self) -> Iterator:
-        device = self.engine.device
         while True:
-            batch = pad_batch(self._next(), self.seq_len)
-            inputs, labels = pipeline_inputs(batch)
-            yield tuple(t.to(device) for t in inputs), labels.to(device)
+            yield _micro_batch(self._next(), self.seq_len, self.engine.device)
 
     def run(self) -> StepResult:
         engine = self.engine
@@ -73,3 +91,26 @@ class PipelineLMStep:
 
     def client_state(self) -> Optional[dict]:
         return None
+
+
+class PipelineEvaluator:
+    """The Trainer's `evaluator` over a pipeline engine's `eval_batch` (see the module docstring)."""
+
+    def __init__(self, engine: Any, loader: Iterable, batches: int, seq_len: int) -> None:
+        self.engine, self.loader, self.seq_len = engine, loader, int(seq_len)
+        self.batches = eval_micro_batches(int(batches), int(engine.gradient_accumulation_steps()))
+
+    def __call__(self, when: str) -> Optional[dict]:
+        """`{"eval_loss": mean loss}` after a step or training ("before": None, as the Trainer's own)."""
+        if when == "before":
+            return None
+        engine = self.engine
+        micro = None  # a middle stage reads nothing: its inputs come from the previous stage
+        if engine.is_first_stage() or engine.is_last_stage():
+            batches = iter(self.loader)
+            micro = (_micro_batch(next(batches), self.seq_len, engine.device) for _ in range(self.batches))
+        calls = self.batches // int(engine.gradient_accumulation_steps())
+        total = 0.0
+        for _ in range(calls):  # each the mean of its micro-batches, the same count each: their mean is the mean
+            total += float(engine.eval_batch(micro))
+        return {"eval_loss": total / calls}
