@@ -20,14 +20,18 @@ def test_staging_pool_reuses_a_spare_that_fits_and_counts_bytes():
     pool.release(smaller, reuse=True)  # the whole spare comes back
     assert stats["staging_bytes"] == 0 and [s.numel() for s in pool.spares] == [10]
 
-    # neither a larger buffer nor another dtype takes the spare
+    # a larger buffer does not take the spare, and replaces it: a spare too small for a bucket would mostly wait,
+    # unused, to the end of backward (buckets come in like sizes)
     larger = pool.take(11, torch.float32, cpu)
-    other = pool.take(4, torch.bfloat16, cpu)
-    assert (larger.numel(), other.numel(), other.dtype) == (11, 4, torch.bfloat16)
-    assert stats["staging_reused"] == 1 and [s.numel() for s in pool.spares] == [10]
-    assert stats["staging_bytes"] == 44 + 8 and stats["peak_staging_bytes"] == 52
-    pool.release(larger, reuse=False)  # not ours to reuse: not kept
-    assert [s.numel() for s in pool.spares] == [10]
+    assert larger.numel() == 11 and stats["staging_reused"] == 1 and pool.spares == []
+    pool.release(larger, reuse=True)
+    other = pool.take(4, torch.bfloat16, cpu)  # another dtype neither
+    assert (other.numel(), other.dtype) == (4, torch.bfloat16) and pool.spares == []
+    assert stats["staging_bytes"] == 8 and stats["peak_staging_bytes"] == 44
+    pool.release(other, reuse=False)  # not ours to reuse: not kept
+    assert pool.spares == []
+    pool.release(pool.take(3, torch.float32, cpu), reuse=True)
+    assert [s.numel() for s in pool.spares] == [3]
     pool.clear()
     assert pool.spares == []
 

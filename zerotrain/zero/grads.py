@@ -49,15 +49,20 @@ class StagingPool:
     def __init__(self, stats: dict):
         self.stats = stats
         self.spares: list[torch.Tensor] = []
+        stats.setdefault("peak_held_bytes", 0)  # staging in use plus the spares kept: what the pool holds at most
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A staging buffer of `numel` elements: the head of a spare that fits, else a new one (uninitialized)."""
+        """A staging buffer of `numel` elements: the head of a spare that fits, else a new one (uninitialized).
+        A new one replaces the spares that did not fit: buckets of a backward come in like sizes, so a spare
+        too small for this one would mostly wait, unused, until the end of backward (three of them, 338 MiB,
+        on a 0.24B GPT whose buckets differ by a few thousand elements: benchmarks/RESULTS_scale.md)."""
         for index, spare in enumerate(self.spares):
             if spare.numel() >= numel and spare.dtype == dtype and spare.device == device:
                 buffer = self.spares.pop(index)
                 self.count(buffer.numel() * buffer.element_size())
                 self.stats["staging_reused"] += 1
                 return buffer[:numel]
+        self.spares.clear()
         buffer = torch.empty(numel, dtype=dtype, device=device)
         self.count(buffer.numel() * buffer.element_size())
         return buffer
@@ -65,16 +70,22 @@ class StagingPool:
     def release(self, staging: torch.Tensor, reuse: bool) -> None:
         """A staging buffer's reduction finished: keep it (whole) for later buckets when it is ours to reuse."""
         whole = staging if staging._base is None else staging._base  # a reused spare counts whole
-        self.count(-whole.numel() * whole.element_size())
+        self.count(-whole.numel() * whole.element_size())  # (moved to the spares: no new peak of what is held)
         if reuse:
             self.spares.append(whole)
 
     def clear(self) -> None:
         self.spares.clear()
 
+    def _spare_bytes(self) -> int:
+        return sum(spare.numel() * spare.element_size() for spare in self.spares)
+
     def count(self, nbytes: int) -> None:
+        """`nbytes` more (or fewer) staging bytes in use (the spares as they are now count in the held peak)."""
         self.stats["staging_bytes"] += nbytes
         self.stats["peak_staging_bytes"] = max(self.stats["peak_staging_bytes"], self.stats["staging_bytes"])
+        held = self.stats["staging_bytes"] + self._spare_bytes()
+        self.stats["peak_held_bytes"] = max(self.stats["peak_held_bytes"], held)
 
 
 class BucketReducer(GradientReducer):
@@ -181,7 +192,7 @@ class BucketReducer(GradientReducer):
             index, handle, reduced, staging, reuse = self._pending.pop(0)
             handle.wait()
             if staging is not None:
-                self._pool.release(staging, reuse)
+                self._pool.release(staging, reuse and self._spare_wanted(staging))
             del staging  # an adopted gradient is freed before the shard is stored
             self._store(index, reduced)
             if self._boundary:
@@ -189,6 +200,11 @@ class BucketReducer(GradientReducer):
 
     def _store(self, index: int, reduced: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def _spare_wanted(self, staging: torch.Tensor) -> bool:
+        """Whether a finished staging buffer may still serve a later bucket of this backward (kept as a spare
+        until the end of backward otherwise); yes by default."""
+        return True
 
     def _shard_final(self, index: int) -> None:
         """Bucket `index`'s shard is final for this step: tell the callbacks (one shard per bucket by default)."""

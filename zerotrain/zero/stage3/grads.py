@@ -169,6 +169,22 @@ class Stage3GradReducer(BucketReducer):
         rows = self._staging[bucket_index].view(bucket.comm.size, bucket.shard_numel)
         return rows[:, start:start + bucket.parts[position].shard_numel]
 
+    def _spare_wanted(self, staging: torch.Tensor) -> bool:
+        """Only while a bucket no gradient has reached yet will take a staging buffer this one can hold: a bucket
+        of one unpadded parameter reduces its own gradient (`_adopt`), and one that has started has its buffer.
+        (The last packed bucket's buffer would otherwise stay until the end of backward beside the adopted
+        whole gradient of the largest parameter.)"""
+        whole = staging if staging._base is None else staging._base
+        return any(not self._arrived[j] and self._staging[j] is None and self._packed(j)
+                   and self.buckets[j].comm.size * self.buckets[j].shard_numel <= whole.numel()
+                   for j in range(self._next_launch, len(self.buckets)))
+
+    def _packed(self, bucket_index: int) -> bool:
+        """Whether the bucket's gradients are copied into a staging buffer (not adopted in place: `_adopt`)."""
+        bucket = self.buckets[bucket_index]
+        part = bucket.parts[0]
+        return len(bucket.parts) > 1 or part.numel != part.padded_numel or self.comm.size == 1
+
     # --- reduction --------------------------------------------------------
     def _launch(self, index: int):
         bucket = self.buckets[index]
