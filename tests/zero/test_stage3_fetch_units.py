@@ -201,23 +201,27 @@ def test_parameters_are_released_after_their_module_forward_and_once_their_gradi
     assert at_last_grad == [[], []], at_last_grad
 
 
-class TransposedLinear(torch.nn.Module):
-    """`x @ weight.t()`: autograd saves a view of the parameter (the transpose), not the parameter itself."""
+class Matmul(torch.nn.Module):
+    """`x @ weight` (autograd saves the parameter itself) or `x @ weight.t()` (it saves a view of it, the transpose)."""
 
-    def __init__(self, features_in: int, features_out: int) -> None:
+    def __init__(self, features_in: int, features_out: int, transposed: bool) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(features_out, features_in) / features_in ** 0.5)
+        shape = (features_out, features_in) if transposed else (features_in, features_out)
+        self.weight = torch.nn.Parameter(torch.randn(shape) / features_in ** 0.5)
+        self.transposed = transposed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.weight.t()
+        return x @ (self.weight.t() if self.transposed else self.weight)
 
 
-def test_a_saved_view_of_a_parameter_is_released_after_forward_and_gathered_again_in_backward():
-    """Two layers whose backward needs a transposed view of their weight (saved as a reference with its size,
-    stride and offset): nothing is gathered after forward, and the gradients are one process's."""
+def test_a_saved_parameter_or_view_of_one_is_released_after_forward_and_gathered_again_in_backward():
+    """A layer whose backward needs its weight and one that needs a transposed view of it (saved as a reference,
+    with the view's size, stride and offset): nothing is gathered after forward, and the gradients are one
+    process's."""
     def build() -> torch.nn.Module:
         torch.manual_seed(0)
-        return torch.nn.Sequential(TransposedLinear(6, 5), torch.nn.Tanh(), TransposedLinear(5, 3))
+        return torch.nn.Sequential(Matmul(6, 5, True), torch.nn.Tanh(), Matmul(5, 4, False), torch.nn.Tanh(),
+                                   Matmul(4, 3, True))
 
     model = build()
     parts = partition_module(model, Comm(None, 0, 1), {id(p): 0 for p in model.parameters()}, 0, False, 10**6,
@@ -227,7 +231,7 @@ def test_a_saved_view_of_a_parameter_is_released_after_forward_and_gathered_agai
     for x, y in batches(2):
         y = y[:, :3]
         output = weights.forward((x,), {})
-        assert gathered(model) == [], "a saved view must not keep its parameter gathered"
+        assert gathered(model) == [], "a saved parameter or view must not keep it gathered"
         F.mse_loss(output, y).backward()
         weights.end_micro_step()
         reference = build()
