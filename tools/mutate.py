@@ -94,10 +94,15 @@ COVERING: dict[str, list[str]] = {
     "zerotrain/zero/stage3/buffers.py": ["tests/zero/test_stage3_buffers.py", "tests/zero/test_stage3_fetch_units.py"],
     # the engine's stage-3 setup: parity at world 2 (ranks built with other values, zero.Init, persistent and frozen
     # parameters), then what a rank holds at world 4
-    "zerotrain/zero/stage3/setup.py": ["tests/zero/test_stage3_fetch_units.py",
+    "zerotrain/zero/stage3/setup.py": ["tests/zero/test_stage3_fetch_units.py", "tests/zero/test_stage3_owner.py",
                                        "tests/zero/test_stage3.py::test_stage3_matches_single_process[2]",
                                        "tests/zero/test_stage3_memory.py::test_persistent_parameters_stay_whole",
-                                       "tests/zero/test_stage3_memory.py::test_stage3_holds_a_quarter_at_world_4"],
+                                       "tests/zero/test_stage3_memory.py::test_stage3_holds_a_quarter_at_world_4",
+                                       # staging peaks: the trainable parts reversed into backward order
+                                       "tests/zero/test_stage3_memory.py::test_gradient_shards_held_only_while_accumulating",
+                                       "tests/parallel/test_moe_zeropp.py::test_stage3_qwz_and_hpz_with_split_experts[4-2]"],
+    # in-process: the masters the owner hands out and writes (bf16 parts, a real ShardedOptimizer); offload's store
+    "zerotrain/zero/stage3/owner.py": ["tests/zero/test_stage3_owner.py", "tests/offload/test_offload_units.py"],
     # in-process layout (three partitions, the packing limit), then stages 0-2 at world 2
     "zerotrain/zero/flat.py": ["tests/zero/test_flat.py", "tests/zero/test_optimizer_units.py",
                                "tests/zero/test_parity.py::test_stages_match_single_process[2]"],
