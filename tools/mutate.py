@@ -81,7 +81,31 @@ COVERING: dict[str, list[str]] = {
                                        "tests/zero/test_stage3_prefetch_budget.py",
                                        # qwZ over split experts' expert-data-parallel pairs
                                        "tests/parallel/test_moe_zeropp.py::test_stage3_qwz_and_hpz_with_split_experts[4-2]"],
-    "zerotrain/zero/stage3/grads.py": ["tests/zero/test_stage3.py", "tests/zero/test_stage3_grads_reuse.py"],
+    # in-process grouping first; then parity at worlds 2 and 4 (a padded parameter's last row; a gradient arriving
+    # twice in one backward: the reentrant combo), bucket counts, the held tensors between micro-steps
+    "zerotrain/zero/stage3/grads.py": ["tests/zero/test_stage3_grads_units.py",
+                                       "tests/zero/test_stage3.py::test_stage3_matches_single_process[2]",
+                                       "tests/zero/test_stage3.py::test_stage3_matches_single_process[4]",
+                                       "tests/zero/test_stage3_grads_reuse.py",
+                                       "tests/zero/test_stage3_memory.py::test_quarter_of_gradients_held_between_micro_steps_at_world_4"],
+    # in-process: releases after forward and after the gradient, saved parameters and views (world 1)
+    "zerotrain/zero/stage3/hooks.py": ["tests/zero/test_stage3_fetch_units.py"],
+    "zerotrain/zero/stage3/trace.py": ["tests/zero/test_stage3_trace_units.py", "tests/zero/test_stage3_fetch_units.py"],
+    "zerotrain/zero/stage3/buffers.py": ["tests/zero/test_stage3_buffers.py", "tests/zero/test_stage3_fetch_units.py"],
+    # the engine's stage-3 setup: parity at world 2 (ranks built with other values, zero.Init, persistent and frozen
+    # parameters), then what a rank holds at world 4
+    "zerotrain/zero/stage3/setup.py": ["tests/zero/test_stage3_fetch_units.py", "tests/zero/test_stage3_owner.py",
+                                       "tests/zero/test_stage3.py::test_stage3_matches_single_process[2]",
+                                       "tests/zero/test_stage3_memory.py::test_persistent_parameters_stay_whole",
+                                       "tests/zero/test_stage3_memory.py::test_stage3_holds_a_quarter_at_world_4",
+                                       # staging peaks: the trainable parts reversed into backward order
+                                       "tests/zero/test_stage3_memory.py::test_gradient_shards_held_only_while_accumulating",
+                                       "tests/parallel/test_moe_zeropp.py::test_stage3_qwz_and_hpz_with_split_experts[4-2]"],
+    # in-process: the masters the owner hands out and writes (bf16 parts, a real ShardedOptimizer); offload's store
+    "zerotrain/zero/stage3/owner.py": ["tests/zero/test_stage3_owner.py", "tests/offload/test_offload_units.py"],
+    # in-process layout (three partitions, the packing limit), then stages 0-2 at world 2
+    "zerotrain/zero/flat.py": ["tests/zero/test_flat.py", "tests/zero/test_optimizer_units.py",
+                               "tests/zero/test_parity.py::test_stages_match_single_process[2]"],
     # in-process: every function and branch of quant.py (its collectives are compressed.py's, tested there)
     "zerotrain/comm/quant.py": ["tests/comm/test_quant_props.py"],
     "zerotrain/comm/compressed.py": ["tests/comm/test_error_feedback.py", "tests/comm/test_qgz_collectives.py",

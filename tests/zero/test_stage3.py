@@ -25,16 +25,22 @@ class TiedModel(torch.nn.Module):
         self.head = torch.nn.Linear(6, VOCAB, bias=False)
         self.head.weight = self.emb.weight
 
-    def forward(self, ids: torch.Tensor, use_head: bool = True) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, use_head: bool = True, reentrant: bool = False) -> torch.Tensor:
         hidden = self.emb(ids)
-        hidden = torch.tanh(self.mid(hidden))
+        if reentrant:  # mid's first call in a reentrant checkpoint: its gradient arrives twice in one backward
+            hidden = torch.utils.checkpoint.checkpoint(lambda h: torch.tanh(self.mid(h)), hidden, use_reentrant=True)
+        else:
+            hidden = torch.tanh(self.mid(hidden))
         hidden = torch.tanh(self.mid(hidden))  # the same module twice
         hidden = self.frozen(hidden)
         return self.head(hidden) if use_head else hidden
 
 
-def compute_loss(model_call, model, ids, targets, external: bool) -> torch.Tensor:
-    if external:  # the tied weight used directly in user code, outside any module's forward
+def compute_loss(model_call, model, ids, targets, external) -> torch.Tensor:
+    """`external`: True, the tied weight used in user code; "reentrant", mid's first call in a reentrant checkpoint."""
+    if external == "reentrant":
+        logits = model_call(ids, reentrant=True)
+    elif external:  # the tied weight used directly in user code, outside any module's forward
         logits = F.linear(model_call(ids, use_head=False), model.emb.weight)
     else:
         logits = model_call(ids)
@@ -89,6 +95,7 @@ def train_stage3(combos: list) -> list:
                         for name, param in model.named_parameters():
                             param.copy_(reference_weights[name])
         else:
+            torch.manual_seed(rank)  # each rank builds other values: the engine starts every rank from rank 0's
             model = TiedModel()
         engine, *_ = zerotrain.initialize(model=model, config=stage3_config(accumulation, **zero))
         fresh = engine.work_stats()["gather"]  # nothing gathered before the first forward
@@ -122,7 +129,8 @@ COMBOS = [
     (1, {}, True, False),
     (1, {"stage3_param_persistence_threshold": 100}, False, False),
     (1, {}, False, True),
-    (2, {"reduce_bucket_size": 40, "stage3_max_reuse_distance": 0}, True, False),  # several reduce buckets, no reuse
+    (2, {"reduce_bucket_size": 40, "stage3_max_reuse_distance": 0}, True, False),  # several reduce buckets, no reuse    # mid's gradient arrives twice in one backward (inside and outside a reentrant checkpoint), summed in its bucket
+    (1, {}, "reentrant", False),
 ]
 
 

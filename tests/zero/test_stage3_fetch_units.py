@@ -183,3 +183,59 @@ def test_prefetch_passing_over_a_gathered_parameter_keeps_it_for_its_next_use():
         counts[prefetch] = stats["releases"] - releases
     # two followed micro-steps, mid's weight and bias: released (and gathered) 2 x 2 times less
     assert counts[0] - counts[10**6] == 4, counts
+
+
+def test_parameters_are_released_after_their_module_forward_and_once_their_gradient_is_taken():
+    """Reuse off: emb's parameters are released when emb's forward returns (not held until the micro-step ends:
+    they are gathered no more when out's forward starts), and a parameter whose gradient has been accumulated is
+    released during backward: when emb's weight (the last gradient of backward) arrives, none is gathered any
+    more (mid's and out's were gathered again in backward for their saved weights)."""
+    model, weights = stage3(reuse=0)
+    at_out, at_last_grad = [], []
+    model.out.register_forward_pre_hook(lambda module, args: at_out.append(gathered(model)))
+    model.emb.weight.register_post_accumulate_grad_hook(lambda param: at_last_grad.append(gathered(model)))
+    for x, y in batches(2):  # recorded, then followed (with prefetch)
+        micro_step(model, weights, x, y)
+    assert len(at_out) == 2 and all("out.weight" in names and "emb.weight" not in names and "emb.bias" not in names
+                                    for names in at_out), at_out
+    assert at_last_grad == [[], []], at_last_grad
+
+
+class Matmul(torch.nn.Module):
+    """`x @ weight` (autograd saves the parameter itself) or `x @ weight.t()` (it saves a view of it, the transpose)."""
+
+    def __init__(self, features_in: int, features_out: int, transposed: bool) -> None:
+        super().__init__()
+        shape = (features_out, features_in) if transposed else (features_in, features_out)
+        self.weight = torch.nn.Parameter(torch.randn(shape) / features_in ** 0.5)
+        self.transposed = transposed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ (self.weight.t() if self.transposed else self.weight)
+
+
+def test_a_saved_parameter_or_view_of_one_is_released_after_forward_and_gathered_again_in_backward():
+    """A layer whose backward needs its weight and one that needs a transposed view of it (saved as a reference,
+    with the view's size, stride and offset): nothing is gathered after forward, and the gradients are one
+    process's."""
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(Matmul(6, 5, True), torch.nn.Tanh(), Matmul(5, 4, False), torch.nn.Tanh(),
+                                   Matmul(4, 3, True))
+
+    model = build()
+    parts = partition_module(model, Comm(None, 0, 1), {id(p): 0 for p in model.parameters()}, 0, False, 10**6,
+                             max_reuse_distance=0)
+    weights = PartitionedWeights(model, parts)
+    parts.hooks = Stage3Hooks(model, weights.fetcher)
+    for x, y in batches(2):
+        y = y[:, :3]
+        output = weights.forward((x,), {})
+        assert gathered(model) == [], "a saved parameter or view must not keep it gathered"
+        F.mse_loss(output, y).backward()
+        weights.end_micro_step()
+        reference = build()
+        F.mse_loss(reference(x), y).backward()
+        for (name, param), want in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(param.grad, want.grad, msg=lambda m: f"{name}: {m}")
+            param.grad = None

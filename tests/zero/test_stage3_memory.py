@@ -7,6 +7,7 @@ import torch
 
 from distributed import run_distributed
 from models_for_tests import OddMLP, make_batches, reference_training, train_global_step
+from test_precision_and_memory import _measured_gradient_bytes
 
 
 class Wide(torch.nn.Module):
@@ -38,6 +39,7 @@ def stage3_memory(zero: dict, accumulation: int = 1) -> dict:
         engine.backward(engine(torch.randn(2, 64), torch.randn(2, 61)))
         if not engine.is_gradient_accumulation_boundary():
             between.append(engine.memory_report())
+            between[-1]["measured_gradients"] = _measured_gradient_bytes(engine)
             held_between_micro_steps.append(between[-1]["gradients"])
         engine.step()
     report = engine.memory_report()
@@ -130,6 +132,7 @@ def test_quarter_of_gradients_held_between_micro_steps_at_world_4():
         assert len(report["between_micro_steps"]) == 2, "two steps of two micro-steps: one gap each"
         for between in report["between_micro_steps"]:
             assert between["gradients"] == 4 * shard, f"rank {rank}: fp32 gradient shards, 1/4 each"
+            assert between["measured_gradients"] == between["gradients"], "the reducer's held tensors are what it reports"
             assert between["gradients"] < 4 * full / 4 + 4 * 3 * len(report["sizes"]), \
                 "a quarter of the full fp32 gradient, plus at most 3 padding elements per parameter"
             assert between["parameters"] == 4 * shard, f"rank {rank}: parameters released between micro-steps"
