@@ -74,6 +74,7 @@ def test_bf16_records_step_as_torch_then_round_and_take_six_bytes(tmp_path, make
             assert torch.equal(p.detach(), r.detach()), step
     split = opt.memory_split()
     assert split["nvme"] == sum((2 + k * per_state) * n for k, n in zip(states, SIZES)), split
+    assert opt.offloaded_bytes() == split["host"] + split["nvme"]
     with opt.resident_states(write_back=False):  # checkpoints see fp32 masters and states holding the bf16 values
         for master, r in zip(opt.masters, ref):
             assert master.dtype == torch.float32 and torch.equal(master, r.detach())
@@ -109,6 +110,8 @@ def test_cpu_offload_bf16_masters_step_as_torch_then_round_and_take_six_bytes(ma
         opt.step([g.clone() for g in grads], 2.0)  # loss scale 2: the multiplier 0.5
         for p, r in zip(params, ref):  # the model gets the stored bf16 master
             assert torch.equal(p.detach(), r.detach()), step
+    if make_optimizer is _adamw:  # the kernel path's fp32 working copies: one chunk per tensor, not the bucket
+        assert opt.bf16_host._scratch.numel() == 4 * CHUNK_NUMEL
     per_state = 2 if narrow_states else 4
     states = [sum(1 for v in ref_opt.state[r].values() if torch.is_tensor(v) and v.numel() == r.numel()) for r in ref]
     assert opt.memory_split()["host"] == sum((2 + k * per_state) * n + 4 for k, n in zip(states, sizes))

@@ -109,6 +109,37 @@ def test_user_adamw_is_switched_to_the_fused_kernel():
     assert torch.equal(param.detach(), opt.masters[0])  # published back into the model
 
 
+def test_partial_offload_accounts_each_master_where_it_lives_and_clips_as_torch():
+    """ratio 0.5 over two bf16 buckets: the first one's fp32 master on the host, the second one's on the device
+    (apart from its bf16 model shard, so it counts there); a gradient norm near clip_grad_norm_'s 1e-6 epsilon
+    is clipped by torch's factor (plain SGD, lr 1: the update is the clipped gradient)."""
+    from zerotrain.offload import OffloadOptimizer
+    from zerotrain.sharding import ShardGroup
+    from zerotrain.zero.flat import FlatBucket
+
+    torch.manual_seed(0)
+    sizes = (300, 200)
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16)) for n in sizes]  # the update is exact
+    buckets = [FlatBucket(i, [(f"p{i}", p)], 0, ShardGroup.local()) for i, p in enumerate(params)]
+    sgd = torch.optim.SGD(params, lr=1.0)
+    opt = OffloadOptimizer(buckets, None, sgd, [params], clip_norm=1e-6, ratio=0.5)
+    assert opt.offloaded == [True, False]
+    grads = [torch.randn(n) for n in sizes]
+    scale = 2e-6 / torch.cat(grads).norm().item()  # a total norm of 2e-6: torch's factor 1e-6 / (2e-6 + 1e-6)
+    grads = [g * scale for g in grads]
+    ref = [torch.nn.Parameter(g.clone()) for g in grads]
+    for r in ref:
+        r.grad = r.detach().clone()
+    torch.nn.utils.clip_grad_norm_(ref, 1e-6)
+    opt.step([g.clone() for g in grads], 1.0)
+    for master, r in zip(opt.masters, ref):
+        assert master.dtype == torch.float32
+        torch.testing.assert_close(-master, r.grad, rtol=1e-5, atol=0)
+    split = opt.memory_split()
+    assert split["host"] == 4 * sizes[0] and split["device"] == 4 * sizes[1] and split["nvme"] == 0, split
+    assert opt.offloaded_bytes() == split["host"] and opt.state_bytes() == split["device"]
+
+
 def test_io_errors_name_the_file_and_say_disk_full(tmp_path, monkeypatch):
     import errno
 
