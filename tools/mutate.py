@@ -98,6 +98,8 @@ COVERING: dict[str, list[str]] = {
     "zerotrain/offload/stochastic_round.py": ["tests/offload/test_offload_nvme_bf16.py"],
     "zerotrain/offload/bf16_host.py": [
         "tests/offload/test_offload_nvme_bf16.py::test_cpu_offload_bf16_masters_step_as_torch_then_round_and_take_six_bytes"],
+    # in-process: blocks in flight, short reads and writes, the files' mode, the O_DIRECT probe, I/O errors
+    "zerotrain/offload/aio.py": ["tests/offload/test_offload_units.py"],
     # in-process units (a partial ratio's accounting, clipping near the epsilon), then parity and fp16 overflow
     "zerotrain/offload/cpu_optimizer.py": [
         "tests/offload/test_offload_units.py",

@@ -161,6 +161,23 @@ def test_io_errors_name_the_file_and_say_disk_full(tmp_path, monkeypatch):
     io.shutdown()
 
 
+def test_direct_io_probe_agrees_with_an_o_direct_write_of_its_own_and_leaves_nothing(tmp_path):
+    from zerotrain.offload import aio
+
+    flag, mine = getattr(os, "O_DIRECT", 0), str(tmp_path / "mine")
+    try:
+        fd = os.open(mine, os.O_CREAT | os.O_RDWR | flag, 0o600)
+        try:
+            expected = bool(flag) and os.pwritev(fd, [aio.aligned_empty(aio.ALIGN).numpy()], 0) == aio.ALIGN
+        finally:
+            os.close(fd)
+    except OSError:
+        expected = False
+    os.remove(mine)
+    assert aio.direct_io_supported(str(tmp_path)) == expected
+    assert os.listdir(tmp_path) == []
+
+
 def test_io_cuts_requests_into_blocks_in_flight_together(tmp_path, monkeypatch):
     """aio.block_size: one system call per block; a failing block fails its request, naming its offset."""
     from zerotrain.offload import OffloadIOError, aio
@@ -183,6 +200,17 @@ def test_io_cuts_requests_into_blocks_in_flight_together(tmp_path, monkeypatch):
     back = aio.aligned_empty(5 * aio.ALIGN)
     assert io.read(fd, 0, back).result() == 5 * aio.ALIGN and torch.equal(back, data)
     assert io.bytes_written == io.bytes_read == 5 * aio.ALIGN
+    assert os.stat(tmp_path / "f").st_mode & 0o777 == 0o600  # optimizer states: the owner's only
+    real_read = aio._pread
+
+    def short(call):  # a system call that moves 1000 bytes at most: the rest follows from where it ended
+        return lambda fd, buffers, offset: call(fd, [buffers[0][:1000]], offset)
+
+    monkeypatch.setattr(aio, "_pwrite", short(real))
+    monkeypatch.setattr(aio, "_pread", short(real_read))
+    assert io.write(fd, 0, data.flip(0).contiguous()).result() == 5 * aio.ALIGN
+    assert io.read(fd, 0, back).result() == 5 * aio.ALIGN and torch.equal(back, data.flip(0))
+    monkeypatch.setattr(aio, "_pread", real_read)
 
     def fail_third(fd, buffers, offset):
         if offset == 2 * aio.ALIGN:
