@@ -250,7 +250,14 @@ def test_param_store_grows_one_shard_at_a_time_as_zero_init_hands_them_in(tmp_pa
         assert list(store.reads) == [id(parts[0])] and store.read_ahead_bytes == 20480
         for part, value in zip(parts, values):
             assert torch.equal(part.shard, value.reshape(-1)), part.names
-        assert store.stats["read_ahead_hits"] == 1 and not store.reads
+        assert store.stats["read_ahead_hits"] == store.stats["read_ahead"] == 1 and not store.reads
+        with store.resident():  # a checkpoint load writes into the resident shards; on exit they go to the file
+            for part in parts:
+                store.host_shard(part).mul_(2)
+        assert not store.writes  # written and flushed
+        for part, value in zip(parts, values):
+            assert torch.equal(part.shard, 2 * value.reshape(-1)), part.names
+        values = [2 * v for v in values]
         store.remove(parts[1])
         assert parts[1].store is None and torch.equal(parts[1]._shard, values[1])
         assert [p.names[0] for p in store.parts] == ["p0", "p2"]
