@@ -100,6 +100,11 @@ COVERING: dict[str, list[str]] = {
         "tests/offload/test_offload_nvme_bf16.py::test_cpu_offload_bf16_masters_step_as_torch_then_round_and_take_six_bytes"],
     # in-process: blocks in flight, short reads and writes, the files' mode, the O_DIRECT probe, I/O errors
     "zerotrain/offload/aio.py": ["tests/offload/test_offload_units.py"],
+    # in-process: the store's growth, reuse, reads ahead and a resident write back; then offload_param at world 2
+    "zerotrain/offload/param_store.py": [
+        "tests/offload/test_offload_units.py::test_param_store_grows_one_shard_at_a_time_as_zero_init_hands_them_in",
+        "tests/offload/test_offload_units.py::test_param_store_reuses_freed_extents_and_compacts_to_the_live_shards",
+        "tests/offload/test_offload_param.py"],
     # in-process units (a partial ratio's accounting, clipping near the epsilon), then parity and fp16 overflow
     "zerotrain/offload/cpu_optimizer.py": [
         "tests/offload/test_offload_units.py",
