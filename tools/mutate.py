@@ -118,6 +118,29 @@ COVERING: dict[str, list[str]] = {
         "tests/offload/test_offload_nvme_bf16.py",  # bf16 records: stochastic rounding into them
         "tests/offload/test_offload_nvme_masters.py::test_masters_live_in_the_files_and_match_torch_bitwise",
         "tests/offload/test_offload_nvme_ring.py"],
+    # in-process: both rounding paths and the seeds (test_offload_nvme_bf16.py's own functions)
+    "zerotrain/offload/stochastic_round.py": ["tests/offload/test_offload_nvme_bf16.py"],
+    "zerotrain/offload/bf16_host.py": [
+        "tests/offload/test_offload_nvme_bf16.py::test_cpu_offload_bf16_masters_step_as_torch_then_round_and_take_six_bytes"],
+    # in-process: blocks in flight, short reads and writes, the files' mode, the O_DIRECT probe, I/O errors
+    "zerotrain/offload/aio.py": ["tests/offload/test_offload_units.py"],
+    # in-process: the store's growth, reuse, reads ahead and a resident write back; then offload_param at world 2
+    "zerotrain/offload/param_store.py": [
+        "tests/offload/test_offload_units.py::test_param_store_grows_one_shard_at_a_time_as_zero_init_hands_them_in",
+        "tests/offload/test_offload_units.py::test_param_store_reuses_freed_extents_and_compacts_to_the_live_shards",
+        "tests/offload/test_offload_param.py"],
+    # in-process units (a partial ratio's accounting, clipping near the epsilon), then parity and fp16 overflow
+    "zerotrain/offload/cpu_optimizer.py": [
+        "tests/offload/test_offload_units.py",
+        "tests/offload/test_cpu_adam.py::test_offload_update_runs_the_kernel_and_keeps_the_reduced_gradient",
+        "tests/offload/test_offload_nvme_bf16.py", "tests/offload/test_offload_parity.py",
+        "tests/offload/test_offload_overflow.py::test_fp16_overflow_rolls_back_speculation_exactly[2]"],
+    # world 2: rounds and files, a failed commit; out of space; TP slices joined; LoCo files; bf16's master files
+    "zerotrain/checkpoint/write.py": [
+        "tests/checkpoint/test_ckpt_write.py", "tests/checkpoint/test_ckpt_disk_full.py",
+        "tests/checkpoint/test_ckpt_tensor_parallel.py::test_tp2_checkpoint_holds_whole_tensors_and_resumes_at_tp1",
+        "tests/zero/test_loco_resume.py",
+        "tests/checkpoint/test_ckpt_resume.py::test_resume_across_world_sizes_and_stages[bf16-w2s3-w4s1-w1s0]"],
     "zerotrain/schedules.py": ["tests/test_schedules.py"],
     "zerotrain/precision.py": ["tests/test_loss_scaler.py", "tests/zero/test_precision_and_memory.py"],
     "zerotrain/lora.py": ["tests/merge/test_merge.py"],

@@ -37,11 +37,31 @@ def small_rounds_and_files(save_dir: str) -> dict:
         files_per_writer[key] = files_per_writer.get(key, 0) + 1
     saved_weights, saved_state = engine.full_state_dict(), optimizer_state(engine)
 
+    # a commit that fails on rank 0 after every file is written: the same error on every rank, the partial
+    # directory removed, "small" still the latest
+    from zerotrain.checkpoint import CheckpointError, commit
+
+    def refuse(point: str) -> None:
+        if point == "manifest-written":
+            raise OSError("injected: the rename was refused")
+
+    commit.fault_hook = refuse
+    try:
+        engine.save_checkpoint(save_dir, tag="failed")
+        commit_error = None
+    except CheckpointError as error:
+        commit_error = str(error)
+    finally:
+        commit.fault_hook = None
+    torch.distributed.barrier()
+    entries = sorted(os.listdir(save_dir))  # (the job lock, latest, small)
+
     fresh = make_engine(stage=2, seed=9, verify_on_load=True)
     fresh.load_checkpoint(save_dir)
     out = {"rounds": len(plan.rounds), "exchanges": len(exchanges), "files_per_writer": files_per_writer,
            "saved": saved_weights, "loaded": fresh.full_state_dict(),
-           "saved_state": saved_state, "loaded_state": optimizer_state(fresh)}
+           "saved_state": saved_state, "loaded_state": optimizer_state(fresh),
+           "commit_error": commit_error, "entries": entries}
     if int(os.environ["RANK"]) == 0:
         out["verified"] = verify_checkpoint(path)["files"]
         weight_map = json.load(open(os.path.join(path, "model.safetensors.index.json")))["weight_map"]
@@ -58,6 +78,10 @@ def test_many_rounds_and_files_per_writer_load_exactly(tmp_path):
     assert all((writer, "model") in counts for writer in (0, 1)), counts
     assert any(counts[(w, "model")] >= 2 and counts[(w, "optimizer")] >= 2 for w in (0, 1)), counts
     assert len(out["model_files"]) >= 4 and out["verified"] > 8
+    for result in results:
+        assert "committing checkpoint" in result["commit_error"] and "failed on rank 0" in result["commit_error"] \
+            and "injected" in result["commit_error"], result["commit_error"]
+    assert out["entries"] == [".zerotrain-lock.json", "latest", "small"], out["entries"]  # no partial "failed"
     assert_weights_equal(out["loaded"], out["saved"], rtol=0, atol=0, what="reloaded")
     for name, tensor in out["from_files"].items():  # each whole tensor, as safetensors reads it
         want = out["saved"].get(name)

@@ -74,6 +74,7 @@ def test_bf16_records_step_as_torch_then_round_and_take_six_bytes(tmp_path, make
             assert torch.equal(p.detach(), r.detach()), step
     split = opt.memory_split()
     assert split["nvme"] == sum((2 + k * per_state) * n for k, n in zip(states, SIZES)), split
+    assert opt.offloaded_bytes() == split["host"] + split["nvme"]
     with opt.resident_states(write_back=False):  # checkpoints see fp32 masters and states holding the bf16 values
         for master, r in zip(opt.masters, ref):
             assert master.dtype == torch.float32 and torch.equal(master, r.detach())
@@ -109,6 +110,8 @@ def test_cpu_offload_bf16_masters_step_as_torch_then_round_and_take_six_bytes(ma
         opt.step([g.clone() for g in grads], 2.0)  # loss scale 2: the multiplier 0.5
         for p, r in zip(params, ref):  # the model gets the stored bf16 master
             assert torch.equal(p.detach(), r.detach()), step
+    if make_optimizer is _adamw:  # the kernel path's fp32 working copies: one chunk per tensor, not the bucket
+        assert opt.bf16_host._scratch.numel() == 4 * CHUNK_NUMEL
     per_state = 2 if narrow_states else 4
     states = [sum(1 for v in ref_opt.state[r].values() if torch.is_tensor(v) and v.numel() == r.numel()) for r in ref]
     assert opt.memory_split()["host"] == sum((2 + k * per_state) * n + 4 for k, n in zip(states, sizes))
@@ -126,16 +129,25 @@ def test_cpu_offload_bf16_masters_step_as_torch_then_round_and_take_six_bytes(ma
             assert now.dtype == value.dtype and torch.equal(now, value), key
 
 
-def test_stochastic_rounding_is_unbiased_deterministic_and_keeps_specials():
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_stochastic_rounding_is_unbiased_deterministic_and_keeps_specials(path, monkeypatch):
+    """Both ways of rounding (the C kernel's hash, torch's generator without it): the same properties."""
+    from zerotrain.offload import stochastic_round
     from zerotrain.offload.cpu_adam import kernel
 
-    assert kernel() is not None, "the C kernel builds here (the fallback is torch's generator)"
+    lib = kernel()
+    assert lib is not None, "the C kernel builds here (the fallback is torch's generator)"
+    if path == "torch":
+        monkeypatch.setattr(stochastic_round, "kernel", lambda: None)
     value = 1.0 + 2 ** -10  # a quarter of the way from bf16's 1.0 to the next value (1 + 2**-7 ... 2**-8 apart)
     source = torch.full((1 << 16,), value)
     out, again = torch.empty(1 << 16, dtype=torch.bfloat16), torch.empty(1 << 16, dtype=torch.bfloat16)
     round_bf16_(source, out, 7)
     round_bf16_(source, again, 7)
     assert torch.equal(out, again)
+    direct = torch.empty(1 << 16, dtype=torch.bfloat16)
+    lib.zt_round_bf16(source.data_ptr(), direct.data_ptr(), source.numel(), 7)
+    assert torch.equal(out, direct) == (path == "kernel")  # the kernel runs wherever it exists
     assert set(out.float().unique().tolist()) == {1.0, 1.0 + 2 ** -7}  # only the two neighbours
     assert abs(out.float().mean().item() - value) < 2e-5  # in expectation the value (nearest would give 1.0)
     assert source.to(torch.bfloat16).float().mean().item() == 1.0
@@ -145,6 +157,23 @@ def test_stochastic_rounding_is_unbiased_deterministic_and_keeps_specials():
     got = round_bf16_(specials, torch.empty(16, dtype=torch.bfloat16), 1).float()
     assert got[0] == float("inf") and got[1] == -float("inf") and got[2].isnan() and got[3] == 0 and got[4] == 0
     assert got[5].item() in (-1.0, -1.0 - 2 ** -7)
+    top = torch.full((64,), torch.finfo(torch.float32).max)  # above bf16's largest value: that or inf, never nan
+    got = round_bf16_(top, torch.empty(64, dtype=torch.bfloat16), 3)
+    assert set(got.float().tolist()) <= {torch.finfo(torch.bfloat16).max, float("inf")}, got
+
+
+def test_rounding_seeds_are_64_bit_and_distinct_for_distinct_tuples():
+    """(rank, bucket, chunk, step, which): every tuple its own seed, order counts, and each fits the kernel's
+    uint64 (a seed shared by two chunks would round them with the same noise)."""
+    import itertools
+
+    tuples = list(itertools.product(range(3), range(3), range(4), range(1, 5), range(3)))
+    seeds = [rounding_seed(*t) for t in tuples]
+    assert len(set(seeds)) == len(tuples)
+    assert all(0 <= seed < 1 << 64 for seed in seeds)
+    assert {seed & 1 for seed in seeds} == {0, 1} and {seed >> 63 for seed in seeds} == {0, 1}  # all 64 bits vary
+    assert rounding_seed(0, 1) != rounding_seed(1, 0) and rounding_seed(0) != rounding_seed()
+    assert rounding_seed(2, 5, 1, 3, 0) == rounding_seed(2, 5, 1, 3, 0)
 
 
 def test_the_keys_need_each_other_and_an_offloaded_optimizer():

@@ -109,6 +109,37 @@ def test_user_adamw_is_switched_to_the_fused_kernel():
     assert torch.equal(param.detach(), opt.masters[0])  # published back into the model
 
 
+def test_partial_offload_accounts_each_master_where_it_lives_and_clips_as_torch():
+    """ratio 0.5 over two bf16 buckets: the first one's fp32 master on the host, the second one's on the device
+    (apart from its bf16 model shard, so it counts there); a gradient norm near clip_grad_norm_'s 1e-6 epsilon
+    is clipped by torch's factor (plain SGD, lr 1: the update is the clipped gradient)."""
+    from zerotrain.offload import OffloadOptimizer
+    from zerotrain.sharding import ShardGroup
+    from zerotrain.zero.flat import FlatBucket
+
+    torch.manual_seed(0)
+    sizes = (300, 200)
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16)) for n in sizes]  # the update is exact
+    buckets = [FlatBucket(i, [(f"p{i}", p)], 0, ShardGroup.local()) for i, p in enumerate(params)]
+    sgd = torch.optim.SGD(params, lr=1.0)
+    opt = OffloadOptimizer(buckets, None, sgd, [params], clip_norm=1e-6, ratio=0.5)
+    assert opt.offloaded == [True, False]
+    grads = [torch.randn(n) for n in sizes]
+    scale = 2e-6 / torch.cat(grads).norm().item()  # a total norm of 2e-6: torch's factor 1e-6 / (2e-6 + 1e-6)
+    grads = [g * scale for g in grads]
+    ref = [torch.nn.Parameter(g.clone()) for g in grads]
+    for r in ref:
+        r.grad = r.detach().clone()
+    torch.nn.utils.clip_grad_norm_(ref, 1e-6)
+    opt.step([g.clone() for g in grads], 1.0)
+    for master, r in zip(opt.masters, ref):
+        assert master.dtype == torch.float32
+        torch.testing.assert_close(-master, r.grad, rtol=1e-5, atol=0)
+    split = opt.memory_split()
+    assert split["host"] == 4 * sizes[0] and split["device"] == 4 * sizes[1] and split["nvme"] == 0, split
+    assert opt.offloaded_bytes() == split["host"] and opt.state_bytes() == split["device"]
+
+
 def test_io_errors_name_the_file_and_say_disk_full(tmp_path, monkeypatch):
     import errno
 
@@ -128,6 +159,23 @@ def test_io_errors_name_the_file_and_say_disk_full(tmp_path, monkeypatch):
     with pytest.raises(OffloadIOError, match="reading 4096 bytes at offset 4096"):
         io.read(fd, aio.ALIGN, buffer).result()  # past the end of the file
     io.shutdown()
+
+
+def test_direct_io_probe_agrees_with_an_o_direct_write_of_its_own_and_leaves_nothing(tmp_path):
+    from zerotrain.offload import aio
+
+    flag, mine = getattr(os, "O_DIRECT", 0), str(tmp_path / "mine")
+    try:
+        fd = os.open(mine, os.O_CREAT | os.O_RDWR | flag, 0o600)
+        try:
+            expected = bool(flag) and os.pwritev(fd, [aio.aligned_empty(aio.ALIGN).numpy()], 0) == aio.ALIGN
+        finally:
+            os.close(fd)
+    except OSError:
+        expected = False
+    os.remove(mine)
+    assert aio.direct_io_supported(str(tmp_path)) == expected
+    assert os.listdir(tmp_path) == []
 
 
 def test_io_cuts_requests_into_blocks_in_flight_together(tmp_path, monkeypatch):
@@ -152,6 +200,17 @@ def test_io_cuts_requests_into_blocks_in_flight_together(tmp_path, monkeypatch):
     back = aio.aligned_empty(5 * aio.ALIGN)
     assert io.read(fd, 0, back).result() == 5 * aio.ALIGN and torch.equal(back, data)
     assert io.bytes_written == io.bytes_read == 5 * aio.ALIGN
+    assert os.stat(tmp_path / "f").st_mode & 0o777 == 0o600  # optimizer states: the owner's only
+    real_read = aio._pread
+
+    def short(call):  # a system call that moves 1000 bytes at most: the rest follows from where it ended
+        return lambda fd, buffers, offset: call(fd, [buffers[0][:1000]], offset)
+
+    monkeypatch.setattr(aio, "_pwrite", short(real))
+    monkeypatch.setattr(aio, "_pread", short(real_read))
+    assert io.write(fd, 0, data.flip(0).contiguous()).result() == 5 * aio.ALIGN
+    assert io.read(fd, 0, back).result() == 5 * aio.ALIGN and torch.equal(back, data.flip(0))
+    monkeypatch.setattr(aio, "_pread", real_read)
 
     def fail_third(fd, buffers, offset):
         if offset == 2 * aio.ALIGN:
@@ -191,7 +250,14 @@ def test_param_store_grows_one_shard_at_a_time_as_zero_init_hands_them_in(tmp_pa
         assert list(store.reads) == [id(parts[0])] and store.read_ahead_bytes == 20480
         for part, value in zip(parts, values):
             assert torch.equal(part.shard, value.reshape(-1)), part.names
-        assert store.stats["read_ahead_hits"] == 1 and not store.reads
+        assert store.stats["read_ahead_hits"] == store.stats["read_ahead"] == 1 and not store.reads
+        with store.resident():  # a checkpoint load writes into the resident shards; on exit they go to the file
+            for part in parts:
+                store.host_shard(part).mul_(2)
+        assert not store.writes  # written and flushed
+        for part, value in zip(parts, values):
+            assert torch.equal(part.shard, 2 * value.reshape(-1)), part.names
+        values = [2 * v for v in values]
         store.remove(parts[1])
         assert parts[1].store is None and torch.equal(parts[1]._shard, values[1])
         assert [p.names[0] for p in store.parts] == ["p0", "p2"]
