@@ -226,9 +226,21 @@ class _Trainer:
         self.step, self.evaluate, self.close = step, evaluate, close
 
 
-def _engine_trainer(engine, close: Callable) -> _Trainer:
+def _evaluator(model) -> Callable:
+    """`evaluate(x, y)`: the loss of `model` (an engine, or DDP/FSDP2 around the GPT) in eval mode, no update."""
     import torch
 
+    def evaluate(x, y) -> float:
+        model.eval()
+        with torch.no_grad():
+            loss = model(x, y)[1]
+        model.train()
+        return float(loss)
+
+    return evaluate
+
+
+def _engine_trainer(engine, close: Callable) -> _Trainer:
     def step(x, y) -> tuple[float, list[float]]:
         marks = [time.perf_counter()]
         loss = engine(x, y)[1]
@@ -239,14 +251,7 @@ def _engine_trainer(engine, close: Callable) -> _Trainer:
         marks.append(time.perf_counter())
         return float(loss.detach()), [b - a for a, b in zip(marks, marks[1:])]
 
-    def evaluate(x, y) -> float:
-        engine.eval()
-        with torch.no_grad():
-            loss = engine(x, y)[1]
-        engine.train()
-        return float(loss)
-
-    return _Trainer(step, evaluate, close)
+    return _Trainer(step, _evaluator(engine), close)
 
 
 def _torch_trainer(module, model) -> _Trainer:
@@ -267,14 +272,7 @@ def _torch_trainer(module, model) -> _Trainer:
         marks.append(time.perf_counter())
         return float(loss.detach()), [b - a for a, b in zip(marks, marks[1:])]
 
-    def evaluate(x, y) -> float:
-        module.eval()
-        with torch.no_grad():
-            loss = module(x, y)[1]
-        module.train()
-        return float(loss)
-
-    return _Trainer(step, evaluate, lambda: None)
+    return _Trainer(step, _evaluator(module), lambda: None)
 
 
 def _trainer(name: str, args: dict) -> _Trainer:

@@ -69,10 +69,15 @@ class StagingPool:
 
     def release(self, staging: torch.Tensor, reuse: bool) -> None:
         """A staging buffer's reduction finished: keep it (whole) for later buckets when it is ours to reuse."""
-        whole = staging if staging._base is None else staging._base  # a reused spare counts whole
+        whole = self.whole(staging)  # a reused spare counts whole
         self.count(-whole.numel() * whole.element_size())  # (moved to the spares: no new peak of what is held)
         if reuse:
             self.spares.append(whole)
+
+    @staticmethod
+    def whole(staging: torch.Tensor) -> torch.Tensor:
+        """The whole buffer a staging tensor is (a reused spare's head is a view of it)."""
+        return staging if staging._base is None else staging._base
 
     def clear(self) -> None:
         self.spares.clear()

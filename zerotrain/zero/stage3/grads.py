@@ -123,10 +123,9 @@ class Stage3GradReducer(BucketReducer):
 
     def _adopt(self, bucket_index: int, grad: torch.Tensor) -> bool:
         """A bucket of one unpadded parameter reduces its gradient in place: divided by N, no copy."""
-        bucket = self.buckets[bucket_index]
-        part = bucket.parts[0]
-        if (len(bucket.parts) > 1 or self._staging[bucket_index] is not None or part.numel != part.padded_numel
-                or grad.dtype != part.dtype or not grad.is_contiguous() or self.comm.size == 1):
+        part = self.buckets[bucket_index].parts[0]
+        if (self._packed(bucket_index) or self._staging[bucket_index] is not None or grad.dtype != part.dtype
+                or not grad.is_contiguous()):
             return False
         staging = grad.view(-1)
         staging.div_(self.comm.size)
@@ -174,7 +173,7 @@ class Stage3GradReducer(BucketReducer):
         of one unpadded parameter reduces its own gradient (`_adopt`), and one that has started has its buffer.
         (The last packed bucket's buffer would otherwise stay until the end of backward beside the adopted
         whole gradient of the largest parameter.)"""
-        whole = staging if staging._base is None else staging._base
+        whole = self._pool.whole(staging)
         return any(not self._arrived[j] and self._staging[j] is None and self._packed(j)
                    and self.buckets[j].comm.size * self.buckets[j].shard_numel <= whole.numel()
                    for j in range(self._next_launch, len(self.buckets)))
