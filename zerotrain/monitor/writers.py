@@ -106,7 +106,16 @@ class WandbMonitor:
             self.run.log({name: value for name, value, _ in batch}, step=batch[0][2])
 
     def close(self) -> None:
+        """Finish the run with its records on disk. wandb's `finish()` only hands the run's end to wandb-core (its
+        service process): offline, the `.wandb` file can still hold its 7-byte header alone when `finish()` returns,
+        and the rows land later, or never when the job exits first. `wandb.teardown()` waits for the service to
+        write and close every stream; it would also finish other open runs, so it runs only when this was the
+        process's last one (a user's own run keeps going; its records then reach disk at its own finish)."""
+        import wandb
+
         self.run.finish()
+        if wandb.run is None:
+            wandb.teardown()
 
 
 class Monitors:
