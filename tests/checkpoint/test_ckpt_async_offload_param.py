@@ -88,13 +88,15 @@ def plain_load(save_dir: str) -> dict:
 
 
 def test_async_save_with_nvme_offloaded_params_defers_and_reloads(tmp_path):
-    results = run_distributed(async_nvme_run, 2, str(tmp_path), timeout=150)
+    results = run_distributed(async_nvme_run, 2, str(tmp_path), timeout=300)
     out = results[0]
     # Training really went on after the save call: fc1 was written and two steps moved every weight.
     assert all(not torch.equal(out["moved"][name], out["at_save"][name]) for name in ("fc1.weight", "fc2.weight"))
     for rank, result in enumerate(results):
         assert result["deferred"] and result["deferred"][0] > 0, (rank, result["deferred"])  # copies were deferred
-        assert 0.2 < result["fence_seconds"] < 5.0, (rank, result["fence_seconds"])  # the step waited for them
+        # the step waited for the slowed copy (0.5 s); that it did not wait for the whole write is the commit
+        # check below, not a time bound (an upper bound in seconds failed on a loaded machine)
+        assert result["fence_seconds"] > 0.2, (rank, result["fence_seconds"])
         assert not result["committed_during_training"], rank
         assert result["stats"]["param_reads"] > 0, result["stats"]  # shards went through the file
         assert result["steps"] == 2, result["steps"]
