@@ -74,7 +74,8 @@ def _add_plot_parser(sub) -> None:
     )
     plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="a --log-dir of a run, or a metrics.jsonl file")
     plot.add_argument("--out", default=None, metavar="DIR",
-                      help="where the PNGs go (default: RUN_DIR/plots of the first run)")
+                      help="where the PNGs go (default: RUN_DIR/plots of the run; with several runs "
+                           "RUN_DIR/plots/compare_NAME1_NAME2... of the first, its own plots kept)")
     plot.add_argument("--labels", nargs="+", default=(), metavar="NAME",
                       help="a legend name per run (default: the directory names)")
 
@@ -84,6 +85,11 @@ def _plot(args: argparse.Namespace) -> int:
 
     first = Path(args.runs[0])
     out = Path(args.out) if args.out else (first if first.is_dir() else first.parent) / "plots"
+    if not args.out and len(args.runs) > 1:  # the runs together: their own name, the first run's own PNGs stay
+        names = list(args.labels) or [Path(run).name if Path(run).is_dir() else Path(run).parent.name
+                                      for run in args.runs]
+        out = out / ("compare_" + "_".join("".join(c if c.isalnum() or c in "-." else "-" for c in name)
+                                           for name in names))
     try:
         written = plot_pngs(args.runs, out, labels=args.labels)
     except (OSError, ValueError, RuntimeError) as exc:  # a missing or bad metrics file, no matplotlib
