@@ -533,9 +533,11 @@ def run_train(args: argparse.Namespace) -> int:
     if summary.stopped_by is not None:
         where = (f"checkpoint {summary.checkpoint}; continue with --resume" if summary.checkpoint
                  else "no checkpoint saved (--no-save)")
-        if rank == 0:
+        # said once: by the launcher (after every rank is gone) when there is one, else here
+        told = rank == 0 and trainer.stop_request.tell_launcher(summary.stopped_by,
+                                                                f"step {engine.global_steps}; {where}")
+        if rank == 0 and not told:
             print(f"{PROG}: stopped by {summary.stopped_by} at step {engine.global_steps}; {where}", flush=True)
-            trainer.stop_request.tell_launcher(summary.stopped_by, f"step {engine.global_steps}; {where}")
         return trainer.stop_request.exit_status(summary.stopped_by)
     return 0
 
