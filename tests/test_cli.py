@@ -196,7 +196,7 @@ def _engine_available() -> bool:
 
 @pytest.mark.skipif(not _engine_available(), reason="zerotrain.initialize is not importable yet")
 def test_train_tiny_end_to_end(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1",
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="40",  # a narrow window, stdout a pipe (not a terminal)
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         env.pop(var, None)
@@ -213,6 +213,15 @@ def test_train_tiny_end_to_end(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["loss"] > 0 for r in records)
     assert "final loss" in proc.stdout
+    # one record, one line, however narrow COLUMNS is when stdout is no terminal (issue 47: it wrapped at 80)
+    import re
+    lines = proc.stdout.splitlines()
+    assert [line for line in lines if line.startswith("step ")] == [
+        line for line in lines if re.fullmatch(r"step 3/3  epoch \S+  loss \S+  lr \S+  \S+ tok/s  \S+s  "
+                                              r"eval_loss \d+\.\d{4}", line)] != []
+    assert any(re.fullmatch(r"trained 3 steps .* final loss \S+, \S+ tokens/s, eval loss \d+\.\d{4}", line)
+               for line in lines), proc.stdout
+    assert not any(re.fullmatch(r"\s*[\d.]+", line) for line in lines), proc.stdout  # no wrapped-off tail
     # --memory-timeline: rank 0's samples next to metrics.jsonl, with the engine's phases and the step count
     lines = [json.loads(line) for line in (tmp_path / "memory_timeline.rank0.jsonl").read_text().splitlines()]
     header, samples = lines[0], lines[1:]
