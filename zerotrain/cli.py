@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from zerotrain.command import (PROG, CLIError, HelpFormatter, add_node_flags, inside_worker, max_world_size, multi_node,
+from zerotrain.command import (PROG, CLIError, CommandParser, HelpFormatter, add_node_flags, inside_worker, max_world_size, multi_node,
                                node_rendezvous, report_error, run_torchrun, usage_error_status)
 
 __all__ = ["main", "build_parser"]
@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     from zerotrain import __version__
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # each command's parser refuses what it does not know with its own usage (CommandParser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
     sub.required = True
 
     add_train_parser(sub)
