@@ -196,7 +196,7 @@ def _engine_available() -> bool:
 
 @pytest.mark.skipif(not _engine_available(), reason="zerotrain.initialize is not importable yet")
 def test_train_tiny_end_to_end(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1",
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="40",  # a narrow window, stdout a pipe (not a terminal)
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         env.pop(var, None)
@@ -213,6 +213,15 @@ def test_train_tiny_end_to_end(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["loss"] > 0 for r in records)
     assert "final loss" in proc.stdout
+    # one record, one line, however narrow COLUMNS is when stdout is no terminal (issue 47: it wrapped at 80)
+    import re
+    lines = proc.stdout.splitlines()
+    assert [line for line in lines if line.startswith("step ")] == [
+        line for line in lines if re.fullmatch(r"step 3/3  epoch \S+  loss \S+  lr \S+  \S+ tok/s  \S+s  "
+                                              r"eval_loss \d+\.\d{4}", line)] != []
+    assert any(re.fullmatch(r"trained 3 steps .* final loss \S+, \S+ tokens/s, eval loss \d+\.\d{4}", line)
+               for line in lines), proc.stdout
+    assert not any(re.fullmatch(r"\s*[\d.]+", line) for line in lines), proc.stdout  # no wrapped-off tail
     # --memory-timeline: rank 0's samples next to metrics.jsonl, with the engine's phases and the step count
     lines = [json.loads(line) for line in (tmp_path / "memory_timeline.rank0.jsonl").read_text().splitlines()]
     header, samples = lines[0], lines[1:]
@@ -590,3 +599,64 @@ def test_a_rank_start_up_error_is_one_line_once_at_nproc_2(tiny_llama_dir, tmp_p
                       "keys are 'text': name the text field with --text-field (DataConfig.text_field) (and 1 more "
                       "bad records; skip_bad_records skips them)"], proc.stderr
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr and "exitcode" not in proc.stderr
+
+
+def test_resume_from_a_named_checkpoint_names_intact_ones_and_warns_of_another_max_steps(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """Issue 47: --resume-from-checkpoint TAG|PATH (TrainingArguments' name) continues exactly from that checkpoint;
+    a damaged latest is refused naming the newest intact tags and the flag; a resume whose --max-steps lays the
+    schedule over other steps says so once, in one line, naming both."""
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(tmp_path)
+
+    def train(*argv: str) -> tuple[int, str, str]:
+        status = main(["train", "--model", "tiny", "--max-corpus-bytes", "20000", "--eval-batches", "1",
+                       "--output-dir", "ck", *argv])
+        out, err = capsys.readouterr()
+        return status, out, err
+
+    def losses(log: str) -> dict:
+        return {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / log / "metrics.jsonl").read_text().splitlines())}
+
+    assert train("--max-steps", "3", "--save-every", "1", "--log-dir", "a")[0] == 0
+    whole = losses("a")
+    (tmp_path / "ck" / "global_step3" / "optimizer-00001-of-00001.safetensors").unlink()  # latest, damaged
+    status, out, err = train("--max-steps", "4", "--resume")
+    assert status == 1 and err.count("error:") == 1, err
+    assert "optimizer-00001-of-00001.safetensors" in err and "the newest intact checkpoints in " in err
+    assert err.rstrip().endswith(": global_step2 (step 2), global_step1 (step 1); resume from one with "
+                                 "--resume-from-checkpoint global_step2"), err
+    # the tag it names, with the same --max-steps: step 3 again, exactly as the uninterrupted run (no warning)
+    status, out, err = train("--max-steps", "3", "--resume_from_checkpoint", "global_step2", "--log-dir", "b")
+    assert status == 0 and f"resumed from {tmp_path / 'ck' / 'global_step2'} at step 2" in out, out + err
+    assert "warning" not in err and losses("b") == {3: whole[3]}
+    # a checkpoint directory, with another --max-steps: warned once, one line, the old and new step counts
+    status, out, err = train("--max-steps", "5", "--resume-from-checkpoint", str(tmp_path / "ck" / "global_step2"))
+    assert status == 0, err
+    warned = [line for line in (out + err).splitlines() if "learning-rate schedule" in line]
+    assert warned == [f"zerotrain: warning: resuming {tmp_path / 'ck' / 'global_step2'}, saved with a learning-rate "
+                      "schedule over 3 steps (--max-steps 3), with --max-steps 5: the schedule is now laid out over 5 "
+                      "steps, so the learning rate changes at once; give --max-steps 3 to continue the saved "
+                      "schedule"], out + err
+    assert train("--max-steps", "5", "--resume-from-checkpoint", "global_step9")[2].count(
+        "--resume-from-checkpoint global_step9: not a checkpoint directory nor a tag in") == 1
+
+
+def test_a_directory_named_like_a_preset_without_config_json_does_not_hide_it(tmp_path, monkeypatch, capsys):
+    """Issue 47: `--model tiny` where ./tiny is a run directory (no config.json): the preset, said once in one line;
+    a directory with config.json is still the model."""
+    from zerotrain.cli import build_parser
+    from zerotrain.models.hf import resolve_model
+    from zerotrain.train.command import check_train_args
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()
+    check_train_args(build_parser().parse_args(["train", "--model", "tiny"]))
+    err = capsys.readouterr().err
+    assert err == ("zerotrain: --model tiny: ./tiny is a directory without config.json, not a model; using the "
+                   "built-in preset 'tiny' (give ./tiny a config.json, or another name, to train a directory)\n")
+    assert resolve_model("tiny").preset == "tiny"
+    (tmp_path / "tiny" / "config.json").write_text("{}")
+    with pytest.raises(Exception, match="tiny"):  # now the directory is meant: its own errors
+        resolve_model("tiny")

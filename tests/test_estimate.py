@@ -337,7 +337,7 @@ def test_estimate_command_table_json_and_errors(tmp_path, capsys):
                  "--memory", "4MiB"]) == 0
     out = capsys.readouterr().out
     assert "world 8 (data-parallel 8)" in out and "ZeRO-2 optimizer->cpu *" in out and "ZeRO-3" in out
-    assert "largest that fits 4.00 MiB per rank under ZeRO-2 optimizer->cpu: " in out
+    assert "largest depth at the model's width 48 that fits 4.00 MiB per rank under ZeRO-2 optimizer->cpu: " in out
     assert main(["estimate", "--model", "tiny", "--config", str(ds), "--world", "2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     by_label = {o["option"]: o for o in result["options"]}
@@ -481,3 +481,37 @@ def test_expert_parallel_states_and_the_largest_moe_that_fits():
     depth, wide = largest["layers"]["layers"], largest["width"]["width"]
     assert depth > 2 and peak(depth, 16) <= memory < peak(depth + 1, 16)
     assert wide > 16 and wide % 8 == 0 and peak(2, wide) <= memory < peak(2, wide + 8)
+
+
+def test_estimate_default_device_labelled_searches_and_no_local_budget_for_a_cluster(tmp_path, capsys):
+    """Issue 47: the device follows the machine; the two largest-model lines say which search each is; this machine's
+    MemAvailable is no budget line of a cluster's estimate (several nodes, or more ranks than this machine has)."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
+                              "zero_optimization": {"stage": 3}}))
+    assert main(["estimate", "--model", "tiny", "--config", str(ds), "--world", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert main(["estimate", "--model", "tiny", "--config", str(ds), "--world", "1"]) == 0
+    assert "of this machine's MemAvailable" in capsys.readouterr().out  # this machine: its budget, said so
+    assert main(["estimate", "--model", "tiny", "--config", str(ds), "--nodes", "2", "--gpus-per-node", "8",
+                 "--memory", "4MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "MemAvailable" not in out and "memory budget: none of this machine's memory (the estimate is for 2 " \
+                                         "nodes)" in out
+    largest = [line for line in out.splitlines() if line.startswith("largest")]
+    assert [line.split(" that fits")[0] for line in largest] == ["largest depth at the model's width 48",
+                                                                "largest width at the model's depth 3 layers"]
+    assert largest[0].endswith("parameters)") and " layers (" in largest[0] and ": width " in largest[1]
+    # nothing fits: each line says which search found none
+    assert main(["estimate", "--model", "tiny", "--config", str(ds), "--world", "1", "--memory", "1000"]) == 0
+    largest = [line for line in capsys.readouterr().out.splitlines() if line.startswith("largest")]
+    assert largest[0].endswith(": none (even 1 layer does not fit)")
+    assert largest[1].endswith(": none (even the narrowest width does not fit)")
+    # more ranks on the node than this machine has: not this machine's either; a budget the config sets is used
+    many = str((torch.cuda.device_count() if torch.cuda.is_available() else os.cpu_count()) + 1)
+    assert main(["estimate", "--model", "tiny", "--config", str(ds), "--world", many]) == 0
+    assert "MemAvailable" not in capsys.readouterr().out
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
+                              "zero_optimization": {"stage": 3, "memory_budget_bytes": 2**30}}))
+    assert main(["estimate", "--model", "tiny", "--config", str(ds), "--nodes", "2", "--gpus-per-node", "8"]) == 0
+    assert "zero_optimization.memory_budget_bytes" in capsys.readouterr().out

@@ -52,9 +52,15 @@ def test_plot_command_writes_a_png_per_panel_with_runs_overlaid(tmp_path, capsys
                       [{"step": s, "loss": 3.0 - 0.1 * s, "lr": 1e-3 * s, "tokens_per_s": 900.0 + s,
                         "memory_bytes": [2**28 + 2**20 * (s + r) for r in range(ranks)], "memory_kind": "peak_rss",
                         **({"eval_loss": 3.1 - 0.1 * s} if s % 4 == 0 else {})} for s in range(1, 13)])
+    assert main(["plot", str(tmp_path / "a")]) == 0  # the first run's own plots
+    own = {path: open(path, "rb").read() for path in capsys.readouterr().out.split()}
+    assert sorted(own) == sorted(str(tmp_path / "a" / "plots" / f"{stem}.png") for stem in PNG_PANELS)
     assert main(["plot", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     written = capsys.readouterr().out.split()
-    assert sorted(written) == sorted(str(tmp_path / "a" / "plots" / f"{stem}.png") for stem in PNG_PANELS)
+    # the runs together get their own name: a's own PNGs stay a's (issue 47: they were overwritten)
+    assert sorted(written) == sorted(str(tmp_path / "a" / "plots" / "compare_a_b" / f"{stem}.png")
+                                     for stem in PNG_PANELS)
+    assert all(open(path, "rb").read() == data for path, data in own.items())
     for path in written:
         data = open(path, "rb").read()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, path

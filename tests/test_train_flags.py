@@ -329,3 +329,110 @@ def test_a_files_hf_schedule_auto_is_filled_from_the_flags(tmp_path):
     config = train_config(_train_args("--config", _file(tmp_path, hf), "--warmup-ratio", "0.25"), world_size=2)
     assert config["scheduler"]["params"] == {"name": "linear", "num_warmup_steps": 5, "num_training_steps": 20}
     load_config(config, dp_world_size=2)
+
+
+# -- issue 47: TrainingArguments' underscore spellings; help defaults = the effective config's ------------------
+
+_REQUIRED = {"train": [], "train-embedding": ["--model", "m", "--data", "d"],
+             "estimate": ["--model", "tiny", "--config", "c.json"]}
+
+
+def _command_parser(command: str):
+    parser = build_parser()
+    return next(a for a in parser._actions if a.dest == "command").choices[command]
+
+
+def _sample(action) -> list[str]:
+    """A value the option takes (none for a switch)."""
+    if action.nargs == 0:
+        return []
+    if action.choices:
+        return [str(list(action.choices)[-1])]
+    value = {int: "3", float: "0.25"}.get(action.type, "x")
+    return [value] * (2 if action.nargs in ("+", "*") else 1)
+
+
+@pytest.mark.parametrize("command", ["train", "train-embedding"])
+def test_every_option_takes_both_spellings_and_every_trainingarguments_field_is_among_them(command):
+    """Walks the command's option table: each hyphenated option given with underscores parses to the same values;
+    and every TrainingArguments field the command mirrors (by its hyphenated name) is one of them."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    parser = _command_parser(command)
+    options = {option: action for action in parser._actions for option in action.option_strings}
+    walked = 0
+    for option, action in options.items():
+        if not option.startswith("--") or "-" not in option[2:] or action.dest == "help":
+            continue
+        value = _sample(action)
+        argv = [command, *_REQUIRED[command]]
+        hyphens = vars(build_parser().parse_args(argv + [option, *value]))
+        underscores = vars(build_parser().parse_args(argv + [option.replace("-", "_").replace("__", "--", 1),
+                                                             *value]))
+        assert underscores == hyphens, option
+        if value:  # the --name=value form too
+            joined = option.replace("-", "_").replace("__", "--", 1) + "=" + value[0]
+            if action.nargs is None:
+                assert vars(build_parser().parse_args(argv + [joined])) == hyphens, option
+        walked += 1
+    mirrored = {f.name for f in dataclasses.fields(TrainingArguments)
+                if f"--{f.name.replace('_', '-')}" in options}
+    # the fields both commands mirror, by their TrainingArguments names (the walk above covers each of them)
+    assert mirrored >= {"learning_rate", "output_dir", "per_device_train_batch_size", "max_steps",
+                        "num_train_epochs", "gradient_accumulation_steps", "lr_scheduler_type", "weight_decay",
+                        "save_steps", "save_total_limit", "logging_steps", "per_device_eval_batch_size",
+                        "max_grad_norm", "warmup_steps", "resume_from_checkpoint"}, mirrored
+    assert walked > 30
+    # the README's own HF spellings train as they read
+    args = build_parser().parse_args(["train", "--learning_rate", "3e-4", "--output_dir", "out",
+                                      "--per_device_train_batch_size", "2"])
+    assert (args.learning_rate, args.save_dir, args.per_device_train_batch_size) == (3e-4, "out", 2)
+
+
+def test_an_unknown_argument_shows_the_commands_usage(capsys):
+    for command in ("train", "train-embedding", "estimate"):
+        with pytest.raises(SystemExit) as stop:
+            main([command, *_REQUIRED.get(command, []), "--no-such-flag", "1"])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"usage: zerotrain {command} ") and "unrecognized arguments: --no-such-flag 1" in err, err
+        assert err.count("error:") == 1
+
+
+@pytest.mark.parametrize("command", ["train", "train-embedding"])
+def test_the_help_states_the_defaults_the_effective_config_is_made_from(command, capsys):
+    """For every HF flag whose help states a default: giving that value changes nothing in the effective config
+    (train-embedding: constant schedule, weight decay 0.01, lr 2e-5; train: TrainingArguments' own)."""
+    import re
+
+    from zerotrain.embedding.command import effective_embedding_config
+    from zerotrain.train.flags import HF_FLAGS
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+
+    def config(*argv: str) -> dict:
+        args = build_parser().parse_args([command, *_REQUIRED[command], "--max-steps", "20", *argv])
+        if command == "train":
+            check_train_args(args)
+            return train_config(args, world_size=1)
+        return effective_embedding_config(args)
+
+    plain = config()
+    checked = {}
+    for name in HF_FLAGS:
+        option = f"--{name.replace('_', '-')}"
+        stated = re.search(re.escape(option) + r" [A-Z0-9_]+(?:, --[a-z-]+ [A-Z0-9_]+)* (.*?)\(default: ([^)]*)\)", text)
+        assert stated is not None, option
+        if stated.group(2) == "all":  # save_total_limit: none removed
+            assert "keep_last" not in json.dumps(plain.get("checkpoint", {}))
+            continue
+        checked[name] = stated.group(2)
+        assert config(option, stated.group(2)) == plain, (option, stated.group(2))
+    if command == "train-embedding":  # the issue's case: the help said linear and 0
+        assert checked["lr_scheduler_type"] == "constant" and checked["weight_decay"] == "0.01"
+        assert "scheduler" not in plain and plain["optimizer"]["params"]["weight_decay"] == 0.01
+    assert len(checked) == len(HF_FLAGS) - 1

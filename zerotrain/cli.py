@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from zerotrain.command import (PROG, CLIError, HelpFormatter, add_node_flags, inside_worker, max_world_size, multi_node,
+from zerotrain.command import (PROG, CLIError, CommandParser, HelpFormatter, add_node_flags, inside_worker, max_world_size, multi_node,
                                node_rendezvous, report_error, run_torchrun, usage_error_status)
 
 __all__ = ["main", "build_parser"]
@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     from zerotrain import __version__
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # each command's parser refuses what it does not know with its own usage (CommandParser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
     sub.required = True
 
     add_train_parser(sub)
@@ -74,7 +75,8 @@ def _add_plot_parser(sub) -> None:
     )
     plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="a --log-dir of a run, or a metrics.jsonl file")
     plot.add_argument("--out", default=None, metavar="DIR",
-                      help="where the PNGs go (default: RUN_DIR/plots of the first run)")
+                      help="where the PNGs go (default: RUN_DIR/plots of the run; with several runs "
+                           "RUN_DIR/plots/compare_NAME1_NAME2... of the first, its own plots kept)")
     plot.add_argument("--labels", nargs="+", default=(), metavar="NAME",
                       help="a legend name per run (default: the directory names)")
 
@@ -84,6 +86,11 @@ def _plot(args: argparse.Namespace) -> int:
 
     first = Path(args.runs[0])
     out = Path(args.out) if args.out else (first if first.is_dir() else first.parent) / "plots"
+    if not args.out and len(args.runs) > 1:  # the runs together: their own name, the first run's own PNGs stay
+        names = list(args.labels) or [Path(run).name if Path(run).is_dir() else Path(run).parent.name
+                                      for run in args.runs]
+        out = out / ("compare_" + "_".join("".join(c if c.isalnum() or c in "-." else "-" for c in name)
+                                           for name in names))
     try:
         written = plot_pngs(args.runs, out, labels=args.labels)
     except (OSError, ValueError, RuntimeError) as exc:  # a missing or bad metrics file, no matplotlib

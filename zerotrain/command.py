@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["HelpFormatter", "CLIError", "PROG", "inside_worker", "print_error", "report_error", "usage_error_status",
+__all__ = ["HelpFormatter", "CommandParser", "CLIError", "PROG", "inside_worker", "print_error", "report_error", "usage_error_status",
            "rendezvous", "run_torchrun",
            "add_node_flags", "node_rendezvous", "multi_node", "max_world_size"]
 
@@ -35,6 +35,43 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
             return text
         return super()._get_help_string(action)
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The parser of one `zerotrain` command (the class `cli` gives its subcommands).
+
+    An argument it does not know is refused here, with this command's usage (argparse would hand it up to the
+    top-level parser, which shows `zerotrain`'s usage instead). With `underscore_spellings` set (the training
+    commands, `train.flags.add_training_flags`), every option also takes its underscore spelling: `--learning_rate`
+    is `--learning-rate`, as the HF Trainer's TrainingArguments fields are spelled; the hyphenated option table is
+    the one source, so no alias can drift from it."""
+
+    underscore_spellings = False
+
+    def parse_known_args(self, args=None, namespace=None):  # noqa: D102 - argparse's own
+        args = list(sys.argv[1:] if args is None else args)
+        if self.underscore_spellings:
+            args = self._hyphenated(args)
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+    def _hyphenated(self, args: list[str]) -> list[str]:
+        """`--a_b[=V]` as `--a-b[=V]` where `--a-b` is one of this parser's options (and `--a_b` is not); the
+        values, and everything after a bare `--`, are left as they are."""
+        known = {option for action in self._actions for option in action.option_strings}
+        out = []
+        for index, arg in enumerate(args):
+            if arg == "--":
+                return out + args[index:]
+            name, sep, value = arg.partition("=")
+            if name.startswith("--") and "_" in name and name not in known:
+                spelled = "--" + name[2:].replace("_", "-")
+                if spelled in known:
+                    arg = spelled + sep + value
+            out.append(arg)
+        return out
 
 
 def print_error(message: str) -> None:

@@ -845,6 +845,7 @@ def estimate(model_spec, config_source, world_size: int, options: Optional[list[
             layers, width, heads = _depth_width(kind, _architecture(model_spec)[1])
             step = heads * (2 if kind == "hf" else 1)
         result["largest"] = largest_fitting(peak, memory, layers, width, step)
+        result["searched_from"] = {"layers": layers, "width": width}  # each search keeps one of them
         result["memory"] = memory
     return result
 
@@ -1044,8 +1045,9 @@ def add_estimate_parser(sub) -> None:
                         help="tokens per sequence for the activations (default: the model's limit, at most 2048)")
     parser.add_argument("--micro-batch", type=int, default=None, metavar="B",
                         help="sequences per micro-batch (default: the config's train_micro_batch_size_per_gpu)")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="the training device (cpu: no host copies of what already is in host memory)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                        help="the training device (cpu: no host copies of what already is in host memory); "
+                             "default: cuda when this machine has one, else cpu")
     parser.add_argument("--memory", default=None, metavar="SIZE",
                         help="device memory per rank (e.g. 80GiB): mark which options fit, and find the largest "
                              "depth and width of this architecture that fit under the config's own option")
@@ -1065,9 +1067,13 @@ def run_estimate(args, sizes: Optional[Callable] = None) -> int:
             return _usage(f"{flag} must be >= 1, got {value}")
     if not Path(args.config).is_file():
         return _usage(f"config file {args.config!r} not found")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    elsewhere = _not_this_machine(args, world, device)
+    if sizes is not None and elsewhere is not None:
+        sizes = _explicit_budget_only(sizes, elsewhere)  # this machine's memory says nothing of the cluster's
     try:
         memory = parse_bytes(args.memory) if args.memory else None
-        result = estimate(args.model, args.config, world, device_type=args.device, seq_len=args.seq_len,
+        result = estimate(args.model, args.config, world, device_type=device, seq_len=args.seq_len,
                           micro_batch=args.micro_batch, memory=memory,
                           ranks_per_node=args.gpus_per_node if args.gpus_per_node is not None else None,
                           sizes=sizes)
@@ -1078,6 +1084,38 @@ def run_estimate(args, sizes: Optional[Callable] = None) -> int:
         return 0
     _print_table(result, memory)
     return 0
+
+
+def _not_this_machine(args, world: int, device: str) -> Optional[str]:
+    """Why the estimate is for another machine than this one (several nodes, or more ranks on the node than this
+    machine has devices or cores); None when it could be this one."""
+    import os
+
+    if args.nodes > 1:
+        return f"{args.nodes} nodes"
+    here = torch.cuda.device_count() if device == "cuda" else (os.cpu_count() or 1)
+    ranks = args.gpus_per_node if args.gpus_per_node is not None else world
+    if ranks > here:
+        return f"{ranks} ranks on a node, this machine has {here} {'GPUs' if device == 'cuda' else 'cores'}"
+    return None
+
+
+def _explicit_budget_only(sizes: Callable, elsewhere: str) -> Callable:
+    """`sizes` where the config sets zero_optimization.memory_budget_bytes (a budget of the target's); else the
+    config's own size keys, with the line saying why no budget of this machine's memory is used."""
+
+    class _NoBudget:
+        def lines(self) -> list[str]:
+            return [f"memory budget: none of this machine's memory (the estimate is for {elsewhere}): the size keys "
+                    "the config leaves unset are DeepSpeed's defaults here; set zero_optimization."
+                    "memory_budget_bytes to the target's bytes per rank to see what the budget would choose"]
+
+    def cluster_sizes(shape, config, zero_ranks, device_type, optimizer, ranks_on_node):
+        if config.zero_optimization.memory_budget_bytes is None:
+            return config, _NoBudget()
+        return sizes(shape, config, zero_ranks, device_type, optimizer, ranks_on_node)
+
+    return cluster_sizes
 
 
 def _usage(message: str) -> int:
@@ -1157,13 +1195,18 @@ def _print_table(result: dict, memory: Optional[int]) -> None:
         footer.append(f"{label}: NVMe swap files {format_bytes(nbytes)} per rank (the nvme column plus alignment, "
                       f"equal-chunk padding and the optimizer's spare records).")
     largest = result.get("largest")
-    if largest is not None:
-        fits = f"largest that fits {format_bytes(result['memory'])} per rank under {result['config_option']}: "
-        for key in ("layers", "width"):
-            found = largest[key]
-            footer.append(fits + ("nothing (even one layer / the narrowest width does not fit)" if found is None
-                                  else f"{'at least ' if found['at_cap'] else ''}{found['layers']} layers, "
-                                       f"width {found['width']} ({found['parameters']:,} parameters)"))
+    if largest is not None:  # two searches, each line saying which: they answer different questions
+        under = f"fits {format_bytes(result['memory'])} per rank under {result['config_option']}"
+        layers, width = result["searched_from"]["layers"], result["searched_from"]["width"]
+        depth, wide = largest["layers"], largest["width"]
+        footer.append(f"largest depth at the model's width {width} that {under}: "
+                      + ("none (even 1 layer does not fit)" if depth is None else
+                         f"{'at least ' if depth['at_cap'] else ''}{depth['layers']} layers "
+                         f"({depth['parameters']:,} parameters)"))
+        footer.append(f"largest width at the model's depth {layers} layers that {under}: "
+                      + ("none (even the narrowest width does not fit)" if wide is None else
+                         f"{'at least ' if wide['at_cap'] else ''}width {wide['width']} "
+                         f"({wide['parameters']:,} parameters)"))
     if sys.stdout.isatty():
         from rich.console import Console
         from rich.table import Table

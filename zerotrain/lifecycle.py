@@ -137,16 +137,19 @@ class StopRequest:
             return 0
         return 128 + int(sig)
 
-    def tell_launcher(self, signal_name: str, message: str) -> None:
-        """Write the stop (signal name and `message`) where the launcher looks for it ($ZEROTRAIN_STOP_FILE)."""
+    def tell_launcher(self, signal_name: str, message: str) -> bool:
+        """Write the stop (signal name and `message`) where the launcher looks for it ($ZEROTRAIN_STOP_FILE);
+        True when it is written: the launcher then says the stop line (once, for every rank), the rank need not."""
         path = os.environ.get(STOP_FILE_ENV)
         if not path:
-            return
+            return False
         try:
             with open(path, "w", encoding="utf-8") as handle:
                 handle.write(f"{signal_name}\n{message}\n")
         except OSError as error:  # the launcher then reports its own view of the stop
             logger.warning("cannot write the stop file %s: %s", path, error)
+            return False
+        return True
 
 
 def read_stop_file(path: str) -> Optional[tuple[signal.Signals, str]]:

@@ -627,6 +627,8 @@ class Trainer:
             from rich.console import Console
 
             self._console = Console(file=sys.stdout)
+            if not self._console.is_terminal:  # a log file or pipe: one record, one line (grep finds it whole)
+                self._console.soft_wrap = True
         return self._console
 
     def _make_progress(self, console, start_step: int):

@@ -52,7 +52,8 @@ from .fence import SnapshotFences
 from .format import CheckpointError
 from .load import load_checkpoint
 from .deepspeed_export import export_deepspeed
-from .tools import export_model, inspect_checkpoint, latest_step, verify_checkpoint
+from .tools import export_model, inspect_checkpoint, intact_tags, latest_step, saved_config, verify_checkpoint
 
 __all__ = ["save_checkpoint", "load_checkpoint", "Checkpointer", "CheckpointState", "Stateful", "LoCoState", "CheckpointError", "SnapshotFences",
-           "inspect_checkpoint", "verify_checkpoint", "export_model", "latest_step", "export_deepspeed"]
+           "inspect_checkpoint", "verify_checkpoint", "export_model", "latest_step", "export_deepspeed", "intact_tags",
+           "saved_config"]

@@ -50,6 +50,36 @@ def latest_step(save_dir: str) -> Optional[tuple[str, int]]:
         return None  # the load itself reports what is wrong with it
 
 
+def intact_tags(save_dir: str) -> list[tuple[str, int]]:
+    """``(tag, global step)`` of every committed checkpoint in `save_dir` whose manifest and listed files (by size)
+    are all there, the newest step first: what a run can resume from when `latest` names a damaged one. Read only."""
+    from .format import is_side_name
+
+    found = []
+    try:
+        names = os.listdir(save_dir)
+    except OSError:
+        return []
+    for name in names:
+        path = os.path.join(save_dir, name)
+        if is_side_name(name) or not os.path.isdir(path) or commit._intact(path) is None:
+            continue
+        try:
+            found.append((name, int(read_json(os.path.join(path, TRAINER_STATE))["global_steps"])))
+        except (CheckpointError, KeyError, TypeError, ValueError):
+            continue
+    return sorted(found, key=lambda item: -item[1])
+
+
+def saved_config(path: str) -> Optional[dict]:
+    """The config a checkpoint directory was trained with (its trainer state's), None where it has none."""
+    try:
+        config = read_json(os.path.join(path, TRAINER_STATE)).get("config")
+    except (CheckpointError, AttributeError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
 def inspect_checkpoint(directory: str) -> dict:
     """Tensors (dtype, shape, bytes) per kind, the step, and the topology that wrote the checkpoint."""
     path = _path(directory)

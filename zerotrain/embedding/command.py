@@ -23,7 +23,7 @@ _OPTIONS = ("model", "config", "eval_stdlib", "metrics", "log_dir", "zero_stage"
             "learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps", "warmup_steps",
             "warmup_ratio", "lr_scheduler_type", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
             "max_grad_norm", "save_total_limit", "logging_steps", "per_device_eval_batch_size", "negatives", "max_length", "pooling", "scale", "matryoshka_dims", "loss_chunk_size",
-            "seed", "save_dir", "save_every", "export")
+            "seed", "save_dir", "save_every", "export", "resume_from_checkpoint")
 _FLAGS = ("resume", "bf16", "fp16", "gradient_checkpointing")
 # this command's defaults where TrainingArguments' differ (HF names): no decay, a step-10 progress line
 DEFAULTS = {"learning_rate": 2e-5, "weight_decay": 0.01, "lr_scheduler_type": "constant", "logging_steps": 10}
@@ -56,7 +56,7 @@ def add_train_embedding_parser(sub: Any) -> None:
     # TrainingArguments' names, as `zerotrain train` has them; this command's older names stay as aliases
     add_training_flags(parser, aliases={"learning_rate": ["--lr"], "per_device_train_batch_size": ["--micro-batch"],
                                         "gradient_accumulation_steps": ["--accumulation"],
-                                        "logging_steps": ["--log-every"]})
+                                        "logging_steps": ["--log-every"]}, defaults=DEFAULTS)
     parser.add_argument("--max-steps", "--steps", dest="steps", type=int, default=None,
                         help="optimizer steps (default: --num-train-epochs); wins over --num-train-epochs")
     parser.add_argument("--num-train-epochs", "--epochs", dest="epochs", type=float, default=1,
@@ -81,6 +81,8 @@ def add_train_embedding_parser(sub: Any) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in --save-dir at the exact next batch (any world "
                              "size, if ranks x accumulation x micro-batch is unchanged)")
+    from zerotrain.train.resume import add_resume_flag
+    add_resume_flag(parser)  # --resume-from-checkpoint PATH|TAG (HF's name)
     parser.add_argument("--export", default=None, metavar="DIR", help="sentence-transformers directory to write")
     parser.add_argument("--nproc", type=int, default=1, metavar="N", help="ranks on this machine")
     add_node_flags(parser)  # several nodes as torchrun takes them (docs/multinode.md)
@@ -237,8 +239,10 @@ def run_train_embedding(args: argparse.Namespace) -> int:
             engine.claim_save_dir(os.path.abspath(args.save_dir))
         position = DataPosition(epoch=0, batch=0, seed=seed, global_batch=global_batch, pairs=len(data),
                                 consumed_samples=0)
-        if args.resume:
-            path, client_state = engine.load_checkpoint(os.path.abspath(args.save_dir))
+        if args.resume or args.resume_from_checkpoint:
+            from zerotrain.train.resume import load_for_resume
+            path, client_state = load_for_resume(
+                engine, args, os.path.abspath(args.save_dir) if args.save_dir is not None else None, config)
             if path is None:
                 if rank == 0:
                     print(f"zerotrain: nothing to resume in {args.save_dir}; starting from scratch", flush=True)

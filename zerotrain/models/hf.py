@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-__all__ = ["PRESETS", "ModelError", "ModelSource", "resolve_model", "build_model", "load_tokenizer",
+__all__ = ["PRESETS", "ModelError", "ModelSource", "resolve_model", "preset_over_directory", "build_model", "load_tokenizer",
            "preset_config", "tokenizer_files", "byte_tokenizer", "grow_vocab", "write_resized", "check_weights",
            "count_parameters", "LoraOptions", "apply_lora", "adapter_files", "trained_token_rows"]
 
@@ -131,6 +131,16 @@ def _check_tokenizer(directory: Path, flag: str) -> None:
                          f"(give one with --tokenizer DIR)")
 
 
+def preset_over_directory(model: Optional[str]) -> Optional[str]:
+    """When `model` names a preset and also a directory without config.json (e.g. the README's own `tiny/` run
+    directory): the line saying the preset is used, as a directory that is no model cannot be what was meant; None
+    otherwise (a directory with config.json is the model, whatever its name)."""
+    if model is None or model not in PRESETS or not Path(model).is_dir() or (Path(model) / CONFIG).is_file():
+        return None
+    return (f"--model {model}: ./{model} is a directory without {CONFIG}, not a model; using the built-in preset "
+            f"{model!r} (give ./{model} a {CONFIG}, or another name, to train a directory)")
+
+
 def resolve_model(model: Optional[str], model_config: Optional[str] = None,
                   tokenizer: Optional[str] = None) -> ModelSource:
     """Resolve the command line's model arguments, checking every file they name."""
@@ -151,7 +161,7 @@ def resolve_model(model: Optional[str], model_config: Optional[str] = None,
         return ModelSource(config, None, str(tok_dir), str(path))
     name = model if model is not None else "small"
     directory = Path(name)
-    if not directory.is_dir():
+    if not directory.is_dir() or preset_over_directory(name) is not None:
         return ModelSource(preset_config(name), None, str(tok_dir) if tok_dir else None, name, preset=name)
     directory = directory.resolve()
     if not (directory / CONFIG).is_file():

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -51,7 +52,7 @@ def add_train_parser(sub: Any) -> None:
         formatter_class=HelpFormatter,
     )
     from zerotrain.train.flags import add_training_flags
-    add_training_flags(train)  # --config/--deepspeed, --learning-rate, --per-device-train-batch-size, ... (HF's names)
+    add_training_flags(train, defaults=TRAIN_DEFAULTS)  # --config/--deepspeed, --learning-rate, --per-device-train-batch-size, ... (HF's names)
     train.add_argument(
         "--nproc", type=int, default=1, metavar="N",
         help="number of processes (ranks) on this machine; N > 1 re-launches this command "
@@ -60,7 +61,9 @@ def add_train_parser(sub: Any) -> None:
     train.add_argument(
         "--model", default=None, metavar="DIR|PRESET",
         help="an existing directory: a local Hugging Face model directory (config.json, model.safetensors or "
-             "sharded model-*.safetensors + index, tokenizer files); anything else a preset (Llama "
+             "sharded model-*.safetensors + index, tokenizer files); anything else a preset (a directory named "
+             "like a preset without config.json, e.g. a run directory tiny/, does not hide it: the preset is used "
+             "and said so; Llama "
              f"architecture over bytes: {', '.join(PRESETS)}; tiny ~0.1M params, small ~6M, 70m ~71M). "
              "Default: small",
     )
@@ -158,6 +161,8 @@ def add_train_parser(sub: Any) -> None:
              "step, RNG and data position; starts from scratch if there is none. --steps is the "
              "total to reach, counting the steps already done",
     )
+    from zerotrain.train.resume import add_resume_flag
+    add_resume_flag(train)  # --resume-from-checkpoint PATH|TAG (HF's name)
     from zerotrain.command import add_node_flags
     add_node_flags(train)  # several nodes as torchrun takes them (docs/multinode.md)
     train.add_argument(
@@ -213,7 +218,10 @@ def check_train_args(args: argparse.Namespace) -> None:
         for data_path in paths or ():
             if not os.path.exists(data_path):
                 raise CLIError(f"{flag} {data_path}: no such file or directory")
-    from zerotrain.models.hf import PRESETS, ModelError, load_tokenizer, resolve_model
+    from zerotrain.models.hf import PRESETS, ModelError, load_tokenizer, preset_over_directory, resolve_model
+    note = preset_over_directory(args.model)  # a `tiny/` that is no model does not hide the preset: said once
+    if note is not None and not inside_worker():
+        print(f"{PROG}: {note}", file=sys.stderr, flush=True)
     try:  # every file it names, before any process (a preset alone needs no transformers import here)
         if args.model_config is not None or args.tokenizer is not None or (
                 args.model is not None and (args.model not in PRESETS or os.path.isdir(args.model))):
@@ -239,6 +247,9 @@ def check_train_args(args: argparse.Namespace) -> None:
         raise CLIError("--save-dir is empty (use --no-save to save no checkpoint)")
     if args.resume and args.no_save:
         raise CLIError("--resume reads --save-dir, which --no-save turns off")
+    if args.resume and args.resume_from_checkpoint:
+        raise CLIError("--resume continues from the latest checkpoint, --resume-from-checkpoint from the one it "
+                       "names: give one")
     if args.val_fraction is not None and not 0.0 <= args.val_fraction < 1.0:
         raise CLIError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
     if args.val_fraction and args.eval_data:
@@ -339,7 +350,7 @@ _WORKER_OPTIONS = ("config", "zero_stage", *HF_FLAGS, "num_train_epochs", "per_d
                    "pipeline_parallel_size",
                    "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
                    "max_corpus_bytes", "val_fraction", "eval_interval", "eval_batches", "log_dir", "seed",
-                   "save_dir", "save_every", "stop_signals", "memory_timeline")
+                   "save_dir", "save_every", "stop_signals", "memory_timeline", "resume_from_checkpoint")
 _WORKER_LISTS = ("data", "eval_data")
 _WORKER_FLAGS = ("no_save", "resume", "no_packing", "skip_bad_records", "bf16", "fp16", "gradient_checkpointing")
 
@@ -467,13 +478,14 @@ def run_train(args: argparse.Namespace) -> int:
             engine.claim_save_dir(save_dir)  # one job per save directory: refused before training, not at the first save
         path = None
         base_loaded = False
-        if args.resume and lora is not None and source.weights_dir is not None:
+        from zerotrain.train.resume import load_for_resume, wants_resume
+        if wants_resume(args) and lora is not None and source.weights_dir is not None:
             # The base first: a checkpoint saved with checkpoint.adapters_only holds only the adapter (a full
             # one overwrites it all again).
             load_weights(engine, source, model, old_vocab, save_dir, args.seed)
             base_loaded = True
-        if args.resume:
-            path, _ = engine.load_checkpoint(save_dir)
+        if wants_resume(args):
+            path, _ = load_for_resume(engine, args, save_dir, config)
             if path is not None and args.steps is not None and engine.global_steps >= args.steps:  # e.g. an elastic restart after the end
                 if rank == 0:
                     print(nothing_to_train(path, engine.global_steps, args.steps), flush=True)
@@ -533,9 +545,11 @@ def run_train(args: argparse.Namespace) -> int:
     if summary.stopped_by is not None:
         where = (f"checkpoint {summary.checkpoint}; continue with --resume" if summary.checkpoint
                  else "no checkpoint saved (--no-save)")
-        if rank == 0:
+        # said once: by the launcher (after every rank is gone) when there is one, else here
+        told = rank == 0 and trainer.stop_request.tell_launcher(summary.stopped_by,
+                                                                f"step {engine.global_steps}; {where}")
+        if rank == 0 and not told:
             print(f"{PROG}: stopped by {summary.stopped_by} at step {engine.global_steps}; {where}", flush=True)
-            trainer.stop_request.tell_launcher(summary.stopped_by, f"step {engine.global_steps}; {where}")
         return trainer.stop_request.exit_status(summary.stopped_by)
     return 0
 

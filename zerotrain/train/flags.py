@@ -14,33 +14,34 @@ import json
 import os
 from typing import Any, Optional
 
-__all__ = ["HF_FLAGS", "add_training_flags", "training_arguments", "effective_config", "write_effective_config",
+__all__ = ["HF_FLAGS", "flag_defaults", "add_training_flags", "training_arguments", "effective_config", "write_effective_config",
            "EFFECTIVE_CONFIG"]
 
 EFFECTIVE_CONFIG = "effective_config.json"  # the file in the run directory
 
-# HF flag (TrainingArguments field) -> (type, help). Each sets the config keys hf_arguments.ARGUMENT_KEYS names.
+# HF flag (TrainingArguments field) -> (type, help). Each sets the config keys hf_arguments.ARGUMENT_KEYS names; its
+# default (said in the help) is the command's own (`add_training_flags`' `defaults`), else TrainingArguments'
+# (hf_arguments.ARGUMENT_DEFAULTS): the values the effective config is made from.
 HF_FLAGS: dict[str, tuple[Any, str]] = {
-    "learning_rate": (float, "peak learning rate (optimizer.params.lr; a file's DeepSpeed scheduler: warmup_max_lr); "
-                              "HF default 5e-05"),
-    "per_device_train_batch_size": (int, "micro-batch per rank (train_micro_batch_size_per_gpu); HF default 8"),
-    "gradient_accumulation_steps": (int, "micro-batches per optimizer step (gradient_accumulation_steps); "
-                                         "HF default 1"),
+    "learning_rate": (float, "peak learning rate (optimizer.params.lr; a file's DeepSpeed scheduler: warmup_max_lr)"),
+    "per_device_train_batch_size": (int, "micro-batch per rank (train_micro_batch_size_per_gpu)"),
+    "gradient_accumulation_steps": (int, "micro-batches per optimizer step (gradient_accumulation_steps)"),
     "warmup_steps": (float, "linear warmup steps from lr 0 (scheduler.params.num_warmup_steps; a file's DeepSpeed "
-                            "scheduler: warmup_num_steps); a value < 1 is a share of the steps, as --warmup-ratio; "
-                            "HF default 0"),
-    "warmup_ratio": (float, "warmup as a share of the run's steps"),
+                            "scheduler: warmup_num_steps); a value < 1 is a share of the steps, as --warmup-ratio"),
+    "warmup_ratio": (float, "warmup as a share of the run's steps, when --warmup-steps is not given"),
     "lr_scheduler_type": (str, "linear, cosine, constant_with_warmup (an HFSchedule block: transformers' schedule, "
                                "the HF Trainer's lr at every step; step 1 at the full lr without warmup) or constant "
-                               "(no scheduler); HF default linear"),
-    "weight_decay": (float, "AdamW weight decay (optimizer.params.weight_decay); HF default 0"),
-    "adam_beta1": (float, "AdamW beta1 (optimizer.params.betas[0]); HF default 0.9"),
-    "adam_beta2": (float, "AdamW beta2 (optimizer.params.betas[1]); HF default 0.999"),
-    "adam_epsilon": (float, "AdamW epsilon (optimizer.params.eps); HF default 1e-08"),
-    "max_grad_norm": (float, "gradient clipping norm (gradient_clipping); HF default 1.0"),
+                               "(no scheduler)"),
+    "weight_decay": (float, "AdamW weight decay (optimizer.params.weight_decay)"),
+    "adam_beta1": (float, "AdamW beta1 (optimizer.params.betas[0])"),
+    "adam_beta2": (float, "AdamW beta2 (optimizer.params.betas[1])"),
+    "adam_epsilon": (float, "AdamW epsilon (optimizer.params.eps)"),
+    "max_grad_norm": (float, "gradient clipping norm (gradient_clipping)"),
     "save_total_limit": (int, "keep the newest N checkpoints (checkpoint.keep_last)"),
     "logging_steps": (int, "a progress line every N steps (steps_per_print)"),
 }
+# TrainingArguments' defaults the table's help says where hf_arguments.ARGUMENT_DEFAULTS has none
+_MORE_DEFAULTS = {"warmup_ratio": 0.0}
 _BOOL_FLAGS = {"bf16": "bf16 mixed precision (bf16.enabled)",
                "fp16": "fp16 mixed precision with loss scaling (fp16.enabled)",
                "gradient_checkpointing": "recompute each layer's activations in backward instead of keeping them "
@@ -48,10 +49,31 @@ _BOOL_FLAGS = {"bf16": "bf16 mixed precision (bf16.enabled)",
                                          "checkpointing, run by zerotrain.checkpointing)"}
 
 
-def add_training_flags(parser: argparse.ArgumentParser, *, aliases: Optional[dict[str, list[str]]] = None) -> None:
+def flag_defaults(defaults: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """The default of each `HF_FLAGS` flag, by TrainingArguments name: a command's own `defaults` (those of
+    `effective_config`), else TrainingArguments' own (None: unset, e.g. save_total_limit keeps every checkpoint)."""
+    from zerotrain.config.hf_arguments import ARGUMENT_DEFAULTS
+
+    hf = {**ARGUMENT_DEFAULTS, **_MORE_DEFAULTS}
+    return {name: (defaults or {}).get(name, hf.get(name)) for name in HF_FLAGS}
+
+
+def add_training_flags(parser: argparse.ArgumentParser, *, aliases: Optional[dict[str, list[str]]] = None,
+                       defaults: Optional[dict[str, Any]] = None) -> None:
     """Add the HF flags that map to config keys, plus `--config`/`--deepspeed`, `--zero-stage`/`--stage` and
-    `--print-config`; `aliases` adds a command's older names for a flag (`{"learning_rate": ["--lr"]}`)."""
+    `--print-config`; `aliases` adds a command's older names for a flag (`{"learning_rate": ["--lr"]}`); `defaults`
+    are the command's own defaults where TrainingArguments' differ (HF names, as `effective_config` takes them):
+    each flag's help says the one in effect. Every option of the parser also takes its underscore spelling
+    (`--learning_rate`, TrainingArguments' field names; `zerotrain.command.CommandParser`)."""
+    from zerotrain.command import CommandParser
+
     aliases = aliases or {}
+    if isinstance(parser, CommandParser):
+        parser.underscore_spellings = True
+        parser.epilog = ((parser.epilog + " ") if parser.epilog else "") + (
+            "Every option also takes its underscore spelling, as TrainingArguments' fields are named "
+            "(--learning_rate, --output_dir, --per_device_train_batch_size, ...).")
+    stated = flag_defaults(defaults)
     parser.add_argument("--config", "--deepspeed", dest="config", default=None, metavar="PATH",
                         help="DeepSpeed-style JSON config file (examples/zero*.json); its \"auto\" values are filled "
                              "from the flags, the flags given override its keys. Without it the flags make the "
@@ -59,8 +81,9 @@ def add_training_flags(parser: argparse.ArgumentParser, *, aliases: Optional[dic
     parser.add_argument("--zero-stage", "--stage", dest="zero_stage", type=int, default=None, choices=(0, 1, 2, 3),
                         help="ZeRO stage (zero_optimization.stage); default 3 without --config")
     for name, (kind, text) in HF_FLAGS.items():
+        default = "all" if stated[name] is None else stated[name]
         parser.add_argument(f"--{name.replace('_', '-')}", *aliases.get(name, ()), dest=name, type=kind,
-                            default=None, help=text)
+                            default=None, help=f"{text} (default: {default})")
     for name, text in _BOOL_FLAGS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, action="store_true", default=None, help=text)
     parser.add_argument("--per-device-eval-batch-size", type=int, default=None, metavar="B",
