@@ -2,6 +2,7 @@
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -594,7 +595,10 @@ def test_a_rank_start_up_error_is_one_line_once_at_nproc_2(tiny_llama_dir, tmp_p
          "--nproc", "2", "--model", str(tiny_llama_dir), "--data", str(data), "--text-field", "body",
          "--steps", "1", "--no-save"], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    # a library's own log warnings are not errors, even when they mention the word (torch's "[rank0]:W1205 ...
+    # will be an error in a future release", logged when transformers imports an installed torchao)
+    warning = re.compile(r"^(\[rank\d+\]:)?W\d{4} ")
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower() and not warning.match(line)]
     assert errors == [f"zerotrain: error: {data}, line 1: missing field 'body' (or chat 'messages'); the record's "
                       "keys are 'text': name the text field with --text-field (DataConfig.text_field) (and 1 more "
                       "bad records; skip_bad_records skips them)"], proc.stderr
