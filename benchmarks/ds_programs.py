@@ -345,12 +345,16 @@ RECIPES = {"cifar": Cifar, "chat-sft": ChatSFT, "chat-reward": ChatReward, "hell
 def port(copy: str) -> int:
     """`zerotrain port --write` on the copy; returns the number of changed lines of its diff (kept beside it)."""
     env = dict(os.environ, PYTHONPATH=REPO)
-    diff = subprocess.run([PYTHON, "-m", "zerotrain.cli", "port", copy], capture_output=True, text=True, env=env,
-                          check=True).stdout
+    shown = subprocess.run([PYTHON, "-m", "zerotrain.cli", "port", copy], capture_output=True, text=True, env=env)
+    # exit 1 with only `check:` lines: a launcher line whose process count port chose (the harness launches
+    # the ranks itself); anything `not ported` fails the harness
+    if shown.returncode not in (0, 1) or any(": check: " not in line for line in shown.stderr.splitlines()):
+        raise RuntimeError(f"zerotrain port {copy} failed:\n{shown.stderr}")
+    diff = shown.stdout
     with open(copy + ".port.diff", "w") as handle:
         handle.write(diff)
     subprocess.run([PYTHON, "-m", "zerotrain.cli", "port", "--write", copy], capture_output=True, text=True,
-                   env=env, check=True)
+                   env=env)
     return sum(1 for line in diff.splitlines() if line[:1] in "+-" and line[:3] not in ("+++", "---"))
 
 
