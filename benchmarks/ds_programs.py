@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -348,7 +349,8 @@ def port(copy: str) -> int:
     shown = subprocess.run([PYTHON, "-m", "zerotrain.cli", "port", copy], capture_output=True, text=True, env=env)
     # exit 1 with only `check:` lines: a launcher line whose process count port chose (the harness launches
     # the ranks itself); anything `not ported` fails the harness
-    if shown.returncode not in (0, 1) or any(": check: " not in line for line in shown.stderr.splitlines()):
+    listed = [line for line in shown.stderr.splitlines() if re.match(r"\S+:\d+: (not ported|check): ", line)]
+    if shown.returncode not in (0, 1) or any(": check: " not in line for line in listed):
         raise RuntimeError(f"zerotrain port {copy} failed:\n{shown.stderr}")
     diff = shown.stdout
     with open(copy + ".port.diff", "w") as handle:
