@@ -87,8 +87,9 @@ def _refuse_deepspeed_partitions(model: torch.nn.Module) -> None:
 
 def _check_trainable(model: torch.nn.Module, model_parameters: Optional[Iterable], optimizer: OptimizerLike
                      ) -> Optional[list]:
-    """`model_parameters` as a list; a ValueError when it (or a ready torch optimizer's groups) holds none of
-    the model's parameters that require grad: every one would stay frozen and the run would train nothing."""
+    """`model_parameters` as a list; a ConfigError (one line under the launchers) when it (or a ready torch
+    optimizer's groups) holds none of the model's parameters that require grad: every one would stay frozen and
+    the run would train nothing."""
     if model_parameters is not None:
         model_parameters = list(model_parameters)
         groups = model_parameters
@@ -108,10 +109,11 @@ def _check_trainable(model: torch.nn.Module, model_parameters: Optional[Iterable
         pipeline = (" A PipelineModule builds its stage's layers at construction only when torch.distributed is "
                     "already up: call deepspeed.init_distributed() / zerotrain.init_distributed() before "
                     "building it." if isinstance(model, PipelineModule) else "")
-        raise ValueError(f"zerotrain.initialize: {what} {held} the model's {len(trainable)} parameters that "
+        raise ConfigError(f"zerotrain.initialize: {what} {held} the model's {len(trainable)} parameters that "
                          f"require grad ({', '.join(trainable[:3])}{', ...' if len(trainable) > 3 else ''}), so "
                          f"every one would stay frozen and nothing would train. Pass the model's own parameters "
-                         f"(built before the list is made) or leave model_parameters out.{pipeline}")
+                         f"(built before the list is made) or leave model_parameters out.{pipeline}",
+                          key="model_parameters")
     return model_parameters
 
 

@@ -109,7 +109,8 @@ def test_the_cut_is_deepspeeds_partition_ties_included():
         for parts in range(1, 5):
             assert partition_balanced(weight, parts) == [int(b) for b in ds_utils.partition_balanced(weight, parts)], \
                 (weight, parts)
-            assert partition_uniform(len(weight), parts) == [int(b) for b in ds_utils.partition_uniform(len(weight), parts)]
+            assert partition_uniform(len(weight), parts) == \
+                [int(b) for b in ds_utils.partition_uniform(len(weight), parts)]
     module = PipelineModule(_alexnet_layers(), num_stages=2)  # "parameters" by default, as DeepSpeed's
     assert module.partition(2) == [0, 19, 22]  # the example: zerotrain cut [0, 17, 22] before
     assert PipelineModule(_alexnet_layers(), num_stages=2, partition_method="uniform").partition(2) == [0, 11, 22]

@@ -191,7 +191,8 @@ def _submodule(module: str, name: str) -> Optional[tuple[str, str]]:
     sub, parent = lookup(full), _target(module)
     mirrored = f"{parent}.{name}"
     if sub is not None:
-        return (parent, name) if sub.target == mirrored else (sub.target.rpartition(".")[0], sub.target.rpartition(".")[2])
+        where, _, leaf = sub.target.rpartition(".")
+        return (parent, name) if sub.target == mirrored else (where, leaf)
     if is_package(full) and any(entry.mirrored and entry.target.startswith(mirrored + ".") for entry in MODULES):
         return parent, name
     return None
