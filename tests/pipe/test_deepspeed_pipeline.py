@@ -150,6 +150,11 @@ def frozen_and_built() -> dict:
     engine, _, loader, _ = zerotrain.initialize(model=net, config=config, model_parameters=params, training_data=data)
     out["losses"] = [float(engine.train_batch()) for _ in range(4)]  # 3 batches of 4 samples: wraps once
     out["eval"] = float(engine.eval_batch())  # the next 2 micro-batches of the same loader (samples 4..7)
+    # an iterator given to train_batch is kept for the calls without one (DeepSpeed's); eval_batch's is not
+    own = [(torch.randn(2, 3, generator=torch.Generator().manual_seed(10 + i)), torch.randn(2, 2)) for i in range(4)]
+    engine.train_batch(iter(own))  # own[0:2]
+    out["eval_own"] = float(engine.eval_batch(iter(own[2:4])))
+    out["after_own"] = float(engine.train_batch())  # own[2:4], on the same weights as the eval
     # plain PyTorch: the same samples in order, the mean loss of 2 micro-batches per step, SGD
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     expected = []
@@ -179,3 +184,4 @@ def test_a_run_that_would_train_nothing_fails_and_a_built_stage_trains():
     assert out["built_params"] == 4 and out["same_init"]
     assert out["losses"] == pytest.approx(out["expected"], rel=1e-5)
     assert out["eval"] == pytest.approx(out["expected_eval"], rel=1e-5)
+    assert out["after_own"] == pytest.approx(out["eval_own"], rel=1e-6)

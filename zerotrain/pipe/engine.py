@@ -416,8 +416,13 @@ class PipelineEngine(TrainingEngine):
 
     def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
         """One optimizer step over `gradient_accumulation_steps` micro-batches of `data_iter` (read on the first
-        and last stage only); returns the batch's mean loss on every rank."""
+        and last stage only; kept for later calls without one, as DeepSpeed's), or, without one, of the iterator
+        kept (`initialize(training_data=...)`'s loader, `set_dataiterator`); returns the batch's mean loss on
+        every rank."""
         engine = self.engine
+        if data_iter is not None:  # DeepSpeed's: kept, so a later train_batch() goes on reading it
+            self.set_dataiterator(data_iter)
+            data_iter = self.data_iterator
         if self._checkpointer is not None:  # before the step writes the slots: an async save's snapshot copied,
             self._checkpointer.raise_if_failed()  # or its failure raised on every rank (the stage engine's step
         self.train()                              # fences only its own checkpointer)
@@ -430,7 +435,9 @@ class PipelineEngine(TrainingEngine):
         return loss
 
     def eval_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
-        """The mean loss over `gradient_accumulation_steps` micro-batches, forward only, on every rank."""
+        """The mean loss over `gradient_accumulation_steps` micro-batches of `data_iter` (without one: of the
+        iterator train_batch reads, which goes on from there), forward only, on every rank; `data_iter` is not
+        kept (DeepSpeed's eval_batch restores the training iterator)."""
         if self.config.pipeline.schedule == "zbv_zero_bubble":
             # torch 2.13's ZBV runtime still steals backward inputs in a forward-only run (AssertionError)
             raise NotImplementedError("eval_batch with pipeline.schedule 'zbv_zero_bubble' is not available (torch's "
