@@ -90,8 +90,10 @@ def _check_trainable(model: torch.nn.Module, model_parameters: Optional[Iterable
     """`model_parameters` as a list; a ConfigError (one line under the launchers) when it (or a ready torch
     optimizer's groups) holds none of the model's parameters that require grad: every one would stay frozen and
     the run would train nothing."""
-    if model_parameters is not None:
-        model_parameters = list(model_parameters)
+    if model_parameters is not None:  # a generator is read once: kept as a list (group dicts' params too)
+        model_parameters = [dict(item, params=[item["params"]] if isinstance(item["params"], torch.Tensor)
+                                 else list(item["params"])) if isinstance(item, dict) and "params" in item else item
+                            for item in model_parameters]
         groups = model_parameters
     elif isinstance(optimizer, torch.optim.Optimizer):
         groups = optimizer.param_groups

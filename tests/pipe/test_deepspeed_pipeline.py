@@ -173,6 +173,14 @@ def frozen_and_built() -> dict:
         out["expected_eval"] = float(sum(nn.functional.mse_loss(reference(data[idx[2 * m: 2 * m + 2]][0]),
                                                                 data[idx[2 * m: 2 * m + 2]][1]) for m in range(2)) / 2)
     out["expected"] = expected
+    # a group whose params are a generator: read once by the check, still the optimizer's (it trains)
+    lin = nn.Linear(2, 1)
+    plain, *_ = zerotrain.initialize(model=lin, config=dict(config, gradient_accumulation_steps=1),
+                                     model_parameters=[{"params": (p for p in lin.parameters())}])
+    before = plain.module.weight.detach().clone()
+    plain.backward(plain(torch.ones(2, 3)[:, :2]).sum())
+    plain.step()
+    out["generator_group_trains"] = not torch.equal(before, plain.module.weight.detach())
     return out
 
 
@@ -185,3 +193,4 @@ def test_a_run_that_would_train_nothing_fails_and_a_built_stage_trains():
     assert out["losses"] == pytest.approx(out["expected"], rel=1e-5)
     assert out["eval"] == pytest.approx(out["expected_eval"], rel=1e-5)
     assert out["after_own"] == pytest.approx(out["eval_own"], rel=1e-6)
+    assert out["generator_group_trains"]
