@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -345,12 +346,17 @@ RECIPES = {"cifar": Cifar, "chat-sft": ChatSFT, "chat-reward": ChatReward, "hell
 def port(copy: str) -> int:
     """`zerotrain port --write` on the copy; returns the number of changed lines of its diff (kept beside it)."""
     env = dict(os.environ, PYTHONPATH=REPO)
-    diff = subprocess.run([PYTHON, "-m", "zerotrain.cli", "port", copy], capture_output=True, text=True, env=env,
-                          check=True).stdout
+    shown = subprocess.run([PYTHON, "-m", "zerotrain.cli", "port", copy], capture_output=True, text=True, env=env)
+    # exit 1 with only `check:` lines: a launcher line whose process count port chose (the harness launches
+    # the ranks itself); anything `not ported` fails the harness
+    listed = [line for line in shown.stderr.splitlines() if re.match(r"\S+:\d+: (not ported|check): ", line)]
+    if shown.returncode not in (0, 1) or any(": check: " not in line for line in listed):
+        raise RuntimeError(f"zerotrain port {copy} failed:\n{shown.stderr}")
+    diff = shown.stdout
     with open(copy + ".port.diff", "w") as handle:
         handle.write(diff)
     subprocess.run([PYTHON, "-m", "zerotrain.cli", "port", "--write", copy], capture_output=True, text=True,
-                   env=env, check=True)
+                   env=env)
     return sum(1 for line in diff.splitlines() if line[:1] in "+-" and line[:3] not in ("+++", "---"))
 
 

@@ -85,6 +85,40 @@ def _refuse_deepspeed_partitions(model: torch.nn.Module) -> None:
                 "rewrites these imports)")
 
 
+def _check_trainable(model: torch.nn.Module, model_parameters: Optional[Iterable], optimizer: OptimizerLike
+                     ) -> Optional[list]:
+    """`model_parameters` as a list; a ConfigError (one line under the launchers) when it (or a ready torch
+    optimizer's groups) holds none of the model's parameters that require grad: every one would stay frozen and
+    the run would train nothing."""
+    if model_parameters is not None:  # a generator is read once: kept as a list (group dicts' params too)
+        model_parameters = [dict(item, params=[item["params"]] if isinstance(item["params"], torch.Tensor)
+                                 else list(item["params"])) if isinstance(item, dict) and "params" in item else item
+                            for item in model_parameters]
+        groups = model_parameters
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        groups = optimizer.param_groups
+    else:
+        return None
+    given: set[int] = set()
+    for item in groups:
+        params = item.get("params", []) if isinstance(item, dict) else [item]
+        params = [params] if isinstance(params, torch.Tensor) else params
+        given.update(id(p) for p in params)
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    if trainable and not any(id(p) in given for p in model.parameters() if p.requires_grad):
+        what = "model_parameters" if model_parameters is not None else "the optimizer's param_groups"
+        held = f"holds {len(given)} tensors, none of them" if given else "is empty: none of"
+        pipeline = (" A PipelineModule builds its stage's layers at construction only when torch.distributed is "
+                    "already up: call deepspeed.init_distributed() / zerotrain.init_distributed() before "
+                    "building it." if isinstance(model, PipelineModule) else "")
+        raise ConfigError(f"zerotrain.initialize: {what} {held} the model's {len(trainable)} parameters that "
+                         f"require grad ({', '.join(trainable[:3])}{', ...' if len(trainable) > 3 else ''}), so "
+                         f"every one would stay frozen and nothing would train. Pass the model's own parameters "
+                         f"(built before the list is made) or leave model_parameters out.{pipeline}",
+                          key="model_parameters")
+    return model_parameters
+
+
 def _config_from_args(args: Any) -> Any:
     """`args.zerotrain_config`, `args.deepspeed_config` or (deprecated) `args.deepscale_config`: the paths
     `add_config_arguments` adds; two different ones are an error."""
@@ -171,10 +205,15 @@ def initialize(model: torch.nn.Module = None, config: Union[dict, str, os.PathLi
         # Layers built under zero.Init are gathered one at a time to be sliced (the slices are plain tensors
         # again, which the engine partitions over the data-parallel group like any other parameter).
         apply_tensor_parallel(model, tensor_parallel_plan, tensor_parallel_comm(topology), whole=GatheredParameters)
+    if optimizer is not None or cfg.optimizer is not None:  # a forward-only engine trains nothing by design
+        model_parameters = _check_trainable(model, model_parameters, optimizer)
     # the engine sizes the keys left unset from the memory budget (zerotrain.budget) and refuses a run that cannot fit
     engine = ZeroTrainEngine(model, cfg, topology, model_parameters=model_parameters,
                              optimizer=optimizer, lr_scheduler=lr_scheduler)
     dataloader = engine.use_training_data(training_data, collate_fn) if training_data is not None else None
     if plan is not None:  # DeepSpeed's PipelineEngine: train_batch / eval_batch over the ZeRO engine
-        return PipelineEngine(engine, plan), engine.optimizer, dataloader, engine.lr_scheduler
+        pipe = PipelineEngine(engine, plan, training_data=training_data, collate_fn=collate_fn)
+        # DeepSpeed returns the pipeline engine's own loader (repeating, in order) on the first and last stage
+        loader = pipe.training_dataloader if pipe.training_dataloader is not None else dataloader
+        return pipe, engine.optimizer, loader, engine.lr_scheduler
     return engine, engine.optimizer, dataloader, engine.lr_scheduler

@@ -119,6 +119,9 @@ def test_unmappable_lines_stay_and_are_listed_with_advice():
 
 
 def test_launcher_lines_become_zerotrain_launch():
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 1  # DeepSpeed's: every local device
     ported, unported = rewrite_shell((FIXTURES / "launch.sh").read_text())
     assert ported.splitlines()[3:] == [
         "zerotrain launch --nproc 2 main.py --zero_stage 3 \\",
@@ -129,8 +132,12 @@ def test_launcher_lines_become_zerotrain_launch():
         "zerotrain launch --nproc 2 train.py",
         "deepspeed --hostfile hosts main.py",
         "pip install deepspeed",
+        f"zerotrain launch --nproc {count} train.py --deepspeed_config ds.json",
+        f"zerotrain launch --nproc {count} train.py",
     ]
-    assert [(item.line, item.what) for item in unported] == [(10, "deepspeed launcher option(s) --hostfile")]
+    assert [(item.line, item.what) for item in unported] == [(10, "deepspeed launcher option(s) --hostfile"),
+                                                             (12, "deepspeed launcher line without --num_gpus"),
+                                                             (13, "deepspeed launcher line without --num_gpus")]
 
 
 def test_the_command_shows_a_diff_and_writes(tmp_path, capsys):
@@ -229,3 +236,92 @@ def test_moe_groups_and_module_utils():
     replacement = torch.nn.Identity()
     recursive_setattr(model, "0.0", replacement)
     assert model[0][0] is replacement
+
+
+# --- issue 44: what `port` passed over silently -----------------------------------------------------------------
+def test_attribute_chains_are_resolved_rewritten_or_listed():
+    """`deepspeed.X.Y` used through attributes (on `deepspeed`, an alias, a module alias or a `from` import):
+    a name zerotrain has at the same path stays, one it has elsewhere under the same root is rewritten
+    (`deepspeed.comm` -> `deepspeed.dist`), anything else is listed on its line with the table's advice."""
+    import zerotrain
+
+    source = (FIXTURES / "ds_attributes.py").read_text()
+    ported, unported = rewrite_python(source)
+    lines = source.splitlines()
+
+    def line_of(text: str) -> int:
+        return next(i for i, line in enumerate(lines, 1) if text in line)
+
+    assert "    rank = deepspeed.dist.get_rank()\n" in ported
+    assert "    accelerator = ds.accelerator.get_accelerator()\n" in ported
+    assert "    deepspeed.runtime.utils.set_random_seed(args.seed)\n" in ported  # mirrored: as it was
+    assert "from zerotrain import runtime\n" in ported
+    listed = [(item.line, item.what, item.advice) for item in unported]
+    assert listed == [
+        (line_of("moe.layer"), "deepspeed.moe.layer.MoE", NOT_PROVIDED["deepspeed.moe.layer"]),
+        (line_of("op_builder"), "deepspeed.ops.op_builder.CPUAdamBuilder", NOT_PROVIDED["deepspeed.ops.op_builder"]),
+        (line_of("clip_grad_norm_"), "runtime.utils.clip_grad_norm_", NOT_PROVIDED["deepspeed.runtime.utils:*"]),
+        (line_of("ProcessTopology"), "ds.pipe.ProcessTopology", NOT_PROVIDED["deepspeed.pipe:*"]),
+    ]
+    namespace: dict = {}
+    exec(compile(ported, "ds_attributes.py", "exec"), namespace)  # the rewritten names resolve
+    assert namespace["deepspeed"].dist.get_rank is zerotrain.dist.get_rank
+    assert namespace["ds"].accelerator.get_accelerator is zerotrain.accelerator.get_accelerator
+    assert namespace["ds_utils"].set_random_seed is zerotrain.runtime.utils.set_random_seed
+    assert namespace["runtime"].dataloader.RepeatingLoader is zerotrain.utils.RepeatingLoader
+
+
+def test_imports_in_indented_blocks_and_one_line_bodies_are_rewritten_and_compile():
+    import zerotrain
+
+    source = (FIXTURES / "ds_blocks.py").read_text()
+    ported, unported = rewrite_python(source)
+    assert unported == []
+    assert not re.search(r"(^|[:;]\s*)(import|from) deepspeed", ported, re.M), ported
+    namespace: dict = {}
+    exec(compile(ported, "ds_blocks.py", "exec"), namespace)
+    trainer = namespace["Trainer"]()
+    assert trainer.parts == (zerotrain.dist, zerotrain.accelerator.get_accelerator, zerotrain.utils.logger,
+                             zerotrain.ops.adam.FusedAdam, zerotrain.checkpointing)
+    import asyncio
+
+    class Lock:  # an async context manager that does nothing
+        async def __aenter__(self):
+            return None
+
+        async def __aexit__(self, *exc):
+            return False
+
+    assert asyncio.run(trainer.later(Lock())) is zerotrain.accelerator.get_accelerator()
+
+
+def test_a_rewrite_that_would_not_compile_is_not_made(monkeypatch):
+    """The compile() guard: were a rewrite to break the file, the file stays as it was and the line is listed."""
+    from zerotrain.port import rewrite
+
+    source = "import os\nimport deepspeed\n"
+    monkeypatch.setattr(rewrite, "_rewrite_imports", lambda text: (text.replace("import deepspeed", "import ("), []))
+    ported, unported = rewrite.rewrite_python(source)
+    assert ported == source
+    assert [(item.line, item.what.split(" (")[0]) for item in unported] == [(2, "the rewritten file does not compile")]
+
+
+def test_a_deepspeed_import_the_scan_missed_is_listed(monkeypatch):
+    """Any DeepSpeed import still in the rewritten file is listed (never a silent exit 0)."""
+    from zerotrain.port import rewrite
+
+    monkeypatch.setattr(rewrite, "_rewrite_imports", lambda text: (text, []))
+    _, unported = rewrite.rewrite_python("import os\nif os.sep:\n    from deepspeed.utils import logger\n")
+    assert [(item.line, item.what) for item in unported] == [(3, "from deepspeed.utils import logger")]
+
+
+def test_launcher_lines_without_a_process_count_say_what_they_chose():
+    source = "deepspeed train.py --deepspeed_config ds.json\nNCCL_DEBUG=INFO deepspeed --bind_cores_to_rank train.py\n"
+    ported, unported = rewrite_shell(source)
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    assert ported == (f"zerotrain launch --nproc {count} train.py --deepspeed_config ds.json\n"
+                      f"NCCL_DEBUG=INFO zerotrain launch --nproc {count} train.py\n")
+    assert [(item.line, item.kind) for item in unported] == [(1, "check"), (2, "check")]
+    assert all(f"wrote --nproc {count}" in item.advice and "set --nproc N" in item.advice for item in unported)

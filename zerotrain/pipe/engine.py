@@ -151,7 +151,8 @@ class PipelineEngine(TrainingEngine):
     """DeepSpeed's pipeline engine API (`train_batch`, `eval_batch`, stage questions) over a ZeRO engine; a
     `TrainingEngine` for the loops (its neutral reports; `zerotrain train` drives it through `train_batch`)."""
 
-    def __init__(self, engine: StageEngine, plan: PipelinePlan) -> None:
+    def __init__(self, engine: StageEngine, plan: PipelinePlan, training_data: Any = None,
+                 collate_fn: Optional[Callable] = None) -> None:
         self.engine = engine
         self.plan = plan
         self.module: PipelineModule = plan.module
@@ -165,7 +166,12 @@ class PipelineEngine(TrainingEngine):
         from torch.distributed.pipelining import PipelineStage  # on use: it imports torch._dynamo (schedule.py)
         self.stages = [PipelineStage(piece, piece.index, placement.pieces, device, group=group)
                        for piece in self.module.pieces]
-        cls = schedule_class(self.config.pipeline.schedule)
+        name = self.config.pipeline.schedule
+        if name == "1f1b" and self.micro_batches < placement.pieces:
+            # torch's 1F1B needs a micro-batch per stage; GPipe runs fewer with the same math (every forward,
+            # then every backward: no overlap, as DeepSpeed's pipeline engine runs one micro-batch per step)
+            name = "gpipe"
+        cls = schedule_class(name)
         # scale_grads=False: each micro-batch's loss is unscaled and gradients add up; divided once after the
         # schedule, per parameter (a tied module held twice on one rank would otherwise be divided twice)
         target = self.stages[0] if len(self.stages) == 1 and not self.config.pipeline.multi_stage else self.stages
@@ -175,6 +181,37 @@ class PipelineEngine(TrainingEngine):
         self._params = list(dict.fromkeys(self.module.parameters()))
         self._checkpointer: Optional[Checkpointer] = None
         self._file_makers: list[Callable[[], dict]] = []  # add_checkpoint_files(callable): called at each save
+        # DeepSpeed's pipeline engine reads `training_data` itself when train_batch/eval_batch get no iterator:
+        # a repeating loader over a DistributedSampler of the stage's data-parallel ranks, not shuffled
+        self.training_dataloader: Any = None
+        self.data_iterator: Optional[Iterator] = None
+        if training_data is not None and (self._first or self._last):
+            self.set_dataloader(self._pipe_loader(training_data, collate_fn))
+
+    def _pipe_loader(self, dataset: Any, collate_fn: Optional[Callable]) -> Any:
+        """DeepSpeed's `_build_data_iter`: micro-batches of this stage's data-parallel share, in order, forever."""
+        from torch.utils.data import DataLoader
+        from torch.utils.data.distributed import DistributedSampler
+
+        from ..utils import RepeatingLoader
+
+        sampler = DistributedSampler(dataset, num_replicas=self.topology.data_parallel_size,
+                                     rank=self.topology.data_parallel_rank, shuffle=False)
+        loader = DataLoader(dataset, batch_size=int(self.config.train_micro_batch_size_per_gpu), sampler=sampler,
+                            collate_fn=collate_fn)  # DeepSpeed's dataloader_drop_last default
+        return RepeatingLoader(loader)
+
+    def set_dataloader(self, loader: Any) -> None:
+        """Read batches from `loader` when train_batch/eval_batch get no iterator (first and last stage)."""
+        if self._first or self._last:
+            self.training_dataloader = loader
+            self.data_iterator = iter(loader)
+
+    def set_dataiterator(self, iterator: Iterator) -> None:
+        """Read batches from `iterator` when train_batch/eval_batch get none (first and last stage)."""
+        if self._first or self._last:
+            self.training_dataloader = None
+            self.data_iterator = iterator
 
     # --- DeepSpeed's questions ------------------------------------------------------
     @property
@@ -342,8 +379,11 @@ class PipelineEngine(TrainingEngine):
         if not (self._first or self._last):
             return (), None
         if data_iter is None:
+            data_iter = self.data_iterator
+        if data_iter is None:
             raise ValueError(f"train_batch/eval_batch: pipeline rank {self.stage_id} holds the "
-                             f"{'first' if self._first else 'last'} stage and needs data_iter")
+                             f"{'first' if self._first else 'last'} stage and needs data_iter (or "
+                             "initialize(training_data=...), or engine.set_dataiterator(...))")
         inputs, labels = [], []
         for index in range(self.micro_batches):
             try:
@@ -376,8 +416,13 @@ class PipelineEngine(TrainingEngine):
 
     def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
         """One optimizer step over `gradient_accumulation_steps` micro-batches of `data_iter` (read on the first
-        and last stage only); returns the batch's mean loss on every rank."""
+        and last stage only; kept for later calls without one, as DeepSpeed's), or, without one, of the iterator
+        kept (`initialize(training_data=...)`'s loader, `set_dataiterator`); returns the batch's mean loss on
+        every rank."""
         engine = self.engine
+        if data_iter is not None:  # DeepSpeed's: kept, so a later train_batch() goes on reading it
+            self.set_dataiterator(data_iter)
+            data_iter = self.data_iterator
         if self._checkpointer is not None:  # before the step writes the slots: an async save's snapshot copied,
             self._checkpointer.raise_if_failed()  # or its failure raised on every rank (the stage engine's step
         self.train()                              # fences only its own checkpointer)
@@ -390,7 +435,9 @@ class PipelineEngine(TrainingEngine):
         return loss
 
     def eval_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
-        """The mean loss over `gradient_accumulation_steps` micro-batches, forward only, on every rank."""
+        """The mean loss over `gradient_accumulation_steps` micro-batches of `data_iter` (without one: of the
+        iterator train_batch reads, which goes on from there), forward only, on every rank; `data_iter` is not
+        kept (DeepSpeed's eval_batch restores the training iterator)."""
         if self.config.pipeline.schedule == "zbv_zero_bubble":
             # torch 2.13's ZBV runtime still steals backward inputs in a forward-only run (AssertionError)
             raise NotImplementedError("eval_batch with pipeline.schedule 'zbv_zero_bubble' is not available (torch's "

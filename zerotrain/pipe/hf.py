@@ -146,6 +146,8 @@ class CausalLMPipeline(PipelineModule):
     """A Hugging Face causal LM as a `PipelineModule` (see the module docstring): its `config` and
     `generation_config` are the model's (the checkpoint's config.json), its parameter names the model's."""
 
+    build_at_construction = False  # built by initialize only (its build releases the other stages' layers)
+
     def __init__(self, model: nn.Module, num_stages: int, partition_method: str = "parameters") -> None:
         model, prefix = _peft_inner(model)  # LoRA: the adapted model, its layers named as inside the PeftModel
         base_name, base = _parts(model)

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModule", "Piece", "partition_balanced"]
+__all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModule", "Piece", "partition_balanced", "partition_uniform"]
 
 
 class LayerSpec:
@@ -48,29 +48,44 @@ class TiedLayerSpec(LayerSpec):
         self.tied_weight_attr = [tied_weight_attr] if isinstance(tied_weight_attr, str) else tied_weight_attr
 
 
+def partition_uniform(num_items: int, num_parts: int) -> list[int]:
+    """DeepSpeed's `partition_uniform` (`deepspeed.runtime.utils`): boundaries of `num_parts` runs of
+    `num_items // num_parts` items, the first `num_items % num_parts` runs one longer."""
+    if num_items <= num_parts:
+        return [min(p, num_items) for p in range(num_parts + 1)]
+    chunk, residual = divmod(num_items, num_parts)
+    return [p * chunk + min(p, residual) for p in range(num_parts + 1)]
+
+
 def partition_balanced(weights: Sequence[float], parts: int) -> list[int]:
-    """Boundaries [0, b1, ..., len(weights)] of `parts` non-empty contiguous runs minimizing the largest run's
-    sum (ties: earlier boundaries). An exact dynamic program: O(n² · parts), fine for layer lists."""
+    """DeepSpeed's `partition_balanced` (`deepspeed.runtime.utils`), cut for cut: boundaries [0, b1, ...,
+    len(weights)] of `parts` contiguous runs minimizing the spread (largest run's sum minus smallest's), ties
+    going to the later start of the last run (DeepSpeed's `>=`); `partition_uniform` when there are no more
+    weights than parts. An exact dynamic program: O(n² · parts), fine for layer lists."""
     n = len(weights)
-    if parts > n:
-        raise ValueError(f"{n} layers cannot fill {parts} pipeline pieces")
+    if n <= parts:
+        return partition_uniform(n, parts)
     prefix = [0.0]
     for weight in weights:
         prefix.append(prefix[-1] + float(weight))
     inf = float("inf")
-    # best[k][i]: the smallest largest-run over the first i layers cut into k runs; cut[k][i]: where run k starts
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0.0
-    for k in range(1, parts + 1):
-        for i in range(k, n - (parts - k) + 1):
-            for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i]:
-                    best[k][i], cut[k][i] = value, j
+    # [i][j]: the first i layers cut into j runs: the spread, the largest and smallest run, where run j starts
+    cost = [[inf] * (parts + 1) for _ in range(n + 1)]
+    high = [[inf] * (parts + 1) for _ in range(n + 1)]
+    low = [[inf] * (parts + 1) for _ in range(n + 1)]
+    start = [[0] * (parts + 1) for _ in range(n + 1)]
+    cost[0][0] = high[0][0] = 0.0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, parts) + 1):
+            for k in range(i):
+                run = prefix[i] - prefix[k]
+                largest, smallest = max(high[k][j - 1], run), min(low[k][j - 1], run)
+                spread = largest - smallest
+                if cost[i][j] >= spread:  # DeepSpeed's tie rule: the later k wins
+                    cost[i][j], high[i][j], low[i][j], start[i][j] = spread, largest, smallest, k
     bounds = [n]
-    for k in range(parts, 0, -1):
-        bounds.append(cut[k][bounds[-1]])
+    for j in range(parts, 0, -1):
+        bounds.append(start[bounds[-1]][j])
     return bounds[::-1]
 
 
@@ -100,6 +115,9 @@ class Piece(nn.Module):
         return x
 
     def forward(self, *args: Any) -> Any:
+        # a clone of what arrives (DeepSpeed's): torch's PipelineStage hands a received activation over as a
+        # leaf that requires grad, which an in-place first layer (ReLU(inplace=True)) may not modify
+        args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
         x = args[0] if len(args) == 1 else args
         interval = self._interval
         if interval <= 0 or not (self.training and torch.is_grad_enabled()):
@@ -119,6 +137,8 @@ class PipelineModule(nn.Module):
     which rank builds it. `activation_checkpoint_interval` (layers; 0: none; the config's
     `pipeline.activation_checkpoint_interval` when 0 here). Train it with `zerotrain.initialize(model=...)`
     and `engine.train_batch(data_iter)`."""
+
+    build_at_construction = True  # this rank's stage built in __init__ when torch.distributed is up
 
     def __init__(self, layers: Sequence[Any], num_stages: int, loss_fn: Optional[Callable] = None,
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
@@ -154,6 +174,37 @@ class PipelineModule(nn.Module):
         self.pieces: list[Piece] = []       # this rank's pieces, after build()
         self.bounds: list[int] = []         # piece p holds layers [bounds[p], bounds[p + 1])
         self.tied_owners: dict[str, list[int]] = {}  # tied key -> the pipeline ranks holding it (sorted)
+        self._built_as: Optional[tuple] = None  # (piece indices, pieces, seeded) of the build, once built
+        self._engine_built = False              # built by initialize (not only at construction)
+        self._count_like_deepspeed = False      # the "parameters" count builds each layer for real (construction)
+        self._build_at_construction()
+
+    def _build_at_construction(self) -> None:
+        """With torch.distributed up (DeepSpeed programs call `deepspeed.init_distributed()` first), build this
+        rank's stage now, as DeepSpeed's PipelineModule does: one piece per rank, stage = rank // (world /
+        num_stages) (zerotrain's grid, pipeline outermost, is DeepSpeed's), so `self.parameters()` is the stage's
+        own (a program passes `model_parameters=[p for p in net.parameters() if p.requires_grad]`). The
+        "parameters" cut builds every layer once on the CPU to count it, as DeepSpeed does (same draws from
+        torch's generator: the same initial weights). `initialize` keeps this build when the config's placement
+        is the same, else builds again (`build`)."""
+        import torch.distributed as dist
+
+        if not (self.build_at_construction and dist.is_available() and dist.is_initialized()):
+            return
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world % self.num_stages or len(self._specs) < self.num_stages:
+            return  # refused by initialize's checks, naming the key
+        stage = rank // (world // self.num_stages)
+        self._count_like_deepspeed = True
+        try:
+            self.build([stage], lambda piece: piece, self.num_stages)
+        finally:
+            self._count_like_deepspeed = False
+
+    @property
+    def parts(self) -> list[int]:
+        """DeepSpeed's name for the cut: stage s holds layers [parts[s], parts[s + 1]) (empty before the build)."""
+        return list(self.bounds)
 
     @staticmethod
     def _check_partition_method(method: str) -> None:
@@ -179,6 +230,14 @@ class PipelineModule(nn.Module):
             if not any(weights):
                 raise ValueError(f"PipelineModule: partition_method {method!r} matches no layer ({sorted(set(names))})")
             return weights
+        if self._count_like_deepspeed:  # each layer built on the CPU, one at a time (DeepSpeed's
+            out = []                                         # _count_layer_params: the same generator draws)
+            for spec in self._specs:
+                module = spec.build() if isinstance(spec, LayerSpec) else spec
+                out.append(float(sum(p.numel() for p in module.parameters() if p.requires_grad))
+                           if isinstance(module, nn.Module) else 0.0)
+                del module
+            return out
         # "parameters": the trainable ones, counted on the meta device (nothing allocated)
         return [float(sum(numel for numel, trainable in layer if trainable)) for layer in self.layer_parameters()]
 
@@ -203,6 +262,8 @@ class PipelineModule(nn.Module):
             raise ValueError(f"PipelineModule: {len(self._specs)} layers cannot fill {pieces} pipeline pieces "
                              f"(num_stages={self.num_stages} x pipeline.stages_per_rank="
                              f"{pieces // self.num_stages}; each piece needs at least one layer)")
+        if self.partition_method == "uniform":  # DeepSpeed's: layer counts, no weights
+            return partition_uniform(len(self._specs), pieces)
         return partition_balanced(self._layer_weights(), pieces)
 
     # --- building this rank's pieces -------------------------------------------------
@@ -210,11 +271,19 @@ class PipelineModule(nn.Module):
               interval: int = 0, seed_layers: bool = False) -> list[Piece]:
         """Build the layers of this rank's pieces (`piece_indices`, in order) out of `pieces`; register them as
         children named by global layer index; record which pipeline ranks hold each tied key."""
-        if self.pieces:
-            raise RuntimeError("PipelineModule.build: already built (one engine per PipelineModule)")
-        self.bounds = self.partition(pieces)
         interval = self.activation_checkpoint_interval or int(interval)
         seed = self.seed_layers or seed_layers
+        wanted = (tuple(piece_indices), int(pieces), bool(seed))
+        if self.pieces and self._built_as == wanted and not self._engine_built:
+            for piece in self.pieces:  # built at construction as this config places it: kept
+                piece._interval = interval
+            self._engine_built = True
+            return self.pieces
+        if self.pieces and self._engine_built:
+            raise RuntimeError("PipelineModule.build: already built (one engine per PipelineModule)")
+        if self.pieces:  # built at construction, placed otherwise by the config: built again
+            self._unbuild()
+        self.bounds = self.partition(pieces)
         for piece in range(pieces):
             for index in range(self.bounds[piece], self.bounds[piece + 1]):
                 spec = self._specs[index]
@@ -244,9 +313,18 @@ class PipelineModule(nn.Module):
                 layers.append((index, layer, forward_fn))
             built.append(Piece(piece, layers, interval))
         self.pieces = built
+        self._built_as, self._engine_built = wanted, not self._count_like_deepspeed
         self._tied_modules = tied
         self._tied_specs = {spec.key: spec for spec in self._specs if isinstance(spec, TiedLayerSpec)}
         return built
+
+    def _unbuild(self) -> None:
+        """Drop this rank's built layers (a construction-time build the config places otherwise)."""
+        for piece in self.pieces:
+            for index, layer, _ in piece._layers:
+                if isinstance(layer, nn.Module):
+                    self._modules.pop(self.layer_names[index].split(".")[0], None)
+        self.pieces, self.bounds, self.tied_owners, self._built_as = [], [], {}, None
 
     def _register(self, name: str, layer: nn.Module) -> None:
         """Register `layer` under the dotted `name`, making plain container modules for its parents."""

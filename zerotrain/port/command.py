@@ -74,6 +74,6 @@ def run_port(args: argparse.Namespace) -> int:
                 sys.stdout.writelines(difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True),
                                                            *(f"{side}/{path}" if not path.is_absolute() else str(path) for side in "ab")))
         for item in unported:
-            print(f"{path}:{item.line}: not ported: {item.what} -- {item.advice}", file=sys.stderr)
+            print(f"{path}:{item.line}: {item.kind}: {item.what} -- {item.advice}", file=sys.stderr)
             left += 1
     return 1 if left else 0

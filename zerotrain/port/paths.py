@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 __all__ = ["ModulePath", "MODULES", "NOT_PROVIDED", "TRANSFORMERS", "lookup", "advice_for", "porting_table",
-           "mirrored_paths"]
+           "mirrored_paths", "is_package", "not_provided"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ _ADVICE_ACCEL = "zerotrain.accelerator"
 
 MODULES: tuple[ModulePath, ...] = (
     ModulePath("deepspeed", "zerotrain",
-               ("initialize", "init_distributed", "add_config_arguments", "zero", "checkpointing"),
+               ("initialize", "init_distributed", "add_config_arguments", "zero", "checkpointing", "__version__"),
                {"comm": ("zerotrain", "dist"), "get_accelerator": ("zerotrain.accelerator", "get_accelerator"),
                 "DeepSpeedEngine": ("zerotrain.engine", "ZeroTrainEngine")},
                "`import deepspeed` becomes `import zerotrain as deepspeed`; `deepspeed.comm` is `zerotrain.dist`"),
@@ -83,7 +83,11 @@ MODULES: tuple[ModulePath, ...] = (
     ModulePath("deepspeed.utils.module_utils", "zerotrain.utils.module_utils", ("recursive_getattr", "recursive_setattr")),
     ModulePath("deepspeed.utils", "zerotrain.utils", ("logger", "log_dist", "RepeatingLoader")),
     ModulePath("deepspeed.utils.logging", "zerotrain.utils.logging", ("logger", "log_dist")),
-    ModulePath("deepspeed.runtime.dataloader", "zerotrain.utils", ("RepeatingLoader",)),
+    ModulePath("deepspeed.runtime.dataloader", "zerotrain.runtime.dataloader", ("RepeatingLoader",)),
+    ModulePath("deepspeed.runtime.utils", "zerotrain.runtime.utils",
+               ("set_random_seed", "see_memory_usage", "RepeatingLoader", "partition_uniform", "partition_balanced",
+                "move_to_device"),
+               note="DeepSpeed's behaviour; its engine-internal helpers are listed below"),
     ModulePath("deepspeed.pipe", "zerotrain.pipe", ("PipelineModule", "LayerSpec", "TiedLayerSpec"),
                note="on torch.distributed.pipelining's schedules (`pipeline.schedule`); `engine.train_batch` / "
                     "`eval_batch` as DeepSpeed's (docs/pipeline.md)"),
@@ -131,8 +135,12 @@ NOT_PROVIDED: dict[str, str] = {
     "deepspeed.runtime.data_pipeline.curriculum_scheduler": "no curriculum learning",
     "deepspeed.runtime.domino.transformer": "no Domino tensor-parallel overlap",
     "deepspeed.runtime.zero.offload_config": "offload is set in the config's `offload_optimizer` / `offload_param`",
-    "deepspeed.runtime.utils": "`see_memory_usage`: `engine.get_wall_clock_timers()` and the metrics records "
-                               "(docs/metrics.md); `move_to_device`: `tensor.to(engine.device)`",
+    "deepspeed.runtime.utils:*": "DeepSpeed's engine internals (gradient norms, overflow checks, "
+                                 "`PartitionedTensor`, ...) have no counterpart: the engine does these itself "
+                                 "(`engine.get_global_grad_norm()`, the config's `gradient_clipping`); "
+                                 "`clip_grad_norm_`: `torch.nn.utils.clip_grad_norm_`",
+    "deepspeed.pipe:*": "`zerotrain.pipe` has `PipelineModule`, `LayerSpec`, `TiedLayerSpec`; the grid comes from "
+                        "num_stages and the config (no `ProcessTopology`)",
     "deepspeed.runtime.config": "the config is a dict / JSON file (`zerotrain.config`)",
     "deepspeed.compression.compress": "no compression library (removed from DeepSpeed too)",
     "deepspeed.checkpoint": "checkpoints are zerotrain's (`zerotrain ckpt export` writes Hugging Face weights)",
@@ -155,11 +163,26 @@ def advice_for(module: str, name: Optional[str] = None) -> str:
     """What to write instead of DeepSpeed's `module` (or its `name`); a generic pointer when not listed."""
     if name is not None and f"{module}:{name}" in NOT_PROVIDED:
         return NOT_PROVIDED[f"{module}:{name}"]
+    if name is not None and f"{module}:*" in NOT_PROVIDED:
+        return NOT_PROVIDED[f"{module}:*"]
     for prefix in sorted((key for key in NOT_PROVIDED if ":" not in key), key=len, reverse=True):
         if module == prefix or module.startswith(prefix + "."):
             return NOT_PROVIDED[prefix]
     what = f"{module}.{name}" if name else module
     return f"{what} has no zerotrain counterpart; see docs/porting.md"
+
+
+def is_package(module: str) -> bool:
+    """True when DeepSpeed's `module` is a package above a listed path (`deepspeed.runtime`, `deepspeed.moe`)."""
+    return any(path.startswith(module + ".") for path in [entry.source for entry in MODULES] +
+               [key for key in NOT_PROVIDED if ":" not in key])
+
+
+def not_provided(module: str, name: Optional[str] = None) -> bool:
+    """True when DeepSpeed's `module` (or its `name`) is listed without a counterpart (`NOT_PROVIDED`)."""
+    if name is None:
+        return module in NOT_PROVIDED
+    return f"{module}:{name}" in NOT_PROVIDED or f"{module}.{name}" in NOT_PROVIDED
 
 
 def mirrored_paths() -> list[str]:

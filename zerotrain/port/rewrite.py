@@ -26,18 +26,20 @@ import tokenize
 from dataclasses import dataclass
 from typing import Optional
 
-from .paths import NOT_PROVIDED, TRANSFORMERS, advice_for, lookup
+from .paths import MODULES, NOT_PROVIDED, TRANSFORMERS, advice_for, is_package, lookup, not_provided
 
 __all__ = ["Unported", "rewrite_python", "rewrite_shell"]
 
 
 @dataclass(frozen=True)
 class Unported:
-    """Something left as it was: where (1-based line), what, and what to write instead."""
+    """Something left as it was (or, `kind` "check", rewritten on a guess to be checked): where (1-based
+    line), what, and what to write instead."""
 
     line: int
     what: str
     advice: str
+    kind: str = "not ported"
 
 
 # --- Python ----------------------------------------------------------------------------------------
@@ -86,12 +88,14 @@ def _statements(source: str) -> list[tuple[tuple[int, int], tuple[int, int], boo
 
 def _opens_body(tokens: list, index: int) -> bool:
     """True when the `:` at `index` ends a compound statement's header on its line (a body may follow)."""
-    line_start = index
-    while line_start > 0 and tokens[line_start - 1].type not in (tokenize.NEWLINE, tokenize.NL, tokenize.INDENT,
-                                                                 tokenize.DEDENT):
+    line_start = index  # the logical line's start: a header over several lines (inside brackets) is one line
+    while line_start > 0 and tokens[line_start - 1].type not in (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
         line_start -= 1
+    while tokens[line_start].type in (tokenize.NL, tokenize.COMMENT):  # blank and comment lines before it
+        line_start += 1
     head = tokens[line_start].string
-    return head in ("if", "elif", "else", "try", "except", "finally", "with", "for", "while", "def", "class")
+    return head in ("if", "elif", "else", "try", "except", "finally", "with", "for", "while", "def", "class", "async",
+                    "match", "case")
 
 
 def _offsets(source: str) -> list[int]:
@@ -166,7 +170,7 @@ def _port_from(node: ast.ImportFrom, line: int, unported: list[Unported]) -> Opt
                 missing.append("*")
             targets.append(((entry.target, "*"), None))
             continue
-        where = entry.where(alias.name)
+        where = entry.where(alias.name) or _submodule(module, alias.name)
         if where is None:
             missing.append(alias.name)
         else:
@@ -178,6 +182,22 @@ def _port_from(node: ast.ImportFrom, line: int, unported: list[Unported]) -> Opt
     return _grouped(targets)
 
 
+def _submodule(module: str, name: str) -> Optional[tuple[str, str]]:
+    """(zerotrain module, name) for `from <module> import <name>` when `name` is a DeepSpeed submodule that
+    zerotrain mirrors (`from deepspeed import runtime`, `from deepspeed.runtime import utils`), else None."""
+    full = f"{module}.{name}"
+    if not_provided(full):
+        return None
+    sub, parent = lookup(full), _target(module)
+    mirrored = f"{parent}.{name}"
+    if sub is not None:
+        where, _, leaf = sub.target.rpartition(".")
+        return (parent, name) if sub.target == mirrored else (where, leaf)
+    if is_package(full) and any(entry.mirrored and entry.target.startswith(mirrored + ".") for entry in MODULES):
+        return parent, name
+    return None
+
+
 def _grouped(targets: list[tuple[tuple[str, str], Optional[str]]]) -> list[str]:
     """`from M import a as x, b` statements, one per module, in first-seen order; local names kept."""
     by_module: dict[str, list[tuple[str, Optional[str]]]] = {}
@@ -186,8 +206,174 @@ def _grouped(targets: list[tuple[tuple[str, str], Optional[str]]]) -> list[str]:
     return [_from(module, names) for module, names in by_module.items()]
 
 
+# --- attribute chains: `deepspeed.runtime.utils.set_random_seed(...)`, `ds.moe.layer.MoE(...)` -----------------
+def _bindings(tree: ast.AST) -> dict[str, str]:
+    """Local name -> the DeepSpeed module it is bound to by the file's imports (anywhere in the file): `import
+    deepspeed[.x]` binds `deepspeed`, `import deepspeed.x as n` and `from deepspeed import x as n` (x a module)
+    bind `n`."""
+    bound: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "deepspeed" or alias.name.startswith("deepspeed."):
+                    if alias.asname:
+                        bound[alias.asname] = alias.name
+                    else:
+                        bound["deepspeed"] = "deepspeed"
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module and \
+                (node.module == "deepspeed" or node.module.startswith("deepspeed.")):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if lookup(full) is not None or is_package(full) or not_provided(full):
+                    bound[alias.asname or alias.name] = full
+    return bound
+
+
+def _chains(tree: ast.AST, bound: dict[str, str]) -> list[tuple[ast.Name, list[ast.Attribute]]]:
+    """Every longest `name.a.b...` chain on a bound name: the name and its Attribute nodes, innermost first."""
+    inner: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
+            inner.add(id(node.value))
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or id(node) in inner:
+            continue
+        attrs, value = [], node
+        while isinstance(value, ast.Attribute):
+            attrs.append(value)
+            value = value.value
+        if isinstance(value, ast.Name) and value.id in bound:
+            found.append((value, attrs[::-1]))
+    return found
+
+
+def _target(module: str) -> str:
+    """zerotrain's module for DeepSpeed's `module` (a listed path, or a package: its mirrored name)."""
+    entry = lookup(module)
+    return entry.target if entry is not None else "zerotrain" + module[len("deepspeed"):]
+
+
+def _port_chain(root: ast.Name, attrs: list[ast.Attribute], module: str, unported: list[Unported]
+                ) -> Optional[tuple[tuple[int, int], tuple[int, int], str]]:
+    """Resolve `root.a.b...` (root bound to DeepSpeed's `module`) against the path table: None when it names
+    what zerotrain has under the same attributes; a replacement (start, end, text) of the attributes after
+    `root` when zerotrain has it elsewhere under the root's module (`deepspeed.comm` -> `deepspeed.dist`);
+    otherwise it is listed in `unported` (with what to write instead) and None is returned."""
+    root_target, here, current = _target(module), module, _target(module)
+    for index, node in enumerate(attrs):
+        attr, full = node.attr, f"{here}.{node.attr}"
+        written = ast.unparse(attrs[index + 1] if index + 1 < len(attrs) else node)  # with the name used from it
+        if not_provided(here, attr):
+            unported.append(Unported(node.lineno, written, advice_for(full) if full in NOT_PROVIDED
+                                     else advice_for(here, attr)))
+            return None
+        entry = lookup(full)
+        where = None
+        if entry is not None:
+            if entry.target != f"{current}.{attr}":
+                where = entry.target
+            here, current = full, entry.target
+            if where is None:
+                continue
+        elif is_package(full):
+            here, current = full, f"{current}.{attr}"
+            continue
+        else:
+            owner = lookup(here)
+            if owner is not None and attr in owner.names:
+                return None
+            moved = owner.moved.get(attr) if owner is not None else None
+            if moved is None:
+                unported.append(Unported(node.lineno, written, advice_for(here, attr)))
+                return None
+            where = f"{moved[0]}.{moved[1]}"
+        # zerotrain has it at `where`: reachable from the root's module as attributes, or not
+        if where.startswith(root_target + ".") and root.end_lineno == node.end_lineno:
+            text = "." + where[len(root_target) + 1:]
+            return (root.end_lineno, root.end_col_offset), (node.end_lineno, node.end_col_offset), text
+        unported.append(Unported(node.lineno, written, f"`{where}` in zerotrain: import it and use that name"))
+        return None
+    return None
+
+
+def _port_attributes(source: str, unported: list[Unported]) -> str:
+    """`source` with the attribute chains on DeepSpeed names resolved (`_port_chain`); a file that does not
+    parse as a whole is left to the import rewriting alone."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return source
+    bound = _bindings(tree)
+    if not bound:
+        return source
+    starts = _offsets(source)
+    edits, seen = [], set()
+    for root, attrs in _chains(tree, bound):
+        found: list[Unported] = []
+        edit = _port_chain(root, attrs, bound[root.id], found)
+        for item in found:
+            if (item.line, item.what) not in seen:
+                seen.add((item.line, item.what))
+                unported.append(item)
+        if edit is not None:
+            (row, col), (end_row, end_col), text = edit
+            line = source[starts[row - 1]:starts[row]]
+            # ast's columns count UTF-8 bytes: convert to characters of the line
+            begin = len(line.encode("utf-8")[:col].decode("utf-8"))
+            end = len(line.encode("utf-8")[:end_col].decode("utf-8"))
+            edits.append((starts[row - 1] + begin, starts[row - 1] + end, text))
+    for begin, end, text in sorted(edits, reverse=True):
+        source = source[:begin] + text + source[end:]
+    return source
+
+
 def rewrite_python(source: str) -> tuple[str, list[Unported]]:
-    """`source` with its DeepSpeed imports ported, and what was left as it was."""
+    """`source` with its DeepSpeed imports and attribute chains ported, and what was left as it was. A
+    rewrite that would not compile where the original does is not made: the file stays as it is, listed."""
+    unported: list[Unported] = []
+    original = source
+    source = _port_attributes(source, unported)
+    new, more = _rewrite_imports(source)
+    unported += more
+    unported.sort(key=lambda item: item.line)
+    try:
+        compile(original, "<original>", "exec")
+    except SyntaxError:
+        return new, unported  # nothing to hold the rewrite to
+    try:
+        compile(new, "<ported>", "exec")
+    except SyntaxError as err:
+        unported.append(Unported(err.lineno or 0, f"the rewritten file does not compile ({err.msg})",
+                                 "the file is left as it was: port its DeepSpeed lines by hand (and please report "
+                                 "this file)"))
+        return original, unported
+    unported += _left_over(new, {item.line for item in unported})
+    unported.sort(key=lambda item: item.line)
+    return new, unported
+
+
+def _left_over(source: str, listed: set[int]) -> list[Unported]:
+    """The DeepSpeed imports still in the rewritten `source` that nothing listed yet (a statement the token
+    scan did not see as one, e.g. after a compound header over several lines): never passed over silently."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            modules = [node.module or ""]
+            if node.module in TRANSFORMERS and any(alias.name in TRANSFORMERS[node.module] for alias in node.names):
+                modules.append("deepspeed")
+        else:
+            continue
+        if node.lineno not in listed and any(m == "deepspeed" or m.startswith("deepspeed.") for m in modules):
+            found.append(Unported(node.lineno, ast.unparse(node), "this statement was not rewritten: rewrite it by "
+                                  "hand with docs/porting.md's table (and please report the file)"))
+    return found
+
+
+def _rewrite_imports(source: str) -> tuple[str, list[Unported]]:
+    """`source` with its DeepSpeed import statements ported, and what was left as it was."""
     unported: list[Unported] = []
     starts = _offsets(source)
     pieces, cursor = [], 0
@@ -223,6 +409,19 @@ _FLAG_OPTIONS = {"--no_local_rank": "--no-local-rank", "--no-local-rank": "--no-
 # CPU core binding: placement only, no effect on what runs (torchrun's workers use the cores the OS gives them).
 _DROPPED = {"--bind_cores_to_rank": False, "--bind_core_list": True}  # option -> takes a value
 _LAUNCHER = re.compile(r"(^[ \t]*|[;&|(][ \t]*|^[ \t]*(?:\w+=\S*[ \t]+)+)(deepspeed)(?=[ \t])", re.M)
+
+
+_COUNT_OPTIONS = ("--num_gpus", "--num-gpus", "--include", "-i")
+
+
+def _local_devices() -> tuple[int, str]:
+    """(the CUDA devices of the machine running `port`, at least 1; where that number came from)."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count:
+        return count, f"the {count} CUDA device(s) of the machine that ran zerotrain port"
+    return 1, "the machine that ran zerotrain port has no CUDA device, so one process"
 
 
 def _takes_value(word: str) -> bool:
@@ -284,7 +483,15 @@ def rewrite_shell(source: str) -> tuple[str, list[Unported]]:
                                      "zerotrain launch takes --nproc, --nnodes, --node-rank, --master-addr, "
                                      "--master-port, --no-local-rank; " + NOT_PROVIDED["deepspeed.launcher.runner"]))
             continue
-        out.append(source[cursor:match.start(2)] + "zerotrain launch")
+        counted = any(text.partition("=")[0] in _COUNT_OPTIONS for _, _, text in words[:-1])
+        if counted:
+            out.append(source[cursor:match.start(2)] + "zerotrain launch")
+        else:  # DeepSpeed's launcher starts one process per local device: the count is a guess here, said so
+            count, where = _local_devices()
+            out.append(source[cursor:match.start(2)] + f"zerotrain launch --nproc {count}")
+            unported.append(Unported(line, "deepspeed launcher line without --num_gpus",
+                                     f"DeepSpeed starts one process per local device; wrote --nproc {count} ({where});"
+                                     " set --nproc N to the processes per node the job needs", kind="check"))
         cursor = start
         for begin, end, text in replacements:
             out.append(source[cursor:begin] + text)
