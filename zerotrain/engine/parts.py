@@ -268,6 +268,7 @@ def _master_optimizer(buckets: list, config: ZeroTrainConfig, topology: Topology
         return nvme_offload.NvmeOffloadOptimizer(buckets, comm, torch_optimizer, groups, config.gradient_clipping,
                                     nvme_path=offload.nvme_path, buffer_count=int(offload.buffer_count),
                                     aio=config.aio, stream_gradients=nvme_offload.streams_gradients(config, reducer.can_free_final_shards),
+                                    spill_gradients=nvme_offload.spills_gradients(config, reducer.can_free_final_shards),
                                     **nvme_offload.record_dtypes(config), **common)
     if offload.super_offload:
         # `fences`: waited on by SuperOffload's in-place steps during backward
