@@ -147,7 +147,7 @@ def streamed(nvme_path: str) -> list:
     real, real_spill = factory.streams_gradients, factory.spills_gradients
     out = []
     for case in ("streamed", "held", "failed", "bf16 streamed", "bf16 held", "clipped spilled", "clipped held",
-                 "bf16 clipped spilled", "bf16 clipped held"):
+                 "bf16 clipped spilled", "bf16 clipped held", "clipped failed"):
         if case.endswith("held"):
             factory.streams_gradients = lambda config, reducer: False
             factory.spills_gradients = lambda config, reducer: False
@@ -174,8 +174,11 @@ def streamed(nvme_path: str) -> list:
                 x, y = x.bfloat16(), y.bfloat16()
             for attempt in range(2):
                 loss = engine(x, y)
-                if case == "failed" and step == 1 and attempt == 0:  # streamed: the writes run in backward
-                    restore = _failing_io(aio, "_pwrite", 2, errno.EIO) if rank == 0 else (lambda: None)
+                if case.endswith("failed") and step == 1 and attempt == 0:  # the writes run in backward
+                    # clipped: the second gradient spilled fails, alone (the records' writes succeed)
+                    spill = {engine.zero_optimizer.spill.fd} if case == "clipped failed" else None
+                    restore = _failing_io(aio, "_pwrite", 2, errno.EIO, only_fds=spill, once=spill is not None) \
+                        if rank == 0 else (lambda: None)
                     try:
                         engine.backward(loss)
                         with pytest.raises(OffloadIOError) as error:
@@ -206,7 +209,14 @@ def test_gradients_streamed_to_the_nvme_step_during_backward_change_nothing_but_
 
     _, ref_weights = reference_training(world_batches(2, steps=3))
     results = run_distributed(streamed, 2, str(tmp_path), timeout=120)
-    for on, off, failed, bf16_on, bf16_off, spilled, held, bf16_spilled, bf16_held in results:
+    for on, off, failed, bf16_on, bf16_off, spilled, held, bf16_spilled, bf16_held, spill_failed in results:
+        # a spill write failing on rank 0 in backward: every rank raises at step(), the batch's forward/backward
+        # again, and the run ends where the one without a failure does
+        assert spill_failed["raised"] and "failed on rank(s) [0]" in spill_failed["raised"][0], spill_failed["raised"]
+        assert spill_failed["stats"]["nvme_failed_steps"] == 1
+        assert spill_failed["losses"] == spilled["losses"] and spill_failed["norms"] == spilled["norms"]
+        for name, ref in spilled["weights"].items():
+            assert torch.equal(spill_failed["weights"][name], ref), name
         # bf16: the reduced bf16 shards spilled as they are (2 bytes), cast to fp32 when read back
         assert bf16_spilled["spills"] and bf16_spilled["held"] == [0, 0, 0] and not bf16_held["spills"]
         assert bf16_spilled["losses"] == bf16_held["losses"] and bf16_spilled["norms"] == bf16_held["norms"]
