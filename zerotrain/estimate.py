@@ -346,6 +346,10 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
         elif _spills_gradients(config, option):  # clipping: each final shard written to disk and freed
             memory.notes.append("NVMe optimizer spills gradients to disk for clipping: no gradient shard is held "
                                 "after backward (the spill file and its two staging buffers are counted)")
+        elif _narrows_gradients(config, option, device_type):  # in the training dtype, cast by the CPU kernel
+            memory.add("gradients", "device", d * sum(shards))
+            memory.add("host_io_buffers", "host", 4 * max(shards, default=0))  # its fp32 scratch (one shard)
+            memory.gradients_made_in_backward = True
         else:
             memory.add("gradients", "device", 4 * sum(shards))
             # (zero.stage3.grads: each shard is a reduce output made in backward, freed after the step; with gradient
@@ -437,6 +441,19 @@ def _streams_gradients(config, option: Option) -> bool:
     return (option.stage == 3 and option.offload_optimizer == "nvme"
             and not config.zero_optimization.zero_quantized_gradients
             and streams_gradients(config, Stage3GradReducer.can_free_final_shards))
+
+
+def _narrows_gradients(config, option: Option, device_type: str) -> bool:
+    """The engine's rule (`offload.cpu_optimizer.narrows_gradients`) for plain CPU offload at stage 3 on a CPU run
+    (every offloaded group on the CPU Adam kernel: zerotrain.optim's AdamW)."""
+    from .offload.cpu_optimizer import narrows_gradients
+    from .zero.stage3.grads import Stage3GradReducer
+
+    offload = config.zero_optimization.offload_optimizer
+    return (option.stage == 3 and option.offload_optimizer == "cpu" and device_type == "cpu"
+            and not config.zero_optimization.zero_quantized_gradients
+            and not (offload is not None and offload.super_offload)
+            and narrows_gradients(config, Stage3GradReducer.can_free_final_shards))
 
 
 def _spills_gradients(config, option: Option) -> bool:

@@ -144,19 +144,26 @@ def streamed(nvme_path: str) -> list:
     from models_for_tests import OddMLP, micro_slice
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    real, real_spill = factory.streams_gradients, factory.spills_gradients
+    import zerotrain.engine.parts as parts
+
+    real, real_spill, real_narrow = factory.streams_gradients, factory.spills_gradients, parts.narrows_gradients
     out = []
     for case in ("streamed", "held", "failed", "bf16 streamed", "bf16 held", "clipped spilled", "clipped held",
-                 "bf16 clipped spilled", "bf16 clipped held", "clipped failed"):
+                 "bf16 clipped spilled", "bf16 clipped held", "clipped failed", "cpu narrow", "cpu wide"):
         if case.endswith("held"):
             factory.streams_gradients = lambda config, reducer: False
             factory.spills_gradients = lambda config, reducer: False
+        if case == "cpu wide":  # plain CPU offload with the fp32 copies of the shards (before #43)
+            parts.narrows_gradients = lambda config, reducer: False
         torch.manual_seed(0)
         model = OddMLP()
         config = dict(engine_config(3, {"device": "nvme", "nvme_path": os.path.join(nvme_path, case.replace(" ", "_")),
                                         "buffer_count": 2}), gradient_accumulation_steps=1,
-                      gradient_clipping=1.0 if "clipped" in case else 0.0,
+                      gradient_clipping=1.0 if "clipped" in case or case.startswith("cpu") else 0.0,
                       train_micro_batch_size_per_gpu=4)
+        if case.startswith("cpu"):  # plain CPU offload, bf16, clipping: the shards kept in bf16 (or fp32 copies)
+            config["bf16"] = {"enabled": True}
+            config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         if case.startswith("bf16"):  # streamed, the reduced bf16 shards go to the step uncast (grads.py)
             config["bf16"] = {"enabled": True}
             # and the shards on NVMe too: the background step hands the new weights to the main thread's store
@@ -165,12 +172,13 @@ def streamed(nvme_path: str) -> list:
                 "buffer_count": 2, "max_in_cpu": 0})
         engine, *_ = zerotrain.initialize(model=model, model_parameters=param_groups(model), config=config)
         factory.streams_gradients, factory.spills_gradients = real, real_spill
+        parts.narrows_gradients = real_narrow
         held, losses, norms, raised = [], [], [], []
         original = engine._take_model_step
         engine._take_model_step = lambda: (held.append(engine.reducer._gradient_bytes()), original())[1]
         for step, batch in enumerate(world_batches(2, steps=3)):
             x, y = micro_slice(batch, 0, rank, world, 4)
-            if case.startswith("bf16"):
+            if case.startswith(("bf16", "cpu")):
                 x, y = x.bfloat16(), y.bfloat16()
             for attempt in range(2):
                 loss = engine(x, y)
@@ -193,10 +201,12 @@ def streamed(nvme_path: str) -> list:
             losses.append(float(loss.detach()))
             norms.append(engine.get_global_grad_norm())
         out.append({"losses": losses, "norms": norms, "held": held[-3:], "weights": engine.full_state_dict(),
-                    "streams": engine.zero_optimizer.stream_gradients, "raised": raised,
-                    "spills": engine.zero_optimizer.spill_gradients,
-                    "spill_host": engine.zero_optimizer.spill.host_bytes() if engine.zero_optimizer.spill else 0,
-                    "stream_budget": engine.zero_optimizer._stream_budget,
+                    "streams": getattr(engine.zero_optimizer, "stream_gradients", False), "raised": raised,
+                    "spills": getattr(engine.zero_optimizer, "spill_gradients", False),
+                    "narrow": getattr(engine.zero_optimizer, "narrow_gradients", False),
+                    "spill_host": engine.zero_optimizer.spill.host_bytes() if getattr(engine.zero_optimizer, "spill",
+                                                                                      None) else 0,
+                    "stream_budget": getattr(engine.zero_optimizer, "_stream_budget", 0),
                     "shard_bytes": 4 * sum(b.shard_numel for b in engine.zero_optimizer.buckets),
                     "stats": engine.offload_stats(),
                     "param_store": engine.memory_report().get("offload_param")})
@@ -209,7 +219,16 @@ def test_gradients_streamed_to_the_nvme_step_during_backward_change_nothing_but_
 
     _, ref_weights = reference_training(world_batches(2, steps=3))
     results = run_distributed(streamed, 2, str(tmp_path), timeout=120)
-    for on, off, failed, bf16_on, bf16_off, spilled, held, bf16_spilled, bf16_held, spill_failed in results:
+    for on, off, failed, bf16_on, bf16_off, spilled, held, bf16_spilled, bf16_held, spill_failed, narrow, wide \
+            in results:
+        # plain CPU offload, bf16, clipping: the shards kept in bf16 and cast as the kernel reads them, the same
+        # bits as the fp32 copies, at half their bytes (plus one fp32 scratch of the largest shard)
+        assert narrow["narrow"] and not wide["narrow"]
+        assert narrow["losses"] == wide["losses"] and narrow["norms"] == wide["norms"] and max(narrow["norms"]) > 1
+        for name, ref in wide["weights"].items():
+            assert torch.equal(narrow["weights"][name], ref), name
+        assert [2 * h for h in narrow["held"]] == wide["held"] and all(h > 0 for h in wide["held"]), \
+            (narrow["held"], wide["held"])
         # a spill write failing on rank 0 in backward: every rank raises at step(), the batch's forward/backward
         # again, and the run ends where the one without a failure does
         assert spill_failed["raised"] and "failed on rank(s) [0]" in spill_failed["raised"][0], spill_failed["raised"]

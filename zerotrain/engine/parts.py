@@ -18,7 +18,7 @@ import torch
 from ..checkpoint import SnapshotFences
 from ..comm import Comm, CommCounters
 from ..config import ConfigError, ZeroTrainConfig
-from ..offload.cpu_optimizer import OffloadOptimizer
+from ..offload.cpu_optimizer import OffloadOptimizer, narrows_gradients
 from ..offload import nvme as nvme_offload
 from ..offload.param_store import build_param_store
 from ..offload.speculative import SuperOffloadOptimizer
@@ -276,6 +276,7 @@ def _master_optimizer(buckets: list, config: ZeroTrainConfig, topology: Topology
                                      loss_scale=lambda: loss_scaler.scale,
                                      speculation=offload.super_offload_speculation, fence=fences, **common)
     return OffloadOptimizer(buckets, comm, torch_optimizer, groups, config.gradient_clipping,
+                            narrow_gradients=narrows_gradients(config, reducer.can_free_final_shards),
                             **nvme_offload.record_dtypes(config), **common)
 
 
