@@ -30,6 +30,13 @@ reduce / optimizer step) as `DIR/scale_{model}_{size}b_memory_timeline_rank{R}.p
 
 With `--defaults` the config sets no size key and no activation checkpointing (what a new user runs, issue
 #27): rank 0 prints the memory budget and the sizes it chose, and the table gives peak RSS / budget per rank.
+It keeps DeepSpeed's defaults, `gradient_clipping` 1.0 included (issue #43: the NVMe optimizer then spills the
+gradient shards to disk during backward; the table gives the host bytes held for gradients, counted by the
+optimizer, and the spill file's bytes). `--no-clip` runs the same with `gradient_clipping: 0` (the gradients
+streamed into the step) as its own named row; `--compare-no-clip` runs both rows, one after the other, and
+prints the clipped row's step time and peaks over the no-clip row's.
+
+    python benchmarks/scale.py --params 2.4e9 --defaults --compare-no-clip   # both rows, the issue-43 targets
 """
 from __future__ import annotations
 
@@ -110,11 +117,12 @@ def dd_bandwidth(directory: str, nbytes: int = 1 << 30) -> dict:
     return out
 
 
-def disk_needed(params: int, bf16_records: bool = False) -> int:
+def disk_needed(params: int, bf16_records: bool = False, clipped: bool = False) -> int:
     """Bytes the run writes on disk at most: 14 per parameter (fp32 master and Adam moments, bf16 weights; 8
-    with `--bf16-records`), each rank's spare records, shard padding (one record per rank per bucket at worst),
-    and dd's file."""
-    return (8 if bf16_records else 14) * params + WORLD * (SPARE_RECORDS + 16) * RECORD_BYTES + (1 << 30)
+    with `--bf16-records`), 2 more with clipping (the bf16 gradients spilled), each rank's spare records, shard
+    padding (one record per rank per bucket at worst), and dd's file."""
+    return ((8 if bf16_records else 14) + (2 if clipped else 0)) * params + \
+        WORLD * (SPARE_RECORDS + 16) * RECORD_BYTES + (1 << 30)
 
 
 def du(path: str) -> int:
@@ -273,10 +281,13 @@ def engine_config(spec: dict) -> dict:
         bf16 = {"enabled": True}
         if spec.get("bf16_records"):  # masters and Adam moments stored in bf16 on NVMe
             bf16.update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
-        return {"train_micro_batch_size_per_gpu": spec["micro"], "gradient_accumulation_steps": 1,
-                "bf16": bf16, "gradient_clipping": 0.0, "wall_clock_breakdown": True,
-                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
-                "zero_optimization": zero, "steps_per_print": 0, "comm_timeout_seconds": 1800}
+        config = {"train_micro_batch_size_per_gpu": spec["micro"], "gradient_accumulation_steps": 1,
+                  "bf16": bf16, "wall_clock_breakdown": True,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+                  "zero_optimization": zero, "steps_per_print": 0, "comm_timeout_seconds": 1800}
+        if spec.get("no_clip"):  # the second row; else DeepSpeed's default gradient_clipping 1.0 (no key)
+            config["gradient_clipping"] = 0.0
+        return config
     nvme = {"device": "nvme", "nvme_path": spec["nvme_dir"], "buffer_count": 4}
     return {
         "train_micro_batch_size_per_gpu": spec["micro"], "gradient_accumulation_steps": 1,
@@ -510,7 +521,7 @@ def print_prediction(args, layers: int, width: int, params: int) -> int:
     spec = {"model": args.model, "params": params, "layers": layers, "width": width, "seq": args.seq,
             "micro": args.micro, "steps": args.steps, "bucket": args.bucket, "cache": args.cache,
             "inner": _llama_inner(width), "nvme_dir": os.path.join(args.nvme_path, "unused"), "out_dir": "",
-            "defaults": args.defaults, "bf16_records": args.bf16_records}
+            "defaults": args.defaults, "bf16_records": args.bf16_records, "no_clip": args.no_clip}
     predicted = predict(spec)  # with --defaults: the size keys at DeepSpeed's values (the budget is not run)
     print(f"{args.model} {layers}x{width}: {params / 1e9:.3f}B parameters; zerotrain estimate per rank: host RSS "
           f"{predicted['rss'] / 2**30:.2f} GiB (+ the runtime), NVMe files {predicted['nvme'] / 1e9:.2f} GB "
@@ -583,12 +594,22 @@ def summarize(spec: dict, ranks: list[dict], dd: dict, compute: dict, load: tupl
             "disk_bytes": disk, "disk_bytes_per_param": disk / params, "steps": steps,
             "dd_gbps": dd, "compute_s": compute, "io_bound_s": io_bound,
             "overlap_ratio": last["s"] / bound, "load_before_after": load,
-            "defaults": bool(spec.get("defaults")), "budget_lines": next((r["budget_lines"] for r in ranks
+            "defaults": bool(spec.get("defaults")), "row": row_name(spec),
+            "grad_host_peak_bytes": [r["optimizer_stats"].get("grad_host_peak_bytes", 0) for r in ranks],
+            "nvme_spill_bytes": [r["optimizer_stats"].get("nvme_spill_bytes", 0) for r in ranks],
+            "budget_lines": next((r["budget_lines"] for r in ranks
                                                                           if r["budget_lines"]), []),
             "budget_bytes": _budget_bytes(next((r["budget_lines"] for r in ranks if r["budget_lines"]), [])),
             "resolved": ranks[0]["resolved"],
             "optimizer_stats": [r["optimizer_stats"] for r in ranks],
             "param_store_stats": [r["param_store_stats"] for r in ranks]}
+
+
+def row_name(spec: dict) -> str:
+    """The table row a run is: --defaults with DeepSpeed's clipping 1.0, or with --no-clip; else the tuned run."""
+    if not spec.get("defaults"):
+        return "tuned (activation checkpointing, size keys set, no clipping)"
+    return "defaults, no clipping (--no-clip)" if spec.get("no_clip") else "defaults (gradient_clipping 1.0)"
 
 
 def _budget_bytes(lines: list[str]) -> Optional[int]:
@@ -604,7 +625,11 @@ def print_table(summary: dict) -> None:
     how = ("no size key set, no activation checkpointing (--defaults)" if s.get("defaults")
            else "activation checkpointing, tuned size keys")
     print(f"\n{s['model']} {s['layers']}x{s['width']}: {s['params'] / 1e9:.3f}B parameters, world {WORLD}, "
-          f"B={s['micro']} T={s['seq']}, bf16, ZeRO-3, params+optimizer on NVMe, {how}")
+          f"B={s['micro']} T={s['seq']}, bf16, ZeRO-3, params+optimizer on NVMe, {how}; row: {s.get('row')}")
+    if "grad_host_peak_bytes" in s:
+        print("host bytes held for gradients (optimizer's grad_host_peak_bytes) per rank: "
+              + ", ".join(f"{b / 2**20:.1f} MiB" for b in s["grad_host_peak_bytes"])
+              + "; gradient spill file per rank: " + ", ".join(f"{b / 1e9:.2f} GB" for b in s["nvme_spill_bytes"]))
     if s.get("budget_lines"):
         print("\n".join(s["budget_lines"]))
         if s.get("budget_bytes"):
@@ -649,6 +674,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--bf16-records", action="store_true",
                         help="with --defaults: bf16.bf16_master_weights_and_grads + bf16_optimizer_states (the NVMe "
                              "records in bf16: ~8 bytes per parameter on disk instead of 14)")
+    parser.add_argument("--no-clip", action="store_true",
+                        help="with --defaults: gradient_clipping 0 (the no-clip row; else DeepSpeed's default 1.0)")
+    parser.add_argument("--compare-no-clip", action="store_true",
+                        help="with --defaults: run the clipped row, then the no-clip row, and compare them")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plots", default=None, help="folder for the per-rank memory timeline PNGs")
     parser.add_argument("--estimate-only", action="store_true",
@@ -664,17 +693,43 @@ def main(argv: Optional[list[str]] = None) -> int:
         return print_prediction(args, layers, width, params)
     if args.bf16_records and not args.defaults:
         parser.error("--bf16-records needs --defaults")
-    need, free = disk_needed(params, args.bf16_records), shutil.disk_usage(args.nvme_path).free
+    if (args.no_clip or args.compare_no_clip) and not args.defaults:
+        parser.error("--no-clip / --compare-no-clip need --defaults")
+    if args.no_clip and args.compare_no_clip:
+        parser.error("--compare-no-clip runs the no-clip row itself; give one of them")
+    rows = [False, True] if args.compare_no_clip else [bool(args.no_clip)]  # no_clip per row, run in turn
+    summaries = []
+    for no_clip in rows:
+        code, summary = run_row(args, layers, width, params, no_clip)
+        if code:
+            return code
+        summaries.append(summary)
+    if len(summaries) == 2:
+        clipped, plain = summaries
+        print(f"\nclipped / no-clip: step {clipped['steps'][-1]['s'] / plain['steps'][-1]['s']:.2f}x (last step, "
+              f"target <= 1.15), peak RSS " + ", ".join(f"{a / b:.2f}x" for a, b in zip(clipped["peak_rss_gib"],
+                                                                                       plain["peak_rss_gib"]))
+              + f", disk {clipped['disk_bytes'] / plain['disk_bytes']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summaries[0] if len(summaries) == 1 else summaries, f, indent=1)
+    return 0
+
+
+def run_row(args, layers: int, width: int, params: int, no_clip: bool) -> tuple[int, Optional[dict]]:
+    """One row: check the disk, run the ranks, print the table; (exit code, summary)."""
+    clipped = args.defaults and not no_clip
+    need, free = disk_needed(params, args.bf16_records, clipped), shutil.disk_usage(args.nvme_path).free
     if free - need < args.keep_free:
         print(f"refusing {args.model} {layers}x{width} ({params / 1e9:.2f}B parameters): it writes up to "
               f"{need / 1e9:.1f} GB under {args.nvme_path}, which has {free / 1e9:.1f} GB free; at least "
               f"{args.keep_free / 1e9:.1f} GB must stay free", file=sys.stderr)
-        return 2
+        return 2, None
     work = tempfile.mkdtemp(prefix="zt-scale-", dir=args.nvme_path)
     spec = {"model": args.model, "params": params, "layers": layers, "width": width, "seq": args.seq, "micro": args.micro,
             "steps": args.steps, "bucket": args.bucket, "cache": args.cache, "inner": _llama_inner(width),
             "nvme_dir": os.path.join(work, "swap"), "out_dir": work, "defaults": args.defaults,
-            "budget": args.budget, "bf16_records": args.bf16_records}
+            "budget": args.budget, "bf16_records": args.bf16_records, "no_clip": no_clip}
     os.makedirs(spec["nvme_dir"])
     print(f"{args.model} {layers}x{width}: {params / 1e9:.3f}B parameters; writes up to {need / 1e9:.1f} GB, "
           f"{free / 1e9:.1f} GB free; files under {work}", flush=True)
@@ -695,10 +750,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         shutil.rmtree(work, ignore_errors=True)  # the swap files, dd's file, the ranks' reports
     print_table(summary)
     print_estimate(summary["estimate"])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
-    return 0
+    return 0, summary
 
 
 if __name__ == "__main__":

@@ -119,6 +119,42 @@ def test_a_run_that_cannot_fit_is_refused_with_the_numbers(shape):
     check_fits(memory, 4 * GiB, "plenty")  # fits: nothing raised
 
 
+def test_a_clipped_run_over_its_budget_is_refused_and_the_spilled_one_fits(shape):
+    """Clipping on (DeepSpeed's default 1.0), stage 3, parameters and optimizer on NVMe: with accumulation the
+    gradient shards wait for the norm in host memory and the estimate counts them; without, the NVMe optimizer
+    spills them to disk (#43) and it counts the spill instead. Under a budget between the two the held run is
+    refused before any step, naming the gradients with the clipping keys and, with a share given, the budget
+    that would let it run; the spilled run fits."""
+    from zerotrain.budget import _host_bytes
+
+    def resolved(accumulation: int, budget: int):
+        raw = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": accumulation,
+               "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+               "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/unused"},
+                                     "offload_optimizer": {"device": "nvme", "nvme_path": "/unused"}}}
+        config = load_config(raw)
+        assert config.gradient_clipping == 1.0  # the default
+        plan = plan_sizes(budget, shape, 2, config)
+        return estimate_option(shape, plan.apply(config), 2, config_option(config),
+                               probe_optimizer(config.optimizer), "cpu")
+
+    budget = 600 * 2**20
+    spilled, held = resolved(1, budget), resolved(2, budget)
+    shards = 4 * sum(-(-p.numel // 2) for p in shape.params)  # the fp32 gradient shards of world 2
+    assert spilled.rows["gradients"]["device"] == 0 and held.rows["gradients"]["device"] >= shards
+    assert _host_bytes(spilled, "cpu") <= budget < _host_bytes(held, "cpu"), \
+        (_host_bytes(spilled, "cpu") / 2**20, _host_bytes(held, "cpu") / 2**20)
+    check_fits(spilled, budget, "the memory budget printed")  # fits: nothing raised
+    with pytest.raises(ConfigError) as caught:
+        check_fits(held, budget, "the memory budget printed", share=2 * budget)
+    message = str(caught.value)
+    assert "\n" not in message and "largest: gradients" in message and "gradient_clipping: 0" in message, message
+    assert "spills them to disk" in message and f"memory_budget_bytes up to {2 * budget:,}" in message, message
+    with pytest.raises(ConfigError) as caught:  # a share that would not help either: not offered
+        check_fits(held, budget, "the memory budget printed", share=budget + 1)
+    assert "memory_budget_bytes up to" not in str(caught.value)
+
+
 def _cgroup(root, line: str, directory: str, limit: tuple[str, str], usage: tuple[str, int]) -> None:
     """A fake /proc/self/cgroup naming `directory`, with its limit and usage files."""
     (root / "proc/self/cgroup").write_text(line)
@@ -195,7 +231,7 @@ def test_zerotrain_estimate_sizes_the_unset_keys_by_the_budget():
 
 def test_a_4_gib_budget_holds_at_every_size_of_the_issue():
     """Issue #27's sizes as `benchmarks/scale.py --defaults --budget 4GiB` runs them (world 2, B=1, T=64, bf16, NVMe
-    parameters and optimizer, no size key, no activation checkpointing): GPT 0.24B, 1B, 2.4B, 4B and the 7B
+    parameters and optimizer, no size key, clipping 1.0, no activation checkpointing): GPT 0.24B, 1B, 2.4B, 4B and the 7B
     Llama with bf16 records. The estimate's per-rank host peak under the sizes the budget chooses (`zerotrain
     estimate`'s accounting: states in memory + activations + transient step buffers), plus the runtime (Python,
     torch, gloo: measured 0.30-0.34 GiB per rank), stays under 4 GiB at every size, and from 1B up it does not
@@ -213,7 +249,9 @@ def test_a_4_gib_budget_holds_at_every_size_of_the_issue():
     def config(narrow: bool) -> dict:
         nvme = {"device": "nvme", "nvme_path": "/unused"}
         bf16 = dict(enabled=True, bf16_master_weights_and_grads=narrow, bf16_optimizer_states=narrow)
-        return {"train_micro_batch_size_per_gpu": 1, "bf16": bf16, "gradient_clipping": 0.0,
+        # no gradient_clipping key: DeepSpeed's default 1.0, the gradients spilled to disk (#43; with it 0 the
+        # estimate is the same less the spill's buffers)
+        return {"train_micro_batch_size_per_gpu": 1, "bf16": bf16,
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
                 "zero_optimization": {"stage": 3, "offload_param": dict(nvme), "offload_optimizer": dict(nvme),
                                       "memory_budget_bytes": 4 * GiB}}

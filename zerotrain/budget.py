@@ -335,7 +335,9 @@ def plan_sizes(budget: int, shape: ModelShape, dp_size: int, config, device_type
 # The keys that shrink each consumer (estimate rows and transients).
 SHRINK = {
     "parameters": "zero_optimization.stage: 3, offload_param.device, offload_param.max_in_cpu",
-    "gradients": "zero_optimization.stage: 2 or 3, offload_optimizer.device",
+    "gradients": "zero_optimization.stage: 2 or 3, offload_optimizer.device; with gradient_clipping > 0 every "
+                 "gradient shard waits for the norm in memory unless stage 3 with offload_optimizer.device: nvme "
+                 "spills them to disk (gradient_accumulation_steps 1, no fp16), or gradient_clipping: 0",
     "master_weights": "zero_optimization.offload_optimizer.device: nvme",
     "optimizer_states": "zero_optimization.offload_optimizer.device: nvme",
     "host_io_buffers": "offload_param.buffer_count / buffer_size, offload_optimizer.buffer_count",
@@ -357,11 +359,13 @@ def _consumers(memory: RankMemory, device_type: str) -> list[tuple[str, int]]:
 
 
 def check_fits(memory: RankMemory, limit: int, limit_reason: str, device_type: str = "cpu",
-               device_limit: Optional[int] = None, runtime: int = 0) -> None:
+               device_limit: Optional[int] = None, runtime: int = 0, share: Optional[int] = None) -> None:
     """Raise a one-line ConfigError when the estimated bytes per rank (`memory`: the resolved run) exceed
-    `limit` (host bytes per rank; on a CPU run the device is the host) or, on a GPU, `device_limit`; it names
-    the numbers, the three largest consumers and the keys that shrink them. `runtime`: host bytes besides the
-    model's tensors (counted with the host's)."""
+    `limit` (host bytes per rank: the printed budget; on a CPU run the device is the host) or, on a GPU,
+    `device_limit`; it names the numbers, the three largest consumers and the keys that shrink them. `runtime`:
+    host bytes besides the model's tensors (counted with the host's). `share`: the host memory this rank may
+    use when `limit` is the default budget (a part of it): the message says a larger `memory_budget_bytes`
+    up to it is a way out too."""
     checks = [("host", runtime + _host_bytes(memory, device_type), limit, limit_reason)]
     if device_type != "cpu" and device_limit is not None:
         device = memory.total("device") + sum(memory.transient.values())
@@ -375,9 +379,14 @@ def check_fits(memory: RankMemory, limit: int, limit_reason: str, device_type: s
             top = sorted([(r, memory.rows[r]["device"]) for r in memory.rows] + list(memory.transient.items()),
                          key=lambda item: -item[1])[:3]
         named = "; ".join(f"{name} {format_bytes(nbytes)} ({SHRINK.get(name, '-')})" for name, nbytes in top)
+        raise_budget = ""
+        if place == "host" and share is not None and need <= share:
+            raise_budget = (f"; or set zero_optimization.memory_budget_bytes up to {share:,} (this rank's share of "
+                            f"the available memory, {format_bytes(share)}: the default budget is "
+                            f"{DEFAULT_FRACTION:.0%} of it, the rest for activations and caching)")
         raise ConfigError(f"zero_optimization: this run needs {format_bytes(need)} of {place} memory per rank "
                           f"(zerotrain estimate, activations not counted), more than the {format_bytes(have)} "
-                          f"there are ({why}); largest: {named}", key="zero_optimization")
+                          f"there are ({why}); largest: {named}{raise_budget}", key="zero_optimization")
 
 
 # --- what the engine calls ----------------------------------------------------------------------------
@@ -444,11 +453,13 @@ def resolve_memory(model: torch.nn.Module, config, topology: Topology, comm: Opt
     resolved = plan.apply(config)
     announce(plan, topology.rank)
     memory = estimate_option(shape, resolved, comm.size, config_option(resolved), optimizer, device_type)
+    # the limit is the budget printed above, not the whole share it is a part of: a run the smallest sizes
+    # cannot bring under it is refused here, before any step (issue #43: "headroom 0", then 2x the budget)
     limit, why = ((budget, f"{PREFIX}memory_budget_bytes") if explicit is not None
-                  else (share, f"{host.source} / {ranks} ranks on the node + this rank's resident bytes"))
+                  else (budget, f"the memory budget printed: {reason}"))
     device_limit = None
     if device_type == "cuda":  # free device memory plus what this process already holds (the model, counted)
         free = torch.cuda.mem_get_info(topology.device)[0] + torch.cuda.memory_reserved(topology.device)
         device_limit = comm.min_ints([free], topology.device)[0]
-    check_fits(memory, limit, why, device_type, device_limit, runtime)
+    check_fits(memory, limit, why, device_type, device_limit, runtime, share=None if explicit is not None else share)
     return resolved

@@ -343,6 +343,13 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
         reduces = [(padded // ranks(p), ranks(p), not p.expert) for p, padded in parts]  # qgZ: one per parameter
         if _streams_gradients(config, option):  # each final shard is stepped during backward and freed
             memory.notes.append("NVMe optimizer streams gradients: no gradient shard is held after backward")
+        elif _spills_gradients(config, option):  # clipping: each final shard written to disk and freed
+            memory.notes.append("NVMe optimizer spills gradients to disk for clipping: no gradient shard is held "
+                                "after backward (the spill file and its two staging buffers are counted)")
+        elif _narrows_gradients(config, option, device_type):  # in the training dtype, cast by the CPU kernel
+            memory.add("gradients", "device", d * sum(shards))
+            memory.add("host_io_buffers", "host", 4 * max(shards, default=0))  # its fp32 scratch (one shard)
+            memory.gradients_made_in_backward = True
         else:
             memory.add("gradients", "device", 4 * sum(shards))
             # (zero.stage3.grads: each shard is a reduce output made in backward, freed after the step; with gradient
@@ -415,6 +422,11 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
         if narrow:  # the fp32 working copy of one narrow record (NvmeRecords.widen)
             memory.add("host_io_buffers", "host", (1 + optimizer.per_element // 4) * chunk * 4)
         memory.nvme_files += _nvme_optimizer_file(host_shards, chunk, optimizer, master_bytes, state_bytes)
+        if option.stage == 3 and _spills_gradients(config, option):  # offload.nvme_records.GradientSpill
+            pieces = [-(-s // chunk) for s in host_shards]  # equal chunks per shard, as NvmeRecords cuts them
+            per = [round_up(-(-s // n), 1024) for s, n in zip(host_shards, pieces)]
+            memory.nvme_files += sum(n * round_up(p * d) for n, p in zip(pieces, per))
+            memory.add("host_io_buffers", "host", 2 * round_up(max(per) * d) + (chunk * 4 if d != 4 else 0))
         memory.notes.append("NVMe optimizer: the file holds the records once plus 2 spare records per size class "
                             "(a ring committed by an index flip)")
     return memory
@@ -429,6 +441,29 @@ def _streams_gradients(config, option: Option) -> bool:
     return (option.stage == 3 and option.offload_optimizer == "nvme"
             and not config.zero_optimization.zero_quantized_gradients
             and streams_gradients(config, Stage3GradReducer.can_free_final_shards))
+
+
+def _narrows_gradients(config, option: Option, device_type: str) -> bool:
+    """The engine's rule (`offload.cpu_optimizer.narrows_gradients`) for plain CPU offload at stage 3 on a CPU run
+    (every offloaded group on the CPU Adam kernel: zerotrain.optim's AdamW)."""
+    from .offload.cpu_optimizer import narrows_gradients
+    from .zero.stage3.grads import Stage3GradReducer
+
+    offload = config.zero_optimization.offload_optimizer
+    return (option.stage == 3 and option.offload_optimizer == "cpu" and device_type == "cpu"
+            and not config.zero_optimization.zero_quantized_gradients
+            and not (offload is not None and offload.super_offload)
+            and narrows_gradients(config, Stage3GradReducer.can_free_final_shards))
+
+
+def _spills_gradients(config, option: Option) -> bool:
+    """The engine's rule (`offload.nvme.spills_gradients`): as `_streams_gradients`, with clipping on."""
+    from .offload.nvme import spills_gradients
+    from .zero.stage3.grads import Stage3GradReducer
+
+    return (option.stage == 3 and option.offload_optimizer == "nvme"
+            and not config.zero_optimization.zero_quantized_gradients
+            and spills_gradients(config, Stage3GradReducer.can_free_final_shards))
 
 
 def _wire(cols: int, bits: int) -> int:

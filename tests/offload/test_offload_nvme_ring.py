@@ -133,7 +133,9 @@ def test_the_file_is_the_records_once_plus_the_spares(tmp_path):
 def streamed(nvme_path: str) -> list:
     """Stage 3 without clipping or accumulation: gradients streamed to the NVMe step bucket by bucket, the same
     run with the gradients held until step() (streaming switched off), and a streamed run whose step 1 fails
-    (a write on rank 0) and is retried by running the batch's forward/backward again."""
+    (a write on rank 0) and is retried by running the batch's forward/backward again. With clipping (1.0: it acts
+    on steps 0 and 2, not on 1): the gradients spilled to the NVMe files during backward and read back by the
+    step (`GradientSpill`), and the same run holding them in host memory until step() (the spill switched off)."""
     import zerotrain
     import zerotrain.offload.aio as aio
     import zerotrain.offload.nvme as factory
@@ -142,16 +144,26 @@ def streamed(nvme_path: str) -> list:
     from models_for_tests import OddMLP, micro_slice
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    real = factory.streams_gradients
+    import zerotrain.engine.parts as parts
+
+    real, real_spill, real_narrow = factory.streams_gradients, factory.spills_gradients, parts.narrows_gradients
     out = []
-    for case in ("streamed", "held", "failed", "bf16 streamed", "bf16 held"):
+    for case in ("streamed", "held", "failed", "bf16 streamed", "bf16 held", "clipped spilled", "clipped held",
+                 "bf16 clipped spilled", "bf16 clipped held", "clipped failed", "cpu narrow", "cpu wide"):
         if case.endswith("held"):
             factory.streams_gradients = lambda config, reducer: False
+            factory.spills_gradients = lambda config, reducer: False
+        if case == "cpu wide":  # plain CPU offload with the fp32 copies of the shards (before #43)
+            parts.narrows_gradients = lambda config, reducer: False
         torch.manual_seed(0)
         model = OddMLP()
         config = dict(engine_config(3, {"device": "nvme", "nvme_path": os.path.join(nvme_path, case.replace(" ", "_")),
-                                        "buffer_count": 2}), gradient_clipping=0.0, gradient_accumulation_steps=1,
+                                        "buffer_count": 2}), gradient_accumulation_steps=1,
+                      gradient_clipping=1.0 if "clipped" in case or case.startswith("cpu") else 0.0,
                       train_micro_batch_size_per_gpu=4)
+        if case.startswith("cpu"):  # plain CPU offload, bf16, clipping: the shards kept in bf16 (or fp32 copies)
+            config["bf16"] = {"enabled": True}
+            config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         if case.startswith("bf16"):  # streamed, the reduced bf16 shards go to the step uncast (grads.py)
             config["bf16"] = {"enabled": True}
             # and the shards on NVMe too: the background step hands the new weights to the main thread's store
@@ -159,18 +171,22 @@ def streamed(nvme_path: str) -> list:
                 "device": "nvme", "nvme_path": os.path.join(nvme_path, case.replace(" ", "_") + "_params"),
                 "buffer_count": 2, "max_in_cpu": 0})
         engine, *_ = zerotrain.initialize(model=model, model_parameters=param_groups(model), config=config)
-        factory.streams_gradients = real
+        factory.streams_gradients, factory.spills_gradients = real, real_spill
+        parts.narrows_gradients = real_narrow
         held, losses, norms, raised = [], [], [], []
         original = engine._take_model_step
         engine._take_model_step = lambda: (held.append(engine.reducer._gradient_bytes()), original())[1]
         for step, batch in enumerate(world_batches(2, steps=3)):
             x, y = micro_slice(batch, 0, rank, world, 4)
-            if case.startswith("bf16"):
+            if case.startswith(("bf16", "cpu")):
                 x, y = x.bfloat16(), y.bfloat16()
             for attempt in range(2):
                 loss = engine(x, y)
-                if case == "failed" and step == 1 and attempt == 0:  # streamed: the writes run in backward
-                    restore = _failing_io(aio, "_pwrite", 2, errno.EIO) if rank == 0 else (lambda: None)
+                if case.endswith("failed") and step == 1 and attempt == 0:  # the writes run in backward
+                    # clipped: the second gradient spilled fails, alone (the records' writes succeed)
+                    spill = {engine.zero_optimizer.spill.fd} if case == "clipped failed" else None
+                    restore = _failing_io(aio, "_pwrite", 2, errno.EIO, only_fds=spill, once=spill is not None) \
+                        if rank == 0 else (lambda: None)
                     try:
                         engine.backward(loss)
                         with pytest.raises(OffloadIOError) as error:
@@ -185,7 +201,13 @@ def streamed(nvme_path: str) -> list:
             losses.append(float(loss.detach()))
             norms.append(engine.get_global_grad_norm())
         out.append({"losses": losses, "norms": norms, "held": held[-3:], "weights": engine.full_state_dict(),
-                    "streams": engine.zero_optimizer.stream_gradients, "raised": raised,
+                    "streams": getattr(engine.zero_optimizer, "stream_gradients", False), "raised": raised,
+                    "spills": getattr(engine.zero_optimizer, "spill_gradients", False),
+                    "narrow": getattr(engine.zero_optimizer, "narrow_gradients", False),
+                    "spill_host": engine.zero_optimizer.spill.host_bytes() if getattr(engine.zero_optimizer, "spill",
+                                                                                      None) else 0,
+                    "stream_budget": getattr(engine.zero_optimizer, "_stream_budget", 0),
+                    "shard_bytes": 4 * sum(b.shard_numel for b in engine.zero_optimizer.buckets),
                     "stats": engine.offload_stats(),
                     "param_store": engine.memory_report().get("offload_param")})
         engine.zero_optimizer.close()
@@ -193,7 +215,50 @@ def streamed(nvme_path: str) -> list:
 
 
 def test_gradients_streamed_to_the_nvme_step_during_backward_change_nothing_but_memory(tmp_path):
-    for on, off, failed, bf16_on, bf16_off in run_distributed(streamed, 2, str(tmp_path), timeout=120):
+    from offload_common import reference_training
+
+    _, ref_weights = reference_training(world_batches(2, steps=3))
+    results = run_distributed(streamed, 2, str(tmp_path), timeout=120)
+    for on, off, failed, bf16_on, bf16_off, spilled, held, bf16_spilled, bf16_held, spill_failed, narrow, wide \
+            in results:
+        # plain CPU offload, bf16, clipping: the shards kept in bf16 and cast as the kernel reads them, the same
+        # bits as the fp32 copies, at half their bytes (plus one fp32 scratch of the largest shard)
+        assert narrow["narrow"] and not wide["narrow"]
+        assert narrow["losses"] == wide["losses"] and narrow["norms"] == wide["norms"] and max(narrow["norms"]) > 1
+        for name, ref in wide["weights"].items():
+            assert torch.equal(narrow["weights"][name], ref), name
+        assert [2 * h for h in narrow["held"]] == wide["held"] and all(h > 0 for h in wide["held"]), \
+            (narrow["held"], wide["held"])
+        # a spill write failing on rank 0 in backward: every rank raises at step(), the batch's forward/backward
+        # again, and the run ends where the one without a failure does
+        assert spill_failed["raised"] and "failed on rank(s) [0]" in spill_failed["raised"][0], spill_failed["raised"]
+        assert spill_failed["stats"]["nvme_failed_steps"] == 1
+        assert spill_failed["losses"] == spilled["losses"] and spill_failed["norms"] == spilled["norms"]
+        for name, ref in spilled["weights"].items():
+            assert torch.equal(spill_failed["weights"][name], ref), name
+        # bf16: the reduced bf16 shards spilled as they are (2 bytes), cast to fp32 when read back
+        assert bf16_spilled["spills"] and bf16_spilled["held"] == [0, 0, 0] and not bf16_held["spills"]
+        assert bf16_spilled["losses"] == bf16_held["losses"] and bf16_spilled["norms"] == bf16_held["norms"]
+        for name, ref in bf16_held["weights"].items():
+            assert torch.equal(bf16_spilled["weights"][name], ref), name
+        # clipping on: the spilled run equals the one holding its gradients, bit for bit, and torch's
+        # clip_grad_norm_ + AdamW; the clip acts on some steps and not on others
+        assert spilled["spills"] and not spilled["streams"] and not held["spills"] and not held["streams"]
+        assert min(spilled["norms"]) < 1.0 < max(spilled["norms"]), spilled["norms"]
+        assert spilled["losses"] == held["losses"] and spilled["norms"] == held["norms"]
+        for name, ref in held["weights"].items():
+            assert torch.equal(spilled["weights"][name], ref), name
+        # (the losses here are each rank's own micro-batch's; the full weights are rank 0's)
+        assert set(spilled["weights"]) == (set(ref_weights) if spilled is results[0][5] else set())
+        for name, weight in spilled["weights"].items():
+            torch.testing.assert_close(weight, ref_weights[name], rtol=1e-5, atol=1e-6, msg=name)
+        # the gradients never sit whole in host memory: none held at step(), the counted peak within the
+        # handed-over bound plus the spill's buffers; held: every shard at step()
+        assert spilled["held"] == [0, 0, 0] and all(h > 0 for h in held["held"]), (spilled["held"], held["held"])
+        peak = spilled["stats"]["grad_host_peak_bytes"]
+        assert 0 < peak <= 4 * spilled["stream_budget"] + spilled["spill_host"], spilled["stats"]
+        assert held["stats"]["grad_host_peak_bytes"] == held["shard_bytes"], held["stats"]
+        assert spilled["stats"]["nvme_spill_bytes"] > 0 and held["stats"]["nvme_spill_bytes"] == 0
         assert on["streams"] and not off["streams"] and failed["streams"]
         assert bf16_on["streams"] and not bf16_off["streams"]
         assert bf16_on["param_store"]["nvme"] > 0 and bf16_off["param_store"]["nvme"] > 0 and on["param_store"] is None

@@ -77,11 +77,18 @@ def budget_checks(topology, nvme_path: str) -> dict:
     del raw["zero_optimization"]["reduce_bucket_size"]
     config = load_config(raw)
     model = OddMLP()
-    host = HostMemory((rank + 1) * 2**28, "test")  # rank 1 sees twice rank 0's memory
+    host = HostMemory((rank + 1) * 2**30, "test")  # rank 1 sees twice rank 0's memory (a budget above the runtime)
     local = plan_sizes(default_budget(host.available, 2, _own_rss()), model_shape(model), 2, config, "cpu")
     zero = resolve_memory(model, config, topology, host=host).zero_optimization
     chosen = (zero.reduce_bucket_size, zero.stage3_max_live_parameters, zero.offload_param.max_in_cpu,
               zero.offload_param.buffer_count, zero.offload_param.buffer_size, zero.offload_optimizer.buffer_count)
+    # the default budget (half this rank's part) below what the run needs, its whole part above: refused, not
+    # run over the printed budget (#43), naming the budget that would let it run
+    try:
+        resolve_memory(model, config, topology, host=HostMemory(_own_rss(), "test"))
+        over = ""
+    except ConfigError as error:
+        over = str(error)
     raw["zero_optimization"]["memory_budget_bytes"] = 10_000  # less than the model states and buffers need
     refused = []
     for build in (lambda: zerotrain.initialize(model=OddMLP(), model_parameters=None, config=raw),
@@ -91,7 +98,8 @@ def budget_checks(topology, nvme_path: str) -> dict:
             refused.append("")
         except ConfigError as error:
             refused.append(str(error))
-    return {"chosen": chosen, "local_max_in_cpu": local.value("offload_param.max_in_cpu"), "refused": refused}
+    return {"chosen": chosen, "local_max_in_cpu": local.value("offload_param.max_in_cpu"), "refused": refused,
+            "over_default_budget": over}
 
 
 def test_offload_param_matches_single_process(tmp_path):
@@ -102,6 +110,9 @@ def test_offload_param_matches_single_process(tmp_path):
     # elements at least, which both ranks reach here)
     assert budgets[0]["local_max_in_cpu"] != budgets[1]["local_max_in_cpu"], budgets  # can differ
     assert budgets[0]["chosen"] == budgets[1]["chosen"], budgets  # ... but the ranks agree
+    for budget in budgets:
+        over = budget["over_default_budget"]
+        assert "there are (the memory budget printed: 50% of" in over and "memory_budget_bytes up to" in over, over
     for budget in budgets:  # by initialize and by an engine built directly, the same way
         for refused in budget["refused"]:
             assert "more than the 9.77 KiB there are (zero_optimization.memory_budget_bytes)" in refused, budget

@@ -60,3 +60,23 @@ def test_bf16_weights_are_the_cast_fp32_masters_after_each_step():
         for param, master, ref in zip(params, sharded.masters, reference):
             torch.testing.assert_close(master, ref.detach(), rtol=1e-6, atol=1e-7)
             assert torch.equal(param.detach(), ref.detach().to(torch.bfloat16))
+
+
+def test_the_norm_sums_squares_in_fp64_as_deepspeed():
+    """The global norm sums its squares in fp64 (DeepSpeed 0.19's `get_norm_dtype()`): one large bucket beside
+    many small ones, where an fp32 running sum drops every small square (1e8 + 1 rounds back to 1e8) and a large
+    shard's own fp32 sum drifts. The reference is the fp64 sum of every element's square; fp32 is 3e-5 off it."""
+    from zerotrain.zero.gradnorm import GlobalGradients
+
+    torch.manual_seed(0)
+    large = torch.full((3 << 20 | 5,), 5.0) + torch.rand(3 << 20 | 5)  # spans several of the norm's fp64 pieces
+    grads = [large] + [torch.full((1,), 1.0) for _ in range(2000)]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    buckets = [FlatBucket(i, [(f"p{i}", p)], 0, ShardGroup.local()) for i, p in enumerate(params)]
+    squared = GlobalGradients(buckets, None).squared_norm(grads)
+    exact = sum(float(g.double().square().sum()) for g in grads)
+    fp32 = torch.zeros(1)
+    for g in grads:
+        fp32 += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+    assert abs(float(fp32) - exact) / exact > 1e-5  # the case shows the difference
+    assert squared == pytest.approx(exact, rel=1e-12), (squared, exact, float(fp32))

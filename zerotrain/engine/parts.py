@@ -18,7 +18,7 @@ import torch
 from ..checkpoint import SnapshotFences
 from ..comm import Comm, CommCounters
 from ..config import ConfigError, ZeroTrainConfig
-from ..offload.cpu_optimizer import OffloadOptimizer
+from ..offload.cpu_optimizer import OffloadOptimizer, narrows_gradients
 from ..offload import nvme as nvme_offload
 from ..offload.param_store import build_param_store
 from ..offload.speculative import SuperOffloadOptimizer
@@ -268,6 +268,7 @@ def _master_optimizer(buckets: list, config: ZeroTrainConfig, topology: Topology
         return nvme_offload.NvmeOffloadOptimizer(buckets, comm, torch_optimizer, groups, config.gradient_clipping,
                                     nvme_path=offload.nvme_path, buffer_count=int(offload.buffer_count),
                                     aio=config.aio, stream_gradients=nvme_offload.streams_gradients(config, reducer.can_free_final_shards),
+                                    spill_gradients=nvme_offload.spills_gradients(config, reducer.can_free_final_shards),
                                     **nvme_offload.record_dtypes(config), **common)
     if offload.super_offload:
         # `fences`: waited on by SuperOffload's in-place steps during backward
@@ -275,6 +276,7 @@ def _master_optimizer(buckets: list, config: ZeroTrainConfig, topology: Topology
                                      loss_scale=lambda: loss_scaler.scale,
                                      speculation=offload.super_offload_speculation, fence=fences, **common)
     return OffloadOptimizer(buckets, comm, torch_optimizer, groups, config.gradient_clipping,
+                            narrow_gradients=narrows_gradients(config, reducer.can_free_final_shards),
                             **nvme_offload.record_dtypes(config), **common)
 
 

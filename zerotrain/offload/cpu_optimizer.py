@@ -67,6 +67,16 @@ def prefer_fused(optimizer: torch.optim.Optimizer) -> None:
         optimizer.defaults["fused"] = True
 
 
+def narrows_gradients(config, frees_final_shards: bool) -> bool:
+    """Whether plain CPU offload keeps stage 3's reduced gradient shards in the training dtype (bf16: 2 bytes per
+    element, not an fp32 copy) and casts each as its Adam kernel reads it: a reducer that can
+    (`frees_final_shards`: stage 3's), bf16 training, no fp16, every bucket offloaded, no accumulation (the shards
+    would be summed in bf16). With clipping the gradients wait for the norm in host memory: half the bytes."""
+    offload = config.zero_optimization.offload_optimizer  # (None: `zerotrain estimate` trying the CPU option)
+    return (frees_final_shards and config.bf16.enabled and not config.fp16.enabled
+            and (offload is None or float(offload.ratio) >= 1.0) and config.gradient_accumulation_steps == 1)
+
+
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
 
@@ -126,9 +136,11 @@ class OffloadOptimizer(ShardedOptimizer):
                  group_params: list[list[torch.Tensor]], clip_norm: float, ratio: float = 1.0,
                  pin_memory: bool = False, reducer=None, host_grads: bool = True,
                  gradients: Optional[GlobalGradients] = None, master_dtype: torch.dtype = torch.float32,
-                 state_dtype: Optional[torch.dtype] = None):
+                 state_dtype: Optional[torch.dtype] = None, narrow_gradients: bool = False):
         """`master_dtype` bf16 (`bf16.bf16_master_weights_and_grads`; `state_dtype` bf16 with
-        `bf16.bf16_optimizer_states`): the offloaded masters (and Adam's moments) stored in bf16 (`bf16_host`)."""
+        `bf16.bf16_optimizer_states`): the offloaded masters (and Adam's moments) stored in bf16 (`bf16_host`).
+        `narrow_gradients` (`narrows_gradients`): the reducer keeps the shards in the training dtype, each cast
+        into one fp32 scratch of the largest shard as the kernel reads it (CPU runs, kernel-stepped groups only)."""
         # Which buckets go to the host, known before ShardedOptimizer builds the masters (initial_master).
         self.ratio = ratio
         self.master_dtype = master_dtype
@@ -147,6 +159,13 @@ class OffloadOptimizer(ShardedOptimizer):
         self.reducer = reducer
         if reducer is not None:
             reducer.shard_ready_callbacks.append(self._on_shard_ready)
+        self.narrow_gradients = bool(narrow_gradients) and reducer is not None and reducer.can_free_final_shards \
+            and self.device.type == "cpu" and all(
+                self.bf16_host is not None or self.cpu_adam.supports(self.masters[i], b.group_index)
+                for i, b in enumerate(buckets) if self.offloaded[i])
+        self._grad_scratch: Optional[torch.Tensor] = None  # the fp32 cast of one narrow gradient shard
+        if self.narrow_gradients:
+            reducer.keep_final_shards_in_training_dtype()
 
     def initial_master(self, index: int, bucket: ShardLayout) -> torch.Tensor:
         """Offloaded buckets: a host master (`initial_host_master`); the others on the device."""
@@ -190,10 +209,14 @@ class OffloadOptimizer(ShardedOptimizer):
 
     # --- the step ----------------------------------------------------------
     def step(self, grad_shards: list[torch.Tensor], loss_scale: float) -> None:
+        held = sum(g.numel() * g.element_size() for i, g in enumerate(grad_shards) if g is not None and self.offloaded[i])
         norm = self.grad_norm(grad_shards) / loss_scale
         self.last_grad_norm = norm
         self.shards_written = set()
         self.update(grad_shards, self.multiplier(norm, loss_scale), range(len(self.buckets)))
+        # the host bytes of gradients the step held: the offloaded shards (and the narrow shards' fp32 scratch)
+        held += self._grad_scratch.numel() * 4 if self._grad_scratch is not None else 0
+        self.stats["grad_host_peak_bytes"] = max(self.stats.get("grad_host_peak_bytes", 0), held)
         self.stats["steps"] += 1
         self.publish_after_update()
 
@@ -251,7 +274,14 @@ class OffloadOptimizer(ShardedOptimizer):
         """The reduced gradient as the CPU Adam kernel reads it: itself when it is a contiguous fp32 host
         tensor, else its host copy (not multiplied: the kernel applies the multiplier as it reads)."""
         on_host = grad.device.type == "cpu" and grad.dtype == torch.float32 and grad.is_contiguous()
-        return grad if on_host else self.host_grads.get(index, grad)
+        if on_host:
+            return grad
+        if self.narrow_gradients and grad.device.type == "cpu":  # one scratch, reused bucket after bucket
+            if self._grad_scratch is None:
+                self._grad_scratch = torch.empty(max(b.shard_numel for i, b in enumerate(self.buckets)
+                                                     if self.offloaded[i]), dtype=torch.float32)
+            return self._grad_scratch[:grad.numel()].copy_(grad)
+        return self.host_grads.get(index, grad)
 
     def update(self, grad_shards: list[torch.Tensor], multiplier: float, indices) -> None:
         """One optimizer step over buckets `indices` (host and device ones together, one fused call).
@@ -301,6 +331,8 @@ class OffloadOptimizer(ShardedOptimizer):
                 split["device"] += state + (0 if is_own_master(bucket) else master.numel() * master.element_size())
         if self.host_grads is not None:
             split["host_buffers"] += self.host_grads.nbytes()
+        if self._grad_scratch is not None:
+            split["host_buffers"] += self._grad_scratch.numel() * 4
         return split
 
     def offloaded_bytes(self) -> int:

@@ -40,6 +40,16 @@ the whole model's gradients; the norm's terms are summed as they come (the same 
 agreed and committed in `step()` as above. A failed streamed step is retried by running the batch's
 forward and backward again (its gradients are gone); the chunks committed early are skipped.
 
+Gradients spilled (`spill_gradients`, chosen by `spills_gradients`: the same conditions with clipping on,
+DeepSpeed's default): the whole model's gradients must be known before the clip's multiplier is, so instead of
+holding them in host memory until `step()` each final shard's norm terms are summed and the shard is written,
+in its own dtype (lossless), to a spill file beside the records (`nvme_records.GradientSpill`) on the same
+background thread, and the reducer frees it. `step()` then streams the records as usual, each chunk's gradient
+read back from the spill into its buffer's gradient region alongside its record, with the clipped multiplier:
+the same chunks, the same arithmetic, the same bits as holding them. Why a spill rather than speculation or a
+first pass: see `GradientSpill`. Host memory for gradients (`grad_host_peak_bytes`): the handed-over shards not
+yet written (bounded by `_stream_budget`, as streaming's) plus the spill's staging; held, every offloaded shard.
+
 The streamed steps run on one background thread (`_worker`), in the order the gradients came: the main
 thread hands each final shard over and goes on with backward, so the waits on record reads, the CPU
 Adam kernel (ctypes: the GIL is released) and the writes behind overlap the backward's compute and
@@ -70,11 +80,11 @@ import torch
 from .aio import OffloadIOError
 from .cpu_adam import COPY_BACK_DTYPES, adam_step
 from .cpu_optimizer import OffloadOptimizer
-from .nvme_records import DEFAULT_CHUNK_NUMEL, Chunk, NvmeRecords, master_placeholder
+from .nvme_records import DEFAULT_CHUNK_NUMEL, Chunk, GradientSpill, NvmeRecords, master_placeholder
 from .nvme_stream import NvmeStream
 from .partial import SubsetStepper
 
-__all__ = ["NvmeOffloadOptimizer", "DEFAULT_CHUNK_NUMEL", "streams_gradients", "record_dtypes"]
+__all__ = ["NvmeOffloadOptimizer", "DEFAULT_CHUNK_NUMEL", "streams_gradients", "spills_gradients", "record_dtypes"]
 
 
 def record_dtypes(config) -> dict[str, Optional[torch.dtype]]:
@@ -101,6 +111,17 @@ def streams_gradients(config, frees_final_shards: bool) -> bool:
             and frees_final_shards)
 
 
+def spills_gradients(config, frees_final_shards: bool) -> bool:
+    """Whether NVMe offload spills each final gradient shard to disk during backward (`GradientSpill`) instead of
+    holding the whole model's gradients in host memory until the clip's norm is known: where the gradients
+    would be streamed (`streams_gradients`) but for clipping, which is on (DeepSpeed's default, 1.0)."""
+    offload = config.zero_optimization.offload_optimizer
+    return (bool(config.gradient_clipping) and not config.fp16.enabled and float(offload.ratio) >= 1.0
+            and config.gradient_accumulation_steps == 1
+            and not (config.bf16.enabled and config.bf16.check_grad_overflow)
+            and frees_final_shards)
+
+
 class NvmeOffloadOptimizer(OffloadOptimizer):
     """Offload whose fp32 masters and optimizer states live on disk; see the module docstring.
 
@@ -111,7 +132,8 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
 
     def __init__(self, *args, nvme_path: str, buffer_count: int = 4, aio=None,
                  chunk_numel: Optional[int] = None, direct: Optional[bool] = None, spare: Optional[int] = None,
-                 stream_gradients: bool = False, master_dtype: torch.dtype = torch.float32,
+                 stream_gradients: bool = False, spill_gradients: bool = False,
+                 master_dtype: torch.dtype = torch.float32,
                  state_dtype: Optional[torch.dtype] = None, **kwargs):
         kwargs["host_grads"] = False  # gradients go to the host chunk by chunk, through the buffers
         super().__init__(*args, **kwargs)
@@ -128,12 +150,24 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
                                    direct=direct, pin_memory=kwargs.get("pin_memory", False), spare=spare,
                                    master_dtype=master_dtype, state_dtype=state_dtype)
         self.stream = NvmeStream(self.records)
+        # clipping on: final gradient shards spilled to disk during backward, read back by the step (see
+        # `nvme_records.GradientSpill` for why a spill rather than speculation or a first pass for the norm)
+        self.spill_gradients = bool(spill_gradients) and self.reducer is not None and not self.stream_gradients
+        self.spill: Optional[GradientSpill] = None
+        if self.spill_gradients:
+            try:
+                self.spill = GradientSpill(self.records, {i: self.buckets[i].dtype for i in self.records.on_disk})
+            except BaseException:
+                self.records.close()
+                raise
+            self.reducer.free_final_shards()
         self._chunks_of: dict[int, list[Chunk]] = {}
         for chunk in self.records.chunks:
             self._chunks_of.setdefault(chunk.bucket, []).append(chunk)
         self.stats.update(nvme_bytes_read=0, nvme_bytes_written=0, nvme_failed_steps=0, nvme_restored_chunks=0,
                           direct_io=int(self.records.io.direct), nvme_file_bytes=self.records.disk_bytes(),
-                          nvme_early_commits=0, nvme_resumed_chunks=0)
+                          nvme_early_commits=0, nvme_resumed_chunks=0, grad_host_peak_bytes=0,
+                          nvme_spill_bytes=self.spill.file_bytes if self.spill is not None else 0)
         self._published: set[int] = set()  # buckets whose model shards the last update() already wrote
         self._staging: dict[int, torch.Tensor] = {}  # offload_param buckets: new shard values, chunk by chunk
         self._staging_left: dict[int, int] = {}  # chunks of a staged bucket not yet in its staging tensor
@@ -207,7 +241,9 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         records = self.records
         state = streamed if streamed is not None else StreamedStep(records)
         wanted = set(indices)
-        chunks = [c for c in records.chunks if c.bucket in wanted and grad_shards[c.bucket] is not None]
+        spilled = self.spill.ready if self.spill is not None else set()
+        chunks = [c for c in records.chunks if c.bucket in wanted and (grad_shards[c.bucket] is not None
+                                                                        or c in spilled)]
         self._published.clear()
         if streamed is None:
             self._store_written.clear()
@@ -261,14 +297,14 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         self._publish_from_files([c for c in resumed if self.buckets[c.bucket].offloaded])
         self.stream.run([c for c in chunks if c not in records.resume], grad_shards, multiplier, self._step_chunk,
                         state.stepped, state.keep, state.scalars, state.pending, state.committed,
-                        in_flight=state.in_flight, keep_tail=keep_tail, wait=keep_tail)
+                        in_flight=state.in_flight, keep_tail=keep_tail, wait=keep_tail, spill=self.spill)
 
     # --- gradients streamed to the step during backward -----------------------------
     def _on_shard_ready(self, index: int) -> None:
         """With `stream_gradients`, bucket `index`'s final gradient shard is stepped at once (its records
         read, updated and written behind) and the reducer frees it: host memory never holds the gradients of
         the whole model. The step still commits only in `step()`, after every rank's I/O is known."""
-        if not (self.stream_gradients and self.offloaded[index]):
+        if not ((self.stream_gradients or self.spill_gradients) and self.offloaded[index]):
             return super()._on_shard_ready(index)
         grad = self.reducer.grad_shards[index]
         if grad is None:
@@ -287,11 +323,35 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         while self._queued and sum(numel for _, numel in self._queued) + grad.numel() > self._stream_budget:
             self._queued.popleft()[0].result()  # the oldest hand-over done: its gradient is freed
             self._write_published()
+        # the gradients host memory holds for the step: the handed-over shards not done yet, this one, and
+        # the spill's staging (`grad_host_peak_bytes`; without streaming or a spill: every offloaded shard)
+        held = (sum(numel for _, numel in self._queued) + grad.numel()) * grad.element_size() + \
+            (self.spill.host_bytes() if self.spill is not None else 0)
+        self.stats["grad_host_peak_bytes"] = max(self.stats["grad_host_peak_bytes"], held)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerotrain-nvme-step")
+        if self.spill_gradients:
+            self._queued.append((self._worker.submit(self._spill_bucket, index, grad, state), grad.numel()))
+            return
         if self.buckets[index].offloaded and self._chunks_of.get(index):
             self._stage(index)
         self._queued.append((self._worker.submit(self._stream_bucket, index, grad, state), grad.numel()))
+
+    def _spill_bucket(self, index: int, grad: torch.Tensor, state: "StreamedStep") -> None:
+        """Background thread: the norm's terms of bucket `index`'s final gradient shard, and the shard written
+        to the spill file chunk by chunk (waited for: the shard is freed when this returns). An error is kept
+        in `state` (every rank learns of it in step())."""
+        try:
+            state.terms[index] = self.gradients.bucket_terms(index, grad)
+            if state.error is not None:
+                return
+            chunks = self._chunks_of.get(index, [])
+            writes = [self.spill.write(chunk, grad.narrow(0, chunk.start, chunk.numel)) for chunk in chunks]
+            for future in writes:
+                future.result()
+            self.spill.ready.update(chunks)
+        except BaseException as caught:  # noqa: BLE001 - raised on every rank by step()
+            state.error = caught
 
     def _stream_bucket(self, index: int, grad: torch.Tensor, state: "StreamedStep") -> None:
         """Background thread: step bucket `index` from its final gradient shard, then read ahead the records
@@ -340,6 +400,9 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         self._settle_streamed()
         state, self._streamed = self._streamed, None
         if state is None:
+            held = sum(g.numel() * g.element_size() for i, g in enumerate(grad_shards)
+                       if g is not None and self.offloaded[i])
+            self.stats["grad_host_peak_bytes"] = max(self.stats["grad_host_peak_bytes"], held)
             return super().step(grad_shards, loss_scale)
         self._last_order = {bucket: position for position, bucket in enumerate(state.order)}
         # the streamed buckets' shards are gone: their squares were summed as they came (same order, same sum)
@@ -347,7 +410,11 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         norm = self.gradients.norm(present, state.terms) / loss_scale
         self.last_grad_norm = norm
         self.shards_written = set()
-        self._update(grad_shards, self.multiplier(norm, loss_scale), range(len(self.buckets)), state)
+        try:  # spilled: the step reads each chunk's gradient back with its record, clipped by the norm's multiplier
+            self._update(grad_shards, self.multiplier(norm, loss_scale), range(len(self.buckets)), state)
+        finally:
+            if self.spill is not None:  # the next step's gradients are spilled again (a retry reruns backward)
+                self.spill.ready.clear()
         self.stats["steps"] += 1
         self.publish_after_update()
 
@@ -378,14 +445,13 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
                              f"rank {comm_rank(self)} rolled its own step back, so every rank's training state "
                              f"is as it was before the step")
 
-    def _step_chunk(self, chunk: Chunk, buffer: torch.Tensor, grad_shard: torch.Tensor, multiplier: float,
+    def _step_chunk(self, chunk: Chunk, buffer: torch.Tensor, grad: torch.Tensor, multiplier: float,
                     scalars: dict) -> None:
         """Update the chunk's master and states in `buffer` and cast the new weights into the model's shard.
         A narrow (bf16) record is stepped in fp32 copies and stored back rounded stochastically; the model
         then gets the stored master, so that it and the records agree."""
         group, master = self.records.group(chunk), self.records.master(chunk, buffer)
         regions = self.records.states(chunk, buffer)
-        grad = grad_shard.narrow(0, chunk.start, chunk.numel)
         fresh = not self.records.has_state[chunk.bucket]
         target = self._publish_target(chunk)
         narrow = self.records.narrow_records
@@ -560,7 +626,10 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
     def memory_split(self) -> dict[str, int]:
         """As OffloadOptimizer's, with the offloaded masters and per-element states counted under `nvme`
         (in host memory only while resident) and the I/O buffers under `host_buffers`."""
-        return self.records.account(super().memory_split())
+        split = self.records.account(super().memory_split())
+        if self.spill is not None:
+            split["host_buffers"] += self.spill.host_bytes()
+        return split
 
     def close(self) -> None:
         try:

@@ -408,3 +408,81 @@ class NvmeRecords:
 def _cleanup(io: AsyncFileIO, directory: str) -> None:
     io.shutdown()
     shutil.rmtree(directory, ignore_errors=True)
+
+
+class GradientSpill:
+    """Clipping without the whole model's gradients in host memory: each offloaded chunk's final gradient
+    shard written, in the dtype it was reduced in (lossless), to a spill file beside the records while the
+    backward goes on; the step (`nvme_stream.py`) reads it back into the buffer's gradient region with the
+    chunk's record, once the norm and so the clip multiplier are known (`nvme.py`).
+
+    Why a spill and not speculation or a first pass: the clip acts on most steps early in training (every
+    step of our 2.4B/7B runs), so SuperOffload's speculate-then-validate would redo nearly every step and
+    needs the gradients kept for the redo anyway, and its rollback needs the old records, which the ring
+    of spares keeps only for small models; a first pass for the norm doubles the forward and backward. The
+    spill adds one write and one read of the gradient (2 bytes per parameter in bf16 training, 4 in
+    fp32) to a step that moves 24 (fp32 records) or 12 (bf16 records) bytes per parameter, and its disk
+    is the gradient once (one extent per chunk); host memory for gradients is the handed-over shards
+    not written yet (bounded like the streamed step's) plus two aligned staging buffers."""
+
+    def __init__(self, records: NvmeRecords, dtypes: dict[int, torch.dtype]):
+        """`dtypes`: bucket -> the dtype its reduced gradient shard comes in (the extents' element size)."""
+        self.records, self.dtypes = records, dtypes
+        self.offsets: dict[Chunk, int] = {}
+        size = 0
+        for chunk in records.chunks:
+            self.offsets[chunk] = size
+            size += self._nbytes(chunk)
+        self.file_bytes = size
+        self.ready: set[Chunk] = set()  # chunks whose spilled gradient is this step's
+        self.staging = AlignedBuffers(2, max((self._nbytes(c) for c in records.chunks), default=ALIGN),
+                                      pin=False)
+        self._scratch: Optional[torch.Tensor] = None  # fp32 cast of a narrow spilled gradient
+        free = shutil.disk_usage(records.directory).free
+        if size > free:
+            raise OffloadIOError(f"NVMe offload: rank {records.rank} needs {size / 2**20:.1f} MiB more under "
+                                 f"{os.path.dirname(records.directory)} to spill the gradients for clipping "
+                                 f"(gradient_clipping > 0); only {free / 2**20:.1f} MiB are free")
+        self.fd = records.io.open(os.path.join(records.directory, "grads.spill"), max(size, ALIGN))
+
+    def _nbytes(self, chunk: Chunk) -> int:
+        return round_up(chunk.size_class[1] * self.dtypes[chunk.bucket].itemsize)
+
+    def write(self, chunk: Chunk, grad: torch.Tensor):
+        """Spill the chunk's piece `grad` of its bucket's gradient shard; a future of the write (the staging
+        buffer goes back when it is done). Waits for a staging buffer."""
+        if grad.dtype != self.dtypes[chunk.bucket]:
+            raise RuntimeError(f"NVMe offload: bucket {chunk.bucket}'s gradient came in {grad.dtype}, its spill "
+                               f"extents hold {self.dtypes[chunk.bucket]}")
+        buffer = self.staging.acquire()
+        try:
+            region = buffer[:self._nbytes(chunk)]
+            region.view(grad.dtype)[:chunk.numel].copy_(grad)
+            return self.records.io.write(self.fd, self.offsets[chunk], region,
+                                         done=lambda b=buffer: self.staging.release(b))
+        except BaseException:
+            self.staging.release(buffer)
+            raise
+
+    def read(self, chunk: Chunk, buffer: torch.Tensor):
+        """Start reading the chunk's spilled gradient into `buffer`'s gradient region; its future."""
+        region = self._region(chunk, buffer)
+        return self.records.io.read(self.fd, self.offsets[chunk], region)
+
+    def _region(self, chunk: Chunk, buffer: torch.Tensor) -> torch.Tensor:
+        start = max(self.records.record_bytes.values())
+        return buffer[start:start + self._nbytes(chunk)]
+
+    def gradient(self, chunk: Chunk, buffer: torch.Tensor) -> torch.Tensor:
+        """The chunk's gradient read by `read`, in fp32: the region itself, or a cast into a scratch tensor
+        (one: the chunks are stepped one at a time)."""
+        stored = self._region(chunk, buffer).view(self.dtypes[chunk.bucket])[:chunk.numel]
+        if stored.dtype == torch.float32:
+            return stored
+        if self._scratch is None:
+            self._scratch = torch.empty(self.records.chunk_numel, dtype=torch.float32)
+        return self._scratch[:chunk.numel].copy_(stored)
+
+    def host_bytes(self) -> int:
+        """Host memory the spill holds: its staging buffers and the fp32 scratch."""
+        return self.staging.total_bytes() + (self._scratch.numel() * 4 if self._scratch is not None else 0)

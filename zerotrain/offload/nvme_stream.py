@@ -23,9 +23,9 @@ from typing import Callable, Optional
 
 import torch
 
-from .nvme_records import Chunk, NvmeRecords
+from .nvme_records import Chunk, GradientSpill, NvmeRecords
 
-# update one chunk in its buffer: (chunk, buffer, the bucket's gradient shard, multiplier, scalars by bucket)
+# update one chunk in its buffer: (chunk, buffer, the chunk's gradient, multiplier, scalars by bucket)
 StepChunk = Callable[[Chunk, torch.Tensor, torch.Tensor, float, dict], None]
 
 
@@ -38,7 +38,7 @@ class NvmeStream:
     def run(self, chunks: list[Chunk], grad_shards, multiplier: float, step_chunk: StepChunk, stepped: list[Chunk],
             keep: dict[Chunk, torch.Tensor], scalars: dict, pending: list[tuple[Chunk, int]],
             committed: list[Chunk], in_flight: Optional[dict[Chunk, Future]] = None, keep_tail: bool = True,
-            wait: bool = True) -> None:
+            wait: bool = True, spill: Optional[GradientSpill] = None) -> None:
         """Read, update with `step_chunk` (which publishes and fills `scalars`) and write `chunks` to free
         extents, appending each to `stepped` before it changes.
 
@@ -49,7 +49,9 @@ class NvmeStream:
         step commits) unless not `keep_tail`. `in_flight` (chunk -> its write) is shared by the runs of one
         step (gradients streamed bucket by bucket); without `wait` the writes are left in flight there. On
         failure every I/O of this run is waited for, every buffer goes back to the pool and the error is
-        raised; the index holds the committed chunks only."""
+        raised; the index holds the committed chunks only. The gradient of a chunk in `spill.ready` (clipping
+        with the gradients spilled to disk during backward) is read from the spill file into its buffer's
+        gradient region alongside the record; the others' come from `grad_shards`."""
         records, pool, io = self.records, self.records.pool, self.records.io
         held = {chunk: (records.kept.pop(chunk), None) for chunk in chunks if chunk in records.kept}
         held.update({chunk: records.prefetched.pop(chunk) for chunk in chunks if chunk in records.prefetched})
@@ -62,6 +64,11 @@ class NvmeStream:
         keeping: dict[Chunk, torch.Tensor] = {}  # the tail's buffers: not released when written
         keep_from = len(order) - (pool.count - 1) if keep_tail else len(order)
         holding, ahead = None, len(held)  # holding: (buffer, its read) of the chunk being updated
+        spilled = spill.ready if spill is not None else set()
+        grad_reads: dict[int, Future] = {}  # position -> the read of its spilled gradient
+        for position, chunk in enumerate(order[:len(held)]):
+            if chunk in spilled:
+                grad_reads[position] = spill.read(chunk, fetched[position][0])
         try:
             for k, chunk in enumerate(order):
                 while ahead < len(order) and ahead - k < pool.count:
@@ -71,15 +78,22 @@ class NvmeStream:
                     following = order[ahead]
                     fetched[ahead] = (buffer, io.read(records.fd, records.current(following),
                                                       records.record(following, buffer)))
+                    if following in spilled:
+                        grad_reads[ahead] = spill.read(following, buffer)
                     ahead += 1
                 holding = fetched.pop(k)
                 if holding[1] is not None:
                     holding[1].result()
+                if k in grad_reads:
+                    grad_reads.pop(k).result()
+                    grad = spill.gradient(chunk, holding[0])
+                else:
+                    grad = grad_shards[chunk.bucket].narrow(0, chunk.start, chunk.numel)
                 for future in writes:
                     if future.done() and future.exception() is not None:
                         raise future.exception()
                 stepped.append(chunk)
-                step_chunk(chunk, holding[0], grad_shards[chunk.bucket], multiplier, scalars)
+                step_chunk(chunk, holding[0], grad, multiplier, scalars)
                 buffer = holding[0]
                 release = None if k >= keep_from else (lambda b=buffer: pool.release(b))
                 extent = records.claim(chunk)
@@ -103,6 +117,7 @@ class NvmeStream:
             for future in writes if wait else ():
                 future.result()
         except BaseException:
+            _quietly_wait(grad_reads.values())
             for buffer, future in list(fetched.values()) + ([holding] if holding is not None else []):
                 if future is not None:
                     _quietly_wait([future])

@@ -30,10 +30,30 @@ from .flat import ShardLayout
 __all__ = ["GlobalGradients", "squared_l2"]
 
 
+# Elements cast to the norm's dtype at a time: a bounded fp64 copy (8 MiB), never one of the whole shard.
+NORM_PIECE = 1 << 20
+
+
+def norm_dtype(device: torch.device) -> torch.dtype:
+    """The dtype the squares are summed in: fp64, as DeepSpeed 0.19's `get_norm_dtype()` (its ZeRO
+    optimizers take each gradient's norm in fp64, sum the squares in fp64 and reduce that sum), except on a
+    device without fp64 (MPS), where it is fp32 as there."""
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
+
+
 def squared_l2(grad: torch.Tensor) -> torch.Tensor:
-    """Σ grad², in fp32, without materializing a squared copy of the gradient (every optimizer,
-    on the device or offloaded, sums it this way, so their clipping agrees bit for bit)."""
-    return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+    """Σ grad², summed in `norm_dtype` (fp64), cast `NORM_PIECE` elements at a time, without materializing
+    a squared copy of the gradient (every optimizer, on the device or offloaded, sums it this way, so their
+    clipping agrees bit for bit). In fp32 a large model's sum loses the small parameters' squares beside
+    the large ones (1e-5 relative off DeepSpeed's norm on a 3M model)."""
+    dtype = norm_dtype(grad.device)
+    flat = grad.reshape(-1)
+    if flat.numel() <= NORM_PIECE:
+        return torch.linalg.vector_norm(flat, dtype=dtype).square()
+    total = torch.zeros((), dtype=dtype, device=grad.device)
+    for piece in flat.split(NORM_PIECE):
+        total += torch.linalg.vector_norm(piece, dtype=dtype).square()
+    return total
 
 
 def _split_ranges(bucket: ShardLayout, split_only: bool = True) -> list[tuple[int, int]]:
@@ -90,8 +110,9 @@ class GlobalGradients:
         """Σ g² over every distinct gradient element of the model (still loss-scaled); `terms` holds
         `bucket_terms` already computed for some buckets."""
         device = grad_shards[0].device if grad_shards else torch.device("cpu")
-        distinct = torch.zeros(1, dtype=torch.float32, device=device)  # summed over data-parallel ranks
-        replicated = torch.zeros(1, dtype=torch.float32, device=device)  # the same on every one
+        dtype = norm_dtype(device)  # fp64: the running sum too, and the all-reduce (DeepSpeed sums in fp64)
+        distinct = torch.zeros(1, dtype=dtype, device=device)  # summed over data-parallel ranks
+        replicated = torch.zeros(1, dtype=dtype, device=device)  # the same on every one
         for index, grad in enumerate(grad_shards):
             squared = distinct if self._distinct[index] else replicated
             known = terms.get(index) if terms else None

@@ -115,6 +115,12 @@ class GradientReducer(Protocol):
         gradients. Only where `can_free_final_shards`."""
         raise NotImplementedError(f"{type(self).__name__} keeps its final shards until zero()")
 
+    def keep_final_shards_in_training_dtype(self) -> None:
+        """From now on keep each reduced shard in the dtype it was reduced in (bf16 training: 2 bytes per element)
+        instead of an fp32 copy: a consumer that casts each shard as it reads it (plain CPU offload's Adam kernel)
+        asks for it, without gradient accumulation (the shards are not summed). Only where `can_free_final_shards`."""
+        raise NotImplementedError(f"{type(self).__name__} keeps fp32 shards")
+
 
 @runtime_checkable
 class MasterOptimizer(Protocol):

@@ -98,6 +98,7 @@ class Stage3GradReducer(BucketReducer):
         self._staging: list[Optional[torch.Tensor]] = [None] * len(buckets)
         self._owned: set[int] = set()  # buckets whose staging buffer is ours (not an adopted gradient)
         self._free_final = False  # free_final_shards(): a consumer takes each final shard in its callback
+        self._narrow_final = False  # keep_final_shards_in_training_dtype(): no fp32 copy of a reduced shard
         super().__init__(buckets, [[part.param for part in bucket.parts] for bucket in buckets], comm, reduce,
                          max_in_flight)
         self.stats["reduce_scatters"] = 0
@@ -106,6 +107,9 @@ class Stage3GradReducer(BucketReducer):
 
     def free_final_shards(self) -> None:
         self._free_final = True
+
+    def keep_final_shards_in_training_dtype(self) -> None:
+        self._narrow_final = True
 
     def zero(self) -> None:
         """Forget and free all gradients (after a step, or when a step is skipped)."""
@@ -208,7 +212,7 @@ class Stage3GradReducer(BucketReducer):
         # A consumer that steps each final shard at once (NVMe offload, `free_final_shards`) casts it
         # chunk by chunk into its own fp32 buffer: a whole-bucket fp32 copy here would only cost time
         # and memory (no accumulation then, so nothing is summed in the training dtype).
-        keep = output.dtype == torch.float32 or self._free_final
+        keep = output.dtype == torch.float32 or self._free_final or self._narrow_final
         store = output if keep else output.float()
         self._stores[index] = store
         for part, offset in zip(bucket.parts, bucket.offsets):
