@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 from typing import Any, Callable, Optional, Protocol, Union
 
@@ -32,6 +33,7 @@ import torch
 import transformers
 from accelerate import Accelerator
 from transformers.trainer import SCHEDULER_NAME
+from transformers.training_args import _convert_str_dict
 
 import zerotrain
 from zerotrain.pretrained import install_transformers_zero3_branches
@@ -103,13 +105,18 @@ class ZeroTrainArguments:
     disagrees with an argument is a `ConfigError` naming both, as transformers refuses it. Without
     `deepspeed`, the arguments alone give ZeRO-3. `deepspeed` keeps the value given; `deepspeed_plugin`
     stays None (accelerate is never in its DeepSpeed mode).
-    """
 
-    deepspeed: Any
-    world_size: int
+    The mixin declares no annotations: `HfArgumentParser` (and TRL's parser) read the fields' types with
+    `get_type_hints`, where the first class in the MRO wins, so an annotation here would replace transformers'
+    `deepspeed: dict | str | None` and `--deepspeed ds.json` would be rejected.
+    """
 
     def __post_init__(self) -> None:
         given = self.deepspeed
+        if isinstance(given, str) and given.startswith("{"):
+            # a JSON object on the command line (`--deepspeed '{"zero_optimization": ...}'`): a dict, as
+            # transformers' __post_init__ makes it (its string values typed by transformers' own rule)
+            given = _convert_str_dict(json.loads(given))
         self.deepspeed = None  # transformers would build HfTrainerDeepSpeedConfig and switch accelerate to DeepSpeed
         try:
             with _without_deepspeed_environment():
