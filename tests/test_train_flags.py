@@ -4,12 +4,15 @@ aliases, `--print-config` prints the effective config. In-process: the parser an
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from zerotrain.cli import build_parser, main
 from zerotrain.config import load_config
 from zerotrain.train.command import check_train_args, train_config
+
+REAL_WORLD = Path(__file__).parent / "config" / "real_world"
 
 # flag, value, config key (dotted), the value the key gets
 FLAG_KEYS = [
@@ -69,13 +72,68 @@ def test_each_flag_sets_its_key_without_a_file_and_over_a_file(tmp_path, flag, v
              "optimizer": {"type": "AdamW", "params": {"lr": 1.0, "betas": [0.5, 0.5], "eps": 1.0,
                                                         "weight_decay": 0.9}},
              "checkpoint": {"keep_last": 9}, "zero_optimization": {"stage": 0}}
+    if flag in ("--per-device-train-batch-size", "--gradient-accumulation-steps"):
+        # the file's train_batch_size (5 x 1 x 2) contradicts the flag: an error (see the test below), not replaced
+        from zerotrain.config import ConfigError
+        with pytest.raises(ConfigError, match=r"train_batch_size=10 .* vs train_batch_size \(calculated\)="):
+            train_config(_train_args("--config", _file(tmp_path, other), *argv), world_size=2)
+        if key == "train_batch_size":
+            return
+        other.pop("train_batch_size")  # without it the flag sets its key
     over = train_config(_train_args("--config", _file(tmp_path, other), *argv), world_size=2)
     got = _get(over, key)
     if key == "optimizer.params.betas":  # the other beta stays the file's
         expected = [0.8, 0.5] if flag == "--adam-beta1" else [0.5, 0.95]
-    if key == "train_batch_size" and flag == "--gradient-accumulation-steps":
-        expected = 5 * 4 * 2  # recomputed with the file's micro-batch
     assert got == (pytest.approx(expected) if not isinstance(expected, str) else expected)
+
+
+def test_a_fixed_train_batch_size_the_flags_contradict_is_an_error_naming_both(tmp_path, capsys):
+    # transformers' mismatch check: the file's train_batch_size against micro x accumulation x ranks
+    from zerotrain.config import ConfigError
+
+    fixed = _file(tmp_path, {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
+                             "zero_optimization": {"stage": 2}})
+    with pytest.raises(ConfigError, match=r"^train_batch_size: the config disagrees with the flags: "
+                                          r"train_batch_size=16 \(.*ds.json\) vs train_batch_size \(calculated\)=12 = "
+                                          r"per_device_train_batch_size=3 x gradient_accumulation_steps=2 x 2 "):
+        train_config(_train_args("--config", fixed, "--per-device-train-batch-size", "3",
+                                 "--gradient-accumulation-steps", "2"), world_size=2)
+    # the file's micro-batch with the accumulation flag: 2 x 2 x 2 = 8, not 16
+    with pytest.raises(ConfigError, match=r"train_batch_size=16 .* vs train_batch_size \(calculated\)=8 "):
+        train_config(_train_args("--config", fixed, "--gradient-accumulation-steps", "2"), world_size=2)
+    # flags that agree with it (4 x 2 x 2 = 16), or no batch flag: the file's value stays
+    agreed = train_config(_train_args("--config", fixed, "--gradient-accumulation-steps", "4"), world_size=2)
+    assert agreed["train_batch_size"] == 16 and agreed["gradient_accumulation_steps"] == 4
+    assert train_config(_train_args("--config", fixed), world_size=2)["train_batch_size"] == 16
+    # from the command line: one line, exit status 2
+    capsys.readouterr()
+    assert main(["train", "--config", fixed, "--nproc", "2", "--max-steps", "2", "--per-device-train-batch-size",
+                 "3", "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "train_batch_size=16" in err and "train_batch_size (calculated)=6" in err, err
+
+
+def test_a_config_without_optimizer_gets_adamw_from_the_flags_as_the_hf_trainer(tmp_path):
+    """11 of the 24 real-world configs (LLaMA-Factory's, most of axolotl's) have no optimizer (nor scheduler)
+    block: the HF Trainer builds AdamW and its scheduler from its arguments; so does `zerotrain train` (it used to
+    build a forward-only engine, which refused the first backward)."""
+    real = str(REAL_WORLD / "llamafactory_z2.json")
+    assert "optimizer" not in json.loads(Path(real).read_text())
+    config = train_config(_train_args("--deepspeed", real, "--learning-rate", "3e-4", "--weight-decay", "0.1"),
+                          world_size=2, hidden_size=16)
+    assert config["optimizer"] == {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                               "weight_decay": 0.1}}
+    assert config["scheduler"] == {"type": "HFSchedule",
+                                   "params": {"name": "linear", "num_warmup_steps": 0, "num_training_steps": 20}}
+    assert config["zero_optimization"]["stage"] == 2
+    # HF's defaults where no flag is given; the file's own scheduler is kept (the HF optimizer under it)
+    config = train_config(_train_args("--deepspeed", _file(tmp_path, {
+        "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}}),
+        "--adam-beta2", "0.95"), world_size=2)
+    assert config["optimizer"] == {"type": "AdamW", "params": {"lr": 5e-5, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                               "weight_decay": 0.0}}
+    assert config["scheduler"] == {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}
+    load_config(config, dp_world_size=2)
 
 
 def test_flags_win_over_the_files_keys_and_fill_its_auto_values(tmp_path):

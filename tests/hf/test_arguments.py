@@ -101,3 +101,59 @@ def test_trainer_clips_at_max_grad_norm_where_the_config_leaves_it_out(tmp_path,
     for deepspeed, given, clip in ((stage2, {}, 1.0), (None, {}, 1.0), (stage2, {"max_grad_norm": 0.3}, 0.3)):
         trainer = types.SimpleNamespace(args=_args(tmp_path, deepspeed=deepspeed, **given))
         assert ZeroTrainMixin.zerotrain_config(trainer, tiny_model, 10)["gradient_clipping"] == clip, (deepspeed, given)
+
+
+def test_deepspeed_goes_through_the_upstream_argument_parsers(tmp_path):
+    """The upstream scripts parse `--deepspeed ds.json` with HfArgumentParser (transformers' examples) or TRL's
+    TrlParser (command line or a YAML `--config`): the field keeps transformers' type `dict | str | None` (a path,
+    a JSON object on the command line, a mapping in the YAML), and the config becomes zerotrain's."""
+    import dataclasses
+    import json
+
+    from transformers import HfArgumentParser
+
+    from zerotrain.hf import TrainingArguments
+
+    @dataclasses.dataclass
+    class ModelArguments:  # as run_clm.py's first dataclass
+        model_name_or_path: str = dataclasses.field(default="tiny")
+
+    config = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+              "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
+    path = tmp_path / "ds_z2.json"
+    path.write_text(json.dumps(config))
+    common = ["--output_dir", str(tmp_path), "--use_cpu", "--report_to", "none", "--per_device_train_batch_size",
+              "3", "--learning_rate", "2e-4"]
+
+    def check(args, given):
+        assert args.deepspeed == given and args.deepspeed_plugin is None
+        filled = args.zerotrain_config
+        assert filled["zero_optimization"] == {"stage": 2} and filled["train_micro_batch_size_per_gpu"] == 3
+        assert filled["optimizer"]["params"]["lr"] == 2e-4
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        parser = HfArgumentParser((ModelArguments, TrainingArguments))
+        model_args, args = parser.parse_args_into_dataclasses([*common, "--deepspeed", str(path)])
+        assert isinstance(args, TrainingArguments) and model_args.model_name_or_path == "tiny"
+        check(args, str(path))
+        _, args = parser.parse_args_into_dataclasses([*common, "--deepspeed", json.dumps(config)])
+        check(args, config)  # a JSON object: a dict, as transformers makes it
+
+    trl = pytest.importorskip("trl")
+    yaml = pytest.importorskip("yaml")
+    from zerotrain.hf import SFTConfig
+
+    parser = trl.TrlParser((trl.ScriptArguments, SFTConfig, trl.ModelConfig))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, args, _ = parser.parse_args_and_config(["--dataset_name", "d", *common, "--deepspeed", str(path)])
+        assert isinstance(args, SFTConfig)
+        check(args, str(path))
+        for value in (str(path), config):  # the YAML's `deepspeed: path` and `deepspeed: {mapping}`
+            recipe = tmp_path / "sft.yaml"
+            recipe.write_text(yaml.safe_dump({"dataset_name": "d", "output_dir": str(tmp_path), "use_cpu": True,
+                                              "report_to": "none", "per_device_train_batch_size": 3,
+                                              "learning_rate": 2e-4, "deepspeed": value}))
+            _, args, _ = parser.parse_args_and_config(["--config", str(recipe)])
+            check(args, value)

@@ -211,8 +211,20 @@ def test_zero3_world2_loads_like_from_pretrained_and_train_on_jsonl_resumes_on_o
     behind = ["--config", "w1.json", *common[:-1], "3", "--save-dir", "resumed", "--resume", "--log-dir", "behind"]
     held_out = ["--config", "w1.json", *common[:-1], "2", "--val-fraction", "0.25", "--eval-interval", "1",
                 "--no-save", "--log-dir", "held_out"]
-    result = run_distributed(_load_then_train, 1, [], vocab, str(tmp_path), again, behind, held_out)[0]
-    assert result["status"] == 0 and result["more"] == [0, 0]
+    # a real-world config without an optimizer block (LLaMA-Factory's ZeRO-2): AdamW and the linear schedule from the
+    # flags, as the HF Trainer builds them (it used to build a forward-only engine: NoOptimizerError at the first
+    # backward), the same steps as the flags alone make at ZeRO-2
+    real = Path(__file__).parents[1] / "config" / "real_world" / "llamafactory_z2.json"
+    adamw = ["--learning-rate", "3e-3", "--weight-decay", "0.01", "--per-device-train-batch-size", "2", "--no-save"]
+    no_optimizer = ["--deepspeed", str(real), *common[:-1], "3", *adamw, "--log-dir", "no_optimizer"]
+    flags_alone = ["--zero-stage", "2", *common[:-1], "3", *adamw, "--log-dir", "flags_alone"]
+    result = run_distributed(_load_then_train, 1, [], vocab, str(tmp_path), again, behind, held_out, no_optimizer,
+                             flags_alone)[0]
+    assert result["status"] == 0 and result["more"] == [0, 0, 0, 0]
+    from_file, from_flags = _losses(tmp_path / "no_optimizer"), _losses(tmp_path / "flags_alone")
+    assert sorted(from_file) == [1, 2, 3], from_file
+    for step in (1, 2, 3):
+        assert from_file[step] == pytest.approx(from_flags[step], rel=1e-6), (step, from_file, from_flags)
     assert not (tmp_path / "behind" / "metrics.jsonl").exists() and (resumed / "latest").read_text() == "global_step4"
     assert [("eval_loss" in r, r["step"]) for r in map(json.loads, (tmp_path / "held_out" / "metrics.jsonl")
                                                          .read_text().splitlines())] == [(True, 1), (True, 2)]

@@ -98,11 +98,9 @@ def build_parts(model: torch.nn.Module, config: ZeroTrainConfig, topology: Topol
         sequence_parallel = enable_sequence_parallel(
             model, comm.subgroup(topology.sp_group, topology.sp_rank, topology.sp_size), topology.tp_size)
     fences = SnapshotFences()
-    if stage == 3:
-        place_module(model, topology.device, dtype)
-        module = model
-    else:
-        module = model.to(device=topology.device, dtype=dtype)
+    # the parameters in the training dtype, the buffers in their own (as DeepSpeed 0.19), at every stage
+    place_module(model, topology.device, dtype)
+    module = model
 
     # No optimizer passed and none in the config: a forward-only engine (DeepSpeed's ZeRO-Inference), every
     # parameter frozen, no gradient buffers, masters or optimizer states (zero.forward_only).

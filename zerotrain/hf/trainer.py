@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 from typing import Any, Callable, Optional, Protocol, Union
 
@@ -32,6 +33,7 @@ import torch
 import transformers
 from accelerate import Accelerator
 from transformers.trainer import SCHEDULER_NAME
+from transformers.training_args import _convert_str_dict
 
 import zerotrain
 from zerotrain.pretrained import install_transformers_zero3_branches
@@ -68,6 +70,7 @@ class TrainingEngine(Protocol):
     def get_global_grad_norm(self) -> Optional[float]: ...
     def was_step_applied(self) -> bool: ...
     def full_state_dict(self, trainable_only: bool = False) -> dict: ...
+    def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict: ...
     def save_checkpoint(self, save_dir: str) -> str: ...
     def load_checkpoint(self, load_dir: str, load_module_only: bool = False) -> Any: ...
     def bfloat16_enabled(self) -> bool: ...
@@ -103,13 +106,18 @@ class ZeroTrainArguments:
     disagrees with an argument is a `ConfigError` naming both, as transformers refuses it. Without
     `deepspeed`, the arguments alone give ZeRO-3. `deepspeed` keeps the value given; `deepspeed_plugin`
     stays None (accelerate is never in its DeepSpeed mode).
-    """
 
-    deepspeed: Any
-    world_size: int
+    The mixin declares no annotations: `HfArgumentParser` (and TRL's parser) read the fields' types with
+    `get_type_hints`, where the first class in the MRO wins, so an annotation here would replace transformers'
+    `deepspeed: dict | str | None` and `--deepspeed ds.json` would be rejected.
+    """
 
     def __post_init__(self) -> None:
         given = self.deepspeed
+        if isinstance(given, str) and given.startswith("{"):
+            # a JSON object on the command line (`--deepspeed '{"zero_optimization": ...}'`): a dict, as
+            # transformers' __post_init__ makes it (its string values typed by transformers' own rule)
+            given = _convert_str_dict(json.loads(given))
         self.deepspeed = None  # transformers would build HfTrainerDeepSpeedConfig and switch accelerate to DeepSpeed
         try:
             with _without_deepspeed_environment():
@@ -330,10 +338,9 @@ class ZeroTrainMixin:
         if engine is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        state_dict = engine.full_state_dict()  # collective; rank 0 holds it
-        dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else None
-        if dtype is not None:
-            state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+        # collective; rank 0 holds it: the parameters in the training dtype, the persistent buffers in their own
+        # (an fp32 buffer stays fp32 under bf16), as DeepSpeed's consolidated 16-bit state dict
+        state_dict = engine.consolidated_16bit_state_dict()
         self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)

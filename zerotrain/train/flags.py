@@ -127,12 +127,20 @@ def effective_config(args: argparse.Namespace, *, world_size: int, num_training_
     config = read_config_file(args.config)
     if args.zero_stage is not None:
         config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
+    check_batch_size(config, arguments, given, world_size=world_size, path=args.config)
     stage = config.get("zero_optimization", {}).get("stage", 0)
     values = auto_values(arguments, world_size=world_size, num_training_steps=num_training_steps,
                          hidden_size=hidden_size, zero_stage=stage if isinstance(stage, int) else 3)
     config = fill_auto(config, values, check=False)  # "auto" -> the flags' (or HF's default) values
     config = override(config, {k: v for k, v in given.items() if k != "lr_scheduler_type"}, world_size=world_size,
                       num_training_steps=num_training_steps)  # the flags given win over the file's own values
+    if "optimizer" not in config:
+        # As the HF Trainer does when a DeepSpeed config has no optimizer (and no scheduler): AdamW from the
+        # arguments (HF's defaults for the flags not given) and the schedule of --lr-scheduler-type (HF's linear)
+        built = config_from_arguments(arguments, world_size=world_size, num_training_steps=num_training_steps)
+        config["optimizer"] = built["optimizer"]
+        if "scheduler" not in config and "scheduler" in built:
+            config["scheduler"] = built["scheduler"]
     if "lr_scheduler_type" in given and "optimizer" in config:
         block = scheduler_block(arguments, num_training_steps)
         if block is None:
@@ -140,6 +148,36 @@ def effective_config(args: argparse.Namespace, *, world_size: int, num_training_
         else:
             config["scheduler"] = block
     return _with_checkpointing(config, args)
+
+
+_BATCH_FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps")
+
+
+def check_batch_size(config: dict[str, Any], arguments: dict[str, Any], given: dict[str, Any], *, world_size: int,
+                     path: str) -> None:
+    """A `train_batch_size` the file fixes that the batch flags given contradict is a `ConfigError` naming both
+    values and keys, as transformers' mismatch check reports it; it is never silently replaced. The calculated
+    size is micro-batch x accumulation x data-parallel ranks, each from the flag given, else the file's value,
+    else HF's default."""
+    from zerotrain.config import ConfigError
+    from zerotrain.config.base import is_auto
+    from zerotrain.config.hf_arguments import ARGUMENT_DEFAULTS
+
+    fixed = config.get("train_batch_size")
+    if fixed is None or is_auto(fixed) or not any(name in given for name in _BATCH_FLAGS):
+        return
+    factors = {}
+    for name, key in zip(_BATCH_FLAGS, ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")):
+        value = config.get(key)
+        factors[name] = given[name] if name in given else \
+            value if isinstance(value, int) and not isinstance(value, bool) else arguments.get(name, ARGUMENT_DEFAULTS[name])
+    calculated = factors["per_device_train_batch_size"] * factors["gradient_accumulation_steps"] * world_size
+    if fixed != calculated:
+        raise ConfigError(f"train_batch_size: the config disagrees with the flags: train_batch_size={fixed!r} ({path}) "
+                          f"vs train_batch_size (calculated)={calculated} = per_device_train_batch_size="
+                          f"{factors['per_device_train_batch_size']} x gradient_accumulation_steps="
+                          f"{factors['gradient_accumulation_steps']} x {world_size} data-parallel ranks (set it to "
+                          f"\"auto\" or drop it to take the flags')", key="train_batch_size", file=path)
 
 
 def _with_checkpointing(config: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:

@@ -60,7 +60,9 @@ class Stage3Model:
 
 
 def place_module(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Move and cast a module whose parameters may already be partitioned, without gathering them."""
+    """Move a module to `device` and cast its floating parameters to `dtype` (partitioned ones without gathering
+    them). Buffers are moved, never cast: as DeepSpeed 0.19 (`_cast_module_mixed_precision` without a
+    `buffer_dtype`), an fp32 buffer such as a rotary embedding's `inv_freq` stays fp32 under bf16/fp16."""
     for param in module.parameters():
         cast = dtype if param.is_floating_point() else param.dtype
         if isinstance(param, ZeroParameter):
@@ -68,7 +70,7 @@ def place_module(module: torch.nn.Module, device: torch.device, dtype: torch.dty
         else:
             param.data = param.data.to(device=device, dtype=cast)
     for buffer in module.buffers():
-        buffer.data = buffer.data.to(device=device, dtype=dtype if buffer.is_floating_point() else buffer.dtype)
+        buffer.data = buffer.data.to(device=device)
 
 
 def partition_module(module: torch.nn.Module, comm: Comm, group_of: dict[int, int],
