@@ -18,6 +18,7 @@ import torch
 from ..checkpoint import SnapshotFences
 from ..comm import Comm, CommCounters
 from ..config import ConfigError, ZeroTrainConfig
+from ..fp8 import convert_for_fp8
 from ..offload.cpu_optimizer import OffloadOptimizer
 from ..offload import nvme as nvme_offload
 from ..offload.param_store import build_param_store
@@ -88,6 +89,8 @@ def build_parts(model: torch.nn.Module, config: ZeroTrainConfig, topology: Topol
     stage = config.zero_optimization.stage
     dtype = training_dtype(config.precision)
     check_expert_parallel(model, config, topology)  # experts split over ranks: what is refused with them
+    # fp8 (torchao Float8Linear, same Parameter objects): before anything is flattened or partitioned
+    convert_for_fp8(model, config.fp8, topology.device, topology.rank)
     counters = CommCounters()
     comm = Comm.data_parallel(topology, counters)
     tp_comm = tensor_parallel_comm(topology, counters) if topology.tp_size > 1 else None

@@ -1,0 +1,237 @@
+"""FP8 training (zerotrain.fp8, issue #49): the engine's float8 layers equal torchao's own on one process.
+
+The reference is plain single-process PyTorch: the same model converted by torchao's
+`convert_to_float8_training` (emulated, with a filter written out by hand), torch's AdamW, clipping 1.0, each
+data-parallel rank's micro-batch its own forward/backward (tensorwise scales are per tensor, so a whole-batch
+forward would scale differently), gradients averaged in the engine's order. Both sides emulate the same casts,
+so they agree to fp32 rounding (1e-5), while the same model without float8 is far outside that.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from models_for_tests import accumulated_gradients, assert_same_training
+
+STEPS, MICRO, LR, D_IN, D_OUT = 4, 2, 1e-2, 32, 16
+CONVERTED = ("fc1", "fc2")  # what the engine's filter must pick in FP8Net (the reference's hand-written filter)
+
+
+class FP8Net(torch.nn.Module):
+    """fc1 (32->64) and fc2 (64->32) convert; side (32->24: 24 is no multiple of 16) and lm_head (the head) stay
+    in high precision. `checkpointed`: fc1/fc2 run under zerotrain.checkpointing (recomputed in backward)."""
+
+    def __init__(self, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(D_IN, 64)
+        self.fc2 = torch.nn.Linear(64, D_IN)
+        self.side = torch.nn.Linear(D_IN, 24)
+        self.lm_head = torch.nn.Linear(D_IN + 24, D_OUT)
+        self.checkpointed = checkpointed
+
+    def block(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc2(torch.tanh(self.fc1(x)))) + x
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed and torch.is_grad_enabled():
+            from zerotrain.checkpointing import checkpoint
+            hidden = checkpoint(self.block, x)
+        else:
+            hidden = self.block(x)
+        hidden = torch.cat([hidden, torch.tanh(self.side(hidden))], dim=-1)
+        return torch.nn.functional.mse_loss(self.lm_head(hidden), y)
+
+
+def make_fp8_batches(steps: int, global_batch: int, seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    # inputs of different magnitudes per feature: per-row (rowwise) and per-tensor scales round differently
+    spread = torch.logspace(-1, 1, D_IN)
+    return [(torch.randn(global_batch, D_IN, generator=generator) * spread,
+             torch.randn(global_batch, D_OUT, generator=generator)) for _ in range(steps)]
+
+
+def make_model(lora: bool = False, checkpointed: bool = False) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = FP8Net(checkpointed)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=list(CONVERTED),
+                                                 init_lora_weights="gaussian"))
+    return model
+
+
+def fp8_config(stage: int, recipe: str = "tensorwise", checkpointing: bool = False, enabled: bool = True) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0},
+        "fp8": {"enabled": enabled, "recipe": recipe},
+        "steps_per_print": 0,
+    }
+    if checkpointing:
+        config["activation_checkpointing"] = {}
+    return config
+
+
+# (name, stage, recipe, lora, activation checkpointing)
+CASES = [("stage 0", 0, "tensorwise", False, False), ("stage 1", 1, "tensorwise", False, False),
+         ("stage 2", 2, "tensorwise", False, False), ("stage 3", 3, "tensorwise", False, False),
+         ("stage 3 rowwise", 3, "rowwise", False, False), ("stage 1 rowwise", 1, "rowwise", False, False),
+         ("stage 3 activation checkpointing", 3, "tensorwise", False, True),
+         ("stage 2 lora", 2, "tensorwise", True, False)]
+
+
+def train_cases(cases: list) -> list:
+    """On each rank: every case's per-step mean losses and whole weights after training."""
+    import torch.distributed as dist
+
+    import zerotrain
+    from torchao.float8.float8_linear import Float8Linear
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    results = []
+    for name, stage, recipe, lora, checkpointing in cases:
+        model = make_model(lora, checkpointing)
+        engine, *_ = zerotrain.initialize(model=model, config=fp8_config(stage, recipe, checkpointing))
+        converted = sorted(n for n, m in engine.module.named_modules() if isinstance(m, Float8Linear))
+        losses = []
+        for x, y in make_fp8_batches(STEPS, MICRO * world):
+            sl = slice(rank * MICRO, (rank + 1) * MICRO)
+            loss = engine(x[sl], y[sl])
+            engine.backward(loss)
+            engine.step()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(total.item() / world)
+        results.append((name, converted, losses, engine.full_state_dict()))
+    return results
+
+
+def reference(world: int, recipe: str, lora: bool = False, fp8: bool = True) -> tuple[list, dict, list]:
+    """Single process: torchao's conversion of the same model (or none), AdamW, clipping 1.0, per-rank slices."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    model = make_model(lora)
+    if fp8:
+        names = {f"base_model.model.{n}.base_layer" if lora else n for n in CONVERTED}
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        convert_to_float8_training(model, config=dataclasses.replace(config, emulate=True),
+                                   module_filter_fn=lambda module, fqn: fqn in names)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
+    losses = []
+    for x, y in make_fp8_batches(STEPS, MICRO * world):
+        def micro_loss(index: int, rank: int):
+            sl = slice(rank * MICRO, (rank + 1) * MICRO)
+            return model(x[sl], y[sl])
+        grads, loss = accumulated_gradients(params, micro_loss, 1, world)
+        for p, g in zip(params, grads):
+            p.grad = g
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss)
+    converted = sorted(n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear")
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, converted
+
+
+def test_fp8_at_every_stage_equals_torchao_on_one_process():
+    """World 2: ZeRO-0/1/2/3 (tensorwise), rowwise at stages 1 and 3, activation checkpointing at stage 3 and LoRA at
+    stage 2, one launch. The engine's losses and weights equal the single-process torchao model's within 1e-5;
+    the same model without float8 is outside that tolerance, so the comparison can fail."""
+    world = 2
+    results = run_distributed(train_cases, world, CASES, timeout=300)[0]
+    refs = {}
+    for (name, stage, recipe, lora, checkpointing), (got_name, converted, losses, weights) in zip(CASES, results):
+        assert got_name == name
+        if (recipe, lora) not in refs:
+            refs[(recipe, lora)] = reference(world, recipe, lora)
+        ref_losses, ref_weights, ref_converted = refs[(recipe, lora)]
+        assert converted == ref_converted and len(converted) == 2, (name, converted, ref_converted)
+        if lora:  # the engine's full_state_dict: peft's names, the frozen base included
+            ref_weights = {n: w for n, w in ref_weights.items() if n in weights}
+            assert any("lora_A" in n for n in ref_weights), sorted(weights)
+        assert_same_training(losses, weights, ref_losses, ref_weights, where=name)
+    for recipe in ("tensorwise", "rowwise"):  # the check can fail: float8 off is outside the tolerance
+        plain_losses, plain_weights, _ = reference(world, recipe, fp8=False)
+        ref_losses, ref_weights, _ = refs[(recipe, False)]
+        rel = max(abs(a - b) / abs(b) for a, b in zip(plain_losses, ref_losses))
+        assert rel > 1e-4, f"{recipe}: float8 off is within {rel:.1e} of float8 on: the comparison cannot fail"
+        weight_rel = max(float((plain_weights[n] - w).abs().max() / w.abs().max()) for n, w in ref_weights.items())
+        assert weight_rel > 1e-3, (recipe, weight_rel)
+
+
+# --- in-process: the filter, the emulation choice, the config and the command line ---------------------------
+def test_plan_keeps_the_head_odd_dims_subclasses_and_excluded_names():
+    from zerotrain.fp8 import fp8_plan
+
+    class Sliced(torch.nn.Linear):
+        pass
+
+    model = FP8Net()
+    model.extra = Sliced(32, 32)
+    model.hooked = torch.nn.Linear(32, 32)
+    model.hooked.register_forward_hook(lambda module, args, output: None)
+    plan = fp8_plan(model)
+    assert plan.converted == CONVERTED
+    assert plan.kept == {"side": "dims 24x32 not multiples of 16", "lm_head": "the head",
+                         "extra": "a Sliced, not a plain nn.Linear",
+                         "hooked": "has forward hooks (the swap would drop them)"}
+    assert fp8_plan(model, ["fc2"]).converted == ("fc1",)
+    # a head by tying (named neither lm_head nor output) and by get_output_embeddings()
+    tied = torch.nn.ModuleDict({"emb": torch.nn.Embedding(32, 16), "proj": torch.nn.Linear(16, 32)})
+    tied.proj.weight = tied.emb.weight
+    assert fp8_plan(tied).kept == {"proj": "the head"}
+    model.get_output_embeddings = lambda: model.fc2
+    assert fp8_plan(model).converted == ("fc1",)
+
+
+def test_conversion_emulates_on_cpu_says_so_once_and_refuses_emulate_false(capsys):
+    from torchao.float8.float8_linear import Float8Linear
+
+    from zerotrain.config import ConfigError, load_config
+    from zerotrain.fp8 import convert_for_fp8
+
+    def block(**keys):
+        return load_config({"train_micro_batch_size_per_gpu": 1, "fp8": {"enabled": True, **keys}}).fp8
+
+    model = FP8Net()
+    weight = model.fc1.weight
+    plan = convert_for_fp8(model, block(recipe="rowwise"), torch.device("cpu"), rank=0)
+    assert plan.converted == CONVERTED and model.fc1.weight is weight  # the same Parameter: what ZeRO shards
+    assert isinstance(model.fc1, Float8Linear) and model.fc1.config.emulate
+    assert model.fc1.config.cast_config_input.scaling_granularity.value == "axiswise"  # rowwise's
+    assert type(model.side) is torch.nn.Linear and type(model.lm_head) is torch.nn.Linear
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "2 of 4 Linear layers" in err[0] and "emulated: the cpu device has no fp8 matmul" in err[0]
+    assert convert_for_fp8(FP8Net(), block(), torch.device("cpu"), rank=1) is not None
+    assert capsys.readouterr().err == ""  # rank 1 says nothing
+    assert convert_for_fp8(FP8Net(), block(enabled=False), torch.device("cpu")) is None
+    with pytest.raises(ConfigError, match="fp8.emulate: false") as info:
+        convert_for_fp8(FP8Net(), block(emulate=False), torch.device("cpu"))
+    assert info.value.key == "fp8.emulate"
+
+
+def test_train_fp8_flag_makes_the_fp8_block_and_reaches_the_workers(tmp_path, capsys):
+    import json
+
+    from zerotrain.cli import build_parser, main
+    from zerotrain.train.command import worker_argv
+
+    assert main(["train", "--print-config", "--fp8", "--max-steps", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["fp8"] == {"enabled": True, "recipe": "tensorwise"}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "fp8": {"exclude_modules": ["mlp"]}}))
+    assert main(["train", "--print-config", "--config", str(path), "--fp8", "rowwise", "--max-steps", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["fp8"] == {"exclude_modules": ["mlp"], "enabled": True,
+                                                          "recipe": "rowwise"}
+    args = build_parser().parse_args(["train", "--fp8", "rowwise", "--steps", "3"])
+    assert "--fp8=rowwise" in worker_argv(args)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--fp8", "mxfp8"])

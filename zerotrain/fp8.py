@@ -1,0 +1,143 @@
+"""FP8 training through torchao's float8 (docs/fp8.md): the config's `fp8` block applied to a model.
+
+`convert_for_fp8` swaps the model's `torch.nn.Linear` layers for torchao's `Float8Linear`
+(`torchao.float8.convert_to_float8_training`) before the engine places, flattens or partitions anything:
+`Float8Linear.from_float` keeps the layer's own weight and bias `Parameter` objects, so ZeRO's buckets and
+stage-3 partitions (and an optimizer built before) hold exactly the tensors the float8 layer computes with.
+Weights, gradients, masters and checkpoints stay in the training dtype: float8 is a compute format here,
+each matmul casting its inputs with dynamic scales (tensorwise: one scale per tensor; rowwise: one per row).
+
+Which layers convert (`fp8_plan`, our own filter in the spirit of torchtitan's `module_filter_fn`):
+exactly `nn.Linear` (not a subclass: a tensor-parallel slice or a layer someone already converted), both
+dims multiples of 16 (the fp8 matmul's requirement), no forward hooks of its own (the swap would lose them), not the
+model's head (`get_output_embeddings()`, a
+Linear sharing its weight with an embedding, or one named `lm_head` / `output`), not matched by
+`fp8.exclude_modules`. The estimate (`zerotrain.estimate`) reads the same plan.
+
+What torchao lacks for us: its float8 weight all-gather (`enable_fsdp_float8_all_gather`,
+`precompute_float8_dynamic_scale_for_fsdp`) is written for FSDP2's DTensor shards (the
+`fsdp_pre_all_gather` / `fsdp_post_all_gather` extension of `WeightWithDynamicFloat8CastTensor`), so ZeRO-3's
+flat gathers here move weights in the training dtype; in eager mode `Float8Linear` saves its high-precision
+input and weight for backward and casts them again there (no fp8 copy saved: only `torch.compile` of its
+graph can choose to save the fp8 ones); its autocast branch reads the GPU's autocast dtype only; and
+`Float8Linear` is not a public API of torchao (we only construct it through `convert_to_float8_training`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .config import ConfigError
+
+__all__ = ["FP8Plan", "fp8_plan", "has_fp8_matmul", "torchao_config", "convert_for_fp8", "HEAD_NAMES"]
+
+HEAD_NAMES = ("lm_head", "output")  # a Linear whose last name is one of these is the head (torchtitan: "output")
+FP8_DIM_MULTIPLE = 16
+
+
+@dataclass(frozen=True)
+class FP8Plan:
+    """Which Linear layers compute in float8: `converted` names, `kept` name -> why it stays high precision."""
+
+    converted: tuple[str, ...]
+    kept: dict[str, str]
+    shapes: dict[str, tuple[int, int]]  # every Linear's (out_features, in_features)
+
+
+def _head_ids(model: torch.nn.Module) -> set[int]:
+    """The modules that are the model's head: its output embeddings, and any Linear tied to an embedding."""
+    heads: set[int] = set()
+    get_output = getattr(model, "get_output_embeddings", None)  # transformers' (and peft's forwarded) method
+    if callable(get_output):
+        try:
+            head = get_output()
+        except (AttributeError, NotImplementedError):
+            head = None
+        if isinstance(head, torch.nn.Module):
+            heads.add(id(head))
+            heads.update(id(m) for m in head.modules())  # peft's ModulesToSaveWrapper and its copies
+    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and id(module.weight) in embedding_weights:
+            heads.add(id(module))
+    return heads
+
+
+def fp8_plan(model: torch.nn.Module, exclude_modules: tuple[str, ...] | list[str] = ()) -> FP8Plan:
+    """The layers `convert_for_fp8` converts and the ones it keeps in high precision (with the reason)."""
+    heads = _head_ids(model)
+    converted, kept, shapes = [], {}, {}
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        out_f, in_f = int(module.out_features), int(module.in_features)  # not weight.shape: ZeRO-3 placeholders
+        shapes[name] = (out_f, in_f)
+        if type(module) is not torch.nn.Linear:
+            kept[name] = f"a {type(module).__name__}, not a plain nn.Linear"
+        elif id(module) in heads or name.rsplit(".", 1)[-1] in HEAD_NAMES:
+            kept[name] = "the head"
+        elif out_f % FP8_DIM_MULTIPLE or in_f % FP8_DIM_MULTIPLE:
+            kept[name] = f"dims {out_f}x{in_f} not multiples of {FP8_DIM_MULTIPLE}"
+        elif module._forward_hooks or module._forward_pre_hooks:
+            kept[name] = "has forward hooks (the swap would drop them)"
+        elif any(pattern in name for pattern in exclude_modules):
+            kept[name] = "fp8.exclude_modules"
+        else:
+            converted.append(name)
+    return FP8Plan(tuple(converted), kept, shapes)
+
+
+def has_fp8_matmul(device: torch.device) -> bool:
+    """Whether `device` multiplies float8 natively (`torch._scaled_mm`): CUDA capability 8.9 (Ada) or later."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def torchao_config(recipe: str, emulate: bool) -> Any:
+    """torchao's `Float8LinearConfig` of a recipe name ("tensorwise" | "rowwise"), emulated or not."""
+    from torchao.float8 import Float8LinearConfig
+
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=bool(emulate))
+
+
+def _emulation(fp8, device: torch.device) -> tuple[bool, str]:
+    native = has_fp8_matmul(device)
+    if fp8.emulate is None:
+        return (not native), ("" if native else f"emulated: the {torch.device(device).type} device has no fp8 matmul")
+    if not fp8.emulate and not native:
+        raise ConfigError(f"fp8.emulate: false, but the {torch.device(device)} device has no fp8 matmul (CUDA "
+                          "capability 8.9 or later); leave it unset to emulate", key="fp8.emulate")
+    return bool(fp8.emulate), ("emulated: fp8.emulate is true" if fp8.emulate else "")
+
+
+def convert_for_fp8(model: torch.nn.Module, fp8, device: torch.device, rank: int = 0) -> Optional[FP8Plan]:
+    """Apply the config's `fp8` block to `model` in place (nothing when it is not enabled): its Linear layers
+    per `fp8_plan` become torchao `Float8Linear`s with the recipe's scaling, emulated where `device` has no fp8
+    matmul. Rank 0 says once what it did (one line on stderr). Returns the plan, or None when disabled."""
+    if not fp8.enabled:
+        return None
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError as err:
+        raise ConfigError(f"fp8.enabled: FP8 training needs torchao (pip install 'zerotrain[fp8]'): {err}",
+                          key="fp8.enabled") from None
+    emulate, how = _emulation(fp8, device)
+    plan = fp8_plan(model, tuple(fp8.exclude_modules))
+    chosen = set(plan.converted)
+    if isinstance(model, torch.nn.Linear) and "" in chosen:
+        raise ConfigError("fp8.enabled: the model is a single Linear layer; torchao converts layers inside a "
+                          "model (wrap it in a module)", key="fp8.enabled")
+    convert_to_float8_training(model, config=torchao_config(fp8.recipe, emulate),
+                               module_filter_fn=lambda module, name: name in chosen)
+    if rank == 0:
+        kept = ", ".join(f"{name} ({why})" for name, why in plan.kept.items())
+        print(f"fp8: {len(plan.converted)} of {len(plan.shapes)} Linear layers compute in float8 (torchao, recipe "
+              f"{fp8.recipe}{', ' + how if how else ''}); high precision: {kept or 'none'}",
+              file=sys.stderr, flush=True)
+    return plan
