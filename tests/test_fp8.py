@@ -87,8 +87,9 @@ CASES = [("stage 0", 0, "tensorwise", False, False), ("stage 1", 1, "tensorwise"
          ("stage 2 lora", 2, "tensorwise", True, False)]
 
 
-def train_cases(cases: list) -> list:
-    """On each rank: every case's per-step mean losses and whole weights after training."""
+def train_cases(cases: list, save_dir: str | None = None) -> list:
+    """On each rank: every case's per-step mean losses and whole weights after training; with `save_dir` then the
+    checkpoint round trip of a Llama at ZeRO-3 with fp8 (`fp8_checkpoint_round_trip`), last."""
     import torch.distributed as dist
 
     import zerotrain
@@ -110,7 +111,57 @@ def train_cases(cases: list) -> list:
             dist.all_reduce(total)
             losses.append(total.item() / world)
         results.append((name, converted, losses, engine.full_state_dict()))
+    if save_dir is not None:
+        results.append(fp8_checkpoint_round_trip(save_dir))
     return results
+
+
+def tiny_llama(seed: int):
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config)
+
+
+SEQ, LLAMA_STEPS, SAVED_AT = 16, 4, 2
+
+
+def fp8_checkpoint_round_trip(save_dir: str) -> dict:
+    """ZeRO-3 + fp8 (tensorwise) on a Llama: train LLAMA_STEPS steps, saving after SAVED_AT; a second engine from
+    other initial weights loads that checkpoint and trains the remaining steps."""
+    import zerotrain
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    config = fp8_config(3)
+    config["optimizer"]["params"]["lr"] = 1e-3
+
+    def batches():
+        generator = torch.Generator().manual_seed(5)
+        for _ in range(LLAMA_STEPS):
+            ids = torch.randint(0, 97, (MICRO * world, SEQ), generator=generator)
+            yield ids[rank * MICRO:(rank + 1) * MICRO]
+
+    def step(engine, ids) -> float:
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    engine, *_ = zerotrain.initialize(model=tiny_llama(0), config=config)
+    float8 = sum(type(m).__name__ == "Float8Linear" for m in engine.module.modules())
+    losses, path = [], None
+    for index, ids in enumerate(batches()):
+        losses.append(step(engine, ids))
+        if index + 1 == SAVED_AT:
+            path = engine.save_checkpoint(save_dir, tag="fp8")
+    final = engine.full_state_dict()
+    resumed, *_ = zerotrain.initialize(model=tiny_llama(1), config=config)
+    resumed.load_checkpoint(save_dir, tag="fp8")
+    resumed_losses = [step(resumed, ids) for index, ids in enumerate(batches()) if index >= SAVED_AT]
+    return {"path": path, "float8_layers": float8, "losses": losses, "resumed_losses": resumed_losses,
+            "final": final, "resumed_final": resumed.full_state_dict()}
 
 
 def reference(world: int, recipe: str, lora: bool = False, fp8: bool = True) -> tuple[list, dict, list]:
@@ -141,12 +192,23 @@ def reference(world: int, recipe: str, lora: bool = False, fp8: bool = True) -> 
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, converted
 
 
-def test_fp8_at_every_stage_equals_torchao_on_one_process():
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    """One world-2 launch for the whole module: every case of CASES, then the checkpoint round trip."""
+    save_dir = str(tmp_path_factory.mktemp("fp8_ckpt"))
+    results = run_distributed(train_cases, WORLD, CASES, save_dir, timeout=400)[0]
+    return results[:-1], results[-1], save_dir
+
+
+def test_fp8_at_every_stage_equals_torchao_on_one_process(launch):
     """World 2: ZeRO-0/1/2/3 (tensorwise), rowwise at stages 1 and 3, activation checkpointing at stage 3 and LoRA at
     stage 2, one launch. The engine's losses and weights equal the single-process torchao model's within 1e-5;
     the same model without float8 is outside that tolerance, so the comparison can fail."""
-    world = 2
-    results = run_distributed(train_cases, world, CASES, timeout=300)[0]
+    world = WORLD
+    results = launch[0]
     refs = {}
     for (name, stage, recipe, lora, checkpointing), (got_name, converted, losses, weights) in zip(CASES, results):
         assert got_name == name
@@ -235,3 +297,34 @@ def test_train_fp8_flag_makes_the_fp8_block_and_reaches_the_workers(tmp_path, ca
     assert "--fp8=rowwise" in worker_argv(args)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--fp8", "mxfp8"])
+
+
+def test_fp8_checkpoint_is_high_precision_loads_in_transformers_and_resumes_exactly(launch, tmp_path):
+    """ZeRO-3 with fp8 on: the checkpoint holds the model's own names in the training dtype (fp32 here: float8 is a
+    compute format), transformers' from_pretrained loads it and its `ckpt export` with the engine's weights, and
+    the run resumed from it (another engine, other initial weights) has the uninterrupted run's losses, exactly."""
+    import glob
+
+    import transformers
+    from safetensors.torch import load_file
+
+    from zerotrain.checkpoint import export_model
+
+    out, save_dir = launch[1], launch[2]
+    assert out["float8_layers"] == 2 * 7  # q k v o gate up down per layer; lm_head stays high precision
+    assert out["resumed_losses"] == out["losses"][SAVED_AT:], (out["losses"], out["resumed_losses"])
+    for name, value in out["final"].items():
+        torch.testing.assert_close(out["resumed_final"][name], value, rtol=0, atol=0, msg=name)
+    files = glob.glob(os.path.join(out["path"], "model-*.safetensors"))
+    saved = {k: v for f in files for k, v in load_file(f).items()}
+    assert files and all(v.dtype == torch.float32 for v in saved.values())
+    assert "model.layers.0.self_attn.q_proj.weight" in saved and not any("float8" in k or "scale" in k for k in saved)
+    reference = tiny_llama(0)  # the names of the plain model, every one saved (the tied head is not tied here)
+    assert set(saved) == set(reference.state_dict())
+    exported = export_model(save_dir, str(tmp_path / "export"), dtype="fp32")
+    for directory in (out["path"], exported):
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(directory)
+        assert loaded.dtype == torch.float32
+        params = dict(loaded.named_parameters())
+        for name, value in saved.items():  # fp32 training: the model files are the masters of step SAVED_AT
+            torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=f"{directory}: {name}")
