@@ -328,3 +328,53 @@ def test_fp8_checkpoint_is_high_precision_loads_in_transformers_and_resumes_exac
         params = dict(loaded.named_parameters())
         for name, value in saved.items():  # fp32 training: the model files are the masters of step SAVED_AT
             torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=f"{directory}: {name}")
+
+
+# --- memory: the estimate's float8 sizes ----------------------------------------------------------------------
+def test_layer_sizes_match_a_measured_emulated_layer_within_10_percent():
+    """fp8_layer_bytes against the allocator's peak (torch's profiler, bytes: no timing, no RSS) of one emulated
+    Float8Linear minus an nn.Linear's, forward and backward, both recipes, a shape where each backward phase wins."""
+    sys_path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    import sys
+    sys.path.insert(0, sys_path)
+    try:
+        import fp8_memory
+    finally:
+        sys.path.remove(sys_path)
+    fp8_memory.LAYER_SHAPES = [(512, 256, 704), (64, 1024, 512)]
+    rows = fp8_memory.layer_rows()
+    assert len(rows) == 4
+    for row in rows:
+        for phase in ("forward", "backward"):
+            ratio = row[f"{phase}_estimate"] / row[f"{phase}_measured"]
+            assert 0.9 <= ratio <= 1.1, (row, phase, ratio)
+
+
+def test_estimate_adds_the_largest_float8_transient_and_no_state():
+    import transformers
+
+    from zerotrain.estimate import device_peak, estimate
+    from zerotrain.fp8 import fp8_layer_bytes
+
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+    def run(fp8: dict, device: str = "cpu") -> dict:
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(config)
+        ds = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+              "zero_optimization": {"stage": 3}, "fp8": fp8}
+        return estimate(model, ds, world_size=2, device_type=device, seq_len=64)
+
+    off, on = run({"enabled": False}), run({"enabled": True})
+    rowwise, native = run({"enabled": True, "recipe": "rowwise"}), run({"enabled": True}, device="cuda")
+    assert "fp8" not in off and off["activations"]["fp8_transient"] == 0
+    assert on["fp8"]["converted"] == 2 * 7 and on["fp8"]["emulated"] and not native["fp8"]["emulated"]
+    # the largest layer is an MLP projection (64 <-> 176), 2 x 64 tokens, emulated fp32
+    want = max(max(fp8_layer_bytes(128, 64, 176, "tensorwise", True, 4).values()),
+               max(fp8_layer_bytes(128, 176, 64, "tensorwise", True, 4).values()))
+    assert on["fp8"]["transient_bytes"] == want
+    assert rowwise["fp8"]["transient_bytes"] > want
+    for a, b in zip(off["options"], on["options"]):  # no state: every option's bytes the same
+        assert a["totals"] == b["totals"]
+        assert device_peak(b, on["activations"]) - device_peak(a, off["activations"]) == want

@@ -33,7 +33,8 @@ import torch
 
 from .config import ConfigError
 
-__all__ = ["FP8Plan", "fp8_plan", "has_fp8_matmul", "torchao_config", "convert_for_fp8", "HEAD_NAMES"]
+__all__ = ["FP8Plan", "fp8_plan", "has_fp8_matmul", "torchao_config", "convert_for_fp8", "HEAD_NAMES",
+           "fp8_layer_bytes", "fp8_transient_bytes"]
 
 HEAD_NAMES = ("lm_head", "output")  # a Linear whose last name is one of these is the head (torchtitan: "output")
 FP8_DIM_MULTIPLE = 16
@@ -141,3 +142,42 @@ def convert_for_fp8(model: torch.nn.Module, fp8, device: torch.device, rank: int
               f"{fp8.recipe}{', ' + how if how else ''}); high precision: {kept or 'none'}",
               file=sys.stderr, flush=True)
     return plan
+
+
+# --- memory: what float8 adds to a step (zerotrain.estimate; docs/fp8.md, "Memory") -------------------------------
+def fp8_layer_bytes(tokens: int, in_features: int, out_features: int, recipe: str, emulate: bool,
+                    dtype_bytes: int) -> dict[str, int]:
+    """The transient bytes one `Float8Linear` adds over an `nn.Linear` of the same shape for `tokens` rows (M),
+    in its forward and in its backward; nothing is kept between them: in eager mode torchao saves the same
+    high-precision input and weight as `nn.Linear`, and dynamic scaling keeps no amax history (no state).
+
+    Emulated (torchao's `emulate=True`, measured on the CPU in fp32 by `benchmarks/fp8_memory.py`, within 2% on
+    8 layer shapes): forward 13 bytes per element of input and weight (the float8 copy, its fp32 dequantized
+    copies, the cast's temporaries); backward the larger of the input-gradient phase (16 per output-gradient
+    element, 10 per weight element) and the weight-gradient phase (19, 14 per input element, 5 per weight
+    element); rowwise adds its per-row scales and their temporaries (13 x 4 bytes per row). Native (a GPU
+    with an fp8 matmul, structural, to be checked by the GPU check's FP8 row): the float8 copies, the layout
+    copies `torch._scaled_mm` needs, and two high-precision temporaries of the largest cast."""
+    m, k, n = int(tokens), int(in_features), int(out_features)
+    mk, nk, mn = m * k, n * k, m * n
+    rowwise = recipe == "rowwise"
+    if emulate:
+        forward = 13 * (mk + nk) + (52 * (m + n) if rowwise else 0)
+        backward = max(10 * nk + 16 * mn, 14 * mk + 5 * nk + 19 * mn) + (52 * (2 * m + n + k) if rowwise else 0)
+    else:
+        scales = 4 * (2 * m + n + k) if rowwise else 16
+        forward = mk + nk + 2 * max(mk, nk) * dtype_bytes + scales
+        backward = 2 * mn + nk + mk + (mn + nk) + 2 * max(mn, mk, nk) * dtype_bytes + scales
+    return {"forward": forward, "backward": backward}
+
+
+def fp8_transient_bytes(plan: FP8Plan, tokens: int, recipe: str, emulate: bool, dtype_bytes: int) -> dict:
+    """The largest transient of any converted layer (`fp8_layer_bytes`) for a micro-batch of `tokens` tokens:
+    {"bytes", "layer", "phase"}; the step's peak grows by at most this (one layer casts at a time)."""
+    best = {"bytes": 0, "layer": None, "phase": None}
+    for name in plan.converted:
+        out_f, in_f = plan.shapes[name]
+        for phase, nbytes in fp8_layer_bytes(tokens, in_f, out_f, recipe, emulate, dtype_bytes).items():
+            if nbytes > best["bytes"]:
+                best = {"bytes": nbytes, "layer": name, "phase": phase}
+    return best
