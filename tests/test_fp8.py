@@ -84,7 +84,8 @@ CASES = [("stage 0", 0, "tensorwise", False, False), ("stage 1", 1, "tensorwise"
          ("stage 2", 2, "tensorwise", False, False), ("stage 3", 3, "tensorwise", False, False),
          ("stage 3 rowwise", 3, "rowwise", False, False), ("stage 1 rowwise", 1, "rowwise", False, False),
          ("stage 3 activation checkpointing", 3, "tensorwise", False, True),
-         ("stage 2 lora", 2, "tensorwise", True, False)]
+         ("stage 2 lora", 2, "tensorwise", True, False),
+         ("stage 3 fp8 gathers", 3, "tensorwise", False, False)]  # fp8.float8_all_gather
 
 
 def train_cases(cases: list, save_dir: str | None = None) -> list:
@@ -99,7 +100,9 @@ def train_cases(cases: list, save_dir: str | None = None) -> list:
     results = []
     for name, stage, recipe, lora, checkpointing in cases:
         model = make_model(lora, checkpointing)
-        engine, *_ = zerotrain.initialize(model=model, config=fp8_config(stage, recipe, checkpointing))
+        config = fp8_config(stage, recipe, checkpointing)
+        config["fp8"]["float8_all_gather"] = "fp8 gathers" in name
+        engine, *_ = zerotrain.initialize(model=model, config=config)
         converted = sorted(n for n, m in engine.module.named_modules() if isinstance(m, Float8Linear))
         losses = []
         for x, y in make_fp8_batches(STEPS, MICRO * world):
@@ -110,7 +113,7 @@ def train_cases(cases: list, save_dir: str | None = None) -> list:
             total = loss.detach().clone()
             dist.all_reduce(total)
             losses.append(total.item() / world)
-        results.append((name, converted, losses, engine.full_state_dict()))
+        results.append((name, converted, losses, engine.full_state_dict(), engine.counters.snapshot()))
     if save_dir is not None:
         results.append(fp8_checkpoint_round_trip(save_dir))
     return results
@@ -210,7 +213,7 @@ def test_fp8_at_every_stage_equals_torchao_on_one_process(launch):
     world = WORLD
     results = launch[0]
     refs = {}
-    for (name, stage, recipe, lora, checkpointing), (got_name, converted, losses, weights) in zip(CASES, results):
+    for (name, stage, recipe, lora, checkpointing), (got_name, converted, losses, weights, _) in zip(CASES, results):
         assert got_name == name
         if (recipe, lora) not in refs:
             refs[(recipe, lora)] = reference(world, recipe, lora)
@@ -275,6 +278,8 @@ def test_conversion_emulates_on_cpu_says_so_once_and_refuses_emulate_false(capsy
     assert convert_for_fp8(FP8Net(), block(), torch.device("cpu"), rank=1) is not None
     assert capsys.readouterr().err == ""  # rank 1 says nothing
     assert convert_for_fp8(FP8Net(), block(enabled=False), torch.device("cpu")) is None
+    with pytest.raises(ConfigError, match="fp8.float8_all_gather: float8 weight gathers use one scale"):
+        block(recipe="rowwise", float8_all_gather=True)
     with pytest.raises(ConfigError, match="fp8.emulate: false") as info:
         convert_for_fp8(FP8Net(), block(emulate=False), torch.device("cpu"))
     assert info.value.key == "fp8.emulate"
@@ -378,3 +383,21 @@ def test_estimate_adds_the_largest_float8_transient_and_no_state():
     for a, b in zip(off["options"], on["options"]):  # no state: every option's bytes the same
         assert a["totals"] == b["totals"]
         assert device_peak(b, on["activations"]) - device_peak(a, off["activations"]) == want
+    # float8 gathers at ZeRO-3 over 2 ranks: + the largest converted weight's float8 whole and shard (1 B each)
+    gathers = run({"enabled": True, "float8_all_gather": True})
+    assert gathers["fp8"]["gather_bytes"] == 64 * 176 + 64 * 176 // 2
+    assert gathers["fp8"]["transient_bytes"] == want + 64 * 176 * 3 // 2
+
+
+def test_fp8_weight_gathers_send_float8_bytes(launch):
+    """fp8.float8_all_gather at ZeRO-3 (its training equals torchao's, in the parity test above): the converted
+    weights travel as float8, 1 byte per element, <= 0.55x what a bf16 gather of them sends (the tensorwise
+    amax: one all-reduced float per weight per gather, not counted here); the other stage-3 runs send none."""
+    by_name = {result[0]: result[4] for result in launch[0]}
+    counters = by_name["stage 3 fp8 gathers"]
+    fp8 = counters["all_gather_fp8"]
+    assert fp8["calls"] > 0
+    bf16_bytes = fp8["logical_bytes"] / 4 * 2  # logical: the same gathers in the training dtype (fp32 here)
+    assert fp8["bytes"] <= 0.55 * bf16_bytes, (fp8, bf16_bytes)
+    assert fp8["bytes"] * 4 == fp8["logical_bytes"], fp8  # 1 byte per element where fp32 sends 4
+    assert "all_gather_fp8" not in by_name["stage 3"], by_name["stage 3"]

@@ -686,11 +686,13 @@ def device_peak(memory: dict, activations: dict) -> int:
 
 
 def fp8_activations(activations: Activations, model: torch.nn.Module, config, device_type: str,
-                    dtype: torch.dtype) -> Optional[dict]:
+                    dtype: torch.dtype, zero_ranks: int = 1) -> Optional[dict]:
     """With the config's `fp8` block enabled: the largest float8 transient of one micro-batch (`zerotrain.fp8`'s
     plan and sizes: the layers the engine converts; emulated off a CUDA device, or where `fp8.emulate` says so)
     put into `activations.fp8_transient`; the report's `fp8` entry. None when fp8 is off. float8 adds no state:
-    weights, gradients, masters and optimizer states keep their sizes."""
+    weights, gradients, masters and optimizer states keep their sizes. With `fp8.float8_all_gather` at ZeRO-3 the
+    largest float8 gather's own buffers (the float8 shard sent, the float8 whole received; the dequantized whole
+    is the gathered parameter the stage-3 row counts anyway) are added too."""
     fp8 = config.fp8
     if not fp8.enabled:
         return None
@@ -700,10 +702,16 @@ def fp8_activations(activations: Activations, model: torch.nn.Module, config, de
     emulate = bool(fp8.emulate) if fp8.emulate is not None else device_type != "cuda"
     tokens = activations.micro_batch * -(-activations.seq_len // activations.sequence_parallel)
     largest = fp8_transient_bytes(plan, tokens, fp8.recipe, emulate, dtype.itemsize)
-    activations.fp8_transient = int(largest["bytes"])
+    gather = 0
+    if fp8.float8_all_gather and int(config.zero_optimization.stage) == 3 and zero_ranks > 1:
+        from .zero.flat import padded_numel
+        whole = max((padded_numel(out_f * in_f, zero_ranks) for out_f, in_f in
+                     (plan.shapes[name] for name in plan.converted)), default=0)
+        gather = whole + whole // zero_ranks  # 1 byte per element: received whole + sent shard
+    activations.fp8_transient = int(largest["bytes"]) + gather
     return {"recipe": fp8.recipe, "emulated": emulate, "converted": len(plan.converted),
-            "linear_layers": len(plan.shapes), "transient_bytes": int(largest["bytes"]),
-            "largest_layer": largest["layer"], "phase": largest["phase"], "state_bytes": 0}
+            "linear_layers": len(plan.shapes), "transient_bytes": int(largest["bytes"]) + gather,
+            "gather_bytes": gather, "largest_layer": largest["layer"], "phase": largest["phase"], "state_bytes": 0}
 
 
 def _seq_len(model: torch.nn.Module, kind: str) -> int:
@@ -832,7 +840,7 @@ def estimate(model_spec, config_source, world_size: int, options: Optional[list[
     seq_len = seq_len or _seq_len(model, kind)
     partition = bool(config.activation_checkpointing.partition_activations)
     activations = measure_activations(model, kind, micro, seq_len, sp, tp, partition)
-    fp8_report = fp8_activations(activations, model, config, device_type, dtype)
+    fp8_report = fp8_activations(activations, model, config, device_type, dtype, zero_ranks)
     result = {"model": label, "parameters": _whole_numel(whole), "trainable": _whole_numel(whole, trainable=True),
               "dtype": str(dtype).replace("torch.", ""), "world_size": world_size, "dp_size": dp_size,
               "sequence_parallel_size": sp, "tensor_parallel_size": tp, "expert_parallel_size": shape.ep_size,
@@ -865,7 +873,7 @@ def estimate(model_spec, config_source, world_size: int, options: Optional[list[
             states = estimate_option(resized_shape, config, zero_ranks, config_option(config), optimizer,
                                      device_type, per_node)
             acts = measure_activations(resized, kind, micro, seq_len, sp, tp, partition)
-            fp8_activations(acts, resized, config, device_type, dtype)
+            fp8_activations(acts, resized, config, device_type, dtype, zero_ranks)
             return device_peak(states.as_dict(), acts.as_dict()), numel
         if family is not None:
             layers, width, step = family.layers, family.width, family.width_step

@@ -34,7 +34,7 @@ import torch
 from .config import ConfigError
 
 __all__ = ["FP8Plan", "fp8_plan", "has_fp8_matmul", "torchao_config", "convert_for_fp8", "HEAD_NAMES",
-           "fp8_layer_bytes", "fp8_transient_bytes"]
+           "fp8_layer_bytes", "fp8_transient_bytes", "float8_gathered_weights"]
 
 HEAD_NAMES = ("lm_head", "output")  # a Linear whose last name is one of these is the head (torchtitan: "output")
 FP8_DIM_MULTIPLE = 16
@@ -142,6 +142,13 @@ def convert_for_fp8(model: torch.nn.Module, fp8, device: torch.device, rank: int
               f"{fp8.recipe}{', ' + how if how else ''}); high precision: {kept or 'none'}",
               file=sys.stderr, flush=True)
     return plan
+
+
+def float8_gathered_weights(model: torch.nn.Module, plan: Optional[FP8Plan], fp8) -> list[torch.nn.Parameter]:
+    """The weights ZeRO-3 gathers as float8 (`fp8.float8_all_gather`): the converted layers' (none without it)."""
+    if plan is None or not fp8.float8_all_gather:
+        return []
+    return [model.get_submodule(name).weight for name in plan.converted]
 
 
 # --- memory: what float8 adds to a step (zerotrain.estimate; docs/fp8.md, "Memory") -------------------------------

@@ -103,6 +103,16 @@ class FP8Config(Block):
     recipe: choice(*FP8_RECIPES) = "tensorwise"
     emulate: Optional[Bool] = None
     exclude_modules: list[str] = Field(default_factory=list)
+    # ZeRO-3: the converted layers' weights gathered as float8 + a tensorwise scale (FSDP2's
+    # enable_fsdp_float8_all_gather); tensorwise only, as torchao's
+    float8_all_gather: Bool = False
+
+    @model_validator(mode="after")
+    def _gather_needs_tensorwise(self):
+        if self.float8_all_gather and self.recipe != "tensorwise":
+            raise ConfigError(f"{self.key_path('float8_all_gather')}: float8 weight gathers use one scale per "
+                              f"weight (recipe 'tensorwise'), not {self.recipe!r}", key=self.key_path("float8_all_gather"))
+        return self
 
 
 SaveErrorPolicy = choice("raise", "warn")
