@@ -1187,7 +1187,9 @@ def _print_table(result: dict, memory: Optional[int]) -> None:
     if fp8 is not None:
         footer.append(f"fp8 ({fp8['recipe']}{', emulated' if fp8['emulated'] else ''}): {fp8['converted']} of "
                       f"{fp8['linear_layers']} Linear layers in float8; the largest cast ({fp8['largest_layer']}, "
-                      f"{fp8['phase']}) adds {format_bytes(fp8['transient_bytes'])} to '+ act.'; no state "
+                      f"{fp8['phase']})" + (f" and float8 gather ({format_bytes(fp8['gather_bytes'])})"
+                                            if fp8.get("gather_bytes") else "")
+                      + f" add {format_bytes(fp8['transient_bytes'])} to '+ act.'; no state "
                       "(weights, gradients, masters, checkpoints in the training dtype).")
     footer.extend(_pipeline_lines(result.get("pipeline")))
     if result.get("note"):

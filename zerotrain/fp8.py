@@ -137,7 +137,11 @@ def convert_for_fp8(model: torch.nn.Module, fp8, device: torch.device, rank: int
     convert_to_float8_training(model, config=torchao_config(fp8.recipe, emulate),
                                module_filter_fn=lambda module, name: name in chosen)
     if rank == 0:
-        kept = ", ".join(f"{name} ({why})" for name, why in plan.kept.items())
+        by_reason: dict[str, list[str]] = {}
+        for name, why in plan.kept.items():
+            by_reason.setdefault(why.split(" (")[0] if why.startswith("dims") else why, []).append(name)
+        kept = "; ".join(f"{names[0]} ({why})" if len(names) == 1 else
+                         f"{len(names)} layers ({why}: {names[0]}, ...)" for why, names in by_reason.items())
         print(f"fp8: {len(plan.converted)} of {len(plan.shapes)} Linear layers compute in float8 (torchao, recipe "
               f"{fp8.recipe}{', ' + how if how else ''}); high precision: {kept or 'none'}",
               file=sys.stderr, flush=True)
