@@ -278,6 +278,14 @@ def test_conversion_emulates_on_cpu_says_so_once_and_refuses_emulate_false(capsy
     assert convert_for_fp8(FP8Net(), block(), torch.device("cpu"), rank=1) is not None
     assert capsys.readouterr().err == ""  # rank 1 says nothing
     assert convert_for_fp8(FP8Net(), block(enabled=False), torch.device("cpu")) is None
+    forced = FP8Net()
+    convert_for_fp8(forced, block(emulate=True), torch.device("cpu"), rank=0)  # emulation asked for: said why
+    assert forced.fc1.config.emulate and "emulated: fp8.emulate is true" in capsys.readouterr().err
+    # a model that is one Linear: refused when it would convert (torchao swaps children only), else left alone
+    odd = torch.nn.Linear(6, 7)
+    assert convert_for_fp8(odd, block(), torch.device("cpu")).converted == () and type(odd) is torch.nn.Linear
+    with pytest.raises(ConfigError, match="the model is a single Linear layer"):
+        convert_for_fp8(torch.nn.Linear(16, 32), block(), torch.device("cpu"))
     with pytest.raises(ConfigError, match="fp8.float8_all_gather: float8 weight gathers use one scale"):
         block(recipe="rowwise", float8_all_gather=True)
     with pytest.raises(ConfigError, match="fp8.emulate: false") as info:
