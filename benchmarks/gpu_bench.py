@@ -24,6 +24,10 @@ parts later in the list that no longer fit are recorded as not run). Each append
   states written at start; ~5.4 GB of fp32 states read and written per step, sized for the five-minute run on a
   disk of unknown speed), with the offload counters. `--nvme-size llama11b` (TinyLlama's 1.1B shape, ~13 GB of
   states) is the larger rerun when minutes are left.
+- `fp8`: the `offload` part's 0.5B Llama on the device, bf16, ZeRO-3 at world 1, without and with the `fp8` block
+  (torchao tensorwise; emulated off an fp8 GPU, as the engine's line says): tokens/s and peak memory of each, their
+  ratios (fp8 / bf16), the same losses within float8's error, and `zerotrain estimate`'s fp8 transient for the
+  shape against the measured peak difference (docs/fp8.md). Without torchao the row says so.
 """
 from __future__ import annotations
 
@@ -38,8 +42,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PARTS = ("matmul", "zt_llama", "hf_ds_llama", "offload", "nvme")
-SHARES = {"matmul": 0.06, "zt_llama": 0.24, "hf_ds_llama": 0.28, "offload": 0.22, "nvme": 0.20}  # of --budget
+PARTS = ("matmul", "zt_llama", "hf_ds_llama", "offload", "nvme", "fp8")
+SHARES = {"matmul": 0.06, "zt_llama": 0.24, "hf_ds_llama": 0.28, "offload": 0.22, "nvme": 0.20,
+          "fp8": 0.16}  # weights of --budget
 DATASHEET_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "GH200": 989e12, "A100": 312e12}
 SIZES = {  # name -> LlamaConfig fields, micro-batch, sequence, warm-up steps, timed steps
     "llama1b": (dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=20, num_attention_heads=32,
@@ -53,7 +58,8 @@ SIZES = {  # name -> LlamaConfig fields, micro-batch, sequence, warm-up steps, t
     "tiny": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=256), 2, 32, 1, 2),
 }
-PART_SIZE = {"zt_llama": "llama1b", "hf_ds_llama": "llama1b", "offload": "llama05b", "nvme": "llama05b_nvme"}
+PART_SIZE = {"zt_llama": "llama1b", "hf_ds_llama": "llama1b", "offload": "llama05b", "nvme": "llama05b_nvme",
+             "fp8": "llama05b"}
 
 
 # --- shared pieces ---------------------------------------------------------------------------------------------
@@ -225,7 +231,7 @@ def part_hf_ds_llama(args) -> dict:
     return result
 
 
-def _offload_engine(args, part: str, zero: dict):
+def _offload_engine(args, part: str, zero: dict, fp8: dict | None = None):
     import torch
     from transformers import LlamaForCausalLM
 
@@ -240,6 +246,8 @@ def _offload_engine(args, part: str, zero: dict):
           "steps_per_print": 0, "bf16": {"enabled": True},
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
           "zero_optimization": {"stage": 3, **zero}}
+    if fp8 is not None:
+        ds["fp8"] = fp8
     engine, *_ = zerotrain.initialize(model=model, config=ds)
     return engine, config, micro, seq, warmup, timed
 
@@ -307,6 +315,41 @@ def part_nvme(args) -> dict:
 
 
 # --- the orchestration -----------------------------------------------------------------------------------------
+def part_fp8(args) -> dict:
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("torchao") is None:
+        return {"skipped": "torchao is not installed (pip install 'zerotrain[fp8]')"}
+    from zerotrain.estimate import estimate
+    from transformers import LlamaForCausalLM
+
+    rows = {}
+    for name, fp8 in (("bf16", {"enabled": False}), ("fp8", {"enabled": True, "recipe": "tensorwise"})):
+        engine, config, micro, seq, warmup, timed = _offload_engine(args, "fp8", {}, fp8=fp8)
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times, losses = _timed_steps(args, engine, config, micro, seq, warmup + timed)
+        rows[name] = {**_throughput(times[warmup:], micro * seq, config, seq, args.device, None), "losses": losses}
+        engine.close()
+        del engine
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(config)
+    predicted = estimate(meta, {"train_micro_batch_size_per_gpu": micro, "bf16": {"enabled": True},
+                                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+                                "zero_optimization": {"stage": 3}, "fp8": {"enabled": True}},
+                         world_size=1, device_type="cuda" if args.device == "cuda" else "cpu", seq_len=seq,
+                         micro_batch=micro)
+    bf16, fp8 = rows["bf16"], rows["fp8"]
+    peak_ratio = round(fp8["peak_gib"] / bf16["peak_gib"], 3) if bf16.get("peak_gib") else None
+    return {"bf16": bf16, "fp8": fp8, "tokens_ratio": round(fp8["tokens_per_s"] / bf16["tokens_per_s"], 3),
+            "peak_ratio": peak_ratio, "estimate_fp8_transient_gib": round(predicted["fp8"]["transient_bytes"] / 2**30, 3),
+            "emulated": predicted["fp8"]["emulated"]}
+
+
 def run_part(args) -> None:
     """Child: run one part, print its JSON as the last line."""
     result = globals()[f"part_{args.run_part}"](args)
@@ -336,6 +379,13 @@ def _row(part: str, record: dict) -> str:
         return f"| nvme | ok | {record['seconds']} s | {r['params'] / 1e9:.2f}B, steps {r['steps_s']} s, " \
                f"setup {r['setup_s']} s, O_DIRECT {r['direct_io']}, {r['nvme_gib']} GiB on NVMe, " \
                f"peak {r['peak_gib']} GiB |"
+    if part == "fp8":
+        b, f = r["bf16"], r["fp8"]
+        return f"| fp8 | ok | {record['seconds']} s | {f['params'] / 1e9:.2f}B, tensorwise" \
+               f"{' (emulated)' if r['emulated'] else ''}: {f['tokens_per_s']:.0f} tokens/s vs bf16 " \
+               f"{b['tokens_per_s']:.0f} (**{r['tokens_ratio']}x**), peak {f['peak_gib']} vs {b['peak_gib']} GiB " \
+               f"(**{r['peak_ratio'] if r['peak_ratio'] is not None else 'n/a'}x**; estimate's fp8 transient {r['estimate_fp8_transient_gib']} GiB), " \
+               f"losses {f['losses']} vs {b['losses']} |"
     return f"| {part} | ok | {record['seconds']} s | {json.dumps(r)[:300]} |"
 
 

@@ -573,11 +573,13 @@ class Activations:
     per_block: list = field(default_factory=list)     # what each block keeps (a pipeline stage sums its blocks')
     block_inputs: list = field(default_factory=list)  # each block's input (what checkpointing keeps of it)
     outside: int = 0                                  # kept outside the blocks (final norm, head, loss)
+    fp8_transient: int = 0  # fp8: the largest converted layer's casts and float8 copies (zerotrain.fp8), transient
 
     def as_dict(self) -> dict:
         return {"micro_batch": self.micro_batch, "seq_len": self.seq_len, "without_checkpointing": self.full,
                 "with_checkpointing": self.checkpointed, "blocks": self.blocks,
-                "sequence_parallel": self.sequence_parallel, "all_to_all_buffers": self.all_to_all_buffers}
+                "sequence_parallel": self.sequence_parallel, "all_to_all_buffers": self.all_to_all_buffers,
+                "fp8_transient": self.fp8_transient}
 
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -714,7 +716,37 @@ def device_peak(memory: dict, activations: dict) -> int:
     if memory.get("gradients_made_in_backward"):
         grads = memory["rows"]["gradients"]["device"]
         states, acts = states - grads, max(acts, grads)
-    return states + acts + sum(memory["transient"].values()) + activations.get("all_to_all_buffers", 0)
+    return (states + acts + sum(memory["transient"].values()) + activations.get("all_to_all_buffers", 0)
+            + activations.get("fp8_transient", 0))
+
+
+def fp8_activations(activations: Activations, model: torch.nn.Module, config, device_type: str,
+                    dtype: torch.dtype, zero_ranks: int = 1) -> Optional[dict]:
+    """With the config's `fp8` block enabled: the largest float8 transient of one micro-batch (`zerotrain.fp8`'s
+    plan and sizes: the layers the engine converts; emulated off a CUDA device, or where `fp8.emulate` says so)
+    put into `activations.fp8_transient`; the report's `fp8` entry. None when fp8 is off. float8 adds no state:
+    weights, gradients, masters and optimizer states keep their sizes. With `fp8.float8_all_gather` at ZeRO-3 the
+    largest float8 gather's own buffers (the float8 shard sent, the float8 whole received; the dequantized whole
+    is the gathered parameter the stage-3 row counts anyway) are added too."""
+    fp8 = config.fp8
+    if not fp8.enabled:
+        return None
+    from .fp8 import fp8_plan, fp8_transient_bytes
+
+    plan = fp8_plan(model, tuple(fp8.exclude_modules))
+    emulate = bool(fp8.emulate) if fp8.emulate is not None else device_type != "cuda"
+    tokens = activations.micro_batch * -(-activations.seq_len // activations.sequence_parallel)
+    largest = fp8_transient_bytes(plan, tokens, fp8.recipe, emulate, dtype.itemsize)
+    gather = 0
+    if fp8.float8_all_gather and int(config.zero_optimization.stage) == 3 and zero_ranks > 1:
+        from .zero.flat import padded_numel
+        whole = max((padded_numel(out_f * in_f, zero_ranks) for out_f, in_f in
+                     (plan.shapes[name] for name in plan.converted)), default=0)
+        gather = whole + whole // zero_ranks  # 1 byte per element: received whole + sent shard
+    activations.fp8_transient = int(largest["bytes"]) + gather
+    return {"recipe": fp8.recipe, "emulated": emulate, "converted": len(plan.converted),
+            "linear_layers": len(plan.shapes), "transient_bytes": int(largest["bytes"]) + gather,
+            "gather_bytes": gather, "largest_layer": largest["layer"], "phase": largest["phase"], "state_bytes": 0}
 
 
 def _seq_len(model: torch.nn.Module, kind: str) -> int:
@@ -843,6 +875,7 @@ def estimate(model_spec, config_source, world_size: int, options: Optional[list[
     seq_len = seq_len or _seq_len(model, kind)
     partition = bool(config.activation_checkpointing.partition_activations)
     activations = measure_activations(model, kind, micro, seq_len, sp, tp, partition)
+    fp8_report = fp8_activations(activations, model, config, device_type, dtype, zero_ranks)
     result = {"model": label, "parameters": _whole_numel(whole), "trainable": _whole_numel(whole, trainable=True),
               "dtype": str(dtype).replace("torch.", ""), "world_size": world_size, "dp_size": dp_size,
               "sequence_parallel_size": sp, "tensor_parallel_size": tp, "expert_parallel_size": shape.ep_size,
@@ -853,6 +886,8 @@ def estimate(model_spec, config_source, world_size: int, options: Optional[list[
         result["world_size"] = world_size * pp
         result["pipeline"] = pipeline_report(stages, config, activations, zero_ranks, optimizer, device_type,
                                              per_node)
+    if fp8_report is not None:
+        result["fp8"] = fp8_report
     if batch_note:
         result["note"] = batch_note
     if budget_lines is not None:
@@ -873,6 +908,7 @@ def estimate(model_spec, config_source, world_size: int, options: Optional[list[
             states = estimate_option(resized_shape, config, zero_ranks, config_option(config), optimizer,
                                      device_type, per_node)
             acts = measure_activations(resized, kind, micro, seq_len, sp, tp, partition)
+            fp8_activations(acts, resized, config, device_type, dtype, zero_ranks)
             return device_peak(states.as_dict(), acts.as_dict()), numel
         if family is not None:
             layers, width, step = family.layers, family.width, family.width_step
@@ -1220,6 +1256,14 @@ def _print_table(result: dict, memory: Optional[int]) -> None:
         "'+ act. (ckpt)' = device total + activations with checkpointing + transient step buffers "
         "(gradient staging, stage-3 gathers, ZeRO++ scratch and hpZ secondaries; see --json).",
     ]
+    fp8 = result.get("fp8")
+    if fp8 is not None:
+        footer.append(f"fp8 ({fp8['recipe']}{', emulated' if fp8['emulated'] else ''}): {fp8['converted']} of "
+                      f"{fp8['linear_layers']} Linear layers in float8; the largest cast ({fp8['largest_layer']}, "
+                      f"{fp8['phase']})" + (f" and float8 gather ({format_bytes(fp8['gather_bytes'])})"
+                                            if fp8.get("gather_bytes") else "")
+                      + f" add {format_bytes(fp8['transient_bytes'])} to '+ act.'; no state "
+                      "(weights, gradients, masters, checkpoints in the training dtype).")
     footer.extend(_pipeline_lines(result.get("pipeline")))
     if result.get("note"):
         footer.append(f"note: {result['note']}.")

@@ -40,11 +40,12 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from .core import Comm
 from .quant import DEFAULT_BLOCK, QuantizedRows, quantize_rows, row_wire_bytes
 
-__all__ = ["ErrorFeedback", "QuantizedReduceScatter", "QuantizedAllGather"]
+__all__ = ["ErrorFeedback", "QuantizedReduceScatter", "QuantizedAllGather", "Float8AllGather"]
 
 
 class ErrorFeedback:
@@ -236,6 +237,51 @@ class _PendingGather:
             self._handle.wait()
             self.result = self._finish()
         return True
+
+
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+class Float8AllGather:
+    """fp8 weight gathers at ZeRO-3 (FSDP2's `enable_fsdp_float8_all_gather`, here for flat shards): each
+    tensor's scale is tensorwise over the whole tensor (one all-reduce of every shard's amax, MAX, for the
+    group), each shard travels as float8 e4m3 (1 byte per element) and arrives dequantized (value / scale) in
+    `dtype`. A float8 layer casting the arrived weight again with its own tensorwise scale gets the same float8
+    values (the largest element maps to the e4m3 maximum both times), so its matmuls are those of a full
+    high-precision gather; only the bytes on the wire change: 1 per element plus the 4-byte amax."""
+
+    kind = "all_gather_fp8"
+
+    def __init__(self, comm: Comm):
+        self.comm = comm
+
+    def __call__(self, shards: Sequence[torch.Tensor], dtype: Optional[torch.dtype] = None) -> _PendingGather:
+        """Start gathering; after wait(), `.result` is a list of full flat tensors (N·numel of each shard,
+        rank-major) in `dtype` (default: the shards' dtype)."""
+        N = self.comm.size
+        amax = torch.stack([shard.detach().abs().max().float() if shard.numel() else
+                            torch.zeros((), device=shard.device) for shard in shards])
+        self.comm.all_reduce(amax, op=dist.ReduceOp.MAX)
+        scales = E4M3_MAX / amax.clamp(min=1e-12)  # torchao's amax_to_scale (fp32; EPS 1e-12)
+        pieces = [(shard.detach().float() * scales[i]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+                  .view(torch.uint8).reshape(-1) for i, shard in enumerate(shards)]
+        send = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        received = torch.empty(N * send.numel(), dtype=torch.uint8, device=send.device)
+        logical = sum(s.numel() * s.element_size() for s in shards) * N
+        handle = self.comm.all_gather(received, send, async_op=True, kind=self.kind, logical_bytes=logical)
+        numels = [s.numel() for s in shards]
+        dtypes = [dtype or s.dtype for s in shards]
+
+        def finish() -> list[torch.Tensor]:
+            by_rank = received.view(N, -1)
+            out, offset = [], 0
+            for index, (numel, out_dtype) in enumerate(zip(numels, dtypes)):
+                values = by_rank[:, offset:offset + numel].contiguous().view(torch.float8_e4m3fn)
+                out.append((values.float() / scales[index]).to(out_dtype).reshape(-1))
+                offset += numel
+            return out
+
+        return _PendingGather(handle, finish)
 
 
 class QuantizedAllGather:

@@ -17,14 +17,14 @@ from .loader import load_config, parse_json_text, read_config_file, strip_json_c
 from .params import (AdamParams, OptimizerConfig, SchedulerConfig, SGDParams, WarmupCosineLRParams,
                      WarmupDecayLRParams, WarmupLRParams)
 from .monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
-from .schema import AioConfig, BF16Config, CheckpointConfig, FP16Config, ZeroTrainConfig
+from .schema import AioConfig, BF16Config, CheckpointConfig, FP16Config, FP8Config, ZeroTrainConfig
 from .zero import LocoConfig, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 __all__ = [
     "ConfigError", "ConfigWarning", "load_config", "ZeroTrainConfig", "resolve_batch_triple",
     "read_config_file", "parse_json_text", "strip_json_comments",
     "OptimizerConfig", "SchedulerConfig", "AdamParams", "SGDParams", "WarmupLRParams", "WarmupDecayLRParams",
-    "WarmupCosineLRParams", "FP16Config", "BF16Config", "CheckpointConfig", "AioConfig",
+    "WarmupCosineLRParams", "FP16Config", "BF16Config", "FP8Config", "CheckpointConfig", "AioConfig",
     "ZeroConfig", "OffloadOptimizerConfig", "OffloadParamConfig", "LocoConfig", "fill_auto", "hf_auto_values",
     "TensorBoardConfig", "CSVMonitorConfig", "WandbConfig",
 ]

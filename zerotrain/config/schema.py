@@ -1,7 +1,7 @@
 """The whole configuration as one pydantic model, `ZeroTrainConfig`, with DeepSpeed's key names.
 
 Build it with `zerotrain.config.load_config` (which turns every validation problem into a
-`ConfigError` naming the dotted key). Blocks: `fp16`, `bf16` (legacy alias `bfloat16`),
+`ConfigError` naming the dotted key). Blocks: `fp16`, `bf16` (legacy alias `bfloat16`), `fp8` (zerotrain's: float8 Linear compute, docs/fp8.md),
 `zero_optimization` (`zero.py`), `optimizer` and `scheduler` (`params.py`), `checkpoint`,
 `aio`, `tensor_parallel`, `activation_checkpointing`, and the monitors `tensorboard`, `csv_monitor`, `wandb`
 (`monitor.py`). zerotrain's own top-level keys: `comm_timeout_seconds`,
@@ -20,7 +20,7 @@ from .monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
 from .params import OptimizerConfig, SchedulerConfig
 from .zero import ZeroConfig
 
-__all__ = ["ZeroTrainConfig", "FP16Config", "BF16Config", "CheckpointConfig", "AioConfig", "TensorParallelConfig", "ActivationCheckpointingConfig",
+__all__ = ["ZeroTrainConfig", "FP16Config", "BF16Config", "FP8Config", "FP8_RECIPES", "CheckpointConfig", "AioConfig", "TensorParallelConfig", "ActivationCheckpointingConfig",
            "PipelineConfig", "PIPELINE_SCHEDULES",
            "DEEPSPEED_ONLY_KEYS"]
 
@@ -84,6 +84,34 @@ class BF16Config(Block):
             raise ConfigError(f"{self.key_path('bf16_optimizer_states')}: requires "
                               f"{self.key_path('bf16_master_weights_and_grads')} (as DeepSpeed)",
                               key=self.key_path("bf16_optimizer_states"))
+        return self
+
+
+FP8_RECIPES = ("tensorwise", "rowwise")
+
+
+class FP8Config(Block):
+    """`fp8` (zerotrain's block; docs/fp8.md): the model's Linear layers compute in float8 through torchao's
+    `convert_to_float8_training` with `recipe`'s scaling (torchao's recipe names). The head, layers whose dims
+    are not multiples of 16 and `exclude_modules` (name substrings) stay in high precision. `emulate`: null
+    chooses (emulated where the device has no fp8 matmul: the CPU, CUDA capability below 8.9); true always
+    emulates; false refuses a device without fp8 matmul."""
+
+    PATH = "fp8"
+
+    enabled: Bool = False
+    recipe: choice(*FP8_RECIPES) = "tensorwise"
+    emulate: Optional[Bool] = None
+    exclude_modules: list[str] = Field(default_factory=list)
+    # ZeRO-3: the converted layers' weights gathered as float8 + a tensorwise scale (FSDP2's
+    # enable_fsdp_float8_all_gather); tensorwise only, as torchao's
+    float8_all_gather: Bool = False
+
+    @model_validator(mode="after")
+    def _gather_needs_tensorwise(self):
+        if self.float8_all_gather and self.recipe != "tensorwise":
+            raise ConfigError(f"{self.key_path('float8_all_gather')}: float8 weight gathers use one scale per "
+                              f"weight (recipe 'tensorwise'), not {self.recipe!r}", key=self.key_path("float8_all_gather"))
         return self
 
 
@@ -211,6 +239,7 @@ class ZeroTrainConfig(Block):
     scheduler: Optional[SchedulerConfig] = None
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
+    fp8: FP8Config = Field(default_factory=FP8Config)  # float8 compute of Linear layers (torchao), docs/fp8.md
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     aio: AioConfig = Field(default_factory=AioConfig)

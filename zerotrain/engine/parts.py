@@ -18,6 +18,7 @@ import torch
 from ..checkpoint import SnapshotFences
 from ..comm import Comm, CommCounters
 from ..config import ConfigError, ZeroTrainConfig
+from ..fp8 import convert_for_fp8, float8_gathered_weights
 from ..offload.cpu_optimizer import OffloadOptimizer, narrows_gradients
 from ..offload import nvme as nvme_offload
 from ..offload.param_store import build_param_store
@@ -88,6 +89,8 @@ def build_parts(model: torch.nn.Module, config: ZeroTrainConfig, topology: Topol
     stage = config.zero_optimization.stage
     dtype = training_dtype(config.precision)
     check_expert_parallel(model, config, topology)  # experts split over ranks: what is refused with them
+    # fp8 (torchao Float8Linear, same Parameter objects): before anything is flattened or partitioned
+    fp8_plan = convert_for_fp8(model, config.fp8, topology.device, topology.rank)
     counters = CommCounters()
     comm = Comm.data_parallel(topology, counters)
     tp_comm = tensor_parallel_comm(topology, counters) if topology.tp_size > 1 else None
@@ -135,6 +138,7 @@ def build_parts(model: torch.nn.Module, config: ZeroTrainConfig, topology: Topol
     if weights.stage3 is not None:  # its release hooks must run after the reducer's gradient hooks
         weights.stage3.hooks = Stage3Hooks(module, weights.fetcher)
         _configure_weight_gathers(weights.fetcher, config, topology, comm)
+        weights.fetcher.configure_fp8_gathers(float8_gathered_weights(module, fp8_plan, config.fp8))
     loss_scaler = LossScaler.from_config(config.fp16)
     zero_optimizer = NoOptimizer() if forward_only else \
         _master_optimizer(weights.buckets, config, topology, comm, tp_comm, torch_optimizer, reducer, loss_scaler,

@@ -53,6 +53,8 @@ def add_train_parser(sub: Any) -> None:
     )
     from zerotrain.train.flags import add_training_flags
     add_training_flags(train, defaults=TRAIN_DEFAULTS)  # --config/--deepspeed, --learning-rate, --per-device-train-batch-size, ... (HF's names)
+    from zerotrain.train.flags import add_fp8_flag
+    add_fp8_flag(train)  # --fp8 [RECIPE]: the fp8 block (docs/fp8.md)
     train.add_argument(
         "--nproc", type=int, default=1, metavar="N",
         help="number of processes (ranks) on this machine; N > 1 re-launches this command "
@@ -347,7 +349,7 @@ def nothing_to_train(path: str, step: int, steps: int) -> str:
 # even those meant for the script). `--master-port` concerns only the launcher.
 _WORKER_OPTIONS = ("config", "zero_stage", *HF_FLAGS, "num_train_epochs", "per_device_eval_batch_size",
                    "model", "model_config", "tokenizer", "text_field", "num_proc", "steps", "seq_len",
-                   "pipeline_parallel_size",
+                   "pipeline_parallel_size", "fp8",
                    "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
                    "max_corpus_bytes", "val_fraction", "eval_interval", "eval_batches", "log_dir", "seed",
                    "save_dir", "save_every", "stop_signals", "memory_timeline", "resume_from_checkpoint")

@@ -14,7 +14,7 @@ import json
 import os
 from typing import Any, Optional
 
-__all__ = ["HF_FLAGS", "flag_defaults", "add_training_flags", "training_arguments", "effective_config", "write_effective_config",
+__all__ = ["HF_FLAGS", "flag_defaults", "add_training_flags", "add_fp8_flag", "training_arguments", "effective_config", "write_effective_config",
            "EFFECTIVE_CONFIG"]
 
 EFFECTIVE_CONFIG = "effective_config.json"  # the file in the run directory
@@ -93,6 +93,18 @@ def add_training_flags(parser: argparse.ArgumentParser, *, aliases: Optional[dic
                         help="print the effective config (file, flags and filled \"auto\" values) and exit")
 
 
+def add_fp8_flag(parser: argparse.ArgumentParser) -> None:
+    """`--fp8 [tensorwise|rowwise]`: the config's `fp8` block (docs/fp8.md), accelerate's `mixed_precision="fp8"`
+    with torchao's float8 (no TrainingArguments field exists for it)."""
+    from zerotrain.config.schema import FP8_RECIPES
+
+    parser.add_argument("--fp8", nargs="?", const=FP8_RECIPES[0], default=None, choices=FP8_RECIPES,
+                        metavar="RECIPE",
+                        help="float8 compute of the Linear layers through torchao (fp8.enabled; the recipe, "
+                             "fp8.recipe: tensorwise (default) or rowwise); emulated where the device has no fp8 "
+                             "matmul; weights, gradients and checkpoints stay in the training dtype")
+
+
 def training_arguments(args: argparse.Namespace) -> dict[str, Any]:
     """The HF arguments given on the command line (only those given), by their TrainingArguments names."""
     out = {name: getattr(args, name) for name in (*HF_FLAGS, *_BOOL_FLAGS)
@@ -122,7 +134,7 @@ def effective_config(args: argparse.Namespace, *, world_size: int, num_training_
                                        zero_stage=3 if args.zero_stage is None else args.zero_stage)
         config = override(config, {k: v for k, v in arguments.items() if k == "save_total_limit"},
                           world_size=world_size)
-        return _with_checkpointing(config, args)
+        return _with_fp8(_with_checkpointing(config, args), args)
     arguments = {**(defaults or {}), **given}
     config = read_config_file(args.config)
     if args.zero_stage is not None:
@@ -147,7 +159,7 @@ def effective_config(args: argparse.Namespace, *, world_size: int, num_training_
             config.pop("scheduler", None)
         else:
             config["scheduler"] = block
-    return _with_checkpointing(config, args)
+    return _with_fp8(_with_checkpointing(config, args), args)
 
 
 _BATCH_FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps")
@@ -186,6 +198,15 @@ def _with_checkpointing(config: dict[str, Any], args: argparse.Namespace) -> dic
     `zerotrain.checkpointing.checkpoint` as the function (`zerotrain.checkpointing.enable_hf_gradient_checkpointing`)."""
     if getattr(args, "gradient_checkpointing", None):
         config.setdefault("activation_checkpointing", {})
+    return config
+
+
+def _with_fp8(config: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """`--fp8 [RECIPE]`: the config's fp8 block enabled with that recipe (a file's other fp8 keys are kept)."""
+    recipe = getattr(args, "fp8", None)
+    if recipe is not None:
+        block = config.get("fp8")
+        config["fp8"] = {**(block if isinstance(block, dict) else {}), "enabled": True, "recipe": recipe}
     return config
 
 

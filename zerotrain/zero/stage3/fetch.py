@@ -60,7 +60,7 @@ from typing import Optional
 import torch
 
 from ...comm import Comm
-from ...comm.compressed import QuantizedAllGather
+from ...comm.compressed import Float8AllGather, QuantizedAllGather
 from .buffers import BufferPool
 from .partition import PartitionedParam
 from .trace import FetchTrace
@@ -91,7 +91,9 @@ class ParamFetcher:
         self._expert_quantizers: dict[int, QuantizedAllGather] = {}  # qwZ over expert-data-parallel groups
         self.hpz: Optional[Comm] = None  # hpZ: the secondary-partition group
         self.secondaries: dict[int, torch.Tensor] = {}  # id(part) -> its hpZ secondary shard
-        self._lossy: set[int] = set()  # gathered through qwZ: holds dequantized, not exact, values
+        self._lossy: set[int] = set()  # gathered through qwZ or fp8: holds dequantized, not exact, values
+        self.fp8_gather: Optional[Float8AllGather] = None  # fp8 weight gathers (configure_fp8_gathers)
+        self._fp8_parts: set[int] = set()  # id(part) of the parameters gathered as float8
         self._inflight: dict[int, tuple] = {}  # id(part) -> (handle, gather record, started by prefetch)
         self._by_id = {id(part): part for part in parts}
         self._skipped: set[int] = set()  # gathered parameters whose next use prefetch passed over: kept
@@ -111,7 +113,17 @@ class ParamFetcher:
                       "prefetch_inflight_params": 0, "peak_prefetch_inflight_params": 0,
                       "peak_live_inflight_numel": 0, "order_mismatches": 0,
                       "releases": 0, "reuse_kept": 0,
-                      "quantized_gathers": 0, "hpz_gathers": 0, "secondary_bytes": 0, "peak_secondary_bytes": 0}
+                      "quantized_gathers": 0, "hpz_gathers": 0, "secondary_bytes": 0, "peak_secondary_bytes": 0,
+                      "fp8_gathers": 0}
+
+    def configure_fp8_gathers(self, params: list[torch.nn.Parameter]) -> None:
+        """Gather these parameters (float8 layers' weights, `fp8.float8_all_gather`) as float8 e4m3 with a
+        tensorwise scale (`comm.compressed.Float8AllGather`), dequantized on arrival; dense (data-parallel)
+        partitions only, and nothing at one rank."""
+        wanted = {id(p) for p in params}
+        self._fp8_parts = {id(part) for part in self.parts if id(part.param) in wanted and part.group.comm is self.comm
+                           and not part.persistent}
+        self.fp8_gather = Float8AllGather(self.comm) if self._fp8_parts and self.comm.size > 1 else None
 
     def configure_zeropp(self, quantize_weights: bool = False, hpz: Optional[Comm] = None,
                          block_size: int = 256) -> None:
@@ -287,12 +299,15 @@ class ParamFetcher:
                     self._gather_secondary(part, prefetch)
             parts = [part for part in parts if id(part) not in self._inflight]
         groups: list[list[PartitionedParam]] = [[p] for p in parts] if self.sequential else _by_dtype(parts, self.comm)
+        if self.fp8_gather is not None:  # float8 weights travel in collectives of their own
+            groups = [g for group in groups for g in (
+                [p for p in group if id(p) in self._fp8_parts], [p for p in group if id(p) not in self._fp8_parts]) if g]
         for group in groups:
             quantizer = self._weight_quantizer(group[0]) if reason != "user" else None
-            if quantizer is not None:  # qwZ: int8 + scales, dequantized on arrival
+            if quantizer is not None:  # qwZ (int8 + scales) or fp8 (float8 + a tensorwise scale), dequantized on arrival
                 handle = quantizer([part.device_shard() for part in group])
                 record = ("quantized", None, group)
-                self.stats["quantized_gathers"] += 1
+                self.stats["fp8_gathers" if quantizer is self.fp8_gather else "quantized_gathers"] += 1
                 full_bytes = sum(part.padded_numel * part.dtype.itemsize for part in group)
                 self.stats["peak_gather_bytes"] = max(self.stats["peak_gather_bytes"], full_bytes)
             elif len(group) == 1:
@@ -345,8 +360,11 @@ class ParamFetcher:
         self.secondaries.clear()
         self.stats["secondary_bytes"] = 0
 
-    def _weight_quantizer(self, part: PartitionedParam) -> Optional[QuantizedAllGather]:
-        """qwZ's gather for `part`'s group: the data-parallel one, or a split expert's expert-data-parallel one."""
+    def _weight_quantizer(self, part: PartitionedParam):
+        """The fp8 gather for a float8 layer's weight (`configure_fp8_gathers`); else qwZ's gather for `part`'s
+        group: the data-parallel one, or a split expert's expert-data-parallel one."""
+        if self.fp8_gather is not None and id(part) in self._fp8_parts:
+            return self.fp8_gather
         comm = part.group.comm
         if comm is self.comm or self.weight_quantizer is None or comm.size == 1:
             return self.weight_quantizer if comm is self.comm else None
