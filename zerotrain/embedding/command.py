@@ -168,7 +168,6 @@ def run_train_embedding(args: argparse.Namespace) -> int:
     from zerotrain.comm import Comm
     from zerotrain.trainer import Trainer
     from zerotrain.config import ConfigError
-    from zerotrain.monitor.measure import memory_bytes
 
     from .data import DataPosition, load_pairs
     from .export import export_sentence_transformers
@@ -234,7 +233,7 @@ def run_train_embedding(args: argparse.Namespace) -> int:
         accumulation, micro = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
         global_batch = world * accumulation * micro
         step = ContrastiveStep(engine, comm, pooling, scale=args.scale, matryoshka_dims=dims,
-                               chunk_size=args.loss_chunk_size, memory_fn=lambda: memory_bytes(topology.device))
+                               chunk_size=args.loss_chunk_size)
         if args.save_dir is not None:
             engine.claim_save_dir(os.path.abspath(args.save_dir))
         position = DataPosition(epoch=0, batch=0, seed=seed, global_batch=global_batch, pairs=len(data),
