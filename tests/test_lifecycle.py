@@ -186,6 +186,8 @@ def test_pipeline_run_stops_at_a_step_boundary_on_sigterm_and_resume_continues_e
     assert sorted(resumed) == list(range(1, total + 1)), resumed
     for step in range(1, total + 1):
         assert resumed[step] == pytest.approx(expected[step], rel=1e-6), step
+    # the tokens: the first stage's count (4 x 2 micro-batches of 32 a step), once over the ranks
+    assert json.loads((whole / "log" / "summary.json").read_text())["tokens"] == total * 4 * 2 * 32
     # the step's one reduction gathers every rank's memory (the pipeline's records had none)
     record = json.loads((whole / "log" / "metrics.jsonl").read_text().splitlines()[-1])
     assert len(record["memory_bytes"]) == 2 and min(record["memory_bytes"]) > 0, record
