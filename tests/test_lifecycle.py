@@ -177,7 +177,8 @@ def test_pipeline_run_stops_at_a_step_boundary_on_sigterm_and_resume_continues_e
     assert stop_step < 400, out
     tag = f"global_step{stop_step}"
     assert (stopped / "ckpt" / "latest").read_text().strip() == tag
-    assert f"zerotrain: stopped by SIGTERM at step {stop_step}; checkpoint {stopped / 'ckpt' / tag}" in out, out
+    line = f"zerotrain: stopped by SIGTERM at step {stop_step}; checkpoint {stopped / 'ckpt' / tag}"
+    assert line in err and (out + err).count(line) == 1, out + err  # said once, by the launcher
     total = stop_step + 3
     _run(_pipeline_cmd(stopped, total, "--resume"))
     whole = tmp_path / "whole"

@@ -114,8 +114,8 @@ def test_resume_at_another_world_size_metrics_and_chunked_loss(tmp_path):
                                       tmp_path / "b_log", 2)
     assert first.returncode == 128 + signal.SIGTERM, first.stdout + first.stderr
     assert 2 <= stop < 400 and (tmp_path / "b" / "latest").read_text().strip() == f"global_step{stop}"
-    assert f"zerotrain: stopped by SIGTERM at step {stop}; checkpoint {tmp_path / 'b' / f'global_step{stop}'}" \
-        in first.stdout, first.stdout
+    line = f"zerotrain: stopped by SIGTERM at step {stop}; checkpoint {tmp_path / 'b' / f'global_step{stop}'}"
+    assert line in first.stderr and (first.stdout + first.stderr).count(line) == 1, first.stdout + first.stderr
     assert "one contrastive batch = 8 queries (2 ranks x 1 accumulation x 4 micro)" in first.stdout
     assert "loss in tiles of 5" in first.stdout  # the config file's embedding block reached the loss
     total = stop + 3  # three more steps: across an epoch boundary (3 batches an epoch)
@@ -249,3 +249,9 @@ def test_bad_inputs_are_one_line_checked_before_the_save_directory_is_claimed(tm
         assert len(err) == 1 and err[0].startswith(f"zerotrain: error: {message}"), (argv, err)
         assert str(bad) not in argv or f"{bad}, line 2: no 'positive' field" in err[0], err  # every bad line named
         assert not save.exists() or not (save / LOCK_FILE).exists()
+    # the launcher's options (restarts after a failed rank, the stop's grace) are checked before any launch
+    for flag in ("--max-restarts", "--stop-timeout"):
+        assert main(["train-embedding", "--model", str(model), "--data", str(small), "--nproc", "2", flag, "-1"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == ["zerotrain: error: --max-restarts and --stop-timeout must be >= 0, got "
+                       + ("-1 and 300" if flag == "--max-restarts" else "0 and -1")], err
