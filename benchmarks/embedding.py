@@ -81,8 +81,8 @@ def run_zerotrain(args) -> dict:
     ends = []
     for batch in batches:
         parts = rank_micro_batches(batch, 0, 1, args.batch // args.mini)
-        step.step([tokenize_micro_batch(data, p, tokenizer, args.max_length, device) for p in parts])
-        ends.append(time.perf_counter())  # step() returns the loss as a float: the device is done
+        step.step([tokenize_micro_batch(data, p, tokenizer, args.max_length, device) for p in parts]).item()
+        ends.append(time.perf_counter())  # .item() of the loss the step returns: the device is done
     seconds = ends[-1] - ends[0]
     queries = encode(engine, tokenizer, [p["query"] for p in held_out], pooling, max_length=args.max_length, device=device)
     passages = encode(engine, tokenizer, [p["positive"] for p in held_out], pooling, max_length=args.max_length,

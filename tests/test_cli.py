@@ -401,10 +401,10 @@ def _resume_world2(save_dir: str) -> dict:
     # an elastic restart seen by one node's agents only (the other node's agent restarted its ranks for the new
     # round without raising its count): `zerotrain train` must resume on every rank or on none
     from zerotrain import dist
-    from zerotrain.train.command import _job_restarts
+    from zerotrain.run import job_restarts
     os.environ["TORCHELASTIC_RESTART_COUNT"] = "1" if dist.get_rank() == 1 else "0"
     return {"whole": whole, "first": first, "resumed": resumed, "whole weights": whole_weights,
-            "resumed weights": resumed_weights, "restarts": _job_restarts()}
+            "resumed weights": resumed_weights, "restarts": job_restarts()}
 
 
 def test_trainer_resumed_at_world2_trains_on_the_samples_the_uninterrupted_run_did(tmp_path):

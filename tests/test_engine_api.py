@@ -217,12 +217,36 @@ def counters_with_accumulation(accumulation: int) -> list:
             engine.step()
             changed = any(not torch.equal(before[n], p) for n, p in engine.module.named_parameters())
             trace.append((boundary, engine.global_steps, engine.global_samples, changed))
-    return trace
+    engine.close()
+    # DeepSpeed's backward(loss, scale_wrt_gas=False): the micro-batch losses are not divided by the accumulation
+    # steps (one step of plain SGD, no clipping: the weights show the gradient's size)
+    torch.manual_seed(0)
+    engine, *_ = zerotrain.initialize(model=OddMLP(), config=_config(
+        1, accumulation, clip=0.0, optimizer={"type": "SGD", "params": {"lr": LR}}))
+    batch = make_batches(1, MICRO * accumulation * world, seed=5)[0]
+    for a in range(accumulation):
+        x, y = micro_slice(batch, a, rank, world, MICRO)
+        engine.backward(engine(x, y), scale_wrt_gas=False)
+        engine.step()
+    return trace, engine.full_state_dict()
 
 
 def test_accumulation_counters_follow_deepspeed():
+    """The step counters at each micro-step; and engine.backward(loss, scale_wrt_gas=False), as DeepSpeed's: the
+    gradient of the losses as given (their sum over the accumulation steps, averaged over the ranks), not divided by
+    gradient_accumulation_steps: plain PyTorch takes `accumulation` x the whole batch's gradient (the batch's loss
+    is the mean of the equal micro-batches')."""
     accumulation, world = 3, 2
-    for rank, trace in enumerate(run_distributed(counters_with_accumulation, world, accumulation)):
+    results = run_distributed(counters_with_accumulation, world, accumulation)
+    torch.manual_seed(0)
+    model = OddMLP()
+    x, y = make_batches(1, MICRO * accumulation * world, seed=5)[0]
+    (model(x, y) * accumulation).backward()
+    with torch.no_grad():
+        expected = {n: p - LR * p.grad for n, p in model.named_parameters()}
+    for name, ref in expected.items():
+        torch.testing.assert_close(results[0][1][name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    for rank, (trace, _) in enumerate(results):
         assert trace[0] == ("sizes", MICRO * accumulation * world, MICRO, accumulation), f"rank {rank}"
         expected, steps = [], 0
         for _ in range(2):

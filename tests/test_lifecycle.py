@@ -151,6 +151,49 @@ def test_sigterm_saves_exits_143_and_resume_continues_exactly(tmp_path, uninterr
 
 
 @pytest.mark.parametrize("victim", ["launcher", "agent"])
+def _pipeline_cmd(run: Path, steps: int, *extra: str) -> list[str]:
+    """`zerotrain train --pipeline-parallel-size 2` (2 ranks = 2 stages) of the tiny preset on the built-in corpus (a
+    DistributedSampler: a resumed run must skip the consumed batches itself); a constant rate, so a run stopped
+    early and resumed to `steps` follows the schedule of a run of `steps`."""
+    return [sys.executable, "-m", "zerotrain.cli", "train", "--nproc", "2", "--model", "tiny",
+            "--pipeline-parallel-size", "2", "--steps", str(steps), "--max-corpus-bytes", "300000",
+            "--val-fraction", "0", "--per-device-train-batch-size", "4", "--gradient-accumulation-steps", "2",
+            "--learning-rate", "1e-3", "--lr-scheduler-type", "constant", "--save-dir", str(run / "ckpt"),
+            "--log-dir", str(run / "log"), *extra]
+
+
+def test_pipeline_run_stops_at_a_step_boundary_on_sigterm_and_resume_continues_exactly(tmp_path):
+    """The pipeline step carries the stop flag like the language-model step (the Trainer's one reduction): a SIGTERM
+    stops it after the step under way with a checkpoint, and `--resume` seeks to the next batch: every loss equals
+    an uninterrupted run's (launched afterwards, for as many steps)."""
+    stopped = tmp_path / "stopped"
+    proc = subprocess.Popen(_pipeline_cmd(stopped, 400), env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for_step(proc, stopped / "log", 3)
+    proc.send_signal(signal.SIGTERM)
+    out, err = _communicate(proc)
+    assert proc.returncode == 128 + signal.SIGTERM, out + err
+    stop_step = max(_losses(stopped / "log"))
+    assert stop_step < 400, out
+    tag = f"global_step{stop_step}"
+    assert (stopped / "ckpt" / "latest").read_text().strip() == tag
+    line = f"zerotrain: stopped by SIGTERM at step {stop_step}; checkpoint {stopped / 'ckpt' / tag}"
+    assert line in err and (out + err).count(line) == 1, out + err  # said once, by the launcher
+    total = stop_step + 3
+    _run(_pipeline_cmd(stopped, total, "--resume"))
+    whole = tmp_path / "whole"
+    _run(_pipeline_cmd(whole, total))
+    resumed, expected = _losses(stopped / "log"), _losses(whole / "log")
+    assert sorted(resumed) == list(range(1, total + 1)), resumed
+    for step in range(1, total + 1):
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-6), step
+    # the tokens: the first stage's count (4 x 2 micro-batches of 32 a step), once over the ranks
+    assert json.loads((whole / "log" / "summary.json").read_text())["tokens"] == total * 4 * 2 * 32
+    # the step's one reduction gathers every rank's memory (the pipeline's records had none)
+    record = json.loads((whole / "log" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert len(record["memory_bytes"]) == 2 and min(record["memory_bytes"]) > 0, record
+
+
 def test_killed_launcher_takes_every_rank_with_it(tmp_path, victim):
     proc = subprocess.Popen(_train_cmd(tmp_path / "ckpt", tmp_path / "log", 100000, "--save-every", "1"),
                             env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

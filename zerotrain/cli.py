@@ -170,8 +170,12 @@ def _run(args: argparse.Namespace) -> int:
             from zerotrain.embedding.command import effective_embedding_config, run_train_embedding, worker_argv
             if args.print_config:
                 return _print_config(effective_embedding_config(args))
+            if args.max_restarts < 0 or args.stop_timeout < 0:
+                raise CLIError(f"--max-restarts and --stop-timeout must be >= 0, got {args.max_restarts} and "
+                               f"{args.stop_timeout}")
             if (args.nproc > 1 or multi_node(args)) and not inside_worker():
-                return run_torchrun(node_rendezvous(args), ["-m", "zerotrain.cli", *worker_argv(args)])
+                return run_torchrun(node_rendezvous(args), ["-m", "zerotrain.cli", *worker_argv(args)],
+                                    max_restarts=args.max_restarts, stop_timeout=args.stop_timeout)
             return run_train_embedding(args)
         if args.command == "train":
             from zerotrain.train.command import already_trained, check_train_args, run_train

@@ -13,9 +13,15 @@ position: the batches already consumed (``engine.global_samples``) are skipped. 
 nothing the engine does not offer to any user (the `zerotrain.training_engine.TrainingEngine` Protocol:
 no probing, no reading the engine's parts), so everything it does can also be done in a hand-written loop.
 
+The step contract: every kind of step (the language-model step here, `train.pipeline`'s, `embedding`'s
+contrastive step) returns this rank's local sums (`StepResult`: its loss and how many losses that is, its
+share of the input tokens); the Trainer makes ONE all-reduce per step (`reduce_step`) of those, the stop
+flag and every rank's memory high-water mark. Every kind of step that reads a dataloader reads it through
+one `Batches` (epochs with ``sampler.set_epoch``, the resume seek).
+
 Signals: by default the Trainer turns SIGTERM, SIGINT, SIGHUP and SIGUSR1 into a stop request
-(`zerotrain.lifecycle`). The flag travels in the loss all-reduce every step already makes, so all
-ranks stop after the same step without an extra collective; the Trainer then saves a committed
+(`zerotrain.lifecycle`). The flag travels in that one all-reduce, so all ranks stop after the same
+step without an extra collective, whatever the step; the Trainer then saves a committed
 checkpoint (with ``save_dir``) and returns a summary whose ``stopped_by`` names the signal.
 """
 from __future__ import annotations
@@ -40,7 +46,8 @@ from .monitor.memory_timeline import MemoryTimeline
 from .monitor.measure import memory_bytes, memory_kind, parameter_count, peak_flops
 from .training_engine import TrainingEngine
 
-__all__ = ["Trainer", "TrainSummary", "TrainStep", "StepResult", "MetricsLog", "mean_across_ranks"]
+__all__ = ["Trainer", "TrainSummary", "TrainStep", "StepResult", "StepTotals", "Batches", "reduce_step", "MetricsLog",
+           "mean_across_ranks"]
 
 
 def mean_across_ranks(
@@ -96,22 +103,116 @@ class TrainSummary:
 
 @dataclass
 class StepResult:
-    """What one optimizer step of a pluggable `TrainStep` reports to the loop."""
+    """What one optimizer step of a `TrainStep` reports to the loop: this rank's LOCAL sums, no collective
+    made; the Trainer reduces them over every rank (`reduce_step`, once per step)."""
 
-    loss: float  # the step's loss, the mean over ranks
+    loss: Union[float, torch.Tensor]  # this rank's loss (the step's: the sum over ranks / the sum of loss_weight)
     lr: float  # the learning rate the update applied
-    tokens: int  # input tokens of the step over all data-parallel ranks
-    memory: list  # every rank's memory high-water mark in bytes ([]: not measured)
-    stop_signal: int = 0  # a stop signal every rank agreed on in the step's reduction (0: none)
+    tokens: Union[float, torch.Tensor]  # this rank's share of the step's input tokens (the step's: the sum over ranks)
+    loss_weight: float = 1.0  # how many losses `loss` sums (0: a rank that computes none, a pipeline's first stages)
+
+
+@dataclass
+class StepTotals:
+    """A step's `StepResult`s reduced over every rank, with the stop flag and each rank's memory."""
+
+    loss: float  # the step's loss (the mean over the ranks that computed one)
+    tokens: int  # the step's input tokens over every rank
+    stop_signal: int  # the stop signal the flagged ranks saw (0: none; -1: they saw different ones)
+    memory: list  # every rank's memory high-water mark in bytes, in rank order
+
+
+def reduce_step(result: StepResult, *, stop_signal: int = 0, memory: int = 0,
+                device: Optional[torch.device] = None) -> StepTotals:
+    """`result` of this rank reduced over every rank in ONE all-reduce (through `zerotrain.dist`, so `comm`):
+    ``[loss, loss weight, tokens, ranks flagged, sum of their signals, memory of rank 0, 1, ...]`` (each rank
+    fills only its own memory slot; float64 holds byte and token counts exactly). `stop_signal`: the signal this
+    rank saw (0: none); `memory`: its high-water mark. The value itself without torch.distributed."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    values = torch.zeros(5 + world, dtype=torch.float64, device=device)
+    for slot, value in ((0, result.loss), (2, result.tokens)):  # tensors copied on their device: no sync
+        values[slot] = (value.detach().to(device=values.device, dtype=torch.float64).reshape(())
+                        if isinstance(value, torch.Tensor) else float(value))
+    values[1] = float(result.loss_weight)
+    values[3] = float(stop_signal > 0)
+    values[4] = float(stop_signal)
+    values[5 + rank] = float(memory)
+    if world > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    values = values.cpu()
+    weight = float(values[1].item())
+    count = int(values[3].item())
+    mean = values[4].item() / count if count else 0.0  # the signal every flagged rank saw (they normally agree)
+    return StepTotals(loss=float(values[0].item()) / weight if weight else float("nan"),
+                      tokens=int(round(float(values[2].item()))),
+                      stop_signal=int(mean) if count and mean == int(mean) else (-1 if count else 0),
+                      memory=[int(v) for v in values[5:].tolist()])
+
+
+class Batches:
+    """The micro-batches of a dataloader, one after the other, epoch after epoch: re-iterated (with
+    ``sampler.set_epoch``) when exhausted; `seek` continues a resumed run at its exact data position. The one
+    batch iterator of every kind of step that reads a dataloader (the Trainer's language-model step, the
+    pipeline's)."""
+
+    def __init__(self, dataloader: Iterable) -> None:
+        self.dataloader = dataloader
+        self.epoch = 0
+        self._batches: Optional[Iterator] = None
+
+    def __iter__(self) -> "Batches":
+        return self
+
+    def __next__(self) -> Any:
+        for _ in range(2):
+            if self._batches is None:
+                sampler = getattr(self.dataloader, "sampler", None)
+                if hasattr(sampler, "set_epoch"):
+                    sampler.set_epoch(self.epoch)
+                self._batches = iter(self.dataloader)
+            try:
+                return next(self._batches)
+            except StopIteration:
+                self._batches = None
+                self.epoch += 1
+        raise RuntimeError("the training dataloader yields no batches")
+
+    def seek(self, samples: int, samples_per_batch: int) -> None:
+        """Skip the micro-batches a resumed run consumed: `samples` drawn so far by the data-parallel group
+        (``engine.global_samples``), `samples_per_batch` of them per micro-batch of each rank (micro-batch size x
+        data-parallel ranks). Nothing to skip for a resumable sampler (``consumed_samples``: zerotrain.data's, built
+        at its position)."""
+        if samples == 0:
+            return
+        if getattr(getattr(self.dataloader, "sampler", None), "consumed_samples", None) is not None:
+            return
+        consumed = samples // samples_per_batch  # micro-batches each rank has drawn
+        try:
+            per_epoch = len(self.dataloader)  # type: ignore[arg-type]
+        except TypeError:  # no length (a DataLoader over an IterableDataset, a stream): skipped batch by batch
+            per_epoch = 0
+        self.epoch = 0
+        if per_epoch > 0:
+            self.epoch, consumed = divmod(consumed, per_epoch)
+        self._batches = None
+        for _ in range(consumed):
+            next(self)
 
 
 class TrainStep(Protocol):
     """One optimizer step, plugged into `Trainer` (`step=`) in place of its language-model step over a
-    dataloader: the contrastive step of `zerotrain.embedding` is one. The loop around it (counting, metrics,
-    evaluation, checkpoints, progress, the summary) is the Trainer's, the same for every kind of training."""
+    dataloader: the contrastive step of `zerotrain.embedding` and the pipeline step of `zerotrain.train.pipeline`
+    are ones. The loop around it (the step's one reduction, counting, metrics, evaluation, checkpoints, stop
+    signals, progress, the summary) is the Trainer's, the same for every kind of training."""
 
     def run(self) -> StepResult:
-        """Run one optimizer step of the engine (every micro-batch of it)."""
+        """Run one optimizer step of the engine (every micro-batch of it); this rank's local sums, no collective
+        of its own for what it reports."""
+        ...
+
+    def seek(self, samples: int) -> None:
+        """Before the first step: continue at a resumed engine's data position (``engine.global_samples``)."""
         ...
 
     def client_state(self) -> Optional[dict]:
@@ -232,8 +333,7 @@ class Trainer:
         self.memory_timeline = float(memory_timeline or 0.0)
         self.last_checkpoint: Optional[str] = None
         self.steps_per_epoch = int(steps_per_epoch) if steps_per_epoch else None
-        self._epoch = 0
-        self._batches: Optional[Iterator] = None
+        self.batches = Batches(dataloader) if dataloader is not None else None
 
         topology = engine.topology
         self.rank = int(topology.rank)
@@ -253,37 +353,17 @@ class Trainer:
     # -- data ---------------------------------------------------------------------------
 
     def _next_batch(self):
-        for _ in range(2):
-            if self._batches is None:
-                sampler = getattr(self.dataloader, "sampler", None)
-                if hasattr(sampler, "set_epoch"):
-                    sampler.set_epoch(self._epoch)
-                self._batches = iter(self.dataloader)
-            try:
-                return next(self._batches)
-            except StopIteration:
-                self._batches = None
-                self._epoch += 1
-        raise RuntimeError("the training dataloader yields no batches")
+        assert self.batches is not None
+        return next(self.batches)
 
     def _seek(self) -> None:
-        """Skip the micro-batches a resumed engine already consumed (from ``engine.global_samples``)."""
+        """Continue at a resumed engine's data position (``engine.global_samples``): the step's, or the batches
+        the language-model step already consumed skipped."""
         samples = int(self.engine.global_samples)
-        if samples == 0:
-            return
-        if getattr(getattr(self.dataloader, "sampler", None), "consumed_samples", None) is not None:
-            return  # a resumable sampler (zerotrain.data's) was built at the position already: nothing to skip
-        micro = int(self.engine.train_micro_batch_size_per_gpu())
-        consumed = samples // (micro * self.dp_size)  # micro-batches each rank has drawn
-        try:
-            per_epoch = len(self.dataloader)
-        except TypeError:  # no length (a DataLoader over an IterableDataset, a stream): skipped batch by batch
-            per_epoch = 0
-        if per_epoch > 0:
-            self._epoch, consumed = divmod(consumed, per_epoch)
-        self._batches = None
-        for _ in range(consumed):
-            self._next_batch()
+        if self.step is not None:
+            self.step.seek(samples)
+        elif self.batches is not None and samples > 0:
+            self.batches.seek(samples, int(self.engine.train_micro_batch_size_per_gpu()) * self.dp_size)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.device is None or not isinstance(tensor, torch.Tensor):
@@ -313,10 +393,14 @@ class Trainer:
     # -- one step -----------------------------------------------------------------------
 
     def train_step(self) -> tuple[float, float, int]:
-        """One optimizer step: ``(loss averaged over micro-steps and ranks, lr, tokens)``.
+        """One optimizer step of the language-model step: ``(loss averaged over micro-steps and ranks, lr,
+        tokens)``; ``tokens`` counts the whole data-parallel group's input tokens."""
+        result = self._language_model_step()
+        loss, tokens = self._reduce(result)
+        return loss, result.lr, tokens
 
-        ``tokens`` counts the whole data-parallel group's input tokens.
-        """
+    def _language_model_step(self) -> StepResult:
+        """The language-model step over the dataloader: `accumulation` micro-batches, this rank's local sums."""
         engine = self.engine
         accumulation = int(engine.gradient_accumulation_steps())
         loss_sum: Optional[torch.Tensor] = None
@@ -332,43 +416,27 @@ class Trainer:
             loss_sum = detached if loss_sum is None else loss_sum + detached
             tokens += count
         assert loss_sum is not None
-        mean_loss = self._reduce_loss_and_stop(loss_sum / accumulation)
-        return mean_loss, lr, tokens * self.dp_size
+        # Every rank holds a loss (tensor- and sequence-parallel peers the same one, so the mean over every rank is
+        # the data-parallel mean); the peers that share a batch each report their share of its tokens.
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return StepResult(loss=loss_sum / accumulation, lr=lr, tokens=tokens * self.dp_size / world)
 
-    def _reduce_loss_and_stop(self, loss: torch.Tensor) -> float:
-        """The step's loss averaged over ranks, with the stop flag in the same all-reduce.
-
-        The reduction spans every rank (tensor-parallel ranks hold the same loss, so the mean is the
-        data-parallel mean) so that a signal seen by any one rank stops all of them after this step.
-        """
+    def _reduce(self, result: StepResult) -> tuple[float, int]:
+        """(loss, tokens) of the step over every rank, in the step's one all-reduce with the stop flag and the
+        memory (`reduce_step`): a signal seen by any one rank stops all of them after this step."""
         signum = int(self.stop_request.signal) if self.stop_request.requested else 0
-        device = torch.device(self.device or loss.device)
-        memory = memory_bytes(device)
-        if not dist.is_initialized():
-            self._stop_signal = signum
-            self._memory = [memory]
-            return float(loss.item())
-        # [loss, ranks that saw a stop signal, sum of their signal numbers, memory of rank 0, 1, ...]: each
-        # rank fills only its own memory slot, so the sum carries every rank's (bytes are exact in float64)
-        slots = [0.0] * dist.get_world_size()
-        slots[dist.get_rank()] = float(memory)
-        values = torch.tensor([0.0, float(signum > 0), float(signum), *slots], dtype=torch.float64, device=device)
-        values[0] = loss.detach().to(device=device, dtype=torch.float64).reshape(())
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
-        self._memory = [int(v) for v in values[3:].tolist()]
-        count = int(values[1].item())
-        # the signal every flagged rank saw (they normally agree; -1: ranks saw different ones)
-        mean = values[2].item() / count if count else 0.0
-        self._stop_signal = int(mean) if count and mean == int(mean) else (-1 if count else 0)
-        return float(values[0].item()) / dist.get_world_size()
+        loss = result.loss
+        device = torch.device(self.device) if self.device is not None else (
+            loss.device if isinstance(loss, torch.Tensor) else torch.device("cpu"))
+        totals = reduce_step(result, stop_signal=signum, memory=memory_bytes(device), device=device)
+        self._memory, self._stop_signal = totals.memory, totals.stop_signal
+        return totals.loss, totals.tokens
 
     def _one_step(self) -> tuple[float, float, int]:
-        """(loss, lr, tokens) of the next optimizer step: the language-model step or the pluggable one."""
-        if self.step is None:
-            return self.train_step()
-        result = self.step.run()
-        self._memory, self._stop_signal = list(result.memory), int(result.stop_signal)
-        return result.loss, result.lr, result.tokens
+        """(loss, lr, tokens) of the next optimizer step, the language-model step or the pluggable one, reduced."""
+        result = self._language_model_step() if self.step is None else self.step.run()
+        loss, tokens = self._reduce(result)
+        return loss, result.lr, tokens
 
     def _evaluate(self, when: str) -> Optional[dict]:
         """The evaluation's fields for the step record: the evaluator's, or the mean loss over eval_data; None
@@ -462,8 +530,7 @@ class Trainer:
         last_loss = float("nan")
         eval_loss: Optional[float] = None
         step = start_step
-        if self.step is None:
-            self._seek()
+        self._seek()
         if self.eval_before:
             fields = self._evaluate("before")
             if fields and start_step == 0 and metrics is not None:  # from scratch: the untrained model's record

@@ -56,8 +56,9 @@ class TrainingEngine(Protocol):
         """The model's forward through the engine."""
         ...
 
-    def backward(self, loss: torch.Tensor) -> Any:
-        """Back-propagate one micro-batch's loss (scaled by 1 / gradient_accumulation_steps)."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
+        """Back-propagate one micro-batch's loss (scaled by 1 / gradient_accumulation_steps unless
+        `scale_wrt_gas=False`, as DeepSpeed's)."""
         ...
 
     def step(self) -> None:

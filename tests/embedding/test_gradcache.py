@@ -96,6 +96,7 @@ def train_all_stages(cases, dropout_sgd: bool = False):
     import zerotrain
     from zerotrain.comm import Comm
     from zerotrain.embedding import ContrastiveStep, PairBatch, Pooling
+    from zerotrain.trainer import StepResult, reduce_step
     import torch.distributed as dist
 
     results = {}
@@ -108,18 +109,21 @@ def train_all_stages(cases, dropout_sgd: bool = False):
         engine, *_ = zerotrain.initialize(model=tiny_bert(), config=config)
         comm = Comm.data_parallel(engine.topology)
         rank, world = dist.get_rank(), dist.get_world_size()
-        # each rank's memory figure is its own (1000 + rank): the step gathers them in rank order
-        step = ContrastiveStep(engine, comm, Pooling("mean"), scale=SCALE, chunk_size=chunk,
-                               memory_fn=lambda: 1000 + rank)
+        step = ContrastiveStep(engine, comm, Pooling("mean"), scale=SCALE, chunk_size=chunk)
         # stages 2-3 take the queries and the passages as two feature sets (two forwards per micro-batch,
         # as the CLI's tokenization gives them); 0-1 one set holding every row
         split = (lambda f: PairBatch({k: v[:MICRO] for k, v in f.items()}, MICRO,
                                      {k: v[MICRO:] for k, v in f.items()})) if stage >= 2 else \
             (lambda f: PairBatch(f, MICRO))
-        losses = [step.step([split(f) for f in batches[rank]]) for batches in micro_batches(world)]
+        # the step's local sums reduced as the Trainer does, once per step; each rank's memory figure is its own
+        # (1000 + rank): the reduction gathers them in rank order
+        totals = [reduce_step(StepResult(loss=step.step([split(f) for f in batches[rank]]), lr=0.0,
+                                         tokens=step.tokens), memory=1000 + rank)
+                  for batches in micro_batches(world)]
+        losses = [t.loss for t in totals]
         weights = engine.full_state_dict()
         engine.close()
-        results[(stage, chunk)] = (losses, weights, (step.tokens, step.memory))
+        results[(stage, chunk)] = (losses, weights, (totals[-1].tokens, totals[-1].memory))
     if dropout_sgd:
         config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUMULATION,
                   "optimizer": {"type": "SGD", "params": {"lr": SGD_LR}}, "gradient_clipping": 0.0, "steps_per_print": 0,
@@ -127,7 +131,7 @@ def train_all_stages(cases, dropout_sgd: bool = False):
         engine, *_ = zerotrain.initialize(model=tiny_bert(DROPOUT), config=config)
         step = ContrastiveStep(engine, Comm.data_parallel(engine.topology), Pooling("mean"), scale=SCALE)
         torch.manual_seed(DROPOUT_SEED)
-        losses = [step.step([PairBatch(f, MICRO) for f in batches[0]]) for batches in micro_batches(1)]
+        losses = [step.step([PairBatch(f, MICRO) for f in batches[0]]).item() for batches in micro_batches(1)]
         results["dropout sgd"] = (losses, engine.full_state_dict())
         engine.close()
     return results if dist.get_rank() == 0 else None

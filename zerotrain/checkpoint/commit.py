@@ -106,6 +106,43 @@ def _remove(path: str) -> None:
     _delete_tree(doomed)
 
 
+class StagedDirectory:
+    """A directory written under a temporary name beside its final place (`path`: `final` + TMP_MARK + save id)
+    and put there at once (`commit`: renamed into place, then, with `latest`, the parent's `latest` naming it);
+    removed when it fails (`discard`, or the `with` block raising before the commit). The one staged commit of
+    every writer: the checkpoint save, the export and import tools, the merge."""
+
+    def __init__(self, final: str, save_id: Optional[str] = None, *, create: bool = True) -> None:
+        self.final = os.path.abspath(final)
+        self.parent = os.path.dirname(self.final)
+        self.save_id = save_id or new_save_id()
+        self.path = tmp_dir(self.parent, os.path.basename(self.final), self.save_id)
+        if create:
+            os.makedirs(self.path, exist_ok=True)
+
+    def commit(self, latest: bool = False) -> str:
+        """Rename the finished directory to `final` (`commit_directory`); with `latest`, then write the parent's
+        `latest` naming it (atomically). Returns `final`."""
+        commit_directory(self.path, self.final)
+        event("committed")
+        if latest:
+            atomic_write_text(os.path.join(self.parent, LATEST), os.path.basename(self.final))
+            event("latest-written")
+        return self.final
+
+    def discard(self) -> None:
+        """Remove the staged directory (nothing once committed)."""
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def __enter__(self) -> "StagedDirectory":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None:
+            self.discard()
+        return False
+
+
 def commit_directory(temp: str, final: str) -> None:
     """Rename the finished `temp` directory to `final` (replacing an older `final`) and fsync the parent.
 

@@ -27,7 +27,6 @@ import math
 import os
 import pickle
 import re
-import shutil
 import types
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -310,9 +309,8 @@ def convert_deepspeed(ds_path: str, out_dir: str, tag: Optional[str] = None) -> 
     if os.path.exists(final):
         raise CheckpointError(f"{final} exists: import into a new directory")
     save_id = commit.new_save_id()
-    temp = commit.tmp_dir(os.path.abspath(out_dir), tag, save_id)
-    os.makedirs(temp)
-    try:
+    with commit.StagedDirectory(final, save_id) as staged:
+        temp = staged.path
         files: dict = {}
         model = [(n, t.to(dtype)) for n, t in ds.masters.items()]
         model += [(alias, ds.masters[source].to(dtype)) for alias, source in ds.aliases.items()
@@ -358,11 +356,7 @@ def convert_deepspeed(ds_path: str, out_dir: str, tag: Optional[str] = None) -> 
         files[TRAINER_STATE] = {"size": size, "crc32": crc32_text(crc)}
         write_manifest(temp, files, {"tag": tag, "save_id": save_id, "global_steps": steps,
                                      "world_size": ds.world_size, "imported_from": os.path.abspath(path)})
-        commit.commit_directory(temp, final)
-        commit.atomic_write_text(os.path.join(os.path.abspath(out_dir), LATEST), tag)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
+        staged.commit(latest=True)
     return final
 
 

@@ -32,7 +32,6 @@ import json
 import math
 import os
 import pickle
-import shutil
 import types
 import warnings
 from collections import OrderedDict
@@ -41,7 +40,7 @@ from typing import Any, Optional, Union
 import torch
 
 from . import commit
-from .format import LATEST, MASTER, MODEL, OPTIMIZER, CheckpointError, torch_dtype
+from .format import MASTER, MODEL, OPTIMIZER, CheckpointError, torch_dtype
 from .reader import TensorReader
 from .source import open_source, resolve
 from .state import decode
@@ -398,9 +397,8 @@ def export_deepspeed(directory: str, out_dir: str, world_size: int, stage: Optio
     if os.path.exists(final):
         raise CheckpointError(f"{final} exists: export into a new directory or another tag")
     os.makedirs(out_dir, exist_ok=True)
-    temp = commit.tmp_dir(out_dir, tag, commit.new_save_id())
-    os.makedirs(temp)
-    try:
+    with commit.StagedDirectory(final) as staged:
+        temp = staged.path
         if stage <= 2 and zero.get("round_robin_gradients"):  # the flat groups (and param_shapes) reordered
             groups = [_round_robin(names, world_size) for names in groups]
         common = _model_states(trainer, model, groups, shared, buffers, frozen, ds_config, lr_scheduler, world_size)
@@ -429,11 +427,7 @@ def export_deepspeed(directory: str, out_dir: str, world_size: int, stage: Optio
         for rank, optimizer_state in enumerate(ranks):
             _save({"optimizer_state_dict": optimizer_state, "ds_config": ds_config, "ds_version": DEEPSPEED_VERSION},
                   os.path.join(temp, f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
-        commit.commit_directory(temp, final)
-        commit.atomic_write_text(os.path.join(out_dir, LATEST), tag)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
+        staged.commit(latest=True)
     return final
 
 

@@ -187,9 +187,8 @@ def export_model(directory: str, out: str, dtype: Optional[str] = None,
     out = os.path.abspath(out)
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
-    temp = commit.tmp_dir(parent, os.path.basename(out), commit.new_save_id())
-    os.makedirs(temp)
-    try:
+    with commit.StagedDirectory(out) as staged:
+        temp = staged.path
         with TensorReader(path, source.maps[MODEL], "model weights") as model, \
                 TensorReader(path, source.maps.get(MASTER, {}), "master weights") as masters:
             entries, stored_as = [], {}
@@ -231,10 +230,7 @@ def export_model(directory: str, out: str, dtype: Optional[str] = None,
                             os.path.join(temp, "adapter_model.safetensors"))
         if os.path.exists(out):
             os.rmdir(out)
-        commit.commit_directory(temp, out)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
+        staged.commit()
     return out
 
 

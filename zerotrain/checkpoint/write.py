@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import commit
-from .format import (LATEST, MASTER, MODEL, OPTIMIZER, TRAINER_STATE, CheckpointError, SafetensorsWriter,
+from .format import (MASTER, MODEL, OPTIMIZER, TRAINER_STATE, CheckpointError, SafetensorsWriter,
                      index_file, rng_file, write_json)
 from .integrity import manifest_entry, write_manifest
 from .loco import loco_file, write_loco
@@ -66,8 +66,9 @@ class SaveJob:
                                               "scalars": self.sources.scalars})
         self._scalars = [entry["scalars"] for entry in header]
         self._save_id = header[0]["save_id"]
-        temp = commit.tmp_dir(self.save_dir, self.tag, self._save_id)
         final = os.path.join(self.save_dir, self.tag)
+        staged = commit.StagedDirectory(final, self._save_id, create=False)  # made below, its failure agreed
+        temp = staged.path
         error: BaseException | None = self.sources.error  # a failed deferred snapshot copy
         written: dict[str, dict] = {}
         self._writers: dict[str, SafetensorsWriter] = {}
@@ -105,14 +106,14 @@ class SaveJob:
         failures = [(r, entry["error"]) for r, entry in enumerate(status) if entry["error"]]
         if failures:
             if rank == 0:
-                shutil.rmtree(temp, ignore_errors=True)
+                staged.discard()
             failed_rank, message = failures[0]
             raise CheckpointError(f"saving checkpoint {final} failed on rank {failed_rank}: {message}") from error
 
         outcome = None
         if rank == 0:
             files = {name: entry for s in status for name, entry in s["files"].items()}
-            outcome = self._commit(temp, final, files)
+            outcome = self._commit(staged, files)
         outcome = self.comm.all_gather_object(outcome)[0]
         if outcome:
             raise CheckpointError(f"committing checkpoint {final} failed on rank 0: {outcome}")
@@ -219,21 +220,17 @@ class SaveJob:
         put(TRAINER_STATE, self.trainer_state)
 
     # --- commit (rank 0) -----------------------------------------------------------------------
-    def _commit(self, temp: str, final: str, files: dict) -> str | None:
+    def _commit(self, staged: "commit.StagedDirectory", files: dict) -> str | None:
+        temp, final = staged.path, os.path.join(self.save_dir, self.tag)
         try:
             commit.recover_replaced(self.save_dir)  # an interrupted re-save of some tag: restore it first
             write_manifest(temp, files, {"tag": self.tag, "save_id": self._save_id,
                                          "global_steps": self.trainer_state["global_steps"],
                                          "world_size": self.comm.size})
             commit.event("manifest-written")
-            commit.commit_directory(temp, final)
-            commit.event("committed")
-            if self.save_latest:
-                commit.atomic_write_text(os.path.join(self.save_dir, LATEST), self.tag)
-                commit.event("latest-written")
+            staged.commit(latest=self.save_latest)
         except Exception as error:  # noqa: BLE001 - every rank must learn it
-            if os.path.isdir(temp):  # not committed: the partial directory goes, the previous checkpoint stays
-                shutil.rmtree(temp, ignore_errors=True)
+            staged.discard()  # not committed: the partial directory goes, the previous checkpoint stays
             return describe_error(out_of_space(error, temp, self._needed_bytes()))
         try:
             deleted = commit.rotate(self.save_dir, self.keep_last, self.tag)

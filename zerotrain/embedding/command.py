@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from zerotrain.command import HelpFormatter, add_node_flags, max_world_size
+from zerotrain.command import CLIError, HelpFormatter, add_node_flags, max_world_size
 
 __all__ = ["add_train_embedding_parser", "run_train_embedding", "worker_argv", "effective_embedding_config"]
 
@@ -86,6 +86,13 @@ def add_train_embedding_parser(sub: Any) -> None:
     parser.add_argument("--export", default=None, metavar="DIR", help="sentence-transformers directory to write")
     parser.add_argument("--nproc", type=int, default=1, metavar="N", help="ranks on this machine")
     add_node_flags(parser)  # several nodes as torchrun takes them (docs/multinode.md)
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                        help="with --nproc > 1 or several nodes: restart this node's ranks up to K times when one "
+                             "fails; each restart resumes from the latest committed checkpoint in --save-dir (a stop "
+                             "by signal is never restarted)")
+    parser.add_argument("--stop-timeout", type=int, default=300, metavar="S",
+                        help="with --nproc > 1: seconds the ranks get to save and exit after a stop signal (SIGTERM, "
+                             "SIGINT, SIGHUP, SIGUSR1: a checkpoint at the next step boundary) before they are killed")
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
@@ -159,16 +166,41 @@ def effective_embedding_config(args: argparse.Namespace) -> dict:
     return _config(args, world=world, steps=_epoch_steps(args, layout, load_pairs(args.data, args.negatives), world))
 
 
+def _model_files(model_dir: Path) -> tuple[Any, Any]:
+    """(tokenizer, model) of `model_dir`, a CLIError naming the directory when either cannot be read."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CLIError(f"--model {model_dir}: cannot read its tokenizer: {_first_line(exc)}") from None
+    try:
+        model = AutoModel.from_pretrained(model_dir, dtype=torch.float32)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise CLIError(f"--model {model_dir}: cannot load the model: {_first_line(exc)}") from None
+    return tokenizer, model
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def run_train_embedding(args: argparse.Namespace) -> int:
+    """One rank of `zerotrain train-embedding`: every input checked (model directory, pair data, options) before the
+    engine exists and the save directory is claimed, then the engine, resume (asked, or after an elastic restart),
+    the one training loop with the contrastive step, the export; the exit status (the stop's after a signal)."""
     import torch
     from zerotrain import dist
-    from transformers import AutoModel, AutoTokenizer
 
     import zerotrain
     from zerotrain.comm import Comm
+    from zerotrain.command import usage_error_status
+    from zerotrain.config import ConfigError, load_config
+    from zerotrain.data import BadRecordError
+    from zerotrain.run import resume_after_restart, stop_status
     from zerotrain.trainer import Trainer
-    from zerotrain.config import ConfigError
-    from zerotrain.monitor.measure import memory_bytes
 
     from .data import DataPosition, load_pairs
     from .export import export_sentence_transformers
@@ -179,8 +211,8 @@ def run_train_embedding(args: argparse.Namespace) -> int:
 
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
-        raise ValueError(f"--model {model_dir}: no config.json (a local Hugging Face or sentence-transformers "
-                         "directory is needed; nothing is downloaded)")
+        raise CLIError(f"--model {model_dir}: no config.json (a local Hugging Face or sentence-transformers "
+                       "directory is needed; nothing is downloaded)")
     if args.resume and args.save_dir is None:
         raise ConfigError("--resume reads the latest checkpoint of --save-dir: give --save-dir", key="--resume")
     if args.save_every is not None and args.save_every < 1:
@@ -197,8 +229,14 @@ def run_train_embedding(args: argparse.Namespace) -> int:
     layout = _config(args, steps=args.steps or 1)
     if args.loss_chunk_size is not None and args.loss_chunk_size < 1:
         raise ConfigError(f"--loss-chunk-size must be >= 1, got {args.loss_chunk_size}", key="--loss-chunk-size")
-    dims = [int(d) for d in args.matryoshka_dims.split(",")] if args.matryoshka_dims else None
-    pooling = read_pooling(model_dir, args.pooling)
+    try:
+        dims = [int(d) for d in args.matryoshka_dims.split(",")] if args.matryoshka_dims else None
+    except ValueError:
+        raise CLIError(f"--matryoshka-dims {args.matryoshka_dims!r}: give comma-separated integers") from None
+    try:
+        pooling = read_pooling(model_dir, args.pooling)
+    except ValueError as exc:
+        raise CLIError(f"--model {model_dir}: {exc}") from None
     held_out: list[dict] = []
     if args.data == ["stdlib"] or args.eval_stdlib:
         from .retrieval import stdlib_pairs, write_pairs
@@ -208,18 +246,28 @@ def run_train_embedding(args: argparse.Namespace) -> int:
         if args.data == ["stdlib"]:
             import tempfile
             args.data = [str(write_pairs(train_pairs, Path(tempfile.mkdtemp()) / "stdlib_train.jsonl"))]
-    data = load_pairs(args.data, args.negatives)
     seed = 0 if args.seed is None else args.seed
-    schedule_steps = args.steps
-    if schedule_steps is None:  # the passes over the pairs from the start (a resume counts the same run's)
-        schedule_steps = _epoch_steps(args, layout, data, int(os.environ.get("WORLD_SIZE", "1")))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        data = load_pairs(args.data, args.negatives)
+        schedule_steps = args.steps
+        if schedule_steps is None:  # the passes over the pairs from the start (a resume counts the same run's)
+            schedule_steps = _epoch_steps(args, layout, data, world_size)
+        # the data fills one global batch (checked here, before any lock is taken)
+        global_batch = load_config(layout, dp_world_size=world_size).train_batch_size
+        first = DataPosition(epoch=0, batch=0, seed=seed, global_batch=global_batch, pairs=len(data),
+                             consumed_samples=0)
+        per_epoch = len(epoch_batches(data, first))
+    except (BadRecordError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise CLIError(f"--data: {exc}") from None
     config = _config(args, steps=schedule_steps)
+    torch.manual_seed(args.seed or 0)  # the weights the directory lacks (BERT's pooler) start alike
+    tokenizer, model = _model_files(model_dir)
     if args.save_dir is not None and int(os.environ.get("RANK", "0")) == 0:
         from zerotrain.train.flags import write_effective_config
         write_effective_config(config, args.save_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    torch.manual_seed(args.seed or 0)
-    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32)
     for name, param in model.named_parameters():
         if name.startswith("pooler."):  # BERT's pooler head: sentence embeddings never use it
             param.requires_grad_(False)
@@ -232,31 +280,40 @@ def run_train_embedding(args: argparse.Namespace) -> int:
         comm = Comm.data_parallel(topology)
         rank, world = topology.dp_rank, topology.dp_size
         accumulation, micro = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
-        global_batch = world * accumulation * micro
+        if world * accumulation * micro != global_batch:
+            raise CLIError(f"the engine's global batch is {world * accumulation * micro} queries, not the "
+                           f"{global_batch} the config gives")
         step = ContrastiveStep(engine, comm, pooling, scale=args.scale, matryoshka_dims=dims,
-                               chunk_size=args.loss_chunk_size, memory_fn=lambda: memory_bytes(topology.device))
-        if args.save_dir is not None:
-            engine.claim_save_dir(os.path.abspath(args.save_dir))
-        position = DataPosition(epoch=0, batch=0, seed=seed, global_batch=global_batch, pairs=len(data),
-                                consumed_samples=0)
-        if args.resume or args.resume_from_checkpoint:
-            from zerotrain.train.resume import load_for_resume
-            path, client_state = load_for_resume(
-                engine, args, os.path.abspath(args.save_dir) if args.save_dir is not None else None, config)
-            if path is None:
-                if rank == 0:
-                    print(f"zerotrain: nothing to resume in {args.save_dir}; starting from scratch", flush=True)
-            else:
-                try:
-                    saved = DataPosition.from_dict((client_state.get("embedding") or {}).get("data") or {}, path)
-                    saved.check_resumable(global_batch=global_batch, pairs=len(data), seed=args.seed, where=path,
-                                          split=f"{world} ranks x {accumulation} accumulation x {micro} micro")
-                except ValueError as error:
-                    raise ConfigError(str(error), key="--resume") from None
-                position = saved
-                if rank == 0:
-                    print(f"zerotrain: resumed from {path} at step {engine.global_steps}: epoch {position.epoch}, "
-                          f"batch {position.batch} next ({position.consumed_samples} queries consumed)", flush=True)
+                               chunk_size=args.loss_chunk_size)
+        save_dir = os.path.abspath(args.save_dir) if args.save_dir is not None else None
+        args.resume = resume_after_restart(args.resume, save_dir, rank)  # an elastic restart resumes
+        if save_dir is not None:
+            engine.claim_save_dir(save_dir)
+        position = first
+        try:
+            if args.resume or args.resume_from_checkpoint:
+                from zerotrain.train.resume import load_for_resume
+                path, client_state = load_for_resume(engine, args, save_dir, config)
+                if path is None:
+                    if rank == 0:
+                        print(f"zerotrain: nothing to resume in {args.save_dir}; starting from scratch", flush=True)
+                else:
+                    try:
+                        saved = DataPosition.from_dict((client_state.get("embedding") or {}).get("data") or {}, path)
+                        saved.check_resumable(global_batch=global_batch, pairs=len(data), seed=args.seed,
+                                              where=path,
+                                              split=f"{world} ranks x {accumulation} accumulation x {micro} micro")
+                    except ValueError as error:
+                        raise ConfigError(str(error), key="--resume") from None
+                    position = saved
+                    if rank == 0:
+                        print(f"zerotrain: resumed from {path} at step {engine.global_steps}: epoch "
+                              f"{position.epoch}, batch {position.batch} next ({position.consumed_samples} queries "
+                              "consumed)", flush=True)
+        except Exception as exc:
+            if usage_error_status(exc) is not None:  # every rank alike: the save directory's lock released
+                engine.close()
+            raise
         if rank == 0:
             chunk = f", loss in tiles of {args.loss_chunk_size}" if args.loss_chunk_size else ""
             print(f"zerotrain: train-embedding {model_dir.name}: {len(data)} pairs, {data.num_negatives} hard "
@@ -285,23 +342,21 @@ def run_train_embedding(args: argparse.Namespace) -> int:
                         f.write(json.dumps(record) + "\n")
             return {RETRIEVAL_FIELDS[k]: v for k, v in record.items() if k in RETRIEVAL_FIELDS}
 
-        # the one training loop (zerotrain.trainer), with the contrastive step plugged in
+        # the one training loop (zerotrain.trainer), with the contrastive step plugged in; the stop signals its
+        # default (SIGTERM, SIGINT, SIGHUP, SIGUSR1): a stop saves at the step boundary, --resume continues there
         total = args.steps if args.steps is not None else \
             engine.global_steps + steps_in_epochs(data, position, int(args.epochs))
         steps = PairSteps(engine, step, data, position, tokenizer, args.max_length, rank, world, accumulation,
                           extra_state={"pooling": pooling.mode})
-        # the epoch each record, progress line and the summary show (an epoch's batches, as duplicate texts may
+        # the epoch each record, progress line and the summary show: an epoch's batches (as duplicate texts may
         # leave one fewer in a later epoch, counted from the first)
-        per_epoch = len(epoch_batches(data, DataPosition(epoch=0, batch=0, seed=position.seed,
-                                                         global_batch=global_batch, pairs=len(data),
-                                                         consumed_samples=0)))
         trainer = Trainer(engine, None, total_steps=total, step=steps, evaluator=evaluate, eval_before=True,
-                          steps_per_epoch=per_epoch, log_dir=args.log_dir, steps_per_print=engine.config.steps_per_print or 10, stop_signals=(),
-                          save_dir=os.path.abspath(args.save_dir) if args.save_dir is not None else None,
+                          steps_per_epoch=per_epoch, log_dir=args.log_dir,
+                          steps_per_print=engine.config.steps_per_print or 10, save_dir=save_dir,
                           save_every=args.save_every or 0)
         summary = trainer.train()
         losses = [record["loss"] for record in trainer.history]
-        if args.export is not None:
+        if args.export is not None and summary.stopped_by is None:
             # collective: every rank takes part, rank 0 gets every parameter, frozen ones included (the module's
             # own state_dict() would fetch stage-3 shards on one rank only)
             weights = engine.full_state_dict()
@@ -316,4 +371,5 @@ def run_train_embedding(args: argparse.Namespace) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return 0
+    status = stop_status(summary, trainer.stop_request, engine.global_steps, rank)
+    return 0 if status is None else status

@@ -102,7 +102,7 @@ def _check_record(record: Any, num_negatives: Optional[int]) -> Optional[str]:
 
 
 def load_pairs(paths: Sequence[Union[str, Path]], num_negatives: Optional[int] = None) -> PairData:
-    """Read and validate jsonl pair files; raises BadRecordError naming every bad line (up to 20)."""
+    """Read and validate jsonl pair files; raises BadRecordError naming every bad line (up to 20), on one line."""
     import datasets
 
     records, bad, files = [], [], []
@@ -126,8 +126,8 @@ def load_pairs(paths: Sequence[Union[str, Path]], num_negatives: Optional[int] =
                     records.append({"query": record["query"], "positive": record["positive"],
                                     "negatives": list(record.get("negatives", []))})
     if bad:
-        more = f"\n... and {len(bad) - 20} more" if len(bad) > 20 else ""
-        raise BadRecordError("bad pair records:\n" + "\n".join(map(str, bad[:20])) + more)
+        more = f"; ... and {len(bad) - 20} more" if len(bad) > 20 else ""
+        raise BadRecordError("bad pair records: " + "; ".join(map(str, bad[:20])) + more)  # one line
     if not records:
         raise BadRecordError(f"{', '.join(files)}: no records")
     fewest = min(len(r["negatives"]) for r in records)

@@ -20,7 +20,7 @@ batch of N*A*B.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -99,21 +99,19 @@ class ContrastiveStep:
     queries x candidates (inf-CL style, `zerotrain.embedding.loss.chunked_info_nce`); None holds the whole
     score matrix.
 
-    After each step, `tokens` holds the step's input tokens over all ranks (attended positions of every
-    text, counted once) and `memory` every rank's memory high-water mark (`memory_fn()` of each rank,
-    gathered in the loss's all-reduce), for the metrics record.
+    `step` makes no collective of its own for what it reports: it returns this rank's loss (its queries' mean
+    over the whole batch's candidates: the mean over ranks is the global batch's loss) and leaves in `tokens`
+    this rank's input tokens (attended positions of its texts); the training loop reduces both once per step
+    (`zerotrain.trainer.reduce_step`).
     """
 
     def __init__(self, engine: TrainingEngine, comm: Optional[Comm], pooling: Pooling, *, scale: float = 20.0,
-                 matryoshka_dims: Optional[Sequence[int]] = None, chunk_size: Optional[int] = None,
-                 memory_fn: Optional[Callable[[], int]] = None):
+                 matryoshka_dims: Optional[Sequence[int]] = None, chunk_size: Optional[int] = None):
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"loss chunk size must be at least 1, got {chunk_size}")
         self.engine, self.comm, self.pooling = engine, comm, pooling
         self.scale, self.matryoshka_dims, self.chunk_size = scale, matryoshka_dims, chunk_size
-        self.memory_fn = memory_fn
-        self.tokens = 0
-        self.memory: list[int] = []
+        self.tokens: torch.Tensor = torch.zeros(())
 
     def loss(self, embeddings: list[torch.Tensor], batches: Sequence[PairBatch]) -> torch.Tensor:
         """This rank's loss over the embeddings of all its micro-batches (one batch)."""
@@ -127,8 +125,9 @@ class ContrastiveStep:
         return contrastive_loss(torch.cat(queries), candidates, self.comm, scale=self.scale,
                                 matryoshka_dims=self.matryoshka_dims, chunk_size=self.chunk_size)
 
-    def step(self, micro_batches: Sequence[PairBatch]) -> float:
-        """One optimizer step; returns the loss of the global batch (mean over ranks)."""
+    def step(self, micro_batches: Sequence[PairBatch]) -> torch.Tensor:
+        """One optimizer step; returns this rank's loss (a detached tensor: the mean over ranks is the global
+        batch's loss) and leaves this rank's input tokens in `tokens`."""
         engine = self.engine
         accumulation = engine.gradient_accumulation_steps()
         if len(micro_batches) != accumulation:
@@ -145,28 +144,14 @@ class ContrastiveStep:
         leaves = [e.detach().requires_grad_() for e in cached]
         loss = self.loss(leaves, micro_batches)
         loss.backward()
-        # 3. re-embed each micro-batch with autograd and push its cached gradient through the engine.
-        # engine.backward divides by the accumulation steps (DeepSpeed's convention): the loss here is
-        # the whole batch's already, so multiply it back.
+        # 3. re-embed each micro-batch with autograd and push its cached gradient through the engine; the loss
+        # is the whole batch's already: not divided by the accumulation steps again (scale_wrt_gas=False)
         for state, batch, leaf in zip(states, micro_batches, leaves):
             _set_rng_state(state, device)
             emb = embed_batch(engine, batch, self.pooling)
-            surrogate = (emb.float() * leaf.grad).sum() * accumulation
-            engine.backward(surrogate)
+            surrogate = (emb.float() * leaf.grad).sum()
+            engine.backward(surrogate, scale_wrt_gas=False)
             engine.step()
         _set_rng_state(after, device)
-        # one all-reduce: [loss, tokens, memory of rank 0, 1, ...], each rank filling only its own memory
-        # slot (float64 holds byte counts exactly)
-        size = self.comm.size if self.comm is not None else 1
-        rank = self.comm.rank if self.comm is not None else 0
-        values = torch.zeros(2 + size, dtype=torch.float64, device=device)
-        values[0] = loss.detach().to(torch.float64)
-        values[1] = sum(b.tokens for b in micro_batches).to(torch.float64)  # no device sync
-        if self.memory_fn is not None:
-            values[2 + rank] = float(self.memory_fn())
-        if size > 1:
-            self.comm.all_reduce(values)
-        values = values.cpu()
-        self.tokens = int(values[1])
-        self.memory = [int(v) for v in values[2:].tolist()] if self.memory_fn is not None else []
-        return float(values[0] / size)
+        self.tokens = sum(b.tokens for b in micro_batches)  # a tensor: no device sync
+        return loss.detach()

@@ -70,7 +70,10 @@ class PairSteps:
         if position.batch >= len(self._batches):  # a checkpoint here resumes at the next epoch's start
             position.epoch, position.batch = position.epoch + 1, 0
             self._batches = None
-        return StepResult(loss=loss, lr=lr, tokens=self.contrastive.tokens, memory=list(self.contrastive.memory))
+        return StepResult(loss=loss, lr=lr, tokens=self.contrastive.tokens)
+
+    def seek(self, samples: int) -> None:
+        """Nothing to seek: the data position comes from the checkpoint's client state (`position`)."""
 
     def client_state(self) -> Optional[dict]:
         """The data position (and what the command adds, the pooling) under "embedding"."""

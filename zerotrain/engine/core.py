@@ -83,11 +83,13 @@ class EngineCore:
         backward still scales the loss by 1/gradient_accumulation_steps, as in DeepSpeed."""
         self._boundary_override = bool(is_boundary)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Backpropagate `loss` scaled by 1/accumulation (and the fp16 loss scale), reducing gradients."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backpropagate `loss` scaled by 1/accumulation (and the fp16 loss scale), reducing gradients;
+        `scale_wrt_gas=False` (DeepSpeed's flag): not by 1/accumulation, for a loss that is already the whole
+        batch's (a loop that divided it itself, a GradCache surrogate)."""
         parts = self.parts
         parts.zero_optimizer.refuse_training("engine.backward()")  # forward-only: NoOptimizerError
-        scale = parts.loss_scaler.scale / self.gradient_accumulation_steps()
+        scale = parts.loss_scaler.scale / (self.gradient_accumulation_steps() if scale_wrt_gas else 1)
         scaled = loss * scale if scale != 1.0 else loss
         with self.timers("bwd"):
             parts.zero_optimizer.before_model_use()

@@ -63,7 +63,7 @@ class TrainingEngine(Protocol):
 
     module: torch.nn.Module
 
-    def backward(self, loss: torch.Tensor) -> torch.Tensor: ...
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor: ...
     def step(self) -> None: ...
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None: ...
     def gradient_accumulation_steps(self) -> int: ...
@@ -189,9 +189,8 @@ class _EngineAccelerator(Accelerator):
             return super().backward(loss, **kwargs)
         engine.set_gradient_accumulation_boundary(self.sync_gradients)
         # The Trainer has already divided the loss for accumulation (or normalized it over the accumulated
-        # tokens); engine.backward divides by the accumulation steps again, as DeepSpeed's does unless told
-        # `scale_wrt_gas=False`: multiply that back.
-        engine.backward(loss * engine.gradient_accumulation_steps())
+        # tokens): engine.backward must not divide it again (DeepSpeed's `scale_wrt_gas=False`).
+        engine.backward(loss, scale_wrt_gas=False)
         if self.sync_gradients:
             engine.step()
         return None

@@ -10,7 +10,6 @@ never leaves a half-written model behind.
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Optional
 
 import torch
@@ -30,8 +29,8 @@ class ShardedWriter:
             raise MergeError(f"output {out} exists and is not an empty directory")
         self.out = out
         os.makedirs(os.path.dirname(out), exist_ok=True)
-        self.temp = commit.tmp_dir(os.path.dirname(out), os.path.basename(out), commit.new_save_id())
-        os.makedirs(self.temp)
+        self.staged = commit.StagedDirectory(out)
+        self.temp = self.staged.path
         self.files = plan_shards(entries, shard_size)
         self.expected = {name: (dtype, tuple(shape)) for name, dtype, shape in entries}
         self.weight_map: dict[str, str] = {}
@@ -77,10 +76,9 @@ class ShardedWriter:
                    {"metadata": {"total_size": self.total_size}, "weight_map": self.weight_map})
         if os.path.isdir(self.out):
             os.rmdir(self.out)
-        commit.commit_directory(self.temp, self.out)
-        return self.out
+        return self.staged.commit()
 
     def abort(self) -> None:
         if self._writer is not None:
             self._writer.abort()
-        shutil.rmtree(self.temp, ignore_errors=True)
+        self.staged.discard()

@@ -403,7 +403,7 @@ class PipelineEngine(TrainingEngine):
         joined_labels = _join(labels, device, "labels") if self._last else None
         return joined_inputs, joined_labels
 
-    def _run(self, data_iter: Optional[Iterator], train: bool) -> torch.Tensor:
+    def _run(self, data_iter: Optional[Iterator], train: bool, aggregate: bool = True) -> torch.Tensor:
         inputs, labels = self._read(data_iter)
         losses: Optional[list] = [] if self._last else None
         kwargs = {"target": labels, "losses": losses} if self._last else {}
@@ -412,13 +412,15 @@ class PipelineEngine(TrainingEngine):
         else:
             with torch.no_grad():
                 self.schedule.eval(*inputs, **kwargs)
-        return self._batch_loss(losses)
+        return self._batch_loss(losses, aggregate)
 
-    def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
+    def train_batch(self, data_iter: Optional[Iterator] = None, *, aggregate: bool = True) -> torch.Tensor:
         """One optimizer step over `gradient_accumulation_steps` micro-batches of `data_iter` (read on the first
         and last stage only; kept for later calls without one, as DeepSpeed's), or, without one, of the iterator
         kept (`initialize(training_data=...)`'s loader, `set_dataiterator`); returns the batch's mean loss on
-        every rank."""
+        every rank. `aggregate=False`: no collective for the loss, this rank's own (the mean of its micro-batches'
+        on a last-stage rank, 0 elsewhere), for a loop that reduces it with the rest of what it reports
+        (`zerotrain.trainer`'s one reduction per step)."""
         engine = self.engine
         if data_iter is not None:  # DeepSpeed's: kept, so a later train_batch() goes on reading it
             self.set_dataiterator(data_iter)
@@ -427,7 +429,7 @@ class PipelineEngine(TrainingEngine):
             self._checkpointer.raise_if_failed()  # or its failure raised on every rank (the stage engine's step
         self.train()                              # fences only its own checkpointer)
         with engine.external_backward():
-            loss = self._run(data_iter, train=True)
+            loss = self._run(data_iter, train=True, aggregate=aggregate)
             self._finish_gradients()
         engine.micro_steps += self.micro_batches - 1  # each micro-batch is a micro-step (DeepSpeed's count); the
         engine.set_gradient_accumulation_boundary(True)  # step() below counts the last: a save sees a whole cycle
@@ -463,16 +465,20 @@ class PipelineEngine(TrainingEngine):
                         param.grad = torch.zeros_like(param)
                     comm.all_reduce(param.grad)
 
-    def _batch_loss(self, losses: Optional[list]) -> torch.Tensor:
-        """The mean of the last stage's micro-batch losses (loss scale removed), broadcast over the pipeline."""
+    def _batch_loss(self, losses: Optional[list], aggregate: bool = True) -> torch.Tensor:
+        """The mean of the last stage's micro-batch losses (loss scale removed), broadcast over the pipeline
+        (`aggregate=False`: this rank's, 0 on the other stages)."""
         value = torch.zeros((), dtype=torch.float32, device=self.device)
         if losses is not None:
             value = torch.stack([loss.detach().float() for loss in losses]).mean() / self.engine.loss_scale
+            if not aggregate:
+                return value
             dp = self.engine.comm  # the mean over the stage's data-parallel ranks too, as DeepSpeed's
             if dp.size > 1:
                 dp.all_reduce(value)
                 value /= dp.size
-        self.plan.pp_comm.broadcast(value, src=self.plan.placement.last_rank)
+        if aggregate:
+            self.plan.pp_comm.broadcast(value, src=self.plan.placement.last_rank)
         return value
 
 

@@ -373,25 +373,6 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def _job_restarts() -> int:
-    """How many times torchrun's agents restarted this job's workers, as every rank agrees (the largest count).
-
-    An agent raises TORCHELASTIC_RESTART_COUNT when its own workers failed, not when it restarts them because
-    another node came back for a new round: after one node's restart the other node's ranks read a smaller count.
-    Deciding on the local count, those would start afresh while the restarted ones resume, and the two halves of
-    the job would run different collectives until the next restart."""
-    import torch
-
-    from zerotrain import dist
-
-    own = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if dist.get_world_size() == 1:
-        return own
-    count = torch.tensor([own], dtype=torch.int64)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return int(count.item())
-
-
 def run_train(args: argparse.Namespace) -> int:
     """One rank of `zerotrain train`: build the model, read the data (the steps --num-train-epochs makes), build the
     engine with the schedule over those steps, load weights or resume, wire the data, run the `Trainer`; the exit
@@ -400,6 +381,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     from zerotrain.models.hf import (ModelError, count_parameters, grow_vocab, load_tokenizer, resolve_model,
                                      tokenizer_files)
+    from zerotrain.run import resume_after_restart, stop_status
     from zerotrain.trainer import Trainer
 
     try:
@@ -467,11 +449,7 @@ def run_train(args: argparse.Namespace) -> int:
             args, micro=micro, global_batch=global_batch, dp_rank=dp_rank, dp_size=dp_size)
 
         save_dir = None if args.no_save else os.path.abspath(args.save_dir)
-        restarts = _job_restarts()
-        if restarts > 0 and save_dir is not None and not args.resume:
-            args.resume = True  # an elastic restart continues from the latest committed checkpoint
-            if rank == 0:
-                print(f"{PROG}: restart {restarts} of this job: resuming from the latest checkpoint", flush=True)
+        args.resume = resume_after_restart(args.resume, save_dir, rank)  # an elastic restart resumes
         if rank == 0:  # the run's record of what it trained with (file, flags, filled "auto" values)
             from zerotrain.train.flags import write_effective_config
             for directory in {d for d in (save_dir, args.log_dir) if d is not None}:
@@ -544,16 +522,8 @@ def run_train(args: argparse.Namespace) -> int:
         dist.barrier()  # no rank tears its groups down while a peer still talks to it
     finally:
         dist.destroy_process_group()
-    if summary.stopped_by is not None:
-        where = (f"checkpoint {summary.checkpoint}; continue with --resume" if summary.checkpoint
-                 else "no checkpoint saved (--no-save)")
-        # said once: by the launcher (after every rank is gone) when there is one, else here
-        told = rank == 0 and trainer.stop_request.tell_launcher(summary.stopped_by,
-                                                                f"step {engine.global_steps}; {where}")
-        if rank == 0 and not told:
-            print(f"{PROG}: stopped by {summary.stopped_by} at step {engine.global_steps}; {where}", flush=True)
-        return trainer.stop_request.exit_status(summary.stopped_by)
-    return 0
+    status = stop_status(summary, trainer.stop_request, engine.global_steps, rank)
+    return 0 if status is None else status
 
 
 def _pipeline_step(args: argparse.Namespace, engine, loader, eval_loader, eval_batches: int, seq_len: int):

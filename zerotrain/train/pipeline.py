@@ -5,7 +5,10 @@ whole batch in `train_batch(data_iter)` (torch's schedule), so `PipelineLMStep` 
 (`step=`): per optimizer step it hands the engine `gradient_accumulation_steps` micro-batches of the run's loader,
 each padded on the right to the sequence length (a `PipelineStage` exchanges fixed shapes: label -100 and mask 0
 on the padding) and made the split model's inputs (`zerotrain.pipe.hf.pipeline_inputs`). Only the ranks of the
-first and last stage are given a loader; the others never build one.
+first and last stage are given a loader; the others never build one. The loader is read through the Trainer's
+own batch iterator (`zerotrain.trainer.Batches`: epochs with `set_epoch`, a resumed run's seek), and the step
+reports its local sums (the last stage's loss, the first stage's tokens) for the Trainer's one reduction per step,
+the one that carries the stop flag: a stop signal ends a pipeline run at the next step boundary as any other.
 
 `PipelineEvaluator` is the Trainer's `evaluator` with a pipeline: the evaluation micro-batches (the eval loader's
 first `batches`, rounded down to whole batches of `gradient_accumulation_steps`: the schedule runs a fixed number
@@ -20,7 +23,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 from zerotrain.pipe.hf import pipeline_inputs
-from zerotrain.trainer import StepResult
+from zerotrain.trainer import Batches, StepResult
 
 __all__ = ["PipelineEvaluator", "PipelineLMStep", "eval_micro_batches", "pad_batch"]
 
@@ -63,31 +66,29 @@ class PipelineLMStep:
 
     def __init__(self, engine: Any, loader: Optional[Iterable], seq_len: int) -> None:
         self.engine, self.loader, self.seq_len = engine, loader, int(seq_len)
-        self._batches: Optional[Iterator] = None
-        self._epoch = 0
-
-    def _next(self) -> dict:
-        assert self.loader is not None
-        for _ in range(2):
-            if self._batches is None:
-                self._batches = iter(self.loader)
-            try:
-                return next(self._batches)
-            except StopIteration:
-                self._batches, self._epoch = None, self._epoch + 1
-        raise RuntimeError("the training dataloader yields no batches")
+        self.batches = Batches(loader) if loader is not None else None
 
     def _micro_batches(self) -> Iterator:
-        while True:
-            yield _micro_batch(self._next(), self.seq_len, self.engine.device)
+        assert self.batches is not None
+        for batch in self.batches:
+            yield _micro_batch(batch, self.seq_len, self.engine.device)
+
+    def seek(self, samples: int) -> None:
+        """Continue at a resumed run's data position: the micro-batches the data-parallel group consumed skipped."""
+        if self.batches is not None and samples > 0:
+            engine = self.engine
+            self.batches.seek(samples, int(engine.train_micro_batch_size_per_gpu()) * int(engine.dp_world_size))
 
     def run(self) -> StepResult:
         engine = self.engine
         lr = float(engine.get_lr()[0])  # the rate this update applies
-        reads = self.loader is not None and (engine.is_first_stage() or engine.is_last_stage())
-        loss = engine.train_batch(self._micro_batches() if reads else None)
-        tokens = engine.train_batch_size() * self.seq_len  # every micro-batch is padded to seq_len
-        return StepResult(loss=float(loss), lr=lr, tokens=int(tokens), memory=[])
+        reads = self.batches is not None and (engine.is_first_stage() or engine.is_last_stage())
+        loss = engine.train_batch(self._micro_batches() if reads else None, aggregate=False)
+        # the first stage's ranks count the batch's tokens (every micro-batch is padded to seq_len), the last
+        # stage's hold its loss: the Trainer sums them over every rank
+        tokens = (engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps() * self.seq_len
+                  if engine.is_first_stage() else 0)
+        return StepResult(loss=loss, lr=lr, tokens=tokens, loss_weight=1.0 if engine.is_last_stage() else 0.0)
 
     def client_state(self) -> Optional[dict]:
         return None
