@@ -91,8 +91,8 @@ def test_launch_refuses_other_hosts_and_mixed_flags_in_one_line(tmp_path, capsys
     hosts.write_text("worker-0 slots=2\nworker-1 slots=2\n")
     script = tmp_path / "train.py"
     script.write_text("print('never')\n")
-    for argv, says in ((["--hostfile", str(hosts)], "starting ranks on other hosts (worker-0, worker-1) with "
-                                                     "--launcher pdsh is not implemented yet"),
+    for argv, says in ((["--hostfile", str(hosts), "--launcher_args", "-o ConnectTimeout=5"],
+                        "host 'worker-0' is not reachable by passwordless ssh: ssh: Could not resolve hostname"),
                        (["--hostfile", str(hosts), "--include", "worker-1", "--launcher", "SLURM"],
                         "starting ranks on other hosts (worker-1) with --launcher slurm"),
                        (["--hostfile", str(hosts), "--nproc", "2"], "--nproc cannot be combined with --hostfile"),
@@ -172,3 +172,29 @@ def test_mpi_and_slurm_variables_become_torchruns():
         adopt_cluster_ranks({"PMI_RANK": "4", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MASTER_ADDR": "h"})
     with pytest.raises(ClusterEnvError, match="SLURM_NTASKS must be an integer"):
         adopt_cluster_ranks({"SLURM_PROCID": "0", "SLURM_NTASKS": "two"})
+
+
+def test_ssh_commands_start_one_launch_per_host_with_the_forwarded_environment(tmp_path, monkeypatch):
+    """What `zerotrain launch --hostfile` runs on each host over ssh: `zerotrain launch` with the host's node rank
+    (its place in the hostfile), its slot count and the static rendezvous, DeepSpeed's forwarded variables and
+    .deepspeed_env's lines (run for real across two hosts in tests/multinode/test_ssh_launch.py)."""
+    import shlex
+
+    from zerotrain.hostfile import STOP_ON_EOF_ENV, ssh_commands
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".deepspeed_env").write_text("FROM_FILE=a b\n")
+    commands = ssh_commands({"w0": [0, 1], "w1": [0, 1, 2]}, "10.0.0.1", 29600, ["train.py", "--x", "1"],
+                            ssh_port=2222, launcher_args="-i key", cwd=str(tmp_path),
+                            environ={"NCCL_DEBUG": "INFO", "GLOO_SOCKET_IFNAME": "eth1", "SECRET": "no",
+                                     "PYTHONPATH": "/lib"})
+    for rank, (cmd, host, slots) in enumerate(zip(commands, ("w0", "w1"), ("0,1", "0,1,2"))):
+        assert cmd[:7] == ["ssh", "-o", "BatchMode=yes", "-p", "2222", "-i", "key"] and cmd[7] == host
+        remote = shlex.split(cmd[8])
+        assert remote[:3] == ["cd", str(tmp_path), "&&"]
+        assert {"NCCL_DEBUG=INFO", "GLOO_SOCKET_IFNAME=eth1", "FROM_FILE=a b", f"{STOP_ON_EOF_ENV}=1",
+                f"PYTHONPATH={tmp_path}:/lib", f"CUDA_VISIBLE_DEVICES={slots}"} <= set(remote)
+        assert "SECRET=no" not in remote
+        launch = remote[remote.index("launch"):]
+        assert launch == ["launch", "--nproc", str(len(slots.split(","))), "--nnodes", "2", "--node-rank", str(rank),
+                          "--master-addr", "10.0.0.1", "--master-port", "29600", "train.py", "--x", "1"]

@@ -130,7 +130,8 @@ def _add_deepspeed_launcher_flags(launch: argparse.ArgumentParser) -> None:
     group.add_argument("-H", "--hostfile", default=None, metavar="FILE",
                        help="MPI-style hostfile, a 'HOST slots=N' line per host: the hosts and slots the job may use")
     group.add_argument("-i", "--include", default="", metavar="SPEC",
-                       help="only these hosts/slots: NAME[:SLOT[,SLOT...]][@NAME...], e.g. worker-0@worker-1:0,2 (default: every slot)")
+                       help="only these hosts/slots: NAME[:SLOT[,SLOT...]][@NAME...], e.g. worker-0@worker-1:0,2 "
+                            "(default: every slot)")
     group.add_argument("-e", "--exclude", default="", metavar="SPEC",
                        help="every host/slot but these (the --include syntax; default: none excluded)")
     group.add_argument("--num_nodes", "--num-nodes", dest="num_nodes", type=int, default=-1, metavar="N",
@@ -149,10 +150,11 @@ def _uses_resources(args: argparse.Namespace) -> bool:
     return bool(args.hostfile or args.include or args.exclude or args.num_nodes >= 0 or args.num_gpus >= 0)
 
 
-def _resource_launch(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+def _resource_launch(args: argparse.Namespace):
     """DeepSpeed's resource options -> this node's torchrun options and the workers' extra environment: the
     selected slots of one host that is this machine run here, one rank per slot (CUDA_VISIBLE_DEVICES = the
-    slots, as DeepSpeed's launch sets it); other hosts are refused in one line (not started from here yet)."""
+    slots, as DeepSpeed's launch sets it); several hosts, or another one: (host -> slots, {}) for the ssh start
+    (other --launcher names are refused in one line)."""
     from zerotrain.command import rendezvous
     from zerotrain.hostfile import is_this_host, local_slots, parse_hostfile, select_resources
 
@@ -171,10 +173,11 @@ def _resource_launch(args: argparse.Namespace) -> tuple[list[str], dict[str, str
     active = select_resources(pool, args.include, args.exclude, args.num_nodes, args.num_gpus)
     remote = [host for host in active if not is_this_host(host)]
     if len(active) > 1 or remote:
-        raise CLIError(f"starting ranks on other hosts ({', '.join(active)}) with --launcher {args.launcher} is not "
-                       "implemented yet: run `zerotrain launch --nproc N --nnodes N --node-rank R --master-addr "
-                       "HOST --master-port P SCRIPT` on each host, or `srun`/`mpirun` the script directly "
-                       "(docs/multinode.md)")
+        if args.launcher != "pdsh":
+            raise CLIError(f"starting ranks on other hosts ({', '.join(active)}) with --launcher {args.launcher} is "
+                           "not implemented yet: use the default (ssh), or `srun`/`mpirun` the script directly "
+                           "(docs/multinode.md)")
+        return active, {}
     (slots,) = active.values()
     master = args.master_addr or ("127.0.0.1" if args.master_port is not None else None)
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
@@ -282,8 +285,27 @@ def _launch_script(args: argparse.Namespace) -> int:
         raise CLIError(f"script {args.script!r} not found")
     if args.max_restarts < 0 or args.stop_timeout < 0:
         raise CLIError("--max-restarts and --stop-timeout must be >= 0")
+    if isinstance(workers, dict):  # several hosts: one `zerotrain launch` per host over ssh
+        return _launch_hosts(args, workers)
+    from zerotrain.hostfile import STOP_ON_EOF_ENV, stop_on_stdin_eof
+    if os.environ.get(STOP_ON_EOF_ENV) == "1":  # started over ssh by a launcher: its channel closing stops us
+        stop_on_stdin_eof()
     return run_torchrun(workers, worker_target(args.script, args.script_args, not args.no_local_rank),
                         max_restarts=args.max_restarts, stop_timeout=args.stop_timeout, extra_env=extra_env)
+
+
+def _launch_hosts(args: argparse.Namespace, active: dict) -> int:
+    """The ssh start (DeepSpeed's pdsh launcher's job): every host reachable, the master address (`hostname -I`
+    of the first host unless --master_addr), then one `zerotrain launch` per host (zerotrain.hostfile.run_hosts)."""
+    from zerotrain.hostfile import check_reachable, first_address, run_hosts, ssh_commands
+
+    check_reachable(list(active), args.ssh_port, args.launcher_args)
+    first = next(iter(active))
+    master = args.master_addr or first_address(first, args.ssh_port, args.launcher_args)
+    target = [*(["--no-local-rank"] if args.no_local_rank else []), "--max-restarts", str(args.max_restarts),
+              "--stop-timeout", str(args.stop_timeout), os.path.abspath(args.script), *args.script_args]
+    return run_hosts(ssh_commands(active, master, args.master_port or 29500, target, args.ssh_port,
+                                  args.launcher_args))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,10 @@
 - Without a hostfile the pool is this machine: ``localhost`` with a slot per GPU (per ``--nproc`` on CPU).
 - ``.deepspeed_env`` (the name ``$DS_ENV_FILE`` overrides) in the home directory, then in the current one, a
   ``NAME=VALUE`` a line: forwarded to every host of a multi-host start (the later file wins a name).
+- Several hosts (`--launcher pdsh`, the default): `ssh_commands` makes one ``zerotrain launch --nnodes N
+  --node-rank R ...`` per host, `run_hosts` runs them through ssh and stops every host when the launcher stops,
+  dies or one host fails (the host's ssh channel closes; its launch, started with `STOP_ON_EOF_ENV`, stops its
+  ranks: `stop_on_stdin_eof`).
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from typing import Optional
 from .command import CLIError
 
 __all__ = ["LAUNCHERS", "parse_hostfile", "select_resources", "read_deepspeed_env", "is_this_host",
-           "local_slots"]
+           "local_slots", "check_reachable", "first_address", "ssh_commands", "run_hosts", "stop_on_stdin_eof"]
 
 # DeepSpeed's --launcher names (case-insensitive there too); pdsh is its default
 LAUNCHERS = ("pdsh", "openmpi", "mpich", "impi", "slurm", "mvapich")
@@ -139,3 +143,132 @@ def read_deepspeed_env(home: Optional[str] = None, cwd: Optional[str] = None) ->
                 raise CLIError(f"{path}:{number}: bad line {line.strip()!r}: expected NAME=VALUE")
             found[key.strip()] = value.strip()
     return found
+
+
+# The variables forwarded to every host besides .deepspeed_env: DeepSpeed's EXPORT_ENVS, its CUDA accelerator's
+# (NCCL), and gloo's (GLOO_SOCKET_IFNAME: the interface that reaches the other hosts)
+FORWARDED_PREFIXES = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL", "GLOO")
+STOP_ON_EOF_ENV = "ZEROTRAIN_STOP_ON_STDIN_EOF"  # a host's launch ends its ranks when its ssh channel closes
+
+
+def _ssh(host: str, ssh_port: Optional[int], launcher_args: str) -> list[str]:
+    import shlex
+
+    return ["ssh", "-o", "BatchMode=yes", *(["-p", str(ssh_port)] if ssh_port is not None else []),
+            *shlex.split(launcher_args), host]
+
+
+def check_reachable(hosts: list[str], ssh_port: Optional[int], launcher_args: str, timeout: float = 30.0) -> None:
+    """Every host answers `ssh HOST true` without a password, or one line naming the first that does not."""
+    import subprocess
+
+    for host in hosts:
+        try:
+            probe = subprocess.run([*_ssh(host, ssh_port, launcher_args), "true"], capture_output=True, text=True,
+                                   timeout=timeout, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            raise CLIError(f"host {host!r} did not answer ssh within {timeout:.0f} s") from None
+        if probe.returncode != 0:
+            said = (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]
+            raise CLIError(f"host {host!r} is not reachable by passwordless ssh"
+                           f"{f' on port {ssh_port}' if ssh_port is not None else ''}: {said}")
+
+
+def first_address(host: str, ssh_port: Optional[int], launcher_args: str) -> str:
+    """The first address of `hostname -I` on `host`, as DeepSpeed picks the master address."""
+    import subprocess
+
+    probe = subprocess.run([*_ssh(host, ssh_port, launcher_args), "hostname -I"], capture_output=True, text=True,
+                           timeout=30, stdin=subprocess.DEVNULL)
+    addresses = probe.stdout.split()
+    if probe.returncode != 0 or not addresses:
+        raise CLIError(f"could not read the address of {host!r} by `hostname -I`; give --master_addr")
+    return addresses[0]
+
+
+def ssh_commands(active: dict[str, list[int]], master_addr: str, master_port: int, target: list[str],
+                 ssh_port: Optional[int] = None, launcher_args: str = "",
+                 environ: Optional[dict[str, str]] = None, cwd: Optional[str] = None) -> list[list[str]]:
+    """One `ssh HOST 'cd CWD && exec env ... python -m zerotrain.cli launch --nnodes N --node-rank R ...'` per
+    host (node rank = its place in the hostfile), with the forwarded variables and .deepspeed_env's lines."""
+    import shlex
+    import sys
+
+    environ = dict(os.environ if environ is None else environ)
+    cwd = os.path.abspath(cwd or os.getcwd())
+    exports = {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES)}
+    exports["PYTHONPATH"] = os.pathsep.join([cwd, *([exports["PYTHONPATH"]] if exports.get("PYTHONPATH") else [])])
+    exports.update(read_deepspeed_env(cwd=cwd))
+    exports[STOP_ON_EOF_ENV] = "1"
+    commands = []
+    for rank, (host, slots) in enumerate(active.items()):
+        env = {**exports, "CUDA_VISIBLE_DEVICES": ",".join(str(s) for s in slots)}
+        remote = ["env", *(f"{k}={v}" for k, v in env.items()), sys.executable, "-u", "-m", "zerotrain.cli",
+                  "launch", "--nproc", str(len(slots)), "--nnodes", str(len(active)), "--node-rank", str(rank),
+                  "--master-addr", master_addr, "--master-port", str(master_port), *target]
+        line = f"cd {shlex.quote(cwd)} && exec " + " ".join(shlex.quote(a) for a in remote)
+        commands.append([*_ssh(host, ssh_port, launcher_args), line])
+    return commands
+
+
+def run_hosts(commands: list[list[str]]) -> int:
+    """Run one ssh per host; the job's status is the first non-zero one. A host that fails, or a stop signal to
+    this process, closes every other host's ssh channel: each host's launch then stops its ranks (its stdin ends,
+    `STOP_ON_EOF_ENV`); the launcher dying takes its ssh clients with it, which ends the channels too."""
+    import signal
+    import subprocess
+    import time
+
+    from .lifecycle import kill_me_with_parent
+
+    procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True, preexec_fn=kill_me_with_parent)
+             for cmd in commands]
+    received: list[int] = []
+
+    def stop_all() -> None:
+        for proc in procs:
+            if proc.poll() is None and proc.stdin is not None and not proc.stdin.closed:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
+
+    def on_signal(signum, frame) -> None:
+        received.append(signum)
+        stop_all()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    status = 0
+    try:
+        while any(proc.poll() is None for proc in procs):
+            for proc in procs:
+                code = proc.poll()
+                if code not in (None, 0) and status == 0:
+                    status = code
+                    stop_all()
+            time.sleep(0.2)
+        for proc in procs:
+            if proc.returncode and status == 0:
+                status = proc.returncode
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        stop_all()
+    return 128 + received[0] if received else status
+
+
+def stop_on_stdin_eof() -> None:
+    """In a host's launch started by `run_hosts`: SIGTERM to this process when stdin ends (its ssh channel closed:
+    the launcher stopped, died or gave up on the job); `run_torchrun` forwards it to the ranks."""
+    import signal
+    import threading
+
+    def watch() -> None:
+        try:  # the raw descriptor: a buffered sys.stdin's lock held by this thread aborts the interpreter's exit
+            while os.read(0, 65536):
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="zerotrain-stdin-eof", daemon=True).start()
