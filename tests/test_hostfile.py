@@ -198,3 +198,22 @@ def test_ssh_commands_start_one_launch_per_host_with_the_forwarded_environment(t
         launch = remote[remote.index("launch"):]
         assert launch == ["launch", "--nproc", str(len(slots.split(","))), "--nnodes", "2", "--node-rank", str(rank),
                           "--master-addr", "10.0.0.1", "--master-port", "29600", "train.py", "--x", "1"]
+
+
+def test_one_host_failing_stops_the_others(tmp_path):
+    """`run_hosts` with real processes standing in for the hosts' ssh clients: one ends with status 3, the other
+    runs until its stdin (its ssh channel) closes. The job ends with 3, promptly, and the other saw its channel
+    close (the stop a host's launch turns into SIGTERM)."""
+    import sys
+    import time
+
+    from zerotrain.hostfile import run_hosts
+
+    closed = tmp_path / "closed"
+    waiter = [sys.executable, "-c", "import select, sys\n"  # gives up after 30 s: a missed stop fails, not hangs
+              f"if select.select([sys.stdin], [], [], 30)[0] and not sys.stdin.read(): open({str(closed)!r}, 'w')"]
+    failer = [sys.executable, "-c", "import sys, time; time.sleep(0.5); sys.exit(3)"]
+    start = time.monotonic()
+    assert run_hosts([waiter, failer]) == 3
+    assert closed.exists() and time.monotonic() - start < 60
+    assert run_hosts([[sys.executable, "-c", "pass"], [sys.executable, "-c", "pass"]]) == 0
