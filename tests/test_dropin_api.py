@@ -435,7 +435,8 @@ engine.save_16bit_model(args.out)
 with open(os.path.join(args.out, f"rank{engine.global_rank}.json"), "w") as f:
     json.dump({"passed_local_rank": passed_local_rank, "env_local_rank": int(os.environ["LOCAL_RANK"]),
                "engine_local_rank": engine.local_rank, "nproc": args.nproc, "losses": losses,
-               "steps": engine.global_steps}, f)
+               "steps": engine.global_steps, "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+               "world": engine.world_size}, f)
 '''
 
 
@@ -458,30 +459,13 @@ def _reference_weights() -> dict:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def test_launch_runs_a_deepspeed_script_ported_by_its_import(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(DEEPSPEED_SCRIPT)
-    config = tmp_path / "ds.json"
-    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 2, "gradient_clipping": 0,
-                                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-                                  "zero_optimization": {"stage": 2},
-                                  # keys zerotrain ignores: one warning each for the job, not one per rank
-                                  "cuda_visible_devices": 0, "flops_profiler": {"enabled": True}}, indent=1))
-    out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT)
-    proc = run_cli(["launch", "--nproc", "2", str(script), "--deepspeed_config", str(config), "--nproc", "3",
-                    "--out", str(out)], cwd=tmp_path, env=env, timeout=300)  # the launcher forked, ranks fresh
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
-    for rank, info in enumerate(ranks):
-        assert (info["passed_local_rank"], info["env_local_rank"], info["engine_local_rank"]) == (rank, rank, rank)
-        assert info["nproc"] == 3 and info["steps"] == 4
-    assert [line.split(",")[0] for line in proc.stdout.splitlines() if line.startswith("[zerotrain] step=")] == [
-        "[zerotrain] step=2", "[zerotrain] step=4"]
-    for said in ("unknown top-level key 'cuda_visible_devices' is ignored",
-                 "flops_profiler is a DeepSpeed key that zerotrain does not implement"):
-        warned = [line for line in proc.stderr.splitlines() if said in line]
-        assert len(warned) == 1 and warned[0].startswith(f"{config}:"), proc.stderr  # at the file and its line
+DEEPSPEED_SCRIPT_CONFIG = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 2, "gradient_clipping": 0,
+                           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+                           "zero_optimization": {"stage": 2}}
+
+
+def _assert_trained_as_one_process(out) -> None:
+    """The 2-rank run's saved weights equal plain single-process AdamW on the same batches (and moved)."""
     weights = torch.load(out / "pytorch_model.bin")
     reference = _reference_weights()
     assert set(weights) == set(reference)
@@ -489,6 +473,88 @@ def test_launch_runs_a_deepspeed_script_ported_by_its_import(tmp_path):
     for name, value in reference.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6)
         assert not torch.equal(weights[name], initial[name])
+
+
+def test_launch_runs_a_deepspeed_script_ported_by_its_import(tmp_path):
+    """`zerotrain launch --hostfile hosts` (DeepSpeed's `deepspeed --hostfile hosts train.py`) with one host that
+    is this machine, by its hostname, `slots=2`: two ranks here, as `--nproc 2` (slot ids as CUDA_VISIBLE_DEVICES,
+    as DeepSpeed's launch sets them), training as one process does."""
+    import socket
+
+    script = tmp_path / "train.py"
+    script.write_text(DEEPSPEED_SCRIPT)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({**DEEPSPEED_SCRIPT_CONFIG,
+                                  # keys zerotrain ignores: one warning each for the job, not one per rank
+                                  "cuda_visible_devices": 0, "flops_profiler": {"enabled": True}}, indent=1))
+    hosts = tmp_path / "hostfile"
+    hosts.write_text(f"# this machine only\n\n{socket.gethostname()} slots=2\n")
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = run_cli(["launch", "--hostfile", str(hosts), str(script), "--deepspeed_config", str(config), "--nproc", "3",
+                    "--out", str(out)], cwd=tmp_path, env=env, timeout=300)  # the launcher forked, ranks fresh
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank, info in enumerate(ranks):
+        assert (info["passed_local_rank"], info["env_local_rank"], info["engine_local_rank"]) == (rank, rank, rank)
+        assert info["nproc"] == 3 and info["steps"] == 4
+        assert info["world"] == 2 and info["visible"] == "0,1"
+    assert [line.split(",")[0] for line in proc.stdout.splitlines() if line.startswith("[zerotrain] step=")] == [
+        "[zerotrain] step=2", "[zerotrain] step=4"]
+    for said in ("unknown top-level key 'cuda_visible_devices' is ignored",
+                 "flops_profiler is a DeepSpeed key that zerotrain does not implement"):
+        warned = [line for line in proc.stderr.splitlines() if said in line]
+        assert len(warned) == 1 and warned[0].startswith(f"{config}:"), proc.stderr  # at the file and its line
+    _assert_trained_as_one_process(out)
+
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                  "CUDA_VISIBLE_DEVICES")
+
+
+def test_mpi_and_slurm_started_ranks_train_as_one_process(tmp_path):
+    """Two jobs of 2 processes each, started as `mpirun -n 2` and `srun -n 2` start them: each process sees only
+    its launcher's variables (Open MPI's OMPI_COMM_WORLD_*; Slurm's SLURM_PROCID/NTASKS/LOCALID and the compressed
+    node list whose first host is the master), and MASTER_PORT (a free one, not the default 29500 other tests
+    may hold). zerotrain maps them onto torchrun's names (`zerotrain.cluster`) and each job trains as one process
+    does. The four processes run at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from distributed import free_port, run_python
+
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps(DEEPSPEED_SCRIPT_CONFIG))
+    base = {k: v for k, v in os.environ.items()
+            if k not in _LAUNCHER_VARS and not k.startswith(("OMPI_", "PMI_", "SLURM_", "TORCHELASTIC"))}
+    base["PYTHONPATH"] = REPO_ROOT
+    mpi_port, slurm_port = free_port(), free_port()
+    runs = []
+    for rank in (0, 1):
+        runs.append(("mpi", {**base, "OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "2",
+                             "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+                             "MASTER_PORT": str(mpi_port)}))
+        runs.append(("slurm", {**base, "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
+                               "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "2",
+                               "SLURM_JOB_NODELIST": "localhost,node[02-03]", "MASTER_PORT": str(slurm_port)}))
+    for job in ("mpi", "slurm"):
+        (tmp_path / job).mkdir()
+
+    def start(run):
+        job, env = run
+        return run_python(["-c", DEEPSPEED_SCRIPT, "--deepspeed_config", str(config), "--out", str(tmp_path / job)],
+                          cwd=tmp_path, env=env, timeout=300)
+
+    with ThreadPoolExecutor(len(runs)) as pool:
+        procs = list(pool.map(start, runs))
+    for (job, _), proc in zip(runs, procs):
+        assert proc.returncode == 0, (job, proc.stdout + proc.stderr)
+    for job in ("mpi", "slurm"):
+        for rank in (0, 1):
+            info = json.loads((tmp_path / job / f"rank{rank}.json").read_text())
+            assert (info["world"], info["env_local_rank"], info["engine_local_rank"], info["steps"]) == (
+                2, rank, rank, 4), (job, info)
+        _assert_trained_as_one_process(tmp_path / job)
 
 
 STOPPABLE_SCRIPT = '''

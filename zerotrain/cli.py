@@ -116,7 +116,8 @@ def _add_launch_parser(sub) -> None:
     )
     launch.add_argument("--nproc", type=int, default=1, metavar="N", help="processes (ranks) on this node")
     add_node_flags(launch)  # --nnodes, --node-rank, --master-addr/--master-port, --rdzv-backend/--rdzv-endpoint ...
-    launch.add_argument("--no-local-rank", action="store_true",
+    _add_deepspeed_launcher_flags(launch)
+    launch.add_argument("--no-local-rank", "--no_local_rank", dest="no_local_rank", action="store_true",
                         help="never append --local_rank=N to the script's arguments")
     launch.add_argument("--max-restarts", type=int, default=0, metavar="K",
                         help="restart all workers up to K times when one fails (torchrun's --max-restarts)")
@@ -126,6 +127,72 @@ def _add_launch_parser(sub) -> None:
     launch.add_argument("script", metavar="SCRIPT", help="the training script (a .py file)")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
                         help="arguments for the script, passed as they are")
+
+
+def _add_deepspeed_launcher_flags(launch: argparse.ArgumentParser) -> None:
+    """DeepSpeed's launcher options, by its names and meaning (zerotrain.hostfile, docs/multinode.md)."""
+    from zerotrain.hostfile import LAUNCHERS
+
+    group = launch.add_argument_group("DeepSpeed's launcher options (docs/multinode.md)")
+    group.add_argument("-H", "--hostfile", default=None, metavar="FILE",
+                       help="MPI-style hostfile, a 'HOST slots=N' line per host: the hosts and slots the job may use")
+    group.add_argument("-i", "--include", default="", metavar="SPEC",
+                       help="only these hosts/slots: NAME[:SLOT[,SLOT...]][@NAME...], e.g. worker-0@worker-1:0,2 "
+                            "(default: every slot)")
+    group.add_argument("-e", "--exclude", default="", metavar="SPEC",
+                       help="every host/slot but these (the --include syntax; default: none excluded)")
+    group.add_argument("--num_nodes", "--num-nodes", dest="num_nodes", type=int, default=-1, metavar="N",
+                       help="the first N hosts of the hostfile (default: all)")
+    group.add_argument("--num_gpus", "--num-gpus", "--num_accelerators", dest="num_gpus", type=int, default=-1,
+                       metavar="G", help="slots 0..G-1 on every host (default: the hostfile's)")
+    group.add_argument("--launcher", default="pdsh", type=str.lower, choices=LAUNCHERS,
+                       help="how ranks start on other hosts (DeepSpeed's names)")
+    group.add_argument("--launcher_args", "--launcher-args", dest="launcher_args", default="", metavar="ARGS",
+                       help="arguments for the multi-host launcher, one quoted string (default: none)")
+    group.add_argument("--ssh_port", "--ssh-port", dest="ssh_port", type=int, default=None, metavar="P",
+                       help="ssh port of the other hosts")
+
+
+def _uses_resources(args: argparse.Namespace) -> bool:
+    return bool(args.hostfile or args.include or args.exclude or args.num_nodes >= 0 or args.num_gpus >= 0)
+
+
+def _resource_launch(args: argparse.Namespace):
+    """DeepSpeed's resource options -> this node's torchrun options and the workers' extra environment: the
+    selected slots of one host that is this machine run here, one rank per slot (CUDA_VISIBLE_DEVICES = the
+    slots, as DeepSpeed's launch sets it); several hosts, or another one: (host -> slots, {}) for the ssh start
+    (other --launcher names are refused in one line)."""
+    from zerotrain.command import rendezvous
+    from zerotrain.hostfile import is_this_host, local_slots, parse_hostfile, select_resources
+
+    for flag, value, default in (("--nproc", args.nproc, 1), ("--nnodes", args.nnodes, "1"),
+                                 ("--node-rank", args.node_rank, None), ("--rdzv-backend", args.rdzv_backend,
+                                                                         "static")):
+        if value != default:
+            raise CLIError(f"{flag} cannot be combined with --hostfile/--include/--exclude/--num_nodes/--num_gpus "
+                           "(the hostfile's slots set the ranks)")
+    if args.hostfile is not None:
+        pool = parse_hostfile(args.hostfile)
+    else:
+        if args.num_nodes > 1:
+            raise CLIError("--num_nodes > 1 needs a --hostfile naming the other hosts")
+        pool = {"localhost": local_slots(args.nproc)}
+    active = select_resources(pool, args.include, args.exclude, args.num_nodes, args.num_gpus)
+    remote = [host for host in active if not is_this_host(host)]
+    if len(active) > 1 or remote:
+        if args.launcher != "pdsh":
+            raise CLIError(f"starting ranks on other hosts ({', '.join(active)}) with --launcher {args.launcher} is "
+                           "not implemented yet: use the default (ssh), or `srun`/`mpirun` the script directly "
+                           "(docs/multinode.md)")
+        return active, {}
+    (slots,) = active.values()
+    master = args.master_addr or ("127.0.0.1" if args.master_port is not None else None)
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if visible and max(slots) >= len(visible):
+        raise CLIError(f"slot {max(slots)} is not among CUDA_VISIBLE_DEVICES={','.join(visible)}")
+    devices = [visible[s] if visible else str(s) for s in slots]  # slot i = the i-th device this process sees
+    return rendezvous(len(slots), master_addr=master, master_port=args.master_port), {
+        "CUDA_VISIBLE_DEVICES": ",".join(devices)}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -220,13 +287,36 @@ def _launch_script(args: argparse.Namespace) -> int:
 
     if args.nproc < 1:
         raise CLIError(f"--nproc must be >= 1, got {args.nproc}")
-    workers = node_rendezvous(args)
+    extra_env: dict[str, str] = {}
+    if _uses_resources(args):
+        workers, extra_env = _resource_launch(args)
+    else:
+        workers = node_rendezvous(args)
     if not Path(args.script).is_file():
         raise CLIError(f"script {args.script!r} not found")
     if args.max_restarts < 0 or args.stop_timeout < 0:
         raise CLIError("--max-restarts and --stop-timeout must be >= 0")
+    if isinstance(workers, dict):  # several hosts: one `zerotrain launch` per host over ssh
+        return _launch_hosts(args, workers)
+    from zerotrain.hostfile import STOP_ON_EOF_ENV, stop_on_stdin_eof
+    if os.environ.get(STOP_ON_EOF_ENV) == "1":  # started over ssh by a launcher: its channel closing stops us
+        stop_on_stdin_eof()
     return run_torchrun(workers, worker_target(args.script, args.script_args, not args.no_local_rank),
-                        max_restarts=args.max_restarts, stop_timeout=args.stop_timeout)
+                        max_restarts=args.max_restarts, stop_timeout=args.stop_timeout, extra_env=extra_env)
+
+
+def _launch_hosts(args: argparse.Namespace, active: dict) -> int:
+    """The ssh start (DeepSpeed's pdsh launcher's job): every host reachable, the master address (`hostname -I`
+    of the first host unless --master_addr), then one `zerotrain launch` per host (zerotrain.hostfile.run_hosts)."""
+    from zerotrain.hostfile import check_reachable, first_address, run_hosts, ssh_commands
+
+    check_reachable(list(active), args.ssh_port, args.launcher_args)
+    first = next(iter(active))
+    master = args.master_addr or first_address(first, args.ssh_port, args.launcher_args)
+    target = [*(["--no-local-rank"] if args.no_local_rank else []), "--max-restarts", str(args.max_restarts),
+              "--stop-timeout", str(args.stop_timeout), os.path.abspath(args.script), *args.script_args]
+    return run_hosts(ssh_commands(active, master, args.master_port or 29500, target, args.ssh_port,
+                                  args.launcher_args))
 
 
 if __name__ == "__main__":

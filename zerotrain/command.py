@@ -208,14 +208,15 @@ def agent_signals(stop_signals: str) -> str:
 
 
 def run_torchrun(rendezvous: list[str], target: list[str], stop_signals: str = "SIGTERM,SIGINT,SIGHUP,SIGUSR1",
-                  max_restarts: int = 0, stop_timeout: int = 300) -> int:
+                  max_restarts: int = 0, stop_timeout: int = 300, extra_env: Optional[dict[str, str]] = None) -> int:
     """Run `python -m torch.distributed.run RENDEZVOUS TARGET`; return the job's exit status.
 
     The one place both `train --nproc` and `launch` start workers. The agent runs in its own session
     (a terminal's Ctrl-C reaches this process only, which forwards it once), forwards the stop signals to
     the workers and gives them `stop_timeout` seconds to save; it dies with this process (SIGKILL on parent
     death: its workers then die with it and commit nothing). A stop is reported by exit status 128 + the
-    signal number, a crash by the agent's own non-zero status.
+    signal number, a crash by the agent's own non-zero status. `extra_env` is added to the agent's (and so the
+    workers') environment.
     """
     import signal
     import tempfile
@@ -227,7 +228,7 @@ def run_torchrun(rendezvous: list[str], target: list[str], stop_signals: str = "
     # torchrun's agent through zerotrain.elastic: a usage error in the ranks comes back in its error file
     cmd = [sys.executable, "-m", "zerotrain.elastic", *rendezvous, "--max_restarts", str(max_restarts),
            "--shutdown_timeout", str(stop_timeout), "--signals_to_handle", agent_signals(stop_signals), *target]
-    env = os.environ.copy()
+    env = {**os.environ, **(extra_env or {})}
     env.setdefault("OMP_NUM_THREADS", "1")
     # A fresh store for every rendezvous round (torch's opt-out of the one TCPStore the c10d agents share for the
     # whole job; rank 0 of each round's workers hosts it). With the shared store the workers' key space is told

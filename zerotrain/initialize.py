@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
+from .cluster import adopt_cluster_ranks
 from .config import ConfigError, load_config
 from .config.base import job_rank
 from .config.batch import GAS, MICRO, TBS
@@ -153,6 +154,8 @@ def initialize(model: torch.nn.Module = None, config: Union[dict, str, os.PathLi
     `dist_init_required` are accepted with a warning (rank 0 only) when they would change anything.
     """
     _check_keywords(unused)
+    if not dist.is_initialized():
+        adopt_cluster_ranks()  # mpirun / srun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR before anything reads them
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"zerotrain.initialize needs model= a torch.nn.Module, got {type(model).__name__} "
                         "(pass arguments by keyword: its first positional parameter is the model, not args)")

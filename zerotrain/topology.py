@@ -24,6 +24,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .cluster import adopt_cluster_ranks
+
 
 def default_device() -> torch.device:
     """The device this rank computes on: its CUDA device when there is one, else the CPU."""
@@ -36,11 +38,13 @@ def default_device() -> torch.device:
 def init_distributed(timeout_seconds: float = 1800.0) -> None:
     """Start torch.distributed if it is not running yet.
 
-    Reads torchrun's environment variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT);
-    without them this process is a world of one. NCCL on CUDA, gloo otherwise.
+    Reads torchrun's environment variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or MPI's or Slurm's
+    mapped onto them (`zerotrain.cluster`); without them this process is a world of one. NCCL on CUDA, gloo
+    otherwise.
     """
     if dist.is_initialized():
         return
+    adopt_cluster_ranks()  # mpirun / srun started this process: their ranks under torchrun's names
     timeout = datetime.timedelta(seconds=timeout_seconds)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

@@ -1,0 +1,219 @@
+"""DeepSpeed's launcher options in `zerotrain launch` (issue #46): the hostfile, --include/--exclude, the
+--num_nodes/--num_gpus caps and .deepspeed_env give DeepSpeed's own results (its runner's functions on the same
+inputs), bad input is one line naming the file and line or the flag; MPI's and Slurm's rank variables map onto
+torchrun's, the compressed Slurm node list expands as `scontrol show hostnames` does."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from zerotrain.cli import main
+from zerotrain.cluster import ClusterEnvError, adopt_cluster_ranks, expand_nodelist
+from zerotrain.command import CLIError
+from zerotrain.hostfile import is_this_host, parse_hostfile, read_deepspeed_env, select_resources
+
+runner = pytest.importorskip("deepspeed.launcher.runner")
+
+HOSTFILE = """# two workers
+worker-0 slots=4
+
+   worker-1    slots=2   # trailing text is ignored, as DeepSpeed's pattern does
+worker-2 slots=8
+"""
+
+SELECTIONS = [  # (include, exclude, num_nodes, num_gpus)
+    ("", "", -1, -1), ("worker-0", "", -1, -1), ("worker-1@worker-0:0,2", "", -1, -1),
+    ("worker-0:3,1,1@worker-0:2", "", -1, -1), ("worker-2:7@worker-1", "", -1, -1), ("", "worker-1", -1, -1),
+    ("", "worker-0:0,3@worker-2:1", -1, -1), ("", "worker-1:0,1", -1, -1), ("", "", 2, -1), ("", "", 1, 1),
+    ("", "", -1, 3), ("", "", 0, -1), ("", "", 5, 16),
+]
+
+
+def _deepspeed(pool, include, exclude, num_nodes, num_gpus):
+    active = runner.parse_inclusion_exclusion(pool, include, exclude)
+    return dict(runner.apply_num_nodes_and_gpus(active, num_nodes, num_gpus))
+
+
+def test_hostfile_and_selection_equal_deepspeeds(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_text(HOSTFILE)
+    pool = parse_hostfile(str(path))
+    assert list(pool.items()) == list(runner.fetch_hostfile(str(path)).items()) == [
+        ("worker-0", 4), ("worker-1", 2), ("worker-2", 8)]
+    for include, exclude, num_nodes, num_gpus in SELECTIONS:
+        ours = select_resources(pool, include, exclude, num_nodes, num_gpus)
+        theirs = _deepspeed(pool, include, exclude, num_nodes, num_gpus)
+        assert list(ours.items()) == list(theirs.items()), (include, exclude, num_nodes, num_gpus)
+
+
+@pytest.mark.parametrize("text, says", [
+    ("worker-0 slots=4\nworker-1 slot=2\n", ":2: bad hostfile line 'worker-1 slot=2'"),
+    ("worker-0 slots=4\n\nworker-0 slots=2\n", ":3: host 'worker-0' is listed twice (first at line 1)"),
+    ("worker-0\n", ":1: bad hostfile line 'worker-0'"),
+    ("# nothing\n\n", ": no hosts in the hostfile"),
+])
+def test_a_bad_hostfile_is_one_line_naming_file_and_line(tmp_path, capsys, text, says):
+    path = tmp_path / "hosts"
+    path.write_text(text)
+    with pytest.raises(ValueError):  # DeepSpeed refuses it too
+        runner.fetch_hostfile(str(path))
+    script = tmp_path / "train.py"
+    script.write_text("print('never')\n")
+    assert main(["launch", "--hostfile", str(path), str(script)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"zerotrain: error: {path}{says}"), err
+
+
+@pytest.mark.parametrize("include, exclude, num_nodes, num_gpus, says", [
+    ("worker-9", "", -1, -1, "--include: host 'worker-9' is not in the hostfile"),
+    ("worker-1:2", "", -1, -1, "--include: host 'worker-1' has no slot 2"),
+    ("", "worker-1:5", -1, -1, "--exclude: host 'worker-1' has no slot 5"),
+    ("worker-0", "worker-1", -1, -1, "--include and --exclude are mutually exclusive"),
+    ("worker-0", "", 1, -1, "--num_nodes/--num_gpus cannot be combined with --include/--exclude"),
+    ("", "worker-0", -1, 2, "--num_nodes/--num_gpus cannot be combined with --include/--exclude"),
+])
+def test_a_bad_selection_is_refused_as_deepspeed_refuses_it(include, exclude, num_nodes, num_gpus, says):
+    pool = {"worker-0": 4, "worker-1": 2}
+    with pytest.raises(CLIError, match=says.replace("(", r"\(").replace("[", r"\[")):
+        select_resources(pool, include, exclude, num_nodes, num_gpus)
+    if num_nodes < 0 and num_gpus < 0:  # main() checks the caps' exclusion before parse_inclusion_exclusion
+        with pytest.raises(ValueError):
+            runner.parse_inclusion_exclusion(pool, include, exclude)
+    with pytest.raises(CLIError, match="slots of 'worker-0' must be integers"):
+        select_resources(pool, "worker-0:a", "")
+    with pytest.raises(CLIError, match="no slots left"):
+        select_resources(pool, "", "worker-0@worker-1")
+
+
+def test_launch_refuses_other_hosts_and_mixed_flags_in_one_line(tmp_path, capsys):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("worker-0 slots=2\nworker-1 slots=2\n")
+    script = tmp_path / "train.py"
+    script.write_text("print('never')\n")
+    for argv, says in ((["--hostfile", str(hosts), "--launcher_args", "-o ConnectTimeout=5"],
+                        "host 'worker-0' is not reachable by passwordless ssh: ssh: Could not resolve hostname"),
+                       (["--hostfile", str(hosts), "--include", "worker-1", "--launcher", "SLURM"],
+                        "starting ranks on other hosts (worker-1) with --launcher slurm"),
+                       (["--hostfile", str(hosts), "--nproc", "2"], "--nproc cannot be combined with --hostfile"),
+                       (["--num_nodes", "2"], "--num_nodes > 1 needs a --hostfile"),
+                       (["--hostfile", str(tmp_path / "missing")], f"--hostfile {tmp_path / 'missing'}: cannot read")):
+        assert main(["launch", *argv, str(script)]) == 2, argv
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, err
+    with pytest.raises(SystemExit):  # an unknown launcher name: argparse's one line
+        main(["launch", "--launcher", "mpirun", str(script)])
+    assert "invalid choice: 'mpirun'" in capsys.readouterr().err
+
+
+def test_this_host_is_recognised():
+    for name in ("localhost", "127.0.0.1", socket.gethostname()):
+        assert is_this_host(name), name
+    assert not is_this_host("worker-that-is-not-here")
+
+
+def test_deepspeed_env_is_read_where_deepspeed_reads_it(tmp_path, monkeypatch):
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), cwd.mkdir()
+    (home / ".deepspeed_env").write_text("NCCL_IB_DISABLE=1\nSHARED=home\n")
+    (cwd / ".deepspeed_env").write_text("SHARED=cwd\n\nPATHS=a=b:c d\n# a comment\n")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    monkeypatch.delenv("DS_ENV_FILE", raising=False)
+    found = read_deepspeed_env()
+    assert found == {"NCCL_IB_DISABLE": "1", "SHARED": "cwd", "PATHS": "a=b:c d"}
+    # DeepSpeed's reading of the same lines (runner.main: split at the first '=', add_export strips and quotes)
+    exports = runner.PDSHRunner.__new__(runner.PDSHRunner)
+    exports.exports = {}
+    for directory in (home, cwd):
+        for line in (directory / ".deepspeed_env").read_text().splitlines():
+            if line.strip() and not line.startswith("#"):
+                exports.add_export(*line.split("=", maxsplit=1))
+    assert {k: v.strip('"') for k, v in exports.exports.items()} == found
+    monkeypatch.setenv("DS_ENV_FILE", "other_env")
+    (cwd / "other_env").write_text("ONLY=1\nbroken line\n")
+    with pytest.raises(CLIError, match=r"other_env:2: bad line 'broken line': expected NAME=VALUE"):
+        read_deepspeed_env()
+
+
+def test_slurm_nodelist_expands_as_scontrol_does():
+    assert expand_nodelist("node[01-03,07],gpu5") == ["node01", "node02", "node03", "node07", "gpu5"]
+    assert expand_nodelist("a[8-11]") == ["a8", "a9", "a10", "a11"]
+    assert expand_nodelist("r[1-2]n[3,5]") == ["r1n3", "r1n5", "r2n3", "r2n5"]
+    assert expand_nodelist("single") == ["single"]
+    for bad in ("node[1-3", "node1-3]", "node[a-c]"):
+        with pytest.raises(ClusterEnvError, match="bad Slurm node list"):
+            expand_nodelist(bad)
+
+
+def test_mpi_and_slurm_variables_become_torchruns():
+    env = {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "MASTER_ADDR": "node0"}
+    assert adopt_cluster_ranks(env) is not None
+    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                                "MASTER_PORT")} == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                                                    "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "node0",
+                                                    "MASTER_PORT": "29500"}
+    env = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2", "MASTER_PORT": "1234"}
+    adopt_cluster_ranks(env)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_ADDR"], env["MASTER_PORT"]) == (
+        "1", "2", "1", "127.0.0.1", "1234")  # one host: loopback
+    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "6", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
+           "SLURM_TASKS_PER_NODE": "1(x2),4", "SLURM_JOB_NODELIST": "gpu[07-09]"}
+    adopt_cluster_ranks(env)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["MASTER_ADDR"]) == (
+        "3", "6", "1", "4", "gpu07")
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}
+    assert adopt_cluster_ranks(torchrun) is None and torchrun["RANK"] == "0"  # torchrun's own win
+    with pytest.raises(ClusterEnvError, match="MASTER_ADDR is unset and the ranks may span several hosts"):
+        adopt_cluster_ranks({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4",
+                             "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+    with pytest.raises(ClusterEnvError, match="rank 4 is not below the world size 4"):
+        adopt_cluster_ranks({"PMI_RANK": "4", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MASTER_ADDR": "h"})
+    with pytest.raises(ClusterEnvError, match="SLURM_NTASKS must be an integer"):
+        adopt_cluster_ranks({"SLURM_PROCID": "0", "SLURM_NTASKS": "two"})
+
+
+def test_ssh_commands_start_one_launch_per_host_with_the_forwarded_environment(tmp_path, monkeypatch):
+    """What `zerotrain launch --hostfile` runs on each host over ssh: `zerotrain launch` with the host's node rank
+    (its place in the hostfile), its slot count and the static rendezvous, DeepSpeed's forwarded variables and
+    .deepspeed_env's lines (run for real across two hosts in tests/multinode/test_ssh_launch.py)."""
+    import shlex
+
+    from zerotrain.hostfile import STOP_ON_EOF_ENV, ssh_commands
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".deepspeed_env").write_text("FROM_FILE=a b\n")
+    commands = ssh_commands({"w0": [0, 1], "w1": [0, 1, 2]}, "10.0.0.1", 29600, ["train.py", "--x", "1"],
+                            ssh_port=2222, launcher_args="-i key", cwd=str(tmp_path),
+                            environ={"NCCL_DEBUG": "INFO", "GLOO_SOCKET_IFNAME": "eth1", "SECRET": "no",
+                                     "PYTHONPATH": "/lib"})
+    for rank, (cmd, host, slots) in enumerate(zip(commands, ("w0", "w1"), ("0,1", "0,1,2"))):
+        assert cmd[:7] == ["ssh", "-o", "BatchMode=yes", "-p", "2222", "-i", "key"] and cmd[7] == host
+        remote = shlex.split(cmd[8])
+        assert remote[:3] == ["cd", str(tmp_path), "&&"]
+        assert {"NCCL_DEBUG=INFO", "GLOO_SOCKET_IFNAME=eth1", "FROM_FILE=a b", f"{STOP_ON_EOF_ENV}=1",
+                f"PYTHONPATH={tmp_path}:/lib", f"CUDA_VISIBLE_DEVICES={slots}"} <= set(remote)
+        assert "SECRET=no" not in remote
+        launch = remote[remote.index("launch"):]
+        assert launch == ["launch", "--nproc", str(len(slots.split(","))), "--nnodes", "2", "--node-rank", str(rank),
+                          "--master-addr", "10.0.0.1", "--master-port", "29600", "train.py", "--x", "1"]
+
+
+def test_one_host_failing_stops_the_others(tmp_path):
+    """`run_hosts` with real processes standing in for the hosts' ssh clients: one ends with status 3, the other
+    runs until its stdin (its ssh channel) closes. The job ends with 3, promptly, and the other saw its channel
+    close (the stop a host's launch turns into SIGTERM)."""
+    import sys
+    import time
+
+    from zerotrain.hostfile import run_hosts
+
+    closed = tmp_path / "closed"
+    waiter = [sys.executable, "-c", "import select, sys\n"  # gives up after 30 s: a missed stop fails, not hangs
+              f"if select.select([sys.stdin], [], [], 30)[0] and not sys.stdin.read(): open({str(closed)!r}, 'w')"]
+    failer = [sys.executable, "-c", "import sys, time; time.sleep(0.5); sys.exit(3)"]
+    start = time.monotonic()
+    assert run_hosts([waiter, failer]) == 3
+    assert closed.exists() and time.monotonic() - start < 60
+    assert run_hosts([[sys.executable, "-c", "pass"], [sys.executable, "-c", "pass"]]) == 0

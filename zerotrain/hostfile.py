@@ -1,0 +1,274 @@
+"""DeepSpeed's launcher resources for `zerotrain launch`: the hostfile, `--include`/`--exclude`, the
+`--num_nodes`/`--num_gpus` caps, `--launcher` names and `.deepspeed_env`, with DeepSpeed 0.19's meaning
+(`deepspeed/launcher/runner.py`; tests/test_hostfile.py compares every result with its functions).
+
+- Hostfile lines ``HOST slots=N`` (anything after the count is ignored, as DeepSpeed's pattern does); ``#``
+  comments and blank lines skipped; a bad line, a host listed twice or no host at all is one error naming the
+  file and line.
+- ``--include``/``--exclude``: ``NODE_SPEC[@NODE_SPEC ...]`` with ``NODE_SPEC = HOST[:SLOT[,SLOT ...]]``; the
+  two exclude each other and the caps; the result keeps the hostfile's host order (ranks are numbered in it).
+- ``--num_nodes N``: the first N hosts; ``--num_gpus G``: slots 0..G-1 on every host (as DeepSpeed, not capped
+  by the hostfile's count).
+- Without a hostfile the pool is this machine: ``localhost`` with a slot per GPU (per ``--nproc`` on CPU).
+- ``.deepspeed_env`` (the name ``$DS_ENV_FILE`` overrides) in the home directory, then in the current one, a
+  ``NAME=VALUE`` a line: forwarded to every host of a multi-host start (the later file wins a name).
+- Several hosts (`--launcher pdsh`, the default): `ssh_commands` makes one ``zerotrain launch --nnodes N
+  --node-rank R ...`` per host, `run_hosts` runs them through ssh and stops every host when the launcher stops,
+  dies or one host fails (the host's ssh channel closes; its launch, started with `STOP_ON_EOF_ENV`, stops its
+  ranks: `stop_on_stdin_eof`).
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+from pathlib import Path
+from typing import Optional
+
+from .command import CLIError
+
+__all__ = ["LAUNCHERS", "parse_hostfile", "select_resources", "read_deepspeed_env", "is_this_host",
+           "local_slots", "check_reachable", "first_address", "ssh_commands", "run_hosts", "stop_on_stdin_eof"]
+
+# DeepSpeed's --launcher names (case-insensitive there too); pdsh is its default
+LAUNCHERS = ("pdsh", "openmpi", "mpich", "impi", "slurm", "mvapich")
+_HOST_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")  # DeepSpeed's pattern (runner._parse_hostfile)
+
+
+def parse_hostfile(path: str) -> dict[str, int]:
+    """Host -> slot count of an MPI-style hostfile, in file order."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise CLIError(f"--hostfile {path}: cannot read it ({exc.strerror or exc})") from None
+    pool: dict[str, int] = {}
+    first_line: dict[str, int] = {}
+    for number, raw in enumerate(lines, start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = _HOST_LINE.search(line)
+        if match is None:
+            raise CLIError(f"{path}:{number}: bad hostfile line {line!r}: expected 'HOST slots=N'")
+        host = match.group(1)
+        if host in pool:
+            raise CLIError(f"{path}:{number}: host {host!r} is listed twice (first at line {first_line[host]})")
+        pool[host], first_line[host] = int(match.group(2)), number
+    if not pool:
+        raise CLIError(f"{path}: no hosts in the hostfile (expected lines 'HOST slots=N')")
+    return pool
+
+
+def _parse_spec(flag: str, text: str) -> dict[str, list[int]]:
+    """``host1:0,1@host2`` -> {host1: [0, 1], host2: []} (slots sorted, duplicates dropped; [] = every slot)."""
+    specs: dict[str, list[int]] = {}
+    for item in text.split("@"):
+        host, sep, slots = item.partition(":")
+        if not host or ":" in slots or (sep and not slots):
+            raise CLIError(f"{flag} {text!r}: bad node spec {item!r} (expected HOST or HOST:SLOT[,SLOT...])")
+        try:
+            numbers = [int(s) for s in slots.split(",")] if sep else []
+        except ValueError:
+            raise CLIError(f"{flag} {text!r}: slots of {host!r} must be integers, got {slots!r}") from None
+        specs[host] = sorted(set(specs.get(host, []) + numbers))
+    return specs
+
+
+def select_resources(pool: dict[str, int], include: str = "", exclude: str = "", num_nodes: int = -1,
+                     num_gpus: int = -1) -> dict[str, list[int]]:
+    """The slots the job runs on, host -> slot ids, as DeepSpeed's `parse_inclusion_exclusion` then
+    `apply_num_nodes_and_gpus` make them; every refusal is one line naming the flag."""
+    if (num_nodes >= 0 or num_gpus >= 0) and (include or exclude):
+        raise CLIError("--num_nodes/--num_gpus cannot be combined with --include/--exclude")
+    if include and exclude:
+        raise CLIError("--include and --exclude are mutually exclusive")
+    active = {host: list(range(slots)) for host, slots in pool.items()}
+    if include or exclude:
+        flag, text = ("--include", include) if include else ("--exclude", exclude)
+        chosen: dict[str, list[int]] = {} if include else {h: list(s) for h, s in active.items()}
+        for host, slots in _parse_spec(flag, text).items():
+            if host not in active:
+                raise CLIError(f"{flag}: host {host!r} is not in the hostfile (hosts: {', '.join(active)})")
+            for slot in slots:
+                if slot not in active[host]:
+                    raise CLIError(f"{flag}: host {host!r} has no slot {slot} (slots 0..{len(active[host]) - 1})")
+            if include:
+                chosen[host] = slots or active[host]
+            else:
+                chosen[host] = [s for s in chosen[host] if s not in slots] if slots else []
+        active = {host: chosen[host] for host in active if chosen.get(host)}
+    if num_nodes > 0:
+        active = dict(list(active.items())[:num_nodes])
+    if num_gpus > 0:
+        active = {host: list(range(num_gpus)) for host in active}
+    if not active:
+        raise CLIError("no slots left to run on after --include/--exclude")
+    return active
+
+
+def local_slots(nproc: int) -> int:
+    """The slot count of this machine when no hostfile is given: its GPUs, else --nproc (CPU ranks)."""
+    try:
+        import torch
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        count = 0
+    return count or nproc
+
+
+def is_this_host(host: str) -> bool:
+    """Whether `host` names this machine (localhost, a loopback address, its hostname or fully qualified name)."""
+    if host in ("localhost", "127.0.0.1", "::1") or host.startswith("127."):
+        return True
+    names = {socket.gethostname(), socket.getfqdn()}
+    names |= {name.split(".")[0] for name in names}
+    return host in names
+
+
+def read_deepspeed_env(home: Optional[str] = None, cwd: Optional[str] = None) -> dict[str, str]:
+    """NAME -> VALUE of the `.deepspeed_env` files where DeepSpeed reads them (the home directory, then the
+    current one; ``$DS_ENV_FILE`` names the file). Blank lines and ``#`` comments are skipped; a line without
+    ``=`` is one error naming the file and line."""
+    name = os.getenv("DS_ENV_FILE", ".deepspeed_env")
+    found: dict[str, str] = {}
+    for directory in (os.path.expanduser("~") if home is None else home, "." if cwd is None else cwd):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            continue
+        for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip() or line.strip().startswith("#"):
+                continue
+            key, sep, value = line.partition("=")
+            if not sep or not key.strip():
+                raise CLIError(f"{path}:{number}: bad line {line.strip()!r}: expected NAME=VALUE")
+            found[key.strip()] = value.strip()
+    return found
+
+
+# The variables forwarded to every host besides .deepspeed_env: DeepSpeed's EXPORT_ENVS, its CUDA accelerator's
+# (NCCL), and gloo's (GLOO_SOCKET_IFNAME: the interface that reaches the other hosts)
+FORWARDED_PREFIXES = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL", "GLOO")
+STOP_ON_EOF_ENV = "ZEROTRAIN_STOP_ON_STDIN_EOF"  # a host's launch ends its ranks when its ssh channel closes
+
+
+def _ssh(host: str, ssh_port: Optional[int], launcher_args: str) -> list[str]:
+    import shlex
+
+    return ["ssh", "-o", "BatchMode=yes", *(["-p", str(ssh_port)] if ssh_port is not None else []),
+            *shlex.split(launcher_args), host]
+
+
+def check_reachable(hosts: list[str], ssh_port: Optional[int], launcher_args: str, timeout: float = 30.0) -> None:
+    """Every host answers `ssh HOST true` without a password, or one line naming the first that does not."""
+    import subprocess
+
+    for host in hosts:
+        try:
+            probe = subprocess.run([*_ssh(host, ssh_port, launcher_args), "true"], capture_output=True, text=True,
+                                   timeout=timeout, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            raise CLIError(f"host {host!r} did not answer ssh within {timeout:.0f} s") from None
+        if probe.returncode != 0:
+            said = (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]
+            raise CLIError(f"host {host!r} is not reachable by passwordless ssh"
+                           f"{f' on port {ssh_port}' if ssh_port is not None else ''}: {said}")
+
+
+def first_address(host: str, ssh_port: Optional[int], launcher_args: str) -> str:
+    """The first address of `hostname -I` on `host`, as DeepSpeed picks the master address."""
+    import subprocess
+
+    probe = subprocess.run([*_ssh(host, ssh_port, launcher_args), "hostname -I"], capture_output=True, text=True,
+                           timeout=30, stdin=subprocess.DEVNULL)
+    addresses = probe.stdout.split()
+    if probe.returncode != 0 or not addresses:
+        raise CLIError(f"could not read the address of {host!r} by `hostname -I`; give --master_addr")
+    return addresses[0]
+
+
+def ssh_commands(active: dict[str, list[int]], master_addr: str, master_port: int, target: list[str],
+                 ssh_port: Optional[int] = None, launcher_args: str = "",
+                 environ: Optional[dict[str, str]] = None, cwd: Optional[str] = None) -> list[list[str]]:
+    """One `ssh HOST 'cd CWD && exec env ... python -m zerotrain.cli launch --nnodes N --node-rank R ...'` per
+    host (node rank = its place in the hostfile), with the forwarded variables and .deepspeed_env's lines."""
+    import shlex
+    import sys
+
+    environ = dict(os.environ if environ is None else environ)
+    cwd = os.path.abspath(cwd or os.getcwd())
+    exports = {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES)}
+    exports["PYTHONPATH"] = os.pathsep.join([cwd, *([exports["PYTHONPATH"]] if exports.get("PYTHONPATH") else [])])
+    exports.update(read_deepspeed_env(cwd=cwd))
+    exports[STOP_ON_EOF_ENV] = "1"
+    commands = []
+    for rank, (host, slots) in enumerate(active.items()):
+        env = {**exports, "CUDA_VISIBLE_DEVICES": ",".join(str(s) for s in slots)}
+        remote = ["env", *(f"{k}={v}" for k, v in env.items()), sys.executable, "-u", "-m", "zerotrain.cli",
+                  "launch", "--nproc", str(len(slots)), "--nnodes", str(len(active)), "--node-rank", str(rank),
+                  "--master-addr", master_addr, "--master-port", str(master_port), *target]
+        line = f"cd {shlex.quote(cwd)} && exec " + " ".join(shlex.quote(a) for a in remote)
+        commands.append([*_ssh(host, ssh_port, launcher_args), line])
+    return commands
+
+
+def run_hosts(commands: list[list[str]]) -> int:
+    """Run one ssh per host; the job's status is the first non-zero one. A host that fails, or a stop signal to
+    this process, closes every other host's ssh channel: each host's launch then stops its ranks (its stdin ends,
+    `STOP_ON_EOF_ENV`); the launcher dying takes its ssh clients with it, which ends the channels too."""
+    import signal
+    import subprocess
+    import time
+
+    from .lifecycle import kill_me_with_parent
+
+    procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True, preexec_fn=kill_me_with_parent)
+             for cmd in commands]
+    received: list[int] = []
+
+    def stop_all() -> None:
+        for proc in procs:
+            if proc.poll() is None and proc.stdin is not None and not proc.stdin.closed:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
+
+    def on_signal(signum, frame) -> None:
+        received.append(signum)
+        stop_all()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    status = 0
+    try:
+        while any(proc.poll() is None for proc in procs):
+            for proc in procs:
+                code = proc.poll()
+                if code not in (None, 0) and status == 0:
+                    status = code
+                    stop_all()
+            time.sleep(0.2)
+        for proc in procs:
+            if proc.returncode and status == 0:
+                status = proc.returncode
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        stop_all()
+    return 128 + received[0] if received else status
+
+
+def stop_on_stdin_eof() -> None:
+    """In a host's launch started by `run_hosts`: SIGTERM to this process when stdin ends (its ssh channel closed:
+    the launcher stopped, died or gave up on the job); `run_torchrun` forwards it to the ranks."""
+    import signal
+    import threading
+
+    def watch() -> None:
+        try:  # the raw descriptor: a buffered sys.stdin's lock held by this thread aborts the interpreter's exit
+            while os.read(0, 65536):
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="zerotrain-stdin-eof", daemon=True).start()
