@@ -150,7 +150,6 @@ def test_sigterm_saves_exits_143_and_resume_continues_exactly(tmp_path, uninterr
         assert resumed[step] == pytest.approx(whole[step], rel=1e-6), step
 
 
-@pytest.mark.parametrize("victim", ["launcher", "agent"])
 def _pipeline_cmd(run: Path, steps: int, *extra: str) -> list[str]:
     """`zerotrain train --pipeline-parallel-size 2` (2 ranks = 2 stages) of the tiny preset on the built-in corpus (a
     DistributedSampler: a resumed run must skip the consumed batches itself); a constant rate, so a run stopped
@@ -194,6 +193,8 @@ def test_pipeline_run_stops_at_a_step_boundary_on_sigterm_and_resume_continues_e
     assert len(record["memory_bytes"]) == 2 and min(record["memory_bytes"]) > 0, record
 
 
+# killing the torchrun agent itself is the rarer case and the one the multi-node fault tests repeat: `slow`
+@pytest.mark.parametrize("victim", ["launcher", pytest.param("agent", marks=pytest.mark.slow)])
 def test_killed_launcher_takes_every_rank_with_it(tmp_path, victim):
     proc = subprocess.Popen(_train_cmd(tmp_path / "ckpt", tmp_path / "log", 100000, "--save-every", "1"),
                             env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
