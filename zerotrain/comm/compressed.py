@@ -37,7 +37,7 @@ full parameter buffer; every rank gets the same dequantized values.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -239,6 +239,32 @@ class _PendingGather:
         return True
 
 
+def _gather_wire(comm: Comm, kind: str, shards: Sequence[torch.Tensor], pieces: list[torch.Tensor],
+                 dtype: Optional[torch.dtype],
+                 decode: Callable[[int, torch.Tensor, int, torch.dtype], torch.Tensor]) -> _PendingGather:
+    """Start one all-gather of the shards' encoded bytes (`pieces`, one uint8 row per shard, equal widths on every
+    rank); after wait(), `.result` holds each shard's full flat tensor, `decode(index, bytes by rank, numel,
+    dtype)` of its columns. What the quantized gathers share; they differ in the encoding only."""
+    N = comm.size
+    widths = [piece.numel() for piece in pieces]
+    send = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    received = torch.empty(N * send.numel(), dtype=torch.uint8, device=send.device)
+    logical = sum(s.numel() * s.element_size() for s in shards) * N
+    handle = comm.all_gather(received, send, async_op=True, kind=kind, logical_bytes=logical)
+    numels = [s.numel() for s in shards]
+    dtypes = [dtype or s.dtype for s in shards]
+
+    def finish() -> list[torch.Tensor]:
+        by_rank = received.view(N, -1)
+        out, offset = [], 0
+        for index, (numel, width, out_dtype) in enumerate(zip(numels, widths, dtypes)):
+            out.append(decode(index, by_rank[:, offset:offset + width], numel, out_dtype))
+            offset += width
+        return out
+
+    return _PendingGather(handle, finish)
+
+
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 
@@ -258,30 +284,18 @@ class Float8AllGather:
     def __call__(self, shards: Sequence[torch.Tensor], dtype: Optional[torch.dtype] = None) -> _PendingGather:
         """Start gathering; after wait(), `.result` is a list of full flat tensors (N·numel of each shard,
         rank-major) in `dtype` (default: the shards' dtype)."""
-        N = self.comm.size
         amax = torch.stack([shard.detach().abs().max().float() if shard.numel() else
                             torch.zeros((), device=shard.device) for shard in shards])
         self.comm.all_reduce(amax, op=dist.ReduceOp.MAX)
         scales = E4M3_MAX / amax.clamp(min=1e-12)  # torchao's amax_to_scale (fp32; EPS 1e-12)
         pieces = [(shard.detach().float() * scales[i]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
                   .view(torch.uint8).reshape(-1) for i, shard in enumerate(shards)]
-        send = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-        received = torch.empty(N * send.numel(), dtype=torch.uint8, device=send.device)
-        logical = sum(s.numel() * s.element_size() for s in shards) * N
-        handle = self.comm.all_gather(received, send, async_op=True, kind=self.kind, logical_bytes=logical)
-        numels = [s.numel() for s in shards]
-        dtypes = [dtype or s.dtype for s in shards]
 
-        def finish() -> list[torch.Tensor]:
-            by_rank = received.view(N, -1)
-            out, offset = [], 0
-            for index, (numel, out_dtype) in enumerate(zip(numels, dtypes)):
-                values = by_rank[:, offset:offset + numel].contiguous().view(torch.float8_e4m3fn)
-                out.append((values.float() / scales[index]).to(out_dtype).reshape(-1))
-                offset += numel
-            return out
+        def decode(index: int, columns: torch.Tensor, numel: int, out_dtype: torch.dtype) -> torch.Tensor:
+            values = columns.contiguous().view(torch.float8_e4m3fn)
+            return (values.float() / scales[index]).to(out_dtype).reshape(-1)
 
-        return _PendingGather(handle, finish)
+        return _gather_wire(self.comm, self.kind, shards, pieces, dtype, decode)
 
 
 class QuantizedAllGather:
@@ -296,8 +310,7 @@ class QuantizedAllGather:
     def __call__(self, shards: Sequence[torch.Tensor], dtype: Optional[torch.dtype] = None) -> _PendingGather:
         """Start gathering; after wait(), `.result` is a list of full flat tensors (N·numel of each
         shard, rank-major) in `dtype` (default: the shards' dtype)."""
-        N = self.comm.size
-        pieces, widths = [], []
+        pieces = []
         for shard in shards:
             row = shard.reshape(1, -1)
             if bool(torch.isfinite(row).all()):
@@ -306,23 +319,10 @@ class QuantizedAllGather:
                 quantized = quantize_rows(torch.zeros_like(row, dtype=torch.float32), self.bits, self.block_size,
                                           check_finite=False)
                 quantized.scales.fill_(float("nan"))
-            wire = quantized.wire().reshape(-1)
-            pieces.append(wire)
-            widths.append(wire.numel())
-        send = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-        received = torch.empty(N * send.numel(), dtype=torch.uint8, device=send.device)
-        logical = sum(s.numel() * s.element_size() for s in shards) * N
-        handle = self.comm.all_gather(received, send, async_op=True, kind=self.kind, logical_bytes=logical)
-        numels = [s.numel() for s in shards]
-        dtypes = [dtype or s.dtype for s in shards]
+            pieces.append(quantized.wire().reshape(-1))
 
-        def finish() -> list[torch.Tensor]:
-            by_rank = received.view(N, -1)
-            out, offset = [], 0
-            for numel, width, out_dtype in zip(numels, widths, dtypes):
-                rows = QuantizedRows.from_wire(by_rank[:, offset:offset + width], numel, self.bits, self.block_size)
-                out.append(rows.dequantize(out_dtype).reshape(-1))
-                offset += width
-            return out
+        def decode(index: int, columns: torch.Tensor, numel: int, out_dtype: torch.dtype) -> torch.Tensor:
+            rows = QuantizedRows.from_wire(columns, numel, self.bits, self.block_size)
+            return rows.dequantize(out_dtype).reshape(-1)
 
-        return _PendingGather(handle, finish)
+        return _gather_wire(self.comm, self.kind, shards, pieces, dtype, decode)
