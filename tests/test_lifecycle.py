@@ -217,6 +217,7 @@ def test_killed_launcher_takes_every_rank_with_it(tmp_path, victim):
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == committed  # nothing written afterwards
 
 
+@pytest.mark.slow  # a fault case (~20 s): `pytest -m slow` after touching the elastic restart or resume path
 def test_killed_rank_restarts_from_the_latest_checkpoint_and_finishes_like_an_uninterrupted_run(tmp_path, uninterrupted):
     crashed, whole = tmp_path / "crashed", uninterrupted
     total = 12  # the uninterrupted run saved here too (every 4 steps)

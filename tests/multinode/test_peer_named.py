@@ -8,6 +8,8 @@ import datetime
 import os
 import time
 
+import pytest
+
 from distributed import run_distributed
 
 TIMEOUT = 3  # seconds: the groups' timeout, and the grace the survivors wait for each other's reports
@@ -65,6 +67,7 @@ def silent_then_dead(flags: str) -> dict:
     return errors
 
 
+@pytest.mark.slow  # a fault case (~13 s); the cheap one in the default suite is test_link_cut.py
 def test_a_failed_gloo_collective_names_the_peer_that_never_reached_it(tmp_path):
     results = run_distributed(silent_then_dead, 3, str(tmp_path / "flag"), timeout=90, expect_exit={2})
     assert results[2] is None
