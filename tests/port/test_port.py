@@ -130,14 +130,16 @@ def test_launcher_lines_become_zerotrain_launch():
         "   train.py --deepspeed_config ds.json",
         "zerotrain launch --nnodes 2 --master-addr node0 --node-rank 1 --nproc 8 train.py",
         "zerotrain launch --nproc 2 train.py",
-        "deepspeed --hostfile hosts main.py",
+        "zerotrain launch --hostfile hosts main.py",  # zerotrain launch takes DeepSpeed's hostfile options as they are
         "pip install deepspeed",
         f"zerotrain launch --nproc {count} train.py --deepspeed_config ds.json",
         f"zerotrain launch --nproc {count} train.py",
+        "zerotrain launch -H hosts --num_nodes 2 train.py --deepspeed ds.json",  # DeepSpeed's --num_nodes kept
+        "deepspeed --hostfile hosts --force_multi train.py",
     ]
-    assert [(item.line, item.what) for item in unported] == [(10, "deepspeed launcher option(s) --hostfile"),
-                                                             (12, "deepspeed launcher line without --num_gpus"),
-                                                             (13, "deepspeed launcher line without --num_gpus")]
+    assert [(item.line, item.what) for item in unported] == [(12, "deepspeed launcher line without --num_gpus"),
+                                                             (13, "deepspeed launcher line without --num_gpus"),
+                                                             (15, "deepspeed launcher option(s) --force_multi")]
 
 
 def test_the_command_shows_a_diff_and_writes(tmp_path, capsys):

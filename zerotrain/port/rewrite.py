@@ -13,8 +13,9 @@ Shell scripts: a `deepspeed [launcher options] script.py args` command becomes `
 [options] script.py args` (`--num_gpus N` / `--include localhost:0,1` -> `--nproc N`, `--num_nodes` ->
 `--nnodes`, `--master_addr` / `--master_port` / `--node_rank` -> `--master-addr` / `--master-port` /
 `--node-rank`, `--no_local_rank` -> `--no-local-rank`; CPU core binding `--bind_cores_to_rank` /
-`--bind_core_list` is dropped); a command with another launcher option (hostfile, ...) is left as it is
-and reported.
+`--bind_core_list` is dropped); a command that names its hosts (`--hostfile`, or `--include` over several hosts)
+keeps every option as written, since `zerotrain launch` takes DeepSpeed's multi-host options with their meaning
+(`zerotrain.hostfile`); a command with another launcher option is left as it is and reported.
 """
 from __future__ import annotations
 
@@ -412,6 +413,14 @@ _LAUNCHER = re.compile(r"(^[ \t]*|[;&|(][ \t]*|^[ \t]*(?:\w+=\S*[ \t]+)+)(deepsp
 
 
 _COUNT_OPTIONS = ("--num_gpus", "--num-gpus", "--include", "-i")
+# DeepSpeed's multi-host launcher options, which `zerotrain launch` takes with DeepSpeed's meaning (zerotrain.hostfile):
+# a line with a hostfile (or an --include over several hosts) keeps every option as written; only the first word
+# changes. Options taking a value, then the flags among them.
+_HOSTFILE_VALUE_OPTIONS = frozenset({"--hostfile", "-H", "--include", "-i", "--exclude", "-e", "--num_nodes",
+                                     "--num-nodes", "--num_gpus", "--num-gpus", "--num_accelerators", "--launcher",
+                                     "--launcher_args", "--launcher-args", "--ssh_port", "--ssh-port",
+                                     "--master_addr", "--master-addr", "--master_port", "--master-port"})
+_HOSTFILE_FLAGS = frozenset({"--no_local_rank", "--no-local-rank"})
 
 
 def _local_devices() -> tuple[int, str]:
@@ -426,7 +435,20 @@ def _local_devices() -> tuple[int, str]:
 
 def _takes_value(word: str) -> bool:
     """True for a launcher option whose value is the next word."""
-    return word in _VALUE_OPTIONS or _DROPPED.get(word, False)
+    return word in _VALUE_OPTIONS or word in _HOSTFILE_VALUE_OPTIONS or _DROPPED.get(word, False)
+
+
+def _hosts_line(words: list[tuple[int, int, str]]) -> bool:
+    """Whether a launcher line names its hosts (a hostfile, or an --include over several hosts)."""
+    for index, (_, _, text) in enumerate(words[:-1]):
+        option, _, inline = text.partition("=")
+        if option in ("--hostfile", "-H"):
+            return True
+        if option in ("--include", "-i"):
+            value = inline or (words[index + 1][2] if index + 1 < len(words) - 1 else "")
+            if _include_count(value) is None:
+                return True
+    return False
 
 
 def _include_count(value: str) -> Optional[int]:
@@ -453,10 +475,14 @@ def rewrite_shell(source: str) -> tuple[str, list[Unported]]:
             if not text.startswith("-") and (len(words) < 2 or not _takes_value(words[-2][2])):
                 break  # the script
         replacements, bad = [], []
+        hosts = _hosts_line(words)
         index = 0
         while index < len(words) - 1:
             begin, end, text = words[index]
             option, _, inline = text.partition("=")
+            if hosts and option in _HOSTFILE_VALUE_OPTIONS | _HOSTFILE_FLAGS:  # kept as written
+                index += 2 if option in _HOSTFILE_VALUE_OPTIONS and not inline else 1
+                continue
             if option in _FLAG_OPTIONS:
                 replacements.append((begin, end, _FLAG_OPTIONS[option]))
             elif option in _DROPPED:
@@ -481,10 +507,12 @@ def rewrite_shell(source: str) -> tuple[str, list[Unported]]:
         if bad:
             unported.append(Unported(line, "deepspeed launcher option(s) " + " ".join(bad),
                                      "zerotrain launch takes --nproc, --nnodes, --node-rank, --master-addr, "
-                                     "--master-port, --no-local-rank; " + NOT_PROVIDED["deepspeed.launcher.runner"]))
+                                     "--master-port, --no-local-rank and DeepSpeed's --hostfile, --include, "
+                                     "--exclude, --num_nodes, --num_gpus, --launcher, --launcher_args, --ssh_port; "
+                                     + NOT_PROVIDED["deepspeed.launcher.runner"]))
             continue
-        counted = any(text.partition("=")[0] in _COUNT_OPTIONS for _, _, text in words[:-1])
-        if counted:
+        counted = hosts or any(text.partition("=")[0] in _COUNT_OPTIONS for _, _, text in words[:-1])
+        if counted:  # a hostfile's slots count the processes
             out.append(source[cursor:match.start(2)] + "zerotrain launch")
         else:  # DeepSpeed's launcher starts one process per local device: the count is a guess here, said so
             count, where = _local_devices()
