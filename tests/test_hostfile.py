@@ -217,3 +217,15 @@ def test_one_host_failing_stops_the_others(tmp_path):
     assert run_hosts([waiter, failer]) == 3
     assert closed.exists() and time.monotonic() - start < 60
     assert run_hosts([[sys.executable, "-c", "pass"], [sys.executable, "-c", "pass"]]) == 0
+
+
+def test_bad_cluster_variables_are_one_line_from_train(tmp_path, monkeypatch, capsys):
+    """A rank started by srun/mpirun with a bad variable gets the one usage line, exit 2, not a traceback."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "two")
+    assert main(["train", "--model", "tiny", "--steps", "1", "--no-save", "--max-corpus-bytes", "20000"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert err == ["zerotrain: error: environment variable SLURM_NTASKS must be an integer, got 'two'"]

@@ -91,12 +91,13 @@ def report_error(message: str, status: int) -> int:
 
 def usage_error_status(exc: BaseException) -> Optional[int]:
     """The exit status of `exc` when it is one of zerotrain's usage errors, reported as one line without a
-    traceback: a `CLIError` or a config error (2), a checkpoint error (1: a bad checkpoint to resume from, a
-    failed save); None for anything else, whose traceback is kept. `zerotrain train` and the scripts
-    `zerotrain launch` runs (`launcher`) both decide here."""
+    traceback: a `CLIError`, a config error or a cluster launcher's bad rank variables (2), a checkpoint error (1:
+    a bad checkpoint to resume from, a failed save); None for anything else, whose traceback is kept. `zerotrain
+    train` and the scripts `zerotrain launch` runs (`launcher`) both decide here."""
+    from zerotrain.cluster import ClusterEnvError
     from zerotrain.config import ConfigError
 
-    if isinstance(exc, (CLIError, ConfigError)):
+    if isinstance(exc, (CLIError, ConfigError, ClusterEnvError)):
         return 2
     from zerotrain.checkpoint import CheckpointError  # here: a CLIError needs no torch import
 
