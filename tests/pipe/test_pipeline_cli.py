@@ -86,7 +86,8 @@ def test_train_pipeline_parallel_size_2_with_lora(tmp_path, tiny_llama_dir):
                       "--learning-rate", "1e-2", "--lr-scheduler-type", "constant", "--save-dir", str(save),
                       "--no-packing"], timeout=400)  # (issue 44: torch's 1F1B refused it; GPipe runs it)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "pipeline: 2 stages (1f1b)" in result.stdout and "LoRA: trainable params" in result.stdout, result.stdout
+    assert ("pipeline: 2 stages (gpipe in place of 1f1b: 1 micro-batch(es) per step, fewer than the stages)"
+            in result.stdout and "LoRA: trainable params" in result.stdout), result.stdout
     checkpoint = save / (save / "latest").read_text().strip()
     base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir))
     untouched = {n: p.detach().clone() for n, p in base.named_parameters()}

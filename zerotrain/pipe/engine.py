@@ -171,6 +171,7 @@ class PipelineEngine(TrainingEngine):
             # torch's 1F1B needs a micro-batch per stage; GPipe runs fewer with the same math (every forward,
             # then every backward: no overlap, as DeepSpeed's pipeline engine runs one micro-batch per step)
             name = "gpipe"
+        self._schedule_name = name
         cls = schedule_class(name)
         # scale_grads=False: each micro-batch's loss is unscaled and gradients add up; divided once after the
         # schedule, per parameter (a tied module held twice on one rank would otherwise be divided twice)
@@ -221,6 +222,11 @@ class PipelineEngine(TrainingEngine):
     @property
     def num_stages(self) -> int:
         return self.topology.pp_size
+
+    @property
+    def schedule_name(self) -> str:
+        """The schedule that runs: the config's, or `gpipe` where `1f1b` has fewer micro-batches than stages."""
+        return self._schedule_name
 
     def is_first_stage(self) -> bool:
         return self._first

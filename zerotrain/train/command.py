@@ -551,7 +551,11 @@ def _pipeline_step(args: argparse.Namespace, engine, loader, eval_loader, eval_b
     if dist.get_rank() == 0:
         what = (f"evaluation {evaluator.batches} micro-batches per rank through eval_batch" if evaluator is not None
                 else "no evaluation data")
-        print(f"{PROG}: pipeline: {engine.num_stages} stages ({engine.config.pipeline.schedule}), "
+        schedule = engine.schedule_name
+        if schedule != engine.config.pipeline.schedule:
+            schedule += (f" in place of {engine.config.pipeline.schedule}: {engine.gradient_accumulation_steps()} "
+                         f"micro-batch(es) per step, fewer than the stages")
+        print(f"{PROG}: pipeline: {engine.num_stages} stages ({schedule}), "
               f"micro-batches padded to --seq-len; {what}", flush=True)
     return step, evaluator
 
