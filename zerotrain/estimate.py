@@ -297,6 +297,7 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
     ratio = float(zero.offload_optimizer.ratio) if zero.offload_optimizer is not None else 1.0
     # (shard elements, ranks of its group, dense?) of every reduce of the gradient reducer: qgZ's LoCo buffers
     reduces: list[tuple[int, int, bool]] = []
+    in_store: list[bool] = []  # stage 3: whether each shard lives in the NVMe parameter file
     if option.stage < 3:
         buckets, shards = [], []
         for members, group, dense in (([p for p in trainable if not p.expert], dp_size, True),
@@ -340,6 +341,7 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
             memory.nvme_files += sum(round_up(max(padded // ranks(p) * d, 1)) for p, padded in all_parts
                                      if not persistent(p))
         shards = [padded // ranks(p) for p, padded in parts]
+        in_store = [option.offload_param == "nvme" and not persistent(p) for p, _ in parts]
         reduces = [(padded // ranks(p), ranks(p), not p.expert) for p, padded in parts]  # qgZ: one per parameter
         if _streams_gradients(config, option):  # each final shard is stepped during backward and freed
             memory.notes.append("NVMe optimizer streams gradients: no gradient shard is held after backward")
@@ -425,7 +427,9 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
         if option.stage == 3 and _spills_gradients(config, option):  # offload.nvme_records.GradientSpill
             pieces = [-(-s // chunk) for s in host_shards]  # equal chunks per shard, as NvmeRecords cuts them
             per = [round_up(-(-s // n), 1024) for s, n in zip(host_shards, pieces)]
-            memory.nvme_files += sum(n * round_up(p * d) for n, p in zip(pieces, per))
+            # a shard in the NVMe parameter file spills into its own extent: only the others take spill-file bytes
+            stored = [st for st, off in zip(in_store or [False] * len(shards), offloaded) if off]
+            memory.nvme_files += sum(n * round_up(p * d) for n, p, st in zip(pieces, per, stored) if not st)
             memory.add("host_io_buffers", "host", 2 * round_up(max(per) * d) + (chunk * 4 if d != 4 else 0))
         memory.notes.append("NVMe optimizer: the file holds the records once plus 2 spare records per size class "
                             "(a ring committed by an index flip)")

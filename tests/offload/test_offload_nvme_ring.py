@@ -149,7 +149,8 @@ def streamed(nvme_path: str) -> list:
     real, real_spill, real_narrow = factory.streams_gradients, factory.spills_gradients, parts.narrows_gradients
     out = []
     for case in ("streamed", "held", "failed", "bf16 streamed", "bf16 held", "clipped spilled", "clipped held",
-                 "bf16 clipped spilled", "bf16 clipped held", "clipped failed", "cpu narrow", "cpu wide"):
+                 "bf16 clipped spilled", "bf16 clipped held", "clipped failed", "cpu narrow", "cpu wide",
+                 "bf16 clipped failed"):
         if case.endswith("held"):
             factory.streams_gradients = lambda config, reducer: False
             factory.spills_gradients = lambda config, reducer: False
@@ -185,6 +186,8 @@ def streamed(nvme_path: str) -> list:
                 if case.endswith("failed") and step == 1 and attempt == 0:  # the writes run in backward
                     # clipped: the second gradient spilled fails, alone (the records' writes succeed)
                     spill = {engine.zero_optimizer.spill.fd} if case == "clipped failed" else None
+                    if case == "bf16 clipped failed":  # a gradient spilled into its parameter's extent fails
+                        spill = {engine.zero_optimizer.buckets[0].shard_extent().fd}
                     restore = _failing_io(aio, "_pwrite", 2, errno.EIO, only_fds=spill, once=spill is not None) \
                         if rank == 0 else (lambda: None)
                     try:
@@ -203,6 +206,9 @@ def streamed(nvme_path: str) -> list:
         out.append({"losses": losses, "norms": norms, "held": held[-3:], "weights": engine.full_state_dict(),
                     "streams": getattr(engine.zero_optimizer, "stream_gradients", False), "raised": raised,
                     "spills": getattr(engine.zero_optimizer, "spill_gradients", False),
+                    "slots": len(engine.zero_optimizer.spill.slots) if getattr(engine.zero_optimizer, "spill",
+                                                                               None) else 0,
+                    "buckets": len(engine.zero_optimizer.buckets),
                     "narrow": getattr(engine.zero_optimizer, "narrow_gradients", False),
                     "spill_host": engine.zero_optimizer.spill.host_bytes() if getattr(engine.zero_optimizer, "spill",
                                                                                       None) else 0,
@@ -219,8 +225,8 @@ def test_gradients_streamed_to_the_nvme_step_during_backward_change_nothing_but_
 
     _, ref_weights = reference_training(world_batches(2, steps=3))
     results = run_distributed(streamed, 2, str(tmp_path), timeout=120)
-    for on, off, failed, bf16_on, bf16_off, spilled, held, bf16_spilled, bf16_held, spill_failed, narrow, wide \
-            in results:
+    for on, off, failed, bf16_on, bf16_off, spilled, held, bf16_spilled, bf16_held, spill_failed, narrow, wide, \
+            slot_failed in results:
         # plain CPU offload, bf16, clipping: the shards kept in bf16 and cast as the kernel reads them, the same
         # bits as the fp32 copies, at half their bytes (plus one fp32 scratch of the largest shard)
         assert narrow["narrow"] and not wide["narrow"]
@@ -236,8 +242,18 @@ def test_gradients_streamed_to_the_nvme_step_during_backward_change_nothing_but_
         assert spill_failed["losses"] == spilled["losses"] and spill_failed["norms"] == spilled["norms"]
         for name, ref in spilled["weights"].items():
             assert torch.equal(spill_failed["weights"][name], ref), name
-        # bf16: the reduced bf16 shards spilled as they are (2 bytes), cast to fp32 when read back
+        # bf16 with the parameters on NVMe: each reduced bf16 shard spilled as it is (2 bytes) into its own
+        # parameter's extent (no spill file), cast to fp32 when read back
         assert bf16_spilled["spills"] and bf16_spilled["held"] == [0, 0, 0] and not bf16_held["spills"]
+        assert bf16_spilled["slots"] == bf16_spilled["buckets"] > 0 and spilled["slots"] == 0
+        assert bf16_spilled["stats"]["nvme_spill_bytes"] == 0 < spilled["stats"]["nvme_spill_bytes"]
+        # a write into a parameter's extent failing on rank 0: every rank raises at step(), the lent extents get
+        # their parameters back from the records, the batch's forward/backward again, the same run
+        assert slot_failed["raised"] and "failed on rank(s) [0]" in slot_failed["raised"][0], slot_failed["raised"]
+        assert slot_failed["stats"]["nvme_failed_steps"] == 1
+        assert slot_failed["losses"] == bf16_spilled["losses"] and slot_failed["norms"] == bf16_spilled["norms"]
+        for name, ref in bf16_spilled["weights"].items():
+            assert torch.equal(slot_failed["weights"][name], ref), name
         assert bf16_spilled["losses"] == bf16_held["losses"] and bf16_spilled["norms"] == bf16_held["norms"]
         for name, ref in bf16_held["weights"].items():
             assert torch.equal(bf16_spilled["weights"][name], ref), name
@@ -274,3 +290,79 @@ def test_gradients_streamed_to_the_nvme_step_during_backward_change_nothing_but_
         for name, ref in off["weights"].items():
             assert torch.equal(on["weights"][name], ref), name
             assert torch.equal(failed["weights"][name], ref), name
+
+
+def _slot_run(tmp_path, name: str, dtype: torch.dtype, spill: bool, steps: int = 4, clip: float = 1.06):
+    """World 1, stage 3, parameters and optimizer on NVMe, clipping: a Linear(64, 80) cut into 1024-element chunks
+    (five per weight: every other one starts 2048 bytes past an alignment in bf16). Its losses, norms, weights."""
+    import zerotrain
+    import zerotrain.offload.nvme as factory
+    import zerotrain.offload.nvme_records as nvme_records
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 80).to(dtype)
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": clip, "steps_per_print": 0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "bf16": {"enabled": dtype == torch.bfloat16},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / name),
+                                                          "buffer_count": 2},
+                                    "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / (name + "_p")),
+                                                      "buffer_count": 2, "max_in_cpu": 0}}}
+    real_spill, real_chunk = factory.spills_gradients, nvme_records.DEFAULT_CHUNK_NUMEL
+    nvme_records.DEFAULT_CHUNK_NUMEL = 1024
+    if not spill:
+        factory.spills_gradients = lambda config, frees: False
+    try:
+        engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=config)
+    finally:
+        factory.spills_gradients, nvme_records.DEFAULT_CHUNK_NUMEL = real_spill, real_chunk
+    losses, norms = [], []
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(4, 64, generator=generator).to(dtype), torch.randn(4, 80, generator=generator).to(dtype)
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+        norms.append(engine.get_global_grad_norm())
+    out = {"losses": losses, "norms": norms, "weights": engine.full_state_dict(), "stats": engine.offload_stats(),
+           "slots": set(engine.zero_optimizer.spill.slots) if engine.zero_optimizer.spill is not None else set(),
+           "chunks": len(engine.zero_optimizer.records.chunks)}
+    if spill:  # the model used between backward and step: one clear line, not the gradient read as weights
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        with pytest.raises(RuntimeError, match=r"extent holds its gradient.*engine.step\(\)"):
+            engine(x)
+    engine.zero_optimizer.close()
+    return out
+
+
+def test_gradients_spilled_into_the_parameters_own_extents_equal_torch_and_take_no_disk(tmp_path):
+    """Clipping with parameters on NVMe: each final gradient shard goes into its parameter's extent (lent by the
+    store until the step writes the new values), so no spill file; fp32 equals torch's clip_grad_norm_ + AdamW,
+    the clip acting on some steps and not others; bf16 (unaligned chunk starts) equals the held gradients."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(64, 80)
+    optimizer = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    generator, ref_losses, ref_norms = torch.Generator().manual_seed(1), [], []
+    for _ in range(4):
+        x, y = torch.randn(4, 64, generator=generator), torch.randn(4, 80, generator=generator)
+        loss = torch.nn.functional.mse_loss(ref(x), y)
+        loss.backward()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.06)))
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_losses.append(float(loss.detach()))
+    assert min(ref_norms) < 1.06 < max(ref_norms), ref_norms  # the clip acts on some steps, not on others
+    fp32 = _slot_run(tmp_path, "fp32", torch.float32, spill=True)
+    assert fp32["slots"] == {0, 1} and fp32["chunks"] == 6 and fp32["stats"]["nvme_spill_bytes"] == 0
+    assert max(abs(a - b) / b for a, b in zip(fp32["losses"], ref_losses)) <= 1e-5
+    assert max(abs(a - b) / b for a, b in zip(fp32["norms"], ref_norms)) <= 1e-5
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(fp32["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    spilled = _slot_run(tmp_path, "bf16", torch.bfloat16, spill=True)
+    held = _slot_run(tmp_path, "bf16_held", torch.bfloat16, spill=False)
+    assert spilled["slots"] == {0, 1} and not held["slots"] and min(spilled["norms"]) < 1.06 < max(spilled["norms"])
+    assert spilled["losses"] == held["losses"] and spilled["norms"] == held["norms"]
+    for name, value in held["weights"].items():
+        assert torch.equal(spilled["weights"][name], value), name

@@ -156,7 +156,8 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         self.spill: Optional[GradientSpill] = None
         if self.spill_gradients:
             try:
-                self.spill = GradientSpill(self.records, {i: self.buckets[i].dtype for i in self.records.on_disk})
+                self.spill = GradientSpill(self.records, {i: self.buckets[i].dtype for i in self.records.on_disk},
+                                           {i: self.buckets[i].shard_extent() for i in self.records.on_disk})
             except BaseException:
                 self.records.close()
                 raise
@@ -282,8 +283,11 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
             self.records.has_state[bucket] = True
             self.optimizer.state[self.masters[bucket]] = values
             self._published.add(bucket)
-        io = self.records.io
+        io, spill = self.records.io, self.spill
         self.stats["nvme_bytes_read"], self.stats["nvme_bytes_written"] = io.bytes_read, io.bytes_written
+        if spill is not None:  # the gradients spilled into the parameter files move through their stores' I/O
+            self.stats["nvme_bytes_read"] += spill.slot_bytes_read
+            self.stats["nvme_bytes_written"] += spill.slot_bytes_written
         super().update(grad_shards, multiplier, [i for i in indices if not self.offloaded[i]])
 
     def _step_chunks(self, chunks: list[Chunk], grad_shards, multiplier: float, state: "StreamedStep",
@@ -331,6 +335,9 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerotrain-nvme-step")
         if self.spill_gradients:
+            if index in self.spill.slots:  # the gradient goes into the parameter's own extent (GradientSpill)
+                self.buckets[index].lend_shard_extent()
+                self.spill.lend(index, self.buckets[index].shard_extent())
             self._queued.append((self._worker.submit(self._spill_bucket, index, grad, state), grad.numel()))
             return
         if self.buckets[index].offloaded and self._chunks_of.get(index):
@@ -345,11 +352,10 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
             state.terms[index] = self.gradients.bucket_terms(index, grad)
             if state.error is not None:
                 return
-            chunks = self._chunks_of.get(index, [])
-            writes = [self.spill.write(chunk, grad.narrow(0, chunk.start, chunk.numel)) for chunk in chunks]
+            writes = self.spill.write_shard(index, grad)
             for future in writes:
                 future.result()
-            self.spill.ready.update(chunks)
+            self.spill.ready.update(self._chunks_of.get(index, []))
         except BaseException as caught:  # noqa: BLE001 - raised on every rank by step()
             state.error = caught
 
@@ -415,6 +421,7 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         finally:
             if self.spill is not None:  # the next step's gradients are spilled again (a retry reruns backward)
                 self.spill.ready.clear()
+                self.spill.lent.clear()  # written by the publish (or the rollback's): the stores took them back
         self.stats["steps"] += 1
         self.publish_after_update()
 
@@ -567,7 +574,8 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         old ones where not committed; the new ones of chunks committed early)."""
         self._staging.clear()
         self._staging_left.clear()
-        written_whole = set(self._store_written)
+        # and the parameters whose extents hold their spilled gradients (lent): their values come back too
+        written_whole = set(self._store_written) | (set(self.spill.lent) if self.spill is not None else set())
         chunks = [c for c in self.records.chunks if c.bucket in written_whole] + \
             [c for c in stepped if not self.buckets[c.bucket].offloaded]
         try:

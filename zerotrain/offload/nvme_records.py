@@ -412,28 +412,44 @@ def _cleanup(io: AsyncFileIO, directory: str) -> None:
 
 class GradientSpill:
     """Clipping without the whole model's gradients in host memory: each offloaded chunk's final gradient
-    shard written, in the dtype it was reduced in (lossless), to a spill file beside the records while the
-    backward goes on; the step (`nvme_stream.py`) reads it back into the buffer's gradient region with the
-    chunk's record, once the norm and so the clip multiplier are known (`nvme.py`).
+    shard written, in the dtype it was reduced in (lossless), to disk while the backward goes on; the step
+    (`nvme_stream.py`) reads it back into the buffer's gradient region with the chunk's record, once the norm
+    and so the clip multiplier are known (`nvme.py`).
+
+    Where it is written: a parameter whose shard an NVMe parameter store keeps (offload_param nvme, stage 3:
+    one parameter per bucket) lends its shard's extent (`slots`): after the parameter's final gradient the
+    bf16/fp16 values there are not needed until the step writes the new ones (the master holds the truth
+    and the publish rewrites the extent from it), and the gradient comes in the parameter's dtype, so it has
+    the same size: no extra disk. The others (persistent parameters, params on the device, an extent too
+    small for a chunk's aligned read) get extents in a spill file beside the records. Accumulation > 1, fp16
+    and the bf16 overflow check do not spill (`nvme.spills_gradients`: the gradients are held).
 
     Why a spill and not speculation or a first pass: the clip acts on most steps early in training (every
     step of our 2.4B/7B runs), so SuperOffload's speculate-then-validate would redo nearly every step and
     needs the gradients kept for the redo anyway, and its rollback needs the old records, which the ring
     of spares keeps only for small models; a first pass for the norm doubles the forward and backward. The
     spill adds one write and one read of the gradient (2 bytes per parameter in bf16 training, 4 in
-    fp32) to a step that moves 24 (fp32 records) or 12 (bf16 records) bytes per parameter, and its disk
-    is the gradient once (one extent per chunk); host memory for gradients is the handed-over shards
-    not written yet (bounded like the streamed step's) plus two aligned staging buffers."""
+    fp32) to a step that moves 24 (fp32 records) or 12 (bf16 records) bytes per parameter; host memory for
+    gradients is the handed-over shards not written yet (bounded like the streamed step's) plus two aligned
+    staging buffers."""
 
-    def __init__(self, records: NvmeRecords, dtypes: dict[int, torch.dtype]):
-        """`dtypes`: bucket -> the dtype its reduced gradient shard comes in (the extents' element size)."""
+    def __init__(self, records: NvmeRecords, dtypes: dict[int, torch.dtype],
+                 extents: Optional[dict[int, object]] = None):
+        """`dtypes`: bucket -> the dtype its reduced gradient shard comes in (the extents' element size);
+        `extents`: bucket -> its parameter shard's `ShardExtent` where an NVMe parameter store keeps it."""
         self.records, self.dtypes = records, dtypes
+        self.slots = {bucket for bucket, extent in (extents or {}).items()
+                      if extent is not None and self._fits(bucket, extent)}
+        self.lent: dict[int, object] = {}  # bucket -> the ShardExtent lent for this step (`lend`)
+        self._lead: dict[Chunk, int] = {}  # bytes before a slot chunk's gradient in its aligned read
         self.offsets: dict[Chunk, int] = {}
         size = 0
         for chunk in records.chunks:
-            self.offsets[chunk] = size
-            size += self._nbytes(chunk)
+            if chunk.bucket not in self.slots:
+                self.offsets[chunk] = size
+                size += self._nbytes(chunk)
         self.file_bytes = size
+        self.slot_bytes_read = self.slot_bytes_written = 0  # through the parameter store's files
         self.ready: set[Chunk] = set()  # chunks whose spilled gradient is this step's
         self.staging = AlignedBuffers(2, max((self._nbytes(c) for c in records.chunks), default=ALIGN),
                                       pin=False)
@@ -443,40 +459,73 @@ class GradientSpill:
             raise OffloadIOError(f"NVMe offload: rank {records.rank} needs {size / 2**20:.1f} MiB more under "
                                  f"{os.path.dirname(records.directory)} to spill the gradients for clipping "
                                  f"(gradient_clipping > 0); only {free / 2**20:.1f} MiB are free")
-        self.fd = records.io.open(os.path.join(records.directory, "grads.spill"), max(size, ALIGN))
+        self.fd = records.io.open(os.path.join(records.directory, "grads.spill"), max(size, ALIGN)) if size else -1
+
+    def _fits(self, bucket: int, extent) -> bool:
+        """Whether every chunk of `bucket` reads back from the extent, aligned, into a buffer's gradient region."""
+        isz = self.dtypes[bucket].itemsize
+        for chunk in (c for c in self.records.chunks if c.bucket == bucket):
+            lo = chunk.start * isz
+            if round_up(lo % ALIGN + chunk.numel * isz) > self.records.region or \
+                    round_up(lo + chunk.numel * isz) > extent.nbytes:
+                return False
+        return True
 
     def _nbytes(self, chunk: Chunk) -> int:
         return round_up(chunk.size_class[1] * self.dtypes[chunk.bucket].itemsize)
 
-    def write(self, chunk: Chunk, grad: torch.Tensor):
-        """Spill the chunk's piece `grad` of its bucket's gradient shard; a future of the write (the staging
-        buffer goes back when it is done). Waits for a staging buffer."""
-        if grad.dtype != self.dtypes[chunk.bucket]:
-            raise RuntimeError(f"NVMe offload: bucket {chunk.bucket}'s gradient came in {grad.dtype}, its spill "
-                               f"extents hold {self.dtypes[chunk.bucket]}")
+    def lend(self, bucket: int, extent) -> None:
+        """This step's gradient of slot bucket `bucket` goes to `extent` (lent by its store until it is written)."""
+        self.lent[bucket] = extent
+
+    def write_shard(self, bucket: int, grad: torch.Tensor) -> list:
+        """Spill bucket `bucket`'s whole gradient shard `grad`: into its lent extent (aligned pieces of a staging
+        buffer) or, chunk by chunk, into the spill file; the writes' futures."""
+        if grad.dtype != self.dtypes[bucket]:
+            raise RuntimeError(f"NVMe offload: bucket {bucket}'s gradient came in {grad.dtype}, its spill "
+                               f"extents hold {self.dtypes[bucket]}")
+        chunks = [c for c in self.records.chunks if c.bucket == bucket]
+        if bucket not in self.slots:
+            return [self._write(self.records.io, self.fd, self.offsets[c], grad.narrow(0, c.start, c.numel))
+                    for c in chunks]
+        extent = self.lent[bucket]
+        step = self.staging.nbytes // grad.element_size()  # elements per piece (the staging size is aligned)
+        writes = []
+        for start in range(0, grad.numel(), step):
+            piece = grad.narrow(0, start, min(step, grad.numel() - start))
+            writes.append(self._write(extent.io, extent.fd, extent.offset + start * grad.element_size(), piece))
+            self.slot_bytes_written += round_up(piece.numel() * piece.element_size())
+        return writes
+
+    def _write(self, io, fd: int, offset: int, grad: torch.Tensor):
         buffer = self.staging.acquire()
         try:
-            region = buffer[:self._nbytes(chunk)]
-            region.view(grad.dtype)[:chunk.numel].copy_(grad)
-            return self.records.io.write(self.fd, self.offsets[chunk], region,
-                                         done=lambda b=buffer: self.staging.release(b))
+            region = buffer[:round_up(grad.numel() * grad.element_size())]
+            region.view(grad.dtype)[:grad.numel()].copy_(grad)
+            return io.write(fd, offset, region, done=lambda b=buffer: self.staging.release(b))
         except BaseException:
             self.staging.release(buffer)
             raise
 
     def read(self, chunk: Chunk, buffer: torch.Tensor):
         """Start reading the chunk's spilled gradient into `buffer`'s gradient region; its future."""
-        region = self._region(chunk, buffer)
-        return self.records.io.read(self.fd, self.offsets[chunk], region)
-
-    def _region(self, chunk: Chunk, buffer: torch.Tensor) -> torch.Tensor:
         start = max(self.records.record_bytes.values())
-        return buffer[start:start + self._nbytes(chunk)]
+        if chunk.bucket not in self.slots:
+            self._lead[chunk] = 0
+            return self.records.io.read(self.fd, self.offsets[chunk], buffer[start:start + self._nbytes(chunk)])
+        extent, isz = self.lent[chunk.bucket], self.dtypes[chunk.bucket].itemsize
+        lo = chunk.start * isz
+        lead = self._lead[chunk] = lo % ALIGN  # O_DIRECT: the read starts at the aligned byte before the chunk
+        nbytes = round_up(lead + chunk.numel * isz)
+        self.slot_bytes_read += nbytes
+        return extent.io.read(extent.fd, extent.offset + lo - lead, buffer[start:start + nbytes])
 
     def gradient(self, chunk: Chunk, buffer: torch.Tensor) -> torch.Tensor:
         """The chunk's gradient read by `read`, in fp32: the region itself, or a cast into a scratch tensor
         (one: the chunks are stepped one at a time)."""
-        stored = self._region(chunk, buffer).view(self.dtypes[chunk.bucket])[:chunk.numel]
+        dtype = self.dtypes[chunk.bucket]
+        start = max(self.records.record_bytes.values()) + self._lead.pop(chunk, 0)
+        stored = buffer[start:start + chunk.numel * dtype.itemsize].view(dtype)
         if stored.dtype == torch.float32:
             return stored
         if self._scratch is None:

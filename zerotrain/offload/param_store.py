@@ -45,7 +45,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from ..zero.interfaces import ParamStore
+from ..zero.interfaces import ParamStore, ShardExtent
 from ..zero.stage3.context import register_param_store_factory
 from .aio import (AlignedBuffers, AsyncFileIO, OffloadIOError, aio_settings, aligned_empty, open_swap_directory,
                   round_up)
@@ -160,6 +160,7 @@ class NvmeParamStore(ParamStore):
         self.read_ahead_bytes = largest_bytes
         self.writes: dict[int, list[Future]] = {}  # a shard's writes in flight: one per piece
         self._resident: Optional[dict[int, torch.Tensor]] = None
+        self.lent: set[int] = set()  # parts whose extent holds their spilled gradient until their next write
         self.stats = {"param_reads": 0, "param_writes": 0, "read_ahead": 0, "read_ahead_hits": 0,
                       "cache_hits": 0}
         self._by_id = {id(part): part for part in parts}
@@ -298,10 +299,14 @@ class NvmeParamStore(ParamStore):
         key = id(part)
         if self._resident is not None and key in self._resident:
             return self._resident[key]
-        if key in self.cache:
+        if key in self.cache:  # (a lent part's host copy still holds its values)
             self.cache.move_to_end(key)
             self.stats["cache_hits"] += 1
             return self.cache[key]
+        if key in self.lent:
+            raise RuntimeError(f"NVMe parameter offload (rank {self.rank}): parameter {part.names[0]}'s extent "
+                               "holds its gradient, spilled for clipping, until the optimizer step writes its new "
+                               "values; run engine.step() after backward before the model is used again")
         if key in self.reads:
             self.stats["read_ahead_hits"] += 1
             host = self._finish_read(key)
@@ -328,7 +333,7 @@ class NvmeParamStore(ParamStore):
         window, window_bytes = [], 0
         for part in parts:
             key = id(part)
-            if key not in self.offsets or key in self.cache or key in self.writes \
+            if key not in self.offsets or key in self.cache or key in self.writes or key in self.lent \
                     or (self._resident is not None and key in self._resident):
                 continue
             nbytes = _extent(part)
@@ -397,6 +402,7 @@ class NvmeParamStore(ParamStore):
         key = id(part)
         self._wait_write(key)
         self._forget_reads(key)
+        self.lent.discard(key)  # the new values replace a spilled gradient
         for copies in (self.cache, self._resident or {}):
             if key in copies and copies[key].data_ptr() != values.data_ptr():
                 copies[key].copy_(values)
@@ -416,6 +422,23 @@ class NvmeParamStore(ParamStore):
                                          buffer[:round_up(count * part.dtype.itemsize)],
                                          done=lambda buffer=buffer: pool.release(buffer)))
         self.stats["param_writes"] += 1
+
+    def shard_extent(self, part) -> Optional[ShardExtent]:
+        """The aligned extent of `part`'s shard in the parameter file."""
+        key = id(part)
+        return ShardExtent(self.io, self.fd, self.offsets[key], _extent(part)) if key in self.offsets else None
+
+    def lend(self, part) -> None:
+        """Lend `part`'s extent until its next `write` (see ParamStore.lend): its writes in flight are waited
+        for, its read ahead dropped, and reading it from the file raises until then (a host copy in the cache
+        keeps its values and still serves: `write` updates it; evicted, it is not read back)."""
+        key = id(part)
+        if key not in self.offsets:
+            raise RuntimeError(f"NVMe parameter offload (rank {self.rank}): parameter {part.names[0]} is not in "
+                               "the parameter file; no extent to lend")
+        self._wait_write(key)
+        self._forget_reads(key)
+        self.lent.add(key)
 
     def _forget_reads(self, key: int) -> None:
         if key in self.reads:

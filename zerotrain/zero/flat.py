@@ -91,6 +91,15 @@ class ShardLayout:
         first = params[0]
         self.dtype, self.device = first.dtype, first.device
 
+    def shard_extent(self):
+        """Where an NVMe parameter store keeps the shard (`interfaces.ShardExtent`), or None: stages 0-2 and
+        every shard not in such a store (PartitionedParam overrides)."""
+        return None
+
+    def lend_shard_extent(self) -> None:
+        """Lend `shard_extent()` until the next `write_shard` (the gradient spilled there; see ParamStore.lend)."""
+        raise RuntimeError(f"bucket {self.index}: its shard is not kept in a parameter store's file")
+
     # --- layout -----------------------------------------------------------
     def shard_bounds(self, rank: int | None = None) -> tuple[int, int]:
         """[start, end) of partition `rank` (default: this rank) in the flat buffer."""

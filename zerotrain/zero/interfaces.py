@@ -9,11 +9,22 @@ them by name. Implementations subclass the Protocol explicitly to inherit those 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["BucketReduce", "GradientReducer", "MasterOptimizer", "ParamStore"]
+__all__ = ["BucketReduce", "GradientReducer", "MasterOptimizer", "ParamStore", "ShardExtent"]
+
+
+class ShardExtent(NamedTuple):
+    """Where an NVMe parameter store keeps one shard: the store's I/O engine (`offload.aio.AsyncFileIO`), its
+    file descriptor, the byte offset of the shard's aligned extent and the extent's bytes (the shard's, rounded
+    up to the alignment)."""
+
+    io: Any
+    fd: int
+    offset: int
+    nbytes: int
 
 
 @runtime_checkable
@@ -213,6 +224,16 @@ class ParamStore(Protocol):
 
     def write(self, part, values: torch.Tensor) -> None:
         ...
+
+    def shard_extent(self, part) -> Optional[ShardExtent]:
+        """The file extent holding `part`'s shard, or None where the store keeps no file (host memory)."""
+        return None
+
+    def lend(self, part) -> None:
+        """Lend `part`'s extent (`shard_extent`) to the optimizer until `part`'s next `write`: the gradient
+        spilled there for clipping replaces the values on disk, so the store drops its reads in flight and
+        reading the shard from the file raises until the write (the step's new values) comes."""
+        raise NotImplementedError(f"{type(self).__name__} has no file extents to lend")
 
     def read_ahead(self, parts: Iterable) -> None:
         ...

@@ -167,6 +167,16 @@ class PartitionedParam(ShardLayout):
     def offloaded(self) -> bool:
         return self._shard is None
 
+    def shard_extent(self):
+        """Where the NVMe parameter store keeps the shard (`interfaces.ShardExtent`), or None (not in one)."""
+        return self.owner.store.shard_extent(self) if self._shard is None else None
+
+    def lend_shard_extent(self) -> None:
+        """Lend the shard's extent to the optimizer until the next `write_shard` (`ParamStore.lend`)."""
+        if self._shard is not None:
+            raise RuntimeError(f"parameter {self.names[0]}: its shard is not offloaded; no extent to lend")
+        self.owner.store.lend(self)
+
     @property
     def shard_in_device_memory(self) -> bool:
         """True when `local_shard()` is a lasting tensor in device memory (an fp32 master may share it)."""
