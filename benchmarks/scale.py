@@ -119,9 +119,10 @@ def dd_bandwidth(directory: str, nbytes: int = 1 << 30) -> dict:
 
 def disk_needed(params: int, bf16_records: bool = False, clipped: bool = False) -> int:
     """Bytes the run writes on disk at most: 14 per parameter (fp32 master and Adam moments, bf16 weights; 8
-    with `--bf16-records`), 2 more with clipping (the bf16 gradients spilled), each rank's spare records, shard
-    padding (one record per rank per bucket at worst), and dd's file."""
-    return ((8 if bf16_records else 14) + (2 if clipped else 0)) * params + \
+    with `--bf16-records`), each rank's spare records, shard padding (one record per rank per bucket at worst),
+    and dd's file. Clipping adds nothing here: the bf16 gradients are spilled into the parameters' own extents
+    (issue #43; only the persistent parameters' go to a spill file: kilobytes per layer, within the 1 GiB slack)."""
+    return (8 if bf16_records else 14) * params + \
         WORLD * (SPARE_RECORDS + 16) * RECORD_BYTES + (1 << 30)
 
 

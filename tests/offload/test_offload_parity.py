@@ -1,4 +1,4 @@
-"""Offloaded optimizers reproduce single-process AdamW: cpu (stages 1, 2), nvme (stage 2), super_offload, ratio.
+"""Offloaded optimizers reproduce single-process AdamW: cpu (stages 1, 2), nvme (stages 1, 2), super_offload, ratio.
 
 World 2, fp32, two parameter groups (different lr and weight decay), accumulation 2, clipping at 1.0
 (it fires on half the steps, so super_offload must roll back and redo those; "always" speculates
@@ -16,6 +16,8 @@ def _modes(nvme_path: str) -> list[tuple[str, int, dict]]:
         ("cpu stage 1", 1, {"device": "cpu"}),
         ("cpu stage 2", 2, {"device": "cpu", "pin_memory": True}),
         ("nvme stage 2", 2, {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 2}),
+        # stage 1 holds the clipped gradients too (accumulation 2: nothing streamed or spilled before the norm)
+        ("nvme stage 1", 1, {"device": "nvme", "nvme_path": nvme_path + "_s1", "buffer_count": 2}),
         ("super_offload stage 2", 2, {"device": "cpu", "super_offload": True, "super_offload_speculation": "always"}),
         ("super_offload stage 1, adaptive", 1, {"device": "cpu", "super_offload": True}),
         # torch's own step (not the CPU Adam kernel): speculation saves a copy and steps in place
