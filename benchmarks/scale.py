@@ -117,11 +117,13 @@ def dd_bandwidth(directory: str, nbytes: int = 1 << 30) -> dict:
     return out
 
 
-def disk_needed(params: int, bf16_records: bool = False, clipped: bool = False) -> int:
+def disk_needed(params: int, bf16_records: bool = False, clipped: bool = False, optimizer_on_disk: bool = True) -> int:
     """Bytes the run writes on disk at most: 14 per parameter (fp32 master and Adam moments, bf16 weights; 8
     with `--bf16-records`), each rank's spare records, shard padding (one record per rank per bucket at worst),
     and dd's file. Clipping adds nothing here: the bf16 gradients are spilled into the parameters' own extents
     (issue #43; only the persistent parameters' go to a spill file: kilobytes per layer, within the 1 GiB slack)."""
+    if not optimizer_on_disk:  # --optimizer-device cpu: the bf16 parameters only
+        return 2 * params + (1 << 30)
     return (8 if bf16_records else 14) * params + \
         WORLD * (SPARE_RECORDS + 16) * RECORD_BYTES + (1 << 30)
 
@@ -274,13 +276,15 @@ def engine_config(spec: dict) -> dict:
     if spec.get("defaults"):  # what a new user runs: no size key, no activation checkpointing (issue #27)
         nvme = {"device": "nvme", "nvme_path": spec["nvme_dir"]}
         zero = {"stage": 3, "offload_param": dict(nvme), "offload_optimizer": dict(nvme)}
+        if spec.get("optimizer_device") == "cpu":  # plain CPU offload: masters and Adam moments in host memory
+            zero["offload_optimizer"] = {"device": "cpu"}
         if spec.get("budget"):
             zero["memory_budget_bytes"] = int(spec["budget"])
         for key, value in (spec.get("resolved") or {}).items():  # the sizes the run chose (for the estimate)
             block, _, name = key.rpartition(".")
             (zero[block] if block else zero)[name] = value
         bf16 = {"enabled": True}
-        if spec.get("bf16_records"):  # masters and Adam moments stored in bf16 on NVMe
+        if spec.get("bf16_records"):  # masters and Adam moments stored in bf16 (on NVMe, or in host memory)
             bf16.update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
         config = {"train_micro_batch_size_per_gpu": spec["micro"], "gradient_accumulation_steps": 1,
                   "bf16": bf16, "wall_clock_breakdown": True,
@@ -522,7 +526,8 @@ def print_prediction(args, layers: int, width: int, params: int) -> int:
     spec = {"model": args.model, "params": params, "layers": layers, "width": width, "seq": args.seq,
             "micro": args.micro, "steps": args.steps, "bucket": args.bucket, "cache": args.cache,
             "inner": _llama_inner(width), "nvme_dir": os.path.join(args.nvme_path, "unused"), "out_dir": "",
-            "defaults": args.defaults, "bf16_records": args.bf16_records, "no_clip": args.no_clip}
+            "defaults": args.defaults, "bf16_records": args.bf16_records, "no_clip": args.no_clip,
+            "optimizer_device": args.optimizer_device}
     predicted = predict(spec)  # with --defaults: the size keys at DeepSpeed's values (the budget is not run)
     print(f"{args.model} {layers}x{width}: {params / 1e9:.3f}B parameters; zerotrain estimate per rank: host RSS "
           f"{predicted['rss'] / 2**30:.2f} GiB (+ the runtime), NVMe files {predicted['nvme'] / 1e9:.2f} GB "
@@ -610,7 +615,12 @@ def row_name(spec: dict) -> str:
     """The table row a run is: --defaults with DeepSpeed's clipping 1.0, or with --no-clip; else the tuned run."""
     if not spec.get("defaults"):
         return "tuned (activation checkpointing, size keys set, no clipping)"
-    return "defaults, no clipping (--no-clip)" if spec.get("no_clip") else "defaults (gradient_clipping 1.0)"
+    row = "defaults, no clipping (--no-clip)" if spec.get("no_clip") else "defaults (gradient_clipping 1.0)"
+    if spec.get("optimizer_device") == "cpu":
+        row += ", optimizer on CPU" + (" with bf16 masters and moments" if spec.get("bf16_records") else "")
+    elif spec.get("bf16_records"):
+        row += ", bf16 records"
+    return row
 
 
 def _budget_bytes(lines: list[str]) -> Optional[int]:
@@ -626,7 +636,7 @@ def print_table(summary: dict) -> None:
     how = ("no size key set, no activation checkpointing (--defaults)" if s.get("defaults")
            else "activation checkpointing, tuned size keys")
     print(f"\n{s['model']} {s['layers']}x{s['width']}: {s['params'] / 1e9:.3f}B parameters, world {WORLD}, "
-          f"B={s['micro']} T={s['seq']}, bf16, ZeRO-3, params+optimizer on NVMe, {how}; row: {s.get('row')}")
+          f"B={s['micro']} T={s['seq']}, bf16, ZeRO-3, params on NVMe, {how}; row: {s.get('row')}")
     if "grad_host_peak_bytes" in s:
         print("host bytes held for gradients (optimizer's grad_host_peak_bytes) per rank: "
               + ", ".join(f"{b / 2**20:.1f} MiB" for b in s["grad_host_peak_bytes"])
@@ -675,6 +685,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--bf16-records", action="store_true",
                         help="with --defaults: bf16.bf16_master_weights_and_grads + bf16_optimizer_states (the NVMe "
                              "records in bf16: ~8 bytes per parameter on disk instead of 14)")
+    parser.add_argument("--optimizer-device", choices=("nvme", "cpu"), default="nvme",
+                        help="with --defaults: offload_optimizer.device (cpu: masters and Adam moments in host "
+                             "memory, bf16 ones with --bf16-records; the parameters stay on NVMe)")
     parser.add_argument("--no-clip", action="store_true",
                         help="with --defaults: gradient_clipping 0 (the no-clip row; else DeepSpeed's default 1.0)")
     parser.add_argument("--compare-no-clip", action="store_true",
@@ -692,6 +705,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     params = gpt_params(layers, width, args.seq) if args.model == "gpt" else llama_params(layers, width)
     if args.estimate_only:
         return print_prediction(args, layers, width, params)
+    if args.optimizer_device != "nvme" and not args.defaults:
+        parser.error("--optimizer-device needs --defaults")
     if args.bf16_records and not args.defaults:
         parser.error("--bf16-records needs --defaults")
     if (args.no_clip or args.compare_no_clip) and not args.defaults:
@@ -720,7 +735,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 def run_row(args, layers: int, width: int, params: int, no_clip: bool) -> tuple[int, Optional[dict]]:
     """One row: check the disk, run the ranks, print the table; (exit code, summary)."""
     clipped = args.defaults and not no_clip
-    need, free = disk_needed(params, args.bf16_records, clipped), shutil.disk_usage(args.nvme_path).free
+    need = disk_needed(params, args.bf16_records, clipped, optimizer_on_disk=args.optimizer_device == "nvme")
+    free = shutil.disk_usage(args.nvme_path).free
     if free - need < args.keep_free:
         print(f"refusing {args.model} {layers}x{width} ({params / 1e9:.2f}B parameters): it writes up to "
               f"{need / 1e9:.1f} GB under {args.nvme_path}, which has {free / 1e9:.1f} GB free; at least "
@@ -730,7 +746,8 @@ def run_row(args, layers: int, width: int, params: int, no_clip: bool) -> tuple[
     spec = {"model": args.model, "params": params, "layers": layers, "width": width, "seq": args.seq, "micro": args.micro,
             "steps": args.steps, "bucket": args.bucket, "cache": args.cache, "inner": _llama_inner(width),
             "nvme_dir": os.path.join(work, "swap"), "out_dir": work, "defaults": args.defaults,
-            "budget": args.budget, "bf16_records": args.bf16_records, "no_clip": no_clip}
+            "budget": args.budget, "bf16_records": args.bf16_records, "no_clip": no_clip,
+            "optimizer_device": args.optimizer_device}
     os.makedirs(spec["nvme_dir"])
     print(f"{args.model} {layers}x{width}: {params / 1e9:.3f}B parameters; writes up to {need / 1e9:.1f} GB, "
           f"{free / 1e9:.1f} GB free; files under {work}", flush=True)
