@@ -37,6 +37,12 @@ streamed into the step) as its own named row; `--compare-no-clip` runs both rows
 prints the clipped row's step time and peaks over the no-clip row's.
 
     python benchmarks/scale.py --params 2.4e9 --defaults --compare-no-clip   # both rows, the issue-43 targets
+
+`--optimizer-device cpu` (with `--defaults`) puts the optimizer on plain CPU offload (masters and Adam moments in
+host memory; with `--bf16-records` in bf16: `bf16_master_weights_and_grads` + `bf16_optimizer_states`), the
+parameters still on NVMe: its own named row.
+
+    python benchmarks/scale.py --layers 9 --width 1280 --defaults --optimizer-device cpu --bf16-records
 """
 from __future__ import annotations
 

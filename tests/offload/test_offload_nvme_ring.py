@@ -292,16 +292,47 @@ def test_gradients_streamed_to_the_nvme_step_during_backward_change_nothing_but_
             assert torch.equal(failed["weights"][name], ref), name
 
 
-def _slot_run(tmp_path, name: str, dtype: torch.dtype, spill: bool, steps: int = 4, clip: float = 1.06):
-    """World 1, stage 3, parameters and optimizer on NVMe, clipping: a Linear(64, 80) cut into 1024-element chunks
-    (five per weight: every other one starts 2048 bytes past an alignment in bf16). Its losses, norms, weights."""
+class _TiedCheckpointed(torch.nn.Module):
+    """An embedding tied to the head, a layer called twice (first inside a reentrant activation checkpoint, so its
+    gradient arrives in two parts and its recompute gathers it in backward): the spill's hard cases. 5120-element
+    embedding, 4096-element layer: cut into 1024-element chunks, several per parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(80, 64)
+        self.mid = torch.nn.Linear(64, 64)
+        self.head = torch.nn.Linear(64, 80, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = torch.utils.checkpoint.checkpoint(lambda h: torch.tanh(self.mid(h)), self.emb(ids),
+                                                   use_reentrant=True)
+        return self.head(torch.tanh(self.mid(hidden)))
+
+
+def _batches(steps: int = 4):
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 80, (4, 8), generator=generator), torch.randint(0, 80, (4, 8), generator=generator))
+            for _ in range(steps)]
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, 80), targets.reshape(-1))
+
+
+CLIP_AT = 8.0
+
+
+def _slot_run(tmp_path, name: str, dtype: torch.dtype, spill: bool):
+    """World 1, stage 3, parameters and optimizer on NVMe, clipping: `_TiedCheckpointed` cut into 1024-element
+    chunks (in bf16 every other one starts 2048 bytes past an alignment). Its losses, norms, weights."""
     import zerotrain
     import zerotrain.offload.nvme as factory
     import zerotrain.offload.nvme_records as nvme_records
 
     torch.manual_seed(0)
-    model = torch.nn.Linear(64, 80).to(dtype)
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": clip, "steps_per_print": 0,
+    model = _TiedCheckpointed().to(dtype)
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": CLIP_AT, "steps_per_print": 0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
               "bf16": {"enabled": dtype == torch.bfloat16},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
@@ -318,51 +349,54 @@ def _slot_run(tmp_path, name: str, dtype: torch.dtype, spill: bool, steps: int =
     finally:
         factory.spills_gradients, nvme_records.DEFAULT_CHUNK_NUMEL = real_spill, real_chunk
     losses, norms = [], []
-    generator = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        x, y = torch.randn(4, 64, generator=generator).to(dtype), torch.randn(4, 80, generator=generator).to(dtype)
-        loss = torch.nn.functional.mse_loss(engine(x), y)
+    for ids, targets in _batches():
+        loss = _loss(engine(ids), targets)
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.detach()))
         norms.append(engine.get_global_grad_norm())
+    opt = engine.zero_optimizer
     out = {"losses": losses, "norms": norms, "weights": engine.full_state_dict(), "stats": engine.offload_stats(),
-           "slots": set(engine.zero_optimizer.spill.slots) if engine.zero_optimizer.spill is not None else set(),
-           "chunks": len(engine.zero_optimizer.records.chunks)}
+           "slots": set(opt.spill.slots) if opt.spill is not None else set(), "buckets": len(opt.buckets),
+           "chunks": len(opt.records.chunks), "shard_numels": [b.shard_numel for b in opt.buckets]}
     if spill:  # the model used between backward and step: one clear line, not the gradient read as weights
-        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.backward(_loss(engine(ids), targets))
         with pytest.raises(RuntimeError, match=r"extent holds its gradient.*engine.step\(\)"):
-            engine(x)
-    engine.zero_optimizer.close()
+            engine(ids)
+    opt.close()
     return out
 
 
 def test_gradients_spilled_into_the_parameters_own_extents_equal_torch_and_take_no_disk(tmp_path):
     """Clipping with parameters on NVMe: each final gradient shard goes into its parameter's extent (lent by the
-    store until the step writes the new values), so no spill file; fp32 equals torch's clip_grad_norm_ + AdamW,
-    the clip acting on some steps and not others; bf16 (unaligned chunk starts) equals the held gradients."""
+    store until the step writes the new values), so no spill file, with a tied head and a reentrant checkpoint's
+    recompute; fp32 equals torch's clip_grad_norm_ + AdamW, the clip acting on some steps and not others; bf16
+    (unaligned chunk starts) equals the held gradients bit for bit."""
     torch.manual_seed(0)
-    ref = torch.nn.Linear(64, 80)
+    ref = _TiedCheckpointed()
     optimizer = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
-    generator, ref_losses, ref_norms = torch.Generator().manual_seed(1), [], []
-    for _ in range(4):
-        x, y = torch.randn(4, 64, generator=generator), torch.randn(4, 80, generator=generator)
-        loss = torch.nn.functional.mse_loss(ref(x), y)
+    ref_losses, ref_norms = [], []
+    for ids, targets in _batches():
+        loss = _loss(ref(ids), targets)
         loss.backward()
-        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.06)))
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP_AT)))
         optimizer.step()
         optimizer.zero_grad()
         ref_losses.append(float(loss.detach()))
-    assert min(ref_norms) < 1.06 < max(ref_norms), ref_norms  # the clip acts on some steps, not on others
+    assert min(ref_norms) < CLIP_AT < max(ref_norms), ref_norms  # the clip acts on some steps, not on others
     fp32 = _slot_run(tmp_path, "fp32", torch.float32, spill=True)
-    assert fp32["slots"] == {0, 1} and fp32["chunks"] == 6 and fp32["stats"]["nvme_spill_bytes"] == 0
+    assert fp32["slots"] == set(range(fp32["buckets"])) and fp32["buckets"] == 3 and fp32["chunks"] == 10
+    assert fp32["stats"]["nvme_spill_bytes"] == 0
     assert max(abs(a - b) / b for a, b in zip(fp32["losses"], ref_losses)) <= 1e-5
     assert max(abs(a - b) / b for a, b in zip(fp32["norms"], ref_norms)) <= 1e-5
     for name, value in ref.state_dict().items():
         torch.testing.assert_close(fp32["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
     spilled = _slot_run(tmp_path, "bf16", torch.bfloat16, spill=True)
     held = _slot_run(tmp_path, "bf16_held", torch.bfloat16, spill=False)
-    assert spilled["slots"] == {0, 1} and not held["slots"] and min(spilled["norms"]) < 1.06 < max(spilled["norms"])
+    assert spilled["slots"] == {0, 1, 2} and not held["slots"]
     assert spilled["losses"] == held["losses"] and spilled["norms"] == held["norms"]
     for name, value in held["weights"].items():
         assert torch.equal(spilled["weights"][name], value), name
+    # the same records written; on top, each step's gradients once into the parameters' extents (aligned)
+    extents = sum(-(-2 * numel // 4096) * 4096 for numel in spilled["shard_numels"])
+    assert spilled["stats"]["nvme_bytes_written"] - held["stats"]["nvme_bytes_written"] == 4 * extents

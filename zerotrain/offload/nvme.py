@@ -43,8 +43,10 @@ forward and backward again (its gradients are gone); the chunks committed early 
 Gradients spilled (`spill_gradients`, chosen by `spills_gradients`: the same conditions with clipping on,
 DeepSpeed's default): the whole model's gradients must be known before the clip's multiplier is, so instead of
 holding them in host memory until `step()` each final shard's norm terms are summed and the shard is written,
-in its own dtype (lossless), to a spill file beside the records (`nvme_records.GradientSpill`) on the same
-background thread, and the reducer frees it. `step()` then streams the records as usual, each chunk's gradient
+in its own dtype (lossless), on the same background thread, and the reducer frees it: into its parameter's own
+extent in the NVMe parameter file where offload_param keeps the shard there (lent by the store, on the main
+thread, until the step's publish writes the new values: no extra disk), else to a spill file beside the records
+(`nvme_records.GradientSpill`). A failed step publishes every lent parameter again from the records. `step()` then streams the records as usual, each chunk's gradient
 read back from the spill into its buffer's gradient region alongside its record, with the clipped multiplier:
 the same chunks, the same arithmetic, the same bits as holding them. Why a spill rather than speculation or a
 first pass: see `GradientSpill`. Host memory for gradients (`grad_host_peak_bytes`): the handed-over shards not
