@@ -41,6 +41,27 @@ def test_streaming_writer_is_read_by_safetensors(tmp_path, monkeypatch, direct):
         SafetensorsWriter(str(tmp_path / "y.safetensors"), [("a", torch.float32, (2,))]).write("b", [])
 
 
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_a_failed_write_of_the_writer_thread_is_raised_naming_the_file(tmp_path, monkeypatch, direct):
+    # O_DIRECT writes go out on the file's writer thread while the caller fills the next buffer (#50): the
+    # thread's error must still reach the caller, with the file's path (a file size limit: EFBIG, a real error)
+    import errno
+    import resource
+    monkeypatch.setenv("ZEROTRAIN_CHECKPOINT_ODIRECT", direct)
+    path = str(tmp_path / "x.safetensors")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20 << 20, hard))
+    try:
+        writer = SafetensorsWriter(path, [("big", torch.float32, (12 << 20,))])  # 48 MB: past the limit
+        with pytest.raises(OSError) as raised:  # by the write itself: 6 buffers, the 3rd fails, waited for at the 5th
+            writer.write("big", [torch.ones(12 << 20)])
+        writer.abort()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert raised.value.errno == errno.EFBIG and raised.value.filename == path
+    assert os.path.getsize(path) <= 20 << 20
+
+
 def test_range_reads_match_flat_slices(tmp_path):
     generator = torch.Generator().manual_seed(0)
     tensors = {"m": torch.randn(5, 7, 3, generator=generator), "v": torch.randn(11, generator=generator),
