@@ -62,6 +62,30 @@ def test_a_failed_write_of_the_writer_thread_is_raised_naming_the_file(tmp_path,
     assert os.path.getsize(path) <= 20 << 20
 
 
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_writers_and_readers_leave_no_descriptor_open(tmp_path, monkeypatch, direct):
+    # a save writes hundreds of files and a load opens every one: a descriptor left open by a closed or aborted
+    # writer, the streaming reader (`file_crc32`) or a TensorReader adds up over a long run (and keeps space of
+    # deleted checkpoints allocated)
+    from zerotrain.checkpoint.integrity import file_crc32
+    monkeypatch.setenv("ZEROTRAIN_CHECKPOINT_ODIRECT", direct)
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    value = torch.arange(3 << 20, dtype=torch.float32)  # spans buffers
+    before = open_fds()
+    for name in ("closed", "aborted"):
+        writer = SafetensorsWriter(str(tmp_path / f"{name}.safetensors"), [("v", value.dtype, tuple(value.shape))])
+        writer.write("v", [value])
+        writer.close() if name == "closed" else writer.abort()
+    path = str(tmp_path / "closed.safetensors")
+    assert file_crc32(path) == zlib.crc32(open(path, "rb").read())
+    with TensorReader(str(tmp_path), {"v": "closed.safetensors"}, "model weights") as reader:
+        assert torch.equal(reader.read_range("v", 5, 7), value[5:12])
+    assert open_fds() == before
+
+
 def test_range_reads_match_flat_slices(tmp_path):
     generator = torch.Generator().manual_seed(0)
     tensors = {"m": torch.randn(5, 7, 3, generator=generator), "v": torch.randn(11, generator=generator),
