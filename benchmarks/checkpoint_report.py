@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 ENGINES = {"zt": "zerotrain (ZeRO-3)", "ztp": "zerotrain, process writer", "dcp": "torch DCP (FSDP2)",
-           "ds": "DeepSpeed (ZeRO-3)", "ztn": "zerotrain, verify_on_load false (load rounds only)"}
+           "ds": "DeepSpeed (ZeRO-3)", "ztn": "zerotrain, verify_on_load false (load rounds only)",
+           "zto": "zerotrain of --old-code (before)"}
 # engines that only load, in the load rounds: the checkpoint another engine wrote (zerotrain's, here)
 LOAD_ONLY = {"ztn": "zt"}
 SCRIPT = str(Path(__file__).resolve().parent / "checkpoint_speed.py")
@@ -25,8 +26,11 @@ def _free_port() -> int:
 def launch(engine: str, phase: str, world: int, args, root: Path) -> dict:
     """Run one phase of one engine in `world` fresh processes; rank 0's result."""
     port, procs, outs = _free_port(), [], []
-    spec_args = {k: getattr(args, k) for k in ("model", "batch", "seq_len", "warmup", "repeats", "verify_on_load")}
+    spec_args = {k: getattr(args, k, None) for k in ("model", "batch", "seq_len", "warmup", "repeats", "verify_on_load",
+                                                     "no_async")}
     repo = str(Path(__file__).resolve().parent.parent)
+    if engine == "zto":  # the same benchmark, importing zerotrain from the other checkout
+        repo = os.path.abspath(args.old_code)
     for rank in range(world):
         out = root / f"{engine}.{phase}.rank{rank}.json"
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
@@ -104,13 +108,13 @@ def print_table(results: dict, args) -> None:
                      if "async_wait_s" in r else ""))
 
 
-def print_load_rounds(rounds: dict) -> None:
-    """The interleaved cold loads: every round's seconds, the median, and zerotrain's median over this one's
-    (below 1: zerotrain loads faster)."""
+def print_load_rounds(rounds: dict, what: str = "cold loads") -> None:
+    """The interleaved cold loads (or durable saves): every round's seconds, the median, and zerotrain's median
+    over this one's (below 1: zerotrain is faster)."""
     import statistics
     zt = statistics.median(rounds["zt"]) if rounds.get("zt") else None
-    print("\ncold loads in fresh processes, engines interleaved round by round\n")
-    print("| engine | loads s (round order) | median s | zerotrain / this |")
+    print(f"\n{what} in fresh processes, engines interleaved round by round\n")
+    print(f"| engine | {what.split()[-1]} s (round order) | median s | zerotrain / this |")
     print("|---|---|---|---|")
     for engine, label in ENGINES.items():
         if engine not in rounds:

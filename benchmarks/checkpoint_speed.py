@@ -55,6 +55,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from checkpoint_profile import print_profiles
 from checkpoint_report import ENGINES, LOAD_ONLY, launch, print_load_rounds, print_table
 
 LR = 1e-4
@@ -122,11 +123,24 @@ def _batches(count: int, batch: int, seq: int, vocab: int, rank: int):
     return [(d[:, :-1], d[:, 1:]) for d in data]
 
 
+# benchmark-only shapes beside zerotrain's presets: the bandwidth-bound row (#50)
+BENCH_PRESETS = {"1b": dict(n_layer=20, n_head=16, n_embd=2048, block_size=512)}  # 1.007e9 parameters
+
+
+def model_parameters(name: str) -> int:
+    """Parameters of GPT shape `name` (a zerotrain preset or BENCH_PRESETS), from its shape alone."""
+    from zerotrain.models import GPTConfig
+    c = GPTConfig(**BENCH_PRESETS[name]) if name in BENCH_PRESETS else GPTConfig.preset(name)
+    d, hidden = c.n_embd, c.mlp_hidden
+    per_layer = 2 * 2 * d + 3 * d * d + 3 * d + d * d + d + d * hidden + hidden + hidden * d + d
+    return c.vocab_size * d + c.block_size * d + c.n_layer * per_layer + 2 * d + (0 if c.tie_weights else d * c.vocab_size)
+
+
 def _model(args):
     import torch
     from zerotrain.models import GPT, GPTConfig
     torch.manual_seed(0)
-    config = GPTConfig.preset(args.model)
+    config = GPTConfig(**BENCH_PRESETS[args.model]) if args.model in BENCH_PRESETS else GPTConfig.preset(args.model)
     args.seq_len = min(args.seq_len, config.block_size)
     return GPT(config)
 
@@ -156,7 +170,7 @@ class Job:
         out["bytes"] = _dir_bytes(self.root / "sync0")
         if not self.durable:
             out["fsync_s"] = _barrier_time(lambda: _fsync_tree(self.root / f"sync{args.repeats - 1}"))
-        if self.async_supported:
+        if self.async_supported and not args.no_async:
             stalls, fences, wholes, slow, next_slow = [], [], [], [], []
             for i in range(args.repeats):
                 before = _barrier_time(lambda: self.train_step(*next(it)))  # this save's no-save step
@@ -330,9 +344,29 @@ def _load_round(job: Job) -> dict:
     return {"load_s": _barrier_time(lambda: job.load("sync0"))}
 
 
+def _save_round(job: Job) -> dict:
+    """A fresh job trains `warmup` steps, then one durable save of tag `round` (the save-rounds phase):
+    DeepSpeed's seconds include the fsync of its files, zerotrain's and DCP's saves fsync by themselves."""
+    batches = _batches(job.args.warmup, job.args.batch, job.args.seq_len, job.vocab, job.rank)
+    for x, y in batches:
+        job.train_step(x, y)
+    save = _barrier_time(lambda: job.save("round"))
+    fsync = 0.0 if job.durable else _barrier_time(lambda: _fsync_tree(job.root / "round"))
+    return {"save_s": save + fsync, "fsync_s": fsync}
+
+
+def _profile(job: Job) -> dict:
+    """One save and one cold load under cProfile (checkpoint_profile.py)."""
+    import torch.distributed as dist
+    from checkpoint_profile import profile_run
+    for x, y in _batches(job.args.warmup, job.args.batch, job.args.seq_len, job.vocab, job.rank):
+        job.train_step(x, y)
+    return {"profile": profile_run(job, job.root, "", job.rank, _fsync_tree, _drop_cache, dist.barrier)}
+
+
 def _reshard_load(args, root: Path, engine: str) -> dict:
     """World 1: load the world-2 checkpoint `sync0` into ZeRO stage 1 (zerotrain) / a plain model (DCP)."""
-    job = ZerotrainJob(args, root, 0, stage=1) if engine == "zt" else DcpJob(args, root, 0, sharded=False)
+    job = ZerotrainJob(args, root, 0, stage=1) if engine in ("zt", "zto") else DcpJob(args, root, 0, sharded=False)
     loads = []
     for _ in range(args.repeats):
         _drop_cache(root / "sync0")
@@ -340,6 +374,55 @@ def _reshard_load(args, root: Path, engine: str) -> dict:
         job.load("sync0")
         loads.append(time.perf_counter() - t0)
     return {"reshard_load_s": min(loads), "reshard_load_all_s": loads}
+
+
+def _check_space(args, root: Path, engines: list) -> str | None:
+    """A line saying why the run cannot fit on the disk of `root`, or None. Needed: the checkpoints kept for the
+    load rounds (sync0 of each engine) plus one engine's working set (its saves, async saves and profile
+    checkpoint at once), each checkpoint = parameters x 12 bytes (fp32 weights and Adam's two states) + 5%."""
+    checkpoint = int(model_parameters(args.model) * 12 * 1.05)
+    savers = [e for e in engines if e not in LOAD_ONLY]
+    at_once = args.repeats * (1 if args.no_async else 2) + 1
+    needed = checkpoint * (len(savers) + at_once) + (checkpoint if args.dd else 0)
+    free = shutil.disk_usage(root).free
+    print(f"disk: {free / 1e9:.1f} GB free in {root}, the run needs about {needed / 1e9:.1f} GB "
+          f"({checkpoint / 1e9:.2f} GB per checkpoint)", flush=True)
+    if free < needed + (2 << 30):
+        return (f"checkpoint_speed.py: not enough free disk in {root}: {free / 1e9:.1f} GB free, the run needs about "
+                f"{needed / 1e9:.1f} GB plus 2 GB to spare (--model {args.model}, engines {','.join(savers)}); "
+                f"free space or pass --dir on a larger disk")
+    return None
+
+
+def _dd_speed(root: Path, nbytes: int) -> dict:
+    """dd writing `nbytes` (rounded to 16 MiB blocks) with O_DIRECT and a final fsync into `root`, then reading
+    them back cold with O_DIRECT: the disk's own pace for a checkpoint's bytes. The file is removed after."""
+    import subprocess
+    block = 16 << 20
+    count = max(1, -(-nbytes // block))
+    target = root / ".ddtest"
+    try:
+        t0 = time.perf_counter()
+        subprocess.run(["dd", "if=/dev/zero", f"of={target}", f"bs={block}", f"count={count}", "oflag=direct",
+                        "conv=fsync"], check=True, capture_output=True)
+        write = time.perf_counter() - t0
+        _drop_cache_file(target)
+        t0 = time.perf_counter()
+        subprocess.run(["dd", f"if={target}", "of=/dev/null", f"bs={block}", "iflag=direct"], check=True,
+                       capture_output=True)
+        read = time.perf_counter() - t0
+    finally:
+        target.unlink(missing_ok=True)
+    return {"bytes": count * block, "write_s": write, "read_s": read}
+
+
+def _drop_cache_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def worker_main(spec: dict) -> int:
@@ -366,9 +449,10 @@ def worker_main(spec: dict) -> int:
                 job = ZerotrainJob(args, root, rank, process_writer=True)
             elif engine == "ztn":  # zerotrain's checkpoint loaded without the crc32 check
                 job = ZerotrainJob(argparse.Namespace(**{**vars(args), "verify_on_load": False}), root, rank)
-            else:
-                job = {"zt": ZerotrainJob, "dcp": DcpJob, "ds": DeepSpeedJob}[engine](args, root, rank)
-            result.update(_load_round(job) if spec["phase"] == "load" else job.run())
+            else:  # zto: zerotrain of another checkout (--old-code), for interleaved before/after rounds
+                job = {"zt": ZerotrainJob, "zto": ZerotrainJob, "dcp": DcpJob, "ds": DeepSpeedJob}[engine](args, root, rank)
+            phases = {"load": _load_round, "save": _save_round, "profile": _profile}
+            result.update(phases[spec["phase"]](job) if spec["phase"] in phases else job.run())
         result["status"] = "ok"
         dist.barrier()
         dist.destroy_process_group()
@@ -408,7 +492,24 @@ def main(argv=None) -> int:
                         help="rounds of cold loads in fresh processes, engines interleaved (medians reported)")
     parser.add_argument("--load-only", action="store_true",
                         help="skip the main phases: load rounds on the checkpoints of an earlier --keep --dir run")
+    parser.add_argument("--save-rounds", type=int, default=0,
+                        help="rounds of one durable save in fresh processes, engines interleaved (DeepSpeed's "
+                             "with the fsync of its files; medians reported)")
+    parser.add_argument("--profile", action="store_true",
+                        help="first, per engine: one save and one cold load per rank under cProfile, by phase")
+    parser.add_argument("--old-code", default=None,
+                        help="a checkout of zerotrain (its repository root) that engine zto imports: before/after "
+                             "rounds interleaved in one invocation")
+    parser.add_argument("--no-async", action="store_true", help="main phase: skip the asynchronous saves")
+    parser.add_argument("--no-main", action="store_true",
+                        help="skip the main phase (only --profile, --save-rounds, --load-rounds)")
+    parser.add_argument("--dd", action="store_true",
+                        help="also time dd writing (O_DIRECT, fsync) and reading (O_DIRECT) the checkpoint's bytes "
+                             "on the same disk (default with --model 1b)")
     args = parser.parse_args(argv)
+    if "zto" in args.engines.split(",") and not args.old_code:
+        parser.error("engine zto needs --old-code DIR (a zerotrain checkout to compare with)")
+    args.dd = args.dd or args.model in BENCH_PRESETS
     if args.load_only and (args.dir is None or not args.load_rounds):
         parser.error("--load-only needs --dir (holding an earlier --keep run's checkpoints) and --load-rounds")
     if args.dir is None:
@@ -423,8 +524,39 @@ def main(argv=None) -> int:
         if engine not in ENGINES:
             parser.error(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
     rounds: dict[str, list] = {}
+    save_rounds: dict[str, list] = {}
+    profiles: dict[str, list] = {}
+    disk: dict[str, float] = {}
+    if not args.load_only:
+        problem = _check_space(args, root, engines)
+        if problem:
+            print(problem, file=sys.stderr)
+            return 2
     try:
-        for engine in [] if args.load_only else [e for e in engines if e not in LOAD_ONLY]:
+        if args.dd:
+            disk = _dd_speed(root, model_parameters(args.model) * 12)
+        for engine in [e for e in engines if e not in LOAD_ONLY] if args.profile else []:
+            result = launch(engine, "profile", 2, args, root)
+            if result.get("status") != "ok":
+                print(result.get("traceback", result.get("reason")), file=sys.stderr)
+                continue
+            other = json.loads((root / f"{engine}.profile.rank1.json").read_text())
+            profiles[engine] = [result["profile"], other["profile"]]
+            shutil.rmtree(root / engine / "prof", ignore_errors=True)
+        for index in range(args.save_rounds):
+            savers = [e for e in engines if e not in LOAD_ONLY]
+            order = savers[index % len(savers):] + savers[:index % len(savers)]
+            for engine in order:
+                shutil.rmtree(root / engine / "round", ignore_errors=True)
+                result = launch(engine, "save", 2, args, root)
+                shutil.rmtree(root / engine / "round", ignore_errors=True)
+                if result.get("status") != "ok":
+                    print(result.get("traceback", result.get("reason")), file=sys.stderr)
+                    continue
+                save_rounds.setdefault(engine, []).append(result["save_s"])
+            print(f"save round {index + 1}: " + ", ".join(f"{e} {save_rounds[e][-1]:.3f}s" for e in order
+                                                         if len(save_rounds.get(e, [])) == index + 1), flush=True)
+        for engine in [] if args.load_only or args.no_main else [e for e in engines if e not in LOAD_ONLY]:
             started = time.perf_counter()
             result = launch(engine, "main", 2, args, root)
             if result.get("status") == "ok":
@@ -443,6 +575,9 @@ def main(argv=None) -> int:
                 print(result.get("traceback", result.get("reason")), file=sys.stderr)
             results[engine] = result
             print(f"{engine}: {result.get('status')} in {time.perf_counter() - started:.0f}s", flush=True)
+            for extra in (root / engine).glob("*") if (root / engine).is_dir() else ():
+                if extra.name != "sync0":  # only sync0 is loaded again: the rest goes now (a 1b row is 12 GB each)
+                    shutil.rmtree(extra, ignore_errors=True) if extra.is_dir() else extra.unlink()
         loadable = [e for e in engines if (root / LOAD_ONLY.get(e, e) / "sync0").is_dir()]
         for index in range(args.load_rounds):
             order = loadable[index % len(loadable):] + loadable[:index % len(loadable)]
@@ -460,14 +595,23 @@ def main(argv=None) -> int:
                 shutil.rmtree(root / LOAD_ONLY.get(engine, engine), ignore_errors=True)
         if not args.keep and args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
+    if profiles:
+        print_profiles(profiles)
     if results:
         print_table(results, args)
+    if disk:
+        print(f"\ndd on the same disk, {disk['bytes'] / 1e9:.2f} GB (the checkpoint's size, one stream, 16 MiB blocks): "
+              f"write O_DIRECT + fsync {disk['write_s']:.2f}s ({disk['bytes'] / 1e9 / disk['write_s']:.2f} GB/s), "
+              f"cold read O_DIRECT {disk['read_s']:.2f}s ({disk['bytes'] / 1e9 / disk['read_s']:.2f} GB/s)")
+    if save_rounds:
+        print_load_rounds(save_rounds, "durable saves")
     if rounds:
         print_load_rounds(rounds)
     print(f"\nload average {' '.join('%.2f' % x for x in os.getloadavg())} at the end. The #21 load target is judged "
           "on a quiet machine (nothing else running), with:\n  " + FINAL_RUN)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "load_rounds": rounds},
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "load_rounds": rounds,
+                                               "save_rounds": save_rounds, "profiles": profiles, "dd": disk},
                                               indent=2))
     return 0 if all(r.get("status") in ("ok", "unavailable") for r in results.values()) else 1
 

@@ -167,6 +167,9 @@ COVERING: dict[str, list[str]] = {
         "tests/checkpoint/test_ckpt_experts.py::test_plan_refuses_experts_missing_from_a_data_parallel_rank",
         "tests/checkpoint/test_ckpt_experts.py::test_plan_takes_each_expert_once_from_its_expert_data_parallel_replicas",
         "tests/checkpoint/test_ckpt_write.py::test_many_rounds_and_files_per_writer_load_exactly"],
+    # the aligned, double-buffered writer and the readers in-process (both I/O modes); a full disk at world 2
+    "zerotrain/checkpoint/directio.py": ["tests/checkpoint/test_ckpt_units.py",
+                                         "tests/checkpoint/test_ckpt_disk_full.py"],
     "zerotrain/checkpoint/format.py": [
         "tests/checkpoint/test_ckpt_units.py",
         "tests/checkpoint/test_ckpt_write.py::test_many_rounds_and_files_per_writer_load_exactly"],

@@ -41,6 +41,51 @@ def test_streaming_writer_is_read_by_safetensors(tmp_path, monkeypatch, direct):
         SafetensorsWriter(str(tmp_path / "y.safetensors"), [("a", torch.float32, (2,))]).write("b", [])
 
 
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_a_failed_write_of_the_writer_thread_is_raised_naming_the_file(tmp_path, monkeypatch, direct):
+    # O_DIRECT writes go out on the file's writer thread while the caller fills the next buffer (#50): the
+    # thread's error must still reach the caller, with the file's path (a file size limit: EFBIG, a real error)
+    import errno
+    import resource
+    monkeypatch.setenv("ZEROTRAIN_CHECKPOINT_ODIRECT", direct)
+    path = str(tmp_path / "x.safetensors")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20 << 20, hard))
+    try:
+        writer = SafetensorsWriter(path, [("big", torch.float32, (12 << 20,))])  # 48 MB: past the limit
+        with pytest.raises(OSError) as raised:  # by the write itself: 6 buffers, the 3rd fails, waited for at the 5th
+            writer.write("big", [torch.ones(12 << 20)])
+        writer.abort()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert raised.value.errno == errno.EFBIG and raised.value.filename == path
+    assert os.path.getsize(path) <= 20 << 20
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_writers_and_readers_leave_no_descriptor_open(tmp_path, monkeypatch, direct):
+    # a save writes hundreds of files and a load opens every one: a descriptor left open by a closed or aborted
+    # writer, the streaming reader (`file_crc32`) or a TensorReader adds up over a long run (and keeps space of
+    # deleted checkpoints allocated)
+    from zerotrain.checkpoint.integrity import file_crc32
+    monkeypatch.setenv("ZEROTRAIN_CHECKPOINT_ODIRECT", direct)
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    value = torch.arange(3 << 20, dtype=torch.float32)  # spans buffers
+    before = open_fds()
+    for name in ("closed", "aborted"):
+        writer = SafetensorsWriter(str(tmp_path / f"{name}.safetensors"), [("v", value.dtype, tuple(value.shape))])
+        writer.write("v", [value])
+        writer.close() if name == "closed" else writer.abort()
+    path = str(tmp_path / "closed.safetensors")
+    assert file_crc32(path) == zlib.crc32(open(path, "rb").read())
+    with TensorReader(str(tmp_path), {"v": "closed.safetensors"}, "model weights") as reader:
+        assert torch.equal(reader.read_range("v", 5, 7), value[5:12])
+    assert open_fds() == before
+
+
 def test_range_reads_match_flat_slices(tmp_path):
     generator = torch.Generator().manual_seed(0)
     tensors = {"m": torch.randn(5, 7, 3, generator=generator), "v": torch.randn(11, generator=generator),

@@ -185,8 +185,8 @@ class SafetensorsWriter:
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)
         self._next = 0
-        self._crc = 0
-        self._file = DurableFile(path)
+        # the crc32 of the bytes is computed by the file's writer thread as each buffer goes out
+        self._file = DurableFile(path, checksum=checksum, crc32=crc32)
         self._emit(struct.pack("<Q", len(encoded)) + encoded)
 
     def _emit(self, data) -> None:
@@ -194,8 +194,6 @@ class SafetensorsWriter:
             self._file.write(data)
         except OSError as error:
             raise _named(error, self.path) from error
-        if self._checksum:
-            self._crc = crc32(data, self._crc)
 
     def write(self, key: str, chunks: Iterable) -> None:
         if self._next >= len(self._order) or self._order[self._next][0] != key:
@@ -217,7 +215,8 @@ class SafetensorsWriter:
             self.abort()
             raise CheckpointError(f"{self.path}: closed before tensors {missing} were written")
         try:
-            return self._file.close(), self._crc
+            size = self._file.close()
+            return size, self._file.crc
         except OSError as error:
             raise _named(error, self.path) from error
 

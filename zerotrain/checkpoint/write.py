@@ -62,6 +62,7 @@ class SaveJob:
 
     def run(self) -> str:
         rank = self.comm.rank
+        self._scratch: dict[str, torch.Tensor] = {}  # the exchange's send and receive bytes, reused by every round
         header = self.comm.all_gather_object({"save_id": commit.new_save_id() if rank == 0 else None,
                                               "scalars": self.sources.scalars})
         self._scalars = [entry["scalars"] for entry in header]
@@ -143,15 +144,18 @@ class SaveJob:
                     if receiver != rank:
                         chunks += [self.sources.piece(piece, kind)
                                    for _, kind, piece, _ in self.plan.transfers(index, rank, receiver)]
-                send = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+                packed = sum(chunk.numel() for chunk in chunks)
+                send = self._buffer("send", packed)
+                if chunks:
+                    torch.cat(chunks, out=send)
                 if send.numel() != sum(input_splits):
                     raise CheckpointError(f"round {index}: packed {send.numel()} bytes, the plan says "
                                           f"{sum(input_splits)}")
             except Exception as caught:  # noqa: BLE001 - reported to every rank after the writes
                 failed = caught
         if not ok or failed is not None:
-            send = torch.zeros(sum(input_splits), dtype=torch.uint8)
-        received = torch.empty(sum(output_splits), dtype=torch.uint8)
+            send = self._buffer("send", sum(input_splits)).zero_()
+        received = self._buffer("receive", sum(output_splits))
         self.comm.all_to_all_bytes(received, send, output_splits, input_splits)
         pieces, offset = {}, 0
         for sender in range(world):
@@ -161,6 +165,15 @@ class SaveJob:
                 pieces[(kind, piece)] = received[offset:offset + nbytes]
                 offset += nbytes
         return pieces, failed
+
+    def _buffer(self, which: str, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of this save's `which` exchange buffer, grown when a round needs more: memory is
+        faulted in once per save, not once per round (a round's received pieces are written, copied into the
+        files' buffers, before the next round reuses it)."""
+        buffer = self._scratch.get(which)
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self._scratch[which] = torch.empty(nbytes, dtype=torch.uint8)
+        return buffer[:nbytes]
 
     def _writer(self, kind: str, key: str, temp: str, written: dict) -> SafetensorsWriter:
         name = self._file_of[(kind, key)]
