@@ -327,3 +327,26 @@ def test_launcher_lines_without_a_process_count_say_what_they_chose():
                       f"NCCL_DEBUG=INFO zerotrain launch --nproc {count} train.py\n")
     assert [(item.line, item.kind) for item in unported] == [(1, "check"), (2, "check")]
     assert all(f"wrote --nproc {count}" in item.advice and "set --nproc N" in item.advice for item in unported)
+
+
+def test_launcher_lines_in_the_shapes_real_scripts_write_them():
+    """DeepSpeedExamples' pipeline example behind CUDA_VISIBLE_DEVICES (DeepSpeed's launcher then starts one process
+    per listed device: no guess), `nohup` / `time` before the launcher, Megatron-DeepSpeed's `run_cmd="deepspeed
+    ..."` run by eval, a non-hostfile --num_nodes: rewritten; `python -m deepspeed.launcher.runner`: listed (it was
+    left as it was, silently)."""
+    ported, unported = rewrite_shell((FIXTURES / "launch_scripts.sh").read_text())
+    assert ported.splitlines()[3:] == [
+        "CUDA_VISIBLE_DEVICES=0,1 zerotrain launch --nproc 2 train.py --deepspeed_config=ds_config.json -p 2 --steps=200",
+        "nohup zerotrain launch --nproc 2 main.py --zero_stage 2 &> $OUTPUT/training.log &",
+        'run_cmd="zerotrain launch --nproc 4 ${DIR}/pretrain_gpt.py $@ ${options}"',
+        "echo ${run_cmd}",
+        "eval ${run_cmd}",
+        "time zerotrain launch --nproc 2 pretrain_gpt.py ${options}",
+        "python -m deepspeed.launcher.runner --num_gpus 2 train.py",
+        "zerotrain launch --nnodes 2 --master-addr node0 --node-rank 0 --nproc 8 pretrain_gpt.py",
+        "pip install deepspeed",
+        'echo "deepspeed is installed"',
+    ]
+    assert [(item.line, item.kind, item.what) for item in unported] == [
+        (10, "not ported", "python -m deepspeed.launcher.runner")]
+    assert "zerotrain launch" in unported[0].advice

@@ -409,7 +409,15 @@ _VALUE_OPTIONS = {"--num_gpus": "--nproc", "--num-gpus": "--nproc", "--num_nodes
 _FLAG_OPTIONS = {"--no_local_rank": "--no-local-rank", "--no-local-rank": "--no-local-rank"}
 # CPU core binding: placement only, no effect on what runs (torchrun's workers use the cores the OS gives them).
 _DROPPED = {"--bind_cores_to_rank": False, "--bind_core_list": True}  # option -> takes a value
-_LAUNCHER = re.compile(r"(^[ \t]*|[;&|(][ \t]*|^[ \t]*(?:\w+=\S*[ \t]+)+)(deepspeed)(?=[ \t])", re.M)
+# where a `deepspeed` command starts: a line's start (after environment assignments), after `;`, `&`, `|`, `(`,
+# after a command word that runs the rest (`nohup`, `time`, `exec`, `eval`, `command`), or at the start of a
+# quoted command held in a variable (`run_cmd="deepspeed ..."`, Megatron-DeepSpeed's scripts, run by `eval`)
+_LAUNCHER = re.compile(r"(^[ \t]*(?:\w+=\S*[ \t]+)*|[;&|(][ \t]*|\b(?:nohup|time|exec|eval|command)[ \t]+"
+                       r"|^[ \t]*\w+=[\"'])(deepspeed)(?=[ \t])", re.M)
+# a DeepSpeed launcher started as a Python module: not rewritten, listed
+_LAUNCHER_MODULE = re.compile(r"-m[ \t]+deepspeed(?:\.launcher\.(?:runner|launch))?(?=[ \t]|$)", re.M)
+# CUDA_VISIBLE_DEVICES=0,1 before the command: DeepSpeed's launcher starts one process per listed device
+_VISIBLE = re.compile(r"\bCUDA_VISIBLE_DEVICES=[\"']?([\d,]+)[\"']?[ \t]")
 
 
 _COUNT_OPTIONS = ("--num_gpus", "--num-gpus", "--include", "-i")
@@ -514,6 +522,8 @@ def rewrite_shell(source: str) -> tuple[str, list[Unported]]:
         counted = hosts or any(text.partition("=")[0] in _COUNT_OPTIONS for _, _, text in words[:-1])
         if counted:  # a hostfile's slots count the processes
             out.append(source[cursor:match.start(2)] + "zerotrain launch")
+        elif _visible_count(source, match) is not None:  # DeepSpeed: --include localhost:<the visible devices>
+            out.append(source[cursor:match.start(2)] + f"zerotrain launch --nproc {_visible_count(source, match)}")
         else:  # DeepSpeed's launcher starts one process per local device: the count is a guess here, said so
             count, where = _local_devices()
             out.append(source[cursor:match.start(2)] + f"zerotrain launch --nproc {count}")
@@ -525,4 +535,15 @@ def rewrite_shell(source: str) -> tuple[str, list[Unported]]:
             out.append(source[cursor:begin] + text)
             cursor = end
     out.append(source[cursor:])
+    for match in _LAUNCHER_MODULE.finditer(source):
+        unported.append(Unported(source.count("\n", 0, match.start()) + 1, f"python {match.group(0)}",
+                                 NOT_PROVIDED["deepspeed.launcher.runner"]))
+    unported.sort(key=lambda item: item.line)
     return "".join(out), unported
+
+
+def _visible_count(source: str, match: "re.Match[str]") -> Optional[int]:
+    """The devices a `CUDA_VISIBLE_DEVICES=0,1` assignment before the launcher word (on its line) lists, or None."""
+    line_start = source.rfind("\n", 0, match.start(2)) + 1
+    found = _VISIBLE.search(source[line_start:match.start(2)])
+    return len([d for d in found.group(1).split(",") if d]) if found else None
