@@ -350,3 +350,31 @@ def test_launcher_lines_in_the_shapes_real_scripts_write_them():
     assert [(item.line, item.kind, item.what) for item in unported] == [
         (10, "not ported", "python -m deepspeed.launcher.runner")]
     assert "zerotrain launch" in unported[0].advice
+
+
+def test_megatron_and_chat_uses_are_rewritten_to_what_zerotrain_has_or_listed():
+    """A name taken from a module that moved is checked too: `deepspeed.runtime.engine.DeepSpeedEngine` becomes
+    `deepspeed.engine.ZeroTrainEngine` (it became `deepspeed.engine.DeepSpeedEngine`, an AttributeError at run
+    time), `deepspeed.comm.get_world_group` and `...checkpointing.CheckpointFunction` are listed (they were
+    rewritten to names zerotrain lacks, silently); `from deepspeed.runtime.activation_checkpointing import
+    checkpointing` is `zerotrain.checkpointing` (it was listed); a path under a package without a counterpart
+    gets that path's advice."""
+    import zerotrain
+
+    source = (FIXTURES / "ds_megatron.py").read_text()
+    ported, unported = rewrite_python(source)
+    lines = ported.splitlines()
+    assert lines[3:7] == ["import zerotrain as deepspeed", "from zerotrain import checkpointing as ds_checkpointing",
+                          "from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology",
+                          "from zerotrain.runtime.zero.partition_parameters import ZeroParamStatus"]
+    assert "    is_engine = isinstance(engine, deepspeed.engine.ZeroTrainEngine)" in lines
+    assert "    rank = deepspeed.dist.get_rank()" in lines
+    assert "    group = deepspeed.comm.get_world_group()" in lines  # left as it was: listed below
+    listed = [(item.line, item.what, item.advice) for item in unported]
+    assert [(line, what) for line, what, _ in listed] == [
+        (6, "from deepspeed.runtime.pipe.topology import ..."), (14, "deepspeed.comm.get_world_group"),
+        (16, "deepspeed.runtime.activation_checkpointing.checkpointing.CheckpointFunction"),
+        (17, "deepspeed.sequence.layer.DistributedAttention")]
+    assert listed[3][2] == NOT_PROVIDED["deepspeed.sequence.layer"]
+    assert zerotrain.engine.ZeroTrainEngine is not None and not hasattr(zerotrain.engine, "DeepSpeedEngine")
+    assert not hasattr(zerotrain.dist, "get_world_group") and not hasattr(zerotrain.checkpointing, "CheckpointFunction")

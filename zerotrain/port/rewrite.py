@@ -162,6 +162,11 @@ def _port_from(node: ast.ImportFrom, line: int, unported: list[Unported]) -> Opt
         return None
     entry = lookup(module)
     if entry is None:
+        # a package above listed paths: `from deepspeed.runtime.activation_checkpointing import checkpointing`
+        found = [(_submodule(module, alias.name), alias) for alias in node.names] \
+            if is_package(module) and not not_provided(module) else []
+        if found and all(where is not None for where, _ in found):
+            return _grouped([(where, alias.asname or alias.name) for where, alias in found])
         unported.append(Unported(line, f"from {module} import ...", advice_for(module)))
         return None
     targets, missing = [], []
@@ -257,11 +262,15 @@ def _target(module: str) -> str:
 
 def _port_chain(root: ast.Name, attrs: list[ast.Attribute], module: str, unported: list[Unported]
                 ) -> Optional[tuple[tuple[int, int], tuple[int, int], str]]:
-    """Resolve `root.a.b...` (root bound to DeepSpeed's `module`) against the path table: None when it names
-    what zerotrain has under the same attributes; a replacement (start, end, text) of the attributes after
-    `root` when zerotrain has it elsewhere under the root's module (`deepspeed.comm` -> `deepspeed.dist`);
-    otherwise it is listed in `unported` (with what to write instead) and None is returned."""
-    root_target, here, current = _target(module), module, _target(module)
+    """Resolve `root.a.b...` (root bound to DeepSpeed's `module`) against the path table, up to the first name
+    inside a module (what follows is that object's own attributes): None when zerotrain has it under the same
+    attributes; a replacement (start, end, text) of the attributes after `root` when zerotrain has it elsewhere
+    under the root's module (`deepspeed.comm.get_rank` -> `deepspeed.dist.get_rank`, `deepspeed.runtime.engine.
+    DeepSpeedEngine` -> `deepspeed.engine.ZeroTrainEngine`); otherwise it is listed in `unported` (with what to
+    write instead) and None is returned. A module that moved is followed to its end: the name taken from it is
+    checked against the module's entry too (`deepspeed.comm.get_world_group` is listed, not rewritten)."""
+    root_target = _target(module)
+    here, current, last = module, root_target, -1  # DeepSpeed's path, zerotrain's, attrs[:last + 1] resolved
     for index, node in enumerate(attrs):
         attr, full = node.attr, f"{here}.{node.attr}"
         written = ast.unparse(attrs[index + 1] if index + 1 < len(attrs) else node)  # with the name used from it
@@ -270,31 +279,29 @@ def _port_chain(root: ast.Name, attrs: list[ast.Attribute], module: str, unporte
                                      else advice_for(here, attr)))
             return None
         entry = lookup(full)
-        where = None
         if entry is not None:
-            if entry.target != f"{current}.{attr}":
-                where = entry.target
-            here, current = full, entry.target
-            if where is None:
-                continue
-        elif is_package(full):
-            here, current = full, f"{current}.{attr}"
+            here, current, last = full, entry.target, index
             continue
+        if is_package(full):
+            here, current, last = full, f"{current}.{attr}", index
+            continue
+        owner = lookup(here)
+        moved = owner.moved.get(attr) if owner is not None else None
+        if owner is not None and attr in owner.names:
+            current, last = f"{current}.{attr}", index
+        elif moved is not None:
+            current, last = f"{moved[0]}.{moved[1]}", index
         else:
-            owner = lookup(here)
-            if owner is not None and attr in owner.names:
-                return None
-            moved = owner.moved.get(attr) if owner is not None else None
-            if moved is None:
-                unported.append(Unported(node.lineno, written, advice_for(here, attr)))
-                return None
-            where = f"{moved[0]}.{moved[1]}"
-        # zerotrain has it at `where`: reachable from the root's module as attributes, or not
-        if where.startswith(root_target + ".") and root.end_lineno == node.end_lineno:
-            text = "." + where[len(root_target) + 1:]
-            return (root.end_lineno, root.end_col_offset), (node.end_lineno, node.end_col_offset), text
-        unported.append(Unported(node.lineno, written, f"`{where}` in zerotrain: import it and use that name"))
-        return None
+            unported.append(Unported(node.lineno, written, advice_for(here, attr)))
+            return None
+        break
+    if last < 0 or current == root_target + "".join(f".{node.attr}" for node in attrs[:last + 1]):
+        return None  # the same path under zerotrain
+    node = attrs[last]
+    if current.startswith(root_target + ".") and root.end_lineno == node.end_lineno:
+        text = "." + current[len(root_target) + 1:]
+        return (root.end_lineno, root.end_col_offset), (node.end_lineno, node.end_col_offset), text
+    unported.append(Unported(node.lineno, ast.unparse(node), f"`{current}` in zerotrain: import it and use that name"))
     return None
 
 
