@@ -378,3 +378,14 @@ def test_megatron_and_chat_uses_are_rewritten_to_what_zerotrain_has_or_listed():
     assert listed[3][2] == NOT_PROVIDED["deepspeed.sequence.layer"]
     assert zerotrain.engine.ZeroTrainEngine is not None and not hasattr(zerotrain.engine, "DeepSpeedEngine")
     assert not hasattr(zerotrain.dist, "get_world_group") and not hasattr(zerotrain.checkpointing, "CheckpointFunction")
+
+
+def test_a_count_less_launcher_line_takes_the_cuda_devices_of_ports_machine(monkeypatch):
+    """On a machine with CUDA devices (here: torch.cuda's answers replaced, no collective involved) the launcher
+    line without a count gets that many processes, said in the check line."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    ported, unported = rewrite_shell("deepspeed train.py --deepspeed_config ds.json\n")
+    assert ported == "zerotrain launch --nproc 4 train.py --deepspeed_config ds.json\n"
+    assert [item.kind for item in unported] == ["check"]
+    assert "wrote --nproc 4 (the 4 CUDA device(s) of the machine that ran zerotrain port)" in unported[0].advice
