@@ -280,3 +280,26 @@ def test_pipeline_module_takes_deepspeeds_checkpointing_and_seed_arguments():
     with pytest.raises(ValueError, match="dynamic_shape=True") as err:
         PipelineModule([LayerSpec(nn.Linear, 2, 2)], num_stages=1, dynamic_shape=True)
     assert "\n" not in str(err.value)
+
+
+def test_dotted_layer_names_and_tied_owner_names():
+    """Layers registered under dotted names (pipe.hf's `model.layers.3`) are reachable as parameters and state;
+    a tied layer's parameter is saved under the key's first position, `10.weight` not taken for layer 1's."""
+    from zerotrain.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    names = ["model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head"]
+    layers = [LayerSpec(nn.Linear, 2, 2) for _ in range(3)] + [LayerSpec(nn.Linear, 2, 2, bias=False)]
+    module = PipelineModule(layers, num_stages=1, layer_names=names)
+    module.build([0], lambda piece: 0, 1)
+    assert sorted(module.state_dict()) == ["lm_head.weight", "model.embed_tokens.bias", "model.embed_tokens.weight",
+                                           "model.layers.0.bias", "model.layers.0.weight", "model.layers.1.bias",
+                                           "model.layers.1.weight"]
+    assert len(list(module.parameters())) == 7
+
+    tied = [TiedLayerSpec("embed", nn.Linear, 2, 2, bias=False)] + [LayerSpec(nn.Linear, 2, 2) for _ in range(9)] + \
+        [TiedLayerSpec("embed", nn.Linear, 2, 2, bias=False, forward_fn=lambda m, x: x @ m.weight)]
+    module = PipelineModule(tied, num_stages=1)
+    module.build([0], lambda piece: 0, 1)
+    assert module.tied_owner_name("10.weight") == "0.weight"
+    assert module.tied_owner_name("1.weight") == "1.weight"  # not layer 10's prefix
+    assert module.tied_owner_name("0.weight") == "0.weight"

@@ -265,9 +265,7 @@ class PipelineModule(nn.Module):
 
     # --- the cut ------------------------------------------------------------------
     def _layer_weights(self) -> list[float]:
-        method = self.partition_method
-        if method == "uniform":
-            return [1.0] * len(self._specs)
+        method = self.partition_method  # "uniform" is cut by layer counts (`partition`), without weights
         if method.startswith("type:"):
             pattern = re.compile(method[5:], re.IGNORECASE)
             names = [(spec.typename if isinstance(spec, LayerSpec) else type(spec)).__name__ for spec in self._specs]
