@@ -75,6 +75,47 @@ if os.environ.get("DSPROG_LOSSES"):
 
     _F.logsigmoid = logsigmoid
 
+if os.environ.get("DSPROG_CPU_SET_DEVICE"):
+    # a program that calls torch.cuda.set_device(local_rank) unconditionally (DeepSpeedExamples' pipeline example),
+    # run on a CPU-only torch where that call raises: the harness makes it a no-op, for both engines
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        _torch.cuda.set_device = lambda device: None
+
+if os.environ.get("DSPROG_CIFAR"):
+    # torchvision installed from PyPI (a CUDA build) on a CPU torch: its compiled ops do not load, and importing
+    # it then fails registering fake kernels for two ops it never defined; the harness declares them (unused by
+    # the programs: no detection ops). The real `datasets.CIFAR10` then reads the harness's small CIFAR-10 in its
+    # own on-disk format (cifar-10-batches-py pickles): its root is the harness's directory and its integrity
+    # list holds the harness files' md5s, so `download=True` finds the data and downloads nothing.
+    import torch as _torch
+
+    _torchvision_ops = _torch.library.Library("torchvision", "FRAGMENT")
+    for _schema in ("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+                    "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"):
+        try:
+            _torchvision_ops.define(_schema)
+        except RuntimeError:  # the compiled ops loaded after all
+            pass
+    import hashlib
+    import json as _json
+
+    import torchvision.datasets as _tv_datasets
+
+    with open(os.path.join(os.environ["DSPROG_CIFAR"], "md5.json")) as _handle:
+        _md5 = _json.load(_handle)
+    _CIFAR10 = _tv_datasets.CIFAR10
+    _CIFAR10.train_list = [[name, _md5[name]] for name, _ in _CIFAR10.train_list]
+    _CIFAR10.test_list = [[name, _md5[name]] for name, _ in _CIFAR10.test_list]
+    _CIFAR10.meta = dict(_CIFAR10.meta, md5=_md5[_CIFAR10.meta["filename"]])
+    _cifar_init = _CIFAR10.__init__
+
+    def _cifar_init_here(self, root, *args, **kwargs):
+        _cifar_init(self, os.environ["DSPROG_CIFAR"], *args, **kwargs)
+
+    _CIFAR10.__init__ = _cifar_init_here
+
 if os.environ.get("DSPROG_WIKITEXT"):
     # HelloDeepSpeed reads datasets.load_dataset("wikitext", "wikitext-2-v1", split="train") from the hub: the
     # harness answers that one call with the local stand-in's lines (one record per line ending in a newline, blank
@@ -163,6 +204,16 @@ class Recipe:
     # how DeepSpeed starts the original: "torchrun" (the program reads LOCAL_RANK) or "deepspeed" (DeepSpeed's
     # own launcher, as the program's scripts do: it passes --local_rank, which some programs require)
     deepspeed_launcher = "torchrun"
+    # the rank whose losses are compared (a pipeline program computes them on its last stage)
+    loss_rank = 0
+    # a shell script of the program whose launcher line starts the run (each engine runs its own copy's line:
+    # DeepSpeed's `deepspeed ...` as written, zerotrain the line `zerotrain port` wrote), or None
+    shell = None
+    # directories given with --pythonpath (installed packages the machine lacks)
+    extra: list = []
+    # drop non-finite recorded losses (counted): torch's pipeline schedule calls the loss function once more, in its
+    # backward metadata inference before the first micro-batch, on placeholder tensors (its value is not a loss)
+    drop_nonfinite = False
 
     def args(self, stage: int, steps: int, out: str) -> list[str]:
         """The program's command line for one launch; `out` is that launch's own directory (outputs, caches)."""
@@ -340,7 +391,62 @@ class HelloDeepSpeed(Recipe):
                 "--checkpoint_every", "1000000", "--log_every", "1", "--dtype", "bf16"]
 
 
-RECIPES = {"cifar": Cifar, "chat-sft": ChatSFT, "chat-reward": ChatReward, "hello-deepspeed": HelloDeepSpeed}
+class Pipeline(Recipe):
+    """training/pipeline_parallelism (train.py, ds_config.json, run.sh): torchvision's AlexNet cut into a 2-stage
+    `PipelineModule` (the "parameters" cut), `engine.train_batch()` over `training_data`, the real torchvision
+    (`--pythonpath` names it when it is not installed: e.g. a `pip install --no-deps --target DIR torchvision`) reading
+    a small CIFAR-10 the harness writes in torchvision's own format (`DSPROG_SAMPLES` training images, fixed seed).
+    Each engine runs its copy's run.sh launcher line: DeepSpeed's `deepspeed train.py --deepspeed_config=ds_config.json
+    -p 2 --steps=200` as written and the `zerotrain launch` line `port` wrote for it, with the count both need on
+    this CPU machine (`--num_gpus 2` / `--nproc 2`: the line has none, and port's check line says to set it) and,
+    after the line's own arguments, `--steps N --backend gloo` (the program's options: fewer steps, the CPU
+    backend in place of its nccl default). The program's config as it is (train_batch_size 256 = 32 micro-batches
+    of 8 per step, Adam lr 1e-3, no gradient_clipping key)."""
+
+    entry = "train.py"
+    deepspeed_launcher = "deepspeed"
+    loss_rank = 1
+    shell = "run.sh"
+    drop_nonfinite = True
+
+    def prepare(self, harness: str, program: str, steps: int) -> None:
+        import hashlib
+        import pickle
+
+        import numpy as np
+
+        root = os.path.join(harness, "cifar10")
+        folder = os.path.join(root, "cifar-10-batches-py")
+        os.makedirs(folder, exist_ok=True)
+        per_file = -(-int(os.environ.get("DSPROG_SAMPLES", "640")) // 5)
+        rng = np.random.default_rng(0)
+        md5 = {}
+        for name, count in [(f"data_batch_{i}", per_file) for i in range(1, 6)] + [("test_batch", 16)]:
+            entry = {"batch_label": name, "data": rng.integers(0, 256, (count, 3072), dtype=np.uint8),
+                     "labels": [int(v) for v in rng.integers(0, 10, count)],
+                     "filenames": [f"{name}_{i}.png" for i in range(count)]}
+            with open(os.path.join(folder, name), "wb") as handle:
+                pickle.dump(entry, handle)
+        meta = {"label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
+                                "truck"], "num_cases_per_batch": per_file, "num_vis": 3072}
+        with open(os.path.join(folder, "batches.meta"), "wb") as handle:
+            pickle.dump(meta, handle)
+        for name in os.listdir(folder):
+            with open(os.path.join(folder, name), "rb") as handle:
+                md5[name] = hashlib.md5(handle.read()).hexdigest()
+        with open(os.path.join(root, "md5.json"), "w") as handle:
+            json.dump(md5, handle)
+        self.root = root
+
+    def env(self) -> dict:
+        return {"DSPROG_CIFAR": self.root, "DSPROG_CPU_SET_DEVICE": "1"}
+
+    def args(self, stage: int, steps: int, out: str) -> list[str]:
+        return ["--steps", str(steps), "--backend", "gloo"]
+
+
+RECIPES = {"cifar": Cifar, "pipeline": Pipeline, "chat-sft": ChatSFT, "chat-reward": ChatReward,
+           "hello-deepspeed": HelloDeepSpeed}
 
 
 def port(copy: str) -> int:
@@ -360,15 +466,39 @@ def port(copy: str) -> int:
     return sum(1 for line in diff.splitlines() if line[:1] in "+-" and line[:3] not in ("+++", "---"))
 
 
+def _shell_line(engine: str, script: str) -> list[str]:
+    """The command of the program's own launcher line in `script` (the copy's: as written for DeepSpeed, as `zerotrain
+    port` wrote it for zerotrain), with 2 processes on this node and a free port."""
+    import shlex
+
+    first = "deepspeed" if engine == "deepspeed" else "zerotrain"
+    with open(script) as handle:
+        line = next(line for line in handle.read().replace("\\\n", " ").splitlines()
+                    if line.strip().startswith(first + " "))
+    words = shlex.split(line)
+    if engine == "deepspeed":
+        if "--num_gpus" in words or any(word.startswith("--num_gpus=") for word in words):
+            raise RuntimeError(f"{script}: the harness sets --num_gpus itself: {line}")
+        return [PYTHON, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(_free_port()),
+                *words[1:]]
+    if words[:2] != ["zerotrain", "launch"] or "--nproc" not in words:
+        raise RuntimeError(f"{script}: not a `zerotrain launch --nproc N` line: {line}")
+    at = words.index("--nproc")
+    words[at + 1] = "2"  # what port's check line asks for: the processes per node the job needs
+    return [PYTHON, "-m", "zerotrain.cli", "launch", "--master-port", str(_free_port()), *words[2:]]
+
+
 def launch(engine: str, program: str, recipe: Recipe, stage: int, steps: int, harness: str, losses: str,
            timeout: int) -> dict:
     shutil.rmtree(losses, ignore_errors=True)  # a rerun in the same work directory starts clean
     os.makedirs(losses)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([harness, *recipe.pythonpath(program), REPO]),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([harness, *recipe.pythonpath(program), *recipe.extra, REPO]),
                DSPROG_LOSSES=losses, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **recipe.env())
     args = recipe.args(stage, steps, losses)
-    if engine == "deepspeed" and recipe.deepspeed_launcher == "deepspeed":
+    if recipe.shell:
+        command = _shell_line(engine, os.path.join(program, recipe.shell)) + args
+    elif engine == "deepspeed" and recipe.deepspeed_launcher == "deepspeed":
         command = [PYTHON, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(_free_port()),
                    recipe.entry, *args]
     elif engine == "deepspeed":
@@ -399,11 +529,18 @@ def launch(engine: str, program: str, recipe: Recipe, stage: int, steps: int, ha
     with open(os.path.join(losses, "output.txt"), "w") as handle:
         handle.write(output)
     values = []
-    path = os.path.join(losses, "rank0.txt")
+    path = os.path.join(losses, f"rank{recipe.loss_rank}.txt")
     if os.path.exists(path):
         with open(path) as handle:
             values = [float(line) for line in handle if line.strip()]
-    return {"rc": rc, "seconds": seconds, "losses": values, "tail": output.strip().splitlines()[-5:]}
+    dropped = 0
+    if recipe.drop_nonfinite:
+        import math
+
+        dropped = sum(1 for value in values if not math.isfinite(value))
+        values = [value for value in values if math.isfinite(value)]
+    return {"rc": rc, "seconds": seconds, "losses": values, "nonfinite_dropped": dropped,
+            "tail": output.strip().splitlines()[-5:]}
 
 
 def _saved_weights(path: str) -> dict:
@@ -483,8 +620,15 @@ def main(argv=None) -> int:
     parser.add_argument("--work", default=None, help="work directory (default: a new one under /tmp)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per launch")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--set", nargs="*", default=[], metavar="FILE:KEY=JSON",
+                        help="set a key of the program's JSON config in both copies (e.g. ds_config.json:"
+                             "gradient_clipping=0): a stated harness change, for comparisons the program's config "
+                             "cannot make exact")
+    parser.add_argument("--pythonpath", nargs="*", default=[],
+                        help="more directories for the ranks' PYTHONPATH (e.g. a `pip install --target` of torchvision)")
     args = parser.parse_args(argv)
     recipe = RECIPES[args.recipe]()
+    recipe.extra = [os.path.abspath(path) for path in args.pythonpath]
     work = args.work or f"/tmp/ds_programs_{args.recipe}_{os.getpid()}"
     os.makedirs(work, exist_ok=True)
     harness = os.path.join(work, "harness")
@@ -496,6 +640,16 @@ def main(argv=None) -> int:
     for copy in (original, ported):
         shutil.rmtree(copy, ignore_errors=True)
         shutil.copytree(args.program, copy)
+    for setting in args.set:
+        name, _, assignment = setting.partition(":")
+        key, _, value = assignment.partition("=")
+        for copy in (original, ported):
+            with open(os.path.join(copy, name)) as handle:
+                config = json.load(handle)
+            config[key] = json.loads(value)
+            with open(os.path.join(copy, name), "w") as handle:
+                json.dump(config, handle, indent=2)
+        print(f"harness: {name}: {key} = {value} in both copies")
     changed = port(ported)
     recipe.prepare(harness, original, args.steps)
     recipe.prepare(harness, ported, args.steps)
@@ -515,6 +669,10 @@ def main(argv=None) -> int:
             recipe.saved_model(os.path.join(work, f"losses_deepspeed_zero{stage}")))
         results["stages"][stage] = row
         c = row["compare"]
+        for engine in ("deepspeed", "zerotrain"):
+            if row[engine]["nonfinite_dropped"]:
+                print(f"  {engine}: {row[engine]['nonfinite_dropped']} non-finite loss_fn value(s) dropped (torch's "
+                      f"pipeline metadata inference calls the loss function on placeholder tensors)")
         print(f"ZeRO-{stage}: rc deepspeed={row['deepspeed']['rc']} zerotrain={row['zerotrain']['rc']}; "
               f"time {row['deepspeed']['seconds']:.1f}s / {row['zerotrain']['seconds']:.1f}s; "
               f"{c.get('steps', 0)} losses compared, max |diff| {c.get('max_abs', float('nan')):.3g}, "

@@ -220,6 +220,14 @@ COVERING: dict[str, list[str]] = {
         "tests/parallel/test_moe_engine.py::test_split_experts_with_tensor_parallelism_pass_the_up_front_check",
         "tests/parallel/test_tensor_expert_parallel.py::test_experts_split_over_tensor_parallel_ranks_are_refused_naming_them",
         "tests/parallel/test_moe_engine.py::test_engine_trains_split_experts_like_one_process[4-2]"],
+    # in-process: DeepSpeed's cut (ties), the checkpointing/seed keywords, dotted names and tied owners, the
+    # refusals; one world-1 launch (the frozen-run refusal, a built stage training as plain PyTorch)
+    "zerotrain/pipe/module.py": [
+        "tests/pipe/test_deepspeed_pipeline.py::test_the_cut_is_deepspeeds_partition_ties_included",
+        "tests/pipe/test_deepspeed_pipeline.py::test_pipeline_module_takes_deepspeeds_checkpointing_and_seed_arguments",
+        "tests/pipe/test_deepspeed_pipeline.py::test_dotted_layer_names_and_tied_owner_names",
+        "tests/pipe/test_deepspeed_pipeline.py::test_a_run_that_would_train_nothing_fails_and_a_built_stage_trains",
+        "tests/pipe/test_pipeline.py::test_partition_methods", "tests/pipe/test_pipeline.py::test_refusals_name_the_key"],
 }
 
 # Method names whose swap is a plausible slip (the GQA bug: repeat for repeat_interleave).

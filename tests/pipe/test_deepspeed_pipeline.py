@@ -45,14 +45,14 @@ def run_program(directory: str, out: str, deepspeed_accelerator: bool) -> None:
     # run_distributed's ranks are daemonic; DeepSpeed's pipeline loader starts worker processes, as under torchrun
     multiprocessing.current_process()._config["daemon"] = False
     os.chdir(directory)
-    sys.argv = ["train.py", "--local_rank", os.environ["LOCAL_RANK"], "--deepspeed_config", "ds_config.json",
-                "--out", out]
     sys.path.insert(0, directory)
-    runpy.run_path(os.path.join(directory, "train.py"), run_name="__main__")
+    for script, config in (("train.py", "ds_config.json"), ("gpt_pipe.py", "ds_config_gpt.json")):
+        sys.argv = [script, "--local_rank", os.environ["LOCAL_RANK"], "--deepspeed_config", config, "--out", out]
+        runpy.run_path(os.path.join(directory, script), run_name="__main__")
 
 
-def _results(out: Path) -> list[dict]:
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+def _results(out: Path, prefix: str = "") -> list[dict]:
+    return [json.loads((out / f"{prefix}rank{rank}.json").read_text()) for rank in range(2)]
 
 
 @needs_deepspeed
@@ -75,6 +75,17 @@ def test_a_deepspeed_pipeline_program_runs_after_port_as_under_deepspeed(tmp_pat
         for step, (a, b) in enumerate(zip(ours[rank]["losses"], theirs[rank]["losses"])):
             assert abs(a - b) <= 1e-5 * abs(b), (rank, step, ours[rank]["losses"], theirs[rank]["losses"])
     assert theirs[0]["losses"][-1] < theirs[0]["losses"][0] - 0.5  # it trains
+    # the Megatron-DeepSpeed-style GPT (gpt_pipe.py): tied embedding/head across the two stages, the
+    # "type:transformer" cut, deepspeed.checkpointing around each transformer layer's body, 4 micro-batches a step
+    theirs, ours = _results(tmp_path / "theirs", "gpt_"), _results(tmp_path / "ours", "gpt_")
+    assert theirs[0]["parts"] == [0, 3, 7]  # 2 transformer layers a stage; the embedding first, norm + head last
+    for rank in range(2):
+        assert ours[rank]["parts"] == theirs[rank]["parts"]
+        assert ours[rank]["built"] == [[0, 1, 2], [3, 4, 5, 6]][rank], ours[rank]["built"]
+        assert len(ours[rank]["losses"]) == len(theirs[rank]["losses"]) == 6
+        for step, (a, b) in enumerate(zip(ours[rank]["losses"], theirs[rank]["losses"])):
+            assert abs(a - b) <= 1e-5 * abs(b), (rank, step, ours[rank]["losses"], theirs[rank]["losses"])
+    assert theirs[1]["losses"][-1] < theirs[1]["losses"][0] - 0.2  # it trains
 
 
 def _alexnet_layers() -> list:
@@ -194,3 +205,101 @@ def test_a_run_that_would_train_nothing_fails_and_a_built_stage_trains():
     assert out["eval"] == pytest.approx(out["expected_eval"], rel=1e-5)
     assert out["after_own"] == pytest.approx(out["eval_own"], rel=1e-6)
     assert out["generator_group_trains"]
+
+
+class _Act(nn.Module):
+    """A parameterless layer that counts its forwards (a checkpointed run forwards again in backward)."""
+
+    def __init__(self, calls: list):
+        super().__init__()
+        self.calls = calls
+
+    def forward(self, x):
+        self.calls.append(type(self).__name__)
+        return torch.tanh(x)
+
+
+class _Linear(nn.Linear):
+    def __init__(self, calls: list, *args):
+        super().__init__(*args)
+        self.calls = calls
+
+    def forward(self, x):
+        self.calls.append(type(self).__name__)
+        return super().forward(x)
+
+
+class ParallelTransformerLayerPipe(_Linear):
+    """Named as Megatron's transformer layer: the only layer a GPTModelPipe checkpoints."""
+
+
+def test_pipeline_module_takes_deepspeeds_checkpointing_and_seed_arguments():
+    """`activation_checkpoint_func`, `checkpointable_layers` and `seed_fn` as DeepSpeed's PipelineModule takes them
+    (a program passing them failed with a TypeError), DeepSpeed's rule for which runs are checkpointed (runs holding
+    parameters; only the listed classes; a Megatron GPTModelPipe only its ParallelTransformerLayerPipes), the same
+    gradients as without checkpointing; `dynamic_shape=True` refused in one line."""
+    import zerotrain.checkpointing
+    from zerotrain.pipe import LayerSpec, PipelineModule
+
+    def run(cls=PipelineModule, **kwargs):
+        calls, used = [], []
+
+        def func(function, *args):
+            used.append(len(args))
+            return zerotrain.checkpointing.checkpoint(function, *args)
+
+        torch.manual_seed(0)
+        layers = [LayerSpec(_Linear, calls, 4, 4), LayerSpec(_Act, calls), LayerSpec(ParallelTransformerLayerPipe,
+                                                                                   calls, 4, 4), LayerSpec(_Act, calls)]
+        module = cls(layers, num_stages=1, activation_checkpoint_interval=1, activation_checkpoint_func=func,
+                     **kwargs)
+        module.build([0], lambda piece: 0, 1)
+        module.train()
+        module(torch.ones(2, 4, requires_grad=True)).pow(2).sum().backward()
+        recomputed = sorted(calls[4:])  # the second forwards, in backward
+        return recomputed, len(used), [p.grad.clone() for p in module.parameters()], module
+
+    recomputed, used, grads, _ = run()
+    assert recomputed == ["ParallelTransformerLayerPipe", "_Linear"] and used == 2  # runs holding parameters
+    recomputed, used, grads_listed, _ = run(checkpointable_layers=["_Act"])
+    assert recomputed == ["_Act", "_Act"] and used == 2
+    gpt_model_pipe = type("GPTModelPipe", (PipelineModule,), {})
+    recomputed, used, _, _ = run(cls=gpt_model_pipe)
+    assert recomputed == ["ParallelTransformerLayerPipe"] and used == 1
+    recomputed, used, grads_none, _ = run(checkpointable_layers=[])
+    assert recomputed == [] and used == 0
+    for a, b, c in zip(grads, grads_listed, grads_none):  # checkpointing changes no number
+        assert torch.equal(a, c) and torch.equal(b, c)
+
+    seeds = []
+    _, _, _, seeded = run(seed_layers=True, seed_fn=lambda seed: (seeds.append(seed), torch.manual_seed(seed)))
+    assert seeds == [1234, 1235, 1236, 1237]
+    torch.manual_seed(1234)
+    assert torch.equal(seeded.get_submodule("0").weight, nn.Linear(4, 4).weight)
+
+    with pytest.raises(ValueError, match="dynamic_shape=True") as err:
+        PipelineModule([LayerSpec(nn.Linear, 2, 2)], num_stages=1, dynamic_shape=True)
+    assert "\n" not in str(err.value)
+
+
+def test_dotted_layer_names_and_tied_owner_names():
+    """Layers registered under dotted names (pipe.hf's `model.layers.3`) are reachable as parameters and state;
+    a tied layer's parameter is saved under the key's first position, `10.weight` not taken for layer 1's."""
+    from zerotrain.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    names = ["model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head"]
+    layers = [LayerSpec(nn.Linear, 2, 2) for _ in range(3)] + [LayerSpec(nn.Linear, 2, 2, bias=False)]
+    module = PipelineModule(layers, num_stages=1, layer_names=names)
+    module.build([0], lambda piece: 0, 1)
+    assert sorted(module.state_dict()) == ["lm_head.weight", "model.embed_tokens.bias", "model.embed_tokens.weight",
+                                           "model.layers.0.bias", "model.layers.0.weight", "model.layers.1.bias",
+                                           "model.layers.1.weight"]
+    assert len(list(module.parameters())) == 7
+
+    tied = [TiedLayerSpec("embed", nn.Linear, 2, 2, bias=False)] + [LayerSpec(nn.Linear, 2, 2) for _ in range(9)] + \
+        [TiedLayerSpec("embed", nn.Linear, 2, 2, bias=False, forward_fn=lambda m, x: x @ m.weight)]
+    module = PipelineModule(tied, num_stages=1)
+    module.build([0], lambda piece: 0, 1)
+    assert module.tied_owner_name("10.weight") == "0.weight"
+    assert module.tied_owner_name("1.weight") == "1.weight"  # not layer 10's prefix
+    assert module.tied_owner_name("0.weight") == "0.weight"

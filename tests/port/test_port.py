@@ -327,3 +327,65 @@ def test_launcher_lines_without_a_process_count_say_what_they_chose():
                       f"NCCL_DEBUG=INFO zerotrain launch --nproc {count} train.py\n")
     assert [(item.line, item.kind) for item in unported] == [(1, "check"), (2, "check")]
     assert all(f"wrote --nproc {count}" in item.advice and "set --nproc N" in item.advice for item in unported)
+
+
+def test_launcher_lines_in_the_shapes_real_scripts_write_them():
+    """DeepSpeedExamples' pipeline example behind CUDA_VISIBLE_DEVICES (DeepSpeed's launcher then starts one process
+    per listed device: no guess), `nohup` / `time` before the launcher, Megatron-DeepSpeed's `run_cmd="deepspeed
+    ..."` run by eval, a non-hostfile --num_nodes: rewritten; `python -m deepspeed.launcher.runner`: listed (it was
+    left as it was, silently)."""
+    ported, unported = rewrite_shell((FIXTURES / "launch_scripts.sh").read_text())
+    assert ported.splitlines()[3:] == [
+        "CUDA_VISIBLE_DEVICES=0,1 zerotrain launch --nproc 2 train.py --deepspeed_config=ds_config.json -p 2 --steps=200",
+        "nohup zerotrain launch --nproc 2 main.py --zero_stage 2 &> $OUTPUT/training.log &",
+        'run_cmd="zerotrain launch --nproc 4 ${DIR}/pretrain_gpt.py $@ ${options}"',
+        "echo ${run_cmd}",
+        "eval ${run_cmd}",
+        "time zerotrain launch --nproc 2 pretrain_gpt.py ${options}",
+        "python -m deepspeed.launcher.runner --num_gpus 2 train.py",
+        "zerotrain launch --nnodes 2 --master-addr node0 --node-rank 0 --nproc 8 pretrain_gpt.py",
+        "pip install deepspeed",
+        'echo "deepspeed is installed"',
+    ]
+    assert [(item.line, item.kind, item.what) for item in unported] == [
+        (10, "not ported", "python -m deepspeed.launcher.runner")]
+    assert "zerotrain launch" in unported[0].advice
+
+
+def test_megatron_and_chat_uses_are_rewritten_to_what_zerotrain_has_or_listed():
+    """A name taken from a module that moved is checked too: `deepspeed.runtime.engine.DeepSpeedEngine` becomes
+    `deepspeed.engine.ZeroTrainEngine` (it became `deepspeed.engine.DeepSpeedEngine`, an AttributeError at run
+    time), `deepspeed.comm.get_world_group` and `...checkpointing.CheckpointFunction` are listed (they were
+    rewritten to names zerotrain lacks, silently); `from deepspeed.runtime.activation_checkpointing import
+    checkpointing` is `zerotrain.checkpointing` (it was listed); a path under a package without a counterpart
+    gets that path's advice."""
+    import zerotrain
+
+    source = (FIXTURES / "ds_megatron.py").read_text()
+    ported, unported = rewrite_python(source)
+    lines = ported.splitlines()
+    assert lines[3:7] == ["import zerotrain as deepspeed", "from zerotrain import checkpointing as ds_checkpointing",
+                          "from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology",
+                          "from zerotrain.runtime.zero.partition_parameters import ZeroParamStatus"]
+    assert "    is_engine = isinstance(engine, deepspeed.engine.ZeroTrainEngine)" in lines
+    assert "    rank = deepspeed.dist.get_rank()" in lines
+    assert "    group = deepspeed.comm.get_world_group()" in lines  # left as it was: listed below
+    listed = [(item.line, item.what, item.advice) for item in unported]
+    assert [(line, what) for line, what, _ in listed] == [
+        (6, "from deepspeed.runtime.pipe.topology import ..."), (14, "deepspeed.comm.get_world_group"),
+        (16, "deepspeed.runtime.activation_checkpointing.checkpointing.CheckpointFunction"),
+        (17, "deepspeed.sequence.layer.DistributedAttention")]
+    assert listed[3][2] == NOT_PROVIDED["deepspeed.sequence.layer"]
+    assert zerotrain.engine.ZeroTrainEngine is not None and not hasattr(zerotrain.engine, "DeepSpeedEngine")
+    assert not hasattr(zerotrain.dist, "get_world_group") and not hasattr(zerotrain.checkpointing, "CheckpointFunction")
+
+
+def test_a_count_less_launcher_line_takes_the_cuda_devices_of_ports_machine(monkeypatch):
+    """On a machine with CUDA devices (here: torch.cuda's answers replaced, no collective involved) the launcher
+    line without a count gets that many processes, said in the check line."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    ported, unported = rewrite_shell("deepspeed train.py --deepspeed_config ds.json\n")
+    assert ported == "zerotrain launch --nproc 4 train.py --deepspeed_config ds.json\n"
+    assert [item.kind for item in unported] == ["check"]
+    assert "wrote --nproc 4 (the 4 CUDA device(s) of the machine that ran zerotrain port)" in unported[0].advice

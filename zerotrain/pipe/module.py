@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModule", "Piece", "partition_balanced", "partition_uniform"]
+__all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModule", "Piece", "checkpointable", "partition_balanced",
+           "partition_uniform"]
 
 
 class LayerSpec:
@@ -89,16 +90,35 @@ def partition_balanced(weights: Sequence[float], parts: int) -> list[int]:
     return bounds[::-1]
 
 
-class Piece(nn.Module):
-    """One pipeline piece (torch's stage): its layers in order; activation checkpointing every `interval`."""
+def checkpointable(layers: Sequence[Any], checkpointable_layers: Optional[Sequence[str]] = None,
+                   model_class: str = "") -> bool:
+    """DeepSpeed's rule for whether a run of layers is checkpointed (`PipelineModule._is_checkpointable`): only
+    layers whose class is in `checkpointable_layers` when given; in a Megatron `GPTModelPipe` / `GPT2ModelPipe`,
+    only `ParallelTransformerLayerPipe`s (and the listed classes); otherwise a run holding any parameter."""
+    names = [type(layer).__name__ for layer in layers]
+    if model_class in ("GPTModelPipe", "GPT2ModelPipe"):
+        return all("ParallelTransformerLayerPipe" in name or name in (checkpointable_layers or ()) for name in names)
+    if checkpointable_layers is not None:
+        return all(name in checkpointable_layers for name in names)
+    return any(any(True for _ in layer.parameters()) for layer in layers if isinstance(layer, nn.Module))
 
-    def __init__(self, index: int, layers: list[tuple[int, Any, Optional[Callable]]], interval: int) -> None:
+
+class Piece(nn.Module):
+    """One pipeline piece (torch's stage): its layers in order; activation checkpointing every `interval` layers,
+    of the runs `checkpointable` admits, through `checkpoint_func(run, *inputs)` (None: torch's non-reentrant
+    checkpoint)."""
+
+    def __init__(self, index: int, layers: list[tuple[int, Any, Optional[Callable]]], interval: int,
+                 checkpoint_func: Optional[Callable] = None,
+                 is_checkpointable: Callable[[Sequence[Any]], bool] = checkpointable) -> None:
         super().__init__()
         self.index = index
         # (global layer index, module or callable, forward_fn or None); modules are registered on the
         # PipelineModule, not here, so each parameter has one name
         self._layers = layers
         self._interval = interval
+        self._checkpoint_func = checkpoint_func
+        self._is_checkpointable = is_checkpointable
 
     def parameters(self, recurse: bool = True):  # torch's PipelineStage scales and inspects these
         seen: set[int] = set()
@@ -124,8 +144,16 @@ class Piece(nn.Module):
             return self._run(0, len(self._layers), x)
         for start in range(0, len(self._layers), interval):
             end = min(start + interval, len(self._layers))
-            # torch's non-reentrant checkpoint: works under torch.autograd.grad (zero-bubble's input passes)
-            x = checkpoint(self._run, start, end, x, use_reentrant=False)
+            if not self._is_checkpointable([layer for _, layer, _ in self._layers[start:end]]):
+                x = self._run(start, end, x)
+            elif self._checkpoint_func is not None:  # the program's (DeepSpeed's activation_checkpoint_func)
+                def run(*inputs: Any, start: int = start, end: int = end) -> Any:
+                    return self._run(start, end, inputs[0] if len(inputs) == 1 else inputs)
+
+                x = self._checkpoint_func(run, *(x if isinstance(x, tuple) else (x,)))
+            else:
+                # torch's non-reentrant checkpoint: works under torch.autograd.grad (zero-bubble's input passes)
+                x = checkpoint(self._run, start, end, x, use_reentrant=False)
         return x
 
 
@@ -133,21 +161,38 @@ class PipelineModule(nn.Module):
     """Layers cut into `num_stages` pipeline stages (DeepSpeed's `PipelineModule`). `loss_fn(output, labels)`
     runs on the last stage. `partition_method`: "parameters" (balance trainable parameter counts, DeepSpeed's
     default), "uniform" (balance layer counts) or "type:REGEX" (balance the layers whose class name matches).
-    `seed_layers`: build LayerSpec i under seed `base_seed + i`, so a layer's initial weights do not depend on
-    which rank builds it. `activation_checkpoint_interval` (layers; 0: none; the config's
-    `pipeline.activation_checkpoint_interval` when 0 here). Train it with `zerotrain.initialize(model=...)`
-    and `engine.train_batch(data_iter)`."""
+    `seed_layers`: build LayerSpec i under seed `base_seed + i` (through `seed_fn(seed)` when given), so a layer's
+    initial weights do not depend on which rank builds it. `activation_checkpoint_interval` (layers; 0: none; the
+    config's `pipeline.activation_checkpoint_interval` when 0 here), each run of that many layers checkpointed
+    through `activation_checkpoint_func(run, *inputs)` (default: torch's non-reentrant checkpoint, e.g.
+    `zerotrain.checkpointing.checkpoint`) when DeepSpeed's rule admits it (`checkpointable`: the classes named in
+    `checkpointable_layers`, else runs holding parameters). `dynamic_shape=True` (activations whose shape changes
+    between steps) is refused. Train it with `zerotrain.initialize(model=...)` and `engine.train_batch(data_iter)`."""
 
     build_at_construction = True  # this rank's stage built in __init__ when torch.distributed is up
 
     def __init__(self, layers: Sequence[Any], num_stages: int, loss_fn: Optional[Callable] = None,
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
                  seed_layers: bool = False, base_seed: int = 1234, topology: Any = None,
-                 layer_names: Optional[Sequence[str]] = None) -> None:
+                 layer_names: Optional[Sequence[str]] = None, seed_fn: Optional[Callable[[int], Any]] = None,
+                 activation_checkpoint_func: Optional[Callable] = None,
+                 checkpointable_layers: Optional[Sequence[str]] = None, dynamic_shape: bool = False) -> None:
         super().__init__()
         if topology is not None:
             raise ValueError("PipelineModule(topology=...): zerotrain builds the grid from the config and "
                              "num_stages (pipeline x data x sequence x tensor); leave topology out")
+        if dynamic_shape:
+            raise ValueError("PipelineModule(dynamic_shape=True): zerotrain's pipeline stages send activations of "
+                             "the shape of the first micro-batch; pad the inputs to one shape and leave dynamic_shape "
+                             "out")
+        if checkpointable_layers is not None and not isinstance(checkpointable_layers, (list, tuple)):
+            raise TypeError(f"PipelineModule: checkpointable_layers must be a list of class names, got "
+                            f"{type(checkpointable_layers).__name__}")
+        if activation_checkpoint_func is not None and not callable(activation_checkpoint_func):
+            raise TypeError("PipelineModule: activation_checkpoint_func must be callable")
+        self.seed_fn = seed_fn
+        self.activation_checkpoint_func = activation_checkpoint_func
+        self.checkpointable_layers = None if checkpointable_layers is None else list(checkpointable_layers)
         if not isinstance(num_stages, int) or num_stages < 1:
             raise ValueError(f"PipelineModule: num_stages must be a positive int, got {num_stages!r}")
         self._specs = list(layers)
@@ -220,9 +265,7 @@ class PipelineModule(nn.Module):
 
     # --- the cut ------------------------------------------------------------------
     def _layer_weights(self) -> list[float]:
-        method = self.partition_method
-        if method == "uniform":
-            return [1.0] * len(self._specs)
+        method = self.partition_method  # "uniform" is cut by layer counts (`partition`), without weights
         if method.startswith("type:"):
             pattern = re.compile(method[5:], re.IGNORECASE)
             names = [(spec.typename if isinstance(spec, LayerSpec) else type(spec)).__name__ for spec in self._specs]
@@ -311,7 +354,7 @@ class PipelineModule(nn.Module):
                 if isinstance(layer, nn.Module):
                     self._register(self.layer_names[index], layer)
                 layers.append((index, layer, forward_fn))
-            built.append(Piece(piece, layers, interval))
+            built.append(Piece(piece, layers, interval, self.activation_checkpoint_func, self._is_checkpointable))
         self.pieces = built
         self._built_as, self._engine_built = wanted, not self._count_like_deepspeed
         self._tied_modules = tied
@@ -342,8 +385,12 @@ class PipelineModule(nn.Module):
         if not seed:
             return spec.build()
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.base_seed + index)
+            (self.seed_fn or torch.manual_seed)(self.base_seed + index)
             return spec.build()
+
+    def _is_checkpointable(self, layers: Sequence[Any]) -> bool:
+        """Whether a run of this model's layers is checkpointed (`checkpointable`, DeepSpeed's rule)."""
+        return checkpointable(layers, self.checkpointable_layers, type(self).__name__)
 
     def tied_parameters(self, key: str) -> list[nn.Parameter]:
         """This rank's parameters of tied key `key` (empty when it holds none), in a fixed order."""

@@ -162,6 +162,11 @@ def _port_from(node: ast.ImportFrom, line: int, unported: list[Unported]) -> Opt
         return None
     entry = lookup(module)
     if entry is None:
+        # a package above listed paths: `from deepspeed.runtime.activation_checkpointing import checkpointing`
+        found = [(_submodule(module, alias.name), alias) for alias in node.names] \
+            if is_package(module) and not not_provided(module) else []
+        if found and all(where is not None for where, _ in found):
+            return _grouped([(where, alias.asname or alias.name) for where, alias in found])
         unported.append(Unported(line, f"from {module} import ...", advice_for(module)))
         return None
     targets, missing = [], []
@@ -257,11 +262,15 @@ def _target(module: str) -> str:
 
 def _port_chain(root: ast.Name, attrs: list[ast.Attribute], module: str, unported: list[Unported]
                 ) -> Optional[tuple[tuple[int, int], tuple[int, int], str]]:
-    """Resolve `root.a.b...` (root bound to DeepSpeed's `module`) against the path table: None when it names
-    what zerotrain has under the same attributes; a replacement (start, end, text) of the attributes after
-    `root` when zerotrain has it elsewhere under the root's module (`deepspeed.comm` -> `deepspeed.dist`);
-    otherwise it is listed in `unported` (with what to write instead) and None is returned."""
-    root_target, here, current = _target(module), module, _target(module)
+    """Resolve `root.a.b...` (root bound to DeepSpeed's `module`) against the path table, up to the first name
+    inside a module (what follows is that object's own attributes): None when zerotrain has it under the same
+    attributes; a replacement (start, end, text) of the attributes after `root` when zerotrain has it elsewhere
+    under the root's module (`deepspeed.comm.get_rank` -> `deepspeed.dist.get_rank`, `deepspeed.runtime.engine.
+    DeepSpeedEngine` -> `deepspeed.engine.ZeroTrainEngine`); otherwise it is listed in `unported` (with what to
+    write instead) and None is returned. A module that moved is followed to its end: the name taken from it is
+    checked against the module's entry too (`deepspeed.comm.get_world_group` is listed, not rewritten)."""
+    root_target = _target(module)
+    here, current, last = module, root_target, -1  # DeepSpeed's path, zerotrain's, attrs[:last + 1] resolved
     for index, node in enumerate(attrs):
         attr, full = node.attr, f"{here}.{node.attr}"
         written = ast.unparse(attrs[index + 1] if index + 1 < len(attrs) else node)  # with the name used from it
@@ -270,31 +279,29 @@ def _port_chain(root: ast.Name, attrs: list[ast.Attribute], module: str, unporte
                                      else advice_for(here, attr)))
             return None
         entry = lookup(full)
-        where = None
         if entry is not None:
-            if entry.target != f"{current}.{attr}":
-                where = entry.target
-            here, current = full, entry.target
-            if where is None:
-                continue
-        elif is_package(full):
-            here, current = full, f"{current}.{attr}"
+            here, current, last = full, entry.target, index
             continue
+        if is_package(full):
+            here, current, last = full, f"{current}.{attr}", index
+            continue
+        owner = lookup(here)
+        moved = owner.moved.get(attr) if owner is not None else None
+        if owner is not None and attr in owner.names:
+            current, last = f"{current}.{attr}", index
+        elif moved is not None:
+            current, last = f"{moved[0]}.{moved[1]}", index
         else:
-            owner = lookup(here)
-            if owner is not None and attr in owner.names:
-                return None
-            moved = owner.moved.get(attr) if owner is not None else None
-            if moved is None:
-                unported.append(Unported(node.lineno, written, advice_for(here, attr)))
-                return None
-            where = f"{moved[0]}.{moved[1]}"
-        # zerotrain has it at `where`: reachable from the root's module as attributes, or not
-        if where.startswith(root_target + ".") and root.end_lineno == node.end_lineno:
-            text = "." + where[len(root_target) + 1:]
-            return (root.end_lineno, root.end_col_offset), (node.end_lineno, node.end_col_offset), text
-        unported.append(Unported(node.lineno, written, f"`{where}` in zerotrain: import it and use that name"))
-        return None
+            unported.append(Unported(node.lineno, written, advice_for(here, attr)))
+            return None
+        break
+    if last < 0 or current == root_target + "".join(f".{node.attr}" for node in attrs[:last + 1]):
+        return None  # the same path under zerotrain
+    node = attrs[last]
+    if current.startswith(root_target + ".") and root.end_lineno == node.end_lineno:
+        text = "." + current[len(root_target) + 1:]
+        return (root.end_lineno, root.end_col_offset), (node.end_lineno, node.end_col_offset), text
+    unported.append(Unported(node.lineno, ast.unparse(node), f"`{current}` in zerotrain: import it and use that name"))
     return None
 
 
@@ -409,7 +416,15 @@ _VALUE_OPTIONS = {"--num_gpus": "--nproc", "--num-gpus": "--nproc", "--num_nodes
 _FLAG_OPTIONS = {"--no_local_rank": "--no-local-rank", "--no-local-rank": "--no-local-rank"}
 # CPU core binding: placement only, no effect on what runs (torchrun's workers use the cores the OS gives them).
 _DROPPED = {"--bind_cores_to_rank": False, "--bind_core_list": True}  # option -> takes a value
-_LAUNCHER = re.compile(r"(^[ \t]*|[;&|(][ \t]*|^[ \t]*(?:\w+=\S*[ \t]+)+)(deepspeed)(?=[ \t])", re.M)
+# where a `deepspeed` command starts: a line's start (after environment assignments), after `;`, `&`, `|`, `(`,
+# after a command word that runs the rest (`nohup`, `time`, `exec`, `eval`, `command`), or at the start of a
+# quoted command held in a variable (`run_cmd="deepspeed ..."`, Megatron-DeepSpeed's scripts, run by `eval`)
+_LAUNCHER = re.compile(r"(^[ \t]*(?:\w+=\S*[ \t]+)*|[;&|(][ \t]*|\b(?:nohup|time|exec|eval|command)[ \t]+"
+                       r"|^[ \t]*\w+=[\"'])(deepspeed)(?=[ \t])", re.M)
+# a DeepSpeed launcher started as a Python module: not rewritten, listed
+_LAUNCHER_MODULE = re.compile(r"-m[ \t]+deepspeed(?:\.launcher\.(?:runner|launch))?(?=[ \t]|$)", re.M)
+# CUDA_VISIBLE_DEVICES=0,1 before the command: DeepSpeed's launcher starts one process per listed device
+_VISIBLE = re.compile(r"\bCUDA_VISIBLE_DEVICES=[\"']?([\d,]+)[\"']?[ \t]")
 
 
 _COUNT_OPTIONS = ("--num_gpus", "--num-gpus", "--include", "-i")
@@ -514,6 +529,8 @@ def rewrite_shell(source: str) -> tuple[str, list[Unported]]:
         counted = hosts or any(text.partition("=")[0] in _COUNT_OPTIONS for _, _, text in words[:-1])
         if counted:  # a hostfile's slots count the processes
             out.append(source[cursor:match.start(2)] + "zerotrain launch")
+        elif _visible_count(source, match) is not None:  # DeepSpeed: --include localhost:<the visible devices>
+            out.append(source[cursor:match.start(2)] + f"zerotrain launch --nproc {_visible_count(source, match)}")
         else:  # DeepSpeed's launcher starts one process per local device: the count is a guess here, said so
             count, where = _local_devices()
             out.append(source[cursor:match.start(2)] + f"zerotrain launch --nproc {count}")
@@ -525,4 +542,15 @@ def rewrite_shell(source: str) -> tuple[str, list[Unported]]:
             out.append(source[cursor:begin] + text)
             cursor = end
     out.append(source[cursor:])
+    for match in _LAUNCHER_MODULE.finditer(source):
+        unported.append(Unported(source.count("\n", 0, match.start()) + 1, f"python {match.group(0)}",
+                                 NOT_PROVIDED["deepspeed.launcher.runner"]))
+    unported.sort(key=lambda item: item.line)
     return "".join(out), unported
+
+
+def _visible_count(source: str, match: "re.Match[str]") -> Optional[int]:
+    """The devices a `CUDA_VISIBLE_DEVICES=0,1` assignment before the launcher word (on its line) lists, or None."""
+    line_start = source.rfind("\n", 0, match.start(2)) + 1
+    found = _VISIBLE.search(source[line_start:match.start(2)])
+    return len([d for d in found.group(1).split(",") if d]) if found else None
