@@ -562,7 +562,8 @@ def test_start_notes_say_lora_share_and_where_metrics_go(capsys):
     import transformers
 
     from zerotrain.cli import build_parser
-    from zerotrain.train.command import _start_notes, lora_options
+    from zerotrain.run.lm import _start_notes
+    from zerotrain.run.model import lora_options
 
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=2)

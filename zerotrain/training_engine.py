@@ -92,6 +92,14 @@ class TrainingEngine(Protocol):
         """(still being written in the background, seconds training paused for it) of the latest save."""
         return False, None
 
+    # -- the run's lifecycle (zerotrain.run) ----------------------------------------------
+
+    def claim_save_dir(self, save_dir: str) -> None:
+        """Take `save_dir` for this job (one job per save directory), before training; collective."""
+
+    def close(self) -> None:
+        """Commit pending saves and release the engine's threads and files (the end of a run)."""
+
     # -- modes and optional reports -------------------------------------------------------
 
     @property

@@ -1,0 +1,57 @@
+"""The run layer (`zerotrain.run`, issue 42): a command builds its run's config once and hands the one parsed object
+down; the skeleton both training commands share. In-process runs of the tiny preset (world 1, seconds)."""
+from __future__ import annotations
+
+import pytest
+
+from zerotrain.cli import main
+
+
+@pytest.fixture
+def one_rank(monkeypatch, tmp_path):
+    """A single-process run in a fresh directory (no launcher variables)."""
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_a_train_run_builds_and_parses_its_config_once_and_hands_the_parsed_object_to_initialize(one_rank,
+                                                                                                monkeypatch):
+    """`zerotrain train` builds the effective config (file + flags + "auto") once and parses it once: the check
+    before launching builds it for the run (one rank: this process), the model, the data wiring and
+    `zerotrain.initialize` take that object (initialize neither parses it again nor re-resolves its batch). It was
+    built 3 times and parsed 6 times (issue 42)."""
+    import zerotrain
+    import zerotrain.config.loader as loader
+    import zerotrain.train.flags as flags
+    from zerotrain.config import ZeroTrainConfig
+
+    builds, parses, handed = [], [], []
+    effective_config, build, initialize = flags.effective_config, loader._build, zerotrain.initialize
+    monkeypatch.setattr(flags, "effective_config", lambda *a, **k: builds.append(k) or effective_config(*a, **k))
+    monkeypatch.setattr(loader, "_build", lambda *a, **k: parses.append(a[0]) or build(*a, **k))
+
+    def recording_initialize(**kwargs):
+        handed.append(kwargs["config"])
+        return initialize(**kwargs)
+
+    monkeypatch.setattr(zerotrain, "initialize", recording_initialize)
+    config = one_rank / "c.json"
+    config.write_text('{"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2, '
+                      '"zero_optimization": {"stage": 2}}')
+    status = main(["train", "--config", str(config), "--model", "tiny", "--max-steps", "1", "--max-corpus-bytes",
+                   "20000", "--per-device-train-batch-size", "2", "--seq-len", "16", "--eval-batches", "1",
+                   "--output-dir", "ck", "--log-dir", "log"])
+    assert status == 0
+    assert len(builds) == 1, builds
+    assert len(parses) == 1, [sorted(p) for p in parses]
+    assert len(handed) == 1 and isinstance(handed[0], ZeroTrainConfig)
+    # the batch resolved for the run's one data-parallel rank, the schedule over --max-steps
+    assert (handed[0].train_batch_size, handed[0].train_micro_batch_size_per_gpu,
+            handed[0].gradient_accumulation_steps) == (4, 2, 2)
+    assert handed[0].scheduler.params["num_training_steps"] == 1
+    import json
+    recorded = json.loads((one_rank / "ck" / "effective_config.json").read_text())
+    assert recorded == json.loads((one_rank / "log" / "effective_config.json").read_text())
+    assert recorded["gradient_accumulation_steps"] == 2 and recorded["zero_optimization"]["stage"] == 2
