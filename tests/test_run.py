@@ -55,3 +55,42 @@ def test_a_train_run_builds_and_parses_its_config_once_and_hands_the_parsed_obje
     recorded = json.loads((one_rank / "ck" / "effective_config.json").read_text())
     assert recorded == json.loads((one_rank / "log" / "effective_config.json").read_text())
     assert recorded["gradient_accumulation_steps"] == 2 and recorded["zero_optimization"]["stage"] == 2
+
+
+def test_run_config_is_built_once_for_the_data_parallel_ranks_and_lays_its_schedule_over_the_steps():
+    """`RunConfig` (no engine): the builder is called once; the batch triple is resolved for world / (tensor x
+    sequence x pipeline) ranks; `initialize`'s second resolution returns the same object (and refuses another
+    rank count); `schedule_over` rebuilds only for other steps; a world the split does not divide, or a batch it
+    cannot make, is a ConfigError naming the key (the latter the world size)."""
+    from zerotrain.config import ConfigError
+    from zerotrain.run.config import RunConfig
+
+    made = []
+
+    def make(steps: int, **extra) -> dict:
+        made.append(steps)
+        return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+                "tensor_parallel": {"autotp_size": 2}, "sequence_parallel_size": 3, "pipeline_parallel_size": 5,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": steps, "warmup_num_steps": 1}},
+                **extra}
+
+    config = RunConfig(make, world_size=2 * 3 * 5 * 4, steps=1)
+    assert made == [1] and config.dp_world_size == 4 and config.world_size == 120
+    assert (config.global_batch, config.parsed.train_micro_batch_size_per_gpu,
+            config.parsed.gradient_accumulation_steps) == (24, 2, 3)
+    assert config.parsed.resolve_batch(4) is config.parsed  # what initialize does with it: no copy
+    with pytest.raises(ConfigError, match="dp_world_size=8"):
+        config.parsed.resolve_batch(8)
+    parsed, values = config.parsed, config.values
+    config.schedule_over(1)
+    assert made == [1] and config.parsed is parsed and config.values is values
+    config.schedule_over(7)
+    assert made == [1, 7] and config.steps == 7 and config.values["scheduler"]["params"]["total_num_steps"] == 7
+    assert config.parsed.scheduler.params["total_num_steps"] == 7 and config.global_batch == 24
+    with pytest.raises(ConfigError, match="does not divide the world size 100") as refused:
+        RunConfig(make, world_size=100, steps=1)
+    assert refused.value.key == "pipeline_parallel_size"
+    with pytest.raises(ConfigError, match="this job has world size 120") as refused:
+        RunConfig(lambda steps: make(steps, train_batch_size=12), world_size=120, steps=1)
+    assert refused.value.key == "train_batch_size"
