@@ -94,3 +94,29 @@ def test_run_config_is_built_once_for_the_data_parallel_ranks_and_lays_its_sched
     with pytest.raises(ConfigError, match="this job has world size 120") as refused:
         RunConfig(lambda steps: make(steps, train_batch_size=12), world_size=120, steps=1)
     assert refused.value.key == "train_batch_size"
+
+
+def test_train_config_splits_the_world_over_the_pipeline_stages(tmp_path):
+    """`train_config` with --pipeline-parallel-size 2 at 8 ranks (no engine): the batch counts the 4 data-parallel
+    ranks of a stage; flags alone default to ZeRO-1 (ZeRO-2/3 are refused with a pipeline), a --config file's stage
+    is kept; the RunConfig over it resolves for those 4 ranks."""
+    import json
+
+    from zerotrain.cli import build_parser
+    from zerotrain.run.config import RunConfig, train_config
+
+    def args(*argv: str):
+        return build_parser().parse_args(["train", "--pipeline-parallel-size", "2", "--per-device-train-batch-size",
+                                          "2", "--gradient-accumulation-steps", "3", "--max-steps", "5", *argv])
+
+    config = train_config(args(), world_size=8)
+    assert (config["pipeline_parallel_size"], config["zero_optimization"]["stage"], config["train_batch_size"]) == \
+        (2, 1, 24)
+    assert RunConfig(lambda steps: train_config(args(), world_size=8, steps=steps), world_size=8,
+                     steps=5).dp_world_size == 4
+    file = tmp_path / "ds.json"
+    file.write_text(json.dumps({"zero_optimization": {"stage": 0}}))
+    assert train_config(args("--config", str(file)), world_size=8)["zero_optimization"]["stage"] == 0
+    assert train_config(args("--zero-stage", "0"), world_size=8)["zero_optimization"]["stage"] == 0
+    assert "pipeline_parallel_size" not in train_config(build_parser().parse_args(["train", "--max-steps", "5"]),
+                                                        world_size=8)
