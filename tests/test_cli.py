@@ -114,6 +114,12 @@ def test_trainer_runs_accumulation_and_writes_metrics(tmp_path):
     assert "step 2/5" in text and "step 4/5" in text and "step 5/5" in text
     assert "step 3/5" not in text
     assert "final loss" in text
+    # eval_batches (--eval-batches): at most that many micro-batches per rank, their mean (one rank here)
+    engine.calls.clear()
+    trainer.eval_batches = 1
+    one = trainer.evaluate()
+    first = next(iter(_loader(2, n_blocks=4)))
+    assert engine.calls == ["forward"] and one == pytest.approx(float(trainer._forward(first)[0]))
 
 
 def test_trainer_loss_is_mean_over_micro_steps():
