@@ -393,3 +393,49 @@ def test_the_cycle_check_can_fail(tmp_path):
     (tmp_path / "zerotrain/p/__init__.py").write_text("from .q import g\nfrom . import r\n")
     assert sorted(import_cycles(import_graph(tmp_path))) == [
         ["zerotrain.a", "zerotrain.b"], ["zerotrain.c", "zerotrain.p", "zerotrain.p.r"]]
+
+
+# What a test may import from a command module (`zerotrain/<part>/command.py`): the command's own entry points.
+# Anything else there would be a library function living in a CLI; it belongs to the run layer (issue 42).
+COMMAND_ENTRY = re.compile(r"add_\w+_parser|check_\w+_args|worker_argv|run_\w+|already_trained|effective_\w+_config")
+
+
+def command_module_imports(root: Path = ROOT) -> list[str]:
+    """`path:line: name` of every import in root/tests that takes from a command module something other than the
+    command's entry points (`COMMAND_ENTRY`), or the module itself (`import zerotrain.train.command`)."""
+    found = []
+    for path in sorted((root / "tests").rglob("*.py")):
+        if not re.search(r"zerotrain\.\w+\.command|import command\b", path.read_text()):
+            continue  # parse only the files that name a command module
+        for node in ast.walk(parsed(path)):
+            where = f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Import):
+                found += [f"{where}: {a.name}" for a in node.names if re.fullmatch(r"zerotrain\.\w+\.command", a.name)]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                if re.fullmatch(r"zerotrain\.\w+\.command", node.module):
+                    found += [f"{where}: {node.module}.{a.name}" for a in node.names
+                              if not COMMAND_ENTRY.fullmatch(a.name)]
+                elif re.fullmatch(r"zerotrain\.\w+", node.module):
+                    found += [f"{where}: {node.module}.command" for a in node.names if a.name == "command"]
+    return found
+
+
+def test_no_test_imports_a_library_function_from_a_command_module():
+    """Issue 42: the commands are argument parsing and a call into the run layer; tests import library functions
+    from where they live (`zerotrain.run`, ...), never from `zerotrain/<part>/command.py`."""
+    assert command_module_imports() == [], "tests importing from command modules what is no entry point:\n" + \
+        "\n".join(command_module_imports())
+
+
+def test_the_command_import_check_can_fail(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text(
+        "from zerotrain.train.command import worker_argv, train_model\n"
+        "def f():\n    from zerotrain.embedding.command import run_train_embedding, _config\n"
+        "    import zerotrain.merge.command\n    from zerotrain.train import command\n"
+        "    from zerotrain.command import CLIError\n")
+    assert command_module_imports(tmp_path) == [
+        "tests/test_x.py:1: zerotrain.train.command.train_model",
+        "tests/test_x.py:3: zerotrain.embedding.command._config",
+        "tests/test_x.py:4: zerotrain.merge.command",
+        "tests/test_x.py:5: zerotrain.train.command"]

@@ -114,6 +114,12 @@ def test_trainer_runs_accumulation_and_writes_metrics(tmp_path):
     assert "step 2/5" in text and "step 4/5" in text and "step 5/5" in text
     assert "step 3/5" not in text
     assert "final loss" in text
+    # eval_batches (--eval-batches): at most that many micro-batches per rank, their mean (one rank here)
+    engine.calls.clear()
+    trainer.eval_batches = 1
+    one = trainer.evaluate()
+    first = next(iter(_loader(2, n_blocks=4)))
+    assert engine.calls == ["forward"] and one == pytest.approx(float(trainer._forward(first)[0]))
 
 
 def test_trainer_loss_is_mean_over_micro_steps():
@@ -381,6 +387,8 @@ def _resume_world2(save_dir: str) -> dict:
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 1},
               "steps_per_print": 0, "comm_timeout_seconds": 60}
 
+    from zerotrain import dist
+
     def run(total_steps: int, save: bool = False, load: bool = False):
         model = _Recording()
         engine, *_ = zerotrain.initialize(model=model, config=config)
@@ -389,22 +397,32 @@ def _resume_world2(save_dir: str) -> dict:
         dataset = TokenBlockDataset(load_stdlib_corpus(max_bytes=48 * 16 + 1), 16)  # 48 samples, 12 batches a rank
         sampler = torch.utils.data.DistributedSampler(dataset, shuffle=False)
         loader = torch.utils.data.DataLoader(dataset, batch_size=2, sampler=sampler)
-        Trainer(engine, loader, total_steps=total_steps, save_dir=save_dir if save else None,
-                console=Console(file=io.StringIO())).train()
+        trainer = Trainer(engine, loader, total_steps=total_steps, save_dir=save_dir if save else None,
+                          console=Console(file=io.StringIO()))
+        trainer.train()
+        seen, evaluated = list(model.seen), None
+        if load:  # the evaluation over every rank's batches: rank 0 evaluates 2 micro-batches, rank 1 one
+            batches = [tuple(torch.stack(t) for t in zip(dataset[i], dataset[i + 1]))
+                       for i in ((0, 2) if dist.get_rank() == 0 else (4,))]
+            trainer.eval_data = batches
+            with torch.no_grad():
+                engine.eval()
+                own = [float(engine(x, y)[1]) for x, y in batches]
+                engine.train()
+            evaluated = (trainer.evaluate(), own)
         weights = engine.full_state_dict()
         engine.close()
-        return model.seen, weights
+        return seen, weights, evaluated
 
-    whole, whole_weights = run(4)
-    first, _ = run(2, save=True)
-    resumed, resumed_weights = run(4, load=True)
+    whole, whole_weights, _ = run(4)
+    first, _, _ = run(2, save=True)
+    resumed, resumed_weights, evaluated = run(4, load=True)
     # an elastic restart seen by one node's agents only (the other node's agent restarted its ranks for the new
     # round without raising its count): `zerotrain train` must resume on every rank or on none
-    from zerotrain import dist
     from zerotrain.run import job_restarts
     os.environ["TORCHELASTIC_RESTART_COUNT"] = "1" if dist.get_rank() == 1 else "0"
     return {"whole": whole, "first": first, "resumed": resumed, "whole weights": whole_weights,
-            "resumed weights": resumed_weights, "restarts": job_restarts()}
+            "resumed weights": resumed_weights, "restarts": job_restarts(), "evaluated": evaluated}
 
 
 def test_trainer_resumed_at_world2_trains_on_the_samples_the_uninterrupted_run_did(tmp_path):
@@ -412,7 +430,14 @@ def test_trainer_resumed_at_world2_trains_on_the_samples_the_uninterrupted_run_d
     # 4 of each rank's batches, not 8 (global_samples / micro, forgetting the data-parallel size)
     from distributed import run_distributed
 
-    for rank, got in enumerate(run_distributed(_resume_world2, 2, str(tmp_path), timeout=240)):
+    results = run_distributed(_resume_world2, 2, str(tmp_path), timeout=240)
+    # the evaluation's loss: the mean over every rank's micro-batches (3: rank 0's two and rank 1's one), reduced in
+    # the step's one reduction; not the mean of the ranks' means (issue 42)
+    losses = [loss for got in results for loss in got["evaluated"][1]]
+    assert len(losses) == 3 and abs(sum(losses[:2]) / 2 - losses[2]) > 1e-3, losses
+    for rank, got in enumerate(results):
+        assert got["evaluated"][0] == pytest.approx(sum(losses) / 3, rel=1e-9), (rank, got["evaluated"], losses)
+    for rank, got in enumerate(results):
         assert len(got["whole"]) == 8 and len(got["first"]) == 4 and len(got["resumed"]) == 4, rank
         assert got["restarts"] == 1, rank
         assert len({tuple(x.flatten().tolist()) for x in got["whole"]}) == 8, rank  # 8 different batches
@@ -562,7 +587,8 @@ def test_start_notes_say_lora_share_and_where_metrics_go(capsys):
     import transformers
 
     from zerotrain.cli import build_parser
-    from zerotrain.train.command import _start_notes, lora_options
+    from zerotrain.run.lm import _start_notes
+    from zerotrain.run.model import lora_options
 
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=2)

@@ -10,7 +10,8 @@ import pytest
 
 from zerotrain.cli import build_parser, main
 from zerotrain.config import load_config
-from zerotrain.train.command import check_train_args, train_config
+from zerotrain.run.config import train_config
+from zerotrain.train.command import check_train_args
 
 REAL_WORLD = Path(__file__).parent / "config" / "real_world"
 
@@ -214,7 +215,7 @@ def test_gradient_checkpointing_flag_turns_on_the_models_checkpointing(tiny_llam
 
     from zerotrain import checkpointing
     from zerotrain.models.hf import resolve_model
-    from zerotrain.train.command import train_model
+    from zerotrain.run.model import train_model
 
     config = train_config(_train_args("--gradient-checkpointing", "--zero-stage", "0"), world_size=1)
     assert config["activation_checkpointing"] == {}
@@ -255,7 +256,8 @@ def test_per_device_eval_batch_size_sets_the_evaluation_micro_batch(tmp_path):
     """`--per-device-eval-batch-size`: the evaluation loader's micro-batch per rank (default: the training one), on
     `train` and `train-embedding` (whose retrieval evaluation encodes that many texts per forward)."""
     from zerotrain.embedding.command import worker_argv as embedding_argv
-    from zerotrain.train.command import _stdlib_sets, worker_argv
+    from zerotrain.run.lm import _stdlib_sets
+    from zerotrain.train.command import worker_argv
 
     def eval_batch(*argv: str) -> int:
         args = build_parser().parse_args(["train", "--max-corpus-bytes", "20000", "--eval-batches", "2", *argv])

@@ -36,3 +36,68 @@ def test_the_engine_has_every_member_of_the_protocol():
         engine.close()
         if not started and torch.distributed.is_initialized():  # a world of one, this test's own
             torch.distributed.destroy_process_group()
+
+
+def _required(name: str) -> bool:
+    """Whether the Protocol's member `name` is a method without a neutral default (its body ends in `...`; a
+    neutral default returns a value or does nothing, its body a docstring): an engine must define it."""
+    import ast
+    import textwrap
+
+    declared = inspect.getattr_static(TrainingEngine, name, None)
+    if not inspect.isfunction(declared):
+        return False
+    body = ast.parse(textwrap.dedent(inspect.getsource(declared))).body[0].body
+    return isinstance(body[-1], ast.Expr) and body[-1].value.__class__ is ast.Constant and \
+        body[-1].value.value is Ellipsis
+
+
+def test_one_engine_protocol_and_the_pipeline_engine_defines_every_required_member():
+    """Issue 42: one `TrainingEngine` (hf/trainer.py and pipe/engine.py declared their own); the pipeline engine,
+    which subclasses it, defines every member that has no neutral default (none falls back to the stub, which
+    would return None), and the stage engine's interface extends it."""
+    import ast
+    from pathlib import Path
+
+    from zerotrain.pipe import PipelineEngine
+    from zerotrain.pipe.engine import StageEngine
+
+    required = sorted(name for name in protocol_members() if _required(name))
+    assert {"zero_optimization_stage", "full_state_dict", "load_checkpoint", "backward", "step"} <= set(required)
+    missing = [name for name in required
+               if inspect.getattr_static(PipelineEngine, name) is inspect.getattr_static(TrainingEngine, name)]
+    assert missing == [], "TrainingEngine members PipelineEngine leaves to the Protocol's stub"
+    assert TrainingEngine in StageEngine.__mro__
+    root = Path(zerotrain.__file__).parent
+    engines = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef) and node.name.endswith("Engine") and any(
+                    isinstance(b, ast.Name) and b.id == "Protocol" for b in node.bases):
+                engines.append(f"{path.relative_to(root)}:{node.name}:{[ast.unparse(b) for b in node.bases]}")
+    assert engines == ["pipe/engine.py:StageEngine:['TrainingEngine', 'Protocol']",
+                       "training_engine.py:TrainingEngine:['Protocol']"], engines
+
+
+def test_external_backward_counts_the_micro_batches_it_stands_for():
+    """`external_backward(micro_steps=N)` (a pipeline schedule's N micro-batches in one block) advances the
+    micro-step count by N - 1, the boundary `step()` by the last: a whole accumulation cycle, as N backward()s
+    would (the pipeline engine wrote `engine.micro_steps` from outside)."""
+    torch.manual_seed(0)
+    started = torch.distributed.is_initialized()
+    config = {"train_batch_size": 3, "gradient_accumulation_steps": 3, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = zerotrain.initialize(model=GPT(GPTConfig.preset("tiny")), config=config)
+    try:
+        x = torch.randint(0, 64, (1, 8))
+        for cycle in (1, 2):
+            with engine.external_backward(micro_steps=3):
+                for _ in range(3):
+                    engine.module(x, x)[1].div(3).backward()
+            engine.set_gradient_accumulation_boundary(True)
+            engine.step()
+            assert (engine.micro_steps, engine.global_steps) == (3 * cycle, cycle)
+    finally:
+        engine.close()
+        if not started and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -155,6 +155,8 @@ COVERING: dict[str, list[str]] = {
     # in-process formats, cache and packing inputs; the spawned file: the rank-0 builder thread and its barrier
     "zerotrain/data/tokenization.py": ["tests/data/test_local_data.py", "tests/data/test_data_distributed.py"],
     "zerotrain/trainer.py": ["tests/test_cli.py"],
+    # the run layer's config (in-process: RunConfig, train_config at a pipeline, a one-rank train run)
+    "zerotrain/run/config.py": ["tests/test_run.py", "tests/test_train_flags.py"],
     # the manifest and the checksums in-process; a damaged checkpoint refused at world 2
     "zerotrain/checkpoint/integrity.py": ["tests/checkpoint/test_ckpt_units.py",
                                           "tests/checkpoint/test_ckpt_corruption.py"],

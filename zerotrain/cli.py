@@ -246,17 +246,17 @@ def _run(args: argparse.Namespace) -> int:
             return run_train_embedding(args)
         if args.command == "train":
             from zerotrain.train.command import already_trained, check_train_args, run_train
-            check_train_args(args)
+            config = check_train_args(args)  # the run's config, built once here outside a worker
             if args.print_config:
-                from zerotrain.train.command import train_config
-                return _print_config(train_config(args, world_size=max_world_size(args)))
+                from zerotrain.train.command import effective_train_config
+                return _print_config(effective_train_config(args))
             done = None if inside_worker() else already_trained(args)
             if done is not None:  # --resume at or past --steps: nothing to launch (rc 0, as the HF Trainer)
                 print(done, flush=True)
                 return 0
             if (args.nproc > 1 or multi_node(args)) and not inside_worker():
                 return _launch(args)
-            return run_train(args)
+            return run_train(args, config)
     except Exception as exc:  # usage errors (CLIError, config and checkpoint errors): one clean line, no traceback
         status = usage_error_status(exc)
         if status is None:

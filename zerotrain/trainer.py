@@ -453,7 +453,9 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:
-        """Mean loss over the eval data (averaged over ranks); None without eval data."""
+        """Mean loss over the eval data's micro-batches, every rank's (this rank's sum and count reduced in the
+        step's one reduction, `reduce_step`: a rank that evaluated more batches weighs more); None without eval
+        data."""
         if self.eval_data is None:
             return None
         was_training = self.engine.training
@@ -470,8 +472,8 @@ class Trainer:
         finally:
             if was_training:
                 self.engine.train()
-        local = (total / count).item() if count else float("nan")
-        return mean_across_ranks(local, device=self.device, group=self.dp_group)
+        return reduce_step(StepResult(loss=total, lr=float("nan"), tokens=0, loss_weight=float(count)),
+                           device=self.device).loss
 
     # -- checkpoints --------------------------------------------------------------------
 

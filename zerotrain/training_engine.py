@@ -78,6 +78,36 @@ class TrainingEngine(Protocol):
         """The learning rate of each parameter group for the next update."""
         ...
 
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Say whether the next backward/step ends an accumulation cycle (DeepSpeed's; a loop that counts its own
+        micro-batches, as the Hugging Face Trainer does)."""
+        ...
+
+    def was_step_applied(self) -> bool:
+        """Whether the last boundary `step()` updated the weights (False when fp16 overflowed and it skipped)."""
+        ...
+
+    # -- DeepSpeed's accessors ------------------------------------------------------------
+
+    def zero_optimization_stage(self) -> int:
+        ...
+
+    def bfloat16_enabled(self) -> bool:
+        ...
+
+    def fp16_enabled(self) -> bool:
+        ...
+
+    # -- the model's weights --------------------------------------------------------------
+
+    def full_state_dict(self, trainable_only: bool = False) -> dict:
+        """Full fp32 weights on CPU by parameter name, on global rank 0 ({} elsewhere); collective."""
+        ...
+
+    def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """The weights in the training dtype, gathered whole on global rank 0 (DeepSpeed's); collective."""
+        ...
+
     # -- checkpoints ----------------------------------------------------------------------
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
@@ -88,9 +118,22 @@ class TrainingEngine(Protocol):
     def wait_checkpoint(self) -> None:
         """Block until a background save has committed (or raise its error); nothing to do by default."""
 
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> Any:
+        """Load a checkpoint (every rank); (path, client_state)."""
+        ...
+
     def last_save(self) -> tuple[bool, Optional[float]]:
         """(still being written in the background, seconds training paused for it) of the latest save."""
         return False, None
+
+    # -- the run's lifecycle (zerotrain.run) ----------------------------------------------
+
+    def claim_save_dir(self, save_dir: str) -> None:
+        """Take `save_dir` for this job (one job per save directory), before training; collective."""
+
+    def close(self) -> None:
+        """Commit pending saves and release the engine's threads and files (the end of a run)."""
 
     # -- modes and optional reports -------------------------------------------------------
 

@@ -173,10 +173,12 @@ def test_resume_refuses_another_global_batch_data_or_seed():
         DataPosition.from_dict({"epoch": 1}, "ckpt")
 
 
-def test_epochs_without_max_steps_lay_a_decaying_schedule_over_the_run(tmp_path, capsys):
+def test_epochs_without_max_steps_lay_a_decaying_schedule_over_the_run(tmp_path, capsys, monkeypatch):
     """`--num-train-epochs 2 --lr-scheduler-type linear` and no --max-steps (in-process, world 1): the pairs are read
     before the engine, total_num_steps is the steps the two epochs make (12 pairs, batches of 4: 6), and every step's lr
-    is transformers' linear schedule's (the HF Trainer's), which ends with the run (lr 0 one step after the last)."""
+    is transformers' linear schedule's (the HF Trainer's), which ends with the run (lr 0 one step after the last).
+    Then an elastic restart of that job (torchrun's agent restarted its workers) resumes from its latest checkpoint
+    without --resume, as `zerotrain train` does (issue 42)."""
     from transformers import get_scheduler
 
     from zerotrain.cli import main
@@ -208,6 +210,18 @@ def test_epochs_without_max_steps_lay_a_decaying_schedule_over_the_run(tmp_path,
     assert want[0] == 1e-3 and want[-1] < want[-2] < 1e-3  # HF's: step 1 at the full lr, decaying, not flat
     schedule.step()
     assert optimizer.param_groups[0]["lr"] == 0  # the decay's end is the run's end
+
+    # an elastic restart: TORCHELASTIC_RESTART_COUNT > 0 (the agent restarted the workers); no --resume given
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    capsys.readouterr()
+    assert main(["train-embedding", "--model", str(model), "--data", str(data), "--learning-rate", "1e-3",
+                 "--max-length", "16", "--per-device-train-batch-size", "4", "--max-steps", "7", "--logging-steps", "1",
+                 "--output-dir", str(tmp_path / "out"), "--log-dir", str(tmp_path / "log")]) == 0
+    out = capsys.readouterr().out
+    assert "zerotrain: restart 1 of this job: resuming from the latest checkpoint" in out, out
+    assert (f"resumed from {tmp_path / 'out' / 'global_step6'} at step 6: epoch 2, batch 0 next (24 queries "
+            "consumed)") in out, out
+    assert sorted(_records(tmp_path / "log")) == list(range(1, 8))  # one step more, after the six
 
 
 def test_bad_inputs_are_one_line_checked_before_the_save_directory_is_claimed(tmp_path, capsys):

@@ -97,7 +97,7 @@ def test_workers_get_the_model_and_data_arguments(tmp_path):
 
 def _load_at_zero3(cases: list[tuple[str, list]], vocab: int, tmp: str) -> dict:
     """Each (directory, tokens to add) as `zerotrain train` loads it at ZeRO-3: logits, weights, partitioning."""
-    from zerotrain.train.command import load_weights, model_engine
+    from zerotrain.run.model import load_weights, model_engine
     from zerotrain.models.hf import grow_vocab, load_tokenizer, resolve_model
     from zerotrain.zero.stage3.partition import ZeroParameter
 

@@ -104,7 +104,7 @@ def _grown_with_new_tokens(directory: str):
 
 
 def _zero3_data_parallel(directory: str, tmp: str, vocab: int) -> dict:
-    from zerotrain.train.command import load_weights, model_engine
+    from zerotrain.run.model import load_weights, model_engine
     from zerotrain.zero.stage3.partition import ZeroParameter
 
     # `train --add-tokens ... --lora-r R`: the vocabulary grows, the new tokens' rows train (peft's trainable tokens)
@@ -194,7 +194,7 @@ def _tensor_parallel(directory: str, tmp: str, vocab: int, stage: int) -> dict:
 
 def _tied_new_tokens(directory: str, tmp: str, vocab: int) -> dict:
     """ZeRO-3 LoRA with new tokens on a model with a tied head: one delta, shared by embedding and head."""
-    from zerotrain.train.command import load_weights, model_engine
+    from zerotrain.run.model import load_weights, model_engine
 
     source, old_vocab, lora = _grown_with_new_tokens(directory)
     engine, model = model_engine(source, _config(3, 2), seed=SEED, lora=lora)
@@ -211,7 +211,7 @@ def _adapters_at_world1(directory: str, tmp: str, checkpoint: str, vocab: int) -
     adapters_only checkpoint of step 2; steps 3-4 on all four rows of each batch."""
     import torch.distributed as dist
 
-    from zerotrain.train.command import load_weights, model_engine
+    from zerotrain.run.model import load_weights, model_engine
 
     source, old_vocab, lora = _grown_with_new_tokens(directory)
     started = dist.is_initialized()
@@ -443,7 +443,8 @@ def test_lora_world2_zero3_and_tensor_parallel_equal_peft(tiny_llama_dir, tmp_pa
 
 def test_lora_options_reach_the_workers_and_bad_ones_are_named(tmp_path, capsys):
     from zerotrain.cli import build_parser, main
-    from zerotrain.train.command import lora_options, worker_argv
+    from zerotrain.run.model import lora_options
+    from zerotrain.train.command import worker_argv
 
     argv = ["train", "--config", "c.json", "--nproc", "2", "--lora-r", "8", "--lora-alpha", "32", "--lora-dropout",
             "0.1", "--lora-target-modules", "q_proj, v_proj,o_proj"]

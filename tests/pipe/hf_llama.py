@@ -162,7 +162,7 @@ def lora_case(save_dir: str) -> dict:
     as `zerotrain train --lora-r` builds its engine (the adapter's PEFT files in every checkpoint); saves at the
     end."""
     from zerotrain.sharding import is_pipeline_replica
-    from zerotrain.train.command import train_engine
+    from zerotrain.run.model import train_engine
 
     model = lora_llama(True)
     engine = train_engine(model, config("1f1b", 2, 2), lora=True)

@@ -324,7 +324,11 @@ class ZeroTrainConfig(Block):
                             self.gradient_accumulation_steps)
 
     def resolve_batch(self, dp_world_size: int) -> "ZeroTrainConfig":
-        """A copy whose three batch fields are ints for `dp_world_size` data-parallel ranks."""
+        """A copy whose three batch fields are ints for `dp_world_size` data-parallel ranks; this config itself when
+        they already are (and agree with `dp_world_size`: a ConfigError otherwise), so a config resolved once is
+        handed on as the same object."""
         tbs, micro, gas = resolve_batch_triple(self.train_batch_size, self.train_micro_batch_size_per_gpu,
                                                self.gradient_accumulation_steps, dp_world_size)
+        if self.batch_resolved:
+            return self
         return self.model_copy(deep=True, update={TBS: tbs, MICRO: micro, GAS: gas})

@@ -133,17 +133,14 @@ def _config(args: argparse.Namespace, world: Optional[int] = None, steps: Option
     return config
 
 
-def _epoch_steps(args: argparse.Namespace, layout: Any, data: Any, world: int) -> int:
-    """The optimizer steps --num-train-epochs makes over `data` from the start, in the global batch of `layout` (a
-    config over a stand-in step count) at `world` ranks: a decaying schedule's total_num_steps."""
-    from zerotrain.config import load_config
-
+def _epoch_steps(args: argparse.Namespace, global_batch: int, data: Any) -> int:
+    """The optimizer steps --num-train-epochs makes over `data` from the start, in batches of `global_batch` queries:
+    a decaying schedule's total_num_steps."""
     from .data import DataPosition
     from .steps import steps_in_epochs
 
-    batch = load_config(layout, dp_world_size=world).train_batch_size
     seed = 0 if args.seed is None else args.seed
-    return steps_in_epochs(data, DataPosition(epoch=0, batch=0, seed=seed, global_batch=batch, pairs=len(data),
+    return steps_in_epochs(data, DataPosition(epoch=0, batch=0, seed=seed, global_batch=global_batch, pairs=len(data),
                                               consumed_samples=0), int(args.epochs))
 
 
@@ -159,11 +156,14 @@ def effective_embedding_config(args: argparse.Namespace) -> dict:
         if args.steps is not None or not args.data or args.data == ["stdlib"] or \
                 "needs its number of steps" not in str(exc):
             raise
+    from zerotrain.run.config import RunConfig
+
     from .data import load_pairs
 
     world = max_world_size(args)
-    layout = _config(args, world=world, steps=1)
-    return _config(args, world=world, steps=_epoch_steps(args, layout, load_pairs(args.data, args.negatives), world))
+    config = RunConfig(lambda steps: _config(args, world=world, steps=steps), world_size=world, steps=1)
+    config.schedule_over(_epoch_steps(args, config.global_batch, load_pairs(args.data, args.negatives)))
+    return config.values
 
 
 def _model_files(model_dir: Path) -> tuple[Any, Any]:
@@ -197,9 +197,10 @@ def run_train_embedding(args: argparse.Namespace) -> int:
     import zerotrain
     from zerotrain.comm import Comm
     from zerotrain.command import usage_error_status
-    from zerotrain.config import ConfigError, load_config
+    from zerotrain.config import ConfigError
     from zerotrain.data import BadRecordError
-    from zerotrain.run import resume_after_restart, stop_status
+    from zerotrain.run import finish_run, start_run, stop_status
+    from zerotrain.run.config import RunConfig
     from zerotrain.trainer import Trainer
 
     from .data import DataPosition, load_pairs
@@ -224,9 +225,11 @@ def run_train_embedding(args: argparse.Namespace) -> int:
         raise ConfigError(f"--per-device-eval-batch-size must be >= 1, got {args.per_device_eval_batch_size}",
                           key="--per-device-eval-batch-size")
     # The data comes before the engine, as in `zerotrain train` and the HF Trainer: with --num-train-epochs alone the
-    # steps (a decaying schedule's total_num_steps) are known once the pairs are read. The config before that
-    # (`layout`, over a stand-in step count) gives the global batch those steps are counted in.
-    layout = _config(args, steps=args.steps or 1)
+    # steps (a decaying schedule's total_num_steps) are known once the pairs are read. The run's config, built once
+    # here (its schedule over a stand-in step count until then), gives the global batch those steps are counted in.
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    config = RunConfig(lambda steps: _config(args, world=world_size, steps=steps), world_size=world_size,
+                       steps=args.steps or 1)
     if args.loss_chunk_size is not None and args.loss_chunk_size < 1:
         raise ConfigError(f"--loss-chunk-size must be >= 1, got {args.loss_chunk_size}", key="--loss-chunk-size")
     try:
@@ -247,14 +250,13 @@ def run_train_embedding(args: argparse.Namespace) -> int:
             import tempfile
             args.data = [str(write_pairs(train_pairs, Path(tempfile.mkdtemp()) / "stdlib_train.jsonl"))]
     seed = 0 if args.seed is None else args.seed
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         data = load_pairs(args.data, args.negatives)
         schedule_steps = args.steps
         if schedule_steps is None:  # the passes over the pairs from the start (a resume counts the same run's)
-            schedule_steps = _epoch_steps(args, layout, data, world_size)
+            schedule_steps = _epoch_steps(args, config.global_batch, data)
         # the data fills one global batch (checked here, before any lock is taken)
-        global_batch = load_config(layout, dp_world_size=world_size).train_batch_size
+        global_batch = config.global_batch
         first = DataPosition(epoch=0, batch=0, seed=seed, global_batch=global_batch, pairs=len(data),
                              consumed_samples=0)
         per_epoch = len(epoch_batches(data, first))
@@ -262,19 +264,16 @@ def run_train_embedding(args: argparse.Namespace) -> int:
         if isinstance(exc, ConfigError):
             raise
         raise CLIError(f"--data: {exc}") from None
-    config = _config(args, steps=schedule_steps)
+    config.schedule_over(schedule_steps)
     torch.manual_seed(args.seed or 0)  # the weights the directory lacks (BERT's pooler) start alike
     tokenizer, model = _model_files(model_dir)
-    if args.save_dir is not None and int(os.environ.get("RANK", "0")) == 0:
-        from zerotrain.train.flags import write_effective_config
-        write_effective_config(config, args.save_dir)
     for name, param in model.named_parameters():
         if name.startswith("pooler."):  # BERT's pooler head: sentence embeddings never use it
             param.requires_grad_(False)
-    if "activation_checkpointing" in config:  # --gradient-checkpointing (or the file's block): the encoder's layers
+    if "activation_checkpointing" in config.values:  # --gradient-checkpointing (or the file's block): the encoder's layers
         from zerotrain.checkpointing import enable_hf_gradient_checkpointing
         enable_hf_gradient_checkpointing(model)
-    engine, *_ = zerotrain.initialize(model=model, config=config)
+    engine, *_ = zerotrain.initialize(model=model, config=config.parsed)  # the run's parsed config itself
     try:
         topology = engine.topology
         comm = Comm.data_parallel(topology)
@@ -286,14 +285,14 @@ def run_train_embedding(args: argparse.Namespace) -> int:
         step = ContrastiveStep(engine, comm, pooling, scale=args.scale, matryoshka_dims=dims,
                                chunk_size=args.loss_chunk_size)
         save_dir = os.path.abspath(args.save_dir) if args.save_dir is not None else None
-        args.resume = resume_after_restart(args.resume, save_dir, rank)  # an elastic restart resumes
-        if save_dir is not None:
-            engine.claim_save_dir(save_dir)
+        # an elastic restart resumes; the effective config recorded; one job per save directory
+        args.resume = start_run(engine, config, resume=args.resume, save_dir=save_dir, rank=topology.rank,
+                                record_dirs=(save_dir,))
         position = first
         try:
             if args.resume or args.resume_from_checkpoint:
                 from zerotrain.train.resume import load_for_resume
-                path, client_state = load_for_resume(engine, args, save_dir, config)
+                path, client_state = load_for_resume(engine, args, save_dir, config.values)
                 if path is None:
                     if rank == 0:
                         print(f"zerotrain: nothing to resume in {args.save_dir}; starting from scratch", flush=True)
@@ -365,9 +364,9 @@ def run_train_embedding(args: argparse.Namespace) -> int:
                 print(f"zerotrain: exported a sentence-transformers model to {args.export}", flush=True)
         if rank == 0 and losses:
             print(json.dumps({"steps": summary.steps, "first_loss": losses[0], "last_loss": losses[-1]}), flush=True)
-        engine.close()
+        engine.close()  # pending saves committed, offload threads and files released
         if dist.is_initialized():
-            dist.barrier()
+            dist.barrier()  # no rank tears its groups down while a peer still talks to it
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -104,12 +104,14 @@ class EngineCore:
         return loss
 
     @contextlib.contextmanager
-    def external_backward(self):
+    def external_backward(self, micro_steps: int = 1):
         """Gradients made outside `backward()` (a pipeline schedule's backward passes, which scale the loss
         themselves and may add into `.grad` directly: zero-bubble's weight passes) accumulate inside the block
         and are reduced once when it exits, as one accumulation-boundary backward; the next `step()` at the
         boundary updates. The block may adjust the gradients before the reduce (tied weights). Stages 0-1 only:
-        their reducer keeps a full buffer until the boundary (stages 2-3 reduce inside every backward)."""
+        their reducer keeps a full buffer until the boundary (stages 2-3 reduce inside every backward).
+        `micro_steps`: the micro-batches the block's gradients stand for; the micro-step count advances by all
+        but the last on exit (the `step()` after it counts the last, as after a `backward()`)."""
         parts = self.parts
         parts.zero_optimizer.refuse_training("engine.external_backward()")
         if parts.stage >= 2:
@@ -123,6 +125,7 @@ class EngineCore:
             parts.reducer.begin_backward(boundary=True)  # no backward runs: end_backward reduces every bucket
             parts.reducer.end_backward()
         parts.weights.end_micro_step()
+        self.micro_steps += micro_steps - 1
         self._backward_done = True
 
     @contextlib.contextmanager

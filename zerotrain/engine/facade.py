@@ -40,6 +40,7 @@ class ZeroTrainEngine(EngineCore):
         config = resolve_memory(model, config, topology, trains=optimizer is not None or config.optimizer is not None)
         super().__init__(build_parts(model, config, topology, model_parameters, optimizer, lr_scheduler))
         self._checkpoint_files: dict[str, bytes] = {}  # add_checkpoint_files: copied into every checkpoint
+        self._checkpoint_view: Optional[Callable[[CheckpointState], CheckpointState]] = None  # view_checkpoint_state
         self._checkpoint_file_makers: list[Callable[[], dict]] = []  # ... and files made at each save
         self.stop_request = StopRequest()  # signals turned into a stop at a step boundary (opt-in)
         self.tput_timer = ThroughputTimer(config.train_batch_size)  # DeepSpeed's engine.tput_timer (monitor.throughput)
@@ -200,7 +201,16 @@ class ZeroTrainEngine(EngineCore):
 
     def checkpoint_state(self) -> CheckpointState:
         """The declared set of state a checkpoint saves and loads (the checkpoint reads nothing else)."""
-        return state.checkpoint_state(self.parts, self, self._checkpoint_files)
+        own = state.checkpoint_state(self.parts, self, self._checkpoint_files)
+        return own if self._checkpoint_view is None else self._checkpoint_view(own)
+
+    def view_checkpoint_state(self, view: Callable[[CheckpointState], CheckpointState]) -> None:
+        """Save and load `view(state)` in place of this engine's own checkpoint state, through this engine's one
+        checkpoint lifecycle (save, load, claim, background saves, close): a pipeline engine's unified format over
+        every stage (`pipe.checkpoint`). Before the first save or claim."""
+        if self.checkpointer is not None:
+            raise RuntimeError("view_checkpoint_state() after a checkpoint was saved or claimed")
+        self._checkpoint_view = view
 
     def add_checkpoint_files(self, files: Union[dict, Callable[[], dict]]) -> None:
         """Copy these files ({name: bytes}) into every checkpoint directory saved from now on, listed in its

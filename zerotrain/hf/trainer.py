@@ -27,7 +27,7 @@ import contextlib
 import copy
 import json
 import os
-from typing import Any, Callable, Optional, Protocol, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import transformers
@@ -37,6 +37,7 @@ from transformers.training_args import _convert_str_dict
 
 import zerotrain
 from zerotrain.pretrained import install_transformers_zero3_branches
+from zerotrain.training_engine import TrainingEngine  # what this module calls on the engine (one Protocol)
 from zerotrain.zero import GatheredParameters
 from zerotrain.zero.stage3.partition import ZeroParameter
 from zerotrain.config import ConfigError, read_config_file
@@ -56,26 +57,6 @@ _REFUSED = {
 
 # resize_token_embeddings right on the partitioned models trained here (a model built under zero.Init)
 install_transformers_zero3_branches()
-
-
-class TrainingEngine(Protocol):
-    """What this module calls on zerotrain's engine (its public, DeepSpeed-named API)."""
-
-    module: torch.nn.Module
-
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor: ...
-    def step(self) -> None: ...
-    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None: ...
-    def gradient_accumulation_steps(self) -> int: ...
-    def get_global_grad_norm(self) -> Optional[float]: ...
-    def was_step_applied(self) -> bool: ...
-    def full_state_dict(self, trainable_only: bool = False) -> dict: ...
-    def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict: ...
-    def save_checkpoint(self, save_dir: str) -> str: ...
-    def load_checkpoint(self, load_dir: str, load_module_only: bool = False) -> Any: ...
-    def bfloat16_enabled(self) -> bool: ...
-    def zero_optimization_stage(self) -> int: ...
-    def fp16_enabled(self) -> bool: ...
 
 
 def _read(config: Union[str, os.PathLike, dict]) -> dict:

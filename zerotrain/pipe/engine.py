@@ -20,7 +20,7 @@ from typing import Any, Callable, ContextManager, Iterator, Optional, Protocol, 
 
 import torch
 
-from ..checkpoint import Checkpointer, CheckpointState, load_checkpoint, save_checkpoint
+from ..checkpoint import CheckpointState
 from ..comm import Comm
 from ..config import ConfigError, ZeroTrainConfig
 from ..sharding import mark_pipeline_replica
@@ -31,13 +31,10 @@ from .module import PipelineModule
 from .schedule import Placement, schedule_class
 
 
-class StageEngine(Protocol):
-    """What the pipeline engine calls on the ZeRO engine of its stage (`engine.ZeroTrainEngine` has it all)."""
-
-    config: ZeroTrainConfig
-    global_steps: int
-    global_samples: int
-    micro_steps: int
+class StageEngine(TrainingEngine, Protocol):
+    """What the pipeline engine calls on the ZeRO engine of its stage (`engine.ZeroTrainEngine` has it all): the one
+    `TrainingEngine` interface, and what a pipeline schedule needs beyond it (the stage's data-parallel ranks, the
+    optimizer and schedule, gradients made outside `backward`, the checkpoint's declared state)."""
 
     @property
     def comm(self) -> Comm: ...  # the stage's data-parallel ranks
@@ -48,26 +45,12 @@ class StageEngine(Protocol):
     @property
     def lr_scheduler(self) -> Any: ...
 
-    @property
-    def loss_scale(self) -> float: ...
+    def external_backward(self, micro_steps: int = 1) -> ContextManager[None]: ...
 
-    def external_backward(self) -> ContextManager[None]: ...
+    def add_checkpoint_files(self, files: Union[dict, Callable[[], dict]]) -> None: ...
 
-    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None: ...
+    def view_checkpoint_state(self, view: Callable[[CheckpointState], CheckpointState]) -> None: ...
 
-    def step(self) -> None: ...
-
-    def get_lr(self) -> list[float]: ...
-
-    def add_checkpoint_files(self, files: dict) -> None: ...
-
-    def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]: ...
-
-    def get_global_grad_norm(self) -> Optional[float]: ...
-
-    def checkpoint_state(self) -> CheckpointState: ...
-
-    def close(self) -> None: ...
 
 __all__ = ["PipelineEngine", "StageEngine", "PipelinePlan", "prepare_pipeline", "check_pipeline_config", "pipeline_size"]
 
@@ -180,8 +163,10 @@ class PipelineEngine(TrainingEngine):
         self._first = placement.first_rank == self.topology.pp_rank
         self._last = placement.last_rank == self.topology.pp_rank
         self._params = list(dict.fromkeys(self.module.parameters()))
-        self._checkpointer: Optional[Checkpointer] = None
-        self._file_makers: list[Callable[[], dict]] = []  # add_checkpoint_files(callable): called at each save
+        # checkpoints: the stage engine's own lifecycle (save, load, claim, background saves, close), over the
+        # unified format of every stage (pipe.checkpoint)
+        engine.view_checkpoint_state(
+            lambda state: pipeline_checkpoint_state(state, self.module, self.topology, engine.comm))
         # DeepSpeed's pipeline engine reads `training_data` itself when train_batch/eval_batch get no iterator:
         # a repeating loader over a DistributedSampler of the stage's data-parallel ranks, not shuffled
         self.training_dataloader: Any = None
@@ -291,9 +276,6 @@ class PipelineEngine(TrainingEngine):
         """Copy these files ({name: bytes}) into every checkpoint directory saved from now on (the tokenizer's).
         A callable is called on every rank at each save (it may be collective, e.g. `full_state_dict`) and the
         files global rank 0 gets are written: a LoRA adapter in PEFT's layout."""
-        if callable(files):
-            self._file_makers.append(files)
-            return
         self.engine.add_checkpoint_files(files)
 
     def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
@@ -307,13 +289,28 @@ class PipelineEngine(TrainingEngine):
 
     def claim_save_dir(self, save_dir: str) -> None:
         """Take `save_dir`'s one-writer lock for this job now (every rank), instead of at the first save."""
-        if self._checkpointer is None:
-            self._checkpointer = Checkpointer(self._checkpoint_state())
-        self._checkpointer.claim(save_dir)
+        self.engine.claim_save_dir(save_dir)
 
     def get_global_grad_norm(self) -> Optional[float]:
         """The unscaled gradient norm of the last step, over every stage (before clipping)."""
         return self.engine.get_global_grad_norm()
+
+    # --- DeepSpeed's accessors: the stage engine's own -----------------------------------
+    def was_step_applied(self) -> bool:
+        return self.engine.was_step_applied()
+
+    def zero_optimization_stage(self) -> int:
+        return self.engine.zero_optimization_stage()
+
+    def bfloat16_enabled(self) -> bool:
+        return self.engine.bfloat16_enabled()
+
+    def fp16_enabled(self) -> bool:
+        return self.engine.fp16_enabled()
+
+    def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+        raise NotImplementedError("a pipeline engine's weights in the training dtype: full_state_dict() gathers "
+                                  "every stage's (fp32) on global rank 0")
 
     def train(self, mode: bool = True) -> "PipelineEngine":
         self.module.train(mode)
@@ -330,48 +327,36 @@ class PipelineEngine(TrainingEngine):
     __call__ = forward
     backward = forward
     step = forward
+    set_gradient_accumulation_boundary = forward
 
-    # --- checkpoints: the unified format over every stage (pipe.checkpoint) ------------------------
-    def _checkpoint_state(self) -> CheckpointState:
-        return pipeline_checkpoint_state(self.engine.checkpoint_state(), self.module, self.topology, self.engine.comm)
-
+    # --- checkpoints: the stage engine's lifecycle over the unified format of every stage (pipe.checkpoint) ----
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         save_latest: bool = True, async_save: Optional[bool] = None, **kwargs: Any) -> str:
         """Write a unified checkpoint of every stage (call on every rank). `async_save` (or
         `checkpoint.async_save`): written in the background as without a pipeline; the next `train_batch`
         fences the snapshot copy before its optimizer step and raises a failed save's error on every rank."""
-        for make in self._file_makers:
-            self.engine.add_checkpoint_files(make())
-        if self._checkpointer is None:
-            self._checkpointer = Checkpointer(self._checkpoint_state())
-        return save_checkpoint(self._checkpointer, save_dir, tag=tag, client_state=client_state,
-                               save_latest=save_latest, async_save=async_save)
+        return self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                                           async_save=async_save)
 
     def wait_checkpoint(self) -> None:
         """Block until a pending asynchronous save has committed (raise its error if it failed)."""
-        if self._checkpointer is not None:
-            self._checkpointer.wait()
+        self.engine.wait_checkpoint()
 
     def last_save(self) -> tuple[bool, Optional[float]]:
         """(whether a save is still being written, the training stall of the last save in seconds)."""
-        if self._checkpointer is None:
-            return False, None
-        return bool(self._checkpointer.pending), self._checkpointer.last_stall_seconds
+        return self.engine.last_save()
 
     def close(self) -> None:
         """Release the checkpoint save directory's lock, then the stage engine's resources (idempotent)."""
-        if self._checkpointer is not None:
-            self._checkpointer.close()
         self.engine.close()
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False, **kwargs: Any):
         """Load a unified checkpoint saved at any pipeline, data-parallel or ZeRO shape; returns
         (path, client_state). Tied copies on later stages read their owner's entries."""
-        self.wait_checkpoint()  # a pending save reads the slots the load writes
-        return load_checkpoint(self._checkpoint_state(), load_dir, tag=tag,
-                               load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+        return self.engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+                                           load_lr_scheduler_states=load_lr_scheduler_states,
+                                           load_module_only=load_module_only)
 
     # --- the batch ------------------------------------------------------------------
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
@@ -431,14 +416,13 @@ class PipelineEngine(TrainingEngine):
         if data_iter is not None:  # DeepSpeed's: kept, so a later train_batch() goes on reading it
             self.set_dataiterator(data_iter)
             data_iter = self.data_iterator
-        if self._checkpointer is not None:  # before the step writes the slots: an async save's snapshot copied,
-            self._checkpointer.raise_if_failed()  # or its failure raised on every rank (the stage engine's step
-        self.train()                              # fences only its own checkpointer)
-        with engine.external_backward():
+        self.train()  # an async save's failure: raised on every rank by the stage engine's step, before it updates
+        # each micro-batch is a micro-step (DeepSpeed's count): the block counts all but the last, which step() below
+        # counts, so a save sees a whole cycle
+        with engine.external_backward(micro_steps=self.micro_batches):
             loss = self._run(data_iter, train=True, aggregate=aggregate)
             self._finish_gradients()
-        engine.micro_steps += self.micro_batches - 1  # each micro-batch is a micro-step (DeepSpeed's count); the
-        engine.set_gradient_accumulation_boundary(True)  # step() below counts the last: a save sees a whole cycle
+        engine.set_gradient_accumulation_boundary(True)
         engine.step()
         return loss
 

@@ -1,0 +1,122 @@
+"""The run layer (`zerotrain.run`, issue 42): a command builds its run's config once and hands the one parsed object
+down; the skeleton both training commands share. In-process runs of the tiny preset (world 1, seconds)."""
+from __future__ import annotations
+
+import pytest
+
+from zerotrain.cli import main
+
+
+@pytest.fixture
+def one_rank(monkeypatch, tmp_path):
+    """A single-process run in a fresh directory (no launcher variables)."""
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_a_train_run_builds_and_parses_its_config_once_and_hands_the_parsed_object_to_initialize(one_rank,
+                                                                                                monkeypatch):
+    """`zerotrain train` builds the effective config (file + flags + "auto") once and parses it once: the check
+    before launching builds it for the run (one rank: this process), the model, the data wiring and
+    `zerotrain.initialize` take that object (initialize neither parses it again nor re-resolves its batch). It was
+    built 3 times and parsed 6 times (issue 42)."""
+    import zerotrain
+    import zerotrain.config.loader as loader
+    import zerotrain.train.flags as flags
+    from zerotrain.config import ZeroTrainConfig
+
+    builds, parses, handed = [], [], []
+    effective_config, build, initialize = flags.effective_config, loader._build, zerotrain.initialize
+    monkeypatch.setattr(flags, "effective_config", lambda *a, **k: builds.append(k) or effective_config(*a, **k))
+    monkeypatch.setattr(loader, "_build", lambda *a, **k: parses.append(a[0]) or build(*a, **k))
+
+    def recording_initialize(**kwargs):
+        handed.append(kwargs["config"])
+        return initialize(**kwargs)
+
+    monkeypatch.setattr(zerotrain, "initialize", recording_initialize)
+    config = one_rank / "c.json"
+    config.write_text('{"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2, '
+                      '"zero_optimization": {"stage": 2}}')
+    status = main(["train", "--config", str(config), "--model", "tiny", "--max-steps", "1", "--max-corpus-bytes",
+                   "20000", "--per-device-train-batch-size", "2", "--seq-len", "16", "--eval-batches", "1",
+                   "--output-dir", "ck", "--log-dir", "log"])
+    assert status == 0
+    assert len(builds) == 1, builds
+    assert len(parses) == 1, [sorted(p) for p in parses]
+    assert len(handed) == 1 and isinstance(handed[0], ZeroTrainConfig)
+    # the batch resolved for the run's one data-parallel rank, the schedule over --max-steps
+    assert (handed[0].train_batch_size, handed[0].train_micro_batch_size_per_gpu,
+            handed[0].gradient_accumulation_steps) == (4, 2, 2)
+    assert handed[0].scheduler.params["num_training_steps"] == 1
+    import json
+    recorded = json.loads((one_rank / "ck" / "effective_config.json").read_text())
+    assert recorded == json.loads((one_rank / "log" / "effective_config.json").read_text())
+    assert recorded["gradient_accumulation_steps"] == 2 and recorded["zero_optimization"]["stage"] == 2
+
+
+def test_run_config_is_built_once_for_the_data_parallel_ranks_and_lays_its_schedule_over_the_steps():
+    """`RunConfig` (no engine): the builder is called once; the batch triple is resolved for world / (tensor x
+    sequence x pipeline) ranks; `initialize`'s second resolution returns the same object (and refuses another
+    rank count); `schedule_over` rebuilds only for other steps; a world the split does not divide, or a batch it
+    cannot make, is a ConfigError naming the key (the latter the world size)."""
+    from zerotrain.config import ConfigError
+    from zerotrain.run.config import RunConfig
+
+    made = []
+
+    def make(steps: int, **extra) -> dict:
+        made.append(steps)
+        return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+                "tensor_parallel": {"autotp_size": 2}, "sequence_parallel_size": 3, "pipeline_parallel_size": 5,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": steps, "warmup_num_steps": 1}},
+                **extra}
+
+    config = RunConfig(make, world_size=2 * 3 * 5 * 4, steps=1)
+    assert made == [1] and config.dp_world_size == 4 and config.world_size == 120
+    assert (config.global_batch, config.parsed.train_micro_batch_size_per_gpu,
+            config.parsed.gradient_accumulation_steps) == (24, 2, 3)
+    assert config.parsed.resolve_batch(4) is config.parsed  # what initialize does with it: no copy
+    with pytest.raises(ConfigError, match="dp_world_size=8"):
+        config.parsed.resolve_batch(8)
+    parsed, values = config.parsed, config.values
+    config.schedule_over(1)
+    assert made == [1] and config.parsed is parsed and config.values is values
+    config.schedule_over(7)
+    assert made == [1, 7] and config.steps == 7 and config.values["scheduler"]["params"]["total_num_steps"] == 7
+    assert config.parsed.scheduler.params["total_num_steps"] == 7 and config.global_batch == 24
+    with pytest.raises(ConfigError, match="does not divide the world size 100") as refused:
+        RunConfig(make, world_size=100, steps=1)
+    assert refused.value.key == "pipeline_parallel_size"
+    with pytest.raises(ConfigError, match="this job has world size 120") as refused:
+        RunConfig(lambda steps: make(steps, train_batch_size=12), world_size=120, steps=1)
+    assert refused.value.key == "train_batch_size"
+
+
+def test_train_config_splits_the_world_over_the_pipeline_stages(tmp_path):
+    """`train_config` with --pipeline-parallel-size 2 at 8 ranks (no engine): the batch counts the 4 data-parallel
+    ranks of a stage; flags alone default to ZeRO-1 (ZeRO-2/3 are refused with a pipeline), a --config file's stage
+    is kept; the RunConfig over it resolves for those 4 ranks."""
+    import json
+
+    from zerotrain.cli import build_parser
+    from zerotrain.run.config import RunConfig, train_config
+
+    def args(*argv: str):
+        return build_parser().parse_args(["train", "--pipeline-parallel-size", "2", "--per-device-train-batch-size",
+                                          "2", "--gradient-accumulation-steps", "3", "--max-steps", "5", *argv])
+
+    config = train_config(args(), world_size=8)
+    assert (config["pipeline_parallel_size"], config["zero_optimization"]["stage"], config["train_batch_size"]) == \
+        (2, 1, 24)
+    assert RunConfig(lambda steps: train_config(args(), world_size=8, steps=steps), world_size=8,
+                     steps=5).dp_world_size == 4
+    file = tmp_path / "ds.json"
+    file.write_text(json.dumps({"zero_optimization": {"stage": 0}}))
+    assert train_config(args("--config", str(file)), world_size=8)["zero_optimization"]["stage"] == 0
+    assert train_config(args("--zero-stage", "0"), world_size=8)["zero_optimization"]["stage"] == 0
+    assert "pipeline_parallel_size" not in train_config(build_parser().parse_args(["train", "--max-steps", "5"]),
+                                                        world_size=8)
