@@ -28,7 +28,7 @@ from zerotrain.zero import GatheredParameters
 
 from .trainer import ZeroTrainArguments, ZeroTrainMixin
 
-__all__ = ["SFTTrainer", "SFTConfig", "DPOTrainer", "DPOConfig"]
+__all__ = ["SFTTrainer", "SFTConfig", "DPOTrainer", "DPOConfig", "RewardTrainer", "RewardConfig"]
 
 
 class SFTConfig(ZeroTrainArguments, trl.SFTConfig):
@@ -100,3 +100,13 @@ class DPOTrainer(ZeroTrainMixin, trl.DPOTrainer):
                 stack.enter_context(GatheredParameters(list(head)))
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
+
+
+class RewardConfig(ZeroTrainArguments, trl.RewardConfig):
+    """TRL's RewardConfig with `deepspeed=` as zerotrain's config."""
+
+
+class RewardTrainer(ZeroTrainMixin, trl.RewardTrainer):
+    """TRL's RewardTrainer (a sequence-classification model scoring chosen against rejected), trained by
+    zerotrain's engine. Its score head is called as a module, so ZeRO-3 gathers it like any layer; nothing is
+    overridden beyond the mixin's seams."""
