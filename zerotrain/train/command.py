@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from zerotrain.command import PROG, CLIError, HelpFormatter, inside_worker
-from zerotrain.train.flags import HF_FLAGS
+from zerotrain.train.flags import HF_FLAGS, optimizer_from_flags
 
 # The share of the data held out for evaluation when nothing else says: the built-in corpus' tail; with --data, when
 # --eval-interval asks for evaluation without --eval-data or --val-fraction.
@@ -437,7 +437,7 @@ def run_train(args: argparse.Namespace) -> int:
         if args.steps is None:  # --num-train-epochs alone: the steps those passes make (the HF Trainer's max_steps)
             args.steps = math.ceil(args.num_train_epochs * steps_per_epoch)
         config = train_config(args, world_size=world_size, hidden_size=hidden)  # the schedule over those steps
-        engine = train_engine(model, config, lora)
+        engine = train_engine(model, config, lora, decay_groups=optimizer_from_flags(args))
         if engine.train_batch_size() != global_batch:
             raise CLIError(f"the engine's global batch is {engine.train_batch_size()}, not the {global_batch} the "
                            "config gives: set train_micro_batch_size_per_gpu (the memory budget chose it)")
@@ -650,12 +650,30 @@ def train_model(source, config: dict, seed: int = 0, lora=None):
     return model
 
 
-def train_engine(model, config: dict, lora=None):
+def weight_decay_groups(model, weight_decay: float) -> list[dict]:
+    """The HF Trainer's parameter groups for the optimizer it builds itself (`Trainer.create_optimizer`): weight decay
+    on the trainable parameters transformers' `Trainer.get_decay_parameter_names` names, none on the others (biases,
+    LayerNorm / RMSNorm weights); empty groups left out."""
+    import transformers
+
+    # an instance method that reads only the model: transformers' own rule, whatever its version
+    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for name, p in named if name in decay], "weight_decay": weight_decay},
+              {"params": [p for name, p in named if name not in decay], "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def train_engine(model, config: dict, lora=None, decay_groups: bool = False):
     """``zerotrain.initialize`` of a `train_model` model; with ``lora`` every checkpoint also holds the adapter in
-    PEFT's layout (gathered at each save: collective)."""
+    PEFT's layout (gathered at each save: collective). ``decay_groups`` (the AdamW built from the flags,
+    `zerotrain.train.flags.optimizer_from_flags`): the HF Trainer's groups (`weight_decay_groups`), no decay on
+    biases and norm weights, where the weight decay is not 0 (with 0 one group, the same steps)."""
     import zerotrain
 
-    engine, _, _, _ = zerotrain.initialize(model=model, config=config)
+    weight_decay = ((config.get("optimizer") or {}).get("params") or {}).get("weight_decay", 0.0)
+    groups = weight_decay_groups(model, weight_decay) if decay_groups and weight_decay else None
+    engine, _, _, _ = zerotrain.initialize(model=model, config=config, model_parameters=groups)
     if lora is not None:
         from zerotrain.models.hf import adapter_files
         engine.add_checkpoint_files(lambda: adapter_files(engine.full_state_dict(trainable_only=True), model))
