@@ -157,3 +157,26 @@ def test_deepspeed_goes_through_the_upstream_argument_parsers(tmp_path):
                                               "learning_rate": 2e-4, "deepspeed": value}))
             _, args, _ = parser.parse_args_and_config(["--config", str(recipe)])
             check(args, value)
+
+
+@pytest.mark.parametrize("trainer, name", [("DPO", "sync_ref_model"), ("DPO", "precompute_ref_log_probs"),
+                                           ("GRPO", "use_vllm"), ("GRPO", "use_transformers_continuous_batching"),
+                                           ("GRPO", "sync_ref_model")])
+def test_trl_features_not_built_are_refused_by_name(tmp_path, tiny_llama_dir, trainer, name):
+    """Each refused TRL option is one ValueError naming it, before any engine is built (the same trainers without
+    it train in test_dpo.py / test_grpo.py)."""
+    pytest.importorskip("trl")
+    import zerotrain.hf as hf
+    from datasets import Dataset
+
+    config_class, trainer_class = getattr(hf, f"{trainer}Config"), getattr(hf, f"{trainer}Trainer")
+    data = Dataset.from_list([{"prompt": "alpha beta ->", "chosen": " gamma", "rejected": " delta"}] * 4)
+    extra = {"reward_funcs": lambda completions, **kw: [0.0] * len(completions)} if trainer == "GRPO" else {}
+    common = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", bf16=False, max_steps=1,
+                  per_device_train_batch_size=2, **({"num_generations": 2} if trainer == "GRPO" else {}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = config_class(**common)
+        setattr(args, name, True)  # set after __post_init__, which would need vLLM / a sync interval first
+        with pytest.raises(ValueError, match=f"^{name}: "):
+            trainer_class(model=str(tiny_llama_dir), args=args, train_dataset=data, **extra)

@@ -4,6 +4,7 @@
     from zerotrain.hf import SFTTrainer, SFTConfig             # instead of trl's (needs `trl`)
     from zerotrain.hf import DPOTrainer, DPOConfig             # the reference model on a forward-only ZeRO-3 engine
     from zerotrain.hf import RewardTrainer, RewardConfig       # a sequence-classification reward model
+    from zerotrain.hf import GRPOTrainer, GRPOConfig           # generate on the gathered weights, ZeRO-3 reference
 
 `TrainingArguments(deepspeed=...)` is zerotrain's config ("auto" filled as transformers fills it);
 without it the arguments alone give ZeRO-3. docs/hf.md lists what is supported and what is refused.
@@ -15,10 +16,11 @@ from typing import Any
 from .trainer import Trainer, TrainingArguments, ZeroTrainMixin
 
 __all__ = ["Trainer", "TrainingArguments", "ZeroTrainMixin", "SFTTrainer", "SFTConfig", "DPOTrainer", "DPOConfig",
-           "RewardTrainer", "RewardConfig"]
+           "RewardTrainer", "RewardConfig", "GRPOTrainer", "GRPOConfig"]
 
 
-_TRL = ("SFTTrainer", "SFTConfig", "DPOTrainer", "DPOConfig", "RewardTrainer", "RewardConfig")
+_TRL = ("SFTTrainer", "SFTConfig", "DPOTrainer", "DPOConfig", "RewardTrainer", "RewardConfig", "GRPOTrainer",
+        "GRPOConfig")
 
 
 def __getattr__(name: str) -> Any:
