@@ -50,8 +50,20 @@ def _run(engine: str, model_dir: str, out: str, stage: int) -> dict:
     from datasets import Dataset
     from transformers import TrainerCallback
 
+    gathers = []  # zerotrain: the gather calls each generation made on this rank
     if engine == "zt":
-        from zerotrain.hf import GRPOConfig, GRPOTrainer
+        from zerotrain.hf import GRPOConfig, GRPOTrainer as ZeroTrainGRPO
+
+        def gather_calls(trainer) -> int:
+            return sum(v["calls"] for k, v in trainer._zt_engine.counters.snapshot().items() if "gather" in k)
+
+        class GRPOTrainer(ZeroTrainGRPO):
+            def _generate_single_turn(self, *args, **kwargs):
+                before = gather_calls(self)
+                try:
+                    return super()._generate_single_turn(*args, **kwargs)
+                finally:
+                    gathers.append(gather_calls(self) - before)
     else:
         from trl import GRPOConfig, GRPOTrainer
 
@@ -78,6 +90,8 @@ def _run(engine: str, model_dir: str, out: str, stage: int) -> dict:
         reference = trainer._zt_reference
         result["reference"] = {"stage": reference.zero_optimization_stage(),
                                "optimizer": reference.optimizer is not None}
+        result["gathers"] = gathers
+        result["params"] = sum(1 for _ in trainer.model.parameters())
     del trainer, args
     if engine == "ds":
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
@@ -112,3 +126,8 @@ def test_grpo_trainer_on_zerotrain_against_trl_with_deepspeed(tiny_llama_dir, tm
                for key, a, b in zip(KEYS, got[1:], want[1:]) if not close(a, b, 1e-5)]
         assert not bad, bad
         assert zt["reference"] == {"stage": 3, "optimizer": False}, zt["reference"]
+    # generation on the gathered weights: at ZeRO-3 each generation gathers every weight at most once (layer by
+    # layer it would gather them again for each of its 9 forwards); at ZeRO-2 nothing is gathered
+    gathers, params = results["zt3"]["gathers"], results["zt3"]["params"]
+    assert len(gathers) == STEPS and all(0 < g <= params for g in gathers), (gathers, params)
+    assert results["zt2"]["gathers"] == [0] * STEPS, results["zt2"]["gathers"]
