@@ -1,6 +1,7 @@
 """`zerotrain.hf.GRPOTrainer` against TRL's `GRPOTrainer` + DeepSpeed 0.19.8 on the same script and data.
 
-One launch at world 2 (CPU, gloo, fp32, tiny Llama built offline), ZeRO-2 and ZeRO-3, beta 0.1 (the KL term: TRL
+One launch at world 2 (CPU, gloo, fp32, tiny Llama built offline; shared with the DPO and reward tests,
+trl_launch.py), ZeRO-2 and ZeRO-3, beta 0.1 (the KL term: TRL
 loads the reference model from the model's directory; zerotrain runs it on a forward-only ZeRO-3 engine, TRL on
 DeepSpeed's ZeRO-3 inference engine or stage 0), a reward function in Python. Completions are sampled
 (temperature 1) by transformers' `generate` on the gathered weights with `synced_gpus`; both sides reseed torch at
@@ -13,13 +14,11 @@ length; the reference engine is ZeRO-3 without an optimizer.
 from __future__ import annotations
 
 import importlib.util
-import os
-import warnings
 
 import pytest
 
-from distributed import run_distributed
 from hf_compare import close
+from trl_launch import of
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("trl") is None,
                                 reason="needs deepspeed and trl")
@@ -99,21 +98,9 @@ def _run(engine: str, model_dir: str, out: str, stage: int) -> dict:
     return result
 
 
-def _worker(model_dir: str, root: str) -> dict:
-    warnings.simplefilter("ignore")
-    results = {f"zt{stage}": _run("zt", model_dir, os.path.join(root, f"zt{stage}"), stage) for stage in (2, 3)}
-    os.environ["DS_ACCELERATOR"] = "cpu"
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    for stage in (2, 3):
-        results[f"ds{stage}"] = _run("ds", model_dir, os.path.join(root, f"ds{stage}"), stage)
-    return results if int(os.environ["RANK"]) == 0 else {}
-
-
-@pytest.mark.timeout(900)
-def test_grpo_trainer_on_zerotrain_against_trl_with_deepspeed(tiny_llama_dir, tmp_path):
-    results = run_distributed(_worker, 2, str(tiny_llama_dir), str(tmp_path), timeout=840)[0]
+@pytest.mark.timeout(1600)
+def test_grpo_trainer_on_zerotrain_against_trl_with_deepspeed(trl_results):
+    results = of(trl_results, "grpo")  # the shared launch (trl_launch.py)
     for stage in (2, 3):
         zt, ds = results[f"zt{stage}"], results[f"ds{stage}"]
         # the same completions were sampled and scored (4 prompts x 4 generations a rank per step)

@@ -1,20 +1,18 @@
 """`zerotrain.hf.RewardTrainer` against TRL's `RewardTrainer` + DeepSpeed 0.19.8 on the same script and data.
 
-One launch at world 2 (CPU, gloo, fp32), ZeRO-2 and ZeRO-3. The model is given as a directory path, as TRL's
-`reward.py` gives it: a tiny Llama sequence-classification model with its score head saved (built offline, so both
+One launch at world 2 (CPU, gloo, fp32; shared with the DPO and GRPO tests, trl_launch.py), ZeRO-2 and ZeRO-3.
+The model is given as a directory path, as TRL's `reward.py` gives it: a tiny Llama sequence-classification model with its score head saved (built offline, so both
 sides load the same weights and nothing is initialised at random). Checked: every logged step's loss, accuracy,
 margin, min/mean/max reward, gradient norm and learning rate within 1e-5 of DeepSpeed's.
 """
 from __future__ import annotations
 
 import importlib.util
-import os
-import warnings
 
 import pytest
 
-from distributed import run_distributed
 from hf_compare import close
+from trl_launch import of
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("trl") is None,
                                 reason="needs deepspeed and trl")
@@ -55,18 +53,6 @@ def _run(engine: str, model_dir: str, out: str, stage: int) -> dict:
     return {"log": log}
 
 
-def _worker(model_dir: str, root: str) -> dict:
-    warnings.simplefilter("ignore")
-    results = {f"zt{stage}": _run("zt", model_dir, os.path.join(root, f"zt{stage}"), stage) for stage in (2, 3)}
-    os.environ["DS_ACCELERATOR"] = "cpu"
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    for stage in (2, 3):
-        results[f"ds{stage}"] = _run("ds", model_dir, os.path.join(root, f"ds{stage}"), stage)
-    return results if int(os.environ["RANK"]) == 0 else {}
-
-
 def reward_model_dir(tiny_llama_dir, path) -> str:
     """The tiny Llama as a sequence-classification model (num_labels=1, score head drawn with seed 0), saved with its
     tokenizer: a directory both trainers load whole."""
@@ -82,10 +68,9 @@ def reward_model_dir(tiny_llama_dir, path) -> str:
     return str(path)
 
 
-@pytest.mark.timeout(900)
-def test_reward_trainer_on_zerotrain_against_trl_with_deepspeed(tiny_llama_dir, tmp_path):
-    model_dir = reward_model_dir(tiny_llama_dir, tmp_path / "reward_model")
-    results = run_distributed(_worker, 2, model_dir, str(tmp_path), timeout=840)[0]
+@pytest.mark.timeout(1600)
+def test_reward_trainer_on_zerotrain_against_trl_with_deepspeed(trl_results):
+    results = of(trl_results, "reward")  # the shared launch (trl_launch.py)
     for stage in (2, 3):
         zt, ds = results[f"zt{stage}"], results[f"ds{stage}"]
         # the model learns: the margins move from step to step (a run that never stepped would repeat them)
