@@ -6,6 +6,7 @@ that disagrees with an argument is refused naming both, and unsupported Trainer 
 """
 from __future__ import annotations
 
+import json
 import os
 import warnings
 
@@ -180,3 +181,21 @@ def test_trl_features_not_built_are_refused_by_name(tmp_path, tiny_llama_dir, tr
         setattr(args, name, True)  # set after __post_init__, which would need vLLM / a sync interval first
         with pytest.raises(ValueError, match=f"^{name}: "):
             trainer_class(model=str(tiny_llama_dir), args=args, train_dataset=data, **extra)
+
+
+def test_the_reference_models_engine_config_is_forward_only_zero3():
+    """DPO's and GRPO's reference engine: the training config without optimizer, scheduler or optimizer offload, at
+    ZeRO-3 whatever the training stage (as TRL's prepare_deepspeed holds a ZeRO-3 reference); the rest kept, and
+    the training config itself untouched."""
+    pytest.importorskip("trl")
+    from zerotrain.hf.trl import reference_config
+
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "scheduler": {"type": "WarmupLR"},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "reduce_bucket_size": 7}}
+    before = json.dumps(config, sort_keys=True)
+    assert reference_config(config) == {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+                                        "zero_optimization": {"stage": 3, "reduce_bucket_size": 7}}
+    assert json.dumps(config, sort_keys=True) == before
+    assert reference_config({"train_micro_batch_size_per_gpu": 1}) == {"train_micro_batch_size_per_gpu": 1,
+                                                                      "zero_optimization": {"stage": 3}}
