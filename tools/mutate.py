@@ -215,6 +215,12 @@ COVERING: dict[str, list[str]] = {
         "tests/parallel/test_moe_engine.py::test_split_experts_with_tensor_parallelism_pass_the_up_front_check",
         "tests/parallel/test_tensor_expert_parallel.py::test_experts_split_over_tensor_parallel_ranks_are_refused_naming_them",
         "tests/parallel/test_moe_engine.py::test_engine_trains_split_experts_like_one_process[4-2]"],
+    # in-process first (the refusals, the reference engine's config), then the one world-2 launch of DPO, reward and
+    # GRPO against TRL + DeepSpeed (shared by the three files), then SFT's
+    "zerotrain/hf/trl.py": [
+        "tests/hf/test_arguments.py::test_trl_features_not_built_are_refused_by_name",
+        "tests/hf/test_arguments.py::test_the_reference_models_engine_config_is_forward_only_zero3",
+        "tests/hf/test_grpo.py", "tests/hf/test_dpo.py", "tests/hf/test_reward.py", "tests/hf/test_sft.py"],
 }
 
 # Method names whose swap is a plausible slip (the GQA bug: repeat for repeat_interleave).
