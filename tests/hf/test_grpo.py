@@ -88,7 +88,7 @@ def _run(engine: str, model_dir: str, out: str, stage: int) -> dict:
     if engine == "zt":
         reference = trainer._zt_reference
         result["reference"] = {"stage": reference.zero_optimization_stage(),
-                               "optimizer": reference.optimizer is not None}
+                               "optimizer": reference.optimizer is not None, "training": reference.module.training}
         result["gathers"] = gathers
         result["params"] = sum(1 for _ in trainer.model.parameters())
     del trainer, args
@@ -112,7 +112,7 @@ def test_grpo_trainer_on_zerotrain_against_trl_with_deepspeed(trl_results):
         bad = [(stage, got[0], key, a, b) for got, want in zip(zt["log"], ds["log"])
                for key, a, b in zip(KEYS, got[1:], want[1:]) if not close(a, b, 1e-5)]
         assert not bad, bad
-        assert zt["reference"] == {"stage": 3, "optimizer": False}, zt["reference"]
+        assert zt["reference"] == {"stage": 3, "optimizer": False, "training": False}, zt["reference"]
     # generation on the gathered weights: at ZeRO-3 each generation gathers every weight at most once (layer by
     # layer it would gather them again for each of its 9 forwards); at ZeRO-2 nothing is gathered
     gathers, params = results["zt3"]["gathers"], results["zt3"]["params"]
