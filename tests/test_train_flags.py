@@ -496,3 +496,48 @@ def test_the_help_states_the_defaults_the_effective_config_is_made_from(command,
         assert checked["lr_scheduler_type"] == "constant" and checked["weight_decay"] == "0.01"
         assert "scheduler" not in plain and plain["optimizer"]["params"]["weight_decay"] == 0.01
     assert len(checked) == len(HF_FLAGS) - 1
+
+
+def test_the_flag_built_adamw_does_not_decay_biases_and_norm_weights_as_the_hf_trainer(tiny_llama_dir, tmp_path):
+    """Without an `optimizer` block the HF Trainer builds AdamW with weight decay on all but biases and norm weights
+    (`Trainer.get_decay_parameter_names`); `zerotrain train` builds that AdamW from the flags, with the same groups
+    (it used to decay every parameter). One step at world 1 against plain PyTorch: torch's AdamW over the Trainer's
+    groups, clipping 1.0, on the same batch; every weight within 1e-5 (decaying the norm weights moves them by
+    lr x wd = 1e-3)."""
+    import copy
+
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from zerotrain.run.model import train_engine
+    from zerotrain.train.flags import optimizer_from_flags
+
+    real = str(REAL_WORLD / "llamafactory_z2.json")
+    args = _train_args("--deepspeed", real, "--learning-rate", "1e-2", "--weight-decay", "0.1",
+                       "--per-device-train-batch-size", "2")
+    with_block = _train_args("--deepspeed", _file(tmp_path, {"train_micro_batch_size_per_gpu": 1, "optimizer": {
+        "type": "AdamW", "params": {"lr": 1e-3}}}))
+    assert optimizer_from_flags(args) and optimizer_from_flags(_train_args()) and not optimizer_from_flags(with_block)
+    config = train_config(args, world_size=1, hidden_size=64)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    reference = copy.deepcopy(model)
+    decay = set(transformers.Trainer.get_decay_parameter_names(None, reference))
+    assert any("norm" in name for name, _ in reference.named_parameters() if name not in decay)
+    engine = train_engine(model, config, decay_groups=optimizer_from_flags(args))
+    batch = torch.randint(0, reference.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    loss = engine(input_ids=batch, labels=batch).loss
+    engine.backward(loss)
+    engine.step()
+    named = list(reference.named_parameters())
+    optimizer = torch.optim.AdamW([{"params": [p for n, p in named if n in decay], "weight_decay": 0.1},
+                                   {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}],
+                                  lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
+    ref_loss = reference(input_ids=batch, labels=batch).loss
+    ref_loss.backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+    optimizer.step()
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
+    got = engine.full_state_dict()
+    for name, want in reference.state_dict().items():
+        torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-6, msg=name)

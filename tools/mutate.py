@@ -230,6 +230,12 @@ COVERING: dict[str, list[str]] = {
         "tests/pipe/test_deepspeed_pipeline.py::test_dotted_layer_names_and_tied_owner_names",
         "tests/pipe/test_deepspeed_pipeline.py::test_a_run_that_would_train_nothing_fails_and_a_built_stage_trains",
         "tests/pipe/test_pipeline.py::test_partition_methods", "tests/pipe/test_pipeline.py::test_refusals_name_the_key"],
+    # in-process first (the refusals, the reference engine's config), then the one world-2 launch of DPO, reward and
+    # GRPO against TRL + DeepSpeed (shared by the three files), then SFT's
+    "zerotrain/hf/trl.py": [
+        "tests/hf/test_arguments.py::test_trl_features_not_built_are_refused_by_name",
+        "tests/hf/test_arguments.py::test_the_reference_models_engine_config_is_forward_only_zero3",
+        "tests/hf/test_grpo.py", "tests/hf/test_dpo.py", "tests/hf/test_reward.py", "tests/hf/test_sft.py"],
 }
 
 # Method names whose swap is a plausible slip (the GQA bug: repeat for repeat_interleave).

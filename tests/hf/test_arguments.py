@@ -6,6 +6,7 @@ that disagrees with an argument is refused naming both, and unsupported Trainer 
 """
 from __future__ import annotations
 
+import json
 import os
 import warnings
 
@@ -157,3 +158,44 @@ def test_deepspeed_goes_through_the_upstream_argument_parsers(tmp_path):
                                               "learning_rate": 2e-4, "deepspeed": value}))
             _, args, _ = parser.parse_args_and_config(["--config", str(recipe)])
             check(args, value)
+
+
+@pytest.mark.parametrize("trainer, name", [("DPO", "sync_ref_model"), ("DPO", "precompute_ref_log_probs"),
+                                           ("GRPO", "use_vllm"), ("GRPO", "use_transformers_continuous_batching"),
+                                           ("GRPO", "sync_ref_model")])
+def test_trl_features_not_built_are_refused_by_name(tmp_path, tiny_llama_dir, trainer, name):
+    """Each refused TRL option is one ValueError naming it, before any engine is built (the same trainers without
+    it train in test_dpo.py / test_grpo.py)."""
+    pytest.importorskip("trl")
+    import zerotrain.hf as hf
+    from datasets import Dataset
+
+    config_class, trainer_class = getattr(hf, f"{trainer}Config"), getattr(hf, f"{trainer}Trainer")
+    data = Dataset.from_list([{"prompt": "alpha beta ->", "chosen": " gamma", "rejected": " delta"}] * 4)
+    extra = {"reward_funcs": lambda completions, **kw: [0.0] * len(completions)} if trainer == "GRPO" else {}
+    common = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", bf16=False, max_steps=1,
+                  per_device_train_batch_size=2, **({"num_generations": 2} if trainer == "GRPO" else {}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = config_class(**common)
+        setattr(args, name, True)  # set after __post_init__, which would need vLLM / a sync interval first
+        with pytest.raises(ValueError, match=f"^{name}: "):
+            trainer_class(model=str(tiny_llama_dir), args=args, train_dataset=data, **extra)
+
+
+def test_the_reference_models_engine_config_is_forward_only_zero3():
+    """DPO's and GRPO's reference engine: the training config without optimizer, scheduler or optimizer offload, at
+    ZeRO-3 whatever the training stage (as TRL's prepare_deepspeed holds a ZeRO-3 reference); the rest kept, and
+    the training config itself untouched."""
+    pytest.importorskip("trl")
+    from zerotrain.hf.trl import reference_config
+
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "scheduler": {"type": "WarmupLR"},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "reduce_bucket_size": 7}}
+    before = json.dumps(config, sort_keys=True)
+    assert reference_config(config) == {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+                                        "zero_optimization": {"stage": 3, "reduce_bucket_size": 7}}
+    assert json.dumps(config, sort_keys=True) == before
+    assert reference_config({"train_micro_batch_size_per_gpu": 1}) == {"train_micro_batch_size_per_gpu": 1,
+                                                                      "zero_optimization": {"stage": 3}}

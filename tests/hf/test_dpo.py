@@ -1,7 +1,8 @@
 """`zerotrain.hf.DPOTrainer` against TRL's `DPOTrainer` + DeepSpeed 0.19.8 on the same script and data.
 
-One launch at world 2 (CPU, gloo, fp32, tiny Llama built offline), ZeRO-2 and ZeRO-3 training; the reference model
-(loaded by TRL from the model's directory) on a forward-only ZeRO-3 engine (zerotrain) / DeepSpeed's ZeRO-3
+One launch at world 2 (CPU, gloo, fp32, tiny Llama built offline; shared with the reward and GRPO tests,
+trl_launch.py), ZeRO-2 and ZeRO-3 training; the reference model
+(loaded by TRL from the model's directory at ZeRO-2; passed as `ref_model`, in train mode, at ZeRO-3) on a forward-only ZeRO-3 engine (zerotrain) / DeepSpeed's ZeRO-3
 inference engine or stage 0 (TRL's `prepare_deepspeed`). Checked: every logged step's loss, rewards (chosen,
 rejected, margins), gradient norm and learning rate within 1e-5 of DeepSpeed's; the reference engine holds no
 optimizer and its parameters are partitioned.
@@ -9,13 +10,11 @@ optimizer and its parameters are partitioned.
 from __future__ import annotations
 
 import importlib.util
-import os
-import warnings
 
 import pytest
 
-from distributed import run_distributed
 from hf_compare import close
+from trl_launch import of
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("trl") is None,
                                 reason="needs deepspeed and trl")
@@ -50,7 +49,9 @@ def _run(engine: str, model_dir: str, out: str, stage: int) -> dict:
                      report_to="none", use_cpu=True, seed=5, deepspeed=config, disable_tqdm=True, bf16=False,
                      max_length=48, beta=0.1)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(_records()),
+    # at ZeRO-3 the reference is passed (in train mode, as a user may build it); at ZeRO-2 TRL loads it itself
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train() if stage == 3 else None
+    trainer = DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=Dataset.from_list(_records()),
                          processing_class=AutoTokenizer.from_pretrained(model_dir))
     trainer.train()
     log = [(h["step"], *(float(h[k]) for k in KEYS)) for h in trainer.state.log_history if "loss" in h]
@@ -62,6 +63,7 @@ def _run(engine: str, model_dir: str, out: str, stage: int) -> dict:
         params = list(reference.module.parameters())
         result["reference"] = {"stage": reference.zero_optimization_stage(),
                                "optimizer": reference.optimizer is not None,
+                               "training": reference.module.training,
                                "zero_params": all(isinstance(p, ZeroParameter) for p in params),
                                "held": sum(p._zero.shard_numel for p in params if isinstance(p, ZeroParameter)),
                                "total": sum(p.numel() for p in params)}
@@ -72,21 +74,9 @@ def _run(engine: str, model_dir: str, out: str, stage: int) -> dict:
     return result
 
 
-def _worker(model_dir: str, root: str) -> dict:
-    warnings.simplefilter("ignore")
-    results = {f"zt{stage}": _run("zt", model_dir, os.path.join(root, f"zt{stage}"), stage) for stage in (2, 3)}
-    os.environ["DS_ACCELERATOR"] = "cpu"
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    for stage in (2, 3):
-        results[f"ds{stage}"] = _run("ds", model_dir, os.path.join(root, f"ds{stage}"), stage)
-    return results if int(os.environ["RANK"]) == 0 else {}
-
-
-@pytest.mark.timeout(900)
-def test_dpo_trainer_on_zerotrain_against_trl_with_deepspeed(tiny_llama_dir, tmp_path):
-    results = run_distributed(_worker, 2, str(tiny_llama_dir), str(tmp_path), timeout=840)[0]
+@pytest.mark.timeout(1600)
+def test_dpo_trainer_on_zerotrain_against_trl_with_deepspeed(trl_results):
+    results = of(trl_results, "dpo")  # the shared launch (trl_launch.py)
     for stage in (2, 3):
         zt, ds = results[f"zt{stage}"], results[f"ds{stage}"]
         # the policy moved away from the reference: the rewards are not trivially zero after the first step
@@ -96,5 +86,7 @@ def test_dpo_trainer_on_zerotrain_against_trl_with_deepspeed(tiny_llama_dir, tmp
                for key, a, b in zip(KEYS, got[1:], want[1:]) if not close(a, b, 1e-5)]
         assert not bad, bad
         reference = zt["reference"]  # partitioned: this rank holds about half of the weights
+        # forward-only and in eval mode (as TRL's prepare_deepspeed puts it; dropout would change its log-probs)
         assert reference["stage"] == 3 and not reference["optimizer"] and reference["zero_params"], reference
+        assert reference["training"] is False, reference
         assert reference["held"] < 0.6 * reference["total"], reference

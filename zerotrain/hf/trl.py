@@ -28,7 +28,8 @@ from zerotrain.zero import GatheredParameters
 
 from .trainer import ZeroTrainArguments, ZeroTrainMixin
 
-__all__ = ["SFTTrainer", "SFTConfig", "DPOTrainer", "DPOConfig"]
+__all__ = ["SFTTrainer", "SFTConfig", "DPOTrainer", "DPOConfig", "RewardTrainer", "RewardConfig", "GRPOTrainer",
+           "GRPOConfig"]
 
 
 class SFTConfig(ZeroTrainArguments, trl.SFTConfig):
@@ -65,19 +66,12 @@ def reference_config(config: dict) -> dict:
     return out
 
 
-class DPOTrainer(ZeroTrainMixin, trl.DPOTrainer):
-    """TRL's DPOTrainer, trained by zerotrain's engine; the reference model (given, or loaded by TRL from the
-    model's path) runs on a forward-only ZeRO-3 engine built with the training engine (partitioned over the
-    ranks, no optimizer state). A PEFT model without a reference model uses its base (adapters disabled), as
-    TRL does; `sync_ref_model` and `precompute_ref_log_probs` are refused (not tested here)."""
+class _ReferenceEngine:
+    """The reference model of a TRL trainer (`self.ref_model`: given, or loaded by TRL) on a forward-only ZeRO-3
+    engine built with the training engine: partitioned over the ranks, no gradients or optimizer state. Put it
+    before `ZeroTrainMixin`."""
 
     _zt_reference: Any = None
-
-    def create_accelerator_and_postprocess(self) -> None:
-        for name in ("sync_ref_model", "precompute_ref_log_probs"):
-            if getattr(self.args, name, False):
-                raise ValueError(f"{name}: not supported by zerotrain.hf.DPOTrainer yet")
-        super().create_accelerator_and_postprocess()
 
     def _zt_build_engine(self, model: torch.nn.Module) -> Any:
         engine = super()._zt_build_engine(model)
@@ -89,14 +83,79 @@ class DPOTrainer(ZeroTrainMixin, trl.DPOTrainer):
             self.ref_model = self._zt_reference
         return engine
 
+    def _zt_heads_gathered(self) -> contextlib.ExitStack:
+        """A context in which the policy's output head (at ZeRO-3) and the reference's (always ZeRO-3) are whole:
+        TRL's fused LM head reads `lm_head.weight` without calling the module (gathered by TRL under DeepSpeed's
+        ZeRO-3 only)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.zerotrain_gathered(self.model.get_output_embeddings().parameters()))
+        if self._zt_reference is not None:
+            head = self._zt_reference.module.get_output_embeddings().parameters()
+            stack.enter_context(GatheredParameters(list(head)))
+        return stack
+
+
+class DPOTrainer(_ReferenceEngine, ZeroTrainMixin, trl.DPOTrainer):
+    """TRL's DPOTrainer, trained by zerotrain's engine; the reference model (given, or loaded by TRL from the
+    model's path) runs on a forward-only ZeRO-3 engine built with the training engine (partitioned over the
+    ranks, no optimizer state). A PEFT model without a reference model uses its base (adapters disabled), as
+    TRL does; `sync_ref_model` and `precompute_ref_log_probs` are refused (not tested here)."""
+
+    def create_accelerator_and_postprocess(self) -> None:
+        for name in ("sync_ref_model", "precompute_ref_log_probs"):
+            if getattr(self.args, name, False):
+                raise ValueError(f"{name}: not supported by zerotrain.hf.DPOTrainer yet")
+        super().create_accelerator_and_postprocess()
+
     def compute_loss(self, model: Any, inputs: dict, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
-        # TRL's fused LM head reads `lm_head.weight` without calling the module (gathered by TRL under DeepSpeed's
-        # ZeRO-3 only): gathered here for the policy's forward and the reference's
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(self.zerotrain_gathered(self.model.get_output_embeddings().parameters()))
-            if self._zt_reference is not None:  # ZeRO-3 at any training stage
-                head = self._zt_reference.module.get_output_embeddings().parameters()
-                stack.enter_context(GatheredParameters(list(head)))
+        with self._zt_heads_gathered():
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
+
+
+class GRPOConfig(ZeroTrainArguments, trl.GRPOConfig):
+    """TRL's GRPOConfig with `deepspeed=` as zerotrain's config."""
+
+
+# GRPOConfig fields zerotrain.hf.GRPOTrainer refuses (name -> why)
+_GRPO_REFUSED = {
+    "use_vllm": "vLLM generation is not supported; generation runs transformers' generate on the gathered weights",
+    "use_transformers_continuous_batching": "transformers' continuous batching is not supported (not tested)",
+    "sync_ref_model": "not supported by zerotrain.hf.GRPOTrainer yet",
+}
+
+
+class GRPOTrainer(_ReferenceEngine, ZeroTrainMixin, trl.GRPOTrainer):
+    """TRL's GRPOTrainer, trained by zerotrain's engine. Completions come from transformers' `generate` on the
+    policy: at ZeRO-3 with `ds3_gather_for_generation` (TRL's default) on its gathered weights (every parameter
+    whole for the whole generation, as TRL gathers them under DeepSpeed), else gathered layer by layer; at world
+    > 1 with `synced_gpus` (every rank steps until all have finished). The reference model (the KL term, `beta`
+    > 0) runs on a forward-only ZeRO-3 engine. Refused by name: `use_vllm`, `use_transformers_continuous_batching`,
+    `sync_ref_model`."""
+
+    def create_accelerator_and_postprocess(self) -> None:
+        for name, why in _GRPO_REFUSED.items():
+            if getattr(self.args, name, False):
+                raise ValueError(f"{name}: {why}")
+        super().create_accelerator_and_postprocess()
+
+    def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
+        gathered = self.zerotrain_gathered(self.model.parameters()) if self.args.ds3_gather_for_generation \
+            else contextlib.nullcontext()
+        with gathered:
+            return super()._generate_single_turn(*args, **kwargs)
+
+    def _get_per_token_logps_and_entropies(self, model: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._zt_heads_gathered():
+            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+
+
+class RewardConfig(ZeroTrainArguments, trl.RewardConfig):
+    """TRL's RewardConfig with `deepspeed=` as zerotrain's config."""
+
+
+class RewardTrainer(ZeroTrainMixin, trl.RewardTrainer):
+    """TRL's RewardTrainer (a sequence-classification model scoring chosen against rejected), trained by
+    zerotrain's engine. Its score head is called as a module, so ZeRO-3 gathers it like any layer; nothing is
+    overridden beyond the mixin's seams."""

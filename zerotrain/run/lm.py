@@ -18,6 +18,7 @@ from typing import Optional
 from zerotrain.command import PROG, CLIError
 from zerotrain.run.config import RunConfig, train_config
 from zerotrain.run.model import load_weights, lora_options, train_engine, train_model
+from zerotrain.train.flags import optimizer_from_flags
 
 __all__ = ["run_lm", "nothing_to_train", "DEFAULT_VAL_FRACTION"]
 
@@ -96,7 +97,7 @@ def run_lm(args: argparse.Namespace, config: Optional[RunConfig] = None) -> int:
         if args.steps is None:  # --num-train-epochs alone: the steps those passes make (the HF Trainer's max_steps)
             args.steps = math.ceil(args.num_train_epochs * steps_per_epoch)
         config.schedule_over(args.steps)  # the schedule over those steps
-        engine = train_engine(model, config, lora)
+        engine = train_engine(model, config, lora, decay_groups=optimizer_from_flags(args))
         if engine.train_batch_size() != global_batch:
             raise CLIError(f"the engine's global batch is {engine.train_batch_size()}, not the {global_batch} the "
                            "config gives: set train_micro_batch_size_per_gpu (the memory budget chose it)")

@@ -80,14 +80,33 @@ def train_model(source, config: ConfigArg, seed: int = 0, lora=None):
     return model
 
 
-def train_engine(model, config: ConfigArg, lora=None):
+def weight_decay_groups(model, weight_decay: float) -> list[dict]:
+    """The HF Trainer's parameter groups for the optimizer it builds itself (`Trainer.create_optimizer`): weight decay
+    on the trainable parameters transformers' `Trainer.get_decay_parameter_names` names, none on the others (biases,
+    LayerNorm / RMSNorm weights); empty groups left out."""
+    import transformers
+
+    # an instance method that reads only the model: transformers' own rule, whatever its version
+    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for name, p in named if name in decay], "weight_decay": weight_decay},
+              {"params": [p for name, p in named if name not in decay], "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def train_engine(model, config: ConfigArg, lora=None, decay_groups: bool = False):
     """``zerotrain.initialize`` of a `train_model` model; with ``lora`` every checkpoint also holds the adapter in
-    PEFT's layout (gathered at each save: collective)."""
+    PEFT's layout (gathered at each save: collective). ``decay_groups`` (the AdamW built from the flags,
+    `zerotrain.train.flags.optimizer_from_flags`): the HF Trainer's groups (`weight_decay_groups`), no decay on
+    biases and norm weights, where the weight decay is not 0 (with 0 one group, the same steps)."""
     import zerotrain
 
+    values = config.values if isinstance(config, RunConfig) else config
+    weight_decay = ((values.get("optimizer") or {}).get("params") or {}).get("weight_decay", 0.0)
+    groups = weight_decay_groups(model, weight_decay) if decay_groups and weight_decay else None
     # the run's parsed config itself: initialize neither parses it again nor re-resolves its batch
     engine, _, _, _ = zerotrain.initialize(model=model, config=config.parsed if isinstance(config, RunConfig)
-                                           else config)
+                                           else config, model_parameters=groups)
     if lora is not None:
         from zerotrain.models.hf import adapter_files
         engine.add_checkpoint_files(lambda: adapter_files(engine.full_state_dict(trainable_only=True), model))

@@ -162,6 +162,16 @@ def effective_config(args: argparse.Namespace, *, world_size: int, num_training_
     return _with_fp8(_with_checkpointing(config, args), args)
 
 
+def optimizer_from_flags(args: argparse.Namespace) -> bool:
+    """Whether `effective_config` builds the run's AdamW from the flags (no --config, or a file without an
+    `optimizer` block), as the HF Trainer builds its own optimizer when DeepSpeed's config has none."""
+    if args.config is None:
+        return True
+    from zerotrain.config.loader import read_config_file
+
+    return "optimizer" not in read_config_file(args.config)
+
+
 _BATCH_FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps")
 
 
