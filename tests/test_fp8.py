@@ -257,6 +257,18 @@ def test_plan_keeps_the_head_odd_dims_subclasses_and_excluded_names():
     assert fp8_plan(model).converted == ("fc1",)
 
 
+def test_fp8_matmul_is_capability_8_9_or_later(monkeypatch):
+    """Native float8 from Ada (8.9) and Hopper (9.0) on; Ampere (8.6, 8.0) emulates; never off CUDA. (Which GPU
+    is present is torch.cuda's answer: stood in for here, the CPU machine has none.)"""
+    from zerotrain.fp8 import has_fp8_matmul
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for capability, native in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True), ((10, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert has_fp8_matmul(torch.device("cuda", 0)) is native, capability
+    assert not has_fp8_matmul(torch.device("cpu"))
+
+
 def test_conversion_emulates_on_cpu_says_so_once_and_refuses_emulate_false(capsys):
     from torchao.float8.float8_linear import Float8Linear
 
