@@ -265,6 +265,48 @@ def test_estimate_equals_the_engines_memory_report_at_world_2(tmp_path):
                 assert report["nvme_files"] == entry["nvme_files"] > 0, where
 
 
+@pytest.mark.parametrize("masked,grouped", [(False, False), (True, False), (False, True)])
+def test_meta_attention_keeps_what_the_real_kernel_keeps(masked, grouped):
+    """The estimate's stand-in for `scaled_dot_product_attention` on the meta device (#49) keeps for backward the
+    bytes torch's own kernel keeps on the CPU: query, key, value, output, log-sum-exp, and the mask when one is
+    given; grouped keys (fewer key heads, enable_gqa) keep their own size."""
+    from zerotrain.estimate import _fused_attention
+
+    def kept(device: str, attention) -> int:
+        generator = torch.Generator().manual_seed(0)
+        heads_kv = 2 if grouped else 4
+        q = torch.randn(2, 8, 4, 16, generator=generator).to(device).transpose(1, 2).requires_grad_()
+        k = torch.randn(2, heads_kv, 8, 16, generator=generator).to(device).requires_grad_()
+        v = torch.randn(2, heads_kv, 8, 16, generator=generator).to(device).requires_grad_()
+        mask = torch.zeros(2, 1, 8, 8, device=device) if masked else None
+        bases = {}
+
+        def pack(tensor):
+            base = tensor._base if tensor._base is not None else tensor
+            bases[id(base)] = base.untyped_storage().nbytes()
+            return tensor
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = attention(q, k, v, attn_mask=mask, enable_gqa=grouped)
+        assert out.shape == (2, 4, 8, 16)
+        return sum(bases.values())
+    real = kept("cpu", torch.nn.functional.scaled_dot_product_attention)
+    assert kept("meta", _fused_attention) == real > 0
+
+
+def test_a_model_of_unknown_inputs_has_no_measured_activations():
+    """A model that is neither zerotrain's GPT nor a transformers causal LM: its forward's inputs are unknown, so the
+    estimate measures no activations (its states are still counted)."""
+    from zerotrain.estimate import estimate
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
+    result = estimate(model, {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}}, 1,
+                      device_type="cpu", seq_len=8)
+    acts = result["activations"]
+    assert acts["without_checkpointing"] == acts["with_checkpointing"] == acts["blocks"] == 0, acts
+    assert result["parameters"] == 16 * 32 + 32 + 32 * 16 + 16 and result["options"][0]["totals"]["device"] > 0
+
+
 def test_estimate_of_a_hugging_face_config_builds_nothing(tmp_path):
     """A config.json (or its directory) is built on the meta device: the parameter count is the real
     model's, tied embeddings counted once; the activations shrink with checkpointing."""

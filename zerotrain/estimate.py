@@ -640,7 +640,8 @@ def measure_activations(model: torch.nn.Module, kind: str, micro_batch: int, seq
                         partition_inputs: bool = False) -> Activations:
     """Run the meta model's forward (with its loss) and add up the tensors autograd saves for backward.
 
-    Views are counted once through their base; parameters (and views of them) are not activations.
+    Views are counted once through their base; parameters (and views of them) are not activations. On the meta
+    device attention keeps what a fused kernel keeps (`_FusedAttention`), not the meta math path's probabilities.
     With `sequence_parallel` N > 1 the model runs Ulysses as one rank of N does (zerotrain's own wrapping,
     `parallel.sequence`): its shard of ceil(seq_len / N) tokens outside attention, the whole sequence of 1/N
     of the heads inside it (so the attention scores are N x those of a plain run on the shard). The model is
