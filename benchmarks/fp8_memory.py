@@ -8,9 +8,9 @@ timing involved, no RSS noise.
 
 1. Per layer: a `Float8Linear` (torchao, emulated) against an `nn.Linear` of the same shape, M tokens; the measured
    extra peak of its forward and of its backward vs `zerotrain.fp8.fp8_layer_bytes` (tensorwise and rowwise).
-2. A Llama-shaped model (transformers' LlamaForCausalLM, fp32): forward + backward of one micro-batch, without fp8,
-   tensorwise, rowwise: the measured peak vs the estimate's (`zerotrain.estimate`'s activations without
-   checkpointing + the gradients + the fp8 transient).
+2. A Llama-shaped model (transformers' LlamaForCausalLM, fp32) trained by the engine (world 1, ZeRO-0, AdamW): the
+   whole run's peak (model, engine, two steps) without fp8, tensorwise, rowwise, each with and without activation
+   checkpointing, against `zerotrain estimate`'s peak (`estimate.device_peak` + host bytes) for the same config.
 """
 from __future__ import annotations
 
@@ -81,36 +81,61 @@ def layer_rows() -> list[dict]:
     return rows
 
 
-def model_rows() -> list[dict]:
+def step_config(recipe, checkpointing: bool, micro: int = MICRO) -> dict:
+    """The engine's config of a whole-step row: world 1, ZeRO-0, fp32, AdamW, DeepSpeed's other defaults."""
+    config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "steps_per_print": 0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 0},
+              "fp8": {"enabled": recipe is not None, "recipe": recipe or "tensorwise"}}
+    if checkpointing:
+        config["activation_checkpointing"] = {}
+    return config
+
+
+def step_row(recipe, checkpointing: bool, dims: dict = LLAMA, micro: int = MICRO, seq: int = SEQ,
+             steps: int = 2) -> dict:
+    """One whole-step row: the peak of live tensor bytes from building a transformers `LlamaForCausalLM` through
+    `steps` engine steps (zerotrain.initialize, world 1; everything the run holds: parameters, gradients,
+    optimizer states, activations, float8 casts), against `zerotrain estimate`'s peak for the same model and
+    config (`device_peak` of the config's option + its host bytes; activations without checkpointing where the
+    run checkpoints nothing, as benchmarks/zero_speed_memory.py does)."""
     import transformers
 
-    from zerotrain.estimate import estimate
+    import zerotrain
+    from zerotrain.checkpointing import enable_hf_gradient_checkpointing
+    from zerotrain.config import load_config
+    from zerotrain.estimate import config_option, device_peak, estimate
 
-    rows = []
-    ids = torch.randint(0, LLAMA["vocab_size"], (MICRO, SEQ), generator=torch.Generator().manual_seed(0))
-    for recipe in (None, "tensorwise", "rowwise"):
+    config = step_config(recipe, checkpointing, micro)
+    ids = torch.randint(0, dims["vocab_size"], (micro, seq), generator=torch.Generator().manual_seed(0))
+
+    def run() -> None:
         torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
-        if recipe:
-            _convert(model, recipe)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**dims))
+        if checkpointing:
+            enable_hf_gradient_checkpointing(model)
+            model.gradient_checkpointing_enable()
+        engine, *_ = zerotrain.initialize(model=model, config=config)
+        for _ in range(steps):
+            engine.backward(engine(input_ids=ids, labels=ids, use_cache=False).loss)
+            engine.step()
+    measured = measured_peak(run)
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(transformers.LlamaConfig(**dims))
+    result = estimate(meta, config, world_size=1, options=[config_option(load_config(config))], device_type="cpu",
+                      seq_len=seq, micro_batch=micro)
+    option, acts = result["options"][0], dict(result["activations"])
+    if not checkpointing:
+        acts["with_checkpointing"] = acts["without_checkpointing"]
+    estimated = device_peak(option, acts) + option["totals"]["host"]
+    return {"recipe": recipe or "none (fp32)", "checkpointing": checkpointing, "measured": measured,
+            "estimate": estimated, "states": option["totals"]["device"], "activations": acts["with_checkpointing"],
+            "fp8_transient": acts["fp8_transient"],
+            "largest_layer": (result.get("fp8") or {}).get("largest_layer")}
 
-        def step():
-            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-        step()  # warm (lazy initializations)
-        model.zero_grad(set_to_none=True)
-        peak = measured_peak(step)
-        grads = sum(p.numel() * p.element_size() for p in model.parameters())
-        config = {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-                  "fp8": {"enabled": recipe is not None, "recipe": recipe or "tensorwise"}}
-        with torch.device("meta"):
-            meta = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
-        result = estimate(meta, config, world_size=1, device_type="cpu", seq_len=SEQ, micro_batch=MICRO)
-        acts = result["activations"]
-        estimated = acts["without_checkpointing"] + grads + acts["fp8_transient"]
-        rows.append({"recipe": recipe or "none (fp32)", "measured": peak, "estimate": estimated,
-                     "activations": acts["without_checkpointing"], "gradients": grads,
-                     "fp8_transient": acts["fp8_transient"], "largest_layer": (result.get("fp8") or {}).get("largest_layer")})
-    return rows
+
+def step_rows() -> list[dict]:
+    return [step_row(recipe, checkpointing) for checkpointing in (False, True)
+            for recipe in (None, "tensorwise", "rowwise")]
 
 
 def _mib(n: int) -> str:
@@ -130,15 +155,17 @@ def main(argv=None) -> int:
         print(f"| {r['shape']} | {r['recipe']} | {_mib(r['forward_measured'])} | {_mib(r['forward_estimate'])} | "
               f"{r['forward_estimate'] / r['forward_measured']:.3f} | {_mib(r['backward_measured'])} | "
               f"{_mib(r['backward_estimate'])} | {r['backward_estimate'] / r['backward_measured']:.3f} |")
-    models = [] if args.layers_only else model_rows()
+    models = [] if args.layers_only else step_rows()
     if models:
         print()
-        print(f"| Llama {LLAMA['hidden_size']}x{LLAMA['num_hidden_layers']}, {MICRO}x{SEQ} tokens, fp32 | measured "
-              "peak MiB | estimate MiB | estimate / measured | of which fp8 transient MiB (largest layer) |")
-        print("|---|---|---|---|---|")
+        print(f"| Llama {LLAMA['hidden_size']}x{LLAMA['num_hidden_layers']}, {MICRO}x{SEQ} tokens, fp32, ZeRO-0 | "
+              "activation checkpointing | measured peak MiB | estimate MiB | estimate / measured | states MiB | "
+              "activations MiB | fp8 transient MiB (largest layer) |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in models:
-            print(f"| {r['recipe']} | {_mib(r['measured'])} | {_mib(r['estimate'])} | "
-                  f"{r['estimate'] / r['measured']:.3f} | {_mib(r['fp8_transient'])} ({r['largest_layer']}) |")
+            print(f"| {r['recipe']} | {'yes' if r['checkpointing'] else 'no'} | {_mib(r['measured'])} | "
+                  f"{_mib(r['estimate'])} | {r['estimate'] / r['measured']:.3f} | {_mib(r['states'])} | "
+                  f"{_mib(r['activations'])} | {_mib(r['fp8_transient'])} ({r['largest_layer']}) |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"layers": layers, "model": models}, f, indent=1)

@@ -119,8 +119,6 @@ def parallel_and_zeropp_cases() -> list[dict]:
     """TP=2 (ZeRO-2: the model split by its plan, the ZeRO group one rank), an MoE model with EP=2 under qgZ with
     LoCo (ZeRO-2: dense buckets quantized over both ranks, the experts' expert-data-parallel group is one rank),
     and ZeRO-3 with qgZ + LoCo + qwZ (LoCo per parameter): the engine's report next to the estimate's rows."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     import zerotrain
     from zerotrain.comm import Comm
     from zerotrain.config import load_config
@@ -143,8 +141,7 @@ def parallel_and_zeropp_cases() -> list[dict]:
     torch.manual_seed(0)
     engine, *_ = zerotrain.initialize(model=GPT(GPTConfig(**EVEN_GPT)), config=config)
     report = _two_steps(engine, gpt_batch)
-    with sdpa_kernel(SDPBackend.MATH):
-        real = measure_activations(engine.module, "gpt", 2, 16, tensor_parallel=2).as_dict()
+    real = measure_activations(engine.module, "gpt", 2, 16, tensor_parallel=2).as_dict()  # the fused kernel's
     engine.close()
     with torch.device("meta"):
         meta = GPT(GPTConfig(**EVEN_GPT))
@@ -184,10 +181,8 @@ SP_CASE = (2, None, None, "fp32")  # and sequence_parallel_size 2: the two ranks
 
 def sequence_parallel_case() -> dict:
     """ZeRO-2 at sequence_parallel_size 2 (no data parallelism): the states partitioned over the pair, and the
-    activations of the real sequence-parallel forward (math attention, as on the meta device) next to the
+    activations of the real sequence-parallel forward (the fused attention kernel, as the estimate's meta forward counts it) next to the
     estimate's, whose meta forward runs one rank's part of the exchange."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     import zerotrain
     from zerotrain.config import load_config
     from zerotrain.models import GPT, GPTConfig
@@ -205,8 +200,7 @@ def sequence_parallel_case() -> dict:
     report = engine.memory_report()
     report["buffers"] = sum(b.numel() * b.element_size() for b in engine.module.buffers())
     report.pop("comm")
-    with sdpa_kernel(SDPBackend.MATH):
-        real = measure_activations(engine.module, "gpt", 2, 8).as_dict()  # this rank's 8 of 16 tokens
+    real = measure_activations(engine.module, "gpt", 2, 8).as_dict()  # this rank's 8 of 16 tokens
     engine.close()
     parsed = load_config(config, dp_world_size=1)
     meta, _ = load_meta_model("tiny")
@@ -271,6 +265,48 @@ def test_estimate_equals_the_engines_memory_report_at_world_2(tmp_path):
                 assert report["nvme_files"] == entry["nvme_files"] > 0, where
 
 
+@pytest.mark.parametrize("masked,grouped", [(False, False), (True, False), (False, True)])
+def test_meta_attention_keeps_what_the_real_kernel_keeps(masked, grouped):
+    """The estimate's stand-in for `scaled_dot_product_attention` on the meta device (#49) keeps for backward the
+    bytes torch's own kernel keeps on the CPU: query, key, value, output, log-sum-exp, and the mask when one is
+    given; grouped keys (fewer key heads, enable_gqa) keep their own size."""
+    from zerotrain.estimate import _fused_attention
+
+    def kept(device: str, attention) -> int:
+        generator = torch.Generator().manual_seed(0)
+        heads_kv = 2 if grouped else 4
+        q = torch.randn(2, 8, 4, 16, generator=generator).to(device).transpose(1, 2).requires_grad_()
+        k = torch.randn(2, heads_kv, 8, 16, generator=generator).to(device).requires_grad_()
+        v = torch.randn(2, heads_kv, 8, 16, generator=generator).to(device).requires_grad_()
+        mask = torch.zeros(2, 1, 8, 8, device=device) if masked else None
+        bases = {}
+
+        def pack(tensor):
+            base = tensor._base if tensor._base is not None else tensor
+            bases[id(base)] = base.untyped_storage().nbytes()
+            return tensor
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = attention(q, k, v, attn_mask=mask, enable_gqa=grouped)
+        assert out.shape == (2, 4, 8, 16)
+        return sum(bases.values())
+    real = kept("cpu", torch.nn.functional.scaled_dot_product_attention)
+    assert kept("meta", _fused_attention) == real > 0
+
+
+def test_a_model_of_unknown_inputs_has_no_measured_activations():
+    """A model that is neither zerotrain's GPT nor a transformers causal LM: its forward's inputs are unknown, so the
+    estimate measures no activations (its states are still counted)."""
+    from zerotrain.estimate import estimate
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
+    result = estimate(model, {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}}, 1,
+                      device_type="cpu", seq_len=8)
+    acts = result["activations"]
+    assert acts["without_checkpointing"] == acts["with_checkpointing"] == acts["blocks"] == 0, acts
+    assert result["parameters"] == 16 * 32 + 32 + 32 * 16 + 16 and result["options"][0]["totals"]["device"] > 0
+
+
 def test_estimate_of_a_hugging_face_config_builds_nothing(tmp_path):
     """A config.json (or its directory) is built on the meta device: the parameter count is the real
     model's, tied embeddings counted once; the activations shrink with checkpointing."""
@@ -292,13 +328,13 @@ def test_estimate_of_a_hugging_face_config_builds_nothing(tmp_path):
     meta, kind = load_meta_model(str(tmp_path / "config.json"))  # the file itself, too
     assert kind == "hf" and all(p.device.type == "meta" for p in meta.parameters())
     assert model_shape(meta).numel == result["parameters"]
-    # The meta forward saves what a real one saves with the math attention kernel (which is what the meta
-    # device dispatches to); the fused kernels a real run picks save less: the estimate is an upper bound.
+    # The meta forward saves what a real one saves with the fused attention kernel it picks (the meta device's
+    # own dispatch, the math path, keeps the probabilities too: a real run forced onto it keeps more; #49)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     predicted = measure_activations(meta, "hf", 2, 16)
+    assert predicted.full == measure_activations(real, "hf", 2, 16).full
     with sdpa_kernel(SDPBackend.MATH):
-        assert predicted.full == measure_activations(real, "hf", 2, 16).full
-    assert measure_activations(real, "hf", 2, 16).full < predicted.full
+        assert measure_activations(real, "hf", 2, 16).full > predicted.full
     # Ulysses over 2 of the 4 ranks: ZeRO still partitions over all 4, the batch counts 2 data-parallel ranks,
     # each rank's activations are those of its half of the sequence (plus whole-sequence attention of half the
     # heads, and the exchange buffers)
@@ -322,9 +358,8 @@ def test_estimate_of_a_hugging_face_config_builds_nothing(tmp_path):
     assert (tp["zero_ranks"], tp["dp_size"], tp["parameters"]) == (2, 2, result["parameters"])
     split_real = split_tensor_parallel(AutoModelForCausalLM.from_config(hf_config), 2)
     assert 0.5 * result["parameters"] < model_shape(split_real).numel < 0.6 * result["parameters"]
-    with sdpa_kernel(SDPBackend.MATH):
-        assert tp["activations"]["without_checkpointing"] == \
-            measure_activations(split_real.to(torch.bfloat16), "hf", 3, 16, tensor_parallel=2).full
+    assert tp["activations"]["without_checkpointing"] == \
+        measure_activations(split_real.to(torch.bfloat16), "hf", 3, 16, tensor_parallel=2).full
     assert tp["activations"]["without_checkpointing"] < acts["without_checkpointing"]
     with pytest.raises(ValueError, match="autotp_size: 2 does not divide the world size 3"):
         estimate(str(tmp_path), str(ds), 3, seq_len=16)

@@ -586,6 +586,36 @@ class Activations:
                 "fp8_transient": self.fp8_transient}
 
 
+class _FusedAttention(torch.autograd.Function):
+    """What a fused attention kernel keeps for backward (flash / memory-efficient, CUDA's and the CPU's): its
+    inputs, its output and the fp32 log-sum-exp per query row (plus the mask, when one is given). On the meta
+    device `scaled_dot_product_attention` decomposes into the math path, which keeps the B x H x S x S
+    probabilities and the expanded keys and values as well: 20% more than the real run keeps on a Llama (issue
+    #49: the whole-step estimate's activation term)."""
+
+    @staticmethod
+    def forward(ctx, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                mask: Optional[torch.Tensor]) -> torch.Tensor:
+        shape = query.shape[:-1] + (value.shape[-1],)  # (grouped keys: the query's heads)
+        if query.dim() == 4:  # laid out (batch, seq, heads, dim) as the kernels write it: its usual
+            out = query.new_empty(shape[0], shape[2], shape[1], shape[3]).transpose(1, 2)  # transpose is free
+        else:
+            out = query.new_empty(shape)
+        lse = query.new_empty(query.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(query, key, value, out, lse, *([mask] if mask is not None else []))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # pragma: no cover - the meta forward is never differentiated
+        raise NotImplementedError
+
+
+def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                     enable_gqa=False):
+    """`scaled_dot_product_attention` as a fused kernel keeps its tensors (`_FusedAttention`), shapes only."""
+    return _FusedAttention.apply(query, key, value, attn_mask)
+
+
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks activation checkpointing wraps: the largest ModuleList (GPT's `h`, HF's `layers`)."""
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
@@ -614,7 +644,8 @@ def measure_activations(model: torch.nn.Module, kind: str, micro_batch: int, seq
                         partition_inputs: bool = False) -> Activations:
     """Run the meta model's forward (with its loss) and add up the tensors autograd saves for backward.
 
-    Views are counted once through their base; parameters (and views of them) are not activations.
+    Views are counted once through their base; parameters (and views of them) are not activations. On the meta
+    device attention keeps what a fused kernel keeps (`_FusedAttention`), not the meta math path's probabilities.
     With `sequence_parallel` N > 1 the model runs Ulysses as one rank of N does (zerotrain's own wrapping,
     `parallel.sequence`): its shard of ceil(seq_len / N) tokens outside attention, the whole sequence of 1/N
     of the heads inside it (so the attention scores are N x those of a plain run on the shard). The model is
@@ -673,6 +704,9 @@ def measure_activations(model: torch.nn.Module, kind: str, micro_batch: int, seq
                 model(input_ids=tokens, labels=tokens, **extra)
 
     scale = {}  # dtype -> factor: a stand-in dtype's tensors counted at the model's own element size
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if device.type == "meta":  # attention keeps what the fused kernel keeps, not the meta math path's
+        torch.nn.functional.scaled_dot_product_attention = _fused_attention
     try:
         try:
             forward()
@@ -688,6 +722,7 @@ def measure_activations(model: torch.nn.Module, kind: str, micro_batch: int, seq
             forward()
             inputs[:] = [int(n * scale[torch.bfloat16]) for n in inputs]
     finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
         for handle in handles:
             handle.remove()
     per_block = [0] * len(blocks)

@@ -17,7 +17,9 @@ Linear sharing its weight with an embedding, or one named `lm_head` / `output`),
 What torchao lacks for us: its float8 weight all-gather (`enable_fsdp_float8_all_gather`,
 `precompute_float8_dynamic_scale_for_fsdp`) is written for FSDP2's DTensor shards (the
 `fsdp_pre_all_gather` / `fsdp_post_all_gather` extension of `WeightWithDynamicFloat8CastTensor`), so ZeRO-3's
-flat gathers here move weights in the training dtype; in eager mode `Float8Linear` saves its high-precision
+float8 gathers are our own (`comm.compressed.Float8AllGather`: scales of all float8 weights in one all-reduce per
+micro-step, as the precompute does; the arrived weight dequantized into the training dtype, since the layer
+reads a plain parameter where FSDP2 hands it a `Float8TrainingTensor`); in eager mode `Float8Linear` saves its high-precision
 input and weight for backward and casts them again there (no fp8 copy saved: only `torch.compile` of its
 graph can choose to save the fp8 ones); its autocast branch reads the GPU's autocast dtype only; and
 `Float8Linear` is not a public API of torchao (we only construct it through `convert_to_float8_training`).

@@ -270,30 +270,51 @@ E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 class Float8AllGather:
     """fp8 weight gathers at ZeRO-3 (FSDP2's `enable_fsdp_float8_all_gather`, here for flat shards): each
-    tensor's scale is tensorwise over the whole tensor (one all-reduce of every shard's amax, MAX, for the
-    group), each shard travels as float8 e4m3 (1 byte per element) and arrives dequantized (value / scale) in
-    `dtype`. A float8 layer casting the arrived weight again with its own tensorwise scale gets the same float8
-    values (the largest element maps to the e4m3 maximum both times), so its matmuls are those of a full
-    high-precision gather; only the bytes on the wire change: 1 per element plus the 4-byte amax."""
+    tensor's scale is tensorwise over the whole tensor (the MAX all-reduce of every shard's amax), each shard
+    travels as float8 e4m3 (1 byte per element) and arrives dequantized (value / scale) in `dtype`. A float8
+    layer casting the arrived weight again with its own tensorwise scale gets the same float8 values (the
+    largest element maps to the e4m3 maximum both times), so its matmuls are those of a full high-precision
+    gather; only the bytes on the wire change: 1 per element plus the 4-byte amax.
+
+    Scales: `scales(shards)` computes them for many tensors in one all-reduce (torchao's
+    `precompute_float8_dynamic_scale_for_fsdp`: the stage-3 fetcher calls it once per micro-step for every
+    float8 weight and passes each gather its own); a gather given none computes its own.
+
+    Memory: the received float8 bytes and the dequantized whole in `dtype` (the parameter the layer reads),
+    plus one shard-sized fp32 temporary at a time; no whole-sized fp32 copies beside them. What torchao lacks
+    for us: its float8 gather hands FSDP2 a `Float8TrainingTensor` (`fsdp_post_all_gather`), so the layer never
+    sees a high-precision whole; that protocol is FSDP2's DTensor extension, which ZeRO-3's flat partitions are
+    not, so here the whole is dequantized into the training dtype (the size of a plain gather's output)."""
 
     kind = "all_gather_fp8"
+    amax_kind = "all_reduce_fp8_amax"
 
     def __init__(self, comm: Comm):
         self.comm = comm
 
-    def __call__(self, shards: Sequence[torch.Tensor], dtype: Optional[torch.dtype] = None) -> _PendingGather:
-        """Start gathering; after wait(), `.result` is a list of full flat tensors (N·numel of each shard,
-        rank-major) in `dtype` (default: the shards' dtype)."""
+    def scales(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The e4m3 scale of each whole tensor (fp32, one per shard's tensor): one MAX all-reduce of every
+        shard's amax over the group, for all of them at once."""
         amax = torch.stack([shard.detach().abs().max().float() if shard.numel() else
                             torch.zeros((), device=shard.device) for shard in shards])
-        self.comm.all_reduce(amax, op=dist.ReduceOp.MAX)
-        scales = E4M3_MAX / amax.clamp(min=1e-12)  # torchao's amax_to_scale (fp32; EPS 1e-12)
+        self.comm.all_reduce(amax, op=dist.ReduceOp.MAX, kind=self.amax_kind)
+        return E4M3_MAX / amax.clamp(min=1e-12)  # torchao's amax_to_scale (fp32; EPS 1e-12)
+
+    def __call__(self, shards: Sequence[torch.Tensor], dtype: Optional[torch.dtype] = None,
+                 scales: Optional[torch.Tensor] = None) -> _PendingGather:
+        """Start gathering (with `scales`, one per shard, from `scales()`; else computed here); after wait(),
+        `.result` is a list of full flat tensors (N·numel of each shard, rank-major) in `dtype` (default: the
+        shards' dtype)."""
+        if scales is None:
+            scales = self.scales(shards)
         pieces = [(shard.detach().float() * scales[i]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
                   .view(torch.uint8).reshape(-1) for i, shard in enumerate(shards)]
 
         def decode(index: int, columns: torch.Tensor, numel: int, out_dtype: torch.dtype) -> torch.Tensor:
-            values = columns.contiguous().view(torch.float8_e4m3fn)
-            return (values.float() / scales[index]).to(out_dtype).reshape(-1)
+            out = torch.empty(columns.shape[0], numel, dtype=out_dtype, device=columns.device)
+            for rank, row in enumerate(columns):  # one shard-sized fp32 temporary at a time
+                out[rank].copy_(row.view(torch.float8_e4m3fn).float().div_(scales[index]))
+            return out.reshape(-1)
 
         return _gather_wire(self.comm, self.kind, shards, pieces, dtype, decode)
 

@@ -147,12 +147,13 @@ class Comm:
             return "WORLD"
         return getattr(self.group, "group_name", str(id(self.group)))
 
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False):
-        """In-place all-reduce of `tensor`."""
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False, *,
+                   kind: str = "all_reduce"):
+        """In-place all-reduce of `tensor`; `kind` names the counter (e.g. "all_reduce_fp8_amax")."""
         if self.size == 1:
             return Completed() if async_op else None
-        self.counters.add("all_reduce", 2 * _nbytes(tensor) * self._ring_fraction())
-        return self._call("all_reduce", dist.all_reduce, tensor, op=op, group=self.group, async_op=async_op)
+        self.counters.add(kind, 2 * _nbytes(tensor) * self._ring_fraction())
+        return self._call(kind, dist.all_reduce, tensor, op=op, group=self.group, async_op=async_op)
 
     def barrier(self) -> None:
         """Wait until every rank of the group gets here (gloo: torch's barrier).

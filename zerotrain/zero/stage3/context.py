@@ -212,6 +212,8 @@ def GatheredParameters(params: Union[torch.nn.Parameter, Iterable[torch.nn.Param
                 full = part.flat_param
                 comm.broadcast(full, src=modifier_rank)
                 part.write_full(full[:part.numel])
+            if fetcher is not None:
+                fetcher.weights_written()
     finally:
         if fetcher is not None:
             fetcher.unhold_and_release(parts)

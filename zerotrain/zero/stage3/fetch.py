@@ -94,6 +94,7 @@ class ParamFetcher:
         self._lossy: set[int] = set()  # gathered through qwZ or fp8: holds dequantized, not exact, values
         self.fp8_gather: Optional[Float8AllGather] = None  # fp8 weight gathers (configure_fp8_gathers)
         self._fp8_parts: set[int] = set()  # id(part) of the parameters gathered as float8
+        self._fp8_scales: Optional[dict[int, torch.Tensor]] = None  # id(part) -> e4m3 scale, this micro-step's
         self._inflight: dict[int, tuple] = {}  # id(part) -> (handle, gather record, started by prefetch)
         self._by_id = {id(part): part for part in parts}
         self._skipped: set[int] = set()  # gathered parameters whose next use prefetch passed over: kept
@@ -114,7 +115,7 @@ class ParamFetcher:
                       "peak_live_inflight_numel": 0, "order_mismatches": 0,
                       "releases": 0, "reuse_kept": 0,
                       "quantized_gathers": 0, "hpz_gathers": 0, "secondary_bytes": 0, "peak_secondary_bytes": 0,
-                      "fp8_gathers": 0}
+                      "fp8_gathers": 0, "fp8_scale_updates": 0}
 
     def configure_fp8_gathers(self, params: list[torch.nn.Parameter]) -> None:
         """Gather these parameters (float8 layers' weights, `fp8.float8_all_gather`) as float8 e4m3 with a
@@ -124,6 +125,23 @@ class ParamFetcher:
         self._fp8_parts = {id(part) for part in self.parts if id(part.param) in wanted and part.group.comm is self.comm
                            and not part.persistent}
         self.fp8_gather = Float8AllGather(self.comm) if self._fp8_parts and self.comm.size > 1 else None
+        self._fp8_scales = None
+
+    def weights_written(self) -> None:
+        """The shards may hold new values (a step, a load, a modifying `GatheredParameters`): the float8 scales
+        are computed again at the next float8 gather."""
+        self._fp8_scales = None
+
+    def _fp8_scales_of(self, group: list[PartitionedParam]) -> torch.Tensor:
+        """The e4m3 scales of `group`'s weights: computed for every float8 weight at once (one all-reduce, as
+        torchao's `precompute_float8_dynamic_scale_for_fsdp` does per step) at the first float8 gather after
+        `weights_written`, then reused by every float8 gather until the next (forward, recompute, backward)."""
+        if self._fp8_scales is None:
+            parts = [part for part in self.parts if id(part) in self._fp8_parts]  # the same order on every rank
+            scales = self.fp8_gather.scales([part.device_shard() for part in parts])
+            self._fp8_scales = {id(part): scale for part, scale in zip(parts, scales)}
+            self.stats["fp8_scale_updates"] += 1
+        return torch.stack([self._fp8_scales[id(part)] for part in group])
 
     def configure_zeropp(self, quantize_weights: bool = False, hpz: Optional[Comm] = None,
                          block_size: int = 256) -> None:
@@ -138,8 +156,10 @@ class ParamFetcher:
 
     # --- requests -----------------------------------------------------------
     def begin_micro_step(self) -> None:
-        """Called at each forward start: follow the recorded order from the top."""
+        """Called at each forward start: follow the recorded order from the top (the float8 scales are taken
+        again: the weights may have changed since the last micro-step)."""
         self.trace.begin_micro_step()
+        self.weights_written()
 
     def end_forward(self, backward_follows: bool = True) -> None:
         """Called when the model's forward returns: idle pooled buffers are not kept until backward,
@@ -171,6 +191,7 @@ class ParamFetcher:
         its requests neither extend the record (were it still recording) nor follow it, so it prefetches and
         keeps nothing; `end_untraced` releases what it gathered and puts the record back as it was."""
         self._untraced = (self.trace.recording, self.trace.cursor, self.trace.in_order)
+        self.weights_written()
         self.trace.recording, self.trace.in_order = False, False
 
     def end_untraced(self) -> None:
@@ -305,7 +326,8 @@ class ParamFetcher:
         for group in groups:
             quantizer = self._weight_quantizer(group[0]) if reason != "user" else None
             if quantizer is not None:  # qwZ (int8 + scales) or fp8 (float8 + a tensorwise scale), dequantized on arrival
-                handle = quantizer([part.device_shard() for part in group])
+                scales = {"scales": self._fp8_scales_of(group)} if quantizer is self.fp8_gather else {}
+                handle = quantizer([part.device_shard() for part in group], **scales)
                 record = ("quantized", None, group)
                 self.stats["fp8_gathers" if quantizer is self.fp8_gather else "quantized_gathers"] += 1
                 full_bytes = sum(part.padded_numel * part.dtype.itemsize for part in group)
