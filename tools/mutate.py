@@ -209,6 +209,17 @@ COVERING: dict[str, list[str]] = {
         "tests/parallel/test_sequence_parallel.py::test_sequence_parallel_world2_trains_like_one_process_and_resumes_at_sp1"],
     # in-process: ep sizes, each rank's groups and a misplaced expert; then the grid's agreement under TP+EP (world 4)
     # and full_state_dict's join of expert shards and replicas (world 4, ep_size 2)
+    # in-process (issue #48, round 2): transformers' own defaults and names, each scheduler type
+    "zerotrain/config/hf_arguments.py": ["tests/config/test_hf_arguments.py"],
+    # in-process rules first (exit status, stop file, handlers, the parent watcher), then the signal subprocesses
+    "zerotrain/lifecycle.py": ["tests/test_lifecycle_units.py",
+                               "tests/test_lifecycle.py::test_parse_signals_names_a_bad_one",
+                               "tests/test_lifecycle.py::test_a_second_signal_exits_at_once"],
+    # in-process: a one-rank gloo group and the job's TCPStore (the spawned failures: test_failure_modes.py)
+    "zerotrain/comm/blame.py": ["tests/comm/test_blame.py"],
+    # in-process: DeepSpeed's defaults, then the schema's rules
+    "zerotrain/config/zero.py": ["tests/config/test_zero_defaults.py", "tests/config/test_schema.py"],
+    "zerotrain/config/batch.py": ["tests/config/test_batch.py"],
     "zerotrain/parallel/experts.py": [
         "tests/parallel/test_moe_engine.py::test_expert_groups_of_each_rank_and_a_misplaced_or_uneven_expert_in_process",
         "tests/parallel/test_moe_engine.py::test_bad_ep_sizes_are_refused_naming_them",
