@@ -222,7 +222,7 @@ COVERING: dict[str, list[str]] = {
     "zerotrain/config/batch.py": ["tests/config/test_batch.py"],
     "zerotrain/config/base.py": ["tests/config/test_config_base.py", "tests/config/test_schema.py",
                                  "tests/config/test_loader.py"],
-    "zerotrain/sharding.py": ["tests/zero/test_flat.py", "tests/zero/test_optimizer_units.py",
+    "zerotrain/sharding.py": ["tests/test_sharding.py", "tests/zero/test_flat.py", "tests/zero/test_optimizer_units.py",
                               "tests/checkpoint/test_ckpt_load_units.py"],
     "zerotrain/parallel/experts.py": [
         "tests/parallel/test_moe_engine.py::test_expert_groups_of_each_rank_and_a_misplaced_or_uneven_expert_in_process",
