@@ -222,6 +222,20 @@ COVERING: dict[str, list[str]] = {
     "zerotrain/config/batch.py": ["tests/config/test_batch.py"],
     "zerotrain/config/base.py": ["tests/config/test_config_base.py", "tests/config/test_schema.py",
                                  "tests/config/test_loader.py"],
+    # in-process: the per-layer values, the YAML's base model, the default shard size; then the merges (not the
+    # spawned real-checkpoint test)
+    "zerotrain/merge/recipe.py": [
+        "tests/merge/test_merge.py::test_per_layer_values_interpolate_between_their_neighbours",
+        "tests/merge/test_merge.py::test_yaml_slerp_takes_its_base_model_first_and_other_methods_keep_their_list",
+        "tests/merge/test_merge.py::test_without_a_shard_size_the_output_is_one_file",
+        "tests/merge/test_merge.py::test_linear_writes_weighted_mean_index_and_loads",
+        "tests/merge/test_merge.py::test_task_arithmetic_and_ties", "tests/merge/test_merge.py::test_dare_is_seeded_and_keeps_density",
+        "tests/merge/test_merge.py::test_yaml_slerp_with_layer_gradient", "tests/merge/test_merge.py::test_include_exclude",
+        "tests/merge/test_merge.py::test_mismatches_name_tensor_and_file",
+        "tests/merge/test_merge.py::test_vocab_mismatch_error_and_tokenizer_source",
+        "tests/merge/test_merge.py::test_lora_folding_and_ckpt_export",
+        "tests/merge/test_merge.py::test_source_dtype_kept_and_bad_params",
+        "tests/merge/test_merge.py::test_unified_checkpoint_input_reads_masters_and_manifest_checksums"],
     "zerotrain/sharding.py": ["tests/test_sharding.py", "tests/zero/test_flat.py", "tests/zero/test_optimizer_units.py",
                               "tests/checkpoint/test_ckpt_load_units.py"],
     "zerotrain/parallel/experts.py": [
