@@ -236,6 +236,12 @@ COVERING: dict[str, list[str]] = {
         "tests/merge/test_merge.py::test_lora_folding_and_ckpt_export",
         "tests/merge/test_merge.py::test_source_dtype_kept_and_bad_params",
         "tests/merge/test_merge.py::test_unified_checkpoint_input_reads_masters_and_manifest_checksums"],
+    # spawned at world 4: Init's shards, `with Init() as x`, its dtype on float parameters only; then a modifier
+    # rank's write-back (GatheredParameters)
+    "zerotrain/zero/stage3/context.py": [
+        "tests/zero/test_stage3_init.py::test_init_holds_only_shards_and_gathers_the_plain_model",
+        "tests/zero/test_stage3_init.py::test_initializers_on_partitioned_parameters_change_only_the_local_shard",
+        "tests/zero/test_stage3_memory.py::test_gathered_parameters_modifier_changes_what_every_rank_trains"],
     "zerotrain/sharding.py": ["tests/test_sharding.py", "tests/zero/test_flat.py", "tests/zero/test_optimizer_units.py",
                               "tests/checkpoint/test_ckpt_load_units.py"],
     "zerotrain/parallel/experts.py": [
