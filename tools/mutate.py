@@ -242,6 +242,8 @@ COVERING: dict[str, list[str]] = {
         "tests/zero/test_stage3_init.py::test_init_holds_only_shards_and_gathers_the_plain_model",
         "tests/zero/test_stage3_init.py::test_initializers_on_partitioned_parameters_change_only_the_local_shard",
         "tests/zero/test_stage3_memory.py::test_gathered_parameters_modifier_changes_what_every_rank_trains"],
+    # in-process formats and bad records first; the spawned rank-0 builder (the import scan found only this one)
+    "zerotrain/data/records.py": ["tests/data/test_local_data.py", "tests/data/test_data_distributed.py"],
     "zerotrain/sharding.py": ["tests/test_sharding.py", "tests/zero/test_flat.py", "tests/zero/test_optimizer_units.py",
                               "tests/checkpoint/test_ckpt_load_units.py"],
     "zerotrain/parallel/experts.py": [
