@@ -216,6 +216,43 @@ COVERING: dict[str, list[str]] = {
         "tests/parallel/test_sequence_parallel.py::test_sequence_parallel_world2_trains_like_one_process_and_resumes_at_sp1"],
     # in-process: ep sizes, each rank's groups and a misplaced expert; then the grid's agreement under TP+EP (world 4)
     # and full_state_dict's join of expert shards and replicas (world 4, ep_size 2)
+    # in-process (issue #48, round 2): transformers' own defaults and names, each scheduler type
+    "zerotrain/config/hf_arguments.py": ["tests/config/test_hf_arguments.py"],
+    # in-process rules first (exit status, stop file, handlers, the parent watcher), then the signal subprocesses
+    "zerotrain/lifecycle.py": ["tests/test_lifecycle_units.py",
+                               "tests/test_lifecycle.py::test_parse_signals_names_a_bad_one",
+                               "tests/test_lifecycle.py::test_a_second_signal_exits_at_once"],
+    # in-process: a one-rank gloo group and the job's TCPStore (the spawned failures: test_failure_modes.py)
+    "zerotrain/comm/blame.py": ["tests/comm/test_blame.py"],
+    # in-process: DeepSpeed's defaults, then the schema's rules
+    "zerotrain/config/zero.py": ["tests/config/test_zero_defaults.py", "tests/config/test_schema.py"],
+    "zerotrain/config/batch.py": ["tests/config/test_batch.py"],
+    "zerotrain/config/base.py": ["tests/config/test_config_base.py", "tests/config/test_schema.py",
+                                 "tests/config/test_loader.py"],
+    # in-process: the per-layer values, the YAML's base model, the default shard size; then the merges (not the
+    # spawned real-checkpoint test)
+    "zerotrain/merge/recipe.py": [
+        "tests/merge/test_merge.py::test_per_layer_values_interpolate_between_their_neighbours",
+        "tests/merge/test_merge.py::test_yaml_slerp_takes_its_base_model_first_and_other_methods_keep_their_list",
+        "tests/merge/test_merge.py::test_without_a_shard_size_the_output_is_one_file",
+        "tests/merge/test_merge.py::test_linear_writes_weighted_mean_index_and_loads",
+        "tests/merge/test_merge.py::test_task_arithmetic_and_ties", "tests/merge/test_merge.py::test_dare_is_seeded_and_keeps_density",
+        "tests/merge/test_merge.py::test_yaml_slerp_with_layer_gradient", "tests/merge/test_merge.py::test_include_exclude",
+        "tests/merge/test_merge.py::test_mismatches_name_tensor_and_file",
+        "tests/merge/test_merge.py::test_vocab_mismatch_error_and_tokenizer_source",
+        "tests/merge/test_merge.py::test_lora_folding_and_ckpt_export",
+        "tests/merge/test_merge.py::test_source_dtype_kept_and_bad_params",
+        "tests/merge/test_merge.py::test_unified_checkpoint_input_reads_masters_and_manifest_checksums"],
+    # spawned at world 4: Init's shards, `with Init() as x`, its dtype on float parameters only; then a modifier
+    # rank's write-back (GatheredParameters)
+    "zerotrain/zero/stage3/context.py": [
+        "tests/zero/test_stage3_init.py::test_init_holds_only_shards_and_gathers_the_plain_model",
+        "tests/zero/test_stage3_init.py::test_initializers_on_partitioned_parameters_change_only_the_local_shard",
+        "tests/zero/test_stage3_memory.py::test_gathered_parameters_modifier_changes_what_every_rank_trains"],
+    # in-process formats and bad records first; the spawned rank-0 builder (the import scan found only this one)
+    "zerotrain/data/records.py": ["tests/data/test_local_data.py", "tests/data/test_data_distributed.py"],
+    "zerotrain/sharding.py": ["tests/test_sharding.py", "tests/zero/test_flat.py", "tests/zero/test_optimizer_units.py",
+                              "tests/checkpoint/test_ckpt_load_units.py"],
     "zerotrain/parallel/experts.py": [
         "tests/parallel/test_moe_engine.py::test_expert_groups_of_each_rank_and_a_misplaced_or_uneven_expert_in_process",
         "tests/parallel/test_moe_engine.py::test_bad_ep_sizes_are_refused_naming_them",
@@ -285,16 +322,25 @@ class Mutant:
 class _Mutator(ast.NodeVisitor):
     """Walks a module's ast; `found` collects (node, replacement text, operator) for every mutant."""
 
-    def __init__(self) -> None:
+    def __init__(self, siblings: Optional["_Siblings"] = None) -> None:
         self.found: list[tuple[ast.AST, str, str]] = []
+        self.siblings = siblings or _Siblings()
 
     def add(self, node: ast.AST, replacement: ast.AST | str, operator: str) -> None:
         text = replacement if isinstance(replacement, str) else _text(replacement)
         self.found.append((node, text, operator))
 
     # subtrees that hold no behaviour worth mutating
-    def visit_JoinedStr(self, node: ast.JoinedStr) -> None:  # f-strings: messages
-        return
+    def visit_Module(self, node: ast.Module) -> None:
+        for statement in node.body[1:] if node.body and _is_docstring(node.body[0]) else node.body:
+            self.visit(statement)
+
+    def visit_JoinedStr(self, node: ast.JoinedStr) -> None:  # f-strings: messages, but generated text loses
+        # an indent like a plain string does (below); nothing else of an f-string is mutated
+        parts = [ast.Constant(_dedent(v.value)) if isinstance(v, ast.Constant) and isinstance(v.value, str) else v
+                 for v in node.values]
+        if any(isinstance(a, ast.Constant) and a.value != b.value for a, b in zip(parts, node.values)):
+            self.add(node, ast.JoinedStr(parts), "drop indent")
 
     def visit_arg(self, node: ast.arg) -> None:  # annotations
         return
@@ -357,6 +403,9 @@ class _Mutator(ast.NodeVisitor):
     def visit_BoolOp(self, node: ast.BoolOp) -> None:
         other = ast.Or() if isinstance(node.op, ast.And) else ast.And()
         self.add(node, ast.BoolOp(other, node.values), "and/or")
+        for index in range(len(node.values)):  # `a or b or c` -> `a or c`: one term of the rule forgotten
+            rest = node.values[:index] + node.values[index + 1:]
+            self.add(node, rest[0] if len(rest) == 1 else ast.BoolOp(node.op, rest), "drop bool term")
         self.generic_visit(node)
 
     def visit_UnaryOp(self, node: ast.UnaryOp) -> None:
@@ -393,6 +442,28 @@ class _Mutator(ast.NodeVisitor):
             self.add(node, repr(value - 1), "constant -1")
         elif isinstance(value, float):
             self.add(node, repr(1.0 if value == 0 else value * 2), "constant")
+        elif isinstance(value, str) and _dedent(value) != value:
+            self.add(node, repr(_dedent(value)), "drop indent")
+
+    def visit_Dict(self, node: ast.Dict) -> None:
+        # a key replaced by a sibling key of the same dict (the next one; the last takes the one before): one
+        # entry written under the wrong name, e.g. a mapping's row that sets its neighbour's key
+        keys = [k for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+        if len(keys) >= 2:
+            for index, key in enumerate(keys):
+                sibling = keys[index + 1] if index + 1 < len(keys) else keys[index - 1]
+                if sibling.value != key.value:
+                    self.add(key, repr(sibling.value), "sibling key")
+        self.generic_visit(node)
+
+    def visit_Subscript(self, node: ast.Subscript) -> None:
+        # `obj["a"]` -> `obj["b"]`, "b" another key the module reads or writes on the same `obj`
+        key = node.slice
+        if isinstance(key, ast.Constant) and isinstance(key.value, str):
+            sibling = self.siblings.nearest(("[]", _text(node.value)), key.value)
+            if sibling is not None:
+                self.add(key, repr(sibling), "sibling key")
+        self.generic_visit(node)
 
     def visit_Slice(self, node: ast.Slice) -> None:
         for bound in (node.lower, node.upper):
@@ -415,10 +486,37 @@ class _Mutator(ast.NodeVisitor):
         if len(positional) == len(node.args) >= 2 and not commutative and _text(node.args[0]) != _text(node.args[1]):
             args = [node.args[1], node.args[0], *node.args[2:]]
             self.add(node, ast.Call(func, args, node.keywords), "swap arguments")
+        if not commutative:
+            # two neighbouring arguments of the same kind swapped, beyond the first two positional ones (above):
+            # `f(a, b, c)` -> `f(a, c, b)`, `f(x=a, y=b)` -> `f(x=b, y=a)`
+            for index in range(1, len(positional) - 1):
+                if len(positional) == len(node.args) and _same_kind(node.args[index], node.args[index + 1]):
+                    args = list(node.args)
+                    args[index], args[index + 1] = args[index + 1], args[index]
+                    self.add(node, ast.Call(func, args, node.keywords), "swap same-type arguments")
+            named = [k for k in node.keywords if k.arg is not None]
+            for first, second in zip(named, named[1:]):
+                if _same_kind(first.value, second.value):
+                    self.add(node, ast.Call(func, node.args, [
+                        ast.keyword(k.arg, second.value if k is first else first.value if k is second else k.value)
+                        for k in node.keywords]), "swap same-type arguments")
+            # a keyword renamed to a sibling one: another keyword the module passes to the same callee
+            present = {k.arg for k in node.keywords}
+            for keyword in named:
+                sibling = self.siblings.nearest(("()", _text(func)), keyword.arg, exclude=present)
+                if sibling is not None:
+                    self.add(node, ast.Call(func, node.args, [ast.keyword(sibling if k is keyword else k.arg, k.value)
+                                                              for k in node.keywords]), "sibling key")
+        if isinstance(func, ast.Attribute) and func.attr in ("get", "pop", "setdefault") and node.args and \
+                isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            sibling = self.siblings.nearest(("[]", _text(func.value)), node.args[0].value)
+            if sibling is not None:
+                self.add(node.args[0], repr(sibling), "sibling key")
         self.generic_visit(node)
 
     def visit_Expr(self, node: ast.Expr) -> None:
-        if isinstance(node.value, ast.Call) and not _QUIET_CALLS.match(_text(node.value.func)):
+        call = node.value.value if isinstance(node.value, ast.Await) else node.value
+        if isinstance(call, ast.Call) and not _QUIET_CALLS.match(_text(call.func)):
             self.add(node, "pass", "drop call")
         self.generic_visit(node)
 
@@ -426,6 +524,49 @@ class _Mutator(ast.NodeVisitor):
         if node.value is not None and not (isinstance(node.value, ast.Constant) and node.value.value is None):
             self.add(node, "return None", "drop return value")
         self.generic_visit(node)
+
+
+class _Siblings:
+    """The names a module uses together: keywords passed to each callee (`("()", callee text)`) and string keys
+    read or written on each object (`("[]", object text)`: `obj["k"]`, `obj.get("k")`, `obj.pop("k")`)."""
+
+    def __init__(self, tree: Optional[ast.AST] = None) -> None:
+        self.names: dict[tuple[str, str], set[str]] = {}
+        for node in ast.walk(tree) if tree is not None else ():
+            if isinstance(node, ast.Call):
+                for keyword in node.keywords:
+                    if keyword.arg is not None:
+                        self.names.setdefault(("()", _text(node.func)), set()).add(keyword.arg)
+                func = node.func
+                if isinstance(func, ast.Attribute) and func.attr in ("get", "pop", "setdefault") and node.args and \
+                        isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                    self.names.setdefault(("[]", _text(func.value)), set()).add(node.args[0].value)
+            elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and \
+                    isinstance(node.slice.value, str):
+                self.names.setdefault(("[]", _text(node.value)), set()).add(node.slice.value)
+
+    def nearest(self, where: tuple[str, str], name: str, exclude: frozenset | set = frozenset()) -> Optional[str]:
+        """The sibling of `name` at `where` most like it (the longest common prefix, then sorted), else None."""
+        others = sorted(self.names.get(where, set()) - {name} - set(exclude))
+        if not others:
+            return None
+        return max(others, key=lambda other: len(os.path.commonprefix([name, other])))
+
+
+def _dedent(text: str) -> str:
+    """`text` with one indent (4 spaces, or what there is) less after every newline that has one."""
+    return re.sub(r"\n( {1,4})", "\n", text)
+
+
+def _same_kind(first: ast.expr, second: ast.expr) -> bool:
+    """Two arguments a swap keeps plausible: constants of one type, or two names/attributes/subscripts; never
+    the same text."""
+    if _text(first) == _text(second):
+        return False
+    if isinstance(first, ast.Constant) and isinstance(second, ast.Constant):
+        return type(first.value) is type(second.value) and first.value is not None
+    refs = (ast.Name, ast.Attribute, ast.Subscript)
+    return isinstance(first, refs) and isinstance(second, refs)
 
 
 def _is_docstring(statement: ast.stmt) -> bool:
@@ -455,7 +596,7 @@ def mutants_of(path: str, source: Optional[bytes] = None) -> list[Mutant]:
     """Every mutant of the file at `path` (relative to the repository root), in source order; each compiles."""
     source = (ROOT / path).read_bytes() if source is None else source
     tree = ast.parse(source)
-    mutator = _Mutator()
+    mutator = _Mutator(_Siblings(tree))
     mutator.visit(tree)
     starts = _offsets(source)
     lines = source.decode().splitlines()

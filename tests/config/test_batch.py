@@ -142,3 +142,16 @@ def test_bad_dp_size():
         resolve_batch_triple(8, None, None, 0)
     with pytest.raises(ConfigError, match="dp_world_size"):
         resolve_batch_triple(8, None, None, 2.0)
+
+
+@pytest.mark.parametrize("given", [(8, 0, None), (None, None, -2), (8, 2, True), (8, 2.5, None)])
+def test_the_early_check_refuses_a_value_that_is_no_positive_integer_on_its_own(given):
+    """`check_batch_partial` is public (the schema's early check): it refuses a bad value naming its key even where
+    the division would pass (micro 0 counts as unset in micro x accumulation)."""
+    from zerotrain.config.batch import GAS, MICRO, TBS, check_batch_partial
+
+    bad = [key for key, value in zip((TBS, MICRO, GAS), given) if value is not None and value not in (8, 2)][0]
+    with pytest.raises(ConfigError, match=f"^{bad}: ") as info:
+        check_batch_partial(*given)
+    assert info.value.key == bad
+    check_batch_partial(8, 2, None)  # and a good triple passes

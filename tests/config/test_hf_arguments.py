@@ -14,7 +14,8 @@ import warnings
 import pytest
 
 from zerotrain.config import ConfigError, load_config, read_config_file
-from zerotrain.config.hf_arguments import (arguments_of, auto_values, config_from_arguments, fill_auto, override)
+from zerotrain.config.hf_arguments import (ARGUMENT_DEFAULTS, FILL_ONLY_KEYS, arguments_of, auto_values,
+                                          config_from_arguments, fill_auto, hf_auto_values, override)
 
 REAL = pathlib.Path(__file__).parent / "real_world"
 WORLD = 2
@@ -146,3 +147,72 @@ def test_hf_schedule_auto_is_filled_from_the_arguments_or_refused_by_key():
         one["scheduler"]["params"][key] = "auto"
         with pytest.raises(ConfigError, match=f"^scheduler.params.{key} is 'auto', which only the Hugging Face "):
             load_config(one)
+
+
+def test_the_defaults_are_training_arguments_own(tmp_path):
+    """Every argument this module reads defaults to TrainingArguments' own default (transformers' dataclass)."""
+    transformers = pytest.importorskip("transformers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    assert arguments_of(args) == ARGUMENT_DEFAULTS
+    assert arguments_of(types.SimpleNamespace()) == ARGUMENT_DEFAULTS  # an object without the fields: the defaults
+
+
+# transformers' names for the argument behind each checked key (`trainer_config_process`'s fill_match)
+REPORTED = {"train_micro_batch_size_per_gpu": "per_device_train_batch_size",
+            "gradient_accumulation_steps": "gradient_accumulation_steps",
+            "train_batch_size": "train_batch_size (calculated)", "gradient_clipping": "max_grad_norm",
+            "optimizer.params.lr": "learning_rate", "optimizer.params.betas": "adam_beta1+adam_beta2",
+            "optimizer.params.eps": "adam_epsilon", "optimizer.params.weight_decay": "weight_decay",
+            "scheduler.params.warmup_max_lr": "learning_rate", "fp16.enabled": "fp16|fp16_full_eval",
+            "bf16.enabled": "bf16|bf16_full_eval", "scheduler.params.total_num_steps": "num_training_steps (calculated)",
+            "scheduler.params.warmup_num_steps": "warmup_steps"}
+
+
+def test_each_mismatch_names_its_key_and_the_argument_behind_it():
+    values = auto_values(dict(ARGS, fp16=True), world_size=WORLD, num_training_steps=STEPS, hidden_size=HIDDEN)
+    assert sorted(k for k in values if k not in FILL_ONLY_KEYS) == sorted(REPORTED)
+    for key, name in REPORTED.items():
+        hf_value = values[key]
+        wrong = (not hf_value if isinstance(hf_value, bool) else [b / 2 for b in hf_value]
+                 if isinstance(hf_value, list) else hf_value * 2 + 1)
+        config = {}
+        node = config
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = wrong
+        with pytest.raises(ConfigError) as err:
+            fill_auto(config, values)
+        assert f"{key}={wrong!r} vs {name}={hf_value!r}" in str(err.value), (key, str(err.value))
+        assert str(err.value).startswith(f"{key}: ")
+
+
+@pytest.mark.parametrize("kind", ["linear", "cosine", "constant_with_warmup", "constant"])
+def test_each_scheduler_type_gets_transformers_curve_or_none(kind):
+    config = config_from_arguments({"lr_scheduler_type": kind, "warmup_steps": 3}, world_size=1,
+                                   num_training_steps=STEPS)
+    if kind == "constant":  # a constant lr: no scheduler block (the optimizer's lr throughout)
+        assert "scheduler" not in config
+        return
+    decays = kind != "constant_with_warmup"
+    assert config["scheduler"] == {"type": "HFSchedule", "params": {
+        "name": kind, "num_warmup_steps": 3, **({"num_training_steps": STEPS} if decays else {})}}
+    assert load_config(config, dp_world_size=1).scheduler.params["name"] == kind
+
+
+def test_hf_auto_values_puts_each_of_its_own_names_in_its_key():
+    values = hf_auto_values(micro_batch_per_gpu=3, gradient_accumulation_steps=2, dp_world_size=2, learning_rate=3e-4,
+                            betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05, max_grad_norm=0.5, warmup_steps=0,
+                            total_steps=STEPS, hidden_size=HIDDEN, bf16=True, save_16bit_model=True)
+    assert (values["train_micro_batch_size_per_gpu"], values["gradient_accumulation_steps"],
+            values["train_batch_size"]) == (3, 2, 12)
+    assert values["optimizer.params.lr"] == values["scheduler.params.warmup_max_lr"] == 3e-4
+    assert values["optimizer.params.betas"] == [0.8, 0.95] and values["optimizer.params.eps"] == 1e-6
+    assert values["optimizer.params.weight_decay"] == 0.05 and values["gradient_clipping"] == 0.5
+    assert values["bf16.enabled"] is True and values["fp16.enabled"] is False
+    assert values["scheduler.params.warmup_num_steps"] == 1  # max(1, 0): DeepSpeed 0.19.6+ refuses 0
+    assert values["scheduler.params.total_num_steps"] == STEPS
+    assert values["zero_optimization.reduce_bucket_size"] == HIDDEN * HIDDEN
+    assert values["zero_optimization.stage3_gather_16bit_weights_on_model_save"] is True

@@ -462,6 +462,28 @@ def test_cpu_offload_is_offload_optimizer_cpu():
     err = error_of(dict(BASE, zero_optimization={"stage": 2, "cpu_offload": True,
                                                  "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}))
     assert "zero_optimization.cpu_offload" in str(err)
+    # a block the legacy switch completes: no device or device cpu in any case is not a conflict
+    for block in ({"buffer_count": 7}, {"device": "CPU", "buffer_count": 7}):
+        with pytest.warns(ConfigWarning, match="zero_optimization.cpu_offload_param"):
+            zero = load(zero_optimization={"stage": 3, "cpu_offload_param": True, "offload_param": block}).zero_optimization
+        assert zero.offload_param.device == "cpu" and zero.offload_param.buffer_count == 7
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zeropp_keys_warn_exactly_at_the_stages_where_they_do_nothing(stage):
+    """qgZ needs stage 1-3, qwZ and hpZ stage 3, LoCo qgZ: each warns, naming its key, only where it has no effect."""
+    keys = {"zero_quantized_gradients": (True, stage == 0), "zero_quantized_weights": (True, stage != 3),
+            "zero_hpz_partition_size": (2, stage != 3)}
+    for key, (value, no_effect) in keys.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            load(zero_optimization={"stage": stage, key: value})
+        said = [str(w.message) for w in caught if f"zero_optimization.{key} has no effect" in str(w.message)]
+        assert len(said) == (1 if no_effect else 0), (key, stage, said)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load(zero_optimization={"stage": stage, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}})
+    assert any("zeropp_loco_param has no effect: it needs zero_quantized_gradients" in str(w.message) for w in caught)
 
 
 def test_legacy_zero_names():

@@ -417,3 +417,30 @@ def test_lora_trainable_tokens_and_peft_defaults_fold_like_peft_merge(tmp_path):
     (tmp_path / "half" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
     with pytest.raises(LoraError, match="c_attn.weight' lack lora_B"):
         LoraAdapter(str(tmp_path / "half"))
+
+
+def test_per_layer_values_interpolate_between_their_neighbours():
+    from zerotrain.merge.recipe import evaluate
+
+    assert evaluate([0.0, 1.0], "model.layers.1.mlp", 0.5, "t") == pytest.approx(0.5)
+    assert evaluate([0.0, 1.0, 3.0], "model.layers.3.mlp", 0.75, "t") == pytest.approx(2.0)  # between 1 and 3
+    assert evaluate([0.0, 1.0, 3.0], "model.layers.4.mlp", 1.0, "t") == pytest.approx(3.0)  # the last layer
+
+
+def test_yaml_slerp_takes_its_base_model_first_and_other_methods_keep_their_list(tmp_path):
+    from zerotrain.merge.recipe import recipe_from_yaml
+
+    def paths(text: str) -> list[str]:
+        config = tmp_path / "recipe.yml"
+        config.write_text(text)
+        return [m.path for m in recipe_from_yaml(str(config)).models]
+
+    assert paths("merge_method: slerp\nbase_model: B\nmodels:\n  - model: A\n") == ["B", "A"]
+    assert paths("merge_method: slerp\nbase_model: B\nmodels:\n  - model: B\n  - model: A\n") == ["B", "A"]
+    assert paths("merge_method: ties\nbase_model: B\nmodels:\n  - model: A\n  - model: C\n") == ["A", "C"]
+
+
+def test_without_a_shard_size_the_output_is_one_file(tiny, tmp_path):
+    out = tmp_path / "out"
+    assert run("--method", "linear", "--models", tiny["a"], tiny["b"], "--out", str(out)) == 0
+    assert len(list(out.glob("*.safetensors"))) == 1  # the default shard size (5 GiB) holds a tiny model whole

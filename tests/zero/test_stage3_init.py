@@ -54,19 +54,36 @@ def is_released(param: torch.nn.Parameter) -> bool:
     return not param._zero.gathered and param.data.untyped_storage().nbytes() <= param.element_size()
 
 
+class WithIndex(torch.nn.Module):
+    """A float weight and an integer parameter (frozen): Init(dtype=...) casts the first only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(6))
+        self.index = torch.nn.Parameter(torch.arange(6), requires_grad=False)
+
+
 def construct_under_init() -> dict:
     import zerotrain
 
     torch.manual_seed(0)
-    with zerotrain.zero.Init():
+    with zerotrain.zero.Init() as init:
         model = OddMLP()
+    with zerotrain.zero.Init(enabled=False) as off:  # `with Init(...) as x` is the context itself, on or off
+        pass
+    entered = (type(init).__name__, type(off).__name__)
+    with zerotrain.zero.Init(dtype=torch.bfloat16):
+        mixed = WithIndex()
+    with zerotrain.zero.GatheredParameters(list(mixed.parameters())):
+        entered += (mixed.scale.dtype, mixed.index.dtype, mixed.index.detach().clone())
     after_init = {name: {"released": is_released(p), "shard": p._zero.shard.clone(), "shape": tuple(p.shape),
                          "ds_numel": p.ds_numel} for name, p in model.named_parameters()}
     gathered = gather_all(model)
     released_again = all(is_released(p) for p in model.parameters())
     torch.manual_seed(0)
     plain = {name: p.detach().clone() for name, p in OddMLP().named_parameters()}
-    return {"after_init": after_init, "gathered": gathered, "released_again": released_again, "plain": plain}
+    return {"after_init": after_init, "gathered": gathered, "released_again": released_again, "plain": plain,
+            "entered": entered}
 
 
 def test_init_holds_only_shards_and_gathers_the_plain_model():
@@ -83,6 +100,8 @@ def test_init_holds_only_shards_and_gathers_the_plain_model():
             torch.testing.assert_close(info["shard"], expected, rtol=0, atol=0)
             torch.testing.assert_close(result["gathered"][name], plain, rtol=0, atol=0)
         assert result["released_again"], "GatheredParameters releases the full copies on exit"
+        assert result["entered"][:4] == ("Init", "Init", torch.bfloat16, torch.int64)
+        assert torch.equal(result["entered"][4], torch.arange(6))
 
 
 def init_locally_then_gather() -> dict:
