@@ -96,8 +96,8 @@ def test_launch_refuses_other_hosts_and_mixed_flags_in_one_line(tmp_path, capsys
     script.write_text("print('never')\n")
     for argv, says in ((["--hostfile", str(hosts), "--launcher_args", "-o ConnectTimeout=5"],
                         "host 'worker-0' is not reachable by passwordless ssh: ssh: Could not resolve hostname"),
-                       (["--hostfile", str(hosts), "--include", "worker-1", "--launcher", "SLURM"],
-                        "starting ranks on other hosts (worker-1) with --launcher slurm"),
+                       (["--hostfile", str(hosts), "--include", "worker-1", "--launcher", "MPICH"],
+                        "starting ranks on other hosts (worker-1) with --launcher mpich"),
                        (["--hostfile", str(hosts), "--nproc", "2"], "--nproc cannot be combined with --hostfile"),
                        (["--num_nodes", "2"], "--num_nodes > 1 needs a --hostfile"),
                        (["--hostfile", str(tmp_path / "missing")], f"--hostfile {tmp_path / 'missing'}: cannot read")):
@@ -366,3 +366,67 @@ def test_slots_fit_the_batch_over_the_data_parallel_ranks(tmp_path):
     with pytest.raises(CLIError, match=r"6 slots \(a: 3, b: 3\) do not fit .*pp.json's batch sizes"):
         check_slots_fit_batch({"a": [0, 1, 2], "b": [0, 1, 2]}, ["--deepspeed_config", str(tmp_path / "pp.json")])
     check_slots_fit_batch(four, ["--deepspeed", "--other", "x.json"])  # a switch, then no config: nothing to check
+
+
+def test_srun_line_is_deepspeeds_slurm_runner(tmp_path, monkeypatch):
+    """`--launcher slurm`'s line is the one DeepSpeed's SlurmRunner builds for the same selection and exports
+    (plus MASTER_PORT when --master_port is given); a value with a comma travels in srun's environment only."""
+    import argparse
+    import sys
+
+    from deepspeed.launcher.multinode_runner import SlurmRunner
+
+    from zerotrain.hostfile import srun_command
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".deepspeed_env").write_text("FROM_FILE=1\nLIST=a,b\n")
+    pool = {"w0": 2, "w1": 2, "w2": 2}
+    environ = {"NCCL_DEBUG": "INFO", "SECRET": "no", "PYTHONPATH": "/lib"}
+    for include, exclude, num_nodes, num_gpus in (("", "", -1, -1), ("w0@w2", "", -1, -1), ("", "w1", -1, -1),
+                                                 ("", "", 2, -1), ("", "", -1, 1), ("w1:0", "", -1, -1)):
+        active = select_resources(pool, include, exclude, num_nodes, num_gpus)
+        ours, exports = srun_command(active, ["train.py", "--x", "1"], "-p main", include, exclude, num_nodes,
+                                     num_gpus, master_port=29600, environ=environ, cwd=str(tmp_path))
+        args = argparse.Namespace(launcher_args="-p main", include=include, exclude=exclude, num_nodes=num_nodes,
+                                  num_gpus=num_gpus, user_script="train.py", user_args=["--x", "1"])
+        theirs = SlurmRunner(args, "", pool)
+        for key, value in (("NCCL_DEBUG", "INFO"), ("PYTHONPATH", f"{tmp_path}:/lib"), ("FROM_FILE", "1"),
+                           ("MASTER_PORT", "29600")):
+            theirs.add_export(key, value)
+        assert ours == theirs.get_cmd({}, active), (include, exclude, num_nodes, num_gpus)
+        assert ours[-5:] == [sys.executable, "-u", "train.py", "--x", "1"] and "SECRET" not in " ".join(ours)
+        assert exports["LIST"] == "a,b" and exports["MASTER_PORT"] == "29600" and "SECRET" not in exports
+
+
+def test_slurm_refusals_are_one_line_before_any_rank(tmp_path, capsys, monkeypatch):
+    """What srun cannot place (DeepSpeed's refusals) and a missing srun: one line each, exit 2, nothing run."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("open('started', 'w').close()\n")
+    (tmp_path / "hosts").write_text("worker-0 slots=2\nworker-1 slots=1\n")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no srun here
+    for argv, says in ((["--hostfile", "hosts"], "--launcher slurm needs the same slot count on every host, got "
+                                                 "{'worker-0': 2, 'worker-1': 1}"),
+                       (["--hostfile", "hosts", "--include", "worker-0:1@worker-1"],
+                        "--launcher slurm cannot select specific slots, got [1] on 'worker-0'"),
+                       (["--hostfile", "hosts", "--num_gpus", "1"], "--launcher slurm: srun is not on PATH")):
+        assert main(["launch", "--launcher", "slurm", *argv, "train.py"]) == 2, argv
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "started").exists()
+
+
+def test_a_requeued_slurm_job_resumes(monkeypatch, capsys):
+    """A Slurm job requeued after a preemption runs again with SLURM_RESTART_COUNT >= 1: `zerotrain train` resumes
+    from the save directory as after an elastic restart (the full requeue runs in tests/multinode/test_slurm.py);
+    a first run, or one without a save directory, does not."""
+    from zerotrain.run import job_restarts, resume_after_restart
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    assert job_restarts() == 0 and resume_after_restart(False, "/ckpt", 0) is False
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    assert job_restarts() == 2 and resume_after_restart(False, "/ckpt", 0) is True
+    assert "restart 2 of this job: resuming from the latest checkpoint" in capsys.readouterr().out
+    assert resume_after_restart(False, None, 0) is False
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    assert job_restarts() == 3

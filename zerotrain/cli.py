@@ -187,9 +187,12 @@ def _resource_launch(args: argparse.Namespace):
                                            or args.num_gpus >= 0):
             raise CLIError("--launcher openmpi runs every slot of the hostfile (as DeepSpeed's): it does not "
                            "take --include/--exclude/--num_nodes/--num_gpus; write the hostfile you want")
-        if args.launcher not in ("pdsh", "openmpi"):
+        if args.launcher == "slurm":
+            from zerotrain.hostfile import check_slurm_slots
+            check_slurm_slots(active)
+        if args.launcher not in ("pdsh", "openmpi", "slurm"):
             raise CLIError(f"starting ranks on other hosts ({', '.join(active)}) with --launcher {args.launcher} is "
-                           "not implemented yet: use the default (ssh) or openmpi, or `srun`/`mpirun` the script "
+                           "not implemented yet: use the default (ssh), openmpi or slurm, or start the script with your MPI's launcher "
                            "directly (docs/multinode.md)")
         return active, None, {}
     (slots,) = active.values()
@@ -309,6 +312,8 @@ def _launch_script(args: argparse.Namespace) -> int:
         check_slots_fit_batch(active, args.script_args)
     if workers is None and args.launcher == "openmpi":  # several hosts: mpirun starts every rank
         return _launch_mpirun(args, active)
+    if workers is None and args.launcher == "slurm":  # inside an allocation: srun starts every rank
+        return _launch_srun(args, active)
     if workers is None:  # several hosts: one `zerotrain launch` per host over ssh
         return _launch_hosts(args, active)
     from zerotrain.hostfile import STOP_ON_EOF_ENV, stop_on_stdin_eof
@@ -356,6 +361,25 @@ def _launch_mpirun(args: argparse.Namespace, active: dict) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvp(cmd[0], cmd)
+    return 127  # not reached
+
+
+def _launch_srun(args: argparse.Namespace, active: dict) -> int:
+    """`--launcher slurm` (DeepSpeed's SlurmRunner), inside a Slurm allocation: `srun` starts the slots' ranks on
+    the allocation's nodes and runs the script in each (through zerotrain.launcher, without --local_rank, as
+    DeepSpeed runs it); this process becomes srun (exec): srun forwards a stop signal to every rank."""
+    import shutil
+
+    from zerotrain.hostfile import srun_command
+    from zerotrain.launcher import worker_target
+
+    if shutil.which("srun") is None:
+        raise CLIError("--launcher slurm: srun is not on PATH (run inside a Slurm allocation: sbatch or salloc)")
+    cmd, exports = srun_command(active, worker_target(args.script, args.script_args, False), args.launcher_args,
+                                args.include, args.exclude, args.num_nodes, args.num_gpus, args.master_port)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(cmd[0], cmd, {**os.environ, **exports})
     return 127  # not reached
 
 

@@ -18,6 +18,8 @@
   ranks: `stop_on_stdin_eof`).
 - `--launcher openmpi` over several hosts: `mpirun_command` is DeepSpeed's OpenMPIRunner's line (Open MPI starts
   the ranks over ssh; each reads its rank from Open MPI's variables, `zerotrain.cluster`).
+- `--launcher slurm` (inside an allocation): `srun_command` is DeepSpeed's SlurmRunner's line (srun starts the
+  ranks; each reads its rank and the master from Slurm's variables, `zerotrain.cluster`).
 - `check_slots_fit_batch`: the selected slots fit the batch sizes of the script's config, checked before any
   rank starts (one line).
 """
@@ -33,7 +35,7 @@ from .command import CLIError
 
 __all__ = ["LAUNCHERS", "parse_hostfile", "select_resources", "read_deepspeed_env", "is_this_host",
            "local_slots", "check_reachable", "first_address", "ssh_commands", "run_hosts", "stop_on_stdin_eof",
-           "mpirun_command", "check_slots_fit_batch"]
+           "mpirun_command", "check_slots_fit_batch", "srun_command", "check_slurm_slots"]
 
 # DeepSpeed's --launcher names (case-insensitive there too); pdsh is its default
 LAUNCHERS = ("pdsh", "openmpi", "mpich", "impi", "slurm", "mvapich")
@@ -362,3 +364,47 @@ def check_slots_fit_batch(active: dict[str, list[int]], script_args: list[str]) 
         config.resolve_batch(world // model_parallel)
     except ConfigError as exc:
         raise CLIError(f"{world} slots ({slots}) do not fit {path}'s batch sizes: {exc}") from None
+
+
+def check_slurm_slots(active: dict[str, list[int]]) -> None:
+    """What `srun` can place (DeepSpeed's SlurmRunner.validate_active_resources): the first N slots of every host
+    and the same N everywhere; else one line."""
+    for host, slots in active.items():
+        if slots != list(range(len(slots))):
+            raise CLIError(f"--launcher slurm cannot select specific slots, got {slots} on {host!r}: filter whole "
+                           "hosts, or keep the first N slots on every host")
+    counts = {host: len(slots) for host, slots in active.items()}
+    if len(set(counts.values())) > 1:
+        raise CLIError(f"--launcher slurm needs the same slot count on every host, got {counts}")
+
+
+def srun_command(active: dict[str, list[int]], target: list[str], launcher_args: str = "", include: str = "",
+                 exclude: str = "", num_nodes: int = -1, num_gpus: int = -1, master_port: Optional[int] = None,
+                 environ: Optional[dict[str, str]] = None, cwd: Optional[str] = None) -> tuple[list[str], dict]:
+    """`--launcher slurm`: (the `srun` line DeepSpeed's SlurmRunner builds, the variables it exports). ``srun -n
+    <slots>``, the launcher args, ``--nodelist``/``--nodes`` for a filtered selection, ``--nodes`` for
+    --num_nodes, ``--gpus-per-node`` for --num_gpus, ``--export=ALL,K=V,...`` (the forwarded variables,
+    PYTHONPATH led by the current directory, .deepspeed_env's lines; MASTER_PORT when --master_port is given),
+    then ``python -u`` and `target`. Each rank takes its rank and the master (the step's first node) from Slurm's
+    variables (`zerotrain.cluster`). A value with a comma cannot be written in --export: it travels in srun's
+    own environment (``ALL``), which the caller sets to the returned variables."""
+    import shlex
+    import sys
+
+    check_slurm_slots(active)
+    environ = dict(os.environ if environ is None else environ)
+    cwd = os.path.abspath(cwd or os.getcwd())
+    cmd = ["srun", "-n", str(sum(len(slots) for slots in active.values())), *shlex.split(launcher_args)]
+    if include or exclude:
+        cmd += ["--nodelist", ",".join(active), "--nodes", str(len(active))]
+    if num_nodes > 0:
+        cmd += ["--nodes", str(num_nodes)]
+    if num_gpus > 0:
+        cmd += ["--gpus-per-node", str(num_gpus)]
+    exports = {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES)}
+    exports["PYTHONPATH"] = os.pathsep.join([cwd, *([exports["PYTHONPATH"]] if exports.get("PYTHONPATH") else [])])
+    exports.update(read_deepspeed_env(cwd=cwd))
+    if master_port is not None:
+        exports["MASTER_PORT"] = str(master_port)
+    listed = "".join(f",{k}={v}" for k, v in exports.items() if "," not in v)
+    return [*cmd, f"--export=ALL{listed}", sys.executable, "-u", *target], exports

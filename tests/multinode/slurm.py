@@ -34,7 +34,7 @@ SlurmctldHost=node0({addr0})
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 AuthType=auth/munge
-AuthInfo=socket={socket}
+AuthInfo=socket={socket},cred_expire=10
 CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root

@@ -3,7 +3,7 @@ an sshd per node (keys made for the run), the launcher on node0 runs DeepSpeed's
 -hostfile ...`), Open MPI starts its daemon on node1 over ssh and the four ranks read their ranks from Open MPI's
 variables. ZeRO-3 on 2 hosts x 2 ranks trains a tiny HF Llama as single-process AdamW does; one host's ranks
 killed ends the job on both hosts. Real starts on each host, so `slow`; the default suite runs mpirun for real on
-one host (tests/test_hostfile.py::test_mpirun_starts_ranks_that_find_each_other)."""
+one host (tests/test_hostfile.py::test_openmpi_launch_starts_the_ranks_with_mpirun)."""
 from __future__ import annotations
 
 import os

@@ -1,6 +1,7 @@
 """The run layer's shared pieces: what every training command's ranks do the same way around the `trainer`.
 
-- `resume_after_restart`: an elastic restart (torchrun's agent restarted the workers) resumes from the latest
+- `resume_after_restart`: an elastic restart (torchrun's agent restarted the workers) or a requeued Slurm job
+  (SLURM_RESTART_COUNT, e.g. after a preemption) resumes from the latest
   committed checkpoint of the save directory, as `--resume` would; the restart count is the largest any rank
   read (`job_restarts`), so every rank decides alike.
 - `stop_status`: after the Trainer stopped on a signal (a checkpoint saved at the step boundary), the stop line
@@ -23,7 +24,8 @@ __all__ = ["job_restarts", "resume_after_restart", "stop_status"]
 
 
 def job_restarts() -> int:
-    """How many times torchrun's agents restarted this job's workers, as every rank agrees (the largest count).
+    """How many times torchrun's agents restarted this job's workers, or Slurm requeued the job
+    (SLURM_RESTART_COUNT: a preempted job's next run), as every rank agrees (the largest count).
 
     An agent raises TORCHELASTIC_RESTART_COUNT when its own workers failed, not when it restarts them because
     another node came back for a new round: after one node's restart the other node's ranks read a smaller count.
@@ -31,7 +33,7 @@ def job_restarts() -> int:
     the job would run different collectives until the next restart. Needs torch.distributed up (a collective)."""
     import torch
 
-    own = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    own = max(int(os.environ.get(name, "0") or 0) for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return own
     count = torch.tensor([own], dtype=torch.int64)
