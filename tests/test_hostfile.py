@@ -29,7 +29,7 @@ SELECTIONS = [  # (include, exclude, num_nodes, num_gpus)
     ("", "", -1, -1), ("worker-0", "", -1, -1), ("worker-1@worker-0:0,2", "", -1, -1),
     ("worker-0:3,1,1@worker-0:2", "", -1, -1), ("worker-2:7@worker-1", "", -1, -1), ("", "worker-1", -1, -1),
     ("", "worker-0:0,3@worker-2:1", -1, -1), ("", "worker-1:0,1", -1, -1), ("", "", 2, -1), ("", "", 1, 1),
-    ("", "", -1, 3), ("", "", 0, -1), ("", "", 5, 16),
+    ("", "", -1, 3), ("", "", 0, -1), ("", "", 5, 16), ("", "", -1, 0), ("", "", 1, 0),
 ]
 
 
@@ -366,6 +366,7 @@ def test_slots_fit_the_batch_over_the_data_parallel_ranks(tmp_path):
     with pytest.raises(CLIError, match=r"6 slots \(a: 3, b: 3\) do not fit .*pp.json's batch sizes"):
         check_slots_fit_batch({"a": [0, 1, 2], "b": [0, 1, 2]}, ["--deepspeed_config", str(tmp_path / "pp.json")])
     check_slots_fit_batch(four, ["--deepspeed", "--other", "x.json"])  # a switch, then no config: nothing to check
+    check_slots_fit_batch(four, ["--x", "1", "--deepspeed_config"])  # no value after the flag: the script's error
 
 
 def test_srun_line_is_deepspeeds_slurm_runner(tmp_path, monkeypatch):
@@ -383,7 +384,8 @@ def test_srun_line_is_deepspeeds_slurm_runner(tmp_path, monkeypatch):
     pool = {"w0": 2, "w1": 2, "w2": 2}
     environ = {"NCCL_DEBUG": "INFO", "SECRET": "no", "PYTHONPATH": "/lib"}
     for include, exclude, num_nodes, num_gpus in (("", "", -1, -1), ("w0@w2", "", -1, -1), ("", "w1", -1, -1),
-                                                 ("", "", 2, -1), ("", "", -1, 1), ("w1:0", "", -1, -1)):
+                                                 ("", "", 2, -1), ("", "", -1, 1), ("w1:0", "", -1, -1),
+                                                 ("", "", 0, 0)):
         active = select_resources(pool, include, exclude, num_nodes, num_gpus)
         ours, exports = srun_command(active, ["train.py", "--x", "1"], "-p main", include, exclude, num_nodes,
                                      num_gpus, master_port=29600, environ=environ, cwd=str(tmp_path))
@@ -430,3 +432,13 @@ def test_a_requeued_slurm_job_resumes(monkeypatch, capsys):
     assert resume_after_restart(False, None, 0) is False
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
     assert job_restarts() == 3
+
+
+def test_without_a_hostfile_the_slots_are_the_gpus_else_nproc():
+    """DeepSpeed's pool without a hostfile: this machine with a slot per GPU; on a CPU machine, --nproc ranks."""
+    import torch
+
+    from zerotrain.hostfile import local_slots
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert local_slots(3) == (gpus or 3) and local_slots(1) == (gpus or 1)

@@ -115,12 +115,9 @@ def select_resources(pool: dict[str, int], include: str = "", exclude: str = "",
 
 def local_slots(nproc: int) -> int:
     """The slot count of this machine when no hostfile is given: its GPUs, else --nproc (CPU ranks)."""
-    try:
-        import torch
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except ImportError:
-        count = 0
-    return count or nproc
+    import torch  # here, not at the top: the launcher's own start stays light
+
+    return (torch.cuda.device_count() if torch.cuda.is_available() else 0) or nproc
 
 
 def is_this_host(host: str) -> bool:
