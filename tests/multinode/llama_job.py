@@ -44,9 +44,11 @@ CONFIG = {"train_batch_size": GLOBAL_BATCH, "steps_per_print": 0, "comm_timeout_
           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 500}}
 
 
-def train(out: str, steps: int = STEPS, sleep: float = 0.0, config: dict | None = None) -> dict:
+def train(out: str, steps: int = STEPS, sleep: float = 0.0, config: dict | None = None,
+          save_dir: str | None = None) -> dict:
     """The job in this rank: its slice of every batch, one optimizer step per batch; rank 0 writes
-    `weights.pt`, every rank `rank{R}.json` (world, ranks per node, node's hostname, losses)."""
+    `weights.pt`, every rank `rank{R}.json` (world, ranks per node, node's hostname, losses); with `save_dir`,
+    the engine's checkpoint there at the end (zerotrain's directory, committed once every rank wrote)."""
     import zerotrain
 
     engine, _, _, _ = zerotrain.initialize(model=make_model(), config=config or CONFIG)
@@ -64,6 +66,8 @@ def train(out: str, steps: int = STEPS, sleep: float = 0.0, config: dict | None 
         if step == 1 and rank == 0:
             open(os.path.join(out, "running"), "w").close()
         time.sleep(sleep)
+    if save_dir is not None:
+        engine.save_checkpoint(save_dir)
     weights = {k: v.detach().clone() for k, v in engine.full_state_dict().items()}
     info = {"world": world, "local_world": int(os.environ.get("LOCAL_WORLD_SIZE", "0")), "losses": losses,
             "host": os.uname().nodename, "steps": engine.global_steps}
