@@ -4,6 +4,9 @@ inputs), bad input is one line naming the file and line or the flag; MPI's and S
 torchrun's, the compressed Slurm node list expands as `scontrol show hostnames` does."""
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import socket
 
 import pytest
@@ -26,7 +29,7 @@ SELECTIONS = [  # (include, exclude, num_nodes, num_gpus)
     ("", "", -1, -1), ("worker-0", "", -1, -1), ("worker-1@worker-0:0,2", "", -1, -1),
     ("worker-0:3,1,1@worker-0:2", "", -1, -1), ("worker-2:7@worker-1", "", -1, -1), ("", "worker-1", -1, -1),
     ("", "worker-0:0,3@worker-2:1", -1, -1), ("", "worker-1:0,1", -1, -1), ("", "", 2, -1), ("", "", 1, 1),
-    ("", "", -1, 3), ("", "", 0, -1), ("", "", 5, 16),
+    ("", "", -1, 3), ("", "", 0, -1), ("", "", 5, 16), ("", "", -1, 0), ("", "", 1, 0),
 ]
 
 
@@ -93,8 +96,8 @@ def test_launch_refuses_other_hosts_and_mixed_flags_in_one_line(tmp_path, capsys
     script.write_text("print('never')\n")
     for argv, says in ((["--hostfile", str(hosts), "--launcher_args", "-o ConnectTimeout=5"],
                         "host 'worker-0' is not reachable by passwordless ssh: ssh: Could not resolve hostname"),
-                       (["--hostfile", str(hosts), "--include", "worker-1", "--launcher", "SLURM"],
-                        "starting ranks on other hosts (worker-1) with --launcher slurm"),
+                       (["--hostfile", str(hosts), "--include", "worker-1", "--launcher", "MPICH"],
+                        "starting ranks on other hosts (worker-1) with --launcher mpich"),
                        (["--hostfile", str(hosts), "--nproc", "2"], "--nproc cannot be combined with --hostfile"),
                        (["--num_nodes", "2"], "--num_nodes > 1 needs a --hostfile"),
                        (["--hostfile", str(tmp_path / "missing")], f"--hostfile {tmp_path / 'missing'}: cannot read")):
@@ -229,3 +232,213 @@ def test_bad_cluster_variables_are_one_line_from_train(tmp_path, monkeypatch, ca
     assert main(["train", "--model", "tiny", "--steps", "1", "--no-save", "--max-corpus-bytes", "20000"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert err == ["zerotrain: error: environment variable SLURM_NTASKS must be an integer, got 'two'"]
+
+
+def test_mpirun_line_is_deepspeeds_openmpi_runner(tmp_path, monkeypatch):
+    """`--launcher openmpi`'s line is the one DeepSpeed's OpenMPIRunner builds for the same hostfile, launcher
+    args and exports (its runner adds the forwarded variables, PYTHONPATH and .deepspeed_env's lines as exports
+    too), plus MASTER_ADDR/MASTER_PORT (DeepSpeed's ranks find them by mpi4py) and --ssh_port as ssh's -p."""
+    import argparse
+    import sys
+
+    from deepspeed.launcher.multinode_runner import OpenMPIRunner
+
+    from zerotrain.hostfile import mpirun_command
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".deepspeed_env").write_text("FROM_FILE=1\n")
+    pool = {"w0": 2, "w1": 3}
+    environ = {"NCCL_DEBUG": "INFO", "SECRET": "no", "PYTHONPATH": "/lib"}
+    for launcher_args in ("", "--mca btl_tcp_if_include ib0 --bind-to none"):
+        ours = mpirun_command("hosts", pool, "w0", 29600, ["train.py", "--x", "1"], launcher_args,
+                              environ=environ, cwd=str(tmp_path))
+        args = argparse.Namespace(launcher_args=launcher_args, include="", exclude="", num_nodes=-1, num_gpus=-1,
+                                  hostfile="hosts", user_script="train.py", user_args=["--x", "1"],
+                                  no_python=False, module=False)
+        theirs = OpenMPIRunner(args, "", pool)
+        for key, value in (("NCCL_DEBUG", "INFO"), ("PYTHONPATH", f"{tmp_path}:/lib"), ("FROM_FILE", "1"),
+                           ("MASTER_ADDR", "w0"), ("MASTER_PORT", "29600")):
+            theirs.add_export(key, value)
+        assert ours == theirs.get_cmd({}, {h: list(range(n)) for h, n in pool.items()}), launcher_args
+        assert ours[-5:] == [sys.executable, "-u", "train.py", "--x", "1"] and "SECRET=no" not in " ".join(ours)
+    with_port = mpirun_command("hosts", pool, "w0", 29600, ["t.py"], "--mca plm_rsh_args '-i key'", ssh_port=2222,
+                               environ={}, cwd=str(tmp_path))
+    assert with_port[with_port.index("plm_rsh_args") + 1] == "-p 2222 -i key"
+    alone = mpirun_command("hosts", pool, "w0", 29600, ["t.py"], "", ssh_port=2222, environ={}, cwd=str(tmp_path))
+    assert alone[alone.index("plm_rsh_args") + 1] == "-p 2222"
+
+
+MPI_SCRIPT = '''
+import json, os, sys
+import torch
+import zerotrain
+zerotrain.init_distributed()
+rank = torch.distributed.get_rank()
+total = torch.tensor([float(rank + 1)])
+zerotrain.dist.all_reduce(total)
+with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+    json.dump({"world": torch.distributed.get_world_size(), "local": int(os.environ["LOCAL_RANK"]),
+               "sum": total.item(), "ompi": os.environ["OMPI_COMM_WORLD_RANK"],
+               "master": os.environ["MASTER_ADDR"], "from_env_file": os.environ.get("FROM_FILE")}, f)
+'''
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (apt-get install -y openmpi-bin)")
+def test_openmpi_launch_starts_the_ranks_with_mpirun(tmp_path):
+    """The fast real case of `--launcher openmpi` (two hosts: tests/multinode/test_openmpi_launch.py, slow):
+    `zerotrain launch --launcher openmpi --force_multi` on one host runs the real mpirun, whose two ranks take
+    their ranks from Open MPI's variables, the master from the line and .deepspeed_env's variables, and meet."""
+    from distributed import free_port, run_cli
+    from test_dropin_api import REPO_ROOT
+
+    (tmp_path / "hosts").write_text("localhost slots=2\n")
+    (tmp_path / "job.py").write_text(MPI_SCRIPT)
+    (tmp_path / ".deepspeed_env").write_text("FROM_FILE=forwarded\n")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMPI_", "PMI", "SLURM_"))}
+    env.update(PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_btl_tcp_if_include="lo",
+               OMPI_MCA_oob_tcp_if_include="lo")
+    proc = run_cli(["launch", "--launcher", "openmpi", "--force_multi", "--hostfile", "hosts", "--master_addr",
+                    "127.0.0.1", "--master_port", str(free_port()), "--launcher_args=--mca btl_tcp_if_include lo",
+                    "job.py", str(tmp_path)], cwd=tmp_path, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in (0, 1):
+        info = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert info == {"world": 2, "local": rank, "sum": 3.0, "ompi": str(rank), "master": "127.0.0.1",
+                        "from_env_file": "forwarded"}
+
+
+def test_openmpi_and_slot_count_refusals_are_one_line_before_any_rank(tmp_path, capsys, monkeypatch):
+    """Slots that do not fit the script's config's batch sizes, DeepSpeed's openmpi refusals and a missing mpirun:
+    one line each, exit 2, and no rank started (the script would write a file)."""
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "train.py"
+    script.write_text("open('started', 'w').close()\n")
+    (tmp_path / "one").write_text("localhost slots=3\n")
+    (tmp_path / "two").write_text("worker-0 slots=2\nworker-1 slots=1\n")
+    (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}))
+    (tmp_path / "tp.json").write_text(json.dumps({"train_batch_size": 8, "tensor_parallel": {"autotp_size": 2}}))
+    (tmp_path / "auto.json").write_text(json.dumps({"train_batch_size": "auto",
+                                                     "train_micro_batch_size_per_gpu": "auto"}))
+    for argv, says in (
+            (["--hostfile", "one", "train.py", "--deepspeed_config", "ds.json"],
+             "3 slots (localhost: 3) do not fit ds.json's batch sizes: cannot derive gradient_accumulation_steps"),
+            (["--hostfile", "two", "--launcher", "openmpi", "train.py", "--deepspeed", "--deepspeed_config=ds.json"],
+             "3 slots (worker-0: 2, worker-1: 1) do not fit ds.json's batch sizes"),
+            (["--hostfile", "one", "train.py", "--deepspeed", "tp.json"],
+             "3 slots (localhost: 3) do not fit tp.json: the world must be a multiple of tensor x sequence x "
+             "pipeline parallel sizes = 2"),
+            (["--hostfile", "two", "--launcher", "openmpi", "--include", "worker-1", "train.py"],
+             "--launcher openmpi runs every slot of the hostfile (as DeepSpeed's): it does not take --include"),
+            (["--hostfile", "two", "--launcher", "openmpi", "--num_gpus", "1", "train.py"],
+             "--launcher openmpi runs every slot of the hostfile")):
+        assert main(["launch", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, err
+    monkeypatch.setenv("PATH", str(tmp_path))  # no mpirun here
+    assert main(["launch", "--hostfile", "two", "--launcher", "openmpi", "train.py", "--deepspeed_config",
+                 "auto.json"]) == 2  # "auto" batch sizes fit any slots: the next check speaks
+    err = capsys.readouterr().err
+    assert "--launcher openmpi: mpirun is not on PATH" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "started").exists()
+
+
+def test_slots_fit_the_batch_over_the_data_parallel_ranks(tmp_path):
+    """The check counts data-parallel ranks (the world over tensor x sequence x pipeline parallel sizes) and finds
+    the config where DeepSpeed's and the HF Trainer's scripts take it; fitting slots pass."""
+    from zerotrain.hostfile import check_slots_fit_batch
+
+    (tmp_path / "tp.json").write_text(json.dumps({"train_batch_size": 6, "tensor_parallel": {"autotp_size": 2},
+                                                   "sequence_parallel_size": 1}))
+    (tmp_path / "sp.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "train_batch_size": 2,
+                                                   "sequence_parallel_size": 2, "pipeline_parallel_size": 1}))
+    four = {"a": [0, 1], "b": [0, 1]}
+    for args in (["--deepspeed_config", str(tmp_path / "tp.json")], [f"--zerotrain_config={tmp_path / 'sp.json'}"],
+                 ["--deepspeed", str(tmp_path / "sp.json")],
+                 ["--deepspeed", "--deepspeed_config", str(tmp_path / "tp.json")]):
+        check_slots_fit_batch(four, args)  # 4 ranks / 2 = 2 data-parallel ranks: 6 = 3 x 2, 2 = 1 x 2
+    with pytest.raises(CLIError, match=r"6 slots \(a: 6\) do not fit .*sp.json's batch sizes"):
+        check_slots_fit_batch({"a": list(range(6))}, ["--deepspeed_config", str(tmp_path / "sp.json")])  # 3 data
+    (tmp_path / "pp.json").write_text(json.dumps({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1,
+                                                   "gradient_accumulation_steps": 2, "pipeline_parallel_size": 2}))
+    check_slots_fit_batch(four, ["--deepspeed_config", str(tmp_path / "pp.json")])  # 4 = 1 x 2 x (4 / 2)
+    with pytest.raises(CLIError, match=r"6 slots \(a: 3, b: 3\) do not fit .*pp.json's batch sizes"):
+        check_slots_fit_batch({"a": [0, 1, 2], "b": [0, 1, 2]}, ["--deepspeed_config", str(tmp_path / "pp.json")])
+    check_slots_fit_batch(four, ["--deepspeed", "--other", "x.json"])  # a switch, then no config: nothing to check
+    check_slots_fit_batch(four, ["--x", "1", "--deepspeed_config"])  # no value after the flag: the script's error
+
+
+def test_srun_line_is_deepspeeds_slurm_runner(tmp_path, monkeypatch):
+    """`--launcher slurm`'s line is the one DeepSpeed's SlurmRunner builds for the same selection and exports
+    (plus MASTER_PORT when --master_port is given); a value with a comma travels in srun's environment only."""
+    import argparse
+    import sys
+
+    from deepspeed.launcher.multinode_runner import SlurmRunner
+
+    from zerotrain.hostfile import srun_command
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".deepspeed_env").write_text("FROM_FILE=1\nLIST=a,b\n")
+    pool = {"w0": 2, "w1": 2, "w2": 2}
+    environ = {"NCCL_DEBUG": "INFO", "SECRET": "no", "PYTHONPATH": "/lib"}
+    for include, exclude, num_nodes, num_gpus in (("", "", -1, -1), ("w0@w2", "", -1, -1), ("", "w1", -1, -1),
+                                                 ("", "", 2, -1), ("", "", -1, 1), ("w1:0", "", -1, -1),
+                                                 ("", "", 0, 0)):
+        active = select_resources(pool, include, exclude, num_nodes, num_gpus)
+        ours, exports = srun_command(active, ["train.py", "--x", "1"], "-p main", include, exclude, num_nodes,
+                                     num_gpus, master_port=29600, environ=environ, cwd=str(tmp_path))
+        args = argparse.Namespace(launcher_args="-p main", include=include, exclude=exclude, num_nodes=num_nodes,
+                                  num_gpus=num_gpus, user_script="train.py", user_args=["--x", "1"])
+        theirs = SlurmRunner(args, "", pool)
+        for key, value in (("NCCL_DEBUG", "INFO"), ("PYTHONPATH", f"{tmp_path}:/lib"), ("FROM_FILE", "1"),
+                           ("MASTER_PORT", "29600")):
+            theirs.add_export(key, value)
+        assert ours == theirs.get_cmd({}, active), (include, exclude, num_nodes, num_gpus)
+        assert ours[-5:] == [sys.executable, "-u", "train.py", "--x", "1"] and "SECRET" not in " ".join(ours)
+        assert exports["LIST"] == "a,b" and exports["MASTER_PORT"] == "29600" and "SECRET" not in exports
+
+
+def test_slurm_refusals_are_one_line_before_any_rank(tmp_path, capsys, monkeypatch):
+    """What srun cannot place (DeepSpeed's refusals) and a missing srun: one line each, exit 2, nothing run."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("open('started', 'w').close()\n")
+    (tmp_path / "hosts").write_text("worker-0 slots=2\nworker-1 slots=1\n")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no srun here
+    for argv, says in ((["--hostfile", "hosts"], "--launcher slurm needs the same slot count on every host, got "
+                                                 "{'worker-0': 2, 'worker-1': 1}"),
+                       (["--hostfile", "hosts", "--include", "worker-0:1@worker-1"],
+                        "--launcher slurm cannot select specific slots, got [1] on 'worker-0'"),
+                       (["--hostfile", "hosts", "--num_gpus", "1"], "--launcher slurm: srun is not on PATH")):
+        assert main(["launch", "--launcher", "slurm", *argv, "train.py"]) == 2, argv
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "started").exists()
+
+
+def test_a_requeued_slurm_job_resumes(monkeypatch, capsys):
+    """A Slurm job requeued after a preemption runs again with SLURM_RESTART_COUNT >= 1: `zerotrain train` resumes
+    from the save directory as after an elastic restart (the full requeue runs in tests/multinode/test_slurm.py);
+    a first run, or one without a save directory, does not."""
+    from zerotrain.run import job_restarts, resume_after_restart
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    assert job_restarts() == 0 and resume_after_restart(False, "/ckpt", 0) is False
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    assert job_restarts() == 2 and resume_after_restart(False, "/ckpt", 0) is True
+    assert "restart 2 of this job: resuming from the latest checkpoint" in capsys.readouterr().out
+    assert resume_after_restart(False, None, 0) is False
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    assert job_restarts() == 3
+
+
+def test_without_a_hostfile_the_slots_are_the_gpus_else_nproc():
+    """DeepSpeed's pool without a hostfile: this machine with a slot per GPU; on a CPU machine, --nproc ranks."""
+    import torch
+
+    from zerotrain.hostfile import local_slots
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert local_slots(3) == (gpus or 3) and local_slots(1) == (gpus or 1)

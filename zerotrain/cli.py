@@ -151,17 +151,20 @@ def _add_deepspeed_launcher_flags(launch: argparse.ArgumentParser) -> None:
                        help="arguments for the multi-host launcher, one quoted string (default: none)")
     group.add_argument("--ssh_port", "--ssh-port", dest="ssh_port", type=int, default=None, metavar="P",
                        help="ssh port of the other hosts")
+    group.add_argument("--force_multi", "--force-multi", dest="force_multi", action="store_true",
+                       help="start through --launcher even when the hosts are this machine alone (DeepSpeed's)")
 
 
 def _uses_resources(args: argparse.Namespace) -> bool:
-    return bool(args.hostfile or args.include or args.exclude or args.num_nodes >= 0 or args.num_gpus >= 0)
+    return bool(args.hostfile or args.include or args.exclude or args.num_nodes >= 0 or args.num_gpus >= 0
+                or args.force_multi)
 
 
 def _resource_launch(args: argparse.Namespace):
-    """DeepSpeed's resource options -> this node's torchrun options and the workers' extra environment: the
-    selected slots of one host that is this machine run here, one rank per slot (CUDA_VISIBLE_DEVICES = the
-    slots, as DeepSpeed's launch sets it); several hosts, or another one: (host -> slots, {}) for the ssh start
-    (other --launcher names are refused in one line)."""
+    """DeepSpeed's resource options -> (the selected host -> slots, this node's torchrun options or None, the
+    workers' extra environment): the selected slots of one host that is this machine run here, one rank per slot
+    (CUDA_VISIBLE_DEVICES = the slots, as DeepSpeed's launch sets it); several hosts, or another one: None, for
+    the multi-host start of `--launcher` (pdsh: ssh, openmpi: mpirun; the others are refused in one line)."""
     from zerotrain.command import rendezvous
     from zerotrain.hostfile import is_this_host, local_slots, parse_hostfile, select_resources
 
@@ -179,19 +182,26 @@ def _resource_launch(args: argparse.Namespace):
         pool = {"localhost": local_slots(args.nproc)}
     active = select_resources(pool, args.include, args.exclude, args.num_nodes, args.num_gpus)
     remote = [host for host in active if not is_this_host(host)]
-    if len(active) > 1 or remote:
-        if args.launcher != "pdsh":
+    if len(active) > 1 or remote or args.force_multi:
+        if args.launcher == "openmpi" and (args.include or args.exclude or args.num_nodes >= 0
+                                           or args.num_gpus >= 0):
+            raise CLIError("--launcher openmpi runs every slot of the hostfile (as DeepSpeed's): it does not "
+                           "take --include/--exclude/--num_nodes/--num_gpus; write the hostfile you want")
+        if args.launcher == "slurm":
+            from zerotrain.hostfile import check_slurm_slots
+            check_slurm_slots(active)
+        if args.launcher not in ("pdsh", "openmpi", "slurm"):
             raise CLIError(f"starting ranks on other hosts ({', '.join(active)}) with --launcher {args.launcher} is "
-                           "not implemented yet: use the default (ssh), or `srun`/`mpirun` the script directly "
-                           "(docs/multinode.md)")
-        return active, {}
+                           "not implemented yet: use the default (ssh), openmpi or slurm, or start the script with your MPI's launcher "
+                           "directly (docs/multinode.md)")
+        return active, None, {}
     (slots,) = active.values()
     master = args.master_addr or ("127.0.0.1" if args.master_port is not None else None)
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     if visible and max(slots) >= len(visible):
         raise CLIError(f"slot {max(slots)} is not among CUDA_VISIBLE_DEVICES={','.join(visible)}")
     devices = [visible[s] if visible else str(s) for s in slots]  # slot i = the i-th device this process sees
-    return rendezvous(len(slots), master_addr=master, master_port=args.master_port), {
+    return active, rendezvous(len(slots), master_addr=master, master_port=args.master_port), {
         "CUDA_VISIBLE_DEVICES": ",".join(devices)}
 
 
@@ -288,16 +298,24 @@ def _launch_script(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise CLIError(f"--nproc must be >= 1, got {args.nproc}")
     extra_env: dict[str, str] = {}
+    active = None
     if _uses_resources(args):
-        workers, extra_env = _resource_launch(args)
+        active, workers, extra_env = _resource_launch(args)
     else:
         workers = node_rendezvous(args)
     if not Path(args.script).is_file():
         raise CLIError(f"script {args.script!r} not found")
     if args.max_restarts < 0 or args.stop_timeout < 0:
         raise CLIError("--max-restarts and --stop-timeout must be >= 0")
-    if isinstance(workers, dict):  # several hosts: one `zerotrain launch` per host over ssh
-        return _launch_hosts(args, workers)
+    if active is not None:  # the slots fit the script's config's batch sizes, before any rank starts
+        from zerotrain.hostfile import check_slots_fit_batch
+        check_slots_fit_batch(active, args.script_args)
+    if workers is None and args.launcher == "openmpi":  # several hosts: mpirun starts every rank
+        return _launch_mpirun(args, active)
+    if workers is None and args.launcher == "slurm":  # inside an allocation: srun starts every rank
+        return _launch_srun(args, active)
+    if workers is None:  # several hosts: one `zerotrain launch` per host over ssh
+        return _launch_hosts(args, active)
     from zerotrain.hostfile import STOP_ON_EOF_ENV, stop_on_stdin_eof
     if os.environ.get(STOP_ON_EOF_ENV) == "1":  # started over ssh by a launcher: its channel closing stops us
         stop_on_stdin_eof()
@@ -317,6 +335,52 @@ def _launch_hosts(args: argparse.Namespace, active: dict) -> int:
               "--stop-timeout", str(args.stop_timeout), os.path.abspath(args.script), *args.script_args]
     return run_hosts(ssh_commands(active, master, args.master_port or 29500, target, args.ssh_port,
                                   args.launcher_args))
+
+
+def _launch_mpirun(args: argparse.Namespace, active: dict) -> int:
+    """`--launcher openmpi` (DeepSpeed's OpenMPIRunner): `mpirun` starts every slot of the hostfile over ssh and
+    runs the script in each rank (through zerotrain.launcher, without --local_rank, as DeepSpeed runs it); this
+    process becomes mpirun (exec), so a stop signal reaches mpirun, which stops every rank on every host. The
+    master is --master_addr or the first host's name."""
+    import shutil
+
+    from zerotrain.hostfile import mpirun_command
+    from zerotrain.launcher import worker_target
+
+    if shutil.which("mpirun") is None:
+        raise CLIError("--launcher openmpi: mpirun is not on PATH (install Open MPI: apt-get install openmpi-bin)")
+    import socket
+
+    from zerotrain.hostfile import is_this_host
+
+    first = next(iter(active))
+    master = args.master_addr or (socket.gethostname() if is_this_host(first) else first)  # as the others reach it
+    cmd = mpirun_command(args.hostfile, {host: len(slots) for host, slots in active.items()}, master,
+                         args.master_port or 29500, worker_target(args.script, args.script_args, False),
+                         args.launcher_args, args.ssh_port)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvp(cmd[0], cmd)
+    return 127  # not reached
+
+
+def _launch_srun(args: argparse.Namespace, active: dict) -> int:
+    """`--launcher slurm` (DeepSpeed's SlurmRunner), inside a Slurm allocation: `srun` starts the slots' ranks on
+    the allocation's nodes and runs the script in each (through zerotrain.launcher, without --local_rank, as
+    DeepSpeed runs it); this process becomes srun (exec): srun forwards a stop signal to every rank."""
+    import shutil
+
+    from zerotrain.hostfile import srun_command
+    from zerotrain.launcher import worker_target
+
+    if shutil.which("srun") is None:
+        raise CLIError("--launcher slurm: srun is not on PATH (run inside a Slurm allocation: sbatch or salloc)")
+    cmd, exports = srun_command(active, worker_target(args.script, args.script_args, False), args.launcher_args,
+                                args.include, args.exclude, args.num_nodes, args.num_gpus, args.master_port)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(cmd[0], cmd, {**os.environ, **exports})
+    return 127  # not reached
 
 
 if __name__ == "__main__":

@@ -16,6 +16,12 @@
   --node-rank R ...`` per host, `run_hosts` runs them through ssh and stops every host when the launcher stops,
   dies or one host fails (the host's ssh channel closes; its launch, started with `STOP_ON_EOF_ENV`, stops its
   ranks: `stop_on_stdin_eof`).
+- `--launcher openmpi` over several hosts: `mpirun_command` is DeepSpeed's OpenMPIRunner's line (Open MPI starts
+  the ranks over ssh; each reads its rank from Open MPI's variables, `zerotrain.cluster`).
+- `--launcher slurm` (inside an allocation): `srun_command` is DeepSpeed's SlurmRunner's line (srun starts the
+  ranks; each reads its rank and the master from Slurm's variables, `zerotrain.cluster`).
+- `check_slots_fit_batch`: the selected slots fit the batch sizes of the script's config, checked before any
+  rank starts (one line).
 """
 from __future__ import annotations
 
@@ -28,7 +34,8 @@ from typing import Optional
 from .command import CLIError
 
 __all__ = ["LAUNCHERS", "parse_hostfile", "select_resources", "read_deepspeed_env", "is_this_host",
-           "local_slots", "check_reachable", "first_address", "ssh_commands", "run_hosts", "stop_on_stdin_eof"]
+           "local_slots", "check_reachable", "first_address", "ssh_commands", "run_hosts", "stop_on_stdin_eof",
+           "mpirun_command", "check_slots_fit_batch", "srun_command", "check_slurm_slots"]
 
 # DeepSpeed's --launcher names (case-insensitive there too); pdsh is its default
 LAUNCHERS = ("pdsh", "openmpi", "mpich", "impi", "slurm", "mvapich")
@@ -108,12 +115,9 @@ def select_resources(pool: dict[str, int], include: str = "", exclude: str = "",
 
 def local_slots(nproc: int) -> int:
     """The slot count of this machine when no hostfile is given: its GPUs, else --nproc (CPU ranks)."""
-    try:
-        import torch
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except ImportError:
-        count = 0
-    return count or nproc
+    import torch  # here, not at the top: the launcher's own start stays light
+
+    return (torch.cuda.device_count() if torch.cuda.is_available() else 0) or nproc
 
 
 def is_this_host(host: str) -> bool:
@@ -272,3 +276,132 @@ def stop_on_stdin_eof() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="zerotrain-stdin-eof", daemon=True).start()
+
+
+def _has_mca(args: list[str], name: str) -> bool:
+    """Whether mpirun arguments already set the MCA parameter `name` (``--mca NAME V`` / ``-mca NAME V``)."""
+    return any(flag in ("-mca", "--mca") and value == name for flag, value in zip(args, args[1:]))
+
+
+def mpirun_command(hostfile: str, pool: dict[str, int], master_addr: str, master_port: int, target: list[str],
+                   launcher_args: str = "", ssh_port: Optional[int] = None,
+                   environ: Optional[dict[str, str]] = None, cwd: Optional[str] = None) -> list[str]:
+    """`--launcher openmpi`: the `mpirun` line DeepSpeed's OpenMPIRunner builds (``-n`` = every slot of the
+    hostfile, ``-hostfile``, ``--mca btl ^openib``, ``--mca btl_tcp_if_include eth0`` unless the launcher args
+    set it, the launcher args, ``-x`` exports: UCX_TLS=tcp, the forwarded variables, PYTHONPATH led by the
+    current directory, .deepspeed_env's lines), then ``python -u`` and `target` (the worker module and the
+    script). It adds MASTER_ADDR / MASTER_PORT (DeepSpeed broadcasts them with mpi4py; each rank here reads
+    them with Open MPI's rank variables: `zerotrain.cluster`) and turns ``--ssh_port`` into ssh's ``-p`` for
+    Open MPI's remote start (``--mca plm_rsh_args``, put before the launcher args' own value of it)."""
+    import shlex
+    import sys
+
+    environ = dict(os.environ if environ is None else environ)
+    cwd = os.path.abspath(cwd or os.getcwd())
+    extra = shlex.split(launcher_args)
+    cmd = ["mpirun", "-n", str(sum(pool.values())), "-hostfile", hostfile, "--mca", "btl", "^openib"]
+    if not _has_mca(extra, "btl_tcp_if_include"):
+        cmd += ["--mca", "btl_tcp_if_include", "eth0"]
+    if ssh_port is not None:  # ssh's port for Open MPI's remote start, before the launcher args' own ssh options
+        given = [i + 1 for i, (flag, value) in enumerate(zip(extra, extra[1:]))
+                 if flag in ("-mca", "--mca") and value == "plm_rsh_args" and i + 2 < len(extra)]
+        for i in given:
+            extra[i + 1] = f"-p {ssh_port} {extra[i + 1]}"
+        if not given:
+            cmd += ["--mca", "plm_rsh_args", f"-p {ssh_port}"]
+    exports = {"UCX_TLS": "tcp", **{k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES)}}
+    exports["PYTHONPATH"] = os.pathsep.join([cwd, *([exports["PYTHONPATH"]] if exports.get("PYTHONPATH") else [])])
+    exports.update(read_deepspeed_env(cwd=cwd))
+    exports.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+    cmd += extra
+    for key, value in exports.items():
+        cmd += ["-x", f"{key}={value}"]
+    return [*cmd, sys.executable, "-u", *target]
+
+
+def _script_config(script_args: list[str]) -> Optional[str]:
+    """The JSON config a DeepSpeed script is given: ``--deepspeed_config`` (``--zerotrain_config``,
+    ``--deepscale_config``), or the HF Trainer's ``--deepspeed FILE``; None when there is none."""
+    for i, arg in enumerate(script_args):
+        flag, sep, value = arg.partition("=")
+        if flag in ("--deepspeed_config", "--zerotrain_config", "--deepscale_config", "--deepspeed"):
+            if not sep:
+                value = script_args[i + 1] if i + 1 < len(script_args) else ""
+            if value.startswith("-") or (flag == "--deepspeed" and not value.endswith(".json")):
+                continue  # DeepSpeed's --deepspeed is a switch; the HF Trainer's takes the file
+            return value or None
+    return None
+
+
+def check_slots_fit_batch(active: dict[str, list[int]], script_args: list[str]) -> None:
+    """Before any rank starts: the selected slots (the world size) fit the batch sizes of the config the script
+    is given (train_batch_size = micro batch x accumulation x data-parallel ranks, the data-parallel ranks being
+    the world over tensor x sequence x pipeline parallel sizes), or one line naming the slots and the file. A
+    config whose batch sizes are all unset or "auto" (filled by the HF Trainer) fits any world."""
+    import warnings
+
+    from .config import ConfigError, load_config
+
+    path = _script_config(script_args)
+    if path is None or not os.path.isfile(path):
+        return
+    world = sum(len(slots) for slots in active.values())
+    slots = ", ".join(f"{host}: {len(ids)}" for host, ids in active.items())
+    with warnings.catch_warnings():  # the ranks warn about the config's keys, once for the job
+        warnings.simplefilter("ignore")
+        config = load_config(path)
+    if config.train_batch_size is None and config.train_micro_batch_size_per_gpu is None:
+        return
+    model_parallel = (config.tensor_parallel.autotp_size * config.sequence_parallel_size
+                      * config.pipeline_parallel_size)
+    if world % model_parallel:
+        raise CLIError(f"{world} slots ({slots}) do not fit {path}: the world must be a multiple of tensor x "
+                       f"sequence x pipeline parallel sizes = {model_parallel}")
+    try:
+        config.resolve_batch(world // model_parallel)
+    except ConfigError as exc:
+        raise CLIError(f"{world} slots ({slots}) do not fit {path}'s batch sizes: {exc}") from None
+
+
+def check_slurm_slots(active: dict[str, list[int]]) -> None:
+    """What `srun` can place (DeepSpeed's SlurmRunner.validate_active_resources): the first N slots of every host
+    and the same N everywhere; else one line."""
+    for host, slots in active.items():
+        if slots != list(range(len(slots))):
+            raise CLIError(f"--launcher slurm cannot select specific slots, got {slots} on {host!r}: filter whole "
+                           "hosts, or keep the first N slots on every host")
+    counts = {host: len(slots) for host, slots in active.items()}
+    if len(set(counts.values())) > 1:
+        raise CLIError(f"--launcher slurm needs the same slot count on every host, got {counts}")
+
+
+def srun_command(active: dict[str, list[int]], target: list[str], launcher_args: str = "", include: str = "",
+                 exclude: str = "", num_nodes: int = -1, num_gpus: int = -1, master_port: Optional[int] = None,
+                 environ: Optional[dict[str, str]] = None, cwd: Optional[str] = None) -> tuple[list[str], dict]:
+    """`--launcher slurm`: (the `srun` line DeepSpeed's SlurmRunner builds, the variables it exports). ``srun -n
+    <slots>``, the launcher args, ``--nodelist``/``--nodes`` for a filtered selection, ``--nodes`` for
+    --num_nodes, ``--gpus-per-node`` for --num_gpus, ``--export=ALL,K=V,...`` (the forwarded variables,
+    PYTHONPATH led by the current directory, .deepspeed_env's lines; MASTER_PORT when --master_port is given),
+    then ``python -u`` and `target`. Each rank takes its rank and the master (the step's first node) from Slurm's
+    variables (`zerotrain.cluster`). A value with a comma cannot be written in --export: it travels in srun's
+    own environment (``ALL``), which the caller sets to the returned variables."""
+    import shlex
+    import sys
+
+    check_slurm_slots(active)
+    environ = dict(os.environ if environ is None else environ)
+    cwd = os.path.abspath(cwd or os.getcwd())
+    cmd = ["srun", "-n", str(sum(len(slots) for slots in active.values())), *shlex.split(launcher_args)]
+    if include or exclude:
+        cmd += ["--nodelist", ",".join(active), "--nodes", str(len(active))]
+    if num_nodes > 0:
+        cmd += ["--nodes", str(num_nodes)]
+    if num_gpus > 0:
+        cmd += ["--gpus-per-node", str(num_gpus)]
+    exports = {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES)}
+    exports["PYTHONPATH"] = os.pathsep.join([cwd, *([exports["PYTHONPATH"]] if exports.get("PYTHONPATH") else [])])
+    exports.update(read_deepspeed_env(cwd=cwd))
+    if master_port is not None:
+        exports["MASTER_PORT"] = str(master_port)
+    listed = "".join(f",{k}={v}" for k, v in exports.items() if "," not in v)
+    return [*cmd, f"--export=ALL{listed}", sys.executable, "-u", *target], exports

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -17,70 +15,17 @@ import pytest
 
 from distributed import free_port
 import netns
+from sshd import sshd_missing, make_keys, ssh_options, python_left, start_sshd, wait_for_ssh
 from test_dropin_api import (DEEPSPEED_SCRIPT, DEEPSPEED_SCRIPT_CONFIG, REPO_ROOT, STOPPABLE_SCRIPT,
                              _assert_trained_as_one_process)
 
-_reason = netns.skip_reason() or (None if shutil.which("sshd") or os.path.exists("/usr/sbin/sshd") else
-                                  "openssh-server is not installed (apt-get install -y openssh-server)")
+_reason = netns.skip_reason() or sshd_missing()
 pytestmark = [pytest.mark.skipif(_reason is not None, reason=_reason or ""), pytest.mark.slow]
-
-SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
-
-
-def _keys(tmp_path):
-    for name in ("host_key", "id"):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / name)], check=True)
-    shutil.copy(tmp_path / "id.pub", tmp_path / "authorized_keys")
-    os.chmod(tmp_path / "authorized_keys", 0o600)
-
-
-def _start_sshd(node, tmp_path, port: int) -> subprocess.Popen:
-    config = tmp_path / f"sshd_{node.hostname}"
-    config.write_text(f"Port {port}\nHostKey {tmp_path / 'host_key'}\n"
-                      f"AuthorizedKeysFile {tmp_path / 'authorized_keys'}\n"
-                      "PermitRootLogin yes\nPasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\n"
-                      "StrictModes no\nPidFile none\n")
-    os.makedirs("/run/sshd", exist_ok=True)  # its privilege-separation directory
-    return subprocess.Popen(node.command([SSHD, "-D", "-e", "-f", str(config)]), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def _launcher_args(tmp_path) -> str:
-    return (f"-i {tmp_path / 'id'} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR "
-            "-o ConnectTimeout=10")
-
-
-def _wait_for_ssh(nodes, tmp_path, port: int) -> None:
-    deadline = time.monotonic() + 30
-    for node in nodes.nodes:
-        while True:
-            probe = subprocess.run(nodes[0].command(["ssh", "-o", "BatchMode=yes", "-p", str(port),
-                                                     *_launcher_args(tmp_path).split(), node.hostname, "hostname"]),
-                                   capture_output=True, text=True, stdin=subprocess.DEVNULL)
-            if probe.returncode == 0 and probe.stdout.strip() == node.hostname:
-                break
-            assert time.monotonic() < deadline, probe.stderr
-            time.sleep(0.3)
-
-
-def _python_left(nodes) -> list[str]:
-    """The Python processes still in either node's network namespace (ranks, agents, launches)."""
-    left = []
-    for node in nodes.nodes:
-        pids = subprocess.run(["ip", "netns", "pids", node.netns], capture_output=True, text=True).stdout.split()
-        for pid in pids:
-            try:
-                cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if "python" in cmdline:
-                left.append(f"{node.hostname}: {cmdline[:120]}")
-    return left
 
 
 def test_hostfile_launch_over_ssh_trains_across_two_hosts_and_stops_everywhere(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the nodes' commands run in the current directory (netns.Node.command)
-    _keys(tmp_path)
+    make_keys(tmp_path)
     port = free_port()
     (tmp_path / "hostfile").write_text("# two hosts, one rank each\nnode0 slots=1\nnode1 slots=1\n")
     config = tmp_path / "ds.json"
@@ -91,11 +36,11 @@ def test_hostfile_launch_over_ssh_trains_across_two_hosts_and_stops_everywhere(t
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
     env.update(PYTHONPATH=REPO_ROOT, GLOO_SOCKET_IFNAME=netns.LINK, OMP_NUM_THREADS="1")
     with netns.two_nodes() as nodes:
-        daemons = [_start_sshd(node, tmp_path, port) for node in nodes.nodes]
+        daemons = [start_sshd(node, tmp_path, port) for node in nodes.nodes]
         try:
-            _wait_for_ssh(nodes, tmp_path, port)
+            wait_for_ssh(nodes, tmp_path, port)
             launch = [sys.executable, "-m", "zerotrain.cli", "launch", "--hostfile", "hostfile", "--ssh_port",
-                      str(port), f"--launcher_args={_launcher_args(tmp_path)}", "--master_port", str(free_port())]
+                      str(port), f"--launcher_args={ssh_options(tmp_path)}", "--master_port", str(free_port())]
             out = tmp_path / "out"
             out.mkdir()
             proc = subprocess.run(nodes[0].command([*launch, "train.py", "--deepspeed_config", str(config),
@@ -122,9 +67,9 @@ def test_hostfile_launch_over_ssh_trains_across_two_hosts_and_stops_everywhere(t
             launcher.kill()
             launcher.wait()
             deadline = time.monotonic() + 120
-            while _python_left(nodes) and time.monotonic() < deadline:
+            while python_left(nodes) and time.monotonic() < deadline:
                 time.sleep(0.5)
-            assert _python_left(nodes) == [], launcher.stdout.read()
+            assert python_left(nodes) == [], launcher.stdout.read()
             # stopped, not killed: every rank on both hosts got the stop, saved at a step boundary and ended
             assert sorted(p.name for p in stop_out.glob("stopped*.json")) == ["stopped0.json", "stopped1.json"]
         finally:

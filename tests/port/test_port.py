@@ -135,11 +135,12 @@ def test_launcher_lines_become_zerotrain_launch():
         f"zerotrain launch --nproc {count} train.py --deepspeed_config ds.json",
         f"zerotrain launch --nproc {count} train.py",
         "zerotrain launch -H hosts --num_nodes 2 train.py --deepspeed ds.json",  # DeepSpeed's --num_nodes kept
-        "deepspeed --hostfile hosts --force_multi train.py",
+        "zerotrain launch --hostfile hosts --force_multi train.py",  # DeepSpeed's --force_multi kept
+        "deepspeed --hostfile hosts --save_pid train.py",
     ]
     assert [(item.line, item.what) for item in unported] == [(12, "deepspeed launcher line without --num_gpus"),
                                                              (13, "deepspeed launcher line without --num_gpus"),
-                                                             (15, "deepspeed launcher option(s) --force_multi")]
+                                                             (16, "deepspeed launcher option(s) --save_pid")]
 
 
 def test_the_command_shows_a_diff_and_writes(tmp_path, capsys):

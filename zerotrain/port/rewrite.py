@@ -435,7 +435,7 @@ _HOSTFILE_VALUE_OPTIONS = frozenset({"--hostfile", "-H", "--include", "-i", "--e
                                      "--num-nodes", "--num_gpus", "--num-gpus", "--num_accelerators", "--launcher",
                                      "--launcher_args", "--launcher-args", "--ssh_port", "--ssh-port",
                                      "--master_addr", "--master-addr", "--master_port", "--master-port"})
-_HOSTFILE_FLAGS = frozenset({"--no_local_rank", "--no-local-rank"})
+_HOSTFILE_FLAGS = frozenset({"--no_local_rank", "--no-local-rank", "--force_multi", "--force-multi"})
 
 
 def _local_devices() -> tuple[int, str]:
@@ -523,7 +523,7 @@ def rewrite_shell(source: str) -> tuple[str, list[Unported]]:
             unported.append(Unported(line, "deepspeed launcher option(s) " + " ".join(bad),
                                      "zerotrain launch takes --nproc, --nnodes, --node-rank, --master-addr, "
                                      "--master-port, --no-local-rank and DeepSpeed's --hostfile, --include, "
-                                     "--exclude, --num_nodes, --num_gpus, --launcher, --launcher_args, --ssh_port; "
+                                     "--exclude, --num_nodes, --num_gpus, --launcher, --launcher_args, --ssh_port, --force_multi; "
                                      + NOT_PROVIDED["deepspeed.launcher.runner"]))
             continue
         counted = hosts or any(text.partition("=")[0] in _COUNT_OPTIONS for _, _, text in words[:-1])

@@ -6,7 +6,8 @@
 - `lm.run_lm`: one rank of `zerotrain train` (language model and pipeline); `zerotrain train-embedding`'s run is
   `embedding.command`'s, on the same skeleton:
 - `start_run`: once the engine exists, whether the run resumes (asked, or an elastic restart: torchrun's agent
-  restarted the workers, `resume_after_restart` on the restart count every rank agrees on, `job_restarts`), the
+  restarted the workers, or a requeued Slurm job, SLURM_RESTART_COUNT, e.g. after a
+  preemption; `resume_after_restart` on the restart count every rank agrees on, `job_restarts`), the
   effective config recorded by rank 0, the save directory claimed (one job per directory);
 - `finish_run`: pending saves committed and the engine closed, then a barrier before any teardown;
 - `stop_status`: after the Trainer stopped on a signal (a checkpoint saved at the step boundary), the stop line
@@ -30,7 +31,8 @@ __all__ = ["job_restarts", "resume_after_restart", "start_run", "finish_run", "s
 
 
 def job_restarts() -> int:
-    """How many times torchrun's agents restarted this job's workers, as every rank agrees (the largest count).
+    """How many times torchrun's agents restarted this job's workers, or Slurm requeued the job
+    (SLURM_RESTART_COUNT: a preempted job's next run), as every rank agrees (the largest count).
 
     An agent raises TORCHELASTIC_RESTART_COUNT when its own workers failed, not when it restarts them because
     another node came back for a new round: after one node's restart the other node's ranks read a smaller count.
@@ -40,7 +42,7 @@ def job_restarts() -> int:
 
     import zerotrain.dist as dist
 
-    own = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    own = max(int(os.environ.get(name, "0") or 0) for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return own
     count = torch.tensor([own], dtype=torch.int64)
