@@ -108,12 +108,7 @@ def _drop_cache(path: Path) -> None:
     """fsync every file of `path`, then drop it from the page cache: the next read comes from disk."""
     for f in sorted(path.rglob("*")):
         if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            _drop_cache_file(f)
 
 
 def _batches(count: int, batch: int, seq: int, vocab: int, rank: int):
@@ -417,6 +412,7 @@ def _dd_speed(root: Path, nbytes: int) -> dict:
 
 
 def _drop_cache_file(path: Path) -> None:
+    """fsync one file, then drop it from the page cache."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
