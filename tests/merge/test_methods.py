@@ -164,3 +164,14 @@ def test_bad_consensus_is_an_error_small_density_keeps_one():
         methods.task_vector_merge(torch.ones(3), [torch.ones(3)], [1.0], "median", normalize=True)
     kept = methods.magnitude_prune(torch.tensor([1.0, -3.0, 2.0]), 0.1)  # keeps at least one element
     assert kept.tolist() == [0.0, -3.0, 0.0]
+
+
+def test_the_default_shard_size_is_5gb_as_transformers_and_mergekit_count_it():
+    """`--shard-size` says "default 5GB": 5e9 bytes, the size save_pretrained's "5GB" and mergekit's "5B" mean."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    from zerotrain.merge.recipe import ModelSpec, Recipe, parse_size
+
+    recipe = Recipe(method="linear", models=[ModelSpec("a"), ModelSpec("b")])
+    assert recipe.shard_size == parse_size("5GB") == convert_file_size_to_int("5GB") == 5_000_000_000
+    assert parse_size("5GiB") == 5 * 1024 ** 3

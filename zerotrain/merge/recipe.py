@@ -58,7 +58,8 @@ class Recipe:
     exclude: Optional[str] = None
     dtype: Optional[str] = None
     tokenizer_source: Optional[str] = None
-    shard_size: int = 5 * 1024 ** 3
+    # 5GB as transformers' save_pretrained and mergekit count it: 5e9 bytes, not 5 GiB.
+    shard_size: int = 5_000_000_000
     max_memory: Optional[int] = None
 
     def __post_init__(self) -> None:
