@@ -133,6 +133,43 @@ def test_the_file_is_the_records_once_plus_the_spares(tmp_path):
         opt.close()
 
 
+def test_a_master_written_between_steps_is_where_the_next_step_starts(tmp_path):
+    """A user's write to a stage-3 parameter between steps (`write_master`: nn.init on a running engine) goes into
+    the on-disk records (read, master replaced, rewritten and committed) and replaces the records the last step
+    kept in its buffers: the next steps are torch's AdamW continued from the written values with its moments,
+    bit for bit; a bucket whose master is a tensor (not on disk) takes the values directly."""
+    from zerotrain.offload import NvmeOffloadOptimizer
+    from zerotrain.sharding import ShardGroup
+    from zerotrain.zero.flat import FlatBucket
+
+    numel, chunk = 10_000, 4096  # 3 chunks
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(numel))
+    ref = torch.nn.Parameter(param.detach().clone())
+    ref_opt = torch.optim.AdamW([ref], fused=True)
+    opt = NvmeOffloadOptimizer([FlatBucket(0, [("w", param)], 0, ShardGroup.local())], None,
+                               torch.optim.AdamW([param], fused=True), [[param]], 0.0, nvme_path=str(tmp_path),
+                               buffer_count=2, chunk_numel=chunk)
+    try:
+        for step in range(3):
+            grad = torch.randn(numel)
+            ref.grad = grad.clone()
+            ref_opt.step()
+            opt.step([grad], 1.0)
+            assert torch.equal(param.detach(), ref.detach())
+            if step == 0:
+                assert opt.records.kept, "the last step kept records in its buffers"
+                values = torch.randn(numel)
+                with torch.no_grad():
+                    ref.copy_(values)
+                opt.write_master(0, values)
+                assert not opt.records.kept
+                with opt.resident_masters():
+                    assert torch.equal(opt.masters[0], values)
+    finally:
+        opt.close()
+
+
 def streamed(nvme_path: str) -> list:
     """Stage 3 without clipping or accumulation: gradients streamed to the NVMe step bucket by bucket, the same
     run with the gradients held until step() (streaming switched off), and a streamed run whose step 1 fails
