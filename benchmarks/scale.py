@@ -473,7 +473,8 @@ def predict(spec: dict) -> dict:
     world 2, a CPU run (its "device" is host memory). Host RSS = the states in memory (device + host rows:
     parameter shards and cache, aligned I/O buffers, ...) + the activations with checkpointing + the transient
     step buffers; it leaves out the runtime itself (Python, torch, gloo: a few hundred MB), so the ratio nears 1
-    as the model grows. NVMe = one rank's swap files (records once, spares, alignment)."""
+    as the model grows. NVMe = one rank's swap files at their peak (records once, spares, alignment; with the
+    optimizer on the CPU the parameter file as zero.Init leaves it, a tied head's first shard still in it)."""
     import torch
 
     from zerotrain.estimate import config_option, device_peak, estimate
@@ -499,7 +500,7 @@ def predict(spec: dict) -> dict:
     if spec.get("defaults"):  # no activation checkpointing in this run
         acts["with_checkpointing"] = acts["without_checkpointing"]
     return {"rss": device_peak(option, acts) + option["totals"]["host"],
-            "nvme": option["nvme_files"], "rows": option["rows"], "transient": option["transient"],
+            "nvme": option["nvme_files_peak"], "rows": option["rows"], "transient": option["transient"],
             "activations": result["activations"]}
 
 

@@ -164,6 +164,52 @@ def _cgroup(root, line: str, directory: str, limit: tuple[str, str], usage: tupl
     (folder / usage[0]).write_text(f"{usage[1]}\n")
 
 
+def test_the_refusals_advice_fits_the_runs_offload_device(shape):
+    """The same model over the same budget, its optimizer on the CPU, on no offload and on NVMe with ratio 0.5:
+    each refusal is one line whose advice for the masters and optimizer states says where they are now and
+    what moves them (NVMe; bf16 masters and states where the CPU offload has them), once for both rows (#43: a
+    CPU-offload run was told "offload_optimizer.device: nvme" after each row, as if that were its setting)."""
+    def refusal(offload: dict, **extra) -> str:
+        raw = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, **extra,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+               "zero_optimization": {"stage": 3, "offload_optimizer": offload}}
+        config = load_config(raw)
+        plan = plan_sizes(256 * 2**20, shape, 2, config)
+        memory = estimate_option(shape, plan.apply(config), 2, config_option(config),
+                                 probe_optimizer(config.optimizer), "cpu")
+        with pytest.raises(ConfigError) as caught:
+            check_fits(memory, 64 * 2**20, "zero_optimization.memory_budget_bytes", config=plan.apply(config))
+        message = str(caught.value)
+        assert "\n" not in message and "largest: " in message, message
+        return message
+
+    cpu = refusal({"device": "cpu"})
+    assert "host memory with zero_optimization.offload_optimizer.device cpu: zero_optimization.offload_optimizer" \
+        ".device nvme puts them on disk or bf16.bf16_master_weights_and_grads + bf16.bf16_optimizer_states" in cpu, cpu
+    assert cpu.count("puts them on disk") == 1 and "(the same)" in cpu, cpu
+    assert "offload_optimizer.device: nvme" not in cpu, cpu
+    # bf16 masters and states already: only NVMe is left to offer
+    narrow = refusal({"device": "cpu"}, bf16={"enabled": True, "bf16_master_weights_and_grads": True,
+                                              "bf16_optimizer_states": True})
+    assert "device cpu: zero_optimization.offload_optimizer.device nvme puts them on disk" in narrow, narrow
+    assert "bf16_optimizer_states (" not in narrow, narrow
+    none = refusal({"device": "none"})
+    assert "host memory with no zero_optimization.offload_optimizer: zero_optimization.offload_optimizer.device " \
+        "nvme puts them on disk" in none and "bf16_master" not in none, none
+    nvme = refusal({"device": "nvme", "nvme_path": "/unused", "ratio": 0.5})
+    assert "zero_optimization.offload_optimizer.ratio: 1.0 (the part kept in host memory; 0.5 now)" in nvme, nvme
+    # and where a run meets it: initialize refuses the CPU-offload run before any step with the same advice
+    import zerotrain
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    raw = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "optimizer": {"type": "AdamW"},
+           "zero_optimization": {"stage": 3, "memory_budget_bytes": 10_000, "offload_optimizer": {"device": "cpu"}}}
+    with pytest.raises(ConfigError) as caught:
+        zerotrain.initialize(model=model, config=raw)
+    assert "optimizer_states 1.00 MiB (host memory with zero_optimization.offload_optimizer.device cpu: " \
+        "zero_optimization.offload_optimizer.device nvme puts them on disk or bf16" in str(caught.value), caught.value
+
+
 def test_host_memory_reads_the_cgroup_limit(tmp_path):
     """cgroup v2: memory.max - memory.current wins over a larger MemAvailable; v1 the same with its files; no
     limit ("max") leaves MemAvailable."""

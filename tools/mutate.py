@@ -128,6 +128,8 @@ COVERING: dict[str, list[str]] = {
     "zerotrain/offload/param_store.py": [
         "tests/offload/test_offload_units.py::test_param_store_grows_one_shard_at_a_time_as_zero_init_hands_them_in",
         "tests/offload/test_offload_units.py::test_param_store_reuses_freed_extents_and_compacts_to_the_live_shards",
+        "tests/offload/test_offload_units.py::test_param_store_merges_a_freed_extent_with_the_hole_before_it_not_the_first",
+        "tests/offload/test_offload_units.py::test_build_param_store_builds_what_offload_param_asks_for",
         "tests/offload/test_offload_param.py",
         # the extents lent to clipping's gradient spill (in-process)
         "tests/offload/test_offload_nvme_ring.py::test_gradients_spilled_into_the_parameters_own_extents_equal_torch_and_take_no_disk"],

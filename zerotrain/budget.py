@@ -39,7 +39,7 @@ from .estimate import ModelShape, RankMemory, config_option, estimate_option, fo
 from .topology import Topology
 
 __all__ = ["DEFAULT_FRACTION", "SHARES", "HostMemory", "Choice", "MemoryPlan", "host_memory_available",
-           "default_budget", "runtime_bytes", "plan_sizes", "check_fits", "resolve_memory", "announce",
+           "default_budget", "runtime_bytes", "plan_sizes", "check_fits", "shrink_advice", "resolve_memory", "announce",
            "estimate_sizes"]
 
 # The share of the host memory available to the job that the budget takes by default: the rest is left to
@@ -350,6 +350,35 @@ SHRINK = {
 }
 
 
+def shrink_advice(name: str, config=None) -> str:
+    """The way out for consumer `name` (an estimate row or transient) in the run of `config`: `SHRINK`'s keys,
+    and for the optimizer's rows (masters, states, gradients) what fits the run's offload_optimizer device: on
+    the CPU (or none) moving them to NVMe or bf16 masters and states; on NVMe the part kept in host memory
+    (`ratio` < 1). Without a config, `SHRINK`'s line."""
+    advice = SHRINK.get(name, "-")
+    if config is None or name not in ("master_weights", "optimizer_states", "gradients"):
+        return advice
+    zero = config.zero_optimization
+    offload = zero.offload_optimizer
+    device = offload.device if offload is not None else "none"
+    key = "zero_optimization.offload_optimizer"
+    where = f"{key}.device {device}" if device != "none" else f"no {key}"
+    if name == "gradients":
+        if device == "nvme" or not config.gradient_clipping:
+            return advice
+        return (f"with {where} and gradient_clipping > 0 every gradient shard waits for the norm in host memory: "
+                f"{key}.device nvme at stage 3 spills them to disk (gradient_accumulation_steps 1, no fp16), or "
+                f"gradient_clipping: 0")
+    if device == "nvme":
+        return f"{key}.ratio: 1.0 (the part kept in host memory; {float(offload.ratio):g} now)"
+    narrow = ""
+    if config.bf16.enabled and not config.bf16.bf16_optimizer_states and \
+            (device == "cpu" and not offload.super_offload):
+        narrow = (" or bf16.bf16_master_weights_and_grads + bf16.bf16_optimizer_states (bf16 masters and states: "
+                  "half the bytes)")
+    return f"host memory with {where}: {key}.device nvme puts them on disk{narrow}"
+
+
 def _consumers(memory: RankMemory, device_type: str) -> list[tuple[str, int]]:
     places = ("host", "device") if device_type == "cpu" else ("host",)
     rows = [(row, sum(memory.rows[row][p] for p in places)) for row in memory.rows]
@@ -359,13 +388,15 @@ def _consumers(memory: RankMemory, device_type: str) -> list[tuple[str, int]]:
 
 
 def check_fits(memory: RankMemory, limit: int, limit_reason: str, device_type: str = "cpu",
-               device_limit: Optional[int] = None, runtime: int = 0, share: Optional[int] = None) -> None:
+               device_limit: Optional[int] = None, runtime: int = 0, share: Optional[int] = None,
+               config=None) -> None:
     """Raise a one-line ConfigError when the estimated bytes per rank (`memory`: the resolved run) exceed
     `limit` (host bytes per rank: the printed budget; on a CPU run the device is the host) or, on a GPU,
     `device_limit`; it names the numbers, the three largest consumers and the keys that shrink them. `runtime`:
     host bytes besides the model's tensors (counted with the host's). `share`: the host memory this rank may
     use when `limit` is the default budget (a part of it): the message says a larger `memory_budget_bytes`
-    up to it is a way out too."""
+    up to it is a way out too. `config`: the run's, so that the advice fits its offload device (`shrink_advice`);
+    consumers with the same advice name it once."""
     checks = [("host", runtime + _host_bytes(memory, device_type), limit, limit_reason)]
     if device_type != "cpu" and device_limit is not None:
         device = memory.total("device") + sum(memory.transient.values())
@@ -378,7 +409,9 @@ def check_fits(memory: RankMemory, limit: int, limit_reason: str, device_type: s
         else:
             top = sorted([(r, memory.rows[r]["device"]) for r in memory.rows] + list(memory.transient.items()),
                          key=lambda item: -item[1])[:3]
-        named = "; ".join(f"{name} {format_bytes(nbytes)} ({SHRINK.get(name, '-')})" for name, nbytes in top)
+        advice = [shrink_advice(name, config) for name, _ in top]
+        named = "; ".join(f"{name} {format_bytes(nbytes)} ({'the same' if text in advice[:i] else text})"
+                          for i, ((name, nbytes), text) in enumerate(zip(top, advice)))
         raise_budget = ""
         if place == "host" and share is not None and need <= share:
             raise_budget = (f"; or set zero_optimization.memory_budget_bytes up to {share:,} (this rank's share of "
@@ -461,5 +494,6 @@ def resolve_memory(model: torch.nn.Module, config, topology: Topology, comm: Opt
     if device_type == "cuda":  # free device memory plus what this process already holds (the model, counted)
         free = torch.cuda.mem_get_info(topology.device)[0] + torch.cuda.memory_reserved(topology.device)
         device_limit = comm.min_ints([free], topology.device)[0]
-    check_fits(memory, limit, why, device_type, device_limit, runtime, share=None if explicit is not None else share)
+    check_fits(memory, limit, why, device_type, device_limit, runtime, share=None if explicit is not None else share,
+               config=resolved)
     return resolved

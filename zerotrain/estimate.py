@@ -61,6 +61,10 @@ class ModelShape:
     buffer_numels: list[tuple[int, bool]]  # (numel, floating) of every module buffer
     name: str = "model"
     ep_size: int = 1  # ranks the split experts are spread over (1: no expert parallelism)
+    # a tied parameter's other names (`named_parameters(remove_duplicate=False)`): (the name kept in `params`, the
+    # numel) once per other name. Built under zero.Init, each of those modules had its own weight, partitioned
+    # (and, with offload_param on NVMe, written) before the tie replaced it (`nvme_files_peak`)
+    tied_copies: tuple = ()
 
     @property
     def numel(self) -> int:
@@ -83,8 +87,11 @@ def model_shape(model: torch.nn.Module, name: str = "model") -> ModelShape:
 
     params = [ParamInfo(n, p.numel(), p.requires_grad, p.is_floating_point(), is_split_expert(p))
               for n, p in model.named_parameters()]
+    first = {id(p): n for n, p in model.named_parameters()}
+    tied = tuple((first[id(p)], p.numel()) for n, p in model.named_parameters(remove_duplicate=False)
+                 if first[id(p)] != n)
     buffers = [(b.numel(), b.is_floating_point()) for b in model.buffers()]
-    return ModelShape(params, buffers, name, expert_parallel_size(model))
+    return ModelShape(params, buffers, name, expert_parallel_size(model), tied)
 
 
 def load_meta_model(spec: str, dtype: torch.dtype = torch.float32, layers: Optional[int] = None,
@@ -208,6 +215,10 @@ class RankMemory:
     # bytes the NVMe swap files take on disk: the rows' nvme bytes plus alignment, equal-chunk padding and the
     # optimizer's spare records (offload.nvme_records)
     nvme_files: int = 0
+    # their peak on disk, from zero.Init on: with offload_param on NVMe, zero.Init writes each module's weights as
+    # the module is built, so a weight a tie replaces afterwards (an untouched head tied to the embedding) holds
+    # its extent in the parameter file until initialize drops it, before the optimizer's files exist
+    nvme_files_peak: int = 0
     # stage 3, one micro-step per step: the device gradient shards are made during backward (as its activations are
     # freed) and freed after the step, so they and the activations peak at opposite ends of backward (device_peak)
     gradients_made_in_backward: bool = False
@@ -223,6 +234,7 @@ class RankMemory:
                 "offload_optimizer": self.option.offload_optimizer, "offload_param": self.option.offload_param,
                 "rows": self.rows, "totals": {place: self.total(place) for place in PLACES},
                 "transient": self.transient, "notes": self.notes, "nvme_files": self.nvme_files,
+                "nvme_files_peak": max(self.nvme_files, self.nvme_files_peak),
                 "gradients_made_in_backward": self.gradients_made_in_backward}
 
 
@@ -340,6 +352,12 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
             # offload.param_store: each shard at a 4 KiB-aligned offset of one file
             memory.nvme_files += sum(round_up(max(padded // ranks(p) * d, 1)) for p, padded in all_parts
                                      if not persistent(p))
+            # zero.Init's file before initialize: these shards and those of the weights ties replaced after it
+            # partitioned them (each as large as the weight that replaced it; persistent ones are not written)
+            by_name = {p.name: (p, padded) for p, padded in all_parts}
+            memory.nvme_files_peak = memory.nvme_files + sum(
+                round_up(max(by_name[kept][1] // ranks(by_name[kept][0]) * d, 1))
+                for kept, numel in shape.tied_copies if kept in by_name and not persistent(by_name[kept][0]))
         shards = [padded // ranks(p) for p, padded in parts]
         in_store = [option.offload_param == "nvme" and not persistent(p) for p, _ in parts]
         reduces = [(padded // ranks(p), ranks(p), not p.expert) for p, padded in parts]  # qgZ: one per parameter
@@ -1308,10 +1326,13 @@ def _print_table(result: dict, memory: Optional[int]) -> None:
         footer.append(f"note: {result['note']}.")
     if result.get("memory_budget"):  # the unset size keys, as the engine's memory budget chooses them
         footer.extend(result["memory_budget"])
-    files = [(o["option"], o["nvme_files"]) for o in result["options"] if o.get("nvme_files")]
-    for label, nbytes in files:
+    files = [(o["option"], o["nvme_files"], o.get("nvme_files_peak", 0)) for o in result["options"]
+             if o.get("nvme_files")]
+    for label, nbytes, peak in files:
         footer.append(f"{label}: NVMe swap files {format_bytes(nbytes)} per rank (the nvme column plus alignment, "
-                      f"equal-chunk padding and the optimizer's spare records).")
+                      f"equal-chunk padding and the optimizer's spare records)"
+                      + (f"; {format_bytes(peak)} at their peak, built under zero.Init (the weights ties replace "
+                         f"are written before the tie)." if peak > nbytes else "."))
     largest = result.get("largest")
     if largest is not None:  # two searches, each line saying which: they answer different questions
         under = f"fits {format_bytes(result['memory'])} per rank under {result['config_option']}"

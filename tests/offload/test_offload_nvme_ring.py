@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 
 import pytest
 import torch
@@ -132,6 +133,43 @@ def test_the_file_is_the_records_once_plus_the_spares(tmp_path):
         opt.close()
 
 
+def test_a_master_written_between_steps_is_where_the_next_step_starts(tmp_path):
+    """A user's write to a stage-3 parameter between steps (`write_master`: nn.init on a running engine) goes into
+    the on-disk records (read, master replaced, rewritten and committed) and replaces the records the last step
+    kept in its buffers: the next steps are torch's AdamW continued from the written values with its moments,
+    bit for bit; a bucket whose master is a tensor (not on disk) takes the values directly."""
+    from zerotrain.offload import NvmeOffloadOptimizer
+    from zerotrain.sharding import ShardGroup
+    from zerotrain.zero.flat import FlatBucket
+
+    numel, chunk = 10_000, 4096  # 3 chunks
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(numel))
+    ref = torch.nn.Parameter(param.detach().clone())
+    ref_opt = torch.optim.AdamW([ref], fused=True)
+    opt = NvmeOffloadOptimizer([FlatBucket(0, [("w", param)], 0, ShardGroup.local())], None,
+                               torch.optim.AdamW([param], fused=True), [[param]], 0.0, nvme_path=str(tmp_path),
+                               buffer_count=2, chunk_numel=chunk)
+    try:
+        for step in range(3):
+            grad = torch.randn(numel)
+            ref.grad = grad.clone()
+            ref_opt.step()
+            opt.step([grad], 1.0)
+            assert torch.equal(param.detach(), ref.detach())
+            if step == 0:
+                assert opt.records.kept, "the last step kept records in its buffers"
+                values = torch.randn(numel)
+                with torch.no_grad():
+                    ref.copy_(values)
+                opt.write_master(0, values)
+                assert not opt.records.kept
+                with opt.resident_masters():
+                    assert torch.equal(opt.masters[0], values)
+    finally:
+        opt.close()
+
+
 def streamed(nvme_path: str) -> list:
     """Stage 3 without clipping or accumulation: gradients streamed to the NVMe step bucket by bucket, the same
     run with the gradients held until step() (streaming switched off), and a streamed run whose step 1 fails
@@ -194,6 +232,9 @@ def streamed(nvme_path: str) -> list:
                         if rank == 0 else (lambda: None)
                     try:
                         engine.backward(loss)
+                        # every spill write issued before step() (else step() may take the last shards from
+                        # memory, and the failing write never happens)
+                        engine.zero_optimizer.before_model_use()
                         with pytest.raises(OffloadIOError) as error:
                             engine.step()
                     finally:
@@ -326,9 +367,11 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 CLIP_AT = 8.0
 
 
-def _slot_run(tmp_path, name: str, dtype: torch.dtype, spill: bool):
+def _slot_run(tmp_path, name: str, dtype: torch.dtype, spill: bool, slow_spill: bool = False):
     """World 1, stage 3, parameters and optimizer on NVMe, clipping: `_TiedCheckpointed` in chunks of at most 4096
-    elements. Its losses, norms, weights."""
+    elements. Its losses, norms, weights. `slow_spill`: each step's spill writes wait until `step()` has taken
+    the shards not spilled yet (a disk slower than the backward), so the step gets every shard but the first
+    from memory (three record buffers: the hand-over bound holds all three shards)."""
     import zerotrain
     import zerotrain.offload.nvme as factory
     import zerotrain.offload.nvme_records as nvme_records
@@ -340,7 +383,7 @@ def _slot_run(tmp_path, name: str, dtype: torch.dtype, spill: bool):
               "bf16": {"enabled": dtype == torch.bfloat16},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                     "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / name),
-                                                          "buffer_count": 2},
+                                                          "buffer_count": 3 if slow_spill else 2},
                                     "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / (name + "_p")),
                                                       "buffer_count": 2, "max_in_cpu": 0}}}
     real_spill, real_chunk = factory.spills_gradients, nvme_records.DEFAULT_CHUNK_NUMEL
@@ -351,14 +394,30 @@ def _slot_run(tmp_path, name: str, dtype: torch.dtype, spill: bool):
         engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=config)
     finally:
         factory.spills_gradients, nvme_records.DEFAULT_CHUNK_NUMEL = real_spill, real_chunk
+    opt = engine.zero_optimizer
+    release = threading.Event()
+    if slow_spill:
+        real_write, real_keep = opt.spill.write_shard, opt._keep_unspilled
+
+        def write_shard(bucket, grad):
+            release.wait(timeout=60)
+            return real_write(bucket, grad)
+
+        def keep():
+            kept = real_keep()
+            release.set()
+            return kept
+
+        opt.spill.write_shard, opt._keep_unspilled = write_shard, keep
     losses, norms = [], []
     for ids, targets in _batches():
         loss = _loss(engine(ids), targets)
         engine.backward(loss)
         engine.step()
+        release.clear()
         losses.append(float(loss.detach()))
         norms.append(engine.get_global_grad_norm())
-    opt = engine.zero_optimizer
+    release.set()  # from here on the spill writes go at once
     out = {"losses": losses, "norms": norms, "weights": engine.full_state_dict(), "stats": engine.offload_stats(),
            "slots": set(opt.spill.slots) if opt.spill is not None else set(), "buckets": len(opt.buckets),
            "chunks": len(opt.records.chunks), "shard_numels": [b.shard_numel for b in opt.buckets]}
@@ -400,6 +459,20 @@ def test_gradients_spilled_into_the_parameters_own_extents_equal_torch_and_take_
     assert spilled["losses"] == held["losses"] and spilled["norms"] == held["norms"]
     for name, value in held["weights"].items():
         assert torch.equal(spilled["weights"][name], value), name
-    # the same records written; on top, each step's gradients once into the parameters' extents (aligned)
+    # the same records written; on top, each step's gradients once into the parameters' extents (aligned), but
+    # for the last shards handed over that the step took from memory before their spill started
     extents = sum(-(-2 * numel // 4096) * 4096 for numel in spilled["shard_numels"])
-    assert spilled["stats"]["nvme_bytes_written"] - held["stats"]["nvme_bytes_written"] == 4 * extents
+    assert spilled["stats"]["nvme_bytes_written"] - held["stats"]["nvme_bytes_written"] == \
+        4 * extents - spilled["stats"]["nvme_spill_skipped_bytes"]
+    # a disk slower than the backward: every shard but the first handed over stays in memory for the step, is
+    # neither written nor read back, and the step is the same, bit for bit
+    slow = _slot_run(tmp_path, "bf16_slow", torch.bfloat16, spill=True, slow_spill=True)
+    assert slow["losses"] == held["losses"] and slow["norms"] == held["norms"]
+    for name, value in held["weights"].items():
+        assert torch.equal(slow["weights"][name], value), name
+    kept = slow["stats"]["grad_kept_in_memory"]
+    assert 0 < kept < 4 * sum(slow["shard_numels"]), slow["stats"]
+    assert slow["stats"]["nvme_spill_skipped_bytes"] > 0
+    assert slow["stats"]["nvme_bytes_written"] - held["stats"]["nvme_bytes_written"] == \
+        4 * extents - slow["stats"]["nvme_spill_skipped_bytes"]
+    assert slow["stats"]["nvme_bytes_read"] < spilled["stats"]["nvme_bytes_read"], (slow["stats"], spilled["stats"])

@@ -325,3 +325,54 @@ def test_param_store_reuses_freed_extents_and_compacts_to_the_live_shards(tmp_pa
             assert torch.equal(parts[name].shard, values[name]), name
     finally:
         store.close()
+
+
+def test_param_store_merges_a_freed_extent_with_the_hole_before_it_not_the_first(tmp_path):
+    """Freed extents next to each other become one hole (the one they touch, wherever it is in the free list), so
+    a shard as large as both goes there instead of growing the file."""
+    from zerotrain.offload.param_store import NvmeParamStore
+    from zerotrain.sharding import ShardGroup
+    from zerotrain.zero.stage3.owner import ParamOwner
+    from zerotrain.zero.stage3.partition import partition_parameter
+
+    store = NvmeParamStore([], str(tmp_path), rank=0, buffer_count=2, buffer_size=10_000, max_in_cpu=0)
+    try:
+        values = {name: torch.randn(1000) for name in "bcde"}  # 4000 bytes: one 4 KiB extent each
+        values.update(a=torch.randn(3000), f=torch.randn(2000))  # 12 KiB, 8 KiB
+        parts = {name: partition_parameter(name, torch.nn.Parameter(v.clone()), ShardGroup.local(),
+                                           owner=ParamOwner(store=store)) for name, v in values.items()}
+        for name in "abcde":
+            store.add(parts[name])
+        store.flush()
+        store.remove(parts["a"])  # a 12 KiB hole at 0
+        store.remove(parts["c"])  # a second one at 16 KiB
+        store.remove(parts["d"])  # next to c's: merged with it, not with a's
+        assert store.free == [(0, 12288), (16384, 8192)] and store.size == 12288 + 4 * 4096, store.free
+        store.add(parts["f"])  # 8 KiB: into c's and d's hole (the smallest that holds it), the file does not grow
+        store.flush()
+        assert store.offsets[id(parts["f"])] == 16384 and store.free == [(0, 12288)] and store.size == 12288 + 4 * 4096
+        for name in "bef":
+            assert torch.equal(store.host_shard(parts[name]), values[name]), name
+    finally:
+        store.close()
+
+
+def test_build_param_store_builds_what_offload_param_asks_for(tmp_path):
+    """No offload_param, or `device: none`: no store (the shards stay on the device); `cpu`: a host store;
+    `nvme`: a store with its file under nvme_path."""
+    from zerotrain.config import load_config
+    from zerotrain.offload.param_store import HostParamStore, NvmeParamStore, build_param_store
+
+    def offload(device: str):
+        block = {"device": device, **({"nvme_path": str(tmp_path)} if device == "nvme" else {})}
+        return load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+            "stage": 3, "offload_param": block}}).zero_optimization.offload_param
+
+    assert build_param_store([], None, None, 0) is None
+    assert build_param_store([], offload("none"), None, 0) is None
+    assert isinstance(build_param_store([], offload("cpu"), None, 0), HostParamStore)
+    store = build_param_store([], offload("nvme"), None, 0)
+    try:
+        assert isinstance(store, NvmeParamStore) and store.directory.startswith(str(tmp_path))
+    finally:
+        store.close()

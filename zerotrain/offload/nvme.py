@@ -48,8 +48,10 @@ extent in the NVMe parameter file where offload_param keeps the shard there (len
 thread, until the step's publish writes the new values: no extra disk), else to a spill file beside the records
 (`nvme_records.GradientSpill`). A failed step publishes every lent parameter again from the records. `step()` then streams the records as usual, each chunk's gradient
 read back from the spill into its buffer's gradient region alongside its record, with the clipped multiplier:
-the same chunks, the same arithmetic, the same bits as holding them. Why a spill rather than speculation or a
-first pass: see `GradientSpill`. Host memory for gradients (`grad_host_peak_bytes`): the handed-over shards not
+the same chunks, the same arithmetic, the same bits as holding them. The last shards handed over whose spill the
+thread has not started when `step()` comes (at most `_stream_budget` elements, already held) are not spilled:
+`step()` cancels those writes and steps them from memory (`_keep_unspilled`: neither written nor read back, and
+the norm does not wait for their writes). Why a spill rather than speculation or a first pass: see `GradientSpill`. Host memory for gradients (`grad_host_peak_bytes`): the handed-over shards not
 yet written (bounded by `_stream_budget`, as streaming's) plus the spill's staging; held, every offloaded shard.
 
 The streamed steps run on one background thread (`_worker`), in the order the gradients came: the main
@@ -169,7 +171,8 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
             self._chunks_of.setdefault(chunk.bucket, []).append(chunk)
         self.stats.update(nvme_bytes_read=0, nvme_bytes_written=0, nvme_failed_steps=0, nvme_restored_chunks=0,
                           direct_io=int(self.records.io.direct), nvme_file_bytes=self.records.disk_bytes(),
-                          nvme_early_commits=0, nvme_resumed_chunks=0, grad_host_peak_bytes=0,
+                          nvme_early_commits=0, nvme_resumed_chunks=0, grad_host_peak_bytes=0, grad_kept_in_memory=0,
+                          nvme_spill_skipped_bytes=0,
                           nvme_spill_bytes=self.spill.file_bytes if self.spill is not None else 0)
         self._published: set[int] = set()  # buckets whose model shards the last update() already wrote
         self._staging: dict[int, torch.Tensor] = {}  # offload_param buckets: new shard values, chunk by chunk
@@ -180,6 +183,10 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         self._queued: deque[tuple[Future, int]] = deque()  # (a handed-over bucket's task, its gradient elements)
         self._on_worker = threading.local()
         self._to_publish: deque[tuple[int, torch.Tensor]] = deque()  # staged buckets for the main thread to write
+        # spilled buckets handed over and not started yet: bucket -> its gradient shard, and their tasks
+        # (`_keep_unspilled`); the step thread takes a bucket out of `_unspilled` as it starts it
+        self._unspilled: dict[int, torch.Tensor] = {}
+        self._spill_tasks: dict[int, Future] = {}
         self._stream_budget = self.records.pool.count * self.records.chunk_numel
         try:
             self._write_initial_masters()
@@ -340,7 +347,9 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
             if index in self.spill.slots:  # the gradient goes into the parameter's own extent (GradientSpill)
                 self.buckets[index].lend_shard_extent()
                 self.spill.lend(index, self.buckets[index].shard_extent())
-            self._queued.append((self._worker.submit(self._spill_bucket, index, grad, state), grad.numel()))
+            self._unspilled[index] = grad  # before the task exists: the thread takes it out as it starts
+            self._spill_tasks[index] = future = self._worker.submit(self._spill_bucket, index, grad, state)
+            self._queued.append((future, grad.numel()))
             return
         if self.buckets[index].offloaded and self._chunks_of.get(index):
             self._stage(index)
@@ -350,6 +359,7 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         """Background thread: the norm's terms of bucket `index`'s final gradient shard, and the shard written
         to the spill file chunk by chunk (waited for: the shard is freed when this returns). An error is kept
         in `state` (every rank learns of it in step())."""
+        self._unspilled.pop(index, None)  # started: step() no longer keeps it in memory
         try:
             state.terms[index] = self.gradients.bucket_terms(index, grad)
             if state.error is not None:
@@ -398,15 +408,39 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         """Wait for every streamed step handed to the background thread and write their new weights."""
         while self._queued:
             self._queued.popleft()[0].result()  # errors are kept in the step's state, not raised here
+        self._unspilled.clear()
+        self._spill_tasks.clear()
         self._write_published()
+
+    def _keep_unspilled(self) -> dict[int, torch.Tensor]:
+        """At `step()`: the spills of the last handed-over shards that the background thread has not started
+        are cancelled, and those shards stay in host memory for the step (the norm sums their squares from
+        them: the same terms). Their gradients are then neither written nor read back, and the step
+        does not wait for those writes before the norm. The bytes are the ones already held (at most
+        `_stream_budget` elements, counted in `grad_host_peak_bytes` and the budget); the step frees them.
+        Why this and not speculation: see `GradientSpill`. Returns bucket -> its gradient shard."""
+        kept: dict[int, torch.Tensor] = {}
+        for index, grad in list(self._unspilled.items()):
+            if self._spill_tasks[index].cancel():  # not started: it never will be
+                kept[index] = grad
+        self._unspilled.clear()
+        self._spill_tasks.clear()
+        if kept:
+            self._queued = deque((future, numel) for future, numel in self._queued if not future.cancelled())
+        self.stats["grad_kept_in_memory"] += sum(grad.numel() for grad in kept.values())
+        self.stats["nvme_spill_skipped_bytes"] += sum(self.spill.write_bytes(index) for index in kept)
+        return kept
 
     def before_model_use(self) -> None:
         """The streamed steps of the last backward are done and their weights in the model before it runs."""
         self._settle_streamed()
 
     def step(self, grad_shards: list[torch.Tensor], loss_scale: float) -> None:
+        kept = self._keep_unspilled() if self._streamed is not None and self.spill_gradients else {}
         self._settle_streamed()
         state, self._streamed = self._streamed, None
+        if kept:  # the last shards handed over, not spilled: stepped from memory
+            grad_shards = [kept.get(index, grad) for index, grad in enumerate(grad_shards)]
         if state is None:
             held = sum(g.numel() * g.element_size() for i, g in enumerate(grad_shards)
                        if g is not None and self.offloaded[i])

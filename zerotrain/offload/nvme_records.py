@@ -427,7 +427,15 @@ class GradientSpill:
     Why a spill and not speculation or a first pass: the clip acts on most steps early in training (every
     step of our 2.4B/7B runs), so SuperOffload's speculate-then-validate would redo nearly every step and
     needs the gradients kept for the redo anyway, and its rollback needs the old records, which the ring
-    of spares keeps only for small models; a first pass for the norm doubles the forward and backward. The
+    of spares keeps only for small models; a first pass for the norm doubles the forward and backward. Weighed
+    again for the step time (issue 43, benchmarks/RESULTS_scale.md "Where the clipped step's time goes"): the
+    exact fix-up of a step taken during backward with multiplier 1 (m += (1-b1)(c-1)g, v += (1-b2)(c²-1)g²,
+    p += lr(u_spec - u), no second copy of the records) reads and writes every record again once the norm says
+    c < 1 (the same bytes as the step after the norm, plus the speculative pass's own), and the speculative
+    publish overwrites the parameter extent that holds the gradient (a spill file then: +2 B/param on disk,
+    over the 14.5 target); so it is slower on every clipped step and only wins where the norm stays under the
+    threshold. Reordering buys nothing either: the first `pool.count - 1` chunks of a step are the kept
+    records (no read), and with O_DIRECT no spilled gradient is in the page cache. The
     spill adds one write and one read of the gradient (2 bytes per parameter in bf16 training, 4 in
     fp32) to a step that moves 24 (fp32 records) or 12 (bf16 records) bytes per parameter; host memory for
     gradients is the handed-over shards not written yet (bounded like the streamed step's) plus two aligned
@@ -494,8 +502,17 @@ class GradientSpill:
         for start in range(0, grad.numel(), step):
             piece = grad.narrow(0, start, min(step, grad.numel() - start))
             writes.append(self._write(extent.io, extent.fd, extent.offset + start * grad.element_size(), piece))
-            self.slot_bytes_written += round_up(piece.numel() * piece.element_size())
+        self.slot_bytes_written += self.write_bytes(bucket)
         return writes
+
+    def write_bytes(self, bucket: int) -> int:
+        """The bytes `write_shard` writes for bucket `bucket`'s shard (aligned pieces or aligned chunks)."""
+        chunks = [c for c in self.records.chunks if c.bucket == bucket]
+        isz = self.dtypes[bucket].itemsize
+        if bucket not in self.slots:
+            return sum(round_up(c.numel * isz) for c in chunks)
+        numel, step = sum(c.numel for c in chunks), self.staging.nbytes // isz
+        return sum(round_up(min(step, numel - start) * isz) for start in range(0, numel, step))
 
     def _write(self, io, fd: int, offset: int, grad: torch.Tensor):
         buffer = self.staging.acquire()
