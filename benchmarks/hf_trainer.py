@@ -27,6 +27,17 @@ on rank 0 (end of warm-up step to end of last step); peak RSS per rank (``getrus
 whole process: Python, torch, the library, the model states). Engines are interleaved (zt hf zt hf ...)
 so background load hits both alike; the table gives the median over rounds and the ratios zt / hf, with the
 load average before and after. ``--write-results`` appends the table to ``benchmarks/RESULTS.md``.
+
+TRL's trainers (``--trl dpo,reward,grpo``, issue #45): peak RSS per rank of ``zerotrain.hf``'s ``DPOTrainer`` /
+``RewardTrainer`` / ``GRPOTrainer`` against TRL's own + DeepSpeed 0.19.8 on the same model directory (the reward
+model: the same directory as a 1-label sequence-classification model, its score head drawn with seed 0), the same
+config file (ZeRO-3, fp32, the optimizer block) and synthetic records (DPO: prompt / chosen / rejected; reward:
+chosen / rejected; GRPO: prompts, 4 generations of ``--trl-completion`` tokens, a reward function in Python); the
+reference model (DPO, GRPO's ``beta`` 0.1) loaded by TRL from the model's path on both sides. Printed side by side
+with the ratios zerotrain / DeepSpeed per rank (target <= 1.0x), with the first and last logged loss of each run.
+Memory is not noisy under load: one round is enough. ``--trl-only`` skips the tokens/s runs::
+
+    python benchmarks/hf_trainer.py --trl dpo,reward,grpo --trl-only --steps 4 --write-results
 """
 from __future__ import annotations
 
@@ -166,6 +177,124 @@ def hf_worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+# --- TRL's trainers (one per rank, under torchrun) -----------------------------------------------------------------
+
+TRL_WORDS = ("def return class import self value list dict for while if else try except with yield lambda none "
+             "true false print open read write path data model train step loss").split()
+
+
+def trl_records(kind: str, n: int, words_per_text: int) -> list:
+    """Synthetic records for a TRL trainer (fixed seed: the same on both sides)."""
+    import random
+
+    rng = random.Random(11)
+    text = lambda k: " ".join(rng.choices(TRL_WORDS, k=k))  # noqa: E731
+    w = words_per_text
+    if kind == "dpo":
+        return [{"prompt": text(w // 2) + " ->", "chosen": " " + text(w // 2), "rejected": " " + text(w // 2)}
+                for _ in range(n)]
+    if kind == "reward":
+        return [{"chosen": text(w), "rejected": text(w)} for _ in range(n)]
+    return [{"prompt": text(w // 2) + " ->"} for _ in range(n)]
+
+
+def reward_model_dir(model_dir: str, work: Path) -> str:
+    """`model_dir` as a 1-label sequence-classification model (score head drawn with seed 0) with its tokenizer."""
+    out = work / (Path(model_dir).name + "-reward")
+    if not (out / "config.json").exists():
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        torch.manual_seed(0)
+        model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model.config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
+            else tokenizer.eos_token_id
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    return str(out)
+
+
+def _letters(completions: list, **kwargs) -> list:
+    """GRPO's reward in Python: the share of the letter 'a' in each completion."""
+    return [text.count("a") / max(1, len(text)) for text in completions]
+
+
+def trl_worker(args: argparse.Namespace) -> None:
+    """One rank of a TRL trainer run: ``zerotrain.hf``'s (``--engine zt``) or TRL's + DeepSpeed (``ds``)."""
+    import torch.distributed as dist
+    from datasets import Dataset
+
+    if args.engine == "zt":
+        import zerotrain.hf as trl_side
+    else:
+        import deepspeed
+        import trl as trl_side
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    ds = json.loads(Path(args.config).read_text())
+    opt = ds["optimizer"]["params"]
+    common = dict(output_dir=str(Path(args.out) / f"trl-{args.trainer}-{args.engine}"), deepspeed=args.config,
+                  per_device_train_batch_size=args.micro, gradient_accumulation_steps=1, max_steps=args.steps,
+                  learning_rate=opt["lr"], adam_beta1=opt["betas"][0], adam_beta2=opt["betas"][1],
+                  adam_epsilon=opt["eps"], weight_decay=opt["weight_decay"], max_grad_norm=ds["gradient_clipping"],
+                  lr_scheduler_type="constant", warmup_steps=0, logging_steps=1, save_strategy="no", report_to="none",
+                  use_cpu=True, seed=1234, disable_tqdm=True, bf16=False, model_init_kwargs={"dtype": "float32"})
+    n = args.micro * 2 * args.steps * 2
+    words = max(4, args.seq_len // 2)
+    if args.trainer == "dpo":
+        config = trl_side.DPOConfig(**common, max_length=args.seq_len, beta=0.1)
+        trainer = trl_side.DPOTrainer(model=args.model, args=config, train_dataset=Dataset.from_list(
+            trl_records("dpo", n, words)))
+    elif args.trainer == "reward":
+        config = trl_side.RewardConfig(**common, max_length=args.seq_len)
+        trainer = trl_side.RewardTrainer(model=args.reward_model, args=config, train_dataset=Dataset.from_list(
+            trl_records("reward", n, words)))
+    else:
+        config = trl_side.GRPOConfig(**common, num_generations=4,
+                                     max_completion_length=args.trl_completion, beta=0.1, temperature=1.0)
+        trainer = trl_side.GRPOTrainer(model=args.model, reward_funcs=_letters, args=config,
+                                       train_dataset=Dataset.from_list(trl_records("grpo", n, words)))
+    trainer.train()
+    losses = [float(h["loss"]) for h in trainer.state.log_history if "loss" in h]
+    rss = [None] * dist.get_world_size()
+    dist.all_gather_object(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    if dist.get_rank() == 0:
+        (Path(args.out) / f"trl-{args.trainer}-{args.engine}.json").write_text(
+            json.dumps({"peak_rss": rss, "loss_first": losses[0], "loss_last": losses[-1]}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_trl(paths: dict, args: argparse.Namespace, out: Path, trainer: str, engine: str) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
+           "--worker", "trl", "--trainer", trainer, "--engine", engine, "--out", str(out), "--model", paths["model"],
+           "--reward-model", paths["reward_model"], "--config", paths["config"], "--work-dir", args.work_dir,
+           "--seq-len", str(args.seq_len), "--micro", str(args.micro), "--steps", str(args.steps),
+           "--trl-completion", str(args.trl_completion)]
+    _run(cmd, out / f"trl-{trainer}-{engine}.log", args)
+    return json.loads((out / f"trl-{trainer}-{engine}.json").read_text())
+
+
+def trl_table(results: dict, args: argparse.Namespace, n_params: int, started: str, load: tuple) -> str:
+    """The TRL trainers' peak RSS per rank, zerotrain.hf and TRL + DeepSpeed side by side, with the ratios."""
+    lines = [f"### #45 TRL trainers: peak RSS, zerotrain.hf vs TRL + DeepSpeed 0.19.8 ({started})", "",
+             f"`benchmarks/hf_trainer.py {' '.join(sys.argv[1:])}`: Llama-style model ({n_params / 1e6:.1f}M params), "
+             f"fp32, ZeRO-3, world 2, CPU, gloo, micro batch {args.micro} per rank (GRPO: completions, 4 generations a prompt, "
+             f"{args.trl_completion} tokens each), max length {args.seq_len}, {args.steps} steps; reference model loaded "
+             f"by TRL (DPO, GRPO beta 0.1). Load average at the end {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} "
+             f"(memory is not noisy under load); {os.cpu_count()} CPUs.", "",
+             "| trainer | zerotrain rank 0 / 1 (MiB) | DeepSpeed rank 0 / 1 (MiB) | zerotrain / DeepSpeed rank 0 / 1 | "
+             "loss first -> last (zerotrain; DeepSpeed) |", "|---|---|---|---|---|"]
+    for name, runs in results.items():
+        zt, ds = runs["zt"], runs["ds"]
+        ratio = [z / d for z, d in zip(zt["peak_rss"], ds["peak_rss"])]
+        lines.append(f"| {name} | {_mib(zt['peak_rss'][0])} / {_mib(zt['peak_rss'][1])} | {_mib(ds['peak_rss'][0])} / "
+                     f"{_mib(ds['peak_rss'][1])} | **{ratio[0]:.2f}x / {ratio[1]:.2f}x** | {zt['loss_first']:.4f} -> "
+                     f"{zt['loss_last']:.4f}; {ds['loss_first']:.4f} -> {ds['loss_last']:.4f} |")
+    return "\n".join(lines)
+
+
 # --- runs ---------------------------------------------------------------------------------------------------------
 
 def run_zt(paths: dict, args: argparse.Namespace, out: Path) -> dict:
@@ -232,21 +361,57 @@ def main() -> None:
     p.add_argument("--timeout", type=int, default=900, help="seconds per run")
     p.add_argument("--json", default=None, help="also write the raw results here")
     p.add_argument("--write-results", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    p.add_argument("--trl", default="", help="also TRL's trainers' peak RSS vs TRL + DeepSpeed: dpo,reward,grpo")
+    p.add_argument("--trl-only", action="store_true", help="only the --trl runs (no tokens/s runs)")
+    p.add_argument("--trl-completion", type=int, default=16, help="GRPO's max completion length")
     # worker mode (internal)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--data", default=None, help=argparse.SUPPRESS)
     p.add_argument("--config", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--trainer", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--engine", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--reward-model", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker in ("hf", "zthf"):
         hf_worker(args)
         return
+    if args.worker == "trl":
+        trl_worker(args)
+        return
+    trainers = [t for t in args.trl.split(",") if t]
+    if any(t not in ("dpo", "reward", "grpo") for t in trainers):
+        p.error(f"--trl: {args.trl!r}: expected a comma-separated subset of dpo,reward,grpo")
+    if args.trl_only and not trainers:
+        p.error("--trl-only needs --trl")
     if args.warmup < 1 or args.steps <= args.warmup:
         p.error("need 1 <= --warmup < --steps")
 
     paths = prepare(args)
     n_params = count_params(paths["model"])
+    if trainers:
+        paths["reward_model"] = reward_model_dir(paths["model"], Path(args.work_dir))
+        trl_results: dict = {}
+        started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        for name in trainers:
+            for engine in ("zt", "ds"):
+                out = Path(args.work_dir) / "runs" / f"trl-{name}-{engine}"
+                shutil.rmtree(out, ignore_errors=True)
+                res = trl_results.setdefault(name, {})[engine] = run_trl(paths, args, out, name, engine)
+                print(f"{name} {engine}: peak RSS MiB {[_mib(x) for x in res['peak_rss']]}, loss "
+                      f"{res['loss_first']:.4f} -> {res['loss_last']:.4f}", flush=True)
+        table = trl_table(trl_results, args, n_params, started, os.getloadavg())
+        print("\n" + table + "\n")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), "params": n_params, "trl": trl_results},
+                                                  indent=1))
+        if args.write_results:
+            with (ROOT / "benchmarks" / "RESULTS.md").open("a") as f:
+                f.write("\n" + table + "\n")
+            print("appended to benchmarks/RESULTS.md")
+        if args.trl_only:
+            return
     engines = args.engines.split(",")
     load_before = os.getloadavg()
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

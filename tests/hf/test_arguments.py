@@ -160,12 +160,11 @@ def test_deepspeed_goes_through_the_upstream_argument_parsers(tmp_path):
             check(args, value)
 
 
-@pytest.mark.parametrize("trainer, name", [("DPO", "sync_ref_model"), ("DPO", "precompute_ref_log_probs"),
-                                           ("GRPO", "use_vllm"), ("GRPO", "use_transformers_continuous_batching"),
+@pytest.mark.parametrize("trainer, name", [("GRPO", "use_vllm"), ("GRPO", "use_transformers_continuous_batching"),
                                            ("GRPO", "sync_ref_model")])
 def test_trl_features_not_built_are_refused_by_name(tmp_path, tiny_llama_dir, trainer, name):
     """Each refused TRL option is one ValueError naming it, before any engine is built (the same trainers without
-    it train in test_dpo.py / test_grpo.py)."""
+    it train in test_grpo.py; DPO's sync_ref_model and precompute_ref_log_probs train in test_dpo.py)."""
     pytest.importorskip("trl")
     import zerotrain.hf as hf
     from datasets import Dataset

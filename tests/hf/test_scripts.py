@@ -2,7 +2,7 @@
 `grpo.py`), after an imports-only edit (the trainer and config classes taken from `zerotrain.hf`), with their normal
 command lines including `--deepspeed ds.json`, against the unedited scripts under DeepSpeed 0.19.8.
 
-Each script runs at world 2 (CPU, gloo, fp32) on a tiny Llama built offline and a local JSON-lines dataset given as
+Each script runs at world 2 (CPU, gloo, fp32), ZeRO-2 and ZeRO-3, on a tiny Llama built offline and a local JSON-lines dataset given as
 `--dataset_name DIR`, as a torchrun rank runs it (`runpy` of the script with its `sys.argv`); the logged steps are
 read from the Trainer's `trainer_state.json` in the last checkpoint. Checked: the edit touches import lines only;
 every step's loss, gradient norm and learning rate within 1e-5 of DeepSpeed's (hf_compare.assert_same_steps), and
@@ -109,8 +109,9 @@ SCRIPTS = {  # script -> (dataset kind, its own arguments)
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
-def test_trl_script_with_zerotrain_imports_against_deepspeed(name, tiny_llama_dir, tmp_path):
+def test_trl_script_with_zerotrain_imports_against_deepspeed(name, stage, tiny_llama_dir, tmp_path):
     import trl
 
     original = Path(trl.__file__).parent / "scripts" / f"{name}.py"
@@ -128,9 +129,9 @@ def test_trl_script_with_zerotrain_imports_against_deepspeed(name, tiny_llama_di
     if name == "reward":  # a sequence-classification model with its score head saved (no random head either side)
         from test_reward import reward_model_dir
         model_dir = reward_model_dir(tiny_llama_dir, tmp_path / "reward_model")
-    stage = 3
     ds_config = tmp_path / "ds.json"
-    ds_config.write_text(json.dumps({"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
+    ds_config.write_text(json.dumps({"zero_optimization": zero,
                                      "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
                                      "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}))
     logs = {}
@@ -143,7 +144,7 @@ def test_trl_script_with_zerotrain_imports_against_deepspeed(name, tiny_llama_di
                 "steps", "--save_steps", str(STEPS), "--seed", "5", "--disable_tqdm", "True", *extra]
         run_distributed(_run_script, 2, path, argv, side == "ds", str(tmp_path), timeout=840)
         logs[side] = _log(out)
-    assert_same_steps(name, logs["zt"], logs["ds"], steps=STEPS)
+    assert_same_steps(f"{name} ZeRO-{stage}", logs["zt"], logs["ds"], steps=STEPS)
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     auto = AutoModelForSequenceClassification if name == "reward" else AutoModelForCausalLM
     auto.from_pretrained(tmp_path / "zt")  # save_model's weights

@@ -1,5 +1,9 @@
 """One world-2 launch (CPU, gloo, fp32) for the TRL trainers compared with TRL + DeepSpeed 0.19.8: DPO, reward and
-GRPO, each at ZeRO-2 and ZeRO-3, zerotrain's runs first, then DeepSpeed's (after `deepspeed.init_distributed`).
+GRPO, each at ZeRO-2 and ZeRO-3, zerotrain's runs first, then DeepSpeed's (after `deepspeed.init_distributed`);
+DPO and reward also in bf16 (DPO at ZeRO-3, reward at ZeRO-2) and with a PEFT LoRA adapter in fp32 (DPO at ZeRO-3,
+reward at ZeRO-2), GRPO with a reward model and `ds3_gather_for_generation=False` (ZeRO-3), DPO's
+`sync_ref_model` (ZeRO-3) and `precompute_ref_log_probs` (ZeRO-2): one stage each, the other stage's path being
+the same code as the fp32 runs above.
 Each test module (test_dpo.py, test_reward.py, test_grpo.py) holds its own run and checks; they share this launch
 through the session fixture `trl_results` (tests/hf/conftest.py): one process start and import for the three."""
 from __future__ import annotations
@@ -7,11 +11,14 @@ from __future__ import annotations
 import os
 import warnings
 
-RUNS = ("dpo", "reward", "grpo")
+# (trainer, variant, stages): variant "fp32" keys its runs "NAME/ENGINESTAGE", any other "NAME_VARIANT/ENGINESTAGE"
+RUNS = (("dpo", "fp32", (2, 3)), ("reward", "fp32", (2, 3)), ("grpo", "fp32", (2, 3)),
+        ("dpo", "bf16", (3,)), ("reward", "bf16", (2,)), ("dpo", "lora", (3,)), ("reward", "lora", (2,)),
+        ("grpo", "rm", (3,)), ("dpo", "sync", (3,)), ("dpo", "precompute", (2,)))
 
 
 def worker(model_dir: str, reward_dir: str, root: str) -> dict:
-    """`{"NAME/ENGINESTAGE": that run's result}` (e.g. "dpo/zt3", "grpo/ds2") on rank 0; {} elsewhere."""
+    """`{"NAME/ENGINESTAGE": that run's result}` (e.g. "dpo/zt3", "grpo/ds2", "dpo_bf16/zt3") on rank 0; {} elsewhere."""
     import test_dpo
     import test_grpo
     import test_reward
@@ -26,10 +33,12 @@ def worker(model_dir: str, reward_dir: str, root: str) -> dict:
             import deepspeed
 
             deepspeed.init_distributed(dist_backend="gloo")
-        for name, (run, directory) in runs.items():
-            for stage in (2, 3):
-                key = f"{name}/{engine}{stage}"
-                results[key] = run(engine, directory, os.path.join(root, key.replace("/", "-")), stage)
+        for name, variant, stages in RUNS:
+            run, directory = runs[name]
+            for stage in stages:
+                key = f"{name if variant == 'fp32' else name + '_' + variant}/{engine}{stage}"
+                extra = {"reward_dir": reward_dir} if name == "grpo" else {}
+                results[key] = run(engine, directory, os.path.join(root, key.replace("/", "-")), stage, variant, **extra)
     return results if int(os.environ["RANK"]) == 0 else {}
 
 

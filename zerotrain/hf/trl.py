@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 import trl
+from transformers import TrainerCallback
+from trl.trainer.callbacks import SyncRefModelCallback
 
 import zerotrain
 from zerotrain.zero import GatheredParameters
@@ -95,17 +97,42 @@ class _ReferenceEngine:
         return stack
 
 
+class _SyncReference(TrainerCallback):
+    """TRL's `SyncRefModelCallback` on zerotrain's engines: every `ref_model_sync_steps` optimizer steps the
+    reference becomes `alpha * policy + (1 - alpha) * reference` (`ref_model_mixup_alpha`), as TRL mixes them; the
+    policy's weights gathered at ZeRO-3 and the reference's (always ZeRO-3) gathered with rank 0 as the modifier, as
+    TRL does under DeepSpeed's ZeRO-3."""
+
+    def __init__(self, trainer: "DPOTrainer") -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self.trainer
+        reference = trainer._zt_reference
+        if reference is None or state.global_step % args.ref_model_sync_steps != 0:
+            return
+        alpha = args.ref_model_mixup_alpha
+        policy = list(trainer.model.parameters())
+        target = list(reference.module.parameters())
+        with trainer.zerotrain_gathered(policy), GatheredParameters(target, modifier_rank=0), torch.no_grad():
+            if args.process_index == 0:
+                for ref_param, param in zip(target, policy, strict=True):
+                    ref_param.data.mul_(1.0 - alpha).add_(param.data.to(ref_param.dtype), alpha=alpha)
+
+
 class DPOTrainer(_ReferenceEngine, ZeroTrainMixin, trl.DPOTrainer):
     """TRL's DPOTrainer, trained by zerotrain's engine; the reference model (given, or loaded by TRL from the
     model's path) runs on a forward-only ZeRO-3 engine built with the training engine (partitioned over the
     ranks, no optimizer state). A PEFT model without a reference model uses its base (adapters disabled), as
-    TRL does; `sync_ref_model` and `precompute_ref_log_probs` are refused (not tested here)."""
+    TRL does. `precompute_ref_log_probs` computes the reference log-probs before training on the whole model (the
+    reference, or the policy when none is given), as TRL does outside DeepSpeed; `sync_ref_model` mixes the policy
+    into the reference engine's weights (`_SyncReference`)."""
 
-    def create_accelerator_and_postprocess(self) -> None:
-        for name in ("sync_ref_model", "precompute_ref_log_probs"):
-            if getattr(self.args, name, False):
-                raise ValueError(f"{name}: not supported by zerotrain.hf.DPOTrainer yet")
-        super().create_accelerator_and_postprocess()
+    def add_callback(self, callback: Any) -> None:
+        """The Trainer's `add_callback`, with TRL's `SyncRefModelCallback` (which mixes whole tensors, or gathers
+        under DeepSpeed's ZeRO-3 only) replaced by `_SyncReference`."""
+        is_sync = callback is SyncRefModelCallback or isinstance(callback, SyncRefModelCallback)
+        super().add_callback(_SyncReference(self) if is_sync else callback)
 
     def compute_loss(self, model: Any, inputs: dict, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
