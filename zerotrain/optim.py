@@ -1,18 +1,20 @@
-"""A torch optimizer from the config's `optimizer` block.
+"""A torch optimizer from the config's `optimizer` block, with DeepSpeed 0.19's defaults.
 
 * "adamw" (also DeepSpeed's "Adam", unless `adam_w_mode` is false) -> `torch.optim.AdamW`
 * "adam" with `adam_w_mode: false` -> `torch.optim.Adam` (L2 penalty added to the gradient)
 * "sgd" -> `torch.optim.SGD`
 
-Params left out take torch's defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, and
-weight_decay 0.01 for AdamW, 0 for Adam and SGD. (DeepSpeed's own Adam defaults
-weight_decay to 0; write it in the config to match a DeepSpeed run exactly.) Per-group
-keys in `param_groups` (lr, weight_decay, ...) override the config, as in torch.
+Params left out take the defaults of the optimizer DeepSpeed's engine builds from the same block
+(runtime/engine.py `_configure_basic_optimizer`): its FusedAdam / DeepSpeedCPUAdam for Adam and AdamW
+(lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0, amsgrad false, bias correction on), or with
+`torch_adam: true` torch's own class and defaults (AdamW's weight_decay is then torch's 0.01); SGD is
+torch's SGD in both (lr 1e-3, momentum, dampening and weight_decay 0). Per-group keys in
+`param_groups` (lr, weight_decay, ...) override the config, as in torch.
 
 Adam/AdamW run torch's fused kernel whenever every parameter is a floating tensor on a
 device that has it (CPU and CUDA do), unless `params.fused` is false; `fused: true` on
-parameters that cannot use it is a ConfigError. `torch_adam` is accepted and changes
-nothing: zerotrain always uses torch's optimizers.
+parameters that cannot use it is a ConfigError. Whatever `torch_adam` says, the arithmetic is
+torch's (or zerotrain's CPU kernel, element for element the same); it only picks the defaults.
 """
 from __future__ import annotations
 
@@ -22,7 +24,11 @@ import torch
 
 from .config import ConfigError, OptimizerConfig
 
-__all__ = ["build_optimizer", "fused_supported"]
+__all__ = ["build_optimizer", "fused_supported", "DEEPSPEED_ADAM_WEIGHT_DECAY"]
+
+# The weight decay of DeepSpeed's FusedAdam and DeepSpeedCPUAdam (ops/adam/fused_adam.py, cpu_adam.py), which its
+# engine builds for an Adam/AdamW block unless `torch_adam` is true: what an unset `weight_decay` means.
+DEEPSPEED_ADAM_WEIGHT_DECAY = 0.0
 
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -69,6 +75,8 @@ def build_optimizer(opt_cfg: Optional[OptimizerConfig], param_groups: Iterable[A
                               "eps": params.get("eps", 1e-8), "amsgrad": params.get("amsgrad", False)}
     if params.get("weight_decay") is not None:
         kwargs["weight_decay"] = params["weight_decay"]
+    elif not params.get("torch_adam", False):  # torch_adam: torch's own default (AdamW 0.01, Adam 0)
+        kwargs["weight_decay"] = DEEPSPEED_ADAM_WEIGHT_DECAY
     fused = params.get("fused")
     can_fuse = fused_supported(groups)
     if fused and not can_fuse:

@@ -47,7 +47,8 @@ WarmupType = choice("log", "linear")
 
 
 class AdamParams(Block):
-    """`optimizer.params` of Adam / AdamW. Unset keys take torch's defaults (weight_decay: 0.01 AdamW, 0 Adam)."""
+    """`optimizer.params` of Adam / AdamW. Unset keys take DeepSpeed's defaults (`zerotrain.optim`): weight_decay 0,
+    or torch's own (0.01 AdamW, 0 Adam) with `torch_adam: true`."""
 
     PATH = "optimizer.params"
     # What DeepSpeed 0.19.8's engine pops or passes to its Adam kernels besides the fields below
