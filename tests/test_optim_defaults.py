@@ -43,8 +43,9 @@ def deepspeed_class(name: str):
 
 
 def signature_defaults(cls) -> dict:
-    return {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
-            if p.default is not inspect.Parameter.empty}
+    """The keyword defaults of a class's constructor (or of a function)."""
+    signature = inspect.signature(cls.__init__ if isinstance(cls, type) else cls)
+    return {name: p.default for name, p in signature.parameters.items() if p.default is not inspect.Parameter.empty}
 
 
 def deepspeed_adam_group(cls_name: str, given: dict) -> tuple[dict, bool]:
@@ -72,6 +73,18 @@ def test_adam_block_takes_deepspeeds_defaults(cls_name, type_, given):
     group = optimizer.param_groups[0]
     assert {key: group[key] for key in ADAM_KEYS} == expected
     assert type(optimizer) is (torch.optim.AdamW if decoupled else torch.optim.Adam)
+
+
+@pytest.mark.parametrize("cls_name", ["FusedAdam", "DeepSpeedCPUAdam"])
+def test_ops_adam_shims_have_deepspeeds_signature_defaults(cls_name):
+    """`zerotrain.ops.adam.FusedAdam` / `DeepSpeedCPUAdam` (what `zerotrain port` puts in DeepSpeed-Chat's scripts)
+    take DeepSpeed's defaults, and build the param group DeepSpeed's class would."""
+    from zerotrain.ops import adam
+
+    shim = getattr(adam, cls_name)
+    assert signature_defaults(shim) == signature_defaults(deepspeed_class(cls_name))
+    expected, _ = deepspeed_adam_group(cls_name, {})
+    assert {key: shim(params()).param_groups[0][key] for key in ADAM_KEYS} == expected
 
 
 @pytest.mark.parametrize("type_, given", CASES)

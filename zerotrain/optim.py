@@ -57,27 +57,32 @@ def _as_groups(param_groups: Iterable[Any]) -> list[dict]:
     return [{"params": items}]
 
 
+def _with_defaults(opt_cfg: OptimizerConfig) -> dict[str, Any]:
+    """The block's params: those the config gave, and the defaults its `params` model declares for the others."""
+    fields = OptimizerConfig.TYPES[opt_cfg.type].model_fields
+    return {name: opt_cfg.params.get(name, field.default) for name, field in fields.items()}
+
+
 def build_optimizer(opt_cfg: Optional[OptimizerConfig], param_groups: Iterable[Any]) -> torch.optim.Optimizer:
     """Build the optimizer the config names over `param_groups` (group dicts, or plain tensors)."""
     if opt_cfg is None:
         raise ConfigError("optimizer: no optimizer given in the config and none passed to initialize",
                           key="optimizer")
     groups = _as_groups(param_groups)
-    params = dict(opt_cfg.params)
     kind = opt_cfg.resolved_type
-    if kind == "sgd":
-        return torch.optim.SGD(groups, lr=params.get("lr", 1e-3), momentum=params.get("momentum", 0.0),
-                               dampening=params.get("dampening", 0.0),
-                               weight_decay=params.get("weight_decay", 0.0), nesterov=params.get("nesterov", False))
-    if kind not in ("adam", "adamw"):
+    if kind not in ("adam", "adamw", "sgd"):
         raise ConfigError(f"optimizer.type: cannot build {opt_cfg.type!r}", key="optimizer.type")
-    kwargs: dict[str, Any] = {"lr": params.get("lr", 1e-3), "betas": tuple(params.get("betas", (0.9, 0.999))),
-                              "eps": params.get("eps", 1e-8), "amsgrad": params.get("amsgrad", False)}
-    if params.get("weight_decay") is not None:
+    params = _with_defaults(opt_cfg)
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=params["lr"], momentum=params["momentum"], dampening=params["dampening"],
+                               weight_decay=params["weight_decay"], nesterov=params["nesterov"])
+    kwargs: dict[str, Any] = {"lr": params["lr"], "betas": tuple(params["betas"]), "eps": params["eps"],
+                              "amsgrad": params["amsgrad"]}
+    if params["weight_decay"] is not None:
         kwargs["weight_decay"] = params["weight_decay"]
-    elif not params.get("torch_adam", False):  # torch_adam: torch's own default (AdamW 0.01, Adam 0)
+    elif not params["torch_adam"]:  # torch_adam: torch's own default (AdamW 0.01, Adam 0)
         kwargs["weight_decay"] = DEEPSPEED_ADAM_WEIGHT_DECAY
-    fused = params.get("fused")
+    fused = params["fused"]
     can_fuse = fused_supported(groups)
     if fused and not can_fuse:
         raise ConfigError("optimizer.params.fused: true, but torch's fused Adam needs every parameter to be a "

@@ -1,8 +1,8 @@
 """The `optimizer` and `scheduler` blocks and their per-type `params`.
 
 `type` is matched case-insensitively. `params` is validated against the model of its
-type; the block keeps only the params the config gave (validated), so `optim.py` and
-`schedules.py` apply the defaults. DeepSpeed's "Adam" is AdamW unless
+type; the block keeps only the params the config gave (validated); `optim.py` fills the
+others from the defaults the model declares (DeepSpeed 0.19's), `schedules.py` its own. DeepSpeed's "Adam" is AdamW unless
 `params.adam_w_mode` is false (`OptimizerConfig.resolved_type`).
 """
 from __future__ import annotations
