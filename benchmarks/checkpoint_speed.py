@@ -215,7 +215,7 @@ class ZerotrainJob(Job):
         model = _model(args)
         self.vocab = model.config.vocab_size
         config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
-                  "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+                  "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
                   "zero_optimization": {"stage": stage, "reduce_bucket_size": 2e7}, "steps_per_print": 0,
                   "checkpoint": {"verify_on_load": args.verify_on_load}}
         self.engine, *_ = zerotrain.initialize(model=model, config=config)

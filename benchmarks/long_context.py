@@ -150,7 +150,9 @@ def worker(args) -> None:
         engine, run = _deepspeed(sp)
     else:
         config = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": sp,
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 1},
+                  # weight_decay: torch AdamW's, as the DeepSpeed run's optimizer
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+                  "zero_optimization": {"stage": 1},
                   "steps_per_print": 0, "comm_timeout_seconds": 600}
         engine, *_ = zerotrain.initialize(model=build_model(), config=config)
 

@@ -300,7 +300,7 @@ def _trainer(name: str, args: dict) -> _Trainer:
     if kind == "zerotrain":
         import zerotrain
 
-        config.update(optimizer={"type": "AdamW", "params": {"lr": LR}}, comm_timeout_seconds=600)
+        config.update(optimizer={"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}, comm_timeout_seconds=600)
         engine, _, _, _ = zerotrain.initialize(model=model, config=config)
         return _engine_trainer(engine, engine.close)
     import deepspeed

@@ -409,7 +409,8 @@ def _zerotrain_config(args, overrides: dict, resolved: Optional[dict] = None) ->
     return {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_clipping": CLIP,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "fused": args.adamw == "fused"}},
+        # weight_decay: torch AdamW's, as the DDP and DeepSpeed (torch_adam) runs have it
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01, "fused": args.adamw == "fused"}},
         "zero_optimization": zero,
         **top_level,
     }

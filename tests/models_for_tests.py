@@ -133,10 +133,12 @@ def reference_training(model_factory, batches, lr=1e-2, weight_decay=0.01, clip=
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def adamw_reference_steps(model, batches, loss_of, lr: float, eps: float = 1e-8, clip: float = 1.0):
-    """Plain single-process AdamW (torch's defaults otherwise), one step per batch: the losses and a snapshot
-    of the named parameters after every step. `loss_of(model, batch)` is the model's loss on one batch."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
+def adamw_reference_steps(model, batches, loss_of, lr: float, eps: float = 1e-8, clip: float = 1.0,
+                          weight_decay: float = 0.0):
+    """Plain single-process AdamW (weight_decay DeepSpeed's 0, what a config without the key trains with), one step
+    per batch: the losses and a snapshot of the named parameters after every step. `loss_of(model, batch)` is the
+    model's loss on one batch."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps, weight_decay=weight_decay)
     losses, weights = [], []
     for batch in batches:
         loss = loss_of(model, batch)

@@ -21,8 +21,9 @@ def test_no_optimizer_is_a_config_error():
 
 
 @pytest.mark.parametrize("type_, params, cls, weight_decay", [
-    ("Adam", {}, torch.optim.AdamW, 0.01),
-    ("AdamW", {}, torch.optim.AdamW, 0.01),
+    ("Adam", {}, torch.optim.AdamW, 0.0),  # DeepSpeed's FusedAdam / DeepSpeedCPUAdam: tests/test_optim_defaults.py
+    ("AdamW", {}, torch.optim.AdamW, 0.0),
+    ("AdamW", {"torch_adam": True}, torch.optim.AdamW, 0.01),  # torch's own AdamW, as DeepSpeed builds it
     ("Adam", {"adam_w_mode": False}, torch.optim.Adam, 0.0),
     ("SGD", {}, torch.optim.SGD, 0.0),
 ])

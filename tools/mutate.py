@@ -275,6 +275,15 @@ COVERING: dict[str, list[str]] = {
         "tests/hf/test_arguments.py::test_trl_features_not_built_are_refused_by_name",
         "tests/hf/test_arguments.py::test_the_reference_models_engine_config_is_forward_only_zero3",
         "tests/hf/test_grpo.py", "tests/hf/test_dpo.py", "tests/hf/test_reward.py", "tests/hf/test_sft.py"],
+    # in-process: the optimizer built from a block against DeepSpeed 0.19.8's classes' defaults (the offload engines
+    # and the HF Trainer case of test_optim_defaults.py are left out: imports and engines, not the defaults' logic)
+    "zerotrain/optim.py": [
+        "tests/test_optim.py", "tests/test_optim_defaults.py::test_adam_block_takes_deepspeeds_defaults",
+        "tests/test_optim_defaults.py::test_torch_adam_takes_torchs_own_defaults",
+        "tests/test_optim_defaults.py::test_sgd_block_takes_torchs_sgd_defaults"],
+    "zerotrain/config/params.py": [
+        "tests/config/test_schema.py", "tests/test_optim.py", "tests/test_schedules.py",
+        "tests/test_optim_defaults.py::test_adam_block_takes_deepspeeds_defaults"],
 }
 
 # Method names whose swap is a plausible slip (the GQA bug: repeat for repeat_interleave).

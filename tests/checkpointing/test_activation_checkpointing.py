@@ -89,7 +89,7 @@ def train(model, stage: int, tp: int, checkpointing: bool, hf: bool = False, see
 
 
 def reference(model, dp: int, hf: bool = False):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
     losses = []
     for tokens in batches(dp):
         if hf:  # the mean over ranks of per-rank mean losses (labels shift inside the model)

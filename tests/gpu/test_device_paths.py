@@ -128,7 +128,7 @@ def _checkpointing_runs(device: torch.device) -> dict:
     tokens = [torch.randint(0, 96, (MICRO, CKPT_SEQ + 1), generator=torch.Generator().manual_seed(s)) for s in range(3)]
     with sdpa_kernel(SDPBackend.MATH):
         model = _gpt().to(device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.0)
         ref_losses = []
         for t in tokens:
             t = t.to(device)

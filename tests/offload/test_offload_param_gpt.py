@@ -73,7 +73,7 @@ def train_offloaded(nvme_root: str) -> list:
 
 def reference(world: int):
     model = small_gpt()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     losses, norms = [], []
     for tokens in token_batches(world):
         _, loss = model(tokens[:, :-1], tokens[:, 1:])

@@ -84,7 +84,7 @@ def train_grid(tp: int, combos: list[tuple[int, int]]) -> list:
 
 def reference(dp: int, accumulation: int, lr: float = LR):
     model = gpt()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=EPS)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=EPS, weight_decay=0.0)
     losses, norms = [], []
     for tokens in batches(dp, accumulation):
         _, loss = model(tokens[:, :-1], tokens[:, 1:])

@@ -70,7 +70,7 @@ def train_hf_cases(cases: list) -> list:
 def reference(accumulation: int) -> tuple[list, dict]:
     """Single-process AdamW on the union of the same batches."""
     model = build_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
     losses = []
     for tokens in batches(WORLD, accumulation):
         # Mean of the micro-batches' mean token losses = what the engine optimizes (equal token counts).

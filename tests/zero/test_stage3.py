@@ -57,7 +57,7 @@ def make_data(world: int, accumulation: int):
 def reference(world: int, accumulation: int, external: bool):
     torch.manual_seed(0)
     model = TiedModel()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
     losses, norms = [], []
     for ids, targets in make_data(world, accumulation):
         loss = compute_loss(model, model, ids, targets, external)
@@ -198,7 +198,7 @@ def train_dynamic() -> tuple:
 def reference_dynamic(world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = DynamicModel()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     losses = []
     for step, (x, y) in enumerate(dynamic_batches(world)):
         loss = F.mse_loss(model(x, step), y)

@@ -243,7 +243,7 @@ def test_training_from_init_matches_single_process_from_the_gathered_weights(tmp
         model.load_state_dict(initial)
         return model
 
-    ref_losses, ref_weights = reference_training(from_gathered, make_batches(steps, 4), lr=1e-2)
+    ref_losses, ref_weights = reference_training(from_gathered, make_batches(steps, 4), lr=1e-2, weight_decay=0.0)
     whole_losses, whole_weights = results["zero.Init"]
     for what, (losses, weights) in results.items():
         resumed = what.startswith("resumed")
@@ -288,5 +288,5 @@ def test_nn_init_on_a_running_engine_changes_shards_and_masters():
             model.fc1.weight.zero_()
         return model
 
-    ref_losses, ref_weights = reference_training(reinitialized, make_batches(steps, 4), lr=1e-2)
+    ref_losses, ref_weights = reference_training(reinitialized, make_batches(steps, 4), lr=1e-2, weight_decay=0.0)
     assert_same_training(losses, weights, ref_losses, ref_weights)

@@ -1,8 +1,8 @@
 """The `optimizer` and `scheduler` blocks and their per-type `params`.
 
 `type` is matched case-insensitively. `params` is validated against the model of its
-type; the block keeps only the params the config gave (validated), so `optim.py` and
-`schedules.py` apply the defaults. DeepSpeed's "Adam" is AdamW unless
+type; the block keeps only the params the config gave (validated); `optim.py` fills the
+others from the defaults the model declares (DeepSpeed 0.19's), `schedules.py` its own. DeepSpeed's "Adam" is AdamW unless
 `params.adam_w_mode` is false (`OptimizerConfig.resolved_type`).
 """
 from __future__ import annotations
@@ -47,7 +47,8 @@ WarmupType = choice("log", "linear")
 
 
 class AdamParams(Block):
-    """`optimizer.params` of Adam / AdamW. Unset keys take torch's defaults (weight_decay: 0.01 AdamW, 0 Adam)."""
+    """`optimizer.params` of Adam / AdamW. Unset keys take DeepSpeed's defaults (`zerotrain.optim`): weight_decay 0,
+    or torch's own (0.01 AdamW, 0 Adam) with `torch_adam: true`."""
 
     PATH = "optimizer.params"
     # What DeepSpeed 0.19.8's engine pops or passes to its Adam kernels besides the fields below
