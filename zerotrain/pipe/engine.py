@@ -309,8 +309,26 @@ class PipelineEngine(TrainingEngine):
         return self.engine.fp16_enabled()
 
     def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
-        raise NotImplementedError("a pipeline engine's weights in the training dtype: full_state_dict() gathers "
-                                  "every stage's (fp32) on global rank 0")
+        """DeepSpeed's: whole weights in the training dtype (the fp32 masters cast) plus persistent buffers, every
+        stage's, on global rank 0 ({} elsewhere; collective). `exclude_frozen_parameters`: without the parameters
+        that do not train (a LoRA base)."""
+        engine = self.engine
+        dtype = (torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled()
+                 else torch.float32)
+        own = engine.full_state_dict()  # this stage's fp32 masters, on its data-parallel rank 0 ({} elsewhere)
+        if own:
+            frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            own = {n: t.to(dtype) for n, t in own.items() if not (exclude_frozen_parameters and n in frozen)}
+            for module_name, sub in self.module.named_modules():
+                for name, buffer in sub.named_buffers(recurse=False):
+                    if buffer is not None and name not in sub._non_persistent_buffers_set:
+                        own.setdefault(f"{module_name}.{name}" if module_name else name, buffer.detach().cpu().clone())
+        stages = self.plan.pp_comm.all_gather_object(own)  # rank 0's pipeline group: every stage's dp rank 0
+        if self.topology.rank != 0:
+            return {}
+        return {name: tensor for stage in stages for name, tensor in stage.items()}
+
+    _zero3_consolidated_16bit_state_dict = consolidated_16bit_state_dict  # the name HF transformers calls
 
     def train(self, mode: bool = True) -> "PipelineEngine":
         self.module.train(mode)
