@@ -337,7 +337,11 @@ def run_train_embedding(args: argparse.Namespace) -> int:
                 return None
             from .export import encode
             from .retrieval import retrieval_metrics
-            # every rank encodes (stage 3's forwards gather shards collectively); rank 0 reports
+            # Every rank encodes every held-out text (stage 3's forwards gather shards collectively) and computes the
+            # same metrics; rank 0 reports them. Not through the Trainer's one reduction (`reduce_step`) on purpose:
+            # recall@k and MRR rank each query against EVERY passage, so a rank's share of the queries is scored
+            # only once all passages' embeddings are on it (an all-gather of embeddings, not a sum), and the ranks
+            # hold the same texts: there is no per-rank sum to reduce, the metrics are identical on every rank.
             queries = encode(engine, tokenizer, [p["query"] for p in held_out], pooling,
                              max_length=args.max_length, batch_size=eval_batch, device=topology.device)
             passages = encode(engine, tokenizer, [p["positive"] for p in held_out], pooling,

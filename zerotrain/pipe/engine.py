@@ -444,10 +444,12 @@ class PipelineEngine(TrainingEngine):
         engine.step()
         return loss
 
-    def eval_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
+    def eval_batch(self, data_iter: Optional[Iterator] = None, *, aggregate: bool = True) -> torch.Tensor:
         """The mean loss over `gradient_accumulation_steps` micro-batches of `data_iter` (without one: of the
         iterator train_batch reads, which goes on from there), forward only, on every rank; `data_iter` is not
-        kept (DeepSpeed's eval_batch restores the training iterator)."""
+        kept (DeepSpeed's eval_batch restores the training iterator). `aggregate=False`: no collective for the
+        loss, this rank's own (as `train_batch`'s: the mean of its micro-batches' on a last-stage rank, 0
+        elsewhere), for a loop that reduces it with `zerotrain.trainer.reduce_step`."""
         if self.config.pipeline.schedule == "zbv_zero_bubble":
             # torch 2.13's ZBV runtime still steals backward inputs in a forward-only run (AssertionError)
             raise NotImplementedError("eval_batch with pipeline.schedule 'zbv_zero_bubble' is not available (torch's "
@@ -455,7 +457,7 @@ class PipelineEngine(TrainingEngine):
         was_training = self.module.training
         self.eval()
         try:
-            return self._run(data_iter, train=False)
+            return self._run(data_iter, train=False, aggregate=aggregate)
         finally:
             self.train(was_training)
 
