@@ -55,6 +55,7 @@ def _generate_on_rank(model_dir: str, nvme: str) -> dict:
             build(tight)
         refused.append(str(caught.value))
     engine, _ = load_for_inference(model_dir, config)
+    assert not engine.module.training  # loaded for inference: eval mode (no dropout in generate)
     from zerotrain.monitor import MemoryTimeline
     timeline = MemoryTimeline(os.path.join(nvme, "timeline"), rank=rank)
     engine.watch_memory(timeline)  # its forwards, and stage 3's blocking gathers inside them
@@ -144,3 +145,28 @@ def test_generate_command_prints_the_greedy_continuation(tiny_llama_dir, tmp_pat
     assert len(parses) == 1 and len(handed) == 1 and isinstance(handed[0], ZeroTrainConfig), (parses, handed)
     # the training config's optimizer dropped, its batch resolved for the one rank
     assert handed[0].optimizer is None and handed[0].train_batch_size == 8
+
+
+def test_forward_only_config_drops_the_training_blocks_and_keeps_or_makes_a_batch(tmp_path):
+    """`forward_only_config` (no engine): a training config's optimizer and scheduler dropped; a batch the config gives
+    kept as it is (a train_batch_size alone stays alone, resolved later for the ranks), "auto" batch keys dropped, and
+    without any batch size a micro-batch of 1; a file read the same; a bad file is a ConfigError naming it."""
+    from zerotrain.config import ConfigError
+    from zerotrain.run.generate import forward_only_config
+
+    training = {"train_batch_size": 8, "optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR"},
+                "zero_optimization": {"stage": 3}}
+    assert forward_only_config(training) == {"train_batch_size": 8, "zero_optimization": {"stage": 3}}
+    assert "optimizer" in training  # the caller's dict is not changed
+    assert forward_only_config({"train_micro_batch_size_per_gpu": 4}) == {"train_micro_batch_size_per_gpu": 4}
+    assert forward_only_config({}) == {"train_micro_batch_size_per_gpu": 1}
+    assert forward_only_config({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                                "gradient_accumulation_steps": "auto"}) == {"train_micro_batch_size_per_gpu": 1}
+    file = tmp_path / "ds.json"
+    file.write_text(json.dumps(training))
+    assert forward_only_config(str(file)) == {"train_batch_size": 8, "zero_optimization": {"stage": 3}}
+    file.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="a JSON object is expected"):
+        forward_only_config(str(file))
+    with pytest.raises(ConfigError, match="cannot read config"):
+        forward_only_config(str(tmp_path / "missing.json"))

@@ -142,6 +142,16 @@ def test_run_config_is_parsed_once_for_the_data_parallel_ranks_and_fills_its_ope
     assert late.global_batch == 24
     with pytest.raises(ValueError, match="nothing is given to fill them"):
         RunConfig(values("auto"), world_size=120, steps=None)
+    # built for known steps, an "auto" left at a step count is the parse's error (nothing fills it later)
+    with pytest.raises(ConfigError, match="scheduler.params.total_num_steps"):
+        RunConfig(values("auto"), world_size=120, steps=5, fill=fill)
+    # no scheduler (generate's forward-only config): nothing open, nothing to fill
+    bare = values(5)
+    del bare["scheduler"], bare["optimizer"]
+    plain = RunConfig(bare, world_size=120, steps=None)
+    assert plain.scheduled and plain.parsed.scheduler is None
+    plain.schedule_over(9)
+    assert plain.steps == 9 and "scheduler" not in plain.values
     with pytest.raises(ConfigError, match="scheduler.params.total_num_steps: the run makes 0 optimizer steps"):
         RunConfig(values("auto"), world_size=120, steps=None, fill=fill).schedule_over(0)
     with pytest.raises(ConfigError, match="does not divide the world size 100") as refused:
@@ -175,3 +185,25 @@ def test_train_config_splits_the_world_over_the_pipeline_stages(tmp_path):
     assert train_config(args("--zero-stage", "0"), world_size=8)["zero_optimization"]["stage"] == 0
     assert "pipeline_parallel_size" not in train_config(build_parser().parse_args(["train", "--max-steps", "5"]),
                                                         world_size=8)
+
+
+def test_train_config_fills_a_files_auto_bucket_sizes_from_the_models_hidden_size(tmp_path):
+    """`train_config` with a --config file whose bucket sizes are "auto" (no engine): the model's hidden size h
+    fills them (reduce h*h, ZeRO-3 prefetch 0.9*h*h, as transformers), looked up from --model when the caller gives
+    none; a hidden size given wins (the worker passes the one it resolved)."""
+    import json
+
+    from zerotrain.cli import build_parser
+    from zerotrain.models.hf import resolve_model
+    from zerotrain.run.config import train_config
+
+    file = tmp_path / "ds.json"
+    file.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                                      "stage3_prefetch_bucket_size": "auto"}}))
+    args = build_parser().parse_args(["train", "--config", str(file), "--model", "tiny", "--max-steps", "2"])
+    hidden = resolve_model("tiny").config.hidden_size
+    zero = train_config(args, world_size=1)["zero_optimization"]
+    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"]) == (hidden * hidden,
+                                                                                int(0.9 * hidden * hidden))
+    assert hidden != 7 and train_config(args, world_size=1, hidden_size=7)["zero_optimization"][
+        "reduce_bucket_size"] == 49
