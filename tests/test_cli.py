@@ -15,7 +15,7 @@ from rich.console import Console
 from zerotrain.cli import main
 from zerotrain.data import TokenBlockDataset, load_stdlib_corpus
 from zerotrain.models import GPT, GPTConfig
-from zerotrain.trainer import Trainer, mean_across_ranks
+from zerotrain.trainer import Trainer
 from zerotrain.topology import Topology
 from zerotrain.training_engine import TrainingEngine
 
@@ -139,11 +139,6 @@ def test_trainer_resumes_from_engine_step_count():
     engine.global_steps = 3
     summary = Trainer(engine, _loader(2), total_steps=4, console=Console(file=io.StringIO())).train()
     assert summary.steps == 1 and engine.global_steps == 4
-
-
-def test_mean_across_ranks_without_process_group():
-    assert mean_across_ranks(2.5) == 2.5
-    assert mean_across_ranks(torch.tensor(1.5)) == 1.5
 
 
 # -- the command ------------------------------------------------------------------------------
@@ -587,7 +582,7 @@ def test_start_notes_say_lora_share_and_where_metrics_go(capsys):
     import transformers
 
     from zerotrain.cli import build_parser
-    from zerotrain.run.lm import _start_notes
+    from zerotrain.run.lm import start_notes
     from zerotrain.run.model import lora_options
 
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -596,11 +591,11 @@ def test_start_notes_say_lora_share_and_where_metrics_go(capsys):
     model.print_trainable_parameters()
     peft_line = capsys.readouterr().out.strip()
     args = build_parser().parse_args(["train", "--config", "c.json", "--lora-r", "4"])
-    lora, plain = _start_notes(args, model, lora_options(args))
+    lora, plain = start_notes(args, model, lora_options(args))
     assert lora == f"zerotrain: LoRA: {peft_line}" and "trainable%" in lora
     assert plain.startswith("zerotrain: metrics go to this output only; --log-dir DIR")
     args = build_parser().parse_args(["train", "--config", "c.json", "--log-dir", "runs"])
-    assert _start_notes(args, model, None) == []
+    assert start_notes(args, model, None) == []
 
 
 def test_a_rank_start_up_error_is_one_line_once_at_nproc_2(tiny_llama_dir, tmp_path):

@@ -25,7 +25,7 @@ def _generate_on_rank(model_dir: str, nvme: str) -> dict:
 
     import zerotrain
     from zerotrain.config import ConfigError
-    from zerotrain.inference import load_for_inference
+    from zerotrain.run.generate import load_for_inference
     from zerotrain.zero.forward_only import NoOptimizerError
 
     rank = int(os.environ["RANK"])
@@ -55,6 +55,7 @@ def _generate_on_rank(model_dir: str, nvme: str) -> dict:
             build(tight)
         refused.append(str(caught.value))
     engine, _ = load_for_inference(model_dir, config)
+    assert not engine.module.training  # loaded for inference: eval mode (no dropout in generate)
     from zerotrain.monitor import MemoryTimeline
     timeline = MemoryTimeline(os.path.join(nvme, "timeline"), rank=rank)
     engine.watch_memory(timeline)  # its forwards, and stage 3's blocking gathers inside them
@@ -110,12 +111,25 @@ def test_zero3_nvme_generate_matches_transformers_on_every_rank(tiny_llama_dir, 
         assert all("engine.backward()" in e or "engine.step()" in e for e in result["errors"]), result["errors"]
 
 
-def test_generate_command_prints_the_greedy_continuation(tiny_llama_dir, tmp_path, capsys):
+def test_generate_command_prints_the_greedy_continuation(tiny_llama_dir, tmp_path, capsys, monkeypatch):
+    """`zerotrain generate` prints transformers' greedy continuation, on the run layer's path (issue 42): its config
+    parsed once and that parsed object handed to `zerotrain.initialize` (it was parsed twice, by the command and by
+    initialize), the model and weights as `zerotrain train` builds and reads them."""
     import json as json_module
 
     import transformers
 
+    import zerotrain
+    import zerotrain.config.loader as loader
     from zerotrain.cli import main
+    from zerotrain.config import ZeroTrainConfig
+
+    parses, handed = [], []
+    build, initialize = loader._build, zerotrain.initialize
+    monkeypatch.setattr(loader, "_build", lambda *a, **k: parses.append(a[0]) or build(*a, **k))
+    monkeypatch.setattr(zerotrain, "initialize", lambda **k: handed.append(k["config"]) or initialize(**k))
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
 
     config = tmp_path / "ds.json"  # a training config: its optimizer block is dropped, the batch size is ignored
     config.write_text(json_module.dumps({"train_batch_size": 8, "optimizer": {"type": "AdamW"},
@@ -128,3 +142,31 @@ def test_generate_command_prints_the_greedy_continuation(tiny_llama_dir, tmp_pat
     assert main(["generate", "--model", str(tiny_llama_dir), "--config", str(config), "--prompt", prompt,
                  "--max-new-tokens", "4"]) == 0
     assert f"### prompt 0: {prompt}\n{prompt}{want}\n" in capsys.readouterr().out
+    assert len(parses) == 1 and len(handed) == 1 and isinstance(handed[0], ZeroTrainConfig), (parses, handed)
+    # the training config's optimizer dropped, its batch resolved for the one rank
+    assert handed[0].optimizer is None and handed[0].train_batch_size == 8
+
+
+def test_forward_only_config_drops_the_training_blocks_and_keeps_or_makes_a_batch(tmp_path):
+    """`forward_only_config` (no engine): a training config's optimizer and scheduler dropped; a batch the config gives
+    kept as it is (a train_batch_size alone stays alone, resolved later for the ranks), "auto" batch keys dropped, and
+    without any batch size a micro-batch of 1; a file read the same; a bad file is a ConfigError naming it."""
+    from zerotrain.config import ConfigError
+    from zerotrain.run.generate import forward_only_config
+
+    training = {"train_batch_size": 8, "optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR"},
+                "zero_optimization": {"stage": 3}}
+    assert forward_only_config(training) == {"train_batch_size": 8, "zero_optimization": {"stage": 3}}
+    assert "optimizer" in training  # the caller's dict is not changed
+    assert forward_only_config({"train_micro_batch_size_per_gpu": 4}) == {"train_micro_batch_size_per_gpu": 4}
+    assert forward_only_config({}) == {"train_micro_batch_size_per_gpu": 1}
+    assert forward_only_config({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                                "gradient_accumulation_steps": "auto"}) == {"train_micro_batch_size_per_gpu": 1}
+    file = tmp_path / "ds.json"
+    file.write_text(json.dumps(training))
+    assert forward_only_config(str(file)) == {"train_batch_size": 8, "zero_optimization": {"stage": 3}}
+    file.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="a JSON object is expected"):
+        forward_only_config(str(file))
+    with pytest.raises(ConfigError, match="cannot read config"):
+        forward_only_config(str(tmp_path / "missing.json"))

@@ -256,13 +256,13 @@ def test_per_device_eval_batch_size_sets_the_evaluation_micro_batch(tmp_path):
     """`--per-device-eval-batch-size`: the evaluation loader's micro-batch per rank (default: the training one), on
     `train` and `train-embedding` (whose retrieval evaluation encodes that many texts per forward)."""
     from zerotrain.embedding.command import worker_argv as embedding_argv
-    from zerotrain.run.lm import _stdlib_sets
+    from zerotrain.run.lm import stdlib_data
     from zerotrain.train.command import worker_argv
 
     def eval_batch(*argv: str) -> int:
         args = build_parser().parse_args(["train", "--max-corpus-bytes", "20000", "--eval-batches", "2", *argv])
         args = build_parser().parse_args(worker_argv(args))  # as each rank gets it
-        data = _stdlib_sets(args, 16)
+        data = stdlib_data(args, 16)
         _, make_loader, eval_loader, _ = data.loaders(args, micro=2, global_batch=4, dp_rank=1, dp_size=2)
         assert len(next(iter(make_loader(0)))["input_ids"]) == 2
         return len(next(iter(eval_loader))["input_ids"])

@@ -159,6 +159,11 @@ COVERING: dict[str, list[str]] = {
     "zerotrain/trainer.py": ["tests/test_cli.py"],
     # the run layer's config (in-process: RunConfig, train_config at a pipeline, a one-rank train run)
     "zerotrain/run/config.py": ["tests/test_run.py", "tests/test_train_flags.py"],
+    # generate on the run layer: forward_only_config in-process, the command in-process, the world-2 NVMe engine
+    "zerotrain/run/generate.py": [
+        "tests/test_inference.py::test_forward_only_config_drops_the_training_blocks_and_keeps_or_makes_a_batch",
+        "tests/test_inference.py::test_generate_command_prints_the_greedy_continuation",
+        "tests/test_inference.py::test_zero3_nvme_generate_matches_transformers_on_every_rank"],
     # the manifest and the checksums in-process; a damaged checkpoint refused at world 2
     "zerotrain/checkpoint/integrity.py": ["tests/checkpoint/test_ckpt_units.py",
                                           "tests/checkpoint/test_ckpt_corruption.py"],

@@ -46,28 +46,7 @@ from .monitor.memory_timeline import MemoryTimeline
 from .monitor.measure import memory_bytes, memory_kind, parameter_count, peak_flops
 from .training_engine import TrainingEngine
 
-__all__ = ["Trainer", "TrainSummary", "TrainStep", "StepResult", "StepTotals", "Batches", "reduce_step", "MetricsLog",
-           "mean_across_ranks"]
-
-
-def mean_across_ranks(
-    value: Union[float, torch.Tensor],
-    device: Optional[torch.device] = None,
-    group: Optional[Any] = None,
-) -> float:
-    """The mean of ``value`` over the ranks of ``group`` (default: all ranks).
-
-    One all-reduce of a one-element tensor when ``torch.distributed`` is running; the value
-    itself otherwise. ``device`` must suit the backend (a CUDA device for NCCL).
-    """
-    if isinstance(value, torch.Tensor):
-        tensor = value.detach().reshape(1).to(device=device or value.device, dtype=torch.float64)
-    else:
-        tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-        tensor /= dist.get_world_size(group)
-    return float(tensor.item())
+__all__ = ["Trainer", "TrainSummary", "TrainStep", "StepResult", "StepTotals", "Batches", "reduce_step", "MetricsLog"]
 
 
 @dataclass

@@ -386,7 +386,7 @@ def hf_lora_and_generate(model_dir: str, nvme_dir: str) -> dict:
     import transformers
 
     import zerotrain
-    from zerotrain.inference import load_for_inference
+    from zerotrain.run.generate import load_for_inference
     from zerotrain.topology import default_device
 
     device = default_device()

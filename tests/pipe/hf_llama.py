@@ -10,7 +10,10 @@ and every weight equal plain single-process AdamW on `model(input_ids, attention
 The untied run saves before its last step; its checkpoint holds the Hugging Face names (read back by
 `from_pretrained` in the test process), a plain ZeRO-1 run at DP4 (no pipeline) resumes it and trains the last step
 exactly, saves it again at once, and a PP4 x DP1 pipeline resumes that plain checkpoint and trains the last step
-exactly too (the reverse direction; 4 stages: embedding + layer, 2 layers, layer + norm + head).
+exactly too (the reverse direction; 4 stages: embedding + layer, 2 layers, layer + norm + head). Before it trains,
+the untied run evaluates (`train.pipeline.PipelineEvaluator`: `eval_batch(aggregate=False)` and the Trainer's
+`reduce_step`) with each data-parallel rank holding other batches: every rank's eval loss is the mean of the 8
+micro-batch losses of the initial model in one process.
 `lora_case` runs in the world-2 launch: the tied Llama with peft's LoRA at PP2, checked by `check_lora_case`.
 """
 from __future__ import annotations
@@ -82,6 +85,14 @@ def hf_cases(save_dir: str) -> list:
         engine, _, _, _ = zerotrain.initialize(model=llama(tied), config=config(schedule, 2, 2))
         dp, dp_rank = engine.topology.dp_size, engine.topology.dp_rank
         assert dp == 2
+        evaluated = None
+        if not tied:  # the evaluation first (the initial weights): each data-parallel rank holds other batches
+            from zerotrain.train.pipeline import PipelineEvaluator
+            ids, mask, positions, labels = batches(MICRO * 4 * dp, packed=False)[0]
+            mine = [dict(zip(("input_ids", "attention_mask", "labels"), (ids, mask, labels)))
+                    for ids, mask, _, labels in (micro_slice((ids, mask, positions, labels), i, dp_rank, dp, MICRO)
+                                                 for i in range(4))]
+            evaluated = PipelineEvaluator(engine, mine, 4, SEQ)("end")["eval_loss"]
         losses, norms = [], []
         for step, batch in enumerate(batches(MICRO * 2 * dp, packed=tied)):
             if not tied and step == STEPS - 1:
@@ -91,7 +102,7 @@ def hf_cases(save_dir: str) -> list:
                                                    else None)))
             norms.append(engine.get_global_grad_norm())
         replicas = sorted(n for n, p in engine.module.named_parameters() if is_pipeline_replica(p))
-        out.append(dict(tied=tied, losses=losses, norms=norms, replicas=replicas,
+        out.append(dict(tied=tied, losses=losses, norms=norms, replicas=replicas, eval_loss=evaluated,
                         weights={n: p.detach().clone() for n, p in engine.module.named_parameters()}))
         engine.close()
     # a plain ZeRO-1 run at DP4 resumes the pipeline's checkpoint, saves it again before training the last step
@@ -244,6 +255,19 @@ def check_hf_cases(results: list, tmp_path) -> None:
             replica = next(case["weights"]["lm_head.weight"] for rank in results for case in rank
                            if case.get("tied") and case["replicas"])
             assert_weights({"w": replica}, {"w": ref["weights"]["model.embed_tokens.weight"]}, f"{where} tied head")
+    # the pipeline's evaluation (`PipelineEvaluator`: eval_batch's local losses through the Trainer's reduce_step)
+    # over both data-parallel ranks' different batches: the mean of the 8 micro-batch losses of the initial model in
+    # one process, on every rank
+    model = llama(False).eval()
+    ids, mask, positions, labels = batches(MICRO * 4 * 2, packed=False)[0]
+    with torch.no_grad():
+        micro_losses = [float(model(input_ids=ids[i:i + MICRO], attention_mask=mask[i:i + MICRO],
+                                    labels=labels[i:i + MICRO]).loss) for i in range(0, MICRO * 8, MICRO)]
+    want = sum(micro_losses) / len(micro_losses)
+    assert len(set(micro_losses)) == 8  # the batches differ: a rank's own mean, or one rank's, would show
+    for rank in results:
+        got = next(case for case in rank if case.get("tied") is False)["eval_loss"]
+        assert abs(got - want) <= 1e-5 * want, (got, want, micro_losses)
     ref = references[False]
     # the pipeline checkpoint is a Hugging Face directory of the plain model's names
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "resume"))

@@ -276,8 +276,9 @@ def fp16_case() -> dict:
         if hook is not None:
             hook.remove()
     weights = engine.full_state_dict()  # rank 0: every stage's masters
+    half = engine.consolidated_16bit_state_dict()  # rank 0: every stage's, in fp16
     engine.close()
-    return dict(losses=losses, norms=norms, scales=scales, stage_id=engine.stage_id, weights=weights)
+    return dict(losses=losses, norms=norms, scales=scales, stage_id=engine.stage_id, weights=weights, half=half)
 
 
 def fp16_reference() -> dict:
@@ -344,6 +345,13 @@ def check_fp16(results: list) -> None:
     assert sorted(weights) == sorted(ref["weights"]), (where, sorted(weights))
     for name, expected in ref["weights"].items():
         assert_weight_close(weights[name], expected, f"{where} {name}")
+    # DeepSpeed's consolidated_16bit_state_dict: every stage's weights in the training dtype (the masters cast) on
+    # global rank 0 only (stage 1 is rank 1: its own dp rank 0), none of them missing
+    half = results[0]["half"]
+    assert results[1]["half"] == {} and sorted(half) == sorted(ref["weights"]), (where, sorted(half))
+    for name, expected in ref["weights"].items():
+        assert half[name].dtype == torch.float16, (where, name, half[name].dtype)
+        assert torch.equal(half[name], weights[name].half()), (where, name)
 
 
 def world2_cases(cases: list, save_dir: str, lora_dir: str) -> dict:

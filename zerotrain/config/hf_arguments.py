@@ -36,7 +36,7 @@ from .params import HF_SCHEDULES
 
 __all__ = ["ARGUMENT_DEFAULTS", "ARGUMENT_KEYS", "FILL_ONLY_KEYS", "arguments_of", "auto_values", "fill_auto",
            "config_from_arguments", "override", "warmup_steps", "hf_auto_values", "SCHEDULER_TYPES", "scheduler_block",
-           "with_mixed_precision"]
+           "with_mixed_precision", "LATE_STEPS", "STEP_KEYS", "schedule_values"]
 
 # TrainingArguments' defaults for the fields this module reads (transformers 5.x).
 ARGUMENT_DEFAULTS: dict[str, Any] = {
@@ -146,12 +146,39 @@ def warmup_steps(arguments: Mapping[str, Any], num_training_steps: int) -> int:
     return int(value) if value >= 1 else math.ceil(num_training_steps * value)
 
 
+# `num_training_steps` when the run's steps are not known yet (`zerotrain train --num-train-epochs` before the data is
+# read): the keys counted in them (`STEP_KEYS`: the steps, and a warmup given as a share of them) stay "auto", to be
+# filled once they are known (`schedule_values`), as transformers' `trainer_config_finalize` fills them.
+LATE_STEPS = "auto"
+STEP_KEYS = ("scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps",
+             "scheduler.params.num_training_steps", "scheduler.params.num_warmup_steps")
+
+
+def _warmup_of(a: Mapping[str, Any], num_training_steps: Any) -> Any:
+    """The warmup steps of `a` (defaults filled) for `num_training_steps`: None counts 0 steps, `LATE_STEPS` leaves a
+    share of them "auto" (a whole number of steps needs no step count)."""
+    value = a["warmup_steps"]
+    if value >= 1:
+        return int(value)
+    if is_auto(num_training_steps):
+        return LATE_STEPS if value > 0 else 0
+    return math.ceil((num_training_steps or 0) * value)
+
+
+def schedule_values(arguments: Mapping[str, Any], num_training_steps: int) -> dict[str, int]:
+    """The `STEP_KEYS` values for `num_training_steps` optimizer steps: what fills the "auto" a config built with
+    `LATE_STEPS` holds there once the run's steps are known."""
+    values = auto_values(arguments, world_size=1, num_training_steps=num_training_steps)
+    return {key: values[key] for key in STEP_KEYS}
+
+
 def auto_values(arguments: Mapping[str, Any], *, world_size: int, num_training_steps: Optional[int] = None,
                 hidden_size: Optional[int] = None, zero_stage: int = 3) -> dict[str, Any]:
     """Dotted config key -> the value transformers puts in place of "auto" for these arguments.
 
     `world_size` is the data-parallel size (train_batch_size = micro x accumulation x world_size);
-    `num_training_steps` (the Trainer's optimizer steps) fills `total_num_steps` and the warmup;
+    `num_training_steps` (the Trainer's optimizer steps) fills `total_num_steps` and the warmup (`LATE_STEPS`:
+    "auto" where they count the steps);
     `hidden_size` (the model's) the bucket sizes, the ZeRO-3 ones only at `zero_stage` 3.
     """
     a = _with_defaults(arguments)
@@ -172,10 +199,11 @@ def auto_values(arguments: Mapping[str, Any], *, world_size: int, num_training_s
     # zerotrain's HFSchedule block (transformers' schedule, its own key names): the Trainer's own values, warmup 0 allowed
     values["scheduler.params.name"] = str(a["lr_scheduler_type"])
     if num_training_steps is not None:
+        warmup = _warmup_of(a, num_training_steps)
         values["scheduler.params.total_num_steps"] = num_training_steps
-        values["scheduler.params.warmup_num_steps"] = max(1, warmup_steps(a, num_training_steps))
+        values["scheduler.params.warmup_num_steps"] = warmup if is_auto(warmup) else max(1, warmup)
         values["scheduler.params.num_training_steps"] = num_training_steps
-        values["scheduler.params.num_warmup_steps"] = warmup_steps(a, num_training_steps)
+        values["scheduler.params.num_warmup_steps"] = warmup
     elif a["warmup_steps"] >= 1:
         values["scheduler.params.num_warmup_steps"] = int(a["warmup_steps"])
     if hidden_size is not None:
@@ -269,8 +297,7 @@ def _scheduler_block(a: Mapping[str, Any], num_training_steps: Optional[int]) ->
     name = SCHEDULER_TYPES[kind]
     if name is None:
         return None
-    steps = warmup_steps(a, num_training_steps or 0) if num_training_steps is not None or a["warmup_steps"] >= 1 else 0
-    params: dict[str, Any] = {"name": kind, "num_warmup_steps": steps}
+    params: dict[str, Any] = {"name": kind, "num_warmup_steps": _warmup_of(a, num_training_steps)}
     if HF_SCHEDULES[kind]:
         if num_training_steps is None:
             raise ConfigError(f"lr_scheduler_type: {kind!r} decays over the run and needs its number of steps",
@@ -355,7 +382,7 @@ def override(config: Mapping[str, Any], arguments: Mapping[str, Any], *, world_s
                 if dotted is None:
                     continue
                 if dotted.endswith("num_warmup_steps"):
-                    value = warmup_steps(a, num_training_steps or 0)
+                    value = _warmup_of(a, num_training_steps)
             if dotted == "optimizer.params.betas" and not {"adam_beta1", "adam_beta2"} <= given:
                 # one beta given: the other stays the file's (a flag sets only its own value)
                 _, old = _lookup(out, dotted)

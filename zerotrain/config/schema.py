@@ -313,6 +313,17 @@ class ZeroTrainConfig(Block):
         A config built without `load_config` gives its `model_dump()`."""
         return self._raw if self._raw else self.model_dump()
 
+    def fill_schedule(self, params: dict[str, Any]) -> None:
+        """Set `scheduler.params` keys (in this config and its `raw`) the run's steps decide, once they are known
+        (`zerotrain.run.config.RunConfig.schedule_over`, as transformers' `trainer_config_finalize`); nothing else
+        depends on them, so nothing else changes."""
+        if self.scheduler is None:
+            raise ConfigError("scheduler: the config has no scheduler whose steps to set", key="scheduler")
+        self.scheduler.params.update(params)
+        raw = self._raw.get("scheduler")
+        if isinstance(raw, dict):
+            raw["params"] = {**(raw.get("params") or {}), **params}
+
     @property
     def unimplemented(self) -> dict[str, Any]:
         """DeepSpeed keys that were accepted but ignored: dotted key -> value."""

@@ -13,9 +13,12 @@ import argparse
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from zerotrain.command import CLIError, HelpFormatter, add_node_flags, max_world_size
+
+if TYPE_CHECKING:
+    from zerotrain.run.config import RunConfig
 
 __all__ = ["add_train_embedding_parser", "run_train_embedding", "worker_argv", "effective_embedding_config"]
 
@@ -133,6 +136,17 @@ def _config(args: argparse.Namespace, world: Optional[int] = None, steps: Option
     return config
 
 
+def _run_config(args: argparse.Namespace, world: int) -> "RunConfig":
+    """The run's `RunConfig`, built and parsed once: over --max-steps, or (--num-train-epochs alone) with the
+    schedule's step counts open until the pairs are read (`RunConfig.schedule_over`)."""
+    from zerotrain.config.hf_arguments import LATE_STEPS
+    from zerotrain.run.config import RunConfig
+    from zerotrain.train.flags import schedule_values
+
+    return RunConfig(_config(args, world=world, steps=LATE_STEPS if args.steps is None else None), world_size=world,
+                     steps=args.steps, fill=lambda steps: schedule_values(args, steps, defaults=DEFAULTS))
+
+
 def _epoch_steps(args: argparse.Namespace, global_batch: int, data: Any) -> int:
     """The optimizer steps --num-train-epochs makes over `data` from the start, in batches of `global_batch` queries:
     a decaying schedule's total_num_steps."""
@@ -156,12 +170,10 @@ def effective_embedding_config(args: argparse.Namespace) -> dict:
         if args.steps is not None or not args.data or args.data == ["stdlib"] or \
                 "needs its number of steps" not in str(exc):
             raise
-    from zerotrain.run.config import RunConfig
-
     from .data import load_pairs
 
     world = max_world_size(args)
-    config = RunConfig(lambda steps: _config(args, world=world, steps=steps), world_size=world, steps=1)
+    config = _run_config(args, world)
     config.schedule_over(_epoch_steps(args, config.global_batch, load_pairs(args.data, args.negatives)))
     return config.values
 
@@ -200,7 +212,6 @@ def run_train_embedding(args: argparse.Namespace) -> int:
     from zerotrain.config import ConfigError
     from zerotrain.data import BadRecordError
     from zerotrain.run import finish_run, start_run, stop_status
-    from zerotrain.run.config import RunConfig
     from zerotrain.trainer import Trainer
 
     from .data import DataPosition, load_pairs
@@ -228,8 +239,7 @@ def run_train_embedding(args: argparse.Namespace) -> int:
     # steps (a decaying schedule's total_num_steps) are known once the pairs are read. The run's config, built once
     # here (its schedule over a stand-in step count until then), gives the global batch those steps are counted in.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    config = RunConfig(lambda steps: _config(args, world=world_size, steps=steps), world_size=world_size,
-                       steps=args.steps or 1)
+    config = _run_config(args, world_size)
     if args.loss_chunk_size is not None and args.loss_chunk_size < 1:
         raise ConfigError(f"--loss-chunk-size must be >= 1, got {args.loss_chunk_size}", key="--loss-chunk-size")
     try:
@@ -327,7 +337,11 @@ def run_train_embedding(args: argparse.Namespace) -> int:
                 return None
             from .export import encode
             from .retrieval import retrieval_metrics
-            # every rank encodes (stage 3's forwards gather shards collectively); rank 0 reports
+            # Every rank encodes every held-out text (stage 3's forwards gather shards collectively) and computes the
+            # same metrics; rank 0 reports them. Not through the Trainer's one reduction (`reduce_step`) on purpose:
+            # recall@k and MRR rank each query against EVERY passage, so a rank's share of the queries is scored
+            # only once all passages' embeddings are on it (an all-gather of embeddings, not a sum), and the ranks
+            # hold the same texts: there is no per-rank sum to reduce, the metrics are identical on every rank.
             queries = encode(engine, tokenizer, [p["query"] for p in held_out], pooling,
                              max_length=args.max_length, batch_size=eval_batch, device=topology.device)
             passages = encode(engine, tokenizer, [p["positive"] for p in held_out], pooling,

@@ -309,8 +309,26 @@ class PipelineEngine(TrainingEngine):
         return self.engine.fp16_enabled()
 
     def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
-        raise NotImplementedError("a pipeline engine's weights in the training dtype: full_state_dict() gathers "
-                                  "every stage's (fp32) on global rank 0")
+        """DeepSpeed's: whole weights in the training dtype (the fp32 masters cast) plus persistent buffers, every
+        stage's, on global rank 0 ({} elsewhere; collective). `exclude_frozen_parameters`: without the parameters
+        that do not train (a LoRA base)."""
+        engine = self.engine
+        dtype = (torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled()
+                 else torch.float32)
+        own = engine.full_state_dict()  # this stage's fp32 masters, on its data-parallel rank 0 ({} elsewhere)
+        if own:
+            frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            own = {n: t.to(dtype) for n, t in own.items() if not (exclude_frozen_parameters and n in frozen)}
+            for module_name, sub in self.module.named_modules():
+                for name, buffer in sub.named_buffers(recurse=False):
+                    if buffer is not None and name not in sub._non_persistent_buffers_set:
+                        own.setdefault(f"{module_name}.{name}" if module_name else name, buffer.detach().cpu().clone())
+        stages = self.plan.pp_comm.all_gather_object(own)  # rank 0's pipeline group: every stage's dp rank 0
+        if self.topology.rank != 0:
+            return {}
+        return {name: tensor for stage in stages for name, tensor in stage.items()}
+
+    _zero3_consolidated_16bit_state_dict = consolidated_16bit_state_dict  # the name HF transformers calls
 
     def train(self, mode: bool = True) -> "PipelineEngine":
         self.module.train(mode)
@@ -426,10 +444,12 @@ class PipelineEngine(TrainingEngine):
         engine.step()
         return loss
 
-    def eval_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
+    def eval_batch(self, data_iter: Optional[Iterator] = None, *, aggregate: bool = True) -> torch.Tensor:
         """The mean loss over `gradient_accumulation_steps` micro-batches of `data_iter` (without one: of the
         iterator train_batch reads, which goes on from there), forward only, on every rank; `data_iter` is not
-        kept (DeepSpeed's eval_batch restores the training iterator)."""
+        kept (DeepSpeed's eval_batch restores the training iterator). `aggregate=False`: no collective for the
+        loss, this rank's own (as `train_batch`'s: the mean of its micro-batches' on a last-stage rank, 0
+        elsewhere), for a loop that reduces it with `zerotrain.trainer.reduce_step`."""
         if self.config.pipeline.schedule == "zbv_zero_bubble":
             # torch 2.13's ZBV runtime still steals backward inputs in a forward-only run (AssertionError)
             raise NotImplementedError("eval_batch with pipeline.schedule 'zbv_zero_bubble' is not available (torch's "
@@ -437,7 +457,7 @@ class PipelineEngine(TrainingEngine):
         was_training = self.module.training
         self.eval()
         try:
-            return self._run(data_iter, train=False)
+            return self._run(data_iter, train=False, aggregate=aggregate)
         finally:
             self.train(was_training)
 

@@ -16,11 +16,11 @@ import os
 from typing import Optional
 
 from zerotrain.command import PROG, CLIError
-from zerotrain.run.config import RunConfig, train_config
+from zerotrain.run.config import RunConfig, train_run_config
 from zerotrain.run.model import load_weights, lora_options, train_engine, train_model
 from zerotrain.train.flags import optimizer_from_flags
 
-__all__ = ["run_lm", "nothing_to_train", "DEFAULT_VAL_FRACTION"]
+__all__ = ["run_lm", "nothing_to_train", "start_notes", "LMData", "stdlib_data", "local_data", "DEFAULT_VAL_FRACTION"]
 
 # The share of the data held out for evaluation when nothing else says: the built-in corpus' tail; with --data, when
 # --eval-interval asks for evaluation without --eval-data or --val-fraction.
@@ -76,10 +76,9 @@ def run_lm(args: argparse.Namespace, config: Optional[RunConfig] = None) -> int:
     # The model and the data come before the engine, as in the HF Trainer: the steps --num-train-epochs makes are
     # known once the data is read, and the learning-rate schedule is laid out over them. The config, built once
     # here (or by the command, for this same world), fixes all the model needs (dtype, stage) and the batch; only
-    # the schedule's step counts wait for the data (a stand-in until then).
+    # the schedule's step counts wait for the data (open, "auto", until then: filled in place, no rebuild).
     if config is None or config.world_size != world_size:
-        config = RunConfig(lambda steps: train_config(args, world_size=world_size, hidden_size=hidden, steps=steps),
-                           world_size=world_size, steps=args.steps or 1)
+        config = train_run_config(args, world_size=world_size, hidden_size=hidden)
     dist.init_distributed(timeout=config.parsed.comm_timeout_seconds)
     dtype = training_dtype(config.parsed.precision)
     try:
@@ -89,9 +88,9 @@ def run_lm(args: argparse.Namespace, config: Optional[RunConfig] = None) -> int:
     try:
         world, rank = dist.get_world_size(), dist.get_rank()
         if args.data:
-            data = _local_sets(args, model, tokenizer, seq_len, dtype)
+            data = local_data(args, model, tokenizer, seq_len, dtype)
         else:
-            data = _stdlib_sets(args, seq_len)
+            data = stdlib_data(args, seq_len)
         global_batch = config.global_batch  # micro x accumulation x data-parallel ranks, as the engine has it
         steps_per_epoch = max(1, data.samples // global_batch)  # full global batches in one pass
         if args.steps is None:  # --num-train-epochs alone: the steps those passes make (the HF Trainer's max_steps)
@@ -149,7 +148,7 @@ def run_lm(args: argparse.Namespace, config: Optional[RunConfig] = None) -> int:
                 f"{args.steps / steps_per_epoch:.2f} epochs of {steps_per_epoch} steps",
                 flush=True,
             )
-            for line in _start_notes(args, model, lora):
+            for line in start_notes(args, model, lora):
                 print(line, flush=True)
         step, evaluator = None, None
         if int(config.parsed.pipeline_parallel_size) > 1:  # whole batches through train_batch (train.pipeline)
@@ -215,7 +214,7 @@ def _pipeline_step(args: argparse.Namespace, engine, loader, eval_loader, eval_b
     return step, evaluator
 
 
-def _start_notes(args: argparse.Namespace, model, lora) -> list[str]:
+def start_notes(args: argparse.Namespace, model, lora) -> list[str]:
     """Rank 0's lines after the start line: LoRA's trainable share (as peft's print_trainable_parameters says it,
     from its own count, partitioned parameters included) and where metrics go when --log-dir is not given."""
     notes = []
@@ -250,7 +249,7 @@ def _chat_tokens(args: argparse.Namespace, tokenizer) -> list[str]:
     return tokens
 
 
-class _Data:
+class LMData:
     """The run's data, read before the engine exists (`samples`: training samples in one pass, for the steps an
     epoch makes); `loaders` wires it to the engine's batch sizes and data-parallel position:
     ``(text, make_loader(consumed samples), eval loader, eval batches)``."""
@@ -260,7 +259,7 @@ class _Data:
         self.loaders = loaders
 
 
-def _stdlib_sets(args: argparse.Namespace, seq_len: int) -> _Data:
+def stdlib_data(args: argparse.Namespace, seq_len: int) -> LMData:
     """The demo's data: the standard library's source as bytes, in (input_ids, labels) blocks."""
     from zerotrain.data import TokenBlockDataset, load_stdlib_corpus, split
 
@@ -289,7 +288,7 @@ def _stdlib_sets(args: argparse.Namespace, seq_len: int) -> _Data:
         # The Trainer skips the batches a resumed run consumed (this sampler does not know its position).
         return f"corpus {tokens.numel():,} bytes", (lambda consumed: loader), eval_loader, args.eval_batches
 
-    return _Data(len(train_set), loaders)
+    return LMData(len(train_set), loaders)
 
 
 def _causal_blocks(items: list) -> dict:
@@ -300,7 +299,7 @@ def _causal_blocks(items: list) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-def _local_sets(args: argparse.Namespace, model, tokenizer, seq_len: int, dtype) -> _Data:
+def local_data(args: argparse.Namespace, model, tokenizer, seq_len: int, dtype) -> LMData:
     """--data / --eval-data through zerotrain.data: tokenized once per node (cached), packed or padded."""
     from zerotrain import dist
     from zerotrain.comm import Comm
@@ -352,7 +351,7 @@ def _local_sets(args: argparse.Namespace, model, tokenizer, seq_len: int, dtype)
             text += ", no evaluation (give --eval-data or --val-fraction)"
         return text, make_loader, eval_loader, eval_batches
 
-    return _Data(len(train.dataset), loaders)
+    return LMData(len(train.dataset), loaders)
 
 
 def _eval_set(args: argparse.Namespace, train, build):

@@ -101,6 +101,8 @@ def train_engine(model, config: ConfigArg, lora=None, decay_groups: bool = False
     biases and norm weights, where the weight decay is not 0 (with 0 one group, the same steps)."""
     import zerotrain
 
+    if isinstance(config, RunConfig) and not config.scheduled:
+        raise ValueError("train_engine: the run's schedule is not laid over its steps yet (RunConfig.schedule_over)")
     values = config.values if isinstance(config, RunConfig) else config
     weight_decay = ((values.get("optimizer") or {}).get("params") or {}).get("weight_decay", 0.0)
     groups = weight_decay_groups(model, weight_decay) if decay_groups and weight_decay else None

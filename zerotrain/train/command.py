@@ -275,7 +275,7 @@ def check_train_args(args: argparse.Namespace) -> Optional["RunConfig"]:
         # Validate the whole config once, for the world size the job will have, so a bad
         # key fails here instead of in every worker.
         from zerotrain.monitor import check_monitor_libraries
-        from zerotrain.run.config import RunConfig, train_config
+        from zerotrain.run.config import train_run_config
         from zerotrain.command import max_world_size, multi_node
         world = max_world_size(args)
         pipeline = args.pipeline_parallel_size or 1
@@ -285,9 +285,8 @@ def check_train_args(args: argparse.Namespace) -> Optional["RunConfig"]:
         from zerotrain.config.base import quiet_warnings
         # launching ranks: their rank 0 shows the config's warnings, once for the job (this check only errors)
         with quiet_warnings() if args.nproc > 1 or multi_node(args) else contextlib.nullcontext():
-            # the steps: once the data is read (--num-train-epochs alone), a stand-in until then
-            config = RunConfig(lambda steps: train_config(args, world_size=world, steps=steps), world_size=world,
-                               steps=args.steps or 1)
+            # the steps: once the data is read (--num-train-epochs alone), the schedule's counts open until then
+            config = train_run_config(args, world_size=world)
             check_monitor_libraries(config.parsed)
         return config
     return None

@@ -14,7 +14,7 @@ import json
 import os
 from typing import Any, Optional
 
-__all__ = ["HF_FLAGS", "flag_defaults", "add_training_flags", "add_fp8_flag", "training_arguments", "effective_config", "write_effective_config",
+__all__ = ["HF_FLAGS", "flag_defaults", "add_training_flags", "add_fp8_flag", "training_arguments", "effective_config", "schedule_values", "write_effective_config",
            "EFFECTIVE_CONFIG"]
 
 EFFECTIVE_CONFIG = "effective_config.json"  # the file in the run directory
@@ -160,6 +160,14 @@ def effective_config(args: argparse.Namespace, *, world_size: int, num_training_
         else:
             config["scheduler"] = block
     return _with_fp8(_with_checkpointing(config, args), args)
+
+
+def schedule_values(args: argparse.Namespace, steps: int, defaults: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """The schedule's step counts (`hf_arguments.STEP_KEYS`, dotted) for `steps` optimizer steps of these
+    arguments: what fills a config `effective_config` built with `LATE_STEPS` once the run's steps are known."""
+    from zerotrain.config.hf_arguments import schedule_values as values_for
+
+    return values_for({**(defaults or {}), **training_arguments(args)}, steps)
 
 
 def optimizer_from_flags(args: argparse.Namespace) -> bool:

@@ -12,9 +12,10 @@ the one that carries the stop flag: a stop signal ends a pipeline run at the nex
 
 `PipelineEvaluator` is the Trainer's `evaluator` with a pipeline: the evaluation micro-batches (the eval loader's
 first `batches`, rounded down to whole batches of `gradient_accumulation_steps`: the schedule runs a fixed number
-of micro-batches) go through the engine's `eval_batch` (every stage runs its forwards, the loss is the last
-stage's, averaged over the data-parallel ranks and broadcast); the mean over those batches is the mean of the
-micro-batch losses, the `eval_loss` the Trainer's own evaluation reports without a pipeline.
+of micro-batches) go through the engine's `eval_batch(aggregate=False)` (every stage runs its forwards, the loss
+is the last stage's, kept local), and the sums go through the Trainer's one reduction (`reduce_step`, as its own
+evaluation's): the mean over every data-parallel rank's batches is the mean of the micro-batch losses, the
+`eval_loss` the Trainer's own evaluation reports without a pipeline.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 from zerotrain.pipe.hf import pipeline_inputs
-from zerotrain.trainer import Batches, StepResult
+from zerotrain.trainer import Batches, StepResult, reduce_step
 
 __all__ = ["PipelineEvaluator", "PipelineLMStep", "eval_micro_batches", "pad_batch"]
 
@@ -111,7 +112,11 @@ class PipelineEvaluator:
             batches = iter(self.loader)
             micro = (_micro_batch(next(batches), self.seq_len, engine.device) for _ in range(self.batches))
         calls = self.batches // int(engine.gradient_accumulation_steps())
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=engine.device)
         for _ in range(calls):  # each the mean of its micro-batches, the same count each: their mean is the mean
-            total += float(engine.eval_batch(micro))
-        return {"eval_loss": total / calls}
+            total += engine.eval_batch(micro, aggregate=False).detach().to(torch.float64)
+        # the one reduction path (the Trainer's evaluation's too): the last stage's ranks hold the sums of their
+        # batches' means, weighed by their count; the other stages add nothing
+        weight = float(calls) if engine.is_last_stage() else 0.0
+        reduced = reduce_step(StepResult(loss=total, lr=float("nan"), tokens=0, loss_weight=weight), device=engine.device)
+        return {"eval_loss": reduced.loss}
