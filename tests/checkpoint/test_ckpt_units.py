@@ -335,3 +335,62 @@ def test_read_header_gives_each_tensors_dtype_and_shape(tmp_path):
         else:
             with pytest.raises(CheckpointError, match="corrupt safetensors header"):
                 read_header(str(tmp_path / "big.safetensors"))
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])  # whole blocks O_DIRECT + partial blocks buffered; all buffered
+def test_placed_writers_fill_one_file_in_place_and_their_runs_join_into_its_crc32(tmp_path, monkeypatch, direct):
+    # two writers (as two ranks of a save without the exchange, #50) write interleaved runs of one file at
+    # offsets that share blocks, through 3-block buffers (runs cross buffers); every byte lands once in place,
+    # and the runs' crc32s joined with crc32_combine are the file's crc32
+    from zerotrain.checkpoint.directio import PlacedWriter
+    from zerotrain.checkpoint.format import crc32
+    from zerotrain.checkpoint.integrity import join_runs
+    monkeypatch.setenv("ZEROTRAIN_CHECKPOINT_ODIRECT", direct)
+    data = np.random.default_rng(0).integers(0, 256, 100_003, dtype=np.uint8).tobytes()
+    cuts = [0, 5, 4096, 4099, 9000, 20_480, 20_481, 50_000, 50_001, 61_440, 99_999, 100_003]
+    path = str(tmp_path / "shared.safetensors")
+    writers = [PlacedWriter(crc32, buffer_bytes=3 * 4096) for _ in range(2)]
+    for writer in writers:
+        writer.open(path, len(data))
+    for index, (start, stop) in enumerate(zip(cuts, cuts[1:])):
+        writer = writers[index % 2]
+        writer.begin(path, start)
+        middle = (start + stop) // 2  # two writes per run, the second continuing the first
+        writer.write(data[start:middle])
+        writer.write(memoryview(data)[middle:stop])
+    writers[0].begin(path, 100_003)  # a run begun where the writer's last one ended joins it: no new run
+    runs = [run for writer in writers for run in writer.close()]
+    assert open(path, "rb").read() == data
+    assert len(runs) == len(cuts) - 1 and sorted(run[2] for run in runs) == sorted(b - a for a, b in zip(cuts, cuts[1:]))
+    named = [("shared.safetensors", offset, length, crc) for _, offset, length, crc in runs]
+    assert join_runs(str(tmp_path), {"shared.safetensors": len(data)}, named) == {"shared.safetensors": zlib.crc32(data)}
+
+
+def test_join_runs_names_the_file_a_save_did_not_cover_exactly(tmp_path):
+    from zerotrain.checkpoint.integrity import join_runs
+    data = bytes(range(256)) * 4
+    runs = [("f", 0, 100, zlib.crc32(data[:100])), ("f", 100, 924, zlib.crc32(data[100:]))]
+    assert join_runs("d", {"f": 1024}, runs) == {"f": zlib.crc32(data)}
+    with pytest.raises(CheckpointError, match=r"d/f: bytes 100 to 200 of 1024 were written by no rank"):
+        join_runs("d", {"f": 1024}, [runs[0], ("f", 200, 824, 0)])
+    with pytest.raises(CheckpointError, match=r"d/f: bytes 90 to 100 of 1024 were written twice"):
+        join_runs("d", {"f": 1024}, [runs[0], ("f", 90, 934, 0)])
+    with pytest.raises(CheckpointError, match=r"d/f: bytes 100 to 1024 of 1024 were written by no rank"):
+        join_runs("d", {"f": 1024}, runs[:1])
+    with pytest.raises(CheckpointError, match=r"d/f: written to byte 1030, past its 1024 bytes"):
+        join_runs("d", {"f": 1024}, [runs[0], ("f", 100, 930, 0)])
+    with pytest.raises(CheckpointError, match=r"d/g: written, but not a file of the save plan"):
+        join_runs("d", {"f": 1024}, runs + [("g", 0, 1, 0)])
+    with pytest.raises(CheckpointError, match=r"d/f: bytes 0 to 1024 of 1024 were written by no rank"):
+        join_runs("d", {"f": 1024}, [])
+
+
+def test_a_zero_3_plan_moves_no_bytes():
+    # ZeRO-3 (every tensor split over the ranks) used to send about half of every rank's bytes to the tensor's
+    # writer (#50); now each rank writes its own pieces in place, so nothing is exchanged (tensor-parallel
+    # split tensors still are: tests/checkpoint/test_ckpt_tensor_parallel.py)
+    shapes = {f"layer{i}.weight": (64, 48) for i in range(6)}
+    plan = build_plan(_layouts(2, shapes, split_each=True))
+    assert all(t.in_place for t in plan.tensors.values())
+    assert sum(sum(row) for rnd in plan.splits for row in rnd) == 0
+    assert all(not list(plan.transfers(i, s, r)) for i in range(len(plan.rounds)) for s in range(2) for r in range(2))

@@ -1,4 +1,4 @@
-"""The write path: several exchange rounds and several files per writer still load exactly; host buffers are reused."""
+"""The write path: in-place writes into several files per writer (no exchange) load exactly; host buffers are reused."""
 from __future__ import annotations
 
 import json
@@ -73,7 +73,9 @@ def small_rounds_and_files(save_dir: str) -> dict:
 def test_many_rounds_and_files_per_writer_load_exactly(tmp_path):
     results = run_distributed(small_rounds_and_files, 2, str(tmp_path / "ckpt"))
     out = results[0]
-    assert out["rounds"] >= 3 and all(r["exchanges"] >= 3 for r in results), (out["rounds"], results[1]["exchanges"])
+    # no bytes move between ranks: each writes its own pieces in place in the shared files (#50); the files'
+    # crc32s, joined from every rank's runs, are checked by verify_checkpoint and the verified load below
+    assert out["rounds"] >= 3 and all(r["exchanges"] == 0 for r in results), (out["rounds"], results[1]["exchanges"])
     counts = out["files_per_writer"]  # both ranks write; one writes several model and optimizer files
     assert all((writer, "model") in counts for writer in (0, 1)), counts
     assert any(counts[(w, "model")] >= 2 and counts[(w, "optimizer")] >= 2 for w in (0, 1)), counts
