@@ -373,6 +373,8 @@ def test_join_runs_names_the_file_a_save_did_not_cover_exactly(tmp_path):
     assert join_runs("d", {"f": 1024}, runs) == {"f": zlib.crc32(data)}
     with pytest.raises(CheckpointError, match=r"d/f: bytes 100 to 200 of 1024 were written by no rank"):
         join_runs("d", {"f": 1024}, [runs[0], ("f", 200, 824, 0)])
+    with pytest.raises(CheckpointError, match=r"d/f: bytes 300 to 310 of 1024 were written by no rank"):
+        join_runs("d", {"f": 1024}, [runs[0], ("f", 100, 200, 0), ("f", 310, 714, 0)])  # after the 2nd run
     with pytest.raises(CheckpointError, match=r"d/f: bytes 90 to 100 of 1024 were written twice"):
         join_runs("d", {"f": 1024}, [runs[0], ("f", 90, 934, 0)])
     with pytest.raises(CheckpointError, match=r"d/f: bytes 100 to 1024 of 1024 were written by no rank"):
@@ -394,3 +396,12 @@ def test_a_zero_3_plan_moves_no_bytes():
     assert all(t.in_place for t in plan.tensors.values())
     assert sum(sum(row) for rnd in plan.splits for row in rnd) == 0
     assert all(not list(plan.transfers(i, s, r)) for i in range(len(plan.rounds)) for s in range(2) for r in range(2))
+
+
+def test_a_file_whose_checksum_pieces_do_not_start_at_its_first_byte_is_not_judged():
+    # corrupt_files judges only a file its pieces cover exactly: a piece as long as the file but starting past
+    # byte 0 (a rank's share gone wrong) leaves the verdict to that rank's own error
+    share = {"files": {"f": [4, "00000000"]}, "pieces": [("f", 1, 4, 5)]}
+    assert check_pieces("d", [share]) is None
+    share["pieces"] = [("f", 0, 4, 5)]
+    assert "d/f: checksum mismatch (crc32 00000005, manifest says 00000000)" in check_pieces("d", [share])
