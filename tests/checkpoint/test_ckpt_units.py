@@ -405,3 +405,18 @@ def test_a_file_whose_checksum_pieces_do_not_start_at_its_first_byte_is_not_judg
     assert check_pieces("d", [share]) is None
     share["pieces"] = [("f", 0, 4, 5)]
     assert "d/f: checksum mismatch (crc32 00000005, manifest says 00000000)" in check_pieces("d", [share])
+
+
+def test_a_page_cache_read_past_the_end_of_a_file_names_it(tmp_path):
+    # a load's copy out of the page cache (SharedFiles.read_into) of a file shorter than the plan says: an error
+    # naming the file and the byte where it ends, not a read that waits forever for bytes that never come
+    from zerotrain.checkpoint.directio import SharedFiles
+    path = str(tmp_path / "short.bin")
+    with open(path, "wb") as handle:
+        handle.write(bytes(range(100)))
+    buffer = bytearray(10)
+    with SharedFiles() as files:
+        files.read_into(path, 90, buffer)
+        assert bytes(buffer) == bytes(range(90, 100))
+        with pytest.raises(OSError, match=r"short.bin: file ends at byte 100, needed bytes up to 105"):
+            files.read_into(path, 95, buffer)
