@@ -575,7 +575,10 @@ def main(argv=None) -> int:
                 if extra.name != "sync0":  # only sync0 is loaded again: the rest goes now (a 1b row is 12 GB each)
                     shutil.rmtree(extra, ignore_errors=True) if extra.is_dir() else extra.unlink()
         loadable = [e for e in engines if (root / LOAD_ONLY.get(e, e) / "sync0").is_dir()]
-        for index in range(args.load_rounds):
+        if args.load_rounds and not loadable:
+            print(f"--load-rounds: no checkpoint to load under {root} (the main phase writes them: drop --no-main, "
+                  f"or use --load-only --dir D of a --keep run)", file=sys.stderr)
+        for index in range(args.load_rounds if loadable else 0):
             order = loadable[index % len(loadable):] + loadable[:index % len(loadable)]
             for engine in order:
                 result = launch(engine, "load", 2, args, root)

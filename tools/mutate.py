@@ -139,9 +139,12 @@ COVERING: dict[str, list[str]] = {
         "tests/offload/test_cpu_adam.py::test_offload_update_runs_the_kernel_and_keeps_the_reduced_gradient",
         "tests/offload/test_offload_nvme_bf16.py", "tests/offload/test_offload_parity.py",
         "tests/offload/test_offload_overflow.py::test_fp16_overflow_rolls_back_speculation_exactly[2]"],
-    # world 2: rounds and files, a failed commit; out of space; TP slices joined; LoCo files; bf16's master files
+    # in-process: PlacedWriter runs and join_runs (#50); world 2: in-place writes into several files, a failed
+    # commit; out of space; one rank's failure named (async); TP slices joined; LoCo files; bf16's master files
     "zerotrain/checkpoint/write.py": [
+        "tests/checkpoint/test_ckpt_units.py",
         "tests/checkpoint/test_ckpt_write.py", "tests/checkpoint/test_ckpt_disk_full.py",
+        "tests/checkpoint/test_ckpt_async.py::test_async_save_overlaps_training_and_surfaces_errors",
         "tests/checkpoint/test_ckpt_tensor_parallel.py::test_tp2_checkpoint_holds_whole_tensors_and_resumes_at_tp1",
         "tests/zero/test_loco_resume.py",
         "tests/checkpoint/test_ckpt_resume.py::test_resume_across_world_sizes_and_stages[bf16-w2s3-w4s1-w1s0]"],

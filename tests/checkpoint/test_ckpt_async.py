@@ -13,7 +13,7 @@ def async_run(save_dir: str) -> dict:
     from zerotrain.checkpoint import CheckpointError
 
     rank = int(os.environ["RANK"])
-    original = write.SaveJob._write_round
+    original = write.SaveJob._write_in_place
     out: dict = {}
     engine = make_engine(stage=2, async_save=True)
     train(engine, 0, 2)
@@ -23,7 +23,7 @@ def async_run(save_dir: str) -> dict:
         time.sleep(0.5)
         return original(self, *args, **kwargs)
 
-    write.SaveJob._write_round = slow
+    write.SaveJob._write_in_place = slow
     started = time.perf_counter()
     path = engine.save_checkpoint(save_dir, tag="async")
     out["returned_after"] = time.perf_counter() - started
@@ -33,7 +33,7 @@ def async_run(save_dir: str) -> dict:
     engine.wait_checkpoint()
     out["committed"] = os.path.exists(os.path.join(path, "manifest.json"))
     out["latest"] = open(os.path.join(save_dir, "latest")).read()
-    write.SaveJob._write_round = original
+    write.SaveJob._write_in_place = original
     fresh = make_engine(stage=1, seed=9)
     fresh.load_checkpoint(save_dir)
     out["loaded"], out["at_save"] = fresh.full_state_dict(), at_save
@@ -44,7 +44,7 @@ def async_run(save_dir: str) -> dict:
         return original(self, *args, **kwargs)
 
     # A failed background write surfaces on a following engine.step(), on every rank at the same step.
-    write.SaveJob._write_round = broken
+    write.SaveJob._write_in_place = broken
     engine.save_checkpoint(save_dir, tag="broken")
     out["step_error"] = None
     for attempt in range(200):
@@ -60,7 +60,7 @@ def async_run(save_dir: str) -> dict:
         out["wait_error"] = None
     except CheckpointError as error:
         out["wait_error"] = str(error)
-    write.SaveJob._write_round = original
+    write.SaveJob._write_in_place = original
     engine.wait_checkpoint()  # nothing pending, nothing raised twice
     # A client_state that cannot be stored is refused on every rank before anything is written.
     try:

@@ -40,7 +40,7 @@ def async_nvme_run(root: str) -> dict:
     assert engine.memory_report()["offload_param"]["nvme"] > 0  # the shards are in an NVMe parameter store
     train(engine, 0, 2)
     at_save, state_at_save = engine.full_state_dict(), optimizer_state(engine)
-    complete, write_round = snapshot.Sources.complete, write.SaveJob._write_round
+    complete, write_round = snapshot.Sources.complete, write.SaveJob._write_in_place
     deferred = []
 
     def slow_complete(self):
@@ -52,7 +52,7 @@ def async_nvme_run(root: str) -> dict:
         time.sleep(0.3)
         return write_round(self, *args, **kwargs)
 
-    snapshot.Sources.complete, write.SaveJob._write_round = slow_complete, slow_round
+    snapshot.Sources.complete, write.SaveJob._write_in_place = slow_complete, slow_round
     try:
         path = engine.save_checkpoint(save_dir, tag="async")
         with zerotrain.zero.GatheredParameters([engine.module.fc1.weight], modifier_rank=0):
@@ -65,7 +65,7 @@ def async_nvme_run(root: str) -> dict:
         moved = engine.full_state_dict()
         engine.wait_checkpoint()
     finally:
-        snapshot.Sources.complete, write.SaveJob._write_round = complete, write_round
+        snapshot.Sources.complete, write.SaveJob._write_in_place = complete, write_round
     stats = engine.work_stats()["param_store"]
     engine.close()
     fresh = nvme_engine(os.path.join(root, f"nvme_b{rank}"), seed=123)  # other initial weights

@@ -335,3 +335,88 @@ def test_read_header_gives_each_tensors_dtype_and_shape(tmp_path):
         else:
             with pytest.raises(CheckpointError, match="corrupt safetensors header"):
                 read_header(str(tmp_path / "big.safetensors"))
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])  # whole blocks O_DIRECT + partial blocks buffered; all buffered
+def test_placed_writers_fill_one_file_in_place_and_their_runs_join_into_its_crc32(tmp_path, monkeypatch, direct):
+    # two writers (as two ranks of a save without the exchange, #50) write interleaved runs of one file at
+    # offsets that share blocks, through 3-block buffers (runs cross buffers); every byte lands once in place,
+    # and the runs' crc32s joined with crc32_combine are the file's crc32
+    from zerotrain.checkpoint.directio import PlacedWriter
+    from zerotrain.checkpoint.format import crc32
+    from zerotrain.checkpoint.integrity import join_runs
+    monkeypatch.setenv("ZEROTRAIN_CHECKPOINT_ODIRECT", direct)
+    data = np.random.default_rng(0).integers(0, 256, 100_003, dtype=np.uint8).tobytes()
+    cuts = [0, 5, 4096, 4099, 9000, 20_480, 20_481, 50_000, 50_001, 61_440, 99_999, 100_003]
+    path = str(tmp_path / "shared.safetensors")
+    writers = [PlacedWriter(crc32, buffer_bytes=3 * 4096) for _ in range(2)]
+    for writer in writers:
+        writer.open(path, len(data))
+    for index, (start, stop) in enumerate(zip(cuts, cuts[1:])):
+        writer = writers[index % 2]
+        writer.begin(path, start)
+        middle = (start + stop) // 2  # two writes per run, the second continuing the first
+        writer.write(data[start:middle])
+        writer.write(memoryview(data)[middle:stop])
+    writers[0].begin(path, 100_003)  # a run begun where the writer's last one ended joins it: no new run
+    runs = [run for writer in writers for run in writer.close()]
+    assert open(path, "rb").read() == data
+    assert len(runs) == len(cuts) - 1 and sorted(run[2] for run in runs) == sorted(b - a for a, b in zip(cuts, cuts[1:]))
+    named = [("shared.safetensors", offset, length, crc) for _, offset, length, crc in runs]
+    assert join_runs(str(tmp_path), {"shared.safetensors": len(data)}, named) == {"shared.safetensors": zlib.crc32(data)}
+
+
+def test_join_runs_names_the_file_a_save_did_not_cover_exactly(tmp_path):
+    from zerotrain.checkpoint.integrity import join_runs
+    data = bytes(range(256)) * 4
+    runs = [("f", 0, 100, zlib.crc32(data[:100])), ("f", 100, 924, zlib.crc32(data[100:]))]
+    assert join_runs("d", {"f": 1024}, runs) == {"f": zlib.crc32(data)}
+    with pytest.raises(CheckpointError, match=r"d/f: bytes 100 to 200 of 1024 were written by no rank"):
+        join_runs("d", {"f": 1024}, [runs[0], ("f", 200, 824, 0)])
+    with pytest.raises(CheckpointError, match=r"d/f: bytes 300 to 310 of 1024 were written by no rank"):
+        join_runs("d", {"f": 1024}, [runs[0], ("f", 100, 200, 0), ("f", 310, 714, 0)])  # after the 2nd run
+    with pytest.raises(CheckpointError, match=r"d/f: bytes 90 to 100 of 1024 were written twice"):
+        join_runs("d", {"f": 1024}, [runs[0], ("f", 90, 934, 0)])
+    with pytest.raises(CheckpointError, match=r"d/f: bytes 100 to 1024 of 1024 were written by no rank"):
+        join_runs("d", {"f": 1024}, runs[:1])
+    with pytest.raises(CheckpointError, match=r"d/f: written to byte 1030, past its 1024 bytes"):
+        join_runs("d", {"f": 1024}, [runs[0], ("f", 100, 930, 0)])
+    with pytest.raises(CheckpointError, match=r"d/g: written, but not a file of the save plan"):
+        join_runs("d", {"f": 1024}, runs + [("g", 0, 1, 0)])
+    with pytest.raises(CheckpointError, match=r"d/f: bytes 0 to 1024 of 1024 were written by no rank"):
+        join_runs("d", {"f": 1024}, [])
+
+
+def test_a_zero_3_plan_moves_no_bytes():
+    # ZeRO-3 (every tensor split over the ranks) used to send about half of every rank's bytes to the tensor's
+    # writer (#50); now each rank writes its own pieces in place, so nothing is exchanged (tensor-parallel
+    # split tensors still are: tests/checkpoint/test_ckpt_tensor_parallel.py)
+    shapes = {f"layer{i}.weight": (64, 48) for i in range(6)}
+    plan = build_plan(_layouts(2, shapes, split_each=True))
+    assert all(t.in_place for t in plan.tensors.values())
+    assert sum(sum(row) for rnd in plan.splits for row in rnd) == 0
+    assert all(not list(plan.transfers(i, s, r)) for i in range(len(plan.rounds)) for s in range(2) for r in range(2))
+
+
+def test_a_file_whose_checksum_pieces_do_not_start_at_its_first_byte_is_not_judged():
+    # corrupt_files judges only a file its pieces cover exactly: a piece as long as the file but starting past
+    # byte 0 (a rank's share gone wrong) leaves the verdict to that rank's own error
+    share = {"files": {"f": [4, "00000000"]}, "pieces": [("f", 1, 4, 5)]}
+    assert check_pieces("d", [share]) is None
+    share["pieces"] = [("f", 0, 4, 5)]
+    assert "d/f: checksum mismatch (crc32 00000005, manifest says 00000000)" in check_pieces("d", [share])
+
+
+def test_a_page_cache_read_past_the_end_of_a_file_names_it(tmp_path):
+    # a load's copy out of the page cache (SharedFiles.read_into) of a file shorter than the plan says: an error
+    # naming the file and the byte where it ends, not a read that waits forever for bytes that never come
+    from zerotrain.checkpoint.directio import SharedFiles
+    path = str(tmp_path / "short.bin")
+    with open(path, "wb") as handle:
+        handle.write(bytes(range(100)))
+    buffer = bytearray(10)
+    with SharedFiles() as files:
+        files.read_into(path, 90, buffer)
+        assert bytes(buffer) == bytes(range(90, 100))
+        with pytest.raises(OSError, match=r"short.bin: file ends at byte 100, needed bytes up to 105"):
+            files.read_into(path, 95, buffer)

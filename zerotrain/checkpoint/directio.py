@@ -7,7 +7,12 @@ writes ran at 2.1 GB/s every time. Reading a file that is not cached: buffered 0
 GB/s, O_DIRECT 1.1 GB/s (0.88 GB/s with crc32). A checkpoint is written once, must be
 fsynced, and is read back once, so the page cache only costs memory and time.
 
-`DurableFile` writes sequentially through two aligned buffers (the bytes are copied
+A save writes through `PlacedWriter`: every rank writes its own pieces at their offsets in files the
+other ranks write too (no exchange of bytes between ranks), through the same two aligned buffers and
+writer thread as `DurableFile`; a run's whole blocks go O_DIRECT, the partial block at either end of a
+run (shared with another rank's run) through the page cache, so no block is written both ways.
+
+`DurableFile` (files written by one process: merges, conversions, LoCo buffers) writes sequentially through two aligned buffers (the bytes are copied
 into one, a memcpy far faster than the disk, while the file's writer thread computes
 the other's crc32 and writes it: copy, checksum and disk overlap); the last partial
 block is written padded and the file truncated to its real length. `DirectReader` reads any byte
@@ -33,7 +38,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Optional
 
-_BLOCK = 4096
+_BLOCK = max(4096, mmap.PAGESIZE)  # O_DIRECT's alignment, and a page: no page is written both ways
 _BUFFER = 8 << 20
 _BUFFERS = 2       # a DurableFile's aligned buffers: one filled by the caller while the other is written
 READ_THREADS = 4   # concurrent reads per rank while a load applies cold (without checks): the disk's queue depth
@@ -158,6 +163,172 @@ class DurableFile:
         self._pending = [None] * _BUFFERS
         os.close(self._fd)
         self._fd = None
+        for view, buffer in zip(self._views, self._buffers):
+            view.release()
+            buffer.close()
+
+
+def with_path(error: OSError, path: str) -> OSError:
+    """`error` naming `path` (raw writes and truncations on a descriptor carry no file name)."""
+    return error if error.filename else OSError(error.errno, error.strerror, path)
+
+
+class PlacedWriter:
+    """One process's byte runs written in place into files that other processes write too (a save without
+    the ZeRO-3 exchange: every rank writes its own pieces at their offsets in the shared files).
+
+    `open(path, size)` creates the file if needed and sets its length (every writer sets the same one, so no
+    writer ever cuts another's bytes; the file is never truncated below it); `begin(path, offset)` starts a
+    run, `write(data)` appends to it, and `close()` fsyncs every file this process wrote and returns one
+    (file path, offset, length, crc32) per run. The bytes are copied into one of two aligned buffers; the
+    writer thread computes the crc32 and writes the other one, so copy, checksum and disk overlap as in
+    `DurableFile`. With O_DIRECT, the whole blocks of a run go through the direct descriptor; a run's first
+    and last partial block (which another process's run shares) go through an ordinary descriptor (page
+    cache), so no block is ever written both ways or by two direct writes; the fsync covers both.
+    An error of the writer thread is raised by the next `write`, `begin` or by `close`.
+    """
+
+    def __init__(self, crc32: Callable, buffer_bytes: int = _BUFFER):
+        if buffer_bytes % _BLOCK:
+            raise ValueError(f"PlacedWriter: buffer_bytes {buffer_bytes} is not a multiple of {_BLOCK}")
+        self._crc32 = crc32
+        self._size = buffer_bytes
+        self._files: dict[str, tuple[int, Optional[int]]] = {}  # path -> (buffered fd, direct fd or None)
+        self._runs: list[list] = []  # [path, offset, length, crc32] per run, in the order begun
+        self._buffers = [mmap.mmap(-1, buffer_bytes) for _ in range(_BUFFERS)]
+        self._views = [memoryview(buffer) for buffer in self._buffers]
+        self._pending: list = [None] * _BUFFERS
+        self._current = 0
+        self._run: Optional[list] = None
+        self._base = 0   # the file offset of the current buffer's first byte (block-aligned)
+        self._used = 0   # bytes of the current buffer filled, counted from its first byte
+        self._start = 0  # where this buffer's data begins (a run that begins inside a block)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerotrain-write")
+
+    def open(self, path: str, size: int) -> None:
+        """Create `path` if it is not there and give it `size` bytes (a hole until written)."""
+        if path in self._files:
+            return
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        direct = None
+        try:
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)
+            if _direct_enabled():
+                try:
+                    direct = os.open(path, os.O_WRONLY | os.O_DIRECT)
+                except OSError:
+                    direct = None  # the filesystem refuses O_DIRECT: everything through the page cache
+        except OSError as error:
+            os.close(fd)
+            raise with_path(error, path) from error
+        self._files[path] = (fd, direct)
+
+    def begin(self, path: str, offset: int) -> None:
+        """Start a run at byte `offset` of `path` (opened); the previous run ends here, unless this one
+        continues it (same file, the next byte): then the bytes join it, with no partial block between."""
+        run = self._run
+        if run is not None and run[0] == path and run[1] + run[2] == offset:
+            return
+        self.end()
+        self._run = [path, offset, 0, 0]
+        self._runs.append(self._run)
+        self._base = offset - offset % _BLOCK
+        self._start = self._used = offset - self._base
+
+    def write(self, data) -> None:
+        """Append `data` (bytes-like) to the current run."""
+        data = memoryview(data).cast("B")
+        self._run[2] += len(data)
+        while len(data):
+            take = min(len(data), self._size - self._used)
+            self._views[self._current][self._used:self._used + take] = data[:take]
+            self._used += take
+            data = data[take:]
+            if self._used == self._size:
+                self._submit()
+
+    def end(self) -> None:
+        """Hand the current run's last partial buffer to the writer thread."""
+        if self._run is not None and self._used > self._start:
+            self._submit()
+        self._run = None
+
+    def _submit(self) -> None:
+        index, run = self._current, self._run
+        fds = self._files[run[0]]
+        self._pending[index] = self._writer.submit(self._flush, self._views[index], fds, run, self._base,
+                                                   self._start, self._used)
+        self._current = (index + 1) % _BUFFERS
+        self._base += self._size
+        self._start = self._used = 0
+        self._wait(self._current)
+
+    def _wait(self, index: int) -> None:
+        future, self._pending[index] = self._pending[index], None
+        if future is not None:
+            future.result()
+
+    def _flush(self, view: memoryview, fds: tuple, run: list, base: int, start: int, stop: int) -> None:
+        """The writer thread: crc32 of bytes [start, stop) of the buffer (the run's next bytes), then their
+        writes: whole blocks direct, the partial blocks at either end through the page cache."""
+        run[3] = self._crc32(view[start:stop], run[3])  # one thread, buffers in order: the run's crc32
+        buffered, direct = fds
+        if direct is None:
+            self._pwrite(buffered, view, start, stop, base, run[0])
+            return
+        first = -(-start // _BLOCK) * _BLOCK
+        last = stop - stop % _BLOCK
+        if first >= last:
+            self._pwrite(buffered, view, start, stop, base, run[0])
+            return
+        if start < first:
+            self._pwrite(buffered, view, start, first, base, run[0])
+        self._pwrite(direct, view, first, last, base, run[0])
+        if last < stop:
+            self._pwrite(buffered, view, last, stop, base, run[0])
+
+    @staticmethod
+    def _pwrite(fd: int, view: memoryview, start: int, stop: int, base: int, path: str) -> None:
+        while start < stop:
+            try:
+                count = os.pwrite(fd, view[start:stop], base + start)
+            except OSError as error:
+                raise with_path(error, path) from error
+            if count <= 0:
+                raise OSError(f"{path}: write returned {count}")
+            start += count
+
+    def close(self) -> list[tuple[str, int, int, int]]:
+        """Finish the last run, fsync every file, close them; (path, offset, length, crc32) of every run."""
+        try:
+            self.end()
+            for index in range(_BUFFERS):
+                self._wait(index)
+            for path, (buffered, _) in self._files.items():
+                try:
+                    os.fsync(buffered)  # the file's dirty pages (this process's partial blocks) and its length
+                except OSError as error:
+                    raise with_path(error, path) from error
+        finally:
+            self._release()
+        return [tuple(run) for run in self._runs]
+
+    def abort(self) -> None:
+        """Stop without fsyncing (the save failed; its directory is removed)."""
+        self._release()
+
+    def _release(self) -> None:
+        if self._writer is None:
+            return
+        self._writer.shutdown(wait=True)
+        self._writer = None
+        self._pending = [None] * _BUFFERS
+        for buffered, direct in self._files.values():
+            os.close(buffered)
+            if direct is not None:
+                os.close(direct)
+        self._files.clear()
         for view, buffer in zip(self._views, self._buffers):
             view.release()
             buffer.close()

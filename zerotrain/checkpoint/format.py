@@ -161,6 +161,36 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
+class FileLayout:
+    """Where everything of one safetensors file lies, from its entries alone (every rank computes the same):
+    `header` (the 8-byte length and the JSON header, padded to 8 bytes), `places` {key: (offset in the file,
+    bytes)} in entry order, `size` the file's length. `SafetensorsWriter` streams this layout; a save writes
+    its pieces into it in place."""
+
+    def __init__(self, header: bytes, places: dict, size: int):
+        self.header, self.places, self.size = header, places, size
+
+    @classmethod
+    def of(cls, entries: Iterable[tuple[str, torch.dtype, tuple]], metadata: Optional[dict] = None) -> "FileLayout":
+        header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
+        sizes: list[tuple[str, int]] = []
+        offset = 0
+        for key, dtype, shape in entries:
+            nbytes = numel_of(shape) * itemsize(dtype)
+            header[key] = {"dtype": st_code(dtype), "shape": [int(s) for s in shape],
+                           "data_offsets": [offset, offset + nbytes]}
+            sizes.append((key, nbytes))
+            offset += nbytes
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        start = 8 + len(encoded)
+        places, position = {}, start
+        for key, nbytes in sizes:
+            places[key] = (position, nbytes)
+            position += nbytes
+        return cls(struct.pack("<Q", len(encoded)) + encoded, places, start + offset)
+
+
 class SafetensorsWriter:
     """Writes one safetensors file whose tensors (key, dtype, shape) are known up front.
 
@@ -173,21 +203,12 @@ class SafetensorsWriter:
                  checksum: bool = True):
         self.path = path
         self._checksum = checksum  # off for files no manifest records (merge outputs): crc32 is ~1 s per GB
-        header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
-        self._order: list[tuple[str, int]] = []
-        offset = 0
-        for key, dtype, shape in entries:
-            nbytes = numel_of(shape) * itemsize(dtype)
-            header[key] = {"dtype": st_code(dtype), "shape": [int(s) for s in shape],
-                           "data_offsets": [offset, offset + nbytes]}
-            self._order.append((key, nbytes))
-            offset += nbytes
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)
+        layout = FileLayout.of(entries, metadata)
+        self._order: list[tuple[str, int]] = [(key, nbytes) for key, (_, nbytes) in layout.places.items()]
         self._next = 0
         # the crc32 of the bytes is computed by the file's writer thread as each buffer goes out
         self._file = DurableFile(path, checksum=checksum, crc32=crc32)
-        self._emit(struct.pack("<Q", len(encoded)) + encoded)
+        self._emit(layout.header)
 
     def _emit(self, data) -> None:
         try:

@@ -210,6 +210,34 @@ def _join(pieces: list[Piece]) -> list[Piece]:
     return [tuple(piece) for piece in joined]
 
 
+def join_runs(directory: str, sizes: dict[str, int], runs: Iterable[Piece]) -> dict[str, int]:
+    """{file name: crc32 of the whole file} from the byte runs every rank wrote in place ((name, offset, length,
+    crc32) each, `directio.PlacedWriter`), joined with `crc32_combine`: a save's manifest entries without reading
+    any file back. CheckpointError naming the file when its runs do not cover its `sizes` bytes exactly once."""
+    by_file: dict[str, list[Piece]] = {name: [] for name in sizes}
+    for run in runs:
+        if run[0] not in by_file:
+            raise CheckpointError(f"{os.path.join(directory, run[0])}: written, but not a file of the save plan")
+        by_file[run[0]].append(tuple(run))
+    crcs = {}
+    for name, size in sizes.items():
+        joined = _join(by_file[name])
+        if len(joined) == 1 and joined[0][1] == 0 and joined[0][2] == size:
+            crcs[name] = joined[0][3]
+            continue
+        path, position = os.path.join(directory, name), 0
+        for _, offset, length, _ in joined:
+            if offset != position:
+                what = "written by no rank" if offset > position else "written twice"
+                raise CheckpointError(f"{path}: bytes {min(offset, position)} to {max(offset, position)} of "
+                                      f"{size} were {what}")
+            position = offset + length
+        if position < size:
+            raise CheckpointError(f"{path}: bytes {position} to {size} of {size} were written by no rank")
+        raise CheckpointError(f"{path}: written to byte {position}, past its {size} bytes")
+    return crcs
+
+
 def check_pieces(directory: str, shares: list[dict]) -> Optional[str]:
     """Join the pieces of every rank's share (`checksum_share`) into whole-file crc32s and compare them with
     the manifest's: the error naming the corrupt file(s), None when all match. A file whose pieces do not

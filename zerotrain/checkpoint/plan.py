@@ -10,9 +10,12 @@ all-gathered and every rank computes the same `SavePlan` from them:
   loaded rank, so each rank writes about 1/N of the bytes and few bytes move;
 * each writer's names are cut into safetensors files of at most `max_file_bytes`,
   numbered globally in Hugging Face's `model-0000i-of-0000n` style;
-* each writer's names are cut into rounds of about `round_bytes`; in a round every
-  rank sends the pieces it holds of the writers' names in one all-to-all, so a writer
-  receives at most about `round_bytes` at a time and no rank ever holds the whole model.
+* every rank writes the pieces it holds in place, at their offsets in the shared files
+  (`write`): no bytes move between ranks, except for tensor-parallel (or expert-parallel)
+  split tensors, whose slices are strided in the whole tensor: each writer's names are
+  cut into rounds of about `round_bytes`; in a round every rank sends the pieces it holds
+  of the writers' split tensors in one all-to-all, so a writer receives at most about
+  `round_bytes` at a time and no rank ever holds the whole model.
 
 Tensor parallelism: a split parameter's records are ranges of its *local* tensor; its
 plan has the whole shape, the TensorSlice of every tensor-parallel rank and pieces from
@@ -112,6 +115,13 @@ class TensorPlan:
         kinds += [(f"state:{key}", dtype) for key, dtype in sorted(self.states.items())]
         return kinds
 
+    @property
+    def in_place(self) -> bool:
+        """Whether each holder writes its own pieces at their places in the file (no exchange): every tensor
+        but a tensor-parallel or expert-parallel split one, whose slices are strided in the whole tensor and
+        joined by its writer (`split.assemble_whole`) from pieces sent to it."""
+        return not self.slices
+
     def nbytes(self, master_separate: bool) -> int:
         return self.numel * sum(itemsize(dtype) for _, dtype in self.kinds(master_separate))
 
@@ -131,7 +141,7 @@ class SavePlan:
     tensors: dict            # name -> TensorPlan, in state_dict order
     files: list              # FileSpec
     rounds: list             # [{writer: [names]}]
-    splits: list             # per round: splits[sender][receiver] bytes
+    splits: list             # per round: splits[sender][receiver] bytes exchanged (split tensors only)
 
     @property
     def master_files(self) -> bool:
@@ -161,7 +171,7 @@ class SavePlan:
         """(name, kind, piece, nbytes) that `sender` sends `receiver` in a round, in canonical order."""
         for name in self.rounds[round_index].get(receiver, []):
             tensor = self.tensors[name]
-            if not tensor.pieces:
+            if not tensor.pieces or tensor.in_place:
                 continue
             for kind, dtype in tensor.kinds(self.master_separate):
                 size = itemsize(dtype)
@@ -295,7 +305,7 @@ def build_plan(layouts: list[dict], max_file_bytes: int = MAX_FILE_BYTES, round_
         for receiver, names in chunk.items():
             for name in names:
                 tensor = tensors[name]
-                for _, dtype in tensor.kinds(master_separate) if tensor.pieces else ():
+                for _, dtype in tensor.kinds(master_separate) if tensor.pieces and not tensor.in_place else ():
                     for piece in tensor.pieces:
                         splits[index][piece.rank][receiver] += piece.numel * itemsize(dtype)
     return SavePlan(world, master_separate, tensors, files, rounds, splits)

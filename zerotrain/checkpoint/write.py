@@ -1,4 +1,4 @@
-"""One save, executed: exchange pieces, write files, agree, commit.
+"""One save, executed: write pieces in place, agree, commit.
 
 A `SaveJob` runs on every rank, inline (synchronous save) or in the checkpointer's
 background thread (asynchronous save). All its collectives go through the
@@ -7,19 +7,30 @@ the training step do not interfere. The steps:
 
 1. all-gather a small header: rank 0's save id (naming the temporary directory) and
    every rank's scalar optimizer states;
-2. for each round of the plan: one all-to-all of raw bytes carries every piece to
-   the rank that writes its tensor; the writer appends each tensor's pieces, in
-   order, to its streaming safetensors files (checksummed as they are written);
-   a tensor-parallel split tensor is first joined from its slices (`split`);
-3. close (fsync) every file; rank 0 adds the indexes, trainer_state.json and the
-   Hugging Face config; every rank adds its RNG state (and its LoCo error buffers);
-4. all-gather each rank's outcome and file list. A rank that failed keeps taking
+2. tensor-parallel (and expert-parallel) split tensors only: for each round of the
+   plan, one all-to-all of raw bytes carries every piece to the rank that writes the
+   tensor, which joins the whole tensor from its slices (`split`) and writes it at its
+   place;
+3. every other byte is written in place by the rank that holds it, with no exchange: each
+   file's header, hence every tensor's offset, follows from the plan (`format.FileLayout`),
+   so every rank `pwrite`s its own pieces of every tensor at their offsets in the shared
+   files (`directio.PlacedWriter`: whole blocks O_DIRECT, the partial blocks two ranks
+   share through the page cache), a file's writer adds its header, the optimizer scalars
+   and the tensors that are whole on every rank; the crc32 of each run is computed as it
+   is written. Each rank fsyncs every file it wrote to; rank 0 adds the indexes,
+   trainer_state.json and the Hugging Face config; every rank adds its RNG state (and its
+   LoCo error buffers);
+4. all-gather each rank's outcome, small files and runs. A rank that failed keeps taking
    part in every collective (sending zeros) so that nobody waits for it; if any rank
    failed, every rank raises the same error and the temporary directory is removed;
-5. rank 0 restores any checkpoint whose re-save was interrupted (`commit.recover_replaced`),
-   writes the manifest, renames the directory into place, replaces `latest`,
-   rotates old checkpoints; its outcome is all-gathered so every rank agrees
-   whether the checkpoint committed.
+5. rank 0 joins the runs of each file into its crc32 (`integrity.join_runs`:
+   `crc32_combine`, and the runs must cover the file exactly once), restores any checkpoint
+   whose re-save was interrupted (`commit.recover_replaced`), writes the manifest, renames
+   the directory into place, replaces `latest`, rotates old checkpoints; its outcome is
+   all-gathered so every rank agrees whether the checkpoint committed.
+
+Durability is as before the in-place writes: every byte is fsynced by the rank that wrote it
+before that rank reports success (step 4), and the manifest is written only after every rank did.
 """
 from __future__ import annotations
 
@@ -32,9 +43,10 @@ from dataclasses import dataclass, field
 import torch
 
 from . import commit
-from .format import (MASTER, MODEL, OPTIMIZER, TRAINER_STATE, CheckpointError, SafetensorsWriter,
-                     index_file, rng_file, write_json)
-from .integrity import manifest_entry, write_manifest
+from .directio import PlacedWriter
+from .format import (MASTER, MODEL, OPTIMIZER, TRAINER_STATE, CheckpointError, FileLayout, as_bytes, crc32,
+                     index_file, itemsize, rng_file, write_json)
+from .integrity import join_runs, manifest_entry, write_manifest
 from .loco import loco_file, write_loco
 from .plan import SavePlan
 from .split import assemble_whole
@@ -72,38 +84,40 @@ class SaveJob:
         temp = staged.path
         error: BaseException | None = self.sources.error  # a failed deferred snapshot copy
         written: dict[str, dict] = {}
-        self._writers: dict[str, SafetensorsWriter] = {}
+        runs: list[tuple] = []
+        self._out: PlacedWriter | None = None
         try:
             os.makedirs(temp, exist_ok=True)
-            self._open_plan = {spec.name: spec for spec in self.plan.files if spec.writer == rank}
-            self._file_of = {(spec.kind, key): spec.name for spec in self._open_plan.values()
-                             for key, _, _ in spec.entries}
+            self._temp = temp
+            self._layouts = {spec.name: FileLayout.of(spec.entries, {"zerotrain": spec.kind}) for spec in self.plan.files}
+            self._file_of = {(spec.kind, key): spec.name for spec in self.plan.files for key, _, _ in spec.entries}
+            self._out = PlacedWriter(crc32)
         except Exception as caught:  # noqa: BLE001 - reported to every rank below
             error = caught
-        for index in range(len(self.plan.rounds)):
+        for index in range(len(self.plan.rounds)):  # split tensors only: the others need no exchange
             received, failed = self._exchange(index, ok=error is None)
             error = error or failed
-            if error is None:
+            if error is None and received is not None:
                 try:
-                    self._write_round(index, received, temp, written)
+                    self._write_round(index, received)
                     commit.event("round-written")
                 except Exception as caught:  # noqa: BLE001
                     error = caught
         if error is None:
             try:
-                for name, writer in list(self._writers.items()):
-                    size, crc = writer.close()
-                    written[name] = manifest_entry(size, crc)
-                self._writers.clear()
+                self._write_in_place()
+                runs, self._out = self._out.close(), None
                 self._write_small_files(temp, written)
                 commit.event("files-written")
             except Exception as caught:  # noqa: BLE001
                 error = caught
-        for writer in self._writers.values():
-            writer.abort()
+        if self._out is not None:
+            self._out.abort()
         error = out_of_space(error, temp, self._needed_bytes())
 
-        status = self.comm.all_gather_object({"error": describe_error(error), "files": written})
+        status = self.comm.all_gather_object({"error": describe_error(error), "files": written,
+                                              "runs": [(os.path.basename(path), offset, length, crc)
+                                                       for path, offset, length, crc in runs]})
         failures = [(r, entry["error"]) for r, entry in enumerate(status) if entry["error"]]
         if failures:
             if rank == 0:
@@ -114,7 +128,7 @@ class SaveJob:
         outcome = None
         if rank == 0:
             files = {name: entry for s in status for name, entry in s["files"].items()}
-            outcome = self._commit(staged, files)
+            outcome = self._commit(staged, files, [run for s in status for run in s["runs"]])
         outcome = self.comm.all_gather_object(outcome)[0]
         if outcome:
             raise CheckpointError(f"committing checkpoint {final} failed on rank 0: {outcome}")
@@ -124,15 +138,19 @@ class SaveJob:
         """About what the whole checkpoint takes on disk: its tensors (the small JSON files aside)."""
         return sum(self.plan.total_size(kind) for kind in {spec.kind for spec in self.plan.files})
 
-    # --- exchange and write ------------------------------------------------------------------
-    def _exchange(self, index: int, ok: bool) -> tuple[dict, BaseException | None]:
-        """Send this rank's pieces of round `index` to their writers.
+    # --- exchange (split tensors) and in-place writes ---------------------------------------------
+    def _exchange(self, index: int, ok: bool) -> tuple[dict | None, BaseException | None]:
+        """Send this rank's pieces of round `index`'s split tensors to their writers.
 
-        Returns ({(kind, piece): bytes received}, the error if this rank could not pack its pieces:
-        it then sends zeros, so that the collective completes and the save fails everywhere).
+        Returns ({(kind, piece): bytes received} (None when the round exchanges nothing: no split tensor),
+        the error if this rank could not pack its pieces: it then sends zeros, so that the collective
+        completes and the save fails everywhere).
         """
         rank, world = self.comm.rank, self.comm.size
         splits = self.plan.splits[index]
+        if not any(self.plan.tensors[name].pieces and not self.plan.tensors[name].in_place
+                   for names in self.plan.rounds[index].values() for name in names):
+            return None, None
         if world == 1 or all(splits[s][r] == 0 for s in range(world) for r in range(world) if s != r):
             return {}, None
         input_splits = [0 if r == rank else splits[rank][r] for r in range(world)]
@@ -169,47 +187,86 @@ class SaveJob:
     def _buffer(self, which: str, nbytes: int) -> torch.Tensor:
         """The first `nbytes` of this save's `which` exchange buffer, grown when a round needs more: memory is
         faulted in once per save, not once per round (a round's received pieces are written, copied into the
-        files' buffers, before the next round reuses it)."""
+        writer's buffers, before the next round reuses it)."""
         buffer = self._scratch.get(which)
         if buffer is None or buffer.numel() < nbytes:
             buffer = self._scratch[which] = torch.empty(nbytes, dtype=torch.uint8)
         return buffer[:nbytes]
 
-    def _writer(self, kind: str, key: str, temp: str, written: dict) -> SafetensorsWriter:
+    def _place(self, kind: str, key: str, skip: int, chunks: list) -> None:
+        """Write `chunks` at byte `skip` of `key`'s data in its file (kind MODEL, MASTER or OPTIMIZER)."""
         name = self._file_of[(kind, key)]
-        writer = self._writers.get(name)
-        if writer is None:
-            for other in [n for n in self._writers if self._open_plan[n].kind == kind]:
-                size, crc = self._writers.pop(other).close()  # the writer's previous file of this kind is done
-                written[other] = manifest_entry(size, crc)
-            spec = self._open_plan[name]
-            writer = self._writers[name] = SafetensorsWriter(os.path.join(temp, name), spec.entries,
-                                                             {"zerotrain": kind})
-        return writer
+        layout = self._layouts[name]
+        offset, nbytes = layout.places[key]
+        path = os.path.join(self._temp, name)
+        self._out.open(path, layout.size)
+        self._out.begin(path, offset + skip)
+        written = 0
+        for chunk in chunks:
+            data = as_bytes(chunk) if torch.is_tensor(chunk) else memoryview(chunk)
+            written += len(data)
+            if skip + written > nbytes:
+                raise CheckpointError(f"{path}: tensor {key!r} got more than its {nbytes} bytes")
+            self._out.write(data)
 
-    def _write_round(self, index: int, received: dict, temp: str, written: dict) -> None:
+    def _keyed(self, tensor, kind: str) -> tuple[str, str]:
+        """(file kind, key) of one per-element tensor of `tensor` (source kind `kind`)."""
+        if kind.startswith("state:"):
+            return OPTIMIZER, f"{tensor.name}/{kind[len('state:'):]}"
+        file_kind = _FILE_KIND[kind]
+        return file_kind, tensor.model_key if file_kind == MODEL else tensor.name
+
+    def _write_round(self, index: int, received: dict) -> None:
+        """The split tensors this rank writes in round `index`, each joined whole from its slices."""
         rank = self.comm.rank
         for name in self.plan.rounds[index].get(rank, []):
             tensor = self.plan.tensors[name]
-            if not tensor.pieces:  # whole on every rank
-                self._writer(MODEL, tensor.model_key, temp, written).write(tensor.model_key, [self.sources.extras[name]])
+            if not tensor.pieces or tensor.in_place:
                 continue
             for kind, dtype in tensor.kinds(self.plan.master_separate):
                 chunks = [self.sources.piece(p, kind) if p.rank == rank else received[(kind, p)]
                           for p in tensor.pieces]
-                if tensor.slices:  # tensor-parallel slices: joined into the whole tensor, this one only
-                    chunks = [assemble_whole(tensor.shape, tensor.slices, tensor.pieces, chunks, dtype)]
-                if kind.startswith("state:"):
-                    key, file_kind = f"{name}/{kind[len('state:'):]}", OPTIMIZER
-                else:
-                    file_kind = _FILE_KIND[kind]
-                    key = tensor.model_key if file_kind == MODEL else name
-                self._writer(file_kind, key, temp, written).write(key, chunks)
-            first = tensor.pieces[0]
-            for key, dtype in sorted(tensor.scalars.items() if tensor.trainable else ()):
-                value = self._scalars[first.rank][first.slot][key]
-                self._writer(OPTIMIZER, f"{name}/{key}", temp, written).write(
-                    f"{name}/{key}", [torch.tensor(value, dtype=dtype).reshape(1)])
+                whole = assemble_whole(tensor.shape, tensor.slices, tensor.pieces, chunks, dtype)
+                self._place(*self._keyed(tensor, kind), 0, [whole])
+
+    def _write_in_place(self) -> None:
+        """Every byte this rank writes outside the exchange, at its place: the headers of the files it is
+        the writer of, its own pieces of every in-place tensor, the scalars and whole tensors of the names
+        it writes. File after file, in file order (one sequential pass over each file's share)."""
+        rank = self.comm.rank
+        todo: dict[str, list] = {spec.name: [] for spec in self.plan.files}  # file -> [(offset, key..., chunks)]
+
+        def add(kind: str, key: str, skip: int, chunks: list) -> None:
+            name = self._file_of[(kind, key)]
+            todo[name].append((self._layouts[name].places[key][0] + skip, kind, key, skip, chunks))
+
+        for tensor in self.plan.tensors.values():
+            if not tensor.pieces:  # whole on every rank: its writer's
+                if tensor.writer == rank:
+                    add(MODEL, tensor.model_key, 0, [self.sources.extras[tensor.name]])
+                continue
+            if tensor.in_place:
+                for kind, dtype in tensor.kinds(self.plan.master_separate):
+                    size = itemsize(dtype)
+                    for piece in tensor.pieces:
+                        if piece.rank == rank:
+                            add(*self._keyed(tensor, kind), piece.param_start * size,
+                                [self.sources.piece(piece, kind)])
+            if tensor.writer == rank and tensor.trainable:
+                first = tensor.pieces[0]
+                for key, dtype in sorted(tensor.scalars.items()):
+                    value = self._scalars[first.rank][first.slot][key]
+                    add(OPTIMIZER, f"{tensor.name}/{key}", 0, [torch.tensor(value, dtype=dtype).reshape(1)])
+        for spec in self.plan.files:
+            path = os.path.join(self._temp, spec.name)
+            if spec.writer == rank:
+                self._out.open(path, self._layouts[spec.name].size)
+                self._out.begin(path, 0)
+                self._out.write(self._layouts[spec.name].header)
+            for _, kind, key, skip, chunks in sorted(todo[spec.name], key=lambda item: item[0]):
+                self._place(kind, key, skip, chunks)
+            commit.event("round-written")
+        self._out.end()
 
     def _write_small_files(self, temp: str, written: dict) -> None:
         def put(name: str, payload) -> None:
@@ -233,9 +290,11 @@ class SaveJob:
         put(TRAINER_STATE, self.trainer_state)
 
     # --- commit (rank 0) -----------------------------------------------------------------------
-    def _commit(self, staged: "commit.StagedDirectory", files: dict) -> str | None:
+    def _commit(self, staged: "commit.StagedDirectory", files: dict, runs: list) -> str | None:
         temp, final = staged.path, os.path.join(self.save_dir, self.tag)
         try:
+            sizes = {spec.name: self._layouts[spec.name].size for spec in self.plan.files}
+            files.update({name: manifest_entry(sizes[name], crc) for name, crc in join_runs(temp, sizes, runs).items()})
             commit.recover_replaced(self.save_dir)  # an interrupted re-save of some tag: restore it first
             write_manifest(temp, files, {"tag": self.tag, "save_id": self._save_id,
                                          "global_steps": self.trainer_state["global_steps"],
