@@ -222,6 +222,53 @@ def test_one_host_failing_stops_the_others(tmp_path):
     assert run_hosts([[sys.executable, "-c", "pass"], [sys.executable, "-c", "pass"]]) == 0
 
 
+def test_a_hosts_launch_stops_its_printing_ranks_when_its_ssh_channel_closes(tmp_path):
+    """A host's launch as `run_hosts` starts it over ssh (STOP_ON_EOF_ENV), with pipes standing in for the ssh
+    channel; the ranks print every step (steps_per_print 1). The channel closes as a dead launcher's does, its
+    stdout first (then stdin, a second later: under load the stop reaches the ranks that late): every rank still
+    gets the stop, saves at the same step boundary and writes its file, instead of rank 0 dying of the broken
+    pipe at its next progress line (tests/multinode/test_ssh_launch.py failed so under load)."""
+    import subprocess
+    import sys
+    import time
+
+    from distributed import free_port
+    from test_dropin_api import REPO_ROOT, STOPPABLE_SCRIPT
+
+    from zerotrain.hostfile import STOP_ON_EOF_ENV
+
+    (tmp_path / "train.py").write_text(STOPPABLE_SCRIPT)
+    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1,
+                                                   "optimizer": {"type": "SGD", "params": {"lr": 0.01}}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+    env.update(PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1", **{STOP_ON_EOF_ENV: "1"})
+    proc = subprocess.Popen([sys.executable, "-m", "zerotrain.cli", "launch", "--nproc", "2", "--nnodes", "1",
+                             "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                             "train.py", "--deepspeed_config", "ds.json", "--out", str(tmp_path), "--nproc", "2"],
+                            cwd=tmp_path, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "running").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        assert proc.stdout.read(1)  # rank 0's progress lines come through
+        proc.stdout.close()  # the channel gone: its output end first...
+        proc.stderr.close()
+        time.sleep(1.5)  # ...rank 0 prints every step meanwhile...
+        proc.stdin.close()  # ...then the end of its input, which the launch turns into SIGTERM
+        status = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stopped = [json.loads((tmp_path / f"stopped{rank}.json").read_text()) if (tmp_path / f"stopped{rank}.json")
+               .exists() else None for rank in (0, 1)]
+    assert stopped[0] is not None and stopped[0] == stopped[1] and stopped[0]["step"] > 2, stopped
+    assert (tmp_path / "ckpt" / f"global_step{stopped[0]['step']}").is_dir()
+    assert status == 143, status  # stopped by SIGTERM (128 + 15), as a launch told to stop
+
+
 def test_bad_cluster_variables_are_one_line_from_train(tmp_path, monkeypatch, capsys):
     """A rank started by srun/mpirun with a bad variable gets the one usage line, exit 2, not a traceback."""
     monkeypatch.chdir(tmp_path)

@@ -316,8 +316,9 @@ def _launch_script(args: argparse.Namespace) -> int:
         return _launch_srun(args, active)
     if workers is None:  # several hosts: one `zerotrain launch` per host over ssh
         return _launch_hosts(args, active)
-    from zerotrain.hostfile import STOP_ON_EOF_ENV, stop_on_stdin_eof
+    from zerotrain.hostfile import STOP_ON_EOF_ENV, relay_output, stop_on_stdin_eof
     if os.environ.get(STOP_ON_EOF_ENV) == "1":  # started over ssh by a launcher: its channel closing stops us
+        relay_output()  # and the ranks' output survives the channel until the stop reaches them
         stop_on_stdin_eof()
     return run_torchrun(workers, worker_target(args.script, args.script_args, not args.no_local_rank),
                         max_restarts=args.max_restarts, stop_timeout=args.stop_timeout, extra_env=extra_env)

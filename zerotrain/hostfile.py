@@ -34,7 +34,7 @@ from typing import Optional
 from .command import CLIError
 
 __all__ = ["LAUNCHERS", "parse_hostfile", "select_resources", "read_deepspeed_env", "is_this_host",
-           "local_slots", "check_reachable", "first_address", "ssh_commands", "run_hosts", "stop_on_stdin_eof",
+           "local_slots", "check_reachable", "first_address", "ssh_commands", "run_hosts", "stop_on_stdin_eof", "relay_output",
            "mpirun_command", "check_slots_fit_batch", "srun_command", "check_slurm_slots"]
 
 # DeepSpeed's --launcher names (case-insensitive there too); pdsh is its default
@@ -276,6 +276,60 @@ def stop_on_stdin_eof() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="zerotrain-stdin-eof", daemon=True).start()
+
+
+def relay_output() -> None:
+    """In a host's launch started by `run_hosts`: its ranks' stdout and stderr go through pipes this process copies
+    to its own (the ssh channel), dropping what the channel no longer takes. When the launcher stops or dies, the
+    channel's stdin ends and its stdout breaks at once; a rank writing there directly (the engine's
+    `steps_per_print` line, the script's own prints) would die of the broken pipe before the stop (SIGTERM, from
+    `stop_on_stdin_eof`) reaches it and it saves. At exit the pipes are closed and the copies drained."""
+    import atexit
+    import sys
+    import threading
+
+    relays = []
+    for fd in (1, 2):
+        try:
+            channel = os.dup(fd)
+        except OSError:  # no such descriptor: nothing to relay
+            continue
+        read_end, write_end = os.pipe()
+        os.dup2(write_end, fd)  # this process's, its agent's and its ranks' fd (inherited)
+        os.close(write_end)
+
+        def copy(source: int = read_end, sink: int = channel) -> None:
+            open_sink = True
+            while True:
+                try:
+                    data = os.read(source, 65536)
+                except OSError:
+                    break
+                if not data:  # every writer is gone
+                    break
+                while open_sink and data:
+                    try:
+                        data = data[os.write(sink, data):]
+                    except OSError:  # the channel is gone: keep draining, drop the rest
+                        open_sink = False
+            os.close(source)
+
+        thread = threading.Thread(target=copy, name=f"zerotrain-relay-{fd}", daemon=True)
+        thread.start()
+        relays.append((fd, channel, thread))
+
+    def finish() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        for fd, channel, _ in relays:
+            os.dup2(channel, fd)  # this process's write ends closed: a relay ends once the ranks' are too
+        for _, _, thread in relays:
+            thread.join(timeout=5)
+
+    atexit.register(finish)
 
 
 def _has_mca(args: list[str], name: str) -> bool:
