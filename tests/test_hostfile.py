@@ -145,7 +145,7 @@ def test_slurm_nodelist_expands_as_scontrol_does():
     assert expand_nodelist("a[8-11]") == ["a8", "a9", "a10", "a11"]
     assert expand_nodelist("r[1-2]n[3,5]") == ["r1n3", "r1n5", "r2n3", "r2n5"]
     assert expand_nodelist("single") == ["single"]
-    for bad in ("node[1-3", "node1-3]", "node[a-c]"):
+    for bad in ("node[1-3", "node1-3]", "node[a-c]", "node[1-c]"):
         with pytest.raises(ClusterEnvError, match="bad Slurm node list"):
             expand_nodelist(bad)
 
@@ -179,6 +179,7 @@ def test_mpi_and_slurm_variables_become_torchruns():
     # DeepSpeed's Intel MPI line sets RANK, LOCAL_RANK (-env), WORLD_SIZE, LOCAL_SIZE (-genv): the ranks per host
     impi = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_SIZE": "2", "PMI_RANK": "1"}
     assert adopt_cluster_ranks(impi) is None and impi["LOCAL_WORLD_SIZE"] == "2" and impi["RANK"] == "1"
+    assert adopt_cluster_ranks({"OMPI_COMM_WORLD_RANK": "0"}) is None  # no size: not Open MPI's complete set
     torchrun = {"RANK": "0", "WORLD_SIZE": "2", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}
     assert adopt_cluster_ranks(torchrun) is None and torchrun["RANK"] == "0"  # torchrun's own win
     with pytest.raises(ClusterEnvError, match="MASTER_ADDR is unset and the ranks may span several hosts"):
@@ -326,6 +327,9 @@ def test_mpirun_line_is_deepspeeds_openmpi_runner(tmp_path, monkeypatch):
     assert with_port[with_port.index("plm_rsh_args") + 1] == "-p 2222 -i key"
     alone = mpirun_command("hosts", pool, "w0", 29600, ["t.py"], "", ssh_port=2222, environ={}, cwd=str(tmp_path))
     assert alone[alone.index("plm_rsh_args") + 1] == "-p 2222"
+    last = mpirun_command("hosts", pool, "w0", 29600, ["t.py"], "--mca plm_rsh_args", ssh_port=2222, environ={},
+                          cwd=str(tmp_path))  # the launcher args end at the name: ours is added, theirs left
+    assert last[last.index("-p 2222") - 2:last.index("-p 2222") + 1] == ["--mca", "plm_rsh_args", "-p 2222"]
 
 
 def test_hydra_lines_are_deepspeeds_mpich_impi_and_mvapich_runners(tmp_path, monkeypatch):
@@ -562,6 +566,11 @@ def test_slots_fit_the_batch_over_the_data_parallel_ranks(tmp_path):
     with pytest.raises(CLIError, match=r"6 slots \(a: 3, b: 3\) do not fit .*pp.json's batch sizes"):
         check_slots_fit_batch({"a": [0, 1, 2], "b": [0, 1, 2]}, ["--deepspeed_config", str(tmp_path / "pp.json")])
     check_slots_fit_batch(four, ["--deepspeed", "--other", "x.json"])  # a switch, then no config: nothing to check
+    with pytest.raises(CLIError, match=r"6 slots \(a: 6\) do not fit .*sp.json's batch sizes"):  # no value: next
+        check_slots_fit_batch({"a": list(range(6))}, ["--deepspeed_config", "--deepspeed", str(tmp_path / "sp.json")])
+    with pytest.raises(CLIError, match=r"sp.json's batch sizes"):  # DeepSpeed's --deepspeed switch, then a word
+        check_slots_fit_batch({"a": list(range(6))}, ["--deepspeed", "notes", "--deepspeed_config",
+                                                      str(tmp_path / "sp.json")])
     check_slots_fit_batch(four, ["--x", "1", "--deepspeed_config"])  # no value after the flag: the script's error
 
 
