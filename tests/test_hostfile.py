@@ -97,7 +97,8 @@ def test_launch_refuses_other_hosts_and_mixed_flags_in_one_line(tmp_path, capsys
     for argv, says in ((["--hostfile", str(hosts), "--launcher_args", "-o ConnectTimeout=5"],
                         "host 'worker-0' is not reachable by passwordless ssh: ssh: Could not resolve hostname"),
                        (["--hostfile", str(hosts), "--include", "worker-1", "--launcher", "MPICH"],
-                        "starting ranks on other hosts (worker-1) with --launcher mpich"),
+                        "--launcher mpich runs every slot of the hostfile (as DeepSpeed's): it does not take "
+                        "--include"),
                        (["--hostfile", str(hosts), "--nproc", "2"], "--nproc cannot be combined with --hostfile"),
                        (["--num_nodes", "2"], "--num_nodes > 1 needs a --hostfile"),
                        (["--hostfile", str(tmp_path / "missing")], f"--hostfile {tmp_path / 'missing'}: cannot read")):
@@ -144,7 +145,7 @@ def test_slurm_nodelist_expands_as_scontrol_does():
     assert expand_nodelist("a[8-11]") == ["a8", "a9", "a10", "a11"]
     assert expand_nodelist("r[1-2]n[3,5]") == ["r1n3", "r1n5", "r2n3", "r2n5"]
     assert expand_nodelist("single") == ["single"]
-    for bad in ("node[1-3", "node1-3]", "node[a-c]"):
+    for bad in ("node[1-3", "node1-3]", "node[a-c]", "node[1-c]"):
         with pytest.raises(ClusterEnvError, match="bad Slurm node list"):
             expand_nodelist(bad)
 
@@ -166,6 +167,19 @@ def test_mpi_and_slurm_variables_become_torchruns():
     adopt_cluster_ranks(env)
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["MASTER_ADDR"]) == (
         "3", "6", "1", "4", "gpu07")
+    # DeepSpeed's MPICH line: hydra's PMI_RANK (or PMIX_RANK), the world and ranks per host from its -genv
+    env = {"PMIX_RANK": "3", "PMI_RANK": "3", "WORLD_SIZE": "4", "PALS_LOCAL_RANKID": "1", "LOCAL_SIZE": "2",
+           "MASTER_ADDR": "node0"}
+    assert adopt_cluster_ranks(env) == "MPI (PMI_RANK/PMI_SIZE)"
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("3", "4", "1", "2")
+    with pytest.raises(ClusterEnvError, match="the rank of PMIX_RANK=1 and PMI_RANK=2 disagree"):
+        adopt_cluster_ranks({"PMIX_RANK": "1", "PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0"})
+    with pytest.raises(ClusterEnvError, match="the local rank of PALS_LOCAL_RANKID=0 and MPI_LOCALRANKID=1"):
+        adopt_cluster_ranks({"PMI_RANK": "1", "PMI_SIZE": "2", "PALS_LOCAL_RANKID": "0", "MPI_LOCALRANKID": "1"})
+    # DeepSpeed's Intel MPI line sets RANK, LOCAL_RANK (-env), WORLD_SIZE, LOCAL_SIZE (-genv): the ranks per host
+    impi = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_SIZE": "2", "PMI_RANK": "1"}
+    assert adopt_cluster_ranks(impi) is None and impi["LOCAL_WORLD_SIZE"] == "2" and impi["RANK"] == "1"
+    assert adopt_cluster_ranks({"OMPI_COMM_WORLD_RANK": "0"}) is None  # no size: not Open MPI's complete set
     torchrun = {"RANK": "0", "WORLD_SIZE": "2", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}
     assert adopt_cluster_ranks(torchrun) is None and torchrun["RANK"] == "0"  # torchrun's own win
     with pytest.raises(ClusterEnvError, match="MASTER_ADDR is unset and the ranks may span several hosts"):
@@ -222,6 +236,53 @@ def test_one_host_failing_stops_the_others(tmp_path):
     assert run_hosts([[sys.executable, "-c", "pass"], [sys.executable, "-c", "pass"]]) == 0
 
 
+def test_a_hosts_launch_stops_its_printing_ranks_when_its_ssh_channel_closes(tmp_path):
+    """A host's launch as `run_hosts` starts it over ssh (STOP_ON_EOF_ENV), with pipes standing in for the ssh
+    channel; the ranks print every step (steps_per_print 1). The channel closes as a dead launcher's does, its
+    stdout first (then stdin, a second later: under load the stop reaches the ranks that late): every rank still
+    gets the stop, saves at the same step boundary and writes its file, instead of rank 0 dying of the broken
+    pipe at its next progress line (tests/multinode/test_ssh_launch.py failed so under load)."""
+    import subprocess
+    import sys
+    import time
+
+    from distributed import free_port
+    from test_dropin_api import REPO_ROOT, STOPPABLE_SCRIPT
+
+    from zerotrain.hostfile import STOP_ON_EOF_ENV
+
+    (tmp_path / "train.py").write_text(STOPPABLE_SCRIPT)
+    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1,
+                                                   "optimizer": {"type": "SGD", "params": {"lr": 0.01}}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+    env.update(PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1", **{STOP_ON_EOF_ENV: "1"})
+    proc = subprocess.Popen([sys.executable, "-m", "zerotrain.cli", "launch", "--nproc", "2", "--nnodes", "1",
+                             "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                             "train.py", "--deepspeed_config", "ds.json", "--out", str(tmp_path), "--nproc", "2"],
+                            cwd=tmp_path, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "running").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        assert proc.stdout.read(1)  # rank 0's progress lines come through
+        proc.stdout.close()  # the channel gone: its output end first...
+        proc.stderr.close()
+        time.sleep(1.5)  # ...rank 0 prints every step meanwhile...
+        proc.stdin.close()  # ...then the end of its input, which the launch turns into SIGTERM
+        status = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stopped = [json.loads((tmp_path / f"stopped{rank}.json").read_text()) if (tmp_path / f"stopped{rank}.json")
+               .exists() else None for rank in (0, 1)]
+    assert stopped[0] is not None and stopped[0] == stopped[1] and stopped[0]["step"] > 2, stopped
+    assert (tmp_path / "ckpt" / f"global_step{stopped[0]['step']}").is_dir()
+    assert status == 143, status  # stopped by SIGTERM (128 + 15), as a launch told to stop
+
+
 def test_bad_cluster_variables_are_one_line_from_train(tmp_path, monkeypatch, capsys):
     """A rank started by srun/mpirun with a bad variable gets the one usage line, exit 2, not a traceback."""
     monkeypatch.chdir(tmp_path)
@@ -266,6 +327,70 @@ def test_mpirun_line_is_deepspeeds_openmpi_runner(tmp_path, monkeypatch):
     assert with_port[with_port.index("plm_rsh_args") + 1] == "-p 2222 -i key"
     alone = mpirun_command("hosts", pool, "w0", 29600, ["t.py"], "", ssh_port=2222, environ={}, cwd=str(tmp_path))
     assert alone[alone.index("plm_rsh_args") + 1] == "-p 2222"
+    last = mpirun_command("hosts", pool, "w0", 29600, ["t.py"], "--mca plm_rsh_args", ssh_port=2222, environ={},
+                          cwd=str(tmp_path))  # the launcher args end at the name: ours is added, theirs left
+    assert last[last.index("-p 2222") - 2:last.index("-p 2222") + 1] == ["--mca", "plm_rsh_args", "-p 2222"]
+
+
+def test_hydra_lines_are_deepspeeds_mpich_impi_and_mvapich_runners(tmp_path, monkeypatch):
+    """`--launcher mpich|impi|mvapich`: the line DeepSpeed's MPICHRunner / IMPIRunner / MVAPICHRunner builds for
+    the same hostfile, launcher args and exports, word for word, but for the program each rank runs: zerotrain's
+    worker module (`target`) where DeepSpeed runs its launcher_helper.py (mpich) or the bare script (impi,
+    mvapich); MVAPICH's line also exports MASTER_ADDR/MASTER_PORT (DeepSpeed's ranks ask mpi4py)."""
+    import argparse
+    import sys
+
+    from deepspeed.launcher import multinode_runner as ds
+
+    from zerotrain.hostfile import MVAPICH_HOSTFILE, hydra_command
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".deepspeed_env").write_text("FROM_FILE=1\n")
+    pool = {"w0": 2, "w1": 2, "w2": 2}
+    environ = {"NCCL_DEBUG": "INFO", "SECRET": "no", "PYTHONPATH": "/lib", "MV2_SUPPORT_DL": "0"}
+    target = ["-m", "zerotrain.launcher", "--", "train.py", "--x", "1"]
+    ds_program = [sys.executable, "-u", "train.py", "--x", "1"]
+    ours_program = [sys.executable, "-u", *target]
+    for name, cls in (("mpich", ds.MPICHRunner), ("impi", ds.IMPIRunner), ("mvapich", ds.MVAPICHRunner)):
+        for launcher_args in ("", "-iface eth1 -launcher ssh"):
+            ours = hydra_command(name, pool, "w0", 29600, target, launcher_args, environ=environ,
+                                 cwd=str(tmp_path))
+            args = argparse.Namespace(launcher_args=launcher_args, include="", exclude="", num_nodes=-1,
+                                      num_gpus=-1, user_script="train.py", user_args=["--x", "1"],
+                                      no_python=False, module=False, launcher=name, bind_cores_to_rank=False,
+                                      master_addr="w0", master_port=29600)
+            theirs = cls(args, "", pool)
+            for key, value in (("NCCL_DEBUG", "INFO"), ("PYTHONPATH", f"{tmp_path}:/lib"), ("MV2_SUPPORT_DL", "0"),
+                               ("FROM_FILE", "1")):
+                theirs.add_export(key, value)
+            if name == "mvapich":  # zerotrain's ranks need the master on the line (DeepSpeed's: mpi4py)
+                theirs.add_export("MASTER_ADDR", "w0")
+                theirs.add_export("MASTER_PORT", "29600")
+            line = theirs.get_cmd({}, {h: list(range(n)) for h, n in pool.items()})
+            if name == "mpich":  # DeepSpeed's helper maps PMI_RANK to RANK; zerotrain.cluster does it in the rank
+                helper = line.index(sys.executable) + 2
+                assert line[helper].endswith("launcher_helper.py") and line[helper + 1:helper + 3] == [
+                    "--launcher", "mpich"]
+                line = [*line[:helper], *line[helper + 3:]]
+            expected, start = [], 0
+            while True:  # every rank's program: DeepSpeed's, then ours in its place
+                try:
+                    at = next(i for i in range(start, len(line)) if line[i:i + len(ds_program)] == ds_program)
+                except StopIteration:
+                    break
+                expected += [*line[start:at], *ours_program]
+                start = at + len(ds_program)
+            expected += line[start:]
+            assert ours == expected, (name, launcher_args)
+            assert ours.count(sys.executable) == (6 if name == "impi" else 1) and "SECRET" not in " ".join(ours)
+    write = tmp_path / "hosts"
+    monkeypatch.setattr("zerotrain.hostfile.MVAPICH_HOSTFILE", str(write))
+    from zerotrain.hostfile import write_mvapich_hostfile
+    write_mvapich_hostfile(pool)
+    assert write.read_text() == "w0\nw1\nw2\n" and MVAPICH_HOSTFILE == ds.MVAPICH_TMP_HOSTFILE
+    with pytest.raises(CLIError, match=r"--launcher impi needs the same slot count on every host \(its -ppn\), "
+                                       r"got \{'w0': 2, 'w1': 1\}"):
+        hydra_command("impi", {"w0": 2, "w1": 1}, "w0", 1, target)
 
 
 MPI_SCRIPT = '''
@@ -307,6 +432,81 @@ def test_openmpi_launch_starts_the_ranks_with_mpirun(tmp_path):
         info = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert info == {"world": 2, "local": rank, "sum": 3.0, "ompi": str(rank), "master": "127.0.0.1",
                         "from_env_file": "forwarded"}
+
+
+HYDRA = shutil.which("mpiexec.hydra")
+
+
+def hydra_path(tmp_path) -> str:
+    """A PATH whose `mpirun` is MPICH's hydra (Debian's `mpirun` alternative may be Open MPI's)."""
+    bin_dir = tmp_path / "mpich-bin"
+    bin_dir.mkdir(exist_ok=True)
+    wrapper = bin_dir / "mpirun"  # a script, not a link: hydra finds its proxy next to the path it was run by
+    wrapper.write_text(f'#!/bin/sh\nexec {HYDRA} "$@"\n')
+    wrapper.chmod(0o755)
+    return f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+@pytest.mark.skipif(HYDRA is None, reason="MPICH is not installed (apt-get install -y mpich)")
+def test_mpich_launch_starts_the_ranks_with_hydra(tmp_path):
+    """The fast real case of `--launcher mpich` (two hosts: tests/multinode/test_mpich_launch.py, slow): the
+    real MPICH mpirun (hydra) on one host starts two ranks that take their ranks from PMI_RANK /
+    MPI_LOCALRANKID, the world from the line, the master and .deepspeed_env's variables, and meet."""
+    from distributed import free_port, run_cli
+    from test_dropin_api import REPO_ROOT
+
+    (tmp_path / "hosts").write_text("localhost slots=2\n")
+    (tmp_path / "job.py").write_text(MPI_SCRIPT.replace('os.environ["OMPI_COMM_WORLD_RANK"]',
+                                                        'os.environ["PMI_RANK"]'))
+    (tmp_path / ".deepspeed_env").write_text("FROM_FILE=forwarded\n")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMPI_", "PMI", "SLURM_"))}
+    env.update(PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1", PATH=hydra_path(tmp_path))
+    proc = run_cli(["launch", "--launcher", "mpich", "--force_multi", "--hostfile", "hosts", "--master_addr",
+                    "127.0.0.1", "--master_port", str(free_port()), "--launcher_args=-iface lo",
+                    "job.py", str(tmp_path)], cwd=tmp_path, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in (0, 1):
+        info = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert info == {"world": 2, "local": rank, "sum": 3.0, "ompi": str(rank), "master": "127.0.0.1",
+                        "from_env_file": "forwarded"}
+
+
+@pytest.mark.skipif(HYDRA is None, reason="MPICH is not installed (apt-get install -y mpich)")
+def test_hydra_launcher_refusals_are_one_line_before_any_rank(tmp_path, capsys, monkeypatch):
+    """`--launcher mpich|impi|mvapich`: DeepSpeed's refusals (a selection, unequal slots per host), --ssh_port
+    (their lines have no ssh option), an Open MPI `mpirun` first on PATH and none at all: one line each, exit 2,
+    no rank started."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("open('started', 'w').close()\n")
+    (tmp_path / "even").write_text("worker-0 slots=2\nworker-1 slots=2\n")
+    (tmp_path / "odd").write_text("worker-0 slots=2\nworker-1 slots=1\n")
+    monkeypatch.setenv("PATH", hydra_path(tmp_path))
+    monkeypatch.setattr(os, "execvp", lambda *a: pytest.fail(f"started {a}"))  # a refusal missed: not this process
+    for argv, says in ((["--launcher", "mpich", "--hostfile", "even", "--include", "worker-1"],
+                        "--launcher mpich runs every slot of the hostfile (as DeepSpeed's): it does not take "
+                        "--include"),
+                       (["--launcher", "impi", "--hostfile", "even", "--num_nodes", "1"],
+                        "--launcher impi runs every slot of the hostfile"),
+                       (["--launcher", "mvapich", "--hostfile", "odd"],
+                        "--launcher mvapich needs the same slot count on every host (its -ppn), got "
+                        "{'worker-0': 2, 'worker-1': 1}"),
+                       (["--launcher", "mpich", "--hostfile", "even", "--ssh_port", "2222"],
+                        "--launcher mpich does not take --ssh_port")):
+        assert main(["launch", *argv, "train.py"]) == 2, argv
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, err
+    openmpi = shutil.which("mpirun.openmpi")
+    if openmpi:
+        (tmp_path / "mpich-bin" / "mpirun").write_text(f'#!/bin/sh\nexec {openmpi} "$@"\n')
+        assert main(["launch", "--launcher", "mpich", "--hostfile", "even", "train.py"]) == 2
+        err = capsys.readouterr().err
+        assert "--launcher mpich: mpirun on PATH" in err and "is Open MPI's" in err and len(err.splitlines()) == 1
+    monkeypatch.setenv("PATH", str(tmp_path))  # no mpirun here
+    assert main(["launch", "--launcher", "impi", "--hostfile", "even", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert "--launcher impi: mpirun is not on PATH" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "started").exists()
 
 
 def test_openmpi_and_slot_count_refusals_are_one_line_before_any_rank(tmp_path, capsys, monkeypatch):
@@ -366,6 +566,11 @@ def test_slots_fit_the_batch_over_the_data_parallel_ranks(tmp_path):
     with pytest.raises(CLIError, match=r"6 slots \(a: 3, b: 3\) do not fit .*pp.json's batch sizes"):
         check_slots_fit_batch({"a": [0, 1, 2], "b": [0, 1, 2]}, ["--deepspeed_config", str(tmp_path / "pp.json")])
     check_slots_fit_batch(four, ["--deepspeed", "--other", "x.json"])  # a switch, then no config: nothing to check
+    with pytest.raises(CLIError, match=r"6 slots \(a: 6\) do not fit .*sp.json's batch sizes"):  # no value: next
+        check_slots_fit_batch({"a": list(range(6))}, ["--deepspeed_config", "--deepspeed", str(tmp_path / "sp.json")])
+    with pytest.raises(CLIError, match=r"sp.json's batch sizes"):  # DeepSpeed's --deepspeed switch, then a word
+        check_slots_fit_batch({"a": list(range(6))}, ["--deepspeed", "notes", "--deepspeed_config",
+                                                      str(tmp_path / "sp.json")])
     check_slots_fit_batch(four, ["--x", "1", "--deepspeed_config"])  # no value after the flag: the script's error
 
 

@@ -164,9 +164,9 @@ def _resource_launch(args: argparse.Namespace):
     """DeepSpeed's resource options -> (the selected host -> slots, this node's torchrun options or None, the
     workers' extra environment): the selected slots of one host that is this machine run here, one rank per slot
     (CUDA_VISIBLE_DEVICES = the slots, as DeepSpeed's launch sets it); several hosts, or another one: None, for
-    the multi-host start of `--launcher` (pdsh: ssh, openmpi: mpirun; the others are refused in one line)."""
+    the multi-host start of `--launcher` (pdsh: ssh; openmpi, mpich, impi, mvapich: mpirun; slurm: srun)."""
     from zerotrain.command import rendezvous
-    from zerotrain.hostfile import is_this_host, local_slots, parse_hostfile, select_resources
+    from zerotrain.hostfile import HYDRA_LAUNCHERS, is_this_host, local_slots, parse_hostfile, select_resources
 
     for flag, value, default in (("--nproc", args.nproc, 1), ("--nnodes", args.nnodes, "1"),
                                  ("--node-rank", args.node_rank, None), ("--rdzv-backend", args.rdzv_backend,
@@ -183,17 +183,13 @@ def _resource_launch(args: argparse.Namespace):
     active = select_resources(pool, args.include, args.exclude, args.num_nodes, args.num_gpus)
     remote = [host for host in active if not is_this_host(host)]
     if len(active) > 1 or remote or args.force_multi:
-        if args.launcher == "openmpi" and (args.include or args.exclude or args.num_nodes >= 0
-                                           or args.num_gpus >= 0):
-            raise CLIError("--launcher openmpi runs every slot of the hostfile (as DeepSpeed's): it does not "
-                           "take --include/--exclude/--num_nodes/--num_gpus; write the hostfile you want")
+        if args.launcher in ("openmpi", *HYDRA_LAUNCHERS) and (args.include or args.exclude or args.num_nodes >= 0
+                                                             or args.num_gpus >= 0):
+            raise CLIError(f"--launcher {args.launcher} runs every slot of the hostfile (as DeepSpeed's): it does "
+                           "not take --include/--exclude/--num_nodes/--num_gpus; write the hostfile you want")
         if args.launcher == "slurm":
             from zerotrain.hostfile import check_slurm_slots
             check_slurm_slots(active)
-        if args.launcher not in ("pdsh", "openmpi", "slurm"):
-            raise CLIError(f"starting ranks on other hosts ({', '.join(active)}) with --launcher {args.launcher} is "
-                           "not implemented yet: use the default (ssh), openmpi or slurm, or start the script with your MPI's launcher "
-                           "directly (docs/multinode.md)")
         return active, None, {}
     (slots,) = active.values()
     master = args.master_addr or ("127.0.0.1" if args.master_port is not None else None)
@@ -293,6 +289,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _launch_script(args: argparse.Namespace) -> int:
     """`zerotrain launch`: the user's script on every worker (zerotrain.launcher runs it there)."""
+    from zerotrain.hostfile import HYDRA_LAUNCHERS
     from zerotrain.launcher import worker_target
 
     if args.nproc < 1:
@@ -312,12 +309,15 @@ def _launch_script(args: argparse.Namespace) -> int:
         check_slots_fit_batch(active, args.script_args)
     if workers is None and args.launcher == "openmpi":  # several hosts: mpirun starts every rank
         return _launch_mpirun(args, active)
+    if workers is None and args.launcher in HYDRA_LAUNCHERS:  # MPICH's / Intel MPI's / MVAPICH's mpirun (hydra)
+        return _launch_hydra(args, active)
     if workers is None and args.launcher == "slurm":  # inside an allocation: srun starts every rank
         return _launch_srun(args, active)
     if workers is None:  # several hosts: one `zerotrain launch` per host over ssh
         return _launch_hosts(args, active)
-    from zerotrain.hostfile import STOP_ON_EOF_ENV, stop_on_stdin_eof
+    from zerotrain.hostfile import STOP_ON_EOF_ENV, relay_output, stop_on_stdin_eof
     if os.environ.get(STOP_ON_EOF_ENV) == "1":  # started over ssh by a launcher: its channel closing stops us
+        relay_output()  # and the ranks' output survives the channel until the stop reaches them
         stop_on_stdin_eof()
     return run_torchrun(workers, worker_target(args.script, args.script_args, not args.no_local_rank),
                         max_restarts=args.max_restarts, stop_timeout=args.stop_timeout, extra_env=extra_env)
@@ -362,6 +362,53 @@ def _launch_mpirun(args: argparse.Namespace, active: dict) -> int:
     sys.stderr.flush()
     os.execvp(cmd[0], cmd)
     return 127  # not reached
+
+
+def _launch_hydra(args: argparse.Namespace, active: dict) -> int:
+    """`--launcher mpich|impi|mvapich` (DeepSpeed's MPICHRunner / IMPIRunner / MVAPICHRunner): `mpirun` (the
+    hydra process manager these MPIs share) starts every slot of the hostfile, the same count per host, and runs
+    the script in each rank (through zerotrain.launcher, without --local_rank); this process becomes mpirun
+    (exec): a stop signal reaches it, and one rank's death ends the job everywhere. The master is --master_addr
+    or the first host's name, as with --launcher openmpi."""
+    import shutil
+    import socket
+    import subprocess
+
+    from zerotrain.hostfile import hydra_command, is_this_host, write_mvapich_hostfile
+    from zerotrain.launcher import worker_target
+
+    found = shutil.which("mpirun")
+    if found is None:
+        raise CLIError(f"--launcher {args.launcher}: mpirun is not on PATH (install {args.launcher.upper()}, or put a "
+                       "directory with mpirun -> mpiexec.hydra first on PATH)")
+    probe = subprocess.run([found, "--version"], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    said = probe.stdout + probe.stderr
+    if any(mark in said for mark in ("Open MPI", "OpenRTE", "open-mpi.org")):
+        raise CLIError(f"--launcher {args.launcher}: mpirun on PATH ({found}) is Open MPI's, which does not take "
+                       "this launcher's line: put your MPI's mpirun first on PATH (MPICH: mpirun -> mpiexec.hydra), "
+                       "or use --launcher openmpi")
+    if args.ssh_port is not None:
+        raise CLIError(f"--launcher {args.launcher} does not take --ssh_port (DeepSpeed's line has no ssh "
+                       "option): set the port in ~/.ssh/config, or give hydra an ssh wrapper "
+                       "(--launcher_args \"-launcher-exec /path/to/ssh-wrapper\")")
+    first = next(iter(active))
+    master = args.master_addr or (socket.gethostname() if is_this_host(first) else first)  # as the others reach it
+    pool = {host: len(slots) for host, slots in active.items()}
+    cmd = hydra_command(args.launcher, pool, master, args.master_port or 29500,
+                        worker_target(args.script, args.script_args, False), args.launcher_args,
+                        cuda=args.launcher == "mvapich" and _has_cuda())
+    if args.launcher == "mvapich":
+        write_mvapich_hostfile(pool)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvp(found, cmd)
+    return 127  # not reached
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _launch_srun(args: argparse.Namespace, active: dict) -> int:

@@ -8,7 +8,9 @@ MPI, without mpi4py), so `mpirun -n 4 python train.py` and `srun python train.py
 `zerotrain.initialize` call it (idempotent).
 
 - Open MPI: OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK / _LOCAL_SIZE.
-- MPICH, Intel MPI (Hydra): PMI_RANK / PMI_SIZE, MPI_LOCALRANKID / MPI_LOCALNRANKS.
+- MPICH, Intel MPI (Hydra), MVAPICH: PMIX_RANK or PMI_RANK (both set: they must agree, as DeepSpeed's
+  launcher_helper checks), PMI_SIZE (else WORLD_SIZE, which DeepSpeed's MPICH line exports), PALS_LOCAL_RANKID or
+  MPI_LOCALRANKID; the ranks per host from MPI_LOCALNRANKS, PALS_LOCAL_SIZE or DeepSpeed's LOCAL_SIZE.
 - Slurm: SLURM_PROCID, SLURM_STEP_NUM_TASKS (else SLURM_NTASKS), SLURM_LOCALID; the ranks per node from
   SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE (``2(x3),1``) at SLURM_NODEID; MASTER_ADDR the first host of
   SLURM_STEP_NODELIST / SLURM_JOB_NODELIST (``node[01-03,07]``, expanded by :func:`expand_nodelist`, as
@@ -39,6 +41,17 @@ def _int(env: MutableMapping[str, str], name: str) -> int:
         return int(value)
     except ValueError:
         raise ClusterEnvError(f"environment variable {name} must be an integer, got {value!r}") from None
+
+
+def _agreed(env: MutableMapping[str, str], launcher: str, names: tuple[str, ...], what: str) -> int:
+    """The one value the set variables of `names` give (DeepSpeed's launcher_helper: PMIX_RANK before PMI_RANK,
+    PALS_LOCAL_RANKID before MPI_LOCALRANKID), or one line naming the two that disagree."""
+    given = [(name, _int(env, name)) for name in names if name in env]
+    for name, value in given[1:]:
+        if value != given[0][1]:
+            raise ClusterEnvError(f"{launcher}: the {what} of {given[0][0]}={given[0][1]} and {name}={value} "
+                                  "disagree")
+    return given[0][1]
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -104,12 +117,16 @@ def _discover(env: MutableMapping[str, str]) -> Optional[tuple[str, dict[str, st
             if theirs in env:
                 found[ours] = _int(env, theirs)
         launcher = "Open MPI (OMPI_COMM_WORLD_*)"
-    elif "PMI_RANK" in env and "PMI_SIZE" in env:
-        found = {"RANK": _int(env, "PMI_RANK"), "WORLD_SIZE": _int(env, "PMI_SIZE")}
-        for ours, theirs in (("LOCAL_RANK", "MPI_LOCALRANKID"), ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS")):
-            if theirs in env:
-                found[ours] = _int(env, theirs)
+    elif ("PMIX_RANK" in env or "PMI_RANK" in env) and ("PMI_SIZE" in env or "WORLD_SIZE" in env):
         launcher = "MPI (PMI_RANK/PMI_SIZE)"
+        found = {"RANK": _agreed(env, launcher, ("PMIX_RANK", "PMI_RANK"), "rank"),
+                 "WORLD_SIZE": _int(env, "PMI_SIZE" if "PMI_SIZE" in env else "WORLD_SIZE")}
+        if "PALS_LOCAL_RANKID" in env or "MPI_LOCALRANKID" in env:
+            found["LOCAL_RANK"] = _agreed(env, launcher, ("PALS_LOCAL_RANKID", "MPI_LOCALRANKID"), "local rank")
+        for theirs in ("MPI_LOCALNRANKS", "PALS_LOCAL_SIZE", "LOCAL_SIZE"):  # LOCAL_SIZE: DeepSpeed's -genv
+            if theirs in env:
+                found["LOCAL_WORLD_SIZE"] = _int(env, theirs)
+                break
     elif "SLURM_PROCID" in env and ("SLURM_STEP_NUM_TASKS" in env or "SLURM_NTASKS" in env):
         size_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
         found = {"RANK": _int(env, "SLURM_PROCID"), "WORLD_SIZE": _int(env, size_var)}
@@ -130,7 +147,8 @@ def _discover(env: MutableMapping[str, str]) -> Optional[tuple[str, dict[str, st
         return None
     if not 0 <= found["RANK"] < found["WORLD_SIZE"]:
         raise ClusterEnvError(f"{launcher}: rank {found['RANK']} is not below the world size {found['WORLD_SIZE']}")
-    found.setdefault("LOCAL_RANK", 0 if found["WORLD_SIZE"] == 1 else -1)
+    if "LOCAL_RANK" not in found:  # a LOCAL_RANK the launcher line exported (Intel MPI's -env) is kept
+        found["LOCAL_RANK"] = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0 if found["WORLD_SIZE"] == 1 else -1
     if found["LOCAL_RANK"] < 0:
         raise ClusterEnvError(f"{launcher} gives no local rank (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID or "
                               "SLURM_LOCALID); export LOCAL_RANK")
@@ -149,6 +167,8 @@ def adopt_cluster_ranks(env: Optional[MutableMapping[str, str]] = None) -> Optio
     set are kept. Returns which launcher's variables were read, or None (a torchrun worker, or no launcher)."""
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
+        if "LOCAL_WORLD_SIZE" not in env and "LOCAL_SIZE" in env:  # DeepSpeed's Intel MPI line: RANK and
+            env["LOCAL_WORLD_SIZE"] = str(_int(env, "LOCAL_SIZE"))  # LOCAL_RANK per rank, LOCAL_SIZE for all
         return None
     discovered = _discover(env)
     if discovered is None:

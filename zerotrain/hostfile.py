@@ -34,11 +34,12 @@ from typing import Optional
 from .command import CLIError
 
 __all__ = ["LAUNCHERS", "parse_hostfile", "select_resources", "read_deepspeed_env", "is_this_host",
-           "local_slots", "check_reachable", "first_address", "ssh_commands", "run_hosts", "stop_on_stdin_eof",
+           "local_slots", "check_reachable", "first_address", "ssh_commands", "run_hosts", "stop_on_stdin_eof", "relay_output",
            "mpirun_command", "check_slots_fit_batch", "srun_command", "check_slurm_slots"]
 
 # DeepSpeed's --launcher names (case-insensitive there too); pdsh is its default
 LAUNCHERS = ("pdsh", "openmpi", "mpich", "impi", "slurm", "mvapich")
+HYDRA_LAUNCHERS = ("mpich", "impi", "mvapich")  # mpirun lines of hydra's options (MPICH's process manager)
 _HOST_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")  # DeepSpeed's pattern (runner._parse_hostfile)
 
 
@@ -278,6 +279,60 @@ def stop_on_stdin_eof() -> None:
     threading.Thread(target=watch, name="zerotrain-stdin-eof", daemon=True).start()
 
 
+def relay_output() -> None:
+    """In a host's launch started by `run_hosts`: its ranks' stdout and stderr go through pipes this process copies
+    to its own (the ssh channel), dropping what the channel no longer takes. When the launcher stops or dies, the
+    channel's stdin ends and its stdout breaks at once; a rank writing there directly (the engine's
+    `steps_per_print` line, the script's own prints) would die of the broken pipe before the stop (SIGTERM, from
+    `stop_on_stdin_eof`) reaches it and it saves. At exit the pipes are closed and the copies drained."""
+    import atexit
+    import sys
+    import threading
+
+    relays = []
+    for fd in (1, 2):
+        try:
+            channel = os.dup(fd)
+        except OSError:  # no such descriptor: nothing to relay
+            continue
+        read_end, write_end = os.pipe()
+        os.dup2(write_end, fd)  # this process's, its agent's and its ranks' fd (inherited)
+        os.close(write_end)
+
+        def copy(source: int = read_end, sink: int = channel) -> None:
+            open_sink = True
+            while True:
+                try:
+                    data = os.read(source, 65536)
+                except OSError:
+                    break
+                if not data:  # every writer is gone
+                    break
+                while open_sink and data:
+                    try:
+                        data = data[os.write(sink, data):]
+                    except OSError:  # the channel is gone: keep draining, drop the rest
+                        open_sink = False
+            os.close(source)
+
+        thread = threading.Thread(target=copy, name=f"zerotrain-relay-{fd}", daemon=True)
+        thread.start()
+        relays.append((fd, channel, thread))
+
+    def finish() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        for fd, channel, _ in relays:
+            os.dup2(channel, fd)  # this process's write ends closed: a relay ends once the ranks' are too
+        for _, _, thread in relays:
+            thread.join(timeout=5)
+
+    atexit.register(finish)
+
+
 def _has_mca(args: list[str], name: str) -> bool:
     """Whether mpirun arguments already set the MCA parameter `name` (``--mca NAME V`` / ``-mca NAME V``)."""
     return any(flag in ("-mca", "--mca") and value == name for flag, value in zip(args, args[1:]))
@@ -317,6 +372,93 @@ def mpirun_command(hostfile: str, pool: dict[str, int], master_addr: str, master
     for key, value in exports.items():
         cmd += ["-x", f"{key}={value}"]
     return [*cmd, sys.executable, "-u", *target]
+
+
+def _exports(environ: Optional[dict[str, str]], cwd: Optional[str]) -> dict[str, str]:
+    """What DeepSpeed's runner exports to every rank of a multi-host start: the variables named by the forwarded
+    prefixes, PYTHONPATH led by the current directory, then .deepspeed_env's lines."""
+    environ = dict(os.environ if environ is None else environ)
+    cwd = os.path.abspath(cwd or os.getcwd())
+    exports = {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES)}
+    exports["PYTHONPATH"] = os.pathsep.join([cwd, *([exports["PYTHONPATH"]] if exports.get("PYTHONPATH") else [])])
+    exports.update(read_deepspeed_env(cwd=cwd))
+    return exports
+
+
+def _per_host(launcher: str, pool: dict[str, int]) -> int:
+    """The ranks per host of a hydra line (`-ppn`): the same on every host, or one line (DeepSpeed's refusal)."""
+    counts = set(pool.values())
+    if len(counts) != 1:
+        raise CLIError(f"--launcher {launcher} needs the same slot count on every host (its -ppn), got {pool}")
+    return counts.pop()
+
+
+# DeepSpeed's MVAPICHRunner writes the hosts, one a line, here (deepspeed.launcher.constants.MVAPICH_TMP_HOSTFILE)
+MVAPICH_HOSTFILE = "/tmp/deepspeed_mvapich_hostfile"
+# ...and exports these before the forwarded variables (MV2_USE_CUDA=1 too on a CUDA machine)
+MVAPICH_EXPORTS = {"MV2_SMP_USE_CMA": "0", "MV2_DEBUG_SHOW_BACKTRACE": "1", "MV2_SUPPORT_DL": "1",
+                   "MV2_ENABLE_AFFINITY": "0", "MV2_INTER_ALLGATHER_TUNING": "5", "MV2_CUDA_USE_NAIVE": "0"}
+
+
+def hydra_command(launcher: str, pool: dict[str, int], master_addr: str, master_port: int, target: list[str],
+                  launcher_args: str = "", environ: Optional[dict[str, str]] = None, cwd: Optional[str] = None,
+                  cuda: bool = False) -> list[str]:
+    """`--launcher mpich|impi|mvapich`: the `mpirun` line DeepSpeed 0.19's MPICHRunner / IMPIRunner /
+    MVAPICHRunner builds for every slot of `pool` (the same count on every host), word for word up to the
+    program each rank runs, which is ``python -u`` and `target` (zerotrain's worker module and the script) in
+    place of DeepSpeed's launcher_helper.py (mpich) or the bare script (impi, mvapich).
+
+    - mpich: ``mpirun -n N -ppn P ARGS -genv K=V... -genv MASTER_ADDR A -genv MASTER_PORT P -genv WORLD_SIZE N
+      -genv LOCAL_SIZE P -hosts h1,h2 PROGRAM``; each rank reads PMI_RANK / MPI_LOCALRANKID (`zerotrain.cluster`).
+    - impi: ``mpirun -ppn P ARGS -genv K V... (the same four) -genv I_MPI_PIN 0 -hosts h1,h2 -n 1 -env RANK 0
+      -env LOCAL_RANK 0 PROGRAM : -n 1 -env RANK 1 ...``: every rank's RANK and LOCAL_RANK on the line.
+    - mvapich: ``mpirun -np N -ppn P --hostfile /tmp/deepspeed_mvapich_hostfile ARGS -env K=V... PROGRAM``
+      (the hosts written there, one a line, by the caller: `write_mvapich_hostfile`), MVAPICH's MV2_* tuning
+      exports first; DeepSpeed's ranks find the master with mpi4py, so zerotrain exports MASTER_ADDR and
+      MASTER_PORT there too.
+    """
+    import shlex
+    import sys
+
+    total, per_host = sum(pool.values()), _per_host(launcher, pool)
+    extra = shlex.split(launcher_args)
+    exports = _exports(environ, cwd)
+    python = [sys.executable, "-u"]
+    hosts = ",".join(pool)
+    rendezvous = [("MASTER_ADDR", master_addr), ("MASTER_PORT", str(master_port)), ("WORLD_SIZE", str(total)),
+                  ("LOCAL_SIZE", str(per_host))]
+    if launcher == "mpich":
+        cmd = ["mpirun", "-n", str(total), "-ppn", str(per_host), *extra]
+        for key, value in exports.items():
+            cmd += ["-genv", f"{key}={value}"]
+        for key, value in rendezvous:
+            cmd += ["-genv", key, value]
+        return [*cmd, "-hosts", hosts, *python, *target]
+    if launcher == "impi":
+        cmd = ["mpirun", "-ppn", str(per_host), *extra]
+        for key, value in [*exports.items(), *rendezvous, ("I_MPI_PIN", "0")]:
+            cmd += ["-genv", key, value]
+        cmd += ["-hosts", hosts]
+        for rank in range(total):
+            cmd += [*([":"] if rank else []), "-n", "1", "-env", "RANK", str(rank), "-env", "LOCAL_RANK",
+                    str(rank % per_host), *python, *target]
+        return cmd
+    if launcher == "mvapich":
+        mv2 = dict(MVAPICH_EXPORTS)
+        if cuda:
+            mv2 = {**dict(list(mv2.items())[:2]), "MV2_USE_CUDA": "1", **dict(list(mv2.items())[2:])}
+        exports = {**mv2, **exports, "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
+        cmd = ["mpirun", "-np", str(total), "-ppn", str(per_host), "--hostfile", MVAPICH_HOSTFILE, *extra]
+        for key, value in exports.items():
+            cmd += ["-env", f"{key}={value}"]
+        return [*cmd, *python, *target]
+    raise CLIError(f"--launcher {launcher} has no mpirun line here (mpich, impi, mvapich)")
+
+
+def write_mvapich_hostfile(pool: dict[str, int]) -> None:
+    """The hosts of `pool`, one a line, where DeepSpeed's MVAPICHRunner writes them (its line's --hostfile)."""
+    with open(MVAPICH_HOSTFILE, "w") as f:
+        f.writelines(f"{host}\n" for host in pool)
 
 
 def _script_config(script_args: list[str]) -> Optional[str]:

@@ -25,7 +25,8 @@ def slurm_missing() -> Optional[str]:
     """Why the Slurm tests cannot run here (a skip reason), or None."""
     absent = [name for name in DAEMONS if _which(name) is None]
     if absent:
-        return f"Slurm/munge are not installed ({', '.join(absent)}: apt-get install -y slurm-wlm munge)"
+        return (f"Slurm/munge are not installed ({', '.join(absent)}: apt-get install -y slurm-wlm munge, or "
+                "tests/multinode/install_cluster_software.sh)")
     return None
 
 

@@ -14,7 +14,8 @@ def sshd_missing() -> Optional[str]:
     """Why sshd cannot run here (a skip reason), or None."""
     if shutil.which("sshd") or os.path.exists("/usr/sbin/sshd"):
         return None
-    return "openssh-server is not installed (apt-get install -y openssh-server)"
+    return ("openssh-server is not installed (apt-get install -y openssh-server, or "
+            "tests/multinode/install_cluster_software.sh)")
 
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"

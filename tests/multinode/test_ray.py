@@ -4,7 +4,10 @@ process group (gloo, its own rendezvous) and the workers' RANK / WORLD_SIZE / LO
 is the ZeRO-3 tiny-Llama job (tests/multinode/llama_job.py), whose `zerotrain.initialize` takes the process
 group Ray made, and equals single-process AdamW within 1e-5. The checkpoint goes to zerotrain's own directory
 on storage every host sees (the RunConfig's storage path), not through Ray's `Checkpoint`: see
-docs/multinode.md. Ray's own start takes ~20 s here and the run ~1.5 min, so `slow`; no default-suite case."""
+docs/multinode.md. Ray's own start takes ~20 s here and the run ~1.5 min, so `slow`; no default-suite case: a
+one-host case (a local `ray.init(num_cpus=2)`, 2 workers, a Linear, one step) was tried and is not under the ~25 s
+a default case may take: `ray.init` alone took 35 s at load ~38, the fit ~4 min, and the default suite is at its
+12-minute budget."""
 from __future__ import annotations
 
 import os
