@@ -12,10 +12,12 @@ Tests of failure handling pass `expect_exit={rank, ...}`: those ranks may end th
 process without reporting (e.g. `os._exit` to simulate a crash); their result is
 None instead of an error.
 
-`run_python(["-m", MODULE or "-c", CODE, *ARGS], cwd=..., env=...)` (and `run_cli(ARGS)` for
+`run_python(["-m", MODULE or "-c", CODE or SCRIPT.py, *ARGS], cwd=..., env=...)` (and `run_cli(ARGS)` for
 `python -m zerotrain.cli ARGS`) runs a command as its own process forked from the same forkserver: its
-own working directory, environment, file descriptors 1 and 2 and exit status, without importing torch and
-zerotrain again (seconds per command).
+own working directory, environment, file descriptors 1 and 2 and exit status, without importing torch,
+zerotrain and transformers' modeling code again (seconds per command). `start_python(...)` starts one the
+test signals or kills (a `subprocess.Popen` stand-in); `serve_commands(bin_dir, {...})` puts commands on a
+shell's PATH that run that way (a shell script, e.g. the README's, calling `zerotrain` and `python`).
 """
 from __future__ import annotations
 
@@ -24,14 +26,19 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_module
+import contextlib
 import runpy
+import secrets
+import signal
 import socket
 import subprocess
 import tempfile
 import sys
+import threading
 import time
 import traceback
-from typing import Any, Callable, Iterable
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
 
 _CONTEXT = None
 
@@ -148,9 +155,13 @@ def _python_child(argv: list, cwd: str, env: dict, sys_path: list, out_path: str
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
+        elif argv[0] == "-c":
             sys.argv = ["-c", *argv[2:]]
             exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        else:  # a script: its own directory first on sys.path, as the interpreter puts it
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exc:  # as the interpreter turns `sys.exit(x)` into a status
         if exc.code is None:
             code = 0
@@ -170,42 +181,163 @@ def _python_child(argv: list, cwd: str, env: dict, sys_path: list, out_path: str
     os._exit(code & 0xFF)
 
 
+def _check_argv(argv: Iterable[str]) -> list[str]:
+    argv = [str(a) for a in argv]
+    assert (argv[0] in ("-m", "-c") and len(argv) >= 2) or (argv[0].endswith(".py") and not argv[0].startswith("-")), \
+        argv
+    return argv
+
+
+class ForkedProcess:
+    """`python -m MODULE ARGS`, `python -c CODE ARGS` or `python SCRIPT.py ARGS` (argv without the interpreter) as a
+    process forked from the forkserver, for a test that signals or kills it while it runs: what
+    `subprocess.Popen(cmd, stdout=PIPE, stderr=PIPE, text=True)` offers a test (`pid`, `poll`, `wait`,
+    `send_signal`, `terminate`, `kill`, `communicate`, `returncode`: -N when killed by signal N). Its parent is the
+    forkserver, not the test; its own children (a launcher's torchrun agent) are its own, as with Popen."""
+
+    def __init__(self, argv: Iterable[str], *, cwd: str | os.PathLike | None = None, env: dict | None = None):
+        argv = _check_argv(argv)
+        self.args = [sys.executable, *argv]
+        self.returncode: int | None = None
+        self._tmp = tempfile.TemporaryDirectory(prefix="zerotrain-python-")
+        self._out, self._err = os.path.join(self._tmp.name, "stdout"), os.path.join(self._tmp.name, "stderr")
+        for path in (self._out, self._err):
+            open(path, "w").close()
+        env = dict(os.environ if env is None else env)
+        self._process = _context().Process(target=_python_child, args=(argv, os.fspath(cwd or os.getcwd()), env,
+                                                                       list(sys.path), self._out, self._err))
+        self._process.start()
+        self.pid = self._process.pid
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self._process.is_alive():
+            self.returncode = self._process.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def _streams(self) -> tuple[str, str]:
+        with open(self._out, errors="replace") as out, open(self._err, errors="replace") as err:
+            return out.read(), err.read()
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """(stdout, stderr) once it ended; past `timeout` subprocess.TimeoutExpired with the output so far (it runs
+        on: kill it and call again, as with Popen)."""
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            out, err = self._streams()
+            raise subprocess.TimeoutExpired(self.args, timeout, output=out, stderr=err) from None
+        streams = self._streams()
+        self._tmp.cleanup()
+        return streams
+
+
+def start_python(argv: Iterable[str], *, cwd: str | os.PathLike | None = None,
+                 env: dict | None = None) -> ForkedProcess:
+    """Start `python ARGV` (see ForkedProcess) and return at once."""
+    return ForkedProcess(argv, cwd=cwd, env=env)
+
+
 def run_python(argv: Iterable[str], *, cwd: str | os.PathLike | None = None, env: dict | None = None,
                timeout: float = 240.0) -> subprocess.CompletedProcess:
-    """`python -m MODULE ARGS` or `python -c CODE ARGS` (argv without the interpreter) in `cwd` (default: this
-    one) with environment `env` (default: this one), as a process forked from the forkserver; returns what
-    `subprocess.run(..., capture_output=True, text=True)` would, and raises subprocess.TimeoutExpired past
-    `timeout`. For processes that need no process tree of their own above them (a `--nproc N` launcher still
-    starts torchrun's agent and its ranks as fresh interpreters).
+    """`python -m MODULE ARGS`, `python -c CODE ARGS` or `python SCRIPT.py ARGS` (argv without the interpreter) in
+    `cwd` (default: this one) with environment `env` (default: this one), as a process forked from the
+    forkserver; returns what `subprocess.run(..., capture_output=True, text=True)` would, and raises
+    subprocess.TimeoutExpired past `timeout`. For processes that need no process tree of their own above them (a
+    `--nproc N` launcher still starts torchrun's agent and its ranks as fresh interpreters).
     """
-    argv = [str(a) for a in argv]
-    assert argv[0] in ("-m", "-c") and len(argv) >= 2, argv
     cap = os.environ.get("ZEROTRAIN_TEST_RUN_TIMEOUT")  # `python -m tools.mutate`'s limit, as for run_distributed
     timeout = min(timeout, float(cap)) if cap else timeout
-    env = dict(os.environ if env is None else env)
-    with tempfile.TemporaryDirectory(prefix="zerotrain-python-") as tmp:
-        out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        for path in (out_path, err_path):
-            open(path, "w").close()
-        process = _context().Process(target=_python_child, args=(argv, os.fspath(cwd or os.getcwd()), env,
-                                                                 list(sys.path), out_path, err_path))
-        process.start()
-        try:
-            process.join(timeout)
-        finally:  # past the timeout, or the test interrupted: it must not outlive the call (as subprocess.run)
-            timed_out = process.is_alive()
-            if timed_out:
-                process.kill()
-                process.join(5)
-        with open(out_path, errors="replace") as out, open(err_path, errors="replace") as err:
-            stdout, stderr = out.read(), err.read()
-    cmd = [sys.executable, *argv]
-    if timed_out:
-        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
-    return subprocess.CompletedProcess(cmd, process.exitcode, stdout, stderr)  # -N: killed by signal N
+    process = ForkedProcess(argv, cwd=cwd, env=env)
+    try:
+        stdout, stderr = process.communicate(timeout)
+    except subprocess.TimeoutExpired:  # it must not outlive the call (as subprocess.run)
+        process.kill()
+        process.wait(5)
+        stdout, stderr = process.communicate()
+        raise subprocess.TimeoutExpired(process.args, timeout, output=stdout, stderr=stderr) from None
+    except BaseException:  # the test interrupted
+        process.kill()
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def run_cli(args: Iterable[str], *, cwd: str | os.PathLike | None = None, env: dict | None = None,
             timeout: float = 240.0) -> subprocess.CompletedProcess:
     """`python -m zerotrain.cli ARGS`, as `run_python` runs it."""
     return run_python(["-m", "zerotrain.cli", *args], cwd=cwd, env=env, timeout=timeout)
+
+
+_CLIENT = """import os, sys
+from multiprocessing.connection import Client
+with Client({address!r}, family="AF_UNIX", authkey=bytes.fromhex({key!r})) as conn:
+    conn.send(({prefix!r} + sys.argv[1:], os.getcwd(), dict(os.environ)))
+    code, out, err = conn.recv()
+sys.stdout.write(out)
+sys.stdout.flush()
+sys.stderr.write(err)
+sys.exit(code if code >= 0 else 128 - code)
+"""
+
+
+@contextlib.contextmanager
+def serve_commands(bin_dir: str | os.PathLike, commands: dict[str, list[str]], *,
+                   timeout: float = 600.0) -> Iterator[None]:
+    """Within the block, `bin_dir/NAME ARGS` (an executable for a shell's PATH) runs `python *commands[NAME] ARGS`
+    as `run_python` does, in the caller's working directory and environment: e.g. {"zerotrain": ["-m",
+    "zerotrain.cli"], "python": []}. Each one is a small stdlib-only client that hands its arguments to this test
+    process and writes back the command's stdout, stderr and exit status (the output once the command ended), so
+    a shell script runs as written without starting torch and transformers afresh for every command; one command
+    at a time."""
+    bin_dir = Path(bin_dir)
+    key = secrets.token_hex(16)
+    address = os.path.join(tempfile.mkdtemp(prefix="zerotrain-serve-"), "socket")
+    from multiprocessing.connection import Client, Listener
+
+    listener = Listener(address, family="AF_UNIX", authkey=bytes.fromhex(key))
+    for name, prefix in commands.items():
+        path = bin_dir / name
+        path.write_text(f"#!{sys.executable} -IS\n" + _CLIENT.format(address=address, key=key, prefix=list(prefix)))
+        path.chmod(0o755)
+
+    def serve() -> None:
+        while True:
+            with listener.accept() as conn:
+                request = conn.recv()
+                if request is None:
+                    return
+                argv, cwd, env = request
+                try:
+                    done = run_python(argv, cwd=cwd, env=env, timeout=timeout)
+                    conn.send((done.returncode, done.stdout, done.stderr))
+                except subprocess.TimeoutExpired as error:
+                    conn.send((124, error.output or "", (error.stderr or "") + f"\ntimed out after {timeout:.0f}s\n"))
+                except BaseException:  # noqa: BLE001 - the shell gets the reason, the server stays up
+                    conn.send((2, "", traceback.format_exc()))
+
+    thread = threading.Thread(target=serve, daemon=True, name="serve_commands")
+    thread.start()
+    try:
+        yield
+    finally:
+        with Client(address, family="AF_UNIX", authkey=bytes.fromhex(key)) as conn:
+            conn.send(None)
+        thread.join(10)
+        listener.close()
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(address))

@@ -3,7 +3,6 @@ import io
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -202,12 +201,12 @@ def test_train_tiny_end_to_end(tmp_path):
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         env.pop(var, None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "zerotrain.cli", "train", "--config", str(REPO / "examples/zero2.json"),
-         "--nproc", "1", "--model", "tiny", "--steps", "3", "--max-corpus-bytes", "200000",
-         "--log-dir", str(tmp_path), "--save-dir", str(tmp_path / "ckpt"), "--memory-timeline", "0.01"],
-        env=env, capture_output=True, text=True, timeout=240,
-    )
+    from distributed import run_cli
+
+    proc = run_cli(["train", "--config", str(REPO / "examples/zero2.json"), "--nproc", "1", "--model", "tiny",
+                    "--steps", "3", "--max-corpus-bytes", "200000", "--log-dir", str(tmp_path), "--save-dir",
+                    str(tmp_path / "ckpt"), "--memory-timeline", "0.01"],
+                   env=env, timeout=240)  # its own process, forked from the test forkserver (stdout: a file)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"checkpoint of step 3 saved: {tmp_path / 'ckpt' / 'global_step3'}" in proc.stdout
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step3"
@@ -611,10 +610,11 @@ def test_a_rank_start_up_error_is_one_line_once_at_nproc_2(tiny_llama_dir, tmp_p
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         env.pop(var, None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "zerotrain.cli", "train", "--config", str(REPO / "examples/zero2.json"),
-         "--nproc", "2", "--model", str(tiny_llama_dir), "--data", str(data), "--text-field", "body",
-         "--steps", "1", "--no-save"], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    from distributed import run_cli
+
+    proc = run_cli(["train", "--config", str(REPO / "examples/zero2.json"), "--nproc", "2", "--model",
+                    str(tiny_llama_dir), "--data", str(data), "--text-field", "body", "--steps", "1", "--no-save"],
+                   env=env, timeout=300, cwd=tmp_path)  # the launcher forked from the test forkserver
     assert proc.returncode == 2, proc.stdout + proc.stderr
     # a library's own log warnings are not errors, even when they mention the word (torch's "[rank0]:W1205 ...
     # will be an error in a future release", logged when transformers imports an installed torchao)

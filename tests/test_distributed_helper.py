@@ -106,3 +106,48 @@ def test_run_python_is_a_process_of_its_own(tmp_path):
     assert not multiprocessing.active_children(), "the timed-out process was left running"
     done = run_cli(["ckpt", "verify", str(tmp_path / "missing")], cwd=tmp_path)
     assert done.returncode == 1 and done.stdout == "" and "missing does not exist" in done.stderr, done
+
+
+def test_start_python_is_a_popen_the_test_signals_and_serve_commands_runs_a_shell_script(tmp_path):
+    """start_python: the process runs while the test waits (poll None), takes a signal (a handler's exit status, or
+    -N when it kills), and gives its streams back (what Popen(stdout=PIPE, stderr=PIPE) gives). serve_commands: a
+    shell script's `python SCRIPT.py` and `tool ARGS` run as forked processes in the script's cwd and environment,
+    with their output, and `bash -e` stops at the first failing status."""
+    import signal
+    import sys
+
+    from distributed import serve_commands, start_python
+
+    handler = ("import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *_: sys.exit(143))\n"
+               "print('ready', flush=True)\ntime.sleep(60)\n")
+    ready = tmp_path / "ready.py"
+    ready.write_text(handler.replace("print('ready', flush=True)", "open(sys.argv[1], 'w').close()"))
+    proc = start_python([str(ready), str(tmp_path / "flag")], cwd=tmp_path)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "flag").exists() and time.monotonic() < deadline:
+        assert proc.poll() is None
+        time.sleep(0.05)
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.communicate(timeout=0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.communicate(timeout=30) == ("", "") and proc.returncode == 143
+    proc = start_python(["-c", _PROBE, "sleep"], cwd=tmp_path)
+    time.sleep(0.5)
+    proc.kill()
+    proc.wait(30)
+    assert proc.returncode == -signal.SIGKILL and proc.poll() == -signal.SIGKILL
+    script = tmp_path / "probe.py"
+    script.write_text(_PROBE.replace("import os, sys", "import os, sys\n"
+                                                                           "print('path', sys.path[0])"))
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "work").mkdir()
+    env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", PROBE="shell")
+    with serve_commands(tmp_path / "bin", {"python": [], "probe": [str(script)]}):
+        run = subprocess.run(["bash", "-e", "-c", "probe 0; python ../probe.py 0 >&2; probe 5; echo never"],
+                             cwd=tmp_path / "work", env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 5, run
+    said = f"out ['0'] {tmp_path / 'work'} shell False\n"
+    assert run.stdout == f"path {tmp_path}\n{said}path {tmp_path}\nout ['5'] {tmp_path / 'work'} shell False\n", run
+    assert run.stderr == f"err\npath {tmp_path}\n{said}err\nerr\n", run
+    assert not (tmp_path / "bin" / "python").read_text().count("import torch")  # a client: nothing heavy imported
+    assert sys.executable in (tmp_path / "bin" / "python").read_text().splitlines()[0]

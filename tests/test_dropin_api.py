@@ -8,8 +8,6 @@ import contextlib
 import io
 import json
 import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -601,11 +599,12 @@ def test_launch_stops_a_script_on_sigterm_as_train_does(tmp_path):
     with socket.socket() as probe:  # a static rendezvous (--master-addr/--master-port) rather than --standalone
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "zerotrain.cli", "launch", "--nproc", "2", "--master-addr",
-                             "127.0.0.1", "--master-port", str(port), str(script),
-                             "--deepspeed_config", str(config), "--out", str(tmp_path), "--nproc", "3"],
-                            cwd=tmp_path, env=dict(os.environ, PYTHONPATH=REPO_ROOT), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    from distributed import start_python
+
+    # the launcher forked from the test forkserver (a Popen stand-in; its agent and ranks are fresh interpreters)
+    proc = start_python(["-m", "zerotrain.cli", "launch", "--nproc", "2", "--master-addr", "127.0.0.1",
+                         "--master-port", str(port), str(script), "--deepspeed_config", str(config), "--out",
+                         str(tmp_path), "--nproc", "3"], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "running").exists() and proc.poll() is None and time.monotonic() < deadline:

@@ -1,8 +1,10 @@
 """How jobs end: stop signals, orphaned ranks, elastic restarts (zerotrain.lifecycle, the CLI launcher).
 
 Every test runs the real `zerotrain train` command (torchrun agent, 2 ranks, gloo) and sends real
-signals. The stop step is only known once it happened, so each comparison run is launched after
-the interrupted one, for the same number of steps.
+signals. The launcher is forked from the test forkserver (`start_python`/`run_cli`: torch, zerotrain and
+transformers already imported; its agent and ranks are fresh interpreters, as always). The stop step is only
+known once it happened, so each comparison run is launched after the interrupted one, for the same number of
+steps.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import run_cli, run_distributed, run_python
+from distributed import ForkedProcess, run_cli, run_distributed, run_python, start_python
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH_TIMEOUT = 180
@@ -45,7 +47,7 @@ def _losses(log_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records}
 
 
-def _wait_for_step(proc: subprocess.Popen, log_dir: Path, step: int, timeout: float = LAUNCH_TIMEOUT) -> None:
+def _wait_for_step(proc: ForkedProcess, log_dir: Path, step: int, timeout: float = LAUNCH_TIMEOUT) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -58,7 +60,7 @@ def _wait_for_step(proc: subprocess.Popen, log_dir: Path, step: int, timeout: fl
     pytest.fail(f"no step {step} within {timeout}s")
 
 
-def _communicate(proc: subprocess.Popen) -> tuple[str, str]:
+def _communicate(proc: ForkedProcess) -> tuple[str, str]:
     """The launch's output once it ends; past LAUNCH_TIMEOUT its whole process tree is killed (a hung run
     must not outlive the test) and the test fails with what it printed."""
     try:
@@ -71,6 +73,13 @@ def _communicate(proc: subprocess.Popen) -> tuple[str, str]:
                 pass
         out, err = proc.communicate()
         pytest.fail(f"the launch did not end within {LAUNCH_TIMEOUT}s:\n{out}\n{err[-4000:]}")
+
+
+def _start(cmd: list[str]) -> ForkedProcess:
+    """The launch the test signals or kills: the launcher forked from the test forkserver (`start_python`, a Popen
+    stand-in), not a fresh interpreter."""
+    assert cmd[:3] == [sys.executable, "-m", "zerotrain.cli"], cmd
+    return start_python(cmd[1:], cwd=os.getcwd(), env=_env())
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
@@ -127,8 +136,7 @@ def uninterrupted(tmp_path_factory) -> Path:
 
 def test_sigterm_saves_exits_143_and_resume_continues_exactly(tmp_path, uninterrupted):
     stopped = tmp_path / "stopped"
-    proc = subprocess.Popen(_train_cmd(stopped / "ckpt", stopped / "log", 100000), env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _start(_train_cmd(stopped / "ckpt", stopped / "log", 100000))
     _wait_for_step(proc, stopped / "log", 3)
     proc.send_signal(signal.SIGTERM)
     out, err = _communicate(proc)
@@ -166,8 +174,7 @@ def test_pipeline_run_stops_at_a_step_boundary_on_sigterm_and_resume_continues_e
     stops it after the step under way with a checkpoint, and `--resume` seeks to the next batch: every loss equals
     an uninterrupted run's (launched afterwards, for as many steps)."""
     stopped = tmp_path / "stopped"
-    proc = subprocess.Popen(_pipeline_cmd(stopped, 400), env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = _start(_pipeline_cmd(stopped, 400))
     _wait_for_step(proc, stopped / "log", 3)
     proc.send_signal(signal.SIGTERM)
     out, err = _communicate(proc)
@@ -196,8 +203,7 @@ def test_pipeline_run_stops_at_a_step_boundary_on_sigterm_and_resume_continues_e
 # killing the torchrun agent itself is the rarer case and the one the multi-node fault tests repeat: `slow`
 @pytest.mark.parametrize("victim", ["launcher", pytest.param("agent", marks=pytest.mark.slow)])
 def test_killed_launcher_takes_every_rank_with_it(tmp_path, victim):
-    proc = subprocess.Popen(_train_cmd(tmp_path / "ckpt", tmp_path / "log", 100000, "--save-every", "1"),
-                            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = _start(_train_cmd(tmp_path / "ckpt", tmp_path / "log", 100000, "--save-every", "1"))
     _wait_for_step(proc, tmp_path / "log", 2)
     family = _descendants(proc.pid)
     assert len(family) >= 3, family  # the agent and two ranks
@@ -224,9 +230,8 @@ def test_killed_rank_restarts_from_the_latest_checkpoint_and_finishes_like_an_un
     # The agent stops the surviving rank with SIGTERM, which that rank takes as a stop request; should it be
     # stuck in a collective with its dead peer, --stop-timeout bounds the wait before the agent kills it.
     # Spare restarts absorb a gloo connect that fails on a loaded machine.
-    proc = subprocess.Popen(_train_cmd(crashed / "ckpt", crashed / "log", total, "--save-every", "1",
-                                       "--max-restarts", "3", "--stop-timeout", "15"),
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _start(_train_cmd(crashed / "ckpt", crashed / "log", total, "--save-every", "1",
+                             "--max-restarts", "3", "--stop-timeout", "15"))
     _wait_for_step(proc, crashed / "log", 4)
     ranks = [pid for pid in _descendants(proc.pid) if "zerotrain.cli" in Path(f"/proc/{pid}/cmdline").read_text()
              and "torch.distributed.run" not in Path(f"/proc/{pid}/cmdline").read_text()]

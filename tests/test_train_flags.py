@@ -243,7 +243,8 @@ def test_gradient_checkpointing_flag_turns_on_the_models_checkpointing(tiny_llam
 
     loss, grads = loss_and_grads()
     assert len(calls) == 2  # forward, and the recompute in backward
-    model.gradient_checkpointing_disable()
+    # transformers 5.25 renamed it (the old name warns FutureWarning); older releases have the old name only
+    (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
     calls.clear()
     want_loss, want_grads = loss_and_grads()
     assert len(calls) == 1
@@ -301,11 +302,15 @@ def _readme_blocks() -> list[str]:
 
 def test_the_readme_walkthrough_runs_as_written_with_flags_only_and_with_a_deepspeed_config(tmp_path):
     """The README's first-day commands, as written (zerotrain and python are this checkout's), in a fresh directory
-    that has the repository's examples/: the flags-only walkthrough, then the DeepSpeed-config variant."""
+    that has the repository's examples/: the flags-only walkthrough, then the DeepSpeed-config variant. bash runs
+    each block; its `zerotrain` and `python` are forked from the test forkserver (`serve_commands`: torch,
+    zerotrain and transformers imported once, not by each of the six commands; the launches' torchrun agents and
+    ranks are fresh interpreters, as always)."""
     import os
     import subprocess
-    import sys
     from pathlib import Path
+
+    from distributed import serve_commands
 
     blocks = _readme_blocks()
     assert len(blocks) == 2 and "--config" not in blocks[0] and "--deepspeed" in blocks[1], blocks
@@ -313,16 +318,14 @@ def test_the_readme_walkthrough_runs_as_written_with_flags_only_and_with_a_deeps
     (tmp_path / "examples").symlink_to(root / "examples")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, command in (("zerotrain", f"{sys.executable} -m zerotrain.cli"), ("python", sys.executable)):
-        (bin_dir / name).write_text(f'#!/bin/sh\nexec {command} "$@"\n')  # a wrapper: the venv stays this one
-        (bin_dir / name).chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(root)}
     outputs = []
-    for block in blocks:
-        run = subprocess.run(["bash", "-e", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=900)
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        outputs.append(run.stdout)
+    with serve_commands(bin_dir, {"zerotrain": ["-m", "zerotrain.cli"], "python": []}):
+        for block in blocks:
+            run = subprocess.run(["bash", "-e", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                 timeout=900)
+            assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+            outputs.append(run.stdout)
     flags, deepspeed = outputs
     # flags only: the epochs the steps make, said at the start, in every progress line, the metrics and the summary
     assert "10 steps = " in flags and " epochs of " in flags and "epoch " in flags
@@ -524,7 +527,12 @@ def test_the_flag_built_adamw_does_not_decay_biases_and_norm_weights_as_the_hf_t
     reference = copy.deepcopy(model)
     decay = set(transformers.Trainer.get_decay_parameter_names(None, reference))
     assert any("norm" in name for name, _ in reference.named_parameters() if name not in decay)
-    engine = train_engine(model, config, decay_groups=optimizer_from_flags(args))
+    # the LLaMA-Factory file's DeepSpeed keys zerotrain does not implement: each warned about (the suite stays quiet)
+    from zerotrain.config import ConfigWarning
+    with pytest.warns(ConfigWarning) as warned:
+        engine = train_engine(model, config, decay_groups=optimizer_from_flags(args))
+    assert sorted(str(w.message).split(" ", 1)[0] for w in warned) == [
+        "comms_config", "monitor_config", "zero_allow_untested_optimizer", "zero_optimization.round_robin_gradients"]
     batch = torch.randint(0, reference.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
     loss = engine(input_ids=batch, labels=batch).loss
     engine.backward(loss)
@@ -537,7 +545,7 @@ def test_the_flag_built_adamw_does_not_decay_biases_and_norm_weights_as_the_hf_t
     ref_loss.backward()
     torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
     optimizer.step()
-    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
+    assert float(loss.detach()) == pytest.approx(float(ref_loss.detach()), rel=1e-6)
     got = engine.full_state_dict()
     for name, want in reference.state_dict().items():
         torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-6, msg=name)

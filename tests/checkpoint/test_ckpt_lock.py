@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from distributed import run_cli, run_python
+from distributed import run_cli, run_python, start_python
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -92,8 +92,7 @@ def test_lock_from_another_host_is_never_guessed_stale(tmp_path):
 def test_second_train_command_on_the_same_save_dir_is_refused_before_training(tmp_path):
     cmd = [sys.executable, "-m", "zerotrain.cli", "train", "--config", str(REPO / "examples/zero2.json"),
            "--model", "tiny", "--max-corpus-bytes", "200000", "--val-fraction", "0", "--save-dir", str(tmp_path)]
-    first = subprocess.Popen([*cmd, "--steps", "100000"], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
+    first = start_python([*cmd[1:], "--steps", "100000"], env=_env())  # forked from the test forkserver
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / ".zerotrain-lock.json").exists():

@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distributed import run_cli
+from distributed import run_cli, start_python
 from zerotrain.embedding.data import DataPosition
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,8 +56,8 @@ def _stopped_by_sigterm(argv: list[str], log_dir: Path, after: int) -> tuple[sub
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         env.pop(var, None)
-    proc = subprocess.Popen([sys.executable, "-m", "zerotrain.cli", "train-embedding", *argv], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # the launcher forked from the test forkserver (a Popen stand-in: torch and transformers already imported)
+    proc = start_python(["-m", "zerotrain.cli", "train-embedding", *argv], cwd=os.getcwd(), env=env)
     deadline = time.monotonic() + 240
     while not ((log_dir / "metrics.jsonl").exists() and len(_records(log_dir)) >= after):
         if proc.poll() is not None or time.monotonic() > deadline:

@@ -1,6 +1,7 @@
 """`zerotrain.hf.SFTTrainer` against TRL's `SFTTrainer` + DeepSpeed 0.19.8 on the same script and data.
 
-One launch at world 2 (CPU, gloo, tiny Llama built offline): TRL's SFT on prompt/completion records with
+At world 2 (CPU, gloo, tiny Llama built offline; in the launch the DPO, reward and GRPO tests share,
+trl_launch.py): TRL's SFT on prompt/completion records with
 packing (TRL's default `bfd`, padding-free) and completion-only loss.
 
 - fp32 (`bf16=False`): zerotrain's `SFTTrainer`/`SFTConfig` at ZeRO-3 logs the same loss, learning rate and
@@ -28,9 +29,9 @@ import warnings
 import pytest
 import torch
 
-from distributed import run_distributed
 from hf_compare import assert_same_steps, close, trainer_log
 from models_for_tests import assert_tolerance_discriminates
+from trl_launch import of
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("trl") is None,
                                 reason="needs deepspeed and trl")
@@ -143,33 +144,35 @@ def _buffers_in_bf16(engine_kind: str, stage: int, root: str) -> dict:
     return out
 
 
-def _worker(model_dir: str, root: str) -> dict:
+def runs(engine: str, model_dir: str, root: str) -> dict:
+    """This module's runs on one engine, in the shared TRL launch (trl_launch.py): "zt": zerotrain's four SFT runs
+    (before DeepSpeed is imported); "ds": TRL + DeepSpeed's three (after `deepspeed.init_distributed`, which
+    from_pretrained's zero.Init needs for the world size), then the buffer engines of both at every stage."""
     warnings.simplefilter("ignore")
-    results = {"zt3": _run("zt", model_dir, os.path.join(root, "zt3"), bf16=False),
-               "zt2_bf16": _run("zt", model_dir, os.path.join(root, "zt2"), stage=2, save=True),
-               "zt3_bf16": _run("zt", model_dir, os.path.join(root, "zt3_bf16"), blocks=BF16_AUTO),
-               "zt3_all_tokens": _run("zt", model_dir, os.path.join(root, "zt3_all"), completion_only=False, steps=1,
-                                      bf16=False)}
-    os.environ["DS_ACCELERATOR"] = "cpu"
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo")  # before from_pretrained's zero.Init reads the world size
-    results["ds3"] = _run("ds", model_dir, os.path.join(root, "ds3"), bf16=False)
-    results["ds2_bf16"] = _run("ds", model_dir, os.path.join(root, "ds2_bf16"), stage=2, save=True)
-    results["ds3_bf16"] = _run("ds", model_dir, os.path.join(root, "ds3_bf16"), blocks=BF16_AUTO)
+    os.makedirs(root, exist_ok=True)
+    if engine == "zt":
+        return {"zt3": _run("zt", model_dir, os.path.join(root, "zt3"), bf16=False),
+                "zt2_bf16": _run("zt", model_dir, os.path.join(root, "zt2"), stage=2, save=True),
+                "zt3_bf16": _run("zt", model_dir, os.path.join(root, "zt3_bf16"), blocks=BF16_AUTO),
+                "zt3_all_tokens": _run("zt", model_dir, os.path.join(root, "zt3_all"), completion_only=False, steps=1,
+                                       bf16=False)}
+    results = {"ds3": _run("ds", model_dir, os.path.join(root, "ds3"), bf16=False),
+               "ds2_bf16": _run("ds", model_dir, os.path.join(root, "ds2_bf16"), stage=2, save=True),
+               "ds3_bf16": _run("ds", model_dir, os.path.join(root, "ds3_bf16"), blocks=BF16_AUTO)}
     for stage in (0, 1, 2, 3):
         for kind in ("zt", "ds"):
             results[f"buffers_{kind}{stage}"] = _buffers_in_bf16(kind, stage, root)
-    return results if int(os.environ["RANK"]) == 0 else {}
+    return results
 
 
 @pytest.fixture(scope="module")
-def launch(tiny_llama_dir, tmp_path_factory) -> dict:
-    """The one world-2 launch whose results the tests below judge."""
-    return run_distributed(_worker, 2, str(tiny_llama_dir), str(tmp_path_factory.mktemp("sft")), timeout=840)[0]
+def launch(trl_results) -> dict:
+    """The runs the tests below judge: this module's share of the TRL launch (trl_launch.py, one world-2 launch
+    with DPO, reward and GRPO: one process start and import for all four trainers)."""
+    return of(trl_results, "sft")
 
 
-@pytest.mark.timeout(900)  # seven SFT runs and eight small engines in one launch; minutes on a loaded machine
+@pytest.mark.timeout(1600)  # the shared launch: seven SFT runs, eight small engines and the other trainers' runs
 def test_sft_trainer_on_zerotrain_against_trl_with_deepspeed(launch, tiny_llama_dir):
     import torch
     from safetensors.torch import load_file
@@ -195,7 +198,7 @@ def test_sft_trainer_on_zerotrain_against_trl_with_deepspeed(launch, tiny_llama_
     assert abs(results["zt3_all_tokens"]["log"][0][1] - zt3["log"][0][1]) / zt3["log"][0][1] > 1e-3  # completion-only
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1600)
 @pytest.mark.parametrize("stage", [2, 3])
 def test_bf16_sft_steps_equal_deepspeeds_with_fp32_buffers(launch, stage):
     """TRL's default bf16 at ZeRO-2 and ZeRO-3: the parameters in bf16, the rotary `inv_freq` fp32 as DeepSpeed
@@ -216,7 +219,7 @@ def test_bf16_sft_steps_equal_deepspeeds_with_fp32_buffers(launch, stage):
         assert lr == ds_lr and close(norm, ds_norm, 1e-3), (step, norm, ds_norm)
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1600)
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_bf16_keeps_fp32_buffers_as_deepspeed(launch, stage):
     """bf16 casts the parameters only, as DeepSpeed 0.19: every float buffer stays fp32 in the module, in the 16-bit

@@ -4,8 +4,9 @@ DPO and reward also in bf16 (DPO at ZeRO-3, reward at ZeRO-2) and with a PEFT Lo
 reward at ZeRO-2), GRPO with a reward model and `ds3_gather_for_generation=False` (ZeRO-3), DPO's
 `sync_ref_model` (ZeRO-3) and `precompute_ref_log_probs` (ZeRO-2): one stage each, the other stage's path being
 the same code as the fp32 runs above.
-Each test module (test_dpo.py, test_reward.py, test_grpo.py) holds its own run and checks; they share this launch
-through the session fixture `trl_results` (tests/hf/conftest.py): one process start and import for the three."""
+SFT's own set (test_sft.runs) follows each engine's TRL runs. Each test module (test_dpo.py, test_reward.py,
+test_grpo.py, test_sft.py) holds its own runs and checks; they share this launch through the session fixture
+`trl_results` (tests/hf/conftest.py): one process start and import for the four."""
 from __future__ import annotations
 
 import os
@@ -22,6 +23,7 @@ def worker(model_dir: str, reward_dir: str, root: str) -> dict:
     import test_dpo
     import test_grpo
     import test_reward
+    import test_sft
 
     warnings.simplefilter("ignore")
     runs = {"dpo": (test_dpo._run, model_dir), "reward": (test_reward._run, reward_dir),
@@ -39,6 +41,9 @@ def worker(model_dir: str, reward_dir: str, root: str) -> dict:
                 key = f"{name if variant == 'fp32' else name + '_' + variant}/{engine}{stage}"
                 extra = {"reward_dir": reward_dir} if name == "grpo" else {}
                 results[key] = run(engine, directory, os.path.join(root, key.replace("/", "-")), stage, variant, **extra)
+        # SFT (test_sft.py): its own set of runs per engine, keyed "sft/NAME"
+        results.update({f"sft/{key}": value for key, value in test_sft.runs(engine, model_dir,
+                                                                              os.path.join(root, "sft")).items()})
     return results if int(os.environ["RANK"]) == 0 else {}
 
 
