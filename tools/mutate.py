@@ -164,6 +164,10 @@ COVERING: dict[str, list[str]] = {
     "zerotrain/checkpoint/reader.py": [
         "tests/checkpoint/test_ckpt_units.py",
         "tests/checkpoint/test_ckpt_tensor_parallel.py::test_a_local_range_of_a_split_tensor_reads_from_the_whole_tensor"],
+    # in-process: a world-of-one save (fp32, fp16) exported at stages 2-3, worlds 2-3, read by DeepSpeed's
+    # zero_to_fp32 and imported back bit for bit (test_ckpt_deepspeed.py's DeepSpeed resumes take minutes)
+    "zerotrain/checkpoint/deepspeed_export.py": ["tests/checkpoint/test_ckpt_deepspeed_units.py"],
+    "zerotrain/checkpoint/deepspeed_dir.py": ["tests/checkpoint/test_ckpt_deepspeed_units.py"],
     "zerotrain/checkpoint/plan.py": [
         "tests/checkpoint/test_ckpt_units.py",
         "tests/checkpoint/test_ckpt_experts.py::test_plan_refuses_experts_missing_from_a_data_parallel_rank",
