@@ -168,6 +168,9 @@ COVERING: dict[str, list[str]] = {
     # zero_to_fp32 and imported back bit for bit (test_ckpt_deepspeed.py's DeepSpeed resumes take minutes)
     "zerotrain/checkpoint/deepspeed_export.py": ["tests/checkpoint/test_ckpt_deepspeed_units.py"],
     "zerotrain/checkpoint/deepspeed_dir.py": ["tests/checkpoint/test_ckpt_deepspeed_units.py"],
+    # one world-8 launch: every group of a pp2 x sp2 x tp2 grid, ZeRO++ and expert subgroups, refusals; the
+    # environment's ranks per node and the node layout in-process
+    "zerotrain/topology.py": ["tests/test_topology.py"],
     "zerotrain/checkpoint/plan.py": [
         "tests/checkpoint/test_ckpt_units.py",
         "tests/checkpoint/test_ckpt_experts.py::test_plan_refuses_experts_missing_from_a_data_parallel_rank",
