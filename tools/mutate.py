@@ -171,6 +171,13 @@ COVERING: dict[str, list[str]] = {
     # one world-8 launch: every group of a pp2 x sp2 x tp2 grid, ZeRO++ and expert subgroups, refusals; the
     # environment's ranks per node and the node layout in-process
     "zerotrain/topology.py": ["tests/test_topology.py"],
+    # in-process first (a reused pid, a release after a restart's re-entry), then real holders in their own processes
+    "zerotrain/checkpoint/lock.py": [
+        "tests/checkpoint/test_ckpt_lock.py::test_a_reused_pid_is_told_apart_by_its_start_time",
+        "tests/checkpoint/test_ckpt_lock.py::test_release_leaves_a_lock_another_process_of_the_job_took_over",
+        "tests/checkpoint/test_ckpt_lock.py::test_a_lock_of_another_users_process_is_never_taken_over",
+        "tests/checkpoint/test_ckpt_lock.py::test_a_second_job_is_refused_naming_the_holder_and_a_stale_lock_is_taken_over",
+        "tests/checkpoint/test_ckpt_lock.py::test_lock_from_another_host_is_never_guessed_stale"],
     "zerotrain/checkpoint/plan.py": [
         "tests/checkpoint/test_ckpt_units.py",
         "tests/checkpoint/test_ckpt_experts.py::test_plan_refuses_experts_missing_from_a_data_parallel_rank",
