@@ -178,6 +178,8 @@ COVERING: dict[str, list[str]] = {
         "tests/checkpoint/test_ckpt_lock.py::test_a_lock_of_another_users_process_is_never_taken_over",
         "tests/checkpoint/test_ckpt_lock.py::test_a_second_job_is_refused_naming_the_holder_and_a_stale_lock_is_taken_over",
         "tests/checkpoint/test_ckpt_lock.py::test_lock_from_another_host_is_never_guessed_stale"],
+    "zerotrain/checkpoint/fence.py": ["tests/checkpoint/test_ckpt_fence.py"],  # in-process threads, seconds
+    "zerotrain/utils/repeating.py": ["tests/test_repeating_loader.py"],
     "zerotrain/checkpoint/plan.py": [
         "tests/checkpoint/test_ckpt_units.py",
         "tests/checkpoint/test_ckpt_experts.py::test_plan_refuses_experts_missing_from_a_data_parallel_rank",
