@@ -8,10 +8,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pytest
 
 # The environment variables that decide how a process finds its rank and world (torchrun's, the cluster
-# launchers' that `zerotrain.cluster` maps onto them, zerotrain's own and the accelerator's): a test that sets one
-# in the pytest process and keeps it changes what every later in-process run discovers.
+# launchers' that `zerotrain.cluster` maps onto them, zerotrain's own, the visible devices): a test that sets one
+# in the pytest process and keeps it changes what every later in-process run discovers. (DS_ACCELERATOR is not
+# one: test_schedules sets it to "cpu" for the process on purpose, before DeepSpeed caches its accelerator.)
 GUARDED_ENV = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                         "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR"})
+                         "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"})
 GUARDED_ENV_PREFIXES = ("TORCHELASTIC_", "ZEROTRAIN_", "OMPI_COMM_WORLD_", "PMI_", "PMIX_", "SLURM_")
 
 
@@ -68,6 +69,18 @@ def restore(before: dict, after: dict) -> None:
         torch.set_grad_enabled(before["torch grad mode"])
 
 
+@pytest.fixture
+def world_of_one():
+    """For a test that builds an engine in the pytest process: the world of one the engine starts is torn down
+    after the test (before the guard below looks)."""
+    import torch.distributed as dist
+
+    started = not dist.is_initialized()
+    yield
+    if started and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture(autouse=True)
 def _process_state_guard(request):
     """Fail the test that leaves torch.distributed initialized, a launcher variable set or changed, another
@@ -81,3 +94,20 @@ def _process_state_guard(request):
         leaks = state_leaks(before, after)
         restore(before, after)
         pytest.fail(f"{request.node.nodeid} left process-global state behind: {'; '.join(leaks)}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A small Llama-style HF model directory (BPE tokenizer with a chat template + random-init
+    LlamaForCausalLM, sharded safetensors), built once per test run by the same builder as
+    examples/make_tiny_llama.py."""
+    from zerotrain.models.tiny_llama import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), max_shard_size="200KB", corpus_bytes=256 << 10)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama_dir)
