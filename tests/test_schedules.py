@@ -311,7 +311,7 @@ def _reference_weights(name: str, warmup: int, batches) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def test_lr_scheduler_type_trains_with_transformers_schedule_step_for_step(tmp_path):
+def test_lr_scheduler_type_trains_with_transformers_schedule_step_for_step(tmp_path, world_of_one):
     """`lr_scheduler_type` (the CLI's --lr-scheduler-type / --warmup-steps, config_from_arguments) gives the HF Trainer's
     curve in the engine: for linear / cosine / constant_with_warmup, with no warmup and with 2, the lr every optimizer
     step applies is `transformers.get_scheduler`'s (step 1 at the full lr without warmup, where DeepSpeed's

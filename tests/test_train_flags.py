@@ -501,7 +501,8 @@ def test_the_help_states_the_defaults_the_effective_config_is_made_from(command,
     assert len(checked) == len(HF_FLAGS) - 1
 
 
-def test_the_flag_built_adamw_does_not_decay_biases_and_norm_weights_as_the_hf_trainer(tiny_llama_dir, tmp_path):
+def test_the_flag_built_adamw_does_not_decay_biases_and_norm_weights_as_the_hf_trainer(tiny_llama_dir, tmp_path,
+                                                                                       world_of_one):
     """Without an `optimizer` block the HF Trainer builds AdamW with weight decay on all but biases and norm weights
     (`Trainer.get_decay_parameter_names`); `zerotrain train` builds that AdamW from the flags, with the same groups
     (it used to decay every parameter). One step at world 1 against plain PyTorch: torch's AdamW over the Trainer's

@@ -174,6 +174,23 @@ COVERING: dict[str, list[str]] = {
     "zerotrain/checkpoint/reader.py": [
         "tests/checkpoint/test_ckpt_units.py",
         "tests/checkpoint/test_ckpt_tensor_parallel.py::test_a_local_range_of_a_split_tensor_reads_from_the_whole_tensor"],
+    # in-process: a world-of-one save (fp32, fp16) exported at stages 2-3, worlds 2-3, read by DeepSpeed's
+    # zero_to_fp32 and imported back bit for bit (test_ckpt_deepspeed.py's DeepSpeed resumes take minutes)
+    "zerotrain/checkpoint/deepspeed_export.py": ["tests/checkpoint/test_ckpt_deepspeed_units.py"],
+    "zerotrain/checkpoint/deepspeed_dir.py": ["tests/checkpoint/test_ckpt_deepspeed_units.py"],
+    # one world-8 launch: every group of a pp2 x sp2 x tp2 grid, ZeRO++ and expert subgroups, refusals; the
+    # environment's ranks per node and the node layout in-process
+    "zerotrain/topology.py": ["tests/test_topology.py"],
+    # in-process first (a reused pid, a release after a restart's re-entry), then real holders in their own processes
+    "zerotrain/checkpoint/lock.py": [
+        "tests/checkpoint/test_ckpt_lock.py::test_a_reused_pid_is_told_apart_by_its_start_time",
+        "tests/checkpoint/test_ckpt_lock.py::test_release_leaves_a_lock_another_process_of_the_job_took_over",
+        "tests/checkpoint/test_ckpt_lock.py::test_a_lock_of_another_users_process_is_never_taken_over",
+        "tests/checkpoint/test_ckpt_lock.py::test_a_second_job_is_refused_naming_the_holder_and_a_stale_lock_is_taken_over",
+        "tests/checkpoint/test_ckpt_lock.py::test_lock_from_another_host_is_never_guessed_stale"],
+    "zerotrain/checkpoint/fence.py": ["tests/checkpoint/test_ckpt_fence.py"],  # in-process threads, seconds
+    "zerotrain/utils/repeating.py": ["tests/test_repeating_loader.py"],
+    "zerotrain/config/auto.py": ["tests/config/test_hf_arguments.py"],  # the import scan misses it (via the package)
     "zerotrain/checkpoint/plan.py": [
         "tests/checkpoint/test_ckpt_units.py",
         "tests/checkpoint/test_ckpt_experts.py::test_plan_refuses_experts_missing_from_a_data_parallel_rank",

@@ -105,3 +105,77 @@ def test_second_train_command_on_the_same_save_dir_is_refused_before_training(tm
     finally:
         first.kill()
         first.wait()
+
+
+def _write_lock(save_dir: Path, **record) -> Path:
+    import socket
+
+    from zerotrain.checkpoint.lock import LOCK_FILE
+
+    path = save_dir / LOCK_FILE
+    save_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict({"host": socket.gethostname(), "since": "then"}, **record)))
+    return path
+
+
+def test_a_reused_pid_is_told_apart_by_its_start_time(tmp_path, monkeypatch):
+    """In-process: a lock whose pid is alive but was started at another time (the pid reused) is stale and taken
+    over; with the live process's own start time it is that process's, and refused naming it."""
+    from zerotrain.checkpoint import CheckpointError
+    from zerotrain.checkpoint.lock import SaveDirLock, _start_time
+
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID"):
+        monkeypatch.delenv(var, raising=False)
+    parent = os.getppid()  # alive, not this process, its start time readable
+    started = _start_time(parent)
+    assert started is not None and started.isdigit()
+    _write_lock(tmp_path / "reused", job_id="SLURM_JOB_ID=1", pid=parent, pid_start=str(int(started) + 1))
+    lock = SaveDirLock(str(tmp_path / "reused"))
+    lock.acquire()
+    assert lock.held and json.loads(Path(lock.path).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not Path(lock.path).exists()
+    _write_lock(tmp_path / "live", job_id="SLURM_JOB_ID=1", pid=parent, pid_start=started)
+    with pytest.raises(CheckpointError, match=f"job SLURM_JOB_ID=1, pid {parent} on host"):
+        SaveDirLock(str(tmp_path / "live")).acquire()
+
+
+def test_release_leaves_a_lock_another_process_of_the_job_took_over(tmp_path, monkeypatch):
+    """In-process: after an elastic restart the same job's new process re-entered the lock (its pid in the file);
+    the old process's release must not delete it. Its own lock it deletes."""
+    from zerotrain.checkpoint.lock import SaveDirLock
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "restarted")
+    lock = SaveDirLock(str(tmp_path))
+    lock.acquire()
+    record = json.loads(Path(lock.path).read_text())
+    assert record["job_id"] == "TORCHELASTIC_RUN_ID=restarted" and record["pid"] == os.getpid()
+    _write_lock(tmp_path, **dict(record, pid=os.getpid() + 1))  # the restarted process's record
+    lock.release()
+    assert Path(lock.path).exists() and not lock.held
+    lock.acquire()  # the same job: re-entered, now this process's again
+    lock.release()
+    assert not Path(lock.path).exists()
+
+
+def test_a_lock_of_another_users_process_is_never_taken_over(tmp_path, monkeypatch):
+    """In-process: `kill(pid, 0)` refused (EPERM: the holder runs as another user; as root here, the kernel's
+    answer is played by `os.kill`) means the process exists: the lock is refused, not taken over as stale."""
+    from zerotrain.checkpoint import CheckpointError
+    from zerotrain.checkpoint.lock import SaveDirLock
+
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID"):
+        monkeypatch.delenv(var, raising=False)
+    other_users = 4_000_000  # above pid_max: no process of ours
+    kill = os.kill
+
+    def kill_as_another_user(pid, sig):
+        if pid == other_users:
+            raise PermissionError(1, "Operation not permitted")
+        return kill(pid, sig)
+
+    monkeypatch.setattr(os, "kill", kill_as_another_user)
+    path = _write_lock(tmp_path, job_id="PBS_JOBID=7", pid=other_users, pid_start="1")
+    with pytest.raises(CheckpointError, match=f"job PBS_JOBID=7, pid {other_users} on host"):
+        SaveDirLock(str(tmp_path)).acquire()
+    assert json.loads(path.read_text())["pid"] == other_users

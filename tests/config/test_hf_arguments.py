@@ -216,3 +216,17 @@ def test_hf_auto_values_puts_each_of_its_own_names_in_its_key():
     assert values["scheduler.params.total_num_steps"] == STEPS
     assert values["zero_optimization.reduce_bucket_size"] == HIDDEN * HIDDEN
     assert values["zero_optimization.stage3_gather_16bit_weights_on_model_save"] is True
+
+
+def test_fill_auto_fills_a_legacy_spelling_of_its_key_only():
+    """A value keyed by the current name fills the file's legacy spelling of that key (`prefetch_bucket_size`) and
+    no other key's legacy spelling, nor a key the file set (issue #48: `new == name` -> `!=` survived)."""
+    from zerotrain.config.auto import fill_auto as plain_fill
+
+    config = {"zero_optimization": {"prefetch_bucket_size": "auto", "max_live_parameters": "auto",
+                                    "stage3_param_persistence_threshold": 10}, "bfloat16": {"enabled": "auto"}}
+    filled = plain_fill(config, {"zero_optimization.stage3_prefetch_bucket_size": 123,
+                                 "zero_optimization.stage3_param_persistence_threshold": 5, "bf16.enabled": True})
+    assert filled == {"zero_optimization": {"prefetch_bucket_size": 123, "max_live_parameters": "auto",
+                                            "stage3_param_persistence_threshold": 10}, "bfloat16": {"enabled": True}}
+    assert config["zero_optimization"]["prefetch_bucket_size"] == "auto"  # a copy: the given config unchanged
