@@ -164,7 +164,7 @@ def _cgroup(root, line: str, directory: str, limit: tuple[str, str], usage: tupl
     (folder / usage[0]).write_text(f"{usage[1]}\n")
 
 
-def test_the_refusals_advice_fits_the_runs_offload_device(shape):
+def test_the_refusals_advice_fits_the_runs_offload_device(shape, world_of_one):
     """The same model over the same budget, its optimizer on the CPU, on no offload and on NVMe with ratio 0.5:
     each refusal is one line whose advice for the masters and optimizer states says where they are now and
     what moves them (NVMe; bf16 masters and states where the CPU offload has them), once for both rows (#43: a

@@ -555,7 +555,7 @@ def test_estimate_default_device_labelled_searches_and_no_local_budget_for_a_clu
 
 
 @pytest.mark.parametrize("optimizer_device", ["cpu", "nvme"])
-def test_the_nvme_peak_counts_the_tied_weights_zero_init_wrote(tmp_path, optimizer_device):
+def test_the_nvme_peak_counts_the_tied_weights_zero_init_wrote(tmp_path, optimizer_device, world_of_one):
     """Built under zero.Init with offload_param on NVMe, the tied GPT's head weight is partitioned and written
     before the tie replaces it by the embedding's; initialize drops it. The estimate's `nvme_files_peak` is the
     parameter file right after zero.Init, byte for byte, and `nvme_files` the files after initialize (#43: the

@@ -200,6 +200,44 @@ def test_pipeline_run_stops_at_a_step_boundary_on_sigterm_and_resume_continues_e
     assert len(record["memory_bytes"]) == 2 and min(record["memory_bytes"]) > 0, record
 
 
+@pytest.mark.slow  # a fault case: `pytest -m slow` after touching the elastic restart or the pipeline's resume
+def test_a_killed_pipeline_rank_restarts_from_the_latest_checkpoint_and_finishes_like_an_uninterrupted_run(tmp_path):
+    """An elastic restart resumes a pipeline run as it does a language-model run (the run layer's one resume path):
+    a stage's rank is killed, the agent restarts the pair, the run resumes from `latest`, seeks past the consumed
+    batches and ends with the losses and weights of an uninterrupted run of as many steps."""
+    crashed, whole, total = tmp_path / "crashed", tmp_path / "whole", 8
+    proc = _start(_pipeline_cmd(crashed, total, "--save-every", "1", "--max-restarts", "3", "--stop-timeout", "15"))
+    _wait_for_step(proc, crashed / "log", 3)
+    ranks = [pid for pid in _descendants(proc.pid) if "zerotrain.cli" in Path(f"/proc/{pid}/cmdline").read_text()
+             and "torch.distributed.run" not in Path(f"/proc/{pid}/cmdline").read_text()]
+    assert ranks
+    os.kill(max(ranks), signal.SIGKILL)
+    out, err = _communicate(proc)
+    assert proc.returncode == 0, out + err
+    assert "resuming from the latest checkpoint" in out, out
+    # the restarted attempt continued the run (a restart from step 1 would end the same, and log step 1 twice)
+    logged = [json.loads(line)["step"] for line in (crashed / "log" / "metrics.jsonl").read_text().splitlines()
+              if line.strip()]
+    assert logged.count(1) == 1 and logged[-1] == total, logged
+    _run(_pipeline_cmd(whole, total, "--save-every", "4"))
+    resumed, expected = _losses(crashed / "log"), _losses(whole / "log")
+    assert sorted(resumed) == list(range(1, total + 1)), resumed
+    for step in range(1, total + 1):
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-6), step
+    from safetensors.torch import load_file
+
+    def weights(run: Path) -> dict:
+        found = {}
+        for path in sorted((run / "ckpt" / f"global_step{total}").glob("model*.safetensors")):
+            found.update(load_file(str(path)))
+        return found
+
+    a, b = weights(crashed), weights(whole)
+    assert a and a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
+
+
 # killing the torchrun agent itself is the rarer case and the one the multi-node fault tests repeat: `slow`
 @pytest.mark.parametrize("victim", ["launcher", pytest.param("agent", marks=pytest.mark.slow)])
 def test_killed_launcher_takes_every_rank_with_it(tmp_path, victim):
@@ -240,7 +278,11 @@ def test_killed_rank_restarts_from_the_latest_checkpoint_and_finishes_like_an_un
     out, err = _communicate(proc)
     assert proc.returncode == 0, out + err
     assert "resuming from the latest checkpoint" in out
-    # the crashed run's metrics file holds the steps before the crash and, appended, those after the restart
+    # the crashed run's metrics file holds the steps before the crash and, appended, those after the restart (which
+    # continued the run: a restart from step 1 would end the same, and log step 1 twice)
+    logged = [json.loads(line)["step"] for line in (crashed / "log" / "metrics.jsonl").read_text().splitlines()
+              if line.strip()]
+    assert logged.count(1) == 1 and logged[-1] == total, logged
     assert _losses(crashed / "log")[total] == pytest.approx(_losses(whole / "log")[total], rel=1e-6)
     from safetensors.torch import load_file
 

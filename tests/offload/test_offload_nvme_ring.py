@@ -429,7 +429,7 @@ def _slot_run(tmp_path, name: str, dtype: torch.dtype, spill: bool, slow_spill: 
     return out
 
 
-def test_gradients_spilled_into_the_parameters_own_extents_equal_torch_and_take_no_disk(tmp_path):
+def test_gradients_spilled_into_the_parameters_own_extents_equal_torch_and_take_no_disk(tmp_path, world_of_one):
     """Clipping with parameters on NVMe: each final gradient shard goes into its parameter's extent (lent by the
     store until the step writes the new values), so no spill file, with a tied head and a reentrant checkpoint's
     recompute; fp32 equals torch's clip_grad_norm_ + AdamW, the clip acting on some steps and not others; bf16
