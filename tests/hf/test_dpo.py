@@ -122,6 +122,7 @@ def test_dpo_trainer_on_zerotrain_against_trl_with_deepspeed(trl_results):
         assert reference["held"] < 0.6 * reference["total"], reference
 
 
+@pytest.mark.slow  # a variant run of the shared launch (conftest.trl_results)
 @pytest.mark.timeout(1600)
 def test_dpo_bf16_against_trl_with_deepspeed(trl_results):
     """bf16 at ZeRO-3 (policy and reference in bf16 on both sides): step 1's loss and rewards are equal (the policy
@@ -140,6 +141,7 @@ def test_dpo_bf16_against_trl_with_deepspeed(trl_results):
                                    (losses(fp32), None), loss_tol=4e-4)
 
 
+@pytest.mark.slow  # a variant run of the shared launch (conftest.trl_results)
 @pytest.mark.timeout(1600)
 def test_dpo_lora_against_trl_with_deepspeed(trl_results):
     """A PEFT LoRA adapter (`peft_config`) in fp32 at ZeRO-3, no reference model (the base, adapters disabled):
@@ -155,6 +157,7 @@ def test_dpo_lora_against_trl_with_deepspeed(trl_results):
     assert not bad, bad
 
 
+@pytest.mark.slow  # a variant run of the shared launch (conftest.trl_results)
 @pytest.mark.timeout(1600)
 def test_dpo_sync_ref_model_against_trl_with_deepspeed(trl_results):
     """`sync_ref_model` (every 2 steps, alpha 0.6) at ZeRO-3, the reference on its partitioned engine: the mixed
@@ -170,6 +173,7 @@ def test_dpo_sync_ref_model_against_trl_with_deepspeed(trl_results):
     assert zt["reference"]["stage"] == 3 and zt["reference"]["held"] < 0.6 * zt["reference"]["total"]
 
 
+@pytest.mark.slow  # a variant run of the shared launch (conftest.trl_results)
 @pytest.mark.timeout(1600)
 def test_dpo_precompute_ref_log_probs_against_trl_with_deepspeed(trl_results):
     """`precompute_ref_log_probs` at ZeRO-2 (no reference model kept: the policy computes them before training): the

@@ -129,6 +129,7 @@ def test_grpo_trainer_on_zerotrain_against_trl_with_deepspeed(trl_results):
     assert results["zt2"]["gathers"] == [0] * STEPS, results["zt2"]["gathers"]
 
 
+@pytest.mark.slow  # a variant run of the shared launch (conftest.trl_results)
 @pytest.mark.timeout(1600)
 def test_grpo_with_reward_model_and_layerwise_generation_against_deepspeed(trl_results):
     """A reward model (a sequence-classification directory given in `reward_funcs`, as TRL's grpo.py passes it) and

@@ -97,6 +97,7 @@ def test_reward_trainer_on_zerotrain_against_trl_with_deepspeed(trl_results):
         assert not bad, bad
 
 
+@pytest.mark.slow  # a variant run of the shared launch (conftest.trl_results)
 @pytest.mark.timeout(1600)
 def test_reward_bf16_against_trl_with_deepspeed(trl_results):
     """bf16 at ZeRO-2 (TRL's default precision path: accelerate's bf16 block): step 1's loss, accuracy and margin equal
@@ -114,6 +115,7 @@ def test_reward_bf16_against_trl_with_deepspeed(trl_results):
                                    (losses(fp32), None), loss_tol=2.0 ** -8)
 
 
+@pytest.mark.slow  # a variant run of the shared launch (conftest.trl_results)
 @pytest.mark.timeout(1600)
 def test_reward_lora_against_trl_with_deepspeed(trl_results):
     """A PEFT LoRA adapter (SEQ_CLS: the score head trained whole) in fp32 at ZeRO-2: the same parameters train as

@@ -3,7 +3,7 @@ GRPO, each at ZeRO-2 and ZeRO-3, zerotrain's runs first, then DeepSpeed's (after
 DPO and reward also in bf16 (DPO at ZeRO-3, reward at ZeRO-2) and with a PEFT LoRA adapter in fp32 (DPO at ZeRO-3,
 reward at ZeRO-2), GRPO with a reward model and `ds3_gather_for_generation=False` (ZeRO-3), DPO's
 `sync_ref_model` (ZeRO-3) and `precompute_ref_log_probs` (ZeRO-2): one stage each, the other stage's path being
-the same code as the fp32 runs above.
+the same code as the fp32 runs above; these variant runs only when a selected (slow) test reads them.
 SFT's own set (test_sft.runs) follows each engine's TRL runs. Each test module (test_dpo.py, test_reward.py,
 test_grpo.py, test_sft.py) holds its own runs and checks; they share this launch through the session fixture
 `trl_results` (tests/hf/conftest.py): one process start and import for the four."""
@@ -18,7 +18,7 @@ RUNS = (("dpo", "fp32", (2, 3)), ("reward", "fp32", (2, 3)), ("grpo", "fp32", (2
         ("grpo", "rm", (3,)), ("dpo", "sync", (3,)), ("dpo", "precompute", (2,)))
 
 
-def worker(model_dir: str, reward_dir: str, root: str) -> dict:
+def worker(model_dir: str, reward_dir: str, root: str, variants: bool = True) -> dict:
     """`{"NAME/ENGINESTAGE": that run's result}` (e.g. "dpo/zt3", "grpo/ds2", "dpo_bf16/zt3") on rank 0; {} elsewhere."""
     import test_dpo
     import test_grpo
@@ -36,6 +36,8 @@ def worker(model_dir: str, reward_dir: str, root: str) -> dict:
 
             deepspeed.init_distributed(dist_backend="gloo")
         for name, variant, stages in RUNS:
+            if variant != "fp32" and not variants:  # only the slow tests read them (conftest.trl_results)
+                continue
             run, directory = runs[name]
             for stage in stages:
                 key = f"{name if variant == 'fp32' else name + '_' + variant}/{engine}{stage}"
