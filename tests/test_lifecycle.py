@@ -122,6 +122,41 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _kill_a_rank_and_wait(proc: ForkedProcess) -> tuple[str, str]:
+    """SIGKILL one rank of a `zerotrain train` launch (not the agent) and wait for the job: it must end with 0."""
+    ranks = [pid for pid in _descendants(proc.pid) if "zerotrain.cli" in Path(f"/proc/{pid}/cmdline").read_text()
+             and "torch.distributed.run" not in Path(f"/proc/{pid}/cmdline").read_text()]
+    assert ranks
+    os.kill(max(ranks), signal.SIGKILL)
+    out, err = _communicate(proc)
+    assert proc.returncode == 0, out + err
+    return out, err
+
+
+def _assert_the_restart_continued(out: str, log_dir: Path, total: int) -> None:
+    """The restarted attempt resumed from the latest checkpoint and continued the run: a restart from step 1 would
+    end with the same weights, and log step 1 twice."""
+    assert "resuming from the latest checkpoint" in out, out
+    logged = [json.loads(line)["step"] for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert logged.count(1) == 1 and logged[-1] == total, logged
+
+
+def _assert_same_weights(run: Path, other: Path, step: int) -> None:
+    """The two runs' saved weights at `step` are equal bit for bit."""
+    from safetensors.torch import load_file
+
+    def weights(directory: Path) -> dict:
+        found = {}
+        for path in sorted((directory / "ckpt" / f"global_step{step}").glob("model*.safetensors")):
+            found.update(load_file(str(path)))
+        return found
+
+    a, b = weights(run), weights(other)
+    assert a and a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
+
+
 # One uninterrupted run both interruption tests compare with (the schedule does not depend on --steps, so a
 # run stopped early and resumed to UNINTERRUPTED_STEPS must match it step for step).
 UNINTERRUPTED_STEPS = 16
@@ -208,34 +243,14 @@ def test_a_killed_pipeline_rank_restarts_from_the_latest_checkpoint_and_finishes
     crashed, whole, total = tmp_path / "crashed", tmp_path / "whole", 8
     proc = _start(_pipeline_cmd(crashed, total, "--save-every", "1", "--max-restarts", "3", "--stop-timeout", "15"))
     _wait_for_step(proc, crashed / "log", 3)
-    ranks = [pid for pid in _descendants(proc.pid) if "zerotrain.cli" in Path(f"/proc/{pid}/cmdline").read_text()
-             and "torch.distributed.run" not in Path(f"/proc/{pid}/cmdline").read_text()]
-    assert ranks
-    os.kill(max(ranks), signal.SIGKILL)
-    out, err = _communicate(proc)
-    assert proc.returncode == 0, out + err
-    assert "resuming from the latest checkpoint" in out, out
-    # the restarted attempt continued the run (a restart from step 1 would end the same, and log step 1 twice)
-    logged = [json.loads(line)["step"] for line in (crashed / "log" / "metrics.jsonl").read_text().splitlines()
-              if line.strip()]
-    assert logged.count(1) == 1 and logged[-1] == total, logged
+    out, err = _kill_a_rank_and_wait(proc)
+    _assert_the_restart_continued(out, crashed / "log", total)
     _run(_pipeline_cmd(whole, total, "--save-every", "4"))
     resumed, expected = _losses(crashed / "log"), _losses(whole / "log")
     assert sorted(resumed) == list(range(1, total + 1)), resumed
     for step in range(1, total + 1):
         assert resumed[step] == pytest.approx(expected[step], rel=1e-6), step
-    from safetensors.torch import load_file
-
-    def weights(run: Path) -> dict:
-        found = {}
-        for path in sorted((run / "ckpt" / f"global_step{total}").glob("model*.safetensors")):
-            found.update(load_file(str(path)))
-        return found
-
-    a, b = weights(crashed), weights(whole)
-    assert a and a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
+    _assert_same_weights(crashed, whole, total)
 
 
 # killing the torchrun agent itself is the rarer case and the one the multi-node fault tests repeat: `slow`
@@ -271,31 +286,11 @@ def test_killed_rank_restarts_from_the_latest_checkpoint_and_finishes_like_an_un
     proc = _start(_train_cmd(crashed / "ckpt", crashed / "log", total, "--save-every", "1",
                              "--max-restarts", "3", "--stop-timeout", "15"))
     _wait_for_step(proc, crashed / "log", 4)
-    ranks = [pid for pid in _descendants(proc.pid) if "zerotrain.cli" in Path(f"/proc/{pid}/cmdline").read_text()
-             and "torch.distributed.run" not in Path(f"/proc/{pid}/cmdline").read_text()]
-    assert ranks
-    os.kill(max(ranks), signal.SIGKILL)
-    out, err = _communicate(proc)
-    assert proc.returncode == 0, out + err
-    assert "resuming from the latest checkpoint" in out
-    # the crashed run's metrics file holds the steps before the crash and, appended, those after the restart (which
-    # continued the run: a restart from step 1 would end the same, and log step 1 twice)
-    logged = [json.loads(line)["step"] for line in (crashed / "log" / "metrics.jsonl").read_text().splitlines()
-              if line.strip()]
-    assert logged.count(1) == 1 and logged[-1] == total, logged
+    out, err = _kill_a_rank_and_wait(proc)
+    # the crashed run's metrics file holds the steps before the crash and, appended, those after the restart
+    _assert_the_restart_continued(out, crashed / "log", total)
     assert _losses(crashed / "log")[total] == pytest.approx(_losses(whole / "log")[total], rel=1e-6)
-    from safetensors.torch import load_file
-
-    def weights(run: Path) -> dict:
-        found = {}
-        for path in sorted((run / "ckpt" / f"global_step{total}").glob("model*.safetensors")):
-            found.update(load_file(str(path)))
-        return found
-
-    a, b = weights(crashed), weights(whole)
-    assert a and a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
+    _assert_same_weights(crashed, whole, total)
 
 
 # --- in-process pieces -----------------------------------------------------------------------------
