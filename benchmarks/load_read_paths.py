@@ -33,16 +33,9 @@ import torch
 
 from zerotrain.checkpoint.format import crc32
 
+from checkpoint_speed import _drop_cache_file as evict  # fsync, then drop the file from the page cache
+
 CHUNK = 8 << 20
-
-
-def evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def mapped_crc(fd: int, offset: int, length: int) -> int:
