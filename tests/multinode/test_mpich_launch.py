@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 import llama_job
 import netns
 from distributed import free_port
-from sshd import make_keys, python_left, ssh_options, sshd_missing, start_sshd, wait_for_ssh
+from sshd import make_keys, ssh_options, sshd_missing, start_sshd, wait_for_ssh
 from test_dropin_api import REPO_ROOT
-from test_openmpi_launch import JOB, _rank_pids
+from test_openmpi_launch import JOB, assert_killing_node1s_ranks_ends_the_job
 
 HYDRA = shutil.which("mpiexec.hydra")
 # An Intel MPI runtime (`pip install --target DIR impi-rt`: DIR/impi_rt-*.data/data is the root, with bin/mpirun):
@@ -78,35 +76,7 @@ def test_mpich_launch_trains_a_llama_across_two_hosts_and_one_host_killed_ends_t
                     assert '"local_world": 2' in (out / f"rank{rank}.json").read_text(), launcher
 
             # node1's ranks killed mid-run: hydra sees them die and ends the ranks on node0 too
-            long_out = tmp_path / "long"
-            long_out.mkdir()
-            launcher = subprocess.Popen(nodes[0].command([*launch("mpich"), "--out", str(long_out), "--steps",
-                                                          "100000", "--sleep", "0.05"]),
-                                        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True)
-            try:
-                deadline = time.monotonic() + 300
-                while not (long_out / "running").exists():
-                    assert launcher.poll() is None and time.monotonic() < deadline, launcher.stdout.read()
-                    time.sleep(0.2)
-                victims = _rank_pids(nodes[1])
-                assert len(victims) == 2 and len(_rank_pids(nodes[0])) == 2
-                killed_at = time.monotonic()
-                for pid in victims:
-                    os.kill(pid, signal.SIGKILL)
-                status = launcher.wait(timeout=llama_job.CONFIG["comm_timeout_seconds"] + 30)
-                ended = time.monotonic() - killed_at
-                said = launcher.stdout.read()
-                assert status != 0, said
-                deadline = time.monotonic() + 30
-                while python_left(nodes) and time.monotonic() < deadline:
-                    time.sleep(0.5)
-                assert python_left(nodes) == [], said
-                assert ended < llama_job.CONFIG["comm_timeout_seconds"], (ended, said)
-            finally:
-                if launcher.poll() is None:
-                    launcher.kill()
-                    launcher.wait()
+            assert_killing_node1s_ranks_ends_the_job(nodes, launch("mpich"), tmp_path, env)
         finally:
             for daemon in daemons:
                 daemon.kill()

@@ -42,6 +42,39 @@ def _rank_pids(node) -> list[int]:
     return found
 
 
+def assert_killing_node1s_ranks_ends_the_job(nodes: list, launch: list[str], tmp_path, env: dict) -> None:
+    """Start the launch line `launch` on node0 for a long run, SIGKILL node1's two ranks once every rank runs: the
+    launcher must fail, within the job's comm timeout, and leave no rank on any host (shared by the MPI launchers)."""
+    long_out = tmp_path / "long"
+    long_out.mkdir()
+    launcher = subprocess.Popen(nodes[0].command([*launch, "--out", str(long_out), "--steps", "100000",
+                                                  "--sleep", "0.05"]),
+                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (long_out / "running").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.stdout.read()
+            time.sleep(0.2)
+        victims = _rank_pids(nodes[1])
+        assert len(victims) == 2 and len(_rank_pids(nodes[0])) == 2
+        killed_at = time.monotonic()
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        status = launcher.wait(timeout=llama_job.CONFIG["comm_timeout_seconds"] + 30)
+        ended = time.monotonic() - killed_at
+        said = launcher.stdout.read()
+        assert status != 0, said
+        deadline = time.monotonic() + 30
+        while python_left(nodes) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert python_left(nodes) == [], said
+        assert ended < llama_job.CONFIG["comm_timeout_seconds"], (ended, said)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
 def test_openmpi_launch_trains_a_llama_across_two_hosts_and_one_host_killed_ends_the_job(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the nodes' commands run in the current directory (netns.Node.command)
     make_keys(tmp_path)
@@ -70,35 +103,7 @@ def test_openmpi_launch_trains_a_llama_across_two_hosts_and_one_host_killed_ends
                 assert '"local_world": 2' in (out / f"rank{rank}.json").read_text()
 
             # node1's ranks killed mid-run: mpirun sees them die and ends the ranks on node0 too
-            long_out = tmp_path / "long"
-            long_out.mkdir()
-            launcher = subprocess.Popen(nodes[0].command([*launch, "--out", str(long_out), "--steps", "100000",
-                                                          "--sleep", "0.05"]),
-                                        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True)
-            try:
-                deadline = time.monotonic() + 300
-                while not (long_out / "running").exists():
-                    assert launcher.poll() is None and time.monotonic() < deadline, launcher.stdout.read()
-                    time.sleep(0.2)
-                victims = _rank_pids(nodes[1])
-                assert len(victims) == 2 and len(_rank_pids(nodes[0])) == 2
-                killed_at = time.monotonic()
-                for pid in victims:
-                    os.kill(pid, signal.SIGKILL)
-                status = launcher.wait(timeout=llama_job.CONFIG["comm_timeout_seconds"] + 30)
-                ended = time.monotonic() - killed_at
-                said = launcher.stdout.read()
-                assert status != 0, said
-                deadline = time.monotonic() + 30
-                while python_left(nodes) and time.monotonic() < deadline:
-                    time.sleep(0.5)
-                assert python_left(nodes) == [], said
-                assert ended < llama_job.CONFIG["comm_timeout_seconds"], (ended, said)
-            finally:
-                if launcher.poll() is None:
-                    launcher.kill()
-                    launcher.wait()
+            assert_killing_node1s_ranks_ends_the_job(nodes, launch, tmp_path, env)
         finally:
             for daemon in daemons:
                 daemon.kill()
