@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 
 import pytest
@@ -15,6 +14,9 @@ from zerotrain.cli import main
 from zerotrain.cluster import ClusterEnvError, adopt_cluster_ranks, expand_nodelist
 from zerotrain.command import CLIError
 from zerotrain.hostfile import is_this_host, parse_hostfile, read_deepspeed_env, select_resources
+
+from mpi_flavours import (MPICH_HINT, OPENMPI_HINT, hydra_mpiexec, mpich_missing, mpirun_path, openmpi_missing,
+                          openmpi_mpirun)
 
 runner = pytest.importorskip("deepspeed.launcher.runner")
 
@@ -408,7 +410,11 @@ with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
 '''
 
 
-@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (apt-get install -y openmpi-bin)")
+OPENMPI = openmpi_mpirun()  # Open MPI's mpirun, whichever MPI Debian's `mpirun` is (tests/mpi_flavours.py)
+HYDRA = hydra_mpiexec()
+
+
+@pytest.mark.skipif(OPENMPI is None, reason=OPENMPI_HINT)
 def test_openmpi_launch_starts_the_ranks_with_mpirun(tmp_path):
     """The fast real case of `--launcher openmpi` (two hosts: tests/multinode/test_openmpi_launch.py, slow):
     `zerotrain launch --launcher openmpi --force_multi` on one host runs the real mpirun, whose two ranks take
@@ -423,7 +429,7 @@ def test_openmpi_launch_starts_the_ranks_with_mpirun(tmp_path):
            if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMPI_", "PMI", "SLURM_"))}
     env.update(PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_btl_tcp_if_include="lo",
-               OMPI_MCA_oob_tcp_if_include="lo")
+               OMPI_MCA_oob_tcp_if_include="lo", PATH=mpirun_path(tmp_path / "openmpi-bin", OPENMPI))
     proc = run_cli(["launch", "--launcher", "openmpi", "--force_multi", "--hostfile", "hosts", "--master_addr",
                     "127.0.0.1", "--master_port", str(free_port()), "--launcher_args=--mca btl_tcp_if_include lo",
                     "job.py", str(tmp_path)], cwd=tmp_path, env=env, timeout=120)
@@ -434,20 +440,12 @@ def test_openmpi_launch_starts_the_ranks_with_mpirun(tmp_path):
                         "from_env_file": "forwarded"}
 
 
-HYDRA = shutil.which("mpiexec.hydra")
-
-
 def hydra_path(tmp_path) -> str:
     """A PATH whose `mpirun` is MPICH's hydra (Debian's `mpirun` alternative may be Open MPI's)."""
-    bin_dir = tmp_path / "mpich-bin"
-    bin_dir.mkdir(exist_ok=True)
-    wrapper = bin_dir / "mpirun"  # a script, not a link: hydra finds its proxy next to the path it was run by
-    wrapper.write_text(f'#!/bin/sh\nexec {HYDRA} "$@"\n')
-    wrapper.chmod(0o755)
-    return f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+    return mpirun_path(tmp_path / "mpich-bin", HYDRA)
 
 
-@pytest.mark.skipif(HYDRA is None, reason="MPICH is not installed (apt-get install -y mpich)")
+@pytest.mark.skipif(HYDRA is None, reason=MPICH_HINT)
 def test_mpich_launch_starts_the_ranks_with_hydra(tmp_path):
     """The fast real case of `--launcher mpich` (two hosts: tests/multinode/test_mpich_launch.py, slow): the
     real MPICH mpirun (hydra) on one host starts two ranks that take their ranks from PMI_RANK /
@@ -472,11 +470,10 @@ def test_mpich_launch_starts_the_ranks_with_hydra(tmp_path):
                         "from_env_file": "forwarded"}
 
 
-@pytest.mark.skipif(HYDRA is None, reason="MPICH is not installed (apt-get install -y mpich)")
+@pytest.mark.skipif(HYDRA is None, reason=MPICH_HINT)
 def test_hydra_launcher_refusals_are_one_line_before_any_rank(tmp_path, capsys, monkeypatch):
     """`--launcher mpich|impi|mvapich`: DeepSpeed's refusals (a selection, unequal slots per host), --ssh_port
-    (their lines have no ssh option), an Open MPI `mpirun` first on PATH and none at all: one line each, exit 2,
-    no rank started."""
+    (their lines have no ssh option) and no mpirun at all: one line each, exit 2, no rank started."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("open('started', 'w').close()\n")
     (tmp_path / "even").write_text("worker-0 slots=2\nworker-1 slots=2\n")
@@ -496,17 +493,69 @@ def test_hydra_launcher_refusals_are_one_line_before_any_rank(tmp_path, capsys, 
         assert main(["launch", *argv, "train.py"]) == 2, argv
         err = capsys.readouterr().err
         assert says in err and len(err.strip().splitlines()) == 1, err
-    openmpi = shutil.which("mpirun.openmpi")
-    if openmpi:
-        (tmp_path / "mpich-bin" / "mpirun").write_text(f'#!/bin/sh\nexec {openmpi} "$@"\n')
-        assert main(["launch", "--launcher", "mpich", "--hostfile", "even", "train.py"]) == 2
-        err = capsys.readouterr().err
-        assert "--launcher mpich: mpirun on PATH" in err and "is Open MPI's" in err and len(err.splitlines()) == 1
     monkeypatch.setenv("PATH", str(tmp_path))  # no mpirun here
     assert main(["launch", "--launcher", "impi", "--hostfile", "even", "train.py"]) == 2
     err = capsys.readouterr().err
     assert "--launcher impi: mpirun is not on PATH" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "started").exists()
+
+
+@pytest.mark.skipif(OPENMPI is None or HYDRA is None, reason=OPENMPI_HINT if OPENMPI is None else MPICH_HINT)
+def test_each_mpi_launcher_refuses_the_other_mpis_mpirun_in_one_line(tmp_path, capsys, monkeypatch):
+    """Debian's `mpirun` is Open MPI's or MPICH's: `--launcher mpich|impi|mvapich` with Open MPI's first on PATH,
+    and `--launcher openmpi` with MPICH's (hydra), are one line naming the mpirun, exit 2, no rank started."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("open('started', 'w').close()\n")
+    (tmp_path / "hosts").write_text("worker-0 slots=2\nworker-1 slots=2\n")
+    monkeypatch.setattr(os, "execvp", lambda *a: pytest.fail(f"started {a}"))  # a refusal missed: not this process
+    for launcher, target, says in (("mpich", OPENMPI, "is Open MPI's, which does not take this launcher's line"),
+                                   ("impi", OPENMPI, "is Open MPI's"),
+                                   ("openmpi", HYDRA, "is MPICH's (hydra), which does not take Open MPI's line")):
+        monkeypatch.setenv("PATH", mpirun_path(tmp_path / launcher, target))
+        assert main(["launch", "--launcher", launcher, "--hostfile", "hosts", "train.py"]) == 2, launcher
+        err = capsys.readouterr().err
+        assert f"--launcher {launcher}: mpirun on PATH ({tmp_path / launcher / 'mpirun'}) {says}" in err, err
+        assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "started").exists()
+
+
+def test_mpirun_kind_tells_open_mpi_from_hydra_by_what_it_says(tmp_path):
+    """`mpirun_kind` reads `mpirun --version`: Open MPI's (4.x, 5.x) and hydra's (MPICH's, Intel MPI's) words,
+    anything else or a mpirun that does not run is unknown; the tests' finders take Open MPI's `mpirun` or
+    `mpirun.openmpi` and hydra's `mpiexec.hydra` or `mpirun`, whichever the `mpirun` alternative points to."""
+    from zerotrain.hostfile import mpirun_kind
+
+    said = {"ompi4": "mpirun (Open MPI) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/",
+            "ompi5": "mpirun (Open MPI) 5.0.3", "mpich": "HYDRA build details:\n    Version: 4.0.2",
+            "impi": "Intel(R) MPI Library for Linux* OS, Version 2021.19.0", "other": "mpirun from elsewhere 1.0"}
+    kinds = {"ompi4": "openmpi", "ompi5": "openmpi", "mpich": "hydra", "impi": "hydra", "other": "unknown"}
+    for name, text in said.items():
+        fake = tmp_path / name / "mpirun"
+        fake.parent.mkdir()
+        fake.write_text(f"#!/bin/sh\ncat <<'EOF'\n{text}\nEOF\n")
+        fake.chmod(0o755)
+        assert mpirun_kind(str(fake)) == kinds[name], name
+    (tmp_path / "broken").write_text("not a program")
+    assert mpirun_kind(str(tmp_path / "broken")) == "unknown"  # not executable: no exception
+
+    # Debian's alternative points to one or the other: each finder finds its MPI whatever `mpirun` is
+    def bin_dir(name: str, **links: str) -> str:
+        path = tmp_path / name
+        path.mkdir()
+        for link, target in links.items():
+            (path / link.replace("_", ".")).symlink_to(tmp_path / target / "mpirun")
+        return str(path)
+
+    only_mpich = bin_dir("only-mpich", mpirun="mpich", mpiexec_hydra="mpich")
+    assert openmpi_missing(only_mpich) == OPENMPI_HINT and mpich_missing(only_mpich) is None
+    assert hydra_mpiexec(only_mpich) == os.path.join(only_mpich, "mpiexec.hydra")
+    only_openmpi = bin_dir("only-openmpi", mpirun="ompi4", mpirun_openmpi="ompi4")
+    assert mpich_missing(only_openmpi) == MPICH_HINT and openmpi_mpirun(only_openmpi) == os.path.join(
+        only_openmpi, "mpirun")
+    both_mpich_first = bin_dir("both", mpirun="mpich", mpirun_openmpi="ompi5", mpiexec_hydra="mpich")
+    assert openmpi_mpirun(both_mpich_first) == os.path.join(both_mpich_first, "mpirun.openmpi")
+    assert hydra_mpiexec(both_mpich_first) == os.path.join(both_mpich_first, "mpiexec.hydra")
+    assert openmpi_missing(bin_dir("none")) == OPENMPI_HINT and mpich_missing(str(tmp_path / "none")) == MPICH_HINT
 
 
 def test_openmpi_and_slot_count_refusals_are_one_line_before_any_rank(tmp_path, capsys, monkeypatch):

@@ -344,11 +344,16 @@ def _launch_mpirun(args: argparse.Namespace, active: dict) -> int:
     master is --master_addr or the first host's name."""
     import shutil
 
-    from zerotrain.hostfile import mpirun_command
+    from zerotrain.hostfile import mpirun_command, mpirun_kind
     from zerotrain.launcher import worker_target
 
-    if shutil.which("mpirun") is None:
+    found = shutil.which("mpirun")
+    if found is None:
         raise CLIError("--launcher openmpi: mpirun is not on PATH (install Open MPI: apt-get install openmpi-bin)")
+    if mpirun_kind(found) == "hydra":
+        raise CLIError(f"--launcher openmpi: mpirun on PATH ({found}) is MPICH's (hydra), which does not take Open "
+                       "MPI's line: put Open MPI's mpirun first on PATH (Debian: a directory with mpirun -> "
+                       "mpirun.openmpi), or use --launcher mpich")
     import socket
 
     from zerotrain.hostfile import is_this_host
@@ -372,18 +377,15 @@ def _launch_hydra(args: argparse.Namespace, active: dict) -> int:
     or the first host's name, as with --launcher openmpi."""
     import shutil
     import socket
-    import subprocess
 
-    from zerotrain.hostfile import hydra_command, is_this_host, write_mvapich_hostfile
+    from zerotrain.hostfile import hydra_command, is_this_host, mpirun_kind, write_mvapich_hostfile
     from zerotrain.launcher import worker_target
 
     found = shutil.which("mpirun")
     if found is None:
         raise CLIError(f"--launcher {args.launcher}: mpirun is not on PATH (install {args.launcher.upper()}, or put a "
                        "directory with mpirun -> mpiexec.hydra first on PATH)")
-    probe = subprocess.run([found, "--version"], capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    said = probe.stdout + probe.stderr
-    if any(mark in said for mark in ("Open MPI", "OpenRTE", "open-mpi.org")):
+    if mpirun_kind(found) == "openmpi":
         raise CLIError(f"--launcher {args.launcher}: mpirun on PATH ({found}) is Open MPI's, which does not take "
                        "this launcher's line: put your MPI's mpirun first on PATH (MPICH: mpirun -> mpiexec.hydra), "
                        "or use --launcher openmpi")

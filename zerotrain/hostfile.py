@@ -35,7 +35,7 @@ from .command import CLIError
 
 __all__ = ["LAUNCHERS", "parse_hostfile", "select_resources", "read_deepspeed_env", "is_this_host",
            "local_slots", "check_reachable", "first_address", "ssh_commands", "run_hosts", "stop_on_stdin_eof", "relay_output",
-           "mpirun_command", "check_slots_fit_batch", "srun_command", "check_slurm_slots"]
+           "mpirun_command", "mpirun_kind", "check_slots_fit_batch", "srun_command", "check_slurm_slots"]
 
 # DeepSpeed's --launcher names (case-insensitive there too); pdsh is its default
 LAUNCHERS = ("pdsh", "openmpi", "mpich", "impi", "slurm", "mvapich")
@@ -331,6 +331,26 @@ def relay_output() -> None:
             thread.join(timeout=5)
 
     atexit.register(finish)
+
+
+def mpirun_kind(path: str) -> str:
+    """Whose `mpirun` `path` is, from what its ``--version`` says: ``"openmpi"`` (Open MPI's, which takes
+    `mpirun_command`'s line), ``"hydra"`` (MPICH's process manager, Intel MPI's and MVAPICH's too: `hydra_command`'s
+    line) or ``"unknown"`` (another MPI, or one that does not run). Debian's `mpirun` is an alternative that points
+    to Open MPI's or MPICH's, whichever is installed with the higher priority."""
+    import subprocess
+
+    try:
+        probe = subprocess.run([path, "--version"], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                               timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    said = probe.stdout + probe.stderr
+    if any(mark in said for mark in ("Open MPI", "OpenRTE", "open-mpi.org")):
+        return "openmpi"
+    if "HYDRA" in said or "Intel(R) MPI" in said:
+        return "hydra"
+    return "unknown"
 
 
 def _has_mca(args: list[str], name: str) -> bool:

@@ -20,16 +20,16 @@ import pytest
 import llama_job
 import netns
 from distributed import free_port
+from mpi_flavours import hydra_mpiexec, mpich_missing, mpirun_path
 from sshd import make_keys, ssh_options, sshd_missing, start_sshd, wait_for_ssh
 from test_dropin_api import REPO_ROOT
 from test_openmpi_launch import JOB, assert_killing_node1s_ranks_ends_the_job
 
-HYDRA = shutil.which("mpiexec.hydra")
+HYDRA = hydra_mpiexec()  # MPICH's, whichever MPI Debian's `mpirun` alternative is (tests/mpi_flavours.py)
 # An Intel MPI runtime (`pip install --target DIR impi-rt`: DIR/impi_rt-*.data/data is the root, with bin/mpirun):
 # the impi line then runs with Intel's own mpirun instead of MPICH's hydra
 IMPI_ROOT = os.environ.get("ZEROTRAIN_TEST_IMPI_ROOT", "")
-_reason = netns.skip_reason() or sshd_missing() or (
-    None if HYDRA else "MPICH is not installed (apt-get install -y mpich, or tests/multinode/install_cluster_software.sh)")
+_reason = netns.skip_reason() or sshd_missing() or mpich_missing()
 pytestmark = [pytest.mark.skipif(_reason is not None, reason=_reason or ""), pytest.mark.slow]
 
 
@@ -39,17 +39,13 @@ def test_mpich_launch_trains_a_llama_across_two_hosts_and_one_host_killed_ends_t
     make_keys(tmp_path)
     port = free_port()
     (tmp_path / "hostfile").write_text("node0 slots=2\nnode1 slots=2\n")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
     ssh = tmp_path / "hydra-ssh"  # hydra's remote start: ssh with the run's port and key (not on PATH)
-    for path, text in ((bin_dir / "mpirun", f'exec {HYDRA} "$@"'),  # a script: hydra finds its proxy beside it
-                       (ssh, f'exec {shutil.which("ssh")} -p {port} {ssh_options(tmp_path)} "$@"')):
-        path.write_text(f"#!/bin/sh\n{text}\n")
-        path.chmod(0o755)
+    ssh.write_text(f'#!/bin/sh\nexec {shutil.which("ssh")} -p {port} {ssh_options(tmp_path)} "$@"\n')
+    ssh.chmod(0o755)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMPI_", "PMI", "SLURM_", "HYDRA_"))}
     env.update(PYTHONPATH=REPO_ROOT, GLOO_SOCKET_IFNAME=netns.LINK, OMP_NUM_THREADS="1",
-               PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+               PATH=mpirun_path(tmp_path / "bin", HYDRA))
     hydra_args = f"-iface {netns.LINK} -launcher ssh -launcher-exec {ssh}"
 
     def launch(launcher: str) -> list[str]:

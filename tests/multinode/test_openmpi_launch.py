@@ -7,7 +7,6 @@ one host (tests/test_hostfile.py::test_openmpi_launch_starts_the_ranks_with_mpir
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,11 +17,12 @@ import pytest
 import llama_job
 import netns
 from distributed import free_port
+from mpi_flavours import mpirun_path, openmpi_missing, openmpi_mpirun
 from sshd import make_keys, python_left, ssh_options, sshd_missing, start_sshd, wait_for_ssh
 from test_dropin_api import REPO_ROOT
 
-_reason = netns.skip_reason() or sshd_missing() or (
-    None if shutil.which("mpirun") else "Open MPI is not installed (apt-get install -y openmpi-bin)")
+OPENMPI = openmpi_mpirun()  # Open MPI's, whichever MPI Debian's `mpirun` alternative is (tests/mpi_flavours.py)
+_reason = netns.skip_reason() or sshd_missing() or openmpi_missing()
 pytestmark = [pytest.mark.skipif(_reason is not None, reason=_reason or ""), pytest.mark.slow]
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama_job.py")
@@ -83,7 +83,8 @@ def test_openmpi_launch_trains_a_llama_across_two_hosts_and_one_host_killed_ends
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMPI_", "PMI", "SLURM_"))}
     env.update(PYTHONPATH=REPO_ROOT, GLOO_SOCKET_IFNAME=netns.LINK, OMP_NUM_THREADS="1",
-               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PATH=mpirun_path(tmp_path / "openmpi-bin", OPENMPI))
     # Open MPI's own traffic over the nodes' link; ssh's key and options for its remote start (--ssh_port adds -p)
     mpi_args = (f"--mca btl_tcp_if_include {netns.LINK} --mca oob_tcp_if_include {netns.LINK} "
                 f"--mca plm_rsh_args '{ssh_options(tmp_path)}'")
