@@ -526,9 +526,11 @@ def test_mpirun_kind_tells_open_mpi_from_hydra_by_what_it_says(tmp_path):
     from zerotrain.hostfile import mpirun_kind
 
     said = {"ompi4": "mpirun (Open MPI) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/",
-            "ompi5": "mpirun (Open MPI) 5.0.3", "mpich": "HYDRA build details:\n    Version: 4.0.2",
+            "ompi5": "mpirun (Open MPI) 5.0.3", "orterun": "mpirun.openmpi (OpenRTE) 4.1.4",
+            "mpich": "HYDRA build details:\n    Version: 4.0.2",
             "impi": "Intel(R) MPI Library for Linux* OS, Version 2021.19.0", "other": "mpirun from elsewhere 1.0"}
-    kinds = {"ompi4": "openmpi", "ompi5": "openmpi", "mpich": "hydra", "impi": "hydra", "other": "unknown"}
+    kinds = {"ompi4": "openmpi", "ompi5": "openmpi", "orterun": "openmpi", "mpich": "hydra", "impi": "hydra",
+             "other": "unknown"}
     for name, text in said.items():
         fake = tmp_path / name / "mpirun"
         fake.parent.mkdir()
