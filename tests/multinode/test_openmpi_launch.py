@@ -75,6 +75,7 @@ def assert_killing_node1s_ranks_ends_the_job(nodes: list, launch: list[str], tmp
             launcher.wait()
 
 
+@pytest.mark.timeout(1200)  # a 4-rank Llama run and a killed one: 5+ minutes at load 40 (pytest's 300 s cut it)
 def test_openmpi_launch_trains_a_llama_across_two_hosts_and_one_host_killed_ends_the_job(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the nodes' commands run in the current directory (netns.Node.command)
     make_keys(tmp_path)
