@@ -38,7 +38,7 @@ def test_each_resume_flag_loads_its_checkpoint_and_another_schedule_length_is_sa
     directory: refused naming it. A resume whose schedule now spans other steps is warned once on stderr, naming
     both counts; the same length, or no scheduler, says nothing."""
     from zerotrain.checkpoint import CheckpointError
-    from zerotrain.train.resume import load_for_resume, wants_resume
+    from zerotrain.train.resume import load_for_resume, schedule_change, wants_resume
 
     engine, config = _engine(10)
     save, other, empty = tmp_path / "save", tmp_path / "other", tmp_path / "empty"
@@ -62,6 +62,7 @@ def test_each_resume_flag_loads_its_checkpoint_and_another_schedule_length_is_sa
     assert loaded(_args(False, start), None) == ("other/start", 1)
     assert loaded(_args(True, start), str(save)) == ("save/global_step2", 2)  # restarted: its own saves first
     assert loaded(_args(True, start), str(empty)) == ("other/start", 1)  # restarted before its first save
+    assert loaded(_args(True, start), None) == ("other/start", 1)  # no save directory: nothing of its own
     assert loaded(_args(True), str(empty)) == (None, 1)  # --resume with nothing saved: from scratch
     assert capsys.readouterr().err == ""  # the same schedule length each time: nothing said
     with pytest.raises(CheckpointError, match=r"^--resume-from-checkpoint nope: not a checkpoint directory nor a "
@@ -83,4 +84,6 @@ def test_each_resume_flag_loads_its_checkpoint_and_another_schedule_length_is_sa
     plain = {k: v for k, v in config.items() if k != "scheduler"}
     assert loaded(_args(False, "global_step1"), str(save), plain) == ("save/global_step1", 1)
     assert capsys.readouterr().err == ""
+    # a checkpoint that records no config (no trainer state: another tool's directory) has no schedule to compare
+    assert schedule_change(str(empty), longer) is None
     engine.close()

@@ -326,6 +326,9 @@ COVERING: dict[str, list[str]] = {
         "tests/pipe/test_pipeline.py::test_pp2_schedules_fp16_lora_async_save_match_single_process"],
     # in-process (the sample ran test_train_flags.py without its README walkthrough: shell blocks in subprocesses)
     "zerotrain/train/flags.py": ["tests/test_train_flags_units.py", "tests/test_train_flags.py"],
+    # in-process: both Pooling config formats, the record's metric fields; then the pooling modes and the data
+    "zerotrain/embedding/pooling.py": ["tests/embedding/test_embedding_units.py", "tests/embedding/test_data.py"],
+    "zerotrain/embedding/metrics.py": ["tests/embedding/test_embedding_units.py"],
     "zerotrain/train/resume.py": [
         "tests/test_train_resume_units.py",
         "tests/test_cli.py::test_resume_from_a_named_checkpoint_names_intact_ones_and_warns_of_another_max_steps"],
