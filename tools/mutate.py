@@ -329,6 +329,7 @@ COVERING: dict[str, list[str]] = {
     # in-process: both Pooling config formats, the record's metric fields; then the pooling modes and the data
     "zerotrain/embedding/pooling.py": ["tests/embedding/test_embedding_units.py", "tests/embedding/test_data.py"],
     "zerotrain/embedding/metrics.py": ["tests/embedding/test_embedding_units.py"],
+    "zerotrain/embedding/data.py": ["tests/embedding/test_embedding_units.py", "tests/embedding/test_data.py"],
     "zerotrain/train/resume.py": [
         "tests/test_train_resume_units.py",
         "tests/test_cli.py::test_resume_from_a_named_checkpoint_names_intact_ones_and_warns_of_another_max_steps"],
