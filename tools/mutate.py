@@ -309,6 +309,30 @@ COVERING: dict[str, list[str]] = {
     "zerotrain/config/params.py": [
         "tests/config/test_schema.py", "tests/test_optim.py", "tests/test_schedules.py",
         "tests/test_optim_defaults.py::test_adam_block_takes_deepspeeds_defaults"],
+    # issue #48, round 4 (pipeline, train commands): the in-process tests first (a one-stage engine at a world of
+    # one, the pieces' placement against torch's, the GPT and Llama layers against their models), then the refusals
+    # and the world-1 / world-2 launches (tied copies over stages, PP2 schedules, fp16, an async save's resume)
+    "zerotrain/pipe/engine.py": [
+        "tests/pipe/test_pipe_units.py", "tests/pipe/test_pipeline.py::test_refusals_name_the_key",
+        "tests/pipe/test_deepspeed_pipeline.py::test_a_run_that_would_train_nothing_fails_and_a_built_stage_trains",
+        "tests/pipe/test_pipeline.py::test_pp2_schedules_fp16_lora_async_save_match_single_process"],
+    "zerotrain/pipe/schedule.py": ["tests/pipe/test_pipe_units.py", "tests/pipe/test_pipeline.py::test_estimate_per_stage"],
+    "zerotrain/pipe/gpt.py": ["tests/pipe/test_pipe_units.py"],
+    "zerotrain/pipe/hf.py": [
+        "tests/pipe/test_pipe_units.py::test_a_split_llama_on_one_rank_computes_the_models_loss_under_its_names",
+        "tests/pipe/test_pipeline.py::test_refusals_name_the_key"],
+    "zerotrain/pipe/checkpoint.py": [
+        "tests/pipe/test_pipe_units.py::test_a_one_stage_pipeline_trains_evaluates_and_resumes_as_plain_pytorch",
+        "tests/pipe/test_pipeline.py::test_pp2_schedules_fp16_lora_async_save_match_single_process"],
+    # in-process (the sample ran test_train_flags.py without its README walkthrough: shell blocks in subprocesses)
+    "zerotrain/train/flags.py": ["tests/test_train_flags_units.py", "tests/test_train_flags.py"],
+    # in-process: both Pooling config formats, the record's metric fields; then the pooling modes and the data
+    "zerotrain/embedding/pooling.py": ["tests/embedding/test_embedding_units.py", "tests/embedding/test_data.py"],
+    "zerotrain/embedding/metrics.py": ["tests/embedding/test_embedding_units.py"],
+    "zerotrain/embedding/data.py": ["tests/embedding/test_embedding_units.py", "tests/embedding/test_data.py"],
+    "zerotrain/train/resume.py": [
+        "tests/test_train_resume_units.py",
+        "tests/test_cli.py::test_resume_from_a_named_checkpoint_names_intact_ones_and_warns_of_another_max_steps"],
 }
 
 # Method names whose swap is a plausible slip (the GQA bug: repeat for repeat_interleave).

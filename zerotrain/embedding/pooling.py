@@ -1,8 +1,8 @@
 """Pooling token states into one embedding per text, as sentence-transformers' `Pooling` module does.
 
 The mode is read from a sentence-transformers model directory when it has one (`modules.json`
-names the Pooling module's folder, whose `config.json` holds `pooling_mode_*` flags); a plain
-Hugging Face encoder directory defaults to mean pooling.
+names the Pooling module's folder, whose `config.json` holds `pooling_mode` in sentence-transformers 6, or the
+`pooling_mode_*` flags older versions write); a plain Hugging Face encoder directory defaults to mean pooling.
 """
 from __future__ import annotations
 
@@ -19,7 +19,14 @@ MODES = ("mean", "cls", "lasttoken", "max")
 # sentence-transformers' config flag for each of our modes
 _FLAGS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token",
           "lasttoken": "pooling_mode_lasttoken", "max": "pooling_mode_max_tokens"}
+# modules.json's "type" of the Pooling module: `sentence_transformers.models.Pooling` (older versions) or the class's
+# own module path (`sentence_transformers.sentence_transformer.modules.pooling.Pooling`, 6.x)
 _POOLING_TYPE = "sentence_transformers.models.Pooling"
+
+
+def _is_pooling(module_type: str) -> bool:
+    return module_type == _POOLING_TYPE or (module_type.startswith("sentence_transformers.")
+                                            and module_type.endswith(".Pooling"))
 
 
 @dataclass(frozen=True)
@@ -42,18 +49,25 @@ def read_pooling(model_dir: Union[str, Path], override: str | None = None) -> Po
         modules = json.loads(modules_path.read_text())
         normalize = any(m.get("type", "").endswith(".Normalize") for m in modules)
         for module in modules:
-            if module.get("type") != _POOLING_TYPE:
+            if not _is_pooling(str(module.get("type", ""))):
                 continue
             config_path = model_dir / module.get("path", "") / "config.json"
             if not config_path.is_file():
                 raise ValueError(f"{modules_path}: the Pooling module's {config_path} is missing")
             config = json.loads(config_path.read_text())
-            chosen = [m for m, flag in _FLAGS.items() if config.get(flag)]
-            others = [k for k, v in config.items() if k.startswith("pooling_mode_") and v
-                      and k not in _FLAGS.values()]
+            named = config.get("pooling_mode")  # a mode or a list of modes (sentence-transformers 6)
+            if named is not None:
+                modes = [named] if isinstance(named, str) else list(named)
+                chosen = [m for m in modes if m in MODES]
+                others = [m for m in modes if m not in MODES]
+            else:
+                chosen = [m for m, flag in _FLAGS.items() if config.get(flag)]
+                others = [k for k, v in config.items() if k.startswith("pooling_mode_") and v
+                          and k not in _FLAGS.values()]
             if others or len(chosen) != 1:
                 raise ValueError(f"{config_path}: pooling {chosen + others} is not supported; "
-                                 f"exactly one of {sorted(_FLAGS.values())} must be true")
+                                 f"exactly one of {sorted(_FLAGS.values())} must be true (pooling_mode: one of "
+                                 f"{list(MODES)})")
             mode = chosen[0]
     return Pooling(override or mode, normalize)
 

@@ -418,10 +418,24 @@ class PipelineEngine(TrainingEngine):
         kwargs = {"target": labels, "losses": losses} if self._last else {}
         if train:
             self.schedule.step(*inputs, **kwargs)
+        elif len(self.stages) > 1 and self.topology.pp_size == 1:
+            # every piece on this one rank: torch's multi-piece runtime hands a piece's output to the next piece on
+            # the same rank by stealing it for a backward, which a forward-only run has not (AssertionError); with
+            # nothing to send, the pieces run in order, micro-batch by micro-batch, as the schedule would
+            with torch.no_grad():
+                self._forward_locally(inputs, labels, losses)
         else:
             with torch.no_grad():
                 self.schedule.eval(*inputs, **kwargs)
         return self._batch_loss(losses, aggregate)
+
+    def _forward_locally(self, inputs: tuple, labels: Any, losses: list) -> None:
+        """Forward every micro-batch through this rank's pieces in order (all of them: a pipeline of one rank; the
+        module's own forward), appending each micro-batch's loss (scaled, as the schedule's) to `losses`."""
+        chunks = [t.tensor_split(self.micro_batches) for t in inputs]
+        targets = labels.tensor_split(self.micro_batches)
+        for index in range(self.micro_batches):
+            losses.append(self._loss(self.module(*(chunk[index] for chunk in chunks)), targets[index]))
 
     def train_batch(self, data_iter: Optional[Iterator] = None, *, aggregate: bool = True) -> torch.Tensor:
         """One optimizer step over `gradient_accumulation_steps` micro-batches of `data_iter` (read on the first
@@ -450,8 +464,9 @@ class PipelineEngine(TrainingEngine):
         kept (DeepSpeed's eval_batch restores the training iterator). `aggregate=False`: no collective for the
         loss, this rank's own (as `train_batch`'s: the mean of its micro-batches' on a last-stage rank, 0
         elsewhere), for a loop that reduces it with `zerotrain.trainer.reduce_step`."""
-        if self.config.pipeline.schedule == "zbv_zero_bubble":
-            # torch 2.13's ZBV runtime still steals backward inputs in a forward-only run (AssertionError)
+        if self.config.pipeline.schedule == "zbv_zero_bubble" and self.topology.pp_size > 1:
+            # torch 2.13's ZBV runtime still steals backward inputs in a forward-only run (AssertionError); a
+            # pipeline of one rank runs its pieces itself (`_run`)
             raise NotImplementedError("eval_batch with pipeline.schedule 'zbv_zero_bubble' is not available (torch's "
                                       "ZBV schedule has no forward-only run); evaluate with another schedule")
         was_training = self.module.training

@@ -1,0 +1,96 @@
+"""`zerotrain.embedding`'s small parts in the pytest process (issue #48: the fast covering tests of their mutation
+runs; the command's whole runs are tests/embedding/test_resume.py's)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+
+def test_each_retrieval_metric_is_recorded_under_its_own_schema_field():
+    """The held-out evaluation's recall@1, recall@10 and MRR@10 become the metrics record's `recall_at_1`,
+    `recall_at_10`, `mrr_at_10` (docs/metrics.md), each under its own name (three different values here)."""
+    from zerotrain.embedding.metrics import RETRIEVAL_FIELDS
+    from zerotrain.embedding.retrieval import retrieval_metrics
+
+    passages = torch.eye(15)
+    queries = torch.zeros(3, 15)
+    queries[0, 0] = 1.0                      # ranked first
+    queries[1, 1], queries[1, 5] = 0.5, 0.8  # second
+    queries[2, 2], queries[2, 3:] = 0.1, 0.2  # 13th
+    metrics = retrieval_metrics(F.normalize(queries, dim=-1), passages)
+    record = {RETRIEVAL_FIELDS[k]: v for k, v in metrics.items() if k in RETRIEVAL_FIELDS}  # as the command's
+    assert record == pytest.approx({"recall_at_1": 1 / 3, "recall_at_10": 2 / 3, "mrr_at_10": 0.5}, rel=1e-6)
+
+
+def _st_dir(root, name: str, pooling_type: str, config: dict, normalize: bool = True):
+    import json
+
+    directory = root / name
+    (directory / "1_Pooling").mkdir(parents=True)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": pooling_type}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (directory / "modules.json").write_text(json.dumps(modules))
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_the_pooling_of_a_sentence_transformers_dir_of_either_format_is_read(tmp_path):
+    """Each of the four modes read back from the Pooling module's config as sentence-transformers 6 saves it
+    (`{"embedding_dimension", "pooling_mode", "include_prompt"}`, the module's type its class path: what 6.3.0's
+    `SentenceTransformer.save` writes, copied here rather than importing the library, ~10 s) and as older versions
+    wrote it (one `pooling_mode_*` flag true, type `sentence_transformers.models.Pooling`); a mode zerotrain does
+    not pool with is refused naming the file. Before, a 6.x directory's Pooling was not recognized: mean pooling,
+    silently."""
+    from zerotrain.embedding.pooling import MODES, Pooling, read_pooling
+
+    flags = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "lasttoken": "pooling_mode_lasttoken",
+             "max": "pooling_mode_max_tokens"}
+    legacy_off = {flag: False for flag in (*flags.values(), "pooling_mode_mean_sqrt_len_tokens",
+                                           "pooling_mode_weightedmean_tokens")}
+    current_type = "sentence_transformers.sentence_transformer.modules.pooling.Pooling"
+    for mode in (*MODES, "weightedmean"):
+        config = {"embedding_dimension": 8, "pooling_mode": mode, "include_prompt": True}
+        current = _st_dir(tmp_path, f"current-{mode}", current_type, config)
+        if mode == "weightedmean":
+            with pytest.raises(ValueError, match=rf"^{current / '1_Pooling' / 'config.json'}: pooling \['weightedmean'\] "
+                                                 "is not supported"):
+                read_pooling(current)
+            continue
+        assert read_pooling(current) == Pooling(mode, True), mode
+        listed = _st_dir(tmp_path, f"listed-{mode}", current_type, dict(config, pooling_mode=[mode]), normalize=False)
+        assert read_pooling(listed) == Pooling(mode, False), mode
+        old = _st_dir(tmp_path, f"legacy-{mode}", "sentence_transformers.models.Pooling",
+                      {"word_embedding_dimension": 8, **legacy_off, flags[mode]: True}, normalize=False)
+        assert read_pooling(old) == Pooling(mode, False), mode
+
+
+def test_negatives_must_each_be_a_non_empty_string_and_a_resume_checks_only_what_the_order_depends_on(tmp_path):
+    """A record whose negatives hold an empty string or a non-string is named like a non-list one; a data position
+    resumes under another world split of the same global batch and without --seed, and is refused (naming the
+    setting) for another global batch, other data or another --seed."""
+    import json
+
+    from zerotrain.data import BadRecordError
+    from zerotrain.embedding.data import DataPosition, load_pairs
+
+    good = {"query": "q", "positive": "p", "negatives": ["n1"]}
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (good, {**good, "negatives": ["n", " "]},
+                                                          {**good, "negatives": ["n", 3]})))
+    with pytest.raises(BadRecordError) as error:
+        load_pairs([path])
+    message = str(error.value)
+    for line in (2, 3):
+        assert f"{path}, line {line}: 'negatives' must be a list of non-empty strings" in message, message
+    assert "line 1" not in message
+    position = DataPosition(epoch=1, batch=2, seed=7, global_batch=8, pairs=100, consumed_samples=80)
+    position.check_resumable(global_batch=8, pairs=100, seed=None, where="ck", split="2 ranks x 4")
+    position.check_resumable(global_batch=8, pairs=100, seed=7, where="ck", split="1 rank x 8")
+    for changed, match in (({"global_batch": 4}, "global contrastive batches of 8"), ({"pairs": 99}, "had 100 pairs"),
+                           ({"seed": 8}, "--seed 8 differs")):
+        with pytest.raises(ValueError, match=match):
+            position.check_resumable(**{"global_batch": 8, "pairs": 100, "seed": 7, **changed}, where="ck",
+                                     split="1 rank x 8")
