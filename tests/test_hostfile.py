@@ -243,10 +243,9 @@ def test_a_hosts_launch_stops_its_printing_ranks_when_its_ssh_channel_closes(tmp
     gets the stop, saves at the same step boundary and writes its file, instead of rank 0 dying of the broken
     pipe at its next progress line (tests/multinode/test_ssh_launch.py failed so under load)."""
     import subprocess
-    import sys
     import time
 
-    from distributed import free_port
+    from distributed import free_port, served_python
     from test_dropin_api import REPO_ROOT, STOPPABLE_SCRIPT
 
     from zerotrain.hostfile import STOP_ON_EOF_ENV
@@ -255,8 +254,11 @@ def test_a_hosts_launch_stops_its_printing_ranks_when_its_ssh_channel_closes(tmp
     (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1,
                                                    "optimizer": {"type": "SGD", "params": {"lr": 0.01}}}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
-    env.update(PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1", **{STOP_ON_EOF_ENV: "1"})
-    proc = subprocess.Popen([sys.executable, "-m", "zerotrain.cli", "launch", "--nproc", "2", "--nnodes", "1",
+    # the launch, its torchrun agent and ranks forked from the test forkserver with these pipes (served_python,
+    # also torch's PYTHON_EXEC), not fresh interpreters
+    served = served_python()
+    env.update(PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1", PYTHON_EXEC=served, **{STOP_ON_EOF_ENV: "1"})
+    proc = subprocess.Popen([served, "-m", "zerotrain.cli", "launch", "--nproc", "2", "--nnodes", "1",
                              "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                              "train.py", "--deepspeed_config", "ds.json", "--out", str(tmp_path), "--nproc", "2"],
                             cwd=tmp_path, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
