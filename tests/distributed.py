@@ -436,6 +436,11 @@ class _Server:
         with open(self.path, "w") as handle:
             handle.write(f"#!{sys.executable} -IS\n" + _SERVED_CLIENT.format(address=address, key=key))
         os.chmod(self.path, 0o755)
+        import shutil
+        from multiprocessing import util
+        # the client and the directory when the test process ends, after the listener's own finalizer (priority 0)
+        # took its socket away
+        util.Finalize(self, shutil.rmtree, args=(self._dir, True), exitpriority=-1)
         self._start_lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True, name="served_python").start()
 
