@@ -415,7 +415,7 @@ def test_openmpi_launch_starts_the_ranks_with_mpirun(tmp_path):
     """The fast real case of `--launcher openmpi` (two hosts: tests/multinode/test_openmpi_launch.py, slow):
     `zerotrain launch --launcher openmpi --force_multi` on one host runs the real mpirun, whose two ranks take
     their ranks from Open MPI's variables, the master from the line and .deepspeed_env's variables, and meet."""
-    from distributed import free_port, run_cli
+    from distributed import free_port, run_cli, served_python
     from test_dropin_api import REPO_ROOT
 
     (tmp_path / "hosts").write_text("localhost slots=2\n")
@@ -423,7 +423,8 @@ def test_openmpi_launch_starts_the_ranks_with_mpirun(tmp_path):
     (tmp_path / ".deepspeed_env").write_text("FROM_FILE=forwarded\n")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMPI_", "PMI", "SLURM_"))}
-    env.update(PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
+    # the launcher and the ranks mpirun starts (with the launcher's sys.executable) forked from the test forkserver
+    env.update(PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1", PYTHON_EXEC=served_python(), OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_btl_tcp_if_include="lo",
                OMPI_MCA_oob_tcp_if_include="lo")
     proc = run_cli(["launch", "--launcher", "openmpi", "--force_multi", "--hostfile", "hosts", "--master_addr",
@@ -454,7 +455,7 @@ def test_mpich_launch_starts_the_ranks_with_hydra(tmp_path):
     """The fast real case of `--launcher mpich` (two hosts: tests/multinode/test_mpich_launch.py, slow): the
     real MPICH mpirun (hydra) on one host starts two ranks that take their ranks from PMI_RANK /
     MPI_LOCALRANKID, the world from the line, the master and .deepspeed_env's variables, and meet."""
-    from distributed import free_port, run_cli
+    from distributed import free_port, run_cli, served_python
     from test_dropin_api import REPO_ROOT
 
     (tmp_path / "hosts").write_text("localhost slots=2\n")
@@ -463,7 +464,8 @@ def test_mpich_launch_starts_the_ranks_with_hydra(tmp_path):
     (tmp_path / ".deepspeed_env").write_text("FROM_FILE=forwarded\n")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMPI_", "PMI", "SLURM_"))}
-    env.update(PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1", PATH=hydra_path(tmp_path))
+    # the launcher and the ranks hydra starts (with the launcher's sys.executable) forked from the test forkserver
+    env.update(PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1", PATH=hydra_path(tmp_path), PYTHON_EXEC=served_python())
     proc = run_cli(["launch", "--launcher", "mpich", "--force_multi", "--hostfile", "hosts", "--master_addr",
                     "127.0.0.1", "--master_port", str(free_port()), "--launcher_args=-iface lo",
                     "job.py", str(tmp_path)], cwd=tmp_path, env=env, timeout=120)
