@@ -138,15 +138,33 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     return [outcomes[rank] for rank in range(world_size)]
 
 
-def _python_child(argv: list, cwd: str, env: dict, sys_path: list, out_path: str, err_path: str) -> None:
-    os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
-    sys.path[:] = [cwd, *sys_path]  # `python -m` and `python -c` put the working directory first
+def _python_child(argv: list, cwd: str, env: dict, sys_path: list, out_path: str, err_path: str,
+                  served: str | None = None) -> None:
     for fd, path in ((1, out_path), (2, err_path)):
         handle = os.open(path, os.O_WRONLY | os.O_TRUNC)
         os.dup2(handle, fd)
         os.close(handle)
+    _run_argv(argv, cwd, env, sys_path, served)
+
+
+def _run_argv(argv: list, cwd: str, env: dict, sys_path: list, served: str | None) -> None:
+    """`python ARGV` in this forked process (its fds 0-2 already in place); ends it with its exit status."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:] = [cwd, *sys_path]  # `python -m` and `python -c` put the working directory first
+    if served is not None and env.get("PYTHON_EXEC") == served:
+        sys.executable = served  # a launcher starts its torchrun agent with it: the agent is forked too (served_python)
+    unbuffered = False
+    while argv and argv[0].startswith("-") and argv[0] not in ("-m", "-c"):  # interpreter options (torchrun's -u)
+        unbuffered = unbuffered or argv[0] == "-u"
+        argv = argv[1:]
+    if unbuffered or env.get("PYTHONUNBUFFERED"):
+        import io
+        for name, fd in (("stdout", 1), ("stderr", 2)):
+            stream = getattr(sys, name)
+            setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=stream.encoding,
+                                                errors=stream.errors, write_through=True))
     import torch
     if env.get("OMP_NUM_THREADS"):  # a fresh interpreter reads it when torch starts its thread pool
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
@@ -205,7 +223,8 @@ class ForkedProcess:
             open(path, "w").close()
         env = dict(os.environ if env is None else env)
         self._process = _context().Process(target=_python_child, args=(argv, os.fspath(cwd or os.getcwd()), env,
-                                                                       list(sys.path), self._out, self._err))
+                                                                       list(sys.path), self._out, self._err,
+                                                                       _SERVED and _SERVED.path))
         self._process.start()
         self.pid = self._process.pid
 
@@ -341,3 +360,144 @@ def serve_commands(bin_dir: str | os.PathLike, commands: dict[str, list[str]], *
         listener.close()
         with contextlib.suppress(OSError):
             os.rmdir(os.path.dirname(address))
+
+
+_SERVED_CLIENT = """import os, signal, sys
+from multiprocessing.connection import Client
+from multiprocessing.reduction import send_handle
+try:  # die with the parent, as zerotrain's ranks and agent do (the server then kills the forked process)
+    import ctypes
+    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+except Exception:
+    pass
+conn = Client({address!r}, family="AF_UNIX", authkey=bytes.fromhex({key!r}))
+fds = []
+for fd in (0, 1, 2):
+    try:
+        os.fstat(fd)
+        fds.append(fd)
+    except OSError:
+        pass
+conn.send((sys.argv[1:], os.getcwd(), dict(os.environ), fds))
+for fd in fds:
+    send_handle(conn, fd, 0)
+def forward(signum, frame):
+    conn.send(signum)
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+    signal.signal(sig, forward)
+code = conn.recv()
+if code < 0:  # killed by a signal: so is this process, as its parent would have seen it
+    if -code not in (signal.SIGKILL, signal.SIGSTOP):
+        signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+"""
+
+
+class _Fd:
+    """A file descriptor handed to a forkserver child (pickled as multiprocessing's DupFd while the child starts)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+        return _inherited_fd, (reduction.DupFd(self.fd),)
+
+
+def _inherited_fd(dup) -> int:
+    return dup.detach()
+
+
+def _served_child(argv: list, cwd: str, env: dict, sys_path: list, fds: dict, served: str) -> None:
+    null = os.open(os.devnull, os.O_RDWR)
+    for target in (0, 1, 2):
+        os.dup2(fds.get(target, null), target)
+    for fd in {*fds.values(), null}:
+        if fd > 2:
+            os.close(fd)
+    sys.stdin = open(0, closefd=False)  # multiprocessing gave the child a /dev/null of its own
+    _run_argv(argv, cwd, env, sys_path, served)
+
+
+class _Server:
+    """The server behind `served_python()`: each connection is one `python ARGS` of a client stub, run as a process
+    forked from the forkserver with the stub's own fds 0-2, cwd and environment, its signals forwarded, killed when
+    the stub dies, its exit status sent back."""
+
+    def __init__(self) -> None:
+        from multiprocessing.connection import Listener
+
+        key = secrets.token_hex(16)
+        self._dir = tempfile.mkdtemp(prefix="zerotrain-served-")
+        address = os.path.join(self._dir, "socket")
+        self._listener = Listener(address, family="AF_UNIX", authkey=bytes.fromhex(key))
+        self.path = os.path.join(self._dir, "python")
+        with open(self.path, "w") as handle:
+            handle.write(f"#!{sys.executable} -IS\n" + _SERVED_CLIENT.format(address=address, key=key))
+        os.chmod(self.path, 0o755)
+        import shutil
+        from multiprocessing import util
+        # the client and the directory when the test process ends, after the listener's own finalizer (priority 0)
+        # took its socket away
+        util.Finalize(self, shutil.rmtree, args=(self._dir, True), exitpriority=-1)
+        self._start_lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True, name="served_python").start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn = self._listener.accept()
+            except Exception:  # noqa: BLE001 - a client that failed the handshake
+                continue
+            threading.Thread(target=self._serve, args=(conn,), daemon=True, name="served_python run").start()
+
+    def _serve(self, conn) -> None:
+        from multiprocessing.reduction import recv_handle
+
+        process = None
+        try:
+            argv, cwd, env, numbers = conn.recv()
+            fds = {number: recv_handle(conn) for number in numbers}
+            with self._start_lock:
+                process = _context().Process(target=_served_child, args=(argv, cwd, env, list(sys.path),
+                                                                        {n: _Fd(fd) for n, fd in fds.items()},
+                                                                        self.path))
+                process.start()
+            for fd in fds.values():
+                os.close(fd)
+            while True:
+                if conn.poll(0.05):
+                    signum = conn.recv()
+                    if process.is_alive():
+                        os.kill(process.pid, signum)
+                elif not process.is_alive():
+                    process.join()
+                    conn.send(process.exitcode)
+                    return
+        except (EOFError, OSError):  # the client died (its parent did, or a SIGKILL): so does the process
+            if process is not None and process.is_alive():
+                process.kill()
+                process.join(5)
+        finally:
+            conn.close()
+
+
+_SERVED: _Server | None = None
+
+
+def served_python() -> str:
+    """An executable that runs `python ARGS` (interpreter options such as -u, then `-m MODULE`, `-c CODE` or
+    `SCRIPT.py`) as a process forked from the forkserver, with the caller's fds 0-2, cwd and environment: torch,
+    zerotrain and transformers are not imported afresh (seconds per process). Its signals (SIGTERM, SIGINT, SIGHUP,
+    SIGQUIT, SIGUSR1, SIGUSR2) reach the forked process, it dies with its parent (and the process with it), and it
+    ends with the process's exit status (by the same signal when a signal ended it).
+
+    As `PYTHON_EXEC` in a launch's environment it is what torchrun starts its workers with (torch's own knob), and
+    `run_python`/`start_python`/`serve_commands` give a process whose environment names it this `sys.executable`, so
+    `zerotrain train --nproc N`'s agent is forked as well. The process tree is not the real one (the forked processes
+    are the forkserver's children): tests of who dies with whom launch without it."""
+    global _SERVED
+    if _SERVED is None:
+        _SERVED = _Server()
+    return _SERVED.path

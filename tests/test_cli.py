@@ -517,12 +517,14 @@ def test_launch_reports_a_usage_error_in_the_script_as_one_line_once(tmp_path, m
     """A config error raised in the user's script (a bad key) under `zerotrain launch --nproc 2`: one line naming
     the key, printed once, exit status 2, no rank traceback (as `zerotrain train`). Any other exception in the
     script keeps its traceback (in-process: the worker re-raises it)."""
-    from distributed import run_cli
+    from distributed import run_cli, served_python
     from zerotrain.launcher import run_worker
 
     script = tmp_path / "bad_key.py"
     script.write_text(BAD_KEY_SCRIPT)
-    proc = run_cli(["launch", "--nproc", "2", str(script)], cwd=tmp_path)
+    # the launcher, its agent and ranks forked from the test forkserver (served_python as torch's PYTHON_EXEC)
+    proc = run_cli(["launch", "--nproc", "2", str(script)], cwd=tmp_path,
+                   env=dict(os.environ, PYTHON_EXEC=served_python()))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     said = [line for line in proc.stderr.splitlines() if "zero_optimization.stag" in line]
     assert said == ["zerotrain: error: unknown key 'zero_optimization.stag'; did you mean 'stage'?"], proc.stderr
@@ -606,12 +608,13 @@ def test_a_rank_start_up_error_is_one_line_once_at_nproc_2(tiny_llama_dir, tmp_p
 
     data = tmp_path / "notes.jsonl.gz"
     data.write_bytes(gzip.compress(b'{"text": "def f(): pass"}\n{"text": "x = 1"}\n'))
+    from distributed import run_cli, served_python
+
     env = dict(os.environ, OMP_NUM_THREADS="1", ZEROTRAIN_DATA_CACHE=str(tmp_path / "cache"),
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               PYTHON_EXEC=served_python())  # the agent and ranks forked from the test forkserver too
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         env.pop(var, None)
-    from distributed import run_cli
-
     proc = run_cli(["train", "--config", str(REPO / "examples/zero2.json"), "--nproc", "2", "--model",
                     str(tiny_llama_dir), "--data", str(data), "--text-field", "body", "--steps", "1", "--no-save"],
                    env=env, timeout=300, cwd=tmp_path)  # the launcher forked from the test forkserver

@@ -151,3 +151,80 @@ def test_start_python_is_a_popen_the_test_signals_and_serve_commands_runs_a_shel
     assert run.stderr == f"err\npath {tmp_path}\n{said}err\nerr\n", run
     assert not (tmp_path / "bin" / "python").read_text().count("import torch")  # a client: nothing heavy imported
     assert sys.executable in (tmp_path / "bin" / "python").read_text().splitlines()[0]
+
+
+_SERVED_PROBE = """
+import os, signal, sys, time
+print("out", sys.argv[1:], os.getcwd(), os.environ.get("PROBE"), sys.stdin.readline().strip(), os.getpid(),
+      flush=True)
+print("err", file=sys.stderr, flush=True)
+if sys.argv[1] == "term":  # a handler's status, as a rank that saves on SIGTERM
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+if sys.argv[1] in ("term", "sleep"):
+    time.sleep(60)
+if sys.argv[1] == "self-kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+if sys.argv[1] == "executable":
+    print(sys.executable)
+sys.exit(int(sys.argv[1]) if sys.argv[1].isdigit() else 0)
+"""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split(") ")[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_served_python_runs_forked_with_the_callers_fds_cwd_environment_signals_and_status(tmp_path):
+    """served_python (what a launch's torchrun agent and workers are started with, as PYTHON_EXEC): the forked process
+    reads the caller's stdin and writes its stdout/stderr (pipes here) as they are written, in its cwd with its
+    environment and argv after the interpreter's options; SIGTERM reaches it (its handler's status comes back), a
+    signal that kills it kills the client too, the client's death (SIGKILL) kills it, and a forked launcher whose
+    environment names it as PYTHON_EXEC starts its own children (the agent) with it."""
+    import signal
+    import sys
+
+    from distributed import run_python, served_python
+
+    served = served_python()
+    assert served_python() == served  # one server for the session
+    script = tmp_path / "probe.py"
+    script.write_text(_SERVED_PROBE)
+    (tmp_path / "work").mkdir()
+    env = dict(os.environ, PROBE="served")
+    done = subprocess.run([served, "-u", str(script), "7"], cwd=tmp_path / "work", env=env, input="hello\n",
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 7, done
+    words = done.stdout.split()
+    assert words[:-1] == ["out", "['7']", str(tmp_path / "work"), "served", "hello"] and done.stderr == "err\n", done
+    assert int(words[-1]) != os.getpid()
+    proc = subprocess.Popen([served, str(script), "term"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    proc.stdin.write("x\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline().startswith("out ['term']")  # printed while it runs, not when it ended
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 143
+    proc.communicate()
+    done = subprocess.run([served, str(script), "self-kill"], input="\n", capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done
+    proc = subprocess.Popen([served, str(script), "sleep"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc.stdin.write("x\n")
+    proc.stdin.flush()
+    forked = int(proc.stdout.readline().split()[-1])
+    assert _pid_alive(forked)
+    proc.kill()
+    proc.wait(30)
+    deadline = time.monotonic() + 10
+    while _pid_alive(forked) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _pid_alive(forked), "the forked process outlived its client"
+    proc.stdout.close()
+    chained = run_python(["-c", "import subprocess, sys\n"
+                          f"sys.exit(subprocess.run([sys.executable, {str(script)!r}, 'executable'], input='\\n', "
+                          "text=True).returncode)"], cwd=tmp_path, env=dict(env, PYTHON_EXEC=served))
+    assert chained.returncode == 0 and chained.stdout.splitlines()[-1] == served, chained
+    assert sys.executable != served

@@ -599,12 +599,14 @@ def test_launch_stops_a_script_on_sigterm_as_train_does(tmp_path):
     with socket.socket() as probe:  # a static rendezvous (--master-addr/--master-port) rather than --standalone
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    from distributed import start_python
+    from distributed import served_python, start_python
 
-    # the launcher forked from the test forkserver (a Popen stand-in; its agent and ranks are fresh interpreters)
+    # the launcher forked from the test forkserver (a Popen stand-in), its agent and ranks too (served_python as
+    # torch's PYTHON_EXEC)
     proc = start_python(["-m", "zerotrain.cli", "launch", "--nproc", "2", "--master-addr", "127.0.0.1",
                          "--master-port", str(port), str(script), "--deepspeed_config", str(config), "--out",
-                         str(tmp_path), "--nproc", "3"], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+                         str(tmp_path), "--nproc", "3"], cwd=tmp_path,
+                        env=dict(os.environ, PYTHONPATH=REPO_ROOT, PYTHON_EXEC=served_python()))
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "running").exists() and proc.poll() is None and time.monotonic() < deadline:

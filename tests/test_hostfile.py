@@ -245,10 +245,9 @@ def test_a_hosts_launch_stops_its_printing_ranks_when_its_ssh_channel_closes(tmp
     gets the stop, saves at the same step boundary and writes its file, instead of rank 0 dying of the broken
     pipe at its next progress line (tests/multinode/test_ssh_launch.py failed so under load)."""
     import subprocess
-    import sys
     import time
 
-    from distributed import free_port
+    from distributed import free_port, served_python
     from test_dropin_api import REPO_ROOT, STOPPABLE_SCRIPT
 
     from zerotrain.hostfile import STOP_ON_EOF_ENV
@@ -257,8 +256,11 @@ def test_a_hosts_launch_stops_its_printing_ranks_when_its_ssh_channel_closes(tmp
     (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1,
                                                    "optimizer": {"type": "SGD", "params": {"lr": 0.01}}}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
-    env.update(PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1", **{STOP_ON_EOF_ENV: "1"})
-    proc = subprocess.Popen([sys.executable, "-m", "zerotrain.cli", "launch", "--nproc", "2", "--nnodes", "1",
+    # the launch, its torchrun agent and ranks forked from the test forkserver with these pipes (served_python,
+    # also torch's PYTHON_EXEC), not fresh interpreters
+    served = served_python()
+    env.update(PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1", PYTHON_EXEC=served, **{STOP_ON_EOF_ENV: "1"})
+    proc = subprocess.Popen([served, "-m", "zerotrain.cli", "launch", "--nproc", "2", "--nnodes", "1",
                              "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                              "train.py", "--deepspeed_config", "ds.json", "--out", str(tmp_path), "--nproc", "2"],
                             cwd=tmp_path, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -419,7 +421,7 @@ def test_openmpi_launch_starts_the_ranks_with_mpirun(tmp_path):
     """The fast real case of `--launcher openmpi` (two hosts: tests/multinode/test_openmpi_launch.py, slow):
     `zerotrain launch --launcher openmpi --force_multi` on one host runs the real mpirun, whose two ranks take
     their ranks from Open MPI's variables, the master from the line and .deepspeed_env's variables, and meet."""
-    from distributed import free_port, run_cli
+    from distributed import free_port, run_cli, served_python
     from test_dropin_api import REPO_ROOT
 
     (tmp_path / "hosts").write_text("localhost slots=2\n")
@@ -427,7 +429,8 @@ def test_openmpi_launch_starts_the_ranks_with_mpirun(tmp_path):
     (tmp_path / ".deepspeed_env").write_text("FROM_FILE=forwarded\n")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMPI_", "PMI", "SLURM_"))}
-    env.update(PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
+    # the launcher and the ranks mpirun starts (with the launcher's sys.executable) forked from the test forkserver
+    env.update(PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1", PYTHON_EXEC=served_python(), OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_btl_tcp_if_include="lo",
                OMPI_MCA_oob_tcp_if_include="lo", PATH=mpirun_path(tmp_path / "openmpi-bin", OPENMPI))
     proc = run_cli(["launch", "--launcher", "openmpi", "--force_multi", "--hostfile", "hosts", "--master_addr",
@@ -450,7 +453,7 @@ def test_mpich_launch_starts_the_ranks_with_hydra(tmp_path):
     """The fast real case of `--launcher mpich` (two hosts: tests/multinode/test_mpich_launch.py, slow): the
     real MPICH mpirun (hydra) on one host starts two ranks that take their ranks from PMI_RANK /
     MPI_LOCALRANKID, the world from the line, the master and .deepspeed_env's variables, and meet."""
-    from distributed import free_port, run_cli
+    from distributed import free_port, run_cli, served_python
     from test_dropin_api import REPO_ROOT
 
     (tmp_path / "hosts").write_text("localhost slots=2\n")
@@ -459,7 +462,8 @@ def test_mpich_launch_starts_the_ranks_with_hydra(tmp_path):
     (tmp_path / ".deepspeed_env").write_text("FROM_FILE=forwarded\n")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMPI_", "PMI", "SLURM_"))}
-    env.update(PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1", PATH=hydra_path(tmp_path))
+    # the launcher and the ranks hydra starts (with the launcher's sys.executable) forked from the test forkserver
+    env.update(PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1", PATH=hydra_path(tmp_path), PYTHON_EXEC=served_python())
     proc = run_cli(["launch", "--launcher", "mpich", "--force_multi", "--hostfile", "hosts", "--master_addr",
                     "127.0.0.1", "--master_port", str(free_port()), "--launcher_args=-iface lo",
                     "job.py", str(tmp_path)], cwd=tmp_path, env=env, timeout=120)

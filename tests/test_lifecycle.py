@@ -2,7 +2,9 @@
 
 Every test runs the real `zerotrain train` command (torchrun agent, 2 ranks, gloo) and sends real
 signals. The launcher is forked from the test forkserver (`start_python`/`run_cli`: torch, zerotrain and
-transformers already imported; its agent and ranks are fresh interpreters, as always). The stop step is only
+transformers already imported), and so are its agent and ranks (`served_python` as torch's PYTHON_EXEC: real
+signals forwarded, the same exit statuses) except in the tests of who dies with whom, where they are the
+launcher's own fresh interpreters, as a user's are. The stop step is only
 known once it happened, so each comparison run is launched after the interrupted one, for the same number of
 steps.
 """
@@ -19,17 +21,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import ForkedProcess, run_cli, run_distributed, run_python, start_python
+from distributed import ForkedProcess, run_cli, run_distributed, run_python, served_python, start_python
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH_TIMEOUT = 180
 
 
-def _env() -> dict:
+def _env(served: bool = True) -> dict:
+    """The launch's environment; `served`: its torchrun agent and ranks are forked from the test forkserver as well
+    (served_python as torch's PYTHON_EXEC), for the tests that do not look at the process tree."""
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         env.pop(var, None)
+    if served:
+        env["PYTHON_EXEC"] = served_python()
     return env
 
 
@@ -75,11 +81,11 @@ def _communicate(proc: ForkedProcess) -> tuple[str, str]:
         pytest.fail(f"the launch did not end within {LAUNCH_TIMEOUT}s:\n{out}\n{err[-4000:]}")
 
 
-def _start(cmd: list[str]) -> ForkedProcess:
+def _start(cmd: list[str], served: bool = True) -> ForkedProcess:
     """The launch the test signals or kills: the launcher forked from the test forkserver (`start_python`, a Popen
-    stand-in), not a fresh interpreter."""
+    stand-in), not a fresh interpreter; `served=False`: its agent and ranks are fresh interpreters, its children."""
     assert cmd[:3] == [sys.executable, "-m", "zerotrain.cli"], cmd
-    return start_python(cmd[1:], cwd=os.getcwd(), env=_env())
+    return start_python(cmd[1:], cwd=os.getcwd(), env=_env(served))
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
@@ -241,7 +247,8 @@ def test_a_killed_pipeline_rank_restarts_from_the_latest_checkpoint_and_finishes
     a stage's rank is killed, the agent restarts the pair, the run resumes from `latest`, seeks past the consumed
     batches and ends with the losses and weights of an uninterrupted run of as many steps."""
     crashed, whole, total = tmp_path / "crashed", tmp_path / "whole", 8
-    proc = _start(_pipeline_cmd(crashed, total, "--save-every", "1", "--max-restarts", "3", "--stop-timeout", "15"))
+    proc = _start(_pipeline_cmd(crashed, total, "--save-every", "1", "--max-restarts", "3", "--stop-timeout", "15"),
+                  served=False)  # a rank of its own process tree is killed
     _wait_for_step(proc, crashed / "log", 3)
     out, err = _kill_a_rank_and_wait(proc)
     _assert_the_restart_continued(out, crashed / "log", total)
@@ -256,7 +263,7 @@ def test_a_killed_pipeline_rank_restarts_from_the_latest_checkpoint_and_finishes
 # killing the torchrun agent itself is the rarer case and the one the multi-node fault tests repeat: `slow`
 @pytest.mark.parametrize("victim", ["launcher", pytest.param("agent", marks=pytest.mark.slow)])
 def test_killed_launcher_takes_every_rank_with_it(tmp_path, victim):
-    proc = _start(_train_cmd(tmp_path / "ckpt", tmp_path / "log", 100000, "--save-every", "1"))
+    proc = _start(_train_cmd(tmp_path / "ckpt", tmp_path / "log", 100000, "--save-every", "1"), served=False)
     _wait_for_step(proc, tmp_path / "log", 2)
     family = _descendants(proc.pid)
     assert len(family) >= 3, family  # the agent and two ranks
@@ -284,7 +291,7 @@ def test_killed_rank_restarts_from_the_latest_checkpoint_and_finishes_like_an_un
     # stuck in a collective with its dead peer, --stop-timeout bounds the wait before the agent kills it.
     # Spare restarts absorb a gloo connect that fails on a loaded machine.
     proc = _start(_train_cmd(crashed / "ckpt", crashed / "log", total, "--save-every", "1",
-                             "--max-restarts", "3", "--stop-timeout", "15"))
+                             "--max-restarts", "3", "--stop-timeout", "15"), served=False)
     _wait_for_step(proc, crashed / "log", 4)
     out, err = _kill_a_rank_and_wait(proc)
     # the crashed run's metrics file holds the steps before the crash and, appended, those after the restart
@@ -341,7 +348,7 @@ print("not reached", flush=True)
 
 
 def test_a_second_signal_exits_at_once():
-    done = run_python(["-c", _SECOND_SIGNAL], env=_env(), timeout=60)
+    done = run_python(["-c", _SECOND_SIGNAL], env=_env(served=False), timeout=60)
     assert done.returncode == 128 + signal.SIGTERM, done.stdout + done.stderr
     assert "still running" in done.stdout and "not reached" not in done.stdout
     assert "again: exiting now" in done.stderr

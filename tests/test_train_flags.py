@@ -304,13 +304,13 @@ def test_the_readme_walkthrough_runs_as_written_with_flags_only_and_with_a_deeps
     """The README's first-day commands, as written (zerotrain and python are this checkout's), in a fresh directory
     that has the repository's examples/: the flags-only walkthrough, then the DeepSpeed-config variant. bash runs
     each block; its `zerotrain` and `python` are forked from the test forkserver (`serve_commands`: torch,
-    zerotrain and transformers imported once, not by each of the six commands; the launches' torchrun agents and
-    ranks are fresh interpreters, as always)."""
+    zerotrain and transformers imported once, not by each of the six commands), and so are the launches' torchrun
+    agents and ranks (`served_python`)."""
     import os
     import subprocess
     from pathlib import Path
 
-    from distributed import serve_commands
+    from distributed import serve_commands, served_python
 
     blocks = _readme_blocks()
     assert len(blocks) == 2 and "--config" not in blocks[0] and "--deepspeed" in blocks[1], blocks
@@ -318,7 +318,9 @@ def test_the_readme_walkthrough_runs_as_written_with_flags_only_and_with_a_deeps
     (tmp_path / "examples").symlink_to(root / "examples")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(root)}
+    # the launches' torchrun agents and ranks forked too (served_python as torch's PYTHON_EXEC)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(root),
+           "PYTHON_EXEC": served_python()}
     outputs = []
     with serve_commands(bin_dir, {"zerotrain": ["-m", "zerotrain.cli"], "python": []}):
         for block in blocks:

@@ -1,7 +1,8 @@
 """The command line: `zerotrain train` saves and resumes; `zerotrain ckpt inspect|verify|export`.
 
 Every command runs as a process of its own (`python -m zerotrain.cli` forked from the test helpers'
-forkserver, `run_cli`: its own cwd, environment, output and exit status without importing torch again;
+forkserver, `run_cli`: its own cwd, environment, output and exit status without importing torch again; a
+launch's torchrun agent and ranks too, `served_python`;
 the piped commands as real shell pipelines), as a user would run it.
 One module-scoped fixture trains the tiny GPT three times at world size 2 (ZeRO stage 3):
 6 steps uninterrupted; 4 steps saving every step asynchronously with keep_last 2; then a
@@ -24,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from distributed import run_cli
+from distributed import run_cli, served_python
 
 REPO = Path(__file__).resolve().parents[2]
 CORPUS_BYTES = "3000"  # 91 blocks of 32 tokens: 11 micro-batches per rank and epoch
@@ -35,7 +36,8 @@ ODD_WARNINGS = ("unknown top-level key 'cuda_visible_devices' is ignored",
 
 
 def zerotrain(*args: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1",
+    # the launcher, its torchrun agent and ranks forked from the test forkserver (served_python as torch's PYTHON_EXEC)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON_EXEC=served_python(),
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from distributed import free_port, run_cli
+from distributed import free_port, run_cli, served_python
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = ["def add(a, b): return a + b", "Return the sum of two numbers.", "Open a file for reading.",
@@ -32,7 +32,8 @@ def test_train_export_load_in_sentence_transformers(tmp_path):
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps({"query": f"how do I {t}?", "positive": f"Use the library to {t}.",
                                         "negatives": [f"A note on topic {i}."]}) + "\n" for i, t in enumerate(topics)))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    # the launcher, its torchrun agent and ranks forked from the test forkserver (served_python as torch's PYTHON_EXEC)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHON_EXEC=served_python())
     # through the elastic (c10d) rendezvous, as on several nodes (docs/multinode.md): here one node of 2 ranks
     nodes = ["--nnodes", "1:1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
     run = run_cli(["train-embedding", *nodes, "--model", str(minilm), "--data", str(data), "--nproc", "2", "--stage", "3",

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distributed import run_cli, start_python
+from distributed import run_cli, served_python, start_python
 from zerotrain.embedding.data import DataPosition
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +44,7 @@ def _model_dir(tmp_path: Path) -> Path:
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHON_EXEC=served_python())
     run = run_cli(["train-embedding", *argv], cwd=os.getcwd(), env=env, timeout=240)  # its own process
     assert run.returncode == 0, run.stdout + run.stderr
     return run
@@ -53,10 +53,11 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
 def _stopped_by_sigterm(argv: list[str], log_dir: Path, after: int) -> tuple[subprocess.CompletedProcess, int]:
     """`zerotrain train-embedding argv` (its own launcher and ranks) sent SIGTERM once step `after` is in its
     metrics; the launch's output and the step it stopped after."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHON_EXEC=served_python())
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         env.pop(var, None)
-    # the launcher forked from the test forkserver (a Popen stand-in: torch and transformers already imported)
+    # the launcher forked from the test forkserver (a Popen stand-in: torch and transformers already imported), its
+    # torchrun agent and ranks too (served_python as torch's PYTHON_EXEC)
     proc = start_python(["-m", "zerotrain.cli", "train-embedding", *argv], cwd=os.getcwd(), env=env)
     deadline = time.monotonic() + 240
     while not ((log_dir / "metrics.jsonl").exists() and len(_records(log_dir)) >= after):
@@ -234,7 +235,7 @@ def test_bad_inputs_are_one_line_checked_before_the_save_directory_is_claimed(tm
     small = tmp_path / "small.jsonl"  # 3 pairs: no global batch of 2 ranks x 4 queries
     small.write_text("".join(json.dumps({"query": f"q{i}", "positive": f"p{i}", "negatives": [f"n{i}"]}) + "\n"
                              for i in range(3)))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHON_EXEC=served_python())
     save = tmp_path / "ck"
     run = run_cli(["train-embedding", "--model", str(model), "--data", str(small), "--nproc", "2", "--micro-batch", "4",
                    "--steps", "2", "--save-dir", str(save)], cwd=os.getcwd(), env=env, timeout=240)
