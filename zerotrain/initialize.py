@@ -197,6 +197,9 @@ def initialize(model: torch.nn.Module = None, config: Union[dict, str, os.PathLi
     cfg = load_config(cfg, dp_world_size=world // (tp_size * sp_size))
     if tp_size > 1:  # before any process group: a model that cannot be split fails fast
         tensor_parallel_plan = resolve_plan(model, tp_size, tensor_parallel_plan)
+        # ZeRO shards over a stage's world / tp ranks (Topology's dp_size). Checked before the groups exist: a
+        # rank that refused after creating them could exit while a slower peer still connects (gloo: "closed by peer").
+        check_init_partitions(model, world // tp_size)
     check_sequence_parallel(model, sp_size, tp_size)
     if under_torchrun() and os.environ.get("ZEROTRAIN_DIE_WITH_PARENT", "1") != "0":
         die_with_parent()  # an orphaned rank must not train on into the directory a restart resumes from
@@ -204,7 +207,6 @@ def initialize(model: torch.nn.Module = None, config: Union[dict, str, os.PathLi
                               same_host_transport=cfg.comm_same_host_transport, sp_size=sp_size, pp_size=pp_size)
     plan = prepare_pipeline(model, cfg, topology) if isinstance(model, PipelineModule) else None
     if tp_size > 1:
-        check_init_partitions(model, topology.dp_size)
         # Layers built under zero.Init are gathered one at a time to be sliced (the slices are plain tensors
         # again, which the engine partitions over the data-parallel group like any other parameter).
         apply_tensor_parallel(model, tensor_parallel_plan, tensor_parallel_comm(topology), whole=GatheredParameters)

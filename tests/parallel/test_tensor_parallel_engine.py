@@ -150,13 +150,19 @@ def initialize_plain_sequential() -> list[str]:
               "zero_optimization": {"stage": 3}}
     with zerotrain.zero.Init():  # not given the config: partitioned over both ranks, not the grid's one
         model = gpt()
+    from torch.distributed.distributed_c10d import _world
+
     messages = []
     for model in (torch.nn.Sequential(torch.nn.Linear(2, 2)), model):
+        groups = _world.group_count
         try:
             zerotrain.initialize(model=model, config=config)
             messages.append("no error")
         except ValueError as error:
             messages.append(str(error))
+        # refused before any process group is made: a rank that refused after making them could exit while its
+        # peer still connects to them (gloo's "Connection closed by peer" on the peer, seen under load)
+        assert _world.group_count == groups, (messages[-1], groups, _world.group_count)
     return messages
 
 
