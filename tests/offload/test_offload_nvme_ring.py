@@ -467,7 +467,7 @@ def _slot_run(tmp_path, name: str, dtype: torch.dtype, spill: bool, slow_spill: 
     out = {"losses": losses, "norms": norms, "weights": engine.full_state_dict(), "stats": engine.offload_stats(),
            "slots": set(opt.spill.slots) if opt.spill is not None else set(), "buckets": len(opt.buckets),
            "chunks": len(opt.records.chunks), "shard_numels": [b.shard_numel for b in opt.buckets],
-           "first_pass": opt.takes_norm_first_pass()}
+           "first_pass": opt.takes_norm_first_pass(), "gather": engine.work_stats()["gather"]}
     if spill and not first_pass:  # the model used between backward and step: one clear line, not the gradient read as weights
         engine.backward(_loss(engine(ids), targets))
         with pytest.raises(RuntimeError, match=r"extent holds its gradient.*engine.step\(\)"):
@@ -539,3 +539,10 @@ def test_gradients_spilled_into_the_parameters_own_extents_equal_torch_and_take_
         assert run["stats"]["norm_first_passes"] == 4 and run["stats"]["norm_pass_mismatches"] == 0, run["stats"]
         assert run["stats"]["nvme_spill_bytes"] == 0 and not run["slots"]
     assert bf16_first["stats"]["nvme_bytes_written"] == held["stats"]["nvme_bytes_written"]
+    # stage 3's fetch record holds both passes: every step follows it (no mismatch), and prefetch stays within the
+    # one request ahead it keeps in a single backward
+    for run in (fp32_first, bf16_first):
+        assert run["gather"]["order_mismatches"] == 0 == held["gather"]["order_mismatches"], run["gather"]
+        assert run["gather"]["peak_prefetch_inflight_numel"] <= held["gather"]["peak_prefetch_inflight_numel"] and \
+            run["gather"]["peak_live_inflight_numel"] <= held["gather"]["peak_live_inflight_numel"], \
+            (run["gather"], held["gather"])

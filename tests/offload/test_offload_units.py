@@ -452,6 +452,8 @@ def test_a_graph_that_cannot_be_backpropagated_twice_names_the_key_that_spills_i
     engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=config)
     try:
         assert engine.zero_optimizer.takes_norm_first_pass()
+        stats = engine.offload_stats()  # nothing counted before a step
+        assert stats["norm_first_passes"] == stats["norm_pass_mismatches"] == stats["grad_host_peak_bytes"] == 0
         _OnceOnly.calls = 0
         loss = _OnceOnly.apply(engine(torch.randn(2, 8))).square().sum()
         with pytest.raises(RuntimeError, match=r"^the model's backward cannot run twice over one graph .*second time"
