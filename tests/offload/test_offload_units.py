@@ -425,6 +425,8 @@ class _OnceOnly(torch.autograd.Function):
     torch's own error."""
 
     calls = 0
+    error = ("Trying to backward through the graph a second time (or directly access saved tensors after they "
+             "have already been freed).")
 
     @staticmethod
     def forward(ctx, x):
@@ -434,8 +436,7 @@ class _OnceOnly(torch.autograd.Function):
     def backward(ctx, grad):
         _OnceOnly.calls += 1
         if _OnceOnly.calls > 1:
-            raise RuntimeError("Trying to backward through the graph a second time (or directly access saved "
-                               "tensors after they have already been freed).")
+            raise RuntimeError(_OnceOnly.error)
         return grad * 2
 
 
@@ -460,5 +461,10 @@ def test_a_graph_that_cannot_be_backpropagated_twice_names_the_key_that_spills_i
                                                r".*set zero_optimization.offload_optimizer.norm_first_pass: false"):
             engine.backward(loss)
         assert _OnceOnly.calls == 2
+        # any other error of the second pass is the model's own: raised as it is
+        _OnceOnly.calls, _OnceOnly.error = 0, "the model's own error"
+        loss = _OnceOnly.apply(engine(torch.randn(2, 8))).square().sum()
+        with pytest.raises(RuntimeError, match=r"^the model's own error$"):
+            engine.backward(loss)
     finally:
         engine.close()
