@@ -30,8 +30,9 @@ reduce / optimizer step) as `DIR/scale_{model}_{size}b_memory_timeline_rank{R}.p
 
 With `--defaults` the config sets no size key and no activation checkpointing (what a new user runs, issue
 #27): rank 0 prints the memory budget and the sizes it chose, and the table gives peak RSS / budget per rank.
-It keeps DeepSpeed's defaults, `gradient_clipping` 1.0 included (issue #43: the NVMe optimizer then spills the
-gradient shards to disk during backward; the table gives the host bytes held for gradients, counted by the
+It keeps DeepSpeed's defaults, `gradient_clipping` 1.0 included (issue #43: the engine then takes the norm from a
+first backward and streams the clipped step in a second; with `--spill` the NVMe optimizer spills the gradient
+shards to disk during backward instead; the table gives the host bytes held for gradients, counted by the
 optimizer, and the spill file's bytes). `--no-clip` runs the same with `gradient_clipping: 0` (the gradients
 streamed into the step) as its own named row; `--compare-no-clip` runs both rows, one after the other, and
 prints the clipped row's step time and peaks over the no-clip row's.
@@ -284,6 +285,8 @@ def engine_config(spec: dict) -> dict:
         zero = {"stage": 3, "offload_param": dict(nvme), "offload_optimizer": dict(nvme)}
         if spec.get("optimizer_device") == "cpu":  # plain CPU offload: masters and Adam moments in host memory
             zero["offload_optimizer"] = {"device": "cpu"}
+        elif spec.get("spill"):  # clipping by the gradient spill, not the norm from a first backward (#43)
+            zero["offload_optimizer"]["norm_first_pass"] = False
         if spec.get("budget"):
             zero["memory_budget_bytes"] = int(spec["budget"])
         for key, value in (spec.get("resolved") or {}).items():  # the sizes the run chose (for the estimate)
@@ -534,7 +537,7 @@ def print_prediction(args, layers: int, width: int, params: int) -> int:
             "micro": args.micro, "steps": args.steps, "bucket": args.bucket, "cache": args.cache,
             "inner": _llama_inner(width), "nvme_dir": os.path.join(args.nvme_path, "unused"), "out_dir": "",
             "defaults": args.defaults, "bf16_records": args.bf16_records, "no_clip": args.no_clip,
-            "optimizer_device": args.optimizer_device}
+            "optimizer_device": args.optimizer_device, "spill": args.spill}
     predicted = predict(spec)  # with --defaults: the size keys at DeepSpeed's values (the budget is not run)
     print(f"{args.model} {layers}x{width}: {params / 1e9:.3f}B parameters; zerotrain estimate per rank: host RSS "
           f"{predicted['rss'] / 2**30:.2f} GiB (+ the runtime), NVMe files {predicted['nvme'] / 1e9:.2f} GB "
@@ -623,6 +626,8 @@ def row_name(spec: dict) -> str:
     if not spec.get("defaults"):
         return "tuned (activation checkpointing, size keys set, no clipping)"
     row = "defaults, no clipping (--no-clip)" if spec.get("no_clip") else "defaults (gradient_clipping 1.0)"
+    if spec.get("spill") and not spec.get("no_clip"):
+        row += ", gradients spilled (--spill)"
     if spec.get("optimizer_device") == "cpu":
         row += ", optimizer on CPU" + (" with bf16 masters and moments" if spec.get("bf16_records") else "")
     elif spec.get("bf16_records"):
@@ -697,6 +702,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "memory, bf16 ones with --bf16-records; the parameters stay on NVMe)")
     parser.add_argument("--no-clip", action="store_true",
                         help="with --defaults: gradient_clipping 0 (the no-clip row; else DeepSpeed's default 1.0)")
+    parser.add_argument("--spill", action="store_true",
+                        help="with --defaults: offload_optimizer.norm_first_pass false (clipping spills the gradients "
+                             "to disk instead of taking the norm from a first backward)")
     parser.add_argument("--compare-no-clip", action="store_true",
                         help="with --defaults: run the clipped row, then the no-clip row, and compare them")
     parser.add_argument("--json", default=None)
@@ -754,7 +762,7 @@ def run_row(args, layers: int, width: int, params: int, no_clip: bool) -> tuple[
             "steps": args.steps, "bucket": args.bucket, "cache": args.cache, "inner": _llama_inner(width),
             "nvme_dir": os.path.join(work, "swap"), "out_dir": work, "defaults": args.defaults,
             "budget": args.budget, "bf16_records": args.bf16_records, "no_clip": no_clip,
-            "optimizer_device": args.optimizer_device}
+            "optimizer_device": args.optimizer_device, "spill": args.spill}
     os.makedirs(spec["nvme_dir"])
     print(f"{args.model} {layers}x{width}: {params / 1e9:.3f}B parameters; writes up to {need / 1e9:.1f} GB, "
           f"{free / 1e9:.1f} GB free; files under {work}", flush=True)

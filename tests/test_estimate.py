@@ -29,10 +29,13 @@ CASES = [
     (3, None, "cpu", "bf16"), (2, ("nvme", 1.0), None, "bf16 records"), (3, ("cpu", 1.0), None, "bf16 records"),
     (3, None, "nvme", "bf16"),
     (3, ("nvme", 1.0), "nvme", "fp32"),  # without clipping the NVMe step streams each gradient shard: none held
-    # clipping on (the default 1.0): each bf16 gradient shard spilled to the swap directory, none held (#43)
+    # clipping on (the default 1.0) with the parameters on NVMe: the norm from a first backward, then the step
+    # streamed in a second; no gradient held or spilled (#43)
     (3, ("nvme", 1.0), "nvme", "bf16"),
+    # clipping on, the parameters in host memory: each bf16 gradient shard spilled to the swap directory (#43)
+    (3, ("nvme", 1.0), "cpu", "bf16"),
 ]
-STREAMED, SPILLED = CASES[-2], CASES[-1]
+STREAMED, FIRST_PASS, SPILLED = CASES[-3], CASES[-2], CASES[-1]
 
 
 def _config(stage: int, offload, offload_param, precision: str, nvme_path: str = "") -> dict:
@@ -86,6 +89,8 @@ def engine_memory_per_case(nvme_path: str) -> list[dict]:
         report = engine.memory_report()
         report["buffers"] = sum(b.numel() * b.element_size() for b in engine.module.buffers())
         report["nvme_files"] = _swap_file_bytes(nvme_path)
+        report["first_pass"] = engine.zero_optimizer.takes_norm_first_pass()
+        report["spill_bytes"] = engine.offload_stats().get("nvme_spill_bytes", 0)
         report.pop("comm")
         engine.close()
         parsed = load_config(config, dp_world_size=2)
@@ -93,7 +98,8 @@ def engine_memory_per_case(nvme_path: str) -> list[dict]:
         predicted = estimate_option(model_shape(meta), parsed, 2, Option(case[0], case[1][0] if case[1] else "none",
                                                                            case[2] or "none"),
                                     probe_optimizer(parsed.optimizer), device_type="cpu")
-        out.append({"case": case, "report": report, "estimate": predicted.rows, "nvme_files": predicted.nvme_files})
+        out.append({"case": case, "report": report, "estimate": predicted.rows, "nvme_files": predicted.nvme_files,
+                    "notes": predicted.notes})
     out.append(sequence_parallel_case())
     out += parallel_and_zeropp_cases()
     return out
@@ -243,7 +249,11 @@ def test_estimate_equals_the_engines_memory_report_at_world_2(tmp_path):
             where = f"rank {rank}, case {case}"
             assert report["parameters"] == rows["parameters"]["device"], where
             assert report["gradients"] == rows["gradients"]["device"] + rows["loco_errors"]["device"], where
-            streamed = case in (STREAMED, SPILLED)
+            streamed = case in (STREAMED, FIRST_PASS, SPILLED)
+            assert report.get("first_pass", False) == (case == FIRST_PASS), where  # the engine's choice, the estimate's
+            assert any("norm from a first backward" in note for note in entry.get("notes", ())) == \
+                (case == FIRST_PASS), where
+            assert (report.get("spill_bytes", 0) > 0) == (case == SPILLED), where  # no spill file then
             assert report["loco_errors"] == rows["loco_errors"]["device"], where
             assert (rows["gradients"]["device"] == 0) if streamed else (rows["gradients"]["device"] > 0), where
             assert report["optimizer_states"] == rows["master_weights"]["device"] + \

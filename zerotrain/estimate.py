@@ -363,6 +363,12 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
         reduces = [(padded // ranks(p), ranks(p), not p.expert) for p, padded in parts]  # qgZ: one per parameter
         if _streams_gradients(config, option):  # each final shard is stepped during backward and freed
             memory.notes.append("NVMe optimizer streams gradients: no gradient shard is held after backward")
+        elif _takes_norm_first(config, option):  # clipping: the norm from a first backward, then streamed
+            reread = sum(round_up(max(padded // ranks(p) * d, 1)) for p, padded in all_parts if not persistent(p)) \
+                if option.offload_param == "nvme" else 0
+            memory.notes.append(f"NVMe optimizer takes the clip's norm from a first backward, then streams the step "
+                                f"in a second: no gradient shard is held or spilled; the first pass reads the NVMe "
+                                f"parameter shards once more, up to {reread / 1e9:.2f} GB per rank per step")
         elif _spills_gradients(config, option):  # clipping: each final shard written to disk and freed
             memory.notes.append("NVMe optimizer spills gradients to disk for clipping: no gradient shard is held "
                                 "after backward (the spill file and its two staging buffers are counted)")
@@ -442,7 +448,8 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
         if narrow:  # the fp32 working copy of one narrow record (NvmeRecords.widen)
             memory.add("host_io_buffers", "host", (1 + optimizer.per_element // 4) * chunk * 4)
         memory.nvme_files += _nvme_optimizer_file(host_shards, chunk, optimizer, master_bytes, state_bytes)
-        if option.stage == 3 and _spills_gradients(config, option):  # offload.nvme_records.GradientSpill
+        if option.stage == 3 and _spills_gradients(config, option) and not _takes_norm_first(config, option):
+            # offload.nvme_records.GradientSpill
             pieces = [-(-s // chunk) for s in host_shards]  # equal chunks per shard, as NvmeRecords cuts them
             per = [round_up(-(-s // n), 1024) for s, n in zip(host_shards, pieces)]
             # a shard in the NVMe parameter file spills into its own extent: only the others take spill-file bytes
@@ -486,6 +493,14 @@ def _spills_gradients(config, option: Option) -> bool:
     return (option.stage == 3 and option.offload_optimizer == "nvme"
             and not config.zero_optimization.zero_quantized_gradients
             and spills_gradients(config, Stage3GradReducer.can_free_final_shards))
+
+
+def _takes_norm_first(config, option: Option) -> bool:
+    """The engine's rule (`offload.nvme.takes_norm_first`): where it would spill, the norm from a first backward
+    instead ("auto": with the parameters on NVMe too; `offload_optimizer.norm_first_pass`)."""
+    from .offload.nvme import takes_norm_first
+
+    return _spills_gradients(config, option) and takes_norm_first(config, True, option.offload_param == "nvme")
 
 
 def _wire(cols: int, bits: int) -> int:

@@ -190,7 +190,7 @@ def streamed(nvme_path: str) -> list:
     out = []
     for case in ("streamed", "held", "failed", "bf16 streamed", "bf16 held", "clipped spilled", "clipped held",
                  "bf16 clipped spilled", "bf16 clipped held", "clipped failed", "cpu narrow", "cpu wide",
-                 "bf16 clipped failed"):
+                 "bf16 clipped failed", "bf16 clipped first pass", "clipped first pass", "first pass failed"):
         if case.endswith("held"):
             factory.streams_gradients = lambda config, reducer: False
             factory.spills_gradients = lambda config, reducer: False
@@ -207,27 +207,36 @@ def streamed(nvme_path: str) -> list:
             config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         if case.startswith("bf16"):  # streamed, the reduced bf16 shards go to the step uncast (grads.py)
             config["bf16"] = {"enabled": True}
+        if case.startswith("bf16") or "first pass" in case:
             # and the shards on NVMe too: the background step hands the new weights to the main thread's store
             config["zero_optimization"].update(stage3_param_persistence_threshold=0, offload_param={
                 "device": "nvme", "nvme_path": os.path.join(nvme_path, case.replace(" ", "_") + "_params"),
                 "buffer_count": 2, "max_in_cpu": 0})
+        if case in ("bf16 clipped spilled", "bf16 clipped failed"):  # the spill, not the norm from a first pass
+            config["zero_optimization"]["offload_optimizer"]["norm_first_pass"] = False
+        if case == "first pass failed":
+            config["gradient_clipping"] = 1.0
         engine, *_ = zerotrain.initialize(model=model, model_parameters=param_groups(model), config=config)
         factory.streams_gradients, factory.spills_gradients = real, real_spill
         parts.narrows_gradients = real_narrow
-        held, losses, norms, raised = [], [], [], []
+        held, losses, norms, raised, reads = [], [], [], [], []
         original = engine._take_model_step
         engine._take_model_step = lambda: (held.append(engine.reducer._gradient_bytes()), original())[1]
         for step, batch in enumerate(world_batches(2, steps=3)):
             x, y = micro_slice(batch, 0, rank, world, 4)
             if case.startswith(("bf16", "cpu")):
                 x, y = x.bfloat16(), y.bfloat16()
+            store_reads = (lambda: engine.param_store.io.bytes_read) if engine.param_store is not None else int
             for attempt in range(2):
                 loss = engine(x, y)
+                read_before_backward = store_reads()
                 if case.endswith("failed") and step == 1 and attempt == 0:  # the writes run in backward
                     # clipped: the second gradient spilled fails, alone (the records' writes succeed)
                     spill = {engine.zero_optimizer.spill.fd} if case == "clipped failed" else None
                     if case == "bf16 clipped failed":  # a gradient spilled into its parameter's extent fails
                         spill = {engine.zero_optimizer.buckets[0].shard_extent().fd}
+                    if case == "first pass failed":  # a record's write in the second pass (the store's succeed)
+                        spill = {engine.zero_optimizer.records.fd}
                     restore = _failing_io(aio, "_pwrite", 2, errno.EIO, only_fds=spill, once=spill is not None) \
                         if rank == 0 else (lambda: None)
                     try:
@@ -246,6 +255,7 @@ def streamed(nvme_path: str) -> list:
                 break
             losses.append(float(loss.detach()))
             norms.append(engine.get_global_grad_norm())
+            reads.append(store_reads() - read_before_backward)  # the parameter store's reads in backward
         out.append({"losses": losses, "norms": norms, "held": held[-3:], "weights": engine.full_state_dict(),
                     "streams": getattr(engine.zero_optimizer, "stream_gradients", False), "raised": raised,
                     "spills": getattr(engine.zero_optimizer, "spill_gradients", False),
@@ -257,7 +267,10 @@ def streamed(nvme_path: str) -> list:
                                                                                       None) else 0,
                     "stream_budget": getattr(engine.zero_optimizer, "_stream_budget", 0),
                     "shard_bytes": 4 * sum(b.shard_numel for b in engine.zero_optimizer.buckets),
-                    "stats": engine.offload_stats(),
+                    "stats": engine.offload_stats(), "param_reads": reads,
+                    "records_io": (engine.zero_optimizer.records.io.bytes_read,
+                                   engine.zero_optimizer.records.io.bytes_written) if case[:3] != "cpu" else None,
+                    "first_pass": engine.zero_optimizer.takes_norm_first_pass(),
                     "param_store": engine.memory_report().get("offload_param")})
         engine.zero_optimizer.close()
     return out
@@ -269,7 +282,35 @@ def test_gradients_streamed_to_the_nvme_step_during_backward_change_nothing_but_
     _, ref_weights = reference_training(world_batches(2, steps=3))
     results = run_distributed(streamed, 2, str(tmp_path), timeout=120)
     for on, off, failed, bf16_on, bf16_off, spilled, held, bf16_spilled, bf16_held, spill_failed, narrow, wide, \
-            slot_failed in results:
+            slot_failed, bf16_first, first, first_failed in results:
+        # clipping with the parameters on NVMe ("auto"): the norm from a first backward over the retained graph,
+        # the step streamed in the second with the clip fixed; the same bits as holding the gradients (bf16, fp32)
+        # and as torch's clip_grad_norm_ + AdamW (fp32, below); the clip acts on steps 0 and 2, not on 1
+        assert bf16_first["first_pass"] and first["first_pass"] and not bf16_spilled["first_pass"]
+        assert not any(run["first_pass"] for run in (on, held, spilled, bf16_held))
+        assert min(first["norms"]) < 1.0 < max(first["norms"]), first["norms"]
+        for run, ref_run in ((bf16_first, bf16_held), (first, held), (first_failed, held)):
+            assert run["losses"] == ref_run["losses"] and run["norms"] == ref_run["norms"]
+            for name, ref in ref_run["weights"].items():
+                assert torch.equal(run["weights"][name], ref), name
+            assert run["stats"]["norm_first_passes"] == len(run["losses"]) + len(run["raised"])
+            assert run["stats"]["norm_pass_mismatches"] == 0  # both passes' gradients the same, bit for bit
+        assert set(first["weights"]) == (set(ref_weights) if first is results[0][14] else set())
+        for name, weight in first["weights"].items():
+            torch.testing.assert_close(weight, ref_weights[name], rtol=1e-5, atol=1e-6, msg=name)
+        # a record's write failing on rank 0 in the second pass: every rank raises at step(), the batch again
+        assert first_failed["raised"] and "failed on rank(s) [0]" in first_failed["raised"][0], first_failed["raised"]
+        # no gradient on disk or held: no spill bytes, the records written as without clipping, the handed-over
+        # bound as streaming's; the parameter store reads in backward at most twice the no-clip run's (one more
+        # backward's reads; fewer once the recorded order keeps the parameters the second pass starts with), and
+        # exactly twice at step 0 (nothing recorded yet)
+        assert bf16_first["stats"]["nvme_spill_bytes"] == 0 and bf16_first["slots"] == 0
+        assert bf16_first["records_io"][1] == bf16_on["records_io"][1]
+        assert bf16_first["held"] == [0, 0, 0]
+        assert bf16_first["stats"]["grad_host_peak_bytes"] == bf16_on["stats"]["grad_host_peak_bytes"]
+        assert bf16_first["param_reads"][0] == 2 * bf16_on["param_reads"][0] > 0, bf16_first["param_reads"]
+        assert all(b <= f <= 2 * b for f, b in zip(bf16_first["param_reads"], bf16_on["param_reads"])), \
+            (bf16_first["param_reads"], bf16_on["param_reads"])
         # plain CPU offload, bf16, clipping: the shards kept in bf16 and cast as the kernel reads them, the same
         # bits as the fp32 copies, at half their bytes (plus one fp32 scratch of the largest shard)
         assert narrow["narrow"] and not wide["narrow"]
@@ -367,11 +408,14 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 CLIP_AT = 8.0
 
 
-def _slot_run(tmp_path, name: str, dtype: torch.dtype, spill: bool, slow_spill: bool = False):
+def _slot_run(tmp_path, name: str, dtype: torch.dtype, spill: bool, slow_spill: bool = False,
+              first_pass: bool = False):
     """World 1, stage 3, parameters and optimizer on NVMe, clipping: `_TiedCheckpointed` in chunks of at most 4096
     elements. Its losses, norms, weights. `slow_spill`: each step's spill writes wait until `step()` has taken
     the shards not spilled yet (a disk slower than the backward), so the step gets every shard but the first
-    from memory (three record buffers: the hand-over bound holds all three shards)."""
+    from memory (three record buffers: the hand-over bound holds all three shards). `first_pass`: the default
+    here ("auto": the norm from a first backward, then the clipped step streamed in the second); `spill`: the
+    spill (`norm_first_pass: false`); neither: the gradients held until step()."""
     import zerotrain
     import zerotrain.offload.nvme as factory
     import zerotrain.offload.nvme_records as nvme_records
@@ -386,9 +430,11 @@ def _slot_run(tmp_path, name: str, dtype: torch.dtype, spill: bool, slow_spill: 
                                                           "buffer_count": 3 if slow_spill else 2},
                                     "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / (name + "_p")),
                                                       "buffer_count": 2, "max_in_cpu": 0}}}
+    if spill and not first_pass:
+        config["zero_optimization"]["offload_optimizer"]["norm_first_pass"] = False
     real_spill, real_chunk = factory.spills_gradients, nvme_records.DEFAULT_CHUNK_NUMEL
     nvme_records.DEFAULT_CHUNK_NUMEL = 4096
-    if not spill:
+    if not spill and not first_pass:
         factory.spills_gradients = lambda config, frees: False
     try:
         engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -420,8 +466,9 @@ def _slot_run(tmp_path, name: str, dtype: torch.dtype, spill: bool, slow_spill: 
     release.set()  # from here on the spill writes go at once
     out = {"losses": losses, "norms": norms, "weights": engine.full_state_dict(), "stats": engine.offload_stats(),
            "slots": set(opt.spill.slots) if opt.spill is not None else set(), "buckets": len(opt.buckets),
-           "chunks": len(opt.records.chunks), "shard_numels": [b.shard_numel for b in opt.buckets]}
-    if spill:  # the model used between backward and step: one clear line, not the gradient read as weights
+           "chunks": len(opt.records.chunks), "shard_numels": [b.shard_numel for b in opt.buckets],
+           "first_pass": opt.takes_norm_first_pass(), "gather": engine.work_stats()["gather"]}
+    if spill and not first_pass:  # the model used between backward and step: one clear line, not the gradient read as weights
         engine.backward(_loss(engine(ids), targets))
         with pytest.raises(RuntimeError, match=r"extent holds its gradient.*engine.step\(\)"):
             engine(ids)
@@ -476,3 +523,26 @@ def test_gradients_spilled_into_the_parameters_own_extents_equal_torch_and_take_
     assert slow["stats"]["nvme_bytes_written"] - held["stats"]["nvme_bytes_written"] == \
         4 * extents - slow["stats"]["nvme_spill_skipped_bytes"]
     assert slow["stats"]["nvme_bytes_read"] < spilled["stats"]["nvme_bytes_read"], (slow["stats"], spilled["stats"])
+    # the norm from a first backward over the retained graph (the default with the parameters on NVMe: "auto"),
+    # through the reentrant checkpoint's recompute and the tied head: fp32 equals torch, bf16 the held gradients
+    # bit for bit (the same terms in both passes), and no gradient byte is written anywhere (the held run's bytes)
+    fp32_first = _slot_run(tmp_path, "fp32_first", torch.float32, spill=False, first_pass=True)
+    bf16_first = _slot_run(tmp_path, "bf16_first", torch.bfloat16, spill=False, first_pass=True)
+    assert fp32_first["first_pass"] and bf16_first["first_pass"] and not (held["first_pass"] or spilled["first_pass"])
+    assert fp32_first["losses"] == fp32["losses"] and fp32_first["norms"] == fp32["norms"]
+    for name, value in fp32["weights"].items():
+        assert torch.equal(fp32_first["weights"][name], value), name
+    assert bf16_first["losses"] == held["losses"] and bf16_first["norms"] == held["norms"]
+    for name, value in held["weights"].items():
+        assert torch.equal(bf16_first["weights"][name], value), name
+    for run in (fp32_first, bf16_first):
+        assert run["stats"]["norm_first_passes"] == 4 and run["stats"]["norm_pass_mismatches"] == 0, run["stats"]
+        assert run["stats"]["nvme_spill_bytes"] == 0 and not run["slots"]
+    assert bf16_first["stats"]["nvme_bytes_written"] == held["stats"]["nvme_bytes_written"]
+    # stage 3's fetch record holds both passes: every step follows it (no mismatch), and prefetch stays within the
+    # one request ahead it keeps in a single backward
+    for run in (fp32_first, bf16_first):
+        assert run["gather"]["order_mismatches"] == 0 == held["gather"]["order_mismatches"], run["gather"]
+        assert run["gather"]["peak_prefetch_inflight_numel"] <= held["gather"]["peak_prefetch_inflight_numel"] and \
+            run["gather"]["peak_live_inflight_numel"] <= held["gather"]["peak_live_inflight_numel"], \
+            (run["gather"], held["gather"])

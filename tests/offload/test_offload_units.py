@@ -376,3 +376,95 @@ def test_build_param_store_builds_what_offload_param_asks_for(tmp_path):
         assert isinstance(store, NvmeParamStore) and store.directory.startswith(str(tmp_path))
     finally:
         store.close()
+
+
+def test_the_norm_from_a_first_pass_is_chosen_by_its_rule_and_a_true_that_cannot_apply_is_refused(tmp_path,
+                                                                                                   world_of_one):
+    """`offload_optimizer.norm_first_pass`: "auto" (unset) takes the norm from a first backward where clipping
+    would spill and the parameters are on NVMe too; true also where they are not; false spills; where the spill
+    itself would not apply (no clipping, accumulation) nothing changes, and a true there is refused at
+    initialize, naming the key (as is a true with the optimizer off NVMe, by the config)."""
+    import zerotrain
+    from zerotrain.config import ConfigError, load_config
+    from zerotrain.offload.nvme import FirstPass, takes_norm_first
+
+    def config(key=None, params="nvme", clip=1.0, accumulation=1, device="nvme"):
+        optimizer = {"device": device, "nvme_path": str(tmp_path)} if device == "nvme" else {"device": device}
+        if key is not None:
+            optimizer["norm_first_pass"] = key
+        return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": accumulation,
+                "gradient_clipping": clip, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                "zero_optimization": {
+                    "stage": 3, "offload_optimizer": optimizer,
+                    "offload_param": {"device": params, "nvme_path": str(tmp_path)}}}
+
+    def rule(**kwargs):
+        parsed = load_config(config(**kwargs))
+        return takes_norm_first(parsed, True, parsed.zero_optimization.offload_param.device == "nvme")
+
+    assert rule() and rule(key="auto") and not rule(params="cpu") and rule(params="cpu", key=True)
+    assert not rule(key=False) and not rule(clip=0.0) and not rule(accumulation=2)
+    assert not rule(key=True, accumulation=2)  # (the engine refuses this one, below)
+    with pytest.raises(ConfigError, match=r"offload_optimizer.norm_first_pass: true needs device 'nvme'"):
+        load_config(config(key=True, device="cpu"))
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ConfigError, match=r"^zero_optimization.offload_optimizer.norm_first_pass: true needs .*"
+                                          r"gradient_accumulation_steps 2\)$"):
+        zerotrain.initialize(model=model, model_parameters=model.parameters(),
+                             config=config(key=True, accumulation=2, params="none"))
+    # the second pass's terms are compared with the first's, bit for bit (a difference is counted)
+    terms = {0: [torch.tensor(2.0, dtype=torch.float64)], 1: []}
+    first = FirstPass(1.0, 0.5, terms)
+    assert first.same_terms({0: [torch.tensor(2.0, dtype=torch.float64)], 1: []})
+    assert not first.same_terms({0: [torch.tensor(2.0 + 1e-15, dtype=torch.float64)], 1: []})
+    assert not first.same_terms({0: terms[0]}) and not first.same_terms({0: terms[0] * 2, 1: []})
+
+
+class _OnceOnly(torch.autograd.Function):
+    """Doubles its input; like a node whose saved buffers are freed by its first backward, the second raises
+    torch's own error."""
+
+    calls = 0
+    error = ("Trying to backward through the graph a second time (or directly access saved tensors after they "
+             "have already been freed).")
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        _OnceOnly.calls += 1
+        if _OnceOnly.calls > 1:
+            raise RuntimeError(_OnceOnly.error)
+        return grad * 2
+
+
+def test_a_graph_that_cannot_be_backpropagated_twice_names_the_key_that_spills_instead(tmp_path, world_of_one):
+    import zerotrain
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "o")},
+                                    "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "p")}}}
+    engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=config)
+    try:
+        assert engine.zero_optimizer.takes_norm_first_pass()
+        stats = engine.offload_stats()  # nothing counted before a step
+        assert stats["norm_first_passes"] == stats["norm_pass_mismatches"] == stats["grad_host_peak_bytes"] == 0
+        _OnceOnly.calls = 0
+        loss = _OnceOnly.apply(engine(torch.randn(2, 8))).square().sum()
+        with pytest.raises(RuntimeError, match=r"^the model's backward cannot run twice over one graph .*second time"
+                                               r".*set zero_optimization.offload_optimizer.norm_first_pass: false"):
+            engine.backward(loss)
+        assert _OnceOnly.calls == 2
+        # any other error of the second pass is the model's own: raised as it is
+        _OnceOnly.calls, _OnceOnly.error = 0, "the model's own error"
+        loss = _OnceOnly.apply(engine(torch.randn(2, 8))).square().sum()
+        with pytest.raises(RuntimeError, match=r"^the model's own error$"):
+            engine.backward(loss)
+    finally:
+        engine.close()

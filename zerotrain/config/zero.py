@@ -57,12 +57,21 @@ class OffloadOptimizerConfig(_Offload):
     # overflowed (a clipped step is predicted to be followed by another, whose speculation would be
     # rolled back); "always" speculates every step (and rolls back whenever it must).
     super_offload_speculation: SpeculationPolicy = "adaptive"
+    # zerotrain's own: with clipping, take the global gradient norm from a first backward over the retained
+    # graph, then stream the clipped step during a second one (`offload.nvme.takes_norm_first`). "auto" (None,
+    # the default): where the parameters are on NVMe too; false: spill the gradients to disk instead.
+    norm_first_pass: Optional[Bool] = None
+
+    AUTO_MEANS_UNSET = frozenset({"norm_first_pass"})
 
     @model_validator(mode="after")
     def _super_offload_needs_cpu(self):
         if self.super_offload and self.device != "cpu":
             raise ConfigError(f"{self.key_path('super_offload')}: needs device 'cpu' (device is '{self.device}')",
                               key=self.key_path("super_offload"))
+        if self.norm_first_pass and self.device != "nvme":
+            raise ConfigError(f"{self.key_path('norm_first_pass')}: true needs device 'nvme' (device is "
+                              f"'{self.device}')", key=self.key_path("norm_first_pass"))
         return self
 
 

@@ -91,17 +91,43 @@ class EngineCore:
         parts.zero_optimizer.refuse_training("engine.backward()")  # forward-only: NoOptimizerError
         scale = parts.loss_scaler.scale / (self.gradient_accumulation_steps() if scale_wrt_gas else 1)
         scaled = loss * scale if scale != 1.0 else loss
+        # inside no_sync() (stages 0-1) gradients stay local until the next backward outside it
+        boundary = self.is_gradient_accumulation_boundary() and not self._inside_no_sync
         with self.timers("bwd"):
             parts.zero_optimizer.before_model_use()
-            # inside no_sync() (stages 0-1) gradients stay local until the next backward outside it
-            parts.reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
+            norm_first = boundary and parts.zero_optimizer.takes_norm_first_pass()
+            if norm_first:
+                self._norm_pass(scaled)
+            parts.reducer.begin_backward(boundary=boundary)
             with self.timers("bwd_inner"):
-                scaled.backward(retain_graph=retain_graph)
+                try:
+                    scaled.backward(retain_graph=retain_graph)
+                except RuntimeError as error:
+                    if norm_first and "second time" in str(error):
+                        raise RuntimeError(
+                            "the model's backward cannot run twice over one graph (its second pass failed: "
+                            f"{str(error).splitlines()[0]}); set zero_optimization.offload_optimizer."
+                            "norm_first_pass: false to spill the gradients to disk for clipping instead") from error
+                    raise
             with self.timers("bwd_allreduce"):  # the reductions still in flight after autograd
                 parts.reducer.end_backward()
             parts.weights.end_micro_step()
         self._backward_done = True
         return loss
+
+    def _norm_pass(self, scaled: torch.Tensor) -> None:
+        """The first of a boundary's two backwards (`MasterOptimizer.takes_norm_first_pass`: NVMe offload with
+        clipping): over the graph retained for the second, the buckets reduced as usual, each final shard only
+        summed into the global norm and dropped; the norm fixes the clip of the step the second pass streams."""
+        parts = self.parts
+        parts.zero_optimizer.begin_norm_pass()
+        parts.reducer.begin_backward(boundary=True)
+        with self.timers("bwd_inner"):
+            scaled.backward(retain_graph=True)
+        with self.timers("bwd_allreduce"):
+            parts.reducer.end_backward()
+        parts.reducer.zero()
+        parts.zero_optimizer.end_norm_pass(parts.loss_scaler.scale)
 
     @contextlib.contextmanager
     def external_backward(self, micro_steps: int = 1):

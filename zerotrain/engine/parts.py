@@ -267,10 +267,12 @@ def _master_optimizer(buckets: list, config: ZeroTrainConfig, topology: Topology
     common = dict(ratio=float(offload.ratio), pin_memory=bool(offload.pin_memory), reducer=reducer,
                   gradients=gradients)
     if offload.device == "nvme":
+        frees = reducer.can_free_final_shards
         return nvme_offload.NvmeOffloadOptimizer(buckets, comm, torch_optimizer, groups, config.gradient_clipping,
                                     nvme_path=offload.nvme_path, buffer_count=int(offload.buffer_count),
-                                    aio=config.aio, stream_gradients=nvme_offload.streams_gradients(config, reducer.can_free_final_shards),
-                                    spill_gradients=nvme_offload.spills_gradients(config, reducer.can_free_final_shards),
+                                    aio=config.aio, stream_gradients=nvme_offload.streams_gradients(config, frees),
+                                    spill_gradients=nvme_offload.spills_gradients(config, frees),
+                                    norm_first_pass=_norm_first_pass(config, frees),
                                     **nvme_offload.record_dtypes(config), **common)
     if offload.super_offload:
         # `fences`: waited on by SuperOffload's in-place steps during backward
@@ -280,6 +282,20 @@ def _master_optimizer(buckets: list, config: ZeroTrainConfig, topology: Topology
     return OffloadOptimizer(buckets, comm, torch_optimizer, groups, config.gradient_clipping,
                             narrow_gradients=narrows_gradients(config, reducer.can_free_final_shards),
                             **nvme_offload.record_dtypes(config), **common)
+
+
+def _norm_first_pass(config: ZeroTrainConfig, frees_final_shards: bool) -> bool:
+    """`offload.nvme.takes_norm_first` for this run; `offload_optimizer.norm_first_pass: true` where it cannot
+    apply is refused, naming the key and what it needs."""
+    zero = config.zero_optimization
+    on_nvme = zero.offload_param is not None and zero.offload_param.device == "nvme"
+    if zero.offload_optimizer.norm_first_pass and not nvme_offload.spills_gradients(config, frees_final_shards):
+        key = "zero_optimization.offload_optimizer.norm_first_pass"
+        raise ConfigError(f"{key}: true needs ZeRO stage 3 with the exact gradient reduce, gradient_clipping > 0, "
+                          f"gradient_accumulation_steps 1, no fp16 or bf16.check_grad_overflow and offload_optimizer "
+                          f"ratio 1 (here: stage {zero.stage}, gradient_clipping {config.gradient_clipping}, "
+                          f"gradient_accumulation_steps {config.gradient_accumulation_steps})", key=key)
+    return nvme_offload.takes_norm_first(config, frees_final_shards, on_nvme)
 
 
 def _scheduler(config: ZeroTrainConfig, optimizer: torch.optim.Optimizer, lr_scheduler: Any):

@@ -54,6 +54,23 @@ thread has not started when `step()` comes (at most `_stream_budget` elements, a
 the norm does not wait for their writes). Why a spill rather than speculation or a first pass: see `GradientSpill`. Host memory for gradients (`grad_host_peak_bytes`): the handed-over shards not
 yet written (bounded by `_stream_budget`, as streaming's) plus the spill's staging; held, every offloaded shard.
 
+The norm from a first pass (`norm_first_pass`, chosen by `takes_norm_first`: where the spill would be used and the
+parameters are on NVMe too, or `offload_optimizer.norm_first_pass: true`): the engine runs each step's backward
+twice over one retained graph (`MasterOptimizer.takes_norm_first_pass`, `engine.core`). In the first pass the
+reducer reduce-scatters every bucket as usual and each final shard only adds its squares (fp64, on the step thread)
+to the norm and is freed: nothing is stepped, spilled or written. `end_norm_pass` reduces the global norm, which
+fixes the clip's multiplier; the second pass is then exactly the streamed step above with that multiplier (each
+final shard stepped during backward, overlapped with it as without clipping). The cost is one more backward: its
+compute, one more reduce-scatter, and one more read of the parameter shards it gathers (2 B/param in bf16; fewer
+where the recorded order keeps a parameter gathered from the first pass into the second), against the spill's write
+and read of the gradient (2 B/param each way) and a step that waits for backward to end. Exact where backward is
+deterministic (CPU, gloo): the second pass's gradients are the first's bit for bit, which `step()` checks from the
+norm terms (`norm_pass_mismatches` counts steps where they differ, e.g. CUDA's atomics in an embedding's backward:
+the clip is then the first pass's norm applied to the second pass's gradients, and the reported norm the first's).
+A model whose graph cannot be backpropagated twice fails in the second pass with one line naming the key to set
+(`norm_first_pass: false`: the spill). Stage 3's fetch record simply holds both passes' requests (the same every
+step), so prefetch and reads ahead follow them, from the first pass's end into the second's start.
+
 The streamed steps run on one background thread (`_worker`), in the order the gradients came: the main
 thread hands each final shard over and goes on with backward, so the waits on record reads, the CPU
 Adam kernel (ctypes: the GIL is released) and the writes behind overlap the backward's compute and
@@ -88,7 +105,8 @@ from .nvme_records import DEFAULT_CHUNK_NUMEL, Chunk, GradientSpill, NvmeRecords
 from .nvme_stream import NvmeStream
 from .partial import SubsetStepper
 
-__all__ = ["NvmeOffloadOptimizer", "DEFAULT_CHUNK_NUMEL", "streams_gradients", "spills_gradients", "record_dtypes"]
+__all__ = ["NvmeOffloadOptimizer", "DEFAULT_CHUNK_NUMEL", "streams_gradients", "spills_gradients", "takes_norm_first",
+           "record_dtypes"]
 
 
 def record_dtypes(config) -> dict[str, Optional[torch.dtype]]:
@@ -126,6 +144,20 @@ def spills_gradients(config, frees_final_shards: bool) -> bool:
             and frees_final_shards)
 
 
+def takes_norm_first(config, frees_final_shards: bool, params_on_nvme: bool) -> bool:
+    """Whether NVMe offload takes the clip's global norm from a first backward (over the retained graph) and then
+    streams the clipped step during a second one, instead of spilling the gradients (`spills_gradients`' case):
+    `offload_optimizer.norm_first_pass` true, or "auto" (unset) where the parameters are on NVMe too
+    (`params_on_nvme`): there the step is bound by the disk, and the second backward costs one more read of the
+    parameter shards (2 B/param in bf16) against the spill's write and read of the gradient plus a step that
+    waits for the norm after backward. false: the spill."""
+    offload = config.zero_optimization.offload_optimizer
+    wanted = offload.norm_first_pass if offload is not None else None
+    if wanted is False or not spills_gradients(config, frees_final_shards):
+        return False
+    return bool(wanted) or params_on_nvme
+
+
 class NvmeOffloadOptimizer(OffloadOptimizer):
     """Offload whose fp32 masters and optimizer states live on disk; see the module docstring.
 
@@ -136,7 +168,7 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
 
     def __init__(self, *args, nvme_path: str, buffer_count: int = 4, aio=None,
                  chunk_numel: Optional[int] = None, direct: Optional[bool] = None, spare: Optional[int] = None,
-                 stream_gradients: bool = False, spill_gradients: bool = False,
+                 stream_gradients: bool = False, spill_gradients: bool = False, norm_first_pass: bool = False,
                  master_dtype: torch.dtype = torch.float32,
                  state_dtype: Optional[torch.dtype] = None, **kwargs):
         kwargs["host_grads"] = False  # gradients go to the host chunk by chunk, through the buffers
@@ -156,7 +188,14 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         self.stream = NvmeStream(self.records)
         # clipping on: final gradient shards spilled to disk during backward, read back by the step (see
         # `nvme_records.GradientSpill` for why a spill rather than speculation or a first pass for the norm)
-        self.spill_gradients = bool(spill_gradients) and self.reducer is not None and not self.stream_gradients
+        # clipping on, the norm from a first backward (`takes_norm_first`): no spill; the second backward streams
+        self.norm_first = bool(norm_first_pass) and self.reducer is not None and not self.stream_gradients
+        self._norm_terms: Optional[dict[int, list[torch.Tensor]]] = None  # the first pass's, while it runs
+        self._first_pass: Optional[FirstPass] = None  # its norm and clip, from its end to step()
+        if self.norm_first:
+            self.reducer.free_final_shards()
+        self.spill_gradients = bool(spill_gradients) and self.reducer is not None and not self.stream_gradients \
+            and not self.norm_first
         self.spill: Optional[GradientSpill] = None
         if self.spill_gradients:
             try:
@@ -172,7 +211,7 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         self.stats.update(nvme_bytes_read=0, nvme_bytes_written=0, nvme_failed_steps=0, nvme_restored_chunks=0,
                           direct_io=int(self.records.io.direct), nvme_file_bytes=self.records.disk_bytes(),
                           nvme_early_commits=0, nvme_resumed_chunks=0, grad_host_peak_bytes=0, grad_kept_in_memory=0,
-                          nvme_spill_skipped_bytes=0,
+                          nvme_spill_skipped_bytes=0, norm_first_passes=0, norm_pass_mismatches=0,
                           nvme_spill_bytes=self.spill.file_bytes if self.spill is not None else 0)
         self._published: set[int] = set()  # buckets whose model shards the last update() already wrote
         self._staging: dict[int, torch.Tensor] = {}  # offload_param buckets: new shard values, chunk by chunk
@@ -317,14 +356,20 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         """With `stream_gradients`, bucket `index`'s final gradient shard is stepped at once (its records
         read, updated and written behind) and the reducer frees it: host memory never holds the gradients of
         the whole model. The step still commits only in `step()`, after every rank's I/O is known."""
-        if not ((self.stream_gradients or self.spill_gradients) and self.offloaded[index]):
+        if not ((self.stream_gradients or self.spill_gradients or self.norm_first) and self.offloaded[index]):
             return super()._on_shard_ready(index)
         grad = self.reducer.grad_shards[index]
         if grad is None:
             return
+        if self._norm_terms is not None:  # the first of two passes: the norm's terms only
+            self._hand_over(grad)
+            self._queued.append((self._worker.submit(self._norm_bucket, index, grad), grad.numel()))
+            return
         state = self._streamed
         if state is None:
             state = self._streamed = StreamedStep(self.records)
+            if self._first_pass is not None:  # the second pass: each bucket stepped with the clip already known
+                state.multiplier = self._first_pass.multiplier
             self._published.clear()
             self._store_written.clear()
             try:
@@ -332,17 +377,7 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
             except BaseException as caught:  # noqa: BLE001 - raised on every rank by step()
                 state.error = caught
         state.order.append(index)
-        self._write_published()
-        while self._queued and sum(numel for _, numel in self._queued) + grad.numel() > self._stream_budget:
-            self._queued.popleft()[0].result()  # the oldest hand-over done: its gradient is freed
-            self._write_published()
-        # the gradients host memory holds for the step: the handed-over shards not done yet, this one, and
-        # the spill's staging (`grad_host_peak_bytes`; without streaming or a spill: every offloaded shard)
-        held = (sum(numel for _, numel in self._queued) + grad.numel()) * grad.element_size() + \
-            (self.spill.host_bytes() if self.spill is not None else 0)
-        self.stats["grad_host_peak_bytes"] = max(self.stats["grad_host_peak_bytes"], held)
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerotrain-nvme-step")
+        self._hand_over(grad)
         if self.spill_gradients:
             if index in self.spill.slots:  # the gradient goes into the parameter's own extent (GradientSpill)
                 self.buckets[index].lend_shard_extent()
@@ -354,6 +389,44 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         if self.buckets[index].offloaded and self._chunks_of.get(index):
             self._stage(index)
         self._queued.append((self._worker.submit(self._stream_bucket, index, grad, state), grad.numel()))
+
+    def _hand_over(self, grad: torch.Tensor) -> None:
+        """Main thread, before handing `grad` to the step thread: the staged weights it finished go to their stores,
+        and at most `_stream_budget` elements of handed-over gradients wait (the oldest are waited for)."""
+        self._write_published()
+        while self._queued and sum(numel for _, numel in self._queued) + grad.numel() > self._stream_budget:
+            self._queued.popleft()[0].result()  # the oldest hand-over done: its gradient is freed
+            self._write_published()
+        # the gradients host memory holds for the step: the handed-over shards not done yet, this one, and
+        # the spill's staging (`grad_host_peak_bytes`; without streaming or a spill: every offloaded shard)
+        held = (sum(numel for _, numel in self._queued) + grad.numel()) * grad.element_size() + \
+            (self.spill.host_bytes() if self.spill is not None else 0)
+        self.stats["grad_host_peak_bytes"] = max(self.stats["grad_host_peak_bytes"], held)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerotrain-nvme-step")
+
+    def _norm_bucket(self, index: int, grad: torch.Tensor) -> None:
+        """Background thread, first pass: the norm's terms of bucket `index`'s final gradient shard (then freed)."""
+        self._norm_terms[index] = self.gradients.bucket_terms(index, grad)
+
+    # --- the norm from a first pass (`takes_norm_first`) -------------------------------------
+    def takes_norm_first_pass(self) -> bool:
+        """MasterOptimizer: with clipping, each boundary backward runs twice (`norm_first`; see the module docstring)."""
+        return self.norm_first
+
+    def begin_norm_pass(self) -> None:
+        """The first pass begins: every final shard from now on only adds its terms to the norm (on the step
+        thread, as the streamed steps sum theirs) and is freed; nothing is stepped, spilled or written."""
+        self._settle_streamed()
+        self._norm_terms, self._first_pass = {}, None
+
+    def end_norm_pass(self, loss_scale: float) -> None:
+        """The first pass is over: the global norm (one all-reduce), hence the clip's multiplier, fixed for the
+        step that the second pass streams bucket by bucket (`_on_shard_ready`)."""
+        self._settle_streamed()
+        terms, self._norm_terms = self._norm_terms or {}, None
+        norm = self.gradients.norm([_NO_GRADIENT] * len(self.buckets), terms) / loss_scale
+        self._first_pass = FirstPass(norm, self.multiplier(norm, loss_scale), terms)
 
     def _spill_bucket(self, index: int, grad: torch.Tensor, state: "StreamedStep") -> None:
         """Background thread: the norm's terms of bucket `index`'s final gradient shard, and the shard written
@@ -380,7 +453,7 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
             if state.error is not None:
                 return
             chunks = self._chunks_of.get(index, [])
-            self._step_chunks(chunks, {index: grad}, 1.0, state, keep_tail=False)
+            self._step_chunks(chunks, {index: grad}, state.multiplier, state, keep_tail=False)
             # read ahead the records of the buckets that came next in the last streamed step (first step:
             # backward's usual order, the reverse of the buckets'), while the backward computes them
             position = self._last_order.get(index)
@@ -439,6 +512,7 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         kept = self._keep_unspilled() if self._streamed is not None and self.spill_gradients else {}
         self._settle_streamed()
         state, self._streamed = self._streamed, None
+        first, self._first_pass = self._first_pass, None
         if kept:  # the last shards handed over, not spilled: stepped from memory
             grad_shards = [kept.get(index, grad) for index, grad in enumerate(grad_shards)]
         if state is None:
@@ -449,11 +523,19 @@ class NvmeOffloadOptimizer(OffloadOptimizer):
         self._last_order = {bucket: position for position, bucket in enumerate(state.order)}
         # the streamed buckets' shards are gone: their squares were summed as they came (same order, same sum)
         present = [g if g is not None else _NO_GRADIENT for g in grad_shards]
-        norm = self.gradients.norm(present, state.terms) / loss_scale
+        if first is not None:  # the norm of the first pass, whose clip the second pass stepped with
+            norm, multiplier = first.norm, first.multiplier
+            self.stats["norm_first_passes"] += 1
+            # the second pass's terms: the same bits where backward is deterministic (CPU, gloo); counted, not used
+            if not first.same_terms(state.terms):
+                self.stats["norm_pass_mismatches"] += 1
+        else:
+            norm = self.gradients.norm(present, state.terms) / loss_scale
+            multiplier = self.multiplier(norm, loss_scale)
         self.last_grad_norm = norm
         self.shards_written = set()
         try:  # spilled: the step reads each chunk's gradient back with its record, clipped by the norm's multiplier
-            self._update(grad_shards, self.multiplier(norm, loss_scale), range(len(self.buckets)), state)
+            self._update(grad_shards, multiplier, range(len(self.buckets)), state)
         finally:
             if self.spill is not None:  # the next step's gradients are spilled again (a retry reruns backward)
                 self.spill.ready.clear()
@@ -703,6 +785,7 @@ class StreamedStep:
         self.terms: dict[int, list[torch.Tensor]] = {}
         self.order: list[int] = []  # the buckets in the order their gradients came
         self.error: Optional[BaseException] = None
+        self.multiplier = 1.0  # what the streamed buckets' gradients are multiplied by (the first pass's clip)
 
     def wait_writes(self, quietly: bool = False) -> None:
         """Wait for every write still in flight; the first failure is raised (unless `quietly`)."""
@@ -714,6 +797,19 @@ class StreamedStep:
                 first = first or error
         if first is not None and not quietly:
             raise first
+
+
+class FirstPass:
+    """The first of two backwards (`takes_norm_first`): the global norm, the clip's multiplier, this rank's terms."""
+
+    def __init__(self, norm: float, multiplier: float, terms: dict[int, list[torch.Tensor]]):
+        self.norm, self.multiplier, self.terms = norm, multiplier, terms
+
+    def same_terms(self, terms: dict[int, list[torch.Tensor]]) -> bool:
+        """Whether the second pass's terms (`terms`) equal the first's, bit for bit."""
+        return terms.keys() == self.terms.keys() and all(
+            len(terms[i]) == len(mine) and all(torch.equal(a, b) for a, b in zip(terms[i], mine))
+            for i, mine in self.terms.items())
 
 
 def comm_rank(optimizer) -> int:

@@ -424,7 +424,12 @@ class GradientSpill:
     small for a chunk's aligned read) get extents in a spill file beside the records. Accumulation > 1, fp16
     and the bf16 overflow check do not spill (`nvme.spills_gradients`: the gradients are held).
 
-    Why a spill and not speculation or a first pass: the clip acts on most steps early in training (every
+    Where the parameters are on NVMe too the default is no longer the spill but the norm from a first pass
+    (`nvme.takes_norm_first`, `offload_optimizer.norm_first_pass` "auto"): the disk-bound step then keeps its
+    overlap with backward at the cost of one more backward's parameter reads (benchmarks/RESULTS_scale.md, "The
+    norm from a first pass"); the spill remains for the other runs and for `norm_first_pass: false`.
+
+    Why a spill and not speculation or a first pass (as first weighed): the clip acts on most steps early in training (every
     step of our 2.4B/7B runs), so SuperOffload's speculate-then-validate would redo nearly every step and
     needs the gradients kept for the redo anyway, and its rollback needs the old records, which the ring
     of spares keeps only for small models; a first pass for the norm doubles the forward and backward. Weighed

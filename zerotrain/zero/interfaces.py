@@ -177,6 +177,20 @@ class MasterOptimizer(Protocol):
     def before_model_use(self) -> None:
         """Called before the model is used again (super_offload undoes speculative weights); nothing by default."""
 
+    def takes_norm_first_pass(self) -> bool:
+        """Whether each accumulation-boundary backward runs twice over the retained graph: a first pass whose
+        reduced shards only give the global gradient norm (`begin_norm_pass` / `end_norm_pass`), then the one that
+        steps with the clip fixed (NVMe offload with clipping, `offload.nvme.takes_norm_first`); False by default."""
+        return False
+
+    def begin_norm_pass(self) -> None:
+        """The first pass's shards, reported final from now on, only add their squares to the norm; nothing by
+        default."""
+
+    def end_norm_pass(self, loss_scale: float) -> None:
+        """After the first pass: the global norm (collective) and with it the clip of the step; nothing by
+        default."""
+
     def memory_split(self) -> Optional[dict[str, int]]:
         """Bytes of masters and states by place (device, host, nvme, host buffers); None when not offloaded."""
         return None
