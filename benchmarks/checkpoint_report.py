@@ -27,7 +27,7 @@ def launch(engine: str, phase: str, world: int, args, root: Path) -> dict:
     """Run one phase of one engine in `world` fresh processes; rank 0's result."""
     port, procs, outs = _free_port(), [], []
     spec_args = {k: getattr(args, k, None) for k in ("model", "batch", "seq_len", "warmup", "repeats", "verify_on_load",
-                                                     "no_async")}
+                                                     "no_async", "load_warmup")}
     repo = str(Path(__file__).resolve().parent.parent)
     if engine == "zto":  # the same benchmark, importing zerotrain from the other checkout
         repo = os.path.abspath(args.old_code)
@@ -108,17 +108,20 @@ def print_table(results: dict, args) -> None:
                      if "async_wait_s" in r else ""))
 
 
-def print_load_rounds(rounds: dict, what: str = "cold loads") -> None:
-    """The interleaved cold loads (or durable saves): every round's seconds, the median, and zerotrain's median
-    over this one's (below 1: zerotrain is faster)."""
+def print_load_rounds(rounds: dict, what: str = "cold loads", dd_seconds: float | None = None) -> None:
+    """The interleaved cold loads (or durable saves): every round's seconds, the median and the spread (min-max),
+    zerotrain's median over this one's (below 1: zerotrain is faster) and, given `dd_seconds` (dd's time for the
+    same bytes on the same disk: its write for saves, its cold read for loads), this median over dd's."""
     import statistics
     zt = statistics.median(rounds["zt"]) if rounds.get("zt") else None
     print(f"\n{what} in fresh processes, engines interleaved round by round\n")
-    print(f"| engine | {what.split()[-1]} s (round order) | median s | zerotrain / this |")
-    print("|---|---|---|---|")
+    dd = " this / dd |" if dd_seconds else ""
+    print(f"| engine | {what.split()[-1]} s (round order) | median s | spread s (min-max) | zerotrain / this |{dd}")
+    print("|---|---|---|---|---|" + ("---|" if dd_seconds else ""))
     for engine, label in ENGINES.items():
         if engine not in rounds:
             continue
         median = statistics.median(rounds[engine])
+        ratio = f" {median / dd_seconds:.2f} |" if dd_seconds else ""
         print(f"| {label} | {', '.join('%.3f' % s for s in rounds[engine])} | {median:.3f} | "
-              f"{_fmt(zt / median if zt else None)} |")
+              f"{min(rounds[engine]):.3f}-{max(rounds[engine]):.3f} | {_fmt(zt / median if zt else None)} |{ratio}")

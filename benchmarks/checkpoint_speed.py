@@ -328,10 +328,11 @@ class DeepSpeedJob(Job):
 
 
 def _load_round(job: Job) -> dict:
-    """A fresh job trains `warmup` steps, then one cold load of `sync0` (the load-rounds phase)."""
+    """A fresh job trains `load_warmup` steps (default `warmup`; 0: a resume at start-up, the optimizer without
+    state), then one cold load of `sync0` (the load-rounds phase)."""
     import torch.distributed as dist
-    batches = _batches(job.args.warmup, job.args.batch, job.args.seq_len, job.vocab, job.rank)
-    for x, y in batches:
+    warmup = job.args.warmup if job.args.load_warmup is None else job.args.load_warmup
+    for x, y in _batches(warmup, job.args.batch, job.args.seq_len, job.vocab, job.rank):
         job.train_step(x, y)
     if job.rank == 0:
         _drop_cache(job.root / "sync0")
@@ -472,7 +473,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--engines", default="zt,ztp,dcp,ds", help="comma list of " + ", ".join(ENGINES))
-    parser.add_argument("--model", default="70m", help="zerotrain GPT preset")
+    parser.add_argument("--model", "--size", dest="model", default="70m",
+                        help="zerotrain GPT preset, or " + ", ".join(BENCH_PRESETS) + " (with dd's times beside)")
     parser.add_argument("--batch", type=int, default=2, help="micro-batch per rank")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=1, help="training steps before anything is timed")
@@ -484,6 +486,9 @@ def main(argv=None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints and logs")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per phase")
+    parser.add_argument("--load-warmup", type=int, default=None,
+                        help="training steps before each load round's load (default --warmup; 0: a resume at "
+                             "start-up, before the first step: no optimizer state yet)")
     parser.add_argument("--load-rounds", type=int, default=0,
                         help="rounds of cold loads in fresh processes, engines interleaved (medians reported)")
     parser.add_argument("--load-only", action="store_true",
@@ -602,10 +607,15 @@ def main(argv=None) -> int:
         print(f"\ndd on the same disk, {disk['bytes'] / 1e9:.2f} GB (the checkpoint's size, one stream, 16 MiB blocks): "
               f"write O_DIRECT + fsync {disk['write_s']:.2f}s ({disk['bytes'] / 1e9 / disk['write_s']:.2f} GB/s), "
               f"cold read O_DIRECT {disk['read_s']:.2f}s ({disk['bytes'] / 1e9 / disk['read_s']:.2f} GB/s)")
+        for engine, result in results.items():  # the main phase's best save and load beside dd's (#50: <= 1.2x)
+            if result.get("status") == "ok":
+                save = result["save_s"] + result.get("fsync_s", 0.0)
+                print(f"  {engine}: durable save {save:.2f}s = {save / disk['write_s']:.2f}x dd's write, cold load "
+                      f"{result['load_s']:.2f}s = {result['load_s'] / disk['read_s']:.2f}x dd's read")
     if save_rounds:
-        print_load_rounds(save_rounds, "durable saves")
+        print_load_rounds(save_rounds, "durable saves", disk.get("write_s"))
     if rounds:
-        print_load_rounds(rounds)
+        print_load_rounds(rounds, dd_seconds=disk.get("read_s"))
     print(f"\nload average {' '.join('%.2f' % x for x in os.getloadavg())} at the end. The #21 load target is judged "
           "on a quiet machine (nothing else running), with:\n  " + FINAL_RUN)
     if args.json:

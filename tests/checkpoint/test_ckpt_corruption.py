@@ -1,4 +1,6 @@
-"""A damaged checkpoint is refused with an error naming the file or tensor, and nothing is loaded."""
+"""A damaged checkpoint is refused with an error naming the file or tensor, and nothing is loaded: into a trained
+engine (its optimizer states written in place after the verdict) or a fresh one (a resume before the first step:
+the states read straight into new tensors with their crc32, dropped when the verdict refuses)."""
 from __future__ import annotations
 
 import json
@@ -76,26 +78,44 @@ def save_then_try_damaged(root: str) -> dict:
     engine = make_engine(stage=2)
     train(engine, 0, 2)
     good = engine.save_checkpoint(os.path.join(root, "saved"), tag="good")
+    saved = (engine.full_state_dict(), optimizer_state(engine))
     train(engine, 2, 1)  # the engine moves on: a load that touched anything would show
-    before = (engine.full_state_dict(), {k: v.clone() for k, v in engine.module.state_dict().items()},
-              optimizer_state(engine), engine.global_steps, engine.get_lr())
+    # a resume before the first step (nothing trained: the optimizer has no state yet), the same damage
+    fresh = make_engine(stage=2, seed=5)
     targets = damage(root, good) if int(os.environ["RANK"]) == 0 else None
     holder = [targets]
     dist.broadcast_object_list(holder, src=0)
-    errors = {}
-    for case, (load_dir, tag) in holder[0].items():
-        try:
-            engine.load_checkpoint(load_dir, tag=tag)
-            errors[case] = None
-        except CheckpointError as error:
-            errors[case] = str(error)
-    after = (engine.full_state_dict(), dict(engine.module.state_dict()), optimizer_state(engine),
-             engine.global_steps, engine.get_lr())
-    same = _same(before, after)
-    # And the intact checkpoint still loads.
-    engine.load_checkpoint(os.path.join(root, "saved"))
-    return {"errors": errors, "unchanged": same, "steps_after_good_load": engine.global_steps,
-            "deleted_file": _file_of(good, "fc2.weight/exp_avg", "optimizer")}
+    out = {"deleted_file": _file_of(good, "fc2.weight/exp_avg", "optimizer")}
+    for who, subject in (("trained", engine), ("fresh", fresh)):
+        before = (subject.full_state_dict(), {k: v.clone() for k, v in subject.module.state_dict().items()},
+                  optimizer_state(subject), subject.global_steps, subject.get_lr())
+        errors = {}
+        for case, (load_dir, tag) in holder[0].items():
+            try:
+                subject.load_checkpoint(load_dir, tag=tag)
+                errors[case] = None
+            except CheckpointError as error:
+                errors[case] = str(error)
+        after = (subject.full_state_dict(), dict(subject.module.state_dict()), optimizer_state(subject),
+                 subject.global_steps, subject.get_lr())
+        out[who] = {"errors": errors, "unchanged": _same(before, after),
+                    "no_state": all(not state for state in after[2]), "direct": _direct_reads(subject, good)}
+        # And the intact checkpoint still loads, exactly.
+        subject.load_checkpoint(os.path.join(root, "saved"))
+        out[who]["steps_after_good_load"] = subject.global_steps
+        out[who]["exact"] = _same(saved, (subject.full_state_dict(), optimizer_state(subject)))
+    return out
+
+
+def _direct_reads(engine, path: str) -> tuple[int, int]:
+    """(reads planned straight into fresh state tensors with their crc32, state reads left for after the verdict)
+    of a load of `path` into `engine` as it is now."""
+    from zerotrain.checkpoint import load
+
+    source, _ = load.open_checked(path, True, False)
+    plan = load.prepare(engine.checkpoint_state(), source, set(), True, False)
+    plan.files.close()
+    return len(plan.direct), sum(len(reads) for slot in plan.slots for reads in (slot.states or {}).values())
 
 
 def _same(a, b) -> bool:
@@ -109,7 +129,15 @@ def _same(a, b) -> bool:
 
 
 def test_damaged_checkpoints_are_refused_and_nothing_is_loaded(tmp_path):
-    results = run_distributed(save_then_try_damaged, 2, str(tmp_path))
+    outcomes = run_distributed(save_then_try_damaged, 2, str(tmp_path))
+    # the trained engine's states exist: written in place after the verdict; the fresh engine's are read
+    # straight into new tensors with their crc32 (none left for after the verdict), and dropped when refused
+    for rank, outcome in enumerate(outcomes):
+        assert outcome["trained"]["direct"][0] == 0 and outcome["trained"]["direct"][1] > 0, outcome["trained"]
+        assert outcome["fresh"]["direct"][0] > 0 and outcome["fresh"]["direct"][1] == 0, outcome["fresh"]
+        assert outcome["fresh"]["no_state"], f"rank {rank}: a refused load left optimizer state in a fresh engine"
+    results = [dict(outcome[who], deleted_file=outcome["deleted_file"]) for who in ("trained", "fresh")
+               for outcome in outcomes]
     expected = {
         "no_manifest": "has no manifest.json",
         "truncated": "the manifest records",
@@ -120,9 +148,9 @@ def test_damaged_checkpoints_are_refused_and_nothing_is_loaded(tmp_path):
         "latest_names_missing_dir": "names 'global_step999'",
         "deleted_file": "file is missing",
     }
-    for rank, result in enumerate(results):
-        assert result["unchanged"], f"rank {rank}: a failed load changed the engine"
-        assert result["steps_after_good_load"] == 2
+    for rank, result in enumerate(results):  # trained rank 0, 1, then fresh rank 0, 1
+        assert result["unchanged"], f"rank {rank % 2}: a failed load changed the engine"
+        assert result["steps_after_good_load"] == 2 and result["exact"], rank
         for case, fragment in expected.items():
             message = result["errors"][case]
             assert message is not None and fragment in message, f"rank {rank}, {case}: {message}"
@@ -131,4 +159,4 @@ def test_damaged_checkpoints_are_refused_and_nothing_is_loaded(tmp_path):
         deleted = os.path.join(str(tmp_path), "deleted_file", "good", result["deleted_file"])
         assert deleted in result["errors"]["deleted_file"], result["errors"]["deleted_file"]
         assert "expects [3]" in result["errors"]["wrong_shape"] and "[4]" in result["errors"]["wrong_shape"]
-    assert results[0]["errors"] == results[1]["errors"]  # every rank raises the same error
+    assert results[0]["errors"] == results[1]["errors"] == results[2]["errors"] == results[3]["errors"]

@@ -141,3 +141,35 @@ def test_whole_tensors_are_read_into_parameters_buffers_strided_targets_and_spli
     assert torch.equal(target[1:7], whole[:, 3:].reshape(-1)[4:10]) and target[0] == 0 and target[7] == 0
     with pytest.raises(CheckpointError, match=r"the model expects \[4, 3\]"):  # unsplit: the record's own shape
         load._record_read(reader, "w", record, {})
+
+
+def test_new_state_tensors_take_reads_straight_in_and_only_their_padding_is_zeroed(tmp_path):
+    """A resume before the first step: the optimizer has no state, so the load makes the tensors (torch.empty)
+    and reads straight into them; the element no read covers (padding) is zeroed; a state the optimizer has
+    and that fits is left for after the verdict, and a stored dtype that needs converting gets zeros."""
+    master = torch.zeros(10)
+    optimizer = torch.optim.AdamW([master], foreach=False)
+    w, v = torch.arange(6.0).reshape(2, 3), -torch.arange(1.0, 5.0)
+    tensors = {"w/exp_avg": w, "w/exp_avg_sq": w * 2, "w/step": torch.tensor(3.0),
+               "v/exp_avg": v, "v/exp_avg_sq": (v * 2).half(), "v/step": torch.tensor(3.0)}
+    reader = _reader(tmp_path, tensors, "optimizer states")
+    records = [ShardRecord("w", (2, 3), 1, 5, 0), ShardRecord("v", (4,), 0, 4, 6)]  # element 5: padding
+    slot = _slot(records, master)
+    plan = load._plan_states(slot, reader, load._Templates(optimizer), {})
+    for _ in range(50):  # freed memory of this size, full of NaN: what torch.empty may hand back
+        torch.full((10,), float("nan"))
+    direct = load._direct_reads(plan, slot, optimizer)
+    assert sorted((read.name, id(target)) for read, target in direct) == sorted(
+        [("w/exp_avg", id(plan.fresh["exp_avg"])), ("v/exp_avg", id(plan.fresh["exp_avg"])),
+         ("w/exp_avg_sq", id(plan.fresh["exp_avg_sq"]))])
+    assert plan.states["exp_avg"] == [] and [read.name for read in plan.states["exp_avg_sq"]] == ["v/exp_avg_sq"]
+    assert torch.equal(plan.fresh["exp_avg_sq"], torch.zeros(10))  # a converted read left: all zeros first
+    for read, target in direct:
+        read.reader.read_checked(read.name, read.start, read.count, target[read.offset:read.offset + read.count], [])
+    assert torch.equal(plan.fresh["exp_avg"], torch.cat([w.reshape(-1)[1:], torch.tensor([0.0]), v]))
+    # the optimizer's own state that fits is written after the verdict, in place: no new tensor, no direct read
+    optimizer.state[master] = {"exp_avg": torch.ones(10), "exp_avg_sq": torch.ones(10), "step": torch.tensor(1.0)}
+    again = load._plan_states(slot, reader, load._Templates(optimizer), {})
+    assert load._direct_reads(again, slot, optimizer) == [] and again.fresh == {}
+    assert [len(reads) for reads in again.states.values()] == [2, 2]
+    reader.close()

@@ -193,6 +193,9 @@ def test_checksum_shares_join_into_file_crcs_and_name_a_corrupt_file(tmp_path):
                           for name, size in sizes.items()}}
     a, b = os.urandom(1000), os.urandom(3 << 20)
     assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    from zerotrain.checkpoint.integrity import _crc32_combine  # the fallback without isal: the same values
+    for length in (0, 1, 4, 4095, len(b)):
+        assert _crc32_combine(zlib.crc32(a), zlib.crc32(b[:length]), length) == zlib.crc32(a + b[:length]), length
     for world, threads in ((1, 1), (2, 3), (3, 1)):
         shares = [checksum_share(str(tmp_path), manifest, sizes, rank, world, threads) for rank in range(world)]
         assert check_pieces(str(tmp_path), shares) is None
@@ -420,3 +423,73 @@ def test_a_page_cache_read_past_the_end_of_a_file_names_it(tmp_path):
         assert bytes(buffer) == bytes(range(90, 100))
         with pytest.raises(OSError, match=r"short.bin: file ends at byte 100, needed bytes up to 105"):
             files.read_into(path, 95, buffer)
+
+
+def test_intervals_merge_subtract_and_leave_gaps():
+    from zerotrain.checkpoint.integrity import Intervals
+    held = Intervals([(10, 20), (30, 40)])
+    held.add(20, 25)  # touching: merged
+    held.add(5, 7)
+    assert held.ranges == [[5, 7], [10, 25], [30, 40]]
+    assert held.minus(0, 50) == [(0, 5), (7, 10), (25, 30), (40, 50)]
+    assert held.minus(12, 35) == [(25, 30)] and held.minus(11, 24) == [] and held.minus(40, 41) == [(40, 41)]
+    held.add(6, 31)  # spans three ranges: one
+    assert held.ranges == [[5, 40]] and held.gaps(45) == [(0, 5), (40, 45)] and held.gaps(40) == [(0, 5)]
+    held.add(3, 3)  # empty: nothing
+    assert held.ranges == [[5, 40]] and Intervals().gaps(7) == [(0, 7)]
+
+
+def test_reads_straight_into_tensors_and_the_shares_of_the_rest_cover_each_file_once(tmp_path):
+    """A resume before the first step: each rank reads its ranges straight into new tensors with the crc32 of the
+    bytes it claims (overlapping reads counted once: the lower rank's, then this rank's first read), every other
+    byte is shared out by checksum_share(skip=...); joined, the pieces give every file's crc32 and a flipped byte in
+    a range read straight in is named by its file. A piece missing or counted twice is an error, not a pass."""
+    from zerotrain.checkpoint.integrity import Intervals, claimed_ranges
+    values = {"w": torch.arange(3000, dtype=torch.float32), "v": -torch.arange(700, dtype=torch.float32),
+              "h": torch.arange(10, dtype=torch.float16)}
+    save_file(values, str(tmp_path / "o.safetensors"))
+    (tmp_path / "s.json").write_bytes(b"{}")
+    sizes = {name: os.path.getsize(tmp_path / name) for name in ("o.safetensors", "s.json")}
+    manifest = {"files": {name: {"size": size, "crc32": f"{zlib.crc32((tmp_path / name).read_bytes()):08x}"}
+                          for name, size in sizes.items()}}
+    reader = TensorReader(str(tmp_path), {name: "o.safetensors" for name in values}, "optimizer states")
+    # rank 0 reads w[0:2000] and v[100:700] (twice: a tied copy); rank 1 w[1000:3000]; rank 2 nothing
+    reads = [[("w", 0, 2000), ("v", 100, 600), ("v", 100, 600)], [("w", 1000, 2000)], []]
+    ranges = [[reader.byte_range(name, start, count) for name, start, count in mine] for mine in reads]
+    assert ranges[1][0][2] - ranges[1][0][1] == 2000 * 4 and ranges[0][1][0] == "o.safetensors"
+    skip: dict = {}
+    for mine in ranges:
+        for name, begin, end in mine:
+            skip.setdefault(name, Intervals()).add(begin, end)
+
+    def shares(intact: bool = True) -> list:
+        out = []
+        for rank, mine in enumerate(reads):
+            share = checksum_share(str(tmp_path), manifest, sizes, rank, len(reads), skip=skip)
+            lower = [entry for theirs in ranges[:rank] for entry in theirs]
+            for (name, start, count), claim in zip(mine, claimed_ranges(ranges[rank], lower)):
+                target = torch.full((count,), 7.0)
+                share["pieces"] += reader.read_checked(name, start, count, target, claim)
+                assert torch.equal(target, values[name][start:start + count]) or not intact, (rank, name)
+            out.append(share)
+        return out
+
+    good = shares()
+    assert check_pieces(str(tmp_path), good, complete=True) is None
+    assert claimed_ranges(ranges[0], [])[2] == []  # the tied copy's bytes: counted with its first read
+    assert claimed_ranges(ranges[1], ranges[0])[0] == [(ranges[0][0][2], ranges[1][0][2])]  # past rank 0's w
+    # a piece left out, or counted twice: refused naming the file and the bytes, when every rank succeeded
+    missing = [dict(good[0], pieces=good[0]["pieces"][1:])] + good[1:]
+    assert "were checked by no rank" in check_pieces(str(tmp_path), missing, complete=True)
+    assert check_pieces(str(tmp_path), missing) is None  # a failed rank's own error explains it instead
+    twice = [dict(good[0], pieces=good[0]["pieces"] + good[1]["pieces"][-1:])] + good[1:]
+    assert "checked twice" in check_pieces(str(tmp_path), twice, complete=True)
+    with pytest.raises(CheckpointError, match="do not fit"):  # only straight reads of the stored dtype
+        reader.read_checked("h", 0, 10, torch.zeros(10), [])
+    assert not reader.can_read_checked("h", torch.zeros(10)) and reader.can_read_checked("h", torch.zeros(10).half())
+    data = bytearray((tmp_path / "o.safetensors").read_bytes())
+    data[ranges[1][0][2] - 3] ^= 0x10  # inside w[1000:3000], claimed by rank 1 only
+    (tmp_path / "o.safetensors").write_bytes(bytes(data))
+    error = check_pieces(str(tmp_path), shares(intact=False), complete=True)
+    assert error.startswith(str(tmp_path / "o.safetensors") + ": checksum mismatch"), error
+    reader.close()

@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 from .directio import READ_CHUNK, SharedFiles
-from .format import CheckpointError, itemsize, numel_of, read_layout, st_dtype
+from .format import CheckpointError, crc32, itemsize, numel_of, read_layout, st_dtype
 
 
 SMALL_TENSOR_BYTES = 64
@@ -135,6 +135,44 @@ class TensorReader:
                 target[position:position + n].copy_(bounce[:n * size].view(dtype))
         except OSError as error:
             raise CheckpointError(f"{path}: cannot read tensor {name!r}: {error}") from error
+
+    def byte_range(self, name: str, start: int, count: int) -> tuple[str, int, int]:
+        """(file name, first byte, end byte) in its file of elements [start, start+count) of tensor `name`."""
+        dtype, _, path = self.entry(name)
+        header, data_start = self._layout(path)
+        begin = data_start + header[name]["data_offsets"][0] + start * itemsize(dtype)
+        return self.weight_map[name], begin, begin + count * itemsize(dtype)
+
+    def can_read_checked(self, name: str, target: torch.Tensor) -> bool:
+        """Whether `read_checked` can read tensor `name` straight into `target` (a contiguous CPU tensor of
+        the stored dtype: the read is the copy, nothing converted)."""
+        return target.device.type == "cpu" and target.dtype == self.entry(name)[0] and target.is_contiguous()
+
+    def read_checked(self, name: str, start: int, count: int, target: torch.Tensor,
+                     claimed: list[tuple[int, int]]) -> list[tuple[str, int, int, int]]:
+        """Read elements [start, start+count) straight into the 1-D `target` (see `can_read_checked`), READ_CHUNK
+        bytes at a time, and compute the crc32 of the `claimed` byte ranges (file offsets inside the read) on
+        the destination's bytes as each chunk lands: one pass over the bytes, no buffer between the file and
+        the tensor. Returns one (file name, offset, length, crc32) piece per claimed range."""
+        dtype, stored, path = self.entry(name)
+        if start < 0 or start + count > numel_of(stored) or target.numel() != count \
+                or not self.can_read_checked(name, target):
+            raise CheckpointError(f"tensor {name!r} in {path}: elements [{start}, {start + count}) do not fit "
+                                  f"shape {list(stored)} or the destination")
+        file, begin, end = self.byte_range(name, start, count)
+        out = target.detach().view(torch.uint8).numpy()
+        crcs = [0] * len(claimed)
+        try:
+            for low in range(begin, end, READ_CHUNK):
+                high = min(end, low + READ_CHUNK)
+                self._files.read_into(path, low, out[low - begin:high - begin])
+                for index, (first, last) in enumerate(claimed):
+                    first, last = max(first, low), min(last, high)
+                    if first < last:
+                        crcs[index] = crc32(out[first - begin:last - begin], crcs[index])
+        except OSError as error:
+            raise CheckpointError(f"{path}: cannot read tensor {name!r}: {error}") from error
+        return [(file, first, last - first, crc) for (first, last), crc in zip(claimed, crcs)]
 
     def read(self, name: str) -> torch.Tensor:
         """The whole tensor, on the CPU."""
