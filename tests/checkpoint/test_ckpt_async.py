@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 from ckpt_common import assert_weights_equal, make_engine, train
@@ -19,17 +20,21 @@ def async_run(save_dir: str) -> dict:
     train(engine, 0, 2)
     at_save = engine.full_state_dict()
 
-    def slow(self, *args, **kwargs):
-        time.sleep(0.5)
-        return original(self, *args, **kwargs)
+    release, written = threading.Event(), threading.Event()
 
-    write.SaveJob._write_in_place = slow
-    started = time.perf_counter()
+    def held(self, *args, **kwargs):  # the write waits for the test (at most 60 s: a blocking save then fails)
+        release.wait(60)
+        result = original(self, *args, **kwargs)
+        written.set()
+        return result
+
+    write.SaveJob._write_in_place = held
     path = engine.save_checkpoint(save_dir, tag="async")
-    out["returned_after"] = time.perf_counter() - started
+    out["written_at_return"] = written.is_set()
     out["visible_at_return"] = os.path.exists(path)
     train(engine, 2, 2)  # the weights move on while the save is written
     out["visible_after_training"] = os.path.exists(path)
+    release.set()
     engine.wait_checkpoint()
     out["committed"] = os.path.exists(os.path.join(path, "manifest.json"))
     out["latest"] = open(os.path.join(save_dir, "latest")).read()
@@ -79,7 +84,7 @@ def test_async_save_overlaps_training_and_surfaces_errors(tmp_path):
     save_dir = str(tmp_path / "ckpt")
     results = run_distributed(async_run, 2, save_dir)
     out = results[0]
-    assert out["returned_after"] < 0.5 and not out["visible_at_return"]
+    assert not out["written_at_return"] and not out["visible_at_return"]  # the call did not wait for the write
     assert not out["visible_after_training"]  # two training steps ran while the writer was still busy
     assert out["committed"] and out["latest"] == "async"
     assert_weights_equal(out["loaded"], out["at_save"], rtol=0, atol=0, what="async snapshot")
@@ -93,34 +98,54 @@ def test_async_save_overlaps_training_and_surfaces_errors(tmp_path):
     assert out["entries"] == [".zerotrain-lock.json", "after", "async", "latest"]  # the job holds the lock
 
 
+def hold_copies_until_a_fence_waits(snapshot, fence_module) -> tuple:
+    """Patch the snapshot copy to start only once something waits at a snapshot fence, then take 0.3 s more, so
+    the first fence's wait is > 0.2 s however loaded the machine is (no race between the copy and the writer).
+    Returns (restore, copied): `copied` is set once the copy is done."""
+    original_complete, original_wait = snapshot.Sources.complete, fence_module.SnapshotFence.wait
+    waiting, copied = threading.Event(), threading.Event()
+
+    def complete(self):
+        waiting.wait(60)  # a save that blocked on its own copy would wait here 60 s, then fail its test
+        time.sleep(0.3)
+        result = original_complete(self)
+        copied.set()
+        return result
+
+    def wait(self):
+        waiting.set()
+        return original_wait(self)
+
+    snapshot.Sources.complete, fence_module.SnapshotFence.wait = complete, wait
+
+    def restore():
+        snapshot.Sources.complete, fence_module.SnapshotFence.wait = original_complete, original_wait
+    return restore, copied
+
+
 def fenced_run(save_dir: str) -> dict:
     """The snapshot copy is slowed down: the next optimizer update must wait for it (stage 3)."""
     import zerotrain.checkpoint.snapshot as snapshot
     from ckpt_common import optimizer_state
 
-    original = snapshot.Sources.complete
+    import zerotrain.checkpoint.fence as fence_module
+
     engine = make_engine(stage=3, async_save=True)
     train(engine, 0, 2)
     at_save, state_at_save = engine.full_state_dict(), optimizer_state(engine)
-
-    def slow(self):
-        time.sleep(0.5)
-        return original(self)
-
-    snapshot.Sources.complete = slow
-    started = time.perf_counter()
+    restore, copied = hold_copies_until_a_fence_waits(snapshot, fence_module)
     engine.save_checkpoint(save_dir, tag="fenced")
-    returned_after = time.perf_counter() - started
+    copied_at_return = copied.is_set()
     train(engine, 2, 2)  # the first step() waits for the copy, then moves the weights on
     fence_seconds = engine.checkpointer.last_fence_seconds
     moved = engine.full_state_dict()
     engine.wait_checkpoint()
     engine.save_checkpoint(save_dir, tag="sync", async_save=False)
     sync_fence_seconds = engine.checkpointer.last_fence_seconds
-    snapshot.Sources.complete = original
+    restore()
     fresh = make_engine(stage=3, seed=9)
     fresh.load_checkpoint(save_dir, tag="fenced")
-    return {"returned_after": returned_after, "at_save": at_save, "moved": moved, "loaded": fresh.full_state_dict(),
+    return {"copied_at_return": copied_at_return, "at_save": at_save, "moved": moved, "loaded": fresh.full_state_dict(),
             "state_at_save": state_at_save, "state_loaded": optimizer_state(fresh), "fence_seconds": fence_seconds,
             "sync_fence_seconds": sync_fence_seconds}
 
@@ -128,9 +153,9 @@ def fenced_run(save_dir: str) -> dict:
 def test_async_snapshot_copy_is_fenced_before_the_next_update(tmp_path):
     results = run_distributed(fenced_run, 2, str(tmp_path / "ckpt"))
     out = results[0]
-    assert out["returned_after"] < 0.5  # the copy did not block the call
+    assert not out["copied_at_return"]  # the copy did not block the call
     for result in results:  # the next step() waited for the slowed copy, and says how long
-        assert 0.2 < result["fence_seconds"] < 5.0, result["fence_seconds"]
+        assert result["fence_seconds"] > 0.2, result["fence_seconds"]
         assert result["sync_fence_seconds"] == 0.0
     assert any(not (out["moved"][n] == out["at_save"][n]).all() for n in out["at_save"])
     assert_weights_equal(out["loaded"], out["at_save"], rtol=0, atol=0, what="fenced snapshot")
@@ -147,16 +172,12 @@ def gathered_write_run(save_dir: str) -> dict:
     import zerotrain
     import zerotrain.checkpoint.snapshot as snapshot
 
-    original = snapshot.Sources.complete
+    import zerotrain.checkpoint.fence as fence_module
+
     engine = make_engine(stage=3, async_save=True)
     train(engine, 0, 2)
     at_save = engine.full_state_dict()
-
-    def slow(self):
-        time.sleep(0.5)
-        return original(self)
-
-    snapshot.Sources.complete = slow
+    restore, _ = hold_copies_until_a_fence_waits(snapshot, fence_module)
     engine.save_checkpoint(save_dir, tag="gathered")
     weight = engine.module.fc1.weight
     started = time.perf_counter()
@@ -169,7 +190,7 @@ def gathered_write_run(save_dir: str) -> dict:
     train(engine, 2, 1)
     fence_seconds = engine.checkpointer.last_fence_seconds
     engine.wait_checkpoint()
-    snapshot.Sources.complete = original
+    restore()
     fresh = make_engine(stage=3, seed=9)
     fresh.load_checkpoint(save_dir)
     return {"at_save": at_save, "modified": modified, "loaded": fresh.full_state_dict(),
