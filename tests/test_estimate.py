@@ -645,11 +645,15 @@ def test_estimate_matches_the_engine_at_a_world_of_one(tmp_path, world_of_one):
     from zerotrain.config import load_config
     from zerotrain.models import GPT, GPTConfig
 
-    shape = model_shape(load_meta_model("tiny")[0])
     for *case, accumulation in WORLD_OF_ONE_CASES:
         config = dict(_config(*case, nvme_path=str(tmp_path)), gradient_accumulation_steps=accumulation)
         torch.manual_seed(0)
-        engine, *_ = zerotrain.initialize(model=GPT(GPTConfig.preset("tiny")), config=config)
+        model = GPT(GPTConfig.preset("tiny"))
+        if case[3] == "fp32":  # buffers of the model's own: an int64 one (8 bytes each) and an fp32 one
+            model.register_buffer("counts", torch.zeros(5, dtype=torch.int64))
+            model.register_buffer("scale", torch.ones(3))
+        shape = model_shape(model)
+        engine, *_ = zerotrain.initialize(model=model, config=config)
         for micro in range(2 * accumulation):
             idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(micro))
             _, loss = engine(idx, idx)
@@ -662,15 +666,20 @@ def test_estimate_matches_the_engine_at_a_world_of_one(tmp_path, world_of_one):
                 after_step = (_live_tensor_bytes(), engine.memory_report()["gradients"])
         report = engine.memory_report()
         grown = (_live_tensor_bytes() - after_step[0], report["gradients"] - after_step[1])
+        buffers = sum(b.numel() * b.element_size() for b in engine.module.buffers())
         engine.close()
         parsed = load_config(config, dp_world_size=1)
         rows = estimate_option(shape, parsed, 1, Option(case[0], case[1][0] if case[1] else "none", case[2] or "none"),
                                probe_optimizer(parsed.optimizer), device_type="cpu").rows
         where = f"case {case}, accumulation {accumulation}"
+        label = " ".join(["ZeRO-%d" % case[0]] + (["optimizer->cpu"] if case[1] else []) +
+                         (["params->cpu"] if case[2] else []))
+        assert Option(case[0], case[1][0] if case[1] else "none", case[2] or "none").label == label, where
         assert report["gradients"] == rows["gradients"]["device"] > 0, (where, report["gradients"], rows["gradients"])
         if case[0] < 3:  # (stage 3 also gathers and frees parameters in backward: not only gradients grow)
             assert grown[0] == grown[1], (where, grown)
         assert report["parameters"] == rows["parameters"]["device"], where
+        assert buffers == rows["buffers"]["device"] == (5 * 8 + 3 * 4 if case[3] == "fp32" else 0), where
         assert report["optimizer_states"] == rows["master_weights"]["device"] + rows["optimizer_states"]["device"], \
             where
         offload = report.get("offload", {"host": 0, "host_buffers": 0})
