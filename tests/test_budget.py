@@ -12,7 +12,8 @@ import torch
 from zerotrain.budget import (DEEPSPEED, MIN_BUCKET, SHARES, check_fits, default_budget, host_memory_available,
                               plan_sizes)
 from zerotrain.config import ConfigError, load_config
-from zerotrain.estimate import config_option, estimate_option, load_meta_model, model_shape, probe_optimizer
+from zerotrain.estimate import (config_option, estimate_option, format_bytes, load_meta_model, model_shape,
+                                probe_optimizer)
 
 GiB = 2**30
 
@@ -351,3 +352,95 @@ def test_initialize_of_a_model_not_from_transformers_imports_none_of_it():
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [], done.stdout
+
+
+def test_the_budget_refuses_or_brings_under_at_its_boundary(world_of_one, monkeypatch):
+    """`resolve_memory` (what every engine build calls first) at the budget's boundary, in-process at ZeRO world 1
+    on a node said to run 2 ranks. Without `memory_budget_bytes` the budget is DEFAULT_FRACTION of (the host
+    memory available / the ranks on the node + this rank's resident bytes): with every size key unset, a budget
+    of exactly what the run needs at the smallest sizes (`plan.states`) is accepted, every key brought down to
+    its smallest; one byte less is refused before anything is built, naming the printed budget and offering
+    `memory_budget_bytes` up to the rank's share. With every size key set and `memory_budget_bytes` given, a
+    need equal to the budget is accepted and one byte over it refused (no share offered: the user set it). An
+    unknown host memory (nothing read, nothing resident) refuses nothing."""
+    import dataclasses
+
+    import zerotrain.budget as budget_module
+    from zerotrain.budget import HostMemory, resolve_memory
+    from zerotrain.comm import Comm
+    from zerotrain.topology import Topology
+
+    own = 300 * 2**20  # this rank's resident bytes, as /proc/self/statm would give them
+    monkeypatch.setattr(budget_module, "_own_rss", lambda root="/": own)
+    topology = Topology.build(timeout_seconds=60)
+    comm = Comm.data_parallel(topology)
+    node_of_two = dataclasses.replace(topology, ranks_per_node=2)
+    model, _ = load_meta_model("tiny", torch.bfloat16)  # on the meta device: the runtime is all of `own`
+    shape = model_shape(model)
+
+    def resolve(config, available: int):
+        return resolve_memory(model, config, node_of_two, comm, HostMemory(available, "MemAvailable"))
+
+    # every size key unset, no budget key: the default budget
+    config = nvme_config()
+    states = plan_sizes(GiB, shape, 1, config, runtime=own).states  # the need at the smallest sizes
+    assert states > own
+    fitted = resolve(config, 2 * (2 * states - own))  # 50% of (available / 2 + own) == states, to the byte
+    zero = fitted.zero_optimization
+    assert (zero.reduce_bucket_size, zero.offload_param.max_in_cpu, zero.offload_param.buffer_count,
+            zero.offload_optimizer.buffer_count) == (MIN_BUCKET, 0, 1, 2), zero
+    with pytest.raises(ConfigError) as caught:
+        resolve(config, 2 * (2 * states - 2 - own))  # the default budget is states - 1
+    message = str(caught.value)
+    assert "\n" not in message and f"more than the {format_bytes(states - 1)} there are (the memory budget " \
+        "printed: 50% of" in message and "MemAvailable / 2 ranks on the node" in message, message
+    assert f"memory_budget_bytes up to {2 * states - 2:,}" in message, message  # the share: available / 2 + own
+    # every size key set, budget given: the need is fixed
+    sized = {"reduce_bucket_size": MIN_BUCKET, "stage3_max_live_parameters": 10**9,
+             "offload_param": {"max_in_cpu": 1000, "buffer_count": 2, "buffer_size": 4096},
+             "offload_optimizer": {"buffer_count": 3}}
+    need = plan_sizes(GiB, shape, 1, nvme_config(**sized), runtime=own).states
+    assert resolve(nvme_config(**sized, memory_budget_bytes=need), GiB).zero_optimization.reduce_bucket_size == \
+        MIN_BUCKET
+    with pytest.raises(ConfigError) as caught:
+        resolve(nvme_config(**sized, memory_budget_bytes=need - 1), 64 * GiB)
+    message = str(caught.value)
+    assert f"more than the {format_bytes(need - 1)} there are (zero_optimization.memory_budget_bytes)" in message
+    assert "memory_budget_bytes up to" not in message, message
+    monkeypatch.setattr(budget_module, "_own_rss", lambda root="/": 0)
+    resolve(nvme_config(**sized), 0)  # no memory known: nothing to hold the run to
+
+
+def test_the_sizes_floor_and_cap_at_their_exact_values():
+    """Exact values where the plan's rules switch: with no headroom, `stage3_max_live_parameters` is the two
+    largest modules' non-persistent parameters (padded to the ranks; a bias of at most the persistence
+    threshold stays whole on every rank and is not gathered), and with a vast budget a shard larger than
+    DeepSpeed's `offload_param.buffer_size` (1e8 elements) is written through buffers of exactly 1e8."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(1000, 1000), torch.nn.Linear(1000, 999), torch.nn.Linear(999, 10))
+    floor = plan_sizes(1, model_shape(model), 2, nvme_config())  # no headroom: every unset key at its smallest
+    assert floor.value("stage3_max_live_parameters") == 1000 * 1000 + 999 * 1000  # weights only (biases persist)
+    wide, _ = load_meta_model("70m", torch.bfloat16, layers=1, width=8448)  # MLP weights of 285M elements
+    shape = model_shape(wide)
+    assert largest_shard(shape) > DEEPSPEED["offload_param.buffer_size"]
+    vast = plan_sizes(2**40, shape, 2, nvme_config())
+    assert vast.value("offload_param.buffer_size") == 100_000_000
+    assert vast.value("offload_param.buffer_count") == DEEPSPEED["offload_param.buffer_count"]
+
+
+def test_runtime_counts_a_shared_storage_once_and_own_rss_is_this_process():
+    """The runtime is this rank's resident bytes less the model's host tensors, a tied weight counted once; the
+    resident bytes are read from /proc/self/statm (this process's, as /proc/self/status says)."""
+    from zerotrain.budget import _own_rss, runtime_bytes
+
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 10))
+    model[1].weight = model[0].weight  # tied: one 400-byte storage, two biases of 40 bytes
+    assert runtime_bytes(model, 10**6) == 10**6 - 400 - 40 - 40
+    flat = torch.zeros(30)  # two parameters and a buffer, views of one 120-byte storage (as flat buckets make them)
+    model = torch.nn.Module()
+    model.a, model.b = torch.nn.Parameter(flat[:10]), torch.nn.Parameter(flat[10:25])
+    model.register_buffer("c", flat[25:])
+    assert runtime_bytes(model, 10**6) == 10**6 - 120
+    with open("/proc/self/status") as handle:
+        vm_rss = next(int(line.split()[1]) * 1024 for line in handle if line.startswith("VmRSS:"))
+    assert abs(_own_rss() - vm_rss) < 64 * 2**20, (_own_rss(), vm_rss)

@@ -28,6 +28,8 @@ CASES = [
     (2, ("cpu", 0.5), None, "fp32"), (3, ("cpu", 1.0), "cpu", "fp32"), (2, None, None, "bf16"),
     (3, None, "cpu", "bf16"), (2, ("nvme", 1.0), None, "bf16 records"), (3, ("cpu", 1.0), None, "bf16 records"),
     (3, None, "nvme", "bf16"),
+    # stages 0-1 in bf16 (CPU offload at stage 1): a bf16 buffer plus the reduced fp32 gradient held to the step
+    (0, None, None, "bf16"), (1, ("cpu", 1.0), None, "bf16"),
     (3, ("nvme", 1.0), "nvme", "fp32"),  # without clipping the NVMe step streams each gradient shard: none held
     # clipping on (the default 1.0) with the parameters on NVMe: the norm from a first backward, then the step
     # streamed in a second; no gradient held or spilled (#43)
@@ -66,6 +68,18 @@ def _swap_file_bytes(nvme_path: str) -> int:
     return total
 
 
+def _live_tensor_bytes() -> int:
+    """Bytes of the distinct storages of every tensor alive in this process (the garbage collector's view)."""
+    import gc
+
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def engine_memory_per_case(nvme_path: str) -> list[dict]:
     """Each case's engine on this rank: one step, then one more backward (the gradients are held, the
     optimizer states exist), and its memory report next to the estimate for the same config."""
@@ -83,10 +97,16 @@ def engine_memory_per_case(nvme_path: str) -> list[dict]:
         for step in range(2):
             idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(step))
             _, loss = engine(idx, idx)
+            del _
             engine.backward(loss)
+            del loss
             if step == 0:
                 engine.step()
+                after_step = (_live_tensor_bytes(), engine.memory_report()["gradients"])
         report = engine.memory_report()
+        if case[0] < 3:  # what backward made and still holds, measured on the live tensors, next to what the
+            # report added (stage 3 also gathers and frees parameters in backward: not only gradients grow)
+            report["grown in backward"] = (_live_tensor_bytes() - after_step[0], report["gradients"] - after_step[1])
         report["buffers"] = sum(b.numel() * b.element_size() for b in engine.module.buffers())
         report["nvme_files"] = _swap_file_bytes(nvme_path)
         report["first_pass"] = engine.zero_optimizer.takes_norm_first_pass()
@@ -179,6 +199,13 @@ def parallel_and_zeropp_cases() -> list[dict]:
                                 probe_optimizer(parsed.optimizer), device_type="cpu")
     out.append({"case": ("ZeRO-3 qgZ+LoCo+qwZ", None, None, "fp32"), "report": report, "estimate": predicted.rows,
                 "transient": predicted.transient})
+    # EP=2 at ZeRO-1 in fp32: the experts' group is this rank alone, so their reduced gradient is their buffer itself
+    config = _config(1, None, None, "fp32")
+    engine, *_ = zerotrain.initialize(model=make_moe_model(ep_comm), config=config)
+    report = _two_steps(engine, moe_batch)  # (not live: the MoE forward keeps tensors of its own until the next)
+    engine.close()
+    whole = estimate(make_moe_model(shape_comm(2)), config, 2, device_type="cpu", options=[Option(1)])
+    out.append({"case": ("ep2 ZeRO-1", None, None, "fp32"), "report": report, "estimate": whole["options"][0]["rows"]})
     return out
 
 
@@ -219,9 +246,9 @@ def sequence_parallel_case() -> dict:
 
 def test_estimate_equals_the_engines_memory_report_at_world_2(tmp_path):
     results = run_distributed(engine_memory_per_case, 2, str(tmp_path), timeout=240)
-    assert [len(per_rank) for per_rank in results] == [len(CASES) + 4] * 2
+    assert [len(per_rank) for per_rank in results] == [len(CASES) + 5] * 2
     for rank, per_rank in enumerate(results):
-        sp, tp, ep, loco3 = per_rank[-4:]
+        sp, tp, ep, loco3, _ = per_rank[-5:]
         # TP=2: ZeRO over world / tp = 1 rank; each rank holds its slices (the whole model counted once)
         assert (tp["whole"]["tensor_parallel_size"], tp["whole"]["zero_ranks"]) == (2, 1)
         assert tp["whole"]["parameters"] == tp["numel"]
@@ -249,6 +276,9 @@ def test_estimate_equals_the_engines_memory_report_at_world_2(tmp_path):
             where = f"rank {rank}, case {case}"
             assert report["parameters"] == rows["parameters"]["device"], where
             assert report["gradients"] == rows["gradients"]["device"] + rows["loco_errors"]["device"], where
+            if "grown in backward" in report:  # the report's gradients are what the run holds
+                live, reported = report["grown in backward"]
+                assert live == reported, (where, live, reported)
             streamed = case in (STREAMED, FIRST_PASS, SPILLED)
             assert report.get("first_pass", False) == (case == FIRST_PASS), where  # the engine's choice, the estimate's
             assert any("norm from a first backward" in note for note in entry.get("notes", ())) == \
@@ -604,3 +634,66 @@ def test_the_nvme_peak_counts_the_tied_weights_zero_init_wrote(tmp_path, optimiz
         assert peak == after_init > steady, (peak, after_init, steady)
     else:  # the records come after initialize dropped the head's shard: the steady files are the peak
         assert peak == steady > after_init, (peak, after_init, steady)
+
+
+# In-process cases at a world of one: the stage 0-1 gradients in fp32 and bf16 (the reduced fp32 gradient is the
+# buffer itself, or a tensor of its own held until the step), CPU offload at stages 1-3 (stage 3 narrow: bf16 shards
+# and one fp32 scratch), and gradient accumulation at stage 3 (fp32 shards, no scratch).
+WORLD_OF_ONE_CASES = [
+    (0, None, None, "fp32", 1), (0, None, None, "bf16", 1), (1, None, None, "fp32", 1),
+    (1, ("cpu", 1.0), None, "bf16", 1), (2, ("cpu", 0.5), None, "bf16", 1), (3, ("cpu", 1.0), "cpu", "bf16", 1),
+    (3, ("cpu", 1.0), None, "bf16", 2),
+]
+
+
+def test_estimate_matches_the_engine_at_a_world_of_one(tmp_path, world_of_one):
+    """Each case's engine in the pytest process (one step, then one more backward: the gradients are held):
+    `memory_report()` row for row equals the estimate, and the gradient bytes the report adds from the step's end
+    to after that backward are the bytes of the tensors that became alive (the garbage collector's view), so the
+    gradients row is what the run holds, not only what the engine says it holds."""
+    import zerotrain
+    from zerotrain.config import load_config
+    from zerotrain.models import GPT, GPTConfig
+
+    for *case, accumulation in WORLD_OF_ONE_CASES:
+        config = dict(_config(*case, nvme_path=str(tmp_path)), gradient_accumulation_steps=accumulation)
+        torch.manual_seed(0)
+        model = GPT(GPTConfig.preset("tiny"))
+        if case[3] == "fp32":  # buffers of the model's own: an int64 one (8 bytes each) and an fp32 one
+            model.register_buffer("counts", torch.zeros(5, dtype=torch.int64))
+            model.register_buffer("scale", torch.ones(3))
+        shape = model_shape(model)
+        engine, *_ = zerotrain.initialize(model=model, config=config)
+        for micro in range(2 * accumulation):
+            idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(micro))
+            _, loss = engine(idx, idx)
+            del _
+            engine.backward(loss)
+            del loss
+            if micro < accumulation:
+                engine.step()
+            if micro == accumulation - 1:
+                after_step = (_live_tensor_bytes(), engine.memory_report()["gradients"])
+        report = engine.memory_report()
+        grown = (_live_tensor_bytes() - after_step[0], report["gradients"] - after_step[1])
+        buffers = sum(b.numel() * b.element_size() for b in engine.module.buffers())
+        engine.close()
+        parsed = load_config(config, dp_world_size=1)
+        rows = estimate_option(shape, parsed, 1, Option(case[0], case[1][0] if case[1] else "none", case[2] or "none"),
+                               probe_optimizer(parsed.optimizer), device_type="cpu").rows
+        where = f"case {case}, accumulation {accumulation}"
+        label = " ".join(["ZeRO-%d" % case[0]] + (["optimizer->cpu"] if case[1] else []) +
+                         (["params->cpu"] if case[2] else []))
+        assert Option(case[0], case[1][0] if case[1] else "none", case[2] or "none").label == label, where
+        assert report["gradients"] == rows["gradients"]["device"] > 0, (where, report["gradients"], rows["gradients"])
+        if case[0] < 3:  # (stage 3 also gathers and frees parameters in backward: not only gradients grow)
+            assert grown[0] == grown[1], (where, grown)
+        assert report["parameters"] == rows["parameters"]["device"], where
+        assert buffers == rows["buffers"]["device"] == (5 * 8 + 3 * 4 if case[3] == "fp32" else 0), where
+        assert report["optimizer_states"] == rows["master_weights"]["device"] + rows["optimizer_states"]["device"], \
+            where
+        offload = report.get("offload", {"host": 0, "host_buffers": 0})
+        assert offload["host"] == rows["master_weights"]["host"] + rows["optimizer_states"]["host"], where
+        assert offload["host_buffers"] == rows["host_io_buffers"]["host"], where
+        split = report.get("offload_param", {"host": 0})
+        assert split["host"] == rows["parameters"]["host"], where

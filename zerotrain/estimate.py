@@ -12,7 +12,9 @@ the same rules the engine follows (`tests/test_estimate.py` checks it against `e
   (1 at stage 0, the data-parallel size at stages 1-2); every rank holds the whole padded buffer;
 - stage 3 (`zero.stage3.partition`): each parameter padded and cut on its own; parameters of at most
   `stage3_param_persistence_threshold` elements also stay whole on every rank;
-- gradients: stages 0-1 a full buffer in the training dtype, stage 2 (and 3, after backward) the fp32 shard;
+- gradients (after backward): stages 0-1 a full buffer in the training dtype plus the reduced fp32 gradient
+  held until the step (stage 1: the shard; stage 0: none in fp32, where it is the buffer, else its fp32
+  cast), stage 2 (and 3) the fp32 shard;
 - masters: an fp32 shard in device memory is its own master (no copy); any other shard (bf16/fp16, an
   offloaded one) gets a 4-byte copy, on the host when `offload_optimizer` moves the bucket there
   (`offload.cpu_optimizer.choose_offloaded` with `ratio`), in NVMe files with `device: nvme`;
@@ -311,7 +313,7 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
     reduces: list[tuple[int, int, bool]] = []
     in_store: list[bool] = []  # stage 3: whether each shard lives in the NVMe parameter file
     if option.stage < 3:
-        buckets, shards = [], []
+        buckets, shards, reduced_own = [], [], []
         for members, group, dense in (([p for p in trainable if not p.expert], dp_size, True),
                                       ([p for p in trainable if p.expert], expert_ranks, False)):
             partitions = group if option.stage >= 1 else 1  # zero.flat.build_sharded_buckets / ShardGroup.over
@@ -320,9 +322,15 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
                 buckets.append(padded_numel(sum(members[i].numel for i in bucket), partitions))
                 shards.append(buckets[-1] // partitions)
                 reduces.append((shards[-1], group, dense))
+                # stages 0-1 (zero.grads.FullBufferReducer): the reduced gradient is the fp32 buffer itself only
+                # when it was all-reduced in place (stage 0) or not reduced at all (experts alone in their group)
+                reduced_own.append(not (d == 4 and (option.stage == 0 or (not dense and group == 1))))
         memory.add("parameters", "device", sum(buckets) * d + sum(p.numel * size(p) for p in frozen))
         if option.stage <= 1:
             memory.add("gradients", "device", sum(buckets) * d)
+            # ... else an fp32 tensor of its own (the shard, or the cast of a bf16/fp16 buffer), made at the
+            # accumulation boundary in backward and held until the step: 4 B/param / ranks at stage 1
+            memory.add("gradients", "device", 4 * sum(shard for shard, own in zip(shards, reduced_own) if own))
         else:
             memory.add("gradients", "device", 4 * sum(shards))
         own_master_possible = [dtype == torch.float32] * len(shards)

@@ -215,6 +215,86 @@ def train_from_init(steps: int, tmp: str) -> dict:
         engine.load_checkpoint(os.path.join(tmp, "ckpt"))
         results[what] = (train(engine, batches[half:]), engine.full_state_dict())
         engine.close()
+    results["param store lifecycle"] = init_store_lifecycle(os.path.join(tmp, "lifecycle"), batches)
+    return results
+
+
+class FailsInInit(torch.nn.Module):
+    """A model whose construction fails after its first layer was partitioned (and written to NVMe)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 7)
+        raise RuntimeError("model construction failed")
+
+
+def init_store_lifecycle(tmp: str, batches: list) -> dict:
+    """zero.Init's NVMe parameter store under a bf16 config: Init given no dtype (kept in a variable) or bf16;
+    a model whose construction raises inside Init; an initialize that fails after the parameter store is built.
+    What each leaves open under nvme_path (swap directories, open files) and which I/O threads still run.
+    The garbage collector is off, so what is left is what the code closed, not what a collection freed."""
+    import gc
+    import sys
+    import threading
+    import zerotrain
+
+    nvme = os.path.join(tmp, f"nvme-{os.environ['RANK']}")  # this rank's directories only
+
+    def left() -> dict:
+        fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{fd}")]
+        return {"dirs": sorted(os.listdir(nvme)) if os.path.isdir(nvme) else [],
+                "files": [path for path in fds if path.startswith(nvme)],
+                "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("zerotrain-aio"))}
+
+    def config(threshold: int = 0, **zero) -> dict:
+        return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                "bf16": {"enabled": True}, "steps_per_print": 0,
+                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": threshold,
+                                      "offload_param": {"device": "nvme", "nvme_path": nvme}, **zero}}
+
+    results = {"before": left()}
+    gc.disable()
+    try:
+        # threshold 100: every parameter persistent, so Init's store keeps no shard and the engine builds its own
+        for dtype, threshold in ((None, 0), (torch.bfloat16, 0), (None, 100)):
+            torch.manual_seed(0)
+            with zerotrain.zero.Init(config=config(threshold), dtype=dtype) as init:  # `init` lives on, as a user's
+                model = OddMLP()
+            after_init = left()["dirs"]
+            engine = zerotrain.initialize(model=model, config=config(threshold))[0]
+            after_initialize = left()["dirs"]
+            losses = [train_global_step(engine, batch, 2) for batch in batches[:2]]
+            engine.close()
+            results[f"Init dtype {dtype}, threshold {threshold}"] = {
+                "after Init": after_init, "after initialize": after_initialize, "losses": losses,
+                "after close": left(), "init": type(init).__name__}
+            del engine, model
+        try:
+            with zerotrain.zero.Init(config=config()):
+                FailsInInit()
+        except RuntimeError as error:
+            results["construction raised"] = (str(error), left())
+        bad = os.path.join(tmp, f"a-file-{os.environ['RANK']}")
+        open(bad, "w").close()
+        try:  # the optimizer's swap directory cannot be made: after the parameter store was built
+            zerotrain.initialize(model=OddMLP(), config=config(offload_optimizer={"device": "nvme", "nvme_path": bad}))
+        except OSError as error:
+            results["initialize raised"] = (type(error).__name__, left())
+        from zerotrain.config import ConfigError
+
+        saved = sys.modules.get("wandb")
+        sys.modules["wandb"] = None  # `import wandb` raises ImportError, as when it is not installed
+        try:
+            zerotrain.initialize(model=OddMLP(), config=dict(config(), wandb={"enabled": True}))
+        except ConfigError as error:
+            results["monitor refused"] = (error.key, left())
+        finally:
+            sys.modules.pop("wandb")
+            if saved is not None:
+                sys.modules["wandb"] = saved
+    finally:
+        gc.enable()
     return results
 
 
@@ -224,6 +304,7 @@ def test_training_from_init_matches_single_process_from_the_gathered_weights(tmp
     steps = 4
     results = run_distributed(train_from_init, 2, steps, str(tmp_path), timeout=150)[0]
     initial = results.pop("initial")
+    check_param_store_lifecycle(results.pop("param store lifecycle"))
     # Accounting: under an offload_param nvme config zero.Init hands every shard to the NVMe store as it
     # partitions: none stays in host memory but the bounded cache (max_in_cpu 20 elements) and the buffer pool.
     host = results.pop("host after zero.Init (nvme)")
@@ -255,6 +336,31 @@ def test_training_from_init_matches_single_process_from_the_gathered_weights(tmp
             assert losses == whole_losses[steps // 2:], (what, losses, whole_losses)
             for name, value in whole_weights.items():
                 assert torch.equal(weights[name], value), (what, name)
+
+
+def check_param_store_lifecycle(result: dict) -> None:
+    """What `init_store_lifecycle` left: nothing open after engine.close() or a failed build, under a bf16
+    config whether or not zero.Init was given the dtype; the store Init wrote is the one the engine uses."""
+    nothing = {"dirs": [], "files": [], "threads": []}
+    assert result["before"] == nothing, result["before"]
+    for what in ("Init dtype None, threshold 0", "Init dtype torch.bfloat16, threshold 0",
+                 "Init dtype None, threshold 100"):
+        run = result[what]
+        assert len(run["after Init"]) == 1 and run["after Init"][0].startswith("zerotrain-param-r"), run
+        if what.endswith("threshold 0"):
+            # initialize casts the shards Init wrote (fp32 when Init had no dtype) in their store: no second file
+            assert run["after initialize"] == run["after Init"], (what, run)
+        assert run["after close"] == nothing, (what, run["after close"])
+        assert run["init"] == "Init"
+    # The cast in the store is the cast Init(dtype=bf16) makes: the same run, bit for bit.
+    losses = [result[what]["losses"] for what in result if what.startswith("Init dtype")]
+    assert losses[0] == losses[1] == losses[2], losses
+    message, after = result["construction raised"]
+    assert message == "model construction failed" and after == nothing, (message, after)
+    error, after = result["initialize raised"]
+    assert error == "FileExistsError" and after == nothing, after
+    key, after = result["monitor refused"]
+    assert key == "wandb.enabled" and after == nothing, after
 
 
 def reinit_after_initialize(steps: int) -> tuple:

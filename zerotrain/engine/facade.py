@@ -38,13 +38,14 @@ class ZeroTrainEngine(EngineCore):
         # the size keys left unset, from the memory budget (every way of building an engine); a run that cannot
         # fit stops here, before any part is built
         config = resolve_memory(model, config, topology, trains=optimizer is not None or config.optimizer is not None)
+        # an enabled tensorboard/wandb block without its library: refused on every rank, before any part holds files
+        check_monitor_libraries(config)
         super().__init__(build_parts(model, config, topology, model_parameters, optimizer, lr_scheduler))
         self._checkpoint_files: dict[str, bytes] = {}  # add_checkpoint_files: copied into every checkpoint
         self._checkpoint_view: Optional[Callable[[CheckpointState], CheckpointState]] = None  # view_checkpoint_state
         self._checkpoint_file_makers: list[Callable[[], dict]] = []  # ... and files made at each save
         self.stop_request = StopRequest()  # signals turned into a stop at a step boundary (opt-in)
         self.tput_timer = ThroughputTimer(config.train_batch_size)  # DeepSpeed's engine.tput_timer (monitor.throughput)
-        check_monitor_libraries(config)  # an enabled tensorboard/wandb block without its library: refused on every rank
         self.monitor: Optional[Monitors] = None  # DeepSpeed's engine events, rank 0, built at the first step
         self._configure_activation_checkpointing()
 
@@ -343,9 +344,7 @@ class ZeroTrainEngine(EngineCore):
         if self.monitor is not None:
             self.monitor.close()
             self.monitor = None
-        self.parts.zero_optimizer.close()
-        if self.parts.param_store is not None:
-            self.parts.param_store.close()
+        self.parts.close()
 
     # --- stopping on signals (zerotrain.lifecycle) -----------------------------
     def install_signal_handlers(self, signals=None) -> StopRequest:

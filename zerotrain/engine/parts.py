@@ -81,6 +81,12 @@ class EngineParts:
     def stage3(self) -> Optional[Stage3Model]:
         return self.weights.stage3
 
+    def close(self) -> None:
+        """Release the offload optimizer's and the parameter store's threads and files (idempotent)."""
+        self.zero_optimizer.close()
+        if self.param_store is not None:
+            self.param_store.close()
+
 
 def build_parts(model: torch.nn.Module, config: ZeroTrainConfig, topology: Topology,
                 model_parameters: Optional[Iterable] = None, optimizer: OptimizerLike = None,
@@ -120,42 +126,59 @@ def build_parts(model: torch.nn.Module, config: ZeroTrainConfig, topology: Topol
         warnings.warn(f"parameters {orphans[:5]} require grad but are in no optimizer group; they stay frozen")
     zero = config.zero_optimization
     param_store = None
-    if stage == 3:
-        prefetch_numel, max_live_numel, max_reuse_distance = zero.stage3_fetch_limits()
-        stage3 = partition_module(module, comm, group_of, int(zero.stage3_param_persistence_threshold),
-                                  bool(zero.stage3_allgather_sequential), int(prefetch_numel),
-                                  int(max_live_numel), int(max_reuse_distance), experts=expert_groups, fence=fences)
-        stage3.use_param_store(build_param_store(stage3.all_parts(), zero.offload_param, config.aio, comm.rank,
-                                                 stage3.early_stores))
-        param_store = stage3.param_store
-        weights: Weights = PartitionedWeights(module, stage3)
-    else:
-        buckets = build_sharded_buckets([(n, p) for n, p in named if id(p) in group_of], group_of,
-                                        int(zero.reduce_bucket_size), comm, stage >= 1, expert_groups)
-        _broadcast_initial_state(module, buckets, comm)
-        weights = FlatWeights(module, buckets)
-    reducer = NoGradients() if forward_only else _reducer(weights.buckets, config, topology, comm, stage)
-    if weights.stage3 is not None:  # its release hooks must run after the reducer's gradient hooks
-        weights.stage3.hooks = Stage3Hooks(module, weights.fetcher)
-        _configure_weight_gathers(weights.fetcher, config, topology, comm)
-        weights.fetcher.configure_fp8_gathers(float8_gathered_weights(module, fp8_plan, config.fp8))
-    loss_scaler = LossScaler.from_config(config.fp16)
-    zero_optimizer = NoOptimizer() if forward_only else \
-        _master_optimizer(weights.buckets, config, topology, comm, tp_comm, torch_optimizer, reducer, loss_scaler,
-                          fences)
-    if weights.stage3 is not None:  # GatheredParameters and initializers write the masters through the owner
-        weights.stage3.use_masters(zero_optimizer)
-    scheduler = None if forward_only else _scheduler(config, torch_optimizer, lr_scheduler)
-    forward_passes = None
-    if forward_only:
-        forward_passes = _prepare_forward_only(module, weights, topology)
-    else:
-        _prepare_generate_between_steps(module, weights, topology, expert_groups, zero_optimizer.before_model_use)
-    return EngineParts(config=config, topology=topology, stage=stage, dtype=dtype, counters=counters, comm=comm,
-                       tp_comm=tp_comm, expert_groups=expert_groups, sequence_parallel=sequence_parallel,
-                       fences=fences, module=module, weights=weights, reducer=reducer, zero_optimizer=zero_optimizer,
-                       optimizer=torch_optimizer, lr_scheduler=scheduler, loss_scaler=loss_scaler,
-                       param_store=param_store, forward_passes=forward_passes, forward_only=forward_only)
+    zero_optimizer = None
+    try:  # a part that fails closes the threads and files of those built before it
+        if stage == 3:
+            prefetch_numel, max_live_numel, max_reuse_distance = zero.stage3_fetch_limits()
+            stage3 = partition_module(module, comm, group_of, int(zero.stage3_param_persistence_threshold),
+                                      bool(zero.stage3_allgather_sequential), int(prefetch_numel),
+                                      int(max_live_numel), int(max_reuse_distance), experts=expert_groups, fence=fences)
+            stage3.use_param_store(build_param_store(stage3.all_parts(), zero.offload_param, config.aio, comm.rank,
+                                                     stage3.early_stores))
+            param_store = stage3.param_store
+            weights: Weights = PartitionedWeights(module, stage3)
+        else:
+            buckets = build_sharded_buckets([(n, p) for n, p in named if id(p) in group_of], group_of,
+                                            int(zero.reduce_bucket_size), comm, stage >= 1, expert_groups)
+            _broadcast_initial_state(module, buckets, comm)
+            weights = FlatWeights(module, buckets)
+        reducer = NoGradients() if forward_only else _reducer(weights.buckets, config, topology, comm, stage)
+        if weights.stage3 is not None:  # its release hooks must run after the reducer's gradient hooks
+            weights.stage3.hooks = Stage3Hooks(module, weights.fetcher)
+            _configure_weight_gathers(weights.fetcher, config, topology, comm)
+            weights.fetcher.configure_fp8_gathers(float8_gathered_weights(module, fp8_plan, config.fp8))
+        loss_scaler = LossScaler.from_config(config.fp16)
+        zero_optimizer = NoOptimizer() if forward_only else \
+            _master_optimizer(weights.buckets, config, topology, comm, tp_comm, torch_optimizer, reducer, loss_scaler,
+                              fences)
+        if weights.stage3 is not None:  # GatheredParameters and initializers write the masters through the owner
+            weights.stage3.use_masters(zero_optimizer)
+        scheduler = None if forward_only else _scheduler(config, torch_optimizer, lr_scheduler)
+        forward_passes = None
+        if forward_only:
+            forward_passes = _prepare_forward_only(module, weights, topology)
+        else:
+            _prepare_generate_between_steps(module, weights, topology, expert_groups, zero_optimizer.before_model_use)
+        return EngineParts(config=config, topology=topology, stage=stage, dtype=dtype, counters=counters, comm=comm,
+                           tp_comm=tp_comm, expert_groups=expert_groups, sequence_parallel=sequence_parallel,
+                           fences=fences, module=module, weights=weights, reducer=reducer,
+                           zero_optimizer=zero_optimizer,
+                           optimizer=torch_optimizer, lr_scheduler=scheduler, loss_scaler=loss_scaler,
+                           param_store=param_store, forward_passes=forward_passes, forward_only=forward_only)
+    except BaseException:
+        _close_built(zero_optimizer, param_store)
+        raise
+
+
+def _close_built(zero_optimizer: Optional[MasterOptimizer], param_store: Optional[ParamStore]) -> None:
+    """Release what a failed `build_parts` had built (the offload optimizer's and the parameter store's I/O threads
+    and swap files), leaving the original error to propagate."""
+    for part in (zero_optimizer, param_store):
+        if part is not None:
+            try:
+                part.close()
+            except Exception:  # noqa: BLE001 - the build's own error is the one to report
+                pass
 
 
 def _param_groups(module: torch.nn.Module, model_parameters: Optional[Iterable]) -> list[dict]:

@@ -344,7 +344,11 @@ class FullBufferReducer(BucketReducer):
         self.grad_shards[index] = reduced.float() if reduced.dtype != torch.float32 else reduced
 
     def _gradient_bytes(self) -> int:
-        return sum(full.numel() * full.element_size() for full in self.full_grads)
+        """The full buffers, and the reduced fp32 gradients from the accumulation boundary to the step where they
+        are tensors of their own (a shard, or the fp32 cast of a bf16/fp16 buffer): what backward leaves held."""
+        own = sum(shard.numel() * shard.element_size() for shard, full in zip(self.grad_shards, self.full_grads)
+                  if shard is not None and shard.untyped_storage().data_ptr() != full.untyped_storage().data_ptr())
+        return own + sum(full.numel() * full.element_size() for full in self.full_grads)
 
     def held_tensors(self) -> list[torch.Tensor]:
         return list(self.full_grads) + super().held_tensors()

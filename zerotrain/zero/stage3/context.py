@@ -59,7 +59,7 @@ class Init:
                 config = json.load(handle)
         self.config = config or {}
         self.tp_size = _tensor_parallel_size(self.config)
-        self.store = None  # offload_param nvme: where each shard goes as it is partitioned
+        self.store = None  # offload_param nvme: where each shard goes as it is partitioned (while inside)
         self.owner = ParamOwner()  # of every parameter it partitions (with the store)
         threshold = (self.config.get("zero_optimization") or {}).get("stage3_param_persistence_threshold", 100_000)
         # "auto" (HF Trainer configs): offload every shard; initialize gives the persistent ones back.
@@ -101,8 +101,14 @@ class Init:
         for cls, original in reversed(self._patched):
             cls.__init__ = original
         self._patched.clear()
-        if self.store is not None:
-            self.store.flush()  # every shard on disk (a failed write raises here, naming file and rank)
+        # the parts' owner keeps the store (initialize adopts it and engine.close closes it), not this context
+        store, self.store, self.owner = self.store, None, ParamOwner()
+        if store is None:
+            return
+        if exc[0] is not None:  # the model being built is lost: its file and I/O threads go now, not at exit
+            store.close()
+            return
+        store.flush()  # every shard on disk (a failed write raises here, naming file and rank)
 
     def _wrap(self, original):
         init = self

@@ -208,10 +208,12 @@ class PartitionedParam(ShardLayout):
 
     def to_(self, device: torch.device, dtype: torch.dtype) -> None:
         """Move or cast the shard (the module's own .to() would gather)."""
+        store = None
         if self._shard is None:
             if (device, dtype) == (self.device, self.dtype):
                 return
-            self.owner.store.remove(self)  # written out by zero.Init: back in memory to cast (the engine re-offloads it)
+            store = self.owner.store  # written out by zero.Init: back in memory to cast, then back into the store
+            store.remove(self)
         self.shard = self.shard.to(device=device, dtype=dtype)
         self.dtype, self.device = dtype, device
         self.empty = self._placeholder()
@@ -219,6 +221,8 @@ class PartitionedParam(ShardLayout):
             self.bind(self.flat_param.to(device=device, dtype=dtype))
         else:
             self.param.data = self.empty
+        if store is not None:  # one shard in host memory at a time, and the engine adopts (and closes) the store
+            store.add(self)
 
     def state_dict_value(self) -> torch.Tensor:
         """What `module.state_dict()` holds for this parameter: its values while gathered (persistent, or inside
