@@ -189,6 +189,21 @@ COVERING: dict[str, list[str]] = {
         "tests/checkpoint/test_ckpt_lock.py::test_a_second_job_is_refused_naming_the_holder_and_a_stale_lock_is_taken_over",
         "tests/checkpoint/test_ckpt_lock.py::test_lock_from_another_host_is_never_guessed_stale"],
     "zerotrain/checkpoint/fence.py": ["tests/checkpoint/test_ckpt_fence.py"],  # in-process threads, seconds
+    # issue #48 round 4 (checkpoint internals): in-process first; the world-2 async test names a failing rank
+    "zerotrain/checkpoint/commit.py": ["tests/checkpoint/test_ckpt_commit_units.py", "tests/checkpoint/test_ckpt_units.py"],
+    "zerotrain/checkpoint/checkpointer.py": [
+        "tests/checkpoint/test_ckpt_world_of_one.py",
+        "tests/checkpoint/test_ckpt_async.py::test_async_save_overlaps_training_and_surfaces_errors"],
+    "zerotrain/checkpoint/snapshot.py": [
+        "tests/checkpoint/test_ckpt_world_of_one.py",
+        "tests/checkpoint/test_ckpt_async.py::test_async_save_overlaps_training_and_surfaces_errors"],
+    "zerotrain/checkpoint/source.py": ["tests/checkpoint/test_ckpt_world_of_one.py"],
+    "zerotrain/checkpoint/slots.py": ["tests/checkpoint/test_ckpt_loco_slots_units.py"],
+    "zerotrain/checkpoint/loco.py": ["tests/checkpoint/test_ckpt_loco_slots_units.py"],
+    "zerotrain/checkpoint/optim_state.py": ["tests/checkpoint/test_ckpt_optim_state_units.py",
+                                            "tests/checkpoint/test_ckpt_units.py"],
+    "zerotrain/checkpoint/tools.py": ["tests/checkpoint/test_ckpt_tools_units.py"],
+    "zerotrain/checkpoint/command.py": ["tests/checkpoint/test_ckpt_tools_units.py"],
     "zerotrain/utils/repeating.py": ["tests/test_repeating_loader.py"],
     "zerotrain/config/auto.py": ["tests/config/test_hf_arguments.py"],  # the import scan misses it (via the package)
     "zerotrain/checkpoint/plan.py": [

@@ -88,6 +88,7 @@ def test_async_save_overlaps_training_and_surfaces_errors(tmp_path):
         assert "disk on fire" in result["step_error"]
         assert result["wait_error"] and "disk on fire" in result["wait_error"]
         assert "client_state['sampler']" in result["client_state_error"], result["client_state_error"]
+        assert result["client_state_error"].startswith("cannot save checkpoint bad_state (rank 0): ")  # the rank
     assert results[0]["failed_at_attempt"] == results[1]["failed_at_attempt"]
     assert out["latest_after"] == "after"
     assert out["entries"] == [".zerotrain-lock.json", "after", "async", "latest"]  # the job holds the lock
