@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 import time
 
@@ -140,17 +141,29 @@ def test_a_failed_background_write_names_its_error(tmp_path, world_of_one, monke
     engine.close()
 
 
-def test_on_save_error_warn_logs_and_trains_on(tmp_path, world_of_one, monkeypatch, caplog):
+def test_on_save_error_warn_logs_and_trains_on_warning_at_the_callers_line(tmp_path, world_of_one, monkeypatch,
+                                                                          caplog):
+    import zerotrain
+
     engine = make_engine(stage=2, on_save_error="warn")
     train(engine, 0, 1)
     _fail_writes(monkeypatch, OSError("disk on fire (injected)"))
     with caplog.at_level(logging.WARNING, logger="zerotrain"), \
-            pytest.warns(RuntimeWarning, match="checkpoint save failed; training goes on: .*disk on fire"):
+            pytest.warns(RuntimeWarning, match="checkpoint save failed; training goes on: .*disk on fire") as said:
+        line = sys._getframe().f_lineno + 1
         assert engine.save_checkpoint(str(tmp_path), tag="a") is None
+    assert [(w.filename, w.lineno) for w in said] == [(__file__, line)]  # the caller's line, not zerotrain's
     assert any("on_save_error: warn" in record.getMessage() and "disk on fire" in record.getMessage()
                for record in caplog.records)
+    # an asynchronous save's failure, warned at the next step(): at the first line outside zerotrain too
+    engine.save_checkpoint(str(tmp_path), tag="b", async_save=True)
+    _join_writers()
+    with pytest.warns(RuntimeWarning, match="disk on fire") as said:
+        train(engine, 1, 1)
+    package = os.path.dirname(os.path.abspath(zerotrain.__file__))
+    assert len(said) == 1 and not said[0].filename.startswith(package + os.sep), said[0].filename
     monkeypatch.undo()
-    train(engine, 1, 1)
+    train(engine, 2, 1)
     engine.close()
 
 
