@@ -204,6 +204,15 @@ COVERING: dict[str, list[str]] = {
                                             "tests/checkpoint/test_ckpt_units.py"],
     "zerotrain/checkpoint/tools.py": ["tests/checkpoint/test_ckpt_tools_units.py"],
     "zerotrain/checkpoint/command.py": ["tests/checkpoint/test_ckpt_tools_units.py"],
+    # in-process: the tracker and the settings (new), then the in-process cases of the activation checkpointing file
+    "zerotrain/checkpointing/rng.py": [
+        "tests/checkpointing/test_checkpointing_units.py",
+        "tests/checkpointing/test_activation_checkpointing.py::test_rng_tracker_replays_a_forked_dropout_in_the_recompute",
+        "tests/checkpointing/test_activation_checkpointing.py::test_rng_tracker_after_backward_is_where_the_forward_left_it_over_several_regions"],
+    "zerotrain/checkpointing/settings.py": [
+        "tests/checkpointing/test_checkpointing_units.py",
+        "tests/checkpointing/test_activation_checkpointing.py::test_configure_reads_the_block_and_refuses_contiguous_without_partition",
+        "tests/checkpointing/test_activation_checkpointing.py::test_contiguous_without_number_checkpoints_loads_and_is_checked_on_use"],
     "zerotrain/utils/logging.py": ["tests/test_utils_shims.py"],
     "zerotrain/utils/module_utils.py": ["tests/test_utils_shims.py"],
     "zerotrain/utils/repeating.py": ["tests/test_repeating_loader.py"],
