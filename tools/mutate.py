@@ -213,6 +213,10 @@ COVERING: dict[str, list[str]] = {
         "tests/checkpointing/test_checkpointing_units.py",
         "tests/checkpointing/test_activation_checkpointing.py::test_configure_reads_the_block_and_refuses_contiguous_without_partition",
         "tests/checkpointing/test_activation_checkpointing.py::test_contiguous_without_number_checkpoints_loads_and_is_checked_on_use"],
+    # in-process: the monitor blocks against DeepSpeed's models, the record and writers, the memory timeline
+    "zerotrain/config/monitor.py": ["tests/monitor/test_monitor.py"],
+    **{f"zerotrain/monitor/{name}.py": ["tests/monitor/test_monitor.py", "tests/monitor/test_memory_timeline.py"]
+       for name in ("writers", "schema", "timers", "measure", "throughput", "memory_timeline")},
     "zerotrain/utils/logging.py": ["tests/test_utils_shims.py"],
     "zerotrain/utils/module_utils.py": ["tests/test_utils_shims.py"],
     "zerotrain/utils/repeating.py": ["tests/test_repeating_loader.py"],

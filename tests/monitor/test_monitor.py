@@ -191,3 +191,16 @@ def test_docs_describe_every_field_of_the_schema():
     for name in ("Train/Samples/lr", "Train/Samples/loss_scale", "Train/Samples/train_loss", "Train/Samples/eval_loss",
                  "Train/Samples/elapsed_time_ms_backward_allreduce"):
         assert name in text
+
+
+def test_the_monitor_blocks_take_deepspeeds_defaults():
+    """config/monitor.py against DeepSpeed 0.19's own models (deepspeed/monitor/config.py): every key's default, and
+    a block given without `enabled` builds no monitor."""
+    from deepspeed.monitor import config as ds
+
+    config = load_config(BASE)
+    for ours, theirs in ((config.tensorboard, ds.TensorBoardConfig()), (config.csv_monitor, ds.CSVConfig()),
+                         (config.wandb, ds.WandbConfig())):
+        assert ours.model_dump() == theirs.model_dump(), type(ours).__name__
+    assert not Monitors.build(load_config(dict(BASE, tensorboard={"output_path": "tb"}, csv_monitor={"job_name": "j"},
+                                               wandb={"team": "t"})))
