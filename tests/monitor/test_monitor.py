@@ -4,6 +4,7 @@ documentation. The TensorBoard events of a real world-2 run are checked in
 tests/checkpoint/test_ckpt_cli.py (it carries the monitor blocks in a launch it makes anyway)."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -204,3 +205,68 @@ def test_the_monitor_blocks_take_deepspeeds_defaults():
         assert ours.model_dump() == theirs.model_dump(), type(ours).__name__
     assert not Monitors.build(load_config(dict(BASE, tensorboard={"output_path": "tb"}, csv_monitor={"job_name": "j"},
                                                wandb={"team": "t"})))
+
+
+class _Listener:
+    """What a MemoryTimeline is told by the timers: (event, phase) in order."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def begin(self, name):
+        self.events.append(("begin", name))
+
+    def end(self, name):
+        self.events.append(("end", name))
+
+    def phase(self, name):
+        self.events.append(("phase", name))
+        return contextlib.nullcontext()
+
+    def step_done(self):
+        self.events.append(("step", None))
+
+
+def test_wall_clock_timers_sum_micro_steps_per_optimizer_step_in_ms(monkeypatch):
+    """monitor/timers.py with a fake clock: each name sums its regions over one optimizer step, close_step() keeps
+    the totals (every DeepSpeed name, 0 for unused) and starts over; a region that raises counts too; disabled
+    timers keep nothing; the listener hears every region under its phase name, timed or not."""
+    from zerotrain.monitor import timers as module
+    from zerotrain.monitor.memory_timeline import PHASE_OF_TIMER
+
+    clock = iter(float(t) for t in range(0, 1000, 1))
+    monkeypatch.setattr(module.time, "perf_counter", lambda: next(clock) / 1000.0)  # +1 ms per reading
+    timers = module.WallClockTimers(enabled=True, device=torch.device("cpu"))
+    listener = timers.listener = _Listener()
+    for _ in range(2):  # two micro-steps
+        with timers("fwd"):
+            pass
+        with timers("bwd"):
+            with timers("bwd_inner"):
+                pass
+    with pytest.raises(RuntimeError):
+        with timers("step"):
+            raise RuntimeError("overflow")
+    timers.close_step()
+    assert timers.last == pytest.approx({"fwd": 2.0, "bwd": 6.0, "bwd_inner": 2.0, "bwd_allreduce": 0.0, "step": 1.0})
+    with timers("fwd"):
+        pass
+    timers.close_step()
+    assert timers.last == pytest.approx({"fwd": 1.0, "bwd": 0.0, "bwd_inner": 0.0, "bwd_allreduce": 0.0, "step": 0.0})
+    assert listener.events[:4] == [("begin", PHASE_OF_TIMER.get("fwd", "fwd")), ("end", PHASE_OF_TIMER.get("fwd", "fwd")),
+                                   ("begin", PHASE_OF_TIMER.get("bwd", "bwd")),
+                                   ("begin", PHASE_OF_TIMER.get("bwd_inner", "bwd_inner"))]
+    assert ("end", PHASE_OF_TIMER.get("step", "step")) in listener.events
+    assert listener.events.count(("step", None)) == 2
+    timers.phase("gather")
+    assert listener.events[-1] == ("phase", PHASE_OF_TIMER.get("gather", "gather"))
+    off = module.WallClockTimers(enabled=False, device=torch.device("cpu"))
+    with off("fwd"):
+        pass
+    off.close_step()
+    assert off.last == {}
+    assert isinstance(off.phase("save"), contextlib.nullcontext)  # no listener: nothing to tell
+    off.listener = _Listener()
+    with off("bwd"):
+        pass
+    assert off.listener.events == [("begin", PHASE_OF_TIMER.get("bwd", "bwd")), ("end", PHASE_OF_TIMER.get("bwd", "bwd"))]
