@@ -95,3 +95,14 @@ def test_hyperparameters_go_out_as_json_and_come_back_into_the_groups():
     assert first["betas"] == (0.9, 0.99) and isinstance(first["betas"], tuple)
     with pytest.raises(CheckpointError, match="has 2 parameter groups, this engine's has 1"):
         check_groups(saved, torch.optim.AdamW([c]))
+
+
+def test_a_tensor_hyperparameter_comes_back_whole():
+    """A group's vector hyperparameter (a custom optimizer's per-group tensor) is saved and restored as the tensor it
+    was; only a scalar tensor is filled in place from a saved number."""
+    saved = json.loads(json.dumps(group_hyperparameters(torch.optim.SGD(
+        [{"params": [torch.nn.Parameter(torch.zeros(2))], "scale": torch.tensor([1.0, 2.0])}], lr=0.1))))
+    target = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(2))], "scale": torch.tensor([5.0, 6.0])}],
+                             lr=0.1)
+    restore_hyperparameters(saved, target)
+    assert torch.equal(target.param_groups[0]["scale"], torch.tensor([1.0, 2.0]))
