@@ -30,6 +30,12 @@ def test_the_device_is_the_accelerators_else_the_cpu():
     assert ckpt.get_rng_tracker().device_type == rng_device_type()
 
 
+def test_a_torch_without_torch_accelerator_draws_on_the_cpu(monkeypatch):
+    """torch 2.4 and 2.5 (pyproject's floor) have no `torch.accelerator`: the CPU generator, not an AttributeError."""
+    monkeypatch.delattr(torch, "accelerator")
+    assert rng_device_type() == "cpu"
+
+
 @pytest.mark.parametrize("tp_rank, tracked_seed", [(None, 7 + 2718), (0, 7 + 2718), (3, 7 + 2718 + 3)])
 def test_model_parallel_seed_is_deepspeeds_and_a_fork_leaves_the_default_generator(unconfigured, tp_rank,
                                                                                  tracked_seed):

@@ -270,3 +270,50 @@ def test_wall_clock_timers_sum_micro_steps_per_optimizer_step_in_ms(monkeypatch)
     with off("bwd"):
         pass
     assert off.listener.events == [("begin", PHASE_OF_TIMER.get("bwd", "bwd")), ("end", PHASE_OF_TIMER.get("bwd", "bwd"))]
+
+
+# Dense bf16/fp16 tensor-core peaks from the vendors' data sheets, by the name torch reports for the device.
+DATA_SHEET_TFLOPS = {"NVIDIA GB200": 2500.0, "NVIDIA B200": 2250.0, "NVIDIA H200": 989.4, "NVIDIA H100 PCIe": 756.0,
+                     "NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H800": 989.4, "NVIDIA A100-SXM4-80GB": 312.0,
+                     "NVIDIA A800 80GB PCIe": 312.0, "NVIDIA L40S": 362.1, "NVIDIA L40": 181.0, "NVIDIA A10G": 125.0,
+                     "NVIDIA A10": 125.0, "NVIDIA L4": 121.0, "Tesla V100-SXM2-32GB": 125.0,
+                     "AMD Instinct MI300X": 1307.4, "AMD Instinct MI250X": 383.0}
+
+
+def test_peak_flops_are_the_data_sheets_for_16_bit_training_only(monkeypatch):
+    """monitor/measure.py: the peak behind MFU, by device name (the most specific part first: an H100 PCIe is not an
+    SXM H100, an L40S not an L40), None for fp32, CPUs and unknown devices, ZEROTRAIN_PEAK_TFLOPS over all."""
+    from zerotrain.monitor import measure
+
+    monkeypatch.delenv(measure.PEAK_TFLOPS_ENV, raising=False)
+    cuda = torch.device("cuda", 0)
+    for name, tflops in DATA_SHEET_TFLOPS.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert measure.peak_flops(cuda, "bf16") == measure.peak_flops(cuda, "fp16") == tflops * 1e12, name
+        assert measure.peak_flops(cuda, "fp32") is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA T4")
+    assert measure.peak_flops(cuda, "bf16") is None
+    assert measure.peak_flops(torch.device("cpu"), "bf16") is None
+    monkeypatch.setenv(measure.PEAK_TFLOPS_ENV, "123.5")
+    assert measure.peak_flops(torch.device("cpu"), "fp32") == 123.5e12
+    monkeypatch.setenv(measure.PEAK_TFLOPS_ENV, "fast")
+    with pytest.raises(ValueError, match="ZEROTRAIN_PEAK_TFLOPS='fast' is not a number"):
+        measure.peak_flops(cuda, "bf16")
+
+
+def test_memory_is_the_process_peak_rss_in_bytes_on_the_cpu():
+    from zerotrain.monitor import measure
+
+    def status_kib(field: str) -> int:
+        with open("/proc/self/status") as handle:
+            return next(int(line.split()[1]) for line in handle if line.startswith(field + ":"))
+
+    rss = status_kib("VmRSS") * 1024
+    measured = measure.memory_bytes(torch.device("cpu"))
+    # the kernel's own high-water mark (ru_maxrss trails VmRSS by the pages touched since its last accounting)
+    assert 0.9 * rss <= measured <= status_kib("VmHWM") * 1024 * 1.01 + (1 << 20)
+    assert measure.memory_kind(torch.device("cpu")) == "peak_rss"
+    assert measure.memory_kind(torch.device("cuda", 0)) == "cuda_max_allocated"
+    model = torch.nn.Linear(3, 2)
+    model.weight.ds_numel = 60  # a ZeRO-3 shard knows its whole size
+    assert measure.parameter_count(model) == 60 + 2
