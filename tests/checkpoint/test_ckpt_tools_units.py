@@ -186,3 +186,27 @@ def test_the_read_only_helpers_find_the_latest_and_the_intact_checkpoints(saved,
     assert tools.intact_tags(str(copy)) == [("global_step2", 2), ("older", 1)]  # the newest step first
     assert tools.intact_tags(str(tmp_path / "missing")) == []
     assert not tools.is_hugging_face_model(path)
+
+
+def test_an_exported_hugging_face_config_names_the_dtype_it_was_cast_to(saved, tmp_path):
+    """A checkpoint of a Hugging Face model carries config.json and generation_config.json: the export copies them,
+    naming the cast dtype in config.json's own spelling (`dtype`, or an older config's `torch_dtype`)."""
+    _, path, weights, _ = saved
+    hf = tmp_path / "hf"
+    shutil.copytree(path, hf)
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama", "dtype": "float32", "architectures": ["X"]}))
+    (hf / "generation_config.json").write_text(json.dumps({"max_length": 7}))
+    for dtype, name in (("bf16", "bfloat16"), ("fp16", "float16")):
+        out = tools.export_model(str(hf), str(tmp_path / dtype), dtype=dtype)
+        assert json.load(open(os.path.join(out, "config.json"))) == {"model_type": "llama", "dtype": name,
+                                                                    "architectures": ["X"]}
+        assert json.load(open(os.path.join(out, "generation_config.json"))) == {"max_length": 7}
+        index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+        tensor = load_file(os.path.join(out, index["weight_map"]["fc1.weight"]))["fc1.weight"]
+        assert tensor.dtype == getattr(torch, name) and torch.equal(tensor, weights["fc1.weight"].to(tensor.dtype))
+        assert tools.is_hugging_face_model(out)
+    as_saved = tools.export_model(str(hf), str(tmp_path / "as_saved"))
+    assert json.load(open(os.path.join(as_saved, "config.json")))["dtype"] == "float32"  # not cast: as it was
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "float32"}))
+    legacy = tools.export_model(str(hf), str(tmp_path / "legacy"), dtype="bf16")
+    assert json.load(open(os.path.join(legacy, "config.json"))) == {"model_type": "llama", "torch_dtype": "bfloat16"}

@@ -259,3 +259,34 @@ def test_the_config_files_of_a_hugging_face_model_name_the_saved_dtype():
     legacy.to_dict = lambda: {"model_type": "custom"}
     assert hf_config_files(module, torch.bfloat16) == {"config.json": {"model_type": "custom", "dtype": "bfloat16",
                                                                       "architectures": ["Linear"]}}
+
+
+def test_a_directory_with_zerotrain_state_but_no_manifest_is_refused_and_null_metadata_is_empty(tmp_path,
+                                                                                                  world_of_one):
+    """checkpoint/source.py: any of zerotrain's own files (rank 0's RNG state included) without the manifest is an
+    unfinished checkpoint, never a plain HF directory; an index whose metadata is null reads as no metadata."""
+    from safetensors.torch import save_file
+
+    from zerotrain.checkpoint import source
+    from zerotrain.checkpoint.format import CheckpointError
+
+    cut = tmp_path / "cut"
+    os.makedirs(cut)
+    save_file({"w": torch.zeros(2)}, str(cut / "model.safetensors"))
+    (cut / "rng_state_0.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="has no manifest.json"):
+        source.open_source(str(cut), load_module_only=True)
+    engine = make_engine(stage=1)
+    train(engine, 0, 1)
+    path = engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+    engine.close()
+    index_path = os.path.join(path, "optimizer.safetensors.index.json")
+    index = json.load(open(index_path))
+    index["metadata"] = None
+    with open(index_path, "w") as handle:
+        json.dump(index, handle)
+    manifest = json.load(open(os.path.join(path, "manifest.json")))
+    manifest["files"]["optimizer.safetensors.index.json"]["size"] = os.path.getsize(index_path)
+    with open(os.path.join(path, "manifest.json"), "w") as handle:
+        json.dump(manifest, handle)
+    assert source.open_source(path, load_module_only=False).optimizer_meta == {}
