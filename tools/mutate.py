@@ -217,6 +217,10 @@ COVERING: dict[str, list[str]] = {
     "zerotrain/config/monitor.py": ["tests/monitor/test_monitor.py"],
     **{f"zerotrain/monitor/{name}.py": ["tests/monitor/test_monitor.py", "tests/monitor/test_memory_timeline.py"]
        for name in ("writers", "schema", "timers", "measure", "throughput", "memory_timeline")},
+    "zerotrain/config/loader.py": ["tests/config/test_loader.py", "tests/config/test_schema.py",
+                                   "tests/config/test_config_base.py"],
+    "zerotrain/config/schema.py": ["tests/config/test_schema.py", "tests/config/test_loader.py",
+                                   "tests/test_option_coverage.py"],
     "zerotrain/utils/logging.py": ["tests/test_utils_shims.py"],
     "zerotrain/utils/module_utils.py": ["tests/test_utils_shims.py"],
     "zerotrain/utils/repeating.py": ["tests/test_repeating_loader.py"],
