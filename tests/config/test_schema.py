@@ -576,3 +576,9 @@ def test_one_stage_per_rank_needs_no_multi_stage_schedule_and_the_bf16_masters_w
         load_config({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}})
     with pytest.raises(ConfigError, match="checkpoint.on_save_error.*expected one of 'raise', 'warn', got"):
         load_config({"checkpoint": {"on_save_error": "ignore"}})  # the default first, as the docs list them
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)  # where bf16 masters are implemented: no warning, and used
+        cfg = load_config({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
+                           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    assert cfg.bf16_records is True
