@@ -218,3 +218,12 @@ def test_import_is_a_ckpt_tool_and_a_directory_that_is_no_deepspeed_checkpoint_i
     err = capsys.readouterr().err
     assert status == 1 and text == "" and err.startswith("zerotrain ckpt import: ") and len(err.splitlines()) == 1
     assert not os.path.exists(tmp_path / "out" / "latest")
+
+
+def test_merge_lora_takes_an_optional_adapter_directory(capsys):
+    assert _parse("export", "d", "o").merge_lora is None
+    assert _parse("export", "d", "o", "--merge-lora").merge_lora == ""  # the checkpoint's own adapter
+    assert _parse("export", "d", "o", "--merge-lora", "adapter").merge_lora == "adapter"
+    with pytest.raises(SystemExit):
+        _parse("export", "--help")
+    assert "--merge-lora [ADAPTER_DIR]" in capsys.readouterr().out
