@@ -210,6 +210,9 @@ def test_an_exported_hugging_face_config_names_the_dtype_it_was_cast_to(saved, t
     (hf / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "float32"}))
     legacy = tools.export_model(str(hf), str(tmp_path / "legacy"), dtype="bf16")
     assert json.load(open(os.path.join(legacy, "config.json"))) == {"model_type": "llama", "torch_dtype": "bfloat16"}
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama"}))  # no dtype at all: today's spelling
+    plain = tools.export_model(str(hf), str(tmp_path / "plain"), dtype="fp16")
+    assert json.load(open(os.path.join(plain, "config.json"))) == {"model_type": "llama", "dtype": "float16"}
 
 
 def test_import_is_a_ckpt_tool_and_a_directory_that_is_no_deepspeed_checkpoint_is_one_line(saved, tmp_path, capsys):
@@ -218,6 +221,9 @@ def test_import_is_a_ckpt_tool_and_a_directory_that_is_no_deepspeed_checkpoint_i
     err = capsys.readouterr().err
     assert status == 1 and text == "" and err.startswith("zerotrain ckpt import: ") and len(err.splitlines()) == 1
     assert not os.path.exists(tmp_path / "out" / "latest")
+    with pytest.raises(SystemExit):
+        _parse("import", "--help")
+    assert "DS_DIR OUT" in capsys.readouterr().out
 
 
 def test_merge_lora_takes_an_optional_adapter_directory(capsys):

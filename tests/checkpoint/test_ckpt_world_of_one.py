@@ -177,6 +177,7 @@ def test_the_directory_to_load_is_found_classified_and_its_files_listed(tmp_path
     save_dir = str(tmp_path / "ckpt")
     engine = make_engine(stage=1, precision="bf16")
     train(engine, 0, 1)
+    engine.add_checkpoint_files({"config.json": b'{"model_type": "x"}'})  # as a Hugging Face model's save holds
     path = engine.save_checkpoint(save_dir, tag="t1")
     engine.close()
     assert source.resolve(save_dir, None) == path == source.resolve(save_dir, "t1")
@@ -205,6 +206,7 @@ def test_the_directory_to_load_is_found_classified_and_its_files_listed(tmp_path
     assert set(module_only) == set(no_optim) - {"rng_state_0.json"}  # weights only, optimizer states asked or not
     assert "master_weights.safetensors.index.json" in module_only and opened.files_of("master_weights") <= set(
         module_only)
+    assert "config.json" in module_only
     assert source.verify(opened, full, 0, 1, checksums=False) is None
     assert source.verify(opened, full, 0, 1, checksums=True)
     # a plain Hugging Face directory: one safetensors file, weights only
