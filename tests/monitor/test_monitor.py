@@ -317,3 +317,11 @@ def test_memory_is_the_process_peak_rss_in_bytes_on_the_cpu():
     model = torch.nn.Linear(3, 2)
     model.weight.ds_numel = 60  # a ZeRO-3 shard knows its whole size
     assert measure.parameter_count(model) == 60 + 2
+
+
+def test_events_use_deepspeeds_names_for_eval_loss_and_the_timers_and_skip_flags():
+    record = {"step": 3, "samples": 48, "eval_loss": 1.5, "elapsed_time_ms_forward": 12.0,
+              "elapsed_time_ms_backward_allreduce": 3.0, "skipped": True, "note": "x"}
+    assert sorted(events(record)) == sorted([
+        ("Train/Samples/eval_loss", 1.5, 48), ("Train/Samples/elapsed_time_ms_forward", 12.0, 48),
+        ("Train/Samples/elapsed_time_ms_backward_allreduce", 3.0, 48)])
