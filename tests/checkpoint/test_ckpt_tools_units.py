@@ -233,3 +233,14 @@ def test_merge_lora_takes_an_optional_adapter_directory(capsys):
     with pytest.raises(SystemExit):
         _parse("export", "--help")
     assert "--merge-lora [ADAPTER_DIR]" in capsys.readouterr().out
+
+
+def test_a_deepspeed_export_needs_its_world_size_and_takes_no_cast(saved, tmp_path, capsys):
+    _, path, _, _ = saved
+    assert _parse("export", "d", "o", "--format", "deepspeed", "--world-size", "2", "--stage", "1").stage == 1
+    for extra in ([], ["--world-size", "2", "--dtype", "bf16"], ["--world-size", "2", "--merge-lora"]):
+        assert _run("export", path, str(tmp_path / "ds"), "--format", "deepspeed", *extra)[0] == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("zerotrain ckpt export: --format deepspeed needs --world-size N") and \
+            len(err.splitlines()) == 1
+    assert not os.path.exists(tmp_path / "ds")
