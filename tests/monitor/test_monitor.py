@@ -325,3 +325,21 @@ def test_events_use_deepspeeds_names_for_eval_loss_and_the_timers_and_skip_flags
     assert sorted(events(record)) == sorted([
         ("Train/Samples/eval_loss", 1.5, 48), ("Train/Samples/elapsed_time_ms_forward", 12.0, 48),
         ("Train/Samples/elapsed_time_ms_backward_allreduce", 3.0, 48)])
+
+
+def test_the_tensorboard_monitor_writes_deepspeeds_events_in_process(tmp_path):
+    """monitor/writers.py's TensorBoard writer without a launch (test_ckpt_cli.py checks a world-2 run's): the
+    directory output_path/job_name, one event file, each event at DeepSpeed's x (global samples)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monitors = Monitors.build(load_config(dict(BASE, tensorboard={"enabled": True, "output_path": str(tmp_path),
+                                                                  "job_name": "tb"})))
+    assert monitors.paths() == {"tensorboard": str(tmp_path / "tb")}
+    for step in (1, 2):
+        monitors.write({"step": step, "samples": 4 * step, "loss": 1.0 / step, "next_lr": 0.1 * step})
+    monitors.close()
+    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1
+    accumulator = EventAccumulator(str(tmp_path / "tb"))
+    accumulator.Reload()
+    assert [(e.step, e.value) for e in accumulator.Scalars("Train/Samples/train_loss")] == [(4, 1.0), (8, 0.5)]
+    assert [(e.step, round(e.value, 6)) for e in accumulator.Scalars("Train/Samples/lr")] == [(4, 0.1), (8, 0.2)]
