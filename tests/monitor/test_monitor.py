@@ -343,3 +343,13 @@ def test_the_tensorboard_monitor_writes_deepspeeds_events_in_process(tmp_path):
     accumulator.Reload()
     assert [(e.step, e.value) for e in accumulator.Scalars("Train/Samples/train_loss")] == [(4, 1.0), (8, 0.5)]
     assert [(e.step, round(e.value, 6)) for e in accumulator.Scalars("Train/Samples/lr")] == [(4, 0.1), (8, 0.2)]
+    resumed = Monitors.build(load_config(dict(BASE, tensorboard={"enabled": True, "output_path": str(tmp_path),
+                                                                 "job_name": "tb"})))  # a resume: the same directory
+    resumed.write({"step": 3, "samples": 12, "loss": 0.25})
+    resumed.close()
+
+
+def test_building_a_monitor_without_its_library_is_the_named_refusal(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    with pytest.raises(MonitorUnavailable, match="tensorboard.enabled"):
+        Monitors.build(load_config(dict(BASE, tensorboard={"enabled": True})))
