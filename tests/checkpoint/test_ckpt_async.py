@@ -38,6 +38,8 @@ def async_run(save_dir: str) -> dict:
     engine.wait_checkpoint()
     out["committed"] = os.path.exists(os.path.join(path, "manifest.json"))
     out["latest"] = open(os.path.join(save_dir, "latest")).read()
+    # the whole tensors outside the slots (buffers, the frozen layer) each copied by the one rank that writes them
+    out["extras_copied"] = sorted(key[1] for key in engine.checkpointer.buffers.addresses() if key[0] == "extra")
     write.SaveJob._write_in_place = original
     fresh = make_engine(stage=1, seed=9)
     fresh.load_checkpoint(save_dir)
@@ -87,12 +89,15 @@ def test_async_save_overlaps_training_and_surfaces_errors(tmp_path):
     assert not out["written_at_return"] and not out["visible_at_return"]  # the call did not wait for the write
     assert not out["visible_after_training"]  # two training steps ran while the writer was still busy
     assert out["committed"] and out["latest"] == "async"
+    copied = [name for result in results for name in result["extras_copied"]]
+    assert copied and len(copied) == len(set(copied)), [result["extras_copied"] for result in results]
     assert_weights_equal(out["loaded"], out["at_save"], rtol=0, atol=0, what="async snapshot")
     for rank, result in enumerate(results):
         assert result["step_error"] and "failed on rank 1" in result["step_error"], (rank, result["step_error"])
         assert "disk on fire" in result["step_error"]
         assert result["wait_error"] and "disk on fire" in result["wait_error"]
         assert "client_state['sampler']" in result["client_state_error"], result["client_state_error"]
+        assert result["client_state_error"].startswith("cannot save checkpoint bad_state (rank 0): ")  # the rank
     assert results[0]["failed_at_attempt"] == results[1]["failed_at_attempt"]
     assert out["latest_after"] == "after"
     assert out["entries"] == [".zerotrain-lock.json", "after", "async", "latest"]  # the job holds the lock

@@ -203,3 +203,23 @@ def test_warnings_point_at_the_config_file_and_key(tmp_path):
     lines = {w.lineno for w in caught if w.category is ConfigWarning}
     assert {w.filename for w in caught if w.category is ConfigWarning} == {__file__} and len(lines) == 1, \
         [(w.filename, w.lineno) for w in caught]
+
+
+def test_a_config_file_is_named_once_and_a_lone_closer_is_invalid_json(tmp_path):
+    """The file prefixes an error once, whether the parser (which names it already) or the schema raised; a text
+    that starts with a closing bracket is invalid JSON, not a crash of the comment stripper."""
+    from zerotrain.config.loader import parse_json_text
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train_batch_size": 8,,}')
+    with pytest.raises(ConfigError) as caught:
+        load_config(bad)
+    assert str(caught.value).startswith(f"{bad}: invalid JSON at line 1") and str(caught.value).count(str(bad)) == 1
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text('{"train_batch_size": "eight"}')
+    with pytest.raises(ConfigError) as caught:
+        load_config(wrong)
+    assert str(caught.value).startswith(f"{wrong}: ") and str(caught.value).count(str(wrong)) == 1
+    for text in ("]", "}", "  ]"):
+        with pytest.raises(ConfigError, match="^<config>: invalid JSON at line 1"):
+            parse_json_text(text)

@@ -549,3 +549,36 @@ def test_aio_thread_count_is_read_as_intra_op_parallelism_with_a_warning():
     with pytest.warns(ConfigWarning, match=r"aio\.thread_count is the older name of aio\.intra_op_parallelism"):
         cfg = load_config({"train_micro_batch_size_per_gpu": 1, "aio": {"thread_count": 3}})
     assert cfg.aio.intra_op_parallelism == 3
+
+
+def test_aio_and_pipeline_defaults_are_deepspeeds():
+    """The `aio` block against deepspeed/runtime/swap_tensor/constants.py, the pipeline's checkpoint interval against
+    PipelineModule's own default (issue #48, round 4)."""
+    import inspect
+
+    from deepspeed.runtime.pipe.module import PipelineModule
+    from deepspeed.runtime.swap_tensor import constants as ds
+
+    aio = load_config({}).aio
+    assert (aio.block_size, aio.queue_depth, aio.intra_op_parallelism, aio.single_submit, aio.overlap_events,
+            aio.use_gds) == (ds.AIO_BLOCK_SIZE_DEFAULT, ds.AIO_QUEUE_DEPTH_DEFAULT, ds.AIO_INTRA_OP_PARALLELISM_DEFAULT,
+                             ds.AIO_SINGLE_SUBMIT_DEFAULT, ds.AIO_OVERLAP_EVENTS_DEFAULT, ds.AIO_USE_GDS_DEFAULT)
+    interval = inspect.signature(PipelineModule).parameters["activation_checkpoint_interval"].default
+    assert load_config({}).pipeline.activation_checkpoint_interval == interval == 0
+
+
+def test_one_stage_per_rank_needs_no_multi_stage_schedule_and_the_bf16_masters_warning_reads_whole():
+    assert load_config({"pipeline": {"stages_per_rank": 1}}).pipeline.stages_per_rank == 1  # 1f1b's own count
+    with pytest.raises(ConfigError, match="pipeline.stages_per_rank: 2 needs a multi-stage schedule"):
+        load_config({"pipeline": {"stages_per_rank": 2}})
+    with pytest.warns(ConfigWarning, match="^bf16.bf16_master_weights_and_grads: bf16 masters and optimizer states "
+                                           "are implemented on the offloaded optimizer"):
+        load_config({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}})
+    with pytest.raises(ConfigError, match="checkpoint.on_save_error.*expected one of 'raise', 'warn', got"):
+        load_config({"checkpoint": {"on_save_error": "ignore"}})  # the default first, as the docs list them
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)  # where bf16 masters are implemented: no warning, and used
+        cfg = load_config({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
+                           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    assert cfg.bf16_records is True

@@ -312,3 +312,31 @@ def test_a_directory_input_is_keyed_by_its_files_bytes(tmp_path):
     before = tokenization.files_fingerprint([tmp_path / "d"])
     (tmp_path / "d" / "a.txt").write_text("two")
     assert tokenization.files_fingerprint([tmp_path / "d"]) != before
+
+
+def test_one_bad_record_is_the_whole_message_and_a_saved_dataset_counts_rows_from_zero(tmp_path):
+    """records.py's one-line errors read whole (issue #48, round 4): one bad record says no "and N more"; two say
+    "and 1 more"; a `save_to_disk` directory names its bad row by the row's index (0-based, as `ds[i]`)."""
+    import datasets
+
+    from zerotrain.data.records import load_data_file
+
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": 5}) + "\n")
+    with pytest.raises(BadRecordError) as caught:
+        load_data_file(one)
+    assert str(caught.value) == f"{one}, line 2: field 'text' is not a string"
+    two = tmp_path / "two.jsonl"
+    two.write_text(json.dumps({"text": 5}) + "\n" + json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": 6}) + "\n")
+    with pytest.raises(BadRecordError) as caught:
+        load_data_file(two)
+    assert str(caught.value) == (f"{two}, line 1: field 'text' is not a string (and 1 more bad records; "
+                                 "skip_bad_records skips them)")
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict({"text": ["fine", None, "also fine"]}).save_to_disk(str(saved))
+    with pytest.raises(BadRecordError) as caught:
+        load_data_file(saved)
+    assert str(caught.value) == f"{saved}, row 1: field 'text' is empty or not a string"
+    loaded = load_data_file(saved, skip_bad_records=True)
+    assert loaded.kind == "text" and loaded.dataset["text"] == ["fine", "also fine"]
+    assert [str(b) for b in loaded.skipped] == [f"{saved}, row 1: field 'text' is empty or not a string"]

@@ -4,6 +4,7 @@ documentation. The TensorBoard events of a real world-2 run are checked in
 tests/checkpoint/test_ckpt_cli.py (it carries the monitor blocks in a launch it makes anyway)."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -191,3 +192,164 @@ def test_docs_describe_every_field_of_the_schema():
     for name in ("Train/Samples/lr", "Train/Samples/loss_scale", "Train/Samples/train_loss", "Train/Samples/eval_loss",
                  "Train/Samples/elapsed_time_ms_backward_allreduce"):
         assert name in text
+
+
+def test_the_monitor_blocks_take_deepspeeds_defaults():
+    """config/monitor.py against DeepSpeed 0.19's own models (deepspeed/monitor/config.py): every key's default, and
+    a block given without `enabled` builds no monitor."""
+    from deepspeed.monitor import config as ds
+
+    config = load_config(BASE)
+    for ours, theirs in ((config.tensorboard, ds.TensorBoardConfig()), (config.csv_monitor, ds.CSVConfig()),
+                         (config.wandb, ds.WandbConfig())):
+        assert ours.model_dump() == theirs.model_dump(), type(ours).__name__
+    assert not Monitors.build(load_config(dict(BASE, tensorboard={"output_path": "tb"}, csv_monitor={"job_name": "j"},
+                                               wandb={"team": "t"})))
+
+
+class _Listener:
+    """What a MemoryTimeline is told by the timers: (event, phase) in order."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def begin(self, name):
+        self.events.append(("begin", name))
+
+    def end(self, name):
+        self.events.append(("end", name))
+
+    def phase(self, name):
+        self.events.append(("phase", name))
+        return contextlib.nullcontext()
+
+    def step_done(self):
+        self.events.append(("step", None))
+
+
+def test_wall_clock_timers_sum_micro_steps_per_optimizer_step_in_ms(monkeypatch):
+    """monitor/timers.py with a fake clock: each name sums its regions over one optimizer step, close_step() keeps
+    the totals (every DeepSpeed name, 0 for unused) and starts over; a region that raises counts too; disabled
+    timers keep nothing; the listener hears every region under its phase name, timed or not."""
+    from zerotrain.monitor import timers as module
+    from zerotrain.monitor.memory_timeline import PHASE_OF_TIMER
+
+    clock = iter(float(t) for t in range(0, 1000, 1))
+    monkeypatch.setattr(module.time, "perf_counter", lambda: next(clock) / 1000.0)  # +1 ms per reading
+    timers = module.WallClockTimers(enabled=True, device=torch.device("cpu"))
+    listener = timers.listener = _Listener()
+    for _ in range(2):  # two micro-steps
+        with timers("fwd"):
+            pass
+        with timers("bwd"):
+            with timers("bwd_inner"):
+                pass
+    with pytest.raises(RuntimeError):
+        with timers("step"):
+            raise RuntimeError("overflow")
+    timers.close_step()
+    assert timers.last == pytest.approx({"fwd": 2.0, "bwd": 6.0, "bwd_inner": 2.0, "bwd_allreduce": 0.0, "step": 1.0})
+    with timers("fwd"):
+        pass
+    timers.close_step()
+    assert timers.last == pytest.approx({"fwd": 1.0, "bwd": 0.0, "bwd_inner": 0.0, "bwd_allreduce": 0.0, "step": 0.0})
+    assert listener.events[:4] == [("begin", PHASE_OF_TIMER.get("fwd", "fwd")), ("end", PHASE_OF_TIMER.get("fwd", "fwd")),
+                                   ("begin", PHASE_OF_TIMER.get("bwd", "bwd")),
+                                   ("begin", PHASE_OF_TIMER.get("bwd_inner", "bwd_inner"))]
+    assert ("end", PHASE_OF_TIMER.get("step", "step")) in listener.events
+    assert listener.events.count(("step", None)) == 2
+    timers.phase("gather")
+    assert listener.events[-1] == ("phase", PHASE_OF_TIMER.get("gather", "gather"))
+    off = module.WallClockTimers(enabled=False, device=torch.device("cpu"))
+    with off("fwd"):
+        pass
+    off.close_step()
+    assert off.last == {}
+    assert isinstance(off.phase("save"), contextlib.nullcontext)  # no listener: nothing to tell
+    off.listener = _Listener()
+    with off("bwd"):
+        pass
+    assert off.listener.events == [("begin", PHASE_OF_TIMER.get("bwd", "bwd")), ("end", PHASE_OF_TIMER.get("bwd", "bwd"))]
+
+
+# Dense bf16/fp16 tensor-core peaks from the vendors' data sheets, by the name torch reports for the device.
+DATA_SHEET_TFLOPS = {"NVIDIA GB200": 2500.0, "NVIDIA B200": 2250.0, "NVIDIA H200": 989.4, "NVIDIA H100 PCIe": 756.0,
+                     "NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H800": 989.4, "NVIDIA A100-SXM4-80GB": 312.0,
+                     "NVIDIA A800 80GB PCIe": 312.0, "NVIDIA L40S": 362.1, "NVIDIA L40": 181.0, "NVIDIA A10G": 125.0,
+                     "NVIDIA A10": 125.0, "NVIDIA L4": 121.0, "Tesla V100-SXM2-32GB": 125.0,
+                     "AMD Instinct MI300X": 1307.4, "AMD Instinct MI250X": 383.0}
+
+
+def test_peak_flops_are_the_data_sheets_for_16_bit_training_only(monkeypatch):
+    """monitor/measure.py: the peak behind MFU, by device name (the most specific part first: an H100 PCIe is not an
+    SXM H100, an L40S not an L40), None for fp32, CPUs and unknown devices, ZEROTRAIN_PEAK_TFLOPS over all."""
+    from zerotrain.monitor import measure
+
+    monkeypatch.delenv(measure.PEAK_TFLOPS_ENV, raising=False)
+    cuda = torch.device("cuda", 0)
+    for name, tflops in DATA_SHEET_TFLOPS.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert measure.peak_flops(cuda, "bf16") == measure.peak_flops(cuda, "fp16") == tflops * 1e12, name
+        assert measure.peak_flops(cuda, "fp32") is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA T4")
+    assert measure.peak_flops(cuda, "bf16") is None
+    assert measure.peak_flops(torch.device("cpu"), "bf16") is None
+    monkeypatch.setenv(measure.PEAK_TFLOPS_ENV, "123.5")
+    assert measure.peak_flops(torch.device("cpu"), "fp32") == 123.5e12
+    monkeypatch.setenv(measure.PEAK_TFLOPS_ENV, "fast")
+    with pytest.raises(ValueError, match="ZEROTRAIN_PEAK_TFLOPS='fast' is not a number"):
+        measure.peak_flops(cuda, "bf16")
+
+
+def test_memory_is_the_process_peak_rss_in_bytes_on_the_cpu():
+    from zerotrain.monitor import measure
+
+    def status_kib(field: str) -> int:
+        with open("/proc/self/status") as handle:
+            return next(int(line.split()[1]) for line in handle if line.startswith(field + ":"))
+
+    rss = status_kib("VmRSS") * 1024
+    measured = measure.memory_bytes(torch.device("cpu"))
+    # the kernel's own high-water mark (ru_maxrss trails VmRSS by the pages touched since its last accounting)
+    assert 0.9 * rss <= measured <= status_kib("VmHWM") * 1024 * 1.01 + (1 << 20)
+    assert measure.memory_kind(torch.device("cpu")) == "peak_rss"
+    assert measure.memory_kind(torch.device("cuda", 0)) == "cuda_max_allocated"
+    model = torch.nn.Linear(3, 2)
+    model.weight.ds_numel = 60  # a ZeRO-3 shard knows its whole size
+    assert measure.parameter_count(model) == 60 + 2
+
+
+def test_events_use_deepspeeds_names_for_eval_loss_and_the_timers_and_skip_flags():
+    record = {"step": 3, "samples": 48, "eval_loss": 1.5, "elapsed_time_ms_forward": 12.0,
+              "elapsed_time_ms_backward_allreduce": 3.0, "skipped": True, "note": "x"}
+    assert sorted(events(record)) == sorted([
+        ("Train/Samples/eval_loss", 1.5, 48), ("Train/Samples/elapsed_time_ms_forward", 12.0, 48),
+        ("Train/Samples/elapsed_time_ms_backward_allreduce", 3.0, 48)])
+
+
+def test_the_tensorboard_monitor_writes_deepspeeds_events_in_process(tmp_path):
+    """monitor/writers.py's TensorBoard writer without a launch (test_ckpt_cli.py checks a world-2 run's): the
+    directory output_path/job_name, one event file, each event at DeepSpeed's x (global samples)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monitors = Monitors.build(load_config(dict(BASE, tensorboard={"enabled": True, "output_path": str(tmp_path),
+                                                                  "job_name": "tb"})))
+    assert monitors.paths() == {"tensorboard": str(tmp_path / "tb")}
+    for step in (1, 2):
+        monitors.write({"step": step, "samples": 4 * step, "loss": 1.0 / step, "next_lr": 0.1 * step})
+    monitors.close()
+    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1
+    accumulator = EventAccumulator(str(tmp_path / "tb"))
+    accumulator.Reload()
+    assert [(e.step, e.value) for e in accumulator.Scalars("Train/Samples/train_loss")] == [(4, 1.0), (8, 0.5)]
+    assert [(e.step, round(e.value, 6)) for e in accumulator.Scalars("Train/Samples/lr")] == [(4, 0.1), (8, 0.2)]
+    resumed = Monitors.build(load_config(dict(BASE, tensorboard={"enabled": True, "output_path": str(tmp_path),
+                                                                 "job_name": "tb"})))  # a resume: the same directory
+    resumed.write({"step": 3, "samples": 12, "loss": 0.25})
+    resumed.close()
+
+
+def test_building_a_monitor_without_its_library_is_the_named_refusal(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    with pytest.raises(MonitorUnavailable, match="tensorboard.enabled"):
+        Monitors.build(load_config(dict(BASE, tensorboard={"enabled": True})))

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 import warnings
@@ -55,6 +56,16 @@ from .write import SaveJob, describe_error
 logger = logging.getLogger("zerotrain")
 
 _RUNNING, _DONE, _FAILED = 1, 0, 2
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # zerotrain/
+
+
+def _caller_level() -> int:
+    """The `stacklevel` that names the first caller outside zerotrain, seen from the function calling this one
+    (the user's `save_checkpoint` or `step()` line: a save fails at either)."""
+    level, frame = 2, sys._getframe(2)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE + os.sep):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 class Checkpointer:
@@ -255,7 +266,8 @@ class Checkpointer:
         """Raise a failed save's error, or (checkpoint.on_save_error "warn") log it and let training go on."""
         if self.state.config.checkpoint.on_save_error == "warn":
             logger.warning("checkpoint save failed; training goes on (checkpoint.on_save_error: warn): %s", error)
-            warnings.warn(f"checkpoint save failed; training goes on: {error}", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"checkpoint save failed; training goes on: {error}", RuntimeWarning,
+                          stacklevel=_caller_level())
             return
         raise error
 

@@ -12,7 +12,10 @@ logger = logging.getLogger("zerotrain")
 
 
 def log_dist(message: str, ranks: Optional[list[int]] = None, level: int = logging.INFO) -> None:
-    """Log `message` on the global ranks listed (every rank for None or [-1]), prefixed with the rank."""
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    if ranks is None or -1 in ranks or rank in ranks:
+    """Log `message` prefixed with the global rank, where DeepSpeed's `log_dist` (`get_dist_msg`) would: always
+    before the process group is up (as rank -1), afterwards only on the ranks listed (`[-1]` first: every rank;
+    None or []: none)."""
+    initialized = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if initialized else -1
+    if not initialized or (ranks and (ranks[0] == -1 or rank in ranks)):
         logger.log(level, f"[Rank {rank}] {message}")
