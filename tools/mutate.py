@@ -251,6 +251,14 @@ COVERING: dict[str, list[str]] = {
                                "tests/test_lifecycle.py::test_a_second_signal_exits_at_once"],
     # in-process: a one-rank gloo group and the job's TCPStore (the spawned failures: test_failure_modes.py)
     "zerotrain/comm/blame.py": ["tests/comm/test_blame.py"],
+    # the engine in the pytest process (a world of one) first; then the world-2 launches that see what a world of
+    # one cannot (LoCo's rescale and checkpoint, rank 1's {} and the masters published after a load)
+    "zerotrain/engine/facade.py": ["tests/test_engine_world_of_one.py"],
+    "zerotrain/engine/core.py": ["tests/test_engine_world_of_one.py",
+                                 "tests/zero/test_zeropp_training.py::test_loco_reset_save_load_rescale_and_overflow"],
+    "zerotrain/engine/state.py": ["tests/test_engine_world_of_one.py", "tests/zero/test_loco_resume.py"],
+    "zerotrain/engine/export.py": ["tests/test_engine_world_of_one.py",
+                                   "tests/test_dropin_api.py::test_engine_api_and_dist_at_world_two"],
     # in-process: DeepSpeed's defaults, then the schema's rules
     "zerotrain/config/zero.py": ["tests/config/test_zero_defaults.py", "tests/config/test_schema.py"],
     "zerotrain/config/batch.py": ["tests/config/test_batch.py"],
