@@ -259,6 +259,22 @@ COVERING: dict[str, list[str]] = {
     "zerotrain/engine/state.py": ["tests/test_engine_world_of_one.py", "tests/zero/test_loco_resume.py"],
     "zerotrain/engine/export.py": ["tests/test_engine_world_of_one.py",
                                    "tests/test_dropin_api.py::test_engine_api_and_dist_at_world_two"],
+    "zerotrain/engine/weights.py": [
+        "tests/test_engine_world_of_one.py",
+        "tests/checkpoint/test_ckpt_tensor_parallel.py::test_frozen_split_parameter_saves_at_stage3_loads_and_saves_at_stage1"],
+    # what only more ranks show: split experts (groups, generate kept in step), rank 0's initial state, stage 3
+    # under qgZ, the pipeline's norm over stages
+    "zerotrain/engine/parts.py": [
+        "tests/test_engine_world_of_one.py",
+        "tests/parallel/test_moe_engine.py::test_engine_trains_split_experts_like_one_process[2-2]",
+        "tests/test_engine_api.py::test_ranks_start_from_rank_zero_state[0]",
+        "tests/zero/test_zeropp_training.py::test_zeropp_training_close_to_exact[world2]",
+        "tests/pipe/test_pipeline.py::test_pp2_schedules_fp16_lora_async_save_match_single_process"],
+    "zerotrain/moe/utils.py": ["tests/port/test_port.py::test_moe_groups_and_module_utils"],
+    "zerotrain/parallel/slices.py": [
+        "tests/parallel/test_tensor_parallel.py::test_split_slices_are_megatrons_layout_and_tile_the_tensor",
+        "tests/parallel/test_tensor_parallel.py::test_bad_splits_and_plans_name_the_module",
+        "tests/checkpoint/test_ckpt_state_split.py"],
     # in-process: DeepSpeed's defaults, then the schema's rules
     "zerotrain/config/zero.py": ["tests/config/test_zero_defaults.py", "tests/config/test_schema.py"],
     "zerotrain/config/batch.py": ["tests/config/test_batch.py"],
