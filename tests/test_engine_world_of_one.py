@@ -6,7 +6,6 @@ tests (test_engine_api.py, zero/test_parity.py, checkpoint/...)."""
 from __future__ import annotations
 
 import csv
-import os
 import warnings
 
 import pytest
@@ -214,6 +213,7 @@ def test_a_checkpoint_resumes_weights_optimizer_scheduler_and_counters(tmp_path,
     engine.add_checkpoint_files(lambda: {"made.txt": str(engine.global_steps).encode()})
     engine.save_checkpoint(str(tmp_path), tag="two")
     assert (tmp_path / "two" / "notes.txt").read_bytes() == b"kept" and (tmp_path / "two" / "made.txt").read_bytes() == b"2"
+    assert not list((tmp_path / "two").glob("loco_state_*")), "LoCo state saved without qgZ's LoCo"
     pending, stall = engine.last_save()
     assert pending is False and stall is not None and stall >= 0
     saved, saved_lr = engine.full_state_dict(), engine.get_lr()
@@ -292,6 +292,8 @@ def test_whole_weights_out_and_in(tmp_path, world_of_one):
     assert list(engine.state_dict()) == [f"module.{k}" for k in own]
     assert all(torch.equal(engine.state_dict()[f"module.{k}"], v) for k, v in own.items())
     assert "head.bias" in own and "head.bias" not in engine.module_state_dict(exclude_frozen_parameters=True)
+    report = engine.memory_report()  # no LoCo buffers, nothing offloaded
+    assert report["loco_errors"] == 0 and "offload" not in report and "offload_param" not in report, report
     unique = {id(p): p for p in engine.module.parameters()}.values()  # the tied weight once, the frozen bias too
     assert engine.memory_report()["parameters"] == sum(p.numel() * 2 for p in unique) == (36 + 6 + 18 + 3) * 2
     sixteen = engine.consolidated_16bit_state_dict()

@@ -261,7 +261,8 @@ COVERING: dict[str, list[str]] = {
                                    "tests/test_dropin_api.py::test_engine_api_and_dist_at_world_two"],
     "zerotrain/engine/weights.py": [
         "tests/test_engine_world_of_one.py",
-        "tests/checkpoint/test_ckpt_tensor_parallel.py::test_frozen_split_parameter_saves_at_stage3_loads_and_saves_at_stage1"],
+        "tests/checkpoint/test_ckpt_tensor_parallel.py::test_frozen_split_parameter_saves_at_stage3_loads_and_saves_at_stage1",
+        "tests/checkpoint/test_ckpt_resume.py::test_resume_across_world_sizes_and_stages[bf16-w2s3-w4s1-w1s0]"],
     # what only more ranks show: split experts (groups, generate kept in step), rank 0's initial state, stage 3
     # under qgZ, the pipeline's norm over stages
     "zerotrain/engine/parts.py": [
