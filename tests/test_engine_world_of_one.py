@@ -379,6 +379,18 @@ def test_stage_questions_answer_as_deepspeed(stage, world_of_one):
     assert (engine.world_size, engine.dp_world_size, engine.mp_world_size, engine.global_rank) == (1, 1, 1, 0)
 
 
+def test_a_forward_only_engine_holds_no_gradients_and_computes_the_model(world_of_one):
+    """Built without an optimizer (DeepSpeed's ZeRO-Inference): no gradient, LoCo or optimizer bytes, not a LoCo
+    checkpoint user, and its forward is the plain model's."""
+    engine = _engine({"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 3}})
+    report = engine.memory_report()
+    assert (report["gradients"], report["loco_errors"], report["optimizer_states"]) == (0, 0, 0), report
+    assert engine.checkpoint_state().loco.enabled is False
+    (x, _), = make_batches(1, MICRO)
+    torch.manual_seed(0)
+    assert torch.equal(engine(x), OddMLP()(x).detach())
+
+
 class Recorder(OddMLP):
     """An OddMLP with a `generate` that records its arguments, and the GPT's activation-checkpointing switch."""
 
