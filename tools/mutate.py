@@ -277,6 +277,8 @@ COVERING: dict[str, list[str]] = {
     # the Protocols' neutral defaults run inside the engine's parts (the import scan finds no test)
     "zerotrain/zero/interfaces.py": ["tests/test_engine_world_of_one.py"],
     "zerotrain/training_engine.py": ["tests/test_training_engine.py"],
+    "zerotrain/comm/handles.py": ["tests/comm/test_counters.py", "tests/comm/test_blame.py",
+                                  "tests/comm/test_error_feedback.py"],
     "zerotrain/parallel/slices.py": [
         "tests/parallel/test_tensor_parallel.py::test_split_slices_are_megatrons_layout_and_tile_the_tensor",
         "tests/parallel/test_tensor_parallel.py::test_bad_splits_and_plans_name_the_module",
