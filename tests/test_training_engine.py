@@ -101,3 +101,22 @@ def test_external_backward_counts_the_micro_batches_it_stands_for():
         engine.close()
         if not started and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def test_an_engine_of_the_required_members_gets_the_protocols_neutral_defaults():
+    """An engine that defines only what the Protocol requires (a trainer's own engine) reports nothing it does not
+    have: no counters, no sequence parallelism, loss scale 1, no save pending, training mode, train()/eval() itself,
+    no gradient norm, no timers, no offload counters, a progress switch that does nothing; its device is its
+    topology's."""
+    from types import SimpleNamespace
+
+    minimal = type("Minimal", (TrainingEngine,), {name: (lambda self, *a, **k: None) for name in protocol_members()
+                                                   if _required(name) and name != "__call__"})()
+    minimal.topology = SimpleNamespace(device=torch.device("cpu"))
+    assert (minimal.counters, minimal.sequence_parallel, minimal.loss_scale) == (None, None, 1.0)
+    assert minimal.last_save() == (False, None) and minimal.training is True
+    assert minimal.train() is minimal and minimal.eval() is minimal and minimal.device == torch.device("cpu")
+    assert (minimal.get_global_grad_norm(), minimal.get_wall_clock_timers(), minimal.offload_stats()) == (None, {}, {})
+    with minimal.progress_printing(False) as inside:
+        assert inside is None
+    assert minimal.wait_checkpoint() is None and minimal.claim_save_dir("x") is None and minimal.close() is None

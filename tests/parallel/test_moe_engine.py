@@ -66,7 +66,11 @@ def train_stages(stages: list[int], ep_size=None, experts_only: bool = False) ->
         if label == "0 experts only":
             for name, param in model.named_parameters():
                 param.requires_grad_(name in EXPERTS)
+        # the model's generate (a recorder): between training steps it must keep the ranks in step (split experts
+        # hold collectives in every forward), i.e. get transformers' synced_gpus=True, at every stage
+        model.generate = lambda *args, **kwargs: kwargs
         engine, *_ = zerotrain.initialize(model=model, config=engine_config(stage))
+        synced = engine.module.generate(max_new_tokens=1).get("synced_gpus")
         expert_buckets = [bucket for bucket in engine.buckets if bucket.group.expert]
         assert expert_buckets, "experts not in buckets of their own"
         replicas = world // ep_comm.size  # ranks holding the same experts: expert states partitioned over them
@@ -78,7 +82,7 @@ def train_stages(stages: list[int], ep_size=None, experts_only: bool = False) ->
         before = engine.memory_report()["comm"].get("gather", {}).get("calls", 0)
         weights = engine.full_state_dict()
         gathers = engine.memory_report()["comm"].get("gather", {}).get("calls", 0) - before
-        results.append((label, losses, norms, weights, gathers))
+        results.append((label, losses, norms, weights, gathers, synced))
     return results
 
 
@@ -108,12 +112,13 @@ def test_engine_trains_split_experts_like_one_process(world, ep_size):
     # expert replicas (ep_size < world) at stage 0, where they are not partitioned: also with only experts training
     experts_only = ep_size < world
     results = run_distributed(train_stages, world, [0, 1, 2], ep_size, experts_only, timeout=120)
-    assert all(weights == {} for rank in results[1:] for _, _, _, weights, _ in rank)  # full weights on rank 0 only
+    assert all(weights == {} for rank in results[1:] for _, _, _, weights, _, _ in rank)  # full weights on rank 0 only
+    assert all(synced is True for rank in results for *_, synced in rank), results  # generate kept in step
     # stage 0 partitions nothing (experts neither): a rank outside the first expert-parallel group holds replicas of
     # experts that group has whole, so full_state_dict gathers nothing from it (its group joins the experts)
     for rank in results[ep_size:]:
-        assert all(gathers == 0 for stage, _, _, _, gathers in rank if stage in (0, "0 experts only")), rank
-    for stage, losses, norms, weights, _ in results[0]:
+        assert all(gathers == 0 for stage, _, _, _, gathers, _ in rank if stage in (0, "0 experts only")), rank
+    for stage, losses, norms, weights, _, _ in results[0]:
         where = f"world {world}, ep_size {ep_size}, stage {stage}"
         ref_losses, ref_norms, ref_weights = reference(world, experts_only=stage == "0 experts only")
         # (the experts' own norm stays under CLIP: there the norm itself is what is checked)

@@ -138,6 +138,33 @@ def test_bad_splits_and_plans_name_the_module():
         apply_tensor_parallel(GPT(gpt_config()), {"transformer.ln_f": Column()}, alone)
 
 
+def test_split_slices_are_megatrons_layout_and_tile_the_tensor():
+    """`split_slice` at 1-4 ranks, 1-3 fused parts, either dimension: rank r's local tensor is, for each part,
+    the r-th of `size` equal chunks of that part (Megatron's split of a fused q/k/v per head group), in part
+    order; the ranks' slices, placed back, rebuild the whole tensor; a length that does not split is refused."""
+    from zerotrain.parallel import split_slice
+
+    for size in (1, 2, 3, 4):
+        for parts in (1, 2, 3):
+            for dim in (0, 1):
+                shape = [5, 7]
+                shape[dim] = parts * size * 2
+                full = torch.arange(float(shape[0] * shape[1])).view(*shape)
+                rebuilt = torch.full_like(full, float("nan"))
+                for rank in range(size):
+                    piece = split_slice(tuple(shape), dim, rank, size, parts=parts)
+                    chunks = [part.chunk(size, dim)[rank] for part in full.chunk(parts, dim)]
+                    assert torch.equal(piece.take(full), torch.cat(chunks, dim)), (size, parts, dim, rank)
+                    assert piece.full_shape == tuple(shape) and piece.dim == dim
+                    piece.place(piece.take(full), rebuilt)
+                assert torch.equal(rebuilt, full), (size, parts, dim)
+                if size * parts > 1:
+                    shape[dim] += 1
+                    with pytest.raises(ValueError, match=f"dimension {dim} of size {shape[dim]} does not split"):
+                        split_slice(tuple(shape), dim, 0, size, parts=parts)
+    assert split_slice((4, 3), 0, 1, 2).pieces == ((2, 2),)  # one part unless told
+
+
 def test_split_linears_report_the_whole_layers_features_in_both_weight_layouts():
     """A column- or row-parallel layer reports the in/out features of the layer it replaces (as nn.Linear
     does), whether its weight is stored [out, in] (nn.Linear) or [in, out] (transformers' Conv1D), and

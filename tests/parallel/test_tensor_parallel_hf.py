@@ -229,3 +229,19 @@ def test_plans_are_resolved_or_refused_by_name_before_any_process_group():
     with pytest.raises(ValueError, match=r"HalfPair \(HalfPair: column layers \['up_proj'\] without their row "
                                          "partner\\)"):
         resolve_plan(HalfPair(), 2)
+
+
+    class RowOnly(torch.nn.Module):  # the mirror case: a fan-out layer without its fan-in partner
+        def __init__(self):
+            super().__init__()
+            self.down_proj, self.squeeze = torch.nn.Linear(8, 4), torch.nn.Linear(4, 8)
+
+    with pytest.raises(ValueError, match=r"RowOnly \(RowOnly: row layers \['down_proj'\] without their column "
+                                         "partner\\)"):
+        resolve_plan(RowOnly(), 2)
+
+    # a linear layer sharing the split embedding's weight, outside the plan, is split with it: a gathered column
+    tied = build("llama")
+    tied.extra_head = torch.nn.Linear(64, VOCAB, bias=False)
+    tied.extra_head.weight = tied.model.embed_tokens.weight
+    assert resolve_plan(tied, 2)["extra_head"] == Column(gather_output=True)

@@ -237,11 +237,14 @@ def loco_bookkeeping() -> dict:
     out["after_overflow"] = reducer.loco_bytes()
 
     # fp16 end to end: an inf on rank 1 only; qgZ sends it as nan scales, every rank skips the
-    # step and drops its error buffer.
+    # step and drops its error buffer. Around it, the scale doubles after each clean step (loss_scale_window 1):
+    # the engine's step rescales the error buffers backward left by new / old = 2.
     torch.manual_seed(0)
     zero["zeropp_loco_param"]["reset_T"] = 1000
-    fp16 = dict(config(2, 1, **zero), fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1})
+    fp16 = dict(config(2, 1, **zero),
+                fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 1})
     engine, *_ = zerotrain.initialize(model=OddMLP(), config=fp16)
+    reducer = engine.reducer
     trace = []
     for step, batch in enumerate(make_batches(4, MICRO * world)):
         x, y = micro_slice(batch, 0, rank, world, MICRO)
@@ -249,7 +252,11 @@ def loco_bookkeeping() -> dict:
             x = x.clone()
             x[0, 0] = float("inf")
         engine.backward(engine(x.half(), y.half()))
+        held, scale = errors(), engine.loss_scale
         engine.step()
+        if engine.loss_scale == 2 * scale:  # grown (not at the overflow): the buffers follow it
+            out.setdefault("fp16_grown", []).append(any(bool(e.any()) for e in held) and
+                                                    all(torch.equal(a, b * 2) for a, b in zip(errors(), held)))
         trace.append((engine.skipped_steps, engine.loss_scale, engine.memory_report()["loco_errors"]))
     out["fp16"] = trace
     out["fp16_finite"] = all(torch.isfinite(slot.master).all().item() for slot in engine.sharded_slots())
@@ -268,7 +275,7 @@ def test_loco_reset_save_load_rescale_and_overflow():
         assert [t[0] for t in fp16] == [0, 0, 1, 1], what  # step 3 skipped on every rank
         assert fp16[2][1] == fp16[1][1] / 2, what  # scale halved
         assert fp16[1][2] > 0 and fp16[2][2] == 0 and fp16[3][2] > 0, what  # e dropped, then rebuilt
-        assert out["fp16_finite"], what
+        assert out["fp16_finite"] and out.get("fp16_grown") and all(out["fp16_grown"]), what
 
 
 def test_zeropp_misconfigurations_and_exact_user_gathers():
