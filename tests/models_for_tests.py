@@ -170,8 +170,8 @@ def _loss_distance(losses, ref_losses) -> float:
 def _weight_distance(weights: dict, ref_weights: dict) -> float:
     """||w - w_ref|| / ||w_ref|| over every reference tensor together (compared in fp32)."""
     assert sorted(weights) == sorted(ref_weights), (sorted(weights), sorted(ref_weights))
-    diff = sum(float((weights[n].float() - r.float()).pow(2).sum()) for n, r in ref_weights.items())
-    norm = sum(float(r.float().pow(2).sum()) for r in ref_weights.values())
+    diff = sum(float((weights[n].detach().float() - r.detach().float()).pow(2).sum()) for n, r in ref_weights.items())
+    norm = sum(float(r.detach().float().pow(2).sum()) for r in ref_weights.values())
     return (diff / norm) ** 0.5
 
 

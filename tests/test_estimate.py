@@ -71,12 +71,15 @@ def _swap_file_bytes(nvme_path: str) -> int:
 def _live_tensor_bytes() -> int:
     """Bytes of the distinct storages of every tensor alive in this process (the garbage collector's view)."""
     import gc
+    import warnings
 
     storages = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
-            storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+    with warnings.catch_warnings():  # isinstance() on every object touches torch's deprecated module aliases
+        warnings.simplefilter("ignore", FutureWarning)
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
+                storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
 
 

@@ -112,6 +112,7 @@ def test_zero_warmup_steps_is_refused_as_deepspeed_refuses_it(type_):
     ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 4, "decay_step_size": 2,
                   "decay_lr_rate": 0.5}),
 ])
+@pytest.mark.filterwarnings("ignore:scheduler OneCycle. cycle_momentum has no effect")  # `make` builds SGD: no betas
 def test_state_dict_round_trips(type_, params):
     opt, sched = make(type_, params, group_lrs=(0.2, 0.4))
     lrs_over(opt, sched, 7)
@@ -161,8 +162,9 @@ def test_one_cycle_without_a_decay_step_size_stays_at_min_lr_after_the_cycle():
 
 
 def test_one_cycle_stairs_per_group_and_sgd():
-    opt, sched = make("OneCycle", {"cycle_min_lr": [0.0, 0.1], "cycle_max_lr": [0.8, 0.9], "cycle_first_step_size": 4,
-                                   "cycle_first_stair_count": 2}, group_lrs=(0.3, 0.3))
+    with pytest.warns(UserWarning, match="scheduler OneCycle: cycle_momentum has no effect: SGD has no betas"):
+        opt, sched = make("OneCycle", {"cycle_min_lr": [0.0, 0.1], "cycle_max_lr": [0.8, 0.9],
+                                       "cycle_first_step_size": 4, "cycle_first_stair_count": 2}, group_lrs=(0.3, 0.3))
     seen = lrs_over(opt, sched, 9)  # SGD: no betas, cycle_momentum has no effect (warned)
     # stairs of 2 steps up (scale 0, 0, .5, .5, 1), then down over 4 (1, .5, .5, 0)
     scales = [0, 0, 0.5, 0.5, 1.0, 0.5, 0.5, 0.0, 0.0]
@@ -170,6 +172,7 @@ def test_one_cycle_stairs_per_group_and_sgd():
     assert "betas" not in opt.param_groups[0]
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")  # no training
 def test_one_cycle_matches_deepspeed_when_installed():
     import deepspeed  # noqa: F401 - in the dev extra: a missing install fails, never skips
     import os
