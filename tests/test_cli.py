@@ -118,7 +118,7 @@ def test_trainer_runs_accumulation_and_writes_metrics(tmp_path):
     trainer.eval_batches = 1
     one = trainer.evaluate()
     first = next(iter(_loader(2, n_blocks=4)))
-    assert engine.calls == ["forward"] and one == pytest.approx(float(trainer._forward(first)[0]))
+    assert engine.calls == ["forward"] and one == pytest.approx(float(trainer._forward(first)[0].detach()))
 
 
 def test_trainer_loss_is_mean_over_micro_steps():
