@@ -424,11 +424,7 @@ def test_openmpi_launch_starts_the_ranks_with_mpirun(tmp_path):
     from distributed import free_port, run_cli, served_python
     from test_dropin_api import REPO_ROOT
 
-    (tmp_path / "hosts").write_text("localhost slots=2\n")
-    (tmp_path / "job.py").write_text(MPI_SCRIPT)
-    (tmp_path / ".deepspeed_env").write_text("FROM_FILE=forwarded\n")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMPI_", "PMI", "SLURM_"))}
+    env = _one_host_mpi_job(tmp_path, MPI_SCRIPT)
     # the launcher and the ranks mpirun starts (with the launcher's sys.executable) forked from the test forkserver
     env.update(PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1", PYTHON_EXEC=served_python(), OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_btl_tcp_if_include="lo",
@@ -436,6 +432,21 @@ def test_openmpi_launch_starts_the_ranks_with_mpirun(tmp_path):
     proc = run_cli(["launch", "--launcher", "openmpi", "--force_multi", "--hostfile", "hosts", "--master_addr",
                     "127.0.0.1", "--master_port", str(free_port()), "--launcher_args=--mca btl_tcp_if_include lo",
                     "job.py", str(tmp_path)], cwd=tmp_path, env=env, timeout=120)
+    _assert_the_two_ranks_met(tmp_path, proc)
+
+
+def _one_host_mpi_job(tmp_path, script: str) -> dict:
+    """The fast MPI cases' job directory (a one-host hostfile of 2 slots, the job, a .deepspeed_env line) and the
+    test's environment without any launcher's rank variables."""
+    (tmp_path / "hosts").write_text("localhost slots=2\n")
+    (tmp_path / "job.py").write_text(script)
+    (tmp_path / ".deepspeed_env").write_text("FROM_FILE=forwarded\n")
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMPI_", "PMI", "SLURM_"))}
+
+
+def _assert_the_two_ranks_met(tmp_path, proc) -> None:
+    """Both ranks ran with the launcher's world, local rank, master and .deepspeed_env, and their all-reduce met."""
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for rank in (0, 1):
         info = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -456,22 +467,14 @@ def test_mpich_launch_starts_the_ranks_with_hydra(tmp_path):
     from distributed import free_port, run_cli, served_python
     from test_dropin_api import REPO_ROOT
 
-    (tmp_path / "hosts").write_text("localhost slots=2\n")
-    (tmp_path / "job.py").write_text(MPI_SCRIPT.replace('os.environ["OMPI_COMM_WORLD_RANK"]',
-                                                        'os.environ["PMI_RANK"]'))
-    (tmp_path / ".deepspeed_env").write_text("FROM_FILE=forwarded\n")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMPI_", "PMI", "SLURM_"))}
+    env = _one_host_mpi_job(tmp_path, MPI_SCRIPT.replace('os.environ["OMPI_COMM_WORLD_RANK"]',
+                                                         'os.environ["PMI_RANK"]'))
     # the launcher and the ranks hydra starts (with the launcher's sys.executable) forked from the test forkserver
     env.update(PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1", PATH=hydra_path(tmp_path), PYTHON_EXEC=served_python())
     proc = run_cli(["launch", "--launcher", "mpich", "--force_multi", "--hostfile", "hosts", "--master_addr",
                     "127.0.0.1", "--master_port", str(free_port()), "--launcher_args=-iface lo",
                     "job.py", str(tmp_path)], cwd=tmp_path, env=env, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    for rank in (0, 1):
-        info = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert info == {"world": 2, "local": rank, "sum": 3.0, "ompi": str(rank), "master": "127.0.0.1",
-                        "from_env_file": "forwarded"}
+    _assert_the_two_ranks_met(tmp_path, proc)
 
 
 @pytest.mark.skipif(HYDRA is None, reason=MPICH_HINT)
