@@ -97,21 +97,28 @@ def test_a_step_larger_than_the_ring_rolls_back_what_it_did_not_commit_and_resum
                 assert torch.equal(failed["weights"][name], ref), (rank, culprits, name)
 
 
-def test_the_file_is_the_records_once_plus_the_spares(tmp_path):
-    """14 bytes per parameter at most on disk comes from here: 12 per element (fp32 master + Adam's two
-    moments) once, chunks cut equally (no per-chunk padding beyond alignment), plus `spare` records."""
+def _one_bucket_nvme_adamw(tmp_path, numel: int, chunk: int, **options) -> tuple:
+    """One parameter of `numel` random values in one bucket of an NVMe offload optimizer (2 buffers of `chunk`
+    elements), and torch's fused AdamW on a copy: (param, ref, ref_opt, opt)."""
     from zerotrain.offload import NvmeOffloadOptimizer
     from zerotrain.sharding import ShardGroup
     from zerotrain.zero.flat import FlatBucket
 
-    numel, chunk, spare = 50_000, 4096, 2  # 13 chunks (12 of 4096, one of 848), one size class
     torch.manual_seed(0)
     param = torch.nn.Parameter(torch.randn(numel))
     ref = torch.nn.Parameter(param.detach().clone())
     ref_opt = torch.optim.AdamW([ref], fused=True)
     opt = NvmeOffloadOptimizer([FlatBucket(0, [("w", param)], 0, ShardGroup.local())], None,
                                torch.optim.AdamW([param], fused=True), [[param]], 0.0, nvme_path=str(tmp_path),
-                               buffer_count=2, chunk_numel=chunk, spare=spare)
+                               buffer_count=2, chunk_numel=chunk, **options)
+    return param, ref, ref_opt, opt
+
+
+def test_the_file_is_the_records_once_plus_the_spares(tmp_path):
+    """14 bytes per parameter at most on disk comes from here: 12 per element (fp32 master + Adam's two
+    moments) once, chunks cut equally (no per-chunk padding beyond alignment), plus `spare` records."""
+    numel, chunk, spare = 50_000, 4096, 2  # 13 chunks (12 of 4096, one of 848), one size class
+    param, ref, ref_opt, opt = _one_bucket_nvme_adamw(tmp_path, numel, chunk, spare=spare)
     try:
         records = opt.records
         assert len(records.chunks) == 13 and {c.size_class for c in records.chunks} == {(0, chunk)}
@@ -138,18 +145,8 @@ def test_a_master_written_between_steps_is_where_the_next_step_starts(tmp_path):
     the on-disk records (read, master replaced, rewritten and committed) and replaces the records the last step
     kept in its buffers: the next steps are torch's AdamW continued from the written values with its moments,
     bit for bit; a bucket whose master is a tensor (not on disk) takes the values directly."""
-    from zerotrain.offload import NvmeOffloadOptimizer
-    from zerotrain.sharding import ShardGroup
-    from zerotrain.zero.flat import FlatBucket
-
     numel, chunk = 10_000, 4096  # 3 chunks
-    torch.manual_seed(0)
-    param = torch.nn.Parameter(torch.randn(numel))
-    ref = torch.nn.Parameter(param.detach().clone())
-    ref_opt = torch.optim.AdamW([ref], fused=True)
-    opt = NvmeOffloadOptimizer([FlatBucket(0, [("w", param)], 0, ShardGroup.local())], None,
-                               torch.optim.AdamW([param], fused=True), [[param]], 0.0, nvme_path=str(tmp_path),
-                               buffer_count=2, chunk_numel=chunk)
+    param, ref, ref_opt, opt = _one_bucket_nvme_adamw(tmp_path, numel, chunk)
     try:
         for step in range(3):
             grad = torch.randn(numel)
