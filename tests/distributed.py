@@ -382,7 +382,10 @@ conn.send((sys.argv[1:], os.getcwd(), dict(os.environ), fds))
 for fd in fds:
     send_handle(conn, fd, 0)
 def forward(signum, frame):
-    conn.send(signum)
+    try:  # the process may have ended and the server closed the connection (its status is already on the way)
+        conn.send(signum)
+    except OSError:
+        pass
 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
     signal.signal(sig, forward)
 code = conn.recv()

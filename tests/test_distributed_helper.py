@@ -228,3 +228,29 @@ def test_served_python_runs_forked_with_the_callers_fds_cwd_environment_signals_
                           "text=True).returncode)"], cwd=tmp_path, env=dict(env, PYTHON_EXEC=served))
     assert chained.returncode == 0 and chained.stdout.splitlines()[-1] == served, chained
     assert sys.executable != served
+
+
+def test_a_signal_to_the_served_client_after_its_process_ended_is_dropped_quietly():
+    """torchrun's agent SIGTERMs a worker whose process has just ended (the CI failure of stop 54): the client, its
+    connection closed by the server after the status was sent, ends with that status and prints no traceback (it
+    used to die on a BrokenPipeError while forwarding the signal). Made deterministic by stopping the client while
+    its process ends and delivering the SIGTERM as it continues."""
+    import signal
+
+    from distributed import served_python
+
+    proc = subprocess.Popen([served_python(), "-c", "import os, sys\nprint(os.getpid(), flush=True)\n"
+                             "sys.stdin.readline()\nsys.exit(5)"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    forked = int(proc.stdout.readline())
+    proc.send_signal(signal.SIGSTOP)
+    proc.stdin.write("end\n")
+    proc.stdin.flush()
+    deadline = time.monotonic() + 30
+    while _pid_alive(forked) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # the server's poll loop sends the status and closes the connection
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGCONT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 5 and "Traceback" not in err, (proc.returncode, err)
