@@ -585,3 +585,19 @@ def test_one_stage_per_rank_needs_no_multi_stage_schedule_and_the_bf16_masters_w
         cfg = load_config({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
                            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
     assert cfg.bf16_records is True
+
+
+@pytest.mark.parametrize("block", ["offload_optimizer", "offload_param"])
+def test_an_nvme_path_that_is_a_file_is_a_config_error_naming_the_key(tmp_path, block):
+    """A file where the swap directory must go (the path itself, or a parent of a path still to create) is refused
+    with the config, naming the key and the file; a path that does not exist yet (the engine creates it) and an
+    existing directory are accepted, for both offload blocks."""
+    blocker = tmp_path / "swapfile"
+    blocker.write_text("")
+    for path in (blocker, blocker / "sub" / "dir"):
+        err = error_of(dict(BASE, zero_optimization={"stage": 3, block: {"device": "nvme", "nvme_path": str(path)}}))
+        assert err.key == f"zero_optimization.{block}.nvme_path" and f"{blocker} is a file" in str(err), err
+    for path in (tmp_path, tmp_path / "new" / "dir"):
+        config = load(zero_optimization={"stage": 3, block: {"device": "nvme", "nvme_path": str(path)}})
+        assert getattr(config.zero_optimization, block).nvme_path == str(path)
+    assert not (tmp_path / "new").exists()  # checking creates nothing

@@ -468,3 +468,19 @@ def test_a_graph_that_cannot_be_backpropagated_twice_names_the_key_that_spills_i
             engine.backward(loss)
     finally:
         engine.close()
+
+
+def test_an_nvme_path_that_is_a_file_names_the_key_at_construction(tmp_path):
+    """Where no config checked the path first (zero.Init's store takes the raw block), the optimizer's records and
+    the parameter store refuse a file at nvme_path naming their key, not with a bare FileExistsError."""
+    from zerotrain.offload import OffloadIOError
+    from zerotrain.offload.param_store import NvmeParamStore
+
+    blocker = tmp_path / "swapfile"
+    blocker.write_text("")
+    says = r"nvme_path: .*{} or a parent of it is a file"
+    with pytest.raises(OffloadIOError, match=r"^zero_optimization\.offload_optimizer\." + says.format("swapfile")):
+        _bucket_optimizer(blocker)
+    with pytest.raises(OffloadIOError, match=r"^zero_optimization\.offload_param\." + says.format("swapfile/sub")):
+        NvmeParamStore([], str(blocker / "sub"), rank=0, buffer_count=2, buffer_size=10_000, max_in_cpu=0)
+    assert blocker.read_text() == ""

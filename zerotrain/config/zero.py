@@ -5,6 +5,7 @@ whether they are implemented is the engine's business.
 """
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any, Optional
 
 from pydantic import BeforeValidator, Field, model_validator
@@ -26,6 +27,19 @@ def _path_string(value: Any) -> Any:
 NvmePath = Annotated[Optional[str], BeforeValidator(_path_string)]
 
 
+def _file_in_the_way(path: str) -> Optional[str]:
+    """The path itself or the nearest existing parent when it is not a directory (the swap directory could not be
+    created there: checked with the config, so a typo is one line before any rank starts); None otherwise, a path
+    that does not exist yet included (the engine creates it)."""
+    current = os.path.abspath(path)
+    while not os.path.exists(current):
+        parent = os.path.dirname(current)
+        if parent == current:
+            return None
+        current = parent
+    return None if os.path.isdir(current) else current
+
+
 class _Offload(Block):
     device: OffloadDevice = "none"
     nvme_path: NvmePath = None
@@ -37,6 +51,11 @@ class _Offload(Block):
         if self.device == "nvme" and not self.nvme_path:
             raise ConfigError(f"{self.key_path('nvme_path')}: required when device is 'nvme'",
                               key=self.key_path("nvme_path"))
+        if self.device == "nvme":
+            blocker = _file_in_the_way(self.nvme_path)
+            if blocker is not None:
+                raise ConfigError(f"{self.key_path('nvme_path')}: {blocker} is a file, not a directory for the "
+                                  "swap files", key=self.key_path("nvme_path"))
         return self
 
     @property

@@ -313,15 +313,31 @@ def aio_settings(block: Optional[dict] = None) -> AioSettings:
                            queue_depth=int(block.get("queue_depth", 8)))
 
 
+def make_swap_root(nvme_path: str, key: str) -> None:
+    """Create `nvme_path` (and its parents) if absent; a path that cannot hold swap files (a file, a file among
+    its parents, no permission) is an `OffloadIOError` naming the config key and the path, before anything is
+    written (it used to surface as a bare FileExistsError from deep inside the engine's construction)."""
+    try:
+        os.makedirs(nvme_path, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise OffloadIOError(f"{key}: {nvme_path} or a parent of it is a file, not a directory for the swap "
+                             "files") from None
+    except OSError as error:
+        raise OffloadIOError(f"{key}: cannot create {nvme_path}: {error.strerror}") from None
+
+
 def open_swap_directory(nvme_path: str, prefix: str, aio_config: Optional[AioSettings], direct: Optional[bool],
-                        what: str) -> tuple[str, "AsyncFileIO"]:
+                        what: str, key: str) -> tuple[str, "AsyncFileIO"]:
     """A fresh directory under `nvme_path` and an `AsyncFileIO` set up from the `aio` config block (None: its
-    defaults).
+    defaults). `key` (the config key that named the path) is in the error when the path cannot hold the files.
 
     `direct` None probes O_DIRECT in that directory, warning (with `what` and the path) when the
     file system does not take it and buffered I/O is used instead."""
-    os.makedirs(nvme_path, exist_ok=True)
-    directory = tempfile.mkdtemp(prefix=prefix, dir=nvme_path)
+    make_swap_root(nvme_path, key)
+    try:
+        directory = tempfile.mkdtemp(prefix=prefix, dir=nvme_path)
+    except OSError as error:
+        raise OffloadIOError(f"{key}: cannot create the swap directory under {nvme_path}: {error.strerror}") from None
     if direct is None:
         direct = direct_io_supported(directory)
         if not direct:

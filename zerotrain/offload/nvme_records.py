@@ -111,7 +111,7 @@ class NvmeRecords:
                 self.chunks.append(Chunk(index, number, start, min(per, bucket.shard_numel - start), size_class))
         self.spare = max(1, int(DEFAULT_SPARE_RECORDS if spare is None else spare))
         self.directory, self.io = open_swap_directory(nvme_path, f"zerotrain-optim-r{rank}-", aio, direct,
-                                                      "NVMe offload")
+                                                      "NVMe offload", "zero_optimization.offload_optimizer.nvme_path")
         self._finalizer = weakref.finalize(self, _cleanup, self.io, self.directory)
         self.files: tuple[int, ...] = ()  # the swap file (a tuple: what tests inject faults into)
         self.extent_offsets: list[int] = []  # byte offset of each extent in the file

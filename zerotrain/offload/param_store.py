@@ -47,8 +47,10 @@ import torch
 
 from ..zero.interfaces import ParamStore, ShardExtent
 from ..zero.stage3.context import register_param_store_factory
-from .aio import (AlignedBuffers, AsyncFileIO, OffloadIOError, aio_settings, aligned_empty, open_swap_directory,
-                  round_up)
+from .aio import (AlignedBuffers, AsyncFileIO, OffloadIOError, aio_settings, aligned_empty, make_swap_root,
+                  open_swap_directory, round_up)
+
+PARAM_NVME_KEY = "zero_optimization.offload_param.nvme_path"
 
 
 def _host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -135,13 +137,13 @@ class NvmeParamStore(ParamStore):
             total += _extent(part)
         self.size = total  # bytes of the file (add() extends it; freeing its end shrinks it)
         self.free: list[tuple[int, int]] = []  # (offset, bytes) of unused extents, sorted, merged
-        os.makedirs(nvme_path, exist_ok=True)
+        make_swap_root(nvme_path, PARAM_NVME_KEY)
         free = shutil.disk_usage(nvme_path).free
         if total > free:
             raise OffloadIOError(f"NVMe parameter offload: rank {rank} needs {total / 2**20:.1f} MiB under "
                                  f"{nvme_path} for its parameter shards; only {free / 2**20:.1f} MiB are free")
         self.directory, self.io = open_swap_directory(nvme_path, f"zerotrain-param-r{rank}-", aio, direct,
-                                                      "NVMe parameter offload")
+                                                      "NVMe parameter offload", PARAM_NVME_KEY)
         self._finalizer = weakref.finalize(self, _cleanup, self.io, self.directory)
         self.fd = -1
         if parts:
