@@ -347,12 +347,12 @@ def test_placed_writers_fill_one_file_in_place_and_their_runs_join_into_its_crc3
     # and the runs' crc32s joined with crc32_combine are the file's crc32
     from zerotrain.checkpoint.directio import PlacedWriter
     from zerotrain.checkpoint.format import crc32
-    from zerotrain.checkpoint.integrity import join_runs
+    from zerotrain.checkpoint.integrity import crc32_combine, join_runs
     monkeypatch.setenv("ZEROTRAIN_CHECKPOINT_ODIRECT", direct)
     data = np.random.default_rng(0).integers(0, 256, 100_003, dtype=np.uint8).tobytes()
     cuts = [0, 5, 4096, 4099, 9000, 20_480, 20_481, 50_000, 50_001, 61_440, 99_999, 100_003]
     path = str(tmp_path / "shared.safetensors")
-    writers = [PlacedWriter(crc32, buffer_bytes=3 * 4096) for _ in range(2)]
+    writers = [PlacedWriter(crc32, crc32_combine, buffer_bytes=3 * 4096, buffers=buffers) for buffers in (2, 5)]
     for writer in writers:
         writer.open(path, len(data))
     for index, (start, stop) in enumerate(zip(cuts, cuts[1:])):
@@ -493,3 +493,59 @@ def test_reads_straight_into_tensors_and_the_shares_of_the_rest_cover_each_file_
     error = check_pieces(str(tmp_path), shares(intact=False), complete=True)
     assert error.startswith(str(tmp_path / "o.safetensors") + ": checksum mismatch"), error
     reader.close()
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])  # O_DIRECT through each thread's aligned buffer; buffered
+def test_checked_reads_land_unaligned_ranges_exactly_and_their_pieces_join_into_the_claims_crc32(tmp_path,
+                                                                                               monkeypatch, direct):
+    # a start-up load's reads straight into new optimizer states (#50, run 27): ranges at any byte offset into
+    # destinations at any address, cut into chunks that end inside blocks and read on several threads; every
+    # byte lands in place, and the pieces of each claim join (crc32_combine) into the claim's own crc32
+    from zerotrain.checkpoint.directio import CheckedReads
+    from zerotrain.checkpoint.format import crc32
+    from zerotrain.checkpoint.integrity import _join
+    monkeypatch.setenv("ZEROTRAIN_CHECKPOINT_ODIRECT", direct)
+    data = np.random.default_rng(1).integers(0, 256, 100_003, dtype=np.uint8).tobytes()
+    path = str(tmp_path / "o.safetensors")
+    open(path, "wb").write(data)
+    reads = CheckedReads(crc32, threads=3, chunk=3 * 4096 + 5)
+    spans = [(1, 40_000, [(1, 9_000), (20_000, 40_000)]), (40_000, 100_003, [(40_000, 100_003)]),
+             (9_000, 9_003, [(9_000, 9_003)]), (77, 50_077, [])]  # the last: read, claimed by a lower rank
+    outs = []
+    for index, (begin, end, claims) in enumerate(spans):
+        out = np.zeros(end - begin + 8, dtype=np.uint8)[index + 1:index + 1 + end - begin]  # odd addresses
+        outs.append(out)
+        reads.add("o.safetensors", path, begin, out, claims)
+    pieces = reads.run()
+    for (begin, end, _), out in zip(spans, outs):
+        assert out.tobytes() == data[begin:end], (begin, end)
+    assert len(pieces) > 6  # one per claimed part of a chunk
+    claimed = [(first, last) for _, _, claims in spans for first, last in claims]
+    joined = _join(pieces)
+    assert [(piece[1], piece[1] + piece[2]) for piece in joined] == [(1, 9_003), (20_000, 100_003)]
+    assert [piece[3] for piece in joined] == [zlib.crc32(data[1:9_003]), zlib.crc32(data[20_000:])]
+    assert sum(last - first for first, last in claimed) == sum(piece[2] for piece in pieces)
+    short = CheckedReads(crc32, threads=2, chunk=8192)
+    short.add("o.safetensors", path, 99_000, np.zeros(2000, dtype=np.uint8), [])
+    with pytest.raises(OSError, match=r"o\.safetensors: file ends at byte 100003"):
+        short.run()
+    with pytest.raises(ValueError, match="outside the read"):
+        CheckedReads(crc32).add("o", path, 10, np.zeros(5, dtype=np.uint8), [(9, 12)])
+
+
+def test_checksum_shares_are_balanced_against_the_bytes_each_rank_reads_straight_in(tmp_path):
+    # rank 0 reads 600 bytes straight in, rank 1 none: of the 1000 bytes nobody reads that way rank 0 checks
+    # 200 and rank 1 800 (each reads 800 in all), and the two shares still cover the file once; a rank that
+    # already reads more than the level takes nothing
+    from zerotrain.checkpoint.integrity import balanced_share
+    assert [balanced_share(1000, rank, [600, 0]) for rank in (0, 1)] == [(0, 200), (200, 1000)]
+    assert [balanced_share(10, rank, [50, 0, 3]) for rank in (0, 1, 2)] == [(0, 0), (0, 7), (7, 10)]
+    assert [balanced_share(11, rank, [0, 0]) for rank in (0, 1)] == [(0, 6), (6, 11)]
+    assert [balanced_share(7, rank, [0, 0, 0]) for rank in (0, 1, 2)] == [(0, 3), (3, 5), (5, 7)]
+    data = bytes(range(256)) * 4 + b"abc"
+    (tmp_path / "f").write_bytes(data)
+    manifest = {"files": {"f": {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}}}
+    shares = [checksum_share(str(tmp_path), manifest, ["f"], rank, 2, loads=[600, 0]) for rank in (0, 1)]
+    # 1027 bytes: rank 0 checks 214 (814 in all), rank 1 813 (offset, length)
+    assert [[piece[1:3] for piece in share["pieces"]] for share in shares] == [[(0, 214)], [(214, 813)]]
+    assert check_pieces(str(tmp_path), shares, complete=True) is None

@@ -31,9 +31,11 @@ at once. A resume before the first step (the optimizer holds no state yet: a run
 start-up) reads the optimizer states once: `prepare` makes the new state tensors and plans the
 reads into them (`LoadPlan.direct`); the ranks all-gather those byte ranges, each rank reads
 its ranges straight into its new tensors with the crc32 computed on the landed bytes
-(`reader.TensorReader.read_checked`, the ranges another rank also reads counted once:
-`integrity.claimed_ranges`), and the checksum pass covers only the other bytes (weights,
-headers, scalars). The verdict then judges every file from pieces that must cover it exactly
+(`reader.TensorReader.plan_checked`, `directio.CheckedReads`: O_DIRECT, READ_THREADS requests in
+flight; the ranges another rank also reads counted once: `integrity.claimed_ranges`), and the
+checksum pass covers only the other bytes (weights, headers, scalars), at the same time on its own
+thread, shared out so that each rank's direct reads plus its share are equal
+(`integrity.balanced_share`). The verdict then judges every file from pieces that must cover it exactly
 once; a refused load drops the new tensors, which nothing else holds yet. The optimizer's
 scalar states (one `step` per parameter, read while planning) are requested from the kernel
 before the checksum pass starts (`reader.prefetch_small_tensors`), so that planning does not
@@ -46,17 +48,18 @@ import logging
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from .deepspeed_dir import convert_deepspeed, deepspeed_tag_dir
-from .format import MASTER, MODEL, OPTIMIZER, CheckpointError, read_json, rng_file
+from .format import MASTER, MODEL, OPTIMIZER, CheckpointError, crc32, read_json, rng_file
 from .loco import loco_file, read_loco, restore_loco
 from .optim_state import StateTemplate, check_groups, make_scalar, probe_template, restore_hyperparameters
 from .plan import extra_tensors
-from .directio import READ_THREADS, copy_threads, run_parallel
+from .directio import READ_THREADS, CheckedReads, copy_threads, run_parallel
 from .integrity import Intervals, check_pieces, claimed_ranges
 from .reader import TensorReader, prefetch_small_tensors
 from .slots import CheckpointState, aliased_slots, sharded_names
@@ -111,13 +114,18 @@ class LoadPlan:
         """(file name, first byte, end byte) of every read into a fresh state tensor, in order."""
         return [read.reader.byte_range(read.name, read.start, read.count) for read, _ in self.direct]
 
-    def read_direct(self, claims: list, threads: int = 1) -> list:
+    def read_direct(self, claims: list, threads: int = READ_THREADS) -> list:
         """Read every `direct` range straight into its fresh state tensor, computing the crc32 of its `claims`
-        (`integrity.claimed_ranges`, one list per read) as the bytes land; the crc32 pieces."""
-        tasks = [_no_grad(read.reader.read_checked, read.name, read.start, read.count,
-                          target[read.offset:read.offset + read.count], claim)
-                 for (read, target), claim in zip(self.direct, claims)]
-        pieces = [piece for pieces in run_parallel(tasks, threads) for piece in pieces]
+        (`integrity.claimed_ranges`, one list per read) as the bytes land, `threads` requests in flight
+        (`directio.CheckedReads`: O_DIRECT, the disk's queue kept deep); the crc32 pieces."""
+        reads = CheckedReads(crc32, threads)
+        for (read, target), claim in zip(self.direct, claims):
+            read.reader.plan_checked(reads, read.name, read.start, read.count,
+                                     target[read.offset:read.offset + read.count], claim)
+        try:
+            pieces = reads.run()
+        except OSError as error:
+            raise CheckpointError(f"cannot read the optimizer states of {self.path}: {error}") from error
         self.direct_read = True
         return pieces
 
@@ -533,11 +541,20 @@ def _checksum(state: CheckpointState, source: Optional[Source], names: list, pla
         for ranges in everyone:
             for name, begin, end in ranges:
                 skip.setdefault(name, Intervals()).add(begin, end)
-        share = verify(source, names, comm.rank, comm.size, checksums=True, skip=skip)
-        checked.append(share)
-        if mine:
-            lower = [entry for ranges in everyone[:comm.rank] for entry in ranges]
-            share["pieces"] = share["pieces"] + plan.read_direct(claimed_ranges(mine, lower))
+        loads = [sum(end - begin for _, begin, end in ranges) for ranges in everyone]
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerotrain-checksum") as pool:
+            # the checksum pass (the page cache's readahead, one stream) and the reads straight into new
+            # states (O_DIRECT, several requests) at once: the disk's queue holds both (run 27)
+            shared = pool.submit(verify, source, names, comm.rank, comm.size, True, skip, loads)
+            pieces: list = []
+            try:
+                if mine:
+                    lower = [entry for ranges in everyone[:comm.rank] for entry in ranges]
+                    pieces = plan.read_direct(claimed_ranges(mine, lower))
+            finally:
+                share = shared.result()  # its error first: a corrupt or short file explains a failed read
+                checked.append(share)
+        share["pieces"] = share["pieces"] + pieces
     except Exception as caught:  # noqa: BLE001 - reported to every rank with the outcomes
         return error or caught
     return error

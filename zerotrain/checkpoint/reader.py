@@ -22,7 +22,7 @@ import os
 import torch
 from safetensors import safe_open
 
-from .directio import READ_CHUNK, SharedFiles
+from .directio import READ_CHUNK, CheckedReads, SharedFiles
 from .format import CheckpointError, crc32, itemsize, numel_of, read_layout, st_dtype
 
 
@@ -148,31 +148,29 @@ class TensorReader:
         the stored dtype: the read is the copy, nothing converted)."""
         return target.device.type == "cpu" and target.dtype == self.entry(name)[0] and target.is_contiguous()
 
-    def read_checked(self, name: str, start: int, count: int, target: torch.Tensor,
-                     claimed: list[tuple[int, int]]) -> list[tuple[str, int, int, int]]:
-        """Read elements [start, start+count) straight into the 1-D `target` (see `can_read_checked`), READ_CHUNK
-        bytes at a time, and compute the crc32 of the `claimed` byte ranges (file offsets inside the read) on
-        the destination's bytes as each chunk lands: one pass over the bytes, no buffer between the file and
-        the tensor. Returns one (file name, offset, length, crc32) piece per claimed range."""
+    def plan_checked(self, reads: CheckedReads, name: str, start: int, count: int, target: torch.Tensor,
+                     claimed: list[tuple[int, int]]) -> None:
+        """Plan in `reads` the read of elements [start, start+count) straight into the 1-D `target` (see
+        `can_read_checked`) with the crc32 of the `claimed` byte ranges (file offsets inside the read) computed
+        on the destination's bytes as each chunk lands: one pass over the bytes, from the disk (O_DIRECT, several
+        requests in flight) into the tensor. `reads.run()` returns (file name, offset, length, crc32) pieces."""
         dtype, stored, path = self.entry(name)
         if start < 0 or start + count > numel_of(stored) or target.numel() != count \
                 or not self.can_read_checked(name, target):
             raise CheckpointError(f"tensor {name!r} in {path}: elements [{start}, {start + count}) do not fit "
                                   f"shape {list(stored)} or the destination")
         file, begin, end = self.byte_range(name, start, count)
-        out = target.detach().view(torch.uint8).numpy()
-        crcs = [0] * len(claimed)
+        reads.add(file, path, begin, target.detach().view(torch.uint8).numpy(), claimed)
+
+    def read_checked(self, name: str, start: int, count: int, target: torch.Tensor,
+                     claimed: list[tuple[int, int]]) -> list[tuple[str, int, int, int]]:
+        """`plan_checked` of one range, read at once: its (file name, offset, length, crc32) pieces."""
+        reads = CheckedReads(crc32)
+        self.plan_checked(reads, name, start, count, target, claimed)
         try:
-            for low in range(begin, end, READ_CHUNK):
-                high = min(end, low + READ_CHUNK)
-                self._files.read_into(path, low, out[low - begin:high - begin])
-                for index, (first, last) in enumerate(claimed):
-                    first, last = max(first, low), min(last, high)
-                    if first < last:
-                        crcs[index] = crc32(out[first - begin:last - begin], crcs[index])
+            return reads.run()
         except OSError as error:
-            raise CheckpointError(f"{path}: cannot read tensor {name!r}: {error}") from error
-        return [(file, first, last - first, crc) for (first, last), crc in zip(claimed, crcs)]
+            raise CheckpointError(f"cannot read tensor {name!r}: {error}") from error
 
     def read(self, name: str) -> torch.Tensor:
         """The whole tensor, on the CPU."""

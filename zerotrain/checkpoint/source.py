@@ -143,9 +143,11 @@ def needed_files(source: Source, load_optimizer_states: bool, load_module_only: 
 
 
 def verify(source: Source, names: list[str], rank: int, world: int, checksums: bool,
-           skip: Optional[dict] = None) -> Optional[dict]:
+           skip: Optional[dict] = None, loads: Optional[list[int]] = None) -> Optional[dict]:
     """Sizes of every needed file (all ranks); with `checksums`, the crc32 pieces of this rank's share of
-    their bytes (`integrity.checksum_share`; `skip`: the byte ranges some rank checksums as it reads them),
-    which the load joins across ranks (`integrity.check_pieces`)."""
+    their bytes (`integrity.checksum_share`; `skip`: the byte ranges some rank checksums as it reads them,
+    `loads`: the bytes each rank reads that way, which the shares balance), which the load joins across
+    ranks (`integrity.check_pieces`)."""
     check_sizes(source.path, source.manifest, names)
-    return checksum_share(source.path, source.manifest, names, rank, world, skip=skip) if checksums else None
+    return checksum_share(source.path, source.manifest, names, rank, world, skip=skip, loads=loads) \
+        if checksums else None

@@ -46,7 +46,7 @@ from . import commit
 from .directio import PlacedWriter
 from .format import (MASTER, MODEL, OPTIMIZER, TRAINER_STATE, CheckpointError, FileLayout, as_bytes, crc32,
                      index_file, itemsize, rng_file, write_json)
-from .integrity import join_runs, manifest_entry, write_manifest
+from .integrity import crc32_combine, join_runs, manifest_entry, write_manifest
 from .loco import loco_file, write_loco
 from .plan import SavePlan
 from .split import assemble_whole
@@ -91,7 +91,7 @@ class SaveJob:
             self._temp = temp
             self._layouts = {spec.name: FileLayout.of(spec.entries, {"zerotrain": spec.kind}) for spec in self.plan.files}
             self._file_of = {(spec.kind, key): spec.name for spec in self.plan.files for key, _, _ in spec.entries}
-            self._out = PlacedWriter(crc32)
+            self._out = PlacedWriter(crc32, crc32_combine)
         except Exception as caught:  # noqa: BLE001 - reported to every rank below
             error = caught
         for index in range(len(self.plan.rounds)):  # split tensors only: the others need no exchange
