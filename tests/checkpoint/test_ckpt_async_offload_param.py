@@ -30,7 +30,10 @@ def nvme_engine(nvme_path: str, seed: int):
 
 
 def async_nvme_run(root: str) -> dict:
+    import threading
+
     import zerotrain
+    import zerotrain.checkpoint.fence as fence_module
     import zerotrain.checkpoint.snapshot as snapshot
     import zerotrain.checkpoint.write as write
 
@@ -41,18 +44,29 @@ def async_nvme_run(root: str) -> dict:
     train(engine, 0, 2)
     at_save, state_at_save = engine.full_state_dict(), optimizer_state(engine)
     complete, write_round = snapshot.Sources.complete, write.SaveJob._write_in_place
-    deferred = []
+    fence_wait = fence_module.SnapshotFence.wait
+    deferred, waited_for_fence, waited_for_training = [], [], []
+    fence_entered, training_done = threading.Event(), threading.Event()
+
+    # Ordered by events, not by sleeps (timed sleeps failed on a loaded machine, where a step outlasted them): the
+    # deferred copy completes only once training has reached a fence, and 0.3 s after it, so that fence blocks;
+    # the write rounds run only once the training below is over, so nothing is committed while it runs.
+    def gated_wait(self):
+        fence_entered.set()
+        return fence_wait(self)
 
     def slow_complete(self):
         deferred.append(len(self.copies))
-        time.sleep(0.5)
+        waited_for_fence.append(fence_entered.wait(120))
+        time.sleep(0.3)
         return complete(self)
 
     def slow_round(self, *args, **kwargs):
-        time.sleep(0.3)
+        waited_for_training.append(training_done.wait(120))
         return write_round(self, *args, **kwargs)
 
     snapshot.Sources.complete, write.SaveJob._write_in_place = slow_complete, slow_round
+    fence_module.SnapshotFence.wait = gated_wait
     try:
         path = engine.save_checkpoint(save_dir, tag="async")
         with zerotrain.zero.GatheredParameters([engine.module.fc1.weight], modifier_rank=0):
@@ -63,9 +77,12 @@ def async_nvme_run(root: str) -> dict:
         fence_seconds = engine.checkpointer.last_fence_seconds
         committed_during_training = os.path.exists(os.path.join(path, "manifest.json"))
         moved = engine.full_state_dict()
+        training_done.set()
         engine.wait_checkpoint()
     finally:
+        training_done.set()
         snapshot.Sources.complete, write.SaveJob._write_in_place = complete, write_round
+        fence_module.SnapshotFence.wait = fence_wait
     stats = engine.work_stats()["param_store"]
     engine.close()
     fresh = nvme_engine(os.path.join(root, f"nvme_b{rank}"), seed=123)  # other initial weights
@@ -74,7 +91,8 @@ def async_nvme_run(root: str) -> dict:
     fresh.close()
     return {"at_save": at_save, "moved": moved, "loaded": loaded, "state_at_save": state_at_save,
             "state_loaded": state_loaded, "steps": steps, "deferred": deferred, "fence_seconds": fence_seconds,
-            "committed_during_training": committed_during_training, "stats": stats}
+            "committed_during_training": committed_during_training, "stats": stats,
+            "waited_for_fence": waited_for_fence, "waited_for_training": waited_for_training}
 
 
 def plain_load(save_dir: str) -> dict:
@@ -94,10 +112,14 @@ def test_async_save_with_nvme_offloaded_params_defers_and_reloads(tmp_path):
     assert all(not torch.equal(out["moved"][name], out["at_save"][name]) for name in ("fc1.weight", "fc2.weight"))
     for rank, result in enumerate(results):
         assert result["deferred"] and result["deferred"][0] > 0, (rank, result["deferred"])  # copies were deferred
-        # the step waited for the slowed copy (0.5 s); that it did not wait for the whole write is the commit
-        # check below, not a time bound (an upper bound in seconds failed on a loaded machine)
+        # the step waited for the gated copy (0.3 s after it reached the fence); that it did not wait for the
+        # whole write is the commit check below, not a time bound (an upper bound failed on a loaded machine)
         assert result["fence_seconds"] > 0.2, (rank, result["fence_seconds"])
         assert not result["committed_during_training"], rank
+        # the gates opened by their events (a False: the copy never saw a fence, or a write round waited for the
+        # training's end in vain, i.e. training waited for the whole write)
+        assert result["waited_for_fence"] == [True] and result["waited_for_training"], (rank, result)
+        assert all(result["waited_for_training"]), (rank, result["waited_for_training"])
         assert result["stats"]["param_reads"] > 0, result["stats"]  # shards went through the file
         assert result["steps"] == 2, result["steps"]
         for got, want in zip(result["state_loaded"], result["state_at_save"]):  # this rank's optimizer shard
