@@ -48,11 +48,11 @@ def _env(**extra: str) -> dict:
 
 
 def _take(save_dir: Path, **env: str) -> subprocess.CompletedProcess:
-    return run_python(["-c", _TAKE, str(save_dir)], env=_env(**env), timeout=60)  # its own process
+    return run_python(["-c", _TAKE, str(save_dir)], env=_env(**env), timeout=300)  # its own process
 
 
 def test_a_second_job_is_refused_naming_the_holder_and_a_stale_lock_is_taken_over(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path), "30"], env=_env(TORCHELASTIC_RUN_ID="job-a"),
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path), "600"], env=_env(TORCHELASTIC_RUN_ID="job-a"),
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -73,7 +73,7 @@ def test_a_second_job_is_refused_naming_the_holder_and_a_stale_lock_is_taken_ove
     # the holder wrote the lock again? no: the restart took it and released it; make a stale one by hand
     stale = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path), "0"], env=_env(TORCHELASTIC_RUN_ID="job-c"),
                              stdout=subprocess.PIPE, text=True)
-    stale.communicate(timeout=60)  # exits holding the lock (no release): its process is gone
+    stale.communicate(timeout=300)  # exits holding the lock (no release): its process is gone
     assert json.loads((tmp_path / ".zerotrain-lock.json").read_text())["job_id"] == "TORCHELASTIC_RUN_ID=job-c"
     taken = _take(tmp_path, TORCHELASTIC_RUN_ID="job-d")
     assert taken.returncode == 0, taken.stdout + taken.stderr
