@@ -24,7 +24,7 @@ def collectives_both_ways(dtype_name: str) -> dict:
     dtype = getattr(torch, dtype_name)
     Topology.build()  # the process group (gloo here)
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    out: dict = {}
+    out: dict = {"reference": every_method_against_reference(world, rank, dtype)}  # first: no transport set up yet
     for fast in (True, False):
         comm = Comm(None, rank, world, CommCounters(), gloo_point_to_point=fast)
         gen = torch.Generator().manual_seed(10 + rank)
@@ -57,7 +57,6 @@ def collectives_both_ways(dtype_name: str) -> dict:
             sub_comm.reduce_scatter(sub, inputs[2][:len(members) * chunk].clone())
         out[fast] = {"sync": sync, "async": outputs, "in_place": own.clone(), "gather": full,
                      "gather_async": gathered, "sub": sub, "counters": comm.counters.snapshot()}
-    out["reference"] = every_method_against_reference(world, rank, dtype)
     return out
 
 
@@ -71,6 +70,7 @@ def every_method_against_reference(world: int, rank: int, dtype: torch.dtype) ->
     import torch.distributed as dist
 
     from zerotrain.comm import Comm, CommCounters, all_gather_with_grad, all_reduce_with_grad, all_to_all_with_grad
+    from zerotrain.comm import core
 
     checks: list = []
     peers = range(world)
@@ -95,6 +95,9 @@ def every_method_against_reference(world: int, rank: int, dtype: torch.dtype) ->
                 handle.wait()
             checks.append((f"{name} all_gather async={async_op}", gathered,
                            torch.cat([_inputs(r, (3,), dtype, 2) for r in peers])))
+        # only the same-host comm's collectives set its transport up (the others never take that path)
+        checks.append((f"{name} same-host transport set up by the collectives", bool(core._SAME_HOST),
+                       name == "same_host"))
         checks.append((f"{name} counters", comm.counters.snapshot(),
                         {"all_gather": {"calls": 2, "bytes": 2 * (world * 3 * size * (world - 1) // world)},
                          "reduce_scatter": {"calls": 2, "bytes": 2 * (world * chunk * size * (world - 1) // world)}}))
@@ -203,3 +206,15 @@ def test_point_to_point_matches_gloo_collectives(world, dtype):
             torch.testing.assert_close(a, b, **tol, msg=f"rank {rank} async")
         if fast["sub"] is not None:
             torch.testing.assert_close(fast["sub"], native["sub"], **tol, msg=f"rank {rank} subgroup")
+
+
+def test_a_comm_made_without_a_timeout_waits_as_long_as_torch_and_deepspeed_do():
+    """`zerotrain.dist`'s groups and the run layer's world Comm take no timeout: a silent peer is named after
+    torch's default process-group timeout (DeepSpeed's `default_pg_timeout`, 30 minutes), not sooner or later."""
+    from torch.distributed.constants import default_pg_timeout
+
+    from zerotrain.comm import Comm
+
+    comm = Comm(None, 0, 2)
+    assert comm.timeout_seconds == default_pg_timeout.total_seconds() == 1800
+    assert comm.subgroup(None, 1, 2).timeout_seconds == 1800

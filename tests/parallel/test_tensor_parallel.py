@@ -67,7 +67,25 @@ def tensor_parallel_training(tp_size: int) -> tuple[list[float], dict, dict]:
     assert model.lm_head.weight is model.transformer.wte.weight  # tying survives the split
     local_numel = {name: p.numel() for name, p in model.named_parameters()}
     losses = train(model, model.parameters())
-    return losses, full_weights(model, tp), local_numel
+    return losses, full_weights(model, tp), local_numel, sum_grad_against_one_process(tp)
+
+
+def sum_grad_against_one_process(tp) -> tuple:
+    """A SumGrad module (kept whole, each rank seeing its own slice of an activation) gets the sum over the
+    group of every rank's gradient: (its gradients here, what one process computes from every rank's input)."""
+    from zerotrain.parallel import SumGrad, apply_tensor_parallel
+
+    def inputs(rank: int) -> torch.Tensor:
+        return torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+
+    torch.manual_seed(5)
+    norm = apply_tensor_parallel(torch.nn.Sequential(torch.nn.LayerNorm(4)), {"0": SumGrad()}, tp)[0]
+    reference = torch.nn.LayerNorm(4)
+    reference.load_state_dict(norm.state_dict())
+    (norm(inputs(tp.rank)) ** 2).sum().backward()
+    for rank in range(tp.size):
+        (reference(inputs(rank)) ** 2).sum().backward()
+    return ((norm.weight.grad, norm.bias.grad), (reference.weight.grad, reference.bias.grad))
 
 
 def reference() -> tuple[list[float], dict]:
@@ -82,7 +100,9 @@ def reference() -> tuple[list[float], dict]:
 def test_gpt_tensor_parallel_matches_single_process(world):
     ref_losses, ref_weights = reference()
     results = run_distributed(tensor_parallel_training, world, world, timeout=120)
-    for losses, weights, local_numel in results:
+    for losses, weights, local_numel, (summed, expected) in results:
+        for got, want in zip(summed, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-5
         assert weights.keys() == ref_weights.keys()
         for name, expected in ref_weights.items():
