@@ -1,5 +1,6 @@
-"""`CommCounters` (what `engine.memory_report()["comm"]` shows) and the finished handle of a world of one, in-process;
-the bytes real collectives count are checked against theory by tests/test_engine_api.py::test_comm_bytes_match_theory."""
+"""`CommCounters` (what `engine.memory_report()["comm"]` shows), the finished and the failed handle, and the package's
+pointer from deepspeed.comm's names, in-process; the bytes real collectives count are checked against theory by
+tests/test_engine_api.py::test_comm_bytes_match_theory."""
 from __future__ import annotations
 
 import torch
@@ -56,3 +57,16 @@ def test_a_named_handle_answers_the_transports_own_methods(world_of_one):
     handle = _Named(dist.all_reduce(tensor, async_op=True), "all_reduce", 0, 1)
     handle.wait()
     assert handle.is_completed() is True and tensor.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_deepspeed_comm_names_on_the_internal_package_point_to_zerotrain_dist():
+    """A script ported with `import zerotrain as deepspeed` that calls `deepspeed.comm.get_rank()` is told where
+    the name lives; any other missing name is a plain AttributeError."""
+    import pytest
+
+    import zerotrain.comm
+
+    with pytest.raises(AttributeError, match=r"deepspeed\.comm's get_rank is zerotrain\.dist\.get_rank"):
+        zerotrain.comm.get_rank
+    with pytest.raises(AttributeError, match=r"^module 'zerotrain.comm' has no attribute 'no_such_name'$"):
+        zerotrain.comm.no_such_name

@@ -218,3 +218,35 @@ def test_a_comm_made_without_a_timeout_waits_as_long_as_torch_and_deepspeed_do()
     comm = Comm(None, 0, 2)
     assert comm.timeout_seconds == default_pg_timeout.total_seconds() == 1800
     assert comm.subgroup(None, 1, 2).timeout_seconds == 1800
+
+
+def test_a_world_of_one_copies_waits_at_once_and_counts_nothing():
+    """Size 1 (no process group needed): every collective is the identity or a copy, an async one returns a handle
+    that waits at once, and nothing is counted (nothing is sent)."""
+    from zerotrain.comm import Comm
+
+    comm = Comm(None, 0, 1)
+    x = torch.arange(6.0)
+    for async_op in (False, True):
+        out = torch.zeros(6)
+        handles = [comm.reduce_scatter(out, x, async_op=async_op)]
+        assert torch.equal(out, x)
+        out = torch.zeros(6)
+        handles.append(comm.all_gather(out, x, async_op=async_op))
+        assert torch.equal(out, x)
+        rows, received = x.view(1, 6), torch.zeros(1, 6)
+        handles.append(comm.all_to_all(received, rows, async_op=async_op))
+        assert torch.equal(received, rows)
+        value = x.clone()
+        handles.append(comm.all_reduce(value, async_op=async_op))
+        assert torch.equal(value, x)
+        assert all(h.wait() for h in handles) if async_op else handles == [None] * 4
+    assert comm.gather_to(x)[0] is x and comm.all_gather_object("a") == ["a"]
+    comm.broadcast(x)
+    comm.barrier()
+    assert comm.any_true(True, x.device) and not comm.any_true(False, x.device)
+    assert comm.min_ints([3, -1], x.device) == [3, -1] and comm.sum_scalar(x[:1].clone()).item() == 0.0
+    output = torch.zeros(4, dtype=torch.uint8)
+    comm.all_to_all_bytes(output, torch.arange(4, dtype=torch.uint8), [4], [4])
+    assert output.tolist() == [0, 1, 2, 3]
+    assert comm.new_cpu_comm().size == 1 and comm.counters.snapshot() == {}

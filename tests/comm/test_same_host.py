@@ -169,3 +169,21 @@ def test_siblings_allowed_only_under_yama_scope_1_with_one_parent():
     assert not allow_siblings(2, [10, 10])  # admin-only: a prctl would not help
     assert not allow_siblings(1, [10, 11])  # no common parent to name
     assert allow_siblings(1, [os.getppid()] * 2)  # issues the prctl (a no-op on a kernel without Yama)
+
+
+def test_a_peer_that_exited_counts_as_dead_before_it_is_reaped():
+    """The liveness check a waiting rank runs: a peer that exited but whose parent (torchrun's agent) has not
+    reaped it yet is a zombie in /proc, and must count as dead, as a gone pid does; a running one is alive."""
+    import subprocess
+
+    from zerotrain.comm.same_host import _alive
+
+    child = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 30
+    while _alive(child.pid) and time.monotonic() < deadline:  # exited, not reaped: state Z
+        time.sleep(0.01)
+    assert not _alive(child.pid)
+    with open(f"/proc/{child.pid}/stat") as file:
+        assert file.read().rsplit(")", 1)[1].split()[0] == "Z"  # still there, as a zombie
+    child.wait()
+    assert not _alive(child.pid) and _alive(os.getpid())
