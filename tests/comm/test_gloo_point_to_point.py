@@ -131,6 +131,17 @@ def every_method_against_reference(world: int, rank: int, dtype: torch.dtype) ->
     comm.broadcast(value, src=1)
     checks.append(("broadcast", value, every[1]))
     checks.append(("all_gather_object", comm.all_gather_object({"rank": rank}), [{"rank": r} for r in peers]))
+    # on a group of the first and the last rank (at world 3 without rank 1): its rank 1 is global rank world - 1
+    members = [0, world - 1]
+    group = dist.new_group(members)
+    if rank in members:
+        pair = Comm(group, members.index(rank), 2, CommCounters())
+        value = mine.clone()
+        pair.broadcast(value, src=1)
+        checks.append(("pair broadcast", value, every[world - 1]))
+        gathered = pair.gather_to(mine, dst=1)
+        checks.append(("pair gather_to", gathered if gathered is None else torch.stack(gathered),
+                       every[members] if rank == world - 1 else None))
     # uneven all-to-all of bytes: rank r sends r + 1 + s bytes (valued 10 r + s) to rank s
     sends = [torch.full((rank + 1 + s,), 10 * rank + s, dtype=torch.uint8) for s in peers]
     output = torch.empty(sum(r + 1 + rank for r in peers), dtype=torch.uint8)

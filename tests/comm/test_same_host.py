@@ -44,6 +44,7 @@ def many_in_flight(dtype_name: str) -> dict:
             results.append(result)
         for handle in reversed(handles):
             handle.wait()
+        completed = all(handle.is_completed() for handle in handles)  # torch's Work API, after wait()
         # In place: a reduce-scatter into the input's own chunk, an all-gather from the output's own chunk.
         in_place = sources[0].clone()
         comm.reduce_scatter(in_place[rank * chunk:(rank + 1) * chunk], in_place)
@@ -52,7 +53,7 @@ def many_in_flight(dtype_name: str) -> dict:
         comm.all_gather(gathered, gathered[rank * chunk:(rank + 1) * chunk])
         out[same_host] = {"results": results, "in_place": in_place[rank * chunk:(rank + 1) * chunk].clone(),
                           "gathered": gathered, "counters": comm.counters.snapshot(),
-                          "used": comm._same_host() is not None}
+                          "used": comm._same_host() is not None, "completed": completed}
     return out
 
 
@@ -61,6 +62,7 @@ def test_same_host_matches_sockets(world, dtype):
     for rank, result in enumerate(run_distributed(many_in_flight, world, dtype, timeout=240)):
         fast, sockets = result[True], result[False]
         assert fast["used"] and not sockets["used"], rank
+        assert fast["completed"] and sockets["completed"], rank
         assert fast["counters"] == sockets["counters"], rank
         # Two ranks sum a + b either way (bitwise); more ranks may sum in another order.
         tol = {"rtol": 0, "atol": 0} if world == 2 else {"rtol": 1e-2 if dtype == "bfloat16" else 1e-6, "atol": 1e-5}
