@@ -1,6 +1,7 @@
 """`parallel.plan` in-process: what `apply_tensor_parallel` builds for one rank of a group of two (building needs no
 collective), checked against slices of the unsplit model's own weights; the refusals name the module; a SumGrad module
-hooks only its trainable parameters. The split model's training is checked at TP2 and TP4 by test_tensor_parallel.py."""
+hooks only its trainable parameters; `assemble_full_tensors` at a group of one. The split model's training (and the
+assembly at TP > 1) is checked at TP2 and TP4 by test_tensor_parallel.py."""
 from __future__ import annotations
 
 import pytest
@@ -92,3 +93,12 @@ def test_sum_grad_hooks_only_trainable_parameters_and_only_in_a_group():
     alone = nn.LayerNorm(4)
     apply_tensor_parallel(nn.Sequential(alone), {"0": SumGrad()}, Comm(None, 0, 1))(torch.randn(2, 4))
     assert not alone.weight._backward_hooks  # a group of one sums nothing
+
+
+def test_a_group_of_one_assembles_its_own_tensors():
+    """`assemble_full_tensors` at tensor-parallel size 1 (full_state_dict without TP): every tensor, as it is."""
+    from zerotrain.parallel import assemble_full_tensors
+
+    local = {"a": torch.ones(2), "b": torch.zeros(3)}
+    full = assemble_full_tensors(local, {}, Comm(None, 0, 1))
+    assert full == local and full is not local

@@ -163,10 +163,14 @@ def test_the_command_shows_a_diff_and_writes(tmp_path, capsys):
 
 
 # --- the mirrored helpers ---------------------------------------------------------------------------------
-def test_accelerator_on_the_cpu_means_what_deepspeeds_does():
+def test_accelerator_on_the_cpu_means_what_deepspeeds_does(monkeypatch):
     from zerotrain.accelerator import Accelerator
 
     acc = Accelerator("cpu")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert acc.current_device() == 0  # DeepSpeed's CPU accelerator: the launcher's LOCAL_RANK, else 0
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert acc.current_device() == 3
     assert (acc.device_name(), acc.device_name(1), acc.current_device_name()) == ("cpu", "cpu", "cpu")
     assert acc.device(0) is None and acc.is_available() and acc.device_count() == 1
     assert acc.communication_backend_name() == "gloo"
@@ -217,6 +221,16 @@ def test_ops_adam_are_torchs_adam_with_deepspeeds_defaults():
     assert type(DeepSpeedCPUAdam(params, adamw_mode=False)) is torch.optim.Adam
     with pytest.raises(NotImplementedError, match="bias_correction"):
         FusedAdam(params, bias_correction=False)
+    # a parameter group given as a dict steps as torch's AdamW with the same values (and nothing else: AMSGrad off)
+    ours, theirs = torch.nn.Parameter(torch.randn(4)), None
+    theirs = torch.nn.Parameter(ours.detach().clone())
+    fused = FusedAdam([{"params": (p for p in [ours]), "weight_decay": 0.1}], lr=0.1)
+    reference = torch.optim.AdamW([theirs], lr=0.1, weight_decay=0.1)
+    for scale in (4.0, 1.0, 0.25):  # shrinking gradients: AMSGrad's running max would step differently
+        for param, optimizer in ((ours, fused), (theirs, reference)):
+            param.grad = scale * torch.arange(1.0, 5.0)
+            optimizer.step()
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
 
 
 def test_moe_groups_and_module_utils():
