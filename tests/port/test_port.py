@@ -188,6 +188,7 @@ def test_accelerator_on_the_cpu_means_what_deepspeeds_does(monkeypatch):
     acc.empty_cache()
     assert acc.FloatTensor(2, 3).shape == (2, 3) and acc.LongTensor([1, 2]).dtype == torch.int64
     assert torch.device(acc.device_name(0)).type == "cpu" and acc.on_accelerator(torch.zeros(1))
+    assert acc.is_synchronized_device() is True and acc.default_generator(0) is torch.default_generator
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -222,15 +223,17 @@ def test_ops_adam_are_torchs_adam_with_deepspeeds_defaults():
     with pytest.raises(NotImplementedError, match="bias_correction"):
         FusedAdam(params, bias_correction=False)
     # a parameter group given as a dict steps as torch's AdamW with the same values (and nothing else: AMSGrad off)
-    ours, theirs = torch.nn.Parameter(torch.randn(4)), None
-    theirs = torch.nn.Parameter(ours.detach().clone())
-    fused = FusedAdam([{"params": (p for p in [ours]), "weight_decay": 0.1}], lr=0.1)
-    reference = torch.optim.AdamW([theirs], lr=0.1, weight_decay=0.1)
-    for scale in (4.0, 1.0, 0.25):  # shrinking gradients: AMSGrad's running max would step differently
-        for param, optimizer in ((ours, fused), (theirs, reference)):
-            param.grad = scale * torch.arange(1.0, 5.0)
-            optimizer.step()
-    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+    # and a weight decay given to DeepSpeedCPUAdam is the weight decay
+    for build in (lambda p: FusedAdam([{"params": (q for q in p), "weight_decay": 0.1}], lr=0.1),
+                  lambda p: DeepSpeedCPUAdam(p, lr=0.1, weight_decay=0.1)):
+        ours = torch.nn.Parameter(torch.randn(4))
+        theirs = torch.nn.Parameter(ours.detach().clone())
+        optimizers = build([ours]), torch.optim.AdamW([theirs], lr=0.1, weight_decay=0.1)
+        for scale in (4.0, 1.0, 0.25):  # shrinking gradients: AMSGrad's running max would step differently
+            for param, optimizer in zip((ours, theirs), optimizers):
+                param.grad = scale * torch.arange(1.0, 5.0)
+                optimizer.step()
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
 
 
 def test_moe_groups_and_module_utils():
