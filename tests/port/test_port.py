@@ -189,6 +189,9 @@ def test_accelerator_on_the_cpu_means_what_deepspeeds_does(monkeypatch):
     assert acc.FloatTensor(2, 3).shape == (2, 3) and acc.LongTensor([1, 2]).dtype == torch.int64
     assert torch.device(acc.device_name(0)).type == "cpu" and acc.on_accelerator(torch.zeros(1))
     assert acc.is_synchronized_device() is True and acc.default_generator(0) is torch.default_generator
+    import numpy as np
+    assert acc.FloatTensor(np.int64(2), 3).shape == (2, 3)  # sizes computed with numpy are sizes, not data
+    assert acc.FloatTensor(5).shape == (5,) and acc.LongTensor([1, 2]).tolist() == [1, 2]  # a size; data
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
