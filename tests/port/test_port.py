@@ -210,6 +210,11 @@ def test_accelerator_on_cuda():
     assert torch.equal(torch.rand(3, device="cuda"), first)
     acc.synchronize()
     assert acc.communication_backend_name() == "nccl" and acc.device_count() == torch.cuda.device_count()
+    state = acc.get_rng_state(0)  # a device's generator by its index, saved and put back
+    drawn = torch.rand(2, device="cuda")
+    acc.set_rng_state(state, 0)
+    assert torch.equal(torch.rand(2, device="cuda"), drawn)
+    assert acc.total_memory() == torch.cuda.get_device_properties(0).total_memory
 
 
 def test_ops_adam_are_torchs_adam_with_deepspeeds_defaults():
