@@ -44,6 +44,7 @@ def many_in_flight(dtype_name: str) -> dict:
             results.append(result)
         for handle in reversed(handles):
             handle.wait()
+        completed = all(handle.is_completed() for handle in handles)  # torch's Work API, after wait()
         # In place: a reduce-scatter into the input's own chunk, an all-gather from the output's own chunk.
         in_place = sources[0].clone()
         comm.reduce_scatter(in_place[rank * chunk:(rank + 1) * chunk], in_place)
@@ -52,7 +53,7 @@ def many_in_flight(dtype_name: str) -> dict:
         comm.all_gather(gathered, gathered[rank * chunk:(rank + 1) * chunk])
         out[same_host] = {"results": results, "in_place": in_place[rank * chunk:(rank + 1) * chunk].clone(),
                           "gathered": gathered, "counters": comm.counters.snapshot(),
-                          "used": comm._same_host() is not None}
+                          "used": comm._same_host() is not None, "completed": completed}
     return out
 
 
@@ -61,6 +62,7 @@ def test_same_host_matches_sockets(world, dtype):
     for rank, result in enumerate(run_distributed(many_in_flight, world, dtype, timeout=240)):
         fast, sockets = result[True], result[False]
         assert fast["used"] and not sockets["used"], rank
+        assert fast["completed"] and sockets["completed"], rank
         assert fast["counters"] == sockets["counters"], rank
         # Two ranks sum a + b either way (bitwise); more ranks may sum in another order.
         tol = {"rtol": 0, "atol": 0} if world == 2 else {"rtol": 1e-2 if dtype == "bfloat16" else 1e-6, "atol": 1e-5}
@@ -169,3 +171,21 @@ def test_siblings_allowed_only_under_yama_scope_1_with_one_parent():
     assert not allow_siblings(2, [10, 10])  # admin-only: a prctl would not help
     assert not allow_siblings(1, [10, 11])  # no common parent to name
     assert allow_siblings(1, [os.getppid()] * 2)  # issues the prctl (a no-op on a kernel without Yama)
+
+
+def test_a_peer_that_exited_counts_as_dead_before_it_is_reaped():
+    """The liveness check a waiting rank runs: a peer that exited but whose parent (torchrun's agent) has not
+    reaped it yet is a zombie in /proc, and must count as dead, as a gone pid does; a running one is alive."""
+    import subprocess
+
+    from zerotrain.comm.same_host import _alive
+
+    child = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 30
+    while _alive(child.pid) and time.monotonic() < deadline:  # exited, not reaped: state Z
+        time.sleep(0.01)
+    assert not _alive(child.pid)
+    with open(f"/proc/{child.pid}/stat") as file:
+        assert file.read().rsplit(")", 1)[1].split()[0] == "Z"  # still there, as a zombie
+    child.wait()
+    assert not _alive(child.pid) and _alive(os.getpid())

@@ -55,9 +55,10 @@ def full_weights(model, tp) -> dict[str, torch.Tensor]:
     return out
 
 
-def tensor_parallel_training(tp_size: int) -> tuple[list[float], dict, dict]:
+def tensor_parallel_training(tp_size: int) -> tuple:
     from zerotrain.models import GPT
-    from zerotrain.parallel import GPT_PLAN, apply_tensor_parallel, tensor_parallel_comm
+    from zerotrain.parallel import (GPT_PLAN, apply_tensor_parallel, assemble_full_tensors, tensor_parallel_comm,
+                                    tensor_slice_of)
     from zerotrain.topology import Topology
 
     topology = Topology.build(timeout_seconds=60, tp_size=tp_size)
@@ -67,7 +68,30 @@ def tensor_parallel_training(tp_size: int) -> tuple[list[float], dict, dict]:
     assert model.lm_head.weight is model.transformer.wte.weight  # tying survives the split
     local_numel = {name: p.numel() for name, p in model.named_parameters()}
     losses = train(model, model.parameters())
-    return losses, full_weights(model, tp), local_numel
+    # what full_state_dict joins (parallel.gather): the whole tensors on TP rank 0, nothing elsewhere; the split
+    # ones carry their slices, a whole one (ln_f) is passed through; compared with full_weights below
+    local = {name: p.detach() for name, p in model.named_parameters()}
+    slices = {name: tensor_slice_of(p) for name, p in model.named_parameters() if tensor_slice_of(p) is not None}
+    assembled = assemble_full_tensors(local, slices, tp)
+    return losses, full_weights(model, tp), local_numel, sum_grad_against_one_process(tp), assembled
+
+
+def sum_grad_against_one_process(tp) -> tuple:
+    """A SumGrad module (kept whole, each rank seeing its own slice of an activation) gets the sum over the
+    group of every rank's gradient: (its gradients here, what one process computes from every rank's input)."""
+    from zerotrain.parallel import SumGrad, apply_tensor_parallel
+
+    def inputs(rank: int) -> torch.Tensor:
+        return torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+
+    torch.manual_seed(5)
+    norm = apply_tensor_parallel(torch.nn.Sequential(torch.nn.LayerNorm(4)), {"0": SumGrad()}, tp)[0]
+    reference = torch.nn.LayerNorm(4)
+    reference.load_state_dict(norm.state_dict())
+    (norm(inputs(tp.rank)) ** 2).sum().backward()
+    for rank in range(tp.size):
+        (reference(inputs(rank)) ** 2).sum().backward()
+    return ((norm.weight.grad, norm.bias.grad), (reference.weight.grad, reference.bias.grad))
 
 
 def reference() -> tuple[list[float], dict]:
@@ -82,7 +106,12 @@ def reference() -> tuple[list[float], dict]:
 def test_gpt_tensor_parallel_matches_single_process(world):
     ref_losses, ref_weights = reference()
     results = run_distributed(tensor_parallel_training, world, world, timeout=120)
-    for losses, weights, local_numel in results:
+    for rank, (losses, weights, local_numel, (summed, expected), assembled) in enumerate(results):
+        for got, want in zip(summed, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert list(assembled) == (list(weights) if rank == 0 else [])
+        for name, tensor in assembled.items():
+            assert torch.equal(tensor, weights[name]), name
         assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-5
         assert weights.keys() == ref_weights.keys()
         for name, expected in ref_weights.items():

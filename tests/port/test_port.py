@@ -163,10 +163,14 @@ def test_the_command_shows_a_diff_and_writes(tmp_path, capsys):
 
 
 # --- the mirrored helpers ---------------------------------------------------------------------------------
-def test_accelerator_on_the_cpu_means_what_deepspeeds_does():
+def test_accelerator_on_the_cpu_means_what_deepspeeds_does(monkeypatch):
     from zerotrain.accelerator import Accelerator
 
     acc = Accelerator("cpu")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert acc.current_device() == 0  # DeepSpeed's CPU accelerator: the launcher's LOCAL_RANK, else 0
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert acc.current_device() == 3
     assert (acc.device_name(), acc.device_name(1), acc.current_device_name()) == ("cpu", "cpu", "cpu")
     assert acc.device(0) is None and acc.is_available() and acc.device_count() == 1
     assert acc.communication_backend_name() == "gloo"
@@ -184,6 +188,10 @@ def test_accelerator_on_the_cpu_means_what_deepspeeds_does():
     acc.empty_cache()
     assert acc.FloatTensor(2, 3).shape == (2, 3) and acc.LongTensor([1, 2]).dtype == torch.int64
     assert torch.device(acc.device_name(0)).type == "cpu" and acc.on_accelerator(torch.zeros(1))
+    assert acc.is_synchronized_device() is True and acc.default_generator(0) is torch.default_generator
+    import numpy as np
+    assert acc.FloatTensor(np.int64(2), 3).shape == (2, 3)  # sizes computed with numpy are sizes, not data
+    assert acc.FloatTensor(5).shape == (5,) and acc.LongTensor([1, 2]).tolist() == [1, 2]  # a size; data
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -202,6 +210,11 @@ def test_accelerator_on_cuda():
     assert torch.equal(torch.rand(3, device="cuda"), first)
     acc.synchronize()
     assert acc.communication_backend_name() == "nccl" and acc.device_count() == torch.cuda.device_count()
+    state = acc.get_rng_state(0)  # a device's generator by its index, saved and put back
+    drawn = torch.rand(2, device="cuda")
+    acc.set_rng_state(state, 0)
+    assert torch.equal(torch.rand(2, device="cuda"), drawn)
+    assert acc.total_memory() == torch.cuda.get_device_properties(0).total_memory
 
 
 def test_ops_adam_are_torchs_adam_with_deepspeeds_defaults():
@@ -217,6 +230,18 @@ def test_ops_adam_are_torchs_adam_with_deepspeeds_defaults():
     assert type(DeepSpeedCPUAdam(params, adamw_mode=False)) is torch.optim.Adam
     with pytest.raises(NotImplementedError, match="bias_correction"):
         FusedAdam(params, bias_correction=False)
+    # a parameter group given as a dict steps as torch's AdamW with the same values (and nothing else: AMSGrad off)
+    # and a weight decay given to DeepSpeedCPUAdam is the weight decay
+    for build in (lambda p: FusedAdam([{"params": (q for q in p), "weight_decay": 0.1}], lr=0.1),
+                  lambda p: DeepSpeedCPUAdam(p, lr=0.1, weight_decay=0.1)):
+        ours = torch.nn.Parameter(torch.randn(4))
+        theirs = torch.nn.Parameter(ours.detach().clone())
+        optimizers = build([ours]), torch.optim.AdamW([theirs], lr=0.1, weight_decay=0.1)
+        for scale in (4.0, 1.0, 0.25):  # shrinking gradients: AMSGrad's running max would step differently
+            for param, optimizer in zip((ours, theirs), optimizers):
+                param.grad = scale * torch.arange(1.0, 5.0)
+                optimizer.step()
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
 
 
 def test_moe_groups_and_module_utils():
