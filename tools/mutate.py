@@ -234,7 +234,8 @@ COVERING: dict[str, list[str]] = {
     "zerotrain/consolidate.py": [
         "tests/test_engine_world_of_one.py",
         "tests/checkpointing/test_activation_checkpointing.py::test_checkpointing_tensor_parallel_partitions_inputs",
-        "tests/zero/test_parity.py::test_stages_match_single_process[2]"],
+        "tests/zero/test_parity.py::test_stages_match_single_process[2]",
+        "tests/parallel/test_moe_engine.py::test_engine_trains_split_experts_like_one_process[2-2]"],  # experts
     **{f"zerotrain/merge/{name}.py": ["tests/merge/test_merge.py"] for name in ("run", "source", "writer", "command")},
     "zerotrain/port/command.py": ["tests/port/test_port.py"],
     "zerotrain/config/loader.py": ["tests/config/test_loader.py", "tests/config/test_schema.py",

@@ -131,6 +131,11 @@ def test_yaml_slerp_with_layer_gradient(tiny, tmp_path):
         expected = slerp(t, base[name].double(), a[name].double()).to(torch.bfloat16)
         torch.testing.assert_close(merged[name], expected, rtol=0, atol=0)
     assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
+    flagged = str(tmp_path / "slerp_t1")  # a flag given with the YAML file overrides its setting: t=1 everywhere
+    assert run(str(config), flagged, "--param", "t=1") == 0
+    for name, tensor in load_dir(flagged).items():
+        expected = slerp(1.0, base[name].double(), a[name].double()).to(torch.bfloat16)
+        torch.testing.assert_close(tensor, expected, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_include_exclude(tiny, tmp_path):
@@ -234,6 +239,10 @@ def test_lora_folding_and_ckpt_export(tiny, tmp_path, rslora):
     plus = str(tmp_path / "plus")
     assert run("--method", "linear", "--models", f"{tiny['base']}+{adapter}", "--out", plus) == 0
     for name, tensor in load_dir(plus).items():
+        torch.testing.assert_close(tensor, merged[name], rtol=0, atol=0)
+    lora_plus = str(tmp_path / "lora_plus")  # method lora with the adapter given as DIR+ADAPTER, not --param
+    assert run("--method", "lora", "--models", f"{tiny['base']}+{adapter}", "--out", lora_plus) == 0
+    for name, tensor in load_dir(lora_plus).items():
         torch.testing.assert_close(tensor, merged[name], rtol=0, atol=0)
 
 
@@ -483,3 +492,16 @@ def test_an_adapter_changing_a_weight_the_model_lacks_is_refused_naming_it(tiny,
     assert err.startswith(f"zerotrain merge: LoRA adapter {adapter}/adapter_model.safetensors changes "
                           f"'model.layers.2.self_attn.") and f"which {tiny['layers2']} does not have" in err, err
     assert len(err.splitlines()) == 1 and not os.path.exists(out)
+
+
+def test_the_output_may_be_an_empty_directory_not_a_file_or_a_directory_with_files(tiny, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run("--method", "linear", "--models", tiny["a"], tiny["b"], "--out", str(empty)) == 0
+    assert set(load_dir(str(empty))) == set(load_dir(tiny["a"]))
+    capsys.readouterr()
+    for target in (empty, tmp_path / "file"):  # now holds the merged model / a plain file
+        (tmp_path / "file").write_text("x")
+        assert run("--method", "linear", "--models", tiny["a"], tiny["b"], "--out", str(target)) == 1
+        assert capsys.readouterr().err == f"zerotrain merge: output {target} exists and is not an empty directory\n"
+    assert (tmp_path / "file").read_text() == "x"

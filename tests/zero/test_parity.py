@@ -110,6 +110,7 @@ def train_with_engine(combos: list[tuple[int, int]], clip: float = 1.0, precisio
         weights = engine.full_state_dict()
         gathers = engine.memory_report()["comm"].get("gather", {}).get("calls", 0) - before
         assert gathers == (len(engine.buckets) if stage and world > 1 else 0), (stage, gathers, len(engine.buckets))
+        assert engine.global_rank == 0 or weights == {}, "whole weights on rank 0 only, an empty dict elsewhere"
         results.append((stage, accumulation, step_losses, weights, norms))
     if gated_accumulation:
         results.append(train_gated_stage2(gated_accumulation))
