@@ -505,3 +505,6 @@ def test_the_output_may_be_an_empty_directory_not_a_file_or_a_directory_with_fil
         assert run("--method", "linear", "--models", tiny["a"], tiny["b"], "--out", str(target)) == 1
         assert capsys.readouterr().err == f"zerotrain merge: output {target} exists and is not an empty directory\n"
     assert (tmp_path / "file").read_text() == "x"
+    nested = tmp_path / "new" / "parents" / "out"  # directories above it are made
+    assert run("--method", "linear", "--models", tiny["a"], tiny["b"], "--out", str(nested)) == 0
+    assert set(load_dir(str(nested))) == set(load_dir(tiny["a"]))
