@@ -508,3 +508,9 @@ def test_the_output_may_be_an_empty_directory_not_a_file_or_a_directory_with_fil
     nested = tmp_path / "new" / "parents" / "out"  # directories above it are made
     assert run("--method", "linear", "--models", tiny["a"], tiny["b"], "--out", str(nested)) == 0
     assert set(load_dir(str(nested))) == set(load_dir(tiny["a"]))
+    capsys.readouterr()
+    failed = tmp_path / "failed"  # fails at its first tensor, after the output was planned: one line, nothing left
+    assert run("--method", "slerp", "--base", tiny["base"], "--models", tiny["base"], tiny["a"], "--out",
+               str(failed)) == 1
+    assert capsys.readouterr().err.startswith("zerotrain merge: slerp needs parameter t")
+    assert sorted(os.listdir(tmp_path)) == ["empty", "file", "new"]
