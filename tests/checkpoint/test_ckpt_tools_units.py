@@ -244,3 +244,64 @@ def test_a_deepspeed_export_needs_its_world_size_and_takes_no_cast(saved, tmp_pa
         assert err.startswith("zerotrain ckpt export: --format deepspeed needs --world-size N") and \
             len(err.splitlines()) == 1
     assert not os.path.exists(tmp_path / "ds")
+
+
+def test_export_merge_lora_folds_a_peft_adapter_as_peft_merges_it(saved, tmp_path, capsys):
+    """`ckpt export --merge-lora ADAPTER` of a plain (not adapters-only) checkpoint: the trained fp32 weights with a
+    PEFT adapter folded in, equal to PEFT's own `merge_and_unload` of the same weights and adapter."""
+    import peft
+
+    from ckpt_common import CkptNet
+
+    save_dir, path, weights, module = saved
+    model = CkptNet()
+    model.load_state_dict({name: (weights[name] if name in weights else tensor).float()
+                           for name, tensor in module.items()})
+    torch.manual_seed(3)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=6, target_modules=["fc1", "fc2"],
+                                                      init_lora_weights=False))  # B random too: a real delta
+    adapter = tmp_path / "adapter"
+    lora.save_pretrained(str(adapter))
+    want = {name: tensor.detach().clone() for name, tensor in lora.merge_and_unload().state_dict().items()}
+    status, text = _run("export", save_dir, str(tmp_path / "merged"), "--dtype", "fp32", "--merge-lora", str(adapter))
+    assert status == 0 and text == (f"exported model weights (fp32, LoRA {adapter} folded in) to "
+                                    f"{tmp_path / 'merged'}\n"), text
+    capsys.readouterr()
+    index = json.load(open(tmp_path / "merged" / "model.safetensors.index.json"))
+    exported = {}
+    for file in set(index["weight_map"].values()):
+        exported.update(load_file(str(tmp_path / "merged" / file)))
+    assert set(exported) == set(want)
+    for name, tensor in exported.items():
+        torch.testing.assert_close(tensor, want[name], rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+    assert not torch.equal(exported["fc1.weight"], weights["fc1.weight"])  # the adapter did change fc1
+
+
+def test_a_deepspeed_export_says_its_own_warnings_in_one_line_and_shows_others_as_python_does(saved, tmp_path,
+                                                                                                monkeypatch, capsys):
+    """What the export changes or leaves out (ExportWarning) is one `warning:` line; any other warning raised on the
+    way (a library's UserWarning, say) is shown as Python shows it: FILE:LINE: Category: message."""
+    import warnings
+
+    from zerotrain.checkpoint import deepspeed_export
+
+    _, path, _, _ = saved
+    target_config = deepspeed_export._target_config
+
+    def warning_config(*args, **kwargs):
+        warnings.warn("a library's own warning", UserWarning)  # the line below this one is named
+        line = warning_config.__code__.co_firstlineno + 1
+        warnings.warn("the export's own warning", deepspeed_export.ExportWarning)
+        warning_config.line = line
+        return target_config(*args, **kwargs)
+
+    monkeypatch.setattr(deepspeed_export, "_target_config", warning_config)
+    with warnings.catch_warnings(record=True) as shown:  # what Python's warnings.showwarning is handed
+        warnings.simplefilter("always")
+        status, text = _run("export", path, str(tmp_path / "ds"), "--format", "deepspeed", "--world-size", "2")
+    assert status == 0 and text.startswith(f"exported {path} as a DeepSpeed checkpoint for 2 ranks"), text
+    err = capsys.readouterr().err
+    assert "zerotrain ckpt export: warning: the export's own warning\n" in err
+    assert "a library's own warning" not in err  # not made one of the export's own lines
+    assert [(w.category, str(w.message), w.filename, w.lineno) for w in shown] == [
+        (UserWarning, "a library's own warning", __file__, warning_config.line)]

@@ -112,9 +112,31 @@ def data_parallel_runs() -> dict:
     return results
 
 
+def megatron_mpu_partitions() -> dict:
+    """Megatron-LM's mpu getters (the whole world of 2 is the tensor-parallel group) given to `configure`: a
+    checkpointed function's input is kept in halves, and its gradient is the plain one."""
+    import torch.distributed as dist
+    from types import SimpleNamespace
+
+    from zerotrain import checkpointing as ckpt
+
+    mpu = SimpleNamespace(get_tensor_model_parallel_group=lambda: dist.group.WORLD,
+                          get_tensor_model_parallel_rank=dist.get_rank,
+                          get_tensor_model_parallel_world_size=dist.get_world_size)
+    ckpt.configure(mpu, partition_activations=True)
+    ckpt.reset()
+    weight = torch.nn.Parameter(torch.randn(6, 6, generator=torch.Generator().manual_seed(1)))
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(2), requires_grad=True)  # 30: not a multiple of 4
+    ckpt.checkpoint(lambda t: (t @ weight).tanh(), x).sum().backward()
+    out = {"tp": (ckpt._state.tp.rank, ckpt._state.tp.size), "stats": ckpt.stats(), "grad": weight.grad.clone(),
+           "want": torch.autograd.grad((x.detach() @ weight).tanh().sum(), weight)[0]}
+    ckpt.configure(None)
+    return out
+
+
 def tensor_parallel_runs() -> dict:
     return {"gpt": train(gpt(), 1, 2, True), "dropout": train(gpt(0.1), 1, 2, True),
-            "dropout_plain": train(gpt(0.1), 1, 2, False)}
+            "dropout_plain": train(gpt(0.1), 1, 2, False), "megatron": megatron_mpu_partitions()}
 
 
 def assert_same(got: dict, losses, weights, where: str) -> None:
@@ -160,6 +182,10 @@ def test_checkpointing_tensor_parallel_partitions_inputs():
     dropout, plain = results["dropout"], results["dropout_plain"]
     assert_same(dropout, plain["losses"], plain["weights"], "GPT tp 2, dropout 0.1")
     assert dropout["losses"] != run["losses"]
+    megatron = results["megatron"]  # rank 0's: configured from a Megatron-style mpu
+    assert megatron["tp"] == (0, 2) and megatron["stats"]["input_bytes"] == 30 * 4
+    assert megatron["stats"]["kept_device_bytes"] == 15 * 4  # its half of the 30 elements
+    torch.testing.assert_close(megatron["grad"], megatron["want"], rtol=1e-6, atol=1e-7)
 
 
 def saved_bytes(model, checkpointing: bool, tokens) -> int:

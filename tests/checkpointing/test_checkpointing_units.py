@@ -105,3 +105,99 @@ def test_stats_count_each_forward_and_recompute_and_the_inputs_a_saver_keeps(unc
     ckpt.reset()
     assert ckpt.stats() == {"forwards": 0, "recomputes": 0, "forward_seconds": 0.0, "recompute_seconds": 0.0,
                             "input_bytes": 0, "kept_device_bytes": 0, "kept_host_bytes": 0}
+
+
+class _MegatronMpu:
+    """Megatron-LM's mpu module as DeepSpeed's `configure(mpu_)` takes it: getters of the tensor-parallel group."""
+
+    def __init__(self, prefix: str) -> None:
+        setattr(self, prefix + "group", lambda: None)  # one rank: no group to pass
+        setattr(self, prefix + "rank", lambda: 0)
+        setattr(self, prefix + "world_size", lambda: 1)
+
+
+@pytest.mark.parametrize("prefix", ["get_tensor_model_parallel_", "get_model_parallel_"])
+def test_a_megatron_mpu_of_one_rank_configures_without_tensor_parallelism(unconfigured, prefix):
+    ckpt.configure(_MegatronMpu(prefix), partition_activations=True)
+    assert ckpt.is_configured() and ckpt._state.tp is None and ckpt._state.tp_rank() == 0
+    weight = torch.nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    ckpt.reset()
+    ckpt.checkpoint(lambda t: (t @ weight).tanh(), x).sum().backward()  # partitioning over one rank keeps it whole
+    torch.testing.assert_close(weight.grad, torch.autograd.grad((x.detach() @ weight).tanh().sum(), weight)[0])
+    assert ckpt.stats()["input_bytes"] == 0  # nothing to partition over: the inputs are saved as they are
+    with pytest.raises(TypeError, match="mpu_ must be a Topology, a Comm or an object with "
+                                        "get_model_parallel_group/rank/world_size, not object"):
+        ckpt.configure(object())
+
+
+def test_configure_logs_what_it_set_and_profile_logs_each_forward_and_recompute(unconfigured, monkeypatch, caplog):
+    """The log line names each setting by its key; `profile` times every forward and recompute (one clock tick of
+    0.25 s each here) into the log in milliseconds and into `stats()` in seconds."""
+    import logging
+    from types import SimpleNamespace
+
+    caplog.set_level(logging.INFO, logger="zerotrain")
+    ckpt.configure(None, partition_activations=True, contiguous_checkpointing=True, num_checkpoints=3, profile=True)
+    assert caplog.messages[-1] == ("activation checkpointing: partition_activations=True cpu_checkpointing=False "
+                                   "contiguous=True (number_checkpoints=3) synchronize=False profile=True tp=1")
+    clock = iter(0.25 * i for i in range(1000))
+    monkeypatch.setattr(ckpt, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    ckpt.reset()
+    caplog.clear()
+    weight = torch.nn.Parameter(torch.randn(4, 4))
+    ckpt.checkpoint(lambda t: (t @ weight).tanh(), torch.randn(3, 4, requires_grad=True)).sum().backward()
+    assert caplog.messages == ["activation checkpoint forward: 250.000 ms", "activation checkpoint recompute: 250.000 ms"]
+    stats = ckpt.stats()
+    assert (stats["forwards"], stats["recomputes"], stats["forward_seconds"], stats["recompute_seconds"]) == (
+        1, 1, 0.25, 0.25)
+
+
+def test_torchs_checkpoint_options_are_taken_and_early_stop_is_always_off(unconfigured):
+    """Hugging Face passes use_reentrant=False (and may pass early_stop, preserve_rng_state): accepted; the recompute
+    runs to the end whatever early_stop says (every hooked module of a ZeRO-3 recompute must finish)."""
+    seen = []
+    weight = torch.nn.Parameter(torch.randn(4, 4))
+
+    def body(t):
+        seen.append("first")
+        hidden = (t @ weight).tanh()
+        seen.append("second")  # after the last saved tensor: early stopping would skip this in the recompute
+        return hidden * 2
+
+    x = torch.randn(3, 4, requires_grad=True)
+    ckpt.checkpoint(body, x, use_reentrant=False, early_stop=True, preserve_rng_state=False).sum().backward()
+    assert seen == ["first", "second"] * 2
+    torch.testing.assert_close(weight.grad, torch.autograd.grad(((x.detach() @ weight).tanh() * 2).sum(), weight)[0])
+    with pytest.raises(ValueError, match="context_fn is not supported"):
+        ckpt.checkpoint(body, x, context_fn=lambda: (None, None))
+
+
+def test_the_contiguous_arena_hands_out_slots_of_one_buffer_and_takes_them_back():
+    """`contiguous_memory_optimization`: up to `number_checkpoints` kept slices share one buffer per size, in slot
+    order; one more is kept in its own tensor (counted); a slot is free again once its owner is collected."""
+    import gc
+
+    from zerotrain.checkpointing.saved import ContiguousArena
+
+    class Owner:
+        pass
+
+    arena = ContiguousArena(2)
+    owners = [Owner() for _ in range(3)]
+    sources = [torch.full((5,), float(i)) for i in range(3)]
+    views = [arena.take(source, owner) for source, owner in zip(sources, owners)]
+    (buffer,) = arena.buffers.values()
+    assert buffer.numel() == 10
+    assert views[0].data_ptr() == buffer.data_ptr() and views[1].data_ptr() == buffer.data_ptr() + 5 * 4
+    assert torch.equal(buffer, torch.cat(sources[:2])) and views[2] is sources[2] and arena.overflows == 1
+    del owners[0]
+    gc.collect()
+    again = arena.take(torch.full((5,), 7.0), Owner())
+    assert again.data_ptr() == buffer.data_ptr() and torch.equal(buffer[:5], torch.full((5,), 7.0))
+    assert torch.equal(views[1], sources[1])  # the slot still owned keeps its data
+    other = arena.take(torch.ones(3, dtype=torch.float64), Owner())  # another size and dtype: its own buffer
+    assert len(arena.buffers) == 2 and other.dtype == torch.float64 and arena.overflows == 1
+    arena.reset()
+    assert arena.buffers == {} and arena.free == {}
+    assert ContiguousArena(0).slots == 1  # number_checkpoints 0 still keeps one

@@ -23,6 +23,14 @@ def run(*argv: str) -> int:
     return main(["merge", *argv])
 
 
+def _working_set(inputs: int, model: dict) -> int:
+    """merge_config.json's working_set_bytes: the fp32 working set of the largest tensor merged from `inputs`."""
+    from zerotrain.merge.run import WORKING_COPIES_FIXED, WORKING_COPIES_PER_INPUT
+
+    largest = max(t.numel() for t in model.values())
+    return (WORKING_COPIES_PER_INPUT * inputs + WORKING_COPIES_FIXED) * largest * 4
+
+
 def test_linear_writes_weighted_mean_index_and_loads(tiny, tmp_path):
     out = str(tmp_path / "out")
     assert run("--method", "linear", "--models", tiny["a"], tiny["b"], "--weights", "1", "3", "--out", out,
@@ -37,6 +45,7 @@ def test_linear_writes_weighted_mean_index_and_loads(tiny, tmp_path):
     assert len(set(index["weight_map"].values())) > 1  # --shard-size split the output
     record = json.load(open(os.path.join(out, "merge_config.json")))
     assert record["method"] == "linear"
+    assert record["working_set_bytes"] == _working_set(2, a)  # two inputs, no base
     for entry in record["inputs"]:
         for file, checksum in entry["checksums"].items():
             data = open(os.path.join(entry["path"], file), "rb").read()
@@ -57,6 +66,8 @@ def test_task_arithmetic_and_ties(tiny, tmp_path):
     for name in base:
         expected = base[name] + 0.5 * (0.7 * (a[name] - base[name]) + 0.4 * (b[name] - base[name]))
         torch.testing.assert_close(merged[name], expected, rtol=1e-5, atol=1e-6)
+    record = json.load(open(os.path.join(out, "merge_config.json")))
+    assert record["working_set_bytes"] == _working_set(3, base)  # the base and two models in fp32
 
     out = str(tmp_path / "ties")
     assert run("--method", "ties", "--base", tiny["base"], "--models", tiny["a"], tiny["b"], "--weights", "1", "2",
@@ -120,6 +131,11 @@ def test_yaml_slerp_with_layer_gradient(tiny, tmp_path):
         expected = slerp(t, base[name].double(), a[name].double()).to(torch.bfloat16)
         torch.testing.assert_close(merged[name], expected, rtol=0, atol=0)
     assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
+    flagged = str(tmp_path / "slerp_t1")  # a flag given with the YAML file overrides its setting: t=1 everywhere
+    assert run(str(config), flagged, "--param", "t=1") == 0
+    for name, tensor in load_dir(flagged).items():
+        expected = slerp(1.0, base[name].double(), a[name].double()).to(torch.bfloat16)
+        torch.testing.assert_close(tensor, expected, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_include_exclude(tiny, tmp_path):
@@ -145,6 +161,20 @@ def test_mismatches_name_tensor_and_file(tiny, tmp_path, capsys):
     assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "y")
     assert run("--method", "ties", "--models", tiny["a"], "--out", str(tmp_path / "z")) == 1
     assert "base model" in capsys.readouterr().err
+    missing = str(tmp_path / "no_such_model")  # a mistyped path: one line naming it, no traceback
+    assert run("--method", "linear", "--models", tiny["a"], missing, "--out", str(tmp_path / "w")) == 1
+    assert capsys.readouterr().err == f"zerotrain merge: input {missing}: checkpoint directory {missing} does not exist\n"
+
+
+def test_the_help_lists_merge_in_one_line_and_describes_it_in_full(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    listing = " ".join(capsys.readouterr().out.split())  # argparse wraps at the terminal's width
+    assert " merge merge models (linear, task arithmetic, TIES, DARE, SLERP, LoRA folding), streamed " in listing
+    with pytest.raises(SystemExit):
+        main(["merge", "--help"])
+    assert "Merge unified zerotrain checkpoints or Hugging Face model directories tensor by tensor" in \
+        " ".join(capsys.readouterr().out.split())
 
 
 def test_vocab_mismatch_error_and_tokenizer_source(tiny, tmp_path, capsys):
@@ -209,6 +239,10 @@ def test_lora_folding_and_ckpt_export(tiny, tmp_path, rslora):
     plus = str(tmp_path / "plus")
     assert run("--method", "linear", "--models", f"{tiny['base']}+{adapter}", "--out", plus) == 0
     for name, tensor in load_dir(plus).items():
+        torch.testing.assert_close(tensor, merged[name], rtol=0, atol=0)
+    lora_plus = str(tmp_path / "lora_plus")  # method lora with the adapter given as DIR+ADAPTER, not --param
+    assert run("--method", "lora", "--models", f"{tiny['base']}+{adapter}", "--out", lora_plus) == 0
+    for name, tensor in load_dir(lora_plus).items():
         torch.testing.assert_close(tensor, merged[name], rtol=0, atol=0)
 
 
@@ -444,3 +478,39 @@ def test_without_a_shard_size_the_output_is_one_file(tiny, tmp_path):
     out = tmp_path / "out"
     assert run("--method", "linear", "--models", tiny["a"], tiny["b"], "--out", str(out)) == 0
     assert len(list(out.glob("*.safetensors"))) == 1  # the default shard size (5 GiB) holds a tiny model whole
+
+
+def test_an_adapter_changing_a_weight_the_model_lacks_is_refused_naming_it(tiny, tmp_path, capsys):
+    """A LoRA adapter for another model (a layer this one does not have) is refused up front, not folded in part."""
+    base = load_dir(tiny["layers2"])
+    adapter = str(tmp_path / "adapter")
+    _adapter(adapter, load_dir(tiny["base"]), rslora=False)  # three layers' q/v_proj: layer 2 is not in layers2
+    out = str(tmp_path / "out")
+    assert "model.layers.2.self_attn.q_proj.weight" not in base
+    assert run("--method", "linear", "--models", f"{tiny['layers2']}+{adapter}", "--out", out) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"zerotrain merge: LoRA adapter {adapter}/adapter_model.safetensors changes "
+                          f"'model.layers.2.self_attn.") and f"which {tiny['layers2']} does not have" in err, err
+    assert len(err.splitlines()) == 1 and not os.path.exists(out)
+
+
+def test_the_output_may_be_an_empty_directory_not_a_file_or_a_directory_with_files(tiny, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run("--method", "linear", "--models", tiny["a"], tiny["b"], "--out", str(empty)) == 0
+    assert set(load_dir(str(empty))) == set(load_dir(tiny["a"]))
+    capsys.readouterr()
+    for target in (empty, tmp_path / "file"):  # now holds the merged model / a plain file
+        (tmp_path / "file").write_text("x")
+        assert run("--method", "linear", "--models", tiny["a"], tiny["b"], "--out", str(target)) == 1
+        assert capsys.readouterr().err == f"zerotrain merge: output {target} exists and is not an empty directory\n"
+    assert (tmp_path / "file").read_text() == "x"
+    nested = tmp_path / "new" / "parents" / "out"  # directories above it are made
+    assert run("--method", "linear", "--models", tiny["a"], tiny["b"], "--out", str(nested)) == 0
+    assert set(load_dir(str(nested))) == set(load_dir(tiny["a"]))
+    capsys.readouterr()
+    failed = tmp_path / "failed"  # fails at its first tensor, after the output was planned: one line, nothing left
+    assert run("--method", "slerp", "--base", tiny["base"], "--models", tiny["base"], tiny["a"], "--out",
+               str(failed)) == 1
+    assert capsys.readouterr().err.startswith("zerotrain merge: slerp needs parameter t")
+    assert sorted(os.listdir(tmp_path)) == ["empty", "file", "new"]

@@ -12,6 +12,7 @@ import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
 
 import pytest
 import torch
@@ -101,8 +102,8 @@ def test_a_step_record_feeds_metrics_and_the_csv_monitor_under_deepspeeds_names(
     assert f"csv_monitor: {tmp_path / 'csv'}" in out.getvalue()
 
 
-def _wandb_history(run_file: Path) -> list[dict]:
-    """The history rows of an offline run's ``.wandb`` file. wandb (>= 0.18, the Go core) ships no Python reader
+def _wandb_history(run_file: Path, runs: Optional[list] = None) -> list[dict]:
+    """The history rows of an offline run's ``.wandb`` file (its run records appended to `runs`, if given). wandb (>= 0.18, the Go core) ships no Python reader
     any more, so we walk its container ourselves: a 7-byte header (":W&B", magic, version), then LevelDB's log
     format (32 KiB blocks of [crc32c u32, length u16, type u8] chunks: 1 full, 2 first, 3 middle, 4 last)
     holding wandb's own protobuf ``Record`` messages, parsed with wandb's generated classes."""
@@ -128,6 +129,8 @@ def _wandb_history(run_file: Path) -> list[dict]:
             if record.WhichOneof("record_type") == "history":
                 rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                              for item in record.history.item})
+            elif record.WhichOneof("record_type") == "run" and runs is not None:
+                runs.append(record.run)
     return rows
 
 
@@ -141,13 +144,16 @@ def test_the_wandb_block_logs_offline_under_deepspeeds_names(tmp_path, monkeypat
     engine = Fp16StandIn(tmp_path)
     engine.config = load_config(dict(BASE, fp16={"enabled": True}, wandb={"enabled": True, "project": "zt-test",
                                                                           "group": "g1"}), dp_world_size=1)
+    (tmp_path / "log").mkdir()  # an earlier run's --log-dir (a resumed job logs into it again)
     data = [(torch.randn(2, 4), torch.randn(2)) for _ in range(6)]
     summary = Trainer(engine, data, total_steps=3, log_dir=tmp_path / "log", console=Console(file=io.StringIO())).train()
     records = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
     runs = sorted((tmp_path / "log" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, "one offline run, under --log-dir"
     assert summary.outputs["wandb"] == str(runs[0].parent)
-    rows = _wandb_history(runs[0])
+    run_records: list = []
+    rows = _wandb_history(runs[0], run_records)
+    assert {(run.project, run.run_group) for run in run_records} == {("zt-test", "g1")}  # the block's, each its own
     assert [row["_step"] for row in rows] == [r["samples"] for r in records] == [4, 8, 12]  # x = global samples
     for row, record in zip(rows, records):
         assert row["Train/Samples/train_loss"] == pytest.approx(record["loss"], rel=1e-12)

@@ -148,9 +148,11 @@ def test_the_command_shows_a_diff_and_writes(tmp_path, capsys):
 
     work = tmp_path / "program"
     shutil.copytree(FIXTURES, work)
+    (work / "NOTES.md").write_text("import deepspeed\ndeepspeed --num_gpus 2 main.py\n")  # neither *.py nor *.sh
     before = {p.name: p.read_text() for p in work.iterdir()}
     assert main(["port", str(work)]) == 1  # something is not ported: listed, exit status 1
     out, err = capsys.readouterr()
+    assert "NOTES.md" not in out + err  # a directory's other files are left alone
     assert "\n-import deepspeed.comm as dist\n" in out and "\n+import zerotrain.dist as dist\n" in out
     assert "\n+zerotrain launch --nproc 2 main.py --zero_stage 3 \\\n" in out
     assert "ds_unported.py:4: not ported: from deepspeed.ops.sparse_attention import ..." in err
@@ -158,8 +160,13 @@ def test_the_command_shows_a_diff_and_writes(tmp_path, capsys):
     assert main(["port", "--write", str(work)]) == 1
     assert (work / "ds_program.py").read_text() == rewrite_python(before["ds_program.py"])[0]
     assert (work / "launch.sh").read_text() == rewrite_shell(before["launch.sh"])[0]
-    capsys.readouterr()
+    assert (work / "NOTES.md").read_text() == before["NOTES.md"]
+    assert "NOTES.md" not in capsys.readouterr().out
     assert main(["port", "--table"]) == 0 and capsys.readouterr().out == porting_table()
+    with pytest.raises(SystemExit):
+        main(["port", "--help"])
+    usage = capsys.readouterr().out
+    assert "[--write] [--table] [PATH ...]" in usage and re.search(r"\n  PATH +files or directories", usage), usage
 
 
 # --- the mirrored helpers ---------------------------------------------------------------------------------

@@ -90,7 +90,8 @@ def reference_gated(world: int, accumulation: int) -> tuple:
 
 def train_with_engine(combos: list[tuple[int, int]], clip: float = 1.0, precision: str = "fp32",
                       gated_accumulation: int = 0) -> list:
-    """On each rank: train OddMLP for every (stage, accumulation); return per-step mean losses and weights.
+    """On each rank: train OddMLP for every (stage, accumulation); return per-step mean losses and weights (whole
+    weights gather one bucket at a time where the masters are partitioned, nothing at stage 0 or one rank).
     `gated_accumulation` > 0: then GatedMLP at stage 2 with that accumulation (`train_gated_stage2`), last."""
     import zerotrain
 
@@ -105,7 +106,12 @@ def train_with_engine(combos: list[tuple[int, int]], clip: float = 1.0, precisio
             norms.append(engine.get_global_grad_norm())
         assert engine.global_steps == STEPS
         assert engine.global_samples == STEPS * MICRO * accumulation * world
-        results.append((stage, accumulation, step_losses, engine.full_state_dict(), norms))
+        before = engine.memory_report()["comm"].get("gather", {}).get("calls", 0)
+        weights = engine.full_state_dict()
+        gathers = engine.memory_report()["comm"].get("gather", {}).get("calls", 0) - before
+        assert gathers == (len(engine.buckets) if stage and world > 1 else 0), (stage, gathers, len(engine.buckets))
+        assert engine.global_rank == 0 or weights == {}, "whole weights on rank 0 only, an empty dict elsewhere"
+        results.append((stage, accumulation, step_losses, weights, norms))
     if gated_accumulation:
         results.append(train_gated_stage2(gated_accumulation))
     return results
