@@ -65,6 +65,11 @@ def test_accumulated_steps_and_their_counters_match_plain_torch(stage, zero, wor
     assert_same_training(losses, engine.full_state_dict(), ref_losses, ref_weights, f"stage {stage}")
     assert (engine.global_steps, engine.global_samples, engine.micro_steps, engine.skipped_steps) == (3, 12, 6, 0)
     assert engine.train_batch_size() == 4 and engine.train_micro_batch_size_per_gpu() == MICRO
+    # DeepSpeed's engine.tput_timer, driven by the forwards and step()s as DeepSpeed's engine drives it: 6 timed
+    # micro-steps, 3 global steps, the one after its 2 warm-up steps timed (a program reading it got 0 before)
+    timer = engine.tput_timer
+    assert (timer.micro_step_count, timer.global_step_count, timer.started) == (6, 3, False)
+    assert timer.total_elapsed_time > 0 and timer.avg_samples_per_sec() == 4 / timer.total_elapsed_time
 
 
 def test_a_manual_boundary_steps_every_micro_batch_and_no_sync_adds_gradients(world_of_one):

@@ -45,7 +45,10 @@ class ZeroTrainEngine(EngineCore):
         self._checkpoint_view: Optional[Callable[[CheckpointState], CheckpointState]] = None  # view_checkpoint_state
         self._checkpoint_file_makers: list[Callable[[], dict]] = []  # ... and files made at each save
         self.stop_request = StopRequest()  # signals turned into a stop at a step boundary (opt-in)
-        self.tput_timer = ThroughputTimer(config.train_batch_size)  # DeepSpeed's engine.tput_timer (monitor.throughput)
+        # DeepSpeed's engine.tput_timer (monitor.throughput), driven as DeepSpeed's engine drives it: started by
+        # each training forward, stopped by each step() (a global step at the boundary); it prints nothing (the
+        # engine's own steps_per_print line carries the speed), a program reads avg_samples_per_sec()
+        self.tput_timer = ThroughputTimer(config.train_batch_size)
         self.monitor: Optional[Monitors] = None  # DeepSpeed's engine events, rank 0, built at the first step
         self._configure_activation_checkpointing()
 
@@ -470,6 +473,17 @@ class ZeroTrainEngine(EngineCore):
             yield
         finally:
             self._print_progress = before
+
+    def _training_forward(self, *args, **kwargs):
+        self.tput_timer.start()
+        return super()._training_forward(*args, **kwargs)
+
+    def step(self) -> None:
+        """Count a micro-step; at the accumulation boundary, update the weights (`EngineCore.step`); the
+        throughput timer's span ends here, as in DeepSpeed's `engine.step()`."""
+        boundary = self.is_gradient_accumulation_boundary()
+        super().step()
+        self.tput_timer.stop(global_step=boundary)
 
     def _after_step(self) -> None:
         """What DeepSpeed's engine writes to the `tensorboard`/`csv_monitor`/`wandb` blocks after each optimizer

@@ -2,7 +2,9 @@
 
 DeepSpeed-Chat calls `engine.tput_timer.update_epoch_count()` at each epoch; other programs call
 `start()` / `stop(global_step=...)` around their own steps and read `avg_samples_per_sec()`. The engine
-holds one (its own throughput goes to the metrics records, docs/metrics.md, so it does not drive this one).
+holds one and drives it as DeepSpeed's does (each training forward starts a span, each `step()` ends it), without
+DeepSpeed's every-`steps_per_print` line: the engine's own line and the metrics records carry the speed
+(docs/metrics.md).
 """
 from __future__ import annotations
 
