@@ -245,10 +245,10 @@ def test_a_model_with_a_head_reads_a_base_checkpoint(tmp_path, world_of_one):
                           torch.float32)
 
 
-@pytest.mark.parametrize("shape", [(7, 5), (13,), (3, 4, 5)])
+@pytest.mark.parametrize("shape", [(7, 5), (13,), (3, 4, 5), ()])
 def test_a_chunk_is_the_flattened_tensors_elements_padded_with_zeros(tmp_path, shape):
     """`_read_chunk` at every (start, end) a rank of a world of 1-4 reads (and past the end: the shard's padding),
-    against the flattened tensor: rows cut at both ends, a chunk inside one row."""
+    against the flattened tensor: rows cut at both ends, a chunk inside one row, a scalar."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -301,3 +301,41 @@ def test_resize_token_embeddings_of_a_partitioned_model_is_transformers_resize(t
         model.resize_token_embeddings(VOCAB + 9)
     engine.close()
 
+
+def test_a_scalar_parameter_loads_whole_and_partitioned(tmp_path, world_of_one):
+    """A 0-dim parameter (CLIP's `logit_scale`, a learnable temperature) and a 0-dim persistent buffer, read whole
+    (below the persistence threshold) and partitioned (threshold 0, as the HF Trainer's "auto" makes it): the
+    saved values. (safetensors' slice of a 0-dim tensor takes `[...]`, not `[:]`.)"""
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from zerotrain.zero import Init
+
+    class ScaledConfig(PretrainedConfig):
+        model_type = "zerotrain_test_scaled"
+
+    class Scaled(PreTrainedModel):
+        config_class = ScaledConfig
+        base_model_prefix = ""
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.proj = torch.nn.Linear(5, 3)
+            self.logit_scale = torch.nn.Parameter(torch.tensor(0.25))
+            self.register_buffer("offset", torch.tensor(0.0))
+            self.post_init()
+
+    torch.manual_seed(0)
+    model = Scaled(ScaledConfig())
+    with torch.no_grad():
+        model.logit_scale.fill_(2.6592)
+        model.offset.fill_(-1.5)
+    model.save_pretrained(tmp_path / "scaled", safe_serialization=True)
+    want = {name: param.detach().clone() for name, param in model.named_parameters()}
+    for threshold in (100_000, 0):
+        config = {**STAGE3, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": threshold}}
+        with Init(config=config):
+            loaded = Scaled.from_pretrained(tmp_path / "scaled")
+        got = gathered(loaded)
+        for name, tensor in want.items():
+            torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=f"{name} (threshold {threshold})")
+        assert loaded.offset.item() == -1.5
