@@ -64,11 +64,12 @@ def assert_partitioned_as(model, want: dict, dtype: torch.dtype) -> None:
 
 
 def test_a_live_stage3_config_loads_partitioned_and_transformers_plain_once_it_is_gone(tmp_path, world_of_one):
-    """DeepSpeed-Chat's sequence at a world of one: `HfDeepSpeedConfig(file)` with bf16 switches
-    `is_deepspeed_zero3_enabled`, `zerotrain.from_pretrained` takes its config and dtype, transformers' own
-    `from_pretrained` (a given-but-off `from_tf`) is partitioned too, the base model reads the prefixed names; the
-    loaded model is in eval mode with the directory's generation config; collected, everything is plain again."""
-    from transformers import AutoModel, AutoModelForCausalLM, PreTrainedModel
+    """`zerotrain.from_pretrained` with a stage-3 config, then DeepSpeed-Chat's sequence at a world of one:
+    `HfDeepSpeedConfig(file)` with bf16 switches `is_deepspeed_zero3_enabled`, `zerotrain.from_pretrained` takes
+    its config and dtype, transformers' own `from_pretrained` (a given-but-off `from_tf`) is partitioned too, the
+    base model reads the prefixed names; the loaded model is in eval mode with the directory's generation config;
+    collected, everything is plain again (`zerotrain.from_pretrained` too)."""
+    from transformers import AutoModel, AutoModelForCausalLM, LlamaForCausalLM, PreTrainedModel
 
     import zerotrain
     from zerotrain.pretrained import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
@@ -80,6 +81,11 @@ def test_a_live_stage3_config_loads_partitioned_and_transformers_plain_once_it_i
     path.write_text(json.dumps({**STAGE3, "bf16": {"enabled": True}}))
     plain = PreTrainedModel.__dict__["from_pretrained"]
     assert not is_deepspeed_zero3_enabled()
+    # no live config: the stage-3 config given (a model class or an Auto class; dtype given, else fp32)
+    assert_partitioned_as(zerotrain.from_pretrained(LlamaForCausalLM, directory, config=STAGE3, dtype=torch.float16),
+                          want, torch.float16)
+    assert_partitioned_as(zerotrain.from_pretrained(AutoModelForCausalLM, directory, config=STAGE3), want,
+                          torch.float32)
     live = HfDeepSpeedConfig(str(path))
     assert is_deepspeed_zero3_enabled()
     model = zerotrain.from_pretrained(AutoModelForCausalLM, directory)
@@ -97,6 +103,9 @@ def test_a_live_stage3_config_loads_partitioned_and_transformers_plain_once_it_i
     assert PreTrainedModel.__dict__["from_pretrained"] is plain
     after = AutoModelForCausalLM.from_pretrained(directory)
     assert not any(isinstance(p, ZeroParameter) for p in after.parameters())
+    after = zerotrain.from_pretrained(AutoModelForCausalLM, directory)  # the collected config is not used
+    assert not any(isinstance(p, ZeroParameter) for p in after.parameters())
+    assert {p.dtype for p in after.parameters()} == {torch.float32}
 
 
 def test_below_stage3_it_is_transformers_from_pretrained_in_the_configs_dtype(tmp_path):
