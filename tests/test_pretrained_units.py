@@ -106,6 +106,18 @@ def test_a_live_stage3_config_loads_partitioned_and_transformers_plain_once_it_i
     after = zerotrain.from_pretrained(AutoModelForCausalLM, directory)  # the collected config is not used
     assert not any(isinstance(p, ZeroParameter) for p in after.parameters())
     assert {p.dtype for p in after.parameters()} == {torch.float32}
+    # collected inside a zero.Init (whose redirect sits above the config's): a plain load once Init is left
+    from zerotrain.zero import Init
+
+    again = HfDeepSpeedConfig(STAGE3)
+    try:
+        with Init(config=STAGE3):
+            del again
+            gc.collect()
+        after = AutoModelForCausalLM.from_pretrained(directory)
+        assert not any(isinstance(p, ZeroParameter) for p in after.parameters())
+    finally:  # the config's redirect stays installed (it loads plainly): give transformers its own back
+        PreTrainedModel.from_pretrained = plain
 
 
 def test_below_stage3_it_is_transformers_from_pretrained_in_the_configs_dtype(tmp_path):
@@ -181,6 +193,8 @@ def test_from_pretrained_inside_init_takes_transformers_arguments(tmp_path, worl
         assert_partitioned_as(given, want, torch.float32)
         older = LlamaForCausalLM.from_pretrained(directory, torch_dtype=torch.bfloat16)
         assert_partitioned_as(older, want, torch.bfloat16)
+        older = LlamaForCausalLM.from_pretrained(directory, config=config, torch_dtype="auto")
+        assert_partitioned_as(older, want, torch.float16)
     assert PreTrainedModel.__dict__["from_pretrained"] is plain
     # no dtype in the config: the first floating weight's (float16 here)
     saved = json.loads((tmp_path / "repo" / "sub" / "config.json").read_text())
@@ -305,6 +319,18 @@ def test_resize_token_embeddings_of_a_partitioned_model_is_transformers_resize(t
         assert model.get_input_embeddings().weight.ds_numel == (VOCAB + 5) * 24
         assert (model.get_input_embeddings().weight is model.get_output_embeddings().weight) == tie
         assert_partitioned_as(model, want, torch.float32)
+    # a base model: no output embeddings
+    from transformers import LlamaModel
+
+    directory = llama_dir(tmp_path / "base", base=True, sharded=False)
+    plain = LlamaModel.from_pretrained(directory, dtype=torch.float32)
+    torch.manual_seed(6)
+    plain.resize_token_embeddings(VOCAB + 3)
+    with Init(config=STAGE3):
+        base = LlamaModel.from_pretrained(directory, dtype=torch.float32)
+    torch.manual_seed(6)
+    base.resize_token_embeddings(VOCAB + 3)
+    assert_partitioned_as(base, {name: p.detach() for name, p in plain.named_parameters()}, torch.float32)
     engine, *_ = zerotrain.initialize(model=model, config=STAGE3)
     with pytest.raises(RuntimeError, match="resize before zerotrain.initialize"):
         model.resize_token_embeddings(VOCAB + 9)
