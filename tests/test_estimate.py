@@ -61,7 +61,7 @@ def _config(stage: int, offload, offload_param, precision: str, nvme_path: str =
 
 def _swap_file_bytes(nvme_path: str) -> int:
     """Sizes of this rank's open NVMe swap files (the optimizer's and the parameter store's)."""
-    rank, total = int(os.environ["RANK"]), 0
+    rank, total = int(os.environ.get("RANK", "0")), 0  # (a world of one in the pytest process: rank 0)
     for folder, _, files in os.walk(nvme_path):
         if f"-r{rank}-" in os.path.basename(folder):
             total += sum(os.path.getsize(os.path.join(folder, name)) for name in files)
@@ -547,6 +547,15 @@ def test_expert_parallel_states_and_the_largest_moe_that_fits():
     by_label = {o["option"]: o for o in result["options"]}
     states = by_label["ZeRO-2"]["rows"]["optimizer_states"]["device"]  # AdamW: 8 bytes per element
     assert states == 8 * (-(-dense // 4) + -(-experts // 2)) + 4 * 2  # (+ one `step` per bucket's master)
+    # fp32 stage 1 (zero.grads.FullBufferReducer): the whole fp32 buffer (each group's bucket padded to its ranks)
+    # and, at the boundary, the reduced shard as a tensor of its own; experts alone in their group (world 2, expert
+    # group of 1) are not reduced: their shard is the buffer itself. Stage 0 reduces in place.
+    pad = lambda n, r: -(-n // r) * r  # noqa: E731
+    grads = {o: by_label[o]["rows"]["gradients"]["device"] for o in ("ZeRO-0", "ZeRO-1")}
+    assert grads == {"ZeRO-0": 4 * (dense + experts),
+                     "ZeRO-1": 4 * (pad(dense, 4) + pad(experts, 2)) + 4 * (pad(dense, 4) // 4 + pad(experts, 2) // 2)}
+    by_label_2 = {o["option"]: o for o in estimate(family, config, 2, device_type="cpu")["options"]}
+    assert by_label_2["ZeRO-1"]["rows"]["gradients"]["device"] == 4 * (pad(dense, 2) + experts) + 4 * pad(dense, 2) // 2
     from zerotrain.config import load_config
     parsed = load_config(config, dp_world_size=4)
     optimizer = probe_optimizer(parsed.optimizer)
@@ -700,3 +709,60 @@ def test_estimate_matches_the_engine_at_a_world_of_one(tmp_path, world_of_one):
         assert offload["host_buffers"] == rows["host_io_buffers"]["host"], where
         split = report.get("offload_param", {"host": 0})
         assert split["host"] == rows["parameters"]["host"], where
+
+
+# The NVMe cases of CASES at a world of one (in the pytest process: what tools/mutate.py runs per mutant):
+# streamed (no clipping), the norm's first pass (parameters on NVMe), spilled gradients (parameters in host memory),
+# and stage 2's bf16 records.
+NVME_WORLD_OF_ONE_CASES = [STREAMED, FIRST_PASS, SPILLED, (2, ("nvme", 1.0), None, "bf16 records")]
+
+
+def test_estimate_matches_the_engine_on_nvme_at_a_world_of_one(tmp_path, world_of_one):
+    """Each NVMe case's engine in the pytest process (one step, one more backward): the memory report's rows,
+    the host I/O buffers of the optimizer's and the parameter store's pools, the swap files on disk byte for byte,
+    the first pass and the spill as the engine chose them, equal to the estimate at a world of one."""
+    import zerotrain
+    from zerotrain.config import load_config
+    from zerotrain.models import GPT, GPTConfig
+
+    for number, case in enumerate(NVME_WORLD_OF_ONE_CASES):
+        nvme_path = str(tmp_path / str(number))
+        config = _config(*case, nvme_path=nvme_path)
+        if case == STREAMED:
+            config["gradient_clipping"] = 0.0
+        torch.manual_seed(0)
+        engine, *_ = zerotrain.initialize(model=GPT(GPTConfig.preset("tiny")), config=config)
+        for step in range(2):
+            idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(step))
+            _, loss = engine(idx, idx)
+            del _
+            engine.backward(loss)
+            del loss
+            if step == 0:
+                engine.step()
+        report = engine.memory_report()
+        files = _swap_file_bytes(nvme_path)
+        first_pass = engine.zero_optimizer.takes_norm_first_pass()
+        spilled = engine.offload_stats().get("nvme_spill_bytes", 0)
+        engine.close()
+        parsed = load_config(config, dp_world_size=1)
+        predicted = estimate_option(model_shape(load_meta_model("tiny")[0]), parsed, 1,
+                                    Option(case[0], case[1][0], case[2] or "none"), probe_optimizer(parsed.optimizer),
+                                    device_type="cpu")
+        rows, where = predicted.rows, f"case {case}"
+        assert report["parameters"] == rows["parameters"]["device"], where
+        assert report["gradients"] == rows["gradients"]["device"], where
+        assert (rows["gradients"]["device"] == 0) == (case in (STREAMED, FIRST_PASS, SPILLED)), where
+        assert report["optimizer_states"] == rows["master_weights"]["device"] + rows["optimizer_states"]["device"], \
+            where
+        offload = report["offload"]
+        assert offload["host"] == rows["master_weights"]["host"] + rows["optimizer_states"]["host"], where
+        assert offload["nvme"] == rows["master_weights"]["nvme"] + rows["optimizer_states"]["nvme"] > 0, where
+        split = report.get("offload_param", {"host": 0, "nvme": 0})
+        assert split["host"] == rows["parameters"]["host"] and split["nvme"] == rows["parameters"]["nvme"], where
+        assert offload["host_buffers"] + report.get("offload_param", {}).get("host_buffers", 0) == \
+            rows["host_io_buffers"]["host"], where
+        assert files == predicted.nvme_files > 0, (where, files, predicted.nvme_files)
+        assert first_pass == (case == FIRST_PASS), where
+        assert any("norm from a first backward" in note for note in predicted.notes) == (case == FIRST_PASS), where
+        assert (spilled > 0) == (case == SPILLED), where

@@ -439,10 +439,10 @@ def _load_shards(model: torch.nn.Module, files: dict[str, Path]) -> None:
                     part.write_shard(_read_chunk(open_slice(name), part.numel, *part.shard_bounds(),
                                                  part.dtype, part.device))
                 else:
-                    param.data.copy_(open_slice(name)[:])
+                    param.data.copy_(open_slice(name)[...])  # `[...]`: a 0-dim slice refuses `[:]`
             buffers = {name: buffer for name, buffer in model.named_buffers() if key_of(name) in files}
             for name, buffer in buffers.items():
-                buffer.copy_(open_slice(name)[:])
+                buffer.copy_(open_slice(name)[...])
 
 
 def _checkpoint_keys(model: torch.nn.Module, files: dict[str, Path]):
@@ -472,7 +472,7 @@ def _read_chunk(tensor_slice: Any, numel: int, start: int, end: int, dtype: torc
     shape = tensor_slice.get_shape()
     row = numel // shape[0] if shape else 1
     if not shape:  # a scalar
-        chunk[0] = tensor_slice[:]
+        chunk[0] = tensor_slice[...]  # safetensors' 0-dim slice refuses `[:]`
         return chunk
     first, last = start // row, -(-stop // row)
     rows = tensor_slice[first:last].reshape(-1)
