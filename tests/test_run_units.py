@@ -105,3 +105,26 @@ def test_a_stopped_run_says_where_its_checkpoint_is_once_and_exits_with_the_sign
     assert stop_status(_summary("SIGTERM", "ck/global_step5"), stop, 5, 0) == 128 + signal.SIGTERM
     assert capsys.readouterr().out == ""
     assert read_stop_file(str(path)) == (signal.SIGTERM, "step 5; checkpoint ck/global_step5; continue with --resume")
+
+
+def test_the_restart_line_reaches_a_piped_log_while_the_rank_still_runs(tmp_path):
+    """Under a launcher a rank's stdout is a pipe (block-buffered): the restart line must reach the job's log when
+    the run resumes, not when the rank exits hours later."""
+    import os
+    import select
+    import subprocess
+    import sys
+
+    code = ("import sys; from zerotrain.run import resume_after_restart; "
+            "resume_after_restart(False, '/ckpt', 0); sys.stdin.read()")
+    env = {**os.environ, "SLURM_RESTART_COUNT": "1", "TORCHELASTIC_RESTART_COUNT": ""}
+    rank = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                            cwd=tmp_path)
+    try:
+        ready, _, _ = select.select([rank.stdout], [], [], 120)
+        line = rank.stdout.readline() if ready else b""
+    finally:
+        rank.stdin.close()
+        rank.wait(timeout=60)
+        rank.stdout.close()
+    assert line == b"zerotrain: restart 1 of this job: resuming from the latest checkpoint\n"
