@@ -368,7 +368,8 @@ def test_add_config_arguments_parses_as_deepspeeds_and_adds_zerotrain_config(cap
 
     ours = zerotrain.add_config_arguments(argparse.ArgumentParser(prog="train.py"))
     theirs = deepspeed.add_config_arguments(argparse.ArgumentParser(prog="train.py"))
-    for argv in ([], ["--deepspeed"], ["--deepspeed_config", "ds.json"], ["--deepscale", "--deepscale_config", "o.json"],
+    for argv in ([], ["--deepspeed"], ["--deepspeed_config", "ds.json"],
+                 ["--deepscale", "--deepscale_config", "o.json"],
                  ["--deepspeed", "--deepspeed_config", "ds.json", "--deepscale"]):
         got = vars(ours.parse_args(argv))
         assert got.pop("zerotrain_config") is None, argv

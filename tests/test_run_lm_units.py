@@ -29,3 +29,32 @@ def test_without_seq_len_a_run_takes_the_models_positions_and_lora_trains_the_ad
     assert status == 0, out
     assert "zerotrain: LoRA: the rows of the 2 added tokens train too\n" in out
     assert ", seq 32, " in out, out
+
+
+def test_chat_data_in_a_models_template_trains_and_says_what_the_template_needs(one_rank, tiny_llama_dir, capsys):
+    """--data of chat `messages` with a model directory whose tokenizer has a chat template: the data is built
+    (tokenized through the template) and trained on; rank 0 names the template's tokens it adds, if any, and never
+    claims the template is missing."""
+    from zerotrain.models.tiny_llama import write_chat_jsonl
+
+    chat = write_chat_jsonl(one_rank / "chat.jsonl", n=16)
+    status = main(["train", "--model", str(tiny_llama_dir), "--data", str(chat), "--seq-len", "32", "--max-steps", "1",
+                   "--per-device-train-batch-size", "2", "--zero-stage", "1", "--no-save"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "no chat template" not in out, out
+
+
+def test_a_config_built_for_another_world_size_is_built_again_for_the_ranks_world(one_rank, capsys):
+    """The command may hand down a config built for --nproc ranks; the rank builds it again for the world it runs
+    in (here one rank: the global batch of one rank's micro-batch x accumulation), or the engine would refuse it."""
+    from zerotrain.cli import build_parser
+    from zerotrain.run.config import train_run_config
+    from zerotrain.run.lm import run_lm
+
+    args = build_parser().parse_args(["train", "--model", "tiny", "--max-steps", "1", "--max-corpus-bytes", "20000",
+                                      "--per-device-train-batch-size", "2", "--seq-len", "16", "--no-save"])
+    for_two = train_run_config(args, world_size=2)
+    assert for_two.global_batch == 4
+    assert run_lm(args, for_two) == 0
+    assert "batch 2 = 2 micro x 1 accumulation x 1 ranks" in capsys.readouterr().out

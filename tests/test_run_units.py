@@ -118,6 +118,7 @@ def test_the_restart_line_reaches_a_piped_log_while_the_rank_still_runs(tmp_path
     code = ("import sys; from zerotrain.run import resume_after_restart; "
             "resume_after_restart(False, '/ckpt', 0); sys.stdin.read()")
     env = {**os.environ, "SLURM_RESTART_COUNT": "1", "TORCHELASTIC_RESTART_COUNT": ""}
+    env.pop("PYTHONUNBUFFERED", None)  # as torchrun and srun start a rank
     rank = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                             cwd=tmp_path)
     try:
