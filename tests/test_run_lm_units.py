@@ -33,8 +33,8 @@ def test_without_seq_len_a_run_takes_the_models_positions_and_lora_trains_the_ad
 
 def test_chat_data_in_a_models_template_trains_and_says_what_the_template_needs(one_rank, tiny_llama_dir, capsys):
     """--data of chat `messages` with a model directory whose tokenizer has a chat template: the data is built
-    (tokenized through the template) and trained on; rank 0 names the template's tokens it adds, if any, and never
-    claims the template is missing."""
+    (tokenized through the template) and trained on, all of it (no evaluation asked for: nothing held out); rank 0
+    never claims the template is missing."""
     from zerotrain.models.tiny_llama import write_chat_jsonl
 
     chat = write_chat_jsonl(one_rank / "chat.jsonl", n=16)
@@ -43,6 +43,8 @@ def test_chat_data_in_a_models_template_trains_and_says_what_the_template_needs(
     out = capsys.readouterr().out
     assert status == 0, out
     assert "no chat template" not in out, out
+    # neither --eval-data, --val-fraction nor --eval-interval: nothing held out of --data, no evaluation
+    assert "data 18 packed samples, no evaluation (give --eval-data or --val-fraction)" in out, out
 
 
 def test_a_config_built_for_another_world_size_is_built_again_for_the_ranks_world(one_rank, capsys):
