@@ -412,6 +412,8 @@ COVERING: dict[str, list[str]] = {
     "zerotrain/run/__init__.py": [
         "tests/test_run_units.py", "tests/test_hostfile.py::test_a_requeued_slurm_job_resumes",
         "tests/test_cli.py::test_trainer_resumed_at_world2_trains_on_the_samples_the_uninterrupted_run_did"],
+    # in-process: the checkpoint's embedding state; the pair data and its batches
+    "zerotrain/embedding/steps.py": ["tests/embedding/test_embedding_units.py", "tests/embedding/test_data.py"],
     "zerotrain/run/model.py": [
         "tests/test_run_model_units.py",
         "tests/test_train_flags.py::test_the_flag_built_adamw_does_not_decay_biases_and_norm_weights_as_the_hf_trainer"],
