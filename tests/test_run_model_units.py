@@ -65,7 +65,9 @@ def test_a_directorys_weights_with_a_grown_vocabulary_equal_transformers_resize(
     engine, model = model_engine(source, CONFIG, seed=11)
     save = tmp_path / "save"
     save.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "not-here"))
+    unusable = tmp_path / "a-file"  # nothing can be written under it
+    unusable.write_text("")
+    monkeypatch.setattr(tempfile, "tempdir", str(unusable))
     try:
         load_weights(engine, source, model, old_vocab, str(save), seed=11)
         assert list(save.iterdir()) == []  # the overlay is gone

@@ -4,6 +4,7 @@ test_trainer.py compares the Trainer with transformers + DeepSpeed in spawned ra
 same seams in seconds, on a tiny Llama built from its config: the config read from a JSON file with its "auto"
 values filled as transformers fills them for DeepSpeed (the model's hidden size included), an evaluation before
 any training, a gradient accumulation whose last step of the epoch takes fewer micro-batches, active clipping,
+label smoothing (the Trainer's loss on the unwrapped model's logits, shifted for a causal LM),
 the Trainer's warm-up scheduler, a checkpoint resumed, `save_model` read back by `from_pretrained`, a model built
 partitioned under `zerotrain.zero.Init` with its weights loaded by `zerotrain_load_pretrained`, and
 `zerotrain_gathered`.
@@ -43,7 +44,7 @@ def _arguments(out: str, **more) -> dict:
     return dict(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                 num_train_epochs=EPOCHS, learning_rate=5e-3, warmup_steps=2, weight_decay=0.01, max_grad_norm=0.5,
                 logging_steps=1, save_steps=SAVE_AT, use_cpu=True, seed=3, disable_tqdm=True, report_to="none",
-                per_device_eval_batch_size=4, **more)
+                per_device_eval_batch_size=4, label_smoothing_factor=0.1, **more)
 
 
 def _reference(pretrained: str, out: str) -> dict:
