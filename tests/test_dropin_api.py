@@ -358,6 +358,28 @@ def test_add_config_arguments_feeds_initialize(tmp_path):
         zerotrain.initialize(model=OddMLP(), config=_config(0), args=parser.parse_args(["--deepspeed_config", "x"]))
 
 
+def test_add_config_arguments_parses_as_deepspeeds_and_adds_zerotrain_config(capsys):
+    """DeepSpeed's own `add_config_arguments` is the reference: every command line a DeepSpeed script takes parses
+    to the same values (defaults included), the deprecated --deepscale* are hidden from the help, and the group
+    is zerotrain's with --zerotrain_config beside them."""
+    import deepspeed
+
+    import zerotrain
+
+    ours = zerotrain.add_config_arguments(argparse.ArgumentParser(prog="train.py"))
+    theirs = deepspeed.add_config_arguments(argparse.ArgumentParser(prog="train.py"))
+    for argv in ([], ["--deepspeed"], ["--deepspeed_config", "ds.json"],
+                 ["--deepscale", "--deepscale_config", "o.json"],
+                 ["--deepspeed", "--deepspeed_config", "ds.json", "--deepscale"]):
+        got = vars(ours.parse_args(argv))
+        assert got.pop("zerotrain_config") is None, argv
+        assert got == vars(theirs.parse_args(argv)), argv
+    assert ours.parse_args(["--zerotrain_config", "zt.json"]).zerotrain_config == "zt.json"
+    help_text = ours.format_help()
+    assert "--deepscale" not in help_text and "--deepspeed_config" in help_text and "--zerotrain_config" in help_text
+    assert "\nzerotrain:\n  zerotrain (DeepSpeed-compatible) configuration\n" in help_text, help_text
+
+
 def initialize_from_args(path: str) -> tuple:
     import zerotrain
 

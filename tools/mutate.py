@@ -450,6 +450,7 @@ COVERING: dict[str, list[str]] = {
     "zerotrain/train/resume.py": [
         "tests/test_train_resume_units.py",
         "tests/test_cli.py::test_resume_from_a_named_checkpoint_names_intact_ones_and_warns_of_another_max_steps"],
+<<<<<<< HEAD
     # issue #48, round 5 (mut5d): in-process only (the world-2 launches of test_estimate.py and
     # test_deepspeed_programs.py take minutes; not run per mutant)
     "zerotrain/estimate.py": [
@@ -466,6 +467,29 @@ COVERING: dict[str, list[str]] = {
         "tests/test_budget.py"],
     "zerotrain/pretrained.py": ["tests/test_pretrained_units.py"],
     "zerotrain/plots.py": ["tests/test_plots.py", "tests/monitor/test_memory_timeline.py"],
+=======
+    # issue #48 round 5 (mut5b). The HF Trainer at a world of one against transformers' own Trainer (in-process),
+    # then the arguments and refusals, the optimizer block's weight decay
+    "zerotrain/hf/trainer.py": [
+        "tests/hf/test_trainer_units.py", "tests/hf/test_arguments.py",
+        "tests/test_optim_defaults.py::test_hf_trainer_optimizer_block_takes_deepspeeds_defaults_and_no_block_the_trainers"],
+    "zerotrain/hf/__init__.py": ["tests/hf/test_arguments.py"],
+    "zerotrain/__init__.py": [
+        "tests/test_dropin_api.py::test_add_config_arguments_parses_as_deepspeeds_and_adds_zerotrain_config",
+        "tests/test_dropin_api.py::test_add_config_arguments_feeds_initialize"],
+    # in-process units; the world-2 launch last (the restart count the ranks agree on)
+    "zerotrain/run/__init__.py": [
+        "tests/test_run_units.py", "tests/test_hostfile.py::test_a_requeued_slurm_job_resumes",
+        "tests/test_cli.py::test_trainer_resumed_at_world2_trains_on_the_samples_the_uninterrupted_run_did"],
+    # in-process: the checkpoint's embedding state; the pair data and its batches
+    "zerotrain/embedding/steps.py": ["tests/embedding/test_embedding_units.py", "tests/embedding/test_data.py"],
+    "zerotrain/run/model.py": [
+        "tests/test_run_model_units.py",
+        "tests/test_train_flags.py::test_the_flag_built_adamw_does_not_decay_biases_and_norm_weights_as_the_hf_trainer"],
+    # in-process runs of `zerotrain train` (one rank), then the spawned end-to-end run (--memory-timeline)
+    "zerotrain/run/lm.py": ["tests/test_run_lm_units.py", "tests/test_run.py",
+                            "tests/test_cli.py::test_train_tiny_end_to_end"],
+>>>>>>> mut5b
 }
 
 # Method names whose swap is a plausible slip (the GQA bug: repeat for repeat_interleave).

@@ -94,3 +94,20 @@ def test_negatives_must_each_be_a_non_empty_string_and_a_resume_checks_only_what
         with pytest.raises(ValueError, match=match):
             position.check_resumable(**{"global_batch": 8, "pairs": 100, "seed": 7, **changed}, where="ck",
                                      split="1 rank x 8")
+
+
+def test_the_checkpoints_embedding_state_holds_the_data_position_and_what_the_command_adds():
+    """`PairSteps.client_state()`, what a `train-embedding` checkpoint's trainer state holds under "embedding": the
+    data position (to resume at the next batch) and the command's own entries (the pooling mode), none without."""
+    from zerotrain.embedding.data import DataPosition
+    from zerotrain.embedding.steps import PairSteps
+
+    position = DataPosition(epoch=1, batch=2, seed=3, global_batch=4, pairs=20, consumed_samples=28)
+
+    def steps(extra):
+        return PairSteps(None, None, None, position, None, 16, rank=0, world=1, accumulation=1, extra_state=extra)
+
+    saved = {"epoch": 1, "batch": 2, "seed": 3, "global_batch": 4, "pairs": 20, "consumed_samples": 28}
+    assert steps({"pooling": "cls"}).client_state() == {"embedding": {"pooling": "cls", "data": saved}}
+    assert steps(None).client_state() == {"embedding": {"data": saved}}
+    assert DataPosition.from_dict(steps(None).client_state()["embedding"]["data"], "ckpt") == position

@@ -160,6 +160,20 @@ def test_deepspeed_goes_through_the_upstream_argument_parsers(tmp_path):
             check(args, value)
 
 
+def test_trls_trainers_come_from_zerotrain_hf_on_first_use_and_an_unknown_name_is_refused():
+    """`from zerotrain.hf import SFTTrainer` (any of TRL's eight names) gives zerotrain.hf.trl's class, imported
+    only then (TRL is optional); another name is an AttributeError naming it."""
+    pytest.importorskip("trl")
+    import zerotrain.hf as hf
+    from zerotrain.hf import trl as ours
+
+    for name in ("SFTTrainer", "SFTConfig", "DPOTrainer", "DPOConfig", "RewardTrainer", "RewardConfig", "GRPOTrainer",
+                 "GRPOConfig"):
+        assert getattr(hf, name) is getattr(ours, name), name
+    with pytest.raises(AttributeError, match="^module 'zerotrain.hf' has no attribute 'PPOTrainer'$"):
+        hf.PPOTrainer  # noqa: B018
+
+
 @pytest.mark.parametrize("trainer, name", [("GRPO", "use_vllm"), ("GRPO", "use_transformers_continuous_batching"),
                                            ("GRPO", "sync_ref_model")])
 def test_trl_features_not_built_are_refused_by_name(tmp_path, tiny_llama_dir, trainer, name):

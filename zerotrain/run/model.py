@@ -51,7 +51,8 @@ def train_model(source, config: ConfigArg, seed: int = 0, lora=None):
 
     At ZeRO-3 the model is built inside ``zero.Init`` in the config's dtype: every module is partitioned as
     soon as it is built, so the whole model never exists on one rank. Elsewhere a model with weights to load
-    is built in the config's dtype; a random init in fp32 (the engine casts; its fp32 masters keep the init).
+    is built in the config's dtype; a random init in fp32 (the engine casts it to the training dtype and copies its
+    fp32 masters from the cast weights, as DeepSpeed does).
     With ``lora`` (``zerotrain.models.hf.LoraOptions``) peft wraps the model with LoRA adapters: only the
     adapters train; at ZeRO-3 the frozen base stays partitioned. A config with an ``activation_checkpointing``
     block (``--gradient-checkpointing``) turns on the model's gradient checkpointing with zerotrain's function.
