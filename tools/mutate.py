@@ -450,7 +450,6 @@ COVERING: dict[str, list[str]] = {
     "zerotrain/train/resume.py": [
         "tests/test_train_resume_units.py",
         "tests/test_cli.py::test_resume_from_a_named_checkpoint_names_intact_ones_and_warns_of_another_max_steps"],
-<<<<<<< HEAD
     # issue #48, round 5 (mut5d): in-process only (the world-2 launches of test_estimate.py and
     # test_deepspeed_programs.py take minutes; not run per mutant)
     "zerotrain/estimate.py": [
@@ -467,7 +466,6 @@ COVERING: dict[str, list[str]] = {
         "tests/test_budget.py"],
     "zerotrain/pretrained.py": ["tests/test_pretrained_units.py"],
     "zerotrain/plots.py": ["tests/test_plots.py", "tests/monitor/test_memory_timeline.py"],
-=======
     # issue #48 round 5 (mut5b). The HF Trainer at a world of one against transformers' own Trainer (in-process),
     # then the arguments and refusals, the optimizer block's weight decay
     "zerotrain/hf/trainer.py": [
@@ -489,7 +487,6 @@ COVERING: dict[str, list[str]] = {
     # in-process runs of `zerotrain train` (one rank), then the spawned end-to-end run (--memory-timeline)
     "zerotrain/run/lm.py": ["tests/test_run_lm_units.py", "tests/test_run.py",
                             "tests/test_cli.py::test_train_tiny_end_to_end"],
->>>>>>> mut5b
 }
 
 # Method names whose swap is a plausible slip (the GQA bug: repeat for repeat_interleave).
