@@ -1,5 +1,6 @@
-"""One writer per save directory (zerotrain.checkpoint.lock), with real processes holding the lock (those that
-only try to take it are forked from the test forkserver, `run_python`)."""
+"""One writer per save directory (zerotrain.checkpoint.lock), with real processes holding and taking the lock, forked
+from the test forkserver (`start_python`, `run_python`: a fresh interpreter's import outlasted the test's limit on
+a loaded machine)."""
 from __future__ import annotations
 
 import json
@@ -51,11 +52,24 @@ def _take(save_dir: Path, **env: str) -> subprocess.CompletedProcess:
     return run_python(["-c", _TAKE, str(save_dir)], env=_env(**env), timeout=300)  # its own process
 
 
+def _wait_for_lock(save_dir: Path, holder) -> None:
+    """Until `holder` (a process taking the lock, forked from the test forkserver) has written the lock file whole
+    (it is created exclusively, then written: it can be seen empty first)."""
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            if "pid" in json.loads((save_dir / ".zerotrain-lock.json").read_text()):
+                return
+        except (OSError, ValueError):
+            pass
+        assert holder.poll() is None and time.monotonic() < deadline, holder.communicate()
+        time.sleep(0.05)
+
+
 def test_a_second_job_is_refused_naming_the_holder_and_a_stale_lock_is_taken_over(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path), "600"], env=_env(TORCHELASTIC_RUN_ID="job-a"),
-                              stdout=subprocess.PIPE, text=True)
+    holder = start_python(["-c", _HOLD, str(tmp_path), "600"], env=_env(TORCHELASTIC_RUN_ID="job-a"))
     try:
-        assert holder.stdout.readline().strip() == "held"
+        _wait_for_lock(tmp_path, holder)
         record = json.loads((tmp_path / ".zerotrain-lock.json").read_text())
         assert record["pid"] == holder.pid and record["job_id"] == "TORCHELASTIC_RUN_ID=job-a"
 
@@ -71,9 +85,8 @@ def test_a_second_job_is_refused_naming_the_holder_and_a_stale_lock_is_taken_ove
         holder.wait()
 
     # the holder wrote the lock again? no: the restart took it and released it; make a stale one by hand
-    stale = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path), "0"], env=_env(TORCHELASTIC_RUN_ID="job-c"),
-                             stdout=subprocess.PIPE, text=True)
-    stale.communicate(timeout=300)  # exits holding the lock (no release): its process is gone
+    stale = start_python(["-c", _HOLD, str(tmp_path), "0"], env=_env(TORCHELASTIC_RUN_ID="job-c"))
+    assert stale.wait(300) == 0, stale.communicate()  # exits holding the lock (no release): its process is gone
     assert json.loads((tmp_path / ".zerotrain-lock.json").read_text())["job_id"] == "TORCHELASTIC_RUN_ID=job-c"
     taken = _take(tmp_path, TORCHELASTIC_RUN_ID="job-d")
     assert taken.returncode == 0, taken.stdout + taken.stderr
