@@ -444,3 +444,24 @@ def test_the_data_loader_and_the_monitor_rows(tmp_path, world_of_one):
     with open(tmp_path / "run" / "Train_Samples_lr.csv", newline="") as handle:
         written = list(csv.reader(handle))
     assert written[0] == ["step", "lr"] and written[1:] == rows
+
+
+def test_a_save_warns_of_unapplied_gradients_only_inside_a_cycle(tmp_path, world_of_one, caplog):
+    """A checkpoint saved while gradients are held that no step applied warns that they are not saved; one saved
+    after a step does not, a step at a forced boundary (an epoch's short last cycle, the HF Trainer's) included:
+    the warning used to follow `micro_steps % gradient_accumulation_steps`, false after such a step."""
+    import logging
+
+    engine = _engine(_config(1, accumulation=2))
+    (xa, ya), (xb, yb), (xc, yc) = make_batches(3, MICRO)
+    warned = []
+    for x, y, boundary in ((xa, ya, None), (xb, yb, None), (xc, yc, True)):
+        if boundary:
+            engine.set_gradient_accumulation_boundary(True)
+        engine.backward(engine(x, y))
+        engine.step()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="zerotrain"):
+            engine.save_checkpoint(str(tmp_path), tag=f"micro{engine.micro_steps}")
+        warned.append(any("middle of a gradient accumulation cycle" in r.getMessage() for r in caplog.records))
+    assert warned == [True, False, False] and engine.micro_steps == 3 and engine.global_steps == 2

@@ -99,7 +99,7 @@ class Checkpointer:
         tag = check_tag(tag if tag is not None else f"global_step{counters['global_steps']}")
         settings = state.config.checkpoint
         async_save = settings.async_save if async_save is None else bool(async_save)
-        if counters["micro_steps"] % state.config.gradient_accumulation_steps != 0:
+        if state.gradients_pending():  # not micro_steps % accumulation: a forced boundary steps a short cycle
             logger.warning("saving checkpoint %s in the middle of a gradient accumulation cycle: accumulated "
                            "gradients are not saved, a resume restarts the cycle", tag)
         slots, plan = self._plan(state, tag)

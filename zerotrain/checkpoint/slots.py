@@ -73,6 +73,8 @@ class CheckpointState:
     # Files copied into every checkpoint directory by rank 0, listed in the manifest ({name: bytes}; e.g. the
     # tokenizer's, so AutoTokenizer.from_pretrained(checkpoint) works). The engine's dict: later additions count.
     files: dict = field(default_factory=dict)
+    # True while gradients are held that no optimizer step applied (a save then warns: they are not saved)
+    gradients_pending: Callable[[], bool] = field(default=lambda: False)
     # {name: owner's name}: this rank's tensors that are copies of a tensor saved under another name (a tied
     # layer's weights on a later pipeline stage, zerotrain.pipe): left out of a save (the owner's are saved,
     # once), loaded from the owner's entries (weights and optimizer states).

@@ -225,6 +225,12 @@ class EngineCore:
         self.global_samples += self.train_batch_size()
         self._after_model_step()
 
+    @property
+    def gradients_pending(self) -> bool:
+        """A backward's gradients are held that no optimizer step has applied yet (inside an accumulation cycle,
+        or a backward without its step): what a checkpoint saved now would not hold."""
+        return self._backward_done
+
     def _after_model_step(self) -> None:
         """After the optimizer step's counters advanced (a report); nothing here."""
 

@@ -96,5 +96,6 @@ def checkpoint_state(parts: EngineParts, holder: Any, files: dict) -> Checkpoint
         # an offloaded optimizer (NVMe states are resident only during the save; SuperOffload updates masters
         # during backward).
         defer_copies=topology.device.type == "cpu" and parts.zero_optimizer.snapshot_in_background,
-        counters=StepCounters(holder), loss_scaler=parts.loss_scaler, scheduler=parts.lr_scheduler,
+        counters=StepCounters(holder), gradients_pending=lambda: holder.gradients_pending,
+        loss_scaler=parts.loss_scaler, scheduler=parts.lr_scheduler,
         loco=ReducerLoCoState(parts, lambda: holder.global_steps), fences=parts.fences, files=files)
