@@ -615,6 +615,10 @@ def test_a_failed_streamed_step_is_undone_in_the_model_before_it_returns_and_rew
             engine.step()
             losses.append(float(loss.detach()))
         assert opt.stats["nvme_failed_steps"] == 2
+        # the I/O counted is the records' file's (no spill here), reads and writes each under its own name
+        io = opt.records.io
+        assert (opt.stats["nvme_bytes_read"], opt.stats["nvme_bytes_written"]) == (io.bytes_read, io.bytes_written)
+        assert 0 < io.bytes_read != io.bytes_written, (io.bytes_read, io.bytes_written)
         assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) <= 1e-5, (losses, ref_losses)
     finally:
         opt.close()
