@@ -113,7 +113,8 @@ def train_cases(cases: list, save_dir: str | None = None) -> list:
             total = loss.detach().clone()
             dist.all_reduce(total)
             losses.append(total.item() / world)
-        results.append((name, converted, losses, engine.full_state_dict(), engine.counters.snapshot()))
+        results.append((name, converted, losses, engine.full_state_dict(), engine.counters.snapshot(),
+                        engine.work_stats()["gather"]))
     if save_dir is not None:
         results.append(fp8_checkpoint_round_trip(save_dir))
     return results
@@ -213,7 +214,7 @@ def test_fp8_at_every_stage_equals_torchao_on_one_process(launch):
     world = WORLD
     results = launch[0]
     refs = {}
-    for (name, stage, recipe, lora, checkpointing), (got_name, converted, losses, weights, _) in zip(CASES, results):
+    for (name, stage, recipe, lora, checkpointing), (got_name, converted, losses, weights, *_) in zip(CASES, results):
         assert got_name == name
         if (recipe, lora) not in refs:
             refs[(recipe, lora)] = reference(world, recipe, lora)
@@ -424,6 +425,9 @@ def test_fp8_weight_gathers_send_float8_bytes(launch):
     assert fp8["bytes"] <= 0.55 * bf16_bytes, (fp8, bf16_bytes)
     assert fp8["bytes"] * 4 == fp8["logical_bytes"], fp8  # 1 byte per element where fp32 sends 4
     assert "all_gather_fp8" not in by_name["stage 3"], by_name["stage 3"]
+    # the scales are computed once per step (the step writes the shards), not per gather: the scale cache's count
+    gathers = {result[0]: result[5] for result in launch[0]}["stage 3 fp8 gathers"]
+    assert gathers["fp8_scale_updates"] == STEPS == amax["calls"], gathers
 
 
 def test_fp8_gather_dequantizes_without_whole_sized_fp32_copies():
@@ -483,3 +487,4 @@ def test_whole_step_estimate_is_within_10_percent_of_the_measured_peak(recipe, c
             dist.destroy_process_group()
     assert row["fp8_transient"] > 0 and row["largest_layer"].endswith("_proj")
     assert 0.9 <= row["estimate"] / row["measured"] <= 1.1, row
+
