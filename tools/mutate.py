@@ -67,10 +67,11 @@ COVERING: dict[str, list[str]] = {
                                  "tests/zero/test_parity.py"],
     "zerotrain/zero/optimizer.py": ["tests/zero/test_optimizer_units.py", "tests/test_loss_scaler.py",
                                     "tests/zero/test_parity.py"],
-    # parity at world 2 (also: released between steps, counters from zero); Init's writes and initializers;
-    # state_dict() inside GatheredParameters
-    "zerotrain/zero/stage3/partition.py": ["tests/zero/test_stage3.py::test_stage3_matches_single_process[2]",
-                                           "tests/zero/test_stage3_init_ops.py",
+    # in-process first (an Init-time slice's metadata, no fp32 master copy; then Init's writes and initializers at
+    # world 2); parity at world 2 (also: released between steps, counters from zero); state_dict() inside
+    # GatheredParameters
+    "zerotrain/zero/stage3/partition.py": ["tests/zero/test_stage3_init_ops.py",
+                                           "tests/zero/test_stage3.py::test_stage3_matches_single_process[2]",
                                            "tests/zero/test_stage3_init.py::test_init_holds_only_shards_and_gathers_the_plain_model",
                                            "tests/test_deepspeed_programs.py::test_stage3_saves_of_real_programs_and_from_pretrained"],
     # in-process micro-steps at a world of one first (releases after no-grad and generate forwards, peaks from
