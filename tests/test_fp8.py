@@ -360,7 +360,8 @@ def test_fp8_checkpoint_is_high_precision_loads_in_transformers_and_resumes_exac
 def test_layer_sizes_match_a_measured_emulated_layer_within_10_percent():
     """fp8_layer_bytes against the allocator's peak (torch's profiler, bytes: no timing, no RSS) of one emulated
     Float8Linear minus an nn.Linear's, forward and backward, both recipes, a shape where each backward phase wins,
-    and one of 16 input features, where rowwise's per-row scales are a fifth of the forward's bytes."""
+    and one of 16 features in and out, where rowwise's per-row scales are a fifth of the forward's bytes. The
+    estimate is a budget: never more than 1% under the measured bytes (at 16 features it is up to 9% over)."""
     sys_path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
     import sys
     sys.path.insert(0, sys_path)
@@ -368,13 +369,13 @@ def test_layer_sizes_match_a_measured_emulated_layer_within_10_percent():
         import fp8_memory
     finally:
         sys.path.remove(sys_path)
-    fp8_memory.LAYER_SHAPES = [(512, 256, 704), (64, 1024, 512), (512, 16, 704)]
+    fp8_memory.LAYER_SHAPES = [(512, 256, 704), (64, 1024, 512), (1024, 16, 16)]
     rows = fp8_memory.layer_rows()
     assert len(rows) == 6
     for row in rows:
         for phase in ("forward", "backward"):
             ratio = row[f"{phase}_estimate"] / row[f"{phase}_measured"]
-            assert 0.9 <= ratio <= 1.1, (row, phase, ratio)
+            assert 0.99 <= ratio <= 1.1, (row, phase, ratio)
 
 
 def test_estimate_adds_the_largest_float8_transient_and_no_state():
