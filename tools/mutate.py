@@ -71,6 +71,8 @@ COVERING: dict[str, list[str]] = {
     # world 2); parity at world 2 (also: released between steps, counters from zero); state_dict() inside
     # GatheredParameters
     "zerotrain/zero/stage3/partition.py": ["tests/zero/test_stage3_init_ops.py",
+                                           # a shard handed to an offload_param store and back (in-process)
+                                           "tests/offload/test_offload_units.py::test_param_store_grows_one_shard_at_a_time_as_zero_init_hands_them_in",
                                            "tests/zero/test_stage3.py::test_stage3_matches_single_process[2]",
                                            "tests/zero/test_stage3_init.py::test_init_holds_only_shards_and_gathers_the_plain_model",
                                            "tests/test_deepspeed_programs.py::test_stage3_saves_of_real_programs_and_from_pretrained"],
