@@ -113,7 +113,8 @@ def train_cases(cases: list, save_dir: str | None = None) -> list:
             total = loss.detach().clone()
             dist.all_reduce(total)
             losses.append(total.item() / world)
-        results.append((name, converted, losses, engine.full_state_dict(), engine.counters.snapshot()))
+        results.append((name, converted, losses, engine.full_state_dict(), engine.counters.snapshot(),
+                        engine.work_stats()["gather"]))
     if save_dir is not None:
         results.append(fp8_checkpoint_round_trip(save_dir))
     return results
@@ -213,7 +214,7 @@ def test_fp8_at_every_stage_equals_torchao_on_one_process(launch):
     world = WORLD
     results = launch[0]
     refs = {}
-    for (name, stage, recipe, lora, checkpointing), (got_name, converted, losses, weights, _) in zip(CASES, results):
+    for (name, stage, recipe, lora, checkpointing), (got_name, converted, losses, weights, *_) in zip(CASES, results):
         assert got_name == name
         if (recipe, lora) not in refs:
             refs[(recipe, lora)] = reference(world, recipe, lora)
@@ -358,7 +359,9 @@ def test_fp8_checkpoint_is_high_precision_loads_in_transformers_and_resumes_exac
 # --- memory: the estimate's float8 sizes ----------------------------------------------------------------------
 def test_layer_sizes_match_a_measured_emulated_layer_within_10_percent():
     """fp8_layer_bytes against the allocator's peak (torch's profiler, bytes: no timing, no RSS) of one emulated
-    Float8Linear minus an nn.Linear's, forward and backward, both recipes, a shape where each backward phase wins."""
+    Float8Linear minus an nn.Linear's, forward and backward, both recipes, a shape where each backward phase wins,
+    and one of 16 features in and out, where rowwise's per-row scales are a fifth of the forward's bytes. The
+    estimate is a budget: never more than 1% under the measured bytes (at 16 features it is up to 9% over)."""
     sys_path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
     import sys
     sys.path.insert(0, sys_path)
@@ -366,13 +369,13 @@ def test_layer_sizes_match_a_measured_emulated_layer_within_10_percent():
         import fp8_memory
     finally:
         sys.path.remove(sys_path)
-    fp8_memory.LAYER_SHAPES = [(512, 256, 704), (64, 1024, 512)]
+    fp8_memory.LAYER_SHAPES = [(512, 256, 704), (64, 1024, 512), (1024, 16, 16)]
     rows = fp8_memory.layer_rows()
-    assert len(rows) == 4
+    assert len(rows) == 6
     for row in rows:
         for phase in ("forward", "backward"):
             ratio = row[f"{phase}_estimate"] / row[f"{phase}_measured"]
-            assert 0.9 <= ratio <= 1.1, (row, phase, ratio)
+            assert 0.99 <= ratio <= 1.1, (row, phase, ratio)
 
 
 def test_estimate_adds_the_largest_float8_transient_and_no_state():
@@ -424,6 +427,9 @@ def test_fp8_weight_gathers_send_float8_bytes(launch):
     assert fp8["bytes"] <= 0.55 * bf16_bytes, (fp8, bf16_bytes)
     assert fp8["bytes"] * 4 == fp8["logical_bytes"], fp8  # 1 byte per element where fp32 sends 4
     assert "all_gather_fp8" not in by_name["stage 3"], by_name["stage 3"]
+    # the scales are computed once per step (the step writes the shards), not per gather: the scale cache's count
+    gathers = {result[0]: result[5] for result in launch[0]}["stage 3 fp8 gathers"]
+    assert gathers["fp8_scale_updates"] == STEPS == amax["calls"], gathers
 
 
 def test_fp8_gather_dequantizes_without_whole_sized_fp32_copies():
@@ -483,3 +489,4 @@ def test_whole_step_estimate_is_within_10_percent_of_the_measured_peak(recipe, c
             dist.destroy_process_group()
     assert row["fp8_transient"] > 0 and row["largest_layer"].endswith("_proj")
     assert 0.9 <= row["estimate"] / row["measured"] <= 1.1, row
+

@@ -1,5 +1,6 @@
 """Local data files -> tokens -> packed/padded samples, in one process, on real files."""
 import json
+import os
 
 import pytest
 import torch
@@ -312,6 +313,11 @@ def test_a_directory_input_is_keyed_by_its_files_bytes(tmp_path):
     before = tokenization.files_fingerprint([tmp_path / "d"])
     (tmp_path / "d" / "a.txt").write_text("two")
     assert tokenization.files_fingerprint([tmp_path / "d"]) != before
+    # and by its files' names: a file renamed from .txt to .jsonl, the same bytes, is read in another format
+    for name, file in (("e", "a.txt"), ("f", "a.jsonl")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / file).write_text(json.dumps({"text": "one"}) + "\n")
+    assert tokenization.files_fingerprint([tmp_path / "e"]) != tokenization.files_fingerprint([tmp_path / "f"])
 
 
 def test_one_bad_record_is_the_whole_message_and_a_saved_dataset_counts_rows_from_zero(tmp_path):
@@ -340,3 +346,79 @@ def test_one_bad_record_is_the_whole_message_and_a_saved_dataset_counts_rows_fro
     loaded = load_data_file(saved, skip_bad_records=True)
     assert loaded.kind == "text" and loaded.dataset["text"] == ["fine", "also fine"]
     assert [str(b) for b in loaded.skipped] == [f"{saved}, row 1: field 'text' is empty or not a string"]
+
+
+_BARRIER_FAILS = """
+import sys, threading
+from zerotrain.comm import Comm
+from zerotrain.data import tokenization
+
+
+class Tokenizer:  # what the cache key reads of a (slow) tokenizer
+    special_tokens_map = {}
+
+    def get_vocab(self):
+        return {"a": 0}
+
+    def __len__(self):
+        return 1
+
+
+tokenization._build = lambda *args: threading.Event().wait()  # tokenizing that outlasts the job
+tokenization._POLL_SECONDS = 0.1
+try:  # local rank 0 of 2 builds; its barrier's collective fails (this process has no process group)
+    tokenization.tokenize_files([sys.argv[1]], Tokenizer(), cache_dir=sys.argv[2], comm=Comm(None, 0, 2), local_rank=0)
+except Exception as error:
+    print("raised:", type(error).__name__)
+"""
+
+
+def test_a_builder_whose_barrier_fails_exits_without_waiting_for_its_tokenizing(tmp_path):
+    """The rank-0 builder tokenizes in a thread while the ranks meet in short rounds; when that meeting fails (a peer
+    gone, the process group broken) the error is raised and the process ends, its tokenizing thread left behind,
+    instead of living on until a corpus that may take hours is tokenized. A fresh interpreter (its exit waits for
+    the threads it must: a forked `run_python` child ends with `os._exit`, which waits for none)."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "a.txt"
+    data.write_text("hello world\n")
+    done = subprocess.run([sys.executable, "-c", _BARRIER_FAILS, str(data), str(tmp_path / "cache")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "raised: ValueError" in done.stdout, (done.stdout, done.stderr[-2000:])
+
+
+def test_a_python_tokenizer_with_other_ids_gets_its_own_cache(tmp_path):
+    """A tokenizer without a `tokenizers` backend (transformers' Python ones, here a character-level CTC tokenizer) is
+    keyed by its vocabulary: the same class, specials and size with two letters' ids swapped tokenizes the same file
+    into other ids, so it must not be served the first one's cache."""
+    from transformers import Wav2Vec2CTCTokenizer
+
+    data = tmp_path / "d.txt"
+    data.write_text("ab ba\n")
+    tokenizers = []
+    for name, letters in (("ab", "ab"), ("ba", "ba")):
+        vocab = tmp_path / f"{name}.json"
+        vocab.write_text(json.dumps({"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "|": 4, letters[0]: 5,
+                                     letters[1]: 6}))
+        tokenizers.append(Wav2Vec2CTCTokenizer(str(vocab)))
+    assert all(getattr(t, "backend_tokenizer", None) is None for t in tokenizers)
+    first, second = (tokenize_files([data], t, cache_dir=tmp_path / "cache") for t in tokenizers)
+    assert not second.cache_hit and second.cache_path != first.cache_path
+    assert [ids[:5] for ids in _ids(first) + _ids(second)] == [[5, 6, 4, 6, 5], [6, 5, 4, 5, 6]]  # "ab ba"
+
+
+def test_a_builder_that_finishes_second_keeps_the_first_cache_and_leaves_no_copy(tmp_path, tiny_tokenizer):
+    """Two nodes' builders of one key on a file system where the lock does not reach across hosts: the one that
+    finishes second finds the cache in place, keeps it (same key, same content) and removes its own copy."""
+    from pathlib import Path
+
+    data, cache = tmp_path / "d.txt", tmp_path / "cache"
+    data.write_text("one\ntwo\n")
+    first = tokenize_files([data], tiny_tokenizer, cache_dir=cache)
+    target = Path(first.cache_path)
+    before = sorted(os.listdir(cache))
+    tokenization._build([data], tiny_tokenizer, TokenizeSettings(), target, None, cache / "hf")  # the other node's
+    assert sorted(os.listdir(cache)) == before, "the second builder's copy is left beside the cache"
+    again = tokenize_files([data], tiny_tokenizer, cache_dir=cache)
+    assert again.cache_hit and again.cache_path == first.cache_path and _ids(again) == _ids(first)

@@ -543,3 +543,82 @@ def test_gradients_spilled_into_the_parameters_own_extents_equal_torch_and_take_
         assert run["gather"]["peak_prefetch_inflight_numel"] <= held["gather"]["peak_prefetch_inflight_numel"] and \
             run["gather"]["peak_live_inflight_numel"] <= held["gather"]["peak_live_inflight_numel"], \
             (run["gather"], held["gather"])
+
+
+def test_a_failed_streamed_step_is_undone_in_the_model_before_it_returns_and_rewrites_only_what_it_wrote(
+        tmp_path, world_of_one):
+    """World 1, stage 3, parameters and optimizer on NVMe, no clipping: the gradients are streamed to the step in
+    backward and each bucket's new weights written into its parameter store then. A record's write failing (step 2):
+    when step() raises, the stores already hold the weights before the step again (the module called directly, not
+    through the engine, computes the loss of those weights), every chunk written is put back. The first record read
+    failing (step 3): nothing was stepped, so nothing is put back and the stores are not written at all. The retried
+    steps (the same batch's forward and backward again) end where torch's AdamW does."""
+    import errno
+
+    import zerotrain
+    import zerotrain.offload.aio as aio
+    import zerotrain.offload.nvme_records as nvme_records
+    from zerotrain.offload import OffloadIOError
+
+    batches = _batches(5)
+    torch.manual_seed(0)
+    ref = _TiedCheckpointed()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    ref_losses = []
+    for ids, targets in batches:
+        loss = _loss(ref(ids), targets)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(float(loss.detach()))
+    torch.manual_seed(0)
+    model = _TiedCheckpointed()
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "steps_per_print": 0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "o"),
+                                                          "buffer_count": 2},
+                                    "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "p"),
+                                                      "buffer_count": 2, "max_in_cpu": 0}}}
+    real_chunk, nvme_records.DEFAULT_CHUNK_NUMEL = nvme_records.DEFAULT_CHUNK_NUMEL, 4096
+    try:
+        engine, *_ = zerotrain.initialize(model=model, model_parameters=model.parameters(), config=config)
+    finally:
+        nvme_records.DEFAULT_CHUNK_NUMEL = real_chunk
+    opt = engine.zero_optimizer
+    try:
+        assert opt.stream_gradients and len(opt.records.chunks) == 4
+        losses = []
+        for step, (ids, targets) in enumerate(batches):
+            loss = _loss(engine(ids), targets)
+            if step in (2, 3):
+                restored, store_written = opt.stats["nvme_restored_chunks"], engine.param_store.io.bytes_written
+                # step 2: the second record write fails (after every bucket was stepped and stored);
+                # step 3: the first record read fails (no bucket is stepped)
+                fail = _failing_io(aio, "_pwrite" if step == 2 else "_pread", 2 if step == 2 else 1, errno.EIO,
+                                   only_fds={opt.records.fd}, once=True)
+                try:
+                    engine.backward(loss)
+                    with pytest.raises(OffloadIOError, match="writing" if step == 2 else "reading"):
+                        engine.step()
+                finally:
+                    fail()
+                with torch.no_grad():
+                    assert float(_loss(engine.module(ids), targets)) == float(loss), "the failed step's weights"
+                if step == 2:
+                    assert opt.stats["nvme_restored_chunks"] - restored == 4
+                else:
+                    assert opt.stats["nvme_restored_chunks"] == restored
+                    assert engine.param_store.io.bytes_written == store_written, "a store written for nothing"
+                loss = _loss(engine(ids), targets)  # the retry
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+        assert opt.stats["nvme_failed_steps"] == 2
+        # the I/O counted is the records' file's (no spill here), reads and writes each under its own name
+        io = opt.records.io
+        assert (opt.stats["nvme_bytes_read"], opt.stats["nvme_bytes_written"]) == (io.bytes_read, io.bytes_written)
+        assert 0 < io.bytes_read != io.bytes_written, (io.bytes_read, io.bytes_written)
+        assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) <= 1e-5, (losses, ref_losses)
+    finally:
+        opt.close()

@@ -75,6 +75,22 @@ def test_disk_too_small_is_a_clear_error_at_start(tmp_path, monkeypatch):
     assert not os.listdir(tmp_path)
 
 
+def test_a_failed_first_write_of_the_masters_leaves_no_swap_files(tmp_path, monkeypatch):
+    """The disk fills while the initial masters are written: the error names it, and the swap directory (and
+    its I/O threads) are gone at once, even while the error, and so the half-built optimizer, is still held."""
+    import errno
+
+    from zerotrain.offload import OffloadIOError, aio
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(aio, "_pwrite", full)
+    with pytest.raises(OffloadIOError, match="no space left on device while writing") as caught:
+        _bucket_optimizer(tmp_path, chunk_numel=1024)
+    assert caught.value is not None and not os.listdir(tmp_path)
+
+
 def test_no_direct_io_warns_and_falls_back(tmp_path, monkeypatch):
     monkeypatch.setattr("zerotrain.offload.aio.direct_io_supported", lambda directory: False)
     with pytest.warns(UserWarning, match="O_DIRECT"):

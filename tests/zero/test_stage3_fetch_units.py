@@ -239,3 +239,23 @@ def test_a_saved_parameter_or_view_of_one_is_released_after_forward_and_gathered
         for (name, param), want in zip(model.named_parameters(), reference.parameters()):
             torch.testing.assert_close(param.grad, want.grad, msg=lambda m: f"{name}: {m}")
             param.grad = None
+
+
+@pytest.mark.parametrize("compressed", ["qwZ", "float8"])
+def test_compressed_weight_gathers_asked_for_at_one_rank_gather_the_plain_values(compressed):
+    """`zero_quantized_weights` (qwZ, int8) or `fp8.float8_all_gather` at a world of one: there is nothing to send,
+    so the weights are not quantized and dequantized (a lossy round trip that would train another model): the
+    micro-steps' gradients are one process's exactly and no quantized or float8 gather is counted."""
+    model, weights = stage3()
+    fetcher = weights.fetcher
+    if compressed == "qwZ":
+        fetcher.configure_zeropp(quantize_weights=True)
+    else:
+        fetcher.configure_fp8_gathers([model.mid.weight, model.out.weight])
+    for x, y in batches(2):
+        grads = micro_step(model, weights, x, y)
+        for name, want in reference_grads(x, y).items():
+            assert torch.equal(grads[name], want), name
+    stats = fetcher.stats
+    assert stats["gathers"] > 0 and stats["quantized_gathers"] == stats["fp8_gathers"] == 0, stats
+    assert stats["fp8_scale_updates"] == 0, stats

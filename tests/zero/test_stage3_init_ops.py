@@ -87,3 +87,32 @@ def check_inits_match_torch(persistence_threshold: int) -> None:
                 assert torch.equal(result["masters"][name], chunk), f"rank {rank} {name}: fp32 master too"
     # Not the same values as before (the write is not lost): not the default init.
     assert not torch.equal(expected(INITS)["fc1.weight"], expected([])["fc1.weight"])
+
+
+def test_an_init_time_slice_answers_metadata_and_fp32_stage3_keeps_no_master_copy(world_of_one):
+    """World of one, in-process. A `param[index]` slice of a parameter zero.Init partitioned answers metadata as a
+    plain tensor's slice does (shape, size, dim, numel, dtype: what initializer code reads) while printing it is
+    refused with the one line (its values are not there to show). An fp32 stage-3 engine's shards are their own
+    fp32 masters: after a step the optimizer holds AdamW's two moments and a step count per bucket, no copy."""
+    import pytest
+
+    import zerotrain
+    from models_for_tests import make_batches
+    from test_stage3_init import PaddedEmbedding
+
+    with zerotrain.zero.Init():
+        padded = PaddedEmbedding()
+    row, plain = padded.embed.weight[3], torch.nn.Embedding(7, 6).weight[3]
+    assert (row.shape, row.size(), row.size(0), row.dim(), row.numel(), row.dtype, row.is_floating_point()) == \
+        (plain.shape, plain.size(), plain.size(0), plain.dim(), plain.numel(), plain.dtype, True)
+    with pytest.raises(RuntimeError, match=r"__repr__ on a slice of parameter weight, which zero.Init partitioned"):
+        repr(row)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 0}
+    torch.manual_seed(0)
+    model = OddMLP()
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    engine.backward(engine(*make_batches(1, 2)[0]))
+    engine.step()
+    numel, buckets = sum(p.numel() for p in model.parameters()), len(engine.zero_optimizer.buckets)
+    assert engine.memory_report()["optimizer_states"] == 2 * 4 * numel + 4 * buckets, engine.memory_report()
