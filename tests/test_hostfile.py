@@ -219,11 +219,15 @@ def test_ssh_commands_start_one_launch_per_host_with_the_forwarded_environment(t
                           "--master-addr", "10.0.0.1", "--master-port", "29600", "train.py", "--x", "1"]
 
 
-def test_one_host_failing_stops_the_others(tmp_path):
+def test_one_host_failing_stops_the_others(tmp_path, capfd):
     """`run_hosts` with real processes standing in for the hosts' ssh clients: one ends with status 3, the other
-    runs until its stdin (its ssh channel) closes. The job ends with 3, promptly, and the other saw its channel
-    close (the stop a host's launch turns into SIGTERM)."""
+    runs until its stdin (its ssh channel) closes. The job ends with 3, promptly, the other saw its channel
+    close (the stop a host's launch turns into SIGTERM), and one line names the failed host, its node rank and
+    ranks; ssh's own failure (255: connection lost) is said as such; a job that succeeds says nothing, nor does
+    one the launcher's SIGTERM stopped (status 143)."""
+    import signal
     import sys
+    import threading
     import time
 
     from zerotrain.hostfile import run_hosts
@@ -233,9 +237,29 @@ def test_one_host_failing_stops_the_others(tmp_path):
               f"if select.select([sys.stdin], [], [], 30)[0] and not sys.stdin.read(): open({str(closed)!r}, 'w')"]
     failer = [sys.executable, "-c", "import sys, time; time.sleep(0.5); sys.exit(3)"]
     start = time.monotonic()
-    assert run_hosts([waiter, failer]) == 3
+    assert run_hosts([waiter, failer], {"worker-0": [0, 1], "worker-1": [0, 1, 2]}) == 3
     assert closed.exists() and time.monotonic() - start < 60
-    assert run_hosts([[sys.executable, "-c", "pass"], [sys.executable, "-c", "pass"]]) == 0
+    assert capfd.readouterr().err.splitlines() == [
+        "zerotrain: error: host 'worker-1' (node rank 1, ranks 2-4 of 5) failed: exit status 3; the job was "
+        "stopped on every other host"]
+    lost = [sys.executable, "-c", "import sys; sys.exit(255)"]
+    assert run_hosts([lost, [sys.executable, "-c", "pass"]], {"worker-0": [1], "worker-1": [0]}) == 255
+    assert capfd.readouterr().err.splitlines() == [
+        "zerotrain: error: host 'worker-0' (node rank 0, rank 0 of 2) failed: ssh's own failure (status 255: the "
+        "connection lost, or the host down); the job was stopped on every other host"]
+    assert run_hosts([[sys.executable, "-c", "pass"], [sys.executable, "-c", "pass"]], {"a": [0], "b": [0]}) == 0
+    assert capfd.readouterr().err == ""
+    # the launcher stopped (SIGTERM to it): every host's channel closes, the job's status is 128 + SIGTERM and
+    # no host is blamed
+    closed.unlink()
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        assert run_hosts([waiter, [sys.executable, "-c", "import sys; sys.stdin.read()"]],
+                         {"a": [0], "b": [0]}) == 128 + signal.SIGTERM
+    finally:
+        timer.cancel()
+    assert closed.exists() and capfd.readouterr().err == ""
 
 
 def test_a_hosts_launch_stops_its_printing_ranks_when_its_ssh_channel_closes(tmp_path):

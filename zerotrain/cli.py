@@ -334,7 +334,7 @@ def _launch_hosts(args: argparse.Namespace, active: dict) -> int:
     target = [*(["--no-local-rank"] if args.no_local_rank else []), "--max-restarts", str(args.max_restarts),
               "--stop-timeout", str(args.stop_timeout), os.path.abspath(args.script), *args.script_args]
     return run_hosts(ssh_commands(active, master, args.master_port or 29500, target, args.ssh_port,
-                                  args.launcher_args))
+                                  args.launcher_args), active)
 
 
 def _launch_mpirun(args: argparse.Namespace, active: dict) -> int:

@@ -34,7 +34,8 @@ from typing import Optional
 from .command import CLIError
 
 __all__ = ["LAUNCHERS", "parse_hostfile", "select_resources", "read_deepspeed_env", "is_this_host",
-           "local_slots", "check_reachable", "first_address", "ssh_commands", "run_hosts", "stop_on_stdin_eof", "relay_output",
+           "local_slots", "check_reachable", "first_address", "ssh_commands", "run_hosts", "host_failure",
+           "stop_on_stdin_eof", "relay_output",
            "mpirun_command", "mpirun_kind", "check_slots_fit_batch", "srun_command", "check_slurm_slots"]
 
 # DeepSpeed's --launcher names (case-insensitive there too); pdsh is its default
@@ -216,19 +217,23 @@ def ssh_commands(active: dict[str, list[int]], master_addr: str, master_port: in
     return commands
 
 
-def run_hosts(commands: list[list[str]]) -> int:
-    """Run one ssh per host; the job's status is the first non-zero one. A host that fails, or a stop signal to
-    this process, closes every other host's ssh channel: each host's launch then stops its ranks (its stdin ends,
-    `STOP_ON_EOF_ENV`); the launcher dying takes its ssh clients with it, which ends the channels too."""
+def run_hosts(commands: list[list[str]], active: dict[str, list[int]]) -> int:
+    """Run one ssh per host (`commands[i]` for the i-th host of `active`, host -> slots); the job's status is the
+    first non-zero one. A host that fails, or a stop signal to this process, closes every other host's ssh channel:
+    each host's launch then stops its ranks (its stdin ends, `STOP_ON_EOF_ENV`); the launcher dying takes its ssh
+    clients with it, which ends the channels too. A host that failed is named in one line on stderr (its node
+    rank, its ranks and status), printed once when every host has ended."""
     import signal
     import subprocess
     import time
 
+    from .command import print_error
     from .lifecycle import kill_me_with_parent
 
     procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True, preexec_fn=kill_me_with_parent)
              for cmd in commands]
     received: list[int] = []
+    failed: Optional[int] = None  # the first host seen failing
 
     def stop_all() -> None:
         for proc in procs:
@@ -246,20 +251,36 @@ def run_hosts(commands: list[list[str]]) -> int:
     status = 0
     try:
         while any(proc.poll() is None for proc in procs):
-            for proc in procs:
+            for index, proc in enumerate(procs):
                 code = proc.poll()
                 if code not in (None, 0) and status == 0:
-                    status = code
+                    status, failed = code, index
                     stop_all()
             time.sleep(0.2)
-        for proc in procs:
+        for index, proc in enumerate(procs):
             if proc.returncode and status == 0:
-                status = proc.returncode
+                status, failed = proc.returncode, index
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         stop_all()
-    return 128 + received[0] if received else status
+    if received:
+        return 128 + received[0]
+    if failed is not None:
+        print_error(host_failure(active, failed, status))
+    return status
+
+
+def host_failure(active: dict[str, list[int]], index: int, status: int) -> str:
+    """The line naming the `index`-th host of `active` whose launch (its ssh) ended with `status` first."""
+    host = list(active)[index]
+    first = sum(len(slots) for slots in list(active.values())[:index])
+    last = first + len(active[host]) - 1
+    ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
+    why = "ssh's own failure (status 255: the connection lost, or the host down)" if status == 255 else \
+        f"exit status {status}"
+    return (f"host {host!r} (node rank {index}, {ranks} of {sum(len(s) for s in active.values())}) failed: {why}; "
+            f"the job was stopped on every other host")
 
 
 def stop_on_stdin_eof() -> None:

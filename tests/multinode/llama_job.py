@@ -6,7 +6,8 @@ single-process PyTorch on the same batches, which the job must equal within 1e-5
 Run as a script by the launchers (`mpirun ... python -m zerotrain.launcher -- llama_job.py --out DIR`, `srun
 python llama_job.py --out DIR`): the ranks come from the launcher's variables (`zerotrain.cluster`). `train(out)`
 is the same job as a function (Ray Train's training function calls it inside Ray's process group).
-`--steps N --sleep S` makes a long run for the stop tests (a `running` file once step 2 is done)."""
+`--steps N --sleep S` makes a long run for the stop tests (a `running` file once step 2 is done; every rank's
+`pid{R}.json` says its process and host)."""
 from __future__ import annotations
 
 import argparse
@@ -22,12 +23,14 @@ SEQ = 16
 VOCAB = 96
 
 
-def make_model() -> torch.nn.Module:
-    """The tiny Llama, the same weights in every process (seed 0)."""
+def make_model(initializer_range: float = 0.02) -> torch.nn.Module:
+    """The tiny Llama, the same weights in every process (seed 0); `initializer_range` the init's std (0.1: the
+    gradient norms exceed 1, so clipping at 1.0 acts on every step of `batches()`)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         initializer_range=initializer_range)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
@@ -53,6 +56,8 @@ def train(out: str, steps: int = STEPS, sleep: float = 0.0, config: dict | None 
 
     engine, _, _, _ = zerotrain.initialize(model=make_model(), config=config or CONFIG)
     rank, world = engine.global_rank, engine.world_size
+    with open(os.path.join(out, f"pid{rank}.json"), "w") as f:  # which process is which rank (the kill tests)
+        json.dump({"rank": rank, "pid": os.getpid(), "host": os.uname().nodename}, f)
     per_rank = GLOBAL_BATCH // world
     losses = []
     every = batches()

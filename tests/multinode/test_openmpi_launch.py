@@ -29,7 +29,8 @@ JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama_job.py")
 
 
 def _rank_pids(node) -> list[int]:
-    """The job's ranks in `node` (Python processes running llama_job.py)."""
+    """The job's ranks in `node` (Python processes running llama_job.py; not a `zerotrain launch` or its torchrun
+    agent, which name the script too where the ranks start through them: the ssh launch)."""
     found = []
     pids = subprocess.run(["ip", "netns", "pids", node.netns], capture_output=True, text=True).stdout.split()
     for pid in pids:
@@ -37,14 +38,16 @@ def _rank_pids(node) -> list[int]:
             cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
         except OSError:
             continue
-        if any(b"llama_job.py" in part for part in cmdline) and b"python" in cmdline[0]:
+        if any(b"llama_job.py" in part for part in cmdline) and b"python" in cmdline[0] \
+                and b"zerotrain.cli" not in cmdline and b"zerotrain.elastic" not in cmdline:
             found.append(int(pid))
     return found
 
 
-def assert_killing_node1s_ranks_ends_the_job(nodes: list, launch: list[str], tmp_path, env: dict) -> None:
+def assert_killing_node1s_ranks_ends_the_job(nodes: list, launch: list[str], tmp_path, env: dict) -> str:
     """Start the launch line `launch` on node0 for a long run, SIGKILL node1's two ranks once every rank runs: the
-    launcher must fail, within the job's comm timeout, and leave no rank on any host (shared by the MPI launchers)."""
+    launcher must fail, within the job's comm timeout, and leave no rank on any host (shared by the MPI launchers
+    and the ssh launch). Returns what the launcher printed (stdout and stderr)."""
     long_out = tmp_path / "long"
     long_out.mkdir()
     launcher = subprocess.Popen(nodes[0].command([*launch, "--out", str(long_out), "--steps", "100000",
@@ -69,6 +72,7 @@ def assert_killing_node1s_ranks_ends_the_job(nodes: list, launch: list[str], tmp
             time.sleep(0.5)
         assert python_left(nodes) == [], said
         assert ended < llama_job.CONFIG["comm_timeout_seconds"], (ended, said)
+        return said
     finally:
         if launcher.poll() is None:
             launcher.kill()
