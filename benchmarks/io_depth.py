@@ -44,6 +44,7 @@ import time
 import numpy
 import torch
 
+from checkpoint_speed import _drop_cache_file as evict  # fsync, then out of the page cache: the benchmark's cold
 from zerotrain.checkpoint.directio import PlacedWriter
 from zerotrain.checkpoint.format import crc32
 from zerotrain.checkpoint.integrity import crc32_combine
@@ -56,15 +57,6 @@ def aligned(size: int) -> torch.Tensor:
     raw = torch.empty(size + 4096, dtype=torch.uint8)
     skip = (-raw.data_ptr()) % 4096
     return raw[skip:skip + size]
-
-
-def evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def parse(name: str) -> tuple[int, int]:

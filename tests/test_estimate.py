@@ -68,6 +68,28 @@ def _swap_file_bytes(nvme_path: str) -> int:
     return total
 
 
+def _step_then_backward(config: dict, after_step=None):
+    """The tiny GPT's engine under `config` after one step and one more backward (what the estimate's peak
+    counts: a step's states and a backward's gradients at once); `after_step(engine)`'s value taken right after
+    the step, returned beside the engine."""
+    import zerotrain
+    from zerotrain.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    engine, *_ = zerotrain.initialize(model=GPT(GPTConfig.preset("tiny")), config=config)
+    measured = None
+    for step in range(2):
+        idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(step))
+        _, loss = engine(idx, idx)
+        del _
+        engine.backward(loss)
+        del loss
+        if step == 0:
+            engine.step()
+            measured = after_step(engine) if after_step is not None else None
+    return engine, measured
+
+
 def _live_tensor_bytes() -> int:
     """Bytes of the distinct storages of every tensor alive in this process (the garbage collector's view)."""
     import gc
@@ -86,26 +108,15 @@ def _live_tensor_bytes() -> int:
 def engine_memory_per_case(nvme_path: str) -> list[dict]:
     """Each case's engine on this rank: one step, then one more backward (the gradients are held, the
     optimizer states exist), and its memory report next to the estimate for the same config."""
-    import zerotrain
     from zerotrain.config import load_config
-    from zerotrain.models import GPT, GPTConfig
 
     out = []
     for case in CASES:
         config = _config(*case, nvme_path=nvme_path)
         if case == STREAMED:  # (clipping needs every gradient before the update: it turns streaming off)
             config["gradient_clipping"] = 0.0
-        torch.manual_seed(0)
-        engine, *_ = zerotrain.initialize(model=GPT(GPTConfig.preset("tiny")), config=config)
-        for step in range(2):
-            idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(step))
-            _, loss = engine(idx, idx)
-            del _
-            engine.backward(loss)
-            del loss
-            if step == 0:
-                engine.step()
-                after_step = (_live_tensor_bytes(), engine.memory_report()["gradients"])
+        engine, after_step = _step_then_backward(
+            config, lambda engine: (_live_tensor_bytes(), engine.memory_report()["gradients"]))
         report = engine.memory_report()
         if case[0] < 3:  # what backward made and still holds, measured on the live tensors, next to what the
             # report added (stage 3 also gathers and frees parameters in backward: not only gradients grow)
@@ -721,25 +732,14 @@ def test_estimate_matches_the_engine_on_nvme_at_a_world_of_one(tmp_path, world_o
     """Each NVMe case's engine in the pytest process (one step, one more backward): the memory report's rows,
     the host I/O buffers of the optimizer's and the parameter store's pools, the swap files on disk byte for byte,
     the first pass and the spill as the engine chose them, equal to the estimate at a world of one."""
-    import zerotrain
     from zerotrain.config import load_config
-    from zerotrain.models import GPT, GPTConfig
 
     for number, case in enumerate(NVME_WORLD_OF_ONE_CASES):
         nvme_path = str(tmp_path / str(number))
         config = _config(*case, nvme_path=nvme_path)
         if case == STREAMED:
             config["gradient_clipping"] = 0.0
-        torch.manual_seed(0)
-        engine, *_ = zerotrain.initialize(model=GPT(GPTConfig.preset("tiny")), config=config)
-        for step in range(2):
-            idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(step))
-            _, loss = engine(idx, idx)
-            del _
-            engine.backward(loss)
-            del loss
-            if step == 0:
-                engine.step()
+        engine, _ = _step_then_backward(config)
         report = engine.memory_report()
         files = _swap_file_bytes(nvme_path)
         first_pass = engine.zero_optimizer.takes_norm_first_pass()
