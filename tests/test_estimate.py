@@ -70,8 +70,8 @@ def _swap_file_bytes(nvme_path: str) -> int:
 
 def _step_then_backward(config: dict, after_step=None):
     """The tiny GPT's engine under `config` after one step and one more backward (what the estimate's peak
-    counts: a step's states and a backward's gradients at once); `after_step(engine)`'s value taken right after
-    the step, returned beside the engine."""
+    counts: a step's states and a backward's gradients at once); `after_step(engine)`'s values taken right after
+    the step and at the end (the last batch still alive, as in a training loop), returned beside the engine."""
     import zerotrain
     from zerotrain.models import GPT, GPTConfig
 
@@ -87,7 +87,7 @@ def _step_then_backward(config: dict, after_step=None):
         if step == 0:
             engine.step()
             measured = after_step(engine) if after_step is not None else None
-    return engine, measured
+    return engine, (measured, after_step(engine) if after_step is not None else None)
 
 
 def _live_tensor_bytes() -> int:
@@ -115,12 +115,12 @@ def engine_memory_per_case(nvme_path: str) -> list[dict]:
         config = _config(*case, nvme_path=nvme_path)
         if case == STREAMED:  # (clipping needs every gradient before the update: it turns streaming off)
             config["gradient_clipping"] = 0.0
-        engine, after_step = _step_then_backward(
+        engine, (after_step, at_end) = _step_then_backward(
             config, lambda engine: (_live_tensor_bytes(), engine.memory_report()["gradients"]))
         report = engine.memory_report()
         if case[0] < 3:  # what backward made and still holds, measured on the live tensors, next to what the
             # report added (stage 3 also gathers and frees parameters in backward: not only gradients grow)
-            report["grown in backward"] = (_live_tensor_bytes() - after_step[0], report["gradients"] - after_step[1])
+            report["grown in backward"] = (at_end[0] - after_step[0], at_end[1] - after_step[1])
         report["buffers"] = sum(b.numel() * b.element_size() for b in engine.module.buffers())
         report["nvme_files"] = _swap_file_bytes(nvme_path)
         report["first_pass"] = engine.zero_optimizer.takes_norm_first_pass()
