@@ -487,8 +487,18 @@ COVERING: dict[str, list[str]] = {
     "zerotrain/run/__init__.py": [
         "tests/test_run_units.py", "tests/test_hostfile.py::test_a_requeued_slurm_job_resumes",
         "tests/test_cli.py::test_trainer_resumed_at_world2_trains_on_the_samples_the_uninterrupted_run_did"],
-    # in-process: the checkpoint's embedding state; the pair data and its batches
+    # in-process: the checkpoint's embedding state, PairSteps over three epochs against plain PyTorch; the pair data
     "zerotrain/embedding/steps.py": ["tests/embedding/test_embedding_units.py", "tests/embedding/test_data.py"],
+    # in-process: the only tests that reach chat.py (has_chat_records, prepare_chat_tokenizer; run/lm.py its caller)
+    "zerotrain/data/chat.py": [
+        "tests/data/test_local_data.py::test_chat_records_are_recognised_in_every_layout_from_the_first_64_records",
+        "tests/data/test_local_data.py::test_chat_template_tokens_are_added_and_chatml_is_the_default"],
+    # in-process (the tests import zerotrain.data's re-exports: the import scan finds none)
+    "zerotrain/data/corpus.py": ["tests/data/test_corpus.py"],
+    "zerotrain/data/local.py": ["tests/data/test_local_data.py"],
+    # in-process: an export per pooling mode loaded by sentence-transformers (test_export.py's launch: minutes)
+    "zerotrain/embedding/export.py": [
+        "tests/embedding/test_embedding_units.py::test_an_exported_encoder_encodes_in_sentence_transformers_as_our_encode"],
     "zerotrain/run/model.py": [
         "tests/test_run_model_units.py",
         "tests/test_train_flags.py::test_the_flag_built_adamw_does_not_decay_biases_and_norm_weights_as_the_hf_trainer"],

@@ -70,3 +70,15 @@ def test_split_is_a_contiguous_cut():
     assert train.numel() == 100 and val.numel() == 0
     with pytest.raises(ValueError):
         split(tokens, 1.0)
+
+
+def test_default_corpus_is_8_mib_and_degenerate_streams_and_blocks_are_handled():
+    """`zerotrain train`'s default corpus (`--max-corpus-bytes`, DEFAULT_MAX_BYTES) is the first 8 MiB of the
+    stdlib; a stream too short for one block (0 or 1 tokens) gives no blocks; a block size of 0 is refused."""
+    corpus = load_stdlib_corpus()
+    assert corpus.numel() == 8 * 1024 * 1024
+    assert torch.equal(corpus[-1000:], load_stdlib_corpus(max_bytes=8 * 1024 * 1024 + 1000)[-2000:-1000])
+    assert len(TokenBlockDataset(torch.zeros(0, dtype=torch.uint8), 4)) == 0
+    assert len(TokenBlockDataset(torch.zeros(1, dtype=torch.uint8), 1)) == 0
+    with pytest.raises(ValueError, match="block_size must be positive, got 0"):
+        TokenBlockDataset(torch.arange(10, dtype=torch.uint8), 0)

@@ -271,6 +271,31 @@ def test_chat_template_tokens_are_added_and_chatml_is_the_default(tmp_path, tiny
             assert tok.decode(kept) == "".join(t["content"] + end for t in conv if t["role"] == "assistant")
 
 
+def test_chat_records_are_recognised_in_every_layout_from_the_first_64_records(tmp_path):
+    """`has_chat_records` (whether `zerotrain train --data` prepares the tokenizer for chat) on the layouts the
+    reader takes besides JSON lines and parquet: a `.json` array (pretty-printed over lines), a `save_to_disk`
+    directory; JSON lines judged line by line (a first line holding an array, not a record, is passed over, not
+    the file read as one array); and the look-ahead: a chat record counts as the 64th record, not as the 65th."""
+    import datasets
+
+    from zerotrain.data.chat import has_chat_records
+
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    text, bad = {"text": "x = 1"}, json.dumps({"other": 1}) + "\n"
+    (tmp_path / "chat.json").write_text(json.dumps([chat, chat], indent=1))
+    (tmp_path / "text.json").write_text(json.dumps([text, text], indent=1))
+    datasets.Dataset.from_list([chat]).save_to_disk(str(tmp_path / "chat_saved"))
+    datasets.Dataset.from_list([text]).save_to_disk(str(tmp_path / "text_saved"))
+    (tmp_path / "array_first.jsonl").write_text(json.dumps([1, 2]) + "\n" + json.dumps(chat) + "\n")
+    (tmp_path / "chat_64th.jsonl").write_text(bad * 63 + json.dumps(chat) + "\n")
+    (tmp_path / "chat_65th.jsonl").write_text(bad * 64 + json.dumps(chat) + "\n")
+    kinds = {name: has_chat_records([tmp_path / name]) for name in
+             ("chat.json", "text.json", "chat_saved", "text_saved", "array_first.jsonl", "chat_64th.jsonl",
+              "chat_65th.jsonl")}
+    assert kinds == {"chat.json": True, "text.json": False, "chat_saved": True, "text_saved": False,
+                     "array_first.jsonl": True, "chat_64th.jsonl": True, "chat_65th.jsonl": False}, kinds
+
+
 def test_one_token_documents_padding_multiple_and_old_transformers(monkeypatch):
     import sys
     import types
