@@ -91,13 +91,13 @@ def test_bad_expert_counts_are_refused():
         ExpertParallelMoE(D_MODEL, D_HIDDEN, 4, Comm(None, 0, 1), top_k=5)
 
 
-def _dense(layer, x):
+def _dense(layer, x, top_k=TOP_K):
     """The layer's math written out token by token with every expert at hand (`layer` holds them all)."""
     tokens = x.reshape(-1, x.shape[-1])
     probs = torch.softmax(tokens @ layer.gate.weight.T, dim=-1)
     rows, chosen = [], torch.zeros(EXPERTS)
     for token, p in zip(tokens, probs):
-        top = sorted(range(EXPERTS), key=lambda e: -p[e].item())[:TOP_K]
+        top = sorted(range(EXPERTS), key=lambda e: -p[e].item())[:top_k]
         out = torch.zeros(D_MODEL)
         for e in top:
             hidden = torch.nn.functional.gelu(layer.w_in[e] @ token + layer.b_in[e])
@@ -110,7 +110,8 @@ def _dense(layer, x):
 
 def test_one_rank_layer_is_the_top_k_mixture_and_a_rank_holds_its_experts_initialised_alike():
     """In-process (world of one): output, load-balancing loss and every gradient equal the mixture written
-    token by token; rank 1 of 2 is built with experts 2-3 of the whole layer, drawn alike; refusals name ep_size."""
+    token by token; rank 1 of 2 is built with experts 2-3 of the whole layer, drawn alike; reset_parameters draws
+    a layer's experts again as at construction; refusals name ep_size."""
     from zerotrain.comm import Comm
     from zerotrain.parallel.moe import ExpertParallelMoE
 
@@ -129,6 +130,9 @@ def test_one_rank_layer_is_the_top_k_mixture_and_a_rank_holds_its_experts_initia
     want = torch.autograd.grad(((want_y - target) ** 2).mean() + 0.01 * want_aux, list(layer.parameters()))
     for (name, _), g, w in zip(layer.named_parameters(), got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    one = ExpertParallelMoE(D_MODEL, D_HIDDEN, EXPERTS, Comm(None, 0, 1), top_k=1)  # one token, one choice
+    for got_one, want_one in zip(one(x[:1, :1]), _dense(one, x[:1, :1], top_k=1)):
+        torch.testing.assert_close(got_one, want_one, rtol=1e-5, atol=1e-6)
     torch.manual_seed(0)
     whole = ExpertParallelMoE(D_MODEL, D_HIDDEN, EXPERTS, Comm(None, 0, 1), top_k=TOP_K)
     torch.manual_seed(0)
@@ -140,6 +144,10 @@ def test_one_rank_layer_is_the_top_k_mixture_and_a_rank_holds_its_experts_initia
         bound = 1.0 / D_HIDDEN ** 0.5 if name == "w_out" else 1.0 / D_MODEL ** 0.5
         assert 0.8 * bound < getattr(whole, name).abs().max() <= bound, name  # U(-1/sqrt(fan_in), 1/sqrt(fan_in))
     assert not whole.b_in.any() and not whole.b_out.any()
+    torch.manual_seed(0)
+    layer.reset_parameters()  # the trained layer's experts (biases made non-zero above) drawn again, alike
+    for name in ("w_in", "b_in", "w_out", "b_out"):
+        assert torch.equal(getattr(layer, name), getattr(whole, name)), name
     with pytest.raises(ValueError, match=r"4 experts do not split over ep_size=3"):
         ExpertParallelMoE(D_MODEL, D_HIDDEN, 4, Comm(None, 0, 3))
     with pytest.raises(ValueError, match=r"top_k=0 must be between 1 and num_experts=4"):
