@@ -64,5 +64,20 @@ def test_chat_jsonl_is_seeded_sums_with_some_system_prompts(tmp_path):
         a, b = map(int, re.fullmatch(r"What is (\d+) \+ (\d+)\?", messages[0]["content"]).groups())
         assert 0 <= a <= 99 and 0 <= b <= 99 and messages[1]["content"] == f"{a} + {b} = {a + b}."
     assert 0 < systems < 40
+    many = [json.loads(line)["messages"][-2]["content"] for line in
+            write_chat_jsonl(tmp_path / "many.jsonl", n=2000).read_text().splitlines()]
+    operands = [tuple(map(int, re.fullmatch(r"What is (-?\d+) \+ (-?\d+)\?", q).groups())) for q in many]
+    for side in zip(*operands):  # each operand spans exactly 0..99
+        assert (min(side), max(side)) == (0, 99)
+    assert len(write_chat_jsonl(tmp_path / "default.jsonl").read_text().splitlines()) == 64  # the default n
     assert write_chat_jsonl(tmp_path / "b.jsonl", n=40, seed=3).read_text() == path.read_text()
     assert write_chat_jsonl(tmp_path / "c.jsonl", n=40, seed=4).read_text() != path.read_text()
+
+
+def test_the_tokenizer_learns_from_all_of_its_corpus_bytes():
+    """More of the stdlib source (past the first 4 KB chunk) changes the merges learned; the same bytes, none."""
+    from zerotrain.models.tiny_llama import build_tiny_tokenizer
+
+    small, again = build_tiny_tokenizer(300, 8 << 10).get_vocab(), build_tiny_tokenizer(300, 8 << 10).get_vocab()
+    assert small == again and len(small) == 300
+    assert build_tiny_tokenizer(300, 16 << 10).get_vocab() != small
