@@ -505,6 +505,17 @@ COVERING: dict[str, list[str]] = {
     # in-process runs of `zerotrain train` (one rank), then the spawned end-to-end run (--memory-timeline)
     "zerotrain/run/lm.py": ["tests/test_run_lm_units.py", "tests/test_run.py",
                             "tests/test_cli.py::test_train_tiny_end_to_end"],
+    # issue #48 round 6 (mut6a), in-process: the GPT's forwards (checkpointed, a sequence-parallel group of one), init
+    "zerotrain/models/gpt.py": ["tests/models/test_gpt.py"],
+    # the session's tiny Llama directory read back by transformers; the chat jsonl
+    "zerotrain/models/tiny_llama.py": ["tests/models/test_tiny_llama.py"],
+    # the world-of-one layer against the mixture written out, then the world-2 exchange against it
+    "zerotrain/parallel/moe.py": [
+        "tests/parallel/test_moe.py::test_one_rank_layer_is_the_top_k_mixture_and_a_rank_holds_its_experts_initialised_alike",
+        "tests/parallel/test_moe.py::test_expert_parallel_moe_matches_all_local_experts[2]"],
+    # rank 1 of 2's LoRA slices in-process (test_lora.py's world-2 launch takes minutes)
+    "zerotrain/parallel/adapters.py": [
+        "tests/parallel/test_tensor_parallel_plan_units.py::test_lora_adapters_are_split_along_their_base_layer_for_rank_one"],
 }
 
 # Method names whose swap is a plausible slip (the GQA bug: repeat for repeat_interleave).

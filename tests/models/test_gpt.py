@@ -102,3 +102,52 @@ def test_config_validation_and_unknown_preset():
     with pytest.raises(ValueError, match="block_size"):
         _tiny()(torch.zeros(1, 33, dtype=torch.long))
     assert set(PRESETS) >= {"tiny", "small", "70m"}
+
+
+def _loss_and_grads(model, idx, targets):
+    logits, loss = model(idx, targets)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    return logits.detach(), loss.detach(), grads
+
+
+def test_checkpointed_and_sequence_parallel_forwards_equal_the_plain_one():
+    """Activation checkpointing (each block recomputed in backward) and a sequence-parallel group of one
+    (positions from the group, the loss its mean over real targets) give the plain forward's logits, loss
+    (targets of -100 ignored) and gradients."""
+    from zerotrain.comm import Comm
+    from zerotrain.parallel.sequence import enable_sequence_parallel
+
+    idx = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+    targets = torch.roll(idx, -1, dims=1)
+    targets[0, :5] = -100
+    plain = _tiny(dropout=0.0).train()
+    want_logits, want_loss, want_grads = _loss_and_grads(plain, idx, targets)
+    checkpointed = _tiny(dropout=0.0).train()
+    checkpointed.activation_checkpointing = True
+    sequence = _tiny(dropout=0.0).train()
+    enable_sequence_parallel(sequence, Comm(None, 0, 1))
+    for model in (checkpointed, sequence):
+        logits, loss, grads = _loss_and_grads(model, idx, targets)
+        torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, want_grads[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def test_init_is_gpt2s_with_scaled_residual_projections():
+    """N(0, 0.02) weights, the residual projections N(0, 0.02 / sqrt(2 * n_layer)), zero biases, unit norms."""
+    model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4, n_inner=256))  # enough values for a sample's moments
+    resid = 0.02 / math.sqrt(2 * 2)
+    for name, p in model.named_parameters():
+        if name.endswith("c_proj.weight"):
+            mean, std = 0.0, resid
+        elif p.dim() == 2:
+            mean, std = 0.0, 0.02
+        else:
+            assert torch.equal(p, torch.ones_like(p) if name.endswith("ln_1.weight") or name.endswith("ln_2.weight")
+                               or name.endswith("ln_f.weight") else torch.zeros_like(p)), name
+            continue
+        assert abs(p.mean().item() - mean) < 0.1 * std, name
+        assert 0.9 * std < p.std().item() < 1.1 * std, name

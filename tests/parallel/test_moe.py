@@ -89,3 +89,67 @@ def test_bad_expert_counts_are_refused():
 
     with pytest.raises(ValueError, match="top_k=5 must be between 1 and num_experts=4"):
         ExpertParallelMoE(D_MODEL, D_HIDDEN, 4, Comm(None, 0, 1), top_k=5)
+
+
+def _dense(layer, x, top_k=TOP_K):
+    """The layer's math written out token by token with every expert at hand (`layer` holds them all)."""
+    tokens = x.reshape(-1, x.shape[-1])
+    probs = torch.softmax(tokens @ layer.gate.weight.T, dim=-1)
+    rows, chosen = [], torch.zeros(EXPERTS)
+    for token, p in zip(tokens, probs):
+        top = sorted(range(EXPERTS), key=lambda e: -p[e].item())[:top_k]
+        out = torch.zeros(D_MODEL)
+        for e in top:
+            hidden = torch.nn.functional.gelu(layer.w_in[e] @ token + layer.b_in[e])
+            out = out + p[e] * (layer.w_out[e] @ hidden + layer.b_out[e])
+            chosen[e] += 1
+        rows.append(out)
+    aux = EXPERTS * ((chosen / chosen.sum()) * probs.mean(dim=0)).sum()
+    return torch.stack(rows).view(x.shape), aux
+
+
+def test_one_rank_layer_is_the_top_k_mixture_and_a_rank_holds_its_experts_initialised_alike():
+    """In-process (world of one): output, load-balancing loss and every gradient equal the mixture written
+    token by token; rank 1 of 2 is built with experts 2-3 of the whole layer, drawn alike; reset_parameters draws
+    a layer's experts again as at construction; refusals name ep_size."""
+    from zerotrain.comm import Comm
+    from zerotrain.parallel.moe import ExpertParallelMoE
+
+    torch.manual_seed(0)
+    layer = ExpertParallelMoE(D_MODEL, D_HIDDEN, EXPERTS, Comm(None, 0, 1), top_k=TOP_K)
+    with torch.no_grad():  # non-zero biases, so a dropped bias shows
+        layer.b_in.normal_()
+        layer.b_out.normal_()
+    x = torch.randn(3, 5, D_MODEL, generator=torch.Generator().manual_seed(1))
+    target = torch.randn(3, 5, D_MODEL, generator=torch.Generator().manual_seed(2))
+    y, aux = layer(x)
+    want_y, want_aux = _dense(layer, x)
+    torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(aux, want_aux, rtol=1e-5, atol=1e-6)
+    got = torch.autograd.grad(((y - target) ** 2).mean() + 0.01 * aux, list(layer.parameters()))
+    want = torch.autograd.grad(((want_y - target) ** 2).mean() + 0.01 * want_aux, list(layer.parameters()))
+    for (name, _), g, w in zip(layer.named_parameters(), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    one = ExpertParallelMoE(D_MODEL, D_HIDDEN, EXPERTS, Comm(None, 0, 1), top_k=1)  # one token, one choice
+    for got_one, want_one in zip(one(x[:1, :1]), _dense(one, x[:1, :1], top_k=1)):
+        torch.testing.assert_close(got_one, want_one, rtol=1e-5, atol=1e-6)
+    torch.manual_seed(0)
+    whole = ExpertParallelMoE(D_MODEL, D_HIDDEN, EXPERTS, Comm(None, 0, 1), top_k=TOP_K)
+    torch.manual_seed(0)
+    second = ExpertParallelMoE(D_MODEL, D_HIDDEN, EXPERTS, Comm(None, 1, 2), top_k=TOP_K)
+    assert second.first_expert == 2 and second.w_in.ep_slice.pieces == ((2, 2),)
+    for name in ("w_in", "w_out"):
+        assert torch.equal(getattr(second, name), getattr(whole, name)[2:]), name
+        assert not torch.equal(getattr(whole, name)[0], getattr(whole, name)[1]), name  # each expert its own draw
+        bound = 1.0 / D_HIDDEN ** 0.5 if name == "w_out" else 1.0 / D_MODEL ** 0.5
+        assert 0.8 * bound < getattr(whole, name).abs().max() <= bound, name  # U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+    assert not whole.b_in.any() and not whole.b_out.any()
+    torch.manual_seed(0)
+    layer.reset_parameters()  # the trained layer's experts (biases made non-zero above) drawn again, alike
+    for name in ("w_in", "b_in", "w_out", "b_out"):
+        assert torch.equal(getattr(layer, name), getattr(whole, name)), name
+    with pytest.raises(ValueError, match=r"4 experts do not split over ep_size=3"):
+        ExpertParallelMoE(D_MODEL, D_HIDDEN, 4, Comm(None, 0, 3))
+    with pytest.raises(ValueError, match=r"top_k=0 must be between 1 and num_experts=4"):
+        ExpertParallelMoE(D_MODEL, D_HIDDEN, 4, Comm(None, 0, 1), top_k=0)
+    ExpertParallelMoE(D_MODEL, D_HIDDEN, 4, Comm(None, 0, 4), top_k=4)  # the boundaries are allowed

@@ -102,3 +102,57 @@ def test_a_group_of_one_assembles_its_own_tensors():
     local = {"a": torch.ones(2), "b": torch.zeros(3)}
     full = assemble_full_tensors(local, {}, Comm(None, 0, 1))
     assert full == local and full is not local
+
+
+def _lora_llama(new_tokens: bool, targets=("q_proj", "o_proj", "gate_proj", "down_proj")):
+    import peft
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=24, tie_word_embeddings=False))
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=list(targets),
+                             init_lora_weights=False,  # lora_B drawn too: every slice below is of distinct values
+                             trainable_token_indices={"model.embed_tokens": [30, 31]} if new_tokens else None)
+    return peft.get_peft_model(model, config)
+
+
+@pytest.mark.parametrize("new_tokens", [False, True])
+def test_lora_adapters_are_split_along_their_base_layer_for_rank_one(new_tokens):
+    """`parallel.adapters` in-process: a peft LoRA Llama at rank 1 of 2 (transformers' own plan): a column-split
+    base layer's lora_B holds the same output rows and lora_A stays whole; a row-split one's lora_A holds the same
+    input columns and lora_B stays whole; an embedding with trainable tokens stays whole (else split by rows); plan
+    names are exact; LoRA on a vocabulary-split layer is refused naming it."""
+    import copy
+
+    from zerotrain.parallel.adapters import is_lora_wrapped
+    from zerotrain.parallel.autotp import resolve_plan
+
+    model = _lora_llama(new_tokens)
+    assert is_lora_wrapped(model) and not is_lora_wrapped(model.get_base_model())
+    full = {name: p.detach().clone() for name, p in copy.deepcopy(model).named_parameters()}
+    plan = resolve_plan(model, 2)
+    layer = "base_model.model.model.layers.0"
+    assert not any("*" in name for name in plan)
+    assert isinstance(plan[f"{layer}.self_attn.q_proj.base_layer"], Column)
+    assert isinstance(plan[f"{layer}.self_attn.k_proj"], Column)  # not adapted: the base plan's entry, exact
+    assert f"{layer}.self_attn.q_proj" not in plan and f"{layer}.self_attn.o_proj.lora_B.default" not in plan
+    apply_tensor_parallel(model, plan, Comm(None, 1, 2))
+    got = dict(model.named_parameters())
+    for module, rows in (("self_attn.q_proj", slice(8, 16)), ("mlp.gate_proj", slice(12, 24))):
+        name = f"{layer}.{module}"
+        assert torch.equal(got[f"{name}.base_layer.weight"], full[f"{name}.base_layer.weight"][rows]), name
+        assert torch.equal(got[f"{name}.lora_B.default.weight"], full[f"{name}.lora_B.default.weight"][rows]), name
+        assert torch.equal(got[f"{name}.lora_A.default.weight"], full[f"{name}.lora_A.default.weight"]), name
+    for module, columns in (("self_attn.o_proj", slice(8, 16)), ("mlp.down_proj", slice(12, 24))):
+        name = f"{layer}.{module}"
+        assert torch.equal(got[f"{name}.base_layer.weight"], full[f"{name}.base_layer.weight"][:, columns]), name
+        assert torch.equal(got[f"{name}.lora_A.default.weight"], full[f"{name}.lora_A.default.weight"][:, columns]), name
+        assert torch.equal(got[f"{name}.lora_B.default.weight"], full[f"{name}.lora_B.default.weight"]), name
+    embed = "base_model.model.model.embed_tokens" + (".token_adapter.base_layer.weight" if new_tokens else ".weight")
+    # the vocabulary split (rank 1: rows 16-31), unless new tokens' rows train: then whole
+    assert torch.equal(got[embed], full[embed] if new_tokens else full[embed][16:])
+    with pytest.raises(ValueError, match=r"LoRA on model.embed_tokens \(Vocab\) is not supported with tensor "
+                                         r"parallelism; leave it out of --lora-target-modules"):
+        resolve_plan(_lora_llama(False, ("q_proj", "embed_tokens")), 2,
+                     {"model.embed_tokens": Vocab(), "model.layers.0.self_attn.q_proj": Column()})
