@@ -487,6 +487,13 @@ COVERING: dict[str, list[str]] = {
     # in-process runs of `zerotrain train` (one rank), then the spawned end-to-end run (--memory-timeline)
     "zerotrain/run/lm.py": ["tests/test_run_lm_units.py", "tests/test_run.py",
                             "tests/test_cli.py::test_train_tiny_end_to_end"],
+    # issue #48 round 6 (mut6d): the forward-only engine in-process (counts, phases, releases, NVMe reads ahead,
+    # synced_gpus), then its memory report and a training engine's generate
+    "zerotrain/zero/forward_only.py": [
+        "tests/zero/test_forward_only_units.py",
+        "tests/test_engine_world_of_one.py::test_a_forward_only_engine_holds_no_gradients_and_computes_the_model",
+        "tests/test_engine_world_of_one.py::test_generate_between_training_steps_runs_in_eval_mode_without_grad",
+        "tests/zero/test_stage3_fetch_units.py::test_generate_between_steps_releases_even_a_parameter_used_outside_its_module"],
 }
 
 # Method names whose swap is a plausible slip (the GQA bug: repeat for repeat_interleave).
