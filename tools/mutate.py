@@ -463,6 +463,7 @@ COVERING: dict[str, list[str]] = {
         "tests/test_estimate.py::test_expert_parallel_states_and_the_largest_moe_that_fits",
         "tests/test_estimate.py::test_estimate_default_device_labelled_searches_and_no_local_budget_for_a_cluster",
         "tests/test_estimate.py::test_the_nvme_peak_counts_the_tied_weights_zero_init_wrote",
+        "tests/test_estimate.py::test_qgz_loco_buffers_of_one_and_two_hops_are_the_reducers",  # round 6 (mut6d)
         "tests/test_budget.py"],
     "zerotrain/pretrained.py": ["tests/test_pretrained_units.py"],
     "zerotrain/plots.py": ["tests/test_plots.py", "tests/monitor/test_memory_timeline.py"],
