@@ -793,3 +793,21 @@ def test_qgz_loco_buffers_of_one_and_two_hops_are_the_reducers():
         rows = estimate_option(model_shape(model), parsed, 4, Option(3, "none", "none"),
                                probe_optimizer(parsed.optimizer), device_type="cpu", ranks_per_node=per_node).rows
         assert rows["loco_errors"]["device"] == want > 0, (per_node, rows["loco_errors"], want)
+
+
+def test_the_estimates_options_are_estimate_option_on_the_device_asked():
+    """`estimate(...)` of a CPU run (the optimizer offloaded to the CPU: no host copy of what is already in host
+    memory) gives, per option, `estimate_option`'s bytes for that device, not a CUDA device's (which differ)."""
+    from zerotrain.config import load_config
+
+    with torch.device("meta"):
+        model = torch.nn.Linear(256, 128)
+    ds = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
+          "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    option = Option(2, "cpu", "none")
+    parsed = load_config(ds, dp_world_size=1)
+    report = estimate(model, ds, world_size=1, options=[option], device_type="cpu", seq_len=8)
+    rows = {device: estimate_option(model_shape(model), parsed, 1, option, probe_optimizer(parsed.optimizer),
+                                    device_type=device).as_dict() for device in ("cpu", "cuda")}
+    assert rows["cpu"] != rows["cuda"]
+    assert report["options"] == [rows["cpu"]]

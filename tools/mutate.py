@@ -464,6 +464,8 @@ COVERING: dict[str, list[str]] = {
         "tests/test_estimate.py::test_estimate_default_device_labelled_searches_and_no_local_budget_for_a_cluster",
         "tests/test_estimate.py::test_the_nvme_peak_counts_the_tied_weights_zero_init_wrote",
         "tests/test_estimate.py::test_qgz_loco_buffers_of_one_and_two_hops_are_the_reducers",  # round 6 (mut6d)
+        "tests/test_estimate.py::test_the_estimates_options_are_estimate_option_on_the_device_asked",
+        "tests/test_fp8.py::test_estimate_adds_the_largest_float8_transient_and_no_state",  # fp8's row (in-process)
         "tests/test_budget.py"],
     "zerotrain/pretrained.py": ["tests/test_pretrained_units.py"],
     "zerotrain/plots.py": ["tests/test_plots.py", "tests/monitor/test_memory_timeline.py"],
