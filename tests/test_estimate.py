@@ -766,3 +766,48 @@ def test_estimate_matches_the_engine_on_nvme_at_a_world_of_one(tmp_path, world_o
         assert first_pass == (case == FIRST_PASS), where
         assert any("norm from a first backward" in note for note in predicted.notes) == (case == FIRST_PASS), where
         assert (spilled > 0) == (case == SPILLED), where
+
+
+def test_qgz_loco_buffers_of_one_and_two_hops_are_the_reducers():
+    """qgZ with LoCo at 4 ZeRO ranks (stage 3: one reduce per parameter): on one node and on two nodes of 2 ranks
+    (`ranks_per_node`), the estimate's LoCo error bytes are those of the engine's own reducer for that shard
+    (`comm.compressed.QuantizedReduceScatter`, one hop or the two-hop hierarchy: L x M·S then M x S), each of its
+    error buffers stored once. In-process: no process group, the reducers' Comms only name their sizes."""
+    from zerotrain.comm import Comm
+    from zerotrain.comm.compressed import QuantizedReduceScatter
+    from zerotrain.config import load_config
+
+    with torch.device("meta"):
+        model = torch.nn.Linear(1024, 512, bias=False)
+    loco = {"err_beta": 0.8, "reset_T": 1024}
+    parsed = load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
+                          "zero_optimization": {"stage": 3, "zero_quantized_gradients": True,
+                                                "zeropp_loco_param": loco}}, dp_world_size=4)
+    shard = 1024 * 512 // 4
+    for per_node, hierarchy in ((None, None), (2, (Comm(None, 0, 2), Comm(None, 0, 2)))):
+        reducer = QuantizedReduceScatter(Comm(None, 0, 4), shard, loco_beta=0.8, hierarchy=hierarchy)
+        for feedback in reducer.feedbacks:
+            zeros = torch.zeros(feedback.shape)
+            feedback.update(zeros, zeros, None)
+        want = sum(feedback.nbytes for feedback in reducer.feedbacks)
+        rows = estimate_option(model_shape(model), parsed, 4, Option(3, "none", "none"),
+                               probe_optimizer(parsed.optimizer), device_type="cpu", ranks_per_node=per_node).rows
+        assert rows["loco_errors"]["device"] == want > 0, (per_node, rows["loco_errors"], want)
+
+
+def test_the_estimates_options_are_estimate_option_on_the_device_asked():
+    """`estimate(...)` of a CPU run (the optimizer offloaded to the CPU: no host copy of what is already in host
+    memory) gives, per option, `estimate_option`'s bytes for that device, not a CUDA device's (which differ)."""
+    from zerotrain.config import load_config
+
+    with torch.device("meta"):
+        model = torch.nn.Linear(256, 128)
+    ds = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
+          "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    option = Option(2, "cpu", "none")
+    parsed = load_config(ds, dp_world_size=1)
+    report = estimate(model, ds, world_size=1, options=[option], device_type="cpu", seq_len=8)
+    rows = {device: estimate_option(model_shape(model), parsed, 1, option, probe_optimizer(parsed.optimizer),
+                                    device_type=device).as_dict() for device in ("cpu", "cuda")}
+    assert rows["cpu"] != rows["cuda"]
+    assert report["options"] == [rows["cpu"]]

@@ -70,3 +70,69 @@ def test_a_config_built_for_another_world_size_is_built_again_for_the_ranks_worl
     assert for_two.global_batch == 4
     assert run_lm(args, for_two) == 0
     assert "batch 2 = 2 micro x 1 accumulation x 1 ranks" in capsys.readouterr().out
+
+
+def test_a_lora_run_resumes_from_a_model_directory_and_a_finished_run_leaves_the_save_dir_free(one_rank,
+                                                                                               tiny_llama_dir, capsys):
+    """LoRA on a model directory, one step saved, then resumed to two: the base weights come from the directory
+    (the adapter from the checkpoint); the resumed run's second step equals the uninterrupted two-step run's
+    adapter. Resumed again with nothing left to train: it says so, exits 0 and releases the save directory's lock
+    (another job may write there)."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from zerotrain.cli import build_parser
+    from zerotrain.run.lm import run_lm
+
+    common = ["train", "--model", str(tiny_llama_dir), "--seq-len", "16", "--max-corpus-bytes", "20000",
+              "--per-device-train-batch-size", "2", "--zero-stage", "1", "--lora-r", "2", "--seed", "3"]
+
+    def adapter(save: str) -> dict:
+        files = sorted((one_rank / save).rglob("adapter_model.safetensors"))
+        assert files, list((one_rank / save).rglob("*"))
+        return load_file(files[-1])
+
+    assert main([*common, "--max-steps", "2", "--save-dir", "whole"]) == 0, capsys.readouterr().out
+    assert main([*common, "--max-steps", "1", "--save-dir", "split"]) == 0, capsys.readouterr().out
+    capsys.readouterr()
+    assert main([*common, "--max-steps", "2", "--save-dir", "split", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "at step 1" in out, out
+    whole, split = adapter("whole"), adapter("split")
+    assert whole.keys() == split.keys() and whole
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], rtol=1e-5, atol=1e-7)
+    # the rank itself (the command says so before starting any, an elastic restart after the end reaches the rank)
+    args = build_parser().parse_args([*common, "--max-steps", "2", "--save-dir", "split", "--resume"])
+    assert run_lm(args) == 0
+    out = capsys.readouterr().out
+    assert "zerotrain: nothing to train: --steps 2 is the total to reach" in out, out
+    assert not (one_rank / "split" / ".zerotrain-lock.json").exists(), "the finished run still holds the lock"
+    assert json.loads((one_rank / "split" / "effective_config.json").read_text())
+
+
+def test_chat_data_with_a_tokenizer_without_a_template_adds_chatmls_tokens_unasked(one_rank, tiny_llama_dir, capsys):
+    """Chat `messages` and a tokenizer with no chat template, no --add-tokens: ChatML is used and its special
+    tokens are added (the vocabulary grows), said once by rank 0; the run trains."""
+    import json
+    import shutil
+
+    from zerotrain.models.tiny_llama import write_chat_jsonl
+
+    model = one_rank / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    for template in model.glob("chat_template.*"):
+        template.unlink()
+    chat = write_chat_jsonl(one_rank / "chat.jsonl", n=16)
+    status = main(["train", "--model", str(model), "--data", str(chat), "--seq-len", "32", "--max-steps", "1",
+                   "--per-device-train-batch-size", "2", "--zero-stage", "1", "--no-save"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert out.count("the tokenizer has no chat template, using ChatML; adding the template's special tokens "
+                     "<|im_start|>, <|im_end|>") == 1, out
+    assert "vocabulary grown from" in out, out

@@ -471,6 +471,9 @@ COVERING: dict[str, list[str]] = {
         "tests/test_estimate.py::test_expert_parallel_states_and_the_largest_moe_that_fits",
         "tests/test_estimate.py::test_estimate_default_device_labelled_searches_and_no_local_budget_for_a_cluster",
         "tests/test_estimate.py::test_the_nvme_peak_counts_the_tied_weights_zero_init_wrote",
+        "tests/test_estimate.py::test_qgz_loco_buffers_of_one_and_two_hops_are_the_reducers",  # round 6 (mut6d)
+        "tests/test_estimate.py::test_the_estimates_options_are_estimate_option_on_the_device_asked",
+        "tests/test_fp8.py::test_estimate_adds_the_largest_float8_transient_and_no_state",  # fp8's row (in-process)
         "tests/test_budget.py"],
     "zerotrain/pretrained.py": ["tests/test_pretrained_units.py"],
     "zerotrain/plots.py": ["tests/test_plots.py", "tests/monitor/test_memory_timeline.py"],
@@ -516,6 +519,13 @@ COVERING: dict[str, list[str]] = {
     # rank 1 of 2's LoRA slices in-process (test_lora.py's world-2 launch takes minutes)
     "zerotrain/parallel/adapters.py": [
         "tests/parallel/test_tensor_parallel_plan_units.py::test_lora_adapters_are_split_along_their_base_layer_for_rank_one"],
+    # issue #48 round 6 (mut6d): the forward-only engine in-process (counts, phases, releases, NVMe reads ahead,
+    # synced_gpus), then its memory report and a training engine's generate
+    "zerotrain/zero/forward_only.py": [
+        "tests/zero/test_forward_only_units.py",
+        "tests/test_engine_world_of_one.py::test_a_forward_only_engine_holds_no_gradients_and_computes_the_model",
+        "tests/test_engine_world_of_one.py::test_generate_between_training_steps_runs_in_eval_mode_without_grad",
+        "tests/zero/test_stage3_fetch_units.py::test_generate_between_steps_releases_even_a_parameter_used_outside_its_module"],
 }
 
 # Method names whose swap is a plausible slip (the GQA bug: repeat for repeat_interleave).
