@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def test_launch_runs_the_script_as_main_under_the_agent_and_a_usage_error_is_one_line(tmp_path, capsys,
+def test_launch_runs_the_script_as_main_under_the_agent_and_a_usage_error_is_one_line(tmp_path, capfd,
                                                                                      monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     script = tmp_path / "job.py"
@@ -49,10 +49,10 @@ def test_launch_runs_the_script_as_main_under_the_agent_and_a_usage_error_is_one
     assert seen["omp"] == "1" and seen["share"] == "1"
     assert seen["pythonpath"] == str(Path(__file__).resolve().parent.parent)  # the workers import this zerotrain
     assert seen["agent_sid"] != os.getsid(0)  # the agent in its own session: a terminal's Ctrl-C reaches us only
-    capsys.readouterr()
+    capfd.readouterr()
 
     # run_torchrun's defaults (as `zerotrain generate` calls it): no restart of the failed workers
     assert run_torchrun(rendezvous(2), worker_target(str(script), ["--out", str(out), "--fail-rank", "1"])) == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]  # the agent's and workers' too
     assert err == ["zerotrain: error: train_batch_size: 7 is not what this script wants"], err
     assert Path(f"{out}.starts").read_text() == "started\n"

@@ -3,6 +3,8 @@ any process starts (one line naming the flag) and what it accepts at the bounds,
 (`worker_argv`: the worker parses back the launcher's arguments), and the help's metavars."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from zerotrain.cli import build_parser, main
@@ -65,3 +67,17 @@ def test_the_help_names_each_options_value(capsys):
     for shown in ("--num-proc N", "--lora-r R", "--add-tokens TOKEN [TOKEN ...]", "--eval-steps N"):
         assert shown in out, shown
     assert "tokenize with N processes" in out
+
+
+def test_a_model_directory_whose_tokenizer_cannot_load_is_refused_before_any_process(tmp_path):
+    """A --model directory (not a preset) is resolved and its tokenizer loaded in the launching process: a
+    directory with config.json and no tokenizer is one CLIError naming it, before any rank is started."""
+    import transformers
+
+    from zerotrain.command import CLIError
+
+    model = tmp_path / "no_tokenizer"
+    transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2).save_pretrained(model)
+    with pytest.raises(CLIError, match=re.escape(str(model))):
+        check_train_args(_parse("--model", str(model), "--max-steps", "1"))
