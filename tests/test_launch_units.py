@@ -51,6 +51,15 @@ def test_launch_runs_the_script_as_main_under_the_agent_and_a_usage_error_is_one
     assert seen["agent_sid"] != os.getsid(0)  # the agent in its own session: a terminal's Ctrl-C reaches us only
     capfd.readouterr()
 
+    # what each worker runs: --local_rank added only where the script declares it and its arguments lack it
+    head = ["-m", "zerotrain.launcher"]
+    assert worker_target(str(script), ["--out", "o"]) == [*head, "--pass-local-rank", "--", str(script), "--out", "o"]
+    for given in (["--local_rank=3"], ["--local-rank", "3"]):
+        assert worker_target(str(script), given) == [*head, "--", str(script), *given]
+    assert worker_target(str(script), [], pass_local_rank=False) == [*head, "--", str(script)]
+    plain = tmp_path / "plain.py"
+    plain.write_text("print(1)\n")
+    assert worker_target(str(plain), []) == [*head, "--", str(plain)]
     # run_torchrun's defaults (as `zerotrain generate` calls it): no restart of the failed workers
     assert run_torchrun(rendezvous(2), worker_target(str(script), ["--out", str(out), "--fail-rank", "1"])) == 2
     err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]  # the agent's and workers' too

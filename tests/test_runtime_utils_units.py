@@ -26,7 +26,7 @@ def kept_generators():
     torch.set_rng_state(state[2])
 
 
-@pytest.mark.parametrize("seed", [1234, 2 ** 40 + 5, 2 ** 64 + 3])
+@pytest.mark.parametrize("seed", [1234, 3 * 2 ** 32 + 7, 2 ** 62 + 9, 2 ** 64 + 3])  # numpy's mod 2**32, torch's mod 2**63
 def test_set_random_seed_seeds_the_three_generators_as_deepspeed(seed, kept_generators):
     ds_utils = pytest.importorskip("deepspeed.runtime.utils")
     ds_utils.set_random_seed(seed)
@@ -62,3 +62,11 @@ def test_move_to_device_moves_nested_tensors_and_in_place_where_the_criterion_sa
     kept = torch.ones(2)
     out = move_to_device({"x": kept, "y": torch.ones(1)}, torch.float64, criterion_func=lambda t: t is kept)
     assert out["x"] is kept and kept.dtype == torch.float64 and out["y"].dtype == torch.float64
+
+
+def test_see_memory_usage_prints_on_rank_0_of_a_process_group(tmp_path, world_of_one, capsys):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    see_memory_usage("rank 0", force=True)
+    assert capsys.readouterr().out.splitlines()[0] == "rank 0"

@@ -21,6 +21,7 @@ def _parse(*argv: str):
     (["--max-steps", "-1"], "--max-steps must be >= 0, got -1"),
     (["--lora-r", "2", "--lora-dropout", "1.0"], "--lora-dropout must be in [0, 1), got 1.0"),
     (["--num-proc", "0"], "--num-proc must be >= 1, got 0"),
+    (["--val-fraction", "1.0"], "--val-fraction must be in [0, 1), got 1.0"),
     (["--lora-alpha", "16"], "--lora-alpha and --lora-target-modules need --lora-r"),
     (["--model", "no/such/model_dir"], "no/such/model_dir"),
 ])
