@@ -82,3 +82,19 @@ def test_a_model_directory_whose_tokenizer_cannot_load_is_refused_before_any_pro
                              num_attention_heads=2).save_pretrained(model)
     with pytest.raises(CLIError, match=re.escape(str(model))):
         check_train_args(_parse("--model", str(model), "--max-steps", "1"))
+
+
+def test_the_configs_warnings_come_from_the_check_for_one_rank_and_from_the_ranks_otherwise(tmp_path):
+    """A key zerotrain does not implement (DeepSpeed's `comms_config`) warns once for the job: from this check when
+    the launching process is the run's one rank (it hands its config to the run), else from the ranks' rank 0."""
+    import warnings
+
+    from zerotrain.config import ConfigWarning
+
+    config = tmp_path / "ds.json"
+    config.write_text('{"comms_config": {"verbose": false}, "train_micro_batch_size_per_gpu": 2}')
+    with pytest.warns(ConfigWarning, match="comms_config"):
+        check_train_args(_parse("--config", str(config), "--max-steps", "1"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        check_train_args(_parse("--config", str(config), "--max-steps", "1", "--nproc", "2"))
