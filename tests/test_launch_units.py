@@ -61,7 +61,9 @@ def test_launch_runs_the_script_as_main_under_the_agent_and_a_usage_error_is_one
     plain.write_text("print(1)\n")
     assert worker_target(str(plain), []) == [*head, "--", str(plain)]
     # run_torchrun's defaults (as `zerotrain generate` calls it): no restart of the failed workers
-    assert run_torchrun(rendezvous(2), worker_target(str(script), ["--out", str(out), "--fail-rank", "1"])) == 2
+    # (no --local_rank: torchrun takes the separator off and the worker's first argument is the script)
+    assert run_torchrun(rendezvous(2), worker_target(str(script), ["--out", str(out), "--fail-rank", "1"],
+                                                     pass_local_rank=False)) == 2
     err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]  # the agent's and workers' too
     assert err == ["zerotrain: error: train_batch_size: 7 is not what this script wants"], err
     assert Path(f"{out}.starts").read_text() == "started\n"
