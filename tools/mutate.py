@@ -206,6 +206,17 @@ COVERING: dict[str, list[str]] = {
         "tests/checkpoint/test_ckpt_world_of_one.py",
         "tests/checkpoint/test_ckpt_async.py::test_async_save_overlaps_training_and_surfaces_errors"],
     "zerotrain/checkpoint/source.py": ["tests/checkpoint/test_ckpt_world_of_one.py"],
+    # issue #48 round 6 (mut6b: commands and process plumbing), in-process first
+    "zerotrain/train/command.py": ["tests/test_train_command_units.py", "tests/test_train_flags.py"],
+    # a one-stage split Llama at a world of one (a middle stage, pp >= 2: tests/pipe/test_pipeline_cli.py's launches)
+    "zerotrain/train/pipeline.py": ["tests/pipe/test_train_pipeline_units.py"],
+    "zerotrain/command.py": ["tests/test_command_units.py", "tests/test_train_command_units.py",
+                             "tests/test_launch_units.py"],
+    # `zerotrain launch` of a script under torchrun's agent: one worker, then two with a usage error
+    "zerotrain/launcher.py": ["tests/test_launch_units.py"],
+    "zerotrain/elastic.py": ["tests/test_launch_units.py"],
+    "zerotrain/inference.py": ["tests/test_generate_command_units.py"],
+    "zerotrain/runtime/utils.py": ["tests/test_runtime_utils_units.py"],  # against deepspeed.runtime.utils
     "zerotrain/checkpoint/slots.py": ["tests/checkpoint/test_ckpt_loco_slots_units.py"],
     "zerotrain/checkpoint/loco.py": ["tests/checkpoint/test_ckpt_loco_slots_units.py"],
     "zerotrain/checkpoint/optim_state.py": ["tests/checkpoint/test_ckpt_optim_state_units.py",

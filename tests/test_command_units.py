@@ -1,0 +1,57 @@
+"""`zerotrain.command` in the pytest process (issue #48): the node options turned into torchrun's rendezvous
+options (static and c10d), the underscore spellings of the training commands (a value is never respelled), and
+the exit status of each kind of usage error."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from zerotrain.cli import build_parser
+from zerotrain.command import CLIError, node_rendezvous, usage_error_status
+
+
+def _train(*argv: str):
+    return build_parser().parse_args(["train", *argv])
+
+
+def test_node_options_become_torchruns_rendezvous():
+    assert node_rendezvous(_train("--nproc", "2")) == ["--standalone", "--nproc_per_node", "2"]
+    static = _train("--nnodes", "2", "--node-rank", "1", "--master-addr", "h0", "--master-port", "29600")
+    assert node_rendezvous(static) == ["--nnodes", "2", "--node_rank", "1", "--master_addr", "h0", "--master_port",
+                                       "29600", "--nproc_per_node", "1"]
+    assert node_rendezvous(_train("--nnodes", "2", "--node_rank", "0", "--master_addr", "h0", "--master_port",
+                                  "1"))[3] == "0"
+    elastic = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h0:29400", "--nnodes", "1:3", "--rdzv-id", "job"]
+    assert node_rendezvous(_train(*elastic)) == ["--nnodes", "1:3", "--rdzv_backend", "c10d", "--rdzv_endpoint",
+                                                 "h0:29400", "--rdzv_id", "job", "--nproc_per_node", "1"]
+    assert node_rendezvous(_train(*elastic, "--rdzv-conf", "join_timeout=5"))[-4:] == [
+        "--rdzv_conf", "join_timeout=5", "--nproc_per_node", "1"]
+    for bad, says in ((["--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "--master-port", "1"],
+                       "--node-rank must be in [0, 2), got 2"),
+                      (["--nnodes", "2"], "--nnodes > 1 needs --master-addr and --master-port"),
+                      (["--rdzv-backend", "c10d"], "--rdzv-backend c10d needs --rdzv-endpoint")):
+        with pytest.raises(CLIError, match=re.escape(says)):
+            node_rendezvous(_train(*bad))
+
+
+def test_an_unknown_rendezvous_backend_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        _train("--rdzv-backend", "etcd")
+    assert "invalid choice: 'etcd'" in capsys.readouterr().err
+
+
+def test_underscore_spellings_respell_options_never_values():
+    """`--a_b[=V]` is `--a-b[=V]`; a value such as `./save_dir` (whose tail spells the option `--save-dir`) or
+    `x_y` stays as given."""
+    args = _train("--output-dir", "./save_dir", "--learning_rate=3e-4", "--text_field", "x_y", "--seq_len", "16")
+    assert (args.save_dir, args.learning_rate, args.text_field, args.seq_len) == ("./save_dir", 3e-4, "x_y", 16)
+
+
+def test_each_usage_error_has_its_exit_status():
+    from zerotrain.checkpoint import CheckpointError
+    from zerotrain.cluster import ClusterEnvError
+    from zerotrain.config import ConfigError
+
+    assert [usage_error_status(e) for e in (CLIError("x"), ConfigError("x"), ClusterEnvError("x"),
+                                            CheckpointError("x"), ValueError("x"))] == [2, 2, 2, 1, None]
