@@ -71,7 +71,7 @@ def _swap_file_bytes(nvme_path: str) -> int:
 def _step_then_backward(config: dict, after_step=None):
     """The tiny GPT's engine under `config` after one step and one more backward (what the estimate's peak
     counts: a step's states and a backward's gradients at once); `after_step(engine)`'s values taken right after
-    the step and at the end (the last batch still alive, as in a training loop), returned beside the engine."""
+    the step, returned beside the engine."""
     import zerotrain
     from zerotrain.models import GPT, GPTConfig
 
@@ -87,7 +87,7 @@ def _step_then_backward(config: dict, after_step=None):
         if step == 0:
             engine.step()
             measured = after_step(engine) if after_step is not None else None
-    return engine, (measured, after_step(engine) if after_step is not None else None)
+    return engine, measured
 
 
 def _live_tensor_bytes() -> int:
@@ -95,6 +95,7 @@ def _live_tensor_bytes() -> int:
     import gc
     import warnings
 
+    gc.collect()  # garbage in reference cycles is still listed until the collector runs (when, varies): not live
     storages = {}
     with warnings.catch_warnings():  # isinstance() on every object touches torch's deprecated module aliases
         warnings.simplefilter("ignore", FutureWarning)
@@ -107,20 +108,32 @@ def _live_tensor_bytes() -> int:
 
 def engine_memory_per_case(nvme_path: str) -> list[dict]:
     """Each case's engine on this rank: one step, then one more backward (the gradients are held, the
-    optimizer states exist), and its memory report next to the estimate for the same config."""
+    optimizer states exist), and its memory report next to the estimate for the same config. (Its loop is the
+    one `_step_then_backward` runs, kept here: the live-tensor count must see this frame's batch.)"""
+    import zerotrain
     from zerotrain.config import load_config
+    from zerotrain.models import GPT, GPTConfig
 
     out = []
     for case in CASES:
         config = _config(*case, nvme_path=nvme_path)
         if case == STREAMED:  # (clipping needs every gradient before the update: it turns streaming off)
             config["gradient_clipping"] = 0.0
-        engine, (after_step, at_end) = _step_then_backward(
-            config, lambda engine: (_live_tensor_bytes(), engine.memory_report()["gradients"]))
+        torch.manual_seed(0)
+        engine, *_ = zerotrain.initialize(model=GPT(GPTConfig.preset("tiny")), config=config)
+        for step in range(2):
+            idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(step))
+            _, loss = engine(idx, idx)
+            del _
+            engine.backward(loss)
+            del loss
+            if step == 0:
+                engine.step()
+                after_step = (_live_tensor_bytes(), engine.memory_report()["gradients"])
         report = engine.memory_report()
         if case[0] < 3:  # what backward made and still holds, measured on the live tensors, next to what the
             # report added (stage 3 also gathers and frees parameters in backward: not only gradients grow)
-            report["grown in backward"] = (at_end[0] - after_step[0], at_end[1] - after_step[1])
+            report["grown in backward"] = (_live_tensor_bytes() - after_step[0], report["gradients"] - after_step[1])
         report["buffers"] = sum(b.numel() * b.element_size() for b in engine.module.buffers())
         report["nvme_files"] = _swap_file_bytes(nvme_path)
         report["first_pass"] = engine.zero_optimizer.takes_norm_first_pass()

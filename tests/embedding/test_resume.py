@@ -136,7 +136,11 @@ def test_resume_at_another_world_size_metrics_and_chunked_loss(tmp_path):
     want, got = _records(tmp_path / "a_log"), _records(tmp_path / "b_log")
     assert sorted(want) == list(range(1, total + 1)) and sorted(got) == list(range(1, total + 1))
     for step in range(1, total + 1):
-        assert abs(got[step]["loss"] - want[step]["loss"]) <= 1e-5 * abs(want[step]["loss"]), (step, got, want)
+        # 1e-5 relative, floored at 1e-6 absolute: the contrastive loss is logsumexp(scores) - score(positive), a
+        # difference of terms of order 1-10 whose fp32 resolution is ~1e-6; once training drives it to ~0.08 (a late
+        # SIGTERM step) 1e-5 of it is below what either run can resolve (CI: 9.1e-7 apart at 0.083)
+        assert abs(got[step]["loss"] - want[step]["loss"]) <= 1e-5 * max(abs(want[step]["loss"]), 0.1), \
+            (step, got, want)
     # every batch has its own loss: a resume at the wrong batch could not pass
     losses = [want[s]["loss"] for s in range(1, total + 1)]
     assert min(abs(a - b) for i, a in enumerate(losses) for b in losses[i + 1:]) > 1e-4, losses

@@ -275,12 +275,21 @@ def init_store_lifecycle(tmp: str, batches: list) -> dict:
                 FailsInInit()
         except RuntimeError as error:
             results["construction raised"] = (str(error), left())
-        bad = os.path.join(tmp, f"a-file-{os.environ['RANK']}")
-        open(bad, "w").close()
+        import zerotrain.offload.nvme_records as nvme_records
+
+        real_open = nvme_records.open_swap_directory
+
+        def refuse(*args, **kwargs):  # an nvme_path that is a file is now refused with the config, before any part
+            raise FileExistsError("the optimizer's swap directory cannot be made")
+
+        nvme_records.open_swap_directory = refuse
         try:  # the optimizer's swap directory cannot be made: after the parameter store was built
-            zerotrain.initialize(model=OddMLP(), config=config(offload_optimizer={"device": "nvme", "nvme_path": bad}))
+            zerotrain.initialize(model=OddMLP(), config=config(offload_optimizer={"device": "nvme",
+                                                                                  "nvme_path": os.path.join(tmp, "o")}))
         except OSError as error:
             results["initialize raised"] = (type(error).__name__, left())
+        finally:
+            nvme_records.open_swap_directory = real_open
         from zerotrain.config import ConfigError
 
         saved = sys.modules.get("wandb")
