@@ -68,10 +68,11 @@ def _swap_file_bytes(nvme_path: str) -> int:
     return total
 
 
-def _step_then_backward(config: dict, after_step=None):
+def _step_then_backward(config: dict, after_step=None, at_end=None):
     """The tiny GPT's engine under `config` after one step and one more backward (what the estimate's peak
-    counts: a step's states and a backward's gradients at once); `after_step(engine)`'s values taken right after
-    the step, returned beside the engine."""
+    counts: a step's states and a backward's gradients at once), with `after_step(engine)` taken right after the
+    step and `at_end(engine)` after the backward, both in this frame (its last batch alive, as in a training
+    loop): (engine, after_step's value, at_end's value)."""
     import zerotrain
     from zerotrain.models import GPT, GPTConfig
 
@@ -87,7 +88,7 @@ def _step_then_backward(config: dict, after_step=None):
         if step == 0:
             engine.step()
             measured = after_step(engine) if after_step is not None else None
-    return engine, measured
+    return engine, measured, (at_end(engine) if at_end is not None else None)
 
 
 def _live_tensor_bytes() -> int:
@@ -108,32 +109,20 @@ def _live_tensor_bytes() -> int:
 
 def engine_memory_per_case(nvme_path: str) -> list[dict]:
     """Each case's engine on this rank: one step, then one more backward (the gradients are held, the
-    optimizer states exist), and its memory report next to the estimate for the same config. (Its loop is the
-    one `_step_then_backward` runs, kept here: the live-tensor count must see this frame's batch.)"""
-    import zerotrain
+    optimizer states exist), and its memory report next to the estimate for the same config."""
     from zerotrain.config import load_config
-    from zerotrain.models import GPT, GPTConfig
 
     out = []
     for case in CASES:
         config = _config(*case, nvme_path=nvme_path)
         if case == STREAMED:  # (clipping needs every gradient before the update: it turns streaming off)
             config["gradient_clipping"] = 0.0
-        torch.manual_seed(0)
-        engine, *_ = zerotrain.initialize(model=GPT(GPTConfig.preset("tiny")), config=config)
-        for step in range(2):
-            idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(step))
-            _, loss = engine(idx, idx)
-            del _
-            engine.backward(loss)
-            del loss
-            if step == 0:
-                engine.step()
-                after_step = (_live_tensor_bytes(), engine.memory_report()["gradients"])
-        report = engine.memory_report()
+        engine, after_step, (report, live_at_end) = _step_then_backward(
+            config, after_step=lambda engine: (_live_tensor_bytes(), engine.memory_report()["gradients"]),
+            at_end=lambda engine: (engine.memory_report(), _live_tensor_bytes()))
         if case[0] < 3:  # what backward made and still holds, measured on the live tensors, next to what the
             # report added (stage 3 also gathers and frees parameters in backward: not only gradients grow)
-            report["grown in backward"] = (_live_tensor_bytes() - after_step[0], report["gradients"] - after_step[1])
+            report["grown in backward"] = (live_at_end - after_step[0], report["gradients"] - after_step[1])
         report["buffers"] = sum(b.numel() * b.element_size() for b in engine.module.buffers())
         report["nvme_files"] = _swap_file_bytes(nvme_path)
         report["first_pass"] = engine.zero_optimizer.takes_norm_first_pass()
@@ -752,7 +741,7 @@ def test_estimate_matches_the_engine_on_nvme_at_a_world_of_one(tmp_path, world_o
         config = _config(*case, nvme_path=nvme_path)
         if case == STREAMED:
             config["gradient_clipping"] = 0.0
-        engine, _ = _step_then_backward(config)
+        engine, _, _ = _step_then_backward(config)
         report = engine.memory_report()
         files = _swap_file_bytes(nvme_path)
         first_pass = engine.zero_optimizer.takes_norm_first_pass()
