@@ -218,6 +218,8 @@ class ZerotrainJob(Job):
                   "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
                   "zero_optimization": {"stage": stage, "reduce_bucket_size": 2e7}, "steps_per_print": 0,
                   "checkpoint": {"verify_on_load": args.verify_on_load}}
+        if getattr(args, "memory_budget_gib", None) is not None:  # the 1b pair on a 24 GiB host needs more than the default 50%
+            config["zero_optimization"]["memory_budget_bytes"] = int(args.memory_budget_gib * 2 ** 30)
         self.engine, *_ = zerotrain.initialize(model=model, config=config)
         if process_writer:  # async saves written by a writer process per rank (benchmark-only variant)
             from ckpt_process_writer import ProcessWriterCheckpointer
@@ -501,6 +503,9 @@ def main(argv=None) -> int:
     parser.add_argument("--old-code", default=None,
                         help="a checkout of zerotrain (its repository root) that engine zto imports: before/after "
                              "rounds interleaved in one invocation")
+    parser.add_argument("--memory-budget-gib", type=float, default=None,
+                        help="zerotrain's zero_optimization.memory_budget_bytes per rank, in GiB (default: its own "
+                             "default, 50%% of the rank's share of the host's available memory; the 1b row needs ~8.1)")
     parser.add_argument("--no-async", action="store_true", help="main phase: skip the asynchronous saves")
     parser.add_argument("--no-main", action="store_true",
                         help="skip the main phase (only --profile, --save-rounds, --load-rounds)")
