@@ -178,8 +178,10 @@ COVERING: dict[str, list[str]] = {
     # the manifest and the checksums in-process; a damaged checkpoint refused at world 2
     "zerotrain/checkpoint/integrity.py": ["tests/checkpoint/test_ckpt_units.py",
                                           "tests/checkpoint/test_ckpt_corruption.py"],
-    # range reads; a tensor-parallel slice read in runs from the whole tensor (in-process)
+    # range reads; a tensor-parallel slice read in runs from the whole tensor (in-process); round 7: the page cache
+    # after a prefetch, refusals of ranges and destinations, the load's reads into shards and new states
     "zerotrain/checkpoint/reader.py": [
+        "tests/checkpoint/test_ckpt_read_units.py", "tests/checkpoint/test_ckpt_load_units.py",
         "tests/checkpoint/test_ckpt_units.py",
         "tests/checkpoint/test_ckpt_tensor_parallel.py::test_a_local_range_of_a_split_tensor_reads_from_the_whole_tensor"],
     # in-process: a world-of-one save (fp32, fp16) exported at stages 2-3, worlds 2-3, read by DeepSpeed's
