@@ -180,6 +180,12 @@ COVERING: dict[str, list[str]] = {
                                           "tests/checkpoint/test_ckpt_corruption.py"],
     # range reads; a tensor-parallel slice read in runs from the whole tensor (in-process); round 7: the page cache
     # after a prefetch, refusals of ranges and destinations, the load's reads into shards and new states
+    # issue #48 round 7: the presets, the byte tokenizer, LoRA's refusals, a bare-named directory's resize (in-process),
+    # then the missing files and a directory's load at a world of one (test_hf.py's others are world-2 launches)
+    "zerotrain/models/hf.py": ["tests/models/test_hf_units.py",
+                               "tests/models/test_hf.py::test_missing_or_incomplete_model_directories_are_named",
+                               "tests/models/test_hf.py::test_workers_get_the_model_and_data_arguments",
+                               "tests/test_run_model_units.py"],
     "zerotrain/checkpoint/reader.py": [
         "tests/checkpoint/test_ckpt_read_units.py", "tests/checkpoint/test_ckpt_load_units.py",
         "tests/checkpoint/test_ckpt_units.py",
