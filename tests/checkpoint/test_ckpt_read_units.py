@@ -1,11 +1,14 @@
-"""What a load's readers do to the files and the page cache (in-process): the small tensors' pages asked for ahead
-of the plan's reads, and nothing else (issue #48, round 7: `reader.prefetch_small_tensors`)."""
+"""What a load's readers do (in-process, issue #48 round 7): the small tensors' pages asked for ahead of the plan's
+reads and nothing else (`reader.prefetch_small_tensors`), ranges and destinations refused naming the tensor, and the
+checksum shares of the bytes nobody reads straight in: every byte once, balanced against what each rank reads
+(`integrity.balanced_share`) at worlds 1, 2 and 3."""
 from __future__ import annotations
 
 import ctypes
 import mmap
 import os
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -100,3 +103,37 @@ def test_a_checked_read_lands_only_in_a_contiguous_cpu_tensor_of_the_stored_dtyp
             assert not reader.can_read_checked("h", other)
             with pytest.raises(CheckpointError, match=r"tensor 'h' in .*o\.safetensors: elements \[8, 12\) do not fit"):
                 reader.read_checked("h", 8, 4, other, [])
+
+
+def test_balanced_shares_cover_every_byte_once_and_level_the_ranks_at_worlds_1_2_3(tmp_path):
+    # the bytes nobody reads straight into a tensor are shared out so that each rank's direct reads plus its share
+    # come out level (within a byte): the ranks' shares tile [0, total) in rank order, a rank below the level takes
+    # it up to it, a rank above it takes nothing; and the pieces of those shares join into the file's crc32
+    from zerotrain.checkpoint.integrity import Intervals, balanced_share, check_pieces, checksum_share
+    rng = np.random.default_rng(7)
+    cases = [(world, total, [int(x) for x in rng.integers(0, high, world)])
+             for world in (1, 2, 3) for total in (0, 1, 2, 5, 1000, 4097) for high in (1, 3, 50, 5000)]
+    cases += [(3, 10, [0, 0, 0]), (3, 2, [0, 0, 0]), (2, 7, [7, 0]), (3, 9, [0, 1, 2])]
+    for world, total, loads in cases:
+        shares = [balanced_share(total, rank, loads) for rank in range(world)]
+        assert shares[0][0] == 0 and shares[-1][1] == total, (total, loads, shares)
+        assert all(low <= high for low, high in shares) and all(
+            shares[rank][1] == shares[rank + 1][0] for rank in range(world - 1)), (total, loads, shares)
+        fills = [load + high - low for load, (low, high) in zip(loads, shares)]
+        taking = [fill for fill, (low, high) in zip(fills, shares) if high > low]
+        if taking:
+            level = max(taking)
+            assert min(taking) >= level - 1, (total, loads, shares)  # level within a byte
+            assert all(load >= level - 1 for load, (low, high) in zip(loads, shares) if high == low), (total, loads)
+    data = bytes(range(256)) * 40 + b"tail"
+    (tmp_path / "f").write_bytes(data)
+    manifest = {"files": {"f": {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}}}
+    direct = [(0, 3000), (6000, 6100)]  # read straight in (their own pieces, by the ranks that read them)
+    straight = [("f", begin, end - begin, zlib.crc32(data[begin:end])) for begin, end in direct]
+    for world, loads in ((1, [3100]), (2, [3000, 100]), (3, [0, 3000, 100])):
+        pieces = [checksum_share(str(tmp_path), manifest, ["f"], rank, world, skip={"f": Intervals(direct)},
+                                 loads=loads) for rank in range(world)]
+        checked = sorted(piece[2] for share in pieces for piece in share["pieces"])
+        assert sum(checked) == len(data) - 3100, (world, checked)
+        pieces[0]["pieces"] += straight
+        assert check_pieces(str(tmp_path), pieces, complete=True) is None, world
