@@ -176,10 +176,20 @@ COVERING: dict[str, list[str]] = {
         "tests/test_inference.py::test_generate_command_prints_the_greedy_continuation",
         "tests/test_inference.py::test_zero3_nvme_generate_matches_transformers_on_every_rank"],
     # the manifest and the checksums in-process; a damaged checkpoint refused at world 2
-    "zerotrain/checkpoint/integrity.py": ["tests/checkpoint/test_ckpt_units.py",
-                                          "tests/checkpoint/test_ckpt_corruption.py"],
-    # range reads; a tensor-parallel slice read in runs from the whole tensor (in-process)
+    "zerotrain/checkpoint/integrity.py": [
+        # round 7: balanced shares at worlds 1-3 (in-process, seconds)
+        "tests/checkpoint/test_ckpt_read_units.py::test_balanced_shares_cover_every_byte_once_and_level_the_ranks_at_worlds_1_2_3",
+        "tests/checkpoint/test_ckpt_units.py", "tests/checkpoint/test_ckpt_corruption.py"],
+    # range reads; a tensor-parallel slice read in runs from the whole tensor (in-process); round 7: the page cache
+    # after a prefetch, refusals of ranges and destinations, the load's reads into shards and new states
+    # issue #48 round 7: the presets, the byte tokenizer, LoRA's refusals, a bare-named directory's resize (in-process),
+    # then the missing files and a directory's load at a world of one (test_hf.py's others are world-2 launches)
+    "zerotrain/models/hf.py": ["tests/models/test_hf_units.py",
+                               "tests/models/test_hf.py::test_missing_or_incomplete_model_directories_are_named",
+                               "tests/models/test_hf.py::test_workers_get_the_model_and_data_arguments",
+                               "tests/test_run_model_units.py"],
     "zerotrain/checkpoint/reader.py": [
+        "tests/checkpoint/test_ckpt_read_units.py", "tests/checkpoint/test_ckpt_load_units.py",
         "tests/checkpoint/test_ckpt_units.py",
         "tests/checkpoint/test_ckpt_tensor_parallel.py::test_a_local_range_of_a_split_tensor_reads_from_the_whole_tensor"],
     # in-process: a world-of-one save (fp32, fp16) exported at stages 2-3, worlds 2-3, read by DeepSpeed's
