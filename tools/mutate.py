@@ -217,7 +217,10 @@ COVERING: dict[str, list[str]] = {
     "zerotrain/elastic.py": ["tests/test_launch_units.py"],
     "zerotrain/inference.py": ["tests/test_generate_command_units.py"],
     "zerotrain/runtime/utils.py": ["tests/test_runtime_utils_units.py"],  # against deepspeed.runtime.utils
-    "zerotrain/checkpoint/slots.py": ["tests/checkpoint/test_ckpt_loco_slots_units.py"],
+    # the aliases in-process; CheckpointState's optional fields left out by a view (a world-of-one engine)
+    "zerotrain/checkpoint/slots.py": [
+        "tests/checkpoint/test_ckpt_loco_slots_units.py",
+        "tests/checkpoint/test_ckpt_world_of_one.py::test_a_checkpoint_state_with_only_its_required_fields_saves_and_resumes_exactly"],
     "zerotrain/checkpoint/loco.py": ["tests/checkpoint/test_ckpt_loco_slots_units.py"],
     "zerotrain/checkpoint/optim_state.py": ["tests/checkpoint/test_ckpt_optim_state_units.py",
                                             "tests/checkpoint/test_ckpt_units.py"],

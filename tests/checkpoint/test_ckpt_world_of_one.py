@@ -292,3 +292,100 @@ def test_a_directory_with_zerotrain_state_but_no_manifest_is_refused_and_null_me
     with open(os.path.join(path, "manifest.json"), "w") as handle:
         json.dump(manifest, handle)
     assert source.open_source(path, load_module_only=False).optimizer_meta == {}
+
+
+def test_a_checkpoint_state_with_only_its_required_fields_saves_and_resumes_exactly(tmp_path, world_of_one, caplog):
+    """checkpoint/slots.py: `CheckpointState`'s optional fields (`files`, `gradients_pending`, `aliases`) are
+    optional: a view building it from the required ones only (as a custom engine's would) saves at a step's
+    end with no mid-accumulation warning and no extra files, and a fresh engine viewed alike resumes exactly."""
+    from dataclasses import MISSING, fields
+
+    from zerotrain.checkpoint import CheckpointState
+
+    def required_only(state: CheckpointState) -> CheckpointState:
+        return CheckpointState(**{f.name: getattr(state, f.name) for f in fields(CheckpointState)
+                                  if f.default is MISSING and f.default_factory is MISSING})
+
+    save_dir = str(tmp_path / "ckpt")
+    engine = make_engine(stage=2)
+    engine.view_checkpoint_state(required_only)
+    engine.add_checkpoint_files({"extra.txt": b"not through the view"})  # the engine's files: the view drops them
+    train(engine, 0, 2)
+    with caplog.at_level(logging.WARNING, logger="zerotrain"):
+        path = engine.save_checkpoint(save_dir, tag="t")
+    assert not [record.getMessage() for record in caplog.records]
+    assert "extra.txt" not in os.listdir(path)
+    at_save = snapshot(engine)
+    fresh = make_engine(stage=1, seed=9)
+    fresh.view_checkpoint_state(required_only)
+    assert fresh.load_checkpoint(save_dir)[0] == path
+    _assert_same(snapshot(fresh), at_save, "resumed through the view")
+    engine.close()
+    fresh.close()
+
+
+def test_the_next_save_raises_a_pending_failure_and_a_refused_save_writes_nothing(tmp_path, world_of_one,
+                                                                                 monkeypatch):
+    """checkpoint/checkpointer.py: a save first waits for the pending background one and raises its failure (the
+    new save is not written); a save whose state cannot be taken (a client_state that is not JSON) is one line
+    without a rank at a world of one, writes nothing, and the next save and its resume work."""
+    from zerotrain.checkpoint import CheckpointError
+
+    save_dir = str(tmp_path / "ckpt")
+    engine = make_engine(stage=2, async_save=True)
+    train(engine, 0, 1)
+    _fail_writes(monkeypatch, OSError("disk on fire (injected)"))
+    engine.save_checkpoint(save_dir, tag="a")
+    _join_writers()  # failed in the background (the patch is undone only after it ran)
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match=r"^saving checkpoint \S+a failed on rank 0: OSError: disk on fire"):
+        engine.save_checkpoint(save_dir, tag="b")
+    assert engine.last_save()[0] is False and sorted(os.listdir(save_dir)) == [LOCK]
+    with pytest.raises(CheckpointError) as caught:
+        engine.save_checkpoint(save_dir, tag="c", client_state={"sampler": object()})
+    assert str(caught.value).startswith("cannot save checkpoint c: client_state['sampler']"), str(caught.value)
+    assert engine.last_save()[0] is False and sorted(os.listdir(save_dir)) == [LOCK]
+    train(engine, 1, 1)
+    at_save = snapshot(engine)
+    path = engine.save_checkpoint(save_dir, tag="d", client_state={"epoch": 1})
+    engine.wait_checkpoint()
+    fresh = make_engine(stage=2, seed=9)
+    assert fresh.load_checkpoint(save_dir) == (path, {"epoch": 1})
+    _assert_same(snapshot(fresh), at_save, "after the failures")
+    engine.close()
+    fresh.close()
+
+
+def test_a_deepspeed_checkpoint_loads_through_a_temporary_import_that_is_removed(tmp_path, world_of_one):
+    """checkpoint/load.py's DeepSpeed path at a world of one: a save exported as DeepSpeed's layout loads into a
+    fresh engine exactly (the path returned is DeepSpeed's tag directory, the client state DeepSpeed's); the
+    converted copy beside it is gone afterwards; a DeepSpeed checkpoint that cannot be read is one line naming it,
+    the engine untouched and nothing left beside it either."""
+    pytest.importorskip("deepspeed")
+    from zerotrain.checkpoint import CheckpointError, export_deepspeed
+
+    engine = make_engine(stage=2)
+    train(engine, 0, 2)
+    saved = engine.save_checkpoint(str(tmp_path / "zt"), client_state={"epoch": 2})
+    at_save = snapshot(engine)
+    engine.close()
+    ds = tmp_path / "ds"
+    out = export_deepspeed(saved, str(ds), world_size=1)
+    fresh = make_engine(stage=2, seed=9)
+    before = snapshot(fresh)
+    assert fresh.load_checkpoint(str(ds)) == (out, {"epoch": 2})
+    assert sorted(os.listdir(ds)) == ["global_step2", "latest"]  # the import's temporary directory removed
+    _assert_same(snapshot(fresh), at_save, "imported from DeepSpeed")
+    broken = tmp_path / "broken"
+    os.makedirs(broken / "global_step2")
+    for name in os.listdir(out):  # the model states without their optimizer files
+        if name.endswith("model_states.pt"):
+            os.link(os.path.join(out, name), broken / "global_step2" / name)
+    (broken / "latest").write_text("global_step2")
+    other = make_engine(stage=2, seed=9)
+    with pytest.raises(CheckpointError, match=f"^cannot import DeepSpeed checkpoint {broken / 'global_step2'}: "):
+        other.load_checkpoint(str(broken))
+    assert sorted(os.listdir(broken)) == ["global_step2", "latest"]
+    _assert_same(snapshot(other), before, "a refused import")
+    fresh.close()
+    other.close()
