@@ -162,6 +162,12 @@ def test_on_save_error_warn_logs_and_trains_on_warning_at_the_callers_line(tmp_p
         train(engine, 1, 1)
     package = os.path.dirname(os.path.abspath(zerotrain.__file__))
     assert len(said) == 1 and not said[0].filename.startswith(package + os.sep), said[0].filename
+    # a script beside the package whose directory name begins with the package's (zerotrain_runs/) is the caller
+    script = package + "_runs" + os.sep + "train.py"
+    code = compile("engine.save_checkpoint(save_dir, tag='c')\n", script, "exec")
+    with pytest.warns(RuntimeWarning, match="disk on fire") as said:
+        exec(code, {"engine": engine, "save_dir": str(tmp_path)})
+    assert [(w.filename, w.lineno) for w in said] == [(script, 1)]
     monkeypatch.undo()
     train(engine, 2, 1)
     engine.close()
@@ -389,3 +395,45 @@ def test_a_deepspeed_checkpoint_loads_through_a_temporary_import_that_is_removed
     _assert_same(snapshot(other), before, "a refused import")
     fresh.close()
     other.close()
+
+
+def test_a_resume_continues_the_random_streams_where_the_save_left_them(tmp_path, world_of_one):
+    """checkpoint/write.py writes each rank's RNG state, load.py restores it: after a resume, python's, numpy's
+    and torch's generators give what they gave right after the save."""
+    import random
+
+    import numpy as np
+
+    engine = make_engine(stage=1)
+    train(engine, 0, 1)
+    random.seed(5)
+    np.random.seed(5)
+    torch.manual_seed(5)
+    engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+    want = (random.random(), float(np.random.rand()), torch.rand(3))
+    fresh = make_engine(stage=1, seed=9)  # seeds torch again; python's and numpy's streams moved on above
+    fresh.load_checkpoint(str(tmp_path / "ckpt"))
+    got = (random.random(), float(np.random.rand()), torch.rand(3))
+    assert got[:2] == want[:2] and torch.equal(got[2], want[2]), (got, want)
+    engine.close()
+    fresh.close()
+
+
+def test_load_checkpoint_called_with_its_defaults_restores_optimizer_and_schedule(tmp_path, world_of_one):
+    """`zerotrain.checkpoint.load_checkpoint(state, load_dir)` (the public function, DeepSpeed's defaults:
+    optimizer and scheduler states loaded, not the module only) restores everything the engine's method does."""
+    from zerotrain.checkpoint import load_checkpoint
+
+    engine = make_engine(stage=2)
+    train(engine, 0, 2)
+    path = engine.save_checkpoint(str(tmp_path / "ckpt"), client_state={"epoch": 1})
+    at_save = snapshot(engine)
+    fresh = make_engine(stage=2, seed=9)
+    untouched = snapshot(fresh)
+    os.makedirs(tmp_path / "empty")  # nothing to resume: (None, None), as DeepSpeed's, and nothing changed
+    assert load_checkpoint(fresh.checkpoint_state(), str(tmp_path / "empty")) == (None, None)
+    _assert_same(snapshot(fresh), untouched, "nothing loaded")
+    assert load_checkpoint(fresh.checkpoint_state(), str(tmp_path / "ckpt")) == (path, {"epoch": 1})
+    _assert_same(snapshot(fresh), at_save, "loaded with the defaults")
+    engine.close()
+    fresh.close()
