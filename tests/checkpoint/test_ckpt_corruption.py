@@ -80,11 +80,15 @@ def save_then_try_damaged(root: str) -> dict:
     good = engine.save_checkpoint(os.path.join(root, "saved"), tag="good")
     saved = (engine.full_state_dict(), optimizer_state(engine))
     train(engine, 2, 1)  # the engine moves on: a load that touched anything would show
+    # another checkpoint of other weights beside it (not `latest`): what a rank asking for another tag resolves
+    engine.save_checkpoint(os.path.join(root, "saved"), tag="other", save_latest=False)
     # a resume before the first step (nothing trained: the optimizer has no state yet), the same damage
     fresh = make_engine(stage=2, seed=5)
     targets = damage(root, good) if int(os.environ["RANK"]) == 0 else None
     holder = [targets]
     dist.broadcast_object_list(holder, src=0)
+    # ranks that resolve different checkpoints: refused as such everywhere, never judged as one damaged checkpoint
+    holder[0]["different_tags"] = (os.path.join(root, "saved"), "good" if dist.get_rank() == 0 else "other")
     out = {"deleted_file": _file_of(good, "fc2.weight/exp_avg", "optimizer")}
     for who, subject in (("trained", engine), ("fresh", fresh)):
         before = (subject.full_state_dict(), {k: v.clone() for k, v in subject.module.state_dict().items()},
@@ -147,6 +151,7 @@ def test_damaged_checkpoints_are_refused_and_nothing_is_loaded(tmp_path):
         "temporary_dir": "temporary directory",
         "latest_names_missing_dir": "names 'global_step999'",
         "deleted_file": "file is missing",
+        "different_tags": "ranks resolved different checkpoints in",
     }
     for rank, result in enumerate(results):  # trained rank 0, 1, then fresh rank 0, 1
         assert result["unchanged"], f"rank {rank % 2}: a failed load changed the engine"
@@ -159,4 +164,7 @@ def test_damaged_checkpoints_are_refused_and_nothing_is_loaded(tmp_path):
         deleted = os.path.join(str(tmp_path), "deleted_file", "good", result["deleted_file"])
         assert deleted in result["errors"]["deleted_file"], result["errors"]["deleted_file"]
         assert "expects [3]" in result["errors"]["wrong_shape"] and "[4]" in result["errors"]["wrong_shape"]
+        saved = os.path.join(str(tmp_path), "saved")
+        assert result["errors"]["different_tags"] == (
+            f"ranks resolved different checkpoints in {saved}: {[os.path.join(saved, 'good'), os.path.join(saved, 'other')]}")
     assert results[0]["errors"] == results[1]["errors"] == results[2]["errors"] == results[3]["errors"]
