@@ -81,7 +81,9 @@ def test_an_async_save_holds_the_state_of_the_save_call_and_reuses_its_buffers(t
     took = time.perf_counter() - before
     pending, stall = engine.last_save()
     assert pending and 0 <= stall <= took  # being written; the call blocked training no longer than it took
+    assert engine.checkpointer.last_fence_seconds is None  # the snapshot copy not fenced yet
     train(engine, 2, 2)  # the weights move on while (or after) it is written
+    assert engine.checkpointer.last_fence_seconds >= 0.0  # the next step fenced it: the rest of the save's stall
     engine.wait_checkpoint()
     assert engine.last_save()[0] is False
     fresh = make_engine(stage=stage, seed=9)  # the same layout: its optimizer state compares slot by slot
