@@ -52,6 +52,9 @@ def test_a_sync_save_under_the_default_tag_resumes_exactly_and_holds_the_save_di
     assert not pending and 0 <= stall <= took
     assert engine.checkpointer.buffers.nbytes() == 0  # a synchronous save on the CPU reads the live tensors
     assert sorted(os.listdir(save_dir)) == [LOCK, "global_step2", "latest"]  # the job holds the directory
+    with open(os.path.join(path, "manifest.json")) as handle:  # what a person or another tool reads of the save
+        manifest = json.load(handle)
+    assert (manifest["tag"], manifest["global_steps"], manifest["world_size"]) == ("global_step2", 2, 1)
     at_save = snapshot(engine)
     fresh = make_engine(stage=1, seed=9, groups=True)
     loaded, client = fresh.load_checkpoint(save_dir)
@@ -437,5 +440,32 @@ def test_load_checkpoint_called_with_its_defaults_restores_optimizer_and_schedul
     _assert_same(snapshot(fresh), untouched, "nothing loaded")
     assert load_checkpoint(fresh.checkpoint_state(), str(tmp_path / "ckpt")) == (path, {"epoch": 1})
     _assert_same(snapshot(fresh), at_save, "loaded with the defaults")
+    engine.close()
+    fresh.close()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_adapters_only_checkpoint_restores_the_trained_parameters_and_leaves_the_frozen_ones(tmp_path,
+                                                                                              world_of_one, stage):
+    """checkpoint.adapters_only at a world of one (load.py reads the saved trainer state's flag): the save holds
+    the trainable parameters and their states only; a fresh engine (other initial weights) loading it gets those
+    exactly and keeps its own frozen layer and buffer, as a LoRA run keeps the base it loaded from its model."""
+    engine = make_engine(stage=stage, adapters_only=True)
+    train(engine, 0, 2)
+    path = engine.save_checkpoint(str(tmp_path / "ckpt"))
+    at_save = snapshot(engine)
+    fresh = make_engine(stage=stage, seed=9, adapters_only=True)
+    own = snapshot(fresh)
+    assert fresh.load_checkpoint(str(tmp_path / "ckpt"))[0] == path
+    got = snapshot(fresh)
+    frozen = {"frozen.weight", "frozen.bias", "shift"}
+    for name, tensor in got["module"].items():
+        want = own["module"][name] if name in frozen else at_save["module"][name]
+        assert torch.equal(tensor, want), name
+    assert not torch.equal(own["module"]["frozen.weight"], at_save["module"]["frozen.weight"])  # seeds differ
+    for mine, theirs in zip(got["optimizer"], at_save["optimizer"], strict=True):
+        assert mine.keys() == theirs.keys() and all(torch.equal(torch.as_tensor(mine[k]), torch.as_tensor(theirs[k]))
+                                                    for k in theirs)
+    assert got["counters"] == at_save["counters"] and got["scheduler"] == at_save["scheduler"]
     engine.close()
     fresh.close()
