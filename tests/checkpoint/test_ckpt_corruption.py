@@ -93,16 +93,18 @@ def save_then_try_damaged(root: str) -> dict:
     for who, subject in (("trained", engine), ("fresh", fresh)):
         before = (subject.full_state_dict(), {k: v.clone() for k, v in subject.module.state_dict().items()},
                   optimizer_state(subject), subject.global_steps, subject.get_lr())
-        errors = {}
+        errors, leaked = {}, {}
         for case, (load_dir, tag) in holder[0].items():
+            open_before = len(os.listdir("/proc/self/fd"))
             try:
                 subject.load_checkpoint(load_dir, tag=tag)
                 errors[case] = None
             except CheckpointError as error:
                 errors[case] = str(error)
+            leaked[case] = len(os.listdir("/proc/self/fd")) - open_before  # a refused load closes its files
         after = (subject.full_state_dict(), dict(subject.module.state_dict()), optimizer_state(subject),
                  subject.global_steps, subject.get_lr())
-        out[who] = {"errors": errors, "unchanged": _same(before, after),
+        out[who] = {"errors": errors, "leaked": leaked, "unchanged": _same(before, after),
                     "no_state": all(not state for state in after[2]), "direct": _direct_reads(subject, good)}
         # And the intact checkpoint still loads, exactly.
         subject.load_checkpoint(os.path.join(root, "saved"))
@@ -155,6 +157,7 @@ def test_damaged_checkpoints_are_refused_and_nothing_is_loaded(tmp_path):
     }
     for rank, result in enumerate(results):  # trained rank 0, 1, then fresh rank 0, 1
         assert result["unchanged"], f"rank {rank % 2}: a failed load changed the engine"
+        assert not any(result["leaked"].values()), f"rank {rank % 2}: descriptors left open {result['leaked']}"
         assert result["steps_after_good_load"] == 2 and result["exact"], rank
         for case, fragment in expected.items():
             message = result["errors"][case]

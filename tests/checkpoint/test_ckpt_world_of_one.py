@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -367,9 +368,9 @@ def test_the_next_save_raises_a_pending_failure_and_a_refused_save_writes_nothin
     fresh.close()
 
 
-def test_a_deepspeed_checkpoint_loads_through_a_temporary_import_that_is_removed(tmp_path, world_of_one):
-    """checkpoint/load.py's DeepSpeed path at a world of one: a save exported as DeepSpeed's layout loads into a
-    fresh engine exactly (the path returned is DeepSpeed's tag directory, the client state DeepSpeed's); the
+def test_a_deepspeed_checkpoint_loads_through_a_temporary_import_that_is_removed(tmp_path, world_of_one, caplog):
+    """checkpoint/load.py's DeepSpeed path at a world of one: a save exported as DeepSpeed's world-2 layout loads
+    into a fresh engine exactly (the change of world size logged) (the path returned is DeepSpeed's tag directory, the client state DeepSpeed's); the
     converted copy beside it is gone afterwards; a DeepSpeed checkpoint that cannot be read is one line naming it,
     the engine untouched and nothing left beside it either."""
     pytest.importorskip("deepspeed")
@@ -381,10 +382,13 @@ def test_a_deepspeed_checkpoint_loads_through_a_temporary_import_that_is_removed
     at_save = snapshot(engine)
     engine.close()
     ds = tmp_path / "ds"
-    out = export_deepspeed(saved, str(ds), world_size=1)
+    out = export_deepspeed(saved, str(ds), world_size=2)  # as a world-2 DeepSpeed job would resume it
     fresh = make_engine(stage=2, seed=9)
     before = snapshot(fresh)
-    assert fresh.load_checkpoint(str(ds)) == (out, {"epoch": 2})
+    with caplog.at_level(logging.INFO, logger="zerotrain"):
+        assert fresh.load_checkpoint(str(ds)) == (out, {"epoch": 2})
+    assert any(re.fullmatch(r"checkpoint \S+ was written by 2 ranks, loaded on 1: ranks without a saved RNG state "
+                            r"keep their own", record.getMessage()) for record in caplog.records), caplog.records
     assert sorted(os.listdir(ds)) == ["global_step2", "latest"]  # the import's temporary directory removed
     _assert_same(snapshot(fresh), at_save, "imported from DeepSpeed")
     broken = tmp_path / "broken"
