@@ -80,25 +80,31 @@ def save_then_try_damaged(root: str) -> dict:
     good = engine.save_checkpoint(os.path.join(root, "saved"), tag="good")
     saved = (engine.full_state_dict(), optimizer_state(engine))
     train(engine, 2, 1)  # the engine moves on: a load that touched anything would show
+    # another checkpoint of other weights beside it (not `latest`): what a rank asking for another tag resolves
+    engine.save_checkpoint(os.path.join(root, "saved"), tag="other", save_latest=False)
     # a resume before the first step (nothing trained: the optimizer has no state yet), the same damage
     fresh = make_engine(stage=2, seed=5)
     targets = damage(root, good) if int(os.environ["RANK"]) == 0 else None
     holder = [targets]
     dist.broadcast_object_list(holder, src=0)
+    # ranks that resolve different checkpoints: refused as such everywhere, never judged as one damaged checkpoint
+    holder[0]["different_tags"] = (os.path.join(root, "saved"), "good" if dist.get_rank() == 0 else "other")
     out = {"deleted_file": _file_of(good, "fc2.weight/exp_avg", "optimizer")}
     for who, subject in (("trained", engine), ("fresh", fresh)):
         before = (subject.full_state_dict(), {k: v.clone() for k, v in subject.module.state_dict().items()},
                   optimizer_state(subject), subject.global_steps, subject.get_lr())
-        errors = {}
+        errors, leaked = {}, {}
         for case, (load_dir, tag) in holder[0].items():
+            open_before = len(os.listdir("/proc/self/fd"))
             try:
                 subject.load_checkpoint(load_dir, tag=tag)
                 errors[case] = None
             except CheckpointError as error:
                 errors[case] = str(error)
+            leaked[case] = len(os.listdir("/proc/self/fd")) - open_before  # a refused load closes its files
         after = (subject.full_state_dict(), dict(subject.module.state_dict()), optimizer_state(subject),
                  subject.global_steps, subject.get_lr())
-        out[who] = {"errors": errors, "unchanged": _same(before, after),
+        out[who] = {"errors": errors, "leaked": leaked, "unchanged": _same(before, after),
                     "no_state": all(not state for state in after[2]), "direct": _direct_reads(subject, good)}
         # And the intact checkpoint still loads, exactly.
         subject.load_checkpoint(os.path.join(root, "saved"))
@@ -147,9 +153,11 @@ def test_damaged_checkpoints_are_refused_and_nothing_is_loaded(tmp_path):
         "temporary_dir": "temporary directory",
         "latest_names_missing_dir": "names 'global_step999'",
         "deleted_file": "file is missing",
+        "different_tags": "ranks resolved different checkpoints in",
     }
     for rank, result in enumerate(results):  # trained rank 0, 1, then fresh rank 0, 1
         assert result["unchanged"], f"rank {rank % 2}: a failed load changed the engine"
+        assert not any(result["leaked"].values()), f"rank {rank % 2}: descriptors left open {result['leaked']}"
         assert result["steps_after_good_load"] == 2 and result["exact"], rank
         for case, fragment in expected.items():
             message = result["errors"][case]
@@ -159,4 +167,7 @@ def test_damaged_checkpoints_are_refused_and_nothing_is_loaded(tmp_path):
         deleted = os.path.join(str(tmp_path), "deleted_file", "good", result["deleted_file"])
         assert deleted in result["errors"]["deleted_file"], result["errors"]["deleted_file"]
         assert "expects [3]" in result["errors"]["wrong_shape"] and "[4]" in result["errors"]["wrong_shape"]
+        saved = os.path.join(str(tmp_path), "saved")
+        assert result["errors"]["different_tags"] == (
+            f"ranks resolved different checkpoints in {saved}: {[os.path.join(saved, 'good'), os.path.join(saved, 'other')]}")
     assert results[0]["errors"] == results[1]["errors"] == results[2]["errors"] == results[3]["errors"]

@@ -85,6 +85,12 @@ def test_optimizer_states_of_a_shard_are_planned_and_read_into_place(tmp_path):
     other = _reader(tmp_path, tensors, "optimizer states", "o.safetensors")
     with pytest.raises(CheckpointError, match=r"'v/step' is 4.0 but other parameters of the same shard have 3.0"):
         load._plan_states(_slot(records, master), other, templates, {})
+    # a scalar state that is not one (another optimizer's layout) is one line naming it, not torch's .item() error
+    tensors["v/step"] = torch.tensor([3.0, 3.0])
+    vector = _reader(tmp_path, tensors, "optimizer states", "s.safetensors")
+    with pytest.raises(CheckpointError, match=r"^tensor 'v/step' in \S+s.safetensors has shape \[2\], the model "
+                                              r"expects \[\]$"):
+        load._plan_states(_slot(records, master), vector, templates, {})
     no_step = _reader(tmp_path, {"w/exp_avg": w}, "optimizer states", "n.safetensors")
     with pytest.raises(CheckpointError, match=r"optimizer state 'step' is missing from"):
         load._plan_states(_slot([], master), no_step, templates, {})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -52,6 +53,9 @@ def test_a_sync_save_under_the_default_tag_resumes_exactly_and_holds_the_save_di
     assert not pending and 0 <= stall <= took
     assert engine.checkpointer.buffers.nbytes() == 0  # a synchronous save on the CPU reads the live tensors
     assert sorted(os.listdir(save_dir)) == [LOCK, "global_step2", "latest"]  # the job holds the directory
+    with open(os.path.join(path, "manifest.json")) as handle:  # what a person or another tool reads of the save
+        manifest = json.load(handle)
+    assert (manifest["tag"], manifest["global_steps"], manifest["world_size"]) == ("global_step2", 2, 1)
     at_save = snapshot(engine)
     fresh = make_engine(stage=1, seed=9, groups=True)
     loaded, client = fresh.load_checkpoint(save_dir)
@@ -81,7 +85,9 @@ def test_an_async_save_holds_the_state_of_the_save_call_and_reuses_its_buffers(t
     took = time.perf_counter() - before
     pending, stall = engine.last_save()
     assert pending and 0 <= stall <= took  # being written; the call blocked training no longer than it took
+    assert engine.checkpointer.last_fence_seconds is None  # the snapshot copy not fenced yet
     train(engine, 2, 2)  # the weights move on while (or after) it is written
+    assert engine.checkpointer.last_fence_seconds >= 0.0  # the next step fenced it: the rest of the save's stall
     engine.wait_checkpoint()
     assert engine.last_save()[0] is False
     fresh = make_engine(stage=stage, seed=9)  # the same layout: its optimizer state compares slot by slot
@@ -162,6 +168,12 @@ def test_on_save_error_warn_logs_and_trains_on_warning_at_the_callers_line(tmp_p
         train(engine, 1, 1)
     package = os.path.dirname(os.path.abspath(zerotrain.__file__))
     assert len(said) == 1 and not said[0].filename.startswith(package + os.sep), said[0].filename
+    # a script beside the package whose directory name begins with the package's (zerotrain_runs/) is the caller
+    script = package + "_runs" + os.sep + "train.py"
+    code = compile("engine.save_checkpoint(save_dir, tag='c')\n", script, "exec")
+    with pytest.warns(RuntimeWarning, match="disk on fire") as said:
+        exec(code, {"engine": engine, "save_dir": str(tmp_path)})
+    assert [(w.filename, w.lineno) for w in said] == [(script, 1)]
     monkeypatch.undo()
     train(engine, 2, 1)
     engine.close()
@@ -292,3 +304,172 @@ def test_a_directory_with_zerotrain_state_but_no_manifest_is_refused_and_null_me
     with open(os.path.join(path, "manifest.json"), "w") as handle:
         json.dump(manifest, handle)
     assert source.open_source(path, load_module_only=False).optimizer_meta == {}
+
+
+def test_a_checkpoint_state_with_only_its_required_fields_saves_and_resumes_exactly(tmp_path, world_of_one, caplog):
+    """checkpoint/slots.py: `CheckpointState`'s optional fields (`files`, `gradients_pending`, `aliases`) are
+    optional: a view building it from the required ones only (as a custom engine's would) saves at a step's
+    end with no mid-accumulation warning and no extra files, and a fresh engine viewed alike resumes exactly."""
+    from dataclasses import MISSING, fields
+
+    from zerotrain.checkpoint import CheckpointState
+
+    def required_only(state: CheckpointState) -> CheckpointState:
+        return CheckpointState(**{f.name: getattr(state, f.name) for f in fields(CheckpointState)
+                                  if f.default is MISSING and f.default_factory is MISSING})
+
+    save_dir = str(tmp_path / "ckpt")
+    engine = make_engine(stage=2)
+    engine.view_checkpoint_state(required_only)
+    engine.add_checkpoint_files({"extra.txt": b"not through the view"})  # the engine's files: the view drops them
+    train(engine, 0, 2)
+    with caplog.at_level(logging.WARNING, logger="zerotrain"):
+        path = engine.save_checkpoint(save_dir, tag="t")
+    assert not [record.getMessage() for record in caplog.records]
+    assert "extra.txt" not in os.listdir(path)
+    at_save = snapshot(engine)
+    fresh = make_engine(stage=1, seed=9)
+    fresh.view_checkpoint_state(required_only)
+    assert fresh.load_checkpoint(save_dir)[0] == path
+    _assert_same(snapshot(fresh), at_save, "resumed through the view")
+    engine.close()
+    fresh.close()
+
+
+def test_the_next_save_raises_a_pending_failure_and_a_refused_save_writes_nothing(tmp_path, world_of_one,
+                                                                                 monkeypatch):
+    """checkpoint/checkpointer.py: a save first waits for the pending background one and raises its failure (the
+    new save is not written); a save whose state cannot be taken (a client_state that is not JSON) is one line
+    without a rank at a world of one, writes nothing, and the next save and its resume work."""
+    from zerotrain.checkpoint import CheckpointError
+
+    save_dir = str(tmp_path / "ckpt")
+    engine = make_engine(stage=2, async_save=True)
+    train(engine, 0, 1)
+    _fail_writes(monkeypatch, OSError("disk on fire (injected)"))
+    engine.save_checkpoint(save_dir, tag="a")
+    _join_writers()  # failed in the background (the patch is undone only after it ran)
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match=r"^saving checkpoint \S+a failed on rank 0: OSError: disk on fire"):
+        engine.save_checkpoint(save_dir, tag="b")
+    assert engine.last_save()[0] is False and sorted(os.listdir(save_dir)) == [LOCK]
+    with pytest.raises(CheckpointError) as caught:
+        engine.save_checkpoint(save_dir, tag="c", client_state={"sampler": object()})
+    assert str(caught.value).startswith("cannot save checkpoint c: client_state['sampler']"), str(caught.value)
+    assert engine.last_save()[0] is False and sorted(os.listdir(save_dir)) == [LOCK]
+    train(engine, 1, 1)
+    at_save = snapshot(engine)
+    path = engine.save_checkpoint(save_dir, tag="d", client_state={"epoch": 1})
+    engine.wait_checkpoint()
+    fresh = make_engine(stage=2, seed=9)
+    assert fresh.load_checkpoint(save_dir) == (path, {"epoch": 1})
+    _assert_same(snapshot(fresh), at_save, "after the failures")
+    engine.close()
+    fresh.close()
+
+
+def test_a_deepspeed_checkpoint_loads_through_a_temporary_import_that_is_removed(tmp_path, world_of_one, caplog):
+    """checkpoint/load.py's DeepSpeed path at a world of one: a save exported as DeepSpeed's world-2 layout loads
+    into a fresh engine exactly (the change of world size logged) (the path returned is DeepSpeed's tag directory, the client state DeepSpeed's); the
+    converted copy beside it is gone afterwards; a DeepSpeed checkpoint that cannot be read is one line naming it,
+    the engine untouched and nothing left beside it either."""
+    pytest.importorskip("deepspeed")
+    from zerotrain.checkpoint import CheckpointError, export_deepspeed
+
+    engine = make_engine(stage=2)
+    train(engine, 0, 2)
+    saved = engine.save_checkpoint(str(tmp_path / "zt"), client_state={"epoch": 2})
+    at_save = snapshot(engine)
+    engine.close()
+    ds = tmp_path / "ds"
+    out = export_deepspeed(saved, str(ds), world_size=2)  # as a world-2 DeepSpeed job would resume it
+    fresh = make_engine(stage=2, seed=9)
+    before = snapshot(fresh)
+    with caplog.at_level(logging.INFO, logger="zerotrain"):
+        assert fresh.load_checkpoint(str(ds)) == (out, {"epoch": 2})
+    assert any(re.fullmatch(r"checkpoint \S+ was written by 2 ranks, loaded on 1: ranks without a saved RNG state "
+                            r"keep their own", record.getMessage()) for record in caplog.records), caplog.records
+    assert sorted(os.listdir(ds)) == ["global_step2", "latest"]  # the import's temporary directory removed
+    _assert_same(snapshot(fresh), at_save, "imported from DeepSpeed")
+    broken = tmp_path / "broken"
+    os.makedirs(broken / "global_step2")
+    for name in os.listdir(out):  # the model states without their optimizer files
+        if name.endswith("model_states.pt"):
+            os.link(os.path.join(out, name), broken / "global_step2" / name)
+    (broken / "latest").write_text("global_step2")
+    other = make_engine(stage=2, seed=9)
+    with pytest.raises(CheckpointError, match=f"^cannot import DeepSpeed checkpoint {broken / 'global_step2'}: "):
+        other.load_checkpoint(str(broken))
+    assert sorted(os.listdir(broken)) == ["global_step2", "latest"]
+    _assert_same(snapshot(other), before, "a refused import")
+    fresh.close()
+    other.close()
+
+
+def test_a_resume_continues_the_random_streams_where_the_save_left_them(tmp_path, world_of_one):
+    """checkpoint/write.py writes each rank's RNG state, load.py restores it: after a resume, python's, numpy's
+    and torch's generators give what they gave right after the save."""
+    import random
+
+    import numpy as np
+
+    engine = make_engine(stage=1)
+    train(engine, 0, 1)
+    random.seed(5)
+    np.random.seed(5)
+    torch.manual_seed(5)
+    engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+    want = (random.random(), float(np.random.rand()), torch.rand(3))
+    fresh = make_engine(stage=1, seed=9)  # seeds torch again; python's and numpy's streams moved on above
+    fresh.load_checkpoint(str(tmp_path / "ckpt"))
+    got = (random.random(), float(np.random.rand()), torch.rand(3))
+    assert got[:2] == want[:2] and torch.equal(got[2], want[2]), (got, want)
+    engine.close()
+    fresh.close()
+
+
+def test_load_checkpoint_called_with_its_defaults_restores_optimizer_and_schedule(tmp_path, world_of_one):
+    """`zerotrain.checkpoint.load_checkpoint(state, load_dir)` (the public function, DeepSpeed's defaults:
+    optimizer and scheduler states loaded, not the module only) restores everything the engine's method does."""
+    from zerotrain.checkpoint import load_checkpoint
+
+    engine = make_engine(stage=2)
+    train(engine, 0, 2)
+    path = engine.save_checkpoint(str(tmp_path / "ckpt"), client_state={"epoch": 1})
+    at_save = snapshot(engine)
+    fresh = make_engine(stage=2, seed=9)
+    untouched = snapshot(fresh)
+    os.makedirs(tmp_path / "empty")  # nothing to resume: (None, None), as DeepSpeed's, and nothing changed
+    assert load_checkpoint(fresh.checkpoint_state(), str(tmp_path / "empty")) == (None, None)
+    _assert_same(snapshot(fresh), untouched, "nothing loaded")
+    assert load_checkpoint(fresh.checkpoint_state(), str(tmp_path / "ckpt")) == (path, {"epoch": 1})
+    _assert_same(snapshot(fresh), at_save, "loaded with the defaults")
+    engine.close()
+    fresh.close()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_adapters_only_checkpoint_restores_the_trained_parameters_and_leaves_the_frozen_ones(tmp_path,
+                                                                                              world_of_one, stage):
+    """checkpoint.adapters_only at a world of one (load.py reads the saved trainer state's flag): the save holds
+    the trainable parameters and their states only; a fresh engine (other initial weights) loading it gets those
+    exactly and keeps its own frozen layer and buffer, as a LoRA run keeps the base it loaded from its model."""
+    engine = make_engine(stage=stage, adapters_only=True)
+    train(engine, 0, 2)
+    path = engine.save_checkpoint(str(tmp_path / "ckpt"))
+    at_save = snapshot(engine)
+    fresh = make_engine(stage=stage, seed=9, adapters_only=True)
+    own = snapshot(fresh)
+    assert fresh.load_checkpoint(str(tmp_path / "ckpt"))[0] == path
+    got = snapshot(fresh)
+    frozen = {"frozen.weight", "frozen.bias", "shift"}
+    for name, tensor in got["module"].items():
+        want = own["module"][name] if name in frozen else at_save["module"][name]
+        assert torch.equal(tensor, want), name
+    assert not torch.equal(own["module"]["frozen.weight"], at_save["module"]["frozen.weight"])  # seeds differ
+    for mine, theirs in zip(got["optimizer"], at_save["optimizer"], strict=True):
+        assert mine.keys() == theirs.keys() and all(torch.equal(torch.as_tensor(mine[k]), torch.as_tensor(theirs[k]))
+                                                    for k in theirs)
+    assert got["counters"] == at_save["counters"] and got["scheduler"] == at_save["scheduler"]
+    engine.close()
+    fresh.close()
