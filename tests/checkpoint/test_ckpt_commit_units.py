@@ -104,6 +104,15 @@ def test_recover_replaced_restores_the_newest_intact_copy_of_a_missing_tag(tmp_p
     assert commit.recover_replaced(str(tmp_path / "missing")) == []
 
 
+def test_recover_replaced_leaves_a_copy_alone_while_anything_holds_its_tag(tmp_path):
+    """Only a missing tag is recovered: an empty directory under the tag's name (which a rename would silently
+    replace) keeps it, and the intact replaced copy stays where it is."""
+    (tmp_path / "t1").mkdir()
+    _checkpoint(tmp_path / f"t1{REPLACED_MARK}x", 100)
+    assert commit.recover_replaced(str(tmp_path)) == []
+    assert os.listdir(tmp_path / "t1") == [] and os.path.isdir(tmp_path / f"t1{REPLACED_MARK}x")
+
+
 def test_recover_replaced_refuses_a_copy_of_another_format(tmp_path):
     path = tmp_path / f"t1{REPLACED_MARK}x"
     _checkpoint(path, 100)
