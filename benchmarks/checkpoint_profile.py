@@ -61,45 +61,100 @@ def _name(key) -> str:
     return func if filename == "~" else func
 
 
+# calls counted on the profiled (main) thread: what each is, and the predicate on (file, function name)
+COUNTS = [
+    ("fsync", lambda f, n: "posix.fsync" in n),
+    ("rename", lambda f, n: n in ("<built-in method posix.rename>", "<built-in method posix.replace>")),
+    ("collective", lambda f, n: n in ("all_gather_object", "all_to_all_bytes", "barrier", "broadcast_object",
+                                      "all_reduce", "all_gather") and ("/zerotrain/comm/" in f or "c10d" in f)),
+    ("thread start", lambda f, n: n == "start" and f.endswith("threading.py")),
+    ("open", lambda f, n: n == "<built-in method posix.open>"),
+    ("torch.empty/zeros", lambda f, n: n in ("<built-in method empty of type object at", "<built-in method zeros>")
+     or n.startswith("<built-in method empty of") or n.startswith("<built-in method zeros of")),
+]
+
+
+def _proc_counters() -> dict:
+    """This process's I/O syscalls and bytes (all threads: /proc/self/io) and its context switches."""
+    import resource
+    out = {}
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            key, value = line.split(":")
+            out[key.strip()] = int(value)
+    except OSError:
+        pass
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out["voluntary_switches"], out["involuntary_switches"] = usage.ru_nvcsw, usage.ru_nivcsw
+    out["minor_faults"] = usage.ru_minflt
+    return out
+
+
+def _delta(before: dict, after: dict) -> dict:
+    return {key: after[key] - before.get(key, 0) for key in after}
+
+
 def breakdown(profile: cProfile.Profile) -> dict:
-    """{phase: own seconds} of a profile, plus "top": the 12 largest functions by own time."""
+    """{phase: own seconds} of a profile, "top": the 12 largest functions by own time, "counts": calls of
+    COUNTS' kinds on the profiled thread."""
     stats = pstats.Stats(profile)
     phases: dict[str, float] = {}
+    counts: dict[str, int] = {}
     top = []
-    for key, (_, _, own, _, callers) in stats.stats.items():
+    for key, (_, ncalls, own, _, callers) in stats.stats.items():
         filename, _, func = key
         caller_names = [c[2] for c in callers]
         label = func if filename == "~" else f"{os.path.basename(filename)}:{func}"
         phase = next((p for p, test in PHASES if test(filename, func, caller_names)), "python (interpreter)")
         phases[phase] = phases.get(phase, 0.0) + own
         top.append((own, label))
+        for what, test in COUNTS:
+            if test(filename, func):
+                counts[what] = counts.get(what, 0) + ncalls
     top.sort(reverse=True)
-    return {"phases": phases, "top": [(label, round(own, 4)) for own, label in top[:12]]}
+    return {"phases": phases, "counts": counts, "top": [(label, round(own, 4)) for own, label in top[:12]]}
 
 
-def profile_run(job, root: Path, engine: str, rank: int, fsync_tree, drop_cache, barrier) -> dict:
-    """One save (made durable) and one cold load of `job` under cProfile; phase seconds per rank."""
+def _dump(profile: cProfile.Profile, root: Path, op: str, rank: int) -> None:
+    """The raw profile as `<root>/<op>.rank<rank>.pstats` (for `pstats`' callers and callees)."""
+    profile.dump_stats(str(root / f"{op}.rank{rank}.pstats"))
+
+
+def profile_run(job, root: Path, engine: str, rank: int, fsync_tree, drop_cache, barrier, fresh=None) -> dict:
+    """One save (made durable) and one cold load of `job` under cProfile; phase seconds per rank, with the
+    process's I/O syscalls, bytes and context switches (all threads) and the calls of COUNTS. With `fresh` (a
+    callable returning a new job of the same engine: a resume at start-up, no optimizer state yet), the load
+    is that new job's, `job` dropped first."""
     out = {}
     tag = "prof"
     barrier()
     profile = cProfile.Profile()
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0, c0, k0 = time.perf_counter(), time.process_time(), _proc_counters()
     profile.enable()
     job.save(tag)
     if not job.durable:
         fsync_tree(root / tag)  # DeepSpeed: the fsync that makes its save durable
     profile.disable()
-    out["save"] = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, **breakdown(profile)}
+    out["save"] = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
+                   "process": _delta(k0, _proc_counters()), **breakdown(profile)}
+    _dump(profile, root, "save", rank)
+    if fresh is not None:
+        del job
+        import gc
+        gc.collect()
+        job = fresh()
     barrier()
     if rank == 0:
         drop_cache(root / tag)
     barrier()
     profile = cProfile.Profile()
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0, c0, k0 = time.perf_counter(), time.process_time(), _proc_counters()
     profile.enable()
     job.load(tag)
     profile.disable()
-    out["load"] = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, **breakdown(profile)}
+    out["load"] = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
+                   "process": _delta(k0, _proc_counters()), **breakdown(profile)}
+    _dump(profile, root, "load", rank)
     return out
 
 
@@ -116,6 +171,13 @@ def print_profiles(profiles: dict) -> None:
                                  if seconds >= 0.005)
                 print(f"- {engine} rank {rank}: wall {total:.2f}s, CPU {r['cpu_s']:.2f}s: {text}")
                 print(f"    top: {', '.join(f'{name} {own:.3f}' for name, own in r['top'][:8])}")
+                proc = r.get("process", {})
+                print(f"    calls (profiled thread): {r.get('counts', {})}; process (all threads): "
+                      f"{proc.get('syscr', 0)} read / {proc.get('syscw', 0)} write syscalls, "
+                      f"{proc.get('read_bytes', 0) / 1e6:.0f} MB from / {proc.get('write_bytes', 0) / 1e6:.0f} MB to "
+                      f"the disk, {proc.get('voluntary_switches', 0)} voluntary / "
+                      f"{proc.get('involuntary_switches', 0)} involuntary switches, "
+                      f"{proc.get('minor_faults', 0)} minor faults")
 
 
 def write_json(path: Path, payload: dict) -> None:

@@ -354,12 +354,16 @@ def _save_round(job: Job) -> dict:
 
 
 def _profile(job: Job) -> dict:
-    """One save and one cold load under cProfile (checkpoint_profile.py)."""
+    """One save and one cold load under cProfile (checkpoint_profile.py); with `--load-warmup 0` the load is a
+    new job's (a resume at start-up)."""
     import torch.distributed as dist
     from checkpoint_profile import profile_run
     for x, y in _batches(job.args.warmup, job.args.batch, job.args.seq_len, job.vocab, job.rank):
         job.train_step(x, y)
-    return {"profile": profile_run(job, job.root, "", job.rank, _fsync_tree, _drop_cache, dist.barrier)}
+    fresh = None
+    if job.args.load_warmup == 0:  # the load profiled is a resume at start-up: a new job, no optimizer state
+        fresh = lambda: type(job)(job.args, job.root, job.rank)  # noqa: E731
+    return {"profile": profile_run(job, job.root, "", job.rank, _fsync_tree, _drop_cache, dist.barrier, fresh)}
 
 
 def _reshard_load(args, root: Path, engine: str) -> dict:

@@ -104,6 +104,15 @@ def test_recover_replaced_restores_the_newest_intact_copy_of_a_missing_tag(tmp_p
     assert commit.recover_replaced(str(tmp_path / "missing")) == []
 
 
+def test_recover_replaced_leaves_a_copy_alone_while_anything_holds_its_tag(tmp_path):
+    """Only a missing tag is recovered: an empty directory under the tag's name (which a rename would silently
+    replace) keeps it, and the intact replaced copy stays where it is."""
+    (tmp_path / "t1").mkdir()
+    _checkpoint(tmp_path / f"t1{REPLACED_MARK}x", 100)
+    assert commit.recover_replaced(str(tmp_path)) == []
+    assert os.listdir(tmp_path / "t1") == [] and os.path.isdir(tmp_path / f"t1{REPLACED_MARK}x")
+
+
 def test_recover_replaced_refuses_a_copy_of_another_format(tmp_path):
     path = tmp_path / f"t1{REPLACED_MARK}x"
     _checkpoint(path, 100)
@@ -138,3 +147,40 @@ def test_remove_stale_deletes_leftovers_but_the_kept_save_and_a_tag_s_only_copy(
     (tmp_path / "notes.txt").write_text("the user's")
     commit.remove_stale(save_dir, keep=str(tmp_path / f"t4{TMP_MARK}mine"))
     assert sorted(os.listdir(tmp_path)) == sorted(["t1", f"t2{REPLACED_MARK}x", f"t4{TMP_MARK}mine", "notes.txt"])
+
+
+def test_a_failed_commit_with_latest_leaves_latest_alone_and_no_pending_file(tmp_path):
+    """`latest`'s new file is written before the directory's rename (fsynced with the directory, #50); when that
+    commit fails, `latest` still names the previous checkpoint and the pending file is gone."""
+    first = commit.StagedDirectory(str(tmp_path / "t1"))
+    first.commit(latest=True)
+    second = commit.StagedDirectory(str(tmp_path / "t2"))
+    os.rmdir(second.path)  # the staged directory vanished: its fsync fails, naming it
+    with pytest.raises(OSError) as raised:
+        second.commit(latest=True)
+    assert raised.value.filename == second.path
+    assert commit.read_latest(str(tmp_path)) == "t1"
+    assert sorted(os.listdir(tmp_path)) == ["latest", "t1"]
+    third = commit.StagedDirectory(str(tmp_path / "t3"))
+    with open(os.path.join(third.path, "w.bin"), "wb") as handle:
+        handle.write(b"x")
+    third.commit(latest=True, also=[os.path.join(third.path, "w.bin")])
+    assert commit.read_latest(str(tmp_path)) == "t3" and sorted(os.listdir(tmp_path)) == ["latest", "t1", "t3"]
+
+
+def test_fsync_all_syncs_paths_and_descriptors_and_names_a_missing_path(tmp_path):
+    from zerotrain.checkpoint.directio import fsync_all
+    names = [str(tmp_path / f"f{i}") for i in range(5)]
+    for name in names:
+        with open(name, "wb") as handle:
+            handle.write(b"abc")
+    fd = os.open(names[0], os.O_RDONLY)
+    try:
+        fsync_all([(names[0], fd), *names[1:], str(tmp_path)])
+        os.fstat(fd)  # a descriptor handed in stays open: it is the caller's
+    finally:
+        os.close(fd)
+    missing = str(tmp_path / "missing")
+    with pytest.raises(OSError) as raised:
+        fsync_all([*names, missing])
+    assert raised.value.filename == missing

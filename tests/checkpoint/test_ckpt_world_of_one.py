@@ -473,3 +473,52 @@ def test_an_adapters_only_checkpoint_restores_the_trained_parameters_and_leaves_
     assert got["counters"] == at_save["counters"] and got["scheduler"] == at_save["scheduler"]
     engine.close()
     fresh.close()
+def test_a_save_makes_every_file_durable_before_its_directory_is_renamed_and_latest_moves(tmp_path, world_of_one,
+                                                                                        monkeypatch):
+    """Durability before `latest` moves (#50: the save's fsyncs are batched, so their order is checked here): every
+    file of the committed directory, and the staged directory itself, was fsynced before the directory was renamed
+    into place; the parent was fsynced after that rename and before `latest` was replaced; the replacing file was
+    fsynced before it replaced `latest`, and the parent after. The real calls run (recorded once they return)."""
+    save_dir = str(tmp_path / "ckpt")
+    engine = make_engine(stage=3)
+    train(engine, 0, 1)
+    engine.save_checkpoint(save_dir, tag="t0")  # a committed checkpoint before: `latest` is replaced, not created
+    events, lock = [], threading.Lock()
+    real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        real_fsync(fd)
+        with lock:
+            events.append(("fsync", path))
+
+    def move(real, kind):
+        def wrapped(src, dst, *args, **kwargs):
+            real(src, dst, *args, **kwargs)
+            with lock:
+                events.append((kind, os.path.abspath(src), os.path.abspath(dst)))
+        return wrapped
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", move(real_rename, "rename"))
+    monkeypatch.setattr(os, "replace", move(real_replace, "replace"))
+    train(engine, 1, 1)
+    final = engine.save_checkpoint(save_dir, tag="t1")
+    monkeypatch.undo()
+    parent = os.path.dirname(final)
+    latest = os.path.join(parent, "latest")
+    committed = next(i for i, e in enumerate(events) if e[0] == "rename" and e[2] == final)
+    staged = events[committed][1]
+    synced_before = {e[1] for e in events[:committed] if e[0] == "fsync"}
+    names = sorted(os.listdir(final))
+    assert "manifest.json" in names and any(n.endswith(".safetensors") for n in names), names
+    unsynced = [n for n in names if os.path.join(staged, n) not in synced_before]
+    assert not unsynced, f"not fsynced before the commit's rename: {unsynced}"
+    assert staged in synced_before, "the staged directory was not fsynced before its rename"
+    replaced = next(i for i, e in enumerate(events) if e[0] == "replace" and e[2] == latest)
+    assert committed < replaced
+    assert ("fsync", parent) in events[committed + 1:replaced], "the rename into place was not made durable first"
+    assert ("fsync", events[replaced][1]) in events[:replaced], "latest's new file was not fsynced before the rename"
+    assert ("fsync", parent) in events[replaced + 1:], "the replaced latest was not made durable"
+    with open(latest) as handle:
+        assert handle.read().strip() == "t1"

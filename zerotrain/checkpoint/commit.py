@@ -26,8 +26,9 @@ import logging
 import os
 import shutil
 import uuid
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
+from .directio import fsync_all
 from .format import (FORMAT_NAME, LATEST, MANIFEST, OLD_MARK, REPLACED_MARK, TMP_MARK, CheckpointError,
                      is_side_name, read_json)
 
@@ -120,14 +121,32 @@ class StagedDirectory:
         if create:
             os.makedirs(self.path, exist_ok=True)
 
-    def commit(self, latest: bool = False) -> str:
-        """Rename the finished directory to `final` (`commit_directory`); with `latest`, then write the parent's
-        `latest` naming it (atomically). Returns `final`."""
-        commit_directory(self.path, self.final)
-        event("committed")
+    def commit(self, latest: bool = False, also: Iterable[str] = ()) -> str:
+        """Rename the finished directory to `final` (`commit_directory`, which first fsyncs the files `also`
+        names, written but not yet fsynced, together with the directory); with `latest`, then replace the
+        parent's `latest` with a file naming it (atomically: its temporary file written and fsynced in that
+        same batch, renamed over `latest` after the directory's rename is durable, the parent fsynced).
+        Returns `final`."""
+        pending = None
         if latest:
-            atomic_write_text(os.path.join(self.parent, LATEST), os.path.basename(self.final))
-            event("latest-written")
+            pending = os.path.join(self.parent, f".{LATEST}{TMP_MARK}{self.save_id}")
+            with open(pending, "w") as handle:
+                handle.write(os.path.basename(self.final))
+            also = [*also, pending]
+        try:
+            commit_directory(self.path, self.final, also)
+            event("committed")
+            if pending is not None:
+                os.replace(pending, os.path.join(self.parent, LATEST))
+                pending = None
+                fsync_dir(self.parent)
+                event("latest-written")
+        finally:
+            if pending is not None:  # not renamed over `latest`: it goes
+                try:
+                    os.remove(pending)
+                except OSError:
+                    pass
         return self.final
 
     def discard(self) -> None:
@@ -143,14 +162,15 @@ class StagedDirectory:
         return False
 
 
-def commit_directory(temp: str, final: str) -> None:
+def commit_directory(temp: str, final: str, also: Iterable[str] = ()) -> None:
     """Rename the finished `temp` directory to `final` (replacing an older `final`) and fsync the parent.
 
-    An older `final` is moved aside to a `REPLACED_MARK` name first; a crash before the
-    second rename is undone by `recover_replaced`.
+    First `temp` itself and the files `also` names (written, not yet fsynced: the manifest) are fsynced
+    at once (`directio.fsync_all`: one journal commit for all of them). An older `final` is moved aside to
+    a `REPLACED_MARK` name first; a crash before the second rename is undone by `recover_replaced`.
     """
     parent = os.path.dirname(os.path.abspath(final))
-    fsync_dir(temp)
+    fsync_all([*also, temp])
     replaced = None
     if os.path.exists(final):
         replaced = f"{final}{REPLACED_MARK}{new_save_id()}"

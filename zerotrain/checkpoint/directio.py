@@ -173,6 +173,32 @@ class DurableFile:
             buffer.close()
 
 
+FSYNC_THREADS = 8  # fsyncs in flight at once: a journaling file system commits them together
+
+
+def fsync_all(targets: Iterable, threads: int = FSYNC_THREADS) -> None:
+    """fsync every target at once, each on its own thread (up to `threads`): a path (a file or a directory,
+    opened read-only for it) or a (path, open descriptor) pair. A journaling file system commits the fsyncs
+    in flight together (ext4 on this project's VM: six small files one after another 40 ms, at once 9 ms;
+    each fsync here is a journal commit and a flush of the disk's cache, ~4 ms). Returns when every target
+    is durable; the first failure, naming its path, is raised after all have finished."""
+    targets = [(target, None) if isinstance(target, str) else tuple(target) for target in targets]
+
+    def sync(path: str, fd: Optional[int]) -> None:
+        owned = fd is None
+        try:
+            if owned:
+                fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else 0))
+            os.fsync(fd)
+        except OSError as error:
+            raise with_path(error, path) from error
+        finally:
+            if owned and fd is not None:
+                os.close(fd)
+
+    run_parallel([lambda target=target: sync(*target) for target in targets], threads)
+
+
 def aligned_bytes(size: int) -> numpy.ndarray:
     """A new uint8 array of `size` bytes whose first byte is page-aligned (an O_DIRECT buffer)."""
     raw = numpy.empty(size + _BLOCK, dtype=numpy.uint8)
@@ -333,17 +359,15 @@ class PlacedWriter:
             raise OSError(f"{run[0]}: the run at byte {run[1]} wrote {position} of its {run[2]} bytes")
         return crc
 
-    def close(self) -> list[tuple[str, int, int, int]]:
-        """Finish the last run, fsync every file, close them; (path, offset, length, crc32) of every run."""
+    def close(self, also: Iterable[str] = ()) -> list[tuple[str, int, int, int]]:
+        """Finish the last run, fsync every file (and the files `also` names, written by the caller: one batch of
+        fsyncs in flight at once, `fsync_all`), close them; (path, offset, length, crc32) of every run."""
         try:
             self.end()
             for index in range(self._count):
                 self._wait(index)
-            for path, (buffered, _) in self._files.items():
-                try:
-                    os.fsync(buffered)  # the file's dirty pages (this process's partial blocks) and its length
-                except OSError as error:
-                    raise with_path(error, path) from error
+            # each file's dirty pages (this process's partial blocks) and its length, with the caller's files
+            fsync_all([(path, buffered) for path, (buffered, _) in self._files.items()] + list(also))
             runs = [(run[0], run[1], run[2], self._run_crc(run)) for run in self._runs]
         finally:
             self._release()

@@ -112,7 +112,8 @@ def st_dtype(code: str) -> torch.dtype:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    """Bytes per element of `dtype` (read off the dtype: no tensor is made; a save and a load ask once per piece)."""
+    return dtype.itemsize
 
 
 def numel_of(shape: Iterable[int]) -> int:

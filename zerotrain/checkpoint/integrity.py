@@ -71,12 +71,15 @@ def file_crc32(path: str) -> int:
     return crc
 
 
-def write_manifest(directory: str, files: dict[str, dict], info: dict) -> None:
-    """Write manifest.json (fsynced) listing `files` ({name: {"size", "crc32"}}) plus `info`."""
+def write_manifest(directory: str, files: dict[str, dict], info: dict, fsync: bool = True) -> str:
+    """Write manifest.json listing `files` ({name: {"size", "crc32"}}) plus `info`, fsynced unless `fsync` is
+    False (the caller fsyncs it: a save's commit, with its directory); returns its path."""
     payload = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "checksum": CHECKSUM,
                "committed_at_ns": time.time_ns(), **info,
                "files": {name: files[name] for name in sorted(files)}}
-    write_json(os.path.join(directory, MANIFEST), payload)
+    path = os.path.join(directory, MANIFEST)
+    write_json(path, payload, fsync=fsync)
+    return path
 
 
 def read_manifest(directory: str) -> dict:

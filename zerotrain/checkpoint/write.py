@@ -17,16 +17,18 @@ the training step do not interfere. The steps:
    files (`directio.PlacedWriter`: whole blocks O_DIRECT, the partial blocks two ranks
    share through the page cache), a file's writer adds its header, the optimizer scalars
    and the tensors that are whole on every rank; the crc32 of each run is computed as it
-   is written. Each rank fsyncs every file it wrote to; rank 0 adds the indexes,
-   trainer_state.json and the Hugging Face config; every rank adds its RNG state (and its
-   LoCo error buffers);
+   is written. Each rank first writes its small files: its RNG state (and its LoCo error
+   buffers); rank 0 the indexes, trainer_state.json and the Hugging Face config. It fsyncs
+   every file it wrote to, the small ones with them, in one batch (`PlacedWriter.close(also=...)`:
+   all in flight at once, one journal commit rather than one per file);
 4. all-gather each rank's outcome, small files and runs. A rank that failed keeps taking
    part in every collective (sending zeros) so that nobody waits for it; if any rank
    failed, every rank raises the same error and the temporary directory is removed;
 5. rank 0 joins the runs of each file into its crc32 (`integrity.join_runs`:
    `crc32_combine`, and the runs must cover the file exactly once), restores any checkpoint
-   whose re-save was interrupted (`commit.recover_replaced`), writes the manifest, renames
-   the directory into place, replaces `latest`, rotates old checkpoints; its outcome is
+   whose re-save was interrupted (`commit.recover_replaced`), writes the manifest, fsyncs it with
+   the directory and `latest`'s new file at once, renames the directory into place, replaces
+   `latest`, rotates old checkpoints; its outcome is
    all-gathered so every rank agrees whether the checkpoint committed.
 
 Durability is as before the in-place writes: every byte is fsynced by the rank that wrote it
@@ -105,9 +107,10 @@ class SaveJob:
                     error = caught
         if error is None:
             try:
-                self._write_in_place()
-                runs, self._out = self._out.close(), None
+                # the small files first, not fsynced: their fsyncs go in the data files' one batch (`close`)
                 self._write_small_files(temp, written)
+                self._write_in_place()
+                runs, self._out = self._out.close(also=[os.path.join(temp, name) for name in written]), None
                 commit.event("files-written")
             except Exception as caught:  # noqa: BLE001
                 error = caught
@@ -269,8 +272,10 @@ class SaveJob:
         self._out.end()
 
     def _write_small_files(self, temp: str, written: dict) -> None:
+        """This rank's JSON files (RNG state; rank 0: indexes, trainer state, extra files), not fsynced (the
+        caller fsyncs every name put in `written`), and its LoCo buffers (fsynced by `write_loco`)."""
         def put(name: str, payload) -> None:
-            size, crc = write_json(os.path.join(temp, name), payload)
+            size, crc = write_json(os.path.join(temp, name), payload, fsync=False)
             written[name] = manifest_entry(size, crc)
 
         put(rng_file(self.comm.rank), self.rng_state)
@@ -296,11 +301,11 @@ class SaveJob:
             sizes = {spec.name: self._layouts[spec.name].size for spec in self.plan.files}
             files.update({name: manifest_entry(sizes[name], crc) for name, crc in join_runs(temp, sizes, runs).items()})
             commit.recover_replaced(self.save_dir)  # an interrupted re-save of some tag: restore it first
-            write_manifest(temp, files, {"tag": self.tag, "save_id": self._save_id,
-                                         "global_steps": self.trainer_state["global_steps"],
-                                         "world_size": self.comm.size})
+            manifest = write_manifest(temp, files, {"tag": self.tag, "save_id": self._save_id,
+                                                    "global_steps": self.trainer_state["global_steps"],
+                                                    "world_size": self.comm.size}, fsync=False)
             commit.event("manifest-written")
-            staged.commit(latest=self.save_latest)
+            staged.commit(latest=self.save_latest, also=[manifest])  # fsynced with the directory, then renamed
         except Exception as error:  # noqa: BLE001 - every rank must learn it
             staged.discard()  # not committed: the partial directory goes, the previous checkpoint stays
             return describe_error(out_of_space(error, temp, self._needed_bytes()))
