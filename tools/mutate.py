@@ -215,6 +215,10 @@ COVERING: dict[str, list[str]] = {
     # `zerotrain launch` of a script under torchrun's agent: one worker, then two with a usage error
     "zerotrain/launcher.py": ["tests/test_launch_units.py"],
     "zerotrain/elastic.py": ["tests/test_launch_units.py"],
+    # issue #48 round 7 (mut7b): in-process refusals and engines at a world of one, then the keyword checks
+    "zerotrain/initialize.py": ["tests/test_initialize_units.py",
+                                "tests/test_dropin_api.py::test_initialize_rejects_unknown_keywords_with_a_suggestion",
+                                "tests/test_dropin_api.py::test_add_config_arguments_feeds_initialize"],
     "zerotrain/inference.py": ["tests/test_generate_command_units.py"],
     "zerotrain/runtime/utils.py": ["tests/test_runtime_utils_units.py"],  # against deepspeed.runtime.utils
     "zerotrain/checkpoint/slots.py": ["tests/checkpoint/test_ckpt_loco_slots_units.py"],
