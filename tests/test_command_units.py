@@ -55,3 +55,16 @@ def test_each_usage_error_has_its_exit_status():
 
     assert [usage_error_status(e) for e in (CLIError("x"), ConfigError("x"), ClusterEnvError("x"),
                                             CheckpointError("x"), ValueError("x"))] == [2, 2, 2, 1, None]
+
+
+def test_only_the_training_commands_take_underscore_spellings(capsys):
+    """`zerotrain launch`'s script arguments reach the script as given, even where one spells a launch option with
+    underscores (`--stop_timeout`, `--max_restarts`); a command that is no training command refuses an underscore
+    spelling it does not declare."""
+    parser = build_parser()
+    args = parser.parse_args(["launch", "--nproc", "2", "job.py", "--stop_timeout", "5", "--max_restarts=1"])
+    assert (args.nproc, args.stop_timeout, args.max_restarts) == (2, 300, 0)
+    assert (args.script, args.script_args) == ("job.py", ["--stop_timeout", "5", "--max_restarts=1"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--model", "m", "--config", "c", "--prompt", "p", "--max_new_tokens", "4"])
+    assert "zerotrain generate: error: unrecognized arguments: --max_new_tokens 4" in capsys.readouterr().err
