@@ -1,8 +1,9 @@
 """`zerotrain.initialize` in the pytest process (issue #48, round 7): the world checked against the sequence- and
 tensor-parallel sizes and the data-parallel size the batch triple counts (world / (tp x sp): refused before any
 process group, so a world larger than this process is only named), `args.local_rank` set only where `args` has one
-(as DeepSpeed's engine does), the trainable-parameter check for an optimizer from the config, and the
-die-with-parent switch under torchrun."""
+(as DeepSpeed's engine does), the trainable-parameter check for an optimizer from the config, the
+die-with-parent switch under torchrun, and DeepSpeed's keywords that do nothing here (a warning for each given a
+value that would change something)."""
 from __future__ import annotations
 
 import json
@@ -34,6 +35,12 @@ def test_the_world_must_hold_sequence_times_tensor_parallel_ranks_and_the_batch_
               "sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}}
     with pytest.raises(ConfigError, match=r"with dp_world_size=1\b"):
         zerotrain.initialize(model=OddMLP(), config=config)
+    # at a world of 2 with tensor_parallel 2, a model that cannot be split is refused before the process group
+    # (which would wait for the absent peer: the short comm timeout ends a run that got that far)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="fc1 has 7 output features, which do not split into 1 part"):
+        zerotrain.initialize(model=OddMLP(), config={"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
+                                                     "comm_timeout_seconds": 10, "tensor_parallel": {"autotp_size": 2}})
 
 
 def test_args_local_rank_is_set_only_where_args_has_one(tmp_path, world_of_one):
@@ -76,3 +83,25 @@ def test_a_rank_under_torchrun_told_not_to_die_with_its_parent_starts_no_watch(m
     zerotrain.initialize(model=OddMLP(), config={"train_micro_batch_size_per_gpu": 1, "optimizer": ADAMW})
     assert parent_death_signal() == before
     assert "zerotrain-parent-watch" not in [thread.name for thread in threading.enumerate()]
+
+
+def test_deepspeeds_keywords_without_effect_warn_once_each_and_only_when_they_would_change_something(world_of_one):
+    """`distributed_port`, `mpu`, `mesh_param`, `dist_init_required` are DeepSpeed's `initialize` keywords that do
+    nothing here: accepted, with a warning naming the one given a value that would change DeepSpeed's behaviour
+    (not for None, nor for dist_init_required=True, which is what zerotrain does anyway)."""
+    import warnings
+
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": ADAMW}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zerotrain.initialize(model=OddMLP(), config=config, distributed_port=1234, mpu=None, mesh_param=None,
+                             dist_init_required=True)
+        torch.distributed.destroy_process_group()
+        zerotrain.initialize(model=OddMLP(), config=config, dist_init_required=False, mesh_param=(1, 1))
+    assert [str(w.message) for w in caught if "has no effect" in str(w.message)] == [
+        "zerotrain.initialize(distributed_port=...) has no effect: the rendezvous port comes from the launcher "
+        "(MASTER_PORT)",
+        "zerotrain.initialize(dist_init_required=...) has no effect: zerotrain starts torch.distributed when it is "
+        "not running yet",
+        "zerotrain.initialize(mesh_param=...) has no effect: the data/sequence/tensor grid comes from the config "
+        "(sequence_parallel_size, tensor_parallel)"]
