@@ -2,7 +2,10 @@
 `zerotrain.elastic` and `zerotrain.launcher`): torchrun's agent started by `run_torchrun`, one worker running a
 script as `__main__` with DeepSpeed's `--local_rank` and the environment the agent sets; then two workers, one
 stopping on a usage error while its peer waits: the job's status is the error's, its line is printed once, and
-the workers are not restarted (run_torchrun's default, `zerotrain generate`'s)."""
+the workers are not restarted (run_torchrun's default, `zerotrain generate`'s). Then (issue #48, round 7) the
+agent's other ends, three agents at once: a worker SIGKILLed and restarted, one raising under torch's `@record`
+(its error copied to the agent's own error file), the agent stopped by SIGTERM; and `zerotrain launch` of a
+worker that saves on the forwarded stop."""
 from __future__ import annotations
 
 import json
@@ -85,9 +88,11 @@ FAILING = textwrap.dedent('''
             raise RuntimeError(f"boom at restart {restart}")
         main()
     elif mode in ("term", "stop"):  # the agent told to stop (a scheduler's SIGTERM), the workers after it
-        from zerotrain.lifecycle import StopRequest
+        stop = None
+        if mode == "stop":  # a worker that saves on the forwarded signal (zerotrain's, imported only here)
+            from zerotrain.lifecycle import StopRequest
 
-        stop = StopRequest().install("SIGTERM") if mode == "stop" else None
+            stop = StopRequest().install("SIGTERM")
         os.kill(os.getppid(), signal.SIGTERM)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not (stop and stop.requested):
@@ -123,7 +128,8 @@ def test_a_crash_keeps_torchruns_report_a_restart_reruns_and_a_stop_is_128_plus_
                                       text=True)  # the three agents at once: the test waits for the slowest only
 
     # `zerotrain launch`: the worker saves on the forwarded stop and says where; the launcher prints it once
-    assert main(["launch", "--nproc", "1", str(script), "stop", str(tmp_path / "stop.starts")]) == 128 + signal.SIGTERM
+    status = main(["launch", "--nproc", "1", str(script), "stop", str(tmp_path / "stop.starts")])
+    assert status == 128 + signal.SIGTERM
     assert capfd.readouterr().err.splitlines() == [
         "zerotrain: received SIGTERM: stopping at the next step boundary (a checkpoint is saved where a save "
         "directory is set); send it again to exit at once",
@@ -169,6 +175,7 @@ def test_the_agents_filter_holds_torchelastics_worker_lines_and_passes_any_other
             logger.info("[%s] Worker group FAILED. %s/%s attempts left", "default", 1, 1)
     finally:
         logger.removeFilter(hold)
-    assert [r.getMessage() for r in caplog.records] == ["rendezvous closed", "[default] Worker group FAILED. 1/1 attempts left"]
+    assert [r.getMessage() for r in caplog.records] == ["rendezvous closed",
+                                                       "[default] Worker group FAILED. 1/1 attempts left"]
     assert [r.getMessage() for r in hold.held] == ["Sending process 7 closing signal SIGTERM",
                                                    "failed (exitcode: 1) local_rank: 0"]

@@ -208,8 +208,10 @@ COVERING: dict[str, list[str]] = {
     "zerotrain/checkpoint/source.py": ["tests/checkpoint/test_ckpt_world_of_one.py"],
     # issue #48 round 6 (mut6b: commands and process plumbing), in-process first
     "zerotrain/train/command.py": ["tests/test_train_command_units.py", "tests/test_train_flags.py"],
-    # a one-stage split Llama at a world of one (a middle stage, pp >= 2: tests/pipe/test_pipeline_cli.py's launches)
-    "zerotrain/train/pipeline.py": ["tests/pipe/test_train_pipeline_units.py"],
+    # a one-stage split Llama at a world of one, then the world-2 run of 2 stages (the rules of a stage that is not
+    # both the first and the last: which stage reads, counts tokens, evaluates)
+    "zerotrain/train/pipeline.py": ["tests/pipe/test_train_pipeline_units.py",
+                                    "tests/pipe/test_pipeline_cli.py::test_train_pipeline_parallel_size_2_on_a_data_file"],
     "zerotrain/command.py": ["tests/test_command_units.py", "tests/test_train_command_units.py",
                              "tests/test_launch_units.py"],
     # `zerotrain launch` of a script under torchrun's agent: one worker, then two with a usage error
