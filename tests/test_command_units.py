@@ -41,11 +41,14 @@ def test_an_unknown_rendezvous_backend_is_refused_by_the_parser(capsys):
     assert "invalid choice: 'etcd'" in capsys.readouterr().err
 
 
-def test_underscore_spellings_respell_options_never_values():
+def test_underscore_spellings_respell_options_never_values(capsys):
     """`--a_b[=V]` is `--a-b[=V]`; a value such as `./save_dir` (whose tail spells the option `--save-dir`) or
-    `x_y` stays as given."""
+    `x_y` stays as given; after a bare `--` nothing is an option (argparse's rule kept)."""
     args = _train("--output-dir", "./save_dir", "--learning_rate=3e-4", "--text_field", "x_y", "--seq_len", "16")
     assert (args.save_dir, args.learning_rate, args.text_field, args.seq_len) == ("./save_dir", 3e-4, "x_y", 16)
+    with pytest.raises(SystemExit):
+        _train("--seq_len", "16", "--", "--seq-len", "8")
+    assert "zerotrain train: error: unrecognized arguments: -- --seq-len 8" in capsys.readouterr().err
 
 
 def test_each_usage_error_has_its_exit_status():
@@ -55,3 +58,36 @@ def test_each_usage_error_has_its_exit_status():
 
     assert [usage_error_status(e) for e in (CLIError("x"), ConfigError("x"), ClusterEnvError("x"),
                                             CheckpointError("x"), ValueError("x"))] == [2, 2, 2, 1, None]
+
+
+def test_only_the_training_commands_take_underscore_spellings(capsys):
+    """`zerotrain launch`'s script arguments reach the script as given, even where one spells a launch option with
+    underscores (`--stop_timeout`, `--max_restarts`); a command that is no training command refuses an underscore
+    spelling it does not declare."""
+    parser = build_parser()
+    args = parser.parse_args(["launch", "--nproc", "2", "job.py", "--stop_timeout", "5", "--max_restarts=1"])
+    assert (args.nproc, args.stop_timeout, args.max_restarts) == (2, 300, 0)
+    assert (args.script, args.script_args) == ("job.py", ["--stop_timeout", "5", "--max_restarts=1"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--model", "m", "--config", "c", "--prompt", "p", "--max_new_tokens", "4"])
+    assert "zerotrain generate: error: unrecognized arguments: --max_new_tokens 4" in capsys.readouterr().err
+
+
+def test_a_one_node_job_keeps_its_master_address_and_an_elastic_one_is_multi_node(capsys):
+    """`--master-addr` on one node (no port): a static rendezvous at that address on torchrun's default port, not
+    `--standalone`'s free local port; `--rdzv-backend c10d` is a multi-node job (launched through the agent) even
+    with one node; the usage names the node options by their hyphenated spellings."""
+    from zerotrain.command import multi_node
+
+    assert node_rendezvous(_train("--master-addr", "h0")) == [
+        "--nnodes", "1", "--node_rank", "0", "--master_addr", "h0", "--master_port", "29500", "--nproc_per_node", "1"]
+    elastic = _train("--rdzv-backend", "c10d", "--rdzv-endpoint", "h0:29400")
+    assert multi_node(elastic) and not multi_node(_train("--nproc", "2"))
+    assert multi_node(_train("--nnodes", "2", "--master-addr", "h0", "--master-port", "1"))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    usage = " ".join(capsys.readouterr().out.split())
+    for shown in ("[--nnodes N|MIN:MAX]", "[--node-rank R]", "[--master-addr HOST]", "[--master-port P]",
+                  "[--rdzv-backend {static,c10d}]", "[--rdzv-endpoint HOST:PORT]", "[--rdzv-id ID]",
+                  "[--rdzv-conf K=V,...]"):
+        assert shown in usage, (shown, usage)

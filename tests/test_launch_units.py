@@ -2,7 +2,10 @@
 `zerotrain.elastic` and `zerotrain.launcher`): torchrun's agent started by `run_torchrun`, one worker running a
 script as `__main__` with DeepSpeed's `--local_rank` and the environment the agent sets; then two workers, one
 stopping on a usage error while its peer waits: the job's status is the error's, its line is printed once, and
-the workers are not restarted (run_torchrun's default, `zerotrain generate`'s)."""
+the workers are not restarted (run_torchrun's default, `zerotrain generate`'s). Then (issue #48, round 7) the
+agent's other ends, three agents at once: a worker SIGKILLed and restarted, one raising under torch's `@record`
+(its error copied to the agent's own error file), the agent stopped by SIGTERM; and `zerotrain launch` of a
+worker that saves on the forwarded stop."""
 from __future__ import annotations
 
 import json
@@ -67,3 +70,112 @@ def test_launch_runs_the_script_as_main_under_the_agent_and_a_usage_error_is_one
     err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]  # the agent's and workers' too
     assert err == ["zerotrain: error: train_batch_size: 7 is not what this script wants"], err
     assert Path(f"{out}.starts").read_text() == "started\n"
+
+
+FAILING = textwrap.dedent('''
+    import os, signal, sys, time
+    mode, out = sys.argv[1], sys.argv[2]
+    restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    with open(out, "a") as starts:
+        starts.write(restart + "\\n")
+    if mode == "kill":  # a worker killed by the system (the OOM killer's SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif mode == "raise":  # a crash in a script that records its error as torchrun's docs say
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        @record
+        def main():
+            raise RuntimeError(f"boom at restart {restart}")
+        main()
+    elif mode in ("term", "stop"):  # the agent told to stop (a scheduler's SIGTERM), the workers after it
+        stop = None
+        if mode == "stop":  # a worker that saves on the forwarded signal (zerotrain's, imported only here)
+            from zerotrain.lifecycle import StopRequest
+
+            stop = StopRequest().install("SIGTERM")
+        os.kill(os.getppid(), signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (stop and stop.requested):
+            time.sleep(0.05)  # "term": SIGTERM's default action ends it here
+        stop.tell_launcher(stop.signal_name, "step 3; checkpoint ck/global_step3")
+        sys.exit(StopRequest.exit_status(stop.signal_name))
+''')
+
+
+def test_a_crash_keeps_torchruns_report_a_restart_reruns_and_a_stop_is_128_plus_the_signal(tmp_path, capfd):
+    """`python -m zerotrain.elastic` (as `run_torchrun` starts it, here directly, with a scheduler's error file)
+    on a worker that is SIGKILLed (restarted once: both attempts' failures and the restart are reported, torchrun's
+    failure table last), one that raises (its error copied to the agent's error file, the traceback in the
+    table), one whose agent gets SIGTERM (status 143, nothing printed); then `zerotrain launch` of a worker that
+    saves on the forwarded SIGTERM: its stop line once, status 143."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING)
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env.pop("LOGLEVEL", None)
+    runs = {}
+    for mode, restarts, extra in (("kill", 1, {"LOGLEVEL": "INFO"}),
+                                  ("raise", 0, {"TORCHELASTIC_ERROR_FILE": str(tmp_path / "agent-error.json")}),
+                                  ("term", 0, {})):
+        cmd = [sys.executable, "-m", "zerotrain.elastic", "--standalone", "--nproc_per_node", "1", "--max_restarts",
+               str(restarts), "--monitor_interval", "0.1", str(script), mode, str(tmp_path / f"{mode}.starts")]
+        runs[mode] = subprocess.Popen(cmd, env={**env, **extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True)  # the three agents at once: the test waits for the slowest only
+
+    # `zerotrain launch`: the worker saves on the forwarded stop and says where; the launcher prints it once
+    status = main(["launch", "--nproc", "1", str(script), "stop", str(tmp_path / "stop.starts")])
+    assert status == 128 + signal.SIGTERM
+    assert capfd.readouterr().err.splitlines() == [
+        "zerotrain: received SIGTERM: stopping at the next step boundary (a checkpoint is saved where a save "
+        "directory is set); send it again to exit at once",
+        "zerotrain: stopped by SIGTERM at step 3; checkpoint ck/global_step3"]
+
+    done = {mode: (run.wait(timeout=240), run.communicate()[1]) for mode, run in runs.items()}
+    # SIGKILLed twice: one restart (the worker's restart counts), both failures, torchrun's report last
+    status, err = done["kill"]
+    assert status == 1 and (tmp_path / "kill.starts").read_text() == "0\n1\n", err
+    assert "[default] Worker group FAILED. 1/1 attempts left; will restart worker group" in err, err
+    assert err.count("failed (exitcode: -9) local_rank: 0") == 2, err
+    lines = err.rstrip().splitlines()
+    assert "traceback : Signal 9 (SIGKILL) received by PID" in lines[-2] and set(lines[-1]) == {"="}, err
+    # a crash: the worker's traceback in the table, its error copied to the agent's own error file
+    status, err = done["raise"]
+    assert status == 1 and (tmp_path / "raise.starts").read_text() == "0\n", err
+    lines = err.rstrip().splitlines()
+    assert lines[-3:-1] == ["  RuntimeError: boom at restart 0", "  "], err
+    assert set(lines[-1]) == {"="} and "failed (exitcode: 1) local_rank: 0" in err, err
+    copied = json.loads((tmp_path / "agent-error.json").read_text())
+    assert copied["message"]["message"] == "RuntimeError: boom at restart 0", copied
+    # the agent stopped: its status 128 + SIGTERM, nothing printed (the launcher reports a stop)
+    assert done["term"] == (128 + signal.SIGTERM, ""), done["term"]
+    assert (tmp_path / "term.starts").read_text() == "0\n"
+
+
+def test_the_agents_filter_holds_torchelastics_worker_lines_and_passes_any_other_record(caplog):
+    """What `zerotrain.elastic` holds back until a run's outcome is known (torchelastic's lines about the workers
+    it stopped or lost) and what it lets through: every other line, also one whose message is not a string
+    (`logger.warning(exc)` is valid logging)."""
+    import logging
+
+    from zerotrain.elastic import _HoldBack
+
+    hold = _HoldBack()
+    logger = logging.getLogger("tests.launch_units.agent")
+    logger.addFilter(hold)
+    try:
+        with caplog.at_level(logging.INFO, logger=logger.name):
+            logger.warning("Sending process %s closing signal %s", 7, "SIGTERM")
+            logger.error("failed (exitcode: %s) local_rank: %s", 1, 0)
+            logger.warning(RuntimeError("rendezvous closed"))
+            logger.info("[%s] Worker group FAILED. %s/%s attempts left", "default", 1, 1)
+    finally:
+        logger.removeFilter(hold)
+    assert [r.getMessage() for r in caplog.records] == ["rendezvous closed",
+                                                       "[default] Worker group FAILED. 1/1 attempts left"]
+    assert [r.getMessage() for r in hold.held] == ["Sending process 7 closing signal SIGTERM",
+                                                   "failed (exitcode: 1) local_rank: 0"]

@@ -219,13 +219,19 @@ COVERING: dict[str, list[str]] = {
     "zerotrain/checkpoint/source.py": ["tests/checkpoint/test_ckpt_world_of_one.py"],
     # issue #48 round 6 (mut6b: commands and process plumbing), in-process first
     "zerotrain/train/command.py": ["tests/test_train_command_units.py", "tests/test_train_flags.py"],
-    # a one-stage split Llama at a world of one (a middle stage, pp >= 2: tests/pipe/test_pipeline_cli.py's launches)
-    "zerotrain/train/pipeline.py": ["tests/pipe/test_train_pipeline_units.py"],
+    # a one-stage split Llama at a world of one, then the world-2 run of 2 stages (the rules of a stage that is not
+    # both the first and the last: which stage reads, counts tokens, evaluates)
+    "zerotrain/train/pipeline.py": ["tests/pipe/test_train_pipeline_units.py",
+                                    "tests/pipe/test_pipeline_cli.py::test_train_pipeline_parallel_size_2_on_a_data_file"],
     "zerotrain/command.py": ["tests/test_command_units.py", "tests/test_train_command_units.py",
                              "tests/test_launch_units.py"],
     # `zerotrain launch` of a script under torchrun's agent: one worker, then two with a usage error
     "zerotrain/launcher.py": ["tests/test_launch_units.py"],
     "zerotrain/elastic.py": ["tests/test_launch_units.py"],
+    # issue #48 round 7 (mut7b): in-process refusals and engines at a world of one, then the keyword checks
+    "zerotrain/initialize.py": ["tests/test_initialize_units.py",
+                                "tests/test_dropin_api.py::test_initialize_rejects_unknown_keywords_with_a_suggestion",
+                                "tests/test_dropin_api.py::test_add_config_arguments_feeds_initialize"],
     "zerotrain/inference.py": ["tests/test_generate_command_units.py"],
     "zerotrain/runtime/utils.py": ["tests/test_runtime_utils_units.py"],  # against deepspeed.runtime.utils
     # the aliases in-process; CheckpointState's optional fields left out by a view (a world-of-one engine)

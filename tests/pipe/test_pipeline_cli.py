@@ -39,6 +39,9 @@ def test_train_pipeline_parallel_size_2_on_a_data_file(tmp_path, tiny_llama_dir)
     steps = [r for r in records if "loss" in r and r.get("step")]
     assert [r["step"] for r in steps] == [1, 2] and all(0 < r["loss"] < 20 for r in steps), records
     assert "eval_loss" not in steps[0], steps[0]  # evaluated after the last step only (no --eval-steps)
+    # the run's input tokens: the first stage's padded micro-batches (2 steps x 2 x 2 samples x 32), the second
+    # stage's ranks adding none
+    assert json.loads((log / "summary.json").read_text())["tokens"] == 2 * 2 * 2 * 32
     latest = (save / "latest").read_text().strip()
     trained = AutoModelForCausalLM.from_pretrained(str(save / latest), dtype=torch.float32)
     # the eval loss: the trained model in one process, plain PyTorch, on the same 4 micro-batches (the eval set's

@@ -96,5 +96,15 @@ def test_the_pipeline_step_and_evaluator_give_the_plain_models_loss_and_adamw_st
         resumed.seek(ACCUMULATION * MICRO)
         totals = reduce_step(resumed.run())
         assert totals.loss == pytest.approx((after[2] + after[3]) / 2, rel=1e-5)
+
+        # a step given no loader reads on from the engine's own iterator (DeepSpeed's train_batch() without one
+        # goes on with the last one it read): micro-batches 4 and 5, one more plain step later
+        optimizer.zero_grad()
+        (sum(reference(**batch).loss for batch in data[2:4]) / ACCUMULATION).backward()
+        optimizer.step()
+        later = _losses(reference, data)
+        totals = reduce_step(PipelineLMStep(engine, None, SEQ).run())
+        assert totals.loss == pytest.approx((later[4] + later[5]) / 2, rel=1e-5)
+        assert totals.tokens == MICRO * ACCUMULATION * SEQ  # this rank is the first stage
     finally:
         engine.close()
