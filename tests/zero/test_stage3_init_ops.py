@@ -116,3 +116,30 @@ def test_an_init_time_slice_answers_metadata_and_fp32_stage3_keeps_no_master_cop
     engine.step()
     numel, buckets = sum(p.numel() for p in model.parameters()), len(engine.zero_optimizer.buckets)
     assert engine.memory_report()["optimizer_states"] == 2 * 4 * numel + 4 * buckets, engine.memory_report()
+
+
+def test_the_placeholder_warning_points_at_the_users_state_dict_call(world_of_one, monkeypatch):
+    """World of one, in-process. `state_dict()` of a stage-3 model warns once that partitioned parameters are
+    placeholders; the warning names the line that called `state_dict()` (here), not a line of torch's module
+    recursion, at any depth of the module tree."""
+    import inspect
+    import warnings
+
+    import zerotrain
+    from zerotrain.zero.stage3 import partition
+
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 0}
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Sequential(OddMLP()))
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    for module in (model, model[0][0]):  # the whole tree, a leaf's parent alone
+        monkeypatch.setattr(partition, "_warned_placeholders", [])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            line = inspect.currentframe().f_lineno + 1
+            saved = module.state_dict()
+        placeholders = [w for w in caught if "empty placeholders" in str(w.message)]
+        assert [(w.filename, w.lineno) for w in placeholders] == [(__file__, line)], \
+            [(w.filename, w.lineno) for w in caught]
+        assert saved[next(key for key in saved if key.endswith("fc1.weight"))].shape == (0,)
