@@ -118,6 +118,32 @@ def test_an_init_time_slice_answers_metadata_and_fp32_stage3_keeps_no_master_cop
     assert engine.memory_report()["optimizer_states"] == 2 * 4 * numel + 4 * buckets, engine.memory_report()
 
 
+def test_a_bf16_weight_written_in_gathered_parameters_is_what_the_next_step_starts_from(world_of_one):
+    """World of one, in-process. A bf16 stage-3 engine keeps an fp32 master of each shard apart from the bf16
+    shard: a weight written inside `GatheredParameters(modifier_rank=0)` reaches both, so the next step starts from
+    the written values (one AdamW step of lr 1e-2 moves each by about 1e-2), not from the old master's (torch's
+    init: |0.5 - w| >= 0.09 for every fc1 weight)."""
+    import zerotrain
+    from models_for_tests import make_batches
+
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 0}
+    torch.manual_seed(0)
+    engine, *_ = zerotrain.initialize(model=OddMLP(), config=config)
+    weight = engine.module.fc1.weight
+    assert is_released(weight) and weight._zero.master.dtype == torch.float32
+    with zerotrain.zero.GatheredParameters([weight], modifier_rank=0):
+        with torch.no_grad():
+            weight.fill_(0.5)
+    x, y = make_batches(1, 2)[0]
+    engine.backward(engine(x.bfloat16(), y.bfloat16()))
+    engine.step()
+    with zerotrain.zero.GatheredParameters([weight]):
+        moved = (weight.detach().float() - 0.5).abs()
+    assert 0 < moved.max() <= 0.02, moved.max()
+
+
 def test_the_placeholder_warning_points_at_the_users_state_dict_call(world_of_one, monkeypatch):
     """World of one, in-process. `state_dict()` of a stage-3 model warns once that partitioned parameters are
     placeholders; the warning names the line that called `state_dict()` (here), not a line of torch's module
