@@ -485,6 +485,11 @@ COVERING: dict[str, list[str]] = {
         "tests/test_estimate.py::test_qgz_loco_buffers_of_one_and_two_hops_are_the_reducers",  # round 6 (mut6d)
         "tests/test_estimate.py::test_the_estimates_options_are_estimate_option_on_the_device_asked",
         "tests/test_fp8.py::test_estimate_adds_the_largest_float8_transient_and_no_state",  # fp8's row (in-process)
+        # round 7 (mut7a), in-process: the largest-fit search's probes, the command's flags and table lines, the
+        # pipeline's per-stage lines
+        "tests/test_estimate.py::test_the_largest_fit_search_builds_only_the_models_its_prediction_and_check_need",
+        "tests/test_estimate.py::test_the_command_passes_and_prints_what_it_was_asked",
+        "tests/pipe/test_pipeline.py::test_estimate_per_stage",
         "tests/test_budget.py"],
     "zerotrain/pretrained.py": ["tests/test_pretrained_units.py"],
     "zerotrain/plots.py": ["tests/test_plots.py", "tests/monitor/test_memory_timeline.py"],
