@@ -259,3 +259,19 @@ def test_compressed_weight_gathers_asked_for_at_one_rank_gather_the_plain_values
     stats = fetcher.stats
     assert stats["gathers"] > 0 and stats["quantized_gathers"] == stats["fp8_gathers"] == 0, stats
     assert stats["fp8_scale_updates"] == 0, stats
+
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_every_micro_step_gathers_into_buffers_it_released(sequential):
+    """The fetcher keeps released gather buffers (unreferenced, up to 4x the largest parameter's bytes) for the next
+    gathers: in every micro-step some gather takes a buffer an earlier release gave back instead of a new one
+    (backward's gathers the forward's), and the gradients stay one process's."""
+    model, weights = stage3(sequential)
+    pool = weights.fetcher.pool
+    for step, (x, y) in enumerate(batches(3)):
+        before = dict(pool.stats)
+        grads = micro_step(model, weights, x, y)
+        for name, want in reference_grads(x, y).items():
+            torch.testing.assert_close(grads[name], want, msg=lambda m: f"step {step} {name}: {m}")
+        assert pool.stats["reused"] > before["reused"], (step, before, pool.stats)

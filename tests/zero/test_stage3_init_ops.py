@@ -169,3 +169,14 @@ def test_the_placeholder_warning_points_at_the_users_state_dict_call(world_of_on
         assert [(w.filename, w.lineno) for w in placeholders] == [(__file__, line)], \
             [(w.filename, w.lineno) for w in caught]
         assert saved[next(key for key in saved if key.endswith("fc1.weight"))].shape == (0,)
+
+
+def test_parameter_status_names_and_values_are_deepspeeds():
+    """`param.ds_status` answers with DeepSpeed's `ZeroParamStatus`: the same three members and values (code written
+    for DeepSpeed compares against each, e.g. `ds_status == ZeroParamStatus.NOT_AVAILABLE` before a gather)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus as DeepSpeeds
+
+    from zerotrain.runtime.zero.partition_parameters import ZeroParamStatus
+
+    assert {status.name: status.value for status in ZeroParamStatus} == \
+        {status.name: status.value for status in DeepSpeeds}
