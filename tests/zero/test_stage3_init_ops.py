@@ -180,3 +180,30 @@ def test_parameter_status_names_and_values_are_deepspeeds():
 
     assert {status.name: status.value for status in ZeroParamStatus} == \
         {status.name: status.value for status in DeepSpeeds}
+
+
+def test_writes_to_a_released_parameter_wait_for_a_pending_snapshot_copy_first():
+    """World of one, in-process. An async checkpoint's snapshot may still be copying the shards when user code writes
+    a released parameter in place (an element-wise op on the shard, or an initializer on a transient full tensor):
+    the write first waits on the engine's fence, so the copy made by then holds the values from before the write."""
+    from zerotrain.comm import Comm
+    from zerotrain.zero.stage3.setup import partition_module
+
+    class CopyAtWait:  # a snapshot copy that completes when a writer waits for it
+        def __init__(self) -> None:
+            self.copies = []
+
+        def wait(self) -> None:
+            self.copies.append(weight._zero.shard.clone())
+
+    torch.manual_seed(0)
+    model, fence = torch.nn.Linear(6, 8), CopyAtWait()
+    partition_module(model, Comm(None, 0, 1), {id(p): 0 for p in model.parameters()}, 0, False, 10**6, fence=fence)
+    weight = model.weight
+    assert is_released(weight)
+    for write in (lambda: weight.add_(1.0), lambda: torch.nn.init.kaiming_uniform_(weight)):
+        before = weight._zero.shard.clone()
+        with torch.no_grad():
+            write()
+        assert len(fence.copies) == 1 and torch.equal(fence.copies.pop(), before)
+        assert not torch.equal(weight._zero.shard, before)
