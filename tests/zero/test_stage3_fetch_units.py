@@ -109,6 +109,8 @@ def test_micro_steps_gather_exact_values_release_everything_and_count_peaks_from
     largest_param = 8 * 8
     assert stats["peak_live_bytes"] >= 4 * LARGEST, stats  # a module's weight and bias live at once
     assert stats["peak_held_bytes"] >= stats["peak_live_bytes"], stats
+    # gathered and in flight at once: every element counted in bytes (fp32: 4 each), the two peaks taken together
+    assert stats["peak_held_bytes"] == 4 * stats["peak_live_inflight_numel"], stats
     assert stats["peak_live_inflight_numel"] >= LARGEST, stats
     assert stats["peak_inflight_numel"] >= (largest_param if sequential else LARGEST), stats
     # one gather's transient memory at its largest: sequential, the largest parameter's buffer; bucketed, the largest
