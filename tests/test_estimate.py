@@ -905,4 +905,7 @@ def test_the_command_passes_and_prints_what_it_was_asked(tmp_path, capsys):
     for unit, factor in units.items():
         assert parse_bytes(f"3{unit}") == parse_bytes(f"3 {unit.upper()}") == 3 * factor, unit
     assert parse_bytes("1.5KiB") == 1536
+    # and the table's sizes: bytes below 1 KiB as bytes, each unit from exactly 1024 of the one below
+    assert [format_bytes(n) for n in (0, 1023, 1024, 1536, 2**20 - 1, 2**20, 3 * 2**30, 2**40, 2**50)] == \
+        ["0", "1023 B", "1.00 KiB", "1.50 KiB", "1024.00 KiB", "1.00 MiB", "3.00 GiB", "1.00 TiB", "1024.00 TiB"]
 
