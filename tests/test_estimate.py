@@ -727,7 +727,9 @@ def test_estimate_matches_the_engine_at_a_world_of_one(tmp_path, world_of_one):
 # The NVMe cases of CASES at a world of one (in the pytest process: what tools/mutate.py runs per mutant):
 # streamed (no clipping), the norm's first pass (parameters on NVMe), spilled gradients (parameters in host memory),
 # and stage 2's bf16 records.
-NVME_WORLD_OF_ONE_CASES = [STREAMED, FIRST_PASS, SPILLED, (2, ("nvme", 1.0), None, "bf16 records")]
+# fp32 spilled: the spill's host buffers hold no fp32 working copy of a chunk (bf16's do)
+SPILLED_FP32 = (3, ("nvme", 1.0), "cpu", "fp32")
+NVME_WORLD_OF_ONE_CASES = [STREAMED, FIRST_PASS, SPILLED, SPILLED_FP32, (2, ("nvme", 1.0), None, "bf16 records")]
 
 
 def test_estimate_matches_the_engine_on_nvme_at_a_world_of_one(tmp_path, world_of_one):
@@ -754,7 +756,7 @@ def test_estimate_matches_the_engine_on_nvme_at_a_world_of_one(tmp_path, world_o
         rows, where = predicted.rows, f"case {case}"
         assert report["parameters"] == rows["parameters"]["device"], where
         assert report["gradients"] == rows["gradients"]["device"], where
-        assert (rows["gradients"]["device"] == 0) == (case in (STREAMED, FIRST_PASS, SPILLED)), where
+        assert (rows["gradients"]["device"] == 0) == (case in (STREAMED, FIRST_PASS, SPILLED, SPILLED_FP32)), where
         assert report["optimizer_states"] == rows["master_weights"]["device"] + rows["optimizer_states"]["device"], \
             where
         offload = report["offload"]
@@ -767,7 +769,7 @@ def test_estimate_matches_the_engine_on_nvme_at_a_world_of_one(tmp_path, world_o
         assert files == predicted.nvme_files > 0, (where, files, predicted.nvme_files)
         assert first_pass == (case == FIRST_PASS), where
         assert any("norm from a first backward" in note for note in predicted.notes) == (case == FIRST_PASS), where
-        assert (spilled > 0) == (case == SPILLED), where
+        assert (spilled > 0) == (case in (SPILLED, SPILLED_FP32)), where
 
 
 def test_qgz_loco_buffers_of_one_and_two_hops_are_the_reducers():
@@ -813,3 +815,97 @@ def test_the_estimates_options_are_estimate_option_on_the_device_asked():
                                     device_type=device).as_dict() for device in ("cpu", "cuda")}
     assert rows["cpu"] != rows["cuda"]
     assert report["options"] == [rows["cpu"]]
+
+
+@pytest.mark.parametrize("width,memory", [(64, 40_000_000), (64, 3_000_000)])
+def test_the_largest_fit_search_builds_only_the_models_its_prediction_and_check_need(width, memory):
+    """`largest_fitting`'s contract (each `peak` is a meta model built and estimated: seconds on a real family):
+    the depth is predicted from the line through the model's depth and the next, each width from its 1- and
+    2-layer models, and only the prediction and the next step are checked at the full depth when the bytes are
+    exactly linear in the depth. The widths probed grow by doubling from the model's own: none beyond twice
+    the answer or the model's own width. The answers equal a scan of every depth and width."""
+    from zerotrain.estimate import largest_fitting
+
+    layers, step = 4, 4
+    probes = []
+
+    def peak(layers: int, width: int) -> tuple[int, int]:  # bytes linear in the depth, quadratic in the width
+        probes.append((layers, width))
+        per_layer = 12 * width * width + 13 * width
+        return 5000 * width + layers * per_layer * 4, 5000 * width + layers * per_layer
+
+    result = largest_fitting(peak, memory, layers, width, step)
+    built = list(probes)
+    fits = lambda n, w: peak(n, w)[0] <= memory  # noqa: E731
+    depth = max(n for n in range(1, 300) if fits(n, width))
+    wide = max(w for w in range(step, 4096, step) if fits(layers, w))
+    assert result["layers"] == {"layers": depth, "width": width, "parameters": peak(depth, width)[1],
+                                "at_cap": False}
+    assert result["width"] == {"layers": layers, "width": wide, "parameters": peak(layers, wide)[1],
+                               "at_cap": False}
+    assert len(built) == len(set(built))  # each model built once
+    full = {probe for probe in built if probe[0] > 2}
+    assert full == {(layers, width), (layers + 1, width), (depth, width), (depth + 1, width),
+                    (layers, wide), (layers, wide + step)}, (depth, wide, sorted(full))
+    assert {n for n, _ in built if n <= 2} == {1, 2}
+    assert max(w for n, w in built if n <= 2) <= max(width, 2 * wide), (wide, sorted(built))
+
+
+def test_the_command_passes_and_prints_what_it_was_asked(tmp_path, capsys):
+    """`zerotrain estimate`'s flags reach the estimate and its output says what was estimated: tensor parallelism
+    in the JSON and the table's title; --gpus-per-node's nodes in the bytes (qgZ + LoCo's two hops: those of
+    `estimate(ranks_per_node=)`, not of one node); the fp8 line names a float8 gather only where the config makes
+    one; every size unit --memory takes."""
+    import transformers
+
+    from zerotrain.estimate import format_bytes
+
+    ds = tmp_path / "tp.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
+                              "tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 2}}))
+    command = ["estimate", "--model", "small", "--config", str(ds), "--world", "4", "--device", "cpu", "--seq-len", "8"]
+    assert main([*command, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["tensor_parallel_size"], result["expert_parallel_size"], result["dp_size"]) == (2, 1, 2)
+    assert main(command) == 0
+    assert "world 4 (data-parallel 2 x tensor-parallel 2; ZeRO over 2 ranks)" in capsys.readouterr().out
+
+    ds = tmp_path / "qgz.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
+                              "zero_optimization": {"stage": 3, "zero_quantized_gradients": True,
+                                                    "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}}}))
+    assert main(["estimate", "--model", "tiny", "--config", str(ds), "--nodes", "2", "--gpus-per-node", "2",
+                 "--device", "cpu", "--seq-len", "8", "--json"]) == 0
+    options = json.loads(capsys.readouterr().out)["options"]
+    two_nodes = estimate("tiny", str(ds), 4, device_type="cpu", seq_len=8, ranks_per_node=2)["options"]
+    one_node = estimate("tiny", str(ds), 4, device_type="cpu", seq_len=8)["options"]
+    assert options == two_nodes != one_node
+
+    llama = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    llama.save_pretrained(tmp_path / "llama")
+    for gathers in (False, True):
+        ds = tmp_path / "fp8.json"
+        ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
+                                  "zero_optimization": {"stage": 3},
+                                  "fp8": {"enabled": True, "float8_all_gather": gathers}}))
+        command = ["estimate", "--model", str(tmp_path / "llama"), "--config", str(ds), "--world", "2",
+                   "--device", "cpu", "--seq-len", "16"]
+        assert main([*command, "--json"]) == 0
+        fp8 = json.loads(capsys.readouterr().out)["fp8"]
+        assert main(command) == 0
+        line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("fp8 (")]
+        assert len(line) == 1 and f" add {format_bytes(fp8['transient_bytes'])} to '+ act.'" in line[0], line
+        assert (" and float8 gather (" in line[0]) == gathers, line
+        if gathers:
+            assert f"float8 gather ({format_bytes(fp8['gather_bytes'])})" in line[0]
+
+    units = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+             "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    for unit, factor in units.items():
+        assert parse_bytes(f"3{unit}") == parse_bytes(f"3 {unit.upper()}") == 3 * factor, unit
+    assert parse_bytes("1.5KiB") == 1536
+    # and the table's sizes: bytes below 1 KiB as bytes, each unit from exactly 1024 of the one below
+    assert [format_bytes(n) for n in (0, 1023, 1024, 1536, 2**20 - 1, 2**20, 3 * 2**30, 2**40, 2**50)] == \
+        ["0", "1023 B", "1.00 KiB", "1.50 KiB", "1024.00 KiB", "1.00 MiB", "3.00 GiB", "1.00 TiB", "1024.00 TiB"]
+

@@ -83,7 +83,9 @@ COVERING: dict[str, list[str]] = {
                                        "tests/zero/test_stage3_grads_reuse.py",
                                        "tests/zero/test_stage3_prefetch_budget.py",
                                        # qwZ over split experts' expert-data-parallel pairs
-                                       "tests/parallel/test_moe_zeropp.py::test_stage3_qwz_and_hpz_with_split_experts[4-2]"],
+                                       "tests/parallel/test_moe_zeropp.py::test_stage3_qwz_and_hpz_with_split_experts[4-2]",
+                                       # a bucketed gather's peak bytes at world 2 (the staged input: 1/N)
+                                       "tests/zero/test_stage3_memory.py::test_sequential_gather_peak_is_one_parameter"],
     # in-process grouping first; then parity at worlds 2 and 4 (a padded parameter's last row; a gradient arriving
     # twice in one backward: the reentrant combo), bucket counts, the held tensors between micro-steps
     "zerotrain/zero/stage3/grads.py": ["tests/zero/test_stage3_grads_units.py",
@@ -507,6 +509,11 @@ COVERING: dict[str, list[str]] = {
         "tests/test_estimate.py::test_qgz_loco_buffers_of_one_and_two_hops_are_the_reducers",  # round 6 (mut6d)
         "tests/test_estimate.py::test_the_estimates_options_are_estimate_option_on_the_device_asked",
         "tests/test_fp8.py::test_estimate_adds_the_largest_float8_transient_and_no_state",  # fp8's row (in-process)
+        # round 7 (mut7a), in-process: the largest-fit search's probes, the command's flags and table lines, the
+        # pipeline's per-stage lines
+        "tests/test_estimate.py::test_the_largest_fit_search_builds_only_the_models_its_prediction_and_check_need",
+        "tests/test_estimate.py::test_the_command_passes_and_prints_what_it_was_asked",
+        "tests/pipe/test_pipeline.py::test_estimate_per_stage",
         "tests/test_budget.py"],
     "zerotrain/pretrained.py": ["tests/test_pretrained_units.py"],
     "zerotrain/plots.py": ["tests/test_plots.py", "tests/monitor/test_memory_timeline.py"],

@@ -109,6 +109,8 @@ def test_micro_steps_gather_exact_values_release_everything_and_count_peaks_from
     largest_param = 8 * 8
     assert stats["peak_live_bytes"] >= 4 * LARGEST, stats  # a module's weight and bias live at once
     assert stats["peak_held_bytes"] >= stats["peak_live_bytes"], stats
+    # gathered and in flight at once: every element counted in bytes (fp32: 4 each), the two peaks taken together
+    assert stats["peak_held_bytes"] == 4 * stats["peak_live_inflight_numel"], stats
     assert stats["peak_live_inflight_numel"] >= LARGEST, stats
     assert stats["peak_inflight_numel"] >= (largest_param if sequential else LARGEST), stats
     # one gather's transient memory at its largest: sequential, the largest parameter's buffer; bucketed, the largest
@@ -259,3 +261,19 @@ def test_compressed_weight_gathers_asked_for_at_one_rank_gather_the_plain_values
     stats = fetcher.stats
     assert stats["gathers"] > 0 and stats["quantized_gathers"] == stats["fp8_gathers"] == 0, stats
     assert stats["fp8_scale_updates"] == 0, stats
+
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_every_micro_step_gathers_into_buffers_it_released(sequential):
+    """The fetcher keeps released gather buffers (unreferenced, up to 4x the largest parameter's bytes) for the next
+    gathers: in every micro-step some gather takes a buffer an earlier release gave back instead of a new one
+    (backward's gathers the forward's), and the gradients stay one process's."""
+    model, weights = stage3(sequential)
+    pool = weights.fetcher.pool
+    for step, (x, y) in enumerate(batches(3)):
+        before = dict(pool.stats)
+        grads = micro_step(model, weights, x, y)
+        for name, want in reference_grads(x, y).items():
+            torch.testing.assert_close(grads[name], want, msg=lambda m: f"step {step} {name}: {m}")
+        assert pool.stats["reused"] > before["reused"], (step, before, pool.stats)

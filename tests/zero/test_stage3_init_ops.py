@@ -116,3 +116,94 @@ def test_an_init_time_slice_answers_metadata_and_fp32_stage3_keeps_no_master_cop
     engine.step()
     numel, buckets = sum(p.numel() for p in model.parameters()), len(engine.zero_optimizer.buckets)
     assert engine.memory_report()["optimizer_states"] == 2 * 4 * numel + 4 * buckets, engine.memory_report()
+
+
+def test_a_bf16_weight_written_in_gathered_parameters_is_what_the_next_step_starts_from(world_of_one):
+    """World of one, in-process. A bf16 stage-3 engine keeps an fp32 master of each shard apart from the bf16
+    shard: a weight written inside `GatheredParameters(modifier_rank=0)` reaches both, so the next step starts from
+    the written values (one AdamW step of lr 1e-2 moves each by about 1e-2), not from the old master's (torch's
+    init: |0.5 - w| >= 0.09 for every fc1 weight)."""
+    import zerotrain
+    from models_for_tests import make_batches
+
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 0}
+    torch.manual_seed(0)
+    engine, *_ = zerotrain.initialize(model=OddMLP(), config=config)
+    weight = engine.module.fc1.weight
+    assert is_released(weight) and weight._zero.master.dtype == torch.float32
+    with zerotrain.zero.GatheredParameters([weight], modifier_rank=0):
+        with torch.no_grad():
+            weight.fill_(0.5)
+    x, y = make_batches(1, 2)[0]
+    engine.backward(engine(x.bfloat16(), y.bfloat16()))
+    engine.step()
+    with zerotrain.zero.GatheredParameters([weight]):
+        moved = (weight.detach().float() - 0.5).abs()
+    assert 0 < moved.max() <= 0.02, moved.max()
+
+
+def test_the_placeholder_warning_points_at_the_users_state_dict_call(world_of_one, monkeypatch):
+    """World of one, in-process. `state_dict()` of a stage-3 model warns once that partitioned parameters are
+    placeholders; the warning names the line that called `state_dict()` (here), not a line of torch's module
+    recursion, at any depth of the module tree."""
+    import inspect
+    import warnings
+
+    import zerotrain
+    from zerotrain.zero.stage3 import partition
+
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 0}
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Sequential(OddMLP()))
+    engine, *_ = zerotrain.initialize(model=model, config=config)
+    for module in (model, model[0][0]):  # the whole tree, a leaf's parent alone
+        monkeypatch.setattr(partition, "_warned_placeholders", [])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            line = inspect.currentframe().f_lineno + 1
+            saved = module.state_dict()
+        placeholders = [w for w in caught if "empty placeholders" in str(w.message)]
+        assert [(w.filename, w.lineno) for w in placeholders] == [(__file__, line)], \
+            [(w.filename, w.lineno) for w in caught]
+        assert saved[next(key for key in saved if key.endswith("fc1.weight"))].shape == (0,)
+
+
+def test_parameter_status_names_and_values_are_deepspeeds():
+    """`param.ds_status` answers with DeepSpeed's `ZeroParamStatus`: the same three members and values (code written
+    for DeepSpeed compares against each, e.g. `ds_status == ZeroParamStatus.NOT_AVAILABLE` before a gather)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus as DeepSpeeds
+
+    from zerotrain.runtime.zero.partition_parameters import ZeroParamStatus
+
+    assert {status.name: status.value for status in ZeroParamStatus} == \
+        {status.name: status.value for status in DeepSpeeds}
+
+
+def test_writes_to_a_released_parameter_wait_for_a_pending_snapshot_copy_first():
+    """World of one, in-process. An async checkpoint's snapshot may still be copying the shards when user code writes
+    a released parameter in place (an element-wise op on the shard, or an initializer on a transient full tensor):
+    the write first waits on the engine's fence, so the copy made by then holds the values from before the write."""
+    from zerotrain.comm import Comm
+    from zerotrain.zero.stage3.setup import partition_module
+
+    class CopyAtWait:  # a snapshot copy that completes when a writer waits for it
+        def __init__(self) -> None:
+            self.copies = []
+
+        def wait(self) -> None:
+            self.copies.append(weight._zero.shard.clone())
+
+    torch.manual_seed(0)
+    model, fence = torch.nn.Linear(6, 8), CopyAtWait()
+    partition_module(model, Comm(None, 0, 1), {id(p): 0 for p in model.parameters()}, 0, False, 10**6, fence=fence)
+    weight = model.weight
+    assert is_released(weight)
+    for write in (lambda: weight.add_(1.0), lambda: torch.nn.init.kaiming_uniform_(weight)):
+        before = weight._zero.shard.clone()
+        with torch.no_grad():
+            write()
+        assert len(fence.copies) == 1 and torch.equal(fence.copies.pop(), before)
+        assert not torch.equal(weight._zero.shard, before)

@@ -238,7 +238,8 @@ class PartitionedParam(ShardLayout):
             warnings.warn(f"state_dict() of a ZeRO-3 model: partitioned parameters such as {self.names[0]} are "
                           "empty placeholders (as in DeepSpeed); for whole weights use engine.full_state_dict() or "
                           "engine.save_16bit_model() (collective), or call state_dict() inside "
-                          "zerotrain.zero.GatheredParameters(model.parameters()) on every rank", stacklevel=4)
+                          "zerotrain.zero.GatheredParameters(model.parameters()) on every rank",
+                          stacklevel=_outside_torch_and_zerotrain())
         return torch.empty(0, dtype=self.dtype, device=self.device)
 
     def write_master(self, values: torch.Tensor) -> None:
@@ -258,6 +259,22 @@ class PartitionedParam(ShardLayout):
 
 
 _warned_placeholders: list = []  # one warning per process
+
+
+def _outside_torch_and_zerotrain() -> int:
+    """The `stacklevel` of a warning its caller gives: the first frame in neither torch nor zerotrain (the user's
+    `state_dict()`, however deep the module tree its recursion went through)."""
+    import os
+    import sys
+
+    package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # zerotrain/
+    inside = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, package + os.sep)
+    frame, level = sys._getframe(1), 1  # level 1: the function that warns
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 _placeholder_modules: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
