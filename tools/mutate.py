@@ -510,6 +510,13 @@ COVERING: dict[str, list[str]] = {
     # in-process (the tests import zerotrain.data's re-exports: the import scan finds none)
     "zerotrain/data/corpus.py": ["tests/data/test_corpus.py"],
     "zerotrain/data/local.py": ["tests/data/test_local_data.py"],
+    # issue #48 round 7 (mut7c), in-process: the metrics on ties and the 10th place by hand, the pairs and the limits
+    "zerotrain/embedding/retrieval.py": [
+        "tests/embedding/test_loss.py::test_retrieval_metrics_on_known_ranks",
+        "tests/embedding/test_loss.py::test_retrieval_metrics_count_ties_for_the_query_and_cut_at_the_tenth_place",
+        "tests/embedding/test_loss.py::test_stdlib_pairs_split_by_module",
+        "tests/embedding/test_loss.py::test_stdlib_pairs_take_each_documented_functions_first_paragraph_once_and_stop_where_asked",
+        "tests/embedding/test_embedding_units.py::test_each_retrieval_metric_is_recorded_under_its_own_schema_field"],
     # in-process: an export per pooling mode loaded by sentence-transformers (test_export.py's launch: minutes)
     "zerotrain/embedding/export.py": [
         "tests/embedding/test_embedding_units.py::test_an_exported_encoder_encodes_in_sentence_transformers_as_our_encode"],
