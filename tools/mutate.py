@@ -520,6 +520,8 @@ COVERING: dict[str, list[str]] = {
         "tests/embedding/test_loss.py::test_stdlib_pairs_split_by_module",
         "tests/embedding/test_loss.py::test_stdlib_pairs_take_each_documented_functions_first_paragraph_once_and_stop_where_asked",
         "tests/embedding/test_embedding_units.py::test_each_retrieval_metric_is_recorded_under_its_own_schema_field"],
+    # the command function in the pytest process: options, refusals, world-of-one runs (test_resume.py: launches)
+    "zerotrain/embedding/command.py": ["tests/embedding/test_embedding_command_units.py", "tests/test_train_flags.py"],
     # in-process: an export per pooling mode loaded by sentence-transformers (test_export.py's launch: minutes)
     "zerotrain/embedding/export.py": [
         "tests/embedding/test_embedding_units.py::test_an_exported_encoder_encodes_in_sentence_transformers_as_our_encode"],
