@@ -365,6 +365,7 @@ COVERING: dict[str, list[str]] = {
                               "tests/test_optim_defaults.py::test_ops_adam_shims_have_deepspeeds_signature_defaults"],
     "zerotrain/accelerator/real_accelerator.py": [
         "tests/port/test_port.py::test_accelerator_on_the_cpu_means_what_deepspeeds_does",
+        "tests/port/test_port.py::test_the_accelerator_is_chosen_by_ds_accelerator_once_per_process_and_the_cpus_answers",
         "tests/port/test_port.py::test_accelerator_on_cuda"],
     # in-process at a world of one (round 7, mut7c); the reduce op and a default source need two ranks:
     # tests/test_dropin_api.py::test_engine_api_and_dist_at_world_two (minutes; run for those mutants with --only)
