@@ -119,7 +119,12 @@ def engine_api_world2(save_dir: str, config_path: str) -> dict:
     dist.broadcast(sent, src=1)
     gathered = dist.all_gather([torch.zeros(2), torch.zeros(2)], torch.tensor([rank, rank + 0.5]))
     dist.barrier()
-    out["dist"] = (summed.item(), on_dp.item(), on_comm.item(), sent.item(), [g.tolist() for g in gathered])
+    from_first = torch.tensor([5.0 + rank])
+    dist.broadcast(from_first)  # DeepSpeed's default source: rank 0
+    waited = torch.tensor([rank + 1.0])
+    dist.all_reduce(waited, async_op=True).wait()
+    out["dist"] = (summed.item(), on_dp.item(), on_comm.item(), sent.item(), [g.tolist() for g in gathered],
+                   from_first.item(), waited.item())
 
     # steps_per_print: rank 0 prints a DeepSpeed-style line per step; nothing under the Trainer
     printed = io.StringIO()
@@ -268,7 +273,7 @@ def test_engine_api_and_dist_at_world_two(tmp_path):
         assert out["module_state_keys"] == [key[len("module."):] for key in out["state_keys"]]
         assert out["stage3_queries"] == (True, True)
         assert out["fp16_name"] == (True,)
-        assert out["dist"] == (3.0, 2.0, 3.0, 20.0, [[0.0, 0.5], [1.0, 1.5]])
+        assert out["dist"] == (3.0, 2.0, 3.0, 20.0, [[0.0, 0.5], [1.0, 1.5]], 5.0, 3.0)
         assert out["printing_restored"] is True
         if rank == 0:  # the whole weights (rank 1: {})
             _check_default_clipping(*out["default_clip"])

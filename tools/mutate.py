@@ -389,7 +389,11 @@ COVERING: dict[str, list[str]] = {
                               "tests/test_optim_defaults.py::test_ops_adam_shims_have_deepspeeds_signature_defaults"],
     "zerotrain/accelerator/real_accelerator.py": [
         "tests/port/test_port.py::test_accelerator_on_the_cpu_means_what_deepspeeds_does",
+        "tests/port/test_port.py::test_the_accelerator_is_chosen_by_ds_accelerator_once_per_process_and_the_cpus_answers",
         "tests/port/test_port.py::test_accelerator_on_cuda"],
+    # in-process at a world of one (round 7, mut7c); the reduce op and a default source need two ranks:
+    # tests/test_dropin_api.py::test_engine_api_and_dist_at_world_two (minutes; run for those mutants with --only)
+    "zerotrain/dist.py": ["tests/test_dist_units.py"],
     "zerotrain/comm/same_host.py": [
         "tests/comm/test_same_host.py::test_a_peer_that_exited_counts_as_dead_before_it_is_reaped",
         "tests/comm/test_same_host.py::test_same_host_matches_sockets",
@@ -539,6 +543,15 @@ COVERING: dict[str, list[str]] = {
     # in-process (the tests import zerotrain.data's re-exports: the import scan finds none)
     "zerotrain/data/corpus.py": ["tests/data/test_corpus.py"],
     "zerotrain/data/local.py": ["tests/data/test_local_data.py"],
+    # issue #48 round 7 (mut7c), in-process: the metrics on ties and the 10th place by hand, the pairs and the limits
+    "zerotrain/embedding/retrieval.py": [
+        "tests/embedding/test_loss.py::test_retrieval_metrics_on_known_ranks",
+        "tests/embedding/test_loss.py::test_retrieval_metrics_count_ties_for_the_query_and_cut_at_the_tenth_place",
+        "tests/embedding/test_loss.py::test_stdlib_pairs_split_by_module",
+        "tests/embedding/test_loss.py::test_stdlib_pairs_take_each_documented_functions_first_paragraph_once_and_stop_where_asked",
+        "tests/embedding/test_embedding_units.py::test_each_retrieval_metric_is_recorded_under_its_own_schema_field"],
+    # the command function in the pytest process: options, refusals, world-of-one runs (test_resume.py: launches)
+    "zerotrain/embedding/command.py": ["tests/embedding/test_embedding_command_units.py", "tests/test_train_flags.py"],
     # in-process: an export per pooling mode loaded by sentence-transformers (test_export.py's launch: minutes)
     "zerotrain/embedding/export.py": [
         "tests/embedding/test_embedding_units.py::test_an_exported_encoder_encodes_in_sentence_transformers_as_our_encode"],

@@ -1,4 +1,5 @@
 """Local data files -> tokens -> packed/padded samples, in one process, on real files."""
+import dataclasses
 import json
 import os
 
@@ -447,3 +448,77 @@ def test_a_builder_that_finishes_second_keeps_the_first_cache_and_leaves_no_copy
     assert sorted(os.listdir(cache)) == before, "the second builder's copy is left beside the cache"
     again = tokenize_files([data], tiny_tokenizer, cache_dir=cache)
     assert again.cache_hit and again.cache_path == first.cache_path and _ids(again) == _ids(first)
+
+
+def test_train_data_orders_splits_and_holds_out_its_samples_by_rank_and_fraction(tmp_path, tiny_tokenizer):
+    """`TrainData`'s samplers, loaders and hold-out on ten one-sample documents (padding mode: sample i is document i):
+    the training order is shuffled by default (the HF Trainer's) and seeded, a rank of dp 2 takes its half of each
+    global batch, a per-rank batch that the micro-batch does not divide is refused (the per-rank one, not the
+    global one), evaluation covers every sample in order at any dp (a set smaller than a batch per rank repeats its
+    samples from each rank's offset), and the held-out tail is the last samples, at least one, never all."""
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps({"text": f"item {i}"}) + "\n" for i in range(10)))
+    config = DataConfig([f], seq_len=64, packing=False, cache_dir=tmp_path / "c")
+    data = build_data(config, tiny_tokenizer)
+    index = {tuple(data.dataset[i]["input_ids"].tolist()): i for i in range(len(data.dataset))}
+    assert len(index) == 10
+
+    def order(loader):
+        return [index[tuple(t for t, m in zip(row, mask) if m)] for b in loader
+                for row, mask in zip(b["input_ids"].tolist(), b["attention_mask"].tolist())]
+
+    def loader(d, **kwargs):
+        return d.loader(micro_batch_size=2, global_batch_size=kwargs.pop("global_batch_size", 2), num_epochs=1,
+                        **kwargs)
+
+    shuffled = order(loader(data))
+    assert sorted(shuffled) == list(range(10)) and shuffled != list(range(10))  # shuffled by default
+    assert order(loader(data, shuffle=False)) == list(range(10))
+    unshuffled = dataclasses.replace(data, config=dataclasses.replace(config, shuffle=False))
+    assert order(loader(unshuffled)) == list(range(10)) and order(loader(unshuffled, shuffle=True)) == shuffled
+    reseeded = order(loader(dataclasses.replace(data, config=dataclasses.replace(config, seed=1))))
+    assert sorted(reseeded) == list(range(10)) and reseeded != shuffled
+    assert list(data.sampler(global_batch_size=2, shuffle=False, num_epochs=1)) == list(range(10))  # one rank
+    ranks = [order(loader(data, global_batch_size=4, dp_rank=r, dp_size=2, shuffle=False)) for r in range(2)]
+    assert ranks == [[0, 1, 4, 5], [2, 3, 6, 7]]  # two whole global batches of 4; the last 2 samples dropped
+    with pytest.raises(ValueError, match=r"^global batch 4 / dp 2 = 2 samples per rank is not a multiple of the "
+                                         r"micro batch 4$"):
+        data.loader(micro_batch_size=4, global_batch_size=4, dp_size=2)
+    assert len(list(data.loader(micro_batch_size=4, global_batch_size=8, dp_size=2, num_epochs=1))) == 1
+
+    assert order(data.eval_loader(micro_batch_size=3)) == list(range(10))
+    assert [order(data.eval_loader(micro_batch_size=2, dp_rank=r, dp_size=3)) for r in range(3)] == [
+        [0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    assert (data.eval_batches(micro_batch_size=2, dp_size=2), data.eval_batches(micro_batch_size=3),
+            data.eval_batches(micro_batch_size=4, dp_size=3)) == (2, 3, 1)
+
+    train, held = data.hold_out(0.3)
+    assert order(train.eval_loader(micro_batch_size=1)) == list(range(7))
+    assert order(held.eval_loader(micro_batch_size=1)) == [7, 8, 9]
+    assert held.config == config and held.tokenized is data.tokenized and held.attention == "padding"
+    # fewer samples than a micro-batch per rank: every rank one batch, from its own offset, repeated
+    assert [order(held.eval_loader(micro_batch_size=2, dp_rank=r, dp_size=2)) for r in range(2)] == [[7, 8], [9, 7]]
+    assert held.eval_batches(micro_batch_size=2, dp_size=2) == 1
+    assert [len(part.dataset) for part in data.hold_out(0.0)] == [9, 1]  # at least one
+    assert [len(part.dataset) for part in data.hold_out(0.9)] == [1, 9]  # one left to train on
+    with pytest.raises(ValueError, match="^holding out 0.95 of 10 samples for evaluation leaves none to train on$"):
+        data.hold_out(0.95)  # round(9.5): all 10
+
+
+def test_skipped_records_are_warned_once_with_the_first_five_named(tmp_path, tiny_tokenizer, caplog):
+    """`skip_bad_records`: one warning with the count and the first five skipped records; " ..." only when more
+    were skipped than shown."""
+    import logging
+
+    for n in (5, 6):
+        f = tmp_path / f"bad{n}.jsonl"
+        f.write_text(json.dumps({"text": "good"}) + "\n" + "".join(json.dumps({"txt": i}) + "\n" for i in range(n)))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="zerotrain.data.local"):
+            data = build_data(DataConfig([f], seq_len=8, skip_bad_records=True, cache_dir=tmp_path / "c"),
+                              tiny_tokenizer)
+        assert len(data.skipped) == n and len(data.dataset) == 1
+        shown = "; ".join(data.skipped[:5])
+        assert [r.getMessage() for r in caplog.records if r.name == "zerotrain.data.local"] == [
+            f"skipped {n} bad record(s): {shown}" + (" ..." if n > 5 else "")]
+        assert f"{f}, line 6" in shown and f"{f}, line 7" not in shown

@@ -23,6 +23,10 @@ def test_the_directory_reads_back_with_transformers_as_built(tiny_llama_dir):
     ids = {token: tok.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     assert len(set(ids.values())) == len(SPECIAL_TOKENS) and all(tok(t).input_ids == [ids[t]] for t in SPECIAL_TOKENS)
     assert (tok.eos_token, tok.pad_token) == ("<|endoftext|>", "<|pad|>")
+    # each special token named once: eos and pad by their role, the chat markers as the extra ones
+    assert tok.extra_special_tokens == ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+    assert json.loads((Path(tiny_llama_dir) / "tokenizer_config.json").read_text())["extra_special_tokens"] == \
+        tok.extra_special_tokens
     assert (config.eos_token_id, config.bos_token_id, config.pad_token_id) == (ids["<|endoftext|>"],) * 2 + (ids["<|pad|>"],)
     text = "    def f(x):\n        return x + 1  # é\n"
     assert tok.decode(tok(text).input_ids) == text  # byte level: exact, no prefix space
@@ -81,3 +85,24 @@ def test_the_tokenizer_learns_from_all_of_its_corpus_bytes():
     small, again = build_tiny_tokenizer(300, 8 << 10).get_vocab(), build_tiny_tokenizer(300, 8 << 10).get_vocab()
     assert small == again and len(small) == 300
     assert build_tiny_tokenizer(300, 16 << 10).get_vocab() != small
+
+
+def test_one_chunk_of_corpus_is_learned_and_the_default_corpus_is_a_mebibyte(monkeypatch):
+    """4 KB of source (one chunk) is enough to fill a 300-token vocabulary with merges (the alphabet and the special
+    tokens are 262); by default `build_tiny_tokenizer` reads 1 MiB of the stdlib source and has 512 tokens, as
+    `build_tiny_llama`'s (here trained on the first 8 KB read only, to stay fast)."""
+    import zerotrain.data.corpus as corpus
+    from zerotrain.models.tiny_llama import build_tiny_tokenizer
+
+    assert len(build_tiny_tokenizer(300, 4096).get_vocab()) == 300
+    read, real = [], corpus.load_stdlib_corpus
+
+    def first_8_kib(max_bytes=None, root=None):
+        data = real(max_bytes=max_bytes, root=root)
+        read.append(len(data))
+        return data[:8 << 10]
+
+    monkeypatch.setattr(corpus, "load_stdlib_corpus", first_8_kib)
+    default = build_tiny_tokenizer().get_vocab()
+    assert len(default) == 512 and default == build_tiny_tokenizer(512, 8 << 10).get_vocab()
+    assert read == [1 << 20, 8 << 10]

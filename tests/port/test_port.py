@@ -201,6 +201,55 @@ def test_accelerator_on_the_cpu_means_what_deepspeeds_does(monkeypatch):
     assert acc.FloatTensor(5).shape == (5,) and acc.LongTensor([1, 2]).tolist() == [1, 2]  # a size; data
 
 
+def test_the_accelerator_is_chosen_by_ds_accelerator_once_per_process_and_the_cpus_answers(monkeypatch):
+    """`get_accelerator()` as DeepSpeed's: DS_ACCELERATOR forces the kind (an empty one: torch's choice, the CPU
+    here), one object per process until `set_accelerator` replaces it; an unknown kind is refused by name. The
+    CPU's capability and memory answers (the host's physical memory, as psutil reads it)."""
+    import psutil
+
+    from zerotrain.accelerator import Accelerator, real_accelerator
+    from zerotrain.accelerator.real_accelerator import get_accelerator, set_accelerator
+
+    monkeypatch.setattr(real_accelerator, "_accelerator", None)
+    monkeypatch.setenv("LOCAL_RANK", "1")  # never read as the kind
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    forced = get_accelerator()
+    assert repr(forced) == "zerotrain.accelerator.Accelerator('cuda')" and forced.communication_backend_name() == "nccl"
+    # what a CUDA accelerator answers without touching a device (any host)
+    assert (forced.device_name(), forced.device_name(0), forced.device_name(1)) == ("cuda", "cuda:0", "cuda:1")
+    assert forced.is_fp16_supported() and not forced.is_synchronized_device()
+    assert not forced.on_accelerator(torch.zeros(1))
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert get_accelerator() is forced  # chosen once
+    mine = Accelerator("cpu")
+    set_accelerator(mine)
+    assert get_accelerator() is mine
+    for kind in ("", None):
+        monkeypatch.setattr(real_accelerator, "_accelerator", None)
+        if kind is None:
+            monkeypatch.delenv("DS_ACCELERATOR")
+        else:
+            monkeypatch.setenv("DS_ACCELERATOR", kind)
+        assert repr(get_accelerator()) == ("zerotrain.accelerator.Accelerator('cuda')" if torch.cuda.is_available()
+                                           else "zerotrain.accelerator.Accelerator('cpu')")
+    with pytest.raises(ValueError, match=r"^zerotrain.accelerator: device type 'xpu' is not supported \(cuda or cpu\)$"):
+        Accelerator("xpu")
+
+    cpu = Accelerator("cpu")
+    assert (cpu.is_bf16_supported(), cpu.is_fp16_supported(), cpu.device_name(None)) == (True, False, "cpu")
+    assert cpu.total_memory() == psutil.virtual_memory().total
+    assert (cpu.memory_reserved(), cpu.max_memory_reserved()) == (0, 0)
+    cpu.reset_peak_memory_stats()
+    data = torch.arange(3)
+    assert cpu.pin_memory(data) is data
+    for name, dtype in (("HalfTensor", torch.float16), ("BFloat16Tensor", torch.bfloat16),
+                        ("DoubleTensor", torch.float64), ("IntTensor", torch.int32), ("ByteTensor", torch.uint8),
+                        ("BoolTensor", torch.bool)):
+        made = getattr(cpu, name)([1, 0])
+        assert made.dtype == dtype and made.tolist() == [1, 0] and made.device.type == "cpu", name
+        assert getattr(cpu, name)(2, 3).shape == (2, 3) and getattr(cpu, name)(2, 3).dtype == dtype, name
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_accelerator_on_cuda():
     from zerotrain.accelerator import Accelerator
