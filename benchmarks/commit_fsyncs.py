@@ -29,6 +29,7 @@ import time
 
 from zerotrain.checkpoint import commit
 from zerotrain.checkpoint.directio import fsync_all
+from zerotrain.checkpoint.format import fsync_file
 
 
 def _stage(parent: str, tag: str, files: int, data_kib: int, small: int) -> tuple[commit.StagedDirectory, list, list]:
@@ -47,17 +48,9 @@ def _stage(parent: str, tag: str, files: int, data_kib: int, small: int) -> tupl
     return staged, data, smalls
 
 
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def serial(staged: commit.StagedDirectory, data: list, smalls: list) -> None:
     for path in data + smalls:
-        _fsync_path(path)
+        fsync_file(path)
     manifest = os.path.join(staged.path, "manifest.json")
     with open(manifest, "wb") as handle:
         handle.write(b"{}")

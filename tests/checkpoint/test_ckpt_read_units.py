@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from zerotrain.checkpoint.format import read_layout
+from zerotrain.checkpoint.format import fsync_file, read_layout
 from zerotrain.checkpoint.reader import SMALL_TENSOR_BYTES, prefetch_small_tensors
 
 
@@ -47,12 +47,10 @@ def test_prefetch_asks_the_kernel_for_exactly_the_small_tensors_pages(tmp_path):
     spans = {name: (data_start + entry["data_offsets"][0], data_start + entry["data_offsets"][1])
              for name, entry in header.items()}
     assert spans["a/exp_avg"][1] <= spans["b/step"][0] and spans["b/empty"][0] <= spans["c/exp_avg_sq"][0]
+    fsync_file(path)  # durable first: the kernel drops only clean pages
     fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
     if _resident_pages(path):
         pytest.skip("this filesystem keeps the file's pages in memory (tmpfs?): nothing to observe")
     read_layout(path)  # the header's read (prefetch reads it too) brings its pages and the kernel's readahead
