@@ -106,6 +106,20 @@ class Slurm:
                 return state
             time.sleep(1)
 
+    def wait_exit(self, job: str, timeout: float) -> int:
+        """The job's exit status once it has ended (COMPLETED: 0; else its ExitCode, at least 1), polled every
+        0.3 s: `sbatch --wait` polls at 2, 10, 42 s, so a 12 s job took 42 s there."""
+        deadline = time.monotonic() + timeout
+        while True:
+            said = dict(word.split("=", 1) for word in self.run(["scontrol", "show", "job", job]).stdout.split()
+                        if "=" in word)
+            state = said.get("JobState", "UNKNOWN")
+            if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+                         "DEADLINE", "PREEMPTED"):
+                return 0 if state == "COMPLETED" else max(1, int(said.get("ExitCode", "1:0").split(":")[0]))
+            assert time.monotonic() < deadline, f"job {job} still {state} after {timeout} s"
+            time.sleep(0.3)
+
     def logs(self) -> str:
         """The controller's log (for a failing assertion's message)."""
         path = self.root / "log" / "slurmctld.log"

@@ -56,9 +56,10 @@ def _sbatch(slurm, tmp_path, name: str, body: str, *options: str, wait: bool = T
             timeout: float = 600) -> tuple[str, subprocess.CompletedProcess]:
     script = tmp_path / f"{name}.sbatch"
     script.write_text(f"#!/bin/bash\n#SBATCH --output={tmp_path}/{name}-%j.out\n{body}")
-    proc = slurm.run(["sbatch", "--parsable", *(["--wait"] if wait else []), *options, str(script)],
-                     cwd=tmp_path, timeout=timeout)
+    proc = slurm.run(["sbatch", "--parsable", *options, str(script)], cwd=tmp_path, timeout=60)
     job = proc.stdout.strip().split(";")[0]
+    if wait and proc.returncode == 0:  # as `sbatch --wait` ends: with the job's exit status
+        proc.returncode = slurm.wait_exit(job, timeout)
     return job, proc
 
 
