@@ -344,6 +344,10 @@ COVERING: dict[str, list[str]] = {
     # in-process (issue #48, round 2): transformers' own defaults and names, each scheduler type
     "zerotrain/config/hf_arguments.py": ["tests/config/test_hf_arguments.py"],
     # in-process rules first (exit status, stop file, handlers, the parent watcher), then the signal subprocesses
+    # the walker in-process, then the three warning sites through their public paths
+    "zerotrain/callsite.py": ["tests/test_callsite.py",
+                              "tests/zero/test_stage3_init_ops.py::test_the_placeholder_warning_points_at_the_users_state_dict_call",
+                              "tests/checkpoint/test_ckpt_world_of_one.py", "tests/config/test_config_base.py"],
     "zerotrain/lifecycle.py": ["tests/test_lifecycle_units.py",
                                "tests/test_lifecycle.py::test_parse_signals_names_a_bad_one",
                                "tests/test_lifecycle.py::test_a_second_signal_exits_at_once"],

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 import warnings
@@ -41,6 +40,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..callsite import stacklevel_outside
 from .commit import check_tag
 from .fence import SnapshotFence
 from .format import CheckpointError
@@ -56,16 +56,6 @@ from .write import SaveJob, describe_error
 logger = logging.getLogger("zerotrain")
 
 _RUNNING, _DONE, _FAILED = 1, 0, 2
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # zerotrain/
-
-
-def _caller_level() -> int:
-    """The `stacklevel` that names the first caller outside zerotrain, seen from the function calling this one
-    (the user's `save_checkpoint` or `step()` line: a save fails at either)."""
-    level, frame = 2, sys._getframe(2)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE + os.sep):
-        level, frame = level + 1, frame.f_back
-    return level
 
 
 class Checkpointer:
@@ -267,7 +257,7 @@ class Checkpointer:
         if self.state.config.checkpoint.on_save_error == "warn":
             logger.warning("checkpoint save failed; training goes on (checkpoint.on_save_error: warn): %s", error)
             warnings.warn(f"checkpoint save failed; training goes on: {error}", RuntimeWarning,
-                          stacklevel=_caller_level())
+                          stacklevel=stacklevel_outside())
             return
         raise error
 

@@ -36,6 +36,8 @@ from typing import Annotated, Any, ClassVar, Iterator, Optional
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
+from ..callsite import frame_outside
+
 __all__ = ["ConfigError", "ConfigWarning", "Block", "Int", "PosInt", "NonNegInt", "Float", "NonNegFloat",
            "PosFloat", "Bool", "choice", "warn", "error_from_validation", "is_auto", "job_rank", "quiet_warnings"]
 
@@ -53,7 +55,6 @@ class ConfigWarning(UserWarning):
     """A config key that was accepted but changes nothing (or was rewritten)."""
 
 
-_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # zerotrain/
 _PYDANTIC_DIR = os.path.dirname(os.path.abspath(sys.modules[BaseModel.__module__].__file__))
 # The config file being read (its name and text), while `load_config` validates it: warnings point into it.
 _SOURCE: ContextVar[Optional[tuple[str, str]]] = ContextVar("zerotrain_config_source", default=None)
@@ -115,9 +116,7 @@ def warn(message: str, key: Optional[str] = None) -> None:
         file, text = source
         warnings.warn_explicit(message, ConfigWarning, file, key_line(text, key), registry=_REGISTRY)
         return
-    frame = sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith((_PKG_DIR, _PYDANTIC_DIR)):
-        frame = frame.f_back
+    frame = frame_outside(_PYDANTIC_DIR)
     if frame is None or frame.f_code.co_filename.startswith("<"):  # no user code (runpy): name the config
         # once per process by our own record: a `zerotrain` command reads its config several times, and Python's
         # registry forgets what it showed whenever a warnings filter changes in between (seen: each line twice)

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import enum
 import itertools
+import os
 import weakref
 from typing import Callable, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten
 
+from ...callsite import stacklevel_outside
 from ...sharding import ShardGroup
 from ..flat import ShardLayout
 from .owner import Fence, ParamOwner
@@ -239,7 +241,7 @@ class PartitionedParam(ShardLayout):
                           "empty placeholders (as in DeepSpeed); for whole weights use engine.full_state_dict() or "
                           "engine.save_16bit_model() (collective), or call state_dict() inside "
                           "zerotrain.zero.GatheredParameters(model.parameters()) on every rank",
-                          stacklevel=_outside_torch_and_zerotrain())
+                          stacklevel=stacklevel_outside(os.path.dirname(torch.__file__)))
         return torch.empty(0, dtype=self.dtype, device=self.device)
 
     def write_master(self, values: torch.Tensor) -> None:
@@ -259,20 +261,6 @@ class PartitionedParam(ShardLayout):
 
 
 _warned_placeholders: list = []  # one warning per process
-
-
-def _outside_torch_and_zerotrain() -> int:
-    """The `stacklevel` of a warning its caller gives: the first frame in neither torch nor zerotrain (the user's
-    `state_dict()`, however deep the module tree its recursion went through)."""
-    import os
-    import sys
-
-    package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # zerotrain/
-    inside = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, package + os.sep)
-    frame, level = sys._getframe(1), 1  # level 1: the function that warns
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(inside):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 _placeholder_modules: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
