@@ -223,7 +223,8 @@ def test_pipeline_run_stops_at_a_step_boundary_on_sigterm_and_resume_continues_e
     stop_step = max(_losses(stopped / "log"))
     assert stop_step < 400, out
     tag = f"global_step{stop_step}"
-    assert (stopped / "ckpt" / "latest").read_text().strip() == tag
+    latest = stopped / "ckpt" / "latest"
+    assert latest.exists() and latest.read_text().strip() == tag, out + err
     line = f"zerotrain: stopped by SIGTERM at step {stop_step}; checkpoint {stopped / 'ckpt' / tag}"
     assert line in err and (out + err).count(line) == 1, out + err  # said once, by the launcher
     total = stop_step + 3
@@ -302,23 +303,65 @@ def test_killed_rank_restarts_from_the_latest_checkpoint_and_finishes_like_an_un
 
 # --- in-process pieces -----------------------------------------------------------------------------
 
-def _should_stop_on_one_rank(requesting_rank: int) -> list[bool]:
+def _should_stop_on_one_rank(requesting_rank: int, save_dir: str) -> dict:
+    import io
+
+    from rich.console import Console
+
     import zerotrain
     from tests.models_for_tests import OddMLP
+    from zerotrain.data import TokenBlockDataset, load_stdlib_corpus
+    from zerotrain.models import GPT, GPTConfig
+    from zerotrain.trainer import Trainer
 
     torch.manual_seed(0)
     engine, *_ = zerotrain.initialize(model=OddMLP(), config={
         "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    rank = engine.topology.rank
     answers = [engine.should_stop()]
-    if engine.topology.rank == requesting_rank:
+    if rank == requesting_rank:
         engine.stop_request.request(signal.SIGUSR1)
     answers.append(engine.should_stop())
-    return answers
+    engine.close()
+
+    # A rank that learns of the stop from its peer's flag (the step's one reduction) before its own signal reaches
+    # it (another node's scheduler, a slower chain of forwarders) gets that signal while the stop's checkpoint is
+    # saved: the Trainer's handlers stay until the save is committed, so it is a first request there, not
+    # SIGTERM's default action (the rank killed mid-save, its peer's collective reset, no checkpoint).
+    class SignalDuringSave(Trainer):
+        def save_checkpoint(self, step, console):
+            if self.rank != requesting_rank:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().save_checkpoint(step, console)
+
+    torch.manual_seed(0)
+    engine, *_ = zerotrain.initialize(model=GPT(GPTConfig.preset("tiny")), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "comm_timeout_seconds": 60})
+    dataset = TokenBlockDataset(load_stdlib_corpus(max_bytes=16 * 16 + 1), 16)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=2,
+                                         sampler=torch.utils.data.DistributedSampler(dataset, shuffle=False))
+    trainer = SignalDuringSave(engine, loader, total_steps=4, save_dir=save_dir, stop_signals="SIGTERM,SIGUSR1",
+                               console=Console(file=io.StringIO()))
+    if rank == requesting_rank:
+        trainer.stop_request.request(signal.SIGUSR1)
+    before = signal.getsignal(signal.SIGTERM)
+    summary = trainer.train()
+    given_back = signal.getsignal(signal.SIGTERM) is before  # once the save is committed
+    engine.close()
+    return {"should_stop": answers, "stopped_by": summary.stopped_by, "steps": summary.steps,
+            "late": trainer.stop_request.signal_name, "latest": open(os.path.join(save_dir, "latest")).read(),
+            "given_back": given_back}
 
 
-def test_should_stop_agrees_across_ranks():
-    results = run_distributed(_should_stop_on_one_rank, 2, 1)
-    assert results == [[False, True], [False, True]]
+def test_should_stop_agrees_across_ranks(tmp_path):
+    results = run_distributed(_should_stop_on_one_rank, 2, 1, str(tmp_path))
+    assert [r["should_stop"] for r in results] == [[False, True], [False, True]]
+    # the stop after step 1 on both ranks, its checkpoint committed; rank 0's own signal (SIGTERM, during the
+    # save) taken as a request, as the handlers were still there
+    assert [(r["stopped_by"], r["steps"], r["latest"]) for r in results] == [("SIGUSR1", 1, "global_step1")] * 2
+    assert [r["late"] for r in results] == ["SIGTERM", "SIGUSR1"]
+    assert [r["given_back"] for r in results] == [True, True]
 
 
 def test_parse_signals_names_a_bad_one():

@@ -560,26 +560,35 @@ class Trainer:
                 if self.save_dir is not None and self.save_every and step % self.save_every == 0:
                     self.save_checkpoint(step, console)
                     saved_step = step
-        finally:
+        except BaseException:
             if handling:
                 self.stop_request.uninstall()
+            raise
+        finally:
             quiet.__exit__(None, None, None)
             if progress is not None:
                 progress.stop()
             if metrics is not None:
                 metrics.close()
 
-        if step == start_step and stopped_by is None:  # nothing left to train: still report the evaluation
-            fields = self._evaluate("after")
-            if fields is not None:
-                eval_loss = fields.get("eval_loss", eval_loss)
-        if self.save_dir is not None:
-            if saved_step != step:
-                self.save_checkpoint(step, console)
-            pending, _ = self.engine.last_save()
-            self.engine.wait_checkpoint()  # an asynchronous save commits (or raises) before we return
-            if pending and console is not None:
-                console.print(f"checkpoint committed: {self.last_checkpoint}", highlight=False, soft_wrap=True)
+        # The stop handlers stay until the last checkpoint is committed: a rank that learned of a stop from its
+        # peers' flag may get its own signal only now (another node's scheduler, a slower forwarder), and that
+        # must be a (first) request, not the signal's default action killing the rank in the middle of the save.
+        try:
+            if step == start_step and stopped_by is None:  # nothing left to train: still report the evaluation
+                fields = self._evaluate("after")
+                if fields is not None:
+                    eval_loss = fields.get("eval_loss", eval_loss)
+            if self.save_dir is not None:
+                if saved_step != step:
+                    self.save_checkpoint(step, console)
+                pending, _ = self.engine.last_save()
+                self.engine.wait_checkpoint()  # an asynchronous save commits (or raises) before we return
+                if pending and console is not None:
+                    console.print(f"checkpoint committed: {self.last_checkpoint}", highlight=False, soft_wrap=True)
+        finally:
+            if handling:
+                self.stop_request.uninstall()
         summary = TrainSummary(
             steps=step - start_step,
             final_loss=last_loss,

@@ -113,7 +113,9 @@ def test_resume_at_another_world_size_metrics_and_chunked_loss(tmp_path):
                                        "--save-dir", str(tmp_path / "b"), "--log-dir", str(tmp_path / "b_log")],
                                       tmp_path / "b_log", 2)
     assert first.returncode == 128 + signal.SIGTERM, first.stdout + first.stderr
-    assert 2 <= stop < 400 and (tmp_path / "b" / "latest").read_text().strip() == f"global_step{stop}"
+    latest = tmp_path / "b" / "latest"
+    assert 2 <= stop < 400 and latest.exists() and latest.read_text().strip() == f"global_step{stop}", \
+        first.stdout + first.stderr
     line = f"zerotrain: stopped by SIGTERM at step {stop}; checkpoint {tmp_path / 'b' / f'global_step{stop}'}"
     assert line in first.stderr and (first.stdout + first.stderr).count(line) == 1, first.stdout + first.stderr
     assert "one contrastive batch = 8 queries (2 ranks x 1 accumulation x 4 micro)" in first.stdout
