@@ -155,11 +155,11 @@ def test_start_python_is_a_popen_the_test_signals_and_serve_commands_runs_a_shel
 
 _SERVED_PROBE = """
 import os, signal, sys, time
+if sys.argv[1] == "term":  # a handler's status, as a rank that saves on SIGTERM (installed before the line the
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # test waits for: then the signal cannot come first)
 print("out", sys.argv[1:], os.getcwd(), os.environ.get("PROBE"), sys.stdin.readline().strip(), os.getpid(),
       flush=True)
 print("err", file=sys.stderr, flush=True)
-if sys.argv[1] == "term":  # a handler's status, as a rank that saves on SIGTERM
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 if sys.argv[1] in ("term", "sleep"):
     time.sleep(60)
 if sys.argv[1] == "self-kill":
