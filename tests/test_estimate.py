@@ -94,18 +94,23 @@ def _step_then_backward(config: dict, after_step=None, at_end=None):
 
 @contextlib.contextmanager
 def _older_objects_frozen():
-    """Moves every object alive now out of the garbage collector's view (`gc.freeze`) until the block ends: inside
-    it `_live_tensor_bytes` walks the objects made since (the engine's), not the million the suite's imports left,
-    which cost it a second per call. Its differences are the same: a tensor made before the block is in neither
-    of two readings taken inside it."""
+    """Moves every object alive now out of the garbage collector's view (`gc.freeze`) for the block: inside it
+    `_live_tensor_bytes` walks the objects made since (the engine's), not those the earlier tests and the imports
+    left, which cost it a second per call in the whole suite's process. Its differences are the same: a tensor made
+    before the block is in neither of two readings taken inside it. At the end the objects frozen at its start are
+    given back to the collector, unless some were frozen before it (the
+    session's, tests/conftest.py; a rank's inherited ones, tests/distributed.py), which `gc.unfreeze` would give
+    back too: then they all stay frozen (objects alive before the block: the collection's and the earlier tests')."""
     import gc
 
+    frozen_before = gc.get_freeze_count() > 0
     gc.collect()
     gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if not frozen_before:
+            gc.unfreeze()
 
 
 def _live_tensor_bytes() -> int:
