@@ -69,6 +69,20 @@ def _freeze_inherited_objects() -> None:
     gc.freeze()
 
 
+def freeze_imports(*modules: str) -> None:
+    """In a rank: import `modules` (e.g. "trl", "deepspeed") and move every object alive now out of the garbage
+    collector's walks (`gc.collect()` first: what earlier runs left is freed, not frozen). For a rank whose runs
+    call `gc.collect()` many times (each HF Trainer run, DeepSpeed's ZeRO-3 set-up) after importing libraries
+    the forkserver does not hold: in tests/hf's TRL launch 29 full collections walked ~280,000 objects each,
+    11 s of a rank's 65 s (loaded machine); 2.4 s once frozen after the imports."""
+    import gc
+
+    for module in modules:
+        importlib.import_module(module)
+    gc.collect()
+    gc.freeze()
+
+
 def _child(rank: int, world_size: int, port: int, sys_path: list, module: str, name: str,
            args: tuple, kwargs: dict, results) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),

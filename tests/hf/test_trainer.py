@@ -215,6 +215,10 @@ def _train(model: torch.nn.Module, **more) -> object:
 
 
 def _worker(model_dir: str, root: str) -> dict:
+    from distributed import freeze_imports
+
+    # out of the garbage collector's walks: each Trainer run calls gc.collect() (tests/distributed.py)
+    freeze_imports("accelerate", "peft", "transformers.trainer")
     warnings.simplefilter("ignore")
     results = {}
     for stage in (2, 3):
@@ -230,6 +234,7 @@ def _worker(model_dir: str, root: str) -> dict:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")  # before from_pretrained's zero.Init reads the world size
+    freeze_imports("deepspeed")
     for stage in (2, 3):
         results[("ds", stage)] = _run("ds", stage, model_dir, os.path.join(root, f"ds{stage}"))
     return results if int(os.environ["RANK"]) == 0 else {"generate_rank1": results[("zt", "generate_rank1")]}
