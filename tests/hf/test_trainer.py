@@ -242,6 +242,9 @@ def _worker(model_dir: str, root: str) -> dict:
 
 def _worker_world1(model_dir: str, root: str) -> dict:
     """At world 1: resume the world-2 ZeRO-3 run's step-2 checkpoint; train in fp16 reporting to W&B offline."""
+    from distributed import freeze_imports
+
+    freeze_imports("accelerate", "transformers.trainer")  # as _worker: each Trainer run calls gc.collect()
     warnings.simplefilter("ignore")
     os.environ.update(WANDB_MODE="offline", WANDB_DIR=root, WANDB_SILENT="true")
     resumed = _run("zt", 3, model_dir, os.path.join(root, "zt3"), resume=True, per_device=4)
