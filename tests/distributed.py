@@ -60,10 +60,12 @@ def free_port() -> int:
 
 
 def _freeze_inherited_objects() -> None:
-    """Moves the objects a forked process inherits (the forkserver's torch, zerotrain and transformers: some 300,000)
+    """Moves the objects a forked process inherits (the forkserver's torch, zerotrain and transformers: ~400,000)
     out of the garbage collector's view (`gc.freeze`): they live as long as the process, and every full collection
     (the HF Trainer's `free_memory` and DeepSpeed's ZeRO-3 set-up call `gc.collect()` each time, Python's own run
-    as objects pile up) would walk them all again. Garbage made from here on is collected as before."""
+    as objects pile up) would walk them all again, writing into each one's header: the first walk copies every
+    inherited page (copy-on-write) in every rank. Garbage made from here on is collected as before. (A/B on
+    tests/zero/test_stage3.py + tests/parallel/test_moe_engine.py, loaded machine: 72 s -> 36 s, 57 s -> 43 s.)"""
     import gc
 
     gc.freeze()
