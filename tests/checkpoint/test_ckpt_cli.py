@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -174,11 +173,14 @@ def test_ckpt_tools_on_a_file_in_a_pipe_and_as_json_summary(runs):
         zerotrain("ckpt", "inspect", "--json", "full_ckpt", cwd=root).stdout)["tensors"]["model"])
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    piped = subprocess.run(f"{sys.executable} -m zerotrain.cli ckpt inspect full_ckpt | head -n 1", shell=True,
+    # the command writes into the shell's pipe itself: served_python forks it from the test forkserver with the
+    # stub's own fds 0-2 (the pipe), so torch and zerotrain are not imported afresh for each of the two
+    python = served_python()
+    piped = subprocess.run(f"{python} -m zerotrain.cli ckpt inspect full_ckpt | head -n 1", shell=True,
                            cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert piped.stdout.startswith("checkpoint") and "Traceback" not in piped.stderr, piped.stderr
     # a reader that is gone before the first write (`true` exits at once): no BrokenPipeError traceback
-    closed = subprocess.run(f"{sys.executable} -m zerotrain.cli ckpt inspect full_ckpt | true", shell=True,
+    closed = subprocess.run(f"{python} -m zerotrain.cli ckpt inspect full_ckpt | true", shell=True,
                             cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert "Traceback" not in closed.stderr and "BrokenPipe" not in closed.stderr, closed.stderr
 

@@ -215,6 +215,10 @@ def _train(model: torch.nn.Module, **more) -> object:
 
 
 def _worker(model_dir: str, root: str) -> dict:
+    from distributed import freeze_imports
+
+    # out of the garbage collector's walks: each Trainer run calls gc.collect() (tests/distributed.py)
+    freeze_imports("accelerate", "peft", "transformers.trainer")
     warnings.simplefilter("ignore")
     results = {}
     for stage in (2, 3):
@@ -230,6 +234,7 @@ def _worker(model_dir: str, root: str) -> dict:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")  # before from_pretrained's zero.Init reads the world size
+    freeze_imports("deepspeed")
     for stage in (2, 3):
         results[("ds", stage)] = _run("ds", stage, model_dir, os.path.join(root, f"ds{stage}"))
     return results if int(os.environ["RANK"]) == 0 else {"generate_rank1": results[("zt", "generate_rank1")]}
@@ -237,6 +242,9 @@ def _worker(model_dir: str, root: str) -> dict:
 
 def _worker_world1(model_dir: str, root: str) -> dict:
     """At world 1: resume the world-2 ZeRO-3 run's step-2 checkpoint; train in fp16 reporting to W&B offline."""
+    from distributed import freeze_imports
+
+    freeze_imports("accelerate", "transformers.trainer")  # as _worker: each Trainer run calls gc.collect()
     warnings.simplefilter("ignore")
     os.environ.update(WANDB_MODE="offline", WANDB_DIR=root, WANDB_SILENT="true")
     resumed = _run("zt", 3, model_dir, os.path.join(root, "zt3"), resume=True, per_device=4)

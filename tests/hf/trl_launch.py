@@ -24,7 +24,10 @@ def worker(model_dir: str, reward_dir: str, root: str, variants: bool = True) ->
     import test_grpo
     import test_reward
     import test_sft
+    from distributed import freeze_imports
 
+    # what every run imports, out of the garbage collector's walks (each Trainer run calls gc.collect())
+    freeze_imports("trl", "datasets", "accelerate", "peft", "transformers.trainer")
     warnings.simplefilter("ignore")
     runs = {"dpo": (test_dpo._run, model_dir), "reward": (test_reward._run, reward_dir),
             "grpo": (test_grpo._run, model_dir)}
@@ -35,6 +38,7 @@ def worker(model_dir: str, reward_dir: str, root: str, variants: bool = True) ->
             import deepspeed
 
             deepspeed.init_distributed(dist_backend="gloo")
+            freeze_imports("deepspeed")
         for name, variant, stages in RUNS:
             if variant != "fp32" and not variants:  # only the slow tests read them (conftest.trl_results)
                 continue

@@ -37,6 +37,9 @@ def test_ray_torchtrainer_on_one_host_trains_the_zerotrain_job_as_one_process(tm
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([REPO_ROOT, tests_dir, os.path.dirname(tests_dir)]))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray Train's controller polls its workers every 2 s (a poll that is late is waited on, a worker is only
+    # declared dead after 10 minutes without an answer): it sees the training end within 0.2 s instead
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     ray_dir = tempfile.mkdtemp(prefix="ztray")  # short: Ray's socket paths under it must fit AF_UNIX's 107 bytes
     try:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=ray_dir,

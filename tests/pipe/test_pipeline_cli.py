@@ -2,18 +2,26 @@
 stages; the run trains (each step's loss on every rank, the weights move), and its checkpoint is a Hugging Face
 directory of the model's own names that `from_pretrained` reads, holding the trained weights of both stages; its
 evaluation (`--eval-data`, through `eval_batch`) equals the saved model's single-process loss on the same
-micro-batches."""
+micro-batches. The launches' torchrun agents and ranks are forked from the test forkserver (`served_python` as
+torch's PYTHON_EXEC: torch, zerotrain and transformers not imported afresh by each of the three processes)."""
 from __future__ import annotations
 
 import itertools
 import json
+import os
 
 import pytest
 import torch
 
-from distributed import run_cli
+from distributed import run_cli, served_python
 
 pytest.importorskip("transformers")
+
+
+def _served_env() -> dict:
+    """The launch's environment: its agent and ranks forked from the forkserver (no test here reads the process
+    tree)."""
+    return {**os.environ, "PYTHON_EXEC": served_python()}
 
 
 def test_train_pipeline_parallel_size_2_on_a_data_file(tmp_path, tiny_llama_dir):
@@ -31,7 +39,7 @@ def test_train_pipeline_parallel_size_2_on_a_data_file(tmp_path, tiny_llama_dir)
                       "--per-device-train-batch-size", "2", "--gradient-accumulation-steps", "2",
                       "--learning-rate", "1e-2", "--lr-scheduler-type", "constant", "--save-dir", str(save),
                       "--log-dir", str(log), "--no-packing", "--eval-data", str(evals)],
-                     timeout=400)  # padded batches: padded again to --seq-len
+                     env=_served_env(), timeout=400)  # padded batches: padded again to --seq-len
     assert result.returncode == 0, result.stdout + result.stderr
     assert "pipeline: 2 stages (1f1b)" in result.stdout, result.stdout
     assert "evaluation 4 micro-batches per rank through eval_batch" in result.stdout, result.stdout
@@ -87,7 +95,8 @@ def test_train_pipeline_parallel_size_2_with_lora(tmp_path, tiny_llama_dir):
                       "--pipeline-parallel-size", "2", "--lora-r", "4", "--max-steps", "2", "--seq-len", "32",
                       "--per-device-train-batch-size", "2",  # gradient accumulation 1: one micro-batch per step
                       "--learning-rate", "1e-2", "--lr-scheduler-type", "constant", "--save-dir", str(save),
-                      "--no-packing"], timeout=400)  # (issue 44: torch's 1F1B refused it; GPipe runs it)
+                      "--no-packing"],  # (issue 44: torch's 1F1B refused it; GPipe runs it)
+                     env=_served_env(), timeout=400)
     assert result.returncode == 0, result.stdout + result.stderr
     assert ("pipeline: 2 stages (gpipe in place of 1f1b: 1 micro-batch(es) per step, fewer than the stages)"
             in result.stdout and "LoRA: trainable params" in result.stdout), result.stdout
