@@ -71,6 +71,19 @@ def test_launch_runs_the_script_as_main_under_the_agent_and_a_usage_error_is_one
     assert err == ["zerotrain: error: train_batch_size: 7 is not what this script wants"], err
     assert Path(f"{out}.starts").read_text() == "started\n"
 
+    # a crash in rank 1 of a script that does not use torchrun's @record: the report names the rank and shows
+    # the exception with its traceback once (the rank's error file, as @record writes it; was "error_file: <N/A>",
+    # no exception in the report, the traceback printed by the rank alone)
+    crash = tmp_path / "crash.py"
+    crash.write_text("import os, time\nif os.environ['RANK'] == '1':\n    raise KeyError('boom in rank one')\n"
+                     "time.sleep(60)\n")
+    assert main(["launch", "--nproc", "2", str(crash)]) == 1
+    err = capfd.readouterr().err
+    assert err.count("KeyError: 'boom in rank one'") == 1 and "  KeyError: 'boom in rank one'" in err.splitlines(), err
+    root = err.split("Root Cause (first observed failure):", 1)[-1]
+    assert "rank      : 1 (local_rank: 1)" in root and "error_file: <N/A>" not in root, err
+    assert err.count('File "' + str(crash) + '", line 3, in <module>') == 1, err
+
 
 FAILING = textwrap.dedent('''
     import os, signal, sys, time
