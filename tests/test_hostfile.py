@@ -268,6 +268,26 @@ def test_one_host_failing_stops_the_others(tmp_path, capfd):
     assert closed.exists() and capfd.readouterr().err == "zerotrain: stopped by SIGTERM\n"
 
 
+def test_the_hosts_reports_are_taken_out_of_their_output_and_the_first_usage_error_wins(capfd):
+    """`run_hosts`' relay of the hosts' stderr, with stand-ins for the hosts' launches: ordinary lines pass as they
+    come (a partial line too), a report (`command.HOST_REPORT`) is taken out, even one without its newline at the
+    end of the output; of two hosts' usage errors the first reported is printed, once, and its status is the job's
+    (the other's line and status are dropped, and no host is blamed)."""
+    import sys
+
+    from zerotrain.command import HOST_REPORT
+    from zerotrain.hostfile import run_hosts
+
+    # the first host's report arrives in two reads, split inside the mark, after a long partial line
+    first = [sys.executable, "-c", "import sys, time\n"
+             f"sys.stderr.write('rank 0 says hi\\n' + 'x' * 40 + {HOST_REPORT[:10]!r})\nsys.stderr.flush()\n"
+             f"time.sleep(0.5)\nsys.stderr.write({HOST_REPORT[10:]!r} + 'usage 2 bad key x')\nsys.exit(2)"]
+    second = [sys.executable, "-c", "import sys, time\ntime.sleep(2.5)\n"
+              f"sys.stderr.write('waiting 50%\\r' + {HOST_REPORT!r} + 'usage 1 bad checkpoint y\\n')\nsys.exit(1)"]
+    assert run_hosts([first, second], {"a": [0], "b": [0]}) == 2
+    assert capfd.readouterr().err == "rank 0 says hi\n" + "x" * 40 + "waiting 50%\rzerotrain: error: bad key x\n"
+
+
 BAD_KEY_SCRIPT = """
 import json, sys
 import torch

@@ -308,6 +308,15 @@ def _relay_host_stderr(source, usage: list[tuple[int, str]], stopped_for_a_failu
         elif not (kind == "stopped" and stopped_for_a_failure()):
             write((said + "\n").encode())
 
+    def line_out(line: bytes) -> None:  # a report may follow a rank's partial line (a progress bar's "\r")
+        at = line.find(mark)
+        if at < 0:
+            write(line)
+            return
+        if at:
+            write(line[:at])
+        report(line[at:])
+
     while True:
         try:
             data = os.read(source.fileno(), 65536)
@@ -316,20 +325,16 @@ def _relay_host_stderr(source, usage: list[tuple[int, str]], stopped_for_a_failu
         pending += data
         while b"\n" in pending:
             line, _, pending = pending.partition(b"\n")
-            if line.startswith(mark):
-                report(line)
-            else:
-                write(line + b"\n")
-        # a partial line that cannot be a report goes out now (progress bars, prompts)
-        if pending and not (pending.startswith(mark) or mark.startswith(pending)):
-            write(pending)
-            pending = b""
+            line_out(line + b"\n")
+        # a partial line goes out now (progress bars, prompts), but for a report or what may be the start of one
+        if pending and mark not in pending:
+            keep = next((n for n in range(min(len(mark), len(pending)), 0, -1) if mark.startswith(pending[-n:])), 0)
+            write(pending[:len(pending) - keep])
+            pending = pending[len(pending) - keep:]
         if not data:
             break
-    if pending.startswith(mark):
-        report(pending)
-    elif pending:
-        write(pending)
+    if pending:
+        line_out(pending)
     source.close()
 
 
