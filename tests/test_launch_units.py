@@ -192,3 +192,38 @@ def test_the_agents_filter_holds_torchelastics_worker_lines_and_passes_any_other
                                                        "[default] Worker group FAILED. 1/1 attempts left"]
     assert [r.getMessage() for r in hold.held] == ["Sending process 7 closing signal SIGTERM",
                                                    "failed (exitcode: 1) local_rank: 0"]
+
+
+def test_a_ranks_crash_is_recorded_as_record_does_and_printed_by_the_rank_only_where_no_report_shows_it(
+        tmp_path, monkeypatch):
+    """`elastic.record_failure` in a rank's except block (in-process, the rank's environment set by hand): the
+    error file torchrun's `@record` writes (the exception, its traceback); True (the rank ends quietly: the agent's
+    report shows it) only under our agent with no restart left; a restart ahead, or another launcher, False (the
+    rank prints it too); no error file: False, nothing written."""
+    from zerotrain.elastic import AGENT_ENV, ERROR_FILE_ENV, record_failure
+
+    def crash(**env) -> tuple[bool, dict]:
+        for name in (ERROR_FILE_ENV, AGENT_ENV, "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RESTART_COUNT"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        path = tmp_path / "error.json"
+        if path.exists():
+            path.unlink()
+        try:
+            raise KeyError("boom")
+        except KeyError as exc:
+            quiet = record_failure(exc)
+        return quiet, json.loads(path.read_text()) if path.exists() else {}
+
+    ours = {ERROR_FILE_ENV: str(tmp_path / "error.json"), AGENT_ENV: "1"}
+    quiet, data = crash(**ours)
+    assert quiet and data["message"]["message"] == "KeyError: 'boom'", data
+    assert 'raise KeyError("boom")' in data["message"]["extraInfo"]["py_callstack"], data
+    assert crash(**ours, TORCHELASTIC_MAX_RESTARTS="2", TORCHELASTIC_RESTART_COUNT="2")[0]  # the last attempt
+    for restarts, count in (("2", "1"), ("1", "0"), ("3", "2")):  # a restart ahead: the rank prints it as well
+        quiet, data = crash(**ours, TORCHELASTIC_MAX_RESTARTS=restarts, TORCHELASTIC_RESTART_COUNT=count)
+        assert not quiet and data["message"]["message"] == "KeyError: 'boom'", (restarts, count)
+    quiet, data = crash(**{ERROR_FILE_ENV: str(tmp_path / "error.json")})  # plain torchrun: as @record, re-raised
+    assert not quiet and data["message"]["message"] == "KeyError: 'boom'"
+    assert crash(**{AGENT_ENV: "1"}) == (False, {})  # no error file: not started by an agent
