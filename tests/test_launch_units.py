@@ -81,7 +81,8 @@ def test_launch_runs_the_script_as_main_under_the_agent_and_a_usage_error_is_one
     err = capfd.readouterr().err
     assert err.count("KeyError: 'boom in rank one'") == 1 and "  KeyError: 'boom in rank one'" in err.splitlines(), err
     root = err.split("Root Cause (first observed failure):", 1)[-1]
-    assert "rank      : 1 (local_rank: 1)" in root and "error_file: <N/A>" not in root, err
+    assert "rank      : 1 (local_rank: 1)" in root and "exitcode  : 1 (pid" in root, err  # as an uncaught one
+    assert "error_file: <N/A>" not in root, err
     assert err.count('File "' + str(crash) + '", line 3, in <module>') == 1, err
 
 
