@@ -91,3 +91,32 @@ def test_a_one_node_job_keeps_its_master_address_and_an_elastic_one_is_multi_nod
                   "[--rdzv-backend {static,c10d}]", "[--rdzv-endpoint HOST:PORT]", "[--rdzv-id ID]",
                   "[--rdzv-conf K=V,...]"):
         assert shown in usage, (shown, usage)
+
+
+def test_a_hosts_launch_hands_its_usage_error_to_the_multi_host_launcher(monkeypatch, capsys, tmp_path):
+    """`report_error` in one host's launch of a multi-host start (`STOP_ON_EOF_ENV`, not a rank): the line marked
+    for `hostfile.run_hosts` with its status (which prints it once for all hosts); elsewhere, or in a rank without
+    an agent, the plain line. The error file takes it only in a rank under our agent: not in a rank of plain
+    torchrun, nor in a process of our agent's that is no rank."""
+    from zerotrain.command import HOST_REPORT, STOP_ON_EOF_ENV, report_error
+    from zerotrain.elastic import AGENT_ENV, ERROR_FILE_ENV
+
+    for name in ("RANK", "LOCAL_RANK", AGENT_ENV, STOP_ON_EOF_ENV):
+        monkeypatch.delenv(name, raising=False)
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv(ERROR_FILE_ENV, str(error_file))
+    for env in ({"RANK": "1"}, {AGENT_ENV: "1"}):  # plain torchrun's rank; our agent's env outside a rank
+        with monkeypatch.context() as scoped:
+            for name, value in env.items():
+                scoped.setenv(name, value)
+            assert report_error("bad key 'x'", 2) == 2
+        assert capsys.readouterr().err == "zerotrain: error: bad key 'x'\n" and not error_file.exists(), env
+    monkeypatch.delenv(ERROR_FILE_ENV)
+    assert report_error("bad key 'x'", 2) == 2
+    assert capsys.readouterr().err == "zerotrain: error: bad key 'x'\n"
+    monkeypatch.setenv(STOP_ON_EOF_ENV, "1")
+    assert report_error("bad checkpoint", 1) == 1
+    assert capsys.readouterr().err == HOST_REPORT + "usage 1 bad checkpoint\n"
+    monkeypatch.setenv("RANK", "3")  # a rank under that host's launch without an agent's error file: its own line
+    assert report_error("bad key 'x'", 2) == 2
+    assert capsys.readouterr().err == "zerotrain: error: bad key 'x'\n"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 
 import pytest
@@ -233,8 +234,13 @@ def test_one_host_failing_stops_the_others(tmp_path, capfd):
     from zerotrain.hostfile import run_hosts
 
     closed = tmp_path / "closed"
+    from zerotrain.command import HOST_REPORT
+
+    # a host's launch: its channel closing stops it, and it reports its stop marked for the launcher (which drops
+    # it when it stopped the host for another's failure, and prints it when the launcher itself was stopped)
     waiter = [sys.executable, "-c", "import select, sys\n"  # gives up after 30 s: a missed stop fails, not hangs
-              f"if select.select([sys.stdin], [], [], 30)[0] and not sys.stdin.read(): open({str(closed)!r}, 'w')"]
+              f"if select.select([sys.stdin], [], [], 30)[0] and not sys.stdin.read(): open({str(closed)!r}, 'w')\n"
+              f"print({HOST_REPORT!r} + 'stopped zerotrain: stopped by SIGTERM', file=sys.stderr)"]
     failer = [sys.executable, "-c", "import sys, time; time.sleep(0.5); sys.exit(3)"]
     start = time.monotonic()
     assert run_hosts([waiter, failer], {"worker-0": [0, 1], "worker-1": [0, 1, 2]}) == 3
@@ -259,7 +265,69 @@ def test_one_host_failing_stops_the_others(tmp_path, capfd):
                          {"a": [0], "b": [0]}) == 128 + signal.SIGTERM
     finally:
         timer.cancel()
-    assert closed.exists() and capfd.readouterr().err == ""
+    assert closed.exists() and capfd.readouterr().err == "zerotrain: stopped by SIGTERM\n"
+
+
+def test_the_hosts_reports_are_taken_out_of_their_output_and_the_first_usage_error_wins(capfd):
+    """`run_hosts`' relay of the hosts' stderr, with stand-ins for the hosts' launches: ordinary lines pass as they
+    come (a partial line too), a report (`command.HOST_REPORT`) is taken out, even one without its newline at the
+    end of the output; of two hosts' usage errors the first reported is printed, once, and its status is the job's
+    (the other's line and status are dropped, and no host is blamed)."""
+    import sys
+
+    from zerotrain.command import HOST_REPORT
+    from zerotrain.hostfile import run_hosts
+
+    # the first host's report arrives in two reads, split inside the mark, after a long partial line
+    first = [sys.executable, "-c", "import sys, time\n"
+             f"sys.stderr.write('rank 0 says hi\\n' + 'x' * 40 + {HOST_REPORT[:10]!r})\nsys.stderr.flush()\n"
+             f"time.sleep(0.5)\nsys.stderr.write({HOST_REPORT[10:]!r} + 'usage 2 bad key x')\nsys.exit(2)"]
+    second = [sys.executable, "-c", "import sys, time\ntime.sleep(2.5)\n"
+              f"sys.stderr.write('waiting 50%\\r' + {HOST_REPORT!r} + 'usage 1 bad checkpoint y\\n')\nsys.exit(1)"]
+    assert run_hosts([first, second], {"a": [0], "b": [0]}) == 2
+    assert capfd.readouterr().err == "rank 0 says hi\n" + "x" * 40 + "waiting 50%\rzerotrain: error: bad key x\n"
+
+
+BAD_KEY_SCRIPT = """
+import json, sys
+import torch
+import zerotrain
+zerotrain.initialize(model=torch.nn.Linear(2, 2), config=json.load(open(sys.argv[1])))
+"""
+
+
+def test_a_usage_error_on_every_host_is_one_line_from_the_launcher(tmp_path, capfd):
+    """A multi-host start whose script gets a bad config (an unknown key, every rank on every host refuses it): the
+    launcher prints the usage line once, not once per host, with no host-failure line after it, and ends with the
+    usage status (2). Each host is the real host launch `ssh_commands` makes, run through `bash -c` in place of
+    ssh (two hosts of one rank each, a static rendezvous on this machine), under `run_hosts`; the two-host ssh run
+    is tests/multinode/test_ssh_launch.py. Before the fix: two `zerotrain: error: unknown key ...` lines and the
+    host line."""
+    import shlex
+    import sys
+
+    from distributed import free_port, served_python
+
+    from zerotrain.hostfile import run_hosts, ssh_commands
+
+    (tmp_path / "bad.py").write_text(BAD_KEY_SCRIPT)
+    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 1,
+                                                   "zero_optimization": {"stage": 2, "no_such_key": 1}}))
+    served = served_python()
+    environ = {"PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "PYTHON_EXEC": served}
+    active = {"host-a": [0], "host-b": [0]}
+    commands = ssh_commands(active, "127.0.0.1", free_port(), [str(tmp_path / "bad.py"), str(tmp_path / "ds.json")],
+                            environ=environ, cwd=str(tmp_path))
+    hosts = [["bash", "-c", cmd[-1].replace(shlex.quote(sys.executable), shlex.quote(served))] for cmd in commands]
+    assert run_hosts(hosts, active) == 2
+    err = capfd.readouterr().err
+    # libraries' own warnings are not errors (torch's "[rank0]:W1205 ...", torchao's "Failed to load ...")
+    warning = re.compile(r"^(\[rank\d+\]:)?W\d{4} ")
+    said = [line for line in err.splitlines() if ("error" in line.lower() or "host" in line.lower())
+            and not warning.match(line)]
+    assert len(said) == 1 and said[0].startswith(
+        "zerotrain: error: unknown key 'zero_optimization.no_such_key'; valid keys here: stage, "), err
+    assert "Traceback" not in err and "zerotrain-host-report" not in err and "stopped by" not in err, err
 
 
 def test_a_hosts_launch_stops_its_printing_ranks_when_its_ssh_channel_closes(tmp_path):

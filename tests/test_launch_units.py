@@ -71,6 +71,20 @@ def test_launch_runs_the_script_as_main_under_the_agent_and_a_usage_error_is_one
     assert err == ["zerotrain: error: train_batch_size: 7 is not what this script wants"], err
     assert Path(f"{out}.starts").read_text() == "started\n"
 
+    # a crash in rank 1 of a script that does not use torchrun's @record: the report names the rank and shows
+    # the exception with its traceback once (the rank's error file, as @record writes it; was "error_file: <N/A>",
+    # no exception in the report, the traceback printed by the rank alone)
+    crash = tmp_path / "crash.py"
+    crash.write_text("import os, time\nif os.environ['RANK'] == '1':\n    raise KeyError('boom in rank one')\n"
+                     "time.sleep(60)\n")
+    assert main(["launch", "--nproc", "2", str(crash)]) == 1
+    err = capfd.readouterr().err
+    assert err.count("KeyError: 'boom in rank one'") == 1 and "  KeyError: 'boom in rank one'" in err.splitlines(), err
+    root = err.split("Root Cause (first observed failure):", 1)[-1]
+    assert "rank      : 1 (local_rank: 1)" in root and "exitcode  : 1 (pid" in root, err  # as an uncaught one
+    assert "error_file: <N/A>" not in root, err
+    assert err.count('File "' + str(crash) + '", line 3, in <module>') == 1, err
+
 
 FAILING = textwrap.dedent('''
     import os, signal, sys, time
@@ -179,3 +193,38 @@ def test_the_agents_filter_holds_torchelastics_worker_lines_and_passes_any_other
                                                        "[default] Worker group FAILED. 1/1 attempts left"]
     assert [r.getMessage() for r in hold.held] == ["Sending process 7 closing signal SIGTERM",
                                                    "failed (exitcode: 1) local_rank: 0"]
+
+
+def test_a_ranks_crash_is_recorded_as_record_does_and_printed_by_the_rank_only_where_no_report_shows_it(
+        tmp_path, monkeypatch):
+    """`elastic.record_failure` in a rank's except block (in-process, the rank's environment set by hand): the
+    error file torchrun's `@record` writes (the exception, its traceback); True (the rank ends quietly: the agent's
+    report shows it) only under our agent with no restart left; a restart ahead, or another launcher, False (the
+    rank prints it too); no error file: False, nothing written."""
+    from zerotrain.elastic import AGENT_ENV, ERROR_FILE_ENV, record_failure
+
+    def crash(**env) -> tuple[bool, dict]:
+        for name in (ERROR_FILE_ENV, AGENT_ENV, "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RESTART_COUNT"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        path = tmp_path / "error.json"
+        if path.exists():
+            path.unlink()
+        try:
+            raise KeyError("boom")
+        except KeyError as exc:
+            quiet = record_failure(exc)
+        return quiet, json.loads(path.read_text()) if path.exists() else {}
+
+    ours = {ERROR_FILE_ENV: str(tmp_path / "error.json"), AGENT_ENV: "1"}
+    quiet, data = crash(**ours)
+    assert quiet and data["message"]["message"] == "KeyError: 'boom'", data
+    assert 'raise KeyError("boom")' in data["message"]["extraInfo"]["py_callstack"], data
+    assert crash(**ours, TORCHELASTIC_MAX_RESTARTS="2", TORCHELASTIC_RESTART_COUNT="2")[0]  # the last attempt
+    for restarts, count in (("2", "1"), ("1", "0"), ("3", "2")):  # a restart ahead: the rank prints it as well
+        quiet, data = crash(**ours, TORCHELASTIC_MAX_RESTARTS=restarts, TORCHELASTIC_RESTART_COUNT=count)
+        assert not quiet and data["message"]["message"] == "KeyError: 'boom'", (restarts, count)
+    quiet, data = crash(**{ERROR_FILE_ENV: str(tmp_path / "error.json")})  # plain torchrun: as @record, re-raised
+    assert not quiet and data["message"]["message"] == "KeyError: 'boom'"
+    assert crash(**{AGENT_ENV: "1"}) == (False, {})  # no error file: not started by an agent

@@ -265,7 +265,10 @@ def _run(args: argparse.Namespace) -> int:
             return run_train(args, config)
     except Exception as exc:  # usage errors (CLIError, config and checkpoint errors): one clean line, no traceback
         status = usage_error_status(exc)
-        if status is None:
+        if status is None:  # anything else keeps its traceback; in a rank: in the agent's report (@record's)
+            from zerotrain.elastic import record_failure
+            if inside_worker() and record_failure(exc):
+                return 1
             raise
         return report_error(str(exc), status)
     return 0

@@ -15,11 +15,17 @@ from pathlib import Path
 from typing import Optional
 
 __all__ = ["HelpFormatter", "CommandParser", "CLIError", "PROG", "inside_worker", "print_error", "report_error", "usage_error_status",
-           "rendezvous", "run_torchrun",
+           "STOP_ON_EOF_ENV", "HOST_REPORT", "rendezvous", "run_torchrun",
            "add_node_flags", "node_rendezvous", "multi_node", "max_world_size"]
 
 PROG = "zerotrain"
 WORKER_ENV_VARS = ("RANK", "LOCAL_RANK")
+# Set by `hostfile.ssh_commands` for one host's launch of a multi-host start: its ssh channel closing stops it
+# (`hostfile.stop_on_stdin_eof`), and its usage error and stop lines go to the launcher marked (`HOST_REPORT`).
+STOP_ON_EOF_ENV = "ZEROTRAIN_STOP_ON_STDIN_EOF"
+# A host's launch writes `HOST_REPORT + "usage STATUS LINE"` or `HOST_REPORT + "stopped LINE"` on stderr;
+# `hostfile.run_hosts` takes these lines out of the host's output and says once, for every host, what they say.
+HOST_REPORT = "zerotrain-host-report: "
 
 
 class CLIError(Exception):
@@ -79,12 +85,25 @@ def print_error(message: str) -> None:
     print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
 
 
+def _to_the_launcher(report: str) -> bool:
+    """In one host's launch of a multi-host start (`STOP_ON_EOF_ENV`, not a rank): `report` marked on stderr for
+    the launcher (`hostfile.run_hosts`), which says it once for all hosts; False elsewhere."""
+    if os.environ.get(STOP_ON_EOF_ENV) != "1" or inside_worker():
+        return False
+    print(HOST_REPORT + report, file=sys.stderr, flush=True)
+    return True
+
+
 def report_error(message: str, status: int) -> int:
     """A usage error's one line: printed here, or, in a worker of `run_torchrun`, handed to the launcher through
-    this rank's error file (`zerotrain.elastic`), which prints it once for all ranks; returns `status`."""
+    this rank's error file (`zerotrain.elastic`), which prints it once for all ranks, or, in one host's launch of a
+    multi-host start, handed to that start's launcher (`HOST_REPORT`), which prints it once for all hosts;
+    returns `status`."""
     from zerotrain.elastic import AGENT_ENV, record_usage_error
 
-    if not (inside_worker() and os.environ.get(AGENT_ENV) == "1" and record_usage_error(message, status)):
+    if inside_worker() and os.environ.get(AGENT_ENV) == "1" and record_usage_error(message, status):
+        return status
+    if not _to_the_launcher(f"usage {int(status)} {message}"):
         print_error(message)
     return status
 
@@ -280,11 +299,11 @@ def run_torchrun(rendezvous: list[str], target: list[str], stop_signals: str = "
             os.unlink(error_file)
     if stop is not None or received:  # a stop, not an error: no "error:", no trace (the agent ends quietly)
         sig = stop[0] if stop is not None else signal.Signals(received[0])
-        print(f"{PROG}: stopped by {sig.name}" + (f" at {stop[1]}" if stop is not None and stop[1] else "")
-              + ("" if status == 0 or stop is not None else f"; the ranks exited with status {status}"),
-              file=sys.stderr, flush=True)
+        said = (f"{PROG}: stopped by {sig.name}" + (f" at {stop[1]}" if stop is not None and stop[1] else "")
+                + ("" if status == 0 or stop is not None else f"; the ranks exited with status {status}"))
+        if not _to_the_launcher(f"stopped {said}"):
+            print(said, file=sys.stderr, flush=True)
         return 128 + int(sig)
-    if usage is not None:  # a rank's one-line usage error, printed once
-        print_error(usage[0])
-        return usage[1]
+    if usage is not None:  # a rank's one-line usage error, printed once (once for all hosts: `report_error`)
+        return report_error(*usage)
     return status

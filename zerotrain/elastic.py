@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-__all__ = ["AGENT_ENV", "ERROR_FILE_ENV", "record_usage_error", "read_usage_error", "agent_main"]
+__all__ = ["AGENT_ENV", "ERROR_FILE_ENV", "record_usage_error", "record_failure", "read_usage_error", "agent_main"]
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 AGENT_ENV = "ZEROTRAIN_ELASTIC_AGENT"  # set for the agent (and so its workers) that `command.run_torchrun` starts
@@ -42,6 +42,23 @@ def record_usage_error(message: str, status: int) -> bool:
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(data, handle)
     return True
+
+
+def record_failure(exc: BaseException) -> bool:
+    """In a rank's ``except`` block, for an exception that is not a usage error: what torchrun's ``@record`` does,
+    `exc` and its traceback written to this rank's error file (torchelastic's format), so the agent's failure
+    report names the exception under the rank instead of ``error_file: <N/A>``. True when the rank should end with
+    status 1 without printing the traceback itself: under our agent (`AGENT_ENV`) with no restart left, whose
+    report shows it once; False otherwise (no error file, or a restart ahead that would not show it): the caller
+    re-raises, as ``@record`` does."""
+    if not os.environ.get(ERROR_FILE_ENV):
+        return False
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    get_error_handler().record_exception(exc)
+    restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) - \
+        int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    return os.environ.get(AGENT_ENV) == "1" and restarts_left <= 0
 
 
 def _usage_error(data) -> Optional[tuple[str, int]]:

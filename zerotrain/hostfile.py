@@ -31,7 +31,7 @@ import socket
 from pathlib import Path
 from typing import Optional
 
-from .command import CLIError
+from .command import CLIError, HOST_REPORT, STOP_ON_EOF_ENV
 
 __all__ = ["LAUNCHERS", "parse_hostfile", "select_resources", "read_deepspeed_env", "is_this_host",
            "local_slots", "check_reachable", "first_address", "ssh_commands", "run_hosts", "host_failure",
@@ -154,7 +154,6 @@ def read_deepspeed_env(home: Optional[str] = None, cwd: Optional[str] = None) ->
 # The variables forwarded to every host besides .deepspeed_env: DeepSpeed's EXPORT_ENVS, its CUDA accelerator's
 # (NCCL), and gloo's (GLOO_SOCKET_IFNAME: the interface that reaches the other hosts)
 FORWARDED_PREFIXES = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL", "GLOO")
-STOP_ON_EOF_ENV = "ZEROTRAIN_STOP_ON_STDIN_EOF"  # a host's launch ends its ranks when its ssh channel closes
 
 
 def _ssh(host: str, ssh_port: Optional[int], launcher_args: str) -> list[str]:
@@ -221,19 +220,29 @@ def run_hosts(commands: list[list[str]], active: dict[str, list[int]]) -> int:
     """Run one ssh per host (`commands[i]` for the i-th host of `active`, host -> slots); the job's status is the
     first non-zero one. A host that fails, or a stop signal to this process, closes every other host's ssh channel:
     each host's launch then stops its ranks (its stdin ends, `STOP_ON_EOF_ENV`); the launcher dying takes its ssh
-    clients with it, which ends the channels too. A host that failed is named in one line on stderr (its node
-    rank, its ranks and status), printed once when every host has ended."""
+    clients with it, which ends the channels too. What the hosts' launches report for the launcher
+    (`command.HOST_REPORT`) is taken out of their output (the rest is copied as it comes): a usage error (a bad
+    argument to the script, a bad config key; every host's ranks usually hit the same one) is printed once, the
+    first host's line, and its status is the job's; else a host that failed is named in one line on stderr (its
+    node rank, its ranks and status); either is printed once when every host has ended. A host's "stopped" line
+    is dropped when this process stopped it after another host failed, and printed otherwise."""
     import signal
     import subprocess
+    import threading
     import time
 
     from .command import print_error
     from .lifecycle import kill_me_with_parent
 
-    procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True, preexec_fn=kill_me_with_parent)
-             for cmd in commands]
+    procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                              preexec_fn=kill_me_with_parent) for cmd in commands]
     received: list[int] = []
     failed: Optional[int] = None  # the first host seen failing
+    usage: list[tuple[int, str]] = []  # (status, line) of the hosts' usage errors, as they came
+    relays = [threading.Thread(target=_relay_host_stderr, args=(proc.stderr, usage, lambda: failed is not None),
+                               name=f"zerotrain-host-{index}", daemon=True) for index, proc in enumerate(procs)]
+    for relay in relays:
+        relay.start()
 
     def stop_all() -> None:
         for proc in procs:
@@ -264,11 +273,69 @@ def run_hosts(commands: list[list[str]], active: dict[str, list[int]]) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         stop_all()
+        for relay in relays:  # a host's stderr ends with its ssh client; what is still in the pipe comes first
+            relay.join(timeout=5)
     if received:
         return 128 + received[0]
+    if usage:
+        print_error(usage[0][1])
+        return usage[0][0]
     if failed is not None:
         print_error(host_failure(active, failed, status))
     return status
+
+
+def _relay_host_stderr(source, usage: list[tuple[int, str]], stopped_for_a_failure) -> None:
+    """Copy one host's stderr (its ssh client's) to this process's, as it comes, except its `HOST_REPORT` lines:
+    a usage error is added to `usage`; a stop line is printed (unmarked) unless `stopped_for_a_failure()`."""
+    import sys
+
+    mark = HOST_REPORT.encode()
+    pending = b""
+
+    def write(data: bytes) -> None:
+        try:
+            sys.stderr.flush()
+            os.write(sys.stderr.fileno(), data)
+        except (OSError, ValueError):
+            pass
+
+    def report(line: bytes) -> None:
+        kind, _, said = line[len(mark):].decode("utf-8", "replace").rstrip("\r\n").partition(" ")
+        if kind == "usage":
+            code, _, message = said.partition(" ")
+            usage.append((int(code) if code.isdigit() else 1, message))
+        elif not (kind == "stopped" and stopped_for_a_failure()):
+            write((said + "\n").encode())
+
+    def line_out(line: bytes) -> None:  # a report may follow a rank's partial line (a progress bar's "\r")
+        at = line.find(mark)
+        if at < 0:
+            write(line)
+            return
+        if at:
+            write(line[:at])
+        report(line[at:])
+
+    while True:
+        try:
+            data = os.read(source.fileno(), 65536)
+        except OSError:
+            data = b""
+        pending += data
+        while b"\n" in pending:
+            line, _, pending = pending.partition(b"\n")
+            line_out(line + b"\n")
+        # a partial line goes out now (progress bars, prompts), but for a report or what may be the start of one
+        if pending and mark not in pending:
+            keep = next((n for n in range(min(len(mark), len(pending)), 0, -1) if mark.startswith(pending[-n:])), 0)
+            write(pending[:len(pending) - keep])
+            pending = pending[len(pending) - keep:]
+        if not data:
+            break
+    if pending:
+        line_out(pending)
+    source.close()
 
 
 def host_failure(active: dict[str, list[int]], index: int, status: int) -> str:

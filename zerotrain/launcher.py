@@ -73,10 +73,13 @@ def run_worker(argv: Optional[Sequence[str]] = None) -> None:
         runpy.run_path(script, run_name="__main__")
     except Exception as exc:  # zerotrain's usage errors: one line, once for the job, as `zerotrain train` ends
         from .command import report_error, usage_error_status
+        from .elastic import record_failure
 
         status = usage_error_status(exc)
-        if status is None:
-            raise  # anything else keeps its traceback
+        if status is None:  # anything else keeps its traceback: in the agent's report under this rank (@record's)
+            if record_failure(exc):
+                sys.exit(1)
+            raise
         sys.exit(report_error(str(exc), status))
     _end_like_the_commands()
 

@@ -50,7 +50,13 @@ def expert_parallel_training() -> tuple[list[float], dict]:
         dist.all_reduce(total)
         losses.append(total.item() / world)
     state = {name: p.detach().clone() for name, p in layer.named_parameters()}
-    return losses, state, layer.w_in.ep_slice
+    # a rank's share with no token (rank 0's): its loss is 0, not NaN, and the exchanges both ways still run with
+    # the others' tokens (a hang or a NaN gradient here otherwise)
+    x = torch.randn(0 if rank == 0 else 4, D_MODEL, generator=torch.Generator().manual_seed(9))
+    y, aux = layer(x)
+    (y.sum() + aux).backward()
+    empty_share = (aux.item(), all(bool(p.grad.isfinite().all()) for p in layer.parameters()))
+    return losses, state, layer.w_in.ep_slice, empty_share
 
 
 def reference(world: int) -> tuple[list[float], dict]:
@@ -73,7 +79,9 @@ def reference(world: int) -> tuple[list[float], dict]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_moe_matches_all_local_experts(world):
     ref_losses, ref_state = reference(world)
-    for losses, state, expert_slice in run_distributed(expert_parallel_training, world, timeout=120):
+    results = run_distributed(expert_parallel_training, world, timeout=120)
+    assert results[0][3] == (0.0, True) and all(r[3][0] > 0 and r[3][1] for r in results[1:]), [r[3] for r in results]
+    for losses, state, expert_slice, _ in results:
         assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-5
         torch.testing.assert_close(state["gate.weight"], ref_state["gate.weight"], rtol=1e-5, atol=1e-6)
         (first, count), = expert_slice.pieces  # this rank's experts, by the record the weights carry
@@ -106,6 +114,30 @@ def _dense(layer, x, top_k=TOP_K):
         rows.append(out)
     aux = EXPERTS * ((chosen / chosen.sum()) * probs.mean(dim=0)).sum()
     return torch.stack(rows).view(x.shape), aux
+
+
+def test_no_tokens_give_a_zero_load_balancing_loss_with_its_graph():
+    """An empty micro-batch (zero tokens reach the gate): the load-balancing loss is 0, not NaN (DeepSpeed's
+    `topkgating` takes the mean over an empty dim: NaN), and still reaches the gate (a zero gradient); the output
+    is empty. Next to a micro-batch with tokens, the summed losses and gradients are that micro-batch's alone
+    (the plain mixture, `_dense`)."""
+    from zerotrain.comm import Comm
+    from zerotrain.parallel.moe import ExpertParallelMoE
+
+    torch.manual_seed(0)
+    layer = ExpertParallelMoE(D_MODEL, D_HIDDEN, EXPERTS, Comm(None, 0, 1), top_k=TOP_K)
+    y, aux = layer(torch.zeros(0, 5, D_MODEL))
+    assert y.shape == (0, 5, D_MODEL) and aux.item() == 0.0 and aux.requires_grad
+    (gate_grad,) = torch.autograd.grad(aux, [layer.gate.weight])
+    assert torch.equal(gate_grad, torch.zeros_like(layer.gate.weight))
+    x = torch.randn(2, 3, D_MODEL, generator=torch.Generator().manual_seed(3))
+    _, empty_aux = layer(x[:0])
+    _, full_aux = layer(x)
+    _, want_aux = _dense(layer, x)
+    got = torch.autograd.grad(empty_aux + full_aux, [layer.gate.weight])[0]
+    want = torch.autograd.grad(want_aux, [layer.gate.weight])[0]
+    torch.testing.assert_close(empty_aux + full_aux, want_aux, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
 def test_one_rank_layer_is_the_top_k_mixture_and_a_rank_holds_its_experts_initialised_alike():

@@ -7,7 +7,10 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from models_for_tests import OddMLP, make_batches, micro_slice, reference_training, train_global_step
+from models_for_tests import (OddMLP, assert_same_training, make_batches, micro_slice, reference_training,
+                              train_global_step)
+
+from zerotrain.zero.optimizer import COALESCE_BYTES
 
 STEPS, MICRO, LR = 5, 2, 1e-2
 
@@ -101,9 +104,13 @@ def train_with_engine(combos: list[tuple[int, int]], clip: float = 1.0, precisio
         torch.manual_seed(0)
         engine, _, _, _ = zerotrain.initialize(model=OddMLP(), config=engine_config(stage, accumulation, world, clip, precision))
         step_losses, norms = [], []
+        published = engine.memory_report()["comm"].get("all_gather", {}).get("calls", 0)
         for batch in make_batches(STEPS, MICRO * accumulation * world):
             step_losses.append(train_global_step(engine, batch, MICRO))
             norms.append(engine.get_global_grad_norm())
+        # the small buckets' full copies refreshed by one all-gather per step, not one per bucket (fix1)
+        published = engine.memory_report()["comm"].get("all_gather", {}).get("calls", 0) - published
+        assert len(engine.buckets) > 1 and published == (STEPS if stage and world > 1 else 0), (stage, published)
         assert engine.global_steps == STEPS
         assert engine.global_samples == STEPS * MICRO * accumulation * world
         before = engine.memory_report()["comm"].get("gather", {}).get("calls", 0)
@@ -114,7 +121,84 @@ def train_with_engine(combos: list[tuple[int, int]], clip: float = 1.0, precisio
         results.append((stage, accumulation, step_losses, weights, norms))
     if gated_accumulation:
         results.append(train_gated_stage2(gated_accumulation))
+        results.append(train_wide())
+        results.append(coalesced_gathers())
     return results
+
+
+class WideMLP(torch.nn.Module):
+    """fc2's weight alone is over `optimizer.COALESCE_BYTES` (266,240 fp32 elements): its bucket is all-gathered on
+    its own, the small ones together."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 512)
+        self.fc2 = torch.nn.Linear(512, 520)
+        self.head = torch.nn.Linear(520, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x))))), y)
+
+
+def reference_wide(batches) -> tuple:
+    """One process: WideMLP, SGD at lr 0.5, clipping 1.0, whole global batches."""
+    torch.manual_seed(0)
+    model = WideMLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for x, y in batches:
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def train_wide() -> tuple:
+    """Stage 1 at world 2 with one bucket over 1 MiB among small ones: losses, whole weights, all-gathers per step."""
+    import zerotrain
+
+    torch.manual_seed(0)
+    # SGD: AdamW's update of a near-zero gradient element magnifies the sum order's last bits past 1e-6
+    config = {**engine_config(1, 1, 2), "zero_optimization": {"stage": 1, "reduce_bucket_size": 4000},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}
+    engine, *_ = zerotrain.initialize(model=WideMLP(), config=config)
+    sizes = sorted(bucket.flat_param.numel() * bucket.flat_param.element_size() for bucket in engine.buckets)
+    before = engine.memory_report()["comm"].get("all_gather", {}).get("calls", 0)
+    losses = [train_global_step(engine, batch, MICRO) for batch in make_batches(2, MICRO * 2)]
+    calls = engine.memory_report()["comm"].get("all_gather", {}).get("calls", 0) - before
+    return losses, engine.full_state_dict(), calls / 2, sizes
+
+
+COALESCED = [(5, torch.float32), (3, torch.bfloat16), (1, torch.float16), (7, torch.float64), (4, torch.int32)]
+
+
+def rank_piece(index: int, rank: int) -> torch.Tensor:
+    """What `rank` contributes to the `index`-th gather of `coalesced_gathers`."""
+    numel, dtype = COALESCED[index]
+    return (torch.arange(numel, dtype=torch.float64) * (rank + 1) + 100 * index + 0.5 * rank).to(dtype)
+
+
+def coalesced_gathers() -> tuple:
+    """`Comm.all_gather_coalesced` of pieces of several dtypes and sizes (the last one in place, as the optimizer
+    gathers its own shard): the outputs, and the calls and bytes the counters counted."""
+    import torch.distributed as dist
+
+    from zerotrain.comm import Comm
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = Comm(None, rank, world)
+    pairs = []
+    for index, (numel, dtype) in enumerate(COALESCED):
+        output = torch.full((world * numel,), -1, dtype=dtype)
+        piece = output[rank * numel:(rank + 1) * numel] if index == len(COALESCED) - 1 else torch.empty(numel, dtype=dtype)
+        piece.copy_(rank_piece(index, rank))
+        pairs.append((output, piece))
+    comm.all_gather_coalesced(pairs)
+    counted = comm.counters.snapshot()
+    return [output for output, _ in pairs], counted
 
 
 COMBOS = [(stage, accumulation) for stage in (0, 1, 2) for accumulation in (1, 2)]
@@ -129,8 +213,18 @@ def reference_batches_for(world: int, accumulation: int):
 def test_stages_match_single_process(world):
     """At world 2 also: stage 2 with a parameter that gets no gradient in some micro-steps on some ranks, whose
     bucket reuses another bucket's staging buffer (its slice must count as zero, not as what the buffer held)."""
-    results = run_distributed(train_with_engine, world, COMBOS, gated_accumulation=GATED_ACCUMULATION * (world == 2))[0]
+    run_results = run_distributed(train_with_engine, world, COMBOS, gated_accumulation=GATED_ACCUMULATION * (world == 2))
+    results = run_results[0]
     if world == 2:
+        for rank, (outputs, counted) in enumerate(r.pop() for r in run_results):
+            for index, output in enumerate(outputs):
+                want = torch.cat([rank_piece(index, peer) for peer in range(world)])
+                assert output.dtype == want.dtype and torch.equal(output, want), (rank, index, output, want)
+            assert counted == {"all_gather": {"calls": 1, "bytes": sum(o.numel() * o.element_size()
+                                                                       for o in outputs) // 2}}, counted
+        losses, weights, per_step, sizes = results.pop()  # the wide model: a big bucket on its own, the rest in one
+        assert len(sizes) >= 3 and sizes[-1] > COALESCE_BYTES >= sizes[-2] and per_step == 2, (sizes, per_step)
+        assert_same_training(losses, weights, *reference_wide(make_batches(2, MICRO * 2)), "wide")
         losses, weights, norms = results.pop()
         ref_losses, ref_weights, ref_norms = reference_gated(world, GATED_ACCUMULATION)
         what = "world 2, stage 2, a parameter without a gradient in some micro-steps"

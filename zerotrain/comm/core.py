@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import datetime
 from collections import defaultdict
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -79,6 +79,20 @@ _NEXT_TAG: dict[str, int] = defaultdict(int)
 # Same-host transport per process group, keyed by the group object's id (the entry keeps the
 # group alive, so the id is not reused): None where the group's ranks cannot use it.
 _SAME_HOST: dict[int, tuple] = {}
+
+
+class _Then:
+    """A collective's handle whose `wait()` runs `finish` once the collective is done (once)."""
+
+    def __init__(self, work, finish: Callable[[], None]):
+        self.work, self.finish = work, finish
+
+    def wait(self) -> bool:
+        if self.finish is not None:
+            self.work.wait()
+            finish, self.finish = self.finish, None
+            finish()
+        return True
 
 
 class Comm:
@@ -317,6 +331,41 @@ class Comm:
         if self._point_to_point(output, input) and output.dtype == input.dtype:
             return self._all_gather_p2p(output, input, kind, async_op)
         return self._call(kind, _all_gather_single, output, input, group=self.group, async_op=async_op)
+
+    def all_gather_coalesced(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], async_op: bool = False, *,
+                             kind: str = "all_gather"):
+        """Several all-gathers as one collective: each `(output, input)` pair gets what `all_gather(output, input)`
+        gives it. The inputs' bytes (any dtypes, on one device) are packed into one byte buffer, gathered once and
+        unpacked into the outputs (after the handle's `wait()` when `async_op`); counted as one call of `kind`
+        with the pairs' bytes. Outputs must be contiguous and of their input's dtype."""
+        pairs = list(pairs)
+        for output, input in pairs:
+            if output.numel() != self.size * input.numel() or output.dtype != input.dtype:
+                raise ValueError(f"{kind}: each output must hold {self.size} x its input's elements of its dtype, "
+                                 f"got {output.numel()} {output.dtype} for {input.numel()} {input.dtype}")
+        if self.size == 1 or len(pairs) == 1:  # nothing to pack
+            handles = [self.all_gather(output, input, async_op, kind=kind) for output, input in pairs]
+            return (handles[0] if handles else Completed()) if async_op else None
+        sizes = [_nbytes(input) for _, input in pairs]
+        total = sum(sizes)
+        packed = torch.empty(self.size * total, dtype=torch.uint8, device=pairs[0][1].device)
+        mine = packed[self.rank * total:(self.rank + 1) * total]
+        offset = 0
+        for (_, input), size in zip(pairs, sizes):
+            mine[offset:offset + size].copy_(input.reshape(-1).view(torch.uint8))
+            offset += size
+
+        def unpack() -> None:
+            rows, start = packed.view(self.size, total), 0
+            for (output, _), size in zip(pairs, sizes):
+                output.view(-1).view(torch.uint8).view(self.size, size).copy_(rows[:, start:start + size])
+                start += size
+
+        handle = _Then(self.all_gather(packed, mine, async_op=True, kind=kind), unpack)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, *,
                    kind: str = "all_to_all", logical_bytes: Optional[float] = None):

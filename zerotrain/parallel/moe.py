@@ -127,7 +127,10 @@ class ExpertParallelMoE(nn.Module):
             expert_out = _Exchange.apply(expert_out, self.comm, recv, send)
         weights = top_p.reshape(-1)[order].unsqueeze(-1).to(expert_out.dtype)
         y = torch.zeros_like(tokens).index_add(0, token_of_row, expert_out * weights)
+        # DeepSpeed's top-k load-balancing loss, E * sum_e(tokens routed to e / (N * k) * mean gate probability of
+        # e). With no token (an empty micro-batch, or this rank's share of one) both means are over nothing: 0,
+        # not DeepSpeed's NaN (its mean over an empty dim), with the graph to the gate kept (a zero gradient).
         fraction = per_expert.to(probs.dtype) / max(1, expert_of_row.numel())
-        aux_loss = self.num_experts * (fraction * probs.mean(dim=0)).sum()
+        aux_loss = self.num_experts * (fraction * (probs.sum(dim=0) / max(1, tokens.shape[0]))).sum()
         return y.view(shape), aux_loss
 
