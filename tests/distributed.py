@@ -398,6 +398,11 @@ try:  # die with the parent, as zerotrain's ranks and agent do (the server then 
     ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)
 except Exception:
     pass
+# the signals held back until their forwarding is in place: a SIGTERM sent as soon as the forked process printed
+# (it may, before this stub got past its request) was SIGTERM's default action on the stub (-15 for the handler's
+# status) under load
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
 conn = Client({address!r}, family="AF_UNIX", authkey=bytes.fromhex({key!r}))
 fds = []
 for fd in (0, 1, 2):
@@ -414,8 +419,9 @@ def forward(signum, frame):
         conn.send(signum)
     except OSError:
         pass
-for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+for sig in SIGNALS:
     signal.signal(sig, forward)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # any held back now goes to forward
 code = conn.recv()
 if code < 0:  # killed by a signal: so is this process, as its parent would have seen it
     if -code not in (signal.SIGKILL, signal.SIGSTOP):
