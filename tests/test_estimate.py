@@ -93,29 +93,25 @@ def _step_then_backward(config: dict, after_step=None, at_end=None):
 
 
 @contextlib.contextmanager
-def _older_objects_frozen():
-    """Moves every object alive now out of the garbage collector's view (`gc.freeze`) for the block: inside it
-    `_live_tensor_bytes` walks the objects made since (the engine's), not those the earlier tests and the imports
-    left, which cost it a second per call in the whole suite's process. Its differences are the same: a tensor made
-    before the block is in neither of two readings taken inside it. At the end the objects frozen at its start are
-    given back to the collector, unless some were frozen before it (the
-    session's, tests/conftest.py; a rank's inherited ones, tests/distributed.py), which `gc.unfreeze` would give
-    back too: then they all stay frozen (objects alive before the block: the collection's and the earlier tests')."""
+def _every_object_seen():
+    """The garbage collector's whole view for the block: the objects the suite froze (tests/conftest.py: the
+    session's; tests/distributed.py: a rank's inherited ones) given back to it, and frozen again after. With them
+    frozen, `_live_tensor_bytes` missed a storage whose tensor was frozen but whose view was not: a view made by a
+    step and dropped by the next backward counted its storage's bytes in one reading only (8 bytes off, in one
+    run of two)."""
     import gc
 
-    frozen_before = gc.get_freeze_count() > 0
-    gc.collect()
-    gc.freeze()
+    frozen = gc.get_freeze_count() > 0
+    gc.unfreeze()
     try:
         yield
     finally:
-        if not frozen_before:
-            gc.unfreeze()
+        if frozen:
+            gc.freeze()
 
 
 def _live_tensor_bytes() -> int:
-    """Bytes of the distinct storages of every tensor alive in this process (the garbage collector's view; inside
-    `_older_objects_frozen`, those made since it began)."""
+    """Bytes of the distinct storages of every tensor alive in this process (the garbage collector's view)."""
     import gc
     import warnings
 
@@ -133,16 +129,12 @@ def _live_tensor_bytes() -> int:
 def engine_memory_per_case(nvme_path: str) -> list[dict]:
     """Each case's engine on this rank: one step, then one more backward (the gradients are held, the
     optimizer states exist), and its memory report next to the estimate for the same config."""
-    out = []
-    with _older_objects_frozen():
-        out += _engine_memory_per_case(nvme_path)
-    out.append(sequence_parallel_case())
-    out += parallel_and_zeropp_cases()
-    return out
+    with _every_object_seen():
+        return _engine_memory_per_case(nvme_path)
 
 
 def _engine_memory_per_case(nvme_path: str) -> list[dict]:
-    """engine_memory_per_case's CASES."""
+    """engine_memory_per_case's work."""
     from zerotrain.config import load_config
 
     out = []
@@ -169,6 +161,8 @@ def _engine_memory_per_case(nvme_path: str) -> list[dict]:
                                     probe_optimizer(parsed.optimizer), device_type="cpu")
         out.append({"case": case, "report": report, "estimate": predicted.rows, "nvme_files": predicted.nvme_files,
                     "notes": predicted.notes})
+    out.append(sequence_parallel_case())
+    out += parallel_and_zeropp_cases()
     return out
 
 
@@ -707,7 +701,7 @@ def test_estimate_matches_the_engine_at_a_world_of_one(tmp_path, world_of_one):
     `memory_report()` row for row equals the estimate, and the gradient bytes the report adds from the step's end
     to after that backward are the bytes of the tensors that became alive (the garbage collector's view), so the
     gradients row is what the run holds, not only what the engine says it holds."""
-    with _older_objects_frozen():
+    with _every_object_seen():
         _world_of_one_cases(tmp_path)
 
 
