@@ -109,14 +109,16 @@ def assert_same_training(losses, weights, ref_losses, ref_weights, where: str = 
                                    msg=lambda m, name=name: f"{where} {name}: {m}")
 
 
-def reference_training(model_factory, batches, lr=1e-2, weight_decay=0.01, clip=1.0, norms=None):
-    """Plain single-process AdamW over whole global batches: the ground truth.
+def reference_training(model_factory, batches, lr=1e-2, weight_decay=0.01, clip=1.0, norms=None, make_optimizer=None):
+    """Plain single-process AdamW (or `make_optimizer(parameters)`'s optimizer) over whole global batches: the
+    ground truth.
 
     With a list as `norms`, each step's global gradient norm (before clipping) is appended to it:
     AdamW is nearly blind to the scale of its gradients, so clipping is checked through the norm."""
     torch.manual_seed(0)
     model = model_factory()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    optimizer = (make_optimizer(model.parameters()) if make_optimizer is not None
+                 else torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay))
     losses = []
     for x, y in batches:
         loss = model(x, y)

@@ -140,22 +140,6 @@ class WideMLP(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x))))), y)
 
 
-def reference_wide(batches) -> tuple:
-    """One process: WideMLP, SGD at lr 0.5, clipping 1.0, whole global batches."""
-    torch.manual_seed(0)
-    model = WideMLP()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses = []
-    for x, y in batches:
-        loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
 def train_wide() -> tuple:
     """Stage 1 at world 2 with one bucket over 1 MiB among small ones: losses, whole weights, all-gathers per step."""
     import zerotrain
@@ -224,7 +208,9 @@ def test_stages_match_single_process(world):
                                                                        for o in outputs) // 2}}, counted
         losses, weights, per_step, sizes = results.pop()  # the wide model: a big bucket on its own, the rest in one
         assert len(sizes) >= 3 and sizes[-1] > COALESCE_BYTES >= sizes[-2] and per_step == 2, (sizes, per_step)
-        assert_same_training(losses, weights, *reference_wide(make_batches(2, MICRO * 2)), "wide")
+        wide_sgd = reference_training(WideMLP, make_batches(2, MICRO * 2), clip=1.0,  # SGD at lr 0.5, clipping 1.0
+                                      make_optimizer=lambda params: torch.optim.SGD(params, lr=0.5))
+        assert_same_training(losses, weights, *wide_sgd, "wide")
         losses, weights, norms = results.pop()
         ref_losses, ref_weights, ref_norms = reference_gated(world, GATED_ACCUMULATION)
         what = "world 2, stage 2, a parameter without a gradient in some micro-steps"
