@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -228,3 +230,39 @@ def test_a_ranks_crash_is_recorded_as_record_does_and_printed_by_the_rank_only_w
     quiet, data = crash(**{ERROR_FILE_ENV: str(tmp_path / "error.json")})  # plain torchrun: as @record, re-raised
     assert not quiet and data["message"]["message"] == "KeyError: 'boom'"
     assert crash(**{AGENT_ENV: "1"}) == (False, {})  # no error file: not started by an agent
+
+
+_LEFT_WORKERS = textwrap.dedent('''
+    import json, signal, subprocess, sys, time
+    from zerotrain.elastic import stop_left_workers
+    polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                                 "signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"],
+                                start_new_session=True, stdout=subprocess.PIPE, text=True)
+    stubborn.stdout.readline()
+    start = time.monotonic()
+    signalled, killed = stop_left_workers(signal.SIGTERM, timeout=1.0)
+    took = time.monotonic() - start
+    alive = [pid for pid in (polite.pid, stubborn.pid) if subprocess.run(["kill", "-0", str(pid)]).returncode == 0]
+    print(json.dumps({"signalled": sorted(signalled) == sorted([polite.pid, stubborn.pid]),
+                      "killed": killed == [stubborn.pid], "alive": alive, "took": took,
+                      "again": stop_left_workers(signal.SIGTERM, timeout=1.0)}))
+''')
+
+
+def test_a_stop_while_the_agent_starts_its_workers_leaves_none_running(tmp_path):
+    """`elastic.stop_left_workers`, what the agent does once a stop signal ended torchrun's own agent: torch's
+    agent holds its workers' context only once `start_processes` returns, so a stop landing while it starts them
+    left them running on without it (seen in the loop: a worker that signals its agent at once outlived it by
+    60 s). In a process of its own (it signals every child of the process it runs in): a worker that ends on
+    SIGTERM and one that ignores it (SIGKILLed after the timeout), both gone; nothing left the second time."""
+    script = tmp_path / "left.py"
+    script.write_text(_LEFT_WORKERS)
+    root = str(Path(__file__).resolve().parent.parent)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == 0, done.stderr
+    said = json.loads(done.stdout.splitlines()[-1])
+    assert said["signalled"] and said["killed"] and said["alive"] == [], said
+    assert 1.0 <= said["took"] < 30, said  # the polite one ended on SIGTERM, the stubborn one waited out
+    assert said["again"] == [[], []], said

@@ -21,7 +21,8 @@ import sys
 import time
 from typing import Optional, Sequence
 
-__all__ = ["AGENT_ENV", "ERROR_FILE_ENV", "record_usage_error", "record_failure", "read_usage_error", "agent_main"]
+__all__ = ["AGENT_ENV", "ERROR_FILE_ENV", "record_usage_error", "record_failure", "read_usage_error", "agent_main",
+           "stop_left_workers"]
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 AGENT_ENV = "ZEROTRAIN_ELASTIC_AGENT"  # set for the agent (and so its workers) that `command.run_torchrun` starts
@@ -91,6 +92,64 @@ class _HoldBack(logging.Filter):
         return True
 
 
+def _children() -> list[int]:
+    """This process's child processes (Linux: /proc/self/task/*/children); [] where /proc does not say."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/children", encoding="ascii") as handle:
+                found += [int(pid) for pid in handle.read().split()]
+        except OSError:
+            continue
+    return found
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # torchrun starts each worker in its own session: its group, its children too
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _ended(pid: int) -> bool:
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] != 0
+    except ChildProcessError:  # reaped already (or not ours)
+        return True
+
+
+def stop_left_workers(sig: int, timeout: float) -> tuple[list[int], list[int]]:
+    """After a stop signal ended torchrun's agent in this process: `sig` to every child process still there, and
+    SIGKILL to those still running `timeout` seconds later; returns (the children signalled, those killed).
+
+    torch's agent registers its stop handlers before it spawns the workers but holds their context only once
+    `start_processes` returns: a signal in between (a preemption at the job's start; a worker that is quick)
+    raises out of the start, the agent's shutdown finds nothing to close and the workers run on without it. In
+    the normal case the agent has stopped and reaped them: there is no child left and this does nothing."""
+    children = _children()
+    for pid in children:
+        _signal_group(pid, sig)
+    deadline = time.monotonic() + timeout
+    left = [pid for pid in children if not _ended(pid)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [pid for pid in left if not _ended(pid)]
+    for pid in left:
+        _signal_group(pid, 9)  # SIGKILL
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+    return children, left
+
+
 def agent_main(argv: Sequence[str]) -> int:
     """torchrun (``python -m torch.distributed.run ARGV``) with a quiet end for usage errors and stop signals."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -103,10 +162,13 @@ def agent_main(argv: Sequence[str]) -> int:
     loggers = [logging.getLogger(name) for name in _HELD_LOGGERS]
     for logger in loggers:
         logger.addFilter(hold)
+    args = parse_args(list(argv))
     try:
-        run(parse_args(list(argv)))
+        run(args)
         return 0
     except SignalException as stop:  # forwarded to the workers, which saved and stopped: the launcher reports it
+        timeout = args.shutdown_timeout if args.shutdown_timeout is not None else 30
+        stop_left_workers(int(stop.sigval), float(timeout))  # none, unless the signal came while they started
         return 128 + int(stop.sigval)
     except ChildFailedError as failed:
         usage = {rank: f for rank, f in failed.failures.items() if _usage_error(f.error_file_data) is not None}
