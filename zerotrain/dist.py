@@ -9,13 +9,14 @@ failure names the collective and rank. `group` may be None (the world), a torch 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as _torch_dist
 
-from .comm import Comm
+from .comm import Comm, release_groups
 from .topology import default_device, init_distributed as _init_distributed
 
 ReduceOp = _torch_dist.ReduceOp
@@ -47,9 +48,18 @@ def is_initialized() -> bool:
 
 
 def destroy_process_group() -> None:
-    """Tear torch.distributed down at the end of a run (nothing when it is not running)."""
+    """Tear torch.distributed down at the end of a run (nothing when it is not running).
+
+    Then the garbage collector runs: a process group lives while anything holds it, and what still holds one
+    here is often garbage in a reference cycle (a finished script's namespace under `zerotrain launch`, an
+    engine's parts). Collected now, its groups are destroyed and gloo's worker threads joined while the
+    interpreter still runs them; left to the interpreter's exit, a worker that drops its last collective's
+    tensors there cannot take the GIL and the process aborts ("terminate called without an active exception").
+    """
     if is_initialized():
         _torch_dist.destroy_process_group()
+        release_groups()
+        gc.collect()
 
 
 def _comm(group: Group) -> Comm:

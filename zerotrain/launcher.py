@@ -86,9 +86,10 @@ def run_worker(argv: Optional[Sequence[str]] = None) -> None:
 
 def _end_like_the_commands() -> None:
     """After the script returned normally with torch.distributed still up: a barrier, then the groups torn down,
-    as `zerotrain train` ends. A script's last collective is often an all-reduce or all-gather, whose work gloo's
-    thread may release while the interpreter finalizes, ending the rank by SIGABRT (seen in ~1 of 20 runs under
-    load); torch's barrier's work holds no Python-made tensor."""
+    as `zerotrain train` ends. `zerotrain.dist.destroy_process_group` also collects the finished script's
+    namespace (garbage in a cycle once `run_path` returns), so its engine's groups are destroyed and gloo's worker
+    threads joined now: a worker still holding a finished collective's tensors when the interpreter finalizes
+    cannot take the GIL to drop them and aborts the rank (SIGABRT after a complete run, ~1 in 30 under load)."""
     from . import dist  # imported here: a script that never starts torch.distributed loads none of it
 
     if dist.is_initialized():

@@ -11,10 +11,10 @@
   `all_to_all_with_grad` (Ulysses' sequence <-> head exchange) and `all_reduce_with_grad`.
 """
 from .autograd import all_gather_with_grad, all_reduce_with_grad, all_to_all_with_grad
-from .core import Comm
+from .core import Comm, release_groups
 from .handles import CollectiveError, CommCounters, Completed
 
-__all__ = ["Comm", "CommCounters", "CollectiveError", "Completed", "all_gather_with_grad", "all_to_all_with_grad",
+__all__ = ["Comm", "release_groups", "CommCounters", "CollectiveError", "Completed", "all_gather_with_grad", "all_to_all_with_grad",
            "all_reduce_with_grad"]
 
 # deepspeed.comm's names: a script ported with `import zerotrain as deepspeed` reaches this package by

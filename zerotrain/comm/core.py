@@ -81,6 +81,17 @@ _NEXT_TAG: dict[str, int] = defaultdict(int)
 _SAME_HOST: dict[int, tuple] = {}
 
 
+def release_groups() -> None:
+    """Forget every process group this module holds (the same-host transports, which keep their group alive,
+    closed; the point-to-point tags): called when torch.distributed is torn down, so that a destroyed group is
+    not kept alive, with its gloo worker threads, until the interpreter exits."""
+    for _group, transport in _SAME_HOST.values():
+        if transport is not None:
+            transport.close()
+    _SAME_HOST.clear()
+    _NEXT_TAG.clear()
+
+
 class _Then:
     """A collective's handle whose `wait()` runs `finish` once the collective is done (once)."""
 

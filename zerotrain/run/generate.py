@@ -111,9 +111,7 @@ def run_generate(args: argparse.Namespace) -> int:
             for index, prompt in enumerate(prompts):
                 print(f"### prompt {index}: {prompt}\n{prompt}{texts[index]}", flush=True)
         engine.close()  # as every run ends (`zerotrain.run.finish_run`): pending work released, then a barrier
-        # the last collective before teardown is a barrier (torch's on gloo: its work holds no tensor), not the
-        # all-gather above, whose work gloo's thread may release while the interpreter finalizes (SIGABRT)
-        dist.barrier()
+        dist.barrier()  # no rank tears its groups down while a peer still talks to it
     finally:
         dist.destroy_process_group()
     return 0

@@ -35,6 +35,7 @@ import torch
 from ..comm import Completed, Comm
 from .flat import FlatBucket, ShardLayout
 from .interfaces import BucketReduce, GradientReducer
+from .param_hooks import weak_hook
 from .reduce import ExactReduce
 
 __all__ = ["BucketReducer", "StagingPool", "FullBufferReducer", "PartitionedReducer"]
@@ -124,7 +125,7 @@ class BucketReducer(GradientReducer):
         for index, params in enumerate(members):
             for position, param in enumerate(params):
                 self._where[id(param)] = (index, position)
-                param.register_post_accumulate_grad_hook(self._on_grad_ready)
+                param.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
         self.reduce: BucketReduce
         self.set_reduce(ExactReduce() if reduce is None else reduce)
 

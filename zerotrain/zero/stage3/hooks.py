@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -62,8 +63,14 @@ class Stage3Hooks:
         return post_hook
 
     def _make_release_hook(self, part: PartitionedParam):
+        # the parameter holds its hook, so the hook holds neither the fetcher nor the part (which holds the
+        # parameter) strongly: a cycle through the hook is one the collector cannot see (`zero.param_hooks`)
+        fetcher, weak_part = weakref.ref(self.fetcher), weakref.ref(part)
+
         def release_hook(param):
-            self.fetcher.release(part)
+            live, live_part = fetcher(), weak_part()
+            if live is not None and live_part is not None:
+                live.release(live_part)
         return release_hook
 
     # --- saved tensors -------------------------------------------------------
