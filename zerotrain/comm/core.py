@@ -82,14 +82,10 @@ _SAME_HOST: dict[int, tuple] = {}
 
 
 def release_groups() -> None:
-    """Forget every process group this module holds (the same-host transports, which keep their group alive,
-    closed; the point-to-point tags): called when torch.distributed is torn down, so that a destroyed group is
-    not kept alive, with its gloo worker threads, until the interpreter exits."""
-    for _group, transport in _SAME_HOST.values():
-        if transport is not None:
-            transport.close()
+    """Forget the process groups this module holds (each same-host transport's entry keeps its group alive):
+    called when torch.distributed is torn down, so that a destroyed group, and gloo's worker threads with it, is
+    not kept until the interpreter exits. (The point-to-point tags hold no group: every rank keeps the same.)"""
     _SAME_HOST.clear()
-    _NEXT_TAG.clear()
 
 
 class _Then:

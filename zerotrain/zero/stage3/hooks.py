@@ -16,12 +16,12 @@
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from ..param_hooks import weak_hook
 from .fetch import ParamFetcher
 from .partition import PartitionedParam, ZeroParameter
 
@@ -47,7 +47,8 @@ class Stage3Hooks:
         for part in fetcher.parts:
             if part.param.requires_grad:
                 # Runs after the reducer's own hook (registered earlier) has taken the gradient.
-                self._handles.append(part.param.register_post_accumulate_grad_hook(self._make_release_hook(part)))
+                # held weakly: the parameter keeps its hook where the collector cannot see (`zero.param_hooks`)
+                self._handles.append(part.param.register_post_accumulate_grad_hook(weak_hook(self._release)))
 
     def _make_pre_hook(self, parts: list[PartitionedParam]):
         def pre_hook(module, args):
@@ -62,16 +63,9 @@ class Stage3Hooks:
             self.fetcher.unhold_and_release(parts)
         return post_hook
 
-    def _make_release_hook(self, part: PartitionedParam):
-        # the parameter holds its hook, so the hook holds neither the fetcher nor the part (which holds the
-        # parameter) strongly: a cycle through the hook is one the collector cannot see (`zero.param_hooks`)
-        fetcher, weak_part = weakref.ref(self.fetcher), weakref.ref(part)
-
-        def release_hook(param):
-            live, live_part = fetcher(), weak_part()
-            if live is not None and live_part is not None:
-                live.release(live_part)
-        return release_hook
+    def _release(self, param: ZeroParameter) -> None:
+        """A parameter's gradient is taken: its gathered copy may go."""
+        self.fetcher.release(param._zero)
 
     # --- saved tensors -------------------------------------------------------
     def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
