@@ -638,10 +638,23 @@ def test_resume_from_a_named_checkpoint_names_intact_ones_and_warns_of_another_m
         monkeypatch.delenv(var, raising=False)
     monkeypatch.chdir(tmp_path)
 
+    def gloo_threads() -> int:
+        count = 0
+        for task in os.listdir("/proc/self/task"):
+            try:
+                count += open(f"/proc/self/task/{task}/comm").read().startswith("pt_gloo")
+            except FileNotFoundError:  # a thread that ended meanwhile
+                pass
+        return count
+
     def train(*argv: str) -> tuple[int, str, str]:
+        before = gloo_threads()
         status = main(["train", "--model", "tiny", "--max-corpus-bytes", "20000", "--eval-batches", "1",
                        "--output-dir", "ck", *argv])
         out, err = capsys.readouterr()
+        # the run's process group is gone with its gloo threads when the command returns, not at the process's
+        # exit, where a worker dropping a finished collective's tensors aborts the rank (`cli.main`'s collection)
+        assert gloo_threads() <= before, f"gloo worker threads left by train {argv}"
         return status, out, err
 
     def losses(log: str) -> dict:

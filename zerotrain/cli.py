@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gc
 import os
 import sys
 from pathlib import Path
@@ -213,6 +214,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail again
         return 128 + 13  # as a process ended by SIGPIPE
+    finally:
+        # A command's finished engine can be garbage in a reference cycle that still holds its process groups:
+        # collected here, their gloo worker threads end while the interpreter runs; left to the interpreter's
+        # exit, a worker dropping a finished collective's tensors aborts the rank (`dist.destroy_process_group`).
+        gc.collect()
 
 
 def _run(args: argparse.Namespace) -> int:
