@@ -63,6 +63,41 @@ def test_a_finished_engine_is_collected_with_its_communicator(stage, world_of_on
     assert engine_ref() is None and comm_ref() is None, f"stage {stage}: a finished engine's communicator is alive"
 
 
+class _SharedInside(torch.nn.Module):
+    """A parameter registered in a module and in the child it calls: the child's forward ends (and lets go of its
+    parameters) before the parent uses the same parameter again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(6, 6)
+        self.weight = self.inner.weight
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.inner(x)) @ self.weight.t()
+        return torch.nn.functional.mse_loss(self.head(hidden), y)
+
+
+def test_stage3_keeps_a_parameter_its_module_still_uses_when_a_child_sharing_it_ends(world_of_one):
+    """ZeRO-3 gathers a module's parameters before its forward and holds them until it ends: a child holding the same
+    parameter lets go of it at its own end, but the parent still uses it, so it stays gathered (the first forward,
+    before any record of the order could keep it: one gather per module, 3, not a fourth for the shared weight);
+    the steps equal plain AdamW's."""
+    batches = make_batches(2, MICRO)
+    ref_losses, ref_weights = reference_training(_SharedInside, batches, lr=LR)
+    torch.manual_seed(0)
+    config = _config(3)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every parameter gathered and released
+    engine = zerotrain.initialize(model=_SharedInside(), config=config)[0]
+    x, y = batches[0]
+    loss = engine(x, y)  # the first forward, before any record of the order: one gather per module, none again
+    assert engine.work_stats()["gather"]["gathers"] == 3, engine.work_stats()["gather"]
+    engine.backward(loss)
+    engine.step()
+    losses = [loss.item()] + [_micro_steps(engine, batch)[0] for batch in batches[1:]]
+    assert_same_training(losses, engine.full_state_dict(), ref_losses, ref_weights, "stage 3, a parameter shared with a child")
+
+
 # --- the step machine ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("stage, zero", [(1, {}), (3, {}), (2, {"offload_optimizer": {"device": "cpu"}}),
