@@ -271,6 +271,27 @@ def test_accelerator_on_cuda():
     acc.set_rng_state(state, 0)
     assert torch.equal(torch.rand(2, device="cuda"), drawn)
     assert acc.total_memory() == torch.cuda.get_device_properties(0).total_memory
+    assert acc.total_memory(0) == torch.cuda.get_device_properties(0).total_memory
+    with acc.device(0):  # torch.cuda.device: a context manager selecting the device
+        assert torch.cuda.current_device() == 0
+    assert acc.is_available() and not acc.is_synchronized_device()
+    acc.manual_seed(1)
+    acc.seed()  # a fresh seed for the current device's generator, not the CPU's
+    assert acc.initial_seed() != 1
+    state = acc.get_rng_state()  # the current device's generator when no index is given
+    drawn = torch.rand(2, device="cuda")
+    acc.set_rng_state(state)
+    assert torch.equal(torch.rand(2, device="cuda"), drawn)
+    # every memory counter asked by its own name; the peak reset; the cache emptied
+    del x
+    acc.synchronize()
+    assert acc.max_memory_allocated() >= acc.memory_allocated() + (1 << 22)
+    acc.reset_peak_memory_stats()
+    assert acc.max_memory_allocated() == acc.memory_allocated()
+    reserved = acc.memory_reserved()
+    assert acc.max_memory_reserved() >= reserved >= 1 << 22
+    acc.empty_cache()
+    assert acc.memory_reserved() <= reserved - (1 << 22)
 
 
 def test_ops_adam_are_torchs_adam_with_deepspeeds_defaults():
