@@ -21,11 +21,14 @@ shell's PATH that run that way (a shell script, e.g. the README's, calling `zero
 """
 from __future__ import annotations
 
+import collections
+import fcntl
 import importlib
 import multiprocessing as mp
 import os
 import pickle
 import queue as queue_module
+import random
 import contextlib
 import runpy
 import secrets
@@ -53,10 +56,41 @@ def _context():
     return _CONTEXT
 
 
+_PORT_LOCKS: "collections.deque[int]" = collections.deque()  # lock-file fds of the ports this process handed out
+_PORTS_HELD = 64  # locks kept: a port's launch has bound it (or ended) long before 64 more ports are handed out
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port for a launch's rendezvous that nothing takes before the launch binds it.
+
+    Not from the kernel's ephemeral range, where every outgoing connection (gloo's pairs, store clients, of all the
+    tests running at once) takes its port: a port picked by binding port 0 and closing was taken that way before
+    rank 0 listened on it (EADDRINUSE; loop round h5, tests/offload/test_offload_checkpoint.py). Below that range
+    (and above Ray's default worker ports, 10002-19999), free now, and locked (a lock file, `flock`) so that no
+    other test process hands out the same one: no race is left between test processes, nor with the kernel."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    directory = os.path.join(tempfile.gettempdir(), "zerotrain-test-ports")
+    os.makedirs(directory, exist_ok=True)
+    chooser = random.Random()
+    for _ in range(10000):
+        port = chooser.randrange(20000, ephemeral_low)
+        fd = os.open(os.path.join(directory, str(port)), os.O_CREAT | os.O_RDWR, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind(("127.0.0.1", port))
+        except OSError:  # locked by another test process, or in use
+            os.close(fd)
+            continue
+        _PORT_LOCKS.append(fd)
+        while len(_PORT_LOCKS) > _PORTS_HELD:
+            os.close(_PORT_LOCKS.popleft())
+        return port
+    raise RuntimeError(f"tests/distributed.free_port: no free port in 20000-{ephemeral_low - 1}")
 
 
 def _freeze_inherited_objects() -> None:

@@ -642,12 +642,9 @@ def test_launch_stops_a_script_on_sigterm_as_train_does(tmp_path):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "steps_per_print": 0,
                                   "optimizer": {"type": "SGD", "params": {"lr": 0.01}}}))
-    import socket
+    from distributed import free_port, served_python, start_python
 
-    with socket.socket() as probe:  # a static rendezvous (--master-addr/--master-port) rather than --standalone
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    from distributed import served_python, start_python
+    port = free_port()  # a static rendezvous (--master-addr/--master-port) rather than --standalone
 
     # the launcher forked from the test forkserver (a Popen stand-in), its agent and ranks too (served_python as
     # torch's PYTHON_EXEC)

@@ -24,11 +24,9 @@ def test_without_seq_len_a_run_takes_the_models_positions_and_lora_trains_the_ad
     """No --seq-len, no --data: the default (128) capped at the model's max_position_embeddings (the tiny preset's
     32), not refused as too long; --lora-r with --add-tokens: rank 0 says the added tokens' rows train too. Run as
     torchrun starts a one-rank worker (RANK 0 of WORLD_SIZE 1)."""
-    import socket
+    from distributed import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                         ("MASTER_PORT", str(port))):
         monkeypatch.setenv(name, value)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from distributed import free_port
 from hf_compare import assert_same_steps
 
 UPSTREAM = Path(os.environ.get("ZEROTRAIN_UPSTREAM_TRANSFORMERS", "/work/upstream/transformers"))
@@ -122,14 +123,6 @@ def test_run_clm_edit_parses_its_command_line_into_zerotrain(tiny_llama_dir, tmp
     assert config["gradient_clipping"] == 1.0
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _trainer_log(out: Path) -> list:
     state = json.loads((out / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
     return [(h["step"], h["loss"], h["learning_rate"], h["grad_norm"]) for h in state["log_history"] if "loss" in h]
@@ -156,7 +149,7 @@ def test_run_clm_with_zerotrain_imports_against_deepspeed(stage, tiny_llama_dir,
                "DS_ACCELERATOR": "cpu", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
                "HF_DATASETS_CACHE": str(tmp_path / "datasets_cache")}
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                   str(_free_port()), str(path), *_argv(str(tiny_llama_dir), train_file, ds_config, out)]
+                   str(free_port()), str(path), *_argv(str(tiny_llama_dir), train_file, ds_config, out)]
         done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=1400)
         assert done.returncode == 0, (side, done.stdout[-3000:], done.stderr[-6000:])
         logs[side] = _trainer_log(out)
