@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from typing import Optional, Sequence
@@ -142,7 +143,7 @@ def stop_left_workers(sig: int, timeout: float) -> tuple[list[int], list[int]]:
         time.sleep(0.05)
         left = [pid for pid in left if not _ended(pid)]
     for pid in left:
-        _signal_group(pid, 9)  # SIGKILL
+        _signal_group(pid, signal.SIGKILL)
         try:
             os.waitpid(pid, 0)
         except ChildProcessError:
