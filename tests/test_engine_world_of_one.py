@@ -63,6 +63,24 @@ def test_a_finished_engine_is_collected_with_its_communicator(stage, world_of_on
     assert engine_ref() is None and comm_ref() is None, f"stage {stage}: a finished engine's communicator is alive"
 
 
+def test_a_kept_model_does_not_keep_its_process_group_past_teardown(world_of_one):
+    """A script keeps its model after training (an HF script's `trainer` global): stage 3's hooks on it hold the
+    fetcher and so the Comm. torch.distributed's teardown still frees the group (a Comm holds it weakly), and with
+    it gloo's worker threads, before the interpreter exits; the kept Comm then says what happened in one line."""
+    import torch.distributed as dist
+
+    engine = _engine(_config(3))
+    _micro_steps(engine, make_batches(1, MICRO)[0])
+    model, comm = engine.module, engine.comm
+    del engine
+    group = weakref.ref(dist.group.WORLD)
+    zerotrain.dist.destroy_process_group()
+    assert group() is None, "the world group outlived destroy_process_group while the model was kept"
+    with pytest.raises(RuntimeError, match=r"rank 0's process group of 1 was destroyed"):
+        comm.group
+    assert any(module._forward_pre_hooks for module in model.modules())  # stage 3's hooks, alive to the end
+
+
 class _SharedInside(torch.nn.Module):
     """A parameter registered in a module and in the child it calls: the child's forward ends (and lets go of its
     parameters) before the parent uses the same parameter again."""

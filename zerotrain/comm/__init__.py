@@ -7,9 +7,12 @@
 - `compressed`: the ZeRO++ collectives built on it — the quantized gradient reduce-scatter
   (qgZ, all-to-all based, one or two hops) with LoCo error feedback, and the int8 weight
   all-gather (qwZ).
+- `at_exit`: at the interpreter's exit, waits until gloo's worker threads are parked (a process group kept
+  alive past teardown by other code would otherwise abort the process if a worker drops a collective late).
 - `autograd`: `all_gather_with_grad`, an all-gather whose backward reduce-scatters the gradient;
   `all_to_all_with_grad` (Ulysses' sequence <-> head exchange) and `all_reduce_with_grad`.
 """
+from . import at_exit  # noqa: F401 (registers its exit callback)
 from .autograd import all_gather_with_grad, all_reduce_with_grad, all_to_all_with_grad
 from .core import Comm, release_groups
 from .handles import CollectiveError, CommCounters, Completed

@@ -24,6 +24,7 @@ native collectives.
 from __future__ import annotations
 
 import datetime
+import weakref
 from collections import defaultdict
 from typing import Callable, Optional, Sequence
 
@@ -111,7 +112,12 @@ class Comm:
         """`gloo_point_to_point=False` keeps gloo's own reduce-scatter and all-gather (for comparison);
         `same_host_transport=False` keeps their point-to-point version on gloo's sockets even when
         every rank is on this host (also `ZEROTRAIN_SAME_HOST_TRANSPORT=0`)."""
-        self.group = group
+        # Held weakly: torch.distributed owns its groups (until `destroy_process_group`), and a Comm outlives
+        # its run wherever a finished model keeps its hooks (stage 3's fetcher, a wrapped `generate`) and the
+        # script keeps the model: a strong reference would keep a destroyed group, and gloo's worker threads,
+        # into the interpreter's exit, where a worker dropping its last collective's tensors aborts the process.
+        self._group = weakref.ref(group) if isinstance(group, dist.ProcessGroup) else (lambda: group)
+        self._holds_group = group is not None
         self.rank = rank
         self.size = size
         self.counters = counters if counters is not None else CommCounters()
@@ -120,6 +126,15 @@ class Comm:
         self.timeout_seconds = timeout_seconds
         self._cpu_backend_is_gloo: Optional[bool] = None
         self._global_ranks: Optional[list[int]] = None
+
+    @property
+    def group(self) -> Optional[dist.ProcessGroup]:
+        """The process group (None: the default one); an error once torch.distributed destroyed it."""
+        group = self._group()
+        if group is None and self._holds_group:
+            raise RuntimeError(f"zerotrain.comm: rank {self.rank}'s process group of {self.size} was destroyed "
+                               "(torch.distributed was torn down); this Comm can run no more collectives")
+        return group
 
     @classmethod
     def data_parallel(cls, topology: Topology, counters: Optional[CommCounters] = None) -> "Comm":
