@@ -45,12 +45,6 @@ def init_distributed(timeout_seconds: float = 1800.0) -> None:
     if dist.is_initialized():
         return
     adopt_cluster_ranks()  # mpirun / srun started this process: their ranks under torchrun's names
-    # torch.distributed.nn.functional's collectives take `group=group.WORLD` as a default, evaluated at import.
-    # torch imports it lazily (the first optimizer built imports torch._dynamo, which imports it): imported after
-    # the world group exists, its defaults would hold that group past destroy_process_group into the
-    # interpreter's exit, gloo's worker threads with it (see `zerotrain.dist.destroy_process_group`). Imported
-    # first, its defaults are None: the world, whichever it is then.
-    import torch.distributed.nn.functional  # noqa: F401
     timeout = datetime.timedelta(seconds=timeout_seconds)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

@@ -13,6 +13,8 @@ this package is imported; atexit callbacks run before finalization starts): it l
 until every one is parked (sleeping, its context switches unchanged over consecutive polls), so that a worker
 descheduled between finishing its last collective and dropping it finishes the drop first.
 
+It also imports `torch.distributed.nn.functional` with zerotrain, before any world starts (below).
+
 Linux only (`/proc/self/task`); elsewhere it returns at once. Where no gloo worker is left it costs one
 directory listing.
 """
@@ -23,6 +25,12 @@ import os
 import sys
 import time
 from typing import Callable
+
+# torch.distributed.nn.functional's collectives take `group=group.WORLD` as a default, evaluated at import, and torch
+# imports it lazily (the first optimizer built imports torch._dynamo, which imports it). Imported after the world
+# group exists, its defaults would hold that group past teardown. Imported with zerotrain (before a script, the HF
+# Trainer or zerotrain starts the world), its defaults are None: the world, whichever it is then.
+import torch.distributed.nn.functional  # noqa: F401,E402
 
 WORKER_NAME = "pt_gloo_runloop"  # the name torch gives gloo's worker threads
 TASKS = "/proc/self/task"
