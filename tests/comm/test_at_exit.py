@@ -115,12 +115,16 @@ _BUSY_AT_EXIT = f"""
 import ctypes, threading
 import zerotrain.comm
 
+named = threading.Event()
+
 def spin():
     ctypes.CDLL(None).prctl({_PR_SET_NAME}, {WORKER_NAME.encode()!r}, 0, 0, 0)
+    named.set()
     while True:
         sum(range(1000))
 
 threading.Thread(target=spin, daemon=True).start()
+named.wait(60)  # named before the exit looks for it
 print("done")
 """
 
