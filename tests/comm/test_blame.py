@@ -13,6 +13,8 @@ import time
 import pytest
 import torch.distributed as dist
 
+from distributed import free_port
+
 from zerotrain.comm import blame
 
 
@@ -64,9 +66,7 @@ def test_a_pair_names_its_peer_and_a_missing_or_silent_store_is_said(job_store, 
     assert blame.silent_members("WORLD", 1, [0, 5], timeout_seconds=1.0) == "with its peer global rank 5 (node 5)"
     monkeypatch.delenv("MASTER_PORT")
     assert blame.silent_members("WORLD", 1, [0, 1, 2], 1.0).startswith("no job store (MASTER_ADDR, MASTER_PORT)")
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    port = free_port()
     monkeypatch.setenv("MASTER_PORT", str(port))  # nothing listens there
     assert blame.silent_members("WORLD", 1, [0, 1, 2], 1.0).startswith(
         f"the job's store at 127.0.0.1:{port} did not answer either")
