@@ -502,6 +502,10 @@ def predict(spec: dict) -> dict:
     acts = dict(result["activations"])
     if spec.get("defaults"):  # no activation checkpointing in this run
         acts["with_checkpointing"] = acts["without_checkpointing"]
+        if any("norm from a first backward" in note for note in option["notes"]):
+            # the run left max_in_cpu to the budget (its resolved value is set here only to size the cache):
+            # the cache gives way to the first pass's activations, as the estimate's `first_pass_cache` says
+            option["first_pass_cache"] = option["rows"]["parameters"]["host"]
     return {"rss": device_peak(option, acts) + option["totals"]["host"],
             "nvme": option["nvme_files_peak"], "rows": option["rows"], "transient": option["transient"],
             "activations": result["activations"]}

@@ -444,3 +444,93 @@ def test_runtime_counts_a_shared_storage_once_and_own_rss_is_this_process():
     with open("/proc/self/status") as handle:
         vm_rss = next(int(line.split()[1]) * 1024 for line in handle if line.startswith("VmRSS:"))
     assert abs(_own_rss() - vm_rss) < 64 * 2**20, (_own_rss(), vm_rss)
+
+
+def _saved_activation_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
+    """What plain PyTorch's autograd saves in `model`'s forward on `ids`, parameters and their views left out,
+    each storage once (the reference for what stage 3's pack hook counts)."""
+    params = {id(p) for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        base = tensor._base if tensor._base is not None else tensor
+        if id(tensor) not in params and id(base) not in params:
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, ids)
+    return sum(seen.values())
+
+
+def test_the_first_pass_keeps_its_activations_out_of_the_parameter_cache(tmp_path, world_of_one, monkeypatch,
+                                                                         capsys):
+    """Issue #43: a CPU run whose clip takes the norm from a first backward (NVMe parameters and optimizer,
+    clipping, `max_in_cpu` left to the budget) holds the micro-batch's activations back from the parameter cache
+    before each first pass: exactly the bytes plain PyTorch's forward saves (parameters left out), the largest
+    micro-batch's so far; the cache evicts down to `max_in_cpu` less them at once; rank 0 says so once. The
+    training is the same, bit for bit, as with that `max_in_cpu` set by the user, which keeps the whole cache
+    (no reserve); the spill (`norm_first_pass: false`) has none either."""
+    import copy
+
+    import zerotrain
+    import zerotrain.budget as budget_module
+    from zerotrain.models import GPT, GPTConfig
+
+    monkeypatch.setattr(budget_module, "_own_rss", lambda root="/": 300 * 2**20)  # the runtime, fixed
+    monkeypatch.setattr(budget_module, "_announced", [True])  # (the plan's lines: not this test's)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, n_layer=2, n_head=4, n_embd=128, block_size=32, tie_weights=False))
+    lengths = (8, 8, 16, 4)  # a longer micro-batch keeps more; a shorter one changes nothing
+    batches = [torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    saved = [_saved_activation_bytes(copy.deepcopy(model), ids) for ids in batches]
+    assert saved[2] > saved[0] > saved[3] > 0
+
+    def run(name: str, **offload) -> dict:
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "steps_per_print": 0,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                        "memory_budget_bytes": 305 * 2**20,
+                                        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / name),
+                                                              **offload.pop("optimizer", {})},
+                                        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / name),
+                                                          **offload}}}
+        engine, *_ = zerotrain.initialize(model=copy.deepcopy(model), config=config)
+        store, out = engine.parts.param_store, {"losses": [], "held": [], "bound": [], "cached_before": [],
+                                                "cached_after": []}
+        out["max_in_cpu"], out["reserve"] = store.max_in_cpu, engine.first_pass_reserve is not None
+        for ids in batches:
+            loss = engine(ids, ids)[1]
+            out["cached_before"].append(store.cached_numel)
+            engine.backward(loss)
+            out["held"].append(engine.first_pass_reserve.held if out["reserve"] else None)
+            out["bound"].append(store._cache_bound())
+            out["cached_after"].append(store.cached_numel)
+            engine.step()
+            out["losses"].append(float(loss.detach()))
+        out["weights"], out["stats"] = engine.full_state_dict(), engine.offload_stats()
+        out["stderr"] = capsys.readouterr().err
+        engine.close()
+        return out
+
+    reserved = run("reserved")
+    assert reserved["reserve"] and reserved["stats"]["norm_first_passes"] == len(lengths)
+    assert reserved["held"] == [saved[0], saved[0], saved[2], saved[2]]
+    assert reserved["max_in_cpu"] * 4 > saved[2], reserved  # the cache is large enough to give them up
+    for held, bound, before, after in zip(reserved["held"], reserved["bound"], reserved["cached_before"],
+                                          reserved["cached_after"]):
+        assert bound == reserved["max_in_cpu"] - -(-held // 4) and after <= bound
+    assert reserved["cached_before"][0] > reserved["bound"][0]  # the forward filled more than the first pass keeps
+    lines = [line for line in reserved["stderr"].splitlines() if "first backward keeps" in line]
+    assert len(lines) == 1 and f"activations ({format_bytes(saved[0])}, counted" in lines[0] and \
+        f"max_in_cpu holds {format_bytes(reserved['bound'][0] * 4)} from now on" in lines[0], reserved["stderr"]
+    kept = run("kept", max_in_cpu=reserved["max_in_cpu"])  # the user's key: the whole cache, no line
+    assert not kept["reserve"] and kept["bound"] == [kept["max_in_cpu"]] * len(lengths)
+    assert "first backward keeps" not in kept["stderr"]
+    assert kept["losses"] == reserved["losses"]
+    for name, value in kept["weights"].items():
+        assert torch.equal(reserved["weights"][name], value), name
+    spilled = run("spilled", optimizer={"norm_first_pass": False})
+    assert not spilled["reserve"] and spilled["stats"]["norm_first_passes"] == 0
+    assert spilled["losses"] == reserved["losses"] and "first backward keeps" not in spilled["stderr"]

@@ -555,6 +555,39 @@ def test_stage3_peak_counts_its_gradient_shards_or_the_activations_not_both():
     assert peaks[2] - peaks[1] == min(grads[1], acts["with_checkpointing"]) > 0
 
 
+def test_a_cpu_first_pass_peak_takes_its_activations_out_of_the_parameter_cache():
+    """Issue #43: on a CPU run whose clip takes the norm from a first backward, the activations stay through it
+    and the parameter cache gives up as many bytes (`budget.FirstPassReserve`): `device_peak` takes off the
+    smaller of the cache and the activations. Not where the user set `max_in_cpu` (the engine keeps it), nor on
+    a GPU (activations in device memory, the cache in host memory), nor for the spill."""
+    from zerotrain.config import load_config
+    from zerotrain.estimate import config_option, device_peak
+
+    model, kind = load_meta_model("tiny", torch.float32)
+    acts = measure_activations(model, kind, 1, 8).as_dict()
+
+    def states(device_type: str = "cpu", optimizer: dict | None = None, **param) -> dict:
+        nvme = {"device": "nvme", "nvme_path": "/unused"}
+        config = load_config({"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
+                              "optimizer": {"type": "AdamW"},
+                              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                                    "offload_optimizer": {**nvme, **(optimizer or {})},
+                                                    "offload_param": {**nvme, **param}}}, dp_world_size=2)
+        return estimate_option(model_shape(model), config, 2, config_option(config),
+                               probe_optimizer(config.optimizer), device_type).as_dict()
+
+    cached = states()
+    cache = cached["rows"]["parameters"]["host"]
+    assert cached["first_pass_cache"] == cache > acts["with_checkpointing"] > 0
+    kept = states(max_in_cpu=cache // 4)  # the same bound, set by the user
+    assert kept["first_pass_cache"] == 0 and kept["rows"] == cached["rows"]
+    assert device_peak(kept, acts) - device_peak(cached, acts) == acts["with_checkpointing"]
+    larger = dict(acts, with_checkpointing=2 * cache)  # activations larger than the cache: all of the cache
+    assert device_peak(kept, larger) - device_peak(cached, larger) == cache
+    assert states("cuda")["first_pass_cache"] == 0
+    assert states(optimizer={"norm_first_pass": False})["first_pass_cache"] == 0  # the spill
+
+
 class _MoEStack(torch.nn.Module):
     """`layers` expert-parallel MoE layers (4 experts) of `width` features between two linear layers."""
 
@@ -778,6 +811,7 @@ def test_estimate_matches_the_engine_on_nvme_at_a_world_of_one(tmp_path, world_o
         report = engine.memory_report()
         files = _swap_file_bytes(nvme_path)
         first_pass = engine.zero_optimizer.takes_norm_first_pass()
+        reserve = engine.first_pass_reserve is not None
         spilled = engine.offload_stats().get("nvme_spill_bytes", 0)
         engine.close()
         parsed = load_config(config, dp_world_size=1)
@@ -798,7 +832,9 @@ def test_estimate_matches_the_engine_on_nvme_at_a_world_of_one(tmp_path, world_o
         assert offload["host_buffers"] + report.get("offload_param", {}).get("host_buffers", 0) == \
             rows["host_io_buffers"]["host"], where
         assert files == predicted.nvme_files > 0, (where, files, predicted.nvme_files)
-        assert first_pass == (case == FIRST_PASS), where
+        assert first_pass == (case == FIRST_PASS) == reserve, where
+        # the first pass's activations come out of the parameter cache (the budget chose max_in_cpu)
+        assert predicted.first_pass_cache == (rows["parameters"]["host"] if case == FIRST_PASS else 0), where
         assert any("norm from a first backward" in note for note in predicted.notes) == (case == FIRST_PASS), where
         assert (spilled > 0) == (case in (SPILLED, SPILLED_FP32)), where
 

@@ -18,6 +18,13 @@ leaves unset is sized from a per-rank budget instead:
   the memory there is (the set budget, or else the whole available share of the rank): a run that cannot
   fit is refused before any step, naming its largest consumers and the keys that shrink them.
 
+The norm's first pass (NVMe offload with clipping, `offload.nvme.takes_norm_first`) keeps every activation of the
+micro-batch alive through a whole backward, on top of that backward's buffers (a plain backward frees them as it
+goes: issue #43 measured the first pass 0.25-0.33 GiB over the spill at 4B). They depend on the batch, unknown
+when the sizes are chosen, so on a CPU run (where activations are host memory) `FirstPassReserve` takes them out
+of the parameter store's host cache once the forward has counted them: the one consumer a key sizes that can
+shrink between steps (an evicted shard is read from its file again); a `max_in_cpu` the user sets is kept.
+
 `plan_sizes` and `check_fits` are pure functions of their arguments (tests call them directly);
 `resolve_memory` is what the engine calls (however it is built: `initialize` or `ZeroTrainEngine(...)`): it
 measures, agrees, plans, prints (`announce`: rank 0, on stderr, one line per choice, once per process) and
@@ -37,10 +44,11 @@ from .config import ConfigError
 from .estimate import ModelShape, RankMemory, config_option, estimate_option, format_bytes, model_shape, \
     probe_optimizer
 from .topology import Topology
+from .zero.interfaces import ParamStore
 
 __all__ = ["DEFAULT_FRACTION", "SHARES", "HostMemory", "Choice", "MemoryPlan", "host_memory_available",
            "default_budget", "runtime_bytes", "plan_sizes", "check_fits", "shrink_advice", "resolve_memory", "announce",
-           "estimate_sizes"]
+           "estimate_sizes", "FirstPassReserve", "first_pass_reserve"]
 
 # The share of the host memory available to the job that the budget takes by default: the rest is left to
 # the activations (not known before the first batch), the allocator's caching and the runtime.
@@ -497,3 +505,42 @@ def resolve_memory(model: torch.nn.Module, config, topology: Topology, comm: Opt
     check_fits(memory, limit, why, device_type, device_limit, runtime, share=None if explicit is not None else share,
                config=resolved)
     return resolved
+
+
+# --- the norm's first pass: its activations out of the parameter cache ----------------------------------
+class FirstPassReserve:
+    """Holds the largest micro-batch's saved activations back from the parameter store's host cache (see the
+    module docstring); rank 0 says so once, on stderr, as the plan's lines."""
+
+    def __init__(self, store: ParamStore, rank: int) -> None:
+        self.store = store
+        self.rank = rank
+        self.held = 0  # bytes held back: the largest activations counted so far
+
+    def hold(self, activation_bytes: int) -> None:
+        """Before a first pass: `activation_bytes` (what the micro-step's forwards saved) held back from the
+        cache where they are more than any micro-batch's before."""
+        if activation_bytes <= self.held:
+            return
+        first = self.held == 0
+        self.held = int(activation_bytes)
+        bound = self.store.hold_back_cache(self.held)
+        if first and self.rank == 0:
+            print(f"zerotrain memory budget: the clip's first backward keeps this micro-batch's activations "
+                  f"({format_bytes(self.held)}, counted in its forward) alive on top of the backward's buffers; the "
+                  f"parameter cache gives them up: {PREFIX}offload_param.max_in_cpu holds "
+                  f"{format_bytes(bound)} from now on (less if a later micro-batch keeps more)",
+                  file=sys.stderr, flush=True)
+
+
+def first_pass_reserve(config, store: Optional[ParamStore], takes_first_pass: bool,
+                       topology: Topology) -> Optional[FirstPassReserve]:
+    """The reserve for an engine whose steps take the norm from a first pass (`takes_first_pass`), on a CPU run
+    (on an accelerator the activations are in device memory, which the estimate counts with the backward's
+    buffers), with its parameters on NVMe in a store whose cache bound the budget chose (`max_in_cpu` unset);
+    else None."""
+    param = config.zero_optimization.offload_param
+    if (not takes_first_pass or store is None or store.kind != "nvme" or topology.device.type != "cpu"
+            or param is None or "max_in_cpu" in param.model_fields_set):
+        return None
+    return FirstPassReserve(store, topology.rank)

@@ -224,6 +224,9 @@ class RankMemory:
     # stage 3, one micro-step per step: the device gradient shards are made during backward (as its activations are
     # freed) and freed after the step, so they and the activations peak at opposite ends of backward (device_peak)
     gradients_made_in_backward: bool = False
+    # a CPU run whose clip takes the norm from a first backward: the parameter cache's bytes (max_in_cpu chosen by
+    # the budget) that give way to the micro-batch's activations kept through it (`budget.FirstPassReserve`)
+    first_pass_cache: int = 0
 
     def add(self, row: str, place: str, nbytes: int) -> None:
         self.rows[row][place] += int(nbytes)
@@ -237,7 +240,8 @@ class RankMemory:
                 "rows": self.rows, "totals": {place: self.total(place) for place in PLACES},
                 "transient": self.transient, "notes": self.notes, "nvme_files": self.nvme_files,
                 "nvme_files_peak": max(self.nvme_files, self.nvme_files_peak),
-                "gradients_made_in_backward": self.gradients_made_in_backward}
+                "gradients_made_in_backward": self.gradients_made_in_backward,
+                "first_pass_cache": self.first_pass_cache}
 
 
 @dataclass
@@ -377,6 +381,11 @@ def estimate_option(shape: ModelShape, config, dp_size: int, option: Option, opt
             memory.notes.append(f"NVMe optimizer takes the clip's norm from a first backward, then streams the step "
                                 f"in a second: no gradient shard is held or spilled; the first pass reads the NVMe "
                                 f"parameter shards once more, up to {reread / 1e9:.2f} GB per rank per step")
+            if option.offload_param == "nvme" and device_type == "cpu" and \
+                    "max_in_cpu" not in zero.offload_param.model_fields_set:
+                memory.first_pass_cache = cached  # (the parameters' host row, above)
+                memory.notes.append("the first backward keeps the micro-batch's activations through it: the "
+                                    "parameter cache gives them up (budget.FirstPassReserve)")
         elif _spills_gradients(config, option):  # clipping: each final shard written to disk and freed
             memory.notes.append("NVMe optimizer spills gradients to disk for clipping: no gradient shard is held "
                                 "after backward (the spill file and its two staging buffers are counted)")
@@ -791,11 +800,14 @@ def device_peak(memory: dict, activations: dict) -> int:
     its all-to-all). Stage 3 with one micro-step per step makes its gradient shards during backward, as the
     activations are freed layer by layer, and frees them after the step: the larger of the two counts, not
     their sum (`benchmarks/zero_speed_memory.py --matrix`: the sum overestimated the measured peak by
-    15%)."""
+    15%). A CPU run whose clip takes the norm from a first backward keeps the activations through it, and
+    the parameter cache (host) gives up as many bytes (`first_pass_cache`, at most its own): taken off here,
+    since a CPU run's host and device are one memory."""
     states, acts = memory["totals"]["device"], activations["with_checkpointing"]
     if memory.get("gradients_made_in_backward"):
         grads = memory["rows"]["gradients"]["device"]
         states, acts = states - grads, max(acts, grads)
+    states -= min(memory.get("first_pass_cache", 0), acts)
     return (states + acts + sum(memory["transient"].values()) + activations.get("all_to_all_buffers", 0)
             + activations.get("fp8_transient", 0))
 

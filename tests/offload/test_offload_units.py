@@ -294,6 +294,46 @@ def test_param_store_grows_one_shard_at_a_time_as_zero_init_hands_them_in(tmp_pa
         store.close()
 
 
+def test_param_store_holds_back_cache_for_memory_held_elsewhere(tmp_path):
+    """NvmeParamStore.hold_back_cache (the first pass's activations, budget.FirstPassReserve): the cache keeps
+    `max_in_cpu` less the bytes held back (rounded up to whole elements), evicting the least recently used shards
+    at once and caching later reads under the lower bound; the latest call counts, not the sum; values read after
+    an eviction are the ones written."""
+    from zerotrain.offload.param_store import NvmeParamStore
+    from zerotrain.sharding import ShardGroup
+    from zerotrain.zero.stage3.owner import ParamOwner
+    from zerotrain.zero.stage3.partition import partition_parameter
+
+    store = NvmeParamStore([], str(tmp_path), rank=0, buffer_count=2, buffer_size=10_000, max_in_cpu=300)
+    owner = ParamOwner(store=store)
+    try:
+        values = [torch.randn(100) for _ in range(3)]
+        parts = [partition_parameter(f"p{i}", torch.nn.Parameter(v.clone()), ShardGroup.local(), owner=owner)
+                 for i, v in enumerate(values)]
+        for part in parts:
+            store.add(part)
+        store.flush()
+        for part in parts:  # read in order: all three cached (300 elements), p0 least recently used
+            part.shard
+        assert list(store.cache) == [id(p) for p in parts] and store.cached_numel == 300
+        assert store.hold_back_cache(4 * 99 + 1) == 4 * 200  # 100 elements held back (99.25 rounded up)
+        assert list(store.cache) == [id(parts[1]), id(parts[2])] and store.cached_numel == 200
+        assert store.hold_back_cache(4 * 101) == 4 * 199  # the latest call, not the sum: 101 elements
+        assert list(store.cache) == [id(parts[2])] and store.cached_numel == 100
+        reads = store.stats["param_reads"]
+        assert torch.equal(parts[0].shard, values[0])  # from the file again, cached under the bound: p2 goes
+        assert store.stats["param_reads"] == reads + 1 and list(store.cache) == [id(parts[0])]
+        assert store.hold_back_cache(4 * 100) == 4 * 200
+        assert torch.equal(parts[1].shard, values[1]) and list(store.cache) == [id(parts[0]), id(parts[1])]
+        assert store.cached_numel == 200
+        assert store.hold_back_cache(4 * 1000) == 0 and not store.cache  # more than the cache: none of it
+        assert torch.equal(parts[2].shard, values[2]) and not store.cache
+        assert store.hold_back_cache(0) == 4 * 300
+        assert torch.equal(parts[2].shard, values[2]) and store.cached_numel == 100
+    finally:
+        store.close()
+
+
 def test_param_store_reuses_freed_extents_and_compacts_to_the_live_shards(tmp_path):
     """A shard dropped from the NVMe parameter store (the tied head zero.Init wrote before the model tied it)
     leaves no orphan: a later add reuses its extent, freed space at the file's end goes back to the disk, and

@@ -31,6 +31,8 @@ class EngineCore:
     _inside_no_sync = False
     _step_applied = False
     _boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary's value, once called
+    # budget.FirstPassReserve (set by the facade): the first pass's activations out of the parameter cache
+    first_pass_reserve = None
 
     def __init__(self, parts: EngineParts) -> None:
         self.parts = parts
@@ -97,6 +99,8 @@ class EngineCore:
             parts.zero_optimizer.before_model_use()
             norm_first = boundary and parts.zero_optimizer.takes_norm_first_pass()
             if norm_first:
+                if self.first_pass_reserve is not None:
+                    self.first_pass_reserve.hold(parts.weights.saved_activation_bytes())
                 self._norm_pass(scaled)
             parts.reducer.begin_backward(boundary=boundary)
             with self.timers("bwd_inner"):

@@ -22,7 +22,7 @@ from ..topology import Topology
 from ..config import ZeroTrainConfig
 from ..zero.forward_only import synced_generate
 from . import export, state
-from ..budget import resolve_memory
+from ..budget import first_pass_reserve, resolve_memory
 from .core import EngineCore
 from .parts import OptimizerLike, build_parts
 
@@ -41,6 +41,8 @@ class ZeroTrainEngine(EngineCore):
         # an enabled tensorboard/wandb block without its library: refused on every rank, before any part holds files
         check_monitor_libraries(config)
         super().__init__(build_parts(model, config, topology, model_parameters, optimizer, lr_scheduler))
+        self.first_pass_reserve = first_pass_reserve(config, self.parts.param_store,
+                                                     self.parts.zero_optimizer.takes_norm_first_pass(), topology)
         self._checkpoint_files: dict[str, bytes] = {}  # add_checkpoint_files: copied into every checkpoint
         self._checkpoint_view: Optional[Callable[[CheckpointState], CheckpointState]] = None  # view_checkpoint_state
         self._checkpoint_file_makers: list[Callable[[], dict]] = []  # ... and files made at each save

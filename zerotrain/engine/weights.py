@@ -38,6 +38,11 @@ class Weights:
     def end_micro_step(self) -> None:
         """After a backward: nothing to release."""
 
+    def saved_activation_bytes(self) -> int:
+        """Bytes the micro-step's forwards saved for backward (parameters not counted); 0 where they are not
+        counted (only stage 3 packs its saved tensors)."""
+        return 0
+
     def frozen_slots(self) -> list[ShardedSlot]:
         """Frozen parameters as slots without a master: the tensor-parallel slices (whole on each data-parallel
         rank), so a save joins every tensor-parallel rank's slice (a LoRA base split by tensor parallelism);
@@ -108,6 +113,10 @@ class PartitionedWeights(Weights):
 
     def end_micro_step(self) -> None:
         self.fetcher.end_micro_step()
+        self.stage3.hooks.forget_saved()
+
+    def saved_activation_bytes(self) -> int:
+        return self.stage3.hooks.saved_activation_bytes()
 
     def frozen_slots(self) -> list[ShardedSlot]:
         """This rank's shards of each frozen parameter."""

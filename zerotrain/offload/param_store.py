@@ -19,9 +19,9 @@ write, an initializer).
   the pool stays the same size whatever the model's largest tensor (the embedding);
   a read lands in an aligned host tensor of its own, which then is the shard (no copy). At
   most `max_in_cpu` elements of shards are cached in host memory (least recently used first
-  out); the rest are read when a gather needs them. The fetcher asks for reads ahead along
-  its recorded order (`read_ahead`: forward, then backward's recompute and gradients), as
-  many as fit in one largest shard's bytes, so the next layers' shards (a layer is many
+  out; less what `hold_back_cache` holds back for the norm's first pass); the rest are read
+  when a gather needs them. The fetcher asks for reads ahead along its recorded order
+  (`read_ahead`: forward, then backward's recompute and gradients), as many as fit in one largest shard's bytes, so the next layers' shards (a layer is many
   small ones) are on their way while this one computes. Writes after the optimizer step go
   out asynchronously; `flush()` (the engine calls it after every step) waits for them. Any
   failed read or write raises `aio.OffloadIOError` in the training process, naming the
@@ -156,6 +156,7 @@ class NvmeParamStore(ParamStore):
         self.pool = AlignedBuffers(max(1, int(buffer_count)), self._buffer_bytes(parts), pin=self.pin)
         self.cache: OrderedDict[int, torch.Tensor] = OrderedDict()  # id(part) -> host shard, LRU order
         self.cached_numel = 0
+        self.held_back_numel = 0  # hold_back_cache: elements of max_in_cpu left to memory held elsewhere
         self.reads: OrderedDict[int, tuple[Future, torch.Tensor]] = OrderedDict()  # reads ahead not yet taken
         self._reading = 0  # bytes of those reads' landing tensors
         # bytes read ahead at most: the largest shard's, i.e. several layers of a transformer
@@ -387,16 +388,32 @@ class NvmeParamStore(ParamStore):
         return self.pool.acquire()
 
     def _remember(self, part, host: Optional[torch.Tensor]) -> None:
-        """Cache `host` if it fits under max_in_cpu, evicting the least recently used shards."""
-        if host is None or part.shard_numel > self.max_in_cpu:
+        """Cache `host` if it fits under the cache's bound, evicting the least recently used shards."""
+        bound = self._cache_bound()
+        if host is None or part.shard_numel > bound:
             return
         key = id(part)
         if key in self.cache:
             self.cached_numel -= self.cache.pop(key).numel()
-        while self.cache and self.cached_numel + part.shard_numel > self.max_in_cpu:
-            self.cached_numel -= self.cache.popitem(last=False)[1].numel()
+        self._evict_to(bound - part.shard_numel)
         self.cache[key] = host
         self.cached_numel += host.numel()
+
+    def _cache_bound(self) -> int:
+        """Elements the cache may hold: max_in_cpu less what is held back."""
+        return max(0, self.max_in_cpu - self.held_back_numel)
+
+    def _evict_to(self, numel: int) -> None:
+        """Drop the least recently used shards until at most `numel` elements are cached."""
+        while self.cache and self.cached_numel > numel:
+            self.cached_numel -= self.cache.popitem(last=False)[1].numel()
+
+    def hold_back_cache(self, nbytes: int) -> int:
+        itemsize = self.parts[0].dtype.itemsize if self.parts else 1
+        self.held_back_numel = -(-max(0, int(nbytes)) // itemsize)
+        bound = self._cache_bound()
+        self._evict_to(bound)
+        return bound * itemsize
 
     # --- writes ---------------------------------------------------------------------
     def write(self, part, values: torch.Tensor) -> None:

@@ -262,5 +262,12 @@ class ParamStore(Protocol):
     def memory_split(self) -> dict[str, int]:
         ...
 
+    def hold_back_cache(self, nbytes: int) -> int:
+        """Keep the host cache `nbytes` under its bound (`max_in_cpu`) from now on, evicting what no longer fits:
+        memory a step holds elsewhere for a while (the norm's first pass keeps the micro-batch's activations,
+        `budget.FirstPassReserve`). The latest call's `nbytes` counts, not their sum. Returns the cache's bound
+        now, in bytes; 0 where the store keeps no cache (host memory: every shard is there anyway)."""
+        return 0
+
     def close(self) -> None:
         ...

@@ -13,6 +13,9 @@
   tensors it saves are held by torch's checkpoint until that segment's backward is done.
 - After a parameter's gradient has been handed to the reducer it is released, unless the
   recorded order says it is used again soon (`stage3_max_reuse_distance`, see fetch.py).
+- The same pack hook adds up the bytes of the other tensors a forward saves (each storage once):
+  `saved_activation_bytes`, what the micro-batch's graph holds until its backward frees it (the
+  memory budget's first-pass reserve reads it, `budget.FirstPassReserve`).
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ class Stage3Hooks:
     def __init__(self, module: torch.nn.Module, fetcher: ParamFetcher):
         self.fetcher = fetcher
         self._handles = []
+        self._saved: dict[int, int] = {}  # this micro-step's saved storages: data pointer -> bytes
         for submodule in module.modules():
             parts = [p._zero for p in submodule.parameters(recurse=False) if isinstance(p, ZeroParameter)]
             if not parts:
@@ -71,13 +75,29 @@ class Stage3Hooks:
     def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
-    @staticmethod
-    def _pack(tensor: torch.Tensor):
-        if type(tensor) is ZeroParameter and not tensor._zero.persistent:
-            return _SavedParam(tensor._zero, None)
+    def saved_activation_bytes(self) -> int:
+        """Bytes of the tensors this micro-step's forwards saved for backward besides parameters (persistent
+        ones included) and views of them, each storage once: what their graphs keep alive until backward frees
+        them."""
+        return sum(self._saved.values())
+
+    def forget_saved(self) -> None:
+        """The micro-step's backward is done: the next forward's saved tensors are counted afresh."""
+        self._saved = {}
+
+    def _pack(self, tensor: torch.Tensor):
+        if type(tensor) is ZeroParameter:
+            return tensor if tensor._zero.persistent else _SavedParam(tensor._zero, None)
         base = tensor._base
-        if base is not None and type(base) is ZeroParameter and not base._zero.persistent:
+        if base is not None and type(base) is ZeroParameter:
+            if base._zero.persistent:
+                return tensor
             return _SavedParam(base._zero, (tensor.size(), tensor.stride(), tensor.storage_offset()))
+        try:
+            storage = tensor.untyped_storage()
+            self._saved[storage.data_ptr()] = storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without one storage (float8): its own bytes
+            self._saved[id(tensor)] = tensor.numel() * tensor.element_size()
         return tensor
 
     def _unpack(self, saved):
