@@ -534,3 +534,45 @@ def test_the_first_pass_keeps_its_activations_out_of_the_parameter_cache(tmp_pat
     spilled = run("spilled", optimizer={"norm_first_pass": False})
     assert not spilled["reserve"] and spilled["stats"]["norm_first_passes"] == 0
     assert spilled["losses"] == reserved["losses"] and "first backward keeps" not in spilled["stderr"]
+
+
+def test_the_first_pass_reserve_is_built_only_where_the_cache_can_give_way(tmp_path, world_of_one, capsys):
+    """`first_pass_reserve`: only for an engine that takes the norm from a first pass, with its parameters in an
+    NVMe store whose `max_in_cpu` the budget chose, on a CPU run (on a GPU the activations are device memory, the
+    cache host memory); `FirstPassReserve.hold` holds back the largest activations so far and only rank 0 prints,
+    once."""
+    import dataclasses
+
+    from zerotrain.budget import FirstPassReserve, first_pass_reserve
+    from zerotrain.offload.param_store import HostParamStore, NvmeParamStore
+    from zerotrain.topology import Topology
+
+    topology = Topology.build(timeout_seconds=60)
+    nvme = NvmeParamStore([], str(tmp_path), rank=0, buffer_count=1, buffer_size=1024, max_in_cpu=1000)
+    try:
+        chosen, user_set = nvme_config(), nvme_config(offload_param={"max_in_cpu": 1000})
+        assert isinstance(first_pass_reserve(chosen, nvme, True, topology), FirstPassReserve)
+        assert first_pass_reserve(chosen, nvme, False, topology) is None  # the spill, or no clipping
+        assert first_pass_reserve(user_set, nvme, True, topology) is None
+        assert first_pass_reserve(chosen, None, True, topology) is None
+        assert first_pass_reserve(chosen, HostParamStore([]), True, topology) is None  # no cache to give
+        on_gpu = dataclasses.replace(topology, device=torch.device("cuda", 0))
+        assert first_pass_reserve(chosen, nvme, True, on_gpu) is None
+        rank1 = FirstPassReserve(nvme, rank=1)  # (a store without shards counts its cache in bytes)
+        bounds = []
+        for nbytes in (400, 400, 800, 100):
+            rank1.hold(nbytes)
+            bounds.append(nvme._cache_bound())
+        assert bounds == [600, 600, 200, 200] and rank1.held == 800  # the largest so far, not the latest
+        assert capsys.readouterr().err == ""  # rank 1 prints nothing
+        nvme.hold_back_cache(0)
+        rank0 = FirstPassReserve(nvme, rank=0)
+        rank0.hold(0)  # nothing saved (a forward under no_grad): nothing to hold back, nothing said
+        assert nvme._cache_bound() == 1000 and capsys.readouterr().err == ""
+        rank0.hold(400)
+        rank0.hold(800)
+        err = capsys.readouterr().err
+        assert nvme._cache_bound() == 200 and err.count("\n") == 1 and "(400 B, counted in its forward)" in err \
+            and "max_in_cpu holds 600 B from now on" in err, err
+    finally:
+        nvme.close()

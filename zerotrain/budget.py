@@ -539,8 +539,7 @@ def first_pass_reserve(config, store: Optional[ParamStore], takes_first_pass: bo
     (on an accelerator the activations are in device memory, which the estimate counts with the backward's
     buffers), with its parameters on NVMe in a store whose cache bound the budget chose (`max_in_cpu` unset);
     else None."""
-    param = config.zero_optimization.offload_param
     if (not takes_first_pass or store is None or store.kind != "nvme" or topology.device.type != "cpu"
-            or param is None or "max_in_cpu" in param.model_fields_set):
+            or "max_in_cpu" in config.zero_optimization.offload_param.model_fields_set):  # (a store: the block)
         return None
     return FirstPassReserve(store, topology.rank)
