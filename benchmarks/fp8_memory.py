@@ -112,8 +112,7 @@ def step_row(recipe, checkpointing: bool, dims: dict = LLAMA, micro: int = MICRO
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**dims))
         if checkpointing:
-            enable_hf_gradient_checkpointing(model)
-            model.gradient_checkpointing_enable()
+            enable_hf_gradient_checkpointing(model)  # (transformers' own switch, with zerotrain's checkpoint)
         engine, *_ = zerotrain.initialize(model=model, config=config)
         for _ in range(steps):
             engine.backward(engine(input_ids=ids, labels=ids, use_cache=False).loss)

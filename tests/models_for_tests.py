@@ -221,3 +221,21 @@ def tied_llama_copy(src, out):
         if name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(src / name, out / name)
     return out
+
+
+def saved_activation_bytes(forward) -> int:
+    """What plain PyTorch's autograd saves for backward while `forward()` runs, parameters and views of them left
+    out, each storage once: the reference for what stage 3's pack hook counts (`Stage3Hooks.saved_activation_bytes`,
+    the first pass's reserve)."""
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        base = tensor._base if tensor._base is not None else tensor
+        if not isinstance(tensor, torch.nn.Parameter) and not isinstance(base, torch.nn.Parameter):
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(seen.values())

@@ -446,24 +446,6 @@ def test_runtime_counts_a_shared_storage_once_and_own_rss_is_this_process():
     assert abs(_own_rss() - vm_rss) < 64 * 2**20, (_own_rss(), vm_rss)
 
 
-def _saved_activation_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
-    """What plain PyTorch's autograd saves in `model`'s forward on `ids`, parameters and their views left out,
-    each storage once (the reference for what stage 3's pack hook counts)."""
-    params = {id(p) for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        base = tensor._base if tensor._base is not None else tensor
-        if id(tensor) not in params and id(base) not in params:
-            storage = tensor.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(ids, ids)
-    return sum(seen.values())
-
-
 def test_the_first_pass_keeps_its_activations_out_of_the_parameter_cache(tmp_path, world_of_one, monkeypatch,
                                                                          capsys):
     """Issue #43: a CPU run whose clip takes the norm from a first backward (NVMe parameters and optimizer,
@@ -477,6 +459,7 @@ def test_the_first_pass_keeps_its_activations_out_of_the_parameter_cache(tmp_pat
     import zerotrain
     import zerotrain.budget as budget_module
     from zerotrain.models import GPT, GPTConfig
+    from models_for_tests import saved_activation_bytes
 
     monkeypatch.setattr(budget_module, "_own_rss", lambda root="/": 300 * 2**20)  # the runtime, fixed
     monkeypatch.setattr(budget_module, "_announced", [True])  # (the plan's lines: not this test's)
@@ -484,7 +467,7 @@ def test_the_first_pass_keeps_its_activations_out_of_the_parameter_cache(tmp_pat
     model = GPT(GPTConfig(vocab_size=256, n_layer=2, n_head=4, n_embd=128, block_size=32, tie_weights=False))
     lengths = (8, 8, 16, 4)  # a longer micro-batch keeps more; a shorter one changes nothing
     batches = [torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths]
-    saved = [_saved_activation_bytes(copy.deepcopy(model), ids) for ids in batches]
+    saved = [saved_activation_bytes(lambda ids=ids, copied=copy.deepcopy(model): copied(ids, ids)) for ids in batches]
     assert saved[2] > saved[0] > saved[3] > 0
 
     def run(name: str, **offload) -> dict:

@@ -579,6 +579,7 @@ def test_a_cpu_first_pass_peak_takes_its_activations_out_of_the_parameter_cache(
     cached = states()
     cache = cached["rows"]["parameters"]["host"]
     assert cached["first_pass_cache"] == cache > acts["with_checkpointing"] > 0
+    assert any("parameter cache gives them up" in note for note in cached["notes"]), cached["notes"]
     kept = states(max_in_cpu=cache // 4)  # the same bound, set by the user
     assert kept["first_pass_cache"] == 0 and kept["rows"] == cached["rows"]
     assert device_peak(kept, acts) - device_peak(cached, acts) == acts["with_checkpointing"]
@@ -586,6 +587,8 @@ def test_a_cpu_first_pass_peak_takes_its_activations_out_of_the_parameter_cache(
     assert device_peak(kept, larger) - device_peak(cached, larger) == cache
     assert states("cuda")["first_pass_cache"] == 0
     assert states(optimizer={"norm_first_pass": False})["first_pass_cache"] == 0  # the spill
+    in_host = states(optimizer={"norm_first_pass": True}, device="cpu")  # a first pass, parameters in host memory
+    assert any("norm from a first backward" in note for note in in_host["notes"]) and in_host["first_pass_cache"] == 0
 
 
 class _MoEStack(torch.nn.Module):

@@ -530,7 +530,7 @@ class FirstPassReserve:
                   f"({format_bytes(self.held)}, counted in its forward) alive on top of the backward's buffers; the "
                   f"parameter cache gives them up: {PREFIX}offload_param.max_in_cpu holds "
                   f"{format_bytes(bound)} from now on (less if a later micro-batch keeps more)",
-                  file=sys.stderr, flush=True)
+                  file=sys.stderr)  # (stderr is line-buffered)
 
 
 def first_pass_reserve(config, store: Optional[ParamStore], takes_first_pass: bool,

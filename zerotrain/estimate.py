@@ -807,7 +807,7 @@ def device_peak(memory: dict, activations: dict) -> int:
     if memory.get("gradients_made_in_backward"):
         grads = memory["rows"]["gradients"]["device"]
         states, acts = states - grads, max(acts, grads)
-    states -= min(memory.get("first_pass_cache", 0), acts)
+    states -= min(memory["first_pass_cache"], acts)
     return (states + acts + sum(memory["transient"].values()) + activations.get("all_to_all_buffers", 0)
             + activations.get("fp8_transient", 0))
 

@@ -326,6 +326,9 @@ def test_param_store_holds_back_cache_for_memory_held_elsewhere(tmp_path):
         assert store.hold_back_cache(4 * 100) == 4 * 200
         assert torch.equal(parts[1].shard, values[1]) and list(store.cache) == [id(parts[0]), id(parts[1])]
         assert store.cached_numel == 200
+        assert store.hold_back_cache(4 * 200) == 4 * 100  # a shard of exactly the bound still fits
+        assert list(store.cache) == [id(parts[1])] and torch.equal(parts[2].shard, values[2])
+        assert list(store.cache) == [id(parts[2])] and store.cached_numel == 100
         assert store.hold_back_cache(4 * 1000) == 0 and not store.cache  # more than the cache: none of it
         assert torch.equal(parts[2].shard, values[2]) and not store.cache
         assert store.hold_back_cache(0) == 4 * 300

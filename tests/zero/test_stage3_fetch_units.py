@@ -14,6 +14,7 @@ from zerotrain.comm import Comm
 from zerotrain.engine.weights import PartitionedWeights
 from zerotrain.zero.forward_only import generate_between_steps
 from zerotrain.zero.stage3.hooks import Stage3Hooks
+from models_for_tests import saved_activation_bytes
 from zerotrain.zero.stage3.setup import partition_module
 
 
@@ -241,6 +242,79 @@ def test_a_saved_parameter_or_view_of_one_is_released_after_forward_and_gathered
         for (name, param), want in zip(model.named_parameters(), reference.parameters()):
             torch.testing.assert_close(param.grad, want.grad, msg=lambda m: f"{name}: {m}")
             param.grad = None
+
+
+class _Wrapped(torch.Tensor):
+    """A wrapper tensor subclass (as torchao's float8 tensors are): no storage of its own to count."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda x: x.inner if isinstance(x, _Wrapped) else x  # noqa: E731
+        return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+
+class _SavesWrapped(torch.autograd.Function):
+    """Identity whose backward keeps a wrapper tensor of its input's shape."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(_Wrapped(x.detach().clone()))
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _SavesWrappedLayer(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SavesWrapped.apply(x)
+
+
+def test_the_saved_activations_are_counted_once_per_storage_without_parameters():
+    """`saved_activation_bytes` (what the first pass's reserve holds back, issue #43): the bytes autograd saves in
+    the micro-step's forwards, equal to plain PyTorch's count (parameters, persistent ones and views of them left
+    out; each storage once), two forwards before one backward adding up, back to 0 after the micro-step; a saved
+    wrapper tensor (no storage of its own) counted at its elements' size."""
+    def build(wrapped: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        layers = [Matmul(6, 5, True), torch.nn.Tanh(), Matmul(5, 4, False), torch.nn.Tanh(), Matmul(4, 3, True)]
+        return torch.nn.Sequential(*([_SavesWrappedLayer()] if wrapped else []), *layers)
+
+    def hooked(model: torch.nn.Module) -> PartitionedWeights:
+        # threshold 20: the 6 x 5 weight is partitioned, the 5 x 4 one (saved itself) and the 4 x 3 one (saved as
+        # a transposed view) are persistent
+        parts = partition_module(model, Comm(None, 0, 1), {id(p): 0 for p in model.parameters()}, 20, False,
+                                 10**6, max_reuse_distance=0)
+        assert sorted(p.persistent for p in parts.trainable) == [False, True, True]
+        weights = PartitionedWeights(model, parts)
+        parts.hooks = Stage3Hooks(model, weights.fetcher)
+        return weights
+
+    x, y = batches(1)[0]
+    reference = build(False)
+    want = saved_activation_bytes(lambda: reference(x))
+    weights = hooked(build(False))
+    assert want > 0 and weights.saved_activation_bytes() == 0
+    first = weights.forward((x,), {})
+    assert weights.saved_activation_bytes() == want
+    second = weights.forward((2 * x,), {})  # a second forward before the backward: its tensors are kept too
+    assert weights.saved_activation_bytes() == 2 * want
+    F.mse_loss(first + second, y).backward()
+    weights.end_micro_step()
+    assert weights.saved_activation_bytes() == 0
+    wrapping = hooked(build(True))  # the first layer keeps a wrapper of x; the next one its output, not x
+    output = wrapping.forward((x.clone().requires_grad_(),), {})  # (an input that needs grad: a graph to save in)
+    assert wrapping.saved_activation_bytes() == want + x.numel() * 4
+    F.mse_loss(output, y).backward()
+    wrapping.end_micro_step()
 
 
 @pytest.mark.parametrize("compressed", ["qwZ", "float8"])

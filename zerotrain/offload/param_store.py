@@ -392,11 +392,8 @@ class NvmeParamStore(ParamStore):
         bound = self._cache_bound()
         if host is None or part.shard_numel > bound:
             return
-        key = id(part)
-        if key in self.cache:
-            self.cached_numel -= self.cache.pop(key).numel()
-        self._evict_to(bound - part.shard_numel)
-        self.cache[key] = host
+        self._evict_to(bound - part.shard_numel)  # (a shard is remembered only when not cached: read, not hit)
+        self.cache[id(part)] = host
         self.cached_numel += host.numel()
 
     def _cache_bound(self) -> int:
@@ -405,12 +402,12 @@ class NvmeParamStore(ParamStore):
 
     def _evict_to(self, numel: int) -> None:
         """Drop the least recently used shards until at most `numel` elements are cached."""
-        while self.cache and self.cached_numel > numel:
+        while self.cached_numel > numel:  # (an empty cache counts 0)
             self.cached_numel -= self.cache.popitem(last=False)[1].numel()
 
     def hold_back_cache(self, nbytes: int) -> int:
-        itemsize = self.parts[0].dtype.itemsize if self.parts else 1
-        self.held_back_numel = -(-max(0, int(nbytes)) // itemsize)
+        itemsize = self.parts[0].dtype.itemsize if self.parts else 1  # (one training dtype for every shard)
+        self.held_back_numel = -(-int(nbytes) // itemsize)
         bound = self._cache_bound()
         self._evict_to(bound)
         return bound * itemsize

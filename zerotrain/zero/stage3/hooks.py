@@ -89,7 +89,7 @@ class Stage3Hooks:
         if type(tensor) is ZeroParameter:
             return tensor if tensor._zero.persistent else _SavedParam(tensor._zero, None)
         base = tensor._base
-        if base is not None and type(base) is ZeroParameter:
+        if type(base) is ZeroParameter:  # (None when the tensor is no view)
             if base._zero.persistent:
                 return tensor
             return _SavedParam(base._zero, (tensor.size(), tensor.stride(), tensor.storage_offset()))
