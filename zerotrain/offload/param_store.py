@@ -21,8 +21,9 @@ write, an initializer).
   most `max_in_cpu` elements of shards are cached in host memory (least recently used first
   out; less what `hold_back_cache` holds back for the norm's first pass); the rest are read
   when a gather needs them. The fetcher asks for reads ahead along its recorded order
-  (`read_ahead`: forward, then backward's recompute and gradients), as many as fit in one largest shard's bytes, so the next layers' shards (a layer is many
-  small ones) are on their way while this one computes. Writes after the optimizer step go
+  (`read_ahead`: forward, then backward's recompute and gradients), as many as fit in one
+  largest shard's bytes, so the next layers' shards (a layer is many small ones) are on
+  their way while this one computes. Writes after the optimizer step go
   out asynchronously; `flush()` (the engine calls it after every step) waits for them. Any
   failed read or write raises `aio.OffloadIOError` in the training process, naming the
   file, offset and rank. A shard dropped from the store (`remove`: e.g. a head tied to the
