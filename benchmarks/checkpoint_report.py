@@ -11,9 +11,10 @@ from pathlib import Path
 
 ENGINES = {"zt": "zerotrain (ZeRO-3)", "ztp": "zerotrain, process writer", "dcp": "torch DCP (FSDP2)",
            "ds": "DeepSpeed (ZeRO-3)", "ztn": "zerotrain, verify_on_load false (load rounds only)",
-           "zto": "zerotrain of --old-code (before)"}
+           "zto": "zerotrain of --old-code (before)",
+           "ztr": "zerotrain, reshard: the world-2 checkpoint at --reshard-world (load rounds only)"}
 # engines that only load, in the load rounds: the checkpoint another engine wrote (zerotrain's, here)
-LOAD_ONLY = {"ztn": "zt"}
+LOAD_ONLY = {"ztn": "zt", "ztr": "zt"}
 SCRIPT = str(Path(__file__).resolve().parent / "checkpoint_speed.py")
 
 
@@ -27,7 +28,7 @@ def launch(engine: str, phase: str, world: int, args, root: Path) -> dict:
     """Run one phase of one engine in `world` fresh processes; rank 0's result."""
     port, procs, outs = _free_port(), [], []
     spec_args = {k: getattr(args, k, None) for k in ("model", "batch", "seq_len", "warmup", "repeats", "verify_on_load",
-                                                     "no_async", "load_warmup", "memory_budget_gib")}
+                                                     "no_async", "load_warmup", "memory_budget_gib", "reshard_world")}
     repo = str(Path(__file__).resolve().parent.parent)
     if engine == "zto":  # the same benchmark, importing zerotrain from the other checkout
         repo = os.path.abspath(args.old_code)

@@ -119,7 +119,10 @@ def _batches(count: int, batch: int, seq: int, vocab: int, rank: int):
 
 
 # benchmark-only shapes beside zerotrain's presets: the bandwidth-bound row (#50)
-BENCH_PRESETS = {"1b": dict(n_layer=20, n_head=16, n_embd=2048, block_size=512)}  # 1.007e9 parameters
+BENCH_PRESETS = {"1b": dict(n_layer=20, n_head=16, n_embd=2048, block_size=512),  # 1.007e9 parameters
+                 # 0.505e9: the largest of these shapes whose DeepSpeed pair fits a 24 GiB host (at 1b and 0.7b its
+                 # ranks were OOM-killed at 12.2 GB each: runs 29, 33), so DeepSpeed has a bandwidth-bound row
+                 "500m": dict(n_layer=10, n_head=16, n_embd=2048, block_size=512)}
 
 
 def model_parameters(name: str) -> int:
@@ -366,15 +369,29 @@ def _profile(job: Job) -> dict:
     return {"profile": profile_run(job, job.root, "", job.rank, _fsync_tree, _drop_cache, dist.barrier, fresh)}
 
 
+def _reshard_stage(world: int) -> int:
+    """The ZeRO stage a reshard load runs at: 1 in one process (a plain model's whole states), else 3."""
+    return 1 if world == 1 else 3
+
+
 def _reshard_load(args, root: Path, engine: str) -> dict:
-    """World 1: load the world-2 checkpoint `sync0` into ZeRO stage 1 (zerotrain) / a plain model (DCP)."""
-    job = ZerotrainJob(args, root, 0, stage=1) if engine in ("zt", "zto") else DcpJob(args, root, 0, sharded=False)
+    """Load the world-2 checkpoint `sync0` at world `--reshard-world`: one process at ZeRO stage 1 (zerotrain) / a
+    plain model (DCP), or ZeRO-3 over that many ranks (zerotrain; the 1b row, whose states fit no single process
+    here). The first load is a resume at start-up (a fresh engine, no optimizer state), later ones load into it."""
+    import torch.distributed as dist
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if engine in ("zt", "zto"):
+        job = ZerotrainJob(args, root, rank, stage=_reshard_stage(world))
+    elif world == 1:
+        job = DcpJob(args, root, 0, sharded=False)
+    else:
+        raise _Unavailable(f"--reshard-world {world}: the benchmark reshards {engine} into one process only")
     loads = []
     for _ in range(args.repeats):
-        _drop_cache(root / "sync0")
-        t0 = time.perf_counter()
-        job.load("sync0")
-        loads.append(time.perf_counter() - t0)
+        if rank == 0:
+            _drop_cache(root / "sync0")
+        dist.barrier()
+        loads.append(_barrier_time(lambda: job.load("sync0")))
     return {"reshard_load_s": min(loads), "reshard_load_all_s": loads}
 
 
@@ -452,6 +469,8 @@ def worker_main(spec: dict) -> int:
                 job = ZerotrainJob(args, root, rank, process_writer=True)
             elif engine == "ztn":  # zerotrain's checkpoint loaded without the crc32 check
                 job = ZerotrainJob(argparse.Namespace(**{**vars(args), "verify_on_load": False}), root, rank)
+            elif engine == "ztr":  # zerotrain's world-2 checkpoint loaded at world --reshard-world
+                job = ZerotrainJob(args, root, rank, stage=_reshard_stage(dist.get_world_size()))
             else:  # zto: zerotrain of another checkout (--old-code), for interleaved before/after rounds
                 job = {"zt": ZerotrainJob, "zto": ZerotrainJob, "dcp": DcpJob, "ds": DeepSpeedJob}[engine](args, root, rank)
             phases = {"load": _load_round, "save": _save_round, "profile": _profile}
@@ -510,6 +529,10 @@ def main(argv=None) -> int:
     parser.add_argument("--memory-budget-gib", type=float, default=None,
                         help="zerotrain's zero_optimization.memory_budget_bytes per rank, in GiB (default: its own "
                              "default, 50%% of the rank's share of the host's available memory; the 1b row needs ~8.1)")
+    parser.add_argument("--reshard-world", type=int, default=1,
+                        help="ranks that load the world-2 checkpoint in the reshard rows (the main phase's reshard "
+                             "load and engine ztr's load rounds): 1 = one process at ZeRO stage 1, more = ZeRO-3 "
+                             "(the 1b row: its whole states fit no single process on a 24 GiB host)")
     parser.add_argument("--no-async", action="store_true", help="main phase: skip the asynchronous saves")
     parser.add_argument("--no-main", action="store_true",
                         help="skip the main phase (only --profile, --save-rounds, --load-rounds)")
@@ -575,7 +598,7 @@ def main(argv=None) -> int:
                 elif engine == "ztp":
                     result["reshard_note"] = "as zt (same loader)"
                 else:
-                    reshard = launch(engine, "reshard", 1, args, root)
+                    reshard = launch(engine, "reshard", args.reshard_world, args, root)
                     if reshard.get("status") == "ok":
                         result.update(reshard)
                     else:
@@ -595,7 +618,7 @@ def main(argv=None) -> int:
         for index in range(args.load_rounds if loadable else 0):
             order = loadable[index % len(loadable):] + loadable[:index % len(loadable)]
             for engine in order:
-                result = launch(engine, "load", 2, args, root)
+                result = launch(engine, "load", args.reshard_world if engine == "ztr" else 2, args, root)
                 if result.get("status") != "ok":
                     print(result.get("traceback", result.get("reason")), file=sys.stderr)
                     continue

@@ -411,6 +411,27 @@ def test_the_budget_refuses_or_brings_under_at_its_boundary(world_of_one, monkey
     resolve(nvme_config(**sized), 0)  # no memory known: nothing to hold the run to
 
 
+def test_a_loads_second_copy_may_take_the_default_budgets_share_of_the_memory_available_now(world_of_one):
+    """`load_copy_allowance`: DEFAULT_FRACTION of the host memory available over the ranks on the node (tensor-
+    parallel ranks counted), the default budget's rule, taken when the load runs."""
+    import dataclasses
+
+    from zerotrain.budget import DEFAULT_FRACTION, HostMemory, load_copy_allowance, ranks_on_node
+    from zerotrain.topology import Topology
+
+    topology = Topology.build(timeout_seconds=60)
+    node_of_three = dataclasses.replace(topology, ranks_per_node=3)
+    available = 12 * GiB + 5
+    assert ranks_on_node(node_of_three) == 3 and ranks_on_node(dataclasses.replace(node_of_three, tp_size=2)) == 6
+    assert ranks_on_node(dataclasses.replace(topology, ranks_per_node=0, dp_size=4)) == 4  # not known: every ZeRO rank
+    assert ranks_on_node(dataclasses.replace(topology, ranks_per_node=1)) == 1
+    assert load_copy_allowance(topology) > 0  # this machine's memory, read now
+    assert load_copy_allowance(node_of_three, HostMemory(available, "MemAvailable")) == \
+        int(DEFAULT_FRACTION * (available // 3)) == 2 * GiB
+    assert load_copy_allowance(dataclasses.replace(node_of_three, tp_size=2), HostMemory(available, "x")) == GiB
+    assert load_copy_allowance(node_of_three, HostMemory(0, "unknown")) == 0
+
+
 def test_the_sizes_floor_and_cap_at_their_exact_values():
     """Exact values where the plan's rules switch: with no headroom, `stage3_max_live_parameters` is the two
     largest modules' non-persistent parameters (padded to the ranks; a bias of at most the persistence

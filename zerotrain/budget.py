@@ -209,6 +209,19 @@ def runtime_bytes(model: torch.nn.Module, own: int) -> int:
     return max(0, own - held)
 
 
+def ranks_on_node(topology: Topology) -> int:
+    """How many ranks of this job share this rank's host (each takes a part of its memory)."""
+    return int(topology.ranks_per_node or topology.dp_size) * topology.tp_size
+
+
+def load_copy_allowance(topology: Topology, host: Optional[HostMemory] = None) -> int:
+    """Host bytes one rank may spend, now, on a checkpoint load's second copy of its optimizer states (read
+    into new tensors and swapped in after the verdict: one pass over the bytes instead of a checksum pass and
+    a copy): `DEFAULT_FRACTION` of its share of the host memory available, the rule of the default budget."""
+    host = host or host_memory_available()
+    return default_budget(host.available, ranks_on_node(topology))
+
+
 def default_budget(available: int, ranks_on_node: int, own: int = 0, fraction: float = DEFAULT_FRACTION) -> int:
     """`fraction` of this rank's part of the available host memory (its share of `available` plus the
     `own` bytes it already holds)."""
@@ -474,7 +487,7 @@ def resolve_memory(model: torch.nn.Module, config, topology: Topology, comm: Opt
     zero = config.zero_optimization
     device_type = topology.device.type
     host = host or host_memory_available()
-    ranks = max(1, int(topology.ranks_per_node or topology.dp_size) * topology.tp_size)  # ranks on the node
+    ranks = ranks_on_node(topology)
     own = _own_rss()
     share = host.available // ranks + own  # this rank's part of what the job may use
     explicit = zero.memory_budget_bytes

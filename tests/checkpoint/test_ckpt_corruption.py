@@ -1,8 +1,12 @@
-"""A damaged checkpoint is refused with an error naming the file or tensor, and nothing is loaded: into a trained
-engine (its optimizer states written in place after the verdict) or a fresh one (a resume before the first step:
-the states read straight into new tensors with their crc32, dropped when the verdict refuses)."""
+"""A damaged checkpoint is refused with an error naming the file or tensor, and nothing is loaded: into a fresh
+engine (a resume before the first step: the states read straight into new tensors with their crc32, dropped when
+the verdict refuses), a trained one with room for a second copy of its states (read the same way, swapped in only
+after the verdict) and a trained one without that room (`load_copy_bytes` 0: its states written in place after
+the verdict)."""
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -73,7 +77,7 @@ def damage(root: str, good: str) -> dict:
 def save_then_try_damaged(root: str) -> dict:
     import torch.distributed as dist
 
-    from zerotrain.checkpoint import CheckpointError
+    from zerotrain.checkpoint import CheckpointError, load
 
     engine = make_engine(stage=2)
     train(engine, 0, 2)
@@ -90,14 +94,22 @@ def save_then_try_damaged(root: str) -> dict:
     # ranks that resolve different checkpoints: refused as such everywhere, never judged as one damaged checkpoint
     holder[0]["different_tags"] = (os.path.join(root, "saved"), "good" if dist.get_rank() == 0 else "other")
     out = {"deleted_file": _file_of(good, "fc2.weight/exp_avg", "optimizer")}
-    for who, subject in (("trained", engine), ("fresh", fresh)):
+    tight = dataclasses.replace(engine.checkpoint_state(), load_copy_bytes=lambda: 0)  # no room for a second copy
+    loaders = {"trained": engine.load_checkpoint, "fresh": fresh.load_checkpoint,
+               "tight": functools.partial(load.load_checkpoint, tight)}
+    subjects = (("trained", engine, engine.checkpoint_state()), ("fresh", fresh, fresh.checkpoint_state()),
+                ("tight", engine, tight))
+    for who, subject, state in subjects:
+        if who == "tight":
+            train(engine, 3, 1)  # moved on again from the good load below
         before = (subject.full_state_dict(), {k: v.clone() for k, v in subject.module.state_dict().items()},
                   optimizer_state(subject), subject.global_steps, subject.get_lr())
+        held = [id(value) for states in subject.optimizer.state.values() for value in states.values()]
         errors, leaked = {}, {}
         for case, (load_dir, tag) in holder[0].items():
             open_before = len(os.listdir("/proc/self/fd"))
             try:
-                subject.load_checkpoint(load_dir, tag=tag)
+                loaders[who](load_dir, tag=tag)
                 errors[case] = None
             except CheckpointError as error:
                 errors[case] = str(error)
@@ -105,21 +117,24 @@ def save_then_try_damaged(root: str) -> dict:
         after = (subject.full_state_dict(), dict(subject.module.state_dict()), optimizer_state(subject),
                  subject.global_steps, subject.get_lr())
         out[who] = {"errors": errors, "leaked": leaked, "unchanged": _same(before, after),
-                    "no_state": all(not state for state in after[2]), "direct": _direct_reads(subject, good)}
-        # And the intact checkpoint still loads, exactly.
-        subject.load_checkpoint(os.path.join(root, "saved"))
+                    "no_state": all(not state for state in after[2]), "direct": _direct_reads(state, good)}
+        # And the intact checkpoint still loads, exactly: into new state tensors or the optimizer's own.
+        loaders[who](os.path.join(root, "saved"))
         out[who]["steps_after_good_load"] = subject.global_steps
         out[who]["exact"] = _same(saved, (subject.full_state_dict(), optimizer_state(subject)))
+        kept = {id(value) for states in subject.optimizer.state.values() for value in states.values()
+                if torch.is_tensor(value) and value.dim() > 0}
+        out[who]["states_kept"] = sum(identity in kept for identity in held)
     return out
 
 
-def _direct_reads(engine, path: str) -> tuple[int, int]:
+def _direct_reads(state, path: str) -> tuple[int, int]:
     """(reads planned straight into fresh state tensors with their crc32, state reads left for after the verdict)
-    of a load of `path` into `engine` as it is now."""
+    of a load of `path` into the engine of CheckpointState `state` as it is now."""
     from zerotrain.checkpoint import load
 
     source, _ = load.open_checked(path, True, False)
-    plan = load.prepare(engine.checkpoint_state(), source, set(), True, False)
+    plan = load.prepare(state, source, set(), True, False)
     plan.files.close()
     return len(plan.direct), sum(len(reads) for slot in plan.slots for reads in (slot.states or {}).values())
 
@@ -136,13 +151,17 @@ def _same(a, b) -> bool:
 
 def test_damaged_checkpoints_are_refused_and_nothing_is_loaded(tmp_path):
     outcomes = run_distributed(save_then_try_damaged, 2, str(tmp_path))
-    # the trained engine's states exist: written in place after the verdict; the fresh engine's are read
-    # straight into new tensors with their crc32 (none left for after the verdict), and dropped when refused
+    # the fresh engine's states and, with room for a second copy, the trained engine's are read straight into
+    # new tensors with their crc32 (none left for after the verdict), dropped when refused, swapped in when
+    # accepted; without that room the trained engine's are written in place after the verdict
     for rank, outcome in enumerate(outcomes):
-        assert outcome["trained"]["direct"][0] == 0 and outcome["trained"]["direct"][1] > 0, outcome["trained"]
-        assert outcome["fresh"]["direct"][0] > 0 and outcome["fresh"]["direct"][1] == 0, outcome["fresh"]
+        for who in ("trained", "fresh"):
+            assert outcome[who]["direct"][0] > 0 and outcome[who]["direct"][1] == 0, (who, outcome[who])
+        assert outcome["tight"]["direct"][0] == 0 and outcome["tight"]["direct"][1] > 0, outcome["tight"]
         assert outcome["fresh"]["no_state"], f"rank {rank}: a refused load left optimizer state in a fresh engine"
-    results = [dict(outcome[who], deleted_file=outcome["deleted_file"]) for who in ("trained", "fresh")
+        assert outcome["trained"]["states_kept"] == 0, f"rank {rank}: the loaded states were not new tensors"
+        assert outcome["tight"]["states_kept"] > 0, f"rank {rank}: a load without room replaced the states"
+    results = [dict(outcome[who], deleted_file=outcome["deleted_file"]) for who in ("trained", "fresh", "tight")
                for outcome in outcomes]
     expected = {
         "no_manifest": "has no manifest.json",
@@ -155,7 +174,7 @@ def test_damaged_checkpoints_are_refused_and_nothing_is_loaded(tmp_path):
         "deleted_file": "file is missing",
         "different_tags": "ranks resolved different checkpoints in",
     }
-    for rank, result in enumerate(results):  # trained rank 0, 1, then fresh rank 0, 1
+    for rank, result in enumerate(results):  # trained rank 0, 1, then fresh rank 0, 1, then tight rank 0, 1
         assert result["unchanged"], f"rank {rank % 2}: a failed load changed the engine"
         assert not any(result["leaked"].values()), f"rank {rank % 2}: descriptors left open {result['leaked']}"
         assert result["steps_after_good_load"] == 2 and result["exact"], rank
@@ -170,4 +189,4 @@ def test_damaged_checkpoints_are_refused_and_nothing_is_loaded(tmp_path):
         saved = os.path.join(str(tmp_path), "saved")
         assert result["errors"]["different_tags"] == (
             f"ranks resolved different checkpoints in {saved}: {[os.path.join(saved, 'good'), os.path.join(saved, 'other')]}")
-    assert results[0]["errors"] == results[1]["errors"] == results[2]["errors"] == results[3]["errors"]
+    assert all(result["errors"] == results[0]["errors"] for result in results)

@@ -164,7 +164,7 @@ def test_new_state_tensors_take_reads_straight_in_and_only_their_padding_is_zero
     plan = load._plan_states(slot, reader, load._Templates(optimizer), {})
     for _ in range(50):  # freed memory of this size, full of NaN: what torch.empty may hand back
         torch.full((10,), float("nan"))
-    direct = load._direct_reads(plan, slot, optimizer)
+    direct = load._direct_reads(plan, slot, optimizer, replace=False)
     assert sorted((read.name, id(target)) for read, target in direct) == sorted(
         [("w/exp_avg", id(plan.fresh["exp_avg"])), ("v/exp_avg", id(plan.fresh["exp_avg"])),
          ("w/exp_avg_sq", id(plan.fresh["exp_avg_sq"]))])
@@ -176,6 +176,56 @@ def test_new_state_tensors_take_reads_straight_in_and_only_their_padding_is_zero
     # the optimizer's own state that fits is written after the verdict, in place: no new tensor, no direct read
     optimizer.state[master] = {"exp_avg": torch.ones(10), "exp_avg_sq": torch.ones(10), "step": torch.tensor(1.0)}
     again = load._plan_states(slot, reader, load._Templates(optimizer), {})
-    assert load._direct_reads(again, slot, optimizer) == [] and again.fresh == {}
+    assert load._direct_reads(again, slot, optimizer, replace=False) == [] and again.fresh == {}
     assert [len(reads) for reads in again.states.values()] == [2, 2]
+    # with room for a second copy (`replace`), new tensors for those too: read straight in, the old ones untouched
+    held = dict(optimizer.state[master])
+    swapped = load._plan_states(slot, reader, load._Templates(optimizer), {})
+    direct = load._direct_reads(swapped, slot, optimizer, replace=True)
+    assert sorted(read.name for read, _ in direct) == ["v/exp_avg", "w/exp_avg", "w/exp_avg_sq"]
+    assert all(swapped.fresh[key] is not held[key] for key in ("exp_avg", "exp_avg_sq"))
+    assert [read.name for read in swapped.states["exp_avg_sq"]] == ["v/exp_avg_sq"] and swapped.states["exp_avg"] == []
+    assert torch.equal(held["exp_avg"], torch.ones(10)) and optimizer.state[master]["exp_avg"] is held["exp_avg"]
     reader.close()
+
+
+def test_the_second_copy_counts_the_per_element_states_of_host_masters_only():
+    """What reading into new tensors would copy: each host master's states of its own length (10 + 10 floats
+    here), not its scalar `step`, a per-row state of another length, a number, a frozen slot (no master) or a
+    master in another device's memory (its states are written in place)."""
+    host, single, other = torch.zeros(10), torch.zeros(1), torch.zeros(6, device="meta")
+    optimizer = SimpleNamespace(state={
+        host: {"exp_avg": torch.ones(10), "exp_avg_sq": torch.ones(10, dtype=torch.float64), "step": torch.tensor(3.0),
+               "row": torch.ones(4), "lr": 0.1},
+        single: {"exp_avg": torch.ones(1), "step": torch.tensor(3.0)},  # one element: its step is no state of it
+        other: {"exp_avg": torch.ones(6, device="meta")}})
+    slots = [_slot([], None), _slot([], host), _slot([], single), _slot([], other), _slot([], torch.zeros(3))]
+    assert load._copy_bytes(slots, optimizer) == 10 * 4 + 10 * 8 + 4  # the last slot: a master without state
+
+
+def test_a_load_replaces_the_states_only_when_their_second_copy_fits_what_the_host_can_spare(world_of_one, tmp_path):
+    """`CheckpointState.load_copy_bytes` against the bytes of the per-element states in host memory (the second
+    copy a read into new tensors makes): equal fits (every state read straight into a new tensor), one byte less
+    does not (the states left for after the verdict)."""
+    import dataclasses
+
+    from ckpt_common import make_engine, train
+
+    engine = make_engine(stage=1)
+    train(engine, 0, 1)
+    path = engine.save_checkpoint(str(tmp_path), tag="t")
+    state = engine.checkpoint_state()
+    held = sum(value.numel() * value.element_size() for states in state.optimizer.state.values()
+               for value in states.values() if torch.is_tensor(value) and value.dim() > 0)
+    assert held > 0 and load._copy_bytes(state.slots(), state.optimizer) == held
+    assert state.load_copy_bytes() > held  # the engine's allowance (budget.load_copy_allowance): this host has room
+
+    def planned(room: int) -> tuple[int, int]:
+        source, _ = load.open_checked(path, True, False)
+        plan = load.prepare(dataclasses.replace(state, load_copy_bytes=lambda: room), source, set(), True, False)
+        plan.files.close()
+        return len(plan.direct), sum(len(reads) for slot in plan.slots for reads in (slot.states or {}).values())
+
+    straight, left = planned(held)
+    assert straight > 0 and left == 0
+    assert planned(held - 1) == (0, straight)

@@ -77,9 +77,14 @@ def next_leg(save_dir: str, stage: int, offload) -> dict:
     losses = train(engine, FIRST, SECOND)
     weights = engine.full_state_dict()
     stats = engine.offload_stats()
+    # the same checkpoint into this trained engine (a rollback in the process): its states, offloaded or not, are
+    # replaced by the loaded ones (read into new tensors when the host has room), and the same steps follow
+    engine.load_checkpoint(save_dir)
+    rolled_back = {"losses": train(engine, FIRST, SECOND), "weights": engine.full_state_dict()}
     engine.close()
     engine.close()  # idempotent
-    return {"losses": losses, "loaded": loaded, "weights": weights, "lrs": lrs, "stats": stats}
+    return {"losses": losses, "loaded": loaded, "weights": weights, "lrs": lrs, "stats": stats,
+            "rolled_back": rolled_back}
 
 
 def _modes(tmp_path) -> dict:
@@ -116,6 +121,10 @@ def test_offloaded_states_round_trip(tmp_path, mode):
     assert again[0]["stats"]["steps"] == SECOND
     assert_matches_reference(f"{mode} resumed", head["losses"] + again[0]["losses"], again[0]["weights"],
                              ref_losses, ref_weights)
+    assert again[0]["rolled_back"]["losses"] == again[0]["losses"], f"{mode}: loaded into the trained engine"
+    rolled = again[0]["rolled_back"]["weights"]
+    assert set(rolled) == set(again[0]["weights"]) and all(
+        torch.equal(rolled[name], again[0]["weights"][name]) for name in rolled), f"{mode}: rolled back weights"
 
     # Another setting (world size, stage, offload): the offloaded states load where that engine keeps them.
     other = run_distributed(next_leg, other_world, save_dir, other_stage, other_offload, timeout=120)[0]

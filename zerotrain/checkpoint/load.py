@@ -29,9 +29,14 @@ threads as this host has cores per rank (`directio.copy_threads`; a copy is CPU-
 threads only cost CPU). Without checksums the reads go to the disk, `directio.READ_THREADS`
 at once. A resume before the first step (the optimizer holds no state yet: a run resuming at
 start-up) reads the optimizer states once: `prepare` makes the new state tensors and plans the
-reads into them (`LoadPlan.direct`); the ranks all-gather those byte ranges, each rank reads
-its ranges straight into its new tensors with the crc32 computed on the landed bytes
-(`reader.TensorReader.plan_checked`, `directio.CheckedReads`: O_DIRECT, READ_THREADS requests in
+reads into them (`LoadPlan.direct`). So does a load into an engine that has them (a rollback
+in the same process), when a second copy of them fits what the host can spare now
+(`CheckpointState.load_copy_bytes`, the engine's share rule; else the checksum pass and the
+copy as above): the new tensors replace the optimizer's after the verdict, as DeepSpeed's load
+holds a second copy of what it reads (run 33: at 500M parameters the checksum pass's pages no
+longer stay cached, and the copy read every byte a second time). The ranks all-gather those
+byte ranges, each rank reads its ranges straight into its new tensors with the crc32 computed on
+the landed bytes (`reader.TensorReader.plan_checked`, `directio.CheckedReads`: O_DIRECT, READ_THREADS requests in
 flight; the ranges another rank also reads counted once: `integrity.claimed_ranges`), and the
 checksum pass covers only the other bytes (weights, headers, scalars), at the same time on its own
 thread, shared out so that each rank's direct reads plus its share are equal
@@ -246,10 +251,24 @@ def open_checked(path: str, load_optimizer_states: bool, load_module_only: bool)
     return source, names
 
 
-def _direct_reads(load: SlotLoad, slot, optimizer) -> list:
-    """Make the state tensors the optimizer does not have yet (a resume before the first step) and take the
-    reads that can go straight into them out of `load.states`: (Read, tensor) each, read with their crc32
-    before the verdict (`LoadPlan.read_direct`). A failed verdict drops the tensors: nothing to roll back.
+def _copy_bytes(slots, optimizer) -> int:
+    """Bytes of the per-element optimizer states in host memory that reading into new tensors would copy."""
+    total = 0
+    for slot in slots:
+        if slot.master is None or slot.master.device.type != "cpu":
+            continue
+        for value in (optimizer.state.get(slot.master) or {}).values():
+            if torch.is_tensor(value) and value.dim() > 0 and value.numel() == slot.master.numel():
+                total += value.numel() * value.element_size()
+    return total
+
+
+def _direct_reads(load: SlotLoad, slot, optimizer, replace: bool) -> list:
+    """Make the state tensors the optimizer does not have yet (a resume before the first step), and with
+    `replace` new ones for those it has too, and take the reads that can go straight into them out of
+    `load.states`: (Read, tensor) each, read with their crc32 before the verdict (`LoadPlan.read_direct`). A
+    failed verdict drops the tensors: nothing to roll back; `apply` puts them in place of the optimizer's (the
+    old ones are then freed).
 
     A tensor that only such reads fill is made with `torch.empty`, and only the elements no read covers (a
     shard's padding) are zeroed: its memory is first touched by the read itself, not by a zeroing pass first
@@ -260,7 +279,7 @@ def _direct_reads(load: SlotLoad, slot, optimizer) -> list:
     direct = []
     for key, reads in load.states.items():
         dtype = load.template.elementwise[key]
-        if _fits(current.get(key), slot.master, dtype):
+        if _fits(current.get(key), slot.master, dtype) and not replace:
             continue  # the optimizer's own tensor: written only after the verdict
         tensor = torch.empty(slot.master.numel(), dtype=dtype, device=slot.master.device)
         straight = [read for read in reads if type(read) is Read and
@@ -305,6 +324,9 @@ def prepare(state: CheckpointState, source: Source, sharded: set[str], load_opti
             check_groups(source.optimizer_meta.get("param_groups", []), state.optimizer)
         slot_loads = []
         templates = _Templates(state.optimizer) if load_optimizer else None  # forward-only engines have none
+        # states the optimizer has: into new tensors too (verifying) when their second copy fits what the host
+        # can spare now
+        replace_states = _copy_bytes(all_slots, state.optimizer) <= state.load_copy_bytes()
         for slot in all_slots:
             frozen = slot.master is None  # a partitioned frozen parameter (stage 3): model dtype, no optimizer
             load = SlotLoad([])
@@ -314,7 +336,7 @@ def prepare(state: CheckpointState, source: Source, sharded: set[str], load_opti
             if load_optimizer and not frozen:
                 load = _plan_states(slot, optim, templates, slices) if optim.weight_map else SlotLoad([], {})
                 if verifying and load.states:
-                    direct += _direct_reads(load, slot, state.optimizer)
+                    direct += _direct_reads(load, slot, state.optimizer, replace_states)
             for record in slot.records:
                 reader = masters if masters.has(record.name) and not frozen else model
                 name = _find(reader, module, record.name, hugging_face)

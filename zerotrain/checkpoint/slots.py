@@ -79,6 +79,10 @@ class CheckpointState:
     # layer's weights on a later pipeline stage, zerotrain.pipe): left out of a save (the owner's are saved,
     # once), loaded from the owner's entries (weights and optimizer states).
     aliases: dict = field(default_factory=dict)
+    # Host bytes a verified load may spend now on a second copy of optimizer states the optimizer already has:
+    # within it they are read into new tensors with their crc32 as the bytes land and swapped in after the
+    # verdict (one pass over the bytes); beyond it (0: never) they are checksummed first and copied in after.
+    load_copy_bytes: Callable[[], int] = field(default=lambda: 0)
 
 
 def sharded_names(slots) -> set[str]:

@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..budget import load_copy_allowance
 from ..checkpoint import CheckpointState
 from ..offload.param_store import resident_model_states
 from ..sharding import ShardedSlot
@@ -98,4 +99,5 @@ def checkpoint_state(parts: EngineParts, holder: Any, files: dict) -> Checkpoint
         defer_copies=topology.device.type == "cpu" and parts.zero_optimizer.snapshot_in_background,
         counters=StepCounters(holder), gradients_pending=lambda: holder.gradients_pending,
         loss_scaler=parts.loss_scaler, scheduler=parts.lr_scheduler,
-        loco=ReducerLoCoState(parts, lambda: holder.global_steps), fences=parts.fences, files=files)
+        loco=ReducerLoCoState(parts, lambda: holder.global_steps), fences=parts.fences, files=files,
+        load_copy_bytes=lambda: load_copy_allowance(topology))
