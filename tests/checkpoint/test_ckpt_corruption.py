@@ -104,7 +104,8 @@ def save_then_try_damaged(root: str) -> dict:
             train(engine, 3, 1)  # moved on again from the good load below
         before = (subject.full_state_dict(), {k: v.clone() for k, v in subject.module.state_dict().items()},
                   optimizer_state(subject), subject.global_steps, subject.get_lr())
-        held = [id(value) for states in subject.optimizer.state.values() for value in states.values()]
+        held = [value for states in subject.optimizer.state.values() for value in states.values()
+                if torch.is_tensor(value) and value.dim() > 0]  # the objects themselves: no id reused after a free
         errors, leaked = {}, {}
         for case, (load_dir, tag) in holder[0].items():
             open_before = len(os.listdir("/proc/self/fd"))
@@ -122,9 +123,8 @@ def save_then_try_damaged(root: str) -> dict:
         loaders[who](os.path.join(root, "saved"))
         out[who]["steps_after_good_load"] = subject.global_steps
         out[who]["exact"] = _same(saved, (subject.full_state_dict(), optimizer_state(subject)))
-        kept = {id(value) for states in subject.optimizer.state.values() for value in states.values()
-                if torch.is_tensor(value) and value.dim() > 0}
-        out[who]["states_kept"] = sum(identity in kept for identity in held)
+        now = [value for states in subject.optimizer.state.values() for value in states.values()]
+        out[who]["states_kept"] = sum(any(value is old for value in now) for old in held)
     return out
 
 

@@ -35,9 +35,10 @@ in the same process), when a second copy of them fits what the host can spare no
 copy as above): the new tensors replace the optimizer's after the verdict, as DeepSpeed's load
 holds a second copy of what it reads (run 33: at 500M parameters the checksum pass's pages no
 longer stay cached, and the copy read every byte a second time). The ranks all-gather those
-byte ranges, each rank reads its ranges straight into its new tensors with the crc32 computed on
-the landed bytes (`reader.TensorReader.plan_checked`, `directio.CheckedReads`: O_DIRECT, READ_THREADS requests in
-flight; the ranges another rank also reads counted once: `integrity.claimed_ranges`), and the
+byte ranges, each rank reads its ranges straight into its new tensors with the crc32 computed
+on the landed bytes (`reader.TensorReader.plan_checked`, `directio.CheckedReads`: O_DIRECT,
+READ_THREADS requests in flight; the ranges another rank also reads counted once:
+`integrity.claimed_ranges`), and the
 checksum pass covers only the other bytes (weights, headers, scalars), at the same time on its own
 thread, shared out so that each rank's direct reads plus its share are equal
 (`integrity.balanced_share`). The verdict then judges every file from pieces that must cover it exactly
