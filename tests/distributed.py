@@ -22,6 +22,7 @@ shell's PATH that run that way (a shell script, e.g. the README's, calling `zero
 from __future__ import annotations
 
 import collections
+import faulthandler
 import fcntl
 import importlib
 import multiprocessing as mp
@@ -126,6 +127,7 @@ def _child(rank: int, world_size: int, port: int, sys_path: list, module: str, n
                       OMP_NUM_THREADS="1")
     sys.path[:] = sys_path
     _freeze_inherited_objects()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_distributed's timeout asks for every stack
     try:
         import torch
         torch.set_num_threads(1)
@@ -182,7 +184,12 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                                              f"(exit codes {[processes[r].exitcode for r in dead]})")
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(world_size)) - set(outcomes))
-                    raise AssertionError(f"timed out after {timeout:.0f}s; rank(s) {missing} never finished")
+                    for r in missing:  # each hung rank writes every thread's stack to stderr (the report's capture)
+                        if processes[r].is_alive():
+                            os.kill(processes[r].pid, signal.SIGUSR1)
+                            time.sleep(0.5)  # one rank's stacks at a time
+                    raise AssertionError(f"timed out after {timeout:.0f}s; rank(s) {missing} never finished "
+                                         f"(their threads' stacks are in the captured stderr)")
                 continue
             if status == "error":
                 raise AssertionError(f"rank {rank} of {world_size} failed:\n{value}")
