@@ -28,7 +28,8 @@ def launch(engine: str, phase: str, world: int, args, root: Path) -> dict:
     """Run one phase of one engine in `world` fresh processes; rank 0's result."""
     port, procs, outs = _free_port(), [], []
     spec_args = {k: getattr(args, k, None) for k in ("model", "batch", "seq_len", "warmup", "repeats", "verify_on_load",
-                                                     "no_async", "load_warmup", "memory_budget_gib", "reshard_world")}
+                                                     "no_async", "load_warmup", "memory_budget_gib", "reshard_world",
+                                                     "prewarm_gib")}
     repo = str(Path(__file__).resolve().parent.parent)
     if engine == "zto":  # the same benchmark, importing zerotrain from the other checkout
         repo = os.path.abspath(args.old_code)

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -332,6 +333,15 @@ class DeepSpeedJob(Job):
         self.engine.load_checkpoint(str(self.root), tag=tag)
 
 
+def _disk_read_bytes() -> int:
+    """Bytes this process has had read from the disk so far (/proc/self/io's read_bytes; 0 where there is none)."""
+    try:
+        with open("/proc/self/io") as io:
+            return next(int(line.split()[1]) for line in io if line.startswith("read_bytes:"))
+    except (OSError, StopIteration):
+        return 0
+
+
 def _load_round(job: Job) -> dict:
     """A fresh job trains `load_warmup` steps (default `warmup`; 0: a resume at start-up, the optimizer without
     state), then one cold load of `sync0` (the load-rounds phase)."""
@@ -339,10 +349,23 @@ def _load_round(job: Job) -> dict:
     warmup = job.args.warmup if job.args.load_warmup is None else job.args.load_warmup
     for x, y in _batches(warmup, job.args.batch, job.args.seq_len, job.vocab, job.rank):
         job.train_step(x, y)
+    if job.args.prewarm_gib:  # a diagnostic (run 36): memory touched and freed just before the load, untimed
+        import torch
+        torch.ones(int(job.args.prewarm_gib * 2**30) // 4)  # made, filled and freed
     if job.rank == 0:
         _drop_cache(job.root / "sync0")
     dist.barrier()
-    return {"load_s": _barrier_time(lambda: job.load("sync0"))}
+    usage: dict = {}
+
+    def load() -> None:  # the load's CPU and page faults too (where a CPU-bound load's time goes: run 36)
+        before, disk = resource.getrusage(resource.RUSAGE_SELF), _disk_read_bytes()
+        job.load("sync0")
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        usage.update(user_s=after.ru_utime - before.ru_utime, sys_s=after.ru_stime - before.ru_stime,
+                     faults=after.ru_minflt - before.ru_minflt, disk_gb=(_disk_read_bytes() - disk) / 1e9)
+
+    seconds = _barrier_time(load)
+    return {"load_s": seconds, "load_usage": {key: _max_over_ranks(value) for key, value in usage.items()}}
 
 
 def _save_round(job: Job) -> dict:
@@ -514,6 +537,10 @@ def main(argv=None) -> int:
     parser.add_argument("--load-warmup", type=int, default=None,
                         help="training steps before each load round's load (default --warmup; 0: a resume at "
                              "start-up, before the first step: no optimizer state yet)")
+    parser.add_argument("--prewarm-gib", type=float, default=0.0,
+                        help="a diagnostic: each load round's ranks fill and free this many GiB just before the load "
+                             "(untimed), so the load's new tensors land on pages touched a moment ago (run 36: on this "
+                             "VM, pages not touched for a while cost ~6 us each at first touch, recent ones ~1 us)")
     parser.add_argument("--load-rounds", type=int, default=0,
                         help="rounds of cold loads in fresh processes, engines interleaved (medians reported)")
     parser.add_argument("--load-only", action="store_true",
@@ -558,6 +585,7 @@ def main(argv=None) -> int:
             parser.error(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
     rounds: dict[str, list] = {}
     save_rounds: dict[str, list] = {}
+    usages: dict[str, list] = {}  # the load rounds' CPU seconds and faults (the slowest rank's of each)
     profiles: dict[str, list] = {}
     disk: dict[str, float] = {}
     if not args.load_only:
@@ -623,8 +651,11 @@ def main(argv=None) -> int:
                     print(result.get("traceback", result.get("reason")), file=sys.stderr)
                     continue
                 rounds.setdefault(engine, []).append(result["load_s"])
-            print(f"load round {index + 1}: " + ", ".join(f"{e} {rounds[e][-1]:.3f}s" for e in order
-                                                         if len(rounds.get(e, [])) == index + 1), flush=True)
+                usages.setdefault(engine, []).append(result["load_usage"])
+            print(f"load round {index + 1}: " + ", ".join(
+                f"{e} {rounds[e][-1]:.3f}s (cpu {usages[e][-1]['user_s']:.2f}+{usages[e][-1]['sys_s']:.2f} sys, "
+                f"{usages[e][-1]['faults'] / 1e3:.0f}k faults, {usages[e][-1]['disk_gb']:.2f} GB read)" for e in order
+                if len(rounds.get(e, [])) == index + 1), flush=True)
     finally:
         if not args.keep:
             for engine in engines:
@@ -652,6 +683,7 @@ def main(argv=None) -> int:
           "on a quiet machine (nothing else running), with:\n  " + FINAL_RUN)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "load_rounds": rounds,
+                                               "load_rounds_usage": usages,
                                                "save_rounds": save_rounds, "profiles": profiles, "dd": disk},
                                               indent=2))
     return 0 if all(r.get("status") in ("ok", "unavailable") for r in results.values()) else 1
