@@ -585,7 +585,7 @@ def main(argv=None) -> int:
             parser.error(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
     rounds: dict[str, list] = {}
     save_rounds: dict[str, list] = {}
-    usages: dict[str, list] = {}  # the load rounds' CPU seconds and faults (the slowest rank's of each)
+    usages: dict[str, list] = {}  # the load rounds' CPU seconds, faults and disk bytes (the slowest rank's of each)
     profiles: dict[str, list] = {}
     disk: dict[str, float] = {}
     if not args.load_only:
