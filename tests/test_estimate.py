@@ -92,37 +92,70 @@ def _step_then_backward(config: dict, after_step=None, at_end=None):
     return engine, measured, (at_end(engine) if at_end is not None else None)
 
 
+# weak references to the tensors `gc.freeze()` hides from `gc.get_objects()`, listed by `_every_object_seen`
+_FROZEN_TENSORS: list = []
+
+
 @contextlib.contextmanager
 def _every_object_seen():
-    """The garbage collector's whole view for the block: the objects the suite froze (tests/conftest.py: the
-    session's; tests/distributed.py: a rank's inherited ones) given back to it, and frozen again after. With them
-    frozen, `_live_tensor_bytes` missed a storage whose tensor was frozen but whose view was not: a view made by a
-    step and dropped by the next backward counted its storage's bytes in one reading only (8 bytes off, in one
-    run of two)."""
+    """Every live tensor in `_live_tensor_bytes`'s view for the block. The objects the suite froze
+    (tests/conftest.py: the session's; tests/distributed.py: a rank's inherited ones) are not in
+    `gc.get_objects()`: they are listed here once, weakly (one freed later is not counted), and everything alive at
+    the block's start is frozen with them, so each reading walks only what the block made: 1-5 ms, where
+    unfreezing the heap for the block made each reading walk every object (0.35 s in a rank, more in the suite's
+    process: 23 s of the suite for the 14 readings at a world of one)."""
     import gc
+    import weakref
 
-    frozen = gc.get_freeze_count() > 0
+    if gc.get_freeze_count() == 0:  # nothing hidden: every reading sees every object
+        yield
+        return
     gc.unfreeze()
+    gc.collect()  # (a frozen garbage cycle is never collected: its tensors would read as live)
+    _FROZEN_TENSORS[:] = [weakref.ref(tensor) for tensor in _tensors(gc.get_objects())]
+    gc.freeze()
     try:
         yield
     finally:
-        if frozen:
-            gc.freeze()
+        _FROZEN_TENSORS.clear()
+
+
+def _tensors(objects: list) -> list:
+    """The tensors among `objects`."""
+    import warnings
+
+    with warnings.catch_warnings():  # isinstance() on every object touches torch's deprecated module aliases
+        warnings.simplefilter("ignore", FutureWarning)
+        return [obj for obj in objects if isinstance(obj, torch.Tensor)]
 
 
 def _live_tensor_bytes() -> int:
-    """Bytes of the distinct storages of every tensor alive in this process (the garbage collector's view)."""
+    """Bytes of the distinct storages of every tensor alive in this process (the garbage collector's view and
+    `_every_object_seen`'s frozen tensors), once two readings 50 ms or more apart agree: gloo's worker thread
+    drops a finished all-reduce's tensor (the clip's fp64 sum of squares, 8 bytes) a moment after waking the
+    caller, so one reading right after a step counts it or not by the race (8 bytes off, one run in two)."""
+    import time
+
+    readings = [_tensor_bytes_now()]
+    for pause in (0.05, 0.1, 0.2, 0.4, 0.8, 1.6):
+        time.sleep(pause)
+        readings.append(_tensor_bytes_now())
+        if readings[-1] == readings[-2]:
+            return readings[-1]
+    raise AssertionError(f"the live tensor bytes did not settle: {readings}")
+
+
+def _tensor_bytes_now() -> int:
+    """One reading of `_live_tensor_bytes`."""
     import gc
-    import warnings
 
     gc.collect()  # garbage in reference cycles is still listed until the collector runs (when, varies): not live
+    frozen = [tensor for tensor in (ref() for ref in _FROZEN_TENSORS) if tensor is not None]
     storages = {}
-    with warnings.catch_warnings():  # isinstance() on every object touches torch's deprecated module aliases
-        warnings.simplefilter("ignore", FutureWarning)
-        for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
-                storage = obj.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
+    for tensor in _tensors(gc.get_objects()) + frozen:
+        if tensor.device.type == "cpu" and not tensor.is_meta:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
 
 
