@@ -18,7 +18,6 @@ def _parse(*argv: str):
 
 
 @pytest.mark.parametrize("argv, named", [
-    (["--max-steps", "-1"], "--max-steps must be >= 0, got -1"),
     (["--lora-r", "2", "--lora-dropout", "1.0"], "--lora-dropout must be in [0, 1), got 1.0"),
     (["--num-proc", "0"], "--num-proc must be >= 1, got 0"),
     (["--val-fraction", "1.0"], "--val-fraction must be in [0, 1), got 1.0"),
@@ -33,7 +32,8 @@ def test_a_bad_value_is_one_line_naming_the_flag_before_any_process(argv, named,
 
 def test_the_bounds_are_accepted_and_the_steps_given_are_kept():
     """--max-steps 1, --num-proc 1, --seq-len 1, --lora-dropout 0 and LoRA's targets with --lora-r pass the checks; a run given
-    --max-steps keeps it (the default of 50 only without --max-steps and --num-train-epochs)."""
+    --max-steps keeps it (the default of 50 only without --max-steps and --num-train-epochs); --max-steps 0 or -1 is
+    not set, as the HF Trainer's max_steps."""
     args = _parse("--max-steps", "1", "--num-proc", "1", "--lora-r", "2", "--lora-dropout", "0.0",
                   "--lora-target-modules", "q_proj,v_proj")
     assert check_train_args(args) is not None
@@ -47,6 +47,14 @@ def test_the_bounds_are_accepted_and_the_steps_given_are_kept():
     args = _parse("--num-train-epochs", "2")
     check_train_args(args)
     assert args.steps is None
+    # the HF Trainer's max_steps: -1 (its default, which scripts pass) or 0 is not set, in either spelling
+    for given in (["--max_steps", "-1"], ["--max-steps", "0"]):
+        args = _parse(*given)
+        check_train_args(args)
+        assert args.steps == DEFAULT_STEPS, given
+        args = _parse(*given, "--num-train-epochs", "2")
+        check_train_args(args)
+        assert args.steps is None, given
 
 
 def test_a_worker_parses_back_the_launchers_options():
@@ -68,6 +76,10 @@ def test_the_help_names_each_options_value(capsys):
     for shown in ("--num-proc N", "--lora-r R", "--add-tokens TOKEN [TOKEN ...]", "--eval-steps N"):
         assert shown in out, shown
     assert "tokenize with N processes" in out
+    # --max-steps: the command's own text, then what 0 or -1 means (as the HF Trainer's max_steps)
+    assert "--max-steps N, --steps N optimizer steps to reach" in out
+    assert f"default {DEFAULT_STEPS} when neither is given; N <= 0 (the HF Trainer's default -1) is the same as not " \
+           "giving it" in out
 
 
 def test_a_model_directory_whose_tokenizer_cannot_load_is_refused_before_any_process(tmp_path):

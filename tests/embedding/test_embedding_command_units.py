@@ -31,6 +31,9 @@ def test_options_defaults_and_the_workers_argv_parse_back_to_the_same_run():
             defaults.pooling, defaults.scale, defaults.matryoshka_dims, defaults.loss_chunk_size, defaults.seed,
             defaults.nproc, defaults.max_restarts, defaults.stop_timeout) == (0, 1, None, None, 256, None, 20.0,
                                                                              None, None, None, 1, 0, 300)
+    # --max-steps as the HF Trainer's max_steps: its default -1 (which scripts pass) or 0 is not set: the epochs count
+    assert _parse("--max_steps", "-1").steps is None and _parse("--max-steps", "0").steps is None
+    assert "--max-steps" not in " ".join(worker_argv(_parse("--max-steps", "-1")))
     # the training flags are left unset (the config's defaults apply: test_train_flags.py); the rest by value
     assert worker_argv(defaults) == ["train-embedding", "--data", "d", "--model=m", "--eval-stdlib=0", "--epochs=1",
                                      "--max-length=256", "--scale=20.0"]

@@ -55,13 +55,12 @@ def add_train_embedding_parser(sub: Any) -> None:
     parser.add_argument("--log-dir", default=None, metavar="DIR",
                         help="write DIR/metrics.jsonl: one record per step (docs/metrics.md schema), the evaluations "
                              "as recall_at_1/recall_at_10/mrr_at_10; `zerotrain plot DIR` draws it")
-    from zerotrain.train.flags import add_training_flags
+    from zerotrain.train.flags import add_max_steps_flag, add_training_flags
     # TrainingArguments' names, as `zerotrain train` has them; this command's older names stay as aliases
     add_training_flags(parser, aliases={"learning_rate": ["--lr"], "per_device_train_batch_size": ["--micro-batch"],
                                         "gradient_accumulation_steps": ["--accumulation"],
                                         "logging_steps": ["--log-every"]}, defaults=DEFAULTS)
-    parser.add_argument("--max-steps", "--steps", dest="steps", type=int, default=None,
-                        help="optimizer steps (default: --num-train-epochs); wins over --num-train-epochs")
+    add_max_steps_flag(parser, "optimizer steps (default: --num-train-epochs); wins over --num-train-epochs")
     parser.add_argument("--num-train-epochs", "--epochs", dest="epochs", type=float, default=1,
                         help="passes over the pairs when --max-steps is not given")
     parser.add_argument("--negatives", type=int, default=None, metavar="N",

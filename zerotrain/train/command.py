@@ -49,7 +49,7 @@ def add_train_parser(sub: Any) -> None:
         ),
         formatter_class=HelpFormatter,
     )
-    from zerotrain.train.flags import add_training_flags
+    from zerotrain.train.flags import add_max_steps_flag, add_training_flags
     from zerotrain.run.config import TRAIN_DEFAULTS
     add_training_flags(train, defaults=TRAIN_DEFAULTS)  # --config/--deepspeed, --learning-rate, --per-device-train-batch-size, ... (HF's names)
     from zerotrain.train.flags import add_fp8_flag
@@ -107,9 +107,8 @@ def add_train_parser(sub: Any) -> None:
                             "docs/pipeline.md): Llama, Qwen2 and Qwen3 architectures, ZeRO-0/1 per stage (the "
                             "default stage becomes 1); evaluation through its eval_batch, in whole batches of "
                             "--gradient-accumulation-steps micro-batches")
-    train.add_argument("--max-steps", "--steps", dest="steps", type=int, default=None, metavar="N",
-                       help=f"optimizer steps to reach (wins over --num-train-epochs); default {DEFAULT_STEPS} when "
-                            "neither is given")
+    add_max_steps_flag(train, f"optimizer steps to reach (wins over --num-train-epochs); default {DEFAULT_STEPS} "
+                              "when neither is given")
     train.add_argument("--num-train-epochs", type=float, default=None, metavar="E",
                        help="passes over the training data (fractions allowed), when --max-steps is not given")
     train.add_argument(
@@ -192,8 +191,6 @@ def check_train_args(args: argparse.Namespace) -> Optional["RunConfig"]:
         raise CLIError(f"--nproc must be >= 1, got {args.nproc}")
     from zerotrain.command import node_rendezvous
     node_rendezvous(args)  # the node options (--nnodes, --node-rank, --rdzv-*) are checked before any process starts
-    if args.steps is not None and args.steps < 0:
-        raise CLIError(f"--max-steps must be >= 0, got {args.steps}")
     if args.num_train_epochs is not None and args.num_train_epochs <= 0:
         raise CLIError(f"--num-train-epochs must be > 0, got {args.num_train_epochs:g}")
     if args.steps is None and args.num_train_epochs is None:
