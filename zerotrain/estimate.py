@@ -183,7 +183,9 @@ def split_tensor_parallel(model: torch.nn.Module, tp_size: int) -> torch.nn.Modu
     if isinstance(model, GPT) and model.config.n_head % tp_size:  # (a rank must hold whole heads)
         raise ValueError(f"tensor_parallel.autotp_size {tp_size} does not divide the GPT's n_head = "
                          f"{model.config.n_head}: each tensor-parallel rank must hold whole attention heads")
-    apply_tensor_parallel(model, resolve_plan(model, tp_size), _ShapeComm(tp_size).comm)
+    from .comm import ShapeOnlyComm
+
+    apply_tensor_parallel(model, resolve_plan(model, tp_size), ShapeOnlyComm(tp_size))
     return model
 
 
@@ -672,23 +674,6 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(max(lists, key=len)) if lists else []
 
 
-class _ShapeComm:
-    """A sequence-parallel group for a meta-device forward: `size` ranks, this one rank 0, nothing to move
-    (meta tensors have no data; torch.distributed is not involved). It remembers the largest all-to-all,
-    whose send and receive buffers are the exchange's transient memory."""
-
-    def __init__(self, size: int) -> None:
-        from .comm import Comm
-
-        self.comm = Comm(None, 0, size)
-        self.comm.all_to_all = self._all_to_all
-        self.comm.all_gather = self.comm.all_reduce = lambda *args, **kwargs: None
-        self.largest = 0
-
-    def _all_to_all(self, output: torch.Tensor, input: torch.Tensor, *args, **kwargs) -> None:
-        self.largest = max(self.largest, input.numel() * input.element_size())
-
-
 def measure_activations(model: torch.nn.Module, kind: str, micro_batch: int, seq_len: int,
                         sequence_parallel: int = 1, tensor_parallel: int = 1,
                         partition_inputs: bool = False) -> Activations:
@@ -711,8 +696,10 @@ def measure_activations(model: torch.nn.Module, kind: str, micro_batch: int, seq
     if sequence_parallel > 1:
         from .parallel.sequence import enable_sequence_parallel
 
-        exchange = _ShapeComm(sequence_parallel)
-        enable_sequence_parallel(model, exchange.comm, tensor_parallel)
+        from .comm import ShapeOnlyComm
+
+        exchange = ShapeOnlyComm(sequence_parallel)
+        enable_sequence_parallel(model, exchange, tensor_parallel)
     local_len = -(-seq_len // sequence_parallel)
     param_ids = {id(p) for p in model.parameters()}
     blocks = _blocks(model)
@@ -788,7 +775,7 @@ def measure_activations(model: torch.nn.Module, kind: str, micro_batch: int, seq
         inputs = [-(-n // tensor_parallel) for n in inputs]
     checkpointed = outside + sum(inputs) + max(per_block, default=0)
     return Activations(micro_batch, seq_len, full, checkpointed if blocks else full, len(blocks), sequence_parallel,
-                       0 if exchange is None else 2 * exchange.largest, per_block, list(inputs), outside)
+                       0 if exchange is None else 2 * exchange.largest_all_to_all_bytes, per_block, list(inputs), outside)
 
 
 # --- the whole estimate ----------------------------------------------------------------------------
@@ -873,10 +860,12 @@ def _whole_numel(shape: ModelShape, trainable: bool = False) -> int:
 
 
 def shape_comm(size: int):
-    """A shapes-only `Comm` of `size` ranks (this one rank 0) that moves nothing: build a meta model's
-    expert-parallel layers over it (`ExpertParallelMoE(..., shape_comm(ep_size))`) to estimate expert
-    parallelism."""
-    return _ShapeComm(size).comm
+    """A shapes-only `Comm` of `size` ranks (this one rank 0) that moves nothing (`comm.ShapeOnlyComm`): build a
+    meta model's expert-parallel layers over it (`ExpertParallelMoE(..., shape_comm(ep_size))`) to estimate
+    expert parallelism."""
+    from .comm import ShapeOnlyComm
+
+    return ShapeOnlyComm(size)
 
 
 def _kind_of(model: torch.nn.Module) -> str:

@@ -1,6 +1,7 @@
 """`zerotrain.comm`: the only package that calls torch.distributed collectives.
 
-- `core`: :class:`Comm` (collectives over one process group, with per-kind byte counters).
+- `core`: :class:`Comm` (collectives over one process group, with per-kind byte counters); :class:`ShapeOnlyComm`,
+  a group for a meta-device forward that moves nothing (`zerotrain estimate`).
 - `handles`: :class:`CommCounters`, :class:`CollectiveError` and the handles collectives return.
 - `same_host`: the transport that lets ranks on one host read each other's chunks from memory.
 - `quant`: blockwise symmetric int8 / int4 quantization with torch ops (CPU and CUDA).
@@ -14,10 +15,10 @@
 """
 from . import at_exit  # noqa: F401 (registers its exit callback)
 from .autograd import all_gather_with_grad, all_reduce_with_grad, all_to_all_with_grad
-from .core import Comm, release_groups
+from .core import Comm, ShapeOnlyComm, release_groups
 from .handles import CollectiveError, CommCounters, Completed
 
-__all__ = ["Comm", "release_groups", "CommCounters", "CollectiveError", "Completed", "all_gather_with_grad", "all_to_all_with_grad",
+__all__ = ["Comm", "ShapeOnlyComm", "release_groups", "CommCounters", "CollectiveError", "Completed", "all_gather_with_grad", "all_to_all_with_grad",
            "all_reduce_with_grad"]
 
 # deepspeed.comm's names: a script ported with `import zerotrain as deepspeed` reaches this package by

@@ -476,6 +476,33 @@ class Comm:
                    group=self.group)
 
 
+class ShapeOnlyComm(Comm):
+    """A group of `size` ranks for a meta-device forward (`zerotrain estimate`'s activation measurement): this
+    process is rank 0 and nothing moves (meta tensors hold no data; torch.distributed is not involved). The
+    collectives a tensor-, sequence- or expert-parallel forward calls return at once; `largest_all_to_all_bytes`
+    is the largest all-to-all's send buffer, whose send and receive buffers are the exchange's transient memory."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(None, 0, size)
+        self.largest_all_to_all_bytes = 0
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, *,
+                   kind: str = "all_to_all", logical_bytes: Optional[float] = None):
+        """Nothing moved; the send buffer's bytes remembered when the largest so far."""
+        self.largest_all_to_all_bytes = max(self.largest_all_to_all_bytes, _nbytes(input))
+        return Completed() if async_op else None
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, *,
+                   kind: str = "all_gather", logical_bytes: Optional[float] = None):
+        """Nothing moved."""
+        return Completed() if async_op else None
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False, *,
+                   kind: str = "all_reduce"):
+        """Nothing moved."""
+        return Completed() if async_op else None
+
+
 class _SetupExchange:
     """A Comm's group as the same-host transport's `SetupExchange`: its collectives through `Comm._call`, so a
     peer that never arrives at the setup is named (`comm.blame`) as at any collective; not counted (setting the
