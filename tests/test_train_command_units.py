@@ -78,8 +78,8 @@ def test_the_help_names_each_options_value(capsys):
     assert "tokenize with N processes" in out
     # --max-steps: the command's own text, then what 0 or -1 means (as the HF Trainer's max_steps)
     assert "--max-steps N, --steps N optimizer steps to reach" in out
-    assert f"default {DEFAULT_STEPS} when neither is given; N <= 0 (the HF Trainer's default -1) is the same as not " \
-           "giving it" in out
+    assert f"default {DEFAULT_STEPS} when neither is given; N <= 0 (the HF Trainer's -1, which scripts pass) is the " \
+           "same as not giving it" in out
 
 
 def test_a_model_directory_whose_tokenizer_cannot_load_is_refused_before_any_process(tmp_path):

@@ -413,7 +413,8 @@ def _sample(action) -> list[str]:
         return []
     if action.choices:
         return [str(list(action.choices)[-1])]
-    value = {int: "3", float: "0.25"}.get(action.type, "x")
+    # by the type's name, as argparse's own error names it (--max-steps' int parser is named "int")
+    value = {"int": "3", "float": "0.25"}.get(getattr(action.type, "__name__", None), "x")
     return [value] * (2 if action.nargs in ("+", "*") else 1)
 
 

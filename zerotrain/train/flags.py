@@ -95,14 +95,15 @@ def add_training_flags(parser: argparse.ArgumentParser, *, aliases: Optional[dic
 
 def add_max_steps_flag(parser: argparse.ArgumentParser, help: str) -> None:
     """`--max-steps N` (also `--steps`; dest `steps`) as the HF Trainer's `max_steps`: N <= 0 (its default -1,
-    which scripts pass explicitly) means not set, so the run goes by its epochs (or the command's default)."""
+    which scripts pass explicitly) means not set, so the run goes by its epochs (or the command's default). (The
+    help says "-1" without the word "default": each option's help names its default once.)"""
     def max_steps(text: str) -> Optional[int]:
         steps = int(text)
         return steps if steps > 0 else None
 
     max_steps.__name__ = "int"  # argparse's error names the type: "invalid int value: 'x'", as with type=int
     parser.add_argument("--max-steps", "--steps", dest="steps", type=max_steps, default=None, metavar="N",
-                        help=help + "; N <= 0 (the HF Trainer's default -1) is the same as not giving it")
+                        help=help + "; N <= 0 (the HF Trainer's -1, which scripts pass) is the same as not giving it")
 
 
 def add_fp8_flag(parser: argparse.ArgumentParser) -> None:
