@@ -2,12 +2,20 @@
 process-global state behind (`_process_state_guard`); keep the collected modules' objects out of the garbage
 collector's walks (`pytest_collectreport`)."""
 import gc
+import hashlib
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pytest
+
+# DeepSpeed's CPU ops (its shared-memory all-reduce, built when its comm starts in a rank) are JIT builds in torch's
+# extensions directory, kept there by op name while their build flags name this environment's paths: a checkout's
+# venv and a fresh clone's rebuilt the same directory in turn, ~30 s each time the other had run. One directory per
+# Python environment keeps each one's build.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(
+    os.path.expanduser("~"), ".cache", "torch_extensions", "env-" + hashlib.sha1(sys.prefix.encode()).hexdigest()[:12]))
 
 # The environment variables that decide how a process finds its rank and world (torchrun's, the cluster
 # launchers' that `zerotrain.cluster` maps onto them, zerotrain's own, the visible devices): a test that sets one
