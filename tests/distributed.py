@@ -547,8 +547,13 @@ class _Server:
             while True:
                 if conn.poll(0.05):
                     signum = conn.recv()
+                    # (it may end and be reaped between the two calls: another served process's start reaps
+                    # every finished child (multiprocessing's `_cleanup`); its status is then sent below, as
+                    # for any end. A ProcessLookupError here closed the connection without it: the stub
+                    # printed an EOFError traceback into the test's stderr, seen once at nproc 2)
                     if process.is_alive():
-                        os.kill(process.pid, signum)
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(process.pid, signum)
                 elif not process.is_alive():
                     process.join()
                     conn.send(process.exitcode)
