@@ -694,9 +694,8 @@ def measure_activations(model: torch.nn.Module, kind: str, micro_batch: int, seq
         return Activations(micro_batch, seq_len, 0, 0, 0, sequence_parallel)
     exchange = None
     if sequence_parallel > 1:
-        from .parallel.sequence import enable_sequence_parallel
-
         from .comm import ShapeOnlyComm
+        from .parallel.sequence import enable_sequence_parallel
 
         exchange = ShapeOnlyComm(sequence_parallel)
         enable_sequence_parallel(model, exchange, tensor_parallel)
